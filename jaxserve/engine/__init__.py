@@ -1,0 +1,1 @@
+"""The host-side engine: requests, scheduler, KV-page manager, detokenizer, engine loops."""

@@ -1,0 +1,187 @@
+"""LLMEngine: add_request / abort_request / step, single-threaded and synchronous.
+
+A request with n > 1 becomes n sequences ("<id>#<i>") sharing the prompt; its RequestOutput gathers
+their completions. The scheduler sees only sequences.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.request import Request, RequestStatus, finish_reason
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner.buckets import BucketLadder
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    if cache_dir is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+
+    def output(self, index: int) -> CompletionOutput:
+        seq = self.sequences[index]
+        request = seq.request
+        finished = request.status.is_finished
+        delta_ids = request.output_token_ids[seq.num_sent_tokens :]
+        seq.num_sent_tokens = request.num_output_tokens
+        return CompletionOutput(
+            index=index,
+            text=seq.detokenizer.text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            finish_reason=finish_reason(request.status),
+            stop_reason=request.stop_reason,
+            text_delta=seq.detokenizer.take_delta(finished),
+            token_ids_delta=delta_ids,
+        )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.config = config
+        if model is None:
+            model = load_model(
+                config.model.model, config.model.dtype, config.attention_impl, config.model.revision
+            )
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.max_model_len = min(
+            config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
+        )
+        sched = config.scheduler
+        ladder = BucketLadder(
+            config.buckets.token_buckets, config.buckets.request_buckets,
+            sched.max_num_batched_tokens, sched.max_num_seqs,
+        )
+        self.runner = ModelRunner(model, config.cache, ladder, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size)
+        self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
+        self._requests: dict[str, _RequestState] = {}
+        self._seed_rng = np.random.default_rng(config.model.seed)
+        self.warmup_seconds = self.runner.warmup() if warmup else 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Queues a request. Raises ValueError for bad input and leaves the engine untouched."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
+        self._validate_prompt(prompt_token_ids)
+        sequences = []
+        for index in range(params.n):
+            seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
+            request = Request(
+                request_id=f"{request_id}#{index}",
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params,
+                eos_token_ids=self.model.eos_token_ids,
+                max_model_len=self.max_model_len,
+                sampling_seed=int(seed) % 2**32,
+            )
+            detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
+            sequences.append(_Sequence(request, detok))
+        for seq in sequences:
+            self.scheduler.add_request(seq.request)  # validated above, so this does not fail midway
+        self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context length is "
+                f"{self.max_model_len} (leaving no room to generate)"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        pages_needed = self.kv_cache.num_pages_for(len(prompt_token_ids) + 1)
+        if pages_needed > self.kv_cache.num_usable_pages:
+            raise ValueError(f"the prompt needs {pages_needed} KV pages; the cache has only "
+                             f"{self.kv_cache.num_usable_pages}")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Drops requests wherever they are; their pages are free when this returns."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is not None:
+                ids = [seq.request.request_id for seq in state.sequences]
+                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs one step on the device, and reports every request that made progress."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        step_output = self.runner.execute(scheduler_output)
+        advanced = self.scheduler.update(scheduler_output, step_output)
+        return self._process(advanced)
+
+    def _process(self, advanced: list[Request]) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        for request in advanced:
+            parent_id, index = request.request_id.rsplit("#", 1)
+            state = self._requests[parent_id]
+            seq = state.sequences[int(index)]
+            if seq.detokenizer.add_tokens(request.output_token_ids[-1:]) and not request.status.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = seq.detokenizer.stop_reason
+            touched[parent_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            finished = all(seq.request.status.is_finished for seq in state.sequences)
+            completions = [state.output(i) for i in range(len(state.sequences))]
+            outputs.append(
+                RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, finished)
+            )
+            if finished:
+                del self._requests[request_id]
+        return outputs

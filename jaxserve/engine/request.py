@@ -1,0 +1,99 @@
+"""A request's host-side state as it moves through the scheduler (pure Python, no jax)."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    """The OpenAI finish_reason for a finished status, None while the request lives."""
+    return _FINISH_REASONS.get(status)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. (A request with n > 1 is n of these, one per completion.)
+
+    `num_computed_tokens` counts tokens whose K/V sit in the request's pages; the scheduler advances
+    it. After preemption it drops to 0 and the prompt plus generated tokens are recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    sampling_seed: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt + output length at which the request must stop."""
+        max_tokens = self.sampling_params.max_tokens
+        limit = self.max_model_len if max_tokens is None else self.num_prompt_tokens + max_tokens
+        return min(limit, self.max_model_len)
+
+    def append_output_token(self, token_id: int, logprob: float) -> None:
+        """Records a sampled token and finishes the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return
+            if token_id in params.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+                return
+        if self.num_tokens >= self.max_num_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,172 @@
+"""Continuous batching with chunked prefill (pure Python, no jax).
+
+There are no prefill and decode phases. Every step, each request advances `num_computed_tokens` by as
+many tokens as the budget allows: running requests first (a decode costs one token), then waiting
+requests in arrival order (a long prompt is split into chunks over several steps). When pages run out,
+the newest running request is preempted: its pages are freed and it is recomputed later.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    token_ids: tuple[int, ...]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0]
+    page_ids: tuple[int, ...]  # all pages of the request after this step's allocation
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the request's last known token, so its sample is kept."""
+        return self.start_position + len(self.token_ids) == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the runner returns: one sampled token (and its logprob) per scheduled request, in order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        if self.kv_cache.num_pages_for(request.max_num_tokens) > self.kv_cache.num_usable_pages:
+            raise ValueError(
+                f"request needs up to {request.max_num_tokens} tokens of KV cache but the cache holds "
+                f"{self.kv_cache.num_usable_pages * self.kv_cache.page_size}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        # Running requests, oldest first; preempt from the newest end when pages run out.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while not self.kv_cache.allocate(request.page_ids, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                token_budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing more fits
+
+        # Waiting requests, in arrival order, while there is room; never skip ahead of the queue.
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+                if not self.kv_cache.allocate(request.page_ids, request.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(self._scheduled(request, num_new))
+                token_budget -= num_new
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            token_ids=tuple(request.token_ids(start, start + num_new)),
+            start_position=start,
+            page_ids=tuple(request.page_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.page_ids)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
+        """Advances each scheduled request; returns the requests that received a new token."""
+        advanced: list[Request] = []
+        for item, token_id, logprob in zip(
+            scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, strict=True
+        ):
+            request = item.request
+            if request.status.is_finished:  # aborted while the step ran
+                continue
+            completes = item.completes_sequence
+            request.num_computed_tokens += len(item.token_ids)
+            if not completes:
+                continue  # a prefill chunk: the sample is not a real next token
+            request.append_output_token(token_id, logprob)
+            advanced.append(request)
+            if request.status.is_finished:
+                self._remove(request)
+        return advanced
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finishes (stop strings) or aborts requests wherever they are; frees their pages at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            request.status = status
+            self._remove(request)
+            finished.append(request)
+        return finished
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.page_ids)
+        del self.requests[request.request_id]

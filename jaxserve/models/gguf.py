@@ -1,0 +1,69 @@
+"""GGUF files: tensors dequantized with the `gguf` package, renamed to HF checkpoint names.
+
+Config and tokenizer come from the same file through transformers' GGUF support (see loader.py).
+llama.cpp's converter permutes Llama Q/K rows for its rotary layout; we undo that as transformers does.
+"""
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    return reader.fields["general.architecture"].contents()
+
+
+def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K row permutation: per head, interleaved pairs back to two halves."""
+    half = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_tensors(
+    path: str, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time."""
+    reader = GGUFReader(path)
+    arch = gguf_architecture(reader)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; jaxserve reads "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUF files"
+        )
+    for tensor in reader.tensors:
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if tensor.name in _GLOBAL_NAMES:
+            yield _GLOBAL_NAMES[tensor.name], array
+            continue
+        match = _LAYER_RE.match(tensor.name)
+        if match is None or match.group(2) not in _LAYER_NAMES:
+            continue
+        layer, kind, suffix = match.groups()
+        if arch == "llama" and kind == "attn_q":
+            array = _unpermute_rotary(array, num_heads)
+        elif arch == "llama" and kind == "attn_k":
+            array = _unpermute_rotary(array, num_kv_heads)
+        yield f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", array

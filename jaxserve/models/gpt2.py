@@ -1,0 +1,133 @@
+"""GPT-2 (`GPT2LMHeadModel`) in Flax NNX.
+
+Axis letters: T tokens, D hidden, N heads, H head dim, F MLP width, V vocab, C the q/k/v triple.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.layers import AttentionMetadata, KVCache, LayerNorm, paged_attention, param
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+    attention_impl: str = "auto"
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention_impl: str = "auto") -> "GPT2Config":
+        if getattr(hf, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported GPT-2 activation {hf.activation_function!r}")
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.n_embd,
+            intermediate_size=hf.n_inner or 4 * hf.n_embd,
+            num_layers=hf.n_layer,
+            num_heads=hf.n_head,
+            head_dim=hf.n_embd // hf.n_head,
+            layer_norm_eps=hf.layer_norm_epsilon,
+            max_position_embeddings=hf.n_positions,
+            attention_impl=attention_impl,
+        )
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPT2Config, dtype: Any) -> None:
+        d, n, h, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+        self.ln_1 = LayerNorm(d, cfg.layer_norm_eps, dtype)
+        self.qkv = param(d, 3, n, h, dtype=dtype)
+        self.qkv_bias = param(3, n, h, dtype=dtype)
+        self.attn_out = param(n, h, d, dtype=dtype)
+        self.attn_out_bias = param(d, dtype=dtype)
+        self.ln_2 = LayerNorm(d, cfg.layer_norm_eps, dtype)
+        self.fc = param(d, f, dtype=dtype)
+        self.fc_bias = param(f, dtype=dtype)
+        self.proj = param(f, d, dtype=dtype)
+        self.proj_bias = param(d, dtype=dtype)
+        self.attention_impl = cfg.attention_impl
+
+    def __call__(self, x, kv_cache, md: AttentionMetadata):
+        qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv.value) + self.qkv_bias.value[:, None]
+        attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, impl=self.attention_impl)
+        x = x + jnp.einsum("TNH,NHD->TD", attn, self.attn_out.value) + self.attn_out_bias.value
+        hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc.value) + self.fc_bias.value
+        hidden = jax.nn.gelu(hidden, approximate=True)
+        return x + jnp.einsum("TF,FD->TD", hidden, self.proj.value) + self.proj_bias.value, kv_cache
+
+
+class GPT2LMHeadModel(nnx.Module):
+    def __init__(self, cfg: GPT2Config, dtype: Any) -> None:
+        self.cfg = cfg
+        self.wte = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.wpe = param(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
+        self.h = nnx.List([Block(cfg, dtype) for _ in range(cfg.num_layers)])
+        self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        x = self.wte.value[input_ids] + self.wpe.value[positions]
+        new_caches = []
+        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+            x, kv_cache = block(x, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.ln_f(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        return jnp.einsum("RD,VD->RV", hidden, self.wte.value).astype(jnp.float32)
+
+
+# HF names -> (NNX path, transform). GPT-2 uses Conv1D, whose weights are already [in, out].
+_BLOCK_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, GPT2Config], np.ndarray]]] = {
+    "ln_1.weight": (("ln_1", "scale"), lambda w, c: w),
+    "ln_1.bias": (("ln_1", "bias"), lambda w, c: w),
+    "ln_2.weight": (("ln_2", "scale"), lambda w, c: w),
+    "ln_2.bias": (("ln_2", "bias"), lambda w, c: w),
+    "attn.c_attn.weight": (("qkv",), lambda w, c: w.reshape(c.hidden_size, 3, c.num_heads, c.head_dim)),
+    "attn.c_attn.bias": (("qkv_bias",), lambda w, c: w.reshape(3, c.num_heads, c.head_dim)),
+    "attn.c_proj.weight": (("attn_out",), lambda w, c: w.reshape(c.num_heads, c.head_dim, c.hidden_size)),
+    "attn.c_proj.bias": (("attn_out_bias",), lambda w, c: w),
+    "mlp.c_fc.weight": (("fc",), lambda w, c: w),
+    "mlp.c_fc.bias": (("fc_bias",), lambda w, c: w),
+    "mlp.c_proj.weight": (("proj",), lambda w, c: w),
+    "mlp.c_proj.bias": (("proj_bias",), lambda w, c: w),
+}
+_BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)$")
+
+
+def map_hf_weight(name: str, cfg: GPT2Config) -> tuple[tuple[str | int, ...], Callable] | None:
+    """Where an HF tensor goes in this model, or None for buffers and the tied lm_head."""
+    if match := _BLOCK_RE.match(name):
+        entry = _BLOCK_MAP.get(match.group(2))
+        if entry is None:
+            return None  # attn.bias / attn.masked_bias are causal-mask buffers
+        path, transform = entry
+        return ("h", int(match.group(1)), *path), transform
+    short = name.removeprefix("transformer.")
+    if short in ("wte.weight", "wpe.weight"):
+        return (short.split(".")[0],), lambda w, c: w
+    if short in ("ln_f.weight", "ln_f.bias"):
+        return ("ln_f", "scale" if short.endswith("weight") else "bias"), lambda w, c: w
+    return None

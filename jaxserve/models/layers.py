@@ -1,0 +1,110 @@
+"""Pieces the model files share: parameters, norms, rotary embedding, paged attention metadata."""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.kv_write import write_kv
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [K, pages, page_size, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each packed token's K/V goes and what each request attends to."""
+
+    slot_mapping: jax.Array  # i32[T]
+    kv_lens: jax.Array  # i32[R]
+    page_table: jax.Array  # i32[R, P]
+    cu_q_lens: jax.Array  # i32[R+1]
+
+
+def param(*shape: int, dtype: Any) -> nnx.Param:
+    """A parameter placeholder; real values are streamed in by the loader."""
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: Any) -> None:
+        self.scale = param(dim, dtype=dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: Any) -> None:
+        self.scale = param(dim, dtype=dtype)
+        self.bias = param(dim, dtype=dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale.value.astype(jnp.float32) + self.bias.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> np.ndarray:
+    """Inverse frequencies f32[H/2] for the config's RoPE variant (default, linear, llama3)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:  # transformers < 5 spelling
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x [T, N, H] by positions i32[T] (the rotate-half layout HF Llama uses)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: tuple[jax.Array, jax.Array],
+    md: AttentionMetadata,
+    *,
+    impl: str,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache."""
+    k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
+    out = ragged_paged_attention(
+        q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
+        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=impl,
+    )
+    return out, (k_pages, v_pages)

@@ -1,0 +1,183 @@
+"""The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral, and Qwen2 (q/k/v biases).
+
+Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    KVCache,
+    RMSNorm,
+    apply_rope,
+    paged_attention,
+    param,
+    rope_inv_freq,
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    inv_freq: tuple[float, ...]
+    attention_impl: str = "auto"
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention_impl: str = "auto") -> "LlamaConfig":
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            max_position_embeddings=hf.max_position_embeddings,
+            inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
+            attention_impl=attention_impl,
+        )
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = param(d, n, h, dtype=dtype)
+        self.k_proj = param(d, k, h, dtype=dtype)
+        self.v_proj = param(d, k, h, dtype=dtype)
+        self.o_proj = param(n, h, d, dtype=dtype)
+        if cfg.qkv_bias:
+            self.q_bias = param(n, h, dtype=dtype)
+            self.k_bias = param(k, h, dtype=dtype)
+            self.v_bias = param(k, h, dtype=dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
+        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj.value)
+        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj.value)
+        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj.value)
+        if self.cfg.qkv_bias:
+            q, k, v = q + self.q_bias.value, k + self.k_bias.value, v + self.v_bias.value
+        inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, kv_cache = paged_attention(q, k, v, kv_cache, md, impl=self.cfg.attention_impl)
+        return jnp.einsum("TNH,NHD->TD", out, self.o_proj.value), kv_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+        self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj.value)
+        up = jnp.einsum("TD,DF->TF", x, self.up_proj.value)
+        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj.value)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def __call__(self, x, positions, kv_cache, md):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+        self.cfg = cfg
+        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        x = self.embed_tokens.value[input_ids]
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, positions, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        return jnp.einsum("RD,VD->RV", hidden, head.value).astype(jnp.float32)
+
+
+# HF checkpoint name -> (NNX path, transform). HF Linear weights are [out, in].
+def _proj_in(shape_fn: Callable[[LlamaConfig], tuple[int, ...]]):
+    return lambda w, cfg: w.T.reshape(shape_fn(cfg))
+
+
+_LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig], np.ndarray]]] = {
+    "input_layernorm.weight": (("input_layernorm", "scale"), lambda w, c: w),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), lambda w, c: w),
+    "self_attn.q_proj.weight": (
+        ("self_attn", "q_proj"), _proj_in(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
+    "self_attn.k_proj.weight": (
+        ("self_attn", "k_proj"), _proj_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.v_proj.weight": (
+        ("self_attn", "v_proj"), _proj_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.o_proj.weight": (
+        ("self_attn", "o_proj"), _proj_in(lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
+    "self_attn.q_bias": (("self_attn", "q_bias"), lambda w, c: w.reshape(c.num_heads, c.head_dim)),
+    "self_attn.k_bias": (("self_attn", "k_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "self_attn.v_bias": (("self_attn", "v_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
+    "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, c: w.T),
+    "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, c: w.T),
+}
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+def map_hf_weight(name: str, cfg: LlamaConfig) -> tuple[tuple[str | int, ...], Callable] | None:
+    """Where an HF tensor goes in this model, or None for tensors the model has no use for."""
+    name = re.sub(r"\.(q|k|v)_proj\.bias$", r".\1_bias", name)
+    if match := _LAYER_RE.match(name):
+        entry = _LAYER_MAP.get(match.group(2))
+        if entry is None:
+            return None
+        path, transform = entry
+        return ("layers", int(match.group(1)), *path), transform
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        return ("embed_tokens",), lambda w, c: w
+    if name in ("model.norm.weight", "norm.weight"):
+        return ("norm", "scale"), lambda w, c: w
+    if name == "lm_head.weight" and not cfg.tie_word_embeddings:
+        return ("lm_head",), lambda w, c: w
+    return None

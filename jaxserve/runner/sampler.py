@@ -1,0 +1,62 @@
+"""Sampling inside the jitted step, with per-row parameters.
+
+Greedy-only batches skip the random path and filter-free batches skip the sort, both through
+`lax.cond`, so the common cases cost an argmax. Each row draws from its own key,
+fold_in(key(seed), output_index): the same seed gives the same tokens whatever shares the batch.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.runner.batch import SamplingArrays
+
+
+def _filter_logits(
+    logits: jax.Array,  # f32[R, V], already divided by temperature
+    top_k: jax.Array,  # i32[R]
+    top_p: jax.Array,  # f32[R]
+    min_p: jax.Array,  # f32[R]
+) -> jax.Array:  # f32[R, V] with filtered-out tokens at -inf
+    """Top-k, then top-p over what top-k kept (renormalised), then min-p against the top token."""
+    vocab_size = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # [R, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)  # [R]
+    rank = jnp.arange(vocab_size)[None, :]
+    sorted_desc = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V]
+    num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # [R]
+    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [R, 1]
+    min_p_cutoff = sorted_desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]  # log(p_max * min_p)
+    cutoff = jnp.maximum(cutoff, jnp.where(min_p[:, None] > 0, min_p_cutoff, -jnp.inf))
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array,  # f32[R, V]
+    params: SamplingArrays,
+) -> tuple[jax.Array, jax.Array]:  # (i32[R] tokens, f32[R] their logprobs under the raw model)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = params.temperature <= 0.0
+
+    def random_tokens(logits: jax.Array) -> jax.Array:
+        temperature = jnp.where(is_greedy, 1.0, params.temperature)
+        scaled = logits / temperature[:, None]
+        needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
+        scaled = jax.lax.cond(
+            needs_filter,
+            lambda x: _filter_logits(x, params.top_k, params.top_p, params.min_p),
+            lambda x: x,
+            scaled,
+        )
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+            params.seeds, params.output_index
+        )
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy_tokens, sampled)
+
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, random_tokens, logits)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logprobs
