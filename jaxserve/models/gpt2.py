@@ -65,12 +65,12 @@ class Block(nnx.Module):
         self.attention_impl = cfg.attention_impl
 
     def __call__(self, x, kv_cache, md: AttentionMetadata):
-        qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv.value) + self.qkv_bias.value[:, None]
+        qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv[...]) + self.qkv_bias[...][:, None]
         attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, impl=self.attention_impl)
-        x = x + jnp.einsum("TNH,NHD->TD", attn, self.attn_out.value) + self.attn_out_bias.value
-        hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc.value) + self.fc_bias.value
+        x = x + jnp.einsum("TNH,NHD->TD", attn, self.attn_out[...]) + self.attn_out_bias[...]
+        hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc[...]) + self.fc_bias[...]
         hidden = jax.nn.gelu(hidden, approximate=True)
-        return x + jnp.einsum("TF,FD->TD", hidden, self.proj.value) + self.proj_bias.value, kv_cache
+        return x + jnp.einsum("TF,FD->TD", hidden, self.proj[...]) + self.proj_bias[...], kv_cache
 
 
 class GPT2LMHeadModel(nnx.Module):
@@ -88,7 +88,7 @@ class GPT2LMHeadModel(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = self.wte.value[input_ids] + self.wpe.value[positions]
+        x = self.wte[...][input_ids] + self.wpe[...][positions]
         new_caches = []
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             x, kv_cache = block(x, kv_cache, md)
@@ -96,7 +96,7 @@ class GPT2LMHeadModel(nnx.Module):
         return self.ln_f(x), new_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-        return jnp.einsum("RD,VD->RV", hidden, self.wte.value).astype(jnp.float32)
+        return jnp.einsum("RD,VD->RV", hidden, self.wte[...]).astype(jnp.float32)
 
 
 # HF names -> (NNX path, transform). GPT-2 uses Conv1D, whose weights are already [in, out].

@@ -39,7 +39,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -53,7 +53,7 @@ class LayerNorm(nnx.Module):
         mean = x32.mean(axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale.value.astype(jnp.float32) + self.bias.value.astype(jnp.float32)).astype(x.dtype)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> np.ndarray:

@@ -75,15 +75,15 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
-        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj.value)
-        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj.value)
-        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj.value)
+        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
+        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
+        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
         if self.cfg.qkv_bias:
-            q, k, v = q + self.q_bias.value, k + self.k_bias.value, v + self.v_bias.value
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, impl=self.cfg.attention_impl)
-        return jnp.einsum("TNH,NHD->TD", out, self.o_proj.value), kv_cache
+        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
 
 
 class MLP(nnx.Module):
@@ -93,9 +93,9 @@ class MLP(nnx.Module):
         self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj.value)
-        up = jnp.einsum("TD,DF->TF", x, self.up_proj.value)
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj.value)
+        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
+        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
+        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = self.embed_tokens.value[input_ids]
+        x = self.embed_tokens[...][input_ids]
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.einsum("RD,VD->RV", hidden, head.value).astype(jnp.float32)
+        return jnp.einsum("RD,VD->RV", hidden, head[...]).astype(jnp.float32)
 
 
 # HF checkpoint name -> (NNX path, transform). HF Linear weights are [out, in].

@@ -54,23 +54,26 @@ def ragged_paged_attention_reference(
     num_blocks = (max_kv_len + block_len - 1) // block_len
 
     def body(carry):
-        block, m, l, acc = carry
+        block, m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_pages, block * pages_per_block, pages_per_block, 1)
         k = k_pages[:, pages].astype(jnp.float32)  # [K, T, B, page_size, H]
         v = v_pages[:, pages].astype(jnp.float32)
         k = k.reshape(num_kv_heads, num_tokens, block_len, head_dim)
         v = v.reshape(num_kv_heads, num_tokens, block_len, head_dim)
-        s = jnp.einsum("tkgh,ktsh->tkgs", qg, k)  # [T, K, G, S]
         key_pos = block * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
         visible = key_pos[None, :] <= pos_of_token[:, None]  # [T, S]
+        # Slots past a request's length hold stale or uninitialised data (even NaN): zero them so that
+        # 0 * garbage cannot leak into the sums.
+        v = jnp.where(visible[None, :, :, None], v, 0.0)
+        s = jnp.einsum("tkgh,ktsh->tkgs", qg, k)  # [T, K, G, S]
         s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))  # [T, K, G]
         p = jnp.exp(s - m_new[..., None])
         p = jnp.where(visible[:, None, None, :], p, 0.0)
         correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
+        denom = denom * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("tkgs,ktsh->tkgh", p, v)
-        return block + 1, m_new, l, acc
+        return block + 1, m_new, denom, acc
 
     init = (
         jnp.int32(0),
@@ -78,6 +81,6 @@ def ragged_paged_attention_reference(
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # tokens with nothing visible -> 0
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # tokens with nothing visible -> 0
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

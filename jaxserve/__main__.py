@@ -1,0 +1,3 @@
+from jaxserve.cli import main
+
+main()

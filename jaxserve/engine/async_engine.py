@@ -1,0 +1,161 @@
+"""AsyncEngine: the LLMEngine on a background thread, fed and drained from asyncio.
+
+Threads and queues:
+- One engine thread owns the LLMEngine and is the only code that touches it. It loops: apply pending
+  commands (add / abort) from a thread-safe `queue.Queue`, run `engine.step()`, hand each RequestOutput
+  to its request's `asyncio.Queue` through `loop.call_soon_threadsafe`. With no work it blocks on the
+  command queue, so an idle server burns no CPU.
+- The event loop never waits on the device. `generate()` is an async iterator over one request's queue;
+  leaving it early (client gone, task cancelled) sends an abort, which frees the request's KV pages at
+  the start of the next engine iteration.
+- The GIL is released while XLA runs a step, so the event loop keeps serving HTTP during device work.
+- A failed step kills the engine: every live request gets the exception, later calls raise
+  EngineDeadError, and nothing waits forever.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: "asyncio.Queue[RequestOutput | BaseException]"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Add] = {}  # touched by the engine thread only
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._lock = threading.Lock()  # orders "put a command" against "the engine died"
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs until it finishes. Bad input raises ValueError on first use."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if not self.is_running:
+                raise EngineDeadError(f"the engine is not running: {self._dead!r}")
+            self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs))
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stops the engine thread; requests still in flight are dropped."""
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+        with self._lock:
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
+            self._fail_pending(EngineDeadError("the engine was shut down"))
+
+    # Engine thread below.
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output)
+        except BaseException as e:
+            logger.exception("engine step failed; the engine is dead")
+            error = EngineDeadError(f"engine failed: {e!r}")
+            with self._lock:
+                self._dead = e
+                for stream in self._streams.values():
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+                self._streams.clear()
+                self._fail_pending(error)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Applies queued commands (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                self._streams.pop(command.request_id, None)
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params)
+            except ValueError as e:
+                command.loop.call_soon_threadsafe(command.outputs.put_nowait, e)
+                continue
+            self._streams[command.request_id] = command
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.loop.call_soon_threadsafe(command.outputs.put_nowait, error)

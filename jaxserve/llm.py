@@ -1,0 +1,113 @@
+"""`jaxserve.LLM`: offline batched generation, like `vllm.LLM`."""
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.models.tokenizer import apply_chat_template
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Loads a model once and generates for many prompts at a time.
+
+    `LLM()` uses the bundled SmolLM2-135M-Instruct. Keyword arguments are engine options
+    (`max_model_len`, `max_num_seqs`, `num_kv_pages`, ...); `config` names a preset in configs/.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        config: str | None = None,
+        **engine_options: Any,
+    ) -> None:
+        engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
+        self.engine = LLMEngine(engine_config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, engine_config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(engine_config)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation or to each of a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            apply_chat_template(tokenizer, conv, chat_template, add_generation_prompt)
+            for conv in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, sampling_params, strict=True):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except ValueError:
+            self.engine.abort_request(added)  # all or nothing
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, leave=False) as bar:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt

@@ -1,0 +1,106 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF, tiny random-weight HF models saved to disk, engines."""
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import jax
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+
+TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from jaxserve.models.loader import bundled_model_path
+
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf: Path):
+    from jaxserve.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf.parent, smollm2_gguf.name)
+
+
+def _tiny_hf_model(kind: str):
+    model = _build_tiny_hf_model(kind)
+    import torch
+
+    with torch.no_grad():  # HF zero-initialises biases; random ones make parity tests see them
+        for name, tensor in model.named_parameters():
+            if name.endswith(".bias"):
+                tensor.normal_(std=0.3)
+    return model
+
+
+def _build_tiny_hf_model(kind: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+        return transformers.GPT2LMHeadModel(config)
+    llama_like = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, **common,
+    )
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]:
+    """kind -> a local HF directory (config.json, model.safetensors, tokenizer) of a random model."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            directory = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model = _tiny_hf_model(kind).eval()
+            model.save_pretrained(directory, safe_serialization=True)
+            smollm2_tokenizer.save_pretrained(directory)
+            made[kind] = directory
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir) -> Callable[[str], object]:
+    """kind -> the transformers PyTorch model saved in tiny_model_dir(kind), in float32."""
+    import torch
+    import transformers
+
+    def load(kind: str):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir(kind), dtype=torch.float32
+        ).eval()
+
+    return load
+
+
+@contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """Counts XLA backend compilations inside the block."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
