@@ -26,6 +26,9 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     pages_per_block: int = 8,
 ) -> jax.Array:  # [T, N, H]
+    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_reqs, max_pages = page_table.shape
@@ -40,9 +43,9 @@ def ragged_paged_attention_reference(
     req_of_token = jnp.minimum(req_of_token, num_reqs - 1)  # i32[T]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
     kv_len_of_token = jnp.where(is_real_token, kv_lens[req_of_token], 0)  # i32[T]
-    pos_of_token = (
-        kv_len_of_token - q_lens[req_of_token] + (token_idx - cu_q_lens[req_of_token])
-    )  # i32[T]
+    pos_of_token = jnp.where(
+        is_real_token, kv_len_of_token - q_lens[req_of_token] + (token_idx - cu_q_lens[req_of_token]), -1
+    )  # i32[T]; -1 makes padding tokens see nothing
 
     # Pad the page table so the last block's gather stays in range; padded columns are masked.
     num_blocks_max = -(-max_pages // pages_per_block)

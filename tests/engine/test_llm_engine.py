@@ -1,0 +1,184 @@
+"""LLMEngine on a tiny random Llama: continuous batching, preemption, chunked prefill, compiles, errors."""
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.conftest import count_compilations
+
+LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    options = {**LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256, **overrides}
+    config = EngineConfig.from_preset(None, model=str(model_dir), dtype="float32",
+                                      compilation_cache_dir=None, **options)
+    return LLMEngine(config)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return make_engine(llama_dir)
+
+
+def make_prompts(n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    lengths = [3, 17, 5, 40, 9, 1, 26, 12][:n]
+    return [rng.integers(3, 40000, size=length).tolist() for length in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request("alone", prompt, greedy(max_tokens))
+    result = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                result = output.outputs[0].token_ids
+    return result
+
+
+def run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int]) -> dict[int, list[int]]:
+    """Request i joins before step arrivals[i]; returns its generated tokens."""
+    results: dict[int, list[int]] = {}
+    step = 0
+    while len(results) < len(prompts):
+        for i, arrival in enumerate(arrivals):
+            if arrival == step:
+                engine.add_request(f"r{i}", prompts[i], greedy(max_tokens[i]))
+        for output in engine.step():
+            if output.finished:
+                results[int(output.request_id[1:])] = output.outputs[0].token_ids
+        step += 1
+        assert step < 2000, "engine made no progress"
+    return results
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(engine):
+    prompts = make_prompts()
+    max_tokens = [12, 7, 20, 9, 15, 11, 6, 18]
+    return prompts, max_tokens, [run_alone(engine, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+def check_batched(engine, solo_outputs, arrivals):
+    prompts, max_tokens, expected = solo_outputs
+    got = run_staggered(engine, prompts, max_tokens, arrivals)
+    for i, tokens in enumerate(expected):
+        assert got[i] == tokens, f"request {i} differs when batched"
+        assert len(tokens) == max_tokens[i]
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "pages leaked"
+
+
+def test_continuous_batching_changes_nothing(engine, solo_outputs):
+    check_batched(engine, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
+
+
+def test_preemption_changes_nothing(llama_dir, solo_outputs):
+    # 24 usable pages of 4 tokens cannot hold all eight requests at once: some are preempted.
+    small = make_engine(llama_dir, num_kv_pages=25)
+    preemptions = []
+    original = small.scheduler._preempt
+    small.scheduler._preempt = lambda r: (preemptions.append(r.request_id), original(r))[1]
+    check_batched(small, solo_outputs, arrivals=[0, 0, 0, 1, 1, 1, 2, 2])
+    assert preemptions, "the page budget was meant to force preemption"
+
+
+def test_chunked_prefill_changes_nothing(llama_dir, solo_outputs):
+    tiny_budget = make_engine(llama_dir, max_num_batched_tokens=8, token_buckets=(8,))
+    check_batched(tiny_budget, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
+
+
+def test_nothing_compiles_after_warmup(engine, solo_outputs):
+    prompts, _, _ = solo_outputs
+    with count_compilations() as compiles:
+        run_staggered(engine, prompts, [5, 30, 3, 8, 12, 2, 9, 4], arrivals=[0, 1, 1, 3, 4, 4, 6, 7])
+        engine.add_request("sampled", prompts[3], SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05,
+                                                                 max_tokens=6, seed=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert compiles == []
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(), "empty"),
+        ("", SamplingParams(), "empty"),
+        (list(range(5, 300)), SamplingParams(), "context length"),
+        ([10**6], SamplingParams(), "vocabulary"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(engine, solo_outputs, prompt, params, match):
+    prompts, max_tokens, expected = solo_outputs
+    engine.add_request("ok", prompts[0], greedy(max_tokens[0]))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(outputs) == ["ok"]
+    assert outputs["ok"].outputs[0].token_ids == expected[0]
+
+
+def test_bad_sampling_params_raise():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+
+
+def test_abort_frees_pages(engine, solo_outputs):
+    prompts, _, _ = solo_outputs
+    engine.add_request("a", prompts[3], greedy(50))
+    engine.add_request("b", prompts[1], greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.kv_cache.num_free_pages < engine.kv_cache.num_usable_pages
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
+
+
+def test_n_completions_and_seed_reproduce(engine, solo_outputs):
+    prompts, _, _ = solo_outputs
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=123, ignore_eos=True)
+
+    def run(request_id: str):
+        engine.add_request(request_id, prompts[2], params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    return output
+
+    first, second = run("s1"), run("s2")
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1, "n completions should differ"
+
+
+def test_stop_token_ids_and_max_tokens(engine, solo_outputs):
+    prompts, max_tokens, expected = solo_outputs
+    stop_at = expected[2][4]
+    engine.add_request("stop", prompts[2], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                completion = output.outputs[0]
+    first = expected[2].index(stop_at)
+    assert completion.token_ids == expected[2][: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
