@@ -1,9 +1,18 @@
 """jaxserve: a JAX-native LLM inference engine and server."""
 
-__version__ = "0.1.0"
+from typing import Any
 
-from jaxserve.llm import LLM
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
+__version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # `LLM` pulls in jax; importing it lazily keeps `import jaxserve.engine.scheduler` jax-free.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

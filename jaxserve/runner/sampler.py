@@ -25,7 +25,9 @@ def _filter_logits(
     sorted_desc = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V]
-    num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # [R]
+    # Bound by k explicitly: rounding can leave the cumulative mass just under top_p = 1.
+    kept = (mass_before < top_p[:, None]) & (rank < k[:, None])
+    num_kept = jnp.maximum(jnp.sum(kept, axis=-1), 1)  # [R]
     cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [R, 1]
     min_p_cutoff = sorted_desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]  # log(p_max * min_p)
     cutoff = jnp.maximum(cutoff, jnp.where(min_p[:, None] > 0, min_p_cutoff, -jnp.inf))

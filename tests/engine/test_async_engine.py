@@ -1,0 +1,79 @@
+"""AsyncEngine: streaming from asyncio, concurrent requests, cancellation frees pages, bad input."""
+
+import asyncio
+
+import pytest
+
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.test_llm_engine import greedy, make_engine, make_prompts, run_alone
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"))
+    prompts = make_prompts()
+    expected = [run_alone(engine, p, 10) for p in prompts]
+    async_engine = AsyncEngine(engine)
+    yield async_engine, prompts, expected
+    async_engine.shutdown()
+
+
+async def collect(async_engine, prompt, params, request_id=None):
+    deltas, last = [], None
+    async for output in async_engine.generate(prompt, params, request_id):
+        deltas.extend(output.outputs[0].token_ids_delta)
+        last = output
+    return deltas, last
+
+
+def test_concurrent_streams_match_solo_runs(engines):
+    async_engine, prompts, expected = engines
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, p, greedy(10)) for p in prompts))
+
+    for (deltas, last), tokens in zip(asyncio.run(main()), expected, strict=True):
+        assert deltas == tokens == last.outputs[0].token_ids
+        assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_cancelled_stream_aborts_and_frees_pages(engines):
+    async_engine, prompts, _ = engines
+    kv = async_engine.engine.kv_cache
+
+    async def main():
+        stream = async_engine.generate(prompts[3], greedy(200), "cancel-me")
+        await anext(stream)  # the request is running and holds pages
+        await stream.aclose()  # the client went away
+        for _ in range(200):
+            if kv.num_free_pages == kv.num_usable_pages and not async_engine.engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main()), "pages were not freed after the stream was closed"
+
+
+def test_bad_request_fails_alone(engines):
+    async_engine, prompts, expected = engines
+
+    async def main():
+        good = asyncio.create_task(collect(async_engine, prompts[0], greedy(10)))
+        with pytest.raises(ValueError, match="empty"):
+            await collect(async_engine, [], SamplingParams())
+        return await good
+
+    deltas, _ = asyncio.run(main())
+    assert deltas == expected[0]
+
+
+def test_shutdown_engine_refuses_new_work(tiny_model_dir):
+    async_engine = AsyncEngine(make_engine(tiny_model_dir("llama"), warmup=False))
+    async_engine.shutdown()
+
+    async def main():
+        await collect(async_engine, [5, 6, 7], greedy(2))
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())

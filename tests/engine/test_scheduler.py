@@ -1,0 +1,110 @@
+"""Scheduler and KV-page manager: pure Python, tested in milliseconds with no model."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler, StepOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, num_prompt: int, max_tokens: int = 4) -> Request:
+    return Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=max_tokens,
+                   ignore_eos=True), eos_token_ids=(2,), max_model_len=1024, sampling_seed=0)
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    out = scheduler.schedule()
+    ids = [s.request.request_id for s in out.scheduled]
+    scheduler.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
+    return out
+
+
+def test_host_side_modules_do_not_import_jax():
+    code = ("import sys, jaxserve.engine.scheduler, jaxserve.engine.kv_cache_manager, "
+            "jaxserve.engine.detokenizer, jaxserve.runner.buckets; assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kv_manager_allocates_and_frees_without_page_zero():
+    kv = KVCacheManager(num_pages=5, page_size=4)
+    pages: list[int] = []
+    assert kv.allocate(pages, 9) and len(pages) == 3 and 0 not in pages
+    assert not kv.allocate(pages, 40) and len(pages) == 3, "a failed allocation changes nothing"
+    kv.free(pages)
+    assert pages == [] and kv.num_free_pages == 4 and kv.usage == 0.0
+
+
+def test_chunked_prefill_then_decode_within_budget():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add_request(make_request("a", 13))
+    first = run_step(sched)
+    assert [len(s.token_ids) for s in first.scheduled] == [8]
+    assert sched.requests["a"].num_output_tokens == 0, "a partial prefill samples nothing"
+    second = run_step(sched)
+    assert second.scheduled[0].start_position == 8 and len(second.scheduled[0].token_ids) == 5
+    assert sched.requests["a"].output_token_ids == [7]
+    third = run_step(sched)
+    assert third.scheduled[0].token_ids == (7,) and third.scheduled[0].start_position == 13
+
+
+def test_decodes_go_first_and_waiting_requests_fill_the_rest():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    sched.add_request(make_request("a", 4))
+    run_step(sched)
+    sched.add_request(make_request("b", 20))
+    out = run_step(sched)
+    assert [(s.request.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_is_respected():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 3))
+    out = run_step(sched)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    sched = Scheduler(KVCacheManager(5, 4), max_num_seqs=4, max_num_batched_tokens=100)  # 4 usable pages
+    sched.add_request(make_request("old", 8, max_tokens=8))
+    sched.add_request(make_request("new", 8, max_tokens=8))
+    run_step(sched)  # both prefilled: 2 pages each, the pool is empty
+    out = run_step(sched)  # both need a third page: "new" is preempted
+    assert out.preempted_ids == ("new",)
+    new = sched.requests["new"]
+    assert new.num_computed_tokens == 0 and new.page_ids == [] and sched.waiting[0] is new
+    assert new.output_token_ids == [7], "generated tokens survive preemption and are recomputed"
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.kv_cache.num_free_pages == 4
+
+
+def test_finish_and_abort_free_pages_immediately():
+    sched = Scheduler(KVCacheManager(16, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    sched.add_request(make_request("a", 9))
+    sched.add_request(make_request("b", 3))
+    run_step(sched)
+    [aborted] = sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert aborted.status is RequestStatus.FINISHED_ABORTED and "a" not in sched.requests
+    assert sched.kv_cache.num_free_pages == 15 - 1
+
+
+def test_request_too_large_for_the_cache_is_rejected():
+    sched = Scheduler(KVCacheManager(3, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add_request(make_request("big", 6, max_tokens=10))
+
+
+def test_length_and_eos_finish_reasons():
+    request = make_request("a", 3, max_tokens=2)
+    request.append_output_token(5, 0.0)
+    assert not request.status.is_finished
+    request.append_output_token(6, 0.0)
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    eos = Request("b", [1, 2], SamplingParams(max_tokens=9), eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
+    eos.append_output_token(2, 0.0)
+    assert eos.status is RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,69 @@
+"""The real SmolLM2-135M-Instruct GGUF: greedy chat generation equals transformers', token for token."""
+
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(
+        dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+        token_buckets=(64,), request_buckets=(1, 4), compilation_cache_dir=None,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2_gguf, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    results = []
+    for prompt in PROMPTS:
+        text = smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 eos_token_id=smollm2_tokenizer.eos_token_id, pad_token_id=2)
+        results.append(out[0, len(ids):].tolist())
+    return results
+
+
+def test_greedy_chat_matches_transformers(llm, hf_greedy):
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                       SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    for output, expected in zip(outputs, hf_greedy, strict=True):
+        assert output.outputs[0].token_ids == expected
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_stop_string_truncates_text(llm):
+    [full] = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=32),
+                      use_tqdm=False)
+    text = full.outputs[0].text
+    assert "Paris" in text
+    [stopped] = llm.chat([{"role": "user", "content": PROMPTS[0]}],
+                         SamplingParams(temperature=0.0, max_tokens=32, stop=["Paris"]), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.text == text[: text.index("Paris")]
+    assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
+
+
+def test_generate_accepts_text_and_token_prompts(llm):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    by_text, by_ids = llm.generate(["The capital of France is", {"prompt_token_ids":
+                                    tokenizer.encode("The capital of France is")}], params, use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == tokenizer.decode(by_text.outputs[0].token_ids, skip_special_tokens=True)
