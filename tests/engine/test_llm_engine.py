@@ -172,7 +172,7 @@ def test_n_completions_and_seed_reproduce(engine, solo_outputs):
 
 
 def test_stop_token_ids_and_max_tokens(engine, solo_outputs):
-    prompts, max_tokens, expected = solo_outputs
+    prompts, _, expected = solo_outputs
     stop_at = expected[2][4]
     engine.add_request("stop", prompts[2], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))
     while engine.has_unfinished_requests():
