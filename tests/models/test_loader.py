@@ -1,0 +1,52 @@
+"""Resolving --model: bundled GGUF, local paths, hub ids offline."""
+
+import pytest
+
+from jaxserve.models.loader import bundled_model_path, resolve_model
+
+
+def test_no_model_means_the_bundled_smollm2():
+    source = resolve_model(None)
+    assert source.gguf_file == bundled_model_path().name
+    assert source.name == "SmolLM2-135M-Instruct"
+
+
+def test_missing_local_paths_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="model path not found"):
+        resolve_model("./does/not/exist")
+
+
+def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
+        resolve_model("jaxserve-tests/definitely-not-cached")
+
+
+def test_cached_hub_id_loads_offline(tmp_path, monkeypatch, tiny_model_dir):
+    """A hub id resolves through huggingface-hub's cache layout with no network."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from jaxserve.models.loader import load_model
+
+    revision = "0" * 40
+    repo = tmp_path / "models--jaxserve-tests--tiny-llama"
+    shutil.copytree(tiny_model_dir("llama"), repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    source = resolve_model("jaxserve-tests/tiny-llama")
+    assert source.directory == repo / "snapshots" / revision
+    loaded = load_model("jaxserve-tests/tiny-llama", dtype="float32")
+    assert loaded.name == "jaxserve-tests/tiny-llama" and loaded.cfg.num_kv_heads == 2
