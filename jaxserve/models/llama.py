@@ -44,6 +44,12 @@ class LlamaConfig:
     def from_hf(cls, hf: Any, attention_impl: str = "auto") -> "LlamaConfig":
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
+        # Sliding-window attention is not implemented: cap the context at the window, where full
+        # attention and sliding-window attention agree exactly.
+        max_len = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True):
+            max_len = min(max_len, window)
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -55,7 +61,7 @@ class LlamaConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            max_position_embeddings=hf.max_position_embeddings,
+            max_position_embeddings=max_len,
             inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
             attention_impl=attention_impl,
         )

@@ -91,3 +91,16 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["BertForMaskedLM"], "model_type": "bert"}')
     with pytest.raises(ValueError, match=r"unsupported model architecture \['BertForMaskedLM'\]"):
         load_model(str(tmp_path))
+
+
+def test_sliding_window_models_are_capped_at_the_window():
+    import transformers
+
+    from jaxserve.models.llama import LlamaConfig
+
+    mistral = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, sliding_window=64)
+    assert LlamaConfig.from_hf(mistral).max_position_embeddings == 64
+    mistral.sliding_window = None
+    assert LlamaConfig.from_hf(mistral).max_position_embeddings == 512
