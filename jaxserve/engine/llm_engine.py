@@ -122,7 +122,9 @@ class LLMEngine:
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
             sequences.append(_Sequence(request, detok))
         for seq in sequences:
-            self.scheduler.add_request(seq.request)  # validated above, so this does not fail midway
+            # Raises if the cache cannot hold the request; all n sequences have the same size, so
+            # either the first one raises or none does.
+            self.scheduler.add_request(seq.request)
         self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -136,10 +138,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        pages_needed = self.kv_cache.num_pages_for(len(prompt_token_ids) + 1)
-        if pages_needed > self.kv_cache.num_usable_pages:
-            raise ValueError(f"the prompt needs {pages_needed} KV pages; the cache has only "
-                             f"{self.kv_cache.num_usable_pages}")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their pages are free when this returns."""
@@ -151,10 +149,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
 
     def step(self) -> list[RequestOutput]:
         """Schedules, runs one step on the device, and reports every request that made progress."""

@@ -72,10 +72,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -29,9 +29,7 @@ logger = logging.getLogger(__name__)
 _GPU_ACTIVATION_RESERVE = 0.05  # of device memory, kept free for activations and XLA scratch
 
 
-def num_kv_pages_for_budget(
-    cache: CacheConfig, bytes_per_page: int, weights_bytes: int
-) -> int:
+def num_kv_pages_for_budget(cache: CacheConfig, bytes_per_page: int) -> int:
     if cache.num_kv_pages is not None:
         return cache.num_kv_pages
     device = jax.devices()[0]
@@ -43,7 +41,7 @@ def num_kv_pages_for_budget(
         budget = cache.kv_cache_memory_gib * 2**30
     num_pages = int(budget // bytes_per_page)
     if num_pages < 2:
-        raise ValueError(f"no room for a KV cache: budget {budget / 2**30:.2f} GiB, weights {weights_bytes}")
+        raise ValueError(f"no room for a KV cache: the budget is {budget / 2**30:.2f} GiB")
     return num_pages
 
 
@@ -73,8 +71,7 @@ class ModelRunner:
         cfg = model.cfg
         itemsize = jnp.dtype(model.dtype).itemsize
         bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * self.page_size * cfg.head_dim * itemsize
-        weights_bytes = sum(x.nbytes for x in jax.tree.leaves(model.state))
-        self.num_pages = num_kv_pages_for_budget(cache_config, bytes_per_page, weights_bytes)
+        self.num_pages = num_kv_pages_for_budget(cache_config, bytes_per_page)
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: KVCache = [
             (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
