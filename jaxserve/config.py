@@ -18,6 +18,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     revision: str | None = None
+    max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -11,7 +11,8 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # per token, when the request asked for logprobs
+    top_logprobs: list[dict[int, float]] | None = None  # per token, when it asked for logprobs > 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_delta: str = ""

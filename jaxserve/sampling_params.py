@@ -27,7 +27,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = None
+    logprobs: int | None = None  # top alternatives per token (0: only the sampled token's logprob)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +40,7 @@ class SamplingParams:
         else:
             self.stop_strings = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         self._validate()
@@ -63,6 +68,19 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for token_id, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens seen so far (so the runner keeps counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

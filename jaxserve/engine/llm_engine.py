@@ -18,6 +18,7 @@ from jaxserve.engine.request import Request, RequestStatus, finish_reason
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class _RequestState:
             text=seq.detokenizer.text,
             token_ids=list(request.output_token_ids),
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            top_logprobs=list(request.output_top_logprobs) if request.sampling_params.logprobs else None,
             finish_reason=finish_reason(request.status),
             stop_reason=request.stop_reason,
             text_delta=seq.detokenizer.take_delta(finished),
@@ -82,7 +84,9 @@ class LLMEngine:
             config.buckets.token_buckets, config.buckets.request_buckets,
             sched.max_num_batched_tokens, sched.max_num_seqs,
         )
-        self.runner = ModelRunner(model, config.cache, ladder, self.max_model_len)
+        self.runner = ModelRunner(
+            model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs
+        )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
@@ -108,6 +112,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
         self._validate_prompt(prompt_token_ids)
+        self._validate_params(params)
         sequences = []
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
@@ -139,6 +144,20 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
+    def _validate_params(self, params: SamplingParams) -> None:
+        max_logprobs = self.config.model.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"logprobs must be at most {max_logprobs} (--max-logprobs), got {params.logprobs}")
+        bad = [t for t in [*params.logit_bias, *params.stop_token_ids] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} in logit_bias/stop_token_ids is outside the vocabulary")
+        num_biased = len(params.logit_bias) + len(params.stop_token_ids) + len(self.model.eos_token_ids)
+        if num_biased > MAX_BIASED_TOKENS:
+            raise ValueError(
+                f"logit_bias and stop_token_ids name {num_biased} tokens together (with EOS); "
+                f"at most {MAX_BIASED_TOKENS} are supported"
+            )
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their pages are free when this returns."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -153,9 +172,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules, runs one step on the device, and reports every request that made progress."""
         scheduler_output = self.scheduler.schedule()
+        step_output = self.runner.execute(scheduler_output)  # also drops finished requests' state
         if scheduler_output.is_empty:
             return []
-        step_output = self.runner.execute(scheduler_output)
         advanced = self.scheduler.update(scheduler_output, step_output)
         return self._process(advanced)
 

@@ -49,6 +49,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when logprobs > 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
@@ -83,10 +84,12 @@ class Request:
         limit = self.max_model_len if max_tokens is None else self.num_prompt_tokens + max_tokens
         return min(limit, self.max_model_len)
 
-    def append_output_token(self, token_id: int, logprob: float) -> None:
+    def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Records a sampled token and finishes the request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
         params = self.sampling_params
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:

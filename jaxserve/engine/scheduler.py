@@ -30,6 +30,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
+    finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +48,7 @@ class StepOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None] | None = None  # for requests that asked for logprobs
 
 
 class Scheduler:
@@ -62,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if self.kv_cache.num_pages_for(request.max_num_tokens) > self.kv_cache.num_usable_pages:
@@ -110,7 +113,8 @@ class Scheduler:
                 self.running.append(request)
                 scheduled.append(self._scheduled(request, num_new))
                 token_budget -= num_new
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -131,8 +135,10 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
         """Advances each scheduled request; returns the requests that received a new token."""
         advanced: list[Request] = []
-        for item, token_id, logprob in zip(
-            scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, strict=True
+        top_logprobs = step_output.top_logprobs or [None] * len(step_output.request_ids)
+        for item, token_id, logprob, top in zip(
+            scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
+            strict=True,
         ):
             request = item.request
             if request.status.is_finished:  # aborted while the step ran
@@ -141,7 +147,7 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             if not completes:
                 continue  # a prefill chunk: the sample is not a real next token
-            request.append_output_token(token_id, logprob)
+            request.append_output_token(token_id, logprob, top)
             advanced.append(request)
             if request.status.is_finished:
                 self._remove(request)
@@ -166,3 +172,4 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request.page_ids)
         del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

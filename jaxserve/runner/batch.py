@@ -5,15 +5,19 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.penalties import PenaltyUpdates
+
+# logit_bias entries, plus the EOS / stop ids that min_tokens bans, per request and step.
+MAX_BIASED_TOKENS = 128
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingArrays:
-    """Per-row sampling parameters, so one batch mixes greedy, temperature, top-k/p and min-p rows."""
+    """Per-row sampling parameters, so one batch mixes any settings. Neutral values switch a feature off."""
 
     temperature: jax.Array  # f32[R]; 0 = greedy
     top_k: jax.Array  # i32[R]; 0 = off
@@ -21,6 +25,13 @@ class SamplingArrays:
     min_p: jax.Array  # f32[R]; 0 = off
     seeds: jax.Array  # u32[R]
     output_index: jax.Array  # i32[R]: which output token this is, so a seed reproduces
+    bias_token_ids: jax.Array  # i32[R, B]: V (out of range) pads
+    bias_values: jax.Array  # f32[R, B]: added to the logits; -inf bans (min_tokens)
+    penalty_slots: jax.Array  # i32[R]: the row in the penalty tables; S = none
+    repetition_penalty: jax.Array  # f32[R]; 1 = off
+    frequency_penalty: jax.Array  # f32[R]; 0 = off
+    presence_penalty: jax.Array  # f32[R]; 0 = off
+    wants_top_logprobs: jax.Array  # bool[R]
 
 
 @jax.tree_util.register_dataclass
@@ -33,21 +44,47 @@ class StepBatch:
     attention: AttentionMetadata
     logits_indices: jax.Array  # i32[R]: the packed index of each request's last token
     sampling: SamplingArrays
+    penalty_updates: PenaltyUpdates
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The fixed facts build_step_batch needs besides the schedule and the bucket."""
+
+    page_size: int
+    max_pages_per_req: int
+    padding_slot: int  # KV slot index that scatters drop
+    vocab_size: int
+    num_penalty_slots: int
+
+
+def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
+    """token id -> bias for this step: the request's logit_bias, and -inf on its stop ids while
+    fewer than min_tokens tokens are out."""
+    request = item.request
+    params = request.sampling_params
+    bias = dict(params.logit_bias)
+    if request.num_output_tokens < params.min_tokens:
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned += request.eos_token_ids
+        bias.update(dict.fromkeys(banned, -np.inf))
+    return bias
 
 
 def build_step_batch(
     scheduler_output: SchedulerOutput,
     bucket: Bucket,
-    page_size: int,
-    max_pages_per_req: int,
-    padding_slot: int,
+    layout: BatchLayout,
+    penalty_slots: list[int | None],  # per scheduled request
 ) -> StepBatch:
     num_tokens, num_reqs = bucket.num_tokens, bucket.num_reqs
+    page_size, no_slot = layout.page_size, layout.num_penalty_slots
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.full(num_tokens, padding_slot, np.int32)
+    slot_mapping = np.full(num_tokens, layout.padding_slot, np.int32)
     kv_lens = np.zeros(num_reqs, np.int32)
-    page_table = np.zeros((num_reqs, max_pages_per_req), np.int32)  # page 0: scratch, masked
+    page_table = np.zeros((num_reqs, layout.max_pages_per_req), np.int32)  # page 0: scratch, masked
     cu_q_lens = np.zeros(num_reqs + 1, np.int32)
     logits_indices = np.zeros(num_reqs, np.int32)
     temperature = np.zeros(num_reqs, np.float32)
@@ -56,9 +93,19 @@ def build_step_batch(
     min_p = np.zeros(num_reqs, np.float32)
     seeds = np.zeros(num_reqs, np.uint32)
     output_index = np.zeros(num_reqs, np.int32)
+    bias_token_ids = np.full((num_reqs, MAX_BIASED_TOKENS), layout.vocab_size, np.int32)
+    bias_values = np.zeros((num_reqs, MAX_BIASED_TOKENS), np.float32)
+    row_slots = np.full(num_reqs, no_slot, np.int32)
+    repetition = np.ones(num_reqs, np.float32)
+    frequency = np.zeros(num_reqs, np.float32)
+    presence = np.zeros(num_reqs, np.float32)
+    wants_top_logprobs = np.zeros(num_reqs, np.bool_)
+    reset_slots = np.full(num_reqs, no_slot, np.int32)
+    prompt_token_slots = np.full(num_tokens, no_slot, np.int32)
+    output_token_slots = np.full(num_tokens, no_slot, np.int32)
 
     offset = 0
-    for row, item in enumerate(scheduler_output.scheduled):
+    for row, (item, slot) in enumerate(zip(scheduler_output.scheduled, penalty_slots, strict=True)):
         n = len(item.token_ids)
         start, end = item.start_position, item.start_position + n
         token_positions = np.arange(start, end, dtype=np.int32)
@@ -70,18 +117,33 @@ def build_step_batch(
         )
         kv_lens[row] = end
         page_table[row, : len(pages)] = pages
-        offset += n
-        cu_q_lens[row + 1] = offset
-        logits_indices[row] = offset - 1
 
         request = item.request
         params = request.sampling_params
+        if slot is not None:
+            row_slots[row] = slot
+            if start == 0:
+                reset_slots[row] = slot
+            is_prompt = token_positions < request.num_prompt_tokens
+            prompt_token_slots[offset : offset + n] = np.where(is_prompt, slot, no_slot)
+            output_token_slots[offset : offset + n] = np.where(is_prompt, no_slot, slot)
+            repetition[row] = params.repetition_penalty
+            frequency[row] = params.frequency_penalty
+            presence[row] = params.presence_penalty
+
+        offset += n
+        cu_q_lens[row + 1] = offset
+        logits_indices[row] = offset - 1
         temperature[row] = 0.0 if params.is_greedy else params.temperature
         top_k[row] = params.top_k
         top_p[row] = params.top_p
         min_p[row] = params.min_p
         seeds[row] = request.sampling_seed
         output_index[row] = request.num_output_tokens
+        wants_top_logprobs[row] = bool(params.logprobs)
+        bias = banned_and_biased(item)
+        bias_token_ids[row, : len(bias)] = list(bias)
+        bias_values[row, : len(bias)] = list(bias.values())
     cu_q_lens[len(scheduler_output.scheduled) + 1 :] = offset  # padded requests: q_len 0, kv_len 0
 
     return StepBatch(
@@ -94,5 +156,13 @@ def build_step_batch(
         sampling=SamplingArrays(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seeds=seeds, output_index=output_index,
+            bias_token_ids=bias_token_ids, bias_values=bias_values,
+            penalty_slots=row_slots, repetition_penalty=repetition,
+            frequency_penalty=frequency, presence_penalty=presence,
+            wants_top_logprobs=wants_top_logprobs,
+        ),
+        penalty_updates=PenaltyUpdates(
+            reset_slots=reset_slots, prompt_token_slots=prompt_token_slots,
+            output_token_slots=output_token_slots,
         ),
     )

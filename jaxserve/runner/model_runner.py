@@ -1,7 +1,9 @@
 """ModelRunner: owns the weights, the KV pages and the jitted step; turns a SchedulerOutput into tokens.
 
-The step is one pure function, `step(state, kv_caches, batch) -> (kv_caches, tokens, logprobs)`,
-jitted once with the KV pages donated (updated in place) and compiled for every bucket at warm-up.
+The step is one pure function,
+`step(state, kv_caches, penalty_tables, batch) -> (kv_caches, penalty_tables, SamplerOutput)`,
+jitted once with the KV pages and penalty tables donated (updated in place) and compiled for every
+bucket at warm-up.
 Results leave the device once per step.
 """
 
@@ -10,19 +12,19 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.config import CacheConfig
-from jaxserve.engine.scheduler import SchedulerOutput, StepOutput
+from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
-from jaxserve.runner.batch import StepBatch, build_step_batch
+from jaxserve.runner.batch import BatchLayout, StepBatch, build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
+from jaxserve.runner.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +47,15 @@ def num_kv_pages_for_budget(cache: CacheConfig, bytes_per_page: int) -> int:
     return num_pages
 
 
-def make_step_fn(graphdef: nnx.GraphDef):
-    def step(state: nnx.State, kv_caches: KVCache, batch: StepBatch):
+def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int):
+    def step(state: nnx.State, kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
         model = nnx.merge(graphdef, state)
         hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
         logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
-        tokens, logprobs = sample(logits, batch.sampling)
-        return kv_caches, tokens, logprobs
+        penalty_tables = update_tables(penalty_tables, batch.input_ids, batch.penalty_updates)
+        return kv_caches, penalty_tables, sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
 
-    return jax.jit(step, donate_argnames=("kv_caches",))
+    return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
 
 
 class ModelRunner:
@@ -63,6 +65,8 @@ class ModelRunner:
         cache_config: CacheConfig,
         ladder: BucketLadder,
         max_model_len: int,
+        max_num_seqs: int,
+        max_logprobs: int,
     ) -> None:
         self.model = model
         self.ladder = ladder
@@ -76,8 +80,16 @@ class ModelRunner:
         self.kv_caches: KVCache = [
             (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
         ]
-        self._padding_slot = padding_slot(self.num_pages, self.page_size)
-        self._step = make_step_fn(model.graphdef)
+        self.layout = BatchLayout(
+            page_size=self.page_size,
+            max_pages_per_req=self.max_pages_per_req,
+            padding_slot=padding_slot(self.num_pages, self.page_size),
+            vocab_size=cfg.vocab_size,
+            num_penalty_slots=max_num_seqs,
+        )
+        self.penalty_slots = PenaltySlots(max_num_seqs)
+        self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
+        self._step = make_step_fn(model.graphdef, max_logprobs)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.num_pages * bytes_per_page / 2**30,
@@ -85,21 +97,42 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
         scheduled = scheduler_output.scheduled
+        self.penalty_slots.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
+        if not scheduled:
+            return StepOutput([], [], [])
         bucket = self.ladder.pick(scheduler_output.num_tokens, len(scheduled))
-        batch = build_step_batch(
-            scheduler_output, bucket, self.page_size, self.max_pages_per_req, self._padding_slot
-        )
-        tokens, logprobs = self._run(batch)
+        batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
+        out = self._run(batch)
         num_reqs = len(scheduled)
+        top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
+        for row, item in enumerate(scheduled):
+            if k := item.request.sampling_params.logprobs:
+                ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
+                top_logprobs[row] = dict(zip(ids, lps, strict=True))
         return StepOutput(
             request_ids=[s.request.request_id for s in scheduled],
-            sampled_token_ids=tokens[:num_reqs].tolist(),
-            logprobs=logprobs[:num_reqs].tolist(),
+            sampled_token_ids=out.tokens[:num_reqs].tolist(),
+            logprobs=out.logprobs[:num_reqs].tolist(),
+            top_logprobs=top_logprobs,
         )
 
-    def _run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
-        self.kv_caches, tokens, logprobs = self._step(self.model.state, self.kv_caches, batch)
-        return jax.device_get((tokens, logprobs))
+    def _penalty_slots_for(self, scheduled: tuple[ScheduledRequest, ...]) -> list[int | None]:
+        slots: list[int | None] = []
+        for item in scheduled:
+            request = item.request
+            if not request.sampling_params.has_penalties:
+                slots.append(None)
+            elif item.start_position == 0:  # new or recomputed: take a slot, the step clears its row
+                slots.append(self.penalty_slots.acquire(request.request_id))
+            else:
+                slots.append(self.penalty_slots.get(request.request_id))
+        return slots
+
+    def _run(self, batch: StepBatch) -> SamplerOutput:
+        self.kv_caches, self.penalty_tables, out = self._step(
+            self.model.state, self.kv_caches, self.penalty_tables, batch
+        )
+        return jax.device_get(out)
 
     def warmup(self, show_progress: bool = True) -> float:
         """Compiles the step for every bucket; returns the seconds it took."""
@@ -107,12 +140,7 @@ class ModelRunner:
         empty = SchedulerOutput(scheduled=(), preempted_ids=())
         buckets: list[Bucket] = self.ladder.all_buckets()
         for bucket in tqdm(buckets, desc="Compiling buckets", disable=not show_progress, leave=False):
-            batch = build_step_batch(
-                empty, bucket, self.page_size, self.max_pages_per_req, self._padding_slot
-            )
-            self._run(batch)
+            self._run(build_step_batch(empty, bucket, self.layout, []))
         elapsed = time.perf_counter() - start
         logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), elapsed)
         return elapsed
-
-

@@ -1,14 +1,20 @@
 """Sampling inside the jitted step, with per-row parameters.
 
-Greedy-only batches skip the random path and filter-free batches skip the sort, both through
-`lax.cond`, so the common cases cost an argmax. Each row draws from its own key,
-fold_in(key(seed), output_index): the same seed gives the same tokens whatever shares the batch.
+Order, as in vLLM: logit_bias and min_tokens bans, then penalties, then greedy or temperature, top-k,
+top-p, min-p. Reported logprobs (and the top-L alternatives) are the raw model's.
+
+Each optional stage sits behind a `lax.cond` on "does any row use it", so a plain greedy batch costs
+an argmax. Each row draws from its own key, fold_in(key(seed), output_index): the same seed gives the
+same tokens whatever shares the batch.
 """
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.runner.batch import SamplingArrays
+from jaxserve.runner.penalties import PenaltyTables, apply_penalties
 
 
 def _filter_logits(
@@ -34,10 +40,39 @@ def _filter_logits(
     return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    tokens: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]: the sampled token's logprob under the raw model
+    top_token_ids: jax.Array  # i32[R, L]: the L most likely tokens (zeros unless a row asked)
+    top_logprobs: jax.Array  # f32[R, L]
+
+
+def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables) -> jax.Array:
+    """logit_bias (and min_tokens' bans), then penalties; skipped when no row uses them."""
+    vocab_size, num_slots = logits.shape[-1], tables.output_counts.shape[0]
+
+    def process(logits: jax.Array) -> jax.Array:
+        rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.bias_token_ids.shape)
+        logits = logits.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
+        return apply_penalties(
+            logits, tables, params.penalty_slots,
+            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+        )
+
+    needed = jnp.any(params.bias_token_ids < vocab_size) | jnp.any(params.penalty_slots < num_slots)
+    return jax.lax.cond(needed, process, lambda x: x, logits)
+
+
 def sample(
     logits: jax.Array,  # f32[R, V]
     params: SamplingArrays,
-) -> tuple[jax.Array, jax.Array]:  # (i32[R] tokens, f32[R] their logprobs under the raw model)
+    tables: PenaltyTables,
+    num_top_logprobs: int,
+) -> SamplerOutput:
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # what logprobs report, as in vLLM
+    logits = _process_logits(logits, params, tables)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature <= 0.0
 
@@ -59,6 +94,15 @@ def sample(
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
     tokens = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, random_tokens, logits)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, token_logprobs
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    num_rows = logits.shape[0]
+    no_top = (jnp.zeros((num_rows, num_top_logprobs), jnp.float32),
+              jnp.zeros((num_rows, num_top_logprobs), jnp.int32))
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(params.wants_top_logprobs),
+        lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)),
+        lambda x: no_top,
+        raw_logprobs,
+    )
+    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -48,14 +48,16 @@ def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int
     return result
 
 
-def run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int]) -> dict[int, list[int]]:
+def run_staggered(
+    engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int], params: SamplingParams | None = None
+) -> dict[int, list[int]]:
     """Request i joins before step arrivals[i]; returns its generated tokens."""
     results: dict[int, list[int]] = {}
     step = 0
     while len(results) < len(prompts):
         for i, arrival in enumerate(arrivals):
             if arrival == step:
-                engine.add_request(f"r{i}", prompts[i], greedy(max_tokens[i]))
+                engine.add_request(f"r{i}", prompts[i], params or greedy(max_tokens[i]))
         for output in engine.step():
             if output.finished:
                 results[int(output.request_id[1:])] = output.outputs[0].token_ids

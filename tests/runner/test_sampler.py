@@ -5,20 +5,39 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.batch import SamplingArrays
+from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, update_tables
 from jaxserve.runner.sampler import sample
 
 VOCAB = 64
 ROWS = 8
+SLOTS = 4
+BIASED = 3
+TOP = 5
 
 
-def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=0) -> SamplingArrays:
+def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=0, **extra) -> SamplingArrays:
     full = lambda v, dtype: np.full(ROWS, v, dtype)  # noqa: E731
-    return SamplingArrays(
+    fields = dict(
         temperature=full(temperature, np.float32), top_k=full(top_k, np.int32), top_p=full(top_p, np.float32),
         min_p=full(min_p, np.float32),
         seeds=np.arange(ROWS, dtype=np.uint32) if seeds is None else np.asarray(seeds, np.uint32),
         output_index=full(output_index, np.int32),
+        bias_token_ids=np.full((ROWS, BIASED), VOCAB, np.int32), bias_values=np.zeros((ROWS, BIASED), np.float32),
+        penalty_slots=full(SLOTS, np.int32), repetition_penalty=full(1.0, np.float32),
+        frequency_penalty=full(0.0, np.float32), presence_penalty=full(0.0, np.float32),
+        wants_top_logprobs=full(False, np.bool_),
     )
+    return SamplingArrays(**{**fields, **extra})
+
+
+@jax.jit
+def _sample(logits, params, tables):
+    return sample(logits, params, tables, TOP)
+
+
+def sample_jit(logits, params, tables=None):
+    out = _sample(logits, params, tables or PenaltyTables.zeros(SLOTS, VOCAB))
+    return out.tokens, out.logprobs
 
 
 def allowed_set(logits_row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -33,9 +52,6 @@ def allowed_set(logits_row: np.ndarray, temperature: float, top_k: int, top_p: f
     p_all = np.exp(x - x.max())
     keep = [t for t in keep if p_all[t] >= min_p * p_all.max()]
     return set(int(t) for t in keep)
-
-
-sample_jit = jax.jit(sample)
 
 
 @pytest.mark.parametrize(
@@ -80,3 +96,77 @@ def test_seed_reproduces_and_greedy_rows_take_argmax():
     expected = jax.nn.log_softmax(logits)[np.arange(ROWS), np.asarray(tokens)]
     np.testing.assert_allclose(logprobs, expected, atol=1e-5)
     assert not np.array_equal(a, c), "another seed should draw other tokens"
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((ROWS, VOCAB)).astype(np.float32)
+    ids = np.full((ROWS, BIASED), VOCAB, np.int32)
+    values = np.zeros((ROWS, BIASED), np.float32)
+    ids[:, 0], values[:, 0] = 7, 100.0  # every row: token 7 wins
+    ids[1, 1], values[1, 1] = 7, -np.inf  # row 1 also bans 7 (min_tokens on a stop id): it must never come
+    for temperature in (0.0, 1.0):
+        tokens, logprobs = sample_jit(logits, arrays(temperature, bias_token_ids=ids, bias_values=values))
+        tokens = np.asarray(tokens)
+        assert (tokens[[0, *range(2, ROWS)]] == 7).all()
+        assert tokens[1] != 7
+        # Reported logprobs stay the raw model's.
+        expected = jax.nn.log_softmax(logits)[np.arange(ROWS), tokens]
+        np.testing.assert_allclose(logprobs, expected, atol=1e-5)
+
+
+def _penalised_oracle(logits, prompt, outputs, rep, freq, pres):
+    """vLLM's penalties in float64 numpy for one row."""
+    x = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=VOCAB)
+    seen = (counts > 0) | np.isin(np.arange(VOCAB), prompt)
+    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    return x - freq * counts - pres * (counts > 0)
+
+
+def test_penalty_tables_count_inputs_and_penalties_match_an_oracle():
+    rng = np.random.default_rng(3)
+    tables = PenaltyTables.zeros(SLOTS, VOCAB)
+    none = np.full(16, SLOTS, np.int32)
+    # Slot 2: a prompt [5, 9, 9] then generated tokens 3, 3, 11 fed as decode inputs; stale data first.
+    stale = PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), none, np.where(np.arange(16) < 4, 2, SLOTS))
+    tables = update_tables(tables, np.full(16, 30, np.int32), stale)
+    reset = np.full(ROWS, SLOTS, np.int32)
+    reset[0] = 2
+    prompt_slots = none.copy()
+    prompt_slots[:3] = 2
+    ids = np.zeros(16, np.int32)
+    ids[:3] = [5, 9, 9]
+    tables = update_tables(tables, ids, PenaltyUpdates(reset, prompt_slots, none))
+    for token in (3, 3, 11):
+        output_slots = none.copy()
+        output_slots[0] = 2
+        ids[0] = token
+        tables = update_tables(tables, ids, PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), none, output_slots))
+    counts = np.asarray(tables.output_counts)
+    assert counts[2, 3] == 2 and counts[2, 11] == 1 and counts[2].sum() == 3  # the stale 30s were cleared
+    assert set(np.flatnonzero(np.asarray(tables.prompt_mask)[2])) == {5, 9}
+
+    logits = (rng.standard_normal((ROWS, VOCAB)) * 3).astype(np.float32)
+    slots = np.full(ROWS, SLOTS, np.int32)
+    slots[4] = 2
+    rep, freq, pres = np.ones(ROWS, np.float32), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.float32)
+    rep[4], freq[4], pres[4] = 1.7, 0.5, 1.5
+    params = arrays(0.0, penalty_slots=slots, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+    tokens, _ = sample_jit(logits, params, tables)
+    expected = _penalised_oracle(logits[4], [5, 9, 9], [3, 3, 11], 1.7, 0.5, 1.5)
+    assert np.asarray(tokens)[4] == expected.argmax()
+    untouched = [r for r in range(ROWS) if r != 4]
+    np.testing.assert_array_equal(np.asarray(tokens)[untouched], logits[untouched].argmax(-1))
+
+
+def test_top_logprobs_are_the_raw_models_top_tokens():
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((ROWS, VOCAB)).astype(np.float32)
+    wants = np.zeros(ROWS, np.bool_)
+    wants[3] = True
+    out = _sample(logits, arrays(wants_top_logprobs=wants), PenaltyTables.zeros(SLOTS, VOCAB))
+    reference = np.asarray(jax.nn.log_softmax(logits.astype(np.float64)))
+    order = np.argsort(-reference[3])[:TOP]
+    np.testing.assert_array_equal(np.asarray(out.top_token_ids)[3], order)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs)[3], reference[3, order], atol=1e-5)

@@ -1,0 +1,106 @@
+"""Repetition, frequency and presence penalties without leaving the device.
+
+Penalties depend on every token a request has seen. Rather than shipping those lists each step, the
+runner keeps two tables on the device, one row per *slot* (a request that uses penalties holds a slot
+while it runs):
+
+    output_counts  i32[S, V]   how often each token was generated
+    prompt_mask    bool[S, V]  which tokens occur in the prompt (repetition_penalty looks at both)
+
+The step's own input tokens feed the tables: a prefill chunk's prompt tokens set `prompt_mask`, and a
+decode's input (the token sampled last step) increments `output_counts`, before the logits are
+penalised. A request starting at position 0 (new, or recomputed after preemption) clears its row
+first, so recomputation never double-counts. Rows without a slot use index S, which scatters drop.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyTables:
+    output_counts: jax.Array  # i32[S, V]
+    prompt_mask: jax.Array  # bool[S, V]
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> "PenaltyTables":
+        return cls(
+            output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
+            prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyUpdates:
+    """How this step's inputs change the tables; slot S (out of range) means "no slot"."""
+
+    reset_slots: jax.Array  # i32[R]: rows to clear before counting (requests starting at position 0)
+    prompt_token_slots: jax.Array  # i32[T]: the slot of each input token that is a prompt token
+    output_token_slots: jax.Array  # i32[T]: the slot of each input token that is a generated token
+
+
+def update_tables(tables: PenaltyTables, input_ids: jax.Array, updates: PenaltyUpdates) -> PenaltyTables:
+    num_slots = tables.output_counts.shape[0]
+
+    def update(tables: PenaltyTables) -> PenaltyTables:
+        counts = tables.output_counts.at[updates.reset_slots].set(0, mode="drop")
+        mask = tables.prompt_mask.at[updates.reset_slots].set(False, mode="drop")
+        counts = counts.at[updates.output_token_slots, input_ids].add(1, mode="drop")
+        mask = mask.at[updates.prompt_token_slots, input_ids].set(True, mode="drop")
+        return PenaltyTables(counts, mask)
+
+    touched = jnp.any(updates.reset_slots < num_slots) | jnp.any(updates.prompt_token_slots < num_slots)
+    touched |= jnp.any(updates.output_token_slots < num_slots)
+    return jax.lax.cond(touched, update, lambda t: t, tables)
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[R, V]
+    tables: PenaltyTables,
+    slots: jax.Array,  # i32[R]; S for rows without penalties
+    repetition: jax.Array,  # f32[R]; 1 = off
+    frequency: jax.Array,  # f32[R]; 0 = off
+    presence: jax.Array,  # f32[R]; 0 = off
+) -> jax.Array:  # f32[R, V]
+    """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token
+    seen in the prompt or output; frequency and presence subtract per generated occurrence / once."""
+    rows = jnp.minimum(slots, tables.output_counts.shape[0] - 1)  # rows without a slot: penalties are off
+    counts = tables.output_counts[rows].astype(jnp.float32)  # [R, V]
+    seen = (counts > 0) | tables.prompt_mask[rows]
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+class PenaltySlots:
+    """Host-side slot allocator (request id -> table row). Pure bookkeeping, no device work."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._slots: dict[str, int] = {}
+
+    def acquire(self, request_id: str) -> int:
+        if request_id not in self._slots:
+            if not self._free:
+                raise RuntimeError("no free penalty slot: more running requests than max_num_seqs")
+            self._slots[request_id] = self._free.popleft()
+        return self._slots[request_id]
+
+    def get(self, request_id: str) -> int | None:
+        return self._slots.get(request_id)
+
+    def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        for request_id in request_ids:
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slots)

@@ -1,0 +1,139 @@
+"""Penalties, logit_bias, min_tokens and logprobs through the real engine, against transformers."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggered
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return make_engine(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_hf_model):
+    model = tiny_hf_model("llama")
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
+    return model
+
+
+class VllmPenalties(transformers.LogitsProcessor):
+    """vLLM's repetition / frequency / presence penalties, written independently in PyTorch."""
+
+    def __init__(self, prompt_len: int, repetition: float, frequency: float, presence: float) -> None:
+        self.prompt_len, self.rep, self.freq, self.pres = prompt_len, repetition, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        in_prompt = torch.zeros(scores.shape, dtype=torch.bool).scatter_(1, input_ids[:, : self.prompt_len], True)
+        seen = (counts > 0) | in_prompt
+        scores = torch.where(seen, torch.where(scores > 0, scores / self.rep, scores * self.rep), scores)
+        return scores - self.freq * counts - self.pres * (counts > 0)
+
+
+def run_one(engine, prompt: list[int], params: SamplingParams):
+    engine.add_request("one", prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                return output.outputs[0]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+# Prompt 7's greedy continuation repeats a token, so positive penalties change it; negative ones make
+# prompt 3's (repetition-free) continuation start repeating.
+@pytest.mark.parametrize(
+    "prompt_index,rep,freq,pres", [(7, 1.5, 0.0, 0.0), (7, 1.2, 0.8, 0.5), (7, 1.0, 0.0, 1.5), (3, 0.8, -0.5, 0.0)]
+)
+def test_penalties_match_transformers_greedy(engine, hf_llama, prompt_index, rep, freq, pres):
+    prompt = make_prompts()[prompt_index]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=rep,
+                            frequency_penalty=freq, presence_penalty=pres)
+    got = run_one(engine, prompt, params).token_ids
+    expected = hf_greedy(hf_llama, prompt, 24, logits_processor=[VllmPenalties(len(prompt), rep, freq, pres)])
+    assert got == expected
+    plain = hf_greedy(hf_llama, prompt, 24)
+    assert got != plain, "the penalty should change this greedy continuation"
+    if freq == pres == 0.0:  # transformers' own repetition penalty has the same semantics
+        assert got == hf_greedy(hf_llama, prompt, 24, repetition_penalty=rep)
+
+
+def test_penalties_survive_batching_and_preemption(llama_dir, engine):
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.7, presence_penalty=0.4)
+    solo = [run_one(engine, p, params).token_ids for p in prompts]
+    small = make_engine(llama_dir, num_kv_pages=25)  # forces preemption and recompute
+    preemptions = []
+    original = small.scheduler._preempt
+    small.scheduler._preempt = lambda r: (preemptions.append(r.request_id), original(r))[1]
+    got = run_staggered(small, prompts, [14] * 8, arrivals=[0, 0, 0, 1, 1, 1, 2, 2], params=params)
+    assert preemptions
+    assert [got[i] for i in range(8)] == solo
+    small.step()  # the next schedule reports the finished requests; the runner frees their slots
+    assert small.runner.penalty_slots.num_used == 0
+
+
+def test_logit_bias_and_min_tokens(engine):
+    prompt = make_prompts()[1]
+    eos = engine.model.eos_token_ids[0]
+    favourite = 1234
+    forced = run_one(engine, prompt, SamplingParams(temperature=0.9, max_tokens=6, logit_bias={favourite: 100}))
+    assert forced.token_ids == [favourite] * 6
+    # EOS is pushed to the top, but banned until min_tokens tokens are out.
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100})
+    completion = run_one(engine, prompt, params)
+    assert len(completion.token_ids) == 6 and completion.token_ids[-1] == eos
+    assert eos not in completion.token_ids[:5]
+    assert completion.finish_reason == "stop"
+    # Stop ids are banned the same way.
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=3, stop_token_ids=[favourite],
+                            logit_bias={favourite: 100})
+    completion = run_one(engine, prompt, params)
+    assert completion.token_ids[:3] != [favourite] * 3 and completion.token_ids[3] == favourite
+
+
+def test_logprobs_match_transformers(engine, hf_llama):
+    prompt = make_prompts()[0]
+    completion = run_one(engine, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3))
+    with torch.no_grad():
+        out = hf_llama.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                                output_logits=True, return_dict_in_generate=True)
+    assert completion.token_ids == out.sequences[0, len(prompt) :].tolist()
+    for i, logits in enumerate(out.logits):
+        reference = torch.log_softmax(logits[0].double(), -1).numpy()
+        top = np.argsort(-reference)[:3]
+        assert list(completion.top_logprobs[i]) == top.tolist()
+        np.testing.assert_allclose(list(completion.top_logprobs[i].values()), reference[top], atol=1e-4)
+        np.testing.assert_allclose(completion.logprobs[i], reference[completion.token_ids[i]], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(logprobs=21), "at most 20"),
+        (dict(logit_bias={10**6: 1.0}), "outside the vocabulary"),
+        (dict(logit_bias={i: 1.0 for i in range(200)}), "at most 128"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_features_are_rejected(engine, params, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", [5, 6, 7], SamplingParams(**params))
+    assert not engine.has_unfinished_requests()
