@@ -1,13 +1,14 @@
-"""`jaxserve generate | bench offline`: flags become one EngineConfig, built once."""
+"""`jaxserve serve | generate | bench`: flags become one EngineConfig (and a ServerConfig), built once."""
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 from jaxserve import __version__
-from jaxserve.config import DTYPES, EngineConfig
+from jaxserve.config import DTYPES, EngineConfig, ServerConfig
 from jaxserve.ops.attention import ATTENTION_IMPLS
 
 
@@ -27,11 +28,29 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="KV cache budget in GiB on CPU")
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS)
+    group.add_argument("--max-logprobs", type=int, default=None,
+                       help="the most top logprobs a request may ask for (default 20)")
     group.add_argument("--seed", type=int, default=None)
-    group.add_argument("--log-level", default="warning")
+    group.add_argument("--compilation-cache-dir", default=None,
+                       help="JAX's persistent compilation cache (default ~/.cache/jaxserve/xla; 'none' disables)")
+    group.add_argument("--enable-prefix-caching", action="store_true",
+                       help="accepted for vLLM compatibility; prefix caching is not implemented yet")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 for now")
+    group.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                       help="default: info for serve, warning otherwise")
+
+
+def _compilation_cache(setting: str | None) -> dict[str, str]:
+    if setting is None:
+        return {}
+    return {"compilation_cache_dir": "" if setting.lower() == "none" else setting}  # "" disables
 
 
 def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size must be 1: tensor parallelism is not implemented yet")
+    if args.enable_prefix_caching:
+        logging.getLogger("jaxserve").warning("--enable-prefix-caching is accepted but not implemented yet")
     return EngineConfig.from_preset(
         args.config,
         model=args.model,
@@ -45,7 +64,9 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_impl=args.attention_impl,
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
         **extra,
+        **_compilation_cache(args.compilation_cache_dir),
     )
 
 
@@ -95,10 +116,85 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=2)
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from jaxserve.api.server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    server_config = ServerConfig(
+        host=args.host or "0.0.0.0",
+        port=args.port,
+        served_model_name=tuple(args.served_model_name or ()),
+        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        allowed_origins=tuple(args.allowed_origins),
+        allow_credentials=args.allow_credentials,
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+        enable_request_id_headers=args.enable_request_id_headers,
+        chat_template=args.chat_template,
+        generation_config=args.generation_config,
+        disable_log_stats=args.disable_log_stats,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    sys.exit(run_server(_engine_config(args), server_config))
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"*\"]', got {value!r}") from None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use in `model` (default: the model's name)")
+    group.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+                            "(or set JAXSERVE_API_KEY)")
+    group.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    group.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    group.add_argument("--ssl-keyfile", default=None)
+    group.add_argument("--ssl-certfile", default=None)
+    group.add_argument("--root-path", default="", help="path prefix when behind a path-based proxy")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="add X-Request-Id to every response (a client's own id is always echoed)")
+    group.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    group.add_argument("--generation-config", default="auto",
+                       help="default sampling parameters: 'auto' (the model's generation_config.json), "
+                            "'vllm' (none), or a folder")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds to finish in-flight requests after SIGTERM/SIGINT")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX-native LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="serve a model over OpenAI-compatible HTTP",
+        description="Serve a model with OpenAI-compatible endpoints (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /metrics).",
+    )
+    _add_server_args(serve)
+    _add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve, default_log_level="info")
 
     gen = commands.add_parser("generate", help="generate a reply to one prompt and print it")
     _add_engine_args(gen)
@@ -124,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or getattr(args, "default_log_level", "warning")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -132,3 +132,34 @@ def load_preset(preset: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"config preset not found: {path}")
     with path.open() as f:
         return yaml.safe_load(f) or {}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of `jaxserve serve`; flag names and defaults follow `vllm serve`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()  # empty: the model's own name
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""
+    enable_request_id_headers: bool = False
+    chat_template: str | None = None  # a file or an inline Jinja template; None: the tokenizer's
+    generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a folder
+    disable_log_stats: bool = False
+    shutdown_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM
+    max_request_body_bytes: int = 16 * 2**20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")

@@ -32,6 +32,15 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each iteration (read by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable pages in use
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -57,6 +66,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._lock = threading.Lock()  # orders "put a command" against "the engine died"
+        self.stats = EngineStats()  # replaced whole by the engine thread, so readers see a consistent one
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +122,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output)
+                scheduler = self.engine.scheduler
+                self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage)
         except BaseException as e:
             logger.exception("engine step failed; the engine is dead")
             error = EngineDeadError(f"engine failed: {e!r}")

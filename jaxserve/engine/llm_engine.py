@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
-    if cache_dir is None:
+    if not cache_dir:  # None or "": no persistent cache
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -111,8 +111,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
-        self._validate_prompt(prompt_token_ids)
-        self._validate_params(params)
+        self.validate_request(prompt_token_ids, params)
         sequences = []
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
@@ -131,6 +130,14 @@ class LLMEngine:
             # either the first one raises or none does.
             self.scheduler.add_request(seq.request)
         self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for what add_request would refuse. Reads only fixed settings, so another
+        thread (the API server) may call it while the engine thread steps."""
+        self._validate_prompt(prompt_token_ids)
+        self._validate_params(params)
+        max_num_tokens = min(self.max_model_len, len(prompt_token_ids) + (params.max_tokens or self.max_model_len))
+        self.scheduler.check_fits(max_num_tokens)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

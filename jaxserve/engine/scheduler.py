@@ -66,12 +66,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
 
-    def add_request(self, request: Request) -> None:
-        if self.kv_cache.num_pages_for(request.max_num_tokens) > self.kv_cache.num_usable_pages:
+    def check_fits(self, max_num_tokens: int) -> None:
+        """Raises ValueError if a request of up to `max_num_tokens` could never fit in the cache."""
+        if self.kv_cache.num_pages_for(max_num_tokens) > self.kv_cache.num_usable_pages:
             raise ValueError(
-                f"request needs up to {request.max_num_tokens} tokens of KV cache but the cache holds "
+                f"request needs up to {max_num_tokens} tokens of KV cache but the cache holds "
                 f"{self.kv_cache.num_usable_pages * self.kv_cache.page_size}"
             )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request.max_num_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -37,6 +37,7 @@ class ModelSource:
 @dataclass
 class LoadedModel:
     name: str
+    source: ModelSource
     hf_config: Any
     cfg: Any  # the model file's own config
     spec: ModelSpec
@@ -179,6 +180,7 @@ def load_model(
     nnx.replace_by_pure_dict(state, _unflatten(loaded))
     return LoadedModel(
         name=source.name,
+        source=source,
         hf_config=hf_config,
         cfg=cfg,
         spec=spec,

@@ -1,0 +1,116 @@
+"""create_app: the Starlette application around an AsyncEngine, with no module-level state.
+
+Given a loader instead of an engine, the app starts answering at once (/health says 503) and loads
+the model on a worker thread, so orchestrators can tell "loading" from "down".
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jaxserve.api import chat, completions, misc
+from jaxserve.api.errors import APIError, error_response
+from jaxserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware
+from jaxserve.api.serving import ClientDisconnected, ModelServing, ServerState
+from jaxserve.config import ServerConfig
+from jaxserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc.status, exc.message, exc.param)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, exc.detail)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; the request's work was cancelled
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, f"internal server error: {type(exc).__name__}")
+
+
+def create_app(
+    config: ServerConfig,
+    engine: AsyncEngine | Callable[[], AsyncEngine],
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> Starlette:
+    """An app serving `engine`, or the engine that calling `engine()` loads (which the app then owns
+    and shuts down on exit)."""
+    state = ServerState(config)
+
+    async def load(loader: Callable[[], AsyncEngine]) -> None:
+        try:
+            async_engine = await asyncio.to_thread(loader)
+            state.serving = await asyncio.to_thread(ModelServing.create, async_engine, config)
+        except Exception as e:
+            logger.exception("loading the model failed")
+            state.load_error = e
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        host = "0.0.0.0" if config.host in ("", "::") else config.host
+        logger.info("serving %s at http://%s:%d%s/v1", state.serving.model_names[0], host,
+                       config.port, config.root_path)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loading = None
+        if isinstance(engine, AsyncEngine):
+            state.serving = ModelServing.create(engine, config)
+        else:
+            loading = asyncio.create_task(load(engine))
+        yield
+        state.draining = True
+        if loading is not None:
+            await loading  # a load cannot be interrupted; let it finish so its engine is shut down
+            if state.serving is not None:
+                await asyncio.to_thread(state.serving.engine.shutdown)
+
+    routes = [
+        Route("/v1/completions", completions.create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
+        Route("/v1/models", misc.list_models, methods=["GET"]),
+        Route("/health", misc.health, methods=["GET"]),
+        Route("/version", misc.version, methods=["GET"]),
+        Route("/metrics", misc.metrics, methods=["GET"]),
+        Route("/tokenize", misc.tokenize, methods=["POST"]),
+        Route("/detokenize", misc.detokenize, methods=["POST"]),
+    ]
+    middleware = [
+        Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                   allow_credentials=config.allow_credentials, allow_methods=list(config.allowed_methods),
+                   allow_headers=list(config.allowed_headers)),
+        Middleware(RequestIdMiddleware, generate=config.enable_request_id_headers),
+    ]
+    if config.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientDisconnected: _client_gone,
+            Exception: _internal_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    return app

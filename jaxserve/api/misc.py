@@ -1,0 +1,68 @@
+"""GET /v1/models, /health, /version, /metrics; POST /tokenize, /detokenize (vLLM's shapes)."""
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve import __version__
+from jaxserve.api.chat import render_chat
+from jaxserve.api.errors import APIError, parse_body, read_json, validate
+from jaxserve.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from jaxserve.api.serving import ServerState, get_serving
+
+
+async def list_models(request: Request) -> Response:
+    serving = get_serving(request)
+    cards = [ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len)
+             for name in serving.model_names]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+async def health(request: Request) -> Response:
+    """200 once the model is loaded and the engine runs; 503 while loading, after a failure, or draining."""
+    state: ServerState = request.app.state.server
+    return Response(status_code=200 if state.is_healthy and not state.draining else 503)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+async def metrics(request: Request) -> Response:
+    serving = request.app.state.server.serving
+    body = generate_latest(serving.metrics.registry) if serving is not None else b""
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def tokenize(request: Request) -> Response:
+    serving = get_serving(request)
+    data = await read_json(request, serving.config.max_request_body_bytes)
+    if isinstance(data, dict) and "messages" in data:
+        chat = validate(TokenizeChatRequest, data)
+        serving.check_model(chat.model)
+        tokens = render_chat(serving, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
+                             chat_template_kwargs=chat.chat_template_kwargs)
+    else:
+        req = validate(TokenizeCompletionRequest, data)
+        serving.check_model(req.model)
+        tokens = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len,
+                                         tokens=tokens).model_dump())
+
+
+async def detokenize(request: Request) -> Response:
+    serving = get_serving(request)
+    req = await parse_body(request, DetokenizeRequest, serving.config.max_request_body_bytes)
+    serving.check_model(req.model)
+    bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {serving.vocab_size})", "tokens")
+    return JSONResponse(DetokenizeResponse(prompt=serving.tokenizer.decode(req.tokens)).model_dump())

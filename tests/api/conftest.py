@@ -1,0 +1,104 @@
+"""A real `jaxserve serve` in a subprocess (Hypercorn, the bundled SmolLM2), on a free port."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MODEL = "smol"
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+    saw_loading: bool = False  # /health answered 503 before 200
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(tmp_dir: Path, cache_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    command = [
+        sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--config", "cpu", "--dtype", "float32", "--max-model-len", "2048",
+        "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir), *extra,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    saw_loading = False
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            status = httpx.get(f"{server.base_url}/health", timeout=2).status_code
+        except httpx.TransportError:
+            status = None
+        if status == 200:
+            server.saw_loading = saw_loading
+            return server
+        saw_loading |= status == 503
+        time.sleep(0.5)
+    stop_server(server)
+    raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{server.log()}")
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(60)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, compile_cache) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("server"), compile_cache, "--api-key", API_KEY)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client(server):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300)
