@@ -31,7 +31,7 @@ bench: $(STAMP)
 	$(BIN)/jaxserve bench offline
 
 serve: $(STAMP)
-	@echo "jaxserve serve (the OpenAI-compatible server) is the next milestone; try 'make generate'." && exit 2
+	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -116,6 +116,25 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=2)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from jaxserve.bench.serve import format_report, run_level
+
+    results = []
+    for concurrency in args.concurrency:
+        num_prompts = args.num_prompts or max(4 * concurrency, 8)
+        results.append(asyncio.run(run_level(
+            args.base_url, args.model, concurrency, num_prompts, args.input_len, args.output_len,
+            api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"), seed=args.seed,
+        )))
+        print(format_report(results[-1:]).splitlines()[-2], flush=True)
+    print(format_report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from jaxserve.api.server import run_server
 
@@ -215,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--output-len", type=int, default=128)
     offline.add_argument("--json", default=None, help="also write the report to this file")
     offline.set_defaults(func=_cmd_bench_offline)
+
+    serve_bench = bench_kinds.add_parser("serve", help="load a running server over HTTP (like `vllm bench serve`)")
+    serve_bench.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    serve_bench.add_argument("--model", default=None, help="the `model` field to send (default: none)")
+    serve_bench.add_argument("--api-key", default=None)
+    serve_bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    serve_bench.add_argument("--num-prompts", type=int, default=None, help="per level (default: 4 x concurrency)")
+    serve_bench.add_argument("--input-len", type=int, default=128)
+    serve_bench.add_argument("--output-len", type=int, default=128)
+    serve_bench.add_argument("--seed", type=int, default=0)
+    serve_bench.add_argument("--json", default=None, help="also write the results to this file")
+    serve_bench.set_defaults(func=_cmd_bench_serve, log_level="warning")
     return parser
 
 

@@ -69,6 +69,11 @@ def create_app(
         logger.info("serving %s at http://%s:%d%s/v1", state.serving.model_names[0], host,
                        config.port, config.root_path)
 
+    async def log_stats() -> None:
+        while state.serving is None:
+            await asyncio.sleep(1.0)
+        await state.serving.metrics.log_periodically(logger)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loading = None
@@ -76,8 +81,11 @@ def create_app(
             state.serving = ModelServing.create(engine, config)
         else:
             loading = asyncio.create_task(load(engine))
+        stats_logger = None if config.disable_log_stats else asyncio.create_task(log_stats())
         yield
         state.draining = True
+        if stats_logger is not None:
+            stats_logger.cancel()
         if loading is not None:
             await loading  # a load cannot be interrupted; let it finish so its engine is shut down
             if state.serving is not None:

@@ -21,6 +21,15 @@ _ERROR_TYPES = {
 }
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_member_tag(part: str | int) -> bool:
+    """pydantic names the union member in an error's location ("prompt.list[int].0"); fields don't look
+    like that (they are lower-case identifiers)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS or part[0].isupper())
+
+
 class APIError(Exception):
     """Raised anywhere in a handler; the app turns it into an error response."""
 
@@ -72,6 +81,5 @@ def validate(model: type[Model], data: Any) -> Model:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        # Drop the union-member names pydantic adds to the location ("prompt.list[int].0" -> "prompt.0").
-        param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()) or None
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_member_tag(p)) or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None

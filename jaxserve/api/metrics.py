@@ -4,6 +4,8 @@ Latencies are measured where the client sees them: from the moment the server ac
 (after parsing) to each output the engine hands back.
 """
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -66,6 +68,26 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.registry.register(_EngineGauges(stats, model_name))
+        self.stats = stats
+        self.total_prompt_tokens = 0  # plain totals for the periodic log line
+        self.total_generation_tokens = 0
+
+    async def log_periodically(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        """vLLM-style throughput lines while there is traffic (cancelled on shutdown)."""
+        last_prompt, last_generation = self.total_prompt_tokens, self.total_generation_tokens
+        while True:
+            await asyncio.sleep(interval_s)
+            prompt, generation = self.total_prompt_tokens, self.total_generation_tokens
+            stats = self.stats() or EngineStats()
+            if prompt == last_prompt and generation == last_generation and not stats.num_running:
+                continue
+            logger.info(
+                "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
+                "waiting: %d, KV cache usage: %.1f%%",
+                (prompt - last_prompt) / interval_s, (generation - last_generation) / interval_s,
+                stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
+            )
+            last_prompt, last_generation = prompt, generation
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Passes a request's outputs through, recording its latencies and token counts."""
@@ -92,9 +114,11 @@ class ServerMetrics:
             if num_tokens == 0:
                 self.ttft.labels(name).observe(since_arrival)
                 self.prompt_tokens.labels(name).inc(output.num_prompt_tokens)
+                self.total_prompt_tokens += output.num_prompt_tokens
             else:
                 self.itl.labels(name).observe(since_last / new_tokens)
             self.generation_tokens.labels(name).inc(new_tokens)
+            self.total_generation_tokens += new_tokens
         if output.finished:
             self.e2e.labels(name).observe(since_arrival)
             for completion in output.outputs:

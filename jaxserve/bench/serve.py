@@ -1,0 +1,136 @@
+"""`jaxserve bench serve`: an HTTP load generator in the manner of `vllm bench serve`.
+
+Each request streams /v1/completions with a prompt of exactly `input_len` random token ids and
+`ignore_eos`, so it yields exactly `output_len` tokens. At most `concurrency` requests are in flight.
+TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
+"""
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+# Random prompt ids come from this range: past the special tokens of common vocabularies (GPT-2's
+# 50257, SmolLM2's 49152, Llama 3's 128256).
+_TOKEN_RANGE = (1000, 30000)
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+async def _one_request(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict
+) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    result.e2e_s = time.perf_counter() - start
+    return result
+
+
+def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    array = np.asarray(values) * scale
+    return {"mean": float(array.mean()), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+
+
+async def run_level(
+    base_url: str,
+    model: str | None,
+    concurrency: int,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    api_key: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """Sends `num_prompts` requests, `concurrency` at a time; returns the vLLM-style summary."""
+    rng = random.Random(seed)
+    url = f"{base_url.rstrip('/')}/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bodies = [
+        {
+            **({"model": model} if model else {}),
+            "prompt": [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
+            "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for _ in range(num_prompts)
+    ]
+    limit = asyncio.Semaphore(concurrency)
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def bounded(body: dict) -> RequestResult:
+            async with limit:
+                return await _one_request(client, url, headers, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(b) for b in bodies))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.error is None]
+    num_output = sum(r.num_output_tokens for r in ok)
+    tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
+    return {
+        "concurrency": concurrency,
+        "num_prompts": num_prompts,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": num_output / duration,
+        "total_tokens_per_s": (num_output + len(ok) * input_len) / duration,
+        "ttft_ms": _percentiles([r.ttft_s for r in ok]),
+        "tpot_ms": _percentiles(tpot),
+        "itl_ms": _percentiles([gap for r in ok for gap in r.itl_s]),
+        "e2e_ms": _percentiles([r.e2e_s for r in ok]),
+    }
+
+
+def format_report(results: list[dict]) -> str:
+    lines = [
+        f"{'conc':>5} {'req/s':>7} {'out tok/s':>10} "
+        + " ".join(f"{m + ' ' + s:>12}" for m in ("TTFT", "TPOT", "ITL", "E2E") for s in ("mean", "p50", "p99"))
+    ]
+    for r in results:
+        row = f"{r['concurrency']:>5} {r['request_throughput']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
+        row += " ".join(f"{r[m][s]:>12.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+                        for s in ("mean", "p50", "p99"))
+        if r["failed"]:
+            row += f"   ({r['failed']} failed: {r['errors']})"
+        lines.append(row)
+    lines.append("(latencies in ms)")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""The app in-process on a tiny random Llama: loading and dead-engine states, which a subprocess can't force."""
+
+import threading
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxserve.api.app import create_app
+from jaxserve.config import ServerConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from tests.engine.test_llm_engine import make_engine
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_model_dir):
+    return make_engine(tiny_model_dir("llama"))
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_health_is_503_while_loading_then_200(llm_engine):
+    release = threading.Event()
+
+    def load() -> AsyncEngine:
+        release.wait(30)
+        return AsyncEngine(llm_engine)
+
+    with TestClient(create_app(ServerConfig(), load)) as client:
+        assert client.get("/health").status_code == 503
+        loading = client.get("/v1/models")
+        assert loading.status_code == 503 and "loading" in loading.json()["error"]["message"]
+        release.set()
+        wait_for(lambda: client.get("/health").status_code == 200)
+        assert client.get("/v1/models").json()["data"][0]["id"] == llm_engine.model.name
+
+
+def test_a_dead_engine_answers_503_and_fails_in_flight_requests(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    async_engine = AsyncEngine(engine)
+    calls = {"n": 0}
+    original = engine.runner.execute
+
+    def failing_execute(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("device lost")
+        return original(scheduler_output)
+
+    engine.runner.execute = failing_execute
+    with TestClient(create_app(ServerConfig(), async_engine)) as client:
+        body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+        in_flight = client.post("/v1/completions", json=body)
+        assert in_flight.status_code == 503
+        assert "device lost" in in_flight.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        after = client.post("/v1/completions", json=body)
+        assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+        stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "stream": True})
+        assert stream.status_code == 503

@@ -1,0 +1,73 @@
+"""Serving helpers in isolation: generation-config defaults, chat templates, stream merging, errors."""
+
+import asyncio
+import json
+
+import pytest
+from pydantic import BaseModel
+
+from jaxserve.api.errors import APIError, validate
+from jaxserve.api.serving import load_chat_template, load_generation_defaults, merge_streams
+
+
+def test_generation_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 77, "do_sample": True, "top_k": None}
+    ))
+    assert load_generation_defaults("auto", tmp_path) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 77}
+    assert load_generation_defaults("vllm", tmp_path) == {}
+    assert load_generation_defaults(str(tmp_path), None)["temperature"] == 0.6
+    assert load_generation_defaults("auto", tmp_path / "missing") == {}
+    with pytest.raises(FileNotFoundError):
+        load_generation_defaults(str(tmp_path / "missing"), None)
+
+
+def test_chat_template_from_file_or_inline(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template
+    assert load_chat_template(None) is None
+
+
+def test_merge_streams_interleaves_and_cancels_producers_when_closed():
+    closed: list[int] = []
+
+    async def producer(index: int, delays: list[float]):
+        try:
+            for step, delay in enumerate(delays):
+                await asyncio.sleep(delay)
+                yield f"{index}:{step}"
+        finally:
+            closed.append(index)
+
+    async def run():
+        merged = merge_streams([producer(0, [0.0, 0.05]), producer(1, [0.02, 0.02])])
+        order = [item async for _, item in merged]
+        assert order == ["0:0", "1:0", "1:1", "0:1"]
+        assert sorted(closed) == [0, 1]
+        closed.clear()
+        merged = merge_streams([producer(0, [0.0] + [1.0] * 10), producer(1, [0.0] + [1.0] * 10)])
+        await anext(merged)
+        await merged.aclose()  # the client left: both producers must be cancelled
+        assert sorted(closed) == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_validation_errors_name_the_field_without_union_member_names():
+    class Body(BaseModel):
+        prompt: str | list[int]
+        ids: list[int] = []
+        n: int = 1
+
+    with pytest.raises(APIError) as info:
+        validate(Body, {"prompt": 5})
+    assert info.value.status == 400 and info.value.param == "prompt"
+    with pytest.raises(APIError) as info:
+        validate(Body, {"prompt": "hi", "ids": [1, "x"]})
+    assert info.value.param == "ids.1"
+    with pytest.raises(APIError) as info:
+        validate(Body, {"prompt": "hi", "n": "many"})
+    assert info.value.param == "n"
