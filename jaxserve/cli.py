@@ -202,7 +202,18 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX-native LLM inference engine.")
+    parser = argparse.ArgumentParser(
+        prog="jaxserve",
+        description="A JAX-native LLM inference server: paged KV cache, bucketed jit steps, continuous batching.",
+        epilog="examples:\n"
+               "  jaxserve serve                          # the bundled SmolLM2-135M-Instruct on port 8000\n"
+               "  jaxserve serve gpt2 --port 8001         # a hub id, a local HF directory or a .gguf file\n"
+               "  jaxserve generate --prompt \"Hi there\"   # one chat reply, no server\n"
+               "  jaxserve bench serve --concurrency 1 4 16\n"
+               "  jaxserve bench offline --concurrency 1 16 64\n"
+               "'jaxserve COMMAND --help' lists a command's flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 

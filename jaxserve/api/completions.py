@@ -124,7 +124,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         response = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
-        return f"data: {response.model_dump_json(exclude_unset=False)}\n\n"
+        return f"data: {response.model_dump_json()}\n\n"
 
     num_choices = len(prompts) * req.n
     sent_tokens = [0] * num_choices

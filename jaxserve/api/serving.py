@@ -133,10 +133,14 @@ class ModelServing:
         bad = next((t for t in [*logit_bias, *(req.stop_token_ids or [])] if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary")
-        defaults = self.generation_defaults
-        pick = lambda name, fallback: next(  # noqa: E731
-            v for v in (getattr(req, name), defaults.get(name), fallback) if v is not None
-        )
+
+        def pick(name: str, fallback: float) -> float:
+            """The request's value, else the model's generation-config default, else OpenAI's."""
+            for value in (getattr(req, name), self.generation_defaults.get(name)):
+                if value is not None:
+                    return value
+            return fallback
+
         try:
             return SamplingParams(
                 n=req.n,
