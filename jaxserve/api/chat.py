@@ -8,7 +8,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.errors import APIError, error_body, parse_body
+from jaxserve.api.errors import APIError, parse_body
 from jaxserve.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,7 +24,7 @@ from jaxserve.api.protocol import (
     UsageInfo,
     random_id,
 )
-from jaxserve.api.serving import ModelServing, engine_error, get_serving, unless_disconnected
+from jaxserve.api.serving import ModelServing, engine_error, get_serving, sse_error, unless_disconnected
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
@@ -127,9 +127,7 @@ async def create_chat_completion(request: Request) -> Response:
         )
         for c in final.outputs
     ]
-    num_generated = final.num_generated_tokens
-    usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
-                      total_tokens=len(prompt_ids) + num_generated)
+    usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens)
     return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
                                                usage=usage).model_dump())
 
@@ -178,10 +176,7 @@ async def _stream(
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 )])
         if include_usage and last is not None:
-            num_prompt, num_generated = last.num_prompt_tokens, last.num_generated_tokens
-            yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                      total_tokens=num_prompt + num_generated))
+            yield chunk([], UsageInfo.of(last.num_prompt_tokens, last.num_generated_tokens))
     except (ValueError, EngineDeadError) as e:
-        error = engine_error(e)
-        yield f"data: {error_body(error.status, error.message).model_dump_json()}\n\n"
+        yield sse_error(e)
     yield "data: [DONE]\n\n"

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.errors import APIError, error_body, parse_body
+from jaxserve.api.errors import APIError, parse_body
 from jaxserve.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -14,7 +14,7 @@ from jaxserve.api.protocol import (
     UsageInfo,
     random_id,
 )
-from jaxserve.api.serving import ModelServing, engine_error, get_serving, merge_streams, unless_disconnected
+from jaxserve.api.serving import ModelServing, engine_error, get_serving, merge_streams, sse_error, unless_disconnected
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
@@ -99,8 +99,7 @@ async def create_completion(request: Request) -> Response:
                 stop_reason=completion.stop_reason,
             ))
     num_prompt = sum(len(ids) for _, ids in prompts)
-    usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                      total_tokens=num_prompt + num_generated)
+    usage = UsageInfo.of(num_prompt, num_generated)
     response = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -154,9 +153,7 @@ async def _stream(
                 )])
         if include_usage:
             num_prompt = sum(len(ids) for _, ids in prompts)
-            yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                      total_tokens=num_prompt + num_generated))
+            yield chunk([], UsageInfo.of(num_prompt, num_generated))
     except (ValueError, EngineDeadError) as e:
-        error = engine_error(e)
-        yield f"data: {error_body(error.status, error.message).model_dump_json()}\n\n"
+        yield sse_error(e)
     yield "data: [DONE]\n\n"

@@ -99,6 +99,11 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens)
+
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)

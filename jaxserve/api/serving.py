@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.api.errors import APIError
+from jaxserve.api.errors import APIError, error_body
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import SamplingFields
 from jaxserve.config import ServerConfig
@@ -183,6 +183,12 @@ def engine_error(e: ValueError | EngineDeadError) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}")
     return APIError(400, str(e))
+
+
+def sse_error(e: ValueError | EngineDeadError) -> str:
+    """An error inside a stream that has already sent its 200: an error event (vLLM does the same)."""
+    error = engine_error(e)
+    return f"data: {error_body(error.status, error.message).model_dump_json()}\n\n"
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

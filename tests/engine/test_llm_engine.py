@@ -18,16 +18,6 @@ def make_engine(model_dir, warmup: bool = True, **overrides) -> LLMEngine:
     return LLMEngine(config, warmup=warmup)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    return make_engine(llama_dir)
-
-
 def make_prompts(n: int = 8) -> list[list[int]]:
     rng = np.random.default_rng(0)
     lengths = [3, 17, 5, 40, 9, 1, 26, 12][:n]

@@ -10,16 +10,6 @@ from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggere
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    return make_engine(llama_dir)
-
-
-@pytest.fixture(scope="module")
 def hf_llama(tiny_hf_model):
     model = tiny_hf_model("llama")
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
