@@ -14,7 +14,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import Request, RequestStatus, finish_reason
+from jaxserve.engine.request import Request, RequestStatus, finish_reason, max_num_tokens
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -136,8 +136,7 @@ class LLMEngine:
         thread (the API server) may call it while the engine thread steps."""
         self._validate_prompt(prompt_token_ids)
         self._validate_params(params)
-        max_num_tokens = min(self.max_model_len, len(prompt_token_ids) + (params.max_tokens or self.max_model_len))
-        self.scheduler.check_fits(max_num_tokens)
+        self.scheduler.check_fits(max_num_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

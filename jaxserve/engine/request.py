@@ -32,6 +32,12 @@ def finish_reason(status: RequestStatus) -> str | None:
     return _FINISH_REASONS.get(status)
 
 
+def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Prompt + output length at which a request must stop."""
+    limit = max_model_len if max_tokens is None else num_prompt_tokens + max_tokens
+    return min(limit, max_model_len)
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. (A request with n > 1 is n of these, one per completion.)
@@ -80,9 +86,7 @@ class Request:
     @property
     def max_num_tokens(self) -> int:
         """Prompt + output length at which the request must stop."""
-        max_tokens = self.sampling_params.max_tokens
-        limit = self.max_model_len if max_tokens is None else self.num_prompt_tokens + max_tokens
-        return min(limit, self.max_model_len)
+        return max_num_tokens(self.num_prompt_tokens, self.sampling_params.max_tokens, self.max_model_len)
 
     def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Records a sampled token and finishes the request if it hit a stop condition."""
