@@ -27,7 +27,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None,
                        help="KV cache budget in GiB on CPU")
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
-    group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS)
+    group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
+                       help="auto (default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, "
+                       "the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)")
     group.add_argument("--max-logprobs", type=int, default=None,
                        help="the most top logprobs a request may ask for (default 20)")
     group.add_argument("--seed", type=int, default=None)

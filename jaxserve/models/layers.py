@@ -1,7 +1,7 @@
 """Pieces the model files share: parameters, norms, rotary embedding, paged attention metadata."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -24,6 +24,8 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[R]
     page_table: jax.Array  # i32[R, P]
     cu_q_lens: jax.Array  # i32[R+1]
+    # Static (part of the compile key): every request has exactly one query token, token r is request r's.
+    decode_only: bool = field(default=False, metadata=dict(static=True))
 
 
 def param(*shape: int, dtype: Any) -> nnx.Param:
@@ -105,6 +107,6 @@ def paged_attention(
     k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
     out = ragged_paged_attention(
         q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
-        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=impl,
+        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=impl, decode_only=md.decode_only,
     )
     return out, (k_pages, v_pages)

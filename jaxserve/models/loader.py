@@ -23,6 +23,7 @@ from transformers import AutoConfig, GenerationConfig
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.gguf import iter_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
+from jaxserve.ops.attention import resolve_impl
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ def load_model(
     source = resolve_model(model, revision)
     hf_config = load_hf_config(source)
     spec = get_model_spec(hf_config)
-    cfg = spec.config_cls.from_hf(hf_config, attention_impl=attention_impl)
+    impl = resolve_impl(attention_impl)  # once, so `auto` and a bad choice are settled at start-up
+    logger.info("attention: %s", impl)
+    cfg = spec.config_cls.from_hf(hf_config, attention_impl=impl)
     jax_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(source.directory, source.gguf_file)
 

@@ -1,30 +1,51 @@
-"""The one attention entry point the models call; `impl` picks the implementation."""
+"""The one attention entry point the models call; `impl` picks the implementation.
+
+- `reference`: the jnp path (`paged_attention_ref`), which serves on CPU and is the oracle for kernels.
+- `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
+- `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
+- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `reference` elsewhere.
+"""
 
 from typing import Literal
 
 import jax
 
+from jaxserve.ops import paged_attention_pallas
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas", "interpret")
+MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
+
+# Every implementation reads the same page layout, so a cache can be checked against either.
+kv_cache_shape = paged_attention_pallas.kv_cache_shape
 
 
-def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) pages: JAX's GPU paged-attention layout."""
-    return (num_kv_heads, num_pages, page_size, head_dim)
+def cuda_compute_capability(device: jax.Device | None = None) -> float | None:
+    """The device's CUDA compute capability (9.0 on an H100), or None for CPUs and non-CUDA GPUs."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    try:
+        return float(device.compute_capability)
+    except (AttributeError, TypeError, ValueError):  # ROCm reports a gfx name, CPUs nothing
+        return None
 
 
-def resolve_impl(impl: str) -> str:
-    """Maps `auto` to a concrete implementation for the default backend."""
+def resolve_impl(impl: str, device: jax.Device | None = None) -> str:
+    """Maps `auto` to a concrete implementation for `device` (the default one) and checks the choice."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    capability = cuda_compute_capability(device) if impl in ("auto", "pallas") else None
+    kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
-        return "reference"  # The Pallas GPU kernel is not built yet; see the kernel issue.
-    if impl in ("pallas", "interpret"):
-        raise NotImplementedError(
-            f"attention impl {impl!r} needs the Pallas kernel, which jaxserve does not ship yet; "
-            "use 'reference' or 'auto'"
+        return "pallas" if kernel_runs else "reference"
+    if impl == "pallas" and not kernel_runs:
+        found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
+        raise ValueError(
+            f"attention impl 'pallas' needs a CUDA GPU with compute capability >= "
+            f"{MIN_PALLAS_COMPUTE_CAPABILITY} ({found} here); use 'reference', or 'interpret' to run the "
+            "kernel slowly on CPU"
         )
     return impl
 
@@ -39,14 +60,27 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     impl: str = "auto",
+    decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
 
     Request r's queries are tokens `cu_q_lens[r]:cu_q_lens[r+1]`, the last positions of its `kv_lens[r]`
     cached tokens; its pages are `page_table[r, :ceil(kv_lens[r] / page_size)]`. Tokens past
     `cu_q_lens[-1]` are padding and come back as zeros.
+
+    `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
+    have kv_len 0), which lets the kernel split long contexts across programs.
     """
-    resolve_impl(impl)
-    return ragged_paged_attention_reference(
-        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
+        )
+    interpret = impl == "interpret"
+    if decode_only:
+        return paged_attention_pallas.paged_decode_attention_pallas(
+            q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret
+        )
+    return paged_attention_pallas.ragged_paged_attention_pallas(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, interpret=interpret
     )

@@ -150,7 +150,8 @@ def build_step_batch(
         input_ids=input_ids,
         positions=positions,
         attention=AttentionMetadata(
-            slot_mapping=slot_mapping, kv_lens=kv_lens, page_table=page_table, cu_q_lens=cu_q_lens
+            slot_mapping=slot_mapping, kv_lens=kv_lens, page_table=page_table, cu_q_lens=cu_q_lens,
+            decode_only=bucket.decode_only,
         ),
         logits_indices=logits_indices,
         sampling=SamplingArrays(

@@ -2,7 +2,8 @@
 
 A step of `num_tokens` packed tokens from `num_reqs` requests runs in the smallest (tokens, requests)
 bucket that holds it. Decode-only steps (one token per request) use square buckets (R, R) so that a
-single sequence does not pay for a 32-token matmul.
+single sequence does not pay for a 32-token matmul, and are marked `decode_only`, which lets attention
+use its decode kernel; a mixed step that happens to fill an (R, R) bucket compiles separately.
 """
 
 import bisect
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 class Bucket:
     num_tokens: int  # T: padded packed tokens
     num_reqs: int  # R: padded requests
+    decode_only: bool = False  # every request has one token (so T == R)
 
 
 class BucketLadder:
@@ -30,12 +32,12 @@ class BucketLadder:
         """The bucket for a step; decode-only when every request contributes exactly one token."""
         padded_reqs = _round_up(self.request_buckets, num_reqs)
         if num_tokens == num_reqs:
-            return Bucket(padded_reqs, padded_reqs)
+            return Bucket(padded_reqs, padded_reqs, decode_only=True)
         return Bucket(_round_up(self.token_buckets, num_tokens), padded_reqs)
 
     def all_buckets(self) -> list[Bucket]:
         """Every bucket `pick` can return: what warm-up compiles."""
-        buckets = {Bucket(r, r) for r in self.request_buckets}
+        buckets = {Bucket(r, r, decode_only=True) for r in self.request_buckets}
         for t in self.token_buckets:
             previous_r = 0
             for r in self.request_buckets:

@@ -8,12 +8,19 @@ from jaxserve.runner.buckets import Bucket, BucketLadder
 
 def test_pick_rounds_up_and_decode_steps_use_square_buckets():
     ladder = BucketLadder((32, 64, 128), (1, 2, 4, 8), max_num_batched_tokens=128, max_num_seqs=8)
-    assert ladder.pick(num_tokens=1, num_reqs=1) == Bucket(1, 1)
-    assert ladder.pick(num_tokens=3, num_reqs=3) == Bucket(4, 4)
+    assert ladder.pick(num_tokens=1, num_reqs=1) == Bucket(1, 1, decode_only=True)
+    assert ladder.pick(num_tokens=3, num_reqs=3) == Bucket(4, 4, decode_only=True)
     assert ladder.pick(num_tokens=40, num_reqs=3) == Bucket(64, 4)
     assert ladder.pick(num_tokens=128, num_reqs=8) == Bucket(128, 8)
     with pytest.raises(ValueError):
         ladder.pick(num_tokens=129, num_reqs=1)
+
+
+def test_a_mixed_step_in_a_square_bucket_is_not_decode_only():
+    ladder = BucketLadder((32, 64), (1, 8, 32), max_num_batched_tokens=64, max_num_seqs=32)
+    assert ladder.pick(num_tokens=32, num_reqs=20) == Bucket(32, 32, decode_only=False)
+    assert ladder.pick(num_tokens=20, num_reqs=20) == Bucket(32, 32, decode_only=True)
+    assert {Bucket(32, 32, False), Bucket(32, 32, True)} <= set(ladder.all_buckets())
 
 
 def test_every_pickable_bucket_is_warmed_up():

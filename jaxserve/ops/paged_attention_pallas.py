@@ -1,0 +1,356 @@
+"""Ragged paged attention as a Triton-backed Pallas kernel for GPUs (and in interpret mode on CPU for tests).
+
+Two kernels share one online-softmax step over a block of KV pages:
+
+- `_ragged_kernel` serves any step: prefill chunks, decodes, or a mix, packed over one token axis. The grid
+  is (query block, KV head). A query block is up to `block_q` consecutive tokens of one request; the
+  program stacks those tokens' G query heads that share its KV head into one tile of `block_q x G_pad`
+  rows, so every K/V page is read once per KV head and serves the whole group (native GQA, no K/V repeat).
+  Query blocks are numbered request by request on the host side of the kernel (a few jnp ops on i32[R]).
+- `_decode_kernel` serves decode-only steps (one query token per request, token r belongs to request r).
+  The grid is (request, KV head, split): when batch x KV heads is too small to fill the GPU, each request's
+  pages are divided among `num_splits` programs, which write partial (output, max, sum) triples that
+  `_combine_splits` merges with a log-sum-exp in XLA.
+
+K/V pages are gathered with index arrays, and every load is masked by the key's position, so slots past a
+request's length (stale or NaN) are never read and page ids past its last page never dereferenced. Head
+dims that are not a power of two are padded in registers (masked loads), never in memory.
+
+Scores and the softmax run in float32 (exp2, with log2(e) folded into the scale); the P.V product takes
+P in the cache dtype, as flash kernels do. This module is the one place to swap in a Mosaic GPU port.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MASK_VALUE = -1e30
+_LOG2_E = math.log2(math.e)
+_MIN_DOT_ROWS = 16  # Triton's dot needs M >= 16
+_TARGET_DECODE_PROGRAMS = 512  # enough CTAs for ~4 per SM on an H100 (132 SMs)
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's K (or V) pages: `[K, num_pages, page_size, H]`, a page's tokens contiguous per head."""
+    return (num_kv_heads, num_pages, page_size, head_dim)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _head_dim_mask(padded_head_dim: int, head_dim: int) -> jax.Array:  # bool[Hp]
+    """Masks the register padding of a head dim; all-true (folded away) when there is none, so the loads
+    along the contiguous head dim stay vectorised."""
+    if padded_head_dim == head_dim:
+        return jnp.full((padded_head_dim,), True)
+    return jnp.arange(padded_head_dim, dtype=jnp.int32) < head_dim
+
+
+def _attend_block(
+    q: jax.Array,  # [M, Hp], cache dtype
+    k_ref,  # ref [num_pages, page_size, H] (this program's KV head)
+    v_ref,
+    page_table_ref,  # ref i32[R, P_padded]
+    req: jax.Array,  # i32 scalar
+    block: jax.Array,  # i32 scalar: which block of `pages_per_block` pages
+    kv_len: jax.Array,  # i32 scalar
+    row_pos: jax.Array,  # i32[M]: each query row's absolute position; a row sees keys <= it
+    carry: tuple[jax.Array, jax.Array, jax.Array],  # m f32[M], denom f32[M], acc f32[M, Hp]
+    *,
+    pages_per_block: int,
+    qk_scale: float,  # sm_scale * log2(e)
+):
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    padded_head_dim = q.shape[1]
+    block_kv = pages_per_block * page_size
+    page_ids = page_table_ref[req, pl.ds(block * pages_per_block, pages_per_block)]  # i32[B]
+    slot = jnp.arange(page_size, dtype=jnp.int32)
+    dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
+    key_pos = (block * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32))[:, None] * page_size
+    key_pos = key_pos + slot[None, :]  # i32[B, page_size]
+    load_mask = (key_pos < kv_len)[:, :, None] & _head_dim_mask(padded_head_dim, head_dim)[None, None, :]
+    index = (page_ids[:, None, None], slot[None, :, None], dim[None, None, :])
+    k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
+    v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
+
+    m, denom, acc = carry
+    visible = key_pos.reshape(block_kv)[None, :] <= row_pos[:, None]  # [M, S]
+    s = plgpu.dot(q, k, trans_b=True) * qk_scale  # f32[M, S], log2 domain
+    s = jnp.where(visible, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # rows with nothing visible yet stay 0
+    alpha = jnp.exp2(m - m_new)
+    denom = denom * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return m_new, denom, acc
+
+
+def _ragged_kernel(
+    block_req_ref,  # i32[NB]: the request of query block b, -1 for unused programs
+    block_start_ref,  # i32[NB]: its first token, relative to the request's first
+    cu_q_lens_ref,  # i32[R+1]
+    kv_lens_ref,  # i32[R]
+    page_table_ref,  # i32[R, P_padded]
+    q_ref,  # [T, N, H]
+    k_ref,  # [num_pages, page_size, H] (this program's KV head)
+    v_ref,
+    _zeros_ref,  # [T, N, H], aliased to o_ref so tokens no program writes stay zero
+    o_ref,  # [T, N, H]
+    *,
+    group: int,
+    padded_group: int,
+    block_q: int,
+    pages_per_block: int,
+    qk_scale: float,
+):
+    b, kv_head = pl.program_id(0), pl.program_id(1)
+    req = block_req_ref[b]
+
+    @pl.when(req >= 0)
+    def _():
+        head_dim = q_ref.shape[2]
+        padded_head_dim = _next_pow2(max(head_dim, 16))
+        num_rows = block_q * padded_group
+        q_start, q_end = cu_q_lens_ref[req], cu_q_lens_ref[req + 1]
+        kv_len = kv_lens_ref[req]
+        first_token = q_start + block_start_ref[b]
+
+        rows = jnp.arange(num_rows, dtype=jnp.int32)
+        token = first_token + rows // padded_group  # i32[M]
+        g = rows % padded_group
+        row_ok = (token < q_end) & (g < group)
+        dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
+        index = (token[:, None], (kv_head * group + g)[:, None], dim[None, :])
+        mask = row_ok[:, None] & _head_dim_mask(padded_head_dim, head_dim)[None, :]
+        q = plgpu.load(q_ref.at[index], mask=mask, other=0.0)  # [M, Hp]
+        row_pos = kv_len - q_end + token  # the request's last token sits at kv_len - 1
+
+        last_token = jnp.minimum(first_token + block_q, q_end) - 1
+        num_blocks = pl.cdiv(kv_len - q_end + last_token + 1, pages_per_block * k_ref.shape[1])
+        init = (
+            jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows,), jnp.float32),
+            jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+        )
+        body = functools.partial(
+            _attend_block, q, k_ref, v_ref, page_table_ref, req,
+            kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
+        )
+        _, denom, acc = jax.lax.fori_loop(0, num_blocks, lambda j, c: body(j, carry=c), init)
+        out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+        plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=mask)
+
+
+def _decode_kernel(
+    kv_lens_ref,  # i32[R]
+    page_table_ref,  # i32[R, P_padded]
+    q_ref,  # [R, N, H]: token r is request r's only query
+    k_ref,  # [num_pages, page_size, H] (this program's KV head)
+    v_ref,
+    o_ref,  # f32[Gr, Hp]: this split's unnormalised output
+    max_ref,  # f32[Gr]: its running max (log2 domain)
+    denom_ref,  # f32[Gr]: its softmax denominator
+    *,
+    group: int,
+    num_splits: int,
+    pages_per_block: int,
+    qk_scale: float,
+):
+    req, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows, padded_head_dim = o_ref.shape
+    head_dim = q_ref.shape[2]
+    kv_len = kv_lens_ref[req]
+    # Split this request's own blocks evenly, so short contexts still spread over every split.
+    num_blocks = pl.cdiv(kv_len, pages_per_block * k_ref.shape[1])
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_blocks)
+
+    g = jnp.arange(num_rows, dtype=jnp.int32)
+    dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
+    mask = (g < group)[:, None] & _head_dim_mask(padded_head_dim, head_dim)[None, :]
+    q = plgpu.load(q_ref.at[req, (kv_head * group + g)[:, None], dim[None, :]], mask=mask, other=0.0)
+    row_pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
+    init = (
+        jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+        jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+    )
+    body = functools.partial(
+        _attend_block, q, k_ref, v_ref, page_table_ref, req,
+        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
+    )
+    m, denom, acc = jax.lax.fori_loop(first, last, lambda j, c: body(j, carry=c), init)
+    o_ref[...] = acc
+    max_ref[...] = m
+    denom_ref[...] = denom
+
+
+def _pages_per_block(page_size: int, block_kv: int, max_pages: int) -> int:
+    if block_kv % page_size or block_kv & (block_kv - 1):
+        raise ValueError(f"block_kv={block_kv} must be a power of two and a multiple of page_size={page_size}")
+    return min(block_kv // page_size, _next_pow2(max_pages))
+
+
+def _pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
+    """Pads columns to a whole number of blocks, so a block's page ids are always one in-range slice."""
+    max_pages = page_table.shape[1]
+    return jnp.pad(page_table, ((0, 0), (0, -max_pages % pages_per_block)))
+
+
+def _compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pages.shape[0]
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"head dim of q ({head_dim}) and of the pages ({k_pages.shape[3]}) differ")
+    if k_pages.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV pages are {k_pages.dtype}")
+
+
+def ragged_paged_attention_pallas(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]
+    page_table: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R+1]
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    block_rows: int = 64,
+    block_kv: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [T, N, H]
+    """The general kernel: same contract as `ops.attention.ragged_paged_attention`."""
+    _check_shapes(q, k_pages, v_pages)
+    num_tokens, num_q_heads, _ = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_reqs = page_table.shape[0]
+    group = num_q_heads // num_kv_heads
+    padded_group = _next_pow2(group)
+    block_q = max(1, block_rows // padded_group)
+    if block_q * padded_group < _MIN_DOT_ROWS:
+        block_q = _MIN_DOT_ROWS // padded_group
+    pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
+    page_table = _pad_page_table(page_table, pages_per_block)
+
+    # Number the query blocks request by request: block b belongs to block_req[b] and starts at its
+    # token block_start[b]. At most T / block_q + R blocks exist; the rest of the grid exits at once.
+    num_programs = pl.cdiv(num_tokens, block_q) + num_reqs
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
+    cu_blocks = jnp.cumsum(pl.cdiv(q_lens, block_q))  # i32[R]
+    program = jnp.arange(num_programs, dtype=jnp.int32)
+    block_req = jnp.searchsorted(cu_blocks, program, side="right").astype(jnp.int32)
+    is_used = program < cu_blocks[-1]
+    block_req = jnp.minimum(block_req, num_reqs - 1)
+    first_block = cu_blocks[block_req] - pl.cdiv(q_lens[block_req], block_q)
+    block_start = jnp.where(is_used, (program - first_block) * block_q, 0)  # i32[NB]
+    block_req = jnp.where(is_used, block_req, -1)  # i32[NB]
+
+    kernel = functools.partial(
+        _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
+        pages_per_block=pages_per_block, qk_scale=sm_scale * _LOG2_E,
+    )
+    whole = pl.BlockSpec()  # the kernel indexes these itself
+    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h: (h, 0, 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_programs, num_kv_heads),
+        in_specs=[whole, whole, whole, whole, whole, whole, per_kv_head, per_kv_head, whole],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases={8: 0},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, jnp.zeros_like(q))
+
+
+def default_num_splits(num_reqs: int, num_kv_heads: int, max_pages: int, pages_per_block: int) -> int:
+    """Splits per request so that requests x KV heads x splits reaches a GPU's worth of programs."""
+    wanted = pl.cdiv(_TARGET_DECODE_PROGRAMS, num_reqs * num_kv_heads)
+    return max(1, min(wanted, pl.cdiv(max_pages, pages_per_block)))
+
+
+def paged_decode_attention_pallas(
+    q: jax.Array,  # [R, N, H]: one query token per request
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]; 0 for padding requests
+    page_table: jax.Array,  # i32[R, P]
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    block_kv: int = 128,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [R, N, H]
+    """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1."""
+    _check_shapes(q, k_pages, v_pages)
+    num_reqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if page_table.shape[0] != num_reqs:
+        raise ValueError(f"decode needs one token per request: {num_reqs} tokens, {page_table.shape[0]} requests")
+    group = num_q_heads // num_kv_heads
+    num_rows = max(_MIN_DOT_ROWS, _next_pow2(group))
+    padded_head_dim = _next_pow2(max(head_dim, 16))
+    pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
+    if num_splits is None:
+        num_splits = default_num_splits(num_reqs, num_kv_heads, page_table.shape[1], pages_per_block)
+    page_table = _pad_page_table(page_table, pages_per_block)
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
+        qk_scale=sm_scale * _LOG2_E,
+    )
+    whole = pl.BlockSpec()
+    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, h, s: (h, 0, 0, 0))
+    partial_shape = (num_splits, num_reqs, num_kv_heads, num_rows)
+    out, m, denom = pl.pallas_call(
+        kernel,
+        grid=(num_reqs, num_kv_heads, num_splits),
+        in_specs=[whole, whole, whole, per_kv_head, per_kv_head],
+        out_specs=[
+            pl.BlockSpec((None, None, None, num_rows, padded_head_dim), lambda r, h, s: (s, r, h, 0, 0)),
+            pl.BlockSpec((None, None, None, num_rows), lambda r, h, s: (s, r, h, 0)),
+            pl.BlockSpec((None, None, None, num_rows), lambda r, h, s: (s, r, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, padded_head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(kv_lens, page_table, q, k_pages, v_pages)
+    out = _combine_splits(out, m, denom)  # f32[R, K, Gr, Hp]
+    return out[:, :, :group, :head_dim].reshape(q.shape).astype(q.dtype)
+
+
+def _combine_splits(
+    out: jax.Array,  # f32[S, R, K, Gr, Hp]
+    m: jax.Array,  # f32[S, R, K, Gr]
+    denom: jax.Array,  # f32[S, R, K, Gr]
+) -> jax.Array:  # f32[R, K, Gr, Hp]
+    """Merges the splits' partial softmaxes; rows that saw no key (empty context) come out as zeros."""
+    m_max = m.max(axis=0)
+    weight = jnp.exp2(m - m_max[None])  # empty splits carry denom = 0 and acc = 0, so they add nothing
+    denom = (weight * denom).sum(axis=0)
+    total = (weight[..., None] * out).sum(axis=0)
+    return total / jnp.where(denom == 0.0, 1.0, denom)[..., None]

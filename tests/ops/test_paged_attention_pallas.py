@@ -1,0 +1,144 @@
+"""The Pallas kernels, run by Pallas' interpreter, against the jnp reference and the float64 oracle; and
+lowered for CUDA (Triton IR) for the production head shapes, which catches what only the GPU backend rejects.
+
+Unused page slots are NaN (see `make_case`), so any read past a request's length or outside its pages
+shows up as NaN in the output.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.paged_attention_pallas import (
+    default_num_splits,
+    paged_decode_attention_pallas,
+    ragged_paged_attention_pallas,
+)
+from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
+
+TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
+GQA = [(4, 4), (4, 2), (8, 2), (8, 1), (9, 3)]  # group sizes 1, 2, 4, 8 and SmolLM2's 3
+
+
+def check(got: jax.Array, case: PagedCase, sm_scale: float, dtype) -> None:
+    """Matches the oracle and the reference within the dtype's tolerance; padding tokens are zeros."""
+    got = np.asarray(got.astype(jnp.float32))
+    num_real = case.num_real_tokens
+    tol = TOLERANCE[dtype]
+    assert np.all(np.isfinite(got)), "NaN from an unused page slot leaked into the output"
+    np.testing.assert_allclose(got[:num_real], oracle(case, sm_scale)[:num_real], atol=tol, rtol=tol)
+    reference = ragged_paged_attention(*case.args, sm_scale=sm_scale, impl="reference")
+    reference = np.asarray(reference.astype(jnp.float32))
+    np.testing.assert_allclose(got[:num_real], reference[:num_real], atol=tol, rtol=tol)
+    assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
+def test_ragged_kernel_matches_oracle(mix, num_q_heads, num_kv_heads):
+    rng = np.random.default_rng(sorted(MIXES).index(mix))
+    case = make_case(rng, *MIXES[mix], num_q_heads, num_kv_heads, page_size=16, head_dim=64)
+    got = ragged_paged_attention(*case.args, sm_scale=0.125, impl="interpret")
+    check(got, case, 0.125, np.float32)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_ragged_kernel_bfloat16(mix):
+    rng = np.random.default_rng(10 + sorted(MIXES).index(mix))
+    case = make_case(rng, *MIXES[mix], 8, 2, page_size=16, head_dim=64, dtype=jnp.bfloat16)
+    check(ragged_paged_attention(*case.args, sm_scale=0.125, impl="interpret"), case, 0.125, jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,block_rows,block_kv",
+    [(32, 128, 64, 64), (16, 128, 16, 32), (32, 64, 32, 128), (16, 80, 64, 64)],  # 80: padded to 128
+)
+def test_ragged_kernel_page_sizes_head_dims_and_blocks(page_size, head_dim, block_rows, block_kv):
+    rng = np.random.default_rng(page_size + head_dim)
+    # Query blocks of several tokens, with kv lengths on, one before and one past page boundaries.
+    q_lens, kv_lens = [1, 20, 0, 3, 40, 1], [page_size, 2 * page_size + 1, 5, 3 * page_size - 1, 70, 1]
+    case = make_case(rng, q_lens, kv_lens, 8, 2, page_size=page_size, head_dim=head_dim)
+    got = ragged_paged_attention_pallas(
+        *case.args, sm_scale=0.1, interpret=True, block_rows=block_rows, block_kv=block_kv
+    )
+    check(got, case, 0.1, np.float32)
+
+
+def decode_case(rng, kv_lens, num_q_heads, num_kv_heads, **kwargs) -> PagedCase:
+    """One query token per request and T == R: padding requests (kv_len 0) own the padding tokens."""
+    return make_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, pad_tokens=3, pad_reqs=3,
+                     **kwargs)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("num_splits", [1, 3, None])  # None: as many as the batch leaves room for
+def test_decode_kernel_matches_oracle(num_q_heads, num_kv_heads, num_splits):
+    rng = np.random.default_rng(num_q_heads * 10 + num_kv_heads)
+    case = decode_case(rng, [1, 16, 17, 32, 33, 150], num_q_heads, num_kv_heads, page_size=16, head_dim=64,
+                       max_pages=10)
+    q, k_pages, v_pages, kv_lens, page_table, _ = case.args
+    got = paged_decode_attention_pallas(
+        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.125, interpret=True, num_splits=num_splits,
+        block_kv=32,
+    )
+    check(got, case, 0.125, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size,head_dim", [(16, 64), (32, 128)])
+def test_decode_kernel_dtypes_and_shapes_through_the_entry_point(dtype, page_size, head_dim):
+    rng = np.random.default_rng(page_size)
+    case = decode_case(rng, [3, 64, 65, 200, 1], 8, 2, page_size=page_size, head_dim=head_dim, dtype=dtype,
+                       max_pages=16)
+    got = ragged_paged_attention(*case.args, sm_scale=0.1, impl="interpret", decode_only=True)
+    check(got, case, 0.1, dtype)
+
+
+def test_more_splits_than_blocks_leaves_the_extra_splits_empty():
+    rng = np.random.default_rng(7)
+    case = decode_case(rng, [1, 5, 40], 4, 2, page_size=16, head_dim=64, max_pages=4)
+    q, k_pages, v_pages, kv_lens, page_table, _ = case.args
+    got = paged_decode_attention_pallas(
+        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.2, interpret=True, num_splits=8, block_kv=16
+    )
+    check(got, case, 0.2, np.float32)
+
+
+def test_splits_fill_the_gpu_only_when_the_batch_does_not():
+    assert default_num_splits(num_reqs=1, num_kv_heads=8, max_pages=256, pages_per_block=8) == 32
+    assert default_num_splits(num_reqs=64, num_kv_heads=8, max_pages=256, pages_per_block=8) == 1
+    assert default_num_splits(num_reqs=1, num_kv_heads=1, max_pages=16, pages_per_block=8) == 2
+
+
+# (query heads, KV heads, head dim) of the models jaxserve serves.
+PRODUCTION_HEADS = {"gpt2": (12, 12, 64), "smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("model", sorted(PRODUCTION_HEADS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_kernels_lower_for_cuda(model, dtype, page_size):
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    pages = ((num_kv_heads, 4096, page_size, head_dim), dtype)
+    max_pages = 8192 // page_size
+    for num_tokens, num_reqs in [(2048, 256), (128, 1)]:  # the GPU preset's widest and narrowest buckets
+        ragged = lower_for_cuda(
+            lambda *a: ragged_paged_attention_pallas(*a, sm_scale=0.1),
+            ((num_tokens, num_q_heads, head_dim), dtype), pages, pages,
+            ((num_reqs,), jnp.int32), ((num_reqs, max_pages), jnp.int32), ((num_reqs + 1,), jnp.int32),
+        )
+        assert "__gpu$xla.gpu.triton" in ragged
+    for num_reqs in (1, 64, 256):
+        decode = lower_for_cuda(
+            lambda *a: paged_decode_attention_pallas(*a, sm_scale=0.1),
+            ((num_reqs, num_q_heads, head_dim), dtype), pages, pages,
+            ((num_reqs,), jnp.int32), ((num_reqs, max_pages), jnp.int32),
+        )
+        assert "__gpu$xla.gpu.triton" in decode
