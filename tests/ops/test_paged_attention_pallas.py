@@ -1,5 +1,7 @@
-"""The Pallas kernels, run by Pallas' interpreter, against the jnp reference and the float64 oracle; and
-lowered for CUDA (Triton IR) for the production head shapes, which catches what only the GPU backend rejects.
+"""The Pallas kernels against the jnp reference and the float64 oracle, and lowered for CUDA (Triton IR) for
+the production head shapes, which catches what only the GPU backend rejects.
+
+On CPU (CI) the kernels run in Pallas' interpreter; on a CUDA GPU (sm_80+) the same tests run them compiled.
 
 Unused page slots are NaN (see `make_case`), so any read past a request's length or outside its pages
 shows up as NaN in the output.
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
 from jaxserve.ops.paged_attention_pallas import (
     default_num_splits,
     paged_decode_attention_pallas,
@@ -18,6 +20,8 @@ from jaxserve.ops.paged_attention_pallas import (
 )
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 
+KERNEL_IMPL = "pallas" if resolve_impl("auto") == "pallas" else "interpret"
+INTERPRET = KERNEL_IMPL == "interpret"
 TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
 GQA = [(4, 4), (4, 2), (8, 2), (8, 1), (9, 3)]  # group sizes 1, 2, 4, 8 and SmolLM2's 3
 
@@ -40,7 +44,7 @@ def check(got: jax.Array, case: PagedCase, sm_scale: float, dtype) -> None:
 def test_ragged_kernel_matches_oracle(mix, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], num_q_heads, num_kv_heads, page_size=16, head_dim=64)
-    got = ragged_paged_attention(*case.args, sm_scale=0.125, impl="interpret")
+    got = ragged_paged_attention(*case.args, sm_scale=0.125, impl=KERNEL_IMPL)
     check(got, case, 0.125, np.float32)
 
 
@@ -48,7 +52,7 @@ def test_ragged_kernel_matches_oracle(mix, num_q_heads, num_kv_heads):
 def test_ragged_kernel_bfloat16(mix):
     rng = np.random.default_rng(10 + sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], 8, 2, page_size=16, head_dim=64, dtype=jnp.bfloat16)
-    check(ragged_paged_attention(*case.args, sm_scale=0.125, impl="interpret"), case, 0.125, jnp.bfloat16)
+    check(ragged_paged_attention(*case.args, sm_scale=0.125, impl=KERNEL_IMPL), case, 0.125, jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +65,7 @@ def test_ragged_kernel_page_sizes_head_dims_and_blocks(page_size, head_dim, bloc
     q_lens, kv_lens = [1, 20, 0, 3, 40, 1], [page_size, 2 * page_size + 1, 5, 3 * page_size - 1, 70, 1]
     case = make_case(rng, q_lens, kv_lens, 8, 2, page_size=page_size, head_dim=head_dim)
     got = ragged_paged_attention_pallas(
-        *case.args, sm_scale=0.1, interpret=True, block_rows=block_rows, block_kv=block_kv
+        *case.args, sm_scale=0.1, interpret=INTERPRET, block_rows=block_rows, block_kv=block_kv
     )
     check(got, case, 0.1, np.float32)
 
@@ -80,7 +84,7 @@ def test_decode_kernel_matches_oracle(num_q_heads, num_kv_heads, num_splits):
                        max_pages=10)
     q, k_pages, v_pages, kv_lens, page_table, _ = case.args
     got = paged_decode_attention_pallas(
-        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.125, interpret=True, num_splits=num_splits,
+        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.125, interpret=INTERPRET, num_splits=num_splits,
         block_kv=32,
     )
     check(got, case, 0.125, np.float32)
@@ -92,7 +96,7 @@ def test_decode_kernel_dtypes_and_shapes_through_the_entry_point(dtype, page_siz
     rng = np.random.default_rng(page_size)
     case = decode_case(rng, [3, 64, 65, 200, 1], 8, 2, page_size=page_size, head_dim=head_dim, dtype=dtype,
                        max_pages=16)
-    got = ragged_paged_attention(*case.args, sm_scale=0.1, impl="interpret", decode_only=True)
+    got = ragged_paged_attention(*case.args, sm_scale=0.1, impl=KERNEL_IMPL, decode_only=True)
     check(got, case, 0.1, dtype)
 
 
@@ -101,7 +105,7 @@ def test_more_splits_than_blocks_leaves_the_extra_splits_empty():
     case = decode_case(rng, [1, 5, 40], 4, 2, page_size=16, head_dim=64, max_pages=4)
     q, k_pages, v_pages, kv_lens, page_table, _ = case.args
     got = paged_decode_attention_pallas(
-        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.2, interpret=True, num_splits=8, block_kv=16
+        q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.2, interpret=INTERPRET, num_splits=8, block_kv=16
     )
     check(got, case, 0.2, np.float32)
 
