@@ -90,6 +90,34 @@ def _attend_block(
     return m_new, denom, acc
 
 
+def _attend_blocks(
+    q: jax.Array,  # [M, Hp]
+    k_ref,
+    v_ref,
+    page_table_ref,
+    req: jax.Array,
+    kv_len: jax.Array,
+    row_pos: jax.Array,  # i32[M]
+    first_block: jax.Array | int,
+    end_block: jax.Array | int,
+    *,
+    pages_per_block: int,
+    qk_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # max f32[M] (log2 domain), denom f32[M], acc f32[M, Hp]
+    """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages."""
+    num_rows, padded_head_dim = q.shape
+    init = (
+        jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+        jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+    )
+    body = functools.partial(
+        _attend_block, q, k_ref, v_ref, page_table_ref, req,
+        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
+    )
+    return jax.lax.fori_loop(first_block, end_block, lambda j, carry: body(j, carry=carry), init)
+
+
 def _ragged_kernel(
     block_req_ref,  # i32[NB]: the request of query block b, -1 for unused programs
     block_start_ref,  # i32[NB]: its first token, relative to the request's first
@@ -132,16 +160,10 @@ def _ragged_kernel(
 
         last_token = jnp.minimum(first_token + block_q, q_end) - 1
         num_blocks = pl.cdiv(kv_len - q_end + last_token + 1, pages_per_block * k_ref.shape[1])
-        init = (
-            jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((num_rows,), jnp.float32),
-            jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+        _, denom, acc = _attend_blocks(
+            q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, 0, num_blocks,
+            pages_per_block=pages_per_block, qk_scale=qk_scale,
         )
-        body = functools.partial(
-            _attend_block, q, k_ref, v_ref, page_table_ref, req,
-            kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
-        )
-        _, denom, acc = jax.lax.fori_loop(0, num_blocks, lambda j, c: body(j, carry=c), init)
         out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
         plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=mask)
 
@@ -176,16 +198,10 @@ def _decode_kernel(
     mask = (g < group)[:, None] & _head_dim_mask(padded_head_dim, head_dim)[None, :]
     q = plgpu.load(q_ref.at[req, (kv_head * group + g)[:, None], dim[None, :]], mask=mask, other=0.0)
     row_pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
-    init = (
-        jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_rows,), jnp.float32),
-        jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+    m, denom, acc = _attend_blocks(
+        q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first, last,
+        pages_per_block=pages_per_block, qk_scale=qk_scale,
     )
-    body = functools.partial(
-        _attend_block, q, k_ref, v_ref, page_table_ref, req,
-        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
-    )
-    m, denom, acc = jax.lax.fori_loop(first, last, lambda j, c: body(j, carry=c), init)
     o_ref[...] = acc
     max_ref[...] = m
     denom_ref[...] = denom
