@@ -31,7 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 _MASK_VALUE = -1e30
 _LOG2_E = math.log2(math.e)
 _MIN_DOT_ROWS = 16  # Triton's dot needs M >= 16
-_TARGET_DECODE_PROGRAMS = 512  # enough CTAs for ~4 per SM on an H100 (132 SMs)
+_SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
+_DEFAULT_NUM_SMS = 132  # an H100 SXM; used where the device does not say (CPU, interpret mode)
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -296,9 +297,15 @@ def ragged_paged_attention_pallas(
     )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, jnp.zeros_like(q))
 
 
-def default_num_splits(num_reqs: int, num_kv_heads: int, max_pages: int, pages_per_block: int) -> int:
-    """Splits per request so that requests x KV heads x splits reaches a GPU's worth of programs."""
-    wanted = pl.cdiv(_TARGET_DECODE_PROGRAMS, num_reqs * num_kv_heads)
+def default_num_splits(
+    num_reqs: int, num_kv_heads: int, max_pages: int, pages_per_block: int, num_sms: int = _DEFAULT_NUM_SMS
+) -> int:
+    """1 when requests x KV heads already fill most SMs; otherwise enough splits for about two programs
+    per SM, and never more than a request's largest number of page blocks."""
+    num_programs = num_reqs * num_kv_heads
+    if num_programs >= 0.8 * num_sms:
+        return 1
+    wanted = pl.cdiv(_SPLIT_WAVES * num_sms, num_programs)
     return max(1, min(wanted, pl.cdiv(max_pages, pages_per_block)))
 
 
@@ -327,7 +334,8 @@ def paged_decode_attention_pallas(
     padded_head_dim = _next_pow2(max(head_dim, 16))
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     if num_splits is None:
-        num_splits = default_num_splits(num_reqs, num_kv_heads, page_table.shape[1], pages_per_block)
+        num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_NUM_SMS  # SMs on CUDA devices
+        num_splits = default_num_splits(num_reqs, num_kv_heads, page_table.shape[1], pages_per_block, num_sms)
     page_table = _pad_page_table(page_table, pages_per_block)
 
     kernel = functools.partial(

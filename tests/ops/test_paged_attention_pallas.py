@@ -114,6 +114,8 @@ def test_splits_fill_the_gpu_only_when_the_batch_does_not():
     assert default_num_splits(num_reqs=1, num_kv_heads=8, max_pages=256, pages_per_block=8) == 32
     assert default_num_splits(num_reqs=64, num_kv_heads=8, max_pages=256, pages_per_block=8) == 1
     assert default_num_splits(num_reqs=1, num_kv_heads=1, max_pages=16, pages_per_block=8) == 2
+    assert default_num_splits(num_reqs=4, num_kv_heads=8, max_pages=256, pages_per_block=8, num_sms=132) == 9
+    assert default_num_splits(num_reqs=16, num_kv_heads=8, max_pages=256, pages_per_block=8, num_sms=132) == 1
 
 
 # (query heads, KV heads, head dim) of the models jaxserve serves.
