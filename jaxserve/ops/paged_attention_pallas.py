@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 _MASK_VALUE = -1e30
 _LOG2_E = math.log2(math.e)
-_MIN_DOT_ROWS = 16  # Triton's dot needs M >= 16
+_MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
 _DEFAULT_NUM_SMS = 132  # an H100 SXM; used where the device does not say (CPU, interpret mode)
 
@@ -42,6 +42,11 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels compute in: a power of two that Triton's dot accepts."""
+    return _next_pow2(max(head_dim, _MIN_DOT_DIM))
 
 
 def _head_dim_mask(padded_head_dim: int, head_dim: int) -> jax.Array:  # bool[Hp]
@@ -143,7 +148,7 @@ def _ragged_kernel(
     @pl.when(req >= 0)
     def _():
         head_dim = q_ref.shape[2]
-        padded_head_dim = _next_pow2(max(head_dim, 16))
+        padded_head_dim = _padded_head_dim(head_dim)
         num_rows = block_q * padded_group
         q_start, q_end = cu_q_lens_ref[req], cu_q_lens_ref[req + 1]
         kv_len = kv_lens_ref[req]
@@ -260,8 +265,8 @@ def ragged_paged_attention_pallas(
     group = num_q_heads // num_kv_heads
     padded_group = _next_pow2(group)
     block_q = max(1, block_rows // padded_group)
-    if block_q * padded_group < _MIN_DOT_ROWS:
-        block_q = _MIN_DOT_ROWS // padded_group
+    if block_q * padded_group < _MIN_DOT_DIM:
+        block_q = _MIN_DOT_DIM // padded_group
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     page_table = _pad_page_table(page_table, pages_per_block)
 
@@ -330,8 +335,8 @@ def paged_decode_attention_pallas(
     if page_table.shape[0] != num_reqs:
         raise ValueError(f"decode needs one token per request: {num_reqs} tokens, {page_table.shape[0]} requests")
     group = num_q_heads // num_kv_heads
-    num_rows = max(_MIN_DOT_ROWS, _next_pow2(group))
-    padded_head_dim = _next_pow2(max(head_dim, 16))
+    num_rows = max(_MIN_DOT_DIM, _next_pow2(group))
+    padded_head_dim = _padded_head_dim(head_dim)
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     if num_splits is None:
         num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_NUM_SMS  # SMs on CUDA devices
