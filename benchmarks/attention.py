@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.ops.attention import cuda_compute_capability, ragged_paged_attention
+from jaxserve.ops.attention import MIN_PALLAS_COMPUTE_CAPABILITY, cuda_compute_capability, ragged_paged_attention
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
 # Peak HBM bandwidth in bytes/s by device_kind substring, most specific first (vendor datasheets).
@@ -210,8 +210,9 @@ def main() -> None:
     device = jax.devices()[0]
     capability = cuda_compute_capability(device)
     impls = list(args.impls)
-    if capability is None and any(i.startswith("pallas") for i in impls):
-        print("no CUDA GPU here: skipping the compiled kernel (use --impls interpret to run it slowly)")
+    if (capability or 0.0) < MIN_PALLAS_COMPUTE_CAPABILITY and any(i.startswith("pallas") for i in impls):
+        print(f"no CUDA GPU of compute capability >= {MIN_PALLAS_COMPUTE_CAPABILITY} here: skipping the compiled "
+              "kernel (use --impls interpret to run it slowly)")
         impls = [i for i in impls if not i.startswith("pallas")]
     peak = args.peak_gbps * 1e9 if args.peak_gbps else peak_bandwidth(device)
     dtype = jnp.dtype(args.dtype)

@@ -1,3 +1,6 @@
+"""`python -m jaxserve`: the same CLI as the `jaxserve` script."""
+
 from jaxserve.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,8 @@
-"""`jaxserve serve | generate | bench`: flags become one EngineConfig (and a ServerConfig), built once."""
+"""`jaxserve serve | generate | bench`: flags become one EngineConfig (and a ServerConfig), built once.
+
+Building the parser and printing `--help` must not import jax (it takes seconds): every choice comes
+from jaxserve.config, and each command imports what it runs when it runs.
+"""
 
 import argparse
 import json
@@ -6,40 +10,113 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 from jaxserve import __version__
-from jaxserve.config import DTYPES, EngineConfig, ServerConfig
-from jaxserve.ops.attention import ATTENTION_IMPLS
+from jaxserve.config import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    SERVER_LOG_LEVELS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    platform_preset,
+    preset_names,
+)
+
+logger = logging.getLogger("jaxserve")
+
+# jax logs, at info, every platform it probes and cannot start ("Unable to initialize backend 'tpu'").
+# That logger's warnings (a GPU present without CUDA jaxlib, ...) still show.
+_JAX_PROBE_LOGGER = "jax._src.xla_bridge"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of descriptions and epilogs, and ends every flag's help with its default.
+
+    Unlike ArgumentDefaultsHelpFormatter, a help text that already explains its default (`(default: the
+    model's)`, `the default`, `by default`) is left alone, on/off flags read `(default: off)`, and lists
+    print as they are typed.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        explained = any(words in text for words in ("(default", "the default", "by default"))
+        positional = not action.option_strings and action.nargs not in ("?", "*")  # commands, required args
+        if explained or positional or action.required or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:
+            shown = "off"
+        elif isinstance(action.default, list | tuple):
+            shown = " ".join(str(v) for v in action.default)
+        else:
+            shown = str(action.default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose unknown-argument errors come from the (sub)command that was given them.
+
+    argparse collects a subcommand's unknown arguments and reports them from the top-level parser, so
+    `jaxserve serve --bad` would print `jaxserve`'s usage instead of `serve`'s. Each parser here
+    (subparsers inherit this class) refuses its own leftovers instead; jaxserve has no use for them.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
-                       help="hub id, local HF directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--config", default="default", help="preset in configs/ (name) or a YAML path")
+                       help="hub id, local HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--config", default=None,
+                       help=f"a bundled preset ({', '.join(preset_names())}) or a YAML file: bucket ladders and "
+                            "engine defaults (default: cpu on a CPU, gpu on a GPU)")
     group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    group.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    group.add_argument("--block-size", dest="page_size", type=int, default=None, help="tokens per KV page")
-    group.add_argument("--num-kv-pages", type=int, default=None, help="KV pages (overrides the memory budget)")
+                       help="weights and KV cache dtype; auto is float32 on CPU, bfloat16 on GPU")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help="the most sequences in one step (default: the preset's)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="the most tokens in one step (default: the preset's)")
+    group.add_argument("--block-size", dest="page_size", type=int, default=None,
+                       help="tokens per KV page (default: the preset's)")
+    group.add_argument("--num-kv-pages", type=int, default=None,
+                       help="KV pages, overriding the memory budget (default: from the budget)")
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None,
-                       help="KV cache budget in GiB on CPU")
-    group.add_argument("--gpu-memory-utilization", type=float, default=None)
+                       help="KV cache budget in GiB on CPU (default: the preset's)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="fraction of GPU memory for weights, activations and the KV cache "
+                            f"(default: {CacheConfig.gpu_memory_utilization})")
     group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
-                       help="auto (default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, "
+                       help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, "
                        "the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)")
     group.add_argument("--max-logprobs", type=int, default=None,
-                       help="the most top logprobs a request may ask for (default 20)")
-    group.add_argument("--seed", type=int, default=None)
+                       help=f"the most top logprobs a request may ask for (default: {ModelConfig.max_logprobs})")
+    group.add_argument("--seed", type=int, default=None,
+                       help=f"seed of the sampling RNG (default: {ModelConfig.seed})")
     group.add_argument("--compilation-cache-dir", default=None,
-                       help="JAX's persistent compilation cache (default ~/.cache/jaxserve/xla; 'none' disables)")
+                       help="JAX's persistent compilation cache; 'none' disables it "
+                            f"(default: {EngineConfig.compilation_cache_dir})")
     group.add_argument("--enable-prefix-caching", action="store_true",
                        help="accepted for vLLM compatibility; prefix caching is not implemented yet")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 for now")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM compatibility; jaxserve never runs code from a model repository")
     group.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
-                       help="default: info for serve, warning otherwise")
+                       help="jaxserve's log level (default: info for serve, warning otherwise)")
 
 
 def _compilation_cache(setting: str | None) -> dict[str, str]:
@@ -52,9 +129,12 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size must be 1: tensor parallelism is not implemented yet")
     if args.enable_prefix_caching:
-        logging.getLogger("jaxserve").warning("--enable-prefix-caching is accepted but not implemented yet")
+        logger.warning("--enable-prefix-caching is accepted but not implemented yet")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
+                    "tokenizers load without remote code, so no code from a model repository ever runs")
     return EngineConfig.from_preset(
-        args.config,
+        args.config if args.config is not None else platform_preset(),
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -70,6 +150,11 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         **extra,
         **_compilation_cache(args.compilation_cache_dir),
     )
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key, else JAXSERVE_API_KEY, else vLLM's VLLM_API_KEY, so a vLLM deployment's env carries over."""
+    return flag or os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -123,32 +208,29 @@ def _cmd_bench_serve(args: argparse.Namespace) -> None:
 
     from jaxserve.bench.serve import format_report, run_level
 
+    # format_report([]) is the header and the footnote; each level's row is printed as soon as it is measured.
+    header, footer = format_report([]).splitlines()
+    print(header, flush=True)
     results = []
     for concurrency in args.concurrency:
         num_prompts = args.num_prompts or max(4 * concurrency, 8)
         results.append(asyncio.run(run_level(
             args.base_url, args.model, concurrency, num_prompts, args.input_len, args.output_len,
-            api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"), seed=args.seed,
+            api_key=_api_key(args.api_key), seed=args.seed,
         )))
-        print(format_report(results[-1:]).splitlines()[-2], flush=True)
-    print(format_report(results))
+        print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
+    print(footer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
 
 
-def _cmd_serve(args: argparse.Namespace) -> None:
-    from jaxserve.api.server import run_server
-
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
-    server_config = ServerConfig(
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
         host=args.host or "0.0.0.0",
         port=args.port,
         served_model_name=tuple(args.served_model_name or ()),
-        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        api_key=_api_key(args.api_key),
         allowed_origins=tuple(args.allowed_origins),
         allow_credentials=args.allow_credentials,
         allowed_methods=tuple(args.allowed_methods),
@@ -161,7 +243,26 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         generation_config=args.generation_config,
         disable_log_stats=args.disable_log_stats,
         shutdown_timeout=args.shutdown_timeout,
+        access_log=args.access_log,
+        server_log_level=args.uvicorn_log_level,
+        log_requests=args.log_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
+        body_read_timeout=args.body_read_timeout,
     )
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    server_config = _server_config(args)
+
+    from jaxserve.models.loader import resolve_model
+
+    resolve_model(args.model)  # before binding the port: a wrong --model ends here, in one line
+    from jaxserve.api.server import run_server
+
     sys.exit(run_server(_engine_config(args), server_config))
 
 
@@ -176,35 +277,68 @@ def _json_list(value: str) -> list[str]:
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="same as --model (default: the bundled SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=int, default=8000, help="port to bind")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use in `model` (default: the model's name)")
     group.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
-                            "(or set JAXSERVE_API_KEY)")
+                            "(default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)")
     group.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     group.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
     group.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
-    group.add_argument("--ssl-keyfile", default=None)
-    group.add_argument("--ssl-certfile", default=None)
-    group.add_argument("--root-path", default="", help="path prefix when behind a path-based proxy")
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (default: plain HTTP)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate file (default: plain HTTP)")
+    group.add_argument("--root-path", default="", help="path prefix when behind a path-based proxy (default: none)")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="add X-Request-Id to every response (a client's own id is always echoed)")
-    group.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request bring its own `chat_template` (refused otherwise: a template is code "
+                            "that runs on the server)")
     group.add_argument("--generation-config", default="auto",
                        help="default sampling parameters: 'auto' (the model's generation_config.json), "
                             "'vllm' (none), or a folder")
-    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    group.add_argument("--body-read-timeout", type=float, default=30.0,
+                       help="seconds for a request body to arrive in full; a slower one gets a 408")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to finish in-flight requests after SIGTERM/SIGINT")
 
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    logs.add_argument("--disable-uvicorn-access-log", "--disable-access-log", dest="access_log",
+                      action="store_false", help="no access log (by default one line per HTTP request)")
+    logs.add_argument("--uvicorn-log-level", default="info", choices=SERVER_LOG_LEVELS,
+                      help="log level of the HTTP server's own loggers (vLLM's name for it)")
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                      help="log one line per request with its sampling parameters and prompt length (default: off)")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=False,
+                      help="no per-request lines: the default, accepted for vLLM compatibility")
+
+
+def _add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
+    parser.add_argument("--model", default=None, help="the `model` field to send (default: none, the server's)")
+    parser.add_argument("--api-key", default=None,
+                        help="bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
+                        help="requests in flight; one row per level")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests per level (default: 4 x concurrency, at least 8)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (random token ids)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated per request (EOS ignored, so exactly this many)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--json", default=None, help="also write the results to this file (default: none)")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxserve",
         description="A JAX-native LLM inference server: paged KV cache, bucketed jit steps, continuous batching.",
         epilog="examples:\n"
@@ -214,10 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  jaxserve bench serve --concurrency 1 4 16\n"
                "  jaxserve bench offline --concurrency 1 16 64\n"
                "'jaxserve COMMAND --help' lists a command's flags.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
         "serve", help="serve a model over OpenAI-compatible HTTP",
@@ -228,36 +361,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve, default_log_level="info")
 
-    gen = commands.add_parser("generate", help="generate a reply to one prompt and print it")
+    gen = commands.add_parser("generate", help="generate a reply to one prompt and print it",
+                              description="Generate without a server: a chat reply, or with --raw a completion.")
     _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable with --raw)")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is all")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    offline = bench_kinds.add_parser("offline", help="engine throughput without HTTP")
+    bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks: offline engine or HTTP load.")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
+    offline = bench_kinds.add_parser("offline", help="engine throughput without HTTP",
+                                     description="Engine throughput without HTTP: one wave per concurrency.")
     _add_engine_args(offline)
-    offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    offline.add_argument("--input-len", type=int, default=128)
-    offline.add_argument("--output-len", type=int, default=128)
-    offline.add_argument("--json", default=None, help="also write the report to this file")
+    offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64],
+                         help="sequences per wave; one row per level")
+    offline.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    offline.add_argument("--output-len", type=int, default=128, help="tokens generated per sequence")
+    offline.add_argument("--json", default=None, help="also write the report to this file (default: none)")
     offline.set_defaults(func=_cmd_bench_offline)
 
-    serve_bench = bench_kinds.add_parser("serve", help="load a running server over HTTP (like `vllm bench serve`)")
-    serve_bench.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    serve_bench.add_argument("--model", default=None, help="the `model` field to send (default: none)")
-    serve_bench.add_argument("--api-key", default=None)
-    serve_bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    serve_bench.add_argument("--num-prompts", type=int, default=None, help="per level (default: 4 x concurrency)")
-    serve_bench.add_argument("--input-len", type=int, default=128)
-    serve_bench.add_argument("--output-len", type=int, default=128)
-    serve_bench.add_argument("--seed", type=int, default=0)
-    serve_bench.add_argument("--json", default=None, help="also write the results to this file")
+    serve_bench = bench_kinds.add_parser(
+        "serve", help="load a running server over HTTP (like `vllm bench serve`)",
+        description="Load a running server over HTTP (like `vllm bench serve`): streamed /v1/completions; "
+                    "req/s, output tok/s, TTFT/TPOT/ITL/E2E mean, p50 and p99 per concurrency level.",
+    )
+    _add_bench_serve_args(serve_bench)
     serve_bench.set_defaults(func=_cmd_bench_serve, log_level="warning")
     return parser
 
@@ -267,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     level = args.log_level or getattr(args, "default_log_level", "warning")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    if level != "debug":
+        logging.getLogger(_JAX_PROBE_LOGGER).setLevel(logging.WARNING)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -1,14 +1,27 @@
-"""Engine configuration: frozen dataclasses that validate themselves, and YAML presets from configs/."""
+"""Engine configuration: frozen dataclasses that validate themselves, and YAML presets from jaxserve/configs/.
+
+No jax here: `jaxserve --help` builds its choices from this module and must stay fast. The presets ship
+inside the package and are read through importlib.resources, so a wheel install finds them as an
+editable one does.
+"""
 
 import dataclasses
+import importlib.resources
+import importlib.resources.abc
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+logger = logging.getLogger(__name__)
+
 DTYPES = ("auto", "float32", "bfloat16")
+# ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas", "interpret")
+# The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
+SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class EngineConfig:
 
     @classmethod
     def from_preset(cls, preset: str | Path | None = None, **overrides: Any) -> "EngineConfig":
-        """Builds a config from a YAML preset (a name in configs/ or a path), then flat overrides.
+        """Builds a config from a YAML preset (a name in jaxserve/configs/ or a path), then flat overrides.
 
         Overrides are field names of any sub-config (`max_num_seqs=8`, `dtype="float32"`) or of
         EngineConfig itself; None values are ignored so CLI defaults don't mask the preset.
@@ -124,14 +137,44 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+def _bundled_presets() -> importlib.resources.abc.Traversable:
+    return importlib.resources.files("jaxserve") / "configs"
+
+
+def preset_names() -> list[str]:
+    """The presets bundled with the package (the names `--config` takes)."""
+    return sorted(e.name.removesuffix(".yaml") for e in _bundled_presets().iterdir() if e.name.endswith(".yaml"))
+
+
 def load_preset(preset: str | Path) -> dict[str, Any]:
-    path = Path(preset)
-    if not path.suffix:
-        path = CONFIGS_DIR / f"{preset}.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"config preset not found: {path}")
-    with path.open() as f:
-        return yaml.safe_load(f) or {}
+    """A preset's sections: a bare name is a bundled preset, anything with a suffix a YAML file."""
+    if Path(preset).suffix:
+        path = Path(preset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        text = path.read_text()
+    else:
+        resource = _bundled_presets() / f"{preset}.yaml"
+        if not resource.is_file():
+            raise FileNotFoundError(f"no config preset {preset!r}; choose from {', '.join(preset_names())} "
+                                    "or pass a .yaml path")
+        text = resource.read_text()
+    return yaml.safe_load(text) or {}
+
+
+def platform_preset() -> str:
+    """The preset for the default JAX backend when `--config` is not given: `cpu` on a CPU, `gpu` on a GPU.
+
+    The `default` ladder compiles about forty buckets, over a minute at every start on a CPU, for batches
+    a CPU cannot fill anyway; `cpu` compiles a handful. Other backends keep `default`.
+    Imports jax, so only call it when the engine is about to start.
+    """
+    import jax
+
+    backend = jax.default_backend()
+    preset = backend if backend in ("cpu", "gpu") else "default"
+    logger.info("using preset %r: no --config given and the JAX backend is %s", preset, backend)
+    return preset
 
 
 @dataclass(frozen=True)
@@ -155,6 +198,11 @@ class ServerConfig:
     disable_log_stats: bool = False
     shutdown_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM
     max_request_body_bytes: int = 16 * 2**20
+    access_log: bool = True  # one line per request, like vLLM's (uvicorn's) access log
+    server_log_level: str = "info"  # the HTTP server's own loggers (--uvicorn-log-level)
+    log_requests: bool = False  # one line per request with its sampling params and prompt length
+    trust_request_chat_template: bool = False  # without it a request's own `chat_template` is refused
+    body_read_timeout: float = 30.0  # seconds for a request body to arrive in full, else 408
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -163,3 +211,8 @@ class ServerConfig:
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if self.server_log_level not in SERVER_LOG_LEVELS:
+            raise ValueError(f"server_log_level must be one of {', '.join(SERVER_LOG_LEVELS)}, "
+                             f"got {self.server_log_level!r}")
+        if not self.body_read_timeout > 0:  # also refuses NaN
+            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")

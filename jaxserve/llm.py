@@ -20,7 +20,7 @@ class LLM:
     """Loads a model once and generates for many prompts at a time.
 
     `LLM()` uses the bundled SmolLM2-135M-Instruct. Keyword arguments are engine options
-    (`max_model_len`, `max_num_seqs`, `num_kv_pages`, ...); `config` names a preset in configs/.
+    (`max_model_len`, `max_num_seqs`, `num_kv_pages`, ...); `config` names a preset in jaxserve/configs/ or a YAML file.
     """
 
     def __init__(

@@ -23,6 +23,46 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When a finished request passed each stage, stamped on the engine thread (`time.monotonic()`).
+
+    The API turns these into vLLM's per-request histograms. The stages follow vLLM's: queued from
+    arrival to first scheduled, prefill from first scheduled to first token, decode from first token to
+    last token, inference from first scheduled to last token; preemptions do not restart a stage. For a
+    request with n > 1, the parent is one record spanning its sequences: the earliest scheduling and
+    first token, the latest last token. A stamp is None when the stage never happened (a request aborted
+    while it waited).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0  # summed over the sequences
+    max_tokens_param: int | None = None  # the request's max_tokens (vLLM's request_params_max_tokens)
+
+    @property
+    def queue_time(self) -> float | None:
+        return _interval(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _interval(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _interval(self.first_token_time, self.last_token_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _interval(self.first_scheduled_time, self.last_token_time)
+
+
+def _interval(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -30,6 +70,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    metrics: RequestMetrics | None = None  # set on the finished output only
+    error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,42 @@
-"""SamplingParams: how one request samples and when it stops (pure Python, no jax)."""
+"""SamplingParams: how one request samples and when it stops (pure Python, no jax).
 
+This module holds the one rule for what a request may ask: `SamplingParams` checks every field against
+its documented range (OpenAI's for OpenAI's fields, vLLM's for its extras) and against what the step's
+device arrays can hold; `RequestLimits.check` adds what depends on the loaded engine (vocabulary,
+context length, KV capacity, compiled logprob width). The API calls both before it queues a request and
+the engine calls them again when it adds one, so nothing the engine thread builds can overflow.
+"""
+
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_STOP_STRINGS = 64  # each generated token is checked against every stop string
+MAX_STOP_STRING_CHARS = 1024
+_INT32_MAX = 2**31 - 1
+_MIN_REPETITION_PENALTY = 0.01  # dividing a float32 logit by less could overflow it to inf
+
+
+class InvalidParam(ValueError):
+    """A request field out of its range; `param` names the field, as OpenAI's error envelope does."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParam(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+
+
+def _check_float(name: str, value: object, low: float, high: float, *, open_low: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low < value if open_low else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if open_low else "["
+        raise InvalidParam(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}", name)
 
 
 @dataclass
@@ -10,8 +44,8 @@ class SamplingParams:
     """Per-request sampling settings, named and defaulted as in vLLM / the OpenAI API.
 
     `temperature == 0` means greedy. `top_k <= 0` (or -1) disables top-k. `seed` makes sampling
-    reproducible whatever else shares the batch. Validation raises ValueError with a message fit
-    for an API user.
+    reproducible whatever else shares the batch. Validation raises InvalidParam (a ValueError) with a
+    message fit for an API user.
     """
 
     n: int = 1
@@ -40,42 +74,40 @@ class SamplingParams:
         else:
             self.stop_strings = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        if self.top_k is None or self.top_k < 0:
+        self.logit_bias = dict(self.logit_bias or {})
+        if self.top_k is None or (isinstance(self.top_k, int) and -1 <= self.top_k < 0):
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, 2.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_int("top_k", self.top_k, 0, _INT32_MAX)  # -1 (off) became 0 above
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, _INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, _INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed out of range: {self.seed}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must not be empty")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise InvalidParam(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                               "min_tokens")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise InvalidParam(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        for stop in self.stop_strings:
+            if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
+                raise InvalidParam(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, _INT32_MAX)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, _INT32_MAX)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
         for token_id, bias in self.logit_bias.items():
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+            _check_int("logit_bias", token_id, 0, _INT32_MAX)
+            _check_float("logit_bias", bias, -100.0, 100.0)
 
     @property
     def has_penalties(self) -> bool:
@@ -85,3 +117,58 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the loaded engine can serve, fixed at start-up: a plain record that the API thread may read
+    while the engine thread steps."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int  # the compiled width of the top-logprobs output
+    max_biased_tokens: int  # logit_bias + stop_token_ids + EOS entries per row of the step
+    num_eos_tokens: int
+    kv_capacity_tokens: int  # usable KV pages x page size
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidParam for a request this engine cannot serve."""
+        num_prompt = len(prompt_token_ids)
+        if not num_prompt:
+            raise InvalidParam("the prompt is empty", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParam(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        self.check_length(num_prompt, params.max_tokens)
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise InvalidParam(f"logprobs must be at most {self.max_logprobs} (--max-logprobs), got "
+                               f"{params.logprobs}", "logprobs")
+        bad = next((t for t in [*params.logit_bias, *params.stop_token_ids] if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParam(f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary "
+                               f"[0, {self.vocab_size})", "logit_bias" if bad in params.logit_bias else
+                               "stop_token_ids")
+        num_biased = len(params.logit_bias) + len(params.stop_token_ids) + self.num_eos_tokens
+        if num_biased > self.max_biased_tokens:
+            raise InvalidParam(f"logit_bias and stop_token_ids name {num_biased} tokens together (with EOS); "
+                               f"at most {self.max_biased_tokens} are supported", "logit_bias")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """OpenAI's context-length error, with the numbers that broke it; then the KV capacity."""
+        if max_tokens is None:
+            if num_prompt_tokens >= self.max_model_len:
+                raise InvalidParam(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                    f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion. "
+                    "Please reduce the length of the prompt.", "prompt")
+            total = self.max_model_len
+        else:
+            total = num_prompt_tokens + max_tokens
+            if total > self.max_model_len:
+                raise InvalidParam(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                    "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if total > self.kv_capacity_tokens:
+            raise InvalidParam(f"the request needs up to {total} tokens of KV cache but the cache holds "
+                               f"{self.kv_capacity_tokens}", "max_tokens")

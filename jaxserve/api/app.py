@@ -19,8 +19,8 @@ from starlette.routing import Route
 
 from jaxserve.api import chat, completions, misc
 from jaxserve.api.errors import APIError, error_response
-from jaxserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware
-from jaxserve.api.serving import ClientDisconnected, ModelServing, ServerState
+from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
+from jaxserve.api.serving import ModelServing, ServerState
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 
@@ -29,21 +29,16 @@ logger = logging.getLogger(__name__)
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.param)
+    return error_response(exc.status, exc.message, exc.param, exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(exc.status_code, exc.detail)
+    return error_response(exc.status_code, exc.detail, headers=exc.headers)
 
 
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody reads it; the request's work was cancelled
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error: {type(exc).__name__}")
+def _internal_error() -> Response:
+    return error_response(500, "internal server error")
 
 
 def create_app(
@@ -66,8 +61,8 @@ def create_app(
                 on_load_error(e)
             return
         host = "0.0.0.0" if config.host in ("", "::") else config.host
-        logger.info("serving %s at http://%s:%d%s/v1", state.serving.model_names[0], host,
-                       config.port, config.root_path)
+        logger.info("ready: serving %s at http://%s:%d%s/v1", state.serving.model_names[0], host,
+                    config.port, config.root_path)
 
     async def log_stats() -> None:
         while state.serving is None:
@@ -80,6 +75,7 @@ def create_app(
         if isinstance(engine, AsyncEngine):
             state.serving = ModelServing.create(engine, config)
         else:
+            logger.info("loading the model; /health answers 503 until it is ready")
             loading = asyncio.create_task(load(engine))
         stats_logger = None if config.disable_log_stats else asyncio.create_task(log_stats())
         yield
@@ -90,12 +86,19 @@ def create_app(
             await loading  # a load cannot be interrupted; let it finish so its engine is shut down
             if state.serving is not None:
                 await asyncio.to_thread(state.serving.engine.shutdown)
+        if state.serving is not None:
+            state.serving.close()
+
+    from jaxserve.api.openapi import openapi_routes  # local: keeps this edit to one place; may move up
 
     routes = [
+        *openapi_routes(config),
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
+        Route("/ping", misc.health, methods=["GET", "POST"]),
+        Route("/load", misc.load, methods=["GET"]),
         Route("/version", misc.version, methods=["GET"]),
         Route("/metrics", misc.metrics, methods=["GET"]),
         Route("/tokenize", misc.tokenize, methods=["POST"]),
@@ -106,6 +109,8 @@ def create_app(
                    allow_credentials=config.allow_credentials, allow_methods=list(config.allowed_methods),
                    allow_headers=list(config.allowed_headers)),
         Middleware(RequestIdMiddleware, generate=config.enable_request_id_headers),
+        Middleware(InFlightMiddleware, counter=state),
+        Middleware(ErrorMiddleware, response=_internal_error),
     ]
     if config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
@@ -115,8 +120,6 @@ def create_app(
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
-            ClientDisconnected: _client_gone,
-            Exception: _internal_error,
         },
         lifespan=lifespan,
     )

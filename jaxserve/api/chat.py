@@ -1,14 +1,14 @@
 """POST /v1/chat/completions: the chat template turns messages into one prompt with n completions."""
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.errors import APIError, parse_body
+from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,9 +24,9 @@ from jaxserve.api.protocol import (
     UsageInfo,
     random_id,
 )
-from jaxserve.api.serving import ModelServing, engine_error, get_serving, sse_error, unless_disconnected
-from jaxserve.engine.async_engine import EngineDeadError
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.api.streaming import ChoiceStream, collect, sse
+from jaxserve.outputs import CompletionOutput
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -46,7 +46,15 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def render_chat(
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+async def render_chat(
     serving: ModelServing,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
@@ -54,25 +62,33 @@ def render_chat(
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The conversation rendered by the chat template and tokenized (the template adds special tokens)."""
+    """The conversation rendered by the chat template and tokenized (the template adds special tokens),
+    on the tokenizer thread: rendering and tokenizing grow with the input."""
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true")
-    try:
-        text = serving.tokenizer.apply_chat_template(
-            _message_dicts(messages),
-            chat_template=chat_template or serving.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
-    ids = serving.tokenizer.encode(text, add_special_tokens=False)
-    serving.check_prompt(ids)
-    return ids
+    if chat_template is not None and not serving.config.trust_request_chat_template:
+        raise APIError(400, "a chat_template in the request is refused: the server runs only its own template "
+                            "unless started with --trust-request-chat-template", "chat_template")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    conversation = _message_dicts(messages)
+    template = chat_template or serving.chat_template
+
+    def render() -> list[int]:
+        try:
+            text = serving.tokenizer.apply_chat_template(
+                conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}),
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
+            raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+        serving.check_text_length(text, "messages")
+        return serving.tokenizer.encode(text, add_special_tokens=False)
+
+    return await serving.off_loop(render)
 
 
 def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int) -> ChatLogprobs:
@@ -91,7 +107,7 @@ def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int) -
 
 async def create_chat_completion(request: Request) -> Response:
     serving = get_serving(request)
-    req = await parse_body(request, ChatCompletionRequest, serving.config.max_request_body_bytes)
+    req = await serving.parse(request, ChatCompletionRequest)
     serving.check_model(req.model)
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet; only 'text'",
@@ -100,24 +116,26 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(400, "tools are not supported yet", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt_ids = render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
-                             req.chat_template, req.chat_template_kwargs)
+    prompt_ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                   req.chat_template, req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, len(prompt_ids), max_tokens, logprobs)
-    serving.validate(prompt_ids, params)
+    params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs)
     request_id = random_id("chatcmpl")
     model_name = req.model or serving.model_names[0]
-    outputs = serving.generate(prompt_ids, params, request_id)
+    streams = [serving.generate(prompt_ids, params, request_id)]
+    choices = ChoiceStream(streams, req.n, len(prompt_ids))
     if req.stream:
+        created = int(time.time())
+
+        def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage)
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, req, request_id, model_name, outputs, include_usage)
+        body = sse(_chunks(serving, req, choices, chunk), (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
-    try:
-        final = await unless_disconnected(request, _last(outputs))
-    except (ValueError, EngineDeadError) as e:
-        raise engine_error(e) from None
-    choices = [
+    (final,) = await collect(request, streams)
+    items = [
         ChatChoice(
             index=c.index,
             message=ChatResponseMessage(content=c.text),
@@ -128,55 +146,22 @@ async def create_chat_completion(request: Request) -> Response:
         for c in final.outputs
     ]
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens)
-    return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
+    return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items,
                                                usage=usage).model_dump())
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async for output in outputs:
-        final = output
-    return final
-
-
-async def _stream(
+async def _chunks(
     serving: ModelServing,
     req: ChatCompletionRequest,
-    request_id: str,
-    model_name: str,
-    outputs: AsyncIterator[RequestOutput],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-        response = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
-                                       usage=usage)
-        return f"data: {response.model_dump_json()}\n\n"
-
-    sent_tokens = [0] * req.n
-    finished: set[int] = set()
-    try:
-        for i in range(req.n):  # the first chunk of each choice carries the role
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        last = None
-        async for output in outputs:
-            last = output
-            for completion in output.outputs:
-                i = completion.index
-                if i in finished or not (completion.text_delta or completion.finished
-                                         or len(completion.token_ids) > sent_tokens[i]):
-                    continue
-                logprobs = _logprobs(serving, completion, sent_tokens[i]) if req.logprobs else None
-                sent_tokens[i] = len(completion.token_ids)
-                if completion.finished:
-                    finished.add(i)
-                yield chunk([ChatChunkChoice(
-                    index=i, delta=DeltaMessage(content=completion.text_delta), logprobs=logprobs,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                )])
-        if include_usage and last is not None:
-            yield chunk([], UsageInfo.of(last.num_prompt_tokens, last.num_generated_tokens))
-    except (ValueError, EngineDeadError) as e:
-        yield sse_error(e)
-    yield "data: [DONE]\n\n"
+    choices: ChoiceStream,
+    chunk: Callable[[list[ChatChunkChoice]], ChatCompletionChunk],
+) -> AsyncIterator[ChatCompletionChunk]:
+    for i in range(req.n):  # the first chunk of each choice carries the role
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    async for delta in choices:
+        completion = delta.completion
+        yield chunk([ChatChunkChoice(
+            index=delta.index, delta=DeltaMessage(content=completion.text_delta),
+            logprobs=_logprobs(serving, completion, delta.first_token) if req.logprobs else None,
+            finish_reason=delta.finish_reason, stop_reason=completion.stop_reason,
+        )])

@@ -1,11 +1,11 @@
 """POST /v1/completions: one engine request per prompt (each with its n completions), streamed or not."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.errors import APIError, parse_body
+from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -14,13 +14,15 @@ from jaxserve.api.protocol import (
     UsageInfo,
     random_id,
 )
-from jaxserve.api.serving import ModelServing, engine_error, get_serving, merge_streams, sse_error, unless_disconnected
-from jaxserve.engine.async_engine import EngineDeadError
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.api.streaming import ChoiceStream, collect, sse
+from jaxserve.outputs import CompletionOutput
+
+MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n: one HTTP request may not queue unbounded work
 
 
-def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """(prompt text, prompt token ids) for each prompt in the request's four accepted shapes."""
+async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(prompt text or None, prompt token ids) for each prompt in the request's four accepted shapes."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -30,16 +32,14 @@ def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[str, l
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", "prompt")
-    prompts = []
+    if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(400, f"{len(items)} prompts x n={req.n} exceed the limit of {MAX_SEQUENCES_PER_REQUEST} "
+                            "completions per request", "prompt")
     for item in items:
         if isinstance(item, str):
-            ids = serving.tokenizer.encode(item) if item else []
-            serving.check_prompt(ids)
-            prompts.append((item, ids))
-        else:
-            serving.check_prompt(item)
-            prompts.append((serving.tokenizer.decode(item), list(item)))
-    return prompts
+            serving.check_text_length(item)
+    return [(item, await serving.encode(item) if item else []) if isinstance(item, str) else (None, list(item))
+            for item in items]
 
 
 def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int, text_offset: int) -> CompletionLogprobs:
@@ -61,7 +61,7 @@ def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int, t
 
 async def create_completion(request: Request) -> Response:
     serving = get_serving(request)
-    req = await parse_body(request, CompletionRequest, serving.config.max_request_body_bytes)
+    req = await serving.parse(request, CompletionRequest)
     serving.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
@@ -69,91 +69,58 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
-    prompts = _prompts(serving, req)
-    params = [serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for _, ids in prompts]
+    prompts = await _prompts(serving, req)
+    # Every prompt is checked before any starts, so a bad one is a 400 even when streaming.
+    params = [serving.sampling_params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
+    if req.echo:
+        prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
     request_id = random_id("cmpl")
-    prompt_ids = [ids for _, ids in prompts]
-    for ids, p in zip(prompt_ids, params, strict=True):
-        serving.validate(ids, p)  # all prompts before any starts
-    streams = [serving.generate(ids, p, f"{request_id}-{i}") for i, (ids, p) in enumerate(zip(prompt_ids, params,
-                                                                                               strict=True))]
+    streams = [serving.generate(ids, p, f"{request_id}-{i}") for i, ((_, ids), p) in enumerate(zip(prompts, params,
+                                                                                                  strict=True))]
+    choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
     model_name = req.model or serving.model_names[0]
     if req.stream:
+        def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage)
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, req, request_id, model_name, prompts, streams, include_usage)
+        body = sse(_chunks(serving, req, prompts, choices, chunk),
+                   (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
-    try:
-        finals = await unless_disconnected(request, _collect(streams, len(prompts)))
-    except (ValueError, EngineDeadError) as e:
-        raise engine_error(e) from None
-    choices, num_generated = [], 0
+    finals = await collect(request, streams)
+    items, num_generated = [], 0
     for prompt_index, output in enumerate(finals):
-        prompt_text = prompts[prompt_index][0]
+        prompt_text = prompts[prompt_index][0] or ""
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
-            choices.append(CompletionChoice(
+            items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
                 text=(prompt_text if req.echo else "") + completion.text,
                 logprobs=_logprobs(serving, completion, 0, 0) if req.logprobs is not None else None,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
             ))
-    num_prompt = sum(len(ids) for _, ids in prompts)
-    usage = UsageInfo.of(num_prompt, num_generated)
-    response = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
-    return JSONResponse(response.model_dump())
+    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated)
+    return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]], num_prompts: int) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * num_prompts
-    async for index, output in merge_streams(streams):
-        if output.finished:
-            finals[index] = output
-    return finals
-
-
-async def _stream(
+async def _chunks(
     serving: ModelServing,
     req: CompletionRequest,
-    request_id: str,
-    model_name: str,
-    prompts: list[tuple[str, list[int]]],
-    streams: list[AsyncIterator[RequestOutput]],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        response = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
-        return f"data: {response.model_dump_json()}\n\n"
-
-    num_choices = len(prompts) * req.n
-    sent_tokens = [0] * num_choices
-    text_offsets = [0] * num_choices
-    finished: set[int] = set()
-    num_generated = 0
-    try:
-        if req.echo:
-            yield chunk([CompletionChoice(index=i, text=prompts[i // req.n][0]) for i in range(num_choices)])
-        async for prompt_index, output in merge_streams(streams):
-            for completion in output.outputs:
-                index = prompt_index * req.n + completion.index
-                if index in finished or not (completion.text_delta or completion.finished
-                                             or len(completion.token_ids) > sent_tokens[index]):
-                    continue
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = _logprobs(serving, completion, sent_tokens[index], text_offsets[index])
-                    text_offsets[index] += sum(len(t) for t in logprobs.tokens)
-                num_generated += len(completion.token_ids) - sent_tokens[index]
-                sent_tokens[index] = len(completion.token_ids)
-                if completion.finished:
-                    finished.add(index)
-                yield chunk([CompletionChoice(
-                    index=index, text=completion.text_delta, logprobs=logprobs,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                )])
-        if include_usage:
-            num_prompt = sum(len(ids) for _, ids in prompts)
-            yield chunk([], UsageInfo.of(num_prompt, num_generated))
-    except (ValueError, EngineDeadError) as e:
-        yield sse_error(e)
-    yield "data: [DONE]\n\n"
+    prompts: list[tuple[str | None, list[int]]],
+    choices: ChoiceStream,
+    chunk: Callable[[list[CompletionChoice]], CompletionResponse],
+) -> AsyncIterator[CompletionResponse]:
+    if req.echo:
+        yield chunk([CompletionChoice(index=i, text=prompts[i // req.n][0] or "")
+                     for i in range(len(prompts) * req.n)])
+    text_offsets = [0] * (len(prompts) * req.n)
+    async for delta in choices:
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _logprobs(serving, delta.completion, delta.first_token, text_offsets[delta.index])
+            text_offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
+        yield chunk([CompletionChoice(
+            index=delta.index, text=delta.completion.text_delta, logprobs=logprobs,
+            finish_reason=delta.finish_reason, stop_reason=delta.completion.stop_reason,
+        )])

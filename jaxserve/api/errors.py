@@ -1,11 +1,18 @@
-"""Errors in OpenAI's envelope, and request-body parsing that never turns bad input into a 500."""
+"""Errors in OpenAI's envelope, and request-body reading that never turns bad input into a 500.
 
+A body is read within a deadline (slow or stalled uploads get a 408), capped in size (413), parsed off
+the event loop when it is large, and then walked once, iteratively, so that nesting too deep for the
+code after it or strings that are not valid Unicode (lone surrogates) are a 400 here, not an
+exception deep inside pydantic, a tokenizer or a log line.
+"""
+
+import asyncio
 import json
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from jaxserve.api.protocol import ErrorInfo, ErrorResponse
@@ -16,10 +23,14 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    500: "server_error",
     503: "service_unavailable",
 }
-
+MAX_JSON_DEPTH = 64  # tool schemas nest ~10 deep; recursion in pydantic and jinja starts near 1,000
+_PARSE_OFF_LOOP_BYTES = 256 * 1024  # bigger bodies are parsed on a worker thread
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -33,46 +44,107 @@ def _is_union_member_tag(part: str | int) -> bool:
 class APIError(Exception):
     """Raised anywhere in a handler; the app turns it into an error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its work is cancelled and nobody reads the response."""
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
-    error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else HTTPStatus(status).phrase)
+    error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it grows past `limit` bytes (declared or streamed)."""
+def status_phrase(status: int) -> str:
+    return HTTPStatus(status).phrase
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, or a 413 as soon as it grows past `limit` bytes (declared or streamed), or a
+    408 if it has not fully arrived within `timeout` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g}s",
+                       headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ClientDisconnected from None
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[Model], limit: int) -> Model:
-    return validate(model, await read_json(request, limit))
+async def read_json(request: Request, limit: int, timeout: float) -> Any:
+    body = await read_body(request, limit, timeout)
+    if len(body) > _PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    body = await read_body(request, limit)
+def parse_json(body: bytes) -> Any:
+    """The parsed body, checked for depth and valid Unicode; APIError(400) otherwise."""
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"invalid JSON in the request body: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    check_json(data)
+    return data
+
+
+def check_json(data: Any) -> None:
+    """Rejects nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode (a lone
+    surrogate such as "\\ud800" parses, but no tokenizer or encoder accepts it). Iterative: no recursion."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, path)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels", path or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, path)
+                stack.append((item, depth + 1, f"{path}.{key}" if path else key))
+        else:
+            stack.extend((item, depth + 1, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
+
+
+def _check_unicode(text: str, path: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            where = f" in {path}" if path else ""
+            raise APIError(400, f"invalid Unicode{where}: a lone surrogate is not a character",
+                           path or None) from None
+
+
+async def parse_body(request: Request, model: type[Model], limit: int, timeout: float) -> Model:
+    return validate(model, await read_json(request, limit, timeout))
 
 
 def validate(model: type[Model], data: Any) -> Model:

@@ -1,15 +1,19 @@
-"""Pure ASGI middleware (it never buffers or wraps a streaming body): API keys and request ids.
-CORS is Starlette's own."""
+"""Pure ASGI middleware (it never buffers or wraps a streaming body): API keys, request ids, the
+in-flight count, and the last-resort error handler. CORS is Starlette's own."""
 
+import logging
 import secrets
 import uuid
+from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jaxserve.api.errors import error_response
+from jaxserve.api.errors import ClientDisconnected, error_response
 
 _GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health, /metrics and /version stay open
+
+logger = logging.getLogger("jaxserve.api")
 
 
 class APIKeyMiddleware:
@@ -51,3 +55,54 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class InFlightMiddleware:
+    """Counts the API requests being answered (streams until their last byte) on `counter`, an object
+    with a `num_in_flight` attribute: the figure /load reports and the shutdown drain waits on."""
+
+    def __init__(self, app: ASGIApp, counter: object) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] != "http" or not path.startswith(_GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        self.counter.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter.num_in_flight -= 1
+
+
+class ErrorMiddleware:
+    """The last resort for an exception no handler mapped: logged once, with its traceback, and answered
+    with a 500 in OpenAI's envelope if the response has not started. (Starlette's own handler re-raises
+    for the server to log again; this one is the end of the line.) A client that went away gets one
+    quiet log line and no response: nobody would read it."""
+
+    def __init__(self, app: ASGIApp, response: Callable[[], ASGIApp]) -> None:
+        self.app = app
+        self.response = response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except ClientDisconnected:
+            logger.info("%s %s: the client disconnected; its work was cancelled", scope["method"], scope["path"])
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if not started:
+                await self.response()(scope, receive, send)

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /version, /metrics; POST /tokenize, /detokenize (vLLM's shapes)."""
+"""GET /v1/models, /health, /ping, /load, /version, /metrics; POST /tokenize, /detokenize (vLLM's shapes)."""
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -6,7 +6,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve import __version__
 from jaxserve.api.chat import render_chat
-from jaxserve.api.errors import APIError, parse_body, read_json, validate
+from jaxserve.api.errors import APIError, validate
 from jaxserve.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -21,15 +21,22 @@ from jaxserve.api.serving import ServerState, get_serving
 
 async def list_models(request: Request) -> Response:
     serving = get_serving(request)
-    cards = [ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len)
+    cards = [ModelCard(id=name, root=serving.info.model_root, max_model_len=serving.max_model_len)
              for name in serving.model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the engine runs; 503 while loading, after a failure, or draining."""
+    """200 once the model is loaded and the engine runs; 503 while loading, after a failure, or draining.
+    /ping (SageMaker's name, served by vLLM too) answers the same."""
     state: ServerState = request.app.state.server
-    return Response(status_code=200 if state.is_healthy and not state.draining else 503)
+    return Response(status_code=200 if state.is_healthy else 503)
+
+
+async def load(request: Request) -> Response:
+    """How many API requests are in flight (vLLM's /load), for load-aware routing."""
+    state: ServerState = request.app.state.server
+    return JSONResponse({"server_load": state.num_in_flight})
 
 
 async def version(request: Request) -> Response:
@@ -44,25 +51,25 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     serving = get_serving(request)
-    data = await read_json(request, serving.config.max_request_body_bytes)
+    data = await serving.read_json(request)
     if isinstance(data, dict) and "messages" in data:
         chat = validate(TokenizeChatRequest, data)
         serving.check_model(chat.model)
-        tokens = render_chat(serving, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-                             chat_template_kwargs=chat.chat_template_kwargs)
+        tokens = await render_chat(serving, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
+                                   chat_template_kwargs=chat.chat_template_kwargs)
     else:
         req = validate(TokenizeCompletionRequest, data)
         serving.check_model(req.model)
-        tokens = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = await serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len,
                                          tokens=tokens).model_dump())
 
 
 async def detokenize(request: Request) -> Response:
     serving = get_serving(request)
-    req = await parse_body(request, DetokenizeRequest, serving.config.max_request_body_bytes)
+    req = await serving.parse(request, DetokenizeRequest)
     serving.check_model(req.model)
     bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {serving.vocab_size})", "tokens")
-    return JSONResponse(DetokenizeResponse(prompt=serving.tokenizer.decode(req.tokens)).model_dump())
+    return JSONResponse(DetokenizeResponse(prompt=await serving.decode(req.tokens)).model_dump())

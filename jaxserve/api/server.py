@@ -1,8 +1,15 @@
-"""Runs the app under Hypercorn with a graceful drain.
+"""Runs the app under Hypercorn, drains gracefully, and exits with a code a supervisor can act on.
 
-SIGTERM or SIGINT: /health turns 503 and new API requests get a 503, Hypercorn closes the listening
-sockets and waits up to --shutdown-timeout for in-flight requests (streams included) to finish, then
-the lifespan shuts the engine down and the process exits 0. A model that fails to load exits 1.
+Shutdown (SIGTERM or SIGINT), the behaviour load balancers handle best: the listening socket stays open
+while the server drains, /health and /ping turn 503 at once (health checks take the replica out of
+rotation) and new API requests get a 503 with `Connection: close` (a retryable answer, where a refused
+connection would look like a crash). In-flight requests, streams included, finish for up to
+--shutdown-timeout seconds; those still running then end cleanly (a stream with an error event and
+`[DONE]`, a plain request with a 503). Then the socket closes and the process exits 0.
+
+If the engine dies (a fault of the device or runtime, not of one request's data), the server drains the
+same way and exits 1, so a supervisor restarts it rather than leaving a replica that answers 503 forever.
+A model that fails to load exits 1 too.
 """
 
 import asyncio
@@ -13,28 +20,52 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from jaxserve.api.app import create_app
+from jaxserve.api.serving import ServerState
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
+
+_CUT_GRACE_S = 5.0  # after the deadline, time for handlers to send their error endings
+_ENGINE_POLL_S = 0.5
 
 
 def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = config.shutdown_timeout
+    hc.graceful_timeout = _CUT_GRACE_S  # our own drain has already waited for in-flight requests
     hc.root_path = config.root_path
-    hc.accesslog = None
+    level = logging.getLevelName(config.server_log_level.upper()) if config.server_log_level != "trace" else 5
+    for name in ("hypercorn.error", "hypercorn.access"):
+        logging.getLogger(name).setLevel(level)
     hc.errorlog = logging.getLogger("hypercorn.error")
+    # One line per request, as uvicorn's access log that vLLM users read: client, request line, status.
+    hc.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
+    hc.access_log_format = '%(h)s - "%(m)s %(Uq)s HTTP/%(H)s" %(s)s %(st)s %(L)ss'
     if config.ssl_certfile:
         hc.certfile, hc.keyfile = config.ssl_certfile, config.ssl_keyfile
     return hc
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serves until a signal; returns the process exit code."""
+    """Serves until a signal or an engine failure; returns the process exit code."""
     return asyncio.run(_serve(engine_config, server_config))
+
+
+async def drain(state: ServerState, timeout: float) -> None:
+    """Refuses new requests, waits up to `timeout` for in-flight ones, then ends the rest cleanly."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while state.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.num_in_flight and state.serving is not None:
+        logger.warning("shutdown timeout: ending %d in-flight requests", state.num_in_flight)
+        state.serving.engine.fail_all("the server is shutting down")
+        deadline = loop.time() + _CUT_GRACE_S
+        while state.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
 
 async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
@@ -42,6 +73,7 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> in
 
     stop = asyncio.Event()
     exit_code = 0
+    draining: asyncio.Task | None = None
 
     def load() -> AsyncEngine:
         return AsyncEngine(LLMEngine(engine_config))
@@ -52,16 +84,38 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> in
         stop.set()
 
     app = create_app(server_config, load, on_load_error)
+    state: ServerState = app.state.server
+
+    def shut_down() -> None:
+        nonlocal draining
+        if draining is None:
+            draining = asyncio.create_task(drain(state, server_config.shutdown_timeout))
+            draining.add_done_callback(lambda _: stop.set())
 
     def on_signal(signum: int) -> None:
-        logger.info("%s: draining in-flight requests (up to %.0fs)", signal.Signals(signum).name,
-                    server_config.shutdown_timeout)
-        app.state.server.draining = True
-        stop.set()
+        if draining is not None:
+            logger.info("%s: already draining", signal.Signals(signum).name)
+            return
+        logger.info("%s: draining in-flight requests (up to %.0fs); new requests get 503",
+                    signal.Signals(signum).name, server_config.shutdown_timeout)
+        shut_down()
+
+    async def watch_engine() -> None:
+        nonlocal exit_code
+        while state.serving is None or state.serving.engine.is_running:
+            await asyncio.sleep(_ENGINE_POLL_S)
+        if draining is None:
+            logger.error("the engine stopped after a runtime fault; draining and exiting with code 1")
+            exit_code = 1
+            shut_down()
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await hypercorn_serve(app, hypercorn_config(server_config), shutdown_trigger=stop.wait)
+    watcher = asyncio.create_task(watch_engine())
+    try:
+        await hypercorn_serve(app, hypercorn_config(server_config), shutdown_trigger=stop.wait)
+    finally:
+        watcher.cancel()
     logger.info("server stopped")
     return exit_code

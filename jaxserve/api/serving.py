@@ -1,29 +1,35 @@
-"""What every endpoint shares: the loaded model's serving state, sampling-parameter conversion with
-OpenAI's length checks, stream merging, and cancelling work when the client goes away.
+"""What every endpoint shares: the loaded model's serving state, tokenization off the event loop,
+sampling-parameter conversion, stream merging, and cancelling work when the client goes away.
 
-Everything here runs on the event loop; the engine runs on its own thread (see AsyncEngine).
+Threads: handlers run on the event loop and never call into the LLMEngine (the engine thread owns it).
+They read `AsyncEngine.info`, a frozen record, and use their own tokenizer copies: one for a single
+worker thread that tokenizes prompts and renders chat templates (work that grows with the input and
+must not stall the loop), one for the loop itself, which only decodes single tokens for logprobs.
 """
 
 import asyncio
 import contextlib
 import copy
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.api.errors import APIError, error_body
+from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_json
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import SamplingFields
 from jaxserve.config import ServerConfig
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import InvalidParam, SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("jaxserve.api.requests")
 
 # Fields of a model's generation_config.json that become default sampling parameters (vLLM's rule).
 _GENERATION_DEFAULTS = {
@@ -53,44 +59,86 @@ def load_chat_template(setting: str | None) -> str | None:
     return path.read_text() if len(setting) < 4096 and path.is_file() else setting
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (vocabulary strings are at least as long as the text
+    they decode to), so a text longer than max_model_len times this cannot fit and need not be tokenized."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
 @dataclass
 class ModelServing:
     """Everything the handlers need once the model is loaded."""
 
     engine: AsyncEngine
     config: ServerConfig
+    info: EngineInfo
     model_names: tuple[str, ...]
-    tokenizer: Any
-    max_model_len: int
-    vocab_size: int
-    max_logprobs: int
-    model_root: str
+    tokenizer: Any  # used only on `_worker`
+    loop_tokenizer: Any  # used only on the event loop (single-token decodes)
     chat_template: str | None
     generation_defaults: dict[str, Any]
     metrics: ServerMetrics
+    max_prompt_chars: int
+    _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "jaxserve-tokenizer"))
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig) -> "ModelServing":
-        llm = engine.engine
-        names = config.served_model_name or (llm.model.name,)
-        source = llm.model.source
+        info = engine.info
+        names = config.served_model_name or (info.model_name,)
         return cls(
             engine=engine,
             config=config,
+            info=info,
             model_names=names,
-            # The engine thread decodes with its tokenizer; a fast tokenizer must not be shared across threads.
-            tokenizer=copy.deepcopy(llm.tokenizer),
-            max_model_len=llm.max_model_len,
-            vocab_size=llm.vocab_size,
-            max_logprobs=llm.config.model.max_logprobs,
-            model_root=str(source.directory / source.gguf_file if source.gguf_file else source.directory),
+            tokenizer=engine.tokenizer,
+            loop_tokenizer=copy.deepcopy(engine.tokenizer),
             chat_template=load_chat_template(config.chat_template),
             generation_defaults=load_generation_defaults(
-                config.generation_config, None if source.gguf_file else source.directory
+                config.generation_config, Path(info.model_dir) if info.model_dir else None
             ),
-            metrics=ServerMetrics(names[0], lambda: engine.stats),
+            metrics=ServerMetrics(names[0], lambda: engine.stats, max_model_len=info.limits.max_model_len, cache_info={
+                "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_kv_pages),
+                "max_num_seqs": str(info.max_num_seqs),
+                "max_num_batched_tokens": str(info.max_num_batched_tokens),
+            }),
+            max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
         )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.limits.vocab_size
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def parse(self, request: Request, model: type[T]) -> T:
+        return await parse_body(request, model, self.config.max_request_body_bytes, self.config.body_read_timeout)
+
+    async def read_json(self, request: Request) -> Any:
+        return await read_json(request, self.config.max_request_body_bytes, self.config.body_read_timeout)
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """Runs tokenizer work on the tokenizer thread (one at a time: the tokenizer is not shareable)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, work, *args)
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """A 400 for text too long to fit the context whatever it tokenizes to, before tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; a text of "
+                                f"{len(text)} characters cannot fit in it. Please reduce the length of the "
+                                "prompt.", param)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_length(text)
+        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.off_loop(self.tokenizer.decode, token_ids)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -98,41 +146,17 @@ class ModelServing:
 
     def token_string(self, token_id: int) -> str:
         if token_id not in self._token_strings:
-            self._token_strings[token_id] = self.tokenizer.decode([token_id])
+            self._token_strings[token_id] = self.loop_tokenizer.decode([token_id])
         return self._token_strings[token_id]
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-
     def sampling_params(
-        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None
+        self, req: SamplingFields, prompt_token_ids: list[int], max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        """The request's SamplingParams, with OpenAI's context-length check naming the numbers."""
-        remaining = self.max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = self.generation_defaults.get("max_tokens")
-            max_tokens = remaining if max_tokens is None else min(max_tokens, remaining)
-        if remaining < 1 or max_tokens > remaining:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-        if logprobs is not None and logprobs > self.max_logprobs:
-            raise APIError(400, f"logprobs must be at most {self.max_logprobs}, got {logprobs}", "logprobs")
-        try:
-            logit_bias = {int(token): bias for token, bias in (req.logit_bias or {}).items()}
-        except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
-        bad = next((t for t in [*logit_bias, *(req.stop_token_ids or [])] if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary")
+        """The request's SamplingParams, checked against the engine's limits (the one rule, in
+        jaxserve.sampling_params); any violation is a 400 naming the field."""
+        default_max = self.generation_defaults.get("max_tokens")
+        if max_tokens is None and default_max is not None and len(prompt_token_ids) + default_max <= self.max_model_len:
+            max_tokens = default_max  # else: None, up to the context length
 
         def pick(name: str, fallback: float) -> float:
             """The request's value, else the model's generation-config default, else OpenAI's."""
@@ -142,7 +166,11 @@ class ModelServing:
             return fallback
 
         try:
-            return SamplingParams(
+            try:
+                logit_bias = {int(token): bias for token, bias in (req.logit_bias or {}).items()}
+            except ValueError:
+                raise InvalidParam("logit_bias keys must be token ids", "logit_bias") from None
+            params = SamplingParams(
                 n=req.n,
                 temperature=pick("temperature", 1.0),
                 top_p=pick("top_p", 1.0),
@@ -162,33 +190,18 @@ class ModelServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
             )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        try:
-            self.engine.engine.validate_request(prompt_token_ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+            self.info.limits.check(prompt_token_ids, params)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param) from None
+        return params
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Starts a request (call `validate` first, so bad input is a 400 even when streaming)."""
+        """Starts a request whose params came from `sampling_params` (so bad input was a 400 already)."""
+        if self.config.log_requests:
+            logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
         return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id))
-
-
-def engine_error(e: ValueError | EngineDeadError) -> APIError:
-    """Maps what the engine raises to the status a client should see."""
-    if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not running: {e}")
-    return APIError(400, str(e))
-
-
-def sse_error(e: ValueError | EngineDeadError) -> str:
-    """An error inside a stream that has already sent its 200: an error event (vLLM does the same)."""
-    error = engine_error(e)
-    return f"data: {error_body(error.status, error.message).model_dump_json()}\n\n"
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -227,10 +240,6 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits `work`, cancelling it if the client disconnects first (which aborts its engine requests)."""
 
@@ -257,25 +266,26 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 class ServerState:
     """The app's one piece of state (on `app.state.server`): the model once loaded, a load failure,
-    and whether the server is draining for shutdown."""
+    whether the server is draining for shutdown, and how many HTTP requests are in flight."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.serving: ModelServing | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.num_in_flight = 0  # API requests being answered (the /load figure; the drain waits for 0)
 
     @property
     def is_healthy(self) -> bool:
-        return self.serving is not None and self.serving.engine.is_running
+        return self.serving is not None and self.serving.engine.is_running and not self.draining
 
     def ready(self) -> ModelServing:
         """The serving state, or a 503 that says why there is none."""
+        if self.draining:  # a load balancer retries elsewhere; the connection closes after this answer
+            raise APIError(503, "the server is shutting down", headers={"Connection": "close"})
         if self.serving is None:
             reason = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise APIError(503, reason)
-        if self.draining:
-            raise APIError(503, "the server is shutting down")
         if not self.serving.engine.is_running:
             raise APIError(503, "the engine is not running")
         return self.serving

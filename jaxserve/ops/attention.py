@@ -10,11 +10,11 @@ from typing import Literal
 
 import jax
 
+from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.ops import paged_attention_pallas
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas", "interpret")
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
 
 # Every implementation reads the same page layout, so a cache can be checked against either.

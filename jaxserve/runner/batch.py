@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxserve.engine.request import RequestFault
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
@@ -106,44 +107,47 @@ def build_step_batch(
 
     offset = 0
     for row, (item, slot) in enumerate(zip(scheduler_output.scheduled, penalty_slots, strict=True)):
-        n = len(item.token_ids)
-        start, end = item.start_position, item.start_position + n
-        token_positions = np.arange(start, end, dtype=np.int32)
-        pages = np.asarray(item.page_ids, np.int32)
-        input_ids[offset : offset + n] = item.token_ids
-        positions[offset : offset + n] = token_positions
-        slot_mapping[offset : offset + n] = pages[token_positions // page_size] * page_size + (
-            token_positions % page_size
-        )
-        kv_lens[row] = end
-        page_table[row, : len(pages)] = pages
+        try:
+            n = len(item.token_ids)
+            start, end = item.start_position, item.start_position + n
+            token_positions = np.arange(start, end, dtype=np.int32)
+            pages = np.asarray(item.page_ids, np.int32)
+            input_ids[offset : offset + n] = item.token_ids
+            positions[offset : offset + n] = token_positions
+            slot_mapping[offset : offset + n] = pages[token_positions // page_size] * page_size + (
+                token_positions % page_size
+            )
+            kv_lens[row] = end
+            page_table[row, : len(pages)] = pages
 
-        request = item.request
-        params = request.sampling_params
-        if slot is not None:
-            row_slots[row] = slot
-            if start == 0:
-                reset_slots[row] = slot
-            is_prompt = token_positions < request.num_prompt_tokens
-            prompt_token_slots[offset : offset + n] = np.where(is_prompt, slot, no_slot)
-            output_token_slots[offset : offset + n] = np.where(is_prompt, no_slot, slot)
-            repetition[row] = params.repetition_penalty
-            frequency[row] = params.frequency_penalty
-            presence[row] = params.presence_penalty
+            request = item.request
+            params = request.sampling_params
+            if slot is not None:
+                row_slots[row] = slot
+                if start == 0:
+                    reset_slots[row] = slot
+                is_prompt = token_positions < request.num_prompt_tokens
+                prompt_token_slots[offset : offset + n] = np.where(is_prompt, slot, no_slot)
+                output_token_slots[offset : offset + n] = np.where(is_prompt, no_slot, slot)
+                repetition[row] = params.repetition_penalty
+                frequency[row] = params.frequency_penalty
+                presence[row] = params.presence_penalty
 
-        offset += n
-        cu_q_lens[row + 1] = offset
-        logits_indices[row] = offset - 1
-        temperature[row] = 0.0 if params.is_greedy else params.temperature
-        top_k[row] = params.top_k
-        top_p[row] = params.top_p
-        min_p[row] = params.min_p
-        seeds[row] = request.sampling_seed
-        output_index[row] = request.num_output_tokens
-        wants_top_logprobs[row] = bool(params.logprobs)
-        bias = banned_and_biased(item)
-        bias_token_ids[row, : len(bias)] = list(bias)
-        bias_values[row, : len(bias)] = list(bias.values())
+            offset += n
+            cu_q_lens[row + 1] = offset
+            logits_indices[row] = offset - 1
+            temperature[row] = 0.0 if params.is_greedy else params.temperature
+            top_k[row] = params.top_k
+            top_p[row] = params.top_p
+            min_p[row] = params.min_p
+            seeds[row] = request.sampling_seed
+            output_index[row] = request.num_output_tokens
+            wants_top_logprobs[row] = bool(params.logprobs)
+            bias = banned_and_biased(item)
+            bias_token_ids[row, : len(bias)] = list(bias)
+            bias_values[row, : len(bias)] = list(bias.values())
+        except Exception as e:  # one request's values must not fail the whole step
+            raise RequestFault(item.request.request_id) from e
     cu_q_lens[len(scheduler_output.scheduled) + 1 :] = offset  # padded requests: q_len 0, kv_len 0
 
     return StepBatch(

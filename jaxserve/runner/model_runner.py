@@ -13,7 +13,6 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm.auto import tqdm
 
 from jaxserve.config import CacheConfig
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
@@ -21,6 +20,7 @@ from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
+from jaxserve.progress import progress
 from jaxserve.runner.batch import BatchLayout, StepBatch, build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder
 from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
@@ -139,7 +139,8 @@ class ModelRunner:
         start = time.perf_counter()
         empty = SchedulerOutput(scheduled=(), preempted_ids=())
         buckets: list[Bucket] = self.ladder.all_buckets()
-        for bucket in tqdm(buckets, desc="Compiling buckets", disable=not show_progress, leave=False):
+        shown = progress(buckets, "Compiling buckets", logger, unit="buckets") if show_progress else buckets
+        for bucket in shown:
             self._run(build_step_batch(empty, bucket, self.layout, []))
         elapsed = time.perf_counter() - start
         logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), elapsed)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
 MODEL = "smol"
@@ -39,11 +40,12 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(tmp_dir: Path, cache_dir: Path, *extra: str) -> Server:
+def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[str, ...] = ("-m", "jaxserve")) -> Server:
+    """`launcher` is what follows the interpreter: the package, or a script that patches it first."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
     command = [
-        sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
         "--config", "cpu", "--dtype", "float32", "--max-model-len", "2048",
         "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir), *extra,
     ]
@@ -67,6 +69,24 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str) -> Server:
         time.sleep(0.5)
     stop_server(server)
     raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{server.log()}")
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """The value of one sample on /metrics (by full sample name and a subset of its labels)."""
+    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> None:
+    """Waits until the engine has nothing running or waiting and holds no KV pages."""
+    deadline = time.monotonic() + timeout
+    names = ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_cache_usage_perc")
+    while any(metric(server, name) for name in names):
+        assert time.monotonic() < deadline, {name: metric(server, name) for name in names}
+        time.sleep(0.1)
 
 
 def stop_server(server: Server) -> None:

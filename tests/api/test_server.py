@@ -9,21 +9,13 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import API_KEY, MODEL, start_server, stop_server
+from tests.api.conftest import API_KEY, MODEL, metric, start_server, stop_server
+
+pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def metric(server, name: str, **labels: str) -> float:
-    """The value of one sample on /metrics (by full sample name and a subset of its labels)."""
-    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return sample.value
-    raise AssertionError(f"{name} {labels} not in /metrics")
 
 
 def test_health_models_version_and_loading(server, client):

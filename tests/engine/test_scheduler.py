@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request import Request, RequestStatus, request_metrics
 from jaxserve.engine.scheduler import Scheduler, StepOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -108,3 +108,50 @@ def test_length_and_eos_finish_reasons():
     eos = Request("b", [1, 2], SamplingParams(max_tokens=9), eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
     eos.append_output_token(2, 0.0)
     assert eos.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_preemptions_are_counted_and_stage_stamps_survive_them():
+    sched = Scheduler(KVCacheManager(5, 4), max_num_seqs=4, max_num_batched_tokens=100)  # 4 usable pages
+    old, new = make_request("old", 8, max_tokens=8), make_request("new", 8, max_tokens=8)
+    sched.add_request(old)
+    sched.add_request(new)
+    assert new.first_scheduled_time is None and new.first_token_time is None
+    run_step(sched)
+    scheduled, first_token = new.first_scheduled_time, new.first_token_time
+    assert new.arrival_time <= scheduled <= first_token == new.last_token_time
+    out = run_step(sched)
+    assert out.preempted_ids == ("new",) and sched.num_preemptions == 1 and new.num_preemptions == 1
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.num_preemptions == new.num_preemptions + old.num_preemptions
+    assert (new.first_scheduled_time, new.first_token_time) == (scheduled, first_token), "kept across preemption"
+    assert new.last_token_time > first_token and new.num_output_tokens == 8
+
+
+def test_iteration_tokens_histogram_counts_each_step():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add_request(make_request("a", 13, max_tokens=2))
+    steps = []
+    while sched.has_unfinished():
+        steps.append(run_step(sched).num_tokens)
+    assert steps == [8, 5, 1]
+    histogram = sched.iteration_tokens
+    assert histogram.sum == 14 and sum(histogram.bucket_counts) == 3
+    assert histogram.bucket_counts[:2] == [1, 2], "1 token in the <=1 bucket, 5 and 8 in the <=8 bucket"
+    sched.schedule()  # an empty step is not an iteration
+    assert sum(histogram.bucket_counts) == 3
+
+
+def test_request_metrics_spans_a_parents_sequences():
+    first, second = make_request("p#0", 3), make_request("p#1", 3)
+    first.arrival_time = second.arrival_time = 10.0
+    first.first_scheduled_time, second.first_scheduled_time = 11.0, 12.0
+    first.first_token_time, second.first_token_time = 13.0, 12.5
+    first.last_token_time, second.last_token_time = 20.0, 18.0
+    second.num_preemptions = 2
+    metrics = request_metrics([first, second])
+    assert (metrics.queue_time, metrics.prefill_time, metrics.decode_time, metrics.inference_time) == (
+        1.0, 1.5, 7.5, 9.0)
+    assert metrics.num_preemptions == 2 and metrics.max_tokens_param == 4
+    waiting = request_metrics([make_request("w", 3)])
+    assert waiting.queue_time is None and waiting.inference_time is None, "aborted while waiting: no stages"

@@ -10,6 +10,8 @@ from jaxserve.models.loader import load_model
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 
+pytestmark = pytest.mark.slow  # real models or the transformers reference: `make test-fast` skips these
+
 PAGE_SIZE = 4
 NUM_PAGES = 40
 MAX_PAGES = 16

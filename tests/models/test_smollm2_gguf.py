@@ -5,6 +5,8 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -5,7 +5,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
+from jaxserve.ops.attention import (
+    MIN_PALLAS_COMPUTE_CAPABILITY,
+    cuda_compute_capability,
+    ragged_paged_attention,
+    resolve_impl,
+)
 from tests.ops.paged_cases import MIXES, make_case, oracle
 
 
@@ -23,13 +28,18 @@ def test_reference_matches_oracle(mix, num_q_heads, num_kv_heads):
     assert np.all(np.isfinite(got))
 
 
-def test_auto_picks_reference_on_cpu_and_bad_choices_are_rejected():
-    assert resolve_impl("auto") == "reference"
+def test_auto_fits_this_machine_and_bad_choices_are_rejected():
+    capability = cuda_compute_capability()
+    kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
+    assert resolve_impl("auto") == ("pallas" if kernel_runs else "reference")
     assert resolve_impl("interpret") == "interpret"
     with pytest.raises(ValueError, match="unknown attention impl"):
         resolve_impl("flash")
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        resolve_impl("pallas")
+    if kernel_runs:
+        assert resolve_impl("pallas") == "pallas"
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            resolve_impl("pallas")
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
-"""Bucket ladders and config presets (no jax)."""
+"""Bucket ladders: picking, warm-up coverage, cuts at the limits (no jax)."""
 
 import pytest
 
-from jaxserve.config import EngineConfig
 from jaxserve.runner.buckets import Bucket, BucketLadder
 
 
@@ -36,13 +35,3 @@ def test_ladders_are_cut_at_the_limits():
     assert ladder.token_buckets == (32, 64, 100)
     assert ladder.request_buckets == (1, 2, 4, 6)
 
-
-def test_presets_load_and_overrides_win():
-    config = EngineConfig.from_preset("cpu", max_num_seqs=4, dtype="float32", max_model_len=None)
-    assert config.scheduler.max_num_seqs == 4
-    assert config.model.dtype == "float32"
-    assert config.buckets.token_buckets == (32, 128)
-    with pytest.raises(TypeError, match="unknown engine option"):
-        EngineConfig.from_preset(None, no_such_flag=1)
-    with pytest.raises(ValueError, match="dtype"):
-        EngineConfig.from_preset(None, dtype="float8")

@@ -1,0 +1,224 @@
+"""GET /openapi.json and /docs: an OpenAPI 3.1 description of every route the app serves.
+
+Every schema comes from the pydantic models in `protocol.py` that the handlers validate with and answer
+with, so the document cannot drift from what the server accepts; this module only says which route reads
+and writes which model (the `OPERATIONS` table). `tests/api/test_openapi.py` checks that the table and the
+app's routes agree both ways, and `tests/api/test_fuzz.py` fuzzes a real server from this document.
+
+/docs is Swagger UI as FastAPI serves it: a small HTML page whose scripts the *browser* loads from a CDN;
+the server itself never makes a network call. Neither route is in the document (FastAPI's convention),
+and neither is behind `--api-key`, so a client can discover the API before it has a key.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from jaxserve import __version__
+from jaxserve.api.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from jaxserve.config import ServerConfig
+
+OPENAPI_VERSION = "3.1.0"
+REF_TEMPLATE = "#/components/schemas/{model}"
+SWAGGER_UI_CDN = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
+
+_ERROR_MEANINGS = {
+    400: "Invalid JSON, an invalid field, or a prompt longer than the context.",
+    401: "Missing or wrong API key (only when the server runs with --api-key).",
+    404: "Unknown model.",
+    413: "Request body over the size limit (16 MiB).",
+    500: "Internal server error.",
+    503: "The model is loading, the server is draining, or the engine failed.",
+}
+_BODY_ERRORS = (400, 401, 404, 413, 500, 503)  # every route that reads a JSON body and reaches the engine
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One (path, method) the app serves and what it reads and writes.
+
+    `request` lists the body models a client may send (more than one: any of them); `response` is the
+    model of a 200 JSON body; `content` replaces it for answers no model describes (plain text, an empty
+    body, a one-field object); `streams` adds the text/event-stream answer of `"stream": true`.
+    """
+
+    path: str
+    method: str
+    operation_id: str
+    summary: str
+    tag: str
+    request: tuple[type[BaseModel], ...] = ()
+    response: type[BaseModel] | None = None
+    content: dict[str, Any] | None = None
+    streams: type[BaseModel] | None = None  # the model of each `data:` event
+    errors: tuple[int, ...] = ()
+    guarded: bool = False  # behind --api-key (middleware.py's guarded prefixes)
+    extra_responses: dict[str, Any] = field(default_factory=dict)
+
+
+_HEALTH_RESPONSES = {"503": {"description": "Loading, draining, or the engine failed (empty body)."}}
+_JSON_OBJECT = "application/json"
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("/v1/completions", "post", "create_completion", "Create a completion", "OpenAI",
+              request=(CompletionRequest,), response=CompletionResponse, streams=CompletionResponse,
+              errors=_BODY_ERRORS, guarded=True),
+    Operation("/v1/chat/completions", "post", "create_chat_completion", "Create a chat completion", "OpenAI",
+              request=(ChatCompletionRequest,), response=ChatCompletionResponse, streams=ChatCompletionChunk,
+              errors=_BODY_ERRORS, guarded=True),
+    Operation("/v1/models", "get", "list_models", "List the served models", "OpenAI",
+              response=ModelList, errors=(401, 503), guarded=True),
+    Operation("/tokenize", "post", "tokenize", "Tokenize a prompt or a chat (vLLM)", "vLLM",
+              request=(TokenizeCompletionRequest, TokenizeChatRequest), response=TokenizeResponse,
+              errors=_BODY_ERRORS, guarded=True),
+    Operation("/detokenize", "post", "detokenize", "Detokenize token ids (vLLM)", "vLLM",
+              request=(DetokenizeRequest,), response=DetokenizeResponse, errors=_BODY_ERRORS, guarded=True),
+    Operation("/health", "get", "health", "Liveness and readiness: 200 once the model serves", "Server",
+              content={}, extra_responses=_HEALTH_RESPONSES),
+    Operation("/ping", "get", "ping", "Same as /health (SageMaker's name)", "Server",
+              content={}, extra_responses=_HEALTH_RESPONSES),
+    Operation("/ping", "post", "ping_post", "Same as /health (SageMaker's name)", "Server",
+              content={}, extra_responses=_HEALTH_RESPONSES),
+    Operation("/load", "get", "load", "Requests in flight, for load balancers", "Server",
+              content={_JSON_OBJECT: {"schema": {
+                  "type": "object", "required": ["server_load"],
+                  "properties": {"server_load": {"type": "integer", "minimum": 0,
+                                                 "description": "HTTP requests being served now."}}}}}),
+    Operation("/version", "get", "version", "The jaxserve version", "Server",
+              content={_JSON_OBJECT: {"schema": {
+                  "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
+    Operation("/metrics", "get", "metrics", "Prometheus metrics (jaxserve:*, named after vLLM's vllm:*)",
+              "Server", content={"text/plain": {"schema": {"type": "string"}}}),
+)
+
+
+def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], JsonSchemaMode], dict[str, Any]]]:
+    """components.schemas for every model OPERATIONS names, and the `$ref` of each (model, mode).
+
+    Request bodies use pydantic's validation schema (what it accepts: defaults optional) and responses
+    its serialization schema (what it emits); pydantic names the two apart only where they differ.
+    """
+    wanted: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}
+    for op in OPERATIONS:
+        wanted.update({(model, "validation"): None for model in op.request})
+        wanted.update({(model, "serialization"): None for model in (op.response, op.streams) if model})
+    wanted[(ErrorResponse, "serialization")] = None
+    refs, schema = models_json_schema(list(wanted), ref_template=REF_TEMPLATE)
+    return schema.get("$defs", {}), refs
+
+
+def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
+    """The operation object; `secured`: this server checks a key on this route."""
+    doc: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
+    if op.request:
+        bodies = [refs[(model, "validation")] for model in op.request]
+        doc["requestBody"] = {"required": True, "content": {_JSON_OBJECT: {
+            "schema": bodies[0] if len(bodies) == 1 else {"anyOf": bodies}}}}
+    if op.response is not None:
+        content: dict[str, Any] = {_JSON_OBJECT: {"schema": refs[(op.response, "serialization")]}}
+        description = f"A {op.response.__name__}."
+        if op.streams is not None:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+            description += (f' With "stream": true, server-sent events: one `data: <{op.streams.__name__} JSON>`'
+                            " per chunk, `data: <ErrorResponse JSON>` if the request fails mid-stream, then"
+                            " `data: [DONE]`.")
+        ok: dict[str, Any] = {"description": description, "content": content}
+    else:
+        ok = {"description": "OK", **({"content": op.content} if op.content else {})}
+    responses: dict[str, Any] = {"200": ok, **op.extra_responses}
+    for status in op.errors:
+        if status == 401 and not secured:
+            continue
+        responses[str(status)] = {"description": _ERROR_MEANINGS[status],
+                                  "content": {_JSON_OBJECT: {"schema": refs[(ErrorResponse, "serialization")]}}}
+    doc["responses"] = responses
+    if secured:
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def openapi_document(config: ServerConfig) -> dict[str, Any]:
+    """The whole document, less `servers` (which depends on where a proxy mounts the app)."""
+    schemas, refs = _component_schemas()
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        secured = config.api_key is not None and op.guarded
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs, secured)
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "jaxserve",
+            "version": __version__,
+            "description": "OpenAI-compatible completions and chat, with vLLM's sampling extras and endpoints.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            # Declared always, so clients see how a key is sent; applied to the guarded routes only
+            # when this server was started with --api-key.
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "--api-key (or JAXSERVE_API_KEY)."}},
+        },
+    }
+
+
+def _root_path(request: Request, config: ServerConfig) -> str:
+    """Where a proxy mounts the app: the ASGI server's root_path (Hypercorn sets it from --root-path)."""
+    return (request.scope.get("root_path") or config.root_path).rstrip("/")
+
+
+_SWAGGER_HTML = """<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<title>jaxserve - Swagger UI</title>
+<link rel="stylesheet" href="{cdn}/swagger-ui.css">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{cdn}/swagger-ui-bundle.js"></script>
+<script>
+SwaggerUIBundle({{url: {url}, dom_id: "#swagger-ui", deepLinking: true,
+                  presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+                  layout: "BaseLayout"}});
+</script>
+</body>
+</html>
+"""
+
+
+def openapi_routes(config: ServerConfig) -> list[Route]:
+    """Routes for /openapi.json and /docs. The document is built once: the models never change."""
+    document = openapi_document(config)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse({**document, "servers": [{"url": _root_path(request, config) or "/"}]})
+
+    async def docs(request: Request) -> Response:
+        # json.dumps quotes the URL for JavaScript; escaping "<" keeps a root path from closing <script>.
+        url = json.dumps(f"{_root_path(request, config)}/openapi.json").replace("<", "\\u003c")
+        return HTMLResponse(_SWAGGER_HTML.format(cdn=SWAGGER_UI_CDN, url=url))
+
+    return [
+        Route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False),
+        Route("/docs", docs, methods=["GET"], include_in_schema=False),
+    ]

@@ -1,0 +1,110 @@
+"""The one streaming core of /v1/completions and /v1/chat/completions.
+
+An HTTP request starts one engine request per prompt, each with n completions. `ChoiceStream` merges
+their outputs and turns the engine's cumulative CompletionOutputs into per-choice deltas (text, new
+tokens, finish), counting usage as it goes; `sse` frames chunks as server-sent events and ends every
+stream the same way: the usage chunk if asked, an error event if the engine failed, then `[DONE]`.
+`collect` is the non-streamed path. Everything here runs on the event loop.
+"""
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from jaxserve.api.errors import APIError, error_body
+from jaxserve.api.protocol import UsageInfo
+from jaxserve.api.serving import merge_streams, unless_disconnected
+from jaxserve.engine.async_engine import EngineDeadError, RequestFailedError
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import InvalidParam
+
+ENGINE_ERRORS = (ValueError, EngineDeadError, RequestFailedError)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """Maps what a running request can raise to the status a client should see."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e))
+    return APIError(400, str(e), e.param if isinstance(e, InvalidParam) else None)
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice gained since it was last sent."""
+
+    index: int  # the choice's index in the response: prompt_index * n + completion index
+    prompt_index: int
+    completion: CompletionOutput  # cumulative; completion.text_delta is this delta's text
+    first_token: int  # completion.token_ids[first_token:] are the new tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completion.finish_reason
+
+
+class ChoiceStream:
+    """Per-choice deltas over several engine requests, with usage counted as they stream."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], n: int, num_prompt_tokens: int) -> None:
+        self._streams = streams
+        self._n = n
+        self._sent_tokens = [0] * (len(streams) * n)
+        self._finished: set[int] = set()
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_generated_tokens = 0
+
+    @property
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(self.num_prompt_tokens, self.num_generated_tokens)
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        async for prompt_index, output in merge_streams(self._streams):
+            for completion in output.outputs:
+                index = prompt_index * self._n + completion.index
+                sent = self._sent_tokens[index]
+                if index in self._finished or not (completion.text_delta or completion.finished
+                                                   or len(completion.token_ids) > sent):
+                    continue
+                self._sent_tokens[index] = len(completion.token_ids)
+                self.num_generated_tokens += len(completion.token_ids) - sent
+                if completion.finished:
+                    self._finished.add(index)
+                yield ChoiceDelta(index, prompt_index, completion, sent)
+
+
+def sse_data(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def sse(chunks: AsyncIterator[BaseModel], usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[str]:
+    """Server-sent events: each chunk, then the usage chunk (if asked), then `[DONE]`. An engine error
+    after the 200 was sent becomes an error event before `[DONE]` (vLLM does the same)."""
+    try:
+        async for chunk in chunks:
+            yield sse_data(chunk)
+        if usage_chunk is not None:
+            yield sse_data(usage_chunk())
+    except ENGINE_ERRORS as e:
+        error = engine_error(e)
+        yield sse_data(error_body(error.status, error.message, error.param))
+    yield "data: [DONE]\n\n"
+
+
+async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each engine request's final output, in prompt order; cancelled if the client leaves."""
+
+    async def finals() -> list[RequestOutput]:
+        result: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merge_streams(streams):
+            if output.finished:
+                result[index] = output
+        return result
+
+    try:
+        return await unless_disconnected(request, finals())
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None

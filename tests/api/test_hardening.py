@@ -1,0 +1,320 @@
+"""A hostile client against a real server: every defect of the hardening issue, through real HTTP.
+
+Each case checks the status and OpenAI's error envelope, and that the server still answers a normal
+request correctly afterwards with nothing left running, waiting or holding KV pages.
+"""
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.conftest import API_KEY, MODEL, metric, start_server, stop_server, wait_idle
+
+pytestmark = pytest.mark.slow
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def still_serving(server, headers: dict[str, str] = AUTH) -> None:
+    """A normal request answers exactly, then the engine is idle and /health is 200."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    first = httpx.post(f"{server.v1}/completions", headers=headers, json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["completion_tokens"] == 4
+    again = httpx.post(f"{server.v1}/completions", headers=headers, json=body, timeout=60)
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    wait_idle(server)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def post_raw(server, path: str, body: bytes | str, timeout: float = 60) -> httpx.Response:
+    content = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    return httpx.post(f"{server.base_url}{path}", headers={**AUTH, "Content-Type": "application/json"},
+                      content=content, timeout=timeout)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, pattern: str = "") -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error"
+    assert pattern.lower() in error["message"].lower(), error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+# 1. Sampling fields: one rule, every float finite, every int fits the device arrays.
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", '{"prompt": "hi", "top_k": 2147483648}', "top_k"),  # killed the engine before
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_k": 99999999999}',
+         "top_k"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": 1e308}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": 1e999}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+        ("/v1/completions", '{"prompt": "hi", "repetition_penalty": 1e-300}', "repetition_penalty"),
+        ("/v1/completions", '{"prompt": "hi", "presence_penalty": 2.5}', "presence_penalty"),
+        ("/v1/completions", '{"prompt": "hi", "frequency_penalty": NaN}', "frequency_penalty"),
+        ("/v1/completions", '{"prompt": "hi", "seed": 18446744073709551616}', "seed"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1099511627776}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "logprobs": 21}', "logprobs"),
+        ("/v1/completions", '{"prompt": "hi", "logit_bias": {"abc": 1}}', "logit_bias"),
+        ("/v1/completions", '{"prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias"),
+        ("/v1/completions", '{"prompt": "hi", "logit_bias": {"99999999": 1}}', "logit_bias"),
+        ("/v1/completions", '{"prompt": "hi", "stop_token_ids": [-1]}', "stop_token_ids"),
+        ("/v1/completions", '{"prompt": "hi", "n": 129}', "n"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "n": 4000}', "n"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                                 '"top_logprobs": 21}', "logprobs"),
+        ("/v1/completions", '{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 128}', "prompt"),
+    ],
+)
+def test_out_of_range_sampling_fields_are_400s(server, path, body, param):
+    assert_error(post_raw(server, path, body), 400, param)
+
+
+def test_the_engine_survives_them_all(server):
+    still_serving(server)
+    assert "Traceback" not in server.log()
+
+
+# 2. Malformed input: 400s, never 500s.
+def nested(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", '{"prompt": ' + nested(1000) + "}", None),
+        ("/v1/completions", '{"prompt": "hi", "user": ' + nested(100_000) + "}", None),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+                                 '{"x": ' + nested(1000) + "}}", None),
+        ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages.0.content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+         "messages.0.content.0.text"),
+        ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+        ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}', None),
+        ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),
+    ],
+)
+def test_malformed_bodies_are_400s(server, path, body, param):
+    assert_error(post_raw(server, path, body), 400, param)
+
+
+def test_the_server_survives_malformed_bodies(server):
+    still_serving(server)
+    assert "Traceback" not in server.log()
+
+
+# 3. The event loop never blocks on a request's size or template.
+def health_latencies_while(server, work) -> tuple[list[float], object]:
+    """Polls /health every 50 ms while `work()` runs on another thread; returns the latencies and its result."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", work()))
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+        latencies.append(time.monotonic() - start)
+        time.sleep(0.05)
+    thread.join()
+    return latencies, result["value"]
+
+
+def test_a_10mb_prompt_is_refused_without_stalling_health(server):
+    huge = "lorem ipsum " * (10 * 2**20 // 12)
+    for path, body in (("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+                       ("/tokenize", {"prompt": huge}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+        latencies, response = health_latencies_while(
+            server, lambda path=path, body=body: httpx.post(f"{server.base_url}{path}", headers=AUTH, json=body,
+                                                             timeout=120))
+        assert_error(response, 400, pattern="maximum context length")
+        assert max(latencies, default=0) < 2.0, latencies  # a generous bound, not a benchmark
+    still_serving(server)
+
+
+def test_request_chat_templates_are_refused_unless_trusted(server):
+    body = {"messages": FRANCE, "chat_template": "{{ 'a ' * 2000000 }}"}
+    assert_error(httpx.post(f"{server.v1}/chat/completions", headers=AUTH, json=body), 400, "chat_template",
+                 "--trust-request-chat-template")
+    reserved = {"messages": FRANCE, "chat_template_kwargs": {"tokenize": True}}
+    assert_error(httpx.post(f"{server.v1}/chat/completions", headers=AUTH, json=reserved), 400,
+                 "chat_template_kwargs")
+
+
+# 5. Error messages carry the right numbers.
+def test_context_length_error_without_max_tokens(server):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 240  # ~2,400 tokens > 2,048
+    response = httpx.post(f"{server.v1}/chat/completions", headers=AUTH,
+                          json={"messages": [{"role": "user", "content": long_text}]})
+    assert_error(response, 400, "prompt", "maximum context length is 2048 tokens")
+    message = response.json()["error"]["message"]
+    assert "leaves no room" in message and " -" not in message, message
+
+
+# 9. Endpoints and 405s.
+def test_405_ping_load(server):
+    response = httpx.get(f"{server.v1}/completions", headers=AUTH)
+    assert_error(response, 405)
+    assert "POST" in response.headers["allow"]
+    assert httpx.get(f"{server.base_url}/ping").status_code == 200
+    assert httpx.post(f"{server.base_url}/ping").status_code == 200
+    load = httpx.get(f"{server.base_url}/load").json()
+    assert load == {"server_load": 0}
+
+
+# 8. An access log line per request, as vLLM users read it.
+def test_access_log(server):
+    httpx.get(f"{server.v1}/models", headers={**AUTH, "User-Agent": "access-log-probe"})
+    deadline = time.monotonic() + 5
+    while '"GET /v1/models HTTP/1.1" 200' not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.1)
+
+
+# Servers of their own: trusting request templates, short body and shutdown timeouts.
+@pytest.fixture(scope="module")
+def trusting_server(tmp_path_factory, compile_cache):
+    server = start_server(tmp_path_factory.mktemp("trusting"), compile_cache, "--trust-request-chat-template",
+                          "--body-read-timeout", "2", "--shutdown-timeout", "4")
+    yield server
+    stop_server(server)
+
+
+def test_trusted_templates_render_off_the_loop(trusting_server):
+    server = trusting_server
+    slow = ("{% for i in range(400) %}{% for j in range(400) %}{% for k in range(20) %}{% endfor %}{% endfor %}"
+            "{% endfor %}{{ messages[0]['content'] }}")
+    body = {"messages": FRANCE, "chat_template": slow, "max_tokens": 2, "temperature": 0}
+    latencies, response = health_latencies_while(
+        server, lambda: httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120))
+    assert response.status_code == 200, response.text
+    assert max(latencies, default=0) < 2.0, latencies
+    inflated = {"messages": FRANCE, "chat_template": "{{ 'a ' * 2000000 }}"}
+    assert_error(httpx.post(f"{server.v1}/chat/completions", json=inflated, timeout=60), 400, "messages",
+                 "maximum context length")
+    still_serving(server, {})
+
+
+def test_slow_and_vanishing_uploads(trusting_server):
+    server = trusting_server
+    host, port = server.base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=30) as stalled:
+        stalled.sendall(head + b'{"prompt": "hi"')
+        start = time.monotonic()
+        reply = b""
+        while chunk := stalled.recv(65536):  # the server closes the connection after its answer
+            reply += chunk
+        waited = time.monotonic() - start
+    reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert 1.5 < waited < 10 and '"invalid_request_error"' in reply
+    time.sleep(0.5)  # the 408's access line
+    before = server.log().count("\n")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=30) as vanishing:
+            vanishing.sendall(head + b'{"prompt": ')
+        time.sleep(0.3)
+    time.sleep(1.0)
+    new_lines = server.log().splitlines()[before:]
+    assert "Traceback" not in server.log() and not any("ERROR" in line for line in new_lines), new_lines
+    assert len(new_lines) <= 2 * 3, new_lines  # a quiet line and an access line each
+    still_serving(server, {})
+
+
+async def read_stream(server, body: dict) -> list[str]:
+    events = []
+    async with httpx.AsyncClient(timeout=120) as http, http.stream(
+            "POST", f"{server.v1}/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    return events
+
+
+# 7. Shutdown: the socket stays open while draining, new requests get a 503, cut streams end cleanly.
+def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
+    server = trusting_server
+    long = {"prompt": "Tell me a long story.", "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    short = {"prompt": "Hi", "max_tokens": 20, "ignore_eos": True}
+
+    async def scenario():
+        stream = asyncio.create_task(read_stream(server, long))
+        async with httpx.AsyncClient(timeout=60) as http:
+            finishing = asyncio.create_task(http.post(f"{server.v1}/completions", json=short))
+            while metric(server, "jaxserve:num_requests_running") < 2:
+                await asyncio.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            health = await http.get(f"{server.base_url}/health")
+            refused = await http.post(f"{server.v1}/completions", json=short)
+            finished = await finishing
+        return health, refused, finished, await stream
+
+    health, refused, finished, events = asyncio.run(scenario())
+    assert health.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    assert refused.headers.get("connection") == "close"
+    assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 20
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
+    assert server.process.wait(60) == 0
+    log = server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+# 1. A runtime fault (not a request's) stops the engine; the server drains and exits non-zero.
+INJECT_DEVICE_FAULT = '''
+import sys
+from jaxserve.runner import model_runner
+
+original = model_runner.ModelRunner.execute
+
+
+def execute(self, scheduler_output):
+    if any(item.request.sampling_params.seed == 424242 for item in scheduler_output.scheduled):
+        raise RuntimeError("injected device fault")
+    return original(self, scheduler_output)
+
+
+model_runner.ModelRunner.execute = execute
+from jaxserve.cli import main
+
+main(sys.argv[1:])
+'''
+
+
+def test_a_runtime_fault_drains_and_exits_1(tmp_path: Path, compile_cache):
+    script = tmp_path / "faulty_device.py"
+    script.write_text(INJECT_DEVICE_FAULT)
+    server = start_server(tmp_path, compile_cache, launcher=(str(script),))
+    try:
+        still_serving(server, {})
+        doomed = httpx.post(f"{server.v1}/completions", json={"prompt": "hi", "seed": 424242, "max_tokens": 5},
+                            timeout=60)
+        assert doomed.status_code == 503 and "injected device fault" in doomed.json()["error"]["message"]
+        assert server.process.wait(30) == 1
+        assert "exiting with code 1" in server.log()
+    finally:
+        stop_server(server)

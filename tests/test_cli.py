@@ -1,0 +1,156 @@
+"""The CLI: help without jax, every flag described with its default, subcommand usage on a bad flag,
+vLLM's server flags and variables, the model check before binding, and `bench serve`'s table order."""
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from jaxserve.cli import _engine_config, _HelpFormatter, _server_config, build_parser, main
+from jaxserve.config import EngineConfig, platform_preset
+
+HELP_COMMANDS = [[], ["serve"], ["generate"], ["bench"], ["bench", "offline"], ["bench", "serve"]]
+
+
+def _run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "jaxserve", *argv], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_help_does_not_import_jax():
+    code = (
+        "import contextlib, io, sys\n"
+        "from jaxserve.cli import main\n"
+        f"for argv in {HELP_COMMANDS!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main([*argv, '--help'])\n"
+        "heavy = sorted({'jax', 'jaxlib', 'flax', 'transformers', 'torch'} & set(sys.modules))\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_every_flag_of_every_command_is_described_with_its_default():
+    checked = 0
+    for parser in _parsers(build_parser()):
+        formatter = _HelpFormatter(parser.prog)
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
+                continue
+            text = formatter._get_help_string(action)
+            name = f"{parser.prog} {action.option_strings or action.dest}"
+            assert action.help, f"{name} has no description"
+            assert "default" in text or action.required, f"{name} does not show its default: {text!r}"
+            assert "default: None" not in text, f"{name}: say what no value means, not 'None'"
+            checked += 1
+    assert checked > 60
+
+
+@pytest.mark.parametrize("command", [
+    ["serve"], ["serve", "gpt2"], ["generate", "--prompt", "hi"], ["bench", "offline"], ["bench", "serve"],
+])
+def test_a_bad_flag_prints_the_subcommand_usage(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--no-such-flag"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    prog = " ".join(["jaxserve", *(word for word in command if word in ("serve", "generate", "bench", "offline"))])
+    assert err.startswith(f"usage: {prog} ")
+    assert err.rstrip().endswith(f"{prog}: error: unrecognized arguments: --no-such-flag")
+
+
+def test_vllm_server_flags_reach_the_server_config():
+    parser = build_parser()
+    defaults = _server_config(parser.parse_args(["serve"]))
+    assert defaults.access_log and defaults.server_log_level == "info" and not defaults.log_requests
+    assert not defaults.trust_request_chat_template and defaults.body_read_timeout == 30.0
+    args = parser.parse_args([
+        "serve", "gpt2", "--disable-uvicorn-access-log", "--uvicorn-log-level", "trace", "--enable-log-requests",
+        "--trust-request-chat-template", "--body-read-timeout", "2.5", "--trust-remote-code",
+    ])
+    config = _server_config(args)
+    assert not config.access_log and config.server_log_level == "trace" and config.log_requests
+    assert config.trust_request_chat_template and config.body_read_timeout == 2.5
+    assert not _server_config(parser.parse_args(["serve", "--disable-access-log"])).access_log
+    assert not _server_config(parser.parse_args(["serve", "--disable-log-requests"])).log_requests
+    with pytest.raises(ValueError, match="body_read_timeout"):
+        _server_config(parser.parse_args(["serve", "--body-read-timeout", "0"]))
+
+
+def test_the_api_key_comes_from_the_flag_then_jaxserve_then_vllm_variables(monkeypatch):
+    parser = build_parser()
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _server_config(parser.parse_args(["serve"])).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _server_config(parser.parse_args(["serve"])).api_key == "from-vllm"
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-jaxserve")
+    assert _server_config(parser.parse_args(["serve"])).api_key == "from-jaxserve"
+    assert _server_config(parser.parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
+
+
+def test_trust_remote_code_is_accepted_and_explained(caplog):
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--config", "cpu", "--trust-remote-code"])
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        _engine_config(args)
+    assert "no code from a model repository ever runs" in caplog.text
+
+
+def test_without_config_the_preset_follows_the_platform():
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert _engine_config(args).buckets == EngineConfig.from_preset(platform_preset()).buckets
+
+
+def test_serving_an_uncached_hub_id_offline_fails_in_one_line_before_binding(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = _run_cli("serve", "gpt2-nonexistent-xyz", "--port", "0", env=env)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jaxserve: error: model 'gpt2-nonexistent-xyz' is not in the local")
+    assert "a local model directory or a .gguf file" in lines[0] and "unset HF_HUB_OFFLINE" in lines[0]
+
+
+def test_the_platform_choice_is_logged_and_jax_backend_probes_are_not():
+    # --max-model-len 0 fails after the preset is chosen (jax's backends initialised) and before any load.
+    result = _run_cli("generate", "--prompt", "hi", "--max-model-len", "0", "--log-level", "info")
+    assert result.returncode == 1
+    assert "no --config given and the JAX backend is" in result.stderr
+    assert "Unable to initialize backend" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
+
+
+def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys):
+    import jaxserve.bench.serve
+
+    seen_before_level: list[str] = []
+
+    async def fake_run_level(base_url, model, concurrency, *args, **kwargs) -> dict:
+        seen_before_level.append(capsys.readouterr().out)
+        latency = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
+        return {"concurrency": concurrency, "request_throughput": 1.0, "output_tokens_per_s": 2.0, "failed": 0,
+                "errors": [], "ttft_ms": latency, "tpot_ms": latency, "itl_ms": latency, "e2e_ms": latency}
+
+    monkeypatch.setattr(jaxserve.bench.serve, "run_level", fake_run_level)
+    main(["bench", "serve", "--concurrency", "1", "4"])
+    rest = capsys.readouterr().out.splitlines()
+    header = seen_before_level[0].splitlines()
+    assert len(header) == 1 and header[0].split()[:3] == ["conc", "req/s", "out"]
+    assert seen_before_level[1].split()[0] == "1"  # level 1's row, printed before level 4 ran
+    assert [line.split()[0] for line in rest] == ["4", "(latencies"]

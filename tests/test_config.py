@@ -1,0 +1,63 @@
+"""Config presets (bundled and from a file), overrides, the platform's preset, ServerConfig checks."""
+
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+import jaxserve
+from jaxserve.config import EngineConfig, ServerConfig, load_preset, platform_preset, preset_names
+
+SOURCE_PRESETS = Path(jaxserve.__file__).parent / "configs"
+
+
+def test_presets_load_and_overrides_win():
+    config = EngineConfig.from_preset("cpu", max_num_seqs=4, dtype="float32", max_model_len=None)
+    assert config.scheduler.max_num_seqs == 4
+    assert config.model.dtype == "float32"
+    assert config.buckets.token_buckets == (32, 128)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        EngineConfig.from_preset(None, no_such_flag=1)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig.from_preset(None, dtype="float8")
+
+
+def test_every_bundled_preset_builds_an_engine_config():
+    names = preset_names()
+    assert names == sorted(p.stem for p in SOURCE_PRESETS.glob("*.yaml"))
+    assert {"cpu", "default", "gpu"} <= set(names)
+    for name in names:
+        EngineConfig.from_preset(name)
+
+
+def test_a_preset_file_is_read_from_its_path_and_unknown_names_list_the_choices(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("scheduler:\n  max_num_seqs: 2\nbuckets:\n  request_buckets: [1, 2]\n")
+    assert EngineConfig.from_preset(str(path)).scheduler.max_num_seqs == 2
+    with pytest.raises(FileNotFoundError, match="choose from cpu, default, gpu"):
+        load_preset("no-such-preset")
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_preset(str(tmp_path / "missing.yaml"))
+
+
+def test_the_platform_preset_follows_the_jax_backend(monkeypatch, caplog):
+    want = {"cpu": "cpu", "gpu": "gpu"}.get(jax.default_backend(), "default")
+    with caplog.at_level("INFO", logger="jaxserve.config"):
+        assert platform_preset() == want
+    assert f"using preset '{want}': no --config given" in caplog.text
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert platform_preset() == "gpu"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert platform_preset() == "default"
+
+
+def test_server_config_defaults_follow_vllm_and_bad_values_are_refused():
+    config = ServerConfig()
+    assert (config.access_log, config.server_log_level, config.log_requests) == (True, "info", False)
+    assert not config.trust_request_chat_template and config.body_read_timeout == 30.0
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="body_read_timeout"):
+            ServerConfig(body_read_timeout=bad)
+    with pytest.raises(ValueError, match="server_log_level"):
+        ServerConfig(server_log_level="verbose")
