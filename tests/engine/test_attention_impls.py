@@ -11,6 +11,7 @@ from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggere
 KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(2, 4), max_num_seqs=4, max_num_batched_tokens=32)
 
 
+@pytest.mark.slow  # the interpreted kernel, end to end
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model_dir, monkeypatch):
     traced = {"ragged": 0, "decode": 0}

@@ -47,6 +47,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
 
 # Prompt 7's greedy continuation repeats a token, so positive penalties change it; negative ones make
 # prompt 3's (repetition-free) continuation start repeating.
+@pytest.mark.slow  # transformers reference
 @pytest.mark.parametrize(
     "prompt_index,rep,freq,pres", [(7, 1.5, 0.0, 0.0), (7, 1.2, 0.8, 0.5), (7, 1.0, 0.0, 1.5), (3, 0.8, -0.5, 0.0)]
 )
@@ -98,6 +99,7 @@ def test_logit_bias_and_min_tokens(engine):
     assert completion.token_ids[:3] != [favourite] * 3 and completion.token_ids[3] == favourite
 
 
+@pytest.mark.slow  # transformers reference
 def test_logprobs_match_transformers(engine, hf_llama):
     prompt = make_prompts()[0]
     completion = run_one(engine, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3))

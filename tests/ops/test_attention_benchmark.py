@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jaxserve.ops.attention import MIN_PALLAS_COMPUTE_CAPABILITY, cuda_compute_capability
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
 
 
+@pytest.mark.slow  # runs benchmarks/attention.py in a subprocess
 def test_attention_benchmark_smoke(tmp_path):
     out = tmp_path / "rows.json"
     command = [sys.executable, str(SCRIPT), "--impls", "pallas", "reference", "dense", "interpret",
