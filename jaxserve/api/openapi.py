@@ -43,9 +43,9 @@ SWAGGER_UI_CDN = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
 
 _ERROR_MEANINGS = {
     400: "Invalid JSON, an invalid field, or a prompt longer than the context.",
-    401: "Missing or wrong API key (only when the server runs with --api-key).",
+    401: "Missing or wrong API key.",
     404: "Unknown model.",
-    413: "Request body over the size limit (16 MiB).",
+    413: "Request body over the size limit.",
     500: "Internal server error.",
     503: "The model is loading, the server is draining, or the engine failed.",
 }
