@@ -64,3 +64,23 @@ def test_a_dead_engine_answers_503_and_fails_in_flight_requests(tiny_model_dir):
         stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "stream": True})
         assert stream.status_code == 503
+
+
+def test_an_unhandled_error_is_logged_once_and_answered_in_the_envelope(monkeypatch, caplog):
+    from jaxserve.api import misc
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    def no_model() -> AsyncEngine:
+        raise FileNotFoundError("no model here")
+
+    monkeypatch.setattr(misc, "version", broken)
+    with TestClient(create_app(ServerConfig(), no_model), raise_server_exceptions=False) as client:
+        caplog.clear()
+        response = client.get("/version")
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "internal server error", "type": "server_error", "param": None,
+                                        "code": 500}
+    tracebacks = [r for r in caplog.records if r.exc_info and "a bug" in str(r.exc_info[1])]
+    assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]

@@ -54,10 +54,10 @@ MAX_MODEL_LEN = 256
 SLOW_S = 30.0  # the property: every answer within this
 TRANSPORT_TIMEOUT_S = SLOW_S + 5  # then give up on the request and record it
 # Wall time per (operation, phase), from its first case; later cases are skipped. Generation is the cost.
-PHASE_BUDGET_S = {("POST /v1/completions", "coverage"): 40.0, ("POST /v1/completions", "fuzzing"): 20.0,
-                  ("POST /v1/chat/completions", "coverage"): 40.0, ("POST /v1/chat/completions", "fuzzing"): 20.0}
+PHASE_BUDGET_S = {("POST /v1/completions", "coverage"): 30.0, ("POST /v1/completions", "fuzzing"): 20.0,
+                  ("POST /v1/chat/completions", "coverage"): 30.0, ("POST /v1/chat/completions", "fuzzing"): 20.0}
 DEFAULT_PHASE_BUDGET_S = 10.0
-HOSTILE_BUDGET_S = 90.0
+HOSTILE_BUDGET_S = 60.0
 MAX_EXAMPLES = 20  # per operation, fuzzing phase
 CAP_MAX_TOKENS = 4  # accepted max_tokens are lowered to this
 CAP_N = 2  # and accepted n (1..128, OpenAI's range) to this

@@ -280,6 +280,8 @@ def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and "shutting down" in error["message"]
     assert server.process.wait(60) == 0
+    with pytest.raises(httpx.TransportError):  # the socket closed once the drain was over
+        httpx.get(f"{server.base_url}/health", timeout=2)
     log = server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
 
