@@ -20,6 +20,7 @@ from starlette.routing import Route
 from jaxserve.api import chat, completions, misc
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
+from jaxserve.api.openapi import openapi_routes
 from jaxserve.api.serving import ModelServing, ServerState
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
@@ -88,8 +89,6 @@ def create_app(
                 await asyncio.to_thread(state.serving.engine.shutdown)
         if state.serving is not None:
             state.serving.close()
-
-    from jaxserve.api.openapi import openapi_routes  # local: keeps this edit to one place; may move up
 
     routes = [
         *openapi_routes(config),

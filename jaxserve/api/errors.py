@@ -8,7 +8,6 @@ exception deep inside pydantic, a tokenizer or a log line.
 
 import asyncio
 import json
-from http import HTTPStatus
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -65,10 +64,6 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param).model_dump(), status_code=status, headers=headers)
-
-
-def status_phrase(status: int) -> str:
-    return HTTPStatus(status).phrase
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
