@@ -20,6 +20,9 @@ from jaxserve.ops.paged_attention_pallas import (
 )
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 
+# The kernel runs interpreted on CPU (about a minute in all): part of `make test`, not of the quick loop.
+pytestmark = pytest.mark.slow
+
 KERNEL_IMPL = "pallas" if resolve_impl("auto") == "pallas" else "interpret"
 INTERPRET = KERNEL_IMPL == "interpret"
 TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
