@@ -35,9 +35,6 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
     if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(400, f"{len(items)} prompts x n={req.n} exceed the limit of {MAX_SEQUENCES_PER_REQUEST} "
                             "completions per request", "prompt")
-    for item in items:
-        if isinstance(item, str):
-            serving.check_text_length(item)
     return [(item, await serving.encode(item) if item else []) if isinstance(item, str) else (None, list(item))
             for item in items]
 

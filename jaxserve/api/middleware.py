@@ -16,20 +16,24 @@ _GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health, /metrics an
 logger = logging.getLogger("jaxserve.api")
 
 
+def _is_api_path(scope: Scope) -> bool:
+    """An HTTP request to the API proper (what the key guards and the drain waits for)."""
+    path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+    return scope["type"] == "http" and path.startswith(_GUARDED_PREFIXES)
+
+
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
-            path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path.startswith(_GUARDED_PREFIXES):
-                given = Headers(scope=scope).get("authorization", "").encode()
-                if not secrets.compare_digest(given, self._expected):
-                    response = error_response(401, "Incorrect API key provided.")
-                    await response(scope, receive, send)
-                    return
+        if _is_api_path(scope) and scope["method"] != "OPTIONS":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self._expected):
+                response = error_response(401, "Incorrect API key provided.")
+                await response(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -66,8 +70,7 @@ class InFlightMiddleware:
         self.counter = counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        if scope["type"] != "http" or not path.startswith(_GUARDED_PREFIXES):
+        if not _is_api_path(scope):
             await self.app(scope, receive, send)
             return
         self.counter.num_in_flight += 1

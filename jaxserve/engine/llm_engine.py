@@ -119,7 +119,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
-        self.validate_request(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params)  # InvalidParam (a ValueError) for what cannot be served
         sequences = []
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
@@ -138,10 +138,6 @@ class LLMEngine:
             # either the first one raises or none does.
             self.scheduler.add_request(seq.request)
         self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidParam (a ValueError) for what add_request would refuse."""
-        self.limits.check(prompt_token_ids, params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their pages are free when this returns."""
@@ -166,7 +162,7 @@ class LLMEngine:
         except RequestFault as fault:
             # Nothing ran on the device. The other scheduled requests keep their pages and computed
             # tokens, so the next schedule() plans them again.
-            return [self._fail(fault)]
+            return [self._fail(fault.request_id, fault.__cause__ or fault)]
         if scheduler_output.is_empty:
             return []
         advanced = self.scheduler.update(scheduler_output, step_output)
@@ -184,7 +180,7 @@ class LLMEngine:
             try:
                 stopped = seq.detokenizer.add_tokens(request.output_token_ids[-1:])
             except Exception as e:
-                failed.append(self._fail(_fault(request.request_id, e)))
+                failed.append(self._fail(request.request_id, e))
                 touched.pop(parent_id, None)
                 continue
             if stopped and not request.status.is_finished:
@@ -205,10 +201,10 @@ class LLMEngine:
                 del self._requests[request_id]
         return outputs + failed
 
-    def _fail(self, fault: RequestFault) -> RequestOutput:
-        """Ends the request that `fault` names (all its n sequences) and reports it as failed."""
-        parent_id = fault.request_id.rsplit("#", 1)[0]
-        cause = fault.__cause__ or fault
+    def _fail(self, sequence_id: str, cause: BaseException) -> RequestOutput:
+        """Ends the request that sequence `sequence_id` belongs to (all its n sequences) after `cause`
+        and reports it as failed."""
+        parent_id = sequence_id.rsplit("#", 1)[0]
         logger.error("request %s failed and was dropped: %r", parent_id, cause, exc_info=cause)
         state = self._requests.pop(parent_id)
         ids = [seq.request.request_id for seq in state.sequences]
@@ -216,9 +212,3 @@ class LLMEngine:
         completions = [CompletionOutput(index=i, finish_reason="error") for i in range(len(ids))]
         return RequestOutput(parent_id, state.prompt, state.prompt_token_ids, completions, finished=True,
                              error=f"the engine failed while processing this request: {type(cause).__name__}")
-
-
-def _fault(request_id: str, cause: Exception) -> RequestFault:
-    fault = RequestFault(request_id)
-    fault.__cause__ = cause
-    return fault

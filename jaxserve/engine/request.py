@@ -132,8 +132,8 @@ def request_metrics(sequences: list[Request]) -> RequestMetrics:
 
 
 class RequestFault(Exception):
-    """An exception caused by one request's data (building its batch row, detokenizing it): the engine
-    fails that request alone and serves on. `__cause__` holds the original exception."""
+    """Building one request's batch row raised: the engine fails that request alone and serves on.
+    `__cause__` holds the original exception."""
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id} failed")
