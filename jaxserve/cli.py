@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from jaxserve import __version__
 from jaxserve.config import (
@@ -24,6 +25,8 @@ from jaxserve.config import (
     platform_preset,
     preset_names,
 )
+from jaxserve.device import TARGETS, pool_gpu_memory
+from jaxserve.model_configs import BUNDLED_SHAPES
 
 logger = logging.getLogger("jaxserve")
 
@@ -126,6 +129,8 @@ def _compilation_cache(setting: str | None) -> dict[str, str]:
 
 
 def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    # Before jax starts a backend (platform_preset starts one): JAX pools 75% of a GPU by default.
+    pool_gpu_memory(args.gpu_memory_utilization or CacheConfig.gpu_memory_utilization)
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size must be 1: tensor parallelism is not implemented yet")
     if args.enable_prefix_caching:
@@ -266,6 +271,31 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     sys.exit(run_server(_engine_config(args), server_config))
 
 
+def _cmd_compile(args: argparse.Namespace) -> None:
+    if args.target != "local":
+        from jaxserve.device import use_cpu_platform
+
+        use_cpu_platform()  # before jax starts a backend: the CUDA plugin must not look for a driver
+    from jaxserve.compile_ladder import compile_ladder, format_report
+
+    report = compile_ladder(
+        args.model,
+        target=None if args.target == "local" else args.target,
+        preset=args.config,
+        dtype=args.dtype,
+        attention_impl=args.attention_impl,
+        max_model_len=args.max_model_len,
+        context_len=args.context_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        jobs=args.jobs,
+        xla_cost=not args.no_xla_cost,
+    )
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+        print(f"wrote {args.json}")
+
+
 def _json_list(value: str) -> list[str]:
     try:
         parsed = json.loads(value)
@@ -391,6 +421,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_serve_args(serve_bench)
     serve_bench.set_defaults(func=_cmd_bench_serve, log_level="warning")
+
+    compile_cmd = commands.add_parser(
+        "compile", help="compile every bucket for a GPU (no GPU needed) and predict step times",
+        description="Compile the whole step (model, attention kernels, sampler) for every bucket of a ladder, "
+                    "from the model's config alone, for a GPU target without a GPU (XLA's deviceless "
+                    "compilation: Triton and ptxas run) or for the local device; print per bucket the compile "
+                    "time, XLA's memory analysis and a roofline step time, and the KV budget. Needs the CUDA "
+                    "compile pieces for GPU targets: pip install 'jaxserve[gpu-compile]'.",
+    )
+    compile_cmd.add_argument("--model", default=None,
+                             help=f"a bundled shape ({', '.join(BUNDLED_SHAPES)}), a config.json, or anything "
+                                  "serve --model takes (default: the bundled SmolLM2)")
+    compile_cmd.add_argument("--target", default="h100", choices=[*TARGETS, "local"],
+                             help="the GPU to compile for; local: this machine's default device")
+    compile_cmd.add_argument("--config", default="gpu",
+                             help=f"the ladder: a preset ({', '.join(preset_names())}) or a .yaml path")
+    compile_cmd.add_argument("--dtype", default="auto", choices=DTYPES,
+                             help="auto: bfloat16 on GPUs, float32 on CPU")
+    compile_cmd.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS,
+                             help="auto picks what a real device of the target's kind would")
+    compile_cmd.add_argument("--max-model-len", type=int, default=None, help="(default: the model's)")
+    compile_cmd.add_argument("--context-len", type=int, default=None,
+                             help="keys each request attends in the predicted step times (default: max-model-len/2)")
+    compile_cmd.add_argument("--gpu-memory-utilization", type=float, default=None,
+                             help=f"for the KV budget (default: {CacheConfig.gpu_memory_utilization})")
+    compile_cmd.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1,
+                             help="buckets compiled at once (default: the CPU count)")
+    compile_cmd.add_argument("--no-xla-cost", action="store_true",
+                             help="skip XLA's cost analysis (a CPU lowering per bucket)")
+    compile_cmd.add_argument("--json", default=None, help="also write the report to this file (default: none)")
+    compile_cmd.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                             help="(default: warning)")
+    compile_cmd.set_defaults(func=_cmd_compile)
     return parser
 
 

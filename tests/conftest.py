@@ -5,10 +5,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import jax
-import pytest
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+# The test extra installs the CUDA PJRT plugin to compile for GPU targets; on a machine without a GPU it
+# would look for a driver at jax's start. Tests run on the CPU (servers they start inherit this).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # after the platform is chosen
+import pytest
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
 

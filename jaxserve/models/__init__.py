@@ -1,6 +1,6 @@
 """Model registry: the HF `architectures` name -> the module that implements it.
 
-Each model module exposes a `*Config.from_hf(hf_config, attention_impl)`, the NNX model class, and
+Each model module exposes a `*Config.from_hf(hf_config, attention)`, the NNX model class, and
 `map_hf_weight(name, cfg)`, its HF checkpoint name map.
 """
 

@@ -5,7 +5,7 @@ Axis letters: T tokens, D hidden, N heads, H head dim, F MLP width, V vocab, C t
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.layers import AttentionMetadata, KVCache, LayerNorm, paged_attention, param
+from jaxserve.ops.attention import AttentionConfig
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,14 @@ class GPT2Config:
     head_dim: int
     layer_norm_eps: float
     max_position_embeddings: int
-    attention_impl: str = "auto"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
 
     @property
     def num_kv_heads(self) -> int:
         return self.num_heads
 
     @classmethod
-    def from_hf(cls, hf: Any, attention_impl: str = "auto") -> "GPT2Config":
+    def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "GPT2Config":
         if getattr(hf, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported GPT-2 activation {hf.activation_function!r}")
         return cls(
@@ -45,7 +46,7 @@ class GPT2Config:
             head_dim=hf.n_embd // hf.n_head,
             layer_norm_eps=hf.layer_norm_epsilon,
             max_position_embeddings=hf.n_positions,
-            attention_impl=attention_impl,
+            attention=attention or AttentionConfig(),
         )
 
 
@@ -62,11 +63,11 @@ class Block(nnx.Module):
         self.fc_bias = param(f, dtype=dtype)
         self.proj = param(f, d, dtype=dtype)
         self.proj_bias = param(d, dtype=dtype)
-        self.attention_impl = cfg.attention_impl
+        self.attention = cfg.attention
 
     def __call__(self, x, kv_cache, md: AttentionMetadata):
         qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv[...]) + self.qkv_bias[...][:, None]
-        attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, impl=self.attention_impl)
+        attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=self.attention)
         x = x + jnp.einsum("TNH,NHD->TD", attn, self.attn_out[...]) + self.attn_out_bias[...]
         hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc[...]) + self.fc_bias[...]
         hidden = jax.nn.gelu(hidden, approximate=True)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention
 from jaxserve.ops.kv_write import write_kv
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [K, pages, page_size, H]
@@ -101,12 +101,13 @@ def paged_attention(
     kv_cache: tuple[jax.Array, jax.Array],
     md: AttentionMetadata,
     *,
-    impl: str,
+    attention: AttentionConfig,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache."""
     k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
     out = ragged_paged_attention(
         q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
-        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=impl, decode_only=md.decode_only,
+        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=attention.impl, num_sms=attention.num_sms,
+        decode_only=md.decode_only,
     )
     return out, (k_pages, v_pages)

@@ -5,7 +5,7 @@ Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP w
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ from jaxserve.models.layers import (
     param,
     rope_inv_freq,
 )
+from jaxserve.ops.attention import AttentionConfig
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,10 @@ class LlamaConfig:
     qkv_bias: bool
     max_position_embeddings: int
     inv_freq: tuple[float, ...]
-    attention_impl: str = "auto"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
 
     @classmethod
-    def from_hf(cls, hf: Any, attention_impl: str = "auto") -> "LlamaConfig":
+    def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
         # Sliding-window attention is not implemented: cap the context at the window, where full
@@ -63,7 +64,7 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             max_position_embeddings=max_len,
             inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
-            attention_impl=attention_impl,
+            attention=attention or AttentionConfig(),
         )
 
 
@@ -88,7 +89,7 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_cache = paged_attention(q, k, v, kv_cache, md, impl=self.cfg.attention_impl)
+        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=self.cfg.attention)
         return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
 
 

@@ -22,7 +22,7 @@ from transformers import AutoConfig, GenerationConfig
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.gguf import iter_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
-from jaxserve.ops.attention import resolve_impl
+from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,31 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise RuntimeError(f"could not download model {repo_id!r} from the hub: {first_line}") from e
 
 
-def default_dtype() -> Any:
+def default_dtype(platform: str | None = None) -> Any:
     """bfloat16 on accelerators; float32 on CPU (measured faster there; see docs/benchmarks.md)."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
 
 
-def resolve_dtype(dtype: str) -> Any:
-    return {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype] or default_dtype()
+def resolve_dtype(dtype: str, platform: str | None = None) -> Any:
+    """The jnp dtype for `--dtype` on `platform` (the default backend's if None)."""
+    return {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype] or default_dtype(platform)
+
+
+@dataclass(frozen=True)
+class AbstractModel:
+    """A model built from its config alone: shapes and dtypes, no weights."""
+
+    spec: ModelSpec
+    cfg: Any  # the model file's own config
+    graphdef: nnx.GraphDef
+    state: nnx.State  # jax.ShapeDtypeStruct leaves
+
+
+def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig) -> AbstractModel:
+    spec = get_model_spec(hf_config)
+    cfg = spec.config_cls.from_hf(hf_config, attention=attention)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: spec.model_cls(cfg, dtype)))
+    return AbstractModel(spec, cfg, graphdef, state)
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -159,16 +177,14 @@ def load_model(
 ) -> LoadedModel:
     source = resolve_model(model, revision)
     hf_config = load_hf_config(source)
-    spec = get_model_spec(hf_config)
-    impl = resolve_impl(attention_impl)  # once, so `auto` and a bad choice are settled at start-up
-    logger.info("attention: %s", impl)
-    cfg = spec.config_cls.from_hf(hf_config, attention_impl=impl)
+    attention = resolve_attention(attention_impl)  # once, so `auto` and a bad choice are settled at start-up
+    logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(source.directory, source.gguf_file)
 
     # Build without touching weights, then fill the abstract state tensor by tensor.
-    abstract_model = nnx.eval_shape(lambda: spec.model_cls(cfg, jax_dtype))
-    graphdef, abstract_state = nnx.split(abstract_model)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention)
+    spec, cfg, graphdef, abstract_state = abstract.spec, abstract.cfg, abstract.graphdef, abstract.state
     expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract_state))}
     if source.gguf_file:
         tensors = iter_gguf_tensors(

@@ -4,13 +4,19 @@
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `reference` elsewhere.
+
+The choice is made once, against the device the step is compiled for (`jaxserve.device.DeviceFacts`: the
+local one, or a GPU target when compiling without a GPU), and travels in the model config as an
+`AttentionConfig` with the SM count the decode kernel sizes its splits by.
 """
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import jax
 
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
+from jaxserve.device import DeviceFacts, local_facts
 from jaxserve.ops import paged_attention_pallas
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
@@ -21,22 +27,26 @@ MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
 kv_cache_shape = paged_attention_pallas.kv_cache_shape
 
 
-def cuda_compute_capability(device: jax.Device | None = None) -> float | None:
+@dataclass(frozen=True)
+class AttentionConfig:
+    """A resolved attention choice (part of the model config, so of the compile key)."""
+
+    impl: str = "reference"  # reference | pallas | interpret, never auto
+    num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
+
+
+def cuda_compute_capability(device: Any = None) -> float | None:
     """The device's CUDA compute capability (9.0 on an H100), or None for CPUs and non-CUDA GPUs."""
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    try:
-        return float(device.compute_capability)
-    except (AttributeError, TypeError, ValueError):  # ROCm reports a gfx name, CPUs nothing
-        return None
+    return local_facts(device).compute_capability
 
 
-def resolve_impl(impl: str, device: jax.Device | None = None) -> str:
-    """Maps `auto` to a concrete implementation for `device` (the default one) and checks the choice."""
+def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
+    """Maps `auto` to a concrete implementation for `device` (the local default one) and checks the choice."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
-    capability = cuda_compute_capability(device) if impl in ("auto", "pallas") else None
+    if impl not in ("auto", "pallas"):
+        return impl
+    capability = (device or local_facts()).compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
         return "pallas" if kernel_runs else "reference"
@@ -50,6 +60,12 @@ def resolve_impl(impl: str, device: jax.Device | None = None) -> str:
     return impl
 
 
+def resolve_attention(impl: str, device: DeviceFacts | None = None) -> AttentionConfig:
+    """The attention config for the device the step is compiled for (the local default one if None)."""
+    device = device or local_facts()
+    return AttentionConfig(impl=resolve_impl(impl, device), num_sms=device.num_sms)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
@@ -60,6 +76,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     impl: str = "auto",
+    num_sms: int | None = None,
     decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
@@ -69,9 +86,11 @@ def ragged_paged_attention(
     `cu_q_lens[-1]` are padding and come back as zeros.
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
-    have kv_len 0), which lets the kernel split long contexts across programs.
+    have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
+    `num_sms` programs. `impl` is taken as resolved (`auto` is resolved against the local device).
     """
-    impl = resolve_impl(impl)
+    if impl == "auto":
+        impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
@@ -79,7 +98,7 @@ def ragged_paged_attention(
     interpret = impl == "interpret"
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
-            q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret
+            q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret, num_sms=num_sms
         )
     return paged_attention_pallas.ragged_paged_attention_pallas(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, interpret=interpret

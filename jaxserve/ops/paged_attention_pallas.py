@@ -32,7 +32,7 @@ _MASK_VALUE = -1e30
 _LOG2_E = math.log2(math.e)
 _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
-_DEFAULT_NUM_SMS = 132  # an H100 SXM; used where the device does not say (CPU, interpret mode)
+_DEFAULT_NUM_SMS = 132  # an H100 SXM; used where no target is given (CPU, interpret mode)
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -325,10 +325,13 @@ def paged_decode_attention_pallas(
     interpret: bool = False,
     block_kv: int = 128,
     num_splits: int | None = None,
+    num_sms: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:  # [R, N, H]
-    """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1."""
+    """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1.
+
+    `num_splits` defaults to about two waves of programs over the `num_sms` SMs of the target."""
     _check_shapes(q, k_pages, v_pages)
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -339,8 +342,9 @@ def paged_decode_attention_pallas(
     padded_head_dim = _padded_head_dim(head_dim)
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     if num_splits is None:
-        num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_NUM_SMS  # SMs on CUDA devices
-        num_splits = default_num_splits(num_reqs, num_kv_heads, page_table.shape[1], pages_per_block, num_sms)
+        num_splits = default_num_splits(
+            num_reqs, num_kv_heads, page_table.shape[1], pages_per_block, num_sms or _DEFAULT_NUM_SMS
+        )
     page_table = _pad_page_table(page_table, pages_per_block)
 
     kernel = functools.partial(

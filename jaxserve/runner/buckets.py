@@ -47,6 +47,13 @@ class BucketLadder:
         return sorted(buckets)
 
 
+def largest_buckets(buckets: list[Bucket]) -> list[Bucket]:
+    """The largest mixed and the largest decode bucket: between them, the step's peak temp memory."""
+    mixed = [b for b in buckets if not b.decode_only]
+    decode = [b for b in buckets if b.decode_only]
+    return [max(group) for group in (mixed, decode) if group]
+
+
 def _cut(ladder: tuple[int, ...], limit: int) -> tuple[int, ...]:
     """The ladder up to and including the first rung that covers `limit`, that rung capped at it."""
     kept = [b for b in ladder if b < limit]

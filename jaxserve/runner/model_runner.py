@@ -15,37 +15,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import CacheConfig
+from jaxserve.device import allocator_pool_fraction
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.progress import progress
+from jaxserve.runner.aot import StepShapes, compile_bucket
 from jaxserve.runner.batch import BatchLayout, StepBatch, build_step_batch
-from jaxserve.runner.buckets import Bucket, BucketLadder
+from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
+from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
 from jaxserve.runner.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
-
-_GPU_ACTIVATION_RESERVE = 0.05  # of device memory, kept free for activations and XLA scratch
-
-
-def num_kv_pages_for_budget(cache: CacheConfig, bytes_per_page: int) -> int:
-    if cache.num_kv_pages is not None:
-        return cache.num_kv_pages
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        limit = stats["bytes_limit"]
-        budget = limit * (cache.gpu_memory_utilization - _GPU_ACTIVATION_RESERVE) - stats["bytes_in_use"]
-    else:
-        budget = cache.kv_cache_memory_gib * 2**30
-    num_pages = int(budget // bytes_per_page)
-    if num_pages < 2:
-        raise ValueError(f"no room for a KV cache: the budget is {budget / 2**30:.2f} GiB")
-    return num_pages
-
 
 def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int):
     def step(state: nnx.State, kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
@@ -73,27 +57,69 @@ class ModelRunner:
         self.page_size = cache_config.page_size
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
-        itemsize = jnp.dtype(model.dtype).itemsize
-        bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * self.page_size * cfg.head_dim * itemsize
-        self.num_pages = num_kv_pages_for_budget(cache_config, bytes_per_page)
+        self.max_num_seqs = max_num_seqs
+        page_bytes = bytes_per_page(
+            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, jnp.dtype(model.dtype).itemsize
+        )
+        self._step = make_step_fn(model.graphdef, max_logprobs)
+        self.num_pages = self._num_kv_pages(cache_config, page_bytes)
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: KVCache = [
             (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
         ]
-        self.layout = BatchLayout(
-            page_size=self.page_size,
-            max_pages_per_req=self.max_pages_per_req,
-            padding_slot=padding_slot(self.num_pages, self.page_size),
-            vocab_size=cfg.vocab_size,
-            num_penalty_slots=max_num_seqs,
-        )
+        self.layout = self._layout(self.num_pages)
         self.penalty_slots = PenaltySlots(max_num_seqs)
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
-        self._step = make_step_fn(model.graphdef, max_logprobs)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
-            self.num_pages, self.page_size, self.num_pages * bytes_per_page / 2**30,
+            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
         )
+
+    def _layout(self, num_pages: int) -> BatchLayout:
+        return BatchLayout(
+            page_size=self.page_size,
+            max_pages_per_req=self.max_pages_per_req,
+            padding_slot=padding_slot(num_pages, self.page_size),
+            vocab_size=self.model.cfg.vocab_size,
+            num_penalty_slots=self.max_num_seqs,
+        )
+
+    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int) -> int:
+        """--num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves."""
+        if cache.num_kv_pages is not None:
+            return cache.num_kv_pages
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            num_pages = int(cache.kv_cache_memory_gib * 2**30 // page_bytes)
+            if num_pages < 2:
+                raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
+            return num_pages
+        budget = budget_from_memory_stats(
+            stats,
+            pool_fraction=allocator_pool_fraction(),
+            utilization=cache.gpu_memory_utilization,
+            state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size),
+            peak_temp_bytes=self._peak_temp_bytes(device),
+            bytes_per_page=page_bytes,
+        )
+        budget.check()
+        logger.info(
+            "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB, KV cache %.2f GiB",
+            budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
+            budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, budget.kv_bytes / 2**30,
+        )
+        return budget.num_pages
+
+    def _peak_temp_bytes(self, device: jax.Device) -> int:
+        """XLA's temp memory for the largest mixed and decode buckets, compiled with a provisional page
+        count (the step's temp memory does not depend on it; the page count is what it decides)."""
+        cfg = self.model.cfg
+        num_pages = self.max_pages_per_req + 1
+        shapes = StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, self._layout(num_pages),
+                            self.model.dtype)
+        largest = largest_buckets(self.ladder.all_buckets())
+        return max(compile_bucket(self._step, self.model.state, shapes, b, device).temp_bytes for b in largest)
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
         scheduled = scheduler_output.scheduled

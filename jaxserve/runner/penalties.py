@@ -26,6 +26,10 @@ class PenaltyTables:
     output_counts: jax.Array  # i32[S, V]
     prompt_mask: jax.Array  # bool[S, V]
 
+    @staticmethod
+    def num_bytes(num_slots: int, vocab_size: int) -> int:
+        return num_slots * vocab_size * (4 + 1)  # i32 counts and a bool mask per slot and token
+
     @classmethod
     def zeros(cls, num_slots: int, vocab_size: int) -> "PenaltyTables":
         return cls(

@@ -2,13 +2,17 @@
 
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
+from jaxserve.device import local_facts, target_facts
 from jaxserve.ops.attention import (
     MIN_PALLAS_COMPUTE_CAPABILITY,
+    AttentionConfig,
     cuda_compute_capability,
     ragged_paged_attention,
+    resolve_attention,
     resolve_impl,
 )
 from tests.ops.paged_cases import MIXES, make_case, oracle
@@ -48,10 +52,18 @@ def test_auto_fits_this_machine_and_bad_choices_are_rejected():
      ("gpu", "gfx942", "reference"), ("cpu", None, "reference")],
 )
 def test_auto_picks_the_kernel_on_cuda_sm80_and_newer(platform, capability, want):
-    device = SimpleNamespace(platform=platform, compute_capability=capability)
+    device = local_facts(SimpleNamespace(platform=platform, compute_capability=capability, device_kind="x"))
     assert resolve_impl("auto", device) == want
     if want == "pallas":
         assert resolve_impl("pallas", device) == "pallas"
     else:
         with pytest.raises(ValueError, match=r"compute capability|no CUDA GPU"):
             resolve_impl("pallas", device)
+
+
+@pytest.mark.parametrize("target,num_sms", [("h100", 132), ("a100", 108)])
+def test_a_gpu_target_resolves_as_that_gpu_would_here_on_a_cpu(target, num_sms):
+    """Compiling for a target picks what a real device of its kind picks, not what this CPU would."""
+    attention = resolve_attention("auto", target_facts(target))
+    assert attention == AttentionConfig(impl="pallas", num_sms=num_sms)
+    assert resolve_attention("auto", local_facts(jax.devices("cpu")[0])).impl == "reference"

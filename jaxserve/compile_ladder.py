@@ -1,0 +1,255 @@
+"""`jaxserve compile`: the whole step (model, attention kernels, sampler) compiled for every bucket of a
+ladder, for a GPU this machine does not have (or for the local device), with a roofline per bucket.
+
+Nothing runs: the model is built from its config alone (shapes, no weights), the step's arguments are
+`ShapeDtypeStruct`s on the target device, and XLA compiles them as it would on that GPU (Triton and ptxas
+included), so a kernel that asks for too much shared memory, or an op XLA:GPU cannot compile, fails here.
+Buckets compile on `jobs` threads (XLA releases the GIL while it compiles).
+
+Per bucket the report has XLA's memory analysis, XLA's cost analysis of the same step lowered for the CPU
+with the reference attention (deviceless GPU compiles return no cost analysis; see the caveat in
+docs/benchmarks.md), and the analytic roofline of `jaxserve.roofline`, which the predicted times use.
+"""
+
+import json
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.device import DeviceFacts, deviceless_device, local_facts, target_facts
+from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
+from jaxserve.models.loader import build_abstract_model, load_hf_config, resolve_dtype, resolve_model
+from jaxserve.ops.attention import AttentionConfig, resolve_attention
+from jaxserve.ops.kv_write import padding_slot
+from jaxserve.roofline import model_shape, step_cost
+from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket
+from jaxserve.runner.batch import BatchLayout
+from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
+from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
+from jaxserve.runner.model_runner import make_step_fn
+from jaxserve.runner.penalties import PenaltyTables
+
+logger = logging.getLogger(__name__)
+
+
+def load_model_config(model: str | None) -> tuple[str, Any]:
+    """(name, transformers config) for a bundled shape name, a config.json file, or anything --model takes."""
+    from transformers import AutoConfig
+
+    if model in BUNDLED_SHAPES:
+        return model, AutoConfig.for_model(**bundled_config_values(model))
+    if model is not None and Path(model).suffix == ".json":
+        values = json.loads(Path(model).expanduser().read_text())
+        return Path(model).stem, AutoConfig.for_model(**values)
+    source = resolve_model(model)
+    return source.name, load_hf_config(source)
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    num_tokens: int
+    num_reqs: int
+    decode_only: bool
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    xla_flops: float | None  # XLA's cost analysis of the CPU lowering (reference attention, full page table)
+    xla_bytes: float | None
+    flops: float  # the analytic roofline's counts, at context_len keys per request
+    bytes: float
+    predicted_seconds: float | None
+    bound: str | None  # "compute" or "memory"
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    model: str
+    device: str
+    target: str | None
+    dtype: str
+    attention: str
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    context_len: int  # the keys each request attends in the predictions
+    jobs: int
+    weights_bytes: int
+    state_bytes: int
+    max_temp_bytes: int
+    gpu_memory_utilization: float
+    device_memory_bytes: int | None
+    kv_budget: KVBudget | None  # how the KV budget was reached (None off GPUs)
+    kv_budget_bytes: int | None
+    num_kv_pages: int
+    compile_seconds: float  # the ladder's, summed over buckets
+    wall_seconds: float
+    buckets: list[BucketResult]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def compile_ladder(
+    model: str | None,
+    target: str | None = None,
+    preset: str | Path | None = "gpu",
+    dtype: str = "auto",
+    attention_impl: str = "auto",
+    max_model_len: int | None = None,
+    context_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    jobs: int = 1,
+    xla_cost: bool = True,
+    buckets: list[Bucket] | None = None,
+) -> CompileReport:
+    """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
+
+    For a named target the process's jax platform must be the CPU (`jaxserve.device.use_cpu_platform`).
+    """
+    import time
+
+    wall_start = time.perf_counter()
+    name, hf_config = load_model_config(model)
+    config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization)
+    device = deviceless_device(target) if target else jax.devices()[0]
+    facts: DeviceFacts = target_facts(target) if target else local_facts(device)
+    jax_dtype = resolve_dtype(dtype, facts.platform)
+    attention = resolve_attention(attention_impl, facts)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention)
+    cfg = abstract.cfg
+    max_len = min(max_model_len or config.model.max_model_len or cfg.max_position_embeddings,
+                  cfg.max_position_embeddings)
+    sched, cache = config.scheduler, config.cache
+    ladder = BucketLadder(config.buckets.token_buckets, config.buckets.request_buckets,
+                          sched.max_num_batched_tokens, sched.max_num_seqs)
+    todo = buckets or ladder.all_buckets()
+    itemsize = jnp.dtype(jax_dtype).itemsize
+    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize)
+    max_pages_per_req = -(-max_len // cache.page_size)
+    step = make_step_fn(abstract.graphdef, config.model.max_logprobs)
+    weights_bytes = _tree_bytes(abstract.state)
+    state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
+
+    def shapes_for(num_pages: int) -> StepShapes:
+        layout = BatchLayout(
+            page_size=cache.page_size, max_pages_per_req=max_pages_per_req,
+            padding_slot=padding_slot(num_pages, cache.page_size), vocab_size=cfg.vocab_size,
+            num_penalty_slots=sched.max_num_seqs,
+        )
+        return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, jax_dtype)
+
+    # The page count is an argument shape, and the budget needs the step's temp memory: size the cache
+    # from the largest buckets compiled with a provisional count (temp memory does not depend on it).
+    budget: KVBudget | None = None
+    if facts.memory_bytes:
+        provisional = shapes_for(max_pages_per_req + 1)
+        peak_temp = max(
+            compile_bucket(step, abstract.state, provisional, b, device).temp_bytes for b in largest_buckets(todo)
+        )
+        budget = KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
+                          state_bytes, peak_temp, page_bytes)
+        budget.check()
+        num_pages = budget.num_pages
+    else:
+        num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
+    shapes = shapes_for(num_pages)
+
+    reference_step = None
+    if xla_cost:
+        reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
+        reference_step = (make_step_fn(reference.graphdef, config.model.max_logprobs), reference.state)
+    roofline_shape = model_shape(int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.state))), cfg)
+    context = context_len or max_len // 2
+    peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
+
+    def one(bucket: Bucket) -> BucketResult:
+        compiled = compile_bucket(step, abstract.state, shapes, bucket, device)
+        xla_flops = xla_bytes = None
+        if reference_step is not None:
+            ref_step, ref_state = reference_step
+            cpu = jax.devices("cpu")[0]
+            cost = ref_step.trace(*abstract_step_args(ref_state, shapes, bucket, cpu)).lower().cost_analysis()
+            if cost:
+                xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
+        predicted = step_cost(roofline_shape, bucket.num_tokens, bucket.num_reqs, context, itemsize,
+                              peak, facts.memory_bandwidth)
+        logger.info("compiled %s in %.1fs", bucket, compiled.compile_seconds)
+        return BucketResult(
+            num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs, decode_only=bucket.decode_only,
+            compile_seconds=round(compiled.compile_seconds, 3), argument_bytes=compiled.argument_bytes,
+            output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
+            xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
+            predicted_seconds=predicted.seconds, bound=predicted.bound,
+        )
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, todo))
+    return CompileReport(
+        model=name, device=facts.name, target=target, dtype=jnp.dtype(jax_dtype).name, attention=attention.impl,
+        page_size=cache.page_size, max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
+        jobs=jobs, weights_bytes=weights_bytes, state_bytes=state_bytes,
+        max_temp_bytes=max(r.temp_bytes for r in results),
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        device_memory_bytes=facts.memory_bytes,
+        kv_budget=budget, kv_budget_bytes=budget.kv_bytes if budget else None, num_kv_pages=num_pages,
+        compile_seconds=round(sum(r.compile_seconds for r in results), 2),
+        wall_seconds=round(time.perf_counter() - wall_start, 2),
+        buckets=results,
+    )
+
+
+def format_report(report: CompileReport) -> str:
+    """The per-bucket table and the totals, as `jaxserve compile` prints them."""
+    mib, gib = 2**20, 2**30
+
+    def num(value: float | None, scale: float, digits: int = 1) -> str:
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'compile s':>9} {'arg MiB':>8} {'out MiB':>8} "
+              f"{'temp MiB':>8} {'XLA GFLOP':>9} {'XLA GB':>7} {'GFLOP':>8} {'GB':>6} {'pred ms':>8} "
+              f"{'tok/s':>9} bound")
+    lines = [
+        f"{report.model} on {report.device} ({report.target or 'local device'}), {report.dtype}, "
+        f"attention {report.attention}, max_model_len {report.max_model_len}, "
+        f"roofline at {report.context_len} keys per request",
+        header,
+        "-" * len(header),
+    ]
+    for r in report.buckets:
+        tok_s = r.num_tokens / r.predicted_seconds if r.predicted_seconds else None
+        lines.append(
+            f"{r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.decode_only else 'mixed':<6} "
+            f"{r.compile_seconds:>9.1f} {num(r.argument_bytes, mib):>8} {num(r.output_bytes, mib):>8} "
+            f"{num(r.temp_bytes, mib):>8} {num(r.xla_flops, 1e9):>9} {num(r.xla_bytes, 1e9, 2):>7} "
+            f"{num(r.flops, 1e9):>8} {num(r.bytes, 1e9, 2):>6} {num(r.predicted_seconds, 1e-3, 3):>8} "
+            f"{'-' if tok_s is None else f'{tok_s:,.0f}':>9} {r.bound or '-'}"
+        )
+    lines.append("")
+    lines.append(f"{len(report.buckets)} buckets compiled in {report.compile_seconds:.1f}s of compile time "
+                 f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")
+    lines.append(f"weights {report.weights_bytes / gib:.2f} GiB, other state {report.state_bytes / mib:.0f} MiB, "
+                 f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB")
+    if report.kv_budget_bytes is not None and report.device_memory_bytes:
+        tokens = report.num_kv_pages * report.page_size
+        lines.append(
+            f"KV budget at --gpu-memory-utilization {report.gpu_memory_utilization}: "
+            f"{report.kv_budget_bytes / gib:.2f} GiB of {report.device_memory_bytes / gib:.1f} GiB = "
+            f"{report.num_kv_pages:,} pages of {report.page_size} tokens ({tokens:,} tokens)"
+        )
+    else:
+        lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens (the CPU budget)")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Device facts: the one answer to "what is the step compiled for?", from the local device or a GPU target.
+
+Every device question the engine asks reads a `DeviceFacts`: which attention implementation `auto` picks
+(the CUDA compute capability), how many programs the decode kernel splits a request into (the SM count),
+how much memory the KV cache may take, and the roofline figures (peak matmul rate, memory bandwidth).
+Nothing else calls `jax.devices()` to ask, so compiling for an H100 on a CPU-only machine picks exactly
+what a real H100 would.
+
+A named target is an XLA `GpuTargetConfigProto` (`jaxserve/targets/*.txtpb`, copied from openxla/xla's
+`xla/backends/gpu/target_config/specs/`) plus the dense tensor-core peaks NVIDIA publishes, which those
+descriptions do not carry. `deviceless_device(target)` gives a jax device of that kind with no GPU present
+(XLA's ahead-of-time compilation: Triton and ptxas run, nothing executes).
+"""
+
+import importlib.resources
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    name: str  # "NVIDIA H100 80GB HBM3", "cpu"
+    platform: str  # "gpu", "cpu", "tpu"
+    compute_capability: float | None = None  # CUDA only: 9.0 on an H100
+    num_sms: int | None = None  # streaming multiprocessors (GPU cores)
+    memory_bytes: int | None = None  # the device's whole memory; None when it does not say
+    memory_bandwidth: float | None = None  # bytes/s
+    # dtype name -> dense matmul flop/s (bf16 on tensor cores; float32 as TF32, XLA's default on GPUs)
+    peak_flops: tuple[tuple[str, float], ...] = field(default=())
+    target: str | None = None  # the TARGETS key when this describes a compile target, not a local device
+
+    def peak_flops_for(self, dtype: str) -> float | None:
+        return dict(self.peak_flops).get(dtype)
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    spec_file: str  # in jaxserve/targets/
+    peak_flops: tuple[tuple[str, float], ...]
+    name_pattern: str  # matches jax's device_kind of the real device, to lend it these peaks
+
+
+# Dense (not 2:4 sparse) tensor-core peaks from NVIDIA's data sheets.
+TARGETS: dict[str, GpuTarget] = {
+    "h100": GpuTarget("h100_sxm.txtpb", (("bfloat16", 989.4e12), ("float32", 494.7e12)), r"H100.*(SXM|HBM3)"),
+    "a100": GpuTarget("a100_sxm_80.txtpb", (("bfloat16", 312e12), ("float32", 156e12)), r"A100.*80GB"),
+}
+
+
+def target_spec_text(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"unknown GPU target {target!r}; choose from {', '.join(sorted(TARGETS))}")
+    return (importlib.resources.files("jaxserve") / "targets" / TARGETS[target].spec_file).read_text()
+
+
+def _proto_field(text: str, name: str) -> str | None:
+    match = re.search(rf"^\s*{name}:\s*\"?([^\"\n]+)\"?\s*$", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def target_facts(target: str) -> DeviceFacts:
+    """The facts of a named GPU target, read from its XLA description (no jax needed)."""
+    text = target_spec_text(target)
+    capability = re.search(r"cuda_compute_capability\s*{([^}]*)}", text)
+    major = _proto_field(capability.group(1), "major") if capability else None
+    minor = _proto_field(capability.group(1), "minor") if capability else None
+    return DeviceFacts(
+        name=_proto_field(text, "device_description_str") or target,
+        platform="gpu",
+        compute_capability=float(f"{major}.{minor or 0}") if major else None,
+        num_sms=int(_proto_field(text, "core_count") or 0) or None,
+        memory_bytes=int(_proto_field(text, "device_memory_size") or 0) or None,
+        memory_bandwidth=float(_proto_field(text, "memory_bandwidth") or 0) or None,
+        peak_flops=TARGETS[target].peak_flops,
+        target=target,
+    )
+
+
+def local_facts(device: Any = None) -> DeviceFacts:
+    """The facts of a local jax device (the default one): what `jaxserve serve` runs on."""
+    import jax
+
+    device = device or jax.devices()[0]
+    kind = str(getattr(device, "device_kind", device.platform))
+    capability = None
+    if device.platform == "gpu":
+        try:
+            capability = float(device.compute_capability)
+        except (AttributeError, TypeError, ValueError):  # ROCm reports a gfx name
+            capability = None
+    known = next((t for t in TARGETS.values() if re.search(t.name_pattern, kind)), None)
+    return DeviceFacts(
+        name=kind,
+        platform=device.platform,
+        compute_capability=capability,
+        num_sms=getattr(device, "core_count", None) if device.platform == "gpu" else None,
+        memory_bytes=None,
+        memory_bandwidth=None,
+        peak_flops=known.peak_flops if known else (),
+    )
+
+
+def deviceless_device(target: str) -> Any:
+    """A jax device of the target's kind on a machine without it: compiles run XLA:GPU, Triton and ptxas.
+
+    The process's own platform must be the CPU (set before jax starts a backend), or the CUDA plugin
+    looks for a driver; `use_cpu_platform()` does that.
+    """
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology="1x1x1", target_config=target_spec_text(target)
+    )
+    return topology.devices[0]
+
+
+def use_cpu_platform() -> None:
+    """Makes the CPU the process's jax platform (deviceless compiles need it); a no-op once set."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+# JAX's allocator pools this fraction of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+JAX_DEFAULT_POOL_FRACTION = 0.75
+
+
+def allocator_pool_fraction() -> float:
+    """The fraction of GPU memory JAX's allocator pools in this process."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))
+
+
+def pool_gpu_memory(utilization: float) -> None:
+    """Lets JAX's allocator pool `utilization` of GPU memory, the share `--gpu-memory-utilization` gives
+    jaxserve (JAX's default pool is 75%, so the KV budget could not use more). A user's own
+    XLA_PYTHON_CLIENT_MEM_FRACTION wins. Only effective before jax starts a backend."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{utilization:g}")

@@ -1,0 +1,14 @@
+"""Model shapes shipped with the package (HF config.json values, no weights), so `jaxserve compile` and the
+GPU compile tests need neither a download nor the hub. No jax here: the CLI lists the names."""
+
+import importlib.resources
+import json
+from typing import Any
+
+BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "llama-3-8b": "llama-3-8b.json"}
+
+
+def bundled_config_values(name: str) -> dict[str, Any]:
+    """The config.json values of a bundled shape (comment keys dropped)."""
+    text = (importlib.resources.files("jaxserve") / "model_configs" / BUNDLED_SHAPES[name]).read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}

@@ -1,0 +1,87 @@
+"""Ahead-of-time compilation of the step: for a bucket, from shapes alone, for any device.
+
+The step's arguments are described as `jax.ShapeDtypeStruct`s placed on the target device (a local one,
+or a deviceless GPU from `jaxserve.device.deviceless_device`), so a compile needs no weights and no
+memory on the target. `ModelRunner` uses the same arguments to size its KV cache from the step's peak
+temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it does not have.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.ops.attention import kv_cache_shape
+from jaxserve.runner.batch import BatchLayout, build_step_batch
+from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.penalties import PenaltyTables
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The facts besides the bucket that fix the step's argument shapes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    layout: BatchLayout
+    dtype: Any  # the weights' and KV cache's dtype
+
+
+@dataclass(frozen=True)
+class CompiledBucket:
+    bucket: Bucket
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse donated arguments (the KV pages, the penalty tables)
+    temp_bytes: int  # XLA's scratch for the step: what the KV budget must leave free
+    compiled: Any  # jax.stages.Compiled
+
+
+def abstract_step_args(
+    state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any
+) -> tuple[Any, Any, Any, Any]:
+    """(state, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def on_device(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
+    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
+    kv_caches = [(page, page) for _ in range(shapes.num_layers)]
+    penalties = jax.eval_shape(
+        lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
+    )
+    empty = SchedulerOutput(scheduled=(), preempted_ids=())
+    batch = build_step_batch(empty, bucket, shapes.layout, [])  # numpy: its shapes and dtypes are the bucket's
+    return (
+        jax.tree.map(on_device, state),
+        kv_caches,
+        jax.tree.map(on_device, penalties),
+        jax.tree.map(on_device, batch),
+    )
+
+
+def compile_bucket(step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any) -> CompiledBucket:
+    """Compiles the jitted step for one bucket on `device`; raises what XLA, Triton or ptxas raise."""
+    args = abstract_step_args(state, shapes, bucket, device)
+    start = time.perf_counter()
+    compiled = step_fn.trace(*args).lower().compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return CompiledBucket(
+        bucket=bucket,
+        compile_seconds=seconds,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        compiled=compiled,
+    )

@@ -1,0 +1,128 @@
+"""The GPU proof: the whole step compiles for an H100 on this CPU-only machine (XLA's deviceless
+compilation: XLA:GPU's passes, Triton for the Pallas kernels, ptxas), at every bucket of configs/gpu.yaml.
+
+Any XLA, Triton or ptxas error fails these tests; `test_an_oversized_kernel_block_is_rejected` shows that
+such errors are caught here and not only on a user's GPU. Nothing runs, so numerics and speed are not
+checked (tests/ops check the kernels' numerics in interpret mode).
+"""
+
+import functools
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.compile_ladder import compile_ladder
+from jaxserve.device import deviceless_device, target_facts
+from jaxserve.ops import paged_attention_pallas
+from jaxserve.runner.buckets import Bucket, BucketLadder
+from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
+
+GPU_LADDER = BucketLadder(
+    (128, 256, 512, 1024, 2048), (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    max_num_batched_tokens=2048, max_num_seqs=256,
+).all_buckets()  # configs/gpu.yaml's; test_the_gpu_ladder_is_the_preset keeps them in step
+
+
+def test_the_gpu_ladder_is_the_preset():
+    from jaxserve.config import EngineConfig
+
+    config = EngineConfig.from_preset("gpu")
+    ladder = BucketLadder(config.buckets.token_buckets, config.buckets.request_buckets,
+                          config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    assert ladder.all_buckets() == GPU_LADDER
+
+
+def _check_report(report, buckets: list[Bucket]) -> None:
+    assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
+    assert report.attention == "pallas"  # what `auto` picks on a real H100
+    assert report.dtype == "bfloat16"
+    assert all(b.temp_bytes > 0 and b.compile_seconds > 0 for b in report.buckets)
+    assert all(b.predicted_seconds > 0 and b.bound in ("compute", "memory") for b in report.buckets)
+    # The KV budget is the arithmetic of the deviceless compile's own memory analysis: the temp memory of
+    # the largest buckets compiled first with a provisional page count, which the slack covers once the
+    # pages are known.
+    budget = report.kv_budget
+    assert budget.device_memory_bytes == target_facts("h100").memory_bytes and budget.utilization == 0.9
+    assert budget.weights_bytes == report.weights_bytes and budget.state_bytes == report.state_bytes
+    want = (int(budget.device_memory_bytes * 0.9) - report.weights_bytes - report.state_bytes
+            - budget.peak_temp_bytes - ALLOCATOR_SLACK_BYTES)
+    assert report.kv_budget_bytes == want
+    assert report.max_temp_bytes <= budget.peak_temp_bytes + ALLOCATOR_SLACK_BYTES
+    assert report.num_kv_pages == want // budget.bytes_per_page > 0
+
+
+@pytest.mark.slow
+def test_gpt2_compiles_for_h100_at_every_gpu_bucket_through_the_cli(tmp_path):
+    out = tmp_path / "gpt2.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "compile", "--model", "gpt2", "--target", "h100", "--config", "gpu",
+         "--dtype", "bfloat16", "--no-xla-cost", "--jobs", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=1500,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "KV budget at --gpu-memory-utilization 0.9" in run.stdout
+    report = json.loads(out.read_text())
+    assert [Bucket(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in report["buckets"]] == GPU_LADDER
+    assert report["attention"] == "pallas" and report["device"] == "NVIDIA H100 80GB HBM3"
+    assert all(b["temp_bytes"] > 0 and b["predicted_seconds"] > 0 for b in report["buckets"])
+
+
+@pytest.mark.slow
+def test_smollm2_compiles_for_h100_at_every_gpu_bucket():
+    report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False)
+    _check_report(report, GPU_LADDER)
+
+
+@pytest.mark.slow
+def test_llama_3_8b_compiles_for_h100_at_the_narrowest_and_widest_buckets():
+    buckets = [GPU_LADDER[0], GPU_LADDER[-1]]
+    assert buckets == [Bucket(1, 1, decode_only=True), Bucket(2048, 256)]
+    report = compile_ladder("llama-3-8b", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=buckets)
+    _check_report(report, buckets)
+    assert report.weights_bytes == 8_030_261_248 * 2
+    # 256 sequences of 8192 tokens do not fit next to 16 GB of weights; tens of thousands of pages do.
+    assert 20_000 < report.num_kv_pages < 256 * 8192 // 16
+
+
+def _decode_kernel_args(device):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    pages = arg((8, 1024, 16, 128), jnp.bfloat16)  # Llama-3-8B's KV heads and head dim
+    return arg((8, 32, 128), jnp.bfloat16), pages, pages, arg((8,), jnp.int32), arg((8, 512), jnp.int32)
+
+
+def test_an_oversized_kernel_block_is_rejected():
+    """A block of 2048 keys asks for ~1.1 MB of shared memory; an H100 has 227 KB per block. Lowering
+    accepts it; only the real compile (Triton for sm_90) refuses it."""
+    device = deviceless_device("h100")
+    args = _decode_kernel_args(device)
+
+    def kernel(block_kv: int):
+        return jax.jit(functools.partial(
+            paged_attention_pallas.paged_decode_attention_pallas, sm_scale=0.1, block_kv=block_kv, num_sms=132
+        ))
+
+    kernel(2048).trace(*args).lower()  # lowers fine
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED: Shared memory size limit exceeded"):
+        kernel(2048).trace(*args).lower().compile()
+    kernel(128).trace(*args).lower().compile()  # the default block compiles
+
+
+@pytest.mark.slow
+def test_the_roofline_counts_agree_with_xla_cost_analysis():
+    """The analytic flops of a prefill step against XLA's own count for the same step lowered for the CPU.
+
+    XLA counts a while loop's body once, and the reference attention loops over KV blocks, so its count
+    holds one block of attention: compare the weights' flops (context_len=1), which are most of a step's."""
+    report = compile_ladder("gpt2", target=None, preset="gpu", dtype="float32", context_len=1,
+                            buckets=[Bucket(512, 1), Bucket(2048, 1)])
+    for bucket in report.buckets:
+        assert bucket.xla_flops == pytest.approx(bucket.flops, rel=0.1)

@@ -1,0 +1,44 @@
+"""The roofline's analytic counts: parameter bookkeeping, the bound it picks, and agreement with XLA."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.device import target_facts
+from jaxserve.roofline import model_shape, step_cost
+
+# Llama-3-8B: 8.03 B parameters, untied 128256 x 4096 embedding and head.
+LLAMA_3_8B = SimpleNamespace(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+LLAMA_3_8B_PARAMS = 8_030_261_248
+
+
+def test_llama_3_8b_parameters_split_into_layers_head_and_the_rest():
+    shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
+    assert shape.layer_weights == 218_103_808  # q, k, v, o and the SwiGLU MLP
+    assert shape.head_weights == 128256 * 4096
+    assert 0 <= shape.other_weights < 2_000_000  # the norms
+    # A step reads every weight but the embedding table, of which it gathers rows.
+    assert shape.weights_read_per_step == LLAMA_3_8B_PARAMS - 128256 * 4096
+
+
+def test_decode_is_memory_bound_and_a_long_prefill_compute_bound_on_an_h100():
+    h100 = target_facts("h100")
+    shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
+    peak = h100.peak_flops_for("bfloat16")
+    decode = step_cost(shape, 1, 1, 1024, 2, peak, h100.memory_bandwidth)
+    assert decode.bound == "memory"
+    # One token reads ~15 GB of bf16 weights: ~4.5 ms at 3.35 TB/s.
+    assert decode.seconds == pytest.approx(shape.weights_read_per_step * 2 / 3.352e12, rel=0.02)
+    prefill = step_cost(shape, 2048, 1, 1024, 2, peak, h100.memory_bandwidth)
+    assert prefill.bound == "compute"
+    assert prefill.seconds == pytest.approx(prefill.flops / 989.4e12)
+    assert prefill.seconds == max(prefill.compute_seconds, prefill.memory_seconds)
+
+
+def test_unknown_peaks_give_no_prediction():
+    shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
+    cost = step_cost(shape, 8, 8, 128, 4, None, None)
+    assert cost.seconds is None and cost.bound is None and cost.flops > 0
