@@ -1,6 +1,7 @@
 """Shared fixtures: the bundled SmolLM2 GGUF, tiny random-weight HF models saved to disk, engines."""
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,6 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 # The test extra installs the CUDA PJRT plugin to compile for GPU targets; on a machine without a GPU it
 # would look for a driver at jax's start. Tests run on the CPU (servers they start inherit this).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Caches jaxserve writes (a GGUF's converted config and tokenizer) go to a fresh directory per session,
+# so every run also exercises the conversion; servers the tests start inherit it.
+os.environ.setdefault("JAXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxserve-test-cache-"))
 
 import jax  # after the platform is chosen
 import pytest
@@ -25,9 +29,10 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf: Path):
+    from jaxserve.models.gguf_cache import converted_dir
     from jaxserve.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_gguf.parent, smollm2_gguf.name)
+    return load_tokenizer(converted_dir(smollm2_gguf))
 
 
 def _tiny_hf_model(kind: str):

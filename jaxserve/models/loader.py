@@ -21,6 +21,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.gguf import iter_gguf_tensors
+from jaxserve.models.gguf_cache import converted_dir
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.progress import progress
@@ -136,9 +137,13 @@ def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig)
     return AbstractModel(spec, cfg, graphdef, state)
 
 
+def metadata_dir(source: ModelSource) -> Path:
+    """Where the model's config and tokenizer files are: its directory, or a GGUF's converted copy."""
+    return converted_dir(source.directory / source.gguf_file) if source.gguf_file else source.directory
+
+
 def load_hf_config(source: ModelSource) -> Any:
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoConfig.from_pretrained(str(source.directory), **kwargs)
+    return AutoConfig.from_pretrained(str(metadata_dir(source)))
 
 
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -176,11 +181,12 @@ def load_model(
     revision: str | None = None,
 ) -> LoadedModel:
     source = resolve_model(model, revision)
-    hf_config = load_hf_config(source)
+    metadata = metadata_dir(source)
+    hf_config = AutoConfig.from_pretrained(str(metadata))
     attention = resolve_attention(attention_impl)  # once, so `auto` and a bad choice are settled at start-up
     logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
-    tokenizer = load_tokenizer(source.directory, source.gguf_file)
+    tokenizer = load_tokenizer(metadata)
 
     # Build without touching weights, then fill the abstract state tensor by tensor.
     abstract = build_abstract_model(hf_config, jax_dtype, attention)

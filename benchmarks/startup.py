@@ -1,0 +1,92 @@
+"""Start-up time of `jaxserve serve`: process start to a 200 from /health, cold and warm.
+
+Cold: empty compilation cache and empty jaxserve cache (the GGUF's converted config and tokenizer).
+Warm: the same command again, both caches filled by the cold start. Each start is a fresh process, and
+the server's own log gives the split (loading, KV allocation, warm-up).
+
+    python benchmarks/startup.py --config default --json docs/startup.json
+    python benchmarks/startup.py --config cpu --runs 2
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+_PHASES = {
+    "load_s": re.compile(r"weights: \d+ tensors loaded in ([\d.]+)s"),
+    "warmup_s": re.compile(r"warm-up: \d+ buckets compiled in ([\d.]+)s"),
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float) -> dict[str, float]:
+    """Starts a server, waits for /health, stops it; returns the seconds to ready and the log's phases."""
+    port = _free_port()
+    env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache_dir / "jaxserve"), HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--port", str(port),
+               "--compilation-cache-dir", str(cache_dir / "xla"), *extra]
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"the server exited with {server.returncode}:\n{log.read()[-3000:]}")
+                if time.perf_counter() - start > timeout:
+                    raise TimeoutError(f"not ready after {timeout}s")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            ready = time.perf_counter() - start
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        log.seek(0)
+        text = log.read()
+    result = {"ready_s": round(ready, 2)}
+    for name, pattern in _PHASES.items():
+        if match := pattern.search(text):
+            result[name] = float(match.group(1))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="default", help="the preset or YAML whose ladder warm-up compiles")
+    parser.add_argument("--runs", type=int, default=1, help="cold/warm pairs, each with fresh caches")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags (after --)")
+    args = parser.parse_args()
+    rows = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as tmp:
+            for kind in ("cold", "warm"):
+                result = start_once(args.config, Path(tmp), args.extra, args.timeout)
+                rows.append({"run": run, "kind": kind, **result})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": args.config, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

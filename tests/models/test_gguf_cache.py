@@ -1,0 +1,55 @@
+"""A GGUF's config and tokenizer, converted once into an HF directory, behave as read from the GGUF."""
+
+import time
+
+import pytest
+from transformers import AutoConfig
+
+from jaxserve.models.gguf_cache import converted_dir
+from jaxserve.models.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "naïve café — 東京 🚀 ÷ ∑",
+    "<|im_start|>user\nhi<|im_end|>",  # special tokens in text
+    "def f(x):\n    return x ** 2  # code",
+]
+
+
+@pytest.mark.slow
+def test_the_converted_tokenizer_and_config_match_the_gguf(smollm2_gguf):
+    directory = converted_dir(smollm2_gguf)
+    tokenizer = load_tokenizer(directory)
+    smollm2_tokenizer = load_tokenizer(smollm2_gguf.parent, smollm2_gguf.name)  # through transformers' GGUF
+    for text in TEXTS:
+        ids = smollm2_tokenizer.encode(text)
+        assert tokenizer.encode(text) == ids
+        assert tokenizer.decode(ids) == smollm2_tokenizer.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    render = dict(add_generation_prompt=True, tokenize=False)
+    assert tokenizer.apply_chat_template(messages, **render) == smollm2_tokenizer.apply_chat_template(
+        messages, **render
+    )
+    assert len(tokenizer) == len(smollm2_tokenizer)
+    assert tokenizer.eos_token_id == smollm2_tokenizer.eos_token_id
+    assert tokenizer.all_special_ids == smollm2_tokenizer.all_special_ids
+
+    direct = AutoConfig.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name).to_dict()
+    cached = AutoConfig.from_pretrained(str(directory)).to_dict()
+    assert cached.pop("_name_or_path") != direct.pop("_name_or_path")  # only where it was read from differs
+    assert cached == direct
+
+
+def test_the_conversion_happens_once_per_file_content(smollm2_gguf, tmp_path):
+    converted_dir(smollm2_gguf)
+    start = time.perf_counter()
+    again = converted_dir(smollm2_gguf)
+    assert time.perf_counter() - start < 2.0  # a hash and two stats, not a conversion
+    assert again == converted_dir(smollm2_gguf)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"not the same bytes")
+    from jaxserve.models.gguf_cache import cache_root, file_sha256
+
+    assert file_sha256(other) != file_sha256(smollm2_gguf)
+    assert again.parent == cache_root() and again.name.startswith(file_sha256(smollm2_gguf))
