@@ -101,7 +101,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None,
                        help="KV cache budget in GiB on CPU (default: the preset's)")
     group.add_argument("--gpu-memory-utilization", type=float, default=None,
-                       help="fraction of GPU memory for weights, activations and the KV cache "
+                       help="fraction of the GPU's memory for jaxserve (as in vLLM): weights, the step's temp "
+                            "memory, and the KV cache, which gets the rest "
                             f"(default: {CacheConfig.gpu_memory_utilization})")
     group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
                        help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, "
@@ -268,7 +269,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     resolve_model(args.model)  # before binding the port: a wrong --model ends here, in one line
     from jaxserve.api.server import run_server
 
-    sys.exit(run_server(_engine_config(args), server_config))
+    sys.exit(run_server(_engine_config(args, background_warmup=args.warmup == "background"), server_config))
 
 
 def _cmd_compile(args: argparse.Namespace) -> None:
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_args(serve)
     _add_engine_args(serve)
+    serve.add_argument("--warmup", choices=["background", "full"], default="background",
+                       help="background: ready once the largest bucket (which holds any step) is compiled, the "
+                            "others compiling while it serves; full: ready once every bucket is compiled")
     serve.set_defaults(func=_cmd_serve, default_log_level="info")
 
     gen = commands.add_parser("generate", help="generate a reply to one prompt and print it",

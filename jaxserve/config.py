@@ -87,6 +87,8 @@ class EngineConfig:
     buckets: BucketConfig = field(default_factory=BucketConfig)
     attention_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    # Ready once one bucket (the largest, which holds any step) is compiled; the rest compile while serving.
+    background_warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.buckets.request_buckets[-1] < self.scheduler.max_num_seqs:

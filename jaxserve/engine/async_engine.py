@@ -154,6 +154,7 @@ class AsyncEngine:
         """Stops the engine thread; requests still in flight are dropped."""
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        self.engine.shutdown()
         with self._lock:
             self._dead = self._dead or EngineDeadError("the engine was shut down")
             self._fail_pending(EngineDeadError("the engine was shut down"))

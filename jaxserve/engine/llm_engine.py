@@ -99,7 +99,11 @@ class LLMEngine:
             num_eos_tokens=len(model.eos_token_ids),
             kv_capacity_tokens=self.kv_cache.num_usable_pages * self.kv_cache.page_size,
         )
-        self.warmup_seconds = self.runner.warmup() if warmup else 0.0
+        self.warmup_seconds = self.runner.warmup(background=config.background_warmup) if warmup else 0.0
+
+    def shutdown(self) -> None:
+        """Stops what runs besides steps (a background warm-up's compiles)."""
+        self.runner.stop_warmup()
 
     @property
     def vocab_size(self) -> int:

@@ -2,13 +2,19 @@
 
 The step is one pure function,
 `step(state, kv_caches, penalty_tables, batch) -> (kv_caches, penalty_tables, SamplerOutput)`,
-jitted once with the KV pages and penalty tables donated (updated in place) and compiled for every
-bucket at warm-up.
+jitted once with the KV pages and penalty tables donated (updated in place) and compiled ahead of time
+for every bucket at warm-up, a few buckets at once on worker threads; steps run those executables.
+A background warm-up (the server's default) makes the runner ready after one bucket and compiles the
+rest on a thread; the engine thread only reads the table of compiled buckets, under a lock.
 Results leave the device once per step.
 """
 
 import logging
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +36,9 @@ from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
 from jaxserve.runner.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
+
+# Buckets compiled at once at warm-up: measured 1.5x faster than one at a time on a 2-core CPU.
+_COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int):
     def step(state: nnx.State, kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
@@ -53,6 +62,10 @@ class ModelRunner:
         max_logprobs: int,
     ) -> None:
         self.model = model
+        self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket, filled by warmup
+        self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
+        self._stop_compiling = threading.Event()
+        self._background: threading.Thread | None = None
         self.ladder = ladder
         self.page_size = cache_config.page_size
         self.max_pages_per_req = -(-max_model_len // self.page_size)
@@ -126,9 +139,9 @@ class ModelRunner:
         self.penalty_slots.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
         if not scheduled:
             return StepOutput([], [], [])
-        bucket = self.ladder.pick(scheduler_output.num_tokens, len(scheduled))
+        bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
-        out = self._run(batch)
+        out = self._run(batch, bucket)
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
@@ -154,20 +167,87 @@ class ModelRunner:
                 slots.append(self.penalty_slots.get(request.request_id))
         return slots
 
-    def _run(self, batch: StepBatch) -> SamplerOutput:
-        self.kv_caches, self.penalty_tables, out = self._step(
-            self.model.state, self.kv_caches, self.penalty_tables, batch
-        )
+    def _run(self, batch: StepBatch, bucket: Bucket) -> SamplerOutput:
+        with self._compiled_lock:
+            step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
+        self.kv_caches, self.penalty_tables, out = step(self.model.state, self.kv_caches, self.penalty_tables, batch)
         return jax.device_get(out)
 
-    def warmup(self, show_progress: bool = True) -> float:
-        """Compiles the step for every bucket; returns the seconds it took."""
+    def _runnable_bucket(self, wanted: Bucket) -> Bucket:
+        """`wanted` once it is compiled; until then (a background warm-up) the smallest compiled bucket
+        that holds the step, so no step waits for a compile."""
+        with self._compiled_lock:
+            if not self._compiled or wanted in self._compiled:
+                return wanted
+            fits = [b for b in self._compiled if b.num_tokens >= wanted.num_tokens and b.num_reqs >= wanted.num_reqs
+                    and (wanted.decode_only or not b.decode_only)]
+        return min(fits) if fits else wanted
+
+    def warmup(self, show_progress: bool = True, background: bool = False) -> float:
+        """Compiles the step for every bucket ahead of time; returns the seconds until steps can run.
+
+        Buckets compile a few at once on threads (XLA releases the GIL while it compiles; tracing does
+        not), and JAX's persistent cache serves repeated starts. With `background`, it returns once the
+        largest mixed bucket, which holds any step, is compiled; the others compile on a thread while
+        steps run (smallest decode buckets first), each step in the smallest compiled bucket that holds it.
+        """
         start = time.perf_counter()
-        empty = SchedulerOutput(scheduled=(), preempted_ids=())
         buckets: list[Bucket] = self.ladder.all_buckets()
-        shown = progress(buckets, "Compiling buckets", logger, unit="buckets") if show_progress else buckets
-        for bucket in shown:
-            self._run(build_step_batch(empty, bucket, self.layout, []))
-        elapsed = time.perf_counter() - start
-        logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), elapsed)
-        return elapsed
+        first = [max(b for b in buckets if not b.decode_only)] if background else buckets
+        rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
+        self._compile(first, show_progress)
+        ready = time.perf_counter() - start
+        if not rest:
+            logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
+            return ready
+        logger.info("warm-up: %d of %d buckets compiled in %.1fs; compiling the rest in the background",
+                    len(first), len(buckets), ready)
+
+        def compile_rest() -> None:
+            self._compile(rest, show_progress=False)
+            if not self._stop_compiling.is_set():
+                logger.info("warm-up: all %d buckets compiled in %.1fs", len(buckets), time.perf_counter() - start)
+
+        self._background = threading.Thread(target=compile_rest, name="jaxserve-compile", daemon=True)
+        self._background.start()
+        return ready
+
+    def wait_for_warmup(self, timeout: float | None = None) -> None:
+        """Blocks until a background warm-up has compiled every bucket."""
+        if self._background is not None:
+            self._background.join(timeout)
+
+    def stop_warmup(self, timeout: float | None = 30.0) -> None:
+        """Stops a background warm-up after the compiles under way (a shutdown must not wait for all)."""
+        self._stop_compiling.set()
+        self.wait_for_warmup(timeout)
+
+    def _compile(self, buckets: list[Bucket], show_progress: bool) -> None:
+        empty = SchedulerOutput(scheduled=(), preempted_ids=())
+
+        def compile_one(bucket: Bucket) -> None:
+            if self._stop_compiling.is_set():
+                return
+            args = (self.model.state, self.kv_caches, self.penalty_tables,
+                    build_step_batch(empty, bucket, self.layout, []))
+            compiled = self._step.trace(*args).lower().compile()
+            with self._compiled_lock:
+                self._compiled[bucket] = compiled
+
+        cache_hits: list[str] = []
+
+        def count_hits(event: str, **_: Any) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                cache_hits.append(event)
+
+        jax.monitoring.register_event_listener(count_hits)
+        try:
+            with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
+                futures = [pool.submit(compile_one, bucket) for bucket in buckets]
+                shown = progress(futures, "Compiling buckets", logger, unit="buckets") if show_progress else futures
+                for future in shown:
+                    future.result()
+        finally:
+            jax.monitoring.unregister_event_listener(count_hits)
+        logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
+                    len(buckets), _COMPILE_THREADS, len(cache_hits))
