@@ -20,8 +20,7 @@ from flax import nnx
 from transformers import AutoConfig, GenerationConfig
 
 from jaxserve.models import ModelSpec, get_model_spec
-from jaxserve.models.gguf import iter_gguf_tensors
-from jaxserve.models.gguf_cache import converted_dir
+from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.progress import progress
@@ -193,9 +192,7 @@ def load_model(
     spec, cfg, graphdef, abstract_state = abstract.spec, abstract.cfg, abstract.graphdef, abstract.state
     expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract_state))}
     if source.gguf_file:
-        tensors = iter_gguf_tensors(
-            str(source.directory / source.gguf_file), cfg.num_heads, cfg.num_kv_heads
-        )
+        tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
     else:
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, jax.Array] = {}

@@ -53,3 +53,18 @@ def test_the_conversion_happens_once_per_file_content(smollm2_gguf, tmp_path):
 
     assert file_sha256(other) != file_sha256(smollm2_gguf)
     assert again.parent == cache_root() and again.name.startswith(file_sha256(smollm2_gguf))
+
+
+@pytest.mark.slow
+def test_the_cached_tensors_are_the_gguf_tensors(smollm2_gguf):
+    import numpy as np
+
+    from jaxserve.models.gguf import iter_gguf_tensors
+    from jaxserve.models.gguf_cache import iter_cached_gguf_tensors
+
+    first = dict(iter_cached_gguf_tensors(smollm2_gguf, 9, 3))  # writes the copy if this session has none
+    cached = dict(iter_cached_gguf_tensors(smollm2_gguf, 9, 3))  # reads it
+    direct = dict(iter_gguf_tensors(str(smollm2_gguf), 9, 3))
+    assert cached.keys() == direct.keys() == first.keys()
+    for name, array in direct.items():
+        assert cached[name].dtype == np.float32 and np.array_equal(cached[name], array), name
