@@ -1,4 +1,5 @@
-"""The wheel ships the presets: build it, install it away from the source tree, load every preset from there.
+"""The wheel ships its data (presets, GPU targets, model shapes): build it, install it away from the
+source tree, load every preset from there.
 
 An editable install reads the source tree, so only an installed wheel shows whether package data is
 declared right (it was not: `--config` failed on every non-editable install).
@@ -22,6 +23,11 @@ from jaxserve.config import EngineConfig, preset_names
 assert jaxserve.__file__.startswith(sys.argv[1]), jaxserve.__file__  # the installed copy, not the source
 for name in preset_names():
     EngineConfig.from_preset(name)
+# The GPU targets and bundled model shapes that `jaxserve compile` reads (no jax needed for either).
+from jaxserve.device import TARGETS, target_facts
+from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
+assert all(target_facts(t).num_sms for t in TARGETS)
+assert all(bundled_config_values(name)["vocab_size"] for name in BUNDLED_SHAPES)
 print(" ".join(preset_names()))
 """
 

@@ -97,12 +97,14 @@ class ModelRunner:
             num_penalty_slots=self.max_num_seqs,
         )
 
-    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int) -> int:
-        """--num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves."""
+    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None) -> int:
+        """--num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of the
+        device's memory (`stats`: the device's memory_stats(), read here unless given)."""
         if cache.num_kv_pages is not None:
             return cache.num_kv_pages
         device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats is None and device.platform != "cpu":
+            stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             num_pages = int(cache.kv_cache_memory_gib * 2**30 // page_bytes)
             if num_pages < 2:
@@ -203,8 +205,8 @@ class ModelRunner:
         logger.info("warm-up: %d of %d buckets compiled in %.1fs; compiling the rest in the background",
                     len(first), len(buckets), ready)
 
-        def compile_rest() -> None:
-            self._compile(rest, show_progress=False)
+        def compile_rest() -> None:  # one thread fewer: a core stays with the steps being served
+            self._compile(rest, show_progress=False, threads=max(1, _COMPILE_THREADS - 1))
             if not self._stop_compiling.is_set():
                 logger.info("warm-up: all %d buckets compiled in %.1fs", len(buckets), time.perf_counter() - start)
 
@@ -222,7 +224,7 @@ class ModelRunner:
         self._stop_compiling.set()
         self.wait_for_warmup(timeout)
 
-    def _compile(self, buckets: list[Bucket], show_progress: bool) -> None:
+    def _compile(self, buckets: list[Bucket], show_progress: bool, threads: int = _COMPILE_THREADS) -> None:
         empty = SchedulerOutput(scheduled=(), preempted_ids=())
 
         def compile_one(bucket: Bucket) -> None:
@@ -242,7 +244,7 @@ class ModelRunner:
 
         jax.monitoring.register_event_listener(count_hits)
         try:
-            with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
                 futures = [pool.submit(compile_one, bucket) for bucket in buckets]
                 shown = progress(futures, "Compiling buckets", logger, unit="buckets") if show_progress else futures
                 for future in shown:
@@ -250,4 +252,4 @@ class ModelRunner:
         finally:
             jax.monitoring.unregister_event_listener(count_hits)
         logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
-                    len(buckets), _COMPILE_THREADS, len(cache_hits))
+                    len(buckets), threads, len(cache_hits))

@@ -89,6 +89,16 @@ def test_llama_3_8b_compiles_for_h100_at_the_narrowest_and_widest_buckets():
     assert 20_000 < report.num_kv_pages < 256 * 8192 // 16
 
 
+@pytest.mark.slow
+def test_gpt2_compiles_for_a100():
+    """The A100 description (trimmed to what jaxlib 0.10's proto reads) works, and `auto` picks the kernels
+    for compute capability 8.0 with its 108 SMs."""
+    report = compile_ladder("gpt2", target="a100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=[Bucket(1, 1, decode_only=True)])
+    assert report.device == "NVIDIA A100-SXM4-80GB" and report.attention == "pallas"
+    assert report.kv_budget.device_memory_bytes == 85100068864 and report.num_kv_pages > 0
+
+
 def _decode_kernel_args(device):
     sharding = jax.sharding.SingleDeviceSharding(device)
 
