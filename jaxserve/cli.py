@@ -378,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  jaxserve generate --prompt \"Hi there\"   # one chat reply, no server\n"
                "  jaxserve bench serve --concurrency 1 4 16\n"
                "  jaxserve bench offline --concurrency 1 16 64\n"
+               "  jaxserve compile --model llama-3-8b --target h100   # every bucket for an H100, no GPU needed\n"
                "'jaxserve COMMAND --help' lists a command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
