@@ -14,6 +14,7 @@ docs/benchmarks.md), and the analytic roofline of `jaxserve.roofline`, which the
 import json
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,8 +121,6 @@ def compile_ladder(
 
     For a named target the process's jax platform must be the CPU (`jaxserve.device.use_cpu_platform`).
     """
-    import time
-
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization)
