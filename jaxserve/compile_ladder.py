@@ -29,10 +29,8 @@ from jaxserve.device import DeviceFacts, deviceless_device, local_facts, target_
 from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
 from jaxserve.models.loader import build_abstract_model, load_hf_config, resolve_dtype, resolve_model
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
-from jaxserve.ops.kv_write import padding_slot
 from jaxserve.roofline import model_shape, step_cost
-from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket
-from jaxserve.runner.batch import BatchLayout
+from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
 from jaxserve.runner.model_runner import make_step_fn
@@ -144,12 +142,7 @@ def compile_ladder(
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:
-        layout = BatchLayout(
-            page_size=cache.page_size, max_pages_per_req=max_pages_per_req,
-            padding_slot=padding_slot(num_pages, cache.page_size), vocab_size=cfg.vocab_size,
-            num_penalty_slots=sched.max_num_seqs,
-        )
-        return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, jax_dtype)
+        return step_shapes(cfg, jax_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
 
     # The page count is an argument shape, and the budget needs the step's temp memory: size the cache
     # from the largest buckets compiled with a provisional count (temp memory does not depend on it).

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.ops.attention import kv_cache_shape
+from jaxserve.ops.kv_write import padding_slot
 from jaxserve.runner.batch import BatchLayout, build_step_batch
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyTables
@@ -42,6 +43,20 @@ class CompiledBucket:
     alias_bytes: int  # outputs that reuse donated arguments (the KV pages, the penalty tables)
     temp_bytes: int  # XLA's scratch for the step: what the KV budget must leave free
     compiled: Any  # jax.stages.Compiled
+
+
+def step_shapes(
+    cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, num_penalty_slots: int
+) -> StepShapes:
+    """The step's shapes for a model config (`cfg`: the model file's own) and a KV cache of `num_pages`."""
+    layout = BatchLayout(
+        page_size=page_size,
+        max_pages_per_req=max_pages_per_req,
+        padding_slot=padding_slot(num_pages, page_size),
+        vocab_size=cfg.vocab_size,
+        num_penalty_slots=num_penalty_slots,
+    )
+    return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype)
 
 
 def abstract_step_args(

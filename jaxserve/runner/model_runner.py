@@ -26,10 +26,9 @@ from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOut
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
-from jaxserve.ops.kv_write import padding_slot
 from jaxserve.progress import progress
-from jaxserve.runner.aot import StepShapes, compile_bucket
-from jaxserve.runner.batch import BatchLayout, StepBatch, build_step_batch
+from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
+from jaxserve.runner.batch import StepBatch, build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
@@ -80,7 +79,7 @@ class ModelRunner:
         self.kv_caches: KVCache = [
             (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
         ]
-        self.layout = self._layout(self.num_pages)
+        self.layout = self._shapes(self.num_pages).layout
         self.penalty_slots = PenaltySlots(max_num_seqs)
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         logger.info(
@@ -88,14 +87,9 @@ class ModelRunner:
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
         )
 
-    def _layout(self, num_pages: int) -> BatchLayout:
-        return BatchLayout(
-            page_size=self.page_size,
-            max_pages_per_req=self.max_pages_per_req,
-            padding_slot=padding_slot(num_pages, self.page_size),
-            vocab_size=self.model.cfg.vocab_size,
-            num_penalty_slots=self.max_num_seqs,
-        )
+    def _shapes(self, num_pages: int) -> StepShapes:
+        return step_shapes(self.model.cfg, self.model.dtype, self.page_size, num_pages, self.max_pages_per_req,
+                           self.max_num_seqs)
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None) -> int:
         """--num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of the
@@ -129,10 +123,7 @@ class ModelRunner:
     def _peak_temp_bytes(self, device: jax.Device) -> int:
         """XLA's temp memory for the largest mixed and decode buckets, compiled with a provisional page
         count (the step's temp memory does not depend on it; the page count is what it decides)."""
-        cfg = self.model.cfg
-        num_pages = self.max_pages_per_req + 1
-        shapes = StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, self._layout(num_pages),
-                            self.model.dtype)
+        shapes = self._shapes(self.max_pages_per_req + 1)
         largest = largest_buckets(self.ladder.all_buckets())
         return max(compile_bucket(self._step, self.model.state, shapes, b, device).temp_bytes for b in largest)
 
