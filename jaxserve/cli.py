@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_args(serve)
     _add_engine_args(serve)
-    serve.add_argument("--warmup", choices=["background", "full"], default="background",
+    serve.add_argument("--warmup", choices=["full", "background"], default="full",
                        help="background: ready once the largest bucket (which holds any step) is compiled, the "
                             "others compiling while it serves; full: ready once every bucket is compiled")
     serve.set_defaults(func=_cmd_serve, default_log_level="info")
