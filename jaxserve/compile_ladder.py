@@ -164,7 +164,7 @@ def compile_ladder(
     if xla_cost:
         reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
         reference_step = (make_step_fn(reference.graphdef, config.model.max_logprobs), reference.state)
-    roofline_shape = model_shape(int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.state))), cfg)
+    roofline_shape = model_shape(weights_bytes // itemsize, cfg)  # every parameter is in the model dtype
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
