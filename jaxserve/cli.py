@@ -114,8 +114,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compilation-cache-dir", default=None,
                        help="JAX's persistent compilation cache; 'none' disables it "
                             f"(default: {EngineConfig.compilation_cache_dir})")
-    group.add_argument("--enable-prefix-caching", action="store_true",
-                       help="accepted for vLLM compatibility; prefix caching is not implemented yet")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV pages of prompt prefixes computed before (default: on, as in vLLM)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 for now")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility; jaxserve never runs code from a model repository")
@@ -134,8 +134,6 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     pool_gpu_memory(args.gpu_memory_utilization or CacheConfig.gpu_memory_utilization)
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size must be 1: tensor parallelism is not implemented yet")
-    if args.enable_prefix_caching:
-        logger.warning("--enable-prefix-caching is accepted but not implemented yet")
     if args.trust_remote_code:
         logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
                     "tokenizers load without remote code, so no code from a model repository ever runs")
@@ -153,6 +151,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         attention_impl=args.attention_impl,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        enable_prefix_caching=args.enable_prefix_caching,
         **extra,
         **_compilation_cache(args.compilation_cache_dir),
     )

@@ -46,6 +46,7 @@ class CacheConfig:
     num_kv_pages: int | None = None  # overrides the memory budget
     kv_cache_memory_gib: float = 2.0  # the budget on CPU
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True  # reuse computed KV pages of shared prompt prefixes
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

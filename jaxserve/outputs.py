@@ -1,6 +1,19 @@
 """What the engine hands back for each request (pure Python, no jax)."""
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    """A token's log-probability and its rank in the distribution (1 = the most likely), as in vLLM."""
+
+    logprob: float
+    rank: int
+
+
+# Per prompt token: None for the first (nothing precedes it), else {token id: Logprob} holding the prompt's
+# own token and the top alternatives the request asked for.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -72,6 +85,8 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None  # set on the finished output only
     error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed, when the request asked
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -62,6 +62,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top alternatives per token (0: only the sampled token's logprob)
+    prompt_logprobs: int | None = None  # the same for each prompt token (vLLM's); the prompt is computed
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -100,8 +101,9 @@ class SamplingParams:
                 raise InvalidParam(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, _INT32_MAX)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, _INT32_MAX)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, _INT32_MAX)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
@@ -117,6 +119,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def check_cache_salt(salt: object) -> None:
+    """vLLM's rule: a cache salt, when given, is a non-empty string."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidParam("cache_salt must be a non-empty string if provided", "cache_salt")
 
 
 @dataclass(frozen=True)
@@ -140,9 +148,10 @@ class RequestLimits:
         if bad is not None:
             raise InvalidParam(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         self.check_length(num_prompt, params.max_tokens)
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise InvalidParam(f"logprobs must be at most {self.max_logprobs} (--max-logprobs), got "
-                               f"{params.logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidParam(f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}", name)
         bad = next((t for t in [*params.logit_bias, *params.stop_token_ids] if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidParam(f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary "

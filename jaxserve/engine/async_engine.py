@@ -63,6 +63,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of usable pages in use
     num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which were found cached
     iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
     iteration_tokens_sum: int = 0
 
@@ -74,6 +76,7 @@ class _Add:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     outputs: "asyncio.Queue[RequestOutput | BaseException]"
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -122,6 +125,7 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs until it finishes. Bad input raises ValueError on first use."""
         request_id = request_id or f"req-{next(self._ids)}"
@@ -129,7 +133,7 @@ class AsyncEngine:
         with self._lock:
             if not self.is_running:
                 raise EngineDeadError(f"the engine is not running: {self._dead!r}")
-            self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs))
+            self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs, cache_salt))
         finished = False
         try:
             while not finished:
@@ -174,6 +178,8 @@ class AsyncEngine:
                 self.stats = EngineStats(
                     len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage,
                     num_preemptions=scheduler.num_preemptions,
+                    prefix_cache_queries=scheduler.prefix_cache_queries,
+                    prefix_cache_hits=scheduler.prefix_cache_hits,
                     iteration_tokens_buckets=tuple(scheduler.iteration_tokens.bucket_counts),
                     iteration_tokens_sum=scheduler.iteration_tokens.sum,
                 )
@@ -208,7 +214,7 @@ class AsyncEngine:
                 self._streams.clear()
                 continue
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt)
             except Exception as e:  # bad input (ValueError) or a tokenizer fault: this request's alone
                 if not isinstance(e, ValueError):
                     logger.error("request %s could not be added: %r", command.request_id, e, exc_info=e)

@@ -21,7 +21,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import RequestLimits, SamplingParams
+from jaxserve.sampling_params import RequestLimits, SamplingParams, check_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs
         )
-        self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size)
+        self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
+                                       config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._seed_rng = np.random.default_rng(config.model.seed)
@@ -114,8 +115,11 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queues a request. Raises ValueError for bad input and leaves the engine untouched."""
+        """Queues a request. Raises ValueError for bad input and leaves the engine untouched.
+
+        `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -124,6 +128,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
         self.limits.check(prompt_token_ids, params)  # InvalidParam (a ValueError) for what cannot be served
+        check_cache_salt(cache_salt)
         sequences = []
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
@@ -134,6 +139,7 @@ class LLMEngine:
                 eos_token_ids=self.model.eos_token_ids,
                 max_model_len=self.max_model_len,
                 sampling_seed=int(seed) % 2**32,
+                cache_salt=cache_salt,
             )
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
             sequences.append(_Sequence(request, detok))
@@ -195,10 +201,14 @@ class LLMEngine:
         for request_id, state in touched.items():
             finished = all(seq.request.status.is_finished for seq in state.sequences)
             completions = [state.output(i) for i in range(len(state.sequences))]
+            first = state.sequences[0].request
             outputs.append(
                 RequestOutput(
                     request_id, state.prompt, state.prompt_token_ids, completions, finished,
                     metrics=request_metrics([seq.request for seq in state.sequences]) if finished else None,
+                    num_cached_tokens=first.num_cached_tokens,
+                    prompt_logprobs=(None if first.sampling_params.prompt_logprobs is None
+                                     else [None, *first.prompt_logprobs]),
                 )
             )
             if finished:

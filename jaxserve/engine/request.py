@@ -4,7 +4,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from jaxserve.outputs import RequestMetrics
+from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -69,6 +69,14 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None  # a finished request's last token: its finish time
+    # Prefix caching: separates this request's cache entries from requests with another salt.
+    cache_salt: str | None = None
+    page_keys: list[bytes] = field(default_factory=list)  # keys of its full pages, as tokens become known
+    num_keyed_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    # Prompt logprobs of prompt tokens 1, 2, ... (token 0 has none), filled as the prompt is computed
+    # when the request asked for them.
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,9 +100,22 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """A request that reports prompt logprobs computes its whole prompt."""
+        return self.sampling_params.prompt_logprobs is None
+
+    @property
     def max_num_tokens(self) -> int:
         """Prompt + output length at which the request must stop."""
         return max_num_tokens(self.num_prompt_tokens, self.sampling_params.max_tokens, self.max_model_len)
+
+    def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
+        """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already
+        recorded (a prompt recomputed after preemption) are kept."""
+        known = len(self.prompt_logprobs) + 1  # the next prompt token without logprobs
+        if first_token > known:
+            raise ValueError(f"prompt logprobs from token {first_token} leave a gap after token {known - 1}")
+        self.prompt_logprobs.extend(entries[known - first_token :])
 
     def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Records a sampled token and finishes the request if it hit a stop condition."""

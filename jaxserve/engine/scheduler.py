@@ -5,6 +5,13 @@ many tokens as the budget allows: running requests first (a decode costs one tok
 requests in arrival order (a long prompt is split into chunks over several steps). When pages run out,
 the newest running request is preempted: its pages are freed and it is recomputed later.
 
+Prefix caching: a waiting request (new or preempted) starts after the longest run of its full pages
+found in the cache, capped so that at least its last token is computed (the step must produce logits).
+Pages are keyed only after the step that computed them has run (`update`), so a failed step can never
+leave a key on a page that holds nothing. A waiting request whose next page is being computed in this
+very step (`n > 1` siblings, or users sharing a system prompt who arrive together) waits one step and
+then hits it, rather than computing it a second time.
+
 For metrics, the scheduler stamps each request's first scheduling and tokens, counts preemptions and
 keeps a histogram of tokens per step; the engine thread publishes them in its stats snapshot.
 """
@@ -14,8 +21,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.outputs import Logprob
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class StepOutput:
     sampled_token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None] | None = None  # for requests that asked for logprobs
+    # For requests computing prompt tokens with prompt logprobs: (first prompt token scored, its entries).
+    prompt_logprobs: list[tuple[int, list[dict[int, Logprob]]] | None] | None = None
 
 
 # vLLM's buckets for vllm:iteration_tokens_total.
@@ -91,6 +101,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0  # since start (vLLM's num_preemptions_total)
+        self.prefix_cache_queries = 0  # tokens of requests looked up in the prefix cache, since start
+        self.prefix_cache_hits = 0  # of which found cached
         self.iteration_tokens = IterationTokens()
 
     def check_fits(self, max_num_tokens: int) -> None:
@@ -113,6 +125,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        filling: set[bytes] = set()  # keys of the pages this step fills
 
         # Running requests, oldest first; preempt from the newest end when pages run out.
         index = 0
@@ -126,7 +139,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, num_new, filling))
                 token_budget -= num_new
                 index += 1
                 continue
@@ -137,15 +150,27 @@ class Scheduler:
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-                if not self.kv_cache.allocate(request.page_ids, request.num_computed_tokens + num_new):
+                hit = self._cached_prefix(request, filling)
+                if hit is None:
+                    break  # its next page is computed in this step: it hits that page next step
+                self.kv_cache.take(hit)
+                request.page_ids.extend(hit)
+                num_cached = len(hit) * self.kv_cache.page_size
+                num_new = min(request.num_tokens - num_cached, token_budget)
+                if not self.kv_cache.allocate(request.page_ids, num_cached + num_new):
+                    self.kv_cache.free(request.page_ids)  # give the hit back
                     break
                 self.waiting.popleft()
+                request.num_computed_tokens, request.num_keyed_pages = num_cached, len(hit)
+                if self.kv_cache.enable_prefix_caching and request.reads_prefix_cache:
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += num_cached
                 request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:  # a preempted request keeps its first stamp
+                if request.first_scheduled_time is None:  # a preempted request keeps its first stamps
                     request.first_scheduled_time = now
+                    request.num_cached_tokens = num_cached
                 self.running.append(request)
-                scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, num_new, filling))
                 token_budget -= num_new
         finished, self._finished_ids = tuple(self._finished_ids), []
         output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
@@ -153,8 +178,28 @@ class Scheduler:
             self.iteration_tokens.observe(output.num_tokens)
         return output
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _cached_prefix(self, request: Request, filling: set[bytes]) -> list[int] | None:
+        """The cached pages a waiting request can start after (at most all but its last token), or None
+        when the page after them is one that this step fills."""
+        if not self.kv_cache.enable_prefix_caching or not request.reads_prefix_cache:
+            return []
+        num_full = (request.num_tokens - 1) // self.kv_cache.page_size
+        keys = self._page_keys(request, num_full)
+        hit = self.kv_cache.cached_prefix(keys[:num_full])
+        if len(hit) < num_full and keys[len(hit)] in filling:
+            return None
+        return hit
+
+    def _page_keys(self, request: Request, num_full_pages: int) -> list[bytes]:
+        return extend_page_keys(request.page_keys, num_full_pages, self.kv_cache.page_size, request.token_ids,
+                                request.cache_salt)
+
+    def _scheduled(self, request: Request, num_new: int, filling: set[bytes]) -> ScheduledRequest:
         start = request.num_computed_tokens
+        if self.kv_cache.enable_prefix_caching:
+            page_size = self.kv_cache.page_size
+            first, end = start // page_size, (start + num_new) // page_size
+            filling.update(self._page_keys(request, end)[first:end])
         return ScheduledRequest(
             request=request,
             token_ids=tuple(request.token_ids(start, start + num_new)),
@@ -164,7 +209,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.page_ids)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_keyed_pages = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -173,17 +218,22 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
         """Advances each scheduled request; returns the requests that received a new token."""
         advanced: list[Request] = []
-        top_logprobs = step_output.top_logprobs or [None] * len(step_output.request_ids)
+        num_rows = len(step_output.request_ids)
+        top_logprobs = step_output.top_logprobs or [None] * num_rows
+        prompt_logprobs = step_output.prompt_logprobs or [None] * num_rows
         now = time.monotonic()  # one stamp for every token of this step
-        for item, token_id, logprob, top in zip(
+        for item, token_id, logprob, top, prompt in zip(
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
-            strict=True,
+            prompt_logprobs, strict=True,
         ):
             request = item.request
             if request.status.is_finished:  # aborted while the step ran
                 continue
             completes = item.completes_sequence
             request.num_computed_tokens += len(item.token_ids)
+            self._cache_computed_pages(request)
+            if prompt is not None:
+                request.add_prompt_logprobs(*prompt)
             if not completes:
                 continue  # a prefill chunk: the sample is not a real next token
             request.append_output_token(token_id, logprob, top)
@@ -194,6 +244,16 @@ class Scheduler:
             if request.status.is_finished:
                 self._remove(request)
         return advanced
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        """Offers the request's newly full, computed pages to the prefix cache."""
+        if not self.kv_cache.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.kv_cache.page_size
+        if num_full > request.num_keyed_pages:
+            keys = self._page_keys(request, num_full)
+            self.kv_cache.cache_pages(request.page_ids, keys, request.num_keyed_pages, num_full)
+            request.num_keyed_pages = num_full
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finishes (stop strings) or aborts requests wherever they are; frees their pages at once."""

@@ -46,6 +46,7 @@ class StepBatch:
     logits_indices: jax.Array  # i32[R]: the packed index of each request's last token
     sampling: SamplingArrays
     penalty_updates: PenaltyUpdates
+    prompt_logprob_targets: jax.Array  # i32[T]: the next prompt token, to score; V where none is wanted
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def build_step_batch(
     reset_slots = np.full(num_reqs, no_slot, np.int32)
     prompt_token_slots = np.full(num_tokens, no_slot, np.int32)
     output_token_slots = np.full(num_tokens, no_slot, np.int32)
+    prompt_logprob_targets = np.full(num_tokens, layout.vocab_size, np.int32)
 
     offset = 0
     for row, (item, slot) in enumerate(zip(scheduler_output.scheduled, penalty_slots, strict=True)):
@@ -132,6 +134,10 @@ def build_step_batch(
                 repetition[row] = params.repetition_penalty
                 frequency[row] = params.frequency_penalty
                 presence[row] = params.presence_penalty
+
+            if params.prompt_logprobs is not None:  # position p scores prompt token p + 1
+                scored = request.prompt_token_ids[start + 1 : end + 1]
+                prompt_logprob_targets[offset : offset + len(scored)] = scored
 
             offset += n
             cu_q_lens[row + 1] = offset
@@ -170,4 +176,5 @@ def build_step_batch(
             reset_slots=reset_slots, prompt_token_slots=prompt_token_slots,
             output_token_slots=output_token_slots,
         ),
+        prompt_logprob_targets=prompt_logprob_targets,
     )

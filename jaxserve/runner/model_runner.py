@@ -26,12 +26,14 @@ from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOut
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
+from jaxserve.outputs import Logprob
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
 from jaxserve.runner.batch import StepBatch, build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
-from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, update_tables
+from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, load_row, seen_tokens, update_tables
+from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,10 @@ def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int):
         hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
         logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
         penalty_tables = update_tables(penalty_tables, batch.input_ids, batch.penalty_updates)
-        return kv_caches, penalty_tables, sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
+        sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
+        prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
+                                 num_top_logprobs)
+        return kv_caches, penalty_tables, sampled, prompt
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
 
@@ -82,6 +87,7 @@ class ModelRunner:
         self.layout = self._shapes(self.num_pages).layout
         self.penalty_slots = PenaltySlots(max_num_seqs)
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
+        self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
@@ -134,7 +140,7 @@ class ModelRunner:
             return StepOutput([], [], [])
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
-        out = self._run(batch, bucket)
+        out, prompt = self._run(batch, bucket)
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
@@ -146,7 +152,37 @@ class ModelRunner:
             sampled_token_ids=out.tokens[:num_reqs].tolist(),
             logprobs=out.logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
+            prompt_logprobs=self._prompt_logprobs(batch, scheduled, prompt),
         )
+
+    def _prompt_logprobs(
+        self, batch: StepBatch, scheduled: tuple[ScheduledRequest, ...], prompt: PromptLogprobs
+    ) -> list[tuple[int, list[dict[int, Logprob]]] | None] | None:
+        """Per request scoring prompt tokens this step: (its first scored token, {token: Logprob} per token
+        with the prompt's token first, then the top alternatives it asked for). Read from the device
+        only when some request scored."""
+        wanted = batch.prompt_logprob_targets < self.model.cfg.vocab_size  # bool[T], host numpy
+        if not wanted.any():
+            return None
+        prompt = jax.device_get(prompt)
+        cu_q_lens = batch.attention.cu_q_lens
+        result: list[tuple[int, list[dict[int, Logprob]]] | None] = [None] * len(scheduled)
+        for row, item in enumerate(scheduled):
+            first, end = cu_q_lens[row], cu_q_lens[row + 1]
+            num_scored = int(wanted[first:end].sum())  # the leading positions of the row
+            if not num_scored:
+                continue
+            k = item.request.sampling_params.prompt_logprobs
+            entries = []
+            for i in range(first, first + num_scored):
+                entry = {int(batch.prompt_logprob_targets[i]): Logprob(float(prompt.token_logprobs[i]),
+                                                                       int(prompt.ranks[i]))}
+                for rank, (token, logprob) in enumerate(zip(prompt.top_token_ids[i, :k].tolist(),
+                                                            prompt.top_logprobs[i, :k].tolist(), strict=True)):
+                    entry.setdefault(token, Logprob(logprob, rank + 1))
+                entries.append(entry)
+            result[row] = (item.start_position + 1, entries)
+        return result
 
     def _penalty_slots_for(self, scheduled: tuple[ScheduledRequest, ...]) -> list[int | None]:
         slots: list[int | None] = []
@@ -156,15 +192,25 @@ class ModelRunner:
                 slots.append(None)
             elif item.start_position == 0:  # new or recomputed: take a slot, the step clears its row
                 slots.append(self.penalty_slots.acquire(request.request_id))
-            else:
-                slots.append(self.penalty_slots.get(request.request_id))
+            elif (slot := self.penalty_slots.get(request.request_id)) is not None:
+                slots.append(slot)
+            else:  # starts after a prefix-cache hit: the row counts the cached tokens as if they ran
+                slot = self.penalty_slots.acquire(request.request_id)
+                self._load_seen_tokens(slot, request.token_ids(0, item.start_position), request.num_prompt_tokens)
+                slots.append(slot)
         return slots
 
-    def _run(self, batch: StepBatch, bucket: Bucket) -> SamplerOutput:
+    def _load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
+        self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
+
+    def _run(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
+        """Runs the step; the sampler's output comes back to the host, prompt logprobs stay on the device."""
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
-        self.kv_caches, self.penalty_tables, out = step(self.model.state, self.kv_caches, self.penalty_tables, batch)
-        return jax.device_get(out)
+        self.kv_caches, self.penalty_tables, out, prompt = step(
+            self.model.state, self.kv_caches, self.penalty_tables, batch)
+        return jax.device_get(out), prompt
 
     def _runnable_bucket(self, wanted: Bucket) -> Bucket:
         """`wanted` once it is compiled; until then (a background warm-up) the smallest compiled bucket
@@ -187,6 +233,7 @@ class ModelRunner:
         run's extra cost on first use.
         """
         start = time.perf_counter()
+        self._load_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
         buckets: list[Bucket] = self.ladder.all_buckets()
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))

@@ -11,6 +11,9 @@ The step's own input tokens feed the tables: a prefill chunk's prompt tokens set
 decode's input (the token sampled last step) increments `output_counts`, before the logits are
 penalised. A request starting at position 0 (new, or recomputed after preemption) clears its row
 first, so recomputation never double-counts. Rows without a slot use index S, which scatters drop.
+
+A request that starts after a prefix-cache hit never feeds its cached tokens through a step, so its row
+is written whole from the host first (`load_row`, `seen_tokens`), as if those tokens had been fed.
 """
 
 from collections import deque
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -79,6 +83,19 @@ def apply_penalties(
     rep = repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def load_row(tables: PenaltyTables, slot: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array) -> PenaltyTables:
+    """Overwrites row `slot` (i32[]) with a prompt mask bool[V] and output counts i32[V]."""
+    return PenaltyTables(tables.output_counts.at[slot].set(output_counts), tables.prompt_mask.at[slot].set(prompt_mask))
+
+
+def seen_tokens(token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row for `token_ids` (a request's first tokens, prompt first): bool[V] prompt mask, i32[V] counts."""
+    prompt_mask = np.zeros(vocab_size, np.bool_)
+    prompt_mask[token_ids[:num_prompt_tokens]] = True
+    output_counts = np.bincount(token_ids[num_prompt_tokens:], minlength=vocab_size).astype(np.int32)
+    return prompt_mask, output_counts
 
 
 class PenaltySlots:

@@ -1,5 +1,6 @@
 """Scheduler and KV-page manager: pure Python, tested in milliseconds with no model."""
 
+import itertools
 import subprocess
 import sys
 
@@ -10,9 +11,12 @@ from jaxserve.engine.request import Request, RequestStatus, request_metrics
 from jaxserve.engine.scheduler import Scheduler, StepOutput
 from jaxserve.sampling_params import SamplingParams
 
+_prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
+
 
 def make_request(request_id: str, num_prompt: int, max_tokens: int = 4) -> Request:
-    return Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=max_tokens,
+    start = next(_prompt_starts)
+    return Request(request_id, list(range(start, start + num_prompt)), SamplingParams(max_tokens=max_tokens,
                    ignore_eos=True), eos_token_ids=(2,), max_model_len=1024, sampling_seed=0)
 
 
