@@ -123,7 +123,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs)
     request_id = random_id("chatcmpl")
     model_name = req.model or serving.model_names[0]
-    streams = [serving.generate(prompt_ids, params, request_id)]
+    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt)]
     choices = ChoiceStream(streams, req.n, len(prompt_ids))
     if req.stream:
         created = int(time.time())
@@ -145,9 +145,9 @@ async def create_chat_completion(request: Request) -> Response:
         )
         for c in final.outputs
     ]
-    usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens)
-    return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items,
-                                               usage=usage).model_dump())
+    usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
+    return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
+                                               prompt_logprobs=await serving.prompt_logprobs(final)).model_dump())
 
 
 async def _chunks(

@@ -16,7 +16,7 @@ from jaxserve.api.protocol import (
 )
 from jaxserve.api.serving import ModelServing, get_serving
 from jaxserve.api.streaming import ChoiceStream, collect, sse
-from jaxserve.outputs import CompletionOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n: one HTTP request may not queue unbounded work
 
@@ -37,6 +37,33 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
                             "completions per request", "prompt")
     return [(item, await serving.encode(item) if item else []) if isinstance(item, str) else (None, list(item))
             for item in items]
+
+
+async def _echo_logprobs(serving: ModelServing, output: RequestOutput) -> CompletionLogprobs:
+    """The prompt's part of `echo` with `logprobs`: each prompt token with its prompt logprob (None for
+    the first) and the alternatives the request asked for, in the legacy completions shape."""
+    entries = output.prompt_logprobs or [None] * output.num_prompt_tokens
+    strings = await serving.token_strings({*output.prompt_token_ids, *(t for e in entries if e for t in e)})
+    result, text_offset = CompletionLogprobs(), 0
+    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
+        token = strings[token_id]
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+        result.top_logprobs.append(None if entry is None else {strings[t]: lp.logprob for t, lp in entry.items()})
+    return result
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset, token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
+def _end_offset(logprobs: CompletionLogprobs) -> int:
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
 def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int, text_offset: int) -> CompletionLogprobs:
@@ -64,16 +91,16 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
     prompts = await _prompts(serving, req)
-    # Every prompt is checked before any starts, so a bad one is a 400 even when streaming.
-    params = [serving.sampling_params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
+    # Every prompt is checked before any starts, so a bad one is a 400 even when streaming. `echo` with
+    # `logprobs` reports the prompt's tokens too: prompt logprobs with as many alternatives (vLLM's rule).
+    echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
+    params = [serving.sampling_params(req, ids, req.max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
     request_id = random_id("cmpl")
-    streams = [serving.generate(ids, p, f"{request_id}-{i}") for i, ((_, ids), p) in enumerate(zip(prompts, params,
-                                                                                                  strict=True))]
+    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt)
+               for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
     model_name = req.model or serving.model_names[0]
     if req.stream:
@@ -88,16 +115,23 @@ async def create_completion(request: Request) -> Response:
     items, num_generated = [], 0
     for prompt_index, output in enumerate(finals):
         prompt_text = prompts[prompt_index][0] or ""
+        echoed = await _echo_logprobs(serving, output) if req.echo and req.logprobs is not None else None
+        prompt_logprobs = await serving.prompt_logprobs(output) if req.prompt_logprobs is not None else None
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _logprobs(serving, completion, 0, _end_offset(echoed) if echoed else 0)
+                logprobs = _joined(echoed, logprobs) if echoed else logprobs
             items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
                 text=(prompt_text if req.echo else "") + completion.text,
-                logprobs=_logprobs(serving, completion, 0, 0) if req.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                prompt_logprobs=prompt_logprobs,
             ))
-    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated)
+    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals))
     return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
 
 
@@ -108,16 +142,22 @@ async def _chunks(
     choices: ChoiceStream,
     chunk: Callable[[list[CompletionChoice]], CompletionResponse],
 ) -> AsyncIterator[CompletionResponse]:
-    if req.echo:
-        yield chunk([CompletionChoice(index=i, text=prompts[i // req.n][0] or "")
-                     for i in range(len(prompts) * req.n)])
+    echoed: set[int] = set()  # choices whose first chunk (carrying the echoed prompt) is out
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
-        logprobs = None
+        text, logprobs = delta.completion.text_delta, None
         if req.logprobs is not None:
             logprobs = _logprobs(serving, delta.completion, delta.first_token, text_offsets[delta.index])
-            text_offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
+        if req.echo and delta.index not in echoed:  # as vLLM: the prompt leads the choice's first chunk
+            echoed.add(delta.index)
+            text = (prompts[delta.prompt_index][0] or "") + text
+            if logprobs is not None:
+                prompt_part = await _echo_logprobs(serving, choices.outputs[delta.prompt_index])
+                logprobs = _joined(prompt_part, _logprobs(serving, delta.completion, delta.first_token,
+                                                          _end_offset(prompt_part)))
+        if logprobs is not None:
+            text_offsets[delta.index] = _end_offset(logprobs) or text_offsets[delta.index]
         yield chunk([CompletionChoice(
-            index=delta.index, text=delta.completion.text_delta, logprobs=logprobs,
+            index=delta.index, text=text, logprobs=logprobs,
             finish_reason=delta.finish_reason, stop_reason=delta.completion.stop_reason,
         )])

@@ -86,11 +86,16 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
-        preemptions = CounterMetricFamily(
-            "jaxserve:num_preemptions", "Cumulative number of preemptions from the engine.", labels=["model_name"]
-        )
-        preemptions.add_metric(labels, stats.num_preemptions)
-        yield preemptions
+        for name, doc, value in (
+            ("jaxserve:num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+            ("jaxserve:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("jaxserve:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
         yield self._iteration_tokens(stats)
         if self._cache_info is not None:
             info = GaugeMetricFamily(

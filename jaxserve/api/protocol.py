@@ -57,6 +57,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many alternatives
+    cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
 
 
 class CompletionRequest(SamplingFields):
@@ -94,15 +96,32 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache rather than computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> "UsageInfo":
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+                   total_tokens=num_prompt_tokens + num_completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`: {token id: this} per prompt token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobList = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -118,6 +137,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -163,6 +183,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class DeltaMessage(BaseModel):

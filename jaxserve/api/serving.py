@@ -22,11 +22,11 @@ from starlette.requests import Request
 
 from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_json
 from jaxserve.api.metrics import ServerMetrics
-from jaxserve.api.protocol import SamplingFields
+from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import InvalidParam, SamplingParams
+from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt
 
 T = TypeVar("T")
 logger = logging.getLogger("jaxserve.api.requests")
@@ -101,6 +101,7 @@ class ModelServing:
                 "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_kv_pages),
                 "max_num_seqs": str(info.max_num_seqs),
                 "max_num_batched_tokens": str(info.max_num_batched_tokens),
+                "enable_prefix_caching": str(info.enable_prefix_caching),
             }),
             max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
         )
@@ -150,10 +151,18 @@ class ModelServing:
         return self._token_strings[token_id]
 
     def sampling_params(
-        self, req: SamplingFields, prompt_token_ids: list[int], max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingFields,
+        prompt_token_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams, checked against the engine's limits (the one rule, in
-        jaxserve.sampling_params); any violation is a 400 naming the field."""
+        jaxserve.sampling_params); any violation is a 400 naming the field. `prompt_logprobs` defaults
+        to the request's own field; its cache_salt is checked here too."""
+        if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
+            raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         default_max = self.generation_defaults.get("max_tokens")
         if max_tokens is None and default_max is not None and len(prompt_token_ids) + default_max <= self.max_model_len:
             max_tokens = default_max  # else: None, up to the context length
@@ -189,19 +198,46 @@ class ModelServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
             self.info.limits.check(prompt_token_ids, params)
+            check_cache_salt(req.cache_salt)
         except InvalidParam as e:
             raise APIError(400, str(e), e.param) from None
         return params
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Starts a request whose params came from `sampling_params` (so bad input was a 400 already)."""
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
-        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id))
+        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt))
+
+    def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
+        """Each token decoded alone, in one batch (tokenizer thread only)."""
+        ordered = sorted(token_ids)
+        return dict(zip(ordered, self.tokenizer.batch_decode([[t] for t in ordered]), strict=True))
+
+    async def token_strings(self, token_ids: set[int]) -> dict[int, str]:
+        """Token id -> its text, decoded on the tokenizer thread (a long prompt has many to decode)."""
+        return await self.off_loop(self._decode_each, token_ids)
+
+    async def prompt_logprobs(self, output: RequestOutput) -> PromptLogprobList | None:
+        """vLLM's `prompt_logprobs` of an output, built on the tokenizer thread: a long prompt makes
+        many entries, and the event loop must not stall on them."""
+        entries = output.prompt_logprobs
+        if entries is None:
+            return None
+
+        def convert() -> PromptLogprobList:
+            strings = self._decode_each({t for entry in entries if entry for t in entry})
+            return [None if entry is None else
+                    {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=strings[t])
+                     for t, lp in entry.items()}
+                    for entry in entries]
+
+        return await self.off_loop(convert)
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

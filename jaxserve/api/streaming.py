@@ -54,15 +54,19 @@ class ChoiceStream:
         self._n = n
         self._sent_tokens = [0] * (len(streams) * n)
         self._finished: set[int] = set()
+        self._cached_tokens = [0] * len(streams)  # per prompt, from its latest output
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
+        self.outputs: list[RequestOutput | None] = [None] * len(streams)  # each prompt's latest output
 
     @property
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.num_generated_tokens)
+        return UsageInfo.of(self.num_prompt_tokens, self.num_generated_tokens, sum(self._cached_tokens))
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         async for prompt_index, output in merge_streams(self._streams):
+            self._cached_tokens[prompt_index] = output.num_cached_tokens
+            self.outputs[prompt_index] = output
             for completion in output.outputs:
                 index = prompt_index * self._n + completion.index
                 sent = self._sent_tokens[index]

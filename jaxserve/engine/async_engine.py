@@ -53,6 +53,7 @@ class EngineInfo:
     num_kv_pages: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    enable_prefix_caching: bool
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class AsyncEngine:
             num_kv_pages=engine.kv_cache.num_pages,
             max_num_seqs=engine.config.scheduler.max_num_seqs,
             max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+            enable_prefix_caching=engine.kv_cache.enable_prefix_caching,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # for other threads; the engine thread has its own
         self._commands: queue.Queue = queue.Queue()

@@ -4,6 +4,7 @@ A request with n > 1 becomes n sequences ("<id>#<i>") sharing the prompt; its Re
 their completions. The scheduler sees only sequences.
 """
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -130,12 +131,15 @@ class LLMEngine:
         self.limits.check(prompt_token_ids, params)  # InvalidParam (a ValueError) for what cannot be served
         check_cache_salt(cache_salt)
         sequences = []
+        # The first sequence computes prompt logprobs (they are the request's); the others may read its
+        # prompt from the prefix cache.
+        sibling_params = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
             request = Request(
                 request_id=f"{request_id}#{index}",
                 prompt_token_ids=prompt_token_ids,
-                sampling_params=params,
+                sampling_params=params if index == 0 else sibling_params,
                 eos_token_ids=self.model.eos_token_ids,
                 max_model_len=self.max_model_len,
                 sampling_seed=int(seed) % 2**32,
