@@ -10,36 +10,14 @@ same wave on an in-process LLMEngine. Prints both throughputs and their ratio.
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import numpy as np
+from server import start_server, stop_server
 
 from jaxserve.bench.offline import run_wave
 from jaxserve.bench.serve import run_level
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-
-
-def start_server(config: str, port: int, dtype: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--dtype", dtype,
-               "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--log-level", "warning"]
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError("the server exited")
-        time.sleep(1)
-    process.kill()
-    raise TimeoutError("the server did not become ready")
 
 
 def main() -> None:
@@ -59,8 +37,7 @@ def main() -> None:
         asyncio.run(run_level(base_url, None, c, c, args.input_len, 4))  # warm the server's paths
         http = asyncio.run(run_level(base_url, None, c, c, args.input_len, args.output_len))
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(120)
+        stop_server(server)
 
     engine = LLMEngine(EngineConfig.from_preset(args.config, dtype=args.dtype))
     rng = np.random.default_rng(0)

@@ -221,7 +221,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> None:
         num_prompts = args.num_prompts or max(4 * concurrency, 8)
         results.append(asyncio.run(run_level(
             args.base_url, args.model, concurrency, num_prompts, args.input_len, args.output_len,
-            api_key=_api_key(args.api_key), seed=args.seed,
+            api_key=_api_key(args.api_key), seed=args.seed, prefix_len=args.prefix_len,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)
@@ -361,6 +361,9 @@ def _add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="requests per level (default: 4 x concurrency, at least 8)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (random token ids)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="tokens of one shared prefix before each prompt, like a system prompt "
+                             "(vLLM's --random-prefix-len; default: 0)")
     parser.add_argument("--output-len", type=int, default=128,
                         help="tokens generated per request (EOS ignored, so exactly this many)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

@@ -217,7 +217,7 @@ class ModelServing:
     def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
         """Each token decoded alone, in one batch (tokenizer thread only)."""
         ordered = sorted(token_ids)
-        return dict(zip(ordered, self.tokenizer.batch_decode([[t] for t in ordered]), strict=True))
+        return dict(zip(ordered, self.tokenizer.batch_decode([[t] for t in ordered]), strict=True)) if ordered else {}
 
     async def token_strings(self, token_ids: set[int]) -> dict[int, str]:
         """Token id -> its text, decoded on the tokenizer thread (a long prompt has many to decode)."""

@@ -1,7 +1,9 @@
 """`jaxserve bench serve`: an HTTP load generator in the manner of `vllm bench serve`.
 
-Each request streams /v1/completions with a prompt of exactly `input_len` random token ids and
-`ignore_eos`, so it yields exactly `output_len` tokens. At most `concurrency` requests are in flight.
+Each request streams /v1/completions with a prompt of exactly `input_len` random token ids (after a
+`prefix_len`-token prefix that every request shares, as a system prompt is) and `ignore_eos`, so it
+yields exactly `output_len` tokens; the server's reported cached prompt tokens are counted. At most
+`concurrency` requests are in flight.
 TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
 """
 
@@ -25,6 +27,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     error: str | None = None
 
 
@@ -44,6 +47,8 @@ async def _one_request(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.num_cached_tokens = details.get("cached_tokens") or 0
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
@@ -74,15 +79,17 @@ async def run_level(
     output_len: int,
     api_key: str | None = None,
     seed: int = 0,
+    prefix_len: int = 0,
 ) -> dict:
     """Sends `num_prompts` requests, `concurrency` at a time; returns the vLLM-style summary."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
     url = f"{base_url.rstrip('/')}/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bodies = [
         {
             **({"model": model} if model else {}),
-            "prompt": [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
+            "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
             "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -112,7 +119,9 @@ async def run_level(
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_tokens_per_s": num_output / duration,
-        "total_tokens_per_s": (num_output + len(ok) * input_len) / duration,
+        "total_tokens_per_s": (num_output + len(ok) * (prefix_len + input_len)) / duration,
+        "prompt_tokens": len(ok) * (prefix_len + input_len),
+        "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
         "ttft_ms": _percentiles([r.ttft_s for r in ok]),
         "tpot_ms": _percentiles(tpot),
         "itl_ms": _percentiles([gap for r in ok for gap in r.itl_s]),

@@ -117,19 +117,19 @@ def test_bad_prefix_and_prompt_logprob_fields_are_400s(server, body, param):
         assert param in (error["param"] or "") + error["message"]
 
 
-def test_the_async_client_sees_cached_tokens_under_load(async_client):
+def test_sixteen_users_with_one_system_prompt_share_it(server):
     """Sixteen users with one long system prompt at once: all answered, most of the prompt cached."""
     import asyncio
 
     system = "You answer questions about the solar system in one sentence. " * 20
 
-    async def ask(i: int):
-        return await async_client.chat.completions.create(
-            model=MODEL, max_tokens=4, temperature=0,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Fact {i}?"}])
-
     async def main():
-        return await asyncio.gather(*(ask(i) for i in range(16)))
+        # A client of this event loop (the session's async client belongs to another test's loop).
+        async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=MODEL, max_tokens=4, temperature=0,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Fact {i}?"}])
+                for i in range(16)))
 
     responses = asyncio.run(main())
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in responses]

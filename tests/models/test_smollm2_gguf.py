@@ -23,12 +23,17 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(smollm2_gguf, smollm2_tokenizer):
+def hf_model(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, smollm2_tokenizer):
+    model = hf_model
     results = []
     for prompt in PROMPTS:
         text = smollm2_tokenizer.apply_chat_template(
@@ -69,3 +74,20 @@ def test_generate_accepts_text_and_token_prompts(llm):
                                     tokenizer.encode("The capital of France is")}], params, use_tqdm=False)
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.outputs[0].text == tokenizer.decode(by_text.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_prompt_logprobs_match_transformers(llm, hf_model):
+    """A 150-token prompt, computed in three 64-token chunks: each prompt token's logprob given the ones
+    before, and the top alternatives, equal transformers' log-softmax of the same prompt."""
+    prompt = torch.randint(100, 40000, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=3),
+                         use_tqdm=False)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    got = out.prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for i, entry in enumerate(got[1:]):
+        token = prompt[i + 1]
+        assert entry[token].logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
+        top = sorted((lp.logprob for lp in entry.values()), reverse=True)[:3]
+        assert top == pytest.approx(expected[i].topk(3).values.tolist(), abs=1e-4)
