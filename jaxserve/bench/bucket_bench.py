@@ -61,7 +61,13 @@ def engine_measurement(model: str | None, dtype: str, max_model_len: int) -> Cal
     loaded: dict[str, Any] = {}
 
     def measure(spec: LadderSpec, workload: Workload) -> dict[str, Any]:
+        import jax
+        from jax.experimental.compilation_cache import compilation_cache
+
         with tempfile.TemporaryDirectory(prefix="jaxserve-bench-xla-") as cache_dir:
+            # JAX opens its persistent cache once per process: reopen it on this ladder's empty directory.
+            compilation_cache.reset_cache()
+            jax.clear_caches()
             config = EngineConfig.from_preset(
                 None, model=model, dtype=dtype, max_model_len=max_model_len, compilation_cache_dir=cache_dir,
                 token_buckets=spec.token_buckets, request_buckets=spec.request_buckets,
@@ -71,8 +77,6 @@ def engine_measurement(model: str | None, dtype: str, max_model_len: int) -> Cal
             if "model" not in loaded:
                 loaded["model"] = load_model(config.model.model, config.model.dtype, config.attention_impl)
             cold = LLMEngine(config, model=loaded["model"]).warmup_seconds
-            import jax
-
             jax.clear_caches()  # in-memory executables gone: the second engine reads the persistent cache
             engine = LLMEngine(config, model=loaded["model"])
             warm = engine.warmup_seconds
