@@ -201,3 +201,17 @@ def test_prompt_logprobs_in_lm_head_chunks_equal_one_pass():
     skipped = jax.jit(lambda h, t: prompt_logprobs(lambda x: x @ head, h, t, 50, 3, chunk=8))(
         hidden, jnp.full(20, 50, jnp.int32))
     assert not np.any(np.asarray(skipped.top_logprobs)), "no scored position: the work is skipped"
+
+
+def test_nothing_compiles_for_hits_penalties_or_prompt_logprobs(engines):
+    from tests.conftest import count_compilations
+
+    engine = engines(True)
+    prompts = chat_prompts()
+    run(engine, prompts[:1], greedy(2), [0])  # the system prompt is cached now
+    params = [greedy(5), greedy(5, repetition_penalty=1.3, frequency_penalty=0.5), greedy(5, prompt_logprobs=4),
+              greedy(5, n=2, presence_penalty=0.3), greedy(5, prompt_logprobs=0, n=2)]
+    with count_compilations() as compiles:
+        results = run(engine, prompts[1:6], params, [0, 0, 1, 1, 2])
+    assert compiles == []
+    assert results[1].num_cached_tokens > 0 and results[2].prompt_logprobs is not None
