@@ -467,7 +467,6 @@ def build_parser() -> argparse.ArgumentParser:
                "  jaxserve bench buckets --config cpu --config default --workload fixed:128,64 --rate 4 --measure\n"
                "  jaxserve bench buckets --config gpu --workload sharegpt --concurrency 128 --target h100 "
                "--model llama-3-8b --suggest --max-buckets 24",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     buckets_bench.add_argument("--config", action="append", required=True,
                                help="a ladder: preset name, YAML file, or tokens=32,128;requests=1,4,16 (repeatable)")
@@ -475,14 +474,15 @@ def build_parser() -> argparse.ArgumentParser:
                                help="fixed:P,O | uniform:P1-P2,O1-O2 | sharegpt[:MEAN_IN,MEAN_OUT] | a .jsonl "
                                     "file of prompt_len, output_len[, arrival_s] (default: sharegpt)")
     arrivals = buckets_bench.add_mutually_exclusive_group()
-    arrivals.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    arrivals.add_argument("--rate", type=float, default=None,
+                          help="Poisson arrivals, requests per second (default: none, a closed loop)")
     arrivals.add_argument("--concurrency", type=int, default=None,
                           help="closed loop: this many requests in flight (default: 16 unless --rate)")
     buckets_bench.add_argument("--num-requests", type=int, default=200, help="requests in a synthetic trace")
     buckets_bench.add_argument("--max-model-len", type=int, default=2048, help="lengths are clipped to fit it")
     buckets_bench.add_argument("--seed", type=int, default=0, help="seed of the trace")
     buckets_bench.add_argument("--target", default=None, choices=sorted(TARGETS),
-                               help="predict on this GPU (a roofline; default: no predictions)")
+                               help="predict on this GPU with a roofline (default: none, no predictions)")
     buckets_bench.add_argument("--model", default="gpt2",
                                help="the model whose shapes the predictions use: a bundled name "
                                     f"({', '.join(BUNDLED_SHAPES)}), a config.json, or --model as serve takes it")
