@@ -7,6 +7,7 @@ context length, KV capacity, compiled logprob width). The API calls both before 
 the engine calls them again when it adds one, so nothing the engine thread builds can overflow.
 """
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +17,10 @@ MAX_STOP_STRINGS = 64  # each generated token is checked against every stop stri
 MAX_STOP_STRING_CHARS = 1024
 _INT32_MAX = 2**31 - 1
 _MIN_REPETITION_PENALTY = 0.01  # dividing a float32 logit by less could overflow it to inf
+
+
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar's text; larger ones are refused before compiling
+MAX_CHOICES = 1024
 
 
 class InvalidParam(ValueError):
@@ -37,6 +42,49 @@ def _check_float(name: str, value: object, low: float, high: float, *, open_low:
     if not ok:
         bracket = "(" if open_low else "["
         raise InvalidParam(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}", name)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `structured_outputs`): exactly one of a JSON schema (a dict or
+    its JSON text), any JSON object, a regular expression, one of several strings, or a Lark / EBNF
+    grammar. JSON is compact (json.dumps' separators) unless `whitespace_pattern` allows more, so a
+    model cannot spend its tokens on whitespace."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None  # a regex for the whitespace between JSON tokens
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise InvalidParam("structured outputs need exactly one of json, json_object, regex, choice or "
+                               f"grammar; got {', '.join(given) or 'none'}", "structured_outputs")
+        if not isinstance(self.json_object, bool):
+            raise InvalidParam("structured_outputs.json_object must be a boolean", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidParam("a JSON schema must be an object", "structured_outputs")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParam(f"structured_outputs.{name} must be a non-empty string", "structured_outputs")
+        if self.choice is not None:
+            ok = isinstance(self.choice, list) and 0 < len(self.choice) <= MAX_CHOICES
+            if not ok or not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidParam(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
+                                   "structured_outputs")
+        if len(self.key) > MAX_GRAMMAR_CHARS:
+            raise InvalidParam(f"the structured output's definition exceeds {MAX_GRAMMAR_CHARS} characters",
+                               "structured_outputs")
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the definition: equal definitions share a compiled grammar."""
+        return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, False)}, sort_keys=True)
 
 
 @dataclass
@@ -67,6 +115,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # constrains every token to a grammar
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +156,8 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParam("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id, 0, _INT32_MAX)
             _check_float("logit_bias", bias, -100.0, 100.0)

@@ -15,6 +15,9 @@ Threads and queues:
   nothing waits forever, and the server drains and exits non-zero so a supervisor restarts it.
 - Everything the API needs to know about the engine is copied once, before the thread starts, into
   `info` (a frozen record) and `tokenizer` (a copy: fast tokenizers must not be shared across threads).
+- Structured-output grammars compile on their own small thread pool (`compile_grammar`), never on the
+  engine thread or the event loop; the compiled grammar travels with the add command, and the engine
+  thread only forks a matcher from it per sequence.
 """
 
 import asyncio
@@ -24,11 +27,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import RequestLimits, SamplingParams
+from jaxserve.sampling_params import InvalidParam, RequestLimits, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     outputs: "asyncio.Queue[RequestOutput | BaseException]"
     cache_salt: str | None = None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass
@@ -109,6 +115,8 @@ class AsyncEngine:
             enable_prefix_caching=engine.kv_cache.enable_prefix_caching,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # for other threads; the engine thread has its own
+        self._grammars = engine.grammars  # thread-safe; only compile() is called from here
+        self._grammar_pool = ThreadPoolExecutor(2, "jaxserve-grammar")
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Add] = {}  # touched by the engine thread only
         self._ids = itertools.count()
@@ -128,14 +136,17 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs until it finishes. Bad input raises ValueError on first use."""
+        """Streams a request's outputs until it finishes. Bad input raises ValueError on first use.
+        `grammar`: params.structured_outputs from `compile_grammar` (else the engine thread compiles it)."""
         request_id = request_id or f"req-{next(self._ids)}"
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if not self.is_running:
                 raise EngineDeadError(f"the engine is not running: {self._dead!r}")
-            self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs, cache_salt))
+            self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs, cache_salt,
+                                    grammar))
         finished = False
         try:
             while not finished:
@@ -149,6 +160,17 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def compile_grammar(self, spec: StructuredOutputsParams, timeout: float) -> CompiledGrammar:
+        """Compiles a structured output on the grammar threads. InvalidParam for a definition that fails
+        or takes longer than `timeout` seconds (its compile finishes in the background, bounded by
+        llguidance's own limits)."""
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._grammars.compile, spec)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise InvalidParam(f"the structured output did not compile within {timeout:g} s", "structured_outputs"
+                               ) from None
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -160,6 +182,7 @@ class AsyncEngine:
         """Stops the engine thread; requests still in flight are dropped."""
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
         with self._lock:
             self._dead = self._dead or EngineDeadError("the engine was shut down")
@@ -216,7 +239,8 @@ class AsyncEngine:
                 self._streams.clear()
                 continue
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt)
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt,
+                                        command.grammar)
             except Exception as e:  # bad input (ValueError) or a tokenizer fault: this request's alone
                 if not isinstance(e, ValueError):
                     logger.error("request %s could not be added: %r", command.request_id, e, exc_info=e)

@@ -4,6 +4,7 @@ A request with n > 1 becomes n sequences ("<id>#<i>") sharing the prompt; its Re
 their completions. The scheduler sees only sequences.
 """
 
+import copy
 import dataclasses
 import logging
 import os
@@ -17,6 +18,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestFault, RequestStatus, finish_reason, request_metrics
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
@@ -92,6 +94,8 @@ class LLMEngine:
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
+        # Its own tokenizer copy: the server compiles grammars on another thread.
+        self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), model.cfg.vocab_size, model.eos_token_ids)
         self._seed_rng = np.random.default_rng(config.model.seed)
         self.limits = RequestLimits(
             vocab_size=model.cfg.vocab_size,
@@ -117,10 +121,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queues a request. Raises ValueError for bad input and leaves the engine untouched.
 
-        `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt."""
+        `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt.
+        `grammar`: `params.structured_outputs` compiled already (the server compiles off this thread);
+        compiled here when not given."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -130,6 +137,8 @@ class LLMEngine:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
         self.limits.check(prompt_token_ids, params)  # InvalidParam (a ValueError) for what cannot be served
         check_cache_salt(cache_salt)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         sequences = []
         # The first sequence computes prompt logprobs (they are the request's); the others may read its
         # prompt from the prefix cache.
@@ -144,6 +153,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 sampling_seed=int(seed) % 2**32,
                 cache_salt=cache_salt,
+                grammar=grammar.matcher() if grammar is not None else None,
             )
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
             sequences.append(_Sequence(request, detok))
@@ -191,6 +201,10 @@ class LLMEngine:
             if state is None:  # failed earlier in this loop (another of its n sequences)
                 continue
             seq = state.sequences[int(index)]
+            if request.grammar_error is not None:
+                failed.append(self._fail(request.request_id, RuntimeError(f"grammar: {request.grammar_error}")))
+                touched.pop(parent_id, None)
+                continue
             try:
                 stopped = seq.detokenizer.add_tokens(request.output_token_ids[-1:])
             except Exception as e:

@@ -3,9 +3,13 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -77,6 +81,9 @@ class Request:
     # Prompt logprobs of prompt tokens 1, 2, ... (token 0 has none), filled as the prompt is computed
     # when the request asked for them.
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # Structured outputs: where this sequence stands in its grammar; every sampled token advances it.
+    grammar: "GrammarMatcher | None" = None
+    grammar_error: str | None = None  # the grammar refused a sampled token (a bug: the mask forbids it)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +130,14 @@ class Request:
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+        if self.grammar is not None:
+            if not self.grammar.consume(token_id):
+                self.grammar_error = self.grammar.error or f"token {token_id} is not allowed here"
+                self.status = RequestStatus.FINISHED_ABORTED
+                return
+            if self.grammar.is_stopped:  # complete: only EOS could follow, so it ends here, min_tokens or not
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return
         params = self.sampling_params
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:

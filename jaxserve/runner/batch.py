@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxserve.engine.request import RequestFault
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.engine.structured_output import GrammarMatcher, MaskFiller, bitmask_words
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyUpdates
@@ -33,6 +34,8 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # f32[R]; 0 = off
     presence_penalty: jax.Array  # f32[R]; 0 = off
     wants_top_logprobs: jax.Array  # bool[R]
+    token_bitmask: jax.Array  # i32[R, ceil(V/32)]: bit t of a constrained row allows token t
+    constrained: jax.Array  # bool[R]: the row samples under its grammar's bitmask
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +77,9 @@ def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
     return bias
 
 
+_masks = MaskFiller()
+
+
 def build_step_batch(
     scheduler_output: SchedulerOutput,
     bucket: Bucket,
@@ -102,6 +108,9 @@ def build_step_batch(
     frequency = np.zeros(num_reqs, np.float32)
     presence = np.zeros(num_reqs, np.float32)
     wants_top_logprobs = np.zeros(num_reqs, np.bool_)
+    token_bitmask = np.full((num_reqs, bitmask_words(layout.vocab_size)), -1, np.int32)
+    constrained = np.zeros(num_reqs, np.bool_)
+    grammar_rows: list[tuple[GrammarMatcher, int]] = []
     reset_slots = np.full(num_reqs, no_slot, np.int32)
     prompt_token_slots = np.full(num_tokens, no_slot, np.int32)
     output_token_slots = np.full(num_tokens, no_slot, np.int32)
@@ -149,12 +158,16 @@ def build_step_batch(
             seeds[row] = request.sampling_seed
             output_index[row] = request.num_output_tokens
             wants_top_logprobs[row] = bool(params.logprobs)
+            if request.grammar is not None and item.completes_sequence:  # a prefill chunk's sample is dropped
+                constrained[row] = True
+                grammar_rows.append((request.grammar, row))
             bias = banned_and_biased(item)
             bias_token_ids[row, : len(bias)] = list(bias)
             bias_values[row, : len(bias)] = list(bias.values())
         except Exception as e:  # one request's values must not fail the whole step
             raise RequestFault(item.request.request_id) from e
     cu_q_lens[len(scheduler_output.scheduled) + 1 :] = offset  # padded requests: q_len 0, kv_len 0
+    _masks.fill(grammar_rows, token_bitmask)  # after reading the last step's tokens, before this one runs
 
     return StepBatch(
         input_ids=input_ids,
@@ -171,6 +184,7 @@ def build_step_batch(
             penalty_slots=row_slots, repetition_penalty=repetition,
             frequency_penalty=frequency, presence_penalty=presence,
             wants_top_logprobs=wants_top_logprobs,
+            token_bitmask=token_bitmask, constrained=constrained,
         ),
         penalty_updates=PenaltyUpdates(
             reset_slots=reset_slots, prompt_token_slots=prompt_token_slots,

@@ -1,7 +1,9 @@
 """Sampling inside the jitted step, with per-row parameters.
 
-Order, as in vLLM: logit_bias and min_tokens bans, then penalties, then greedy or temperature, top-k,
-top-p, min-p. Reported logprobs (and the top-L alternatives) are the raw model's.
+Order: the structured-output grammar's token bitmask, then logit_bias and min_tokens bans, then
+penalties, then greedy or temperature, top-k, top-p, min-p. Reported logprobs (and the top-L
+alternatives) are the raw model's, as in vLLM. If the bans leave a row no token at all (min_tokens
+banning the only tokens its grammar allows), the row falls back to its grammar alone.
 
 Each optional stage sits behind a `lax.cond` on "does any row use it", so a plain greedy batch costs
 an argmax. Each row draws from its own key, fold_in(key(seed), output_index): the same seed gives the
@@ -49,17 +51,37 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[R, L]
 
 
+def apply_token_bitmask(
+    logits: jax.Array,  # f32[R, V]
+    bitmask: jax.Array,  # i32[R, W], W = ceil(V / 32)
+    constrained: jax.Array,  # bool[R]
+) -> jax.Array:  # f32[R, V]: tokens a constrained row's mask lacks at -inf
+    num_rows, vocab_size = logits.shape
+    bits = jnp.right_shift(bitmask[:, :, None].view(jnp.uint32), jnp.arange(32, dtype=jnp.uint32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab_size].astype(jnp.bool_)  # [R, V]
+    return jnp.where(constrained[:, None] & ~allowed, -jnp.inf, logits)
+
+
 def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables) -> jax.Array:
-    """logit_bias (and min_tokens' bans), then penalties; skipped when no row uses them."""
+    """The grammar mask, then logit_bias (and min_tokens' bans), then penalties; each skipped when no row
+    uses it."""
+    logits = jax.lax.cond(
+        jnp.any(params.constrained),
+        lambda x: apply_token_bitmask(x, params.token_bitmask, params.constrained),
+        lambda x: x,
+        logits,
+    )
     vocab_size, num_slots = logits.shape[-1], tables.output_counts.shape[0]
 
-    def process(logits: jax.Array) -> jax.Array:
-        rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.bias_token_ids.shape)
-        logits = logits.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
-        return apply_penalties(
-            logits, tables, params.penalty_slots,
+    def process(masked: jax.Array) -> jax.Array:
+        rows = jnp.broadcast_to(jnp.arange(masked.shape[0])[:, None], params.bias_token_ids.shape)
+        biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
+        processed = apply_penalties(
+            biased, tables, params.penalty_slots,
             params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
         )
+        no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
+        return jnp.where(no_token_left, masked, processed)
 
     needed = jnp.any(params.bias_token_ids < vocab_size) | jnp.any(params.penalty_slots < num_slots)
     return jax.lax.cond(needed, process, lambda x: x, logits)

@@ -1,0 +1,157 @@
+"""Structured outputs with llguidance: grammars compiled from request fields, one matcher per sequence,
+and the token bitmasks the step applies on the device (pure Python and numpy, no jax).
+
+Threads: `GrammarCompiler.compile` may run on any thread (the API compiles on its grammar thread so
+that a slow schema neither blocks the event loop nor the engine; the offline engine compiles inline).
+llguidance releases the GIL while it builds a grammar. The compiler's tokenizer is built once, under a
+lock, on first use (about 0.4 s for a 49k vocabulary), and shared: llguidance's tokenizer is immutable.
+A `GrammarMatcher` belongs to one sequence and is used only by the engine thread after it is created.
+"""
+
+import collections
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from jaxserve.sampling_params import InvalidParam, StructuredOutputsParams
+
+# JSON as json.dumps writes it: no whitespace to loop on. `whitespace_pattern` or a schema's own
+# "x-guidance" options (llguidance reads them between these defaults and nothing else) allow more.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Resource limits for building a grammar and for each mask, so a hostile schema fails fast instead of
+# stalling a step (llguidance's defaults, with verbose errors off: they would echo grammar internals).
+_LIMITS = dict(verbose_errors=False)
+_CACHE_SIZE = 256
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Width of a token bitmask row: one bit per token, 32 to an int32."""
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a request's structured output. Raises InvalidParam for a definition
+    that cannot be read (a schema that is not JSON, a grammar in neither Lark nor GBNF)."""
+    try:
+        if spec.json is not None or spec.json_object:
+            schema = {"type": "object"} if spec.json_object else spec.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise InvalidParam("a JSON schema must be an object", "structured_outputs")
+            options = dict(_COMPACT_JSON)
+            if spec.whitespace_pattern is not None:
+                options.update(whitespace_flexible=True, whitespace_pattern=spec.whitespace_pattern,
+                               item_separator=",", key_separator=":")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if spec.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(choice) for choice in spec.choice))
+        return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+    except InvalidParam:
+        raise
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InvalidParam(f"the structured output's definition is invalid: {e}", "structured_outputs") from None
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar: which tokens may come next, and what has come."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def consume(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar forbids it (the matcher is then in error)."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+    def fork(self) -> "GrammarMatcher":
+        return GrammarMatcher(self._matcher.deep_copy())
+
+    @property
+    def llmatcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar checked against the tokenizer; `matcher()` starts a sequence on it."""
+
+    _template: llguidance.LLMatcher
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles structured-output definitions for one tokenizer, with an LRU of compiled grammars."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size  # the logits width: masks cover it, tokens past the tokenizer are banned
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+            return self._tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """Raises InvalidParam (a 400 for the API) for a definition llguidance rejects."""
+        key = spec.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = grammar_text(spec)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(**_LIMITS))
+        if matcher.is_error():
+            raise InvalidParam(f"the structured output's definition is invalid: {matcher.get_error()}",
+                               "structured_outputs")
+        compiled = CompiledGrammar(matcher)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+class MaskFiller:
+    """Fills the step's token bitmask rows from the sequences' matchers, in parallel in llguidance."""
+
+    def __init__(self) -> None:
+        self._executor = llguidance.LLExecutor()
+
+    def fill(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """bitmask: i32[R, W], C-contiguous; each listed row gets its matcher's next-token mask."""
+        if rows:
+            fill_next_token_bitmask_par(self._executor, [(m.llmatcher, row) for m, row in rows], bitmask)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows (for tests and checks): i32[W] -> i64[K]."""
+    bits = (bitmask_row.astype(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1  # [W, 32]
+    return np.flatnonzero(bits.reshape(-1)[:vocab_size])
