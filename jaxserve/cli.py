@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxserve import __version__
+from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
     DTYPES,
@@ -278,6 +279,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         log_requests=args.log_requests,
         trust_request_chat_template=args.trust_request_chat_template,
         body_read_timeout=args.body_read_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -356,6 +359,11 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a request bring its own `chat_template` (refused otherwise: a template is code "
                             "that runs on the server)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="tool_choice 'auto': the model decides, and --tool-call-parser reads its calls "
+                            "('required' and named choices need neither: the grammar enforces them)")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2)")
     group.add_argument("--generation-config", default="auto",
                        help="default sampling parameters: 'auto' (the model's generation_config.json), "
                             "'vllm' (none), or a folder")

@@ -206,6 +206,8 @@ class ServerConfig:
     log_requests: bool = False  # one line per request with its sampling params and prompt length
     trust_request_chat_template: bool = False  # without it a request's own `chat_template` is refused
     body_read_timeout: float = 30.0  # seconds for a request body to arrive in full, else 408
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read from the output by the parser
+    tool_call_parser: str | None = None  # how the model writes calls: "hermes", "llama3_json"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -217,5 +219,7 @@ class ServerConfig:
         if self.server_log_level not in SERVER_LOG_LEVELS:
             raise ValueError(f"server_log_level must be one of {', '.join(SERVER_LOG_LEVELS)}, "
                              f"got {self.server_log_level!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the chat template turns messages into one prompt with n completions."""
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,15 +19,41 @@ from jaxserve.api.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
     TokenLogprob,
+    ToolCallInfo,
     TopLogprob,
     UsageInfo,
     random_id,
 )
-from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.api.serving import ModelServing, get_serving, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse
+from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
+from jaxserve.api.tools.plan import ToolPlan, plan_tools
 from jaxserve.outputs import CompletionOutput
+from jaxserve.sampling_params import InvalidParam
+
+
+def _template_tool_calls(calls: object, param: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool_calls as templates read them: arguments as a dict, not text."""
+    if not isinstance(calls, list):
+        raise APIError(400, "tool_calls must be a list", param)
+    result = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, "each tool call needs a function with a name", param)
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise APIError(400, "tool call arguments must be a JSON text", param) from None
+        result.append({**call, "function": {**function, "arguments": arguments}})
+    return result
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -34,6 +61,8 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
+        if "tool_calls" in data:
+            data["tool_calls"] = _template_tool_calls(data["tool_calls"], f"messages.{i}.tool_calls")
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
@@ -61,6 +90,7 @@ async def render_chat(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation rendered by the chat template and tokenized (the template adds special tokens),
     on the tokenizer thread: rendering and tokenizing grow with the input."""
@@ -81,7 +111,8 @@ async def render_chat(
         try:
             text = serving.tokenizer.apply_chat_template(
                 conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}),
+                continue_final_message=continue_final_message, tokenize=False, tools=tools,
+                **(chat_template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
@@ -105,25 +136,54 @@ def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int) -
     return ChatLogprobs(content=content)
 
 
+def _tool_plan(serving: ModelServing, req: ChatCompletionRequest) -> ToolPlan | None:
+    parser = TOOL_PARSERS[serving.config.tool_call_parser] if serving.config.enable_auto_tool_choice else None
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    try:
+        plan = plan_tools([t.function.model_dump() for t in req.tools or []], choice, req.parallel_tool_calls, parser)
+        if plan is not None and plan.forced and requested_structure(req) is not None:
+            raise InvalidParam("a required or named tool_choice constrains the output; it cannot be combined "
+                               "with response_format or structured_outputs", "tool_choice")
+    except InvalidParam as e:
+        raise APIError(400, str(e), e.param) from None
+    return plan
+
+
+def _message(completion: CompletionOutput, plan: ToolPlan | None) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished choice, with the calls its text holds, and its finish_reason."""
+    if plan is None:
+        return ChatResponseMessage(content=completion.text), completion.finish_reason
+    content, calls = plan.make_parser().parse(completion.text)
+    calls = calls[: plan.max_calls]
+    message = ChatResponseMessage(
+        content=None if plan.forced and calls else content,
+        tool_calls=[ToolCallInfo(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
+    )
+    return message, _finish_reason(completion.finish_reason, bool(calls))
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
 async def create_chat_completion(request: Request) -> Response:
     serving = get_serving(request)
     req = await serving.parse(request, ChatCompletionRequest)
     serving.check_model(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet; only 'text'",
-                       "response_format")
-    if req.tools:
-        raise APIError(400, "tools are not supported yet", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+    plan = _tool_plan(serving, req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt_ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   req.chat_template, req.chat_template_kwargs)
+                                   req.chat_template, req.chat_template_kwargs, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs)
+    params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
+                                     structure=plan.structure if plan is not None else None)
+    grammar = await serving.compile_grammar(params)
     request_id = random_id("chatcmpl")
     model_name = req.model or serving.model_names[0]
-    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt)]
+    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar)]
     choices = ChoiceStream(streams, req.n, len(prompt_ids))
     if req.stream:
         created = int(time.time())
@@ -132,19 +192,16 @@ async def create_chat_completion(request: Request) -> Response:
             return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = sse(_chunks(serving, req, choices, chunk), (lambda: chunk([], choices.usage)) if include_usage else None)
+        body = sse(_chunks(serving, req, plan, choices, chunk),
+                   (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     (final,) = await collect(request, streams)
-    items = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_logprobs(serving, c, 0) if req.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-        for c in final.outputs
-    ]
+    items = []
+    for c in final.outputs:
+        message, finish_reason = _message(c, plan)
+        items.append(ChatChoice(index=c.index, message=message,
+                                logprobs=_logprobs(serving, c, 0) if req.logprobs else None,
+                                finish_reason=finish_reason, stop_reason=c.stop_reason))
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
     return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
                                                prompt_logprobs=await serving.prompt_logprobs(final)).model_dump())
@@ -153,15 +210,30 @@ async def create_chat_completion(request: Request) -> Response:
 async def _chunks(
     serving: ModelServing,
     req: ChatCompletionRequest,
+    plan: ToolPlan | None,
     choices: ChoiceStream,
     chunk: Callable[[list[ChatChunkChoice]], ChatCompletionChunk],
 ) -> AsyncIterator[ChatCompletionChunk]:
+    tool_streams = [ToolCallStream(plan.make_parser(), plan.max_calls) for _ in range(req.n)] if plan else []
     for i in range(req.n):  # the first chunk of each choice carries the role
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     async for delta in choices:
         completion = delta.completion
+        finish_reason = delta.finish_reason
+        content: str | None = completion.text_delta
+        calls: list[DeltaToolCall] | None = None
+        if plan is not None:
+            calls_stream = tool_streams[delta.index]
+            content, call_deltas = calls_stream.feed(completion.text_delta, final=finish_reason is not None)
+            calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                   function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                     for d in call_deltas] or None
+            finish_reason = _finish_reason(finish_reason, calls_stream.num_calls > 0)
+            if not content and calls is None and finish_reason is None and not req.logprobs:
+                continue  # nothing to say yet (a call's name still arriving)
         yield chunk([ChatChunkChoice(
-            index=delta.index, delta=DeltaMessage(content=completion.text_delta),
+            index=delta.index, delta=DeltaMessage(content=content if content or calls is None else None,
+                                                  tool_calls=calls),
             logprobs=_logprobs(serving, completion, delta.first_token) if req.logprobs else None,
-            finish_reason=delta.finish_reason, stop_reason=completion.stop_reason,
+            finish_reason=finish_reason, stop_reason=completion.stop_reason,
         )])

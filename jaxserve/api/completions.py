@@ -96,10 +96,11 @@ async def create_completion(request: Request) -> Response:
     # `logprobs` reports the prompt's tokens too: prompt logprobs with as many alternatives (vLLM's rule).
     echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
     params = [serving.sampling_params(req, ids, req.max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
+    grammar = await serving.compile_grammar(params[0])  # every prompt has the same structured output
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
     request_id = random_id("cmpl")
-    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt)
+    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt, grammar)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
     model_name = req.model or serving.model_names[0]

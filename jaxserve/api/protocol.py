@@ -1,7 +1,7 @@
 """OpenAI request/response schemas (pydantic), with vLLM's sampling extras.
 
 Requests ignore unknown fields, as OpenAI's and vLLM's servers do; a field we know but do not support
-(suffix, tools, a non-text response_format) is rejected with a 400 that names it.
+(suffix, best_of > n) is rejected with a 400 that names it.
 """
 
 import time
@@ -29,6 +29,37 @@ class ErrorResponse(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -59,6 +90,14 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many alternatives
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -77,8 +116,29 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(BaseModel):
-    type: str
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -87,8 +147,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=1024)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -163,9 +224,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallInfo(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallInfo] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -186,9 +259,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobList | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

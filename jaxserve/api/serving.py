@@ -25,10 +25,12 @@ from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
+from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt
+from jaxserve.sampling_params import InvalidParam, SamplingParams, StructuredOutputsParams, check_cache_salt
 
 T = TypeVar("T")
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
 logger = logging.getLogger("jaxserve.api.requests")
 
 # Fields of a model's generation_config.json that become default sampling parameters (vLLM's rule).
@@ -57,6 +59,30 @@ def load_chat_template(setting: str | None) -> str | None:
         return None
     path = Path(setting)
     return path.read_text() if len(setting) < 4096 and path.is_file() else setting
+
+
+def requested_structure(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The one structured output a request asks for, through whichever spelling: OpenAI's
+    response_format, vLLM's structured_outputs, or its older guided_* fields. Two at once is a 400."""
+    asked: dict[str, StructuredOutputsParams] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked["response_format"] = StructuredOutputsParams(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise InvalidParam("response_format json_schema needs json_schema.schema", "response_format")
+        asked["response_format"] = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    if (so := req.structured_outputs) is not None:
+        asked["structured_outputs"] = StructuredOutputsParams(
+            json=so.json_, json_object=bool(so.json_object), regex=so.regex, choice=so.choice, grammar=so.grammar,
+            whitespace_pattern=so.whitespace_pattern)
+    guided = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+              "grammar": req.guided_grammar}
+    if any(v is not None for v in guided.values()):
+        asked["guided_*"] = StructuredOutputsParams(**guided, whitespace_pattern=req.guided_whitespace_pattern)
+    if len(asked) > 1:
+        raise InvalidParam(f"{' and '.join(asked)} both constrain the output; give one", next(iter(asked)))
+    return next(iter(asked.values()), None)
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -157,10 +183,12 @@ class ModelServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structure: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams, checked against the engine's limits (the one rule, in
         jaxserve.sampling_params); any violation is a 400 naming the field. `prompt_logprobs` defaults
-        to the request's own field; its cache_salt is checked here too."""
+        to the request's own field; its cache_salt is checked here too. `structure` (a tool choice's
+        grammar) replaces what the request's own fields ask for."""
         if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
             raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         default_max = self.generation_defaults.get("max_tokens")
@@ -199,6 +227,7 @@ class ModelServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                structured_outputs=structure or requested_structure(req),
             )
             self.info.limits.check(prompt_token_ids, params)
             check_cache_salt(req.cache_salt)
@@ -206,13 +235,24 @@ class ModelServing:
             raise APIError(400, str(e), e.param) from None
         return params
 
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's structured output compiled on the grammar threads; a 400 if it fails or is slow."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return await self.engine.compile_grammar(params.structured_outputs, GRAMMAR_COMPILE_TIMEOUT_S)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param) from None
+
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Starts a request whose params came from `sampling_params` (so bad input was a 400 already)."""
+        """Starts a request whose params came from `sampling_params` (so bad input was a 400 already) and
+        whose structured output, if any, from `compile_grammar`."""
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
-        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt))
+        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt, grammar))
 
     def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
         """Each token decoded alone, in one batch (tokenizer thread only)."""

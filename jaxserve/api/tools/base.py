@@ -1,0 +1,139 @@
+"""Tool calls in model output: the parser interface, the streaming of calls as OpenAI deltas, and the
+pieces every format shares.
+
+A parser turns an output that may still be arriving into `Scan`: the text that is surely content, and
+the calls found so far, each with its name once complete and the raw text of its arguments as far as
+it has arrived. One scan serves both paths: `parse` reads a finished output; `ToolCallStream` scans
+the growing text after every delta and sends what is new (a call's id and name once, then argument
+fragments), so the fragments of a call always join to the arguments `parse` reports.
+"""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from jaxserve.api.tools.json_scan import Member, is_json, object_members
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    name: str | None  # once its string is complete
+    arguments: str  # raw JSON text of the arguments so far ("" until they start)
+    complete: bool  # the call's object (and so its arguments) is closed
+    end: int | None = None  # index after the call in the text, once complete
+
+
+@dataclass(frozen=True)
+class Scan:
+    content: str  # text that is content whatever comes next
+    calls: list[PartialCall]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: new_call_id())
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could be the start of `marker` (to hold back while
+    streaming, so a half-arrived marker is never sent as content)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def call_in_object(text: str, start: int, name_keys: tuple[str, ...], argument_keys: tuple[str, ...]) -> PartialCall:
+    """The call written as the JSON object at text[start] ('{'): its name and arguments members."""
+    members, end = object_members(text, start)
+    by_key: dict[str, Member] = {m.key: m for m in members}
+    name = None
+    name_member = next((by_key[k] for k in name_keys if k in by_key), None)
+    if name_member is not None and name_member.end is not None:
+        try:
+            value = json.loads(text[name_member.start : name_member.end])
+        except ValueError:
+            value = None
+        name = value if isinstance(value, str) else None
+    args_member = next((by_key[k] for k in argument_keys if k in by_key), None)
+    arguments = "" if args_member is None else text[args_member.start : args_member.end or len(text)]
+    if end is not None and args_member is None:
+        arguments = "{}"  # a call without arguments
+    return PartialCall(name, arguments, complete=end is not None, end=end)
+
+
+class ToolParser:
+    """One model family's way of writing tool calls. Subclasses implement `scan`."""
+
+    name: ClassVar[str]
+
+    def scan(self, text: str, final: bool) -> Scan:
+        """What `text` holds so far; `final` when no more text will come (nothing is held back)."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished output as (content, calls). An output whose calls do not all parse is content."""
+        scan = self.scan(text, final=True)
+        calls = [ToolCall(c.name, c.arguments) for c in scan.calls
+                 if c.complete and c.name is not None and is_json(c.arguments)]
+        if not scan.calls or len(calls) != len(scan.calls):
+            return text, []
+        return scan.content or None, calls
+
+
+@dataclass
+class _SentCall:
+    id: str
+    name_sent: bool = False
+    arguments_sent: int = 0  # characters of its arguments already sent
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    id: str | None = None  # with the name, in the call's first delta
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallStream:
+    """Turns one choice's text deltas into content deltas and tool-call deltas."""
+
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
+        self._parser = parser
+        self._max_calls = max_calls  # parallel_tool_calls = false: only the first call
+        self._text = ""
+        self._content_sent = 0
+        self._calls: list[_SentCall] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    def feed(self, text_delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """(new content, new call pieces) after `text_delta`; `final` on the choice's last delta."""
+        self._text += text_delta
+        scan = self._parser.scan(self._text, final)
+        content = scan.content[self._content_sent :]
+        self._content_sent = max(self._content_sent, len(scan.content))
+        deltas: list[ToolCallDelta] = []
+        for index, call in enumerate(scan.calls[: self._max_calls]):
+            if index == len(self._calls):
+                if call.name is None:
+                    break  # a call's name goes out first, in its first delta
+                self._calls.append(_SentCall(new_call_id()))
+            sent = self._calls[index]
+            first = not sent.name_sent
+            fragment = call.arguments[sent.arguments_sent :]
+            if first or fragment:
+                deltas.append(ToolCallDelta(index, sent.id if first else None, call.name if first else None,
+                                            fragment))
+                sent.name_sent, sent.arguments_sent = True, len(call.arguments)
+        return content, deltas

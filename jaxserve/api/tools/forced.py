@@ -1,0 +1,68 @@
+"""Tool choices the grammar enforces (`required`, a named function): what the model must write, and
+how that text reads as calls. These work with any model and need no parser.
+
+- a named function: the output is its arguments object alone;
+- `required`: a JSON array of `{"name": ..., "parameters": {...}}`, at least one (exactly one when
+  parallel_tool_calls is false), each name one of the request's functions.
+"""
+
+from typing import Any
+
+from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, call_in_object
+from jaxserve.api.tools.json_scan import skip_whitespace, value_end
+from jaxserve.sampling_params import StructuredOutputsParams
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or _ANY_OBJECT
+
+
+def named_structure(function: dict[str, Any]) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=parameters_schema(function))
+
+
+def required_structure(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+    call = {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": parameters_schema(f)},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for f in functions
+    ]}
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+class NamedCallParser(ToolParser):
+    name = "named"
+
+    def __init__(self, function_name: str) -> None:
+        self._function_name = function_name
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = skip_whitespace(text, 0)
+        end = value_end(text, start)
+        return Scan("", [PartialCall(self._function_name, text[start:end or len(text)], complete=end is not None,
+                                     end=end)])
+
+
+class RequiredCallsParser(ToolParser):
+    name = "required"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = skip_whitespace(text, 0)
+        if start >= len(text) or text[start] != "[":
+            return Scan("", [])
+        calls: list[PartialCall] = []
+        start = skip_whitespace(text, start + 1)
+        while start < len(text) and text[start] == "{":
+            call = call_in_object(text, start, ("name",), ("parameters",))
+            calls.append(call)
+            if call.end is None:
+                break
+            start = skip_whitespace(text, call.end)
+            if start < len(text) and text[start] == ",":
+                start = skip_whitespace(text, start + 1)
+        return Scan("", calls)
