@@ -63,6 +63,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         data = message.model_dump(exclude_none=True)
         if "tool_calls" in data:
             data["tool_calls"] = _template_tool_calls(data["tool_calls"], f"messages.{i}.tool_calls")
+        data.setdefault("content", "")  # an assistant turn of only tool calls: templates read content
         if isinstance(message.content, list):
             texts = []
             for part in message.content:

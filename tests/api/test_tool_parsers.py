@@ -1,0 +1,101 @@
+"""Tool-call parsers on model-style texts: finished outputs, and streams split at every point, whose
+deltas must join to exactly what the finished parse reports."""
+
+import json
+
+import pytest
+
+from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
+from jaxserve.api.tools.forced import NamedCallParser, RequiredCallsParser
+from jaxserve.api.tools.plan import plan_tools
+from jaxserve.sampling_params import InvalidParam
+
+HERMES_TWO_CALLS = (
+    "I'll look both up.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris, \\\"FR\\\"\", "
+    "\"days\": [1, 2], \"opts\": {\"unit\": \"c\"}}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", "
+    "\"arguments\": {}}\n</tool_call>"
+)
+LLAMA_TWO_CALLS = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now", "parameters": {}}'
+CASES = [
+    (TOOL_PARSERS["hermes"](), HERMES_TWO_CALLS, "I'll look both up.\n",
+     [("get_weather", {"city": 'Paris, "FR"', "days": [1, 2], "opts": {"unit": "c"}}), ("get_time", {})]),
+    (TOOL_PARSERS["hermes"](), 'No tools needed: 2 < 3 and <b>bold</b>.', 'No tools needed: 2 < 3 and <b>bold</b>.', []),
+    (TOOL_PARSERS["llama3_json"](), LLAMA_TWO_CALLS, None, [("get_weather", {"city": "Oslo"}), ("now", {})]),
+    (TOOL_PARSERS["llama3_json"](), ' {"name": "f", "parameters": {"x": -1.5e3}}', None, [("f", {"x": -1.5e3})]),
+    (TOOL_PARSERS["llama3_json"](), "The answer is {42}.", "The answer is {42}.", []),
+    (RequiredCallsParser(), '[{"name": "a", "parameters": {"s": "]}"}}, {"name": "b", "parameters": {"n": 1}}]', None,
+     [("a", {"s": "]}"}), ("b", {"n": 1})]),
+    (NamedCallParser("f"), '{"q": "x", "n": [true, null]}', None, [("f", {"q": "x", "n": [True, None]})]),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_parse(parser, text, content, calls):
+    parsed_content, parsed = parser.parse(text)
+    assert parsed_content == (content if calls else text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+    assert len({c.id for c in parsed}) == len(parsed)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+@pytest.mark.parametrize("step", [1, 2, 7])
+def test_stream_equals_parse(parser, text, content, calls, step):
+    stream = ToolCallStream(parser)
+    streamed_content, names, arguments, ids = "", {}, {}, {}
+    for start in range(0, len(text), step):
+        piece = text[start : start + step]
+        new_content, deltas = stream.feed(piece, final=start + step >= len(text))
+        streamed_content += new_content
+        for d in deltas:
+            if d.id is not None:  # the first delta of a call: id and name, once
+                assert d.index not in ids and d.name is not None
+                ids[d.index], names[d.index] = d.id, d.name
+            else:
+                assert d.name is None and d.index in ids
+            arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
+    _, parsed = parser.parse(text)
+    assert streamed_content == (content or "" if calls else text)
+    assert [names[i] for i in sorted(names)] == [c.name for c in parsed]
+    assert [arguments[i] for i in sorted(arguments)] == [c.arguments for c in parsed]
+
+
+def test_stream_never_sends_half_a_marker_as_content():
+    stream = ToolCallStream(TOOL_PARSERS["hermes"]())
+    sent = ""
+    for piece in ["Sure", " <tool", "_ca", "ll>", '{"name": "f", "arguments": {"a": 1}}', "</tool_call>"]:
+        content, _ = stream.feed(piece)
+        sent += content
+        assert "<tool" not in sent
+    assert sent == "Sure "
+
+
+def test_unfinished_call_is_content_when_parsed():
+    text = '<tool_call>{"name": "f", "arguments": {"a": '
+    assert TOOL_PARSERS["hermes"]().parse(text) == (text, [])
+
+
+def test_parallel_false_streams_one_call():
+    stream = ToolCallStream(TOOL_PARSERS["hermes"](), max_calls=1)
+    _, deltas = stream.feed(HERMES_TWO_CALLS, final=True)
+    assert {d.index for d in deltas} == {0} and stream.num_calls == 1
+
+
+FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+             {"name": "now"}]
+
+
+def test_plan_tools_rules():
+    assert plan_tools([], None, True, None) is None
+    assert plan_tools(FUNCTIONS, "none", True, None) is None
+    named = plan_tools(FUNCTIONS, {"type": "function", "function": {"name": "now"}}, True, None)
+    assert named.structure.json == {"type": "object"} and named.max_calls == 1
+    required = plan_tools(FUNCTIONS, "required", False, None)
+    assert required.structure.json["maxItems"] == 1 and required.structure.json["minItems"] == 1
+    assert plan_tools(FUNCTIONS, "auto", True, TOOL_PARSERS["hermes"]).structure is None
+    for choice, functions, match in [
+        ("auto", FUNCTIONS, "enable-auto-tool-choice"), (None, FUNCTIONS, "enable-auto-tool-choice"),
+        ({"type": "function", "function": {"name": "nope"}}, FUNCTIONS, "not among"),
+        ("required", [], "needs tools"), ("required", FUNCTIONS * 2, "unique"),
+    ]:
+        with pytest.raises(InvalidParam, match=match):
+            plan_tools(functions, choice, True, None)
