@@ -15,11 +15,13 @@ HERMES_TWO_CALLS = (
     "\"days\": [1, 2], \"opts\": {\"unit\": \"c\"}}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", "
     "\"arguments\": {}}\n</tool_call>"
 )
-LLAMA_TWO_CALLS = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now", "parameters": {}}'
+LLAMA_TWO_CALLS = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                   '{"name": "now", "parameters": {}}')
 CASES = [
     (TOOL_PARSERS["hermes"](), HERMES_TWO_CALLS, "I'll look both up.\n",
      [("get_weather", {"city": 'Paris, "FR"', "days": [1, 2], "opts": {"unit": "c"}}), ("get_time", {})]),
-    (TOOL_PARSERS["hermes"](), 'No tools needed: 2 < 3 and <b>bold</b>.', 'No tools needed: 2 < 3 and <b>bold</b>.', []),
+    (TOOL_PARSERS["hermes"](), "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.",
+     []),
     (TOOL_PARSERS["llama3_json"](), LLAMA_TWO_CALLS, None, [("get_weather", {"city": "Oslo"}), ("now", {})]),
     (TOOL_PARSERS["llama3_json"](), ' {"name": "f", "parameters": {"x": -1.5e3}}', None, [("f", {"x": -1.5e3})]),
     (TOOL_PARSERS["llama3_json"](), "The answer is {42}.", "The answer is {42}.", []),

@@ -81,7 +81,8 @@ def test_json_outputs_validate(engine):
     jsonschema = pytest.importorskip("jsonschema")
     import json
 
-    requests = [(prompt, SamplingParams(temperature=0.7, seed=s, max_tokens=120, structured_outputs=Structure(json=SCHEMA)))
+    structure = Structure(json=SCHEMA)
+    requests = [(prompt, SamplingParams(temperature=0.7, seed=s, max_tokens=120, structured_outputs=structure))
                 for s, prompt in enumerate(make_prompts(6))]
     for output in run(engine, requests):
         completion = output.outputs[0]
