@@ -136,8 +136,8 @@ def test_vllm_sampling_extras(server, client):
         (lambda c: c.completions.create(model=MODEL, prompt=[]), openai.BadRequestError, "empty"),
         (lambda c: c.completions.create(model=MODEL, prompt=[10**7]), openai.BadRequestError, "vocabulary"),
         (lambda c: c.completions.create(model=MODEL, prompt="hi", logprobs=21), openai.BadRequestError, "at most 20"),
-        (lambda c: c.chat.completions.create(model=MODEL, messages=FRANCE, response_format={"type": "json_object"}),
-         openai.BadRequestError, "response_format"),
+        (lambda c: c.chat.completions.create(model=MODEL, messages=FRANCE, response_format={
+            "type": "json_schema", "json_schema": {"name": "no-schema"}}), openai.BadRequestError, "json_schema"),
         (lambda c: c.chat.completions.create(model=MODEL, messages=FRANCE, top_logprobs=2), openai.BadRequestError,
          "top_logprobs"),
         (lambda c: c.chat.completions.create(model=MODEL, messages=[]), openai.BadRequestError, "messages"),

@@ -77,3 +77,42 @@ def test_shutdown_engine_refuses_new_work(tiny_model_dir):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+def test_grammar_compiles_off_the_engine_thread_with_a_timeout(engines, monkeypatch):
+    """A definition that compiles slowly is an InvalidParam after the timeout, and the engine serves on;
+    a compiled grammar travels with the request and constrains it."""
+    import threading
+    import time
+
+    from jaxserve.sampling_params import InvalidParam, StructuredOutputsParams
+
+    async_engine, prompts, expected = engines
+    compiler = async_engine.engine.grammars
+    real_compile = compiler.compile
+    threads: list[str] = []
+
+    def slow_compile(spec):
+        threads.append(threading.current_thread().name)
+        if spec.regex == "slow":
+            time.sleep(1.0)
+        return real_compile(spec)
+
+    monkeypatch.setattr(compiler, "compile", slow_compile)
+
+    async def main():
+        with pytest.raises(InvalidParam, match="did not compile within") as info:
+            await async_engine.compile_grammar(StructuredOutputsParams(regex="slow"), timeout=0.1)
+        assert info.value.param == "structured_outputs"
+        spec = StructuredOutputsParams(choice=["red", "green"])
+        grammar = await async_engine.compile_grammar(spec, timeout=10)
+        params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=spec)
+        outputs = []
+        async for output in async_engine.generate(prompts[1], params, grammar=grammar):
+            outputs.append(output)
+        return outputs[-1], await collect(async_engine, prompts[0], greedy(10))
+
+    constrained, (deltas, _) = asyncio.run(main())
+    assert constrained.outputs[0].text in ("red", "green")
+    assert deltas == expected[0]
+    assert threads and all(name.startswith("jaxserve-grammar") for name in threads)
