@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from jaxserve.api.tools.json_scan import Member, is_json, object_members
+from jaxserve.api.tools.json_scan import Member, is_json, object_members, skip_whitespace
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,23 @@ def call_in_object(text: str, start: int, name_keys: tuple[str, ...], argument_k
     if end is not None and args_member is None:
         arguments = "{}"  # a call without arguments
     return PartialCall(name, arguments, complete=end is not None, end=end)
+
+
+def calls_in_sequence(
+    text: str, start: int, separator: str, name_keys: tuple[str, ...], argument_keys: tuple[str, ...]
+) -> list[PartialCall]:
+    """Call objects from text[start] on, one after another with `separator` between them, as far as
+    they have arrived."""
+    calls: list[PartialCall] = []
+    while start < len(text) and text[start] == "{":
+        call = call_in_object(text, start, name_keys, argument_keys)
+        calls.append(call)
+        if call.end is None:
+            break
+        start = skip_whitespace(text, call.end)
+        if start < len(text) and text[start] == separator:
+            start = skip_whitespace(text, start + 1)
+    return calls
 
 
 class ToolParser:

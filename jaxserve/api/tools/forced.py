@@ -8,7 +8,7 @@ how that text reads as calls. These work with any model and need no parser.
 
 from typing import Any
 
-from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, call_in_object
+from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, calls_in_sequence
 from jaxserve.api.tools.json_scan import skip_whitespace, value_end
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -55,14 +55,4 @@ class RequiredCallsParser(ToolParser):
         start = skip_whitespace(text, 0)
         if start >= len(text) or text[start] != "[":
             return Scan("", [])
-        calls: list[PartialCall] = []
-        start = skip_whitespace(text, start + 1)
-        while start < len(text) and text[start] == "{":
-            call = call_in_object(text, start, ("name",), ("parameters",))
-            calls.append(call)
-            if call.end is None:
-                break
-            start = skip_whitespace(text, call.end)
-            if start < len(text) and text[start] == ",":
-                start = skip_whitespace(text, start + 1)
-        return Scan("", calls)
+        return Scan("", calls_in_sequence(text, skip_whitespace(text, start + 1), ",", ("name",), ("parameters",)))

@@ -1,7 +1,7 @@
 """Llama 3.1 / 3.2 JSON calls: the whole output is `{"name": ..., "parameters": {...}}` (optionally after
 `<|python_tag|>`), several separated by `;`. An output that starts otherwise is content."""
 
-from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, call_in_object
+from jaxserve.api.tools.base import Scan, ToolParser, calls_in_sequence
 from jaxserve.api.tools.json_scan import skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
@@ -20,13 +20,4 @@ class Llama3JsonToolParser(ToolParser):
             return Scan(text if final else "", [])
         if text[start] != "{":
             return Scan(text, [])
-        calls: list[PartialCall] = []
-        while start < len(text) and text[start] == "{":
-            call = call_in_object(text, start, ("name",), ("parameters", "arguments"))
-            calls.append(call)
-            if call.end is None:
-                break
-            start = skip_whitespace(text, call.end)
-            if start < len(text) and text[start] == ";":
-                start = skip_whitespace(text, start + 1)
-        return Scan("", calls)
+        return Scan("", calls_in_sequence(text, start, ";", ("name",), ("parameters", "arguments")))
