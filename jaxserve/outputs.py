@@ -85,6 +85,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None  # set on the finished output only
     error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")
+    error_param: str | None = None  # the request field whose value caused the failure (a client error)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed, when the request asked
 

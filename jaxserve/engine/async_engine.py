@@ -256,8 +256,9 @@ class AsyncEngine:
         if output.finished:
             del self._streams[output.request_id]
         item: RequestOutput | BaseException = output
-        if output.error is not None:
-            item = RequestFailedError(output.error)
+        if output.error is not None:  # a client error (a 400) or the engine's (a 500)
+            item = InvalidParam(output.error, output.error_param) if output.error_param else RequestFailedError(
+                output.error)
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
     def _fail_pending(self, error: BaseException) -> None:

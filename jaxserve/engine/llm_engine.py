@@ -24,7 +24,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import RequestLimits, SamplingParams, check_cache_salt
+from jaxserve.sampling_params import InvalidParam, RequestLimits, SamplingParams, check_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,10 @@ class LLMEngine:
             if state is None:  # failed earlier in this loop (another of its n sequences)
                 continue
             seq = state.sequences[int(index)]
-            if request.grammar_error is not None:
-                failed.append(self._fail(request.request_id, RuntimeError(f"grammar: {request.grammar_error}")))
+            if request.grammar_error is not None:  # the request's grammar, not the engine (e.g. over its limits)
+                failed.append(self._fail(request.request_id, InvalidParam(
+                    f"the structured output failed during generation: {request.grammar_error}",
+                    "structured_outputs")))
                 touched.pop(parent_id, None)
                 continue
             try:
@@ -242,5 +244,8 @@ class LLMEngine:
         ids = [seq.request.request_id for seq in state.sequences]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         completions = [CompletionOutput(index=i, finish_reason="error") for i in range(len(ids))]
+        if isinstance(cause, InvalidParam):  # the request's own values: its client is told what and where
+            return RequestOutput(parent_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                                 error=str(cause), error_param=cause.param)
         return RequestOutput(parent_id, state.prompt, state.prompt_token_ids, completions, finished=True,
                              error=f"the engine failed while processing this request: {type(cause).__name__}")

@@ -196,6 +196,20 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}, None),
+    # limits and wrong types
+    ({"guided_choice": [f"c{i}" for i in range(1025)]}, "structured_outputs"),
+    ({"guided_choice": ["ok", ""]}, "structured_outputs"),
+    ({"guided_choice": "not-a-list"}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a" * (256 * 1024 + 1)}}, "structured_outputs"),
+    ({"structured_outputs": {"json": 42}}, None),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": ""}}, "structured_outputs"),
+    ({"guided_regex": "(a+)+" * 5000}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 257}}], "tool_choice": "required"}, None),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(1025)],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not-an-object"}}],
+      "tool_choice": "required"}, None),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
 ]
 
 
