@@ -363,7 +363,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="tool_choice 'auto': the model decides, and --tool-call-parser reads its calls "
                             "('required' and named choices need neither: the grammar enforces them)")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2)")
+                       help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2) "
+                            "(default: none, so tool_choice 'auto' is refused)")
     group.add_argument("--generation-config", default="auto",
                        help="default sampling parameters: 'auto' (the model's generation_config.json), "
                             "'vllm' (none), or a folder")

@@ -117,8 +117,9 @@ def client(server):
     return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def async_client(server):
+    """One per test: its pooled connections belong to the event loop of the test's own asyncio.run."""
     import openai
 
     return openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300)

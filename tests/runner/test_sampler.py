@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.engine.structured_output import bitmask_words
 from jaxserve.runner.batch import SamplingArrays
 from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, update_tables
 from jaxserve.runner.sampler import sample
@@ -26,6 +27,7 @@ def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_in
         penalty_slots=full(SLOTS, np.int32), repetition_penalty=full(1.0, np.float32),
         frequency_penalty=full(0.0, np.float32), presence_penalty=full(0.0, np.float32),
         wants_top_logprobs=full(False, np.bool_),
+        token_bitmask=np.full((ROWS, bitmask_words(VOCAB)), -1, np.int32), constrained=full(False, np.bool_),
     )
     return SamplingArrays(**{**fields, **extra})
 
