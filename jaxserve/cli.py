@@ -117,7 +117,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"(default: {EngineConfig.compilation_cache_dir})")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV pages of prompt prefixes computed before (default: on, as in vLLM)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 for now")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="devices to split the model over (heads, MLP width, vocabulary, KV pages); on CPU, "
+                            "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility; jaxserve never runs code from a model repository")
     group.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
@@ -133,8 +135,6 @@ def _compilation_cache(setting: str | None) -> dict[str, str]:
 def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     # Before jax starts a backend (platform_preset starts one): JAX pools 75% of a GPU by default.
     pool_gpu_memory(args.gpu_memory_utilization or CacheConfig.gpu_memory_utilization)
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size must be 1: tensor parallelism is not implemented yet")
     if args.trust_remote_code:
         logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
                     "tokenizers load without remote code, so no code from a model repository ever runs")
@@ -153,6 +153,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
         **extra,
         **_compilation_cache(args.compilation_cache_dir),
     )

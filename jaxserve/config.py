@@ -81,11 +81,21 @@ class BucketConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     # Ready once one bucket (the largest, which holds any step) is compiled; the rest compile while serving.
@@ -110,7 +120,8 @@ class EngineConfig:
         Overrides are field names of any sub-config (`max_num_seqs=8`, `dtype="float32"`) or of
         EngineConfig itself; None values are ignored so CLI defaults don't mask the preset.
         """
-        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "buckets": {}}
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "buckets": {},
+                                               "parallel": {}}
         top: dict[str, Any] = {}
         if preset is not None:
             for section, values in load_preset(preset).items():
@@ -118,7 +129,8 @@ class EngineConfig:
                     raise ValueError(f"unknown section {section!r} in preset {preset}")
                 sections[section].update(values or {})
         owners = {
-            "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "buckets": BucketConfig
+            "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "buckets": BucketConfig,
+            "parallel": ParallelConfig,
         }
         for key, value in overrides.items():
             if value is None:

@@ -75,7 +75,8 @@ class LLMEngine:
         self.config = config
         if model is None:
             model = load_model(
-                config.model.model, config.model.dtype, config.attention_impl, config.model.revision
+                config.model.model, config.model.dtype, config.attention_impl, config.model.revision,
+                config.parallel.tensor_parallel_size,
             )
         self.model = model
         self.tokenizer = model.tokenizer

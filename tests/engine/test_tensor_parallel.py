@@ -1,0 +1,114 @@
+"""Tensor parallelism on CPU devices: TP=2 and TP=4 give TP=1's greedy tokens and its logprobs.
+
+The test process has one CPU device, so each check runs in a subprocess started with
+`--xla_force_host_platform_device_count=4`, which loads the model at TP=1, 2 and 4 in turn and reports
+what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
+Llama whose heads split over no device count (query heads padded), a tiny GPT-2, and the bundled SmolLM2
+(9 query / 3 KV heads: both at once).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve.parallel import HeadLayout
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
+
+
+def _worker(spec_json: str) -> None:
+    """In the subprocess: generate greedily at each TP size; print one JSON line per size."""
+    spec = json.loads(spec_json)
+    import jax
+
+    from jaxserve import LLM, SamplingParams
+    from tests.conftest import count_compilations
+
+    assert len(jax.devices()) >= max(spec["tp_sizes"]), jax.devices()
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
+    for tp in spec["tp_sizes"]:
+        llm = LLM(model=spec["model"], dtype="float32", tensor_parallel_size=tp, max_num_seqs=4,
+                  max_num_batched_tokens=32, token_buckets=[32], request_buckets=[1, 4], num_kv_pages=64,
+                  attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="")
+        runner = llm.engine.runner
+        placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
+        with count_compilations() as compiles:
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        result = {
+            "tp": tp,
+            "compiles_after_warmup": len(compiles),
+            "kv_devices": sorted(placed),
+            "kv_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
+            "tokens": [o.outputs[0].token_ids for o in outputs],
+            "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+        llm.engine.shutdown()
+
+
+def run_tp(model: str | None, tp_sizes=(1, 2, 4), max_tokens: int = 12, attention_impl: str = "reference") -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}"}
+    spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
+                           attention_impl=attention_impl))
+    code = f"from tests.engine.test_tensor_parallel import _worker; _worker({spec!r})"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return {r["tp"]: r for r in results}
+
+
+def assert_same_as_tp1(results: dict, atol: float = 2e-4) -> None:
+    base = results[1]
+    for tp, got in results.items():
+        assert got["compiles_after_warmup"] == 0, f"TP={tp} compiled after warm-up"
+        assert len(got["kv_devices"]) == 1 and got["kv_devices"][0].count("CpuDevice") == tp
+        assert got["tokens"] == base["tokens"], f"TP={tp} greedy tokens differ from TP=1"
+        for seq, seq_base in zip(got["top_logprobs"], base["top_logprobs"], strict=True):
+            for step, step_base in zip(seq, seq_base, strict=True):
+                ids, lps = zip(*step, strict=True)
+                ids_base, lps_base = zip(*step_base, strict=True)
+                assert ids == ids_base, f"TP={tp}: top tokens differ"
+                np.testing.assert_allclose(lps, lps_base, atol=atol, rtol=0)
+
+
+def test_head_layout_replicates_kv_heads_and_pads_query_heads():
+    same = HeadLayout(num_heads=32, num_kv_heads=8, tp=4)
+    assert same.is_identity
+    replicated = HeadLayout(num_heads=4, num_kv_heads=2, tp=4)  # vLLM's case: fewer KV heads than devices
+    assert (replicated.num_heads_eff, replicated.num_kv_heads_eff) == (4, 4)
+    assert replicated.kv_sources().tolist() == [0, 0, 1, 1]
+    smol = HeadLayout(num_heads=9, num_kv_heads=3, tp=2)  # SmolLM2: neither divides
+    assert (smol.num_heads_eff, smol.num_kv_heads_eff) == (12, 6)
+    slots = smol.query_slots()
+    # Every query head's slot reads a replica of its own KV head, and each device gets whole groups.
+    for head, slot in enumerate(slots):
+        assert smol.kv_sources()[slot // smol.group_eff] == head // smol.group
+    assert len(set(slots.tolist())) == 9
+    weights = np.arange(9 * 2, dtype=np.float32).reshape(9, 2) + 1
+    padded = smol.apply("q", weights, axis=0)
+    assert padded.shape == (12, 2) and np.count_nonzero(padded.any(axis=1)) == 9
+    np.testing.assert_array_equal(padded[slots], weights)
+    kv = smol.apply("kv", np.arange(3, dtype=np.float32)[None, :], axis=1)
+    assert kv.tolist() == [[0, 0, 1, 1, 2, 2]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind):
+    results = run_tp(str(tiny_model_dir(kind)))
+    assert results[4]["kv_shard_shape"][0] == 1  # llama: 2 KV heads replicated to 4, one per device
+    assert_same_as_tp1(results)
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4():
+    results = run_tp(None, max_tokens=16)
+    assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
+    assert_same_as_tp1(results, atol=1e-3)
