@@ -318,6 +318,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         jobs=args.jobs,
         xla_cost=not args.no_xla_cost,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     print(format_report(report))
     if args.json:
@@ -534,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help=f"for the KV budget (default: {CacheConfig.gpu_memory_utilization})")
     compile_cmd.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1,
                              help="buckets compiled at once (default: the CPU count)")
+    compile_cmd.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                             help="compile the step split over this many devices (GPUs of one node for a "
+                                  "target); memory is reported per device")
     compile_cmd.add_argument("--no-xla-cost", action="store_true",
                              help="skip XLA's cost analysis (a CPU lowering per bucket)")
     compile_cmd.add_argument("--json", default=None, help="also write the report to this file (default: none)")

@@ -11,8 +11,10 @@ with the reference attention (deviceless GPU compiles return no cost analysis; s
 docs/benchmarks.md), and the analytic roofline of `jaxserve.roofline`, which the predicted times use.
 """
 
+import dataclasses
 import json
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -21,12 +23,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.device import DeviceFacts, deviceless_device, local_facts, target_facts
+from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
 from jaxserve.models.loader import build_abstract_model, load_hf_config, resolve_dtype, resolve_model
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
+from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
@@ -66,6 +71,7 @@ class BucketResult:
     bytes: float
     predicted_seconds: float | None
     bound: str | None  # "compute" or "memory"
+    collectives: dict[str, int]  # cross-device ops in the compiled step (tensor parallelism), by kind
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,8 @@ class CompileReport:
     max_num_seqs: int
     context_len: int  # the keys each request attends in the predictions
     jobs: int
-    weights_bytes: int
+    tensor_parallel_size: int  # devices the step is split over; memory figures are one device's
+    weights_bytes: int  # one device's share
     state_bytes: int
     max_temp_bytes: int
     gpu_memory_utilization: float
@@ -108,19 +115,29 @@ def compile_ladder(
     jobs: int = 1,
     xla_cost: bool = True,
     buckets: list[Bucket] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
     For a named target the process's jax platform must be the CPU (`jaxserve.device.use_cpu_platform`).
+    With `tensor_parallel_size` N > 1 the step is compiled split over N devices (N GPUs of one node for a
+    target, deviceless), memory figures are per device, and neither XLA's CPU cost analysis nor the
+    roofline (which would ignore the collectives) is reported.
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization)
-    device = deviceless_device(target) if target else jax.devices()[0]
+    tp = tensor_parallel_size
+    devices = deviceless_devices(target, tp) if target else jax.devices()[:tp]
+    if len(devices) < tp:
+        raise ValueError(f"--tensor-parallel-size {tp} needs {tp} local devices; this process sees {len(devices)}")
+    device, mesh = devices[0], Mesh(np.asarray(devices), (TP_AXIS,)) if tp > 1 else None
     facts: DeviceFacts = target_facts(target) if target else local_facts(device)
     jax_dtype = resolve_dtype(dtype, facts.platform)
-    attention = resolve_attention(attention_impl, facts)
+    attention = dataclasses.replace(resolve_attention(attention_impl, facts), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention)
+    state = abstract.placed_state() if mesh is not None else abstract.state
+    xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
     max_len = min(max_model_len or config.model.max_model_len or cfg.max_position_embeddings,
                   cfg.max_position_embeddings)
@@ -129,10 +146,10 @@ def compile_ladder(
                           sched.max_num_batched_tokens, sched.max_num_seqs)
     todo = buckets or ladder.all_buckets()
     itemsize = jnp.dtype(jax_dtype).itemsize
-    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize)
+    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
-    step = make_step_fn(abstract.graphdef, config.model.max_logprobs)
-    weights_bytes = abstract.weights_bytes
+    step = make_step_fn(abstract.graphdef, config.model.max_logprobs, mesh)
+    weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:
@@ -144,7 +161,7 @@ def compile_ladder(
     if facts.memory_bytes:
         provisional = shapes_for(max_pages_per_req + 1)
         peak_temp = max(
-            compile_bucket(step, abstract.state, provisional, b, device).temp_bytes for b in largest_buckets(todo)
+            compile_bucket(step, state, provisional, b, device, mesh).temp_bytes for b in largest_buckets(todo)
         )
         budget = KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
                           state_bytes, peak_temp, page_bytes)
@@ -158,12 +175,12 @@ def compile_ladder(
     if xla_cost:
         reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
         reference_step = (make_step_fn(reference.graphdef, config.model.max_logprobs), reference.state)
-    roofline_shape = model_shape(weights_bytes // itemsize, cfg)  # every parameter is in the model dtype
+    roofline_shape = model_shape(abstract.weights_bytes // itemsize, cfg)  # every parameter is in the model dtype
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
     def one(bucket: Bucket) -> BucketResult:
-        compiled = compile_bucket(step, abstract.state, shapes, bucket, device)
+        compiled = compile_bucket(step, state, shapes, bucket, device, mesh)
         xla_flops = xla_bytes = None
         if reference_step is not None:
             ref_step, ref_state = reference_step
@@ -173,6 +190,8 @@ def compile_ladder(
                 xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
         predicted = step_cost(roofline_shape, bucket.num_tokens, bucket.num_reqs, context, itemsize,
                               peak, facts.memory_bandwidth)
+        if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
+            predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)
         logger.info("compiled %s in %.1fs", bucket, compiled.compile_seconds)
         return BucketResult(
             num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs, decode_only=bucket.decode_only,
@@ -180,6 +199,7 @@ def compile_ladder(
             output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
             xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
             predicted_seconds=predicted.seconds, bound=predicted.bound,
+            collectives=count_collectives(compiled.compiled.as_text()) if mesh is not None else {},
         )
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -187,7 +207,7 @@ def compile_ladder(
     return CompileReport(
         model=name, device=facts.name, target=target, dtype=jnp.dtype(jax_dtype).name, attention=attention.impl,
         page_size=cache.page_size, max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
-        jobs=jobs, weights_bytes=weights_bytes, state_bytes=state_bytes,
+        jobs=jobs, tensor_parallel_size=tp, weights_bytes=weights_bytes, state_bytes=state_bytes,
         max_temp_bytes=max(r.temp_bytes for r in results),
         gpu_memory_utilization=config.cache.gpu_memory_utilization,
         device_memory_bytes=facts.memory_bytes,
@@ -196,6 +216,19 @@ def compile_ladder(
         wall_seconds=round(time.perf_counter() - wall_start, 2),
         buckets=results,
     )
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Cross-device ops in compiled HLO text, by kind (async pairs counted once, by their start)."""
+    counts = {}
+    for kind in _COLLECTIVES:
+        found = len(re.findall(rf"\s{kind}(?:-start)?\(", hlo_text))
+        if found:
+            counts[kind] = found
+    return counts
 
 
 def format_report(report: CompileReport) -> str:
@@ -208,8 +241,10 @@ def format_report(report: CompileReport) -> str:
     header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'compile s':>9} {'arg MiB':>8} {'out MiB':>8} "
               f"{'temp MiB':>8} {'XLA GFLOP':>9} {'XLA GB':>7} {'GFLOP':>8} {'GB':>6} {'pred ms':>8} "
               f"{'tok/s':>9} bound")
+    split = (f" x{report.tensor_parallel_size} (tensor parallel, memory per device)"
+             if report.tensor_parallel_size > 1 else "")
     lines = [
-        f"{report.model} on {report.device} ({report.target or 'local device'}), {report.dtype}, "
+        f"{report.model} on {report.device}{split} ({report.target or 'local device'}), {report.dtype}, "
         f"attention {report.attention}, max_model_len {report.max_model_len}, "
         f"roofline at {report.context_len} keys per request",
         header,
@@ -224,6 +259,10 @@ def format_report(report: CompileReport) -> str:
             f"{num(r.flops, 1e9):>8} {num(r.bytes, 1e9, 2):>6} {num(r.predicted_seconds, 1e-3, 3):>8} "
             f"{'-' if tok_s is None else f'{tok_s:,.0f}':>9} {r.bound or '-'}"
         )
+    if report.tensor_parallel_size > 1:
+        lines.append("collectives per step: " + "; ".join(
+            f"{r.num_tokens}x{r.num_reqs}{' decode' if r.decode_only else ''}: "
+            + ", ".join(f"{n} {kind}" for kind, n in r.collectives.items()) for r in report.buckets))
     lines.append("")
     lines.append(f"{len(report.buckets)} buckets compiled in {report.compile_seconds:.1f}s of compile time "
                  f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")

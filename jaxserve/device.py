@@ -108,12 +108,17 @@ def deviceless_device(target: str) -> Any:
     The process's own platform must be the CPU (set before jax starts a backend), or the CUDA plugin
     looks for a driver; `use_cpu_platform()` does that.
     """
+    return deviceless_devices(target, 1)[0]
+
+
+def deviceless_devices(target: str, count: int) -> list[Any]:
+    """`count` devices of the target's kind in one host (an 8-GPU H100 node for count 8), deviceless."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
-        platform="cuda", topology="1x1x1", target_config=target_spec_text(target)
+        platform="cuda", topology=f"1x1x{count}", target_config=target_spec_text(target)
     )
-    return topology.devices[0]
+    return list(topology.devices)
 
 
 def use_cpu_platform() -> None:

@@ -162,10 +162,23 @@ class AbstractModel:
             return None
         return param_sharding(self.mesh, shape, self.split_rule(path))
 
-    def state_shardings(self) -> Any:
-        """The state's tree with each leaf's sharding (None leaves without a mesh)."""
-        flat = {path: self.sharding(path, leaf.shape) for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
-        return _unflatten(flat)
+    def placed_state(self) -> nnx.State:
+        """The abstract state with each leaf's sharding over the mesh (what a compile for it needs)."""
+        flat = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding(path, leaf.shape))
+                for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
+        state = jax.tree.map(lambda x: x, self.state)  # a copy to fill
+        nnx.replace_by_pure_dict(state, _unflatten(flat))
+        return state
+
+    @property
+    def weights_bytes_per_device(self) -> int:
+        """One device's share of the weights: its shards, and every replicated parameter whole."""
+        total = 0
+        for path, leaf in _flatten(nnx.to_pure_dict(self.state)):
+            sharding = self.sharding(path, leaf.shape)
+            shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+            total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        return total
 
 
 def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig) -> AbstractModel:

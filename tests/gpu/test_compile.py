@@ -148,3 +148,31 @@ def test_the_roofline_counts_agree_with_xla_cost_analysis():
             jax.ShapeDtypeStruct((t, dim), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32),
             jax.ShapeDtypeStruct((vocab, dim), jnp.float32)).lower().cost_analysis()["flops"]
         assert bucket.xla_flops - branch == pytest.approx(bucket.flops, rel=0.1)
+
+
+@pytest.mark.slow
+def test_llama_3_8b_compiles_split_over_an_8_gpu_h100_node():
+    """Tensor parallelism for real GPUs: the step split over 8 deviceless H100s (one node's topology),
+    Pallas kernels per shard under shard_map, XLA's all-reduces after the output and down projections."""
+    buckets = [Bucket(1, 1, decode_only=True)]
+    report = compile_ladder("llama-3-8b", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=buckets, tensor_parallel_size=8)
+    assert report.tensor_parallel_size == 8 and report.attention == "pallas"
+    # Per device: an eighth of every split matrix; the norms (65 x 4096 values) are replicated.
+    assert report.weights_bytes == (8_030_261_248 - 65 * 4096) * 2 // 8 + 65 * 4096 * 2
+    (bucket,) = report.buckets
+    assert bucket.collectives["all-reduce"] >= 2 * 32  # attention and MLP outputs in each of 32 layers
+    assert bucket.predicted_seconds is None  # a roofline per device would ignore those all-reduces
+    # One device holds 1 of the 8 KV heads of every page: the pages fit where a single GPU's could not.
+    assert report.kv_budget.bytes_per_page == 32 * 2 * 16 * 128 * 2
+    assert report.num_kv_pages > 256 * 8192 // 16
+
+
+@pytest.mark.slow
+def test_smollm2_with_padded_heads_compiles_split_over_two_h100s():
+    """SmolLM2's 9 query / 3 KV heads become 12 / 6 to split in two: the kernels compile for that layout."""
+    buckets = [Bucket(16, 16, decode_only=True), Bucket(128, 4)]
+    report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=buckets, tensor_parallel_size=2)
+    assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
+    assert all(b.collectives.get("all-reduce", 0) >= 2 * 30 for b in report.buckets)
