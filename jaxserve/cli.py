@@ -300,6 +300,16 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     sys.exit(run_server(_engine_config(args, background_warmup=args.warmup == "background"), server_config))
 
 
+def _cmd_convert(args: argparse.Namespace) -> None:
+    from jaxserve.models.checkpoint import save_checkpoint
+    from jaxserve.models.loader import load_model, metadata_dir
+
+    model = load_model(args.model, args.dtype, revision=args.revision)
+    out = save_checkpoint(model, metadata_dir(model.source), Path(args.output_dir))
+    print(f"wrote {model.name} ({model.dtype.__name__}) as an orbax checkpoint to {out}; "
+          f"serve it with: jaxserve serve --model {out}")
+
+
 def _cmd_compile(args: argparse.Namespace) -> None:
     if args.target != "local":
         from jaxserve.device import use_cpu_platform
@@ -544,6 +554,22 @@ def build_parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                              help="(default: warning)")
     compile_cmd.set_defaults(func=_cmd_compile)
+
+    convert = commands.add_parser(
+        "convert", help="write a model's converted weights, config and tokenizer as an orbax checkpoint",
+        description="Load MODEL (anything serve --model takes), convert it to jaxserve's Flax layout in "
+                    "--dtype, and write it to OUTPUT_DIR as an orbax checkpoint beside its config and "
+                    "tokenizer; serve --model OUTPUT_DIR then restores each array straight onto its devices.",
+    )
+    convert.add_argument("model", nargs="?", default=None,
+                         help="hub id, local HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    convert.add_argument("output_dir", help="where to write the checkpoint (new or empty)")
+    convert.add_argument("--dtype", default="auto", choices=DTYPES,
+                         help="the weights' dtype: auto is float32 on CPU, bfloat16 on GPUs")
+    convert.add_argument("--revision", default=None, help="hub revision (default: the latest)")
+    convert.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                         help="jaxserve's log level (default: info)")
+    convert.set_defaults(func=_cmd_convert, default_log_level="info")
     return parser
 
 

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from transformers import AutoConfig, GenerationConfig
 
 from jaxserve.models import ModelSpec, get_model_spec
+from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
@@ -248,10 +249,34 @@ def load_model(
     jax_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(metadata)
 
-    # Build without touching weights, then fill the abstract state tensor by tensor.
+    # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention)
-    spec, cfg, graphdef, abstract_state = abstract.spec, abstract.cfg, abstract.graphdef, abstract.state
-    expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract_state))}
+    if is_checkpoint(source.directory):
+        loaded = restore_weights(source.directory, abstract, jax_dtype)
+    else:
+        loaded = _unflatten(_load_tensors(source, abstract, jax_dtype))
+
+    state = abstract.state
+    nnx.replace_by_pure_dict(state, loaded)
+    return LoadedModel(
+        name=source.name,
+        source=source,
+        hf_config=hf_config,
+        cfg=abstract.cfg,
+        spec=abstract.spec,
+        graphdef=abstract.graphdef,
+        state=state,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
+        max_position_embeddings=abstract.cfg.max_position_embeddings,
+        dtype=jax_dtype,
+    )
+
+
+def _load_tensors(source: ModelSource, abstract: AbstractModel, jax_dtype: Any) -> dict[tuple, jax.Array]:
+    """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices."""
+    spec, cfg, mesh = abstract.spec, abstract.checkpoint_cfg, abstract.mesh  # the checkpoint's own heads
+    expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract.state))}
     if source.gguf_file:
         tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
     else:
@@ -259,13 +284,13 @@ def load_model(
     loaded: dict[tuple, jax.Array] = {}
     start = time.perf_counter()
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
-        mapped = spec.module.map_hf_weight(name, abstract.checkpoint_cfg)
+        mapped = spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue
         path, transform = mapped
         if path not in expected:
             raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {path}")
-        value = abstract.lay_out(path, transform(tensor, abstract.checkpoint_cfg))
+        value = abstract.lay_out(path, transform(tensor, cfg))
         if tuple(value.shape) != tuple(expected[path].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {expected[path].shape}")
         if mesh is None:
@@ -276,22 +301,7 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
     logger.info("weights: %d tensors loaded in %.1fs", len(loaded), time.perf_counter() - start)
-
-    state = abstract_state
-    nnx.replace_by_pure_dict(state, _unflatten(loaded))
-    return LoadedModel(
-        name=source.name,
-        source=source,
-        hf_config=hf_config,
-        cfg=cfg,
-        spec=spec,
-        graphdef=graphdef,
-        state=state,
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
-        max_position_embeddings=cfg.max_position_embeddings,
-        dtype=jax_dtype,
-    )
+    return loaded
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:

@@ -36,6 +36,7 @@ def _worker(spec_json: str) -> None:
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[1, 4], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="")
         runner = llm.engine.runner
+        q_proj = _first_attention_weight(runner.model.state)
         placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
         with count_compilations() as compiles:
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -44,6 +45,7 @@ def _worker(spec_json: str) -> None:
             "compiles_after_warmup": len(compiles),
             "kv_devices": sorted(placed),
             "kv_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
+            "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
         }
@@ -51,8 +53,20 @@ def _worker(spec_json: str) -> None:
         llm.engine.shutdown()
 
 
-def run_tp(model: str | None, tp_sizes=(1, 2, 4), max_tokens: int = 12, attention_impl: str = "reference") -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}"}
+def _first_attention_weight(state):
+    from flax import nnx
+
+    pure = nnx.to_pure_dict(state)
+    layers = pure.get("layers") or pure["h"]
+    layer = layers[0]
+    return layer["self_attn"]["q_proj"] if "self_attn" in layer else layer["qkv"]
+
+
+def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
+           attention_impl: str = "reference") -> dict:
+    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads)."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}",
+           "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl))
     code = f"from tests.engine.test_tensor_parallel import _worker; _worker({spec!r})"
@@ -101,14 +115,14 @@ def test_head_layout_replicates_kv_heads_and_pads_query_heads():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind):
-    results = run_tp(str(tiny_model_dir(kind)))
+def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind, tmp_path):
+    results = run_tp(str(tiny_model_dir(kind)), tmp_path)
     assert results[4]["kv_shard_shape"][0] == 1  # llama: 2 KV heads replicated to 4, one per device
     assert_same_as_tp1(results)
 
 
 @pytest.mark.slow
-def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4():
-    results = run_tp(None, max_tokens=16)
+def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4(tmp_path):
+    results = run_tp(None, tmp_path, max_tokens=16)
     assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
     assert_same_as_tp1(results, atol=1e-3)
