@@ -22,6 +22,7 @@ from jaxserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     ServerConfig,
     platform_preset,
     preset_names,
@@ -295,9 +296,20 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from jaxserve.models.loader import resolve_model
 
     resolve_model(args.model)  # before binding the port: a wrong --model ends here, in one line
+    hosts = dict(num_processes=args.num_processes, process_id=args.process_id,
+                 coordinator_address=args.coordinator_address)
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
+    if parallel.multihost:
+        from jaxserve.runner import multihost
+
+        multihost.initialize(parallel)  # before anything starts a jax backend
+        if not parallel.is_leader:  # no HTTP here: replay process 0's steps until it stops
+            multihost.run_follower(_engine_config(args, **hosts))
+            return
     from jaxserve.api.server import run_server
 
-    sys.exit(run_server(_engine_config(args, background_warmup=args.warmup == "background"), server_config))
+    background = args.warmup == "background"
+    sys.exit(run_server(_engine_config(args, background_warmup=background, **hosts), server_config))
 
 
 def _cmd_convert(args: argparse.Namespace) -> None:
@@ -442,6 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--warmup", choices=["full", "background"], default="full",
                        help="background: ready once the largest bucket (which holds any step) is compiled, the "
                             "others compiling while it serves; full: ready once every bucket is compiled")
+    hosts = serve.add_argument_group("multi-host (one model over the devices of several processes)")
+    hosts.add_argument("--num-processes", type=int, default=1,
+                       help="processes in the jax.distributed job; --tensor-parallel-size counts all their devices")
+    hosts.add_argument("--process-id", type=int, default=0,
+                       help="this process's rank: 0 serves HTTP and schedules, the others replay its steps")
+    hosts.add_argument("--coordinator-address", default=None,
+                       help="HOST:PORT of process 0's jax.distributed coordinator; process 0 also listens on "
+                            "PORT+1 for the others (default: none, one process)")
     serve.set_defaults(func=_cmd_serve, default_log_level="info")
 
     gen = commands.add_parser("generate", help="generate a reply to one prompt and print it",

@@ -82,11 +82,35 @@ class BucketConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over
+    tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (all processes')
+    num_processes: int = 1  # jax.distributed processes (hosts); process 0 serves, the others follow
+    process_id: int = 0
+    coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs a coordinator_address HOST:PORT")
+        if self.num_processes > 1 and self.tensor_parallel_size % self.num_processes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"num_processes ({self.num_processes}): each process brings its devices")
+
+    @property
+    def multihost(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def channel_address(self) -> tuple[str, int]:
+        """Where process 0 sends device work to the others: the coordinator's host, its port + 1."""
+        host, port = str(self.coordinator_address).rsplit(":", 1)
+        return host, int(port) + 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,9 @@ class EngineConfig:
     background_warmup: bool = False
 
     def __post_init__(self) -> None:
+        if self.parallel.multihost and self.background_warmup:
+            raise ValueError("a multi-host engine warms up fully: every process must run the same buckets in "
+                             "the same order")
         if self.buckets.request_buckets[-1] < self.scheduler.max_num_seqs:
             raise ValueError(
                 f"the largest request bucket ({self.buckets.request_buckets[-1]}) must cover "

@@ -21,6 +21,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner import multihost
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import ModelRunner
@@ -71,6 +72,8 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
+        if config.parallel.multihost:
+            multihost.initialize(config.parallel)  # before the first jax backend call
         enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
         if model is None:
@@ -107,10 +110,14 @@ class LLMEngine:
             kv_capacity_tokens=self.kv_cache.num_usable_pages * self.kv_cache.page_size,
         )
         self.warmup_seconds = self.runner.warmup(background=config.background_warmup) if warmup else 0.0
+        if config.parallel.multihost and config.parallel.is_leader:  # every process has warmed up alike
+            self.runner.leader = multihost.Leader(config.parallel)
 
     def shutdown(self) -> None:
-        """Stops what runs besides steps (a background warm-up's compiles)."""
+        """Stops what runs besides steps (a background warm-up's compiles; multi-host followers)."""
         self.runner.stop_warmup()
+        if self.runner.leader is not None:
+            self.runner.leader.stop()
 
     @property
     def vocab_size(self) -> int:

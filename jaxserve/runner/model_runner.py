@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -34,6 +35,7 @@ from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
 from jaxserve.runner.batch import StepBatch, build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
+from jaxserve.runner.multihost import Leader, LoadSeenTokens, Step
 from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, load_row, seen_tokens, update_tables
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
@@ -65,6 +67,11 @@ def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int, mesh: Mesh | Non
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
 
 
+def to_host(tree: Any) -> Any:
+    """Device arrays to numpy; a replicated array spanning other processes is read from a local copy."""
+    return jax.tree.map(lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,6 +88,7 @@ class ModelRunner:
         self._stop_compiling = threading.Event()
         self._background: threading.Thread | None = None
         self.last_step: ExecutedStep | None = None  # for benchmarks: the bucket the last step ran in
+        self.leader: Leader | None = None  # multi-host: set after warm-up, sends device work to followers
         self.ladder = ladder
         self.page_size = cache_config.page_size
         self.max_pages_per_req = -(-max_model_len // self.page_size)
@@ -102,7 +110,7 @@ class ModelRunner:
         self.penalty_slots = PenaltySlots(max_num_seqs)
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
-            self.penalty_tables = jax.device_put(self.penalty_tables, replicated(self.mesh))
+            self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))
         self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
@@ -159,7 +167,7 @@ class ModelRunner:
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
         batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
-        out, prompt = self._run(batch, bucket)
+        out, prompt = self.run_step(batch, bucket)
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
@@ -183,7 +191,7 @@ class ModelRunner:
         wanted = batch.prompt_logprob_targets < self.model.cfg.vocab_size  # bool[T], host numpy
         if not wanted.any():
             return None
-        prompt = jax.device_get(prompt)
+        prompt = to_host(prompt)
         cu_q_lens = batch.attention.cu_q_lens
         result: list[tuple[int, list[dict[int, Logprob]]] | None] = [None] * len(scheduled)
         for row, item in enumerate(scheduled):
@@ -215,21 +223,26 @@ class ModelRunner:
                 slots.append(slot)
             else:  # starts after a prefix-cache hit: the row counts the cached tokens as if they ran
                 slot = self.penalty_slots.acquire(request.request_id)
-                self._load_seen_tokens(slot, request.token_ids(0, item.start_position), request.num_prompt_tokens)
+                self.load_seen_tokens(slot, request.token_ids(0, item.start_position), request.num_prompt_tokens)
                 slots.append(slot)
         return slots
 
-    def _load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+    def load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        if self.leader is not None:
+            self.leader.send(LoadSeenTokens(slot, token_ids, num_prompt_tokens))
         prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
-    def _run(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
-        """Runs the step; the sampler's output comes back to the host, prompt logprobs stay on the device."""
+    def run_step(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
+        """Runs the step; the sampler's output comes back to the host, prompt logprobs stay on the device.
+        A multi-host leader first sends the step to its followers, which run the same."""
+        if self.leader is not None:
+            self.leader.send(Step(bucket, batch))
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
         self.kv_caches, self.penalty_tables, out, prompt = step(
             self.model.state, self.kv_caches, self.penalty_tables, batch)
-        return jax.device_get(out), prompt
+        return to_host(out), prompt
 
     def _runnable_bucket(self, wanted: Bucket) -> Bucket:
         """`wanted` once it is compiled; until then (a background warm-up) the smallest compiled bucket
@@ -252,14 +265,14 @@ class ModelRunner:
         run's extra cost on first use.
         """
         start = time.perf_counter()
-        self._load_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
+        self.load_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
         buckets: list[Bucket] = self.ladder.all_buckets()
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
         self._compile(first, show_progress)
         empty = SchedulerOutput(scheduled=(), preempted_ids=())
         for bucket in first:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay it here
-            self._run(build_step_batch(empty, bucket, self.layout, []), bucket)
+            self.run_step(build_step_batch(empty, bucket, self.layout, []), bucket)
         ready = time.perf_counter() - start
         if not rest:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
