@@ -8,6 +8,7 @@ the server's own log gives the split (loading, KV allocation, warm-up).
 
     python benchmarks/startup.py --config default --json docs/startup.json
     python benchmarks/startup.py --config cpu --runs 2
+    python benchmarks/startup.py --config cpu -- --model CONVERTED_DIR   # weights from `jaxserve convert`
 """
 
 import argparse
@@ -22,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 _PHASES = {
-    "load_s": re.compile(r"weights: \d+ tensors loaded in ([\d.]+)s"),
+    "load_s": re.compile(r"weights: (?:\d+ tensors loaded|restored from the orbax checkpoint) in ([\d.]+)s"),
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),

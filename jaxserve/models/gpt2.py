@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.layers import AttentionMetadata, KVCache, LayerNorm, paged_attention, param
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    KVCache,
+    LayerNorm,
+    embedding_lookup,
+    paged_attention,
+    param,
+)
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -97,7 +104,7 @@ class GPT2LMHeadModel(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = self.wte[...][input_ids] + self.wpe[...][positions]
+        x = embedding_lookup(self.wte[...], input_ids, self.cfg.attention.mesh) + self.wpe[...][positions]
         new_caches = []
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             x, kv_cache = block(x, kv_cache, md)

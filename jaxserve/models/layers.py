@@ -97,6 +97,28 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
+def embedding_lookup(
+    table: jax.Array,  # [V, D], split by vocabulary rows over the mesh's devices when it has one
+    ids: jax.Array,  # i32[T]
+    mesh: Any = None,
+) -> jax.Array:  # [T, D]
+    """Rows of an embedding table. With a mesh, each device looks up the ids in its own vocabulary range
+    and one all-reduce adds the rows up (Megatron's vocab-parallel embedding); left to sharding
+    propagation, XLA all-gathers the whole table in some buckets (1 GiB a step for Llama-3-8B)."""
+    if mesh is None or table.shape[0] % mesh.size:
+        return table[ids]
+
+    def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
+        first = jax.lax.axis_index(TP_AXIS) * rows.shape[0]
+        local_ids = ids - first
+        mine = (local_ids >= 0) & (local_ids < rows.shape[0])
+        found = rows[jnp.clip(local_ids, 0, rows.shape[0] - 1)]
+        return jax.lax.psum(jnp.where(mine[:, None], found, jnp.zeros_like(found)), TP_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(TP_AXIS, None), PartitionSpec()),
+                         out_specs=PartitionSpec(), check_vma=False)(table, ids)
+
+
 def paged_attention(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H]

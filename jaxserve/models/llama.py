@@ -19,6 +19,7 @@ from jaxserve.models.layers import (
     KVCache,
     RMSNorm,
     apply_rope,
+    embedding_lookup,
     paged_attention,
     param,
     rope_inv_freq,
@@ -140,7 +141,7 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = self.embed_tokens[...][input_ids]
+        x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)
