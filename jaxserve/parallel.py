@@ -35,6 +35,9 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
     if tensor_parallel_size == 1:
         return None
     devices = jax.devices()
+    if jax.process_count() > 1 and tensor_parallel_size != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes, --tensor-parallel-size must count every "
+                         f"process's devices ({len(devices)}), got {tensor_parallel_size}")
     if len(devices) < tensor_parallel_size:
         hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size} makes "
                 "that many CPU devices" if devices[0].platform == "cpu" else "")
