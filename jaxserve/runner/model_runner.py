@@ -7,6 +7,9 @@ for every bucket at warm-up, a few buckets at once on worker threads; steps run 
 A background warm-up (the server's default) makes the runner ready after one bucket and compiles the
 rest on a thread; the engine thread only reads the table of compiled buckets, under a lock.
 Results leave the device once per step.
+With a tensor-parallel mesh (`jaxserve.parallel`) the weights, KV pages and step are split over its
+devices; in a multi-host job the leader's runner sends each piece of device work to the other processes
+(`jaxserve.runner.multihost`) before running it, and their runners replay it.
 """
 
 import logging
@@ -68,8 +71,11 @@ def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int, mesh: Mesh | Non
 
 
 def to_host(tree: Any) -> Any:
-    """Device arrays to numpy; a replicated array spanning other processes is read from a local copy."""
-    return jax.tree.map(lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
+    """Device arrays to numpy (transfers started together); a replicated array that spans other processes'
+    devices (multi-host) is read from this process's copy."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
 class ModelRunner:
