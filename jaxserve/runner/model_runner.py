@@ -4,7 +4,7 @@ The step is one pure function,
 `step(state, kv_caches, penalty_tables, batch) -> (kv_caches, penalty_tables, SamplerOutput)`,
 jitted once with the KV pages and penalty tables donated (updated in place) and compiled ahead of time
 for every bucket at warm-up, a few buckets at once on worker threads; steps run those executables.
-A background warm-up (the server's default) makes the runner ready after one bucket and compiles the
+A background warm-up (`serve --warmup background`) makes the runner ready after one bucket and compiles the
 rest on a thread; the engine thread only reads the table of compiled buckets, under a lock.
 Results leave the device once per step.
 With a tensor-parallel mesh (`jaxserve.parallel`) the weights, KV pages and step are split over its
