@@ -1,0 +1,123 @@
+"""Host time per engine step: everything but the device, at 64 and 256 running sequences.
+
+A GPU runs GPT-2's decode step in a few milliseconds, so the host's share of a step (scheduling,
+building the batch, dispatching the executable, reading the tokens back, detokenizing) decides GPU
+throughput. This drives `LLMEngine.step()` with a tiny random Llama (2 layers, hidden 64, SmolLM2's
+tokenizer and 49,152-token vocabulary, so device time is small and vocabulary-sized host work shows) and
+splits each decode step's wall time, by timing the engine's own phases in place:
+
+- schedule: `Scheduler.schedule()`
+- build: `build_step_batch` (numpy inputs for the bucket, sampling rows, bitmasks)
+- dispatch: the compiled step called until it returns (flattening the arguments, launching)
+- device: waiting for the sampled tokens (`to_host`), the device's share
+- rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, detokenizing, outputs
+
+    python benchmarks/host_loop.py --seqs 64 256 --json docs/host-loop-cpu.json
+"""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def tiny_engine(max_num_seqs: int):
+    import jax
+    import jax.numpy as jnp
+    from transformers import LlamaConfig
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.models.gguf_cache import converted_dir
+    from jaxserve.models.loader import LoadedModel, ModelSource, build_abstract_model, bundled_model_path
+    from jaxserve.models.tokenizer import load_tokenizer
+    from jaxserve.ops.attention import AttentionConfig
+
+    hf_config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                            eos_token_id=2)
+    abstract = build_abstract_model(hf_config, jnp.float32, AttentionConfig("reference"))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape, np.float32) * 0.3), abstract.state)
+    gguf = bundled_model_path()
+    model = LoadedModel(
+        name="tiny", source=ModelSource(gguf.parent, None, "tiny"), hf_config=hf_config, cfg=abstract.cfg,
+        spec=abstract.spec, graphdef=abstract.graphdef, state=state,
+        tokenizer=load_tokenizer(converted_dir(gguf)), eos_token_ids=(2,), max_position_embeddings=512,
+        dtype=jnp.float32)
+    config = EngineConfig.from_preset(
+        None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512, token_buckets=[512],
+        request_buckets=[max_num_seqs], num_kv_pages=max_num_seqs * 8 + 8, compilation_cache_dir="",
+        enable_prefix_caching=False)
+    return LLMEngine(config, model=model)
+
+
+def measure(num_seqs: int, decode_steps: int) -> dict:
+    from jaxserve import SamplingParams
+    from jaxserve.runner import model_runner
+
+    engine = tiny_engine(num_seqs)
+    runner = engine.runner
+    phases: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] += time.perf_counter() - start
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    model_runner.build_step_batch = timed("build", model_runner.build_step_batch)
+    model_runner.to_host = timed("device", model_runner.to_host)
+    runner._compiled = {bucket: timed("dispatch", compiled) for bucket, compiled in runner._compiled.items()}
+
+    params = SamplingParams(max_tokens=decode_steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(str(i), list(range(100 + i, 116 + i)), params)  # 16-token prompts
+    for _ in range(1000):  # through the prefills, to the first step that decodes every sequence
+        engine.step()
+        last = runner.last_step
+        if last is not None and last.bucket.decode_only and last.num_reqs == num_seqs:
+            break
+    rows = []
+    for _ in range(decode_steps):
+        phases.clear()
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start
+        assert runner.last_step.bucket.decode_only and runner.last_step.num_reqs == num_seqs
+        known = sum(phases.values())
+        rows.append({**{k: v * 1e3 for k, v in phases.items()}, "rest": (total - known) * 1e3,
+                     "total": total * 1e3})
+    median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
+    median["host"] = median["total"] - median.get("device", 0.0)
+    engine.shutdown()
+    return {"seqs": num_seqs, "decode_steps": decode_steps, "median_ms": {k: round(v, 3) for k, v in median.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=50, help="decode steps measured per level")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = [measure(n, args.steps) for n in args.seqs]
+    keys = ["schedule", "build", "dispatch", "device", "rest", "host", "total"]
+    print("| running seqs | " + " | ".join(f"{k} ms" for k in keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for result in results:
+        m = result["median_ms"]
+        print(f"| {result['seqs']} | " + " | ".join(f"{m.get(k, 0.0):.2f}" for k in keys) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
