@@ -78,7 +78,7 @@ def measure(num_seqs: int, decode_steps: int) -> dict:
     model_runner.to_host = timed("device", model_runner.to_host)
     runner._compiled = {bucket: timed("dispatch", compiled) for bucket, compiled in runner._compiled.items()}
 
-    params = SamplingParams(max_tokens=decode_steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps + 16, temperature=0.0, ignore_eos=True)  # none ends early
     for i in range(num_seqs):
         engine.add_request(str(i), list(range(100 + i, 116 + i)), params)  # 16-token prompts
     for _ in range(1000):  # through the prefills, to the first step that decodes every sequence
@@ -92,7 +92,8 @@ def measure(num_seqs: int, decode_steps: int) -> dict:
         start = time.perf_counter()
         engine.step()
         total = time.perf_counter() - start
-        assert runner.last_step.bucket.decode_only and runner.last_step.num_reqs == num_seqs
+        last = runner.last_step
+        assert last.bucket.decode_only and last.num_reqs == num_seqs, (last, num_seqs)
         known = sum(phases.values())
         rows.append({**{k: v * 1e3 for k, v in phases.items()}, "rest": (total - known) * 1e3,
                      "total": total * 1e3})
