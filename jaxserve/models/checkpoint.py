@@ -74,8 +74,8 @@ def restore_weights(directory: Path, abstract: Any, dtype: Any) -> dict:
     direct = abstract.heads.is_identity
     pure = nnx.to_pure_dict(abstract.state)
     if direct:  # the stored shapes are the target's: each shard is read where it lives
-        target = _map_with_path(pure, lambda path, leaf: jax.ShapeDtypeStruct(
-            leaf.shape, dtype, sharding=abstract.sharding(path, leaf.shape) or one_device))
+        target = _map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
+            leaf.shape, dtype, sharding=abstract.sharding(path, leaf.shape) or one_device), pure)
     else:  # stored with the checkpoint's heads: read whole, then laid out
         checkpoint_state = nnx.state(nnx.eval_shape(lambda: abstract.spec.model_cls(abstract.checkpoint_cfg, dtype)))
         target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=one_device),
@@ -83,19 +83,14 @@ def restore_weights(directory: Path, abstract: Any, dtype: Any) -> dict:
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(directory / "weights", target)
     if not direct:
-        restored = _map_with_path(restored, lambda path, value: jax.device_put(
+        restored = _map_with_path(lambda path, value, leaf: jax.device_put(
             np.asarray(abstract.lay_out(path, np.asarray(value))).astype(dtype),
-            abstract.sharding(path, pure_leaf(pure, path).shape)))
+            abstract.sharding(path, leaf.shape)), restored, pure)
     logger.info("weights: restored from the orbax checkpoint in %.1fs", time.perf_counter() - start)
     return restored
 
 
-def pure_leaf(tree: dict, path: tuple) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _map_with_path(tree: dict, fn: Any, prefix: tuple = ()) -> dict:
-    return {key: _map_with_path(value, fn, (*prefix, key)) if isinstance(value, dict) else fn((*prefix, key), value)
-            for key, value in tree.items()}
+def _map_with_path(fn: Any, tree: dict, *rest: dict) -> dict:
+    """`jax.tree.map` over nested parameter dicts, `fn` also given the leaf's path of keys."""
+    return jax.tree_util.tree_map_with_path(
+        lambda keys, *leaves: fn(tuple(k.key for k in keys), *leaves), tree, *rest)

@@ -1,6 +1,5 @@
 """Pieces the model files share: parameters, norms, rotary embedding, paged attention metadata."""
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,30 +132,21 @@ def paged_attention(
     With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
     split by head, the pages by KV head, and the metadata whole.
     """
+    def attend(q, k, v, kv_cache, md):  # one device's heads and pages, or all of them
+        k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
+            sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=attention.impl, num_sms=attention.num_sms,
+            decode_only=md.decode_only,
+        )
+        return out, (k_pages, v_pages)
+
     if attention.mesh is None:
-        return _paged_attention_local(q, k, v, kv_cache, md, attention=attention)
+        return attend(q, k, v, kv_cache, md)
     heads, pages = PartitionSpec(None, TP_AXIS, None), PartitionSpec(TP_AXIS)
     per_shard = jax.shard_map(
-        functools.partial(_paged_attention_local, attention=attention), mesh=attention.mesh,
+        attend, mesh=attention.mesh,
         in_specs=(heads, heads, heads, (pages, pages), PartitionSpec()), out_specs=(heads, (pages, pages)),
         check_vma=False,  # the Pallas calls inside carry no varying-axis annotations
     )
     return per_shard(q, k, v, kv_cache, md)
-
-
-def _paged_attention_local(
-    q: jax.Array,  # [T, N, H]
-    k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
-    kv_cache: tuple[jax.Array, jax.Array],
-    md: AttentionMetadata,
-    *,
-    attention: AttentionConfig,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
-    out = ragged_paged_attention(
-        q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
-        sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=attention.impl, num_sms=attention.num_sms,
-        decode_only=md.decode_only,
-    )
-    return out, (k_pages, v_pages)
