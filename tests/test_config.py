@@ -61,3 +61,30 @@ def test_server_config_defaults_follow_vllm_and_bad_values_are_refused():
             ServerConfig(body_read_timeout=bad)
     with pytest.raises(ValueError, match="server_log_level"):
         ServerConfig(server_log_level="verbose")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+    (dict(tensor_parallel_size=-4), "tensor_parallel_size must be >= 1"),
+    (dict(num_processes=0), "process_id must be in"),
+    (dict(num_processes=2, process_id=2, coordinator_address="h:1", tensor_parallel_size=2), "process_id must be in"),
+    (dict(num_processes=2, process_id=-1, coordinator_address="h:1", tensor_parallel_size=2), "process_id must be in"),
+    (dict(num_processes=2, process_id=1, tensor_parallel_size=2), "needs a coordinator_address"),
+    (dict(num_processes=2, coordinator_address="h:1", tensor_parallel_size=3), "multiple of num_processes"),
+])
+def test_parallel_settings_out_of_range_are_refused(fields, match):
+    from jaxserve.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**fields)
+
+
+def test_a_multihost_engine_refuses_background_warmup():
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="warms up fully"):
+        EngineConfig.from_preset("cpu", num_processes=2, coordinator_address="127.0.0.1:1", tensor_parallel_size=2,
+                                 background_warmup=True)
+    channel = EngineConfig.from_preset("cpu", num_processes=2, coordinator_address="10.0.0.1:1234",
+                                       tensor_parallel_size=2).parallel.channel_address
+    assert channel == ("10.0.0.1", 1235)
