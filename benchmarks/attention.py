@@ -48,6 +48,9 @@ MIXES = {  # name -> (q_len per request, kv_len per request)
     "prefill 1x2048": ([2048], [2048]),
     "chunks 4x512 after 1536": ([512] * 4, [2048] * 4),
     "2x512 chunks + 62 decodes@2048": ([512, 512] + [1] * 62, [1024, 1024] + [2048] * 62),
+    # the CPU preset's chunks: a long prompt's last 128-token chunk; one chunk among 15 decodes
+    "chunk 128 at 8192": ([128], [8192]),
+    "chunk 113 + 15 decodes@512": ([113] + [1] * 15, [1024] + [512] * 15),
 }
 
 
@@ -128,8 +131,8 @@ def dense_attention_fn(inputs: PagedInputs, sm_scale: float) -> tuple[Callable, 
 
 
 def paged_fn(impl: str, decode: bool, sm_scale: float) -> Callable:
-    if impl == "reference":
-        return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, impl="reference"))
+    if impl in ("reference", "cpu"):
+        return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, impl=impl, decode_only=decode))
     interpret = impl == "interpret"
     if decode and impl in ("pallas", "interpret"):
         return jax.jit(lambda q, k, v, kv, pt, cu: paged_decode_attention_pallas(
@@ -194,7 +197,7 @@ def format_row(row: Row) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impls", nargs="+", default=["pallas", "pallas-ragged", "reference", "dense"],
-                        choices=["pallas", "pallas-ragged", "reference", "dense", "interpret"])
+                        choices=["pallas", "pallas-ragged", "reference", "cpu", "dense", "interpret"])
     parser.add_argument("--heads", default="llama-3-8b", choices=sorted(HEADS))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--page-size", type=int, default=16)

@@ -19,6 +19,7 @@ from jaxserve.models.layers import (
     KVCache,
     LayerNorm,
     embedding_lookup,
+    merge_heads,
     paged_attention,
     param,
 )
@@ -83,7 +84,7 @@ class Block(nnx.Module):
     def __call__(self, x, kv_cache, md: AttentionMetadata):
         qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv[...]) + self.qkv_bias[...][:, None]
         attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=self.attention)
-        x = x + jnp.einsum("TNH,NHD->TD", attn, self.attn_out[...]) + self.attn_out_bias[...]
+        x = x + merge_heads(attn, self.attn_out[...]) + self.attn_out_bias[...]
         hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc[...]) + self.fc_bias[...]
         hidden = jax.nn.gelu(hidden, approximate=True)
         return x + jnp.einsum("TF,FD->TD", hidden, self.proj[...]) + self.proj_bias[...], kv_cache

@@ -96,6 +96,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
+def project_heads(x: jax.Array, w: jax.Array) -> jax.Array:  # [T, D] x [D, N, H] -> [T, N, H]
+    """x times a per-head projection as one 2-D matmul: XLA:CPU runs it 3-6x faster than the 3-D einsum
+    (which it lowers to a slower dot) at one to 64 tokens. A free reshape; under tensor parallelism the
+    head axis stays the major, split part of the flattened axis."""
+    return (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[0], *w.shape[1:])
+
+
+def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:  # [T, N, H] x [N, H, D] -> [T, D]
+    """The output projection over all heads as one 2-D matmul (see `project_heads`)."""
+    return x.reshape(x.shape[0], -1) @ w.reshape(-1, w.shape[-1])
+
+
 def embedding_lookup(
     table: jax.Array,  # [V, D], split by vocabulary rows over the mesh's devices when it has one
     ids: jax.Array,  # i32[T]

@@ -20,8 +20,10 @@ from jaxserve.models.layers import (
     RMSNorm,
     apply_rope,
     embedding_lookup,
+    merge_heads,
     paged_attention,
     param,
+    project_heads,
     rope_inv_freq,
 )
 from jaxserve.ops.attention import AttentionConfig
@@ -89,15 +91,15 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
-        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
-        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
-        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        q = project_heads(x, self.q_proj[...])  # [T, N, H]
+        k = project_heads(x, self.k_proj[...])  # [T, K, H]
+        v = project_heads(x, self.v_proj[...])
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=self.cfg.attention)
-        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
+        return merge_heads(out, self.o_proj[...]), kv_cache
 
 
 class MLP(nnx.Module):

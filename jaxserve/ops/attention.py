@@ -1,9 +1,10 @@
 """The one attention entry point the models call; `impl` picks the implementation.
 
-- `reference`: the jnp path (`paged_attention_ref`), which serves on CPU and is the oracle for kernels.
+- `reference`: the plain jnp path (`paged_attention_ref`), the readable oracle for the others.
+- `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
-- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `reference` elsewhere.
+- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `cpu` elsewhere.
 
 The choice is made once, against the device the step is compiled for (`jaxserve.device.DeviceFacts`: the
 local one, or a GPU target when compiling without a GPU), and travels in the model config as an
@@ -18,9 +19,10 @@ import jax
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
 from jaxserve.ops import paged_attention_pallas
+from jaxserve.ops.paged_attention_cpu import ragged_paged_attention_cpu
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
-AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
+AttentionImpl = Literal["auto", "reference", "cpu", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
@@ -31,7 +33,7 @@ kv_cache_shape = paged_attention_pallas.kv_cache_shape
 class AttentionConfig:
     """A resolved attention choice (part of the model config, so of the compile key)."""
 
-    impl: str = "reference"  # reference | pallas | interpret, never auto
+    impl: str = "reference"  # reference | cpu | pallas | interpret, never auto
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
 
@@ -50,13 +52,13 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
     capability = (device or local_facts()).compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
-        return "pallas" if kernel_runs else "reference"
+        return "pallas" if kernel_runs else "cpu"
     if impl == "pallas" and not kernel_runs:
         found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
         raise ValueError(
             f"attention impl 'pallas' needs a CUDA GPU with compute capability >= "
-            f"{MIN_PALLAS_COMPUTE_CAPABILITY} ({found} here); use 'reference', or 'interpret' to run the "
-            "kernel slowly on CPU"
+            f"{MIN_PALLAS_COMPUTE_CAPABILITY} ({found} here); use 'cpu', or 'interpret' to run the kernel "
+            "slowly on CPU"
         )
     return impl
 
@@ -92,6 +94,10 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
+    if impl == "cpu":
+        return ragged_paged_attention_cpu(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, decode_only=decode_only
+        )
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
