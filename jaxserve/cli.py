@@ -108,7 +108,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"(default: {CacheConfig.gpu_memory_utilization})")
     group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
                        help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, "
-                       "the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)")
+                       "the cpu path on CPUs, the jnp reference elsewhere; interpret runs the kernel on CPU "
+                       "(slow, for tests)")
     group.add_argument("--max-logprobs", type=int, default=None,
                        help=f"the most top logprobs a request may ask for (default: {ModelConfig.max_logprobs})")
     group.add_argument("--seed", type=int, default=None,

@@ -97,7 +97,9 @@ async def run_level(
     ]
     limit = asyncio.Semaphore(concurrency)
     timeout = httpx.Timeout(None, connect=30.0)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # A connection per request: some servers (llama-server) drop idle kept-alive connections, and a request
+    # sent on one fails before reaching them. A local connect costs well under a millisecond.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def bounded(body: dict) -> RequestResult:

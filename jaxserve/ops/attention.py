@@ -4,7 +4,7 @@
 - `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
-- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `cpu` elsewhere.
+- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `cpu` on a CPU, `reference` elsewhere.
 
 The choice is made once, against the device the step is compiled for (`jaxserve.device.DeviceFacts`: the
 local one, or a GPU target when compiling without a GPU), and travels in the model config as an
@@ -49,10 +49,11 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
     if impl not in ("auto", "pallas"):
         return impl
-    capability = (device or local_facts()).compute_capability
+    device = device or local_facts()
+    capability = device.compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
-        return "pallas" if kernel_runs else "cpu"
+        return "pallas" if kernel_runs else "cpu" if device.platform == "cpu" else "reference"
     if impl == "pallas" and not kernel_runs:
         found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
         raise ValueError(

@@ -8,8 +8,9 @@ queries (times the GQA group) against it in one dot, so a chunk reads its contex
 the dots are [query_block * group, H] x [H, S] instead of matrix-vector products.
 
 A step of T tokens from R requests has at most ceil(T / query_block) + R items (each request adds at most
-one partial item), a static count, so the work list is computed inside the step from `cu_q_lens`.
-Decode-only steps (one token per request) are the same code with `query_block = 1`: one item per request.
+one partial item), a static count, so the work list is computed inside the step from `cu_q_lens`. The
+block size follows the bucket (`default_query_block`): large for a few long chunks, 1 when the step is
+mostly decodes. Decode-only steps (one token per request) use `query_block = 1`: one item per request.
 
 The loop over K/V blocks uses an online softmax and stops after the longest item's last visible key, so
 cost follows the live context, not `max_model_len`. Results agree with the reference to float32 rounding.
@@ -19,6 +20,19 @@ import jax
 import jax.numpy as jnp
 
 _MASK_VALUE = -1e30
+
+
+def default_query_block(num_tokens: int, num_reqs: int) -> int:
+    """Tokens per item for a bucket: the largest power of two up to T / (2R), or 1 below 4.
+
+    Larger items read the context fewer times (a lone 512-token chunk reads it twice, not 512 times),
+    but every item computes all its rows, and the R possible partial items can be mostly padding; with
+    R x block <= T / 2 the padded rows stay under half the real ones.
+    """
+    block = 1
+    while block * 2 * 2 * num_reqs <= num_tokens:
+        block *= 2
+    return block if block >= 4 else 1
 
 
 def num_work_items(num_tokens: int, num_reqs: int, query_block: int) -> int:
@@ -37,16 +51,21 @@ def ragged_paged_attention_cpu(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
-    query_block: int = 16,
+    query_block: int | None = None,
     pages_per_block: int = 8,
     decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ragged_paged_attention_reference`; `decode_only` promises token r is request r's
-    only query (so items are tokens)."""
+    only query (so items are tokens). `query_block`: tokens per item (default: `default_query_block`)."""
+    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_reqs, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
+    if query_block is None:
+        query_block = default_query_block(num_tokens, num_reqs)
     query_block = 1 if decode_only else min(query_block, num_tokens)
     pages_per_block = min(pages_per_block, max_pages)
     block_len = pages_per_block * page_size

@@ -1,5 +1,5 @@
-"""End to end: the engine with the Pallas kernels generates what the reference path does (the kernels run
-interpreted on CPU, compiled on a CUDA GPU)."""
+"""End to end: the engine with the Pallas kernels (interpreted on CPU, compiled on a CUDA GPU), and with
+the CPU path, generates what the reference path does."""
 
 import pytest
 
@@ -37,3 +37,18 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
     assert outputs[kernel_impl] == outputs["reference"]
     assert [len(outputs[kernel_impl][i]) for i in range(6)] == max_tokens
     assert traced["ragged"] > 0 and traced["decode"] > 0, "both kernels should have served steps"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_generation_with_the_cpu_path_equals_the_reference(kind, tiny_model_dir):
+    """The CPU path's work items (prefill chunks split into query blocks, mixed and decode-only steps)
+    generate exactly the reference path's tokens."""
+    prompts = make_prompts(6)
+    max_tokens = [9, 6, 12, 5, 8, 10]
+    arrivals = [0, 0, 1, 3, 6, 7]
+    outputs = {}
+    for impl in ("reference", "cpu"):
+        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
+        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
+    assert outputs["cpu"] == outputs["reference"]
+    assert [len(outputs["cpu"][i]) for i in range(6)] == max_tokens

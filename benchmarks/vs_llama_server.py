@@ -1,0 +1,162 @@
+"""jaxserve against llama.cpp's llama-server, side by side on this machine, alternating: the speed table.
+
+Both serve SmolLM2-135M-Instruct (jaxserve in float32 from the bundled GGUF, llama-server from the F16 GGUF
+that `../shared/peers/build_llama_server.sh` writes) and both are driven by the same client,
+`jaxserve bench serve` (streamed /v1/completions, random-token prompts, `ignore_eos`). Each round runs
+every concurrency level on both servers, the order swapped from round to round, with a fresh prompt seed
+per round (the same prompts for both servers within a round, never twice for one server). llama-server
+is restarted per level with `-np` equal to the concurrency (its slots); jaxserve runs one ladder for all
+levels. Then a long prompt (`--long-prompt` tokens, `max_tokens` 1) measures TTFT on both.
+
+    python benchmarks/vs_llama_server.py --concurrency 1 16 64 --rounds 2 --long-prompt 8000 \
+        --json docs/vs-llama-server-cpu.json
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import start_server, stop_server
+
+PEERS = Path.home() / "peers"
+# One ladder for every level: up to 64 sequences, 512-token prefill chunks.
+LADDER = {
+    "buckets": {"token_buckets": [32, 128, 512], "request_buckets": [1, 4, 16, 64]},
+    "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 512},
+    "cache": {"page_size": 16, "kv_cache_memory_gib": 2.0},
+}
+
+
+def start_llama_server(binary: Path, gguf: Path, port: int, slots: int, context: int) -> subprocess.Popen:
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+               "-c", str(context), "-t", "2", "-tb", "2", "-a", "m", "-cram", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError("llama-server exited")
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError("llama-server did not become ready")
+
+
+def bench(port: int, concurrency: int, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+    """One level of `jaxserve bench serve` against the server on `port`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}/v1",
+             "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", str(input_len),
+             "--output-len", str(output_len), "--seed", str(seed), "--json", out.name],
+            check=True, stdout=subprocess.DEVNULL)
+        (result,) = json.loads(Path(out.name).read_text())
+    if result["failed"]:
+        raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--long-prompt", type=int, default=8000, help="tokens of the TTFT prompt; 0 skips it")
+    parser.add_argument("--llama-server", type=Path, default=PEERS / "llama.cpp/build/bin/llama-server")
+    parser.add_argument("--gguf", type=Path, default=PEERS / "models/SmolLM2-135M-Instruct.F16.gguf")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    jax_port, llama_port = 8190, 8191
+    runs: dict[tuple[str, int], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ladder = Path(tmp) / "ladder.yaml"
+        ladder.write_text(yaml.safe_dump(LADDER))
+        max_len = max(args.long_prompt + 64, 1024)
+        jaxserve = start_server(str(ladder), jax_port, args.dtype, "--max-model-len", str(max_len))
+        try:
+            for round_index in range(args.rounds):
+                for concurrency in args.concurrency:
+                    num_prompts = max(2 * concurrency, 8)
+                    seed = 1000 * round_index + concurrency
+                    order = ["llama-server", "jaxserve"] if round_index % 2 == 0 else ["jaxserve", "llama-server"]
+                    for name in order:
+                        if name == "llama-server":
+                            context = concurrency * (args.input_len + args.output_len + 64)
+                            llama = start_llama_server(args.llama_server, args.gguf, llama_port, concurrency, context)
+                            try:
+                                result = bench(llama_port, concurrency, num_prompts, args.input_len,
+                                               args.output_len, seed)
+                            finally:
+                                llama.terminate()
+                                llama.wait(30)
+                        else:
+                            result = bench(jax_port, concurrency, num_prompts, args.input_len, args.output_len,
+                                           seed)
+                        runs.setdefault((name, concurrency), []).append(result)
+                        print(f"round {round_index + 1} c={concurrency} {name}: "
+                              f"{result['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
+                              f"{result['tpot_ms']['p50']:.1f} ms", flush=True)
+                if args.long_prompt:
+                    order = ["llama-server", "jaxserve"] if round_index % 2 == 0 else ["jaxserve", "llama-server"]
+                    for name in order:
+                        seed = 7 + round_index
+                        if name == "llama-server":
+                            llama = start_llama_server(args.llama_server, args.gguf, llama_port, 1, max_len)
+                            try:
+                                result = bench(llama_port, 1, 1, args.long_prompt, 1, seed)
+                            finally:
+                                llama.terminate()
+                                llama.wait(30)
+                        else:
+                            result = bench(jax_port, 1, 1, args.long_prompt, 1, seed)
+                        runs.setdefault((name, -args.long_prompt), []).append(result)
+                        print(f"round {round_index + 1} {args.long_prompt}-token prompt {name}: TTFT "
+                              f"{result['ttft_ms']['p50'] / 1e3:.2f} s", flush=True)
+        finally:
+            stop_server(jaxserve)
+
+    def median(name: str, level: int, metric: str, stat: str | None = None) -> float:
+        values = [r[metric][stat] if stat else r[metric] for r in runs[("jaxserve" if name == "j" else
+                                                                          "llama-server", level)]]
+        return statistics.median(values)
+
+    print(f"\nmedians of {args.rounds} alternating rounds, {args.input_len} prompt / {args.output_len} output tokens")
+    print("| concurrency | jaxserve out tok/s | llama-server out tok/s | ratio | TPOT p50 jaxserve / llama-server "
+          "| ratio |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for concurrency in args.concurrency:
+        j, ll = median("j", concurrency, "output_tokens_per_s"), median("l", concurrency, "output_tokens_per_s")
+        jt, lt = median("j", concurrency, "tpot_ms", "p50"), median("l", concurrency, "tpot_ms", "p50")
+        rows.append({"concurrency": concurrency, "jaxserve_tok_s": j, "llama_tok_s": ll, "jaxserve_tpot_ms": jt,
+                     "llama_tpot_ms": lt})
+        print(f"| {concurrency} | {j:.1f} | {ll:.1f} | {j / ll:.2f} | {jt:.1f} / {lt:.1f} ms | {jt / lt:.2f} |")
+    if args.long_prompt:
+        jt = median("j", -args.long_prompt, "ttft_ms", "p50") / 1e3
+        lt = median("l", -args.long_prompt, "ttft_ms", "p50") / 1e3
+        rows.append({"long_prompt": args.long_prompt, "jaxserve_ttft_s": jt, "llama_ttft_s": lt})
+        print(f"\n{args.long_prompt}-token prompt, TTFT: jaxserve {jt:.2f} s, llama-server {lt:.2f} s, "
+              f"ratio {jt / lt:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": rows, "runs": [
+            {"server": name, "level": level, "results": results} for (name, level), results in runs.items()]},
+            indent=2))
+
+
+if __name__ == "__main__":
+    main()
