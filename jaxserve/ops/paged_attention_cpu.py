@@ -113,6 +113,13 @@ def ragged_paged_attention_cpu(
         rows = pages_of.at[:, block_pages].get(mode="promise_in_bounds")  # [K, W, B, page_size, H]
         return rows.astype(jnp.float32).reshape(num_kv_heads, num_items, block_len, head_dim)
 
+    def scores(qs: jax.Array, k: jax.Array) -> jax.Array:  # [K, W, G*Q, H] x [K, W, S, H] -> [K, W, G*Q, S]
+        if rows > 8:
+            return jnp.einsum("kwrh,kwsh->kwrs", qs, k)
+        # With few rows (decode), XLA:CPU runs the dot 2.5x faster with K as its left operand; the barrier
+        # keeps XLA from folding the (small) transpose back into the slow form.
+        return jax.lax.optimization_barrier(jnp.einsum("kwsh,kwrh->kwsr", k, qs)).transpose(0, 1, 3, 2)
+
     def body(carry):
         block, m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(item_pages, block * pages_per_block, pages_per_block, 1)
@@ -121,9 +128,7 @@ def ragged_paged_attention_cpu(
         visible = (key_pos[None, None, :] <= row_pos[..., None])[None]  # bool[1, W, G*Q, S]
         key_in_range = key_pos[None, :] < item_kv_len[:, None]  # bool[W, S]: stale slots may hold NaN
         v = jnp.where(key_in_range[None, :, :, None], v, 0.0)
-        # K as the dot's left operand (contracting its minor axis) is 2.5x faster on XLA:CPU than
-        # queries on the left when the rows are few (decode); the transpose back is small.
-        s = jnp.einsum("kwsh,kwrh->kwsr", k, qs).transpose(0, 1, 3, 2)  # [K, W, G*Q, S]
+        s = scores(qs, k)  # [K, W, G*Q, S]
         s = jnp.where(visible, s, _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))  # [K, W, G*Q]
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
