@@ -163,7 +163,7 @@ def simulate(
         seconds = step_seconds(bucket, num_keys)
         now += seconds
         run.steps.append(StepRecord(bucket, out.num_tokens, len(out.scheduled), seconds, num_keys))
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [s.request_id for s in out.scheduled]
         for request in scheduler.update(out, StepOutput(ids, [1] * len(ids), [0.0] * len(ids))):
             latencies.record(run, request.request_id, request.num_output_tokens, request.status.is_finished, now)
     run.duration_s = now

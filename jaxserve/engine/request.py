@@ -106,6 +106,14 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the next sample may not be: while fewer than min_tokens are out, the stop ids and (unless
+        EOS is ignored) EOS."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
+
     @property
     def reads_prefix_cache(self) -> bool:
         """A request that reports prompt logprobs computes its whole prompt."""

@@ -20,23 +20,37 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.structured_output import GrammarMatcher
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    request: Request
+    """One request's share of a step, as plain values fixed when it was scheduled (vLLM's
+    `SchedulerOutput` shape): the runner reads these, never the live `Request`, which the engine goes on
+    changing. The grammar matcher is the one live object: the runner only reads its next-token mask."""
+
+    request_id: str
     token_ids: tuple[int, ...]  # the tokens to compute this step
     start_position: int  # position of token_ids[0]
     page_ids: tuple[int, ...]  # all pages of the request after this step's allocation
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this step computes the request's last known token, so its sample is kept."""
-        return self.start_position + len(self.token_ids) == self.request.num_tokens
+    keeps_sample: bool  # this step computes the request's last known token, so its sample is the next token
+    sampling_params: SamplingParams
+    sampling_seed: int
+    num_prompt_tokens: int
+    num_output_tokens: int  # before this step: the index of the token it samples (seeds reproduce)
+    banned_token_ids: tuple[int, ...] = ()  # min_tokens: stop and EOS ids this sample may not be
+    prompt_logprob_targets: tuple[int, ...] = ()  # the next prompt token of each computed position, to score
+    # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
+    cached_token_ids: tuple[int, ...] | None = None
+    grammar: "GrammarMatcher | None" = None  # its mask constrains the sample (only when keeps_sample)
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ class Scheduler:
                     request.first_scheduled_time = now
                     request.num_cached_tokens = num_cached
                 self.running.append(request)
-                scheduled.append(self._scheduled(request, num_new, filling))
+                scheduled.append(self._scheduled(request, num_new, filling, resumed=True))
                 token_budget -= num_new
         finished, self._finished_ids = tuple(self._finished_ids), []
         output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
@@ -194,17 +208,32 @@ class Scheduler:
         return extend_page_keys(request.page_keys, num_full_pages, self.kv_cache.page_size, request.token_ids,
                                 request.cache_salt)
 
-    def _scheduled(self, request: Request, num_new: int, filling: set[bytes]) -> ScheduledRequest:
-        start = request.num_computed_tokens
+    def _scheduled(
+        self, request: Request, num_new: int, filling: set[bytes], resumed: bool = False
+    ) -> ScheduledRequest:
+        """`resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         if self.kv_cache.enable_prefix_caching:
             page_size = self.kv_cache.page_size
-            first, end = start // page_size, (start + num_new) // page_size
-            filling.update(self._page_keys(request, end)[first:end])
+            filling.update(self._page_keys(request, end // page_size)[start // page_size : end // page_size])
+        params = request.sampling_params
+        keeps_sample = end == request.num_tokens
         return ScheduledRequest(
-            request=request,
-            token_ids=tuple(request.token_ids(start, start + num_new)),
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids(start, end)),
             start_position=start,
             page_ids=tuple(request.page_ids),
+            keeps_sample=keeps_sample,
+            sampling_params=params,
+            sampling_seed=request.sampling_seed,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            banned_token_ids=request.banned_token_ids() if keeps_sample else (),
+            prompt_logprob_targets=(tuple(request.prompt_token_ids[start + 1 : end + 1])
+                                    if params.prompt_logprobs is not None else ()),
+            cached_token_ids=(tuple(request.token_ids(0, start))
+                              if params.has_penalties and start > 0 and resumed else None),
+            grammar=request.grammar if keeps_sample else None,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -226,15 +255,14 @@ class Scheduler:
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
             prompt_logprobs, strict=True,
         ):
-            request = item.request
-            if request.status.is_finished:  # aborted while the step ran
+            request = self.requests.get(item.request_id)
+            if request is None or request.status.is_finished:  # aborted while the step ran
                 continue
-            completes = item.completes_sequence
             request.num_computed_tokens += len(item.token_ids)
             self._cache_computed_pages(request)
             if prompt is not None:
                 request.add_prompt_logprobs(*prompt)
-            if not completes:
+            if not item.keeps_sample:
                 continue  # a prefill chunk: the sample is not a real next token
             request.append_output_token(token_id, logprob, top)
             if request.first_token_time is None:

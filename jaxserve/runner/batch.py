@@ -64,16 +64,10 @@ class BatchLayout:
 
 
 def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
-    """token id -> bias for this step: the request's logit_bias, and -inf on its stop ids while
-    fewer than min_tokens tokens are out."""
-    request = item.request
-    params = request.sampling_params
-    bias = dict(params.logit_bias)
-    if request.num_output_tokens < params.min_tokens:
-        banned = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned += request.eos_token_ids
-        bias.update(dict.fromkeys(banned, -np.inf))
+    """token id -> bias for this step: the request's logit_bias, and -inf on the ids it may not sample
+    (min_tokens' bans, decided by the engine)."""
+    bias = dict(item.sampling_params.logit_bias)
+    bias.update(dict.fromkeys(item.banned_token_ids, -np.inf))
     return bias
 
 
@@ -131,22 +125,20 @@ def build_step_batch(
             kv_lens[row] = end
             page_table[row, : len(pages)] = pages
 
-            request = item.request
-            params = request.sampling_params
+            params = item.sampling_params
             if slot is not None:
                 row_slots[row] = slot
                 if start == 0:
                     reset_slots[row] = slot
-                is_prompt = token_positions < request.num_prompt_tokens
+                is_prompt = token_positions < item.num_prompt_tokens
                 prompt_token_slots[offset : offset + n] = np.where(is_prompt, slot, no_slot)
                 output_token_slots[offset : offset + n] = np.where(is_prompt, no_slot, slot)
                 repetition[row] = params.repetition_penalty
                 frequency[row] = params.frequency_penalty
                 presence[row] = params.presence_penalty
 
-            if params.prompt_logprobs is not None:  # position p scores prompt token p + 1
-                scored = request.prompt_token_ids[start + 1 : end + 1]
-                prompt_logprob_targets[offset : offset + len(scored)] = scored
+            scored = item.prompt_logprob_targets  # position p scores prompt token p + 1
+            prompt_logprob_targets[offset : offset + len(scored)] = scored
 
             offset += n
             cu_q_lens[row + 1] = offset
@@ -155,17 +147,17 @@ def build_step_batch(
             top_k[row] = params.top_k
             top_p[row] = params.top_p
             min_p[row] = params.min_p
-            seeds[row] = request.sampling_seed
-            output_index[row] = request.num_output_tokens
+            seeds[row] = item.sampling_seed
+            output_index[row] = item.num_output_tokens
             wants_top_logprobs[row] = bool(params.logprobs)
-            if request.grammar is not None and item.completes_sequence:  # a prefill chunk's sample is dropped
+            if item.grammar is not None:  # set only when the sample is kept (a prefill chunk's is dropped)
                 constrained[row] = True
-                grammar_rows.append((request.grammar, row))
+                grammar_rows.append((item.grammar, row))
             bias = banned_and_biased(item)
             bias_token_ids[row, : len(bias)] = list(bias)
             bias_values[row, : len(bias)] = list(bias.values())
         except Exception as e:  # one request's values must not fail the whole step
-            raise RequestFault(item.request.request_id) from e
+            raise RequestFault(item.request_id) from e
     cu_q_lens[len(scheduler_output.scheduled) + 1 :] = offset  # padded requests: q_len 0, kv_len 0
     _masks.fill(grammar_rows, token_bitmask)  # after reading the last step's tokens, before this one runs
 

@@ -177,11 +177,11 @@ class ModelRunner:
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
-            if k := item.request.sampling_params.logprobs:
+            if k := item.sampling_params.logprobs:
                 ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
                 top_logprobs[row] = dict(zip(ids, lps, strict=True))
         return StepOutput(
-            request_ids=[s.request.request_id for s in scheduled],
+            request_ids=[s.request_id for s in scheduled],
             sampled_token_ids=out.tokens[:num_reqs].tolist(),
             logprobs=out.logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
@@ -205,7 +205,7 @@ class ModelRunner:
             num_scored = int(wanted[first:end].sum())  # the leading positions of the row
             if not num_scored:
                 continue
-            k = item.request.sampling_params.prompt_logprobs
+            k = item.sampling_params.prompt_logprobs
             entries = []
             for i in range(first, first + num_scored):
                 entry = {int(batch.prompt_logprob_targets[i]): Logprob(float(prompt.token_logprobs[i]),
@@ -220,17 +220,16 @@ class ModelRunner:
     def _penalty_slots_for(self, scheduled: tuple[ScheduledRequest, ...]) -> list[int | None]:
         slots: list[int | None] = []
         for item in scheduled:
-            request = item.request
-            if not request.sampling_params.has_penalties:
+            if not item.sampling_params.has_penalties:
                 slots.append(None)
             elif item.start_position == 0:  # new or recomputed: take a slot, the step clears its row
-                slots.append(self.penalty_slots.acquire(request.request_id))
-            elif (slot := self.penalty_slots.get(request.request_id)) is not None:
+                slots.append(self.penalty_slots.acquire(item.request_id))
+            elif item.cached_token_ids is not None:  # after a prefix-cache hit: count the cached tokens
+                slot = self.penalty_slots.acquire(item.request_id)
+                self.load_seen_tokens(slot, list(item.cached_token_ids), item.num_prompt_tokens)
                 slots.append(slot)
-            else:  # starts after a prefix-cache hit: the row counts the cached tokens as if they ran
-                slot = self.penalty_slots.acquire(request.request_id)
-                self.load_seen_tokens(slot, request.token_ids(0, item.start_position), request.num_prompt_tokens)
-                slots.append(slot)
+            else:
+                slots.append(self.penalty_slots.get(item.request_id))
         return slots
 
     def load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:

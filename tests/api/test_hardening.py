@@ -295,7 +295,7 @@ original = model_runner.ModelRunner.execute
 
 
 def execute(self, scheduler_output):
-    if any(item.request.sampling_params.seed == 424242 for item in scheduler_output.scheduled):
+    if any(item.sampling_params.seed == 424242 for item in scheduler_output.scheduled):
         raise RuntimeError("injected device fault")
     return original(self, scheduler_output)
 

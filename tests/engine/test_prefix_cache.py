@@ -32,7 +32,7 @@ def check_writes(kv: KVCacheManager, out: SchedulerOutput) -> None:
 def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     out = sched.schedule()
     check_writes(sched.kv_cache, out)
-    ids = [s.request.request_id for s in out.scheduled]
+    ids = [s.request_id for s in out.scheduled]
     sched.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
 
@@ -130,11 +130,11 @@ def test_a_second_request_starts_after_the_cached_prefix():
     prompt = list(range(10, 21))  # 11 tokens: pages 0-1 full
     sched.add_request(make_request("a", prompt))
     drain(sched)
-    sched.add_request(make_request("b", [*prompt, 99]))
+    b = make_request("b", [*prompt, 99])
+    sched.add_request(b)
     out = run_step(sched)
     (item,) = out.scheduled
     assert item.start_position == 8 and item.token_ids == (18, 19, 20, 99)
-    b = item.request
     assert b.num_cached_tokens == 8 and (sched.prefix_cache_queries, sched.prefix_cache_hits) == (11 + 12, 8)
     drain(sched)
     assert_all_released(sched.kv_cache)
@@ -194,9 +194,9 @@ def test_siblings_wait_one_step_for_a_page_being_computed_then_share_it():
     for i in range(3):
         sched.add_request(make_request(f"r#{i}", prompt))
     first = run_step(sched)
-    assert [s.request.request_id for s in first.scheduled] == ["r#0"], "the siblings wait for r#0's pages"
+    assert [s.request_id for s in first.scheduled] == ["r#0"], "the siblings wait for r#0's pages"
     second = run_step(sched)
-    assert [(s.request.request_id, s.start_position) for s in second.scheduled] == [
+    assert [(s.request_id, s.start_position) for s in second.scheduled] == [
         ("r#0", 13), ("r#1", 12), ("r#2", 12)]
     pages = [s.page_ids[:3] for s in second.scheduled]
     assert pages[0] == pages[1] == pages[2] and all(sched.kv_cache.ref_count(p) == 3 for p in pages[0])

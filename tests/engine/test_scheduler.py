@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
-from jaxserve.engine.scheduler import Scheduler, StepOutput
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
 
 _prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
@@ -22,7 +22,7 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 4) -> Reque
 
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
-    ids = [s.request.request_id for s in out.scheduled]
+    ids = [s.request_id for s in out.scheduled]
     scheduler.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
 
@@ -61,7 +61,7 @@ def test_decodes_go_first_and_waiting_requests_fill_the_rest():
     run_step(sched)
     sched.add_request(make_request("b", 20))
     out = run_step(sched)
-    assert [(s.request.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]
 
 
 def test_max_num_seqs_is_respected():
@@ -159,3 +159,43 @@ def test_request_metrics_spans_a_parents_sequences():
     assert metrics.num_preemptions == 2 and metrics.max_tokens_param == 4
     waiting = request_metrics([make_request("w", 3)])
     assert waiting.queue_time is None and waiting.inference_time is None, "aborted while waiting: no stages"
+
+
+def test_scheduled_requests_carry_plain_values_fixed_at_scheduling():
+    """The runner's view of a request: what this step computes and samples, decided by the engine, and
+    unaffected by what happens to the live Request afterwards."""
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=6)
+    params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5], prompt_logprobs=1, seed=3)
+    request = Request("a", list(range(10, 19)), params, eos_token_ids=(2,), max_model_len=1024, sampling_seed=9)
+    sched.add_request(request)
+    chunk = sched.schedule().scheduled[0]  # 6 of 9 prompt tokens: a chunk whose sample is dropped
+    assert (chunk.request_id, chunk.start_position, chunk.token_ids) == ("a", 0, tuple(range(10, 16)))
+    assert not chunk.keeps_sample and chunk.banned_token_ids == () and chunk.grammar is None
+    assert chunk.prompt_logprob_targets == tuple(range(11, 17))
+    assert (chunk.sampling_seed, chunk.num_prompt_tokens, chunk.num_output_tokens) == (9, 9, 0)
+    sched.update(SchedulerOutput((chunk,), ()), StepOutput(["a"], [7], [0.0]))
+
+    last = sched.schedule().scheduled[0]  # the prompt's last 3 tokens: the sample is the first output
+    assert last.keeps_sample and last.prompt_logprob_targets == (17, 18)  # the last prompt token scores nothing
+    assert last.banned_token_ids == (5, 2), "below min_tokens, the stop id and EOS are banned"
+    sched.update(SchedulerOutput((last,), ()), StepOutput(["a"], [7], [0.0]))
+    decode = sched.schedule().scheduled[0]
+    assert decode.num_output_tokens == 1 and decode.banned_token_ids == (5, 2)
+    sched.update(SchedulerOutput((decode,), ()), StepOutput(["a"], [8], [0.0]))
+    assert decode.num_output_tokens == 1 and decode.token_ids == (7,), "a record does not follow the request"
+    assert sched.schedule().scheduled[0].banned_token_ids == (), "min_tokens reached: nothing banned"
+
+
+def test_a_request_resumed_after_a_prefix_hit_carries_its_cached_tokens_for_penalties():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(10, 20))
+    penalised = SamplingParams(max_tokens=2, ignore_eos=True, presence_penalty=0.5)
+    sched.add_request(Request("a", prompt, penalised, eos_token_ids=(2,), max_model_len=1024, sampling_seed=0))
+    first = run_step(sched).scheduled[0]
+    assert first.start_position == 0 and first.cached_token_ids is None, "from 0, the step fills the row itself"
+    sched.add_request(Request("b", [*prompt, 99], penalised, eos_token_ids=(2,), max_model_len=1024,
+                              sampling_seed=0))
+    (hit,) = [s for s in run_step(sched).scheduled if s.request_id == "b"]
+    assert hit.start_position == 8 and hit.cached_token_ids == tuple(prompt[:8])
+    (again,) = [s for s in run_step(sched).scheduled if s.request_id == "b"]
+    assert again.cached_token_ids is None, "only the step that resumes it"
