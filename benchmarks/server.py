@@ -11,8 +11,12 @@ import httpx
 def start_server(config: str, port: int, dtype: str = "auto", *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--log-level", "warning", *extra]
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 900
+    return wait_until_healthy(subprocess.Popen(command), port, timeout_s=900)
+
+
+def wait_until_healthy(process: subprocess.Popen, port: int, timeout_s: float) -> subprocess.Popen:
+    """Polls the server's /health until it answers 200; kills it if it does not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -20,8 +24,8 @@ def start_server(config: str, port: int, dtype: str = "auto", *extra: str) -> su
         except httpx.TransportError:
             pass
         if process.poll() is not None:
-            raise RuntimeError("the server exited")
-        time.sleep(1)
+            raise RuntimeError(f"the server exited (code {process.returncode})")
+        time.sleep(0.2)
     process.kill()
     raise TimeoutError("the server did not become ready")
 

@@ -18,14 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import start_server, stop_server
+from server import start_server, stop_server, wait_until_healthy
 
 PEERS = Path.home() / "peers"
 # One ladder for every level: up to 64 sequences, 512-token prefill chunks.
@@ -40,18 +38,7 @@ def start_llama_server(binary: Path, gguf: Path, port: int, slots: int, context:
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "-c", str(context), "-t", "2", "-tb", "2", "-a", "m", "-cram", "0"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError("llama-server exited")
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("llama-server did not become ready")
+    return wait_until_healthy(process, port, timeout_s=120)
 
 
 def bench(port: int, concurrency: int, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:

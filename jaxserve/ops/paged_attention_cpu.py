@@ -19,7 +19,7 @@ cost follows the live context, not `max_model_len`. Results agree with the refer
 import jax
 import jax.numpy as jnp
 
-_MASK_VALUE = -1e30
+from jaxserve.ops.online_softmax import online_softmax
 
 
 def default_query_block(num_tokens: int, num_reqs: int) -> int:
@@ -120,31 +120,16 @@ def ragged_paged_attention_cpu(
         # keeps XLA from folding the (small) transpose back into the slow form.
         return jax.lax.optimization_barrier(jnp.einsum("kwsh,kwrh->kwsr", k, qs)).transpose(0, 1, 3, 2)
 
-    def body(carry):
-        block, m, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(item_pages, block * pages_per_block, pages_per_block, 1)
+    def block(index: jax.Array):
+        pages = jax.lax.dynamic_slice_in_dim(item_pages, index * pages_per_block, pages_per_block, 1)
         k, v = gather(k_pages, pages), gather(v_pages, pages)
-        key_pos = block * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
+        key_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
         visible = (key_pos[None, None, :] <= row_pos[..., None])[None]  # bool[1, W, G*Q, S]
         key_in_range = key_pos[None, :] < item_kv_len[:, None]  # bool[W, S]: stale slots may hold NaN
         v = jnp.where(key_in_range[None, :, :, None], v, 0.0)
-        s = scores(qs, k)  # [K, W, G*Q, S]
-        s = jnp.where(visible, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))  # [K, W, G*Q]
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        denom = denom * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("kwrs,kwsh->kwrh", p, v)
-        return block + 1, m_new, denom, acc
+        return scores(qs, k), visible, lambda p: jnp.einsum("kwrs,kwsh->kwrh", p, v)
 
-    init = (
-        jnp.int32(0),
-        jnp.full((num_kv_heads, num_items, rows), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_kv_heads, num_items, rows), jnp.float32),
-        jnp.zeros((num_kv_heads, num_items, rows, head_dim), jnp.float32),
-    )
-    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # rows with nothing visible -> 0
+    out = online_softmax(num_blocks, (num_kv_heads, num_items, rows), head_dim, block)  # [K, W, G*Q, H]
     out = out.reshape(num_kv_heads, num_items, group, query_block, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_items * query_block, num_q_heads, head_dim)  # [W*Q, N, H]
 

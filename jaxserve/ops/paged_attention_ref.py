@@ -12,7 +12,7 @@ request's block, which keeps GQA native (queries grouped per KV head, K/V never 
 import jax
 import jax.numpy as jnp
 
-_MASK_VALUE = -1e30
+from jaxserve.ops.online_softmax import online_softmax
 
 
 def ragged_paged_attention_reference(
@@ -56,34 +56,19 @@ def ragged_paged_attention_reference(
     max_kv_len = jnp.max(jnp.where(is_real_token, kv_len_of_token, 0))
     num_blocks = (max_kv_len + block_len - 1) // block_len
 
-    def body(carry):
-        block, m, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_pages, block * pages_per_block, pages_per_block, 1)
+    def block(index: jax.Array):
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, index * pages_per_block, pages_per_block, 1)
         k = k_pages[:, pages].astype(jnp.float32)  # [K, T, B, page_size, H]
         v = v_pages[:, pages].astype(jnp.float32)
         k = k.reshape(num_kv_heads, num_tokens, block_len, head_dim)
         v = v.reshape(num_kv_heads, num_tokens, block_len, head_dim)
-        key_pos = block * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
+        key_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
         visible = key_pos[None, :] <= pos_of_token[:, None]  # [T, S]
         # Slots past a request's length hold stale or uninitialised data (even NaN): zero them so that
         # 0 * garbage cannot leak into the sums.
         v = jnp.where(visible[None, :, :, None], v, 0.0)
         s = jnp.einsum("tkgh,ktsh->tkgs", qg, k)  # [T, K, G, S]
-        s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))  # [T, K, G]
-        p = jnp.exp(s - m_new[..., None])
-        p = jnp.where(visible[:, None, None, :], p, 0.0)
-        correction = jnp.exp(m - m_new)
-        denom = denom * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgs,ktsh->tkgh", p, v)
-        return block + 1, m_new, denom, acc
+        return s, visible[:, None, None, :], lambda p: jnp.einsum("tkgs,ktsh->tkgh", p, v)
 
-    init = (
-        jnp.int32(0),
-        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # tokens with nothing visible -> 0
+    out = online_softmax(num_blocks, (num_tokens, num_kv_heads, group), head_dim, block)  # nothing visible -> 0
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
