@@ -55,8 +55,8 @@ def ragged_paged_attention_cpu(
     pages_per_block: int = 8,
     decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H]
-    """Same contract as `ragged_paged_attention_reference`; `decode_only` promises token r is request r's
-    only query (so items are tokens). `query_block`: tokens per item (default: `default_query_block`)."""
+    """Same contract as `ragged_paged_attention_reference`; `decode_only` promises every request has one
+    query (so items of one token). `query_block`: tokens per item (default: `default_query_block`)."""
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     )
@@ -73,21 +73,15 @@ def ragged_paged_attention_cpu(
 
     # The work list: item w covers tokens item_start[w] : item_start[w] + item_len[w] of request item_req[w].
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
-    if decode_only:
-        item_req = jnp.minimum(jnp.arange(num_items, dtype=jnp.int32), num_reqs - 1)
-        item_start = jnp.arange(num_items, dtype=jnp.int32)
-        item_len = jnp.where(jnp.arange(num_items) < num_reqs, q_lens[item_req], 0)
-        first_block_of_req = jnp.arange(num_reqs, dtype=jnp.int32)
-    else:
-        blocks_of_req = -(-q_lens // query_block)  # i32[R]
-        first_block_of_req = jnp.cumsum(blocks_of_req) - blocks_of_req  # i32[R]
-        items = jnp.arange(num_items, dtype=jnp.int32)
-        item_req = jnp.searchsorted(first_block_of_req + blocks_of_req, items, side="right").astype(jnp.int32)
-        real_item = item_req < num_reqs
-        item_req = jnp.minimum(item_req, num_reqs - 1)  # i32[W]
-        offset_in_req = (items - first_block_of_req[item_req]) * query_block
-        item_start = cu_q_lens[item_req] + offset_in_req  # i32[W]
-        item_len = jnp.where(real_item, jnp.clip(q_lens[item_req] - offset_in_req, 0, query_block), 0)
+    blocks_of_req = -(-q_lens // query_block)  # i32[R]
+    first_block_of_req = jnp.cumsum(blocks_of_req) - blocks_of_req  # i32[R]
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    item_req = jnp.searchsorted(first_block_of_req + blocks_of_req, items, side="right").astype(jnp.int32)
+    real_item = item_req < num_reqs
+    item_req = jnp.minimum(item_req, num_reqs - 1)  # i32[W]
+    offset_in_req = (items - first_block_of_req[item_req]) * query_block
+    item_start = cu_q_lens[item_req] + offset_in_req  # i32[W]
+    item_len = jnp.where(real_item, jnp.clip(q_lens[item_req] - offset_in_req, 0, query_block), 0)
 
     # Each item's queries and their absolute positions; -1 marks padding rows, which see nothing.
     row = jnp.arange(query_block, dtype=jnp.int32)
@@ -135,13 +129,10 @@ def ragged_paged_attention_cpu(
 
     # Back to packed tokens: token t is row t - item_start of its item; padding tokens read zeros.
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    if decode_only:
-        item_of_token = tokens
-    else:
-        req_of_token = jnp.searchsorted(cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
-        req_of_token = jnp.minimum(req_of_token, num_reqs - 1)
-        item_of_token = first_block_of_req[req_of_token] + (tokens - cu_q_lens[req_of_token]) // query_block
-        item_of_token = jnp.clip(item_of_token, 0, num_items - 1)
+    req_of_token = jnp.searchsorted(cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+    req_of_token = jnp.minimum(req_of_token, num_reqs - 1)
+    item_of_token = first_block_of_req[req_of_token] + (tokens - cu_q_lens[req_of_token]) // query_block
+    item_of_token = jnp.clip(item_of_token, 0, num_items - 1)
     row_of_token = tokens - item_start[item_of_token]
     real_token = tokens < cu_q_lens[num_reqs]
     picked = out[jnp.clip(item_of_token * query_block + row_of_token, 0, num_items * query_block - 1)]
