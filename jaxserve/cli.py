@@ -96,6 +96,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="the most sequences in one step (default: the preset's)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="the most tokens in one step (default: the preset's)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and dispatch each step before reading the previous step's tokens, so the "
+                            "host's work overlaps the device's; a stop is seen one step late and the extra "
+                            "token dropped (default: the preset's)")
     group.add_argument("--block-size", dest="page_size", type=int, default=None,
                        help="tokens per KV page (default: the preset's)")
     group.add_argument("--num-kv-pages", type=int, default=None,
@@ -147,6 +151,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        async_scheduling=args.async_scheduling,
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory_gib=args.kv_cache_memory_gib,

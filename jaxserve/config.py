@@ -61,6 +61,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Schedule and dispatch step N + 1 before reading step N's tokens (vLLM's --async-scheduling).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

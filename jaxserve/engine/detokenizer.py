@@ -1,13 +1,17 @@
 """Incremental detokenization and stop strings (pure Python, no jax).
 
-Decoding token by token breaks multi-byte characters and merged pieces, so each step decodes a short
-window of recent tokens twice (with and without the new ones) and emits the difference once it no
-longer ends in a replacement character. Text that could be the start of a stop string is held back
-from the stream until it is known not to be one.
+Decoding token by token breaks multi-byte characters and merged pieces. The Rust tokenizer's
+`DecodeStream` (what `tokenizers` offers for this) keeps a window of recent tokens and yields text once it
+is whole; it starts from the prompt's last tokens, so the first generated tokens decode with their
+spacing. One call per token, about 2 us, against 15 us for decoding a window twice through
+transformers: at 256 sequences that is most of a step's host time. Text that could be the start of a
+stop string is held back from the stream until it is known not to be one.
 """
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -16,11 +20,9 @@ _PREFIX_WINDOW = 5  # prompt tokens of context so the first generated tokens dec
 
 @dataclass
 class IncrementalDetokenizer:
-    tokenizer: Any
+    backend: Any  # the fast tokenizer's Rust `tokenizers.Tokenizer`
     params: SamplingParams
-    token_ids: list[int]  # context (tail of the prompt) followed by generated tokens
-    prefix_offset: int
-    read_offset: int
+    stream: DecodeStream
     text: str = ""
     num_emitted_chars: int = 0
     stop_reason: str | None = None
@@ -33,23 +35,19 @@ class IncrementalDetokenizer:
     def for_prompt(
         cls, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
     ) -> "IncrementalDetokenizer":
+        """`tokenizer`: a transformers fast tokenizer (every tokenizer jaxserve loads is one)."""
         context = list(prompt_token_ids[-_PREFIX_WINDOW:])
-        return cls(tokenizer, params, context, prefix_offset=0, read_offset=len(context))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        return cls(tokenizer.backend_tokenizer, params, stream)
 
     def add_tokens(self, new_token_ids: list[int]) -> bool:
         """Appends generated tokens to the text; True if a stop string ended the sequence."""
         for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            new_text = self._decode(self.token_ids[self.prefix_offset :])
-            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-                continue  # an incomplete character: wait for the next token
+            piece = self.stream.step(self.backend, token_id)
+            if not piece:  # an incomplete character: wait for the next token
+                continue
             old_len = len(self.text)
-            self.text += new_text[len(prefix_text) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.text += piece
             if self._max_stop_len and self._check_stop(old_len):
                 return True
         return False

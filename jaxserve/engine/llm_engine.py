@@ -2,6 +2,12 @@
 
 A request with n > 1 becomes n sequences ("<id>#<i>") sharing the prompt; its RequestOutput gathers
 their completions. The scheduler sees only sequences.
+
+With async scheduling (`SchedulerConfig.async_scheduling`), `step()` schedules and launches step N + 1,
+then reads step N's tokens while the device runs N + 1, and reports N's outputs: the host's work for a
+step overlaps the device's. The outputs are the synchronous loop's; a stop is seen one step late, and
+the token the extra step sampled is dropped. A request with a grammar needs its last token to build its
+next mask, so while one is present the loop reads each step before launching the next.
 """
 
 import copy
@@ -24,7 +30,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner import multihost
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
 from jaxserve.sampling_params import InvalidParam, RequestLimits, SamplingParams, check_cache_salt
 
 logger = logging.getLogger(__name__)
@@ -98,6 +104,8 @@ class LLMEngine:
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
+        self.async_scheduling = sched.async_scheduling
+        self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         # Its own tokenizer copy: the server compiles grammars on another thread.
         self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), model.cfg.vocab_size, model.eos_token_ids)
         self._seed_rng = np.random.default_rng(config.model.seed)
@@ -183,22 +191,45 @@ class LLMEngine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs one step on the device, and reports every request that made progress.
+        """Schedules and launches a step, reads a step's tokens, and reports every request that made progress.
 
+        Synchronous: launches step N and reads it. Async: launches N + 1, then reads N (the first call reads
+        nothing); while a request has a grammar, or when nothing is left to run, it reads what is in flight
+        without launching.
         A fault caused by one request's data fails that request alone (its output carries `error`); any
         other exception (the device, the runtime) propagates: the engine cannot vouch for its state.
         """
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is None or not self._needs_last_tokens():
+            self._in_flight, outputs = self._launch()
+        if previous is not None:
+            outputs += self._read(previous)
+        if self._in_flight is not None and (not self.async_scheduling or not self._requests):
+            launched, self._in_flight = self._in_flight, None  # synchronous, or nothing left to overlap
+            outputs += self._read(launched)
+        return outputs
+
+    def _launch(self) -> tuple[LaunchedStep | None, list[RequestOutput]]:
         scheduler_output = self.scheduler.schedule()
         try:
-            step_output = self.runner.execute(scheduler_output)  # also drops finished requests' state
+            launched = self.runner.launch(scheduler_output)  # also drops finished requests' state
         except RequestFault as fault:
-            # Nothing ran on the device. The other scheduled requests keep their pages and computed
-            # tokens, so the next schedule() plans them again.
-            return [self._fail(fault.request_id, fault.__cause__ or fault)]
-        if scheduler_output.is_empty:
-            return []
-        advanced = self.scheduler.update(scheduler_output, step_output)
-        return self._process(advanced)
+            # Nothing ran on the device. The other scheduled requests keep their pages and go back to
+            # where they were, so the next schedule() plans them again.
+            self.scheduler.unschedule(scheduler_output)
+            return None, [self._fail(fault.request_id, fault.__cause__ or fault)]
+        if launched is None:
+            self.scheduler.unschedule(scheduler_output)  # an empty step: nothing to read
+        return launched, []
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        step_output = self.runner.collect(launched)
+        return self._process(self.scheduler.update(launched.scheduler_output, step_output))
+
+    def _needs_last_tokens(self) -> bool:
+        """A grammar's next mask depends on the token in flight: the next step waits for it."""
+        return any(request.grammar is not None for request in self.scheduler.requests.values())
 
     def _process(self, advanced: list[Request]) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}

@@ -47,8 +47,11 @@ def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
 class Request:
     """One sequence to generate. (A request with n > 1 is n of these, one per completion.)
 
-    `num_computed_tokens` counts tokens whose K/V sit in the request's pages; the scheduler advances
-    it. After preemption it drops to 0 and the prompt plus generated tokens are recomputed.
+    `num_computed_tokens` counts tokens whose K/V sit in the request's pages or are written by a step
+    already scheduled; the scheduler advances it when it schedules them. After preemption it drops to 0
+    and the prompt plus generated tokens are recomputed. `num_inflight_tokens` counts tokens sampled by
+    scheduled steps whose results the engine has not read yet (at most one: async scheduling reads step N
+    before it schedules N + 2).
 
     The scheduler stamps `first_scheduled_time`, `first_token_time` and `last_token_time` (monotonic
     seconds, like `arrival_time`) for the per-request metrics; a preemption keeps the first stamps, as
@@ -67,6 +70,7 @@ class Request:
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when logprobs > 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -106,11 +110,16 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    @property
+    def num_scheduled_outputs(self) -> int:
+        """Output tokens read plus those sampled by steps in flight: the index of the next sample."""
+        return len(self.output_token_ids) + self.num_inflight_tokens
+
     def banned_token_ids(self) -> tuple[int, ...]:
-        """Tokens the next sample may not be: while fewer than min_tokens are out, the stop ids and (unless
-        EOS is ignored) EOS."""
+        """Tokens the next sample may not be: while fewer than min_tokens are out (counting samples in
+        flight), the stop ids and (unless EOS is ignored) EOS."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_scheduled_outputs >= params.min_tokens:
             return ()
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
 

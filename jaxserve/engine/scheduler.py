@@ -14,6 +14,14 @@ then hits it, rather than computing it a second time.
 
 For metrics, the scheduler stamps each request's first scheduling and tokens, counts preemptions and
 keeps a histogram of tokens per step; the engine thread publishes them in its stats snapshot.
+
+Async scheduling: the engine may schedule step N + 1 before it has read step N's sampled tokens. A
+request's computed tokens advance when they are scheduled, and a sample not yet read is "in flight": the
+next step's decode feeds it by reference (`PENDING_TOKEN` in `token_ids`; the runner takes it from the
+previous step's output on the device). A request whose in-flight token is its last allowed one is not
+scheduled again; any other stop (EOS, a stop id or string) is seen one step late, and the extra token
+that step sampled is dropped, as vLLM's async scheduling does. Pages filled by steps in flight count as
+being filled until their step is read, so a request arriving meanwhile still waits for them.
 """
 
 import bisect
@@ -31,6 +39,10 @@ if TYPE_CHECKING:
     from jaxserve.engine.structured_output import GrammarMatcher
 
 
+# Stands in `ScheduledRequest.token_ids` for a token sampled by the previous step and not yet read.
+PENDING_TOKEN = -1
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step, as plain values fixed when it was scheduled (vLLM's
     `SchedulerOutput` shape): the runner reads these, never the live `Request`, which the engine goes on
@@ -38,14 +50,14 @@ class ScheduledRequest(NamedTuple):
     A NamedTuple: one is built per running request per step, 2.3x faster than a frozen dataclass."""
 
     request_id: str
-    token_ids: tuple[int, ...]  # the tokens to compute this step
+    token_ids: tuple[int, ...]  # the tokens to compute this step; the last may be PENDING_TOKEN
     start_position: int  # position of token_ids[0]
     page_ids: tuple[int, ...]  # all pages of the request after this step's allocation
     keeps_sample: bool  # this step computes the request's last known token, so its sample is the next token
     sampling_params: SamplingParams
     sampling_seed: int
     num_prompt_tokens: int
-    num_output_tokens: int  # before this step: the index of the token it samples (seeds reproduce)
+    num_output_tokens: int  # before this step (in flight included): the index of its sample (seeds reproduce)
     banned_token_ids: tuple[int, ...] = ()  # min_tokens: stop and EOS ids this sample may not be
     prompt_logprob_targets: tuple[int, ...] = ()  # the next prompt token of each computed position, to score
     # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
@@ -58,6 +70,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
     finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
+    filling_keys: frozenset[bytes] = frozenset()  # prefix-cache keys of the full pages this step fills
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +127,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._inflight_filling: list[frozenset[bytes]] = []  # per scheduled step not yet updated
         self.num_preemptions = 0  # since start (vLLM's num_preemptions_total)
         self.prefix_cache_queries = 0  # tokens of requests looked up in the prefix cache, since start
         self.prefix_cache_hits = 0  # of which found cached
@@ -140,12 +154,17 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         filling: set[bytes] = set()  # keys of the pages this step fills
+        busy = frozenset().union(*self._inflight_filling)  # and those steps in flight fill
 
         # Running requests, oldest first; preempt from the newest end when pages run out.
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_known = request.num_tokens + request.num_inflight_tokens
+            if num_known >= request.max_num_tokens:  # its last token is in flight: it finishes when read
+                index += 1
+                continue
+            num_new = min(num_known - request.num_computed_tokens, token_budget)
             while not self.kv_cache.allocate(request.page_ids, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -164,7 +183,7 @@ class Scheduler:
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                hit = self._cached_prefix(request, filling)
+                hit = self._cached_prefix(request, filling, busy)
                 if hit is None:
                     break  # its next page is computed in this step: it hits that page next step
                 self.kv_cache.take(hit)
@@ -187,20 +206,21 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, num_new, filling, resumed=True))
                 token_budget -= num_new
         finished, self._finished_ids = tuple(self._finished_ids), []
-        output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+        output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished, frozenset(filling))
+        self._inflight_filling.append(output.filling_keys)
         if scheduled:
             self.iteration_tokens.observe(output.num_tokens)
         return output
 
-    def _cached_prefix(self, request: Request, filling: set[bytes]) -> list[int] | None:
+    def _cached_prefix(self, request: Request, filling: set[bytes], busy: frozenset[bytes]) -> list[int] | None:
         """The cached pages a waiting request can start after (at most all but its last token), or None
-        when the page after them is one that this step fills."""
+        when the page after them is one that this step or a step in flight fills."""
         if not self.kv_cache.enable_prefix_caching or not request.reads_prefix_cache:
             return []
         num_full = (request.num_tokens - 1) // self.kv_cache.page_size
         keys = self._page_keys(request, num_full)
         hit = self.kv_cache.cached_prefix(keys[:num_full])
-        if len(hit) < num_full and keys[len(hit)] in filling:
+        if len(hit) < num_full and (keys[len(hit)] in filling or keys[len(hit)] in busy):
             return None
         return hit
 
@@ -211,23 +231,25 @@ class Scheduler:
     def _scheduled(
         self, request: Request, num_new: int, filling: set[bytes], resumed: bool = False
     ) -> ScheduledRequest:
-        """`resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
+        """Advances the request's computed (and in-flight) tokens by this step's share and returns the share.
+        `resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        known_end = min(end, request.num_tokens)  # past it: the token in flight
         if self.kv_cache.enable_prefix_caching:
-            page_size = self.kv_cache.page_size
-            filling.update(self._page_keys(request, end // page_size)[start // page_size : end // page_size])
+            first, end_page = start // self.kv_cache.page_size, known_end // self.kv_cache.page_size
+            filling.update(self._page_keys(request, end_page)[first:end_page])
         params = request.sampling_params
-        keeps_sample = end == request.num_tokens
-        return ScheduledRequest(
+        keeps_sample = end == request.num_tokens + request.num_inflight_tokens
+        scheduled = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids(start, end)),
+            token_ids=tuple(request.token_ids(start, known_end)) + (PENDING_TOKEN,) * (end - known_end),
             start_position=start,
             page_ids=tuple(request.page_ids),
             keeps_sample=keeps_sample,
             sampling_params=params,
             sampling_seed=request.sampling_seed,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_scheduled_outputs,
             banned_token_ids=request.banned_token_ids() if keeps_sample else (),
             prompt_logprob_targets=(tuple(request.prompt_token_ids[start + 1 : end + 1])
                                     if params.prompt_logprobs is not None else ()),
@@ -235,6 +257,24 @@ class Scheduler:
                               if params.has_penalties and start > 0 and resumed else None),
             grammar=request.grammar if keeps_sample else None,
         )
+        request.num_computed_tokens = end
+        request.num_inflight_tokens += keeps_sample
+        return scheduled
+
+    def unschedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Takes back a step that never ran (its batch could not be built): its requests keep their pages
+        and are planned again from where they were."""
+        self._discard_filling(scheduler_output)
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = item.start_position
+            request.num_inflight_tokens -= item.keeps_sample
+
+    def _discard_filling(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.filling_keys in self._inflight_filling:
+            self._inflight_filling.remove(scheduler_output.filling_keys)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.page_ids)
@@ -245,7 +285,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
-        """Advances each scheduled request; returns the requests that received a new token."""
+        """Records a step's results (the step's requests, in flight or not, were advanced when scheduled);
+        returns the requests that received a new token. A request preempted or finished since the step
+        was scheduled keeps the step's real results (its sample, prompt logprobs) but caches no page."""
+        self._discard_filling(scheduler_output)
         advanced: list[Request] = []
         num_rows = len(step_output.request_ids)
         top_logprobs = step_output.top_logprobs or [None] * num_rows
@@ -258,12 +301,13 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += len(item.token_ids)
-            self._cache_computed_pages(request)
+            if request.status is RequestStatus.RUNNING:  # not preempted since: its pages hold the step's K/V
+                self._cache_computed_pages(request, item.start_position + len(item.token_ids))
             if prompt is not None:
                 request.add_prompt_logprobs(*prompt)
             if not item.keeps_sample:
                 continue  # a prefill chunk: the sample is not a real next token
+            request.num_inflight_tokens -= 1
             request.append_output_token(token_id, logprob, top)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -273,11 +317,11 @@ class Scheduler:
                 self._remove(request)
         return advanced
 
-    def _cache_computed_pages(self, request: Request) -> None:
-        """Offers the request's newly full, computed pages to the prefix cache."""
+    def _cache_computed_pages(self, request: Request, num_computed: int) -> None:
+        """Offers the request's pages that are full once its first `num_computed` tokens ran to the prefix cache."""
         if not self.kv_cache.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.kv_cache.page_size
+        num_full = num_computed // self.kv_cache.page_size
         if num_full > request.num_keyed_pages:
             keys = self._page_keys(request, num_full)
             self.kv_cache.cache_pages(request.page_ids, keys, request.num_keyed_pages, num_full)

@@ -48,7 +48,7 @@ class CompiledBucket:
 
 
 def step_shapes(
-    cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, num_penalty_slots: int
+    cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int
 ) -> StepShapes:
     """The step's shapes for a model config (`cfg`: the model file's own) and a KV cache of `num_pages`."""
     layout = BatchLayout(
@@ -56,7 +56,8 @@ def step_shapes(
         max_pages_per_req=max_pages_per_req,
         padding_slot=padding_slot(num_pages, page_size),
         vocab_size=cfg.vocab_size,
-        num_penalty_slots=num_penalty_slots,
+        num_penalty_slots=max_num_seqs,
+        max_num_seqs=max_num_seqs,
     )
     return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype)
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine.request import RequestFault
-from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.engine.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 from jaxserve.engine.structured_output import GrammarMatcher, MaskFiller, bitmask_words
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
@@ -44,6 +44,10 @@ class StepBatch:
     """Array shapes are the bucket: T tokens, R requests, P pages per request."""
 
     input_ids: jax.Array  # i32[T]
+    # i32[T]: the previous step's row whose sample is this token's input (async scheduling: not yet read
+    # on the host); M = max_num_seqs where input_ids holds it.
+    input_from_row: jax.Array
+    previous_tokens: jax.Array  # i32[M]: the previous step's samples by row (the runner sets the device's)
     positions: jax.Array  # i32[T]
     attention: AttentionMetadata
     logits_indices: jax.Array  # i32[R]: the packed index of each request's last token
@@ -61,6 +65,7 @@ class BatchLayout:
     padding_slot: int  # KV slot index that scatters drop
     vocab_size: int
     num_penalty_slots: int
+    max_num_seqs: int  # M: rows the previous step's samples are kept for
 
 
 def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
@@ -79,10 +84,12 @@ def build_step_batch(
     bucket: Bucket,
     layout: BatchLayout,
     penalty_slots: list[int | None],  # per scheduled request
+    previous_rows: dict[str, int] | None = None,  # request id -> its row in the previous step
 ) -> StepBatch:
     num_tokens, num_reqs = bucket.num_tokens, bucket.num_reqs
     page_size, no_slot = layout.page_size, layout.num_penalty_slots
     input_ids = np.zeros(num_tokens, np.int32)
+    input_from_row = np.full(num_tokens, layout.max_num_seqs, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, layout.padding_slot, np.int32)
     kv_lens = np.zeros(num_reqs, np.int32)
@@ -118,6 +125,9 @@ def build_step_batch(
             token_positions = np.arange(start, end, dtype=np.int32)
             pages = np.asarray(item.page_ids, np.int32)
             input_ids[offset : offset + n] = item.token_ids
+            if item.token_ids[-1] == PENDING_TOKEN:  # sampled by the previous step, still on the device
+                input_ids[offset + n - 1] = 0
+                input_from_row[offset + n - 1] = previous_rows[item.request_id]
             positions[offset : offset + n] = token_positions
             slot_mapping[offset : offset + n] = pages[token_positions // page_size] * page_size + (
                 token_positions % page_size
@@ -163,6 +173,8 @@ def build_step_batch(
 
     return StepBatch(
         input_ids=input_ids,
+        input_from_row=input_from_row,
+        previous_tokens=np.zeros(layout.max_num_seqs, np.int32),
         positions=positions,
         attention=AttentionMetadata(
             slot_mapping=slot_mapping, kv_lens=kv_lens, page_table=page_table, cu_q_lens=cu_q_lens,

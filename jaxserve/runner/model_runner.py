@@ -6,17 +6,22 @@ jitted once with the KV pages and penalty tables donated (updated in place) and 
 for every bucket at warm-up, a few buckets at once on worker threads; steps run those executables.
 A background warm-up (`serve --warmup background`) makes the runner ready after one bucket and compiles the
 rest on a thread; the engine thread only reads the table of compiled buckets, under a lock.
-Results leave the device once per step.
+Results leave the device once per step. `launch` dispatches a step and returns at once; `collect` waits
+for its sampled tokens. With async scheduling the engine launches step N + 1 before collecting step N:
+N + 1's decodes read N's samples on the device (`StepBatch.input_from_row`), and XLA runs the two in order,
+so a page freed after N was launched is written by N before any later step reuses it.
 With a tensor-parallel mesh (`jaxserve.parallel`) the weights, KV pages and step are split over its
 devices; in a multi-host job the leader's runner sends each piece of device work to the other processes
 (`jaxserve.runner.multihost`) before running it, and their runners replay it.
 """
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -50,22 +55,29 @@ _COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 def make_step_fn(graphdef: nnx.GraphDef, num_top_logprobs: int, mesh: Mesh | None = None):
     """The jitted step; with a tensor-parallel `mesh`, logits are gathered whole before sampling and the
-    KV pages stay split by KV head from step to step."""
+    KV pages stay split by KV head from step to step. Besides the sampler's output it returns the samples
+    by row, i32[M], which the next step may read as inputs before the host has seen them."""
 
     def step(state: nnx.State, kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
         model = nnx.merge(graphdef, state)
-        hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
+        max_rows = batch.previous_tokens.shape[0]
+        input_ids = jnp.where(batch.input_from_row < max_rows,  # i32[T]
+                              batch.previous_tokens.at[batch.input_from_row].get(mode="clip"), batch.input_ids)
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
         logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
             kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
-        penalty_tables = update_tables(penalty_tables, batch.input_ids, batch.penalty_updates)
+        penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates)
         if mesh is not None:
             penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
         sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
         prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
                                  num_top_logprobs)
-        return kv_caches, penalty_tables, sampled, prompt
+        tokens_by_row = jnp.zeros_like(batch.previous_tokens).at[: sampled.tokens.shape[0]].set(sampled.tokens)
+        if mesh is not None:
+            tokens_by_row = jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
+        return kv_caches, penalty_tables, sampled, prompt, tokens_by_row
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
 
@@ -76,6 +88,16 @@ def to_host(tree: Any) -> Any:
     if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
         return jax.device_get(tree)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step dispatched to the device; its results stay there until `ModelRunner.collect`."""
+
+    scheduler_output: SchedulerOutput
+    batch: StepBatch  # host numpy: what collect needs to map results back to requests
+    sampled: SamplerOutput  # on the device
+    prompt: PromptLogprobs  # on the device
 
 
 class ModelRunner:
@@ -118,6 +140,10 @@ class ModelRunner:
         if self.mesh is not None:
             self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))
         self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
+        # The last step's samples by row, on the device, and each request's row in it (async scheduling).
+        self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
+                                          else replicated(self.mesh))
+        self._previous_rows: dict[str, int] = {}
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
@@ -165,15 +191,30 @@ class ModelRunner:
                    for b in largest)
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
+        """Runs a step and waits for its results."""
+        launched = self.launch(scheduler_output)
+        return StepOutput([], [], []) if launched is None else self.collect(launched)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
+        """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
+        (nothing dispatched) when one request's values cannot be put in the batch."""
         scheduled = scheduler_output.scheduled
         self.penalty_slots.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
         self.last_step = None
         if not scheduled:
-            return StepOutput([], [], [])
+            return None
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
-        batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled))
-        out, prompt = self.run_step(batch, bucket)
+        batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled),
+                                 self._previous_rows)
+        sampled, prompt = self.run_step(batch, bucket)
+        self._previous_rows = {item.request_id: row for row, item in enumerate(scheduled) if item.keeps_sample}
+        return LaunchedStep(scheduler_output, batch, sampled, prompt)
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """Waits for a launched step's samples and turns them into per-request results."""
+        scheduled, batch = launched.scheduler_output.scheduled, launched.batch
+        out = to_host(launched.sampled)
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
@@ -185,7 +226,7 @@ class ModelRunner:
             sampled_token_ids=out.tokens[:num_reqs].tolist(),
             logprobs=out.logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
-            prompt_logprobs=self._prompt_logprobs(batch, scheduled, prompt),
+            prompt_logprobs=self._prompt_logprobs(batch, scheduled, launched.prompt),
         )
 
     def _prompt_logprobs(
@@ -239,15 +280,16 @@ class ModelRunner:
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
     def run_step(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
-        """Runs the step; the sampler's output comes back to the host, prompt logprobs stay on the device.
-        A multi-host leader first sends the step to its followers, which run the same."""
+        """Dispatches the step; its outputs stay on the device. A multi-host leader first sends the step to
+        its followers, which run the same (each feeding its own previous samples)."""
         if self.leader is not None:
             self.leader.send(Step(bucket, batch))
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
-        self.kv_caches, self.penalty_tables, out, prompt = step(
+        batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
+        self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
             self.model.state, self.kv_caches, self.penalty_tables, batch)
-        return to_host(out), prompt
+        return sampled, prompt
 
     def _runnable_bucket(self, wanted: Bucket) -> Bucket:
         """`wanted` once it is compiled; until then (a background warm-up) the smallest compiled bucket

@@ -44,15 +44,15 @@ def test_a_dead_engine_answers_503_and_fails_in_flight_requests(tiny_model_dir):
     engine = make_engine(tiny_model_dir("llama"), warmup=False)
     async_engine = AsyncEngine(engine)
     calls = {"n": 0}
-    original = engine.runner.execute
+    original = engine.runner.launch
 
-    def failing_execute(scheduler_output):
+    def failing_launch(scheduler_output):
         calls["n"] += 1
         if calls["n"] > 2:
             raise RuntimeError("device lost")
         return original(scheduler_output)
 
-    engine.runner.execute = failing_execute
+    engine.runner.launch = failing_launch
     with TestClient(create_app(ServerConfig(), async_engine)) as client:
         body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
         in_flight = client.post("/v1/completions", json=body)

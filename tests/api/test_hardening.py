@@ -291,16 +291,16 @@ INJECT_DEVICE_FAULT = '''
 import sys
 from jaxserve.runner import model_runner
 
-original = model_runner.ModelRunner.execute
+original = model_runner.ModelRunner.launch
 
 
-def execute(self, scheduler_output):
+def launch(self, scheduler_output):
     if any(item.sampling_params.seed == 424242 for item in scheduler_output.scheduled):
         raise RuntimeError("injected device fault")
     return original(self, scheduler_output)
 
 
-model_runner.ModelRunner.execute = execute
+model_runner.ModelRunner.launch = launch
 from jaxserve.cli import main
 
 main(sys.argv[1:])

@@ -85,7 +85,7 @@ def test_a_runtime_fault_kills_the_engine_and_fails_everyone(fresh_engine):
     def device_lost(scheduler_output):
         raise RuntimeError("device lost")
 
-    fresh_engine.runner.execute = device_lost
+    fresh_engine.runner.launch = device_lost
     prompt = make_prompts(1)[0]
 
     async def main():
