@@ -12,7 +12,11 @@ splits each decode step's wall time, by timing the engine's own phases in place:
 - device: waiting for the sampled tokens (`to_host`), the device's share
 - rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, detokenizing, outputs
 
-    python benchmarks/host_loop.py --seqs 64 256 --json docs/host-loop-cpu.json
+"host" is the total minus the wait for the device. With async scheduling (`--modes async`) the host's
+work for step N + 1 runs while the device computes step N, so the wait shrinks by what overlaps; on a
+CPU the "device" is the same two cores, so the overlap is partial there and whole on a GPU.
+
+    python benchmarks/host_loop.py --seqs 64 256 --modes sync async --json docs/host-loop-cpu.json
 """
 
 import argparse
@@ -24,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 
-def tiny_engine(max_num_seqs: int):
+def tiny_engine(max_num_seqs: int, async_scheduling: bool = False):
     import jax
     import jax.numpy as jnp
     from transformers import LlamaConfig
@@ -52,15 +56,15 @@ def tiny_engine(max_num_seqs: int):
     config = EngineConfig.from_preset(
         None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512, token_buckets=[512],
         request_buckets=[max_num_seqs], num_kv_pages=max_num_seqs * 8 + 8, compilation_cache_dir="",
-        enable_prefix_caching=False)
+        enable_prefix_caching=False, async_scheduling=async_scheduling)
     return LLMEngine(config, model=model)
 
 
-def measure(num_seqs: int, decode_steps: int) -> dict:
+def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
     from jaxserve import SamplingParams
     from jaxserve.runner import model_runner
 
-    engine = tiny_engine(num_seqs)
+    engine = tiny_engine(num_seqs, async_scheduling=mode == "async")
     runner = engine.runner
     phases: dict[str, float] = defaultdict(float)
 
@@ -100,22 +104,24 @@ def measure(num_seqs: int, decode_steps: int) -> dict:
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
     median["host"] = median["total"] - median.get("device", 0.0)
     engine.shutdown()
-    return {"seqs": num_seqs, "decode_steps": decode_steps, "median_ms": {k: round(v, 3) for k, v in median.items()}}
+    return {"seqs": num_seqs, "mode": mode, "decode_steps": decode_steps,
+            "median_ms": {k: round(v, 3) for k, v in median.items()}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50, help="decode steps measured per level")
+    parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = [measure(n, args.steps) for n in args.seqs]
+    results = [measure(n, args.steps, mode) for n in args.seqs for mode in args.modes]
     keys = ["schedule", "build", "dispatch", "device", "rest", "host", "total"]
-    print("| running seqs | " + " | ".join(f"{k} ms" for k in keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
+    print("| running seqs | loop | " + " | ".join(f"{k} ms" for k in keys) + " |")
+    print("|---" * (len(keys) + 2) + "|")
     for result in results:
         m = result["median_ms"]
-        print(f"| {result['seqs']} | " + " | ".join(f"{m.get(k, 0.0):.2f}" for k in keys) + " |")
+        print(f"| {result['seqs']} | {result['mode']} | " + " | ".join(f"{m.get(k, 0.0):.2f}" for k in keys) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -148,7 +148,7 @@ def compile_ladder(
     itemsize = jnp.dtype(jax_dtype).itemsize
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
-    step = make_step_fn(abstract.graphdef, config.model.max_logprobs, mesh)
+    step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
@@ -174,7 +174,8 @@ def compile_ladder(
     reference_step = None
     if xla_cost:
         reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
-        reference_step = (make_step_fn(reference.graphdef, config.model.max_logprobs), reference.state)
+        reference_step = (make_step_fn(reference.graphdef, jax.tree.structure(reference.state),
+                                       config.model.max_logprobs), reference.state)
     roofline_shape = model_shape(abstract.weights_bytes // itemsize, cfg)  # every parameter is in the model dtype
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)

@@ -65,7 +65,8 @@ def step_shapes(
 def abstract_step_args(
     state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
 ) -> tuple[Any, Any, Any, Any]:
-    """(state, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device`, or with a tensor-parallel
+    """(weights, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device` (weights: the leaves of
+    `state`, as the step takes them), or with a tensor-parallel
     `mesh` where the runner keeps them: the state as its leaves are sharded, KV pages split by KV head,
     the rest replicated."""
     if mesh is None:
@@ -88,7 +89,7 @@ def abstract_step_args(
     empty = SchedulerOutput(scheduled=(), preempted_ids=())
     batch = build_step_batch(empty, bucket, shapes.layout, [])  # numpy: its shapes and dtypes are the bucket's
     return (
-        jax.tree.map(as_placed, state),
+        jax.tree.leaves(jax.tree.map(as_placed, state)),
         kv_caches,
         jax.tree.map(on_device, penalties),
         jax.tree.map(on_device, batch),
