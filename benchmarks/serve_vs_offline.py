@@ -5,18 +5,28 @@ One run, same machine, same config: start a server subprocess, send one wave of 
 same wave on an in-process LLMEngine. Prints both throughputs and their ratio.
 
     .venv/bin/python benchmarks/serve_vs_offline.py --config cpu --concurrency 16
+
+`--tiny` serves a tiny random Llama (benchmarks/tiny_model.py) instead of the bundled model, so the
+host's work dominates: the rate at which the event loop (tokenizing, detokenized deltas, SSE) and the
+engine thread, sharing the GIL, can feed many streams. Engine options pass through:
+
+    .venv/bin/python benchmarks/serve_vs_offline.py --tiny --concurrency 256 --max-num-seqs 256 \
+        --token-buckets 256 512 --request-buckets 64 128 256 --output-len 64
 """
 
 import argparse
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 from server import start_server, stop_server
+from tiny_model import write_tiny_llama
 
 from jaxserve.bench.offline import run_wave
 from jaxserve.bench.serve import run_level
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, load_preset
 from jaxserve.engine.llm_engine import LLMEngine
 
 
@@ -28,10 +38,29 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the bundled model")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
     c = args.concurrency
 
-    server = start_server(args.config, args.port, args.dtype)
+    model = str(write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama")) if args.tiny else None
+    options = dict(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   token_buckets=args.token_buckets, request_buckets=args.request_buckets,
+                   async_scheduling=args.async_scheduling or None)
+    config = EngineConfig.from_preset(args.config, dtype=args.dtype, **options)
+    sections = load_preset(args.config)  # the server gets the same engine config: the preset and the options
+    sections.setdefault("scheduler", {}).update(max_num_seqs=config.scheduler.max_num_seqs,
+                                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                                async_scheduling=config.scheduler.async_scheduling)
+    sections.setdefault("buckets", {}).update(token_buckets=list(config.buckets.token_buckets),
+                                              request_buckets=list(config.buckets.request_buckets))
+    config_file = Path(tempfile.mkdtemp()) / "engine.yaml"
+    config_file.write_text(json.dumps(sections))  # JSON is YAML
+    server = start_server(str(config_file), args.port, args.dtype, *(["--model", model] if model else []))
     try:
         base_url = f"http://127.0.0.1:{args.port}/v1"
         asyncio.run(run_level(base_url, None, c, c, args.input_len, 4))  # warm the server's paths
@@ -39,7 +68,7 @@ def main() -> None:
     finally:
         stop_server(server)
 
-    engine = LLMEngine(EngineConfig.from_preset(args.config, dtype=args.dtype))
+    engine = LLMEngine(config)
     rng = np.random.default_rng(0)
     run_wave(engine, c, args.input_len, 4, rng)  # same warm-up
     offline = run_wave(engine, c, args.input_len, args.output_len, rng)
@@ -47,6 +76,8 @@ def main() -> None:
     ratio = http["output_tokens_per_s"] / offline.output_tokens_per_s
     print(json.dumps({
         "concurrency": c,
+        "model": "tiny random Llama" if args.tiny else "bundled",
+        "async_scheduling": config.scheduler.async_scheduling,
         "http_output_tokens_per_s": round(http["output_tokens_per_s"], 1),
         "offline_output_tokens_per_s": round(offline.output_tokens_per_s, 1),
         "http_over_offline": round(ratio, 3),

@@ -1,6 +1,7 @@
 """A request's host-side state as it moves through the scheduler (pure Python, no jax)."""
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self.value.startswith("finished")  # no Enum hash: asked for every request every step
 
 
 _FINISH_REASONS = {
@@ -128,9 +129,9 @@ class Request:
         """A request that reports prompt logprobs computes its whole prompt."""
         return self.sampling_params.prompt_logprobs is None
 
-    @property
+    @functools.cached_property
     def max_num_tokens(self) -> int:
-        """Prompt + output length at which the request must stop."""
+        """Prompt + output length at which the request must stop (fixed: asked for every step)."""
         return max_num_tokens(self.num_prompt_tokens, self.sampling_params.max_tokens, self.max_model_len)
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
