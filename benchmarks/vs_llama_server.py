@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=PEERS / "llama.cpp/build/bin/llama-server")
     parser.add_argument("--gguf", type=Path, default=PEERS / "models/SmolLM2-135M-Instruct.F16.gguf")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--async-scheduling", action="store_true", help="serve jaxserve with --async-scheduling")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -74,7 +75,8 @@ def main() -> None:
         ladder = Path(tmp) / "ladder.yaml"
         ladder.write_text(yaml.safe_dump(LADDER))
         max_len = max(args.long_prompt + 64, 1024)
-        jaxserve = start_server(str(ladder), jax_port, args.dtype, "--max-model-len", str(max_len))
+        jaxserve = start_server(str(ladder), jax_port, args.dtype, "--max-model-len", str(max_len),
+                                *(["--async-scheduling"] if args.async_scheduling else []))
         try:
             for round_index in range(args.rounds):
                 for concurrency in args.concurrency:

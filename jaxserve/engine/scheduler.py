@@ -240,9 +240,12 @@ class Scheduler:
             filling.update(self._page_keys(request, end_page)[first:end_page])
         params = request.sampling_params
         keeps_sample = end == request.num_tokens + request.num_inflight_tokens
+        token_ids = tuple(request.token_ids(start, known_end))
+        if end > known_end:
+            token_ids += (PENDING_TOKEN,)
         scheduled = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids(start, known_end)) + (PENDING_TOKEN,) * (end - known_end),
+            token_ids=token_ids,
             start_position=start,
             page_ids=tuple(request.page_ids),
             keeps_sample=keeps_sample,
