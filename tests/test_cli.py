@@ -163,3 +163,15 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys):
     assert len(header) == 1 and header[0].split()[:3] == ["conc", "req/s", "out"]
     assert seen_before_level[1].split()[0] == "1"  # level 1's row, printed before level 4 ran
     assert [line.split()[0] for line in rest] == ["4", "(latencies"]
+
+
+def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):
+    parser = build_parser()
+    assert not _engine_config(parser.parse_args(["serve", "--config", "cpu"])).scheduler.async_scheduling
+    on = _engine_config(parser.parse_args(["serve", "--config", "cpu", "--async-scheduling"]))
+    assert on.scheduler.async_scheduling
+    preset = tmp_path / "async.yaml"
+    preset.write_text("scheduler:\n  async_scheduling: true\n")
+    assert _engine_config(parser.parse_args(["serve", "--config", str(preset)])).scheduler.async_scheduling
+    off = _engine_config(parser.parse_args(["serve", "--config", str(preset), "--no-async-scheduling"]))
+    assert not off.scheduler.async_scheduling
