@@ -194,11 +194,6 @@ class ModelRunner:
         return max(compile_bucket(self._step, self.model.state, shapes, b, device, self.mesh).temp_bytes
                    for b in largest)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> StepOutput:
-        """Runs a step and waits for its results."""
-        launched = self.launch(scheduler_output)
-        return StepOutput([], [], []) if launched is None else self.collect(launched)
-
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
         (nothing dispatched) when one request's values cannot be put in the batch."""
