@@ -41,13 +41,14 @@ def start_llama_server(binary: Path, gguf: Path, port: int, slots: int, context:
     return wait_until_healthy(process, port, timeout_s=120)
 
 
-def bench(port: int, concurrency: int, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
-    """One level of `jaxserve bench serve` against the server on `port`."""
+def bench(port: int, concurrency: int, num_prompts: int, input_len: int, output_len: int, seed: int,
+          sampling: list[str] = ()) -> dict:
+    """One level of `jaxserve bench serve` against the server on `port`; `sampling`: its sampling flags."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}/v1",
              "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", str(input_len),
-             "--output-len", str(output_len), "--seed", str(seed), "--json", out.name],
+             "--output-len", str(output_len), "--seed", str(seed), "--json", out.name, *sampling],
             check=True, stdout=subprocess.DEVNULL)
         (result,) = json.loads(Path(out.name).read_text())
     if result["failed"]:
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=PEERS / "models/SmolLM2-135M-Instruct.F16.gguf")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--async-scheduling", action="store_true", help="serve jaxserve with --async-scheduling")
+    parser.add_argument("--sampling", nargs=argparse.REMAINDER, default=[],
+                        help="last: `jaxserve bench serve` sampling flags sent to both servers, e.g. "
+                             "--sampling --temperature 1 --top-p 0.9 (default: greedy)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -89,13 +93,13 @@ def main() -> None:
                             llama = start_llama_server(args.llama_server, args.gguf, llama_port, concurrency, context)
                             try:
                                 result = bench(llama_port, concurrency, num_prompts, args.input_len,
-                                               args.output_len, seed)
+                                               args.output_len, seed, args.sampling)
                             finally:
                                 llama.terminate()
                                 llama.wait(30)
                         else:
                             result = bench(jax_port, concurrency, num_prompts, args.input_len, args.output_len,
-                                           seed)
+                                           seed, args.sampling)
                         runs.setdefault((name, concurrency), []).append(result)
                         print(f"round {round_index + 1} c={concurrency} {name}: "
                               f"{result['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "

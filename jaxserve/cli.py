@@ -231,6 +231,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> None:
         results.append(asyncio.run(run_level(
             args.base_url, args.model, concurrency, num_prompts, args.input_len, args.output_len,
             api_key=_api_key(args.api_key), seed=args.seed, prefix_len=args.prefix_len,
+            sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p},
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)
@@ -431,6 +432,12 @@ def _add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128,
                         help="tokens generated per request (EOS ignored, so exactly this many)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (default: 0, greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="sent with every request (default: not sent)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sent with every request, a vLLM/llama.cpp extension (default: not sent)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="sent with every request, a vLLM/llama.cpp extension (default: not sent)")
     parser.add_argument("--json", default=None, help="also write the results to this file (default: none)")
 
 

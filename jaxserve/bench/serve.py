@@ -80,8 +80,11 @@ async def run_level(
     api_key: str | None = None,
     seed: int = 0,
     prefix_len: int = 0,
+    sampling: dict[str, float | int | None] | None = None,
 ) -> dict:
-    """Sends `num_prompts` requests, `concurrency` at a time; returns the vLLM-style summary."""
+    """Sends `num_prompts` requests, `concurrency` at a time; returns the vLLM-style summary. `sampling`:
+    fields sent with every request (those set to None are left out); greedy by default."""
+    sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
     rng = random.Random(seed)
     prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
     url = f"{base_url.rstrip('/')}/completions"
@@ -90,7 +93,7 @@ async def run_level(
         {
             **({"model": model} if model else {}),
             "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
-            "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "max_tokens": output_len, "ignore_eos": True, **sampling, "stream": True,
             "stream_options": {"include_usage": True},
         }
         for _ in range(num_prompts)

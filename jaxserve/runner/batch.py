@@ -34,7 +34,8 @@ class SamplingArrays:
     repetition_penalty: jax.Array  # f32[R]; 1 = off
     frequency_penalty: jax.Array  # f32[R]; 0 = off
     presence_penalty: jax.Array  # f32[R]; 0 = off
-    wants_top_logprobs: jax.Array  # bool[R]
+    wants_logprobs: jax.Array  # bool[R]: the sampled token's logprob is reported
+    wants_top_logprobs: jax.Array  # bool[R]: and its top alternatives
     token_bitmask: jax.Array  # i32[R, ceil(V/32)]: bit t of a constrained row allows token t
     constrained: jax.Array  # bool[R]: the row samples under its grammar's bitmask
 
@@ -138,6 +139,7 @@ def _neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
             repetition_penalty=np.ones(num_reqs, np.float32),
             frequency_penalty=np.zeros(num_reqs, np.float32),
             presence_penalty=np.zeros(num_reqs, np.float32),
+            wants_logprobs=np.zeros(num_reqs, np.bool_),
             wants_top_logprobs=np.zeros(num_reqs, np.bool_),
             token_bitmask=np.full((num_reqs, bitmask_words(layout.vocab_size)), -1, np.int32),
             constrained=np.zeros(num_reqs, np.bool_),
@@ -199,6 +201,7 @@ def _fill_rows(
     sampling.min_p[:num_rows] = [p.min_p for p in params]
     sampling.seeds[:num_rows] = [item.sampling_seed for item in scheduled]
     sampling.output_index[:num_rows] = [item.num_output_tokens for item in scheduled]
+    sampling.wants_logprobs[:num_rows] = [p.logprobs is not None for p in params]
     sampling.wants_top_logprobs[:num_rows] = [bool(p.logprobs) for p in params]
 
     # Features few requests use: row by row, only for the rows that use them.

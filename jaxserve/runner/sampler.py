@@ -6,8 +6,10 @@ alternatives) are the raw model's, as in vLLM. If the bans leave a row no token 
 banning the only tokens its grammar allows), the row falls back to its grammar alone.
 
 Each optional stage sits behind a `lax.cond` on "does any row use it", so a plain greedy batch costs
-an argmax. Each row draws from its own key, fold_in(key(seed), output_index): the same seed gives the
-same tokens whatever shares the batch.
+an argmax, and logprobs cost nothing unless a row asks. Nothing sorts the vocabulary: top-k and top-p
+are thresholds on the probabilities and a draw is an inverse-CDF lookup (`selection`). Each row draws
+one uniform from its own key, fold_in(key(seed), output_index): the same seed gives the same tokens
+whatever shares the batch.
 """
 
 from dataclasses import dataclass
@@ -17,36 +19,14 @@ import jax.numpy as jnp
 
 from jaxserve.runner.batch import SamplingArrays
 from jaxserve.runner.penalties import PenaltyTables, apply_penalties
-
-
-def _filter_logits(
-    logits: jax.Array,  # f32[R, V], already divided by temperature
-    top_k: jax.Array,  # i32[R]
-    top_p: jax.Array,  # f32[R]
-    min_p: jax.Array,  # f32[R]
-) -> jax.Array:  # f32[R, V] with filtered-out tokens at -inf
-    """Top-k, then top-p over what top-k kept (renormalised), then min-p against the top token."""
-    vocab_size = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)  # [R, V]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)  # [R]
-    rank = jnp.arange(vocab_size)[None, :]
-    sorted_desc = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V]
-    # Bound by k explicitly: rounding can leave the cumulative mass just under top_p = 1.
-    kept = (mass_before < top_p[:, None]) & (rank < k[:, None])
-    num_kept = jnp.maximum(jnp.sum(kept, axis=-1), 1)  # [R]
-    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [R, 1]
-    min_p_cutoff = sorted_desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]  # log(p_max * min_p)
-    cutoff = jnp.maximum(cutoff, jnp.where(min_p[:, None] > 0, min_p_cutoff, -jnp.inf))
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+from jaxserve.runner.selection import first_argmax, sample_categorical, top_k_threshold, top_p_threshold
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
     tokens: jax.Array  # i32[R]
-    logprobs: jax.Array  # f32[R]: the sampled token's logprob under the raw model
+    logprobs: jax.Array  # f32[R]: the sampled token's logprob under the raw model (zeros unless a row asked)
     top_token_ids: jax.Array  # i32[R, L]: the L most likely tokens (zeros unless a row asked)
     top_logprobs: jax.Array  # f32[R, L]
 
@@ -62,6 +42,13 @@ def apply_token_bitmask(
     return jnp.where(constrained[:, None] & ~allowed, -jnp.inf, logits)
 
 
+def _modifies_logits(params: SamplingArrays, tables: PenaltyTables) -> jax.Array:  # bool[]
+    """Whether any row has a grammar, a logit bias or ban, or penalties."""
+    vocab_size, num_slots = tables.output_counts.shape[1], tables.output_counts.shape[0]
+    return (jnp.any(params.constrained) | jnp.any(params.bias_token_ids < vocab_size)
+            | jnp.any(params.penalty_slots < num_slots))
+
+
 def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables) -> jax.Array:
     """The grammar mask, then logit_bias (and min_tokens' bans), then penalties; each skipped when no row
     uses it."""
@@ -71,8 +58,6 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         lambda x: x,
         logits,
     )
-    vocab_size, num_slots = logits.shape[-1], tables.output_counts.shape[0]
-
     def process(masked: jax.Array) -> jax.Array:
         rows = jnp.broadcast_to(jnp.arange(masked.shape[0])[:, None], params.bias_token_ids.shape)
         biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
@@ -83,8 +68,43 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
         return jnp.where(no_token_left, masked, processed)
 
+    vocab_size, num_slots = logits.shape[-1], tables.output_counts.shape[0]
     needed = jnp.any(params.bias_token_ids < vocab_size) | jnp.any(params.penalty_slots < num_slots)
     return jax.lax.cond(needed, process, lambda x: x, logits)
+
+
+def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R, V] (max 1 per row) -> f32[R]
+    """The least probability a row keeps: top-k, then top-p over what top-k kept (renormalised), and
+    min-p against the top token (whose probability here is 1)."""
+    no_floor = jnp.zeros(probs.shape[0], jnp.float32)
+    floor_k = jax.lax.cond(jnp.any(params.top_k > 0), lambda: top_k_threshold(probs, params.top_k), lambda: no_floor)
+    floor_p = jax.lax.cond(
+        jnp.any(params.top_p < 1.0), lambda: top_p_threshold(probs, params.top_p, floor_k), lambda: no_floor
+    )
+    return jnp.maximum(jnp.maximum(floor_k, floor_p), params.min_p)
+
+
+def _reported_logprobs(
+    raw_logits: jax.Array, tokens: jax.Array, params: SamplingArrays, num_top_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sampled tokens' logprobs f32[R] and the top-L alternatives (f32[R, L], i32[R, L]) under the raw
+    model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as much as the sampling)."""
+    num_rows = raw_logits.shape[0]
+    no_top = (jnp.zeros((num_rows, num_top_logprobs), jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32))
+
+    def compute(raw: jax.Array):
+        log_total = jax.nn.logsumexp(raw, axis=-1)  # [R]
+        token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_total
+        wants_top = jnp.any(params.wants_top_logprobs)
+        top_logits, top_ids = jax.lax.cond(
+            wants_top, lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)), lambda x: no_top, raw
+        )
+        return token_logprobs, top_logits - log_total[:, None], top_ids.astype(jnp.int32)
+
+    def skip(raw: jax.Array):
+        return jnp.zeros(num_rows, jnp.float32), *no_top
+
+    return jax.lax.cond(jnp.any(params.wants_logprobs), compute, skip, raw_logits)
 
 
 def sample(
@@ -93,38 +113,24 @@ def sample(
     tables: PenaltyTables,
     num_top_logprobs: int,
 ) -> SamplerOutput:
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # what logprobs report, as in vLLM
-    logits = _process_logits(logits, params, tables)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature <= 0.0
 
     def random_tokens(logits: jax.Array) -> jax.Array:
         temperature = jnp.where(is_greedy, 1.0, params.temperature)
-        scaled = logits / temperature[:, None]
-        needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
-        scaled = jax.lax.cond(
-            needs_filter,
-            lambda x: _filter_logits(x, params.top_k, params.top_p, params.min_p),
-            lambda x: x,
-            scaled,
-        )
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
-            params.seeds, params.output_index
-        )
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-        sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-        return jnp.where(is_greedy, greedy_tokens, sampled)
+        probs = jnp.exp((logits - logits.max(axis=-1, keepdims=True)) / temperature[:, None])  # [R, V], max 1
+        floor = _keep_floor(probs, params)  # [R]
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.output_index)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # [R]
+        return sample_categorical(jnp.where(probs >= floor[:, None], probs, 0.0), uniforms)
 
-    tokens = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, random_tokens, logits)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    def choose(logits: jax.Array) -> jax.Array:  # f32[R, V] -> i32[R]
+        greedy_tokens = first_argmax(logits)
+        mixed = lambda x: jnp.where(is_greedy, greedy_tokens, random_tokens(x))  # noqa: E731
+        return jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, mixed, logits)
 
-    num_rows = logits.shape[0]
-    no_top = (jnp.zeros((num_rows, num_top_logprobs), jnp.float32),
-              jnp.zeros((num_rows, num_top_logprobs), jnp.int32))
-    top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(params.wants_top_logprobs),
-        lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)),
-        lambda x: no_top,
-        raw_logprobs,
+    # Branches that return tokens, not logits: a cond passing [R, V] logits through unchanged copies them.
+    tokens = jax.lax.cond(
+        _modifies_logits(params, tables), lambda x: choose(_process_logits(x, params, tables)), choose, logits
     )
-    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs)
+    return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

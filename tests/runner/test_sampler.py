@@ -26,7 +26,7 @@ def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_in
         bias_token_ids=np.full((ROWS, BIASED), VOCAB, np.int32), bias_values=np.zeros((ROWS, BIASED), np.float32),
         penalty_slots=full(SLOTS, np.int32), repetition_penalty=full(1.0, np.float32),
         frequency_penalty=full(0.0, np.float32), presence_penalty=full(0.0, np.float32),
-        wants_top_logprobs=full(False, np.bool_),
+        wants_logprobs=full(True, np.bool_), wants_top_logprobs=full(False, np.bool_),
         token_bitmask=np.full((ROWS, bitmask_words(VOCAB)), -1, np.int32), constrained=full(False, np.bool_),
     )
     return SamplingArrays(**{**fields, **extra})
