@@ -69,9 +69,12 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true", help="serve jaxserve with --async-scheduling")
     parser.add_argument("--sampling", nargs=argparse.REMAINDER, default=[],
                         help="last: `jaxserve bench serve` sampling flags sent to both servers, e.g. "
-                             "--sampling --temperature 1 --top-p 0.9 (default: greedy)")
+                             "--sampling --temperature 1 --top-p 0.9 (default: greedy); top-k, top-p and "
+                             "min-p not given are sent switched off, or llama-server would apply its defaults")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.sampling:  # the flags given last win
+        args.sampling = ["--top-k", "0", "--top-p", "1", "--min-p", "0", *args.sampling]
 
     jax_port, llama_port = 8190, 8191
     runs: dict[tuple[str, int], list[dict]] = {}

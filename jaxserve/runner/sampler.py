@@ -42,11 +42,14 @@ def apply_token_bitmask(
     return jnp.where(constrained[:, None] & ~allowed, -jnp.inf, logits)
 
 
+def _uses_bias_or_penalties(params: SamplingArrays, tables: PenaltyTables) -> jax.Array:  # bool[]
+    num_slots, vocab_size = tables.output_counts.shape
+    return jnp.any(params.bias_token_ids < vocab_size) | jnp.any(params.penalty_slots < num_slots)
+
+
 def _modifies_logits(params: SamplingArrays, tables: PenaltyTables) -> jax.Array:  # bool[]
     """Whether any row has a grammar, a logit bias or ban, or penalties."""
-    vocab_size, num_slots = tables.output_counts.shape[1], tables.output_counts.shape[0]
-    return (jnp.any(params.constrained) | jnp.any(params.bias_token_ids < vocab_size)
-            | jnp.any(params.penalty_slots < num_slots))
+    return jnp.any(params.constrained) | _uses_bias_or_penalties(params, tables)
 
 
 def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables) -> jax.Array:
@@ -58,6 +61,7 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         lambda x: x,
         logits,
     )
+
     def process(masked: jax.Array) -> jax.Array:
         rows = jnp.broadcast_to(jnp.arange(masked.shape[0])[:, None], params.bias_token_ids.shape)
         biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
@@ -68,9 +72,7 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
         return jnp.where(no_token_left, masked, processed)
 
-    vocab_size, num_slots = logits.shape[-1], tables.output_counts.shape[0]
-    needed = jnp.any(params.bias_token_ids < vocab_size) | jnp.any(params.penalty_slots < num_slots)
-    return jax.lax.cond(needed, process, lambda x: x, logits)
+    return jax.lax.cond(_uses_bias_or_penalties(params, tables), process, lambda x: x, logits)
 
 
 def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R, V] (max 1 per row) -> f32[R]

@@ -14,7 +14,7 @@ runs at memory speed:
   whose probability mass strictly above them is under top_p of what top-k kept (ties kept together).
 - `sample_categorical`: inverse-CDF sampling with one uniform per row: the row's mass per chunk, the
   chunk where the cumulative mass crosses u x total, then the token inside it. Tokens of zero
-  probability are never drawn.
+  probability are never drawn (each level also requires weight, as XLA:CPU's blocked cumsum rounds).
 """
 
 import jax
@@ -69,7 +69,7 @@ def top_k_threshold(probs: jax.Array, top_k: jax.Array) -> jax.Array:  # f32[R, 
     one = _bits(jnp.ones(probs.shape[0], jnp.float32))
     lowest_too_high = _bisect(jnp.zeros_like(one), one + 1, too_high)  # count(p >= 0) = V >= k: not too high
     threshold = _float(lowest_too_high - 1)
-    # XLA:CPU flushes subnormals to zero, so a k-th largest of 0 comes out as the least normal float.
+    # XLA:CPU flushes subnormals to zero, so a k-th largest of 0 comes out as a subnormal bit pattern.
     return jnp.where((top_k > 0) & (threshold >= jnp.finfo(jnp.float32).tiny), threshold, 0.0)
 
 
@@ -97,14 +97,22 @@ def sample_categorical(weights: jax.Array, uniforms: jax.Array) -> jax.Array:
     chunk_mass = chunks.sum(axis=-1)  # [R, C]
     cumulative = jnp.cumsum(chunk_mass, axis=-1)  # [R, C]
     target = uniforms * cumulative[:, -1]  # [R]
-    last_chunk = _last_positive(chunk_mass)
-    chunk = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=-1), last_chunk)  # [R]
+    chunk = _first_crossing(cumulative, chunk_mass, target)  # [R]
     before = jnp.where(chunk > 0, jnp.take_along_axis(cumulative, (chunk - 1)[:, None], axis=1)[:, 0], 0.0)
     inner = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]  # [R, CHUNK]
-    inner_cumulative = before[:, None] + jnp.cumsum(inner, axis=-1)  # [R, CHUNK]
-    # Rounding can leave the chunk's own sum just under the target: then its last positive token.
-    index = jnp.minimum(jnp.sum(inner_cumulative <= target[:, None], axis=-1), _last_positive(inner))
+    index = _first_crossing(before[:, None] + jnp.cumsum(inner, axis=-1), inner, target)
     return (chunk * CHUNK + index).astype(jnp.int32)
+
+
+def _first_crossing(cumulative: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """The first index whose cumulative weight exceeds `target` and whose own weight is positive, else the
+    last positive one: f32[R, N], f32[R, N], f32[R] -> i32[R].
+
+    The weight test is what keeps zero-weight tokens out: XLA:CPU's cumsum adds in blocks, so its prefix
+    sums need not be monotone nor stay flat over zeros, and a target can fall in such a rounding step."""
+    positions = jnp.arange(weights.shape[-1], dtype=jnp.int32)
+    crossing = (cumulative > target[:, None]) & (weights > 0)
+    return jnp.min(jnp.where(crossing, positions, _last_positive(weights)[:, None]), axis=-1)
 
 
 def _last_positive(x: jax.Array) -> jax.Array:  # f32[R, N] -> i32[R]: the last index with x > 0 (0 if none)

@@ -172,3 +172,16 @@ def test_top_logprobs_are_the_raw_models_top_tokens():
     order = np.argsort(-reference[3])[:TOP]
     np.testing.assert_array_equal(np.asarray(out.top_token_ids)[3], order)
     np.testing.assert_allclose(np.asarray(out.top_logprobs)[3], reference[3, order], atol=1e-5)
+
+
+def test_logprobs_are_computed_for_the_rows_that_ask_and_change_no_token():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((ROWS, VOCAB)).astype(np.float32)
+    temperature = np.where(np.arange(ROWS) % 2 == 0, 0.0, 1.0).astype(np.float32)  # greedy and sampled rows
+    asks = np.arange(ROWS) % 3 == 0
+    tables = PenaltyTables.zeros(SLOTS, VOCAB)
+    nobody = _sample(logits, arrays(temperature, wants_logprobs=np.zeros(ROWS, np.bool_)), tables)
+    some = _sample(logits, arrays(temperature, wants_logprobs=asks), tables)
+    np.testing.assert_array_equal(nobody.tokens, some.tokens)  # the same draws whether logprobs are wanted
+    expected = np.asarray(jax.nn.log_softmax(logits.astype(np.float64)))[np.arange(ROWS), np.asarray(some.tokens)]
+    np.testing.assert_allclose(np.asarray(some.logprobs)[asks], expected[asks], atol=1e-5)

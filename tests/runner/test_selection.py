@@ -95,3 +95,23 @@ def test_categorical_draw_is_the_inverse_cdf(vocab):
             step = cdf[min(got[i, row], expected[i])] / cdf[-1]
             assert abs(step - uniforms[i]) < 1e-5, (row, i, got[i, row], expected[i])
         assert len(mismatched) <= 2
+
+
+def test_no_zero_weight_draw_where_blocked_prefix_sums_round():
+    """XLA:CPU's cumsum adds in blocks: over many all-zero chunks its prefix sums can step up or down by
+    rounding. Uniforms placed right at those steps must still draw tokens with weight."""
+    vocab = 128256  # Llama 3's vocabulary: 1,002 chunks
+    rng = np.random.default_rng(0)
+    weights = (rng.random((1, vocab)) ** 6).astype(np.float32)
+    weights[:, np.repeat(rng.random(vocab // CHUNK) < 0.5, CHUNK)] = 0.0  # half the chunks filtered out
+    chunk_mass = weights.reshape(-1, CHUNK).sum(-1)
+    boundaries = (np.cumsum(chunk_mass.astype(np.float64)) / chunk_mass.sum())[:-1].astype(np.float32)
+    below, above = boundaries.copy(), boundaries.copy()
+    uniforms = [boundaries]
+    for _ in range(3):  # three float32 steps either side of every chunk boundary
+        below, above = np.nextafter(below, np.float32(0)), np.nextafter(above, np.float32(1))
+        uniforms += [below, above]
+    uniforms = np.clip(np.concatenate(uniforms), 0.0, 1 - 2**-24).astype(np.float32)
+    draw = jax.jit(jax.vmap(sample_categorical, in_axes=(None, 0)))
+    tokens = np.asarray(draw(weights, uniforms[:, None]))[:, 0]
+    assert (weights[0, tokens] > 0).all(), f"zero-weight tokens drawn: {tokens[weights[0, tokens] == 0][:5]}"
