@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -42,7 +43,7 @@ def start_llama_server(binary: Path, gguf: Path, port: int, slots: int, context:
 
 
 def bench(port: int, concurrency: int, num_prompts: int, input_len: int, output_len: int, seed: int,
-          sampling: list[str] = ()) -> dict:
+          sampling: Sequence[str] = ()) -> dict:
     """One level of `jaxserve bench serve` against the server on `port`; `sampling`: its sampling flags."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(

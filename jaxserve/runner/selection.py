@@ -8,10 +8,11 @@ runs at memory speed:
 
 - `first_argmax`: the maximum of each 128-token chunk, the first chunk holding the row's maximum, the
   first index of it inside that chunk. Same answer as `jnp.argmax` (first index on ties, NaN wins).
-- `keep_threshold`: top-k and top-p as a threshold on the probabilities, found by bisecting the float's
-  bit pattern (non-negative float32s order like their uint32 bits), one masked count or sum per step.
-  The kept set is the sort-based one: every token at or above the k-th largest probability, then those
-  whose probability mass strictly above them is under top_p of what top-k kept (ties kept together).
+- `top_k_threshold`, `top_p_threshold`: top-k and top-p as a threshold on the probabilities, found by
+  bisecting the float's bit pattern (non-negative float32s order like their uint32 bits), one masked
+  count or sum per step. The kept set is the sort-based one: every token at or above the k-th largest
+  probability, then those whose probability mass strictly above them is under top_p of what top-k kept
+  (ties kept together).
 - `sample_categorical`: inverse-CDF sampling with one uniform per row: the row's mass per chunk, the
   chunk where the cumulative mass crosses u x total, then the token inside it. Tokens of zero
   probability are never drawn (each level also requires weight, as XLA:CPU's blocked cumsum rounds).
