@@ -42,15 +42,16 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: list[int]) -> bool:
         """Appends generated tokens to the text; True if a stop string ended the sequence."""
-        for token_id in new_token_ids:
-            piece = self.stream.step(self.backend, token_id)
-            if not piece:  # an incomplete character: wait for the next token
-                continue
-            old_len = len(self.text)
-            self.text += piece
-            if self._max_stop_len and self._check_stop(old_len):
-                return True
-        return False
+        return any(self.add_token(token_id) for token_id in new_token_ids)
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends one generated token to the text; True if a stop string ended the sequence."""
+        piece = self.stream.step(self.backend, token_id)
+        if not piece:  # an incomplete character: wait for the next token
+            return False
+        old_len = len(self.text)
+        self.text += piece
+        return bool(self._max_stop_len) and self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> bool:
         search_from = max(0, old_len - self._max_stop_len + 1)

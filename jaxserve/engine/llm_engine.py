@@ -47,6 +47,8 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer
+    parent: "_RequestState"
+    index: int  # among the parent's n completions
     num_sent_tokens: int = 0
 
 
@@ -55,7 +57,11 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sequences: list[_Sequence]
+    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.request.status.is_finished for seq in self.sequences)
 
     def output(self, index: int) -> CompletionOutput:
         seq = self.sequences[index]
@@ -104,6 +110,7 @@ class LLMEngine:
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self._requests: dict[str, _RequestState] = {}
+        self._sequences: dict[str, _Sequence] = {}  # by sequence ("<id>#<i>") id: the scheduler's request ids
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         # Its own tokenizer copy: the server compiles grammars on another thread.
@@ -155,7 +162,7 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
-        sequences = []
+        state = _RequestState(request_id, prompt_text, prompt_token_ids)
         # The first sequence computes prompt logprobs (they are the request's); the others may read its
         # prompt from the prefix cache.
         sibling_params = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
@@ -172,18 +179,20 @@ class LLMEngine:
                 grammar=grammar.matcher() if grammar is not None else None,
             )
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
-            sequences.append(_Sequence(request, detok))
-        for seq in sequences:
+            state.sequences.append(_Sequence(request, detok, state, index))
+        for seq in state.sequences:
             # Raises if the cache cannot hold the request; all n sequences have the same size, so
             # either the first one raises or none does.
             self.scheduler.add_request(seq.request)
-        self._requests[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, sequences)
+        self._requests[request_id] = state
+        self._sequences.update((seq.request.request_id, seq) for seq in state.sequences)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their pages are free when this returns."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            state = self._requests.pop(request_id, None)
+            state = self._requests.get(request_id)
             if state is not None:
+                self._forget(state)
                 ids = [seq.request.request_id for seq in state.sequences]
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
@@ -235,35 +244,34 @@ class LLMEngine:
         touched: dict[str, _RequestState] = {}
         failed: list[RequestOutput] = []
         for request in advanced:
-            parent_id, index = request.request_id.rsplit("#", 1)
-            state = self._requests.get(parent_id)
-            if state is None:  # failed earlier in this loop (another of its n sequences)
+            seq = self._sequences.get(request.request_id)
+            if seq is None:  # failed earlier in this loop (another of its n sequences)
                 continue
-            seq = state.sequences[int(index)]
+            state = seq.parent
             if request.grammar_error is not None:  # the request's grammar, not the engine (e.g. over its limits)
                 failed.append(self._fail(request.request_id, InvalidParam(
                     f"the structured output failed during generation: {request.grammar_error}",
                     "structured_outputs")))
-                touched.pop(parent_id, None)
+                touched.pop(state.request_id, None)
                 continue
             try:
-                stopped = seq.detokenizer.add_tokens(request.output_token_ids[-1:])
+                stopped = seq.detokenizer.add_token(request.output_token_ids[-1])
             except Exception as e:
                 failed.append(self._fail(request.request_id, e))
-                touched.pop(parent_id, None)
+                touched.pop(state.request_id, None)
                 continue
             if stopped and not request.status.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = seq.detokenizer.stop_reason
-            touched[parent_id] = state
+            touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():
-            finished = all(seq.request.status.is_finished for seq in state.sequences)
-            completions = [state.output(i) for i in range(len(state.sequences))]
+            finished = state.finished
             first = state.sequences[0].request
             outputs.append(
                 RequestOutput(
-                    request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                    request_id, state.prompt, state.prompt_token_ids,
+                    [state.output(i) for i in range(len(state.sequences))], finished,
                     metrics=request_metrics([seq.request for seq in state.sequences]) if finished else None,
                     num_cached_tokens=first.num_cached_tokens,
                     prompt_logprobs=(None if first.sampling_params.prompt_logprobs is None
@@ -271,15 +279,21 @@ class LLMEngine:
                 )
             )
             if finished:
-                del self._requests[request_id]
+                self._forget(state)
         return outputs + failed
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._requests[state.request_id]
+        for seq in state.sequences:
+            del self._sequences[seq.request.request_id]
 
     def _fail(self, sequence_id: str, cause: BaseException) -> RequestOutput:
         """Ends the request that sequence `sequence_id` belongs to (all its n sequences) after `cause`
         and reports it as failed."""
         parent_id = sequence_id.rsplit("#", 1)[0]
         logger.error("request %s failed and was dropped: %r", parent_id, cause, exc_info=cause)
-        state = self._requests.pop(parent_id)
+        state = self._requests[parent_id]
+        self._forget(state)
         ids = [seq.request.request_id for seq in state.sequences]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         completions = [CompletionOutput(index=i, finish_reason="error") for i in range(len(ids))]

@@ -86,7 +86,7 @@ def build_step_batch(
     bucket: Bucket,
     layout: BatchLayout,
     penalty_slots: list[int | None],  # per scheduled request
-    previous_rows: dict[str, int] | None = None,  # request id -> its row in the previous step
+    previous: tuple[ScheduledRequest, ...] = (),  # the previous step's requests, in row order
 ) -> StepBatch:
     """The step's arrays, filled column by column for all rows at once (a Python loop per row costs 20 us,
     a step of 256 decodes 5 ms). A value that cannot go in its column (one request's bad data) raises
@@ -94,11 +94,11 @@ def build_step_batch(
     scheduled = scheduler_output.scheduled
     batch = _neutral_batch(bucket, layout)
     try:
-        _fill_rows(batch, scheduled, penalty_slots, layout, previous_rows or {})
+        _fill_rows(batch, scheduled, penalty_slots, layout, previous)
     except Exception as error:
         for item, slot in zip(scheduled, penalty_slots, strict=True):
             try:
-                _fill_rows(_neutral_batch(bucket, layout), (item,), [slot], layout, previous_rows or {})
+                _fill_rows(_neutral_batch(bucket, layout), (item,), [slot], layout, previous)
             except Exception as e:  # one request's values must not fail the whole step
                 raise RequestFault(item.request_id) from e
         raise error
@@ -158,7 +158,7 @@ def _fill_rows(
     scheduled: tuple[ScheduledRequest, ...],
     penalty_slots: list[int | None],
     layout: BatchLayout,
-    previous_rows: dict[str, int],
+    previous: tuple[ScheduledRequest, ...],
 ) -> None:
     """Writes `scheduled` into rows 0.. of a neutral batch."""
     num_rows = len(scheduled)
@@ -176,7 +176,8 @@ def _fill_rows(
     token_ids = np.fromiter(itertools.chain.from_iterable(item.token_ids for item in scheduled), np.int64, total)
     pending = token_ids == PENDING_TOKEN  # sampled by the previous step, still on the device
     batch.input_ids[:total] = np.where(pending, 0, token_ids)
-    if pending.any():
+    if pending.any():  # async scheduling: the map is built only then (~1 us per request)
+        previous_rows = {item.request_id: row for row, item in enumerate(previous) if item.keeps_sample}
         batch.input_from_row[:total][pending] = [previous_rows[scheduled[row].request_id]
                                                  for row in row_of_token[pending]]
     batch.positions[:total] = positions

@@ -144,10 +144,10 @@ class ModelRunner:
         if self.mesh is not None:
             self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))
         self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
-        # The last step's samples by row, on the device, and each request's row in it (async scheduling).
+        # The last step's samples by row, on the device, and its requests in row order (async scheduling).
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
-        self._previous_rows: dict[str, int] = {}
+        self._previous_scheduled: tuple[ScheduledRequest, ...] = ()
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
@@ -205,9 +205,9 @@ class ModelRunner:
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
         batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled),
-                                 self._previous_rows)
+                                 self._previous_scheduled)
         sampled, prompt = self.run_step(batch, bucket)
-        self._previous_rows = {item.request_id: row for row, item in enumerate(scheduled) if item.keeps_sample}
+        self._previous_scheduled = scheduled
         return LaunchedStep(scheduler_output, batch, sampled, prompt)
 
     def collect(self, launched: LaunchedStep) -> StepOutput:

@@ -44,10 +44,10 @@ def test_a_detokenizer_fault_fails_its_request_alone(engine):
     engine.add_request("bad", prompts[0], SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True))
     engine.add_request("good", prompts[1], greedy(6))
 
-    def explode(token_ids):
+    def explode(token_id):
         raise RuntimeError("decoder fault")
 
-    engine._requests["bad"].sequences[1].detokenizer.add_tokens = explode
+    engine._requests["bad"].sequences[1].detokenizer.add_token = explode
     finals = run_all(engine)
     assert "RuntimeError" in finals["bad"].error and len(finals["bad"].outputs) == 2
     assert finals["good"].outputs[0].token_ids == expected
