@@ -23,14 +23,21 @@ $(TEST_STAMP): $(SERVE_STAMP)
 
 setup: $(TEST_STAMP)
 
+# The suite runs on TEST_WORKERS pytest-xdist workers, each taking whole files (module fixtures start
+# servers). tests/api/test_fuzz.py runs on its own afterwards: schemathesis gives all its cases one node
+# id, and xdist, which tracks tests by node id, would run only one of them.
+TEST_WORKERS ?= 2
+FUZZ := tests/api/test_fuzz.py
+
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore $(FUZZ) tests
+	$(BIN)/pytest -q $(FUZZ)
 
 # Everything but the tests marked slow (real models, transformers parity); meant to take under two minutes.
 test-fast: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -m "not slow" tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests  # the fuzz cases are slow
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
