@@ -2,9 +2,10 @@
 
 Threads and queues:
 - One engine thread owns the LLMEngine and is the only code that touches it. It loops: apply pending
-  commands (add / abort) from a thread-safe `queue.Queue`, run `engine.step()`, hand each RequestOutput
-  to its request's `asyncio.Queue` through `loop.call_soon_threadsafe`. With no work it blocks on the
-  command queue, so an idle server burns no CPU.
+  commands (add / abort) from a thread-safe `queue.Queue`, run `engine.step()`, hand the step's
+  RequestOutputs to their requests' `asyncio.Queue`s with one `loop.call_soon_threadsafe` per event loop
+  (each call writes to the loop's self-pipe: one per request would be 256 system calls per step at 256
+  streams). With no work it blocks on the command queue, so an idle server burns no CPU.
 - The event loop never waits on the device. `generate()` is an async iterator over one request's queue;
   leaving it early (client gone, task cancelled) sends an abort, which frees the request's KV pages at
   the start of the next engine iteration.
@@ -97,6 +98,12 @@ class _FailAll:
 
 
 _STOP = object()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: one step's outputs into their requests' queues."""
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 class AsyncEngine:
@@ -197,8 +204,7 @@ class AsyncEngine:
                 if not self._apply_commands(block):
                     return
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output)
+                    self._deliver(self.engine.step())
                 scheduler = self.engine.scheduler
                 self.stats = EngineStats(
                     len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage,
@@ -249,17 +255,22 @@ class AsyncEngine:
                 continue
             self._streams[command.request_id] = command
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        if output.finished:
-            del self._streams[output.request_id]
-        item: RequestOutput | BaseException = output
-        if output.error is not None:  # a client error (a 400) or the engine's (a 500)
-            item = InvalidParam(output.error, output.error_param) if output.error_param else RequestFailedError(
-                output.error)
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams: one wake-up per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            item: RequestOutput | BaseException = output
+            if output.error is not None:  # a client error (a 400) or the engine's (a 500)
+                item = InvalidParam(output.error, output.error_param) if output.error_param else RequestFailedError(
+                    output.error)
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_pending(self, error: BaseException) -> None:
         while True:

@@ -48,7 +48,6 @@ class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer
     parent: "_RequestState"
-    index: int  # among the parent's n completions
     num_sent_tokens: int = 0
 
 
@@ -179,7 +178,7 @@ class LLMEngine:
                 grammar=grammar.matcher() if grammar is not None else None,
             )
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
-            state.sequences.append(_Sequence(request, detok, state, index))
+            state.sequences.append(_Sequence(request, detok, state))
         for seq in state.sequences:
             # Raises if the cache cannot hold the request; all n sequences have the same size, so
             # either the first one raises or none does.
