@@ -289,9 +289,9 @@ class LLMEngine:
     def _fail(self, sequence_id: str, cause: BaseException) -> RequestOutput:
         """Ends the request that sequence `sequence_id` belongs to (all its n sequences) after `cause`
         and reports it as failed."""
-        parent_id = sequence_id.rsplit("#", 1)[0]
+        state = self._sequences[sequence_id].parent
+        parent_id = state.request_id
         logger.error("request %s failed and was dropped: %r", parent_id, cause, exc_info=cause)
-        state = self._requests[parent_id]
         self._forget(state)
         ids = [seq.request.request_id for seq in state.sequences]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
