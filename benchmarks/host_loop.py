@@ -10,17 +10,23 @@ splits each decode step's wall time, by timing the engine's own phases in place:
 - build: `build_step_batch` (numpy inputs for the bucket, sampling rows, bitmasks)
 - dispatch: the compiled step called until it returns (flattening the arguments, launching)
 - device: waiting for the sampled tokens (`to_host`), the device's share
-- rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, detokenizing, outputs
+- frontend: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s)
+- rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, the `SequenceUpdate`s
 
-"host" is the total minus the wait for the device. With async scheduling (`--modes async`) the host's
-work for step N + 1 runs while the device computes step N, so the wait shrinks by what overlaps; on a
-CPU the "device" is the same two cores, so the overlap is partial there and whole on a GPU.
+"host" is the total minus the wait for the device. "core host" is what stays on the engine core's loop
+when it runs in its own process (`--engine-process`): host minus frontend, plus pickling the step's
+updates for the pipe ("pickle", timed on the side, not part of the step here).
+
+With async scheduling (`--modes async`) the host's work for step N + 1 runs while the device computes
+step N, so the wait shrinks by what overlaps; on a CPU the "device" is the same two cores, so the overlap
+is partial there and whole on a GPU.
 
     python benchmarks/host_loop.py --seqs 64 256 --modes sync async --json docs/host-loop-cpu.json
 """
 
 import argparse
 import json
+import pickle
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -81,6 +87,19 @@ def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
     model_runner.build_step_batch = timed("build", model_runner.build_step_batch)
     model_runner.to_host = timed("device", model_runner.to_host)
     runner._compiled = {bucket: timed("dispatch", compiled) for bucket, compiled in runner._compiled.items()}
+    engine.outputs.process = timed("frontend", engine.outputs.process)
+    core_step = engine.core.step
+
+    def core_step_and_pickle():
+        updates = core_step()
+        start = time.perf_counter()
+        pickle.dumps(("step", updates, engine.core.stats()), protocol=pickle.HIGHEST_PROTOCOL)
+        pickled = time.perf_counter() - start
+        phases["pickle"] += pickled
+        phases["untimed"] += pickled
+        return updates
+
+    engine._core.step = core_step_and_pickle
 
     params = SamplingParams(max_tokens=decode_steps + 16, temperature=0.0, ignore_eos=True)  # none ends early
     for i in range(num_seqs):
@@ -98,11 +117,13 @@ def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
         total = time.perf_counter() - start
         last = runner.last_step
         assert last.bucket.decode_only and last.num_reqs == num_seqs, (last, num_seqs)
-        known = sum(phases.values())
+        total -= phases.pop("untimed", 0.0)
+        known = sum(v for k, v in phases.items() if k != "pickle")
         rows.append({**{k: v * 1e3 for k, v in phases.items()}, "rest": (total - known) * 1e3,
                      "total": total * 1e3})
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
     median["host"] = median["total"] - median.get("device", 0.0)
+    median["core host"] = median["host"] - median.get("frontend", 0.0) + median.get("pickle", 0.0)
     engine.shutdown()
     return {"seqs": num_seqs, "mode": mode, "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}
@@ -116,7 +137,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = [measure(n, args.steps, mode) for n in args.seqs for mode in args.modes]
-    keys = ["schedule", "build", "dispatch", "device", "rest", "host", "total"]
+    keys = ["schedule", "build", "dispatch", "device", "frontend", "rest", "host", "pickle", "core host", "total"]
     print("| running seqs | loop | " + " | ".join(f"{k} ms" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
     for result in results:

@@ -100,6 +100,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="schedule and dispatch each step before reading the previous step's tokens, so the "
                             "host's work overlaps the device's; a stop is seen one step late and the extra "
                             "token dropped (default: the preset's)")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine core (scheduler, model runner) in its own process, with tokenizing, "
+                            "detokenizing and HTTP in this one, as vLLM V1 does (default: off)")
     group.add_argument("--block-size", dest="page_size", type=int, default=None,
                        help="tokens per KV page (default: the preset's)")
     group.add_argument("--num-kv-pages", type=int, default=None,
@@ -152,6 +155,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=args.async_scheduling,
+        engine_process=args.engine_process,
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -199,8 +203,8 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
     startup = time.perf_counter() - start
     results = run_offline_benchmark(engine, args.concurrency, args.input_len, args.output_len)
     report = {
-        "model": engine.model.name,
-        "dtype": engine.model.dtype.dtype.name,
+        "model": engine.info.model_name,
+        "dtype": engine.info.dtype,
         "startup_s": round(startup, 1),
         "warmup_s": round(engine.warmup_seconds, 1),
         "peak_rss_gib": round(peak_rss_gib(), 2),

@@ -126,8 +126,14 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     # Ready once one bucket (the largest, which holds any step) is compiled; the rest compile while serving.
     background_warmup: bool = False
+    # The engine core (scheduler, runner, the model) in its own process; detokenizing and outputs stay in
+    # the caller's (vLLM V1's split).
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.parallel.multihost and self.engine_process:
+            raise ValueError("a multi-host engine runs its core in the server's process: engine_process is "
+                             "single-host")
         if self.parallel.multihost and self.background_warmup:
             raise ValueError("a multi-host engine warms up fully: every process must run the same buckets in "
                              "the same order")

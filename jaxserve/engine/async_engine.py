@@ -5,10 +5,13 @@ Threads and queues:
   commands (add / abort) from a thread-safe `queue.Queue`, run `engine.step()`, hand the step's
   RequestOutputs to their requests' `asyncio.Queue`s with one `loop.call_soon_threadsafe` per event loop
   (each call writes to the loop's self-pipe: one per request would be 256 system calls per step at 256
-  streams). With no work it blocks on the command queue, so an idle server burns no CPU.
+  streams). With no work it waits on the command queue, waking twice a second to refresh `stats`.
 - The event loop never waits on the device. `generate()` is an async iterator over one request's queue;
   leaving it early (client gone, task cancelled) sends an abort, which frees the request's KV pages at
   the start of the next engine iteration.
+- With `engine_process`, the LLMEngine's core runs in its own process and `engine.step()` waits on its
+  pipe: this thread then only tokenizes, detokenizes and delivers, and shares the GIL with the event
+  loop alone.
 - The GIL is released while XLA runs a step, so the event loop keeps serving HTTP during device work.
 - Faults are sorted by cause. One request's bad data (its batch row, its detokenization) fails that
   request alone with RequestFailedError, and the engine serves on. Anything else raised by a step (the
@@ -31,10 +34,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jaxserve.engine.core_io import EngineInfo, EngineStats
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import InvalidParam, RequestLimits, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import InvalidParam, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,35 +49,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (or ended it at shutdown) and serves on."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Fixed facts about the loaded engine, safe to read from any thread."""
-
-    model_name: str
-    model_root: str  # the directory or .gguf file the weights came from
-    model_dir: str | None  # the HF directory (generation_config.json), None for a .gguf
-    limits: RequestLimits
-    page_size: int
-    num_kv_pages: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after each iteration (read by /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable pages in use
-    num_preemptions: int = 0  # since start
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
-    prefix_cache_hits: int = 0  # of which were found cached
-    iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
-    iteration_tokens_sum: int = 0
 
 
 @dataclass
@@ -98,6 +73,7 @@ class _FailAll:
 
 
 _STOP = object()
+_IDLE_REFRESH_S = 0.5  # an idle engine thread wakes this often to refresh `stats` (a core process's come late)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -109,18 +85,7 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        source = engine.model.source
-        self.info = EngineInfo(
-            model_name=engine.model.name,
-            model_root=str(source.directory / source.gguf_file if source.gguf_file else source.directory),
-            model_dir=None if source.gguf_file else str(source.directory),
-            limits=engine.limits,
-            page_size=engine.kv_cache.page_size,
-            num_kv_pages=engine.kv_cache.num_pages,
-            max_num_seqs=engine.config.scheduler.max_num_seqs,
-            max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
-            enable_prefix_caching=engine.kv_cache.enable_prefix_caching,
-        )
+        self.info: EngineInfo = engine.info
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # for other threads; the engine thread has its own
         self._grammars = engine.grammars  # thread-safe; only compile() is called from here
         self._grammar_pool = ThreadPoolExecutor(2, "jaxserve-grammar")
@@ -205,15 +170,7 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
-                scheduler = self.engine.scheduler
-                self.stats = EngineStats(
-                    len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache.usage,
-                    num_preemptions=scheduler.num_preemptions,
-                    prefix_cache_queries=scheduler.prefix_cache_queries,
-                    prefix_cache_hits=scheduler.prefix_cache_hits,
-                    iteration_tokens_buckets=tuple(scheduler.iteration_tokens.bucket_counts),
-                    iteration_tokens_sum=scheduler.iteration_tokens.sum,
-                )
+                self.stats = self.engine.stats()
         except BaseException as e:
             logger.exception("engine step failed; the engine is dead")
             error = EngineDeadError(f"engine failed: {e!r}")
@@ -228,7 +185,7 @@ class AsyncEngine:
         """Applies queued commands (waiting for one if `block`); False once asked to stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=_IDLE_REFRESH_S if block else None)
             except queue.Empty:
                 return True
             block = False

@@ -105,7 +105,10 @@ def compile_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, compile_cache) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("server"), compile_cache, "--api-key", API_KEY)
+    """The shared server runs its engine core in its own process (`--engine-process`), so the HTTP suites
+    cover that split; the in-thread core serves the TestClient apps and the fuzz and hardening servers."""
+    server = start_server(tmp_path_factory.mktemp("server"), compile_cache, "--api-key", API_KEY,
+                          "--engine-process")
     yield server
     stop_server(server)
 

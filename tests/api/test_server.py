@@ -3,6 +3,7 @@
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,6 +24,13 @@ def test_health_models_version_and_loading(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 2048
+
+
+def test_the_engine_core_runs_in_its_own_process(server):
+    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children]
+    assert any(b"spawn_main" in command for command in commands), commands
+    assert "[core]" in server.log()  # the core process's own log lines
 
 
 def test_chat_answers_paris(client):

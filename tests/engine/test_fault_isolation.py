@@ -47,7 +47,7 @@ def test_a_detokenizer_fault_fails_its_request_alone(engine):
     def explode(token_id):
         raise RuntimeError("decoder fault")
 
-    engine._requests["bad"].sequences[1].detokenizer.add_token = explode
+    engine.outputs._requests["bad"].sequences[1].detokenizer.add_token = explode
     finals = run_all(engine)
     assert "RuntimeError" in finals["bad"].error and len(finals["bad"].outputs) == 2
     assert finals["good"].outputs[0].token_ids == expected

@@ -1,0 +1,69 @@
+"""The records that cross between the engine core (scheduler, runner) and its frontend (pure Python, no jax).
+
+The core works on sequences (a request with n > 1 is n of them, "<id>#<i>") and reports, per step, one
+`SequenceUpdate` per sequence that made progress: a new token, an end, or a failure. The frontend turns
+them into text and `RequestOutput`s. The records are plain tuples, cheap to build and to pickle: when the
+core runs in its own process they are what goes through the pipe, once per step.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from jaxserve.engine.request import RequestStatus
+from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import RequestLimits
+
+
+class FirstToken(NamedTuple):
+    """Facts a sequence's first update carries once."""
+
+    first_scheduled_time: float | None
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob]] | None  # prompt tokens 1, 2, ..., when the request asked
+
+
+class SequenceUpdate(NamedTuple):
+    """What one sequence gained in a step."""
+
+    seq_id: str
+    token_id: int | None  # None for a failure
+    logprob: float = 0.0
+    top_logprobs: dict[int, float] | None = None
+    status: RequestStatus | None = None  # a finished status once the core ended the sequence, else None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    time: float = 0.0  # when the step's tokens were read (time.monotonic())
+    num_preemptions: int = 0
+    first: FirstToken | None = None  # on the sequence's first token
+    error: str | None = None  # the core failed the sequence (its request fails whole)
+    error_param: str | None = None  # set when the request's own values caused it: a client error
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Fixed facts about the loaded engine, safe to read from any thread or process."""
+
+    model_name: str
+    model_root: str  # the directory or .gguf file the weights came from
+    model_dir: str | None  # the HF directory (generation_config.json), None for a .gguf
+    limits: RequestLimits
+    page_size: int
+    num_kv_pages: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = ""  # of the weights and KV cache
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler after a step (read by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable pages in use
+    num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which were found cached
+    iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
+    iteration_tokens_sum: int = 0

@@ -1,0 +1,225 @@
+"""The engine core in its own process (vLLM V1's split): scheduling and steps away from detokenizing and HTTP.
+
+Processes and threads:
+- The core process (spawned, so it starts its own JAX runtime) runs `_core_main`: it builds an
+  `EngineCore` from the `EngineConfig`, sends a ready message (the engine's facts and its tokenizer),
+  then loops: apply every command waiting on its pipe (blocking when it has no work), step, queue the
+  step's updates and a stats snapshot as one message. A sender thread writes the messages, so the loop
+  never waits on the frontend, and the frontend never waits on a core blocked in a write while the
+  frontend itself blocks writing a command (two full pipes would deadlock).
+- Grammars compile in the core process on a worker thread; their sequences enter the scheduler when
+  their grammar is ready (the frontend has compiled them once already: a bad one never gets here).
+- `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
+  blocks until the core has sent a step, then takes every step the core has sent since; `stats()`
+  takes what has come without waiting (updates it finds wait for the next `step()`).
+- A fault the core cannot pin on one sequence ends the core process: it sends why, then exits. The
+  frontend's `step()` raises `CoreProcessDied` for that, or for a core that vanished (its pipe closed),
+  and the engine's callers treat it as any runtime fault.
+"""
+
+import contextlib
+import logging
+import multiprocessing
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core_io import EngineInfo, EngineStats, SequenceUpdate
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.structured_output import CompiledGrammar
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.005  # how often an idle core with grammars compiling looks for them
+
+
+class CoreProcessDied(RuntimeError):
+    """The engine core's process failed or is gone."""
+
+
+# Commands, frontend -> core: ("add", [Request]), ("finish", [seq id], RequestStatus), ("stop",).
+# Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [SequenceUpdate],
+# EngineStats), ("dead", reason).
+
+
+class CoreProcessClient:
+    def __init__(self, config: EngineConfig) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        log_level = logging.getLogger("jaxserve").getEffectiveLevel()
+        self._process = context.Process(target=_core_main, args=(config, child_conn, log_level),
+                                        name="jaxserve-core", daemon=True)
+        self._process.start()
+        child_conn.close()  # ours is the only end left here: the core's exit closes the pipe
+        kind, *body = self._receive()
+        if kind != "ready":
+            self._process.join(5)
+            raise CoreProcessDied(f"the engine core did not start: {body[0]}")
+        self.info: EngineInfo
+        self.info, self.tokenizer, self.warmup_seconds = body
+        self._stats = EngineStats()
+        self._updates: list[SequenceUpdate] = []  # received, not returned by step() yet
+        self._received = False  # a step message came since the last step()
+
+    def add_sequences(self, sequences: list[Request], grammar: CompiledGrammar | None = None) -> None:
+        """Queues a request's sequences. A grammar compiles again in the core process (compiled matchers
+        do not pickle), from the sequences' own `structured_outputs`."""
+        self._send(("add", sequences))
+
+    def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
+        self._send(("finish", seq_ids, status))
+
+    def step(self) -> list[SequenceUpdate]:
+        """The updates of every step the core has sent since the last call; waits for one if none came."""
+        if not self._received:
+            self._take(self._receive())
+        self._take_waiting()
+        updates, self._updates, self._received = self._updates, [], False
+        return updates
+
+    def stats(self) -> EngineStats:
+        """The core's latest snapshot (it sends one after every step, and one when it goes idle)."""
+        self._take_waiting()
+        return self._stats
+
+    def _take_waiting(self) -> None:
+        while self._conn.poll(0):
+            self._take(self._receive())
+
+    def _take(self, message: tuple) -> None:
+        kind, *body = message
+        if kind != "step":
+            raise CoreProcessDied(f"the engine core failed: {body[0]}")
+        self._updates += body[0]
+        self._stats = body[1]
+        self._received = True
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(CoreProcessDied):  # already gone
+            self._send(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def _send(self, command: tuple) -> None:
+        try:
+            self._conn.send(command)
+        except (OSError, ValueError) as e:  # the pipe is closed: the core is gone
+            raise CoreProcessDied(f"the engine core is gone: {e!r}") from e
+
+    def _receive(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise CoreProcessDied(f"the engine core exited (code {self._process.exitcode})") from e
+
+
+def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    """The core process: build the core, then step while there is work."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.getLogger("jaxserve").setLevel(log_level)
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_all, args=(conn, outbox), name="jaxserve-core-sender", daemon=True)
+    sender.start()
+    try:
+        from jaxserve.engine.core import EngineCore  # imports jax: in this process only
+
+        core = EngineCore(config)
+        outbox.put(("ready", core.info, core.model.tokenizer, core.warmup_seconds))
+        _CoreLoop(core, conn, outbox).run()
+    except BaseException as e:
+        logger.exception("the engine core failed")
+        outbox.put(("dead", repr(e)))
+        raise SystemExit(1) from e
+    finally:
+        outbox.put(None)
+        sender.join(10)
+
+
+def _send_all(conn: Connection, outbox: queue.Queue) -> None:
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except OSError:  # the frontend is gone; the loop sees its pipe close too
+            return
+
+
+class _CoreLoop:
+    def __init__(self, core: Any, conn: Connection, outbox: queue.Queue) -> None:
+        self.core = core
+        self.conn = conn
+        self.outbox = outbox
+        self.grammar_pool = ThreadPoolExecutor(1, "jaxserve-core-grammar")
+        self.compiling: list[tuple[list[Request], Future]] = []  # sequences waiting for their grammar
+        self.failed: list[SequenceUpdate] = []  # adds refused here, reported with the next step
+
+    def run(self) -> None:
+        sent_stats = None
+        while self._apply_commands():
+            self._admit_compiled()
+            updates: list[SequenceUpdate] = []
+            if self.core.has_unfinished() or self.failed:
+                updates = self.core.step() if self.core.has_unfinished() else []
+                updates, self.failed = self.failed + updates, []
+            stats = self.core.stats()
+            if updates or stats != sent_stats:  # idle after finishing or aborting: the last snapshot still goes
+                self.outbox.put(("step", updates, stats))
+                sent_stats = stats
+        self.core.shutdown()
+
+    def _apply_commands(self) -> bool:
+        """Applies every waiting command (waiting for one when there is no work); False on stop."""
+        idle = not self.core.has_unfinished() and not self.failed
+        timeout = (_IDLE_POLL_S if self.compiling else None) if idle else 0
+        while self.conn.poll(timeout):
+            timeout = 0
+            command = self.conn.recv()  # EOFError if the frontend is gone: the process ends
+            if command[0] == "stop":
+                return False
+            if command[0] == "finish":
+                self.core.finish(command[1], command[2])
+                self._drop_compiling(set(command[1]))
+            else:
+                self._add(command[1])
+        return True
+
+    def _add(self, sequences: list[Request]) -> None:
+        spec = sequences[0].sampling_params.structured_outputs
+        if spec is None:
+            self._admit(sequences, None)
+        else:
+            self.compiling.append((sequences, self.grammar_pool.submit(self.core.grammars.compile, spec)))
+
+    def _admit_compiled(self) -> None:
+        waiting = []
+        for sequences, future in self.compiling:
+            if not future.done():
+                waiting.append((sequences, future))
+                continue
+            try:
+                grammar = future.result()
+            except Exception as e:
+                self._refuse(sequences, e)
+                continue
+            self._admit(sequences, grammar)
+        self.compiling = waiting
+
+    def _admit(self, sequences: list[Request], grammar: CompiledGrammar | None) -> None:
+        try:
+            self.core.add_sequences(sequences, grammar)
+        except ValueError as e:
+            self._refuse(sequences, e)
+
+    def _refuse(self, sequences: list[Request], error: Exception) -> None:
+        param = getattr(error, "param", None)
+        self.failed += [SequenceUpdate(seq.request_id, None, status=RequestStatus.FINISHED_ABORTED, error=str(error),
+                                       error_param=param) for seq in sequences]
+
+    def _drop_compiling(self, seq_ids: set[str]) -> None:
+        self.compiling = [(seqs, future) for seqs, future in self.compiling
+                          if not any(seq.request_id in seq_ids for seq in seqs)]

@@ -1,0 +1,193 @@
+"""OutputProcessor: the core's per-sequence token updates in, text and `RequestOutput`s out (pure Python, no jax).
+
+It holds what the frontend knows of each live request: its sequences' tokens, logprobs, detokenizers and
+ends, and the request's prompt facts. A stop string ends a sequence here, and a sequence whose text fails
+to decode fails its whole request here; `process` returns the sequence ids the core must then finish or
+drop. An update for a sequence that already ended here (the core ran it one more step before it heard)
+is ignored.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from jaxserve.engine.core_io import SequenceUpdate
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import RequestStatus, finish_reason
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    seq_id: str
+    index: int
+    parent: "_RequestState"
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus | None = None  # a finished status once it ended
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def output(self) -> CompletionOutput:
+        params = self.parent.params
+        finished = self.status is not None
+        delta_ids = self.token_ids[self.num_sent_tokens :]
+        self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs) if params.logprobs is not None else None,
+            top_logprobs=list(self.top_logprobs) if params.logprobs else None,
+            finish_reason=finish_reason(self.status) if finished else None,
+            stop_reason=self.stop_reason,
+            text_delta=self.detokenizer.take_delta(finished),
+            token_ids_delta=delta_ids,
+        )
+
+
+@dataclass(eq=False)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status is not None for seq in self.sequences)
+
+    def metrics(self) -> RequestMetrics:
+        """One record for the request: the earliest arrival, scheduling and first token of its sequences,
+        the latest last token, as vLLM reports a parent request."""
+
+        def earliest(stamps: list[float | None]) -> float | None:
+            return min((t for t in stamps if t is not None), default=None)
+
+        sequences = self.sequences
+        return RequestMetrics(
+            arrival_time=min(seq.arrival_time for seq in sequences),
+            first_scheduled_time=earliest([seq.first_scheduled_time for seq in sequences]),
+            first_token_time=earliest([seq.first_token_time for seq in sequences]),
+            last_token_time=max((s.last_token_time for s in sequences if s.last_token_time is not None), default=None),
+            num_preemptions=sum(seq.num_preemptions for seq in sequences),
+            max_tokens_param=self.params.max_tokens,
+        )
+
+    def output(self) -> RequestOutput:
+        finished = self.finished
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, [seq.output() for seq in self.sequences], finished,
+            metrics=self.metrics() if finished else None,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.params.prompt_logprobs is None else [None, *self.prompt_logprobs],
+        )
+
+
+class ProcessedStep(NamedTuple):
+    outputs: list[RequestOutput]
+    stopped: list[str]  # sequence ids a stop string ended: the core must finish them
+    dropped: list[str]  # sequence ids of requests that failed here: the core must drop them
+
+
+class OutputProcessor:
+    def __init__(self) -> None:
+        self._requests: dict[str, _RequestState] = {}
+        self._sequences: dict[str, _Sequence] = {}  # by sequence ("<id>#<i>") id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            seq_ids: list[str], detokenizers: list[IncrementalDetokenizer], arrival_time: float) -> None:
+        state = _RequestState(request_id, prompt, prompt_token_ids, params)
+        for index, (seq_id, detokenizer) in enumerate(zip(seq_ids, detokenizers, strict=True)):
+            state.sequences.append(_Sequence(seq_id, index, state, detokenizer, arrival_time))
+        self._requests[request_id] = state
+        self._sequences.update((seq.seq_id, seq) for seq in state.sequences)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forgets a request; returns its sequence ids (empty if it is not live)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        self._forget(state)
+        return [seq.seq_id for seq in state.sequences]
+
+    def process(self, updates: list[SequenceUpdate]) -> ProcessedStep:
+        touched: dict[str, _RequestState] = {}
+        failed: list[RequestOutput] = []
+        stopped: list[str] = []
+        dropped: list[str] = []
+        for update in updates:
+            seq = self._sequences.get(update.seq_id)
+            if seq is None or seq.status is not None:  # gone, or ended here before the core heard
+                continue
+            state = seq.parent
+            if update.first is not None:
+                seq.first_scheduled_time = update.first.first_scheduled_time
+                seq.first_token_time = update.time
+                if seq.index == 0:
+                    state.num_cached_tokens = update.first.num_cached_tokens
+                    state.prompt_logprobs = update.first.prompt_logprobs or []
+            if update.error is not None:
+                logger.error("request %s failed and was dropped: %s", state.request_id, update.error)
+                failed.append(self._fail(state, update.error, update.error_param, dropped))
+                touched.pop(state.request_id, None)
+                continue
+            seq.token_ids.append(update.token_id)
+            seq.logprobs.append(update.logprob)
+            if update.top_logprobs is not None:
+                seq.top_logprobs.append(update.top_logprobs)
+            seq.last_token_time = update.time
+            seq.num_preemptions = update.num_preemptions
+            try:
+                stop = seq.detokenizer.add_token(update.token_id)
+            except Exception as e:
+                logger.error("request %s failed and was dropped: %r", state.request_id, e, exc_info=e)
+                failed.append(self._fail(state, f"the engine failed while processing this request: {type(e).__name__}",
+                                         None, dropped))
+                touched.pop(state.request_id, None)
+                continue
+            if update.status is not None:
+                seq.status, seq.stop_reason = update.status, update.stop_reason
+            elif stop:
+                seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
+                stopped.append(seq.seq_id)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            output = state.output()
+            outputs.append(output)
+            if output.finished:
+                self._forget(state)
+        return ProcessedStep(outputs + failed, stopped, dropped)
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._requests[state.request_id]
+        for seq in state.sequences:
+            del self._sequences[seq.seq_id]
+
+    def _fail(self, state: _RequestState, error: str, error_param: str | None, dropped: list[str]) -> RequestOutput:
+        """Ends a request whose sequence failed: every sequence of it goes (the core drops the live ones)."""
+        self._forget(state)
+        dropped.extend(seq.seq_id for seq in state.sequences if seq.status is None)
+        completions = [CompletionOutput(index=i, finish_reason="error") for i in range(len(state.sequences))]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                             error=error, error_param=error_param)

@@ -1,0 +1,117 @@
+"""The engine core in its own process (`engine_process`) gives the in-process engine's outputs.
+
+The same workload as the async-scheduling tests (greedy and seeded sampling, n > 1, penalties, min_tokens,
+logprobs, prompt logprobs, stop ids and stop strings, a grammar compiled in the core process, prefix-cache
+hits, aborts) runs on an in-process engine and on one whose core is a child process; every finished
+request must match exactly. A core process that dies fails every live request and the engine with it.
+"""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.core_process import CoreProcessDied
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.test_async_scheduling import assert_same, run, workload
+from tests.engine.test_llm_engine import make_engine, make_prompts
+
+
+@pytest.fixture(scope="module")
+def in_process(llama_dir) -> LLMEngine:
+    return make_engine(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def core_process(llama_dir):
+    engine = make_engine(llama_dir, engine_process=True, async_scheduling=True)
+    yield engine
+    engine.shutdown()
+
+
+def run_frontend(engine: LLMEngine, requests: dict, arrivals: dict[str, int], aborts: dict[str, int]) -> dict:
+    """`run` for an engine whose core is elsewhere: no scheduler to look into here."""
+    finished: dict[str, object] = {}
+    step = 0
+    while step <= max(arrivals.values()) or engine.has_unfinished_requests():
+        for request_id, arrival in arrivals.items():
+            if arrival == step:
+                engine.add_request(request_id, *requests[request_id])
+        for request_id, at in aborts.items():
+            if at == step:
+                engine.abort_request(request_id)
+        for output in engine.step():
+            assert output.error is None, output.error
+            assert output.request_id not in finished, "reported after it finished"
+            assert output.request_id not in aborts or step < aborts[output.request_id], "reported after its abort"
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        assert step < 3000, "no progress"
+    return finished
+
+
+def test_core_process_outputs_equal_in_process(in_process, core_process):
+    assert core_process.core is None and core_process._core._process.pid != os.getpid()
+    requests, arrivals = workload(in_process)
+    expected = run(in_process, requests, arrivals)
+    got = run_frontend(core_process, requests, arrivals, {})
+    assert_same(expected, got)
+    assert got["shared-b"].num_cached_tokens == expected["shared-b"].num_cached_tokens > 0
+    assert got["stop-string"].outputs[0].finish_reason == "stop"
+    assert isinstance(got["stop-string"].outputs[0].stop_reason, str)
+    metrics = got["seeded-n3"].metrics
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.last_token_time
+
+
+def test_core_process_aborts_leave_the_others_unchanged(in_process, core_process):
+    requests, arrivals = workload(in_process)
+    aborts = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}
+    expected = run(in_process, requests, arrivals, aborts)
+    got = run_frontend(core_process, requests, arrivals, aborts)
+    assert not set(aborts) & set(got)
+    assert_same(expected, got)
+    # Everything aborted or finished: the core's pages are all free again once it has heard.
+    core_process.add_request("last", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
+    while core_process.has_unfinished_requests():
+        core_process.step()
+    stats = core_process.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_bad_input_is_refused_in_the_frontend(core_process):
+    with pytest.raises(ValueError, match="max_tokens"):
+        core_process.add_request("too-long", [5] * 10, SamplingParams(max_tokens=10_000))
+    assert not core_process.has_unfinished_requests()
+
+
+def test_a_dead_core_process_fails_live_requests_and_the_engine(llama_dir):
+    async_engine = AsyncEngine(make_engine(llama_dir, engine_process=True))
+
+    async def scenario() -> None:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = async_engine.generate(make_prompts(1)[0], params, request_id="doomed")
+        first = await anext(stream)  # it runs
+        assert first.outputs[0].token_ids
+        os.kill(async_engine.engine._core._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            async for _ in async_engine.generate([5, 6, 7], params):
+                pass
+
+    try:
+        asyncio.run(scenario())
+        assert not async_engine.is_running
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_core_process_that_cannot_start_says_why(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CoreProcessDied, match="did not start"):
+        make_engine(tmp_path, engine_process=True)
