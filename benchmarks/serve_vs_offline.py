@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the server runs its engine core in its own process (the offline engine does not)")
     args = parser.parse_args()
     c = args.concurrency
 
@@ -60,7 +62,8 @@ def main() -> None:
                                               request_buckets=list(config.buckets.request_buckets))
     config_file = Path(tempfile.mkdtemp()) / "engine.yaml"
     config_file.write_text(json.dumps(sections))  # JSON is YAML
-    server = start_server(str(config_file), args.port, args.dtype, *(["--model", model] if model else []))
+    server = start_server(str(config_file), args.port, args.dtype, *(["--model", model] if model else []),
+                          *(["--engine-process"] if args.engine_process else []))
     try:
         base_url = f"http://127.0.0.1:{args.port}/v1"
         asyncio.run(run_level(base_url, None, c, c, args.input_len, 4))  # warm the server's paths
@@ -78,6 +81,7 @@ def main() -> None:
         "concurrency": c,
         "model": "tiny random Llama" if args.tiny else "bundled",
         "async_scheduling": config.scheduler.async_scheduling,
+        "server_engine_process": args.engine_process,
         "http_output_tokens_per_s": round(http["output_tokens_per_s"], 1),
         "offline_output_tokens_per_s": round(offline.output_tokens_per_s, 1),
         "http_over_offline": round(ratio, 3),

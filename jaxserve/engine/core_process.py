@@ -41,8 +41,8 @@ class CoreProcessDied(RuntimeError):
 
 
 # Commands, frontend -> core: ("add", [Request]), ("finish", [seq id], RequestStatus), ("stop",).
-# Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [SequenceUpdate],
-# EngineStats), ("dead", reason).
+# Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [SequenceUpdate as a
+# tuple], EngineStats), ("dead", reason).
 
 
 class CoreProcessClient:
@@ -93,7 +93,7 @@ class CoreProcessClient:
         kind, *body = message
         if kind != "step":
             raise CoreProcessDied(f"the engine core failed: {body[0]}")
-        self._updates += body[0]
+        self._updates += map(SequenceUpdate._make, body[0])
         self._stats = body[1]
         self._received = True
 
@@ -168,7 +168,8 @@ class _CoreLoop:
                 updates, self.failed = self.failed + updates, []
             stats = self.core.stats()
             if updates or stats != sent_stats:  # idle after finishing or aborting: the last snapshot still goes
-                self.outbox.put(("step", updates, stats))
+                # As plain tuples: a NamedTuple pickles through its class, 4x slower (0.3 ms at 256 rows).
+                self.outbox.put(("step", [tuple(update) for update in updates], stats))
                 sent_stats = stats
         self.core.shutdown()
 

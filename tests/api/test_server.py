@@ -27,7 +27,8 @@ def test_health_models_version_and_loading(server, client):
 
 
 def test_the_engine_core_runs_in_its_own_process(server):
-    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    tasks = Path(f"/proc/{server.process.pid}/task").iterdir()  # the model loads on a thread: its child
+    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children]
     assert any(b"spawn_main" in command for command in commands), commands
     assert "[core]" in server.log()  # the core process's own log lines
