@@ -148,7 +148,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
                     "tokenizers load without remote code, so no code from a model repository ever runs")
     return EngineConfig.from_preset(
-        args.config if args.config is not None else platform_preset(),
+        args.config if args.config is not None else platform_preset(isolated=bool(args.engine_process)),
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,

@@ -212,16 +212,25 @@ def load_preset(preset: str | Path) -> dict[str, Any]:
     return yaml.safe_load(text) or {}
 
 
-def platform_preset() -> str:
+def platform_preset(isolated: bool = False) -> str:
     """The preset for the default JAX backend when `--config` is not given: `cpu` on a CPU, `gpu` on a GPU.
 
     The `default` ladder compiles about forty buckets, over a minute at every start on a CPU, for batches
     a CPU cannot fill anyway; `cpu` compiles a handful. Other backends keep `default`.
-    Imports jax, so only call it when the engine is about to start.
+    Imports jax, so only call it when the engine is about to start. `isolated`: ask a short-lived
+    subprocess, so this process never opens the device (an engine core in its own process needs all of a
+    GPU's memory).
     """
-    import jax
+    if isolated:
+        import subprocess
+        import sys
 
-    backend = jax.default_backend()
+        probe = [sys.executable, "-c", "import jax; print(jax.default_backend())"]
+        backend = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    else:
+        import jax
+
+        backend = jax.default_backend()
     preset = backend if backend in ("cpu", "gpu") else "default"
     logger.info("using preset %r: no --config given and the JAX backend is %s", preset, backend)
     return preset

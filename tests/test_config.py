@@ -50,6 +50,8 @@ def test_the_platform_preset_follows_the_jax_backend(monkeypatch, caplog):
     assert platform_preset() == "gpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert platform_preset() == "default"
+    # Isolated: a subprocess asks its own jax (this process's patched one is not consulted).
+    assert platform_preset(isolated=True) == want
 
 
 def test_server_config_defaults_follow_vllm_and_bad_values_are_refused():

@@ -12,6 +12,8 @@ Processes and threads:
 - `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
   blocks until the core has sent a step, then takes every step the core has sent since; `stats()`
   takes what has come without waiting (updates it finds wait for the next `step()`).
+- The core process ignores SIGINT and SIGTERM (sent to the whole process group by a Ctrl-C or a service
+  manager): the frontend drains first, then stops it.
 - A fault the core cannot pin on one sequence ends the core process: it sends why, then exits. The
   frontend's `step()` raises `CoreProcessDied` for that, or for a core that vanished (its pipe closed),
   and the engine's callers treat it as any runtime fault.
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -120,7 +123,12 @@ class CoreProcessClient:
 
 
 def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    """The core process: build the core, then step while there is work."""
+    """The core process: build the core, then step while there is work.
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole process group, and the
+    frontend, which drains its requests first, says when to stop (or its exit closes the pipe)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     logging.getLogger("jaxserve").setLevel(log_level)
     outbox: queue.Queue = queue.Queue()

@@ -40,8 +40,10 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[str, ...] = ("-m", "jaxserve")) -> Server:
-    """`launcher` is what follows the interpreter: the package, or a script that patches it first."""
+def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[str, ...] = ("-m", "jaxserve"),
+                 new_session: bool = False) -> Server:
+    """`launcher` is what follows the interpreter: the package, or a script that patches it first.
+    `new_session`: the server leads its own process group (a test may signal the whole group)."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
     command = [
@@ -51,7 +53,8 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[st
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=new_session)
     server = Server(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     saw_loading = False

@@ -6,6 +6,7 @@ request correctly afterwards with nothing left running, waiting or holding KV pa
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import threading
@@ -284,6 +285,34 @@ def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
         httpx.get(f"{server.base_url}/health", timeout=2)
     log = server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+def test_ctrl_c_to_the_process_group_drains_an_engine_core_process(tmp_path: Path, compile_cache):
+    """A Ctrl-C reaches every process of the group, the engine core's too: the core keeps serving while
+    the server drains, and the short request in flight still finishes."""
+    server = start_server(tmp_path, compile_cache, "--engine-process", "--shutdown-timeout", "4", new_session=True)
+    long = {"prompt": "Tell me a long story.", "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    short = {"prompt": "Hi", "max_tokens": 20, "ignore_eos": True}
+
+    async def scenario():
+        stream = asyncio.create_task(read_stream(server, long))
+        async with httpx.AsyncClient(timeout=60) as http:
+            finishing = asyncio.create_task(http.post(f"{server.v1}/completions", json=short))
+            while metric(server, "jaxserve:num_requests_running") < 2:
+                await asyncio.sleep(0.05)
+            os.killpg(server.process.pid, signal.SIGINT)
+            finished = await finishing
+        return finished, await stream
+
+    try:
+        finished, events = asyncio.run(scenario())
+        assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 20
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert server.process.wait(60) == 0
+        log = server.log()
+        assert "Traceback" not in log and "engine core failed" not in log, log[-3000:]
+    finally:
+        stop_server(server)
 
 
 # 1. A runtime fault (not a request's) stops the engine; the server drains and exits non-zero.
