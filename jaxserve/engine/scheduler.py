@@ -234,31 +234,31 @@ class Scheduler:
         """Advances the request's computed (and in-flight) tokens by this step's share and returns the share.
         `resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        known_end = min(end, request.num_tokens)  # past it: the token in flight
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        known_end = min(end, num_tokens)  # past it: the token in flight
         if self.kv_cache.enable_prefix_caching:
             first, end_page = start // self.kv_cache.page_size, known_end // self.kv_cache.page_size
             filling.update(self._page_keys(request, end_page)[first:end_page])
         params = request.sampling_params
-        keeps_sample = end == request.num_tokens + request.num_inflight_tokens
+        keeps_sample = end == num_tokens + request.num_inflight_tokens
         token_ids = tuple(request.token_ids(start, known_end))
         if end > known_end:
             token_ids += (PENDING_TOKEN,)
+        # Positional: one is built per running request per step, and keywords cost a third more.
         scheduled = ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            start_position=start,
-            page_ids=tuple(request.page_ids),
-            keeps_sample=keeps_sample,
-            sampling_params=params,
-            sampling_seed=request.sampling_seed,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_scheduled_outputs,
-            banned_token_ids=request.banned_token_ids() if keeps_sample else (),
-            prompt_logprob_targets=(tuple(request.prompt_token_ids[start + 1 : end + 1])
-                                    if params.prompt_logprobs is not None else ()),
-            cached_token_ids=(tuple(request.token_ids(0, start))
-                              if params.has_penalties and start > 0 and resumed else None),
-            grammar=request.grammar if keeps_sample else None,
+            request.request_id,
+            token_ids,
+            start,
+            tuple(request.page_ids),
+            keeps_sample,
+            params,
+            request.sampling_seed,
+            len(request.prompt_token_ids),
+            len(request.output_token_ids) + request.num_inflight_tokens,  # the index of this step's sample
+            request.banned_token_ids() if keeps_sample and params.min_tokens else (),
+            tuple(request.prompt_token_ids[start + 1 : end + 1]) if params.prompt_logprobs is not None else (),
+            tuple(request.token_ids(0, start)) if params.has_penalties and start > 0 and resumed else None,
+            request.grammar if keeps_sample else None,
         )
         request.num_computed_tokens = end
         request.num_inflight_tokens += keeps_sample
@@ -297,6 +297,7 @@ class Scheduler:
         top_logprobs = step_output.top_logprobs or [None] * num_rows
         prompt_logprobs = step_output.prompt_logprobs or [None] * num_rows
         now = time.monotonic()  # one stamp for every token of this step
+        caching = self.kv_cache.enable_prefix_caching
         for item, token_id, logprob, top, prompt in zip(
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
             prompt_logprobs, strict=True,
@@ -304,7 +305,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status.is_finished:  # aborted while the step ran
                 continue
-            if request.status is RequestStatus.RUNNING:  # not preempted since: its pages hold the step's K/V
+            if caching and request.status is RequestStatus.RUNNING:  # not preempted: its pages hold the K/V
                 self._cache_computed_pages(request, item.start_position + len(item.token_ids))
             if prompt is not None:
                 request.add_prompt_logprobs(*prompt)
@@ -322,8 +323,6 @@ class Scheduler:
 
     def _cache_computed_pages(self, request: Request, num_computed: int) -> None:
         """Offers the request's pages that are full once its first `num_computed` tokens ran to the prefix cache."""
-        if not self.kv_cache.enable_prefix_caching:
-            return
         num_full = num_computed // self.kv_cache.page_size
         if num_full > request.num_keyed_pages:
             keys = self._page_keys(request, num_full)
