@@ -10,8 +10,9 @@ Processes and threads:
 - Grammars compile in the core process on a worker thread; their sequences enter the scheduler when
   their grammar is ready (the frontend has compiled them once already: a bad one never gets here).
 - `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
-  blocks until the core has sent a step, then takes every step the core has sent since; `stats()`
-  takes what has come without waiting (updates it finds wait for the next `step()`).
+  takes every step the core has sent since the last call, waiting a few milliseconds for one at most,
+  so that new requests and aborts reach the core while it steps; `stats()` takes what has come without
+  waiting (updates it finds wait for the next `step()`).
 - The core process ignores SIGINT and SIGTERM (sent to the whole process group by a Ctrl-C or a service
   manager): the frontend drains first, then stops it.
 - A fault the core cannot pin on one sequence ends the core process: it sends why, then exits. The
@@ -37,6 +38,7 @@ from jaxserve.engine.structured_output import CompiledGrammar
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.005  # how often an idle core with grammars compiling looks for them
+_WAIT_S = 0.005  # the longest the frontend's step() waits for the core before it returns to its commands
 
 
 class CoreProcessDied(RuntimeError):
@@ -76,8 +78,10 @@ class CoreProcessClient:
         self._send(("finish", seq_ids, status))
 
     def step(self) -> list[SequenceUpdate]:
-        """The updates of every step the core has sent since the last call; waits for one if none came."""
-        if not self._received:
+        """The updates of every step the core has sent since the last call. Waits up to `_WAIT_S` for one
+        if none came, and returns [] after that: the caller's new commands reach the core without waiting
+        for its step (or for a grammar it is compiling)."""
+        if not self._received and self._conn.poll(_WAIT_S):
             self._take(self._receive())
         self._take_waiting()
         updates, self._updates, self._received = self._updates, [], False
