@@ -25,13 +25,14 @@ setup: $(TEST_STAMP)
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, each taking whole files (module fixtures start
 # servers). tests/api/test_fuzz.py runs on its own afterwards: schemathesis gives all its cases one node
-# id, and xdist, which tracks tests by node id, would run only one of them.
+# id, and xdist, which tracks tests by node id, would run only one of them. The slowest tests are listed
+# at the end, to see where the suite's time goes.
 TEST_WORKERS ?= 2
 FUZZ := tests/api/test_fuzz.py
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore $(FUZZ) tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 15 --ignore $(FUZZ) tests
 	$(BIN)/pytest -q $(FUZZ)
 
 # Everything but the tests marked slow (real models, transformers parity); meant to take under two minutes.

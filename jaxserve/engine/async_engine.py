@@ -8,10 +8,10 @@ Threads and queues:
   streams). With no work it waits on the command queue, waking twice a second to refresh `stats`.
 - The event loop never waits on the device. `generate()` is an async iterator over one request's queue;
   leaving it early (client gone, task cancelled) sends an abort, which frees the request's KV pages at
-  the start of the next engine iteration.
+  the start of the next engine iteration (with a core process: once the core reads it, a step later).
 - With `engine_process`, the LLMEngine's core runs in its own process and `engine.step()` waits on its
-  pipe: this thread then only tokenizes, detokenizes and delivers, and shares the GIL with the event
-  loop alone.
+  pipe for a few milliseconds at a time: this thread then only checks requests, detokenizes and
+  delivers, and shares the GIL with the event loop alone.
 - The GIL is released while XLA runs a step, so the event loop keeps serving HTTP during device work.
 - Faults are sorted by cause. One request's bad data (its batch row, its detokenization) fails that
   request alone with RequestFailedError, and the engine serves on. Anything else raised by a step (the
@@ -21,7 +21,8 @@ Threads and queues:
   `info` (a frozen record) and `tokenizer` (a copy: fast tokenizers must not be shared across threads).
 - Structured-output grammars compile on their own small thread pool (`compile_grammar`), never on the
   engine thread or the event loop; the compiled grammar travels with the add command, and the engine
-  thread only forks a matcher from it per sequence.
+  thread only forks a matcher from it per sequence (a core process compiles it again on its own
+  threads: compiled matchers do not pickle).
 """
 
 import asyncio

@@ -1,7 +1,7 @@
 """EngineCore: the scheduler, the KV pages and the model runner; sequences in, token updates out.
 
-It knows sequences only ("<id>#<i>": the frontend splits a request with n > 1 into n of them) and token
-ids: no text, no `RequestOutput`. `step()` returns one `SequenceUpdate` per sequence that made progress.
+It knows sequences only (the frontend splits a request with n > 1 into n of them) and token ids: no
+text, no `RequestOutput`. `step()` returns one `SequenceUpdate` per sequence that made progress.
 The frontend (`LLMEngine`) detokenizes, finds stop strings and tells the core which sequences to finish.
 That split is what lets the core run in its own process (`core_process`), where its loop does nothing but
 schedule, launch and read steps.
@@ -20,7 +20,7 @@ import os
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_io import EngineInfo, EngineStats, FirstToken, SequenceUpdate
+from jaxserve.engine.core_io import EngineInfo, EngineStats, FirstToken, SequenceUpdate, engine_fault
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestFault, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -30,7 +30,7 @@ from jaxserve.runner import multihost
 from jaxserve.runner.batch import MAX_BIASED_TOKENS
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
-from jaxserve.sampling_params import RequestLimits
+from jaxserve.sampling_params import InvalidParam, RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
-        # Its own tokenizer copy: the server compiles grammars on another thread.
+        # Its own tokenizer copy: grammars compile on other threads (the server's, the core process's).
         self.grammars = GrammarCompiler(copy.deepcopy(model.tokenizer), model.cfg.vocab_size, model.eos_token_ids)
         self.limits = RequestLimits(
             vocab_size=model.cfg.vocab_size,
@@ -109,9 +109,9 @@ class EngineCore:
         the cache cannot hold them (all n have the same size: either none is added or all are)."""
         for sequence in sequences:
             self.scheduler.check_fits(sequence.max_num_tokens)
-        for sequence in sequences:
-            if grammar is not None:
-                sequence.grammar = grammar.matcher()
+        matchers = [grammar.matcher() if grammar is not None else None for _ in sequences]  # may raise: first
+        for sequence, matcher in zip(sequences, matchers, strict=True):
+            sequence.grammar = matcher
             self.scheduler.add_request(sequence)
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
@@ -161,11 +161,14 @@ class EngineCore:
             # where they were, so the next schedule() plans them again.
             self.scheduler.unschedule(scheduler_output)
             cause = fault.__cause__ or fault
-            logger.error("sequence %s failed: %r", fault.request_id, cause, exc_info=cause)
+            logger.error("sequence %s failed and was dropped: %r", fault.request_id, cause, exc_info=cause)
             self.finish([fault.request_id], RequestStatus.FINISHED_ABORTED)
-            error = f"the engine failed while processing this request: {type(cause).__name__}"
+            if isinstance(cause, InvalidParam):  # the request's own values: its client is told what and where
+                error, param = str(cause), cause.param
+            else:
+                error, param = engine_fault(cause), None
             return None, [SequenceUpdate(fault.request_id, None, status=RequestStatus.FINISHED_ABORTED,
-                                         error=error)]
+                                         error=error, error_param=param)]
         if launched is None:
             self.scheduler.unschedule(scheduler_output)  # an empty step: nothing to read
         return launched, []
@@ -188,6 +191,7 @@ def _update(request: Request) -> SequenceUpdate:
             None if request.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs))
     status = request.status
     if request.grammar_error is not None:  # the request's grammar, not the engine (e.g. over its limits)
+        logger.error("sequence %s failed and was dropped: its grammar: %s", request.request_id, request.grammar_error)
         return SequenceUpdate(request.request_id, None, status=status, first=first,
                               error=f"the structured output failed during generation: {request.grammar_error}",
                               error_param="structured_outputs")

@@ -1,17 +1,26 @@
-"""The records that cross between the engine core (scheduler, runner) and its frontend (pure Python, no jax).
+"""What crosses between the engine core (scheduler, runner) and its frontend (pure Python, no jax).
 
-The core works on sequences (a request with n > 1 is n of them, "<id>#<i>") and reports, per step, one
+The core works on sequences (a request with n > 1 is n of them) and reports, per step, one
 `SequenceUpdate` per sequence that made progress: a new token, an end, or a failure. The frontend turns
-them into text and `RequestOutput`s. The records are plain tuples, cheap to build and to pickle: when the
-core runs in its own process they are what goes through the pipe, once per step.
+them into text and `RequestOutput`s. The records are NamedTuples, cheap to build; when the core runs in
+its own process they cross the pipe once per step as plain tuples. `EngineCoreClient` is what the
+frontend asks of a core, in this process (`EngineCore`) or in its own (`CoreProcessClient`).
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from jaxserve.engine.request import RequestStatus
+from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import RequestLimits
+
+if TYPE_CHECKING:
+    from jaxserve.engine.structured_output import CompiledGrammar
+
+
+def engine_fault(cause: BaseException) -> str:
+    """What a client is told when the engine failed its request for a reason that is not its input."""
+    return f"the engine failed while processing this request: {type(cause).__name__}"
 
 
 class FirstToken(NamedTuple):
@@ -51,8 +60,8 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
-    eos_token_ids: tuple[int, ...] = ()
-    dtype: str = ""  # of the weights and KV cache
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # of the weights and KV cache
 
 
 @dataclass(frozen=True)
@@ -67,3 +76,20 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which were found cached
     iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
     iteration_tokens_sum: int = 0
+
+
+class EngineCoreClient(Protocol):
+    """A core as the frontend drives it: from one thread, sequences in, updates out."""
+
+    info: EngineInfo
+    warmup_seconds: float
+
+    def add_sequences(self, sequences: list[Request], grammar: "CompiledGrammar | None" = None) -> None: ...
+
+    def finish(self, seq_ids: list[str], status: RequestStatus) -> None: ...
+
+    def step(self) -> list[SequenceUpdate]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...

@@ -7,8 +7,9 @@ Processes and threads:
   step's updates and a stats snapshot as one message. A sender thread writes the messages, so the loop
   never waits on the frontend, and the frontend never waits on a core blocked in a write while the
   frontend itself blocks writing a command (two full pipes would deadlock).
-- Grammars compile in the core process on a worker thread; their sequences enter the scheduler when
-  their grammar is ready (the frontend has compiled them once already: a bad one never gets here).
+- Grammars compile again in the core process (compiled matchers do not pickle), on two worker threads
+  as in the API; their sequences enter the scheduler when their grammar is ready. The frontend compiled
+  each once already, within the API's timeout, so a bad or slow one never gets here.
 - `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
   takes every step the core has sent since the last call, waiting a few milliseconds for one at most,
   so that new requests and aborts reach the core while it steps; `stats()` takes what has come without
@@ -17,23 +18,33 @@ Processes and threads:
   manager): the frontend drains first, then stops it.
 - A fault the core cannot pin on one sequence ends the core process: it sends why, then exits. The
   frontend's `step()` raises `CoreProcessDied` for that, or for a core that vanished (its pipe closed),
-  and the engine's callers treat it as any runtime fault.
+  and the engine's callers treat it as any runtime fault. A core whose frontend vanished exits.
+- `shutdown()` stops the core; it also runs at interpreter exit, before multiprocessing's own exit
+  handler would wait forever for a daemon that ignores SIGTERM.
+- Spawned, as multiprocessing's spawn requires: a script that builds an engine with `engine_process`
+  at import time needs the `if __name__ == "__main__":` guard.
 """
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_io import EngineInfo, EngineStats, SequenceUpdate
+from jaxserve.engine.core_io import EngineInfo, EngineStats, SequenceUpdate, engine_fault
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar
+from jaxserve.sampling_params import InvalidParam
+
+if TYPE_CHECKING:
+    from jaxserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +62,20 @@ class CoreProcessDied(RuntimeError):
 
 
 class CoreProcessClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, warmup: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         log_level = logging.getLogger("jaxserve").getEffectiveLevel()
-        self._process = context.Process(target=_core_main, args=(config, child_conn, log_level),
+        self._process = context.Process(target=_core_main, args=(config, child_conn, log_level, warmup),
                                         name="jaxserve-core", daemon=True)
         self._process.start()
         child_conn.close()  # ours is the only end left here: the core's exit closes the pipe
+        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would wait
+        # forever for a daemon that ignores SIGTERM: a script that never calls shutdown() still exits.
+        atexit.register(self.shutdown)
         kind, *body = self._receive()
         if kind != "ready":
-            self._process.join(5)
+            self.shutdown(5)
             raise CoreProcessDied(f"the engine core did not start: {body[0]}")
         self.info: EngineInfo
         self.info, self.tokenizer, self.warmup_seconds = body
@@ -105,9 +119,19 @@ class CoreProcessClient:
         self._received = True
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the core (it drops what it runs) and waits up to `timeout` s before killing it."""
+        atexit.unregister(self.shutdown)
+        if self._conn.closed:
+            return
         with contextlib.suppress(CoreProcessDied):  # already gone
             self._send(("stop",))
-        self._process.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self._process.is_alive() and time.monotonic() < deadline:
+            try:  # keep reading: a core whose sender is blocked on a full pipe could not finish
+                if self._conn.poll(0.05):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                self._process.join(max(0.0, deadline - time.monotonic()))
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
@@ -126,7 +150,7 @@ class CoreProcessClient:
             raise CoreProcessDied(f"the engine core exited (code {self._process.exitcode})") from e
 
 
-def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: bool) -> None:
     """The core process: build the core, then step while there is work.
 
     It ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole process group, and the
@@ -141,9 +165,11 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     try:
         from jaxserve.engine.core import EngineCore  # imports jax: in this process only
 
-        core = EngineCore(config)
+        core = EngineCore(config, warmup=warmup)
         outbox.put(("ready", core.info, core.model.tokenizer, core.warmup_seconds))
         _CoreLoop(core, conn, outbox).run()
+    except EOFError:  # the frontend's end of the pipe closed: its process is gone
+        logger.info("the frontend is gone; the engine core stops")
     except BaseException as e:
         logger.exception("the engine core failed")
         outbox.put(("dead", repr(e)))
@@ -162,11 +188,11 @@ def _send_all(conn: Connection, outbox: queue.Queue) -> None:
 
 
 class _CoreLoop:
-    def __init__(self, core: Any, conn: Connection, outbox: queue.Queue) -> None:
+    def __init__(self, core: "EngineCore", conn: Connection, outbox: queue.Queue) -> None:
         self.core = core
         self.conn = conn
         self.outbox = outbox
-        self.grammar_pool = ThreadPoolExecutor(1, "jaxserve-core-grammar")
+        self.grammar_pool = ThreadPoolExecutor(2, "jaxserve-core-grammar")  # as many as the API's
         self.compiling: list[tuple[list[Request], Future]] = []  # sequences waiting for their grammar
         self.failed: list[SequenceUpdate] = []  # adds refused here, reported with the next step
 
@@ -225,12 +251,13 @@ class _CoreLoop:
     def _admit(self, sequences: list[Request], grammar: CompiledGrammar | None) -> None:
         try:
             self.core.add_sequences(sequences, grammar)
-        except ValueError as e:
+        except Exception as e:  # the frontend checked the request: this is the engine's fault, this request's alone
             self._refuse(sequences, e)
 
     def _refuse(self, sequences: list[Request], error: Exception) -> None:
-        param = getattr(error, "param", None)
-        self.failed += [SequenceUpdate(seq.request_id, None, status=RequestStatus.FINISHED_ABORTED, error=str(error),
+        logger.error("request of sequence %s could not be added: %r", sequences[0].request_id, error, exc_info=error)
+        message, param = (str(error), error.param) if isinstance(error, InvalidParam) else (engine_fault(error), None)
+        self.failed += [SequenceUpdate(seq.request_id, None, status=RequestStatus.FINISHED_ABORTED, error=message,
                                        error_param=param) for seq in sequences]
 
     def _drop_compiling(self, seq_ids: set[str]) -> None:

@@ -1,8 +1,10 @@
-"""LLMEngine: add_request / abort_request / step, single-threaded and synchronous.
+"""LLMEngine: add_request / abort_request / step, called from one thread.
 
 The frontend of an `EngineCore`: it checks and tokenizes requests, splits a request with n > 1 into n
-sequences ("<id>#<i>") sharing the prompt, and turns the core's token updates into text and
-`RequestOutput`s (`OutputProcessor`: detokenizing, stop strings, a request's n completions gathered).
+sequences sharing the prompt, and turns the core's token updates into text and `RequestOutput`s
+(`OutputProcessor`: detokenizing, stop strings, a request's n completions gathered). A sequence's id,
+"<id>#<i>/<serial>", is new for every add: a request id reused after an abort or a stop never receives
+what the core still sends for its predecessor.
 The core runs here, in this thread, or in its own process (`EngineConfig.engine_process`, vLLM V1's
 split: `core_process`), where scheduling and steps no longer share a Python interpreter with
 detokenizing and HTTP. Both run the same code on each side of the same records (`core_io`).
@@ -10,12 +12,14 @@ detokenizing and HTTP. Both run the same code on each side of the same records (
 
 import copy
 import dataclasses
+import itertools
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_io import EngineInfo, EngineStats
+from jaxserve.engine.core_io import EngineCoreClient, EngineInfo, EngineStats
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
@@ -24,25 +28,33 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, check_cache_salt
 
+if TYPE_CHECKING:
+    from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.kv_cache_manager import KVCacheManager
+    from jaxserve.engine.scheduler import Scheduler
+    from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
         self.config = config
         self.async_scheduling = config.scheduler.async_scheduling
+        self.core: EngineCore | None  # the core when it runs in this process, else None
+        self._core: EngineCoreClient  # the core, here or in its own process
         if config.engine_process:
             from jaxserve.engine.core_process import CoreProcessClient
 
             if model is not None:
                 raise ValueError("engine_process loads the model in the core's process: pass no model")
             self.core = None
-            self._core = CoreProcessClient(config)
+            self._core = CoreProcessClient(config, warmup)
             self.tokenizer = self._core.tokenizer
             self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), self._core.info.limits.vocab_size,
                                             self._core.info.eos_token_ids)
         else:
-            from jaxserve.engine.core import EngineCore  # imports jax
+            from jaxserve.engine import core  # imports jax
 
-            self.core = self._core = EngineCore(config, model, warmup)
+            self.core = self._core = core.EngineCore(config, model, warmup)
             self.tokenizer = self.core.model.tokenizer
             self.grammars = self.core.grammars
         self.info: EngineInfo = self._core.info
@@ -51,6 +63,7 @@ class LLMEngine:
         self.warmup_seconds = self._core.warmup_seconds
         self.outputs = OutputProcessor()
         self._seed_rng = np.random.default_rng(config.model.seed)
+        self._serials = itertools.count()
 
     # The in-process core's parts, for tests and benchmarks.
     @property
@@ -58,22 +71,22 @@ class LLMEngine:
         return self._in_process().model
 
     @property
-    def scheduler(self):
+    def scheduler(self) -> "Scheduler":
         return self._in_process().scheduler
 
     @property
-    def runner(self):
+    def runner(self) -> "ModelRunner":
         return self._in_process().runner
 
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> "KVCacheManager":
         return self._in_process().kv_cache
 
     @property
-    def _in_flight(self):
+    def _in_flight(self) -> "LaunchedStep | None":
         return self._in_process()._in_flight
 
-    def _in_process(self):
+    def _in_process(self) -> "EngineCore":
         if self.core is None:
             raise AttributeError("the engine core runs in its own process")
         return self.core
@@ -118,11 +131,12 @@ class LLMEngine:
         # prompt from the prefix cache.
         sibling_params = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
         arrival_time = time.monotonic()
+        serial = next(self._serials)
         sequences = []
         for index in range(params.n):
             seed = self._seed_rng.integers(2**32) if params.seed is None else params.seed + index
             sequences.append(Request(
-                request_id=f"{request_id}#{index}",
+                request_id=f"{request_id}#{index}/{serial}",
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=params if index == 0 else sibling_params,
                 eos_token_ids=self.info.eos_token_ids,
@@ -164,4 +178,8 @@ class LLMEngine:
             self._core.finish(processed.stopped, RequestStatus.FINISHED_STOPPED)
         if processed.dropped:
             self._core.finish(processed.dropped, RequestStatus.FINISHED_ABORTED)
+        if self.core is not None and not self.outputs.has_unfinished() and self.core.has_unfinished():
+            # The last requests ended here (a stop string, a failure) with a step in flight (async
+            # scheduling): read it now, so an idle engine holds no step and no pages being filled.
+            self.outputs.process(self.core.step())
         return processed.outputs

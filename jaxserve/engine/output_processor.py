@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from jaxserve.engine.core_io import SequenceUpdate
+from jaxserve.engine.core_io import SequenceUpdate, engine_fault
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.request import RequestStatus, finish_reason
+from jaxserve.engine.request import RequestStatus, finish_reason, request_metrics
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -71,21 +71,7 @@ class _RequestState:
         return all(seq.status is not None for seq in self.sequences)
 
     def metrics(self) -> RequestMetrics:
-        """One record for the request: the earliest arrival, scheduling and first token of its sequences,
-        the latest last token, as vLLM reports a parent request."""
-
-        def earliest(stamps: list[float | None]) -> float | None:
-            return min((t for t in stamps if t is not None), default=None)
-
-        sequences = self.sequences
-        return RequestMetrics(
-            arrival_time=min(seq.arrival_time for seq in sequences),
-            first_scheduled_time=earliest([seq.first_scheduled_time for seq in sequences]),
-            first_token_time=earliest([seq.first_token_time for seq in sequences]),
-            last_token_time=max((s.last_token_time for s in sequences if s.last_token_time is not None), default=None),
-            num_preemptions=sum(seq.num_preemptions for seq in sequences),
-            max_tokens_param=self.params.max_tokens,
-        )
+        return request_metrics(self.sequences, self.params.max_tokens)
 
     def output(self) -> RequestOutput:
         finished = self.finished
@@ -106,7 +92,7 @@ class ProcessedStep(NamedTuple):
 class OutputProcessor:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
-        self._sequences: dict[str, _Sequence] = {}  # by sequence ("<id>#<i>") id
+        self._sequences: dict[str, _Sequence] = {}  # by sequence id
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -146,8 +132,7 @@ class OutputProcessor:
                 if seq.index == 0:
                     state.num_cached_tokens = update.first.num_cached_tokens
                     state.prompt_logprobs = update.first.prompt_logprobs or []
-            if update.error is not None:
-                logger.error("request %s failed and was dropped: %s", state.request_id, update.error)
+            if update.error is not None:  # the core failed it (and logged why)
                 failed.append(self._fail(state, update.error, update.error_param, dropped))
                 touched.pop(state.request_id, None)
                 continue
@@ -161,8 +146,7 @@ class OutputProcessor:
                 stop = seq.detokenizer.add_token(update.token_id)
             except Exception as e:
                 logger.error("request %s failed and was dropped: %r", state.request_id, e, exc_info=e)
-                failed.append(self._fail(state, f"the engine failed while processing this request: {type(e).__name__}",
-                                         None, dropped))
+                failed.append(self._fail(state, engine_fault(e), None, dropped))
                 touched.pop(state.request_id, None)
                 continue
             if update.status is not None:

@@ -3,8 +3,9 @@
 import enum
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams
@@ -168,7 +169,18 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
 
 
-def request_metrics(sequences: list[Request]) -> RequestMetrics:
+class Stamped(Protocol):
+    """A sequence's stage stamps (monotonic seconds), as the scheduler sets them on a `Request` and the
+    frontend learns them from the core's updates."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    num_preemptions: int
+
+
+def request_metrics(sequences: Sequence[Stamped], max_tokens_param: int | None) -> RequestMetrics:
     """One record for a request made of `sequences` (its n completions): the earliest arrival,
     scheduling and first token, the latest last token, as vLLM reports a parent request."""
 
@@ -181,7 +193,7 @@ def request_metrics(sequences: list[Request]) -> RequestMetrics:
         first_token_time=earliest([r.first_token_time for r in sequences]),
         last_token_time=max((r.last_token_time for r in sequences if r.last_token_time is not None), default=None),
         num_preemptions=sum(r.num_preemptions for r in sequences),
-        max_tokens_param=sequences[0].sampling_params.max_tokens,
+        max_tokens_param=max_tokens_param,
     )
 
 

@@ -9,6 +9,9 @@ request must match exactly. A core process that dies fails every live request an
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +118,50 @@ def test_a_core_process_that_cannot_start_says_why(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CoreProcessDied, match="did not start"):
         make_engine(tmp_path, engine_process=True)
+
+
+def test_a_request_id_reused_at_once_gets_only_its_own_tokens(in_process, core_process):
+    """A request that a stop string ends here runs a step or more in the core before it hears; the same
+    id, added again at once, must not receive those tokens."""
+    requests, _ = workload(in_process)
+    prompt, stopping = requests["stop-string"]
+    expected = run(in_process, {"again": (prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))},
+                   {"again": 0})["again"]
+    core_process.add_request("again", prompt, stopping)
+    while core_process.has_unfinished_requests():
+        outputs = core_process.step()
+    assert outputs[-1].outputs[0].finish_reason == "stop"
+    core_process.add_request("again", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    got = None
+    while core_process.has_unfinished_requests():
+        for output in core_process.step():
+            if output.finished:
+                got = output
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+EXITS_WITHOUT_SHUTDOWN = """
+import sys
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    config = EngineConfig.from_preset(None, model=sys.argv[1], dtype="float32", compilation_cache_dir=None,
+                                      engine_process=True, token_buckets=[16], request_buckets=[2],
+                                      max_num_batched_tokens=16, max_num_seqs=2, page_size=4, num_kv_pages=64,
+                                      max_model_len=64)
+    engine = LLMEngine(config, warmup=False)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    print("done")  # and exits with the core process still running: no shutdown()
+"""
+
+
+def test_a_script_that_never_shuts_the_engine_down_still_exits(llama_dir, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(EXITS_WITHOUT_SHUTDOWN)
+    run = subprocess.run([sys.executable, str(script), str(llama_dir)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-3000:]

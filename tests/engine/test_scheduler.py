@@ -153,11 +153,11 @@ def test_request_metrics_spans_a_parents_sequences():
     first.first_token_time, second.first_token_time = 13.0, 12.5
     first.last_token_time, second.last_token_time = 20.0, 18.0
     second.num_preemptions = 2
-    metrics = request_metrics([first, second])
+    metrics = request_metrics([first, second], first.sampling_params.max_tokens)
     assert (metrics.queue_time, metrics.prefill_time, metrics.decode_time, metrics.inference_time) == (
         1.0, 1.5, 7.5, 9.0)
     assert metrics.num_preemptions == 2 and metrics.max_tokens_param == 4
-    waiting = request_metrics([make_request("w", 3)])
+    waiting = request_metrics([make_request("w", 3)], None)
     assert waiting.queue_time is None and waiting.inference_time is None, "aborted while waiting: no stages"
 
 
