@@ -35,33 +35,11 @@ def core_process(llama_dir):
     engine.shutdown()
 
 
-def run_frontend(engine: LLMEngine, requests: dict, arrivals: dict[str, int], aborts: dict[str, int]) -> dict:
-    """`run` for an engine whose core is elsewhere: no scheduler to look into here."""
-    finished: dict[str, object] = {}
-    step = 0
-    while step <= max(arrivals.values()) or engine.has_unfinished_requests():
-        for request_id, arrival in arrivals.items():
-            if arrival == step:
-                engine.add_request(request_id, *requests[request_id])
-        for request_id, at in aborts.items():
-            if at == step:
-                engine.abort_request(request_id)
-        for output in engine.step():
-            assert output.error is None, output.error
-            assert output.request_id not in finished, "reported after it finished"
-            assert output.request_id not in aborts or step < aborts[output.request_id], "reported after its abort"
-            if output.finished:
-                finished[output.request_id] = output
-        step += 1
-        assert step < 3000, "no progress"
-    return finished
-
-
 def test_core_process_outputs_equal_in_process(in_process, core_process):
     assert core_process.core is None and core_process._core._process.pid != os.getpid()
     requests, arrivals = workload(in_process)
     expected = run(in_process, requests, arrivals)
-    got = run_frontend(core_process, requests, arrivals, {})
+    got = run(core_process, requests, arrivals)
     assert_same(expected, got)
     assert got["shared-b"].num_cached_tokens == expected["shared-b"].num_cached_tokens > 0
     assert got["stop-string"].outputs[0].finish_reason == "stop"
@@ -74,7 +52,7 @@ def test_core_process_aborts_leave_the_others_unchanged(in_process, core_process
     requests, arrivals = workload(in_process)
     aborts = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}
     expected = run(in_process, requests, arrivals, aborts)
-    got = run_frontend(core_process, requests, arrivals, aborts)
+    got = run(core_process, requests, arrivals, aborts)
     assert not set(aborts) & set(got)
     assert_same(expected, got)
     # Everything aborted or finished: the core's pages are all free again once it has heard.
