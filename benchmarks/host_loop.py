@@ -68,6 +68,7 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False):
 
 def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
     from jaxserve import SamplingParams
+    from jaxserve.engine.core_process import step_message
     from jaxserve.runner import model_runner
 
     engine = tiny_engine(num_seqs, async_scheduling=mode == "async")
@@ -93,7 +94,7 @@ def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
     def core_step_and_pickle():
         updates = core_step()
         start = time.perf_counter()
-        pickle.dumps(("step", [tuple(u) for u in updates], engine.core.stats()))  # what core_process sends
+        pickle.dumps(step_message(updates, engine.core.stats()))  # what the core process sends
         pickled = time.perf_counter() - start
         phases["pickle"] += pickled
         phases["untimed"] += pickled

@@ -150,6 +150,12 @@ class CoreProcessClient:
             raise CoreProcessDied(f"the engine core exited (code {self._process.exitcode})") from e
 
 
+def step_message(updates: list[SequenceUpdate], stats: EngineStats) -> tuple:
+    """What the core sends for a step. The updates go as plain tuples: a NamedTuple pickles through its
+    class, 4x slower (0.3 ms at 256 rows)."""
+    return "step", [tuple(update) for update in updates], stats
+
+
 def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: bool) -> None:
     """The core process: build the core, then step while there is work.
 
@@ -200,14 +206,12 @@ class _CoreLoop:
         sent_stats = None
         while self._apply_commands():
             self._admit_compiled()
-            updates: list[SequenceUpdate] = []
-            if self.core.has_unfinished() or self.failed:
-                updates = self.core.step() if self.core.has_unfinished() else []
-                updates, self.failed = self.failed + updates, []
+            updates, self.failed = self.failed, []
+            if self.core.has_unfinished():
+                updates += self.core.step()
             stats = self.core.stats()
             if updates or stats != sent_stats:  # idle after finishing or aborting: the last snapshot still goes
-                # As plain tuples: a NamedTuple pickles through its class, 4x slower (0.3 ms at 256 rows).
-                self.outbox.put(("step", [tuple(update) for update in updates], stats))
+                self.outbox.put(step_message(updates, stats))
                 sent_stats = stats
         self.core.shutdown()
 

@@ -234,7 +234,7 @@ class Scheduler:
         """Advances the request's computed (and in-flight) tokens by this step's share and returns the share.
         `resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_tokens = request.num_tokens  # read once: a property
         known_end = min(end, num_tokens)  # past it: the token in flight
         if self.kv_cache.enable_prefix_caching:
             first, end_page = start // self.kv_cache.page_size, known_end // self.kv_cache.page_size
@@ -253,9 +253,9 @@ class Scheduler:
             keeps_sample,
             params,
             request.sampling_seed,
-            len(request.prompt_token_ids),
-            len(request.output_token_ids) + request.num_inflight_tokens,  # the index of this step's sample
-            request.banned_token_ids() if keeps_sample and params.min_tokens else (),
+            request.num_prompt_tokens,
+            request.num_scheduled_outputs,  # the index of this step's sample
+            request.banned_token_ids() if keeps_sample and params.min_tokens else (),  # min_tokens 0 bans nothing
             tuple(request.prompt_token_ids[start + 1 : end + 1]) if params.prompt_logprobs is not None else (),
             tuple(request.token_ids(0, start)) if params.has_penalties and start > 0 and resumed else None,
             request.grammar if keeps_sample else None,
