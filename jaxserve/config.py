@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "pallas", "interpret")
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
 SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

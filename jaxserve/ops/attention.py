@@ -2,9 +2,12 @@
 
 - `reference`: the plain jnp path (`paged_attention_ref`), the readable oracle for the others.
 - `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
+- `cpu-native`: `cpu`, with decode steps run by a C++ kernel built for this machine (`cpu_kernels`), which
+  walks each request's pages in place.
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
-- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0, `cpu` on a CPU, `reference` elsewhere.
+- `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
+  kernel cannot be built here (no C++ compiler); `reference` elsewhere.
 
 The choice is made once, against the device the step is compiled for (`jaxserve.device.DeviceFacts`: the
 local one, or a GPU target when compiling without a GPU), and travels in the model config as an
@@ -18,11 +21,11 @@ import jax
 
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
-from jaxserve.ops import paged_attention_pallas
+from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.paged_attention_cpu import ragged_paged_attention_cpu
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
-AttentionImpl = Literal["auto", "reference", "cpu", "pallas", "interpret"]
+AttentionImpl = Literal["auto", "reference", "cpu", "cpu-native", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
@@ -33,7 +36,7 @@ kv_cache_shape = paged_attention_pallas.kv_cache_shape
 class AttentionConfig:
     """A resolved attention choice (part of the model config, so of the compile key)."""
 
-    impl: str = "reference"  # reference | cpu | pallas | interpret, never auto
+    impl: str = "reference"  # reference | cpu | cpu-native | pallas | interpret, never auto
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
 
@@ -47,13 +50,19 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
     """Maps `auto` to a concrete implementation for `device` (the local default one) and checks the choice."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
+        raise ValueError(f"attention impl 'cpu-native' is unavailable here: {error}; use 'cpu'")
     if impl not in ("auto", "pallas"):
         return impl
     device = device or local_facts()
     capability = device.compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
-        return "pallas" if kernel_runs else "cpu" if device.platform == "cpu" else "reference"
+        if kernel_runs:
+            return "pallas"
+        if device.platform == "cpu":
+            return "cpu-native" if cpu_kernels.kernel_error() is None else "cpu"
+        return "reference"
     if impl == "pallas" and not kernel_runs:
         found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
         raise ValueError(
@@ -95,7 +104,9 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
-    if impl == "cpu":
+    if impl == "cpu-native" and decode_only:
+        return cpu_kernels.paged_decode_attention(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
+    if impl in ("cpu", "cpu-native"):
         return ragged_paged_attention_cpu(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, decode_only=decode_only
         )

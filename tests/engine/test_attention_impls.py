@@ -3,8 +3,9 @@ the CPU path, generates what the reference path does."""
 
 import pytest
 
-from jaxserve.ops import paged_attention_pallas
+from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.attention import resolve_impl
+from jaxserve.ops.cpu_kernels import paged_decode_attention
 from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggered
 
 # Small enough that both kernels trace in a few seconds; prefill chunks, mixed steps and decode-only steps.
@@ -39,16 +40,23 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
     assert traced["ragged"] > 0 and traced["decode"] > 0, "both kernels should have served steps"
 
 
+@pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_greedy_generation_with_the_cpu_path_equals_the_reference(kind, tiny_model_dir):
-    """The CPU path's work items (prefill chunks split into query blocks, mixed and decode-only steps)
-    generate exactly the reference path's tokens."""
+def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, tiny_model_dir, monkeypatch):
+    """The CPU path's work items (prefill chunks split into query blocks, mixed and decode-only steps), and
+    the native kernel serving the decode-only steps, generate exactly the reference path's tokens."""
+    if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
+        pytest.skip(error)
+    native_calls = []
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention",
+                        lambda *a, **kw: native_calls.append(1) or paged_decode_attention(*a, **kw))
     prompts = make_prompts(6)
     max_tokens = [9, 6, 12, 5, 8, 10]
     arrivals = [0, 0, 1, 3, 6, 7]
     outputs = {}
-    for impl in ("reference", "cpu"):
-        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
-        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
-    assert outputs["cpu"] == outputs["reference"]
-    assert [len(outputs["cpu"][i]) for i in range(6)] == max_tokens
+    for name in ("reference", impl):
+        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=name, **KERNEL_LADDER)
+        outputs[name] = run_staggered(engine, prompts, max_tokens, arrivals)
+    assert outputs[impl] == outputs["reference"]
+    assert [len(outputs[impl][i]) for i in range(6)] == max_tokens
+    assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves the decode steps, and only then"

@@ -1,6 +1,8 @@
-"""The jnp attention paths (the reference and the CPU one) against a float64 numpy oracle, and the impl
-choice."""
+"""The attention paths that run on CPU (the reference, the jnp CPU path and the native decode kernel)
+against a float64 numpy oracle, the native kernel's build, and the impl choice."""
 
+import os
+import shutil
 from types import SimpleNamespace
 
 import jax
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.device import local_facts, target_facts
+from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import (
     MIN_PALLAS_COMPUTE_CAPABILITY,
     AttentionConfig,
@@ -50,13 +53,88 @@ def test_cpu_work_items_of_any_size_match_oracle(query_block, pages_per_block, m
     assert_matches_oracle(got, case, 0.25)
 
 
-def test_cpu_decode_path_matches_oracle():
+NATIVE = cpu_kernels.kernel_error() is None
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="no C++ compiler: the native kernels cannot be built here")
+
+
+@needs_compiler
+def test_the_native_kernels_build_on_a_machine_with_a_compiler():
+    assert cpu_kernels.kernel_error() is None
+
+
+@pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
+def test_cpu_decode_paths_match_oracle(impl):
     """decode_only: one item per request (token r is request r's query), padding requests with kv_len 0."""
+    if impl == "cpu-native" and not NATIVE:
+        pytest.skip(cpu_kernels.kernel_error())
     rng = np.random.default_rng(3)
     q_lens, kv_lens = [1] * 5, [1, 16, 17, 33, 47]
     case = make_case(rng, q_lens, kv_lens, 9, 3, pad_tokens=2, pad_reqs=2)
-    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.125, impl="cpu", decode_only=True))
+    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.125, impl=impl, decode_only=True))
     assert_matches_oracle(got, case, 0.125)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have compiled-in loop bounds
+@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads", [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1)])
+def test_native_decode_kernel_matches_oracle(head_dim, page_size, num_q_heads, num_kv_heads):
+    """Contexts on and off page edges, one page and many, padding requests; every slot a request does not
+    own is NaN, so reading past a request's length or outside its pages would show."""
+    rng = np.random.default_rng(head_dim + page_size)
+    kv_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 70, 5]
+    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, page_size=page_size,
+                     head_dim=head_dim, pad_tokens=3, pad_reqs=3, max_pages=-(-70 // page_size) + 2)
+    q, k_pages, v_pages, kv, table, _ = case.args
+    got = np.asarray(jax.jit(lambda *a: cpu_kernels.paged_decode_attention(*a, sm_scale=0.3))(
+        q, k_pages, v_pages, kv, table))
+    assert_matches_oracle(got, case, 0.3)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+def test_native_decode_kernel_reads_a_bfloat16_cache():
+    """A bfloat16 cache is read as stored; queries in float32 are rounded to it, sums stay float32."""
+    import ml_dtypes
+
+    case = make_case(np.random.default_rng(11), [1] * 4, [3, 16, 40, 65], 9, 3, page_size=16, head_dim=64,
+                     pad_tokens=1, pad_reqs=1, max_pages=6)
+    q, k_pages, v_pages, kv, table, _ = case.args
+    bf16 = [x.astype(ml_dtypes.bfloat16) for x in (q, k_pages, v_pages)]
+    got = cpu_kernels.paged_decode_attention(*bf16, kv, table, sm_scale=0.125)
+    assert got.dtype == jax.numpy.bfloat16
+    rounded = type(case)(*[x.astype(np.float32) for x in bf16], kv, table, case.cu_q_lens)
+    want = oracle(rounded, 0.125)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:4], want[:4], atol=2e-2, rtol=2e-2)
+    assert np.all(np.asarray(got, np.float32)[4:] == 0)
+    from_f32_queries = cpu_kernels.paged_decode_attention(q, *bf16[1:], kv, table, sm_scale=0.125)
+    assert from_f32_queries.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(from_f32_queries)[:4], want[:4], atol=2e-2, rtol=2e-2)
+
+
+@needs_compiler
+def test_a_kernel_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    compiler = cpu_kernels._compiler()
+    library = cpu_kernels._build(compiler)
+    assert library.parent == tmp_path and library.suffix == ".so"
+    built_at = os.stat(library).st_mtime_ns
+    assert cpu_kernels._build(compiler) == library and os.stat(library).st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [library.name], "no temporary files are left"
+
+
+def test_a_failed_build_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(cpu_kernels.NativeKernelUnavailable, match=r"building paged_decode_attention\.cc failed"):
+        cpu_kernels._build("false")  # a "compiler" that always fails
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_the_kernels_auto_keeps_the_jnp_path_and_cpu_native_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "kernel_error", lambda: "no C++ compiler found")
+    cpu = local_facts(jax.devices("cpu")[0])
+    assert resolve_impl("auto", cpu) == "cpu"
+    with pytest.raises(ValueError, match="'cpu-native' is unavailable here: no C\\+\\+ compiler found"):
+        resolve_impl("cpu-native", cpu)
 
 
 def test_work_item_count_covers_every_split():
@@ -68,7 +146,7 @@ def test_work_item_count_covers_every_split():
 def test_auto_fits_this_machine_and_bad_choices_are_rejected():
     capability = cuda_compute_capability()
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
-    assert resolve_impl("auto") == ("pallas" if kernel_runs else "cpu")
+    assert resolve_impl("auto") == ("pallas" if kernel_runs else "cpu-native" if NATIVE else "cpu")
     assert resolve_impl("cpu") == "cpu" and resolve_impl("reference") == "reference"
     assert resolve_impl("interpret") == "interpret"
     with pytest.raises(ValueError, match="unknown attention impl"):
@@ -83,7 +161,7 @@ def test_auto_fits_this_machine_and_bad_choices_are_rejected():
 @pytest.mark.parametrize(
     "platform,capability,want",
     [("gpu", "9.0", "pallas"), ("gpu", "8.0", "pallas"), ("gpu", "7.5", "reference"),
-     ("gpu", "gfx942", "reference"), ("cpu", None, "cpu")],
+     ("gpu", "gfx942", "reference"), ("cpu", None, "cpu-native" if NATIVE else "cpu")],
 )
 def test_auto_picks_the_kernel_on_cuda_sm80_and_newer(platform, capability, want):
     device = local_facts(SimpleNamespace(platform=platform, compute_capability=capability, device_kind="x"))
@@ -100,4 +178,4 @@ def test_a_gpu_target_resolves_as_that_gpu_would_here_on_a_cpu(target, num_sms):
     """Compiling for a target picks what a real device of its kind picks, not what this CPU would."""
     attention = resolve_attention("auto", target_facts(target))
     assert attention == AttentionConfig(impl="pallas", num_sms=num_sms)
-    assert resolve_attention("auto", local_facts(jax.devices("cpu")[0])).impl == "cpu"
+    assert resolve_attention("auto", local_facts(jax.devices("cpu")[0])).impl in ("cpu", "cpu-native")

@@ -1,0 +1,122 @@
+"""Native CPU kernels: C++ sources built on first use for this machine and called as XLA FFI custom calls.
+
+XLA:CPU has no paged-attention primitive: expressed in jnp, a decode step gathers each request's K/V pages
+into a block and runs small batched dots over it, which reaches a fraction of the memory bandwidth a
+decode's attention is bound by. `paged_decode_attention.cc` walks each request's pages in place instead.
+
+The sources ship with the package and are compiled here, as llama.cpp and Triton compile for the machine
+they run on: `-march=native` picks up AVX-512 (or not) without a dispatch layer of our own. The shared
+library is cached under `JAXSERVE_KERNEL_CACHE` (default `~/.cache/jaxserve/kernels`), keyed by the source,
+the flags, jaxlib's version and this CPU's feature flags, so a changed machine or source builds anew; a
+build writes a temporary file and renames it into place, so processes building at once do not clash.
+Registration happens once per process, when a step that uses a kernel is first traced.
+
+Without a C++ compiler (or when the build fails) `kernel_error()` says why and `auto` attention keeps the
+jnp CPU path; asking for `cpu-native` explicitly is then an error.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+SOURCE = "paged_decode_attention.cc"
+SYMBOL = "JaxservePagedDecodeAttention"
+TARGET = "jaxserve_paged_decode_attention"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+BUILD_TIMEOUT_S = 120
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native CPU kernels could not be built or loaded here (the message says why)."""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")).expanduser()
+
+
+def _build(compiler: str) -> Path:
+    source = resources.files(__package__).joinpath(SOURCE).read_bytes()
+    key = hashlib.sha256(b"\0".join([
+        source, " ".join(FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+    ])).hexdigest()[:16]
+    library = _cache_dir() / f"{Path(SOURCE).stem}-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        source_path = Path(scratch) / SOURCE
+        source_path.write_bytes(source)
+        built = Path(scratch) / library.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source_path), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise NativeKernelUnavailable(f"building {SOURCE} failed: {result.stderr.strip()[-2000:]}")
+        staged = library.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(built, staged)
+        os.replace(staged, library)
+    return library
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (or finds) and registers the kernels once per process; the reason they are missing, or None."""
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found (set CXX, or install g++)"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+    except (NativeKernelUnavailable, OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    return None
+
+
+def kernel_error() -> str | None:
+    """Why the native kernels are unavailable on this machine, or None when they are built and registered."""
+    return _load()
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [R, N, H]: request r's one query token
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]; 0 for a padding request (its rows come back as zeros)
+    page_table: jax.Array,  # i32[R, P]
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [R, N, H]
+    """Decode attention over paged K/V, one query per request, for a float32 or bfloat16 cache."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    cache_dtype = k_pages.dtype  # the kernel reads the cache as stored; the (small) queries follow it
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, cache_dtype))
+    out = call(q.astype(cache_dtype), k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+               sm_scale=np.float32(sm_scale))
+    return out.astype(q.dtype)
