@@ -131,7 +131,7 @@ def dense_attention_fn(inputs: PagedInputs, sm_scale: float) -> tuple[Callable, 
 
 
 def paged_fn(impl: str, decode: bool, sm_scale: float) -> Callable:
-    if impl in ("reference", "cpu"):
+    if impl in ("reference", "cpu", "cpu-native"):
         return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, impl=impl, decode_only=decode))
     interpret = impl == "interpret"
     if decode and impl in ("pallas", "interpret"):
@@ -197,7 +197,7 @@ def format_row(row: Row) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impls", nargs="+", default=["pallas", "pallas-ragged", "reference", "dense"],
-                        choices=["pallas", "pallas-ragged", "reference", "cpu", "dense", "interpret"])
+                        choices=["pallas", "pallas-ragged", "reference", "cpu", "cpu-native", "dense", "interpret"])
     parser.add_argument("--heads", default="llama-3-8b", choices=sorted(HEADS))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--page-size", type=int, default=16)

@@ -7,9 +7,12 @@ every concurrency level on both servers, the order swapped from round to round, 
 per round (the same prompts for both servers within a round, never twice for one server). llama-server
 is restarted per level with `-np` equal to the concurrency (its slots); jaxserve runs one ladder for all
 levels. Then a long prompt (`--long-prompt` tokens, `max_tokens` 1) measures TTFT on both.
+`--attention-impls` serves one jaxserve per attention implementation, each in the rotation, so a change
+to the CPU path is measured against its predecessor and llama-server in one run.
 
     python benchmarks/vs_llama_server.py --concurrency 1 16 64 --rounds 2 --long-prompt 8000 \
         --json docs/vs-llama-server-cpu.json
+    python benchmarks/vs_llama_server.py --attention-impls cpu cpu-native --long-prompt 0
 """
 
 import argparse
@@ -72,25 +75,35 @@ def main() -> None:
                         help="last: `jaxserve bench serve` sampling flags sent to both servers, e.g. "
                              "--sampling --temperature 1 --top-p 0.9 (default: greedy); top-k, top-p and "
                              "min-p not given are sent switched off, or llama-server would apply its defaults")
+    parser.add_argument("--attention-impls", nargs="+", default=["auto"],
+                        help="one jaxserve server per attention implementation (default: auto)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.sampling:  # the flags given last win
         args.sampling = ["--top-k", "0", "--top-p", "1", "--min-p", "0", *args.sampling]
 
-    jax_port, llama_port = 8190, 8191
+    llama_port = 8191
+    # name -> port; "jaxserve" alone when one implementation is served
+    jax_ports = {("jaxserve" if len(args.attention_impls) == 1 else f"jaxserve ({impl})"): 8192 + i
+                 for i, impl in enumerate(args.attention_impls)}
+    names = ["llama-server", *jax_ports]
     runs: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ladder = Path(tmp) / "ladder.yaml"
         ladder.write_text(yaml.safe_dump(LADDER))
         max_len = max(args.long_prompt + 64, 1024)
-        jaxserve = start_server(str(ladder), jax_port, args.dtype, "--max-model-len", str(max_len),
-                                *(["--async-scheduling"] if args.async_scheduling else []))
+        servers = []
         try:
+            for impl, port in zip(args.attention_impls, jax_ports.values(), strict=True):
+                servers.append(start_server(
+                    str(ladder), port, args.dtype, "--max-model-len", str(max_len), "--attention-impl", impl,
+                    *(["--async-scheduling"] if args.async_scheduling else [])))
             for round_index in range(args.rounds):
+                # each round shifts the order by one server, so each takes every place in turn
+                order = names[round_index % len(names):] + names[:round_index % len(names)]
                 for concurrency in args.concurrency:
                     num_prompts = max(2 * concurrency, 8)
                     seed = 1000 * round_index + concurrency
-                    order = ["llama-server", "jaxserve"] if round_index % 2 == 0 else ["jaxserve", "llama-server"]
                     for name in order:
                         if name == "llama-server":
                             context = concurrency * (args.input_len + args.output_len + 64)
@@ -102,14 +115,13 @@ def main() -> None:
                                 llama.terminate()
                                 llama.wait(30)
                         else:
-                            result = bench(jax_port, concurrency, num_prompts, args.input_len, args.output_len,
-                                           seed, args.sampling)
+                            result = bench(jax_ports[name], concurrency, num_prompts, args.input_len,
+                                           args.output_len, seed, args.sampling)
                         runs.setdefault((name, concurrency), []).append(result)
                         print(f"round {round_index + 1} c={concurrency} {name}: "
                               f"{result['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
                               f"{result['tpot_ms']['p50']:.1f} ms", flush=True)
                 if args.long_prompt:
-                    order = ["llama-server", "jaxserve"] if round_index % 2 == 0 else ["jaxserve", "llama-server"]
                     for name in order:
                         seed = 7 + round_index
                         if name == "llama-server":
@@ -120,35 +132,35 @@ def main() -> None:
                                 llama.terminate()
                                 llama.wait(30)
                         else:
-                            result = bench(jax_port, 1, 1, args.long_prompt, 1, seed)
+                            result = bench(jax_ports[name], 1, 1, args.long_prompt, 1, seed)
                         runs.setdefault((name, -args.long_prompt), []).append(result)
                         print(f"round {round_index + 1} {args.long_prompt}-token prompt {name}: TTFT "
                               f"{result['ttft_ms']['p50'] / 1e3:.2f} s", flush=True)
         finally:
-            stop_server(jaxserve)
+            for server in servers:
+                stop_server(server)
 
     def median(name: str, level: int, metric: str, stat: str | None = None) -> float:
-        values = [r[metric][stat] if stat else r[metric] for r in runs[("jaxserve" if name == "j" else
-                                                                          "llama-server", level)]]
-        return statistics.median(values)
+        return statistics.median(r[metric][stat] if stat else r[metric] for r in runs[(name, level)])
 
     print(f"\nmedians of {args.rounds} alternating rounds, {args.input_len} prompt / {args.output_len} output tokens")
-    print("| concurrency | jaxserve out tok/s | llama-server out tok/s | ratio | TPOT p50 jaxserve / llama-server "
-          "| ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| server | concurrency | jaxserve out tok/s | llama-server out tok/s | ratio "
+          "| TPOT p50 jaxserve / llama-server | ratio |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
-    for concurrency in args.concurrency:
-        j, ll = median("j", concurrency, "output_tokens_per_s"), median("l", concurrency, "output_tokens_per_s")
-        jt, lt = median("j", concurrency, "tpot_ms", "p50"), median("l", concurrency, "tpot_ms", "p50")
-        rows.append({"concurrency": concurrency, "jaxserve_tok_s": j, "llama_tok_s": ll, "jaxserve_tpot_ms": jt,
-                     "llama_tpot_ms": lt})
-        print(f"| {concurrency} | {j:.1f} | {ll:.1f} | {j / ll:.2f} | {jt:.1f} / {lt:.1f} ms | {jt / lt:.2f} |")
-    if args.long_prompt:
-        jt = median("j", -args.long_prompt, "ttft_ms", "p50") / 1e3
-        lt = median("l", -args.long_prompt, "ttft_ms", "p50") / 1e3
-        rows.append({"long_prompt": args.long_prompt, "jaxserve_ttft_s": jt, "llama_ttft_s": lt})
-        print(f"\n{args.long_prompt}-token prompt, TTFT: jaxserve {jt:.2f} s, llama-server {lt:.2f} s, "
-              f"ratio {jt / lt:.2f}")
+    for name in jax_ports:
+        for concurrency in args.concurrency:
+            j, ll = (median(n, concurrency, "output_tokens_per_s") for n in (name, "llama-server"))
+            jt, lt = (median(n, concurrency, "tpot_ms", "p50") for n in (name, "llama-server"))
+            rows.append({"server": name, "concurrency": concurrency, "jaxserve_tok_s": j, "llama_tok_s": ll,
+                         "jaxserve_tpot_ms": jt, "llama_tpot_ms": lt})
+            print(f"| {name} | {concurrency} | {j:.1f} | {ll:.1f} | {j / ll:.2f} | {jt:.1f} / {lt:.1f} ms "
+                  f"| {jt / lt:.2f} |")
+        if args.long_prompt:
+            jt, lt = (median(n, -args.long_prompt, "ttft_ms", "p50") / 1e3 for n in (name, "llama-server"))
+            rows.append({"server": name, "long_prompt": args.long_prompt, "jaxserve_ttft_s": jt, "llama_ttft_s": lt})
+            print(f"\n{name}, {args.long_prompt}-token prompt, TTFT: {jt:.2f} s, llama-server {lt:.2f} s, "
+                  f"ratio {jt / lt:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": rows, "runs": [
             {"server": name, "level": level, "results": results} for (name, level), results in runs.items()]},

@@ -2,8 +2,8 @@
 
 - `reference`: the plain jnp path (`paged_attention_ref`), the readable oracle for the others.
 - `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
-- `cpu-native`: `cpu`, with decode steps run by a C++ kernel built for this machine (`cpu_kernels`), which
-  walks each request's pages in place.
+- `cpu-native`: a C++ kernel built for this machine (`cpu_kernels`) that walks each request's pages in
+  place, with work that follows the live tokens rather than the bucket's shape.
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
@@ -104,9 +104,11 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
-    if impl == "cpu-native" and decode_only:
-        return cpu_kernels.paged_decode_attention(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
-    if impl in ("cpu", "cpu-native"):
+    if impl == "cpu-native":
+        return cpu_kernels.ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
+        )
+    if impl == "cpu":
         return ragged_paged_attention_cpu(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, decode_only=decode_only
         )

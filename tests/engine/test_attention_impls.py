@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.attention import resolve_impl
-from jaxserve.ops.cpu_kernels import paged_decode_attention
+from jaxserve.ops.cpu_kernels import ragged_paged_attention
 from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggered
 
 # Small enough that both kernels trace in a few seconds; prefill chunks, mixed steps and decode-only steps.
@@ -43,13 +43,13 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
 @pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, tiny_model_dir, monkeypatch):
-    """The CPU path's work items (prefill chunks split into query blocks, mixed and decode-only steps), and
-    the native kernel serving the decode-only steps, generate exactly the reference path's tokens."""
+    """The CPU paths (the jnp work items, the native kernel) through prefill chunks, mixed and decode-only
+    steps generate exactly the reference path's tokens."""
     if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
         pytest.skip(error)
     native_calls = []
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention",
-                        lambda *a, **kw: native_calls.append(1) or paged_decode_attention(*a, **kw))
+    monkeypatch.setattr(cpu_kernels, "ragged_paged_attention",
+                        lambda *a, **kw: native_calls.append(1) or ragged_paged_attention(*a, **kw))
     prompts = make_prompts(6)
     max_tokens = [9, 6, 12, 5, 8, 10]
     arrivals = [0, 0, 1, 3, 6, 7]
@@ -59,4 +59,4 @@ def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, t
         outputs[name] = run_staggered(engine, prompts, max_tokens, arrivals)
     assert outputs[impl] == outputs["reference"]
     assert [len(outputs[impl][i]) for i in range(6)] == max_tokens
-    assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves the decode steps, and only then"
+    assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves cpu-native's steps, and only those"

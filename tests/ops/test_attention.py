@@ -31,10 +31,16 @@ def assert_matches_oracle(got: np.ndarray, case, scale: float) -> None:
     assert np.all(np.isfinite(got))
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+NATIVE = cpu_kernels.kernel_error() is None
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="no C++ compiler: the native kernels cannot be built here")
+native = pytest.param("cpu-native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", native])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (3, 1)])
-def test_jnp_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
+def test_cpu_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], num_q_heads, num_kv_heads)
     got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.25, impl=impl))
@@ -53,21 +59,14 @@ def test_cpu_work_items_of_any_size_match_oracle(query_block, pages_per_block, m
     assert_matches_oracle(got, case, 0.25)
 
 
-NATIVE = cpu_kernels.kernel_error() is None
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                    reason="no C++ compiler: the native kernels cannot be built here")
-
-
 @needs_compiler
 def test_the_native_kernels_build_on_a_machine_with_a_compiler():
     assert cpu_kernels.kernel_error() is None
 
 
-@pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
+@pytest.mark.parametrize("impl", ["cpu", native])
 def test_cpu_decode_paths_match_oracle(impl):
     """decode_only: one item per request (token r is request r's query), padding requests with kv_len 0."""
-    if impl == "cpu-native" and not NATIVE:
-        pytest.skip(cpu_kernels.kernel_error())
     rng = np.random.default_rng(3)
     q_lens, kv_lens = [1] * 5, [1, 16, 17, 33, 47]
     case = make_case(rng, q_lens, kv_lens, 9, 3, pad_tokens=2, pad_reqs=2)
@@ -78,37 +77,36 @@ def test_cpu_decode_paths_match_oracle(impl):
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have compiled-in loop bounds
 @pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads", [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1)])
-def test_native_decode_kernel_matches_oracle(head_dim, page_size, num_q_heads, num_kv_heads):
-    """Contexts on and off page edges, one page and many, padding requests; every slot a request does not
-    own is NaN, so reading past a request's length or outside its pages would show."""
+def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_size, num_q_heads, num_kv_heads):
+    """Decodes with contexts on and off page edges; chunks longer than one unit (64 rows / group tokens) that
+    start mid-page after cached tokens; a whole prompt; empty requests and padding. Every slot a request
+    does not own is NaN, so reading past a request's length or outside its pages would show."""
     rng = np.random.default_rng(head_dim + page_size)
-    kv_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 70, 5]
-    case = make_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, page_size=page_size,
-                     head_dim=head_dim, pad_tokens=3, pad_reqs=3, max_pages=-(-70 // page_size) + 2)
-    q, k_pages, v_pages, kv, table, _ = case.args
-    got = np.asarray(jax.jit(lambda *a: cpu_kernels.paged_decode_attention(*a, sm_scale=0.3))(
-        q, k_pages, v_pages, kv, table))
+    q_lens = [1, 1, 1, 1, 70, 0, 23, 1]
+    kv_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 75, 0, 23, 70]
+    case = make_case(rng, q_lens, kv_lens, num_q_heads, num_kv_heads, page_size=page_size, head_dim=head_dim,
+                     pad_tokens=3, pad_reqs=3, max_pages=-(-75 // page_size) + 2)
+    got = np.asarray(jax.jit(lambda *a: cpu_kernels.ragged_paged_attention(*a, sm_scale=0.3))(*case.args))
     assert_matches_oracle(got, case, 0.3)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
-def test_native_decode_kernel_reads_a_bfloat16_cache():
-    """A bfloat16 cache is read as stored; queries in float32 are rounded to it, sums stay float32."""
+def test_native_kernel_reads_a_bfloat16_cache():
+    """A bfloat16 cache is read as stored; float32 queries are rounded to it, sums stay float32."""
     import ml_dtypes
 
-    case = make_case(np.random.default_rng(11), [1] * 4, [3, 16, 40, 65], 9, 3, page_size=16, head_dim=64,
-                     pad_tokens=1, pad_reqs=1, max_pages=6)
-    q, k_pages, v_pages, kv, table, _ = case.args
+    case = make_case(np.random.default_rng(11), [1, 1, 9, 1], [3, 16, 40, 65], 9, 3, page_size=16,
+                     head_dim=64, pad_tokens=1, pad_reqs=1, max_pages=6)
+    q, k_pages, v_pages, kv, table, cu = case.args
     bf16 = [x.astype(ml_dtypes.bfloat16) for x in (q, k_pages, v_pages)]
-    got = cpu_kernels.paged_decode_attention(*bf16, kv, table, sm_scale=0.125)
-    assert got.dtype == jax.numpy.bfloat16
-    rounded = type(case)(*[x.astype(np.float32) for x in bf16], kv, table, case.cu_q_lens)
-    want = oracle(rounded, 0.125)
-    np.testing.assert_allclose(np.asarray(got, np.float32)[:4], want[:4], atol=2e-2, rtol=2e-2)
-    assert np.all(np.asarray(got, np.float32)[4:] == 0)
-    from_f32_queries = cpu_kernels.paged_decode_attention(q, *bf16[1:], kv, table, sm_scale=0.125)
-    assert from_f32_queries.dtype == np.float32
-    np.testing.assert_allclose(np.asarray(from_f32_queries)[:4], want[:4], atol=2e-2, rtol=2e-2)
+    want = oracle(type(case)(*[x.astype(np.float32) for x in bf16], kv, table, cu), 0.125)
+    real = case.num_real_tokens
+    for queries in (bf16[0], q):
+        got = cpu_kernels.ragged_paged_attention(queries, *bf16[1:], kv, table, cu, sm_scale=0.125)
+        assert got.dtype == queries.dtype
+        got = np.asarray(got, np.float32)
+        np.testing.assert_allclose(got[:real], want[:real], atol=2e-2, rtol=2e-2)
+        assert np.all(got[real:] == 0)
 
 
 @needs_compiler
@@ -124,7 +122,7 @@ def test_a_kernel_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
 
 def test_a_failed_build_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    with pytest.raises(cpu_kernels.NativeKernelUnavailable, match=r"building paged_decode_attention\.cc failed"):
+    with pytest.raises(cpu_kernels.NativeKernelUnavailable, match=r"building ragged_paged_attention\.cc failed"):
         cpu_kernels._build("false")  # a "compiler" that always fails
     assert list(tmp_path.iterdir()) == []
 

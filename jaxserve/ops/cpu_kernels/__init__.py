@@ -1,8 +1,9 @@
 """Native CPU kernels: C++ sources built on first use for this machine and called as XLA FFI custom calls.
 
-XLA:CPU has no paged-attention primitive: expressed in jnp, a decode step gathers each request's K/V pages
-into a block and runs small batched dots over it, which reaches a fraction of the memory bandwidth a
-decode's attention is bound by. `paged_decode_attention.cc` walks each request's pages in place instead.
+XLA:CPU has no paged-attention primitive: expressed in jnp, a step gathers each work item's K/V pages into
+blocks and runs small batched dots over them, for every item the bucket's shape allows, live or padding;
+a decode's attention reaches a fraction of the memory bandwidth that bounds it. `ragged_paged_attention.cc`
+walks each request's pages in place instead, with work that follows the step's live tokens.
 
 The sources ship with the package and are compiled here, as llama.cpp and Triton compile for the machine
 they run on: `-march=native` picks up AVX-512 (or not) without a dispatch layer of our own. The shared
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-SOURCE = "paged_decode_attention.cc"
-SYMBOL = "JaxservePagedDecodeAttention"
-TARGET = "jaxserve_paged_decode_attention"
+SOURCE = "ragged_paged_attention.cc"
+SYMBOL = "JaxserveRaggedPagedAttention"
+TARGET = "jaxserve_ragged_paged_attention"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 120
 
@@ -103,20 +104,22 @@ def kernel_error() -> str | None:
     return _load()
 
 
-def paged_decode_attention(
-    q: jax.Array,  # [R, N, H]: request r's one query token
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
     v_pages: jax.Array,  # [K, num_pages, page_size, H]
-    kv_lens: jax.Array,  # i32[R]; 0 for a padding request (its rows come back as zeros)
+    kv_lens: jax.Array,  # i32[R]
     page_table: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
-) -> jax.Array:  # [R, N, H]
-    """Decode attention over paged K/V, one query per request, for a float32 or bfloat16 cache."""
+) -> jax.Array:  # [T, N, H]
+    """`ragged_paged_attention_reference`'s contract, for a float32 or bfloat16 cache (read as stored; the
+    queries are rounded to its dtype, sums stay float32)."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
-    cache_dtype = k_pages.dtype  # the kernel reads the cache as stored; the (small) queries follow it
+    cache_dtype = k_pages.dtype
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, cache_dtype))
     out = call(q.astype(cache_dtype), k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-               sm_scale=np.float32(sm_scale))
+               cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale))
     return out.astype(q.dtype)

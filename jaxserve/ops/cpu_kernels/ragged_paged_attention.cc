@@ -1,0 +1,285 @@
+// Ragged paged attention for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and registers it).
+//
+// The packed queries of a step (prefill chunks and decodes, any mix) attend causally over each request's
+// paged K/V. Work unit = (request r, KV head k, a block of r's consecutive query tokens): its rows are the
+// block's tokens times the G = N / K query heads sharing that KV head, so every K/V row read serves all of
+// them, and a decode's unit (one token) reads each live K/V row exactly once: what bounds decode attention,
+// and what XLA:CPU's gathers of pages followed by small batched dots did not reach. Cost follows the live
+// tokens, not the bucket's padded shape. Units are shared among XLA's intra-op threads and the calling
+// thread through one atomic counter; each unit visits pages in order with an online softmax.
+//
+// Shapes (row-major):
+//   q          [T, N, H]                  float32 or bfloat16 (the cache's dtype)
+//   k_pages    [K, num_pages, page_size, H]
+//   v_pages    [K, num_pages, page_size, H]
+//   kv_lens    int32[R]                   r's cached tokens, its queries' included
+//   page_table int32[R, P]                r's pages; entries past its length are not read
+//   cu_q_lens  int32[R+1]                 r's queries are tokens cu_q_lens[r] : cu_q_lens[r+1]
+//   out        [T, N, H]                  tokens past cu_q_lens[R] (padding) come back as zeros
+// Scores and sums are float32 whatever the storage dtype.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 64;  // query rows per unit (tokens x heads of a GQA group)
+constexpr int kKeyRun = 64;   // keys scored per online-softmax update (a page, or a slice of a large one)
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, uint16_t* out) {  // round to nearest even, as XLA converts
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Unit {
+  int request, kv_head, first_query, num_queries;  // queries first_query : first_query + num_queries of r
+};
+
+struct Problem {
+  int num_q_heads, num_kv_heads, head_dim, num_pages, page_size, max_pages;
+  float sm_scale;
+  const void* q;
+  const void* k_pages;
+  const void* v_pages;
+  const int32_t* kv_lens;
+  const int32_t* page_table;
+  const int32_t* cu_q_lens;
+  void* out;
+};
+
+// Rows of `dim` values as float32: the rows themselves for a float32 cache, else converted into `buffer`.
+template <typename T>
+const float* as_float_rows(const T* rows, int num_rows, int dim, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return rows;
+  } else {
+    for (int i = 0; i < num_rows * dim; ++i) buffer[i] = to_float(rows[i]);
+    return buffer;
+  }
+}
+
+// Pages are scattered, and no hardware prefetcher follows into the next one: ask for it while this one runs.
+inline void prefetch(const void* start, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(start) + b);
+}
+
+// Per-thread scratch, sized once for the largest head size seen.
+struct Scratch {
+  std::vector<float> queries, acc, scores, keys, values;  // [rows, H], [rows, H], [rows, run], [run, H] x 2
+  void fit(int dim) {
+    if (static_cast<int>(queries.size()) >= kMaxRows * dim) return;
+    queries.assign(size_t(kMaxRows) * dim, 0.0f);
+    acc.assign(size_t(kMaxRows) * dim, 0.0f);
+    scores.assign(size_t(kMaxRows) * kKeyRun, 0.0f);
+    keys.assign(size_t(kKeyRun) * dim, 0.0f);
+    values.assign(size_t(kKeyRun) * dim, 0.0f);
+  }
+};
+
+// One unit. Row i * G + g is query token i of the unit, head g of the group. `kDim` is the head size when
+// fixed at compile time (64, 128: loops the compiler unrolls), else 0.
+template <typename T, int kDim>
+void attend_unit(const Problem& p, const Unit& unit) {
+  thread_local Scratch scratch;
+  const int dim = kDim ? kDim : p.head_dim;
+  scratch.fit(dim);
+  const int group = p.num_q_heads / p.num_kv_heads, page_size = p.page_size;
+  const int r = unit.request, rows = unit.num_queries * group;
+  const int kv_len = p.kv_lens[r], q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
+  const int first_pos = kv_len - q_len + unit.first_query;  // position of the unit's first query token
+  const int64_t first_token = p.cu_q_lens[r] + unit.first_query;
+  auto row_offset = [&](int row) {  // of row (i, g) in q and out
+    return ((first_token + row / group) * p.num_q_heads + unit.kv_head * group + row % group) * dim;
+  };
+  const T* q = static_cast<const T*>(p.q);
+  T* out = static_cast<T*>(p.out);
+  float* __restrict__ qs = scratch.queries.data();
+  float* __restrict__ acc = scratch.acc.data();
+  float* __restrict__ scores = scratch.scores.data();
+  float row_max[kMaxRows], row_sum[kMaxRows];
+  for (int row = 0; row < rows; ++row) {
+    const T* q_row = q + row_offset(row);
+    for (int h = 0; h < dim; ++h) qs[row * dim + h] = to_float(q_row[h]) * p.sm_scale;
+    for (int h = 0; h < dim; ++h) acc[row * dim + h] = 0.0f;
+    row_max[row] = -1e30f;  // finite: the build uses -ffast-math
+    row_sum[row] = 0.0f;
+  }
+  const int64_t page_elems = int64_t(page_size) * dim;
+  const T* k_head = static_cast<const T*>(p.k_pages) + unit.kv_head * p.num_pages * page_elems;
+  const T* v_head = static_cast<const T*>(p.v_pages) + unit.kv_head * p.num_pages * page_elems;
+  const int32_t* pages = p.page_table + int64_t(r) * p.max_pages;
+  const int num_keys = first_pos + unit.num_queries;  // the last query sees keys 0 .. its position
+  const int num_live_pages = (num_keys + page_size - 1) / page_size;
+  for (int page = 0; page < num_live_pages; ++page) {
+    if (page + 1 < num_live_pages) {
+      prefetch(k_head + pages[page + 1] * page_elems, page_elems * sizeof(T));
+      prefetch(v_head + pages[page + 1] * page_elems, page_elems * sizeof(T));
+    }
+    const int page_keys = std::min(page_size, num_keys - page * page_size);
+    for (int run_start = 0; run_start < page_keys; run_start += kKeyRun) {
+      const int keys = std::min(kKeyRun, page_keys - run_start);
+      const int first_key = page * page_size + run_start;  // position of the run's first key
+      const int64_t offset = pages[page] * page_elems + int64_t(run_start) * dim;
+      const float* __restrict__ k = as_float_rows(k_head + offset, keys, dim, scratch.keys.data());
+      const float* __restrict__ v = as_float_rows(v_head + offset, keys, dim, scratch.values.data());
+      for (int row = 0; row < rows; ++row) {
+        // keys at or before this row's position are visible; the first run always has key 0, so every
+        // row's maximum is a real score before any run it sees nothing of
+        const int visible = std::clamp(first_pos + row / group - first_key + 1, 0, keys);
+        if (visible == 0) continue;
+        const float* q_row = qs + row * dim;
+        float* s = scores + row * kKeyRun;
+        float run_max = row_max[row];
+        for (int j = 0; j < visible; ++j) {
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int h = 0; h < dim; ++h) dot += q_row[h] * k[j * dim + h];
+          s[j] = dot;
+          run_max = std::max(run_max, dot);
+        }
+        const float rescale = std::exp(row_max[row] - run_max);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < visible; ++j) {
+          s[j] = std::exp(s[j] - run_max);
+          sum += s[j];
+        }
+        row_sum[row] = row_sum[row] * rescale + sum;
+        row_max[row] = run_max;
+        float* a = acc + row * dim;
+#pragma omp simd
+        for (int h = 0; h < dim; ++h) a[h] *= rescale;
+        for (int j = 0; j < visible; ++j) {
+          const float weight = s[j];
+#pragma omp simd
+          for (int h = 0; h < dim; ++h) a[h] += weight * v[j * dim + h];
+        }
+      }
+    }
+  }
+  for (int row = 0; row < rows; ++row) {
+    T* out_row = out + row_offset(row);
+    const float inv = 1.0f / row_sum[row];
+    for (int h = 0; h < dim; ++h) from_float(acc[row * dim + h] * inv, out_row + h);
+  }
+}
+
+// Work shared by the caller and the pool's threads. Tasks the pool starts after the work is gone find
+// the counter past the end and return: they hold a reference to this, never to the caller's stack.
+struct SharedWork {
+  Problem problem;
+  void (*run)(const Problem&, const Unit&);
+  std::vector<Unit> units;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void drain() {
+    const int num_units = static_cast<int>(units.size());
+    for (int u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
+      run(problem, units[u]);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename T>
+void (*pick_unit(int head_dim))(const Problem&, const Unit&) {
+  return head_dim == 64 ? attend_unit<T, 64> : head_dim == 128 ? attend_unit<T, 128> : attend_unit<T, 0>;
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                                float sm_scale, ffi::Result<ffi::AnyBuffer> out) {
+  const auto q_dims = q.dimensions();
+  const auto k_dims = k_pages.dimensions();
+  const auto table_dims = page_table.dimensions();
+  if (q_dims.size() != 3 || k_dims.size() != 4 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+  }
+  const int num_tokens = int(q_dims[0]), num_reqs = int(table_dims[0]);
+  Problem p;
+  p.num_q_heads = int(q_dims[1]);
+  p.head_dim = int(q_dims[2]);
+  p.num_kv_heads = int(k_dims[0]);
+  p.num_pages = int(k_dims[1]);
+  p.page_size = int(k_dims[2]);
+  p.max_pages = int(table_dims[1]);
+  p.sm_scale = sm_scale;
+  const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
+  if (group < 1 || group > kMaxRows || p.num_q_heads % p.num_kv_heads != 0 || k_dims[3] != q_dims[2] ||
+      int(kv_lens.dimensions()[0]) != num_reqs || int(cu_q_lens.dimensions()[0]) != num_reqs + 1) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported or mismatched shapes");
+  }
+  if (q.element_type() != k_pages.element_type() || q.element_type() != v_pages.element_type() ||
+      q.element_type() != out->element_type()) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q, K/V and out must share a dtype");
+  }
+  const bool f32 = q.element_type() == ffi::DataType::F32;
+  if (!f32 && q.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: float32 or bfloat16 only");
+  }
+  p.q = q.untyped_data();
+  p.k_pages = k_pages.untyped_data();
+  p.v_pages = v_pages.untyped_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.page_table = page_table.typed_data();
+  p.cu_q_lens = cu_q_lens.typed_data();
+  p.out = out->untyped_data();
+
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  work->run = f32 ? pick_unit<float>(p.head_dim) : pick_unit<uint16_t>(p.head_dim);
+  const int block = kMaxRows / group;  // query tokens per unit
+  for (int r = 0; r < num_reqs; ++r) {
+    const int q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
+    if (q_len <= 0 || p.kv_lens[r] < q_len || p.cu_q_lens[r + 1] > num_tokens) continue;
+    for (int first = 0; first < q_len; first += block) {
+      for (int k = 0; k < p.num_kv_heads; ++k) work->units.push_back({r, k, first, std::min(block, q_len - first)});
+    }
+  }
+  // Padding tokens, and any token no unit covers, read zeros (a few hundred KiB: noise beside the units).
+  std::memset(p.out, 0, size_t(num_tokens) * p.num_q_heads * p.head_dim * (f32 ? 4 : 2));
+
+  const int num_units = static_cast<int>(work->units.size());
+  const int helpers = int(std::min<int64_t>(pool.num_threads(), num_units - 1));
+  for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>());
