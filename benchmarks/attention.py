@@ -50,6 +50,7 @@ MIXES = {  # name -> (q_len per request, kv_len per request)
     "2x512 chunks + 62 decodes@2048": ([512, 512] + [1] * 62, [1024, 1024] + [2048] * 62),
     # the CPU preset's chunks: a long prompt's last 128-token chunk; one chunk among 15 decodes
     "chunk 128 at 8192": ([128], [8192]),
+    "chunk 512 at 8192": ([512], [8192]),  # the bundled ladders' chunk: what an 8k prompt's TTFT runs
     "chunk 113 + 15 decodes@512": ([113] + [1] * 15, [1024] + [512] * 15),
 }
 
