@@ -318,7 +318,9 @@ class ModelRunner:
         self._compile(first, show_progress)
         empty = SchedulerOutput(scheduled=(), preempted_ids=())
         for bucket in first:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay it here
-            self.run_step(build_step_batch(empty, bucket, self.layout, []), bucket)
+            # and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first request
+            # (its step waited ~4 s behind them on CPU)
+            jax.block_until_ready(self.run_step(build_step_batch(empty, bucket, self.layout, []), bucket))
         ready = time.perf_counter() - start
         if not rest:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)

@@ -1,5 +1,9 @@
 """LLMEngine on a tiny random Llama: continuous batching, preemption, chunked prefill, compiles, errors."""
 
+import dataclasses
+import time
+
+import jax
 import numpy as np
 import pytest
 
@@ -100,6 +104,32 @@ def test_nothing_compiles_after_warmup(engine, solo_outputs):
         while engine.has_unfinished_requests():
             engine.step()
     assert compiles == []
+
+
+def test_warmup_waits_for_its_runs(tiny_model_dir):
+    """Warm-up runs each bucket once to pay an executable's first-run cost; dispatch is asynchronous, so
+    it must wait for those runs, or the first request's step waits behind them (4 s for SmolLM2 on CPU).
+    The runs are made slow here (a host callback that sleeps) so an unawaited one is still running."""
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    runner = engine.runner
+    run_step, outputs = runner.run_step, []
+
+    def slow(x):
+        time.sleep(0.2)
+        return x
+
+    def slow_run_step(batch, bucket):
+        sampled, prompt = run_step(batch, bucket)
+        tokens = jax.pure_callback(slow, jax.ShapeDtypeStruct(sampled.tokens.shape, sampled.tokens.dtype),
+                                   sampled.tokens)
+        outputs.append(tokens)
+        return dataclasses.replace(sampled, tokens=tokens), prompt
+
+    runner.run_step = slow_run_step
+    runner.warmup(show_progress=False)
+    ready = [out.is_ready() for out in outputs]
+    jax.block_until_ready(outputs)  # before asserting: pending callbacks at exit would crash the interpreter
+    assert ready and all(ready)
 
 
 @pytest.mark.parametrize(
