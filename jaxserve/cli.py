@@ -18,6 +18,7 @@ from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
     DTYPES,
+    KV_CACHE_DTYPES,
     SERVER_LOG_LEVELS,
     CacheConfig,
     EngineConfig,
@@ -107,6 +108,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="tokens per KV page (default: the preset's)")
     group.add_argument("--num-kv-pages", type=int, default=None,
                        help="KV pages, overriding the memory budget (default: from the budget)")
+    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                       help="the KV cache's dtype; auto (the default) is the model's. float16 or bfloat16 under "
+                            "a float32 model halve the cache's memory and what attention reads")
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None,
                        help="KV cache budget in GiB on CPU (default: the preset's)")
     group.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -159,6 +163,7 @@ def _engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_impl=args.attention_impl,
         seed=args.seed,

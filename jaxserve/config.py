@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16")
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
+# auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's
+# default cache is float16); the CPU paths and the native kernel compute in float32 either way.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
 SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -47,8 +50,11 @@ class CacheConfig:
     kv_cache_memory_gib: float = 2.0  # the budget on CPU
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True  # reuse computed KV pages of shared prompt prefixes
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_kv_pages is not None and self.num_kv_pages < 2:

@@ -90,3 +90,13 @@ def test_a_multihost_engine_refuses_background_warmup():
     channel = EngineConfig.from_preset("cpu", num_processes=2, coordinator_address="10.0.0.1:1234",
                                        tensor_parallel_size=2).parallel.channel_address
     assert channel == ("10.0.0.1", 1235)
+
+
+def test_the_kv_cache_dtype_is_one_of_the_listed_and_the_cli_takes_it():
+    from jaxserve.cli import _engine_config, build_parser
+
+    assert EngineConfig.from_preset(None, kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
+        EngineConfig.from_preset(None, kv_cache_dtype="fp8")
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--config", "cpu"])
+    assert _engine_config(args).cache.kv_cache_dtype == "bfloat16"

@@ -33,7 +33,7 @@ class StepShapes:
     head_dim: int
     num_pages: int
     layout: BatchLayout
-    dtype: Any  # the weights' and KV cache's dtype
+    dtype: Any  # the KV cache's dtype
 
 
 @dataclass(frozen=True)

@@ -125,8 +125,10 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
+        kv_dtype = cache_config.kv_cache_dtype
+        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype == "auto" else kv_dtype)
         page_bytes = bytes_per_page(
-            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, jnp.dtype(model.dtype).itemsize
+            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize
         )
         self.mesh = model.mesh
         self._step = make_step_fn(model.graphdef, jax.tree.structure(model.state), max_logprobs, self.mesh)
@@ -135,7 +137,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         pages_at = None if self.mesh is None else split_along(self.mesh, len(shape), 0)  # split by KV head
         self.kv_caches: KVCache = [
-            (jnp.zeros(shape, model.dtype, device=pages_at), jnp.zeros(shape, model.dtype, device=pages_at))
+            (jnp.zeros(shape, self.kv_dtype, device=pages_at), jnp.zeros(shape, self.kv_dtype, device=pages_at))
             for _ in range(cfg.num_layers)
         ]
         self.layout = self._shapes(self.num_pages).layout
@@ -149,12 +151,12 @@ class ModelRunner:
                                           else replicated(self.mesh))
         self._previous_scheduled: tuple[ScheduledRequest, ...] = ()
         logger.info(
-            "KV cache: %d pages of %d tokens (%.2f GiB)",
-            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
+            "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
+            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
         )
 
     def _shapes(self, num_pages: int) -> StepShapes:
-        return step_shapes(self.model.cfg, self.model.dtype, self.page_size, num_pages, self.max_pages_per_req,
+        return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,
                            self.max_num_seqs)
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None) -> int:

@@ -1,6 +1,7 @@
 """End to end: the engine with the Pallas kernels (interpreted on CPU, compiled on a CUDA GPU), and with
 the CPU path, generates what the reference path does."""
 
+import jax.numpy as jnp
 import pytest
 
 from jaxserve.ops import cpu_kernels, paged_attention_pallas
@@ -60,3 +61,27 @@ def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, t
     assert outputs[impl] == outputs["reference"]
     assert [len(outputs[impl][i]) for i in range(6)] == max_tokens
     assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves cpu-native's steps, and only those"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
+    """`kv_cache_dtype`: the pages are stored in 16 bits (twice as many in one memory budget), and the
+    reference, the jnp CPU path and the native kernel all read those values in float32, so they generate
+    the same tokens."""
+    if (error := cpu_kernels.kernel_error()) is not None:
+        pytest.skip(error)
+    prompts = make_prompts(6)
+    max_tokens = [9, 6, 12, 5, 8, 10]
+    arrivals = [0, 0, 1, 3, 6, 7]
+    outputs = {}
+    for impl in ("reference", "cpu", "cpu-native"):
+        engine = make_engine(tiny_model_dir("llama"), warmup=False, attention_impl=impl, kv_cache_dtype=kv_cache_dtype,
+                             **KERNEL_LADDER)
+        assert {page.dtype for pair in engine.runner.kv_caches for page in pair} == {jnp.dtype(kv_cache_dtype)}
+        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
+    assert outputs["cpu"] == outputs["reference"] == outputs["cpu-native"]
+    assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens
+    budget = dict(num_kv_pages=None, kv_cache_memory_gib=0.01, **KERNEL_LADDER)
+    pages = {dtype: make_engine(tiny_model_dir("llama"), warmup=False, kv_cache_dtype=dtype, **budget).runner.num_pages
+             for dtype in ("auto", kv_cache_dtype)}
+    assert pages[kv_cache_dtype] // 2 == pages["auto"]

@@ -91,22 +91,27 @@ def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_siz
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
-def test_native_kernel_reads_a_bfloat16_cache():
-    """A bfloat16 cache is read as stored; float32 queries are rounded to it, sums stay float32."""
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("query_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_native_kernel_reads_a_16_bit_cache(cache_dtype, query_dtype, head_dim):
+    """A 16-bit cache is read as stored, under float32 or bfloat16 queries (the output takes the queries'
+    dtype); against the oracle on the cache's own values, so only the queries' and output's rounding
+    remain (none in float32)."""
     import ml_dtypes
 
     case = make_case(np.random.default_rng(11), [1, 1, 9, 1], [3, 16, 40, 65], 9, 3, page_size=16,
-                     head_dim=64, pad_tokens=1, pad_reqs=1, max_pages=6)
+                     head_dim=head_dim, pad_tokens=1, pad_reqs=1, max_pages=6)
     q, k_pages, v_pages, kv, table, cu = case.args
-    bf16 = [x.astype(ml_dtypes.bfloat16) for x in (q, k_pages, v_pages)]
-    want = oracle(type(case)(*[x.astype(np.float32) for x in bf16], kv, table, cu), 0.125)
-    real = case.num_real_tokens
-    for queries in (bf16[0], q):
-        got = cpu_kernels.ragged_paged_attention(queries, *bf16[1:], kv, table, cu, sm_scale=0.125)
-        assert got.dtype == queries.dtype
-        got = np.asarray(got, np.float32)
-        np.testing.assert_allclose(got[:real], want[:real], atol=2e-2, rtol=2e-2)
-        assert np.all(got[real:] == 0)
+    q = q.astype(ml_dtypes.bfloat16) if query_dtype == "bfloat16" else q
+    k_pages, v_pages = (x.astype(getattr(ml_dtypes, cache_dtype, np.float16)) for x in (k_pages, v_pages))
+    want = oracle(type(case)(*[x.astype(np.float32) for x in (q, k_pages, v_pages)], kv, table, cu), 0.125)
+    got = cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv, table, cu, sm_scale=0.125)
+    assert got.dtype == q.dtype
+    got, real = np.asarray(got, np.float32), case.num_real_tokens
+    tolerance = 2e-2 if query_dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(got[:real], want[:real], atol=tolerance, rtol=tolerance)
+    assert np.all(got[real:] == 0)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")

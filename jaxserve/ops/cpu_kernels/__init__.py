@@ -114,12 +114,10 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
 ) -> jax.Array:  # [T, N, H]
-    """`ragged_paged_attention_reference`'s contract, for a float32 or bfloat16 cache (read as stored; the
-    queries are rounded to its dtype, sums stay float32)."""
+    """`ragged_paged_attention_reference`'s contract; q float32 or bfloat16, the cache float32, bfloat16 or
+    float16 (read as stored; scores and sums in float32)."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
-    cache_dtype = k_pages.dtype
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, cache_dtype))
-    out = call(q.astype(cache_dtype), k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-               cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale))
-    return out.astype(q.dtype)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+                cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale))

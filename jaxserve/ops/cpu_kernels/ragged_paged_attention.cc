@@ -9,14 +9,14 @@
 // thread through one atomic counter; each unit visits pages in order with an online softmax.
 //
 // Shapes (row-major):
-//   q          [T, N, H]                  float32 or bfloat16 (the cache's dtype)
+//   q          [T, N, H]                  float32 or bfloat16
 //   k_pages    [K, num_pages, page_size, H]
 //   v_pages    [K, num_pages, page_size, H]
 //   kv_lens    int32[R]                   r's cached tokens, its queries' included
 //   page_table int32[R, P]                r's pages; entries past its length are not read
 //   cu_q_lens  int32[R+1]                 r's queries are tokens cu_q_lens[r] : cu_q_lens[r+1]
-//   out        [T, N, H]                  tokens past cu_q_lens[R] (padding) come back as zeros
-// Scores and sums are float32 whatever the storage dtype.
+//   out        [T, N, H]                  q's dtype; tokens past cu_q_lens[R] (padding) come back as zeros
+// The cache is float32, bfloat16 or float16, whatever q's dtype; scores and sums are float32.
 
 #include <algorithm>
 #include <atomic>
@@ -37,19 +37,24 @@ namespace {
 constexpr int kMaxRows = 64;  // query rows per unit (tokens x heads of a GQA group)
 constexpr int kKeyRun = 64;   // keys scored per online-softmax update (a page, or a slice of a large one)
 
+struct bf16 {
+  uint16_t bits;
+};
+
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
+inline float to_float(_Float16 x) { return static_cast<float>(x); }  // F16C's vcvtph2ps where the CPU has it
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {  // round to nearest even, as XLA converts
+inline void from_float(float x, bf16* out) {  // round to nearest even, as XLA converts
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
+  out->bits = static_cast<uint16_t>(bits >> 16);
 }
 
 struct Unit {
@@ -97,9 +102,9 @@ struct Scratch {
   }
 };
 
-// One unit. Row i * G + g is query token i of the unit, head g of the group. `kDim` is the head size when
-// fixed at compile time (64, 128: loops the compiler unrolls), else 0.
-template <typename T, int kDim>
+// One unit. Row i * G + g is query token i of the unit, head g of the group. Q is q's and out's type, T the
+// cache's; `kDim` is the head size when fixed at compile time (64, 128: loops the compiler unrolls), else 0.
+template <typename Q, typename T, int kDim>
 void attend_unit(const Problem& p, const Unit& unit) {
   thread_local Scratch scratch;
   const int dim = kDim ? kDim : p.head_dim;
@@ -112,14 +117,14 @@ void attend_unit(const Problem& p, const Unit& unit) {
   auto row_offset = [&](int row) {  // of row (i, g) in q and out
     return ((first_token + row / group) * p.num_q_heads + unit.kv_head * group + row % group) * dim;
   };
-  const T* q = static_cast<const T*>(p.q);
-  T* out = static_cast<T*>(p.out);
+  const Q* q = static_cast<const Q*>(p.q);
+  Q* out = static_cast<Q*>(p.out);
   float* __restrict__ qs = scratch.queries.data();
   float* __restrict__ acc = scratch.acc.data();
   float* __restrict__ scores = scratch.scores.data();
   float row_max[kMaxRows], row_sum[kMaxRows];
   for (int row = 0; row < rows; ++row) {
-    const T* q_row = q + row_offset(row);
+    const Q* q_row = q + row_offset(row);
     for (int h = 0; h < dim; ++h) qs[row * dim + h] = to_float(q_row[h]) * p.sm_scale;
     for (int h = 0; h < dim; ++h) acc[row * dim + h] = 0.0f;
     row_max[row] = -1e30f;  // finite: the build uses -ffast-math
@@ -179,17 +184,19 @@ void attend_unit(const Problem& p, const Unit& unit) {
     }
   }
   for (int row = 0; row < rows; ++row) {
-    T* out_row = out + row_offset(row);
+    Q* out_row = out + row_offset(row);
     const float inv = 1.0f / row_sum[row];
     for (int h = 0; h < dim; ++h) from_float(acc[row * dim + h] * inv, out_row + h);
   }
 }
 
+using UnitFn = void (*)(const Problem&, const Unit&);
+
 // Work shared by the caller and the pool's threads. Tasks the pool starts after the work is gone find
 // the counter past the end and return: they hold a reference to this, never to the caller's stack.
 struct SharedWork {
   Problem problem;
-  void (*run)(const Problem&, const Unit&);
+  UnitFn run;
   std::vector<Unit> units;
   std::atomic<int> next{0};
   std::atomic<int> done{0};
@@ -203,9 +210,19 @@ struct SharedWork {
   }
 };
 
-template <typename T>
-void (*pick_unit(int head_dim))(const Problem&, const Unit&) {
-  return head_dim == 64 ? attend_unit<T, 64> : head_dim == 128 ? attend_unit<T, 128> : attend_unit<T, 0>;
+template <typename Q, typename T>
+UnitFn pick_unit(int head_dim) {
+  return head_dim == 64 ? attend_unit<Q, T, 64> : head_dim == 128 ? attend_unit<Q, T, 128> : attend_unit<Q, T, 0>;
+}
+
+template <typename Q>
+UnitFn pick_unit(ffi::DataType cache, int head_dim) {
+  switch (cache) {
+    case ffi::DataType::F32: return pick_unit<Q, float>(head_dim);
+    case ffi::DataType::BF16: return pick_unit<Q, bf16>(head_dim);
+    case ffi::DataType::F16: return pick_unit<Q, _Float16>(head_dim);
+    default: return nullptr;
+  }
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -232,13 +249,13 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       int(kv_lens.dimensions()[0]) != num_reqs || int(cu_q_lens.dimensions()[0]) != num_reqs + 1) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported or mismatched shapes");
   }
-  if (q.element_type() != k_pages.element_type() || q.element_type() != v_pages.element_type() ||
-      q.element_type() != out->element_type()) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: q, K/V and out must share a dtype");
-  }
   const bool f32 = q.element_type() == ffi::DataType::F32;
-  if (!f32 && q.element_type() != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: float32 or bfloat16 only");
+  const UnitFn run = f32 ? pick_unit<float>(k_pages.element_type(), p.head_dim)
+                         : q.element_type() == ffi::DataType::BF16 ? pick_unit<bf16>(k_pages.element_type(), p.head_dim)
+                                                                   : nullptr;
+  if (run == nullptr || k_pages.element_type() != v_pages.element_type() || q.element_type() != out->element_type()) {
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: q and out float32 or bfloat16, K and V one of float32, bfloat16, float16");
   }
   p.q = q.untyped_data();
   p.k_pages = k_pages.untyped_data();
@@ -250,7 +267,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  work->run = f32 ? pick_unit<float>(p.head_dim) : pick_unit<uint16_t>(p.head_dim);
+  work->run = run;
   const int block = kMaxRows / group;  // query tokens per unit
   for (int r = 0; r < num_reqs; ++r) {
     const int q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
