@@ -7,12 +7,12 @@ every concurrency level on both servers, the order swapped from round to round, 
 per round (the same prompts for both servers within a round, never twice for one server). llama-server
 is restarted per level with `-np` equal to the concurrency (its slots); jaxserve runs one ladder for all
 levels. Then a long prompt (`--long-prompt` tokens, `max_tokens` 1) measures TTFT on both.
-`--attention-impls` serves one jaxserve per attention implementation, each in the rotation, so a change
-to the CPU path is measured against its predecessor and llama-server in one run.
+`--variants` serves one jaxserve per set of extra `jaxserve serve` flags, each in the rotation, so a change
+is measured against its predecessor and llama-server in one run.
 
     python benchmarks/vs_llama_server.py --concurrency 1 16 64 --rounds 2 --long-prompt 8000 \
         --json docs/vs-llama-server-cpu.json
-    python benchmarks/vs_llama_server.py --attention-impls cpu cpu-native --long-prompt 0
+    python benchmarks/vs_llama_server.py --variants "--attention-impl cpu" "--attention-impl cpu-native"
 """
 
 import argparse
@@ -75,17 +75,16 @@ def main() -> None:
                         help="last: `jaxserve bench serve` sampling flags sent to both servers, e.g. "
                              "--sampling --temperature 1 --top-p 0.9 (default: greedy); top-k, top-p and "
                              "min-p not given are sent switched off, or llama-server would apply its defaults")
-    parser.add_argument("--attention-impls", nargs="+", default=["auto"],
-                        help="one jaxserve server per attention implementation (default: auto)")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="one jaxserve server per string of extra `jaxserve serve` flags (default: one, none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.sampling:  # the flags given last win
         args.sampling = ["--top-k", "0", "--top-p", "1", "--min-p", "0", *args.sampling]
 
     llama_port = 8191
-    # name -> port; "jaxserve" alone when one implementation is served
-    jax_ports = {("jaxserve" if len(args.attention_impls) == 1 else f"jaxserve ({impl})"): 8192 + i
-                 for i, impl in enumerate(args.attention_impls)}
+    # name -> port; "jaxserve" alone when one variant is served
+    jax_ports = {(f"jaxserve ({flags})" if flags else "jaxserve"): 8192 + i for i, flags in enumerate(args.variants)}
     names = ["llama-server", *jax_ports]
     runs: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,9 +93,9 @@ def main() -> None:
         max_len = max(args.long_prompt + 64, 1024)
         servers = []
         try:
-            for impl, port in zip(args.attention_impls, jax_ports.values(), strict=True):
+            for flags, port in zip(args.variants, jax_ports.values(), strict=True):
                 servers.append(start_server(
-                    str(ladder), port, args.dtype, "--max-model-len", str(max_len), "--attention-impl", impl,
+                    str(ladder), port, args.dtype, "--max-model-len", str(max_len), *flags.split(),
                     *(["--async-scheduling"] if args.async_scheduling else [])))
             for round_index in range(args.rounds):
                 # each round shifts the order by one server, so each takes every place in turn

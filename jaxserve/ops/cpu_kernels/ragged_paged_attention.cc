@@ -28,6 +28,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -76,10 +80,21 @@ struct Problem {
 // Rows of `dim` values as float32: the rows themselves for a float32 cache, else converted into `buffer`.
 template <typename T>
 const float* as_float_rows(const T* rows, int num_rows, int dim, float* buffer) {
+  const int count = num_rows * dim;
   if constexpr (std::is_same_v<T, float>) {
     return rows;
+  } else if constexpr (std::is_same_v<T, _Float16>) {
+    int i = 0;
+#if defined(__F16C__)  // the compiler does not vectorise _Float16 conversions without AVX512-FP16
+    for (; i + 8 <= count; i += 8) {
+      _mm256_storeu_ps(buffer + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i))));
+    }
+#endif
+    for (; i < count; ++i) buffer[i] = to_float(rows[i]);
+    return buffer;
   } else {
-    for (int i = 0; i < num_rows * dim; ++i) buffer[i] = to_float(rows[i]);
+#pragma omp simd
+    for (int i = 0; i < count; ++i) buffer[i] = to_float(rows[i]);
     return buffer;
   }
 }

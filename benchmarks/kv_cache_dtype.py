@@ -1,0 +1,83 @@
+"""Greedy agreement of a 16-bit KV cache with the float32 one, on the bundled SmolLM2 (float32 weights).
+
+Each prompt (chat-templated English questions, then random-token prompts) is generated greedily with
+`--kv-cache-dtype auto` (float32) and with each 16-bit dtype, in one process; it reports how many
+generations are identical, and for the others where they first differ.
+
+    python benchmarks/kv_cache_dtype.py --dtypes float16 bfloat16 --max-tokens 64
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about rain.",
+    "List three prime numbers greater than 50.", "Why is the sky blue?", "How do vaccines work?",
+    "Give me a recipe for pancakes.", "What does a CPU cache do?", "Translate 'good morning' into Spanish.",
+    "Summarise the plot of Romeo and Juliet.", "What is 17 times 23?", "Name the planets of the solar system.",
+    "How does a bicycle stay upright?", "What is the difference between weather and climate?",
+    "Write a short poem about the sea.", "Explain what a linked list is.",
+]
+
+
+def generate(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.sampling_params import SamplingParams
+
+    config = EngineConfig.from_preset("cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[int(output.request_id)] = output.outputs[0].token_ids
+    engine.shutdown()
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--random-prompts", type=int, default=16, help="random-token prompts of 200 tokens")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from jaxserve.models.gguf_cache import converted_dir
+    from jaxserve.models.loader import bundled_model_path
+    from jaxserve.models.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(converted_dir(bundled_model_path()))
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    rng = np.random.default_rng(0)
+    prompts += [rng.integers(100, 40000, 200).tolist() for _ in range(args.random_prompts)]
+    reference = generate("auto", prompts, args.max_tokens)
+    report = []
+    for dtype in args.dtypes:
+        got = generate(dtype, prompts, args.max_tokens)
+        first_diff = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), None)
+                      for r, g in zip(reference, got, strict=True)]
+        differing = [d for d in first_diff if d is not None]
+        same_tokens = sum(d if d is not None else args.max_tokens for d in first_diff)
+        row = {"kv_cache_dtype": dtype, "prompts": len(prompts), "identical": len(prompts) - len(differing),
+               "tokens_before_first_difference": same_tokens / (len(prompts) * args.max_tokens),
+               "median_first_difference": statistics.median(differing) if differing else None}
+        report.append(row)
+        print(f"{dtype}: {row['identical']} of {len(prompts)} generations identical to the float32 cache's "
+              f"({args.max_tokens} tokens each); {100 * row['tokens_before_first_difference']:.1f}% of tokens "
+              f"before the first difference; median first difference at token {row['median_first_difference']}",
+              flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
