@@ -83,7 +83,7 @@ class PagedInputs:
 
 
 def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int], page_size: int,
-                 dtype: jnp.dtype, seed: int = 0) -> PagedInputs:
+                 dtype: jnp.dtype, seed: int = 0, cache_dtype: jnp.dtype | None = None) -> PagedInputs:
     num_q_heads, num_kv_heads, head_dim = heads
     rng = np.random.default_rng(seed)
     pages_per_req = [-(-kv // page_size) for kv in kv_lens]
@@ -96,8 +96,8 @@ def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, i
         start += n
     keys = jax.random.split(jax.random.key(seed), 3)
     shape = (num_kv_heads, num_pages, page_size, head_dim)
-    k_pages = jax.random.normal(keys[0], shape, dtype)
-    v_pages = jax.random.normal(keys[1], shape, dtype)
+    k_pages = jax.random.normal(keys[0], shape, cache_dtype or dtype)
+    v_pages = jax.random.normal(keys[1], shape, cache_dtype or dtype)
     q = jax.random.normal(keys[2], (sum(q_lens), num_q_heads, head_dim), dtype)
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return PagedInputs(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_table),
@@ -201,6 +201,8 @@ def main() -> None:
                         choices=["pallas", "pallas-ragged", "reference", "cpu", "cpu-native", "dense", "interpret"])
     parser.add_argument("--heads", default="llama-3-8b", choices=sorted(HEADS))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                        help="the K/V pages' dtype (default: --dtype); cpu-native and the jnp paths read any")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--context-lens", type=int, nargs="+", default=[128, 512, 2048, 4096])
@@ -220,27 +222,30 @@ def main() -> None:
         impls = [i for i in impls if not i.startswith("pallas")]
     peak = args.peak_gbps * 1e9 if args.peak_gbps else peak_bandwidth(device)
     dtype = jnp.dtype(args.dtype)
+    cache_dtype = jnp.dtype(args.cache_dtype or args.dtype)
     heads = HEADS[args.heads]
     sm_scale = heads[2] ** -0.5
     print(f"device: {device.device_kind} (compute capability {capability}); peak HBM "
-          f"{peak / 1e9 if peak else 'unknown'} GB/s; heads {args.heads} {heads}; {args.dtype}; "
+          f"{peak / 1e9 if peak else 'unknown'} GB/s; heads {args.heads} {heads}; {args.dtype}, cache {cache_dtype}; "
           f"page size {args.page_size}")
     print("| case | impl | us/call | GB/s | of peak | max abs err vs reference |")
     print("|---|---|---|---|---|---|")
     rows: list[Row] = []
     for batch in args.batch_sizes:
         for context in args.context_lens:
-            inputs = build_inputs([1] * batch, [context] * batch, heads, args.page_size, dtype)
+            inputs = build_inputs([1] * batch, [context] * batch, heads, args.page_size, dtype,
+                                  cache_dtype=cache_dtype)
             rows += run_case("decode", f"decode b={batch} ctx={context}", inputs, impls, sm_scale, args.iters,
                              args.calls_per_sample, peak)
             del inputs
     for name in [m for m in args.mixed if m != "none"]:
         q_lens, kv_lens = MIXES[name]
-        inputs = build_inputs(q_lens, kv_lens, heads, args.page_size, dtype)
+        inputs = build_inputs(q_lens, kv_lens, heads, args.page_size, dtype, cache_dtype=cache_dtype)
         rows += run_case("mixed", name, inputs, impls, sm_scale, args.iters, args.calls_per_sample, peak)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device.device_kind, "dtype": args.dtype, "heads": args.heads,
+            json.dump({"device": device.device_kind, "dtype": args.dtype, "cache_dtype": cache_dtype.name,
+                       "heads": args.heads,
                        "page_size": args.page_size, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 

@@ -3,9 +3,7 @@
 - `reference`: the plain jnp path (`paged_attention_ref`), the readable oracle for the others.
 - `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
 - `cpu-native`: a C++ kernel built for this machine (`cpu_kernels`) that walks each request's pages in
-  place, with work that follows the live tokens rather than the bucket's shape; except in buckets of one
-  request and at least `LONE_CHUNK_TOKENS` tokens (a long prompt's chunks), where the `cpu` path's large
-  query blocks let XLA's dots run faster than the kernel's loops (512 tokens at 8k context: 59 vs 91 ms).
+  place, with work that follows the live tokens rather than the bucket's shape.
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
@@ -29,7 +27,6 @@ from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
 AttentionImpl = Literal["auto", "reference", "cpu", "cpu-native", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
-LONE_CHUNK_TOKENS = 256  # cpu-native: one-request buckets this large take the jnp CPU path (see above)
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
 kv_cache_shape = paged_attention_pallas.kv_cache_shape
@@ -107,12 +104,11 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
-    lone_chunk = page_table.shape[0] == 1 and q.shape[0] >= LONE_CHUNK_TOKENS
-    if impl == "cpu-native" and not lone_chunk:
+    if impl == "cpu-native":
         return cpu_kernels.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
         )
-    if impl in ("cpu", "cpu-native"):
+    if impl == "cpu":
         return ragged_paged_attention_cpu(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, decode_only=decode_only
         )

@@ -114,28 +114,6 @@ def test_native_kernel_reads_a_16_bit_cache(cache_dtype, query_dtype, head_dim):
     assert np.all(got[real:] == 0)
 
 
-@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
-@pytest.mark.parametrize("q_lens,kv_lens,pad_reqs,want", [
-    ([300], [700], 0, "cpu"),  # a lone long chunk: the jnp path's large query blocks
-    ([200], [700], 0, "cpu-native"),  # one request, under LONE_CHUNK_TOKENS
-    ([150, 150], [400, 700], 0, "cpu-native"),  # two requests
-    ([1], [40], 3, "cpu-native"),  # decodes
-])
-def test_cpu_native_sends_only_lone_long_chunks_to_the_jnp_path(q_lens, kv_lens, pad_reqs, want, monkeypatch):
-    from jaxserve.ops import attention
-
-    calls = []
-    for module, name, impl in ((attention, "ragged_paged_attention_cpu", "cpu"),
-                               (cpu_kernels, "ragged_paged_attention", "cpu-native")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=original, _i=impl, **kw: calls.append(_i) or _f(*a, **kw))
-    case = make_case(np.random.default_rng(5), q_lens, kv_lens, 6, 2, page_size=16, head_dim=16, pad_tokens=0,
-                     pad_reqs=pad_reqs, max_pages=48)
-    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.25, impl="cpu-native"))
-    assert calls == [want]
-    assert_matches_oracle(got, case, 0.25)
-
-
 @needs_compiler
 def test_a_kernel_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))

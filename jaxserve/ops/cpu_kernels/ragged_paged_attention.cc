@@ -6,7 +6,9 @@
 // them, and a decode's unit (one token) reads each live K/V row exactly once: what bounds decode attention,
 // and what XLA:CPU's gathers of pages followed by small batched dots did not reach. Cost follows the live
 // tokens, not the bucket's padded shape. Units are shared among XLA's intra-op threads and the calling
-// thread through one atomic counter; each unit visits pages in order with an online softmax.
+// thread through one atomic counter; each unit visits pages in order with an online softmax. Units of many
+// rows (prefill chunks) run blocked loops (`block_scores`, `block_weighted_values`) whose sums stay in
+// registers; a decode's few rows take plain dot products.
 //
 // Shapes (row-major):
 //   q          [T, N, H]                  float32 or bfloat16
@@ -104,9 +106,90 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(start) + b);
 }
 
+// 16 float32 lanes (one AVX-512 register; two AVX ones): GCC's vector extension, so blocks of rows keep
+// their sums in registers across a loop, which plain arrays do not reliably get.
+typedef float f32x16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Scores of 8 rows against up to 16 keys at a time, K transposed so each step is one vector of keys times
+// one broadcast query value: no horizontal sums. For units of many rows (prefill chunks), whose per-row dot
+// products would otherwise spend more on reductions than on multiplies. Rows past the last block of 8 use
+// the dot products.
+template <int kDim>
+void block_scores(const float* qs, int rows, const float* k, int keys, float* scores, float* kt) {
+  for (int j0 = 0; j0 < keys; j0 += kLanes) {
+    const int block_keys = std::min(kLanes, keys - j0);
+    for (int h = 0; h < kDim; ++h) {  // kt: [H, 16], keys past the run's end zero
+      for (int j = 0; j < kLanes; ++j) kt[h * kLanes + j] = j < block_keys ? k[(j0 + j) * kDim + h] : 0.0f;
+    }
+    int row = 0;
+    for (; row + 8 <= rows; row += 8) {
+      f32x16 sums[8] = {};
+      for (int h = 0; h < kDim; ++h) {
+        const f32x16 kv = load16(kt + h * kLanes);
+        for (int i = 0; i < 8; ++i) sums[i] += qs[(row + i) * kDim + h] * kv;
+      }
+      for (int i = 0; i < 8; ++i) {
+        float lanes[kLanes];
+        store16(lanes, sums[i]);
+        std::memcpy(scores + (row + i) * kKeyRun + j0, lanes, block_keys * sizeof(float));
+      }
+    }
+    for (; row < rows; ++row) {
+      for (int j = j0; j < j0 + block_keys; ++j) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int h = 0; h < kDim; ++h) dot += qs[row * kDim + h] * k[j * kDim + h];
+        scores[row * kKeyRun + j] = dot;
+      }
+    }
+  }
+}
+
+// acc[rows, H] += weights[rows, keys] @ v[keys, H], kRows rows at a time held in registers across the keys.
+// Weights past a row's visible keys are zero.
+template <int kDim>
+void block_weighted_values(const float* weights, int rows, const int* visible, const float* v, float* acc) {
+  constexpr int kRows = kDim <= 64 ? 4 : 2, kChunks = kDim / kLanes;
+  int row = 0;
+  for (; row + kRows <= rows; row += kRows) {
+    int keys = 0;
+    for (int i = 0; i < kRows; ++i) keys = std::max(keys, visible[row + i]);
+    f32x16 sums[kRows][kChunks];
+    for (int i = 0; i < kRows; ++i)
+      for (int c = 0; c < kChunks; ++c) sums[i][c] = load16(acc + (row + i) * kDim + c * kLanes);
+    for (int j = 0; j < keys; ++j) {
+      f32x16 vj[kChunks];
+      for (int c = 0; c < kChunks; ++c) vj[c] = load16(v + j * kDim + c * kLanes);
+      for (int i = 0; i < kRows; ++i) {
+        const float w = weights[(row + i) * kKeyRun + j];
+        for (int c = 0; c < kChunks; ++c) sums[i][c] += w * vj[c];
+      }
+    }
+    for (int i = 0; i < kRows; ++i)
+      for (int c = 0; c < kChunks; ++c) store16(acc + (row + i) * kDim + c * kLanes, sums[i][c]);
+  }
+  for (; row < rows; ++row) {
+    float* a = acc + row * kDim;
+    for (int j = 0; j < visible[row]; ++j) {
+      const float w = weights[row * kKeyRun + j];
+#pragma omp simd
+      for (int h = 0; h < kDim; ++h) a[h] += w * v[j * kDim + h];
+    }
+  }
+}
+
+constexpr int kBlockedRows = 8;  // units with at least this many rows take the blocked loops (kDim known)
+
 // Per-thread scratch, sized once for the largest head size seen.
 struct Scratch {
-  std::vector<float> queries, acc, scores, keys, values;  // [rows, H], [rows, H], [rows, run], [run, H] x 2
+  std::vector<float> queries, acc, scores, keys, values, transposed;  // [rows|run, H]...; transposed [H, 16]
   void fit(int dim) {
     if (static_cast<int>(queries.size()) >= kMaxRows * dim) return;
     queries.assign(size_t(kMaxRows) * dim, 0.0f);
@@ -114,6 +197,7 @@ struct Scratch {
     scores.assign(size_t(kMaxRows) * kKeyRun, 0.0f);
     keys.assign(size_t(kKeyRun) * dim, 0.0f);
     values.assign(size_t(kKeyRun) * dim, 0.0f);
+    transposed.assign(size_t(kLanes) * dim, 0.0f);
   }
 };
 
@@ -163,38 +247,54 @@ void attend_unit(const Problem& p, const Unit& unit) {
       const int64_t offset = pages[page] * page_elems + int64_t(run_start) * dim;
       const float* __restrict__ k = as_float_rows(k_head + offset, keys, dim, scratch.keys.data());
       const float* __restrict__ v = as_float_rows(v_head + offset, keys, dim, scratch.values.data());
+      const bool blocked = kDim != 0 && rows >= kBlockedRows;
+      if constexpr (kDim != 0) {
+        if (blocked) block_scores<kDim>(qs, rows, k, keys, scores, scratch.transposed.data());
+      }
+      int visible[kMaxRows];
       for (int row = 0; row < rows; ++row) {
         // keys at or before this row's position are visible; the first run always has key 0, so every
         // row's maximum is a real score before any run it sees nothing of
-        const int visible = std::clamp(first_pos + row / group - first_key + 1, 0, keys);
-        if (visible == 0) continue;
-        const float* q_row = qs + row * dim;
+        visible[row] = std::clamp(first_pos + row / group - first_key + 1, 0, keys);
         float* s = scores + row * kKeyRun;
-        float run_max = row_max[row];
-        for (int j = 0; j < visible; ++j) {
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int h = 0; h < dim; ++h) dot += q_row[h] * k[j * dim + h];
-          s[j] = dot;
-          run_max = std::max(run_max, dot);
+        if (visible[row] == 0) {
+          std::fill(s, s + keys, 0.0f);  // the blocked sums read whole blocks of rows
+          continue;
         }
+        const float* q_row = qs + row * dim;
+        if (!blocked) {
+          for (int j = 0; j < visible[row]; ++j) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int h = 0; h < dim; ++h) dot += q_row[h] * k[j * dim + h];
+            s[j] = dot;
+          }
+        }
+        float run_max = row_max[row];
+        for (int j = 0; j < visible[row]; ++j) run_max = std::max(run_max, s[j]);
         const float rescale = std::exp(row_max[row] - run_max);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < visible; ++j) {
+        for (int j = 0; j < visible[row]; ++j) {
           s[j] = std::exp(s[j] - run_max);
           sum += s[j];
         }
+        for (int j = visible[row]; j < keys; ++j) s[j] = 0.0f;  // the blocked sums read whole blocks of rows
         row_sum[row] = row_sum[row] * rescale + sum;
         row_max[row] = run_max;
         float* a = acc + row * dim;
 #pragma omp simd
         for (int h = 0; h < dim; ++h) a[h] *= rescale;
-        for (int j = 0; j < visible; ++j) {
-          const float weight = s[j];
+        if (!blocked) {
+          for (int j = 0; j < visible[row]; ++j) {
+            const float weight = s[j];
 #pragma omp simd
-          for (int h = 0; h < dim; ++h) a[h] += weight * v[j * dim + h];
+            for (int h = 0; h < dim; ++h) a[h] += weight * v[j * dim + h];
+          }
         }
+      }
+      if constexpr (kDim != 0) {
+        if (blocked) block_weighted_values<kDim>(scores, rows, visible, v, acc);
       }
     }
   }
