@@ -30,7 +30,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
 from jaxserve.models.loader import build_abstract_model, load_hf_config, resolve_dtype, resolve_model
-from jaxserve.ops.attention import AttentionConfig, resolve_attention
+from jaxserve.ops.attention import AttentionConfig, kv_cache_dtype, resolve_attention
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
@@ -146,14 +146,16 @@ def compile_ladder(
                           sched.max_num_batched_tokens, sched.max_num_seqs)
     todo = buckets or ladder.all_buckets()
     itemsize = jnp.dtype(jax_dtype).itemsize
-    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim, itemsize) // tp
+    cache_dtype = kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl)
+    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
+                                cache_dtype.itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:
-        return step_shapes(cfg, jax_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
+        return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
 
     # The page count is an argument shape, and the budget needs the step's temp memory: size the cache
     # from the largest buckets compiled with a provisional count (temp memory does not depend on it).

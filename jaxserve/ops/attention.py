@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
@@ -50,11 +51,15 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
     """Maps `auto` to a concrete implementation for `device` (the local default one) and checks the choice."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
-    if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
-        raise ValueError(f"attention impl 'cpu-native' is unavailable here: {error}; use 'cpu'")
-    if impl not in ("auto", "pallas"):
+    if impl not in ("auto", "pallas", "cpu-native"):
         return impl
     device = device or local_facts()
+    if impl == "cpu-native":
+        if device.platform != "cpu":
+            raise ValueError(f"attention impl 'cpu-native' runs on CPUs, not on {device.platform}")
+        if (error := cpu_kernels.kernel_error()) is not None:
+            raise ValueError(f"attention impl 'cpu-native' is unavailable here: {error}; use 'cpu'")
+        return impl
     capability = device.compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
     if impl == "auto":
@@ -71,6 +76,17 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
             "slowly on CPU"
         )
     return impl
+
+
+def kv_cache_dtype(requested: str, model_dtype: Any, impl: str) -> Any:
+    """The KV cache's dtype: `requested` (`auto`: the model's). The Pallas kernel computes in its cache's
+    dtype and takes queries of that dtype, so with it the cache stays in the model's."""
+    model_dtype = jnp.dtype(model_dtype)
+    dtype = model_dtype if requested == "auto" else jnp.dtype(requested)
+    if impl in ("pallas", "interpret") and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype {requested} differs from the model's dtype ({model_dtype.name}), which "
+                         f"attention impl {impl!r} needs; use auto, or a CPU attention impl")
+    return dtype
 
 
 def resolve_attention(impl: str, device: DeviceFacts | None = None) -> AttentionConfig:

@@ -35,7 +35,7 @@ from jaxserve.device import allocator_pool_fraction
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
-from jaxserve.ops.attention import kv_cache_shape
+from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
@@ -125,8 +125,7 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
-        kv_dtype = cache_config.kv_cache_dtype
-        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype == "auto" else kv_dtype)
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl)
         page_bytes = bytes_per_page(
             cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize
         )

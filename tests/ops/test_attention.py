@@ -76,7 +76,8 @@ def test_cpu_decode_paths_match_oracle(impl):
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have compiled-in loop bounds
-@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads", [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1)])
+@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads",
+                         [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1), (128, 9, 3)])  # 128: runs of 64 keys
 def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_size, num_q_heads, num_kv_heads):
     """Decodes with contexts on and off page edges; chunks longer than one unit (64 rows / group tokens) that
     start mid-page after cached tokens; a whole prompt; empty requests and padding. Every slot a request
@@ -93,7 +94,7 @@ def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_siz
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("query_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_native_kernel_reads_a_16_bit_cache(cache_dtype, query_dtype, head_dim):
     """A 16-bit cache is read as stored, under float32 or bfloat16 queries (the output takes the queries'
     dtype); against the oracle on the cache's own values, so only the queries' and output's rounding
@@ -112,6 +113,45 @@ def test_native_kernel_reads_a_16_bit_cache(cache_dtype, query_dtype, head_dim):
     tolerance = 2e-2 if query_dtype == "bfloat16" else 2e-5
     np.testing.assert_allclose(got[:real], want[:real], atol=tolerance, rtol=tolerance)
     assert np.all(got[real:] == 0)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+def test_loading_the_kernels_leaves_denormals_alone():
+    """A -ffast-math link would bring GCC's crtfastmath.o, which turns on flush-to-zero for the thread that
+    loads the library (this one: the module loaded it at import), changing numpy's and XLA's arithmetic."""
+    assert cpu_kernels.kernel_error() is None
+    assert np.float32(1e-38) / np.float32(1000) > 0, "denormals are flushed to zero"
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+@pytest.mark.parametrize("breakage", ["page id", "too many pages", "kv_len < q_len"])
+def test_the_native_kernel_refuses_metadata_out_of_range(breakage):
+    """A bad batch is an error the engine can report, never a read out of bounds."""
+    case = make_case(np.random.default_rng(2), [1, 3], [5, 9], 6, 2, pad_tokens=0, pad_reqs=0, max_pages=3)
+    q, k_pages, v_pages, kv, table, cu = (np.array(x) for x in case.args)
+    if breakage == "page id":
+        table[1, 1] = k_pages.shape[1]
+    elif breakage == "too many pages":
+        kv[1] = 4 * 3 + 1
+    else:
+        kv[1] = 2
+    with pytest.raises(Exception, match="metadata out of range"):
+        jax.block_until_ready(cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv, table, cu, sm_scale=0.3))
+
+
+def test_the_kv_cache_dtype_follows_the_model_and_the_kernel_keeps_it():
+    from jaxserve.ops.attention import kv_cache_dtype
+
+    assert kv_cache_dtype("auto", jax.numpy.bfloat16, "pallas") == jax.numpy.bfloat16
+    assert kv_cache_dtype("float16", jax.numpy.float32, "cpu-native") == jax.numpy.float16
+    with pytest.raises(ValueError, match="attention impl 'pallas' needs"):
+        kv_cache_dtype("float16", jax.numpy.float32, "pallas")
+
+
+def test_cpu_native_is_for_cpus():
+    gpu = local_facts(SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="x"))
+    with pytest.raises(ValueError, match="runs on CPUs, not on gpu"):
+        resolve_impl("cpu-native", gpu)
 
 
 @needs_compiler

@@ -360,6 +360,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.max_pages = int(table_dims[1]);
   p.sm_scale = sm_scale;
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
+  const auto v_dims = v_pages.dimensions();
+  if (v_dims.size() != 4 || v_dims[0] != k_dims[0] || v_dims[1] != k_dims[1] || v_dims[2] != k_dims[2] ||
+      v_dims[3] != k_dims[3]) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: K and V pages differ in shape");
+  }
   if (group < 1 || group > kMaxRows || p.num_q_heads % p.num_kv_heads != 0 || k_dims[3] != q_dims[2] ||
       int(kv_lens.dimensions()[0]) != num_reqs || int(cu_q_lens.dimensions()[0]) != num_reqs + 1) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported or mismatched shapes");
@@ -386,7 +391,16 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   const int block = kMaxRows / group;  // query tokens per unit
   for (int r = 0; r < num_reqs; ++r) {
     const int q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
-    if (q_len <= 0 || p.kv_lens[r] < q_len || p.cu_q_lens[r + 1] > num_tokens) continue;
+    if (q_len <= 0) continue;
+    // What the units will read, checked once here: a bad batch is an error, never a read out of bounds.
+    const int kv_len = p.kv_lens[r], num_live_pages = (kv_len + p.page_size - 1) / p.page_size;
+    bool valid = p.cu_q_lens[r] >= 0 && p.cu_q_lens[r + 1] <= num_tokens && kv_len >= q_len &&
+                 num_live_pages <= p.max_pages;
+    for (int page = 0; valid && page < num_live_pages; ++page) {
+      const int32_t id = p.page_table[int64_t(r) * p.max_pages + page];
+      valid = id >= 0 && id < p.num_pages;
+    }
+    if (!valid) return ffi::Error::InvalidArgument("ragged_paged_attention: request metadata out of range");
     for (int first = 0; first < q_len; first += block) {
       for (int k = 0; k < p.num_kv_heads; ++k) work->units.push_back({r, k, first, std::min(block, q_len - first)});
     }
