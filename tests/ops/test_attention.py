@@ -124,7 +124,7 @@ def test_loading_the_kernels_leaves_denormals_alone():
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
-@pytest.mark.parametrize("breakage", ["page id", "too many pages", "kv_len < q_len"])
+@pytest.mark.parametrize("breakage", ["page id", "too many pages", "kv_len < q_len", "cu_q_lens decreasing"])
 def test_the_native_kernel_refuses_metadata_out_of_range(breakage):
     """A bad batch is an error the engine can report, never a read out of bounds."""
     case = make_case(np.random.default_rng(2), [1, 3], [5, 9], 6, 2, pad_tokens=0, pad_reqs=0, max_pages=3)
@@ -133,8 +133,10 @@ def test_the_native_kernel_refuses_metadata_out_of_range(breakage):
         table[1, 1] = k_pages.shape[1]
     elif breakage == "too many pages":
         kv[1] = 4 * 3 + 1
-    else:
+    elif breakage == "kv_len < q_len":
         kv[1] = 2
+    else:
+        cu[1] = cu[2] + 1
     with pytest.raises(Exception, match="metadata out of range"):
         jax.block_until_ready(cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv, table, cu, sm_scale=0.3))
 

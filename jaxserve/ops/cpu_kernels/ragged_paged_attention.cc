@@ -389,13 +389,14 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   work->problem = p;
   work->run = run;
   const int block = kMaxRows / group;  // query tokens per unit
+  // What the units will read, checked once here: a bad batch is an error, never a read out of bounds.
+  if (p.cu_q_lens[0] != 0) return ffi::Error::InvalidArgument("ragged_paged_attention: cu_q_lens[0] is not 0");
   for (int r = 0; r < num_reqs; ++r) {
     const int q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
-    if (q_len <= 0) continue;
-    // What the units will read, checked once here: a bad batch is an error, never a read out of bounds.
     const int kv_len = p.kv_lens[r], num_live_pages = (kv_len + p.page_size - 1) / p.page_size;
-    bool valid = p.cu_q_lens[r] >= 0 && p.cu_q_lens[r + 1] <= num_tokens && kv_len >= q_len &&
-                 num_live_pages <= p.max_pages;
+    bool valid = q_len >= 0 && p.cu_q_lens[r + 1] <= num_tokens &&
+                 (q_len == 0 || (kv_len >= q_len && num_live_pages <= p.max_pages));
+    if (q_len == 0 && valid) continue;
     for (int page = 0; valid && page < num_live_pages; ++page) {
       const int32_t id = p.page_table[int64_t(r) * p.max_pages + page];
       valid = id >= 0 && id < p.num_pages;
@@ -405,8 +406,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       for (int k = 0; k < p.num_kv_heads; ++k) work->units.push_back({r, k, first, std::min(block, q_len - first)});
     }
   }
-  // Padding tokens, and any token no unit covers, read zeros (a few hundred KiB: noise beside the units).
-  std::memset(p.out, 0, size_t(num_tokens) * p.num_q_heads * p.head_dim * (f32 ? 4 : 2));
+  // The units write every token up to cu_q_lens[R] (the requests' ranges tile it); padding tokens read zeros.
+  const size_t row_bytes = size_t(p.num_q_heads) * p.head_dim * (f32 ? 4 : 2);
+  const int num_real = p.cu_q_lens[num_reqs];
+  std::memset(static_cast<char*>(p.out) + num_real * row_bytes, 0, (num_tokens - num_real) * row_bytes);
 
   const int num_units = static_cast<int>(work->units.size());
   const int helpers = int(std::min<int64_t>(pool.num_threads(), num_units - 1));
