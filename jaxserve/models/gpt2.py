@@ -18,7 +18,9 @@ from jaxserve.models.layers import (
     AttentionMetadata,
     KVCache,
     LayerNorm,
+    dense,
     embedding_lookup,
+    logits_from_embeddings,
     merge_heads,
     paged_attention,
     param,
@@ -82,12 +84,18 @@ class Block(nnx.Module):
         self.attention = cfg.attention
 
     def __call__(self, x, kv_cache, md: AttentionMetadata):
-        qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), self.qkv[...]) + self.qkv_bias[...][:, None]
-        attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=self.attention)
-        x = x + merge_heads(attn, self.attn_out[...]) + self.attn_out_bias[...]
-        hidden = jnp.einsum("TD,DF->TF", self.ln_2(x), self.fc[...]) + self.fc_bias[...]
+        attention, w_qkv = self.attention, self.qkv[...]  # [D, 3, N, H]
+        if attention.mesh is None:  # one 2-D matmul (see `project_heads`)
+            qkv = dense(self.ln_1(x), w_qkv.reshape(w_qkv.shape[0], -1), attention)
+            qkv = qkv.reshape(x.shape[0], *w_qkv.shape[1:]).swapaxes(0, 1)  # [3, T, N, H]
+        else:  # the head axis, split over the mesh, is not the major part of 3 x N
+            qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), w_qkv)
+        qkv = qkv + self.qkv_bias[...][:, None]
+        attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=attention)
+        x = x + merge_heads(attn, self.attn_out[...], attention) + self.attn_out_bias[...]
+        hidden = dense(self.ln_2(x), self.fc[...], attention) + self.fc_bias[...]
         hidden = jax.nn.gelu(hidden, approximate=True)
-        return x + jnp.einsum("TF,FD->TD", hidden, self.proj[...]) + self.proj_bias[...], kv_cache
+        return x + dense(hidden, self.proj[...], attention) + self.proj_bias[...], kv_cache
 
 
 class GPT2LMHeadModel(nnx.Module):
@@ -113,7 +121,7 @@ class GPT2LMHeadModel(nnx.Module):
         return self.ln_f(x), new_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-        return jnp.einsum("RD,VD->RV", hidden, self.wte[...]).astype(jnp.float32)
+        return logits_from_embeddings(hidden, self.wte[...], self.cfg.attention)
 
 
 # HF names -> (NNX path, transform). GPT-2 uses Conv1D, whose weights are already [in, out].

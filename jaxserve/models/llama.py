@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -19,7 +18,9 @@ from jaxserve.models.layers import (
     KVCache,
     RMSNorm,
     apply_rope,
+    dense,
     embedding_lookup,
+    logits_from_embeddings,
     merge_heads,
     paged_attention,
     param,
@@ -91,15 +92,16 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
-        q = project_heads(x, self.q_proj[...])  # [T, N, H]
-        k = project_heads(x, self.k_proj[...])  # [T, K, H]
-        v = project_heads(x, self.v_proj[...])
+        attention = self.cfg.attention
+        q = project_heads(x, self.q_proj[...], attention)  # [T, N, H]
+        k = project_heads(x, self.k_proj[...], attention)  # [T, K, H]
+        v = project_heads(x, self.v_proj[...], attention)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=self.cfg.attention)
-        return merge_heads(out, self.o_proj[...]), kv_cache
+        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention)
+        return merge_heads(out, self.o_proj[...], attention), kv_cache
 
 
 class MLP(nnx.Module):
@@ -107,11 +109,12 @@ class MLP(nnx.Module):
         self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.attention = cfg.attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
-        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
+        gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
+        up = dense(x, self.up_proj[...], self.attention)
+        return dense(jax.nn.silu(gate) * up, self.down_proj[...], self.attention)
 
 
 class DecoderLayer(nnx.Module):
@@ -152,7 +155,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.einsum("RD,VD->RV", hidden, head[...]).astype(jnp.float32)
+        return logits_from_embeddings(hidden, head[...], self.cfg.attention)
 
 
 # HF checkpoint name -> (NNX path, transform). HF Linear weights are [out, in].

@@ -3,7 +3,8 @@
 - `reference`: the plain jnp path (`paged_attention_ref`), the readable oracle for the others.
 - `cpu`: the jnp path for XLA:CPU (`paged_attention_cpu`): queries in blocks that share each K/V read.
 - `cpu-native`: a C++ kernel built for this machine (`cpu_kernels`) that walks each request's pages in
-  place, with work that follows the live tokens rather than the bucket's shape.
+  place, with work that follows the live tokens rather than the bucket's shape. A bfloat16 model's
+  matmuls then run in the same library (`AttentionConfig.native_matmuls`).
 - `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
@@ -40,6 +41,12 @@ class AttentionConfig:
     impl: str = "reference"  # reference | cpu | cpu-native | pallas | interpret, never auto
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
+
+    @property
+    def native_matmuls(self) -> bool:
+        """Whether bfloat16 matmuls go through the native CPU kernel too (`cpu_kernels.matmul_bf16`): with
+        `cpu-native` on one device. XLA:CPU runs bfloat16 dots several times slower than float32 ones."""
+        return self.impl == "cpu-native" and self.mesh is None
 
 
 def cuda_compute_capability(device: Any = None) -> float | None:

@@ -32,9 +32,16 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-SOURCE = "ragged_paged_attention.cc"
-SYMBOL = "JaxserveRaggedPagedAttention"
-TARGET = "jaxserve_ragged_paged_attention"
+SOURCES = ("ragged_paged_attention.cc", "matmul_bf16.cc", "write_kv.cc")
+HEADERS = ("work_sharing.h",)
+LIBRARY = "jaxserve_kernels"
+# FFI target name -> the library's handler symbol.
+TARGETS = {
+    "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+    "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
+    "jaxserve_matmul_bf16_nt": "JaxserveMatmulBf16Nt",
+    "jaxserve_write_kv": "JaxserveWriteKv",
+}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-w")  # compiling
 # Linking is a separate step without -ffast-math: GCC 12 links crtfastmath.o into any -ffast-math link, even
 # -shared, whose constructor turns on flush-to-zero for the thread that loads the library, for good.
@@ -65,26 +72,27 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = resources.files(__package__).joinpath(SOURCE).read_bytes()
+    files = {name: resources.files(__package__).joinpath(name).read_bytes() for name in (*SOURCES, *HEADERS)}
     key = hashlib.sha256(b"\0".join([
-        source, " ".join(FLAGS).encode(), b"link: -shared", compiler.encode(), jaxlib.__version__.encode(),
-        _cpu_flags().encode(),
+        *(name.encode() + b"\0" + text for name, text in files.items()), " ".join(FLAGS).encode(),
+        b"link: -shared", compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
     ])).hexdigest()[:16]
-    library = _cache_dir() / f"{Path(SOURCE).stem}-{key}.so"
+    library = _cache_dir() / f"{LIBRARY}-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
-        source_path = Path(scratch) / SOURCE
-        source_path.write_bytes(source)
-        built, objects = Path(scratch) / library.name, Path(scratch) / "kernels.o"
-        for command in (
-            [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source_path), "-o", str(objects)],
-            [compiler, "-shared", str(objects), "-o", str(built)],
-        ):
+        for name, text in files.items():
+            (Path(scratch) / name).write_bytes(text)
+        objects = [str(Path(scratch) / f"{Path(name).stem}.o") for name in SOURCES]
+        built = Path(scratch) / library.name
+        steps = [(name, [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(Path(scratch) / name), "-o", obj])
+                 for name, obj in zip(SOURCES, objects, strict=True)]
+        steps.append((library.name, [compiler, "-shared", *objects, "-o", str(built)]))
+        for what, command in steps:
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
-                raise NativeKernelUnavailable(f"building {SOURCE} failed: {result.stderr.strip()[-2000:]}")
+                raise NativeKernelUnavailable(f"building {what} failed: {result.stderr.strip()[-2000:]}")
         staged = library.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(built, staged)
         os.replace(staged, library)
@@ -101,7 +109,8 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
     except (NativeKernelUnavailable, OSError, subprocess.TimeoutExpired) as error:
         return str(error)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return None
 
 
@@ -124,6 +133,40 @@ def ragged_paged_attention(
     float16 (read as stored; scores and sums in float32)."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
                 cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale))
+
+
+def matmul_bf16(
+    x: jax.Array,  # bf16[M, K]
+    w: jax.Array,  # bf16[K, N], or bf16[N, K] with output_major_w
+    *,
+    output_major_w: bool = False,
+) -> jax.Array:  # f32[M, N]
+    """x @ w (x @ w.T with `output_major_w`) from bfloat16 operands with float32 sums (`matmul_bf16.cc`)."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"matmul_bf16 takes 2-D bfloat16 operands, got {x.dtype}{x.shape} and {w.dtype}{w.shape}")
+    n = w.shape[0] if output_major_w else w.shape[1]
+    target = "jaxserve_matmul_bf16_nt" if output_major_w else "jaxserve_matmul_bf16"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]: page_id * page_size + offset; out of range for padding
+) -> tuple[jax.Array, jax.Array]:
+    """`ops.kv_write.write_kv`'s contract, in place (`write_kv.cc`): the cache buffers become the outputs."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    call = jax.ffi.ffi_call(
+        "jaxserve_write_kv", (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                              jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={0: 0, 1: 1},
+    )
+    return call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_mapping.astype(jnp.int32))

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #endif
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -307,24 +308,6 @@ void attend_unit(const Problem& p, const Unit& unit) {
 
 using UnitFn = void (*)(const Problem&, const Unit&);
 
-// Work shared by the caller and the pool's threads. Tasks the pool starts after the work is gone find
-// the counter past the end and return: they hold a reference to this, never to the caller's stack.
-struct SharedWork {
-  Problem problem;
-  UnitFn run;
-  std::vector<Unit> units;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-
-  void drain() {
-    const int num_units = static_cast<int>(units.size());
-    for (int u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
-      run(problem, units[u]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <typename Q, typename T>
 UnitFn pick_unit(int head_dim) {
   return head_dim == 64 ? attend_unit<Q, T, 64> : head_dim == 128 ? attend_unit<Q, T, 128> : attend_unit<Q, T, 0>;
@@ -385,9 +368,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.cu_q_lens = cu_q_lens.typed_data();
   p.out = out->untyped_data();
 
-  auto work = std::make_shared<SharedWork>();
-  work->problem = p;
-  work->run = run;
+  std::vector<Unit> units;
   const int block = kMaxRows / group;  // query tokens per unit
   // What the units will read, checked once here: a bad batch is an error, never a read out of bounds.
   if (p.cu_q_lens[0] != 0) return ffi::Error::InvalidArgument("ragged_paged_attention: cu_q_lens[0] is not 0");
@@ -403,7 +384,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
     }
     if (!valid) return ffi::Error::InvalidArgument("ragged_paged_attention: request metadata out of range");
     for (int first = 0; first < q_len; first += block) {
-      for (int k = 0; k < p.num_kv_heads; ++k) work->units.push_back({r, k, first, std::min(block, q_len - first)});
+      for (int k = 0; k < p.num_kv_heads; ++k) units.push_back({r, k, first, std::min(block, q_len - first)});
     }
   }
   // The units write every token up to cu_q_lens[R] (the requests' ranges tile it); padding tokens read zeros.
@@ -411,11 +392,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   const int num_real = p.cu_q_lens[num_reqs];
   std::memset(static_cast<char*>(p.out) + num_real * row_bytes, 0, (num_tokens - num_real) * row_bytes);
 
-  const int num_units = static_cast<int>(work->units.size());
-  const int helpers = int(std::min<int64_t>(pool.num_threads(), num_units - 1));
-  for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+  jaxserve::share_units(pool, static_cast<int>(units.size()),
+                        [&p, &units, run](int u) { run(p, units[u]); });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,402 @@
+// Matmuls with bfloat16 operands and float32 sums for CPUs, XLA FFI custom calls (jaxserve.ops.cpu_kernels
+// builds and registers them). A bfloat16 model's projections and LM head run here on CPUs: XLA:CPU runs its
+// bfloat16 dots several times slower than float32 ones, while AVX512-BF16's `vdpbf16ps` multiplies pairs of
+// bfloat16 values into float32 sums at twice float32's rate, from half the bytes.
+//
+//   JaxserveMatmulBf16    out f32[M, N] = x bf16[M, K] @ w bf16[K, N]    (weights stored input-major)
+//   JaxserveMatmulBf16Nt  out f32[M, N] = x bf16[M, K] @ w bf16[N, K]^T  (the LM head: the embedding table)
+//
+// Products of bfloat16 values are exact in float32 and every sum is float32: the contract of a bfloat16
+// dot with float32 accumulation (XLA's on GPUs), up to the order of the sums.
+//
+// Work unit = (a panel of output columns, a chunk of rows); units are shared with XLA's intra-op threads.
+// Input-major weights: a tile of up to 6 rows x 64 columns keeps 24 accumulators in registers; each step
+// loads two weight rows (k, k+1), interleaves them into (k, k+1) pairs per column (`vpunpck{l,h}wd`, which
+// permutes columns within 128-bit lanes; undone once per tile when storing), and multiplies them with each
+// row's (x[k], x[k+1]) pair broadcast. Output-major weights (the LM head): a tile of 4 rows x 4 columns,
+// or 1 x 16 for the last rows, takes dot products 32 values at a time. Machines without AVX512-BF16 run
+// plain loops over float32 conversions with the same contract.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "work_sharing.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPanel = 64;       // output columns per unit and per input-major tile
+constexpr int kRowChunk = 48;    // rows per unit (a multiple of the tiles' row counts)
+constexpr int kStreamRows = 4;   // up to this many rows, input-major weights stream in K-split units
+constexpr int kStreamMinRows = 64;  // weight rows per K-split unit, at least
+
+struct Problem {
+  int64_t m, n, k;
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [K, N] or [N, K]
+  float* out;         // [M, N]
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512BF16__)
+
+inline __mmask32 low_mask32(int64_t count) {  // the first `count` of 32 lanes
+  return count >= 32 ? ~__mmask32(0) : count <= 0 ? __mmask32(0) : (__mmask32(1) << count) - 1;
+}
+inline __mmask16 low_mask16(int64_t count) {
+  return count >= 16 ? __mmask16(0xffff) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
+// (k, k + 1) weight pairs of up to 64 columns, two registers per 32 columns: lane i of the first holds
+// (w[k, c], w[k + 1, c]) for c = 0-3, 8-11, 16-19, 24-27 and the second for c = 4-7, 12-15, ... (the order
+// `vpunpck{l,h}wd` leaves them in within 128-bit lanes; tiles undo it once, when storing). The last row
+// of an odd K pairs with zeros.
+template <int G>
+inline void load_pairs(const uint16_t* row0, int64_t n, bool last, const __mmask32* mask, __m512bh* pairs) {
+#pragma GCC unroll 32
+  for (int g = 0; g < G; ++g) {
+    const __m512i a = _mm512_maskz_loadu_epi16(mask[g], row0 + 32 * g);
+    const __m512i b = last ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(mask[g], row0 + n + 32 * g);
+    pairs[2 * g] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+    pairs[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+  }
+}
+
+// Columns [n0, n0 + cols) of w as a panel of pairs, [ceil(K / 2)][2G][32] bf16: what a tile reads, in
+// order, from contiguous memory. A row of w is 2N bytes apart from the next; read straight from w, each
+// step of a tile touches a new page, and repacking once per unit beats that for tiles of many rows.
+template <int G>
+void pack_panel(const Problem& p, int64_t n0, const __mmask32* mask, uint16_t* packed) {
+  for (int64_t k = 0; k < p.k; k += 2, packed += 64 * G) {
+    __m512bh pairs[2 * G];
+    load_pairs<G>(p.w + k * p.n + n0, p.n, k + 1 == p.k, mask, pairs);
+#pragma GCC unroll 32
+    for (int j = 0; j < 2 * G; ++j) _mm512_storeu_si512(packed + 32 * j, (__m512i)pairs[j]);
+  }
+}
+
+// Rows [0, MR) x columns [n0, n0 + cols) of x @ w for input-major w; cols <= 32G. With `packed`, the
+// weights come from `pack_panel`'s panel, else straight from w.
+template <int MR, int G>
+void kn_tile(const Problem& p, const uint16_t* x, float* out, int64_t n0, int64_t cols, const uint16_t* packed) {
+  __m512 acc[MR][2 * G];
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 32
+    for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
+  __mmask32 mask[G];
+#pragma GCC unroll 32
+  for (int g = 0; g < G; ++g) mask[g] = low_mask32(cols - 32 * g);
+  const int64_t n = p.n, k_len = p.k;
+  for (int64_t k = 0; k < k_len; k += 2) {
+    const bool last = k + 1 == k_len;
+    __m512bh pairs[2 * G];
+    if (packed != nullptr) {
+#pragma GCC unroll 32
+      for (int j = 0; j < 2 * G; ++j) pairs[j] = (__m512bh)_mm512_loadu_si512(packed + (k / 2) * 64 * G + 32 * j);
+    } else {
+      const uint16_t* row0 = p.w + k * n + n0;
+      if (MR <= 2) {  // streaming the weights: fetch a few row pairs ahead
+        _mm_prefetch(reinterpret_cast<const char*>(row0 + 8 * n), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row0 + 9 * n), _MM_HINT_T0);
+      }
+      load_pairs<G>(row0, n, last, mask, pairs);
+    }
+#pragma GCC unroll 32
+    for (int m = 0; m < MR; ++m) {
+      uint32_t xs = x[m * k_len + k];  // (x[k], x[k + 1]) as one 32-bit lane; (x[k], 0) for an odd K's last
+      if (!last) std::memcpy(&xs, x + m * k_len + k, sizeof(xs));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xs));
+#pragma GCC unroll 32
+      for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, pairs[j]);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m) {
+    float* out_row = out + m * n + n0;
+#pragma GCC unroll 32
+    for (int g = 0; g < G; ++g) {
+      const __m512 lo = acc[m][2 * g], hi = acc[m][2 * g + 1];
+      _mm512_mask_storeu_ps(out_row + 32 * g, low_mask16(cols - 32 * g), _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_mask_storeu_ps(out_row + 32 * g + 16, low_mask16(cols - 32 * g - 16),
+                            _mm512_permutex2var_ps(lo, second, hi));
+    }
+  }
+}
+
+template <int G>
+void kn_rows(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  constexpr int kTileRows = 6;   // 6 x 4 accumulators + 4 weight pairs + 1 broadcast of 32 registers
+  constexpr int kPackRows = 12;  // from two tiles on, a packed panel pays for itself
+  thread_local std::vector<uint16_t> panel;
+  const uint16_t* packed = nullptr;
+  if (rows >= kPackRows) {
+    __mmask32 mask[G];
+    for (int g = 0; g < G; ++g) mask[g] = low_mask32(cols - 32 * g);
+    panel.resize(size_t((p.k + 1) / 2) * 64 * G);
+    pack_panel<G>(p, n0, mask, panel.data());
+    packed = panel.data();
+  }
+  for (int64_t m = m0; m < m0 + rows; m += kTileRows) {
+    const uint16_t* x = p.x + m * p.k;
+    float* out = p.out + m * p.n;
+    switch (std::min<int64_t>(kTileRows, m0 + rows - m)) {
+      case 1: kn_tile<1, G>(p, x, out, n0, cols, packed); break;
+      case 2: kn_tile<2, G>(p, x, out, n0, cols, packed); break;
+      case 3: kn_tile<3, G>(p, x, out, n0, cols, packed); break;
+      case 4: kn_tile<4, G>(p, x, out, n0, cols, packed); break;
+      case 5: kn_tile<5, G>(p, x, out, n0, cols, packed); break;
+      default: kn_tile<6, G>(p, x, out, n0, cols, packed); break;
+    }
+  }
+}
+
+void kn_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  if (cols > 32) kn_rows<2>(p, m0, rows, n0, cols);
+  else kn_rows<1>(p, m0, rows, n0, cols);
+}
+
+// A few rows (decodes): weight rows k0:k1 (k0 even) read in order, each pair of rows whole, their products
+// added into `partial` [M, padded N] in the pairs' lane order. One weight stream per unit runs at the
+// memory's speed; panels of columns, which read 128 bytes of each row and then jump, reach half of it.
+template <int MR>
+void kn_stream(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float* partial) {
+  const int64_t n = p.n;
+  for (int64_t k = k0; k < k1; k += 2) {
+    const bool last = k + 1 == p.k;
+    __m512bh xv[MR];
+#pragma GCC unroll 32
+    for (int m = 0; m < MR; ++m) {
+      uint32_t xs = p.x[m * p.k + k];
+      if (!last) std::memcpy(&xs, p.x + m * p.k + k, sizeof(xs));
+      xv[m] = (__m512bh)_mm512_set1_epi32(int(xs));
+    }
+    const uint16_t* row0 = p.w + k * n;
+    for (int64_t c = 0; c < n; c += 32) {
+      // Two row pairs ahead: measured 28 GB/s against 16-20 without, on one core.
+      _mm_prefetch(reinterpret_cast<const char*>(row0 + 4 * n + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row0 + 5 * n + c), _MM_HINT_T0);
+      const __mmask32 mask = low_mask32(n - c);
+      __m512bh pairs[2];
+      load_pairs<1>(row0 + c, n, last, &mask, pairs);
+#pragma GCC unroll 32
+      for (int m = 0; m < MR; ++m) {
+        float* acc = partial + m * padded_n + c;
+        _mm512_storeu_ps(acc, _mm512_dpbf16_ps(_mm512_loadu_ps(acc), xv[m], pairs[0]));
+        _mm512_storeu_ps(acc + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 16), xv[m], pairs[1]));
+      }
+    }
+  }
+}
+
+// out = the sum of `splits` partials, back in column order.
+void kn_stream_finish(const Problem& p, const float* partial, int splits, int64_t padded_n) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int64_t stride = p.m * padded_n;
+  for (int64_t m = 0; m < p.m; ++m) {
+    for (int64_t c = 0; c < p.n; c += 32) {
+      const float* at = partial + m * padded_n + c;
+      __m512 lo = _mm512_loadu_ps(at), hi = _mm512_loadu_ps(at + 16);
+      for (int s = 1; s < splits; ++s) {
+        lo = _mm512_add_ps(lo, _mm512_loadu_ps(at + s * stride));
+        hi = _mm512_add_ps(hi, _mm512_loadu_ps(at + s * stride + 16));
+      }
+      float* out = p.out + m * p.n + c;
+      _mm512_mask_storeu_ps(out, low_mask16(p.n - c), _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_mask_storeu_ps(out + 16, low_mask16(p.n - c - 16), _mm512_permutex2var_ps(lo, second, hi));
+    }
+  }
+}
+
+void kn_stream_unit(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float* partial) {
+  switch (p.m) {
+    case 1: kn_stream<1>(p, k0, k1, padded_n, partial); break;
+    case 2: kn_stream<2>(p, k0, k1, padded_n, partial); break;
+    case 3: kn_stream<3>(p, k0, k1, padded_n, partial); break;
+    default: kn_stream<4>(p, k0, k1, padded_n, partial); break;
+  }
+}
+
+// Rows [0, MR) x columns [n0, n0 + NR) of x @ w^T for output-major w; columns past `cols` are not stored.
+template <int MR, int NR>
+void nt_tile(const Problem& p, const uint16_t* x, float* out, int64_t n0, int64_t cols) {
+  const int64_t k_len = p.k;
+  const uint16_t* w[NR];
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j) w[j] = p.w + (n0 + std::min<int64_t>(j, cols - 1)) * k_len;  // in bounds
+  __m512 acc[MR][NR];
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 32
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; k += 32) {
+    const __mmask32 mask = low_mask32(k_len - k);
+    __m512bh xv[MR];
+#pragma GCC unroll 32
+    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k_len + k);
+#pragma GCC unroll 32
+    for (int j = 0; j < NR; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[j] + k);
+#pragma GCC unroll 32
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
+    }
+  }
+  float sums[MR][NR];  // every accumulator read by a constant index, so none of them lives in memory
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 32
+    for (int j = 0; j < NR; ++j) sums[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+  for (int m = 0; m < MR; ++m) std::copy(sums[m], sums[m] + std::min<int64_t>(NR, cols), out + m * p.n + n0);
+}
+
+void nt_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  int64_t m = m0;
+  for (; m + 4 <= m0 + rows; m += 4) {
+    for (int64_t c = 0; c < cols; c += 4)
+      nt_tile<4, 4>(p, p.x + m * p.k, p.out + m * p.n, n0 + c, std::min<int64_t>(4, cols - c));
+  }
+  for (; m < m0 + rows; ++m) {
+    for (int64_t c = 0; c < cols; c += 16)
+      nt_tile<1, 16>(p, p.x + m * p.k, p.out + m * p.n, n0 + c, std::min<int64_t>(16, cols - c));
+  }
+}
+
+#else  // no AVX512-BF16: float32 conversions, the compiler's vector loops
+
+void kn_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  float acc[kPanel];
+  for (int64_t m = m0; m < m0 + rows; ++m) {
+    std::fill(acc, acc + cols, 0.0f);
+    const uint16_t* x = p.x + m * p.k;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const float xk = bf16_to_float(x[k]);
+      const uint16_t* w = p.w + k * p.n + n0;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] += xk * bf16_to_float(w[c]);
+    }
+    std::copy(acc, acc + cols, p.out + m * p.n + n0);
+  }
+}
+
+void kn_stream_unit(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float* partial) {
+  for (int64_t m = 0; m < p.m; ++m) {
+    float* acc = partial + m * padded_n;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float xk = bf16_to_float(p.x[m * p.k + k]);
+      const uint16_t* w = p.w + k * p.n;
+#pragma omp simd
+      for (int64_t c = 0; c < p.n; ++c) acc[c] += xk * bf16_to_float(w[c]);
+    }
+  }
+}
+
+void kn_stream_finish(const Problem& p, const float* partial, int splits, int64_t padded_n) {
+  for (int64_t m = 0; m < p.m; ++m) {
+    for (int64_t c = 0; c < p.n; ++c) {
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s) sum += partial[(s * p.m + m) * padded_n + c];
+      p.out[m * p.n + c] = sum;
+    }
+  }
+}
+
+void nt_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  for (int64_t m = m0; m < m0 + rows; ++m) {
+    const uint16_t* x = p.x + m * p.k;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t* w = p.w + (n0 + c) * p.k;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < p.k; ++k) sum += bf16_to_float(x[k]) * bf16_to_float(w[k]);
+      p.out[m * p.n + n0 + c] = sum;
+    }
+  }
+}
+
+#endif
+
+using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
+
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                  ffi::ResultBuffer<ffi::F32> out, bool w_output_major) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const auto out_dims = out->dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("matmul_bf16: x, w and out must be 2-D");
+  }
+  Problem p;
+  p.m = x_dims[0];
+  p.k = x_dims[1];
+  p.n = w_output_major ? w_dims[0] : w_dims[1];
+  if ((w_output_major ? w_dims[1] : w_dims[0]) != p.k || out_dims[0] != p.m || out_dims[1] != p.n) {
+    return ffi::Error::InvalidArgument("matmul_bf16: mismatched shapes");
+  }
+  p.x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  p.w = reinterpret_cast<const uint16_t*>(w.typed_data());
+  p.out = out->typed_data();
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (!w_output_major && p.m <= kStreamRows) {  // split K: one in-order weight stream per unit
+    const int64_t padded_n = (p.n + 31) / 32 * 32;
+    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, std::max<int64_t>(pool.num_threads(), 1)));
+    std::vector<float> partial(size_t(splits) * p.m * padded_n, 0.0f);
+    jaxserve::share_units(pool, splits, [&p, &partial, splits, padded_n](int s) {
+      const int64_t k0 = p.k * s / splits / 2 * 2, k1 = s + 1 == splits ? p.k : p.k * (s + 1) / splits / 2 * 2;
+      kn_stream_unit(p, k0, k1, padded_n, partial.data() + s * p.m * padded_n);
+    });
+    kn_stream_finish(p, partial.data(), splits, padded_n);
+    return ffi::Error::Success();
+  }
+  const UnitFn unit = w_output_major ? nt_unit : kn_unit;
+  // Narrow panels when there are few columns, so both threads have work at one row.
+  const int64_t panel = p.n >= 8 * kPanel ? kPanel : 32;
+  const int64_t panels = (p.n + panel - 1) / panel, chunks = (p.m + kRowChunk - 1) / kRowChunk;
+  jaxserve::share_units(pool, int(panels * chunks), [&p, unit, panel, panels](int u) {
+    const int64_t m0 = (u / panels) * kRowChunk, n0 = (u % panels) * panel;
+    unit(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), n0, std::min<int64_t>(panel, p.n - n0));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulInputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul(pool, x, w, out, false);
+}
+
+ffi::Error MatmulOutputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul(pool, x, w, out, true);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16, MatmulInputMajor,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Nt, MatmulOutputMajor,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,46 @@
+// Units of work shared by the calling thread and XLA's intra-op thread pool (the FFI's ThreadPool context).
+//
+// One atomic counter hands out unit indices; every thread that joins takes units until none are left, and
+// the caller waits until all are done. The shared state lives on the heap and pool tasks hold a reference
+// to it, never to the caller's stack: a task the pool starts after the call returned finds the counter past
+// the end and returns without touching the unit function or the data it captured.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxserve {
+
+struct SharedUnits {
+  std::function<void(int)> run;
+  int num_units = 0;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void drain() {
+    for (int u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
+      run(u);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs run(0) ... run(num_units - 1) on this thread and the pool's; returns when all have run.
+inline void share_units(xla::ffi::ThreadPool& pool, int num_units, std::function<void(int)> run) {
+  if (num_units <= 0) return;
+  auto work = std::make_shared<SharedUnits>();
+  work->run = std::move(run);
+  work->num_units = num_units;
+  const int helpers = int(std::min<int64_t>(pool.num_threads(), num_units - 1));
+  for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+}
+
+}  // namespace jaxserve
