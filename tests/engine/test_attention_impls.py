@@ -1,6 +1,7 @@
 """End to end: the engine with the Pallas kernels (interpreted on CPU, compiled on a CUDA GPU), and with
 the CPU path, generates what the reference path does."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -85,3 +86,32 @@ def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
     pages = {dtype: make_engine(tiny_model_dir("llama"), warmup=False, kv_cache_dtype=dtype, **budget).runner.num_pages
              for dtype in ("auto", kv_cache_dtype)}
     assert pages[kv_cache_dtype] // 2 == pages["auto"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_bfloat16_model_under_the_native_kernels(kind, tiny_model_dir, monkeypatch):
+    """A bfloat16 model on `cpu-native`: its projections and LM head run in the native bfloat16 matmul and
+    its K/V are written in place, and it generates what the same bfloat16 weights generate through XLA's
+    dots and the reference attention (the same bfloat16 operands and float32 sums, summed in another order)."""
+    if (error := cpu_kernels.kernel_error()) is not None:
+        pytest.skip(error)
+    calls = {"matmul": 0, "write": 0}
+    matmul, write = cpu_kernels.matmul_bf16, cpu_kernels.write_kv
+    monkeypatch.setattr(cpu_kernels, "matmul_bf16", lambda *a, **kw: calls.update(matmul=calls["matmul"] + 1) or
+                        matmul(*a, **kw))
+    monkeypatch.setattr(cpu_kernels, "write_kv", lambda *a, **kw: calls.update(write=calls["write"] + 1) or
+                        write(*a, **kw))
+    prompts = make_prompts(6)
+    max_tokens = [9, 6, 12, 5, 8, 10]
+    arrivals = [0, 0, 1, 3, 6, 7]
+    outputs = {}
+    for impl in ("reference", "cpu-native"):
+        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, dtype="bfloat16",
+                             **KERNEL_LADDER)
+        assert {leaf.dtype for leaf in jax.tree.leaves(engine.model.state)} == {jnp.dtype(jnp.bfloat16)}
+        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
+        if impl == "reference":
+            assert calls == {"matmul": 0, "write": 0}, "only cpu-native takes the native kernels"
+    assert outputs["cpu-native"] == outputs["reference"]
+    assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens
+    assert calls["matmul"] > 0 and calls["write"] > 0

@@ -16,9 +16,8 @@ LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs
 
 
 def make_engine(model_dir, warmup: bool = True, **overrides) -> LLMEngine:
-    options = {**LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256, **overrides}
-    config = EngineConfig.from_preset(None, model=str(model_dir), dtype="float32",
-                                      compilation_cache_dir=None, **options)
+    options = {"dtype": "float32", **LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256, **overrides}
+    config = EngineConfig.from_preset(None, model=str(model_dir), compilation_cache_dir=None, **options)
     return LLMEngine(config, warmup=warmup)
 
 

@@ -48,6 +48,11 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "
 BUILD_TIMEOUT_S = 120
 
 
+def _flags() -> tuple[str, ...]:
+    """FLAGS, then `JAXSERVE_KERNEL_FLAGS` (say `-mno-avx512bf16`, to build the portable loops)."""
+    return (*FLAGS, *os.environ.get("JAXSERVE_KERNEL_FLAGS", "").split())
+
+
 class NativeKernelUnavailable(RuntimeError):
     """The native CPU kernels could not be built or loaded here (the message says why)."""
 
@@ -74,7 +79,7 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     files = {name: resources.files(__package__).joinpath(name).read_bytes() for name in (*SOURCES, *HEADERS)}
     key = hashlib.sha256(b"\0".join([
-        *(name.encode() + b"\0" + text for name, text in files.items()), " ".join(FLAGS).encode(),
+        *(name.encode() + b"\0" + text for name, text in files.items()), " ".join(_flags()).encode(),
         b"link: -shared", compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
     ])).hexdigest()[:16]
     library = _cache_dir() / f"{LIBRARY}-{key}.so"
@@ -86,7 +91,7 @@ def _build(compiler: str) -> Path:
             (Path(scratch) / name).write_bytes(text)
         objects = [str(Path(scratch) / f"{Path(name).stem}.o") for name in SOURCES]
         built = Path(scratch) / library.name
-        steps = [(name, [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(Path(scratch) / name), "-o", obj])
+        steps = [(name, [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", "-c", str(Path(scratch) / name), "-o", obj])
                  for name, obj in zip(SOURCES, objects, strict=True)]
         steps.append((library.name, [compiler, "-shared", *objects, "-o", str(built)]))
         for what, command in steps:

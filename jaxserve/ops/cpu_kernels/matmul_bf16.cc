@@ -355,7 +355,7 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (!w_output_major && p.m <= kStreamRows) {  // split K: one in-order weight stream per unit
     const int64_t padded_n = (p.n + 31) / 32 * 32;
-    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, std::max<int64_t>(pool.num_threads(), 1)));
+    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, jaxserve::num_workers(pool)));
     std::vector<float> partial(size_t(splits) * p.m * padded_n, 0.0f);
     jaxserve::share_units(pool, splits, [&p, &partial, splits, padded_n](int s) {
       const int64_t k0 = p.k * s / splits / 2 * 2, k1 = s + 1 == splits ? p.k : p.k * (s + 1) / splits / 2 * 2;

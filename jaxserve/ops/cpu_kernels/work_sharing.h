@@ -31,13 +31,18 @@ struct SharedUnits {
   }
 };
 
+// How many threads work on a call: the caller and one pool thread fewer than the pool has, one per core.
+// Calling on every pool thread as well put three threads on two cores: a single-sequence decode of
+// SmolLM2 in bfloat16 took 10.6-11.6 ms a token against 8.9-9.4 ms so.
+inline int num_workers(xla::ffi::ThreadPool& pool) { return int(std::max<int64_t>(pool.num_threads(), 1)); }
+
 // Runs run(0) ... run(num_units - 1) on this thread and the pool's; returns when all have run.
 inline void share_units(xla::ffi::ThreadPool& pool, int num_units, std::function<void(int)> run) {
   if (num_units <= 0) return;
   auto work = std::make_shared<SharedUnits>();
   work->run = std::move(run);
   work->num_units = num_units;
-  const int helpers = int(std::min<int64_t>(pool.num_threads(), num_units - 1));
+  const int helpers = std::min(num_workers(pool) - 1, num_units - 1);
   for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
   while (work->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();

@@ -1,10 +1,11 @@
-"""Greedy agreement of a 16-bit KV cache with the float32 one, on the bundled SmolLM2 (float32 weights).
+"""Greedy agreement of lower-precision settings with float32, on the bundled SmolLM2.
 
-Each prompt (chat-templated English questions, then random-token prompts) is generated greedily with
-`--kv-cache-dtype auto` (float32) and with each 16-bit dtype, in one process; it reports how many
-generations are identical, and for the others where they first differ.
+Each prompt (chat-templated English questions, then random-token prompts) is generated greedily in float32
+(weights and KV cache) and under each setting, in one process; it reports how many generations are
+identical, and for the others where they first differ. A setting is engine options, comma-separated:
 
-    python benchmarks/kv_cache_dtype.py --dtypes float16 bfloat16 --max-tokens 64
+    python benchmarks/greedy_agreement.py --settings kv_cache_dtype=float16 kv_cache_dtype=bfloat16 \
+        dtype=bfloat16 --max-tokens 64
 """
 
 import argparse
@@ -24,12 +25,13 @@ QUESTIONS = [
 ]
 
 
-def generate(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
 
-    config = EngineConfig.from_preset("cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    options = {"dtype": "float32", **dict(item.split("=", 1) for item in setting.split(",") if item)}
+    config = EngineConfig.from_preset("cpu", **options)
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -45,7 +47,8 @@ def generate(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument("--settings", nargs="+", default=["kv_cache_dtype=float16", "kv_cache_dtype=bfloat16",
+                                                          "dtype=bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--random-prompts", type=int, default=16, help="random-token prompts of 200 tokens")
     parser.add_argument("--json", default=None)
@@ -59,19 +62,19 @@ def main() -> None:
     prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     rng = np.random.default_rng(0)
     prompts += [rng.integers(100, 40000, 200).tolist() for _ in range(args.random_prompts)]
-    reference = generate("auto", prompts, args.max_tokens)
+    reference = generate("", prompts, args.max_tokens)
     report = []
-    for dtype in args.dtypes:
-        got = generate(dtype, prompts, args.max_tokens)
+    for setting in args.settings:
+        got = generate(setting, prompts, args.max_tokens)
         first_diff = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), None)
                       for r, g in zip(reference, got, strict=True)]
         differing = [d for d in first_diff if d is not None]
         same_tokens = sum(d if d is not None else args.max_tokens for d in first_diff)
-        row = {"kv_cache_dtype": dtype, "prompts": len(prompts), "identical": len(prompts) - len(differing),
+        row = {"setting": setting, "prompts": len(prompts), "identical": len(prompts) - len(differing),
                "tokens_before_first_difference": same_tokens / (len(prompts) * args.max_tokens),
                "median_first_difference": statistics.median(differing) if differing else None}
         report.append(row)
-        print(f"{dtype}: {row['identical']} of {len(prompts)} generations identical to the float32 cache's "
+        print(f"{setting}: {row['identical']} of {len(prompts)} generations identical to float32's "
               f"({args.max_tokens} tokens each); {100 * row['tokens_before_first_difference']:.1f}% of tokens "
               f"before the first difference; median first difference at token {row['median_first_difference']}",
               flush=True)

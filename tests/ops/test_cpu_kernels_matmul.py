@@ -1,0 +1,129 @@
+"""The native bfloat16 matmuls and K/V write against float64 and jnp oracles (`jaxserve.ops.cpu_kernels`)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.ops import cpu_kernels
+from jaxserve.ops.kv_write import write_kv
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error()))
+
+# Rows: 1-4 stream the weights in K-split units, 5-11 run register tiles on w in place, 12 and more tiles
+# on packed panels (and 49 or more rows span two units). Columns: below, at and past the 32- and 64-column
+# tiles, past the 512 at which panels widen to 64. K: odd (the last row pairs with zeros) and even.
+ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 49, 64)
+SHAPES = ((1, 1), (2, 31), (7, 33), (64, 64), (65, 100), (576, 192), (33, 577), (130, 1030))
+
+
+def oracle(x: jax.Array, w: jax.Array, output_major_w: bool) -> np.ndarray:
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ (w64.T if output_major_w else w64)
+
+
+def operands(m: int, k: int, n: int, output_major_w: bool, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k) if output_major_w else (k, n)), jnp.bfloat16)
+    return x, w
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, k: int) -> None:
+    # float32 sums of exact bfloat16 products: error grows with sqrt(K) terms of |x||w|.
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.sqrt(k) * 4)
+
+
+@pytest.mark.parametrize("output_major_w", [False, True], ids=["w[K,N]", "w[N,K]"])
+@pytest.mark.parametrize("m", ROWS)
+def test_matmul_against_float64(m, output_major_w):
+    call = jax.jit(lambda x, w: cpu_kernels.matmul_bf16(x, w, output_major_w=output_major_w))
+    for k, n in SHAPES:
+        x, w = operands(m, k, n, output_major_w)
+        assert_close(np.asarray(call(x, w)), oracle(x, w, output_major_w), k)
+
+
+def test_matmul_is_xla_s_bfloat16_dot_with_float32_sums():
+    """The contract the models rely on: `jnp.dot` of the same bfloat16 operands into float32."""
+    x, w = operands(16, 576, 1536, output_major_w=False, seed=1)
+    want = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul_bf16(x, w)), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_refuses_other_operands():
+    x, w = operands(2, 8, 4, output_major_w=False)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.matmul_bf16(x.astype(jnp.float32), w)
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_kernels.matmul_bf16(x[None], w)
+
+
+def test_empty_rows_and_columns():
+    x, w = operands(0, 8, 4, output_major_w=False)
+    assert cpu_kernels.matmul_bf16(x, w).shape == (0, 4)
+    x, w = operands(3, 8, 0, output_major_w=True)
+    assert cpu_kernels.matmul_bf16(x, w, output_major_w=True).shape == (3, 0)
+
+
+def test_the_portable_loops_match_too(tmp_path):
+    """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512bf16`), the kernels take their plain
+    float32 loops: the same oracle, in a process of its own (the library is loaded once per process)."""
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from jaxserve.ops import cpu_kernels
+        from tests.ops.test_cpu_kernels_matmul import SHAPES, assert_close, operands, oracle
+        assert cpu_kernels.kernel_error() is None, cpu_kernels.kernel_error()
+        for output_major_w in (False, True):
+            call = jax.jit(lambda x, w: cpu_kernels.matmul_bf16(x, w, output_major_w=output_major_w))
+            for m in {ROWS!r}:
+                for k, n in SHAPES:
+                    x, w = operands(m, k, n, output_major_w)
+                    assert_close(np.asarray(call(x, w)), oracle(x, w, output_major_w), k)
+        print("portable ok")
+    """)
+    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": "-mno-avx512bf16", "JAXSERVE_KERNEL_CACHE": str(tmp_path),
+           "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
+    assert len(list(tmp_path.glob("*.so"))) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_write_kv_equals_the_scatter(dtype):
+    """The in-place K/V write puts each token's rows where the jnp scatter does, and drops padding slots."""
+    rng = np.random.default_rng(2)
+    num_kv_heads, num_pages, page_size, head_dim, tokens = 3, 5, 4, 8, 7
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    k = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim)), jnp.float32)
+    slots = jnp.asarray([0, 5, 19, 7, num_pages * page_size, num_pages * page_size + 3, 12], jnp.int32)
+    want = write_kv(k_pages, v_pages, k, v, slots)
+    got = jax.jit(cpu_kernels.write_kv)(k_pages, v_pages, k, v, slots)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_a_bfloat16_cache_is_written_without_widening():
+    """XLA:CPU runs the jnp scatter on a bfloat16 cache by converting the whole cache to float32 and back,
+    every step; the compiled native write holds no float32 array of the cache's size."""
+    shape = (3, 64, 16, 64)
+    pages = jnp.zeros(shape, jnp.bfloat16)
+    rows = jnp.zeros((8, 3, 64), jnp.bfloat16)
+    slots = jnp.arange(8, dtype=jnp.int32)
+    widened = f"f32[{','.join(map(str, shape[:1]))},{shape[1] * shape[2]},{shape[3]}]"
+
+    def compiled(fn) -> str:
+        return jax.jit(fn, donate_argnums=(0, 1)).lower(pages, pages, rows, rows, slots).compile().as_text()
+
+    native = compiled(cpu_kernels.write_kv)
+    assert "f32[3,64,16,64]" not in native and widened not in native
