@@ -15,10 +15,11 @@ from jaxserve.ops.kv_write import write_kv
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error()))
 
-# Rows: 1-4 stream the weights in K-split units, 5-11 run register tiles on w in place, 12 and more tiles
-# on packed panels (and 49 or more rows span two units). Columns: below, at and past the 32- and 64-column
-# tiles, past the 512 at which panels widen to 64. K: odd (the last row pairs with zeros) and even.
-ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 49, 64)
+# Rows: 1-4 stream the weights in K-split units, 5-8 sweep blocks of them, 9-11 run register tiles on w in
+# place, 12 and more tiles on packed panels (49 or more span two units). Columns: below, at and past the
+# 32- and 64-column tiles, past the 512 at which panels widen to 64. K: odd (the last row pairs with zeros)
+# and even, shorter and longer than a block of 32 rows.
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 49, 64)
 SHAPES = ((1, 1), (2, 31), (7, 33), (64, 64), (65, 100), (576, 192), (33, 577), (130, 1030))
 
 

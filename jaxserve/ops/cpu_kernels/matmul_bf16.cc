@@ -1,7 +1,7 @@
 // Matmuls with bfloat16 operands and float32 sums for CPUs, XLA FFI custom calls (jaxserve.ops.cpu_kernels
 // builds and registers them). A bfloat16 model's projections and LM head run here on CPUs: XLA:CPU runs its
 // bfloat16 dots several times slower than float32 ones, while AVX512-BF16's `vdpbf16ps` multiplies pairs of
-// bfloat16 values into float32 sums at twice float32's rate, from half the bytes.
+// bfloat16 values into float32 sums, 32 products an instruction from half the bytes of float32 weights.
 //
 //   JaxserveMatmulBf16    out f32[M, N] = x bf16[M, K] @ w bf16[K, N]    (weights stored input-major)
 //   JaxserveMatmulBf16Nt  out f32[M, N] = x bf16[M, K] @ w bf16[N, K]^T  (the LM head: the embedding table)
@@ -9,12 +9,18 @@
 // Products of bfloat16 values are exact in float32 and every sum is float32: the contract of a bfloat16
 // dot with float32 accumulation (XLA's on GPUs), up to the order of the sums.
 //
-// Work unit = (a panel of output columns, a chunk of rows); units are shared with XLA's intra-op threads.
-// Input-major weights: a tile of up to 6 rows x 64 columns keeps 24 accumulators in registers; each step
-// loads two weight rows (k, k+1), interleaves them into (k, k+1) pairs per column (`vpunpck{l,h}wd`, which
-// permutes columns within 128-bit lanes; undone once per tile when storing), and multiplies them with each
-// row's (x[k], x[k+1]) pair broadcast. Output-major weights (the LM head): a tile of 4 rows x 4 columns,
-// or 1 x 16 for the last rows, takes dot products 32 values at a time. Machines without AVX512-BF16 run
+// Input-major weights take one of three loops by the number of rows M (a step's padded token count):
+//   M <= 4 (decodes of a few sequences): K is split between the threads, and each streams its weight rows
+//     in order, two at a time, into float32 partial sums kept in L1; the partials are added at the end.
+//     The weights are read once, in order, with prefetching: ~41 GB/s here, half float32's time.
+//   M <= 8: the same split, with weight rows in blocks of 32 that register tiles sweep while in cache.
+//   More rows: units of (a panel of 64 output columns, up to 48 rows) run register tiles of 6 x 64 that
+//     keep 24 accumulators; from 12 rows on, the panel is first repacked into contiguous pairs.
+// Every loop reads two weight rows (k, k + 1), interleaves them into (k, k + 1) pairs per column
+// (`vpunpck{l,h}wd`, which permutes columns within 128-bit lanes; undone once when storing) and multiplies
+// them with each row's (x[k], x[k + 1]) pair broadcast. Output-major weights (the LM head): units of 64
+// columns, tiles of 4 rows x 4 columns (1 x 16 for the last rows) taking dot products 32 values at a
+// time. Units are shared with XLA's intra-op threads (`work_sharing.h`). Machines without AVX512-BF16 run
 // plain loops over float32 conversions with the same contract.
 
 #include <algorithm>
@@ -35,7 +41,7 @@ namespace {
 
 constexpr int kPanel = 64;       // output columns per unit and per input-major tile
 constexpr int kRowChunk = 48;    // rows per unit (a multiple of the tiles' row counts)
-constexpr int kStreamRows = 4;   // up to this many rows, input-major weights stream in K-split units
+constexpr int kStreamRows = 8;   // up to this many rows, input-major weights stream in K-split units
 constexpr int kStreamMinRows = 64;  // weight rows per K-split unit, at least
 
 struct Problem {
@@ -225,12 +231,71 @@ void kn_stream_finish(const Problem& p, const float* partial, int splits, int64_
   }
 }
 
+// Rows m0 : m0 + MR times weight rows kb0 : kb1 in columns c : c + 64, added into `partial` (lane order).
+template <int MR>
+void kn_block_tile(const Problem& p, int64_t m0, int64_t kb0, int64_t kb1, int64_t c, int64_t padded_n,
+                   float* partial) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 32
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  const __mmask32 mask[2] = {low_mask32(p.n - c), low_mask32(p.n - c - 32)};
+  const uint16_t* x = p.x + m0 * p.k;
+  for (int64_t k = kb0; k < kb1; k += 2) {
+    const bool last = k + 1 == p.k;
+    __m512bh pairs[4];
+    load_pairs<2>(p.w + k * p.n + c, p.n, last, mask, pairs);
+#pragma GCC unroll 32
+    for (int m = 0; m < MR; ++m) {
+      uint32_t xs = x[m * p.k + k];
+      if (!last) std::memcpy(&xs, x + m * p.k + k, sizeof(xs));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xs));
+#pragma GCC unroll 32
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, pairs[j]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m) {
+    float* at = partial + (m0 + m) * padded_n + c;
+#pragma GCC unroll 32
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(at + 16 * j, _mm512_add_ps(_mm512_loadu_ps(at + 16 * j), acc[m][j]));
+  }
+}
+
+// Several rows (a few sequences' decodes): weight rows k0:k1 in blocks of kBlockRows that stay in cache
+// while register tiles of 6 rows x 64 columns sweep them; the next block is fetched meanwhile. The weights
+// are read once and in order, where the panels of `kn_rows` read 128 bytes of a row and then jump a page.
+void kn_blocks(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float* partial) {
+  constexpr int64_t kBlockRows = 32;  // even: pairs never straddle two blocks
+  for (int64_t kb = k0; kb < k1; kb += kBlockRows) {
+    const int64_t kb1 = std::min(kb + kBlockRows, k1), next_end = std::min(kb1 + kBlockRows, k1);
+    for (int64_t c = 0; c < p.n; c += 64) {
+      for (int64_t r = kb1; r < next_end; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.w + r * p.n + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.w + r * p.n + c + 32), _MM_HINT_T0);
+      }
+      for (int64_t m = 0; m < p.m; m += 6) {
+        switch (std::min<int64_t>(6, p.m - m)) {
+          case 1: kn_block_tile<1>(p, m, kb, kb1, c, padded_n, partial); break;
+          case 2: kn_block_tile<2>(p, m, kb, kb1, c, padded_n, partial); break;
+          case 3: kn_block_tile<3>(p, m, kb, kb1, c, padded_n, partial); break;
+          case 4: kn_block_tile<4>(p, m, kb, kb1, c, padded_n, partial); break;
+          case 5: kn_block_tile<5>(p, m, kb, kb1, c, padded_n, partial); break;
+          default: kn_block_tile<6>(p, m, kb, kb1, c, padded_n, partial); break;
+        }
+      }
+    }
+  }
+}
+
 void kn_stream_unit(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float* partial) {
   switch (p.m) {
     case 1: kn_stream<1>(p, k0, k1, padded_n, partial); break;
     case 2: kn_stream<2>(p, k0, k1, padded_n, partial); break;
     case 3: kn_stream<3>(p, k0, k1, padded_n, partial); break;
-    default: kn_stream<4>(p, k0, k1, padded_n, partial); break;
+    case 4: kn_stream<4>(p, k0, k1, padded_n, partial); break;
+    default: kn_blocks(p, k0, k1, padded_n, partial); break;
   }
 }
 
@@ -354,7 +419,7 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   p.out = out->typed_data();
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (!w_output_major && p.m <= kStreamRows) {  // split K: one in-order weight stream per unit
-    const int64_t padded_n = (p.n + 31) / 32 * 32;
+    const int64_t padded_n = (p.n + 63) / 64 * 64;  // whole 64-column tiles
     const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, jaxserve::num_workers(pool)));
     std::vector<float> partial(size_t(splits) * p.m * padded_n, 0.0f);
     jaxserve::share_units(pool, splits, [&p, &partial, splits, padded_n](int s) {

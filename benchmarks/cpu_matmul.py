@@ -1,0 +1,98 @@
+"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) against XLA:CPU's float32 and bfloat16 dots.
+
+SmolLM2-135M's shapes at 1, 4, 16 and 64 rows: the attention and MLP projections (weights [K, N]) and the
+LM head (the [V, D] embedding table). Each case runs `--copies` different weight matrices back to back in
+one jitted function, so that the weights come from memory as in a served step (64 copies of a 576 x 1536
+matrix are 113 MB in bfloat16, past a 32 MB L3), and reports the median time per matrix over alternating
+rounds, with GFLOP/s and the weights' GB/s.
+
+    python benchmarks/cpu_matmul.py --rows 1 4 16 64 --rounds 3
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.ops import cpu_kernels
+
+SHAPES = {  # name -> (K, N, output-major weights)
+    "q/o proj 576x576": (576, 576, False),
+    "k/v proj 576x192": (576, 192, False),
+    "gate/up 576x1536": (576, 1536, False),
+    "down 1536x576": (1536, 576, False),
+    "LM head 49152x576": (576, 49152, True),
+}
+IMPLS = ("xla float32", "xla bfloat16", "native bfloat16")
+
+
+def case_fn(impl: str, output_major: bool):
+    def one(x, w):
+        if impl == "native bfloat16":
+            return cpu_kernels.matmul_bf16(x, w, output_major_w=output_major)
+        return jnp.einsum("md,vd->mv", x, w) if output_major else x @ w
+
+    return jax.jit(lambda x, ws: sum(one(x, w).astype(jnp.float32).sum() for w in ws))
+
+
+def timed(fn, x, ws, reps: int) -> float:
+    fn(x, ws).block_until_ready()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x, ws).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) / len(ws)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--copies", type=int, default=64, help="weight matrices per case (at most 8 for the head)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if (error := cpu_kernels.kernel_error()) is not None:
+        raise SystemExit(f"the native kernels are unavailable: {error}")
+
+    rng = np.random.default_rng(0)
+    rows = []
+    print("| case | rows | " + " | ".join(f"{impl} us (GFLOP/s, GB/s)" for impl in args.impls) + " | native vs f32 |")
+    print("|---|---|" + "---|" * (len(args.impls) + 1))
+    for name, (k, n, output_major) in SHAPES.items():
+        copies = min(args.copies, 8) if output_major else args.copies
+        weights32 = [jnp.asarray(rng.standard_normal((n, k) if output_major else (k, n)) * 0.05, jnp.float32)
+                     for _ in range(copies)]
+        weights16 = [w.astype(jnp.bfloat16) for w in weights32]
+        for m in args.rows:
+            x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            fns = {impl: case_fn(impl, output_major) for impl in args.impls}
+            seconds: dict[str, list[float]] = {impl: [] for impl in args.impls}
+            for _ in range(args.rounds):  # alternating, so drift hits every implementation alike
+                for impl in args.impls:
+                    f32 = impl == "xla float32"
+                    seconds[impl].append(timed(fns[impl], x32 if f32 else x32.astype(jnp.bfloat16),
+                                               weights32 if f32 else weights16, args.reps))
+            row = {"case": name, "rows": m}
+            cells = []
+            for impl in args.impls:
+                t = float(np.median(seconds[impl]))
+                nbytes = k * n * (4 if impl == "xla float32" else 2)
+                row[impl] = {"us": t * 1e6, "gflops": 2 * m * k * n / t / 1e9, "weight_gbps": nbytes / t / 1e9}
+                cells.append(f"{t * 1e6:.1f} ({row[impl]['gflops']:.0f}, {row[impl]['weight_gbps']:.1f})")
+            speedup = (row["xla float32"]["us"] / row["native bfloat16"]["us"]
+                       if {"xla float32", "native bfloat16"} <= set(args.impls) else float("nan"))
+            print(f"| {name} | {m} | " + " | ".join(cells) + f" | {speedup:.2f}x |", flush=True)
+            rows.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
