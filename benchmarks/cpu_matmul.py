@@ -6,7 +6,7 @@ one jitted function, so that the weights come from memory as in a served step (6
 matrix are 113 MB in bfloat16, past a 32 MB L3), and reports the median time per matrix over alternating
 rounds, with GFLOP/s and the weights' GB/s.
 
-    python benchmarks/cpu_matmul.py --rows 1 4 16 64 --rounds 3
+    python benchmarks/cpu_matmul.py --rows 1 4 8 16 64 512 --rounds 3
 """
 
 import argparse
@@ -27,14 +27,17 @@ SHAPES = {  # name -> (K, N, output-major weights)
     "down 1536x576": (1536, 576, False),
     "LM head 49152x576": (576, 49152, True),
 }
-IMPLS = ("xla float32", "xla bfloat16", "native bfloat16")
+IMPLS = ("xla float32", "xla bfloat16", "native bfloat16")  # both bfloat16 ones: float32 sums and result
 
 
 def case_fn(impl: str, output_major: bool):
     def one(x, w):
         if impl == "native bfloat16":
             return cpu_kernels.matmul_bf16(x, w, output_major_w=output_major)
-        return jnp.einsum("md,vd->mv", x, w) if output_major else x @ w
+        f32 = jnp.float32 if impl == "xla bfloat16" else None
+        if output_major:
+            return jnp.einsum("md,vd->mv", x, w, preferred_element_type=f32)
+        return jnp.dot(x, w, preferred_element_type=f32)
 
     return jax.jit(lambda x, ws: sum(one(x, w).astype(jnp.float32).sum() for w in ws))
 
@@ -51,7 +54,7 @@ def timed(fn, x, ws, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512])
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)

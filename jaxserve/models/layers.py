@@ -97,19 +97,34 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
+# Up to this many rows a bfloat16 matmul runs in the native kernel, beyond it in XLA's own bfloat16 dot
+# with float32 sums: at 1 row XLA's takes 20x the native kernel's time (it reads 2 GB/s), at 16-64 rows it
+# runs the MLP projections and the LM head up to 2.7x faster, and a 512-token chunk's 1.4x
+# (`benchmarks/cpu_matmul.py`, docs/benchmarks.md). Both: bfloat16 operands, float32 sums and result.
+NATIVE_MATMUL_MAX_ROWS = 8
+
+
+def _native_matmul(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> bool:
+    return attention.native_matmuls and w.dtype == jnp.bfloat16 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
+
+
 def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array:  # [T, K] x [K, N] -> [T, N]
-    """x @ w. bfloat16 weights on a CPU with the native kernels (`AttentionConfig.native_matmuls`) go through
-    `cpu_kernels.matmul_bf16`: bfloat16 operands, float32 sums, the result in x's dtype, as XLA's bfloat16
-    dot gives it, at two to four times its speed on XLA:CPU."""
-    if attention.native_matmuls and w.dtype == jnp.bfloat16:
+    """x @ w, in x's dtype. A bfloat16 model's few-row matmuls on a CPU with the native kernels
+    (`AttentionConfig.native_matmuls`) go through `cpu_kernels.matmul_bf16`, which streams the weights at
+    the memory's speed; XLA:CPU's bfloat16 dot reads them at a twentieth of it there."""
+    if _native_matmul(x, w, attention):
         return cpu_kernels.matmul_bf16(x.astype(jnp.bfloat16), w).astype(x.dtype)
+    if attention.native_matmuls and w.dtype == jnp.bfloat16:  # float32 sums, as the kernel's
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     return x @ w
 
 
 def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
     """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V]."""
-    if attention.native_matmuls and table.dtype == jnp.bfloat16:
+    if _native_matmul(hidden, table, attention):
         return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
+    if attention.native_matmuls and table.dtype == jnp.bfloat16:
+        return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=jnp.float32)
     return jnp.einsum("RD,VD->RV", hidden, table).astype(jnp.float32)
 
 
