@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about rain.",
@@ -30,7 +31,8 @@ def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[li
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
 
-    options = {"dtype": "float32", **dict(item.split("=", 1) for item in setting.split(",") if item)}
+    pairs = (item.split("=", 1) for item in setting.split(",") if item)
+    options = {"dtype": "float32", **{key: yaml.safe_load(value) for key, value in pairs}}
     config = EngineConfig.from_preset("cpu", **options)
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -102,17 +102,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 # runs the MLP projections and the LM head up to 2.7x faster, and a 512-token chunk's 1.4x
 # (`benchmarks/cpu_matmul.py`, docs/benchmarks.md). Both: bfloat16 operands, float32 sums and result.
 NATIVE_MATMUL_MAX_ROWS = 8
+# The native LM head (dot products over the [V, D] table) wins at 1-3 rows (1.7-1.8 ms against 32 at one
+# row, 2.0-2.5 at two or three) and loses from 4 on (2.9 against 2.1-2.4).
+NATIVE_LM_HEAD_MAX_ROWS = 3
 
 
-def _native_matmul(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> bool:
-    return attention.native_matmuls and w.dtype == jnp.bfloat16 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
+def _native(rows: int, w: jax.Array, attention: AttentionConfig, max_rows: int) -> bool:
+    return attention.native_matmuls and w.dtype == jnp.bfloat16 and rows <= max_rows
 
 
 def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array:  # [T, K] x [K, N] -> [T, N]
     """x @ w, in x's dtype. A bfloat16 model's few-row matmuls on a CPU with the native kernels
     (`AttentionConfig.native_matmuls`) go through `cpu_kernels.matmul_bf16`, which streams the weights at
     the memory's speed; XLA:CPU's bfloat16 dot reads them at a twentieth of it there."""
-    if _native_matmul(x, w, attention):
+    if _native(x.shape[0], w, attention, NATIVE_MATMUL_MAX_ROWS):
         return cpu_kernels.matmul_bf16(x.astype(jnp.bfloat16), w).astype(x.dtype)
     if attention.native_matmuls and w.dtype == jnp.bfloat16:  # float32 sums, as the kernel's
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -120,12 +123,11 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
 
 
 def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
-    """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V]."""
-    if _native_matmul(hidden, table, attention):
+    """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
+    in float32 whatever the model's dtype (a bfloat16 model's logits are not rounded to bfloat16)."""
+    if _native(hidden.shape[0], table, attention, NATIVE_LM_HEAD_MAX_ROWS):
         return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
-    if attention.native_matmuls and table.dtype == jnp.bfloat16:
-        return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=jnp.float32)
-    return jnp.einsum("RD,VD->RV", hidden, table).astype(jnp.float32)
+    return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=jnp.float32)
 
 
 def project_heads(

@@ -7,21 +7,23 @@
 //   JaxserveMatmulBf16Nt  out f32[M, N] = x bf16[M, K] @ w bf16[N, K]^T  (the LM head: the embedding table)
 //
 // Products of bfloat16 values are exact in float32 and every sum is float32: the contract of a bfloat16
-// dot with float32 accumulation (XLA's on GPUs), up to the order of the sums.
+// dot with float32 accumulation (XLA's on GPUs), up to the order of the sums; `vdpbf16ps` also reads and
+// writes subnormals as zero, which the portable loops do not.
 //
 // Input-major weights take one of three loops by the number of rows M (a step's padded token count):
 //   M <= 4 (decodes of a few sequences): K is split between the threads, and each streams its weight rows
-//     in order, two at a time, into float32 partial sums kept in L1; the partials are added at the end.
+//     in order, two at a time, into float32 partial sums (in L1 for N up to a few thousand); the partials
+//     are added at the end.
 //     The weights are read once, in order, with prefetching: ~41 GB/s here, half float32's time.
 //   M <= 8: the same split, with weight rows in blocks of 32 that register tiles sweep while in cache.
-//   More rows: units of (a panel of 64 output columns, up to 48 rows) run register tiles of 6 x 64 that
-//     keep 24 accumulators; from 12 rows on, the panel is first repacked into contiguous pairs.
+//   More rows: units of (a panel of 64 output columns, 32 below 512 columns, up to 48 rows) run tiles of
+//     6 x 64 that keep 24 accumulators; from 12 rows on, the panel is first repacked into contiguous pairs.
 // Every loop reads two weight rows (k, k + 1), interleaves them into (k, k + 1) pairs per column
 // (`vpunpck{l,h}wd`, which permutes columns within 128-bit lanes; undone once when storing) and multiplies
 // them with each row's (x[k], x[k + 1]) pair broadcast. Output-major weights (the LM head): units of 64
-// columns, tiles of 4 rows x 4 columns (1 x 16 for the last rows) taking dot products 32 values at a
-// time. Units are shared with XLA's intra-op threads (`work_sharing.h`). Machines without AVX512-BF16 run
-// plain loops over float32 conversions with the same contract.
+// columns (32 below 512), tiles of 1 row x 16 columns taking dot products 32 values at a time. Units are
+// shared with XLA's intra-op threads (`work_sharing.h`). Machines without AVX512-BF16 run plain loops
+// over float32 conversions with the same contract.
 
 #include <algorithm>
 #include <cstdint>
@@ -43,6 +45,7 @@ constexpr int kPanel = 64;       // output columns per unit and per input-major 
 constexpr int kRowChunk = 48;    // rows per unit (a multiple of the tiles' row counts)
 constexpr int kStreamRows = 8;   // up to this many rows, input-major weights stream in K-split units
 constexpr int kStreamMinRows = 64;  // weight rows per K-split unit, at least
+constexpr int kMaxSplits = 8;
 
 struct Problem {
   int64_t m, n, k;
@@ -332,12 +335,9 @@ void nt_tile(const Problem& p, const uint16_t* x, float* out, int64_t n0, int64_
 }
 
 void nt_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-  int64_t m = m0;
-  for (; m + 4 <= m0 + rows; m += 4) {
-    for (int64_t c = 0; c < cols; c += 4)
-      nt_tile<4, 4>(p, p.x + m * p.k, p.out + m * p.n, n0 + c, std::min<int64_t>(4, cols - c));
-  }
-  for (; m < m0 + rows; ++m) {
+  // Tiles of 1 row x 16 columns: 4 x 4 tiles (half the loads per product) measured 1.3-1.7x slower at 4-8
+  // rows, and XLA's bfloat16 dot beats both from 4 rows on, so the models send only 1-3 rows here.
+  for (int64_t m = m0; m < m0 + rows; ++m) {
     for (int64_t c = 0; c < cols; c += 16)
       nt_tile<1, 16>(p, p.x + m * p.k, p.out + m * p.n, n0 + c, std::min<int64_t>(16, cols - c));
   }
@@ -420,7 +420,8 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (!w_output_major && p.m <= kStreamRows) {  // split K: one in-order weight stream per unit
     const int64_t padded_n = (p.n + 63) / 64 * 64;  // whole 64-column tiles
-    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, jaxserve::num_workers(pool)));
+    // The partials are zeroed and summed on this thread: a few splits, whatever the core count.
+    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, std::min(jaxserve::num_workers(pool), kMaxSplits)));
     std::vector<float> partial(size_t(splits) * p.m * padded_n, 0.0f);
     jaxserve::share_units(pool, splits, [&p, &partial, splits, padded_n](int s) {
       const int64_t k0 = p.k * s / splits / 2 * 2, k1 = s + 1 == splits ? p.k : p.k * (s + 1) / splits / 2 * 2;
