@@ -85,6 +85,14 @@ inline void load_pairs(const uint16_t* row0, int64_t n, bool last, const __mmask
   }
 }
 
+// Stores the first `cols` (up to 32) of a 32-column group's sums, given in `load_pairs`' lane order.
+inline void store_in_column_order(float* out, int64_t cols, __m512 lo, __m512 hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_mask_storeu_ps(out, low_mask16(cols), _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_mask_storeu_ps(out + 16, low_mask16(cols - 16), _mm512_permutex2var_ps(lo, second, hi));
+}
+
 // Columns [n0, n0 + cols) of w as a panel of pairs, [ceil(K / 2)][2G][32] bf16: what a tile reads, in
 // order, from contiguous memory. A row of w is 2N bytes apart from the next; read straight from w, each
 // step of a tile touches a new page, and repacking once per unit beats that for tiles of many rows.
@@ -134,17 +142,13 @@ void kn_tile(const Problem& p, const uint16_t* x, float* out, int64_t n0, int64_
       for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, pairs[j]);
     }
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m) {
     float* out_row = out + m * n + n0;
 #pragma GCC unroll 32
     for (int g = 0; g < G; ++g) {
       const __m512 lo = acc[m][2 * g], hi = acc[m][2 * g + 1];
-      _mm512_mask_storeu_ps(out_row + 32 * g, low_mask16(cols - 32 * g), _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_mask_storeu_ps(out_row + 32 * g + 16, low_mask16(cols - 32 * g - 16),
-                            _mm512_permutex2var_ps(lo, second, hi));
+      store_in_column_order(out_row + 32 * g, cols - 32 * g, lo, hi);
     }
   }
 }
@@ -216,8 +220,6 @@ void kn_stream(const Problem& p, int64_t k0, int64_t k1, int64_t padded_n, float
 
 // out = the sum of `splits` partials, back in column order.
 void kn_stream_finish(const Problem& p, const float* partial, int splits, int64_t padded_n) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const int64_t stride = p.m * padded_n;
   for (int64_t m = 0; m < p.m; ++m) {
     for (int64_t c = 0; c < p.n; c += 32) {
@@ -228,8 +230,7 @@ void kn_stream_finish(const Problem& p, const float* partial, int splits, int64_
         hi = _mm512_add_ps(hi, _mm512_loadu_ps(at + s * stride + 16));
       }
       float* out = p.out + m * p.n + c;
-      _mm512_mask_storeu_ps(out, low_mask16(p.n - c), _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_mask_storeu_ps(out + 16, low_mask16(p.n - c - 16), _mm512_permutex2var_ps(lo, second, hi));
+      store_in_column_order(out, p.n - c, lo, hi);
     }
   }
 }
