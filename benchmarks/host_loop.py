@@ -13,9 +13,10 @@ splits each decode step's wall time, by timing the engine's own phases in place:
 - frontend: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s)
 - rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, the `SequenceUpdate`s
 
-"host" is the total minus the wait for the device. "core host" is what stays on the engine core's loop
-when it runs in its own process (`--engine-process`): host minus frontend, plus pickling the step's
-updates for the pipe ("pickle", timed on the side, not part of the step here).
+"host" is the total minus the wait for the device, taken step by step before the median (so the device's
+jitter stays out of it). "core host" is what stays on the engine core's loop when it runs in its own
+process (`--engine-process`): host minus frontend, plus pickling the step's updates for the pipe
+("pickle", timed on the side, not part of the step here).
 
 With async scheduling (`--modes async`) the host's work for step N + 1 runs while the device computes
 step N, so the wait shrinks by what overlaps; on a CPU the "device" is the same two cores, so the overlap
@@ -120,11 +121,12 @@ def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
         assert last.bucket.decode_only and last.num_reqs == num_seqs, (last, num_seqs)
         total -= phases.pop("untimed", 0.0)
         known = sum(v for k, v in phases.items() if k != "pickle")
+        host = total - phases.get("device", 0.0)
+        core_host = host - phases.get("frontend", 0.0) + phases.get("pickle", 0.0)
         rows.append({**{k: v * 1e3 for k, v in phases.items()}, "rest": (total - known) * 1e3,
-                     "total": total * 1e3})
+                     "host": host * 1e3, "core host": core_host * 1e3, "total": total * 1e3})
+    # Medians per column; host and core host are each step's own (the device's jitter stays out of them).
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
-    median["host"] = median["total"] - median.get("device", 0.0)
-    median["core host"] = median["host"] - median.get("frontend", 0.0) + median.get("pickle", 0.0)
     engine.shutdown()
     return {"seqs": num_seqs, "mode": mode, "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}

@@ -74,6 +74,7 @@ class Request:
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
+    num_pages_scheduled: int = 0  # leading pages of page_ids the runner has been sent
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

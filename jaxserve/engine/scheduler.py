@@ -52,7 +52,12 @@ class ScheduledRequest(NamedTuple):
     request_id: str
     token_ids: tuple[int, ...]  # the tokens to compute this step; the last may be PENDING_TOKEN
     start_position: int  # position of token_ids[0]
-    page_ids: tuple[int, ...]  # all pages of the request after this step's allocation
+    # The request's pages from index first_new_page on, which the runner has not been sent: those this
+    # step allocated, or all of them (first_new_page 0) when the request starts or resumes. The runner
+    # keeps each running request's page table row (its persistent batch) and writes them in place.
+    first_new_page: int
+    new_page_ids: tuple[int, ...]
+    resumed: bool  # it left the waiting queue for this step (new, preempted, after a prefix-cache hit)
     keeps_sample: bool  # this step computes the request's last known token, so its sample is the next token
     sampling_params: SamplingParams
     sampling_seed: int
@@ -244,12 +249,16 @@ class Scheduler:
         token_ids = tuple(request.token_ids(start, known_end))
         if end > known_end:
             token_ids += (PENDING_TOKEN,)
+        first_new_page = 0 if resumed else request.num_pages_scheduled
+        page_ids = request.page_ids
         # Positional: one is built per running request per step, and keywords cost a third more.
         scheduled = ScheduledRequest(
             request.request_id,
             token_ids,
             start,
-            tuple(request.page_ids),
+            first_new_page,
+            tuple(page_ids[first_new_page:]) if len(page_ids) > first_new_page else (),
+            resumed,
             keeps_sample,
             params,
             request.sampling_seed,
@@ -262,11 +271,13 @@ class Scheduler:
         )
         request.num_computed_tokens = end
         request.num_inflight_tokens += keeps_sample
+        request.num_pages_scheduled = len(page_ids)
         return scheduled
 
     def unschedule(self, scheduler_output: SchedulerOutput) -> None:
         """Takes back a step that never ran (its batch could not be built): its requests keep their pages
-        and are planned again from where they were."""
+        and are planned again from where they were. Their new pages are sent again (the runner writes
+        pages in place by index, so pages it did record are written twice, to the same place)."""
         self._discard_filling(scheduler_output)
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
@@ -274,6 +285,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.start_position
             request.num_inflight_tokens -= item.keeps_sample
+            request.num_pages_scheduled = item.first_new_page
 
     def _discard_filling(self, scheduler_output: SchedulerOutput) -> None:
         if scheduler_output.filling_keys in self._inflight_filling:
@@ -281,7 +293,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.page_ids)
-        request.num_computed_tokens = request.num_keyed_pages = 0
+        request.num_computed_tokens = request.num_keyed_pages = request.num_pages_scheduled = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

@@ -15,11 +15,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
-from jaxserve.runner.batch import BatchLayout, build_step_batch
+from jaxserve.runner.batch import BatchLayout, neutral_batch
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyTables
 
@@ -86,8 +85,7 @@ def abstract_step_args(
     penalties = jax.eval_shape(
         lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
     )
-    empty = SchedulerOutput(scheduled=(), preempted_ids=())
-    batch = build_step_batch(empty, bucket, shapes.layout, [])  # numpy: its shapes and dtypes are the bucket's
+    batch = neutral_batch(bucket, shapes.layout)  # numpy: its shapes and dtypes are the bucket's
     return (
         jax.tree.leaves(jax.tree.map(as_placed, state)),
         kv_caches,

@@ -1,5 +1,7 @@
 """StepBatch: everything one step reads, padded to its bucket; built on the host in numpy."""
 
+import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -12,6 +14,7 @@ from jaxserve.engine.structured_output import MaskFiller, bitmask_words
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyUpdates
+from jaxserve.runner.request_rows import SAMPLING_COLUMNS, RequestRows
 
 # logit_bias entries, plus the EOS / stop ids that min_tokens bans, per request and step.
 MAX_BIASED_TOKENS = 128
@@ -81,38 +84,67 @@ def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
 _masks = MaskFiller()
 
 
+@functools.cache  # one per bucket size: the runner keys their device copies by identity
+def _neutral_wide_inputs(num_reqs: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bias_token_ids, bias_values, token_bitmask) for a bucket where no row uses them: shared, read-only.
+    They are 1.8 MB at 256 rows; the runner sends their device copies instead (`ModelRunner.run_step`)."""
+    arrays = (np.full((num_reqs, MAX_BIASED_TOKENS), vocab_size, np.int32),
+              np.zeros((num_reqs, MAX_BIASED_TOKENS), np.float32),
+              np.full((num_reqs, bitmask_words(vocab_size)), -1, np.int32))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
+
+
 def build_step_batch(
     scheduler_output: SchedulerOutput,
     bucket: Bucket,
     layout: BatchLayout,
-    penalty_slots: list[int | None],  # per scheduled request
+    rows: RequestRows,
+    row_ids: np.ndarray,  # intp[n]: each scheduled request's row in `rows`
     previous: tuple[ScheduledRequest, ...] = (),  # the previous step's requests, in row order
 ) -> StepBatch:
-    """The step's arrays, filled column by column for all rows at once (a Python loop per row costs 20 us,
-    a step of 256 decodes 5 ms). A value that cannot go in its column (one request's bad data) raises
-    RequestFault for that request: the rows are filled again one at a time to find it."""
+    """The step's arrays: the requests' persistent rows gathered, the step's own columns filled for all rows
+    at once, and only rows using rare features (penalties, biases, bans, prompt logprobs, a grammar) filled
+    one by one (a Python loop over every row costs 20 us a row, 5 ms a step at 256 decodes). A value that
+    cannot go in its column (one request's bad data) raises RequestFault for that request: the rows are
+    filled again one at a time to find it."""
     scheduled = scheduler_output.scheduled
-    batch = _neutral_batch(bucket, layout)
+    batch = neutral_batch(bucket, layout)
     try:
-        _fill_rows(batch, scheduled, penalty_slots, layout, previous)
+        biases = _fill_rows(batch, scheduled, rows, row_ids, layout, previous)
     except Exception as error:
-        for item, slot in zip(scheduled, penalty_slots, strict=True):
+        for index, item in enumerate(scheduled):
             try:
-                _fill_rows(_neutral_batch(bucket, layout), (item,), [slot], layout, previous)
+                _fill_rows(neutral_batch(bucket, layout), (item,), rows, row_ids[index : index + 1], layout, previous)
             except Exception as e:  # one request's values must not fail the whole step
                 raise RequestFault(item.request_id) from e
         raise error
-    token_bitmask, grammar_rows = batch.sampling.token_bitmask, []
-    for row, item in enumerate(scheduled):
-        if item.grammar is not None:  # set only when the sample is kept (a prefill chunk's is dropped)
-            grammar_rows.append((item.grammar, row))
-    _masks.fill(grammar_rows, token_bitmask)  # after reading the last step's tokens, before this one runs
-    return batch
+    # A sample is constrained only when kept (the scheduler sets `grammar` then; a prefill chunk's is dropped).
+    grammar_rows = [(item.grammar, row) for row, item in enumerate(scheduled) if item.grammar is not None]
+    if not biases and not grammar_rows:
+        return batch
+    sampling = batch.sampling
+    bias_token_ids, bias_values, token_bitmask = sampling.bias_token_ids, sampling.bias_values, sampling.token_bitmask
+    if biases:
+        bias_token_ids, bias_values = bias_token_ids.copy(), bias_values.copy()
+        for row, token_ids, values in biases:
+            bias_token_ids[row, : len(token_ids)] = token_ids
+            bias_values[row, : len(values)] = values
+    if grammar_rows:
+        token_bitmask = token_bitmask.copy()
+        _masks.fill(grammar_rows, token_bitmask)  # after reading the last step's tokens, before this one runs
+        sampling.constrained[[row for _, row in grammar_rows]] = True
+    sampling = dataclasses.replace(sampling, bias_token_ids=bias_token_ids, bias_values=bias_values,
+                                   token_bitmask=token_bitmask)
+    return dataclasses.replace(batch, sampling=sampling)
 
 
-def _neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
-    """A batch of padding: no tokens, no requests, every feature switched off (numpy, written in place)."""
+def neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
+    """A batch of padding: no tokens, no requests, every feature switched off (numpy; the narrow arrays
+    are written in place by the builder, the wide ones are shared and copied before a write)."""
     num_tokens, num_reqs, no_slot = bucket.num_tokens, bucket.num_reqs, layout.num_penalty_slots
+    bias_token_ids, bias_values, token_bitmask = _neutral_wide_inputs(num_reqs, layout.vocab_size)
     return StepBatch(
         input_ids=np.zeros(num_tokens, np.int32),
         input_from_row=np.full(num_tokens, layout.max_num_seqs, np.int32),
@@ -133,15 +165,15 @@ def _neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
             min_p=np.zeros(num_reqs, np.float32),
             seeds=np.zeros(num_reqs, np.uint32),
             output_index=np.zeros(num_reqs, np.int32),
-            bias_token_ids=np.full((num_reqs, MAX_BIASED_TOKENS), layout.vocab_size, np.int32),
-            bias_values=np.zeros((num_reqs, MAX_BIASED_TOKENS), np.float32),
+            bias_token_ids=bias_token_ids,
+            bias_values=bias_values,
             penalty_slots=np.full(num_reqs, no_slot, np.int32),
             repetition_penalty=np.ones(num_reqs, np.float32),
             frequency_penalty=np.zeros(num_reqs, np.float32),
             presence_penalty=np.zeros(num_reqs, np.float32),
             wants_logprobs=np.zeros(num_reqs, np.bool_),
             wants_top_logprobs=np.zeros(num_reqs, np.bool_),
-            token_bitmask=np.full((num_reqs, bitmask_words(layout.vocab_size)), -1, np.int32),
+            token_bitmask=token_bitmask,
             constrained=np.zeros(num_reqs, np.bool_),
         ),
         penalty_updates=PenaltyUpdates(
@@ -156,14 +188,16 @@ def _neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
 def _fill_rows(
     batch: StepBatch,
     scheduled: tuple[ScheduledRequest, ...],
-    penalty_slots: list[int | None],
+    rows: RequestRows,
+    row_ids: np.ndarray,
     layout: BatchLayout,
     previous: tuple[ScheduledRequest, ...],
-) -> None:
-    """Writes `scheduled` into rows 0.. of a neutral batch."""
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Writes `scheduled` into rows 0.. of a neutral batch; returns the biased rows as (row, token ids i32[k],
+    biases f32[k]), written afterwards into copies of the shared bias arrays."""
     num_rows = len(scheduled)
     if not num_rows:
-        return
+        return []
     attention, sampling, penalties = batch.attention, batch.sampling, batch.penalty_updates
     lengths = np.fromiter((len(item.token_ids) for item in scheduled), np.int64, num_rows)  # [n]
     cu_lens = np.zeros(num_rows + 1, np.int64)  # [n + 1]
@@ -182,11 +216,7 @@ def _fill_rows(
                                                  for row in row_of_token[pending]]
     batch.positions[:total] = positions
 
-    num_pages = np.fromiter((len(item.page_ids) for item in scheduled), np.int64, num_rows)  # [n]
-    pages = np.fromiter(itertools.chain.from_iterable(item.page_ids for item in scheduled), np.int64)
-    page_rows = np.repeat(np.arange(num_rows), num_pages)
-    page_cols = np.arange(len(pages)) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
-    attention.page_table[page_rows, page_cols] = pages
+    np.take(rows.page_table, row_ids, axis=0, out=attention.page_table[:num_rows])  # [n, P]
     page_size = layout.page_size
     attention.slot_mapping[:total] = (attention.page_table[row_of_token, positions // page_size] * page_size
                                       + positions % page_size)
@@ -195,36 +225,28 @@ def _fill_rows(
     attention.cu_q_lens[num_rows + 1 :] = total  # padded requests: q_len 0, kv_len 0
     batch.logits_indices[:num_rows] = cu_lens[1:] - 1
 
-    params = [item.sampling_params for item in scheduled]
-    sampling.temperature[:num_rows] = [0.0 if p.is_greedy else p.temperature for p in params]
-    sampling.top_k[:num_rows] = [p.top_k for p in params]
-    sampling.top_p[:num_rows] = [p.top_p for p in params]
-    sampling.min_p[:num_rows] = [p.min_p for p in params]
-    sampling.seeds[:num_rows] = [item.sampling_seed for item in scheduled]
+    for name in SAMPLING_COLUMNS:
+        np.take(getattr(rows, name), row_ids, out=getattr(sampling, name)[:num_rows])
     sampling.output_index[:num_rows] = [item.num_output_tokens for item in scheduled]
-    sampling.wants_logprobs[:num_rows] = [p.logprobs is not None for p in params]
-    sampling.wants_top_logprobs[:num_rows] = [bool(p.logprobs) for p in params]
 
     # Features few requests use: row by row, only for the rows that use them.
+    biases = []
     no_slot = layout.num_penalty_slots
-    for row, (item, slot) in enumerate(zip(scheduled, penalty_slots, strict=True)):
+    for row in np.flatnonzero(rows.row_features[row_ids]).tolist():
+        item = scheduled[row]
         first, end = cu_lens[row], cu_lens[row + 1]
-        if slot is not None:
-            p = params[row]
-            sampling.penalty_slots[row] = slot
-            if item.start_position == 0:
+        slot = int(sampling.penalty_slots[row])
+        if slot != no_slot:
+            if item.start_position == 0:  # new or recomputed: the step clears its penalty row
                 penalties.reset_slots[row] = slot
             is_prompt = positions[first:end] < item.num_prompt_tokens
             penalties.prompt_token_slots[first:end] = np.where(is_prompt, slot, no_slot)
             penalties.output_token_slots[first:end] = np.where(is_prompt, no_slot, slot)
-            sampling.repetition_penalty[row] = p.repetition_penalty
-            sampling.frequency_penalty[row] = p.frequency_penalty
-            sampling.presence_penalty[row] = p.presence_penalty
         if item.prompt_logprob_targets:  # position p scores prompt token p + 1
             batch.prompt_logprob_targets[first : first + len(item.prompt_logprob_targets)] = item.prompt_logprob_targets
-        if item.grammar is not None:
-            sampling.constrained[row] = True
-        if params[row].logit_bias or item.banned_token_ids:
+        if item.sampling_params.logit_bias or item.banned_token_ids:
             bias = banned_and_biased(item)
-            sampling.bias_token_ids[row, : len(bias)] = list(bias)
-            sampling.bias_values[row, : len(bias)] = list(bias.values())
+            if len(bias) > MAX_BIASED_TOKENS:
+                raise ValueError(f"{len(bias)} biased tokens, at most {MAX_BIASED_TOKENS}")
+            biases.append((row, np.array(list(bias), np.int32), np.array(list(bias.values()), np.float32)))
+    return biases

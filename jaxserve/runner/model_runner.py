@@ -40,18 +40,23 @@ from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
-from jaxserve.runner.batch import StepBatch, build_step_batch
+from jaxserve.runner.batch import StepBatch, build_step_batch, neutral_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.multihost import Leader, LoadSeenTokens, Step
-from jaxserve.runner.penalties import PenaltySlots, PenaltyTables, load_row, seen_tokens, update_tables
+from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens, update_tables
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
+from jaxserve.runner.request_rows import RequestRows
 from jaxserve.runner.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
 
 # Buckets compiled at once at warm-up: measured 1.5x faster than one at a time on a 2-core CPU.
 _COMPILE_THREADS = min(4, os.cpu_count() or 1)
+
+# The sampling inputs of [R, vocabulary]-proportional width that few steps use (see `_on_device`).
+_WIDE_INPUTS = ("bias_token_ids", "bias_values", "token_bitmask")
+
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None):
     """The jitted step. It takes the model's weights as a flat list (the leaves of an `nnx.State` with
@@ -140,7 +145,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.layout = self._shapes(self.num_pages).layout
-        self.penalty_slots = PenaltySlots(max_num_seqs)
+        self.rows = RequestRows(max_num_seqs, self.max_pages_per_req)  # the persistent batch
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
             self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))
@@ -149,6 +154,7 @@ class ModelRunner:
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
         self._previous_scheduled: tuple[ScheduledRequest, ...] = ()
+        self._device_copies: dict[int, tuple[np.ndarray, jax.Array]] = {}  # see _on_device
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
@@ -199,14 +205,17 @@ class ModelRunner:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
         (nothing dispatched) when one request's values cannot be put in the batch."""
         scheduled = scheduler_output.scheduled
-        self.penalty_slots.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
+        self.rows.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
         self.last_step = None
         if not scheduled:
             return None
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
-        batch = build_step_batch(scheduler_output, bucket, self.layout, self._penalty_slots_for(scheduled),
-                                 self._previous_scheduled)
+        row_ids = self.rows.update(scheduled)
+        for item, row in zip(scheduled, row_ids.tolist(), strict=True):
+            if item.cached_token_ids is not None:  # resumed after a prefix-cache hit, with penalties
+                self.load_seen_tokens(row, list(item.cached_token_ids), item.num_prompt_tokens)
+        batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids, self._previous_scheduled)
         sampled, prompt = self.run_step(batch, bucket)
         self._previous_scheduled = scheduled
         return LaunchedStep(scheduler_output, batch, sampled, prompt)
@@ -217,10 +226,10 @@ class ModelRunner:
         out = to_host(launched.sampled)
         num_reqs = len(scheduled)
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
-        for row, item in enumerate(scheduled):
-            if k := item.sampling_params.logprobs:
-                ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
-                top_logprobs[row] = dict(zip(ids, lps, strict=True))
+        for row in np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist():
+            k = scheduled[row].sampling_params.logprobs
+            ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
+            top_logprobs[row] = dict(zip(ids, lps, strict=True))
         return StepOutput(
             request_ids=[s.request_id for s in scheduled],
             sampled_token_ids=out.tokens[:num_reqs].tolist(),
@@ -258,21 +267,6 @@ class ModelRunner:
             result[row] = (item.start_position + 1, entries)
         return result
 
-    def _penalty_slots_for(self, scheduled: tuple[ScheduledRequest, ...]) -> list[int | None]:
-        slots: list[int | None] = []
-        for item in scheduled:
-            if not item.sampling_params.has_penalties:
-                slots.append(None)
-            elif item.start_position == 0:  # new or recomputed: take a slot, the step clears its row
-                slots.append(self.penalty_slots.acquire(item.request_id))
-            elif item.cached_token_ids is not None:  # after a prefix-cache hit: count the cached tokens
-                slot = self.penalty_slots.acquire(item.request_id)
-                self.load_seen_tokens(slot, list(item.cached_token_ids), item.num_prompt_tokens)
-                slots.append(slot)
-            else:
-                slots.append(self.penalty_slots.get(item.request_id))
-        return slots
-
     def load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
         if self.leader is not None:
             self.leader.send(LoadSeenTokens(slot, token_ids, num_prompt_tokens))
@@ -286,10 +280,23 @@ class ModelRunner:
             self.leader.send(Step(bucket, batch))
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
-        batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
+        batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens, sampling=dataclasses.replace(
+            batch.sampling, **{name: self._on_device(getattr(batch.sampling, name)) for name in _WIDE_INPUTS}))
         self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
             self._weights, self.kv_caches, self.penalty_tables, batch)
         return sampled, prompt
+
+    def _on_device(self, array: np.ndarray) -> np.ndarray | jax.Array:
+        """A shared read-only input (a wide one no row of the step uses, `batch.neutral_batch`) as its device
+        copy, made once; any other array as it is. Saves copying 1.8 MB per step at 256 rows. Not in a
+        multi-process job, where a device array would span the other processes."""
+        if array.flags.writeable or jax.process_count() > 1:
+            return array
+        held = self._device_copies.get(id(array))
+        if held is None:  # keyed by id: the host array is held with its copy, so the id stays its own
+            placement = None if self.mesh is None else replicated(self.mesh)
+            held = self._device_copies[id(array)] = (array, jax.device_put(array, placement))
+        return held[1]
 
     def _runnable_bucket(self, wanted: Bucket) -> Bucket:
         """`wanted` once it is compiled; until then (a background warm-up) the smallest compiled bucket
@@ -317,11 +324,10 @@ class ModelRunner:
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
         self._compile(first, show_progress)
-        empty = SchedulerOutput(scheduled=(), preempted_ids=())
         for bucket in first:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay it here
             # and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first request
             # (its step waited ~4 s behind them on CPU)
-            jax.block_until_ready(self.run_step(build_step_batch(empty, bucket, self.layout, []), bucket))
+            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket))
         ready = time.perf_counter() - start
         if not rest:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
@@ -349,13 +355,12 @@ class ModelRunner:
         self.wait_for_warmup(timeout)
 
     def _compile(self, buckets: list[Bucket], show_progress: bool, threads: int = _COMPILE_THREADS) -> None:
-        empty = SchedulerOutput(scheduled=(), preempted_ids=())
 
         def compile_one(bucket: Bucket) -> None:
             if self._stop_compiling.is_set():
                 return
             args = (self._weights, self.kv_caches, self.penalty_tables,
-                    build_step_batch(empty, bucket, self.layout, []))
+                    neutral_batch(bucket, self.layout))
             compiled = self._step.trace(*args).lower().compile()
             with self._compiled_lock:
                 self._compiled[bucket] = compiled

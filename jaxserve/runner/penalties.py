@@ -1,8 +1,8 @@
 """Repetition, frequency and presence penalties without leaving the device.
 
 Penalties depend on every token a request has seen. Rather than shipping those lists each step, the
-runner keeps two tables on the device, one row per *slot* (a request that uses penalties holds a slot
-while it runs):
+runner keeps two tables on the device, one row per *slot* (a running request's row in the runner's
+persistent batch, `request_rows`; it is the request's slot when the request uses penalties):
 
     output_counts  i32[S, V]   how often each token was generated
     prompt_mask    bool[S, V]  which tokens occur in the prompt (repetition_penalty looks at both)
@@ -16,7 +16,6 @@ A request that starts after a prefix-cache hit never feeds its cached tokens thr
 is written whole from the host first (`load_row`, `seen_tokens`), as if those tokens had been fed.
 """
 
-from collections import deque
 from dataclasses import dataclass
 
 import jax
@@ -96,32 +95,3 @@ def seen_tokens(token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -
     prompt_mask[token_ids[:num_prompt_tokens]] = True
     output_counts = np.bincount(token_ids[num_prompt_tokens:], minlength=vocab_size).astype(np.int32)
     return prompt_mask, output_counts
-
-
-class PenaltySlots:
-    """Host-side slot allocator (request id -> table row). Pure bookkeeping, no device work."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
-        self._slots: dict[str, int] = {}
-
-    def acquire(self, request_id: str) -> int:
-        if request_id not in self._slots:
-            if not self._free:
-                raise RuntimeError("no free penalty slot: more running requests than max_num_seqs")
-            self._slots[request_id] = self._free.popleft()
-        return self._slots[request_id]
-
-    def get(self, request_id: str) -> int | None:
-        return self._slots.get(request_id)
-
-    def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
-        for request_id in request_ids:
-            slot = self._slots.pop(request_id, None)
-            if slot is not None:
-                self._free.append(slot)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._slots)

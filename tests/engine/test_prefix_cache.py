@@ -6,6 +6,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys, p
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
+from tests.engine.sent_pages import SentPages, replay
 
 PAGE = 4
 
@@ -20,18 +21,19 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 3, salt: 
                    eos_token_ids=(2,), max_model_len=1024, sampling_seed=0, cache_salt=salt)
 
 
-def check_writes(kv: KVCacheManager, out: SchedulerOutput) -> None:
+def check_writes(kv: KVCacheManager, out: SchedulerOutput, sent: SentPages) -> None:
     """A step writes K/V only into pages its request holds alone and that carry no key."""
     for item in out.scheduled:
         start, end = item.start_position, item.start_position + len(item.token_ids)
-        for page in {item.page_ids[p // PAGE] for p in range(start, end)}:
+        for page in {sent.of(item.request_id)[p // PAGE] for p in range(start, end)}:
             assert kv.ref_count(page) == 1, f"page {page} written while shared"
             assert not kv.is_cached(page), f"page {page} written while cached"
 
 
 def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One step, with the pages sent to the runner replayed (`SentPages`) and checked."""
     out = sched.schedule()
-    check_writes(sched.kv_cache, out)
+    check_writes(sched.kv_cache, out, replay(sched, out))
     ids = [s.request_id for s in out.scheduled]
     sched.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
@@ -148,7 +150,8 @@ def test_a_fully_cached_prompt_still_computes_its_last_page():
     sched.add_request(make_request("b", prompt))
     (item,) = run_step(sched).scheduled
     assert item.start_position == 4 and len(item.token_ids) == 4, "the hit stops short of the last token"
-    assert item.page_ids[1] != sched.kv_cache.cached_prefix(keys_of(prompt))[1], "recomputed into its own page"
+    page_ids = sched.requests["b"].page_ids
+    assert page_ids[1] != sched.kv_cache.cached_prefix(keys_of(prompt))[1], "recomputed into its own page"
 
 
 def test_partial_pages_are_never_cached():
@@ -198,7 +201,7 @@ def test_siblings_wait_one_step_for_a_page_being_computed_then_share_it():
     second = run_step(sched)
     assert [(s.request_id, s.start_position) for s in second.scheduled] == [
         ("r#0", 13), ("r#1", 12), ("r#2", 12)]
-    pages = [s.page_ids[:3] for s in second.scheduled]
+    pages = [sched.requests[s.request_id].page_ids[:3] for s in second.scheduled]
     assert pages[0] == pages[1] == pages[2] and all(sched.kv_cache.ref_count(p) == 3 for p in pages[0])
     drain(sched)
     assert_all_released(sched.kv_cache)

@@ -76,8 +76,8 @@ def test_penalties_survive_batching_and_preemption(llama_dir, engine):
     got = run_staggered(small, prompts, [14] * 8, arrivals=[0, 0, 0, 1, 1, 1, 2, 2], params=params)
     assert preemptions
     assert [got[i] for i in range(8)] == solo
-    small.step()  # the next schedule reports the finished requests; the runner frees their slots
-    assert small.runner.penalty_slots.num_used == 0
+    small.step()  # the next schedule reports the finished requests; the runner frees their rows
+    assert small.runner.rows.num_used == 0
 
 
 def test_logit_bias_and_min_tokens(engine):

@@ -10,6 +10,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
+from tests.engine.sent_pages import replay
 
 _prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
 
@@ -21,7 +22,9 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 4) -> Reque
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
+    """One step, with the pages sent to the runner replayed (`SentPages`) and checked."""
     out = scheduler.schedule()
+    replay(scheduler, out)
     ids = [s.request_id for s in out.scheduled]
     scheduler.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
@@ -199,3 +202,22 @@ def test_a_request_resumed_after_a_prefix_hit_carries_its_cached_tokens_for_pena
     assert hit.start_position == 8 and hit.cached_token_ids == tuple(prompt[:8])
     (again,) = [s for s in run_step(sched).scheduled if s.request_id == "b"]
     assert again.cached_token_ids is None, "only the step that resumes it"
+
+
+def test_the_runner_is_sent_each_page_once_and_again_after_a_step_taken_back():
+    sched = Scheduler(KVCacheManager(16, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    sched.add_request(make_request("a", 7, max_tokens=8))
+    first = sched.schedule()
+    replay(sched, first)
+    (item,) = first.scheduled
+    assert item.resumed and item.first_new_page == 0 and len(item.new_page_ids) == 2
+    sched.unschedule(first)  # its batch could not be built: the runner may or may not have the pages
+    out = sched.schedule()
+    replay(sched, out)
+    (again,) = out.scheduled
+    assert (again.first_new_page, again.new_page_ids) == (0, item.new_page_ids)
+    sched.update(out, StepOutput(["a"], [7], [0.0]))
+    (decode,) = run_step(sched).scheduled  # position 7: the second page still has room
+    assert (decode.first_new_page, decode.new_page_ids) == (2, ())
+    (decode,) = run_step(sched).scheduled  # position 8: a third page
+    assert decode.first_new_page == 2 and decode.new_page_ids == (sched.requests["a"].page_ids[2],)

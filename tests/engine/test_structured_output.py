@@ -128,15 +128,13 @@ def test_no_row_is_left_without_a_token(engine):
     its grammar alone rather than sampling from all -inf."""
     import dataclasses
 
-    from jaxserve.engine.scheduler import SchedulerOutput
-    from jaxserve.runner.batch import build_step_batch
+    from jaxserve.runner.batch import neutral_batch
     from jaxserve.runner.buckets import Bucket
     from jaxserve.runner.penalties import PenaltyTables
     from jaxserve.runner.sampler import sample
 
     vocab = engine.vocab_size
-    neutral = build_step_batch(SchedulerOutput(scheduled=(), preempted_ids=()), Bucket(8, 2, False),
-                               engine.runner.layout, []).sampling
+    neutral = neutral_batch(Bucket(8, 2, False), engine.runner.layout).sampling
     bitmask = np.zeros_like(neutral.token_bitmask)
     bitmask[:, 0] = 1 << 5  # only token 5 is allowed, in both rows
     bias_ids = np.full_like(neutral.bias_token_ids, vocab)

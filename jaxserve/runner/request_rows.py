@@ -1,0 +1,123 @@
+"""RequestRows: the runner's persistent batch, host rows that outlive a step (vLLM's InputBatch).
+
+Each running request holds one row from the step it is first scheduled in (or resumed in, after a
+preemption) until it finishes or is preempted. The row keeps what does not change from step to step:
+the request's sampling parameters and its page table, to which a step writes only the pages the
+scheduler allocated for it since. A step then gathers its requests' rows into its arrays
+(`build_step_batch`) instead of rebuilding every column from Python objects, and a long request's page
+list is never copied whole again. A request's row is also its row in the penalty tables.
+
+Pure numpy, no jax; one thread (the engine's) uses it.
+"""
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxserve.engine.request import RequestFault
+from jaxserve.engine.scheduler import ScheduledRequest
+
+# The per-row sampling columns, named as in `SamplingArrays`, which a step gathers as they are.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seeds", "wants_logprobs", "wants_top_logprobs",
+                    "penalty_slots", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+class RequestRows:
+    """Rows 0..M-1 for up to M = max_num_seqs running requests."""
+
+    def __init__(self, num_rows: int, max_pages_per_req: int) -> None:
+        self.num_rows = num_rows
+        self._free: deque[int] = deque(range(num_rows))
+        self.row_of: dict[str, int] = {}
+        self.page_table = np.zeros((num_rows, max_pages_per_req), np.int32)  # i32[M, P]; page 0 (scratch) pads
+        self.temperature = np.zeros(num_rows, np.float32)  # f32[M]; 0 = greedy
+        self.top_k = np.zeros(num_rows, np.int32)  # i32[M]; 0 = off
+        self.top_p = np.ones(num_rows, np.float32)  # f32[M]
+        self.min_p = np.zeros(num_rows, np.float32)  # f32[M]
+        self.seeds = np.zeros(num_rows, np.uint32)  # u32[M]
+        self.wants_logprobs = np.zeros(num_rows, np.bool_)  # bool[M]
+        self.wants_top_logprobs = np.zeros(num_rows, np.bool_)  # bool[M]
+        self.penalty_slots = np.full(num_rows, num_rows, np.int32)  # i32[M]: its own row, or M (none)
+        self.repetition_penalty = np.ones(num_rows, np.float32)  # f32[M]
+        self.frequency_penalty = np.zeros(num_rows, np.float32)  # f32[M]
+        self.presence_penalty = np.zeros(num_rows, np.float32)  # f32[M]
+        # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
+        # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
+        self.row_features = np.zeros(num_rows, np.bool_)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.row_of)
+
+    def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        """Frees the rows of finished and preempted requests (ids without a row are skipped)."""
+        for request_id in request_ids:
+            row = self.row_of.pop(request_id, None)
+            if row is not None:
+                self._free.append(row)
+
+    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> np.ndarray:
+        """Records a step's requests: a row (re)written for each that starts or resumes, or has none, and
+        every request's new pages. Returns each request's row, intp[n].
+
+        Raises RequestFault, before changing anything, for a request whose parameters do not fit the
+        rows (the engine drops it and plans the others again, which sends their new pages again: pages
+        are written by index, so that is harmless)."""
+        fresh = [(item, _row_values(item)) for item in scheduled if item.resumed or item.request_id not in self.row_of]
+        for item, values in fresh:
+            self._write_row(item.request_id, values)
+        row_of, page_table = self.row_of, self.page_table
+        rows = np.empty(len(scheduled), np.intp)  # [n]
+        for index, item in enumerate(scheduled):
+            row = rows[index] = row_of[item.request_id]
+            if item.new_page_ids:
+                first = item.first_new_page
+                page_table[row, first : first + len(item.new_page_ids)] = item.new_page_ids
+        return rows
+
+    def _write_row(self, request_id: str, values: "RowValues") -> None:
+        row = self.row_of.get(request_id)
+        if row is None:
+            if not self._free:
+                raise RuntimeError("no free request row: more running requests than max_num_seqs")
+            row = self.row_of[request_id] = self._free.popleft()
+        self.page_table[row] = 0
+        for name in _PARAMETER_COLUMNS:
+            getattr(self, name)[row] = getattr(values, name)
+        self.penalty_slots[row] = row if values.has_penalties else self.num_rows
+        self.row_features[row] = values.row_features
+
+
+class RowValues(NamedTuple):
+    """A request's row values in the columns' dtypes."""
+
+    temperature: np.float32
+    top_k: np.int32
+    top_p: np.float32
+    min_p: np.float32
+    seeds: np.uint32
+    wants_logprobs: bool
+    wants_top_logprobs: bool
+    repetition_penalty: np.float32
+    frequency_penalty: np.float32
+    presence_penalty: np.float32
+    has_penalties: bool
+    row_features: bool
+
+
+_PARAMETER_COLUMNS = tuple(name for name in SAMPLING_COLUMNS if name != "penalty_slots")
+
+
+def _row_values(item: ScheduledRequest) -> RowValues:
+    """Raises RequestFault for a value out of its column's range."""
+    p = item.sampling_params
+    try:
+        return RowValues(
+            np.float32(0.0 if p.is_greedy else p.temperature), np.int32(p.top_k), np.float32(p.top_p),
+            np.float32(p.min_p), np.uint32(item.sampling_seed), p.logprobs is not None, bool(p.logprobs),
+            np.float32(p.repetition_penalty), np.float32(p.frequency_penalty), np.float32(p.presence_penalty),
+            p.has_penalties, bool(p.has_penalties or p.logit_bias or p.min_tokens or p.prompt_logprobs is not None),
+        )
+    except (OverflowError, ValueError, TypeError) as error:
+        raise RequestFault(item.request_id) from error
