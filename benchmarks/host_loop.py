@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 
-def tiny_engine(max_num_seqs: int, async_scheduling: bool = False):
+def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: int = 49152):
     import jax
     import jax.numpy as jnp
     from transformers import LlamaConfig
@@ -47,7 +47,7 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False):
     from jaxserve.models.tokenizer import load_tokenizer
     from jaxserve.ops.attention import AttentionConfig
 
-    hf_config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    hf_config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
                             eos_token_id=2)
@@ -67,12 +67,12 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False):
     return LLMEngine(config, model=model)
 
 
-def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
+def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152) -> dict:
     from jaxserve import SamplingParams
     from jaxserve.engine.core_process import step_message
     from jaxserve.runner import model_runner
 
-    engine = tiny_engine(num_seqs, async_scheduling=mode == "async")
+    engine = tiny_engine(num_seqs, async_scheduling=mode == "async", vocab_size=vocab_size)
     runner = engine.runner
     phases: dict[str, float] = defaultdict(float)
 
@@ -128,7 +128,7 @@ def measure(num_seqs: int, decode_steps: int, mode: str) -> dict:
     # Medians per column; host and core host are each step's own (the device's jitter stays out of them).
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
     engine.shutdown()
-    return {"seqs": num_seqs, "mode": mode, "decode_steps": decode_steps,
+    return {"seqs": num_seqs, "mode": mode, "vocab_size": vocab_size, "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}
 
 
@@ -137,9 +137,11 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50, help="decode steps measured per level")
     parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
+    parser.add_argument("--vocab-size", type=int, default=49152,
+                        help="the tiny model's vocabulary (SmolLM2's by default; its tokenizer reads any ids below it)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = [measure(n, args.steps, mode) for n in args.seqs for mode in args.modes]
+    results = [measure(n, args.steps, mode, args.vocab_size) for n in args.seqs for mode in args.modes]
     keys = ["schedule", "build", "dispatch", "device", "frontend", "rest", "host", "pickle", "core host", "total"]
     print("| running seqs | loop | " + " | ".join(f"{k} ms" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")

@@ -25,6 +25,7 @@ being filled until their step is read, so a request arriving meanwhile still wai
 """
 
 import bisect
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ class SchedulerOutput:
     finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
     filling_keys: frozenset[bytes] = frozenset()  # prefix-cache keys of the full pages this step fills
 
-    @property
+    @functools.cached_property  # read by the scheduler and the runner
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
 

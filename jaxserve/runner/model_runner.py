@@ -211,8 +211,8 @@ class ModelRunner:
             return None
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
-        row_ids = self.rows.update(scheduled)
-        for item, row in zip(scheduled, row_ids.tolist(), strict=True):
+        row_ids, written = self.rows.update(scheduled)
+        for item, row in written:
             if item.cached_token_ids is not None:  # resumed after a prefix-cache hit, with penalties
                 self.load_seen_tokens(row, list(item.cached_token_ids), item.num_prompt_tokens)
         batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids, self._previous_scheduled)
@@ -223,17 +223,23 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Waits for a launched step's samples and turns them into per-request results."""
         scheduled, batch = launched.scheduler_output.scheduled, launched.batch
-        out = to_host(launched.sampled)
         num_reqs = len(scheduled)
+        top_rows = np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist()
+        sampled = launched.sampled
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
-        for row in np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist():
-            k = scheduled[row].sampling_params.logprobs
-            ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
-            top_logprobs[row] = dict(zip(ids, lps, strict=True))
+        if top_rows:
+            out = to_host(sampled)
+            tokens, logprobs = out.tokens, out.logprobs
+            for row in top_rows:
+                k = scheduled[row].sampling_params.logprobs
+                ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
+                top_logprobs[row] = dict(zip(ids, lps, strict=True))
+        else:  # no row asked for alternatives: their arrays stay on the device
+            tokens, logprobs = to_host((sampled.tokens, sampled.logprobs))
         return StepOutput(
             request_ids=[s.request_id for s in scheduled],
-            sampled_token_ids=out.tokens[:num_reqs].tolist(),
-            logprobs=out.logprobs[:num_reqs].tolist(),
+            sampled_token_ids=tokens[:num_reqs].tolist(),
+            logprobs=logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
             prompt_logprobs=self._prompt_logprobs(batch, scheduled, launched.prompt),
         )

@@ -57,16 +57,16 @@ class RequestRows:
             if row is not None:
                 self._free.append(row)
 
-    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> np.ndarray:
+    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, list[tuple[ScheduledRequest, int]]]:
         """Records a step's requests: a row (re)written for each that starts or resumes, or has none, and
-        every request's new pages. Returns each request's row, intp[n].
+        every request's new pages. Returns each request's row, intp[n], and the (request, row) of those
+        whose row was (re)written.
 
         Raises RequestFault, before changing anything, for a request whose parameters do not fit the
         rows (the engine drops it and plans the others again, which sends their new pages again: pages
         are written by index, so that is harmless)."""
         fresh = [(item, _row_values(item)) for item in scheduled if item.resumed or item.request_id not in self.row_of]
-        for item, values in fresh:
-            self._write_row(item.request_id, values)
+        written = [(item, self._write_row(item.request_id, values)) for item, values in fresh]
         row_of, page_table = self.row_of, self.page_table
         rows = np.empty(len(scheduled), np.intp)  # [n]
         for index, item in enumerate(scheduled):
@@ -74,9 +74,9 @@ class RequestRows:
             if item.new_page_ids:
                 first = item.first_new_page
                 page_table[row, first : first + len(item.new_page_ids)] = item.new_page_ids
-        return rows
+        return rows, written
 
-    def _write_row(self, request_id: str, values: "RowValues") -> None:
+    def _write_row(self, request_id: str, values: "RowValues") -> int:
         row = self.row_of.get(request_id)
         if row is None:
             if not self._free:
@@ -87,6 +87,7 @@ class RequestRows:
             getattr(self, name)[row] = getattr(values, name)
         self.penalty_slots[row] = row if values.has_penalties else self.num_rows
         self.row_features[row] = values.row_features
+        return row
 
 
 class RowValues(NamedTuple):
