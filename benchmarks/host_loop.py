@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 
-def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: int = 49152):
+def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: int = 49152,
+                prefix_caching: bool = False):
     import jax
     import jax.numpy as jnp
     from transformers import LlamaConfig
@@ -63,16 +64,17 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: i
     config = EngineConfig.from_preset(
         None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512, token_buckets=[512],
         request_buckets=[max_num_seqs], num_kv_pages=max_num_seqs * 8 + 8, compilation_cache_dir="",
-        enable_prefix_caching=False, async_scheduling=async_scheduling)
+        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
     return LLMEngine(config, model=model)
 
 
-def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152) -> dict:
+def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152, prefix_caching: bool = False) -> dict:
     from jaxserve import SamplingParams
     from jaxserve.engine.core_process import step_message
     from jaxserve.runner import model_runner
 
-    engine = tiny_engine(num_seqs, async_scheduling=mode == "async", vocab_size=vocab_size)
+    engine = tiny_engine(num_seqs, async_scheduling=mode == "async", vocab_size=vocab_size,
+                         prefix_caching=prefix_caching)
     runner = engine.runner
     phases: dict[str, float] = defaultdict(float)
 
@@ -128,7 +130,8 @@ def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152
     # Medians per column; host and core host are each step's own (the device's jitter stays out of them).
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
     engine.shutdown()
-    return {"seqs": num_seqs, "mode": mode, "vocab_size": vocab_size, "decode_steps": decode_steps,
+    return {"seqs": num_seqs, "mode": mode, "vocab_size": vocab_size, "prefix_caching": prefix_caching,
+            "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}
 
 
@@ -139,9 +142,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     parser.add_argument("--vocab-size", type=int, default=49152,
                         help="the tiny model's vocabulary (SmolLM2's by default; its tokenizer reads any ids below it)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="as `serve` does by default (off here by default, as in the earlier tables)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = [measure(n, args.steps, mode, args.vocab_size) for n in args.seqs for mode in args.modes]
+    results = [measure(n, args.steps, mode, args.vocab_size, args.enable_prefix_caching)
+               for n in args.seqs for mode in args.modes]
     keys = ["schedule", "build", "dispatch", "device", "frontend", "rest", "host", "pickle", "core host", "total"]
     print("| running seqs | loop | " + " | ".join(f"{k} ms" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")

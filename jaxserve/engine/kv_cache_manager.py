@@ -119,9 +119,9 @@ class KVCacheManager:
     def allocate(self, page_ids: list[int], num_tokens: int) -> bool:
         """Grows `page_ids` in place with fresh pages so that it holds `num_tokens` tokens; False (and no
         change) if the pool is short. Taking a cached free page evicts it from the cache."""
-        num_new = self.num_pages_for(num_tokens) - len(page_ids)
-        if num_new <= 0:
+        if num_tokens <= len(page_ids) * self.page_size:  # most calls: a decode with room in its last page
             return True
+        num_new = self.num_pages_for(num_tokens) - len(page_ids)
         if num_new > len(self._free):
             return False
         for _ in range(num_new):

@@ -244,7 +244,8 @@ class Scheduler:
         known_end = min(end, num_tokens)  # past it: the token in flight
         if self.kv_cache.enable_prefix_caching:
             first, end_page = start // self.kv_cache.page_size, known_end // self.kv_cache.page_size
-            filling.update(self._page_keys(request, end_page)[first:end_page])
+            if end_page > first:  # the step completes a page (most decodes do not)
+                filling.update(self._page_keys(request, end_page)[first:end_page])
         params = request.sampling_params
         keeps_sample = end == num_tokens + request.num_inflight_tokens
         token_ids = tuple(request.token_ids(start, known_end))
@@ -267,7 +268,7 @@ class Scheduler:
             request.num_scheduled_outputs,  # the index of this step's sample
             request.banned_token_ids() if keeps_sample and params.min_tokens else (),  # min_tokens 0 bans nothing
             tuple(request.prompt_token_ids[start + 1 : end + 1]) if params.prompt_logprobs is not None else (),
-            tuple(request.token_ids(0, start)) if params.has_penalties and start > 0 and resumed else None,
+            tuple(request.token_ids(0, start)) if resumed and start > 0 and params.has_penalties else None,
             request.grammar if keeps_sample else None,
         )
         request.num_computed_tokens = end
@@ -310,7 +311,7 @@ class Scheduler:
         top_logprobs = step_output.top_logprobs or [None] * num_rows
         prompt_logprobs = step_output.prompt_logprobs or [None] * num_rows
         now = time.monotonic()  # one stamp for every token of this step
-        caching = self.kv_cache.enable_prefix_caching
+        caching, page_size = self.kv_cache.enable_prefix_caching, self.kv_cache.page_size
         for item, token_id, logprob, top, prompt in zip(
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
             prompt_logprobs, strict=True,
@@ -319,7 +320,9 @@ class Scheduler:
             if request is None or request.status.is_finished:  # aborted while the step ran
                 continue
             if caching and request.status is RequestStatus.RUNNING:  # not preempted: its pages hold the K/V
-                self._cache_computed_pages(request, item.start_position + len(item.token_ids))
+                num_full = (item.start_position + len(item.token_ids)) // page_size
+                if num_full > request.num_keyed_pages:  # the step completed a page
+                    self._cache_pages(request, num_full)
             if prompt is not None:
                 request.add_prompt_logprobs(*prompt)
             if not item.keeps_sample:
@@ -334,13 +337,11 @@ class Scheduler:
                 self._remove(request)
         return advanced
 
-    def _cache_computed_pages(self, request: Request, num_computed: int) -> None:
-        """Offers the request's pages that are full once its first `num_computed` tokens ran to the prefix cache."""
-        num_full = num_computed // self.kv_cache.page_size
-        if num_full > request.num_keyed_pages:
-            keys = self._page_keys(request, num_full)
-            self.kv_cache.cache_pages(request.page_ids, keys, request.num_keyed_pages, num_full)
-            request.num_keyed_pages = num_full
+    def _cache_pages(self, request: Request, num_full: int) -> None:
+        """Offers the request's first `num_full` pages, now full and computed, to the prefix cache."""
+        keys = self._page_keys(request, num_full)
+        self.kv_cache.cache_pages(request.page_ids, keys, request.num_keyed_pages, num_full)
+        request.num_keyed_pages = num_full
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finishes (stop strings) or aborts requests wherever they are; frees their pages at once."""

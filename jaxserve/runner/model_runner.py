@@ -296,7 +296,7 @@ class ModelRunner:
         """A shared read-only input (a wide one no row of the step uses, `batch.neutral_batch`) as its device
         copy, made once; any other array as it is. Saves copying 1.8 MB per step at 256 rows. Not in a
         multi-process job, where a device array would span the other processes."""
-        if array.flags.writeable or jax.process_count() > 1:
+        if not isinstance(array, np.ndarray) or array.flags.writeable or jax.process_count() > 1:
             return array
         held = self._device_copies.get(id(array))
         if held is None:  # keyed by id: the host array is held with its copy, so the id stays its own
