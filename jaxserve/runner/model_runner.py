@@ -211,10 +211,11 @@ class ModelRunner:
             return None
         bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
         self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
-        row_ids, written = self.rows.update(scheduled)
-        for item, row in written:
-            if item.cached_token_ids is not None:  # resumed after a prefix-cache hit, with penalties
-                self.load_seen_tokens(row, list(item.cached_token_ids), item.num_prompt_tokens)
+        try:
+            row_ids = self.rows.update(scheduled)
+        finally:  # after a RequestFault too: the rows written stay, and so must what they have seen
+            for row, token_ids, num_prompt_tokens in self.rows.take_seen_tokens():
+                self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
         batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids, self._previous_scheduled)
         sampled, prompt = self.run_step(batch, bucket)
         self._previous_scheduled = scheduled

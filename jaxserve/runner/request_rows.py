@@ -45,6 +45,7 @@ class RequestRows:
         # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
         # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
+        self._seen_tokens: list[tuple[int, tuple[int, ...], int]] = []  # see take_seen_tokens
 
     @property
     def num_used(self) -> int:
@@ -57,16 +58,26 @@ class RequestRows:
             if row is not None:
                 self._free.append(row)
 
-    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, list[tuple[ScheduledRequest, int]]]:
+    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> np.ndarray:
         """Records a step's requests: a row (re)written for each that starts or resumes, or has none, and
-        every request's new pages. Returns each request's row, intp[n], and the (request, row) of those
-        whose row was (re)written.
+        every request's new pages. Returns each request's row, intp[n].
 
-        Raises RequestFault, before changing anything, for a request whose parameters do not fit the
-        rows (the engine drops it and plans the others again, which sends their new pages again: pages
-        are written by index, so that is harmless)."""
-        fresh = [(item, _row_values(item)) for item in scheduled if item.resumed or item.request_id not in self.row_of]
-        written = [(item, self._write_row(item.request_id, values)) for item, values in fresh]
+        A request whose parameters do not fit the rows raises RequestFault, after the other requests' rows
+        are written: the engine drops it and plans the others again, as running requests (not resumed),
+        so their rows must be there. Their pages are sent again and written to the same places."""
+        fault = None
+        for item in scheduled:
+            if item.resumed or item.request_id not in self.row_of:
+                try:
+                    values = _row_values(item)
+                except RequestFault as error:
+                    fault = fault or error
+                    continue
+                row = self._write_row(item.request_id, values)
+                if item.cached_token_ids is not None:  # after a prefix-cache hit, with penalties
+                    self._seen_tokens.append((row, item.cached_token_ids, item.num_prompt_tokens))
+        if fault is not None:
+            raise fault
         row_of, page_table = self.row_of, self.page_table
         rows = np.empty(len(scheduled), np.intp)  # [n]
         for index, item in enumerate(scheduled):
@@ -74,7 +85,13 @@ class RequestRows:
             if item.new_page_ids:
                 first = item.first_new_page
                 page_table[row, first : first + len(item.new_page_ids)] = item.new_page_ids
-        return rows, written
+        return rows
+
+    def take_seen_tokens(self) -> list[tuple[int, tuple[int, ...], int]]:
+        """(row, tokens, prompt length) of rows written after a prefix-cache hit with penalties, since the
+        last call: the runner counts those tokens into the row's penalty tables before a step runs."""
+        taken, self._seen_tokens = self._seen_tokens, []
+        return taken
 
     def _write_row(self, request_id: str, values: "RowValues") -> int:
         row = self.row_of.get(request_id)

@@ -128,6 +128,24 @@ def test_penalties_see_the_whole_prompt_on_a_cache_hit(engines):
     assert hit.num_cached_tokens > 0 and hit.outputs[0].token_ids == expected
 
 
+def test_a_faulty_neighbour_leaves_a_cache_hit_its_penalties(engines):
+    """A request whose parameters fail its batch row is dropped and the step is planned again. A request
+    resumed after a cache hit in that step comes back as a running one, and its penalty row must still
+    count the cached prompt."""
+    plain = engines(False)
+    base = SYSTEM + SYSTEM[10:20]
+    prompt = run(plain, [base], greedy(1), [0])[0].outputs[0].token_ids + base
+    params = greedy(12, repetition_penalty=2.0)
+    expected = run(plain, [prompt], params, [0])[0].outputs[0].token_ids
+    cached = engines(True)
+    run(cached, [prompt], greedy(1), [0])  # caches the prompt
+    poisoned = SamplingParams(temperature=0.5, max_tokens=4)
+    poisoned.top_k = 2**31  # slipped past validation: its row raises OverflowError
+    results = run(cached, [prompt, SYSTEM[:9]], [params, poisoned], [0, 0])
+    assert [c.finish_reason for c in results[1].outputs] == ["error"]
+    assert results[0].num_cached_tokens > 0 and results[0].outputs[0].token_ids == expected
+
+
 # Prompt logprobs ----------------------------------------------------------------------------------
 
 def hf_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:  # f32[len(prompt) - 1, V]

@@ -17,15 +17,13 @@ def item(request_id: str, first_new_page: int, new_page_ids: tuple[int, ...], re
 
 def test_rows_keep_pages_and_parameters_across_steps():
     rows = RequestRows(num_rows=4, max_pages_per_req=6)
-    ids, written = rows.update((item("a", 0, (3, 4), resumed=True, temperature=0.5, top_k=7),
-                                item("b", 0, (9,), resumed=True, repetition_penalty=1.2)))
-    a, b = ids.tolist()
-    assert [w[1] for w in written] == [a, b] and a != b
+    a, b = rows.update((item("a", 0, (3, 4), resumed=True, temperature=0.5, top_k=7),
+                        item("b", 0, (9,), resumed=True, repetition_penalty=1.2))).tolist()
+    assert a != b
     assert rows.temperature[a] == np.float32(0.5) and rows.top_k[a] == 7
     assert rows.penalty_slots[a] == 4 and rows.penalty_slots[b] == b, "a row with penalties is its own slot"
     assert rows.row_features[b] and not rows.row_features[a]
-    ids, written = rows.update((item("b", 1, (11,)), item("a", 2, ())))  # b grew a page; a did not
-    assert ids.tolist() == [b, a] and written == []
+    assert rows.update((item("b", 1, (11,)), item("a", 2, ()))).tolist() == [b, a]  # b grew a page; a did not
     assert rows.page_table[a, :3].tolist() == [3, 4, 0] and rows.page_table[b, :3].tolist() == [9, 11, 0]
     rows.update((item("b", 1, (11,)),))  # sent again after a step taken back: the same place
     assert rows.page_table[b, :3].tolist() == [9, 11, 0]
@@ -33,9 +31,9 @@ def test_rows_keep_pages_and_parameters_across_steps():
 
 def test_a_resumed_request_is_written_afresh_and_released_rows_are_reused():
     rows = RequestRows(num_rows=2, max_pages_per_req=4)
-    (a,), _ = rows.update((item("a", 0, (1, 2, 3), resumed=True, temperature=0.3),))
-    (again,), written = rows.update((item("a", 0, (7,), resumed=True),))  # back from preemption: fewer pages
-    assert again == a and len(written) == 1
+    (a,) = rows.update((item("a", 0, (1, 2, 3), resumed=True, temperature=0.3),))
+    (again,) = rows.update((item("a", 0, (7,), resumed=True),))  # back from preemption: fewer pages
+    assert again == a
     assert rows.page_table[a].tolist() == [7, 0, 0, 0] and rows.temperature[a] == 1.0  # the default
     rows.release(["a", "never-scheduled"])
     assert rows.num_used == 0
@@ -44,9 +42,16 @@ def test_a_resumed_request_is_written_afresh_and_released_rows_are_reused():
         rows.update((item("d", 0, (8,), resumed=True),))
 
 
-def test_a_value_out_of_its_column_fails_its_request_before_anything_changes():
+def test_a_value_out_of_its_column_fails_its_request_alone():
     rows = RequestRows(num_rows=4, max_pages_per_req=4)
+    hit = item("hit", 0, (1,), resumed=True, repetition_penalty=1.3)._replace(
+        start_position=4, cached_token_ids=(10, 11, 12, 13))  # after a prefix-cache hit, with penalties
     with pytest.raises(RequestFault) as info:
-        rows.update((item("ok", 0, (1,), resumed=True), item("bad", 0, (2,), resumed=True, seed=2**40)))
-    assert info.value.request_id == "bad"
-    assert rows.num_used == 0 and not rows.page_table.any()
+        rows.update((hit, item("bad", 0, (2,), resumed=True, seed=2**40)))
+    assert info.value.request_id == "bad" and "bad" not in rows.row_of
+    # The step is planned again without "bad": "hit" comes as a running request, and its row is there
+    # with the cached tokens its penalties count.
+    assert rows.take_seen_tokens() == [(rows.row_of["hit"], (10, 11, 12, 13), 1)]
+    assert rows.take_seen_tokens() == []
+    (row,) = rows.update((hit._replace(resumed=False, cached_token_ids=None),))
+    assert row == rows.row_of["hit"] and rows.page_table[row, 0] == 1
