@@ -83,8 +83,11 @@ class RequestRows:
         for index, item in enumerate(scheduled):
             row = rows[index] = row_of[item.request_id]
             if item.new_page_ids:
-                first = item.first_new_page
-                page_table[row, first : first + len(item.new_page_ids)] = item.new_page_ids
+                first, end = item.first_new_page, item.first_new_page + len(item.new_page_ids)
+                if end > page_table.shape[1]:  # past max_model_len: the scheduler's limits make this a bug
+                    raise RequestFault(item.request_id) from ValueError(
+                        f"{end} pages, at most {page_table.shape[1]} per request")
+                page_table[row, first:end] = item.new_page_ids
         return rows
 
     def take_seen_tokens(self) -> list[tuple[int, tuple[int, ...], int]]:

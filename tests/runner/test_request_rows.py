@@ -55,3 +55,10 @@ def test_a_value_out_of_its_column_fails_its_request_alone():
     assert rows.take_seen_tokens() == []
     (row,) = rows.update((hit._replace(resumed=False, cached_token_ids=None),))
     assert row == rows.row_of["hit"] and rows.page_table[row, 0] == 1
+
+
+def test_pages_past_a_row_fail_their_request():
+    rows = RequestRows(num_rows=2, max_pages_per_req=2)
+    with pytest.raises(RequestFault) as info:
+        rows.update((item("long", 0, (1, 2, 3), resumed=True),))
+    assert info.value.request_id == "long"
