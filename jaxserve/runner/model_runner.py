@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.allocator import allocator_note
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
@@ -160,6 +161,7 @@ class ModelRunner:
             "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
         )
+        logger.info("%s", allocator_note())
 
     def _shapes(self, num_pages: int) -> StepShapes:
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,

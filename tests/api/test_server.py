@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from jaxserve.allocator import find_tcmalloc
 from tests.api.conftest import API_KEY, MODEL, metric
 
 pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
@@ -32,6 +33,16 @@ def test_the_engine_core_runs_in_its_own_process(server):
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children]
     assert any(b"spawn_main" in command for command in commands), commands
     assert "[core]" in server.log()  # the core process's own log lines
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="no tcmalloc here (`make setup` fetches one with apt)")
+def test_the_server_and_its_engine_core_run_on_tcmalloc(server):
+    """`jaxserve serve` re-executed itself with tcmalloc preloaded, and the core process inherited it."""
+    tasks = Path(f"/proc/{server.process.pid}/task").iterdir()
+    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
+    for pid in [server.process.pid, *children]:
+        assert "libtcmalloc" in Path(f"/proc/{pid}/maps").read_text(), pid
+    assert "memory allocator: tcmalloc" in server.log()
 
 
 def test_chat_answers_paris(client):
