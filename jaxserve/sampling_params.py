@@ -87,7 +87,7 @@ class StructuredOutputsParams:
         return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, False)}, sort_keys=True)
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings, named and defaulted as in vLLM / the OpenAI API.
 

@@ -1,7 +1,6 @@
 """A request's host-side state as it moves through the scheduler (pure Python, no jax)."""
 
 import enum
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     return min(limit, max_model_len)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence to generate. (A request with n > 1 is n of these, one per completion.)
 
@@ -91,6 +90,12 @@ class Request:
     # Structured outputs: where this sequence stands in its grammar; every sampled token advances it.
     grammar: "GrammarMatcher | None" = None
     grammar_error: str | None = None  # the grammar refused a sampled token (a bug: the mask forbids it)
+    # Prompt + output length at which the request must stop (fixed; read every step).
+    max_num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), self.sampling_params.max_tokens,
+                                             self.max_model_len)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,11 +135,6 @@ class Request:
     def reads_prefix_cache(self) -> bool:
         """A request that reports prompt logprobs computes its whole prompt."""
         return self.sampling_params.prompt_logprobs is None
-
-    @functools.cached_property
-    def max_num_tokens(self) -> int:
-        """Prompt + output length at which the request must stop (fixed: asked for every step)."""
-        return max_num_tokens(self.num_prompt_tokens, self.sampling_params.max_tokens, self.max_model_len)
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already
