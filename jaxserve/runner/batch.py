@@ -1,11 +1,19 @@
-"""StepBatch: everything one step reads, padded to its bucket; built on the host in numpy."""
+"""StepBatch: everything one step reads, padded to its bucket; built on the host in numpy.
+
+Its narrow arrays (everything of [T], [R] or [R, P] shape) are views of two flat buffers, one of 4-byte
+words (int32, uint32 and float32 by their bits) and one of booleans, so a step sends them as two arrays
+(`PackedBatch`) and the step unpacks them by static slices: a call's argument handling and host-to-device
+copies cost per array, and there are 25 of them.
+"""
 
 import dataclasses
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.request import RequestFault
@@ -71,6 +79,105 @@ class BatchLayout:
     vocab_size: int
     num_penalty_slots: int
     max_num_seqs: int  # M: rows the previous step's samples are kept for
+
+
+# Inputs a step sends whole rather than in the packed buffers: the previous step's samples (already on the
+# device) and the [R, vocabulary]-proportional sampling inputs (shared read-only arrays most steps).
+_HELD_WHOLE = frozenset({"previous_tokens", "bias_token_ids", "bias_values", "token_bitmask"})
+_WORDS, _FLAGS, _HELD = "words", "flags", "held"
+
+
+@dataclass(frozen=True)
+class _LeafSpec:
+    buffer: str  # _WORDS, _FLAGS or _HELD
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # into its buffer
+    size: int  # elements
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: one per bucket and layout (`batch_packing`)
+class BatchPacking:
+    """Where each leaf of a bucket's StepBatch sits: a static part of the step's inputs."""
+
+    treedef: Any  # of StepBatch
+    leaves: tuple[_LeafSpec, ...]  # in tree order
+    num_words: int
+    num_flags: int
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedBatch:
+    """A StepBatch as the step receives it (`pack`, `unpack`)."""
+
+    words: jax.Array  # i32[W]: the batch's 4-byte narrow arrays end to end
+    flags: jax.Array  # bool[F]: its boolean arrays end to end
+    held: tuple[jax.Array, ...]  # the inputs sent whole, in tree order
+    packing: BatchPacking = field(metadata=dict(static=True))
+
+
+@functools.cache
+def batch_packing(bucket: Bucket, layout: "BatchLayout") -> BatchPacking:
+    template = _separate_neutral_batch(bucket, layout)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    specs, sizes = [], {_WORDS: 0, _FLAGS: 0, _HELD: 0}
+    for path, leaf in paths_and_leaves:
+        name = path[-1].name
+        buffer = _HELD if name in _HELD_WHOLE else _FLAGS if leaf.dtype == np.bool_ else _WORDS
+        if buffer == _WORDS and leaf.dtype.itemsize != 4:
+            raise TypeError(f"StepBatch.{name}: {leaf.dtype} is neither 4 bytes wide nor boolean")
+        specs.append(_LeafSpec(buffer, leaf.dtype, leaf.shape, sizes[buffer], leaf.size))
+        sizes[buffer] += leaf.size if buffer != _HELD else 1
+    return BatchPacking(treedef, tuple(specs), sizes[_WORDS], sizes[_FLAGS])
+
+
+def pack(batch: "StepBatch", packing: BatchPacking) -> PackedBatch:
+    """The batch's two buffers and its whole inputs. A batch from `neutral_batch` is packed already (its
+    narrow arrays are views of the buffers); any other (e.g. unpickled) is copied into new buffers."""
+    leaves = jax.tree.leaves(batch)
+    words = flags = None
+    held = []
+    for spec, leaf in zip(packing.leaves, leaves, strict=True):
+        if spec.buffer == _HELD:
+            held.append(leaf)
+        elif spec.buffer == _WORDS:
+            words = leaf.base if words is None else words
+            if leaf.base is not words or words is None:
+                return _copy_packed(leaves, packing)
+        else:
+            flags = leaf.base if flags is None else flags
+            if leaf.base is not flags or flags is None:
+                return _copy_packed(leaves, packing)
+    return PackedBatch(words, flags, tuple(held), packing)
+
+
+def _copy_packed(leaves: list[np.ndarray], packing: BatchPacking) -> PackedBatch:
+    words = np.concatenate([np.ascontiguousarray(leaf).view(np.int32).ravel()
+                            for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _WORDS])
+    flags = np.concatenate([np.asarray(leaf, np.bool_).ravel()
+                            for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _FLAGS])
+    held = tuple(leaf for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _HELD)
+    return PackedBatch(words, flags, held, packing)
+
+
+def unpack(packed: PackedBatch) -> "StepBatch":
+    """Inside the step: the StepBatch again, its narrow arrays as static slices of the buffers."""
+    held = iter(packed.held)
+    leaves = []
+    for spec in packed.packing.leaves:
+        if spec.buffer == _HELD:
+            leaves.append(next(held))
+            continue
+        end = spec.offset + spec.size
+        if spec.buffer == _FLAGS:
+            leaves.append(packed.flags[spec.offset : end].reshape(spec.shape))
+            continue
+        x = packed.words[spec.offset : end]
+        if spec.dtype != np.int32:
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(spec.dtype))
+        leaves.append(x.reshape(spec.shape))
+    return jax.tree.unflatten(packed.packing.treedef, leaves)
 
 
 def banned_and_biased(item: ScheduledRequest) -> dict[int, float]:
@@ -141,8 +248,30 @@ def build_step_batch(
 
 
 def neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
-    """A batch of padding: no tokens, no requests, every feature switched off (numpy; the narrow arrays
-    are written in place by the builder, the wide ones are shared and copied before a write)."""
+    """A batch of padding: no tokens, no requests, every feature switched off (numpy). Its narrow arrays
+    are views of two fresh buffers (`pack`), written in place by the builder; the wide ones are shared
+    and copied before a write."""
+    packing = batch_packing(bucket, layout)
+    words, flags, held = _neutral_buffers(bucket, layout)
+    words, flags, held = words.copy(), flags.copy(), iter(held)
+    leaves = []
+    for spec in packing.leaves:
+        if spec.buffer == _HELD:
+            leaves.append(next(held))
+        else:
+            buffer = words if spec.buffer == _WORDS else flags
+            leaves.append(buffer[spec.offset : spec.offset + spec.size].view(spec.dtype).reshape(spec.shape))
+    return jax.tree.unflatten(packing.treedef, leaves)
+
+
+@functools.cache
+def _neutral_buffers(bucket: Bucket, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray, tuple]:
+    packed = _copy_packed(jax.tree.leaves(_separate_neutral_batch(bucket, layout)), batch_packing(bucket, layout))
+    return packed.words, packed.flags, packed.held
+
+
+def _separate_neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
+    """The neutral batch's values, each array on its own (the template `batch_packing` lays out)."""
     num_tokens, num_reqs, no_slot = bucket.num_tokens, bucket.num_reqs, layout.num_penalty_slots
     bias_token_ids, bias_values, token_bitmask = _neutral_wide_inputs(num_reqs, layout.vocab_size)
     return StepBatch(

@@ -41,7 +41,7 @@ from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
-from jaxserve.runner.batch import StepBatch, build_step_batch, neutral_batch
+from jaxserve.runner.batch import PackedBatch, StepBatch, batch_packing, build_step_batch, neutral_batch, pack, unpack
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.multihost import Leader, LoadSeenTokens, Step
@@ -55,9 +55,6 @@ logger = logging.getLogger(__name__)
 # Buckets compiled at once at warm-up: measured 1.5x faster than one at a time on a 2-core CPU.
 _COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
-# The sampling inputs of [R, vocabulary]-proportional width that few steps use (see `_on_device`).
-_WIDE_INPUTS = ("bias_token_ids", "bias_values", "token_bitmask")
-
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None):
     """The jitted step. It takes the model's weights as a flat list (the leaves of an `nnx.State` with
@@ -65,10 +62,11 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
     SmolLM2 costs 0.36 ms per step, the list 15 us. With a tensor-parallel `mesh`, logits are gathered
     whole before sampling and the KV pages stay split by KV head from step to step. Besides the sampler's
     output it returns the samples by row, i32[M], which the next step may read as inputs before the host
-    has seen them."""
+    has seen them. The batch comes packed (`batch.pack`): two buffers instead of 25 narrow arrays."""
 
-    def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, batch: StepBatch):
+    def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
+        batch = unpack(packed)
         max_rows = batch.previous_tokens.shape[0]
         input_ids = jnp.where(batch.input_from_row < max_rows,  # i32[T]
                               batch.previous_tokens.at[batch.input_from_row].get(mode="clip"), batch.input_ids)
@@ -290,10 +288,11 @@ class ModelRunner:
             self.leader.send(Step(bucket, batch))
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
-        batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens, sampling=dataclasses.replace(
-            batch.sampling, **{name: self._on_device(getattr(batch.sampling, name)) for name in _WIDE_INPUTS}))
+        batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
+        packed = pack(batch, batch_packing(bucket, self.layout))  # a numpy buffer of words, one of flags
+        packed = dataclasses.replace(packed, held=tuple(self._on_device(x) for x in packed.held))
         self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
-            self._weights, self.kv_caches, self.penalty_tables, batch)
+            self._weights, self.kv_caches, self.penalty_tables, packed)
         return sampled, prompt
 
     def _on_device(self, array: np.ndarray) -> np.ndarray | jax.Array:
@@ -370,7 +369,7 @@ class ModelRunner:
             if self._stop_compiling.is_set():
                 return
             args = (self._weights, self.kv_caches, self.penalty_tables,
-                    neutral_batch(bucket, self.layout))
+                    pack(neutral_batch(bucket, self.layout), batch_packing(bucket, self.layout)))
             compiled = self._step.trace(*args).lower().compile()
             with self._compiled_lock:
                 self._compiled[bucket] = compiled
