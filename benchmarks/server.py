@@ -1,5 +1,6 @@
 """A `jaxserve serve` subprocess for the benchmark scripts: start it, wait for /health, stop it."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,9 +10,15 @@ import httpx
 
 
 def start_server(config: str, port: int, dtype: str = "auto", *extra: str) -> subprocess.Popen:
+    """`extra`: more `jaxserve serve` flags, after any leading NAME=value words, which set its environment
+    (e.g. JAXSERVE_ALLOCATOR=glibc)."""
+    env = dict(os.environ)
+    while extra and "=" in extra[0] and not extra[0].startswith("-"):
+        name, value = extra[0].split("=", 1)
+        env[name], extra = value, extra[1:]
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--log-level", "warning", *extra]
-    return wait_until_healthy(subprocess.Popen(command), port, timeout_s=900)
+    return wait_until_healthy(subprocess.Popen(command, env=env), port, timeout_s=900)
 
 
 def wait_until_healthy(process: subprocess.Popen, port: int, timeout_s: float) -> subprocess.Popen:

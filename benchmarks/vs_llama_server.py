@@ -76,7 +76,8 @@ def main() -> None:
                              "--sampling --temperature 1 --top-p 0.9 (default: greedy); top-k, top-p and "
                              "min-p not given are sent switched off, or llama-server would apply its defaults")
     parser.add_argument("--variants", nargs="+", default=[""],
-                        help="one jaxserve server per string of extra `jaxserve serve` flags (default: one, none)")
+                        help="one jaxserve server per string of extra `jaxserve serve` flags, which may start with "
+                             "NAME=value words for its environment (default: one, none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.sampling:  # the flags given last win
