@@ -1,6 +1,7 @@
 """A `jaxserve serve` subprocess for the benchmark scripts: start it, wait for /health, stop it."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,12 +11,11 @@ import httpx
 
 
 def start_server(config: str, port: int, dtype: str = "auto", *extra: str) -> subprocess.Popen:
-    """`extra`: more `jaxserve serve` flags, after any leading NAME=value words, which set its environment
+    """`extra`: more `jaxserve serve` flags; NAME=value words among them set its environment instead
     (e.g. JAXSERVE_ALLOCATOR=glibc)."""
-    env = dict(os.environ)
-    while extra and "=" in extra[0] and not extra[0].startswith("-"):
-        name, value = extra[0].split("=", 1)
-        env[name], extra = value, extra[1:]
+    settings = [word for word in extra if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word)]
+    env = {**os.environ, **dict(word.split("=", 1) for word in settings)}
+    extra = tuple(word for word in extra if word not in settings)
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--log-level", "warning", *extra]
     return wait_until_healthy(subprocess.Popen(command, env=env), port, timeout_s=900)
