@@ -12,7 +12,7 @@ tiny model and took 12-18% off SmolLM2's single-sequence TPOT in bfloat16 (docs/
 backend asks for the same (LD_PRELOAD of libtcmalloc_minimal.so.4).
 
 How. An allocator is chosen when the process starts, so `preload_tcmalloc()` re-executes the command with
-LD_PRELOAD set (the PID, arguments and open files stay). Child processes (the engine core's) inherit it.
+LD_PRELOAD set (the PID, the arguments and stdio stay). Child processes (the engine core's) inherit it.
 `make setup` places a copy in the virtual environment (`scripts/fetch_tcmalloc.sh`); a system-wide
 gperftools install is found too. JAXSERVE_ALLOCATOR=glibc keeps glibc's; =<path> names the library.
 """
@@ -58,20 +58,37 @@ def find_tcmalloc() -> Path | None:
     return None
 
 
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")  # a preloaded one of these is respected
+
+
 def loaded_allocator() -> str:
-    """'tcmalloc' when a tcmalloc is mapped into this process, else 'glibc'."""
+    """'tcmalloc', 'jemalloc' or 'mimalloc' when one is mapped into this process, else 'glibc' ('system'
+    where /proc is not there to say)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux
         return "system"
-    return "tcmalloc" if "libtcmalloc" in maps else "glibc"
+    return next((name for name in _ALLOCATORS if f"lib{name}" in maps), "glibc")
 
 
 def preload_tcmalloc() -> None:
-    """Re-executes this process's command with tcmalloc preloaded, unless it is loaded already, was
-    preloaded once (a library that failed to load is not retried), or none is found. Call it first thing
-    in a command-line entry point: nothing done before it survives."""
-    if os.environ.get(_REEXECUTED_ENV) or loaded_allocator() != "glibc":
+    """Re-executes this process's command with tcmalloc preloaded, unless another allocator is loaded
+    already, it was preloaded once (a library that failed to load is not retried), or none is found; and
+    without it when JAXSERVE_ALLOCATOR=glibc but a parent's preload was inherited. Call it first thing in a
+    command-line entry point: nothing done before it survives but the PID, the arguments and stdio.
+    Raises ValueError when a library asked for by name or path could not be loaded."""
+    setting = os.environ.get(ALLOCATOR_ENV, "")
+    loaded = loaded_allocator()
+    if os.environ.get(_REEXECUTED_ENV):
+        if setting == "glibc" and loaded == "tcmalloc":  # inherited from a process that preloaded it
+            env = {k: v for k, v in os.environ.items() if k != _REEXECUTED_ENV}
+            env["LD_PRELOAD"] = " ".join(w for w in env.get("LD_PRELOAD", "").split() if "libtcmalloc" not in w)
+            _reexecute(env)
+        elif setting not in ("", "glibc") and loaded != "tcmalloc":
+            raise ValueError(f"{ALLOCATOR_ENV}={setting}: the library could not be preloaded (see the loader's "
+                             "message above)")
+        return
+    if loaded != "glibc":
         return
     library = find_tcmalloc()
     if library is None:
@@ -80,15 +97,26 @@ def preload_tcmalloc() -> None:
     env["LD_PRELOAD"] = " ".join(filter(None, (str(library), env.get("LD_PRELOAD"))))
     env[_REEXECUTED_ENV] = "1"
     env.setdefault(_REPORT_THRESHOLD_ENV, str(2**50))
+    _reexecute(env)
+
+
+def _reexecute(env: dict[str, str]) -> None:
+    """This command again in this process; on failure (a permission, a vanished interpreter) carries on."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
+    try:  # argv[0] is the interpreter's path: Python would look a bare name up on PATH again
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:
+        logger.warning("could not re-execute to change the memory allocator: %s", e)
 
 
 def allocator_note() -> str:
-    """The start-up log's line: the allocator steps run under, and where to get tcmalloc if not."""
+    """The start-up log's line: the allocator steps run under, and how to get tcmalloc if not."""
     name = loaded_allocator()
     if name != "glibc":
         return f"memory allocator: {name}"
-    return (f"memory allocator: glibc; tcmalloc makes CPU steps faster (`make setup` fetches it into "
-            f"{venv_library_dir()}; or install gperftools' libtcmalloc-minimal4)")
+    library = find_tcmalloc() if os.environ.get(ALLOCATOR_ENV) != "glibc" else None
+    if library is not None:  # found but not preloaded: a Python API user's process
+        return f"memory allocator: glibc; for faster CPU steps, start Python with LD_PRELOAD={library}"
+    return ("memory allocator: glibc; tcmalloc makes CPU steps faster (`make setup` fetches it with apt; "
+            "or install gperftools' libtcmalloc-minimal4)")

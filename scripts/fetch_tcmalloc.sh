@@ -10,8 +10,10 @@ if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-if (cd "$work" && apt-get download libtcmalloc-minimal4 >/dev/null 2>&1) \
-    && dpkg-deb -x "$work"/libtcmalloc-minimal4_*.deb "$work/root" \
+# Debian 13 and Ubuntu 24.04 name it libtcmalloc-minimal4t64 (64-bit time_t); older releases without t64.
+if (cd "$work" && { apt-get download libtcmalloc-minimal4t64 || apt-get download libtcmalloc-minimal4; } \
+      >/dev/null 2>&1) \
+    && dpkg-deb -x "$work"/libtcmalloc-minimal4*.deb "$work/root" \
     && mkdir -p "$dest" && cp -L "$work"/root/usr/lib/*/libtcmalloc_minimal.so.4 "$dest/"; then
   echo "tcmalloc: $dest/libtcmalloc_minimal.so.4"
 else

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve import allocator
-from jaxserve.allocator import ALLOCATOR_ENV, find_tcmalloc
+from jaxserve.allocator import _REEXECUTED_ENV, ALLOCATOR_ENV, find_tcmalloc
 
 TCMALLOC = find_tcmalloc() if os.environ.get(ALLOCATOR_ENV) != "glibc" else None
 needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="no tcmalloc here (`make setup` fetches one with apt)")
@@ -21,14 +21,19 @@ PROBE = ("import os, sys\n"
          "print(os.getpid(), loaded_allocator(), *sys.argv[1:])\n")
 
 
-def _probe(setting: str | None, *args: str) -> tuple[subprocess.Popen, str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in (ALLOCATOR_ENV, "LD_PRELOAD")}
+def _clean_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items()
+            if key not in (ALLOCATOR_ENV, "LD_PRELOAD", _REEXECUTED_ENV)}
+
+
+def _probe(setting: str | None, *args: str, returncode: int = 0, **env: str) -> tuple[subprocess.Popen, str, str]:
+    env = {**_clean_env(), **env}
     if setting is not None:
         env[ALLOCATOR_ENV] = setting
     process = subprocess.Popen([sys.executable, "-c", PROBE, *args], env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 0, stderr
+    assert process.returncode == returncode, stderr
     return process, stdout, stderr
 
 
@@ -70,12 +75,20 @@ def test_glibc_when_asked():
     assert stdout.split()[1] == "glibc"
 
 
-def test_a_library_that_fails_to_load_is_not_retried(tmp_path):
+def test_a_library_named_that_fails_to_load_is_an_error_not_a_loop(tmp_path):
     broken = tmp_path / "libtcmalloc_broken.so"
     broken.write_text("not an ELF file")
-    _, stdout, stderr = _probe(str(broken))
-    assert stdout.split()[1] == "glibc"  # one re-execution, the loader's complaint, then glibc
-    assert "cannot be preloaded" in stderr
+    _, stdout, stderr = _probe(str(broken), returncode=1)
+    assert stdout == ""  # one re-execution, the loader's complaint, then the error
+    assert "cannot be preloaded" in stderr and "the library could not be preloaded" in stderr
+
+
+@needs_tcmalloc
+def test_glibc_when_asked_even_under_an_inherited_preload():
+    """A child of a process that preloaded tcmalloc inherits it; JAXSERVE_ALLOCATOR=glibc takes it out."""
+    process, stdout, _ = _probe("glibc", **{"LD_PRELOAD": str(TCMALLOC), _REEXECUTED_ENV: "1"})
+    pid, name = stdout.split()
+    assert name == "glibc" and int(pid) == process.pid
 
 
 @needs_tcmalloc
@@ -88,7 +101,6 @@ def test_a_python_call_of_the_cli_never_re_executes(tmp_path):
             "except SystemExit:\n"
             "    pass\n"
             "print(loaded_allocator())\n")
-    env = {key: value for key, value in os.environ.items() if key not in (ALLOCATOR_ENV, "LD_PRELOAD")}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).parent)
     assert result.stdout.split()[-1] == "glibc", result.stderr

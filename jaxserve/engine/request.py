@@ -90,7 +90,8 @@ class Request:
     # Structured outputs: where this sequence stands in its grammar; every sampled token advances it.
     grammar: "GrammarMatcher | None" = None
     grammar_error: str | None = None  # the grammar refused a sampled token (a bug: the mask forbids it)
-    # Prompt + output length at which the request must stop (fixed; read every step).
+    # Prompt + output length at which the request must stop (fixed; read every step). Set from the
+    # module's function of the same name: a method's body sees the module, not the class.
     max_num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ copies cost per array, and there are 25 of them.
 import dataclasses
 import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,8 @@ _WORDS, _FLAGS, _HELD = "words", "flags", "held"
 
 @dataclass(frozen=True)
 class _LeafSpec:
+    """One StepBatch leaf: in which buffer, where, and what it is."""
+
     buffer: str  # _WORDS, _FLAGS or _HELD
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -117,8 +120,22 @@ class PackedBatch:
     packing: BatchPacking = field(metadata=dict(static=True))
 
 
-@functools.cache
+_packings: dict[tuple[Bucket, "BatchLayout"], BatchPacking] = {}
+_packings_lock = threading.Lock()  # the engine thread and a background warm-up's compile threads ask at once
+
+
 def batch_packing(bucket: Bucket, layout: "BatchLayout") -> BatchPacking:
+    """The bucket's packing: one object per bucket and layout for the process's life, since a compiled step
+    accepts only the very packing it was compiled with."""
+    key = (bucket, layout)
+    packing = _packings.get(key)
+    if packing is None:
+        with _packings_lock:
+            packing = _packings.setdefault(key, _new_packing(bucket, layout))
+    return packing
+
+
+def _new_packing(bucket: Bucket, layout: "BatchLayout") -> BatchPacking:
     template = _separate_neutral_batch(bucket, layout)
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     specs, sizes = [], {_WORDS: 0, _FLAGS: 0, _HELD: 0}
@@ -133,32 +150,39 @@ def batch_packing(bucket: Bucket, layout: "BatchLayout") -> BatchPacking:
 
 
 def pack(batch: "StepBatch", packing: BatchPacking) -> PackedBatch:
-    """The batch's two buffers and its whole inputs. A batch from `neutral_batch` is packed already (its
-    narrow arrays are views of the buffers); any other (e.g. unpickled) is copied into new buffers."""
+    """The batch's two buffers and its whole inputs. A batch from `neutral_batch` is packed already: its
+    narrow arrays are views of the buffers, written in place (never replaced by other views of them). Any
+    other batch (unpickled, or with an array replaced) is copied into new buffers."""
     leaves = jax.tree.leaves(batch)
-    words = flags = None
+    buffers: dict[str, np.ndarray | None] = {_WORDS: None, _FLAGS: None}
     held = []
     for spec, leaf in zip(packing.leaves, leaves, strict=True):
         if spec.buffer == _HELD:
             held.append(leaf)
-        elif spec.buffer == _WORDS:
-            words = leaf.base if words is None else words
-            if leaf.base is not words or words is None:
-                return _copy_packed(leaves, packing)
-        else:
-            flags = leaf.base if flags is None else flags
-            if leaf.base is not flags or flags is None:
-                return _copy_packed(leaves, packing)
+            continue
+        if buffers[spec.buffer] is None:
+            buffers[spec.buffer] = leaf.base
+        if leaf.base is None or leaf.base is not buffers[spec.buffer]:
+            return _copy_packed(leaves, packing)
+    words, flags = buffers[_WORDS], buffers[_FLAGS]
+    if words.size != packing.num_words or flags.size != packing.num_flags:
+        return _copy_packed(leaves, packing)
     return PackedBatch(words, flags, tuple(held), packing)
 
 
 def _copy_packed(leaves: list[np.ndarray], packing: BatchPacking) -> PackedBatch:
-    words = np.concatenate([np.ascontiguousarray(leaf).view(np.int32).ravel()
-                            for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _WORDS])
-    flags = np.concatenate([np.asarray(leaf, np.bool_).ravel()
-                            for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _FLAGS])
-    held = tuple(leaf for spec, leaf in zip(packing.leaves, leaves, strict=True) if spec.buffer == _HELD)
-    return PackedBatch(words, flags, held, packing)
+    words, flags, held = [], [], []
+    for spec, leaf in zip(packing.leaves, leaves, strict=True):
+        if spec.buffer == _HELD:
+            held.append(leaf)
+            continue
+        if leaf.dtype != spec.dtype or leaf.shape != spec.shape:
+            raise TypeError(f"a batch array is {leaf.dtype}{list(leaf.shape)}, not {spec.dtype}{list(spec.shape)}")
+        if spec.buffer == _WORDS:
+            words.append(np.ravel(leaf).view(np.int32))  # by their bits: concatenating would convert them
+        else:
+            flags.append(np.ravel(leaf))
+    return PackedBatch(np.concatenate(words), np.concatenate(flags), tuple(held), packing)
 
 
 def unpack(packed: PackedBatch) -> "StepBatch":
@@ -266,7 +290,10 @@ def neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
 
 @functools.cache
 def _neutral_buffers(bucket: Bucket, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """The neutral batch's two buffers and whole inputs, read-only: each batch starts from copies."""
     packed = _copy_packed(jax.tree.leaves(_separate_neutral_batch(bucket, layout)), batch_packing(bucket, layout))
+    for array in (packed.words, packed.flags, *packed.held):
+        array.flags.writeable = False
     return packed.words, packed.flags, packed.held
 
 

@@ -159,7 +159,8 @@ class ModelRunner:
             "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
         )
-        logger.info("%s", allocator_note())
+        if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
+            logger.info("%s", allocator_note())
 
     def _shapes(self, num_pages: int) -> StepShapes:
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,

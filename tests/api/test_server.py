@@ -40,7 +40,8 @@ def test_the_server_and_its_engine_core_run_on_tcmalloc(server):
     """`jaxserve serve` re-executed itself with tcmalloc preloaded, and the core process inherited it."""
     tasks = Path(f"/proc/{server.process.pid}/task").iterdir()
     children = [pid for task in tasks for pid in (task / "children").read_text().split()]
-    for pid in [server.process.pid, *children]:
+    assert children, "the engine core process"
+    for pid in [server.process.pid, *children]:  # the core lives as long as the server
         assert "libtcmalloc" in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "memory allocator: tcmalloc" in server.log()
 

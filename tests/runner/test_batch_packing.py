@@ -6,6 +6,7 @@ import pickle
 
 import jax
 import numpy as np
+import pytest
 
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.runner.batch import BatchLayout, batch_packing, build_step_batch, neutral_batch, pack, unpack
@@ -63,3 +64,6 @@ def test_an_array_replaced_after_building_is_not_lost():
     replaced = dataclasses.replace(batch, positions=np.arange(BUCKET.num_tokens, dtype=np.int32))
     unpacked = jax.jit(unpack)(pack(replaced, batch_packing(BUCKET, LAYOUT)))
     assert np.asarray(unpacked.positions).tolist() == list(range(BUCKET.num_tokens))
+    wrong = dataclasses.replace(batch, positions=np.arange(BUCKET.num_tokens))  # int64: would be 2 words each
+    with pytest.raises(TypeError, match="int64"):
+        pack(wrong, batch_packing(BUCKET, LAYOUT))
