@@ -93,18 +93,16 @@ class Request:
     # Prompt + output length at which the request must stop (fixed; read every step). Set from the
     # module's function of the same name: a method's body sees the module, not the class.
     max_num_tokens: int = field(init=False)
+    num_tokens: int = field(init=False)  # prompt + output tokens, kept by append_output_token (read 3x a step)
 
     def __post_init__(self) -> None:
         self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), self.sampling_params.max_tokens,
                                              self.max_model_len)
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -148,6 +146,7 @@ class Request:
     def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Records a sampled token and finishes the request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)

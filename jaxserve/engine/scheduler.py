@@ -240,7 +240,7 @@ class Scheduler:
         """Advances the request's computed (and in-flight) tokens by this step's share and returns the share.
         `resumed`: the request just left the waiting queue (new, preempted, or after a prefix-cache hit)."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        num_tokens = request.num_tokens  # read once: a property
+        num_tokens = request.num_tokens
         known_end = min(end, num_tokens)  # past it: the token in flight
         if self.kv_cache.enable_prefix_caching:
             first, end_page = start // self.kv_cache.page_size, known_end // self.kv_cache.page_size
