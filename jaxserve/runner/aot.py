@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
-from jaxserve.runner.batch import BatchLayout, batch_packing, neutral_batch, pack
+from jaxserve.runner.batch import BatchLayout, neutral_batch, pack
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyTables
 
@@ -85,8 +85,7 @@ def abstract_step_args(
     penalties = jax.eval_shape(
         lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
     )
-    # numpy: its shapes and dtypes are the bucket's
-    batch = pack(neutral_batch(bucket, shapes.layout), batch_packing(bucket, shapes.layout))
+    batch = pack(neutral_batch(bucket, shapes.layout), bucket, shapes.layout)  # numpy: the bucket's shapes
     return (
         jax.tree.leaves(jax.tree.map(as_placed, state)),
         kv_caches,

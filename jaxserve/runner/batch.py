@@ -149,10 +149,12 @@ def _new_packing(bucket: Bucket, layout: "BatchLayout") -> BatchPacking:
     return BatchPacking(treedef, tuple(specs), sizes[_WORDS], sizes[_FLAGS])
 
 
-def pack(batch: "StepBatch", packing: BatchPacking) -> PackedBatch:
-    """The batch's two buffers and its whole inputs. A batch from `neutral_batch` is packed already: its
-    narrow arrays are views of the buffers, written in place (never replaced by other views of them). Any
-    other batch (unpickled, or with an array replaced) is copied into new buffers."""
+def pack(batch: "StepBatch", bucket: Bucket, layout: "BatchLayout") -> PackedBatch:
+    """The bucket's batch as the step takes it: its two buffers and its whole inputs. A batch from
+    `neutral_batch` is packed already: its narrow arrays are views of the buffers, written in place (never
+    replaced by other views of them). Any other batch (unpickled, or with an array replaced) is copied into
+    new buffers."""
+    packing = batch_packing(bucket, layout)
     leaves = jax.tree.leaves(batch)
     buffers: dict[str, np.ndarray | None] = {_WORDS: None, _FLAGS: None}
     held = []

@@ -41,7 +41,7 @@ from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
-from jaxserve.runner.batch import PackedBatch, StepBatch, batch_packing, build_step_batch, neutral_batch, pack, unpack
+from jaxserve.runner.batch import PackedBatch, StepBatch, build_step_batch, neutral_batch, pack, unpack
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.multihost import Leader, LoadSeenTokens, Step
@@ -290,7 +290,7 @@ class ModelRunner:
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
         batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
-        packed = pack(batch, batch_packing(bucket, self.layout))  # a numpy buffer of words, one of flags
+        packed = pack(batch, bucket, self.layout)  # a numpy buffer of words, one of flags
         packed = dataclasses.replace(packed, held=tuple(self._on_device(x) for x in packed.held))
         self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
             self._weights, self.kv_caches, self.penalty_tables, packed)
@@ -370,7 +370,7 @@ class ModelRunner:
             if self._stop_compiling.is_set():
                 return
             args = (self._weights, self.kv_caches, self.penalty_tables,
-                    pack(neutral_batch(bucket, self.layout), batch_packing(bucket, self.layout)))
+                    pack(neutral_batch(bucket, self.layout), bucket, self.layout))
             compiled = self._step.trace(*args).lower().compile()
             with self._compiled_lock:
                 self._compiled[bucket] = compiled

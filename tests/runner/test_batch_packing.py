@@ -40,7 +40,7 @@ def leaves_equal(a, b) -> None:
 def test_a_built_batch_is_packed_without_a_copy():
     batch = built_batch()
     packing = batch_packing(BUCKET, LAYOUT)
-    packed = pack(batch, packing)
+    packed = pack(batch, BUCKET, LAYOUT)
     assert batch.sampling.temperature.base is packed.words and batch.sampling.wants_logprobs.base is packed.flags
     assert packed.words.size == packing.num_words and packed.flags.dtype == np.bool_
     assert len(packed.held) == 4  # previous tokens and the three wide sampling inputs
@@ -51,19 +51,18 @@ def test_the_step_unpacks_every_array_bit_for_bit():
     batch = built_batch()
     assert batch.sampling.seeds[0] == 2**32 - 1 and batch.sampling.wants_logprobs[0]
     assert batch.penalty_updates.reset_slots[1] != LAYOUT.num_penalty_slots
-    packing = batch_packing(BUCKET, LAYOUT)
-    leaves_equal(jax.jit(unpack)(pack(batch, packing)), batch)
+    leaves_equal(jax.jit(unpack)(pack(batch, BUCKET, LAYOUT)), batch)
     # An unpickled batch (what a multi-host follower gets) has no shared buffers: it is copied into new ones.
     copied = pickle.loads(pickle.dumps(batch))
     assert copied.input_ids.base is not copied.positions.base or copied.input_ids.base is None
-    leaves_equal(jax.jit(unpack)(pack(copied, packing)), batch)
+    leaves_equal(jax.jit(unpack)(pack(copied, BUCKET, LAYOUT)), batch)
 
 
 def test_an_array_replaced_after_building_is_not_lost():
     batch = built_batch()
     replaced = dataclasses.replace(batch, positions=np.arange(BUCKET.num_tokens, dtype=np.int32))
-    unpacked = jax.jit(unpack)(pack(replaced, batch_packing(BUCKET, LAYOUT)))
+    unpacked = jax.jit(unpack)(pack(replaced, BUCKET, LAYOUT))
     assert np.asarray(unpacked.positions).tolist() == list(range(BUCKET.num_tokens))
     wrong = dataclasses.replace(batch, positions=np.arange(BUCKET.num_tokens))  # int64: would be 2 words each
     with pytest.raises(TypeError, match="int64"):
-        pack(wrong, batch_packing(BUCKET, LAYOUT))
+        pack(wrong, BUCKET, LAYOUT)
