@@ -115,7 +115,10 @@ def allocator_note() -> str:
     name = loaded_allocator()
     if name != "glibc":
         return f"memory allocator: {name}"
-    library = find_tcmalloc() if os.environ.get(ALLOCATOR_ENV) != "glibc" else None
+    try:
+        library = find_tcmalloc()
+    except ValueError as e:  # a Python API user's bad setting: the CLI would have stopped on it
+        return f"memory allocator: glibc ({e})"
     if library is not None:  # found but not preloaded: a Python API user's process
         return f"memory allocator: glibc; for faster CPU steps, start Python with LD_PRELOAD={library}"
     return ("memory allocator: glibc; tcmalloc makes CPU steps faster (`make setup` fetches it with apt; "
