@@ -168,6 +168,12 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def fills_batch_rows(self) -> bool:
+        """Whether the runner fills this request's batch row itself every step (penalty rows, logit_bias,
+        min_tokens' bans, prompt logprobs) rather than only gathering its persistent row."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.prompt_logprobs is not None
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -158,12 +158,13 @@ def simulate(
             now = upcoming
             continue
         out = scheduler.schedule()
-        bucket = ladder.pick(out.num_tokens, len(out.scheduled))
-        num_keys = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
+        bucket = ladder.pick(out.num_tokens, out.num_reqs)
+        num_keys = (sum(s.start_position + len(s.token_ids) for s in out.scheduled)
+                    + sum(out.decodes.positions) + len(out.decodes.positions))
         seconds = step_seconds(bucket, num_keys)
         now += seconds
-        run.steps.append(StepRecord(bucket, out.num_tokens, len(out.scheduled), seconds, num_keys))
-        ids = [s.request_id for s in out.scheduled]
+        run.steps.append(StepRecord(bucket, out.num_tokens, out.num_reqs, seconds, num_keys))
+        ids = out.request_ids
         for request in scheduler.update(out, StepOutput(ids, [1] * len(ids), [0.0] * len(ids))):
             latencies.record(run, request.request_id, request.num_output_tokens, request.status.is_finished, now)
     run.duration_s = now

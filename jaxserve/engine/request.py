@@ -94,11 +94,16 @@ class Request:
     # module's function of the same name: a method's body sees the module, not the class.
     max_num_tokens: int = field(init=False)
     num_tokens: int = field(init=False)  # prompt + output tokens, kept by append_output_token (read 3x a step)
+    # Its decode steps can travel as the scheduler's plain columns (`DecodeColumns`): the runner fills nothing
+    # of its row itself and reads back no top logprobs for it. (A grammar, set later, is asked on its own.)
+    has_plain_decodes: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), self.sampling_params.max_tokens,
                                              self.max_model_len)
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        params = self.sampling_params
+        self.has_plain_decodes = not params.fills_batch_rows and not params.logprobs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,6 +121,10 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_scheduled_outputs(self) -> int:

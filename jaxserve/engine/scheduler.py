@@ -71,20 +71,49 @@ class ScheduledRequest(NamedTuple):
     grammar: "GrammarMatcher | None" = None  # its mask constrains the sample (only when keeps_sample)
 
 
+class DecodeColumns(NamedTuple):
+    """Plain decodes, as columns: running requests computing one token whose sample is kept, with no page
+    to allocate or complete, no pages the runner lacks, and nothing the runner fills row by row
+    (`Request.has_plain_decodes`, no grammar). Most of a busy step's requests are these, and a column entry
+    costs a few list appends where a `ScheduledRequest` costs a record of fifteen values read by every
+    layer (vLLM's `CachedRequestData` does the same for its running requests)."""
+
+    request_ids: list[str]
+    token_ids: list[int]  # the token to compute: the last one known, or PENDING_TOKEN when in flight
+    positions: list[int]  # its position (its request's start_position)
+    output_indices: list[int]  # the index of this step's sample among the request's outputs (seeds reproduce)
+
+
+NO_DECODES = DecodeColumns([], [], [], [])  # read-only by convention: a step with no plain decodes
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """A step's plan. Its rows, in the batch and in `StepOutput`: the records (`scheduled`), then the plain
+    decodes (`decodes`)."""
+
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
     finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
     filling_keys: frozenset[bytes] = frozenset()  # prefix-cache keys of the full pages this step fills
+    decodes: DecodeColumns = NO_DECODES
 
     @functools.cached_property  # read by the scheduler and the runner
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(len(s.token_ids) for s in self.scheduled) + len(self.decodes.request_ids)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled) + len(self.decodes.request_ids)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every scheduled request's id, in row order."""
+        return [s.request_id for s in self.scheduled] + self.decodes.request_ids
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.decodes.request_ids
 
 
 @dataclass(frozen=True)
@@ -163,14 +192,33 @@ class Scheduler:
         busy = frozenset().union(*self._inflight_filling)  # and those steps in flight fill
 
         # Running requests, oldest first; preempt from the newest end when pages run out.
+        decodes = DecodeColumns([], [], [], [])
+        decode_ids, decode_tokens, decode_positions, decode_outputs = decodes
+        page_size, caching = self.kv_cache.page_size, self.kv_cache.enable_prefix_caching
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_known = request.num_tokens + request.num_inflight_tokens
+            num_inflight = request.num_inflight_tokens
+            num_known = request.num_tokens + num_inflight
             if num_known >= request.max_num_tokens:  # its last token is in flight: it finishes when read
                 index += 1
                 continue
-            num_new = min(num_known - request.num_computed_tokens, token_budget)
+            start = request.num_computed_tokens
+            if (  # a plain decode (`DecodeColumns`): the page for `start` is there and the runner has it
+                num_known - start == 1 and request.has_plain_decodes and request.grammar is None
+                and start < (num_pages := len(request.page_ids)) * page_size
+                and request.num_pages_scheduled == num_pages and not (caching and (start + 1) % page_size == 0)
+            ):
+                decode_ids.append(request.request_id)
+                decode_tokens.append(PENDING_TOKEN if num_inflight else request.last_token_id)
+                decode_positions.append(start)
+                decode_outputs.append(len(request.output_token_ids) + num_inflight)
+                request.num_computed_tokens = num_known
+                request.num_inflight_tokens = num_inflight + 1
+                token_budget -= 1
+                index += 1
+                continue
+            num_new = min(num_known - start, token_budget)
             while not self.kv_cache.allocate(request.page_ids, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -212,9 +260,10 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, num_new, filling, resumed=True))
                 token_budget -= num_new
         finished, self._finished_ids = tuple(self._finished_ids), []
-        output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished, frozenset(filling))
+        output = SchedulerOutput(tuple(scheduled), tuple(preempted), finished, frozenset(filling),
+                                 decodes if decode_ids else NO_DECODES)
         self._inflight_filling.append(output.filling_keys)
-        if scheduled:
+        if not output.is_empty:
             self.iteration_tokens.observe(output.num_tokens)
         return output
 
@@ -288,6 +337,13 @@ class Scheduler:
             request.num_computed_tokens = item.start_position
             request.num_inflight_tokens -= item.keeps_sample
             request.num_pages_scheduled = item.first_new_page
+        decodes = scheduler_output.decodes
+        for request_id, position in zip(decodes.request_ids, decodes.positions, strict=True):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = position
+            request.num_inflight_tokens -= 1
 
     def _discard_filling(self, scheduler_output: SchedulerOutput) -> None:
         if scheduler_output.filling_keys in self._inflight_filling:
@@ -305,16 +361,18 @@ class Scheduler:
         """Records a step's results (the step's requests, in flight or not, were advanced when scheduled);
         returns the requests that received a new token. A request preempted or finished since the step
         was scheduled keeps the step's real results (its sample, prompt logprobs) but caches no page."""
+        num_records = len(scheduler_output.scheduled)
+        if len(step_output.sampled_token_ids) != num_records + len(scheduler_output.decodes.request_ids):
+            raise ValueError(f"{len(step_output.sampled_token_ids)} samples for {scheduler_output.num_reqs} requests")
         self._discard_filling(scheduler_output)
         advanced: list[Request] = []
-        num_rows = len(step_output.request_ids)
-        top_logprobs = step_output.top_logprobs or [None] * num_rows
-        prompt_logprobs = step_output.prompt_logprobs or [None] * num_rows
+        top_logprobs = step_output.top_logprobs or [None] * num_records
+        prompt_logprobs = step_output.prompt_logprobs or [None] * num_records
         now = time.monotonic()  # one stamp for every token of this step
         caching, page_size = self.kv_cache.enable_prefix_caching, self.kv_cache.page_size
         for item, token_id, logprob, top, prompt in zip(
             scheduler_output.scheduled, step_output.sampled_token_ids, step_output.logprobs, top_logprobs,
-            prompt_logprobs, strict=True,
+            prompt_logprobs, strict=False,  # the records' rows come first; the decodes' follow
         ):
             request = self.requests.get(item.request_id)
             if request is None or request.status.is_finished:  # aborted while the step ran
@@ -329,6 +387,23 @@ class Scheduler:
                 continue  # a prefill chunk: the sample is not a real next token
             request.num_inflight_tokens -= 1
             request.append_output_token(token_id, logprob, top)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            advanced.append(request)
+            if request.status.is_finished:
+                self._remove(request)
+        # Plain decodes: no page completed, no prompt logprobs, no top logprobs (`DecodeColumns`).
+        requests = self.requests
+        for request_id, token_id, logprob in zip(
+            scheduler_output.decodes.request_ids, step_output.sampled_token_ids[num_records:],
+            step_output.logprobs[num_records:], strict=True,
+        ):
+            request = requests.get(request_id)
+            if request is None or request.status.is_finished:  # aborted while the step ran
+                continue
+            request.num_inflight_tokens -= 1
+            request.append_output_token(token_id, logprob)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.request import RequestFault
-from jaxserve.engine.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
+from jaxserve.engine.scheduler import NO_DECODES, PENDING_TOKEN, DecodeColumns, ScheduledRequest, SchedulerOutput
 from jaxserve.engine.structured_output import MaskFiller, bitmask_words
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
@@ -234,22 +234,22 @@ def build_step_batch(
     bucket: Bucket,
     layout: BatchLayout,
     rows: RequestRows,
-    row_ids: np.ndarray,  # intp[n]: each scheduled request's row in `rows`
-    previous: tuple[ScheduledRequest, ...] = (),  # the previous step's requests, in row order
+    row_ids: np.ndarray,  # intp[n]: each scheduled request's row in `rows`, in the step's row order
 ) -> StepBatch:
     """The step's arrays: the requests' persistent rows gathered, the step's own columns filled for all rows
-    at once, and only rows using rare features (penalties, biases, bans, prompt logprobs, a grammar) filled
-    one by one (a Python loop over every row costs 20 us a row, 5 ms a step at 256 decodes). A value that
-    cannot go in its column (one request's bad data) raises RequestFault for that request: the rows are
-    filled again one at a time to find it."""
+    at once (the plain decodes straight from the scheduler's columns), and only rows using rare features
+    (penalties, biases, bans, prompt logprobs, a grammar) filled one by one (a Python loop over every row
+    costs 20 us a row, 5 ms a step at 256 decodes). A value that cannot go in its column (one request's bad
+    data) raises RequestFault for that request: the records are filled again one at a time to find it."""
     scheduled = scheduler_output.scheduled
     batch = neutral_batch(bucket, layout)
     try:
-        biases = _fill_rows(batch, scheduled, rows, row_ids, layout, previous)
+        biases = _fill_rows(batch, scheduled, scheduler_output.decodes, rows, row_ids, layout)
     except Exception as error:
         for index, item in enumerate(scheduled):
             try:
-                _fill_rows(neutral_batch(bucket, layout), (item,), rows, row_ids[index : index + 1], layout, previous)
+                _fill_rows(neutral_batch(bucket, layout), (item,), NO_DECODES, rows, row_ids[index : index + 1],
+                           layout)
             except Exception as e:  # one request's values must not fail the whole step
                 raise RequestFault(item.request_id) from e
         raise error
@@ -346,32 +346,38 @@ def _separate_neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
 def _fill_rows(
     batch: StepBatch,
     scheduled: tuple[ScheduledRequest, ...],
+    decodes: DecodeColumns,
     rows: RequestRows,
     row_ids: np.ndarray,
     layout: BatchLayout,
-    previous: tuple[ScheduledRequest, ...],
 ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Writes `scheduled` into rows 0.. of a neutral batch; returns the biased rows as (row, token ids i32[k],
-    biases f32[k]), written afterwards into copies of the shared bias arrays."""
-    num_rows = len(scheduled)
+    """Writes `scheduled`, then `decodes`, into rows 0.. of a neutral batch; returns the biased rows as (row,
+    token ids i32[k], biases f32[k]), written afterwards into copies of the shared bias arrays."""
+    num_records, num_decodes = len(scheduled), len(decodes.request_ids)
+    num_rows = num_records + num_decodes
     if not num_rows:
         return []
     attention, sampling, penalties = batch.attention, batch.sampling, batch.penalty_updates
-    lengths = np.fromiter((len(item.token_ids) for item in scheduled), np.int64, num_rows)  # [n]
+    lengths = np.ones(num_rows, np.int64)  # [n]: a decode computes one token
+    lengths[:num_records] = np.fromiter((len(item.token_ids) for item in scheduled), np.int64, num_records)
     cu_lens = np.zeros(num_rows + 1, np.int64)  # [n + 1]
     np.cumsum(lengths, out=cu_lens[1:])
     total = int(cu_lens[-1])
     row_of_token = np.repeat(np.arange(num_rows), lengths)  # [total]
-    starts = np.fromiter((item.start_position for item in scheduled), np.int64, num_rows)  # [n]
+    starts = np.empty(num_rows, np.int64)  # [n]
+    starts[:num_records] = np.fromiter((item.start_position for item in scheduled), np.int64, num_records)
+    starts[num_records:] = decodes.positions
     positions = starts[row_of_token] + np.arange(total) - cu_lens[row_of_token]  # [total]
 
-    token_ids = np.fromiter(itertools.chain.from_iterable(item.token_ids for item in scheduled), np.int64, total)
+    num_record_tokens = total - num_decodes
+    token_ids = np.empty(total, np.int64)  # [total]
+    token_ids[:num_record_tokens] = np.fromiter(itertools.chain.from_iterable(item.token_ids for item in scheduled),
+                                                np.int64, num_record_tokens)
+    token_ids[num_record_tokens:] = decodes.token_ids
     pending = token_ids == PENDING_TOKEN  # sampled by the previous step, still on the device
     batch.input_ids[:total] = np.where(pending, 0, token_ids)
-    if pending.any():  # async scheduling: the map is built only then (~1 us per request)
-        previous_rows = {item.request_id: row for row, item in enumerate(previous) if item.keeps_sample}
-        batch.input_from_row[:total][pending] = [previous_rows[scheduled[row].request_id]
-                                                 for row in row_of_token[pending]]
+    if pending.any():  # async scheduling: each takes its sample from the row it had in the previous step
+        batch.input_from_row[:total][pending] = rows.sample_row[row_ids[row_of_token[pending]]]
     batch.positions[:total] = positions
 
     np.take(rows.page_table, row_ids, axis=0, out=attention.page_table[:num_rows])  # [n, P]
@@ -385,12 +391,14 @@ def _fill_rows(
 
     for name in SAMPLING_COLUMNS:
         np.take(getattr(rows, name), row_ids, out=getattr(sampling, name)[:num_rows])
-    sampling.output_index[:num_rows] = [item.num_output_tokens for item in scheduled]
+    sampling.output_index[:num_records] = [item.num_output_tokens for item in scheduled]
+    sampling.output_index[num_records:num_rows] = decodes.output_indices
 
-    # Features few requests use: row by row, only for the rows that use them.
+    # Features few requests use: row by row, only for the rows that use them (records: a request using one
+    # never decodes as a column, `Request.has_plain_decodes`).
     biases = []
     no_slot = layout.num_penalty_slots
-    for row in np.flatnonzero(rows.row_features[row_ids]).tolist():
+    for row in np.flatnonzero(rows.row_features[row_ids[:num_records]]).tolist():
         item = scheduled[row]
         first, end = cu_lens[row], cu_lens[row + 1]
         slot = int(sampling.penalty_slots[row])

@@ -152,7 +152,6 @@ class ModelRunner:
         # The last step's samples by row, on the device, and its requests in row order (async scheduling).
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
-        self._previous_scheduled: tuple[ScheduledRequest, ...] = ()
         self._device_copies: dict[int, tuple[np.ndarray, jax.Array]] = {}  # see _on_device
         self._single_process = jax.process_count() == 1
         logger.info(
@@ -206,27 +205,30 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
         (nothing dispatched) when one request's values cannot be put in the batch."""
-        scheduled = scheduler_output.scheduled
+        scheduled, decodes = scheduler_output.scheduled, scheduler_output.decodes
         self.rows.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
         self.last_step = None
-        if not scheduled:
+        if scheduler_output.is_empty:
             return None
-        bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, len(scheduled)))
-        self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, len(scheduled))
+        num_reqs = scheduler_output.num_reqs
+        bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, num_reqs))
+        self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, num_reqs)
         try:
-            row_ids = self.rows.update(scheduled)
+            row_ids = self.rows.update(scheduled, decodes.request_ids)
         finally:  # after a RequestFault too: the rows written stay, and so must what they have seen
             for row, token_ids, num_prompt_tokens in self.rows.take_seen_tokens():
                 self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
-        batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids, self._previous_scheduled)
+        batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids)
         sampled, prompt = self.run_step(batch, bucket)
-        self._previous_scheduled = scheduled
+        keeps_sample = np.ones(num_reqs, np.bool_)  # [n]: every plain decode keeps its sample
+        keeps_sample[: len(scheduled)] = [item.keeps_sample for item in scheduled]
+        self.rows.launched(row_ids, keeps_sample)
         return LaunchedStep(scheduler_output, batch, sampled, prompt)
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Waits for a launched step's samples and turns them into per-request results."""
-        scheduled, batch = launched.scheduler_output.scheduled, launched.batch
-        num_reqs = len(scheduled)
+        scheduled, batch = launched.scheduler_output.scheduled, launched.batch  # top logprobs: records only
+        num_reqs = launched.scheduler_output.num_reqs
         top_rows = np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist()
         sampled = launched.sampled
         top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
@@ -240,25 +242,25 @@ class ModelRunner:
         else:  # no row asked for alternatives: their arrays stay on the device
             tokens, logprobs = to_host((sampled.tokens, sampled.logprobs))
         return StepOutput(
-            request_ids=[s.request_id for s in scheduled],
+            request_ids=launched.scheduler_output.request_ids,
             sampled_token_ids=tokens[:num_reqs].tolist(),
             logprobs=logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
-            prompt_logprobs=self._prompt_logprobs(batch, scheduled, launched.prompt),
+            prompt_logprobs=self._prompt_logprobs(batch, scheduled, num_reqs, launched.prompt),
         )
 
     def _prompt_logprobs(
-        self, batch: StepBatch, scheduled: tuple[ScheduledRequest, ...], prompt: PromptLogprobs
+        self, batch: StepBatch, scheduled: tuple[ScheduledRequest, ...], num_reqs: int, prompt: PromptLogprobs
     ) -> list[tuple[int, list[dict[int, Logprob]]] | None] | None:
         """Per request scoring prompt tokens this step: (its first scored token, {token: Logprob} per token
         with the prompt's token first, then the top alternatives it asked for). Read from the device
-        only when some request scored."""
+        only when some request scored (a record: a plain decode scores none)."""
         wanted = batch.prompt_logprob_targets < self.model.cfg.vocab_size  # bool[T], host numpy
         if not wanted.any():
             return None
         prompt = to_host(prompt)
         cu_q_lens = batch.attention.cu_q_lens
-        result: list[tuple[int, list[dict[int, Logprob]]] | None] = [None] * len(scheduled)
+        result: list[tuple[int, list[dict[int, Logprob]]] | None] = [None] * num_reqs
         for row, item in enumerate(scheduled):
             first, end = cu_q_lens[row], cu_q_lens[row + 1]
             num_scored = int(wanted[first:end].sum())  # the leading positions of the row

@@ -45,6 +45,9 @@ class RequestRows:
         # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
         # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
+        # i32[M]: the batch row of the request's sample in the last step launched that kept one; a step
+        # feeds a token still in flight (async scheduling) from that row of the previous step's samples.
+        self.sample_row = np.zeros(num_rows, np.int32)
         self._seen_tokens: list[tuple[int, tuple[int, ...], int]] = []  # see take_seen_tokens
 
     @property
@@ -58,9 +61,10 @@ class RequestRows:
             if row is not None:
                 self._free.append(row)
 
-    def update(self, scheduled: tuple[ScheduledRequest, ...]) -> np.ndarray:
-        """Records a step's requests: a row (re)written for each that starts or resumes, or has none, and
-        every request's new pages. Returns each request's row, intp[n].
+    def update(self, scheduled: tuple[ScheduledRequest, ...], decode_ids: list[str] = ()) -> np.ndarray:
+        """Records a step's requests: a row (re)written for each record that starts or resumes, or has none,
+        and every record's new pages (a plain decode, `decode_ids`, has a row and no new page). Returns each
+        request's row, intp[n], records first.
 
         A request whose parameters do not fit the rows raises RequestFault, after the other requests' rows
         are written: the engine drops it and plans the others again, as running requests (not resumed),
@@ -79,7 +83,12 @@ class RequestRows:
         if fault is not None:
             raise fault
         row_of, page_table = self.row_of, self.page_table
-        rows = np.empty(len(scheduled), np.intp)  # [n]
+        num_records = len(scheduled)
+        rows = np.empty(num_records + len(decode_ids), np.intp)  # [n]
+        try:
+            rows[num_records:] = np.fromiter(map(row_of.__getitem__, decode_ids), np.intp, len(decode_ids))
+        except KeyError as missing:  # the scheduler sends a plain decode only after its first record
+            raise RequestFault(missing.args[0]) from RuntimeError("a plain decode of a request without a row")
         for index, item in enumerate(scheduled):
             row = rows[index] = row_of[item.request_id]
             if item.new_page_ids:
@@ -89,6 +98,10 @@ class RequestRows:
                         f"{end} pages, at most {page_table.shape[1]} per request")
                 page_table[row, first:end] = item.new_page_ids
         return rows
+
+    def launched(self, row_ids: np.ndarray, keeps_sample: np.ndarray) -> None:
+        """Notes where a launched step's kept samples sit: row_ids intp[n], keeps_sample bool[n]."""
+        self.sample_row[row_ids[keeps_sample]] = np.flatnonzero(keeps_sample)
 
     def take_seen_tokens(self) -> list[tuple[int, tuple[int, ...], int]]:
         """(row, tokens, prompt length) of rows written after a prefix-cache hit with penalties, since the
@@ -138,7 +151,7 @@ def _row_values(item: ScheduledRequest) -> RowValues:
             np.float32(0.0 if p.is_greedy else p.temperature), np.int32(p.top_k), np.float32(p.top_p),
             np.float32(p.min_p), np.uint32(item.sampling_seed), p.logprobs is not None, bool(p.logprobs),
             np.float32(p.repetition_penalty), np.float32(p.frequency_penalty), np.float32(p.presence_penalty),
-            p.has_penalties, bool(p.has_penalties or p.logit_bias or p.min_tokens or p.prompt_logprobs is not None),
+            p.has_penalties, p.fills_batch_rows,
         )
     except (OverflowError, ValueError, TypeError) as error:
         raise RequestFault(item.request_id) from error

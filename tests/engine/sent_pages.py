@@ -1,8 +1,19 @@
-"""The page tables a runner keeps from the scheduler's page deltas, for scheduler tests."""
+"""For scheduler tests: the page tables a runner keeps from the scheduler's page deltas, and a step's rows."""
 
 import weakref
 
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerOutput
+
+
+def shares(out: SchedulerOutput) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(request id, start position, tokens) of every row of a step, records and plain decodes alike, in
+    row order; a token in flight is PENDING_TOKEN."""
+    rows = [(item.request_id, item.start_position, item.token_ids) for item in out.scheduled]
+    decodes = out.decodes
+    rows += [(request_id, position, (token,)) for request_id, position, token
+             in zip(decodes.request_ids, decodes.positions, decodes.token_ids, strict=True)]
+    assert all(PENDING_TOKEN not in tokens[:-1] for _, _, tokens in rows), "only a row's last token can be in flight"
+    return rows
 
 
 class SentPages:
@@ -23,6 +34,14 @@ class SentPages:
             assert item.first_new_page <= len(pages), "a gap in the page table"
             pages[item.first_new_page : item.first_new_page + len(item.new_page_ids)] = item.new_page_ids
             assert pages == scheduler.requests[item.request_id].page_ids, item.request_id
+        decodes = out.decodes
+        for request_id, position in zip(decodes.request_ids, decodes.positions, strict=True):
+            # A plain decode sends no pages: the runner's row must hold them all, the page it writes included.
+            request = scheduler.requests[request_id]
+            assert self.pages.get(request_id) == request.page_ids, f"plain decode {request_id} without its pages"
+            assert position < len(request.page_ids) * scheduler.kv_cache.page_size, "a plain decode needs a page"
+            assert (position + 1) % scheduler.kv_cache.page_size or not scheduler.kv_cache.enable_prefix_caching, \
+                "a plain decode completes a page: the prefix cache would not key it"
 
     def of(self, request_id: str) -> list[int]:
         return self.pages[request_id]

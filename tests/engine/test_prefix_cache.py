@@ -6,7 +6,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys, p
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.sent_pages import SentPages, replay
+from tests.engine.sent_pages import SentPages, replay, shares
 
 PAGE = 4
 
@@ -23,9 +23,12 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 3, salt: 
 
 def check_writes(kv: KVCacheManager, out: SchedulerOutput, sent: SentPages) -> None:
     """A step writes K/V only into pages its request holds alone and that carry no key."""
-    for item in out.scheduled:
-        start, end = item.start_position, item.start_position + len(item.token_ids)
-        for page in {sent.of(item.request_id)[p // PAGE] for p in range(start, end)}:
+    writes = [(item.request_id, item.start_position, item.start_position + len(item.token_ids))
+              for item in out.scheduled]
+    writes += [(request_id, position, position + 1)
+               for request_id, position in zip(out.decodes.request_ids, out.decodes.positions, strict=True)]
+    for request_id, start, end in writes:
+        for page in {sent.of(request_id)[p // PAGE] for p in range(start, end)}:
             assert kv.ref_count(page) == 1, f"page {page} written while shared"
             assert not kv.is_cached(page), f"page {page} written while cached"
 
@@ -34,7 +37,7 @@ def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """One step, with the pages sent to the runner replayed (`SentPages`) and checked."""
     out = sched.schedule()
     check_writes(sched.kv_cache, out, replay(sched, out))
-    ids = [s.request_id for s in out.scheduled]
+    ids = out.request_ids
     sched.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
 
@@ -199,9 +202,8 @@ def test_siblings_wait_one_step_for_a_page_being_computed_then_share_it():
     first = run_step(sched)
     assert [s.request_id for s in first.scheduled] == ["r#0"], "the siblings wait for r#0's pages"
     second = run_step(sched)
-    assert [(s.request_id, s.start_position) for s in second.scheduled] == [
-        ("r#0", 13), ("r#1", 12), ("r#2", 12)]
-    pages = [sched.requests[s.request_id].page_ids[:3] for s in second.scheduled]
+    assert sorted(row[:2] for row in shares(second)) == [("r#0", 13), ("r#1", 12), ("r#2", 12)]
+    pages = [sched.requests[request_id].page_ids[:3] for request_id in second.request_ids]
     assert pages[0] == pages[1] == pages[2] and all(sched.kv_cache.ref_count(p) == 3 for p in pages[0])
     drain(sched)
     assert_all_released(sched.kv_cache)

@@ -10,7 +10,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.sent_pages import replay
+from tests.engine.sent_pages import replay, shares
 
 _prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
 
@@ -25,7 +25,7 @@ def run_step(scheduler: Scheduler, token: int = 7):
     """One step, with the pages sent to the runner replayed (`SentPages`) and checked."""
     out = scheduler.schedule()
     replay(scheduler, out)
-    ids = [s.request_id for s in out.scheduled]
+    ids = out.request_ids
     scheduler.update(out, StepOutput(ids, [token] * len(ids), [0.0] * len(ids)))
     return out
 
@@ -55,7 +55,8 @@ def test_chunked_prefill_then_decode_within_budget():
     assert second.scheduled[0].start_position == 8 and len(second.scheduled[0].token_ids) == 5
     assert sched.requests["a"].output_token_ids == [7]
     third = run_step(sched)
-    assert third.scheduled[0].token_ids == (7,) and third.scheduled[0].start_position == 13
+    assert shares(third) == [("a", 13, (7,))]
+    assert third.decodes.request_ids == ["a"], "a decode inside its page travels as a plain column"
 
 
 def test_decodes_go_first_and_waiting_requests_fill_the_rest():
@@ -221,3 +222,52 @@ def test_the_runner_is_sent_each_page_once_and_again_after_a_step_taken_back():
     assert (decode.first_new_page, decode.new_page_ids) == (2, ())
     (decode,) = run_step(sched).scheduled  # position 8: a third page
     assert decode.first_new_page == 2 and decode.new_page_ids == (sched.requests["a"].page_ids[2],)
+
+
+def test_plain_decodes_travel_as_columns_and_events_as_records():
+    """A decode inside its page is a column entry; a page to allocate, a page to complete (prefix caching)
+    or a feature the runner fills row by row makes it a record."""
+    sched = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=64)
+    special = {
+        "penalty": dict(presence_penalty=0.5), "bias": dict(logit_bias={3: 1.0}), "min": dict(min_tokens=1),
+        "prompt_lp": dict(prompt_logprobs=0), "top_lp": dict(logprobs=2),
+    }
+    plain = Request("plain", [10, 11, 12, 13, 14], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=0),
+                    eos_token_ids=(2,), max_model_len=1024, sampling_seed=0)
+    sched.add_request(plain)
+    for i, (name, extra) in enumerate(special.items()):
+        sched.add_request(Request(name, [20 + i] * 5, SamplingParams(max_tokens=7, ignore_eos=True, **extra),
+                                  eos_token_ids=(2,), max_model_len=1024, sampling_seed=0))
+    assert run_step(sched, token=4).decodes.request_ids == [], "prompts are records"
+    kinds = []
+    for position in range(5, 10):
+        out = run_step(sched, token=position)
+        assert sorted(item.request_id for item in out.scheduled) == sorted(
+            special if out.decodes.request_ids else ["plain", *special])
+        if out.decodes.request_ids:  # the token at `position` is output `position - 5`; the sample is the next
+            assert out.decodes == (["plain"], [position - 1], [position], [position - 4])
+        kinds.append("column" if out.decodes.request_ids else "record")
+    # Positions 5, 6: inside page 1. 7: completes it (its key is offered). 8: a new page. 9: inside it.
+    assert kinds == ["column", "column", "record", "record", "column"]
+    assert plain.output_token_ids == [4, 5, 6, 7, 8, 9] and plain.output_logprobs == [0.0] * 6
+    assert sched.kv_cache.is_cached(plain.page_ids[1]), "the completed page was keyed"
+
+
+def test_plain_decodes_are_taken_back_and_finish_like_records():
+    sched = Scheduler(KVCacheManager(64, 8), max_num_seqs=4, max_num_batched_tokens=64)
+    for name in "ab":
+        sched.add_request(make_request(name, 3, max_tokens=3))
+    run_step(sched)
+    out = sched.schedule()
+    assert out.decodes.request_ids == ["a", "b"] and out.decodes.positions == [3, 3]
+    sched.unschedule(out)  # its batch could not be built: both are planned again from where they were
+    again = sched.schedule()
+    assert again.decodes == out.decodes
+    a = sched.requests["a"]
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # aborted while the step runs
+    with pytest.raises(ValueError, match="1 samples for 2 requests"):
+        sched.update(again, StepOutput(["a"], [8], [0.0]))
+    assert sched.update(again, StepOutput(again.request_ids, [8, 9], [0.0, 0.0])) == [a]
+    assert a.output_token_ids == [7, 8]
+    run_step(sched)
+    assert a.status is RequestStatus.FINISHED_LENGTH and not sched.has_unfinished()
