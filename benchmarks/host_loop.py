@@ -10,7 +10,8 @@ splits each decode step's wall time, by timing the engine's own phases in place:
 - build: `build_step_batch` (numpy inputs for the bucket, sampling rows, bitmasks)
 - dispatch: the compiled step called until it returns (flattening the arguments, launching)
 - device: waiting for the sampled tokens (`to_host`), the device's share
-- frontend: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s)
+- frontend: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s; DELTA outputs, as
+  the server asks for, unless `--output-kind` says otherwise)
 - rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, the `SequenceUpdate`s
 
 "host" is the total minus the wait for the device, taken step by step before the median (so the device's
@@ -71,8 +72,9 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: i
     return LLMEngine(config, model=model)
 
 
-def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152, prefix_caching: bool = False) -> dict:
-    from jaxserve import SamplingParams
+def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152, prefix_caching: bool = False,
+            output_kind: str = "delta") -> dict:
+    from jaxserve import RequestOutputKind, SamplingParams
     from jaxserve.engine.core_process import step_message
     from jaxserve.runner import model_runner
 
@@ -108,7 +110,8 @@ def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152
 
     engine._core.step = core_step_and_pickle
 
-    params = SamplingParams(max_tokens=decode_steps + 16, temperature=0.0, ignore_eos=True)  # none ends early
+    params = SamplingParams(max_tokens=decode_steps + 16, temperature=0.0, ignore_eos=True,  # none ends early
+                            output_kind=RequestOutputKind(output_kind))
     for i in range(num_seqs):
         engine.add_request(str(i), list(range(100 + i, 116 + i)), params)  # 16-token prompts
     for _ in range(1000):  # through the prefills, to the first step that decodes every sequence
@@ -136,6 +139,7 @@ def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152
     from jaxserve.allocator import loaded_allocator
 
     return {"seqs": num_seqs, "mode": mode, "vocab_size": vocab_size, "prefix_caching": prefix_caching,
+            "output_kind": output_kind,
             "allocator": loaded_allocator(),
             "decode_steps": decode_steps,
             "median_ms": {k: round(v, 3) for k, v in median.items()}}
@@ -153,9 +157,11 @@ def main() -> None:
                         help="the tiny model's vocabulary (SmolLM2's by default; its tokenizer reads any ids below it)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="as `serve` does by default (off here by default, as in the earlier tables)")
+    parser.add_argument("--output-kind", choices=["delta", "cumulative", "final_only"], default="delta",
+                        help="what the frontend builds each step (the server asks for deltas)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = [measure(n, args.steps, mode, args.vocab_size, args.enable_prefix_caching)
+    results = [measure(n, args.steps, mode, args.vocab_size, args.enable_prefix_caching, args.output_kind)
                for n in args.seqs for mode in args.modes]
     print(f"allocator: {loaded_allocator()}")
     keys = ["schedule", "build", "dispatch", "device", "frontend", "rest", "host", "pickle", "core host", "total"]

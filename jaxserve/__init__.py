@@ -2,11 +2,11 @@
 
 from typing import Any
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,6 @@
 """`jaxserve.LLM`: offline batched generation, like `vllm.LLM`."""
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import apply_chat_template
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
@@ -86,6 +87,8 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        # Only the finished outputs are returned: the engine builds no others (vLLM's LLM does the same).
+        sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
         request_ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:

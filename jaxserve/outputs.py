@@ -1,7 +1,16 @@
 """What the engine hands back for each request (pure Python, no jax)."""
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names and default)."""
+
+    CUMULATIVE = "cumulative"  # everything so far: text, token ids and logprobs from the first token
+    DELTA = "delta"  # only what the step added (a stream's chunk); prompt logprobs once, when known
+    FINAL_ONLY = "final_only"  # one output, cumulative, when the request finishes
 
 
 class Logprob(NamedTuple):
@@ -18,8 +27,9 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class CompletionOutput:
-    """One of a request's `n` completions. Text and token ids are cumulative; `*_delta` is what the
-    latest step added (what a stream sends)."""
+    """One of a request's `n` completions. Text, token ids and logprobs are cumulative, or with
+    `RequestOutputKind.DELTA` only what the latest step added; `*_delta` is always what the latest step
+    added (what a stream sends)."""
 
     index: int
     text: str = ""
@@ -96,3 +106,33 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """`total` (None before the first) with a DELTA output added: completions extended in place, the
+    latest status and facts taken. The first delta is copied, so the caller's delta stays its own."""
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
+    completions = {completion.index: completion for completion in total.outputs}
+    for new in delta.outputs:
+        old = completions.get(new.index)
+        if old is None:
+            old = completions[new.index] = CompletionOutput(
+                new.index, logprobs=None if new.logprobs is None else [],
+                top_logprobs=None if new.top_logprobs is None else [])
+            total.outputs.append(old)
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if new.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        if new.top_logprobs is not None:
+            old.top_logprobs.extend(new.top_logprobs)
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        old.text_delta, old.token_ids_delta = new.text_delta, new.token_ids_delta
+    total.outputs.sort(key=lambda completion: completion.index)
+    total.finished, total.metrics = delta.finished, delta.metrics
+    total.error, total.error_param = delta.error, delta.error_param
+    total.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
+    return total

@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from jaxserve.outputs import RequestOutputKind
+
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP_STRINGS = 64  # each generated token is checked against every stop string
@@ -116,6 +118,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # constrains every token to a grammar
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +161,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParam("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidParam("output_kind must be a RequestOutputKind", "output_kind")
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id, 0, _INT32_MAX)
             _check_float("logit_bias", bias, -100.0, 100.0)

@@ -123,10 +123,11 @@ async def render_chat(
     return await serving.off_loop(render)
 
 
-def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int) -> ChatLogprobs:
+def _logprobs(serving: ModelServing, completion: CompletionOutput) -> ChatLogprobs:
+    """Logprobs of the completion's tokens: all of them (a stream's delta holds only the new ones)."""
     content = []
     top = completion.top_logprobs or []
-    for i in range(start, len(completion.token_ids)):
+    for i in range(len(completion.token_ids)):
         token = serving.token_string(completion.token_ids[i])
         alternatives = [
             TopLogprob(token=(s := serving.token_string(t)), logprob=lp, bytes=list(s.encode()))
@@ -201,7 +202,7 @@ async def create_chat_completion(request: Request) -> Response:
     for c in final.outputs:
         message, finish_reason = _message(c, plan)
         items.append(ChatChoice(index=c.index, message=message,
-                                logprobs=_logprobs(serving, c, 0) if req.logprobs else None,
+                                logprobs=_logprobs(serving, c) if req.logprobs else None,
                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
     return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
@@ -235,6 +236,6 @@ async def _chunks(
         yield chunk([ChatChunkChoice(
             index=delta.index, delta=DeltaMessage(content=content if content or calls is None else None,
                                                   tool_calls=calls),
-            logprobs=_logprobs(serving, completion, delta.first_token) if req.logprobs else None,
+            logprobs=_logprobs(serving, completion) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
         )])

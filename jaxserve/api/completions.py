@@ -66,11 +66,12 @@ def _end_offset(logprobs: CompletionLogprobs) -> int:
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
-def _logprobs(serving: ModelServing, completion: CompletionOutput, start: int, text_offset: int) -> CompletionLogprobs:
-    """Logprobs of the completion's tokens from index `start` on, in the legacy completions shape."""
+def _logprobs(serving: ModelServing, completion: CompletionOutput, text_offset: int) -> CompletionLogprobs:
+    """Logprobs of the completion's tokens (a stream's delta holds only the new ones), in the legacy
+    completions shape."""
     result = CompletionLogprobs()
     top = completion.top_logprobs or []
-    for i in range(start, len(completion.token_ids)):
+    for i in range(len(completion.token_ids)):
         token = serving.token_string(completion.token_ids[i])
         result.tokens.append(token)
         result.token_logprobs.append(completion.logprobs[i])
@@ -122,7 +123,7 @@ async def create_completion(request: Request) -> Response:
             num_generated += len(completion.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _logprobs(serving, completion, 0, _end_offset(echoed) if echoed else 0)
+                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0)
                 logprobs = _joined(echoed, logprobs) if echoed else logprobs
             items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
@@ -148,14 +149,13 @@ async def _chunks(
     async for delta in choices:
         text, logprobs = delta.completion.text_delta, None
         if req.logprobs is not None:
-            logprobs = _logprobs(serving, delta.completion, delta.first_token, text_offsets[delta.index])
+            logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index])
         if req.echo and delta.index not in echoed:  # as vLLM: the prompt leads the choice's first chunk
             echoed.add(delta.index)
             text = (prompts[delta.prompt_index][0] or "") + text
             if logprobs is not None:
-                prompt_part = await _echo_logprobs(serving, choices.outputs[delta.prompt_index])
-                logprobs = _joined(prompt_part, _logprobs(serving, delta.completion, delta.first_token,
-                                                          _end_offset(prompt_part)))
+                prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index])
+                logprobs = _joined(prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part)))
         if logprobs is not None:
             text_offsets[delta.index] = _end_offset(logprobs) or text_offsets[delta.index]
         yield chunk([CompletionChoice(

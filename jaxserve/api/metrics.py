@@ -219,25 +219,31 @@ class ServerMetrics:
             last_prompt, last_generation = prompt, generation
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Passes a request's outputs through, recording its latencies and token counts."""
+        """Passes a request's outputs through, recording its latencies and token counts. The outputs are
+        DELTA ones (`RequestOutputKind`, the API's kind): each holds the tokens its step added."""
         arrival = last = time.perf_counter()
-        num_tokens = 0
+        choice_tokens: dict[int, int] = {}  # tokens so far, per completion index
         finished = False
         try:
             async for output in outputs:
                 now = time.perf_counter()
-                self._observe(output, now - arrival, now - last, num_tokens)
-                if output.num_generated_tokens > num_tokens:
-                    num_tokens, last = output.num_generated_tokens, now
+                num_tokens = sum(choice_tokens.values())
+                for completion in output.outputs:
+                    choice_tokens[completion.index] = choice_tokens.get(completion.index, 0) + len(completion.token_ids)
+                self._observe(output, now - arrival, now - last, num_tokens, choice_tokens)
+                if output.num_generated_tokens:
+                    last = now
                 finished = output.finished
                 yield output
         finally:
             if not finished:  # the client left or the engine failed: counted as aborted
                 self.request_success.labels(self.model_name, "abort").inc()
 
-    def _observe(self, output: RequestOutput, since_arrival: float, since_last: float, num_tokens: int) -> None:
+    def _observe(self, output: RequestOutput, since_arrival: float, since_last: float, num_tokens: int,
+                 choice_tokens: dict[int, int]) -> None:
+        """`num_tokens`: the request's tokens before this output; `choice_tokens`: per completion, after it."""
         name = self.model_name
-        new_tokens = output.num_generated_tokens - num_tokens
+        new_tokens = output.num_generated_tokens
         if new_tokens > 0:
             if num_tokens == 0:
                 self.ttft.labels(name).observe(since_arrival)
@@ -249,16 +255,16 @@ class ServerMetrics:
             self.total_generation_tokens += new_tokens
         if output.finished:
             self.e2e.labels(name).observe(since_arrival)
-            self._observe_finished(output)
+            self._observe_finished(output, choice_tokens)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: RequestOutput, choice_tokens: dict[int, int]) -> None:
         """The per-request metrics vLLM records when a request finishes."""
         name = self.model_name
         reason = output.outputs[0].finish_reason if output.outputs else None
         self.request_success.labels(name, reason or "abort").inc()
-        max_choice_tokens = max((len(o.token_ids) for o in output.outputs), default=0)
+        max_choice_tokens = max(choice_tokens.values(), default=0)
         self.request_prompt_tokens.labels(name).observe(output.num_prompt_tokens)
-        self.request_generation_tokens.labels(name).observe(output.num_generated_tokens)
+        self.request_generation_tokens.labels(name).observe(sum(choice_tokens.values()))
         self.request_max_num_generation_tokens.labels(name).observe(max_choice_tokens)
         self.request_params_n.labels(name).observe(len(output.outputs))
         metrics = output.metrics

@@ -26,7 +26,7 @@ from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFiel
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import InvalidParam, SamplingParams, StructuredOutputsParams, check_cache_salt
 
 T = TypeVar("T")
@@ -228,6 +228,7 @@ class ModelServing:
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 structured_outputs=structure or requested_structure(req),
+                output_kind=RequestOutputKind.DELTA,  # the API's one kind: its streams and `collect` add them up
             )
             self.info.limits.check(prompt_token_ids, params)
             check_cache_salt(req.cache_salt)

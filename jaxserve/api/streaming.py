@@ -1,10 +1,11 @@
 """The one streaming core of /v1/completions and /v1/chat/completions.
 
-An HTTP request starts one engine request per prompt, each with n completions. `ChoiceStream` merges
-their outputs and turns the engine's cumulative CompletionOutputs into per-choice deltas (text, new
-tokens, finish), counting usage as it goes; `sse` frames chunks as server-sent events and ends every
-stream the same way: the usage chunk if asked, an error event if the engine failed, then `[DONE]`.
-`collect` is the non-streamed path. Everything here runs on the event loop.
+An HTTP request starts one engine request per prompt, each with n completions, whose outputs are
+deltas (`RequestOutputKind.DELTA`: the engine copies nothing it sent before). `ChoiceStream` merges them
+into per-choice deltas (text, new tokens, finish), counting usage as it goes; `sse` frames chunks as
+server-sent events and ends every stream the same way: the usage chunk if asked, an error event if the
+engine failed, then `[DONE]`. `collect` is the non-streamed path: it adds each request's deltas up.
+Everything here runs on the event loop.
 """
 
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from jaxserve.api.errors import APIError, error_body
 from jaxserve.api.protocol import UsageInfo
 from jaxserve.api.serving import merge_streams, unless_disconnected
 from jaxserve.engine.async_engine import EngineDeadError, RequestFailedError
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput, add_delta
 from jaxserve.sampling_params import InvalidParam
 
 ENGINE_ERRORS = (ValueError, EngineDeadError, RequestFailedError)
@@ -38,8 +39,7 @@ class ChoiceDelta:
 
     index: int  # the choice's index in the response: prompt_index * n + completion index
     prompt_index: int
-    completion: CompletionOutput  # cumulative; completion.text_delta is this delta's text
-    first_token: int  # completion.token_ids[first_token:] are the new tokens
+    completion: CompletionOutput  # a delta: its text, token ids and logprobs are the new ones
 
     @property
     def finish_reason(self) -> str | None:
@@ -52,12 +52,12 @@ class ChoiceStream:
     def __init__(self, streams: list[AsyncIterator[RequestOutput]], n: int, num_prompt_tokens: int) -> None:
         self._streams = streams
         self._n = n
-        self._sent_tokens = [0] * (len(streams) * n)
         self._finished: set[int] = set()
         self._cached_tokens = [0] * len(streams)  # per prompt, from its latest output
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
-        self.outputs: list[RequestOutput | None] = [None] * len(streams)  # each prompt's latest output
+        # Per prompt, the output that brought its prompt facts (prompt logprobs come once), else its first.
+        self.prompt_outputs: list[RequestOutput | None] = [None] * len(streams)
 
     @property
     def usage(self) -> UsageInfo:
@@ -66,18 +66,16 @@ class ChoiceStream:
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         async for prompt_index, output in merge_streams(self._streams):
             self._cached_tokens[prompt_index] = output.num_cached_tokens
-            self.outputs[prompt_index] = output
+            if self.prompt_outputs[prompt_index] is None or output.prompt_logprobs is not None:
+                self.prompt_outputs[prompt_index] = output  # the prompt's facts for echo: sent once, kept
             for completion in output.outputs:
                 index = prompt_index * self._n + completion.index
-                sent = self._sent_tokens[index]
-                if index in self._finished or not (completion.text_delta or completion.finished
-                                                   or len(completion.token_ids) > sent):
+                if index in self._finished or not (completion.text or completion.finished or completion.token_ids):
                     continue
-                self._sent_tokens[index] = len(completion.token_ids)
-                self.num_generated_tokens += len(completion.token_ids) - sent
+                self.num_generated_tokens += len(completion.token_ids)
                 if completion.finished:
                     self._finished.add(index)
-                yield ChoiceDelta(index, prompt_index, completion, sent)
+                yield ChoiceDelta(index, prompt_index, completion)
 
 
 def sse_data(chunk: BaseModel) -> str:
@@ -103,9 +101,8 @@ async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]])
 
     async def finals() -> list[RequestOutput]:
         result: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in merge_streams(streams):
-            if output.finished:
-                result[index] = output
+        async for index, delta in merge_streams(streams):
+            result[index] = add_delta(result[index], delta)
         return result
 
     try:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from jaxserve.engine.core_io import SequenceUpdate, engine_fault
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import RequestStatus, finish_reason, request_metrics
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,19 +39,31 @@ class _Sequence:
     num_preemptions: int = 0
 
     def output(self) -> CompletionOutput:
+        """The completion as its request's output kind has it: what is new since the last output (DELTA,
+        no copy of the rest), or everything so far."""
         params = self.parent.params
         finished = self.status is not None
-        delta_ids = self.token_ids[self.num_sent_tokens :]
+        first_new = self.num_sent_tokens
+        delta_ids = self.token_ids[first_new:]
         self.num_sent_tokens = len(self.token_ids)
+        text_delta = self.detokenizer.take_delta(finished)
+        if params.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = text_delta, delta_ids
+            logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
+            top_logprobs = self.top_logprobs[first_new:] if params.logprobs else None
+        else:
+            text, token_ids = self.detokenizer.text, list(self.token_ids)
+            logprobs = list(self.logprobs) if params.logprobs is not None else None
+            top_logprobs = list(self.top_logprobs) if params.logprobs else None
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.text,
-            token_ids=list(self.token_ids),
-            logprobs=list(self.logprobs) if params.logprobs is not None else None,
-            top_logprobs=list(self.top_logprobs) if params.logprobs else None,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             finish_reason=finish_reason(self.status) if finished else None,
             stop_reason=self.stop_reason,
-            text_delta=self.detokenizer.take_delta(finished),
+            text_delta=text_delta,
             token_ids_delta=delta_ids,
         )
 
@@ -65,6 +77,8 @@ class _RequestState:
     sequences: list[_Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs_known: bool = False  # they came with the first sequence's first token
+    prompt_logprobs_sent: bool = False  # in a DELTA output (they are sent once)
 
     @property
     def finished(self) -> bool:
@@ -75,11 +89,17 @@ class _RequestState:
 
     def output(self) -> RequestOutput:
         finished = self.finished
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None:
+            if self.params.output_kind is not RequestOutputKind.DELTA:
+                prompt_logprobs = [None, *self.prompt_logprobs]
+            elif self.prompt_logprobs_known and not self.prompt_logprobs_sent:
+                prompt_logprobs, self.prompt_logprobs_sent = [None, *self.prompt_logprobs], True
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [seq.output() for seq in self.sequences], finished,
             metrics=self.metrics() if finished else None,
             num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=None if self.params.prompt_logprobs is None else [None, *self.prompt_logprobs],
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -132,6 +152,7 @@ class OutputProcessor:
                 if seq.index == 0:
                     state.num_cached_tokens = update.first.num_cached_tokens
                     state.prompt_logprobs = update.first.prompt_logprobs or []
+                    state.prompt_logprobs_known = True
             if update.error is not None:  # the core failed it (and logged why)
                 failed.append(self._fail(state, update.error, update.error_param, dropped))
                 touched.pop(state.request_id, None)
@@ -157,6 +178,8 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
+            if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+                continue  # its one output comes when it finishes
             output = state.output()
             outputs.append(output)
             if output.finished:

@@ -35,6 +35,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def choice(index: int, num_tokens: int, reason: str | None) -> CompletionOutput:
+    """A completion's delta: `num_tokens` new tokens."""
     return CompletionOutput(index=index, token_ids=list(range(num_tokens)), finish_reason=reason)
 
 
@@ -69,8 +70,9 @@ STAMPS = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_to
 def test_a_request_with_n_3_counts_once_with_its_stages():
     metrics = ServerMetrics("m", lambda: None, max_model_len=64)
     prompt = [1, 2, 3, 4]
+    # DELTA outputs (the API's kind): choices end with 5, 3 and 2 tokens.
     first = RequestOutput("r", None, prompt, [choice(0, 1, None), choice(1, 1, None), choice(2, 0, None)])
-    last = RequestOutput("r", None, prompt, [choice(0, 5, "length"), choice(1, 3, "stop"), choice(2, 2, "stop")],
+    last = RequestOutput("r", None, prompt, [choice(0, 4, "length"), choice(1, 2, "stop"), choice(2, 2, "stop")],
                          finished=True, metrics=STAMPS)
     samples = run(metrics, stream(first, last))
     assert value(samples, "jaxserve:request_success_total", finished_reason="length") == 1

@@ -1,0 +1,72 @@
+"""Output kinds (`RequestOutputKind`): deltas add up to the cumulative outputs, and a final-only request
+gets one output, the cumulative one (pure Python: the frontend's OutputProcessor, no model)."""
+
+import dataclasses
+
+from jaxserve.engine.core_io import FirstToken, SequenceUpdate
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.request import RequestStatus
+from jaxserve.outputs import Logprob, RequestOutput, RequestOutputKind, add_delta
+from jaxserve.sampling_params import SamplingParams
+
+PROMPT = [504, 3458, 314, 260, 2767, 28]
+
+
+def run(tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
+    """Two completions of one request, fed the same updates: the first stops on a stop string, the second
+    on its length a step later; logprobs with alternatives and prompt logprobs throughout."""
+    params = SamplingParams(n=2, logprobs=1, prompt_logprobs=0, stop=" cat", max_tokens=6, output_kind=kind)
+    text = tokenizer.encode(" the big dog and the cat sat down", add_special_tokens=False)
+    processor = OutputProcessor()
+    processor.add("r", None, PROMPT, params, ["r#0", "r#1"],
+                  [IncrementalDetokenizer.for_prompt(tokenizer, PROMPT, params) for _ in range(2)], 0.0)
+    prompt_logprobs = [{t: Logprob(-1.0, 1)} for t in PROMPT[1:]]
+    outputs = []
+    for step in range(7):
+        updates = []
+        for seq in (0, 1):
+            token = text[step]
+            first = FirstToken(0.5, 0, prompt_logprobs if seq == 0 else None) if step == 0 else None
+            status = RequestStatus.FINISHED_LENGTH if seq == 1 and step == 5 else None
+            if step < 6 or seq == 0:
+                updates.append(SequenceUpdate(f"r#{seq}", token, -0.1 * step, {token: -0.1 * step}, status,
+                                              time=1.0 + step, first=first))
+        processed = processor.process(updates)
+        assert set(processed.stopped) <= {"r#0"}
+        outputs += processed.outputs
+    return outputs
+
+
+def as_final(output: RequestOutput) -> tuple:
+    """Everything a final output says, without the per-step deltas."""
+    completions = [dataclasses.replace(c, text_delta="", token_ids_delta=[]) for c in output.outputs]
+    return (completions, output.finished, output.prompt_logprobs, output.num_cached_tokens, output.metrics)
+
+
+def test_deltas_add_up_to_the_cumulative_outputs(smollm2_tokenizer):
+    cumulative = run(smollm2_tokenizer, RequestOutputKind.CUMULATIVE)
+    deltas = run(smollm2_tokenizer, RequestOutputKind.DELTA)
+    assert len(deltas) == len(cumulative) and cumulative[-1].finished
+    assert cumulative[-1].outputs[0].stop_reason == " cat" and cumulative[-1].outputs[1].finish_reason == "length"
+    first_delta = [c.token_ids[:] for c in deltas[0].outputs]
+    total = None
+    for delta, whole in zip(deltas, cumulative, strict=True):
+        for d, c in zip(delta.outputs, whole.outputs, strict=True):
+            assert d.token_ids == c.token_ids_delta and d.text == d.text_delta == c.text_delta
+            assert len(d.logprobs) == len(d.top_logprobs) == len(d.token_ids)
+        total = add_delta(total, delta)
+        so_far = [(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in total.outputs]
+        assert so_far == [(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in whole.outputs]
+        # The text so far is what was streamed: a cumulative output also holds what may start a stop string.
+        assert all(whole_c.text.startswith(c.text) for c, whole_c in zip(total.outputs, whole.outputs, strict=True))
+    assert as_final(total) == as_final(cumulative[-1])
+    assert [c.token_ids for c in deltas[0].outputs] == first_delta, "a delta is never changed after it is sent"
+    assert [d.prompt_logprobs is not None for d in deltas].count(True) == 1, "prompt logprobs are sent once"
+    assert deltas[0].prompt_logprobs == cumulative[0].prompt_logprobs
+
+
+def test_a_final_only_request_gets_one_output_the_cumulative_one(smollm2_tokenizer):
+    cumulative = run(smollm2_tokenizer, RequestOutputKind.CUMULATIVE)
+    (final,) = run(smollm2_tokenizer, RequestOutputKind.FINAL_ONLY)
+    assert as_final(final) == as_final(cumulative[-1])
