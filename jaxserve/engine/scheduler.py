@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from jaxserve.engine.structured_output import GrammarMatcher
 
 
-# Stands in `ScheduledRequest.token_ids` for a token sampled by the previous step and not yet read.
+# Stands in `ScheduledRequest.token_ids` and `DecodeColumns.token_ids` for a token sampled by the previous
+# step and not yet read.
 PENDING_TOKEN = -1
 
 
@@ -361,9 +362,11 @@ class Scheduler:
         """Records a step's results (the step's requests, in flight or not, were advanced when scheduled);
         returns the requests that received a new token. A request preempted or finished since the step
         was scheduled keeps the step's real results (its sample, prompt logprobs) but caches no page."""
-        num_records = len(scheduler_output.scheduled)
-        if len(step_output.sampled_token_ids) != num_records + len(scheduler_output.decodes.request_ids):
-            raise ValueError(f"{len(step_output.sampled_token_ids)} samples for {scheduler_output.num_reqs} requests")
+        num_records, num_rows = len(scheduler_output.scheduled), scheduler_output.num_reqs
+        for name in ("sampled_token_ids", "logprobs", "top_logprobs", "prompt_logprobs"):
+            column = getattr(step_output, name)
+            if column is not None and len(column) != num_rows:
+                raise ValueError(f"{len(column)} {name} for {num_rows} requests")
         self._discard_filling(scheduler_output)
         advanced: list[Request] = []
         top_logprobs = step_output.top_logprobs or [None] * num_records

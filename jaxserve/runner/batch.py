@@ -240,18 +240,20 @@ def build_step_batch(
     at once (the plain decodes straight from the scheduler's columns), and only rows using rare features
     (penalties, biases, bans, prompt logprobs, a grammar) filled one by one (a Python loop over every row
     costs 20 us a row, 5 ms a step at 256 decodes). A value that cannot go in its column (one request's bad
-    data) raises RequestFault for that request: the records are filled again one at a time to find it."""
-    scheduled = scheduler_output.scheduled
+    data) raises RequestFault for that request: the rows are filled again one at a time to find it."""
+    scheduled, decodes = scheduler_output.scheduled, scheduler_output.decodes
     batch = neutral_batch(bucket, layout)
     try:
-        biases = _fill_rows(batch, scheduled, scheduler_output.decodes, rows, row_ids, layout)
+        biases = _fill_rows(batch, scheduled, decodes, rows, row_ids, layout)
     except Exception as error:
-        for index, item in enumerate(scheduled):
+        singles = [((item,), NO_DECODES, item.request_id) for item in scheduled]  # in row order
+        singles += [((), DecodeColumns([request_id], [token], [position], [output]), request_id)
+                    for request_id, token, position, output in zip(*decodes, strict=True)]
+        for index, (records, columns, request_id) in enumerate(singles):
             try:
-                _fill_rows(neutral_batch(bucket, layout), (item,), NO_DECODES, rows, row_ids[index : index + 1],
-                           layout)
+                _fill_rows(neutral_batch(bucket, layout), records, columns, rows, row_ids[index : index + 1], layout)
             except Exception as e:  # one request's values must not fail the whole step
-                raise RequestFault(item.request_id) from e
+                raise RequestFault(request_id) from e
         raise error
     # A sample is constrained only when kept (the scheduler sets `grammar` then; a prefill chunk's is dropped).
     grammar_rows = [(item.grammar, row) for row, item in enumerate(scheduled) if item.grammar is not None]
@@ -377,7 +379,7 @@ def _fill_rows(
     pending = token_ids == PENDING_TOKEN  # sampled by the previous step, still on the device
     batch.input_ids[:total] = np.where(pending, 0, token_ids)
     if pending.any():  # async scheduling: each takes its sample from the row it had in the previous step
-        batch.input_from_row[:total][pending] = rows.sample_row[row_ids[row_of_token[pending]]]
+        batch.input_from_row[:total][pending] = rows.in_flight_sample_rows(row_ids[row_of_token[pending]])
     batch.positions[:total] = positions
 
     np.take(rows.page_table, row_ids, axis=0, out=attention.page_table[:num_rows])  # [n, P]

@@ -149,7 +149,7 @@ class ModelRunner:
         if self.mesh is not None:
             self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))
         self._load_penalty_row = jax.jit(load_row, donate_argnums=0)
-        # The last step's samples by row, on the device, and its requests in row order (async scheduling).
+        # The last step's samples by batch row, on the device (async scheduling feeds them to the next step).
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
         self._device_copies: dict[int, tuple[np.ndarray, jax.Array]] = {}  # see _on_device

@@ -45,9 +45,12 @@ class RequestRows:
         # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
         # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
-        # i32[M]: the batch row of the request's sample in the last step launched that kept one; a step
-        # feeds a token still in flight (async scheduling) from that row of the previous step's samples.
+        # i32[M]: the batch row of the request's sample in the last step launched that kept one, and i64[M]
+        # which step that was (`launched` counts them); a step feeds a token still in flight (async
+        # scheduling) from that row of the previous step's samples.
         self.sample_row = np.zeros(num_rows, np.int32)
+        self.sample_step = np.zeros(num_rows, np.int64)
+        self.num_launched = 0
         self._seen_tokens: list[tuple[int, tuple[int, ...], int]] = []  # see take_seen_tokens
 
     @property
@@ -101,7 +104,17 @@ class RequestRows:
 
     def launched(self, row_ids: np.ndarray, keeps_sample: np.ndarray) -> None:
         """Notes where a launched step's kept samples sit: row_ids intp[n], keeps_sample bool[n]."""
-        self.sample_row[row_ids[keeps_sample]] = np.flatnonzero(keeps_sample)
+        self.num_launched += 1
+        kept = row_ids[keeps_sample]
+        self.sample_row[kept] = np.flatnonzero(keeps_sample)
+        self.sample_step[kept] = self.num_launched
+
+    def in_flight_sample_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The previous step's batch rows of the samples these rows' requests have in flight, i32[k]. Raises
+        if one did not sample in that step (a scheduler bug: its token would be another request's)."""
+        if (self.sample_step[rows] != self.num_launched).any():
+            raise RuntimeError("a token in flight from a step that did not sample it")
+        return self.sample_row[rows]
 
     def take_seen_tokens(self) -> list[tuple[int, tuple[int, ...], int]]:
         """(row, tokens, prompt length) of rows written after a prefix-cache hit with penalties, since the

@@ -15,6 +15,7 @@ from jaxserve.engine.scheduler import PENDING_TOKEN
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sampling_params import StructuredOutputsParams as Structure
 from tests.conftest import count_compilations
+from tests.engine.sent_pages import shares
 from tests.engine.test_llm_engine import make_engine, make_prompts
 
 
@@ -167,8 +168,7 @@ def test_pending_token_feeds_the_next_step_on_device(engines):
     engine.step()  # launches the prefill; nothing read yet
     assert engine._in_flight is not None
     outputs = engine.step()  # launches the first decode (its input in flight), reads the prefill
-    scheduled = engine._in_flight.scheduler_output.scheduled
-    assert [item.token_ids for item in scheduled] == [(PENDING_TOKEN,)]
+    assert [tokens for _, _, tokens in shares(engine._in_flight.scheduler_output)] == [(PENDING_TOKEN,)]
     assert [len(output.outputs[0].token_ids) for output in outputs] == [1], "the prefill's token is read"
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from jaxserve.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.sent_pages import replay, shares
 
@@ -265,9 +265,28 @@ def test_plain_decodes_are_taken_back_and_finish_like_records():
     assert again.decodes == out.decodes
     a = sched.requests["a"]
     sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # aborted while the step runs
-    with pytest.raises(ValueError, match="1 samples for 2 requests"):
+    with pytest.raises(ValueError, match="1 sampled_token_ids for 2 requests"):
         sched.update(again, StepOutput(["a"], [8], [0.0]))
     assert sched.update(again, StepOutput(again.request_ids, [8, 9], [0.0, 0.0])) == [a]
     assert a.output_token_ids == [7, 8]
     run_step(sched)
     assert a.status is RequestStatus.FINISHED_LENGTH and not sched.has_unfinished()
+
+
+def test_a_decode_scheduled_while_its_token_is_in_flight_is_a_pending_column():
+    """Async scheduling: step N + 1 is planned before step N is read. The decode of a token still in flight
+    carries PENDING_TOKEN and the index its own sample will have; the one after reads the real token."""
+    sched = Scheduler(KVCacheManager(64, 8), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 3, max_tokens=4))
+    prefill = sched.schedule()
+    first_decode = sched.schedule()  # before the prefill's sample (output 0) is read
+    assert first_decode.decodes == (["a"], [PENDING_TOKEN], [3], [1])
+    sched.update(prefill, StepOutput(["a"], [7], [0.0]))
+    second_decode = sched.schedule()  # output 1 still in flight
+    assert second_decode.decodes == (["a"], [PENDING_TOKEN], [4], [2])
+    sched.update(first_decode, StepOutput(["a"], [8], [0.0]))
+    sched.update(second_decode, StepOutput(["a"], [9], [0.0]))
+    third = sched.schedule()  # synchronous again: the last token is known
+    assert third.decodes == (["a"], [9], [5], [3])
+    sched.update(third, StepOutput(["a"], [10], [0.0]))
+    assert not sched.has_unfinished(), "its fourth token finished it"
