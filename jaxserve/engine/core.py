@@ -1,7 +1,8 @@
 """EngineCore: the scheduler, the KV pages and the model runner; sequences in, token updates out.
 
 It knows sequences only (the frontend splits a request with n > 1 into n of them) and token ids: no
-text, no `RequestOutput`. `step()` returns one `SequenceUpdate` per sequence that made progress.
+text, no `RequestOutput`. `step()` reports every sequence that made progress: plain tokens as columns
+(`TokenColumns`), anything more as a `SequenceUpdate`.
 The frontend (`LLMEngine`) detokenizes, finds stop strings and tells the core which sequences to finish.
 That split is what lets the core run in its own process (`core_process`), where its loop does nothing but
 schedule, launch and read steps.
@@ -20,7 +21,15 @@ import os
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_io import EngineInfo, EngineStats, FirstToken, SequenceUpdate, engine_fault
+from jaxserve.engine.core_io import (
+    CoreUpdate,
+    EngineInfo,
+    EngineStats,
+    FirstToken,
+    SequenceUpdate,
+    TokenColumns,
+    engine_fault,
+)
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestFault, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -132,7 +141,7 @@ class EngineCore:
             iteration_tokens_sum=scheduler.iteration_tokens.sum,
         )
 
-    def step(self) -> list[SequenceUpdate]:
+    def step(self) -> list[CoreUpdate]:
         """Schedules and launches a step, reads a step's tokens, and reports every sequence that made progress.
 
         Synchronous: launches step N and reads it. Async: launches N + 1, then reads N (the first call reads
@@ -142,7 +151,7 @@ class EngineCore:
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
         previous, self._in_flight = self._in_flight, None
-        updates: list[SequenceUpdate] = []
+        updates: list[CoreUpdate] = []
         if previous is None or not self._needs_last_tokens():
             self._in_flight, updates = self._launch()
         if previous is not None:
@@ -152,7 +161,7 @@ class EngineCore:
             updates += self._read(launched)
         return updates
 
-    def _launch(self) -> tuple[LaunchedStep | None, list[SequenceUpdate]]:
+    def _launch(self) -> tuple[LaunchedStep | None, list[CoreUpdate]]:
         scheduler_output = self.scheduler.schedule()
         try:
             launched = self.runner.launch(scheduler_output)  # also drops finished requests' state
@@ -173,9 +182,24 @@ class EngineCore:
             self.scheduler.unschedule(scheduler_output)  # an empty step: nothing to read
         return launched, []
 
-    def _read(self, launched: LaunchedStep) -> list[SequenceUpdate]:
+    def _read(self, launched: LaunchedStep) -> list[CoreUpdate]:
+        """The step's updates: its plain tokens as one `TokenColumns`, every other sequence's `SequenceUpdate`."""
         step_output = self.runner.collect(launched)
-        return [_update(request) for request in self.scheduler.update(launched.scheduler_output, step_output)]
+        updates: list[CoreUpdate] = []
+        seq_ids, token_ids, logprobs = [], [], []
+        time = 0.0
+        for request in self.scheduler.update(launched.scheduler_output, step_output):
+            plain = len(request.output_token_ids) > 1 and not request.status.is_finished  # not first, not last
+            if plain and not request.sampling_params.logprobs:  # and no top logprobs to carry
+                seq_ids.append(request.request_id)
+                token_ids.append(request.output_token_ids[-1])
+                logprobs.append(request.output_logprobs[-1])
+                time = request.last_token_time  # one stamp for the step's tokens
+            else:
+                updates.append(_update(request))
+        if seq_ids:
+            updates.append(TokenColumns(seq_ids, token_ids, logprobs, time))
+        return updates
 
     def _needs_last_tokens(self) -> bool:
         """A grammar's next mask depends on the token in flight: the next step waits for it."""

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from jaxserve.engine.core_io import SequenceUpdate, engine_fault
+from jaxserve.engine.core_io import CoreUpdate, TokenColumns, engine_fault
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import RequestStatus, finish_reason, request_metrics
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
@@ -103,6 +103,15 @@ class _RequestState:
         )
 
 
+class _Step(NamedTuple):
+    """What `process` gathers over a step's updates."""
+
+    touched: dict[str, _RequestState]  # requests with news, in the order they came
+    failed: list[RequestOutput]
+    stopped: list[str]
+    dropped: list[str]
+
+
 class ProcessedStep(NamedTuple):
     outputs: list[RequestOutput]
     stopped: list[str]  # sequence ids a stop string ended: the core must finish them
@@ -136,12 +145,15 @@ class OutputProcessor:
         self._forget(state)
         return [seq.seq_id for seq in state.sequences]
 
-    def process(self, updates: list[SequenceUpdate]) -> ProcessedStep:
-        touched: dict[str, _RequestState] = {}
-        failed: list[RequestOutput] = []
-        stopped: list[str] = []
-        dropped: list[str] = []
+    def process(self, updates: list[CoreUpdate]) -> ProcessedStep:
+        step = _Step({}, [], [], [])
         for update in updates:
+            if type(update) is TokenColumns:  # plain tokens: no first token, no end, no top logprobs, no error
+                for seq_id, token_id, logprob in zip(update.seq_ids, update.token_ids, update.logprobs, strict=True):
+                    seq = self._sequences.get(seq_id)
+                    if seq is not None and seq.status is None:  # gone, or ended here before the core heard
+                        self._add_token(step, seq, token_id, logprob, update.time)
+                continue
             seq = self._sequences.get(update.seq_id)
             if seq is None or seq.status is not None:  # gone, or ended here before the core heard
                 continue
@@ -154,37 +166,43 @@ class OutputProcessor:
                     state.prompt_logprobs = update.first.prompt_logprobs or []
                     state.prompt_logprobs_known = True
             if update.error is not None:  # the core failed it (and logged why)
-                failed.append(self._fail(state, update.error, update.error_param, dropped))
-                touched.pop(state.request_id, None)
+                step.failed.append(self._fail(state, update.error, update.error_param, step.dropped))
+                step.touched.pop(state.request_id, None)
                 continue
-            seq.token_ids.append(update.token_id)
-            seq.logprobs.append(update.logprob)
             if update.top_logprobs is not None:
                 seq.top_logprobs.append(update.top_logprobs)
-            seq.last_token_time = update.time
             seq.num_preemptions = update.num_preemptions
-            try:
-                stop = seq.detokenizer.add_token(update.token_id)
-            except Exception as e:
-                logger.error("request %s failed and was dropped: %r", state.request_id, e, exc_info=e)
-                failed.append(self._fail(state, engine_fault(e), None, dropped))
-                touched.pop(state.request_id, None)
-                continue
-            if update.status is not None:
-                seq.status, seq.stop_reason = update.status, update.stop_reason
-            elif stop:
-                seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
-                stopped.append(seq.seq_id)
-            touched[state.request_id] = state
+            self._add_token(step, seq, update.token_id, update.logprob, update.time, update.status, update.stop_reason)
         outputs = []
-        for state in touched.values():
+        for state in step.touched.values():
             if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
                 continue  # its one output comes when it finishes
             output = state.output()
             outputs.append(output)
             if output.finished:
                 self._forget(state)
-        return ProcessedStep(outputs + failed, stopped, dropped)
+        return ProcessedStep(outputs + step.failed, step.stopped, step.dropped)
+
+    def _add_token(self, step: _Step, seq: _Sequence, token_id: int, logprob: float, time: float,
+                   status: RequestStatus | None = None, stop_reason: int | str | None = None) -> None:
+        """A sequence's new token: its text, a stop string, or the core's end (`status`)."""
+        state = seq.parent
+        seq.token_ids.append(token_id)
+        seq.logprobs.append(logprob)
+        seq.last_token_time = time
+        try:
+            stop = seq.detokenizer.add_token(token_id)
+        except Exception as e:
+            logger.error("request %s failed and was dropped: %r", state.request_id, e, exc_info=e)
+            step.failed.append(self._fail(state, engine_fault(e), None, step.dropped))
+            step.touched.pop(state.request_id, None)
+            return
+        if status is not None:
+            seq.status, seq.stop_reason = status, stop_reason
+        elif stop:
+            seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
+            step.stopped.append(seq.seq_id)
+        step.touched[state.request_id] = state
 
     def _forget(self, state: _RequestState) -> None:
         del self._requests[state.request_id]

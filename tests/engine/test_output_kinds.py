@@ -3,7 +3,7 @@ gets one output, the cumulative one (pure Python: the frontend's OutputProcessor
 
 import dataclasses
 
-from jaxserve.engine.core_io import FirstToken, SequenceUpdate
+from jaxserve.engine.core_io import FirstToken, SequenceUpdate, TokenColumns
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import RequestStatus
@@ -70,3 +70,31 @@ def test_a_final_only_request_gets_one_output_the_cumulative_one(smollm2_tokeniz
     cumulative = run(smollm2_tokenizer, RequestOutputKind.CUMULATIVE)
     (final,) = run(smollm2_tokenizer, RequestOutputKind.FINAL_ONLY)
     assert as_final(final) == as_final(cumulative[-1])
+
+
+def test_plain_tokens_as_columns_give_the_outputs_their_updates_would(smollm2_tokenizer):
+    """The core sends a step's plain tokens as one TokenColumns; the frontend makes of them what it makes of
+    one SequenceUpdate each, a stop string found among them included."""
+    text = smollm2_tokenizer.encode(" one two three four five", add_special_tokens=False)
+    params = SamplingParams(n=2, logprobs=0, stop=" four", max_tokens=len(text))
+
+    def run_steps(as_columns: bool) -> list:
+        processor = OutputProcessor()
+        processor.add("r", None, PROMPT, params, ["r#0", "r#1"],
+                      [IncrementalDetokenizer.for_prompt(smollm2_tokenizer, PROMPT, params) for _ in range(2)], 0.0)
+        steps = []
+        for step, token in enumerate(text):
+            plain = [(f"r#{seq}", token + seq, -0.5 * step) for seq in (0, 1)]
+            if step == 0 or not as_columns:
+                first = FirstToken(0.5, 0, None) if step == 0 else None
+                updates = [SequenceUpdate(seq_id, token_id, logprob, time=2.0 + step, first=first)
+                           for seq_id, token_id, logprob in plain]
+            else:
+                updates = [TokenColumns(*map(list, zip(*plain, strict=True)), 2.0 + step)]
+            processed = processor.process(updates)
+            steps.append((processed.outputs, processed.stopped, processed.dropped))
+        return steps
+
+    records, columns = run_steps(False), run_steps(True)
+    assert columns == records
+    assert any(stopped == ["r#0"] for _, stopped, _ in columns), "the stop string ended the first sequence"
