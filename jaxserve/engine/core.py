@@ -190,7 +190,8 @@ class EngineCore:
         time = 0.0
         for request in self.scheduler.update(launched.scheduler_output, step_output):
             plain = len(request.output_token_ids) > 1 and not request.status.is_finished  # not first, not last
-            if plain and not request.sampling_params.logprobs:  # and no top logprobs to carry
+            # and nothing else to carry: no top logprobs, no preemption count (a stop string may end it next)
+            if plain and not request.sampling_params.logprobs and not request.num_preemptions:
                 seq_ids.append(request.request_id)
                 token_ids.append(request.output_token_ids[-1])
                 logprobs.append(request.output_logprobs[-1])

@@ -50,8 +50,8 @@ class SequenceUpdate(NamedTuple):
 
 class TokenColumns(NamedTuple):
     """Sequences that each gained one plain token in a step (not their first, no end, no top logprobs, no
-    failure), as columns: most of a busy step's updates in one record, built and pickled at a fraction of
-    the cost of one `SequenceUpdate` each."""
+    failure, never preempted), as columns: most of a busy step's updates in one record, built and pickled
+    at a fraction of the cost of one `SequenceUpdate` each."""
 
     seq_ids: list[str]
     token_ids: list[int]

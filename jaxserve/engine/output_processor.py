@@ -1,4 +1,5 @@
-"""OutputProcessor: the core's per-sequence token updates in, text and `RequestOutput`s out (pure Python, no jax).
+"""OutputProcessor: the core's token updates in (`SequenceUpdate`s and `TokenColumns`), text and `RequestOutput`s
+out (pure Python, no jax).
 
 It holds what the frontend knows of each live request: its sequences' tokens, logprobs, detokenizers and
 ends, and the request's prompt facts. A stop string ends a sequence here, and a sequence whose text fails
@@ -48,7 +49,7 @@ class _Sequence:
         self.num_sent_tokens = len(self.token_ids)
         text_delta = self.detokenizer.take_delta(finished)
         if params.output_kind is RequestOutputKind.DELTA:
-            text, token_ids = text_delta, delta_ids
+            text, token_ids = text_delta, list(delta_ids)  # two lists: a caller may change one
             logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
             top_logprobs = self.top_logprobs[first_new:] if params.logprobs else None
         else:
@@ -146,6 +147,8 @@ class OutputProcessor:
         return [seq.seq_id for seq in state.sequences]
 
     def process(self, updates: list[CoreUpdate]) -> ProcessedStep:
+        """Applies the core's updates (one or more steps', in order) and returns the outputs of the requests
+        with news, their kind permitting, and what the core must finish or drop."""
         step = _Step({}, [], [], [])
         for update in updates:
             if type(update) is TokenColumns:  # plain tokens: no first token, no end, no top logprobs, no error
@@ -177,6 +180,8 @@ class OutputProcessor:
         for state in step.touched.values():
             if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:
                 continue  # its one output comes when it finishes
+            if state.params.prompt_logprobs is not None and not state.prompt_logprobs_known:
+                continue  # a sibling ran ahead of the first sequence: the first output carries the prompt's
             output = state.output()
             outputs.append(output)
             if output.finished:

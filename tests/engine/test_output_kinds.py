@@ -98,3 +98,21 @@ def test_plain_tokens_as_columns_give_the_outputs_their_updates_would(smollm2_to
     records, columns = run_steps(False), run_steps(True)
     assert columns == records
     assert any(stopped == ["r#0"] for _, stopped, _ in columns), "the stop string ended the first sequence"
+
+
+def test_a_sibling_ahead_of_the_first_sequence_waits_for_the_prompt_logprobs(smollm2_tokenizer):
+    """Prompt logprobs come with the first sequence's first token; a request's outputs wait for them, so
+    the first output of a DELTA request (sent once) and every cumulative one carry them."""
+    entries = [{t: Logprob(-1.0, 1)} for t in PROMPT[1:]]
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        params = SamplingParams(n=2, prompt_logprobs=0, max_tokens=4, output_kind=kind)
+        processor = OutputProcessor()
+        processor.add("r", None, PROMPT, params, ["r#0", "r#1"],
+                      [IncrementalDetokenizer.for_prompt(smollm2_tokenizer, PROMPT, params) for _ in range(2)], 0.0)
+        early = processor.process([SequenceUpdate("r#1", 504, -0.5, time=1.0, first=FirstToken(0.5, 0, None))])
+        assert early.outputs == [], "no output before the prompt logprobs are known"
+        (output,) = processor.process([SequenceUpdate("r#0", 3458, -0.5, time=2.0,
+                                                      first=FirstToken(0.5, 0, entries)),
+                                       SequenceUpdate("r#1", 314, -0.5, time=2.0)]).outputs
+        assert output.prompt_logprobs == [None, *entries]
+        assert [c.token_ids for c in output.outputs] == [[3458], [504, 314]], "the sibling's tokens were kept"
