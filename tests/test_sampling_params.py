@@ -90,3 +90,13 @@ def test_context_length_errors_name_real_numbers():
     small_cache = RequestLimits(1000, 8192, 20, 128, 1, kv_capacity_tokens=512)
     with pytest.raises(InvalidParam, match="KV cache"):
         small_cache.check([1] * 10, SamplingParams(max_tokens=600))
+
+
+def test_output_kind_must_be_a_request_output_kind():
+    from jaxserve.outputs import RequestOutputKind
+
+    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA
+    for bad in ("delta", 1, None, 10**30):
+        with pytest.raises(InvalidParam, match="output_kind") as info:
+            SamplingParams(output_kind=bad)
+        assert info.value.param == "output_kind"

@@ -94,7 +94,7 @@ class _RequestState:
         if self.params.prompt_logprobs is not None:
             if self.params.output_kind is not RequestOutputKind.DELTA:
                 prompt_logprobs = [None, *self.prompt_logprobs]
-            elif self.prompt_logprobs_known and not self.prompt_logprobs_sent:
+            elif not self.prompt_logprobs_sent:  # known: `process` builds no output before they are
                 prompt_logprobs, self.prompt_logprobs_sent = [None, *self.prompt_logprobs], True
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [seq.output() for seq in self.sequences], finished,

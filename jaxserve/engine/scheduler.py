@@ -388,14 +388,7 @@ class Scheduler:
                 request.add_prompt_logprobs(*prompt)
             if not item.keeps_sample:
                 continue  # a prefill chunk: the sample is not a real next token
-            request.num_inflight_tokens -= 1
-            request.append_output_token(token_id, logprob, top)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            advanced.append(request)
-            if request.status.is_finished:
-                self._remove(request)
+            self._take_sample(request, token_id, logprob, top, now, advanced)
         # Plain decodes: no page completed, no prompt logprobs, no top logprobs (`DecodeColumns`).
         requests = self.requests
         for request_id, token_id, logprob in zip(
@@ -405,15 +398,20 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or request.status.is_finished:  # aborted while the step ran
                 continue
-            request.num_inflight_tokens -= 1
-            request.append_output_token(token_id, logprob)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            advanced.append(request)
-            if request.status.is_finished:
-                self._remove(request)
+            self._take_sample(request, token_id, logprob, None, now, advanced)
         return advanced
+
+    def _take_sample(self, request: Request, token_id: int, logprob: float, top: dict[int, float] | None,
+                     now: float, advanced: list[Request]) -> None:
+        """A kept sample read: the request's next token (it may end the request), stamped `now`."""
+        request.num_inflight_tokens -= 1
+        request.append_output_token(token_id, logprob, top)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        advanced.append(request)
+        if request.status.is_finished:
+            self._remove(request)
 
     def _cache_pages(self, request: Request, num_full: int) -> None:
         """Offers the request's first `num_full` pages, now full and computed, to the prefix cache."""
