@@ -64,7 +64,7 @@ def tiny_engine(max_num_seqs: int, async_scheduling: bool = False, vocab_size: i
         name="tiny", source=ModelSource(gguf.parent, None, "tiny"), hf_config=hf_config, cfg=abstract.cfg,
         spec=abstract.spec, graphdef=abstract.graphdef, state=state,
         tokenizer=load_tokenizer(converted_dir(gguf)), eos_token_ids=(2,), max_position_embeddings=512,
-        dtype=jnp.float32)
+        dtype=jnp.float32, weight_dtype=jnp.float32)
     config = EngineConfig.from_preset(
         None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512, token_buckets=[512],
         request_buckets=[max_num_seqs], num_kv_pages=max_num_seqs * 8 + 8, compilation_cache_dir="",

@@ -30,15 +30,19 @@ SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # hub id, local directory or .gguf file; None: the bundled SmolLM2
-    dtype: str = "auto"
+    dtype: str = "auto"  # activations, norms, biases; and the weights unless weight_dtype says otherwise
+    # The matmul weights' dtype (projections, token embeddings, LM head); auto: `dtype`'s. bfloat16 under a
+    # float32 model is llama.cpp's F16 split: 16-bit weights, activations and the residual stream in float32.
+    weight_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     revision: str | None = None
     max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "weight_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

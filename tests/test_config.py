@@ -100,3 +100,18 @@ def test_the_kv_cache_dtype_is_one_of_the_listed_and_the_cli_takes_it():
         EngineConfig.from_preset(None, kv_cache_dtype="fp8")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--config", "cpu"])
     assert _engine_config(args).cache.kv_cache_dtype == "bfloat16"
+
+
+def test_the_weight_dtype_is_one_of_the_listed_and_the_cli_takes_it():
+    from jaxserve.cli import _engine_config, build_parser
+
+    assert EngineConfig.from_preset(None).model.weight_dtype == "auto"
+    assert EngineConfig.from_preset(None, weight_dtype="bfloat16").model.weight_dtype == "bfloat16"
+    for bad in ("float16", "int8", "", None.__class__.__name__):
+        with pytest.raises(ValueError, match="weight_dtype must be one of auto, float32, bfloat16"):
+            EngineConfig.from_preset(None, weight_dtype=bad)
+    args = build_parser().parse_args(["serve", "--weight-dtype", "bfloat16", "--dtype", "float32", "--config", "cpu"])
+    config = _engine_config(args)
+    assert (config.model.dtype, config.model.weight_dtype) == ("float32", "bfloat16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--weight-dtype", "int4"])

@@ -60,7 +60,7 @@ class EngineCore:
         if model is None:
             model = load_model(
                 config.model.model, config.model.dtype, config.attention_impl, config.model.revision,
-                config.parallel.tensor_parallel_size,
+                config.parallel.tensor_parallel_size, config.model.weight_dtype,
             )
         self.model = model
         self.max_model_len = min(
@@ -102,6 +102,7 @@ class EngineCore:
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
+            weight_dtype=model.weight_dtype.dtype.name,
         )
         self.warmup_seconds = self.runner.warmup(background=config.background_warmup) if warmup else 0.0
         if config.parallel.multihost and config.parallel.is_leader:  # every process has warmed up alike

@@ -77,7 +77,8 @@ class EngineInfo:
     max_num_batched_tokens: int
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]
-    dtype: str  # of the weights and KV cache
+    dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)
+    weight_dtype: str  # of the matmul weights
 
 
 @dataclass(frozen=True)

@@ -54,14 +54,15 @@ def save_checkpoint(model: Any, metadata_dir: Path, output_dir: Path) -> Path:
         checkpointer.save(output_dir / "weights", weights)
     (output_dir / MARKER).write_text(json.dumps({
         "format": FORMAT_VERSION, "source": model.name, "dtype": np.dtype(model.dtype).name,
+        "weight_dtype": np.dtype(model.weight_dtype).name,
         "eos_token_ids": list(model.eos_token_ids),
     }, indent=2) + "\n")
     return output_dir
 
 
-def restore_weights(directory: Path, abstract: Any, dtype: Any) -> dict:
+def restore_weights(directory: Path, abstract: Any) -> dict:
     """The parameters as a nested dict of arrays on their devices (`abstract`: the loader's AbstractModel),
-    cast to `dtype` on the way."""
+    each cast to its parameter's dtype on the way."""
     import orbax.checkpoint as ocp
 
     info = json.loads((directory / MARKER).read_text())
@@ -75,16 +76,18 @@ def restore_weights(directory: Path, abstract: Any, dtype: Any) -> dict:
     pure = nnx.to_pure_dict(abstract.state)
     if direct:  # the stored shapes are the target's: each shard is read where it lives
         target = _map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
-            leaf.shape, dtype, sharding=abstract.sharding(path, leaf.shape) or one_device), pure)
+            leaf.shape, leaf.dtype, sharding=abstract.sharding(path, leaf.shape) or one_device), pure)
     else:  # stored with the checkpoint's heads: read whole, then laid out
-        checkpoint_state = nnx.state(nnx.eval_shape(lambda: abstract.spec.model_cls(abstract.checkpoint_cfg, dtype)))
-        target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=one_device),
-                              nnx.to_pure_dict(checkpoint_state))
+        stored = jax.tree.map(lambda leaf: leaf.dtype, pure)  # the dtypes; the shapes are the checkpoint's
+        checkpoint_state = nnx.state(nnx.eval_shape(
+            lambda: abstract.spec.model_cls(abstract.checkpoint_cfg, np.float32)))
+        target = jax.tree.map(lambda leaf, dtype: jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=one_device),
+                              nnx.to_pure_dict(checkpoint_state), stored)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(directory / "weights", target)
     if not direct:
         restored = _map_with_path(lambda path, value, leaf: jax.device_put(
-            np.asarray(abstract.lay_out(path, np.asarray(value))).astype(dtype),
+            np.asarray(abstract.lay_out(path, np.asarray(value))).astype(leaf.dtype),
             abstract.sharding(path, leaf.shape)), restored, pure)
     logger.info("weights: restored from the orbax checkpoint in %.1fs", time.perf_counter() - start)
     return restored

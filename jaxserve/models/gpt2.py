@@ -69,17 +69,17 @@ class GPT2Config:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: GPT2Config, dtype: Any) -> None:
+    def __init__(self, cfg: GPT2Config, dtype: Any, weight_dtype: Any) -> None:
         d, n, h, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
         self.ln_1 = LayerNorm(d, cfg.layer_norm_eps, dtype)
-        self.qkv = param(d, 3, n, h, dtype=dtype)
+        self.qkv = param(d, 3, n, h, dtype=weight_dtype)
         self.qkv_bias = param(3, n, h, dtype=dtype)
-        self.attn_out = param(n, h, d, dtype=dtype)
+        self.attn_out = param(n, h, d, dtype=weight_dtype)
         self.attn_out_bias = param(d, dtype=dtype)
         self.ln_2 = LayerNorm(d, cfg.layer_norm_eps, dtype)
-        self.fc = param(d, f, dtype=dtype)
+        self.fc = param(d, f, dtype=weight_dtype)
         self.fc_bias = param(f, dtype=dtype)
-        self.proj = param(f, d, dtype=dtype)
+        self.proj = param(f, d, dtype=weight_dtype)
         self.proj_bias = param(d, dtype=dtype)
         self.attention = cfg.attention
 
@@ -89,7 +89,7 @@ class Block(nnx.Module):
             qkv = dense(self.ln_1(x), w_qkv.reshape(w_qkv.shape[0], -1), attention)
             qkv = qkv.reshape(x.shape[0], *w_qkv.shape[1:]).swapaxes(0, 1)  # [3, T, N, H]
         else:  # the head axis, split over the mesh, is not the major part of 3 x N
-            qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x), w_qkv)
+            qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x).astype(w_qkv.dtype), w_qkv).astype(x.dtype)
         qkv = qkv + self.qkv_bias[...][:, None]
         attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=attention)
         x = x + merge_heads(attn, self.attn_out[...], attention) + self.attn_out_bias[...]
@@ -99,11 +99,15 @@ class Block(nnx.Module):
 
 
 class GPT2LMHeadModel(nnx.Module):
-    def __init__(self, cfg: GPT2Config, dtype: Any) -> None:
+    def __init__(self, cfg: GPT2Config, dtype: Any, weight_dtype: Any = None) -> None:
+        """`dtype`: activations, norms, biases, position embeddings; `weight_dtype` (None: `dtype`): the
+        projections and the token embeddings (also the LM head)."""
+        weight_dtype = weight_dtype or dtype
         self.cfg = cfg
-        self.wte = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.dtype = dtype
+        self.wte = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
         self.wpe = param(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
-        self.h = nnx.List([Block(cfg, dtype) for _ in range(cfg.num_layers)])
+        self.h = nnx.List([Block(cfg, dtype, weight_dtype) for _ in range(cfg.num_layers)])
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
     def __call__(
@@ -113,7 +117,8 @@ class GPT2LMHeadModel(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = embedding_lookup(self.wte[...], input_ids, self.cfg.attention.mesh) + self.wpe[...][positions]
+        x = embedding_lookup(self.wte[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
+        x = x + self.wpe[...][positions]
         new_caches = []
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             x, kv_cache = block(x, kv_cache, md)

@@ -112,22 +112,26 @@ def _native(rows: int, w: jax.Array, attention: AttentionConfig, max_rows: int) 
 
 
 def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array:  # [T, K] x [K, N] -> [T, N]
-    """x @ w, in x's dtype. A bfloat16 model's few-row matmuls on a CPU with the native kernels
+    """x @ w, in x's dtype. bfloat16 weights' few-row matmuls on a CPU with the native kernels
     (`AttentionConfig.native_matmuls`) go through `cpu_kernels.matmul_bf16`, which streams the weights at
-    the memory's speed; XLA:CPU's bfloat16 dot reads them at a twentieth of it there."""
+    the memory's speed; XLA:CPU's bfloat16 dot reads them at a twentieth of it there.
+
+    Weights in another dtype than x (`ModelConfig.weight_dtype`) take x rounded to theirs, as llama.cpp
+    rounds activations for its 16-bit weights, and sum in float32: a mixed dot would widen every weight
+    matrix, every step."""
     if _native(x.shape[0], w, attention, NATIVE_MATMUL_MAX_ROWS):
         return cpu_kernels.matmul_bf16(x.astype(jnp.bfloat16), w).astype(x.dtype)
-    if attention.native_matmuls and w.dtype == jnp.bfloat16:  # float32 sums, as the kernel's
-        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.dtype != x.dtype or (attention.native_matmuls and w.dtype == jnp.bfloat16):  # float32 sums
+        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
     return x @ w
 
 
 def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
     """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
-    in float32 whatever the model's dtype (a bfloat16 model's logits are not rounded to bfloat16)."""
+    in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16)."""
     if _native(hidden.shape[0], table, attention, NATIVE_LM_HEAD_MAX_ROWS):
         return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
-    return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=jnp.float32)
+    return jnp.einsum("RD,VD->RV", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
 def project_heads(

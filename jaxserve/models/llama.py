@@ -79,12 +79,12 @@ class LlamaConfig:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = param(d, n, h, dtype=dtype)
-        self.k_proj = param(d, k, h, dtype=dtype)
-        self.v_proj = param(d, k, h, dtype=dtype)
-        self.o_proj = param(n, h, d, dtype=dtype)
+        self.q_proj = param(d, n, h, dtype=weight_dtype)
+        self.k_proj = param(d, k, h, dtype=weight_dtype)
+        self.v_proj = param(d, k, h, dtype=weight_dtype)
+        self.o_proj = param(n, h, d, dtype=weight_dtype)
         if cfg.qkv_bias:
             self.q_bias = param(n, h, dtype=dtype)
             self.k_bias = param(k, h, dtype=dtype)
@@ -105,10 +105,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
-        self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+    def __init__(self, cfg: LlamaConfig, weight_dtype: Any) -> None:
+        self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
+        self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
+        self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=weight_dtype)
         self.attention = cfg.attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -118,11 +118,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, weight_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, weight_dtype)
 
     def __call__(self, x, positions, kv_cache, md):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
@@ -131,13 +131,16 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any = None) -> None:
+        """`dtype`: activations, norms, biases; `weight_dtype` (None: `dtype`): projections, embeddings, LM head."""
+        weight_dtype = weight_dtype or dtype
         self.cfg = cfg
-        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers)])
+        self.dtype = dtype
+        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
 
     def __call__(
         self,
@@ -146,7 +149,7 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: KVCache,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh)
+        x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)

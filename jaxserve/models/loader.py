@@ -53,7 +53,8 @@ class LoadedModel:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
-    dtype: Any
+    dtype: Any  # activations, norms, biases
+    weight_dtype: Any  # the matmul weights (`ModelConfig.weight_dtype`)
 
     @property
     def mesh(self) -> Mesh | None:
@@ -182,15 +183,18 @@ class AbstractModel:
         return total
 
 
-def build_abstract_model(hf_config: Any, dtype: Any, attention: AttentionConfig) -> AbstractModel:
-    """The model for `attention`'s device; with a mesh, its heads laid out to split over it."""
+def build_abstract_model(
+    hf_config: Any, dtype: Any, attention: AttentionConfig, weight_dtype: Any = None
+) -> AbstractModel:
+    """The model for `attention`'s device; with a mesh, its heads laid out to split over it. Its matmul
+    weights are in `weight_dtype` (None: `dtype`), everything else in `dtype`."""
     spec = get_model_spec(hf_config)
     checkpoint_cfg = spec.config_cls.from_hf(hf_config, attention=attention)
     heads = HeadLayout(checkpoint_cfg.num_heads, checkpoint_cfg.num_kv_heads,
                        attention.mesh.size if attention.mesh is not None else 1)
     cfg = checkpoint_cfg if heads.is_identity else checkpoint_cfg.with_heads(heads.num_heads_eff,
                                                                             heads.num_kv_heads_eff)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: spec.model_cls(cfg, dtype)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: spec.model_cls(cfg, dtype, weight_dtype)))
     return AbstractModel(spec, cfg, graphdef, state, checkpoint_cfg, heads)
 
 
@@ -237,8 +241,10 @@ def load_model(
     attention_impl: str = "auto",
     revision: str | None = None,
     tensor_parallel_size: int = 1,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
-    """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards."""
+    """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards. Each
+    parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s)."""
     source = resolve_model(model, revision)
     metadata = metadata_dir(source)
     hf_config = AutoConfig.from_pretrained(str(metadata))
@@ -247,14 +253,15 @@ def load_model(
     attention = dataclasses.replace(resolve_attention(attention_impl), mesh=mesh)
     logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
+    jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)
     tokenizer = load_tokenizer(metadata)
 
     # Build without touching weights, then fill the abstract state.
-    abstract = build_abstract_model(hf_config, jax_dtype, attention)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype)
     if is_checkpoint(source.directory):
-        loaded = restore_weights(source.directory, abstract, jax_dtype)
+        loaded = restore_weights(source.directory, abstract)
     else:
-        loaded = _unflatten(_load_tensors(source, abstract, jax_dtype))
+        loaded = _unflatten(_load_tensors(source, abstract))
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
@@ -270,11 +277,13 @@ def load_model(
         eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
         max_position_embeddings=abstract.cfg.max_position_embeddings,
         dtype=jax_dtype,
+        weight_dtype=jax_weight_dtype,
     )
 
 
-def _load_tensors(source: ModelSource, abstract: AbstractModel, jax_dtype: Any) -> dict[tuple, jax.Array]:
-    """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices."""
+def _load_tensors(source: ModelSource, abstract: AbstractModel) -> dict[tuple, jax.Array]:
+    """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
+    to its parameter's dtype."""
     spec, cfg, mesh = abstract.spec, abstract.checkpoint_cfg, abstract.mesh  # the checkpoint's own heads
     expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract.state))}
     if source.gguf_file:
@@ -293,10 +302,11 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, jax_dtype: Any) 
         value = abstract.lay_out(path, transform(tensor, cfg))
         if tuple(value.shape) != tuple(expected[path].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {expected[path].shape}")
+        dtype = expected[path].dtype
         if mesh is None:
-            loaded[path] = jax.device_put(jnp.asarray(value, dtype=jax_dtype))
+            loaded[path] = jax.device_put(jnp.asarray(value, dtype=dtype))
         else:  # from the host to each device's shard: no device holds a whole tensor it does not keep
-            loaded[path] = jax.device_put(np.asarray(value, dtype=jax_dtype), abstract.sharding(path, value.shape))
+            loaded[path] = jax.device_put(np.asarray(value, dtype=dtype), abstract.sharding(path, value.shape))
     missing = sorted(str(p) for p in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")

@@ -116,3 +116,28 @@ def test_a_bfloat16_model_under_the_native_kernels(kind, tiny_model_dir, monkeyp
     assert outputs["cpu-native"] == outputs["reference"]
     assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens
     assert calls["matmul"] > 0 and calls["write"] > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bfloat16_weights_under_a_float32_model_on_the_native_kernels(kind, tiny_model_dir, monkeypatch):
+    """`weight_dtype="bfloat16"` under a float32 model: few-token steps' projections and LM head run in the
+    native bfloat16 matmul on float32 activations rounded to bfloat16, the cache stays float32, and it
+    generates what the same weights generate through XLA's bfloat16 dots and the reference attention."""
+    if (error := cpu_kernels.kernel_error()) is not None:
+        pytest.skip(error)
+    calls = []
+    matmul = cpu_kernels.matmul_bf16
+    monkeypatch.setattr(cpu_kernels, "matmul_bf16", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    prompts = make_prompts(6)
+    max_tokens = [9, 6, 12, 5, 8, 10]
+    arrivals = [0, 0, 1, 3, 6, 7]
+    outputs = {}
+    for impl in ("reference", "cpu-native"):
+        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, dtype="float32",
+                             weight_dtype="bfloat16", **{**KERNEL_LADDER, "token_buckets": (4, 8, 32)})
+        assert jnp.dtype(jnp.bfloat16) in {leaf.dtype for leaf in jax.tree.leaves(engine.model.state)}
+        assert {page.dtype for pair in engine.runner.kv_caches for page in pair} == {jnp.dtype(jnp.float32)}
+        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
+        assert bool(calls) == (impl == "cpu-native"), "only cpu-native takes the native matmul"
+    assert outputs["cpu-native"] == outputs["reference"]
+    assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens

@@ -1,5 +1,6 @@
 """orbax checkpoints: `jaxserve convert` round trips exactly, and a restore lands on every shard."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -53,6 +54,22 @@ def test_a_bfloat16_checkpoint_restores_in_float32(tiny_model_dir, tmp_path):
     assert leaf.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(nnx.to_pure_dict(model.state)["embed_tokens"],
                                                                 np.float32))
+
+
+def test_bfloat16_weights_under_a_float32_model_round_trip(tiny_model_dir, tmp_path):
+    """A checkpoint keeps each parameter's dtype, and a restore casts each to the dtype its model asks for."""
+    model = load_model(str(tiny_model_dir("llama")), "float32", weight_dtype="bfloat16")
+    out = save_checkpoint(model, metadata_dir(model.source), tmp_path / "mixed")
+    mixed = nnx.to_pure_dict(load_model(str(out), "float32", weight_dtype="bfloat16").state)
+    assert mixed["embed_tokens"].dtype == mixed["layers"][0]["mlp"]["up_proj"].dtype == np.dtype("bfloat16")
+    assert mixed["norm"]["scale"].dtype == np.float32
+    for path in (("embed_tokens",), ("layers", 0, "mlp", "up_proj"), ("norm", "scale")):
+        stored, restored = nnx.to_pure_dict(model.state), mixed
+        for key in path:
+            stored, restored = stored[key], restored[key]
+        np.testing.assert_array_equal(np.asarray(stored, np.float32), np.asarray(restored, np.float32))
+    widened = nnx.to_pure_dict(load_model(str(out), "float32").state)  # every parameter float32 again
+    assert {leaf.dtype for leaf in jax.tree.leaves(widened)} == {np.dtype(np.float32)}
 
 
 @pytest.mark.slow

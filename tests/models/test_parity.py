@@ -1,5 +1,7 @@
 """Logits parity with transformers' PyTorch models (float32) for tiny random GPT-2, Llama, Qwen2."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,28 @@ def test_bfloat16_weights_track_float32(tiny_model_dir):
     bf16 = PagedForward(load_model(str(tiny_model_dir("llama")), dtype="bfloat16"), list(range(1, 9)))(tokens)
     assert np.abs(f32 - bf16).mean() < 0.05 * np.abs(f32).mean()
     assert (f32.argmax(-1) == bf16.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bfloat16_weights_under_a_float32_model(kind, tiny_model_dir):
+    """`weight_dtype`: the matmul weights (projections, token embeddings) in bfloat16, everything else
+    (norms, biases, GPT-2's position embeddings, the activations) in float32. Its logits sit closer to
+    float32's than a bfloat16 model's do: only the weights and the matmuls' inputs are rounded."""
+    tokens = list(range(100, 120))
+    models = {name: load_model(str(tiny_model_dir(kind)), dtype=dtype, weight_dtype=weights)
+              for name, dtype, weights in (("f32", "float32", "auto"), ("mixed", "float32", "bfloat16"),
+                                           ("bf16", "bfloat16", "auto"))}
+    weights = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+               "lm_head", "qkv", "attn_out", "fc", "proj", "wte"}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(models["mixed"].state))[0]:
+        name = path[-1].key
+        assert leaf.dtype == (jnp.bfloat16 if name in weights else jnp.float32), name
+    assert models["mixed"].dtype == jnp.float32 and models["mixed"].weight_dtype == jnp.bfloat16
+    logits = {name: PagedForward(model, list(range(1, 9)))(tokens) for name, model in models.items()}
+    error = {name: np.abs(logits[name] - logits["f32"]).mean() for name in ("mixed", "bf16")}
+    assert 0 < error["mixed"] < error["bf16"]
+    assert error["mixed"] < 0.02 * np.abs(logits["f32"]).mean()
+    assert (logits["mixed"].argmax(-1) == logits["f32"].argmax(-1)).mean() >= 0.9
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):
