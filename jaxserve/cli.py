@@ -105,7 +105,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and dispatch each step before reading the previous step's tokens, so the "
                             "host's work overlaps the device's; a stop is seen one step late and the extra "
-                            "token dropped (default: the preset's)")
+                            "token dropped (default: the preset's; the bundled presets turn it on)")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine core (scheduler, model runner) in its own process, with tokenizing, "
                             "detokenizing and HTTP in this one, as vLLM V1 does (default: off)")

@@ -166,12 +166,16 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys):
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):
+    """The bundled presets schedule asynchronously; the flag overrides a preset either way, and the
+    engine API's own default (no preset) stays synchronous."""
     parser = build_parser()
-    assert not _engine_config(parser.parse_args(["serve", "--config", "cpu"])).scheduler.async_scheduling
-    on = _engine_config(parser.parse_args(["serve", "--config", "cpu", "--async-scheduling"]))
+    for preset in ("cpu", "gpu", "default"):
+        assert _engine_config(parser.parse_args(["serve", "--config", preset])).scheduler.async_scheduling
+        off = _engine_config(parser.parse_args(["serve", "--config", preset, "--no-async-scheduling"]))
+        assert not off.scheduler.async_scheduling
+    assert not EngineConfig.from_preset(None).scheduler.async_scheduling
+    preset = tmp_path / "sync.yaml"
+    preset.write_text("scheduler:\n  async_scheduling: false\n")
+    assert not _engine_config(parser.parse_args(["serve", "--config", str(preset)])).scheduler.async_scheduling
+    on = _engine_config(parser.parse_args(["serve", "--config", str(preset), "--async-scheduling"]))
     assert on.scheduler.async_scheduling
-    preset = tmp_path / "async.yaml"
-    preset.write_text("scheduler:\n  async_scheduling: true\n")
-    assert _engine_config(parser.parse_args(["serve", "--config", str(preset)])).scheduler.async_scheduling
-    off = _engine_config(parser.parse_args(["serve", "--config", str(preset), "--no-async-scheduling"]))
-    assert not off.scheduler.async_scheduling
