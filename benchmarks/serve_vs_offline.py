@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="(default: the preset's; the bundled presets schedule asynchronously)")
     parser.add_argument("--engine-process", action="store_true",
                         help="the server runs its engine core in its own process (the offline engine does not)")
     args = parser.parse_args()
@@ -52,7 +53,7 @@ def main() -> None:
     model = str(write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama")) if args.tiny else None
     options = dict(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    token_buckets=args.token_buckets, request_buckets=args.request_buckets,
-                   async_scheduling=args.async_scheduling or None)
+                   async_scheduling=args.async_scheduling)
     config = EngineConfig.from_preset(args.config, dtype=args.dtype, **options)
     sections = load_preset(args.config)  # the server gets the same engine config: the preset and the options
     sections.setdefault("scheduler", {}).update(max_num_seqs=config.scheduler.max_num_seqs,

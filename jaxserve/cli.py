@@ -91,7 +91,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help=f"a bundled preset ({', '.join(preset_names())}) or a YAML file: bucket ladders and "
                             "engine defaults (default: cpu on a CPU, gpu on a GPU)")
     group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="weights and KV cache dtype; auto is float32 on CPU, bfloat16 on GPU")
+                       help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and "
+                            "the weights (unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU")
     group.add_argument("--weight-dtype", default=None, choices=DTYPES,
                        help="the matmul weights' dtype (projections, embeddings, LM head); auto (the default) is "
                             "--dtype's. bfloat16 under a float32 model: half the weights' memory and what a "
@@ -217,6 +218,7 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
         "model": engine.info.model_name,
         "dtype": engine.info.dtype,
         "weight_dtype": engine.info.weight_dtype,
+        "async_scheduling": engine.async_scheduling,
         "allocator": loaded_allocator(),
         "startup_s": round(startup, 1),
         "warmup_s": round(engine.warmup_seconds, 1),
@@ -617,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="hub id, local HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     convert.add_argument("output_dir", help="where to write the checkpoint (new or empty)")
     convert.add_argument("--dtype", default="auto", choices=DTYPES,
-                         help="the weights' dtype: auto is float32 on CPU, bfloat16 on GPUs")
+                         help="the model's dtype (norms, biases; the weights unless --weight-dtype): auto is "
+                              "float32 on CPU, bfloat16 on GPUs")
     convert.add_argument("--weight-dtype", default="auto", choices=DTYPES,
                          help="the matmul weights' dtype; auto (the default) is --dtype's")
     convert.add_argument("--revision", default=None, help="hub revision (default: the latest)")

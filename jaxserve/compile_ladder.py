@@ -178,7 +178,7 @@ def compile_ladder(
         reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
         reference_step = (make_step_fn(reference.graphdef, jax.tree.structure(reference.state),
                                        config.model.max_logprobs), reference.state)
-    roofline_shape = model_shape(abstract.weights_bytes // itemsize, cfg)  # every parameter is in the model dtype
+    roofline_shape = model_shape(abstract.num_params, cfg)
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 

@@ -75,8 +75,7 @@ def engine_measurement(model: str | None, dtype: str, max_model_len: int) -> Cal
                 page_size=spec.page_size, enable_prefix_caching=False,
             )
             if "model" not in loaded:
-                loaded["model"] = load_model(config.model.model, config.model.dtype, config.attention_impl,
-                                             weight_dtype=config.model.weight_dtype)
+                loaded["model"] = load_model(config.model.model, config.model.dtype, config.attention_impl)
             cold = LLMEngine(config, model=loaded["model"]).warmup_seconds
             jax.clear_caches()  # in-memory executables gone: the second engine reads the persistent cache
             engine = LLMEngine(config, model=loaded["model"])

@@ -28,7 +28,7 @@ def roofline_step_seconds(model: str | None, target: str, dtype: str = "auto") -
     jax_dtype = resolve_dtype(dtype, facts.platform)
     abstract = build_abstract_model(hf_config, jax_dtype, resolve_attention("auto", facts))
     itemsize = jnp.dtype(jax_dtype).itemsize
-    shape = model_shape(abstract.weights_bytes // itemsize, abstract.cfg)  # every parameter in the model dtype
+    shape = model_shape(abstract.num_params, abstract.cfg)
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
     def seconds(bucket: Bucket, num_keys: int) -> float:

@@ -3,9 +3,11 @@
 A converted directory is a Hugging Face model directory without safetensors:
 
     DIR/config.json, tokenizer files, generation_config.json (when the source had one)
-    DIR/jaxserve-checkpoint.json   what wrote it: format version, source model, dtype
+    DIR/jaxserve-checkpoint.json   what wrote it: format version, source model, dtype, weight dtype
     DIR/weights/                   orbax: the model's parameters as a nested dict, in the model's own
-                                   layout (checkpoint heads, no mesh layout), in the converted dtype
+                                   layout (checkpoint heads, no mesh layout), each in its converted dtype
+
+A restore casts each parameter to the dtype the serving flags give it (`--dtype`, `--weight-dtype`).
 
 Restoring reads each array straight into its target sharding, so each device (and each process of a
 multi-host run) reads only the shards it keeps. When tensor parallelism rearranges the heads
@@ -69,6 +71,7 @@ def restore_weights(directory: Path, abstract: Any) -> dict:
     if info.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory}: checkpoint format {info.get('format')} is not {FORMAT_VERSION}; "
                          "convert the model again with this jaxserve")
+    _warn_if_widened(info, abstract)
     start = time.perf_counter()
     first_device = jax.devices()[0] if abstract.mesh is None else abstract.mesh.devices.flat[0]
     one_device = jax.sharding.SingleDeviceSharding(first_device)
@@ -91,6 +94,17 @@ def restore_weights(directory: Path, abstract: Any) -> dict:
             abstract.sharding(path, leaf.shape)), restored, pure)
     logger.info("weights: restored from the orbax checkpoint in %.1fs", time.perf_counter() - start)
     return restored
+
+
+def _warn_if_widened(info: dict, abstract: Any) -> None:
+    """A checkpoint converted with narrower weights than this model asks for is widened on restore: the
+    flags decide the dtypes, and the user is told what it costs."""
+    stored = info.get("weight_dtype", info.get("dtype"))
+    wanted = {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(abstract.state)}
+    if stored is not None and all(np.dtype(stored).itemsize < dtype.itemsize for dtype in wanted):
+        logger.warning("the checkpoint stores its weights in %s; they are restored in %s, which takes more "
+                       "memory (pass --weight-dtype %s to keep them as stored)",
+                       stored, ", ".join(sorted(d.name for d in wanted)), stored)
 
 
 def _map_with_path(fn: Any, tree: dict, *rest: dict) -> dict:

@@ -89,7 +89,8 @@ class Block(nnx.Module):
             qkv = dense(self.ln_1(x), w_qkv.reshape(w_qkv.shape[0], -1), attention)
             qkv = qkv.reshape(x.shape[0], *w_qkv.shape[1:]).swapaxes(0, 1)  # [3, T, N, H]
         else:  # the head axis, split over the mesh, is not the major part of 3 x N
-            qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x).astype(w_qkv.dtype), w_qkv).astype(x.dtype)
+            qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x).astype(w_qkv.dtype), w_qkv,
+                             preferred_element_type=jnp.float32).astype(x.dtype)
         qkv = qkv + self.qkv_bias[...][:, None]
         attn, kv_cache = paged_attention(qkv[0], qkv[1], qkv[2], kv_cache, md, attention=attention)
         x = x + merge_heads(attn, self.attn_out[...], attention) + self.attn_out_bias[...]

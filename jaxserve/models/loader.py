@@ -147,6 +147,10 @@ class AbstractModel:
         return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(self.state))
 
     @property
+    def num_params(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.state))
+
+    @property
     def mesh(self) -> Mesh | None:
         return self.cfg.attention.mesh
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxserve.models.checkpoint import MARKER, save_checkpoint
 from jaxserve.models.loader import load_model, metadata_dir
-from tests.engine.test_tensor_parallel import assert_same_as_tp1, run_tp
+from tests.engine.test_tensor_parallel import assert_same_as_tp1, assert_tracks_tp1, run_tp
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,18 @@ def test_a_bfloat16_checkpoint_restores_in_float32(tiny_model_dir, tmp_path):
                                                                 np.float32))
 
 
-def test_bfloat16_weights_under_a_float32_model_round_trip(tiny_model_dir, tmp_path):
+@pytest.mark.slow
+def test_a_checkpoint_restores_bfloat16_weights_onto_replicated_heads(converted, tmp_path):
+    """At TP=4 the tiny Llama's 2 KV heads are replicated: the stored float32 tensors are read whole, laid
+    out on the host and cast there to the bfloat16 the weights ask for, the norms staying float32."""
+    _, out = converted
+    results = run_tp(str(out), tmp_path, tp_sizes=(4, 1), weight_dtype="bfloat16")
+    assert {r["q_proj_dtype"] for r in results.values()} == {"bfloat16"}
+    assert results[4]["kv_shard_shape"][0] == 1 and len(results[4]["q_proj_shards"]) == 4
+    assert_tracks_tp1(results)
+
+
+def test_bfloat16_weights_under_a_float32_model_round_trip(tiny_model_dir, tmp_path, caplog):
     """A checkpoint keeps each parameter's dtype, and a restore casts each to the dtype its model asks for."""
     model = load_model(str(tiny_model_dir("llama")), "float32", weight_dtype="bfloat16")
     out = save_checkpoint(model, metadata_dir(model.source), tmp_path / "mixed")
@@ -68,8 +79,10 @@ def test_bfloat16_weights_under_a_float32_model_round_trip(tiny_model_dir, tmp_p
         for key in path:
             stored, restored = stored[key], restored[key]
         np.testing.assert_array_equal(np.asarray(stored, np.float32), np.asarray(restored, np.float32))
+    assert "the checkpoint stores its weights in" not in caplog.text
     widened = nnx.to_pure_dict(load_model(str(out), "float32").state)  # every parameter float32 again
     assert {leaf.dtype for leaf in jax.tree.leaves(widened)} == {np.dtype(np.float32)}
+    assert "stores its weights in bfloat16; they are restored in float32" in caplog.text
 
 
 @pytest.mark.slow
