@@ -81,11 +81,11 @@ def restore_weights(directory: Path, abstract: Any) -> dict:
         target = _map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
             leaf.shape, leaf.dtype, sharding=abstract.sharding(path, leaf.shape) or one_device), pure)
     else:  # stored with the checkpoint's heads: read whole, then laid out
-        stored = jax.tree.map(lambda leaf: leaf.dtype, pure)  # the dtypes; the shapes are the checkpoint's
+        dtypes = jax.tree.map(lambda leaf: leaf.dtype, pure)  # this model's; the shapes are the checkpoint's
         checkpoint_state = nnx.state(nnx.eval_shape(
             lambda: abstract.spec.model_cls(abstract.checkpoint_cfg, np.float32)))
         target = jax.tree.map(lambda leaf, dtype: jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=one_device),
-                              nnx.to_pure_dict(checkpoint_state), stored)
+                              nnx.to_pure_dict(checkpoint_state), dtypes)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(directory / "weights", target)
     if not direct:

@@ -88,11 +88,18 @@ def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
     assert pages[kv_cache_dtype] // 2 == pages["auto"]
 
 
+# A bfloat16 model; bfloat16 weights under a float32 model (`weight_dtype`), whose activations the matmuls
+# round to bfloat16 and whose cache stays float32.
+SIXTEEN_BIT_WEIGHTS = {"bfloat16": dict(dtype="bfloat16"),
+                       "bfloat16 weights": dict(dtype="float32", weight_dtype="bfloat16")}
+
+
+@pytest.mark.parametrize("setting", SIXTEEN_BIT_WEIGHTS)
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_a_bfloat16_model_under_the_native_kernels(kind, tiny_model_dir, monkeypatch):
-    """A bfloat16 model on `cpu-native`: its few-token steps' projections and LM head run in the native
-    bfloat16 matmul, its K/V are written in place, and it generates what the same bfloat16 weights generate
-    through XLA's dots and the reference attention (bfloat16 operands, float32 sums in another order)."""
+def test_bfloat16_weights_under_the_native_kernels(kind, setting, tiny_model_dir, monkeypatch):
+    """bfloat16 weights on `cpu-native`: few-token steps' projections and LM head run in the native bfloat16
+    matmul, K/V are written in place, and the model generates what the same weights generate through XLA's
+    dots and the reference attention (bfloat16 operands, float32 sums in another order)."""
     if (error := cpu_kernels.kernel_error()) is not None:
         pytest.skip(error)
     calls = {"matmul": 0, "write": 0}
@@ -101,43 +108,24 @@ def test_a_bfloat16_model_under_the_native_kernels(kind, tiny_model_dir, monkeyp
                         matmul(*a, **kw))
     monkeypatch.setattr(cpu_kernels, "write_kv", lambda *a, **kw: calls.update(write=calls["write"] + 1) or
                         write(*a, **kw))
+    options = SIXTEEN_BIT_WEIGHTS[setting]
     prompts = make_prompts(6)
     max_tokens = [9, 6, 12, 5, 8, 10]
     arrivals = [0, 0, 1, 3, 6, 7]
     outputs = {}
     for impl in ("reference", "cpu-native"):
         # Decodes of up to 8 tokens run the native matmul; the larger steps XLA's bfloat16 dot.
-        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, dtype="bfloat16",
+        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **options,
                              **{**KERNEL_LADDER, "token_buckets": (4, 8, 32)})
-        assert {leaf.dtype for leaf in jax.tree.leaves(engine.model.state)} == {jnp.dtype(jnp.bfloat16)}
+        leaf_dtypes = {leaf.dtype for leaf in jax.tree.leaves(engine.model.state)}
+        cache_dtypes = {page.dtype for pair in engine.runner.kv_caches for page in pair}
+        if options["dtype"] == "bfloat16":
+            assert leaf_dtypes == {jnp.dtype(jnp.bfloat16)}
+        else:
+            assert jnp.dtype(jnp.bfloat16) in leaf_dtypes and cache_dtypes == {jnp.dtype(jnp.float32)}
         outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
         if impl == "reference":
             assert calls == {"matmul": 0, "write": 0}, "only cpu-native takes the native kernels"
     assert outputs["cpu-native"] == outputs["reference"]
     assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens
     assert calls["matmul"] > 0 and calls["write"] > 0
-
-
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_bfloat16_weights_under_a_float32_model_on_the_native_kernels(kind, tiny_model_dir, monkeypatch):
-    """`weight_dtype="bfloat16"` under a float32 model: few-token steps' projections and LM head run in the
-    native bfloat16 matmul on float32 activations rounded to bfloat16, the cache stays float32, and it
-    generates what the same weights generate through XLA's bfloat16 dots and the reference attention."""
-    if (error := cpu_kernels.kernel_error()) is not None:
-        pytest.skip(error)
-    calls = []
-    matmul = cpu_kernels.matmul_bf16
-    monkeypatch.setattr(cpu_kernels, "matmul_bf16", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
-    prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
-    outputs = {}
-    for impl in ("reference", "cpu-native"):
-        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, dtype="float32",
-                             weight_dtype="bfloat16", **{**KERNEL_LADDER, "token_buckets": (4, 8, 32)})
-        assert jnp.dtype(jnp.bfloat16) in {leaf.dtype for leaf in jax.tree.leaves(engine.model.state)}
-        assert {page.dtype for pair in engine.runner.kv_caches for page in pair} == {jnp.dtype(jnp.float32)}
-        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
-        assert bool(calls) == (impl == "cpu-native"), "only cpu-native takes the native matmul"
-    assert outputs["cpu-native"] == outputs["reference"]
-    assert [len(outputs["cpu-native"][i]) for i in range(6)] == max_tokens
