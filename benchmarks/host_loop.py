@@ -12,7 +12,7 @@ splits each decode step's wall time, by timing the engine's own phases in place:
 - device: waiting for the sampled tokens (`to_host`), the device's share
 - frontend: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s; DELTA outputs, as
   the server asks for, unless `--output-kind` says otherwise)
-- rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, the `SequenceUpdate`s
+- rest: everything else in `step()`: the runner's bookkeeping, `Scheduler.update`, the core's outputs
 
 "host" is the total minus the wait for the device, taken step by step before the median (so the device's
 jitter stays out of it). "core host" is what stays on the engine core's loop when it runs in its own

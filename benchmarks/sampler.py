@@ -27,7 +27,7 @@ NUM_TOP = 20
 
 
 def sampling_arrays(rows: int, vocab: int, setting: dict):
-    from jaxserve.runner.batch import SamplingArrays
+    from jaxserve.runner.step_batch import SamplingArrays
 
     logprobs = setting.get("logprobs")
     values = {

@@ -28,14 +28,14 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
-from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
-from jaxserve.models.loader import build_abstract_model, load_hf_config, resolve_dtype, resolve_model
+from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.ops.attention import AttentionConfig, kv_cache_dtype, resolve_attention
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
+from jaxserve.runner.launches import StepLaunches, step_launches
 from jaxserve.runner.model_runner import make_step_fn
 from jaxserve.runner.penalties import PenaltyTables
 
@@ -44,15 +44,8 @@ logger = logging.getLogger(__name__)
 
 def load_model_config(model: str | None) -> tuple[str, Any]:
     """(name, transformers config) for a bundled shape name, a config.json file, or anything --model takes."""
-    from transformers import AutoConfig
-
-    if model in BUNDLED_SHAPES:
-        return model, AutoConfig.for_model(**bundled_config_values(model))
-    if model is not None and Path(model).suffix == ".json":
-        values = json.loads(Path(model).expanduser().read_text())
-        return Path(model).stem, AutoConfig.for_model(**values)
-    source = resolve_model(model)
-    return source.name, load_hf_config(source)
+    source, hf_config = resolve_model_config(model)
+    return source.name, hf_config
 
 
 @dataclass(frozen=True)
@@ -72,6 +65,7 @@ class BucketResult:
     predicted_seconds: float | None
     bound: str | None  # "compute" or "memory"
     collectives: dict[str, int]  # cross-device ops in the compiled step (tensor parallelism), by kind
+    launches: StepLaunches  # kernels and library calls the step launches, and which command buffers hold
 
 
 @dataclass(frozen=True)
@@ -184,6 +178,7 @@ def compile_ladder(
 
     def one(bucket: Bucket) -> BucketResult:
         compiled = compile_bucket(step, state, shapes, bucket, device, mesh)
+        hlo = compiled.compiled.as_text()
         xla_flops = xla_bytes = None
         if reference_step is not None:
             ref_step, ref_state = reference_step
@@ -202,7 +197,8 @@ def compile_ladder(
             output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
             xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
             predicted_seconds=predicted.seconds, bound=predicted.bound,
-            collectives=count_collectives(compiled.compiled.as_text()) if mesh is not None else {},
+            collectives=count_collectives(hlo) if mesh is not None else {},
+            launches=step_launches(hlo),
         )
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -262,6 +258,8 @@ def format_report(report: CompileReport) -> str:
             f"{num(r.flops, 1e9):>8} {num(r.bytes, 1e9, 2):>6} {num(r.predicted_seconds, 1e-3, 3):>8} "
             f"{'-' if tok_s is None else f'{tok_s:,.0f}':>9} {r.bound or '-'}"
         )
+    lines.append("")
+    lines.append(_launch_table(report))
     if report.tensor_parallel_size > 1:
         lines.append("collectives per step: " + "; ".join(
             f"{r.num_tokens}x{r.num_reqs}{' decode' if r.decode_only else ''}: "
@@ -280,4 +278,22 @@ def format_report(report: CompileReport) -> str:
         )
     else:
         lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens (the CPU budget)")
+    return "\n".join(lines)
+
+
+def _launch_table(report: CompileReport) -> str:
+    """Per bucket: the dispatch's arguments, the launches, how many XLA command buffers (CUDA graphs) hold
+    them, and the kinds left outside (what splits the step's graphs)."""
+    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'args':>5} {'launches':>8} {'graphs':>6} {'in graphs':>9}"
+              "  outside")
+    lines = ["launches per step (from the optimized HLO):", header, "-" * len(header)]
+    for r in report.buckets:
+        launches = r.launches
+        outside = ", ".join(f"{n} {kind}" for kind, n in list(launches.outside_command_buffers.items())[:4])
+        flow = ", ".join(f"{n} {kind}" for kind, n in launches.control_flow.items())
+        lines.append(
+            f"{r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.decode_only else 'mixed':<6} "
+            f"{launches.num_arguments:>5} {launches.num_launches:>8} {launches.num_command_buffers:>6} "
+            f"{launches.command_buffer_share:>9.0%}  "
+            f"{outside or '-'}{f' (control flow: {flow})' if flow else ''}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.resources
 import importlib.resources.abc
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones in its shapes
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's
@@ -38,11 +40,14 @@ class ModelConfig:
     seed: int = 0
     revision: str | None = None
     max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
+    load_format: str = "auto"  # one of LOAD_FORMATS: the checkpoint's weights, or "dummy": random ones
 
     def __post_init__(self) -> None:
         for name in ("dtype", "weight_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -197,6 +202,18 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (its factory called): what a flag left out gives."""
+    found = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if found is None:
+        raise TypeError(f"{cls.__name__} has no field {name!r}")
+    if found.default_factory is not dataclasses.MISSING:
+        return found.default_factory()
+    if found.default is dataclasses.MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no default")
+    return found.default
+
+
 def _bundled_presets() -> importlib.resources.abc.Traversable:
     return importlib.resources.files("jaxserve") / "configs"
 
@@ -250,7 +267,7 @@ def platform_preset(isolated: bool = False) -> str:
 class ServerConfig:
     """The HTTP side of `jaxserve serve`; flag names and defaults follow `vllm serve`."""
 
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"  # all interfaces, as `vllm serve`
     port: int = 8000
     served_model_name: tuple[str, ...] = ()  # empty: the model's own name
     api_key: str | None = None
@@ -289,3 +306,92 @@ class ServerConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
+
+
+# The commands' own settings, beside the engine's and the server's: `jaxserve --help` shows these defaults
+# and each command reads its flags into one of these. A field that is a setting of serve's too takes its
+# default from serve's config.
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """`jaxserve generate`: the prompts and their sampling (the engine is an EngineConfig)."""
+
+    prompt: tuple[str, ...] = ()
+    raw: bool = False  # complete the prompt as is, no chat template
+    max_tokens: int = 128
+    temperature: float = 0.0  # greedy
+    top_p: float = 1.0
+    top_k: int = 0  # all tokens
+
+
+@dataclass(frozen=True)
+class OfflineBenchConfig:
+    """`jaxserve bench offline`: one wave per concurrency level (the engine is an EngineConfig)."""
+
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    input_len: int = 128
+    output_len: int = 128
+    json: str | None = None  # a file for the report
+    profile: bool = False  # profile decode steps per level instead of running waves (`bench/step_profile.py`)
+    profile_steps: int = 32  # decode steps timed per level
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """`jaxserve bench serve`: HTTP load on a running server, one row per concurrency level."""
+
+    base_url: str = f"http://127.0.0.1:{ServerConfig.port}/v1"
+    model: str | None = None  # the `model` field sent; None: none, the server's
+    api_key: str | None = None
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
+    input_len: int = 128
+    prefix_len: int = 0
+    output_len: int = 128
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float | None = None  # None: not sent
+    top_k: int | None = None
+    min_p: float | None = None
+    json: str | None = None  # a file for the results
+
+
+@dataclass(frozen=True)
+class BucketBenchConfig:
+    """`jaxserve bench buckets`: ladders compared on a workload (jaxserve/bench/bucket_bench.py)."""
+
+    ladders: tuple[str, ...] = ()  # preset names, YAML files or tokens=...;requests=... specs
+    workload: str = "sharegpt"
+    rate: float | None = None  # Poisson arrivals per second; None: a closed loop
+    concurrency: int | None = None  # the closed loop's requests in flight; None: 16 unless `rate`
+    num_requests: int = 200
+    max_model_len: int = 2048
+    seed: int = 0
+    target: str | None = None  # a GPU target to predict on; None: no predictions
+    model: str = "gpt2"  # whose shapes the predictions use
+    dtype: str = ModelConfig.dtype
+    measure: bool = False
+    measure_model: str | None = ModelConfig.model
+    load_format: str = ModelConfig.load_format  # of the model --measure serves
+    suggest: bool = False
+    max_buckets: int = 24
+    out: str = "bench-buckets"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """`jaxserve compile`: every bucket of a ladder compiled for a GPU target or the local device."""
+
+    model: str | None = ModelConfig.model
+    target: str = "h100"  # a TARGETS name, or "local": this machine's default device
+    preset: str = "gpu"
+    dtype: str = ModelConfig.dtype
+    attention_impl: str = EngineConfig.attention_impl
+    max_model_len: int | None = ModelConfig.max_model_len
+    context_len: int | None = None  # None: max_model_len / 2
+    gpu_memory_utilization: float | None = None  # None: the preset's
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    xla_cost: bool = True
+    json: str | None = None  # a file for the report

@@ -36,16 +36,34 @@ class DeviceFacts:
 
 
 @dataclass(frozen=True)
+class DataSheet:
+    """A GPU's figures from its vendor's data sheet, lent to a local device whose name matches."""
+
+    name_pattern: str  # matches jax's device_kind of the real device
+    memory_bandwidth: float  # bytes/s
+    peak_flops: tuple[tuple[str, float], ...]  # dense (not 2:4 sparse) tensor-core peaks
+
+
+DATA_SHEETS: dict[str, DataSheet] = {
+    "h100": DataSheet(r"H100.*(SXM|HBM3)", 3.35e12, (("bfloat16", 989.4e12), ("float32", 494.7e12))),
+    "h200": DataSheet(r"H200", 4.8e12, (("bfloat16", 989.4e12), ("float32", 494.7e12))),
+    "a100": DataSheet(r"A100.*80GB", 2.039e12, (("bfloat16", 312e12), ("float32", 156e12))),
+}
+
+
+@dataclass(frozen=True)
 class GpuTarget:
-    spec_file: str  # in jaxserve/targets/
-    peak_flops: tuple[tuple[str, float], ...]
-    name_pattern: str  # matches jax's device_kind of the real device, to lend it these peaks
+    spec_file: str  # in jaxserve/targets/: XLA's description of the GPU, for deviceless compiles
+    sheet: DataSheet
+
+    @property
+    def peak_flops(self) -> tuple[tuple[str, float], ...]:
+        return self.sheet.peak_flops
 
 
-# Dense (not 2:4 sparse) tensor-core peaks from NVIDIA's data sheets.
 TARGETS: dict[str, GpuTarget] = {
-    "h100": GpuTarget("h100_sxm.txtpb", (("bfloat16", 989.4e12), ("float32", 494.7e12)), r"H100.*(SXM|HBM3)"),
-    "a100": GpuTarget("a100_sxm_80.txtpb", (("bfloat16", 312e12), ("float32", 156e12)), r"A100.*80GB"),
+    "h100": GpuTarget("h100_sxm.txtpb", DATA_SHEETS["h100"]),
+    "a100": GpuTarget("a100_sxm_80.txtpb", DATA_SHEETS["a100"]),
 }
 
 
@@ -90,14 +108,14 @@ def local_facts(device: Any = None) -> DeviceFacts:
             capability = float(device.compute_capability)
         except (AttributeError, TypeError, ValueError):  # ROCm reports a gfx name
             capability = None
-    known = next((t for t in TARGETS.values() if re.search(t.name_pattern, kind)), None)
+    known = next((sheet for sheet in DATA_SHEETS.values() if re.search(sheet.name_pattern, kind)), None)
     return DeviceFacts(
         name=kind,
         platform=device.platform,
         compute_capability=capability,
         num_sms=getattr(device, "core_count", None) if device.platform == "gpu" else None,
         memory_bytes=None,
-        memory_bandwidth=None,
+        memory_bandwidth=known.memory_bandwidth if known else None,
         peak_flops=known.peak_flops if known else (),
     )
 

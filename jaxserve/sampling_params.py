@@ -9,7 +9,9 @@ the engine calls them again when it adds one, so nothing the engine thread build
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jaxserve.outputs import RequestOutputKind
 
@@ -180,13 +182,60 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        """The one definition of greedy; its row's temperature is then GREEDY_TEMPERATURE exactly."""
         return self.temperature < _GREEDY_EPS
+
+
+GREEDY_TEMPERATURE = 0.0  # a sampling row's temperature when its request is greedy (the sampler's test)
+
+
+class RowField(NamedTuple):
+    """One per-request sampling value as the step reads it: its column's name (as in the runner's rows and
+    `SamplingArrays`), dtype, the value that switches it off (a padding row), and how it is read."""
+
+    name: str
+    dtype: str  # a numpy dtype name
+    neutral: float | int | bool
+    read: Callable[[SamplingParams], float | int | bool]
+
+
+# The one table of sampling rows: the runner's persistent rows, a new request's values (`sampling_row`),
+# the step's per-row sampling arrays and the neutral batch all come from it.
+SAMPLING_ROW: tuple[RowField, ...] = (
+    RowField("temperature", "float32", GREEDY_TEMPERATURE,
+             lambda p: GREEDY_TEMPERATURE if p.is_greedy else p.temperature),
+    RowField("top_k", "int32", 0, lambda p: p.top_k),  # 0 = off
+    RowField("top_p", "float32", 1.0, lambda p: p.top_p),  # 1 = off
+    RowField("min_p", "float32", 0.0, lambda p: p.min_p),  # 0 = off
+    RowField("repetition_penalty", "float32", 1.0, lambda p: p.repetition_penalty),  # 1 = off
+    RowField("frequency_penalty", "float32", 0.0, lambda p: p.frequency_penalty),  # 0 = off
+    RowField("presence_penalty", "float32", 0.0, lambda p: p.presence_penalty),  # 0 = off
+    RowField("wants_logprobs", "bool", False, lambda p: p.logprobs is not None),  # the sample's logprob
+    RowField("wants_top_logprobs", "bool", False, lambda p: bool(p.logprobs)),  # and its alternatives
+)
+
+
+def sampling_row(params: SamplingParams) -> tuple:
+    """A request's values of SAMPLING_ROW, in its order."""
+    return tuple(column.read(params) for column in SAMPLING_ROW)
 
 
 def check_cache_salt(salt: object) -> None:
     """vLLM's rule: a cache salt, when given, is a non-empty string."""
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidParam("cache_salt must be a non-empty string if provided", "cache_salt")
+
+
+def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Prompt + output length at which a request must stop: what it may need of the KV cache."""
+    limit = max_model_len if max_tokens is None else num_prompt_tokens + max_tokens
+    return min(limit, max_model_len)
+
+
+def fits_kv_cache(num_tokens: int, kv_capacity_tokens: int) -> bool:
+    """The one rule for whether a request of up to `num_tokens` can ever run: its pages fit the cache
+    (`kv_capacity_tokens`: usable pages x page size, so a whole number of pages)."""
+    return num_tokens <= kv_capacity_tokens
 
 
 @dataclass(frozen=True)
@@ -226,20 +275,18 @@ class RequestLimits:
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """OpenAI's context-length error, with the numbers that broke it; then the KV capacity."""
-        if max_tokens is None:
+        if max_tokens is None:  # up to the context length
             if num_prompt_tokens >= self.max_model_len:
                 raise InvalidParam(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                     f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion. "
                     "Please reduce the length of the prompt.", "prompt")
-            total = self.max_model_len
-        else:
-            total = num_prompt_tokens + max_tokens
-            if total > self.max_model_len:
-                raise InvalidParam(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                    f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-                    "completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        if total > self.kv_capacity_tokens:
+        elif num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidParam(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        total = max_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len)
+        if not fits_kv_cache(total, self.kv_capacity_tokens):
             raise InvalidParam(f"the request needs up to {total} tokens of KV cache but the cache holds "
                                f"{self.kv_capacity_tokens}", "max_tokens")

@@ -1,9 +1,8 @@
-"""Shared fixtures: the bundled SmolLM2 GGUF, tiny random-weight HF models saved to disk, engines."""
+"""Shared fixtures: the bundled SmolLM2 GGUF, tiny random-weight HF models saved to disk, engines, a server."""
 
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
@@ -14,7 +13,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so every run also exercises the conversion; servers the tests start inherit it.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxserve-test-cache-"))
 
-import jax  # after the platform is chosen
 import pytest
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
@@ -98,17 +96,32 @@ def tiny_hf_model(tiny_model_dir) -> Callable[[str], object]:
     return load
 
 
-@contextmanager
-def count_compilations() -> Iterator[list[str]]:
-    """Counts XLA backend compilations inside the block."""
-    events: list[str] = []
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
 
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    """An engine on the tiny random Llama, one per test module."""
+    from tests.engine.helpers import make_engine
+
+    return make_engine(llama_dir)
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, compile_cache) -> Iterator:
+    """A real `jaxserve serve` on the bundled SmolLM2 (tests/api/helpers.py). It runs its engine core in its
+    own process (`--engine-process`), so the HTTP suites cover that split; the in-thread core serves the
+    TestClient apps and the fuzz and hardening servers."""
+    from tests.api.helpers import API_KEY, start_server, stop_server
+
+    server = start_server(tmp_path_factory.mktemp("server"), compile_cache, "--api-key", API_KEY,
+                          "--engine-process")
+    yield server
+    stop_server(server)

@@ -1,5 +1,6 @@
 """The CLI: help without jax, every flag described with its default, subcommand usage on a bad flag,
-vLLM's server flags and variables, the model check before binding, and `bench serve`'s table order."""
+vLLM's server flags and variables, the model check before binding, `bench serve`'s table order, and the
+defaults of flags left out, which are the config dataclasses'."""
 
 import argparse
 import logging
@@ -12,7 +13,26 @@ from collections.abc import Iterator
 import pytest
 
 from jaxserve.cli import _engine_config, _HelpFormatter, _server_config, build_parser, main
-from jaxserve.config import EngineConfig, platform_preset
+from jaxserve.cli_flags import (
+    BUCKET_ARRIVAL_FLAGS,
+    BUCKET_FLAGS,
+    COMPILE_FLAGS,
+    GENERATE_FLAGS,
+    OFFLINE_FLAGS,
+    SERVE_BENCH_FLAGS,
+    Flag,
+    read_flags,
+)
+from jaxserve.config import (
+    BucketBenchConfig,
+    CompileConfig,
+    EngineConfig,
+    GenerateConfig,
+    OfflineBenchConfig,
+    ServeBenchConfig,
+    ServerConfig,
+    platform_preset,
+)
 
 HELP_COMMANDS = [[], ["serve"], ["generate"], ["bench"], ["bench", "offline"], ["bench", "serve"]]
 
@@ -179,3 +199,30 @@ def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):
     assert not _engine_config(parser.parse_args(["serve", "--config", str(preset)])).scheduler.async_scheduling
     on = _engine_config(parser.parse_args(["serve", "--config", str(preset), "--async-scheduling"]))
     assert on.scheduler.async_scheduling
+
+
+def test_flags_left_out_give_the_config_dataclasses_defaults(monkeypatch):
+    """Each default is written once, in jaxserve.config: the parser's are read from the fields."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    parser = build_parser()
+    assert _server_config(parser.parse_args(["serve"])) == ServerConfig()
+    assert ServerConfig().host == "0.0.0.0"  # what `jaxserve serve` has always bound: all interfaces
+    commands = {
+        ("bench", "offline"): (OfflineBenchConfig, OFFLINE_FLAGS),
+        ("bench", "serve"): (ServeBenchConfig, SERVE_BENCH_FLAGS),
+        ("compile",): (CompileConfig, COMPILE_FLAGS),
+    }
+    for argv, (config_cls, flags) in commands.items():
+        assert config_cls(**read_flags(parser.parse_args(argv), flags)) == config_cls(), argv
+    buckets = parser.parse_args(["bench", "buckets", "--config", "cpu"])
+    buckets_config = BucketBenchConfig(**read_flags(buckets, BUCKET_FLAGS + BUCKET_ARRIVAL_FLAGS))
+    assert buckets_config == BucketBenchConfig(ladders=("cpu",))
+    generate = read_flags(parser.parse_args(["generate", "--prompt", "hi"]), GENERATE_FLAGS)
+    assert GenerateConfig(**generate) == GenerateConfig(prompt=("hi",))
+    assert ServeBenchConfig().base_url.endswith(f":{ServerConfig().port}/v1")
+
+
+def test_a_flag_names_a_field_of_its_config():
+    with pytest.raises(TypeError, match="ServerConfig has no field 'hots'"):
+        Flag("--host", ServerConfig, "hots", "address to bind")

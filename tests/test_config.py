@@ -115,3 +115,14 @@ def test_the_weight_dtype_is_one_of_the_listed_and_the_cli_takes_it():
     assert (config.model.dtype, config.model.weight_dtype) == ("float32", "bfloat16")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--weight-dtype", "int4"])
+
+
+def test_field_default_reads_a_default_or_calls_its_factory():
+    import os
+
+    from jaxserve.config import CompileConfig, field_default
+
+    assert field_default(ServerConfig, "port") == 8000
+    assert field_default(CompileConfig, "jobs") == (os.cpu_count() or 1)
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        field_default(ServerConfig, "nope")

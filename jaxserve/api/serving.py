@@ -253,7 +253,8 @@ class ModelServing:
         whose structured output, if any, from `compile_grammar`."""
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
-        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt, grammar))
+        return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt, grammar,
+                                                       checked=True))
 
     def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
         """Each token decoded alone, in one batch (tokenizer thread only)."""

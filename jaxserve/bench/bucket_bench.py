@@ -11,6 +11,7 @@ plots (matplotlib, the optional `bench` extra, imported only to plot) and report
 import csv
 import json
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.bench.ladder_run import run_engine, simulate
-from jaxserve.bench.ladders import LadderSpec, suggest_ladder
-from jaxserve.bench.workload import Workload
+from jaxserve.bench.ladders import LadderSpec, load_ladder, suggest_ladder
+from jaxserve.bench.workload import Workload, make_workload
+from jaxserve.config import BucketBenchConfig
 from jaxserve.runner.buckets import Bucket
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,8 @@ def evaluate_ladder(
     return result
 
 
-def engine_measurement(model: str | None, dtype: str, max_model_len: int) -> Callable[[LadderSpec, Workload], dict]:
+def engine_measurement(model: str | None, dtype: str, max_model_len: int,
+                       load_format: str = "auto") -> Callable[[LadderSpec, Workload], dict]:
     """Builds the engine for a ladder twice (empty, then filled compilation cache) and runs the trace."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
@@ -75,7 +78,8 @@ def engine_measurement(model: str | None, dtype: str, max_model_len: int) -> Cal
                 page_size=spec.page_size, enable_prefix_caching=False,
             )
             if "model" not in loaded:
-                loaded["model"] = load_model(config.model.model, config.model.dtype, config.attention_impl)
+                loaded["model"] = load_model(config.model.model, config.model.dtype, config.attention_impl,
+                                             load_format=load_format)
             cold = LLMEngine(config, model=loaded["model"]).warmup_seconds
             jax.clear_caches()  # in-memory executables gone: the second engine reads the persistent cache
             engine = LLMEngine(config, model=loaded["model"])
@@ -248,3 +252,28 @@ def run(
     plots = plot(results, out)
     write_report(results, workload, plots, out, command, target)
     return results
+
+
+def main(config: BucketBenchConfig) -> None:
+    """The command: the workload (a closed loop of 16 unless a rate or a concurrency is given; a .jsonl
+    file's own arrivals unless a concurrency is), the predictions with a target, then `run`."""
+    concurrency = config.concurrency if config.concurrency is not None or config.rate is not None else 16
+    if config.workload.endswith(".jsonl") and config.concurrency is None:
+        concurrency = None  # the file's own arrivals unless a loop is asked for
+    workload = make_workload(config.workload, config.num_requests, config.rate, concurrency, config.max_model_len,
+                             config.seed)
+    step_seconds = None
+    if config.target:
+        from jaxserve.bench.predict import roofline_step_seconds
+
+        step_seconds = roofline_step_seconds(config.model, config.target, config.dtype)
+    measure = (engine_measurement(config.measure_model, config.dtype, config.max_model_len, config.load_format)
+               if config.measure else None)
+    results = run(
+        [load_ladder(c) for c in config.ladders], workload, Path(config.out), step_seconds, measure,
+        config.max_buckets if config.suggest else None, command="jaxserve " + " ".join(sys.argv[1:]),
+        target=config.target,
+    )
+    print(f"{workload.name}: {len(workload.requests)} requests")
+    print(format_table(results))
+    print(f"results, plots and report in {config.out}/")

@@ -18,7 +18,8 @@ import numpy as np
 from jaxserve.bench.workload import TraceRequest, Workload
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler, StepOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_io import StepOutput
 from jaxserve.runner.buckets import Bucket, BucketLadder
 from jaxserve.sampling_params import SamplingParams
 
@@ -159,8 +160,7 @@ def simulate(
             continue
         out = scheduler.schedule()
         bucket = ladder.pick(out.num_tokens, out.num_reqs)
-        num_keys = (sum(s.start_position + len(s.token_ids) for s in out.scheduled)
-                    + sum(out.decodes.positions) + len(out.decodes.positions))
+        num_keys = sum(out.start_positions) + out.num_tokens
         seconds = step_seconds(bucket, num_keys)
         now += seconds
         run.steps.append(StepRecord(bucket, out.num_tokens, out.num_reqs, seconds, num_keys))

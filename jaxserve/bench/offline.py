@@ -4,12 +4,16 @@ Each wave submits C requests of `input_len` random prompt tokens, generating exa
 tokens each (EOS ignored), and times the wave from submission to the last token.
 """
 
+import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from jaxserve.allocator import loaded_allocator
+from jaxserve.config import EngineConfig, OfflineBenchConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
@@ -64,3 +68,50 @@ def run_offline_benchmark(
     rng = np.random.default_rng(seed)
     run_wave(engine, 1, input_len, 4, rng)  # touch every code path once before timing
     return [asdict(run_wave(engine, c, input_len, output_len, rng)) for c in concurrencies]
+
+
+def main(config: OfflineBenchConfig, engine_config: Callable[[], EngineConfig]) -> None:
+    """The command: builds the engine (`engine_config` is called inside the start-up it times: choosing the
+    platform's preset starts jax's backend), runs the waves, prints a table and writes `config.json`."""
+    start = time.perf_counter()
+    engine = LLMEngine(engine_config())
+    startup = time.perf_counter() - start
+    if config.profile:
+        return _profile(engine, config)
+    results = run_offline_benchmark(engine, list(config.concurrency), config.input_len, config.output_len)
+    report = {
+        "model": engine.info.model_name,
+        "dtype": engine.info.dtype,
+        "weight_dtype": engine.info.weight_dtype,
+        "async_scheduling": engine.async_scheduling,
+        "allocator": loaded_allocator(),
+        "startup_s": round(startup, 1),
+        "warmup_s": round(engine.warmup_seconds, 1),
+        "peak_rss_gib": round(peak_rss_gib(), 2),
+        "results": results,
+    }
+    print(f"model {report['model']} dtype {report['dtype']} (weights {report['weight_dtype']})  "
+          f"start-up {startup:.1f}s (warm-up {engine.warmup_seconds:.1f}s)  peak RSS {report['peak_rss_gib']} GiB  "
+          f"allocator {report['allocator']}")
+    print(f"{'seqs':>5} {'out tok/s':>10} {'TPOT ms':>8} {'TTFT ms':>8} {'wall s':>7}")
+    for r in results:
+        print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>10.1f} {r['mean_tpot_ms']:>8.1f} "
+              f"{r['mean_ttft_ms']:>8.1f} {r['seconds']:>7.1f}")
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _profile(engine: LLMEngine, config: OfflineBenchConfig) -> None:
+    from jaxserve.bench import step_profile
+
+    profiler = step_profile.StepProfiler(engine)
+    profiles = [profiler.profile(c, config.input_len, config.profile_steps) for c in config.concurrency]
+    print(f"model {engine.info.model_name} dtype {engine.info.dtype} (weights {engine.info.weight_dtype})  "
+          f"device {profiles[0].device}  async scheduling {'on' if engine.async_scheduling else 'off'}")
+    step_profile.print_profiles(profiles)
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump({"model": engine.info.model_name, "dtype": engine.info.dtype,
+                       "weight_dtype": engine.info.weight_dtype, "async_scheduling": engine.async_scheduling,
+                       "profiles": step_profile.as_dicts(profiles)}, f, indent=2)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from jaxserve.config import ServeBenchConfig
+
 # Random prompt ids come from this range: past the special tokens of common vocabularies (GPT-2's
 # 50257, SmolLM2's 49152, Llama 3's 128256).
 _TOKEN_RANGE = (1000, 30000)
@@ -148,3 +150,24 @@ def format_report(results: list[dict]) -> str:
         lines.append(row)
     lines.append("(latencies in ms)")
     return "\n".join(lines)
+
+
+def main(config: ServeBenchConfig) -> None:
+    """The command: one level per `config.concurrency`, each row printed as soon as it is measured (after
+    the header), the results written to `config.json`."""
+    header, footer = format_report([]).splitlines()  # no rows: the header and the footnote
+    print(header, flush=True)
+    results = []
+    for concurrency in config.concurrency:
+        num_prompts = config.num_prompts or max(4 * concurrency, 8)
+        sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                    "min_p": config.min_p}
+        results.append(asyncio.run(run_level(
+            config.base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
+            api_key=config.api_key, seed=config.seed, prefix_len=config.prefix_len, sampling=sampling,
+        )))
+        print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
+    print(footer)
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(results, f, indent=2)

@@ -61,6 +61,7 @@ class _Add:
     outputs: "asyncio.Queue[RequestOutput | BaseException]"
     cache_salt: str | None = None
     grammar: CompiledGrammar | None = None
+    checked: bool = False  # see LLMEngine.add_request
 
 
 @dataclass
@@ -110,16 +111,18 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None,
+        checked: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs until it finishes. Bad input raises ValueError on first use.
-        `grammar`: params.structured_outputs from `compile_grammar` (else the engine thread compiles it)."""
+        `grammar`: params.structured_outputs from `compile_grammar` (else the engine thread compiles it).
+        `checked`: the caller checked the prompt and params against the engine's limits already."""
         request_id = request_id or f"req-{next(self._ids)}"
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if not self.is_running:
                 raise EngineDeadError(f"the engine is not running: {self._dead!r}")
             self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs, cache_salt,
-                                    grammar))
+                                    grammar, checked))
         finished = False
         try:
             while not finished:
@@ -204,7 +207,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt,
-                                        command.grammar)
+                                        command.grammar, command.checked)
             except Exception as e:  # bad input (ValueError) or a tokenizer fault: this request's alone
                 if not isinstance(e, ValueError):
                     logger.error("request %s could not be added: %r", command.request_id, e, exc_info=e)

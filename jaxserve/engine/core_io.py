@@ -1,11 +1,10 @@
 """What crosses between the engine core (scheduler, runner) and its frontend (pure Python, no jax).
 
 The core works on sequences (a request with n > 1 is n of them) and reports, per step, what each sequence
-gained: its plain new tokens together (`TokenColumns`), and one `SequenceUpdate` per sequence with more
-to say (its first token, an end, top logprobs, a failure). The frontend turns them into text and
-`RequestOutput`s. The records are NamedTuples, cheap to build; when the core runs in its own process they
-cross the pipe once per step, the `SequenceUpdate`s as plain tuples. `EngineCoreClient` is what the
-frontend asks of a core, in this process (`EngineCore`) or in its own (`CoreProcessClient`).
+gained in one record, `CoreOutputs`: the new tokens as columns, the few sequences' details (a first token,
+an end, top logprobs) by index, and failures. The frontend turns them into text and `RequestOutput`s.
+When the core runs in its own process, one such record a step crosses the pipe. `EngineCoreClient` is
+what the frontend asks of a core, in this process (`EngineCore`) or in its own (`CoreProcessClient`).
 """
 
 from dataclasses import dataclass
@@ -25,42 +24,48 @@ def engine_fault(cause: BaseException) -> str:
 
 
 class FirstToken(NamedTuple):
-    """Facts a sequence's first update carries once."""
+    """Facts a sequence's first token carries once."""
 
     first_scheduled_time: float | None
     num_cached_tokens: int  # prompt tokens found in the prefix cache
     prompt_logprobs: list[dict[int, Logprob]] | None  # prompt tokens 1, 2, ..., when the request asked
 
 
-class SequenceUpdate(NamedTuple):
-    """What one sequence gained in a step."""
+class SequenceDetails(NamedTuple):
+    """What a sequence's new token carries beyond the token: few do (a first token, an end, top logprobs,
+    a preemption count)."""
 
-    seq_id: str
-    token_id: int | None  # None for a failure
-    logprob: float = 0.0
     top_logprobs: dict[int, float] | None = None
     status: RequestStatus | None = None  # a finished status once the core ended the sequence, else None
     stop_reason: int | str | None = None  # the stop token id that ended it
-    time: float = 0.0  # when the step's tokens were read (time.monotonic())
     num_preemptions: int = 0
     first: FirstToken | None = None  # on the sequence's first token
-    error: str | None = None  # the core failed the sequence (its request fails whole)
+
+
+class SequenceFailure(NamedTuple):
+    """A sequence the core failed (its request fails whole)."""
+
+    seq_id: str
+    error: str
     error_param: str | None = None  # set when the request's own values caused it: a client error
 
 
-class TokenColumns(NamedTuple):
-    """Sequences that each gained one plain token in a step (not their first, no end, no top logprobs, no
-    failure, never preempted), as columns: most of a busy step's updates in one record, built and pickled
-    at a fraction of the cost of one `SequenceUpdate` each."""
+class CoreOutputs(NamedTuple):
+    """What a core step reports: each sequence that gained a token, as columns (most of a busy step's
+    sequences carry nothing else), the few details by column index, and the sequences that failed. One
+    record a step, cheap to build and to pickle across the core process's pipe."""
 
     seq_ids: list[str]
     token_ids: list[int]
     logprobs: list[float]
     time: float  # when the step's tokens were read (time.monotonic())
+    details: dict[int, SequenceDetails]  # column index -> what that sequence's token carries besides
+    failures: list[SequenceFailure]
 
 
-# What a core's step() returns: a list of these, in the order they happened.
-CoreUpdate = SequenceUpdate | TokenColumns
+def failed(failures: list[SequenceFailure]) -> CoreOutputs:
+    """Outputs that report failures only."""
+    return CoreOutputs([], [], [], 0.0, {}, failures)
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class EngineCoreClient(Protocol):
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None: ...
 
-    def step(self) -> list[CoreUpdate]: ...
+    def step(self) -> list[CoreOutputs]: ...
 
     def stats(self) -> EngineStats: ...
 

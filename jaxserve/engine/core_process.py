@@ -8,7 +8,8 @@ Processes and threads:
   never waits on the frontend, and the frontend never waits on a core blocked in a write while the
   frontend itself blocks writing a command (two full pipes would deadlock).
 - Grammars compile again in the core process (compiled matchers do not pickle), on two worker threads
-  as in the API; their sequences enter the scheduler when their grammar is ready. The frontend compiled
+  as in the API, with the core process's one `GrammarCompiler`; their sequences enter the scheduler when
+  their grammar is ready. The frontend compiled
   each once already, within the API's timeout, so a bad or slow one never gets here.
 - `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
   takes every step the core has sent since the last call, waiting a few milliseconds for one at most,
@@ -38,9 +39,18 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_io import CoreUpdate, EngineInfo, EngineStats, SequenceUpdate, TokenColumns, engine_fault
+from jaxserve.engine.core_io import (
+    CoreOutputs,
+    EngineInfo,
+    EngineStats,
+    FirstToken,
+    SequenceDetails,
+    SequenceFailure,
+    engine_fault,
+    failed,
+)
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.structured_output import CompiledGrammar
+from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.sampling_params import InvalidParam
 
 if TYPE_CHECKING:
@@ -57,8 +67,8 @@ class CoreProcessDied(RuntimeError):
 
 
 # Commands, frontend -> core: ("add", [Request]), ("finish", [seq id], RequestStatus), ("stop",).
-# Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [SequenceUpdate as a
-# tuple, or TokenColumns], EngineStats), ("dead", reason).
+# Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [CoreOutputs as
+# plain tuples (`to_wire`)], EngineStats), ("dead", reason).
 
 
 class CoreProcessClient:
@@ -80,7 +90,7 @@ class CoreProcessClient:
         self.info: EngineInfo
         self.info, self.tokenizer, self.warmup_seconds = body
         self._stats = EngineStats()
-        self._updates: list[CoreUpdate] = []  # received, not returned by step() yet
+        self._updates: list[CoreOutputs] = []  # received, not returned by step() yet
         self._received = False  # a step message came since the last step()
 
     def add_sequences(self, sequences: list[Request], grammar: CompiledGrammar | None = None) -> None:
@@ -91,7 +101,7 @@ class CoreProcessClient:
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
         self._send(("finish", seq_ids, status))
 
-    def step(self) -> list[CoreUpdate]:
+    def step(self) -> list[CoreOutputs]:
         """The updates of every step the core has sent since the last call. Waits up to `_WAIT_S` for one
         if none came, and returns [] after that: the caller's new commands reach the core without waiting
         for its step (or for a grammar it is compiling)."""
@@ -114,7 +124,7 @@ class CoreProcessClient:
         kind, *body = message
         if kind != "step":
             raise CoreProcessDied(f"the engine core failed: {body[0]}")
-        self._updates += [item if type(item) is TokenColumns else SequenceUpdate._make(item) for item in body[0]]
+        self._updates += [from_wire(item) for item in body[0]]
         self._stats = body[1]
         self._received = True
 
@@ -150,10 +160,24 @@ class CoreProcessClient:
             raise CoreProcessDied(f"the engine core exited (code {self._process.exitcode})") from e
 
 
-def step_message(updates: list[CoreUpdate], stats: EngineStats) -> tuple:
-    """What the core sends for a step. The `SequenceUpdate`s go as plain tuples: a NamedTuple pickles through
-    its class, 4x slower (0.3 ms at 256 rows); a step's one `TokenColumns` goes as it is."""
-    return "step", [item if type(item) is TokenColumns else tuple(item) for item in updates], stats
+def step_message(outputs: list[CoreOutputs], stats: EngineStats) -> tuple:
+    """What the core sends for its steps."""
+    return "step", [to_wire(item) for item in outputs], stats
+
+
+def to_wire(outputs: CoreOutputs) -> tuple:
+    """A step's outputs as plain tuples: a NamedTuple pickles through its class, 4x slower than a tuple (0.3 ms
+    for 256 records), and a step's details can be that many (every sequence's first token)."""
+    details = {index: (*detail[:4], None if detail.first is None else tuple(detail.first))
+               for index, detail in outputs.details.items()}
+    return (*outputs[:4], details, [tuple(failure) for failure in outputs.failures])
+
+
+def from_wire(wire: tuple) -> CoreOutputs:
+    seq_ids, token_ids, logprobs, time_, details, failures = wire
+    details = {index: SequenceDetails(*detail[:4], None if detail[4] is None else FirstToken(*detail[4]))
+               for index, detail in details.items()}
+    return CoreOutputs(seq_ids, token_ids, logprobs, time_, details, [SequenceFailure(*f) for f in failures])
 
 
 def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: bool) -> None:
@@ -198,15 +222,16 @@ class _CoreLoop:
         self.core = core
         self.conn = conn
         self.outbox = outbox
+        self.grammars = GrammarCompiler(core.model.tokenizer, core.model.cfg.vocab_size, core.model.eos_token_ids)
         self.grammar_pool = ThreadPoolExecutor(2, "jaxserve-core-grammar")  # as many as the API's
         self.compiling: list[tuple[list[Request], Future]] = []  # sequences waiting for their grammar
-        self.failed: list[CoreUpdate] = []  # adds refused here, reported with the next step
+        self.failed: list[SequenceFailure] = []  # adds refused here, reported with the next step
 
     def run(self) -> None:
         sent_stats = None
         while self._apply_commands():
             self._admit_compiled()
-            updates, self.failed = self.failed, []
+            updates, self.failed = [failed(self.failed)] if self.failed else [], []
             if self.core.has_unfinished():
                 updates += self.core.step()
             stats = self.core.stats()
@@ -236,7 +261,7 @@ class _CoreLoop:
         if spec is None:
             self._admit(sequences, None)
         else:
-            self.compiling.append((sequences, self.grammar_pool.submit(self.core.grammars.compile, spec)))
+            self.compiling.append((sequences, self.grammar_pool.submit(self.grammars.compile, spec)))
 
     def _admit_compiled(self) -> None:
         waiting = []
@@ -261,8 +286,7 @@ class _CoreLoop:
     def _refuse(self, sequences: list[Request], error: Exception) -> None:
         logger.error("request of sequence %s could not be added: %r", sequences[0].request_id, error, exc_info=error)
         message, param = (str(error), error.param) if isinstance(error, InvalidParam) else (engine_fault(error), None)
-        self.failed += [SequenceUpdate(seq.request_id, None, status=RequestStatus.FINISHED_ABORTED, error=message,
-                                       error_param=param) for seq in sequences]
+        self.failed += [SequenceFailure(seq.request_id, message, param) for seq in sequences]
 
     def _drop_compiling(self, seq_ids: set[str]) -> None:
         self.compiling = [(seqs, future) for seqs, future in self.compiling

@@ -74,6 +74,11 @@ class KVCacheManager:
         return self.num_pages - 1
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable pages hold: the most one request can ever need."""
+        return self.num_usable_pages * self.page_size
+
+    @property
     def num_free_pages(self) -> int:
         """Pages no request holds, cached ones included: allocation can take any of them."""
         return len(self._free)

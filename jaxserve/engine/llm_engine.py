@@ -49,15 +49,16 @@ class LLMEngine:
             self.core = None
             self._core = CoreProcessClient(config, warmup)
             self.tokenizer = self._core.tokenizer
-            self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), self._core.info.limits.vocab_size,
-                                            self._core.info.eos_token_ids)
         else:
             from jaxserve.engine import core  # imports jax
 
             self.core = self._core = core.EngineCore(config, model, warmup)
             self.tokenizer = self.core.model.tokenizer
-            self.grammars = self.core.grammars
         self.info: EngineInfo = self._core.info
+        # This side's one grammar compiler, with its own tokenizer copy: grammars compile on other threads
+        # (the server's) while this one detokenizes.
+        self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), self.info.limits.vocab_size,
+                                        self.info.eos_token_ids)
         self.limits = self.info.limits
         self.max_model_len = self.limits.max_model_len
         self.warmup_seconds = self._core.warmup_seconds
@@ -110,12 +111,15 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None,
+        checked: bool = False,
     ) -> None:
         """Queues a request. Raises ValueError for bad input and leaves the engine untouched.
 
         `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt.
         `grammar`: `params.structured_outputs` compiled already (the server compiles off this thread);
-        compiled here when not given."""
+        compiled here when not given. `checked`: the caller ran `self.limits.check` and `check_cache_salt`
+        on these token ids and values (the server does, to answer a 400 before it streams); else they run
+        here. Either way, once."""
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -123,8 +127,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
-        self.limits.check(prompt_token_ids, params)  # InvalidParam (a ValueError) for what cannot be served
-        check_cache_salt(cache_salt)
+        if not checked:  # InvalidParam (a ValueError) for what cannot be served
+            self.limits.check(prompt_token_ids, params)
+            check_cache_salt(cache_salt)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         # The first sequence computes prompt logprobs (they are the request's); the others may read its

@@ -1,5 +1,5 @@
-"""OutputProcessor: the core's token updates in (`SequenceUpdate`s and `TokenColumns`), text and `RequestOutput`s
-out (pure Python, no jax).
+"""OutputProcessor: the core's outputs in (`CoreOutputs`, one a step), text and `RequestOutput`s out (pure
+Python, no jax).
 
 It holds what the frontend knows of each live request: its sequences' tokens, logprobs, detokenizers and
 ends, and the request's prompt facts. A stop string ends a sequence here, and a sequence whose text fails
@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from jaxserve.engine.core_io import CoreUpdate, TokenColumns, engine_fault
+from jaxserve.engine.core_io import CoreOutputs, engine_fault
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import RequestStatus, finish_reason, request_metrics
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
@@ -146,36 +146,40 @@ class OutputProcessor:
         self._forget(state)
         return [seq.seq_id for seq in state.sequences]
 
-    def process(self, updates: list[CoreUpdate]) -> ProcessedStep:
-        """Applies the core's updates (one or more steps', in order) and returns the outputs of the requests
+    def process(self, core_outputs: list[CoreOutputs]) -> ProcessedStep:
+        """Applies the core's outputs (one or more steps', in order) and returns the outputs of the requests
         with news, their kind permitting, and what the core must finish or drop."""
         step = _Step({}, [], [], [])
-        for update in updates:
-            if type(update) is TokenColumns:  # plain tokens: no first token, no end, no top logprobs, no error
-                for seq_id, token_id, logprob in zip(update.seq_ids, update.token_ids, update.logprobs, strict=True):
-                    seq = self._sequences.get(seq_id)
-                    if seq is not None and seq.status is None:  # gone, or ended here before the core heard
-                        self._add_token(step, seq, token_id, logprob, update.time)
-                continue
-            seq = self._sequences.get(update.seq_id)
-            if seq is None or seq.status is not None:  # gone, or ended here before the core heard
-                continue
-            state = seq.parent
-            if update.first is not None:
-                seq.first_scheduled_time = update.first.first_scheduled_time
-                seq.first_token_time = update.time
-                if seq.index == 0:
-                    state.num_cached_tokens = update.first.num_cached_tokens
-                    state.prompt_logprobs = update.first.prompt_logprobs or []
-                    state.prompt_logprobs_known = True
-            if update.error is not None:  # the core failed it (and logged why)
-                step.failed.append(self._fail(state, update.error, update.error_param, step.dropped))
-                step.touched.pop(state.request_id, None)
-                continue
-            if update.top_logprobs is not None:
-                seq.top_logprobs.append(update.top_logprobs)
-            seq.num_preemptions = update.num_preemptions
-            self._add_token(step, seq, update.token_id, update.logprob, update.time, update.status, update.stop_reason)
+        sequences = self._sequences
+        for update in core_outputs:
+            details = update.details
+            for index, (seq_id, token_id, logprob) in enumerate(zip(update.seq_ids, update.token_ids,
+                                                                    update.logprobs, strict=True)):
+                seq = sequences.get(seq_id)
+                if seq is None or seq.status is not None:  # gone, or ended here before the core heard
+                    continue
+                detail = details.get(index) if details else None
+                if detail is None:  # a plain token: no first token, no end, no top logprobs
+                    self._add_token(step, seq, token_id, logprob, update.time)
+                    continue
+                if detail.first is not None:
+                    seq.first_scheduled_time = detail.first.first_scheduled_time
+                    seq.first_token_time = update.time
+                    if seq.index == 0:
+                        state = seq.parent
+                        state.num_cached_tokens = detail.first.num_cached_tokens
+                        state.prompt_logprobs = detail.first.prompt_logprobs or []
+                        state.prompt_logprobs_known = True
+                if detail.top_logprobs is not None:
+                    seq.top_logprobs.append(detail.top_logprobs)
+                seq.num_preemptions = detail.num_preemptions
+                self._add_token(step, seq, token_id, logprob, update.time, detail.status, detail.stop_reason)
+            for failure in update.failures:  # the core failed them (and logged why)
+                seq = sequences.get(failure.seq_id)
+                if seq is None or seq.status is not None:
+                    continue
+                step.failed.append(self._fail(seq.parent, failure.error, failure.error_param, step.dropped))
+                step.touched.pop(seq.parent.request_id, None)
         outputs = []
         for state in step.touched.values():
             if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not state.finished:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from jaxserve.outputs import Logprob, RequestMetrics
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, max_num_tokens
 
 if TYPE_CHECKING:
     from jaxserve.engine.structured_output import GrammarMatcher
@@ -36,12 +36,6 @@ _FINISH_REASONS = {
 def finish_reason(status: RequestStatus) -> str | None:
     """The OpenAI finish_reason for a finished status, None while the request lives."""
     return _FINISH_REASONS.get(status)
-
-
-def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """Prompt + output length at which a request must stop."""
-    limit = max_model_len if max_tokens is None else num_prompt_tokens + max_tokens
-    return min(limit, max_model_len)
 
 
 @dataclass(eq=False, slots=True)
@@ -94,8 +88,8 @@ class Request:
     # module's function of the same name: a method's body sees the module, not the class.
     max_num_tokens: int = field(init=False)
     num_tokens: int = field(init=False)  # prompt + output tokens, kept by append_output_token (read 3x a step)
-    # Its decode steps can travel as the scheduler's plain columns (`DecodeColumns`): the runner fills nothing
-    # of its row itself and reads back no top logprobs for it. (A grammar, set later, is asked on its own.)
+    # Its steps carry nothing beyond the plan's columns: the runner fills nothing of its row itself and
+    # reads back no top logprobs for it. (A grammar, set later, is asked on its own.)
     has_plain_decodes: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,12 +199,3 @@ def request_metrics(sequences: Sequence[Stamped], max_tokens_param: int | None) 
         num_preemptions=sum(r.num_preemptions for r in sequences),
         max_tokens_param=max_tokens_param,
     )
-
-
-class RequestFault(Exception):
-    """Building one request's batch row raised: the engine fails that request alone and serves on.
-    `__cause__` holds the original exception."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"request {request_id} failed")
-        self.request_id = request_id

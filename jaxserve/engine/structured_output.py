@@ -30,11 +30,6 @@ _LIMITS = dict(verbose_errors=False)
 _CACHE_SIZE = 256
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """Width of a token bitmask row: one bit per token, 32 to an int32."""
-    return (vocab_size + 31) // 32
-
-
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar for a request's structured output. Raises InvalidParam for a definition
     that cannot be read (a schema that is not JSON, a grammar in neither Lark nor GBNF)."""

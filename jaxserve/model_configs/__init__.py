@@ -5,7 +5,8 @@ import importlib.resources
 import json
 from typing import Any
 
-BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "llama-3-8b": "llama-3-8b.json"}
+BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "llama-3.2-1b": "llama-3.2-1b.json",
+                  "llama-3-8b": "llama-3-8b.json"}
 
 
 def bundled_config_values(name: str) -> dict[str, Any]:

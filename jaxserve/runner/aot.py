@@ -18,9 +18,10 @@ from jax.sharding import Mesh
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
-from jaxserve.runner.batch import BatchLayout, neutral_batch, pack
 from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables
+from jaxserve.runner.step_batch import BatchLayout
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jaxserve.allocator import allocator_note
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction
-from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput, StepOutput
+from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
@@ -41,14 +41,16 @@ from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
-from jaxserve.runner.batch import PackedBatch, StepBatch, build_step_batch, neutral_batch, pack, unpack
+from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
-from jaxserve.runner.multihost import Leader, LoadSeenTokens, Step
+from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
+from jaxserve.runner.packing import PackedBatch, neutral_batch, pack, unpack
 from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens, update_tables
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxserve.runner.request_rows import RequestRows
 from jaxserve.runner.sampler import SamplerOutput, sample
+from jaxserve.runner.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,9 @@ class LaunchedStep:
 
     scheduler_output: SchedulerOutput
     batch: StepBatch  # host numpy: what collect needs to map results back to requests
+    row_ids: np.ndarray  # intp[n]: each step row's request row (`RequestRows`)
+    num_top_logprobs: np.ndarray  # i32[n]: alternatives each row reports (read at launch: rows are reused)
+    num_prompt_logprobs: np.ndarray  # i32[n]: the same per prompt token
     sampled: SamplerOutput  # on the device
     prompt: PromptLogprobs  # on the device
 
@@ -116,6 +121,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_logprobs: int,
+        broadcast: Broadcast | None = None,
     ) -> None:
         self.model = model
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket, filled by warmup
@@ -123,7 +129,7 @@ class ModelRunner:
         self._stop_compiling = threading.Event()
         self._background: threading.Thread | None = None
         self.last_step: ExecutedStep | None = None  # for benchmarks: the bucket the last step ran in
-        self.leader: Leader | None = None  # multi-host: set after warm-up, sends device work to followers
+        self._broadcast = broadcast  # multi-host leader: sends each step's device work to the followers
         self.ladder = ladder
         self.page_size = cache_config.page_size
         self.max_pages_per_req = -(-max_model_len // self.page_size)
@@ -202,93 +208,87 @@ class ModelRunner:
         return max(compile_bucket(self._step, self.model.state, shapes, b, device, self.mesh).temp_bytes
                    for b in largest)
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
         (nothing dispatched) when one request's values cannot be put in the batch."""
-        scheduled, decodes = scheduler_output.scheduled, scheduler_output.decodes
-        self.rows.release(scheduler_output.finished_ids + scheduler_output.preempted_ids)
+        self.rows.release(plan.finished_ids + plan.preempted_ids)
         self.last_step = None
-        if scheduler_output.is_empty:
+        if plan.is_empty:
             return None
-        num_reqs = scheduler_output.num_reqs
-        bucket = self._runnable_bucket(self.ladder.pick(scheduler_output.num_tokens, num_reqs))
-        self.last_step = ExecutedStep(bucket, scheduler_output.num_tokens, num_reqs)
+        num_reqs = plan.num_reqs
+        bucket = self._runnable_bucket(self.ladder.pick(plan.num_tokens, num_reqs))
+        self.last_step = ExecutedStep(bucket, plan.num_tokens, num_reqs)
         try:
-            row_ids = self.rows.update(scheduled, decodes.request_ids)
+            row_ids = self.rows.update(plan.new_requests, plan.request_ids, plan.new_pages)
         finally:  # after a RequestFault too: the rows written stay, and so must what they have seen
             for row, token_ids, num_prompt_tokens in self.rows.take_seen_tokens():
                 self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
-        batch = build_step_batch(scheduler_output, bucket, self.layout, self.rows, row_ids)
+        batch = build_step_batch(plan, bucket, self.layout, self.rows, row_ids)
+        if self._broadcast is not None:  # multi-host: the followers run the same step
+            self._broadcast(Step(bucket, batch))
         sampled, prompt = self.run_step(batch, bucket)
-        keeps_sample = np.ones(num_reqs, np.bool_)  # [n]: every plain decode keeps its sample
-        keeps_sample[: len(scheduled)] = [item.keeps_sample for item in scheduled]
-        self.rows.launched(row_ids, keeps_sample)
-        return LaunchedStep(scheduler_output, batch, sampled, prompt)
+        self.rows.launched(row_ids, np.array(plan.keeps_sample, np.bool_))
+        return LaunchedStep(plan, batch, row_ids, self.rows.num_top_logprobs[row_ids],
+                            self.rows.num_prompt_logprobs[row_ids], sampled, prompt)
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Waits for a launched step's samples and turns them into per-request results."""
-        scheduled, batch = launched.scheduler_output.scheduled, launched.batch  # top logprobs: records only
-        num_reqs = launched.scheduler_output.num_reqs
+        plan, batch = launched.scheduler_output, launched.batch
+        num_reqs = plan.num_reqs
         top_rows = np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist()
         sampled = launched.sampled
-        top_logprobs: list[dict[int, float] | None] = [None] * num_reqs
+        top_logprobs: dict[int, dict[int, float]] = {}
         if top_rows:
             out = to_host(sampled)
             tokens, logprobs = out.tokens, out.logprobs
             for row in top_rows:
-                k = scheduled[row].sampling_params.logprobs
+                k = launched.num_top_logprobs[row]
                 ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
                 top_logprobs[row] = dict(zip(ids, lps, strict=True))
         else:  # no row asked for alternatives: their arrays stay on the device
             tokens, logprobs = to_host((sampled.tokens, sampled.logprobs))
         return StepOutput(
-            request_ids=launched.scheduler_output.request_ids,
+            request_ids=plan.request_ids,
             sampled_token_ids=tokens[:num_reqs].tolist(),
             logprobs=logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
-            prompt_logprobs=self._prompt_logprobs(batch, scheduled, num_reqs, launched.prompt),
+            prompt_logprobs=self._prompt_logprobs(launched) if plan.prompt_logprob_targets else {},
         )
 
-    def _prompt_logprobs(
-        self, batch: StepBatch, scheduled: tuple[ScheduledRequest, ...], num_reqs: int, prompt: PromptLogprobs
-    ) -> list[tuple[int, list[dict[int, Logprob]]] | None] | None:
-        """Per request scoring prompt tokens this step: (its first scored token, {token: Logprob} per token
-        with the prompt's token first, then the top alternatives it asked for). Read from the device
-        only when some request scored (a record: a plain decode scores none)."""
-        wanted = batch.prompt_logprob_targets < self.model.cfg.vocab_size  # bool[T], host numpy
-        if not wanted.any():
-            return None
-        prompt = to_host(prompt)
+    def _prompt_logprobs(self, launched: LaunchedStep) -> dict[int, tuple[int, list[dict[int, Logprob]]]]:
+        """Per row scoring prompt tokens this step: (its first scored token, {token: Logprob} per token with
+        the prompt's token first, then the top alternatives it asked for)."""
+        plan, batch = launched.scheduler_output, launched.batch
+        prompt = to_host(launched.prompt)
         cu_q_lens = batch.attention.cu_q_lens
-        result: list[tuple[int, list[dict[int, Logprob]]] | None] = [None] * num_reqs
-        for row, item in enumerate(scheduled):
-            first, end = cu_q_lens[row], cu_q_lens[row + 1]
-            num_scored = int(wanted[first:end].sum())  # the leading positions of the row
-            if not num_scored:
-                continue
-            k = item.sampling_params.prompt_logprobs
+        result = {}
+        for row, targets in plan.prompt_logprob_targets.items():
+            first = cu_q_lens[row]
+            k = launched.num_prompt_logprobs[row]
             entries = []
-            for i in range(first, first + num_scored):
-                entry = {int(batch.prompt_logprob_targets[i]): Logprob(float(prompt.token_logprobs[i]),
-                                                                       int(prompt.ranks[i]))}
+            for i, target in zip(range(first, first + len(targets)), targets, strict=True):
+                entry = {target: Logprob(float(prompt.token_logprobs[i]), int(prompt.ranks[i]))}
                 for rank, (token, logprob) in enumerate(zip(prompt.top_token_ids[i, :k].tolist(),
                                                             prompt.top_logprobs[i, :k].tolist(), strict=True)):
                     entry.setdefault(token, Logprob(logprob, rank + 1))
                 entries.append(entry)
-            result[row] = (item.start_position + 1, entries)
+            result[row] = (plan.start_positions[row] + 1, entries)
         return result
 
     def load_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
-        if self.leader is not None:
-            self.leader.send(LoadSeenTokens(slot, token_ids, num_prompt_tokens))
+        """Counts tokens a request's row has seen (a prefix-cache hit with penalties) into its penalty row."""
+        if self._broadcast is not None:
+            self._broadcast(LoadSeenTokens(slot, token_ids, num_prompt_tokens))
+        self.replay_seen_tokens(slot, token_ids, num_prompt_tokens)
+
+    def replay_seen_tokens(self, slot: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """`load_seen_tokens` on this process alone (warm-up; a multi-host follower replaying the leader)."""
         prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
     def run_step(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
-        """Dispatches the step; its outputs stay on the device. A multi-host leader first sends the step to
-        its followers, which run the same (each feeding its own previous samples)."""
-        if self.leader is not None:
-            self.leader.send(Step(bucket, batch))
+        """Dispatches the step; its outputs stay on the device. (A multi-host follower runs the leader's
+        steps here, each process feeding its own previous samples.)"""
         with self._compiled_lock:
             step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
         batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
@@ -331,7 +331,7 @@ class ModelRunner:
         run's extra cost on first use.
         """
         start = time.perf_counter()
-        self.load_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
+        self.replay_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
         buckets: list[Bucket] = self.ladder.all_buckets()
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))

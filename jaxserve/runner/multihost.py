@@ -5,7 +5,8 @@ compiles and warms up the same buckets in the same order. Process 0 (the leader)
 the scheduler and the engine; before each piece of device work it sends the work, a plain record with the
 step's numpy inputs, to every other process (the followers) over a socket, and each follower runs the same
 jitted computation on the same inputs, so the collectives inside (the all-reduces of tensor parallelism)
-meet. Only the leader reads results.
+meet. Only the leader reads results. The leader's runner sends through the `Broadcast` it is given
+(`Leader.send`); the followers' loop lives beside the engine core (`jaxserve.engine.follower`).
 
 The channel: the leader listens on the coordinator's host at the coordinator's port + 1
 (`multiprocessing.connection`, authenticated with `JAXSERVE_MULTIHOST_KEY`; like jax.distributed's
@@ -23,11 +24,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
 
-from jaxserve.config import EngineConfig, ParallelConfig
+from jaxserve.config import ParallelConfig
+from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +41,8 @@ CONNECT_TIMEOUT_S = 300.0  # followers may start before the leader listens (its 
 # The work a follower replays, in the leader's order.
 @dataclass(frozen=True)
 class Step:
-    bucket: Any  # runner.buckets.Bucket
-    batch: Any  # runner.batch.StepBatch of numpy arrays
+    bucket: Bucket
+    batch: StepBatch  # of numpy arrays
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class LoadSeenTokens:
 @dataclass(frozen=True)
 class Stop:
     pass
+
+
+DeviceWork = Step | LoadSeenTokens | Stop
+Broadcast = Callable[[DeviceWork], None]  # how a leader's runner sends its device work
 
 
 def initialize(config: ParallelConfig) -> None:
@@ -71,13 +78,19 @@ def _authkey() -> bytes:
 
 
 class Leader:
-    """Process 0's side: accepts every follower, then sends each piece of device work to all of them."""
+    """Process 0's side: listens from the start, accepts every follower once its own warm-up is done
+    (`accept_followers`), then sends each piece of device work to all of them (`send`)."""
 
     def __init__(self, config: ParallelConfig) -> None:
+        self._config = config
         self._listener = Listener(config.channel_address, authkey=_authkey())
         self._followers: list[Connection] = []
         self._lock = threading.Lock()  # sends come from the engine thread, Stop from whoever shuts down
         self._stopping = False
+
+    def accept_followers(self) -> None:
+        """Blocks until every follower has connected (each does after its own warm-up)."""
+        config = self._config
         logger.info("waiting for %d follower(s) on %s:%d", config.num_processes - 1, *config.channel_address)
         for _ in range(config.num_processes - 1):
             connection = self._listener.accept()
@@ -85,7 +98,7 @@ class Leader:
             threading.Thread(target=self._watch, args=(connection,), name="jaxserve-follower-watch",
                              daemon=True).start()
 
-    def send(self, work: Step | LoadSeenTokens | Stop) -> None:
+    def send(self, work: DeviceWork) -> None:
         with self._lock:
             for connection in self._followers:
                 connection.send(work)
@@ -126,37 +139,3 @@ def connect_to_leader(config: ParallelConfig) -> Connection:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-
-
-def follow(runner: Any, connection: Connection) -> None:
-    """A follower's loop: replays the leader's device work until it says Stop or its connection drops."""
-    while True:
-        try:
-            work = connection.recv()
-        except (EOFError, OSError):
-            logger.error("the leader process stopped; this follower stops too")
-            return
-        if isinstance(work, Stop):
-            logger.info("the leader stopped; this follower stops too")
-            return
-        if isinstance(work, Step):
-            runner.run_step(work.batch, work.bucket)
-        elif isinstance(work, LoadSeenTokens):
-            runner.load_seen_tokens(work.slot, work.token_ids, work.num_prompt_tokens)
-        else:
-            raise TypeError(f"unknown work from the leader: {type(work).__name__}")
-
-
-def run_follower(config: EngineConfig) -> None:
-    """A follower process: builds the same engine as the leader (its shards of the weights, the same
-    warm-up), then replays the leader's device work until the leader stops."""
-    from jaxserve.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(config)
-    connection = connect_to_leader(config.parallel)
-    logger.info("process %d: following the leader at %s:%d", config.parallel.process_id,
-                *config.parallel.channel_address)
-    try:
-        follow(engine.runner, connection)
-    finally:
-        connection.close()

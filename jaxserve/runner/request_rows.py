@@ -11,16 +11,15 @@ Pure numpy, no jax; one thread (the engine's) uses it.
 """
 
 from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve.engine.request import RequestFault
-from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.engine.step_io import NewRequest, RequestFault
+from jaxserve.sampling_params import SAMPLING_ROW
 
-# The per-row sampling columns, named as in `SamplingArrays`, which a step gathers as they are.
-SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seeds", "wants_logprobs", "wants_top_logprobs",
-                    "penalty_slots", "repetition_penalty", "frequency_penalty", "presence_penalty")
+# The per-row sampling columns a step gathers as they are, named as in `SamplingArrays`: the table's, and
+# the rows' seeds and penalty slots.
+SAMPLING_COLUMNS = (*(column.name for column in SAMPLING_ROW), "seeds", "penalty_slots")
 
 
 class RequestRows:
@@ -31,20 +30,17 @@ class RequestRows:
         self._free: deque[int] = deque(range(num_rows))
         self.row_of: dict[str, int] = {}
         self.page_table = np.zeros((num_rows, max_pages_per_req), np.int32)  # i32[M, P]; page 0 (scratch) pads
-        self.temperature = np.zeros(num_rows, np.float32)  # f32[M]; 0 = greedy
-        self.top_k = np.zeros(num_rows, np.int32)  # i32[M]; 0 = off
-        self.top_p = np.ones(num_rows, np.float32)  # f32[M]
-        self.min_p = np.zeros(num_rows, np.float32)  # f32[M]
+        for column in SAMPLING_ROW:  # [M] each, in the table's dtype, neutral until a request writes its row
+            setattr(self, column.name, np.full(num_rows, column.neutral, column.dtype))
         self.seeds = np.zeros(num_rows, np.uint32)  # u32[M]
-        self.wants_logprobs = np.zeros(num_rows, np.bool_)  # bool[M]
-        self.wants_top_logprobs = np.zeros(num_rows, np.bool_)  # bool[M]
         self.penalty_slots = np.full(num_rows, num_rows, np.int32)  # i32[M]: its own row, or M (none)
-        self.repetition_penalty = np.ones(num_rows, np.float32)  # f32[M]
-        self.frequency_penalty = np.zeros(num_rows, np.float32)  # f32[M]
-        self.presence_penalty = np.zeros(num_rows, np.float32)  # f32[M]
+        self.num_top_logprobs = np.zeros(num_rows, np.int32)  # i32[M]: alternatives per sampled token
+        self.num_prompt_logprobs = np.zeros(num_rows, np.int32)  # i32[M]: alternatives per prompt token
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * num_rows  # per row: (token id, bias)
         # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
         # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
+        self.num_prompt_tokens = np.zeros(num_rows, np.int64)  # i64[M]
         # i32[M]: the batch row of the request's sample in the last step launched that kept one, and i64[M]
         # which step that was (`launched` counts them); a step feeds a token still in flight (async
         # scheduling) from that row of the previous step's samples.
@@ -64,42 +60,36 @@ class RequestRows:
             if row is not None:
                 self._free.append(row)
 
-    def update(self, scheduled: tuple[ScheduledRequest, ...], decode_ids: list[str] = ()) -> np.ndarray:
-        """Records a step's requests: a row (re)written for each record that starts or resumes, or has none,
-        and every record's new pages (a plain decode, `decode_ids`, has a row and no new page). Returns each
-        request's row, intp[n], records first.
+    def update(self, new_requests: tuple[NewRequest, ...], request_ids: list[str],
+               new_pages: dict[int, tuple[int, tuple[int, ...]]]) -> np.ndarray:
+        """Records a step's requests: a row (re)written for each new request, and the pages each step row
+        was not sent before (`new_pages`, by step row). Returns each step row's request row, intp[n].
 
-        A request whose parameters do not fit the rows raises RequestFault, after the other requests' rows
+        A request whose values do not fit the rows raises RequestFault, after the other requests' rows
         are written: the engine drops it and plans the others again, as running requests (not resumed),
         so their rows must be there. Their pages are sent again and written to the same places."""
         fault = None
-        for item in scheduled:
-            if item.resumed or item.request_id not in self.row_of:
-                try:
-                    values = _row_values(item)
-                except RequestFault as error:
-                    fault = fault or error
-                    continue
-                row = self._write_row(item.request_id, values)
-                if item.cached_token_ids is not None:  # after a prefix-cache hit, with penalties
-                    self._seen_tokens.append((row, item.cached_token_ids, item.num_prompt_tokens))
+        for new in new_requests:
+            try:
+                row = self._write_row(new)
+            except RequestFault as error:
+                fault = fault or error
+                continue
+            if new.cached_token_ids is not None:  # after a prefix-cache hit, with penalties
+                self._seen_tokens.append((row, new.cached_token_ids, new.num_prompt_tokens))
         if fault is not None:
             raise fault
-        row_of, page_table = self.row_of, self.page_table
-        num_records = len(scheduled)
-        rows = np.empty(num_records + len(decode_ids), np.intp)  # [n]
         try:
-            rows[num_records:] = np.fromiter(map(row_of.__getitem__, decode_ids), np.intp, len(decode_ids))
-        except KeyError as missing:  # the scheduler sends a plain decode only after its first record
-            raise RequestFault(missing.args[0]) from RuntimeError("a plain decode of a request without a row")
-        for index, item in enumerate(scheduled):
-            row = rows[index] = row_of[item.request_id]
-            if item.new_page_ids:
-                first, end = item.first_new_page, item.first_new_page + len(item.new_page_ids)
-                if end > page_table.shape[1]:  # past max_model_len: the scheduler's limits make this a bug
-                    raise RequestFault(item.request_id) from ValueError(
-                        f"{end} pages, at most {page_table.shape[1]} per request")
-                page_table[row, first:end] = item.new_page_ids
+            rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.intp, len(request_ids))  # [n]
+        except KeyError as missing:  # the scheduler plans a running request only after it took a row
+            raise RequestFault(missing.args[0]) from RuntimeError("a running request without a row")
+        page_table = self.page_table
+        for index, (first, page_ids) in new_pages.items():
+            end = first + len(page_ids)
+            if end > page_table.shape[1]:  # past max_model_len: the scheduler's limits make this a bug
+                raise RequestFault(request_ids[index]) from ValueError(
+                    f"{end} pages, at most {page_table.shape[1]} per request")
+            page_table[rows[index], first:end] = page_ids
         return rows
 
     def launched(self, row_ids: np.ndarray, keeps_sample: np.ndarray) -> None:
@@ -122,49 +112,27 @@ class RequestRows:
         taken, self._seen_tokens = self._seen_tokens, []
         return taken
 
-    def _write_row(self, request_id: str, values: "RowValues") -> int:
-        row = self.row_of.get(request_id)
+    def _write_row(self, new: NewRequest) -> int:
+        """Raises RequestFault for a value out of its column's range (nothing written then)."""
+        try:
+            values = [np.dtype(column.dtype).type(value) for column, value in zip(SAMPLING_ROW, new.sampling_row,
+                                                                                     strict=True)]
+            seed = np.uint32(new.sampling_seed)
+        except (OverflowError, ValueError, TypeError) as error:
+            raise RequestFault(new.request_id) from error
+        row = self.row_of.get(new.request_id)
         if row is None:
             if not self._free:
                 raise RuntimeError("no free request row: more running requests than max_num_seqs")
-            row = self.row_of[request_id] = self._free.popleft()
+            row = self.row_of[new.request_id] = self._free.popleft()
         self.page_table[row] = 0
-        for name in _PARAMETER_COLUMNS:
-            getattr(self, name)[row] = getattr(values, name)
-        self.penalty_slots[row] = row if values.has_penalties else self.num_rows
-        self.row_features[row] = values.row_features
+        for column, value in zip(SAMPLING_ROW, values, strict=True):
+            getattr(self, column.name)[row] = value
+        self.seeds[row] = seed
+        self.penalty_slots[row] = row if new.has_penalties else self.num_rows
+        self.num_top_logprobs[row] = new.num_top_logprobs
+        self.num_prompt_logprobs[row] = new.num_prompt_logprobs
+        self.logit_bias[row] = new.logit_bias
+        self.row_features[row] = new.fills_row
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
         return row
-
-
-class RowValues(NamedTuple):
-    """A request's row values in the columns' dtypes."""
-
-    temperature: np.float32
-    top_k: np.int32
-    top_p: np.float32
-    min_p: np.float32
-    seeds: np.uint32
-    wants_logprobs: bool
-    wants_top_logprobs: bool
-    repetition_penalty: np.float32
-    frequency_penalty: np.float32
-    presence_penalty: np.float32
-    has_penalties: bool
-    row_features: bool
-
-
-_PARAMETER_COLUMNS = tuple(name for name in SAMPLING_COLUMNS if name != "penalty_slots")
-
-
-def _row_values(item: ScheduledRequest) -> RowValues:
-    """Raises RequestFault for a value out of its column's range."""
-    p = item.sampling_params
-    try:
-        return RowValues(
-            np.float32(0.0 if p.is_greedy else p.temperature), np.int32(p.top_k), np.float32(p.top_p),
-            np.float32(p.min_p), np.uint32(item.sampling_seed), p.logprobs is not None, bool(p.logprobs),
-            np.float32(p.repetition_penalty), np.float32(p.frequency_penalty), np.float32(p.presence_penalty),
-            p.has_penalties, p.fills_batch_rows,
-        )
-    except (OverflowError, ValueError, TypeError) as error:
-        raise RequestFault(item.request_id) from error

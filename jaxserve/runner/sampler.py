@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.batch import SamplingArrays
 from jaxserve.runner.penalties import PenaltyTables, apply_penalties
 from jaxserve.runner.selection import first_argmax, sample_categorical, top_k_threshold, top_p_threshold
+from jaxserve.runner.step_batch import SamplingArrays
+from jaxserve.sampling_params import GREEDY_TEMPERATURE
 
 
 @jax.tree_util.register_dataclass
@@ -115,7 +116,7 @@ def sample(
     tables: PenaltyTables,
     num_top_logprobs: int,
 ) -> SamplerOutput:
-    is_greedy = params.temperature <= 0.0
+    is_greedy = params.temperature == GREEDY_TEMPERATURE  # the row of a greedy request (`SAMPLING_ROW`)
 
     def random_tokens(logits: jax.Array) -> jax.Array:
         temperature = jnp.where(is_greedy, 1.0, params.temperature)

@@ -1,7 +1,6 @@
 """The app in-process on a tiny random Llama: loading and dead-engine states, which a subprocess can't force."""
 
 import threading
-import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -9,19 +8,13 @@ from starlette.testclient import TestClient
 from jaxserve.api.app import create_app
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from tests.engine.test_llm_engine import make_engine
+from tests.api.helpers import wait_for
+from tests.engine.helpers import make_engine
 
 
 @pytest.fixture(scope="module")
 def llm_engine(tiny_model_dir):
     return make_engine(tiny_model_dir("llama"))
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_health_is_503_while_loading_then_200(llm_engine):

@@ -45,7 +45,7 @@ from schemathesis.core import NotSet
 
 from jaxserve.api.openapi import openapi_document
 from jaxserve.config import ServerConfig
-from tests.api.conftest import Server, start_server, stop_server
+from tests.api.helpers import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, MODEL, metric, start_server, stop_server, wait_idle
+from tests.api.helpers import API_KEY, MODEL, metric, start_server, stop_server, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -319,7 +319,7 @@ original = model_runner.ModelRunner.launch
 
 
 def launch(self, scheduler_output):
-    if any(item.sampling_params.seed == 424242 for item in scheduler_output.scheduled):
+    if any(new.sampling_seed == 424242 for new in scheduler_output.new_requests):
         raise RuntimeError("injected device fault")
     return original(self, scheduler_output)
 

@@ -15,8 +15,8 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineStats
 from jaxserve.engine.scheduler import ITERATION_TOKENS_BUCKETS
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.api.test_app import wait_for
-from tests.engine.test_llm_engine import make_engine
+from tests.api.helpers import wait_for
+from tests.engine.helpers import make_engine
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -15,7 +15,7 @@ from jaxserve.api.app import create_app
 from jaxserve.api.openapi import openapi_routes
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from tests.engine.test_llm_engine import make_engine
+from tests.engine.helpers import make_engine
 
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 DOC_ROUTES = {route.path for route in openapi_routes(ServerConfig())}  # serve the document, not in it

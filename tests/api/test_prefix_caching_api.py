@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from tests.api.conftest import API_KEY, MODEL, metric, wait_idle
+from tests.api.helpers import API_KEY, MODEL, metric, wait_idle
 
 pytestmark = pytest.mark.slow  # a real model and the transformers reference
 

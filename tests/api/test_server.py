@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxserve.allocator import find_tcmalloc
-from tests.api.conftest import API_KEY, MODEL, metric
+from tests.api.helpers import API_KEY, MODEL, metric
 
 pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
 

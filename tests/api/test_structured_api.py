@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import API_KEY, MODEL, wait_idle
+from tests.api.helpers import API_KEY, MODEL, wait_idle
 
 pytestmark = pytest.mark.slow  # a real model behind a real server
 

@@ -34,7 +34,7 @@ def test_padding_accounting_is_exact_on_a_hand_made_trace():
 
 
 def test_the_simulation_picks_the_engines_bucket_step_by_step(llama_dir):
-    from tests.engine.test_llm_engine import LADDER, make_engine
+    from tests.engine.helpers import LADDER, make_engine
 
     engine = make_engine(llama_dir, enable_prefix_caching=False)
     workload = make_workload("uniform:3-70,1-12", num_requests=14, concurrency=5, max_model_len=256, seed=3)

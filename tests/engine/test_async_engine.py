@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.test_llm_engine import greedy, make_engine, make_prompts, run_alone
+from tests.engine.helpers import greedy, make_engine, make_prompts, run_alone
 
 
 @pytest.fixture(scope="module")

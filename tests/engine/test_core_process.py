@@ -19,8 +19,7 @@ from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.core_process import CoreProcessDied
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.test_async_scheduling import assert_same, run, workload
-from tests.engine.test_llm_engine import make_engine, make_prompts
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""What EngineCore reports for a step: plain tokens as one TokenColumns, every other sequence's news as a
-SequenceUpdate (pure Python: a real scheduler, the runner's results given; no model)."""
+"""What EngineCore reports for a step: one CoreOutputs, every new token in its columns and details for the
+sequences with more news (pure Python: a real scheduler, the runner's results given; no model)."""
 
 from types import SimpleNamespace
 
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.core_io import SequenceUpdate, TokenColumns
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -23,12 +23,12 @@ class GivenTokens:
         ids = out.request_ids
         self.steps += 1
         tokens = [7 + self.steps] * len(ids)
-        top = [{token: -0.5} if self.scheduler.requests[i].sampling_params.logprobs else None
-               for i, token in zip(ids, tokens, strict=True)]
+        top = {row: {token: -0.5} for row, (i, token) in enumerate(zip(ids, tokens, strict=True))
+               if self.scheduler.requests[i].sampling_params.logprobs}
         return StepOutput(ids, tokens, [-0.5] * len(ids), top)
 
 
-def test_plain_tokens_go_as_columns_and_anything_more_as_updates():
+def test_every_token_goes_in_the_columns_and_anything_more_in_details():
     scheduler = Scheduler(KVCacheManager(64, 8), max_num_seqs=8, max_num_batched_tokens=64)
     core = EngineCore.__new__(EngineCore)  # the step's bookkeeping only: no model, no runner
     core.scheduler, core.runner = scheduler, GivenTokens(scheduler)
@@ -38,13 +38,14 @@ def test_plain_tokens_go_as_columns_and_anything_more_as_updates():
         scheduler.add_request(Request(name, [1, 2, 3], SamplingParams(ignore_eos=True, **extra), eos_token_ids=(2,),
                                       max_model_len=64, sampling_seed=0))
     first = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
-    assert all(type(u) is SequenceUpdate and u.first is not None for u in first), "first tokens carry their facts"
+    assert first.seq_ids == list(params) and set(first.details) == {0, 1, 2, 3}
+    assert all(detail.first is not None for detail in first.details.values()), "first tokens carry their facts"
     scheduler.requests["preempted"].num_preemptions = 1  # as if it had been preempted and resumed
     second = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
-    (columns,) = [u for u in second if type(u) is TokenColumns]
-    assert columns.seq_ids == ["plain"] and columns.token_ids == [9] and columns.logprobs == [-0.5]
-    records = {u.seq_id: u for u in second if type(u) is SequenceUpdate}
-    assert set(records) == {"preempted", "top", "last"}
+    assert second.seq_ids == list(params) and second.token_ids == [9] * 4 and second.logprobs == [-0.5] * 4
+    assert not second.failures
+    records = {second.seq_ids[index]: detail for index, detail in second.details.items()}
+    assert set(records) == {"preempted", "top", "last"}, "a plain token carries nothing more"
     assert records["preempted"].num_preemptions == 1, "a stop string may end it next: its count must be known"
     assert records["top"].top_logprobs == {9: -0.5}
     assert records["last"].status is RequestStatus.FINISHED_LENGTH

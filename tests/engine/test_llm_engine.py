@@ -4,59 +4,11 @@ import dataclasses
 import time
 
 import jax
-import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.conftest import count_compilations
-
-LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs=8, max_num_batched_tokens=64)
-
-
-def make_engine(model_dir, warmup: bool = True, **overrides) -> LLMEngine:
-    options = {"dtype": "float32", **LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256, **overrides}
-    config = EngineConfig.from_preset(None, model=str(model_dir), compilation_cache_dir=None, **options)
-    return LLMEngine(config, warmup=warmup)
-
-
-def make_prompts(n: int = 8) -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    lengths = [3, 17, 5, 40, 9, 1, 26, 12][:n]
-    return [rng.integers(3, 40000, size=length).tolist() for length in lengths]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
-    engine.add_request("alone", prompt, greedy(max_tokens))
-    result = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                result = output.outputs[0].token_ids
-    return result
-
-
-def run_staggered(
-    engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int], params: SamplingParams | None = None
-) -> dict[int, list[int]]:
-    """Request i joins before step arrivals[i]; returns its generated tokens."""
-    results: dict[int, list[int]] = {}
-    step = 0
-    while len(results) < len(prompts):
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                engine.add_request(f"r{i}", prompts[i], params or greedy(max_tokens[i]))
-        for output in engine.step():
-            if output.finished:
-                results[int(output.request_id[1:])] = output.outputs[0].token_ids
-        step += 1
-        assert step < 2000, "engine made no progress"
-    return results
+from tests.engine.helpers import greedy, make_engine, make_prompts, run_alone, run_staggered
+from tests.helpers import count_compilations
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ gets one output, the cumulative one (pure Python: the frontend's OutputProcessor
 
 import dataclasses
 
-from jaxserve.engine.core_io import FirstToken, SequenceUpdate, TokenColumns
+from jaxserve.engine.core_io import CoreOutputs, FirstToken, SequenceDetails
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import RequestStatus
@@ -11,6 +11,12 @@ from jaxserve.outputs import Logprob, RequestOutput, RequestOutputKind, add_delt
 from jaxserve.sampling_params import SamplingParams
 
 PROMPT = [504, 3458, 314, 260, 2767, 28]
+
+
+def update(seq_id: str, token_id: int, logprob: float, top: dict | None = None,
+           status: RequestStatus | None = None, time: float = 0.0, first: FirstToken | None = None) -> CoreOutputs:
+    """One sequence's token as a step's outputs, with its details."""
+    return CoreOutputs([seq_id], [token_id], [logprob], time, {0: SequenceDetails(top, status, None, 0, first)}, [])
 
 
 def run(tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
@@ -30,8 +36,8 @@ def run(tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
             first = FirstToken(0.5, 0, prompt_logprobs if seq == 0 else None) if step == 0 else None
             status = RequestStatus.FINISHED_LENGTH if seq == 1 and step == 5 else None
             if step < 6 or seq == 0:
-                updates.append(SequenceUpdate(f"r#{seq}", token, -0.1 * step, {token: -0.1 * step}, status,
-                                              time=1.0 + step, first=first))
+                updates.append(update(f"r#{seq}", token, -0.1 * step, {token: -0.1 * step}, status,
+                                      time=1.0 + step, first=first))
         processed = processor.process(updates)
         assert set(processed.stopped) <= {"r#0"}
         outputs += processed.outputs
@@ -72,9 +78,9 @@ def test_a_final_only_request_gets_one_output_the_cumulative_one(smollm2_tokeniz
     assert as_final(final) == as_final(cumulative[-1])
 
 
-def test_plain_tokens_as_columns_give_the_outputs_their_updates_would(smollm2_tokenizer):
-    """The core sends a step's plain tokens as one TokenColumns; the frontend makes of them what it makes of
-    one SequenceUpdate each, a stop string found among them included."""
+def test_plain_tokens_without_details_give_the_outputs_they_would_with_them(smollm2_tokenizer):
+    """The core sends a step's plain tokens as bare columns; the frontend makes of them what it makes of
+    tokens with (empty) details, one record each, a stop string found among them included."""
     text = smollm2_tokenizer.encode(" one two three four five", add_special_tokens=False)
     params = SamplingParams(n=2, logprobs=0, stop=" four", max_tokens=len(text))
 
@@ -87,10 +93,10 @@ def test_plain_tokens_as_columns_give_the_outputs_their_updates_would(smollm2_to
             plain = [(f"r#{seq}", token + seq, -0.5 * step) for seq in (0, 1)]
             if step == 0 or not as_columns:
                 first = FirstToken(0.5, 0, None) if step == 0 else None
-                updates = [SequenceUpdate(seq_id, token_id, logprob, time=2.0 + step, first=first)
+                updates = [update(seq_id, token_id, logprob, time=2.0 + step, first=first)
                            for seq_id, token_id, logprob in plain]
             else:
-                updates = [TokenColumns(*map(list, zip(*plain, strict=True)), 2.0 + step)]
+                updates = [CoreOutputs(*map(list, zip(*plain, strict=True)), 2.0 + step, {}, [])]
             processed = processor.process(updates)
             steps.append((processed.outputs, processed.stopped, processed.dropped))
         return steps
@@ -109,10 +115,9 @@ def test_a_sibling_ahead_of_the_first_sequence_waits_for_the_prompt_logprobs(smo
         processor = OutputProcessor()
         processor.add("r", None, PROMPT, params, ["r#0", "r#1"],
                       [IncrementalDetokenizer.for_prompt(smollm2_tokenizer, PROMPT, params) for _ in range(2)], 0.0)
-        early = processor.process([SequenceUpdate("r#1", 504, -0.5, time=1.0, first=FirstToken(0.5, 0, None))])
+        early = processor.process([update("r#1", 504, -0.5, time=1.0, first=FirstToken(0.5, 0, None))])
         assert early.outputs == [], "no output before the prompt logprobs are known"
-        (output,) = processor.process([SequenceUpdate("r#0", 3458, -0.5, time=2.0,
-                                                      first=FirstToken(0.5, 0, entries)),
-                                       SequenceUpdate("r#1", 314, -0.5, time=2.0)]).outputs
+        (output,) = processor.process([update("r#0", 3458, -0.5, time=2.0, first=FirstToken(0.5, 0, entries)),
+                                       update("r#1", 314, -0.5, time=2.0)]).outputs
         assert output.prompt_logprobs == [None, *entries]
         assert [c.token_ids for c in output.outputs] == [[3458], [504, 314]], "the sibling's tokens were kept"

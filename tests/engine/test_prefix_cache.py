@@ -4,9 +4,10 @@ import random
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys, page_key
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.sent_pages import SentPages, replay, shares
+from tests.engine.sent_pages import SentPages, replay, rows, shares
 
 PAGE = 4
 
@@ -23,10 +24,8 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 3, salt: 
 
 def check_writes(kv: KVCacheManager, out: SchedulerOutput, sent: SentPages) -> None:
     """A step writes K/V only into pages its request holds alone and that carry no key."""
-    writes = [(item.request_id, item.start_position, item.start_position + len(item.token_ids))
-              for item in out.scheduled]
-    writes += [(request_id, position, position + 1)
-               for request_id, position in zip(out.decodes.request_ids, out.decodes.positions, strict=True)]
+    writes = [(request_id, start, start + num_new) for request_id, start, num_new
+              in zip(out.request_ids, out.start_positions, out.num_new_tokens, strict=True)]
     for request_id, start, end in writes:
         for page in {sent.of(request_id)[p // PAGE] for p in range(start, end)}:
             assert kv.ref_count(page) == 1, f"page {page} written while shared"
@@ -138,7 +137,7 @@ def test_a_second_request_starts_after_the_cached_prefix():
     b = make_request("b", [*prompt, 99])
     sched.add_request(b)
     out = run_step(sched)
-    (item,) = out.scheduled
+    (item,) = rows(out)
     assert item.start_position == 8 and item.token_ids == (18, 19, 20, 99)
     assert b.num_cached_tokens == 8 and (sched.prefix_cache_queries, sched.prefix_cache_hits) == (11 + 12, 8)
     drain(sched)
@@ -151,7 +150,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_page():
     sched.add_request(make_request("a", prompt))
     drain(sched)
     sched.add_request(make_request("b", prompt))
-    (item,) = run_step(sched).scheduled
+    (item,) = rows(run_step(sched))
     assert item.start_position == 4 and len(item.token_ids) == 4, "the hit stops short of the last token"
     page_ids = sched.requests["b"].page_ids
     assert page_ids[1] != sched.kv_cache.cached_prefix(keys_of(prompt))[1], "recomputed into its own page"
@@ -170,7 +169,7 @@ def test_generated_tokens_are_cached_too():
     drain(sched)  # 3 + 6 tokens, of which 8 computed (the last sample is never fed back)
     assert sched.kv_cache.num_cached_pages == 2
     sched.add_request(make_request("b", [5, 6, 7, 7, 7, 7, 7, 7, 1]))
-    assert run_step(sched).scheduled[0].start_position == 8
+    assert run_step(sched).start_positions[0] == 8
 
 
 def test_salted_requests_do_not_share():
@@ -179,10 +178,10 @@ def test_salted_requests_do_not_share():
     sched.add_request(make_request("a", prompt, salt="alice"))
     drain(sched)
     sched.add_request(make_request("b", prompt, salt="bob"))
-    assert run_step(sched).scheduled[0].start_position == 0
+    assert run_step(sched).start_positions[0] == 0
     drain(sched)
     sched.add_request(make_request("c", prompt, salt="alice"))
-    assert run_step(sched).scheduled[0].start_position == 12
+    assert run_step(sched).start_positions[0] == 12
 
 
 def test_prompt_logprob_requests_compute_their_prompt():
@@ -191,7 +190,7 @@ def test_prompt_logprob_requests_compute_their_prompt():
     sched.add_request(make_request("a", prompt))
     drain(sched)
     sched.add_request(make_request("b", prompt, prompt_logprobs=0))
-    assert run_step(sched).scheduled[0].start_position == 0
+    assert run_step(sched).start_positions[0] == 0
 
 
 def test_siblings_wait_one_step_for_a_page_being_computed_then_share_it():
@@ -200,7 +199,7 @@ def test_siblings_wait_one_step_for_a_page_being_computed_then_share_it():
     for i in range(3):
         sched.add_request(make_request(f"r#{i}", prompt))
     first = run_step(sched)
-    assert [s.request_id for s in first.scheduled] == ["r#0"], "the siblings wait for r#0's pages"
+    assert first.request_ids == ["r#0"], "the siblings wait for r#0's pages"
     second = run_step(sched)
     assert sorted(row[:2] for row in shares(second)) == [("r#0", 13), ("r#1", 12), ("r#2", 12)]
     pages = [sched.requests[request_id].page_ids[:3] for request_id in second.request_ids]

@@ -11,7 +11,7 @@ import torch
 
 from jaxserve.runner.prompt_logprobs import prompt_logprobs
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.test_llm_engine import make_engine
+from tests.engine.helpers import make_engine
 
 SYSTEM = np.random.default_rng(7).integers(3, 40000, size=37).tolist()  # 9 pages of 4, and a partial one
 
@@ -222,7 +222,7 @@ def test_prompt_logprobs_in_lm_head_chunks_equal_one_pass():
 
 
 def test_nothing_compiles_for_hits_penalties_or_prompt_logprobs(engines):
-    from tests.conftest import count_compilations
+    from tests.helpers import count_compilations
 
     engine = engines(True)
     prompts = chat_prompts()

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggered
+from tests.engine.helpers import make_engine, make_prompts, run_staggered
 
 
 @pytest.fixture(scope="module")

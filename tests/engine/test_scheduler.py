@@ -8,9 +8,10 @@ import pytest
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
-from jaxserve.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerOutput, StepOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_io import PENDING_TOKEN, StepOutput
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.sent_pages import replay, shares
+from tests.engine.sent_pages import plan, replay, rows, shares
 
 _prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
 
@@ -31,8 +32,9 @@ def run_step(scheduler: Scheduler, token: int = 7):
 
 
 def test_host_side_modules_do_not_import_jax():
-    code = ("import sys, jaxserve.engine.scheduler, jaxserve.engine.kv_cache_manager, "
-            "jaxserve.engine.detokenizer, jaxserve.runner.buckets; assert 'jax' not in sys.modules")
+    code = ("import sys, jaxserve.engine.scheduler, jaxserve.engine.kv_cache_manager, jaxserve.engine.step_io, "
+            "jaxserve.engine.detokenizer, jaxserve.runner.buckets, jaxserve.runner.request_rows; "
+            "assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -49,14 +51,15 @@ def test_chunked_prefill_then_decode_within_budget():
     sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
     sched.add_request(make_request("a", 13))
     first = run_step(sched)
-    assert [len(s.token_ids) for s in first.scheduled] == [8]
+    assert first.num_new_tokens == [8]
     assert sched.requests["a"].num_output_tokens == 0, "a partial prefill samples nothing"
     second = run_step(sched)
-    assert second.scheduled[0].start_position == 8 and len(second.scheduled[0].token_ids) == 5
+    assert second.start_positions == [8] and second.num_new_tokens == [5]
     assert sched.requests["a"].output_token_ids == [7]
     third = run_step(sched)
     assert shares(third) == [("a", 13, (7,))]
-    assert third.decodes.request_ids == ["a"], "a decode inside its page travels as a plain column"
+    assert not (third.new_pages or third.new_requests or third.rows_completing_pages), \
+        "a decode inside its page carries nothing but its columns"
 
 
 def test_decodes_go_first_and_waiting_requests_fill_the_rest():
@@ -65,7 +68,7 @@ def test_decodes_go_first_and_waiting_requests_fill_the_rest():
     run_step(sched)
     sched.add_request(make_request("b", 20))
     out = run_step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert list(zip(out.request_ids, out.num_new_tokens, strict=True)) == [("a", 1), ("b", 9)]
 
 
 def test_max_num_seqs_is_respected():
@@ -73,7 +76,7 @@ def test_max_num_seqs_is_respected():
     for i in range(3):
         sched.add_request(make_request(f"r{i}", 3))
     out = run_step(sched)
-    assert len(out.scheduled) == 2 and len(sched.waiting) == 1
+    assert out.num_reqs == 2 and len(sched.waiting) == 1
 
 
 def test_preemption_frees_the_newest_and_recomputes_it():
@@ -172,22 +175,24 @@ def test_scheduled_requests_carry_plain_values_fixed_at_scheduling():
     params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5], prompt_logprobs=1, seed=3)
     request = Request("a", list(range(10, 19)), params, eos_token_ids=(2,), max_model_len=1024, sampling_seed=9)
     sched.add_request(request)
-    chunk = sched.schedule().scheduled[0]  # 6 of 9 prompt tokens: a chunk whose sample is dropped
+    out = sched.schedule()
+    (chunk,) = rows(out)  # 6 of 9 prompt tokens: a chunk whose sample is dropped
     assert (chunk.request_id, chunk.start_position, chunk.token_ids) == ("a", 0, tuple(range(10, 16)))
-    assert not chunk.keeps_sample and chunk.banned_token_ids == () and chunk.grammar is None
+    assert not chunk.keeps_sample and chunk.banned_token_ids == () and out.grammar_rows == ()
     assert chunk.prompt_logprob_targets == tuple(range(11, 17))
-    assert (chunk.sampling_seed, chunk.num_prompt_tokens, chunk.num_output_tokens) == (9, 9, 0)
-    sched.update(SchedulerOutput((chunk,), ()), StepOutput(["a"], [7], [0.0]))
+    assert (chunk.new.sampling_seed, chunk.new.num_prompt_tokens, chunk.num_output_tokens) == (9, 9, 0)
+    assert chunk.new.num_prompt_logprobs == 1 and chunk.new.fills_row and not chunk.new.has_penalties
+    sched.update(plan([chunk]), StepOutput(["a"], [7], [0.0]))
 
-    last = sched.schedule().scheduled[0]  # the prompt's last 3 tokens: the sample is the first output
+    (last,) = rows(sched.schedule())  # the prompt's last 3 tokens: the sample is the first output
     assert last.keeps_sample and last.prompt_logprob_targets == (17, 18)  # the last prompt token scores nothing
     assert last.banned_token_ids == (5, 2), "below min_tokens, the stop id and EOS are banned"
-    sched.update(SchedulerOutput((last,), ()), StepOutput(["a"], [7], [0.0]))
-    decode = sched.schedule().scheduled[0]
+    sched.update(plan([last]), StepOutput(["a"], [7], [0.0]))
+    (decode,) = rows(sched.schedule())
     assert decode.num_output_tokens == 1 and decode.banned_token_ids == (5, 2)
-    sched.update(SchedulerOutput((decode,), ()), StepOutput(["a"], [8], [0.0]))
-    assert decode.num_output_tokens == 1 and decode.token_ids == (7,), "a record does not follow the request"
-    assert sched.schedule().scheduled[0].banned_token_ids == (), "min_tokens reached: nothing banned"
+    sched.update(plan([decode]), StepOutput(["a"], [8], [0.0]))
+    assert decode.num_output_tokens == 1 and decode.token_ids == (7,), "a plan does not follow the request"
+    assert rows(sched.schedule())[0].banned_token_ids == (), "min_tokens reached: nothing banned"
 
 
 def test_a_request_resumed_after_a_prefix_hit_carries_its_cached_tokens_for_penalties():
@@ -195,13 +200,13 @@ def test_a_request_resumed_after_a_prefix_hit_carries_its_cached_tokens_for_pena
     prompt = list(range(10, 20))
     penalised = SamplingParams(max_tokens=2, ignore_eos=True, presence_penalty=0.5)
     sched.add_request(Request("a", prompt, penalised, eos_token_ids=(2,), max_model_len=1024, sampling_seed=0))
-    first = run_step(sched).scheduled[0]
+    first = rows(run_step(sched))[0]
     assert first.start_position == 0 and first.cached_token_ids is None, "from 0, the step fills the row itself"
     sched.add_request(Request("b", [*prompt, 99], penalised, eos_token_ids=(2,), max_model_len=1024,
                               sampling_seed=0))
-    (hit,) = [s for s in run_step(sched).scheduled if s.request_id == "b"]
+    (hit,) = [s for s in rows(run_step(sched)) if s.request_id == "b"]
     assert hit.start_position == 8 and hit.cached_token_ids == tuple(prompt[:8])
-    (again,) = [s for s in run_step(sched).scheduled if s.request_id == "b"]
+    (again,) = [s for s in rows(run_step(sched)) if s.request_id == "b"]
     assert again.cached_token_ids is None, "only the step that resumes it"
 
 
@@ -210,27 +215,27 @@ def test_the_runner_is_sent_each_page_once_and_again_after_a_step_taken_back():
     sched.add_request(make_request("a", 7, max_tokens=8))
     first = sched.schedule()
     replay(sched, first)
-    (item,) = first.scheduled
+    (item,) = rows(first)
     assert item.resumed and item.first_new_page == 0 and len(item.new_page_ids) == 2
     sched.unschedule(first)  # its batch could not be built: the runner may or may not have the pages
     out = sched.schedule()
     replay(sched, out)
-    (again,) = out.scheduled
+    (again,) = rows(out)
     assert (again.first_new_page, again.new_page_ids) == (0, item.new_page_ids)
     sched.update(out, StepOutput(["a"], [7], [0.0]))
-    (decode,) = run_step(sched).scheduled  # position 7: the second page still has room
-    assert (decode.first_new_page, decode.new_page_ids) == (2, ())
-    (decode,) = run_step(sched).scheduled  # position 8: a third page
+    (decode,) = rows(run_step(sched))  # position 7: the second page still has room
+    assert (decode.first_new_page, decode.new_page_ids) == (None, ()), "no page to send"
+    (decode,) = rows(run_step(sched))  # position 8: a third page
     assert decode.first_new_page == 2 and decode.new_page_ids == (sched.requests["a"].page_ids[2],)
 
 
-def test_plain_decodes_travel_as_columns_and_events_as_records():
-    """A decode inside its page is a column entry; a page to allocate, a page to complete (prefix caching)
-    or a feature the runner fills row by row makes it a record."""
+def test_a_decode_carries_only_columns_unless_an_event_or_a_feature_needs_more():
+    """A decode inside its page is a few column entries; a page to allocate (sent) or to complete (keyed
+    for the prefix cache) and a feature the runner fills row by row add sparse entries for that row only."""
     sched = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=64)
     special = {
-        "penalty": dict(presence_penalty=0.5), "bias": dict(logit_bias={3: 1.0}), "min": dict(min_tokens=1),
-        "prompt_lp": dict(prompt_logprobs=0), "top_lp": dict(logprobs=2),
+        "penalty": dict(presence_penalty=0.5), "bias": dict(logit_bias={3: 1.0}),
+        "min": dict(min_tokens=7, stop_token_ids=[3]), "prompt_lp": dict(prompt_logprobs=0), "top_lp": dict(logprobs=2),
     }
     plain = Request("plain", [10, 11, 12, 13, 14], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=0),
                     eos_token_ids=(2,), max_model_len=1024, sampling_seed=0)
@@ -238,17 +243,20 @@ def test_plain_decodes_travel_as_columns_and_events_as_records():
     for i, (name, extra) in enumerate(special.items()):
         sched.add_request(Request(name, [20 + i] * 5, SamplingParams(max_tokens=7, ignore_eos=True, **extra),
                                   eos_token_ids=(2,), max_model_len=1024, sampling_seed=0))
-    assert run_step(sched, token=4).decodes.request_ids == [], "prompts are records"
-    kinds = []
+    first = run_step(sched, token=4)
+    assert [new.request_id for new in first.new_requests] == first.request_ids, "every request takes its row"
+    assert [new.fills_row for new in first.new_requests] == [False, True, True, True, True, False]
+    events = []
     for position in range(5, 10):
         out = run_step(sched, token=position)
-        assert sorted(item.request_id for item in out.scheduled) == sorted(
-            special if out.decodes.request_ids else ["plain", *special])
-        if out.decodes.request_ids:  # the token at `position` is output `position - 5`; the sample is the next
-            assert out.decodes == (["plain"], [position - 1], [position], [position - 4])
-        kinds.append("column" if out.decodes.request_ids else "record")
+        assert out.request_ids[0] == "plain" and not out.new_requests
+        # the token at `position` is output `position - 5`; the sample is the next
+        assert (out.token_ids[0], out.start_positions[0], out.output_indices[0]) == (position - 1, position,
+                                                                                   position - 4)
+        assert set(out.banned_token_ids) == {out.request_ids.index("min")}, "only min_tokens bans"
+        events.append((0 in out.new_pages, 0 in out.rows_completing_pages))
     # Positions 5, 6: inside page 1. 7: completes it (its key is offered). 8: a new page. 9: inside it.
-    assert kinds == ["column", "column", "record", "record", "column"]
+    assert events == [(False, False), (False, False), (False, True), (True, False), (False, False)]
     assert plain.output_token_ids == [4, 5, 6, 7, 8, 9] and plain.output_logprobs == [0.0] * 6
     assert sched.kv_cache.is_cached(plain.page_ids[1]), "the completed page was keyed"
 
@@ -259,10 +267,10 @@ def test_plain_decodes_are_taken_back_and_finish_like_records():
         sched.add_request(make_request(name, 3, max_tokens=3))
     run_step(sched)
     out = sched.schedule()
-    assert out.decodes.request_ids == ["a", "b"] and out.decodes.positions == [3, 3]
+    assert out.request_ids == ["a", "b"] and out.start_positions == [3, 3]
     sched.unschedule(out)  # its batch could not be built: both are planned again from where they were
     again = sched.schedule()
-    assert again.decodes == out.decodes
+    assert again == out
     a = sched.requests["a"]
     sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # aborted while the step runs
     with pytest.raises(ValueError, match="1 sampled_token_ids for 2 requests"):
@@ -273,20 +281,20 @@ def test_plain_decodes_are_taken_back_and_finish_like_records():
     assert a.status is RequestStatus.FINISHED_LENGTH and not sched.has_unfinished()
 
 
-def test_a_decode_scheduled_while_its_token_is_in_flight_is_a_pending_column():
+def test_a_decode_scheduled_while_its_token_is_in_flight_is_pending():
     """Async scheduling: step N + 1 is planned before step N is read. The decode of a token still in flight
     carries PENDING_TOKEN and the index its own sample will have; the one after reads the real token."""
     sched = Scheduler(KVCacheManager(64, 8), max_num_seqs=4, max_num_batched_tokens=64)
     sched.add_request(make_request("a", 3, max_tokens=4))
     prefill = sched.schedule()
     first_decode = sched.schedule()  # before the prefill's sample (output 0) is read
-    assert first_decode.decodes == (["a"], [PENDING_TOKEN], [3], [1])
+    assert shares(first_decode) == [("a", 3, (PENDING_TOKEN,))] and first_decode.output_indices == [1]
     sched.update(prefill, StepOutput(["a"], [7], [0.0]))
     second_decode = sched.schedule()  # output 1 still in flight
-    assert second_decode.decodes == (["a"], [PENDING_TOKEN], [4], [2])
+    assert shares(second_decode) == [("a", 4, (PENDING_TOKEN,))] and second_decode.output_indices == [2]
     sched.update(first_decode, StepOutput(["a"], [8], [0.0]))
     sched.update(second_decode, StepOutput(["a"], [9], [0.0]))
     third = sched.schedule()  # synchronous again: the last token is known
-    assert third.decodes == (["a"], [9], [5], [3])
+    assert shares(third) == [("a", 5, (9,))] and third.output_indices == [3]
     sched.update(third, StepOutput(["a"], [10], [0.0]))
     assert not sched.has_unfinished(), "its fourth token finished it"

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace
 
-from jaxserve.engine.structured_output import allowed_tokens, bitmask_words
+from jaxserve.engine.step_io import bitmask_words
+from jaxserve.engine.structured_output import allowed_tokens
 from jaxserve.runner.sampler import apply_token_bitmask
 from jaxserve.sampling_params import InvalidParam, SamplingParams
 from jaxserve.sampling_params import StructuredOutputsParams as Structure
-from tests.conftest import count_compilations
-from tests.engine.test_llm_engine import make_prompts
+from tests.engine.helpers import make_prompts
+from tests.helpers import count_compilations
 
 SCHEMA = {
     "type": "object",
@@ -128,8 +129,8 @@ def test_no_row_is_left_without_a_token(engine):
     its grammar alone rather than sampling from all -inf."""
     import dataclasses
 
-    from jaxserve.runner.batch import neutral_batch
     from jaxserve.runner.buckets import Bucket
+    from jaxserve.runner.packing import neutral_batch
     from jaxserve.runner.penalties import PenaltyTables
     from jaxserve.runner.sampler import sample
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxserve.models.checkpoint import MARKER, save_checkpoint
 from jaxserve.models.loader import load_model, metadata_dir
-from tests.engine.test_tensor_parallel import assert_same_as_tp1, assert_tracks_tp1, run_tp
+from tests.parallel_helpers import assert_same_as_tp1, assert_tracks_tp1, run_tp
 
 
 @pytest.fixture(scope="module")

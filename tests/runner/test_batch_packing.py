@@ -8,11 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.runner.batch import BatchLayout, batch_packing, build_step_batch, neutral_batch, pack, unpack
+from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.packing import batch_packing, neutral_batch, pack, unpack
 from jaxserve.runner.request_rows import RequestRows
-from tests.runner.test_request_rows import item
+from jaxserve.runner.step_batch import BatchLayout
+from tests.engine.sent_pages import Row, plan
+from tests.runner.helpers import leaves_equal, new_request
 
 LAYOUT = BatchLayout(page_size=4, max_pages_per_req=3, padding_slot=99, vocab_size=40, num_penalty_slots=4,
                      max_num_seqs=4)
@@ -22,19 +24,11 @@ BUCKET = Bucket(8, 4, False)
 def built_batch():
     """Two requests with features in every column kind: floats, uint32 seeds, booleans, biases, penalties."""
     rows = RequestRows(num_rows=4, max_pages_per_req=3)
-    scheduled = (item("a", 0, (1, 2), resumed=True, seed=2**32 - 1, temperature=0.7, top_p=0.25, logprobs=2,
-                      logit_bias={3: -1.5}),
-                 item("b", 0, (5,), resumed=True, repetition_penalty=1.25, min_p=0.125)._replace(
-                     token_ids=(7, 8, 9), num_prompt_tokens=3))
-    row_ids = rows.update(scheduled)
-    return build_step_batch(SchedulerOutput(scheduled, ()), BUCKET, LAYOUT, rows, row_ids)
-
-
-def leaves_equal(a, b) -> None:
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
+    a = new_request("a", 2**32 - 1, temperature=0.7, top_p=0.25, logprobs=2, logit_bias={3: -1.5})
+    b = new_request("b", 0, 3, repetition_penalty=1.25, min_p=0.125)
+    out = plan([Row("a", (5,), 0, 0, True, 0, (1, 2), (), (), a), Row("b", (7, 8, 9), 0, 0, True, 0, (5,), (), (), b)])
+    row_ids = rows.update(out.new_requests, out.request_ids, out.new_pages)
+    return build_step_batch(out, BUCKET, LAYOUT, rows, row_ids)
 
 
 def test_a_built_batch_is_packed_without_a_copy():

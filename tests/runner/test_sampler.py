@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.structured_output import bitmask_words
-from jaxserve.runner.batch import SamplingArrays
+from jaxserve.engine.step_io import bitmask_words
 from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, update_tables
 from jaxserve.runner.sampler import sample
+from jaxserve.runner.step_batch import SamplingArrays
 
 VOCAB = 64
 ROWS = 8

@@ -2,8 +2,8 @@
 that holds them meanwhile, every token is what a fully warmed engine produces, and once every bucket is
 in nothing compiles again."""
 
-from tests.conftest import count_compilations
-from tests.engine.test_llm_engine import greedy, make_engine, make_prompts
+from tests.engine.helpers import greedy, make_engine, make_prompts
+from tests.helpers import count_compilations
 
 
 def run_all(engine, prompts, max_tokens=6) -> dict[str, list[int]]:

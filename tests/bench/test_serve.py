@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from jaxserve.bench.serve import run_level
-from tests.api.conftest import API_KEY
+from tests.api.helpers import API_KEY
 
 
 def test_bench_serve_sends_its_sampling_fields(server):

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import MODEL, Server, free_port, start_server, stop_server
+from tests.api.helpers import MODEL, Server, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

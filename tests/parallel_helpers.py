@@ -1,11 +1,5 @@
-"""Tensor parallelism on CPU devices: TP=2 and TP=4 give TP=1's greedy tokens and its logprobs.
-
-The test process has one CPU device, so each check runs in a subprocess started with
-`--xla_force_host_platform_device_count=4`, which loads the model at TP=1, 2 and 4 in turn and reports
-what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
-Llama whose heads split over no device count (query heads padded), a tiny GPT-2, and the bundled SmolLM2
-(9 query / 3 KV heads: both at once).
-"""
+"""Tensor parallelism in a subprocess with several CPU devices: generate at each TP size and compare with TP=1
+(tests/test_parallel.py, tests/models/test_checkpoint.py)."""
 
 import json
 import os
@@ -14,9 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
-
-from jaxserve.parallel import HeadLayout
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
 
@@ -27,7 +18,7 @@ def _worker(spec_json: str) -> None:
     import jax
 
     from jaxserve import LLM, SamplingParams
-    from tests.conftest import count_compilations
+    from tests.helpers import count_compilations
 
     assert len(jax.devices()) >= max(spec["tp_sizes"]), jax.devices()
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
@@ -71,8 +62,8 @@ def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: i
            "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl, weight_dtype=weight_dtype))
-    code = f"from tests.engine.test_tensor_parallel import _worker; _worker({spec!r})"
-    root = Path(__file__).resolve().parents[2]
+    code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"
+    root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,
                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -94,35 +85,6 @@ def assert_same_as_tp1(results: dict, atol: float = 2e-4) -> None:
                 np.testing.assert_allclose(lps, lps_base, atol=atol, rtol=0)
 
 
-def test_head_layout_replicates_kv_heads_and_pads_query_heads():
-    same = HeadLayout(num_heads=32, num_kv_heads=8, tp=4)
-    assert same.is_identity
-    replicated = HeadLayout(num_heads=4, num_kv_heads=2, tp=4)  # vLLM's case: fewer KV heads than devices
-    assert (replicated.num_heads_eff, replicated.num_kv_heads_eff) == (4, 4)
-    assert replicated.kv_sources().tolist() == [0, 0, 1, 1]
-    smol = HeadLayout(num_heads=9, num_kv_heads=3, tp=2)  # SmolLM2: neither divides
-    assert (smol.num_heads_eff, smol.num_kv_heads_eff) == (12, 6)
-    slots = smol.query_slots()
-    # Every query head's slot reads a replica of its own KV head, and each device gets whole groups.
-    for head, slot in enumerate(slots):
-        assert smol.kv_sources()[slot // smol.group_eff] == head // smol.group
-    assert len(set(slots.tolist())) == 9
-    weights = np.arange(9 * 2, dtype=np.float32).reshape(9, 2) + 1
-    padded = smol.apply("q", weights, axis=0)
-    assert padded.shape == (12, 2) and np.count_nonzero(padded.any(axis=1)) == 9
-    np.testing.assert_array_equal(padded[slots], weights)
-    kv = smol.apply("kv", np.arange(3, dtype=np.float32)[None, :], axis=1)
-    assert kv.tolist() == [[0, 0, 1, 1, 2, 2]]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind, tmp_path):
-    results = run_tp(str(tiny_model_dir(kind)), tmp_path)
-    assert results[4]["kv_shard_shape"][0] == 1  # llama: 2 KV heads replicated to 4, one per device
-    assert_same_as_tp1(results)
-
-
 def assert_tracks_tp1(results: dict, atol: float = 2e-2) -> None:
     """bfloat16 weights under a float32 model: each TP size tracks TP=1's top logprobs within `atol`, and its
     greedy tokens may part from TP=1's only at a near tie. Not token for token: the matmuls' inputs are
@@ -141,21 +103,3 @@ def assert_tracks_tp1(results: dict, atol: float = 2e-2) -> None:
             if parted is not None:  # one device's two best tokens were within rounding of each other
                 best = sorted((lp for _, lp in tops_whole[parted]), reverse=True)
                 assert best[0] - best[1] < atol, (tp, parted, tops_whole[parted])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_bfloat16_weights_split_over_devices(kind, tiny_model_dir, tmp_path):
-    """`weight_dtype` under tensor parallelism: each shard is stored in bfloat16 where it lives, and the
-    split model tracks one device's (`assert_tracks_tp1`)."""
-    results = run_tp(str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), weight_dtype="bfloat16")
-    assert {r["q_proj_dtype"] for r in results.values()} == {"bfloat16"}
-    assert len(results[2]["q_proj_shards"]) == 2
-    assert_tracks_tp1(results)
-
-
-@pytest.mark.slow
-def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4(tmp_path):
-    results = run_tp(None, tmp_path, max_tokens=16)
-    assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
-    assert_same_as_tp1(results, atol=1e-3)

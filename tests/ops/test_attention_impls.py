@@ -8,7 +8,7 @@ import pytest
 from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.attention import resolve_impl
 from jaxserve.ops.cpu_kernels import ragged_paged_attention
-from tests.engine.test_llm_engine import make_engine, make_prompts, run_staggered
+from tests.engine.helpers import make_engine, make_prompts, run_staggered
 
 # Small enough that both kernels trace in a few seconds; prefill chunks, mixed steps and decode-only steps.
 KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(2, 4), max_num_seqs=4, max_num_batched_tokens=32)

@@ -1,0 +1,344 @@
+"""The flags of every command, one row each: names, the config field set, help. cli.py builds its parser from these.
+
+A flag's default is its field's default in jaxserve.config (or, for the engine's flags that a preset
+fills, None: not given), so a default is written once, there; the command reads its config back through
+the same rows. Like cli.py this module must not import jax: `jaxserve --help` builds everything here.
+"""
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.api.tools import TOOL_PARSERS  # names only: light
+from jaxserve.config import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    SERVER_LOG_LEVELS,
+    BucketBenchConfig,
+    CacheConfig,
+    CompileConfig,
+    EngineConfig,
+    GenerateConfig,
+    ModelConfig,
+    OfflineBenchConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeBenchConfig,
+    ServerConfig,
+    field_default,
+    preset_names,
+)
+from jaxserve.device import TARGETS
+from jaxserve.model_configs import BUNDLED_SHAPES
+
+Group = argparse.ArgumentParser | argparse._ArgumentGroup  # where arguments are added
+
+
+class Flag:
+    """One flag (or positional) that sets one field of a config dataclass: declared and read back from here.
+
+    Its default is the field's, unless `preset`: then it is None unless given, so that the preset's value
+    (else the field's) shows through, as EngineConfig.from_preset ignores None. `values` maps each choice
+    to the field's value (`--warmup full` is background_warmup=False). `options` go to add_argument.
+    """
+
+    def __init__(self, names: str | tuple[str, ...], section: type, field: str, help: str, *,
+                 preset: bool = False, values: dict[str, Any] | None = None, **options: Any) -> None:
+        if field not in {f.name for f in dataclasses.fields(section)}:
+            raise TypeError(f"{section.__name__} has no field {field!r}")  # at import: a typo never ships
+        self.names = (names,) if isinstance(names, str) else names
+        if not self.names[0].startswith("-") and self.names[0] != field:
+            raise TypeError(f"a positional is named as its field: {self.names[0]!r} is not {field!r}")
+        self.section = section
+        self.field = field
+        self.help = help
+        self.preset = preset
+        self.values = values
+        self.options = options
+
+    def add_to(self, group: Group) -> None:
+        default = None if self.preset else field_default(self.section, self.field)
+        options = dict(self.options)
+        if self.values is not None:
+            options["choices"] = list(self.values)
+            default = next(name for name, value in self.values.items() if value == default)
+        if self.names[0].startswith("-"):
+            options["dest"] = self.field  # a positional's name is its dest
+        default = list(default) if isinstance(default, tuple) else default  # argparse appends to lists
+        group.add_argument(*self.names, default=default, help=self.help, **options)
+
+    def read(self, args: argparse.Namespace) -> Any:
+        value = getattr(args, self.field)
+        if self.values is not None:
+            value = self.values[value]
+        return tuple(value) if isinstance(value, list) else value
+
+
+def add_flags(parser: Group, flags: Sequence[Flag], title: str | None = None) -> None:
+    group = parser.add_argument_group(title) if title else parser
+    for flag in flags:
+        flag.add_to(group)
+
+
+def read_flags(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, Any]:
+    """{field: value} of `flags` as parsed."""
+    return {flag.field: flag.read(args) for flag in flags}
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"*\"]', got {value!r}") from None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def _cache_dir(value: str) -> str:
+    return "" if value.lower() == "none" else value  # "" disables the cache
+
+
+_BUNDLED_MODEL = "hub id, local HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)"
+_OFF = {"action": "store_true"}
+
+_LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in the model's shapes, drawn on the "
+                     "device (vLLM's flag), to benchmark without the weights: --model may then also be a bundled "
+                     f"shape ({', '.join(BUNDLED_SHAPES)}) or a config.json (default: auto)")
+
+ENGINE_FLAGS = (
+    Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
+    Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
+    Flag("--dtype", ModelConfig, "dtype", choices=DTYPES,
+         help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and the weights "
+              "(unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU"),
+    Flag("--weight-dtype", ModelConfig, "weight_dtype", preset=True, choices=DTYPES,
+         help="the matmul weights' dtype (projections, embeddings, LM head); auto (the default) is --dtype's. "
+              "bfloat16 under a float32 model: half the weights' memory and what a decode reads, through the "
+              "native kernels on CPUs; activations stay float32"),
+    Flag("--max-model-len", ModelConfig, "max_model_len", "context length (default: the model's)", type=int,
+         preset=True),
+    Flag("--max-num-seqs", SchedulerConfig, "max_num_seqs", "the most sequences in one step (default: the preset's)",
+         type=int, preset=True),
+    Flag("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens",
+         "the most tokens in one step (default: the preset's)", type=int, preset=True),
+    Flag("--async-scheduling", SchedulerConfig, "async_scheduling", preset=True,
+         action=argparse.BooleanOptionalAction,
+         help="schedule and dispatch each step before reading the previous step's tokens, so the host's work "
+              "overlaps the device's; a stop is seen one step late and the extra token dropped (default: the "
+              "preset's; the bundled presets turn it on)"),
+    Flag("--engine-process", EngineConfig, "engine_process", preset=True, action=argparse.BooleanOptionalAction,
+         help="run the engine core (scheduler, model runner) in its own process, with tokenizing, detokenizing "
+              "and HTTP in this one, as vLLM V1 does (default: off)"),
+    Flag("--block-size", CacheConfig, "page_size", "tokens per KV page (default: the preset's)", type=int,
+         preset=True),
+    Flag("--num-kv-pages", CacheConfig, "num_kv_pages", "KV pages, overriding the memory budget (default: from "
+         "the budget)", type=int, preset=True),
+    Flag("--kv-cache-dtype", CacheConfig, "kv_cache_dtype", preset=True, choices=KV_CACHE_DTYPES,
+         help="the KV cache's dtype; auto (the default) is the model's. float16 or bfloat16 under a float32 "
+              "model halve the cache's memory and what attention reads"),
+    Flag("--kv-cache-memory", CacheConfig, "kv_cache_memory_gib", "KV cache budget in GiB on CPU (default: the "
+         "preset's)", type=float, preset=True),
+    Flag("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", type=float, preset=True,
+         help="fraction of the GPU's memory for jaxserve (as in vLLM): weights, the step's temp memory, and the "
+              f"KV cache, which gets the rest (default: {CacheConfig.gpu_memory_utilization})"),
+    Flag("--attention-impl", EngineConfig, "attention_impl", preset=True, choices=ATTENTION_IMPLS,
+         help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, the cpu path "
+              "on CPUs, the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)"),
+    Flag("--max-logprobs", ModelConfig, "max_logprobs", type=int, preset=True,
+         help=f"the most top logprobs a request may ask for (default: {ModelConfig.max_logprobs})"),
+    Flag("--seed", ModelConfig, "seed", f"seed of the sampling RNG (default: {ModelConfig.seed})", type=int,
+         preset=True),
+    Flag("--compilation-cache-dir", EngineConfig, "compilation_cache_dir", type=_cache_dir, preset=True,
+         help="JAX's persistent compilation cache; 'none' disables it "
+              f"(default: {EngineConfig.compilation_cache_dir})"),
+    Flag("--enable-prefix-caching", CacheConfig, "enable_prefix_caching", preset=True,
+         action=argparse.BooleanOptionalAction,
+         help="reuse the KV pages of prompt prefixes computed before (default: on, as in vLLM)"),
+    Flag(("--tensor-parallel-size", "-tp"), ParallelConfig, "tensor_parallel_size", type=int,
+         help="devices to split the model over (heads, MLP width, vocabulary, KV pages); on CPU, "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices"),
+)
+
+SERVER_FLAGS = (
+    Flag("--host", ServerConfig, "host", "address to bind; 0.0.0.0 is all interfaces"),
+    Flag("--port", ServerConfig, "port", "port to bind", type=int),
+    Flag("--served-model-name", ServerConfig, "served_model_name", nargs="+",
+         help="name(s) clients use in `model` (default: the model's name)"),
+    Flag("--api-key", ServerConfig, "api_key",
+         help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $JAXSERVE_API_KEY, "
+              "else $VLLM_API_KEY, else none)"),
+    Flag("--allowed-origins", ServerConfig, "allowed_origins", "CORS origins, a JSON list", type=_json_list),
+    Flag("--allow-credentials", ServerConfig, "allow_credentials", "CORS: allow credentials", **_OFF),
+    Flag("--allowed-methods", ServerConfig, "allowed_methods", "CORS methods, a JSON list", type=_json_list),
+    Flag("--allowed-headers", ServerConfig, "allowed_headers", "CORS headers, a JSON list", type=_json_list),
+    Flag("--ssl-keyfile", ServerConfig, "ssl_keyfile", "TLS private key file (default: plain HTTP)"),
+    Flag("--ssl-certfile", ServerConfig, "ssl_certfile", "TLS certificate file (default: plain HTTP)"),
+    Flag("--root-path", ServerConfig, "root_path", "path prefix when behind a path-based proxy (default: none)"),
+    Flag("--enable-request-id-headers", ServerConfig, "enable_request_id_headers", **_OFF,
+         help="add X-Request-Id to every response (a client's own id is always echoed)"),
+    Flag("--chat-template", ServerConfig, "chat_template",
+         "a Jinja chat template, or a file holding one (default: the tokenizer's)"),
+    Flag("--trust-request-chat-template", ServerConfig, "trust_request_chat_template", **_OFF,
+         help="let a request bring its own `chat_template` (refused otherwise: a template is code that runs on "
+              "the server)"),
+    Flag("--enable-auto-tool-choice", ServerConfig, "enable_auto_tool_choice", **_OFF,
+         help="tool_choice 'auto': the model decides, and --tool-call-parser reads its calls ('required' and "
+              "named choices need neither: the grammar enforces them)"),
+    Flag("--tool-call-parser", ServerConfig, "tool_call_parser", choices=sorted(TOOL_PARSERS),
+         help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2) (default: "
+              "none, so tool_choice 'auto' is refused)"),
+    Flag("--generation-config", ServerConfig, "generation_config",
+         "default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder"),
+    Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,
+         help="seconds for a request body to arrive in full; a slower one gets a 408"),
+    Flag("--shutdown-timeout", ServerConfig, "shutdown_timeout", type=float,
+         help="seconds to finish in-flight requests after SIGTERM/SIGINT"),
+)
+
+SERVER_LOG_FLAGS = (
+    Flag("--disable-log-stats", ServerConfig, "disable_log_stats", "no periodic throughput log lines", **_OFF),
+    Flag(("--disable-uvicorn-access-log", "--disable-access-log"), ServerConfig, "access_log", action="store_false",
+         help="no access log (by default one line per HTTP request)"),
+    Flag("--uvicorn-log-level", ServerConfig, "server_log_level", choices=SERVER_LOG_LEVELS,
+         help="log level of the HTTP server's own loggers (vLLM's name for it)"),
+    Flag("--enable-log-requests", ServerConfig, "log_requests", **_OFF,
+         help="log one line per request with its sampling parameters and prompt length (default: off)"),
+    Flag("--disable-log-requests", ServerConfig, "log_requests", action="store_false",
+         help="no per-request lines: the default, accepted for vLLM compatibility"),
+)
+
+WARMUP_FLAGS = (
+    Flag("--warmup", EngineConfig, "background_warmup", values={"full": False, "background": True},
+         help="background: ready once the largest bucket (which holds any step) is compiled, the others "
+              "compiling while it serves; full: ready once every bucket is compiled"),
+)
+
+HOST_FLAGS = (
+    Flag("--num-processes", ParallelConfig, "num_processes", type=int,
+         help="processes in the jax.distributed job; --tensor-parallel-size counts all their devices"),
+    Flag("--process-id", ParallelConfig, "process_id", type=int,
+         help="this process's rank: 0 serves HTTP and schedules, the others replay its steps"),
+    Flag("--coordinator-address", ParallelConfig, "coordinator_address",
+         help="HOST:PORT of process 0's jax.distributed coordinator; process 0 also listens on PORT+1 for the "
+              "others (default: none, one process)"),
+)
+
+GENERATE_FLAGS = (
+    Flag("--prompt", GenerateConfig, "prompt", "prompt text (repeatable)", action="append", required=True),
+    Flag("--raw", GenerateConfig, "raw", "complete the prompt as is, no chat template", **_OFF),
+    Flag("--max-tokens", GenerateConfig, "max_tokens", "the most tokens to generate", type=int),
+    Flag("--temperature", GenerateConfig, "temperature", "sampling temperature; 0 is greedy", type=float),
+    Flag("--top-p", GenerateConfig, "top_p", "nucleus sampling threshold", type=float),
+    Flag("--top-k", GenerateConfig, "top_k", "sample from the k likeliest tokens; 0 is all", type=int),
+)
+
+OFFLINE_FLAGS = (
+    Flag("--concurrency", OfflineBenchConfig, "concurrency", "sequences per wave; one row per level", type=int,
+         nargs="+"),
+    Flag("--input-len", OfflineBenchConfig, "input_len", "prompt length in tokens", type=int),
+    Flag("--output-len", OfflineBenchConfig, "output_len", "tokens generated per sequence", type=int),
+    Flag("--json", OfflineBenchConfig, "json", "also write the report to this file (default: none)"),
+    Flag("--profile", OfflineBenchConfig, "profile", **_OFF,
+         help="instead of waves, where each decode step's time goes at each level: host phases, dispatch, "
+              "device, token read, the gap between device steps, kernels per step (from a jax.profiler "
+              "trace) and the fraction of the step's roofline reached"),
+    Flag("--profile-steps", OfflineBenchConfig, "profile_steps", "decode steps timed per level", type=int),
+)
+
+SERVE_BENCH_FLAGS = (
+    Flag("--base-url", ServeBenchConfig, "base_url", "the server's OpenAI base URL"),
+    Flag("--model", ServeBenchConfig, "model", "the `model` field to send (default: none, the server's)"),
+    Flag("--api-key", ServeBenchConfig, "api_key",
+         "bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),
+    Flag("--concurrency", ServeBenchConfig, "concurrency", "requests in flight; one row per level", type=int,
+         nargs="+"),
+    Flag("--num-prompts", ServeBenchConfig, "num_prompts", "requests per level (default: 4 x concurrency, at "
+         "least 8)", type=int),
+    Flag("--input-len", ServeBenchConfig, "input_len", "prompt length in tokens (random token ids)", type=int),
+    Flag("--prefix-len", ServeBenchConfig, "prefix_len", type=int,
+         help="tokens of one shared prefix before each prompt, like a system prompt (vLLM's --random-prefix-len)"),
+    Flag("--output-len", ServeBenchConfig, "output_len", type=int,
+         help="tokens generated per request (EOS ignored, so exactly this many)"),
+    Flag("--seed", ServeBenchConfig, "seed", "seed of the random prompts", type=int),
+    Flag("--temperature", ServeBenchConfig, "temperature", "sent with every request; 0 is greedy", type=float),
+    Flag("--top-p", ServeBenchConfig, "top_p", "sent with every request (default: not sent)", type=float),
+    Flag("--top-k", ServeBenchConfig, "top_k", "sent with every request, a vLLM/llama.cpp extension (default: "
+         "not sent)", type=int),
+    Flag("--min-p", ServeBenchConfig, "min_p", "sent with every request, a vLLM/llama.cpp extension (default: "
+         "not sent)", type=float),
+    Flag("--json", ServeBenchConfig, "json", "also write the results to this file (default: none)"),
+)
+
+BUCKET_FLAGS = (
+    Flag("--config", BucketBenchConfig, "ladders", action="append", required=True, metavar="CONFIG",
+         help="a ladder: preset name, YAML file, or tokens=32,128;requests=1,4,16 (repeatable)"),
+    Flag("--workload", BucketBenchConfig, "workload",
+         "fixed:P,O | uniform:P1-P2,O1-O2 | sharegpt[:MEAN_IN,MEAN_OUT] | a .jsonl file of prompt_len, "
+         "output_len[, arrival_s]"),
+    Flag("--num-requests", BucketBenchConfig, "num_requests", "requests in a synthetic trace", type=int),
+    Flag("--max-model-len", BucketBenchConfig, "max_model_len", "lengths are clipped to fit it", type=int),
+    Flag("--seed", BucketBenchConfig, "seed", "seed of the trace", type=int),
+    Flag("--target", BucketBenchConfig, "target", choices=sorted(TARGETS),
+         help="predict on this GPU with a roofline (default: none, no predictions)"),
+    Flag("--model", BucketBenchConfig, "model",
+         f"the model whose shapes the predictions use: a bundled name ({', '.join(BUNDLED_SHAPES)}), a "
+         "config.json, or --model as serve takes it"),
+    Flag("--dtype", BucketBenchConfig, "dtype", "dtype for predictions and --measure", choices=DTYPES),
+    Flag("--measure", BucketBenchConfig, "measure", **_OFF,
+         help="also run the engine here on the trace, per ladder (slow: compiles each ladder)"),
+    Flag("--measure-model", BucketBenchConfig, "measure_model", "the model --measure serves (default: the "
+         "bundled SmolLM2)"),
+    Flag("--load-format", BucketBenchConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
+    Flag("--suggest", BucketBenchConfig, "suggest", **_OFF,
+         help="propose a ladder for the workload within --max-buckets (written to OUT/suggested.yaml, and "
+              "compared with the others)"),
+    Flag("--max-buckets", BucketBenchConfig, "max_buckets", "the bucket budget of --suggest", type=int),
+    Flag("--out", BucketBenchConfig, "out", "output directory"),
+)
+
+BUCKET_ARRIVAL_FLAGS = (  # one or the other
+    Flag("--rate", BucketBenchConfig, "rate", "Poisson arrivals, requests per second (default: none, a closed "
+         "loop)", type=float),
+    Flag("--concurrency", BucketBenchConfig, "concurrency", "closed loop: this many requests in flight "
+         "(default: 16 unless --rate)", type=int),
+)
+
+COMPILE_FLAGS = (
+    Flag("--model", CompileConfig, "model",
+         f"a bundled shape ({', '.join(BUNDLED_SHAPES)}), a config.json, or anything serve --model takes "
+         "(default: the bundled SmolLM2)"),
+    Flag("--target", CompileConfig, "target", "the GPU to compile for; local: this machine's default device",
+         choices=[*TARGETS, "local"]),
+    Flag("--config", CompileConfig, "preset", f"the ladder: a preset ({', '.join(preset_names())}) or a .yaml path",
+         metavar="CONFIG"),
+    Flag("--dtype", CompileConfig, "dtype", "auto: bfloat16 on GPUs, float32 on CPU", choices=DTYPES),
+    Flag("--attention-impl", CompileConfig, "attention_impl", "auto picks what a real device of the target's "
+         "kind would", choices=ATTENTION_IMPLS),
+    Flag("--max-model-len", CompileConfig, "max_model_len", "(default: the model's)", type=int),
+    Flag("--context-len", CompileConfig, "context_len", type=int,
+         help="keys each request attends in the predicted step times (default: max-model-len/2)"),
+    Flag("--gpu-memory-utilization", CompileConfig, "gpu_memory_utilization", type=float,
+         help=f"for the KV budget (default: {CacheConfig.gpu_memory_utilization})"),
+    Flag(("--jobs", "-j"), CompileConfig, "jobs", "buckets compiled at once (default: the CPU count)", type=int),
+    Flag(("--tensor-parallel-size", "-tp"), CompileConfig, "tensor_parallel_size", type=int,
+         help="compile the step split over this many devices (GPUs of one node for a target); memory is "
+              "reported per device"),
+    Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
+         action="store_false"),
+    Flag("--json", CompileConfig, "json", "also write the report to this file (default: none)"),
+)
+
+CONVERT_FLAGS = (
+    Flag("model", ModelConfig, "model", _BUNDLED_MODEL, nargs="?"),
+    Flag("--dtype", ModelConfig, "dtype", choices=DTYPES,
+         help="the model's dtype (norms, biases; the weights unless --weight-dtype): auto is float32 on CPU, "
+              "bfloat16 on GPUs"),
+    Flag("--weight-dtype", ModelConfig, "weight_dtype", "the matmul weights' dtype; auto (the default) is "
+         "--dtype's", choices=DTYPES),
+    Flag("--revision", ModelConfig, "revision", "hub revision (default: the latest)"),
+)

@@ -1,0 +1,37 @@
+"""`jaxserve compile`, the command around jaxserve/compile_ladder.py: chooses the platform, compiles, prints.
+
+For a GPU target the process's jax platform must be the CPU before jax starts a backend (the CUDA plugin
+must not look for a driver), so this module imports compile_ladder, which imports jax, only after that.
+"""
+
+from pathlib import Path
+
+from jaxserve.config import CompileConfig
+
+
+def main(config: CompileConfig) -> None:
+    """Compiles every bucket of `config.preset`'s ladder, prints the report and writes it to `config.json`."""
+    target = None if config.target == "local" else config.target
+    if target is not None:
+        from jaxserve.device import use_cpu_platform
+
+        use_cpu_platform()
+    from jaxserve.compile_ladder import compile_ladder, format_report
+
+    report = compile_ladder(
+        config.model,
+        target=target,
+        preset=config.preset,
+        dtype=config.dtype,
+        attention_impl=config.attention_impl,
+        max_model_len=config.max_model_len,
+        context_len=config.context_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        jobs=config.jobs,
+        xla_cost=config.xla_cost,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
+    print(format_report(report))
+    if config.json:
+        Path(config.json).write_text(report.to_json())
+        print(f"wrote {config.json}")

@@ -1,0 +1,114 @@
+"""The records that cross between the scheduler and the model runner (pure Python and numpy, no jax).
+
+This is the only module of `jaxserve.engine` that `jaxserve.runner` imports: the runner never sees a
+live `Request`, a `SamplingParams` or a grammar matcher, only plain values fixed when a step was planned.
+
+A step's plan, `SchedulerOutput`, has one shape for every row (vLLM's `SchedulerOutput`, with its running
+requests as columns): the rows' dense columns (request ids, tokens, start positions, ...), a `NewRequest`
+for each request that takes a runner row this step (it starts, or resumes after a preemption), and sparse
+maps, keyed by row, for what few rows carry (pages the runner has not been sent, tokens `min_tokens`
+bans, prompt tokens to score, a grammar's bitmask). A plain decode costs a few list appends.
+The runner answers with `StepOutput`: one sampled token per row, in the same order.
+"""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams, sampling_row
+
+# Stands in a row's tokens for a token sampled by the previous step and not yet read (async scheduling):
+# the runner takes it from the previous step's samples on the device.
+PENDING_TOKEN = -1
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Width of a token bitmask row: one bit per token, 32 to an int32."""
+    return (vocab_size + 31) // 32
+
+
+class NewRequest(NamedTuple):
+    """What a request's runner row holds from the step it starts or resumes in until it ends or is
+    preempted: the values that stay the same from step to step."""
+
+    request_id: str
+    sampling_row: tuple  # the values of `sampling_params.SAMPLING_ROW`, in its order
+    sampling_seed: int
+    num_prompt_tokens: int
+    num_top_logprobs: int  # alternatives reported per sampled token (logprobs), 0 for none
+    num_prompt_logprobs: int  # alternatives reported per prompt token (prompt_logprobs), 0 for none
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, bias)
+    has_penalties: bool  # its samples depend on the tokens seen (the runner keeps a penalty row)
+    fills_row: bool  # the runner fills this row itself each step (penalties, biases, bans, prompt logprobs)
+    # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
+    cached_token_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, request_id: str, params: SamplingParams, sampling_seed: int, num_prompt_tokens: int,
+           cached_token_ids: tuple[int, ...] | None = None) -> "NewRequest":
+        """A request's row values, read from its parameters (the one place they are)."""
+        return cls(request_id, sampling_row(params), sampling_seed, num_prompt_tokens, params.logprobs or 0,
+                   params.prompt_logprobs or 0, tuple(params.logit_bias.items()), params.has_penalties,
+                   params.fills_batch_rows, cached_token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """A step's plan. Rows in order: the batch's rows and `StepOutput`'s."""
+
+    request_ids: list[str]
+    num_new_tokens: list[int]  # per row: tokens to compute this step (1 for a decode)
+    token_ids: list[int]  # the rows' tokens end to end; a row's last may be PENDING_TOKEN
+    start_positions: list[int]  # per row: the position of its first token
+    output_indices: list[int]  # per row: its sample's index among the request's outputs (seeds reproduce)
+    keeps_sample: list[bool]  # per row: the step computes its last known token, so the sample is its next
+    new_requests: tuple[NewRequest, ...] = ()  # requests taking a runner row this step
+    # row -> (first_new_page, page ids): the request's pages from that index on, which the runner has not
+    # been sent (those this step allocated, or all of them when it starts or resumes).
+    new_pages: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    banned_token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)  # row -> min_tokens' bans
+    prompt_logprob_targets: dict[int, tuple[int, ...]] = field(default_factory=dict)  # row -> next prompt tokens
+    rows_completing_pages: tuple[int, ...] = ()  # rows whose tokens fill a page (prefix caching keys it)
+    grammar_rows: tuple[int, ...] = ()  # rows whose sample is constrained by a grammar
+    grammar_bitmask: np.ndarray | None = None  # i32[len(grammar_rows), W]: their next-token masks
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
+    filling_keys: frozenset[bytes] = frozenset()  # prefix-cache keys of the full pages this step fills
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids
+
+
+EMPTY_PLAN = SchedulerOutput([], [], [], [], [], [])  # read-only by convention
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the runner returns: one sampled token (and its logprob) per row of the plan, in order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: logprob}
+    # row -> (first prompt token scored, {token: Logprob} per token), for rows scoring prompt tokens.
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+
+
+class RequestFault(Exception):
+    """Building one request's batch row raised: the engine fails that request alone and serves on.
+    `__cause__` holds the original exception."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} failed")
+        self.request_id = request_id

@@ -1,0 +1,106 @@
+"""A real `jaxserve serve` in a subprocess (Hypercorn, the bundled SmolLM2), on a free port; waits on it."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "test-key"
+MODEL = "smol"
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+    saw_loading: bool = False  # /health answered 503 before 200
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[str, ...] = ("-m", "jaxserve"),
+                 new_session: bool = False) -> Server:
+    """`launcher` is what follows the interpreter: the package, or a script that patches it first.
+    `new_session`: the server leads its own process group (a test may signal the whole group)."""
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    command = [
+        sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--config", "cpu", "--dtype", "float32", "--max-model-len", "2048",
+        "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir), *extra,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=new_session)
+    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    saw_loading = False
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            status = httpx.get(f"{server.base_url}/health", timeout=2).status_code
+        except httpx.TransportError:
+            status = None
+        if status == 200:
+            server.saw_loading = saw_loading
+            return server
+        saw_loading |= status == 503
+        time.sleep(0.5)
+    stop_server(server)
+    raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{server.log()}")
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """The value of one sample on /metrics (by full sample name and a subset of its labels)."""
+    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> None:
+    """Waits until the engine has nothing running or waiting and holds no KV pages."""
+    deadline = time.monotonic() + timeout
+    names = ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_cache_usage_perc")
+    while any(metric(server, name) for name in names):
+        assert time.monotonic() < deadline, {name: metric(server, name) for name in names}
+        time.sleep(0.1)
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(60)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

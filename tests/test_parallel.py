@@ -1,0 +1,62 @@
+"""Tensor parallelism on CPU devices: TP=2 and TP=4 give TP=1's greedy tokens and its logprobs.
+
+The test process has one CPU device, so each check runs in a subprocess started with
+`--xla_force_host_platform_device_count=4`, which loads the model at TP=1, 2 and 4 in turn and reports
+what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
+Llama whose heads split over no device count (query heads padded), a tiny GPT-2, and the bundled SmolLM2
+(9 query / 3 KV heads: both at once).
+"""
+
+
+import numpy as np
+import pytest
+
+from jaxserve.parallel import HeadLayout
+from tests.parallel_helpers import assert_same_as_tp1, assert_tracks_tp1, run_tp
+
+
+def test_head_layout_replicates_kv_heads_and_pads_query_heads():
+    same = HeadLayout(num_heads=32, num_kv_heads=8, tp=4)
+    assert same.is_identity
+    replicated = HeadLayout(num_heads=4, num_kv_heads=2, tp=4)  # vLLM's case: fewer KV heads than devices
+    assert (replicated.num_heads_eff, replicated.num_kv_heads_eff) == (4, 4)
+    assert replicated.kv_sources().tolist() == [0, 0, 1, 1]
+    smol = HeadLayout(num_heads=9, num_kv_heads=3, tp=2)  # SmolLM2: neither divides
+    assert (smol.num_heads_eff, smol.num_kv_heads_eff) == (12, 6)
+    slots = smol.query_slots()
+    # Every query head's slot reads a replica of its own KV head, and each device gets whole groups.
+    for head, slot in enumerate(slots):
+        assert smol.kv_sources()[slot // smol.group_eff] == head // smol.group
+    assert len(set(slots.tolist())) == 9
+    weights = np.arange(9 * 2, dtype=np.float32).reshape(9, 2) + 1
+    padded = smol.apply("q", weights, axis=0)
+    assert padded.shape == (12, 2) and np.count_nonzero(padded.any(axis=1)) == 9
+    np.testing.assert_array_equal(padded[slots], weights)
+    kv = smol.apply("kv", np.arange(3, dtype=np.float32)[None, :], axis=1)
+    assert kv.tolist() == [[0, 0, 1, 1, 2, 2]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind, tmp_path):
+    results = run_tp(str(tiny_model_dir(kind)), tmp_path)
+    assert results[4]["kv_shard_shape"][0] == 1  # llama: 2 KV heads replicated to 4, one per device
+    assert_same_as_tp1(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bfloat16_weights_split_over_devices(kind, tiny_model_dir, tmp_path):
+    """`weight_dtype` under tensor parallelism: each shard is stored in bfloat16 where it lives, and the
+    split model tracks one device's (`assert_tracks_tp1`)."""
+    results = run_tp(str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), weight_dtype="bfloat16")
+    assert {r["q_proj_dtype"] for r in results.values()} == {"bfloat16"}
+    assert len(results[2]["q_proj_shards"]) == 2
+    assert_tracks_tp1(results)
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4(tmp_path):
+    results = run_tp(None, tmp_path, max_tokens=16)
+    assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
+    assert_same_as_tp1(results, atol=1e-3)
