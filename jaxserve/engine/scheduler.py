@@ -35,7 +35,7 @@ from jaxserve.engine.step_io import PENDING_TOKEN, NewRequest, SchedulerOutput, 
 from jaxserve.sampling_params import fits_kv_cache
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """A step's plan as it is built: `SchedulerOutput`'s columns and sparse maps."""
 
@@ -93,6 +93,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of requests looked up in the prefix cache, since start
         self.prefix_cache_hits = 0  # of which found cached
         self.iteration_tokens = IterationTokens()
+        self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
     def check_fits(self, max_num_tokens: int) -> None:
         """Raises ValueError if a request of up to `max_num_tokens` could never fit in the cache (the
@@ -116,15 +117,35 @@ class Scheduler:
         busy = frozenset().union(*self._inflight_filling)  # keys of the pages steps in flight fill
 
         # Running requests, oldest first; preempt from the newest end when pages run out.
-        page_size = self.kv_cache.page_size
+        page_size, caching = self._page_size, self._caching
+        ids, counts, tokens, starts, outputs, keeps = (plan.request_ids, plan.num_new_tokens, plan.token_ids,
+                                                       plan.start_positions, plan.output_indices, plan.keeps_sample)
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_known = request.num_tokens + request.num_inflight_tokens
+            num_inflight = request.num_inflight_tokens
+            num_known = request.num_tokens + num_inflight
             if num_known >= request.max_num_tokens:  # its last token is in flight: it finishes when read
                 index += 1
                 continue
-            end = min(num_known, request.num_computed_tokens + token_budget)
+            start = request.num_computed_tokens
+            if (  # a plain decode: one token, its page there and sent, nothing sparse (most rows of a busy step)
+                num_known - start == 1 and request.has_plain_decodes and request.grammar is None
+                and start < (num_pages := len(request.page_ids)) * page_size
+                and request.num_pages_scheduled == num_pages and not (caching and (start + 1) % page_size == 0)
+            ):  # `_plan_row`'s row, written inline: the same columns and the same counter moves
+                ids.append(request.request_id)
+                counts.append(1)
+                tokens.append(PENDING_TOKEN if num_inflight else request.last_token_id)
+                starts.append(start)
+                outputs.append(len(request.output_token_ids) + num_inflight)
+                keeps.append(True)
+                request.num_computed_tokens = num_known
+                request.num_inflight_tokens = num_inflight + 1
+                token_budget -= 1
+                index += 1
+                continue
+            end = min(num_known, start + token_budget)
             if end > len(request.page_ids) * page_size:  # it needs a page (a decode does once a page)
                 while not self.kv_cache.allocate(request.page_ids, end):
                     victim = self.running.pop()
@@ -180,11 +201,12 @@ class Scheduler:
 
     def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False) -> int:
         """Adds the request's tokens up to `end` to the plan as its next row and advances its counters (the
-        one place a step moves them forward); returns the number of tokens. `resumed`: it just left the
-        waiting queue (new, preempted, or after a prefix-cache hit) and takes a runner row."""
-        start, num_tokens = request.num_computed_tokens, request.num_tokens
+        one place a step moves them forward, but for the plain decodes `schedule` writes inline, the same
+        way); returns the number of tokens. `resumed`: it just left the waiting queue (new, preempted, or
+        after a prefix-cache hit) and takes a runner row."""
+        start, num_tokens, num_inflight = request.num_computed_tokens, request.num_tokens, request.num_inflight_tokens
         num_new, row = end - start, len(plan.request_ids)
-        keeps_sample = end == num_tokens + request.num_inflight_tokens
+        keeps_sample = end == num_tokens + num_inflight
         plan.request_ids.append(request.request_id)
         plan.num_new_tokens.append(num_new)
         if end <= num_tokens:
@@ -193,36 +215,46 @@ class Scheduler:
             plan.token_ids += request.token_ids(start, num_tokens)
             plan.token_ids.append(PENDING_TOKEN)
         plan.start_positions.append(start)
-        plan.output_indices.append(request.num_scheduled_outputs)
+        plan.output_indices.append(len(request.output_token_ids) + num_inflight)  # the sample's index
         plan.keeps_sample.append(keeps_sample)
         page_ids = request.page_ids
-        first_new_page = 0 if resumed else request.num_pages_scheduled
-        if len(page_ids) > first_new_page:
+        num_pages = len(page_ids)
+        if resumed or num_pages > request.num_pages_scheduled:
+            first_new_page = 0 if resumed else request.num_pages_scheduled
             plan.new_pages[row] = (first_new_page, tuple(page_ids[first_new_page:]))
-        if self.kv_cache.enable_prefix_caching:
-            page_size = self.kv_cache.page_size
-            first_page, end_page = start // page_size, end // page_size
-            if end_page > first_page:  # the step completes a page (most decodes do not)
-                plan.rows_completing_pages.append(row)
-                known_end_page = min(end, num_tokens) // page_size  # a page ending in flight: keyed later
-                if known_end_page > first_page:
-                    plan.filling.update(self._page_keys(request, known_end_page)[first_page:known_end_page])
+        if self._caching and end // self._page_size > start // self._page_size:  # the step completes a page
+            self._plan_page_keys(request, start, end, row, plan)
         if keeps_sample and request.grammar is not None:  # the core fills its mask before the step runs
             plan.grammar_rows.append(row)
-        params = request.sampling_params
         if not request.has_plain_decodes:  # what few requests carry
-            if keeps_sample and params.min_tokens and (banned := request.banned_token_ids()):
-                plan.banned_token_ids[row] = banned
-            if params.prompt_logprobs is not None and (targets := tuple(request.prompt_token_ids[start + 1 : end + 1])):
-                plan.prompt_logprob_targets[row] = targets
+            self._plan_features(request, start, end, row, keeps_sample, plan)
         if resumed:
+            params = request.sampling_params
             cached = tuple(request.token_ids(0, start)) if start > 0 and params.has_penalties else None
             plan.new_requests.append(NewRequest.of(request.request_id, params, request.sampling_seed,
                                                    request.num_prompt_tokens, cached))
         request.num_computed_tokens = end
-        request.num_inflight_tokens += keeps_sample
-        request.num_pages_scheduled = len(page_ids)
+        request.num_inflight_tokens = num_inflight + keeps_sample
+        request.num_pages_scheduled = num_pages
         return num_new
+
+    def _plan_page_keys(self, request: Request, start: int, end: int, row: int, plan: _Plan) -> None:
+        """A row that completes a page: keyed for the prefix cache once it has run; its known full pages
+        count as being filled meanwhile (a page ending in flight is keyed later)."""
+        page_size = self._page_size
+        plan.rows_completing_pages.append(row)
+        first_page, known_end_page = start // page_size, min(end, request.num_tokens) // page_size
+        if known_end_page > first_page:
+            plan.filling.update(self._page_keys(request, known_end_page)[first_page:known_end_page])
+
+    @staticmethod
+    def _plan_features(request: Request, start: int, end: int, row: int, keeps_sample: bool, plan: _Plan) -> None:
+        """min_tokens' bans and the prompt tokens to score, for the requests that use them."""
+        params = request.sampling_params
+        if keeps_sample and params.min_tokens and (banned := request.banned_token_ids()):
+            plan.banned_token_ids[row] = banned
+        if params.prompt_logprobs is not None and (targets := tuple(request.prompt_token_ids[start + 1 : end + 1])):
+            plan.prompt_logprob_targets[row] = targets
 
     def _cached_prefix(self, request: Request, filling: set[bytes], busy: frozenset[bytes]) -> list[int] | None:
         """The cached pages a waiting request can start after (at most all but its last token), or None
@@ -294,19 +326,20 @@ class Scheduler:
             if request is not None and not request.status.is_finished:
                 request.add_prompt_logprobs(first_token, entries)
         advanced: list[Request] = []
-        top_logprobs = step_output.top_logprobs
+        top_logprobs, take_sample = step_output.top_logprobs, self._take_sample
         now = time.monotonic()  # one stamp for every token of this step
-        for row, (request_id, token_id, logprob, keeps_sample) in enumerate(zip(
-            scheduler_output.request_ids, step_output.sampled_token_ids, step_output.logprobs,
-            scheduler_output.keeps_sample, strict=True,
-        )):
-            if not keeps_sample:
-                continue  # a prefill chunk: the sample is not a real next token
+        samples = zip(plan.request_ids, step_output.sampled_token_ids, step_output.logprobs, strict=True)
+        if not top_logprobs and all(plan.keeps_sample):  # every sample is a plain next token (most steps)
+            for request_id, token_id, logprob in samples:
+                request = requests.get(request_id)
+                if request is not None and not request.status.is_finished:  # else aborted while the step ran
+                    take_sample(request, token_id, logprob, None, now, advanced)
+            return advanced
+        for row, (request_id, token_id, logprob) in enumerate(samples):
             request = requests.get(request_id)
-            if request is None or request.status.is_finished:  # aborted while the step ran
-                continue
-            self._take_sample(request, token_id, logprob, top_logprobs.get(row) if top_logprobs else None, now,
-                              advanced)
+            # A prefill chunk's sample is no real next token.
+            if plan.keeps_sample[row] and request is not None and not request.status.is_finished:
+                take_sample(request, token_id, logprob, top_logprobs.get(row), now, advanced)
         return advanced
 
     def _take_sample(self, request: Request, token_id: int, logprob: float, top: dict[int, float] | None,
