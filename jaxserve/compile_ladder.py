@@ -35,7 +35,7 @@ from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
-from jaxserve.runner.launches import StepLaunches, step_launches
+from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.model_runner import make_step_fn
 from jaxserve.runner.penalties import PenaltyTables
 
@@ -65,7 +65,7 @@ class BucketResult:
     predicted_seconds: float | None
     bound: str | None  # "compute" or "memory"
     collectives: dict[str, int]  # cross-device ops in the compiled step (tensor parallelism), by kind
-    launches: StepLaunches  # kernels and library calls the step launches, and which command buffers hold
+    launches: StepLaunches | None  # what the step launches and which command buffers hold it (GPU targets)
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,7 @@ def compile_ladder(
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
     def one(bucket: Bucket) -> BucketResult:
-        compiled = compile_bucket(step, state, shapes, bucket, device, mesh)
-        hlo = compiled.compiled.as_text()
+        compiled = compile_bucket(step, state, shapes, bucket, device, mesh, read_launches=True)
         xla_flops = xla_bytes = None
         if reference_step is not None:
             ref_step, ref_state = reference_step
@@ -197,8 +196,8 @@ def compile_ladder(
             output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
             xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
             predicted_seconds=predicted.seconds, bound=predicted.bound,
-            collectives=count_collectives(hlo) if mesh is not None else {},
-            launches=step_launches(hlo),
+            collectives=count_collectives(compiled.compiled.as_text()) if mesh is not None else {},
+            launches=compiled.launches,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -282,18 +281,19 @@ def format_report(report: CompileReport) -> str:
 
 
 def _launch_table(report: CompileReport) -> str:
-    """Per bucket: the dispatch's arguments, the launches, how many XLA command buffers (CUDA graphs) hold
-    them, and the kinds left outside (what splits the step's graphs)."""
-    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'args':>5} {'launches':>8} {'graphs':>6} {'in graphs':>9}"
-              "  outside")
-    lines = ["launches per step (from the optimized HLO):", header, "-" * len(header)]
+    """Per bucket: the dispatch's arguments; what the host issues one by one per step (command buffers, each
+    one graph launch, and what lies between them: conditionals and loops, each a host sync, kernels,
+    copies); the kernels in all, and how many command buffers record."""
+    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'args':>5} {'host ops':>8} {'syncs':>5} {'kernels':>7} "
+              f"{'in graphs':>9}  host ops by kind")
+    lines = ["launches per step (XLA's thunks):", header, "-" * len(header)]
     for r in report.buckets:
         launches = r.launches
-        outside = ", ".join(f"{n} {kind}" for kind, n in list(launches.outside_command_buffers.items())[:4])
-        flow = ", ".join(f"{n} {kind}" for kind, n in launches.control_flow.items())
+        if launches is None:
+            return "launches per step: only GPU targets have thunks to read"
+        kinds = ", ".join(f"{n} {kind[1:]}" for kind, n in launches.host_ops.items())
         lines.append(
             f"{r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.decode_only else 'mixed':<6} "
-            f"{launches.num_arguments:>5} {launches.num_launches:>8} {launches.num_command_buffers:>6} "
-            f"{launches.command_buffer_share:>9.0%}  "
-            f"{outside or '-'}{f' (control flow: {flow})' if flow else ''}")
+            f"{launches.num_arguments:>5} {launches.num_host_ops:>8} {launches.host_syncs:>5} "
+            f"{launches.num_kernels:>7} {launches.graph_share:>9.0%}  {kinds}")
     return "\n".join(lines)

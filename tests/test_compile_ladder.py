@@ -42,6 +42,12 @@ def _check_report(report, buckets: list[Bucket]) -> None:
     assert report.dtype == "bfloat16"
     assert all(b.temp_bytes > 0 and b.compile_seconds > 0 for b in report.buckets)
     assert all(b.predicted_seconds > 0 and b.bound in ("compute", "memory") for b in report.buckets)
+    # What each step launches, from XLA's thunks: most kernels recorded in command buffers, a few host ops.
+    for b in report.buckets:
+        launches = b.launches
+        assert launches.num_kernels > 100 and launches.num_graphs >= 1 and 0 < launches.graph_share <= 1
+        assert launches.host_ops.get("kCommandBuffer", 0) >= 1 and launches.num_host_ops < launches.num_kernels
+        assert launches.num_arguments > 100  # the weights are passed as leaves: each its own argument
     # The KV budget is the arithmetic of the deviceless compile's own memory analysis: the temp memory of
     # the largest buckets compiled first with a provisional page count, which the slack covers once the
     # pages are known.

@@ -19,6 +19,7 @@ from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.buckets import Bucket
+from jaxserve.runner.launches import StepLaunches, compile_with_launches
 from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.runner.step_batch import BatchLayout
@@ -45,6 +46,7 @@ class CompiledBucket:
     alias_bytes: int  # outputs that reuse donated arguments (the KV pages, the penalty tables)
     temp_bytes: int  # XLA's scratch for the step: what the KV budget must leave free
     compiled: Any  # jax.stages.Compiled
+    launches: StepLaunches | None = None  # when asked for, on a GPU
 
 
 def step_shapes(
@@ -96,13 +98,20 @@ def abstract_step_args(
 
 
 def compile_bucket(
-    step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
+    step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
+    read_launches: bool = False,
 ) -> CompiledBucket:
     """Compiles the jitted step for one bucket on `device` (or `mesh`); raises what XLA, Triton or ptxas
-    raise. With a mesh, the memory figures are one device's."""
+    raise. With a mesh, the memory figures are one device's. `read_launches`: also what the step launches
+    (`launches.py`: XLA dumps its thunks for it; GPUs only)."""
     args = abstract_step_args(state, shapes, bucket, device, mesh)
     start = time.perf_counter()
-    compiled = step_fn.trace(*args).lower().compile()
+    lowered = step_fn.trace(*args).lower()
+    launches = None
+    if read_launches:
+        compiled, launches = compile_with_launches(lambda options: lowered.compile(compiler_options=options))
+    else:
+        compiled = lowered.compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return CompiledBucket(
@@ -113,4 +122,5 @@ def compile_bucket(
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         compiled=compiled,
+        launches=launches,
     )

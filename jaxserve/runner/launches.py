@@ -1,34 +1,30 @@
-"""What a compiled step launches, read from its optimized HLO (`Compiled.as_text()`), with no device.
+"""What a compiled GPU step launches, read from XLA's thunk sequence and optimized HLO, with no device.
 
 A GPU step's cost beyond the model is mostly per launch: each kernel or library call the host issues, and
-each argument it passes. XLA's command buffers (CUDA graphs: `--xla_gpu_enable_command_buffer`) replay a
-recorded sequence of launches as one; what they cannot hold (control flow XLA does not capture, some
-custom calls) runs between them and splits the step into several graphs. These counts, per bucket, are the
-proxies a machine without a GPU can watch (`jaxserve compile`).
-
-Counted as launches: every instruction of an executed computation (the entry, while loop bodies and
-conditions, conditional branches, command buffers) except those that launch nothing (parameters,
-constants, tuples, bitcasts, calls, control flow itself, the `-done` halves of async pairs).
+each argument it passes. XLA's command buffers (CUDA graphs, `--xla_gpu_enable_command_buffer`) record a
+run of kernels once and replay it as one launch; XLA forms them on its thunk sequence, after the HLO
+passes, so they show in the thunks XLA dumps (`*.thunk_sequence_after_thunk_passes.txt`), not in the HLO.
+What runs between command buffers is issued by the host one by one: a `kConditional` or `kWhile` there
+copies its predicate to the host and waits for it (the host cannot queue the rest of the step meanwhile).
+These counts, per bucket, are the proxies a machine without a GPU can watch (`jaxserve compile`).
 """
 
+import glob
 import re
+import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-# Opcodes that launch no kernel of their own.
-_NO_LAUNCH = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "call", "while", "conditional",
-    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done", "all-reduce-done",
-    "all-gather-done", "collective-permute-done", "send-done", "recv-done", "async-done", "domain",
-    "get-dimension-size", "iota",
-})
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r"kind=(k\w+)")
-_BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
-_CALLED = re.compile(r"(?:to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+_THUNK = re.compile(r"^( *)\d+: (k\w+)")
+_KERNEL_KINDS = frozenset({"kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul", "kCustomCall", "kCudnn",
+                           "kTriangularSolve", "kFft", "kConvolution", "kNcclAllReduceStart", "kNcclAllGatherStart",
+                           "kNcclReduceScatterStart", "kNcclAllToAllStart", "kNcclCollectivePermuteStart",
+                           "kAllReduceStart", "kAllGatherStart", "kReduceScatterStart"})
+_HOST_SYNCS = frozenset({"kConditional", "kWhile"})
 
 
 @dataclass(frozen=True)
@@ -36,16 +32,72 @@ class StepLaunches:
     """One compiled step's launches."""
 
     num_arguments: int  # the entry computation's parameters: buffers passed on every dispatch
-    num_launches: int  # kernels and library calls per run (a loop body counted once)
-    by_kind: dict[str, int]  # fusions by kind, library calls by target, other ops by opcode
-    num_command_buffers: int  # XLA command buffers (CUDA graphs) the step runs
-    in_command_buffers: int  # launches recorded inside them
-    outside_command_buffers: dict[str, int] = field(default_factory=dict)  # launches left out, by kind
-    control_flow: dict[str, int] = field(default_factory=dict)  # while loops and conditionals executed
+    host_ops: dict[str, int]  # the step's top-level thunks by kind: what the host issues, one by one
+    num_kernels: int  # kernels and library calls anywhere in the step (a loop body or branch counted once)
+    kernels_in_graphs: int  # of which recorded in command buffers
+    num_graphs: int  # command buffers, nested ones included
+    control_flow: dict[str, int] = field(default_factory=dict)  # conditionals and while loops, anywhere
 
     @property
-    def command_buffer_share(self) -> float:
-        return self.in_command_buffers / self.num_launches if self.num_launches else 0.0
+    def num_host_ops(self) -> int:
+        return sum(self.host_ops.values())
+
+    @property
+    def host_syncs(self) -> int:
+        """Top-level conditionals and loops: each reads its predicate on the host, a stall per step."""
+        return sum(n for kind, n in self.host_ops.items() if kind in _HOST_SYNCS)
+
+    @property
+    def graph_share(self) -> float:
+        return self.kernels_in_graphs / self.num_kernels if self.num_kernels else 0.0
+
+
+def thunk_launches(thunk_text: str, num_arguments: int) -> StepLaunches:
+    """The launches in XLA's thunk sequence dump (`*.thunk_sequence_after_thunk_passes.txt`)."""
+    host_ops: Counter = Counter()
+    control: Counter = Counter()
+    num_kernels = in_graphs = num_graphs = 0
+    graph_depths: list[int] = []  # indents of the command buffers enclosing the current line
+    for line in thunk_text.splitlines():
+        match = _THUNK.match(line)
+        if match is None:
+            continue
+        indent, kind = len(match.group(1)), match.group(2)
+        while graph_depths and indent <= graph_depths[-1]:
+            graph_depths.pop()
+        if indent == 0:
+            host_ops[kind] += 1
+        if kind == "kCommandBuffer":
+            num_graphs += 1
+            graph_depths.append(indent)
+        elif kind in _HOST_SYNCS:
+            control[kind] += 1
+        elif kind in _KERNEL_KINDS or kind == "kCopy":
+            num_kernels += 1
+            in_graphs += bool(graph_depths)
+    return StepLaunches(num_arguments, dict(host_ops.most_common()), num_kernels, in_graphs, num_graphs,
+                        dict(control))
+
+
+def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[Any, StepLaunches | None]:
+    """Runs `compile_fn(compiler_options)` with XLA dumping into a temporary directory, and reads the
+    compiled step's launches from the dump: (compiled, launches), launches None off GPUs (no thunks)."""
+    with tempfile.TemporaryDirectory(prefix="jaxserve-thunks-") as dump_dir:
+        compiled = compile_fn({"xla_dump_to": dump_dir})
+        files = glob.glob(f"{dump_dir}/*thunk_sequence_after_thunk_passes.txt")
+        if not files:
+            return compiled, None
+        with open(max(files)) as f:
+            thunks = f.read()
+    return compiled, thunk_launches(thunks, entry_arguments(compiled.as_text()))
+
+
+def entry_arguments(hlo_text: str) -> int:
+    """The entry computation's parameters in optimized HLO text."""
+    computations, entry = _computations(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return sum(1 for line in computations[entry] if " parameter(" in line)
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -66,64 +118,3 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
         else:
             computations[current].append(line)
     return computations, entry
-
-
-def _kind(line: str, opcode: str) -> str:
-    if opcode == "custom-call":
-        target = _TARGET.search(line)
-        return f"custom-call:{target.group(1) if target else '?'}"
-    if opcode == "fusion":
-        backend = _BACKEND_KIND.search(line)
-        kind = _FUSION_KIND.search(line)
-        return f"fusion:{backend.group(1) if backend else kind.group(1) if kind else '?'}"
-    return opcode
-
-
-def step_launches(hlo_text: str) -> StepLaunches:
-    """The launches of a compiled step, from its optimized HLO text."""
-    computations, entry = _computations(hlo_text)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    by_kind: Counter = Counter()
-    outside: Counter = Counter()
-    control: Counter = Counter()
-    num_buffers = in_buffers = 0
-    seen: set[str] = set()
-
-    def walk(name: str, in_buffer: bool) -> None:
-        nonlocal num_buffers, in_buffers
-        if name in seen or name not in computations:
-            return
-        seen.add(name)
-        for line in computations[name]:
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
-            opcode = match.group(1)
-            if opcode in ("while", "conditional"):
-                control[opcode] += 1
-                called = _CALLED.findall(line)
-                branches = _BRANCHES.search(line)
-                called += [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-                for callee in called:
-                    walk(callee, in_buffer)
-                continue
-            if opcode == "call":
-                for callee in _CALLED.findall(line):
-                    is_buffer = callee.startswith("command_buffer")
-                    num_buffers += is_buffer and not in_buffer
-                    walk(callee, in_buffer or is_buffer)
-                continue
-            if opcode in _NO_LAUNCH:
-                continue
-            kind = _kind(line, opcode)
-            by_kind[kind] += 1
-            if in_buffer:
-                in_buffers += 1
-            else:
-                outside[kind] += 1
-
-    walk(entry, False)
-    num_arguments = sum(1 for line in computations[entry] if " parameter(" in line)
-    return StepLaunches(num_arguments, sum(by_kind.values()), dict(by_kind.most_common()), num_buffers, in_buffers,
-                        dict(outside.most_common()), dict(control))

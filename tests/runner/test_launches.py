@@ -1,69 +1,48 @@
-"""Reading a compiled step's launches from its HLO: a hand-written module with every case, then a real
-step compiled for the CPU (the H100 compile is in tests/test_compile_ladder.py)."""
+"""Reading a compiled step's launches from XLA's thunk sequence (the H100 compiles in
+tests/test_compile_ladder.py read real ones)."""
 
-from jaxserve.runner.launches import step_launches
+from jaxserve.runner.launches import entry_arguments, thunk_launches
+
+THUNKS = """000: kCommandBuffer [source       | next=236 (1)]
+    001: kCustomKernel [source       | next=002 (1)] gemm_fusion_dot_general_1 grid: [32, 1, 1]
+    002: kCopy         [prev=001 (1) | sink        ] kCopy
+236: kConditional   [prev=000 (1) | next=300 (1)]
+  false_branch:
+    000: kCommandBuffer [source | sink]
+        221: kCustomKernel [source       | next=224 (3)] loop_select_fusion_8 grid: [393, 1, 1]
+  true_branch:
+    240: kCustomKernel [source       | sink        ] loop_add_fusion grid: [1, 1, 1]
+    241: kWhile        [source       | sink        ]
+    condition:
+      242: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+300: kCustomKernel  [prev=236 (1) | sink        ] loop_pad_fusion_1 grid: [2, 1, 1]
+"""
 
 HLO = """HloModule jit_step, is_scheduled=true
 
-%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+%fused (p0: f32[4]) -> f32[4] {
   %p0 = f32[4]{0} parameter(0)
-  %p1 = f32[4]{0} parameter(1)
-  ROOT %add = f32[4]{0} add(%p0, %p1)
+  ROOT %neg = f32[4]{0} negate(%p0)
 }
 
-%command_buffer (p: f32[4], q: f32[4]) -> (f32[4], f32[4]) {
-  %p = f32[4]{0} parameter(0)
-  %q = f32[4]{0} parameter(1)
-  %loop_add_fusion = f32[4]{0} fusion(%p, %q), kind=kLoop, calls=%fused_add
-  %gemm = (f32[4]{0}, s8[16]{0}) custom-call(%p, %q), custom_call_target="__cublas$gemm"
-  %gte = f32[4]{0} get-tuple-element(%gemm), index=0
-  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%loop_add_fusion, %gte)
-}
-
-%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %s = (s32[], f32[4]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%s), index=0
-  %x = f32[4]{0} get-tuple-element(%s), index=1
-  %triton = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
-  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_add
-  ROOT %r = (s32[], f32[4]{0}) tuple(%next, %triton)
-}
-
-%cond (s: (s32[], f32[4])) -> pred[] {
-  %s = (s32[], f32[4]{0}) parameter(0)
-  ROOT %lt = pred[] fusion(%s), kind=kLoop, calls=%fused_add
-}
-
-ENTRY %main.9 (a: f32[4], b: f32[4]) -> f32[4] {
+ENTRY %main.9 (a: f32[4], b: f32[4], c: s32[]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   %b = f32[4]{0} parameter(1)
-  %call = (f32[4]{0}, f32[4]{0}) call(%a, %b), to_apply=%command_buffer
-  %x = f32[4]{0} get-tuple-element(%call), index=0
-  %init = (s32[], f32[4]{0}) tuple(%x, %x)
-  %while.1 = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
-  %y = f32[4]{0} get-tuple-element(%while.1), index=1
-  ROOT %copy = f32[4]{0} copy(%y)
+  %c = s32[] parameter(2)
+  ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
 }
 """
 
 
-def test_launches_are_counted_inside_and_outside_command_buffers():
-    launches = step_launches(HLO)
-    assert launches.num_arguments == 2
-    assert launches.num_command_buffers == 1 and launches.in_command_buffers == 2
-    assert launches.by_kind == {"fusion:kLoop": 3, "custom-call:__cublas$gemm": 1,
-                                "custom-call:__gpu$xla.gpu.triton": 1, "copy": 1}
-    assert launches.num_launches == 6
-    assert launches.outside_command_buffers == {"fusion:kLoop": 2, "custom-call:__gpu$xla.gpu.triton": 1, "copy": 1}
-    assert launches.control_flow == {"while": 1}
-    assert abs(launches.command_buffer_share - 2 / 6) < 1e-9
+def test_thunks_are_counted_as_host_ops_kernels_and_graphs():
+    launches = thunk_launches(THUNKS, num_arguments=3)
+    assert launches.host_ops == {"kCommandBuffer": 1, "kConditional": 1, "kCustomKernel": 1}
+    assert launches.num_host_ops == 3 and launches.host_syncs == 1
+    assert launches.num_graphs == 2, "a command buffer inside a branch counts too"
+    assert launches.num_kernels == 6 and launches.kernels_in_graphs == 3
+    assert launches.control_flow == {"kConditional": 1, "kWhile": 1}
+    assert abs(launches.graph_share - 0.5) < 1e-9
 
 
-def test_a_real_compiled_step_parses():
-    import jax
-    import jax.numpy as jnp
-
-    compiled = jax.jit(lambda x, y: jnp.tanh(x @ y).sum(axis=0)).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile()
-    launches = step_launches(compiled.as_text())
-    assert launches.num_arguments == 2 and launches.num_launches >= 1
-    assert launches.num_command_buffers == 0 and launches.in_command_buffers == 0  # none on a CPU
+def test_entry_arguments_are_the_entry_computation_s_parameters():
+    assert entry_arguments(HLO) == 3
