@@ -19,6 +19,7 @@ from jaxserve.config import (
     LOAD_FORMATS,
     SERVER_LOG_LEVELS,
     BucketBenchConfig,
+    BucketConfig,
     CacheConfig,
     CompileConfig,
     EngineConfig,
@@ -131,6 +132,10 @@ ENGINE_FLAGS = (
          help="schedule and dispatch each step before reading the previous step's tokens, so the host's work "
               "overlaps the device's; a stop is seen one step late and the extra token dropped (default: the "
               "preset's; the bundled presets turn it on)"),
+    Flag("--greedy-decodes", BucketConfig, "greedy_decodes", preset=True, action=argparse.BooleanOptionalAction,
+         help="also compile each decode bucket as a greedy-only step (an argmax, none of the sampler's control "
+              "flow), run when every row of a step is greedy and asks for nothing more; twice the decode "
+              "buckets' compile time (default: the preset's; on in the gpu preset)"),
     Flag("--engine-process", EngineConfig, "engine_process", preset=True, action=argparse.BooleanOptionalAction,
          help="run the engine core (scheduler, model runner) in its own process, with tokenizing, detokenizing "
               "and HTTP in this one, as vLLM V1 does (default: off)"),

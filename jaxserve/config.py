@@ -88,6 +88,10 @@ class SchedulerConfig:
 class BucketConfig:
     token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
     request_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Each decode bucket also compiled as a greedy-only step (an argmax, no sampler control flow), run when
+    # every row of a step is greedy and asks for nothing more: on a GPU the full sampler's top-level
+    # `lax.cond`s each read a predicate on the host every step. Twice the decode buckets' compile time.
+    greedy_decodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "request_buckets"):

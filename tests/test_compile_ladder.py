@@ -36,14 +36,14 @@ def test_the_gpu_ladder_is_the_preset():
     assert ladder.all_buckets() == GPU_LADDER
 
 
-def _check_report(report, buckets: list[Bucket]) -> None:
+def _check_report(report, buckets: list[Bucket], launches_read: bool = True) -> None:
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
     assert report.attention == "pallas"  # what `auto` picks on a real H100
     assert report.dtype == "bfloat16"
     assert all(b.temp_bytes > 0 and b.compile_seconds > 0 for b in report.buckets)
     assert all(b.predicted_seconds > 0 and b.bound in ("compute", "memory") for b in report.buckets)
     # What each step launches, from XLA's thunks: most kernels recorded in command buffers, a few host ops.
-    for b in report.buckets:
+    for b in report.buckets if launches_read else ():
         launches = b.launches
         assert launches.num_kernels > 100 and launches.num_graphs >= 1 and 0 < launches.graph_share <= 1
         assert launches.host_ops.get("kCommandBuffer", 0) >= 1 and launches.num_host_ops < launches.num_kernels
@@ -79,8 +79,10 @@ def test_gpt2_compiles_for_h100_at_every_gpu_bucket_through_the_cli(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_compiles_for_h100_at_every_gpu_bucket():
-    report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False)
-    _check_report(report, GPU_LADDER)
+    report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            read_launches=False)  # read in the GPT-2 and Llama-3-8B compiles; 10% of the time
+    _check_report(report, GPU_LADDER, launches_read=False)
+    assert all(b.launches is None for b in report.buckets)
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
+            greedy_decodes=config.buckets.greedy_decodes,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching)

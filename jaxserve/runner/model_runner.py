@@ -47,9 +47,9 @@ from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import PackedBatch, neutral_batch, pack, unpack
 from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens, update_tables
-from jaxserve.runner.prompt_logprobs import PromptLogprobs, prompt_logprobs
+from jaxserve.runner.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.request_rows import RequestRows
-from jaxserve.runner.sampler import SamplerOutput, sample
+from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
 from jaxserve.runner.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,16 @@ logger = logging.getLogger(__name__)
 _COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None):
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
+                 greedy: bool = False):
     """The jitted step. It takes the model's weights as a flat list (the leaves of an `nnx.State` with
     `state_treedef`): JAX flattens a call's arguments on every call, and flattening the 272-leaf State of
     SmolLM2 costs 0.36 ms per step, the list 15 us. With a tensor-parallel `mesh`, logits are gathered
     whole before sampling and the KV pages stay split by KV head from step to step. Besides the sampler's
     output it returns the samples by row, i32[M], which the next step may read as inputs before the host
-    has seen them. The batch comes packed (`batch.pack`): two buffers instead of 25 narrow arrays."""
+    has seen them. The batch comes packed (`batch.pack`): two buffers instead of 25 narrow arrays.
+    `greedy`: the variant for batches whose every row is greedy and asks for nothing more
+    (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them."""
 
     def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
@@ -77,12 +80,16 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
             kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
-        penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates)
-        if mesh is not None:
-            penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
-        sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
-        prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
-                                 num_top_logprobs)
+        if greedy:
+            sampled = sample_greedy(logits, num_top_logprobs)
+            prompt = no_prompt_logprobs(hidden.shape[0], num_top_logprobs)
+        else:
+            penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates)
+            if mesh is not None:
+                penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
+            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
+            prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
+                                     num_top_logprobs)
         tokens_by_row = jnp.zeros_like(batch.previous_tokens).at[: sampled.tokens.shape[0]].set(sampled.tokens)
         if mesh is not None:
             tokens_by_row = jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
@@ -122,9 +129,14 @@ class ModelRunner:
         max_num_seqs: int,
         max_logprobs: int,
         broadcast: Broadcast | None = None,
+        greedy_decodes: bool = False,
     ) -> None:
         self.model = model
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket, filled by warmup
+        # The greedy variant of each decode bucket (`make_step_fn(greedy=True)`), when `greedy_decodes`.
+        self._compiled_greedy: dict[Bucket, Any] = {}
+        self.greedy_decodes = greedy_decodes
+        self.num_greedy_steps = 0  # steps run by the greedy variant, for tests and benchmarks
         self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
         self._stop_compiling = threading.Event()
         self._background: threading.Thread | None = None
@@ -141,6 +153,8 @@ class ModelRunner:
         )
         self.mesh = model.mesh
         self._step = make_step_fn(model.graphdef, jax.tree.structure(model.state), max_logprobs, self.mesh)
+        self._step_greedy = make_step_fn(model.graphdef, jax.tree.structure(model.state), max_logprobs, self.mesh,
+                                         greedy=True)
         self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
         self.num_pages = self._num_kv_pages(cache_config, page_bytes)
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
@@ -224,12 +238,20 @@ class ModelRunner:
             for row, token_ids, num_prompt_tokens in self.rows.take_seen_tokens():
                 self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
         batch = build_step_batch(plan, bucket, self.layout, self.rows, row_ids)
+        greedy = self.greedy_decodes and bucket.decode_only and self._all_plain_greedy(plan, batch, row_ids)
         if self._broadcast is not None:  # multi-host: the followers run the same step
-            self._broadcast(Step(bucket, batch))
-        sampled, prompt = self.run_step(batch, bucket)
+            self._broadcast(Step(bucket, batch, greedy))
+        sampled, prompt = self.run_step(batch, bucket, greedy)
         self.rows.launched(row_ids, np.array(plan.keeps_sample, np.bool_))
         return LaunchedStep(plan, batch, row_ids, self.rows.num_top_logprobs[row_ids],
                             self.rows.num_prompt_logprobs[row_ids], sampled, prompt)
+
+    def _all_plain_greedy(self, plan: SchedulerOutput, batch: StepBatch, row_ids: np.ndarray) -> bool:
+        """Whether every row of the step is greedy and asks for nothing the greedy variant leaves out:
+        logprobs, a grammar, or what the runner fills row by row (penalties, bias, bans, prompt logprobs)."""
+        num_rows, sampling = plan.num_reqs, batch.sampling
+        return not (plan.grammar_rows or sampling.wants_logprobs[:num_rows].any()
+                    or sampling.temperature[:num_rows].any() or self.rows.row_features[row_ids].any())
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Waits for a launched step's samples and turns them into per-request results."""
@@ -286,11 +308,16 @@ class ModelRunner:
         prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
-    def run_step(self, batch: StepBatch, bucket: Bucket) -> tuple[SamplerOutput, PromptLogprobs]:
-        """Dispatches the step; its outputs stay on the device. (A multi-host follower runs the leader's
-        steps here, each process feeding its own previous samples.)"""
+    def run_step(self, batch: StepBatch, bucket: Bucket, greedy: bool = False) -> tuple[SamplerOutput, PromptLogprobs]:
+        """Dispatches the step (its greedy variant if `greedy` and compiled); its outputs stay on the
+        device. (A multi-host follower runs the leader's steps here, each process feeding its own previous
+        samples.)"""
         with self._compiled_lock:
-            step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
+            step = self._compiled_greedy.get(bucket) if greedy else None
+            if step is None:
+                step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
+            else:
+                self.num_greedy_steps += 1
         batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
         packed = pack(batch, bucket, self.layout)  # a numpy buffer of words, one of flags
         packed = dataclasses.replace(packed, held=tuple(self._on_device(x) for x in packed.held))
@@ -335,11 +362,13 @@ class ModelRunner:
         buckets: list[Bucket] = self.ladder.all_buckets()
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
-        self._compile(first, show_progress)
-        for bucket in first:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay it here
-            # and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first request
-            # (its step waited ~4 s behind them on CPU)
-            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket))
+        jobs = [(bucket, False) for bucket in first] + self._greedy_jobs(first)
+        self._compile(jobs, show_progress)
+        for bucket, greedy in jobs:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay
+            # it here and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first
+            # request (its step waited ~4 s behind them on CPU)
+            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket, greedy))
+        self.num_greedy_steps = 0
         ready = time.perf_counter() - start
         if not rest:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
@@ -348,7 +377,8 @@ class ModelRunner:
                     len(first), len(buckets), ready)
 
         def compile_rest() -> None:  # one thread fewer: a core stays with the steps being served
-            self._compile(rest, show_progress=False, threads=max(1, _COMPILE_THREADS - 1))
+            jobs = [(bucket, False) for bucket in rest] + self._greedy_jobs(rest)
+            self._compile(jobs, show_progress=False, threads=max(1, _COMPILE_THREADS - 1))
             if not self._stop_compiling.is_set():
                 logger.info("warm-up: all %d buckets compiled in %.1fs", len(buckets), time.perf_counter() - start)
 
@@ -366,16 +396,21 @@ class ModelRunner:
         self._stop_compiling.set()
         self.wait_for_warmup(timeout)
 
-    def _compile(self, buckets: list[Bucket], show_progress: bool, threads: int = _COMPILE_THREADS) -> None:
+    def _greedy_jobs(self, buckets: list[Bucket]) -> list[tuple[Bucket, bool]]:
+        return [(bucket, True) for bucket in buckets if bucket.decode_only] if self.greedy_decodes else []
 
-        def compile_one(bucket: Bucket) -> None:
+    def _compile(self, jobs: list[tuple[Bucket, bool]], show_progress: bool, threads: int = _COMPILE_THREADS) -> None:
+        """Compiles each (bucket, greedy variant or not) of `jobs`."""
+
+        def compile_one(job: tuple[Bucket, bool]) -> None:
             if self._stop_compiling.is_set():
                 return
+            bucket, greedy = job
             args = (self._weights, self.kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))
-            compiled = self._step.trace(*args).lower().compile()
+            compiled = (self._step_greedy if greedy else self._step).trace(*args).lower().compile()
             with self._compiled_lock:
-                self._compiled[bucket] = compiled
+                (self._compiled_greedy if greedy else self._compiled)[bucket] = compiled
 
         cache_hits: list[str] = []
 
@@ -386,11 +421,11 @@ class ModelRunner:
         jax.monitoring.register_event_listener(count_hits)
         try:
             with ThreadPoolExecutor(max_workers=threads) as pool:
-                futures = [pool.submit(compile_one, bucket) for bucket in buckets]
+                futures = [pool.submit(compile_one, job) for job in jobs]
                 shown = progress(futures, "Compiling buckets", logger, unit="buckets") if show_progress else futures
                 for future in shown:
                     future.result()
         finally:
             jax.monitoring.unregister_event_listener(count_hits)
         logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
-                    len(buckets), threads, len(cache_hits))
+                    len(jobs), threads, len(cache_hits))

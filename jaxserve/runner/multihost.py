@@ -43,6 +43,7 @@ CONNECT_TIMEOUT_S = 300.0  # followers may start before the leader listens (its 
 class Step:
     bucket: Bucket
     batch: StepBatch  # of numpy arrays
+    greedy: bool = False  # run by the bucket's greedy variant
 
 
 @dataclass(frozen=True)

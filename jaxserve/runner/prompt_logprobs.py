@@ -27,6 +27,12 @@ class PromptLogprobs:
     top_logprobs: jax.Array  # f32[T, L]
 
 
+def no_prompt_logprobs(num_tokens: int, num_top: int) -> PromptLogprobs:
+    """What `prompt_logprobs` gives when no position is marked."""
+    return PromptLogprobs(jnp.zeros(num_tokens, jnp.float32), jnp.zeros(num_tokens, jnp.int32),
+                          jnp.zeros((num_tokens, num_top), jnp.int32), jnp.zeros((num_tokens, num_top), jnp.float32))
+
+
 def prompt_logprobs(
     compute_logits: Callable[[jax.Array], jax.Array],  # [C, D] -> f32[C, V]
     hidden: jax.Array,  # [T, D]

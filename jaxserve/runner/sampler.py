@@ -110,6 +110,16 @@ def _reported_logprobs(
     return jax.lax.cond(jnp.any(params.wants_logprobs), compute, skip, raw_logits)
 
 
+def sample_greedy(logits: jax.Array, num_top_logprobs: int) -> SamplerOutput:  # f32[R, V]
+    """`sample` for a batch whose every row is greedy and asks for nothing more (no logprobs, grammar,
+    bias, ban or penalty): the argmax, with no control flow. On a GPU each top-level `lax.cond` reads its
+    predicate on the host, a stall every step; a plain greedy decode needs none of `sample`'s stages."""
+    num_rows = logits.shape[0]
+    return SamplerOutput(first_argmax(logits), jnp.zeros(num_rows, jnp.float32),
+                         jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
+                         jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
+
+
 def sample(
     logits: jax.Array,  # f32[R, V]
     params: SamplingArrays,
