@@ -69,8 +69,8 @@ def test_warmup_waits_for_its_runs(tiny_model_dir):
         time.sleep(0.2)
         return x
 
-    def slow_run_step(batch, bucket):
-        sampled, prompt = run_step(batch, bucket)
+    def slow_run_step(batch, bucket, *variant):
+        sampled, prompt = run_step(batch, bucket, *variant)
         tokens = jax.pure_callback(slow, jax.ShapeDtypeStruct(sampled.tokens.shape, sampled.tokens.dtype),
                                    sampled.tokens)
         outputs.append(tokens)
