@@ -107,6 +107,29 @@ def test_gpt2_compiles_for_a100():
     assert report.kv_budget.device_memory_bytes == 85100068864 and report.num_kv_pages > 0
 
 
+@pytest.mark.slow
+def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
+    """`--greedy-decodes`: the decode step without the sampler's control flow runs as one command buffer
+    (one host operation, no predicate read by the host); the full sampler's step has conditionals on top."""
+    from jaxserve.compile_ladder import load_model_config
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.ops.attention import resolve_attention
+    from jaxserve.runner.aot import compile_bucket, step_shapes
+    from jaxserve.runner.model_runner import make_step_fn
+
+    _, hf_config = load_model_config("gpt2")
+    abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
+    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256)
+    launches = {}
+    for greedy in (False, True):
+        step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, greedy=greedy)
+        launches[greedy] = compile_bucket(step, abstract.state, shapes, Bucket(1, 1, decode_only=True),
+                                          deviceless_device("h100"), read_launches=True).launches
+    assert launches[True].host_ops == {"kCommandBuffer": 1} and launches[True].host_syncs == 0
+    assert launches[True].graph_share == 1.0 and launches[True].control_flow == {}
+    assert launches[False].host_syncs > 0 and launches[False].num_kernels > launches[True].num_kernels
+
+
 def _decode_kernel_args(device):
     sharding = jax.sharding.SingleDeviceSharding(device)
 

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-
 _THUNK = re.compile(r"^( *)\d+: (k\w+)")
 _KERNEL_KINDS = frozenset({"kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul", "kCustomCall", "kCudnn",
                            "kTriangularSolve", "kFft", "kConvolution", "kNcclAllReduceStart", "kNcclAllGatherStart",
@@ -94,27 +92,7 @@ def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[
 
 def entry_arguments(hlo_text: str) -> int:
     """The entry computation's parameters in optimized HLO text."""
-    computations, entry = _computations(hlo_text)
-    if entry is None:
+    start = hlo_text.find("\nENTRY ")
+    if start < 0:
         raise ValueError("no ENTRY computation in the HLO text")
-    return sum(1 for line in computations[entry] if " parameter(" in line)
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """name -> instruction lines, and the entry computation's name."""
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if current is None:
-            match = _COMPUTATION.match(line)
-            if match:
-                current = match.group(2)
-                computations[current] = []
-                if match.group(1):
-                    entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-        else:
-            computations[current].append(line)
-    return computations, entry
+    return hlo_text[start : hlo_text.find("\n}", start)].count(" parameter(")

@@ -53,15 +53,12 @@ def prompt_logprobs(
         top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)  # [C, L]
         return target[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
-    def compute(hidden: jax.Array) -> tuple[jax.Array, ...]:
+    def compute(hidden: jax.Array) -> PromptLogprobs:
         chunks = (
             jnp.pad(hidden, ((0, padding), (0, 0))).reshape(-1, chunk, dim),  # [N, C, D]
             jnp.pad(targets, (0, padding), constant_values=vocab_size).reshape(-1, chunk),  # [N, C]
         )
-        return tuple(x.reshape(-1, *x.shape[2:])[:num_tokens] for x in jax.lax.map(score, chunks))
+        return PromptLogprobs(*(x.reshape(-1, *x.shape[2:])[:num_tokens] for x in jax.lax.map(score, chunks)))
 
-    def skip(hidden: jax.Array) -> tuple[jax.Array, ...]:
-        return (jnp.zeros(num_tokens, jnp.float32), jnp.zeros(num_tokens, jnp.int32),
-                jnp.zeros((num_tokens, num_top), jnp.int32), jnp.zeros((num_tokens, num_top), jnp.float32))
-
-    return PromptLogprobs(*jax.lax.cond(jnp.any(targets < vocab_size), compute, skip, hidden))
+    return jax.lax.cond(jnp.any(targets < vocab_size), compute, lambda _: no_prompt_logprobs(num_tokens, num_top),
+                        hidden)

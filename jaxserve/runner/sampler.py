@@ -87,25 +87,30 @@ def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R
     return jnp.maximum(jnp.maximum(floor_k, floor_p), params.min_p)
 
 
+def _no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What is reported when no row asks: token logprobs f32[R], top logprobs f32[R, L], top ids i32[R, L]."""
+    return (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top), jnp.float32),
+            jnp.zeros((num_rows, num_top), jnp.int32))
+
+
 def _reported_logprobs(
     raw_logits: jax.Array, tokens: jax.Array, params: SamplingArrays, num_top_logprobs: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The sampled tokens' logprobs f32[R] and the top-L alternatives (f32[R, L], i32[R, L]) under the raw
     model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as much as the sampling)."""
-    num_rows = raw_logits.shape[0]
-    no_top = (jnp.zeros((num_rows, num_top_logprobs), jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32))
+    nothing = _no_logprobs(raw_logits.shape[0], num_top_logprobs)
 
     def compute(raw: jax.Array):
         log_total = jax.nn.logsumexp(raw, axis=-1)  # [R]
         token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_total
         wants_top = jnp.any(params.wants_top_logprobs)
         top_logits, top_ids = jax.lax.cond(
-            wants_top, lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)), lambda x: no_top, raw
+            wants_top, lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)), lambda x: nothing[1:], raw
         )
         return token_logprobs, top_logits - log_total[:, None], top_ids.astype(jnp.int32)
 
     def skip(raw: jax.Array):
-        return jnp.zeros(num_rows, jnp.float32), *no_top
+        return nothing
 
     return jax.lax.cond(jnp.any(params.wants_logprobs), compute, skip, raw_logits)
 
@@ -114,10 +119,8 @@ def sample_greedy(logits: jax.Array, num_top_logprobs: int) -> SamplerOutput:  #
     """`sample` for a batch whose every row is greedy and asks for nothing more (no logprobs, grammar,
     bias, ban or penalty): the argmax, with no control flow. On a GPU each top-level `lax.cond` reads its
     predicate on the host, a stall every step; a plain greedy decode needs none of `sample`'s stages."""
-    num_rows = logits.shape[0]
-    return SamplerOutput(first_argmax(logits), jnp.zeros(num_rows, jnp.float32),
-                         jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
-                         jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
+    token_logprobs, top_logprobs, top_ids = _no_logprobs(logits.shape[0], num_top_logprobs)
+    return SamplerOutput(first_argmax(logits), token_logprobs, top_ids, top_logprobs)
 
 
 def sample(
