@@ -132,6 +132,10 @@ ENGINE_FLAGS = (
          help="schedule and dispatch each step before reading the previous step's tokens, so the host's work "
               "overlaps the device's; a stop is seen one step late and the extra token dropped (default: the "
               "preset's; the bundled presets turn it on)"),
+    Flag("--num-scheduler-steps", SchedulerConfig, "num_scheduler_steps", type=int, preset=True,
+         help="decode steps per jitted call while every running request only decodes (vLLM's former flag): "
+              "the sampled tokens are fed back on the device and stops read after, at most k - 1 tokens "
+              "wasted per finished request; compiles each decode bucket once more (default: 1)"),
     Flag("--greedy-decodes", BucketConfig, "greedy_decodes", preset=True, action=argparse.BooleanOptionalAction,
          help="also compile each decode bucket as a greedy-only step (an argmax, none of the sampler's control "
               "flow), run when every row of a step is greedy and asks for nothing more; twice the decode "

@@ -72,16 +72,25 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
+MAX_SCHEDULER_STEPS = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # Schedule and dispatch step N + 1 before reading step N's tokens (vLLM's --async-scheduling).
     async_scheduling: bool = False
+    # Decode steps run per jitted call when every running request only decodes (vLLM's former
+    # --num-scheduler-steps): the k tokens are fed back on the device and the stops read after.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], "
+                             f"got {self.num_scheduler_steps}")
 
 
 @dataclass(frozen=True)

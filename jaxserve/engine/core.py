@@ -13,11 +13,16 @@ then reads step N's tokens while the device runs N + 1, and reports N's updates:
 step overlaps the device's. The updates are the synchronous loop's; a stop is seen one step late, and the
 token the extra step sampled is dropped. A sequence with a grammar needs its last token to build its
 next mask, so while one is present the loop reads each step before launching the next.
+
+Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): once every running sequence only decodes,
+the loop reads what is in flight, launches k decode steps in one call and reads them at once, reporting
+one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a whole step late.
 """
 
 import dataclasses
 import logging
 import os
+from collections import Counter
 
 import jax
 import numpy as np
@@ -80,11 +85,12 @@ class EngineCore:
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
-            greedy_decodes=config.buckets.greedy_decodes,
+            greedy_decodes=config.buckets.greedy_decodes, num_decode_steps=sched.num_scheduler_steps,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.num_scheduler_steps)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._masks = MaskFiller()
@@ -153,19 +159,23 @@ class EngineCore:
 
         Synchronous: launches step N and reads it. Async: launches N + 1, then reads N (the first call reads
         nothing); while a sequence has a grammar, or when nothing is left to run, it reads what is in
-        flight without launching.
+        flight without launching. A multi-step decode is launched once nothing is in flight and read at once.
         A fault caused by one sequence's data fails that sequence (a `SequenceFailure`); any other
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
         previous, self._in_flight = self._in_flight, None
         outputs: list[CoreOutputs] = []
+        if previous is not None and self.scheduler.only_decodes():  # a multi-step decode starts from read tokens
+            outputs, previous = self._read(previous), None
         if previous is None or not self._needs_last_tokens():
-            self._in_flight, outputs = self._launch()
+            self._in_flight, failures = self._launch()
+            outputs += failures
         if previous is not None:
-            outputs.append(self._read(previous))
-        if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()):
-            launched, self._in_flight = self._in_flight, None  # synchronous, or nothing left to overlap
-            outputs.append(self._read(launched))
+            outputs += self._read(previous)
+        if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()
+                                            or self._in_flight.scheduler_output.is_multi_step):
+            launched, self._in_flight = self._in_flight, None  # synchronous, nothing left to overlap, or k steps
+            outputs += self._read(launched)
         return outputs
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
@@ -199,12 +209,22 @@ class EngineCore:
                           for index, row in enumerate(plan.grammar_rows)], bitmask)
         return dataclasses.replace(plan, grammar_bitmask=bitmask)
 
-    def _read(self, launched: LaunchedStep) -> CoreOutputs:
-        """The step's outputs: every sequence that received a token, with details for the few that need them."""
-        step_output = self.runner.collect(launched)
+    def _read(self, launched: LaunchedStep) -> list[CoreOutputs]:
+        """The step's outputs (one per step of a multi-step decode)."""
+        plan = launched.scheduler_output
+        if not plan.is_multi_step:
+            return [self._outputs(self.scheduler.update(plan, self.runner.collect(launched)))]
+        per_step = self.scheduler.update_steps(plan, self.runner.collect_steps(launched))
+        unreported = Counter(request.request_id for advanced in per_step for request in advanced)
+        return [self._outputs(advanced, unreported) for advanced in per_step]
+
+    def _outputs(self, advanced: list[Request], unreported: Counter | None = None) -> CoreOutputs:
+        """Every sequence that received a token, with details for the few that need them. `unreported`:
+        per sequence, its new tokens not reported yet (a multi-step decode's, reported a step at a time);
+        else each sequence's one new token is its last."""
         seq_ids, token_ids, logprobs, details, failures = [], [], [], {}, []
         read_time = 0.0
-        for request in self.scheduler.update(launched.scheduler_output, step_output):
+        for request in advanced:
             if request.grammar_error is not None:  # its grammar, not the engine (e.g. over its limits)
                 logger.error("sequence %s failed and was dropped: its grammar: %s", request.request_id,
                              request.grammar_error)
@@ -212,13 +232,18 @@ class EngineCore:
                     request.request_id, f"the structured output failed during generation: {request.grammar_error}",
                     "structured_outputs"))
                 continue
+            index = len(request.output_token_ids) - 1  # the token's index among the sequence's outputs
+            if unreported is not None:
+                index -= unreported[request.request_id] - 1
+                unreported[request.request_id] -= 1
+            last = index == len(request.output_token_ids) - 1
             # Plain: not its first token, not its last, no top logprobs, no preemption count to carry.
-            plain = len(request.output_token_ids) > 1 and not request.status.is_finished
+            plain = index > 0 and not (last and request.status.is_finished)
             if not plain or request.sampling_params.logprobs or request.num_preemptions:
-                details[len(seq_ids)] = _details(request)
+                details[len(seq_ids)] = _details(request, index)
             seq_ids.append(request.request_id)
-            token_ids.append(request.output_token_ids[-1])
-            logprobs.append(request.output_logprobs[-1])
+            token_ids.append(request.output_token_ids[index])
+            logprobs.append(request.output_logprobs[index])
             read_time = request.last_token_time  # one stamp for the step's tokens
         return CoreOutputs(seq_ids, token_ids, logprobs, read_time, details, failures)
 
@@ -227,15 +252,17 @@ class EngineCore:
         return any(request.grammar is not None for request in self.scheduler.requests.values())
 
 
-def _details(request: Request) -> SequenceDetails:
-    """What a sequence's new token carries besides (its first token's facts, an end, top logprobs)."""
+def _details(request: Request, index: int) -> SequenceDetails:
+    """What a sequence's new token, its output `index`, carries besides (its first token's facts, an end,
+    top logprobs)."""
     first = None
-    if len(request.output_token_ids) == 1:
+    if index == 0:
         first = FirstToken(
             request.first_scheduled_time, request.num_cached_tokens,
             None if request.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs))
     status = request.status
+    ended = status.is_finished and index == len(request.output_token_ids) - 1
     return SequenceDetails(
-        request.output_top_logprobs[-1] if request.sampling_params.logprobs else None,
-        status if status.is_finished else None, request.stop_reason, request.num_preemptions, first,
+        request.output_top_logprobs[index] if request.sampling_params.logprobs else None,
+        status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
     )

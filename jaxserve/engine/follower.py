@@ -28,7 +28,7 @@ def follow(runner: ModelRunner, connection: Connection) -> None:
             logger.info("the leader stopped; this follower stops too")
             return
         if isinstance(work, Step):
-            runner.run_step(work.batch, work.bucket, work.greedy)
+            runner.run_step(work.batch, work.bucket, work.greedy, work.decode_steps)
         elif isinstance(work, LoadSeenTokens):
             runner.replay_seen_tokens(work.slot, work.token_ids, work.num_prompt_tokens)
         else:

@@ -22,6 +22,12 @@ previous step's output on the device). A request whose in-flight token is its la
 scheduled again; any other stop (EOS, a stop id or string) is seen one step late, and the extra token
 that step sampled is dropped, as vLLM's async scheduling does. Pages filled by steps in flight count as
 being filled until their step is read, so a request arriving meanwhile still waits for them.
+
+Multi-step decoding (`num_scheduler_steps` k > 1): when nothing waits, no sample is in flight and every
+running request is a plain decode (no grammar, no logprobs, nothing the runner fills row by row), a step
+plans k decode steps per request in one call (`decode_steps`; fewer for a request k tokens from its
+limit), with pages for all of them. The runner feeds each sample to the next step on the device; stops are
+applied when the k tokens are read (`update_steps`), so a finished request wastes at most k - 1 tokens.
 """
 
 import bisect
@@ -52,6 +58,7 @@ class _Plan:
     rows_completing_pages: list[int] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)
     filling: set[bytes] = field(default_factory=set)  # keys of the full pages this step fills
+    decode_steps: list[int] = field(default_factory=list)  # a multi-step decode's steps per row
 
 
 # vLLM's buckets for vllm:iteration_tokens_total.
@@ -80,8 +87,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -110,7 +119,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def only_decodes(self) -> bool:
+        """Whether multi-step decoding applies once no sample is in flight: k > 1, nothing waits, and every
+        running request is a plain decode (its one next token to compute, no grammar, nothing per row)."""
+        return self.num_scheduler_steps > 1 and not self.waiting and bool(self.running) and all(
+            request.has_plain_decodes and request.grammar is None
+            and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
+            for request in self.running)
+
     def schedule(self) -> SchedulerOutput:
+        if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
+            plan = self._plan_decode_steps()
+            if plan is not None:
+                return self._output(plan, [])
         token_budget = self.max_num_batched_tokens
         plan = _Plan()
         preempted: list[str] = []
@@ -187,23 +208,47 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 self.running.append(request)
                 token_budget -= self._plan_row(request, end, plan, resumed=True)
+        return self._output(plan, preempted)
+
+    def _output(self, plan: _Plan, preempted: list[str]) -> SchedulerOutput:
         finished, self._finished_ids = tuple(self._finished_ids), []
         output = SchedulerOutput(
             plan.request_ids, plan.num_new_tokens, plan.token_ids, plan.start_positions, plan.output_indices,
             plan.keeps_sample, tuple(plan.new_requests), plan.new_pages, plan.banned_token_ids,
             plan.prompt_logprob_targets, tuple(plan.rows_completing_pages), tuple(plan.grammar_rows),
             preempted_ids=tuple(preempted), finished_ids=finished, filling_keys=frozenset(plan.filling),
+            decode_steps=tuple(plan.decode_steps),
         )
         self._inflight_filling.append(output.filling_keys)
         if not output.is_empty:
-            self.iteration_tokens.observe(output.num_tokens)
+            self.iteration_tokens.observe(output.num_tokens * output.num_steps)
         return output
 
-    def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False) -> int:
+    def _plan_decode_steps(self) -> _Plan | None:
+        """Every running request decodes up to k steps (`only_decodes`, nothing in flight); None when their
+        pages do not all fit without preempting (the one-step plan then decides who yields)."""
+        if len(self.running) > self.max_num_batched_tokens:
+            return None
+        k, kv_cache = self.num_scheduler_steps, self.kv_cache
+        steps = [min(k, request.max_num_tokens - request.num_tokens) for request in self.running]
+        new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + n) - len(request.page_ids))
+                        for request, n in zip(self.running, steps, strict=True))
+        if max(steps) == 1 or new_pages > kv_cache.num_free_pages:  # one step is the plain decode's plan
+            return None
+        plan = _Plan()
+        for request, num_steps in zip(self.running, steps, strict=True):
+            start = request.num_computed_tokens
+            kv_cache.allocate(request.page_ids, start + num_steps)  # fits: counted above
+            self._plan_row(request, start + 1, plan, num_steps=num_steps)
+            plan.decode_steps.append(num_steps)
+        return plan
+
+    def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False, num_steps: int = 1) -> int:
         """Adds the request's tokens up to `end` to the plan as its next row and advances its counters (the
         one place a step moves them forward, but for the plain decodes `schedule` writes inline, the same
         way); returns the number of tokens. `resumed`: it just left the waiting queue (new, preempted, or
-        after a prefix-cache hit) and takes a runner row."""
+        after a prefix-cache hit) and takes a runner row. `num_steps`: a decode's steps in a multi-step
+        plan, each computing one more position and sampling one more token."""
         start, num_tokens, num_inflight = request.num_computed_tokens, request.num_tokens, request.num_inflight_tokens
         num_new, row = end - start, len(plan.request_ids)
         keeps_sample = end == num_tokens + num_inflight
@@ -222,8 +267,9 @@ class Scheduler:
         if resumed or num_pages > request.num_pages_scheduled:
             first_new_page = 0 if resumed else request.num_pages_scheduled
             plan.new_pages[row] = (first_new_page, tuple(page_ids[first_new_page:]))
-        if self._caching and end // self._page_size > start // self._page_size:  # the step completes a page
-            self._plan_page_keys(request, start, end, row, plan)
+        computed_end = end + num_steps - 1
+        if self._caching and computed_end // self._page_size > start // self._page_size:  # it completes a page
+            self._plan_page_keys(request, start, computed_end, row, plan)
         if keeps_sample and request.grammar is not None:  # the core fills its mask before the step runs
             plan.grammar_rows.append(row)
         if not request.has_plain_decodes:  # what few requests carry
@@ -233,8 +279,8 @@ class Scheduler:
             cached = tuple(request.token_ids(0, start)) if start > 0 and params.has_penalties else None
             plan.new_requests.append(NewRequest.of(request.request_id, params, request.sampling_seed,
                                                    request.num_prompt_tokens, cached))
-        request.num_computed_tokens = end
-        request.num_inflight_tokens = num_inflight + keeps_sample
+        request.num_computed_tokens = computed_end
+        request.num_inflight_tokens = num_inflight + keeps_sample * num_steps
         request.num_pages_scheduled = num_pages
         return num_new
 
@@ -287,7 +333,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = start
-            request.num_inflight_tokens -= keeps_sample
+            request.num_inflight_tokens -= keeps_sample * scheduler_output.steps_of(row)
             if row in new_pages:
                 request.num_pages_scheduled = new_pages[row][0]
 
@@ -313,14 +359,7 @@ class Scheduler:
                 raise ValueError(f"{len(getattr(step_output, name))} {name} for {num_rows} requests")
         self._discard_filling(scheduler_output)
         requests, plan = self.requests, scheduler_output
-        if self.kv_cache.enable_prefix_caching:
-            page_size = self.kv_cache.page_size
-            for row in plan.rows_completing_pages:
-                request = requests.get(plan.request_ids[row])
-                if request is not None and request.status is RequestStatus.RUNNING:  # its pages hold the K/V
-                    num_full = (plan.start_positions[row] + plan.num_new_tokens[row]) // page_size
-                    if num_full > request.num_keyed_pages:
-                        self._cache_pages(request, num_full)
+        self._cache_completed_pages(plan)
         for row, (first_token, entries) in step_output.prompt_logprobs.items():
             request = requests.get(scheduler_output.request_ids[row])
             if request is not None and not request.status.is_finished:
@@ -341,6 +380,45 @@ class Scheduler:
             if plan.keeps_sample[row] and request is not None and not request.status.is_finished:
                 take_sample(request, token_id, logprob, top_logprobs.get(row), now, advanced)
         return advanced
+
+    def update_steps(self, scheduler_output: SchedulerOutput, step_outputs: list[StepOutput]) -> list[list[Request]]:
+        """Records a multi-step decode's results, one `StepOutput` per step: each request takes its samples in
+        order until its steps end or a sample finishes it (the rest are dropped); returns, per step, the
+        requests that received a token in it."""
+        plan = scheduler_output
+        if len(step_outputs) != plan.num_steps:
+            raise ValueError(f"{len(step_outputs)} step outputs for a plan of {plan.num_steps} steps")
+        self._discard_filling(plan)
+        requests, take_sample = self.requests, self._take_sample
+        now = time.monotonic()  # the steps' tokens are read together
+        rows = [(requests.get(request_id), num_steps)
+                for request_id, num_steps in zip(plan.request_ids, plan.decode_steps, strict=True)]
+        per_step: list[list[Request]] = []
+        for step, output in enumerate(step_outputs):
+            if len(output.sampled_token_ids) != plan.num_reqs:
+                raise ValueError(f"{len(output.sampled_token_ids)} sampled tokens for {plan.num_reqs} requests")
+            advanced: list[Request] = []
+            for (request, num_steps), token_id, logprob in zip(rows, output.sampled_token_ids, output.logprobs,
+                                                               strict=True):
+                if step < num_steps and request is not None and not request.status.is_finished:
+                    take_sample(request, token_id, logprob, None, now, advanced)
+            per_step.append(advanced)
+        self._cache_completed_pages(plan)  # after the samples: the pages' keys hold them
+        return per_step
+
+    def _cache_completed_pages(self, plan: SchedulerOutput) -> None:
+        """Offers the pages a step completed to the prefix cache, for requests still running (a finished
+        request's pages are freed; its later steps' K/V may follow a stop)."""
+        if not self._caching:
+            return
+        requests, page_size = self.requests, self._page_size
+        for row in plan.rows_completing_pages:
+            request = requests.get(plan.request_ids[row])
+            if request is not None and request.status is RequestStatus.RUNNING:  # its pages hold the K/V
+                computed_end = plan.start_positions[row] + plan.num_new_tokens[row] + plan.steps_of(row) - 1
+                num_full = computed_end // page_size
+                if num_full > request.num_keyed_pages:
+                    self._cache_pages(request, num_full)
 
     def _take_sample(self, request: Request, token_id: int, logprob: float, top: dict[int, float] | None,
                      now: float, advanced: list[Request]) -> None:

@@ -8,7 +8,8 @@ requests as columns): the rows' dense columns (request ids, tokens, start positi
 for each request that takes a runner row this step (it starts, or resumes after a preemption), and sparse
 maps, keyed by row, for what few rows carry (pages the runner has not been sent, tokens `min_tokens`
 bans, prompt tokens to score, a grammar's bitmask). A plain decode costs a few list appends.
-The runner answers with `StepOutput`: one sampled token per row, in the same order.
+The runner answers with `StepOutput`: one sampled token per row, in the same order. A multi-step decode
+plan (`decode_steps`) runs several decode steps in one call; the runner answers it with a `StepOutput` per step.
 """
 
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()  # finished or aborted since the last schedule: drop their state
     filling_keys: frozenset[bytes] = frozenset()  # prefix-cache keys of the full pages this step fills
+    # A multi-step decode (every row decodes): per row, the decode steps it runs in one call, each
+    # feeding its sample to the next (fewer where a request reaches its last token); empty for one step.
+    decode_steps: tuple[int, ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -89,13 +93,27 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.request_ids
 
+    @property
+    def is_multi_step(self) -> bool:
+        return bool(self.decode_steps)
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps the plan runs in one call (1 unless a multi-step decode)."""
+        return max(self.decode_steps, default=1)
+
+    def steps_of(self, row: int) -> int:
+        """The steps row `row` runs (and samples it keeps, if it keeps its sample)."""
+        return self.decode_steps[row] if self.decode_steps else 1
+
 
 EMPTY_PLAN = SchedulerOutput([], [], [], [], [], [])  # read-only by convention
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What the runner returns: one sampled token (and its logprob) per row of the plan, in order."""
+    """What the runner returns for one step: one sampled token (and its logprob) per row of the plan, in
+    order (a multi-step decode returns one per step, rows past their steps holding padding)."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]

@@ -27,8 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 
 from jaxserve.allocator import allocator_note
 from jaxserve.config import CacheConfig
@@ -37,6 +35,7 @@ from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
+from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
@@ -45,12 +44,13 @@ from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
-from jaxserve.runner.packing import PackedBatch, neutral_batch, pack, unpack
-from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens, update_tables
-from jaxserve.runner.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, prompt_logprobs
+from jaxserve.runner.packing import neutral_batch, pack
+from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens
+from jaxserve.runner.prompt_logprobs import PromptLogprobs
 from jaxserve.runner.request_rows import RequestRows
-from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
+from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
+from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
 
 logger = logging.getLogger(__name__)
 
@@ -58,44 +58,17 @@ logger = logging.getLogger(__name__)
 _COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
-                 greedy: bool = False):
-    """The jitted step. It takes the model's weights as a flat list (the leaves of an `nnx.State` with
-    `state_treedef`): JAX flattens a call's arguments on every call, and flattening the 272-leaf State of
-    SmolLM2 costs 0.36 ms per step, the list 15 us. With a tensor-parallel `mesh`, logits are gathered
-    whole before sampling and the KV pages stay split by KV head from step to step. Besides the sampler's
-    output it returns the samples by row, i32[M], which the next step may read as inputs before the host
-    has seen them. The batch comes packed (`batch.pack`): two buffers instead of 25 narrow arrays.
-    `greedy`: the variant for batches whose every row is greedy and asks for nothing more
-    (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them."""
+@dataclass(frozen=True, order=True)
+class StepVariant:
+    """Which compiled function runs a step: the full sampler or the greedy one, one step or a multi-step
+    decode. Each decode bucket has up to four (the flags turn the others on); mixed buckets only the
+    plain one."""
 
-    def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
-        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
-        batch = unpack(packed)
-        max_rows = batch.previous_tokens.shape[0]
-        input_ids = jnp.where(batch.input_from_row < max_rows,  # i32[T]
-                              batch.previous_tokens.at[batch.input_from_row].get(mode="clip"), batch.input_ids)
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
-        logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
-        if mesh is not None:
-            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-            kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
-        if greedy:
-            sampled = sample_greedy(logits, num_top_logprobs)
-            prompt = no_prompt_logprobs(hidden.shape[0], num_top_logprobs)
-        else:
-            penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates)
-            if mesh is not None:
-                penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
-            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
-            prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
-                                     num_top_logprobs)
-        tokens_by_row = jnp.zeros_like(batch.previous_tokens).at[: sampled.tokens.shape[0]].set(sampled.tokens)
-        if mesh is not None:
-            tokens_by_row = jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
-        return kv_caches, penalty_tables, sampled, prompt, tokens_by_row
+    greedy: bool = False
+    multi_step: bool = False
 
-    return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
+
+PLAIN = StepVariant()
 
 
 def to_host(tree: Any) -> Any:
@@ -115,8 +88,8 @@ class LaunchedStep:
     row_ids: np.ndarray  # intp[n]: each step row's request row (`RequestRows`)
     num_top_logprobs: np.ndarray  # i32[n]: alternatives each row reports (read at launch: rows are reused)
     num_prompt_logprobs: np.ndarray  # i32[n]: the same per prompt token
-    sampled: SamplerOutput  # on the device
-    prompt: PromptLogprobs  # on the device
+    sampled: SamplerOutput  # on the device; a multi-step decode's tokens and logprobs are [k, R]
+    prompt: PromptLogprobs | None  # on the device; None for a multi-step decode
 
 
 class ModelRunner:
@@ -130,13 +103,16 @@ class ModelRunner:
         max_logprobs: int,
         broadcast: Broadcast | None = None,
         greedy_decodes: bool = False,
+        num_decode_steps: int = 1,
     ) -> None:
         self.model = model
-        self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket, filled by warmup
-        # The greedy variant of each decode bucket (`make_step_fn(greedy=True)`), when `greedy_decodes`.
-        self._compiled_greedy: dict[Bucket, Any] = {}
+        self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket (PLAIN), filled by warmup
+        # The decode buckets' other variants: greedy when `greedy_decodes`, multi-step when num_decode_steps > 1.
+        self._compiled_variants: dict[tuple[Bucket, StepVariant], Any] = {}
         self.greedy_decodes = greedy_decodes
-        self.num_greedy_steps = 0  # steps run by the greedy variant, for tests and benchmarks
+        self.num_decode_steps = num_decode_steps
+        self.num_greedy_steps = 0  # steps run by a greedy variant, for tests and benchmarks
+        self.num_multi_steps = 0  # calls of a multi-step variant, the same
         self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
         self._stop_compiling = threading.Event()
         self._background: threading.Thread | None = None
@@ -152,11 +128,17 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize
         )
         self.mesh = model.mesh
-        self._step = make_step_fn(model.graphdef, jax.tree.structure(model.state), max_logprobs, self.mesh)
-        self._step_greedy = make_step_fn(model.graphdef, jax.tree.structure(model.state), max_logprobs, self.mesh,
-                                         greedy=True)
+        treedef = jax.tree.structure(model.state)
+        self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh),
+                          StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
+                                                                 greedy=True)}
+        self._step = self._step_fns[PLAIN]
         self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
         self.num_pages = self._num_kv_pages(cache_config, page_bytes)
+        for greedy in (False, True):  # they need the page count: its padding slot
+            self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
+                model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
+                padding_slot(self.num_pages, self.page_size), self.mesh, greedy)
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         pages_at = None if self.mesh is None else split_along(self.mesh, len(shape), 0)  # split by KV head
         self.kv_caches: KVCache = [
@@ -239,9 +221,16 @@ class ModelRunner:
                 self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
         batch = build_step_batch(plan, bucket, self.layout, self.rows, row_ids)
         greedy = self.greedy_decodes and bucket.decode_only and self._all_plain_greedy(plan, batch, row_ids)
+        decode_steps = None
+        if plan.is_multi_step:
+            if not bucket.decode_only or plan.num_steps > self.num_decode_steps:
+                raise ValueError(f"a {plan.num_steps}-step plan in {bucket}: the runner runs decodes of at most "
+                                 f"{self.num_decode_steps} steps")
+            decode_steps = np.zeros(bucket.num_reqs, np.int32)
+            decode_steps[:num_reqs] = plan.decode_steps
         if self._broadcast is not None:  # multi-host: the followers run the same step
-            self._broadcast(Step(bucket, batch, greedy))
-        sampled, prompt = self.run_step(batch, bucket, greedy)
+            self._broadcast(Step(bucket, batch, greedy, decode_steps))
+        sampled, prompt = self.run_step(batch, bucket, greedy, decode_steps)
         self.rows.launched(row_ids, np.array(plan.keeps_sample, np.bool_))
         return LaunchedStep(plan, batch, row_ids, self.rows.num_top_logprobs[row_ids],
                             self.rows.num_prompt_logprobs[row_ids], sampled, prompt)
@@ -252,6 +241,14 @@ class ModelRunner:
         num_rows, sampling = plan.num_reqs, batch.sampling
         return not (plan.grammar_rows or sampling.wants_logprobs[:num_rows].any()
                     or sampling.temperature[:num_rows].any() or self.rows.row_features[row_ids].any())
+
+    def collect_steps(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Waits for a launched multi-step decode's samples: one `StepOutput` per step of its plan."""
+        plan = launched.scheduler_output
+        tokens, logprobs = to_host((launched.sampled.tokens, launched.sampled.logprobs))  # [k, R]
+        num_reqs = plan.num_reqs
+        return [StepOutput(plan.request_ids, tokens[step, :num_reqs].tolist(), logprobs[step, :num_reqs].tolist())
+                for step in range(plan.num_steps)]
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Waits for a launched step's samples and turns them into per-request results."""
@@ -308,22 +305,35 @@ class ModelRunner:
         prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
-    def run_step(self, batch: StepBatch, bucket: Bucket, greedy: bool = False) -> tuple[SamplerOutput, PromptLogprobs]:
-        """Dispatches the step (its greedy variant if `greedy` and compiled); its outputs stay on the
-        device. (A multi-host follower runs the leader's steps here, each process feeding its own previous
-        samples.)"""
+    def run_step(self, batch: StepBatch, bucket: Bucket, greedy: bool = False,
+                 decode_steps: np.ndarray | None = None) -> tuple[SamplerOutput, PromptLogprobs | None]:
+        """Dispatches the step (its greedy variant if `greedy` and compiled; a multi-step decode if
+        `decode_steps`, i32[R], the steps per row); its outputs stay on the device. (A multi-host follower
+        runs the leader's steps here, each process feeding its own previous samples.)"""
+        multi_step = decode_steps is not None
         with self._compiled_lock:
-            step = self._compiled_greedy.get(bucket) if greedy else None
-            if step is None:
-                step = self._compiled.get(bucket, self._step)  # the jitted step compiles what warm-up did not
-            else:
-                self.num_greedy_steps += 1
+            variant = StepVariant(greedy, multi_step)
+            step = self._compiled_step(bucket, variant)
+            if step is None and greedy:  # not compiled (yet): the full sampler gives the same tokens
+                variant = StepVariant(multi_step=multi_step)
+                step = self._compiled_step(bucket, variant)
+            if step is None:  # the jitted function compiles what warm-up did not
+                step = self._step_fns[variant]
+            self.num_greedy_steps += variant.greedy
+            self.num_multi_steps += multi_step
         batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
         packed = pack(batch, bucket, self.layout)  # a numpy buffer of words, one of flags
         packed = dataclasses.replace(packed, held=tuple(self._on_device(x) for x in packed.held))
+        if multi_step:
+            self.kv_caches, self.penalty_tables, sampled, self._previous_tokens = step(
+                self._weights, self.kv_caches, self.penalty_tables, packed, decode_steps)
+            return sampled, None
         self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
             self._weights, self.kv_caches, self.penalty_tables, packed)
         return sampled, prompt
+
+    def _compiled_step(self, bucket: Bucket, variant: StepVariant) -> Any | None:
+        return self._compiled.get(bucket) if variant == PLAIN else self._compiled_variants.get((bucket, variant))
 
     def _on_device(self, array: np.ndarray) -> np.ndarray | jax.Array:
         """A shared read-only input (a wide one no row of the step uses, `batch.neutral_batch`) as its device
@@ -362,13 +372,14 @@ class ModelRunner:
         buckets: list[Bucket] = self.ladder.all_buckets()
         first = [max(b for b in buckets if not b.decode_only)] if background else buckets
         rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
-        jobs = [(bucket, False) for bucket in first] + self._greedy_jobs(first)
+        jobs = self._jobs(first)
         self._compile(jobs, show_progress)
-        for bucket, greedy in jobs:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU): pay
-            # it here and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first
+        for bucket, variant in jobs:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU):
+            # pay it here and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first
             # request (its step waited ~4 s behind them on CPU)
-            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket, greedy))
-        self.num_greedy_steps = 0
+            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket, variant.greedy,
+                                                self._no_decode_steps(bucket) if variant.multi_step else None))
+        self.num_greedy_steps = self.num_multi_steps = 0
         ready = time.perf_counter() - start
         if not rest:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
@@ -377,7 +388,7 @@ class ModelRunner:
                     len(first), len(buckets), ready)
 
         def compile_rest() -> None:  # one thread fewer: a core stays with the steps being served
-            jobs = [(bucket, False) for bucket in rest] + self._greedy_jobs(rest)
+            jobs = self._jobs(rest)
             self._compile(jobs, show_progress=False, threads=max(1, _COMPILE_THREADS - 1))
             if not self._stop_compiling.is_set():
                 logger.info("warm-up: all %d buckets compiled in %.1fs", len(buckets), time.perf_counter() - start)
@@ -396,21 +407,36 @@ class ModelRunner:
         self._stop_compiling.set()
         self.wait_for_warmup(timeout)
 
-    def _greedy_jobs(self, buckets: list[Bucket]) -> list[tuple[Bucket, bool]]:
-        return [(bucket, True) for bucket in buckets if bucket.decode_only] if self.greedy_decodes else []
+    def _jobs(self, buckets: list[Bucket]) -> list[tuple[Bucket, StepVariant]]:
+        """What warm-up compiles for `buckets`: each plain, and the decode buckets' variants turned on."""
+        variants = [StepVariant(greedy, multi_step) for multi_step in (False, True) for greedy in (False, True)
+                    if (greedy or multi_step) and (self.greedy_decodes or not greedy)
+                    and (self.num_decode_steps > 1 or not multi_step)]
+        return ([(bucket, PLAIN) for bucket in buckets]
+                + [(bucket, variant) for variant in variants for bucket in buckets if bucket.decode_only])
 
-    def _compile(self, jobs: list[tuple[Bucket, bool]], show_progress: bool, threads: int = _COMPILE_THREADS) -> None:
-        """Compiles each (bucket, greedy variant or not) of `jobs`."""
+    @staticmethod
+    def _no_decode_steps(bucket: Bucket) -> np.ndarray:
+        return np.zeros(bucket.num_reqs, np.int32)  # i32[R]: a multi-step decode's rows, all padding
 
-        def compile_one(job: tuple[Bucket, bool]) -> None:
+    def _compile(self, jobs: list[tuple[Bucket, StepVariant]], show_progress: bool,
+                 threads: int = _COMPILE_THREADS) -> None:
+        """Compiles each (bucket, variant) of `jobs`."""
+
+        def compile_one(job: tuple[Bucket, StepVariant]) -> None:
             if self._stop_compiling.is_set():
                 return
-            bucket, greedy = job
+            bucket, variant = job
             args = (self._weights, self.kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))
-            compiled = (self._step_greedy if greedy else self._step).trace(*args).lower().compile()
+            if variant.multi_step:
+                args += (self._no_decode_steps(bucket),)
+            compiled = self._step_fns[variant].trace(*args).lower().compile()
             with self._compiled_lock:
-                (self._compiled_greedy if greedy else self._compiled)[bucket] = compiled
+                if variant == PLAIN:
+                    self._compiled[bucket] = compiled
+                else:
+                    self._compiled_variants[bucket, variant] = compiled
 
         cache_hits: list[str] = []
 

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 
+import numpy as np
+
 from jaxserve.config import ParallelConfig
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.step_batch import StepBatch
@@ -44,6 +46,7 @@ class Step:
     bucket: Bucket
     batch: StepBatch  # of numpy arrays
     greedy: bool = False  # run by the bucket's greedy variant
+    decode_steps: np.ndarray | None = None  # i32[R]: a multi-step decode's steps per row
 
 
 @dataclass(frozen=True)

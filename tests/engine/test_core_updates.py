@@ -37,11 +37,11 @@ def test_every_token_goes_in_the_columns_and_anything_more_in_details():
     for name, extra in params.items():
         scheduler.add_request(Request(name, [1, 2, 3], SamplingParams(ignore_eos=True, **extra), eos_token_ids=(2,),
                                       max_model_len=64, sampling_seed=0))
-    first = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
+    (first,) = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
     assert first.seq_ids == list(params) and set(first.details) == {0, 1, 2, 3}
     assert all(detail.first is not None for detail in first.details.values()), "first tokens carry their facts"
     scheduler.requests["preempted"].num_preemptions = 1  # as if it had been preempted and resumed
-    second = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
+    (second,) = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
     assert second.seq_ids == list(params) and second.token_ids == [9] * 4 and second.logprobs == [-0.5] * 4
     assert not second.failures
     records = {second.seq_ids[index]: detail for index, detail in second.details.items()}
