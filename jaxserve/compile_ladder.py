@@ -36,8 +36,8 @@ from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, 
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
 from jaxserve.runner.launches import StepLaunches
-from jaxserve.runner.step_fn import make_step_fn
 from jaxserve.runner.penalties import PenaltyTables
+from jaxserve.runner.step_fn import make_step_fn
 
 logger = logging.getLogger(__name__)
 
