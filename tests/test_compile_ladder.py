@@ -134,6 +134,29 @@ def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     assert launches[False].host_syncs > 0 and launches[False].num_kernels > launches[True].num_kernels
 
 
+@pytest.mark.slow
+def test_a_multi_step_decode_reads_nothing_back_on_h100():
+    """`--num-scheduler-steps 8`: the k decode steps are one loop of known trip count, whose body is one
+    command buffer that the host issues k times without reading a predicate back (no host sync)."""
+    from jaxserve.compile_ladder import load_model_config
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.ops.attention import resolve_attention
+    from jaxserve.ops.kv_write import padding_slot
+    from jaxserve.runner.aot import compile_bucket, step_shapes
+    from jaxserve.runner.step_fn import make_decode_steps_fn
+
+    _, hf_config = load_model_config("gpt2")
+    abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
+    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256)
+    steps = make_decode_steps_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, 8, 16,
+                                 padding_slot(4096, 16), greedy=True)
+    launches = compile_bucket(steps, abstract.state, shapes, Bucket(4, 4, decode_only=True),
+                              deviceless_device("h100"), read_launches=True, multi_step=True).launches
+    assert launches.control_flow == {"kWhile": 1} and launches.counted_loops == 1 and launches.host_syncs == 0
+    assert launches.host_ops["kCommandBuffer"] == 1 and launches.host_ops["kWhile"] == 1
+    assert launches.num_host_ops <= 6 and launches.graph_share > 0.95
+
+
 def _decode_kernel_args(device):
     sharding = jax.sharding.SingleDeviceSharding(device)
 

@@ -14,7 +14,9 @@ engine's own phases recorded in place, by wrapping the methods of this engine's 
   ready to the next step's dispatch returning (0 when the next step was launched before, as with async
   scheduling).
 
-Each figure is a median over the K steps; "host" is the step's wall time minus the device wait. Then, where
+Each figure is a median over the K steps; "host" is the step's wall time minus the device wait. With
+multi-step decoding (`--num-scheduler-steps k`) an engine step runs k decode steps, and its figures are
+divided by the decode steps it ran: they stay per decode step (per token of each sequence). Then, where
 the backend records one, a `jax.profiler` trace of a few more steps gives the kernels (device ops) per step
 and the longest ones. The step's roofline (`jaxserve.roofline`, with the device's figures from
 `jaxserve.device`) says what the hardware allows and which fraction of it the step reached.
@@ -64,6 +66,7 @@ class _Clock:
         self.last_dispatch_end = 0.0
         self.launched: list[tuple[Any, float]] = []  # (launched step, its dispatch's end), in launch order
         self.ready: dict[int, float] = {}  # id of a launched step -> when its tokens were ready
+        self.decode_steps = 0  # decode steps launched (a multi-step decode's k count k)
 
     def timed(self, name: str, fn: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -79,7 +82,7 @@ def _instrument(engine: LLMEngine, clock: _Clock) -> None:
     runner, scheduler = engine.runner, engine.scheduler
     scheduler.schedule = clock.timed("schedule", scheduler.schedule)
     engine.outputs.process = clock.timed("frontend", engine.outputs.process)
-    run_step, launch, collect = runner.run_step, runner.launch, runner.collect
+    run_step, launch = runner.run_step, runner.launch
 
     def timed_run_step(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -97,25 +100,30 @@ def _instrument(engine: LLMEngine, clock: _Clock) -> None:
             clock.phases["build"] += time.perf_counter() - start - (clock.phases["dispatch"] - dispatched)
         if launched is not None:
             clock.launched.append((launched, clock.last_dispatch_end))
+            clock.decode_steps += launched.scheduler_output.num_steps
         return launched
 
-    def timed_collect(launched: Any) -> Any:
-        start = time.perf_counter()
-        jax.block_until_ready(launched.sampled.tokens)
-        ready = time.perf_counter()
-        clock.ready[id(launched)] = ready
-        clock.phases["device"] += ready - start
-        output = collect(launched)
-        clock.phases["read"] += time.perf_counter() - ready
-        return output
+    def timed_collect(collect: Callable) -> Callable:
+        def wrapper(launched: Any) -> Any:
+            start = time.perf_counter()
+            jax.block_until_ready(launched.sampled.tokens)
+            ready = time.perf_counter()
+            clock.ready[id(launched)] = ready
+            clock.phases["device"] += ready - start
+            output = collect(launched)
+            clock.phases["read"] += time.perf_counter() - ready
+            return output
+        return wrapper
 
-    runner.run_step, runner.launch, runner.collect = timed_run_step, timed_launch, timed_collect
+    runner.run_step, runner.launch = timed_run_step, timed_launch
+    runner.collect, runner.collect_steps = timed_collect(runner.collect), timed_collect(runner.collect_steps)
 
 
 def _steady(engine: LLMEngine, concurrency: int, input_len: int, num_steps: int, seed: int) -> None:
     """Adds `concurrency` requests long enough for the profile and steps until every one decodes."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=4 * num_steps + 64, ignore_eos=True)
+    max_tokens = (engine.runner.num_decode_steps + 3) * num_steps + 64  # k tokens per engine step at most
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         prompt = rng.integers(100, min(engine.vocab_size, len(engine.tokenizer)) - 100, size=input_len).tolist()
         engine.add_request(f"profile-{concurrency}-{i}", prompt, params)
@@ -145,6 +153,7 @@ class StepProfiler:
         rows = []
         for _ in range(num_steps):
             clock.phases.clear()
+            clock.decode_steps = 0
             start = time.perf_counter()
             engine.step()
             total = time.perf_counter() - start
@@ -152,17 +161,18 @@ class StepProfiler:
             row["rest"] = total - sum(row.values())
             row["host"] = total - row["device"]
             row["step"] = total
-            rows.append(row)
+            per = max(1, clock.decode_steps)  # per decode step
+            rows.append({key: value / per for key, value in row.items()})
         # Idle from step N's tokens being ready to step N + 1's dispatch (async scheduling dispatches N + 1
         # before N is read: no gap then).
-        gaps = [max(0.0, next_end - clock.ready[id(step)])
+        gaps = [max(0.0, next_end - clock.ready[id(step)]) / step.scheduler_output.num_steps
                 for (step, _), (_, next_end) in zip(clock.launched, clock.launched[1:], strict=False)
                 if id(step) in clock.ready]
         clock.launched.clear()
         median = {key: 1e3 * statistics.median(r[key] for r in rows) for key in rows[0]}
         median["gap"] = 1e3 * statistics.median(gaps) if gaps else 0.0
         profile = StepProfile(concurrency, num_steps, {k: round(v, 4) for k, v in median.items()})
-        profile.kernels_per_step, profile.top_kernels = _trace_kernels(engine, trace_steps)
+        profile.kernels_per_step, profile.top_kernels = _trace_kernels(engine, clock, trace_steps)
         _add_roofline(profile, engine, concurrency, input_len + num_steps // 2)
         engine.abort_request([f"profile-{concurrency}-{i}" for i in range(concurrency)])
         while engine.core.has_unfinished():  # a step still in flight (async scheduling)
@@ -170,9 +180,10 @@ class StepProfiler:
         return profile
 
 
-def _trace_kernels(engine: LLMEngine, num_steps: int) -> tuple[float | None, list[tuple[str, float]]]:
-    """Device ops per step and the longest ones (ms per step), from a `jax.profiler` trace of `num_steps`
-    steps; (None, []) where the trace holds no device ops."""
+def _trace_kernels(engine: LLMEngine, clock: _Clock, num_steps: int) -> tuple[float | None, list[tuple[str, float]]]:
+    """Device ops per decode step and the longest ones (ms per decode step), from a `jax.profiler` trace of
+    `num_steps` engine steps; (None, []) where the trace holds no device ops."""
+    clock.decode_steps = 0
     with tempfile.TemporaryDirectory(prefix="jaxserve-trace-") as log_dir:
         jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
         try:
@@ -186,7 +197,7 @@ def _trace_kernels(engine: LLMEngine, num_steps: int) -> tuple[float | None, lis
             return None, []
         with gzip.open(files[0]) as f:
             trace = json.load(f)
-    return device_ops(trace, num_steps)
+    return device_ops(trace, max(1, clock.decode_steps))
 
 
 def device_ops(trace: dict, num_steps: int) -> tuple[float | None, list[tuple[str, float]]]:

@@ -99,12 +99,16 @@ def abstract_step_args(
 
 def compile_bucket(
     step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
-    read_launches: bool = False,
+    read_launches: bool = False, multi_step: bool = False,
 ) -> CompiledBucket:
     """Compiles the jitted step for one bucket on `device` (or `mesh`); raises what XLA, Triton or ptxas
     raise. With a mesh, the memory figures are one device's. `read_launches`: also what the step launches
-    (`launches.py`: XLA dumps its thunks for it; GPUs only)."""
+    (`launches.py`: XLA dumps its thunks for it; GPUs only). `multi_step`: `step_fn` is a multi-step
+    decode (`step_fn.make_decode_steps_fn`), which also takes the steps per row."""
     args = abstract_step_args(state, shapes, bucket, device, mesh)
+    if multi_step:
+        batch_sharding = jax.tree.leaves(args[3])[0].sharding  # the batch's: replicated or on the device
+        args += (jax.ShapeDtypeStruct((bucket.num_reqs,), np.int32, sharding=batch_sharding),)
     start = time.perf_counter()
     lowered = step_fn.trace(*args).lower()
     launches = None

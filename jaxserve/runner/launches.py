@@ -5,7 +5,9 @@ each argument it passes. XLA's command buffers (CUDA graphs, `--xla_gpu_enable_c
 run of kernels once and replay it as one launch; XLA forms them on its thunk sequence, after the HLO
 passes, so they show in the thunks XLA dumps (`*.thunk_sequence_after_thunk_passes.txt`), not in the HLO.
 What runs between command buffers is issued by the host one by one: a `kConditional` or `kWhile` there
-copies its predicate to the host and waits for it (the host cannot queue the rest of the step meanwhile).
+copies its predicate to the host and waits for it (the host cannot queue the rest of the step meanwhile),
+but for a loop whose trip count XLA knows (`known_trip_count`, a `lax.fori_loop` with static bounds): the
+host issues its body that many times without reading anything back.
 These counts, per bucket, are the proxies a machine without a GPU can watch (`jaxserve compile`).
 """
 
@@ -35,6 +37,7 @@ class StepLaunches:
     kernels_in_graphs: int  # of which recorded in command buffers
     num_graphs: int  # command buffers, nested ones included
     control_flow: dict[str, int] = field(default_factory=dict)  # conditionals and while loops, anywhere
+    counted_loops: int = 0  # top-level loops of known trip count: issued from the host, no predicate read
 
     @property
     def num_host_ops(self) -> int:
@@ -42,16 +45,18 @@ class StepLaunches:
 
     @property
     def host_syncs(self) -> int:
-        """Top-level conditionals and loops: each reads its predicate on the host, a stall per step."""
-        return sum(n for kind, n in self.host_ops.items() if kind in _HOST_SYNCS)
+        """Top-level conditionals and loops but the counted ones: each reads its predicate on the host, a
+        stall per step (a loop's per iteration)."""
+        return sum(n for kind, n in self.host_ops.items() if kind in _HOST_SYNCS) - self.counted_loops
 
     @property
     def graph_share(self) -> float:
         return self.kernels_in_graphs / self.num_kernels if self.num_kernels else 0.0
 
 
-def thunk_launches(thunk_text: str, num_arguments: int) -> StepLaunches:
-    """The launches in XLA's thunk sequence dump (`*.thunk_sequence_after_thunk_passes.txt`)."""
+def thunk_launches(thunk_text: str, num_arguments: int, counted_loops: int = 0) -> StepLaunches:
+    """The launches in XLA's thunk sequence dump (`*.thunk_sequence_after_thunk_passes.txt`), given the
+    entry computation's parameters and loops of known trip count (read from the optimized HLO)."""
     host_ops: Counter = Counter()
     control: Counter = Counter()
     num_kernels = in_graphs = num_graphs = 0
@@ -74,7 +79,7 @@ def thunk_launches(thunk_text: str, num_arguments: int) -> StepLaunches:
             num_kernels += 1
             in_graphs += bool(graph_depths)
     return StepLaunches(num_arguments, dict(host_ops.most_common()), num_kernels, in_graphs, num_graphs,
-                        dict(control))
+                        dict(control), counted_loops)
 
 
 def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[Any, StepLaunches | None]:
@@ -87,12 +92,23 @@ def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[
             return compiled, None
         with open(max(files)) as f:
             thunks = f.read()
-    return compiled, thunk_launches(thunks, entry_arguments(compiled.as_text()))
+    hlo_text = compiled.as_text()
+    return compiled, thunk_launches(thunks, entry_arguments(hlo_text), counted_entry_loops(hlo_text))
+
+
+def _entry_computation(hlo_text: str) -> str:
+    start = hlo_text.find("\nENTRY ")
+    if start < 0:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return hlo_text[start : hlo_text.find("\n}", start)]
 
 
 def entry_arguments(hlo_text: str) -> int:
     """The entry computation's parameters in optimized HLO text."""
-    start = hlo_text.find("\nENTRY ")
-    if start < 0:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return hlo_text[start : hlo_text.find("\n}", start)].count(" parameter(")
+    return _entry_computation(hlo_text).count(" parameter(")
+
+
+def counted_entry_loops(hlo_text: str) -> int:
+    """The entry computation's while loops whose trip count XLA knows, in optimized HLO text."""
+    return sum(1 for line in _entry_computation(hlo_text).splitlines()
+               if " while(" in line and '"known_trip_count"' in line)

@@ -1,7 +1,7 @@
 """Reading a compiled step's launches from XLA's thunk sequence (the H100 compiles in
 tests/test_compile_ladder.py read real ones)."""
 
-from jaxserve.runner.launches import entry_arguments, thunk_launches
+from jaxserve.runner.launches import counted_entry_loops, entry_arguments, thunk_launches
 
 THUNKS = """000: kCommandBuffer [source       | next=236 (1)]
     001: kCustomKernel [source       | next=002 (1)] gemm_fusion_dot_general_1 grid: [32, 1, 1]
@@ -29,6 +29,9 @@ ENTRY %main.9 (a: f32[4], b: f32[4], c: s32[]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   %b = f32[4]{0} parameter(1)
   %c = s32[] parameter(2)
+  %t = (s32[], f32[4]) tuple(%c, %a)
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+  %u = (s32[], f32[4]) while(%w), condition=%cond2, body=%body2
   ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
 }
 """
@@ -46,3 +49,11 @@ def test_thunks_are_counted_as_host_ops_kernels_and_graphs():
 
 def test_entry_arguments_are_the_entry_computation_s_parameters():
     assert entry_arguments(HLO) == 3
+
+
+def test_a_loop_of_known_trip_count_reads_no_predicate():
+    assert counted_entry_loops(HLO) == 1, "the loop without known_trip_count is not counted"
+    thunks = "000: kCommandBuffer [source]\n001: kWhile [prev=000]\n  body:\n    000: kCommandBuffer [source]\n"
+    assert thunk_launches(thunks, num_arguments=3).host_syncs == 1
+    counted = thunk_launches(thunks, num_arguments=3, counted_loops=1)
+    assert counted.host_syncs == 0 and counted.num_host_ops == 2 and counted.num_graphs == 2
