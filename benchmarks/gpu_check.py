@@ -1,5 +1,7 @@
 """One short GPU check: the decode-step profile and `bench offline` waves at 1, 64 and 256 sequences for the
 GPT-2, Llama-3.2-1B and Llama-3-8B shapes, with random weights (`--load-format dummy`); one JSON, one table.
+Side by side on each shape: single steps with the greedy decode variant, the same with the full sampler,
+and multi-step decoding (the ladder's `num_scheduler_steps`).
 
 Run through `scripts/gpu_check.sh` (which prepares the model directories and the wheels the GPU image
 lacks); `--cpu` runs the same code with tiny shapes and levels on this machine, so the script has run
@@ -34,13 +36,20 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
                                                 compilation_cache_dir=""))
     startup = time.perf_counter() - start
     profiler = step_profile.StepProfiler(engine)
+    scheduler, runner = engine.scheduler, engine.runner
+    multi_steps = scheduler.num_scheduler_steps  # the ladder's k; 1 while the single-step loop is measured
+    scheduler.num_scheduler_steps = 1
     profiles = [profiler.profile(c, input_len, profile_steps) for c in levels]
-    greedy_steps = engine.runner.num_greedy_steps
-    engine.runner.greedy_decodes = False  # the same steps through the full sampler, side by side
+    greedy_steps = runner.num_greedy_steps
+    runner.greedy_decodes = False  # the same steps through the full sampler, side by side
     full_sampler = [profiler.profile(c, input_len, profile_steps) for c in levels]
-    engine.runner.greedy_decodes = True
+    runner.greedy_decodes = True
+    scheduler.num_scheduler_steps = multi_steps  # k decode steps per call (greedy variant)
+    multi_step = [profiler.profile(c, input_len, max(2, profile_steps // multi_steps)) for c in levels]
     rng = np.random.default_rng(0)
     run_wave(engine, 1, input_len, 4, rng)  # every code path once before timing
+    waves_multi_step = [run_wave(engine, c, input_len, output_len, rng) for c in levels]
+    scheduler.num_scheduler_steps = 1
     waves = [run_wave(engine, c, input_len, output_len, rng) for c in levels]
     result = {
         "model": model, "dtype": engine.info.dtype, "device": profiles[0].device, "startup_s": round(startup, 1),
@@ -48,24 +57,32 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
         "profiles": step_profile.as_dicts(profiles),  # greedy variant (`greedy_decodes` in the ladder)
         "greedy_steps": greedy_steps,
         "profiles_full_sampler": step_profile.as_dicts(full_sampler),
+        "num_scheduler_steps": multi_steps, "multi_step_calls": runner.num_multi_steps,
+        "profiles_multi_step": step_profile.as_dicts(multi_step),  # per decode step
         "waves": [w.__dict__ for w in waves],
+        "waves_multi_step": [w.__dict__ for w in waves_multi_step],
     }
     engine.shutdown()
     return result
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| shape | seqs | out tok/s | TPOT ms | step ms (full sampler) | host ms | dispatch ms | device ms "
-             "| gap ms | kernels | roofline ms | fraction |", "|---" * 12 + "|"]
+    lines = ["| shape | seqs | out tok/s (k steps) | TPOT ms (k steps) | step ms (full sampler; k steps) | host ms "
+             "| dispatch ms | device ms | gap ms | kernels | roofline ms | fraction (k steps) |", "|---" * 12 + "|"]
     for r in results:
-        for profile, full, wave in zip(r["profiles"], r["profiles_full_sampler"], r["waves"], strict=True):
+        for profile, full, multi, wave, wave_multi in zip(r["profiles"], r["profiles_full_sampler"],
+                                                           r["profiles_multi_step"], r["waves"],
+                                                           r["waves_multi_step"], strict=True):
             m = profile["median_ms"]
-            fraction = profile["roofline_fraction"]
+            fraction, multi_fraction = profile["roofline_fraction"], multi["roofline_fraction"]
             lines.append(
-                f"| {Path(r['model']).name} | {wave['concurrency']} | {wave['output_tokens_per_s']:,.0f} | "
-                f"{wave['mean_tpot_ms']:.2f} | {m['step']:.3f} ({full['median_ms']['step']:.3f}) | {m['host']:.3f} | "
-                f"{m['dispatch']:.3f} | {m['device']:.3f} | {m['gap']:.3f} | {profile['kernels_per_step'] or '-'} | "
-                f"{profile['roofline_ms'] or '-'} | {'-' if fraction is None else f'{fraction:.0%}'} |")
+                f"| {Path(r['model']).name} | {wave['concurrency']} | {wave['output_tokens_per_s']:,.0f} "
+                f"({wave_multi['output_tokens_per_s']:,.0f}) | {wave['mean_tpot_ms']:.2f} "
+                f"({wave_multi['mean_tpot_ms']:.2f}) | {m['step']:.3f} ({full['median_ms']['step']:.3f}; "
+                f"{multi['median_ms']['step']:.3f}) | {m['host']:.3f} | {m['dispatch']:.3f} | {m['device']:.3f} | "
+                f"{m['gap']:.3f} | {profile['kernels_per_step'] or '-'} | {profile['roofline_ms'] or '-'} | "
+                f"{'-' if fraction is None else f'{fraction:.0%}'} "
+                f"({'-' if multi_fraction is None else f'{multi_fraction:.0%}'}) |")
     return "\n".join(lines)
 
 
