@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup test test-fast lint generate bench serve clean
+.PHONY: setup test test-fast test-gpu lint generate bench serve clean
 
 $(SERVE_STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ test: $(TEST_STAMP)
 test-fast: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests  # the fuzz cases are slow
+
+# The tests marked `gpu`, on a GPU: the Pallas kernels against the float64 oracle (at serving shapes too),
+# logits parity with transformers, the engine's greedy outputs, the server through the openai SDK; meant
+# to take under five minutes on one GPU. JAX_PLATFORMS=cuda,cpu makes jax fail rather than fall back to
+# the CPU when CUDA cannot start (jax's CUDA pieces: pip install 'jaxserve[cuda12]').
+GPU_TEST_WORKERS ?= 4
+
+test-gpu: $(TEST_STAMP)
+	@$(BIN)/python -c "import sys; from jaxserve.platform import nvidia_gpu_visible; \
+		sys.exit(0 if nvidia_gpu_visible() else 'make test-gpu: no NVIDIA GPU here; make test runs the suite on the CPU')"
+	JAX_PLATFORMS=cuda,cpu $(BIN)/pytest -q -n $(GPU_TEST_WORKERS) --dist load --durations 10 -m gpu tests
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

@@ -52,6 +52,7 @@ from jaxserve.config import (
     preset_names,
 )
 from jaxserve.device import pool_gpu_memory
+from jaxserve.platform import prepare_jax_platform
 
 logger = logging.getLogger("jaxserve")
 
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                             datefmt="%H:%M:%S")
         if level != "debug":
             logging.getLogger(_JAX_PROBE_LOGGER).setLevel(logging.WARNING)
+        prepare_jax_platform()  # before any backend starts: no CUDA plugin tracebacks on a machine without a GPU
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

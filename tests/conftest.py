@@ -5,15 +5,46 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
+
+from jaxserve.platform import nvidia_gpu_visible, prepare_jax_platform
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
-# The test extra installs the CUDA PJRT plugin to compile for GPU targets; on a machine without a GPU it
-# would look for a driver at jax's start. Tests run on the CPU (servers they start inherit this).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The backend that is there (servers and subprocesses the tests start inherit these settings): the CPU
+# where no NVIDIA GPU is visible, else the GPU; JAX_PLATFORMS=cpu runs the suite on the CPU anyway.
+if not nvidia_gpu_visible():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+prepare_jax_platform()  # as the CLI does: the CUDA plugin of the test extra stays quiet without a GPU
+if os.environ.get("JAX_PLATFORMS") != "cpu":
+    # Workers, engine cores and test servers share one GPU: no process takes JAX's default 75% up front,
+    # and an engine that sizes its KV cache from free memory takes a fifth of it (servers, a tenth).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.2")
+    # The tests compare float32 paths with float32 and float64 references at a CPU's tolerances; a GPU
+    # multiplies float32 in TF32 by default (about 1e-3 relative). bfloat16 is unaffected.
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Caches jaxserve writes (a GGUF's converted config and tokenizer) go to a fresh directory per session,
 # so every run also exercises the conversion; servers the tests start inherit it.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxserve-test-cache-"))
 
-import pytest
+def _cpu_only_reason(item: pytest.Item) -> str | None:
+    if (marker := item.get_closest_marker("cpu_only")) is not None:
+        return marker.args[0] if marker.args else "a CPU's behaviour"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Off the CPU, the tests marked `cpu_only` (native CPU kernels, XLA:CPU's code, the CPU's KV budget
+    and allocator, CPU devices) skip, each with its reason."""
+    reasons = {item: reason for item in items if (reason := _cpu_only_reason(item))}
+    if not reasons:
+        return
+    import jax
+
+    if (backend := jax.default_backend()) != "cpu":
+        for item, reason in reasons.items():
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}; the backend here is {backend}"))
+
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
 

@@ -57,9 +57,10 @@ def _first_attention_weight(state):
 
 def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto") -> dict:
-    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads)."""
+    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
+    On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}",
-           "JAXSERVE_CACHE_DIR": str(cache_dir)}
+           "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl, weight_dtype=weight_dtype))
     code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"

@@ -47,9 +47,11 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[st
     command = [
         sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
         "--config", "cpu", "--dtype", "float32", "--max-model-len", "2048",
-        "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir), *extra,
+        "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir),
+        "--gpu-memory-utilization", "0.1",  # on a GPU, which test processes share (a CPU: --kv-cache-memory)
+        *extra,
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the backend tests/conftest.py chose
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=new_session)

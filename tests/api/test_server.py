@@ -12,7 +12,7 @@ import pytest
 from jaxserve.allocator import find_tcmalloc
 from tests.api.helpers import API_KEY, MODEL, metric
 
-pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # a real model: `make test-fast` skips it, `make test-gpu` runs it
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -35,6 +35,7 @@ def test_the_engine_core_runs_in_its_own_process(server):
     assert "[core]" in server.log()  # the core process's own log lines
 
 
+@pytest.mark.cpu_only("jaxserve notes its allocator where CPU steps depend on it")
 @pytest.mark.skipif(find_tcmalloc() is None, reason="no tcmalloc here (`make setup` fetches one with apt)")
 def test_the_server_and_its_engine_core_run_on_tcmalloc(server):
     """`jaxserve serve` re-executed itself with tcmalloc preloaded, and the core process inherited it."""

@@ -27,10 +27,12 @@ def check_batched(engine, solo_outputs, arrivals):
     assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "pages leaked"
 
 
+@pytest.mark.gpu  # with the three below, `make test-gpu`'s check of the engine's greedy outputs
 def test_continuous_batching_changes_nothing(engine, solo_outputs):
     check_batched(engine, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
 
 
+@pytest.mark.gpu
 def test_preemption_changes_nothing(llama_dir, solo_outputs):
     # 24 usable pages of 4 tokens cannot hold all eight requests at once: some are preempted.
     small = make_engine(llama_dir, num_kv_pages=25)
@@ -41,11 +43,13 @@ def test_preemption_changes_nothing(llama_dir, solo_outputs):
     assert preemptions, "the page budget was meant to force preemption"
 
 
+@pytest.mark.gpu
 def test_chunked_prefill_changes_nothing(llama_dir, solo_outputs):
     tiny_budget = make_engine(llama_dir, max_num_batched_tokens=8, token_buckets=(8,))
     check_batched(tiny_budget, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
 
 
+@pytest.mark.gpu
 def test_nothing_compiles_after_warmup(engine, solo_outputs):
     prompts, _, _ = solo_outputs
     with count_compilations() as compiles:

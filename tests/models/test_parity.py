@@ -54,6 +54,7 @@ class PagedForward:
         return np.asarray(self.model.compute_logits(hidden[:n]))
 
 
+@pytest.mark.gpu  # on the device (in full float32 on a GPU: tests/conftest.py)
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     loaded = load_model(str(tiny_model_dir(kind)), dtype="float32")

@@ -47,6 +47,7 @@ def hf_greedy(hf_model, smollm2_tokenizer):
     return results
 
 
+@pytest.mark.gpu  # the real model on the device
 def test_greedy_chat_matches_transformers(llm, hf_greedy):
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                        SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)

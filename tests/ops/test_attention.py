@@ -32,11 +32,15 @@ def assert_matches_oracle(got: np.ndarray, case, scale: float) -> None:
 
 
 NATIVE = cpu_kernels.kernel_error() is None
+# The jnp path for XLA:CPU and the native kernel, at a CPU's float32 tolerance (the Pallas kernels and the
+# reference on a GPU: test_paged_attention_pallas.py).
+cpu_paths = pytest.mark.cpu_only("the attention paths for CPUs")
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="no C++ compiler: the native kernels cannot be built here")
 native = pytest.param("cpu-native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))
 
 
+@cpu_paths
 @pytest.mark.parametrize("impl", ["reference", "cpu", native])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (3, 1)])
@@ -47,6 +51,7 @@ def test_cpu_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
     assert_matches_oracle(got, case, 0.25)
 
 
+@cpu_paths
 @pytest.mark.parametrize("query_block", [1, 2, 3, 8, 64])
 @pytest.mark.parametrize("pages_per_block", [1, 3, 8])
 @pytest.mark.parametrize("mix", ["prefills", "chunk_after_cache", "mixed_with_empty", "long"])
@@ -64,6 +69,7 @@ def test_the_native_kernels_build_on_a_machine_with_a_compiler():
     assert cpu_kernels.kernel_error() is None
 
 
+@cpu_paths
 @pytest.mark.parametrize("impl", ["cpu", native])
 def test_cpu_decode_paths_match_oracle(impl):
     """decode_only: one item per request (token r is request r's query), padding requests with kv_len 0."""
@@ -74,6 +80,7 @@ def test_cpu_decode_paths_match_oracle(impl):
     assert_matches_oracle(got, case, 0.125)
 
 
+@cpu_paths
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have compiled-in loop bounds
 @pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads",
@@ -91,6 +98,7 @@ def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_siz
     assert_matches_oracle(got, case, 0.3)
 
 
+@cpu_paths
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("query_dtype", ["float32", "bfloat16"])
@@ -123,6 +131,7 @@ def test_loading_the_kernels_leaves_denormals_alone():
     assert np.float32(1e-38) / np.float32(1000) > 0, "denormals are flushed to zero"
 
 
+@cpu_paths
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
 @pytest.mark.parametrize("breakage", ["page id", "too many pages", "kv_len < q_len", "cu_q_lens decreasing"])
 def test_the_native_kernel_refuses_metadata_out_of_range(breakage):

@@ -15,6 +15,7 @@ KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(2, 4), max_num_seq
 
 
 @pytest.mark.slow  # the interpreted kernel, end to end
+@pytest.mark.gpu  # the compiled kernel in the engine on a GPU
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model_dir, monkeypatch):
     traced = {"ragged": 0, "decode": 0}
@@ -42,6 +43,7 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
     assert traced["ragged"] > 0 and traced["decode"] > 0, "both kernels should have served steps"
 
 
+@pytest.mark.cpu_only("the attention paths for CPUs")
 @pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, tiny_model_dir, monkeypatch):
@@ -64,6 +66,7 @@ def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, t
     assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves cpu-native's steps, and only those"
 
 
+@pytest.mark.cpu_only("the CPU paths and the CPU's KV budget (--kv-cache-memory)")
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
     """`kv_cache_dtype`: the pages are stored in 16 bits (twice as many in one memory budget), and the
@@ -94,6 +97,7 @@ SIXTEEN_BIT_WEIGHTS = {"bfloat16": dict(dtype="bfloat16"),
                        "bfloat16 weights": dict(dtype="float32", weight_dtype="bfloat16")}
 
 
+@pytest.mark.cpu_only("the native CPU kernels")
 @pytest.mark.parametrize("setting", SIXTEEN_BIT_WEIGHTS)
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_bfloat16_weights_under_the_native_kernels(kind, setting, tiny_model_dir, monkeypatch):

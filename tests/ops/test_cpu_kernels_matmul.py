@@ -14,7 +14,11 @@ from jaxserve.ops import cpu_kernels
 from jaxserve.ops.kv_write import write_kv
 from tests.ops.matmul_cases import ROWS, SHAPES, assert_close, operands, oracle
 
-pytestmark = pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error()))
+pytestmark = [
+    pytest.mark.cpu_only("the native CPU kernels, and what XLA:CPU compiles"),
+    pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error())),
+]
+
 
 @pytest.mark.parametrize("output_major_w", [False, True], ids=["w[K,N]", "w[N,K]"])
 @pytest.mark.parametrize("m", ROWS)

@@ -14,7 +14,8 @@ import pytest
 
 from tests.api.helpers import MODEL, Server, free_port, start_server, stop_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.cpu_only("two processes split a model over CPU devices with gloo collectives")]
 
 PROMPTS = ["Hello there", "The weather today is"]
 

@@ -1,0 +1,71 @@
+"""A quiet start on a machine without a GPU, and one line where a GPU was asked for and is not there.
+
+Why. The `gpu-compile` and `test` extras install JAX's CUDA PJRT plugin, so that a CPU machine can compile
+for GPUs (`jaxserve compile --target h100`). When jax starts its first backend it initialises every
+plugin, and the CUDA plugin first checks the CUDA runtime's version. With no NVIDIA driver that check
+raises "Unable to load CUDA. Is it installed?", which jax logs with two chained tracebacks
+(`logger.exception` in `jax._src.xla_bridge.discover_pjrt_plugins`, jax 0.10) before it carries on on the
+CPU (newer plugins log a warning instead). Every process that starts a backend does it again: the server,
+its engine core, the preset probe.
+
+How. `prepare_jax_platform()` runs before jax starts a backend (the CLI calls it before running a
+command). Where no NVIDIA GPU is visible (none of the device nodes jax itself looks for before starting
+CUDA, `jax._src.hardware_utils.has_visible_nvidia_gpu`) it sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK, the
+plugin's own switch for that check, in the environment, so child processes inherit it. jax then skips
+CUDA as it would anyway (no GPU is visible), registers the plugin for deviceless compiles, and starts
+every other platform (the CPU, a TPU) as before. Where a GPU is visible nothing changes, so a broken CUDA
+install on a GPU machine still shows jax's full report. Where JAX_PLATFORMS asks for nothing but a GPU
+and none is visible, it raises `GpuNotFoundError` with one line, instead of jax's tracebacks and bare
+AssertionError.
+
+Not chosen: JAX_PLATFORMS=cpu where no NVIDIA GPU is visible (it would also hide a TPU or an AMD GPU),
+and a logging filter on jax's private logger (the failing check still runs, and a filter on a message's
+wording stops working silently when jax rewords it).
+
+Not silenced: at `import jax`, the plugin's C++ extensions print `cudart_stub.cc:31] Could not find cuda
+drivers on your machine` (info lines, written before absl's logging is initialised); no variable turns
+them off (TF_CPP_MIN_LOG_LEVEL does not), only redirecting the process's stderr would.
+"""
+
+import os
+from collections.abc import MutableMapping
+
+# The nodes jax checks (jax._src.hardware_utils._NVIDIA_GPU_DEVICES): a GPU, Docker's control node, WSL2.
+NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+AMD_DEVICE_NODES = ("/dev/kfd",)  # ROCm's kernel driver
+SKIP_CUDA_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
+class GpuNotFoundError(RuntimeError):
+    """JAX_PLATFORMS asks for a GPU and this machine shows none."""
+
+
+def nvidia_gpu_visible() -> bool:
+    """Whether jax would try to start its CUDA backend here (it makes the same check)."""
+    return any(os.path.exists(node) for node in NVIDIA_DEVICE_NODES)
+
+
+def gpu_device_nodes(platform: str) -> tuple[str, ...]:
+    """The device nodes one of which a JAX_PLATFORMS entry needs; () for platforms that are not GPUs."""
+    return {"cuda": NVIDIA_DEVICE_NODES, "rocm": AMD_DEVICE_NODES,
+            "gpu": NVIDIA_DEVICE_NODES + AMD_DEVICE_NODES}.get(platform, ())
+
+
+def requested_platforms(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """JAX_PLATFORMS as a list (jax's own variable); empty when jax may choose."""
+    return [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+
+
+def prepare_jax_platform(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Call before anything starts a jax backend. Quiets the CUDA plugin where no NVIDIA GPU is visible;
+    raises GpuNotFoundError where JAX_PLATFORMS names only GPUs and none of them is visible."""
+    requested = requested_platforms(environ)
+    nodes = list(dict.fromkeys(node for p in requested for node in gpu_device_nodes(p)))
+    only_gpus = bool(requested) and all(gpu_device_nodes(p) for p in requested)
+    if only_gpus and not any(os.path.exists(node) for node in nodes):
+        raise GpuNotFoundError(
+            f"JAX_PLATFORMS={environ['JAX_PLATFORMS']} asks for a GPU, and none is visible here (no "
+            f"{', '.join(nodes)}); unset JAX_PLATFORMS to run on the CPU"
+        )
+    if not nvidia_gpu_visible():
+        environ.setdefault(SKIP_CUDA_CHECK_ENV, "1")

@@ -1,0 +1,75 @@
+"""The jax platform settled before jax starts: a quiet CUDA plugin without a GPU, one line when a GPU is
+asked for and missing, and a CLI start with no traceback on a machine without a GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import platform
+from jaxserve.platform import SKIP_CUDA_CHECK_ENV, GpuNotFoundError, nvidia_gpu_visible, prepare_jax_platform
+
+
+@pytest.fixture
+def gpu_nodes(monkeypatch, tmp_path):
+    """Stands in for the machine's device nodes: `present(name)` makes one appear."""
+    nvidia = tuple(str(tmp_path / name) for name in ("nvidia0", "nvidiactl"))
+    monkeypatch.setattr(platform, "NVIDIA_DEVICE_NODES", nvidia)
+    monkeypatch.setattr(platform, "AMD_DEVICE_NODES", (str(tmp_path / "kfd"),))
+
+    def present(name: str) -> None:
+        (tmp_path / name).touch()
+
+    return present
+
+
+def test_without_a_gpu_the_cuda_check_is_skipped_and_the_platform_left_to_jax(gpu_nodes):
+    environ: dict[str, str] = {}
+    prepare_jax_platform(environ)
+    assert environ == {SKIP_CUDA_CHECK_ENV: "1"}
+    environ = {"JAX_PLATFORMS": "cuda,cpu"}  # a GPU if there is one: jax falls back quietly
+    prepare_jax_platform(environ)
+    assert environ == {"JAX_PLATFORMS": "cuda,cpu", SKIP_CUDA_CHECK_ENV: "1"}
+
+
+def test_with_a_gpu_nothing_changes(gpu_nodes):
+    gpu_nodes("nvidiactl")
+    for environ in ({}, {"JAX_PLATFORMS": "cuda"}, {"JAX_PLATFORMS": "cpu"}):
+        before = dict(environ)
+        prepare_jax_platform(environ)
+        assert environ == before
+
+
+def test_a_gpu_asked_for_and_missing_is_one_line(gpu_nodes):
+    with pytest.raises(GpuNotFoundError, match=r"^JAX_PLATFORMS=cuda asks for a GPU, and none is visible here "
+                                               r"\(no .*nvidia0, .*nvidiactl\); unset JAX_PLATFORMS"):
+        prepare_jax_platform({"JAX_PLATFORMS": "cuda"})
+    with pytest.raises(GpuNotFoundError, match="kfd"):
+        prepare_jax_platform({"JAX_PLATFORMS": "gpu"})
+    gpu_nodes("kfd")  # an AMD GPU serves JAX_PLATFORMS=gpu
+    prepare_jax_platform({"JAX_PLATFORMS": "gpu"})
+
+
+def _cli(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -m jaxserve ARGV` with JAX_PLATFORMS and the CUDA switch as a user's shell has them (unset)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", SKIP_CUDA_CHECK_ENV)}
+    return subprocess.run([sys.executable, "-m", "jaxserve", *argv], capture_output=True, text=True, timeout=180,
+                          env={**inherited, **env})
+
+
+@pytest.mark.skipif(nvidia_gpu_visible(), reason="a start on a machine without a GPU")
+def test_a_start_without_a_gpu_logs_no_traceback():
+    # --max-model-len 0 fails after the preset is chosen (jax's backends started) and before any load.
+    result = _cli("generate", "--prompt", "hi", "--max-model-len", "0")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "Unable to load CUDA" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
+
+
+@pytest.mark.skipif(nvidia_gpu_visible(), reason="needs a machine without a GPU")
+def test_the_cli_says_in_one_line_that_the_gpu_asked_for_is_missing():
+    result = _cli("generate", "--prompt", "hi", JAX_PLATFORMS="cuda")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("jaxserve: error: JAX_PLATFORMS=cuda asks for a GPU, and none is visible")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
