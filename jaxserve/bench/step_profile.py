@@ -122,7 +122,7 @@ def _instrument(engine: LLMEngine, clock: _Clock) -> None:
 def _steady(engine: LLMEngine, concurrency: int, input_len: int, num_steps: int, seed: int) -> None:
     """Adds `concurrency` requests long enough for the profile and steps until every one decodes."""
     rng = np.random.default_rng(seed)
-    max_tokens = (engine.runner.num_decode_steps + 3) * num_steps + 64  # k tokens per engine step at most
+    max_tokens = max(4, engine.runner.num_decode_steps) * num_steps + 64  # k tokens per engine step at most
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         prompt = rng.integers(100, min(engine.vocab_size, len(engine.tokenizer)) - 100, size=input_len).tolist()

@@ -165,8 +165,10 @@ class EngineCore:
         """
         previous, self._in_flight = self._in_flight, None
         outputs: list[CoreOutputs] = []
-        if previous is not None and self.scheduler.only_decodes():  # a multi-step decode starts from read tokens
-            outputs, previous = self._read(previous), None
+        if previous is not None and self.scheduler.only_decodes():
+            # A multi-step decode starts from read tokens: report these now (a first token must not wait
+            # for the k steps), and launch the k steps on the next call.
+            return self._read(previous)
         if previous is None or not self._needs_last_tokens():
             self._in_flight, failures = self._launch()
             outputs += failures

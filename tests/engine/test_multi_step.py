@@ -115,3 +115,19 @@ def test_everything_else_runs_single_steps_with_the_same_outputs(engines):
     single = run(engines["single"], requests, arrivals)
     multi = run(engines["multi-async"], requests, arrivals)
     assert_same(single, multi)
+
+
+def test_a_first_token_does_not_wait_for_the_k_steps(engines):
+    for name in ("multi", "multi-async"):
+        engine = engines[name]
+        engine.runner.num_multi_steps = 0
+        engine.add_request("first", make_prompts(1)[0], SamplingParams(max_tokens=20, temperature=0.0,
+                                                                       ignore_eos=True))
+        outputs = []
+        while not outputs:
+            outputs = engine.step()
+        assert len(outputs[0].outputs[0].token_ids) == 1
+        assert engine.runner.num_multi_steps == 0, f"{name}: the first token came after a multi-step decode"
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.runner.num_multi_steps > 0
