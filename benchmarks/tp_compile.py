@@ -39,7 +39,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for tp in args.tp:
         report = compile_ladder(args.model, target=args.target, preset="gpu", dtype="bfloat16", xla_cost=False,
-                                buckets=buckets, tensor_parallel_size=tp)
+                                variants=False, buckets=buckets, tensor_parallel_size=tp)
         reports.append(asdict(report))
         for b in report.buckets:
             kind = " decode" if b.decode_only else ""

@@ -339,6 +339,9 @@ COMPILE_FLAGS = (
               "reported per device"),
     Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
          action="store_false"),
+    Flag("--no-variants", CompileConfig, "variants", action="store_false",
+         help="only the plain step per bucket, not the decode buckets' greedy and multi-step variants the "
+              "preset turns on"),
     Flag("--json", CompileConfig, "json", "also write the report to this file (default: none)"),
 )
 

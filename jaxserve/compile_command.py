@@ -30,6 +30,7 @@ def main(config: CompileConfig) -> None:
         jobs=config.jobs,
         xla_cost=config.xla_cost,
         tensor_parallel_size=config.tensor_parallel_size,
+        variants=config.variants,
     )
     print(format_report(report))
     if config.json:

@@ -4,7 +4,10 @@ ladder, for a GPU this machine does not have (or for the local device), with a r
 Nothing runs: the model is built from its config alone (shapes, no weights), the step's arguments are
 `ShapeDtypeStruct`s on the target device, and XLA compiles them as it would on that GPU (Triton and ptxas
 included), so a kernel that asks for too much shared memory, or an op XLA:GPU cannot compile, fails here.
-Buckets compile on `jobs` threads (XLA releases the GIL while it compiles).
+Buckets compile on `jobs` threads (XLA releases the GIL while it compiles). With `variants`, each decode
+bucket is also compiled as the variants the preset turns on, as `serve` would: the greedy decode step
+(`greedy_decodes`) and the multi-step decodes (`num_scheduler_steps` > 1), so the report holds exactly
+what a device of the target's kind would compile.
 
 Per bucket the report has XLA's memory analysis, XLA's cost analysis of the same step lowered for the CPU
 with the reference attention (deviceless GPU compiles return no cost analysis; see the caveat in
@@ -30,6 +33,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.ops.attention import AttentionConfig, kv_cache_dtype, resolve_attention
+from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
@@ -37,7 +41,7 @@ from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
-from jaxserve.runner.step_fn import make_step_fn
+from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,9 @@ class BucketResult:
     bound: str | None  # "compute" or "memory"
     collectives: dict[str, int]  # cross-device ops in the compiled step (tensor parallelism), by kind
     launches: StepLaunches | None  # what the step launches and which command buffers hold it (GPU targets)
+    # Which step function: "plain", or a decode bucket's "greedy", "multi-step" or "multi-step greedy"
+    # (the roofline figures stay one decode step's).
+    variant: str = "plain"
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ def compile_ladder(
     buckets: list[Bucket] | None = None,
     tensor_parallel_size: int = 1,
     read_launches: bool = True,
+    variants: bool = True,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
@@ -118,7 +126,8 @@ def compile_ladder(
     With `tensor_parallel_size` N > 1 the step is compiled split over N devices (N GPUs of one node for a
     target, deviceless), memory figures are per device, and neither XLA's CPU cost analysis nor the
     roofline (which would ignore the collectives) is reported. `read_launches`: what each bucket's step
-    launches (XLA dumps its thunks for it: ~10% more compile time).
+    launches (XLA dumps its thunks for it: ~10% more compile time). `variants`: the decode buckets' variants
+    the preset turns on, each its own row (module docstring).
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
@@ -178,10 +187,27 @@ def compile_ladder(
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
-    def one(bucket: Bucket) -> BucketResult:
-        compiled = compile_bucket(step, state, shapes, bucket, device, mesh, read_launches=read_launches)
+    step_fns = {"plain": (step, False)}
+    if variants:
+        treedef, max_logprobs = jax.tree.structure(abstract.state), config.model.max_logprobs
+        if config.buckets.greedy_decodes:
+            step_fns["greedy"] = (make_step_fn(abstract.graphdef, treedef, max_logprobs, mesh, greedy=True), False)
+        if sched.num_scheduler_steps > 1:
+            for greedy in (False, True):
+                step_fns["multi-step greedy" if greedy else "multi-step"] = (make_decode_steps_fn(
+                    abstract.graphdef, treedef, max_logprobs, sched.num_scheduler_steps, cache.page_size,
+                    padding_slot(num_pages, cache.page_size), mesh, greedy), True)
+    jobs_todo = [(bucket, name) for bucket in todo for name in step_fns
+                 if name == "plain" or (bucket.decode_only and (name != "multi-step greedy"
+                                                                or config.buckets.greedy_decodes))]
+
+    def one(job: tuple[Bucket, str]) -> BucketResult:
+        bucket, variant = job
+        step_fn, multi_step = step_fns[variant]
+        compiled = compile_bucket(step_fn, state, shapes, bucket, device, mesh, read_launches=read_launches,
+                                  multi_step=multi_step)
         xla_flops = xla_bytes = None
-        if reference_step is not None:
+        if reference_step is not None and variant == "plain":
             ref_step, ref_state = reference_step
             cpu = jax.devices("cpu")[0]
             cost = ref_step.trace(*abstract_step_args(ref_state, shapes, bucket, cpu)).lower().cost_analysis()
@@ -191,7 +217,7 @@ def compile_ladder(
                               peak, facts.memory_bandwidth)
         if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
             predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)
-        logger.info("compiled %s in %.1fs", bucket, compiled.compile_seconds)
+        logger.info("compiled %s (%s) in %.1fs", bucket, variant, compiled.compile_seconds)
         return BucketResult(
             num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs, decode_only=bucket.decode_only,
             compile_seconds=round(compiled.compile_seconds, 3), argument_bytes=compiled.argument_bytes,
@@ -199,11 +225,11 @@ def compile_ladder(
             xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
             predicted_seconds=predicted.seconds, bound=predicted.bound,
             collectives=count_collectives(compiled.compiled.as_text()) if mesh is not None else {},
-            launches=compiled.launches,
+            launches=compiled.launches, variant=variant,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(one, todo))
+        results = list(pool.map(one, jobs_todo))
     return CompileReport(
         model=name, device=facts.name, target=target, dtype=jnp.dtype(jax_dtype).name, attention=attention.impl,
         page_size=cache.page_size, max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
@@ -238,7 +264,7 @@ def format_report(report: CompileReport) -> str:
     def num(value: float | None, scale: float, digits: int = 1) -> str:
         return "-" if value is None else f"{value / scale:.{digits}f}"
 
-    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'compile s':>9} {'arg MiB':>8} {'out MiB':>8} "
+    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<17} {'compile s':>9} {'arg MiB':>8} {'out MiB':>8} "
               f"{'temp MiB':>8} {'XLA GFLOP':>9} {'XLA GB':>7} {'GFLOP':>8} {'GB':>6} {'pred ms':>8} "
               f"{'tok/s':>9} bound")
     split = (f" x{report.tensor_parallel_size} (tensor parallel, memory per device)"
@@ -253,7 +279,7 @@ def format_report(report: CompileReport) -> str:
     for r in report.buckets:
         tok_s = r.num_tokens / r.predicted_seconds if r.predicted_seconds else None
         lines.append(
-            f"{r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.decode_only else 'mixed':<6} "
+            f"{r.num_tokens:>6} {r.num_reqs:>4} {_kind(r):<17} "
             f"{r.compile_seconds:>9.1f} {num(r.argument_bytes, mib):>8} {num(r.output_bytes, mib):>8} "
             f"{num(r.temp_bytes, mib):>8} {num(r.xla_flops, 1e9):>9} {num(r.xla_bytes, 1e9, 2):>7} "
             f"{num(r.flops, 1e9):>8} {num(r.bytes, 1e9, 2):>6} {num(r.predicted_seconds, 1e-3, 3):>8} "
@@ -266,7 +292,7 @@ def format_report(report: CompileReport) -> str:
             f"{r.num_tokens}x{r.num_reqs}{' decode' if r.decode_only else ''}: "
             + ", ".join(f"{n} {kind}" for kind, n in r.collectives.items()) for r in report.buckets))
     lines.append("")
-    lines.append(f"{len(report.buckets)} buckets compiled in {report.compile_seconds:.1f}s of compile time "
+    lines.append(f"{len(report.buckets)} steps compiled in {report.compile_seconds:.1f}s of compile time "
                  f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")
     lines.append(f"weights {report.weights_bytes / gib:.2f} GiB, other state {report.state_bytes / mib:.0f} MiB, "
                  f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB")
@@ -282,11 +308,18 @@ def format_report(report: CompileReport) -> str:
     return "\n".join(lines)
 
 
+def _kind(result: BucketResult) -> str:
+    """A row's step: mixed or decode, or a decode bucket's variant."""
+    if result.variant != "plain":
+        return f"{result.variant}"
+    return "decode" if result.decode_only else "mixed"
+
+
 def _launch_table(report: CompileReport) -> str:
     """Per bucket: the dispatch's arguments; what the host issues one by one per step (command buffers, each
     one graph launch, and what lies between them: conditionals and loops, each a host sync, kernels,
     copies); the kernels in all, and how many command buffers record."""
-    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<6} {'args':>5} {'host ops':>8} {'syncs':>5} {'kernels':>7} "
+    header = (f"{'tokens':>6} {'reqs':>4} {'kind':<17} {'args':>5} {'host ops':>8} {'syncs':>5} {'kernels':>7} "
               f"{'in graphs':>9}  host ops by kind")
     lines = ["launches per step (XLA's thunks):", header, "-" * len(header)]
     for r in report.buckets:
@@ -295,7 +328,7 @@ def _launch_table(report: CompileReport) -> str:
             return "launches per step: only GPU targets have thunks to read"
         kinds = ", ".join(f"{n} {kind[1:]}" for kind, n in launches.host_ops.items())
         lines.append(
-            f"{r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.decode_only else 'mixed':<6} "
+            f"{r.num_tokens:>6} {r.num_reqs:>4} {_kind(r):<17} "
             f"{launches.num_arguments:>5} {launches.num_host_ops:>8} {launches.host_syncs:>5} "
             f"{launches.num_kernels:>7} {launches.graph_share:>9.0%}  {kinds}")
     return "\n".join(lines)

@@ -407,4 +407,5 @@ class CompileConfig:
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     xla_cost: bool = True
+    variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.compile_ladder import compile_ladder
+from jaxserve.compile_ladder import compile_ladder, format_report
 from jaxserve.device import deviceless_device, target_facts
 from jaxserve.ops import paged_attention_pallas
 from jaxserve.runner.buckets import Bucket, BucketLadder
@@ -66,7 +66,7 @@ def test_gpt2_compiles_for_h100_at_every_gpu_bucket_through_the_cli(tmp_path):
     out = tmp_path / "gpt2.json"
     run = subprocess.run(
         [sys.executable, "-m", "jaxserve", "compile", "--model", "gpt2", "--target", "h100", "--config", "gpu",
-         "--dtype", "bfloat16", "--no-xla-cost", "--jobs", "1", "--json", str(out)],
+         "--dtype", "bfloat16", "--no-xla-cost", "--no-variants", "--jobs", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=1500,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -83,8 +83,9 @@ def test_smollm2_compiles_for_h100_at_the_corners_of_the_gpu_ladder():
     mixed buckets (the GPT-2 test compiles every bucket; the whole ladder again here took ten minutes)."""
     buckets = [GPU_LADDER[0], Bucket(128, 1), Bucket(256, 256, decode_only=True), GPU_LADDER[-1]]
     assert all(b in GPU_LADDER for b in buckets)
+    # Launches are read in the GPT-2 and Llama-3-8B compiles.
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=buckets, read_launches=False)  # read in the GPT-2 and Llama-3-8B compiles
+                            variants=False, buckets=buckets, read_launches=False)
     _check_report(report, sorted(buckets), launches_read=False)
     assert all(b.launches is None for b in report.buckets)
 
@@ -94,7 +95,7 @@ def test_llama_3_8b_compiles_for_h100_at_the_narrowest_and_widest_buckets():
     buckets = [GPU_LADDER[0], GPU_LADDER[-1]]
     assert buckets == [Bucket(1, 1, decode_only=True), Bucket(2048, 256)]
     report = compile_ladder("llama-3-8b", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=buckets)
+                            variants=False, buckets=buckets)
     _check_report(report, buckets)
     assert report.weights_bytes == 8_030_261_248 * 2
     # 256 sequences of 8192 tokens do not fit next to 16 GB of weights; tens of thousands of pages do.
@@ -106,7 +107,7 @@ def test_gpt2_compiles_for_a100():
     """The A100 description (trimmed to what jaxlib 0.10's proto reads) works, and `auto` picks the kernels
     for compute capability 8.0 with its 108 SMs."""
     report = compile_ladder("gpt2", target="a100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=[Bucket(1, 1, decode_only=True)])
+                            variants=False, buckets=[Bucket(1, 1, decode_only=True)])
     assert report.device == "NVIDIA A100-SXM4-80GB" and report.attention == "pallas"
     assert report.kv_budget.device_memory_bytes == 85100068864 and report.num_kv_pages > 0
 
@@ -132,6 +133,20 @@ def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     assert launches[True].host_ops == {"kCommandBuffer": 1} and launches[True].host_syncs == 0
     assert launches[True].graph_share == 1.0 and launches[True].control_flow == {}
     assert launches[False].host_syncs > 0 and launches[False].num_kernels > launches[True].num_kernels
+
+
+@pytest.mark.slow
+def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
+    """`jaxserve compile` holds what serve compiles: each decode bucket plain, greedy, multi-step and
+    multi-step greedy (the gpu preset turns both on); mixed buckets plain only."""
+    report = compile_ladder("gpt2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=[Bucket(4, 4, decode_only=True), Bucket(128, 4)])
+    rows = {(b.num_tokens, b.decode_only, b.variant): b.launches for b in report.buckets}
+    assert set(rows) == {(4, True, "plain"), (4, True, "greedy"), (4, True, "multi-step"),
+                         (4, True, "multi-step greedy"), (128, False, "plain")}
+    assert rows[4, True, "greedy"].host_syncs == 0 and rows[4, True, "plain"].host_syncs > 0
+    assert rows[4, True, "multi-step greedy"].counted_loops == 1 and rows[4, True, "multi-step greedy"].host_syncs == 0
+    assert "multi-step greedy" in format_report(report)
 
 
 @pytest.mark.slow
@@ -214,7 +229,7 @@ def test_llama_3_8b_compiles_split_over_an_8_gpu_h100_node():
     Pallas kernels per shard under shard_map, XLA's all-reduces after the output and down projections."""
     buckets = [Bucket(1, 1, decode_only=True)]
     report = compile_ladder("llama-3-8b", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=buckets, tensor_parallel_size=8)
+                            variants=False, buckets=buckets, tensor_parallel_size=8)
     assert report.tensor_parallel_size == 8 and report.attention == "pallas"
     # Per device: an eighth of every split matrix; the norms (65 x 4096 values) are replicated.
     assert report.weights_bytes == (8_030_261_248 - 65 * 4096) * 2 // 8 + 65 * 4096 * 2
@@ -231,6 +246,6 @@ def test_smollm2_with_padded_heads_compiles_split_over_two_h100s():
     """SmolLM2's 9 query / 3 KV heads become 12 / 6 to split in two: the kernels compile for that layout."""
     buckets = [Bucket(16, 16, decode_only=True), Bucket(128, 4)]
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=buckets, tensor_parallel_size=2)
+                            variants=False, buckets=buckets, tensor_parallel_size=2)
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
     assert all(b.collectives.get("all-reduce", 0) >= 2 * 30 for b in report.buckets)
