@@ -146,6 +146,7 @@ def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
                          (4, True, "multi-step greedy"), (128, False, "plain")}
     assert rows[4, True, "greedy"].host_syncs == 0 and rows[4, True, "plain"].host_syncs > 0
     assert rows[4, True, "multi-step greedy"].counted_loops == 1 and rows[4, True, "multi-step greedy"].host_syncs == 0
+    assert rows[4, True, "multi-step"].host_syncs >= 1, "the full sampler's conditionals sync in each iteration"
     assert "multi-step greedy" in format_report(report)
 
 

@@ -25,6 +25,7 @@ _KERNEL_KINDS = frozenset({"kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul
                            "kNcclReduceScatterStart", "kNcclAllToAllStart", "kNcclCollectivePermuteStart",
                            "kAllReduceStart", "kAllGatherStart", "kReduceScatterStart"})
 _HOST_SYNCS = frozenset({"kConditional", "kWhile"})
+_BODY_INDENT = 4  # a top-level loop's body thunks, in the dump
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class StepLaunches:
     num_graphs: int  # command buffers, nested ones included
     control_flow: dict[str, int] = field(default_factory=dict)  # conditionals and while loops, anywhere
     counted_loops: int = 0  # top-level loops of known trip count: issued from the host, no predicate read
+    # Conditionals and loops outside command buffers at the top of a top-level loop's body: the host reads
+    # each one's predicate once per iteration (a multi-step decode's: once per decode step).
+    loop_body_syncs: int = 0
 
     @property
     def num_host_ops(self) -> int:
@@ -45,9 +49,11 @@ class StepLaunches:
 
     @property
     def host_syncs(self) -> int:
-        """Top-level conditionals and loops but the counted ones: each reads its predicate on the host, a
-        stall per step (a loop's per iteration)."""
-        return sum(n for kind, n in self.host_ops.items() if kind in _HOST_SYNCS) - self.counted_loops
+        """Top-level conditionals and loops but the counted ones, and those at the top of a top-level loop's
+        body: each reads its predicate on the host, a stall per step (per iteration, in a loop's body).
+        Control flow nested in a branch syncs too when the branch runs: not counted."""
+        top_level = sum(n for kind, n in self.host_ops.items() if kind in _HOST_SYNCS) - self.counted_loops
+        return top_level + self.loop_body_syncs
 
     @property
     def graph_share(self) -> float:
@@ -59,8 +65,9 @@ def thunk_launches(thunk_text: str, num_arguments: int, counted_loops: int = 0) 
     entry computation's parameters and loops of known trip count (read from the optimized HLO)."""
     host_ops: Counter = Counter()
     control: Counter = Counter()
-    num_kernels = in_graphs = num_graphs = 0
+    num_kernels = in_graphs = num_graphs = body_syncs = 0
     graph_depths: list[int] = []  # indents of the command buffers enclosing the current line
+    in_top_loop = False  # the lines since a top-level kWhile (its condition and body)
     for line in thunk_text.splitlines():
         match = _THUNK.match(line)
         if match is None:
@@ -70,6 +77,9 @@ def thunk_launches(thunk_text: str, num_arguments: int, counted_loops: int = 0) 
             graph_depths.pop()
         if indent == 0:
             host_ops[kind] += 1
+            in_top_loop = kind == "kWhile"
+        elif in_top_loop and indent == _BODY_INDENT and kind in _HOST_SYNCS:
+            body_syncs += 1
         if kind == "kCommandBuffer":
             num_graphs += 1
             graph_depths.append(indent)
@@ -79,7 +89,7 @@ def thunk_launches(thunk_text: str, num_arguments: int, counted_loops: int = 0) 
             num_kernels += 1
             in_graphs += bool(graph_depths)
     return StepLaunches(num_arguments, dict(host_ops.most_common()), num_kernels, in_graphs, num_graphs,
-                        dict(control), counted_loops)
+                        dict(control), counted_loops, body_syncs)
 
 
 def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[Any, StepLaunches | None]:

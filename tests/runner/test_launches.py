@@ -57,3 +57,6 @@ def test_a_loop_of_known_trip_count_reads_no_predicate():
     assert thunk_launches(thunks, num_arguments=3).host_syncs == 1
     counted = thunk_launches(thunks, num_arguments=3, counted_loops=1)
     assert counted.host_syncs == 0 and counted.num_host_ops == 2 and counted.num_graphs == 2
+    # A conditional at the top of the loop's body reads its predicate every iteration.
+    with_branch = thunks + "    001: kConditional [prev=000]\n      true_branch:\n        002: kKernel [source]\n"
+    assert thunk_launches(with_branch, num_arguments=3, counted_loops=1).host_syncs == 1
