@@ -118,7 +118,9 @@ ENGINE_FLAGS = (
          help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and the weights "
               "(unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU"),
     Flag("--weight-dtype", ModelConfig, "weight_dtype", preset=True, choices=DTYPES,
-         help="the matmul weights' dtype (projections, embeddings, LM head); auto (the default) is --dtype's. "
+         help="the matmul weights' dtype (projections, embeddings, LM head); auto (the default) is --dtype's; "
+              "with every dtype auto on a CPU with bfloat16 dot products (AVX512-BF16, AMX), weights and KV "
+              "cache are bfloat16. "
               "bfloat16 under a float32 model: half the weights' memory and what a decode reads, through the "
               "native kernels on CPUs; activations stay float32"),
     Flag("--max-model-len", ModelConfig, "max_model_len", "context length (default: the model's)", type=int,
@@ -148,7 +150,8 @@ ENGINE_FLAGS = (
     Flag("--num-kv-pages", CacheConfig, "num_kv_pages", "KV pages, overriding the memory budget (default: from "
          "the budget)", type=int, preset=True),
     Flag("--kv-cache-dtype", CacheConfig, "kv_cache_dtype", preset=True, choices=KV_CACHE_DTYPES,
-         help="the KV cache's dtype; auto (the default) is the model's. float16 or bfloat16 under a float32 "
+         help="the KV cache's dtype; auto (the default) is the model's (but see --weight-dtype). float16 or "
+              "bfloat16 under a float32 "
               "model halve the cache's memory and what attention reads"),
     Flag("--kv-cache-memory", CacheConfig, "kv_cache_memory_gib", "KV cache budget in GiB on CPU (default: the "
          "preset's)", type=float, preset=True),

@@ -12,6 +12,7 @@ descriptions do not carry. `deviceless_device(target)` gives a jax device of tha
 (XLA's ahead-of-time compilation: Triton and ptxas run, nothing executes).
 """
 
+import functools
 import importlib.resources
 import os
 import re
@@ -118,6 +119,18 @@ def local_facts(device: Any = None) -> DeviceFacts:
         memory_bandwidth=known.memory_bandwidth if known else None,
         peak_flops=known.peak_flops if known else (),
     )
+
+
+@functools.cache
+def cpu_has_bf16_dots() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo's
+    flags): where 16-bit weights and KV cache are the fast default (`loader.resolve_weight_dtype`)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def deviceless_device(target: str) -> Any:

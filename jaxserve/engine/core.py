@@ -43,7 +43,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
@@ -65,6 +65,7 @@ class EngineCore:
         if config.parallel.multihost:
             multihost.initialize(config.parallel)  # before the first jax backend call
         enable_compilation_cache(config.compilation_cache_dir)
+        config = _with_fast_cpu_dtypes(config)
         self.config = config
         if model is None:
             model = load_model(
@@ -252,6 +253,20 @@ class EngineCore:
     def _needs_last_tokens(self) -> bool:
         """A grammar's next mask depends on the token in flight: the next step waits for it."""
         return any(request.grammar is not None for request in self.scheduler.requests.values())
+
+
+def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:
+    """The config with `loader.fast_cpu_dtypes`' weights and KV cache (16-bit where all dtypes are auto on a
+    CPU with bfloat16 dot products), said in the log when it changes them."""
+    model, cache = config.model, config.cache
+    weight_dtype, kv_cache_dtype = fast_cpu_dtypes(model.dtype, model.weight_dtype, cache.kv_cache_dtype,
+                                                   config.attention_impl)
+    if (weight_dtype, kv_cache_dtype) == (model.weight_dtype, cache.kv_cache_dtype):
+        return config
+    logger.info("dtypes auto on a CPU with bfloat16 dot products: %s weights and KV cache under float32 "
+                "activations (--dtype float32 keeps everything float32)", weight_dtype)
+    return dataclasses.replace(config, model=dataclasses.replace(model, weight_dtype=weight_dtype),
+                               cache=dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype))
 
 
 def _details(request: Request, index: int) -> SequenceDetails:

@@ -50,3 +50,20 @@ def test_cached_hub_id_loads_offline(tmp_path, monkeypatch, tiny_model_dir):
     assert source.directory == repo / "snapshots" / revision
     loaded = load_model("jaxserve-tests/tiny-llama", dtype="float32")
     assert loaded.name == "jaxserve-tests/tiny-llama" and loaded.cfg.num_kv_heads == 2
+
+
+def test_all_auto_dtypes_are_16_bit_on_a_cpu_that_multiplies_bfloat16(monkeypatch):
+    from jaxserve.models import loader
+
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(loader, "cpu_has_bf16_dots", lambda has_bf16=has_bf16: has_bf16)
+        fast = ("bfloat16", "bfloat16") if has_bf16 else ("auto", "auto")
+        assert loader.fast_cpu_dtypes("auto", "auto", "auto", "auto", "cpu") == fast
+        assert loader.fast_cpu_dtypes("auto", "auto", "auto", "cpu-native", "cpu") == fast
+        # Any dtype given keeps the rest as it was (--dtype float32: everything float32, as before).
+        assert loader.fast_cpu_dtypes("float32", "auto", "auto", "auto", "cpu") == ("auto", "auto")
+        assert loader.fast_cpu_dtypes("auto", "float32", "auto", "auto", "cpu") == ("float32", "auto")
+        assert loader.fast_cpu_dtypes("auto", "auto", "float16", "auto", "cpu") == ("auto", "float16")
+        # Not on GPUs, nor under the Pallas kernel (its cache is the model's dtype).
+        assert loader.fast_cpu_dtypes("auto", "auto", "auto", "auto", "gpu") == ("auto", "auto")
+        assert loader.fast_cpu_dtypes("auto", "auto", "auto", "interpret", "cpu") == ("auto", "auto")

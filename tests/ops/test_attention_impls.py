@@ -91,6 +91,26 @@ def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
     assert pages[kv_cache_dtype] // 2 == pages["auto"]
 
 
+@pytest.mark.cpu_only("the CPU's default dtypes")
+def test_all_auto_dtypes_on_a_cpu_with_bfloat16_dots_are_the_16_bit_settings(tiny_model_dir, monkeypatch):
+    """Every dtype auto on a CPU that multiplies bfloat16 (faked here, so any CPU runs it): the engine runs
+    bfloat16 weights and cache under float32 activations, the tokens of those settings given explicitly."""
+    from jaxserve.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16_dots", lambda: True)
+    prompts, max_tokens, arrivals = make_prompts(3), [6, 4, 5], [0, 0, 1]
+    auto = make_engine(tiny_model_dir("llama"), warmup=False, dtype="auto", **KERNEL_LADDER)
+    assert auto.runner.kv_dtype == jnp.bfloat16 and auto.model.weight_dtype == jnp.bfloat16
+    assert auto.model.dtype == jnp.float32
+    explicit = make_engine(tiny_model_dir("llama"), warmup=False, dtype="float32", weight_dtype="bfloat16",
+                           kv_cache_dtype="bfloat16", **KERNEL_LADDER)
+    assert run_staggered(auto, prompts, max_tokens, arrivals) == run_staggered(explicit, prompts, max_tokens,
+                                                                                arrivals)
+    monkeypatch.setattr(loader, "cpu_has_bf16_dots", lambda: False)
+    plain = make_engine(tiny_model_dir("llama"), warmup=False, dtype="auto", **KERNEL_LADDER)
+    assert plain.runner.kv_dtype == jnp.float32 and plain.model.weight_dtype == jnp.float32
+
+
 # A bfloat16 model; bfloat16 weights under a float32 model (`weight_dtype`), whose activations the matmuls
 # round to bfloat16 and whose cache stays float32.
 SIXTEEN_BIT_WEIGHTS = {"bfloat16": dict(dtype="bfloat16"),
