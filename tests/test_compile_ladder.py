@@ -193,10 +193,11 @@ def test_an_oversized_kernel_block_is_rejected():
             paged_attention_pallas.paged_decode_attention_pallas, sm_scale=0.1, block_kv=block_kv, num_sms=132
         ))
 
-    kernel(2048).trace(*args).lower()  # lowers fine
-    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED: Shared memory size limit exceeded"):
-        kernel(2048).trace(*args).lower().compile()
-    kernel(128).trace(*args).lower().compile()  # the default block compiles
+    with jax.default_device(device):  # the GPU Pallas lowers for (jax >= 0.11; see runner/aot.compile_bucket)
+        kernel(2048).trace(*args).lower()  # lowers fine
+        with pytest.raises(Exception, match="RESOURCE_EXHAUSTED: Shared memory size limit exceeded"):
+            kernel(2048).trace(*args).lower().compile()
+        kernel(128).trace(*args).lower().compile()  # the default block compiles
 
 
 @pytest.mark.slow

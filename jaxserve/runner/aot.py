@@ -110,7 +110,10 @@ def compile_bucket(
         batch_sharding = jax.tree.leaves(args[3])[0].sharding  # the batch's: replicated or on the device
         args += (jax.ShapeDtypeStruct((bucket.num_reqs,), np.int32, sharding=batch_sharding),)
     start = time.perf_counter()
-    lowered = step_fn.trace(*args).lower()
+    # Pallas's Triton lowering takes the GPU it lowers for from jax's default device (jax >= 0.11; 0.10
+    # assumed compute capability 9.0 without a local GPU): the target's, for a deviceless compile.
+    with jax.default_device(device):
+        lowered = step_fn.trace(*args).lower()
     launches = None
     if read_launches:
         compiled, launches = compile_with_launches(lambda options: lowered.compile(compiler_options=options))
