@@ -114,6 +114,19 @@ def assert_same(sync: dict, overlapped: dict) -> None:
                                    rtol=0, atol=1e-4, err_msg=request_id)
 
 
+def stop_requests(engine: LLMEngine, prompt: list[int]) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Greedy requests that stop mid-output, found from a first, stop-free run of `prompt`: "stop-id" on
+    its 10th token's id, "stop-string" on three characters from the middle of its text."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    probe = run(engine, {"probe": (prompt, SamplingParams(max_tokens=24, **greedy))}, {"probe": 0})
+    probe_output = probe["probe"].outputs[0]
+    text = probe_output.text
+    return {
+        "stop-id": (prompt, SamplingParams(max_tokens=24, stop_token_ids=[probe_output.token_ids[9]], **greedy)),
+        "stop-string": (prompt, SamplingParams(max_tokens=24, stop=[text[len(text) // 2:][:3]], **greedy)),
+    }
+
+
 def workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingParams]], dict[str, int]]:
     prompts = make_prompts(8)
     shared = prompts[3] + prompts[6]  # 66 tokens: later requests with this prefix hit the prefix cache
@@ -141,13 +154,6 @@ def workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingPara
     arrivals = {"greedy": 0, "one-token": 0, "two-tokens": 1, "seeded-n3": 1, "unseeded-greedy-n2": 2,
                 "penalties": 3, "sampled-penalties": 3, "logprobs": 4, "min-tokens": 5, "shared-a": 6,
                 "shared-b": 7, "regex": 18}
-    # Stops found from a first, stop-free synchronous run: a stop id mid-output, a stop string mid-text.
-    probe = run(engine, {"probe": (prompts[7], SamplingParams(max_tokens=24, **greedy))}, {"probe": 0})
-    probe_output = probe["probe"].outputs[0]
-    text = probe_output.text
-    requests["stop-id"] = (prompts[7], SamplingParams(max_tokens=24, stop_token_ids=[probe_output.token_ids[9]],
-                                                      **greedy))
-    requests["stop-string"] = (prompts[7], SamplingParams(max_tokens=24, stop=[text[len(text) // 2:][:3]],
-                                                          **greedy))
+    requests.update(stop_requests(engine, prompts[7]))
     arrivals.update({"stop-id": 2, "stop-string": 4})
     return requests, arrivals

@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, stop_requests, workload
 from tests.helpers import count_compilations
 
 STEPS = 4
@@ -27,9 +27,6 @@ def plain_requests(engine: LLMEngine) -> tuple[dict, dict]:
     """Requests multi-step decoding serves: greedy and seeded, lengths that end inside a k-step run, stops."""
     prompts = make_prompts(8)
     greedy = dict(temperature=0.0, ignore_eos=True)
-    probe = run(engine, {"probe": (prompts[7], SamplingParams(max_tokens=24, **greedy))}, {"probe": 0})
-    probe_output = probe["probe"].outputs[0]
-    text = probe_output.text
     requests = {
         "greedy-13": (prompts[0], SamplingParams(max_tokens=13, **greedy)),
         "greedy-1": (prompts[5], SamplingParams(max_tokens=1, **greedy)),
@@ -37,8 +34,7 @@ def plain_requests(engine: LLMEngine) -> tuple[dict, dict]:
         "seeded-n2": (prompts[1], SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=14,
                                                  ignore_eos=True)),
         "with-eos": (prompts[4], SamplingParams(max_tokens=30, temperature=1.3, seed=2)),
-        "stop-id": (prompts[7], SamplingParams(max_tokens=24, stop_token_ids=[probe_output.token_ids[9]], **greedy)),
-        "stop-string": (prompts[7], SamplingParams(max_tokens=24, stop=[text[len(text) // 2:][:3]], **greedy)),
+        **stop_requests(engine, prompts[7]),
         "late": (prompts[3], SamplingParams(max_tokens=9, **greedy)),
     }
     arrivals = {"greedy-13": 0, "greedy-1": 0, "greedy-6": 1, "seeded-n2": 1, "with-eos": 2, "stop-id": 2,
