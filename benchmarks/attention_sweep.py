@@ -1,0 +1,236 @@
+"""Attention on a Hopper GPU: the Triton kernels' tuning space and the tensor-core candidates, side by side.
+
+Three parts, each case checked against the jnp reference on the same shuffled paged cache (Llama-3-8B
+heads, bfloat16):
+
+1. **decode**: `paged_decode_attention_pallas` over page size x block_kv x num_warps x num_stages, on the
+   case measured at 27% of HBM bandwidth on an H200 (256 requests, 200-2,048 keys each) and on 64 requests
+   at 4,096 keys; reported in TB/s of K/V read and as a fraction of the device's HBM bandwidth.
+2. **prefill/mixed**: `ragged_paged_attention_pallas` over block_rows x block_kv x num_warps x num_stages,
+   on single chunks of 512-2,048 tokens at 2k-8k context and on a 1,024-token chunk beside 63 decodes;
+   reported in TFLOP/s of useful attention (causal keys only) and as a fraction of the dense bf16 peak.
+3. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
+   attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, TMA + wgmma), the keys before the chunk
+   gathered from their pages and attended by the same kernel without a mask, the two merged by their
+   log-sum-exp; and, for a chunk with no prefix, cuDNN's fused attention (`jax.nn.dot_product_attention`).
+
+Each configuration is timed after its compile; a configuration that fails to compile or run is reported
+with its error and the sweep goes on. `--budget-s` stops a part early rather than losing the report.
+
+    python benchmarks/attention_sweep.py --out DIR               # on a GPU (about 1-2 minutes)
+    python benchmarks/attention_sweep.py --out DIR --cpu         # here: tiny cases, kernels in interpret mode
+"""
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth, time_per_call
+
+from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
+
+PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
+
+
+@dataclass
+class Result:
+    part: str
+    case: str
+    impl: str
+    config: str
+    us: float | None
+    rate: float | None  # TB/s (decode) or TFLOP/s (prefill)
+    fraction: float | None
+    max_abs_err: float | None
+    error: str | None = None
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    return next((p for name, p in PEAK_BF16_FLOPS if name.lower() in device.device_kind.lower()), None)
+
+
+def useful_flops(inputs: PagedInputs, num_q_heads: int, head_dim: int) -> float:
+    """4 * d * heads per (query, visible key) pair: QK^T and PV, causal keys only."""
+    pairs = 0
+    for q_len, kv_len in zip(inputs.q_lens, np.asarray(inputs.kv_lens).tolist(), strict=False):
+        first = kv_len - q_len  # the chunk's first query sees first + 1 keys
+        pairs += q_len * first + q_len * (q_len + 1) // 2
+    return 4.0 * pairs * head_dim * num_q_heads
+
+
+def measure(part: str, case: str, impl: str, config: str, fn: Callable, args: tuple, reference: np.ndarray,
+            amount: float, peak: float | None, iters: int, unit: float) -> Result:
+    try:
+        out = jax.block_until_ready(fn(*args))
+        err = float(np.abs(np.asarray(out.astype(jnp.float32)) - reference).max())
+        seconds = time_per_call(fn, args, iters, calls_per_sample=5)
+        rate = amount / seconds
+        return Result(part, case, impl, config, seconds * 1e6, rate / unit, rate / peak if peak else None, err)
+    except Exception as e:  # a configuration that does not compile (shared memory, registers) is a finding
+        return Result(part, case, impl, config, None, None, None, None,
+                      f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+
+def mgpu_chunk_fn(inputs: PagedInputs, chunk_k: jax.Array, chunk_v: jax.Array, sm_scale: float,
+                  block_q: int, block_kv: int, dtype) -> Callable:
+    """One request's chunk of T queries at context C: causal self block + unmasked prefix, merged by LSE."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+
+    (q_len,), kv_len = inputs.q_lens, int(np.asarray(inputs.kv_lens)[0])
+    prefix = kv_len - q_len
+    num_kv_heads, _, page_size, head_dim = inputs.k_pages.shape
+    prefix_pages = inputs.page_table[0, : prefix // page_size]
+    causal = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=True)
+    plain = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=False)
+
+    def contiguous(pages: jax.Array) -> jax.Array:  # [K, P, page, H] -> [1, prefix, K, H]
+        return pages[:, prefix_pages].reshape(num_kv_heads, prefix, head_dim).transpose(1, 0, 2)[None]
+
+    def fn(q, k_pages, v_pages, chunk_k, chunk_v):  # q [T, N, H]; chunk_k/v [T, K, H]
+        q = (q * sm_scale).astype(dtype)[None]  # the kernel does not scale
+        out_self, (lse_self,) = mgpu.attention(q, chunk_k[None].astype(dtype), chunk_v[None].astype(dtype),
+                                               causal, save_residuals=True)  # lse: [1, N, T], log2
+        if not prefix:
+            return out_self[0]
+        out_prefix, (lse_prefix,) = mgpu.attention(q, contiguous(k_pages).astype(dtype),
+                                                   contiguous(v_pages).astype(dtype), plain, save_residuals=True)
+        lse = jnp.maximum(lse_self, lse_prefix)
+        w_self, w_prefix = jnp.exp2(lse_self - lse), jnp.exp2(lse_prefix - lse)  # [1, N, T]
+        w_self, w_prefix = (w.transpose(0, 2, 1)[..., None] for w in (w_self, w_prefix))  # [1, T, N, 1]
+        out = (w_self * out_self.astype(jnp.float32) + w_prefix * out_prefix.astype(jnp.float32))
+        return (out / (w_self + w_prefix))[0].astype(q.dtype)
+
+    return jax.jit(fn), (inputs.q, inputs.k_pages, inputs.v_pages, chunk_k, chunk_v)
+
+
+def chunk_kv(inputs: PagedInputs) -> tuple[jax.Array, jax.Array]:
+    """The chunk's own K/V as the step has them (contiguous [T, K, H]), read back from its pages."""
+    (q_len,), kv_len = inputs.q_lens, int(np.asarray(inputs.kv_lens)[0])
+    num_kv_heads, _, page_size, head_dim = inputs.k_pages.shape
+    pages = np.asarray(inputs.page_table[0, : -(-kv_len // page_size)])
+
+    def take(p):
+        flat = p[:, pages].reshape(num_kv_heads, -1, head_dim)[:, kv_len - q_len : kv_len]
+        return flat.transpose(1, 0, 2)
+
+    return take(inputs.k_pages), take(inputs.v_pages)
+
+
+def cudnn_fn(sm_scale: float) -> Callable:
+    def fn(q, k, v):  # one request, no prefix: [T, N, H], [T, K, H]
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=sm_scale, is_causal=True,
+                                            implementation="cudnn")[0]
+
+    return jax.jit(fn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu", action="store_true", help="tiny cases, Pallas in interpret mode")
+    parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    device = jax.devices()[0]
+    hbm, flops = peak_bandwidth(device), peak_flops(device)
+    heads = HEADS["llama-3-8b"] if not args.cpu else HEADS["smollm2-135m"]
+    num_q_heads, _, head_dim = heads
+    sm_scale = head_dim ** -0.5
+    dtype = jnp.bfloat16
+    interpret = args.cpu
+    rng = np.random.default_rng(0)
+    if args.cpu:
+        decode_cases = {"decode 4 x 20-70": rng.integers(20, 70, 4).tolist()}
+        page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
+        mixed = {"chunk 64 at 128": ([64], [128])}
+        ragged_grid = [(16, 32, 4, 2)]
+        chunk_cases = {"chunk 128 at 128": (128, 128)}
+    else:
+        decode_cases = {"decode 256 x 200-2048": rng.integers(200, 2049, 256).tolist(),
+                        "decode 64 x 4096": [4096] * 64}
+        page_sizes, blocks_kv, warps, stages = (16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)
+        mixed = {"chunk 1024 + 63 decodes": ([1024] + [1] * 63, [2048, *rng.integers(200, 2049, 63).tolist()]),
+                 "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
+                 "chunk 512 at 8192": ([512], [8192])}
+        ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
+        chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
+                       "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
+                       "chunk 2048 at 8192": (2048, 8192)}
+    results: list[Result] = []
+
+    def report(r: Result) -> None:
+        results.append(r)
+        rate = "-" if r.rate is None else f"{r.rate:.2f}"
+        frac = "-" if r.fraction is None else f"{r.fraction:.0%}"
+        print(f"| {r.part} | {r.case} | {r.impl} | {r.config} | {r.us or 0:.1f} | {rate} | {frac} | "
+              f"{r.max_abs_err if r.max_abs_err is not None else '-'} | {r.error or ''} |", flush=True)
+        (args.out / "attention_sweep.json").write_text(json.dumps(
+            {"device": device.device_kind, "peak_hbm": hbm, "peak_flops": flops,
+             "results": [asdict(x) for x in results]}, indent=1))
+
+    def over(share: float) -> bool:
+        return time.monotonic() - start > share * args.budget_s
+
+    print(f"device {device.device_kind}; HBM {hbm}; bf16 peak {flops}")
+    print("| part | case | impl | config | us | TB/s or TFLOP/s | of peak | max abs err | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    # 1. decode: page size x block_kv x warps x stages (page 16 first: what serves today)
+    for name, kv_lens in decode_cases.items():
+        for page_size in page_sizes:
+            inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, page_size, dtype)
+            reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
+            amount = inputs.ideal_bytes()
+            for block_kv, nw, ns in itertools.product(blocks_kv, warps, stages):
+                if block_kv < page_size or over(0.4):
+                    continue
+                fn = jax.jit(lambda q, k, v, kv, pt, cu, b=block_kv, w=nw, s=ns: paged_decode_attention_pallas(
+                    q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret, block_kv=b, num_warps=w, num_stages=s))
+                report(measure("decode", name, "triton", f"page={page_size} block_kv={block_kv} warps={nw} "
+                               f"stages={ns}", fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
+            del inputs
+    # 2. prefill/mixed through the ragged kernel
+    for name, (q_lens, kv_lens) in mixed.items():
+        inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
+        reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
+        amount = useful_flops(inputs, num_q_heads, head_dim)
+        for block_rows, block_kv, nw, ns in ragged_grid:
+            if over(0.75):
+                break
+            fn = jax.jit(lambda *a, r=block_rows, b=block_kv, w=nw, s=ns: ragged_paged_attention_pallas(
+                *a, sm_scale=sm_scale, interpret=interpret, block_rows=r, block_kv=b, num_warps=w, num_stages=s))
+            report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
+                           fn, inputs.args, reference, amount, flops, args.iters, 1e12))
+    # 3. tensor-core candidates for one chunk
+    for name, (q_len, kv_len) in chunk_cases.items():
+        if over(0.95):
+            break
+        inputs = build_inputs([q_len], [kv_len], heads, 16, dtype)
+        reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
+        amount = useful_flops(inputs, num_q_heads, head_dim)
+        k, v = chunk_kv(inputs)
+        for mgpu_dtype, block_kv in ((jnp.bfloat16, 128), (jnp.float16, 128), (jnp.bfloat16, 64)):
+            try:
+                fn, fargs = mgpu_chunk_fn(inputs, k, v, sm_scale, 64, block_kv, mgpu_dtype)
+            except Exception as e:
+                report(Result("chunk", name, "mosaic-gpu", f"{jnp.dtype(mgpu_dtype).name} block_kv={block_kv}",
+                              None, None, None, None, f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            report(measure("chunk", name, "mosaic-gpu", f"{jnp.dtype(mgpu_dtype).name} block_kv={block_kv}", fn,
+                           fargs, reference, amount, flops, args.iters, 1e12))
+        if q_len == kv_len:
+            report(measure("chunk", name, "cudnn", "is_causal", cudnn_fn(sm_scale), (inputs.q, k, v), reference,
+                           amount, flops, args.iters, 1e12))
+    print(f"attention sweep done in {time.monotonic() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
