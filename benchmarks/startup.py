@@ -46,7 +46,8 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--port", str(port),
                "--compilation-cache-dir", str(cache_dir / "xla"), *extra]
     start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as log:
+    # The log goes straight to `log_path` when given, so a start killed from outside still leaves it.
+    with open(log_path, "w+") if log_path is not None else tempfile.TemporaryFile("w+") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             while True:
@@ -73,8 +74,6 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
             server.wait(timeout=60)
         log.seek(0)
         text = log.read()
-    if log_path is not None:
-        log_path.write_text(text)
     result = {"ready_s": round(ready, 2)}
     for name, pattern in _PHASES.items():
         if match := pattern.search(text):

@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# The prepared GPU check, in one call of about 7 minutes on the GPU machine. Four stages, each under its own
-# time limit so one that fails or overruns costs only its own figures:
-#   1. start-up: `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
-#   2. `make test-gpu`'s subset (`pytest -m gpu`) on the device;
-#   3. attention: the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
-#   4. the decode-step profile and `bench offline` waves at 1, 64 and 256 sequences for the GPT-2 and
-#      Llama-3-8B shapes (benchmarks/gpu_check.py).
+# The prepared GPU check: stages under their own time limits, so one that fails or overruns costs only its
+# own figures, and every stage writes its log under $OUT as it goes:
+#   probe      what a GPU compile costs under XLA's flags (benchmarks/gpu_compile_probe.py);
+#   startup    `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
+#   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
+#   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
+#   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
 #                                    # .gpu_check/, the wheels the GPU image lacks in .whl/, and the bundled
 #                                    # GGUF in two halves (.gpu_gguf_a/, .gpu_gguf_b/): a call carries 64 MiB
 #   scripts/gpu_check.sh --stage-gguf  # on the GPU machine, first call (carry .gpu_gguf_a): keeps the first half
 #   scripts/gpu_check.sh             # on the GPU machine, next call on the warm machine (carry .gpu_gguf_b,
-#                                    # .whl, .gpu_check): the four stages; results under $OUT
+#                                    # .whl, .gpu_check): every stage; results under $OUT
+#   scripts/gpu_check.sh probe startup   # on the GPU machine: only those stages
 #   scripts/gpu_check.sh --cpu       # here: stages 3 and 4 with tiny shapes, the same code
 #
 # Without the first half on the machine (a fresh one), the tests that need the bundled model skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
+stages="$*"  # on the GPU machine: any of probe startup test-gpu attention profile (default: all)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -55,6 +57,7 @@ PY
   exit 0
 fi
 
+case $mode in --*|gpu) ;; *) mode=stages ;; esac
 if [[ $mode == --stage-gguf ]]; then
   mkdir -p $stash && cp .gpu_gguf_a/part $stash/part_a && ls -la $stash && nvidia-smi -L
   exit 0
@@ -92,21 +95,30 @@ for s in "${shapes[@]}" smollm2-135m; do cp .gpu_check/tokenizer/* ".gpu_check/$
 stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit status and seconds
   local name=$1 limit=$2 began=$SECONDS; shift 2
   timeout "$limit" "$@"; local rc=$?
-  echo "stage $name: exit $rc in $((SECONDS - began))s" | tee -a "$summary"
+  echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
+wanted() { [[ $mode == gpu || " $stages " == *" $1 "* ]]; }
+export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
-stage startup 100 python3 benchmarks/startup.py --config gpu --timeout 90 --json "$out/startup.json" \
-  --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy > "$out/startup.log" 2>&1
-cat "$out"/serve-0-*.log >> "$out/startup.log" 2>/dev/null; rm -f "$out"/serve-0-*.log
-
-stage test-gpu 130 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n 4 --dist load -m gpu tests --timeout 100 \
-  -p no:cacheprovider -rfEs --durations 15 > "$out/pytest.log" 2>&1
-tail -n 3 "$out/pytest.log"
-
-stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
-
-models=()
-for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
-stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
-  2> "$out/gpu_check.log"
+if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
+  stage probe 130 python3 benchmarks/gpu_compile_probe.py --model .gpu_check/gpt2 --out "$out" --timeout 42 \
+    > "$out/probe.log" 2>&1
+fi
+if wanted startup; then
+  stage startup 95 python3 benchmarks/startup.py --config gpu --timeout 85 --json "$out/startup.json" \
+    --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy > "$out/startup.log" 2>&1
+fi
+if wanted test-gpu; then
+  stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu --timeout 100 \
+    -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 4 --dist load tests} > "$out/pytest.log" 2>&1
+fi
+if wanted attention; then
+  stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
+fi
+if wanted profile; then
+  models=()
+  for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
+  stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
+    2> "$out/gpu_check.log"
+fi
 cat "$summary"

@@ -60,11 +60,13 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf: Path):
+def smollm2_tokenizer(request: pytest.FixtureRequest):
     from jaxserve.models.gguf_cache import converted_dir
     from jaxserve.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(converted_dir(smollm2_gguf))
+    if directory := os.environ.get("JAXSERVE_TEST_TOKENIZER"):  # SmolLM2's tokenizer saved apart (a GPU
+        return load_tokenizer(Path(directory))  # machine that was sent the checkout without the model)
+    return load_tokenizer(converted_dir(request.getfixturevalue("smollm2_gguf")))
 
 
 def _tiny_hf_model(kind: str):
