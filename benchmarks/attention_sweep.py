@@ -137,6 +137,10 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="tiny cases, Pallas in interpret mode")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--focus", action="store_true",
+                        help="only the decode defaults against the sweep's best, bfloat16 and FP8 caches, "
+                             "interleaved over --rounds; and the mixed case in both cache dtypes")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -180,6 +184,8 @@ def main() -> None:
     def over(share: float) -> bool:
         return time.monotonic() - start > share * args.budget_s
 
+    if args.focus:
+        return focus(args, device, hbm, flops, heads, sm_scale, interpret, rng)
     print(f"device {device.device_kind}; HBM {hbm}; bf16 peak {flops}")
     print("| part | case | impl | config | us | TB/s or TFLOP/s | of peak | max abs err | error |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -230,6 +236,59 @@ def main() -> None:
             report(measure("chunk", name, "cudnn", "is_causal", cudnn_fn(sm_scale), (inputs.q, k, v), reference,
                            amount, flops, args.iters, 1e12))
     print(f"attention sweep done in {time.monotonic() - start:.0f}s")
+
+
+def focus(args, device, hbm, flops, heads, sm_scale, interpret, rng) -> None:
+    """Decode kernel configurations side by side, interleaved over rounds (medians), bfloat16 and FP8."""
+    num_q_heads, _, head_dim = heads
+    if args.cpu:
+        decode_cases = {"decode 4 x 20-70": rng.integers(20, 70, 4).tolist()}
+        configs = [(32, 4, 2), (16, 4, 3)]
+        mixed = {"chunk 64 at 128": ([64], [128])}
+    else:
+        decode_cases = {"decode 256 x 200-2048": rng.integers(200, 2049, 256).tolist(), "decode 64 x 4096": [4096] * 64}
+        configs = [(128, 4, 2), (128, 4, 3), (64, 4, 3)]  # the default and the H100 sweep's two best
+        mixed = {"chunk 1024 + 63 decodes": ([1024] + [1] * 63, [2048, *rng.integers(200, 2049, 63).tolist()])}
+    rows = []
+    print(f"device {device.device_kind}; HBM {hbm}; bf16 peak {flops}")
+    print("| case | cache | block_kv, warps, stages | us (median of rounds) | TB/s of K/V | of HBM peak | "
+          "max abs err vs reference |")
+    print("|---|---|---|---|---|---|---|")
+    for name, kv_lens in decode_cases.items():
+        for cache_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, 16, jnp.bfloat16, cache_dtype=cache_dtype)
+            reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
+            fns = {c: jax.jit(lambda q, k, v, kv, pt, cu, c=c: paged_decode_attention_pallas(
+                q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret, block_kv=c[0], num_warps=c[1],
+                num_stages=c[2])) for c in configs}
+            samples: dict[tuple, list[Result]] = {c: [] for c in configs}
+            for _ in range(args.rounds):
+                for c, fn in fns.items():
+                    samples[c].append(measure("decode", name, "triton", str(c), fn, inputs.args, reference,
+                                              inputs.ideal_bytes(), hbm, args.iters, 1e12))
+            for c, results in samples.items():
+                ok = [r for r in results if r.us is not None]
+                if not ok:
+                    rows.append(asdict(results[0]))
+                    print(f"| {name} | {jnp.dtype(cache_dtype).name} | {c} | - | - | - | {results[0].error} |")
+                    continue
+                best = sorted(ok, key=lambda r: r.us)[len(ok) // 2]
+                rows.append({**asdict(best), "cache": jnp.dtype(cache_dtype).name, "all_us": [r.us for r in ok]})
+                frac = "-" if best.fraction is None else f"{best.fraction:.0%}"
+                print(f"| {name} | {jnp.dtype(cache_dtype).name} | {c} | {best.us:.1f} | {best.rate:.2f} | {frac} | "
+                      f"{best.max_abs_err:.3g} |", flush=True)
+            del inputs
+    for name, (q_lens, kv_lens) in mixed.items():
+        for cache_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            inputs = build_inputs(q_lens, kv_lens, heads, 16, jnp.bfloat16, cache_dtype=cache_dtype)
+            reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
+            fn = jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=sm_scale, interpret=interpret))
+            r = measure("mixed", name, "triton", "default", fn, inputs.args, reference,
+                        useful_flops(inputs, num_q_heads, head_dim), flops, args.iters, 1e12)
+            rows.append({**asdict(r), "cache": jnp.dtype(cache_dtype).name})
+            print(f"| {name} | {jnp.dtype(cache_dtype).name} | default | {r.us or 0:.1f} | {r.rate or 0:.1f} TFLOP/s "
+                  f"| {r.fraction or 0:.0%} | {r.max_abs_err} {r.error or ''} |", flush=True)
+    (args.out / "attention_focus.json").write_text(json.dumps({"device": device.device_kind, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ QUESTIONS = [
 ]
 
 
-def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
@@ -35,14 +35,15 @@ def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[li
     options = {"dtype": "float32", **{key: yaml.safe_load(value) for key, value in pairs}}
     config = EngineConfig.from_preset("cpu", **options)
     engine = LLMEngine(config)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    outputs: dict[int, list[int]] = {}
+    outputs: dict[int, tuple[list[int], list[float]]] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                outputs[int(output.request_id)] = output.outputs[0].token_ids
+                completion = output.outputs[0]
+                outputs[int(output.request_id)] = (completion.token_ids, [float(x) for x in completion.logprobs])
     engine.shutdown()
     return [outputs[i] for i in range(len(prompts))]
 
@@ -68,17 +69,25 @@ def main() -> None:
     report = []
     for setting in args.settings:
         got = generate(setting, prompts, args.max_tokens)
-        first_diff = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), None)
+        first_diff = [next((i for i, (a, b) in enumerate(zip(r[0], g[0], strict=True)) if a != b), None)
                       for r, g in zip(reference, got, strict=True)]
+        # logprob error: the same token's log-probability under both, at the positions before the first
+        # difference (where both have the same context)
+        errors = [abs(a - b) for r, g, d in zip(reference, got, first_diff, strict=True)
+                  for a, b in list(zip(r[1], g[1], strict=True))[: d if d is not None else args.max_tokens]]
         differing = [d for d in first_diff if d is not None]
         same_tokens = sum(d if d is not None else args.max_tokens for d in first_diff)
         row = {"setting": setting, "prompts": len(prompts), "identical": len(prompts) - len(differing),
                "tokens_before_first_difference": same_tokens / (len(prompts) * args.max_tokens),
-               "median_first_difference": statistics.median(differing) if differing else None}
+               "median_first_difference": statistics.median(differing) if differing else None,
+               "mean_abs_logprob_error": statistics.fmean(errors) if errors else None,
+               "max_abs_logprob_error": max(errors) if errors else None}
         report.append(row)
         print(f"{setting}: {row['identical']} of {len(prompts)} generations identical to float32's "
               f"({args.max_tokens} tokens each); {100 * row['tokens_before_first_difference']:.1f}% of tokens "
-              f"before the first difference; median first difference at token {row['median_first_difference']}",
+              f"before the first difference; median first difference at token {row['median_first_difference']}; "
+              f"logprob error of the same token mean {row['mean_abs_logprob_error']:.4f}, "
+              f"max {row['max_abs_logprob_error']:.4f}",
               flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -151,7 +151,7 @@ def compile_ladder(
                           sched.max_num_batched_tokens, sched.max_num_seqs)
     todo = buckets or ladder.all_buckets()
     itemsize = jnp.dtype(jax_dtype).itemsize
-    cache_dtype = kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl)
+    cache_dtype = kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl, attention.compute_capability)
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
                                 cache_dtype.itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)

@@ -24,7 +24,8 @@ LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or r
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's
 # default cache is float16); the CPU paths and the native kernel compute in float32 either way.
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# fp8 (vLLM's name; fp8_e4m3 the same): e4m3 pages with a scale of 1, half a 16-bit cache's bytes.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 # The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
 SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

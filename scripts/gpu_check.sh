@@ -5,6 +5,7 @@
 #   startup    `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
 #   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
 #   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
+#   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
@@ -20,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
-stages="$*"  # on the GPU machine: any of probe startup test-gpu attention profile (default: all)
+stages="$*"  # on the GPU machine: any of probe startup test-gpu attention focus profile (default: all)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -101,15 +102,34 @@ wanted() { [[ $mode == gpu || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
 if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
-  stage probe 130 python3 benchmarks/gpu_compile_probe.py --model .gpu_check/gpt2 --out "$out" --timeout 42 \
-    > "$out/probe.log" 2>&1
+  stage probe "${PROBE_S:-130}" python3 benchmarks/gpu_compile_probe.py --model .gpu_check/gpt2 --out "$out" \
+    --timeout 42 ${PROBE_ARGS:-} > "$out/probe.log" 2>&1
+  # The later stages take the flag set that compiled fastest with a TPOT within 5% of the default's.
+  best=$(python3 - "$out/compile_probe.json" <<'PY'
+import json, sys
+from benchmarks.gpu_compile_probe import FLAG_SETS
+rows = [r for r in json.load(open(sys.argv[1])) if "error" not in r]
+base = next((r for r in rows if r["flags"] == "default"), None)
+fine = [r for r in rows if base is None or r["tpot_ms"] <= 1.05 * base["tpot_ms"]]
+print(FLAG_SETS[min(fine, key=lambda r: r["warmup_s"])["flags"]] if fine else "")
+PY
+  )
+  flags=$(echo ${XLA_FLAGS:-} $best)  # trimmed: XLA reads a value that does not start with -- as a file name
+  if [[ -n $flags ]]; then export XLA_FLAGS=$flags; fi
+  echo "XLA_FLAGS for the later stages: '${XLA_FLAGS:-}'" >> "$summary"
+fi
+if wanted focus; then  # the decode kernel's default against the sweep's best, bfloat16 and FP8 caches
+  stage focus "${FOCUS_S:-80}" python3 benchmarks/attention_sweep.py --focus --rounds 2 --out "$out" \
+    > "$out/focus.log" 2>&1
 fi
 if wanted startup; then
-  stage startup 95 python3 benchmarks/startup.py --config gpu --timeout 85 --json "$out/startup.json" \
-    --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy > "$out/startup.log" 2>&1
+  # ready with a background warm-up (the largest bucket compiled), cold then warm; each server stops once ready
+  stage startup "${STARTUP_S:-95}" python3 benchmarks/startup.py --config gpu --timeout 85 --no-wait-all \
+    --json "$out/startup.json" --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy \
+    --warmup background > "$out/startup.log" 2>&1
 fi
 if wanted test-gpu; then
-  stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu --timeout 100 \
+  stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
     -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 4 --dist load tests} > "$out/pytest.log" 2>&1
 fi
 if wanted attention; then

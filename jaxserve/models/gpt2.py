@@ -130,6 +130,17 @@ class GPT2LMHeadModel(nnx.Module):
         return logits_from_embeddings(hidden, self.wte[...], self.cfg.attention)
 
 
+LAYERS_KEY = "h"  # the blocks' list in the model's state (`kv_scales.fold_kv_scales`)
+
+
+def kv_scale_factor(path: tuple, k_scale: float, v_scale: float) -> Any:
+    """What a block's parameter at `path` is multiplied by to fold an FP8 cache's scales into the weights
+    (`kv_scales.py`); the fused q/k/v weight [D, 3, N, H] and bias [3, N, H] take one factor per part."""
+    qkv = np.asarray([k_scale, 1.0 / k_scale, 1.0 / v_scale], np.float32)
+    return {("qkv",): qkv[None, :, None, None], ("qkv_bias",): qkv[:, None, None],
+            ("attn_out",): v_scale}.get(path)
+
+
 # HF names -> (NNX path, transform). GPT-2 uses Conv1D, whose weights are already [in, out].
 _BLOCK_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, GPT2Config], np.ndarray]]] = {
     "ln_1.weight": (("ln_1", "scale"), lambda w, c: w),

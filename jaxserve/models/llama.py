@@ -161,6 +161,18 @@ class LlamaForCausalLM(nnx.Module):
         return logits_from_embeddings(hidden, head[...], self.cfg.attention)
 
 
+LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
+
+
+def kv_scale_factor(path: tuple, k_scale: float, v_scale: float) -> float | None:
+    """What a layer's parameter at `path` is multiplied by to fold an FP8 cache's scales into the weights
+    (`kv_scales.py`): K and V written divided by their scales, q.k and the attention output unchanged."""
+    return {("self_attn", "q_proj"): k_scale, ("self_attn", "q_bias"): k_scale,
+            ("self_attn", "k_proj"): 1.0 / k_scale, ("self_attn", "k_bias"): 1.0 / k_scale,
+            ("self_attn", "v_proj"): 1.0 / v_scale, ("self_attn", "v_bias"): 1.0 / v_scale,
+            ("self_attn", "o_proj"): v_scale}.get(path)
+
+
 # HF checkpoint name -> (NNX path, transform). HF Linear weights are [out, in].
 def _proj_in(shape_fn: Callable[[LlamaConfig], tuple[int, ...]]):
     return lambda w, cfg: w.T.reshape(shape_fn(cfg))

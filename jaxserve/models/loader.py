@@ -63,6 +63,8 @@ class LoadedModel:
     max_position_embeddings: int
     dtype: Any  # activations, norms, biases
     weight_dtype: Any  # the matmul weights (`ModelConfig.weight_dtype`)
+    # f32[L, 2]: the per-layer (K, V) scales of an FP8 cache, once folded into the weights (`kv_scales.py`)
+    kv_scales: Any = None
 
     @property
     def mesh(self) -> Mesh | None:

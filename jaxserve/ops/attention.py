@@ -40,6 +40,7 @@ class AttentionConfig:
 
     impl: str = "reference"  # reference | cpu | cpu-native | pallas | interpret, never auto
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
+    compute_capability: float | None = None  # the target's (CUDA GPUs): whether it reads an FP8 cache
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
 
     @property
@@ -85,21 +86,41 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
     return impl
 
 
-def kv_cache_dtype(requested: str, model_dtype: Any, impl: str) -> Any:
-    """The KV cache's dtype: `requested` (`auto`: the model's). The Pallas kernel computes in its cache's
-    dtype and takes queries of that dtype, so with it the cache stays in the model's."""
+FP8_KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}  # vLLM's names
+MIN_FP8_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper convert e4m3 in hardware (Triton's fp8e4nv)
+
+
+def kv_cache_dtype(requested: str, model_dtype: Any, impl: str, compute_capability: float | None = None) -> Any:
+    """The KV cache's dtype: `requested` (`auto`: the model's). The Pallas kernel takes queries in the model's
+    dtype and reads a cache of that dtype or FP8 (widened in registers, on GPUs of compute capability
+    >= 8.9); the jnp paths read any; the native CPU kernel reads 16- and 32-bit caches."""
     model_dtype = jnp.dtype(model_dtype)
-    dtype = model_dtype if requested == "auto" else jnp.dtype(requested)
-    if impl in ("pallas", "interpret") and dtype != model_dtype:
+    fp8 = requested in FP8_KV_CACHE_DTYPES
+    dtype = model_dtype if requested == "auto" else jnp.dtype(FP8_KV_CACHE_DTYPES.get(requested, requested))
+    if fp8 and impl == "cpu-native":
+        raise ValueError(f"kv_cache_dtype {requested}: attention impl 'cpu-native' reads 16- and 32-bit caches; "
+                         "use --attention cpu (or reference) for an FP8 cache on a CPU")
+    if fp8 and impl == "pallas" and (compute_capability or 0.0) < MIN_FP8_COMPUTE_CAPABILITY:
+        raise ValueError(f"kv_cache_dtype {requested} needs a GPU of compute capability >= "
+                         f"{MIN_FP8_COMPUTE_CAPABILITY} (FP8 conversions in hardware), not {compute_capability}")
+    if impl in ("pallas", "interpret") and dtype != model_dtype and not fp8:
         raise ValueError(f"kv_cache_dtype {requested} differs from the model's dtype ({model_dtype.name}), which "
-                         f"attention impl {impl!r} needs; use auto, or a CPU attention impl")
+                         f"attention impl {impl!r} needs (or fp8); use auto, fp8, or a CPU attention impl")
     return dtype
+
+
+def resolve_impl_for_cache(impl: str, kv_cache_dtype: str, device: DeviceFacts | None = None) -> str:
+    """`auto` with an FP8 cache on a CPU is the jnp `cpu` path (the native kernel reads no FP8)."""
+    if impl == "auto" and kv_cache_dtype in FP8_KV_CACHE_DTYPES and (device or local_facts()).platform == "cpu":
+        return "cpu"
+    return impl
 
 
 def resolve_attention(impl: str, device: DeviceFacts | None = None) -> AttentionConfig:
     """The attention config for the device the step is compiled for (the local default one if None)."""
     device = device or local_facts()
-    return AttentionConfig(impl=resolve_impl(impl, device), num_sms=device.num_sms)
+    return AttentionConfig(impl=resolve_impl(impl, device), num_sms=device.num_sms,
+                           compute_capability=device.compute_capability)
 
 
 def ragged_paged_attention(

@@ -1,6 +1,17 @@
 """Scatter freshly computed K/V into the paged cache."""
 
 import jax
+import jax.numpy as jnp
+
+
+def to_cache_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`x` in the cache's dtype. FP8 (e4m3) saturates at its largest finite value, +-448, as vLLM's FP8
+    cache does with a scale of 1: float8_e4m3fn has no infinity, and a plain cast of a larger value gives NaN."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)
+    return x.astype(dtype)
 
 
 def write_kv(
@@ -20,7 +31,7 @@ def write_kv(
 
     def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
         flat = pages.reshape(flat_shape)
-        flat = flat.at[:, slot_mapping].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+        flat = flat.at[:, slot_mapping].set(to_cache_dtype(new.swapaxes(0, 1), pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, k), scatter(v_pages, v)

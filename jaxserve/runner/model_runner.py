@@ -32,6 +32,7 @@ from jaxserve.allocator import allocator_note
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction
 from jaxserve.engine.step_io import SchedulerOutput, StepOutput
+from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
@@ -124,7 +125,8 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
-        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl)
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
+                                       cfg.attention.compute_capability)
         page_bytes = bytes_per_page(
             cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize
         )
@@ -134,6 +136,8 @@ class ModelRunner:
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
                                                                  greedy=True)}
         self._step = self._step_fns[PLAIN]
+        if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
+            model.kv_scales = apply_fp8_kv_scales(model, self.kv_dtype)
         self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
         self.num_pages = self._num_kv_pages(cache_config, page_bytes)
         for greedy in (False, True):  # they need the page count: its padding slot
