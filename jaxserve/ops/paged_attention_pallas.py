@@ -328,11 +328,11 @@ def paged_decode_attention_pallas(
     *,
     sm_scale: float,
     interpret: bool = False,
-    block_kv: int = 128,
+    block_kv: int = 64,  # 64 keys x 3 stages: the best of an H100 sweep (docs/benchmarks.md)
     num_splits: int | None = None,
     num_sms: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> jax.Array:  # [R, N, H]
     """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1.
 
