@@ -11,7 +11,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
-from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
@@ -33,14 +32,12 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
-        prepare_jax_platform()  # as the CLI does, in case no jax backend has started yet
         self.engine = LLMEngine(engine_config)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_config(cls, engine_config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        prepare_jax_platform()
         llm.engine = LLMEngine(engine_config)
         llm._ids = itertools.count()
         return llm

@@ -18,9 +18,6 @@ install on a GPU machine still shows jax's full report. Where JAX_PLATFORMS asks
 and none is visible, it raises `GpuNotFoundError` with one line, instead of jax's tracebacks and bare
 AssertionError.
 
-It also sets jaxserve's default XLA flags (`DEFAULT_XLA_FLAGS`: Triton GEMMs off, for compiles several
-times faster on GPUs) unless XLA_FLAGS names them.
-
 Not chosen: JAX_PLATFORMS=cpu where no NVIDIA GPU is visible (it would also hide a TPU or an AMD GPU),
 and a logging filter on jax's private logger (the failing check still runs, and a filter on a message's
 wording stops working silently when jax rewords it).
@@ -72,24 +69,3 @@ def prepare_jax_platform(environ: MutableMapping[str, str] = os.environ) -> None
         )
     if not nvidia_gpu_visible():
         environ.setdefault(SKIP_CUDA_CHECK_ENV, "1")
-    set_default_xla_flags(environ)
-
-
-# XLA flags jaxserve sets unless XLA_FLAGS already names them. XLA:GPU fuses matmuls into Triton GEMM
-# kernels and autotunes each one's tiling by compiling and timing many candidates on the device: on an
-# H100 a GPT-2 engine with two buckets did not finish compiling in 30 s, and compiled in 6 s with Triton
-# GEMMs off (cuBLAS, still autotuned), at a TPOT of 5.96 ms where turning all autotuning off gave 9.19 ms
-# (docs/benchmarks.md). The flag is a no-op on CPUs and makes deviceless GPU compiles match a GPU's.
-DEFAULT_XLA_FLAGS = {"xla_gpu_enable_triton_gemm": "false"}
-
-
-def set_default_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Adds each of DEFAULT_XLA_FLAGS to XLA_FLAGS unless the user gave it (jax reads XLA_FLAGS once, when
-    its first backend starts)."""
-    if environ.get("XLA_FLAGS", "").strip() and not environ["XLA_FLAGS"].lstrip().startswith("-"):
-        return  # XLA reads a value that does not start with -- as the name of a file of flags: left as given
-    flags = environ.get("XLA_FLAGS", "").split()
-    given = {flag.lstrip("-").split("=", 1)[0] for flag in flags}
-    added = [f"--{name}={value}" for name, value in DEFAULT_XLA_FLAGS.items() if name not in given]
-    if added:
-        environ["XLA_FLAGS"] = " ".join(flags + added)

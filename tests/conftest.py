@@ -77,6 +77,8 @@ def _tiny_hf_model(kind: str):
         for name, tensor in model.named_parameters():
             if name.endswith(".bias"):
                 tensor.normal_(std=0.3)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's per-head norms start at ones
+                tensor.normal_(mean=1.0, std=0.3)
     return model
 
 
@@ -98,6 +100,8 @@ def _build_tiny_hf_model(kind: str):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama_like))
     raise ValueError(kind)
 
 

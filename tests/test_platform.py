@@ -8,15 +8,7 @@ import sys
 import pytest
 
 from jaxserve import platform
-from jaxserve.platform import (
-    SKIP_CUDA_CHECK_ENV,
-    GpuNotFoundError,
-    nvidia_gpu_visible,
-    prepare_jax_platform,
-    set_default_xla_flags,
-)
-
-DEFAULTS = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}  # what prepare_jax_platform adds to an empty env
+from jaxserve.platform import SKIP_CUDA_CHECK_ENV, GpuNotFoundError, nvidia_gpu_visible, prepare_jax_platform
 
 
 @pytest.fixture
@@ -35,10 +27,10 @@ def gpu_nodes(monkeypatch, tmp_path):
 def test_without_a_gpu_the_cuda_check_is_skipped_and_the_platform_left_to_jax(gpu_nodes):
     environ: dict[str, str] = {}
     prepare_jax_platform(environ)
-    assert environ == {SKIP_CUDA_CHECK_ENV: "1", **DEFAULTS}
+    assert environ == {SKIP_CUDA_CHECK_ENV: "1"}
     environ = {"JAX_PLATFORMS": "cuda,cpu"}  # a GPU if there is one: jax falls back quietly
     prepare_jax_platform(environ)
-    assert environ == {"JAX_PLATFORMS": "cuda,cpu", SKIP_CUDA_CHECK_ENV: "1", **DEFAULTS}
+    assert environ == {"JAX_PLATFORMS": "cuda,cpu", SKIP_CUDA_CHECK_ENV: "1"}
 
 
 def test_with_a_gpu_nothing_changes(gpu_nodes):
@@ -46,17 +38,7 @@ def test_with_a_gpu_nothing_changes(gpu_nodes):
     for environ in ({}, {"JAX_PLATFORMS": "cuda"}, {"JAX_PLATFORMS": "cpu"}):
         before = dict(environ)
         prepare_jax_platform(environ)
-        assert environ == {**before, **DEFAULTS}  # only jaxserve's default XLA flags
-
-
-def test_default_xla_flags_are_added_unless_given():
-    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
-    set_default_xla_flags(environ)
-    assert environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
-    for given in ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm", "/path/to/a/flag/file"):
-        environ = {"XLA_FLAGS": given}  # the user's choice, or a file of flags (XLA reads those), as given
-        set_default_xla_flags(environ)
-        assert environ == {"XLA_FLAGS": given}
+        assert environ == before
 
 
 def test_a_gpu_asked_for_and_missing_is_one_line(gpu_nodes):

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "llama-3.2-1b": "llama-3.2-1b.json",
-                  "llama-3-8b": "llama-3-8b.json"}
+                  "llama-3-8b": "llama-3-8b.json", "qwen3-0.6b": "qwen3-0.6b.json"}
 
 
 def bundled_config_values(name: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ _REGISTRY: dict[str, ModelSpec] = {
     "LlamaForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "MistralForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Qwen2ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
+    "Qwen3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
 }
 
 
@@ -36,6 +37,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 

@@ -133,7 +133,7 @@ class GPT2LMHeadModel(nnx.Module):
 LAYERS_KEY = "h"  # the blocks' list in the model's state (`kv_scales.fold_kv_scales`)
 
 
-def kv_scale_factor(path: tuple, k_scale: float, v_scale: float) -> Any:
+def kv_scale_factor(cfg: GPT2Config, path: tuple, k_scale: float, v_scale: float) -> Any:
     """What a block's parameter at `path` is multiplied by to fold an FP8 cache's scales into the weights
     (`kv_scales.py`); the fused q/k/v weight [D, 3, N, H] and bias [3, N, H] take one factor per part."""
     qkv = np.asarray([k_scale, 1.0 / k_scale, 1.0 / v_scale], np.float32)

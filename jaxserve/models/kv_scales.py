@@ -75,7 +75,7 @@ def fold_kv_scales(model: Any, scales: np.ndarray) -> None:
         if len(path) < 3 or path[0] != family.LAYERS_KEY:
             continue
         k_scale, v_scale = scales[int(path[1])]
-        factor = family.kv_scale_factor(tuple(path[2:]), float(k_scale), float(v_scale))
+        factor = family.kv_scale_factor(model.cfg, tuple(path[2:]), float(k_scale), float(v_scale))
         if factor is not None:
             flat[path] = scale(value, jnp.asarray(factor, jnp.float32))
     nnx.replace_by_pure_dict(model.state, traverse_util.unflatten_dict(flat))

@@ -1,4 +1,5 @@
-"""The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral, and Qwen2 (q/k/v biases).
+"""The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v biases) and Qwen3 (an RMSNorm
+over each query and key head, before RoPE).
 
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
@@ -45,6 +46,7 @@ class LlamaConfig:
     qkv_bias: bool
     max_position_embeddings: int
     inv_freq: tuple[float, ...]
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, with weights [H]
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
 
     @classmethod
@@ -70,6 +72,7 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             max_position_embeddings=max_len,
             inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
+            qk_norm=hf.model_type == "qwen3",
             attention=attention or AttentionConfig(),
         )
 
@@ -89,6 +92,9 @@ class Attention(nnx.Module):
             self.q_bias = param(n, h, dtype=dtype)
             self.k_bias = param(k, h, dtype=dtype)
             self.v_bias = param(k, h, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
@@ -98,6 +104,8 @@ class Attention(nnx.Module):
         v = project_heads(x, self.v_proj[...], attention)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over H, per token and head
         inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention)
@@ -164,12 +172,15 @@ class LlamaForCausalLM(nnx.Module):
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 
 
-def kv_scale_factor(path: tuple, k_scale: float, v_scale: float) -> float | None:
+def kv_scale_factor(cfg: LlamaConfig, path: tuple, k_scale: float, v_scale: float) -> float | None:
     """What a layer's parameter at `path` is multiplied by to fold an FP8 cache's scales into the weights
-    (`kv_scales.py`): K and V written divided by their scales, q.k and the attention output unchanged."""
-    return {("self_attn", "q_proj"): k_scale, ("self_attn", "q_bias"): k_scale,
-            ("self_attn", "k_proj"): 1.0 / k_scale, ("self_attn", "k_bias"): 1.0 / k_scale,
-            ("self_attn", "v_proj"): 1.0 / v_scale, ("self_attn", "v_bias"): 1.0 / v_scale,
+    (`kv_scales.py`): K and V written divided by their scales, q.k and the attention output unchanged.
+    With Qwen3's per-head norms, which undo any scale of the projections, q and k take theirs there."""
+    q_and_k = ({("self_attn", "q_norm", "scale"): k_scale, ("self_attn", "k_norm", "scale"): 1.0 / k_scale}
+               if cfg.qk_norm else
+               {("self_attn", "q_proj"): k_scale, ("self_attn", "q_bias"): k_scale,
+                ("self_attn", "k_proj"): 1.0 / k_scale, ("self_attn", "k_bias"): 1.0 / k_scale})
+    return {**q_and_k, ("self_attn", "v_proj"): 1.0 / v_scale, ("self_attn", "v_bias"): 1.0 / v_scale,
             ("self_attn", "o_proj"): v_scale}.get(path)
 
 
@@ -192,6 +203,8 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "self_attn.q_bias": (("self_attn", "q_bias"), lambda w, c: w.reshape(c.num_heads, c.head_dim)),
     "self_attn.k_bias": (("self_attn", "k_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
     "self_attn.v_bias": (("self_attn", "v_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), lambda w, c: w),
+    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), lambda w, c: w),
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
     "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, c: w.T),
     "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, c: w.T),

@@ -55,7 +55,7 @@ class PagedForward:
 
 
 @pytest.mark.gpu  # on the device (in full float32 on a GPU: tests/conftest.py)
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3"])
 def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     loaded = load_model(str(tiny_model_dir(kind)), dtype="float32")
     hf = tiny_hf_model(kind)

@@ -126,7 +126,7 @@ def test_power_of_two_scales_leave_headroom_below_448():
     assert power_of_two_scale(0.0, 448.0) == 1.0
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3"])
 def test_folded_scales_change_no_output_and_fill_e4m3s_range(kind, tiny_model_dir):
     """Folding power-of-two scales into a layer's weights is exact: with a float32 cache the model gives the
     same logprobs. With an FP8 cache the calibrated scales bring each layer's largest |K| and |V| into
