@@ -96,10 +96,13 @@ def test_the_kv_cache_dtype_is_one_of_the_listed_and_the_cli_takes_it():
     from jaxserve.cli import _engine_config, build_parser
 
     assert EngineConfig.from_preset(None, kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
-        EngineConfig.from_preset(None, kv_cache_dtype="fp8")
+    assert EngineConfig.from_preset(None, kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8"):
+        EngineConfig.from_preset(None, kv_cache_dtype="int8")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--config", "cpu"])
     assert _engine_config(args).cache.kv_cache_dtype == "bfloat16"
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", "--config", "cpu"])
+    assert _engine_config(args).cache.kv_cache_dtype == "fp8"
 
 
 def test_the_weight_dtype_is_one_of_the_listed_and_the_cli_takes_it():

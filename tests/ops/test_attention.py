@@ -227,9 +227,9 @@ def test_auto_picks_the_kernel_on_cuda_sm80_and_newer(platform, capability, want
             resolve_impl("pallas", device)
 
 
-@pytest.mark.parametrize("target,num_sms", [("h100", 132), ("a100", 108)])
-def test_a_gpu_target_resolves_as_that_gpu_would_here_on_a_cpu(target, num_sms):
+@pytest.mark.parametrize("target,num_sms,capability", [("h100", 132, 9.0), ("a100", 108, 8.0)])
+def test_a_gpu_target_resolves_as_that_gpu_would_here_on_a_cpu(target, num_sms, capability):
     """Compiling for a target picks what a real device of its kind picks, not what this CPU would."""
     attention = resolve_attention("auto", target_facts(target))
-    assert attention == AttentionConfig(impl="pallas", num_sms=num_sms)
+    assert attention == AttentionConfig(impl="pallas", num_sms=num_sms, compute_capability=capability)
     assert resolve_attention("auto", local_facts(jax.devices("cpu")[0])).impl in ("cpu", "cpu-native")
