@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
@@ -109,6 +108,8 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # 0.7 s of imports (transformers' tokenizer classes): paid on first use
+
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
             return self._tokenizer
