@@ -337,6 +337,9 @@ COMPILE_FLAGS = (
          help="keys each request attends in the predicted step times (default: max-model-len/2)"),
     Flag("--gpu-memory-utilization", CompileConfig, "gpu_memory_utilization", type=float,
          help=f"for the KV budget (default: {CacheConfig.gpu_memory_utilization})"),
+    Flag("--kv-cache-dtype", CompileConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
+         help="the KV cache's dtype, as serve takes it (default: the preset's); fp8 compiles the kernels that "
+              "read FP8 pages"),
     Flag(("--jobs", "-j"), CompileConfig, "jobs", "buckets compiled at once (default: the CPU count)", type=int),
     Flag(("--tensor-parallel-size", "-tp"), CompileConfig, "tensor_parallel_size", type=int,
          help="compile the step split over this many devices (GPUs of one node for a target); memory is "

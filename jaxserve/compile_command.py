@@ -27,6 +27,7 @@ def main(config: CompileConfig) -> None:
         max_model_len=config.max_model_len,
         context_len=config.context_len,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_dtype=config.kv_cache_dtype,
         jobs=config.jobs,
         xla_cost=config.xla_cost,
         tensor_parallel_size=config.tensor_parallel_size,

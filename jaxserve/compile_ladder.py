@@ -32,7 +32,8 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
-from jaxserve.ops.attention import AttentionConfig, kv_cache_dtype, resolve_attention
+from jaxserve.ops.attention import AttentionConfig, resolve_attention
+from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
@@ -113,6 +114,7 @@ def compile_ladder(
     max_model_len: int | None = None,
     context_len: int | None = None,
     gpu_memory_utilization: float | None = None,
+    kv_cache_dtype: str | None = None,
     jobs: int = 1,
     xla_cost: bool = True,
     buckets: list[Bucket] | None = None,
@@ -131,7 +133,8 @@ def compile_ladder(
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
-    config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization)
+    cache_options = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
+    config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, **cache_options)
     tp = tensor_parallel_size
     devices = deviceless_devices(target, tp) if target else jax.devices()[:tp]
     if len(devices) < tp:
@@ -151,7 +154,8 @@ def compile_ladder(
                           sched.max_num_batched_tokens, sched.max_num_seqs)
     todo = buckets or ladder.all_buckets()
     itemsize = jnp.dtype(jax_dtype).itemsize
-    cache_dtype = kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl, attention.compute_capability)
+    cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl,
+                                         attention.compute_capability)
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
                                 cache_dtype.itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)

@@ -405,6 +405,7 @@ class CompileConfig:
     max_model_len: int | None = ModelConfig.max_model_len
     context_len: int | None = None  # None: max_model_len / 2
     gpu_memory_utilization: float | None = None  # None: the preset's
+    kv_cache_dtype: str | None = None  # None: the preset's
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     xla_cost: bool = True

@@ -250,3 +250,18 @@ def test_smollm2_with_padded_heads_compiles_split_over_two_h100s():
                             variants=False, buckets=buckets, tensor_parallel_size=2)
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
     assert all(b.collectives.get("all-reduce", 0) >= 2 * 30 for b in report.buckets)
+
+
+@pytest.mark.slow
+def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
+    """`--kv-cache-dtype fp8`: both kernels reading FP8 pages get through Triton and ptxas for sm_90, and the
+    budget holds twice the pages; an A100 (compute capability 8.0, no FP8 conversions) is refused."""
+    buckets = [Bucket(256, 256, decode_only=True), Bucket(2048, 256)]
+    options = dict(target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False, buckets=buckets,
+                   read_launches=False)
+    fp8 = compile_ladder("smollm2-135m", kv_cache_dtype="fp8", **options)
+    _check_report(fp8, buckets, launches_read=False)
+    bf16 = compile_ladder("smollm2-135m", kv_cache_dtype="auto", **{**options, "buckets": buckets[:1]})
+    assert fp8.num_kv_pages // 2 == pytest.approx(bf16.num_kv_pages, rel=0.01)
+    with pytest.raises(ValueError, match=r"compute capability >= 8\.9"):
+        compile_ladder("smollm2-135m", kv_cache_dtype="fp8", **{**options, "target": "a100", "buckets": buckets[:1]})
