@@ -14,7 +14,11 @@
 #   scripts/gpu_check.sh --stage-gguf  # on the GPU machine, first call (carry .gpu_gguf_a): keeps the first half
 #   scripts/gpu_check.sh             # on the GPU machine, next call on the warm machine (carry .gpu_gguf_b,
 #                                    # .whl, .gpu_check): every stage; results under $OUT
-#   scripts/gpu_check.sh probe startup   # on the GPU machine: only those stages
+#   scripts/gpu_check.sh probe startup   # on the GPU machine: only those stages (all of them take ~10 minutes,
+#                                    # more than one call should: choose). Next session's, about 6 minutes:
+#   PROBE_ARGS="--sets default no-triton-gemm" PROBE_S=110 scripts/gpu_check.sh probe startup profile
+#   (the probe's best flag set, by compile time at a TPOT within 5% of the defaults', carries to the later
+#   stages; the limits: PROBE_S, FOCUS_S, STARTUP_S, TEST_GPU_S; TEST_GPU_ARGS picks the test files)
 #   scripts/gpu_check.sh --cpu       # here: stages 3 and 4 with tiny shapes, the same code
 #
 # Without the first half on the machine (a fresh one), the tests that need the bundled model skip.
