@@ -17,6 +17,7 @@ from jaxserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    METRICS_PREFIXES,
     SERVER_LOG_LEVELS,
     BucketBenchConfig,
     BucketConfig,
@@ -215,6 +216,9 @@ SERVER_FLAGS = (
 
 SERVER_LOG_FLAGS = (
     Flag("--disable-log-stats", ServerConfig, "disable_log_stats", "no periodic throughput log lines", **_OFF),
+    Flag("--metrics-prefix", ServerConfig, "metrics_prefix", choices=METRICS_PREFIXES,
+         help="the name prefix of every series /metrics serves: jaxserve (the default), or vllm, so dashboards "
+              "and alerts written for vLLM's metrics read jaxserve's unchanged (the names mean the same)"),
     Flag(("--disable-uvicorn-access-log", "--disable-access-log"), ServerConfig, "access_log", action="store_false",
          help="no access log (by default one line per HTTP request)"),
     Flag("--uvicorn-log-level", ServerConfig, "server_log_level", choices=SERVER_LOG_LEVELS,

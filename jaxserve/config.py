@@ -28,6 +28,8 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "p
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 # The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
 SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The metrics' name prefix: jaxserve's own, or vLLM's, so dashboards and alerts written for vLLM work as is.
+METRICS_PREFIXES = ("jaxserve", "vllm")
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,7 @@ class ServerConfig:
     body_read_timeout: float = 30.0  # seconds for a request body to arrive in full, else 408
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read from the output by the parser
     tool_call_parser: str | None = None  # how the model writes calls: "hermes", "llama3_json"
+    metrics_prefix: str = "jaxserve"  # one of METRICS_PREFIXES: /metrics serves `jaxserve:*` or `vllm:*`
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -318,6 +321,9 @@ class ServerConfig:
                              f"got {self.server_log_level!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
+                             f"got {self.metrics_prefix!r}")
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
 

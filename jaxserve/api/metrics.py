@@ -56,12 +56,23 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class _NoCreatedRegistry(CollectorRegistry):
-    """A registry that leaves out prometheus_client's `*_created` samples."""
+    """A registry that leaves out prometheus_client's `*_created` samples and serves every `jaxserve:*` name
+    under `prefix` (vLLM's `vllm:` names the same series)."""
+
+    def __init__(self, prefix: str = "jaxserve") -> None:
+        super().__init__()
+        self._rename = prefix != "jaxserve"
+        self._prefix = f"{prefix}:"
+
+    def _renamed(self, name: str) -> str:
+        return self._prefix + name.removeprefix("jaxserve:") if self._rename else name
 
     def collect(self) -> Iterator[Metric]:
         for metric in super().collect():
-            # Counter and Histogram build a fresh Metric per scrape, so filtering in place is safe.
-            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            # Counter and Histogram build a fresh Metric per scrape, so changing it in place is safe.
+            metric.samples = [s._replace(name=self._renamed(s.name)) for s in metric.samples
+                              if not s.name.endswith("_created")]
+            metric.name = self._renamed(metric.name)
             yield metric
 
 
@@ -136,8 +147,9 @@ class ServerMetrics:
         stats: Callable[[], EngineStats | None],
         max_model_len: int | None = None,
         cache_info: Mapping[str, str] | None = None,
+        prefix: str = "jaxserve",
     ) -> None:
-        self.registry: CollectorRegistry = _NoCreatedRegistry()
+        self.registry: CollectorRegistry = _NoCreatedRegistry(prefix)
         self.model_name = model_name
         self.stats = stats
         labels = ["model_name"]

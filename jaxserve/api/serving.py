@@ -128,7 +128,7 @@ class ModelServing:
                 "max_num_seqs": str(info.max_num_seqs),
                 "max_num_batched_tokens": str(info.max_num_batched_tokens),
                 "enable_prefix_caching": str(info.enable_prefix_caching),
-            }),
+            }, prefix=config.metrics_prefix),
             max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
         )
 

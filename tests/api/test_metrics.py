@@ -191,3 +191,48 @@ def test_metrics_through_the_app_after_a_completions_request_with_n_3(client):
         return all(value(now, f"jaxserve:{gauge}", model_name=after_model) == 0 for gauge in gauges)
 
     wait_for(idle)
+
+
+def histogram_quantile(samples: Samples, name: str, q: float) -> float:
+    """PromQL's histogram_quantile over one scrape's cumulative buckets (linear within the bucket)."""
+    buckets = sorted((float(dict(labels)["le"]), count) for (n, labels), count in samples.items()
+                     if n == f"{name}_bucket")
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
+        lower, below = upper, count
+    return buckets[-1][0]
+
+
+def test_the_vllm_prefix_serves_every_series_under_vllm_names_and_its_dashboard_queries_answer():
+    """`--metrics-prefix vllm`: the same series, each named `vllm:*` (none `jaxserve:*`), so the queries of
+    vLLM's published Grafana dashboard read them: the running and waiting gauges, KV usage, token counters,
+    and the latency quantiles from the histograms."""
+    stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25)
+    ours, theirs = (ServerMetrics("m", lambda: stats, max_model_len=64, prefix=p) for p in ("jaxserve", "vllm"))
+    prompt = [1, 2, 3, 4]
+
+    def outputs() -> AsyncIterator[RequestOutput]:
+        return stream(RequestOutput("r", None, prompt, [choice(0, 1, None)]),
+                      RequestOutput("r", None, prompt, [choice(0, 4, "length")], finished=True, metrics=STAMPS))
+
+    want, got = run(ours, outputs()), run(theirs, outputs())
+    assert got and all(name.startswith("vllm:") for name, _ in got)
+    renamed = {(name.replace("jaxserve:", "vllm:", 1), labels) for name, labels in want}
+    assert set(got) == renamed, "the same series under the other prefix"
+    for gauge, expected in (("vllm:num_requests_running", 3), ("vllm:num_requests_waiting", 2),
+                            ("vllm:kv_cache_usage_perc", 0.25)):  # sum(vllm:...{model_name="$model_name"})
+        assert value(got, gauge) == expected
+    assert value(got, "vllm:prompt_tokens_total") == 4 and value(got, "vllm:generation_tokens_total") == 5
+    assert value(got, "vllm:request_success_total", finished_reason="length") == 1
+    # histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket[...]))): one request
+    # whose end to end latency is in the (0.0, 0.001] bucket or above; the quantile lands in its bucket
+    e2e = histogram_quantile(got, "vllm:e2e_request_latency_seconds", 0.99)
+    assert e2e == histogram_quantile(want, "jaxserve:e2e_request_latency_seconds", 0.99) and e2e > 0
+    with pytest.raises(ValueError, match="metrics_prefix must be one of jaxserve, vllm"):
+        ServerConfig(metrics_prefix="sglang")
+    from jaxserve.cli import _server_config, build_parser
+
+    assert _server_config(build_parser().parse_args(["serve", "--metrics-prefix", "vllm"])).metrics_prefix == "vllm"
+    assert _server_config(build_parser().parse_args(["serve"])).metrics_prefix == "jaxserve"
