@@ -33,7 +33,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
-from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype
+from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
@@ -142,7 +142,7 @@ def compile_ladder(
     device, mesh = devices[0], Mesh(np.asarray(devices), (TP_AXIS,)) if tp > 1 else None
     facts: DeviceFacts = target_facts(target) if target else local_facts(device)
     jax_dtype = resolve_dtype(dtype, facts.platform)
-    attention = dataclasses.replace(resolve_attention(attention_impl, facts), mesh=mesh)
+    attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention)
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None

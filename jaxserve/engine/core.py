@@ -44,7 +44,6 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
-from jaxserve.ops.attention import resolve_impl_for_cache
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
@@ -67,16 +66,12 @@ class EngineCore:
             multihost.initialize(config.parallel)  # before the first jax backend call
         enable_compilation_cache(config.compilation_cache_dir)
         config = _with_fast_cpu_dtypes(config)
-        impl = resolve_impl_for_cache(config.attention_impl, config.cache.kv_cache_dtype)
-        if impl != config.attention_impl:
-            logger.info("attention: %s (an FP8 KV cache on a CPU: the native kernel reads 16- and 32-bit caches)",
-                        impl)
-            config = dataclasses.replace(config, attention_impl=impl)
         self.config = config
         if model is None:
             model = load_model(
                 config.model.model, config.model.dtype, config.attention_impl, config.model.revision,
                 config.parallel.tensor_parallel_size, config.model.weight_dtype, config.model.load_format,
+                kv_cache_dtype=config.cache.kv_cache_dtype,
             )
         self.model = model
         self.max_model_len = min(

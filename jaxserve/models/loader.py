@@ -307,6 +307,7 @@ def load_model(
     tensor_parallel_size: int = 1,
     weight_dtype: str = "auto",
     load_format: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards. Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
@@ -322,7 +323,7 @@ def load_model(
     metadata = metadata_dir(source)
     mesh = make_mesh(tensor_parallel_size)
     # Once, so `auto` and a bad choice are settled at start-up.
-    attention = dataclasses.replace(resolve_attention(attention_impl), mesh=mesh)
+    attention = dataclasses.replace(resolve_attention(attention_impl, kv_cache_dtype=kv_cache_dtype), mesh=mesh)
     logger.info("attention: %s", attention.impl)
     jax_dtype = resolve_dtype(dtype)
     jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)

@@ -32,6 +32,8 @@ MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
 kv_cache_shape = paged_attention_pallas.kv_cache_shape
+# vLLM's names for an FP8 cache: e4m3, the dtype the Pallas kernels widen in registers.
+FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.FP8_CACHE_DTYPES[0])
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def cuda_compute_capability(device: Any = None) -> float | None:
     return local_facts(device).compute_capability
 
 
-def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
-    """Maps `auto` to a concrete implementation for `device` (the local default one) and checks the choice."""
+def resolve_impl(impl: str, device: DeviceFacts | None = None, kv_cache_dtype: str = "auto") -> str:
+    """Maps `auto` to a concrete implementation for `device` (the local default one) and checks the choice.
+    On a CPU `auto` is the native kernel, or the jnp `cpu` path for an FP8 cache, which the kernel cannot read."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
     if impl not in ("auto", "pallas", "cpu-native"):
@@ -74,7 +77,8 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
         if kernel_runs:
             return "pallas"
         if device.platform == "cpu":
-            return "cpu-native" if cpu_kernels.kernel_error() is None else "cpu"
+            native = cpu_kernels.kernel_error() is None and kv_cache_dtype not in FP8_KV_CACHE_DTYPES
+            return "cpu-native" if native else "cpu"
         return "reference"
     if impl == "pallas" and not kernel_runs:
         found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
@@ -86,7 +90,6 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None) -> str:
     return impl
 
 
-FP8_KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}  # vLLM's names
 MIN_FP8_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper convert e4m3 in hardware (Triton's fp8e4nv)
 
 
@@ -109,17 +112,10 @@ def kv_cache_dtype(requested: str, model_dtype: Any, impl: str, compute_capabili
     return dtype
 
 
-def resolve_impl_for_cache(impl: str, kv_cache_dtype: str, device: DeviceFacts | None = None) -> str:
-    """`auto` with an FP8 cache on a CPU is the jnp `cpu` path (the native kernel reads no FP8)."""
-    if impl == "auto" and kv_cache_dtype in FP8_KV_CACHE_DTYPES and (device or local_facts()).platform == "cpu":
-        return "cpu"
-    return impl
-
-
-def resolve_attention(impl: str, device: DeviceFacts | None = None) -> AttentionConfig:
+def resolve_attention(impl: str, device: DeviceFacts | None = None, kv_cache_dtype: str = "auto") -> AttentionConfig:
     """The attention config for the device the step is compiled for (the local default one if None)."""
     device = device or local_facts()
-    return AttentionConfig(impl=resolve_impl(impl, device), num_sms=device.num_sms,
+    return AttentionConfig(impl=resolve_impl(impl, device, kv_cache_dtype), num_sms=device.num_sms,
                            compute_capability=device.compute_capability)
 
 

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.device import local_facts
 from jaxserve.ops.attention import (
     kv_cache_dtype,
     ragged_paged_attention,
     resolve_impl,
-    resolve_impl_for_cache,
 )
 from jaxserve.ops.kv_write import to_cache_dtype, write_kv
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
@@ -110,10 +110,10 @@ def test_the_fp8_choice_is_checked_against_the_attention_path_and_the_device():
         kv_cache_dtype("fp8", jnp.float32, "cpu-native")
     with pytest.raises(ValueError, match="or fp8"):
         kv_cache_dtype("float16", jnp.bfloat16, "pallas", compute_capability=9.0)
-    on_cpu = jax.default_backend() == "cpu"
-    assert resolve_impl_for_cache("auto", "fp8") == ("cpu" if on_cpu else "auto")
-    assert resolve_impl_for_cache("auto", "bfloat16") == "auto"
-    assert resolve_impl_for_cache("reference", "fp8") == "reference"
+    cpu = local_facts(jax.devices("cpu")[0])  # `auto` on a CPU: the jnp path for FP8, which the kernel can't read
+    assert resolve_impl("auto", cpu, kv_cache_dtype="fp8") == "cpu"
+    assert resolve_impl("auto", cpu, kv_cache_dtype="bfloat16") == resolve_impl("auto", cpu)
+    assert resolve_impl("reference", cpu, kv_cache_dtype="fp8") == "reference"
 
 
 def test_power_of_two_scales_leave_headroom_below_448():
