@@ -1,6 +1,7 @@
 """A real `jaxserve serve` in a subprocess (Hypercorn, the bundled SmolLM2), on a free port; waits on it."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,27 @@ MODEL = "smol"
 STARTUP_TIMEOUT_S = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Below Linux's ephemeral range (32768-60999): a port the OS hands out for a client's outgoing
+# connection (httpx polling /health, gloo) could otherwise take a server's port before it binds.
+_SERVER_PORTS = range(20000, 32000)
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive free ports outside the ephemeral range (a multi-host
+    coordinator on PORT needs PORT + 1 for its work channel)."""
+    for _ in range(200):
+        first = random.choice(_SERVER_PORTS)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports in {_SERVER_PORTS}")
 
 
 @dataclass

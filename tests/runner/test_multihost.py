@@ -21,7 +21,7 @@ PROMPTS = ["Hello there", "The weather today is"]
 
 
 def _start_pair(model_dir: Path, tmp_path: Path, cache_dir: Path) -> tuple[Server, subprocess.Popen, Path]:
-    coordinator = f"127.0.0.1:{free_port()}"
+    coordinator = f"127.0.0.1:{free_port(count=2)}"
     hosts = ["--model", str(model_dir), "--num-kv-pages", "64", "--tensor-parallel-size", "2",
              "--num-processes", "2", "--coordinator-address", coordinator]
     follower_log = tmp_path / f"follower-{coordinator.rsplit(':', 1)[1]}.log"
