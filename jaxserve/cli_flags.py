@@ -18,6 +18,8 @@ from jaxserve.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     METRICS_PREFIXES,
+    REASONING_PARSER_NAMES,
+    SCHEDULING_POLICIES,
     SERVER_LOG_LEVELS,
     BucketBenchConfig,
     BucketConfig,
@@ -135,6 +137,10 @@ ENGINE_FLAGS = (
          help="schedule and dispatch each step before reading the previous step's tokens, so the host's work "
               "overlaps the device's; a stop is seen one step late and the extra token dropped (default: the "
               "preset's; the bundled presets turn it on)"),
+    Flag("--scheduling-policy", SchedulerConfig, "scheduling_policy", choices=SCHEDULING_POLICIES,
+         help="fcfs: requests in arrival order; priority: a request's `priority` field, lower first (ties in "
+              "arrival order), and when pages or sequence slots run out the lowest-priority running request "
+              "is preempted (vLLM's flag)"),
     Flag("--num-scheduler-steps", SchedulerConfig, "num_scheduler_steps", type=int, preset=True,
          help="decode steps per jitted call while every running request only decodes (vLLM's former flag): "
               "the sampled tokens are fed back on the device and stops read after, at most k - 1 tokens "
@@ -206,6 +212,10 @@ SERVER_FLAGS = (
     Flag("--tool-call-parser", ServerConfig, "tool_call_parser", choices=sorted(TOOL_PARSERS),
          help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2) (default: "
               "none, so tool_choice 'auto' is refused)"),
+    Flag("--reasoning-parser", ServerConfig, "reasoning_parser", choices=REASONING_PARSER_NAMES,
+         help="split a reasoning model's <think>...</think> part into message.reasoning_content (and "
+              "delta.reasoning_content when streaming); structured outputs and tool calls apply to the answer "
+              "after it: deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3) (default: none)"),
     Flag("--generation-config", ServerConfig, "generation_config",
          "default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder"),
     Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,

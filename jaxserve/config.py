@@ -78,6 +78,10 @@ class CacheConfig:
 MAX_SCHEDULER_STEPS = 64
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -87,10 +91,16 @@ class SchedulerConfig:
     # Decode steps run per jitted call when every running request only decodes (vLLM's former
     # --num-scheduler-steps): the k tokens are fed back on the device and the stops read after.
     num_scheduler_steps: int = 1
+    # "fcfs": arrival order. "priority" (vLLM's): a request's `priority`, lower first, then arrival; when
+    # pages or sequence slots run out, the lowest-priority running request is the one preempted.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
             raise ValueError(f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], "
                              f"got {self.num_scheduler_steps}")
@@ -308,6 +318,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read from the output by the parser
     tool_call_parser: str | None = None  # how the model writes calls: "hermes", "llama3_json"
     metrics_prefix: str = "jaxserve"  # one of METRICS_PREFIXES: /metrics serves `jaxserve:*` or `vllm:*`
+    reasoning_parser: str | None = None  # "deepseek_r1", "qwen3": <think> text into reasoning_content
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -324,6 +335,9 @@ class ServerConfig:
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
                              f"got {self.metrics_prefix!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
+                             f"got {self.reasoning_parser!r}")
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
 

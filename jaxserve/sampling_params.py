@@ -61,6 +61,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     whitespace_pattern: str | None = None  # a regex for the whitespace between JSON tokens
+    # The grammar applies once the output has produced these tokens (a reasoning model's end of
+    # thinking, `</think>`): what comes before is free. Not part of the grammar's definition (`key`).
+    after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -88,7 +91,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> str:
         """A canonical text of the definition: equal definitions share a compiled grammar."""
-        return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, False)}, sort_keys=True)
+        return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, False) and k != "after_token_ids"},
+                          sort_keys=True)
 
 
 @dataclass(slots=True)
@@ -224,6 +228,15 @@ def check_cache_salt(salt: object) -> None:
     """vLLM's rule: a cache salt, when given, is a non-empty string."""
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidParam("cache_salt must be a non-empty string if provided", "cache_salt")
+
+
+def check_priority(priority: object, scheduling_policy: str) -> None:
+    """vLLM's rule: a request's priority is an int, and other than 0 only under the priority policy."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidParam("priority must be an integer", "priority")
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidParam(f"priority {priority} was given but the server schedules {scheduling_policy}; "
+                           "start it with --scheduling-policy priority", "priority")
 
 
 def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:

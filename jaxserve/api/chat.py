@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the chat template turns messages into one prompt with n completions."""
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -30,12 +32,13 @@ from jaxserve.api.protocol import (
     UsageInfo,
     random_id,
 )
+from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningStream, split_reasoning
 from jaxserve.api.serving import ModelServing, get_serving, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import InvalidParam
+from jaxserve.sampling_params import InvalidParam, SamplingParams
 
 
 def _template_tool_calls(calls: object, param: str) -> list[dict[str, Any]]:
@@ -151,14 +154,51 @@ def _tool_plan(serving: ModelServing, req: ChatCompletionRequest) -> ToolPlan | 
     return plan
 
 
-def _message(completion: CompletionOutput, plan: ToolPlan | None) -> tuple[ChatResponseMessage, str | None]:
-    """The assistant message of a finished choice, with the calls its text holds, and its finish_reason."""
+@dataclass(frozen=True)
+class _Reasoning:
+    """How a request's outputs split into reasoning and content (--reasoning-parser)."""
+
+    parser: ReasoningParser
+    phase: Phase  # where its outputs start
+    included: bool  # the request's include_reasoning
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.parser, self.phase)
+
+
+def _reasoning(serving: ModelServing, req: ChatCompletionRequest, prompt_ids: list[int]) -> _Reasoning | None:
+    if serving.reasoning is None:
+        return None
+    return _Reasoning(serving.reasoning.parser, serving.reasoning.first_phase(prompt_ids), req.include_reasoning)
+
+
+def _after_reasoning(serving: ModelServing, params: SamplingParams, reasoning: _Reasoning | None) -> SamplingParams:
+    """The params with their structured output (a response format, a forced tool call) made to wait for
+    the end of reasoning, as vLLM applies it, unless the prompt already ended it."""
+    if reasoning is None or params.structured_outputs is None:
+        return params
+    waits = serving.reasoning.grammar_waits(reasoning.phase)
+    if not waits:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs,
+                                                                              after_token_ids=waits))
+
+
+def _message(
+    completion: CompletionOutput, plan: ToolPlan | None, reasoning: _Reasoning | None,
+) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished choice (its reasoning, then the calls its answer holds), and
+    its finish_reason."""
+    thought, text = split_reasoning(reasoning.parser, reasoning.phase, completion.text) if reasoning else (
+        None, completion.text)
+    thought = thought if reasoning is not None and reasoning.included else None
     if plan is None:
-        return ChatResponseMessage(content=completion.text), completion.finish_reason
-    content, calls = plan.make_parser().parse(completion.text)
+        return ChatResponseMessage(content=text, reasoning_content=thought), completion.finish_reason
+    content, calls = plan.make_parser().parse(text or "")
     calls = calls[: plan.max_calls]
     message = ChatResponseMessage(
         content=None if plan.forced and calls else content,
+        reasoning_content=thought,
         tool_calls=[ToolCallInfo(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
     )
     return message, _finish_reason(completion.finish_reason, bool(calls))
@@ -182,10 +222,12 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
                                      structure=plan.structure if plan is not None else None)
+    reasoning = _reasoning(serving, req, prompt_ids)
+    params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)
     request_id = random_id("chatcmpl")
     model_name = req.model or serving.model_names[0]
-    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar)]
+    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority)]
     choices = ChoiceStream(streams, req.n, len(prompt_ids))
     if req.stream:
         created = int(time.time())
@@ -194,13 +236,13 @@ async def create_chat_completion(request: Request) -> Response:
             return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = sse(_chunks(serving, req, plan, choices, chunk),
+        body = sse(_chunks(serving, req, plan, reasoning, choices, chunk),
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     (final,) = await collect(request, streams)
     items = []
     for c in final.outputs:
-        message, finish_reason = _message(c, plan)
+        message, finish_reason = _message(c, plan, reasoning)
         items.append(ChatChoice(index=c.index, message=message,
                                 logprobs=_logprobs(serving, c) if req.logprobs else None,
                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -213,29 +255,36 @@ async def _chunks(
     serving: ModelServing,
     req: ChatCompletionRequest,
     plan: ToolPlan | None,
+    reasoning: _Reasoning | None,
     choices: ChoiceStream,
     chunk: Callable[[list[ChatChunkChoice]], ChatCompletionChunk],
 ) -> AsyncIterator[ChatCompletionChunk]:
     tool_streams = [ToolCallStream(plan.make_parser(), plan.max_calls) for _ in range(req.n)] if plan else []
+    thought_streams = [reasoning.stream() for _ in range(req.n)] if reasoning else []
     for i in range(req.n):  # the first chunk of each choice carries the role
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     async for delta in choices:
         completion = delta.completion
         finish_reason = delta.finish_reason
         content: str | None = completion.text_delta
+        thought: str | None = None
+        if reasoning is not None:
+            thought, content = thought_streams[delta.index].feed(content, final=finish_reason is not None)
+            thought = (thought or None) if reasoning.included else None
         calls: list[DeltaToolCall] | None = None
         if plan is not None:
             calls_stream = tool_streams[delta.index]
-            content, call_deltas = calls_stream.feed(completion.text_delta, final=finish_reason is not None)
+            content, call_deltas = calls_stream.feed(content, final=finish_reason is not None)
             calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                    function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                      for d in call_deltas] or None
             finish_reason = _finish_reason(finish_reason, calls_stream.num_calls > 0)
-            if not content and calls is None and finish_reason is None and not req.logprobs:
-                continue  # nothing to say yet (a call's name still arriving)
+        if (plan is not None or reasoning is not None) and not (content or calls or thought or finish_reason
+                                                                 or req.logprobs):
+            continue  # nothing to say yet (a call's name or a marker still arriving)
         yield chunk([ChatChunkChoice(
-            index=delta.index, delta=DeltaMessage(content=content if content or calls is None else None,
-                                                  tool_calls=calls),
+            index=delta.index, delta=DeltaMessage(content=content if content or (calls is None and thought is None)
+                                                  else None, reasoning_content=thought, tool_calls=calls),
             logprobs=_logprobs(serving, completion) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
         )])

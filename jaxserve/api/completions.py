@@ -101,7 +101,7 @@ async def create_completion(request: Request) -> Response:
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
     request_id = random_id("cmpl")
-    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt, grammar)
+    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt, grammar, req.priority)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
     model_name = req.model or serving.model_names[0]

@@ -90,6 +90,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many alternatives
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
+    priority: int = 0  # under --scheduling-policy priority: lower is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -155,6 +156,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # under --reasoning-parser: false drops reasoning_content
 
 
 class PromptTokensDetails(BaseModel):
@@ -238,6 +240,7 @@ class ToolCallInfo(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the <think> part
     tool_calls: list[ToolCallInfo] = Field(default_factory=list)
 
 
@@ -274,6 +277,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

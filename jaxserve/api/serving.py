@@ -23,11 +23,18 @@ from starlette.requests import Request
 from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_json
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields
+from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.outputs import RequestOutput, RequestOutputKind
-from jaxserve.sampling_params import InvalidParam, SamplingParams, StructuredOutputsParams, check_cache_salt
+from jaxserve.sampling_params import (
+    InvalidParam,
+    SamplingParams,
+    StructuredOutputsParams,
+    check_cache_salt,
+    check_priority,
+)
 
 T = TypeVar("T")
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
@@ -105,6 +112,7 @@ class ModelServing:
     generation_defaults: dict[str, Any]
     metrics: ServerMetrics
     max_prompt_chars: int
+    reasoning: ReasoningMarkers | None  # --reasoning-parser with its markers' token ids
     _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "jaxserve-tokenizer"))
     _token_strings: dict[int, str] = field(default_factory=dict)
 
@@ -130,6 +138,8 @@ class ModelServing:
                 "enable_prefix_caching": str(info.enable_prefix_caching),
             }, prefix=config.metrics_prefix),
             max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
+            reasoning=ReasoningMarkers.of(REASONING_PARSERS[config.reasoning_parser], engine.tokenizer)
+            if config.reasoning_parser else None,
         )
 
     @property
@@ -187,7 +197,7 @@ class ModelServing:
     ) -> SamplingParams:
         """The request's SamplingParams, checked against the engine's limits (the one rule, in
         jaxserve.sampling_params); any violation is a 400 naming the field. `prompt_logprobs` defaults
-        to the request's own field; its cache_salt is checked here too. `structure` (a tool choice's
+        to the request's own field; its cache_salt and priority are checked here too. `structure` (a tool choice's
         grammar) replaces what the request's own fields ask for."""
         if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
             raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
@@ -232,6 +242,7 @@ class ModelServing:
             )
             self.info.limits.check(prompt_token_ids, params)
             check_cache_salt(req.cache_salt)
+            check_priority(req.priority, self.info.scheduling_policy)
         except InvalidParam as e:
             raise APIError(400, str(e), e.param) from None
         return params
@@ -247,14 +258,14 @@ class ModelServing:
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Starts a request whose params came from `sampling_params` (so bad input was a 400 already) and
         whose structured output, if any, from `compile_grammar`."""
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
         return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt, grammar,
-                                                       checked=True))
+                                                       checked=True, priority=priority))
 
     def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
         """Each token decoded alone, in one batch (tokenizer thread only)."""

@@ -92,7 +92,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.num_scheduler_steps)
+                                   sched.num_scheduler_steps, sched.scheduling_policy)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._masks = MaskFiller()
@@ -114,6 +114,7 @@ class EngineCore:
             num_kv_pages=self.kv_cache.num_pages,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
+            scheduling_policy=sched.scheduling_policy,
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
@@ -133,7 +134,8 @@ class EngineCore:
         """Queues a request's sequences (checked by the frontend against `self.limits`); with `grammar`,
         each gets its own matcher. Raises ValueError if the cache cannot hold them (all n have the same
         size: the first is refused, so either none is added or all are)."""
-        matchers = [grammar.matcher() if grammar is not None else None for _ in sequences]  # may raise: first
+        matchers = [grammar.matcher(sequence.sampling_params.structured_outputs.after_token_ids)
+                    if grammar is not None else None for sequence in sequences]  # may raise: first
         for sequence, matcher in zip(sequences, matchers, strict=True):
             sequence.grammar = matcher
             self.scheduler.add_request(sequence)

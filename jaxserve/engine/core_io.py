@@ -80,6 +80,7 @@ class EngineInfo:
     num_kv_pages: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    scheduling_policy: str
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)

@@ -26,7 +26,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.loader import LoadedModel
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams, check_cache_salt
+from jaxserve.sampling_params import SamplingParams, check_cache_salt, check_priority
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
@@ -112,10 +112,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None,
         checked: bool = False,
+        priority: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError for bad input and leaves the engine untouched.
 
         `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt.
+        `priority` (vLLM's): under the priority policy, lower is served first; else it must be 0.
         `grammar`: `params.structured_outputs` compiled already (the server compiles off this thread);
         compiled here when not given. `checked`: the caller ran `self.limits.check` and `check_cache_salt`
         on these token ids and values (the server does, to answer a 400 before it streams); else they run
@@ -130,6 +132,7 @@ class LLMEngine:
         if not checked:  # InvalidParam (a ValueError) for what cannot be served
             self.limits.check(prompt_token_ids, params)
             check_cache_salt(cache_salt)
+            check_priority(priority, self.info.scheduling_policy)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         # The first sequence computes prompt logprobs (they are the request's); the others may read its
@@ -149,6 +152,7 @@ class LLMEngine:
                 sampling_seed=int(seed) % 2**32,
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
+                priority=priority,
             ))
         detokenizers = [IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
                         for _ in sequences]

@@ -75,6 +75,7 @@ class Request:
     last_token_time: float | None = None  # a finished request's last token: its finish time
     # Prefix caching: separates this request's cache entries from requests with another salt.
     cache_salt: str | None = None
+    priority: int = 0  # under the priority policy: lower is served first
     page_keys: list[bytes] = field(default_factory=list)  # keys of its full pages, as tokens become known
     num_keyed_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled

@@ -5,6 +5,11 @@ many tokens as the budget allows: running requests first (a decode costs one tok
 requests in arrival order (a long prompt is split into chunks over several steps). When pages run out,
 the newest running request is preempted: its pages are freed and it is recomputed later.
 
+Priority scheduling (`policy="priority"`, vLLM's): the waiting queue and the running list are ordered by
+(priority, arrival), lower first, so "newest" above reads "lowest priority, then newest". A waiting
+request of higher priority than a running one also preempts it when the waiting one's first chunk
+finds no pages or no free sequence slot; requests of one priority never preempt each other for a place.
+
 Prefix caching: a waiting request (new or preempted) starts after the longest run of its full pages
 found in the cache, capped so that at least its last token is computed (the step must produce logits).
 Pages are keyed only after the step that computed them has run (`update`), so a failed step can never
@@ -81,6 +86,10 @@ class IterationTokens:
         self.sum += num_tokens
 
 
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
 class Scheduler:
     def __init__(
         self,
@@ -88,8 +97,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_scheduler_steps: int = 1,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
+        self.by_priority = policy == "priority"
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -114,7 +127,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.check_fits(request.max_num_tokens)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:  # after the requests of its priority that came before it
+            bisect.insort_right(self.waiting, request, key=_priority_order)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,8 +152,13 @@ class Scheduler:
         plan = _Plan()
         preempted: list[str] = []
         busy = frozenset().union(*self._inflight_filling)  # keys of the pages steps in flight fill
+        if self.by_priority:
+            self.running.sort(key=_priority_order)  # stable: arrival order within a priority
+            yielded = self._yield_to_waiting()
+        else:
+            yielded = []
 
-        # Running requests, oldest first; preempt from the newest end when pages run out.
+        # Running requests, oldest (or most urgent) first; preempt from the other end when pages run out.
         page_size, caching = self._page_size, self._caching
         ids, counts, tokens, starts, outputs, keeps = (plan.request_ids, plan.num_new_tokens, plan.token_ids,
                                                        plan.start_positions, plan.output_indices, plan.keeps_sample)
@@ -182,9 +203,9 @@ class Scheduler:
             token_budget -= self._plan_row(request, end, plan)
             index += 1
 
-        # Waiting requests, in arrival order, while there is room; never skip ahead of the queue.
+        # Waiting requests, in queue order, while there is room; never skip ahead of the queue.
         now = time.monotonic()
-        if not preempted:
+        if not preempted:  # (requests that yielded to the queue's head stand behind it)
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 hit = self._cached_prefix(request, plan.filling, busy)
@@ -208,7 +229,25 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 self.running.append(request)
                 token_budget -= self._plan_row(request, end, plan, resumed=True)
-        return self._output(plan, preempted)
+        return self._output(plan, yielded + preempted)
+
+    def _yield_to_waiting(self) -> list[str]:
+        """Priority policy: preempts running requests of lower priority than the waiting queue's head, the
+        lowest first, while the head's first chunk would find no sequence slot or too few free pages
+        (counted without prefix-cache hits); returns their ids."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        head_order = _priority_order(head)
+        num_pages = self.kv_cache.num_pages_for(min(head.num_tokens, self.max_num_batched_tokens))
+        yielded = []
+        while self.running and _priority_order(self.running[-1]) > head_order and (
+            len(self.running) >= self.max_num_seqs or self.kv_cache.num_free_pages < num_pages
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            yielded.append(victim.request_id)
+        return yielded
 
     def _output(self, plan: _Plan, preempted: list[str]) -> SchedulerOutput:
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -270,7 +309,7 @@ class Scheduler:
         computed_end = end + num_steps - 1
         if self._caching and computed_end // self._page_size > start // self._page_size:  # it completes a page
             self._plan_page_keys(request, start, computed_end, row, plan)
-        if keeps_sample and request.grammar is not None:  # the core fills its mask before the step runs
+        if keeps_sample and request.grammar is not None and request.grammar.is_active:  # the core fills its mask
             plan.grammar_rows.append(row)
         if not request.has_plain_decodes:  # what few requests carry
             self._plan_features(request, start, end, row, keeps_sample, plan)
@@ -347,7 +386,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        if self.by_priority:  # before the requests of its priority that came after it
+            bisect.insort_left(self.waiting, request, key=_priority_order)
+        else:
+            self.waiting.appendleft(request)
 
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
         """Records a step's results (the step's requests, in flight or not, were advanced when scheduled);

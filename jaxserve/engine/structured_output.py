@@ -57,26 +57,43 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar: which tokens may come next, and what has come."""
+    """One sequence's position in its grammar: which tokens may come next, and what has come.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    With `after_token_ids`, the grammar waits: tokens pass freely until the output has produced that
+    sequence (a reasoning model's `</think>`), and the grammar applies from the next token on."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, after_token_ids: tuple[int, ...] = ()) -> None:
         self._matcher = matcher
+        self._awaited = tuple(after_token_ids)
+        self._recent: tuple[int, ...] = ()  # the output's last tokens while the grammar waits
+
+    @property
+    def is_active(self) -> bool:
+        """The grammar decides the next token (it no longer waits)."""
+        return not self._awaited
 
     def consume(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar forbids it (the matcher is then in error)."""
+        if self._awaited:
+            self._recent = (*self._recent, token_id)[-len(self._awaited):]
+            if self._recent == self._awaited:
+                self._awaited = ()
+            return True
         return self._matcher.consume_token(token_id)
 
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete: nothing but EOS may follow."""
-        return self._matcher.is_stopped()
+        return self.is_active and self._matcher.is_stopped()
 
     @property
     def error(self) -> str:
         return self._matcher.get_error()
 
     def fork(self) -> "GrammarMatcher":
-        return GrammarMatcher(self._matcher.deep_copy())
+        forked = GrammarMatcher(self._matcher.deep_copy(), self._awaited)
+        forked._recent = self._recent
+        return forked
 
     @property
     def llmatcher(self) -> llguidance.LLMatcher:
@@ -89,8 +106,8 @@ class CompiledGrammar:
 
     _template: llguidance.LLMatcher
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def matcher(self, after_token_ids: tuple[int, ...] = ()) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy(), after_token_ids)
 
 
 class GrammarCompiler:

@@ -165,3 +165,34 @@ def test_device_mask_equals_llguidance(engine):
     np.testing.assert_array_equal(got, expected)
     assert bitmask.shape[1] == bitmask_words(vocab)
     assert len(allowed_tokens(bitmask[0], vocab)) == np.isfinite(expected[0]).sum()
+
+
+def test_a_grammar_waiting_for_the_end_of_reasoning_lets_tokens_pass_until_it_comes(engine):
+    """`after_token_ids` (a reasoning model's `</think>`): tokens pass freely until the marker has been
+    produced, then the grammar applies. A token forced by logit_bias that the grammar forbids shows where."""
+    prompt = make_prompts(1)[0]
+
+    def params(after: tuple[int, ...]) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=12, logit_bias={500: 60.0},
+                              structured_outputs=Structure(regex=r"[0-9]{3}", after_token_ids=after))
+
+    waiting, immediate = run(engine, [(prompt, params((500,))), (prompt, params(()))])
+    assert re.fullmatch(r"[0-9]{3}", immediate.outputs[0].text), "without the wait the grammar rules from the start"
+    token_ids = waiting.outputs[0].token_ids
+    assert token_ids[0] == 500, "before the marker: the biased token, unconstrained"
+    assert re.fullmatch(r"[0-9]{3}", engine.tokenizer.decode(token_ids[1:])), "after it: the grammar, bias or not"
+    assert accepted_by_grammar(engine, Structure(regex=r"[0-9]{3}"), token_ids[1:])
+    assert waiting.outputs[0].finish_reason == "stop"
+    assert Structure(regex="a", after_token_ids=(500,)).key == Structure(regex="a").key, "one compiled grammar"
+
+
+def test_a_waiting_matcher_opens_only_on_the_whole_marker_in_order(engine):
+    compiled = engine.grammars.compile(Structure(regex=r"[0-9]+"))
+    digit = engine.tokenizer.encode("7", add_special_tokens=False)[0]
+    matcher = compiled.matcher(after_token_ids=(500, 501))
+    for token in (501, 500, 7, 500):  # not the marker: anything passes, the grammar waits
+        assert matcher.consume(token) and not matcher.is_active and not matcher.is_stopped
+    assert matcher.consume(501) and matcher.is_active, "500 then 501: the grammar applies from here"
+    assert not matcher.consume(500), "now the grammar rules"
+    fresh = compiled.matcher(after_token_ids=(500, 501))
+    assert fresh.consume(500) and fresh.consume(501) and fresh.consume(digit) and fresh.is_active

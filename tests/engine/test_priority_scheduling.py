@@ -1,0 +1,114 @@
+"""The priority policy (vLLM's `--scheduling-policy priority`): order, preemption and fairness, pure Python."""
+
+import dataclasses
+
+import pytest
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.sampling_params import InvalidParam, check_priority
+from tests.engine.test_scheduler import make_request, run_step
+
+
+def prioritized(request_id: str, priority: int, num_prompt: int = 4, max_tokens: int = 4, arrival: float = 0.0):
+    return dataclasses.replace(make_request(request_id, num_prompt, max_tokens), priority=priority,
+                               arrival_time=arrival)
+
+
+def admission_order(sched: Scheduler) -> list[str]:
+    """Request ids in the order they first get a row, stepping until all finish."""
+    order: list[str] = []
+    while sched.has_unfinished():
+        for request_id in run_step(sched).request_ids:
+            if request_id not in order:
+                order.append(request_id)
+    return order
+
+
+def test_one_slot_serves_lower_priority_values_first_then_arrival_order():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    for arrival, (request_id, priority) in enumerate([("late-low", 5), ("a", 0), ("urgent", -3), ("b", 0)]):
+        sched.add_request(prioritized(request_id, priority, arrival=float(arrival)))
+    assert admission_order(sched) == ["urgent", "a", "b", "late-low"]
+
+
+def test_fcfs_ignores_priority_values():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64)
+    for arrival, (request_id, priority) in enumerate([("first", 5), ("second", -3)]):
+        sched.add_request(prioritized(request_id, priority, arrival=float(arrival)))
+    assert admission_order(sched) == ["first", "second"]
+
+
+def test_running_out_of_pages_preempts_the_lowest_priority_not_the_newest():
+    sched = Scheduler(KVCacheManager(5, 4), max_num_seqs=4, max_num_batched_tokens=100, policy="priority")
+    sched.add_request(prioritized("low-old", 9, num_prompt=8, max_tokens=8, arrival=0.0))
+    sched.add_request(prioritized("high-new", 1, num_prompt=8, max_tokens=8, arrival=1.0))
+    run_step(sched)  # both prefilled: 2 pages each, the pool is empty
+    out = run_step(sched)  # both need a third page
+    assert out.preempted_ids == ("low-old",), "fcfs would preempt the newest, high-new"
+    assert sched.waiting[0].request_id == "low-old"
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.kv_cache.num_free_pages == 4
+
+
+def test_an_urgent_arrival_preempts_a_running_lower_priority_request_for_its_slot():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    sched.add_request(prioritized("background", 5, max_tokens=20))
+    run_step(sched)
+    run_step(sched)
+    sched.add_request(prioritized("urgent", 0, arrival=1.0))
+    out = run_step(sched)
+    assert out.preempted_ids == ("background",) and out.request_ids == ["urgent"]
+    background = sched.requests["background"]
+    assert background.output_token_ids == [7, 7], "its tokens survive; it is recomputed after"
+    order = admission_order(sched)
+    assert order[0] == "urgent" and "background" in order and not sched.has_unfinished()
+
+
+def test_an_urgent_arrival_preempts_for_pages_and_equal_priorities_never_preempt_each_other():
+    sched = Scheduler(KVCacheManager(5, 4), max_num_seqs=4, max_num_batched_tokens=100, policy="priority")
+    sched.add_request(prioritized("low", 5, num_prompt=12, max_tokens=4))  # 3 of the 4 usable pages
+    run_step(sched)
+    sched.add_request(prioritized("peer", 5, num_prompt=8, arrival=1.0))  # needs 2 pages: waits, no preemption
+    assert run_step(sched).preempted_ids == ()
+    assert [r.request_id for r in sched.waiting] == ["peer"]
+    sched.add_request(prioritized("urgent", 1, num_prompt=8, arrival=2.0))
+    out = run_step(sched)
+    assert out.preempted_ids == ("low",) and "urgent" in out.request_ids
+    assert [r.request_id for r in sched.waiting] == ["low", "peer"], "the victim keeps its place among equals"
+    admission_order(sched)
+    assert sched.kv_cache.num_free_pages == 4
+
+
+def test_lower_priorities_are_not_starved_once_the_urgent_traffic_stops():
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
+    for i in range(3):
+        sched.add_request(prioritized(f"batch-{i}", 10, max_tokens=6, arrival=float(i)))
+    finished_order = []
+    for step in range(200):
+        if step < 6:  # a burst of urgent requests, one per step
+            sched.add_request(prioritized(f"urgent-{step}", 0, max_tokens=3, arrival=10.0 + step))
+        if not sched.has_unfinished():
+            break
+        before = set(sched.requests)
+        run_step(sched)
+        finished_order += sorted(before - set(sched.requests))
+    assert not sched.has_unfinished(), "every request finishes"
+    assert {f"batch-{i}" for i in range(3)} <= set(finished_order)
+    assert max(finished_order.index(f"urgent-{i}") for i in range(6)) < finished_order.index("batch-2")
+
+
+def test_priority_is_refused_unless_the_policy_is_priority():
+    check_priority(0, "fcfs")
+    check_priority(-7, "priority")
+    with pytest.raises(InvalidParam, match="--scheduling-policy priority") as e:
+        check_priority(3, "fcfs")
+    assert e.value.param == "priority"
+    with pytest.raises(InvalidParam):
+        check_priority(True, "priority")
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(KVCacheManager(8, 4), 1, 8, policy="random")
