@@ -210,8 +210,9 @@ SERVER_FLAGS = (
          help="tool_choice 'auto': the model decides, and --tool-call-parser reads its calls ('required' and "
               "named choices need neither: the grammar enforces them)"),
     Flag("--tool-call-parser", ServerConfig, "tool_call_parser", choices=sorted(TOOL_PARSERS),
-         help="how the model writes tool calls: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1/3.2) (default: "
-              "none, so tool_choice 'auto' is refused)"),
+         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2 "
+              "JSON), mistral (Mistral, both of its formats), pythonic (Llama 3.2/4 Python lists) (default: none, "
+              "so tool_choice 'auto' is refused)"),
     Flag("--reasoning-parser", ServerConfig, "reasoning_parser", choices=REASONING_PARSER_NAMES,
          help="split a reasoning model's <think>...</think> part into message.reasoning_content (and "
               "delta.reasoning_content when streaming); structured outputs and tool calls apply to the answer "

@@ -50,13 +50,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; outputs come back in prompt order."""
+        """Generates for every prompt; outputs come back in prompt order. `priority`: one per prompt, under
+        the priority scheduling policy (lower first)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm)
+        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -80,6 +82,7 @@ class LLM:
         prompts: list[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -87,13 +90,16 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         # Only the finished outputs are returned: the engine builds no others (vLLM's LLM does the same).
         sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
         request_ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, sampling_params, strict=True):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, rank in zip(request_ids, prompts, sampling_params, priority, strict=True):
+                self.engine.add_request(request_id, prompt, params, priority=rank)
                 added.append(request_id)
         except ValueError:
             self.engine.abort_request(added)  # all or nothing

@@ -79,6 +79,21 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def check_roles(messages: list[ChatMessage], template: str | dict[str, str] | None) -> None:
+    """A 400 naming the message whose role is not OpenAI's, unless the chat template names that role
+    (Llama 3's `ipython`, for one): a template would otherwise drop or garble the turn silently."""
+    if isinstance(template, dict):  # a tokenizer's named templates
+        template = "\n".join(template.values())
+    for i, message in enumerate(messages):
+        role = message.role
+        if role not in OPENAI_ROLES and not (template and (f"'{role}'" in template or f'"{role}"' in template)):
+            raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(sorted(OPENAI_ROLES))}, "
+                                "and the chat template does not use it", f"messages.{i}.role")
+
+
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -95,9 +110,11 @@ async def render_chat(
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    truncate: int | None = None,
 ) -> list[int]:
     """The conversation rendered by the chat template and tokenized (the template adds special tokens),
-    on the tokenizer thread: rendering and tokenizing grow with the input."""
+    on the tokenizer thread: rendering and tokenizing grow with the input. `truncate`: its last tokens
+    kept (truncate_prompt_tokens, checked already)."""
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -108,8 +125,9 @@ async def render_chat(
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    conversation = _message_dicts(messages)
     template = chat_template or serving.chat_template
+    check_roles(messages, template or getattr(serving.tokenizer, "chat_template", None))
+    conversation = _message_dicts(messages)
 
     def render() -> list[int]:
         try:
@@ -120,8 +138,9 @@ async def render_chat(
             )
         except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
-        serving.check_text_length(text, "messages")
-        return serving.tokenizer.encode(text, add_special_tokens=False)
+        if truncate is None:
+            serving.check_text_length(text, "messages")
+        return serving.truncate(serving.tokenizer.encode(text, add_special_tokens=False), truncate)
 
     return await serving.off_loop(render)
 
@@ -194,7 +213,7 @@ def _message(
     thought = thought if reasoning is not None and reasoning.included else None
     if plan is None:
         return ChatResponseMessage(content=text, reasoning_content=thought), completion.finish_reason
-    content, calls = plan.make_parser().parse(text or "")
+    content, calls = plan.make_parser().parse(text or "", truncated=completion.finish_reason == "length")
     calls = calls[: plan.max_calls]
     message = ChatResponseMessage(
         content=None if plan.forced and calls else content,
@@ -216,12 +235,15 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
     plan = _tool_plan(serving, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    serving.check_truncation(req.truncate_prompt_tokens)
     prompt_ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   req.chat_template, req.chat_template_kwargs, tools)
+                                   req.chat_template, req.chat_template_kwargs, tools, req.truncate_prompt_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
                                      structure=plan.structure if plan is not None else None)
+    if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
+        params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids)
     params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)
@@ -241,14 +263,28 @@ async def create_chat_completion(request: Request) -> Response:
         return StreamingResponse(body, media_type="text/event-stream")
     (final,) = await collect(request, streams)
     items = []
+    echoed = _echoed(req)
     for c in final.outputs:
         message, finish_reason = _message(c, plan, reasoning)
+        if echoed:
+            message.content = echoed + (message.content or "")
         items.append(ChatChoice(index=c.index, message=message,
                                 logprobs=_logprobs(serving, c) if req.logprobs else None,
                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
     return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
                                                prompt_logprobs=await serving.prompt_logprobs(final)).model_dump())
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message when that is the assistant's own (a
+    message the reply continues)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part["text"] for part in last.content)  # text parts only: render_chat checked them
 
 
 async def _chunks(
@@ -261,8 +297,11 @@ async def _chunks(
 ) -> AsyncIterator[ChatCompletionChunk]:
     tool_streams = [ToolCallStream(plan.make_parser(), plan.max_calls) for _ in range(req.n)] if plan else []
     thought_streams = [reasoning.stream() for _ in range(req.n)] if reasoning else []
-    for i in range(req.n):  # the first chunk of each choice carries the role
+    echoed = _echoed(req)
+    for i in range(req.n):  # the first chunk of each choice carries the role (and what echo repeats)
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        if echoed:
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))])
     async for delta in choices:
         completion = delta.completion
         finish_reason = delta.finish_reason

@@ -35,8 +35,16 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
     if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(400, f"{len(items)} prompts x n={req.n} exceed the limit of {MAX_SEQUENCES_PER_REQUEST} "
                             "completions per request", "prompt")
-    return [(item, await serving.encode(item) if item else []) if isinstance(item, str) else (None, list(item))
-            for item in items]
+    serving.check_truncation(req.truncate_prompt_tokens)
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            ids = await serving.encode(item, truncate=req.truncate_prompt_tokens) if item else []
+            # A truncated prompt's text is what its kept tokens decode to (for echo)
+            result.append((item if req.truncate_prompt_tokens is None else None, ids))
+        else:
+            result.append((None, serving.truncate(list(item), req.truncate_prompt_tokens)))
+    return result
 
 
 async def _echo_logprobs(serving: ModelServing, output: RequestOutput) -> CompletionLogprobs:

@@ -91,6 +91,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many alternatives
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
     priority: int = 0  # under --scheduling-policy priority: lower is served first
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -157,6 +158,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # under --reasoning-parser: false drops reasoning_content
+    echo: bool = False  # the reply starts with the last message's content when it is the assistant's
 
 
 class PromptTokensDetails(BaseModel):

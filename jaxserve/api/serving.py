@@ -170,9 +170,25 @@ class ModelServing:
                                 f"{len(text)} characters cannot fit in it. Please reduce the length of the "
                                 "prompt.", param)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.check_text_length(text)
-        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    async def encode(self, text: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """`truncate`: vLLM's truncate_prompt_tokens (checked by `check_truncation`): the last tokens kept."""
+        if truncate is None:  # else the text may be longer than the context: it is cut after tokenizing
+            self.check_text_length(text)
+        token_ids = await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self.truncate(token_ids, truncate)
+
+    def check_truncation(self, truncate: int | None) -> None:
+        """vLLM's rule for truncate_prompt_tokens: -1 (the context length) or 1 to max_model_len."""
+        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
+                                f"context length), got {truncate}", "truncate_prompt_tokens")
+
+    def truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
+        """The prompt's last `truncate` tokens (-1: the context length's worth); all of them for None."""
+        if truncate is None:
+            return token_ids
+        keep = self.max_model_len if truncate == -1 else truncate
+        return token_ids[-keep:]
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self.off_loop(self.tokenizer.decode, token_ids)

@@ -81,6 +81,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
                                  '"top_logprobs": 21}', "logprobs"),
         ("/v1/completions", '{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 128}', "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
+                                 '"x"}]}', "messages.1.role"),
+        ("/v1/completions", '{"prompt": "hi", "priority": 1}', "priority"),
     ],
 )
 def test_out_of_range_sampling_fields_are_400s(server, path, body, param):

@@ -28,6 +28,17 @@ CASES = [
     (RequiredCallsParser(), '[{"name": "a", "parameters": {"s": "]}"}}, {"name": "b", "parameters": {"n": 1}}]', None,
      [("a", {"s": "]}"}), ("b", {"n": 1})]),
     (NamedCallParser("f"), '{"q": "x", "n": [true, null]}', None, [("f", {"q": "x", "n": [True, None]})]),
+    (TOOL_PARSERS["mistral"](), 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "[ARGS]"}}, '
+     '{"name": "now", "arguments": {}}]', "Checking.", [("get_weather", {"city": "[ARGS]"}), ("now", {})]),
+    (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "n": [1]}[TOOL_CALLS]now[ARGS]{}',
+     None, [("get_weather", {"city": "Oslo", "n": [1]}), ("now", {})]),
+    (TOOL_PARSERS["mistral"](), "Use [TOOL brackets] freely.", "Use [TOOL brackets] freely.", []),
+    (TOOL_PARSERS["pythonic"](), '[get_weather(city="Paris, \'FR\')", days=[1, 2], opts={"u": None}), now()]', None,
+     [("get_weather", {"city": "Paris, 'FR')", "days": [1, 2], "opts": {"u": None}}), ("now", {})]),
+    (TOOL_PARSERS["pythonic"](), ' [f(s="""a)b""", x=-1.5, ok=True)]', None,
+     [("f", {"s": "a)b", "x": -1.5, "ok": True})]),
+    (TOOL_PARSERS["pythonic"](), "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    (TOOL_PARSERS["pythonic"](), "Plain answer.", "Plain answer.", []),
 ]
 
 
@@ -74,6 +85,29 @@ def test_stream_never_sends_half_a_marker_as_content():
 def test_unfinished_call_is_content_when_parsed():
     text = '<tool_call>{"name": "f", "arguments": {"a": '
     assert TOOL_PARSERS["hermes"]().parse(text) == (text, [])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (TOOL_PARSERS["hermes"](), '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "argu'),
+    (RequiredCallsParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": '),
+    (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR'),
+    (TOOL_PARSERS["pythonic"](), "[a(), b(x=[1, "),
+])
+def test_a_truncated_output_keeps_its_complete_calls(parser, text):
+    _, calls = parser.parse(text, truncated=True)
+    assert [c.name for c in calls] == ["a"] and json.loads(calls[0].arguments) in ({}, {"x": 1})
+    assert parser.parse(text) == (text, []), "not cut by max_tokens: an unfinished call is content"
+
+
+def test_calls_with_arguments_that_are_not_literals_are_content():
+    for text in ("[f(x=open('/etc/passwd'))]", "[f(1, 2)]", "[f(**kw)]"):
+        assert TOOL_PARSERS["pythonic"]().parse(text) == (text, [])
+
+
+def test_mistral_call_ids_are_nine_alphanumerics():
+    _, calls = TOOL_PARSERS["mistral"]().parse('[TOOL_CALLS]f[ARGS]{"a": 1}')
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+    assert plan_tools(FUNCTIONS, "auto", True, TOOL_PARSERS["mistral"]).keeps_special_tokens
 
 
 def test_parallel_false_streams_one_call():

@@ -1,6 +1,7 @@
 """The priority policy (vLLM's `--scheduling-policy priority`): order, preemption and fairness, pure Python."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -112,3 +113,27 @@ def test_priority_is_refused_unless_the_policy_is_priority():
         SchedulerConfig(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="policy"):
         Scheduler(KVCacheManager(8, 4), 1, 8, policy="random")
+
+
+def test_the_engine_serves_by_priority_and_an_fcfs_engine_refuses_one(llama_dir):
+    from jaxserve.llm import LLM
+    from tests.engine.helpers import greedy, make_engine, make_prompts
+
+    engine = make_engine(llama_dir, warmup=False, max_num_seqs=1, scheduling_policy="priority")
+    prompts = make_prompts(3)
+    for name, prompt, priority in zip(("low", "mid", "urgent"), prompts, (5, 0, -1), strict=True):
+        engine.add_request(name, prompt, greedy(3), priority=priority)
+    first_seen: list[str] = []
+    while engine.has_unfinished_requests():
+        first_seen += [o.request_id for o in engine.step() if o.request_id not in first_seen]
+    assert first_seen == ["urgent", "mid", "low"]
+
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._ids = engine, itertools.count()
+    outputs = llm.generate(prompts, greedy(3), use_tqdm=False, priority=[3, 2, 1])
+    assert [o.prompt_token_ids for o in outputs] == prompts, "outputs in prompt order, whatever ran first"
+
+    fcfs = make_engine(llama_dir, warmup=False)
+    with pytest.raises(InvalidParam, match="--scheduling-policy priority"):
+        fcfs.add_request("p", prompts[0], greedy(3), priority=2)
+    assert not fcfs.has_unfinished_requests()

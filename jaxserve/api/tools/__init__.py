@@ -4,9 +4,11 @@ choices the grammar enforces. A new format is one small module with a `ToolParse
 from jaxserve.api.tools.base import ToolCall, ToolCallDelta, ToolCallStream, ToolParser
 from jaxserve.api.tools.hermes import HermesToolParser
 from jaxserve.api.tools.llama3_json import Llama3JsonToolParser
+from jaxserve.api.tools.mistral import MistralToolParser
+from jaxserve.api.tools.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolParser"]

@@ -90,19 +90,28 @@ class ToolParser:
     """One model family's way of writing tool calls. Subclasses implement `scan`."""
 
     name: ClassVar[str]
+    keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens, kept in the text
 
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` holds so far; `final` when no more text will come (nothing is held back)."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished output as (content, calls). An output whose calls do not all parse is content."""
+    def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """A finished output as (content, calls). An output whose calls do not all parse is content, unless
+        it was `truncated` (cut by max_tokens) after its last complete call: then those calls are kept."""
         scan = self.scan(text, final=True)
-        calls = [ToolCall(c.name, c.arguments) for c in scan.calls
+        calls = [ToolCall(c.name, c.arguments, self.new_call_id()) for c in scan.calls
                  if c.complete and c.name is not None and is_json(c.arguments)]
+        if truncated and calls and len(calls) == len(scan.calls) - 1 and not scan.calls[-1].complete:
+            return scan.content or None, calls
         if not scan.calls or len(calls) != len(scan.calls):
             return text, []
         return scan.content or None, calls
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A call's id (a format may need its own: Mistral's templates take nine alphanumerics)."""
+        return new_call_id()
 
 
 @dataclass
@@ -145,7 +154,7 @@ class ToolCallStream:
             if index == len(self._calls):
                 if call.name is None:
                     break  # a call's name goes out first, in its first delta
-                self._calls.append(_SentCall(new_call_id()))
+                self._calls.append(_SentCall(self._parser.new_call_id()))
             sent = self._calls[index]
             first = not sent.name_sent
             fragment = call.arguments[sent.arguments_sent :]

@@ -15,6 +15,7 @@ class ToolPlan:
     make_parser: Callable[[], ToolParser]
     structure: StructuredOutputsParams | None  # None for "auto": the model writes as it likes
     max_calls: int | None  # 1 when parallel_tool_calls is false
+    keeps_special_tokens: bool = False  # the parser reads markers that are special tokens (Mistral's)
 
     @property
     def forced(self) -> bool:
@@ -48,4 +49,4 @@ def plan_tools(
     if parser is None:
         raise InvalidParam('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                            "--tool-call-parser", "tool_choice")
-    return ToolPlan(parser, None, max_calls)
+    return ToolPlan(parser, None, max_calls, parser.keeps_special_tokens)

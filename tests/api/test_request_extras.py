@@ -1,0 +1,98 @@
+"""vLLM's request extras through the openai SDK on the shared server: priority (refused: the server
+schedules fcfs), truncate_prompt_tokens, chat echo, roles, and tool calls cut by max_tokens."""
+
+import httpx
+import openai
+import pytest
+
+from tests.api.helpers import API_KEY, MODEL
+from tests.api.test_structured_api import TOOLS, WEATHER, check_call
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_a_priority_on_an_fcfs_server_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": 3})
+    assert e.value.body["param"] == "priority" and "--scheduling-policy priority" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body={"priority": "urgent"})
+    assert e.value.status_code == 400
+    zero = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": 0})
+    assert zero.choices[0].text is not None
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    words = " ".join(f"w{i}" for i in range(300))
+    tail = client.completions.create(model=MODEL, prompt=words, max_tokens=1, extra_body={
+        "truncate_prompt_tokens": 7, "echo": True})
+    assert tail.usage.prompt_tokens == 7
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": words}, headers=headers).json()["tokens"]
+    last = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens[-7:]}, headers=headers).json()
+    assert tail.choices[0].text.startswith(last["prompt"])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    whole = client.completions.create(model=MODEL, prompt=words, max_tokens=1, extra_body={
+        "truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(tokens), "-1: up to the context length, which this prompt fits"
+    for bad in (0, -2, 2049):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_truncation_lets_a_prompt_longer_than_the_context_through(client):
+    words = " ".join(f"w{i}" for i in range(3000))  # more tokens than the 2,048-token context
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=words, max_tokens=1)
+    cut = client.completions.create(model=MODEL, prompt=words, max_tokens=4, extra_body={"truncate_prompt_tokens": 100})
+    assert cut.usage.prompt_tokens == 100
+
+
+def test_chat_echo_repeats_the_assistant_message_it_continues(client):
+    messages = [*HELLO, {"role": "assistant", "content": "Hello! I am"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    echoed = client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "Hello! I am" + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}}, stream=True) if c.choices)
+    assert streamed == "Hello! I am" + plain
+    user_last = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0,
+                                               extra_body={"echo": True})
+    assert not user_last.choices[0].message.content.startswith("Say hello."), "only the assistant's own message"
+
+
+def test_a_role_the_template_does_not_know_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "narrator", "content": "x"}, *HELLO],
+                                       max_tokens=2)
+    assert e.value.body["param"] == "messages.0.role" and "narrator" in e.value.body["message"]
+    for role in ("developer", "system"):
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": role, "content": "Be brief."}, *HELLO],
+                                              max_tokens=2).choices
+
+
+def test_tool_calls_cut_by_max_tokens_keep_the_complete_ones(client):
+    kwargs = dict(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=160)
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert calls and whole.choices[0].finish_reason == "tool_calls"
+    kept = []
+    for max_tokens in range(whole.usage.completion_tokens - 1, 0, -1):
+        cut = client.chat.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
+        assert cut.finish_reason == "length"
+        got = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls]
+        assert got == calls[: len(got)], "the calls kept are the complete ones, unchanged"
+        for call in cut.message.tool_calls:
+            check_call(call)
+        if got:
+            assert cut.message.content is None
+        kept.append(len(got))
+        if len(kept) == 6:
+            break
+    assert max(kept) >= 1
