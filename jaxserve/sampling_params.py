@@ -23,6 +23,7 @@ _INT32_MAX = 2**31 - 1
 _MIN_REPETITION_PENALTY = 0.01  # dividing a float32 logit by less could overflow it to inf
 
 
+MAX_BAD_WORDS = 32  # each bans up to two tokens a step (with and without a leading space)
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar's text; larger ones are refused before compiling
 MAX_CHOICES = 1024
 
@@ -60,17 +61,19 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's allowed_token_ids: only these (and EOS)
     whitespace_pattern: str | None = None  # a regex for the whitespace between JSON tokens
     # The grammar applies once the output has produced these tokens (a reasoning model's end of
     # thinking, `</think>`): what comes before is free. Not part of the grammar's definition (`key`).
     after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "allowed_token_ids")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise InvalidParam("structured outputs need exactly one of json, json_object, regex, choice or "
-                               f"grammar; got {', '.join(given) or 'none'}", "structured_outputs")
+            raise InvalidParam("structured outputs need exactly one of json, json_object, regex, choice, grammar "
+                               f"or allowed_token_ids; got {', '.join(given) or 'none'}", "structured_outputs")
         if not isinstance(self.json_object, bool):
             raise InvalidParam("structured_outputs.json_object must be a boolean", "structured_outputs")
         if self.json is not None and not isinstance(self.json, dict | str):
@@ -84,6 +87,10 @@ class StructuredOutputsParams:
             if not ok or not all(isinstance(c, str) and c for c in self.choice):
                 raise InvalidParam(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
                                    "structured_outputs")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, tuple) or not ids or not all(type(t) is int and 0 <= t < _INT32_MAX for t in ids):
+                raise InvalidParam("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
         if len(self.key) > MAX_GRAMMAR_CHARS:
             raise InvalidParam(f"the structured output's definition exceeds {MAX_GRAMMAR_CHARS} characters",
                                "structured_outputs")
@@ -123,6 +130,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None  # vLLM's: none of these words' token sequences is completed
     structured_outputs: StructuredOutputsParams | None = None  # constrains every token to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -134,6 +142,7 @@ class SamplingParams:
             self.stop_strings = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(self.bad_words or [])
         if self.top_k is None or (isinstance(self.top_k, int) and -1 <= self.top_k < 0):
             self.top_k = 0
         self._validate()
@@ -169,6 +178,8 @@ class SamplingParams:
             raise InvalidParam("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidParam("output_kind must be a RequestOutputKind", "output_kind")
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise InvalidParam(f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings", "bad_words")
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id, 0, _INT32_MAX)
             _check_float("logit_bias", bias, -100.0, 100.0)
@@ -181,8 +192,9 @@ class SamplingParams:
     @property
     def fills_batch_rows(self) -> bool:
         """Whether the runner fills this request's batch row itself every step (penalty rows, logit_bias,
-        min_tokens' bans, prompt logprobs) rather than only gathering its persistent row."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.prompt_logprobs is not None
+        min_tokens' and bad words' bans, prompt logprobs) rather than only gathering its persistent row."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.prompt_logprobs is not None
+                or bool(self.bad_words))
 
     @property
     def is_greedy(self) -> bool:
@@ -281,10 +293,16 @@ class RequestLimits:
             raise InvalidParam(f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary "
                                f"[0, {self.vocab_size})", "logit_bias" if bad in params.logit_bias else
                                "stop_token_ids")
-        num_biased = len(params.logit_bias) + len(params.stop_token_ids) + self.num_eos_tokens
+        allowed = params.structured_outputs.allowed_token_ids if params.structured_outputs else None
+        bad = next((t for t in allowed or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParam(f"token id {bad} in allowed_token_ids is outside the vocabulary [0, {self.vocab_size})",
+                               "allowed_token_ids")
+        num_biased = (len(params.logit_bias) + len(params.stop_token_ids) + self.num_eos_tokens
+                      + 2 * len(params.bad_words))
         if num_biased > self.max_biased_tokens:
-            raise InvalidParam(f"logit_bias and stop_token_ids name {num_biased} tokens together (with EOS); "
-                               f"at most {self.max_biased_tokens} are supported", "logit_bias")
+            raise InvalidParam(f"logit_bias, stop_token_ids and bad_words name {num_biased} tokens together (with "
+                               f"EOS); at most {self.max_biased_tokens} are supported", "logit_bias")
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """OpenAI's context-length error, with the numbers that broke it; then the KV capacity."""

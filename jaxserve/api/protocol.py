@@ -92,6 +92,8 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
     priority: int = 0  # under --scheduling-policy priority: lower is served first
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    bad_words: list[str] | None = None  # words the output never completes
+    allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -254,8 +254,9 @@ class EngineCore:
         return CoreOutputs(seq_ids, token_ids, logprobs, read_time, details, failures)
 
     def _needs_last_tokens(self) -> bool:
-        """A grammar's next mask depends on the token in flight: the next step waits for it."""
-        return any(request.grammar is not None for request in self.scheduler.requests.values())
+        """A grammar's next mask (or a bad word's ban) depends on the token in flight: the next step waits
+        for it."""
+        return any(request.reads_last_token for request in self.scheduler.requests.values())
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from jaxserve.engine.kv_cache_manager import KVCacheManager
     from jaxserve.engine.scheduler import Scheduler
     from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
+
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as the token sequences that write it: at the start of a text and after a space."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            sequences.append(tuple(tokenizer.encode(text, add_special_tokens=False)))
+    return tuple(dict.fromkeys(s for s in sequences if s))
 
 
 class LLMEngine:
@@ -138,6 +148,7 @@ class LLMEngine:
         # The first sequence computes prompt logprobs (they are the request's); the others may read its
         # prompt from the prefix cache.
         sibling_params = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         arrival_time = time.monotonic()
         serial = next(self._serials)
         sequences = []
@@ -153,6 +164,7 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
                 priority=priority,
+                bad_words_token_ids=bad_words,
             ))
         detokenizers = [IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)
                         for _ in sequences]

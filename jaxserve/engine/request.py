@@ -76,6 +76,9 @@ class Request:
     # Prefix caching: separates this request's cache entries from requests with another salt.
     cache_salt: str | None = None
     priority: int = 0  # under the priority policy: lower is served first
+    # bad_words as token sequences (`llm_engine.bad_words_token_ids`): the last token of each is banned
+    # where the output ends with the others.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     page_keys: list[bytes] = field(default_factory=list)  # keys of its full pages, as tokens become known
     num_keyed_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
@@ -128,11 +131,25 @@ class Request:
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens the next sample may not be: while fewer than min_tokens are out (counting samples in
-        flight), the stop ids and (unless EOS is ignored) EOS."""
+        flight), the stop ids and (unless EOS is ignored) EOS; and each bad word's last token where the
+        output ends with the rest of it (the engine reads every token before it schedules such a request:
+        `reads_last_token`)."""
         params = self.sampling_params
-        if self.num_scheduled_outputs >= params.min_tokens:
-            return ()
-        return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
+        banned: tuple[int, ...] = ()
+        if self.num_scheduled_outputs < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
+        if self.bad_words_token_ids:
+            output = self.output_token_ids
+            banned += tuple(word[-1] for word in self.bad_words_token_ids
+                            if len(word) == 1 or (len(output) >= len(word) - 1
+                                                  and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]))
+        return banned
+
+    @property
+    def reads_last_token(self) -> bool:
+        """Its next step depends on the token before it (a grammar's mask, a bad word's ban), so that
+        token must be read, not left in flight."""
+        return self.grammar is not None or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
     def reads_prefix_cache(self) -> bool:

@@ -334,9 +334,9 @@ class Scheduler:
 
     @staticmethod
     def _plan_features(request: Request, start: int, end: int, row: int, keeps_sample: bool, plan: _Plan) -> None:
-        """min_tokens' bans and the prompt tokens to score, for the requests that use them."""
+        """min_tokens' and bad words' bans and the prompt tokens to score, for the requests that use them."""
         params = request.sampling_params
-        if keeps_sample and params.min_tokens and (banned := request.banned_token_ids()):
+        if keeps_sample and (params.min_tokens or params.bad_words) and (banned := request.banned_token_ids()):
             plan.banned_token_ids[row] = banned
         if params.prompt_logprobs is not None and (targets := tuple(request.prompt_token_ids[start + 1 : end + 1])):
             plan.prompt_logprob_targets[row] = targets

@@ -96,3 +96,29 @@ def test_tool_calls_cut_by_max_tokens_keep_the_complete_ones(client):
         if len(kept) == 6:
             break
     assert max(kept) >= 1
+
+
+def _token_ids(server, text: str) -> list[int]:
+    return httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]
+
+
+def test_allowed_token_ids_and_bad_words(server, client):
+    (a,), (b,) = _token_ids(server, "a"), _token_ids(server, "b")
+    held = client.completions.create(model=MODEL, prompt="Spell:", max_tokens=8, temperature=1.0, seed=1,
+                                     extra_body={"allowed_token_ids": [a, b]})
+    assert set(held.choices[0].text) <= {"a", "b"}
+    greedy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                       temperature=0).choices[0].text
+    first_word = greedy.split()[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                       extra_body={"bad_words": [first_word]}).choices[0].text
+    assert banned != greedy and banned.split()[0:1] != [first_word]
+    for extra, param in (({"allowed_token_ids": [10**8]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [a], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"bad_words": [""]}, "bad_words"),
+                         ({"bad_words": ["w"] * 33}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)

@@ -99,6 +99,42 @@ def test_logit_bias_and_min_tokens(engine):
     assert completion.token_ids[:3] != [favourite] * 3 and completion.token_ids[3] == favourite
 
 
+def _contains(tokens: list[int], word: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i : i + len(word)]) == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_are_never_completed(engine):
+    from jaxserve.engine.llm_engine import bad_words_token_ids
+
+    prompt = make_prompts()[2]
+    greedy = run_one(engine, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
+    tokenizer = engine.tokenizer
+    for start, length in ((0, 1), (2, 3)):  # a one-token word from the start, a three-token one later
+        word = tokenizer.decode(greedy[start : start + length])
+        sequences = bad_words_token_ids(tokenizer, [word])
+        assert tuple(greedy[start : start + length]) in sequences, "the greedy output writes the word so"
+        banned = run_one(engine, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                        bad_words=[word])).token_ids
+        assert banned[: start + length - 1] == greedy[: start + length - 1], "only the word's last token is banned"
+        assert banned[start + length - 1] != greedy[start + length - 1]
+        assert not any(_contains(banned, s) for s in sequences)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+
+
+def test_allowed_token_ids_hold_the_output_to_them(engine):
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    allowed = (1234, 1235, 1236, 40000)
+    completion = run_one(engine, make_prompts()[0], SamplingParams(
+        temperature=1.0, seed=3, max_tokens=16, structured_outputs=StructuredOutputsParams(allowed_token_ids=allowed)))
+    assert completion.token_ids and set(completion.token_ids) <= {*allowed, *engine.model.eos_token_ids}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine.add_request("x", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(
+            allowed_token_ids=(10**6,))))
+    assert not engine.has_unfinished_requests()
+
+
 @pytest.mark.slow  # transformers reference
 def test_logprobs_match_transformers(engine, hf_llama):
     prompt = make_prompts()[0]
