@@ -18,7 +18,9 @@ from jaxserve.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     METRICS_PREFIXES,
+    POOLING_TYPES,
     REASONING_PARSER_NAMES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     SERVER_LOG_LEVELS,
     BucketBenchConfig,
@@ -166,6 +168,12 @@ ENGINE_FLAGS = (
     Flag("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", type=float, preset=True,
          help="fraction of the GPU's memory for jaxserve (as in vLLM): weights, the step's temp memory, and the "
               f"KV cache, which gets the rest (default: {CacheConfig.gpu_memory_utilization})"),
+    Flag("--runner", EngineConfig, "runner", choices=RUNNERS,
+         help="generate: completions and chat; pooling: /v1/embeddings, each prompt's final hidden states "
+              "pooled by --pooling-type, through the same scheduler and buckets (vLLM's flag)"),
+    Flag("--pooling-type", EngineConfig, "pooling_type", choices=POOLING_TYPES,
+         help="with --runner pooling: last (the last token's hidden state: decoder embedding models such as "
+              "Qwen3-Embedding) or mean (over the prompt's tokens)"),
     Flag("--attention-impl", EngineConfig, "attention_impl", preset=True, choices=ATTENTION_IMPLS,
          help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, the cpu path "
               "on CPUs, the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)"),

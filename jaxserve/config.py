@@ -79,6 +79,8 @@ MAX_SCHEDULER_STEPS = 64
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("last", "mean")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
@@ -170,8 +172,17 @@ class EngineConfig:
     # The engine core (scheduler, runner, the model) in its own process; detokenizing and outputs stay in
     # the caller's (vLLM V1's split).
     engine_process: bool = False
+    # "generate", or "pooling" (vLLM's --runner): every request is a prompt to embed, its final hidden
+    # state pooled (`pooling_type`: the last token's, or the mean over its tokens) instead of decoded.
+    runner: str = "generate"
+    pooling_type: str = "last"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS or self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)} and pooling_type one of "
+                             f"{', '.join(POOLING_TYPES)}; got {self.runner!r}, {self.pooling_type!r}")
+        if self.runner == "pooling" and self.parallel.multihost:
+            raise ValueError("--runner pooling is single-host")
         if self.parallel.multihost and self.engine_process:
             raise ValueError("a multi-host engine runs its core in the server's process: engine_process is "
                              "single-host")

@@ -11,7 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import POOLING_PARAMS, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
 Conversation = list[dict[str, Any]]
@@ -59,6 +59,13 @@ class LLM:
         ):
             prompts = [prompts]
         return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`, not normalized) from an engine built with
+        runner="pooling"; outputs in prompt order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([_prompt_input(p) for p in prompts], POOLING_PARAMS, use_tqdm)
 
     def chat(
         self,

@@ -98,6 +98,7 @@ class RequestOutput:
     error_param: str | None = None  # the request field whose value caused the failure (a client error)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed, when the request asked
+    embedding: list[float] | None = None  # --runner pooling: the prompt's pooled final hidden state
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,6 +134,8 @@ def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     total.finished, total.metrics = delta.finished, delta.metrics
     total.error, total.error_param = delta.error, delta.error_param
     total.num_cached_tokens = delta.num_cached_tokens
+    if delta.embedding is not None:
+        total.embedding = delta.embedding
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs
     return total

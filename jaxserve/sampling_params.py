@@ -321,3 +321,7 @@ class RequestLimits:
         if not fits_kv_cache(total, self.kv_capacity_tokens):
             raise InvalidParam(f"the request needs up to {total} tokens of KV cache but the cache holds "
                                f"{self.kv_capacity_tokens}", "max_tokens")
+
+
+# What an embedding request asks of a pooling engine: its prompt computed, one token sampled and dropped.
+POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

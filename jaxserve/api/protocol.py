@@ -350,3 +350,40 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, normalize, priority)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # matryoshka models only: the embedding's first k values, normalized
+    user: str | None = None
+    # vLLM extras
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool = True  # to unit length (L2), as OpenAI's embeddings are
+    priority: int = 0
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a base64 text of little-endian float32 values for encoding_format base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -94,6 +94,15 @@ def requested_structure(req: SamplingFields) -> StructuredOutputsParams | None:
     return next(iter(asked.values()), None)
 
 
+def is_matryoshka(model_dir: str | None) -> bool:
+    """Whether the model's config says its embeddings may be cut short (Qwen3-Embedding's do)."""
+    config = Path(model_dir) / "config.json" if model_dir else None
+    if config is None or not config.is_file():
+        return False
+    raw = json.loads(config.read_text())
+    return bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions"))
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """The most characters one token can stand for (vocabulary strings are at least as long as the text
     they decode to), so a text longer than max_model_len times this cannot fit and need not be tokenized."""
@@ -115,6 +124,7 @@ class ModelServing:
     metrics: ServerMetrics
     max_prompt_chars: int
     reasoning: ReasoningMarkers | None  # --reasoning-parser with its markers' token ids
+    matryoshka: bool  # the model's embeddings may be cut short (`dimensions`)
     _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "jaxserve-tokenizer"))
     _token_strings: dict[int, str] = field(default_factory=dict)
 
@@ -142,6 +152,7 @@ class ModelServing:
             max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
             reasoning=ReasoningMarkers.of(REASONING_PARSERS[config.reasoning_parser], engine.tokenizer)
             if config.reasoning_parser else None,
+            matryoshka=is_matryoshka(info.model_dir),
         )
 
     @property
@@ -217,6 +228,9 @@ class ModelServing:
         jaxserve.sampling_params); any violation is a 400 naming the field. `prompt_logprobs` defaults
         to the request's own field; its cache_salt and priority are checked here too. `structure` (a tool choice's
         grammar) replaces what the request's own fields ask for."""
+        if self.info.runner == "pooling":
+            raise APIError(400, "this server embeds prompts (--runner pooling): it serves /v1/embeddings, not "
+                                "completions", "model")
         if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
             raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         default_max = self.generation_defaults.get("max_tokens")

@@ -78,6 +78,8 @@ class EngineCore:
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
         )
         sched = config.scheduler
+        pooling = config.runner == "pooling"  # prompts embedded, nothing decoded: no decode variants
+        self.pooling_type = config.pooling_type if pooling else None
         ladder = BucketLadder(
             config.buckets.token_buckets, config.buckets.request_buckets,
             sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -87,7 +89,8 @@ class EngineCore:
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
-            greedy_decodes=config.buckets.greedy_decodes, num_decode_steps=sched.num_scheduler_steps,
+            greedy_decodes=config.buckets.greedy_decodes and not pooling,
+            num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching)
@@ -115,6 +118,8 @@ class EngineCore:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             scheduling_policy=sched.scheduling_policy,
+            runner=config.runner,
+            hidden_size=model.cfg.hidden_size,
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
@@ -138,6 +143,7 @@ class EngineCore:
                     if grammar is not None else None for sequence in sequences]  # may raise: first
         for sequence, matcher in zip(sequences, matchers, strict=True):
             sequence.grammar = matcher
+            sequence.pooling_type = self.pooling_type
             self.scheduler.add_request(sequence)
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
@@ -286,4 +292,5 @@ def _details(request: Request, index: int) -> SequenceDetails:
     return SequenceDetails(
         request.output_top_logprobs[index] if request.sampling_params.logprobs else None,
         status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
+        request.embedding if ended else None,
     )

@@ -40,6 +40,7 @@ class SequenceDetails(NamedTuple):
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_preemptions: int = 0
     first: FirstToken | None = None  # on the sequence's first token
+    embedding: list[float] | None = None  # a pooling request's pooled hidden state, with its one token
 
 
 class SequenceFailure(NamedTuple):
@@ -81,6 +82,8 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     scheduling_policy: str
+    runner: str  # "generate", or "pooling": every request an embedding (EngineConfig.runner)
+    hidden_size: int  # an embedding's length
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)

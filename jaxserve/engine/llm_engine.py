@@ -26,7 +26,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.loader import LoadedModel
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams, check_cache_salt, check_priority
+from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
@@ -143,6 +143,9 @@ class LLMEngine:
             self.limits.check(prompt_token_ids, params)
             check_cache_salt(cache_salt)
             check_priority(priority, self.info.scheduling_policy)
+        if self.info.runner == "pooling" and (params.max_tokens != 1 or params.n != 1 or params.structured_outputs):
+            raise InvalidParam("this engine embeds prompts (--runner pooling): a request generates nothing, so "
+                               "it has n=1 and max_tokens=1 (POOLING_PARAMS)", "max_tokens")
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         # The first sequence computes prompt logprobs (they are the request's); the others may read its

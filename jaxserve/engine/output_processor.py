@@ -79,6 +79,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs_known: bool = False  # they came with the first sequence's first token
+    embedding: list[float] | None = None  # --runner pooling: the prompt's pooled hidden state
     prompt_logprobs_sent: bool = False  # in a DELTA output (they are sent once)
 
     @property
@@ -101,6 +102,7 @@ class _RequestState:
             metrics=self.metrics() if finished else None,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            embedding=self.embedding,
         )
 
 
@@ -173,6 +175,8 @@ class OutputProcessor:
                 if detail.top_logprobs is not None:
                     seq.top_logprobs.append(detail.top_logprobs)
                 seq.num_preemptions = detail.num_preemptions
+                if detail.embedding is not None:
+                    seq.parent.embedding = detail.embedding
                 self._add_token(step, seq, token_id, logprob, update.time, detail.status, detail.stop_reason)
             for failure in update.failures:  # the core failed them (and logged why)
                 seq = sequences.get(failure.seq_id)

@@ -4,7 +4,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams, max_num_tokens
@@ -79,6 +79,11 @@ class Request:
     # bad_words as token sequences (`llm_engine.bad_words_token_ids`): the last token of each is banned
     # where the output ends with the others.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # --runner pooling: how its final hidden states pool into its embedding ("last", "mean"), the running
+    # sum over the tokens computed so far (mean), and the embedding once its prompt is computed.
+    pooling_type: str | None = None
+    pooled_sum: Any = None  # f32[D]
+    embedding: list[float] | None = None
     page_keys: list[bytes] = field(default_factory=list)  # keys of its full pages, as tokens become known
     num_keyed_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
@@ -153,8 +158,8 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """A request that reports prompt logprobs computes its whole prompt."""
-        return self.sampling_params.prompt_logprobs is None
+        """A request that reports prompt logprobs (or pools the mean of its tokens) computes its whole prompt."""
+        return self.sampling_params.prompt_logprobs is None and self.pooling_type != "mean"
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already

@@ -383,6 +383,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.page_ids)
         request.num_computed_tokens = request.num_keyed_pages = request.num_pages_scheduled = 0
+        request.pooled_sum = None  # a mean pooling starts over with the prompt
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -402,6 +403,8 @@ class Scheduler:
         self._discard_filling(scheduler_output)
         requests, plan = self.requests, scheduler_output
         self._cache_completed_pages(plan)
+        if step_output.pooled:
+            self._pool(plan, step_output.pooled)
         for row, (first_token, entries) in step_output.prompt_logprobs.items():
             request = requests.get(scheduler_output.request_ids[row])
             if request is not None and not request.status.is_finished:
@@ -422,6 +425,19 @@ class Scheduler:
             if plan.keeps_sample[row] and request is not None and not request.status.is_finished:
                 take_sample(request, token_id, logprob, top_logprobs.get(row), now, advanced)
         return advanced
+
+    def _pool(self, plan: SchedulerOutput, pooled: dict[int, tuple]) -> None:
+        """--runner pooling: each row's hidden states pooled into its request (summed over its chunks for
+        "mean"); a request whose prompt this step completed gets its embedding, before its one sample."""
+        for row, (last, total) in pooled.items():
+            request = self.requests.get(plan.request_ids[row])
+            if request is None or request.pooling_type is None or request.status.is_finished:
+                continue
+            if request.pooling_type == "mean":
+                request.pooled_sum = total if request.pooled_sum is None else request.pooled_sum + total
+            if plan.keeps_sample[row]:
+                vector = last if request.pooling_type == "last" else request.pooled_sum / request.num_prompt_tokens
+                request.embedding = vector.tolist()
 
     def update_steps(self, scheduler_output: SchedulerOutput, step_outputs: list[StepOutput]) -> list[list[Request]]:
         """Records a multi-step decode's results, one `StepOutput` per step: each request takes its samples in

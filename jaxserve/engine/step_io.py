@@ -13,7 +13,7 @@ plan (`decode_steps`) runs several decode steps in one call; the runner answers 
 """
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -121,6 +121,8 @@ class StepOutput:
     top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: logprob}
     # row -> (first prompt token scored, {token: Logprob} per token), for rows scoring prompt tokens.
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # --runner pooling: row -> (its hidden state at its last token this step, the sum over its tokens), f32[D].
+    pooled: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
 
 class RequestFault(Exception):

@@ -92,6 +92,7 @@ class LaunchedStep:
     num_prompt_logprobs: np.ndarray  # i32[n]: the same per prompt token
     sampled: SamplerOutput  # on the device; a multi-step decode's tokens and logprobs are [k, R]
     prompt: PromptLogprobs | None  # on the device; None for a multi-step decode
+    pooled: tuple[jax.Array, jax.Array] | None = None  # on the device, --runner pooling: f32[R, D] last, sum
 
 
 class ModelRunner:
@@ -106,8 +107,12 @@ class ModelRunner:
         broadcast: Broadcast | None = None,
         greedy_decodes: bool = False,
         num_decode_steps: int = 1,
+        pooling: bool = False,
     ) -> None:
+        if pooling and (greedy_decodes or num_decode_steps > 1):
+            raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
+        self.pooling = pooling  # each step also returns the rows' pooled hidden states (`step_fn._pooled`)
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket (PLAIN), filled by warmup
         # The decode buckets' other variants: greedy when `greedy_decodes`, multi-step when num_decode_steps > 1.
         self._compiled_variants: dict[tuple[Bucket, StepVariant], Any] = {}
@@ -132,7 +137,7 @@ class ModelRunner:
         )
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
-        self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh),
+        self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling),
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
                                                                  greedy=True)}
         self._step = self._step_fns[PLAIN]
@@ -235,10 +240,10 @@ class ModelRunner:
             decode_steps[:num_reqs] = plan.decode_steps
         if self._broadcast is not None:  # multi-host: the followers run the same step
             self._broadcast(Step(bucket, batch, greedy, decode_steps))
-        sampled, prompt = self.run_step(batch, bucket, greedy, decode_steps)
+        sampled, prompt, pooled = self.run_step(batch, bucket, greedy, decode_steps)
         self.rows.launched(row_ids, np.array(plan.keeps_sample, np.bool_))
         return LaunchedStep(plan, batch, row_ids, self.rows.num_top_logprobs[row_ids],
-                            self.rows.num_prompt_logprobs[row_ids], sampled, prompt)
+                            self.rows.num_prompt_logprobs[row_ids], sampled, prompt, pooled)
 
     def _all_plain_greedy(self, plan: SchedulerOutput, batch: StepBatch, row_ids: np.ndarray) -> bool:
         """Whether every row of the step is greedy and asks for nothing the greedy variant leaves out:
@@ -277,7 +282,14 @@ class ModelRunner:
             logprobs=logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
             prompt_logprobs=self._prompt_logprobs(launched) if plan.prompt_logprob_targets else {},
+            pooled=self._pooled(launched) if launched.pooled is not None else {},
         )
+
+    @staticmethod
+    def _pooled(launched: LaunchedStep) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per row: its hidden state at its last token this step and the sum over its tokens, f32[D] each."""
+        last, sums = to_host(launched.pooled)
+        return {row: (last[row], sums[row]) for row in range(launched.scheduler_output.num_reqs)}
 
     def _prompt_logprobs(self, launched: LaunchedStep) -> dict[int, tuple[int, list[dict[int, Logprob]]]]:
         """Per row scoring prompt tokens this step: (its first scored token, {token: Logprob} per token with
@@ -310,8 +322,8 @@ class ModelRunner:
         prompt_mask, output_counts = seen_tokens(token_ids, num_prompt_tokens, self.model.cfg.vocab_size)
         self.penalty_tables = self._load_penalty_row(self.penalty_tables, jnp.int32(slot), prompt_mask, output_counts)
 
-    def run_step(self, batch: StepBatch, bucket: Bucket, greedy: bool = False,
-                 decode_steps: np.ndarray | None = None) -> tuple[SamplerOutput, PromptLogprobs | None]:
+    def run_step(self, batch: StepBatch, bucket: Bucket, greedy: bool = False, decode_steps: np.ndarray | None = None,
+                 ) -> tuple[SamplerOutput, PromptLogprobs | None, tuple[jax.Array, jax.Array] | None]:
         """Dispatches the step (its greedy variant if `greedy` and compiled; a multi-step decode if
         `decode_steps`, i32[R], the steps per row); its outputs stay on the device. (A multi-host follower
         runs the leader's steps here, each process feeding its own previous samples.)"""
@@ -332,10 +344,10 @@ class ModelRunner:
         if multi_step:
             self.kv_caches, self.penalty_tables, sampled, self._previous_tokens = step(
                 self._weights, self.kv_caches, self.penalty_tables, packed, decode_steps)
-            return sampled, None
-        self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens = step(
+            return sampled, None, None
+        self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens, *pooled = step(
             self._weights, self.kv_caches, self.penalty_tables, packed)
-        return sampled, prompt
+        return sampled, prompt, pooled[0] if pooled else None
 
     def _compiled_step(self, bucket: Bucket, variant: StepVariant) -> Any | None:
         return self._compiled.get(bucket) if variant == PLAIN else self._compiled_variants.get((bucket, variant))

@@ -51,12 +51,23 @@ def _by_row(tokens: jax.Array, previous_tokens: jax.Array, mesh: Mesh | None) ->
     return tokens_by_row if mesh is None else jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
 
 
+def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """Each row's final hidden state at its last token (f32[R, D]) and summed over its tokens this step
+    (f32[R, D]; padding tokens, past `cu_q_lens[-1]`, fall outside every row and are dropped)."""
+    cu_q_lens = batch.attention.cu_q_lens  # i32[R+1]
+    num_rows = batch.logits_indices.shape[0]
+    token_rows = jnp.searchsorted(cu_q_lens, jnp.arange(hidden.shape[0]), side="right") - 1  # i32[T]
+    hidden = hidden.astype(jnp.float32)
+    return hidden[batch.logits_indices], jax.ops.segment_sum(hidden, token_rows, num_segments=num_rows)
+
+
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
-                 greedy: bool = False):
+                 greedy: bool = False, pooling: bool = False):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
     PromptLogprobs, tokens_by_row)`, jitted with the KV pages and penalty tables donated.
     `greedy`: the variant for batches whose every row is greedy and asks for nothing more
-    (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them."""
+    (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them.
+    `pooling` (--runner pooling): also each row's pooled hidden states (`_pooled`), last in the tuple."""
 
     def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
@@ -73,7 +84,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
             sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
             prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
                                      num_top_logprobs)
-        return kv_caches, penalty_tables, sampled, prompt, _by_row(sampled.tokens, batch.previous_tokens, mesh)
+        outputs = (kv_caches, penalty_tables, sampled, prompt, _by_row(sampled.tokens, batch.previous_tokens, mesh))
+        return (*outputs, _pooled(hidden, batch)) if pooling else outputs
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
 

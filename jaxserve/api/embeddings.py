@@ -1,0 +1,85 @@
+"""POST /v1/embeddings: each input embedded by a `--runner pooling` engine (one engine request per input,
+batched by the scheduler like any prompt), normalized, cut to `dimensions` for matryoshka models, and
+sent as floats or base64."""
+
+import base64
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.api.errors import APIError
+from jaxserve.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, random_id
+from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.api.streaming import collect
+from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam, check_priority
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
+    """The pooled vector cut to its first `dimensions` values, then scaled to unit length: f32[k]."""
+    result = np.asarray(vector, np.float32)[:dimensions]
+    if normalize:
+        result = result / max(float(np.linalg.norm(result)), 1e-12)
+    return result
+
+
+def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def _inputs(serving: ModelServing, req: EmbeddingRequest) -> list[list[int]]:
+    items = req.input
+    if isinstance(items, str) or (items and all(isinstance(t, int) for t in items)):
+        items = [items]
+    if not items:
+        raise APIError(400, "input must not be empty", "input")
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS} inputs per request, got {len(items)}", "input")
+    serving.check_truncation(req.truncate_prompt_tokens)
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise APIError(400, "an input string must not be empty", "input")
+            result.append(await serving.encode(item, req.add_special_tokens, req.truncate_prompt_tokens))
+        else:
+            result.append(serving.truncate(list(item), req.truncate_prompt_tokens))
+    return result
+
+
+async def create_embedding(request: Request) -> Response:
+    serving = get_serving(request)
+    if serving.info.runner != "pooling":
+        raise APIError(400, "this server generates text: embeddings need a server started with --runner pooling",
+                       "model")
+    req = await serving.parse(request, EmbeddingRequest)
+    serving.check_model(req.model)
+    if req.dimensions is not None:
+        if not serving.matryoshka:
+            raise APIError(400, "dimensions: this model's embeddings are not matryoshka representations; cutting "
+                                "them short would make them worse", "dimensions")
+        if not 1 <= req.dimensions <= serving.info.hidden_size:
+            raise APIError(400, f"dimensions must be in [1, {serving.info.hidden_size}], got {req.dimensions}",
+                           "dimensions")
+    prompts = await _inputs(serving, req)
+    try:
+        check_priority(req.priority, serving.info.scheduling_policy)
+        for ids in prompts:
+            serving.info.limits.check(ids, POOLING_PARAMS)
+    except InvalidParam as e:
+        raise APIError(400, str(e), "input" if e.param == "prompt" else e.param) from None
+    request_id = random_id("embd")
+    streams = [serving.generate(ids, POOLING_PARAMS, f"{request_id}-{i}", priority=req.priority)
+               for i, ids in enumerate(prompts)]
+    finals = await collect(request, streams)
+    data = [EmbeddingData(index=i, embedding=_encode(finish_embedding(out.embedding, req.dimensions, req.normalize),
+                                                     req.encoding_format))
+            for i, out in enumerate(finals)]
+    num_tokens = sum(len(ids) for ids in prompts)
+    return JSONResponse(EmbeddingResponse(id=request_id, model=req.model or serving.model_names[0], data=data,
+                                          usage=EmbeddingUsage(prompt_tokens=num_tokens,
+                                                               total_tokens=num_tokens)).model_dump())

@@ -1,0 +1,92 @@
+"""/v1/embeddings through the openai SDK on a `--runner pooling` server of the bundled SmolLM2 (the pooled
+vectors themselves match transformers in tests/engine/test_pooling.py)."""
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.api.helpers import API_KEY, MODEL, start_server, stop_server
+
+pytestmark = pytest.mark.slow  # a server of its own
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory, compile_cache):
+    server = start_server(tmp_path_factory.mktemp("pooling"), compile_cache, "--api-key", API_KEY,
+                          "--runner", "pooling", "--pooling-type", "mean")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def embed(pooling_server):
+    return openai.OpenAI(base_url=pooling_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+TEXTS = ["The cat sat on the mat.", "A kitten rested on the rug.", "Quarterly revenue rose by 4%."]
+
+
+def test_embeddings_are_unit_vectors_the_same_alone_as_in_a_batch(embed):
+    batch = embed.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2] and batch.model == MODEL
+    vectors = np.array([d.embedding for d in batch.data])
+    assert vectors.shape == (3, 576)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    alone = embed.embeddings.create(model=MODEL, input=TEXTS[2], encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(alone, vectors[2], atol=1e-4)
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens > 10
+
+
+def test_base64_the_sdk_default_is_the_same_little_endian_float32(embed, pooling_server):
+    floats = embed.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float").data[0].embedding
+    decoded = embed.embeddings.create(model=MODEL, input=TEXTS[0]).data[0].embedding  # the SDK asks for base64
+    np.testing.assert_allclose(decoded, floats, atol=1e-6)
+    raw = httpx.post(f"{pooling_server.v1}/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    values = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(values, floats, atol=1e-6)
+
+
+def test_token_ids_truncation_and_unnormalized_vectors(embed, pooling_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(f"{pooling_server.base_url}/tokenize", headers=headers, json={"prompt": TEXTS[1]}).json()["tokens"]
+    by_text = embed.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float").data[0].embedding
+    by_ids = embed.embeddings.create(model=MODEL, input=[ids], encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(by_ids, by_text, atol=1e-5)
+    tail = embed.embeddings.create(model=MODEL, input=[ids[-3:]], encoding_format="float")
+    cut = embed.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float",
+                                  extra_body={"truncate_prompt_tokens": 3})
+    np.testing.assert_allclose(cut.data[0].embedding, tail.data[0].embedding, atol=1e-5)
+    assert cut.usage.prompt_tokens == 3
+    raw = embed.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float",
+                                  extra_body={"normalize": False}).data[0].embedding
+    np.testing.assert_allclose(np.asarray(raw) / np.linalg.norm(raw), by_text, atol=1e-5)
+    assert abs(np.linalg.norm(raw) - 1.0) > 1e-3
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "dimensions": 64}, "dimensions"),  # SmolLM2's embeddings are not matryoshka
+    ({"input": [[10**9]]}, "input"),
+    ({"input": "hi", "encoding_format": "int8"}, None),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": ["x"] * 2049}, "input"),
+])
+def test_bad_inputs_are_400s_naming_the_field(pooling_server, body, param):
+    response = httpx.post(f"{pooling_server.v1}/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json=body)
+    assert response.status_code == 400, response.text
+    assert param is None or response.json()["error"]["param"] == param
+
+
+def test_each_server_refuses_the_other_kind_of_request(embed, client):
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        embed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        embed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model=MODEL, input="Hi")  # the shared server generates
