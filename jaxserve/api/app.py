@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, misc
+from jaxserve.api import chat, completions, embeddings, misc, responses
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
 from jaxserve.api.openapi import openapi_routes
@@ -95,6 +95,8 @@ def create_app(
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", embeddings.create_embedding, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
         Route("/ping", misc.health, methods=["GET", "POST"]),

@@ -37,7 +37,7 @@ from jaxserve.api.serving import ModelServing, get_serving, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
-from jaxserve.outputs import CompletionOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import InvalidParam, SamplingParams
 
 
@@ -227,9 +227,29 @@ def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
     return "tool_calls" if made_calls and reason == "stop" else reason
 
 
-async def create_chat_completion(request: Request) -> Response:
-    serving = get_serving(request)
-    req = await serving.parse(request, ChatCompletionRequest)
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request started in the engine: what its answer is read with (chat completions and the
+    Responses API share it)."""
+
+    prompt_ids: list[int]
+    plan: ToolPlan | None  # how tool calls are read from the text
+    reasoning: _Reasoning | None  # how reasoning is split from the text
+    streams: list[AsyncIterator[RequestOutput]]  # the one engine request's outputs (its n sequences)
+
+    def read(self, completion: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        """A finished choice's assistant message and finish_reason."""
+        return _message(completion, self.plan, self.reasoning)
+
+    def reasoning_stream(self) -> ReasoningStream | None:
+        return self.reasoning.stream() if self.reasoning is not None else None
+
+    def tool_stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.plan.make_parser(), self.plan.max_calls) if self.plan is not None else None
+
+
+async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+    """Checks, renders and starts a chat request; every 400 comes before anything starts."""
     serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
@@ -247,9 +267,17 @@ async def create_chat_completion(request: Request) -> Response:
     reasoning = _reasoning(serving, req, prompt_ids)
     params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)
-    request_id = random_id("chatcmpl")
-    model_name = req.model or serving.model_names[0]
     streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority)]
+    return ChatRun(prompt_ids, plan, reasoning, streams)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    serving = get_serving(request)
+    req = await serving.parse(request, ChatCompletionRequest)
+    request_id = random_id("chatcmpl")
+    run = await start_chat(serving, req, request_id)
+    prompt_ids, plan, reasoning, streams = run.prompt_ids, run.plan, run.reasoning, run.streams
+    model_name = req.model or serving.model_names[0]
     choices = ChoiceStream(streams, req.n, len(prompt_ids))
     if req.stream:
         created = int(time.time())

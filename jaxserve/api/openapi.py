@@ -33,6 +33,9 @@ from jaxserve.api.protocol import (
     EmbeddingResponse,
     ErrorResponse,
     ModelList,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -74,6 +77,9 @@ class Operation:
     streams: type[BaseModel] | None = None  # the model of each `data:` event
     errors: tuple[int, ...] = ()
     guarded: bool = False  # behind --api-key (middleware.py's guarded prefixes)
+    path_params: tuple[str, ...] = ()  # the `{name}` parts of `path`, each a string
+    # How a stream ends, when it is not chat's way (`data: [DONE]`): the Responses API's typed events.
+    stream_format: str | None = None
     extra_responses: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +95,15 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=_BODY_ERRORS, guarded=True),
     Operation("/v1/embeddings", "post", "create_embedding", "Create embeddings (a --runner pooling server)",
               "OpenAI", request=(EmbeddingRequest,), response=EmbeddingResponse, errors=_BODY_ERRORS, guarded=True),
+    Operation("/v1/responses", "post", "create_response", "Create a response (the Responses API, text subset)",
+              "OpenAI", request=(ResponsesRequest,), response=ResponseObject, streams=ResponseEvent,
+              errors=_BODY_ERRORS, guarded=True, stream_format=(
+                  ' With "stream": true, server-sent events `event: <type>` / `data: <ResponseEvent JSON>`: '
+                  "response.created, response.in_progress, each output item's events, then response.completed "
+                  "(response.incomplete when cut by max_output_tokens; error and response.failed if the engine "
+                  "fails mid-stream).")),
+    Operation("/v1/responses/{response_id}", "get", "retrieve_response", "A stored response", "OpenAI",
+              response=ResponseObject, errors=(401, 404, 503), guarded=True, path_params=("response_id",)),
     Operation("/v1/models", "get", "list_models", "List the served models", "OpenAI",
               response=ModelList, errors=(401, 503), guarded=True),
     Operation("/tokenize", "post", "tokenize", "Tokenize a prompt or a chat (vLLM)", "vLLM",
@@ -133,6 +148,9 @@ def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], Js
 def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
     """The operation object; `secured`: this server checks a key on this route."""
     doc: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
+    if op.path_params:
+        doc["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                             for name in op.path_params]
     if op.request:
         bodies = [refs[(model, "validation")] for model in op.request]
         doc["requestBody"] = {"required": True, "content": {_JSON_OBJECT: {
@@ -142,9 +160,9 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
         description = f"A {op.response.__name__}."
         if op.streams is not None:
             content["text/event-stream"] = {"schema": {"type": "string"}}
-            description += (f' With "stream": true, server-sent events: one `data: <{op.streams.__name__} JSON>`'
-                            " per chunk, `data: <ErrorResponse JSON>` if the request fails mid-stream, then"
-                            " `data: [DONE]`.")
+            description += op.stream_format or (
+                f' With "stream": true, server-sent events: one `data: <{op.streams.__name__} JSON>` per chunk,'
+                " `data: <ErrorResponse JSON>` if the request fails mid-stream, then `data: [DONE]`.")
         ok: dict[str, Any] = {"description": description, "content": content}
     else:
         ok = {"description": "OK", **({"content": op.content} if op.content else {})}

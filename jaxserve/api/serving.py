@@ -24,6 +24,7 @@ from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_j
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
+from jaxserve.api.response_store import ResponseStore
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
@@ -125,6 +126,7 @@ class ModelServing:
     max_prompt_chars: int
     reasoning: ReasoningMarkers | None  # --reasoning-parser with its markers' token ids
     matryoshka: bool  # the model's embeddings may be cut short (`dimensions`)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for follow-ups
     _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "jaxserve-tokenizer"))
     _token_strings: dict[int, str] = field(default_factory=dict)
 

@@ -162,3 +162,19 @@ def test_a_prompt_that_ended_its_reasoning_gets_the_grammar_from_the_start(apps,
     message = _chat(apps["qwen3"], **body)["choices"][0]["message"]
     assert message["reasoning_content"] is None
     assert isinstance(json.loads(message["content"]), int), "no </think> was let through"
+
+
+def test_the_responses_api_sends_reasoning_as_a_reasoning_item(apps):
+    chat = _chat(apps["deepseek_r1"], max_tokens=8)["choices"][0]["message"]
+    assert chat["reasoning_content"] and chat["content"] is None  # no </think> from this random model
+    body = {"input": "What is 12 x 11?", "max_output_tokens": 8, "temperature": 0}
+    response = apps["deepseek_r1"].post("/v1/responses", json=body).json()
+    (item,) = response["output"]
+    assert item["type"] == "reasoning" and item["content"] == [{"type": "reasoning_text",
+                                                                 "text": chat["reasoning_content"]}]
+    with apps["deepseek_r1"].stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == \
+        chat["reasoning_content"]
+    assert [e["type"] for e in events][-3:] == ["response.reasoning_text.done", "response.output_item.done",
+                                               "response.incomplete"]

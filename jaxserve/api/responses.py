@@ -1,0 +1,333 @@
+"""POST /v1/responses and GET /v1/responses/{response_id}: OpenAI's Responses API, text subset, over the
+chat path (the chat template, tools, structured outputs and reasoning parsers are chat's).
+
+A request's `input` (a string, or message, function_call and function_call_output items) becomes chat
+messages, after the stored conversation of `previous_response_id` and under its own `instructions`
+(which, as OpenAI's, are not carried to the next response). The answer becomes output items: the
+reasoning, the message, then the function calls. Streamed, it is OpenAI's event sequence, each event
+numbered (`sequence_number`). Responses are kept in a bounded in-memory store, least recently used first
+out, unless `store` is false. Everything here runs on the event loop.
+"""
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxserve.api.chat import ChatRun, start_chat
+from jaxserve.api.errors import APIError
+from jaxserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTool,
+    FunctionCallItem,
+    FunctionDefinition,
+    IncompleteDetails,
+    InputTokensDetails,
+    JsonSchemaFormat,
+    MessageItem,
+    NamedFunction,
+    NamedToolChoice,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseFormat,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    UsageInfo,
+)
+from jaxserve.api.serving import get_serving
+from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error
+
+_INPUT_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, "content must be a string or a list of parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"content part of type {kind!r} is not supported; only text", f"{param}.{j}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's `input` as chat messages: function calls join the assistant turn they follow, their
+    outputs become tool messages; reasoning items are dropped (templates re-render reasoning themselves)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _INPUT_ROLES:
+                raise APIError(400, f"input[{i}].role must be one of {', '.join(_INPUT_ROLES)}", f"input.{i}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+        elif kind == "function_call":
+            fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
+            if not all(isinstance(value, str) for value in fields.values()):
+                raise APIError(400, "a function_call item needs call_id, name and arguments strings", f"input.{i}")
+            call = {"id": fields["call_id"], "type": "function",
+                    "function": {"name": fields["name"], "arguments": fields["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or output is None:
+                raise APIError(400, "a function_call_output item needs a call_id and an output", f"input.{i}")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind != "reasoning":
+            raise APIError(400, f"input items of type {kind!r} are not supported", f"input.{i}.type")
+    if not messages:
+        raise APIError(400, "input must hold at least one message", "input")
+    return messages
+
+
+def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers a Responses request."""
+    tools = None
+    if req.tools:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if tool.get("type") != "function":
+                raise APIError(400, f"tools of type {tool.get('type')!r} are not supported; only function",
+                               f"tools.{i}.type")
+            try:
+                tools.append(ChatTool(function=FunctionDefinition.model_validate(tool)))
+            except pydantic.ValidationError as e:
+                raise APIError(400, f"tools[{i}] is not a function definition: {e.errors()[0]['msg']}",
+                               f"tools.{i}") from None
+    choice = req.tool_choice
+    if isinstance(choice, pydantic.BaseModel):
+        choice = NamedToolChoice(function=NamedFunction(name=choice.name))
+    fmt = req.text.format if req.text is not None else None
+    response_format = None
+    if fmt is not None and fmt.type != "text":
+        schema = JsonSchemaFormat(name=fmt.name, schema=fmt.json_schema, strict=fmt.strict) if fmt.json_schema \
+            else None
+        response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+    return ChatCompletionRequest(
+        model=req.model, messages=[ChatMessage(**m) for m in messages], max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, priority=req.priority,
+        tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+        response_format=response_format, user=req.user)
+
+
+def _output_items(message: ChatResponseMessage) -> list[OutputItem]:
+    items: list[OutputItem] = []
+    if message.reasoning_content:
+        items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)]))
+    if message.content:
+        items.append(MessageItem(id=_item_id("msg"), content=[OutputText(text=message.content)]))
+    items += [FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=call.function.name,
+                               arguments=call.function.arguments) for call in message.tool_calls]
+    return items
+
+
+def _conversation_after(messages: list[dict[str, Any]], items: list[OutputItem]) -> list[dict[str, Any]]:
+    """The conversation a response ends: its messages and its answer, as chat messages."""
+    text = "".join(part.text for item in items if isinstance(item, MessageItem) for part in item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in items if isinstance(item, FunctionCallItem)]
+    answer: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        answer["tool_calls"] = calls
+    return [*messages, answer]
+
+
+def _usage(usage: UsageInfo) -> ResponseUsage:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return ResponseUsage(input_tokens=usage.prompt_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         output_tokens=usage.completion_tokens, output_tokens_details=OutputTokensDetails(),
+                         total_tokens=usage.total_tokens)
+
+
+def _finished(response: ResponseObject, items: list[OutputItem], finish_reason: str | None,
+              usage: UsageInfo) -> ResponseObject:
+    cut = finish_reason == "length"
+    return response.model_copy(update={
+        "status": "incomplete" if cut else "completed", "output": items, "usage": _usage(usage),
+        "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
+
+
+async def create_response(request: Request) -> Response:
+    serving = get_serving(request)
+    req = await serving.parse(request, ResponsesRequest)
+    serving.check_model(req.model)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = serving.responses.get(req.previous_response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{req.previous_response_id}' not found.", "previous_response_id")
+        history = stored[1]
+    messages = [*history, *input_messages(req.input)]
+    instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    response_id = _item_id("resp")
+    run = await start_chat(serving, _chat_request(req, instructions + messages), response_id)
+    response = ResponseObject(
+        id=response_id, status="in_progress", model=req.model or serving.model_names[0],
+        instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+        top_p=req.top_p, tools=req.tools or [], parallel_tool_calls=req.parallel_tool_calls,
+        tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, pydantic.BaseModel)
+        else req.tool_choice or "auto",
+        text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+        if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
+        previous_response_id=req.previous_response_id, store=req.store, metadata=req.metadata, user=req.user)
+    choices = ChoiceStream(run.streams, 1, len(run.prompt_ids))
+
+    def keep(final: ResponseObject) -> None:
+        if req.store:
+            serving.responses.put(final, _conversation_after(messages, list(final.output)))
+
+    if req.stream:
+        return StreamingResponse(_events(run, choices, response, keep), media_type="text/event-stream")
+    (output,) = await collect(request, run.streams)
+    completion = output.outputs[0]
+    message, _ = run.read(completion)
+    usage = UsageInfo.of(len(run.prompt_ids), output.num_generated_tokens, output.num_cached_tokens)
+    final = _finished(response, _output_items(message), completion.finish_reason, usage)
+    keep(final)
+    return JSONResponse(final.model_dump())
+
+
+async def retrieve_response(request: Request) -> Response:
+    serving = get_serving(request)
+    response_id = request.path_params["response_id"]
+    stored = serving.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
+    return JSONResponse(stored[0].model_dump())
+
+
+class _EventWriter:
+    """Numbers and frames a streamed response's events, and tracks its output items as they open and close."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def open_item(self, item: OutputItem) -> list[str]:
+        """Closes the open item and opens `item` (a message's one text part with it)."""
+        events = self.close_item()
+        self.items.append(item)
+        self.open = item
+        added = item.model_copy(update={"status": "in_progress"})
+        if isinstance(item, MessageItem | ReasoningItem):
+            added = added.model_copy(update={"content": []})
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                 item=added.model_dump()))
+        if isinstance(item, MessageItem):
+            events.append(self.event("response.content_part.added", item_id=item.id,
+                                     output_index=len(self.items) - 1, content_index=0,
+                                     part=OutputText(text="").model_dump()))
+        return events
+
+    def close_item(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        events = []
+        if isinstance(item, MessageItem):
+            part = item.content[0]
+            events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
+                                     content_index=0, text=part.text, logprobs=[]))
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                     content_index=0, part=part.model_dump()))
+        elif isinstance(item, ReasoningItem):
+            events.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                     content_index=0, text=item.content[0].text))
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                     name=item.name, arguments=item.arguments))
+        events.append(self.event("response.output_item.done", output_index=index, item=item.model_dump()))
+        return events
+
+
+async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
+                  keep: Any) -> AsyncIterator[str]:
+    """A streamed response: created, in progress, each output item's events as its text arrives, then
+    completed (or incomplete); an engine failure after the start ends it with an error event and failed."""
+    out = _EventWriter()
+    yield out.event("response.created", response=response.model_dump())
+    yield out.event("response.in_progress", response=response.model_dump())
+    thoughts, tools = run.reasoning_stream(), run.tool_stream()
+    finish_reason = None
+    try:
+        async for delta in choices:
+            final = delta.finish_reason is not None
+            finish_reason = delta.finish_reason or finish_reason
+            text, thought = delta.completion.text_delta, ""
+            if thoughts is not None:
+                thought, text = thoughts.feed(text, final)
+            calls = []
+            if tools is not None:
+                text, calls = tools.feed(text, final)
+            if thought:
+                if not isinstance(out.open, ReasoningItem):
+                    for event in out.open_item(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text="")])):
+                        yield event
+                item = out.open
+                item.content[0].text += thought
+                yield out.event("response.reasoning_text.delta", item_id=item.id, output_index=len(out.items) - 1,
+                                content_index=0, delta=thought)
+            if text:
+                if not isinstance(out.open, MessageItem):
+                    for event in out.open_item(MessageItem(id=_item_id("msg"), content=[OutputText(text="")])):
+                        yield event
+                item = out.open
+                item.content[0].text += text
+                yield out.event("response.output_text.delta", item_id=item.id, output_index=len(out.items) - 1,
+                                content_index=0, delta=text, logprobs=[])
+            for call in calls:
+                if call.id is not None:  # a new call: its id and name come first
+                    for event in out.open_item(FunctionCallItem(id=_item_id("fc"), call_id=call.id,
+                                                                name=call.name or "", arguments="")):
+                        yield event
+                item = out.open
+                if call.arguments and isinstance(item, FunctionCallItem):
+                    item.arguments += call.arguments
+                    yield out.event("response.function_call_arguments.delta", item_id=item.id,
+                                    output_index=len(out.items) - 1, delta=call.arguments)
+        for event in out.close_item():
+            yield event
+    except ENGINE_ERRORS as e:
+        error = engine_error(e)
+        yield out.event("error", code=str(error.status), message=error.message, param=error.param)
+        failed = response.model_copy(update={"status": "failed", "output": out.items})
+        yield out.event("response.failed", response=failed.model_dump())
+        return
+    final = _finished(response, out.items, finish_reason, choices.usage)
+    keep(final)
+    yield out.event("response.incomplete" if final.status == "incomplete" else "response.completed",
+                    response=final.model_dump())
