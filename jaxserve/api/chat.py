@@ -185,15 +185,22 @@ class _Reasoning:
         return ReasoningStream(self.parser, self.phase)
 
 
-def _reasoning(serving: ModelServing, req: ChatCompletionRequest, prompt_ids: list[int]) -> _Reasoning | None:
+def _reasoning(serving: ModelServing, req: ChatCompletionRequest, prompt_ids: list[int],
+               constrained: bool) -> _Reasoning | None:
+    """`constrained`: a structured output applies. Without the reasoning (include_reasoning false) it
+    applies from the first token, as in vLLM, and the whole output is the answer."""
     if serving.reasoning is None:
         return None
-    return _Reasoning(serving.reasoning.parser, serving.reasoning.first_phase(prompt_ids), req.include_reasoning)
+    phase = serving.reasoning.first_phase(prompt_ids)
+    if constrained and not req.include_reasoning:
+        phase = Phase.CONTENT
+    return _Reasoning(serving.reasoning.parser, phase, req.include_reasoning)
 
 
 def _after_reasoning(serving: ModelServing, params: SamplingParams, reasoning: _Reasoning | None) -> SamplingParams:
     """The params with their structured output (a response format, a forced tool call) made to wait for
-    the end of reasoning, as vLLM applies it, unless the prompt already ended it."""
+    the end of reasoning, as vLLM applies it, unless the output starts with the answer (the prompt ended
+    the reasoning, or the request leaves it out)."""
     if reasoning is None or params.structured_outputs is None:
         return params
     waits = serving.reasoning.grammar_waits(reasoning.phase)
@@ -212,12 +219,13 @@ def _message(
         None, completion.text)
     thought = thought if reasoning is not None and reasoning.included else None
     if plan is None:
-        return ChatResponseMessage(content=text, reasoning_content=thought), completion.finish_reason
+        return ChatResponseMessage(content=text, reasoning_content=thought, reasoning=thought), completion.finish_reason
     content, calls = plan.make_parser().parse(text or "", truncated=completion.finish_reason == "length")
     calls = calls[: plan.max_calls]
     message = ChatResponseMessage(
         content=None if plan.forced and calls else content,
         reasoning_content=thought,
+        reasoning=thought,
         tool_calls=[ToolCallInfo(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
     )
     return message, _finish_reason(completion.finish_reason, bool(calls))
@@ -264,7 +272,7 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
                                      structure=plan.structure if plan is not None else None)
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
-    reasoning = _reasoning(serving, req, prompt_ids)
+    reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
     params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)
     streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority)]
@@ -351,7 +359,8 @@ async def _chunks(
             continue  # nothing to say yet (a call's name or a marker still arriving)
         yield chunk([ChatChunkChoice(
             index=delta.index, delta=DeltaMessage(content=content if content or (calls is None and thought is None)
-                                                  else None, reasoning_content=thought, tool_calls=calls),
+                                                  else None, reasoning_content=thought, reasoning=thought,
+                                                  tool_calls=calls),
             logprobs=_logprobs(serving, completion) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
         )])

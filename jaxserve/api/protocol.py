@@ -90,7 +90,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many alternatives
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
-    priority: int = 0  # under --scheduling-policy priority: lower is served first
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # under --scheduling-policy priority: lower first
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     bad_words: list[str] | None = None  # words the output never completes
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
@@ -245,6 +245,7 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # --reasoning-parser: the <think> part
+    reasoning: str | None = None  # the same, under vLLM's newer name (clients read one or the other)
     tool_calls: list[ToolCallInfo] = Field(default_factory=list)
 
 
@@ -282,6 +283,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same, under vLLM's newer name
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -366,7 +368,7 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     normalize: bool = True  # to unit length (L2), as OpenAI's embeddings are
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
 class EmbeddingData(BaseModel):
@@ -432,7 +434,7 @@ class ResponsesRequest(BaseModel):
     # vLLM extras
     top_k: int | None = None
     seed: int | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
 class OutputText(BaseModel):
@@ -477,6 +479,7 @@ OutputItem = MessageItem | FunctionCallItem | ReasoningItem
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # openai-python's model requires it
 
 
 class OutputTokensDetails(BaseModel):

@@ -84,6 +84,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
                                  '"x"}]}', "messages.1.role"),
         ("/v1/completions", '{"prompt": "hi", "priority": 1}', "priority"),
+        ("/v1/completions", '{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
+        ("/v1/responses", '{"input": "hi", "temperature": NaN}', "temperature"),
+        ("/v1/responses", '{"input": "hi", "priority": 9223372036854775808}', "priority"),
     ],
 )
 def test_out_of_range_sampling_fields_are_400s(server, path, body, param):

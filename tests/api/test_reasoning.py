@@ -129,6 +129,7 @@ def test_an_output_without_an_end_is_reasoning_for_deepseek_and_content_for_qwen
     assert raw["reasoning_content"] is None and "</think>" not in raw["content"]
     deepseek = _chat(apps["deepseek_r1"], **body)["choices"][0]["message"]
     assert deepseek["reasoning_content"] == raw["content"] and deepseek["content"] is None
+    assert deepseek["reasoning"] == deepseek["reasoning_content"], "vLLM's newer name carries the same"
     qwen3 = _chat(apps["qwen3"], **body)["choices"][0]["message"]
     assert qwen3["content"] == raw["content"] and qwen3["reasoning_content"] is None
     for name, expected in (("deepseek_r1", (raw["content"], "")), ("qwen3", ("", raw["content"]))):
@@ -150,6 +151,9 @@ def test_a_structured_output_applies_after_the_reasoning(apps, thinking_engine):
     assert (reasoning, content) == ("", message["content"])
     without_parser = _chat(apps[None], **body)["choices"][0]["message"]
     assert re.fullmatch("[0-9]{3}", without_parser["content"]), "no parser: the grammar rules from the start"
+    left_out = _chat(apps["deepseek_r1"], include_reasoning=False, **body)["choices"][0]["message"]
+    assert left_out["reasoning_content"] is None and left_out["content"] == without_parser["content"], \
+        "include_reasoning false: the grammar rules from the first token (vLLM's rule)"
 
 
 def test_a_prompt_that_ended_its_reasoning_gets_the_grammar_from_the_start(apps, thinking_engine):

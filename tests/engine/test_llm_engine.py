@@ -74,11 +74,11 @@ def test_warmup_waits_for_its_runs(tiny_model_dir):
         return x
 
     def slow_run_step(batch, bucket, *variant):
-        sampled, prompt = run_step(batch, bucket, *variant)
+        sampled, prompt, pooled = run_step(batch, bucket, *variant)
         tokens = jax.pure_callback(slow, jax.ShapeDtypeStruct(sampled.tokens.shape, sampled.tokens.dtype),
                                    sampled.tokens)
         outputs.append(tokens)
-        return dataclasses.replace(sampled, tokens=tokens), prompt
+        return dataclasses.replace(sampled, tokens=tokens), prompt, pooled
 
     runner.run_step = slow_run_step
     runner.warmup(show_progress=False)
