@@ -13,6 +13,7 @@ is measured against its predecessor and llama-server in one run.
     python benchmarks/vs_llama_server.py --concurrency 1 16 64 --rounds 2 --long-prompt 8000 \
         --json docs/vs-llama-server-cpu.json
     python benchmarks/vs_llama_server.py --variants "--attention-impl cpu" "--attention-impl cpu-native"
+    python benchmarks/vs_llama_server.py --defaults --long-prompt 0   # `jaxserve serve` with no flags
 """
 
 import argparse
@@ -70,6 +71,9 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=PEERS / "llama.cpp/build/bin/llama-server")
     parser.add_argument("--gguf", type=Path, default=PEERS / "models/SmolLM2-135M-Instruct.F16.gguf")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--defaults", action="store_true",
+                        help="serve jaxserve as `jaxserve serve` starts with no flags: its platform preset and "
+                             "dtypes (not this script's ladder, --dtype or --max-model-len)")
     parser.add_argument("--async-scheduling", action="store_true", help="serve jaxserve with --async-scheduling")
     parser.add_argument("--sampling", nargs=argparse.REMAINDER, default=[],
                         help="last: `jaxserve bench serve` sampling flags sent to both servers, e.g. "
@@ -95,8 +99,10 @@ def main() -> None:
         servers = []
         try:
             for flags, port in zip(args.variants, jax_ports.values(), strict=True):
+                chosen = (None, None) if args.defaults else (str(ladder), args.dtype)
+                length = [] if args.defaults and not args.long_prompt else ["--max-model-len", str(max_len)]
                 servers.append(start_server(
-                    str(ladder), port, args.dtype, "--max-model-len", str(max_len), *flags.split(),
+                    chosen[0], port, chosen[1], *length, *flags.split(),
                     *(["--async-scheduling"] if args.async_scheduling else [])))
             for round_index in range(args.rounds):
                 # each round shifts the order by one server, so each takes every place in turn
@@ -145,17 +151,18 @@ def main() -> None:
 
     print(f"\nmedians of {args.rounds} alternating rounds, {args.input_len} prompt / {args.output_len} output tokens")
     print("| server | concurrency | jaxserve out tok/s | llama-server out tok/s | ratio "
-          "| TPOT p50 jaxserve / llama-server | ratio |")
-    print("|---|---|---|---|---|---|---|")
+          "| TPOT p50 jaxserve / llama-server | ratio | TTFT p50 jaxserve / llama-server | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in jax_ports:
         for concurrency in args.concurrency:
             j, ll = (median(n, concurrency, "output_tokens_per_s") for n in (name, "llama-server"))
             jt, lt = (median(n, concurrency, "tpot_ms", "p50") for n in (name, "llama-server"))
+            jf, lf = (median(n, concurrency, "ttft_ms", "p50") for n in (name, "llama-server"))
             rows.append({"server": name, "concurrency": concurrency, "jaxserve_tok_s": j, "llama_tok_s": ll,
-                         "jaxserve_tpot_ms": jt, "llama_tpot_ms": lt})
+                         "jaxserve_tpot_ms": jt, "llama_tpot_ms": lt, "jaxserve_ttft_ms": jf, "llama_ttft_ms": lf})
             print(f"| {name} | {concurrency} | {j:.1f} | {ll:.1f} | {j / ll:.2f} | {jt:.1f} / {lt:.1f} ms "
-                  f"| {jt / lt:.2f} |")
+                  f"| {jt / lt:.2f} | {jf:.0f} / {lf:.0f} ms | {jf / lf:.2f} |")
         if args.long_prompt:
             jt, lt = (median(n, -args.long_prompt, "ttft_ms", "p50") / 1e3 for n in (name, "llama-server"))
             rows.append({"server": name, "long_prompt": args.long_prompt, "jaxserve_ttft_s": jt, "llama_ttft_s": lt})

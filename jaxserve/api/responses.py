@@ -11,7 +11,7 @@ out, unless `store` is false. Everything here runs on the event loop.
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pydantic
@@ -197,13 +197,13 @@ async def create_response(request: Request) -> Response:
         text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
         if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
         previous_response_id=req.previous_response_id, store=req.store, metadata=req.metadata, user=req.user)
-    choices = ChoiceStream(run.streams, 1, len(run.prompt_ids))
 
     def keep(final: ResponseObject) -> None:
         if req.store:
             serving.responses.put(final, _conversation_after(messages, list(final.output)))
 
     if req.stream:
+        choices = ChoiceStream(run.streams, 1, len(run.prompt_ids))
         return StreamingResponse(_events(run, choices, response, keep), media_type="text/event-stream")
     (output,) = await collect(request, run.streams)
     completion = output.outputs[0]
@@ -275,7 +275,7 @@ class _EventWriter:
 
 
 async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
-                  keep: Any) -> AsyncIterator[str]:
+                  keep: Callable[[ResponseObject], None]) -> AsyncIterator[str]:
     """A streamed response: created, in progress, each output item's events as its text arrives, then
     completed (or incomplete); an engine failure after the start ends it with an error event and failed."""
     out = _EventWriter()

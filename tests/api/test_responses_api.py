@@ -112,3 +112,16 @@ def test_bad_requests_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.post("/responses", cast_to=object, body={"model": MODEL, **body})
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_store_keeps_the_most_recently_used_responses():
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import ResponseStore
+
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(ResponseObject(id=name, status="completed", model="m"), [{"role": "user", "content": name}])
+    assert store.get("a") is not None  # "a" is now the most recent
+    store.put(ResponseObject(id="c", status="completed", model="m"), [])
+    assert store.get("b") is None and store.get("a")[1] == [{"role": "user", "content": "a"}]
+    assert store.get("c") is not None
