@@ -100,6 +100,7 @@ class Request:
     # Its steps carry nothing beyond the plan's columns: the runner fills nothing of its row itself and
     # reads back no top logprobs for it. (A grammar, set later, is asked on its own.)
     has_plain_decodes: bool = field(init=False)
+    has_long_bad_words: bool = field(init=False)  # a bad word of several tokens: its ban reads the last token
 
     def __post_init__(self) -> None:
         self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), self.sampling_params.max_tokens,
@@ -107,6 +108,7 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         params = self.sampling_params
         self.has_plain_decodes = not params.fills_batch_rows and not params.logprobs
+        self.has_long_bad_words = any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,7 +156,7 @@ class Request:
     def reads_last_token(self) -> bool:
         """Its next step depends on the token before it (a grammar's mask, a bad word's ban), so that
         token must be read, not left in flight."""
-        return self.grammar is not None or any(len(word) > 1 for word in self.bad_words_token_ids)
+        return self.grammar is not None or self.has_long_bad_words
 
     @property
     def reads_prefix_cache(self) -> bool:
