@@ -128,6 +128,8 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     impl: str = "auto",
     num_sms: int | None = None,
     decode_only: bool = False,
@@ -138,29 +140,30 @@ def ragged_paged_attention(
     cached tokens; its pages are `page_table[r, :ceil(kv_lens[r] / page_size)]`. Tokens past
     `cu_q_lens[-1]` are padding and come back as zeros.
 
+    `sliding_window` (static): a query at position p sees only keys p - sliding_window + 1 .. p, and no
+    implementation reads the pages before that. `logit_softcap` (static): scaled scores s become
+    cap * tanh(s / cap) before the softmax (Gemma 2).
+
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
     `num_sms` programs. `impl` is taken as resolved (`auto` is resolved against the local device).
     """
     if impl == "auto":
         impl = resolve_impl(impl)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     if impl == "cpu-native":
-        return cpu_kernels.ragged_paged_attention(
-            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
-        )
+        return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     if impl == "cpu":
         return ragged_paged_attention_cpu(
-            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, decode_only=decode_only
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, decode_only=decode_only, **scores
         )
     if impl == "reference":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale
-        )
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     interpret = impl == "interpret"
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
-            q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret, num_sms=num_sms
+            q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores
         )
     return paged_attention_pallas.ragged_paged_attention_pallas(
-        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, interpret=interpret
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, interpret=interpret, **scores
     )

@@ -16,8 +16,21 @@ MASK_VALUE = -1e30
 BlockFn = Callable[[jax.Array], tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
-def online_softmax(num_blocks: jax.Array, rows: tuple[int, ...], head_dim: int, block: BlockFn) -> jax.Array:
-    """softmax(scores) @ values over `num_blocks` blocks, f32[*rows, H]; rows that see nothing get zeros."""
+def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's attention-logit soft-capping, `cap * tanh(scores / cap)`, on scaled scores; None: as they are."""
+    return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
+def in_window(key_pos: jax.Array, query_pos: jax.Array, window: int) -> jax.Array:
+    """Whether a key is inside a query's sliding window: HF's rule, the `window` positions up to and
+    including the query's own. Causality is checked apart."""
+    return key_pos > query_pos - window
+
+
+def online_softmax(num_blocks: jax.Array, rows: tuple[int, ...], head_dim: int, block: BlockFn,
+                   first_block: jax.Array | int = 0) -> jax.Array:
+    """softmax(scores) @ values over blocks [first_block, num_blocks), f32[*rows, H]; rows that see nothing
+    get zeros."""
 
     def body(carry):
         index, m, denom, acc = carry
@@ -31,7 +44,7 @@ def online_softmax(num_blocks: jax.Array, rows: tuple[int, ...], head_dim: int, 
         return index + 1, m_new, denom, acc
 
     init = (
-        jnp.int32(0),
+        jnp.asarray(first_block, jnp.int32),
         jnp.full(rows, MASK_VALUE, jnp.float32),
         jnp.zeros(rows, jnp.float32),
         jnp.zeros((*rows, head_dim), jnp.float32),

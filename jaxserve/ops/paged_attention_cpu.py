@@ -19,7 +19,7 @@ cost follows the live context, not `max_model_len`. Results agree with the refer
 import jax
 import jax.numpy as jnp
 
-from jaxserve.ops.online_softmax import online_softmax
+from jaxserve.ops.online_softmax import in_window, online_softmax, soft_cap
 
 
 def default_query_block(num_tokens: int, num_reqs: int) -> int:
@@ -51,12 +51,15 @@ def ragged_paged_attention_cpu(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     query_block: int | None = None,
     pages_per_block: int = 8,
     decode_only: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ragged_paged_attention_reference`; `decode_only` promises every request has one
-    query (so items of one token). `query_block`: tokens per item (default: `default_query_block`)."""
+    query (so items of one token). `query_block`: tokens per item (default: `default_query_block`).
+    With a `sliding_window` the loop starts at the block holding the earliest key any item can see."""
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     )
@@ -100,6 +103,10 @@ def ragged_paged_attention_cpu(
     item_pages = jnp.pad(page_table, ((0, 0), (0, num_blocks_max * pages_per_block - max_pages)))[item_req]
     visible_len = jnp.max(jnp.where(item_len > 0, first_pos + item_len, 0))  # keys any item can see
     num_blocks = (visible_len + block_len - 1) // block_len
+    first_block = jnp.int32(0)
+    if sliding_window is not None:  # keys before every item's window are never read
+        earliest = jnp.min(jnp.where(item_len > 0, first_pos - sliding_window + 1, visible_len))
+        first_block = jnp.clip(earliest, 0, None) // block_len
     row_pos = jnp.tile(query_pos, (1, group))  # i32[W, G*Q]
 
     def gather(pages_of: jax.Array, block_pages: jax.Array) -> jax.Array:  # -> f32[K, W, S, H]
@@ -119,11 +126,16 @@ def ragged_paged_attention_cpu(
         k, v = gather(k_pages, pages), gather(v_pages, pages)
         key_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
         visible = (key_pos[None, None, :] <= row_pos[..., None])[None]  # bool[1, W, G*Q, S]
+        if sliding_window is not None:
+            visible &= in_window(key_pos[None, None, :], row_pos[..., None], sliding_window)[None]
         key_in_range = key_pos[None, :] < item_kv_len[:, None]  # bool[W, S]: stale slots may hold NaN
+        if sliding_window is not None:  # and so may pages before every window, which the server may free
+            key_in_range &= in_window(key_pos[None, :], first_pos[:, None], sliding_window)
         v = jnp.where(key_in_range[None, :, :, None], v, 0.0)
-        return scores(qs, k), visible, lambda p: jnp.einsum("kwrs,kwsh->kwrh", p, v)
+        return soft_cap(scores(qs, k), logit_softcap), visible, lambda p: jnp.einsum("kwrs,kwsh->kwrh", p, v)
 
-    out = online_softmax(num_blocks, (num_kv_heads, num_items, rows), head_dim, block)  # [K, W, G*Q, H]
+    out = online_softmax(num_blocks, (num_kv_heads, num_items, rows), head_dim, block,
+                         first_block=first_block)  # [K, W, G*Q, H]
     out = out.reshape(num_kv_heads, num_items, group, query_block, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_items * query_block, num_q_heads, head_dim)  # [W*Q, N, H]
 

@@ -12,6 +12,10 @@ Two kernels share one online-softmax step over a block of KV pages:
   pages are divided among `num_splits` programs, which write partial (output, max, sum) triples that
   `_combine_splits` merges with a log-sum-exp in XLA.
 
+A sliding window (Mistral, Gemma's local layers) masks keys before each query's window and starts a
+program's loop at the first block its window reaches; Gemma 2's logit soft-capping bends the scores before
+the softmax (`ScoreRule`).
+
 K/V pages are gathered with index arrays, and every load is masked by the key's position, so slots past a
 request's length (stale or NaN) are never read and page ids past its last page never dereferenced. Head
 dims that are not a power of two are padded in registers (masked loads), never in memory.
@@ -24,6 +28,7 @@ in registers. This module is the one place to swap in a Mosaic GPU port.
 
 import functools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +66,27 @@ def _head_dim_mask(padded_head_dim: int, head_dim: int) -> jax.Array:  # bool[Hp
     return jnp.arange(padded_head_dim, dtype=jnp.int32) < head_dim
 
 
+@dataclass(frozen=True)
+class ScoreRule:
+    """How a program turns q.k into the softmax's scores (static: part of the kernel)."""
+
+    sm_scale: float
+    sliding_window: int | None = None  # a query sees keys down to its position - window + 1
+    logit_softcap: float | None = None  # scaled scores pass through cap * tanh(s / cap) (Gemma 2)
+
+    def log2_scores(self, dots: jax.Array) -> jax.Array:
+        """The scores in the log2 domain the kernels' exp2 works in (log2(e) folded into the scale)."""
+        if self.logit_softcap is None:
+            return dots * (self.sm_scale * _LOG2_E)
+        return jnp.tanh(dots * (self.sm_scale / self.logit_softcap)) * (self.logit_softcap * _LOG2_E)
+
+    def first_block(self, first_pos: jax.Array, block_kv: int) -> jax.Array | int:
+        """The first block of keys a query at `first_pos` (and any later one) can see."""
+        if self.sliding_window is None:
+            return 0
+        return jnp.maximum(first_pos - self.sliding_window + 1, 0) // block_kv
+
+
 def _attend_block(
     q: jax.Array,  # [M, Hp], the model's dtype
     k_ref,  # ref [num_pages, page_size, H] (this program's KV head), the model's dtype or FP8
@@ -73,7 +99,7 @@ def _attend_block(
     carry: tuple[jax.Array, jax.Array, jax.Array],  # m f32[M], denom f32[M], acc f32[M, Hp]
     *,
     pages_per_block: int,
-    qk_scale: float,  # sm_scale * log2(e)
+    scores: ScoreRule,
 ):
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     padded_head_dim = q.shape[1]
@@ -83,15 +109,21 @@ def _attend_block(
     dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
     key_pos = (block * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32))[:, None] * page_size
     key_pos = key_pos + slot[None, :]  # i32[B, page_size]
-    load_mask = (key_pos < kv_len)[:, :, None] & _head_dim_mask(padded_head_dim, head_dim)[None, None, :]
+    key_live = key_pos < kv_len
+    if scores.sliding_window is not None:  # keys before every row's window are never loaded
+        key_live &= key_pos > jnp.min(row_pos) - scores.sliding_window
+    load_mask = key_live[:, :, None] & _head_dim_mask(padded_head_dim, head_dim)[None, None, :]
     index = (page_ids[:, None, None], slot[None, :, None], dim[None, None, :])
     k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
     v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # an FP8 cache is widened to the queries' dtype in registers
 
     m, denom, acc = carry
-    visible = key_pos.reshape(block_kv)[None, :] <= row_pos[:, None]  # [M, S]
-    s = plgpu.dot(q, k, trans_b=True) * qk_scale  # f32[M, S], log2 domain
+    key_pos = key_pos.reshape(block_kv)
+    visible = key_pos[None, :] <= row_pos[:, None]  # [M, S]
+    if scores.sliding_window is not None:
+        visible &= key_pos[None, :] > row_pos[:, None] - scores.sliding_window
+    s = scores.log2_scores(plgpu.dot(q, k, trans_b=True))  # f32[M, S]
     s = jnp.where(visible, s, _MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # rows with nothing visible yet stay 0
@@ -113,7 +145,7 @@ def _attend_blocks(
     end_block: jax.Array | int,
     *,
     pages_per_block: int,
-    qk_scale: float,
+    scores: ScoreRule,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # max f32[M] (log2 domain), denom f32[M], acc f32[M, Hp]
     """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages."""
     num_rows, padded_head_dim = q.shape
@@ -124,7 +156,7 @@ def _attend_blocks(
     )
     body = functools.partial(
         _attend_block, q, k_ref, v_ref, page_table_ref, req,
-        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, qk_scale=qk_scale,
+        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, scores=scores,
     )
     return jax.lax.fori_loop(first_block, end_block, lambda j, carry: body(j, carry=carry), init)
 
@@ -145,7 +177,7 @@ def _ragged_kernel(
     padded_group: int,
     block_q: int,
     pages_per_block: int,
-    qk_scale: float,
+    scores: ScoreRule,
 ):
     b, kv_head = pl.program_id(0), pl.program_id(1)
     req = block_req_ref[b]
@@ -170,10 +202,12 @@ def _ragged_kernel(
         row_pos = kv_len - q_end + token  # the request's last token sits at kv_len - 1
 
         last_token = jnp.minimum(first_token + block_q, q_end) - 1
-        num_blocks = pl.cdiv(kv_len - q_end + last_token + 1, pages_per_block * k_ref.shape[1])
+        block_kv = pages_per_block * k_ref.shape[1]
+        num_blocks = pl.cdiv(kv_len - q_end + last_token + 1, block_kv)
+        first_block = scores.first_block(kv_len - q_end + first_token, block_kv)
         _, denom, acc = _attend_blocks(
-            q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, 0, num_blocks,
-            pages_per_block=pages_per_block, qk_scale=qk_scale,
+            q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first_block, num_blocks,
+            pages_per_block=pages_per_block, scores=scores,
         )
         out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
         plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=mask)
@@ -192,16 +226,19 @@ def _decode_kernel(
     group: int,
     num_splits: int,
     pages_per_block: int,
-    qk_scale: float,
+    scores: ScoreRule,
 ):
     req, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows, padded_head_dim = o_ref.shape
     head_dim = q_ref.shape[2]
     kv_len = kv_lens_ref[req]
-    # Split this request's own blocks evenly, so short contexts still spread over every split.
-    num_blocks = pl.cdiv(kv_len, pages_per_block * k_ref.shape[1])
-    per_split = pl.cdiv(num_blocks, num_splits)
-    first = split * per_split
+    # Split this request's own blocks (those in its window) evenly, so short contexts still spread over
+    # every split.
+    block_kv = pages_per_block * k_ref.shape[1]
+    num_blocks = pl.cdiv(kv_len, block_kv)
+    first_block = scores.first_block(kv_len - 1, block_kv)
+    per_split = pl.cdiv(num_blocks - first_block, num_splits)
+    first = first_block + split * per_split
     last = jnp.minimum(first + per_split, num_blocks)
 
     g = jnp.arange(num_rows, dtype=jnp.int32)
@@ -211,7 +248,7 @@ def _decode_kernel(
     row_pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
     m, denom, acc = _attend_blocks(
         q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first, last,
-        pages_per_block=pages_per_block, qk_scale=qk_scale,
+        pages_per_block=pages_per_block, scores=scores,
     )
     o_ref[...] = acc
     max_ref[...] = m
@@ -256,6 +293,8 @@ def ragged_paged_attention_pallas(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     interpret: bool = False,
     block_rows: int = 64,
     block_kv: int = 64,
@@ -290,7 +329,7 @@ def ragged_paged_attention_pallas(
 
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
-        pages_per_block=pages_per_block, qk_scale=sm_scale * _LOG2_E,
+        pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
     )
     whole = pl.BlockSpec()  # the kernel indexes these itself
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h: (h, 0, 0, 0))
@@ -327,6 +366,8 @@ def paged_decode_attention_pallas(
     page_table: jax.Array,  # i32[R, P]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     interpret: bool = False,
     block_kv: int = 64,  # 64 keys x 3 stages: the best of an H100 sweep (docs/benchmarks.md)
     num_splits: int | None = None,
@@ -354,7 +395,7 @@ def paged_decode_attention_pallas(
 
     kernel = functools.partial(
         _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
-        qk_scale=sm_scale * _LOG2_E,
+        scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
     )
     whole = pl.BlockSpec()
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, h, s: (h, 0, 0, 0))

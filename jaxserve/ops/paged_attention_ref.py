@@ -2,7 +2,8 @@
 
 Queries of all requests are packed along one token axis; request r owns tokens
 `cu_q_lens[r]:cu_q_lens[r+1]`, which are the *last* q_len positions of its `kv_lens[r]` cached tokens
-(its new K/V are already written into the pages). Each token attends causally to its own request's pages.
+(its new K/V are already written into the pages). Each token attends causally to its own request's pages
+(within a sliding window, for models with one).
 
 The loop walks the batch's pages in blocks with an online softmax and stops after the longest request's
 last page, so the cost follows the live context, not `max_model_len`. Each token gathers its own
@@ -12,7 +13,7 @@ request's block, which keeps GQA native (queries grouped per KV head, K/V never 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.ops.online_softmax import online_softmax
+from jaxserve.ops.online_softmax import in_window, online_softmax, soft_cap
 
 
 def ragged_paged_attention_reference(
@@ -24,8 +25,12 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     pages_per_block: int = 8,
 ) -> jax.Array:  # [T, N, H]
+    """`sliding_window`: a query sees only the keys at most `sliding_window - 1` positions before it;
+    `logit_softcap`: scaled scores pass through `cap * tanh(s / cap)` before the softmax (Gemma 2)."""
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     )
@@ -64,10 +69,12 @@ def ragged_paged_attention_reference(
         v = v.reshape(num_kv_heads, num_tokens, block_len, head_dim)
         key_pos = index * block_len + jnp.arange(block_len, dtype=jnp.int32)  # i32[S]
         visible = key_pos[None, :] <= pos_of_token[:, None]  # [T, S]
+        if sliding_window is not None:
+            visible &= in_window(key_pos[None, :], pos_of_token[:, None], sliding_window)
         # Slots past a request's length hold stale or uninitialised data (even NaN): zero them so that
         # 0 * garbage cannot leak into the sums.
         v = jnp.where(visible[None, :, :, None], v, 0.0)
-        s = jnp.einsum("tkgh,ktsh->tkgs", qg, k)  # [T, K, G, S]
+        s = soft_cap(jnp.einsum("tkgh,ktsh->tkgs", qg, k), logit_softcap)  # [T, K, G, S]
         return s, visible[:, None, None, :], lambda p: jnp.einsum("tkgs,ktsh->tkgh", p, v)
 
     out = online_softmax(num_blocks, (num_tokens, num_kv_heads, group), head_dim, block)  # nothing visible -> 0

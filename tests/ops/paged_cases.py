@@ -75,8 +75,10 @@ def make_case(
     )
 
 
-def oracle(case: PagedCase, sm_scale: float) -> np.ndarray:
-    """Dense float64 attention, request by request, straight from the definition."""
+def oracle(case: PagedCase, sm_scale: float, sliding_window: int | None = None,
+           logit_softcap: float | None = None) -> np.ndarray:
+    """Dense float64 attention, request by request, straight from the definition: a query at position p
+    sees keys max(0, p - sliding_window + 1) .. p; scaled scores are soft-capped as cap * tanh(s / cap)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (case.q, case.k_pages, case.v_pages))
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     group = q.shape[1] // num_kv_heads
@@ -91,9 +93,27 @@ def oracle(case: PagedCase, sm_scale: float) -> np.ndarray:
         v = v_pages[:, pages].reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
         for i in range(q_len):
             pos = kv_len - q_len + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             for head in range(q.shape[1]):
                 kv_head = head // group
-                scores = k[kv_head, : pos + 1] @ q[q_start + i, head] * sm_scale
+                scores = k[kv_head, first : pos + 1] @ q[q_start + i, head] * sm_scale
+                if logit_softcap is not None:
+                    scores = logit_softcap * np.tanh(scores / logit_softcap)
                 p = np.exp(scores - scores.max())
-                out[q_start + i, head] = (p / p.sum()) @ v[kv_head, : pos + 1]
+                out[q_start + i, head] = (p / p.sum()) @ v[kv_head, first : pos + 1]
     return out
+
+
+def blank_before_windows(case: PagedCase, sliding_window: int) -> PagedCase:
+    """The case with NaN in every page that lies wholly before its request's earliest query's window (pages a
+    server may free): an implementation that reads any of them produces NaN."""
+    k_pages, v_pages = case.k_pages.copy(), case.v_pages.copy()
+    page_size = k_pages.shape[2]
+    for r, kv_len in enumerate(case.kv_lens):
+        q_len = case.cu_q_lens[r + 1] - case.cu_q_lens[r]
+        if q_len == 0:
+            continue
+        earliest_key = max(0, int(kv_len - q_len) - sliding_window + 1)
+        for page in case.page_table[r, : earliest_key // page_size]:
+            k_pages[:, page], v_pages[:, page] = np.nan, np.nan
+    return PagedCase(case.q, k_pages, v_pages, case.kv_lens, case.page_table, case.cu_q_lens)

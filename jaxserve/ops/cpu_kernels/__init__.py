@@ -133,6 +133,8 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # i32[R+1]
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [T, N, H]
     """`ragged_paged_attention_reference`'s contract; q float32 or bfloat16, the cache float32, bfloat16 or
     float16 (read as stored; scores and sums in float32)."""
@@ -140,7 +142,8 @@ def ragged_paged_attention(
         raise NativeKernelUnavailable(error)
     call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-                cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale))
+                cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+                sliding_window=np.int32(sliding_window or 0), logit_softcap=np.float32(logit_softcap or 0.0))
 
 
 def matmul_bf16(

@@ -19,6 +19,9 @@
 //   cu_q_lens  int32[R+1]                 r's queries are tokens cu_q_lens[r] : cu_q_lens[r+1]
 //   out        [T, N, H]                  q's dtype; tokens past cu_q_lens[R] (padding) come back as zeros
 // The cache is float32, bfloat16 or float16, whatever q's dtype; scores and sums are float32.
+// Attributes: sm_scale; sliding_window (0: none), a query at position p then sees keys p - window + 1 .. p,
+// and a unit starts at the page holding its first query's earliest key; logit_softcap (0: none), scaled
+// scores pass through cap * tanh(s / cap) (Gemma 2).
 
 #include <algorithm>
 #include <atomic>
@@ -71,6 +74,8 @@ struct Unit {
 struct Problem {
   int num_q_heads, num_kv_heads, head_dim, num_pages, page_size, max_pages;
   float sm_scale;
+  int sliding_window;   // 0: every earlier key
+  float logit_softcap;  // 0: none
   const void* q;
   const void* k_pages;
   const void* v_pages;
@@ -236,7 +241,10 @@ void attend_unit(const Problem& p, const Unit& unit) {
   const int32_t* pages = p.page_table + int64_t(r) * p.max_pages;
   const int num_keys = first_pos + unit.num_queries;  // the last query sees keys 0 .. its position
   const int num_live_pages = (num_keys + page_size - 1) / page_size;
-  for (int page = 0; page < num_live_pages; ++page) {
+  const int window = p.sliding_window;  // row i sees keys from its position - window + 1 (0: from key 0)
+  const int first_page = window > 0 ? std::max(0, first_pos - window + 1) / page_size : 0;
+  const float cap = p.logit_softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  for (int page = first_page; page < num_live_pages; ++page) {
     if (page + 1 < num_live_pages) {
       prefetch(k_head + pages[page + 1] * page_elems, page_elems * sizeof(T));
       prefetch(v_head + pages[page + 1] * page_elems, page_elems * sizeof(T));
@@ -252,34 +260,41 @@ void attend_unit(const Problem& p, const Unit& unit) {
       if constexpr (kDim != 0) {
         if (blocked) block_scores<kDim>(qs, rows, k, keys, scores, scratch.transposed.data());
       }
-      int visible[kMaxRows];
+      int visible[kMaxRows];  // a row sees the run's keys [from, visible[row])
       for (int row = 0; row < rows; ++row) {
-        // keys at or before this row's position are visible; the first run always has key 0, so every
-        // row's maximum is a real score before any run it sees nothing of
-        visible[row] = std::clamp(first_pos + row / group - first_key + 1, 0, keys);
+        // keys at or before this row's position (and inside its window) are visible; a row that has seen
+        // nothing yet keeps its maximum at -1e30, which the first run it sees replaces
+        const int pos = first_pos + row / group;
+        visible[row] = std::clamp(pos - first_key + 1, 0, keys);
+        const int from = window > 0 ? std::clamp(pos - window + 1 - first_key, 0, visible[row]) : 0;
         float* s = scores + row * kKeyRun;
-        if (visible[row] == 0) {
+        if (visible[row] == from) {
           std::fill(s, s + keys, 0.0f);  // the blocked sums read whole blocks of rows
+          visible[row] = 0;
           continue;
         }
         const float* q_row = qs + row * dim;
         if (!blocked) {
-          for (int j = 0; j < visible[row]; ++j) {
+          for (int j = from; j < visible[row]; ++j) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int h = 0; h < dim; ++h) dot += q_row[h] * k[j * dim + h];
             s[j] = dot;
           }
         }
+        if (cap > 0.0f) {
+          for (int j = from; j < visible[row]; ++j) s[j] = cap * std::tanh(s[j] * inv_cap);
+        }
         float run_max = row_max[row];
-        for (int j = 0; j < visible[row]; ++j) run_max = std::max(run_max, s[j]);
+        for (int j = from; j < visible[row]; ++j) run_max = std::max(run_max, s[j]);
         const float rescale = std::exp(row_max[row] - run_max);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < visible[row]; ++j) {
+        for (int j = from; j < visible[row]; ++j) {
           s[j] = std::exp(s[j] - run_max);
           sum += s[j];
         }
+        for (int j = 0; j < from; ++j) s[j] = 0.0f;  // before the window: weight 0
         for (int j = visible[row]; j < keys; ++j) s[j] = 0.0f;  // the blocked sums read whole blocks of rows
         row_sum[row] = row_sum[row] * rescale + sum;
         row_max[row] = run_max;
@@ -287,7 +302,7 @@ void attend_unit(const Problem& p, const Unit& unit) {
 #pragma omp simd
         for (int h = 0; h < dim; ++h) a[h] *= rescale;
         if (!blocked) {
-          for (int j = 0; j < visible[row]; ++j) {
+          for (int j = from; j < visible[row]; ++j) {
             const float weight = s[j];
 #pragma omp simd
             for (int h = 0; h < dim; ++h) a[h] += weight * v[j * dim + h];
@@ -326,7 +341,8 @@ UnitFn pick_unit(ffi::DataType cache, int head_dim) {
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                                float sm_scale, ffi::Result<ffi::AnyBuffer> out) {
+                                float sm_scale, int32_t sliding_window, float logit_softcap,
+                                ffi::Result<ffi::AnyBuffer> out) {
   const auto q_dims = q.dimensions();
   const auto k_dims = k_pages.dimensions();
   const auto table_dims = page_table.dimensions();
@@ -342,6 +358,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.page_size = int(k_dims[2]);
   p.max_pages = int(table_dims[1]);
   p.sm_scale = sm_scale;
+  p.sliding_window = std::max(0, sliding_window);
+  p.logit_softcap = std::max(0.0f, logit_softcap);
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const auto v_dims = v_pages.dimensions();
   if (v_dims.size() != 4 || v_dims[0] != k_dims[0] || v_dims[1] != k_dims[1] || v_dims[2] != k_dims[2] ||
@@ -409,4 +427,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("logit_softcap")
                                   .Ret<ffi::AnyBuffer>());
