@@ -79,6 +79,8 @@ def _tiny_hf_model(kind: str):
                 tensor.normal_(std=0.3)
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's per-head norms start at ones
                 tensor.normal_(mean=1.0, std=0.3)
+            if kind.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's (1 + w) norms, at zeros
+                tensor.normal_(std=0.3)
     return model
 
 
@@ -102,6 +104,33 @@ def _build_tiny_hf_model(kind: str):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama_like))
+    # Windows shorter than the parity tests' 23-token prompts, so they mask.
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**llama_like, sliding_window=7))
+    if kind == "qwen2-window":  # layer 0 full, layer 1 windowed (max_window_layers)
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **llama_like, use_sliding_window=True, sliding_window=5, max_window_layers=1))
+    if kind == "phi3":  # LongRoPE with an original context of 16, partial rotary
+        rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                    original_max_position_embeddings=16,
+                    short_factor=[1.0 + 0.1 * i for i in range(6)], long_factor=[1.0 + 0.5 * i for i in range(6)])
+        config = transformers.Phi3Config(**{**llama_like, "num_hidden_layers": 3}, rope_parameters=rope,
+                                         original_max_position_embeddings=16, sliding_window=9, pad_token_id=0)
+        return transformers.Phi3ForCausalLM(config)
+    if kind == "yarn":
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like, rope_parameters=rope))
+    gemma_like = dict(llama_like, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, num_hidden_layers=3,
+                      tie_word_embeddings=True, pad_token_id=0)
+    if kind == "gemma2":  # local, global, local; caps low enough to bend the tiny model's scores and logits
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **gemma_like, attn_logit_softcapping=3.0, final_logit_softcapping=5.0))
+    if kind == "gemma3":  # local, global, local, each kind with its own RoPE base
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=10000.0)}
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **gemma_like, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=rope))
     raise ValueError(kind)
 
 

@@ -1,14 +1,15 @@
 """Model registry: the HF `architectures` name -> the module that implements it.
 
 Each model module exposes a `*Config.from_hf(hf_config, attention)`, the NNX model class, and
-`map_hf_weight(name, cfg)`, its HF checkpoint name map.
+`map_hf_weight(name, cfg)`, its HF checkpoint name map; a module whose checkpoints fuse tensors the model keeps
+apart also exposes `split_fused_weight(name, tensor, cfg)`.
 """
 
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from jaxserve.models import gpt2, llama
+from jaxserve.models import gemma, gpt2, llama
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     "MistralForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Qwen2ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Qwen3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
+    "Phi3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
+    "Gemma2ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
+    "Gemma3ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
 }
 
 
@@ -38,6 +42,9 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

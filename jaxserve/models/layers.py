@@ -61,19 +61,56 @@ class LayerNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(hf_config: Any, head_dim: int) -> np.ndarray:
-    """Inverse frequencies f32[H/2] for the config's RoPE variant (default, linear, llama3)."""
+@dataclass(frozen=True)
+class Rope:
+    """A layer's rotary embedding: inverse frequencies for the first 2 * len(inv_freq) dims of each head (the
+    rest pass through: partial rotary), and the factor cos and sin are scaled by (YaRN's and LongRoPE's
+    attention factor)."""
+
+    inv_freq: tuple[float, ...]
+    attention_factor: float = 1.0
+
+
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE parameters (those of `layer_type` where a model keys them by layer type, as Gemma 3
+    does), in transformers 5's spelling."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        return dict(params[layer_type])
     if not params:  # transformers < 5 spelling
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        if getattr(hf_config, "partial_rotary_factor", None):
+            params.setdefault("partial_rotary_factor", hf_config.partial_rotary_factor)
+    return params
+
+
+def rope_for(hf_config: Any, head_dim: int, layer_type: str | None = None) -> Rope:
+    """The rotary embedding of the config's RoPE variant: default, linear, llama3, yarn, longrope (Phi-3's
+    `su` too). LongRoPE's long factors are taken when the model's context is longer than its original one
+    (vLLM's choice too: the factors cannot change mid-sequence once keys are cached, and transformers
+    switches them by the current sequence's length)."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / theta**exponents
+    attention_factor = 1.0
+    max_len = getattr(hf_config, "max_position_embeddings", None)
     if rope_type == "default":
         pass
     elif rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn(params, inv_freq, rotary_dim, theta, max_len)
+    elif rope_type in ("longrope", "su"):
+        original = params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+        factor = params.get("factor") or max_len / original
+        long = max_len > original
+        inv_freq = inv_freq / np.asarray(params["long_factor" if long else "short_factor"], np.float64)
+        attention_factor = params.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
     elif rope_type == "llama3":
         factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
         old_len = params["original_max_position_embeddings"]
@@ -85,16 +122,62 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> np.ndarray:
         inv_freq = np.where(is_medium, smoothed, scaled)
     else:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
-    return inv_freq.astype(np.float32)
+    return Rope(tuple(inv_freq.astype(np.float32).tolist()), float(attention_factor))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates x [T, N, H] by positions i32[T] (the rotate-half layout HF Llama uses)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
+def _yarn(params: dict, inv_freq: np.ndarray, dim: int, theta: float, max_len: int | None) -> tuple[np.ndarray, float]:
+    """YaRN (arXiv 2309.00071): frequencies interpolated by `factor` below a ramp of dimensions and kept above
+    it, and the attention factor 0.1 ln(factor) + 1 (or DeepSeek's mscale ratio)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_len / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    kept = 1.0 - ramp  # 1: the original frequency (fast dims), 0: interpolated by the factor
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, attention_factor
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+    """Rotates x [T, N, H] by positions i32[T] (the rotate-half layout HF Llama uses) over the first
+    2 * len(inv_freq) dims of each head; the others pass through (partial rotary)."""
+    inv_freq = np.asarray(rope.inv_freq, np.float32)
+    rotary_dim = 2 * inv_freq.shape[0]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, R/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32[..., :rotary_dim], 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary_dim:]], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config: `layer_types`
+    where the config lists them (Gemma 2/3's local and global layers, Qwen2's `max_window_layers`), else the
+    one `sliding_window` for every layer (Mistral, Phi-3); none where `use_sliding_window` is false."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", None) is False:
+        return (None,) * num_layers
+    if layer_types := getattr(hf_config, "layer_types", None):
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return (window,) * num_layers
 
 
 # Up to this many rows a bfloat16 matmul runs in the native kernel, beyond it in XLA's own bfloat16 dot
@@ -184,8 +267,12 @@ def paged_attention(
     md: AttentionMetadata,
     *,
     attention: AttentionConfig,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache.
+    `sm_scale` defaults to 1 / sqrt(H); a window and a soft cap as in `ops.attention.ragged_paged_attention`.
 
     With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
     split by head, the pages by KV head, and the metadata whole.
@@ -195,8 +282,8 @@ def paged_attention(
         k_pages, v_pages = write(*kv_cache, k, v, md.slot_mapping)
         out = ragged_paged_attention(
             q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
-            sm_scale=1.0 / math.sqrt(q.shape[-1]), impl=attention.impl, num_sms=attention.num_sms,
-            decode_only=md.decode_only,
+            sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), sliding_window=sliding_window,
+            logit_softcap=logit_softcap, impl=attention.impl, num_sms=attention.num_sms, decode_only=md.decode_only,
         )
         return out, (k_pages, v_pages)
 

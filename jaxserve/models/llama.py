@@ -1,5 +1,6 @@
-"""The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v biases) and Qwen3 (an RMSNorm
-over each query and key head, before RoPE).
+"""The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases; sliding
+windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key head, before RoPE) and Phi-3
+(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary).
 
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
@@ -18,15 +19,17 @@ from jaxserve.models.layers import (
     AttentionMetadata,
     KVCache,
     RMSNorm,
+    Rope,
     apply_rope,
     dense,
     embedding_lookup,
+    layer_windows,
     logits_from_embeddings,
     merge_heads,
     paged_attention,
     param,
     project_heads,
-    rope_inv_freq,
+    rope_for,
 )
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
@@ -45,20 +48,16 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
-    inv_freq: tuple[float, ...]
+    rope: Rope
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, with weights [H]
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full attention); empty: none anywhere
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
-        # Sliding-window attention is not implemented: cap the context at the window, where full
-        # attention and sliding-window attention agree exactly.
-        max_len = hf.max_position_embeddings
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True):
-            max_len = min(max_len, window)
+        windows = layer_windows(hf)
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -70,11 +69,15 @@ class LlamaConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            max_position_embeddings=max_len,
-            inv_freq=tuple(rope_inv_freq(hf, head_dim).tolist()),
+            max_position_embeddings=hf.max_position_embeddings,
+            rope=rope_for(hf, head_dim),
             qk_norm=hf.model_type == "qwen3",
+            sliding_windows=windows if any(windows) else (),
             attention=attention or AttentionConfig(),
         )
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     def with_heads(self, num_heads: int, num_kv_heads: int) -> "LlamaConfig":
         """The same model with its heads laid out for tensor parallelism (`jaxserve.parallel.HeadLayout`)."""
@@ -82,7 +85,7 @@ class LlamaConfig:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = param(d, n, h, dtype=weight_dtype)
         self.k_proj = param(d, k, h, dtype=weight_dtype)
@@ -96,6 +99,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
+        self.sliding_window = cfg.window(layer)
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
         attention = self.cfg.attention
@@ -106,9 +110,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over H, per token and head
-        inv_freq = np.asarray(self.cfg.inv_freq, np.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention)
+        q, k = apply_rope(q, positions, self.cfg.rope), apply_rope(k, positions, self.cfg.rope)
+        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention, sliding_window=self.sliding_window)
         return merge_heads(out, self.o_proj[...], attention), kv_cache
 
 
@@ -126,9 +129,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, weight_dtype)
+        self.self_attn = Attention(cfg, dtype, weight_dtype, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, weight_dtype)
 
@@ -145,7 +148,7 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
@@ -217,6 +220,24 @@ TENSOR_PARALLEL: dict[str, SplitRule] = {
     "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None),
 }
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+def split_fused_weight(name: str, tensor: np.ndarray, cfg: LlamaConfig) -> list[tuple[str, np.ndarray]]:
+    """Phi-3's fused projections as the separate tensors the other checkpoints hold: `qkv_proj` rows are
+    [q (N*H), k (K*H), v (K*H)], `gate_up_proj` rows [gate (F), up (F)]. Other tensors pass as they are."""
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        stem = name.removesuffix("qkv_proj.weight")
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if tensor.shape[0] != q_rows + 2 * kv_rows:
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, not {q_rows} + 2 x {kv_rows}")
+        q, k, v = tensor[:q_rows], tensor[q_rows : q_rows + kv_rows], tensor[q_rows + kv_rows :]
+        return [(stem + "q_proj.weight", q), (stem + "k_proj.weight", k), (stem + "v_proj.weight", v)]
+    if name.endswith(".mlp.gate_up_proj.weight"):
+        stem = name.removesuffix("gate_up_proj.weight")
+        half = tensor.shape[0] // 2
+        gate, up = tensor[:half], tensor[half:]
+        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
+    return [(name, tensor)]
 
 
 def map_hf_weight(name: str, cfg: LlamaConfig) -> tuple[tuple[str | int, ...], Callable] | None:

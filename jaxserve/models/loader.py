@@ -367,7 +367,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel) -> dict[tuple, j
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, jax.Array] = {}
     start = time.perf_counter()
-    for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
+    split = getattr(spec.module, "split_fused_weight", lambda name, tensor, cfg: [(name, tensor)])
+    pieces = (piece for name, tensor in tensors for piece in split(name, tensor, cfg))
+    for name, tensor in progress(pieces, "Loading weights", logger, unit="tensors"):
         mapped = spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue

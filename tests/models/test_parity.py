@@ -1,4 +1,4 @@
-"""Logits parity with transformers' PyTorch models (float32) for tiny random GPT-2, Llama, Qwen2."""
+"""Logits parity with transformers' PyTorch models (float32) for tiny random models of every family."""
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,13 @@ class PagedForward:
         return np.asarray(self.model.compute_logits(hidden[:n]))
 
 
+# mistral, qwen2-window, phi3 and the Gemmas have sliding windows shorter than the prompt; phi3 has LongRoPE
+# (past its original context, so the long factors) and partial rotary; yarn is Llama with YaRN scaling.
+PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3"]
+
+
 @pytest.mark.gpu  # on the device (in full float32 on a GPU: tests/conftest.py)
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", PARITY_KINDS)
 def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     loaded = load_model(str(tiny_model_dir(kind)), dtype="float32")
     hf = tiny_hf_model(kind)
@@ -120,14 +125,54 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_sliding_window_models_are_capped_at_the_window():
+# kind -> each layer's window
+WINDOWED = {"mistral": (7, 7), "qwen2-window": (None, 5), "phi3": (9, 9, 9), "gemma2": (6, None, 6),
+            "gemma3": (6, None, 6)}
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOWED))
+def test_sliding_windows_are_per_layer_and_they_matter(kind, tiny_model_dir, tiny_hf_model):
+    """Each layer's window is read from the config as transformers reads it, the context is not capped at
+    the window, and the windows change the logits (so the parity above tests them)."""
     import transformers
 
-    from jaxserve.models.llama import LlamaConfig
+    loaded = load_model(str(tiny_model_dir(kind)), dtype="float32")
+    assert tuple(loaded.cfg.window(i) for i in range(loaded.cfg.num_layers)) == WINDOWED[kind]
+    assert loaded.cfg.max_position_embeddings == 512
+    tokens = list(range(50, 73))
+    ours = PagedForward(loaded, list(range(1, 9)))(tokens)
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir(kind))
+    config.sliding_window = 10_000  # windows past the context: the reference without them
+    unwindowed = type(tiny_hf_model(kind)).from_pretrained(tiny_model_dir(kind), config=config).eval()
+    with torch.no_grad():
+        full = unwindowed(torch.tensor([tokens])).logits[0].numpy()
+    assert np.abs(ours - full).max() > 100 * TOL
 
-    mistral = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=512, sliding_window=64)
-    assert LlamaConfig.from_hf(mistral).max_position_embeddings == 64
-    mistral.sliding_window = None
-    assert LlamaConfig.from_hf(mistral).max_position_embeddings == 512
+
+def test_rope_scalings_match_transformers():
+    """YaRN and LongRoPE (short and long factors, partial rotary) frequencies and attention factors equal
+    transformers' own."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.models.layers import rope_for
+
+    common = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, max_position_embeddings=8192)
+    yarn = transformers.LlamaConfig(**common, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=2048, beta_fast=16))
+    deepseek = transformers.LlamaConfig(**common, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+        mscale_all_dim=0.707))
+    factors = dict(short_factor=[1.0 + 0.05 * i for i in range(6)], long_factor=[1.0 + 0.7 * i for i in range(6)])
+    longrope = transformers.Phi3Config(**common, original_max_position_embeddings=1024, rope_parameters=dict(
+        rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.75, original_max_position_embeddings=1024,
+        **factors))
+    for config, seq_len in ((yarn, None), (deepseek, None), (longrope, 4096)):
+        kind = config.rope_parameters["rope_type"]
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
+        rope = rope_for(config, 16)
+        np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+        assert rope.attention_factor == pytest.approx(factor, rel=1e-6)
+    longrope.max_position_embeddings = 1024  # a context within the original one: the short factors
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](longrope, None, seq_len=100)
+    np.testing.assert_allclose(rope_for(longrope, 16).inv_freq, inv_freq.numpy(), rtol=1e-6)

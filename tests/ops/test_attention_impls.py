@@ -16,7 +16,7 @@ KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(2, 4), max_num_seq
 
 @pytest.mark.slow  # the interpreted kernel, end to end
 @pytest.mark.gpu  # the compiled kernel in the engine on a GPU
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])
 def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model_dir, monkeypatch):
     traced = {"ragged": 0, "decode": 0}
 
@@ -45,7 +45,7 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
 
 @pytest.mark.cpu_only("the attention paths for CPUs")
 @pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])  # gemma2: windows and soft caps
 def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, tiny_model_dir, monkeypatch):
     """The CPU paths (the jnp work items, the native kernel) through prefill chunks, mixed and decode-only
     steps generate exactly the reference path's tokens."""
