@@ -38,7 +38,7 @@ from jaxserve.engine.core_io import (
     engine_fault,
     failed,
 )
-from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
@@ -93,7 +93,8 @@ class EngineCore:
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
-                                       config.cache.enable_prefix_caching)
+                                       config.cache.enable_prefix_caching,
+                                       shared_window(getattr(model.cfg, "sliding_windows", ())))
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.num_scheduler_steps, sched.scheduling_policy)
         self.async_scheduling = sched.async_scheduling

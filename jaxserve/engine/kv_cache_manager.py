@@ -14,6 +14,11 @@ hits it takes a reference instead of computing those tokens again. Only full, co
 and a request only writes K/V at positions it has not computed yet, so a page is never written while
 it is keyed or shared.
 
+Under a sliding window on every layer (Mistral, Phi-3), a request's pages that hold only keys before its
+next query's window are released as it grows (`release_outside_window`): its page list keeps page 0 in
+their place, which attention never reads (no implementation reads keys before a window), so positions
+still index the list. Models with any full-attention layer keep every page.
+
 A page whose count drops to zero is free but keeps its key: it sits in an LRU queue and a later hit
 revives it. Allocation takes free pages from the front of that queue, unkeyed ones first, and evicts
 (forgets the key of) a keyed page it takes. A request's pages are freed tail first, so the end of a
@@ -56,12 +61,23 @@ def extend_page_keys(
     return keys
 
 
+def shared_window(layer_windows: Sequence[int | None]) -> int | None:
+    """The window every layer keeps within (the widest), or None where some layer attends to everything."""
+    return max(layer_windows) if layer_windows and all(layer_windows) else None
+
+
+SCRATCH_PAGE = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer's (`shared_window`); pages before it are released as requests grow."""
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages (one is scratch), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_pages
         self._keys: list[bytes | None] = [None] * num_pages  # a page's key while it is cached
@@ -143,12 +159,34 @@ class KVCacheManager:
         """Drops the request's reference on each page and empties `page_ids`. Pages no one holds join
         the free queue: uncached ones at the front (reused first), cached ones at the back, tail first."""
         for page in reversed(page_ids):
-            self._ref_counts[page] -= 1
-            if self._ref_counts[page] == 0:
-                self._free[page] = None
-                if self._keys[page] is None:
-                    self._free.move_to_end(page, last=False)
+            self._drop(page)
         page_ids.clear()
+
+    def _drop(self, page: int) -> None:
+        if page == SCRATCH_PAGE:  # a released page's place
+            return
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] == 0:
+            self._free[page] = None
+            if self._keys[page] is None:
+                self._free.move_to_end(page, last=False)
+
+    def release_outside_window(self, page_ids: list[int], first_query_pos: int) -> int:
+        """Under a sliding window, drops the request's reference on the pages whose keys all lie before the
+        window of a query at `first_query_pos` (and so of every later one), putting page 0 in their place;
+        returns how many it released. Released pages are freed as `free` frees them (a cached one stays
+        cached until taken)."""
+        if self.sliding_window is None:
+            return 0
+        end = min(max(0, first_query_pos - self.sliding_window + 1) // self.page_size, len(page_ids))
+        released = 0
+        for index in range(end - 1, -1, -1):  # released pages are a leading run: stop at the first one
+            if page_ids[index] == SCRATCH_PAGE:
+                break
+            self._drop(page_ids[index])
+            page_ids[index] = SCRATCH_PAGE
+            released += 1
+        return released
 
     def cache_pages(self, page_ids: Sequence[int], keys: Sequence[bytes], start: int, end: int) -> None:
         """Keys pages `page_ids[start:end]`, which are full and computed, with `keys[start:end]`. A key
@@ -158,7 +196,7 @@ class KVCacheManager:
             return
         for index in range(start, end):
             page, key = page_ids[index], keys[index]
-            if key not in self._cached and self._keys[page] is None:
+            if page != SCRATCH_PAGE and key not in self._cached and self._keys[page] is None:
                 self._cached[key] = page
                 self._keys[page] = key
 

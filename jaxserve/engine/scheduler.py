@@ -189,6 +189,7 @@ class Scheduler:
                 continue
             end = min(num_known, start + token_budget)
             if end > len(request.page_ids) * page_size:  # it needs a page (a decode does once a page)
+                self.kv_cache.release_outside_window(request.page_ids, start)
                 while not self.kv_cache.allocate(request.page_ids, end):
                     victim = self.running.pop()
                     self._preempt(victim)
@@ -215,6 +216,7 @@ class Scheduler:
                 request.page_ids.extend(hit)
                 num_cached = len(hit) * self.kv_cache.page_size
                 end = min(request.num_tokens, num_cached + token_budget)
+                self.kv_cache.release_outside_window(request.page_ids, num_cached)
                 if not self.kv_cache.allocate(request.page_ids, end):
                     self.kv_cache.free(request.page_ids)  # give the hit back
                     break
@@ -277,6 +279,7 @@ class Scheduler:
         plan = _Plan()
         for request, num_steps in zip(self.running, steps, strict=True):
             start = request.num_computed_tokens
+            kv_cache.release_outside_window(request.page_ids, start)
             kv_cache.allocate(request.page_ids, start + num_steps)  # fits: counted above
             self._plan_row(request, start + 1, plan, num_steps=num_steps)
             plan.decode_steps.append(num_steps)

@@ -177,3 +177,33 @@ def test_an_fp8_cache_on_a_cpu(tiny_model_dir):
     pages = {dtype: make_engine(tiny_model_dir("llama"), warmup=False, kv_cache_dtype=dtype, **budget).runner.num_pages
              for dtype in ("bfloat16", "fp8")}
     assert pages["fp8"] // 2 == pages["bfloat16"]
+
+
+@pytest.mark.slow  # three engines
+@pytest.mark.cpu_only("the attention paths for CPUs")
+@pytest.mark.parametrize("impl", ["cpu-native"])  # the CPU default; the jnp path reads as the oracle tests show
+def test_pages_released_outside_the_window_are_never_read(impl, tiny_model_dir, monkeypatch):
+    """Mistral's every layer has a 7-token window, so requests release their pages before it as they grow,
+    and a small pool hands those pages to other requests, which overwrite them, while the runner's page
+    tables still name them. Greedy outputs equal the reference path's on a pool large enough that nothing is
+    released, so no released page was read."""
+    from jaxserve.engine.kv_cache_manager import KVCacheManager
+
+    if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
+        pytest.skip(error)
+    prompts = make_prompts(6)
+    max_tokens = [30, 24, 30, 20, 28, 30]
+    arrivals = [0, 0, 1, 3, 6, 7]
+    released = []
+    release = KVCacheManager.release_outside_window
+    monkeypatch.setattr(KVCacheManager, "release_outside_window",
+                        lambda self, *a: released.append(release(self, *a)) or released[-1])
+    small = make_engine(tiny_model_dir("mistral"), warmup=False, attention_impl=impl, num_kv_pages=26,
+                        max_model_len=96, **KERNEL_LADDER)
+    assert small.core.kv_cache.sliding_window == 7
+    windowed = run_staggered(small, prompts, max_tokens, arrivals)
+    assert sum(released) > 40, "requests released their pages outside the window"
+    monkeypatch.setattr(KVCacheManager, "release_outside_window", lambda self, *a: 0)
+    large = make_engine(tiny_model_dir("mistral"), warmup=False, attention_impl="reference", num_kv_pages=512,
+                        max_model_len=96, **KERNEL_LADDER)
+    assert run_staggered(large, prompts, max_tokens, arrivals) == windowed
