@@ -190,6 +190,9 @@ ENGINE_FLAGS = (
     Flag(("--tensor-parallel-size", "-tp"), ParallelConfig, "tensor_parallel_size", type=int,
          help="devices to split the model over (heads, MLP width, vocabulary, KV pages); on CPU, "
               "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices"),
+    Flag("--enable-expert-parallel", ParallelConfig, "enable_expert_parallel", action="store_true",
+         help="a mixture of experts: split the experts whole over the devices (default: each expert's MLP "
+              "width split, as the dense MLP's)"),
 )
 
 SERVER_FLAGS = (
@@ -367,6 +370,8 @@ COMPILE_FLAGS = (
     Flag(("--tensor-parallel-size", "-tp"), CompileConfig, "tensor_parallel_size", type=int,
          help="compile the step split over this many devices (GPUs of one node for a target); memory is "
               "reported per device"),
+    Flag("--enable-expert-parallel", CompileConfig, "enable_expert_parallel", action="store_true",
+         help="a mixture of experts: split the experts whole over the devices"),
     Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
          action="store_false"),
     Flag("--no-variants", CompileConfig, "variants", action="store_false",

@@ -31,6 +31,7 @@ def main(config: CompileConfig) -> None:
         jobs=config.jobs,
         xla_cost=config.xla_cost,
         tensor_parallel_size=config.tensor_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
         variants=config.variants,
     )
     print(format_report(report))

@@ -119,6 +119,7 @@ def compile_ladder(
     xla_cost: bool = True,
     buckets: list[Bucket] | None = None,
     tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
     read_launches: bool = True,
     variants: bool = True,
 ) -> CompileReport:
@@ -143,7 +144,7 @@ def compile_ladder(
     facts: DeviceFacts = target_facts(target) if target else local_facts(device)
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
-    abstract = build_abstract_model(hf_config, jax_dtype, attention)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg

@@ -131,6 +131,7 @@ class ParallelConfig:
     num_processes: int = 1  # jax.distributed processes (hosts); process 0 serves, the others follow
     process_id: int = 0
     coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
+    enable_expert_parallel: bool = False  # a mixture of experts' experts split whole over the devices
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -439,6 +440,7 @@ class CompileConfig:
     kv_cache_dtype: str | None = None  # None: the preset's
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     xla_cost: bool = True
     variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report

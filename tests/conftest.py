@@ -120,6 +120,13 @@ def _build_tiny_hf_model(kind: str):
     if kind == "yarn":
         rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like, rope_parameters=rope))
+    if kind == "mixtral":  # 4 experts, 2 per token, in every layer
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **llama_like, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "qwen3-moe":  # 6 experts, 2 per token, weights not renormalised; layer 1 dense
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **{**llama_like, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1))
     gemma_like = dict(llama_like, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, num_hidden_layers=3,
                       tie_word_embeddings=True, pad_token_id=0)
     if kind == "gemma2":  # local, global, local; caps low enough to bend the tiny model's scores and logits

@@ -26,7 +26,8 @@ def _worker(spec_json: str) -> None:
         llm = LLM(model=spec["model"], dtype="float32", weight_dtype=spec["weight_dtype"], tensor_parallel_size=tp,
                   max_num_seqs=4,
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[1, 4], num_kv_pages=64,
-                  attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="")
+                  attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="",
+                  enable_expert_parallel=spec["expert_parallel"])
         runner = llm.engine.runner
         q_proj = _first_attention_weight(runner.model.state)
         placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
@@ -56,13 +57,14 @@ def _first_attention_weight(state):
 
 
 def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
-           attention_impl: str = "reference", weight_dtype: str = "auto") -> dict:
+           attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False) -> dict:
     """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
     On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}",
            "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
-                           attention_impl=attention_impl, weight_dtype=weight_dtype))
+                           attention_impl=attention_impl, weight_dtype=weight_dtype,
+                           expert_parallel=expert_parallel))
     code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,

@@ -45,6 +45,16 @@ def test_tiny_models_match_tp1_at_tp2_and_tp4(tiny_model_dir, kind, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tiny_model_dir, expert_parallel, tmp_path):
+    """Mixtral's 4 experts under tensor parallelism (each expert's MLP width split) and expert parallelism
+    (whole experts per device, the rows of the others rolled out): the same tokens and logprobs as one
+    device."""
+    results = run_tp(str(tiny_model_dir("mixtral")), tmp_path, tp_sizes=(4, 2, 1), expert_parallel=expert_parallel)
+    assert_same_as_tp1(results)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_bfloat16_weights_split_over_devices(kind, tiny_model_dir, tmp_path):
     """`weight_dtype` under tensor parallelism: each shard is stored in bfloat16 where it lives, and the

@@ -72,6 +72,7 @@ class EngineCore:
                 config.model.model, config.model.dtype, config.attention_impl, config.model.revision,
                 config.parallel.tensor_parallel_size, config.model.weight_dtype, config.model.load_format,
                 kv_cache_dtype=config.cache.kv_cache_dtype,
+                expert_parallel=config.parallel.enable_expert_parallel,
             )
         self.model = model
         self.max_model_len = min(

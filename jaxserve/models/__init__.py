@@ -1,8 +1,9 @@
 """Model registry: the HF `architectures` name -> the module that implements it.
 
 Each model module exposes a `*Config.from_hf(hf_config, attention)`, the NNX model class, and
-`map_hf_weight(name, cfg)`, its HF checkpoint name map; a module whose checkpoints fuse tensors the model keeps
-apart also exposes `split_fused_weight(name, tensor, cfg)`.
+`map_hf_weight(name, cfg)`, its HF checkpoint name map; a module whose checkpoints hold tensors otherwise than
+the model does (fused, or one per expert) also exposes `hf_weight_stream(tensors, cfg)`, and one whose
+parameters split over a mesh by the config, `split_rule(name, cfg)`.
 """
 
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Qwen3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Phi3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
+    "MixtralForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
+    "Qwen3MoeForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
     "Gemma2ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
     "Gemma3ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
 }
@@ -43,6 +46,8 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

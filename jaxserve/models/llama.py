@@ -1,13 +1,14 @@
 """The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases; sliding
 windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key head, before RoPE) and Phi-3
-(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary).
+(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary); Mixtral and Qwen3-MoE (a
+mixture-of-experts MLP, `moe.py`, in every layer or in those the config names).
 
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from jaxserve.models.layers import (
     project_heads,
     rope_for,
 )
+from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -51,6 +53,8 @@ class LlamaConfig:
     rope: Rope
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, with weights [H]
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full attention); empty: none anywhere
+    moe: MoeConfig | None = None  # Mixtral, Qwen3-MoE
+    moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
 
     @classmethod
@@ -58,6 +62,7 @@ class LlamaConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
         windows = layer_windows(hf)
+        moe, moe_layers = _moe_of(hf)
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -71,17 +76,42 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim),
-            qk_norm=hf.model_type == "qwen3",
+            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
             sliding_windows=windows if any(windows) else (),
+            moe=moe,
+            moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
         )
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def with_expert_parallel(self) -> "LlamaConfig":
+        """Experts split whole over the mesh's devices (`--enable-expert-parallel`), not by their F axis."""
+        if self.moe is None:
+            raise ValueError("--enable-expert-parallel: the model has no experts")
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, expert_parallel=True))
+
     def with_heads(self, num_heads: int, num_kv_heads: int) -> "LlamaConfig":
         """The same model with its heads laid out for tensor parallelism (`jaxserve.parallel.HeadLayout`)."""
         return dataclasses.replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
+    """The experts of a Mixtral or Qwen3-MoE config, and which layers have them."""
+    num_layers = hf.num_hidden_layers
+    if hf.model_type == "mixtral":
+        return MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True), (True,) * num_layers
+    if hf.model_type == "qwen3_moe" and hf.num_experts:
+        dense = set(getattr(hf, "mlp_only_layers", None) or ())
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        return MoeConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                         bool(hf.norm_topk_prob)), layers
+    return None, ()
 
 
 class Attention(nnx.Module):
@@ -133,7 +163,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, weight_dtype, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, weight_dtype)
+        self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if cfg.is_moe_layer(layer)
+                    else MLP(cfg, weight_dtype))
 
     def __call__(self, x, positions, kv_cache, md):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
@@ -211,18 +242,61 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
     "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, c: w.T),
     "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, c: w.T),
+    # Mixture of experts: the router, and each kind of expert weight stacked by `hf_weight_stream`
+    "mlp.gate.weight": (("mlp", "router"), lambda w, c: w.T),
+    "block_sparse_moe.gate.weight": (("mlp", "router"), lambda w, c: w.T),
+    "mlp.experts_gate": (("mlp", "experts_gate"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, F, D] -> [E, D, F]
+    "mlp.experts_up": (("mlp", "experts_up"), lambda w, c: np.swapaxes(w, 1, 2)),
+    "mlp.experts_down": (("mlp", "experts_down"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, D, F] -> [E, F, D]
 }
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {
     "embed_tokens": (0, None), "lm_head": (0, None), "scale": (None, None),
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
-    "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None),
+    "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None), "router": (None, None),
+    **dict(zip(("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(False)),
+               strict=True)),
 }
+# Under --enable-expert-parallel the experts split whole instead (`split_rule`).
+EXPERT_PARALLEL: dict[str, SplitRule] = dict(zip(
+    ("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(True)), strict=True))
+
+
+def split_rule(name: str, cfg: LlamaConfig) -> SplitRule:
+    """How the parameter `name` splits over a mesh (`TENSOR_PARALLEL`, the experts as the config lays them out)."""
+    if cfg.moe is not None and cfg.moe.expert_parallel and name in EXPERT_PARALLEL:
+        return EXPERT_PARALLEL[name]
+    return TENSOR_PARALLEL[name]
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
-def split_fused_weight(name: str, tensor: np.ndarray, cfg: LlamaConfig) -> list[tuple[str, np.ndarray]]:
+_EXPERT_RE = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, and each layer's
+    per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
+    yielded once its last expert has arrived."""
+    pending: dict[tuple[str, str], dict[int, Any]] = {}
+    for name, tensor in tensors:
+        if match := _EXPERT_RE.match(name):
+            layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
+            experts = pending.setdefault((layer, kind), {})
+            experts[expert] = np.asarray(tensor)
+            if len(experts) == cfg.moe.num_experts:
+                del pending[(layer, kind)]
+                yield f"model.layers.{layer}.mlp.experts_{kind}", np.stack([experts[e] for e in range(len(experts))])
+            continue
+        yield from _split_fused_weight(name, tensor, cfg)
+    if pending:
+        (layer, kind), experts = next(iter(pending.items()))
+        raise ValueError(f"layer {layer}'s {kind} weights: {len(experts)} of {cfg.moe.num_experts} experts found")
+
+
+def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:
     """Phi-3's fused projections as the separate tensors the other checkpoints hold: `qkv_proj` rows are
     [q (N*H), k (K*H), v (K*H)], `gate_up_proj` rows [gate (F), up (F)]. Other tensors pass as they are."""
     if name.endswith(".self_attn.qkv_proj.weight"):

@@ -215,6 +215,8 @@ class AbstractModel:
         return self.cfg.attention.mesh
 
     def split_rule(self, path: tuple) -> SplitRule:
+        if (rule := getattr(self.spec.module, "split_rule", None)) is not None:
+            return rule(path[-1], self.cfg)
         return self.spec.module.TENSOR_PARALLEL[path[-1]]
 
     def lay_out(self, path: tuple, value: Any) -> Any:
@@ -248,12 +250,17 @@ class AbstractModel:
 
 
 def build_abstract_model(
-    hf_config: Any, dtype: Any, attention: AttentionConfig, weight_dtype: Any = None
+    hf_config: Any, dtype: Any, attention: AttentionConfig, weight_dtype: Any = None, expert_parallel: bool = False
 ) -> AbstractModel:
-    """The model for `attention`'s device; with a mesh, its heads laid out to split over it. Its matmul
-    weights are in `weight_dtype` (None: `dtype`), everything else in `dtype`."""
+    """The model for `attention`'s device; with a mesh, its heads laid out to split over it (and its experts
+    split whole with `expert_parallel`). Its matmul weights are in `weight_dtype` (None: `dtype`), everything
+    else in `dtype`."""
     spec = get_model_spec(hf_config)
     checkpoint_cfg = spec.config_cls.from_hf(hf_config, attention=attention)
+    if expert_parallel:
+        if not hasattr(checkpoint_cfg, "with_expert_parallel"):
+            raise ValueError("--enable-expert-parallel: the model has no experts")
+        checkpoint_cfg = checkpoint_cfg.with_expert_parallel()
     heads = HeadLayout(checkpoint_cfg.num_heads, checkpoint_cfg.num_kv_heads,
                        attention.mesh.size if attention.mesh is not None else 1)
     cfg = checkpoint_cfg if heads.is_identity else checkpoint_cfg.with_heads(heads.num_heads_eff,
@@ -308,8 +315,10 @@ def load_model(
     weight_dtype: str = "auto",
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
+    expert_parallel: bool = False,
 ) -> LoadedModel:
-    """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards. Each
+    """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
+    of experts' experts split whole with `expert_parallel`). Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`)."""
     if load_format not in LOAD_FORMATS:
@@ -329,7 +338,7 @@ def load_model(
     jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)
     logger.info("dtype: %s activations, %s matmul weights", jnp.dtype(jax_dtype).name, jnp.dtype(jax_weight_dtype).name)
     # Build without touching weights, then fill the abstract state.
-    abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel)
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
     if dummy:
         loaded = _unflatten(dummy_weights(abstract))
@@ -367,9 +376,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel) -> dict[tuple, j
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, jax.Array] = {}
     start = time.perf_counter()
-    split = getattr(spec.module, "split_fused_weight", lambda name, tensor, cfg: [(name, tensor)])
-    pieces = (piece for name, tensor in tensors for piece in split(name, tensor, cfg))
-    for name, tensor in progress(pieces, "Loading weights", logger, unit="tensors"):
+    if (stream := getattr(spec.module, "hf_weight_stream", None)) is not None:
+        tensors = stream(tensors, cfg)
+    for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
         mapped = spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue

@@ -55,8 +55,10 @@ class PagedForward:
 
 
 # mistral, qwen2-window, phi3 and the Gemmas have sliding windows shorter than the prompt; phi3 has LongRoPE
-# (past its original context, so the long factors) and partial rotary; yarn is Llama with YaRN scaling.
-PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3"]
+# (past its original context, so the long factors) and partial rotary; yarn is Llama with YaRN scaling;
+# mixtral and qwen3-moe route each token to 2 of their experts (qwen3-moe with a dense layer between).
+PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3",
+                "mixtral", "qwen3-moe"]
 
 
 @pytest.mark.gpu  # on the device (in full float32 on a GPU: tests/conftest.py)

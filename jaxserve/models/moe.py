@@ -1,0 +1,127 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing and the experts' matmuls grouped by expert.
+
+Each token's router picks its `top_k` experts (softmax over all experts in float32, then the top k, their
+weights renormalised where the model says so). The T x k (token, expert) assignments are sorted by expert,
+so each expert's tokens are one contiguous run of rows, and `jax.lax.ragged_dot` multiplies every run by its
+own expert's weights in one grouped matmul: gate and up [E, D, F], then down [E, F, D]. Each row's output,
+times its routing weight, is added back to its token. Compute follows the T x k assignments, never T x E.
+
+With a mesh the experts run under `shard_map`, in one of two layouts (`MoeConfig.expert_parallel`):
+- tensor parallel (vLLM's default): every device holds every expert's slice of the F axis; the down
+  projection's partial sums are added over devices.
+- expert parallel (`--enable-expert-parallel`): each device holds E / n whole experts and computes the
+  rows routed to them (the sorted rows rolled so its own experts' rows come first; rows past them come back
+  as zeros from `ragged_dot`); the per-device outputs are added over devices.
+Tokens and routing are replicated on every device either way, as the attention's output is.
+
+Axis letters: T tokens, D hidden, E experts, F expert MLP width, A = T * k assignments.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxserve.models.layers import dense, param
+from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import TP_AXIS
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's F
+    normalize_top_k: bool  # renormalise the k chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    expert_parallel: bool = False  # with a mesh: whole experts per device, not slices of every expert
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """f32[T, E] router logits -> (f32[T, k] weights, i32[T, k] experts): softmax, then the top k."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_expert_mlp(
+    x: jax.Array,  # [T, D]
+    weights: jax.Array,  # f32[T, k]
+    experts: jax.Array,  # i32[T, k], global expert ids
+    gate: jax.Array,  # [E_local, D, F_local]
+    up: jax.Array,  # [E_local, D, F_local]
+    down: jax.Array,  # [E_local, F_local, D]
+    *,
+    num_experts: int,
+    first_expert: jax.Array | int = 0,  # the global id of this device's first expert (expert parallel)
+) -> jax.Array:  # f32[T, D]: this device's share of sum_k weight * expert(x)
+    """The routed experts' SwiGLU MLP over the assignments, grouped by expert. Rows routed to experts this
+    device does not hold contribute zeros."""
+    num_tokens, top_k = experts.shape
+    num_local = gate.shape[0]
+    flat_experts = experts.reshape(-1)  # i32[A]
+    order = jnp.argsort(flat_experts, stable=True)  # assignments by expert
+    token_of_row = order // top_k  # i32[A]
+    counts = jnp.zeros(num_experts, jnp.int32).at[flat_experts].add(1)  # i32[E]: rows per expert
+    local_counts = jax.lax.dynamic_slice_in_dim(counts, first_expert, num_local)  # i32[E_local]
+    rows_before = jnp.cumsum(counts) - counts  # i32[E]: each expert's first sorted row
+    shift = rows_before[first_expert]
+    rows = x[token_of_row]  # [A, D]
+    if num_local != num_experts:  # this device's experts' rows first; the rows past them come back as zeros
+        rows = jnp.roll(rows, -shift, axis=0)
+    h = jax.lax.ragged_dot(rows, gate, local_counts, preferred_element_type=jnp.float32)  # f32[A, F]
+    u = jax.lax.ragged_dot(rows, up, local_counts, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(h) * u).astype(x.dtype)
+    out = jax.lax.ragged_dot(h, down, local_counts, preferred_element_type=jnp.float32)  # f32[A, D]
+    if num_local != num_experts:
+        out = jnp.roll(out, shift, axis=0)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(out)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router [D, E] and the experts' SwiGLU weights, stacked by expert."""
+
+    def __init__(self, cfg: MoeConfig, hidden_size: int, attention: AttentionConfig, weight_dtype: Any) -> None:
+        e, d, f = cfg.num_experts, hidden_size, cfg.intermediate_size
+        if attention.mesh is not None:  # each device's share must be whole
+            split, what = (e, "experts") if cfg.expert_parallel else (f, "experts' MLP width")
+            if split % attention.mesh.size:
+                raise ValueError(f"{split} {what} do not split over {attention.mesh.size} devices"
+                                 + ("" if cfg.expert_parallel else "; try --enable-expert-parallel"))
+        self.router = param(d, e, dtype=weight_dtype)
+        self.experts_gate = param(e, d, f, dtype=weight_dtype)
+        self.experts_up = param(e, d, f, dtype=weight_dtype)
+        self.experts_down = param(e, f, d, dtype=weight_dtype)
+        self.moe = cfg
+        self.attention = attention
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        weights, experts = route(dense(x, self.router[...], self.attention), self.moe.top_k, self.moe.normalize_top_k)
+        gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
+        rows = x.astype(gate.dtype)
+        num_experts, mesh = self.moe.num_experts, self.attention.mesh
+        if mesh is None:
+            return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts).astype(x.dtype)
+        expert_parallel = self.moe.expert_parallel
+
+        def local(rows, weights, experts, gate, up, down):  # one device's experts, or its slice of each
+            first = jax.lax.axis_index(TP_AXIS) * gate.shape[0] if expert_parallel else 0
+            out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
+                                     first_expert=first)
+            return jax.lax.psum(out, TP_AXIS)
+
+        whole = PartitionSpec()
+        specs = [PartitionSpec(*(None,) * axis, TP_AXIS) for axis in expert_split_axes(expert_parallel)]
+        out = jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, *specs), out_specs=whole,
+                            check_vma=False)(rows, weights, experts, gate, up, down)
+        return out.astype(x.dtype)
+
+
+def expert_split_axes(expert_parallel: bool) -> tuple[int, int, int]:
+    """The axis of (experts_gate, experts_up, experts_down) split over the mesh: the experts' axis, or F."""
+    return (0, 0, 0) if expert_parallel else (2, 2, 1)
