@@ -10,6 +10,9 @@ Counts, per step of a bucket of T tokens and R requests, each request attending 
   + 4 x T x context_len x N x H x L (attention's QK^T and PV);
 - bytes: every weight once (the embedding table only for the T rows it gathers), the KV cache that the
   R requests read (R x context_len x 2 x K x H x L x itemsize) and the T tokens' K/V it writes.
+- a mixture of experts: each token's k experts add 2 x k x (one expert's weights) flops per MoE layer,
+  and a step reads the experts its T tokens touch, E x (1 - (1 - k / E)^T) per layer if routing spreads
+  tokens evenly (all of them from a few dozen tokens on for Qwen3-30B-A3B's 8 of 128).
 Activations are left out: at these sizes they stay in cache or are small next to the weights.
 """
 
@@ -30,10 +33,23 @@ class ModelShape:
     layer_weights: int  # parameters per decoder layer
     head_weights: int  # the output projection's parameters (V x D; tied or not, it is read once per step)
     other_weights: int  # the rest: norms, biases, GPT-2's position table (an untied embedding is not read whole)
+    # A mixture of experts: per MoE layer, its experts (each `expert_weights`), `top_k` routed per token.
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_weights: int = 0
 
     @property
     def weights_read_per_step(self) -> int:
+        """Weights every step reads, whatever its tokens (routed experts apart: `experts_read`)."""
         return self.num_layers * self.layer_weights + self.head_weights + self.other_weights
+
+    def experts_read(self, num_tokens: int) -> float:
+        """Expert weights a step of `num_tokens` tokens reads: the experts they touch, routed evenly."""
+        if not self.num_moe_layers:
+            return 0.0
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
+        return self.num_moe_layers * touched * self.expert_weights
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
@@ -64,14 +80,22 @@ def model_shape(num_params: int, cfg: Any) -> ModelShape:
     n, k, h, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     # Matmul weights of one layer (q, k, v, o and the MLP); norms and biases are a rounding error.
     gated = hasattr(cfg, "rms_norm_eps")  # Llama-style SwiGLU MLP has three projections, GPT-2's two
-    layer = d * (n + 2 * k) * h + n * h * d + (3 if gated else 2) * d * f
+    mlp = (3 if gated else 2) * d * f
+    moe = getattr(cfg, "moe", None)
+    num_moe = sum(getattr(cfg, "moe_layers", ())) if moe is not None else 0
+    expert = 3 * d * moe.intermediate_size if moe is not None else 0
+    # The dense MLP's weights spread over every layer, so `layer` x L counts the dense layers' MLPs.
+    layer = d * (n + 2 * k) * h + n * h * d + mlp * (cfg.num_layers - num_moe) // cfg.num_layers
     tied = getattr(cfg, "tie_word_embeddings", True)
     head = v * d
     embedding = 0 if tied else v * d  # an untied input table is only gathered from, T rows a step
-    other = max(0, num_params - cfg.num_layers * layer - head - embedding)
+    experts = num_moe * moe.num_experts * expert if moe is not None else 0  # the routers stay in `other`
+    other = max(0, num_params - cfg.num_layers * layer - head - embedding - experts)
     return ModelShape(
         vocab_size=v, hidden_size=d, num_layers=cfg.num_layers, num_heads=n, num_kv_heads=k, head_dim=h,
-        layer_weights=layer, head_weights=head, other_weights=other,
+        layer_weights=layer, head_weights=head, other_weights=other, num_moe_layers=num_moe,
+        num_experts=moe.num_experts if moe is not None else 0, top_k=moe.top_k if moe is not None else 0,
+        expert_weights=expert,
     )
 
 
@@ -87,8 +111,10 @@ def step_cost(
     """The roofline of one step: `num_tokens` tokens of `num_reqs` requests, each seeing `context_len` keys."""
     s = shape
     attention_flops = 4 * num_tokens * context_len * s.num_heads * s.head_dim * s.num_layers
-    flops = 2 * num_tokens * s.num_layers * s.layer_weights + 2 * num_reqs * s.head_weights + attention_flops
-    weight_bytes = (s.weights_read_per_step + num_tokens * s.hidden_size) * itemsize
+    expert_flops = 2 * num_tokens * s.num_moe_layers * s.top_k * s.expert_weights
+    flops = (2 * num_tokens * s.num_layers * s.layer_weights + 2 * num_reqs * s.head_weights + attention_flops
+             + expert_flops)
+    weight_bytes = (s.weights_read_per_step + s.experts_read(num_tokens) + num_tokens * s.hidden_size) * itemsize
     kv_bytes = (num_reqs * context_len + num_tokens) * s.kv_bytes_per_token(itemsize)
     total_bytes = weight_bytes + kv_bytes
     return StepCost(

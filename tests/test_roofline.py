@@ -42,3 +42,26 @@ def test_unknown_peaks_give_no_prediction():
     shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
     cost = step_cost(shape, 8, 8, 128, 4, None, None)
     assert cost.seconds is None and cost.bound is None and cost.flops > 0
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch():
+    """Qwen3-30B-A3B: the routers and the always-read weights each step, plus the experts the tokens touch
+    (8 of 128 per token): one token reads 8 experts a layer, 256 tokens nearly all 128."""
+    from jaxserve.models.moe import MoeConfig
+
+    cfg = SimpleNamespace(hidden_size=2048, vocab_size=151936, num_heads=32, num_kv_heads=4, head_dim=128,
+                          intermediate_size=6144, num_layers=48, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          moe=MoeConfig(128, 8, 768, True), moe_layers=(True,) * 48)
+    attention = 2048 * (32 + 8) * 128 + 32 * 128 * 2048
+    expert = 3 * 2048 * 768
+    num_params = 48 * (attention + 128 * (expert + 2048)) + 2 * 151936 * 2048  # norms left out
+    shape = model_shape(num_params, cfg)
+    assert shape.layer_weights == attention and shape.expert_weights == expert
+    assert shape.other_weights == 48 * 128 * 2048, "the routers, read every step"
+    assert shape.experts_read(1) == pytest.approx(48 * 8 * expert)
+    assert shape.experts_read(256) == pytest.approx(48 * 128 * expert, rel=1e-6)
+    one = step_cost(shape, 1, 1, 0, 2, 989e12, 3.35e12)
+    assert one.flops == pytest.approx(2 * (48 * (attention + 8 * expert) + 151936 * 2048), rel=1e-6)
+    active_bytes = (48 * (attention + 8 * expert) + 151936 * 2048 + 2048) * 2
+    kv_write = 2 * 48 * 4 * 128 * 2
+    assert one.bytes == pytest.approx(active_bytes + 48 * 128 * 2048 * 2 + kv_write)  # + routers: 3.3B active, not 30B
