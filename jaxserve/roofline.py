@@ -9,7 +9,8 @@ Counts, per step of a bucket of T tokens and R requests, each request attending 
 - flops: 2 x T x (the layers' matmul weights) + 2 x R x V x D (logits for the R sampled rows)
   + 4 x T x context_len x N x H x L (attention's QK^T and PV);
 - bytes: every weight once (the embedding table only for the T rows it gathers), the KV cache that the
-  R requests read (R x context_len x 2 x K x H x L x itemsize) and the T tokens' K/V it writes.
+  R requests read (R x context_len x 2 x K x H x L x itemsize; a layer with a sliding window reads at most
+  its window) and the T tokens' K/V it writes.
 - a mixture of experts: each token's k experts add 2 x k x (one expert's weights) flops per MoE layer,
   and a step reads the experts its T tokens touch, E x (1 - (1 - k / E)^T) per layer if routing spreads
   tokens evenly (all of them from a few dozen tokens on for Qwen3-30B-A3B's 8 of 128).
@@ -38,6 +39,7 @@ class ModelShape:
     num_experts: int = 0
     top_k: int = 0
     expert_weights: int = 0
+    windows: tuple[int | None, ...] = ()  # per layer: its sliding window (None: every key); empty: none
 
     @property
     def weights_read_per_step(self) -> int:
@@ -53,6 +55,12 @@ class ModelShape:
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def kv_read_per_request(self, context_len: int, itemsize: int) -> int:
+        """The K/V bytes one request's query reads: every layer's keys, up to its window where it has one."""
+        per_layer_key = 2 * self.num_kv_heads * self.head_dim * itemsize
+        windows = self.windows or (None,) * self.num_layers
+        return sum(min(context_len, window or context_len) for window in windows) * per_layer_key
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ def model_shape(num_params: int, cfg: Any) -> ModelShape:
         vocab_size=v, hidden_size=d, num_layers=cfg.num_layers, num_heads=n, num_kv_heads=k, head_dim=h,
         layer_weights=layer, head_weights=head, other_weights=other, num_moe_layers=num_moe,
         num_experts=moe.num_experts if moe is not None else 0, top_k=moe.top_k if moe is not None else 0,
-        expert_weights=expert,
+        expert_weights=expert, windows=tuple(getattr(cfg, "sliding_windows", ())),
     )
 
 
@@ -115,7 +123,7 @@ def step_cost(
     flops = (2 * num_tokens * s.num_layers * s.layer_weights + 2 * num_reqs * s.head_weights + attention_flops
              + expert_flops)
     weight_bytes = (s.weights_read_per_step + s.experts_read(num_tokens) + num_tokens * s.hidden_size) * itemsize
-    kv_bytes = (num_reqs * context_len + num_tokens) * s.kv_bytes_per_token(itemsize)
+    kv_bytes = num_reqs * s.kv_read_per_request(context_len, itemsize) + num_tokens * s.kv_bytes_per_token(itemsize)
     total_bytes = weight_bytes + kv_bytes
     return StepCost(
         flops=float(flops),

@@ -65,3 +65,16 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch():
     active_bytes = (48 * (attention + 8 * expert) + 151936 * 2048 + 2048) * 2
     kv_write = 2 * 48 * 4 * 128 * 2
     assert one.bytes == pytest.approx(active_bytes + 48 * 128 * 2048 * 2 + kv_write)  # + routers: 3.3B active, not 30B
+
+
+def test_layers_with_a_sliding_window_read_only_the_window():
+    """Gemma 3 1B's five local layers of six read 512 keys at most; its global ones every key."""
+    from jaxserve.roofline import ModelShape
+
+    windows = (512, 512, 512, 512, 512, None) * 2
+    shape = ModelShape(vocab_size=10, hidden_size=8, num_layers=12, num_heads=4, num_kv_heads=1, head_dim=256,
+                       layer_weights=0, head_weights=0, other_weights=0, windows=windows)
+    per_key = 2 * 256 * 2
+    assert shape.kv_read_per_request(4096, 2) == (10 * 512 + 2 * 4096) * per_key
+    assert shape.kv_read_per_request(100, 2) == 12 * 100 * per_key
+    assert ModelShape(**{**shape.__dict__, "windows": ()}).kv_read_per_request(4096, 2) == 12 * 4096 * per_key
