@@ -21,6 +21,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -28,7 +30,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def gguf_architecture(reader: GGUFReader) -> str:

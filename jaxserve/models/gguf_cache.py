@@ -14,13 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
 _CONVERTED_FILES = ("config.json", "tokenizer_config.json")
-_FORMAT = "1"  # bump when what is written here changes
+_FORMAT = "2"  # bump when what is written here changes
 
 
 def cache_root() -> Path:
@@ -32,6 +33,18 @@ def cache_root() -> Path:
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fill_head_dim(config: Any, gguf_path: Path) -> None:
+    """The head size from the file's `{arch}.attention.key_length`, which transformers does not read for every
+    architecture (Qwen3's is not hidden_size / heads: 128 against 64 for Qwen3-0.6B)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None:
+        config.head_dim = int(field.contents())
 
 
 def converted_dir(gguf_path: Path) -> Path:
@@ -46,7 +59,9 @@ def converted_dir(gguf_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         kwargs = {"gguf_file": gguf_path.name}
-        AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
+        _fill_head_dim(config, gguf_path)
+        config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
         try:
             staging.rename(target)
