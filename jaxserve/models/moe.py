@@ -2,9 +2,14 @@
 
 Each token's router picks its `top_k` experts (softmax over all experts in float32, then the top k, their
 weights renormalised where the model says so). The T x k (token, expert) assignments are sorted by expert,
-so each expert's tokens are one contiguous run of rows, and `jax.lax.ragged_dot` multiplies every run by its
-own expert's weights in one grouped matmul: gate and up [E, D, F], then down [E, F, D]. Each row's output,
-times its routing weight, is added back to its token. Compute follows the T x k assignments, never T x E.
+so each expert's tokens are one contiguous run of rows, and one grouped matmul multiplies every run by its
+own expert's weights: gate and up [E, D, F], then down [E, F, D]. Each row's output, times its routing
+weight, is added back to its token. Compute follows the T x k assignments, never T x E.
+
+The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), JAX's Mosaic GPU ragged dot
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each expert's rows);
+elsewhere `jax.lax.ragged_dot`, which XLA:GPU and XLA:CPU compute densely, every row against every expert
+(E times the work), which is right but slow: a Triton grouped matmul for sm_80/89 is still to come.
 
 With a mesh the experts run under `shard_map`, in one of two layouts (`MoeConfig.expert_parallel`):
 - tensor parallel (vLLM's default): every device holds every expert's slice of the F axis; the down
@@ -58,6 +63,7 @@ def grouped_expert_mlp(
     *,
     num_experts: int,
     first_expert: jax.Array | int = 0,  # the global id of this device's first expert (expert parallel)
+    hopper: bool = False,  # compiled for compute capability 9.0: the Mosaic GPU grouped matmul
 ) -> jax.Array:  # f32[T, D]: this device's share of sum_k weight * expert(x)
     """The routed experts' SwiGLU MLP over the assignments, grouped by expert. Rows routed to experts this
     device does not hold contribute zeros."""
@@ -73,14 +79,43 @@ def grouped_expert_mlp(
     rows = x[token_of_row]  # [A, D]
     if num_local != num_experts:  # this device's experts' rows first; the rows past them come back as zeros
         rows = jnp.roll(rows, -shift, axis=0)
-    h = jax.lax.ragged_dot(rows, gate, local_counts, preferred_element_type=jnp.float32)  # f32[A, F]
-    u = jax.lax.ragged_dot(rows, up, local_counts, preferred_element_type=jnp.float32)
+    h = grouped_matmul(rows, gate, local_counts, hopper)  # f32[A, F]
+    u = grouped_matmul(rows, up, local_counts, hopper)
     h = (jax.nn.silu(h) * u).astype(x.dtype)
-    out = jax.lax.ragged_dot(h, down, local_counts, preferred_element_type=jnp.float32)  # f32[A, D]
+    out = grouped_matmul(h, down, local_counts, hopper)  # f32[A, D]
     if num_local != num_experts:
         out = jnp.roll(out, shift, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(out)
+
+
+# The Mosaic GPU kernel's tiles: rows of the sorted assignments, output columns, the contraction's step.
+_MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def grouped_matmul(
+    rows: jax.Array,  # [A, K], sorted by group
+    w: jax.Array,  # [G, K, N]
+    group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
+    hopper: bool = False,
+) -> jax.Array:  # f32[A, N]
+    """rows[group g] @ w[g] for every group: the Mosaic GPU kernel on Hopper where the shapes fit its tiles,
+    else `jax.lax.ragged_dot`."""
+    k, n = w.shape[1], w.shape[2]
+    tiles_fit = k % _MGPU_TILES["block_k"] == 0 and n % _MGPU_TILES["block_n"] == 0 and rows.dtype == w.dtype
+    if not (hopper and tiles_fit):
+        return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    out = ragged_dot_mgpu.ragged_dot(rows, w, group_sizes=group_sizes, **_MGPU_TILES).astype(jnp.float32)
+    covered = jnp.arange(rows.shape[0]) < group_sizes.sum()  # the kernel leaves rows past the groups unwritten
+    return jnp.where(covered[:, None], out, 0.0)
+
+
+def is_hopper(attention: AttentionConfig) -> bool:
+    """Whether the step is compiled for a Hopper GPU (the Mosaic GPU kernels' target)."""
+    return attention.impl == "pallas" and attention.compute_capability is not None and (
+        9.0 <= attention.compute_capability < 10.0)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -104,15 +139,16 @@ class SparseMoeBlock(nnx.Module):
         weights, experts = route(dense(x, self.router[...], self.attention), self.moe.top_k, self.moe.normalize_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
         rows = x.astype(gate.dtype)
-        num_experts, mesh = self.moe.num_experts, self.attention.mesh
+        num_experts, mesh, hopper = self.moe.num_experts, self.attention.mesh, is_hopper(self.attention)
         if mesh is None:
-            return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts).astype(x.dtype)
+            return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
+                                      hopper=hopper).astype(x.dtype)
         expert_parallel = self.moe.expert_parallel
 
         def local(rows, weights, experts, gate, up, down):  # one device's experts, or its slice of each
             first = jax.lax.axis_index(TP_AXIS) * gate.shape[0] if expert_parallel else 0
             out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
-                                     first_expert=first)
+                                     first_expert=first, hopper=hopper)
             return jax.lax.psum(out, TP_AXIS)
 
         whole = PartitionSpec()

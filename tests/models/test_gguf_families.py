@@ -30,10 +30,11 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
 
 
-def write_qwen3_gguf(path, hf_model, tokenizer_gguf) -> None:
+def write_qwen3_gguf(path, cfg, tensors, tokenizer_gguf) -> None:
+    """A GGUF of a Qwen3 config (transformers' `Qwen3Config`) and its HF-named `tensors` (name -> array, in
+    the dtype to store), with the tokenizer fields of `tokenizer_gguf`."""
     import gguf
 
-    cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch="qwen3")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -50,8 +51,8 @@ def write_qwen3_gguf(path, hf_model, tokenizer_gguf) -> None:
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    for name, tensor in hf_model.state_dict().items():
-        writer.add_tensor(gguf_name(name), tensor.numpy().astype(np.float32))
+    for name, tensor in tensors:
+        writer.add_tensor(gguf_name(name), tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -81,7 +82,8 @@ def test_a_qwen3_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = tiny_qwen3()
     path = tmp_path / "tiny-qwen3.gguf"
-    write_qwen3_gguf(path, hf, smollm2_gguf)
+    tensors = ((name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items())
+    write_qwen3_gguf(path, hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.qk_norm and loaded.cfg.head_dim == hf.config.head_dim
     tokens = np.random.default_rng(3).integers(0, loaded.cfg.vocab_size, size=19).tolist()

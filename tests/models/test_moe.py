@@ -1,0 +1,110 @@
+"""The mixture-of-experts MLP against a float64 numpy oracle: routing, the grouped matmuls, and the split
+layouts (each device's experts, or each device's slice of every expert's width, summed), and the Hopper
+kernel's choice in a deviceless H100 compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.moe import grouped_expert_mlp, grouped_matmul, is_hopper, route
+from jaxserve.ops.attention import AttentionConfig
+
+E, K, D, F, T = 6, 2, 16, 24, 11
+
+
+def oracle(x, logits, gate, up, down, normalize: bool) -> np.ndarray:
+    """Token by token: softmax over experts in float64, the top k, each expert's SwiGLU MLP."""
+    x, logits, gate, up, down = (np.asarray(a, np.float64) for a in (x, logits, gate, up, down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = np.exp(logits[t] - logits[t].max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[:K]
+        weights = probs[top] / (probs[top].sum() if normalize else 1.0)
+        for w, e in zip(weights, top, strict=True):
+            h = x[t] @ gate[e]
+            out[t] += w * ((h / (1 + np.exp(-h)) * (x[t] @ up[e])) @ down[e])
+    return out
+
+
+@pytest.fixture(scope="module")
+def case():
+    rng = np.random.default_rng(0)
+    draw = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.5  # noqa: E731
+    return draw(T, D), draw(T, E) * 3, draw(E, D, F), draw(E, D, F), draw(E, F, D)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routed_experts_match_the_oracle(case, normalize):
+    x, logits, gate, up, down = case
+    weights, experts = route(jnp.asarray(logits), K, normalize)
+    got = grouped_expert_mlp(jnp.asarray(x), weights, experts, gate, up, down, num_experts=E)
+    np.testing.assert_allclose(np.asarray(got), oracle(x, logits, gate, up, down, normalize), atol=2e-5, rtol=1e-5)
+
+
+def test_devices_with_their_own_experts_sum_to_the_whole(case):
+    """Expert parallel: each of 3 devices computes the rows of its 2 experts (the others come back as zeros);
+    their sum is the whole MLP."""
+    x, logits, gate, up, down = case
+    weights, experts = route(jnp.asarray(logits), K, True)
+    parts = [grouped_expert_mlp(jnp.asarray(x), weights, experts, gate[i:i + 2], up[i:i + 2], down[i:i + 2],
+                                num_experts=E, first_expert=i) for i in range(0, E, 2)]
+    assert all(np.abs(np.asarray(part)).max() > 0 for part in parts)
+    np.testing.assert_allclose(np.asarray(sum(parts)), oracle(x, logits, gate, up, down, True), atol=2e-5, rtol=1e-5)
+
+
+def test_slices_of_every_experts_width_sum_to_the_whole(case):
+    """Tensor parallel: 4 devices hold F / 4 columns of gate and up and the matching rows of down."""
+    x, logits, gate, up, down = case
+    weights, experts = route(jnp.asarray(logits), K, True)
+    cols = [slice(i, i + F // 4) for i in range(0, F, F // 4)]
+    parts = [grouped_expert_mlp(jnp.asarray(x), weights, experts, gate[..., c], up[..., c], down[:, c], num_experts=E)
+             for c in cols]
+    np.testing.assert_allclose(np.asarray(sum(parts)), oracle(x, logits, gate, up, down, True), atol=2e-5, rtol=1e-5)
+
+
+def test_rows_past_the_groups_come_back_as_zeros():
+    rows = jnp.ones((8, 4))
+    w = jnp.ones((2, 4, 3))
+    out = np.asarray(grouped_matmul(rows, w, jnp.asarray([2, 3], jnp.int32)))
+    assert (out[:5] == 4).all() and (out[5:] == 0).all()
+
+
+def test_the_mosaic_kernel_is_hoppers():
+    assert is_hopper(AttentionConfig(impl="pallas", compute_capability=9.0))
+    assert not is_hopper(AttentionConfig(impl="pallas", compute_capability=8.0))
+    assert not is_hopper(AttentionConfig(impl="cpu-native"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU kernel runs on a Hopper GPU only")
+def test_the_mosaic_grouped_matmul_matches_ragged_dot_on_the_device():
+    from jaxserve.ops.attention import cuda_compute_capability
+
+    if not is_hopper(AttentionConfig(impl="pallas", compute_capability=cuda_compute_capability())):
+        pytest.skip("not a Hopper GPU")
+    rng = np.random.default_rng(1)
+    counts = rng.multinomial(2000, np.ones(128) / 128).astype(np.int32)  # 2,000 of 2,048 rows in groups
+    rows = jnp.asarray(rng.standard_normal((2048, 2048)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 2048, 768)) * 0.02, jnp.bfloat16)
+    got = grouped_matmul(rows, w, jnp.asarray(counts), hopper=True)
+    want = jax.lax.ragged_dot(rows, w, jnp.asarray(counts), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-2, rtol=2e-2)
+
+
+def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100():
+    """Deviceless: Qwen3-30B-A3B's experts (128 of width 768 over a hidden size of 2,048), 256 tokens routed
+    to 8 each, compile to Mosaic GPU kernels with no dense [E, rows, D] temporary (XLA's own ragged dot
+    expands to one, a gigabyte here)."""
+    from tests.ops.test_paged_attention_pallas import deviceless_h100
+
+    device = deviceless_h100()
+    placed = jax.sharding.SingleDeviceSharding(device)
+    shapes = [((256, 2048), jnp.bfloat16), ((256, 8), jnp.float32), ((256, 8), jnp.int32),
+              ((128, 2048, 768), jnp.bfloat16), ((128, 2048, 768), jnp.bfloat16), ((128, 768, 2048), jnp.bfloat16)]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=128, hopper=True))
+    compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
