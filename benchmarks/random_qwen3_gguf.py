@@ -28,7 +28,8 @@ def main() -> None:
     from jaxserve.models.loader import bundled_model_path
 
     values = {**bundled_config_values("qwen3-0.6b"), "vocab_size": 49152, "tie_word_embeddings": False}
-    cfg = transformers.Qwen3Config(**{k: v for k, v in values.items() if k not in ("architectures", "model_type")})
+    dropped = ("architectures", "model_type", "bos_token_id", "eos_token_id")  # the tokenizer brings its own
+    cfg = transformers.Qwen3Config(**{k: v for k, v in values.items() if k not in dropped})
     rng = np.random.default_rng(0)
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, k = cfg.num_attention_heads, cfg.num_key_value_heads

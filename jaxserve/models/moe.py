@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models.layers import dense, param
+from jaxserve.models.layers import param
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
 
@@ -136,7 +136,10 @@ class SparseMoeBlock(nnx.Module):
         self.attention = attention
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
-        weights, experts = route(dense(x, self.router[...], self.attention), self.moe.top_k, self.moe.normalize_top_k)
+        router = self.router[...]
+        # Router logits summed and kept in float32: rounded to a 16-bit dtype, near-tied experts swap places.
+        logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[T, E]
+        weights, experts = route(logits, self.moe.top_k, self.moe.normalize_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
         rows = x.astype(gate.dtype)
         num_experts, mesh, hopper = self.moe.num_experts, self.attention.mesh, is_hopper(self.attention)

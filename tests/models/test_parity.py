@@ -90,13 +90,20 @@ def test_qwen2_biases_are_loaded(tiny_model_dir):
     assert np.abs(bias).max() > 0
 
 
-def test_bfloat16_weights_track_float32(tiny_model_dir):
-    """bf16 is a serving dtype, not a parity one: its logits stay close and mostly agree on argmax."""
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe"])
+def test_bfloat16_weights_track_float32(kind, tiny_model_dir, tiny_hf_model):
+    """bf16 is a serving dtype, not a parity one: its logits stay close and mostly agree on argmax, as close
+    as transformers' own bfloat16 model's do. (The tiny Qwen3-MoE's routing is fragile: rounded to bfloat16,
+    transformers' own logits move by 15% of their mean size, near-tied experts swapping places.)"""
     tokens = list(range(100, 120))
-    f32 = PagedForward(load_model(str(tiny_model_dir("llama")), dtype="float32"), list(range(1, 9)))(tokens)
-    bf16 = PagedForward(load_model(str(tiny_model_dir("llama")), dtype="bfloat16"), list(range(1, 9)))(tokens)
-    assert np.abs(f32 - bf16).mean() < 0.05 * np.abs(f32).mean()
-    assert (f32.argmax(-1) == bf16.argmax(-1)).mean() >= 0.8
+    f32 = PagedForward(load_model(str(tiny_model_dir(kind)), dtype="float32"), list(range(1, 9)))(tokens)
+    bf16 = PagedForward(load_model(str(tiny_model_dir(kind)), dtype="bfloat16"), list(range(1, 9)))(tokens)
+    with torch.no_grad():
+        hf_bf16 = tiny_hf_model(kind).to(torch.bfloat16)(torch.tensor([tokens])).logits[0].float().numpy()
+    hf_error = np.abs(f32 - hf_bf16).mean()
+    assert np.abs(f32 - bf16).mean() < max(0.05 * np.abs(f32).mean(), 1.25 * hf_error)
+    agreement = min(0.8, (f32.argmax(-1) == hf_bf16.argmax(-1)).mean() - 0.1)
+    assert (f32.argmax(-1) == bf16.argmax(-1)).mean() >= agreement
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
