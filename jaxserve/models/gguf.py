@@ -24,13 +24,23 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture names a layer's tensors otherwise: Gemma's four norms (its `ffn_norm` is the norm
+# before the MLP), Phi-3's fused projections (split by `llama.hf_weight_stream`).
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
@@ -55,17 +65,20 @@ def iter_gguf_tensors(
             f"GGUF architecture {arch!r} is not supported; jaxserve reads "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUF files"
         )
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for tensor in reader.tensors:
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            array = array - 1.0
         if tensor.name in _GLOBAL_NAMES:
             yield _GLOBAL_NAMES[tensor.name], array
             continue
         match = _LAYER_RE.match(tensor.name)
-        if match is None or match.group(2) not in _LAYER_NAMES:
+        if match is None or match.group(2) not in names:
             continue
         layer, kind, suffix = match.groups()
         if arch == "llama" and kind == "attn_q":
             array = _unpermute_rotary(array, num_heads)
         elif arch == "llama" and kind == "attn_k":
             array = _unpermute_rotary(array, num_kv_heads)
-        yield f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", array
+        yield f"model.layers.{layer}.{names[kind]}.{suffix}", array

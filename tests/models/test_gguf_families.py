@@ -11,52 +11,67 @@ from tests.models.test_parity import TOL, PagedForward
 
 pytestmark = pytest.mark.slow  # the transformers reference
 
-# HF name (after `model.layers.N.`) -> llama.cpp's name (after `blk.N.`)
+# HF name (after `model.layers.N.`) -> llama.cpp's name (after `blk.N.`), per architecture
 _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+_GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+               "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "qwen3") -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
+    return f"blk.{layer}.{_ARCH_NAMES[arch][module]}.{suffix}"
 
 
-def write_qwen3_gguf(path, cfg, tensors, tokenizer_gguf) -> None:
-    """A GGUF of a Qwen3 config (transformers' `Qwen3Config`) and its HF-named `tensors` (name -> array, in
-    the dtype to store), with the tokenizer fields of `tokenizer_gguf`."""
+def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
+    """A GGUF of a transformers config and its HF-named `tensors` (name -> array, in the dtype to store), laid
+    out as llama.cpp's converter lays it out (Gemma's norms stored as 1 + w), with the tokenizer fields of
+    `tokenizer_gguf`."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), arch="qwen3")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3's: the global layers'
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for name, tensor in tensors:
-        writer.add_tensor(gguf_name(name), tensor)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        writer.add_tensor(gguf_name(name, arch), tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_qwen3_gguf(path, cfg, tensors, tokenizer_gguf) -> None:
+    write_gguf(path, "qwen3", cfg, tensors, tokenizer_gguf)
 
 
 def tiny_qwen3():
@@ -87,6 +102,48 @@ def test_a_qwen3_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.qk_norm and loaded.cfg.head_dim == hf.config.head_dim
     tokens = np.random.default_rng(3).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def tiny_model(kind: str):
+    """Gemma 2 (3 layers, local ones of window 6, transformers' GGUF defaults for what the file does not say:
+    query_pre_attn_scalar 256, soft caps 50 and 30), Gemma 3 (5:1 local:global defaults) and Phi-3."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=None))
+    elif kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=32, sliding_window=6))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 7}, head_dim=32, sliding_window=6))
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if kind.startswith("gemma") and name.endswith("norm.weight"):
+                tensor.normal_(std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+def test_gemma_and_phi3_ggufs_match_transformers(kind, smollm2_gguf, tmp_path, monkeypatch):
+    """Gemma's four norms under llama.cpp's names and stored as 1 + w; Phi-3's fused qkv and gate/up."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_model(kind)
+    path = tmp_path / f"tiny-{kind}.gguf"
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()
+               if not (kind.startswith("gemma") and name == "lm_head.weight")]  # tied
+    write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    tokens = np.random.default_rng(4).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
