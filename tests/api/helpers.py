@@ -23,6 +23,9 @@ STARTUP_TIMEOUT_S = 600
 _SERVER_PORTS = range(20000, 32000)
 
 
+SERVER_LADDER = Path(__file__).with_name("server_ladder.yaml")  # the cpu preset at 16 sequences
+
+
 def free_port(count: int = 1) -> int:
     """The first of `count` consecutive free ports outside the ephemeral range (a multi-host
     coordinator on PORT needs PORT + 1 for its work channel)."""
@@ -64,7 +67,7 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[st
     log_path = tmp_dir / f"server-{port}.log"
     command = [
         sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--config", "cpu", "--dtype", "float32", "--max-model-len", "2048",
+        "--config", str(SERVER_LADDER), "--dtype", "float32", "--max-model-len", "2048",
         "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir),
         "--gpu-memory-utilization", "0.1",  # on a GPU, which test processes share (a CPU: --kv-cache-memory)
         *extra,
