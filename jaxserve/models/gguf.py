@@ -30,6 +30,9 @@ _ARCH_LAYER_NAMES = {
     "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # A mixture of experts: the router, and each kind of expert weight stacked [E, out, in] as the model keeps it
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts_gate", "ffn_up_exps": "mlp.experts_up",
+                 "ffn_down_exps": "mlp.experts_down"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
@@ -40,7 +43,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
@@ -81,4 +84,5 @@ def iter_gguf_tensors(
             array = _unpermute_rotary(array, num_heads)
         elif arch == "llama" and kind == "attn_k":
             array = _unpermute_rotary(array, num_kv_heads)
-        yield f"model.layers.{layer}.{names[kind]}.{suffix}", array
+        name = f"model.layers.{layer}.{names[kind]}"
+        yield (name if kind.endswith("_exps") else f"{name}.{suffix}"), array

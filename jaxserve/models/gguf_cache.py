@@ -21,7 +21,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _CONVERTED_FILES = ("config.json", "tokenizer_config.json")
-_FORMAT = "2"  # bump when what is written here changes
+_FORMAT = "3"  # bump when what is written here changes
 
 
 def cache_root() -> Path:
@@ -45,6 +45,9 @@ def _fill_head_dim(config: Any, gguf_path: Path) -> None:
     field = reader.fields.get(f"{arch}.attention.key_length")
     if field is not None:
         config.head_dim = int(field.contents())
+    field = reader.fields.get(f"{arch}.expert_feed_forward_length")  # an expert's MLP width (Qwen3-MoE)
+    if field is not None:
+        config.moe_intermediate_size = int(field.contents())
 
 
 def converted_dir(gguf_path: Path) -> Path:

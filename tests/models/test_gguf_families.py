@@ -21,6 +21,8 @@ _LAYER_NAMES = {
 _GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+               "qwen3moe": {**_LAYER_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts_gate": "ffn_gate_exps",
+                            "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps"},
                "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -30,6 +32,8 @@ def gguf_name(hf_name: str, arch: str = "qwen3") -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest.startswith("mlp.experts_"):  # stacked experts: no suffix in either naming
+        return f"blk.{layer}.{_ARCH_NAMES[arch][rest]}.weight"
     module, suffix = rest.rsplit(".", 1)
     return f"blk.{layer}.{_ARCH_NAMES[arch][module]}.{suffix}"
 
@@ -55,6 +59,10 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
@@ -144,6 +152,42 @@ def test_gemma_and_phi3_ggufs_match_transformers(kind, smollm2_gguf, tmp_path, m
     write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     tokens = np.random.default_rng(4).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def test_a_qwen3_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
+    """Experts stacked per layer as llama.cpp stores them ([E, out, in]), the router, and the expert width
+    read from the file's `expert_feed_forward_length` (transformers leaves it out)."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        initializer_range=0.3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        stem = name.rsplit(".experts.", 1)[0]  # model.layers.N.mlp
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers keeps [E, 2F, D] fused
+            half = array.shape[1] // 2
+            tensors += [(stem + ".experts_gate", array[:, :half]), (stem + ".experts_up", array[:, half:])]
+        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
+            tensors.append((stem + ".experts_down", array))
+        else:
+            tensors.append((name, array))
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_gguf(path, "qwen3moe", hf.config, tensors, smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.cfg.moe.intermediate_size == 48 and loaded.cfg.moe.normalize_top_k
+    tokens = np.random.default_rng(5).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
