@@ -203,27 +203,15 @@ def _plus_one(w: np.ndarray, cfg: GemmaConfig) -> np.ndarray:
     return np.asarray(w, np.float32) + 1.0
 
 
-def _proj_in(shape_fn: Callable[[GemmaConfig], tuple[int, ...]]):
-    return lambda w, cfg: w.T.reshape(shape_fn(cfg))
-
-
-# HF checkpoint name -> (NNX path, transform). HF Linear weights are [out, in].
+# HF checkpoint name -> (NNX path, transform): the projections as Llama's, the norms as 1 + w.
+_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, GemmaConfig], np.ndarray]]] = {
+    **{name: llama._LAYER_MAP[name] for name in _PROJECTIONS},
     **{f"{norm}.weight": ((norm, "scale"), _plus_one) for norm in (
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")},
-    "self_attn.q_proj.weight": (
-        ("self_attn", "q_proj"), _proj_in(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
-    "self_attn.k_proj.weight": (
-        ("self_attn", "k_proj"), _proj_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
-    "self_attn.v_proj.weight": (
-        ("self_attn", "v_proj"), _proj_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
-    "self_attn.o_proj.weight": (
-        ("self_attn", "o_proj"), _proj_in(lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
     "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), _plus_one),
     "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), _plus_one),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
-    "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, c: w.T),
-    "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, c: w.T),
 }
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
