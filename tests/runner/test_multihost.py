@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.helpers import MODEL, Server, free_port, start_server, stop_server
+from tests.api.helpers import MODEL, SERVER_LADDER, Server, free_port, start_server, stop_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.cpu_only("two processes split a model over CPU devices with gloo collectives")]
@@ -27,7 +27,8 @@ def _start_pair(model_dir: Path, tmp_path: Path, cache_dir: Path) -> tuple[Serve
     follower_log = tmp_path / f"follower-{coordinator.rsplit(':', 1)[1]}.log"
     with follower_log.open("w") as log:
         follower = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve", "serve", "--config", "cpu", "--dtype", "float32",
+            # The leader's ladder (start_server's): both processes must trace the same steps.
+            [sys.executable, "-m", "jaxserve", "serve", "--config", str(SERVER_LADDER), "--dtype", "float32",
              "--max-model-len", "2048", "--compilation-cache-dir", str(cache_dir), *hosts, "--process-id", "1"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
@@ -58,7 +59,8 @@ def test_two_processes_serve_one_process_tokens_and_stop_together(tiny_model_dir
 
     model_dir = tiny_model_dir("llama")
     cache_dir = tmp_path / "xla"
-    single = LLM(model=str(model_dir), dtype="float32", config="cpu", num_kv_pages=64, compilation_cache_dir="")
+    single = LLM(model=str(model_dir), dtype="float32", config=str(SERVER_LADDER), num_kv_pages=64,
+                 compilation_cache_dir="")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [out.outputs[0].text for out in single.generate(PROMPTS, params, use_tqdm=False)]
 
