@@ -36,6 +36,7 @@ from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth
 
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
+PARTS = ("decode", "mixed", "chunk")
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 
 
@@ -79,7 +80,7 @@ def measure(part: str, case: str, impl: str, config: str, fn: Callable, args: tu
 
 
 def mgpu_chunk_fn(inputs: PagedInputs, chunk_k: jax.Array, chunk_v: jax.Array, sm_scale: float,
-                  block_q: int, block_kv: int, dtype) -> Callable:
+                  block_q: int, block_kv: int, dtype, steps: int = 2) -> Callable:
     """One request's chunk of T queries at context C: causal self block + unmasked prefix, merged by LSE."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
@@ -87,8 +88,8 @@ def mgpu_chunk_fn(inputs: PagedInputs, chunk_k: jax.Array, chunk_v: jax.Array, s
     prefix = kv_len - q_len
     num_kv_heads, _, page_size, head_dim = inputs.k_pages.shape
     prefix_pages = inputs.page_table[0, : prefix // page_size]
-    causal = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=True)
-    plain = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=False)
+    causal = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps, causal=True)
+    plain = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps, causal=False)
 
     def contiguous(pages: jax.Array) -> jax.Array:  # [K, P, page, H] -> [1, prefix, K, H]
         return pages[:, prefix_pages].reshape(num_kv_heads, prefix, head_dim).transpose(1, 0, 2)[None]
@@ -141,6 +142,7 @@ def main() -> None:
                         help="only the decode defaults against the sweep's best, bfloat16 and FP8 caches, "
                              "interleaved over --rounds; and the mixed case in both cache dtypes")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which of the three parts to run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -190,7 +192,7 @@ def main() -> None:
     print("| part | case | impl | config | us | TB/s or TFLOP/s | of peak | max abs err | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     # 1. decode: page size x block_kv x warps x stages (page 16 first: what serves today)
-    for name, kv_lens in decode_cases.items():
+    for name, kv_lens in decode_cases.items() if "decode" in args.parts else ():
         for page_size in page_sizes:
             inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, page_size, dtype)
             reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
@@ -204,7 +206,7 @@ def main() -> None:
                                f"stages={ns}", fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
             del inputs
     # 2. prefill/mixed through the ragged kernel
-    for name, (q_lens, kv_lens) in mixed.items():
+    for name, (q_lens, kv_lens) in mixed.items() if "mixed" in args.parts else ():
         inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
@@ -216,22 +218,25 @@ def main() -> None:
             report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
     # 3. tensor-core candidates for one chunk
-    for name, (q_len, kv_len) in chunk_cases.items():
+    for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():
         if over(0.95):
             break
         inputs = build_inputs([q_len], [kv_len], heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
         k, v = chunk_kv(inputs)
-        for mgpu_dtype, block_kv in ((jnp.bfloat16, 128), (jnp.float16, 128), (jnp.bfloat16, 64)):
+        # bfloat16 operands are refused by jax 0.11-0.12's kernel (float16 shared-memory buffers): one try
+        for mgpu_dtype, block_kv, steps in ((jnp.float16, 128, 2), (jnp.float16, 64, 2), (jnp.float16, 128, 3),
+                                            (jnp.bfloat16, 128, 2)):
+            config = f"{jnp.dtype(mgpu_dtype).name} block_kv={block_kv} steps={steps}"
             try:
-                fn, fargs = mgpu_chunk_fn(inputs, k, v, sm_scale, 64, block_kv, mgpu_dtype)
+                fn, fargs = mgpu_chunk_fn(inputs, k, v, sm_scale, 64, block_kv, mgpu_dtype, steps)
             except Exception as e:
-                report(Result("chunk", name, "mosaic-gpu", f"{jnp.dtype(mgpu_dtype).name} block_kv={block_kv}",
-                              None, None, None, None, f"{type(e).__name__}: {str(e)[:200]}"))
+                report(Result("chunk", name, "mosaic-gpu", config, None, None, None, None,
+                              f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
-            report(measure("chunk", name, "mosaic-gpu", f"{jnp.dtype(mgpu_dtype).name} block_kv={block_kv}", fn,
-                           fargs, reference, amount, flops, args.iters, 1e12))
+            report(measure("chunk", name, "mosaic-gpu", config, fn, fargs, reference, amount, flops, args.iters,
+                           1e12))
         if q_len == kv_len:
             report(measure("chunk", name, "cudnn", "is_causal", cudnn_fn(sm_scale), (inputs.q, k, v), reference,
                            amount, flops, args.iters, 1e12))

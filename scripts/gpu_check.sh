@@ -5,6 +5,7 @@
 #   startup    `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
 #   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
 #   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
+#   chunks     the tensor-core candidates only (Mosaic GPU flash attention merged with the prefix, cuDNN);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
 #
@@ -25,7 +26,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
-stages="$*"  # on the GPU machine: any of probe startup test-gpu attention focus profile (default: all)
+stages="$*"  # on the GPU machine: any of probe startup test-gpu attention chunks focus profile (default: all
+             # but chunks, which attention includes)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -102,19 +104,21 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ $mode == gpu || " $stages " == *" $1 "* ]]; }
+wanted() { [[ ($mode == gpu && $1 != chunks) || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
 if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
   stage probe "${PROBE_S:-130}" python3 benchmarks/gpu_compile_probe.py --model .gpu_check/gpt2 --out "$out" \
     --timeout 42 ${PROBE_ARGS:-} > "$out/probe.log" 2>&1
-  # The later stages take the flag set that compiled fastest with a TPOT within 5% of the default's.
+  # The later stages take the flag set that compiled fastest with a TPOT within 5% of the default's at
+  # every level (1, 64 and 256 sequences).
   best=$(python3 - "$out/compile_probe.json" <<'PY'
 import json, sys
 from benchmarks.gpu_compile_probe import FLAG_SETS
 rows = [r for r in json.load(open(sys.argv[1])) if "error" not in r]
 base = next((r for r in rows if r["flags"] == "default"), None)
-fine = [r for r in rows if base is None or r["tpot_ms"] <= 1.05 * base["tpot_ms"]]
+fine = [r for r in rows if base is None
+        or all(tpot <= 1.05 * base["tpot_ms"][level] for level, tpot in r["tpot_ms"].items())]
 print(FLAG_SETS[min(fine, key=lambda r: r["warmup_s"])["flags"]] if fine else "")
 PY
   )
@@ -128,7 +132,8 @@ if wanted focus; then  # the decode kernel's default against the sweep's best, b
 fi
 if wanted startup; then
   # ready with a background warm-up (the largest bucket compiled), cold then warm; each server stops once ready
-  stage startup "${STARTUP_S:-95}" python3 benchmarks/startup.py --config gpu --timeout 85 --no-wait-all \
+  # (STARTUP_ARGS="--timeout 80": the cold start waits for every bucket, so the warm one finds them all cached)
+  stage startup "${STARTUP_S:-95}" python3 benchmarks/startup.py --config gpu ${STARTUP_ARGS:---timeout 85 --no-wait-all} \
     --json "$out/startup.json" --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy \
     --warmup background > "$out/startup.log" 2>&1
 fi
@@ -138,6 +143,10 @@ if wanted test-gpu; then
 fi
 if wanted attention; then
   stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
+fi
+if wanted chunks; then  # the tensor-core candidates for a prefill chunk only (the sweep's third part)
+  stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts chunk --out "$out" \
+    --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted profile; then
   models=()

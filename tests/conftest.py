@@ -23,6 +23,10 @@ if os.environ.get("JAX_PLATFORMS") != "cpu":
     # The tests compare float32 paths with float32 and float64 references at a CPU's tolerances; a GPU
     # multiplies float32 in TF32 by default (about 1e-3 relative). bfloat16 is unaffected.
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    # The tests check results, not speed: XLA:GPU's GEMM autotuning (compiling and timing candidate tilings
+    # on the device) would take most of every compile, and the suite compiles hundreds of steps.
+    if "autotune" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 # Caches jaxserve writes (a GGUF's converted config and tokenizer) go to a fresh directory per session,
 # so every run also exercises the conversion; servers the tests start inherit it.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxserve-test-cache-"))
