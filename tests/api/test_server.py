@@ -12,7 +12,8 @@ import pytest
 from jaxserve.allocator import find_tcmalloc
 from tests.api.helpers import API_KEY, MODEL, metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # a real model: `make test-fast` skips it, `make test-gpu` runs it
+# A real model: `make test-fast` skips it, `make test-gpu` runs it, on one worker (one server; Makefile).
+pytestmark = [pytest.mark.slow, pytest.mark.gpu, pytest.mark.xdist_group("server")]
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
