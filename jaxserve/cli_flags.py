@@ -19,6 +19,7 @@ from jaxserve.config import (
     LOAD_FORMATS,
     METRICS_PREFIXES,
     POOLING_TYPES,
+    QUANTIZATIONS,
     REASONING_PARSER_NAMES,
     RUNNERS,
     SCHEDULING_POLICIES,
@@ -116,9 +117,14 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
                      "device (vLLM's flag), to benchmark without the weights: --model may then also be a bundled "
                      f"shape ({', '.join(BUNDLED_SHAPES)}) or a config.json (default: auto)")
 
+_QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
+                      "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
+                      "keep their dtype (default: none)")
+
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
     Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
+    Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATIONS, help=_QUANTIZATION_HELP),
     Flag("--dtype", ModelConfig, "dtype", choices=DTYPES,
          help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and the weights "
               "(unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU"),
@@ -372,6 +378,7 @@ COMPILE_FLAGS = (
               "reported per device"),
     Flag("--enable-expert-parallel", CompileConfig, "enable_expert_parallel", action="store_true",
          help="a mixture of experts: split the experts whole over the devices"),
+    Flag("--quantization", CompileConfig, "quantization", choices=QUANTIZATIONS, help=_QUANTIZATION_HELP),
     Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
          action="store_false"),
     Flag("--no-variants", CompileConfig, "variants", action="store_false",

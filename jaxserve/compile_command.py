@@ -32,6 +32,7 @@ def main(config: CompileConfig) -> None:
         xla_cost=config.xla_cost,
         tensor_parallel_size=config.tensor_parallel_size,
         enable_expert_parallel=config.enable_expert_parallel,
+        quantization=config.quantization,
         variants=config.variants,
     )
     print(format_report(report))

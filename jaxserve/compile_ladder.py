@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
+from jaxserve.models.quantization import quantize_state
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
 from jaxserve.ops.kv_write import padding_slot
@@ -120,6 +121,7 @@ def compile_ladder(
     buckets: list[Bucket] | None = None,
     tensor_parallel_size: int = 1,
     enable_expert_parallel: bool = False,
+    quantization: str | None = None,
     read_launches: bool = True,
     variants: bool = True,
 ) -> CompileReport:
@@ -145,6 +147,10 @@ def compile_ladder(
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
+    if quantization is not None:
+        if mesh is not None:
+            raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")
+        quantize_state(abstract.state, abstract.spec.module, quantization)
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
@@ -189,6 +195,7 @@ def compile_ladder(
         reference_step = (make_step_fn(reference.graphdef, jax.tree.structure(reference.state),
                                        config.model.max_logprobs), reference.state)
     roofline_shape = model_shape(abstract.num_params, cfg)
+    layer_itemsize = 1 if quantization is not None else None  # e4m3 layer weights (their scales: a rounding error)
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
@@ -219,7 +226,7 @@ def compile_ladder(
             if cost:
                 xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
         predicted = step_cost(roofline_shape, bucket.num_tokens, bucket.num_reqs, context, itemsize,
-                              peak, facts.memory_bandwidth)
+                              peak, facts.memory_bandwidth, layer_itemsize)
         if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
             predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)
         logger.info("compiled %s (%s) in %.1fs", bucket, variant, compiled.compile_seconds)

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones in its shapes
+QUANTIZATIONS = ("fp8",)  # vLLM's name: e4m3 weights with a scale per output channel, quantized on load
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's
@@ -44,6 +45,7 @@ class ModelConfig:
     revision: str | None = None
     max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
     load_format: str = "auto"  # one of LOAD_FORMATS: the checkpoint's weights, or "dummy": random ones
+    quantization: str | None = None  # one of QUANTIZATIONS: the layers' dense weights in 8 bits, or None
 
     def __post_init__(self) -> None:
         for name in ("dtype", "weight_dtype"):
@@ -51,6 +53,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -441,6 +445,7 @@ class CompileConfig:
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
+    quantization: str | None = ModelConfig.quantization
     xla_cost: bool = True
     variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report

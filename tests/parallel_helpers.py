@@ -27,7 +27,7 @@ def _worker(spec_json: str) -> None:
                   max_num_seqs=4,
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[1, 4], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="",
-                  enable_expert_parallel=spec["expert_parallel"])
+                  enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"])
         runner = llm.engine.runner
         q_proj = _first_attention_weight(runner.model.state)
         placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
@@ -53,18 +53,20 @@ def _first_attention_weight(state):
     pure = nnx.to_pure_dict(state)
     layers = pure.get("layers") or pure["h"]
     layer = layers[0]
-    return layer["self_attn"]["q_proj"] if "self_attn" in layer else layer["qkv"]
+    weight = layer["self_attn"]["q_proj"] if "self_attn" in layer else layer["qkv"]
+    return getattr(weight, "values", weight)  # an Fp8Weight's e4m3 values
 
 
 def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
-           attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False) -> dict:
+           attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
+           quantization: str | None = None) -> dict:
     """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
     On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}",
            "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl, weight_dtype=weight_dtype,
-                           expert_parallel=expert_parallel))
+                           expert_parallel=expert_parallel, quantization=quantization))
     code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,

@@ -66,6 +66,17 @@ def test_bfloat16_weights_split_over_devices(kind, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fp8_weights_split_over_devices_match_tp1(tiny_model_dir, tmp_path):
+    """`--quantization fp8` under tensor parallelism: each device quantizes its shards with the scales of the
+    whole weight (a row-parallel weight's channel maximum spans the devices), so the tokens and logprobs are
+    TP=1's."""
+    results = run_tp(str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), quantization="fp8")
+    assert {r["q_proj_dtype"] for r in results.values()} == {"float8_e4m3fn"}
+    assert len(results[2]["q_proj_shards"]) == 2
+    assert_same_as_tp1(results)
+
+
+@pytest.mark.slow
 def test_bundled_smollm2_matches_tp1_at_tp2_and_tp4(tmp_path):
     results = run_tp(None, tmp_path, max_tokens=16)
     assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device

@@ -222,7 +222,8 @@ def _add_roofline(profile: StepProfile, engine: LLMEngine, num_seqs: int, contex
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.state))
     itemsize = np.dtype(model.weight_dtype).itemsize
     cost = step_cost(model_shape(num_params, model.cfg), num_seqs, num_seqs, context_len, itemsize,
-                     facts.peak_flops_for(np.dtype(model.weight_dtype).name), facts.memory_bandwidth)
+                     facts.peak_flops_for(np.dtype(model.weight_dtype).name), facts.memory_bandwidth,
+                     layer_itemsize=1 if model.quantization else None)
     profile.device = facts.name
     if cost.seconds is not None:
         profile.roofline_ms = round(cost.seconds * 1e3, 4)

@@ -74,6 +74,7 @@ class EngineCore:
                 config.parallel.tensor_parallel_size, config.model.weight_dtype, config.model.load_format,
                 kv_cache_dtype=config.cache.kv_cache_dtype,
                 expert_parallel=config.parallel.enable_expert_parallel,
+                quantization=config.model.quantization,
             )
         self.model = model
         self.max_model_len = min(

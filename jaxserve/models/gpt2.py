@@ -25,6 +25,7 @@ from jaxserve.models.layers import (
     paged_attention,
     param,
 )
+from jaxserve.models.quantization import Fp8Weight, as_array
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -89,6 +90,7 @@ class Block(nnx.Module):
             qkv = dense(self.ln_1(x), w_qkv.reshape(w_qkv.shape[0], -1), attention)
             qkv = qkv.reshape(x.shape[0], *w_qkv.shape[1:]).swapaxes(0, 1)  # [3, T, N, H]
         else:  # the head axis, split over the mesh, is not the major part of 3 x N
+            w_qkv = as_array(w_qkv, x.dtype if isinstance(w_qkv, Fp8Weight) else w_qkv.dtype)
             qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x).astype(w_qkv.dtype), w_qkv,
                              preferred_element_type=jnp.float32).astype(x.dtype)
         qkv = qkv + self.qkv_bias[...][:, None]
@@ -131,6 +133,8 @@ class GPT2LMHeadModel(nnx.Module):
 
 
 LAYERS_KEY = "h"  # the blocks' list in the model's state (`kv_scales.fold_kv_scales`)
+# `--quantization fp8`: the blocks' dense weights, each with its number of contracted axes (`quantization.py`).
+QUANTIZED_WEIGHTS = {"qkv": 1, "attn_out": 2, "fc": 1, "proj": 1}
 
 
 def kv_scale_factor(cfg: GPT2Config, path: tuple, k_scale: float, v_scale: float) -> Any:

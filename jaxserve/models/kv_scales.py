@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from jaxserve.models import quantization
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.ops.attention import kv_cache_shape
 
@@ -77,7 +78,8 @@ def fold_kv_scales(model: Any, scales: np.ndarray) -> None:
         k_scale, v_scale = scales[int(path[1])]
         factor = family.kv_scale_factor(model.cfg, tuple(path[2:]), float(k_scale), float(v_scale))
         if factor is not None:
-            flat[path] = scale(value, jnp.asarray(factor, jnp.float32))
+            flat[path] = (quantization.scaled(value, factor) if isinstance(value, quantization.Fp8Weight)
+                          else scale(value, jnp.asarray(factor, jnp.float32)))
     nnx.replace_by_pure_dict(model.state, traverse_util.unflatten_dict(flat))
 
 

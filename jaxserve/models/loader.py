@@ -34,6 +34,7 @@ from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
+from jaxserve.models.quantization import quantize_model_state
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.parallel import HeadLayout, SplitRule, make_mesh, param_sharding
@@ -65,6 +66,7 @@ class LoadedModel:
     weight_dtype: Any  # the matmul weights (`ModelConfig.weight_dtype`)
     # f32[L, 2]: the per-layer (K, V) scales of an FP8 cache, once folded into the weights (`kv_scales.py`)
     kv_scales: Any = None
+    quantization: str | None = None  # the layers' dense weights in 8 bits (`quantization.py`)
 
     @property
     def mesh(self) -> Mesh | None:
@@ -316,11 +318,13 @@ def load_model(
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
     of experts' experts split whole with `expert_parallel`). Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
-    `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`)."""
+    `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
+    `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -349,6 +353,7 @@ def load_model(
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
+    quantize_model_state(state, abstract.spec.module, quantization)
     return LoadedModel(
         name=source.name,
         source=source,
@@ -362,6 +367,7 @@ def load_model(
         max_position_embeddings=abstract.cfg.max_position_embeddings,
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,
+        quantization=quantization,
     )
 
 

@@ -1,0 +1,137 @@
+"""Weights kept in 8 bits: FP8 (e4m3) values with a float32 scale per output channel (`--quantization fp8`,
+vLLM's flag), quantized on load from a 16- or 32-bit checkpoint.
+
+A quantized weight is an `Fp8Weight` where the plain array was: the same shape, `values` in e4m3 and
+`scale` over the output axes (the weight's trailing axes, after the `contracted` ones it is multiplied
+over). `layers.dense` multiplies by the values widened to the activations' dtype and scales the
+result. Compiled for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte
+per weight instead of two (docs/benchmarks.md). The token embeddings, the LM head, norms, biases and
+a mixture's experts stay as they are, as in vLLM's FP8 scheme.
+
+Which parameters are quantized is the model family's `QUANTIZED_WEIGHTS`: a layer parameter's name
+maps to its number of contracted axes (1 for [D, N, H] or [K, N]; 2 for an output projection [N, H, D]).
+"""
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
+
+from jaxserve.config import QUANTIZATIONS
+
+logger = logging.getLogger(__name__)
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    values: Any  # f8e4m3fn[*contracted_axes, *output_axes]
+    scale: Any  # f32[*output_axes]: values * scale is the weight
+    contracted: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    def __getitem__(self, key: Any) -> "Fp8Weight":  # `param[...]` reads the whole weight
+        if key is not Ellipsis:
+            raise TypeError("an Fp8Weight is read whole (`param[...]`)")
+        return self
+
+    def reshape(self, *shape: int) -> "Fp8Weight":
+        """A 2-D view [K, N] for one matmul: the contracted axes flattened into K, the output axes into N."""
+        values = self.values.reshape(*shape)
+        if values.ndim != 2 or values.shape[1] != math.prod(self.scale.shape):
+            raise ValueError(f"an Fp8Weight {self.shape} reshapes to [contracted, output] only, not {values.shape}")
+        return Fp8Weight(values, self.scale.reshape(-1), contracted=1)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def quantize_fp8(w: jax.Array, contracted: int) -> Fp8Weight:
+    """w [*contracted_axes, *output_axes] -> e4m3 values and the scale that maps each output channel's largest
+    |w| to 448 (a zero channel keeps scale 1)."""
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=tuple(range(contracted)))  # [*output_axes]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    values = jnp.clip(w32 / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    return Fp8Weight(values, scale, contracted=contracted)
+
+
+def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale."""
+    y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, N]
+    return (y * w.scale).astype(x.dtype)
+
+
+def scaled(w: Any, factor: Any) -> Fp8Weight:
+    """An Fp8Weight times a factor broadcast against its full shape (a scalar, or constant over the contracted
+    axes): the factor goes into the scale, the values stay."""
+    factor = jnp.asarray(factor, jnp.float32)
+    if factor.ndim == w.ndim:
+        if any(n != 1 for n in factor.shape[: w.contracted]):
+            raise ValueError("a factor that varies over an Fp8Weight's contracted axes cannot go into its scale")
+        factor = factor.reshape(factor.shape[w.contracted:])
+    return dataclasses.replace(w, scale=w.scale * factor)
+
+
+def quantize_state(state: nnx.State, family: Any, quantization: str) -> int:
+    """Replaces, in place, each of the layers' weights the family lists in `QUANTIZED_WEIGHTS` by its
+    quantized form; returns how many. Works on arrays (jit-compiled once per shape and sharding) and on an
+    abstract state's ShapeDtypeStructs (their shapes)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    table = getattr(family, "QUANTIZED_WEIGHTS", None)
+    if table is None:
+        raise ValueError(f"--quantization {quantization}: not supported for {family.__name__.rsplit('.', 1)[-1]}")
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    quantize = {n: jax.jit(quantize_fp8, static_argnums=1) for n in set(table.values())}
+    count = 0
+    for path, value in flat.items():
+        if path[0] != family.LAYERS_KEY or (contracted := table.get(path[-1])) is None:
+            continue
+        if isinstance(value, jax.ShapeDtypeStruct):
+            flat[path] = jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted), value)
+        else:
+            flat[path] = quantize[contracted](value, contracted)
+        count += 1
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
+    return count
+
+
+def quantize_model_state(state: nnx.State, family: Any, quantization: str | None) -> None:
+    """`quantize_state` with the start-up log line; nothing without a quantization."""
+    if quantization is None:
+        return
+    start = time.perf_counter()
+    count = quantize_state(state, family, quantization)
+    jax.block_until_ready(jax.tree.leaves(state))
+    logger.info("quantization %s: %d layer weights in e4m3 with a scale per output channel (%.1fs); the "
+                "embeddings and the LM head keep their dtype", quantization, count, time.perf_counter() - start)
+    if jax.default_backend() == "cpu":
+        logger.warning("quantization %s on a CPU saves memory, not time: XLA:CPU widens each weight every step "
+                       "(a GPU's GEMM reads the 8-bit values)", quantization)
+
+
+def as_array(w: Any, dtype: Any) -> jax.Array:
+    """A weight as a plain array in `dtype` (for the few einsums that take weights whole)."""
+    return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w.astype(dtype)
+
