@@ -23,7 +23,7 @@ CPU_LEVELS = (1, 4)
 
 
 def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int, output_len: int,
-              profile_steps: int) -> dict:
+              profile_steps: int, quantization: str | None = None) -> dict:
     import numpy as np
 
     from jaxserve.bench import step_profile
@@ -33,7 +33,7 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
 
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig.from_preset(ladder, model=model, load_format="dummy",
-                                                compilation_cache_dir=""))
+                                                compilation_cache_dir="", quantization=quantization))
     startup = time.perf_counter() - start
     profiler = step_profile.StepProfiler(engine)
     scheduler, runner = engine.scheduler, engine.runner
@@ -52,7 +52,8 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     scheduler.num_scheduler_steps = 1
     waves = [run_wave(engine, c, input_len, output_len, rng) for c in levels]
     result = {
-        "model": model, "dtype": engine.info.dtype, "device": profiles[0].device, "startup_s": round(startup, 1),
+        "model": model, "quantization": quantization, "dtype": engine.info.dtype, "device": profiles[0].device,
+        "startup_s": round(startup, 1),
         "warmup_s": round(engine.warmup_seconds, 1), "async_scheduling": engine.async_scheduling,
         "profiles": step_profile.as_dicts(profiles),  # greedy variant (`greedy_decodes` in the ladder)
         "greedy_steps": greedy_steps,
@@ -76,7 +77,8 @@ def table(results: list[dict]) -> str:
             m = profile["median_ms"]
             fraction, multi_fraction = profile["roofline_fraction"], multi["roofline_fraction"]
             lines.append(
-                f"| {Path(r['model']).name} | {wave['concurrency']} | {wave['output_tokens_per_s']:,.0f} "
+                f"| {Path(r['model']).name}{' ' + r['quantization'] if r.get('quantization') else ''} "
+                f"| {wave['concurrency']} | {wave['output_tokens_per_s']:,.0f} "
                 f"({wave_multi['output_tokens_per_s']:,.0f}) | {wave['mean_tpot_ms']:.2f} "
                 f"({wave_multi['mean_tpot_ms']:.2f}) | {m['step']:.3f} ({full['median_ms']['step']:.3f}; "
                 f"{multi['median_ms']['step']:.3f}) | {m['host']:.3f} | {m['dispatch']:.3f} | {m['device']:.3f} | "
@@ -93,22 +95,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="tiny levels and lengths, for a run on this machine")
     parser.add_argument("--budget-s", type=float, default=330.0, help="skip a shape that would start after this")
+    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
+                        help="each shape once per weight format, side by side (none: the checkpoint's dtype)")
     args = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stderr)
     levels, input_len, output_len, steps = (CPU_LEVELS, 16, 16, 8) if args.cpu else (LEVELS, 128, 128, 24)
     args.out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.monotonic(), [], []
-    for model in args.models:
+    for model, quantization in ((m, q) for m in args.models for q in args.quantizations):
         elapsed = time.monotonic() - start
         # Shapes are run smallest first; the next is started only if the last one's time fits again.
         last = results[-1]["seconds"] if results else 0.0
         if elapsed + last > args.budget_s:
-            skipped.append(model)
+            skipped.append(f"{model} ({quantization})")
             continue
         began = time.monotonic()
         try:
-            result = run_shape(model, args.ladder, levels, input_len, output_len, steps)
+            result = run_shape(model, args.ladder, levels, input_len, output_len, steps,
+                               None if quantization == "none" else quantization)
         except Exception as e:  # one shape failing (out of memory, say) must not lose the others' figures
             logging.exception("%s failed", model)
             result = {"model": model, "error": repr(e), "profiles": [], "waves": []}

@@ -6,6 +6,7 @@
 #   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
 #   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
 #   chunks     the tensor-core candidates only (Mosaic GPU flash attention merged with the prefix, cuDNN);
+#   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
 #
@@ -106,7 +107,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks) || " $stages " == *" $1 "* ]]; }
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8) || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
 if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
@@ -152,6 +153,10 @@ fi
 if wanted chunks; then  # the tensor-core candidates for a prefill chunk only (the sweep's third part)
   stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts chunk --out "$out" \
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
+fi
+if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
+  stage fp8 "${FP8_S:-150}" python3 benchmarks/gpu_check.py --models .gpu_check/llama-3-8b --quantizations none fp8 \
+    --out "$out/fp8" --budget-s $(( ${FP8_S:-150} - 60 )) 2> "$out/fp8.log"
 fi
 if wanted profile; then
   models=()
