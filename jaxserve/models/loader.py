@@ -34,7 +34,7 @@ from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
-from jaxserve.models.quantization import quantize_model_state
+from jaxserve.models.quantization import Quantizer, quantize_model_state
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.parallel import HeadLayout, SplitRule, make_mesh, param_sharding
@@ -349,7 +349,7 @@ def load_model(
     elif is_checkpoint(source.directory):
         loaded = restore_weights(source.directory, abstract)
     else:
-        loaded = _unflatten(_load_tensors(source, abstract))
+        loaded = _unflatten(_load_tensors(source, abstract, quantization))
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
@@ -371,9 +371,10 @@ def load_model(
     )
 
 
-def _load_tensors(source: ModelSource, abstract: AbstractModel) -> dict[tuple, jax.Array]:
+def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None) -> dict[tuple, Any]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
-    to its parameter's dtype."""
+    to its parameter's dtype, and quantized there as it arrives where `quantization` covers it."""
+    quantize = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
     spec, cfg, mesh = abstract.spec, abstract.checkpoint_cfg, abstract.mesh  # the checkpoint's own heads
     expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract.state))}
     if source.gguf_file:
@@ -399,6 +400,8 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel) -> dict[tuple, j
             loaded[path] = jax.device_put(jnp.asarray(value, dtype=dtype))
         else:  # from the host to each device's shard: no device holds a whole tensor it does not keep
             loaded[path] = jax.device_put(np.asarray(value, dtype=dtype), abstract.sharding(path, value.shape))
+        if quantize is not None:
+            loaded[path] = quantize(path, loaded[path])
     missing = sorted(str(p) for p in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")

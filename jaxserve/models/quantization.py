@@ -93,28 +93,42 @@ def scaled(w: Any, factor: Any) -> Fp8Weight:
     return dataclasses.replace(w, scale=w.scale * factor)
 
 
-def quantize_state(state: nnx.State, family: Any, quantization: str) -> int:
-    """Replaces, in place, each of the layers' weights the family lists in `QUANTIZED_WEIGHTS` by its
-    quantized form; returns how many. Works on arrays (jit-compiled once per shape and sharding) and on an
-    abstract state's ShapeDtypeStructs (their shapes)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    table = getattr(family, "QUANTIZED_WEIGHTS", None)
-    if table is None:
-        raise ValueError(f"--quantization {quantization}: not supported for {family.__name__.rsplit('.', 1)[-1]}")
-    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
-    quantize = {n: jax.jit(quantize_fp8, static_argnums=1) for n in set(table.values())}
-    count = 0
-    for path, value in flat.items():
-        if path[0] != family.LAYERS_KEY or (contracted := table.get(path[-1])) is None:
-            continue
+class Quantizer:
+    """Which of a model family's parameters `quantization` covers (the layers' weights its `QUANTIZED_WEIGHTS`
+    lists), and their quantized form: of an array (jit-compiled once per shape and sharding), or of a
+    ShapeDtypeStruct (its shape). The loader quantizes each weight as it arrives, so a whole 16-bit model is
+    never on the device."""
+
+    def __init__(self, family: Any, quantization: str) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        table = getattr(family, "QUANTIZED_WEIGHTS", None)
+        if table is None:
+            raise ValueError(f"--quantization {quantization}: not supported for "
+                             f"{family.__name__.rsplit('.', 1)[-1]}")
+        self.table, self.layers_key = table, family.LAYERS_KEY
+        self._quantize = jax.jit(quantize_fp8, static_argnums=1)
+
+    def covers(self, path: tuple) -> bool:
+        return path[0] == self.layers_key and path[-1] in self.table
+
+    def __call__(self, path: tuple, value: Any) -> Any:
+        if not self.covers(path) or isinstance(value, Fp8Weight):
+            return value
+        contracted = self.table[path[-1]]
         if isinstance(value, jax.ShapeDtypeStruct):
-            flat[path] = jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted), value)
-        else:
-            flat[path] = quantize[contracted](value, contracted)
-        count += 1
+            return jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted), value)
+        return self._quantize(value, contracted)
+
+
+def quantize_state(state: nnx.State, family: Any, quantization: str) -> int:
+    """Replaces, in place, each weight `Quantizer` covers by its quantized form; returns how many are
+    quantized (those that already were included)."""
+    quantizer = Quantizer(family, quantization)
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    flat = {path: quantizer(path, value) for path, value in flat.items()}
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
-    return count
+    return sum(isinstance(v, Fp8Weight) for v in flat.values())
 
 
 def quantize_model_state(state: nnx.State, family: Any, quantization: str | None) -> None:
