@@ -34,7 +34,13 @@ from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
-from jaxserve.models.quantization import Quantizer, quantize_model_state
+from jaxserve.models.quantization import (
+    Fp8Tensor,
+    Quantizer,
+    checkpoint_quantization,
+    fp8_checkpoint_tensors,
+    quantize_model_state,
+)
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.parallel import HeadLayout, SplitRule, make_mesh, param_sharding
@@ -303,9 +309,34 @@ def _iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     for file in files:
+        header, fp8 = None, {}
         with safe_open(file, framework="flax") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                header = header if header is not None else _safetensors_header(file)
+                if header[name]["dtype"] in _SAFETENSORS_FP8:  # safetensors' numpy side has no float8 types
+                    yield name, _read_raw(file, header, name, fp8)
+                else:
+                    yield name, f.get_tensor(name)
+
+
+_SAFETENSORS_FP8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+def _safetensors_header(file: str) -> dict:
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {name: {**entry, "start": 8 + size} for name, entry in header.items() if name != "__metadata__"}
+
+
+def _read_raw(file: str, header: dict, name: str, cache: dict) -> np.ndarray:
+    """One tensor straight from the file's bytes (an 8-bit float, which safetensors cannot hand to numpy)."""
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    if "mmap" not in cache:
+        cache["mmap"] = np.memmap(file, dtype=np.uint8, mode="r")
+    raw = cache["mmap"][entry["start"] + begin: entry["start"] + end]
+    return np.asarray(raw).view(_SAFETENSORS_FP8[entry["dtype"]]).reshape(entry["shape"])
 
 
 def load_model(
@@ -334,6 +365,9 @@ def load_model(
         source = resolve_model(model, revision)
         hf_config = load_hf_config(source)
     metadata = metadata_dir(source)
+    if (stored := checkpoint_quantization(hf_config)) is not None and quantization is None:
+        logger.info("the checkpoint's weights are %s: they stay %s (as --quantization %s)", stored, stored, stored)
+        quantization = stored
     mesh = make_mesh(tensor_parallel_size)
     # Once, so `auto` and a bad choice are settled at start-up.
     attention = dataclasses.replace(resolve_attention(attention_impl, kv_cache_dtype=kv_cache_dtype), mesh=mesh)
@@ -349,7 +383,7 @@ def load_model(
     elif is_checkpoint(source.directory):
         loaded = restore_weights(source.directory, abstract)
     else:
-        loaded = _unflatten(_load_tensors(source, abstract, quantization))
+        loaded = _unflatten(_load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8"))
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
@@ -371,7 +405,8 @@ def load_model(
     )
 
 
-def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None) -> dict[tuple, Any]:
+def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,
+                  stored_fp8: bool = False) -> dict[tuple, Any]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
     to its parameter's dtype, and quantized there as it arrives where `quantization` covers it."""
     quantize = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
@@ -381,9 +416,17 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
     else:
         tensors = _iter_safetensors(source.directory)
-    loaded: dict[tuple, jax.Array] = {}
+    loaded: dict[tuple, Any] = {}
     start = time.perf_counter()
-    if (stream := getattr(spec.module, "hf_weight_stream", None)) is not None:
+    stream = getattr(spec.module, "hf_weight_stream", None)
+    # An FP8 checkpoint's weights keep their own e4m3 values and scales where the model holds them as they
+    # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales);
+    # elsewhere (heads laid out for a mesh, a mixture's experts) they are dequantized, and quantized again per
+    # channel as they arrive where covered.
+    exact = quantize is not None and abstract.heads.is_identity and mesh is None
+    if stored_fp8:
+        tensors = fp8_checkpoint_tensors(tensors)
+    if stream is not None:
         tensors = stream(tensors, cfg)
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
         mapped = spec.module.map_hf_weight(name, cfg)
@@ -392,6 +435,11 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         path, transform = mapped
         if path not in expected:
             raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {path}")
+        if isinstance(tensor, Fp8Tensor):
+            if exact and quantize.covers(path):
+                loaded[path] = quantize.stored(path, transform(tensor.values, cfg), tensor.channel_scale())
+                continue
+            tensor = tensor.dequantize()
         value = abstract.lay_out(path, transform(tensor, cfg))
         if tuple(value.shape) != tuple(expected[path].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {expected[path].shape}")

@@ -17,10 +17,12 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, traverse_util
 
 from jaxserve.config import QUANTIZATIONS
@@ -112,6 +114,13 @@ class Quantizer:
     def covers(self, path: tuple) -> bool:
         return path[0] == self.layers_key and path[-1] in self.table
 
+    def stored(self, path: tuple, values: np.ndarray, channel_scale: np.ndarray) -> Fp8Weight:
+        """A checkpoint's own e4m3 values, already in the model's layout, with its per-channel scale f32[out]
+        laid out over the weight's output axes."""
+        contracted = self.table[path[-1]]
+        scale = np.asarray(channel_scale, np.float32).reshape(values.shape[contracted:])
+        return Fp8Weight(jax.device_put(values), jax.device_put(scale), contracted=contracted)
+
     def __call__(self, path: tuple, value: Any) -> Any:
         if not self.covers(path) or isinstance(value, Fp8Weight):
             return value
@@ -143,6 +152,83 @@ def quantize_model_state(state: nnx.State, family: Any, quantization: str | None
     if jax.default_backend() == "cpu":
         logger.warning("quantization %s on a CPU saves memory, not time: XLA:CPU widens each weight every step "
                        "(a GPU's GEMM reads the 8-bit values)", quantization)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tensor:
+    """One weight of an FP8 checkpoint as it is stored: e4m3 values [out, in] (HF's Linear layout) and the
+    scale they were divided by, per tensor or per output channel."""
+
+    values: np.ndarray  # f8e4m3fn[out, in]
+    scale: np.ndarray  # f32[] or f32[1] (per tensor), f32[out] or f32[out, 1] (per channel)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    def __getitem__(self, rows: slice) -> "Fp8Tensor":
+        """Output rows (what a fused projection's split takes), with their scales."""
+        return Fp8Tensor(self.values[rows], self.channel_scale()[rows])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
+        return self.dequantize() if dtype is None else self.dequantize().astype(dtype)
+
+    def channel_scale(self) -> np.ndarray:  # f32[out]
+        scale = np.asarray(self.scale, np.float32).reshape(-1)
+        return np.broadcast_to(scale, (self.values.shape[0],)) if scale.size == 1 else scale
+
+    def dequantize(self) -> np.ndarray:  # f32[out, in]
+        return np.asarray(self.values, np.float32) * self.channel_scale()[:, None]
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The quantization a checkpoint's `quantization_config` says its weights are in: "fp8" for FP8 weights
+    with per-tensor or per-output-channel scales (vLLM's `fp8` method, or `compressed-tensors` float 8-bit),
+    None for an unquantized checkpoint; a format jaxserve cannot read raises (rather than loading its
+    quantized values as if they were weights)."""
+    config = getattr(hf_config, "quantization_config", None)
+    if not config:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    method = config.get("quant_method")
+    if method == "fp8" and not config.get("weight_block_size"):
+        return "fp8"
+    if method == "compressed-tensors":
+        weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8
+                           and w.get("strategy") in ("tensor", "channel") for w in weights):
+            return "fp8"
+    raise ValueError(f"a quantized checkpoint (quant_method {method!r}, {config}) that jaxserve cannot read: it "
+                     "reads FP8 weights with per-tensor or per-channel scales (fp8, compressed-tensors)")
+
+
+_STATIC_SCALES = (".input_scale", ".k_scale", ".v_scale")  # activations' and the KV cache's calibrated scales
+
+
+def fp8_checkpoint_tensors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An FP8 checkpoint's (name, tensor) stream with each e4m3 `X.weight` paired with its `X.weight_scale`
+    into one `Fp8Tensor`. The static activation and KV scales are dropped: activations stay in 16 bits here,
+    and an FP8 KV cache calibrates its own."""
+    pending: dict[str, Any] = {}
+    for name, tensor in tensors:
+        if name.endswith(_STATIC_SCALES):
+            continue
+        if name.endswith(".weight_scale"):
+            weight_name, scale = name.removesuffix("_scale"), tensor
+        elif name.endswith(".weight") and np.dtype(tensor.dtype) == np.dtype(FP8):
+            weight_name, scale = name, None
+        else:
+            yield name, tensor
+            continue
+        other = pending.pop(weight_name if scale is not None else f"{name}_scale", None)
+        if other is None:
+            pending[name] = tensor
+            continue
+        values, scale = (other, scale) if scale is not None else (tensor, other)
+        pair = Fp8Tensor(np.asarray(values), np.asarray(scale))
+        yield weight_name, pair
+    if pending:
+        raise ValueError(f"FP8 weights without their scales, or scales without weights: {sorted(pending)[:4]}")
 
 
 def as_array(w: Any, dtype: Any) -> jax.Array:

@@ -172,3 +172,86 @@ def test_the_engine_serves_fp8_weights_as_the_model_computes_them(tiny_model_dir
     assert [run_alone(engine, p, n) for p, n in zip(prompts[:2], max_tokens[:2], strict=True)] == want[:2]
     batched = run_staggered(engine, prompts, max_tokens, arrivals=[0, 0, 1, 3])
     assert [batched[i] for i in range(4)] == want
+
+
+def _write_fp8_checkpoint(source, target, per_tensor: set[str]) -> dict:
+    """The tiny model saved as an FP8 checkpoint (compressed-tensors' layout: e4m3 `weight`, `weight_scale`
+    per output channel or, for the projections named in `per_tensor`, one per tensor, and a static
+    `input_scale`); returns each quantized weight's dequantized float32 value by name."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors, dequantized = load_file(str(target / "model.safetensors")), {}
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        w = tensors[name].to(torch.float32)  # [out, in]
+        channel = not any(f".{p}." in name for p in per_tensor)
+        amax = w.abs().amax(dim=1, keepdim=True) if channel else w.abs().amax().reshape(1)
+        scale = amax / 448.0
+        values = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = values, scale
+        tensors[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
+        dequantized[name] = (values.to(torch.float32) * scale).numpy()
+    save_file(tensors, str(target / "model.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}
+    (target / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_an_fp8_checkpoint_keeps_its_own_values_and_scales(kind, tiny_model_dir, tmp_path):
+    """A compressed-tensors FP8 checkpoint loads as FP8 without --quantization (as vLLM reads it): each
+    weight's e4m3 values are the checkpoint's, and the model computes what the checkpoint's dequantized
+    weights give (per-channel and per-tensor scales; Phi-3's fused projections split with their rows'
+    scales)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dir(kind)
+    dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", per_tensor={"k_proj", "down_proj", "qkv_proj"})
+    model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="cpu")
+    assert model.quantization == "fp8"
+    weights = traverse_util.flatten_dict(nnx.to_pure_dict(model.state))
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    for name in ("q_proj", "k_proj") if kind == "llama" else ():  # per channel, per tensor: the checkpoint's own
+        weight = weights[("layers", 0, "self_attn", name)]
+        checkpoint = stored[f"model.layers.0.self_attn.{name}.weight"].to(torch.float32).numpy().T
+        np.testing.assert_array_equal(np.asarray(weight.values.astype(jnp.float32)).reshape(checkpoint.shape),
+                                      checkpoint)
+        np.testing.assert_allclose(_dequantized64(weight).reshape(checkpoint.shape),
+                                   dequantized[f"model.layers.0.self_attn.{name}.weight"].T, rtol=1e-6)
+
+    # The reference: an unquantized checkpoint holding the dequantized weights, and no quantization.
+    reference_dir = tmp_path / "dequantized"
+    shutil.copytree(source, reference_dir)
+    tensors = load_file(str(reference_dir / "model.safetensors"))
+    tensors.update({name: torch.from_numpy(w) for name, w in dequantized.items()})
+    save_file(tensors, str(reference_dir / "model.safetensors"))
+    reference = load_model(str(reference_dir), dtype="float32", attention_impl="cpu")
+    tokens = list(range(200, 221))
+    np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
+                               PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("config", [
+    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+    {"quant_method": "awq", "bits": 4},
+])
+def test_quantized_checkpoints_jaxserve_cannot_read_are_refused(config):
+    from types import SimpleNamespace
+
+    from jaxserve.models.quantization import checkpoint_quantization
+
+    with pytest.raises(ValueError, match="cannot read"):
+        checkpoint_quantization(SimpleNamespace(quantization_config=config))
+    assert checkpoint_quantization(SimpleNamespace()) is None
