@@ -1,5 +1,6 @@
 """Weights kept in 8 bits: FP8 (e4m3) values with a float32 scale per output channel (`--quantization fp8`,
-vLLM's flag), quantized on load from a 16- or 32-bit checkpoint.
+vLLM's flag), quantized as they load from a 16- or 32-bit checkpoint, or an FP8 checkpoint's own values and
+scales (`fp8_checkpoint_tensors`; a per-tensor scale is that channel scale for every channel).
 
 A quantized weight is an `Fp8Weight` where the plain array was: the same shape, `values` in e4m3 and
 `scale` over the output axes (the weight's trailing axes, after the `contracted` ones it is multiplied
