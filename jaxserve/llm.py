@@ -11,6 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
+from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import POOLING_PARAMS, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
@@ -31,6 +32,7 @@ class LLM:
         config: str | None = None,
         **engine_options: Any,
     ) -> None:
+        prepare_jax_platform()  # before anything starts jax's backends, as the CLI does
         engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
         self.engine = LLMEngine(engine_config)
         self._ids = itertools.count()

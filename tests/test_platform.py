@@ -67,6 +67,17 @@ def test_a_start_without_a_gpu_logs_no_traceback():
     assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
 
 
+@pytest.mark.skipif(nvidia_gpu_visible(), reason="a start on a machine without a GPU")
+def test_the_python_api_starts_without_a_traceback_too():
+    # Three devices for tensor parallelism fail once jax's backends have started, before any weight is drawn.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", SKIP_CUDA_CHECK_ENV)}
+    code = ("from jaxserve import LLM\ntry:\n    LLM(model='smollm2-135m', load_format='dummy', "
+            "tensor_parallel_size=3)\nexcept ValueError as e:\n    print(e)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=inherited)
+    assert result.returncode == 0 and "needs 3 devices; this process sees 1" in result.stdout, result.stderr
+    assert "Traceback" not in result.stderr and "Unable to load CUDA" not in result.stderr, result.stderr
+
+
 @pytest.mark.skipif(nvidia_gpu_visible(), reason="needs a machine without a GPU")
 def test_the_cli_says_in_one_line_that_the_gpu_asked_for_is_missing():
     result = _cli("generate", "--prompt", "hi", JAX_PLATFORMS="cuda")

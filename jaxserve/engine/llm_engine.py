@@ -26,6 +26,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.loader import LoadedModel
 from jaxserve.outputs import RequestOutput
+from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
+        prepare_jax_platform()  # a no-op once jax's backends run; a quiet start for callers that build one first
         self.config = config
         self.async_scheduling = config.scheduler.async_scheduling
         self.core: EngineCore | None  # the core when it runs in this process, else None
