@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
-from jaxserve.models.quantization import quantize_state
+from jaxserve.models.quantization import layer_weight_itemsize, quantize_state
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
 from jaxserve.ops.kv_write import padding_slot
@@ -195,7 +195,7 @@ def compile_ladder(
         reference_step = (make_step_fn(reference.graphdef, jax.tree.structure(reference.state),
                                        config.model.max_logprobs), reference.state)
     roofline_shape = model_shape(abstract.num_params, cfg)
-    layer_itemsize = 1 if quantization is not None else None  # e4m3 layer weights (their scales: a rounding error)
+    layer_itemsize = layer_weight_itemsize(quantization)  # (their scales: a rounding error)
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 

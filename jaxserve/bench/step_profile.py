@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxserve.device import local_facts
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.models.quantization import layer_weight_itemsize
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.sampling_params import SamplingParams
 
@@ -223,7 +224,7 @@ def _add_roofline(profile: StepProfile, engine: LLMEngine, num_seqs: int, contex
     itemsize = np.dtype(model.weight_dtype).itemsize
     cost = step_cost(model_shape(num_params, model.cfg), num_seqs, num_seqs, context_len, itemsize,
                      facts.peak_flops_for(np.dtype(model.weight_dtype).name), facts.memory_bandwidth,
-                     layer_itemsize=1 if model.quantization else None)
+                     layer_itemsize=layer_weight_itemsize(model.quantization))
     profile.device = facts.name
     if cost.seconds is not None:
         profile.roofline_ms = round(cost.seconds * 1e3, 4)

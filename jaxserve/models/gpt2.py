@@ -25,7 +25,7 @@ from jaxserve.models.layers import (
     paged_attention,
     param,
 )
-from jaxserve.models.quantization import Fp8Weight, as_array
+from jaxserve.models.quantization import Fp8Weight
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -90,7 +90,8 @@ class Block(nnx.Module):
             qkv = dense(self.ln_1(x), w_qkv.reshape(w_qkv.shape[0], -1), attention)
             qkv = qkv.reshape(x.shape[0], *w_qkv.shape[1:]).swapaxes(0, 1)  # [3, T, N, H]
         else:  # the head axis, split over the mesh, is not the major part of 3 x N
-            w_qkv = as_array(w_qkv, x.dtype if isinstance(w_qkv, Fp8Weight) else w_qkv.dtype)
+            if isinstance(w_qkv, Fp8Weight):  # this einsum takes the weight whole
+                w_qkv = w_qkv.dequantize(x.dtype)
             qkv = jnp.einsum("TD,DCNH->CTNH", self.ln_1(x).astype(w_qkv.dtype), w_qkv,
                              preferred_element_type=jnp.float32).astype(x.dtype)
         qkv = qkv + self.qkv_bias[...][:, None]

@@ -309,12 +309,15 @@ def _iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     for file in files:
-        header, fp8 = None, {}
+        header, data = _safetensors_header(file), None
         with safe_open(file, framework="flax") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                header = header if header is not None else _safetensors_header(file)
-                if header[name]["dtype"] in _SAFETENSORS_FP8:  # safetensors' numpy side has no float8 types
-                    yield name, _read_raw(file, header, name, fp8)
+                entry = header[name]
+                if entry["dtype"] in _SAFETENSORS_FP8:  # safetensors' numpy side has no float8 types
+                    data = data if data is not None else np.memmap(file, dtype=np.uint8, mode="r")
+                    begin, end = (entry["start"] + offset for offset in entry["data_offsets"])
+                    yield name, np.asarray(data[begin:end]).view(_SAFETENSORS_FP8[entry["dtype"]]).reshape(
+                        entry["shape"])
                 else:
                     yield name, f.get_tensor(name)
 
@@ -323,21 +326,11 @@ _SAFETENSORS_FP8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
 
 
 def _safetensors_header(file: str) -> dict:
+    """Each tensor's dtype, shape and data offsets, with where the data begins ("start")."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
     return {name: {**entry, "start": 8 + size} for name, entry in header.items() if name != "__metadata__"}
-
-
-def _read_raw(file: str, header: dict, name: str, cache: dict) -> np.ndarray:
-    """One tensor straight from the file's bytes (an 8-bit float, which safetensors cannot hand to numpy)."""
-    entry = header[name]
-    begin, end = entry["data_offsets"]
-    if "mmap" not in cache:
-        cache["mmap"] = np.memmap(file, dtype=np.uint8, mode="r")
-    raw = cache["mmap"][entry["start"] + begin: entry["start"] + end]
-    return np.asarray(raw).view(_SAFETENSORS_FP8[entry["dtype"]]).reshape(entry["shape"])
-
 
 def load_model(
     model: str | None,

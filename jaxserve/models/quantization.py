@@ -26,12 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from jaxserve.config import QUANTIZATIONS
-
 logger = logging.getLogger(__name__)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+def layer_weight_itemsize(quantization: str | None) -> int | None:
+    """Bytes per quantized layer weight (the roofline's `layer_itemsize`); None: the weights' own dtype."""
+    return None if quantization is None else np.dtype(FP8).itemsize
 
 
 @jax.tree_util.register_dataclass
@@ -103,8 +106,6 @@ class Quantizer:
     never on the device."""
 
     def __init__(self, family: Any, quantization: str) -> None:
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         table = getattr(family, "QUANTIZED_WEIGHTS", None)
         if table is None:
             raise ValueError(f"--quantization {quantization}: not supported for "
@@ -210,29 +211,20 @@ def fp8_checkpoint_tensors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple
     """An FP8 checkpoint's (name, tensor) stream with each e4m3 `X.weight` paired with its `X.weight_scale`
     into one `Fp8Tensor`. The static activation and KV scales are dropped: activations stay in 16 bits here,
     and an FP8 KV cache calibrates its own."""
-    pending: dict[str, Any] = {}
+    pending: dict[str, dict[str, Any]] = {}  # weight name -> whichever of its values and scale came first
     for name, tensor in tensors:
         if name.endswith(_STATIC_SCALES):
             continue
-        if name.endswith(".weight_scale"):
-            weight_name, scale = name.removesuffix("_scale"), tensor
-        elif name.endswith(".weight") and np.dtype(tensor.dtype) == np.dtype(FP8):
-            weight_name, scale = name, None
-        else:
+        is_scale = name.endswith(".weight_scale")
+        if not (is_scale or (name.endswith(".weight") and np.dtype(tensor.dtype) == np.dtype(FP8))):
             yield name, tensor
             continue
-        other = pending.pop(weight_name if scale is not None else f"{name}_scale", None)
-        if other is None:
-            pending[name] = tensor
-            continue
-        values, scale = (other, scale) if scale is not None else (tensor, other)
-        pair = Fp8Tensor(np.asarray(values), np.asarray(scale))
-        yield weight_name, pair
+        weight = name.removesuffix("_scale")
+        parts = pending.setdefault(weight, {})
+        parts["scale" if is_scale else "values"] = np.asarray(tensor)
+        if len(parts) == 2:
+            del pending[weight]
+            yield weight, Fp8Tensor(parts["values"], parts["scale"])
     if pending:
         raise ValueError(f"FP8 weights without their scales, or scales without weights: {sorted(pending)[:4]}")
-
-
-def as_array(w: Any, dtype: Any) -> jax.Array:
-    """A weight as a plain array in `dtype` (for the few einsums that take weights whole)."""
-    return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w.astype(dtype)
 
