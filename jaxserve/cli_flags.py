@@ -119,7 +119,8 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
 
 _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
                       "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
-                      "keep their dtype (default: none)")
+                      "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q8_0, Q4_0 and Q4_1 layer "
+                      "weights stay in their blocks, multiplied by a native kernel (default: none)")
 
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),

@@ -147,6 +147,8 @@ def compile_ladder(
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
+    if quantization == "gguf":
+        raise ValueError("--quantization gguf runs on CPUs, from a GGUF file's blocks: not compiled deviceless")
     if quantization is not None:
         if mesh is not None:
             raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")

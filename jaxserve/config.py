@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones in its shapes
-QUANTIZATIONS = ("fp8",)  # vLLM's name: e4m3 weights with a scale per output channel, quantized on load
+# vLLM's names. fp8: e4m3 weights with a scale per output channel, quantized on load; gguf: a GGUF file's
+# 8- and 4-bit layer weights kept in their blocks, for the native CPU kernel.
+QUANTIZATIONS = ("fp8", "gguf")
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's

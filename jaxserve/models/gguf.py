@@ -11,6 +11,8 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
+
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -50,17 +52,21 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return reader.fields["general.architecture"].contents()
 
 
-def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's Q/K row permutation: per head, interleaved pairs back to two halves."""
+def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.ndarray | GgufTensor:
+    """Inverse of llama.cpp's Q/K row permutation: per head, interleaved pairs back to two halves (rows, so a
+    tensor's blocks move whole)."""
+    if isinstance(weight, GgufTensor):
+        return GgufTensor(_unpermute_rotary(weight.blocks, num_heads), weight.kind)
     half = weight.shape[0] // num_heads // 2
     w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
 def iter_gguf_tensors(
-    path: str, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time."""
+    path: str, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
+) -> Iterator[tuple[str, np.ndarray | GgufTensor]]:
+    """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time. With
+    `keep_blocks`, a 2-D tensor in a format the native kernel reads comes as a `GgufTensor` of its blocks."""
     reader = GGUFReader(path)
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -70,7 +76,10 @@ def iter_gguf_tensors(
         )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for tensor in reader.tensors:
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if keep_blocks and tensor.tensor_type.name in KEPT_KINDS and tensor.data.ndim == 2:
+            array = GgufTensor(np.asarray(tensor.data), tensor.tensor_type.name)
+        else:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
             array = array - 1.0
         if tensor.name in _GLOBAL_NAMES:

@@ -78,36 +78,44 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 _TENSORS_FILE = "tensors.safetensors"
+_BLOCKS_FILE = "tensors-blocks.safetensors"  # the same, with the kept formats' tensors as their blocks
 
 
 def iter_cached_gguf_tensors(
-    gguf_path: Path, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, np.ndarray]]:
-    """`iter_gguf_tensors`, from a float32 safetensors copy kept beside the converted config.
+    gguf_path: Path, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """`iter_gguf_tensors`, from a safetensors copy kept beside the converted config: float32 arrays, and
+    with `keep_blocks` each kept tensor's blocks (u8, its format in the file's metadata) as a `GgufTensor`.
 
     Parsing a GGUF's metadata (49k vocabulary strings, field by field) and dequantizing took about 6 s of
     every start for the bundled model; the copy is memory-mapped in well under a second. The first load
-    reads the GGUF and writes the copy (aside, then renamed); the tensors are the same float32 arrays.
+    reads the GGUF and writes the copy (aside, then renamed); the tensors are the same arrays.
     """
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
     from jaxserve.models.gguf import iter_gguf_tensors
+    from jaxserve.models.gguf_weights import GgufTensor
 
-    target = converted_dir(gguf_path) / _TENSORS_FILE
+    target = converted_dir(gguf_path) / (_BLOCKS_FILE if keep_blocks else _TENSORS_FILE)
     if target.is_file():
         with safe_open(str(target), framework="numpy") as f:
+            kinds = f.metadata() or {}
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                yield name, GgufTensor(tensor, kinds[name]) if name in kinds else tensor
         return
     tensors: dict[str, np.ndarray] = {}
-    for name, array in iter_gguf_tensors(str(gguf_path), num_heads, num_kv_heads):
-        tensors[name] = np.ascontiguousarray(array)
+    kinds: dict[str, str] = {}
+    for name, array in iter_gguf_tensors(str(gguf_path), num_heads, num_kv_heads, keep_blocks):
+        if isinstance(array, GgufTensor):
+            kinds[name] = array.kind
+        tensors[name] = np.ascontiguousarray(array.blocks if isinstance(array, GgufTensor) else array)
         yield name, array
     fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".tensors-")
     os.close(fd)
     try:
-        save_file(tensors, staging)
+        save_file(tensors, staging, metadata=kinds or None)
         os.replace(staging, target)
     except OSError as e:  # a cache that cannot be written only costs the next start time
         logger.warning("could not cache %s's tensors: %s", gguf_path.name, e)

@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import quantization
+from jaxserve.models import gguf_weights, quantization
+from jaxserve.models.gguf_weights import GgufWeight
 from jaxserve.models.quantization import Fp8Weight
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention
@@ -203,9 +204,12 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
 
     Weights in another dtype than x (`ModelConfig.weight_dtype`) take x rounded to theirs, as llama.cpp
     rounds activations for its 16-bit weights, and sum in float32: a mixed dot would widen every weight
-    matrix, every step. FP8 weights (`quantization.Fp8Weight`) are widened to x's dtype inside the dot."""
+    matrix, every step. FP8 weights (`quantization.Fp8Weight`) are widened to x's dtype inside the dot; a
+    GGUF file's blocks (`gguf_weights.GgufWeight`) go to the native kernel that decodes them."""
     if isinstance(w, Fp8Weight):
         return quantization.matmul(x, w)
+    if isinstance(w, GgufWeight):
+        return gguf_weights.matmul(x, w)
     if _native(x.shape[0], w, attention, NATIVE_MATMUL_MAX_ROWS):
         return cpu_kernels.matmul_bf16(x.astype(jnp.bfloat16), w).astype(x.dtype)
     if w.dtype != x.dtype or (attention.native_matmuls and w.dtype == jnp.bfloat16):  # float32 sums

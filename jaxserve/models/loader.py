@@ -34,6 +34,7 @@ from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
+from jaxserve.models.gguf_weights import GGUF, GgufTensor, check_gguf_quantization, log_kept_weights
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
@@ -348,7 +349,8 @@ def load_model(
     of experts' experts split whole with `expert_parallel`). Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
-    `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`)."""
+    `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
+    file's 8- and 4-bit layer weights kept in their blocks (`gguf_weights.py`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -358,6 +360,8 @@ def load_model(
         source = resolve_model(model, revision)
         hf_config = load_hf_config(source)
     metadata = metadata_dir(source)
+    if quantization == GGUF:
+        check_gguf_quantization(None if dummy else source.gguf_file, tensor_parallel_size)
     if (stored := checkpoint_quantization(hf_config)) is not None and quantization is None:
         logger.info("the checkpoint's weights are %s: they stay %s (as --quantization %s)", stored, stored, stored)
         quantization = stored
@@ -380,7 +384,10 @@ def load_model(
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
-    quantize_model_state(state, abstract.spec.module, quantization)
+    if quantization == GGUF:
+        log_kept_weights(state)
+    else:
+        quantize_model_state(state, abstract.spec.module, quantization)
     return LoadedModel(
         name=source.name,
         source=source,
@@ -402,11 +409,14 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
                   stored_fp8: bool = False) -> dict[tuple, Any]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
     to its parameter's dtype, and quantized there as it arrives where `quantization` covers it."""
-    quantize = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
+    covered = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
+    keep_blocks = quantization == GGUF  # a GGUF file's kept formats stay in their blocks where covered
+    quantize = None if keep_blocks else covered
     spec, cfg, mesh = abstract.spec, abstract.checkpoint_cfg, abstract.mesh  # the checkpoint's own heads
     expected = {path: leaf for path, leaf in _flatten(nnx.to_pure_dict(abstract.state))}
     if source.gguf_file:
-        tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
+        tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads,
+                                           keep_blocks=keep_blocks)
     else:
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, Any] = {}
@@ -416,7 +426,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales);
     # elsewhere (heads laid out for a mesh, a mixture's experts) they are dequantized, and quantized again per
     # channel as they arrive where covered.
-    exact = quantize is not None and abstract.heads.is_identity and mesh is None
+    exact = covered is not None and abstract.heads.is_identity and mesh is None
     if stored_fp8:
         tensors = fp8_checkpoint_tensors(tensors)
     if stream is not None:
@@ -431,6 +441,11 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         if isinstance(tensor, Fp8Tensor):
             if exact and quantize.covers(path):
                 loaded[path] = quantize.stored(path, transform(tensor.values, cfg), tensor.channel_scale())
+                continue
+            tensor = tensor.dequantize()
+        if isinstance(tensor, GgufTensor):
+            if exact and covered.covers(path):
+                loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
             tensor = tensor.dequantize()
         value = abstract.lay_out(path, transform(tensor, cfg))

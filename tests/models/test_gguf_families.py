@@ -39,9 +39,9 @@ def gguf_name(hf_name: str, arch: str = "qwen3") -> str:
 
 
 def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
-    """A GGUF of a transformers config and its HF-named `tensors` (name -> array, in the dtype to store), laid
-    out as llama.cpp's converter lays it out (Gemma's norms stored as 1 + w), with the tokenizer fields of
-    `tokenizer_gguf`."""
+    """A GGUF of a transformers config and its HF-named `tensors` (name -> array, in the dtype to store, or
+    (blocks, GGMLQuantizationType) to store quantized), laid out as llama.cpp's converter lays it out (Gemma's
+    norms stored as 1 + w), with the tokenizer fields of `tokenizer_gguf`."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
@@ -69,9 +69,12 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for name, tensor in tensors:
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
+        raw_dtype = None
+        if isinstance(tensor, tuple):  # (blocks, GGMLQuantizationType): stored quantized
+            tensor, raw_dtype = tensor
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1.0
-        writer.add_tensor(gguf_name(name, arch), tensor)
+        writer.add_tensor(gguf_name(name, arch), tensor, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

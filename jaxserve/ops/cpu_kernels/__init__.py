@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-SOURCES = ("ragged_paged_attention.cc", "matmul_bf16.cc", "write_kv.cc")
+SOURCES = ("ragged_paged_attention.cc", "matmul_bf16.cc", "matmul_gguf.cc", "write_kv.cc")
 HEADERS = ("work_sharing.h",)
 LIBRARY = "jaxserve_kernels"
 # FFI target name -> the library's handler symbol.
@@ -40,6 +40,7 @@ TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
     "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
     "jaxserve_matmul_bf16_nt": "JaxserveMatmulBf16Nt",
+    "jaxserve_matmul_gguf": "JaxserveMatmulGguf",
     "jaxserve_write_kv": "JaxserveWriteKv",
 }
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-w")  # compiling
@@ -160,6 +161,24 @@ def matmul_bf16(
     n = w.shape[0] if output_major_w else w.shape[1]
     target = "jaxserve_matmul_bf16_nt" if output_major_w else "jaxserve_matmul_bf16"
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
+
+
+# GGUF block formats the native matmul multiplies by (ggml's type numbers, `matmul_gguf.cc`).
+GGUF_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def matmul_gguf(
+    x: jax.Array,  # f32[M, K]
+    w: jax.Array,  # u8[N, K / 32 * block_bytes]: GGUF blocks, one output feature per row
+    kind: str,  # a key of GGUF_KINDS
+) -> jax.Array:  # f32[M, N]
+    """x @ W.T with W kept in a GGUF file's blocks, decoded to float32 as it is multiplied (`matmul_gguf.cc`)."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    if x.ndim != 2 or w.ndim != 2 or w.dtype != jnp.uint8:
+        raise ValueError(f"matmul_gguf takes x [M, K] and u8 blocks [N, bytes], got {x.shape} and {w.dtype}{w.shape}")
+    call = jax.ffi.ffi_call("jaxserve_matmul_gguf", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), w, kind=np.int32(GGUF_KINDS[kind]))
 
 
 def write_kv(

@@ -1,0 +1,137 @@
+"""`--quantization gguf`: a GGUF file's Q4_0, Q4_1 and Q8_0 layer weights kept in their blocks and multiplied
+by the native kernel give the model the dequantized weights give it."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from jaxserve.models import layers
+from jaxserve.models.gguf_weights import GgufTensor, GgufWeight
+from jaxserve.models.loader import load_model
+from jaxserve.ops import cpu_kernels
+from jaxserve.ops.attention import AttentionConfig
+
+pytestmark = [
+    pytest.mark.cpu_only("the native CPU kernels"),
+    pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error())),
+]
+
+
+def _weight(kind: str, shape: tuple[int, ...], contracted: int, seed: int = 0) -> tuple[GgufWeight, np.ndarray]:
+    """A GgufWeight of `shape` and its dequantized value f64[*shape]."""
+    k, n = int(np.prod(shape[:contracted])), int(np.prod(shape[contracted:]))
+    hf = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)  # [out, in]
+    blocks = quantize(hf, GGMLQuantizationType[kind])
+    want = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64).T.reshape(shape)
+    return GgufTensor(blocks, kind).as_weight(shape, contracted), want
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind):
+    attention = AttentionConfig(impl="cpu")
+    x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    dense, want = _weight(kind, (64, 96), 1)
+    np.testing.assert_allclose(np.asarray(jax.jit(layers.dense, static_argnums=2)(x, dense, attention)),
+                               x @ want, rtol=1e-5, atol=1e-4)
+    heads, want = _weight(kind, (64, 4, 16), 1)  # [D, N, H]
+    np.testing.assert_allclose(np.asarray(layers.project_heads(x, heads, attention)),
+                               np.einsum("td,dnh->tnh", x, want), rtol=1e-5, atol=1e-4)
+    out, want = _weight(kind, (4, 16, 32), 2)  # [N, H, D]
+    h = x.reshape(5, 4, 16)
+    np.testing.assert_allclose(np.asarray(layers.merge_heads(h, out, attention)),
+                               np.einsum("tnh,nhd->td", h, want), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(out.dequantize()), want.astype(np.float32))
+    with pytest.raises(ValueError, match="reshapes to"):
+        out.reshape(16, -1)
+
+
+def test_a_tensor_that_does_not_fit_its_parameter_is_refused():
+    blocks = quantize(np.ones((8, 64), np.float32), GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match="does not fit"):
+        GgufTensor(blocks, "Q8_0").as_weight((32, 8), 1)
+
+
+def _flat(loaded) -> dict:
+    return traverse_util.flatten_dict(nnx.to_pure_dict(loaded.state))
+
+
+@pytest.mark.slow
+def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(caplog):
+    """Every kept weight decodes to exactly the parameter the dequantizing load builds (Q/K rows unpermuted,
+    heads laid out), and the model's logits match; the embeddings (Q8_0, also the tied LM head) and norms
+    are dequantized as before, and the start-up log says so."""
+    from tests.models.test_parity import PagedForward
+
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        kept = load_model(None, dtype="float32", quantization="gguf")
+    assert "quantization gguf: 210 Q4_1 layer weights kept in their blocks" in caplog.text
+    plain = load_model(None, dtype="float32")
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    assert kept_flat.keys() == plain_flat.keys()
+    quantized = [path for path, value in kept_flat.items() if isinstance(value, GgufWeight)]
+    assert len(quantized) == 30 * 7 and all(kept_flat[p].kind == "Q4_1" for p in quantized)
+    for path, value in kept_flat.items():
+        expected = np.asarray(plain_flat[path])
+        got = np.asarray(value.dequantize()) if isinstance(value, GgufWeight) else np.asarray(value)
+        np.testing.assert_array_equal(got, expected, err_msg=str(path))
+    kept_bytes = sum(kept_flat[p].blocks.nbytes for p in quantized)
+    plain_bytes = sum(plain_flat[p].nbytes for p in quantized)
+    assert kept_bytes * 32 // 20 == plain_bytes // 4  # Q4_1: 20 bytes per 32 weights, against float32's 128
+    prompt = kept.tokenizer.encode("The capital of France is")
+    got = PagedForward(kept, list(range(1, 9)))(prompt)
+    want = PagedForward(plain, list(range(1, 9)))(prompt)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(arch, smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny GGUF whose projections are stored in the three formats, layer by layer (Phi-3's fused qkv and
+    gate/up split by rows of blocks): the kept blocks give the logits of the same file dequantized."""
+    from tests.models.test_gguf_families import gguf_name, tiny_model, tiny_qwen3, write_gguf
+    from tests.models.test_parity import PagedForward
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_qwen3() if arch == "qwen3" else tiny_model("phi3")
+    kinds = ["Q4_0", "Q4_1", "Q8_0"]
+    stored: dict[str, str] = {}
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        if ".layers." in name and name.endswith("proj.weight"):
+            kind = kinds[(int(name.split(".")[2]) + len(stored)) % 3]
+            stored[gguf_name(name, arch)] = kind
+            array = (quantize(array, GGMLQuantizationType[kind]), GGMLQuantizationType[kind])
+        tensors.append((name, array))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, hf.config, tensors, smollm2_gguf)
+    kept = load_model(str(path), dtype="float32", quantization="gguf")
+    plain = load_model(str(path), dtype="float32")
+    weights = [v for v in _flat(kept).values() if isinstance(v, GgufWeight)]
+    assert {w.kind for w in weights} == set(kinds) and len(weights) == 7 * hf.config.num_hidden_layers
+    tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
+    got = PagedForward(kept, list(range(1, 9)))(tokens)
+    want = PagedForward(plain, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"must be a \.gguf file"):
+        load_model(str(tiny_model_dir("llama")), dtype="float32", quantization="gguf")
+    with pytest.raises(ValueError, match="one device"):
+        load_model(None, dtype="float32", quantization="gguf", tensor_parallel_size=2)
+
+
+def test_the_native_kernel_is_the_only_matmul_in_a_kept_weight_s_step():
+    """The step's HLO multiplies kept weights through the custom call, not through a dot over widened values."""
+    w, _ = _weight("Q4_1", (64, 96), 1)
+    hlo = jax.jit(lambda x, w: layers.dense(x, w, AttentionConfig(impl="cpu"))).lower(
+        jnp.ones((3, 64), jnp.float32), w).as_text()
+    assert "jaxserve_matmul_gguf" in hlo and "dot_general" not in hlo
