@@ -1,4 +1,5 @@
-"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) against XLA:CPU's float32 and bfloat16 dots.
+"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_1 and Q8_0 blocks
+(`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
 
 SmolLM2-135M's shapes at 1, 4, 16 and 64 rows: the attention and MLP projections (weights [K, N]) and the
 LM head (the [V, D] embedding table). Each case runs `--copies` different weight matrices back to back in
@@ -7,6 +8,7 @@ matrix are 113 MB in bfloat16, past a 32 MB L3), and reports the median time per
 rounds, with GFLOP/s and the weights' GB/s.
 
     python benchmarks/cpu_matmul.py --rows 1 4 8 16 64 512 --rounds 3
+    python benchmarks/cpu_matmul.py --impls "xla float32" "native bfloat16" "native Q4_1" "native Q8_0"
 """
 
 import argparse
@@ -17,6 +19,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from jaxserve.ops import cpu_kernels
 
@@ -27,11 +31,14 @@ SHAPES = {  # name -> (K, N, output-major weights)
     "down 1536x576": (1536, 576, False),
     "LM head 49152x576": (576, 49152, True),
 }
-IMPLS = ("xla float32", "xla bfloat16", "native bfloat16")  # both bfloat16 ones: float32 sums and result
+IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_1", "native Q8_0")  # float32 sums each
+GGUF_BYTES = {"native Q4_1": 20 / 32, "native Q8_0": 34 / 32}  # bytes per weight of the blocks
 
 
 def case_fn(impl: str, output_major: bool):
     def one(x, w):
+        if impl in GGUF_BYTES:
+            return cpu_kernels.matmul_gguf(x, w, impl.removeprefix("native "))
         if impl == "native bfloat16":
             return cpu_kernels.matmul_bf16(x, w, output_major_w=output_major)
         f32 = jnp.float32 if impl == "xla bfloat16" else None
@@ -66,31 +73,36 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     rows = []
-    print("| case | rows | " + " | ".join(f"{impl} us (GFLOP/s, GB/s)" for impl in args.impls) + " | native vs f32 |")
+    columns = " | ".join(f"{impl} us (GFLOP/s, GB/s)" for impl in args.impls)
+    print(f"| case | rows | {columns} | f32 / best native |")
     print("|---|---|" + "---|" * (len(args.impls) + 1))
     for name, (k, n, output_major) in SHAPES.items():
         copies = min(args.copies, 8) if output_major else args.copies
         weights32 = [jnp.asarray(rng.standard_normal((n, k) if output_major else (k, n)) * 0.05, jnp.float32)
                      for _ in range(copies)]
         weights16 = [w.astype(jnp.bfloat16) for w in weights32]
+        blocks = {  # u8[N, K / 32 * bytes]: GGUF's layout, one output feature per row
+            impl: [quantize(np.asarray(w if output_major else w.T), GGMLQuantizationType[impl.removeprefix("native ")])
+                   for w in weights32] for impl in args.impls if impl in GGUF_BYTES}
         for m in args.rows:
             x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             fns = {impl: case_fn(impl, output_major) for impl in args.impls}
             seconds: dict[str, list[float]] = {impl: [] for impl in args.impls}
             for _ in range(args.rounds):  # alternating, so drift hits every implementation alike
                 for impl in args.impls:
-                    f32 = impl == "xla float32"
-                    seconds[impl].append(timed(fns[impl], x32 if f32 else x32.astype(jnp.bfloat16),
-                                               weights32 if f32 else weights16, args.reps))
+                    f32 = impl == "xla float32" or impl in GGUF_BYTES
+                    ws = blocks[impl] if impl in GGUF_BYTES else weights32 if f32 else weights16
+                    seconds[impl].append(timed(fns[impl], x32 if f32 else x32.astype(jnp.bfloat16), ws, args.reps))
             row = {"case": name, "rows": m}
             cells = []
             for impl in args.impls:
                 t = float(np.median(seconds[impl]))
-                nbytes = k * n * (4 if impl == "xla float32" else 2)
+                nbytes = k * n * (4 if impl == "xla float32" else GGUF_BYTES.get(impl, 2))
                 row[impl] = {"us": t * 1e6, "gflops": 2 * m * k * n / t / 1e9, "weight_gbps": nbytes / t / 1e9}
                 cells.append(f"{t * 1e6:.1f} ({row[impl]['gflops']:.0f}, {row[impl]['weight_gbps']:.1f})")
-            speedup = (row["xla float32"]["us"] / row["native bfloat16"]["us"]
-                       if {"xla float32", "native bfloat16"} <= set(args.impls) else float("nan"))
+            natives = [row[impl]["us"] for impl in args.impls if impl.startswith("native")]
+            best_native = min(natives, default=float("nan"))
+            speedup = row["xla float32"]["us"] / best_native if "xla float32" in args.impls else float("nan")
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {speedup:.2f}x |", flush=True)
             rows.append(row)
     if args.json:

@@ -191,7 +191,14 @@ def engine(llama_dir):
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla-cache")
+    """XLA's persistent cache for the servers the tests start, shared by the run's xdist workers (JAX locks
+    its writes): a server whose steps another one compiled (the same model, ladder and flags) loads them."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return tmp_path_factory.mktemp("xla-cache")
+    shared = Path(tempfile.gettempdir()) / f"jaxserve-test-xla-cache-{run}"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The GPU proof: the whole step compiles for an H100 on this CPU-only machine (XLA's deviceless
-compilation: XLA:GPU's passes, Triton for the Pallas kernels, ptxas), at every bucket of configs/gpu.yaml.
+compilation: XLA:GPU's passes, Triton for the Pallas kernels, ptxas), at buckets of configs/gpu.yaml.
 
 Any XLA, Triton or ptxas error fails these tests; `test_an_oversized_kernel_block_is_rejected` shows that
 such errors are caught here and not only on a user's GPU. Nothing runs, so numerics and speed are not
@@ -61,26 +61,33 @@ def _check_report(report, buckets: list[Bucket], launches_read: bool = True) -> 
 
 
 @pytest.mark.slow
-def test_gpt2_compiles_for_h100_at_every_gpu_bucket_through_the_cli(tmp_path):
+def test_gpt2_compiles_for_h100_through_the_cli(tmp_path):
+    """`jaxserve compile` end to end on a two-bucket ladder of the gpu preset's shape (its narrowest decode and
+    widest mixed bucket): the report, its JSON and the KV budget line. Every bucket of the preset compiled
+    on a real H100 and H200 (`scripts/gpu_check.sh`); here two keep the suite's time."""
+    ladder = tmp_path / "ladder.yaml"
+    ladder.write_text("buckets: {token_buckets: [2048], request_buckets: [1, 256]}\n"
+                      "scheduler: {max_num_seqs: 256, max_num_batched_tokens: 2048}\ncache: {page_size: 16}\n")
     out = tmp_path / "gpt2.json"
     run = subprocess.run(
-        [sys.executable, "-m", "jaxserve", "compile", "--model", "gpt2", "--target", "h100", "--config", "gpu",
+        [sys.executable, "-m", "jaxserve", "compile", "--model", "gpt2", "--target", "h100", "--config", str(ladder),
          "--dtype", "bfloat16", "--no-xla-cost", "--no-variants", "--jobs", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=1500,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "KV budget at --gpu-memory-utilization 0.9" in run.stdout
     report = json.loads(out.read_text())
-    assert [Bucket(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in report["buckets"]] == GPU_LADDER
+    buckets = [Bucket(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in report["buckets"]]
+    assert buckets[0] == GPU_LADDER[0] and buckets[-1] == GPU_LADDER[-1] and set(buckets) <= set(GPU_LADDER)
     assert report["attention"] == "pallas" and report["device"] == "NVIDIA H100 80GB HBM3"
     assert all(b["temp_bytes"] > 0 and b["predicted_seconds"] > 0 for b in report["buckets"])
 
 
 @pytest.mark.slow
-def test_smollm2_compiles_for_h100_at_the_corners_of_the_gpu_ladder():
-    """SmolLM2's odd head counts (9 query heads, 3 KV heads of 64) at the narrowest and widest decode and
-    mixed buckets (the GPT-2 test compiles every bucket)."""
-    buckets = [GPU_LADDER[0], Bucket(256, 1), Bucket(256, 256, decode_only=True), GPU_LADDER[-1]]
+def test_smollm2_compiles_for_h100_at_the_widest_buckets():
+    """SmolLM2's odd head counts (9 query heads, 3 KV heads of 64) at the widest decode and mixed buckets
+    (the GPT-2 compile takes the narrowest)."""
+    buckets = [Bucket(256, 256, decode_only=True), GPU_LADDER[-1]]
     assert all(b in GPU_LADDER for b in buckets)
     # Launches are read in the GPT-2 and Llama-3-8B compiles.
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,

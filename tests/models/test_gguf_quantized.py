@@ -80,6 +80,11 @@ def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(ca
         expected = np.asarray(plain_flat[path])
         got = np.asarray(value.dequantize()) if isinstance(value, GgufWeight) else np.asarray(value)
         np.testing.assert_array_equal(got, expected, err_msg=str(path))
+    # A second start reads the blocks from the cache the first one wrote (`iter_cached_gguf_tensors`).
+    again = _flat(load_model(None, dtype="float32", quantization="gguf"))
+    for path in quantized:
+        assert again[path].kind == "Q4_1"
+        np.testing.assert_array_equal(np.asarray(again[path].blocks), np.asarray(kept_flat[path].blocks))
     kept_bytes = sum(kept_flat[p].blocks.nbytes for p in quantized)
     plain_bytes = sum(plain_flat[p].nbytes for p in quantized)
     assert kept_bytes * 32 // 20 == plain_bytes // 4  # Q4_1: 20 bytes per 32 weights, against float32's 128
