@@ -16,6 +16,7 @@ from jaxserve.models.gguf_weights import GgufTensor, GgufWeight
 from jaxserve.models.loader import load_model
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
+from tests.ops.test_matmul_gguf import rounded_activations
 
 pytestmark = [
     pytest.mark.cpu_only("the native CPU kernels"),
@@ -34,18 +35,20 @@ def _weight(kind: str, shape: tuple[int, ...], contracted: int, seed: int = 0) -
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind):
+    """x rounded to 8 bits per block (the kernel's contract, `tests/ops/test_matmul_gguf.py`) times the
+    dequantized weight, laid out over the parameter's axes."""
     attention = AttentionConfig(impl="cpu")
     x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    rounded = rounded_activations(x)
     dense, want = _weight(kind, (64, 96), 1)
     np.testing.assert_allclose(np.asarray(jax.jit(layers.dense, static_argnums=2)(x, dense, attention)),
-                               x @ want, rtol=1e-5, atol=1e-4)
+                               rounded @ want, rtol=1e-5, atol=1e-4)
     heads, want = _weight(kind, (64, 4, 16), 1)  # [D, N, H]
     np.testing.assert_allclose(np.asarray(layers.project_heads(x, heads, attention)),
-                               np.einsum("td,dnh->tnh", x, want), rtol=1e-5, atol=1e-4)
+                               np.einsum("td,dnh->tnh", rounded, want), rtol=1e-5, atol=1e-4)
     out, want = _weight(kind, (4, 16, 32), 2)  # [N, H, D]
-    h = x.reshape(5, 4, 16)
-    np.testing.assert_allclose(np.asarray(layers.merge_heads(h, out, attention)),
-                               np.einsum("tnh,nhd->td", h, want), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(layers.merge_heads(x.reshape(5, 4, 16), out, attention)),
+                               np.einsum("tnh,nhd->td", rounded.reshape(5, 4, 16), want), rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(out.dequantize()), want.astype(np.float32))
     with pytest.raises(ValueError, match="reshapes to"):
         out.reshape(16, -1)
@@ -57,6 +60,11 @@ def test_a_tensor_that_does_not_fit_its_parameter_is_refused():
         GgufTensor(blocks, "Q8_0").as_weight((32, 8), 1)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 def _flat(loaded) -> dict:
     return traverse_util.flatten_dict(nnx.to_pure_dict(loaded.state))
 
@@ -64,7 +72,7 @@ def _flat(loaded) -> dict:
 @pytest.mark.slow
 def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(caplog):
     """Every kept weight decodes to exactly the parameter the dequantizing load builds (Q/K rows unpermuted,
-    heads laid out), and the model's logits match; the embeddings (Q8_0, also the tied LM head) and norms
+    heads laid out), and the model's next-token choices match; the embeddings (Q8_0, also the tied LM head) and norms
     are dequantized as before, and the start-up log says so."""
     from tests.models.test_parity import PagedForward
 
@@ -88,18 +96,22 @@ def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(ca
     kept_bytes = sum(kept_flat[p].blocks.nbytes for p in quantized)
     plain_bytes = sum(plain_flat[p].nbytes for p in quantized)
     assert kept_bytes * 32 // 20 == plain_bytes // 4  # Q4_1: 20 bytes per 32 weights, against float32's 128
-    prompt = kept.tokenizer.encode("The capital of France is")
-    got = PagedForward(kept, list(range(1, 9)))(prompt)
-    want = PagedForward(plain, list(range(1, 9)))(prompt)
-    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # The kernel rounds activations to 8 bits per block of 32 (as llama.cpp does): the logits move a little,
+    # the choices do not.
+    prompt = kept.tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old fisherman")
+    got = log_softmax(PagedForward(kept, list(range(1, 9)))(prompt))
+    want = log_softmax(PagedForward(plain, list(range(1, 9)))(prompt))
+    top = want.argmax(-1)
+    assert (got.argmax(-1) == top).all()
+    assert np.abs(got[np.arange(len(prompt)), top] - want[np.arange(len(prompt)), top]).max() < 0.3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(arch, smollm2_gguf, tmp_path, monkeypatch):
     """A tiny GGUF whose projections are stored in the three formats, layer by layer (Phi-3's fused qkv and
-    gate/up split by rows of blocks): the kept blocks give the logits of the same file dequantized."""
+    gate/up split by rows of blocks): each kept weight decodes to the parameter the dequantizing load builds,
+    and the logits follow the dequantized model's."""
     from tests.models.test_gguf_families import gguf_name, tiny_model, tiny_qwen3, write_gguf
     from tests.models.test_parity import PagedForward
 
@@ -119,12 +131,18 @@ def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(arch, smol
     write_gguf(path, arch, hf.config, tensors, smollm2_gguf)
     kept = load_model(str(path), dtype="float32", quantization="gguf")
     plain = load_model(str(path), dtype="float32")
-    weights = [v for v in _flat(kept).values() if isinstance(v, GgufWeight)]
-    assert {w.kind for w in weights} == set(kinds) and len(weights) == 7 * hf.config.num_hidden_layers
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    weights = {path: v for path, v in kept_flat.items() if isinstance(v, GgufWeight)}
+    assert {w.kind for w in weights.values()} == set(kinds) and len(weights) == 7 * hf.config.num_hidden_layers
+    for path, weight in weights.items():  # the blocks land where the dequantized values do, format by format
+        np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
+    # The kernel rounds activations to 8 bits per block (`test_dense_and_the_head_projections...` checks that
+    # contract exactly); through the random tiny models' two or three layers the logits stay close.
     tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
     got = PagedForward(kept, list(range(1, 9)))(tokens)
     want = PagedForward(plain, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
 
 
 def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_model_dir):
