@@ -1,6 +1,7 @@
 """GGUF weights kept in their 8- and 4-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
-dense weights of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf` decodes them as it
-multiplies, where the default path dequantizes every tensor to float32 or bfloat16 at load.
+dense weights of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf` multiplies by them in
+integers (the activations rounded to 8 bits per block of 32, as llama.cpp does), where the default path
+dequantizes every tensor to float32 or bfloat16 at load.
 
 A file's tensor arrives as a `GgufTensor` (its blocks, one output feature per row, as llama.cpp lays them out)
 and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `GgufWeight` in the model's state:
@@ -62,7 +63,7 @@ class GgufWeight:
 
 
 def matmul(x: jax.Array, w: GgufWeight) -> jax.Array:
-    """x [T, K] @ w [K, N] in x's dtype: the blocks decoded to float32 and summed in float32."""
+    """x [T, K] @ w [K, N] in x's dtype: x rounded to 8 bits per block of 32 times the blocks, float32 sums."""
     return cpu_kernels.matmul_gguf(x.astype(jnp.float32), w.blocks, w.kind).astype(x.dtype)
 
 

@@ -172,7 +172,8 @@ def matmul_gguf(
     w: jax.Array,  # u8[N, K / 32 * block_bytes]: GGUF blocks, one output feature per row
     kind: str,  # a key of GGUF_KINDS
 ) -> jax.Array:  # f32[M, N]
-    """x @ W.T with W kept in a GGUF file's blocks, decoded to float32 as it is multiplied (`matmul_gguf.cc`)."""
+    """x @ W.T with W kept in a GGUF file's blocks: x rounded to 8 bits per block of 32, integer dot products per
+    block, float32 sums (`matmul_gguf.cc`)."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
     if x.ndim != 2 or w.ndim != 2 or w.dtype != jnp.uint8:
