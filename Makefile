@@ -42,8 +42,8 @@ test-fast: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests  # the fuzz cases are slow
 
-# The fast suite on the newest jax and flax that pip serves, which need Python 3.12 (on 3.11 pip stops at
-# jax 0.10.2, the jax of .venv): python3.12 where one runs, else pyenv's 3.12.1. Its own environment,
+# The fast suite's jax-facing part on the newest jax and flax that pip serves, which need Python 3.12 (on
+# 3.11 pip stops at jax 0.10.2, the jax of .venv): python3.12 where one runs, else pyenv's 3.12.1. Its own environment,
 # .venv312, made like .venv with every dependency at its newest (torch aside, pinned in the test extra);
 # remade when pyproject.toml changes, or after `make clean`.
 NEWEST_VENV := .venv312
@@ -59,13 +59,15 @@ $(NEWEST_STAMP): pyproject.toml
 	scripts/fetch_tcmalloc.sh $(NEWEST_VENV)/lib/jaxserve
 	touch $@
 
-# The HTTP suites that start servers of their own (their engines run the steps the rest covers) stay on .venv.
-NEWEST_IGNORE := tests/api/test_hardening.py tests/api/test_embeddings.py tests/api/test_structured_api.py \
-	tests/api/test_prefix_caching_api.py
+# The suites that touch jax's API (kernels, models, the runner's steps, platform and GPU compiles, tensor
+# parallelism) and one engine and one server suite end to end; the rest of the fast suite is host-side code
+# that the jax version does not reach, and runs under `make test`.
+NEWEST_TESTS := tests/ops tests/models tests/runner tests/test_platform.py tests/test_compile_ladder.py \
+	tests/test_parallel.py tests/engine/test_llm_engine.py tests/api/test_server.py
 
 test-newest-jax: $(NEWEST_STAMP)
 	@$(NEWEST_BIN)/python -c "import sys, jax, flax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
-	$(NEWEST_BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(addprefix --ignore ,$(NEWEST_IGNORE)) tests
+	$(NEWEST_BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(NEWEST_TESTS)
 
 # The tests marked `gpu`, on a GPU: the Pallas kernels against the float64 oracle (at serving shapes too),
 # logits parity with transformers, the engine's greedy outputs, the server through the openai SDK; meant

@@ -251,8 +251,9 @@ def test_llama_3_8b_compiles_split_over_an_8_gpu_h100_node():
 
 @pytest.mark.slow
 def test_smollm2_with_padded_heads_compiles_split_over_two_h100s():
-    """SmolLM2's 9 query / 3 KV heads become 12 / 6 to split in two: the kernels compile for that layout."""
-    buckets = [Bucket(16, 16, decode_only=True), Bucket(128, 4)]
+    """SmolLM2's 9 query / 3 KV heads become 12 / 6 to split in two: the decode kernel compiles for that layout
+    under shard_map (the 8-GPU Llama-3-8B compile covers a mixed bucket's kernel split over devices)."""
+    buckets = [Bucket(16, 16, decode_only=True)]
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
                             variants=False, buckets=buckets, tensor_parallel_size=2)
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets

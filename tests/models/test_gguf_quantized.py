@@ -107,16 +107,15 @@ def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(arch, smollm2_gguf, tmp_path, monkeypatch):
-    """A tiny GGUF whose projections are stored in the three formats, layer by layer (Phi-3's fused qkv and
+def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Phi-3 GGUF whose projections are stored in the three formats, layer by layer (its fused qkv and
     gate/up split by rows of blocks): each kept weight decodes to the parameter the dequantizing load builds,
     and the logits follow the dequantized model's."""
-    from tests.models.test_gguf_families import gguf_name, tiny_model, tiny_qwen3, write_gguf
+    from tests.models.test_gguf_families import gguf_name, tiny_model, write_gguf
     from tests.models.test_parity import PagedForward
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    hf = tiny_qwen3() if arch == "qwen3" else tiny_model("phi3")
+    arch, hf = "phi3", tiny_model("phi3")
     kinds = ["Q4_0", "Q4_1", "Q8_0"]
     stored: dict[str, str] = {}
     tensors = []
