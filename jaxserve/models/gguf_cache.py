@@ -50,22 +50,57 @@ def _fill_head_dim(config: Any, gguf_path: Path) -> None:
         config.moe_intermediate_size = int(field.contents())
 
 
+# The bundled model's converted files, shipped with the package (models/bundled/, tokenizer.json gzipped):
+# transformers reads a GGUF's metadata only with torch installed (its GGUF reader imports it), and serving
+# needs no torch. Keyed by the GGUF's SHA-256; tests/models/test_gguf_cache.py checks them against a fresh
+# conversion.
+_SHIPPED_CONVERSIONS = {"b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53": "bundled"}
+_SHIPPED_FILES = ("config.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json.gz")
+
+
+def _write_shipped(package_dir: str, staging: Path) -> None:
+    import gzip
+    from importlib import resources
+
+    source = resources.files(__package__).joinpath(package_dir)
+    for name in _SHIPPED_FILES:
+        data = source.joinpath(name).read_bytes()
+        if name.endswith(".gz"):
+            data, name = gzip.decompress(data), name.removesuffix(".gz")
+        (staging / name).write_bytes(data)
+
+
+def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
+    """The GGUF's config (head size filled in) and tokenizer, read by transformers and saved to `staging`."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+
+        kwargs = {"gguf_file": gguf_path.name}
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
+    except ImportError as e:  # transformers' GGUF reader imports torch
+        raise RuntimeError(
+            f"reading {gguf_path.name}'s config and tokenizer takes transformers' GGUF reader, which needs torch "
+            f"(pip install torch; once converted, the files are cached and torch is not needed again): {e}"
+        ) from e
+    _fill_head_dim(config, gguf_path)
+    config.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
+
+
 def converted_dir(gguf_path: Path) -> Path:
     """The HF directory holding `gguf_path`'s config and tokenizer, converting them on first use."""
-    target = cache_root() / f"{file_sha256(gguf_path)}-v{_FORMAT}"
+    digest = file_sha256(gguf_path)
+    target = cache_root() / f"{digest}-v{_FORMAT}"
     if all((target / name).is_file() for name in _CONVERTED_FILES):
         return target
-    from transformers import AutoConfig, AutoTokenizer
-
     logger.info("converting %s's config and tokenizer once (cached in %s)", gguf_path.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        kwargs = {"gguf_file": gguf_path.name}
-        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
-        _fill_head_dim(config, gguf_path)
-        config.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
+        if digest in _SHIPPED_CONVERSIONS:
+            _write_shipped(_SHIPPED_CONVERSIONS[digest], staging)
+        else:
+            convert_with_transformers(gguf_path, staging)
         try:
             staging.rename(target)
         except OSError:  # another process got there first (or a partial directory is in the way)

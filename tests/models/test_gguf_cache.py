@@ -1,5 +1,9 @@
 """A GGUF's config and tokenizer, converted once into an HF directory, behave as read from the GGUF."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -68,3 +72,32 @@ def test_the_cached_tensors_are_the_gguf_tensors(smollm2_gguf):
     assert cached.keys() == direct.keys() == first.keys()
     for name, array in direct.items():
         assert cached[name].dtype == np.float32 and np.array_equal(cached[name], array), name
+
+
+def test_the_bundled_model_converts_without_torch(smollm2_gguf, tmp_path):
+    """Serving installs no torch, and transformers' GGUF reader imports it: the bundled model's converted
+    files ship with the package. In a process where torch cannot be imported, the bundled model's config and
+    tokenizer load from a fresh cache, and another GGUF gets an error that says what to install."""
+    other = tmp_path / "other.gguf"
+    other.write_bytes(smollm2_gguf.read_bytes() + b"\0")  # another file: no shipped conversion
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # `import torch` fails, as where it is not installed
+        from pathlib import Path
+        from transformers import AutoConfig
+        from jaxserve.models.gguf_cache import converted_dir
+        from jaxserve.models.tokenizer import load_tokenizer
+        directory = converted_dir(Path({str(smollm2_gguf)!r}))
+        print("layers", AutoConfig.from_pretrained(str(directory)).num_hidden_layers)
+        print("ids", load_tokenizer(directory).encode("Hello, world!"))
+        try:
+            converted_dir(Path({str(other)!r}))
+        except RuntimeError as error:
+            print("refused:", error)
+    """)
+    env = {**os.environ, "JAXSERVE_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = load_tokenizer(converted_dir(smollm2_gguf)).encode("Hello, world!")
+    assert "layers 30" in result.stdout and f"ids {want}" in result.stdout
+    assert "refused:" in result.stdout and "needs torch" in result.stdout
