@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
 KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0: the block formats kept as they are
-BLOCK = 32  # weights per block in every kept format
 
 
 @jax.tree_util.register_dataclass
