@@ -32,10 +32,15 @@ _ARCH_LAYER_NAMES = {
     "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    # A mixture of experts: the router, and each kind of expert weight stacked [E, out, in] as the model keeps it
-    "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts_gate", "ffn_up_exps": "mlp.experts_up",
-                 "ffn_down_exps": "mlp.experts_down"},
 }
+# A mixture of experts: the router, and each kind of expert weight stacked [E, out, in] as the model keeps it.
+# Mixtral is a `llama` file with experts; its older files hold one tensor per expert (`blk.N.ffn_gate.E`),
+# renamed to Mixtral's checkpoint names for `llama.hf_weight_stream` to stack.
+_EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts_gate", "ffn_up_exps": "mlp.experts_up",
+                 "ffn_down_exps": "mlp.experts_down"}
+_PER_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
+_ARCH_LAYER_NAMES["qwen3moe"] = _EXPERT_NAMES
+_ARCH_LAYER_NAMES["llama"] = _EXPERT_NAMES
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
@@ -45,6 +50,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 
 
@@ -84,6 +90,10 @@ def iter_gguf_tensors(
             array = array - 1.0
         if tensor.name in _GLOBAL_NAMES:
             yield _GLOBAL_NAMES[tensor.name], array
+            continue
+        if match := _PER_EXPERT_RE.match(tensor.name):
+            layer, kind, expert = match.groups()
+            yield f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_PER_EXPERT_NAMES[kind]}.weight", array
             continue
         match = _LAYER_RE.match(tensor.name)
         if match is None or match.group(2) not in names:

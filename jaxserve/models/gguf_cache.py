@@ -35,19 +35,43 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fill_head_dim(config: Any, gguf_path: Path) -> None:
-    """The head size from the file's `{arch}.attention.key_length`, which transformers does not read for every
-    architecture (Qwen3's is not hidden_size / heads: 128 against 64 for Qwen3-0.6B)."""
+def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
+    """`config` completed from the file's metadata where transformers' GGUF reader leaves things out: the head
+    size (`{arch}.attention.key_length`; Qwen3-0.6B's is 128, not hidden_size / heads = 64), an expert's MLP
+    width (Qwen3-MoE), and a `llama` file's experts, which make it a Mixtral (llama.cpp writes Mixtral as
+    `llama` with `expert_count`; transformers reads it as a dense Llama), Phi-3's LongRoPE factors (tensors in
+    the 128k variants' files), and Gemma 2 27B's query scale (llama.cpp's rule: its 46 layers scale queries
+    by (hidden / heads)^-1/2, the others by head_size^-1/2, which transformers' default of 256 gives)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     arch = reader.fields["general.architecture"].contents()
-    field = reader.fields.get(f"{arch}.attention.key_length")
-    if field is not None:
-        config.head_dim = int(field.contents())
-    field = reader.fields.get(f"{arch}.expert_feed_forward_length")  # an expert's MLP width (Qwen3-MoE)
-    if field is not None:
-        config.moe_intermediate_size = int(field.contents())
+
+    def field(key: str) -> Any:
+        found = reader.fields.get(f"{arch}.{key}")
+        return None if found is None else found.contents()
+
+    if (head_dim := field("attention.key_length")) is not None:
+        config.head_dim = int(head_dim)
+    if (expert_width := field("expert_feed_forward_length")) is not None:
+        config.moe_intermediate_size = int(expert_width)
+    if arch == "phi3" and (factors := {t.name: t.data for t in reader.tensors if t.name.startswith("rope_factors_")}):
+        original = field("rope.scaling.original_context_length") or config.max_position_embeddings
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "longrope",
+                                  "long_factor": [float(f) for f in factors["rope_factors_long.weight"]],
+                                  "short_factor": [float(f) for f in factors["rope_factors_short.weight"]],
+                                  "original_max_position_embeddings": int(original)}
+        config.original_max_position_embeddings = int(original)
+    if arch == "gemma2" and config.num_hidden_layers == 46:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    if arch == "llama" and field("expert_count"):
+        from transformers import MixtralConfig
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        fields.update(num_local_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
+                      sliding_window=None)
+        config = MixtralConfig(**fields)
+    return config
 
 
 # The bundled model's converted files, shipped with the package (models/bundled/, tokenizer.json gzipped):
@@ -82,7 +106,7 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
             f"reading {gguf_path.name}'s config and tokenizer takes transformers' GGUF reader, which needs torch "
             f"(pip install torch; once converted, the files are cached and torch is not needed again): {e}"
         ) from e
-    _fill_head_dim(config, gguf_path)
+    config = _fill_from_metadata(config, gguf_path)
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
 

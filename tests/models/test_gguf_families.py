@@ -20,9 +20,10 @@ _LAYER_NAMES = {
 }
 _GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_MOE_NAMES = {**_LAYER_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts_gate": "ffn_gate_exps",
+              "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps"}
 _ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
-               "qwen3moe": {**_LAYER_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts_gate": "ffn_gate_exps",
-                            "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps"},
+               "qwen3moe": _MOE_NAMES, "llama": _MOE_NAMES,
                "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -34,6 +35,9 @@ def gguf_name(hf_name: str, arch: str = "qwen3") -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     if rest.startswith("mlp.experts_"):  # stacked experts: no suffix in either naming
         return f"blk.{layer}.{_ARCH_NAMES[arch][rest]}.weight"
+    if rest.startswith("mlp.expert."):  # one expert's weight, as older Mixtral files hold them: mlp.expert.E.kind
+        _, _, expert, kind, _ = rest.split(".")
+        return f"blk.{layer}.ffn_{kind}.{expert}.weight"
     module, suffix = rest.rsplit(".", 1)
     return f"blk.{layer}.{_ARCH_NAMES[arch][module]}.{suffix}"
 
@@ -59,9 +63,15 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
-    if getattr(cfg, "num_experts", None):
-        writer.add_expert_count(cfg.num_experts)
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3 128k: the factors as tensors
+        writer.add_key_value(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"],
+                             gguf.GGUFValueType.UINT32)
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], np.float32))
+    if experts := getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):  # Qwen3-MoE's; Mixtral's experts are intermediate_size wide
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     for key, field in reader.fields.items():
@@ -74,6 +84,9 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
             tensor, raw_dtype = tensor
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1.0
+        elif arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary rows
+            heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
+            tensor = tensor.reshape(heads, 2, -1, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
         writer.add_tensor(gguf_name(name, arch), tensor, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -132,6 +145,12 @@ def tiny_model(kind: str):
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "phi3":
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=None))
+    elif kind == "phi3-longrope":  # a 128k variant's scaling; the prompt runs past the original context, where
+        # transformers switches to the long factors that jaxserve takes throughout (the context exceeds the original)
+        factors = np.random.default_rng(7).uniform(1.0, 4.0, size=(2, 8)).tolist()
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **common, sliding_window=None, original_max_position_embeddings=8, rope_scaling={
+                "rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1]}))
     elif kind == "gemma2":
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=32, sliding_window=6))
     else:
@@ -144,21 +163,64 @@ def tiny_model(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "phi3-longrope"])
 def test_gemma_and_phi3_ggufs_match_transformers(kind, smollm2_gguf, tmp_path, monkeypatch):
-    """Gemma's four norms under llama.cpp's names and stored as 1 + w; Phi-3's fused qkv and gate/up."""
+    """Gemma's four norms under llama.cpp's names and stored as 1 + w; Phi-3's fused qkv and gate/up, and a
+    128k variant's LongRoPE factors, which its file holds as tensors."""
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = tiny_model(kind)
     path = tmp_path / f"tiny-{kind}.gguf"
     tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()
                if not (kind.startswith("gemma") and name == "lm_head.weight")]  # tied
-    write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
+    write_gguf(path, kind.removesuffix("-longrope"), hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     tokens = np.random.default_rng(4).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(26, 256), (46, 4608 // 32)], ids=["gemma-2-2b", "gemma-2-27b"])
+def test_gemma2_query_scale_follows_llama_cpp(layers, scalar, smollm2_gguf, tmp_path, monkeypatch):
+    """A Gemma 2 file does not say its query scale; llama.cpp scales 27B's (46 layers) queries by (hidden /
+    heads)^-1/2 and the others' by head_size^-1/2, and so does the converted config."""
+    import json
+
+    import transformers
+
+    from jaxserve.models.gguf_cache import converted_dir
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    config = transformers.Gemma2Config(hidden_size=4608, intermediate_size=36864, num_hidden_layers=layers,
+                                       num_attention_heads=32, num_key_value_heads=16, head_dim=128)
+    path = tmp_path / "gemma2-metadata.gguf"
+    write_gguf(path, "gemma2", config, [], smollm2_gguf)
+    converted = json.loads((converted_dir(path) / "config.json").read_text())
+    assert converted["query_pre_attn_scalar"] == scalar
+
+
+def experts_as_llama_cpp_stores_them(hf, per_expert: bool = False) -> list:
+    """`hf`'s float32 tensors with each layer's experts (transformers keeps gate_up_proj [E, 2F, D] fused and
+    down_proj [E, D, F]) stacked per kind, or with `per_expert` as one tensor per expert."""
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        stem = name.rsplit(".experts.", 1)[0]  # model.layers.N.mlp
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = array.shape[1] // 2
+            stacked = {"gate": array[:, :half], "up": array[:, half:]}
+        elif name.endswith("mlp.experts.down_proj"):
+            stacked = {"down": array}
+        else:
+            tensors.append((name, array))
+            continue
+        for kind, weights in stacked.items():
+            if per_expert:
+                tensors += [(f"{stem}.expert.{e}.{kind}.weight", w) for e, w in enumerate(weights)]
+            else:
+                tensors.append((f"{stem}.experts_{kind}", weights))
+    return tensors
 
 
 def test_a_qwen3_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
@@ -175,22 +237,39 @@ def test_a_qwen3_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypat
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
         initializer_range=0.3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
     hf = transformers.Qwen3MoeForCausalLM(config).eval()
-    tensors = []
-    for name, tensor in hf.state_dict().items():
-        array = tensor.numpy().astype(np.float32)
-        stem = name.rsplit(".experts.", 1)[0]  # model.layers.N.mlp
-        if name.endswith("mlp.experts.gate_up_proj"):  # transformers keeps [E, 2F, D] fused
-            half = array.shape[1] // 2
-            tensors += [(stem + ".experts_gate", array[:, :half]), (stem + ".experts_up", array[:, half:])]
-        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
-            tensors.append((stem + ".experts_down", array))
-        else:
-            tensors.append((name, array))
+    tensors = experts_as_llama_cpp_stores_them(hf)
     path = tmp_path / "tiny-qwen3moe.gguf"
     write_gguf(path, "qwen3moe", hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.moe.intermediate_size == 48 and loaded.cfg.moe.normalize_top_k
     tokens = np.random.default_rng(5).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
+def test_a_mixtral_gguf_matches_transformers(per_expert, smollm2_gguf, tmp_path, monkeypatch):
+    """llama.cpp writes Mixtral as a `llama` file with `expert_count` (transformers' reader makes it a dense
+    Llama): its experts stacked as newer files hold them or one tensor per expert as older ones do, its Q/K
+    rows permuted for llama.cpp's rotary layout."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    hf = transformers.MixtralForCausalLM(config).eval()
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_gguf(path, "llama", hf.config, experts_as_llama_cpp_stores_them(hf, per_expert), smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.cfg.moe.num_experts == 4 and loaded.cfg.moe.top_k == 2 and loaded.cfg.moe.intermediate_size == 48
+    tokens = np.random.default_rng(6).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
