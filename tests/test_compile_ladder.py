@@ -273,3 +273,18 @@ def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
     assert fp8.num_kv_pages // 2 == pytest.approx(bf16.num_kv_pages, rel=0.01)
     with pytest.raises(ValueError, match=r"compute capability >= 8\.9"):
         compile_ladder("smollm2-135m", kv_cache_dtype="fp8", **{**options, "target": "a100", "buckets": buckets[:1]})
+
+
+@pytest.mark.parametrize(("name", "num_params"), [
+    ("mixtral-8x7b", 46_702_792_704),  # Mixtral-8x7B's safetensors index: 93,405,585,408 bf16 bytes
+    ("qwen3-30b-a3b", 30_532_122_624),  # Qwen3-30B-A3B's
+])
+def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_params):
+    """The shapes `jaxserve compile` and `--load-format dummy` take: every expert, router and norm counted."""
+    from jaxserve.compile_ladder import load_model_config
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.ops.attention import resolve_attention
+
+    _, hf_config = load_model_config(name)
+    abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
+    assert abstract.num_params == num_params
