@@ -1,7 +1,7 @@
 """Start-up time of `jaxserve serve`: process start to a 200 from /health, cold and warm.
 
-`ready_s` is what a client waits for; with `--warmup background` (serve's default) the server is ready
-after one bucket and `all_compiled_s` says when the last bucket was in.
+`ready_s` is what a client waits for; with `--warmup background` (and `auto`, serve's default, on a warm
+cache) the server is ready after one bucket and `all_compiled_s` says when the last bucket was in.
 Cold: empty compilation cache and empty jaxserve cache (the GGUF's converted config and tokenizer).
 Warm: the same command again, both caches filled by the cold start. Each start is a fresh process, and
 the server's own log gives the split (loading, KV allocation, warm-up).

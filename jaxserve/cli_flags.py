@@ -24,6 +24,7 @@ from jaxserve.config import (
     RUNNERS,
     SCHEDULING_POLICIES,
     SERVER_LOG_LEVELS,
+    WARMUP_MODES,
     BucketBenchConfig,
     BucketConfig,
     CacheConfig,
@@ -49,12 +50,11 @@ class Flag:
     """One flag (or positional) that sets one field of a config dataclass: declared and read back from here.
 
     Its default is the field's, unless `preset`: then it is None unless given, so that the preset's value
-    (else the field's) shows through, as EngineConfig.from_preset ignores None. `values` maps each choice
-    to the field's value (`--warmup full` is background_warmup=False). `options` go to add_argument.
+    (else the field's) shows through, as EngineConfig.from_preset ignores None. `options` go to add_argument.
     """
 
     def __init__(self, names: str | tuple[str, ...], section: type, field: str, help: str, *,
-                 preset: bool = False, values: dict[str, Any] | None = None, **options: Any) -> None:
+                 preset: bool = False, **options: Any) -> None:
         if field not in {f.name for f in dataclasses.fields(section)}:
             raise TypeError(f"{section.__name__} has no field {field!r}")  # at import: a typo never ships
         self.names = (names,) if isinstance(names, str) else names
@@ -64,15 +64,11 @@ class Flag:
         self.field = field
         self.help = help
         self.preset = preset
-        self.values = values
         self.options = options
 
     def add_to(self, group: Group) -> None:
         default = None if self.preset else field_default(self.section, self.field)
         options = dict(self.options)
-        if self.values is not None:
-            options["choices"] = list(self.values)
-            default = next(name for name, value in self.values.items() if value == default)
         if self.names[0].startswith("-"):
             options["dest"] = self.field  # a positional's name is its dest
         default = list(default) if isinstance(default, tuple) else default  # argparse appends to lists
@@ -80,8 +76,6 @@ class Flag:
 
     def read(self, args: argparse.Namespace) -> Any:
         value = getattr(args, self.field)
-        if self.values is not None:
-            value = self.values[value]
         return tuple(value) if isinstance(value, list) else value
 
 
@@ -259,9 +253,10 @@ SERVER_LOG_FLAGS = (
 )
 
 WARMUP_FLAGS = (
-    Flag("--warmup", EngineConfig, "background_warmup", values={"full": False, "background": True},
-         help="background: ready once the largest bucket (which holds any step) is compiled, the others "
-              "compiling while it serves; full: ready once every bucket is compiled"),
+    Flag("--warmup", EngineConfig, "warmup_mode", choices=list(WARMUP_MODES),
+         help="full: ready once every bucket is compiled; background: ready once the largest bucket (which "
+              "holds any step) is compiled, the others compiling while it serves; auto: background where "
+              "that bucket came from the compilation cache (a warm start), full otherwise"),
 )
 
 HOST_FLAGS = (

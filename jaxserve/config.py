@@ -87,6 +87,7 @@ MAX_SCHEDULER_STEPS = 64
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("last", "mean")
+WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
@@ -174,8 +175,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
-    # Ready once one bucket (the largest, which holds any step) is compiled; the rest compile while serving.
-    background_warmup: bool = False
+    # When the engine is ready (WARMUP_MODES): once every bucket is compiled (full), once the largest, which
+    # holds any step, is (background: the rest compile while serving), or background where that bucket
+    # came from the persistent cache and full otherwise (auto).
+    warmup_mode: str = "auto"
     # The engine core (scheduler, runner, the model) in its own process; detokenizing and outputs stay in
     # the caller's (vLLM V1's split).
     engine_process: bool = False
@@ -193,7 +196,9 @@ class EngineConfig:
         if self.parallel.multihost and self.engine_process:
             raise ValueError("a multi-host engine runs its core in the server's process: engine_process is "
                              "single-host")
-        if self.parallel.multihost and self.background_warmup:
+        if self.warmup_mode not in WARMUP_MODES:
+            raise ValueError(f"warmup_mode must be one of {', '.join(WARMUP_MODES)}; got {self.warmup_mode!r}")
+        if self.parallel.multihost and self.warmup_mode == "background":
             raise ValueError("a multi-host engine warms up fully: every process must run the same buckets in "
                              "the same order")
         if self.buckets.request_buckets[-1] < self.scheduler.max_num_seqs:

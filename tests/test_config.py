@@ -86,7 +86,7 @@ def test_a_multihost_engine_refuses_background_warmup():
 
     with pytest.raises(ValueError, match="warms up fully"):
         EngineConfig.from_preset("cpu", num_processes=2, coordinator_address="127.0.0.1:1", tensor_parallel_size=2,
-                                 background_warmup=True)
+                                 warmup_mode="background")
     channel = EngineConfig.from_preset("cpu", num_processes=2, coordinator_address="10.0.0.1:1234",
                                        tensor_parallel_size=2).parallel.channel_address
     assert channel == ("10.0.0.1", 1235)

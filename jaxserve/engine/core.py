@@ -129,7 +129,9 @@ class EngineCore:
             dtype=model.dtype.dtype.name,
             weight_dtype=model.weight_dtype.dtype.name,
         )
-        self.warmup_seconds = self.runner.warmup(background=config.background_warmup) if warmup else 0.0
+        # a multi-host job warms up fully: every process must run the same buckets in the same order
+        mode = "full" if config.parallel.multihost else config.warmup_mode
+        self.warmup_seconds = self.runner.warmup(mode=mode) if warmup else 0.0
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()
 

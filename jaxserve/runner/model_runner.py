@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,24 @@ logger = logging.getLogger(__name__)
 # Buckets compiled at once at warm-up, one per core (measured 1.5x faster than one at a time on a 2-core
 # CPU; a GPU host's 16 cores compiled on 4 threads before).
 _COMPILE_THREADS = os.cpu_count() or 1
+
+# Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
+# compiles): which of the warm-up's compiles were loads.
+_thread_cache_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening: list[bool] = []
+
+
+def _count_cache_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and hasattr(_thread_cache_hits, "count"):
+        _thread_cache_hits.count += 1
+
+
+def _listen_for_cache_hits() -> None:
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_count_cache_hit)
+            _listening.append(True)
 
 
 @dataclass(frozen=True, order=True)
@@ -374,43 +392,70 @@ class ModelRunner:
                     and (wanted.decode_only or not b.decode_only)]
         return min(fits) if fits else wanted
 
-    def warmup(self, show_progress: bool = True, background: bool = False) -> float:
+    def warmup(self, show_progress: bool = True, mode: str = "full") -> float:
         """Compiles the step for every bucket ahead of time; returns the seconds until steps can run.
 
         Buckets compile a few at once on threads (XLA releases the GIL while it compiles; tracing does
-        not), and JAX's persistent cache serves repeated starts. With `background`, it returns once the
-        largest mixed bucket, which holds any step, is compiled; the others compile on a thread while
-        steps run (smallest decode buckets first), each step in the smallest compiled bucket that holds it.
-        Buckets compiled before ready are also run once (on the empty batch); the others pay their first
-        run's extra cost on first use.
+        not), the largest mixed bucket first, and JAX's persistent cache serves repeated starts. `mode`
+        (config.WARMUP_MODES): full returns once every bucket is compiled. background returns once the
+        largest mixed bucket, which holds any step, is compiled; the others compile on one thread fewer
+        while steps run (smallest decode buckets first), each step in the smallest compiled bucket that
+        holds it. auto is background where that first bucket came from the persistent cache (a warm start:
+        the others are loads too) and full where it was compiled (a cold start: early steps would share the
+        cores with compiles for a long while). Buckets compiled before ready are also run once (on the empty
+        batch); the others pay their first run's extra cost on first use.
         """
         start = time.perf_counter()
         self.replay_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
         buckets: list[Bucket] = self.ladder.all_buckets()
-        first = [max(b for b in buckets if not b.decode_only)] if background else buckets
-        rest = sorted(set(buckets) - set(first), key=lambda b: (not b.decode_only, b))
-        jobs = self._jobs(first)
-        self._compile(jobs, show_progress)
-        for bucket, variant in jobs:  # an executable's first run costs extra once (0.6 s for 128 x 16 on CPU):
-            # pay it here and wait for it: dispatch is asynchronous, and an unawaited run is paid by the first
-            # request (its step waited ~4 s behind them on CPU)
+        largest = max(b for b in buckets if not b.decode_only)
+        jobs = self._jobs([largest, *sorted(set(buckets) - {largest}, key=lambda b: (not b.decode_only, b))])
+        slots = threading.Semaphore(_COMPILE_THREADS)
+        pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="jaxserve-compile")
+        # All at once, but with `background` the others only once the engine is ready (on the first's heels).
+        futures = [pool.submit(self._compile_one, job, slots) for job in jobs[:1 if mode == "background" else None]]
+        try:
+            first_from_cache = futures[0].result()
+            background = mode == "background" or (mode == "auto" and bool(first_from_cache))
+            ready_jobs = 1 if background else len(jobs)
+            waited = futures[:ready_jobs]
+            for future in progress(waited, "Compiling buckets", logger, unit="buckets") if show_progress else waited:
+                future.result()
+        except BaseException:  # a bucket that fails to compile fails the start: the queued ones are dropped
+            self._stop_compiling.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        for bucket, variant in jobs[:ready_jobs]:  # an executable's first run costs extra once (0.6 s for
+            # 128 x 16 on CPU): pay it here and wait for it: dispatch is asynchronous, and an unawaited run is
+            # paid by the first request (its step waited ~4 s behind them on CPU)
             jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket, variant.greedy,
                                                 self._no_decode_steps(bucket) if variant.multi_step else None))
         self.num_greedy_steps = self.num_multi_steps = 0
+        futures += [pool.submit(self._compile_one, job, slots) for job in jobs[len(futures):]]
+        pool.shutdown(wait=False)  # its threads work through the queue; nothing more is submitted
         ready = time.perf_counter() - start
-        if not rest:
+        if not background:
+            self._log_compiled(futures)
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
             return ready
-        logger.info("warm-up: %d of %d buckets compiled in %.1fs; compiling the rest in the background",
-                    len(first), len(buckets), ready)
+        logger.info("warm-up: 1 of %d buckets compiled in %.1fs (%s); compiling the rest in the background",
+                    len(buckets), ready, "from the persistent cache" if first_from_cache else "not cached")
 
-        def compile_rest() -> None:  # one thread fewer: a core stays with the steps being served
-            jobs = self._jobs(rest)
-            self._compile(jobs, show_progress=False, threads=max(1, _COMPILE_THREADS - 1))
+        def finish() -> None:
+            keep_a_core = _COMPILE_THREADS > 1
+            if keep_a_core:  # one compile fewer at a time from here: a core stays with the steps being served
+                slots.acquire()
+            try:
+                for future in futures:
+                    future.result()
+            finally:
+                if keep_a_core:
+                    slots.release()
+            self._log_compiled(futures)
             if not self._stop_compiling.is_set():
                 logger.info("warm-up: all %d buckets compiled in %.1fs", len(buckets), time.perf_counter() - start)
 
-        self._background = threading.Thread(target=compile_rest, name="jaxserve-compile", daemon=True)
+        self._background = threading.Thread(target=finish, name="jaxserve-warmup", daemon=True)
         self._background.start()
         return ready
 
@@ -436,39 +481,30 @@ class ModelRunner:
     def _no_decode_steps(bucket: Bucket) -> np.ndarray:
         return np.zeros(bucket.num_reqs, np.int32)  # i32[R]: a multi-step decode's rows, all padding
 
-    def _compile(self, jobs: list[tuple[Bucket, StepVariant]], show_progress: bool,
-                 threads: int = _COMPILE_THREADS) -> None:
-        """Compiles each (bucket, variant) of `jobs`."""
-
-        def compile_one(job: tuple[Bucket, StepVariant]) -> None:
-            if self._stop_compiling.is_set():
-                return
-            bucket, variant = job
+    def _compile_one(self, job: tuple[Bucket, StepVariant], slots: threading.Semaphore) -> bool | None:
+        """Compiles one (bucket, variant) into the table, holding one of `slots`; returns whether JAX's
+        persistent cache served it, or None where it was skipped (the warm-up was stopped)."""
+        if self._stop_compiling.is_set():
+            return None
+        bucket, variant = job
+        with slots:
             args = (self._weights, self.kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))
             if variant.multi_step:
                 args += (self._no_decode_steps(bucket),)
+            _listen_for_cache_hits()
+            _thread_cache_hits.count = 0
             compiled = self._step_fns[variant].trace(*args).lower().compile()
-            with self._compiled_lock:
-                if variant == PLAIN:
-                    self._compiled[bucket] = compiled
-                else:
-                    self._compiled_variants[bucket, variant] = compiled
+            from_cache = _thread_cache_hits.count > 0
+        with self._compiled_lock:
+            if variant == PLAIN:
+                self._compiled[bucket] = compiled
+            else:
+                self._compiled_variants[bucket, variant] = compiled
+        return from_cache
 
-        cache_hits: list[str] = []
-
-        def count_hits(event: str, **_: Any) -> None:
-            if event == "/jax/compilation_cache/cache_hits":
-                cache_hits.append(event)
-
-        jax.monitoring.register_event_listener(count_hits)
-        try:
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                futures = [pool.submit(compile_one, job) for job in jobs]
-                shown = progress(futures, "Compiling buckets", logger, unit="buckets") if show_progress else futures
-                for future in shown:
-                    future.result()
-        finally:
-            jax.monitoring.unregister_event_listener(count_hits)
+    @staticmethod
+    def _log_compiled(futures: list[Future[bool | None]]) -> None:
+        loaded = [f.result() for f in futures if f.result() is not None]
         logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
-                    len(jobs), threads, len(cache_hits))
+                    len(loaded), _COMPILE_THREADS, sum(loaded))

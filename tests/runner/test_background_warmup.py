@@ -21,7 +21,7 @@ def test_ready_after_one_bucket_and_the_same_tokens_while_the_rest_compile(llama
     prompts = make_prompts()
     want = run_all(make_engine(llama_dir), prompts)
 
-    engine = make_engine(llama_dir, background_warmup=True)
+    engine = make_engine(llama_dir, warmup_mode="background")
     runner = engine.runner
     largest = max(b for b in runner.ladder.all_buckets() if not b.decode_only)
     runner.stop_warmup()  # freeze the table (the compiles under way finish), so fallbacks are certain to serve
@@ -37,10 +37,51 @@ def test_ready_after_one_bucket_and_the_same_tokens_while_the_rest_compile(llama
 
 
 def test_once_every_bucket_is_in_nothing_compiles(llama_dir):
-    engine = make_engine(llama_dir, background_warmup=True)
+    engine = make_engine(llama_dir, warmup_mode="background")
     engine.runner.wait_for_warmup()
     assert set(engine.runner._compiled) == set(engine.runner.ladder.all_buckets())
     with count_compilations() as compiles:
         assert run_all(engine, make_prompts()[:4])
     assert compiles == []
     engine.shutdown()
+
+
+def test_auto_warms_up_fully_on_a_cold_cache_and_in_the_background_on_a_warm_one(llama_dir, tmp_path):
+    """`--warmup auto` (the default): a cold start is ready once every bucket is compiled; a warm start,
+    whose largest bucket came from the persistent cache, once that bucket is in, the rest loading while it
+    serves; both generate the same tokens. In a subprocess: the persistent cache is process-wide."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
+        from tests.engine.helpers import make_engine, make_prompts
+        from tests.runner.test_background_warmup import run_all
+        for start in ("cold", "warm"):
+            print("start", start)
+            engine = make_engine({str(llama_dir)!r}, compilation_cache_dir={str(tmp_path / "xla")!r},
+                                 warmup_mode="auto")
+            print("tokens", start, run_all(engine, make_prompts()))
+            engine.runner.wait_for_warmup()
+            print("compiled", start, len(engine.runner._compiled), len(engine.runner.ladder.all_buckets()))
+            engine.shutdown()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2], env=dict(os.environ),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cold, warm = result.stdout.split("start warm")
+    lines = {line.split(" ", 1)[0] + line.split(" ", 2)[1]: line for line in result.stdout.splitlines()
+             if line.startswith(("tokens", "compiled "))}
+    assert lines["tokenscold"].split(" ", 2)[2] == lines["tokenswarm"].split(" ", 2)[2]
+    for start in ("cold", "warm"):
+        _, _, compiled, total = lines["compiled" + start].split()
+        assert compiled == total
+    assert "compiling the rest in the background" not in cold and " 0 from the persistent cache" in cold
+    assert "warm-up: 1 of " in warm and "(from the persistent cache); compiling the rest in the background" in warm
+    hits = [line for line in warm.splitlines() if "from the persistent cache" in line and "compiled " in line]
+    assert any(line.endswith(f"{n} from the persistent cache") and f"compiled {n} buckets" in line
+               for line in hits for n in range(1, 100)), hits
