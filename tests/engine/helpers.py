@@ -11,10 +11,10 @@ LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs
 
 
 def make_engine(model_dir, warmup: bool = True, **overrides) -> LLMEngine:
-    # No persistent cache ("": None would leave the default's), and ready once every bucket is compiled:
-    # `auto` would warm up in the background wherever another engine of the process filled a cache.
+    # Ready once every bucket is compiled: `auto` would warm up in the background wherever the persistent
+    # cache (the default one: None leaves it) already holds the largest bucket, as earlier tests fill it.
     options = {"dtype": "float32", **LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256,
-               "compilation_cache_dir": "", "warmup_mode": "full", **overrides}
+               "compilation_cache_dir": None, "warmup_mode": "full", **overrides}
     config = EngineConfig.from_preset(None, model=str(model_dir), **options)
     return LLMEngine(config, warmup=warmup)
 
