@@ -49,12 +49,13 @@ Group = argparse.ArgumentParser | argparse._ArgumentGroup  # where arguments are
 class Flag:
     """One flag (or positional) that sets one field of a config dataclass: declared and read back from here.
 
-    Its default is the field's, unless `preset`: then it is None unless given, so that the preset's value
-    (else the field's) shows through, as EngineConfig.from_preset ignores None. `options` go to add_argument.
+    Its default is the field's (or `default`, where the command's differs from the library's), unless
+    `preset`: then it is None unless given, so that the preset's value (else the field's) shows through, as
+    EngineConfig.from_preset ignores None. `options` go to add_argument.
     """
 
     def __init__(self, names: str | tuple[str, ...], section: type, field: str, help: str, *,
-                 preset: bool = False, **options: Any) -> None:
+                 preset: bool = False, default: Any = None, **options: Any) -> None:
         if field not in {f.name for f in dataclasses.fields(section)}:
             raise TypeError(f"{section.__name__} has no field {field!r}")  # at import: a typo never ships
         self.names = (names,) if isinstance(names, str) else names
@@ -64,10 +65,12 @@ class Flag:
         self.field = field
         self.help = help
         self.preset = preset
+        self.default = default
         self.options = options
 
     def add_to(self, group: Group) -> None:
-        default = None if self.preset else field_default(self.section, self.field)
+        default = None if self.preset else self.default if self.default is not None else field_default(
+            self.section, self.field)
         options = dict(self.options)
         if self.names[0].startswith("-"):
             options["dest"] = self.field  # a positional's name is its dest
@@ -253,10 +256,10 @@ SERVER_LOG_FLAGS = (
 )
 
 WARMUP_FLAGS = (
-    Flag("--warmup", EngineConfig, "warmup_mode", choices=list(WARMUP_MODES),
+    Flag("--warmup", EngineConfig, "warmup_mode", choices=list(WARMUP_MODES), default="auto",
          help="full: ready once every bucket is compiled; background: ready once the largest bucket (which "
               "holds any step) is compiled, the others compiling while it serves; auto: background where "
-              "that bucket came from the compilation cache (a warm start), full otherwise"),
+              "that bucket came from the compilation cache (a restart), full otherwise (default: auto)"),
 )
 
 HOST_FLAGS = (

@@ -201,6 +201,19 @@ def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):
     assert on.scheduler.async_scheduling
 
 
+def test_serve_warms_up_auto_by_default_and_the_engine_api_fully():
+    """`serve` restarts fast (`--warmup auto`); an engine built through the library or a benchmark is at its
+    steady state once built (full), unless told otherwise."""
+    from jaxserve.cli_flags import WARMUP_FLAGS
+
+    parser = build_parser()
+    assert read_flags(parser.parse_args(["serve"]), WARMUP_FLAGS) == {"warmup_mode": "auto"}
+    assert read_flags(parser.parse_args(["serve", "--warmup", "full"]), WARMUP_FLAGS) == {"warmup_mode": "full"}
+    assert EngineConfig.from_preset(None).warmup_mode == "full"
+    with pytest.raises(ValueError, match="warmup_mode must be one of"):
+        EngineConfig.from_preset(None, warmup_mode="lazy")
+
+
 def test_flags_left_out_give_the_config_dataclasses_defaults(monkeypatch):
     """Each default is written once, in jaxserve.config: the parser's are read from the fields."""
     monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
