@@ -43,7 +43,8 @@ def test_merge_streams_interleaves_and_cancels_producers_when_closed():
             closed.append(index)
 
     async def run():
-        merged = merge_streams([producer(0, [0.0, 0.05]), producer(1, [0.02, 0.02])])
+        # producer 0 yields at 0 and 0.5 s, producer 1 at 0.1 and 0.2 s: margins a loaded machine keeps
+        merged = merge_streams([producer(0, [0.0, 0.5]), producer(1, [0.1, 0.1])])
         order = [item async for _, item in merged]
         assert order == ["0:0", "1:0", "1:1", "0:1"]
         assert sorted(closed) == [0, 1]
