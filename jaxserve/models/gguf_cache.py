@@ -35,6 +35,28 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def content_digest(path: Path) -> str:
+    """`file_sha256(path)`, remembered under the file's identity (path, inode, size, modification time):
+    hashing a 4 GB GGUF takes seconds of every start, a stat microseconds. Any write to the file changes its
+    modification time, so a changed file is hashed anew."""
+    info = path.stat()
+    identity = f"{path.resolve()}\0{info.st_ino}\0{info.st_size}\0{info.st_mtime_ns}".encode()
+    memo = cache_root() / "digests" / hashlib.sha256(identity).hexdigest()
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = file_sha256(path)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staging = memo.with_name(f".{memo.name}.{os.getpid()}")
+        staging.write_text(digest)
+        os.replace(staging, memo)
+    except OSError as e:  # a cache that cannot be written only costs the next start a hash
+        logger.warning("could not remember %s's digest: %s", path.name, e)
+    return digest
+
+
 def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     """`config` completed from the file's metadata where transformers' GGUF reader leaves things out: the head
     size (`{arch}.attention.key_length`; Qwen3-0.6B's is 128, not hidden_size / heads = 64), an expert's MLP
@@ -113,7 +135,7 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
 
 def converted_dir(gguf_path: Path) -> Path:
     """The HF directory holding `gguf_path`'s config and tokenizer, converting them on first use."""
-    digest = file_sha256(gguf_path)
+    digest = content_digest(gguf_path)
     target = cache_root() / f"{digest}-v{_FORMAT}"
     if all((target / name).is_file() for name in _CONVERTED_FILES):
         return target

@@ -59,6 +59,24 @@ def test_the_conversion_happens_once_per_file_content(smollm2_gguf, tmp_path):
     assert again.parent == cache_root() and again.name.startswith(file_sha256(smollm2_gguf))
 
 
+def test_a_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
+    """The content digest that keys the cache is remembered by the file's path, inode, size and mtime: a
+    second start reads no byte of the file, a rewritten file is hashed again."""
+    from jaxserve.models import gguf_cache
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"first contents")
+    first = gguf_cache.content_digest(path)
+    assert first == gguf_cache.file_sha256(path)
+    hashed = []
+    monkeypatch.setattr(gguf_cache, "file_sha256", lambda p: hashed.append(p) or "hashed again")
+    assert gguf_cache.content_digest(path) == first and hashed == []
+    path.write_bytes(b"other contents")
+    os.utime(path, ns=(1, 10**18))  # a modification time unlike the first write's, whatever the clock's step
+    assert gguf_cache.content_digest(path) == "hashed again" and hashed == [path]
+
+
 @pytest.mark.slow
 def test_the_cached_tensors_are_the_gguf_tensors(smollm2_gguf):
     import numpy as np
