@@ -69,8 +69,12 @@ class Flag:
         self.options = options
 
     def add_to(self, group: Group) -> None:
-        default = None if self.preset else self.default if self.default is not None else field_default(
-            self.section, self.field)
+        if self.preset:
+            default = None
+        elif self.default is not None:
+            default = self.default
+        else:
+            default = field_default(self.section, self.field)
         options = dict(self.options)
         if self.names[0].startswith("-"):
             options["dest"] = self.field  # a positional's name is its dest

@@ -16,6 +16,7 @@ devices; in a multi-host job the leader's runner sends each piece of device work
 """
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -62,8 +63,6 @@ _COMPILE_THREADS = os.cpu_count() or 1
 # Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
 # compiles): which of the warm-up's compiles were loads.
 _thread_cache_hits = threading.local()
-_listener_lock = threading.Lock()
-_listening: list[bool] = []
 
 
 def _count_cache_hit(event: str, **_: Any) -> None:
@@ -71,11 +70,9 @@ def _count_cache_hit(event: str, **_: Any) -> None:
         _thread_cache_hits.count += 1
 
 
+@functools.cache  # registered once per process
 def _listen_for_cache_hits() -> None:
-    with _listener_lock:
-        if not _listening:
-            jax.monitoring.register_event_listener(_count_cache_hit)
-            _listening.append(True)
+    jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 @dataclass(frozen=True, order=True)
@@ -505,6 +502,6 @@ class ModelRunner:
 
     @staticmethod
     def _log_compiled(futures: list[Future[bool | None]]) -> None:
-        loaded = [f.result() for f in futures if f.result() is not None]
+        loaded = [result for result in (f.result() for f in futures) if result is not None]
         logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
                     len(loaded), _COMPILE_THREADS, sum(loaded))
