@@ -1,9 +1,10 @@
-"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_1 and Q8_0 blocks
+"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1 and Q8_0 blocks
 (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
 
 SmolLM2-135M's shapes at 1, 4, 16 and 64 rows: the attention and MLP projections (weights [K, N]) and the
 LM head (the [V, D] embedding table). Each case runs `--copies` different weight matrices back to back in
-one jitted function, so that the weights come from memory as in a served step (64 copies of a 576 x 1536
+one jitted function, each call taking the one before's output (as a model's layers do, so that XLA does not
+run them at once), so that the weights come from memory as in a served step (64 copies of a 576 x 1536
 matrix are 113 MB in bfloat16, past a 32 MB L3), and reports the median time per matrix over alternating
 rounds, with GFLOP/s and the weights' GB/s.
 
@@ -22,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from jaxserve.ops import cpu_kernels
+from jaxserve.ops import cpu_kernels, gguf_packing
 
 SHAPES = {  # name -> (K, N, output-major weights)
     "q/o proj 576x576": (576, 576, False),
@@ -31,14 +32,14 @@ SHAPES = {  # name -> (K, N, output-major weights)
     "down 1536x576": (1536, 576, False),
     "LM head 49152x576": (576, 49152, True),
 }
-IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_1", "native Q8_0")  # float32 sums each
-GGUF_BYTES = {"native Q4_1": 20 / 32, "native Q8_0": 34 / 32}  # bytes per weight of the blocks
+IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")  # f32 sums
+GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q8_0": 34 / 32}  # bytes per weight
 
 
-def case_fn(impl: str, output_major: bool):
+def case_fn(impl: str, output_major: bool, n: int):
     def one(x, w):
         if impl in GGUF_BYTES:
-            return cpu_kernels.matmul_gguf(x, w, impl.removeprefix("native "))
+            return cpu_kernels.matmul_gguf(x, w, impl.removeprefix("native "), n)
         if impl == "native bfloat16":
             return cpu_kernels.matmul_bf16(x, w, output_major_w=output_major)
         f32 = jnp.float32 if impl == "xla bfloat16" else None
@@ -46,7 +47,12 @@ def case_fn(impl: str, output_major: bool):
             return jnp.einsum("md,vd->mv", x, w, preferred_element_type=f32)
         return jnp.dot(x, w, preferred_element_type=f32)
 
-    return jax.jit(lambda x, ws: sum(one(x, w).astype(jnp.float32).sum() for w in ws))
+    def chained(x, ws):  # each call waits for the one before, as a model's layers do
+        for w in ws:
+            x = x + (one(x, w)[:, :1] * 1e-30).astype(x.dtype)
+        return x
+
+    return jax.jit(chained)
 
 
 def timed(fn, x, ws, reps: int) -> float:
@@ -81,12 +87,13 @@ def main() -> None:
         weights32 = [jnp.asarray(rng.standard_normal((n, k) if output_major else (k, n)) * 0.05, jnp.float32)
                      for _ in range(copies)]
         weights16 = [w.astype(jnp.bfloat16) for w in weights32]
-        blocks = {  # u8[N, K / 32 * bytes]: GGUF's layout, one output feature per row
-            impl: [quantize(np.asarray(w if output_major else w.T), GGMLQuantizationType[impl.removeprefix("native ")])
-                   for w in weights32] for impl in args.impls if impl in GGUF_BYTES}
+        blocks = {  # GGUF's blocks [N, K / 32 * bytes], packed 16 output features at a time for the kernel
+            impl: [gguf_packing.pack(quantize(np.asarray(w if output_major else w.T), GGMLQuantizationType[kind]), kind)
+                   for w in weights32] for impl in args.impls if impl in GGUF_BYTES
+            for kind in [impl.removeprefix("native ")]}
         for m in args.rows:
             x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-            fns = {impl: case_fn(impl, output_major) for impl in args.impls}
+            fns = {impl: case_fn(impl, output_major, n) for impl in args.impls}
             seconds: dict[str, list[float]] = {impl: [] for impl in args.impls}
             for _ in range(args.rounds):  # alternating, so drift hits every implementation alike
                 for impl in args.impls:

@@ -1,13 +1,15 @@
 """GGUF weights kept in their 8- and 4-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
-dense weights of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf` multiplies by them in
-integers (the activations rounded to 8 bits per block of 32, as llama.cpp does), where the default path
-dequantizes every tensor to float32 or bfloat16 at load.
+dense weights and token embeddings of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf`
+multiplies by them in integers (the activations rounded to 8 bits per block of 32, as llama.cpp does), where the
+default path dequantizes every tensor to float32 or bfloat16 at load.
 
 A file's tensor arrives as a `GgufTensor` (its blocks, one output feature per row, as llama.cpp lays them out)
 and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `GgufWeight` in the model's state:
-the same blocks with the parameter's shape, [*contracted_axes, *output_axes]. Every other tensor (norms, the
-token embeddings and so the tied LM head, a mixture's experts, formats the kernel does not read) is
-dequantized as before.
+the same blocks, packed 16 output features at a time for the kernel (`ops/gguf_packing.py`), with the
+parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table the family's `EMBEDDING_TABLES`
+lists (and so a tied LM head) becomes a `GgufTable`: its rows are decoded where looked up, and the LM head's
+logits come from the same kernel. Every other tensor (norms, a mixture's experts, formats the kernel does not
+read) is dequantized as before.
 """
 
 import collections
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.ops import cpu_kernels
+from jaxserve.ops import cpu_kernels, gguf_packing
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0: the block format
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GgufWeight:
-    blocks: Any  # u8[N, K / 32 * block_bytes]: output feature n's K weights in blocks of 32
+    blocks: Any  # u8[ceil(N / 16), K / 32 * tile_bytes]: the blocks packed 16 features at a time (`gguf_packing`)
     kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # [*contracted_axes, *output_axes]
     contracted: int = dataclasses.field(metadata={"static": True})
@@ -56,14 +58,69 @@ class GgufWeight:
             raise ValueError(f"a GgufWeight {self.shape} reshapes to [contracted, output] only, not {shape}")
         return GgufWeight(self.blocks, self.kind, (k, n), contracted=1)
 
+    @property
+    def features(self) -> int:  # N, the output features
+        return math.prod(self.shape[self.contracted:])
+
+    def file_blocks(self) -> "GgufTensor":
+        """The blocks as the file stores them, [N, K / 32 * block_bytes]."""
+        return GgufTensor(gguf_packing.unpack(np.asarray(self.blocks), self.kind, self.features), self.kind)
+
     def dequantize(self) -> jax.Array:  # f32[*shape], on the host: for tests and conversions
-        values = GgufTensor(np.asarray(self.blocks), self.kind).dequantize()  # [N, K]
-        return jnp.asarray(values.T.reshape(self.shape))
+        return jnp.asarray(self.file_blocks().dequantize().T.reshape(self.shape))
 
 
 def matmul(x: jax.Array, w: GgufWeight) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype: x rounded to 8 bits per block of 32 times the blocks, float32 sums."""
-    return cpu_kernels.matmul_gguf(x.astype(jnp.float32), w.blocks, w.kind).astype(x.dtype)
+    return cpu_kernels.matmul_gguf(x.astype(jnp.float32), w.blocks, w.kind, w.features).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GgufTable:
+    """A token-embedding table [V, D] kept in its blocks: rows looked up by decoding their blocks, and (tied or
+    not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
+
+    blocks: Any  # u8[ceil(V / 16), D / 32 * tile_bytes]: the file's [V, D] blocks packed (`gguf_packing`)
+    kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
+    shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
+
+    ndim = 2
+
+    @property
+    def dtype(self) -> Any:
+        return self.blocks.dtype
+
+    def __getitem__(self, key: Any) -> "GgufTable":  # `param[...]` reads the whole table
+        if key is not Ellipsis:
+            raise TypeError("a GgufTable is read whole (`param[...]`)")
+        return self
+
+    def lookup(self, ids: jax.Array) -> jax.Array:  # i32[T] -> f32[T, D]
+        """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales)."""
+        features, num_blocks = gguf_packing.FEATURES, self.shape[1] // 32
+        scales = gguf_packing.SCALES[self.kind]
+        tiles = self.blocks.reshape(self.blocks.shape[0], num_blocks, gguf_packing.tile_bytes(self.kind))
+        rows, lane = tiles[ids // features], (ids % features)[:, None, None, None, None]  # [T, blocks, tile]
+        head = rows[..., : 2 * scales * features].reshape(*rows.shape[:2], scales, features, 2)
+        head = jnp.take_along_axis(head, lane, axis=3)[:, :, :, 0]  # [T, blocks, scales, 2 bytes]
+        factors = jax.lax.bitcast_convert_type(head, jnp.float16).astype(jnp.float32)  # [T, blocks, scales]
+        codes = rows[..., 2 * scales * features:].reshape(*rows.shape[:2], -1, features, 4)
+        codes = jnp.take_along_axis(codes, lane, axis=3)[:, :, :, 0].reshape(*rows.shape[:2], -1)  # [T, blocks, bytes]
+        if self.kind == "Q8_0":
+            values = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * factors[..., :1]
+        else:  # byte 4c + j holds weights 4c + j (low nibble) and 16 + 4c + j (high)
+            nibbles = jnp.concatenate([codes & 15, codes >> 4], axis=-1).astype(jnp.float32)  # [T, blocks, 32]
+            values = (nibbles - 8.0) * factors[..., :1] if self.kind == "Q4_0" else (
+                nibbles * factors[..., :1] + factors[..., 1:])
+        return values.reshape(ids.shape[0], self.shape[1])
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        return cpu_kernels.matmul_gguf(hidden.astype(jnp.float32), self.blocks, self.kind, self.shape[0])
+
+    def dequantize(self) -> jax.Array:  # f32[V, D], on the host: for tests
+        blocks = gguf_packing.unpack(np.asarray(self.blocks), self.kind, self.shape[0])
+        return jnp.asarray(GgufTensor(blocks, self.kind).dequantize())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +151,20 @@ class GgufTensor:
 
         return np.asarray(dequantize(self.blocks, GGMLQuantizationType[self.kind]), np.float32)
 
+    def as_table(self, shape: tuple[int, ...]) -> GgufTable:
+        """These blocks as an embedding table [V, D] (the file's own layout), on the default device."""
+        if tuple(shape) != self.shape:
+            raise ValueError(f"GGUF {self.kind} tensor {list(self.shape)} does not fit table {tuple(shape)}")
+        return GgufTable(jax.device_put(gguf_packing.pack(self.blocks, self.kind)), self.kind, self.shape)
+
     def as_weight(self, shape: tuple[int, ...], contracted: int) -> GgufWeight:
         """These blocks as the parameter of `shape` [*contracted_axes, *output_axes] (the transposed [in, out]
         laid out over the parameter's axes), on the default device."""
         out, inner = self.shape
         if math.prod(shape[:contracted]) != inner or math.prod(shape[contracted:]) != out:
             raise ValueError(f"GGUF {self.kind} tensor [{out}, {inner}] does not fit parameter {shape}")
-        return GgufWeight(jax.device_put(np.ascontiguousarray(self.blocks)), self.kind, tuple(shape), contracted)
+        packed = jax.device_put(gguf_packing.pack(self.blocks, self.kind))
+        return GgufWeight(packed, self.kind, tuple(shape), contracted)
 
 
 def check_gguf_quantization(gguf_file: str | None, tensor_parallel_size: int) -> None:
@@ -118,12 +182,17 @@ def check_gguf_quantization(gguf_file: str | None, tensor_parallel_size: int) ->
 
 def log_kept_weights(state: Any) -> None:
     """The start-up line saying what each kind of weight runs as."""
-    leaves = jax.tree.leaves(state, is_leaf=lambda leaf: isinstance(leaf, GgufWeight))
-    kept = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufWeight))
-    kept_bytes = sum(leaf.blocks.nbytes for leaf in leaves if isinstance(leaf, GgufWeight))
-    other = [leaf for leaf in leaves if not isinstance(leaf, GgufWeight)]
+    kept_types = (GgufWeight, GgufTable)
+    leaves = jax.tree.leaves(state, is_leaf=lambda leaf: isinstance(leaf, kept_types))
+    layers = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufWeight))
+    tables = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufTable))
+    kept_bytes = sum(leaf.blocks.nbytes for leaf in leaves if isinstance(leaf, kept_types))
+    other = [leaf for leaf in leaves if not isinstance(leaf, kept_types)]
     dtypes = sorted({jnp.dtype(leaf.dtype).name for leaf in other})
-    logger.info("quantization gguf: %s layer weights kept in their blocks (%.1f MiB), multiplied by the native "
-                "kernel; the other %d tensors (embeddings, norms, formats it does not read) in %s",
-                ", ".join(f"{count} {kind}" for kind, count in sorted(kept.items())) or "no",
-                kept_bytes / 2**20, len(other), "/".join(dtypes))
+
+    def counted(counter: collections.Counter) -> str:
+        return ", ".join(f"{count} {kind}" for kind, count in sorted(counter.items())) or "no"
+
+    logger.info("quantization gguf: %s layer weights and %s embedding tables kept in their blocks (%.1f MiB), "
+                "multiplied by the native kernel; the other %d tensors (norms, formats it does not read) in %s",
+                counted(layers), counted(tables), kept_bytes / 2**20, len(other), "/".join(dtypes))

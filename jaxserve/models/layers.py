@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models import gguf_weights, quantization
-from jaxserve.models.gguf_weights import GgufWeight
+from jaxserve.models.gguf_weights import GgufTable, GgufWeight
 from jaxserve.models.quantization import Fp8Weight
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention
@@ -219,7 +219,10 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
 
 def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
     """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
-    in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16)."""
+    in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16). A table kept
+    in a GGUF file's blocks goes to the native kernel."""
+    if isinstance(table, GgufTable):
+        return table.logits(hidden)
     if _native(hidden.shape[0], table, attention, NATIVE_LM_HEAD_MAX_ROWS):
         return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
     return jnp.einsum("RD,VD->RV", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
@@ -252,7 +255,10 @@ def embedding_lookup(
 ) -> jax.Array:  # [T, D]
     """Rows of an embedding table. With a mesh, each device looks up the ids in its own vocabulary range
     and one all-reduce adds the rows up (Megatron's vocab-parallel embedding); left to sharding
-    propagation, XLA all-gathers the whole table in some buckets (1 GiB a step for Llama-3-8B)."""
+    propagation, XLA all-gathers the whole table in some buckets (1 GiB a step for Llama-3-8B). A table kept in
+    a GGUF file's blocks (one device) decodes the ids' rows."""
+    if isinstance(table, GgufTable):
+        return table.lookup(ids)
     if mesh is None or table.shape[0] % mesh.size:
         return table[ids]
 

@@ -206,6 +206,8 @@ class LlamaForCausalLM(nnx.Module):
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
+# Token-embedding tables ([V, D], as a GGUF file stores them) that `--quantization gguf` keeps in their blocks.
+EMBEDDING_TABLES = ("embed_tokens", "lm_head")
 
 
 def kv_scale_factor(cfg: LlamaConfig, path: tuple, k_scale: float, v_scale: float) -> float | None:

@@ -447,6 +447,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers(path):
                 loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
+            if exact and covered.covers_table(path):
+                loaded[path] = tensor.as_table(tuple(expected[path].shape))
+                continue
             tensor = tensor.dequantize()
         value = abstract.lay_out(path, transform(tensor, cfg))
         if tuple(value.shape) != tuple(expected[path].shape):

@@ -111,10 +111,14 @@ class Quantizer:
             raise ValueError(f"--quantization {quantization}: not supported for "
                              f"{family.__name__.rsplit('.', 1)[-1]}")
         self.table, self.layers_key = table, family.LAYERS_KEY
+        self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
         self._quantize = jax.jit(quantize_fp8, static_argnums=1)
 
     def covers(self, path: tuple) -> bool:
         return path[0] == self.layers_key and path[-1] in self.table
+
+    def covers_table(self, path: tuple) -> bool:  # a token-embedding table GGUF blocks can stay in
+        return len(path) == 1 and path[0] in self.embedding_tables
 
     def stored(self, path: tuple, values: np.ndarray, channel_scale: np.ndarray) -> Fp8Weight:
         """A checkpoint's own e4m3 values, already in the model's layout, with its per-channel scale f32[out]

@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from jaxserve.ops import cpu_kernels
+from jaxserve.ops import cpu_kernels, gguf_packing
 
 pytestmark = [
     pytest.mark.cpu_only("the native CPU kernels"),
@@ -50,7 +50,7 @@ def rounded_activations(x: np.ndarray) -> np.ndarray:
 def check_against_float64(kind: str, m: int) -> None:
     """Against the float64 product of x rounded to 8 bits per block with the dequantized weights (the kernel's
     contract, up to float32 sums), and within 2% of the product with x as it is (what the rounding costs)."""
-    call = jax.jit(lambda x, w: cpu_kernels.matmul_gguf(x, w, kind))
+    call = jax.jit(lambda x, w, n: cpu_kernels.matmul_gguf(x, w, kind, n), static_argnums=2)
     rng = np.random.default_rng(m)
     for k, n in SHAPES:
         blocks = _blocks(kind, n, k)
@@ -58,7 +58,7 @@ def check_against_float64(kind: str, m: int) -> None:
         x = rng.standard_normal((m, k)).astype(np.float32)
         if k > 32:
             x[0, 32:64] = 0.0  # an all-zero block of activations: scale 0
-        got = np.asarray(call(x, blocks))
+        got = np.asarray(call(x, gguf_packing.pack(blocks, kind), n))
         assert got.shape == (m, n)
         scale = np.abs(x).astype(np.float64) @ np.abs(weights).T  # float32 sums: error relative to sum |x||w|
         want = rounded_activations(x) @ weights.T
@@ -90,13 +90,32 @@ def test_the_other_instruction_sets_match_too(flags, tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_is_a_permutation_that_unpacks_exactly(kind):
+    """Packed, every byte of the file's blocks is kept once (features past N are zero), and unpacking gives the
+    file's rows back; a packed tile holds the 16 features' scales, then their codes 4 bytes at a time."""
+    blocks = _blocks(kind, 37, 96, seed=1)
+    packed = gguf_packing.pack(blocks, kind)
+    assert packed.shape == (3, 3 * gguf_packing.tile_bytes(kind))
+    assert np.array_equal(gguf_packing.unpack(packed, kind, 37), blocks)
+    assert np.array_equal(np.sort(packed, axis=None)[-blocks.size:], np.sort(blocks, axis=None))
+    scale_bytes = 2 * gguf_packing.SCALES[kind]
+    tile = packed[0, : gguf_packing.tile_bytes(kind)]  # group 0, block 0
+    assert np.array_equal(tile[2:4], blocks[1, :2])  # feature 1's d
+    chunk_1 = 16 * scale_bytes + 64  # code bytes 4 .. 7 of each feature
+    assert np.array_equal(tile[chunk_1 + 4 * 5: chunk_1 + 4 * 6], blocks[5, scale_bytes + 4: scale_bytes + 8])
+
+
 def test_matmul_refuses_mismatched_blocks():
-    blocks = _blocks("Q4_1", 4, 64)
+    packed = gguf_packing.pack(_blocks("Q4_1", 4, 64), "Q4_1")
     with pytest.raises(Exception, match="mismatched shapes"):
-        cpu_kernels.matmul_gguf(np.ones((2, 96), np.float32), blocks, "Q4_1")
+        cpu_kernels.matmul_gguf(np.ones((2, 96), np.float32), packed, "Q4_1", 4)
+    with pytest.raises(Exception, match="mismatched shapes"):
+        cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), packed, "Q4_1", 17)  # two groups of features
     with pytest.raises(ValueError, match="u8 blocks"):
-        cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), blocks.astype(np.int32), "Q4_1")
+        cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), packed.astype(np.int32), "Q4_1", 4)
 
 
 def test_empty_rows():
-    assert cpu_kernels.matmul_gguf(np.ones((0, 64), np.float32), _blocks("Q8_0", 3, 64), "Q8_0").shape == (0, 3)
+    packed = gguf_packing.pack(_blocks("Q8_0", 3, 64), "Q8_0")
+    assert cpu_kernels.matmul_gguf(np.ones((0, 64), np.float32), packed, "Q8_0", 3).shape == (0, 3)

@@ -169,16 +169,18 @@ GGUF_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 def matmul_gguf(
     x: jax.Array,  # f32[M, K]
-    w: jax.Array,  # u8[N, K / 32 * block_bytes]: GGUF blocks, one output feature per row
+    w: jax.Array,  # u8[ceil(N / 16), K / 32 * tile_bytes]: GGUF blocks packed by `gguf_packing.pack`
     kind: str,  # a key of GGUF_KINDS
+    n: int,  # output features
 ) -> jax.Array:  # f32[M, N]
     """x @ W.T with W kept in a GGUF file's blocks: x rounded to 8 bits per block of 32, integer dot products per
     block, float32 sums (`matmul_gguf.cc`)."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
     if x.ndim != 2 or w.ndim != 2 or w.dtype != jnp.uint8:
-        raise ValueError(f"matmul_gguf takes x [M, K] and u8 blocks [N, bytes], got {x.shape} and {w.dtype}{w.shape}")
-    call = jax.ffi.ffi_call("jaxserve_matmul_gguf", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+        raise ValueError(f"matmul_gguf takes x [M, K] and packed u8 blocks [groups, bytes], got {x.shape} and "
+                         f"{w.dtype}{w.shape}")
+    call = jax.ffi.ffi_call("jaxserve_matmul_gguf", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), w, kind=np.int32(GGUF_KINDS[kind]))
 
 

@@ -2,33 +2,40 @@
 // registers it). A GGUF file's 8- and 4-bit tensors stay in their blocks in memory and are multiplied in
 // them: a decode step reads 4.5-8.5 bits per weight instead of 16 or 32.
 //
-//   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] as llama.cpp stores it: row n holds
-//                       K / 32 blocks of 32 consecutive weights, u8[N, K / 32 * block_bytes]
+//   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
+//                       interleaved 16 output features at a time (`jaxserve/ops/gguf_packing.py` lays them
+//                       out): u8[ceil(N / 16), K / 32 * tile_bytes]
 //
-// The blocks (ggml's layouts; `kind` is ggml's type number):
+// The blocks (ggml's formats; `kind` is ggml's type number), for one output feature:
 //   Q4_0 (2):  f16 d, u8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
 //   Q4_1 (3):  f16 d, f16 m, u8 qs[16]    w[j] = d * (qs[j] & 15) + m,    w[j + 16] = d * (qs[j] >> 4) + m
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
+// A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
+// bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
+// 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks).
+// So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
+// with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
 // As llama.cpp does, each row of x is first rounded to 8 bits per block of 32 (a float scale dx = max|x| / 127
-// and integers xq = rint(x / dx)), so a block's 32 products are one integer dot product of the weights'
-// codes with xq: `vpdpbusd` (AVX512-VNNI) or `vpmaddubsw` + `vpmaddwd` (AVX2), 32 products in one or two
-// instructions. With u the block's unsigned codes (Q8_0: |q|, x's signs flipped where q < 0):
-//   x . w = sum over blocks of  d * dx * (u . xq)  +  c * dx * sum(xq),   c = m (Q4_1), -8 d (Q4_0), 0 (Q8_0)
-// exactly, in integers and then float32: the result is x rounded to 8 bits times the dequantized weights
-// (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32 sums.
+// and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q8_0: q + 128):
+//   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
+// with bias 8 (Q4_0), 128 (Q8_0) or 0 (Q4_1), and the m term for Q4_1 only. The integer part is exact, so
+// the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
+// float64 oracle), up to float32 sums.
 //
-// Work is split into units of (a group of kGroup weight rows, a chunk of x rows), shared with XLA's intra-op
-// threads (`work_sharing.h`). A unit takes each weight row once per tile of up to 4 x rows, unpacking each
-// block once for the tile's rows; the per-block float32 sums stay in 8-lane vectors until the row's end.
+// Work is split into units of (two groups of 16 features, a chunk of x rows), shared with XLA's intra-op
+// threads (`work_sharing.h`). A unit streams its groups' tiles once per register tile of up to 4 x rows:
+// 8 integer and 8 float32 accumulators, each block's codes unpacked once for the tile's rows. Without
+// AVX512-VNNI, AVX2 runs the same layout 8 features at a time (`vpmaddubsw` + `vpmaddwd`); without AVX2,
+// plain loops.
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -39,18 +46,27 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kBlock = 32;         // weights per block, every format here
-constexpr int kGroup = 16;         // weight rows per unit
-constexpr int kRowChunk = 64;      // x rows per unit
-constexpr int kTileRows = 4;       // x rows per register tile
+constexpr int kBlock = 32;       // weights per block, every format here
+constexpr int kFeatures = 16;    // output features per group (one tile row of 16 lanes)
+constexpr int kUnitGroups = 2;   // groups per unit, at least
+constexpr int kUnitsPerWorker = 4;  // units of groups per thread, at most
+constexpr int kRowChunk = 64;    // x rows per unit
+constexpr int kTileRows = 4;     // x rows per register tile
+#ifndef JAXSERVE_GGUF_PREFETCH
+#define JAXSERVE_GGUF_PREFETCH 2048
+#endif
+constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
 enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
-int block_bytes(int32_t kind) {
+constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 ? 64 : 32; }  // the f16 d (and m) vectors
+constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
+
+int tile_bytes(int32_t kind) {
   switch (kind) {
-    case kQ4_0: return 2 + 16;
-    case kQ4_1: return 2 + 2 + 16;
-    case kQ8_0: return 2 + 32;
+    case kQ4_0:
+    case kQ4_1:
+    case kQ8_0: return scale_bytes(kind) + 64 * chunks(kind);
     default: return 0;
   }
 }
@@ -80,153 +96,265 @@ inline float half_to_float(const uint8_t* at) {
   return f;
 }
 
+inline int32_t load_i32(const int8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, sizeof(v));
+  return v;
+}
+
 struct Problem {
-  int64_t m, n, k, blocks;  // blocks = K / 32
-  const uint8_t* w;         // [N, blocks * block_bytes]
-  int64_t row_bytes;
-  const int8_t* xq;         // [M, K]: x rounded to 8 bits per block
-  const float* dx;          // [M, blocks]: each block's scale
-  const float* sx;          // [M, blocks]: dx * sum(xq) over the block
-  float* out;               // [M, N]
+  int64_t m, n, k, blocks, groups;  // blocks = K / 32, groups = ceil(N / 16)
+  const uint8_t* w;                 // [groups, blocks * tile_bytes]
+  int64_t group_bytes;
+  const int8_t* xq;                 // [M, K]: x rounded to 8 bits per block
+  const float* dx;                  // [M, blocks]: each block's scale
+  const float* sx;                  // [M, blocks]: dx * sum(xq) over the block
+  const int32_t* isx;               // [M, blocks]: sum(xq) over the block
+  float* out;                       // [M, N]
 };
 
 // x rows [m0, m1) rounded to 8 bits per block: dx = max|x| / 127, xq = rint(x * (1 / dx)) (0 for an all-zero
 // block), in IEEE float32 arithmetic (not -ffast-math's approximate reciprocal), as the tests' oracle rounds.
-__attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int64_t k, int64_t m0, int64_t m1, int8_t* xq, float* dx, float* sx) {
+__attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int64_t k, int64_t m0, int64_t m1,
+                                                             int8_t* xq, float* dx, float* sx, int32_t* isx) {
   const int64_t blocks = k / kBlock;
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + m * k + b * kBlock;
+      int8_t* q = xq + m * k + b * kBlock;
+      int32_t sum = 0;
+      float d;
+#if defined(__AVX512F__)
+      const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+      d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
+      const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // rounds to nearest even, as rint
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-      int sum = 0;
-      int8_t* q = xq + m * k + b * kBlock;
+      d = amax / 127.0f;
+      const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
         q[j] = int8_t(std::nearbyint(v[j] * inverse));
         sum += q[j];
       }
+#endif
       dx[m * blocks + b] = d;
       sx[m * blocks + b] = d * float(sum);
+      isx[m * blocks + b] = sum;
     }
   }
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
-// Per block: the integer dot product of 32 unsigned codes with 32 signed values, as 8 int32 partial sums.
-inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ8_0 ? 128 : 0; }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// out[m0 : m0 + MR, n] for weight row n.
-template <int32_t K, int MR>
-void row_tile(const Problem& p, int64_t n, int64_t m0) {
-  const int bytes = block_bytes(K);
-  const uint8_t* row = p.w + n * p.row_bytes;
-  __m256 acc[MR];
-  float corr[MR];
-  const int8_t* xq[MR];
-  const float* dx[MR];
-  const float* sx[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    corr[i] = 0.0f;
-    xq[i] = p.xq + (m0 + i) * p.k;
-    dx[i] = p.dx + (m0 + i) * p.blocks;
-    sx[i] = p.sx + (m0 + i) * p.blocks;
-  }
-  const int64_t blocks = p.blocks;
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * bytes;
-    const float d = half_to_float(block);
-    __m256i u, w8;
-    float c = 0.0f;
-    if constexpr (K == kQ8_0) {
-      w8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      u = _mm256_abs_epi8(w8);
-    } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2)));
-      u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
-      c = K == kQ4_1 ? half_to_float(block + 2) : -8.0f * d;
+// out[m0 : m0 + R, 16 g0 : 16 (g0 + G)]: G groups of 16 features, R rows of x.
+template <int32_t K, int R, int G>
+void tile(const Problem& p, int64_t g0, int64_t m0) {
+  constexpr int tb = scale_bytes(K) + 64 * chunks(K);
+  const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80));
+  __m512 sums[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint8_t* t[G];
+    __m512 d[G], mins[G];
+    for (int g = 0; g < G; ++g) {
+      t[g] = p.w + (g0 + g) * p.group_bytes + b * tb;
+      if constexpr (kPrefetchBytes > 0) {
+        for (int line = 0; line < tb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(t[g]) + kPrefetchBytes + line, _MM_HINT_T0);
+      }
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[g])));
+      if constexpr (K == kQ4_1) mins[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[g] + 32)));
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * kBlock));
-      if constexpr (K == kQ8_0) s = _mm256_sign_epi8(s, w8);  // |q| . sign(x, q) = q . x
-      const __m256 sums = _mm256_cvtepi32_ps(dot_u8_s8(u, s));
-      acc[i] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * dx[i][b]), acc[i]);
-      if constexpr (K != kQ8_0) corr[i] += c * sx[i][b];
-    }
-  }
-  for (int i = 0; i < MR; ++i) p.out[(m0 + i) * p.n + n] = horizontal_sum(acc[i]) + corr[i];
-}
-
-#else  // no AVX2: the same integer sums in plain loops
-
-template <int32_t K, int MR>
-void row_tile(const Problem& p, int64_t n, int64_t m0) {
-  const int bytes = block_bytes(K);
-  const uint8_t* row = p.w + n * p.row_bytes;
-  for (int i = 0; i < MR; ++i) {
-    float total = 0.0f;
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      const uint8_t* block = row + b * bytes;
-      const int8_t* s = p.xq + (m0 + i) * p.k + b * kBlock;
-      const int64_t at = (m0 + i) * p.blocks + b;
-      const float d = half_to_float(block);
-      int dot = 0;
-      if constexpr (K == kQ8_0) {
-        for (int j = 0; j < kBlock; ++j) dot += int(int8_t(block[2 + j])) * s[j];
-        total += d * p.dx[at] * float(dot);
-      } else {
-        const uint8_t* q = block + (K == kQ4_1 ? 4 : 2);
-        for (int j = 0; j < 16; ++j) dot += int(q[j] & 15) * s[j] + int(q[j] >> 4) * s[j + 16];
-        const float c = K == kQ4_1 ? half_to_float(block + 2) : -8.0f * d;
-        total += d * p.dx[at] * float(dot) + c * p.sx[at];
+    __m512i dots[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) dots[r][g] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < chunks(K); ++c) {
+      __m512i lo[G], hi[G];
+      for (int g = 0; g < G; ++g) {
+        const __m512i v = _mm512_loadu_si512(t[g] + scale_bytes(K) + 64 * c);
+        if constexpr (K == kQ8_0) {
+          lo[g] = _mm512_xor_si512(v, flip);  // q + 128, unsigned
+        } else {
+          lo[g] = _mm512_and_si512(v, low4);
+          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
+        const __m512i xl = _mm512_set1_epi32(load_i32(x + 4 * c));
+        for (int g = 0; g < G; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], lo[g], xl);
+        if constexpr (K != kQ8_0) {
+          const __m512i xh = _mm512_set1_epi32(load_i32(x + 16 + 4 * c));
+          for (int g = 0; g < G; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], hi[g], xh);
+        }
       }
     }
-    p.out[(m0 + i) * p.n + n] = total;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * p.blocks + b;
+      const __m512 dx = _mm512_set1_ps(p.dx[at]);
+      const __m512i offset = _mm512_set1_epi32(bias(K) * p.isx[at]);
+      for (int g = 0; g < G; ++g) {
+        __m512i dot = dots[r][g];
+        if constexpr (bias(K) != 0) dot = _mm512_sub_epi32(dot, offset);
+        sums[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[g], dx), sums[r][g]);
+        if constexpr (K == kQ4_1) sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[at]), sums[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t n0 = (g0 + g) * kFeatures;
+      float* out = p.out + (m0 + r) * p.n + n0;
+      if (p.n - n0 >= kFeatures) {
+        _mm512_storeu_ps(out, sums[r][g]);
+      } else {
+        _mm512_mask_storeu_ps(out, __mmask16((1u << (p.n - n0)) - 1), sums[r][g]);
+      }
+    }
+  }
+}
+
+template <int32_t K, int R>
+void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
+  if (groups == 2) {
+    tile<K, R, 2>(p, g0, m0);
+  } else {
+    tile<K, R, 1>(p, g0, m0);
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : 0; }  // Q8_0: signs folded into x instead
+
+// out[m0 : m0 + R, 16 g + 8 half : + 8]: half a group, 8 features in 256-bit lanes.
+template <int32_t K, int R>
+void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
+  constexpr int tb = scale_bytes(K) + 64 * chunks(K);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint8_t* t = p.w + g * p.group_bytes + b * tb;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * half)));
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+    for (int c = 0; c < chunks(K); ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + scale_bytes(K) + 64 * c + 32 * half));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
+        const __m256i xl = _mm256_set1_epi32(load_i32(x + 4 * c));
+        if constexpr (K == kQ8_0) {  // |q| . sign(x, q) = q . x; |q| <= 128 and |x| <= 127 keep pairs in int16
+          const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xl, v));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
+        } else {
+          const __m256i xh = _mm256_set1_epi32(load_i32(x + 16 + 4 * c));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * p.blocks + b;
+      __m256i dot = dots[r];
+      if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[at]));
+      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[at])), sums[r]);
+      if constexpr (K == kQ4_1) {
+        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * half)));
+        sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[at]), sums[r]);
+      }
+    }
+  }
+  const int64_t n0 = g * kFeatures + 8 * half;
+  for (int r = 0; r < R; ++r) {
+    float* out = p.out + (m0 + r) * p.n + n0;
+    if (p.n - n0 >= 8) {
+      _mm256_storeu_ps(out, sums[r]);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sums[r]);
+      std::copy(lanes, lanes + (p.n - n0), out);
+    }
+  }
+}
+
+template <int32_t K, int R>
+void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
+  for (int64_t g = g0; g < g0 + groups; ++g) {
+    for (int half = 0; half < 2 && g * kFeatures + 8 * half < p.n; ++half) half_tile<K, R>(p, g, half, m0);
+  }
+}
+
+#else  // the same integer sums in plain loops
+
+template <int32_t K, int R>
+void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
+  const int tb = tile_bytes(K);
+  for (int64_t g = g0; g < g0 + groups; ++g) {
+    for (int f = 0; f < kFeatures && g * kFeatures + f < p.n; ++f) {
+      for (int r = 0; r < R; ++r) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < p.blocks; ++b) {
+          const uint8_t* t = p.w + g * p.group_bytes + b * tb;
+          const uint8_t* codes = t + scale_bytes(K) + 4 * f;
+          const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
+          const int64_t at = (m0 + r) * p.blocks + b;
+          int32_t dot = 0;
+          for (int c = 0; c < chunks(K); ++c) {
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = codes[64 * c + j];
+              if constexpr (K == kQ8_0) {
+                dot += int32_t(int8_t(byte)) * x[4 * c + j];
+              } else {
+                dot += int32_t(byte & 15) * x[4 * c + j] + int32_t(byte >> 4) * x[16 + 4 * c + j];
+              }
+            }
+          }
+          if constexpr (K == kQ4_0) dot -= 8 * p.isx[at];
+          total += half_to_float(t + 2 * f) * p.dx[at] * float(dot);
+          if constexpr (K == kQ4_1) total += half_to_float(t + 32 + 2 * f) * p.sx[at];
+        }
+        p.out[(m0 + r) * p.n + g * kFeatures + f] = total;
+      }
+    }
   }
 }
 
 #endif
 
 template <int32_t K>
-void unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int cols) {
-  for (int64_t m = m0; m < m0 + rows; m += kTileRows) {
-    const int tile_rows = int(std::min<int64_t>(kTileRows, m0 + rows - m));
-    for (int64_t n = n0; n < n0 + cols; ++n) {
-      switch (tile_rows) {
-        case 1: row_tile<K, 1>(p, n, m); break;
-        case 2: row_tile<K, 2>(p, n, m); break;
-        case 3: row_tile<K, 3>(p, n, m); break;
-        default: row_tile<K, 4>(p, n, m); break;
+void unit(const Problem& p, int64_t m0, int64_t rows, int64_t g0, int64_t groups) {
+  for (int64_t g = g0; g < g0 + groups; g += 2) {  // a pair's tiles stay in cache for the chunk's rows
+    const int pair = int(std::min<int64_t>(2, g0 + groups - g));
+    for (int64_t m = m0; m < m0 + rows; m += kTileRows) {
+      switch (std::min<int64_t>(kTileRows, m0 + rows - m)) {
+        case 1: row_tile<K, 1>(p, g, pair, m); break;
+        case 2: row_tile<K, 2>(p, g, pair, m); break;
+        case 3: row_tile<K, 3>(p, g, pair, m); break;
+        default: row_tile<K, 4>(p, g, pair, m); break;
       }
     }
   }
 }
 
-using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int);
+using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const auto out_dims = out->dimensions();
-  const int bytes = block_bytes(kind);
+  const int bytes = tile_bytes(kind);
   if (bytes == 0) return ffi::Error::InvalidArgument("matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -234,26 +362,34 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   Problem p;
   p.m = x_dims[0];
   p.k = x_dims[1];
-  p.n = w_dims[0];
-  p.row_bytes = w_dims[1];
-  if (p.k % kBlock != 0 || p.row_bytes != p.k / kBlock * bytes || out_dims[0] != p.m || out_dims[1] != p.n) {
+  p.n = out_dims[1];
+  p.groups = w_dims[0];
+  p.group_bytes = w_dims[1];
+  p.blocks = p.k / kBlock;
+  if (p.k % kBlock != 0 || p.group_bytes != p.blocks * bytes || out_dims[0] != p.m ||
+      p.groups != (p.n + kFeatures - 1) / kFeatures) {
     return ffi::Error::InvalidArgument("matmul_gguf: mismatched shapes");
   }
   p.w = w.typed_data();
   p.out = out->typed_data();
-  p.blocks = p.k / kBlock;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<int8_t> xq(size_t(p.m * p.k));
   std::vector<float> dx(size_t(p.m * p.blocks)), sx(size_t(p.m * p.blocks));
-  quantize_rows(x.typed_data(), p.k, 0, p.m, xq.data(), dx.data(), sx.data());
+  std::vector<int32_t> isx(size_t(p.m * p.blocks));
+  quantize_rows(x.typed_data(), p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
   p.xq = xq.data();
   p.dx = dx.data();
   p.sx = sx.data();
+  p.isx = isx.data();
   const UnitFn run = kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : unit<kQ8_0>;
-  const int64_t groups = (p.n + kGroup - 1) / kGroup, chunks = (p.m + kRowChunk - 1) / kRowChunk;
-  jaxserve::share_units(pool, int(groups * chunks), [&p, run, groups](int u) {
-    const int64_t m0 = (u / groups) * kRowChunk, n0 = (u % groups) * kGroup;
-    run(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), n0, int(std::min<int64_t>(kGroup, p.n - n0)));
+  // Each thread streams long runs of contiguous tiles (a few units per thread), which the hardware prefetcher
+  // follows; a unit takes at least one pair of groups.
+  const int64_t unit_groups = std::max<int64_t>(kUnitGroups, 2 * ((p.groups + 2 * kUnitsPerWorker * jaxserve::num_workers(pool) - 1) /
+                                                                  (2 * kUnitsPerWorker * jaxserve::num_workers(pool))));
+  const int64_t units_n = (p.groups + unit_groups - 1) / unit_groups, chunks_m = (p.m + kRowChunk - 1) / kRowChunk;
+  jaxserve::share_units(pool, int(units_n * chunks_m), [&p, run, units_n, unit_groups](int u) {
+    const int64_t m0 = (u / units_n) * kRowChunk, g0 = (u % units_n) * unit_groups;
+    run(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), g0, std::min<int64_t>(unit_groups, p.groups - g0));
   });
   return ffi::Error::Success();
 }
