@@ -19,6 +19,7 @@ from jaxserve.config import (
     LOAD_FORMATS,
     METRICS_PREFIXES,
     POOLING_TYPES,
+    QUANTIZATION_CHOICES,
     QUANTIZATIONS,
     REASONING_PARSER_NAMES,
     RUNNERS,
@@ -121,12 +122,14 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
 _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
                       "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
                       "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q8_0, Q4_0 and Q4_1 layer "
-                      "weights stay in their blocks, multiplied by a native kernel (default: none)")
+                      "weights stay in their blocks, multiplied by a native kernel")
 
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
     Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
-    Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATIONS, help=_QUANTIZATION_HELP),
+    Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATION_CHOICES, default="auto",
+         help=_QUANTIZATION_HELP + "; auto: gguf for a .gguf --model on a CPU (one device), else none; none: "
+              "every tensor dequantized (default: auto)"),
     Flag("--dtype", ModelConfig, "dtype", choices=DTYPES,
          help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and the weights "
               "(unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU"),
@@ -381,7 +384,8 @@ COMPILE_FLAGS = (
               "reported per device"),
     Flag("--enable-expert-parallel", CompileConfig, "enable_expert_parallel", action="store_true",
          help="a mixture of experts: split the experts whole over the devices"),
-    Flag("--quantization", CompileConfig, "quantization", choices=QUANTIZATIONS, help=_QUANTIZATION_HELP),
+    Flag("--quantization", CompileConfig, "quantization", choices=QUANTIZATIONS,
+         help=_QUANTIZATION_HELP + " (default: none)"),
     Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
          action="store_false"),
     Flag("--no-variants", CompileConfig, "variants", action="store_false",

@@ -23,6 +23,9 @@ LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or r
 # vLLM's names. fp8: e4m3 weights with a scale per output channel, quantized on load; gguf: a GGUF file's
 # 8- and 4-bit layer weights kept in their blocks, for the native CPU kernel.
 QUANTIZATIONS = ("fp8", "gguf")
+# auto (the commands' default): gguf for a GGUF file where its kernel runs (a CPU, one device), else none
+# (the library's default, None: every tensor dequantized, a 16- or 32-bit checkpoint as it is).
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
 # ops/attention.py resolves and checks the choice; the names live here so the CLI need not import jax.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "pallas", "interpret")
 # auto: the model's dtype. A 16-bit cache under a float32 model halves what attention reads (llama.cpp's
@@ -47,7 +50,7 @@ class ModelConfig:
     revision: str | None = None
     max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
     load_format: str = "auto"  # one of LOAD_FORMATS: the checkpoint's weights, or "dummy": random ones
-    quantization: str | None = None  # one of QUANTIZATIONS: the layers' dense weights in 8 bits, or None
+    quantization: str | None = None  # one of QUANTIZATION_CHOICES: the weights' quantized form, or None
 
     def __post_init__(self) -> None:
         for name in ("dtype", "weight_dtype"):
@@ -55,8 +58,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

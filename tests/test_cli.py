@@ -214,6 +214,20 @@ def test_serve_warms_up_auto_by_default_and_the_engine_api_fully():
         EngineConfig.from_preset(None, warmup_mode="lazy")
 
 
+def test_commands_keep_a_gguf_file_s_blocks_by_default_and_the_library_does_not():
+    """The commands' `--quantization auto` keeps a GGUF file's blocks where that runs (`load_model` settles it);
+    `none` dequantizes; an engine built through the library dequantizes unless told otherwise."""
+    from jaxserve.config import ModelConfig
+
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(["serve"])).model.quantization == "auto"
+    assert _engine_config(parser.parse_args(["generate", "--prompt", "hi"])).model.quantization == "auto"
+    assert _engine_config(parser.parse_args(["serve", "--quantization", "none"])).model.quantization == "none"
+    assert EngineConfig.from_preset(None).model.quantization is None
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, fp8, gguf"):
+        ModelConfig(quantization="int4")
+
+
 def test_flags_left_out_give_the_config_dataclasses_defaults(monkeypatch):
     """Each default is written once, in jaxserve.config: the parser's are read from the fields."""
     monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)

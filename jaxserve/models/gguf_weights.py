@@ -27,13 +27,14 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0: the block formats kept as they are
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K: the block formats kept as they are
+TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats an embedding table stays in (its rows decoded by jnp)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GgufWeight:
-    blocks: Any  # u8[ceil(N / 16), K / 32 * tile_bytes]: the blocks packed 16 features at a time (`gguf_packing`)
+    blocks: Any  # u8[ceil(N / 16), group_bytes]: the blocks packed 16 features at a time (`gguf_packing`)
     kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # [*contracted_axes, *output_axes]
     contracted: int = dataclasses.field(metadata={"static": True})
@@ -82,7 +83,7 @@ class GgufTable:
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
     blocks: Any  # u8[ceil(V / 16), D / 32 * tile_bytes]: the file's [V, D] blocks packed (`gguf_packing`)
-    kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
+    kind: str = dataclasses.field(metadata={"static": True})  # one of TABLE_KINDS
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
     ndim = 2
@@ -153,6 +154,8 @@ class GgufTensor:
 
     def as_table(self, shape: tuple[int, ...]) -> GgufTable:
         """These blocks as an embedding table [V, D] (the file's own layout), on the default device."""
+        if self.kind not in TABLE_KINDS:
+            raise ValueError(f"an embedding table stays in {', '.join(TABLE_KINDS)} blocks, not {self.kind}")
         if tuple(shape) != self.shape:
             raise ValueError(f"GGUF {self.kind} tensor {list(self.shape)} does not fit table {tuple(shape)}")
         return GgufTable(jax.device_put(gguf_packing.pack(self.blocks, self.kind)), self.kind, self.shape)
@@ -178,6 +181,13 @@ def check_gguf_quantization(gguf_file: str | None, tensor_parallel_size: int) ->
                          f"here is {jax.default_backend()}: leave it out, and the weights are dequantized")
     if (error := cpu_kernels.kernel_error()) is not None:
         raise ValueError(f"--quantization gguf needs the native CPU kernels, which are unavailable: {error}")
+
+
+def keeps_blocks_by_default(gguf_file: str | None, tensor_parallel_size: int, family: Any) -> bool:
+    """`--quantization auto`: a GGUF file's blocks are kept wherever `--quantization gguf` runs (a CPU, one
+    device, the native kernels built, a family that lists its quantized weights); elsewhere it dequantizes."""
+    return (gguf_file is not None and tensor_parallel_size == 1 and jax.default_backend() == "cpu"
+            and hasattr(family, "QUANTIZED_WEIGHTS") and cpu_kernels.kernel_error() is None)
 
 
 def log_kept_weights(state: Any) -> None:

@@ -34,7 +34,14 @@ from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
-from jaxserve.models.gguf_weights import GGUF, GgufTensor, check_gguf_quantization, log_kept_weights
+from jaxserve.models.gguf_weights import (
+    GGUF,
+    TABLE_KINDS,
+    GgufTensor,
+    check_gguf_quantization,
+    keeps_blocks_by_default,
+    log_kept_weights,
+)
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
@@ -350,7 +357,9 @@ def load_model(
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
     `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
-    file's 8- and 4-bit layer weights kept in their blocks (`gguf_weights.py`)."""
+    file's 8- and 4-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
+    runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8)."""
+    quantization = None if quantization == "none" else quantization
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -362,7 +371,7 @@ def load_model(
     metadata = metadata_dir(source)
     if quantization == GGUF:
         check_gguf_quantization(None if dummy else source.gguf_file, tensor_parallel_size)
-    if (stored := checkpoint_quantization(hf_config)) is not None and quantization is None:
+    if (stored := checkpoint_quantization(hf_config)) is not None and quantization in (None, "auto"):
         logger.info("the checkpoint's weights are %s: they stay %s (as --quantization %s)", stored, stored, stored)
         quantization = stored
     mesh = make_mesh(tensor_parallel_size)
@@ -374,6 +383,10 @@ def load_model(
     logger.info("dtype: %s activations, %s matmul weights", jnp.dtype(jax_dtype).name, jnp.dtype(jax_weight_dtype).name)
     # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel)
+    if quantization == "auto":
+        gguf_file = None if dummy else source.gguf_file
+        quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
+        logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
     if dummy:
         loaded = _unflatten(dummy_weights(abstract))
@@ -447,7 +460,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers(path):
                 loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
-            if exact and covered.covers_table(path):
+            if exact and covered.covers_table(path) and tensor.kind in TABLE_KINDS:
                 loaded[path] = tensor.as_table(tuple(expected[path].shape))
                 continue
             tensor = tensor.dequantize()

@@ -4,8 +4,12 @@
 A GGUF file stores a weight [N, K] as llama.cpp lays it out: row n holds K / 32 blocks, each its scale(s) and
 its codes (`u8[N, K / 32 * block_bytes]`). Packed, the same bytes are regrouped per (group of 16 features,
 block): the 16 features' d as f16[16], their m (Q4_1) as f16[16], then the code bytes in chunks of 64, chunk c
-holding bytes 4c .. 4c + 3 of each feature's codes in turn: `u8[ceil(N / 16), K / 32 * tile_bytes]`, with
+holding bytes 4c .. 4c + 3 of each feature's codes in turn: `u8[ceil(N / 16), group_bytes(kind, K)]`, with
 features past N zero. No value changes: packing is a permutation of bytes, and `unpack` inverts it.
+
+Q4_K's super-blocks of 256 weights are packed per (group, super-block): the 16 features' d and dmin, their
+8 scales and 8 mins unpacked from 6 bits to a byte each, then the super-block's 8 blocks of 32 codes, each as
+a Q4_0 block's codes (byte j: weight j in the low nibble, j + 16 in the high).
 """
 
 import numpy as np
@@ -13,6 +17,9 @@ import numpy as np
 FEATURES = 16  # output features per group
 SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
 CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
+SUPER = 256  # Q4_K: weights per super-block
+SUPER_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
+SUPER_TILE = FEATURES * (2 + 2 + 8 + 8 + SUPER // 2)  # Q4_K: one super-block of 16 features, packed
 
 
 def block_bytes(kind: str) -> int:
@@ -23,8 +30,14 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
     return FEATURES * block_bytes(kind)
 
 
+def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inputs
+    return k // SUPER * SUPER_TILE if kind == "Q4_K" else k // 32 * tile_bytes(kind)
+
+
 def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """u8[N, K / 32 * block_bytes] (the file's rows) -> u8[ceil(N / 16), K / 32 * tile_bytes]."""
+    """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]."""
+    if kind == "Q4_K":
+        return _pack_q4_k(blocks)
     n, row_bytes = blocks.shape
     per_block, scales = block_bytes(kind), SCALES[kind]
     num_blocks, groups = row_bytes // per_block, -(-n // FEATURES)
@@ -40,9 +53,11 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
 
 
 def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
-    """`pack`'s inverse: u8[ceil(N / 16), K / 32 * tile_bytes] -> u8[N, K / 32 * block_bytes]."""
-    groups, group_bytes = packed.shape
-    scales, num_blocks = SCALES[kind], group_bytes // tile_bytes(kind)
+    """`pack`'s inverse: u8[ceil(N / 16), group_bytes] -> u8[N, file's row bytes]."""
+    if kind == "Q4_K":
+        return _unpack_q4_k(packed, n)
+    groups, row_bytes = packed.shape
+    scales, num_blocks = SCALES[kind], row_bytes // tile_bytes(kind)
     tiles = packed.reshape(groups, num_blocks, tile_bytes(kind))
     scale_part = tiles[..., : 2 * scales * FEATURES].reshape(groups, num_blocks, scales, FEATURES, 2)
     code_part = tiles[..., 2 * scales * FEATURES:].reshape(groups, num_blocks, -1, FEATURES, 4)
@@ -51,3 +66,48 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
         code_part.transpose(0, 3, 1, 2, 4).reshape(groups, FEATURES, num_blocks, -1),
     ], -1)
     return np.ascontiguousarray(per_feature.reshape(groups * FEATURES, num_blocks * block_bytes(kind))[:n])
+
+
+def _pack_q4_k(blocks: np.ndarray) -> np.ndarray:
+    n, row_bytes = blocks.shape
+    supers, groups = row_bytes // SUPER_BYTES, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, SUPER_BYTES), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, SUPER_BYTES)
+    grouped = padded.reshape(groups, FEATURES, supers, SUPER_BYTES)  # [group, feature, super, bytes]
+    scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
+    qs = grouped[..., 16:].reshape(groups, FEATURES, supers, 4, 32)  # 4 x 32 bytes: blocks 2i (low), 2i + 1 (high)
+    codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
+    q4 = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # Q4_0's bytes
+    head = [grouped[..., 0:2], grouped[..., 2:4]]  # d, dmin: [group, feature, super, 2] -> [group, super, 32]
+    parts = [part.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for part in head]
+    parts += [part.transpose(0, 2, 3, 1).reshape(groups, supers, -1) for part in (scales, mins)]  # [.., 8, 16]
+    parts.append(q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1))  # [.., block, chunk, feature, 4]
+    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * SUPER_TILE))
+
+
+def _unpack_q4_k(packed: np.ndarray, n: int) -> np.ndarray:
+    groups, row_bytes = packed.shape
+    supers = row_bytes // SUPER_TILE
+    tiles = packed.reshape(groups, supers, SUPER_TILE)
+    d, dmin = (tiles[..., at: at + 32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3) for at in (0, 32))
+    scales, mins = (tiles[..., at: at + 128].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
+                    for at in (64, 192))
+    q4 = tiles[..., 320:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    q4 = q4.reshape(groups, FEATURES, supers, 8, 16)
+    codes = np.concatenate([q4 & 15, q4 >> 4], -1).reshape(groups, FEATURES, supers, 4, 2, 32)
+    qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(groups, FEATURES, supers, 128)
+    six_bit = np.concatenate([  # ggml's 12 bytes: low 6 bits of sc[0:4], mn[0:4]; the rest of sc, mn[4:8]
+        scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
+        mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+        (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
+    ], -1)
+    blocks = np.concatenate([d, dmin, six_bit, qs], -1).reshape(groups * FEATURES, supers * SUPER_BYTES)
+    return np.ascontiguousarray(blocks[:n])
+
+
+def _q4_k_scales(six_bit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> its 8 scales and 8 mins, u8[..., 8] each (ggml's `get_scale_min_k4`)."""
+    low, high, rest = six_bit[..., 0:4], six_bit[..., 4:8], six_bit[..., 8:12]
+    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], -1)
+    mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], -1)
+    return scales.astype(np.uint8), mins.astype(np.uint8)

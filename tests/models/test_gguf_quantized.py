@@ -54,6 +54,23 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
         out.reshape(16, -1)
 
 
+def test_a_q4_k_weight_multiplies_by_its_dequantized_super_blocks():
+    """Q4_K (llama.cpp's Q4_K_M files' main format) kept as a layer weight: its 6-bit scales and mins and its
+    codes give, through the kernel, x rounded to 8 bits per block times the `gguf` package's dequantization;
+    as an embedding table it is refused (the loader dequantizes it instead)."""
+    from tests.ops.test_matmul_gguf import _blocks
+
+    blocks = _blocks("Q4_K", 96, 512, seed=4)  # [out, in]
+    want = dequantize(blocks, GGMLQuantizationType.Q4_K).astype(np.float64).T  # [in, out]
+    weight = GgufTensor(blocks, "Q4_K").as_weight((512, 96), 1)
+    np.testing.assert_array_equal(np.asarray(weight.dequantize()), want.astype(np.float32))
+    x = np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
+    got = jax.jit(layers.dense, static_argnums=2)(x, weight, AttentionConfig(impl="cpu"))
+    np.testing.assert_allclose(np.asarray(got), rounded_activations(x) @ want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="embedding table stays in"):
+        GgufTensor(blocks, "Q4_K").as_table((96, 512))
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_an_embedding_table_kept_in_blocks_looks_up_and_multiplies_as_the_dequantized_one(kind):
     """Rows looked up from the packed blocks equal the dequantized table's bit for bit (ids at the edges of the
@@ -173,6 +190,19 @@ def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gg
     want = PagedForward(plain, list(range(1, 9)))(tokens)
     assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoints(tiny_model_dir, caplog):
+    """`--quantization auto` (the commands' default): gguf for a GGUF file here, none for safetensors; `none`
+    dequantizes a GGUF file as the library's default does."""
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        auto = load_model(None, dtype="float32", quantization="auto")
+    assert auto.quantization == "gguf" and "quantization auto: gguf" in caplog.text
+    assert isinstance(_flat(auto)[("embed_tokens",)], GgufTable)
+    none = load_model(None, dtype="float32", quantization="none")
+    assert none.quantization is None
+    assert not any(isinstance(v, GgufWeight | GgufTable) for v in _flat(none).values())
+    assert load_model(str(tiny_model_dir("llama")), dtype="float32", quantization="auto").quantization is None
 
 
 def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_model_dir):

@@ -25,10 +25,35 @@ KINDS = tuple(cpu_kernels.GGUF_KINDS)
 # and a 16-row unit. K: one block, odd block counts, SmolLM2's widths.
 ROWS = (1, 3, 4, 7, 64, 65)
 SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64))
+Q4_K_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
 
 
-def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, K / 32 * block_bytes]
+def shapes(kind: str) -> tuple[tuple[int, int], ...]:
+    return Q4_K_SHAPES if kind == "Q4_K" else SHAPES
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:  # f32[...] -> u8[..., 2]
+    return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8).reshape(*values.shape, 2)
+
+
+def _q4_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 144]
+    """Random Q4_K super-blocks (the gguf package does not quantize to Q4_K): any 6-bit scales and mins and
+    codes, d and dmin of a real file's magnitudes, one super-block far from the others' scale, a zero row,
+    and scales among float16's subnormals."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = _f16_bytes(rng.uniform(1e-3, 2e-2, blocks.shape[:2]))
+    blocks[..., 2:4] = _f16_bytes(rng.uniform(0.0, 2e-2, blocks.shape[:2]))
+    blocks[:, 0, 0:2] = _f16_bytes(np.full(n, 0.8))
+    if n > 2:
+        blocks[1] = 0
+        blocks[2, 0, 0:4] = _f16_bytes(np.full(2, 1e-6)).reshape(4)
+    return blocks.reshape(n, -1)
+
+
+def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, file's row bytes]
     rng = np.random.default_rng(seed)
+    if kind == "Q4_K":
+        return _q4_k_blocks(n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] *= 40.0  # one block per row far from the others' scale
     if n > 2:
@@ -52,7 +77,7 @@ def check_against_float64(kind: str, m: int) -> None:
     contract, up to float32 sums), and within 2% of the product with x as it is (what the rounding costs)."""
     call = jax.jit(lambda x, w, n: cpu_kernels.matmul_gguf(x, w, kind, n), static_argnums=2)
     rng = np.random.default_rng(m)
-    for k, n in SHAPES:
+    for k, n in shapes(kind):
         blocks = _blocks(kind, n, k)
         weights = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64)  # [N, K]
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -90,7 +115,7 @@ def test_the_other_instruction_sets_match_too(flags, tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_packing_is_a_permutation_that_unpacks_exactly(kind):
     """Packed, every byte of the file's blocks is kept once (features past N are zero), and unpacking gives the
     file's rows back; a packed tile holds the 16 features' scales, then their codes 4 bytes at a time."""
@@ -104,6 +129,25 @@ def test_packing_is_a_permutation_that_unpacks_exactly(kind):
     assert np.array_equal(tile[2:4], blocks[1, :2])  # feature 1's d
     chunk_1 = 16 * scale_bytes + 64  # code bytes 4 .. 7 of each feature
     assert np.array_equal(tile[chunk_1 + 4 * 5: chunk_1 + 4 * 6], blocks[5, scale_bytes + 4: scale_bytes + 8])
+
+
+def test_q4_k_packing_unpacks_exactly_with_its_scales_and_codes_in_bytes():
+    """Q4_K's 6-bit scales and mins come out one per byte, in ggml's order, and pack back to the same 12 bytes;
+    each block's codes are laid out as Q4_0's."""
+    blocks = _blocks("Q4_K", 37, 512, seed=2)
+    packed = gguf_packing.pack(blocks, "Q4_K")
+    assert packed.shape == (3, 2 * gguf_packing.SUPER_TILE)
+    assert np.array_equal(gguf_packing.unpack(packed, "Q4_K", 37), blocks)
+    supers = blocks.reshape(37, 2, 144)
+    scales, mins = gguf_packing._q4_k_scales(supers[..., 4:16])
+    tile = packed[0, : gguf_packing.SUPER_TILE]  # group 0, super-block 0
+    assert np.array_equal(tile[64 + 16 * 5: 64 + 16 * 6], scales[:16, 0, 5])  # every feature's scale of block 5
+    assert np.array_equal(tile[192 + 16 * 6: 192 + 16 * 7], mins[:16, 0, 6])
+    # block 3 is the high nibbles of the file's second 32 bytes; feature 4's code byte 0 holds weights 0 and 16
+    qs = supers[4, 0, 16 + 32: 16 + 64] >> 4
+    assert tile[320 + 256 * 3 + 4 * 4] == qs[0] | (qs[16] << 4)
+    with pytest.raises(Exception, match="mismatched shapes"):  # K must be whole super-blocks
+        cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-gguf_packing.SUPER_TILE // 2], "Q4_K", 37)
 
 
 def test_matmul_refuses_mismatched_blocks():

@@ -164,12 +164,12 @@ def matmul_bf16(
 
 
 # GGUF block formats the native matmul multiplies by (ggml's type numbers, `matmul_gguf.cc`).
-GGUF_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 
 
 def matmul_gguf(
     x: jax.Array,  # f32[M, K]
-    w: jax.Array,  # u8[ceil(N / 16), K / 32 * tile_bytes]: GGUF blocks packed by `gguf_packing.pack`
+    w: jax.Array,  # u8[ceil(N / 16), group_bytes]: GGUF blocks packed by `gguf_packing.pack`
     kind: str,  # a key of GGUF_KINDS
     n: int,  # output features
 ) -> jax.Array:  # f32[M, N]

@@ -4,22 +4,27 @@
 //
 //   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
 //                       interleaved 16 output features at a time (`jaxserve/ops/gguf_packing.py` lays them
-//                       out): u8[ceil(N / 16), K / 32 * tile_bytes]
+//                       out): u8[ceil(N / 16), group_bytes]
 //
 // The blocks (ggml's formats; `kind` is ggml's type number), for one output feature:
 //   Q4_0 (2):  f16 d, u8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
 //   Q4_1 (3):  f16 d, f16 m, u8 qs[16]    w[j] = d * (qs[j] & 15) + m,    w[j + 16] = d * (qs[j] >> 4) + m
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
+//   Q4_K (12): super-blocks of 8 blocks: f16 d, f16 dmin, 6-bit scales sc[8] and mins mn[8], 4-bit codes q;
+//              block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
 // A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
 // bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
-// 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks).
+// 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q4_K
+// tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn (u8[8][16] each,
+// unpacked from 6 bits), then its 8 blocks' codes as Q4's.
 // So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
 // with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
 // As llama.cpp does, each row of x is first rounded to 8 bits per block of 32 (a float scale dx = max|x| / 127
 // and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
-// with bias 8 (Q4_0), 128 (Q8_0) or 0 (Q4_1), and the m term for Q4_1 only. The integer part is exact, so
+// with bias 8 (Q4_0), 128 (Q8_0) or 0, and the m term for Q4_1 and Q4_K only (Q4_K: d * sc and -dmin * mn,
+// both exact in float32). The integer part is exact, so
 // the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
 // float64 oracle), up to float32 sums.
 //
@@ -57,16 +62,22 @@ constexpr int kTileRows = 4;     // x rows per register tile
 #endif
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
-enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12 };
 
 constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 ? 64 : 32; }  // the f16 d (and m) vectors
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
+constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ4_K; }
+constexpr int kSuper = 8;                          // Q4_K: blocks per super-block
+constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K: d, dmin (f16[16]), scales, mins (u8[8][16])
+constexpr int kSuperTile = kSuperHead + kSuper * 256;
 
-int tile_bytes(int32_t kind) {
+// Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
+int64_t group_bytes(int32_t kind, int64_t blocks) {
   switch (kind) {
     case kQ4_0:
     case kQ4_1:
-    case kQ8_0: return scale_bytes(kind) + 64 * chunks(kind);
+    case kQ8_0: return blocks * (scale_bytes(kind) + 64 * chunks(kind));
+    case kQ4_K: return blocks % kSuper == 0 ? blocks / kSuper * kSuperTile : 0;
     default: return 0;
   }
 }
@@ -104,7 +115,7 @@ inline int32_t load_i32(const int8_t* at) {
 
 struct Problem {
   int64_t m, n, k, blocks, groups;  // blocks = K / 32, groups = ceil(N / 16)
-  const uint8_t* w;                 // [groups, blocks * tile_bytes]
+  const uint8_t* w;                 // [groups, group_bytes]
   int64_t group_bytes;
   const int8_t* xq;                 // [M, K]: x rounded to 8 bits per block
   const float* dx;                  // [M, blocks]: each block's scale
@@ -112,6 +123,28 @@ struct Problem {
   const int32_t* isx;               // [M, blocks]: sum(xq) over the block
   float* out;                       // [M, N]
 };
+
+// Where block b of group g lies: its codes and its 16 features' scale factors.
+struct BlockAt {
+  const uint8_t* codes;  // 64 * chunks bytes
+  const uint8_t* d;      // f16[16]: d (Q4_K: the super-block's d)
+  const uint8_t* m;      // f16[16]: Q4_1's m, Q4_K's dmin
+  const uint8_t* sc;     // Q4_K: u8[16], the block's scales (d * sc is its d)
+  const uint8_t* mn;     // Q4_K: u8[16], the block's mins (dmin * mn is its -m)
+};
+
+template <int32_t K>
+inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
+  const uint8_t* group = p.w + g * p.group_bytes;
+  if constexpr (K == kQ4_K) {
+    const uint8_t* super = group + (b / kSuper) * kSuperTile;
+    const int64_t sub = b % kSuper;
+    return {super + kSuperHead + 256 * sub, super, super + 32, super + 64 + 16 * sub, super + 192 + 16 * sub};
+  } else {
+    const uint8_t* tile = group + b * (scale_bytes(K) + 64 * chunks(K));
+    return {tile + scale_bytes(K), tile, tile + 32, nullptr, nullptr};
+  }
+}
 
 // x rows [m0, m1) rounded to 8 bits per block: dx = max|x| / 127, xq = rint(x * (1 / dx)) (0 for an all-zero
 // block), in IEEE float32 arithmetic (not -ffast-math's approximate reciprocal), as the tests' oracle rounds.
@@ -157,21 +190,28 @@ constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ8_0 
 // out[m0 : m0 + R, 16 g0 : 16 (g0 + G)]: G groups of 16 features, R rows of x.
 template <int32_t K, int R, int G>
 void tile(const Problem& p, int64_t g0, int64_t m0) {
-  constexpr int tb = scale_bytes(K) + 64 * chunks(K);
   const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80));
   __m512 sums[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
-    const uint8_t* t[G];
+    const uint8_t* codes[G];
     __m512 d[G], mins[G];
     for (int g = 0; g < G; ++g) {
-      t[g] = p.w + (g0 + g) * p.group_bytes + b * tb;
-      if constexpr (kPrefetchBytes > 0) {
-        for (int line = 0; line < tb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(t[g]) + kPrefetchBytes + line, _MM_HINT_T0);
+      const BlockAt at = block_at<K>(p, g0 + g, b);
+      codes[g] = at.codes;
+      for (int line = 0; kPrefetchBytes > 0 && line < 64 * chunks(K); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(at.codes) + kPrefetchBytes + line, _MM_HINT_T0);
       }
-      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[g])));
-      if constexpr (K == kQ4_1) mins[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[g] + 32)));
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.d)));
+      if constexpr (has_mins(K)) mins[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.m)));
+      if constexpr (K == kQ4_K) {  // d * sc and dmin * mn: exact in float32 (11 by 6 bits)
+        const auto widen = [](const uint8_t* u8) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u8))));
+        };
+        d[g] = _mm512_mul_ps(d[g], widen(at.sc));
+        mins[g] = _mm512_mul_ps(mins[g], widen(at.mn));
+      }
     }
     __m512i dots[R][G];
     for (int r = 0; r < R; ++r)
@@ -180,7 +220,7 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
     for (int c = 0; c < chunks(K); ++c) {
       __m512i lo[G], hi[G];
       for (int g = 0; g < G; ++g) {
-        const __m512i v = _mm512_loadu_si512(t[g] + scale_bytes(K) + 64 * c);
+        const __m512i v = _mm512_loadu_si512(codes[g] + 64 * c);
         if constexpr (K == kQ8_0) {
           lo[g] = _mm512_xor_si512(v, flip);  // q + 128, unsigned
         } else {
@@ -199,14 +239,15 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * p.blocks + b;
-      const __m512 dx = _mm512_set1_ps(p.dx[at]);
-      const __m512i offset = _mm512_set1_epi32(bias(K) * p.isx[at]);
+      const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
+      const __m512 dx = _mm512_set1_ps(p.dx[xb]);
+      const __m512i offset = _mm512_set1_epi32(bias(K) * p.isx[xb]);
       for (int g = 0; g < G; ++g) {
         __m512i dot = dots[r][g];
         if constexpr (bias(K) != 0) dot = _mm512_sub_epi32(dot, offset);
         sums[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[g], dx), sums[r][g]);
-        if constexpr (K == kQ4_1) sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[at]), sums[r][g]);
+        if constexpr (K == kQ4_1) sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
+        if constexpr (K == kQ4_K) sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
       }
     }
   }
@@ -239,17 +280,27 @@ constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : 0; }  // Q8_0:
 // out[m0 : m0 + R, 16 g + 8 half : + 8]: half a group, 8 features in 256-bit lanes.
 template <int32_t K, int R>
 void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
-  constexpr int tb = scale_bytes(K) + 64 * chunks(K);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 sums[R];
   for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
-    const uint8_t* t = p.w + g * p.group_bytes + b * tb;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * half)));
+    const BlockAt at = block_at<K>(p, g, b);
+    const auto halves = [half](const uint8_t* f16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f16 + 16 * half)));
+    };
+    const auto widen = [half](const uint8_t* u8) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u8 + 8 * half))));
+    };
+    __m256 d = halves(at.d), mins = _mm256_setzero_ps();
+    if constexpr (has_mins(K)) mins = halves(at.m);
+    if constexpr (K == kQ4_K) {
+      d = _mm256_mul_ps(d, widen(at.sc));
+      mins = _mm256_mul_ps(mins, widen(at.mn));
+    }
     __m256i dots[R];
     for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
     for (int c = 0; c < chunks(K); ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + scale_bytes(K) + 64 * c + 32 * half));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.codes + 64 * c + 32 * half));
       for (int r = 0; r < R; ++r) {
         const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
         const __m256i xl = _mm256_set1_epi32(load_i32(x + 4 * c));
@@ -265,14 +316,12 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * p.blocks + b;
+      const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
       __m256i dot = dots[r];
-      if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[at]));
-      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[at])), sums[r]);
-      if constexpr (K == kQ4_1) {
-        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * half)));
-        sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[at]), sums[r]);
-      }
+      if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[xb]));
+      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[xb])), sums[r]);
+      if constexpr (K == kQ4_1) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
+      if constexpr (K == kQ4_K) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
     }
   }
   const int64_t n0 = g * kFeatures + 8 * half;
@@ -299,16 +348,15 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
-  const int tb = tile_bytes(K);
   for (int64_t g = g0; g < g0 + groups; ++g) {
     for (int f = 0; f < kFeatures && g * kFeatures + f < p.n; ++f) {
       for (int r = 0; r < R; ++r) {
         float total = 0.0f;
         for (int64_t b = 0; b < p.blocks; ++b) {
-          const uint8_t* t = p.w + g * p.group_bytes + b * tb;
-          const uint8_t* codes = t + scale_bytes(K) + 4 * f;
+          const BlockAt at = block_at<K>(p, g, b);
+          const uint8_t* codes = at.codes + 4 * f;
           const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
-          const int64_t at = (m0 + r) * p.blocks + b;
+          const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
           int32_t dot = 0;
           for (int c = 0; c < chunks(K); ++c) {
             for (int j = 0; j < 4; ++j) {
@@ -320,9 +368,14 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
               }
             }
           }
-          if constexpr (K == kQ4_0) dot -= 8 * p.isx[at];
-          total += half_to_float(t + 2 * f) * p.dx[at] * float(dot);
-          if constexpr (K == kQ4_1) total += half_to_float(t + 32 + 2 * f) * p.sx[at];
+          if constexpr (K == kQ4_0) dot -= 8 * p.isx[xb];
+          float d = half_to_float(at.d + 2 * f), m = has_mins(K) ? half_to_float(at.m + 2 * f) : 0.0f;
+          if constexpr (K == kQ4_K) {
+            d *= float(at.sc[f]);
+            m *= -float(at.mn[f]);
+          }
+          total += d * p.dx[xb] * float(dot);
+          if constexpr (has_mins(K)) total += m * p.sx[xb];
         }
         p.out[(m0 + r) * p.n + g * kFeatures + f] = total;
       }
@@ -354,8 +407,9 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const auto out_dims = out->dimensions();
-  const int bytes = tile_bytes(kind);
-  if (bytes == 0) return ffi::Error::InvalidArgument("matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
+  if (group_bytes(kind, kSuper) == 0) {
+    return ffi::Error::InvalidArgument("matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K)");
+  }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
   }
@@ -366,7 +420,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.groups = w_dims[0];
   p.group_bytes = w_dims[1];
   p.blocks = p.k / kBlock;
-  if (p.k % kBlock != 0 || p.group_bytes != p.blocks * bytes || out_dims[0] != p.m ||
+  if (p.k % kBlock != 0 || group_bytes(kind, p.blocks) == 0 || p.group_bytes != group_bytes(kind, p.blocks) || out_dims[0] != p.m ||
       p.groups != (p.n + kFeatures - 1) / kFeatures) {
     return ffi::Error::InvalidArgument("matmul_gguf: mismatched shapes");
   }
@@ -381,7 +435,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.dx = dx.data();
   p.sx = sx.data();
   p.isx = isx.data();
-  const UnitFn run = kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : unit<kQ8_0>;
+  const UnitFn run = kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : kind == kQ4_K ? unit<kQ4_K> : unit<kQ8_0>;
   // Each thread streams long runs of contiguous tiles (a few units per thread), which the hardware prefetcher
   // follows; a unit takes at least one pair of groups.
   const int64_t unit_groups = std::max<int64_t>(kUnitGroups, 2 * ((p.groups + 2 * kUnitsPerWorker * jaxserve::num_workers(pool) - 1) /
