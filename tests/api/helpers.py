@@ -70,6 +70,11 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[st
         "--config", str(SERVER_LADDER), "--dtype", "float32", "--max-model-len", "2048",
         "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir),
         "--gpu-memory-utilization", "0.1",  # on a GPU, which test processes share (a CPU: --kv-cache-memory)
+        # Dequantized, as before serve kept a GGUF file's blocks by default: these tests compare texts and
+        # logprobs across requests, batch shapes and prefix-cache hits, which 8-bit activations do not keep
+        # bit-stable (a flipped rounding moves a logprob by up to tenths). `--quantization auto` in `extra`
+        # serves the default (test_server.py has one).
+        "--quantization", "none",
         *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the backend tests/conftest.py chose

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxserve.allocator import find_tcmalloc
-from tests.api.helpers import API_KEY, MODEL, metric
+from tests.api.helpers import API_KEY, MODEL, metric, start_server, stop_server
 
 # A real model: `make test-fast` skips it, `make test-gpu` runs it, on one worker (one server; Makefile).
 pytestmark = [pytest.mark.slow, pytest.mark.gpu, pytest.mark.xdist_group("server")]
@@ -26,6 +26,25 @@ def test_health_models_version_and_loading(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 2048
+
+
+def test_the_default_serves_a_gguf_file_in_its_blocks(tmp_path, compile_cache):
+    """`serve` without --quantization (auto) keeps the bundled GGUF's blocks on a CPU and answers through the
+    native kernel; elsewhere it dequantizes. (The other tests' server passes --quantization none.)"""
+    import jax
+
+    server = start_server(tmp_path, compile_cache, "--quantization", "auto")
+    try:
+        reply = openai.OpenAI(base_url=server.v1, api_key="unused").chat.completions.create(
+            model=MODEL, messages=FRANCE, temperature=0, max_tokens=12)
+        assert reply.choices[0].message.content.strip() and reply.usage.completion_tokens > 0
+        if jax.default_backend() == "cpu":
+            assert "quantization auto: gguf" in server.log()
+            assert "210 Q4_1 layer weights and 1 Q8_0 embedding tables kept in their blocks" in server.log()
+        else:
+            assert "quantization auto: none" in server.log()
+    finally:
+        stop_server(server)
 
 
 def test_the_engine_core_runs_in_its_own_process(server):
