@@ -121,15 +121,16 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
 
 _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
                       "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
-                      "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q8_0, Q4_0 and Q4_1 layer "
-                      "weights stay in their blocks, multiplied by a native kernel")
+                      "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q4_0, Q4_1, Q8_0 and Q4_K "
+                      "layer weights and Q4_0, Q4_1 and Q8_0 token embeddings (and LM head) stay in their "
+                      "blocks, multiplied by a native kernel")
 
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
     Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
     Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATION_CHOICES, default="auto",
          help=_QUANTIZATION_HELP + "; auto: gguf for a .gguf --model on a CPU (one device), else none; none: "
-              "every tensor dequantized (default: auto)"),
+              "a GGUF file's tensors dequantized (an FP8 checkpoint stays FP8) (default: auto)"),
     Flag("--dtype", ModelConfig, "dtype", choices=DTYPES,
          help="the model's dtype: activations, norms, the KV cache (unless --kv-cache-dtype) and the weights "
               "(unless --weight-dtype); auto is float32 on CPU, bfloat16 on GPU"),

@@ -98,16 +98,20 @@ class GgufTable:
         return self
 
     def lookup(self, ids: jax.Array) -> jax.Array:  # i32[T] -> f32[T, D]
-        """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales)."""
+        """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales). One
+        gather reads only the ids' own bytes: their scales and codes in each block's tile of 16 features."""
         features, num_blocks = gguf_packing.FEATURES, self.shape[1] // 32
-        scales = gguf_packing.SCALES[self.kind]
-        tiles = self.blocks.reshape(self.blocks.shape[0], num_blocks, gguf_packing.tile_bytes(self.kind))
-        rows, lane = tiles[ids // features], (ids % features)[:, None, None, None, None]  # [T, blocks, tile]
-        head = rows[..., : 2 * scales * features].reshape(*rows.shape[:2], scales, features, 2)
-        head = jnp.take_along_axis(head, lane, axis=3)[:, :, :, 0]  # [T, blocks, scales, 2 bytes]
+        scales, tile = gguf_packing.SCALES[self.kind], gguf_packing.tile_bytes(self.kind)
+        group, lane = (ids // features)[:, None, None, None], (ids % features)[:, None, None, None]
+        block = jnp.arange(num_blocks)[None, :, None, None] * tile
+        head_at = (block + jnp.arange(scales)[None, None, :, None] * (2 * features) + lane * 2
+                   + jnp.arange(2)[None, None, None, :])  # [T, blocks, scales, 2 bytes]
+        code_chunks = gguf_packing.CODE_BYTES[self.kind] // 4
+        codes_at = (block + 2 * scales * features + jnp.arange(code_chunks)[None, None, :, None] * (4 * features)
+                    + lane * 4 + jnp.arange(4)[None, None, None, :])  # [T, blocks, chunks, 4 bytes]
+        head = self.blocks[group, head_at]
         factors = jax.lax.bitcast_convert_type(head, jnp.float16).astype(jnp.float32)  # [T, blocks, scales]
-        codes = rows[..., 2 * scales * features:].reshape(*rows.shape[:2], -1, features, 4)
-        codes = jnp.take_along_axis(codes, lane, axis=3)[:, :, :, 0].reshape(*rows.shape[:2], -1)  # [T, blocks, bytes]
+        codes = self.blocks[group, codes_at].reshape(ids.shape[0], num_blocks, -1)  # [T, blocks, code bytes]
         if self.kind == "Q8_0":
             values = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * factors[..., :1]
         else:  # byte 4c + j holds weights 4c + j (low nibble) and 16 + 4c + j (high)
@@ -190,8 +194,8 @@ def keeps_blocks_by_default(gguf_file: str | None, tensor_parallel_size: int, fa
             and hasattr(family, "QUANTIZED_WEIGHTS") and cpu_kernels.kernel_error() is None)
 
 
-def log_kept_weights(state: Any) -> None:
-    """The start-up line saying what each kind of weight runs as."""
+def log_kept_weights(state: Any) -> int:
+    """The start-up line saying what each kind of weight runs as; returns how many tensors are kept."""
     kept_types = (GgufWeight, GgufTable)
     leaves = jax.tree.leaves(state, is_leaf=lambda leaf: isinstance(leaf, kept_types))
     layers = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufWeight))
@@ -204,5 +208,6 @@ def log_kept_weights(state: Any) -> None:
         return ", ".join(f"{count} {kind}" for kind, count in sorted(counter.items())) or "no"
 
     logger.info("quantization gguf: %s layer weights and %s embedding tables kept in their blocks (%.1f MiB), "
-                "multiplied by the native kernel; the other %d tensors (norms, formats it does not read) in %s",
-                counted(layers), counted(tables), kept_bytes / 2**20, len(other), "/".join(dtypes))
+                "multiplied by the native kernel; the other %d tensors (norms, tensors in formats it does not "
+                "keep) in %s", counted(layers), counted(tables), kept_bytes / 2**20, len(other), "/".join(dtypes))
+    return sum(layers.values()) + sum(tables.values())

@@ -383,7 +383,8 @@ def load_model(
     logger.info("dtype: %s activations, %s matmul weights", jnp.dtype(jax_dtype).name, jnp.dtype(jax_weight_dtype).name)
     # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel)
-    if quantization == "auto":
+    auto = quantization == "auto"
+    if auto:
         gguf_file = None if dummy else source.gguf_file
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
@@ -398,7 +399,9 @@ def load_model(
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
     if quantization == GGUF:
-        log_kept_weights(state)
+        if log_kept_weights(state) == 0 and auto:  # a file with no tensor in a kept format (F16, Q6_K, ...)
+            logger.info("quantization auto: no tensor in a kept format, so none")
+            quantization = None
     else:
         quantize_model_state(state, abstract.spec.module, quantization)
     return LoadedModel(

@@ -205,6 +205,22 @@ def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoi
     assert load_model(str(tiny_model_dir("llama")), dtype="float32", quantization="auto").quantization is None
 
 
+@pytest.mark.slow
+def test_auto_on_a_gguf_file_with_no_kept_format_dequantizes(smollm2_gguf, tmp_path, monkeypatch, caplog):
+    """A GGUF file whose tensors are all float (F32 here, F16 or Q6_K alike) keeps nothing: `auto` then says so
+    and the model reports no quantization (the roofline reads the weights' bytes from it)."""
+    from tests.models.test_gguf_families import tiny_model, write_gguf
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_model("phi3")
+    path = tmp_path / "tiny-f32.gguf"
+    write_gguf(path, "phi3", hf.config, [(n, t.numpy().astype(np.float32)) for n, t in hf.state_dict().items()],
+               smollm2_gguf)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        loaded = load_model(str(path), dtype="float32", quantization="auto")
+    assert loaded.quantization is None and "no tensor in a kept format, so none" in caplog.text
+
+
 def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_model_dir):
     with pytest.raises(ValueError, match=r"must be a \.gguf file"):
         load_model(str(tiny_model_dir("llama")), dtype="float32", quantization="gguf")

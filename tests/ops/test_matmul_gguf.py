@@ -68,7 +68,7 @@ def rounded_activations(x: np.ndarray) -> np.ndarray:
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     dx = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0)
+    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx >= np.finfo(np.float32).tiny)
     return (np.rint(blocks * inverse).astype(np.float64) * dx.astype(np.float64)).reshape(m, k)
 
 
@@ -154,8 +154,8 @@ def test_matmul_refuses_mismatched_blocks():
     packed = gguf_packing.pack(_blocks("Q4_1", 4, 64), "Q4_1")
     with pytest.raises(Exception, match="mismatched shapes"):
         cpu_kernels.matmul_gguf(np.ones((2, 96), np.float32), packed, "Q4_1", 4)
-    with pytest.raises(Exception, match="mismatched shapes"):
-        cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), packed, "Q4_1", 17)  # two groups of features
+    with pytest.raises(ValueError, match="17 output features are 2 groups of 16, not 1"):
+        cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), packed, "Q4_1", 17)
     with pytest.raises(ValueError, match="u8 blocks"):
         cpu_kernels.matmul_gguf(np.ones((2, 64), np.float32), packed.astype(np.int32), "Q4_1", 4)
 

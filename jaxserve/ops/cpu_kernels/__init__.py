@@ -180,6 +180,8 @@ def matmul_gguf(
     if x.ndim != 2 or w.ndim != 2 or w.dtype != jnp.uint8:
         raise ValueError(f"matmul_gguf takes x [M, K] and packed u8 blocks [groups, bytes], got {x.shape} and "
                          f"{w.dtype}{w.shape}")
+    if w.shape[0] != -(-n // 16):
+        raise ValueError(f"matmul_gguf: {n} output features are {-(-n // 16)} groups of 16, not {w.shape[0]}")
     call = jax.ffi.ffi_call("jaxserve_matmul_gguf", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), w, kind=np.int32(GGUF_KINDS[kind]))
 

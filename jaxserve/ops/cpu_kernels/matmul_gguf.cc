@@ -23,14 +23,16 @@
 // As llama.cpp does, each row of x is first rounded to 8 bits per block of 32 (a float scale dx = max|x| / 127
 // and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
-// with bias 8 (Q4_0), 128 (Q8_0) or 0, and the m term for Q4_1 and Q4_K only (Q4_K: d * sc and -dmin * mn,
-// both exact in float32). The integer part is exact, so
+// with bias 8 (Q4_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes as they
+// are, bias 0) or 0, and the m term for Q4_1 and Q4_K only (Q4_K: d * sc and -dmin * mn, both exact in
+// float32). The integer part is exact, so
 // the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
 // float64 oracle), up to float32 sums.
 //
-// Work is split into units of (two groups of 16 features, a chunk of x rows), shared with XLA's intra-op
-// threads (`work_sharing.h`). A unit streams its groups' tiles once per register tile of up to 4 x rows:
-// 8 integer and 8 float32 accumulators, each block's codes unpacked once for the tile's rows. Without
+// Work is split into units of (a run of at least two groups of 16 features, at most 4 runs per thread; a chunk
+// of x rows), shared with XLA's intra-op threads (`work_sharing.h`). A unit takes its groups two at a time and
+// runs each pair's tiles once per register tile of up to 4 x rows: 8 integer and 8 float32 accumulators, each
+// block's codes unpacked once for the tile's rows. Without
 // AVX512-VNNI, AVX2 runs the same layout 8 features at a time (`vpmaddubsw` + `vpmaddwd`); without AVX2,
 // plain loops.
 
@@ -71,6 +73,8 @@ constexpr int kSuper = 8;                          // Q4_K: blocks per super-blo
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K: d, dmin (f16[16]), scales, mins (u8[8][16])
 constexpr int kSuperTile = kSuperHead + kSuper * 256;
 
+constexpr bool known_kind(int32_t kind) { return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0 || kind == kQ4_K; }
+
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
 int64_t group_bytes(int32_t kind, int64_t blocks) {
   switch (kind) {
@@ -88,7 +92,7 @@ inline float half_to_float(const uint8_t* at) {
   std::memcpy(&h, at, sizeof(h));
 #if defined(__F16C__)
   return _cvtsh_ss(h);
-#endif
+#else
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
   uint32_t bits;
   if (exponent == 0x1f) {
@@ -105,6 +109,7 @@ inline float half_to_float(const uint8_t* at) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
 }
 
 inline int32_t load_i32(const int8_t* at) {
@@ -146,8 +151,11 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
   }
 }
 
+// Below this block scale (float32's smallest normal) 1 / dx could overflow: such a block's xq are 0.
+constexpr float kMinScale = 0x1p-126f;
+
 // x rows [m0, m1) rounded to 8 bits per block: dx = max|x| / 127, xq = rint(x * (1 / dx)) (0 for an all-zero
-// block), in IEEE float32 arithmetic (not -ffast-math's approximate reciprocal), as the tests' oracle rounds.
+// block, or one whose scale is below kMinScale), in IEEE float32 arithmetic (not -ffast-math's approximate reciprocal), as the tests' oracle rounds.
 __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int64_t k, int64_t m0, int64_t m1,
                                                              int8_t* xq, float* dx, float* sx, int32_t* isx) {
   const int64_t blocks = k / kBlock;
@@ -160,7 +168,7 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
 #if defined(__AVX512F__)
       const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
       d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
-      const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      const __m512 inverse = _mm512_set1_ps(d >= kMinScale ? 1.0f / d : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // rounds to nearest even, as rint
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
@@ -170,7 +178,7 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
       d = amax / 127.0f;
-      const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const float inverse = d >= kMinScale ? 1.0f / d : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
         q[j] = int8_t(std::nearbyint(v[j] * inverse));
         sum += q[j];
@@ -275,7 +283,7 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : 0; }  // Q8_0: signs folded into x instead
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : 0; }  // Q8_0: signs folded into x, no bias
 
 // out[m0 : m0 + R, 16 g + 8 half : + 8]: half a group, 8 features in 256-bit lanes.
 template <int32_t K, int R>
@@ -407,7 +415,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const auto out_dims = out->dimensions();
-  if (group_bytes(kind, kSuper) == 0) {
+  if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument("matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
