@@ -31,9 +31,24 @@ KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K: the block 
 TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats an embedding table stays in (its rows decoded by jnp)
 
 
+class _ReadWhole:
+    """What a model reads of a parameter kept in blocks: `param[...]` (the whole of it) and its dtype (u8)."""
+
+    blocks: Any
+
+    @property
+    def dtype(self) -> Any:
+        return self.blocks.dtype
+
+    def __getitem__(self, key: Any) -> Any:
+        if key is not Ellipsis:
+            raise TypeError(f"a {type(self).__name__} is read whole (`param[...]`)")
+        return self
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GgufWeight:
+class GgufWeight(_ReadWhole):
     blocks: Any  # u8[ceil(N / 16), group_bytes]: the blocks packed 16 features at a time (`gguf_packing`)
     kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # [*contracted_axes, *output_axes]
@@ -42,15 +57,6 @@ class GgufWeight:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self.blocks.dtype
-
-    def __getitem__(self, key: Any) -> "GgufWeight":  # `param[...]` reads the whole weight
-        if key is not Ellipsis:
-            raise TypeError("a GgufWeight is read whole (`param[...]`)")
-        return self
 
     def reshape(self, *shape: int) -> "GgufWeight":
         """A 2-D view [K, N] for one matmul: the contracted axes flattened into K, the output axes into N."""
@@ -78,7 +84,7 @@ def matmul(x: jax.Array, w: GgufWeight) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GgufTable:
+class GgufTable(_ReadWhole):
     """A token-embedding table [V, D] kept in its blocks: rows looked up by decoding their blocks, and (tied or
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
@@ -87,15 +93,6 @@ class GgufTable:
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
     ndim = 2
-
-    @property
-    def dtype(self) -> Any:
-        return self.blocks.dtype
-
-    def __getitem__(self, key: Any) -> "GgufTable":  # `param[...]` reads the whole table
-        if key is not Ellipsis:
-            raise TypeError("a GgufTable is read whole (`param[...]`)")
-        return self
 
     def lookup(self, ids: jax.Array) -> jax.Array:  # i32[T] -> f32[T, D]
         """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales). One
