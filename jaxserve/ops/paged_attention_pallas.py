@@ -284,6 +284,23 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
         raise ValueError(f"q is {q.dtype} but the KV pages are {k_pages.dtype} (the model's dtype or FP8)")
 
 
+def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array]:
+    """Numbers the query blocks request by request: block b belongs to request block_req[b] (-1: unused)
+    and starts at its token block_start[b]. At most T / block_q + R blocks exist (a static count); the
+    unused ones come last."""
+    num_reqs = cu_q_lens.shape[0] - 1
+    num_blocks = pl.cdiv(num_tokens, block_q) + num_reqs
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
+    cu_blocks = jnp.cumsum(pl.cdiv(q_lens, block_q))  # i32[R]
+    program = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_req = jnp.searchsorted(cu_blocks, program, side="right").astype(jnp.int32)
+    is_used = program < cu_blocks[-1]
+    block_req = jnp.minimum(block_req, num_reqs - 1)
+    first_block = cu_blocks[block_req] - pl.cdiv(q_lens[block_req], block_q)
+    block_start = jnp.where(is_used, (program - first_block) * block_q, 0)  # i32[NB]
+    return jnp.where(is_used, block_req, -1), block_start  # i32[NB], i32[NB]
+
+
 def ragged_paged_attention_pallas(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
@@ -314,19 +331,8 @@ def ragged_paged_attention_pallas(
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     page_table = _pad_page_table(page_table, pages_per_block)
 
-    # Number the query blocks request by request: block b belongs to block_req[b] and starts at its
-    # token block_start[b]. At most T / block_q + R blocks exist; the rest of the grid exits at once.
-    num_programs = pl.cdiv(num_tokens, block_q) + num_reqs
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
-    cu_blocks = jnp.cumsum(pl.cdiv(q_lens, block_q))  # i32[R]
-    program = jnp.arange(num_programs, dtype=jnp.int32)
-    block_req = jnp.searchsorted(cu_blocks, program, side="right").astype(jnp.int32)
-    is_used = program < cu_blocks[-1]
-    block_req = jnp.minimum(block_req, num_reqs - 1)
-    first_block = cu_blocks[block_req] - pl.cdiv(q_lens[block_req], block_q)
-    block_start = jnp.where(is_used, (program - first_block) * block_q, 0)  # i32[NB]
-    block_req = jnp.where(is_used, block_req, -1)  # i32[NB]
-
+    block_req, block_start = query_blocks(cu_q_lens, num_tokens, block_q)
+    num_programs = block_req.shape[0]
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
         pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),

@@ -1,0 +1,365 @@
+"""Ragged paged attention for Hopper (sm_90) as a Pallas Mosaic GPU kernel: TMA page loads, wgmma on the
+tensor cores, a producer warpgroup that streams K/V pages while consumer warpgroups compute.
+
+The Triton kernel (`paged_attention_pallas`) serves every CUDA GPU from sm_80; this one serves the prefill
+and mixed steps of Hopper GPUs, where Triton's dots reach a few percent of the tensor cores' peak.
+
+Work split. Queries are regrouped, outside the kernel, into blocks of `block_q` consecutive tokens of one
+request times the G query heads that share a KV head: one block is `rows = block_q * G_pad` rows (64 per
+consumer warpgroup), so each K/V page read serves the whole GQA group. The grid is (KV head, query block);
+a program's consumer warpgroup w owns rows [64 w, 64 w + 64).
+
+Per program:
+- the producer warpgroup copies the block's description (positions, key range, page ids) and the queries
+  into shared memory, then walks the block's key range `block_kv` keys at a time: for each step it waits
+  until the consumers have freed the stage, and issues one TMA copy per page into the stage's K and V
+  buffers (`stages` of each in flight);
+- each consumer warpgroup computes S = Q K^T (wgmma, f32 accumulators), masks it (causal, the request's
+  length, a sliding window), runs the online softmax in the log2 domain, writes P in the model's dtype to
+  shared memory and accumulates P V (wgmma), then normalises and stores its rows with TMA.
+
+Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
+the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
+Their scores are masked before the softmax and their P is exactly 0, so they never reach the output.
+
+Needs: a head dim that is a multiple of 64, pages of a multiple of 8 tokens that divide `block_kv`, queries
+and cache in float16 or bfloat16. The kernel also runs in Mosaic GPU's interpreter on a CPU (`interpret=`),
+which the tests check against the float64 oracle.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxserve.ops.paged_attention_pallas import ScoreRule
+
+ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
+MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MASK_VALUE = -1e30
+# A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
+# start a slice; the page ids are read from the page table in global memory).
+_REQ, _SLAB_TILE, _SLAB_POS, _SHIFT, _NUM_VALID, _KV_LEN, _FIRST_STEP, _END_STEP, _INFO = range(9)
+# A slab starts at a multiple of this many tokens, a tile of the shared-memory layout (Mosaic GPU's layout
+# inference accepts a copy's dynamic start only where it can prove that).
+_SLAB_ALIGN = 8
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def supports(q_dtype, cache_dtype, head_dim: int, page_size: int, block_kv: int = 128) -> str | None:
+    """Why this kernel cannot serve a shape (None when it can)."""
+    if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
+        return f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(cache_dtype).name} (float16 or bfloat16, alike)"
+    if head_dim % 64:
+        return f"head dim {head_dim} (a multiple of 64)"
+    if page_size % 8 or block_kv % page_size:
+        return f"page size {page_size} (a multiple of 8 that divides {block_kv})"
+    return None
+
+
+def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """A shared-memory buffer in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]]:
+    """Warpgroup `wg`'s rows as (query head in the group, first token in the block, first row in the
+    warpgroup, rows): rows are head-major, row r is head r // block_q's token r % block_q."""
+    first, last = wg * ROWS_PER_WARPGROUP, (wg + 1) * ROWS_PER_WARPGROUP
+    pieces = []
+    for g in range(group):
+        lo, hi = max(first, g * block_q), min(last, (g + 1) * block_q)
+        if lo < hi:
+            pieces.append((g, lo - g * block_q, lo - first, hi - lo))
+    return pieces
+
+
+def _consumer(
+    q_ref, o_ref,  # gmem [T, N, H]
+    info, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this program's row of the descriptions
+    q_bars, k_bars, v_bars, k_free, v_free,
+    *,
+    wg: int,
+    group: int,
+    block_q: int,
+    stages: int,
+    block_kv: int,
+    scores: ScoreRule,
+):
+    kv_head = lax.axis_index("kv_head")
+    rows, head_dim = ROWS_PER_WARPGROUP, q_smem.shape[-1]
+    slab_pos, kv_len = info[_SLAB_POS], info[_KV_LEN]
+    first_step, end_step = info[_FIRST_STEP], info[_END_STEP]
+    plgpu.barrier_wait(q_bars[wg])
+    q_wg, p_wg, o_wg = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
+
+    row = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
+    row_pos = slab_pos + (wg * rows + row) % block_q  # i32[rows, S]: each row's token position
+
+    def step_body(step, carry):
+        m, denom, acc = carry  # f32[rows] (log2 domain), f32[rows], f32[rows, H]
+        slot = lax.rem(step - first_step, stages)
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # f32[rows, S]
+        plgpu.barrier_arrive(k_free.at[slot])
+        key_pos = step * block_kv + col
+        visible = (key_pos <= row_pos) & (key_pos < kv_len)
+        if scores.sliding_window is not None:
+            visible &= key_pos > row_pos - scores.sliding_window
+        s = jnp.where(visible, scores.log2_scores(s), _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        alpha = jnp.exp2(m - m_new)
+        denom = denom * alpha + p.sum(axis=1)
+        p_wg[...] = p.astype(p_wg.dtype)
+        plgpu.commit_smem()  # P's stores visible to the tensor cores' reads
+        plgpu.barrier_wait(v_bars.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
+            return acc_ref[...]
+
+        pv_out = pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
+        return m_new, denom, acc
+
+    init = (
+        plgpu.layout_cast(jnp.full((rows,), _MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+    )
+    _, denom, acc = lax.fori_loop(first_step, end_step, step_body, init)
+    denom = jnp.where(denom == 0.0, 1.0, denom)
+    # The output buffer is plain (stored a token at a time below), which wgmma's layout stores to unoptimised.
+    plgpu.store(o_wg, (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype), optimized=False)
+    plgpu.commit_smem()
+
+    # Store the rows of the block's own tokens in place: a whole slab per head when every token is the
+    # request's, else token by token (the rest of the slab belongs to other blocks).
+    slab_start, shift, num_valid = info[_SLAB_TILE] * _SLAB_ALIGN, info[_SHIFT], info[_NUM_VALID]
+    whole = (shift == 0) & (num_valid == block_q)
+    for g, first_token, first_row, num_rows in _pieces(wg, group, block_q):
+        head = kv_head * group + g
+
+        @pl.when(whole)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                o_wg.at[pl.ds(first_row, num_rows)], o_ref.at[pl.ds(slab_start + first_token, num_rows), head]
+            )
+
+        @pl.when(~whole)
+        def _():
+            lo = jnp.maximum(shift, first_token)
+            hi = jnp.minimum(shift + num_valid, first_token + num_rows)
+
+            @pl.loop(lo, jnp.maximum(lo, hi))
+            def _(token):
+                plgpu.copy_smem_to_gmem(
+                    o_wg.at[pl.ds(first_row + token - first_token, 1)], o_ref.at[pl.ds(slab_start + token, 1), head]
+                )
+
+    plgpu.wait_smem_to_gmem(0)
+    del q_ref
+
+
+def _producer(
+    q_ref, k_ref, v_ref, page_table_ref,  # gmem
+    info, q_smem, k_smem, v_smem,
+    q_bars, k_bars, v_bars, k_free, v_free,
+    *,
+    num_consumers: int,
+    group: int,
+    block_q: int,
+    stages: int,
+    pages_per_block: int,
+):
+    kv_head = lax.axis_index("kv_head")
+    page_size = k_ref.shape[2]
+    slab_start, req = info[_SLAB_TILE] * _SLAB_ALIGN, info[_REQ]
+    for w in range(num_consumers):
+        for g, first_token, first_row, num_rows in _pieces(w, group, block_q):
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[pl.ds(slab_start + first_token, num_rows), kv_head * group + g],
+                q_smem.at[w, pl.ds(first_row, num_rows)],
+                q_bars[w],
+            )
+    first_step, end_step = info[_FIRST_STEP], info[_END_STEP]
+
+    @pl.loop(first_step, end_step)
+    def _(step):
+        j = step - first_step
+        slot = lax.rem(j, stages)
+        for cache_ref, smem, bars, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            for p in range(pages_per_block):
+                page = page_table_ref[req, step * pages_per_block + p]
+                plgpu.copy_gmem_to_smem(
+                    cache_ref.at[kv_head, page], smem.at[slot, pl.ds(p * page_size, page_size)], bars.at[slot]
+                )
+
+
+def _kernel(
+    info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores
+):
+    dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+    pages_per_block = block_kv // k_ref.shape[2]
+    rows = ROWS_PER_WARPGROUP
+    q_copies = [len(_pieces(w, group, block_q)) for w in range(num_consumers)]
+
+    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free, v_free):
+        wg = lax.axis_index("wg")
+        bars = (q_bars, k_bars, v_bars, k_free, v_free)
+
+        @pl.when(wg == num_consumers)
+        def _():
+            plgpu.copy_gmem_to_smem(info_ref.at[lax.axis_index("block")], info, info_bar)
+
+        plgpu.barrier_wait(info_bar)
+
+        @pl.when(info[_NUM_VALID] > 0)  # unused blocks (past the step's requests) stop here
+        def _():
+            @pl.when(wg == num_consumers)
+            def _():
+                _producer(q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars, num_consumers=num_consumers,
+                          group=group, block_q=block_q, stages=stages, pages_per_block=pages_per_block)
+
+            for w in range(num_consumers):
+                @pl.when(wg == w)
+                def _():
+                    _consumer(q_ref, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
+                              block_q=block_q, stages=stages, block_kv=block_kv, scores=scores)
+
+    pl.run_scoped(
+        scoped,
+        _swizzled((num_consumers, rows, head_dim), dtype),
+        _swizzled((stages, block_kv, head_dim), dtype),
+        _swizzled((stages, block_kv, head_dim), dtype),
+        _swizzled((num_consumers, rows, block_kv), dtype),  # P
+        plgpu.SMEM((num_consumers, rows, head_dim), dtype),  # the output, plain: stored a token at a time
+        plgpu.SMEM((_INFO,), jnp.int32),  # last: the swizzled buffers before it stay 1,024-byte aligned
+        plgpu.Barrier(),
+        tuple(plgpu.Barrier(num_arrivals=n) for n in q_copies),  # one per consumer: its query copies
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+
+def _describe_blocks(
+    cu_q_lens: jax.Array,  # i32[R+1]
+    kv_lens: jax.Array,  # i32[R]
+    padded_tokens: int,
+    block_q: int,
+    block_kv: int,
+    scores: ScoreRule,
+) -> jax.Array:  # i32[NB, _INFO]
+    """Each program's description. Request r's tokens [s, e) are cut into slabs of block_q tokens from s
+    rounded down to a tile, so every slab starts on one; a block's own tokens are the slab's rows inside
+    [s, e), `shift` rows from its start. A slab that would pass the end of q moves back to end there."""
+    num_reqs = kv_lens.shape[0]
+    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]  # i32[R]
+    base = starts // _SLAB_ALIGN * _SLAB_ALIGN
+    counts = jnp.where(ends > starts, pl.cdiv(ends - base, block_q), 0)
+    cu_counts = jnp.cumsum(counts)
+    # A request's rounding adds at most one block: T / block_q + 2 R bounds the count.
+    num_blocks = pl.cdiv(padded_tokens, block_q) + 2 * num_reqs
+    program = jnp.arange(num_blocks, dtype=jnp.int32)
+    used = program < cu_counts[-1]
+    req = jnp.minimum(jnp.searchsorted(cu_counts, program, side="right"), num_reqs - 1).astype(jnp.int32)
+    slab = base[req] + (program - cu_counts[req] + counts[req]) * block_q  # unclamped start
+    first_token = jnp.maximum(slab, starts[req])
+    num_valid = jnp.where(used, jnp.minimum(slab + block_q, ends[req]) - first_token, 0)
+    slab = jnp.minimum(slab, padded_tokens - block_q)
+    shift = first_token - slab
+    q_len = ends[req] - starts[req]
+    kv_len = jnp.where(used, kv_lens[req], 0)
+    first_pos = kv_len - q_len + first_token - starts[req]  # the block's first token's position
+    end_step = jnp.where(used, pl.cdiv(first_pos + num_valid, block_kv), 0)
+    first_step = jnp.minimum(scores.first_block(first_pos, block_kv) * jnp.ones_like(end_step), end_step)
+    fields = [req, slab // _SLAB_ALIGN, first_pos - shift, shift, num_valid, kv_len, first_step, end_step]
+    return jnp.stack(fields, axis=1).astype(jnp.int32)
+
+
+def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
+    """Tokens per query block: a program's rows (64 per consumer warpgroup) over the padded GQA group."""
+    padded_group = _next_pow2(num_q_heads // num_kv_heads)
+    rows = num_consumers * ROWS_PER_WARPGROUP
+    if padded_group > rows // 8:
+        raise ValueError(f"{num_q_heads // num_kv_heads} query heads per KV head leave under 8 tokens of {rows} rows")
+    return rows // padded_group
+
+
+def ragged_paged_attention_mgpu(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]
+    page_table: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R+1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    interpret: Any = False,  # True: Mosaic GPU's interpreter; or its InterpretGPUParams
+    num_consumers: int = 2,
+    block_kv: int = 128,
+    stages: int = 2,
+) -> jax.Array:  # [T, N, H]
+    """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if (why := supports(q.dtype, k_pages.dtype, head_dim, page_size, block_kv)) is not None:
+        raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
+    group = num_q_heads // num_kv_heads
+    block_q = block_q_for(num_q_heads, num_kv_heads, num_consumers)
+    scores = ScoreRule(sm_scale, sliding_window, logit_softcap)
+    # q padded (a copy) only where its length is not a whole number of tiles or is under one slab.
+    padded_tokens = max(pl.cdiv(num_tokens, _SLAB_ALIGN) * _SLAB_ALIGN, block_q)
+    q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
+    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores)
+    num_blocks = info.shape[0]
+    pages_per_block = block_kv // page_size
+    columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
+    page_table = jnp.pad(jnp.clip(page_table, 0, num_pages - 1), ((0, 0), (0, columns - page_table.shape[1])))
+
+    kernel = functools.partial(
+        _kernel, num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, block_kv=block_kv,
+        scores=scores,
+    )
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
+        grid=(num_kv_heads, num_blocks),
+        grid_names=("kv_head", "block"),
+        num_threads=num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in warps
+        interpret=_interpret_params() if interpret is True else interpret,
+    )(info, page_table, q_in, k_pages, v_pages)[:num_tokens]
+    # Tokens past the step's requests (padding) are written by no program.
+    return jnp.where((jnp.arange(num_tokens) < cu_q_lens[-1])[:, None, None], out, 0)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # jax >= 0.12
+
+    return InterpretGPUParams()
