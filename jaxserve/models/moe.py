@@ -114,8 +114,7 @@ def grouped_matmul(
 
 def is_hopper(attention: AttentionConfig) -> bool:
     """Whether the step is compiled for a Hopper GPU (the Mosaic GPU kernels' target)."""
-    return attention.impl == "pallas" and attention.compute_capability is not None and (
-        9.0 <= attention.compute_capability < 10.0)
+    return attention.hopper
 
 
 class SparseMoeBlock(nnx.Module):

@@ -5,7 +5,9 @@
 - `cpu-native`: a C++ kernel built for this machine (`cpu_kernels`) that walks each request's pages in
   place, with work that follows the live tokens rather than the bucket's shape. A bfloat16 model's
   matmuls then run in the same library (`AttentionConfig.native_matmuls`).
-- `pallas`: the Triton-backed Pallas kernel (`paged_attention_pallas`) for CUDA GPUs, sm_80 and newer.
+- `pallas`: the Pallas kernels for CUDA GPUs, sm_80 and newer: Triton's (`paged_attention_pallas`), and on
+  Hopper (sm_90) Mosaic GPU's for prefill and mixed steps (`paged_attention_mgpu`: TMA, wgmma) where the
+  shapes fit it (16-bit cache, head dim a multiple of 64, pages of a multiple of 8 tokens).
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
   kernel cannot be built here (no C++ compiler); `reference` elsewhere.
@@ -44,6 +46,12 @@ class AttentionConfig:
     num_sms: int | None = None  # the target's SM count; the decode kernel's split count follows it
     compute_capability: float | None = None  # the target's (CUDA GPUs): whether it reads an FP8 cache
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
+
+    @property
+    def hopper(self) -> bool:
+        """Whether the step is compiled for a Hopper GPU (sm_90), the target of the Mosaic GPU kernels
+        (wgmma is sm_90's; Blackwell's tensor cores take other instructions)."""
+        return self.impl == "pallas" and self.compute_capability is not None and 9.0 <= self.compute_capability < 10.0
 
     @property
     def native_matmuls(self) -> bool:
@@ -133,6 +141,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     num_sms: int | None = None,
     decode_only: bool = False,
+    hopper: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
 
@@ -147,6 +156,8 @@ def ragged_paged_attention(
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
     `num_sms` programs. `impl` is taken as resolved (`auto` is resolved against the local device).
+    `hopper` (static, with `pallas`): the target is a Hopper GPU, whose prefill and mixed steps go through
+    the Mosaic GPU kernel where the shapes fit it.
     """
     if impl == "auto":
         impl = resolve_impl(impl)
@@ -164,6 +175,13 @@ def ragged_paged_attention(
         return paged_attention_pallas.paged_decode_attention_pallas(
             q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores
         )
+    if hopper and not interpret:
+        from jaxserve.ops import paged_attention_mgpu
+
+        if paged_attention_mgpu.supports(q.dtype, k_pages.dtype, q.shape[2], k_pages.shape[2]) is None:
+            return paged_attention_mgpu.ragged_paged_attention_mgpu(
+                q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores
+            )
     return paged_attention_pallas.ragged_paged_attention_pallas(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, interpret=interpret, **scores
     )

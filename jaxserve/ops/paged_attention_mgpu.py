@@ -1,30 +1,34 @@
 """Ragged paged attention for Hopper (sm_90) as a Pallas Mosaic GPU kernel: TMA page loads, wgmma on the
 tensor cores, a producer warpgroup that streams K/V pages while consumer warpgroups compute.
 
-The Triton kernel (`paged_attention_pallas`) serves every CUDA GPU from sm_80; this one serves the prefill
-and mixed steps of Hopper GPUs, where Triton's dots reach a few percent of the tensor cores' peak.
+The Triton kernels (`paged_attention_pallas`) serve every CUDA GPU from sm_80; this one serves the prefill
+and mixed steps of Hopper GPUs, where Triton's dots reach a few percent of the tensor cores' peak. Decode
+steps keep the split-KV Triton kernel.
 
-Work split. Queries are regrouped, outside the kernel, into blocks of `block_q` consecutive tokens of one
-request times the G query heads that share a KV head: one block is `rows = block_q * G_pad` rows (64 per
-consumer warpgroup), so each K/V page read serves the whole GQA group. The grid is (KV head, query block);
-a program's consumer warpgroup w owns rows [64 w, 64 w + 64).
+Work split. A program serves one query block of one request and one KV head: a slab of `block_q`
+consecutive tokens times the G query heads that share the KV head, `block_q * G_pad = 64 * consumers`
+rows, head-major (row r is head r // block_q's token r % block_q), so each K/V page read serves the whole
+GQA group. Queries are read and outputs written in place in [T, N, H] (a slab of one head is a strided
+2-D box for TMA); a slab starts on a tile of 8 tokens, so it may begin before the request's first token or
+end past its last: those rows are computed and never stored. The grid is (KV head, block); the blocks
+past the step's requests exit at once.
 
 Per program:
-- the producer warpgroup copies the block's description (positions, key range, page ids) and the queries
-  into shared memory, then walks the block's key range `block_kv` keys at a time: for each step it waits
-  until the consumers have freed the stage, and issues one TMA copy per page into the stage's K and V
-  buffers (`stages` of each in flight);
-- each consumer warpgroup computes S = Q K^T (wgmma, f32 accumulators), masks it (causal, the request's
-  length, a sliding window), runs the online softmax in the log2 domain, writes P in the model's dtype to
-  shared memory and accumulates P V (wgmma), then normalises and stores its rows with TMA.
+- the producer warpgroup copies the block's description to shared memory, then the slab's queries, then
+  walks the block's key range `block_kv` keys at a time: it waits until the consumers have freed a stage
+  and issues one TMA copy per page (page ids read from the page table) into the stage's K and V buffers;
+- each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, float32 accumulators), masks it (causal,
+  the request's length, a sliding window), runs the online softmax in the log2 domain, writes P in the
+  model's dtype to shared memory and accumulates P V (wgmma); then it normalises its rows and stores
+  them, a head's slab at once when the slab is all the block's, else token by token.
 
 Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
 Their scores are masked before the softmax and their P is exactly 0, so they never reach the output.
 
 Needs: a head dim that is a multiple of 64, pages of a multiple of 8 tokens that divide `block_kv`, queries
-and cache in float16 or bfloat16. The kernel also runs in Mosaic GPU's interpreter on a CPU (`interpret=`),
-which the tests check against the float64 oracle.
+and cache in float16 or bfloat16 (an FP8 cache stays on the Triton kernel). The kernel also runs in Mosaic
+GPU's interpreter on a CPU (`interpret=`, jax >= 0.11), which the tests check against the float64 oracle.
 """
 
 import functools
@@ -43,7 +47,8 @@ MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASK_VALUE = -1e30
 # A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
 # start a slice; the page ids are read from the page table in global memory).
-_REQ, _SLAB_TILE, _SLAB_POS, _SHIFT, _NUM_VALID, _KV_LEN, _FIRST_STEP, _END_STEP, _INFO = range(9)
+_REQ, _SLAB_TILE, _SLAB_POS, _SHIFT, _NUM_VALID, _KV_LEN, _FIRST_STEP, _END_STEP = range(8)
+_INFO = 32  # ints a row: padded to 128 bytes, a copy that a warpgroup's 128 threads divide (jax 0.10)
 # A slab starts at a multiple of this many tokens, a tile of the shared-memory layout (Mosaic GPU's layout
 # inference accepts a copy's dynamic start only where it can prove that).
 _SLAB_ALIGN = 8
@@ -144,8 +149,7 @@ def _consumer(
     )
     _, denom, acc = lax.fori_loop(first_step, end_step, step_body, init)
     denom = jnp.where(denom == 0.0, 1.0, denom)
-    # The output buffer is plain (stored a token at a time below), which wgmma's layout stores to unoptimised.
-    plgpu.store(o_wg, (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype), optimized=False)
+    o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
 
     # Store the rows of the block's own tokens in place: a whole slab per head when every token is the
@@ -153,27 +157,20 @@ def _consumer(
     slab_start, shift, num_valid = info[_SLAB_TILE] * _SLAB_ALIGN, info[_SHIFT], info[_NUM_VALID]
     whole = (shift == 0) & (num_valid == block_q)
     for g, first_token, first_row, num_rows in _pieces(wg, group, block_q):
-        head = kv_head * group + g
-
-        @pl.when(whole)
-        def _():
-            plgpu.copy_smem_to_gmem(
-                o_wg.at[pl.ds(first_row, num_rows)], o_ref.at[pl.ds(slab_start + first_token, num_rows), head]
-            )
-
-        @pl.when(~whole)
-        def _():
-            lo = jnp.maximum(shift, first_token)
-            hi = jnp.minimum(shift + num_valid, first_token + num_rows)
-
-            @pl.loop(lo, jnp.maximum(lo, hi))
-            def _(token):
-                plgpu.copy_smem_to_gmem(
-                    o_wg.at[pl.ds(first_row + token - first_token, 1)], o_ref.at[pl.ds(slab_start + token, 1), head]
-                )
-
+        rows_smem = o_wg.at[pl.ds(first_row, num_rows)]
+        head_gmem = o_ref.at[pl.ds(slab_start + first_token, num_rows), kv_head * group + g]
+        pl.when(whole)(functools.partial(plgpu.copy_smem_to_gmem, rows_smem, head_gmem))
+        own = (jnp.maximum(shift - first_token, 0), jnp.minimum(shift + num_valid - first_token, num_rows))
+        pl.when(~whole)(functools.partial(_store_tokens, rows_smem, head_gmem, *own))
     plgpu.wait_smem_to_gmem(0)
     del q_ref
+
+
+def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> None:
+    """Stores rows [first, end) of a head's slab, one TMA copy a token."""
+    @pl.loop(first, jnp.maximum(first, end))
+    def _(row):
+        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(row, 1)], head_gmem.at[pl.ds(row, 1)])
 
 
 def _producer(
@@ -204,10 +201,7 @@ def _producer(
         j = step - first_step
         slot = lax.rem(j, stages)
         for cache_ref, smem, bars, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
-            @pl.when(j >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
+            pl.when(j >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # the stage is free
             for p in range(pages_per_block):
                 page = page_table_ref[req, step * pages_per_block + p]
                 plgpu.copy_gmem_to_smem(
@@ -235,16 +229,16 @@ def _kernel(
 
         @pl.when(info[_NUM_VALID] > 0)  # unused blocks (past the step's requests) stop here
         def _():
-            @pl.when(wg == num_consumers)
-            def _():
-                _producer(q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars, num_consumers=num_consumers,
-                          group=group, block_q=block_q, stages=stages, pages_per_block=pages_per_block)
-
+            pl.when(wg == num_consumers)(functools.partial(
+                _producer, q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars,
+                num_consumers=num_consumers, group=group, block_q=block_q, stages=stages,
+                pages_per_block=pages_per_block,
+            ))
             for w in range(num_consumers):
-                @pl.when(wg == w)
-                def _():
-                    _consumer(q_ref, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
-                              block_q=block_q, stages=stages, block_kv=block_kv, scores=scores)
+                pl.when(wg == w)(functools.partial(
+                    _consumer, q_ref, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
+                    block_q=block_q, stages=stages, block_kv=block_kv, scores=scores,
+                ))
 
     pl.run_scoped(
         scoped,
@@ -296,7 +290,8 @@ def _describe_blocks(
     end_step = jnp.where(used, pl.cdiv(first_pos + num_valid, block_kv), 0)
     first_step = jnp.minimum(scores.first_block(first_pos, block_kv) * jnp.ones_like(end_step), end_step)
     fields = [req, slab // _SLAB_ALIGN, first_pos - shift, shift, num_valid, kv_len, first_step, end_step]
-    return jnp.stack(fields, axis=1).astype(jnp.int32)
+    info = jnp.stack(fields, axis=1).astype(jnp.int32)
+    return jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
 
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:

@@ -322,7 +322,6 @@ def ragged_paged_attention_pallas(
     _check_shapes(q, k_pages, v_pages)
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_reqs = page_table.shape[0]
     group = num_q_heads // num_kv_heads
     padded_group = _next_pow2(group)
     block_q = max(1, block_rows // padded_group)

@@ -1,0 +1,163 @@
+"""The Mosaic GPU (Hopper) kernel against the float64 oracle, and compiled for an H100 without one.
+
+On a CPU the kernel runs in Mosaic GPU's interpreter, which simulates its warpgroups, shared memory, TMA
+copies and barriers (jax >= 0.11; jax 0.10's lacks `layout_cast`); on a Hopper GPU the same tests run it
+compiled. The deviceless compiles run XLA:GPU and Mosaic GPU's lowering for an H100 (layouts, the
+shared-memory budget), which catches what only the GPU backend rejects.
+
+The kernel loads whole pages, so unused slots must hold finite values (the engine's cache does); the cases
+put a large finite value there instead of NaN, which reaches the output unless it is masked exactly.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability, ragged_paged_attention
+from jaxserve.ops.paged_attention_mgpu import block_q_for, ragged_paged_attention_mgpu, supports
+from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
+from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
+
+ON_HOPPER = AttentionConfig(impl="pallas", compute_capability=cuda_compute_capability()).hopper
+INTERPRETER_RUNS = jax.__version_info__ >= (0, 11)
+needs_a_runner = pytest.mark.skipif(
+    not (ON_HOPPER or INTERPRETER_RUNS),
+    reason="the kernel runs on a Hopper GPU, or in Mosaic GPU's interpreter from jax 0.11 (this is jax 0.10)",
+)
+pytestmark = pytest.mark.gpu
+GARBAGE = 1e4  # in every slot no request owns
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def finite(case: PagedCase) -> PagedCase:
+    """The case with GARBAGE where it has NaN (slots that no request owns)."""
+    fill = lambda pages: np.where(np.isnan(pages), GARBAGE, pages)  # noqa: E731
+    return PagedCase(case.q, fill(case.k_pages), fill(case.v_pages), case.kv_lens, case.page_table, case.cu_q_lens)
+
+
+def run(case: PagedCase, dtype, **kwargs) -> np.ndarray:
+    args = [jnp.asarray(a, dtype) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    out = ragged_paged_attention_mgpu(*args, interpret=not ON_HOPPER, **kwargs)
+    return np.asarray(out.astype(jnp.float32))
+
+
+def check(got: np.ndarray, case: PagedCase, dtype, **scores) -> None:
+    num_real = case.num_real_tokens
+    want = oracle(case, **scores)
+    np.testing.assert_allclose(got[:num_real], want[:num_real], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
+
+
+@needs_a_runner
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_every_mix_matches_the_oracle(mix):
+    """Decodes, prefills, a chunk after cached tokens, empty requests and contexts; GQA groups of 4 over
+    two consumer warpgroups, steps of 64 keys (4 pages of 16)."""
+    rng = np.random.default_rng(sorted(MIXES).index(mix))
+    case = finite(make_case(rng, *MIXES[mix], 8, 2, page_size=16, head_dim=64))
+    check(run(case, jnp.bfloat16, sm_scale=0.125, block_kv=64), case, jnp.bfloat16, sm_scale=0.125)
+
+
+@needs_a_runner
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,num_consumers", [(4, 4, 1), (9, 3, 2), (5, 1, 2), (16, 2, 1)])
+def test_group_sizes_and_warpgroups(num_q_heads, num_kv_heads, num_consumers):
+    """Groups of 1, 3 (padded to 4: SmolLM2's), 5 (padded to 8) and 8; one or two consumer warpgroups,
+    so a head's rows span warpgroups or a warpgroup holds several heads."""
+    rng = np.random.default_rng(num_q_heads)
+    case = finite(make_case(rng, [1, 19, 6], [30, 19, 40], num_q_heads, num_kv_heads, page_size=16, head_dim=64,
+                            max_pages=4))
+    got = run(case, jnp.bfloat16, sm_scale=0.125, num_consumers=num_consumers, block_kv=64)
+    check(got, case, jnp.bfloat16, sm_scale=0.125)
+
+
+@needs_a_runner
+@pytest.mark.parametrize("block_kv,stages", [(64, 2), (128, 3)])
+def test_long_contexts_cycle_the_stages(block_kv, stages):
+    """Hundreds of keys: many steps through each stage, a 100-token prefill that fills several slabs, head
+    dim 128, and a block that starts mid-tile."""
+    rng = np.random.default_rng(1)
+    case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=128,
+                            max_pages=40))
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=2 if block_kv == 64 else 1, block_kv=block_kv,
+              stages=stages)
+    check(got, case, jnp.bfloat16, sm_scale=0.09)
+
+
+@needs_a_runner
+def test_sliding_window_and_soft_cap_in_float16():
+    """Gemma 2's soft cap and a window of 37 keys; the pages wholly before each window hold garbage."""
+    rng = np.random.default_rng(2)
+    case = make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=64, max_pages=40)
+    case = finite(blank_before_windows(case, 37))
+    scores = dict(sm_scale=0.09, sliding_window=37, logit_softcap=30.0)
+    check(run(case, jnp.float16, block_kv=64, **scores), case, jnp.float16, **scores)
+
+
+@pytest.mark.skipif(ON_HOPPER or not INTERPRETER_RUNS, reason="the interpreter's race detector (a CPU, jax >= 0.11)")
+def test_the_interpreter_finds_no_race_between_the_warpgroups():
+    """The producer's TMA copies, the consumers' wgmma reads and the barriers between them, checked by the
+    interpreter's vector clocks: no shared-memory access races another."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    rng = np.random.default_rng(3)
+    case = finite(make_case(rng, [3, 40, 1], [300, 40, 200], 4, 2, page_size=16, head_dim=64, max_pages=20))
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    out = ragged_paged_attention_mgpu(*args, sm_scale=0.1, block_kv=64, interpret=InterpretGPUParams(detect_races=True))
+    check(np.asarray(out.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.1)
+    assert not interpret_pallas_call.get_races().races_found
+
+
+def test_what_the_kernel_refuses():
+    assert supports(jnp.bfloat16, jnp.bfloat16, 128, 16) is None
+    assert "float16 or bfloat16" in supports(jnp.float32, jnp.float32, 128, 16)
+    assert "alike" in supports(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16)  # an FP8 cache stays on Triton
+    assert "multiple of 64" in supports(jnp.bfloat16, jnp.bfloat16, 96, 16)
+    assert "page size" in supports(jnp.bfloat16, jnp.bfloat16, 64, 4)
+    assert block_q_for(32, 8, 2) == 32 and block_q_for(9, 3, 2) == 32 and block_q_for(12, 12, 2) == 128
+    with pytest.raises(ValueError, match="under 8 tokens"):
+        block_q_for(32, 1, 1)
+
+
+# Llama-3-8B's and SmolLM2's heads at the gpu preset's widest bucket (2,048 tokens, 256 requests), and a
+# lone short prefill.
+COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("smollm2-135m", 2048, 256, 16)]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+@pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES)
+def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size):
+    """Mosaic GPU lowers the kernel for sm_90a within the H100's 227 KiB of shared memory a block, with a
+    temporary under a megabyte beside the queries (the descriptions of its blocks)."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
+    shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
+              ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5))
+    compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
+    assert "mosaic_gpu" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**20
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
+    """The entry point's choice on an H100: mixed steps through Mosaic GPU, decode-only steps and an FP8
+    cache through the Triton kernels."""
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+
+    def lowered(decode_only: bool, cache_dtype) -> str:
+        shapes = [((64, 32, 128), jnp.bfloat16), ((8, 1024, 16, 128), cache_dtype), ((8, 1024, 16, 128), cache_dtype),
+                  ((64,), jnp.int32), ((64, 64), jnp.int32), ((65,), jnp.int32)]
+        structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="pallas", hopper=True,
+                                                       decode_only=decode_only))
+        with jax.default_device(deviceless_h100()):
+            return fn.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "mosaic_gpu" in lowered(False, jnp.bfloat16)
+    assert "mosaic_gpu" not in lowered(True, jnp.bfloat16)
+    assert "mosaic_gpu" not in lowered(False, jnp.float8_e4m3fn)
