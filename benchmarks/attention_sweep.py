@@ -1,6 +1,6 @@
 """Attention on a Hopper GPU: the Triton kernels' tuning space and the tensor-core candidates, side by side.
 
-Three parts, each case checked against the jnp reference on the same shuffled paged cache (Llama-3-8B
+Four parts, each case checked against the jnp reference on the same shuffled paged cache (Llama-3-8B
 heads, bfloat16):
 
 1. **decode**: `paged_decode_attention_pallas` over page size x block_kv x num_warps x num_stages, on the
@@ -9,7 +9,10 @@ heads, bfloat16):
 2. **prefill/mixed**: `ragged_paged_attention_pallas` over block_rows x block_kv x num_warps x num_stages,
    on single chunks of 512-2,048 tokens at 2k-8k context and on a 1,024-token chunk beside 63 decodes;
    reported in TFLOP/s of useful attention (causal keys only) and as a fraction of the dense bf16 peak.
-3. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
+3. **paged**: jaxserve's own Mosaic GPU kernel (`ragged_paged_attention_mgpu`: TMA page loads, wgmma,
+   a producer and one or two consumer warpgroups) on the mixed part's cases, over consumers x block_kv x
+   stages, in TFLOP/s of useful attention, side by side with part 2's Triton figures.
+4. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
    attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, TMA + wgmma), the keys before the chunk
    gathered from their pages and attended by the same kernel without a mask, the two merged by their
    log-sum-exp; and, for a chunk with no prefix, cuDNN's fused attention (`jax.nn.dot_product_attention`).
@@ -34,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth, time_per_call
 
+from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
-PARTS = ("decode", "mixed", "chunk")
+PARTS = ("decode", "mixed", "paged", "chunk")
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 
 
@@ -159,6 +163,7 @@ def main() -> None:
         page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
+        paged_grid = [(1, 64, 2)]
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
         decode_cases = {"decode 256 x 200-2048": rng.integers(200, 2049, 256).tolist(),
@@ -168,6 +173,7 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
+        paged_grid = [(2, 128, 2), (2, 64, 2), (2, 64, 4), (1, 128, 3), (1, 64, 4)]  # consumers, block_kv, stages
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
                        "chunk 2048 at 8192": (2048, 8192)}
@@ -183,8 +189,11 @@ def main() -> None:
             {"device": device.device_kind, "peak_hbm": hbm, "peak_flops": flops,
              "results": [asdict(x) for x in results]}, indent=1))
 
-    def over(share: float) -> bool:
-        return time.monotonic() - start > share * args.budget_s
+    selected = [part for part in PARTS if part in args.parts]
+
+    def over(part: str) -> bool:
+        """Past the part's share of the budget: equal shares, in order, of the parts selected."""
+        return time.monotonic() - start > (selected.index(part) + 1) / len(selected) * args.budget_s
 
     if args.focus:
         return focus(args, device, hbm, flops, heads, sm_scale, interpret, rng)
@@ -198,7 +207,7 @@ def main() -> None:
             reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
             amount = inputs.ideal_bytes()
             for block_kv, nw, ns in itertools.product(blocks_kv, warps, stages):
-                if block_kv < page_size or over(0.4):
+                if block_kv < page_size or over("decode"):
                     continue
                 fn = jax.jit(lambda q, k, v, kv, pt, cu, b=block_kv, w=nw, s=ns: paged_decode_attention_pallas(
                     q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret, block_kv=b, num_warps=w, num_stages=s))
@@ -211,15 +220,28 @@ def main() -> None:
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
         for block_rows, block_kv, nw, ns in ragged_grid:
-            if over(0.75):
+            if over("mixed"):
                 break
             fn = jax.jit(lambda *a, r=block_rows, b=block_kv, w=nw, s=ns: ragged_paged_attention_pallas(
                 *a, sm_scale=sm_scale, interpret=interpret, block_rows=r, block_kv=b, num_warps=w, num_stages=s))
             report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
-    # 3. tensor-core candidates for one chunk
+    # 3. jaxserve's Mosaic GPU kernel on the same cases
+    for name, (q_lens, kv_lens) in mixed.items() if "paged" in args.parts else ():
+        inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
+        reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
+        amount = useful_flops(inputs, num_q_heads, head_dim)
+        for consumers, block_kv, steps in paged_grid:
+            if over("paged"):
+                break
+            config = f"consumers={consumers} block_kv={block_kv} stages={steps}"
+            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps: ragged_paged_attention_mgpu(
+                *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s))
+            report(measure("paged", name, "mosaic-gpu-paged", config, fn, inputs.args, reference, amount, flops,
+                           args.iters, 1e12))
+    # 4. tensor-core candidates for one chunk
     for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():
-        if over(0.95):
+        if over("chunk"):
             break
         inputs = build_inputs([q_len], [kv_len], heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))

@@ -5,7 +5,8 @@
 #   startup    `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
 #   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
 #   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
-#   chunks     the tensor-core candidates only (Mosaic GPU flash attention merged with the prefix, cuDNN);
+#   chunks     the tensor-core kernels only: jaxserve's paged Mosaic GPU kernel beside the Triton one, then
+#              JAX's Mosaic GPU flash attention merged with the prefix, and cuDNN;
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
@@ -150,8 +151,8 @@ fi
 if wanted attention; then
   stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
 fi
-if wanted chunks; then  # the tensor-core candidates for a prefill chunk only (the sweep's third part)
-  stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts chunk --out "$out" \
+if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep's mixed, paged and chunk parts)
+  stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts mixed paged chunk --out "$out" \
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape

@@ -17,6 +17,7 @@ local one, or a GPU target when compiling without a GPU), and travels in the mod
 `AttentionConfig` with the SM count the decode kernel sizes its splits by.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +53,12 @@ class AttentionConfig:
         """Whether the step is compiled for a Hopper GPU (sm_90), the target of the Mosaic GPU kernels
         (wgmma is sm_90's; Blackwell's tensor cores take other instructions)."""
         return self.impl == "pallas" and self.compute_capability is not None and 9.0 <= self.compute_capability < 10.0
+
+    @property
+    def mosaic_attention(self) -> bool:
+        """Whether prefill and mixed steps may take the Mosaic GPU attention kernel: on Hopper, unless
+        JAXSERVE_MOSAIC_ATTENTION=0 keeps every step on the Triton kernels (to compare the two)."""
+        return self.hopper and os.environ.get("JAXSERVE_MOSAIC_ATTENTION", "1") != "0"
 
     @property
     def native_matmuls(self) -> bool:
@@ -150,8 +157,9 @@ def ragged_paged_attention(
     `cu_q_lens[-1]` are padding and come back as zeros.
 
     `sliding_window` (static): a query at position p sees only keys p - sliding_window + 1 .. p, and no
-    implementation reads the pages before that. `logit_softcap` (static): scaled scores s become
-    cap * tanh(s / cap) before the softmax (Gemma 2).
+    implementation reads the pages before that but the Mosaic GPU kernel, which loads whole blocks of
+    keys (their slots must then hold finite values, as the engine's do) and masks the keys outside.
+    `logit_softcap` (static): scaled scores s become cap * tanh(s / cap) before the softmax (Gemma 2).
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
@@ -178,7 +186,8 @@ def ragged_paged_attention(
     if hopper and not interpret:
         from jaxserve.ops import paged_attention_mgpu
 
-        if paged_attention_mgpu.supports(q.dtype, k_pages.dtype, q.shape[2], k_pages.shape[2]) is None:
+        shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
+        if paged_attention_mgpu.supports(*shape) is None:
             return paged_attention_mgpu.ragged_paged_attention_mgpu(
                 q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores
             )

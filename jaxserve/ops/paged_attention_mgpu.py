@@ -43,6 +43,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxserve.ops.paged_attention_pallas import ScoreRule
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
+HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
+_SMEM_SPARE = 1024  # the description, barriers and alignment
+DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2)
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASK_VALUE = -1e30
 # A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
@@ -58,14 +61,30 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def supports(q_dtype, cache_dtype, head_dim: int, page_size: int, block_kv: int = 128) -> str | None:
-    """Why this kernel cannot serve a shape (None when it can)."""
+def shared_memory_bytes(head_dim: int, num_consumers: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """The kernel's buffers: per consumer its queries, P and output; per stage a K and a V block."""
+    rows = num_consumers * ROWS_PER_WARPGROUP
+    return (rows * (2 * head_dim + block_kv) + 2 * stages * block_kv * head_dim) * itemsize + _SMEM_SPARE
+
+
+def supports(
+    q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+    num_consumers: int = DEFAULTS["num_consumers"], block_kv: int = DEFAULTS["block_kv"],
+    stages: int = DEFAULTS["stages"], smem_limit: int = HOPPER_SMEM_BYTES,
+) -> str | None:
+    """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
     if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
         return f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(cache_dtype).name} (float16 or bfloat16, alike)"
     if head_dim % 64:
         return f"head dim {head_dim} (a multiple of 64)"
     if page_size % 8 or block_kv % page_size:
         return f"page size {page_size} (a multiple of 8 that divides {block_kv})"
+    if num_consumers not in (1, 2):
+        return f"{num_consumers} consumer warpgroups (1 or 2)"
+    if _next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
+        return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
+    if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages)) > smem_limit:
+        return f"head dim {head_dim} at block_kv {block_kv} x {stages} stages ({need} bytes of shared memory)"
     return None
 
 
@@ -98,6 +117,7 @@ def _consumer(
     block_kv: int,
     scores: ScoreRule,
 ):
+    plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
     kv_head = lax.axis_index("kv_head")
     rows, head_dim = ROWS_PER_WARPGROUP, q_smem.shape[-1]
     slab_pos, kv_len = info[_SLAB_POS], info[_KV_LEN]
@@ -184,6 +204,7 @@ def _producer(
     stages: int,
     pages_per_block: int,
 ):
+    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: its registers go to the consumers
     kv_head = lax.axis_index("kv_head")
     page_size = k_ref.shape[2]
     slab_start, req = info[_SLAB_TILE] * _SLAB_ALIGN, info[_REQ]
@@ -274,8 +295,8 @@ def _describe_blocks(
     base = starts // _SLAB_ALIGN * _SLAB_ALIGN
     counts = jnp.where(ends > starts, pl.cdiv(ends - base, block_q), 0)
     cu_counts = jnp.cumsum(counts)
-    # A request's rounding adds at most one block: T / block_q + 2 R bounds the count.
-    num_blocks = pl.cdiv(padded_tokens, block_q) + 2 * num_reqs
+    # Request r has at most (q_r + 7 + block_q - 1) // block_q blocks; summed: (T + 6 R) // block_q + R.
+    num_blocks = (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
     program = jnp.arange(num_blocks, dtype=jnp.int32)
     used = program < cu_counts[-1]
     req = jnp.minimum(jnp.searchsorted(cu_counts, program, side="right"), num_reqs - 1).astype(jnp.int32)
@@ -296,13 +317,13 @@ def _describe_blocks(
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
     """Tokens per query block: a program's rows (64 per consumer warpgroup) over the padded GQA group."""
-    padded_group = _next_pow2(num_q_heads // num_kv_heads)
-    rows = num_consumers * ROWS_PER_WARPGROUP
-    if padded_group > rows // 8:
-        raise ValueError(f"{num_q_heads // num_kv_heads} query heads per KV head leave under 8 tokens of {rows} rows")
-    return rows // padded_group
+    return num_consumers * ROWS_PER_WARPGROUP // _next_pow2(num_q_heads // num_kv_heads)
 
 
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
+                              "stages"),
+)
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
@@ -315,14 +336,19 @@ def ragged_paged_attention_mgpu(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     interpret: Any = False,  # True: Mosaic GPU's interpreter; or its InterpretGPUParams
-    num_consumers: int = 2,
-    block_kv: int = 128,
-    stages: int = 2,
+    num_consumers: int = DEFAULTS["num_consumers"],
+    block_kv: int = DEFAULTS["block_kv"],
+    stages: int = DEFAULTS["stages"],
 ) -> jax.Array:  # [T, N, H]
-    """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots)."""
+    """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
+
+    Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
+    otherwise, about half a second each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    if (why := supports(q.dtype, k_pages.dtype, head_dim, page_size, block_kv)) is not None:
+    shape = (q.dtype, k_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size)
+    why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages)
+    if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
     group = num_q_heads // num_kv_heads
     block_q = block_q_for(num_q_heads, num_kv_heads, num_consumers)

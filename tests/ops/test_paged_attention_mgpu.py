@@ -72,15 +72,16 @@ def test_group_sizes_and_warpgroups(num_q_heads, num_kv_heads, num_consumers):
 
 
 @needs_a_runner
-@pytest.mark.parametrize("block_kv,stages", [(64, 2), (128, 3)])
-def test_long_contexts_cycle_the_stages(block_kv, stages):
+@pytest.mark.parametrize("num_consumers,block_kv,stages", [(2, 64, 4), (1, 128, 2)])
+def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages):
     """Hundreds of keys: many steps through each stage, a 100-token prefill that fills several slabs, head
-    dim 128, and a block that starts mid-tile."""
+    dim 128, and a block that starts mid-tile (configurations within an H100's shared memory)."""
     rng = np.random.default_rng(1)
     case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=128,
                             max_pages=40))
-    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=2 if block_kv == 64 else 1, block_kv=block_kv,
-              stages=stages)
+    assert supports(jnp.bfloat16, jnp.bfloat16, 8, 2, 128, 16, num_consumers=num_consumers, block_kv=block_kv,
+                    stages=stages) is None
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=num_consumers, block_kv=block_kv, stages=stages)
     check(got, case, jnp.bfloat16, sm_scale=0.09)
 
 
@@ -111,14 +112,19 @@ def test_the_interpreter_finds_no_race_between_the_warpgroups():
 
 
 def test_what_the_kernel_refuses():
-    assert supports(jnp.bfloat16, jnp.bfloat16, 128, 16) is None
-    assert "float16 or bfloat16" in supports(jnp.float32, jnp.float32, 128, 16)
-    assert "alike" in supports(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16)  # an FP8 cache stays on Triton
-    assert "multiple of 64" in supports(jnp.bfloat16, jnp.bfloat16, 96, 16)
-    assert "page size" in supports(jnp.bfloat16, jnp.bfloat16, 64, 4)
+    """What it refuses falls back to the Triton kernel at the entry point."""
+    bf16 = (jnp.bfloat16, jnp.bfloat16)
+    assert supports(*bf16, 32, 8, 128, 16) is None  # Llama-3-8B
+    assert supports(*bf16, 9, 3, 64, 16) is None  # SmolLM2
+    assert "float16 or bfloat16" in supports(jnp.float32, jnp.float32, 32, 8, 128, 16)
+    assert "alike" in supports(jnp.bfloat16, jnp.float8_e4m3fn, 32, 8, 128, 16)  # an FP8 cache stays on Triton
+    assert "multiple of 64" in supports(*bf16, 32, 8, 96, 16)
+    assert "page size" in supports(*bf16, 32, 8, 64, 4)
+    assert "shared memory" in supports(*bf16, 8, 4, 256, 16)  # Gemma's head dim 256 at the defaults
+    assert "shared memory" in supports(*bf16, 32, 8, 128, 16, num_consumers=1, block_kv=128, stages=3)
+    assert "per KV head" in supports(*bf16, 32, 1, 64, 16, num_consumers=1)  # 32 heads of 64 rows: 2 tokens
+    assert "consumer" in supports(*bf16, 32, 8, 64, 16, num_consumers=3)
     assert block_q_for(32, 8, 2) == 32 and block_q_for(9, 3, 2) == 32 and block_q_for(12, 12, 2) == 128
-    with pytest.raises(ValueError, match="under 8 tokens"):
-        block_q_for(32, 1, 1)
 
 
 # Llama-3-8B's and SmolLM2's heads at the gpu preset's widest bucket (2,048 tokens, 256 requests), and a
