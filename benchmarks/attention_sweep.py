@@ -163,7 +163,7 @@ def main() -> None:
         page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
-        paged_grid = [(1, 64, 2)]
+        paged_grid = [(1, 64, 2, False)]
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
         decode_cases = {"decode 256 x 200-2048": rng.integers(200, 2049, 256).tolist(),
@@ -173,7 +173,9 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        paged_grid = [(2, 128, 2), (2, 64, 2), (2, 64, 4), (1, 128, 3), (1, 64, 4)]  # consumers, block_kv, stages
+        # consumers, block_kv, stages, P in registers (FlashAttention-3's way: measured and checked here first)
+        paged_grid = [(2, 128, 2, False), (2, 64, 4, False), (1, 128, 2, False), (2, 128, 2, True), (2, 64, 4, True),
+                      (1, 128, 3, True)]
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
                        "chunk 2048 at 8192": (2048, 8192)}
@@ -231,12 +233,12 @@ def main() -> None:
         inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
-        for consumers, block_kv, steps in paged_grid:
+        for consumers, block_kv, steps, in_registers in paged_grid:
             if over("paged"):
                 break
-            config = f"consumers={consumers} block_kv={block_kv} stages={steps}"
-            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps: ragged_paged_attention_mgpu(
-                *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s))
+            config = f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers}"
+            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers: ragged_paged_attention_mgpu(
+                *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s, p_in_registers=r))
             report(measure("paged", name, "mosaic-gpu-paged", config, fn, inputs.args, reference, amount, flops,
                            args.iters, 1e12))
     # 4. tensor-core candidates for one chunk

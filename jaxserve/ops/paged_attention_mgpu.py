@@ -61,16 +61,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def shared_memory_bytes(head_dim: int, num_consumers: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
-    """The kernel's buffers: per consumer its queries, P and output; per stage a K and a V block."""
+def shared_memory_bytes(
+    head_dim: int, num_consumers: int, block_kv: int, stages: int, p_in_registers: bool = False, itemsize: int = 2
+) -> int:
+    """The kernel's buffers: per consumer its queries, P (unless in registers) and output; per stage a K and
+    a V block."""
     rows = num_consumers * ROWS_PER_WARPGROUP
-    return (rows * (2 * head_dim + block_kv) + 2 * stages * block_kv * head_dim) * itemsize + _SMEM_SPARE
+    p_cols = 0 if p_in_registers else block_kv
+    return (rows * (2 * head_dim + p_cols) + 2 * stages * block_kv * head_dim) * itemsize + _SMEM_SPARE
 
 
 def supports(
     q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
     num_consumers: int = DEFAULTS["num_consumers"], block_kv: int = DEFAULTS["block_kv"],
-    stages: int = DEFAULTS["stages"], smem_limit: int = HOPPER_SMEM_BYTES,
+    stages: int = DEFAULTS["stages"], p_in_registers: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
 ) -> str | None:
     """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
     if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
@@ -83,7 +87,7 @@ def supports(
         return f"{num_consumers} consumer warpgroups (1 or 2)"
     if _next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
-    if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages)) > smem_limit:
+    if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
         return f"head dim {head_dim} at block_kv {block_kv} x {stages} stages ({need} bytes of shared memory)"
     return None
 
@@ -116,6 +120,7 @@ def _consumer(
     stages: int,
     block_kv: int,
     scores: ScoreRule,
+    p_in_registers: bool,
 ):
     plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
     kv_head = lax.axis_index("kv_head")
@@ -149,17 +154,22 @@ def _consumer(
         p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
         alpha = jnp.exp2(m - m_new)
         denom = denom * alpha + p.sum(axis=1)
-        p_wg[...] = p.astype(p_wg.dtype)
-        plgpu.commit_smem()  # P's stores visible to the tensor cores' reads
-        plgpu.barrier_wait(v_bars.at[slot])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if p_in_registers:  # FlashAttention-3's way: P stays in registers, P V accumulates in place
+            p16 = p.astype(q_wg.dtype)
+            plgpu.barrier_wait(v_bars.at[slot])
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
+        else:  # through shared memory, which Mosaic GPU's interpreter runs too
+            p_wg[...] = p.astype(p_wg.dtype)
+            plgpu.commit_smem()  # P's stores visible to the tensor cores' reads
+            plgpu.barrier_wait(v_bars.at[slot])
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
-            return acc_ref[...]
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
+                return acc_ref[...]
 
-        pv_out = pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
         plgpu.barrier_arrive(v_free.at[slot])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
         return m_new, denom, acc
 
     init = (
@@ -231,7 +241,8 @@ def _producer(
 
 
 def _kernel(
-    info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores
+    info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores,
+    p_in_registers,
 ):
     dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
     pages_per_block = block_kv // k_ref.shape[2]
@@ -258,7 +269,7 @@ def _kernel(
             for w in range(num_consumers):
                 pl.when(wg == w)(functools.partial(
                     _consumer, q_ref, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
-                    block_q=block_q, stages=stages, block_kv=block_kv, scores=scores,
+                    block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
                 ))
 
     pl.run_scoped(
@@ -266,7 +277,7 @@ def _kernel(
         _swizzled((num_consumers, rows, head_dim), dtype),
         _swizzled((stages, block_kv, head_dim), dtype),
         _swizzled((stages, block_kv, head_dim), dtype),
-        _swizzled((num_consumers, rows, block_kv), dtype),  # P
+        _swizzled((num_consumers, rows, block_kv) if not p_in_registers else (1, 8, 64), dtype),  # P
         plgpu.SMEM((num_consumers, rows, head_dim), dtype),  # the output, plain: stored a token at a time
         plgpu.SMEM((_INFO,), jnp.int32),  # last: the swizzled buffers before it stay 1,024-byte aligned
         plgpu.Barrier(),
@@ -322,7 +333,7 @@ def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
-                              "stages"),
+                              "stages", "p_in_registers"),
 )
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
@@ -339,15 +350,21 @@ def ragged_paged_attention_mgpu(
     num_consumers: int = DEFAULTS["num_consumers"],
     block_kv: int = DEFAULTS["block_kv"],
     stages: int = DEFAULTS["stages"],
+    p_in_registers: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
+
+    `p_in_registers`: P V takes P from registers and accumulates in place (FlashAttention-3's way, the
+    interpreter cannot run it: checked against the oracle on a Hopper GPU only) instead of through
+    shared memory.
 
     Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
     otherwise, about half a second each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     shape = (q.dtype, k_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size)
-    why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages)
+    why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
+                   p_in_registers=p_in_registers)
     if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
     group = num_q_heads // num_kv_heads
@@ -364,7 +381,7 @@ def ragged_paged_attention_mgpu(
 
     kernel = functools.partial(
         _kernel, num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, block_kv=block_kv,
-        scores=scores,
+        scores=scores, p_in_registers=p_in_registers,
     )
     out = plgpu.kernel(
         kernel,

@@ -95,6 +95,18 @@ def test_sliding_window_and_soft_cap_in_float16():
     check(run(case, jnp.float16, block_kv=64, **scores), case, jnp.float16, **scores)
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="wgmma from registers: Mosaic GPU's interpreter cannot run it, a Hopper GPU")
+@pytest.mark.parametrize("num_consumers,block_kv,stages", [(2, 128, 2), (2, 64, 4), (1, 128, 3)])
+def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, stages):
+    """FlashAttention-3's P V: P from registers, the accumulator updated in place."""
+    rng = np.random.default_rng(4)
+    case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=128,
+                            max_pages=40))
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
+              p_in_registers=True)
+    check(got, case, jnp.bfloat16, sm_scale=0.09)
+
+
 @pytest.mark.skipif(ON_HOPPER or not INTERPRETER_RUNS, reason="the interpreter's race detector (a CPU, jax >= 0.11)")
 def test_the_interpreter_finds_no_race_between_the_warpgroups():
     """The producer's TMA copies, the consumers' wgmma reads and the barriers between them, checked by the
@@ -133,17 +145,19 @@ COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("sm
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+@pytest.mark.parametrize("p_in_registers", [False, True])
 @pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES)
-def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size):
+def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size, p_in_registers):
     """Mosaic GPU lowers the kernel for sm_90a within the H100's 227 KiB of shared memory a block, with a
-    temporary under a megabyte beside the queries (the descriptions of its blocks)."""
+    temporary under a megabyte beside the queries (the descriptions of its blocks); P through shared memory
+    or in registers."""
     num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
     pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
     shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
               ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
-    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5))
+    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=p_in_registers))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert "mosaic_gpu" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 2**20
