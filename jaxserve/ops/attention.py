@@ -188,7 +188,7 @@ def ragged_paged_attention(
 
         shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
         if paged_attention_mgpu.supports(*shape) is None:
-            return paged_attention_mgpu.ragged_paged_attention_mgpu(
+            return paged_attention_mgpu.ragged_paged_attention_hopper(
                 q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores
             )
     return paged_attention_pallas.ragged_paged_attention_pallas(

@@ -297,6 +297,7 @@ def _describe_blocks(
     block_q: int,
     block_kv: int,
     scores: ScoreRule,
+    served: jax.Array | None,
 ) -> jax.Array:  # i32[NB, _INFO]
     """Each program's description. Request r's tokens [s, e) are cut into slabs of block_q tokens from s
     rounded down to a tile, so every slab starts on one; a block's own tokens are the slab's rows inside
@@ -305,6 +306,8 @@ def _describe_blocks(
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]  # i32[R]
     base = starts // _SLAB_ALIGN * _SLAB_ALIGN
     counts = jnp.where(ends > starts, pl.cdiv(ends - base, block_q), 0)
+    if served is not None:
+        counts = jnp.where(served, counts, 0)
     cu_counts = jnp.cumsum(counts)
     # Request r has at most (q_r + 7 + block_q - 1) // block_q blocks; summed: (T + 6 R) // block_q + R.
     num_blocks = (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
@@ -351,6 +354,7 @@ def ragged_paged_attention_mgpu(
     block_kv: int = DEFAULTS["block_kv"],
     stages: int = DEFAULTS["stages"],
     p_in_registers: bool = False,
+    served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
 
@@ -373,7 +377,7 @@ def ragged_paged_attention_mgpu(
     # q padded (a copy) only where its length is not a whole number of tiles or is under one slab.
     padded_tokens = max(pl.cdiv(num_tokens, _SLAB_ALIGN) * _SLAB_ALIGN, block_q)
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
-    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores)
+    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served)
     num_blocks = info.shape[0]
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
@@ -393,8 +397,44 @@ def ragged_paged_attention_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in warps
         interpret=_interpret_params() if interpret is True else interpret,
     )(info, page_table, q_in, k_pages, v_pages)[:num_tokens]
-    # Tokens past the step's requests (padding) are written by no program.
-    return jnp.where((jnp.arange(num_tokens) < cu_q_lens[-1])[:, None, None], out, 0)
+    # Tokens past the step's requests (padding), and those of requests not served, are written by no program.
+    written = jnp.arange(num_tokens) < cu_q_lens[-1]
+    if served is not None:
+        written &= served[jnp.minimum(jnp.searchsorted(cu_q_lens, jnp.arange(num_tokens), side="right") - 1,
+                                      served.shape[0] - 1)]
+    return jnp.where(written[:, None, None], out, 0)
+
+
+# Requests with fewer query tokens than this go to the Triton kernel in a Hopper step: a block of the
+# Mosaic GPU kernel holds 32-128 tokens, and a decode would fill one row group of it (FlashInfer splits
+# its prefill and decode kernels the same way).
+MIN_Q_LEN = 16
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret"))
+def ragged_paged_attention_hopper(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[R]
+    page_table: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R+1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    interpret: bool = False,  # both kernels in their interpreters (tests on a CPU)
+) -> jax.Array:  # [T, N, H]
+    """A Hopper step with prefill tokens: requests of at least MIN_Q_LEN query tokens through this kernel,
+    the rest (decodes, short chunks) through the Triton kernel; each returns zeros for the other's tokens."""
+    from jaxserve.ops.paged_attention_pallas import ragged_paged_attention_pallas
+
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
+    args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+    mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores)
+    triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
+    return mosaic + triton
 
 
 def _interpret_params():

@@ -284,13 +284,17 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
         raise ValueError(f"q is {q.dtype} but the KV pages are {k_pages.dtype} (the model's dtype or FP8)")
 
 
-def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array]:
+def query_blocks(
+    cu_q_lens: jax.Array, num_tokens: int, block_q: int, served: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Numbers the query blocks request by request: block b belongs to request block_req[b] (-1: unused)
     and starts at its token block_start[b]. At most T / block_q + R blocks exist (a static count); the
-    unused ones come last."""
+    unused ones come last. `served` (bool[R]): only those requests get blocks."""
     num_reqs = cu_q_lens.shape[0] - 1
     num_blocks = pl.cdiv(num_tokens, block_q) + num_reqs
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
+    if served is not None:
+        q_lens = jnp.where(served, q_lens, 0)
     cu_blocks = jnp.cumsum(pl.cdiv(q_lens, block_q))  # i32[R]
     program = jnp.arange(num_blocks, dtype=jnp.int32)
     block_req = jnp.searchsorted(cu_blocks, program, side="right").astype(jnp.int32)
@@ -317,6 +321,7 @@ def ragged_paged_attention_pallas(
     block_kv: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """The general kernel: same contract as `ops.attention.ragged_paged_attention`."""
     _check_shapes(q, k_pages, v_pages)
@@ -330,7 +335,7 @@ def ragged_paged_attention_pallas(
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     page_table = _pad_page_table(page_table, pages_per_block)
 
-    block_req, block_start = query_blocks(cu_q_lens, num_tokens, block_q)
+    block_req, block_start = query_blocks(cu_q_lens, num_tokens, block_q, served)
     num_programs = block_req.shape[0]
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability, ragged_paged_attention
-from jaxserve.ops.paged_attention_mgpu import block_q_for, ragged_paged_attention_mgpu, supports
+from jaxserve.ops.paged_attention_mgpu import (
+    MIN_Q_LEN,
+    block_q_for,
+    ragged_paged_attention_hopper,
+    ragged_paged_attention_mgpu,
+    supports,
+)
 from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
 
@@ -93,6 +99,19 @@ def test_sliding_window_and_soft_cap_in_float16():
     case = finite(blank_before_windows(case, 37))
     scores = dict(sm_scale=0.09, sliding_window=37, logit_softcap=30.0)
     check(run(case, jnp.float16, block_kv=64, **scores), case, jnp.float16, **scores)
+
+
+@needs_a_runner
+def test_a_hopper_step_sends_short_requests_to_triton():
+    """Requests of MIN_Q_LEN tokens or more through the Mosaic GPU kernel, decodes and short chunks through
+    the Triton one, in one step: together they match the oracle, padding tokens are zeros."""
+    rng = np.random.default_rng(5)
+    q_lens, kv_lens = [1, 40, 3, 0, 16, 1, 15], [50, 60, 20, 0, 16, 300, 90]
+    assert min(q for q in q_lens if q >= MIN_Q_LEN) == MIN_Q_LEN and any(1 < q < MIN_Q_LEN for q in q_lens)
+    case = finite(make_case(rng, q_lens, kv_lens, 8, 2, page_size=16, head_dim=64, max_pages=20))
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    got = ragged_paged_attention_hopper(*args, sm_scale=0.125, interpret=not ON_HOPPER)
+    check(np.asarray(got.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.125)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="wgmma from registers: Mosaic GPU's interpreter cannot run it, a Hopper GPU")
