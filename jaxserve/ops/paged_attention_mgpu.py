@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 from jaxserve.ops.paged_attention_pallas import ScoreRule
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
@@ -313,7 +314,8 @@ def _describe_blocks(
     num_blocks = (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
     program = jnp.arange(num_blocks, dtype=jnp.int32)
     used = program < cu_counts[-1]
-    req = jnp.minimum(jnp.searchsorted(cu_counts, program, side="right"), num_reqs - 1).astype(jnp.int32)
+    req = jnp.searchsorted(cu_counts, program, side="right", method=_SEARCH)
+    req = jnp.minimum(req, num_reqs - 1).astype(jnp.int32)
     slab = base[req] + (program - cu_counts[req] + counts[req]) * block_q  # unclamped start
     first_token = jnp.maximum(slab, starts[req])
     num_valid = jnp.where(used, jnp.minimum(slab + block_q, ends[req]) - first_token, 0)
@@ -400,8 +402,8 @@ def ragged_paged_attention_mgpu(
     # Tokens past the step's requests (padding), and those of requests not served, are written by no program.
     written = jnp.arange(num_tokens) < cu_q_lens[-1]
     if served is not None:
-        written &= served[jnp.minimum(jnp.searchsorted(cu_q_lens, jnp.arange(num_tokens), side="right") - 1,
-                                      served.shape[0] - 1)]
+        token_req = jnp.searchsorted(cu_q_lens, jnp.arange(num_tokens), side="right", method=_SEARCH) - 1
+        written &= served[jnp.minimum(token_req, served.shape[0] - 1)]
     return jnp.where(written[:, None, None], out, 0)
 
 

@@ -40,6 +40,9 @@ _LOG2_E = math.log2(math.e)
 _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
 _DEFAULT_NUM_SMS = 132  # an H100 SXM; used where no target is given (CPU, interpret mode)
+# jnp.searchsorted's default ("scan") is a while loop, which XLA:GPU runs from the host, reading its
+# predicate back every iteration; comparing all pairs is one small kernel (R x blocks, a few thousand).
+SEARCH_METHOD = "compare_all"
 # A cache of these is read as 8-bit floats and widened in registers (Triton converts them on sm_89+).
 FP8_CACHE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 
@@ -297,7 +300,7 @@ def query_blocks(
         q_lens = jnp.where(served, q_lens, 0)
     cu_blocks = jnp.cumsum(pl.cdiv(q_lens, block_q))  # i32[R]
     program = jnp.arange(num_blocks, dtype=jnp.int32)
-    block_req = jnp.searchsorted(cu_blocks, program, side="right").astype(jnp.int32)
+    block_req = jnp.searchsorted(cu_blocks, program, side="right", method=SEARCH_METHOD).astype(jnp.int32)
     is_used = program < cu_blocks[-1]
     block_req = jnp.minimum(block_req, num_reqs - 1)
     first_block = cu_blocks[block_req] - pl.cdiv(q_lens[block_req], block_q)
