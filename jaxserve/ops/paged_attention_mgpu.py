@@ -135,7 +135,7 @@ def _consumer(
     col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
     row_pos = slab_pos + (wg * rows + row) % block_q  # i32[rows, S]: each row's token position
 
-    def step_body(step, carry):
+    def step_body(step, carry, masked: bool):
         m, denom, acc = carry  # f32[rows] (log2 domain), f32[rows], f32[rows, H]
         slot = lax.rem(step - first_step, stages)
         plgpu.barrier_wait(k_bars.at[slot])
@@ -146,13 +146,17 @@ def _consumer(
 
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # f32[rows, S]
         plgpu.barrier_arrive(k_free.at[slot])
-        key_pos = step * block_kv + col
-        visible = (key_pos <= row_pos) & (key_pos < kv_len)
-        if scores.sliding_window is not None:
-            visible &= key_pos > row_pos - scores.sliding_window
-        s = jnp.where(visible, scores.log2_scores(s), _MASK_VALUE)
+        s = scores.log2_scores(s)
+        if masked:
+            key_pos = step * block_kv + col
+            visible = (key_pos <= row_pos) & (key_pos < kv_len)
+            if scores.sliding_window is not None:
+                visible &= key_pos > row_pos - scores.sliding_window
+            s = jnp.where(visible, s, _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        if masked:
+            p = jnp.where(visible, p, 0.0)  # a row with no key visible yet keeps a zero sum
         alpha = jnp.exp2(m - m_new)
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -178,7 +182,14 @@ def _consumer(
         plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
     )
-    _, denom, acc = lax.fori_loop(first_step, end_step, step_body, init)
+    # Steps wholly below every row's position (and inside the request) need no mask: a prefill's steps
+    # before its diagonal, all but the last one or two. Rows outside the block's tokens may then see keys
+    # past their own position; they are never stored. A window masks every step.
+    first_pos = slab_pos + info[_SHIFT]  # the block's first token's position, its lowest
+    unmasked_end = first_step if scores.sliding_window is not None else (first_pos + 1) // block_kv
+    unmasked_end = jnp.clip(unmasked_end, first_step, end_step)
+    carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
+    _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
