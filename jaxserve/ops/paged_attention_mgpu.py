@@ -20,7 +20,7 @@ Per program:
 - each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, float32 accumulators), masks it (causal,
   the request's length, a sliding window), runs the online softmax in the log2 domain, writes P in the
   model's dtype to shared memory and accumulates P V (wgmma); then it normalises its rows and stores
-  them, a head's slab at once when the slab is all the block's, else token by token.
+  them, a head's slab at once when the slab is all the block's, else in power-of-two runs.
 
 Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
@@ -111,7 +111,7 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
 
 
 def _consumer(
-    q_ref, o_ref,  # gmem [T, N, H]
+    o_ref,  # gmem [T, N, H]
     info, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this program's row of the descriptions
     q_bars, k_bars, v_bars, k_free, v_free,
     *,
@@ -205,14 +205,22 @@ def _consumer(
         own = (jnp.maximum(shift - first_token, 0), jnp.minimum(shift + num_valid - first_token, num_rows))
         pl.when(~whole)(functools.partial(_store_tokens, rows_smem, head_gmem, *own))
     plgpu.wait_smem_to_gmem(0)
-    del q_ref
 
 
 def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> None:
-    """Stores rows [first, end) of a head's slab, one TMA copy a token."""
-    @pl.loop(first, jnp.maximum(first, end))
-    def _(row):
-        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(row, 1)], head_gmem.at[pl.ds(row, 1)])
+    """Stores rows [first, end) of a head's slab in power-of-two runs: one TMA copy per set bit of the
+    count, largest first (at most 7 copies for 64 rows; the output buffer is plain, so any row may start
+    one)."""
+    count = jnp.maximum(end - first, 0)
+    num_rows = rows_smem.shape[0]
+    for bit in reversed(range(num_rows.bit_length())):
+        size = 1 << bit
+        if size > num_rows:
+            continue
+        start = first + (count >> (bit + 1) << (bit + 1))  # past the runs of the higher bits
+        pl.when(count & size != 0)(functools.partial(
+            plgpu.copy_smem_to_gmem, rows_smem.at[pl.ds(start, size)], head_gmem.at[pl.ds(start, size)]
+        ))
 
 
 def _producer(
@@ -280,7 +288,7 @@ def _kernel(
             ))
             for w in range(num_consumers):
                 pl.when(wg == w)(functools.partial(
-                    _consumer, q_ref, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
+                    _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
                     block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
                 ))
 
