@@ -195,7 +195,7 @@ def _consumer(
     plgpu.commit_smem()
 
     # Store the rows of the block's own tokens in place: a whole slab per head when every token is the
-    # request's, else token by token (the rest of the slab belongs to other blocks).
+    # request's, else in power-of-two runs (the rest of the slab belongs to other blocks).
     slab_start, shift, num_valid = info[_SLAB_TILE] * _SLAB_ALIGN, info[_SHIFT], info[_NUM_VALID]
     whole = (shift == 0) & (num_valid == block_q)
     for g, first_token, first_row, num_rows in _pieces(wg, group, block_q):
