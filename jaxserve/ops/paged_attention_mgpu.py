@@ -129,7 +129,8 @@ def _consumer(
     slab_pos, kv_len = info[_SLAB_POS], info[_KV_LEN]
     first_step, end_step = info[_FIRST_STEP], info[_END_STEP]
     plgpu.barrier_wait(q_bars[wg])
-    q_wg, p_wg, o_wg = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
+    q_wg, o_wg = q_smem.at[wg], o_smem.at[wg]
+    p_wg = None if p_in_registers else p_smem.at[wg]  # P's buffer is then a placeholder
 
     row = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
     col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
