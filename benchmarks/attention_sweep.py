@@ -216,24 +216,20 @@ def main() -> None:
                 report(measure("decode", name, "triton", f"page={page_size} block_kv={block_kv} warps={nw} "
                                f"stages={ns}", fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
             del inputs
-    # 2. prefill/mixed through the ragged kernel
-    for name, (q_lens, kv_lens) in mixed.items() if "mixed" in args.parts else ():
+    # 2 and 3. prefill/mixed through the Triton ragged kernel, then jaxserve's Mosaic GPU kernel, per case
+    # on the same inputs
+    for name, (q_lens, kv_lens) in mixed.items() if {"mixed", "paged"} & set(args.parts) else ():
         inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
-        for block_rows, block_kv, nw, ns in ragged_grid:
+        for block_rows, block_kv, nw, ns in ragged_grid if "mixed" in args.parts else ():
             if over("mixed"):
                 break
             fn = jax.jit(lambda *a, r=block_rows, b=block_kv, w=nw, s=ns: ragged_paged_attention_pallas(
                 *a, sm_scale=sm_scale, interpret=interpret, block_rows=r, block_kv=b, num_warps=w, num_stages=s))
             report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
-    # 3. jaxserve's Mosaic GPU kernel on the same cases
-    for name, (q_lens, kv_lens) in mixed.items() if "paged" in args.parts else ():
-        inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
-        reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
-        amount = useful_flops(inputs, num_q_heads, head_dim)
-        for consumers, block_kv, steps, in_registers in paged_grid:
+        for consumers, block_kv, steps, in_registers in paged_grid if "paged" in args.parts else ():
             if over("paged"):
                 break
             config = f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers}"

@@ -40,15 +40,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.ops.paged_attention_pallas import MASK_VALUE, ScoreRule, next_pow2
 from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
-from jaxserve.ops.paged_attention_pallas import ScoreRule
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
 _SMEM_SPARE = 1024  # the description, barriers and alignment
 DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2)
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MASK_VALUE = -1e30
 # A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
 # start a slice; the page ids are read from the page table in global memory).
 _REQ, _SLAB_TILE, _SLAB_POS, _SHIFT, _NUM_VALID, _KV_LEN, _FIRST_STEP, _END_STEP = range(8)
@@ -56,10 +55,6 @@ _INFO = 32  # ints a row: padded to 128 bytes, a copy that a warpgroup's 128 thr
 # A slab starts at a multiple of this many tokens, a tile of the shared-memory layout (Mosaic GPU's layout
 # inference accepts a copy's dynamic start only where it can prove that).
 _SLAB_ALIGN = 8
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def shared_memory_bytes(
@@ -86,7 +81,7 @@ def supports(
         return f"page size {page_size} (a multiple of 8 that divides {block_kv})"
     if num_consumers not in (1, 2):
         return f"{num_consumers} consumer warpgroups (1 or 2)"
-    if _next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
+    if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
     if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
         return f"head dim {head_dim} at block_kv {block_kv} x {stages} stages ({need} bytes of shared memory)"
@@ -153,7 +148,7 @@ def _consumer(
             visible = (key_pos <= row_pos) & (key_pos < kv_len)
             if scores.sliding_window is not None:
                 visible &= key_pos > row_pos - scores.sliding_window
-            s = jnp.where(visible, s, _MASK_VALUE)
+            s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
         if masked:
@@ -179,7 +174,7 @@ def _consumer(
         return m_new, denom, acc
 
     init = (
-        plgpu.layout_cast(jnp.full((rows,), _MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.full((rows,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
     )
@@ -353,7 +348,7 @@ def _describe_blocks(
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
     """Tokens per query block: a program's rows (64 per consumer warpgroup) over the padded GQA group."""
-    return num_consumers * ROWS_PER_WARPGROUP // _next_pow2(num_q_heads // num_kv_heads)
+    return num_consumers * ROWS_PER_WARPGROUP // next_pow2(num_q_heads // num_kv_heads)
 
 
 @functools.partial(

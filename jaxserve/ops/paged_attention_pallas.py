@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_MASK_VALUE = -1e30
+MASK_VALUE = -1e30
 _LOG2_E = math.log2(math.e)
 _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
@@ -52,13 +52,13 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: 
     return (num_kv_heads, num_pages, page_size, head_dim)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
 def _padded_head_dim(head_dim: int) -> int:
     """The head dim the kernels compute in: a power of two that Triton's dot accepts."""
-    return _next_pow2(max(head_dim, _MIN_DOT_DIM))
+    return next_pow2(max(head_dim, _MIN_DOT_DIM))
 
 
 def _head_dim_mask(padded_head_dim: int, head_dim: int) -> jax.Array:  # bool[Hp]
@@ -127,7 +127,7 @@ def _attend_block(
     if scores.sliding_window is not None:
         visible &= key_pos[None, :] > row_pos[:, None] - scores.sliding_window
     s = scores.log2_scores(plgpu.dot(q, k, trans_b=True))  # f32[M, S]
-    s = jnp.where(visible, s, _MASK_VALUE)
+    s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # rows with nothing visible yet stay 0
     alpha = jnp.exp2(m - m_new)
@@ -153,7 +153,7 @@ def _attend_blocks(
     """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages."""
     num_rows, padded_head_dim = q.shape
     init = (
-        jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
         jnp.zeros((num_rows, padded_head_dim), jnp.float32),
     )
@@ -261,7 +261,7 @@ def _decode_kernel(
 def _pages_per_block(page_size: int, block_kv: int, max_pages: int) -> int:
     if block_kv % page_size or block_kv & (block_kv - 1):
         raise ValueError(f"block_kv={block_kv} must be a power of two and a multiple of page_size={page_size}")
-    return min(block_kv // page_size, _next_pow2(max_pages))
+    return min(block_kv // page_size, next_pow2(max_pages))
 
 
 def _pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
@@ -331,7 +331,7 @@ def ragged_paged_attention_pallas(
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    padded_group = _next_pow2(group)
+    padded_group = next_pow2(group)
     block_q = max(1, block_rows // padded_group)
     if block_q * padded_group < _MIN_DOT_DIM:
         block_q = _MIN_DOT_DIM // padded_group
@@ -397,7 +397,7 @@ def paged_decode_attention_pallas(
     if page_table.shape[0] != num_reqs:
         raise ValueError(f"decode needs one token per request: {num_reqs} tokens, {page_table.shape[0]} requests")
     group = num_q_heads // num_kv_heads
-    num_rows = max(_MIN_DOT_DIM, _next_pow2(group))
+    num_rows = max(_MIN_DOT_DIM, next_pow2(group))
     padded_head_dim = _padded_head_dim(head_dim)
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     if num_splits is None:
