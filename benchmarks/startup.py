@@ -2,6 +2,9 @@
 
 `ready_s` is what a client waits for; with `--warmup background` (and `auto`, serve's default, on a warm
 cache) the server is ready after one bucket and `all_compiled_s` says when the last bucket was in.
+`--first-requests N` sends N requests at once as soon as the server is ready and records when the last
+is answered (`answered_s`, from process start): whether a server that is ready early, compiling the
+rest while it serves, answers its first clients sooner than one that compiled everything first.
 Cold: empty compilation cache and empty jaxserve cache (the GGUF's converted config and tokenizer).
 Warm: the same command again, both caches filled by the cold start. Each start is a fresh process, and
 the server's own log gives the split (loading, KV allocation, warm-up).
@@ -38,8 +41,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _complete(port: int, prompt_words: int, max_tokens: int) -> None:
+    body = json.dumps({"prompt": " ".join(["word"] * prompt_words), "max_tokens": max_tokens,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        assert response.status == 200, response.status
+
+
+def _first_requests(port: int, count: int) -> None:
+    """`count` requests of ~128 prompt and 64 output tokens, all at once; returns when all are answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(count) as pool:
+        for future in [pool.submit(_complete, port, 128, 64) for _ in range(count)]:
+            future.result()
+
+
 def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
-               log_path: Path | None = None, wait_all: bool = True) -> dict[str, float]:
+               log_path: Path | None = None, wait_all: bool = True, first_requests: int = 0) -> dict[str, float]:
     """Starts a server, waits for /health, stops it; returns the seconds to ready and the log's phases."""
     port = _free_port()
     env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache_dir / "jaxserve"), HF_HUB_OFFLINE="1")
@@ -64,6 +85,9 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
                     pass
                 time.sleep(0.05)
             ready = time.perf_counter() - start
+            if first_requests:
+                _first_requests(port, first_requests)
+                answered = time.perf_counter() - start
             while wait_all and time.perf_counter() - start < timeout:  # a background warm-up: until every bucket is in
                 log.seek(0)
                 if _PHASES["all_compiled_s"].search(log.read()):
@@ -75,6 +99,8 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
         log.seek(0)
         text = log.read()
     result = {"ready_s": round(ready, 2)}
+    if first_requests:
+        result["answered_s"] = round(answered, 2)
     for name, pattern in _PHASES.items():
         if match := pattern.search(text):
             result[name] = float(match.group(1))
@@ -90,6 +116,8 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each start's server log here")
     parser.add_argument("--no-wait-all", action="store_true",
                         help="stop each server once ready, not once a background warm-up has compiled every bucket")
+    parser.add_argument("--first-requests", type=int, default=0,
+                        help="send this many requests (~128 prompt, 64 output tokens) at once when ready")
     parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags (after --)")
     args = parser.parse_args()
     rows = []
@@ -98,7 +126,7 @@ def main() -> None:
             for kind in ("cold", "warm"):
                 log_path = args.log_dir / f"serve-{run}-{kind}.log" if args.log_dir else None
                 result = start_once(args.config, Path(tmp), args.extra, args.timeout, log_path,
-                                    wait_all=not args.no_wait_all)
+                                    wait_all=not args.no_wait_all, first_requests=args.first_requests)
                 rows.append({"run": run, "kind": kind, **result})
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:

@@ -266,8 +266,8 @@ SERVER_LOG_FLAGS = (
 WARMUP_FLAGS = (
     Flag("--warmup", EngineConfig, "warmup_mode", choices=list(WARMUP_MODES), default="auto",
          help="full: ready once every bucket is compiled; background: ready once the largest bucket (which "
-              "holds any step) is compiled, the others compiling while it serves; auto: background where "
-              "that bucket came from the compilation cache (a restart), full otherwise (default: auto)"),
+              "holds any step) is compiled, the others compiling while it serves; auto: background, and full "
+              "in a multi-host job (default: auto)"),
 )
 
 HOST_FLAGS = (

@@ -179,10 +179,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
-    # When the engine is ready (WARMUP_MODES): once every bucket is compiled (full), once the largest, which
-    # holds any step, is (background: the rest compile while serving), or background where that bucket
-    # came from the persistent cache and full otherwise (auto: `serve`'s default; full here keeps library
-    # and benchmark engines at their steady state once built).
+    # When the engine is ready (WARMUP_MODES): once every bucket is compiled (full), or once the largest,
+    # which holds any step, is (background: the rest compile while serving). auto, `serve`'s default, is
+    # background on one host and full across hosts (every process runs the same buckets in the same
+    # order); full here keeps library and benchmark engines at their steady state once built.
     warmup_mode: str = "full"
     # The engine core (scheduler, runner, the model) in its own process; detokenizing and outputs stay in
     # the caller's (vLLM V1's split).

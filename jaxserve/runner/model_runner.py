@@ -223,11 +223,17 @@ class ModelRunner:
 
     def _peak_temp_bytes(self, device: jax.Device) -> int:
         """XLA's temp memory for the largest mixed and decode buckets, compiled with a provisional page
-        count (the step's temp memory does not depend on it; the page count is what it decides)."""
+        count (the step's temp memory does not depend on it; the page count is what it decides), at once
+        on threads: they stand between the weights and the warm-up's first compile."""
         shapes = self._shapes(self.max_pages_per_req + 1)
         largest = largest_buckets(self.ladder.all_buckets())
-        return max(compile_bucket(self._step, self.model.state, shapes, b, device, self.mesh).temp_bytes
-                   for b in largest)
+
+        def temp_bytes(bucket: Bucket) -> int:
+            return compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh).temp_bytes
+
+        with ThreadPoolExecutor(max_workers=min(len(largest), _COMPILE_THREADS),
+                                thread_name_prefix="jaxserve-budget") as pool:
+            return max(pool.map(temp_bytes, largest))
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
@@ -394,13 +400,13 @@ class ModelRunner:
 
         Buckets compile a few at once on threads (XLA releases the GIL while it compiles; tracing does
         not), the largest mixed bucket first, and JAX's persistent cache serves repeated starts. `mode`
-        (config.WARMUP_MODES): full returns once every bucket is compiled. background returns once the
-        largest mixed bucket, which holds any step, is compiled; the others compile on one thread fewer
-        while steps run (smallest decode buckets first), each step in the smallest compiled bucket that
-        holds it. auto is background where that first bucket came from the persistent cache (a warm start:
-        the others are loads too) and full where it was compiled (a cold start: early steps would share the
-        cores with compiles for a long while). Buckets compiled before ready are also run once (on the empty
-        batch); the others pay their first run's extra cost on first use.
+        (config.WARMUP_MODES): full returns once every bucket is compiled. background (and auto, which the
+        engine core turns into full across hosts) returns once the largest mixed bucket, which holds any
+        step, is compiled; the others compile on one thread fewer while steps run (smallest decode buckets
+        first), each step in the smallest compiled bucket that holds it. On a cold cache too: a server
+        ready early answers its first clients sooner than one that compiled every bucket first, though its
+        first steps share the cores with compiles (docs/benchmarks.md). Buckets compiled before ready are
+        also run once (on the empty batch); the others pay their first run's extra cost on first use.
         """
         start = time.perf_counter()
         self.replay_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
@@ -409,11 +415,12 @@ class ModelRunner:
         jobs = self._jobs([largest, *sorted(set(buckets) - {largest}, key=lambda b: (not b.decode_only, b))])
         slots = threading.Semaphore(_COMPILE_THREADS)
         pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="jaxserve-compile")
-        # All at once, but with `background` the others only once the engine is ready (on the first's heels).
-        futures = [pool.submit(self._compile_one, job, slots) for job in jobs[:1 if mode == "background" else None]]
+        # All at once, but with `background` the others only once the engine is ready (on the first's heels):
+        # started beside it, their tracing holds the GIL the first needs (a later ready; docs/benchmarks.md).
+        background = mode != "full"
+        futures = [pool.submit(self._compile_one, job, slots) for job in jobs[:1 if background else None]]
         try:
             first_from_cache = futures[0].result()
-            background = mode == "background" or (mode == "auto" and bool(first_from_cache))
             ready_jobs = 1 if background else len(jobs)
             waited = futures[:ready_jobs]
             for future in progress(waited, "Compiling buckets", logger, unit="buckets") if show_progress else waited:
