@@ -5,8 +5,9 @@
 #   startup    `jaxserve serve --config gpu` on the GPT-2 shape (random weights), cold then warm cache;
 #   test-gpu   `make test-gpu`'s subset (`pytest -m gpu`) on the device;
 #   attention  the Triton kernels' tuning sweep and the tensor-core candidates (benchmarks/attention_sweep.py);
-#   chunks     the tensor-core kernels only: jaxserve's paged Mosaic GPU kernel beside the Triton one, then
-#              JAX's Mosaic GPU flash attention merged with the prefix, and cuDNN;
+#   chunks     the tensor-core kernels only: jaxserve's paged Mosaic GPU kernel beside the Triton one (mixed
+#              steps, then decodes beside the Triton decode kernel), then JAX's Mosaic GPU flash attention
+#              merged with the prefix, and cuDNN;
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).

@@ -77,6 +77,8 @@ def supports(
         return f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(cache_dtype).name} (float16 or bfloat16, alike)"
     if head_dim % 64:
         return f"head dim {head_dim} (a multiple of 64)"
+    if block_kv % 64:
+        return f"block_kv {block_kv} (a multiple of 64: P's shared-memory tiles are 64 keys wide)"
     if page_size % 8 or block_kv % page_size:
         return f"page size {page_size} (a multiple of 8 that divides {block_kv})"
     if num_consumers not in (1, 2):

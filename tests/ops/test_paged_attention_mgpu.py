@@ -92,6 +92,18 @@ def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages):
 
 
 @needs_a_runner
+def test_a_decode_only_batch_on_one_warpgroup():
+    """The decode cases `attention_sweep.py` times on a GPU against the Triton decode kernel: one query
+    token per request, so each program is one request and KV head, its group's 4 rows of the warpgroup's
+    64 (the slab's other tokens are other requests'); contexts from one key to many stages of 64."""
+    rng = np.random.default_rng(3)
+    kv_lens = [1, 63, 64, 65, 200, 17, 130, 300]
+    case = finite(make_case(rng, [1] * len(kv_lens), kv_lens, 8, 2, page_size=16, head_dim=128, max_pages=20))
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=1, block_kv=64, stages=3)
+    check(got, case, jnp.bfloat16, sm_scale=0.09)
+
+
+@needs_a_runner
 def test_sliding_window_and_soft_cap_in_float16():
     """Gemma 2's soft cap and a window of 37 keys; the pages wholly before each window hold garbage."""
     rng = np.random.default_rng(2)
@@ -151,6 +163,7 @@ def test_what_the_kernel_refuses():
     assert "alike" in supports(jnp.bfloat16, jnp.float8_e4m3fn, 32, 8, 128, 16)  # an FP8 cache stays on Triton
     assert "multiple of 64" in supports(*bf16, 32, 8, 96, 16)
     assert "page size" in supports(*bf16, 32, 8, 64, 4)
+    assert "block_kv 32" in supports(*bf16, 9, 3, 64, 16, block_kv=32)  # fails Mosaic GPU's tiling otherwise
     assert "shared memory" in supports(*bf16, 8, 4, 256, 16)  # Gemma's head dim 256 at the defaults
     assert "shared memory" in supports(*bf16, 32, 8, 128, 16, num_consumers=1, block_kv=128, stages=3)
     assert "per KV head" in supports(*bf16, 32, 1, 64, 16, num_consumers=1)  # 32 heads of 64 rows: 2 tokens
