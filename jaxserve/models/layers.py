@@ -298,7 +298,7 @@ def paged_attention(
             q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
             sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), sliding_window=sliding_window,
             logit_softcap=logit_softcap, impl=attention.impl, num_sms=attention.num_sms, decode_only=md.decode_only,
-            hopper=attention.mosaic_attention,
+            hopper=attention.mosaic_attention, hopper_decode=attention.mosaic_decode,
         )
         return out, (k_pages, v_pages)
 

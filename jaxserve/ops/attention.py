@@ -61,6 +61,12 @@ class AttentionConfig:
         return self.hopper and os.environ.get("JAXSERVE_MOSAIC_ATTENTION", "1") != "0"
 
     @property
+    def mosaic_decode(self) -> bool:
+        """Whether decode-only steps take the Mosaic GPU kernel instead of the split-KV Triton kernel: on
+        Hopper with JAXSERVE_MOSAIC_DECODE=1, opt-in until a GPU has measured which reads K/V faster."""
+        return self.hopper and os.environ.get("JAXSERVE_MOSAIC_DECODE", "0") == "1"
+
+    @property
     def native_matmuls(self) -> bool:
         """Whether bfloat16 matmuls go through the native CPU kernel too (`cpu_kernels.matmul_bf16`): with
         `cpu-native` on one device. XLA:CPU runs bfloat16 dots several times slower than float32 ones."""
@@ -149,6 +155,7 @@ def ragged_paged_attention(
     num_sms: int | None = None,
     decode_only: bool = False,
     hopper: bool = False,
+    hopper_decode: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
 
@@ -165,7 +172,8 @@ def ragged_paged_attention(
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
     `num_sms` programs. `impl` is taken as resolved (`auto` is resolved against the local device).
     `hopper` (static, with `pallas`): the target is a Hopper GPU, whose prefill and mixed steps go through
-    the Mosaic GPU kernel where the shapes fit it.
+    the Mosaic GPU kernel where the shapes fit it; `hopper_decode` (static) sends decode-only steps there
+    too (`AttentionConfig.mosaic_decode`).
     """
     if impl == "auto":
         impl = resolve_impl(impl)
@@ -179,6 +187,14 @@ def ragged_paged_attention(
     if impl == "reference":
         return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     interpret = impl == "interpret"
+    shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
+    if decode_only and hopper_decode and not interpret:
+        from jaxserve.ops import paged_attention_mgpu
+
+        if paged_attention_mgpu.supports(*shape, **paged_attention_mgpu.DECODE_DEFAULTS) is None:
+            return paged_attention_mgpu.ragged_paged_attention_mgpu(
+                q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **paged_attention_mgpu.DECODE_DEFAULTS, **scores
+            )
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
             q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores
@@ -186,7 +202,6 @@ def ragged_paged_attention(
     if hopper and not interpret:
         from jaxserve.ops import paged_attention_mgpu
 
-        shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
         if paged_attention_mgpu.supports(*shape) is None:
             return paged_attention_mgpu.ragged_paged_attention_hopper(
                 q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores

@@ -47,6 +47,9 @@ ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
 _SMEM_SPARE = 1024  # the description, barriers and alignment
 DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2)
+# For decode-only steps (opt-in, `AttentionConfig.mosaic_decode`): a program per request and KV head, the
+# GQA group's rows in one warpgroup; what a GPU measures decides (benchmarks/attention_sweep.py, part paged).
+DECODE_DEFAULTS = dict(num_consumers=1, block_kv=128, stages=2)
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
 # start a slice; the page ids are read from the page table in global memory).

@@ -201,15 +201,26 @@ def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
     cache through the Triton kernels."""
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
 
-    def lowered(decode_only: bool, cache_dtype) -> str:
+    def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False) -> str:
         shapes = [((64, 32, 128), jnp.bfloat16), ((8, 1024, 16, 128), cache_dtype), ((8, 1024, 16, 128), cache_dtype),
                   ((64,), jnp.int32), ((64, 64), jnp.int32), ((65,), jnp.int32)]
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
         fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="pallas", hopper=True,
-                                                       decode_only=decode_only))
+                                                       decode_only=decode_only, hopper_decode=hopper_decode))
         with jax.default_device(deviceless_h100()):
             return fn.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(False, jnp.bfloat16)
     assert "mosaic_gpu" not in lowered(True, jnp.bfloat16)
     assert "mosaic_gpu" not in lowered(False, jnp.float8_e4m3fn)
+    # Opted in (JAXSERVE_MOSAIC_DECODE=1), decode-only steps take the Mosaic GPU kernel; an FP8 cache not.
+    assert "mosaic_gpu" in lowered(True, jnp.bfloat16, hopper_decode=True)
+    assert "mosaic_gpu" not in lowered(True, jnp.float8_e4m3fn, hopper_decode=True)
+
+
+def test_mosaic_decode_is_opt_in_on_hopper(monkeypatch):
+    config = AttentionConfig(impl="pallas", compute_capability=9.0)
+    assert config.mosaic_attention and not config.mosaic_decode
+    monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", "1")
+    assert config.mosaic_decode
+    assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
