@@ -187,25 +187,20 @@ def ragged_paged_attention(
     if impl == "reference":
         return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     interpret = impl == "interpret"
-    shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
-    if decode_only and hopper_decode and not interpret:
-        from jaxserve.ops import paged_attention_mgpu
+    if (hopper_decode if decode_only else hopper) and not interpret:
+        from jaxserve.ops import paged_attention_mgpu as mgpu
 
-        if paged_attention_mgpu.supports(*shape, **paged_attention_mgpu.DECODE_DEFAULTS) is None:
-            return paged_attention_mgpu.ragged_paged_attention_mgpu(
-                q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **paged_attention_mgpu.DECODE_DEFAULTS, **scores
-            )
+        config = mgpu.DECODE_DEFAULTS if decode_only else mgpu.DEFAULTS
+        shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
+        if mgpu.supports(*shape, **config) is None:
+            args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+            if decode_only:
+                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores)
+            return mgpu.ragged_paged_attention_hopper(*args, **scores)
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
             q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores
         )
-    if hopper and not interpret:
-        from jaxserve.ops import paged_attention_mgpu
-
-        if paged_attention_mgpu.supports(*shape) is None:
-            return paged_attention_mgpu.ragged_paged_attention_hopper(
-                q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores
-            )
     return paged_attention_pallas.ragged_paged_attention_pallas(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, interpret=interpret, **scores
     )
