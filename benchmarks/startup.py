@@ -1,7 +1,7 @@
 """Start-up time of `jaxserve serve`: process start to a 200 from /health, cold and warm.
 
-`ready_s` is what a client waits for; with `--warmup background` (and `auto`, serve's default, on a warm
-cache) the server is ready after one bucket and `all_compiled_s` says when the last bucket was in.
+`ready_s` is what a client waits for; with `--warmup background` (and `auto`, serve's default, on one
+host) the server is ready after one bucket and `all_compiled_s` says when the last bucket was in.
 `--first-requests N` sends N requests at once as soon as the server is ready and records when the last
 is answered (`answered_s`, from process start): whether a server that is ready early, compiling the
 rest while it serves, answers its first clients sooner than one that compiled everything first.
