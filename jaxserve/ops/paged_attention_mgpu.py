@@ -214,10 +214,8 @@ def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> Non
     one)."""
     count = jnp.maximum(end - first, 0)
     num_rows = rows_smem.shape[0]
-    for bit in reversed(range(num_rows.bit_length())):
+    for bit in reversed(range(num_rows.bit_length())):  # every 1 << bit is at most num_rows
         size = 1 << bit
-        if size > num_rows:
-            continue
         start = first + (count >> (bit + 1) << (bit + 1))  # past the runs of the higher bits
         pl.when(count & size != 0)(functools.partial(
             plgpu.copy_smem_to_gmem, rows_smem.at[pl.ds(start, size)], head_gmem.at[pl.ds(start, size)]
