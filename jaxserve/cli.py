@@ -165,8 +165,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             run_follower(_engine_config(args, **hosts))
             return
     from jaxserve.api.server import run_server
+    from jaxserve.process_exit import exit_now
 
-    sys.exit(run_server(_engine_config(args, **read_flags(args, WARMUP_FLAGS), **hosts), server_config))
+    # exit_now: the engine has stopped; compiles a background warm-up still runs are not waited for
+    exit_now(run_server(_engine_config(args, **read_flags(args, WARMUP_FLAGS), **hosts), server_config))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:

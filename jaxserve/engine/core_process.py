@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +52,7 @@ from jaxserve.engine.core_io import (
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
+from jaxserve.process_exit import exit_now
 from jaxserve.sampling_params import InvalidParam
 
 if TYPE_CHECKING:
@@ -192,6 +194,7 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: b
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_all, args=(conn, outbox), name="jaxserve-core-sender", daemon=True)
     sender.start()
+    code = 0
     try:
         from jaxserve.engine.core import EngineCore  # imports jax: in this process only
 
@@ -200,13 +203,14 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: b
         _CoreLoop(core, conn, outbox).run()
     except EOFError:  # the frontend's end of the pipe closed: its process is gone
         logger.info("the frontend is gone; the engine core stops")
-    except BaseException as e:
+    except BaseException:
         logger.exception("the engine core failed")
-        outbox.put(("dead", repr(e)))
-        raise SystemExit(1) from e
+        outbox.put(("dead", repr(sys.exc_info()[1])))
+        code = 1
     finally:
         outbox.put(None)
         sender.join(10)
+    exit_now(code)  # compiles a background warm-up still runs are not waited for
 
 
 def _send_all(conn: Connection, outbox: queue.Queue) -> None:

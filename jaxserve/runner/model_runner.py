@@ -468,10 +468,10 @@ class ModelRunner:
         if self._background is not None:
             self._background.join(timeout)
 
-    def stop_warmup(self, timeout: float | None = 30.0) -> None:
-        """Stops a background warm-up after the compiles under way (a shutdown must not wait for all)."""
+    def stop_warmup(self) -> None:
+        """Stops a background warm-up: the queued compiles are dropped. Those under way go on in their
+        threads (XLA cannot interrupt a compile); a shutdown does not wait for them (process_exit.py)."""
         self._stop_compiling.set()
-        self.wait_for_warmup(timeout)
 
     def _jobs(self, buckets: list[Bucket]) -> list[tuple[Bucket, StepVariant]]:
         """What warm-up compiles for `buckets`: each plain, and the decode buckets' variants turned on."""

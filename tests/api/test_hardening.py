@@ -354,3 +354,43 @@ def test_a_runtime_fault_drains_and_exits_1(tmp_path: Path, compile_cache):
         assert "exiting with code 1" in server.log()
     finally:
         stop_server(server)
+
+
+# 2. Compiles still under way in a background warm-up at shutdown: XLA cannot interrupt one, so the
+# server exits once its requests are done and its engine stopped, without waiting for them.
+STALL_BACKGROUND_COMPILES = '''
+import sys
+import threading
+from jaxserve.runner import model_runner
+
+original = model_runner.ModelRunner._compile_one
+ready_bucket = threading.Event()
+
+
+def compile_one(self, job, slots):
+    if ready_bucket.is_set():  # every bucket after the one the server is ready with: a compile that never ends
+        threading.Event().wait(3600)
+    ready_bucket.set()
+    return original(self, job, slots)
+
+
+model_runner.ModelRunner._compile_one = compile_one
+from jaxserve.cli import main
+
+main(sys.argv[1:])
+'''
+
+
+def test_sigterm_exits_without_waiting_for_background_compiles(tmp_path: Path, compile_cache):
+    script = tmp_path / "stalled_compiles.py"
+    script.write_text(STALL_BACKGROUND_COMPILES)
+    server = start_server(tmp_path, compile_cache, "--warmup", "background", launcher=(str(script),))
+    try:
+        assert httpx.post(f"{server.v1}/completions", json={"prompt": "hi", "max_tokens": 3},
+                          timeout=60).status_code == 200  # served by the one compiled bucket
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0  # before: the interpreter's exit joined the compile threads
+        log = server.log()
+        assert "server stopped" in log and "Traceback" not in log, log[-3000:]
+    finally:
+        stop_server(server)
