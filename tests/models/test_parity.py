@@ -95,6 +95,23 @@ def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     np.testing.assert_allclose(np.concatenate(got), expected, atol=TOL, rtol=0)
 
 
+def test_the_reference_soft_caps_gemma2s_attention(tiny_model_dir, tiny_hf_model):
+    """The parity reference must apply attn_logit_softcapping: transformers' SDPA attention drops it, and
+    transformers 5.17 gives Gemma 2 SDPA by default (the GPU image's: its parity failed from the second
+    token on, where the cap changes the softmax, while jaxserve's kernels were right)."""
+    import transformers
+
+    tokens = torch.tensor([list(range(50, 60))])
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir("gemma2"))
+    config.attn_logit_softcapping = None
+    uncapped = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("gemma2"), config=config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        capped, plain = tiny_hf_model("gemma2")(tokens).logits[0].numpy(), uncapped(tokens).logits[0].numpy()
+    np.testing.assert_allclose(capped[0], plain[0], atol=TOL, rtol=0)  # one key: the softmax is 1 either way
+    assert np.abs(capped[1:] - plain[1:]).max() > 100 * TOL
+
+
 def test_qwen2_biases_are_loaded(tiny_model_dir):
     loaded = load_model(str(tiny_model_dir("qwen2")), dtype="float32")
     assert loaded.cfg.qkv_bias
@@ -164,7 +181,8 @@ def test_sliding_windows_are_per_layer_and_they_matter(kind, tiny_model_dir, tin
     ours = PagedForward(loaded, list(range(1, 9)))(tokens)
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir(kind))
     config.sliding_window = 10_000  # windows past the context: the reference without them
-    unwindowed = type(tiny_hf_model(kind)).from_pretrained(tiny_model_dir(kind), config=config).eval()
+    unwindowed = type(tiny_hf_model(kind)).from_pretrained(tiny_model_dir(kind), config=config,
+                                                          attn_implementation="eager").eval()
     with torch.no_grad():
         full = unwindowed(torch.tensor([tokens])).logits[0].numpy()
     assert np.abs(ours - full).max() > 100 * TOL
