@@ -46,7 +46,9 @@ from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
 _SMEM_SPARE = 1024  # the description, barriers and alignment
-DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2)
+# Prefill and mixed steps: P in registers was 5-7% faster than through shared memory on an H200, on both
+# cases measured (docs/benchmarks.md), and matched the oracle there.
+DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)
 # For decode-only steps (opt-in, `AttentionConfig.mosaic_decode`): a program per request and KV head, the
 # GQA group's rows in one warpgroup; what a GPU measures decides (benchmarks/attention_sweep.py, part paged).
 DECODE_DEFAULTS = dict(num_consumers=1, block_kv=128, stages=2)
@@ -452,7 +454,8 @@ def ragged_paged_attention_hopper(
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
-    mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores)
+    mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
+                                         p_in_registers=DEFAULTS["p_in_registers"] and not interpret)
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
 
