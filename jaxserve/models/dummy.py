@@ -9,7 +9,9 @@ their scale through the layers and the logits are not flat (greedy outputs vary)
 
 import functools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -42,20 +44,25 @@ def dummy_weights(abstract: Any, seed: int = 0) -> dict[tuple, jax.Array]:
 
     One compiled draw per distinct (shape, dtype, kind, sharding), called once per parameter with its own
     index: a model's layers repeat a handful of shapes, and on a GPU each compile costs ~0.1 s per kernel
-    (one jitted call drawing all of GPT-2's 148 tensors took 19 s to compile on an H100)."""
+    (one jitted call drawing all of GPT-2's 148 tensors took 19 s to compile on an H100). The distinct
+    draws compile at once on threads (XLA releases the GIL while it compiles)."""
     start = time.perf_counter()
     leaves = traverse_util.flatten_dict(nnx.to_pure_dict(abstract.state))
     key = jax.random.key(seed, impl="rbg")
-    draws: dict[tuple, Any] = {}
-    values = []
-    for index, (path, leaf) in enumerate(leaves.items()):
-        shape, dtype, kind = tuple(leaf.shape), jnp.dtype(leaf.dtype), _kind(path)
-        sharding = None if abstract.mesh is None else abstract.sharding(path, leaf.shape)
-        signature = (shape, dtype, kind, sharding)
-        if signature not in draws:
-            draws[signature] = jax.jit(functools.partial(_draw, shape=shape, dtype=dtype, kind=kind),
-                                       out_shardings=sharding)
-        values.append(draws[signature](key, np.int32(index)))
+    signatures = [(tuple(leaf.shape), jnp.dtype(leaf.dtype), _kind(path),
+                   None if abstract.mesh is None else abstract.sharding(path, leaf.shape))
+                  for path, leaf in leaves.items()]
+
+    def compile_draw(signature: tuple) -> Any:
+        shape, dtype, kind, sharding = signature
+        draw = jax.jit(functools.partial(_draw, shape=shape, dtype=dtype, kind=kind), out_shardings=sharding)
+        return draw.lower(key, np.int32(0)).compile()
+
+    distinct = list(dict.fromkeys(signatures))
+    with ThreadPoolExecutor(max_workers=min(len(distinct), os.cpu_count() or 1),
+                            thread_name_prefix="jaxserve-dummy") as pool:
+        draws = dict(zip(distinct, pool.map(compile_draw, distinct), strict=True))
+    values = [draws[signature](key, np.int32(index)) for index, signature in enumerate(signatures)]
     jax.block_until_ready(values)
     logger.info("weights: %d random tensors (--load-format dummy, %.2f GB, %d distinct draws) drawn in %.1fs",
                 len(values), abstract.weights_bytes / 1e9, len(draws), time.perf_counter() - start)
