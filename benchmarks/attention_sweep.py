@@ -12,7 +12,8 @@ heads, bfloat16):
 3. **paged**: jaxserve's own Mosaic GPU kernel (`ragged_paged_attention_mgpu`: TMA page loads, wgmma,
    a producer and one or two consumer warpgroups) on the mixed part's cases, over consumers x block_kv x
    stages, in TFLOP/s of useful attention, side by side with part 2's Triton figures; and on part 1's
-   decode cases, in TB/s, beside the Triton decode kernel's defaults.
+   decode cases, in TB/s, beside the Triton decode kernel's defaults (`--parts paged-decode`: these
+   alone).
 4. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
    attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, TMA + wgmma), the keys before the chunk
    gathered from their pages and attended by the same kernel without a mask, the two merged by their
@@ -41,7 +42,7 @@ from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth
 from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
-PARTS = ("decode", "mixed", "paged", "chunk")
+PARTS = ("decode", "mixed", "paged", "paged-decode", "chunk")
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 
 
@@ -147,7 +148,8 @@ def main() -> None:
                         help="only the decode defaults against the sweep's best, bfloat16 and FP8 caches, "
                              "interleaved over --rounds; and the mixed case in both cache dtypes")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which of the three parts to run")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=[p for p in PARTS if p != "paged-decode"],
+                        help="which parts to run (paged-decode: the paged part's decode cases alone)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -244,8 +246,9 @@ def main() -> None:
                            args.iters, 1e12))
     # 3, decodes: the Mosaic GPU kernel on part 1's cases beside the Triton decode kernel's defaults, on the
     # same inputs (pages of 16), in TB/s of K/V read
-    for name, kv_lens in decode_cases.items() if "paged" in args.parts else ():
-        if over("paged"):
+    decode_part = "paged" if "paged" in args.parts else "paged-decode"  # paged-decode: these cases alone
+    for name, kv_lens in decode_cases.items() if {"paged", "paged-decode"} & set(args.parts) else ():
+        if over(decode_part):
             break
         inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
@@ -255,7 +258,7 @@ def main() -> None:
         report(measure("paged", name, "triton", "decode defaults", fn, inputs.args, reference, amount, hbm,
                        args.iters, 1e12))
         for consumers, block_kv, steps in paged_decode_grid:
-            if over("paged"):
+            if over(decode_part):
                 break
             fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps: ragged_paged_attention_mgpu(
                 *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s))

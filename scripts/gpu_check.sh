@@ -10,7 +10,9 @@
 #              merged with the prefix, and cuDNN;
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
-#   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py).
+#   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py);
+#   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
+#   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
 #                                    # .gpu_check/, the wheels the GPU image lacks in .whl/, and the bundled
@@ -109,7 +111,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8) || " $stages " == *" $1 "* ]]; }
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode) || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
 if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
@@ -156,6 +158,10 @@ if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep'
   stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts mixed paged chunk --out "$out" \
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
+if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
+  stage paged-decode "${PAGED_DECODE_S:-45}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" \
+    --budget-s $(( ${PAGED_DECODE_S:-45} - 8 )) > "$out/paged_decode.log" 2>&1
+fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)
   stage fp8 "${FP8_S:-240}" python3 benchmarks/gpu_check.py --models .gpu_check/llama-3-8b --quantizations none fp8 \
@@ -166,5 +172,11 @@ if wanted profile; then
   for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
   stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
     2> "$out/gpu_check.log"
+fi
+if wanted imports; then  # what a server process imports before its first log line, and JAX's CUDA start
+  stage imports 40 python3 -X importtime -c "import time; t = time.perf_counter(); import jaxserve.api.server, jax; \
+print('imports', round(time.perf_counter() - t, 2)); jax.devices(); print('imports + devices', round(time.perf_counter() - t, 2))" \
+    > "$out/imports.log" 2> "$out/importtime.log"
+  cat "$out/imports.log" >> "$summary"
 fi
 cat "$summary"

@@ -137,6 +137,10 @@ class ModelRunner:
         self.num_multi_steps = 0  # calls of a multi-step variant, the same
         self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
         self._stop_compiling = threading.Event()
+        # Tracing and lowering a step are Python, holding the GIL; XLA's compile releases it. One thread
+        # traces at a time, so that a dozen compile threads (a GPU machine's cores) leave the GIL to the
+        # steps being served rather than take it in turns, and run their compiles side by side.
+        self._tracing = threading.Lock()
         self._background: threading.Thread | None = None
         self.last_step: ExecutedStep | None = None  # for benchmarks: the bucket the last step ran in
         self._broadcast = broadcast  # multi-host leader: sends each step's device work to the followers
@@ -498,7 +502,9 @@ class ModelRunner:
                 args += (self._no_decode_steps(bucket),)
             _listen_for_cache_hits()
             _thread_cache_hits.count = 0
-            compiled = self._step_fns[variant].trace(*args).lower().compile()
+            with self._tracing:
+                lowered = self._step_fns[variant].trace(*args).lower()
+            compiled = lowered.compile()
             from_cache = _thread_cache_hits.count > 0
         with self._compiled_lock:
             if variant == PLAIN:
