@@ -149,7 +149,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     server_config = _server_config(args)
+    from jaxserve.torch_free import keep_torch_out
 
+    keep_torch_out(args.model)  # before transformers is imported: seconds of every start
     from jaxserve.models.loader import resolve_model, resolve_model_config
 
     # Before binding the port: a wrong --model ends here, in one line.

@@ -54,6 +54,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.process_exit import exit_now
 from jaxserve.sampling_params import InvalidParam
+from jaxserve.torch_free import keep_torch_out
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
@@ -196,6 +197,7 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: b
     sender.start()
     code = 0
     try:
+        keep_torch_out(config.model.model)  # before transformers is imported
         from jaxserve.engine.core import EngineCore  # imports jax: in this process only
 
         core = EngineCore(config, warmup=warmup)
