@@ -32,6 +32,9 @@ from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
 AttentionImpl = Literal["auto", "reference", "cpu", "cpu-native", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
+# Whether this jax's XLA records Mosaic GPU custom calls in command buffers (0.12 does; 0.11 does not:
+# docs/benchmarks.md, the deviceless Llama-3-8B compile's host operations).
+MOSAIC_IN_COMMAND_BUFFERS = jax.__version_info__ >= (0, 12)
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
 kv_cache_shape = paged_attention_pallas.kv_cache_shape
@@ -62,9 +65,15 @@ class AttentionConfig:
 
     @property
     def mosaic_decode(self) -> bool:
-        """Whether decode-only steps take the Mosaic GPU kernel instead of the split-KV Triton kernel: on
-        Hopper with JAXSERVE_MOSAIC_DECODE=1, opt-in until a GPU has measured which reads K/V faster."""
-        return self.hopper and os.environ.get("JAXSERVE_MOSAIC_DECODE", "0") == "1"
+        """Whether decode-only steps take the Mosaic GPU kernel instead of the split-KV Triton kernel. On
+        Hopper it read K/V 1.4-1.6x faster on an H200 (docs/benchmarks.md), so it does by default with jax
+        >= 0.12, whose XLA keeps Mosaic GPU calls inside command buffers; before, each call splits the step's
+        (a Llama-3-8B decode step: 73 host operations instead of 6), which costs most at small batches.
+        JAXSERVE_MOSAIC_DECODE=1 or 0 decides either way."""
+        setting = os.environ.get("JAXSERVE_MOSAIC_DECODE")
+        if setting is not None:
+            return self.hopper and setting == "1"
+        return self.hopper and MOSAIC_IN_COMMAND_BUFFERS
 
     @property
     def native_matmuls(self) -> bool:

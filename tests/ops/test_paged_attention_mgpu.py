@@ -218,9 +218,11 @@ def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
     assert "mosaic_gpu" not in lowered(True, jnp.float8_e4m3fn, hopper_decode=True)
 
 
-def test_mosaic_decode_is_opt_in_on_hopper(monkeypatch):
+def test_mosaic_decode_is_the_default_on_hopper_where_command_buffers_keep_it(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_MOSAIC_DECODE", raising=False)
     config = AttentionConfig(impl="pallas", compute_capability=9.0)
-    assert config.mosaic_attention and not config.mosaic_decode
-    monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", "1")
-    assert config.mosaic_decode
-    assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
+    assert config.mosaic_attention and config.mosaic_decode == (jax.__version_info__ >= (0, 12))
+    for setting, wanted in (("1", True), ("0", False)):
+        monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", setting)
+        assert config.mosaic_decode is wanted
+        assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
