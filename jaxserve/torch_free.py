@@ -15,10 +15,10 @@ from pathlib import Path
 
 def keep_torch_out(model: str | None) -> bool:
     """Hides torch from this process (`import torch` raises ImportError, and `importlib.util.find_spec`,
-    which transformers asks, finds nothing) unless torch is imported already or `model` (`--model`) is a
-    GGUF file still to be converted; returns whether it did."""
-    if "torch" in sys.modules or _gguf_to_convert(model):
-        return False
+    which transformers asks, finds nothing) unless torch or transformers is imported already or `model`
+    (`--model`) is a GGUF file still to be converted; returns whether it did."""
+    if "torch" in sys.modules or "transformers" in sys.modules or _gguf_to_convert(model):
+        return False  # transformers decides once, at its import, whether torch is there
     sys.modules["torch"] = None  # the import system's mark for a module that must not be imported
     # transformers' advice that PyTorch was not found ("models won't be available"), at every start: the
     # models are jaxserve's own
@@ -27,8 +27,11 @@ def keep_torch_out(model: str | None) -> bool:
 
 
 def _gguf_to_convert(model: str | None) -> bool:
-    if model is None or not model.endswith(".gguf") or not (path := Path(model).expanduser()).is_file():
+    if model is None or (path := Path(model).expanduser()).suffix != ".gguf" or not path.is_file():
         return False
     from jaxserve.models.gguf_cache import is_converted
 
-    return not is_converted(path)
+    try:
+        return not is_converted(path)
+    except OSError:  # unreadable: the loader says so in one line; torch stays as it was
+        return True

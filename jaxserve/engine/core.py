@@ -44,6 +44,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
+from jaxserve.process_exit import guard_cache_writes
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
 from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
@@ -57,6 +58,7 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     if not cache_dir:  # None or "": no persistent cache
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    guard_cache_writes()  # a server's exit waits for an entry's write under way (process_exit.py)
     # Every compile, the small ones too (a dummy draw, the penalty-row load): a warm start then compiles nothing.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 

@@ -59,7 +59,7 @@ def dummy_weights(abstract: Any, seed: int = 0) -> dict[tuple, jax.Array]:
         return draw.lower(key, np.int32(0)).compile()
 
     distinct = list(dict.fromkeys(signatures))
-    with ThreadPoolExecutor(max_workers=min(len(distinct), os.cpu_count() or 1),
+    with ThreadPoolExecutor(max_workers=max(1, min(len(distinct), os.cpu_count() or 1)),
                             thread_name_prefix="jaxserve-dummy") as pool:
         draws = dict(zip(distinct, pool.map(compile_draw, distinct), strict=True))
     values = [draws[signature](key, np.int32(index)) for index, signature in enumerate(signatures)]

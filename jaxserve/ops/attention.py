@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
@@ -32,9 +33,10 @@ from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
 AttentionImpl = Literal["auto", "reference", "cpu", "cpu-native", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
-# Whether this jax's XLA records Mosaic GPU custom calls in command buffers (0.12 does; 0.11 does not:
-# docs/benchmarks.md, the deviceless Llama-3-8B compile's host operations).
-MOSAIC_IN_COMMAND_BUFFERS = jax.__version_info__ >= (0, 12)
+# Whether this jaxlib's XLA records Mosaic GPU custom calls in command buffers (0.12 does; 0.11 does not:
+# docs/benchmarks.md, the deviceless Llama-3-8B compile's host operations). XLA is jaxlib's, and jax 0.12
+# accepts jaxlib 0.11.2.
+MOSAIC_IN_COMMAND_BUFFERS = jaxlib.version.__version_info__ >= (0, 12)
 
 # Every implementation reads the same page layout, so a cache can be checked against either.
 kv_cache_shape = paged_attention_pallas.kv_cache_shape

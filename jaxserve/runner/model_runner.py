@@ -503,6 +503,8 @@ class ModelRunner:
             _listen_for_cache_hits()
             _thread_cache_hits.count = 0
             with self._tracing:
+                if self._stop_compiling.is_set():  # stopped while this job waited for its turn
+                    return None
                 lowered = self._step_fns[variant].trace(*args).lower()
             compiled = lowered.compile()
             from_cache = _thread_cache_hits.count > 0

@@ -219,10 +219,14 @@ def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
 
 
 def test_mosaic_decode_is_the_default_on_hopper_where_command_buffers_keep_it(monkeypatch):
+    from jaxserve.ops import attention
+
     monkeypatch.delenv("JAXSERVE_MOSAIC_DECODE", raising=False)
     config = AttentionConfig(impl="pallas", compute_capability=9.0)
-    assert config.mosaic_attention and config.mosaic_decode == (jax.__version_info__ >= (0, 12))
-    for setting, wanted in (("1", True), ("0", False)):
+    for in_command_buffers in (True, False):  # jaxlib >= 0.12, and older
+        monkeypatch.setattr(attention, "MOSAIC_IN_COMMAND_BUFFERS", in_command_buffers)
+        assert config.mosaic_attention and config.mosaic_decode is in_command_buffers
+    for setting, wanted in (("1", True), ("0", False)):  # either way, whatever the jaxlib
         monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", setting)
         assert config.mosaic_decode is wanted
         assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
