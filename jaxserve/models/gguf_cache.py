@@ -133,23 +133,24 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
     AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
 
 
-def _converted_target(digest: str) -> Path:
-    return cache_root() / f"{digest}-v{_FORMAT}"
+def _converted_target(digest: str) -> tuple[Path, bool]:
+    """Where a GGUF's converted files go, and whether they are all there."""
+    target = cache_root() / f"{digest}-v{_FORMAT}"
+    return target, all((target / name).is_file() for name in _CONVERTED_FILES)
 
 
 def is_converted(gguf_path: Path) -> bool:
     """Whether `gguf_path`'s config and tokenizer need no reading by transformers: converted already, or
     shipped with the package."""
     digest = content_digest(gguf_path)
-    target = _converted_target(digest)
-    return digest in _SHIPPED_CONVERSIONS or all((target / name).is_file() for name in _CONVERTED_FILES)
+    return digest in _SHIPPED_CONVERSIONS or _converted_target(digest)[1]
 
 
 def converted_dir(gguf_path: Path) -> Path:
     """The HF directory holding `gguf_path`'s config and tokenizer, converting them on first use."""
     digest = content_digest(gguf_path)
-    target = _converted_target(digest)
-    if all((target / name).is_file() for name in _CONVERTED_FILES):
+    target, done = _converted_target(digest)
+    if done:
         return target
     logger.info("converting %s's config and tokenizer once (cached in %s)", gguf_path.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)

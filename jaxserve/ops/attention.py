@@ -68,7 +68,7 @@ class AttentionConfig:
     @property
     def mosaic_decode(self) -> bool:
         """Whether decode-only steps take the Mosaic GPU kernel instead of the split-KV Triton kernel. On
-        Hopper it read K/V 1.4-1.6x faster on an H200 (docs/benchmarks.md), so it does by default with jax
+        Hopper it read K/V 1.4-1.6x faster on an H200 (docs/benchmarks.md), so it does by default with jaxlib
         >= 0.12, whose XLA keeps Mosaic GPU calls inside command buffers; before, each call splits the step's
         (a Llama-3-8B decode step: 73 host operations instead of 6), which costs most at small batches.
         JAXSERVE_MOSAIC_DECODE=1 or 0 decides either way."""
