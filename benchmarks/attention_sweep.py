@@ -12,8 +12,8 @@ heads, bfloat16):
 3. **paged**: jaxserve's own Mosaic GPU kernel (`ragged_paged_attention_mgpu`: TMA page loads, wgmma,
    a producer and one or two consumer warpgroups) on the mixed part's cases, over consumers x block_kv x
    stages, in TFLOP/s of useful attention, side by side with part 2's Triton figures; and on part 1's
-   decode cases, in TB/s, beside the Triton decode kernel's defaults (`--parts paged-decode`: these
-   alone).
+   decode cases at pages of 16, 32 and 64 tokens, in TB/s, beside the Triton decode kernel's defaults
+   (`--parts paged-decode`: these alone).
 4. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
    attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, TMA + wgmma), the keys before the chunk
    gathered from their pages and attended by the same kernel without a mask, the two merged by their
@@ -168,6 +168,7 @@ def main() -> None:
         ragged_grid = [(16, 32, 4, 2)]
         paged_grid = [(1, 64, 2, False)]
         paged_decode_grid = [(1, 64, 2)]
+        decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
         decode_cases = {"decode 256 x 200-2048": rng.integers(200, 2049, 256).tolist(),
@@ -183,6 +184,7 @@ def main() -> None:
         # consumers, block_kv, stages for decodes: a program per request and KV head, its group's rows padded
         # to a warpgroup's 64 (the tensor cores idle; what counts is how close the page reads come to HBM's)
         paged_decode_grid = [(1, 128, 2), (1, 64, 3), (1, 64, 4), (2, 128, 2)]
+        decode_page_sizes = (16, 32, 64)  # 64 divides every block_kv of the grid
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
                        "chunk 2048 at 8192": (2048, 8192)}
@@ -245,25 +247,28 @@ def main() -> None:
             report(measure("paged", name, "mosaic-gpu-paged", config, fn, inputs.args, reference, amount, flops,
                            args.iters, 1e12))
     # 3, decodes: the Mosaic GPU kernel on part 1's cases beside the Triton decode kernel's defaults, on the
-    # same inputs (pages of 16), in TB/s of K/V read
+    # same inputs, in TB/s of K/V read; per page size (a page is one TMA copy: fewer, larger copies per stage)
     decode_part = "paged" if "paged" in args.parts else "paged-decode"  # paged-decode: these cases alone
-    for name, kv_lens in decode_cases.items() if {"paged", "paged-decode"} & set(args.parts) else ():
+    decode_cases_by_page = [(name, kv_lens, page) for page in decode_page_sizes
+                            for name, kv_lens in decode_cases.items()]
+    for name, kv_lens, page in decode_cases_by_page if {"paged", "paged-decode"} & set(args.parts) else ():
         if over(decode_part):
             break
-        inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, 16, dtype)
+        inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, page, dtype)
         reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = inputs.ideal_bytes()
         fn = jax.jit(lambda q, k, v, kv, pt, cu: paged_decode_attention_pallas(
             q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret))
-        report(measure("paged", name, "triton", "decode defaults", fn, inputs.args, reference, amount, hbm,
-                       args.iters, 1e12))
+        report(measure("paged", name, "triton", f"page={page} decode defaults", fn, inputs.args, reference,
+                       amount, hbm, args.iters, 1e12))
         for consumers, block_kv, steps in paged_decode_grid:
             if over(decode_part):
                 break
             fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps: ragged_paged_attention_mgpu(
                 *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s))
-            report(measure("paged", name, "mosaic-gpu-paged", f"consumers={consumers} block_kv={block_kv} "
-                           f"stages={steps}", fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
+            report(measure("paged", name, "mosaic-gpu-paged", f"page={page} consumers={consumers} "
+                           f"block_kv={block_kv} stages={steps}", fn, inputs.args, reference, amount, hbm,
+                           args.iters, 1e12))
         del inputs
     # 4. tensor-core candidates for one chunk
     for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():

@@ -41,6 +41,7 @@ from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
+from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, with_margin
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
@@ -175,16 +176,17 @@ def compile_ladder(
     def shapes_for(num_pages: int) -> StepShapes:
         return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
 
-    # The page count is an argument shape, and the budget needs the step's temp memory: size the cache
-    # from the largest buckets compiled with a provisional count (temp memory does not depend on it).
+    # The page count is an argument shape, and the budget needs the step's temp memory: the cache is sized
+    # as serve sizes it (runner/kv_sizing.py), from the largest buckets' quick compile at a provisional
+    # count plus the margin kept for autotuning, which a deviceless compile does not run.
     budget: KVBudget | None = None
     if facts.memory_bytes:
         provisional = shapes_for(max_pages_per_req + 1)
-        peak_temp = max(
-            compile_bucket(step, state, provisional, b, device, mesh).temp_bytes for b in largest_buckets(todo)
-        )
+        quick = QUICK_ESTIMATE_OPTIONS.get(device.platform)
+        estimated = max(compile_bucket(step, state, provisional, b, device, mesh, compiler_options=quick).temp_bytes
+                        for b in largest_buckets(todo))
         budget = KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
-                          state_bytes, peak_temp, page_bytes)
+                          state_bytes, with_margin(estimated), page_bytes)
         budget.check()
         num_pages = budget.num_pages
     else:

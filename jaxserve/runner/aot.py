@@ -47,6 +47,7 @@ class CompiledBucket:
     temp_bytes: int  # XLA's scratch for the step: what the KV budget must leave free
     compiled: Any  # jax.stages.Compiled
     launches: StepLaunches | None = None  # when asked for, on a GPU
+    from_cache: bool | None = None  # JAX's persistent cache served it, where the caller counted
 
 
 def step_shapes(
@@ -99,12 +100,13 @@ def abstract_step_args(
 
 def compile_bucket(
     step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
-    read_launches: bool = False, multi_step: bool = False,
+    read_launches: bool = False, multi_step: bool = False, compiler_options: dict[str, Any] | None = None,
 ) -> CompiledBucket:
     """Compiles the jitted step for one bucket on `device` (or `mesh`); raises what XLA, Triton or ptxas
     raise. With a mesh, the memory figures are one device's. `read_launches`: also what the step launches
     (`launches.py`: XLA dumps its thunks for it; GPUs only). `multi_step`: `step_fn` is a multi-step
-    decode (`step_fn.make_decode_steps_fn`), which also takes the steps per row."""
+    decode (`step_fn.make_decode_steps_fn`), which also takes the steps per row. `compiler_options`: XLA's
+    (debug options by name), for this compile only."""
     args = abstract_step_args(state, shapes, bucket, device, mesh)
     if multi_step:
         batch_sharding = jax.tree.leaves(args[3])[0].sharding  # the batch's: replicated or on the device
@@ -116,9 +118,10 @@ def compile_bucket(
         lowered = step_fn.trace(*args).lower()
     launches = None
     if read_launches:
-        compiled, launches = compile_with_launches(lambda options: lowered.compile(compiler_options=options))
+        compiled, launches = compile_with_launches(
+            lambda options: lowered.compile(compiler_options={**(compiler_options or {}), **options}))
     else:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=compiler_options or None)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     return CompiledBucket(

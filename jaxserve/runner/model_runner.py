@@ -41,10 +41,11 @@ from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
-from jaxserve.runner.aot import StepShapes, compile_bucket, step_shapes
+from jaxserve.runner.aot import CompiledBucket, StepShapes, compile_bucket, step_shapes
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
-from jaxserve.runner.kv_budget import budget_from_memory_stats, bytes_per_page
+from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page
+from jaxserve.runner.kv_sizing import size_kv_cache
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens
@@ -73,6 +74,12 @@ def _count_cache_hit(event: str, **_: Any) -> None:
 @functools.cache  # registered once per process
 def _listen_for_cache_hits() -> None:
     jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+def device_memory_stats(device: jax.Device) -> dict[str, int] | None:
+    """The allocator's statistics on an accelerator (its `bytes_limit` is what the KV budget divides);
+    None on a CPU, whose KV cache --kv-cache-memory sizes."""
+    return None if device.platform == "cpu" else device.memory_stats()
 
 
 @dataclass(frozen=True, order=True)
@@ -163,6 +170,10 @@ class ModelRunner:
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
             model.kv_scales = apply_fp8_kv_scales(model, self.kv_dtype)
         self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
+        self._single_process = jax.process_count() == 1
+        # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
+        # (`kv_sizing.py`): the warm-up takes them instead of compiling them again.
+        self._sized_executables: dict[Bucket, CompiledBucket] = {}
         self.num_pages = self._num_kv_pages(cache_config, page_bytes)
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
@@ -184,7 +195,6 @@ class ModelRunner:
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
         self._device_copies: dict[int, tuple[np.ndarray, jax.Array]] = {}  # see _on_device
-        self._single_process = jax.process_count() == 1
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
@@ -202,42 +212,55 @@ class ModelRunner:
         if cache.num_kv_pages is not None:
             return cache.num_kv_pages
         device = jax.devices()[0]
-        if stats is None and device.platform != "cpu":
-            stats = device.memory_stats()
+        if stats is None:
+            stats = device_memory_stats(device)
         if not stats or "bytes_limit" not in stats:
             num_pages = int(cache.kv_cache_memory_gib * 2**30 // page_bytes)
             if num_pages < 2:
                 raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
             return num_pages
-        budget = budget_from_memory_stats(
-            stats,
-            pool_fraction=allocator_pool_fraction(),
-            utilization=cache.gpu_memory_utilization,
-            state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size),
-            peak_temp_bytes=self._peak_temp_bytes(device),
-            bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's share
-        )
-        budget.check()
+
+        def budget_for(temp_bytes: int) -> KVBudget:
+            return budget_from_memory_stats(
+                stats,
+                pool_fraction=allocator_pool_fraction(),
+                utilization=cache.gpu_memory_utilization,
+                state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size),
+                peak_temp_bytes=temp_bytes,
+                bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's
+            )
+
+        sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for,
+                              provisional_pages=self.max_pages_per_req + 1, platform=device.platform)
+        if self._single_process:  # the warm-up's first executables (a multi-host job's follow the leader's)
+            self._sized_executables = sized.compiled
+        budget = sized.budget
         logger.info(
-            "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB, KV cache %.2f GiB",
+            "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
+            "KV cache %.2f GiB",
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
-            budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, budget.kv_bytes / 2**30,
+            budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
+            budget.kv_bytes / 2**30,
         )
         return budget.num_pages
 
-    def _peak_temp_bytes(self, device: jax.Device) -> int:
-        """XLA's temp memory for the largest mixed and decode buckets, compiled with a provisional page
-        count (the step's temp memory does not depend on it; the page count is what it decides), at once
-        on threads: they stand between the weights and the warm-up's first compile."""
-        shapes = self._shapes(self.max_pages_per_req + 1)
+    def _compile_largest(self, device: jax.Device, num_pages: int,
+                         options: dict[str, Any] | None) -> dict[Bucket, CompiledBucket]:
+        """The plain step of the largest mixed and decode buckets at `num_pages`, compiled at once on
+        threads (they stand between the weights and the KV cache), with XLA's `options`."""
+        shapes = self._shapes(num_pages)
         largest = largest_buckets(self.ladder.all_buckets())
 
-        def temp_bytes(bucket: Bucket) -> int:
-            return compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh).temp_bytes
+        def compile_one(bucket: Bucket) -> CompiledBucket:
+            _listen_for_cache_hits()
+            _thread_cache_hits.count = 0
+            compiled = compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh,
+                                      compiler_options=options)
+            return dataclasses.replace(compiled, from_cache=_thread_cache_hits.count > 0)
 
         with ThreadPoolExecutor(max_workers=min(len(largest), _COMPILE_THREADS),
                                 thread_name_prefix="jaxserve-budget") as pool:
-            return max(pool.map(temp_bytes, largest))
+            return dict(zip(largest, pool.map(compile_one, largest), strict=True))
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
         """Builds the step's batch and dispatches it; None when nothing is scheduled. Raises RequestFault
@@ -495,6 +518,11 @@ class ModelRunner:
         if self._stop_compiling.is_set():
             return None
         bucket, variant = job
+        sized = self._sized_executables.get(bucket) if variant == PLAIN else None
+        if sized is not None:
+            with self._compiled_lock:
+                self._compiled[bucket] = sized.compiled
+            return sized.from_cache
         with slots:
             args = (self._weights, self.kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))

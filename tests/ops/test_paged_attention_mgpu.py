@@ -92,15 +92,29 @@ def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages):
 
 
 @needs_a_runner
-def test_a_decode_only_batch_on_one_warpgroup():
+@pytest.mark.parametrize("page_size,block_kv,stages", [(16, 64, 3), (32, 64, 3), (64, 128, 2)])
+def test_a_decode_only_batch_on_one_warpgroup(page_size, block_kv, stages):
     """The decode cases `attention_sweep.py` times on a GPU against the Triton decode kernel: one query
     token per request, so each program is one request and KV head, its group's 4 rows of the warpgroup's
-    64 (the slab's other tokens are other requests'); contexts from one key to many stages of 64."""
+    64 (the slab's other tokens are other requests'); contexts from one key to many stages; pages of 16
+    (the `gpu` preset's), 32 and 64 tokens, one to four TMA copies a stage."""
     rng = np.random.default_rng(3)
     kv_lens = [1, 63, 64, 65, 200, 17, 130, 300]
-    case = finite(make_case(rng, [1] * len(kv_lens), kv_lens, 8, 2, page_size=16, head_dim=128, max_pages=20))
-    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=1, block_kv=64, stages=3)
+    case = finite(make_case(rng, [1] * len(kv_lens), kv_lens, 8, 2, page_size=page_size, head_dim=128,
+                            max_pages=-(-320 // page_size)))
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=1, block_kv=block_kv, stages=stages)
     check(got, case, jnp.bfloat16, sm_scale=0.09)
+
+
+@needs_a_runner
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_a_mix_on_larger_pages(page_size):
+    """Prefills, a chunk after cached tokens and decodes on pages of 32 and 64 tokens: a request's last
+    page mostly past its length, slabs that start mid-page."""
+    rng = np.random.default_rng(page_size)
+    case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=page_size,
+                            head_dim=64, max_pages=-(-600 // page_size)))
+    check(run(case, jnp.bfloat16, sm_scale=0.125, block_kv=128), case, jnp.bfloat16, sm_scale=0.125)
 
 
 @needs_a_runner

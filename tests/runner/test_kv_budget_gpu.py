@@ -1,12 +1,31 @@
 """ModelRunner's KV budget on a GPU, with a GPU's memory statistics stood in: the pages are what
-utilization x device memory leaves after the weights, the penalty tables and the step's temp memory,
-which comes from compiling the largest buckets (here for the CPU, the path is the same)."""
+utilization x device memory leaves after the weights, the penalty tables and the step's temp memory, which
+comes from compiling the largest buckets (runner/kv_sizing.py: here for the CPU, the path is the same), and
+the warm-up serves with the executables that sizing compiled instead of compiling them again."""
 
 from jaxserve.config import CacheConfig
+from jaxserve.runner import model_runner
+from jaxserve.runner.buckets import largest_buckets
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
+from jaxserve.runner.kv_sizing import TEMP_MARGIN_BYTES, with_margin
 from jaxserve.runner.penalties import PenaltyTables
+from tests.engine.helpers import make_engine, make_prompts, run_alone
 
 GIB = 2**30
+
+
+def recording_compiles(runner, monkeypatch) -> list[tuple[int, dict | None, int]]:
+    """(page count, options, peak temp bytes) of each of the sizing's compiles of the largest buckets."""
+    calls = []
+    original = runner._compile_largest
+
+    def compile_largest(device, num_pages, options):
+        compiled = original(device, num_pages, options)
+        calls.append((num_pages, options, max(c.temp_bytes for c in compiled.values())))
+        return compiled
+
+    monkeypatch.setattr(runner, "_compile_largest", compile_largest)
+    return calls
 
 
 def test_the_pages_fill_what_the_utilization_leaves(engine, monkeypatch):
@@ -14,16 +33,36 @@ def test_the_pages_fill_what_the_utilization_leaves(engine, monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # what `serve` sets for utilization 0.9
     device_memory = 80 * GIB
     stats = {"bytes_limit": int(device_memory * 0.9), "bytes_in_use": 3 * GIB}  # weights, as loaded
-    temps: list[int] = []
-    original = runner._peak_temp_bytes
-    monkeypatch.setattr(runner, "_peak_temp_bytes", lambda device: temps.append(original(device)) or temps[-1])
+    calls = recording_compiles(runner, monkeypatch)
     page_bytes = 2**20
 
     num_pages = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
 
-    assert temps and temps[0] > 0  # XLA's memory analysis of the largest buckets
+    (provisional, _, estimated), (final, options, real) = calls  # the quick estimate, then the real compile
+    assert provisional == runner.max_pages_per_req + 1 and final == num_pages and options is None
+    assert 0 < real <= with_margin(estimated)  # XLA's memory analysis of the largest buckets
     penalties = PenaltyTables.num_bytes(runner.max_num_seqs, runner.model.cfg.vocab_size)
     pool = stats["bytes_limit"]  # JAX's pool is exactly the 90% the budget may use
-    free = pool - 3 * GIB - penalties - temps[0] - ALLOCATOR_SLACK_BYTES
+    free = pool - 3 * GIB - penalties - with_margin(estimated) - ALLOCATOR_SLACK_BYTES
     assert abs(num_pages - free // page_bytes) <= 1  # float rounding of 80 GiB x 0.9 / 0.9
     assert runner._num_kv_pages(CacheConfig(num_kv_pages=7), page_bytes, stats) == 7  # an explicit count wins
+
+
+def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llama_dir, engine, monkeypatch):
+    """An engine built through the GPU budget: its KV cache is what the stats leave, the warm-up takes the
+    largest buckets' executables from the sizing rather than compiling them again, and greedy tokens
+    match the engine with a fixed page count."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    # A pool with ~64 MiB left for the step's temp memory and the KV cache.
+    pool = ALLOCATOR_SLACK_BYTES + TEMP_MARGIN_BYTES + 64 * 2**20
+    monkeypatch.setattr(model_runner, "device_memory_stats", lambda device: {"bytes_limit": pool,
+                                                                              "bytes_in_use": 0})
+    sized = make_engine(llama_dir, num_kv_pages=None, gpu_memory_utilization=0.9, token_buckets=(64,),
+                        request_buckets=(8,))
+    runner = sized.runner
+    assert runner.num_pages > 1000  # tiny pages: ~2 KiB each
+    assert set(runner._sized_executables) == set(largest_buckets(runner.ladder.all_buckets()))
+    for bucket, executable in runner._sized_executables.items():
+        assert runner._compiled[bucket] is executable.compiled  # taken, not compiled again
+    for prompt in make_prompts(3):
+        assert run_alone(sized, prompt, 12) == run_alone(engine, prompt, 12)

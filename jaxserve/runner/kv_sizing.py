@@ -1,0 +1,85 @@
+"""Sizing the KV cache on a GPU with one round of the compiles a start makes anyway (no jax).
+
+The KV cache gets what the step's peak temp memory leaves (`kv_budget.py`), and only a compile of the step
+tells its temp memory; but the page count is one of the step's argument shapes, so a compile at a
+provisional count is not the step that serves, and the warm-up compiled the largest bucket a second time.
+A GPU's compile is mostly XLA's autotuning (docs/benchmarks.md), which picks GEMM tilings and does not
+change what the step keeps in temp memory beyond a workspace; so the sizing goes:
+
+1. estimate: the largest mixed and decode buckets compiled at a provisional page count with the backend's
+   quick options (autotuning off on a GPU), for their temp memory;
+2. size: the page count from that estimate plus `TEMP_MARGIN` (what autotuning may add: split-K and cuBLAS
+   workspaces);
+3. compile those buckets for real at that page count: the warm-up's first executables, kept;
+4. check: their real temp memory within the margin; where it is not, the count is sized again from it and
+   they compile again (logged: the margin is then too small for that model).
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jaxserve.runner.kv_budget import KVBudget
+
+logger = logging.getLogger(__name__)
+
+# Compile options that give a step's temp memory in a fraction of a real compile's time, by platform
+# (jax.Device.platform). Platforms without an entry estimate with a real compile.
+QUICK_ESTIMATE_OPTIONS: dict[str, dict[str, Any]] = {"gpu": {"xla_gpu_autotune_level": 0}}
+
+# Left over the estimate for what the real compile's autotuned kernels may add.
+TEMP_MARGIN_FRACTION = 0.25
+TEMP_MARGIN_BYTES = 64 * 2**20
+
+
+def with_margin(estimated_temp_bytes: int) -> int:
+    """The temp memory a budget keeps for a step whose quick compile estimated `estimated_temp_bytes`."""
+    return int(estimated_temp_bytes * (1 + TEMP_MARGIN_FRACTION)) + TEMP_MARGIN_BYTES
+
+
+class HasTempBytes(Protocol):
+    """What the sizing reads of a compiled bucket (`aot.CompiledBucket`)."""
+
+    temp_bytes: int
+
+
+# (page count, compile options; None: the real compile) -> the largest buckets compiled, by bucket.
+CompileLargest = Callable[[int, dict[str, Any] | None], dict[Any, HasTempBytes]]
+
+
+@dataclass(frozen=True)
+class SizedKVCache:
+    budget: KVBudget  # its peak_temp_bytes: what the page count was sized for
+    estimated_temp_bytes: int  # the quick compile's
+    compiled: dict[Any, HasTempBytes]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
+    resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
+
+
+def size_kv_cache(
+    compile_largest: CompileLargest,
+    budget_for: Callable[[int], KVBudget],
+    provisional_pages: int,
+    platform: str,
+) -> SizedKVCache:
+    """Sizes the cache as the module docstring says. `budget_for(temp_bytes)`: the budget that keeps
+    `temp_bytes` for the step. Raises (`KVBudget.check`) where not even two pages fit."""
+    quick = QUICK_ESTIMATE_OPTIONS.get(platform)
+    estimated = _peak_temp(compile_largest(provisional_pages, quick))
+    budget = budget_for(with_margin(estimated))
+    budget.check()
+    compiled = compile_largest(budget.num_pages, None)
+    real = _peak_temp(compiled)
+    resized = real > budget.peak_temp_bytes
+    if resized:
+        logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its quick "
+                       "estimate (%.0f MiB): sizing the KV cache again", real / 2**20,
+                       budget.peak_temp_bytes / 2**20, estimated / 2**20)
+        budget = budget_for(real)
+        budget.check()
+        compiled = compile_largest(budget.num_pages, None)
+    return SizedKVCache(budget, estimated, compiled, resized)
+
+
+def _peak_temp(compiled: dict[Any, HasTempBytes]) -> int:
+    return max(c.temp_bytes for c in compiled.values())

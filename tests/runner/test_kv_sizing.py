@@ -1,0 +1,75 @@
+"""The KV cache's sizing on a GPU (runner/kv_sizing.py), with compiles stood in: a quick estimate at a
+provisional page count, one real compile at the final count, and a second sizing only where the real
+compile needs more temp memory than the margin left."""
+
+import logging
+
+import pytest
+
+from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES, KVBudget
+from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, TEMP_MARGIN_BYTES, size_kv_cache, with_margin
+
+MIB = 2**20
+PAGE = MIB
+
+
+class Compiled:
+    def __init__(self, temp_bytes: int) -> None:
+        self.temp_bytes = temp_bytes
+
+
+def budget_for(temp_bytes: int) -> KVBudget:
+    return KVBudget(device_memory_bytes=10_000 * MIB, utilization=0.9, weights_bytes=1_000 * MIB,
+                    state_bytes=8 * MIB, peak_temp_bytes=temp_bytes, bytes_per_page=PAGE)
+
+
+def compiler(quick_temp: int, real_temp: int, calls: list):
+    """compile_largest: the largest mixed and decode buckets; the decode bucket needs a tenth of the temp."""
+    def compile_largest(num_pages: int, options):
+        calls.append((num_pages, options))
+        temp = real_temp if options is None else quick_temp
+        return {"mixed": Compiled(temp), "decode": Compiled(temp // 10)}
+    return compile_largest
+
+
+def test_one_quick_and_one_real_compile_where_the_margin_holds():
+    calls = []
+    sized = size_kv_cache(compiler(400 * MIB, 450 * MIB, calls), budget_for, provisional_pages=33, platform="gpu")
+    kept = int(400 * MIB * 1.25) + TEMP_MARGIN_BYTES
+    assert with_margin(400 * MIB) == kept
+    assert calls == [(33, QUICK_ESTIMATE_OPTIONS["gpu"]), (sized.budget.num_pages, None)]
+    assert QUICK_ESTIMATE_OPTIONS["gpu"] == {"xla_gpu_autotune_level": 0}  # what a GPU's compile is mostly
+    assert sized.estimated_temp_bytes == 400 * MIB and not sized.resized
+    assert sized.budget.peak_temp_bytes == kept
+    free = 9_000 * MIB - 1_000 * MIB - 8 * MIB - kept - ALLOCATOR_SLACK_BYTES
+    assert sized.budget.num_pages == free // PAGE
+    assert sized.compiled["mixed"].temp_bytes == 450 * MIB  # the real executables, for the warm-up
+
+
+def test_a_real_compile_over_the_margin_sizes_the_cache_again(caplog):
+    calls = []
+    with caplog.at_level(logging.WARNING, "jaxserve.runner.kv_sizing"):
+        sized = size_kv_cache(compiler(400 * MIB, 700 * MIB, calls), budget_for, provisional_pages=33,
+                              platform="gpu")
+    first_count = budget_for(with_margin(400 * MIB)).num_pages
+    assert calls == [(33, QUICK_ESTIMATE_OPTIONS["gpu"]), (first_count, None), (sized.budget.num_pages, None)]
+    assert sized.resized and sized.budget.peak_temp_bytes == 700 * MIB
+    assert sized.budget.num_pages < first_count
+    assert "700 MiB compiled" in caplog.text
+
+
+def test_a_platform_without_quick_options_estimates_with_a_real_compile():
+    calls = []
+    size_kv_cache(compiler(400 * MIB, 400 * MIB, calls), budget_for, provisional_pages=9, platform="tpu")
+    assert [options for _, options in calls] == [None, None]
+
+
+def test_no_room_after_the_estimate_raises_before_a_real_compile():
+    calls = []
+
+    def tiny(temp_bytes: int) -> KVBudget:
+        return KVBudget(2_000 * MIB, 0.9, 1_000 * MIB, 0, temp_bytes, PAGE)
+
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        size_kv_cache(compiler(600 * MIB, 600 * MIB, calls), tiny, provisional_pages=9, platform="gpu")
+    assert len(calls) == 1
