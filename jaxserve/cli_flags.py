@@ -379,6 +379,8 @@ COMPILE_FLAGS = (
     Flag("--kv-cache-dtype", CompileConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
          help="the KV cache's dtype, as serve takes it (default: the preset's); fp8 compiles the kernels that "
               "read FP8 pages"),
+    Flag("--num-kv-pages", CompileConfig, "num_kv_pages", type=int,
+         help="KV pages, as serve takes them: no memory budget, and no compiles for it (default: the budget's)"),
     Flag(("--jobs", "-j"), CompileConfig, "jobs", "buckets compiled at once (default: the CPU count)", type=int),
     Flag(("--tensor-parallel-size", "-tp"), CompileConfig, "tensor_parallel_size", type=int,
          help="compile the step split over this many devices (GPUs of one node for a target); memory is "

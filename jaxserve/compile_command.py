@@ -28,6 +28,7 @@ def main(config: CompileConfig) -> None:
         context_len=config.context_len,
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_dtype=config.kv_cache_dtype,
+        num_kv_pages=config.num_kv_pages,
         jobs=config.jobs,
         xla_cost=config.xla_cost,
         tensor_parallel_size=config.tensor_parallel_size,

@@ -117,6 +117,7 @@ def compile_ladder(
     context_len: int | None = None,
     gpu_memory_utilization: float | None = None,
     kv_cache_dtype: str | None = None,
+    num_kv_pages: int | None = None,
     jobs: int = 1,
     xla_cost: bool = True,
     buckets: list[Bucket] | None = None,
@@ -137,14 +138,21 @@ def compile_ladder(
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
-    cache_options = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
+    cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))
+                     if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, **cache_options)
     tp = tensor_parallel_size
-    devices = deviceless_devices(target, tp) if target else jax.devices()[:tp]
+    if target:  # XLA's memory limit as a real GPU's compile gets it: serve's allocator pool
+        facts: DeviceFacts = target_facts(target)
+        pool = int(facts.memory_bytes * config.cache.gpu_memory_utilization) if facts.memory_bytes else None
+        devices = deviceless_devices(target, tp, allocator_pool_bytes=pool)
+    else:
+        devices = jax.devices()[:tp]
     if len(devices) < tp:
         raise ValueError(f"--tensor-parallel-size {tp} needs {tp} local devices; this process sees {len(devices)}")
     device, mesh = devices[0], Mesh(np.asarray(devices), (TP_AXIS,)) if tp > 1 else None
-    facts: DeviceFacts = target_facts(target) if target else local_facts(device)
+    if not target:
+        facts = local_facts(device)
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
@@ -180,7 +188,7 @@ def compile_ladder(
     # as serve sizes it (runner/kv_sizing.py), from the largest buckets' quick compile at a provisional
     # count plus the margin kept for autotuning, which a deviceless compile does not run.
     budget: KVBudget | None = None
-    if facts.memory_bytes:
+    if facts.memory_bytes and config.cache.num_kv_pages is None:  # an explicit count wins, as in serve
         provisional = shapes_for(max_pages_per_req + 1)
         quick = QUICK_ESTIMATE_OPTIONS.get(device.platform)
         estimated = max(compile_bucket(step, state, provisional, b, device, mesh, compiler_options=quick).temp_bytes
@@ -319,8 +327,9 @@ def format_report(report: CompileReport) -> str:
             f"{report.kv_budget_bytes / gib:.2f} GiB of {report.device_memory_bytes / gib:.1f} GiB = "
             f"{report.num_kv_pages:,} pages of {report.page_size} tokens ({tokens:,} tokens)"
         )
-    else:
-        lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens (the CPU budget)")
+    else:  # a GPU's explicit --num-kv-pages, or a CPU's --kv-cache-memory
+        how = "--num-kv-pages" if report.device_memory_bytes else "the CPU budget"
+        lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens ({how})")
     return "\n".join(lines)
 
 

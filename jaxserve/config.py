@@ -454,6 +454,7 @@ class CompileConfig:
     context_len: int | None = None  # None: max_model_len / 2
     gpu_memory_utilization: float | None = None  # None: the preset's
     kv_cache_dtype: str | None = None  # None: the preset's
+    num_kv_pages: int | None = None  # None: the preset's, else the memory budget's (as serve sizes the cache)
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel

@@ -142,13 +142,25 @@ def deviceless_device(target: str) -> Any:
     return deviceless_devices(target, 1)[0]
 
 
-def deviceless_devices(target: str, count: int) -> list[Any]:
-    """`count` devices of the target's kind in one host (an 8-GPU H100 node for count 8), deviceless."""
+# Without an allocator to ask (deviceless), XLA:GPU takes this fraction of the device's memory as the limit
+# its scheduler and rematerialization work to; on a GPU, jaxlib passes the allocator pool's size instead.
+XLA_DEVICELESS_MEMORY_FRACTION = 0.8
+
+
+def deviceless_devices(target: str, count: int, allocator_pool_bytes: int | None = None) -> list[Any]:
+    """`count` devices of the target's kind in one host (an 8-GPU H100 node for count 8), deviceless.
+
+    `allocator_pool_bytes`: the memory limit a real GPU's compile gets (its allocator pool: serve's
+    --gpu-memory-utilization of the device), given to XLA as the device's memory over its deviceless
+    fraction. Otherwise a KV cache budgeted beyond 80% of the device exceeds XLA's limit, and
+    rematerialization and copies rework the step (docs/benchmarks.md)."""
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(
-        platform="cuda", topology=f"1x1x{count}", target_config=target_spec_text(target)
-    )
+    spec = target_spec_text(target)
+    if allocator_pool_bytes is not None:
+        memory = int(allocator_pool_bytes / XLA_DEVICELESS_MEMORY_FRACTION)
+        spec = re.sub(r"(device_memory_size:\s*)\d+", lambda m: f"{m.group(1)}{memory}", spec)
+    topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}", target_config=spec)
     return list(topology.devices)
 
 

@@ -13,9 +13,14 @@ projections (and biases) are divided by their scales, so the cache holds K / s_k
 projection is multiplied by s_k, so q.k is unchanged; the output projection by s_v, so softmax(.) V is.
 Powers of two make every one of those products exact in floating point. Each model family says which of
 its parameters take which factor (`kv_scale_factor` in its module); RoPE is linear, so it commutes.
+
+A checkpoint calibrated for an FP8 cache (vLLM's and llm-compressor's `model.layers.N.self_attn.k_scale` and
+`v_scale`: K is about its e4m3 value times k_scale, so the calibration saw a maximum of k_scale x 448) gives
+those maxima instead of the calibration pass; the same rule turns them into powers of two.
 """
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -33,6 +38,32 @@ logger = logging.getLogger(__name__)
 HEADROOM = 2.0  # the calibrated maximum lands at or below 448 / HEADROOM
 CALIBRATION_TOKENS = 256
 _PAGE_SIZE = 16
+# A checkpoint's KV-cache scale: `model.layers.N.self_attn.k_scale` (GPT-2's `h.N.attn.`), or an older
+# `kv_scale` for both.
+_CHECKPOINT_KV_SCALE = re.compile(r"\.(\d+)\.(?:self_attn|attn)\.(k|v|kv)_scale$")
+CHECKPOINT_FP8_MAX = 448.0  # e4m3fn's largest value: what a checkpoint's scales map its maxima onto
+
+
+def checkpoint_kv_scale(name: str) -> tuple[int, str] | None:
+    """(layer, "k", "v" or "kv") where checkpoint tensor `name` is a calibrated KV-cache scale; else None."""
+    match = _CHECKPOINT_KV_SCALE.search(name)
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
+def checkpoint_amax(found: dict[tuple[int, str], float], num_layers: int) -> np.ndarray | None:
+    """f32[L, 2]: each layer's (K, V) maximum that a checkpoint's scales (`checkpoint_kv_scale`'s finds, by
+    layer and kind) were calibrated for; None where it has none. Raises where only some layers have them."""
+    if not found:
+        return None
+    amax = np.zeros((num_layers, 2), np.float32)
+    for layer in range(num_layers):
+        for column, kind in enumerate("kv"):
+            scale = found.get((layer, kind), found.get((layer, "kv")))
+            if scale is None:
+                raise ValueError(f"the checkpoint has KV-cache scales for some layers, but no {kind}_scale for "
+                                 f"layer {layer}")
+            amax[layer, column] = scale * CHECKPOINT_FP8_MAX
+    return amax
 
 
 def power_of_two_scale(amax: float, limit: float) -> float:
@@ -84,14 +115,17 @@ def fold_kv_scales(model: Any, scales: np.ndarray) -> None:
 
 
 def apply_fp8_kv_scales(model: Any, cache_dtype: Any) -> np.ndarray:
-    """Calibrates and folds the per-layer scales for a cache of `cache_dtype` (an 8-bit float); f32[L, 2]."""
+    """Folds the per-layer scales for a cache of `cache_dtype` (an 8-bit float) into the weights, from the
+    checkpoint's KV-cache scales where it has them, else from a calibration pass; f32[L, 2]."""
     start = time.perf_counter()
     limit = float(jnp.finfo(cache_dtype).max)
-    amax = calibrate_amax(model)
+    amax, source = model.checkpoint_kv_amax, "the checkpoint's k_scale and v_scale"
+    if amax is None:
+        amax, source = calibrate_amax(model), "a calibration pass"
     scales = np.asarray([[power_of_two_scale(a, limit) for a in layer] for layer in amax], np.float32)
     fold_kv_scales(model, scales)
     log2 = np.log2(scales).astype(int)
-    logger.info("FP8 KV cache: per-layer power-of-two scales from a calibration pass (K 2^%d..2^%d, V 2^%d..2^%d) "
-                "folded into the weights in %.1fs", log2[:, 0].min(), log2[:, 0].max(), log2[:, 1].min(),
+    logger.info("FP8 KV cache: per-layer power-of-two scales from %s (K 2^%d..2^%d, V 2^%d..2^%d) folded into "
+                "the weights in %.1fs", source, log2[:, 0].min(), log2[:, 0].max(), log2[:, 1].min(),
                 log2[:, 1].max(), time.perf_counter() - start)
     return scales

@@ -42,6 +42,7 @@ from jaxserve.models.gguf_weights import (
     keeps_blocks_by_default,
     log_kept_weights,
 )
+from jaxserve.models.kv_scales import checkpoint_amax, checkpoint_kv_scale
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
@@ -80,6 +81,8 @@ class LoadedModel:
     weight_dtype: Any  # the matmul weights (`ModelConfig.weight_dtype`)
     # f32[L, 2]: the per-layer (K, V) scales of an FP8 cache, once folded into the weights (`kv_scales.py`)
     kv_scales: Any = None
+    # f32[L, 2]: the (K, V) maxima a checkpoint's KV-cache scales were calibrated for; None without them
+    checkpoint_kv_amax: Any = None
     quantization: str | None = None  # the layers' dense weights in 8 bits (`quantization.py`)
 
     @property
@@ -389,12 +392,15 @@ def load_model(
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
+    checkpoint_kv_amax = None
     if dummy:
         loaded = _unflatten(dummy_weights(abstract))
     elif is_checkpoint(source.directory):
         loaded = restore_weights(source.directory, abstract)
     else:
-        loaded = _unflatten(_load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8"))
+        tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8")
+        loaded = _unflatten(tensors)
+        checkpoint_kv_amax = checkpoint_amax(kv_scales, abstract.cfg.num_layers)
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
@@ -418,13 +424,15 @@ def load_model(
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,
         quantization=quantization,
+        checkpoint_kv_amax=checkpoint_kv_amax,
     )
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,
-                  stored_fp8: bool = False) -> dict[tuple, Any]:
+                  stored_fp8: bool = False) -> tuple[dict[tuple, Any], dict[tuple[int, str], float]]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
-    to its parameter's dtype, and quantized there as it arrives where `quantization` covers it."""
+    to its parameter's dtype, and quantized there as it arrives where `quantization` covers it. Returns
+    them by parameter path, and the checkpoint's KV-cache scales by (layer, kind) (`kv_scales.py`)."""
     covered = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
     keep_blocks = quantization == GGUF  # a GGUF file's kept formats stay in their blocks where covered
     quantize = None if keep_blocks else covered
@@ -436,6 +444,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     else:
         tensors = _iter_safetensors(source.directory)
     loaded: dict[tuple, Any] = {}
+    kv_scales: dict[tuple[int, str], float] = {}
     start = time.perf_counter()
     stream = getattr(spec.module, "hf_weight_stream", None)
     # An FP8 checkpoint's weights keep their own e4m3 values and scales where the model holds them as they
@@ -448,6 +457,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     if stream is not None:
         tensors = stream(tensors, cfg)
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
+        if (kv_scale := checkpoint_kv_scale(name)) is not None:
+            kv_scales[kv_scale] = float(np.max(np.asarray(tensor, np.float32)))  # per tensor, or its heads' largest
+            continue
         mapped = spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue
@@ -481,7 +493,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     if missing:
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
     logger.info("weights: %d tensors loaded in %.1fs", len(loaded), time.perf_counter() - start)
-    return loaded
+    return loaded, kv_scales
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:

@@ -208,13 +208,12 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
                      "reads FP8 weights with per-tensor or per-channel scales (fp8, compressed-tensors)")
 
 
-_STATIC_SCALES = (".input_scale", ".k_scale", ".v_scale")  # activations' and the KV cache's calibrated scales
+_STATIC_SCALES = (".input_scale",)  # activations' calibrated scales (the KV cache's go on to the loader)
 
 
 def fp8_checkpoint_tensors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """An FP8 checkpoint's (name, tensor) stream with each e4m3 `X.weight` paired with its `X.weight_scale`
-    into one `Fp8Tensor`. The static activation and KV scales are dropped: activations stay in 16 bits here,
-    and an FP8 KV cache calibrates its own."""
+    into one `Fp8Tensor`. The static activation scales are dropped: activations stay in 16 bits here."""
     pending: dict[str, dict[str, Any]] = {}  # weight name -> whichever of its values and scale came first
     for name, tensor in tensors:
         if name.endswith(_STATIC_SCALES):

@@ -141,7 +141,8 @@ def test_an_fp8_model_compiles_for_an_h100_with_its_layer_weights_halved():
 
     buckets = [Bucket(1, 1, decode_only=True)]
     plain, fp8 = (compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                                 variants=False, buckets=buckets, read_launches=False, quantization=q)
+                                 variants=False, buckets=buckets, read_launches=False, quantization=q,
+                                 num_kv_pages=4096)
                   for q in (None, "fp8"))
     # SmolLM2: 30 layers of (q 576x576, k and v 576x192, o 576x576, MLP 3 x 576x1536) bf16 weights -> e4m3
     layer_weights = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)

@@ -1,6 +1,7 @@
-"""The FP8 KV cache (`--kv-cache-dtype fp8`, e4m3 with a scale of 1): the write saturates, every attention
-path that reads it equals the float64 oracle over the cache's own FP8 values, and the choice is checked
-against the device (the native CPU kernel reads no FP8; GPUs need compute capability >= 8.9)."""
+"""The FP8 KV cache (`--kv-cache-dtype fp8`, e4m3): the write saturates, every attention path that reads it
+equals the float64 oracle over the cache's own FP8 values, and the choice is checked against the device (the
+native CPU kernel reads no FP8; GPUs need compute capability >= 8.9); the per-layer scales folded into the
+weights come from a calibration pass or from the checkpoint's own."""
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +159,75 @@ def test_folded_scales_change_no_output_and_fill_e4m3s_range(kind, tiny_model_di
     assert calibrated.kv_scales is not None
     amax = calibrate_amax(calibrated)  # the folded model's own K and V, as the cache receives them
     assert np.all((amax > 448.0 / 4) & (amax <= 448.0 / 2)), amax
+
+
+def test_checkpoint_kv_scale_names():
+    from jaxserve.models.kv_scales import checkpoint_kv_scale
+
+    assert checkpoint_kv_scale("model.layers.3.self_attn.k_scale") == (3, "k")
+    assert checkpoint_kv_scale("model.layers.12.self_attn.v_scale") == (12, "v")
+    assert checkpoint_kv_scale("transformer.h.0.attn.kv_scale") == (0, "kv")  # an older format: both
+    assert checkpoint_kv_scale("model.layers.3.self_attn.k_proj.weight_scale") is None
+    assert checkpoint_kv_scale("model.layers.3.self_attn.k_proj.input_scale") is None
+    # An FP8 checkpoint's stream drops the activations' static scales and passes the KV cache's on
+    from jaxserve.models.quantization import fp8_checkpoint_tensors
+
+    stream = [("model.layers.0.self_attn.k_scale", np.float32(0.1)),
+              ("model.layers.0.self_attn.q_proj.input_scale", np.ones(1, np.float32))]
+    assert [name for name, _ in fp8_checkpoint_tensors(iter(stream))] == ["model.layers.0.self_attn.k_scale"]
+
+
+def _with_kv_scales(source, target, scales: dict[str, float]) -> None:
+    """The tiny model's checkpoint with `scales` (tensor name -> value) added, as llm-compressor writes them."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors.update({name: torch.tensor(value, dtype=torch.float32) for name, value in scales.items()})
+    save_file(tensors, str(target / "model.safetensors"))
+
+
+def test_a_checkpoint_s_kv_scales_replace_the_calibration(tiny_model_dir, tmp_path, caplog):
+    """A checkpoint calibrated for an FP8 cache (`k_scale`, `v_scale` per layer, vLLM's format): its scales,
+    as powers of two with the calibration's headroom, are the ones folded. Scales written as llm-compressor
+    writes them (each layer's largest |K| or |V| over 448) bring the cache's values where the calibration
+    pass brings them; any other scales are taken as given."""
+    import logging
+
+    from jaxserve.models.kv_scales import calibrate_amax
+    from jaxserve.models.loader import load_model
+    from tests.engine.helpers import make_engine
+
+    source = tiny_model_dir("llama")
+    amax = calibrate_amax(load_model(str(source), "float32", "reference"))  # f32[L, 2] of the unscaled model
+    num_layers = len(amax)
+    calibrated = {f"model.layers.{i}.self_attn.{kind}_scale": float(amax[i, j]) / 448.0
+                  for i in range(num_layers) for j, kind in enumerate("kv")}
+    _with_kv_scales(source, tmp_path / "calibrated", calibrated)
+    with caplog.at_level(logging.INFO, "jaxserve.models.kv_scales"):
+        engine = make_engine(tmp_path / "calibrated", warmup=False, attention_impl="reference", kv_cache_dtype="fp8")
+    assert "from the checkpoint's k_scale and v_scale" in caplog.text
+    folded = engine.core.model
+    np.testing.assert_allclose(folded.checkpoint_kv_amax, amax, rtol=1e-6)
+    cached = calibrate_amax(folded)  # what the cache receives now
+    assert np.all((cached > 448.0 / 4) & (cached <= 448.0 / 2)), cached
+
+    # Scales 8x and 1/8x the calibration's: the checkpoint's, not a calibration pass's
+    skewed = {name: value * (8.0 if ".k_" in name else 0.125) for name, value in calibrated.items()}
+    _with_kv_scales(source, tmp_path / "skewed", skewed)
+    skewed_model = make_engine(tmp_path / "skewed", warmup=False, attention_impl="reference",
+                               kv_cache_dtype="fp8").core.model
+    np.testing.assert_array_equal(skewed_model.kv_scales[:, 0], folded.kv_scales[:, 0] * 8)
+    np.testing.assert_array_equal(skewed_model.kv_scales[:, 1], folded.kv_scales[:, 1] / 8)
+
+
+def test_kv_scales_for_only_some_layers_are_refused(tiny_model_dir, tmp_path):
+    from jaxserve.models.loader import load_model
+
+    _with_kv_scales(tiny_model_dir("llama"), tmp_path / "partial", {"model.layers.0.self_attn.k_scale": 0.01,
+                                                                    "model.layers.0.self_attn.v_scale": 0.01})
+    with pytest.raises(ValueError, match="no k_scale for layer 1"):
+        load_model(str(tmp_path / "partial"), "float32", "reference")

@@ -67,7 +67,7 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
         for start in ("cold", "warm"):
             print("start", start)
             engine = make_engine({str(llama_dir)!r}, compilation_cache_dir={str(tmp_path / "xla")!r},
-                                 warmup_mode="auto")
+                                 warmup_mode="auto", token_buckets=(64,), request_buckets=(1, 8))
             print("tokens", start, run_all(engine, make_prompts()))
             engine.runner.wait_for_warmup()
             print("compiled", start, len(engine.runner._compiled), len(engine.runner.ladder.all_buckets()))
