@@ -30,6 +30,9 @@ _PHASES = {
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),
+    # a GPU's KV sizing (runner/kv_sizing.py): the largest buckets' quick compiles, then their real ones
+    "sizing_quick_s": re.compile(r"sized by compiles of the largest buckets, quick ([\d.]+)s"),
+    "sizing_real_s": re.compile(r"sized by compiles of the largest buckets, quick [\d.]+s then real ([\d.]+)s"),
 }
 
 

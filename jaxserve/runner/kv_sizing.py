@@ -16,6 +16,7 @@ change what the step keeps in temp memory beyond a workspace; so the sizing goes
 """
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,6 +55,8 @@ class SizedKVCache:
     estimated_temp_bytes: int  # the quick compile's
     compiled: dict[Any, HasTempBytes]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
     resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
+    quick_seconds: float  # the quick compiles' wall time
+    real_seconds: float  # the real compiles' (both rounds where resized)
 
 
 def size_kv_cache(
@@ -64,8 +67,10 @@ def size_kv_cache(
 ) -> SizedKVCache:
     """Sizes the cache as the module docstring says. `budget_for(temp_bytes)`: the budget that keeps
     `temp_bytes` for the step. Raises (`KVBudget.check`) where not even two pages fit."""
+    start = time.perf_counter()
     quick = QUICK_ESTIMATE_OPTIONS.get(platform)
     estimated = _peak_temp(compile_largest(provisional_pages, quick))
+    quick_seconds = time.perf_counter() - start
     budget = budget_for(with_margin(estimated))
     budget.check()
     compiled = compile_largest(budget.num_pages, None)
@@ -78,7 +83,8 @@ def size_kv_cache(
         budget = budget_for(real)
         budget.check()
         compiled = compile_largest(budget.num_pages, None)
-    return SizedKVCache(budget, estimated, compiled, resized)
+    return SizedKVCache(budget, estimated, compiled, resized, quick_seconds,
+                        time.perf_counter() - start - quick_seconds)
 
 
 def _peak_temp(compiled: dict[Any, HasTempBytes]) -> int:

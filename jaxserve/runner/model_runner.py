@@ -237,10 +237,10 @@ class ModelRunner:
         budget = sized.budget
         logger.info(
             "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
-            "KV cache %.2f GiB",
+            "KV cache %.2f GiB; sized by compiles of the largest buckets, quick %.1fs then real %.1fs",
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
             budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
-            budget.kv_bytes / 2**30,
+            budget.kv_bytes / 2**30, sized.quick_seconds, sized.real_seconds,
         )
         return budget.num_pages
 
