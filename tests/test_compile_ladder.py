@@ -8,6 +8,7 @@ checked (tests/ops check the kernels' numerics in interpret mode).
 
 import functools
 import json
+import re
 import subprocess
 import sys
 
@@ -162,12 +163,33 @@ def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
     """XLA:GPU's memory limit deviceless is 80% of the device's memory, which a KV cache budgeted at 90%
     exceeds; a real GPU's is its allocator pool. The deviceless compile now gets the pool's limit
     (`deviceless_devices`): before, rematerialization reworked the budgeted decode step towards a limit of
-    zero (453 kernels against 445 at 8,192 pages)."""
+    zero (8 kernels more at 128,000 pages than at 8,192)."""
     buckets = [Bucket(1, 1, decode_only=True)]
     small, budgeted = (compile_ladder("gpt2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
                                       variants=False, buckets=buckets, num_kv_pages=pages).buckets[0].launches
                        for pages in (8192, 128_000))  # 128,000 pages of GPT-2: 70 GiB, the budget's
     assert budgeted.num_kernels == small.num_kernels and budgeted.host_ops == small.host_ops
+
+
+def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir):
+    """XLA:GPU copies a conditional's operands: the penalty tables' update behind a `lax.cond` copied both
+    tables whole every step (64 MB at 256 sequences of GPT-2's vocabulary). On a CUDA target the update
+    runs unconditionally, in place: the compiled step copies no array of the tables' shape."""
+    from transformers import AutoConfig
+
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.ops.attention import resolve_attention
+    from jaxserve.runner.aot import compile_bucket, step_shapes
+    from jaxserve.runner.step_fn import make_step_fn
+
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir("llama"))
+    abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
+    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 64, 8, 32)
+    step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 5)
+    hlo = compile_bucket(step, abstract.state, shapes, Bucket(4, 4, decode_only=True),
+                         deviceless_device("h100")).compiled.as_text()
+    table = f"[32,{abstract.cfg.vocab_size}]"
+    assert f"s32{table}" in hlo and not re.search(rf"= (s32|pred){re.escape(table)}\S* copy\(", hlo)
 
 
 @pytest.mark.slow

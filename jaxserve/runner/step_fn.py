@@ -78,7 +78,9 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
             sampled = sample_greedy(logits, num_top_logprobs)
             prompt = no_prompt_logprobs(hidden.shape[0], num_top_logprobs)
         else:
-            penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates)
+            on_cuda = model.cfg.attention.compute_capability is not None  # the target's, deviceless too
+            penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates,
+                                           skip_untouched=not on_cuda)
             if mesh is not None:
                 penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
             sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)

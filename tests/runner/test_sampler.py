@@ -126,25 +126,27 @@ def _penalised_oracle(logits, prompt, outputs, rep, freq, pres):
     return x - freq * counts - pres * (counts > 0)
 
 
-def test_penalty_tables_count_inputs_and_penalties_match_an_oracle():
+@pytest.mark.parametrize("skip_untouched", [True, False])  # CPUs' conditional update, CUDA GPUs' plain one
+def test_penalty_tables_count_inputs_and_penalties_match_an_oracle(skip_untouched):
     rng = np.random.default_rng(3)
     tables = PenaltyTables.zeros(SLOTS, VOCAB)
     none = np.full(16, SLOTS, np.int32)
     # Slot 2: a prompt [5, 9, 9] then generated tokens 3, 3, 11 fed as decode inputs; stale data first.
     stale = PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), none, np.where(np.arange(16) < 4, 2, SLOTS))
-    tables = update_tables(tables, np.full(16, 30, np.int32), stale)
+    tables = update_tables(tables, np.full(16, 30, np.int32), stale, skip_untouched)
     reset = np.full(ROWS, SLOTS, np.int32)
     reset[0] = 2
     prompt_slots = none.copy()
     prompt_slots[:3] = 2
     ids = np.zeros(16, np.int32)
     ids[:3] = [5, 9, 9]
-    tables = update_tables(tables, ids, PenaltyUpdates(reset, prompt_slots, none))
+    tables = update_tables(tables, ids, PenaltyUpdates(reset, prompt_slots, none), skip_untouched)
     for token in (3, 3, 11):
         output_slots = none.copy()
         output_slots[0] = 2
         ids[0] = token
-        tables = update_tables(tables, ids, PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), none, output_slots))
+        tables = update_tables(tables, ids, PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), none, output_slots),
+                               skip_untouched)
     counts = np.asarray(tables.output_counts)
     assert counts[2, 3] == 2 and counts[2, 11] == 1 and counts[2].sum() == 3  # the stale 30s were cleared
     assert set(np.flatnonzero(np.asarray(tables.prompt_mask)[2])) == {5, 9}
