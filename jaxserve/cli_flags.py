@@ -172,9 +172,9 @@ ENGINE_FLAGS = (
          "the budget)", type=int, preset=True),
     Flag("--kv-cache-dtype", CacheConfig, "kv_cache_dtype", preset=True, choices=KV_CACHE_DTYPES,
          help="the KV cache's dtype; auto (the default) is the model's (but see --weight-dtype). float16 or "
-              "bfloat16 under a float32 model halve the cache's memory and what attention reads; fp8 (e4m3, "
-              "scale 1, as vLLM's fp8 without calibrated scales) halves a 16-bit cache again: GPUs of compute "
-              "capability >= 8.9, and the jnp CPU path"),
+              "bfloat16 under a float32 model halve the cache's memory and what attention reads; fp8 (e4m3 "
+              "with per-layer scales: the checkpoint's k_scale/v_scale, else a calibration pass) halves a "
+              "16-bit cache again: GPUs of compute capability >= 8.9, and the jnp CPU path"),
     Flag("--kv-cache-memory", CacheConfig, "kv_cache_memory_gib", "KV cache budget in GiB on CPU (default: the "
          "preset's)", type=float, preset=True),
     Flag("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", type=float, preset=True,

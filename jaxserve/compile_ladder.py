@@ -41,7 +41,7 @@ from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
-from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, with_margin
+from jaxserve.runner.kv_sizing import quick_budget
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
@@ -99,6 +99,7 @@ class CompileReport:
     kv_budget: KVBudget | None  # how the KV budget was reached (None off GPUs)
     kv_budget_bytes: int | None
     num_kv_pages: int
+    num_kv_pages_given: bool  # --num-kv-pages (the preset's or the flag's), not a budget
     compile_seconds: float  # the ladder's, summed over buckets
     wall_seconds: float
     buckets: list[BucketResult]
@@ -142,8 +143,9 @@ def compile_ladder(
                      if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, **cache_options)
     tp = tensor_parallel_size
+    facts: DeviceFacts
     if target:  # XLA's memory limit as a real GPU's compile gets it: serve's allocator pool
-        facts: DeviceFacts = target_facts(target)
+        facts = target_facts(target)
         pool = int(facts.memory_bytes * config.cache.gpu_memory_utilization) if facts.memory_bytes else None
         devices = deviceless_devices(target, tp, allocator_pool_bytes=pool)
     else:
@@ -189,13 +191,12 @@ def compile_ladder(
     # count plus the margin kept for autotuning, which a deviceless compile does not run.
     budget: KVBudget | None = None
     if facts.memory_bytes and config.cache.num_kv_pages is None:  # an explicit count wins, as in serve
-        provisional = shapes_for(max_pages_per_req + 1)
-        quick = QUICK_ESTIMATE_OPTIONS.get(device.platform)
-        estimated = max(compile_bucket(step, state, provisional, b, device, mesh, compiler_options=quick).temp_bytes
-                        for b in largest_buckets(todo))
-        budget = KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
-                          state_bytes, with_margin(estimated), page_bytes)
-        budget.check()
+        budget, _ = quick_budget(
+            lambda num_pages, options: {b: compile_bucket(step, state, shapes_for(num_pages), b, device, mesh,
+                                                          compiler_options=options) for b in largest_buckets(todo)},
+            lambda temp_bytes: KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
+                                        state_bytes, temp_bytes, page_bytes),
+            provisional_pages=max_pages_per_req + 1, platform=device.platform)
         num_pages = budget.num_pages
     else:
         num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
@@ -262,6 +263,7 @@ def compile_ladder(
         gpu_memory_utilization=config.cache.gpu_memory_utilization,
         device_memory_bytes=facts.memory_bytes,
         kv_budget=budget, kv_budget_bytes=budget.kv_bytes if budget else None, num_kv_pages=num_pages,
+        num_kv_pages_given=config.cache.num_kv_pages is not None,
         compile_seconds=round(sum(r.compile_seconds for r in results), 2),
         wall_seconds=round(time.perf_counter() - wall_start, 2),
         buckets=results,
@@ -327,8 +329,8 @@ def format_report(report: CompileReport) -> str:
             f"{report.kv_budget_bytes / gib:.2f} GiB of {report.device_memory_bytes / gib:.1f} GiB = "
             f"{report.num_kv_pages:,} pages of {report.page_size} tokens ({tokens:,} tokens)"
         )
-    else:  # a GPU's explicit --num-kv-pages, or a CPU's --kv-cache-memory
-        how = "--num-kv-pages" if report.device_memory_bytes else "the CPU budget"
+    else:  # an explicit --num-kv-pages, or a CPU's --kv-cache-memory
+        how = "--num-kv-pages" if report.num_kv_pages_given else "the CPU budget"
         lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens ({how})")
     return "\n".join(lines)
 

@@ -38,16 +38,18 @@ logger = logging.getLogger(__name__)
 HEADROOM = 2.0  # the calibrated maximum lands at or below 448 / HEADROOM
 CALIBRATION_TOKENS = 256
 _PAGE_SIZE = 16
-# A checkpoint's KV-cache scale: `model.layers.N.self_attn.k_scale` (GPT-2's `h.N.attn.`), or an older
-# `kv_scale` for both.
-_CHECKPOINT_KV_SCALE = re.compile(r"\.(\d+)\.(?:self_attn|attn)\.(k|v|kv)_scale$")
+# A checkpoint's KV-cache scale: `model.layers.N.self_attn.k_scale` (GPT-2's `transformer.h.N.attn.`), or an
+# older `kv_scale` for both; the decoder's own layers only (not a vision tower's). Other layouts (ModelOpt's
+# `k_proj.k_scale`) are not read: the calibration pass runs.
+_CHECKPOINT_KV_SCALE = re.compile(
+    r"^(?:(?:model\.)?layers\.(\d+)\.self_attn|(?:transformer\.)?h\.(\d+)\.attn)\.(k|v|kv)_scale$")
 CHECKPOINT_FP8_MAX = 448.0  # e4m3fn's largest value: what a checkpoint's scales map its maxima onto
 
 
 def checkpoint_kv_scale(name: str) -> tuple[int, str] | None:
     """(layer, "k", "v" or "kv") where checkpoint tensor `name` is a calibrated KV-cache scale; else None."""
-    match = _CHECKPOINT_KV_SCALE.search(name)
-    return None if match is None else (int(match.group(1)), match.group(2))
+    match = _CHECKPOINT_KV_SCALE.match(name)
+    return None if match is None else (int(match.group(1) or match.group(2)), match.group(3))
 
 
 def checkpoint_amax(found: dict[tuple[int, str], float], num_layers: int) -> np.ndarray | None:
@@ -119,7 +121,8 @@ def apply_fp8_kv_scales(model: Any, cache_dtype: Any) -> np.ndarray:
     checkpoint's KV-cache scales where it has them, else from a calibration pass; f32[L, 2]."""
     start = time.perf_counter()
     limit = float(jnp.finfo(cache_dtype).max)
-    amax, source = model.checkpoint_kv_amax, "the checkpoint's k_scale and v_scale"
+    amax = checkpoint_amax(model.checkpoint_kv_scales, model.cfg.num_layers)
+    source = "the checkpoint's k_scale and v_scale"
     if amax is None:
         amax, source = calibrate_amax(model), "a calibration pass"
     scales = np.asarray([[power_of_two_scale(a, limit) for a in layer] for layer in amax], np.float32)

@@ -42,7 +42,7 @@ from jaxserve.models.gguf_weights import (
     keeps_blocks_by_default,
     log_kept_weights,
 )
-from jaxserve.models.kv_scales import checkpoint_amax, checkpoint_kv_scale
+from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
@@ -81,8 +81,8 @@ class LoadedModel:
     weight_dtype: Any  # the matmul weights (`ModelConfig.weight_dtype`)
     # f32[L, 2]: the per-layer (K, V) scales of an FP8 cache, once folded into the weights (`kv_scales.py`)
     kv_scales: Any = None
-    # f32[L, 2]: the (K, V) maxima a checkpoint's KV-cache scales were calibrated for; None without them
-    checkpoint_kv_amax: Any = None
+    # A checkpoint's KV-cache scales by (layer, "k", "v" or "kv"), for an FP8 cache (`kv_scales.py`)
+    checkpoint_kv_scales: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
     quantization: str | None = None  # the layers' dense weights in 8 bits (`quantization.py`)
 
     @property
@@ -392,7 +392,7 @@ def load_model(
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
-    checkpoint_kv_amax = None
+    kv_scales: dict[tuple[int, str], float] = {}
     if dummy:
         loaded = _unflatten(dummy_weights(abstract))
     elif is_checkpoint(source.directory):
@@ -400,7 +400,6 @@ def load_model(
     else:
         tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8")
         loaded = _unflatten(tensors)
-        checkpoint_kv_amax = checkpoint_amax(kv_scales, abstract.cfg.num_layers)
 
     state = abstract.state
     nnx.replace_by_pure_dict(state, loaded)
@@ -424,7 +423,7 @@ def load_model(
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,
         quantization=quantization,
-        checkpoint_kv_amax=checkpoint_kv_amax,
+        checkpoint_kv_scales=kv_scales,
     )
 
 

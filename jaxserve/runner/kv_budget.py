@@ -2,8 +2,9 @@
 
 The KV cache gets what is left of `utilization x device memory` once the weights, the other state the
 step keeps (penalty tables), and the step's peak temp memory (XLA's memory analysis of the largest
-compiled bucket) are taken out. JAX's allocator is told to pool exactly `utilization x device memory`
-(`XLA_PYTHON_CLIENT_MEM_FRACTION`), so the budget is memory the process can actually use.
+buckets' quick compile, with a margin: `kv_sizing.py`) are taken out. JAX's allocator is told to pool
+exactly `utilization x device memory` (`XLA_PYTHON_CLIENT_MEM_FRACTION`), so the budget is memory the
+process can actually use.
 """
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ class KVBudget:
     utilization: float
     weights_bytes: int
     state_bytes: int  # the step's other persistent arrays (penalty tables)
-    peak_temp_bytes: int  # XLA's temp allocation of the largest bucket
+    peak_temp_bytes: int  # kept for the step's temp memory (`kv_sizing.with_margin` of XLA's figure)
     bytes_per_page: int
     allocator_limit_bytes: int | None = None  # JAX's pool, when a user's XLA_PYTHON_CLIENT_MEM_FRACTION caps it
 

@@ -11,15 +11,18 @@ change what the step keeps in temp memory beyond a workspace; so the sizing goes
 2. size: the page count from that estimate plus `TEMP_MARGIN` (what autotuning may add: split-K and cuBLAS
    workspaces);
 3. compile those buckets for real at that page count: the warm-up's first executables, kept;
-4. check: their real temp memory within the margin; where it is not, the count is sized again from it and
-   they compile again (logged: the margin is then too small for that model).
+4. check: their real temp memory within the margin; where it is not, the count is sized again from it (with
+   the margin again) and they compile again, checked again (logged: the margin is then too small for that
+   model); a second miss raises rather than risk running out of memory in a step.
+
+`jaxserve compile` sizes its report's cache with steps 1 and 2 (`quick_budget`).
 """
 
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from jaxserve.runner.kv_budget import KVBudget
 
@@ -45,18 +48,36 @@ class HasTempBytes(Protocol):
     temp_bytes: int
 
 
+C = TypeVar("C", bound=HasTempBytes)
 # (page count, compile options; None: the real compile) -> the largest buckets compiled, by bucket.
-CompileLargest = Callable[[int, dict[str, Any] | None], dict[Any, HasTempBytes]]
+CompileLargest = Callable[[int, dict[str, Any] | None], dict[Any, C]]
 
 
 @dataclass(frozen=True)
-class SizedKVCache:
+class SizedKVCache(Generic[C]):
+    """The sizing's result: the budget, and the largest buckets compiled at its page count."""
+
     budget: KVBudget  # its peak_temp_bytes: what the page count was sized for
     estimated_temp_bytes: int  # the quick compile's
-    compiled: dict[Any, HasTempBytes]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
+    compiled: dict[Any, C]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
     resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
     quick_seconds: float  # the quick compiles' wall time
     real_seconds: float  # the real compiles' (both rounds where resized)
+
+
+def quick_budget(
+    compile_largest: CompileLargest,
+    budget_for: Callable[[int], KVBudget],
+    provisional_pages: int,
+    platform: str,
+) -> tuple[KVBudget, int]:
+    """Steps 1 and 2: (the budget that keeps the quick estimate with the margin, the estimate).
+    `budget_for(temp_bytes)`: the budget that keeps `temp_bytes` for the step. Raises (`KVBudget.check`)
+    where not even two pages fit."""
+    estimated = _peak_temp(compile_largest(provisional_pages, QUICK_ESTIMATE_OPTIONS.get(platform)))
+    budget = budget_for(with_margin(estimated))
+    budget.check()
+    return budget, estimated
 
 
 def size_kv_cache(
@@ -65,14 +86,10 @@ def size_kv_cache(
     provisional_pages: int,
     platform: str,
 ) -> SizedKVCache:
-    """Sizes the cache as the module docstring says. `budget_for(temp_bytes)`: the budget that keeps
-    `temp_bytes` for the step. Raises (`KVBudget.check`) where not even two pages fit."""
+    """Sizes the cache as the module docstring says (`quick_budget`'s arguments)."""
     start = time.perf_counter()
-    quick = QUICK_ESTIMATE_OPTIONS.get(platform)
-    estimated = _peak_temp(compile_largest(provisional_pages, quick))
+    budget, estimated = quick_budget(compile_largest, budget_for, provisional_pages, platform)
     quick_seconds = time.perf_counter() - start
-    budget = budget_for(with_margin(estimated))
-    budget.check()
     compiled = compile_largest(budget.num_pages, None)
     real = _peak_temp(compiled)
     resized = real > budget.peak_temp_bytes
@@ -80,12 +97,16 @@ def size_kv_cache(
         logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its quick "
                        "estimate (%.0f MiB): sizing the KV cache again", real / 2**20,
                        budget.peak_temp_bytes / 2**20, estimated / 2**20)
-        budget = budget_for(real)
+        budget = budget_for(with_margin(real))
         budget.check()
         compiled = compile_largest(budget.num_pages, None)
+        if (again := _peak_temp(compiled)) > budget.peak_temp_bytes:
+            raise RuntimeError(f"the step's temp memory is {again / 2**20:.0f} MiB compiled at {budget.num_pages} "
+                               f"KV pages, over the {budget.peak_temp_bytes / 2**20:.0f} MiB its budget keeps "
+                               "after a second sizing; set --num-kv-pages")
     return SizedKVCache(budget, estimated, compiled, resized, quick_seconds,
                         time.perf_counter() - start - quick_seconds)
 
 
-def _peak_temp(compiled: dict[Any, HasTempBytes]) -> int:
+def _peak_temp(compiled: dict[Any, C]) -> int:
     return max(c.temp_bytes for c in compiled.values())

@@ -171,10 +171,11 @@ class ModelRunner:
             model.kv_scales = apply_fp8_kv_scales(model, self.kv_dtype)
         self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
         self._single_process = jax.process_count() == 1
+        self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes)
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
-        # (`kv_sizing.py`): the warm-up takes them instead of compiling them again.
-        self._sized_executables: dict[Bucket, CompiledBucket] = {}
-        self.num_pages = self._num_kv_pages(cache_config, page_bytes)
+        # (`kv_sizing.py`): the warm-up takes them instead of compiling them again (a multi-host job's
+        # followers compile what the leader sends).
+        self._sized_executables: dict[Bucket, CompiledBucket] = sized if self._single_process else {}
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
@@ -206,11 +207,14 @@ class ModelRunner:
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,
                            self.max_num_seqs)
 
-    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None) -> int:
-        """--num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of the
-        device's memory (`stats`: the device's memory_stats(), read here unless given)."""
+    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None
+                      ) -> tuple[int, dict[Bucket, CompiledBucket]]:
+        """(the KV cache's page count, the largest buckets' plain steps compiled at it where sizing it took
+        that): --num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of
+        the device's memory (`stats`: the device's memory_stats(), read here unless given), sized by
+        compiles (`kv_sizing.py`)."""
         if cache.num_kv_pages is not None:
-            return cache.num_kv_pages
+            return cache.num_kv_pages, {}
         device = jax.devices()[0]
         if stats is None:
             stats = device_memory_stats(device)
@@ -218,7 +222,7 @@ class ModelRunner:
             num_pages = int(cache.kv_cache_memory_gib * 2**30 // page_bytes)
             if num_pages < 2:
                 raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
-            return num_pages
+            return num_pages, {}
 
         def budget_for(temp_bytes: int) -> KVBudget:
             return budget_from_memory_stats(
@@ -232,8 +236,6 @@ class ModelRunner:
 
         sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for,
                               provisional_pages=self.max_pages_per_req + 1, platform=device.platform)
-        if self._single_process:  # the warm-up's first executables (a multi-host job's follow the leader's)
-            self._sized_executables = sized.compiled
         budget = sized.budget
         logger.info(
             "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
@@ -242,7 +244,7 @@ class ModelRunner:
             budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
             budget.kv_bytes / 2**30, sized.quick_seconds, sized.real_seconds,
         )
-        return budget.num_pages
+        return budget.num_pages, sized.compiled
 
     def _compile_largest(self, device: jax.Device, num_pages: int,
                          options: dict[str, Any] | None) -> dict[Bucket, CompiledBucket]:

@@ -317,7 +317,9 @@ def test_ctrl_c_to_the_process_group_drains_an_engine_core_process(tmp_path: Pat
         # Steps in the largest bucket while the background warm-up takes the cores: the short request did
         # not finish inside the drain once on a loaded CI machine.
         deadline = time.monotonic() + 300
-        while "warm-up: all" not in server.log() and time.monotonic() < deadline:
+        while "warm-up: all" not in server.log():
+            if time.monotonic() > deadline:
+                pytest.fail(f"the background warm-up did not finish in 300 s:\n{server.log()[-3000:]}")
             time.sleep(0.2)
         assert_drained(server, *signal_while_serving(server, lambda: os.killpg(server.process.pid, signal.SIGINT)))
         assert "engine core failed" not in server.log()

@@ -167,6 +167,9 @@ def test_checkpoint_kv_scale_names():
     assert checkpoint_kv_scale("model.layers.3.self_attn.k_scale") == (3, "k")
     assert checkpoint_kv_scale("model.layers.12.self_attn.v_scale") == (12, "v")
     assert checkpoint_kv_scale("transformer.h.0.attn.kv_scale") == (0, "kv")  # an older format: both
+    assert checkpoint_kv_scale("h.7.attn.v_scale") == (7, "v")
+    assert checkpoint_kv_scale("vision_model.encoder.layers.0.self_attn.k_scale") is None  # not the decoder's
+    assert checkpoint_kv_scale("model.layers.0.self_attn.k_proj.k_scale") is None  # ModelOpt's: calibrated
     assert checkpoint_kv_scale("model.layers.3.self_attn.k_proj.weight_scale") is None
     assert checkpoint_kv_scale("model.layers.3.self_attn.k_proj.input_scale") is None
     # An FP8 checkpoint's stream drops the activations' static scales and passes the KV cache's on
@@ -197,7 +200,7 @@ def test_a_checkpoint_s_kv_scales_replace_the_calibration(tiny_model_dir, tmp_pa
     pass brings them; any other scales are taken as given."""
     import logging
 
-    from jaxserve.models.kv_scales import calibrate_amax
+    from jaxserve.models.kv_scales import calibrate_amax, checkpoint_amax
     from jaxserve.models.loader import load_model
     from tests.engine.helpers import make_engine
 
@@ -211,7 +214,7 @@ def test_a_checkpoint_s_kv_scales_replace_the_calibration(tiny_model_dir, tmp_pa
         engine = make_engine(tmp_path / "calibrated", warmup=False, attention_impl="reference", kv_cache_dtype="fp8")
     assert "from the checkpoint's k_scale and v_scale" in caplog.text
     folded = engine.core.model
-    np.testing.assert_allclose(folded.checkpoint_kv_amax, amax, rtol=1e-6)
+    np.testing.assert_allclose(checkpoint_amax(folded.checkpoint_kv_scales, num_layers), amax, rtol=1e-6)
     cached = calibrate_amax(folded)  # what the cache receives now
     assert np.all((cached > 448.0 / 4) & (cached <= 448.0 / 2)), cached
 
@@ -224,10 +227,11 @@ def test_a_checkpoint_s_kv_scales_replace_the_calibration(tiny_model_dir, tmp_pa
     np.testing.assert_array_equal(skewed_model.kv_scales[:, 1], folded.kv_scales[:, 1] / 8)
 
 
-def test_kv_scales_for_only_some_layers_are_refused(tiny_model_dir, tmp_path):
-    from jaxserve.models.loader import load_model
+def test_kv_scales_for_only_some_layers_are_refused_by_an_fp8_cache_alone(tiny_model_dir, tmp_path):
+    from tests.engine.helpers import make_engine
 
     _with_kv_scales(tiny_model_dir("llama"), tmp_path / "partial", {"model.layers.0.self_attn.k_scale": 0.01,
                                                                     "model.layers.0.self_attn.v_scale": 0.01})
+    make_engine(tmp_path / "partial", warmup=False, attention_impl="reference")  # a float32 cache needs none
     with pytest.raises(ValueError, match="no k_scale for layer 1"):
-        load_model(str(tmp_path / "partial"), "float32", "reference")
+        make_engine(tmp_path / "partial", warmup=False, attention_impl="reference", kv_cache_dtype="fp8")

@@ -36,16 +36,18 @@ def test_the_pages_fill_what_the_utilization_leaves(engine, monkeypatch):
     calls = recording_compiles(runner, monkeypatch)
     page_bytes = 2**20
 
-    num_pages = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    num_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
 
     (provisional, _, estimated), (final, options, real) = calls  # the quick estimate, then the real compile
     assert provisional == runner.max_pages_per_req + 1 and final == num_pages and options is None
+    assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))  # for the warm-up
+    assert not runner._sized_executables  # this runner's own cache was sized by --num-kv-pages
     assert 0 < real <= with_margin(estimated)  # XLA's memory analysis of the largest buckets
     penalties = PenaltyTables.num_bytes(runner.max_num_seqs, runner.model.cfg.vocab_size)
     pool = stats["bytes_limit"]  # JAX's pool is exactly the 90% the budget may use
     free = pool - 3 * GIB - penalties - with_margin(estimated) - ALLOCATOR_SLACK_BYTES
     assert abs(num_pages - free // page_bytes) <= 1  # float rounding of 80 GiB x 0.9 / 0.9
-    assert runner._num_kv_pages(CacheConfig(num_kv_pages=7), page_bytes, stats) == 7  # an explicit count wins
+    assert runner._num_kv_pages(CacheConfig(num_kv_pages=7), page_bytes, stats) == (7, {})  # a count wins
 
 
 def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llama_dir, engine, monkeypatch):

@@ -53,9 +53,19 @@ def test_a_real_compile_over_the_margin_sizes_the_cache_again(caplog):
                               platform="gpu")
     first_count = budget_for(with_margin(400 * MIB)).num_pages
     assert calls == [(33, QUICK_ESTIMATE_OPTIONS["gpu"]), (first_count, None), (sized.budget.num_pages, None)]
-    assert sized.resized and sized.budget.peak_temp_bytes == 700 * MIB
+    assert sized.resized and sized.budget.peak_temp_bytes == with_margin(700 * MIB)
     assert sized.budget.num_pages < first_count
     assert "700 MiB compiled" in caplog.text
+
+
+def test_a_second_miss_raises_rather_than_risk_a_step_out_of_memory():
+    temps = iter([400 * MIB, 700 * MIB, 2_000 * MIB])  # quick, real, real again after resizing
+
+    def growing(num_pages: int, options):
+        return {"mixed": Compiled(next(temps))}
+
+    with pytest.raises(RuntimeError, match="after a second sizing; set --num-kv-pages"):
+        size_kv_cache(growing, budget_for, provisional_pages=33, platform="gpu")
 
 
 def test_a_platform_without_quick_options_estimates_with_a_real_compile():
