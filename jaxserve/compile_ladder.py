@@ -143,18 +143,13 @@ def compile_ladder(
                      if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, **cache_options)
     tp = tensor_parallel_size
-    facts: DeviceFacts
-    if target:  # XLA's memory limit as a real GPU's compile gets it: serve's allocator pool
-        facts = target_facts(target)
-        pool = int(facts.memory_bytes * config.cache.gpu_memory_utilization) if facts.memory_bytes else None
-        devices = deviceless_devices(target, tp, allocator_pool_bytes=pool)
-    else:
-        devices = jax.devices()[:tp]
+    facts: DeviceFacts = target_facts(target) if target else local_facts(jax.devices()[0])
+    # XLA's memory limit as a real GPU's compile gets it: serve's allocator pool
+    pool = int(facts.memory_bytes * config.cache.gpu_memory_utilization) if facts.memory_bytes else None
+    devices = deviceless_devices(target, tp, allocator_pool_bytes=pool) if target else jax.devices()[:tp]
     if len(devices) < tp:
         raise ValueError(f"--tensor-parallel-size {tp} needs {tp} local devices; this process sees {len(devices)}")
     device, mesh = devices[0], Mesh(np.asarray(devices), (TP_AXIS,)) if tp > 1 else None
-    if not target:
-        facts = local_facts(device)
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
@@ -191,12 +186,16 @@ def compile_ladder(
     # count plus the margin kept for autotuning, which a deviceless compile does not run.
     budget: KVBudget | None = None
     if facts.memory_bytes and config.cache.num_kv_pages is None:  # an explicit count wins, as in serve
-        budget, _ = quick_budget(
-            lambda num_pages, options: {b: compile_bucket(step, state, shapes_for(num_pages), b, device, mesh,
-                                                          compiler_options=options) for b in largest_buckets(todo)},
-            lambda temp_bytes: KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes,
-                                        state_bytes, temp_bytes, page_bytes),
-            provisional_pages=max_pages_per_req + 1, platform=device.platform)
+
+        def compile_largest(num_pages: int, options: dict[str, Any] | None) -> dict[Bucket, Any]:
+            return {b: compile_bucket(step, state, shapes_for(num_pages), b, device, mesh, compiler_options=options)
+                    for b in largest_buckets(todo)}
+
+        def budget_for(temp_bytes: int) -> KVBudget:
+            return KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes, state_bytes,
+                            temp_bytes, page_bytes)
+
+        budget, _ = quick_budget(compile_largest, budget_for, max_pages_per_req + 1, device.platform)
         num_pages = budget.num_pages
     else:
         num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
