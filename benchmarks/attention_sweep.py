@@ -42,7 +42,7 @@ from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth
 from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
-PARTS = ("decode", "mixed", "paged", "paged-decode", "chunk")
+PARTS = ("decode", "mixed", "paged", "paged-prefill", "paged-decode", "chunk")
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 
 
@@ -148,8 +148,10 @@ def main() -> None:
                         help="only the decode defaults against the sweep's best, bfloat16 and FP8 caches, "
                              "interleaved over --rounds; and the mixed case in both cache dtypes")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=[p for p in PARTS if p != "paged-decode"],
-                        help="which parts to run (paged-decode: the paged part's decode cases alone)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS,
+                        default=[p for p in PARTS if p not in ("paged-prefill", "paged-decode")],
+                        help="which parts to run (paged-prefill, paged-decode: the paged part's mixed or decode "
+                             "cases alone)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -166,7 +168,7 @@ def main() -> None:
         page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
-        paged_grid = [(1, 64, 2, False)]
+        paged_grid = [(1, 64, 2, False, False)]
         paged_decode_grid = [(1, 64, 2)]
         decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
@@ -178,9 +180,11 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        # consumers, block_kv, stages, P in registers (FlashAttention-3's way: measured and checked here first)
-        paged_grid = [(2, 128, 2, False), (2, 64, 4, False), (1, 128, 2, False), (2, 128, 2, True), (2, 64, 4, True),
-                      (1, 128, 3, True)]
+        # consumers, block_kv, stages, P in registers, ping-pong (FlashAttention-3's ways: measured and checked
+        # here first); the default first, then the ping-pong schedule against it
+        paged_grid = [(2, 128, 2, True, False), (2, 128, 2, True, True), (2, 64, 4, True, True),
+                      (2, 128, 2, False, True), (1, 128, 2, True, False), (2, 64, 4, True, False),
+                      (2, 128, 2, False, False)]
         # consumers, block_kv, stages for decodes: a program per request and KV head, its group's rows padded
         # to a warpgroup's 64 (the tensor cores idle; what counts is how close the page reads come to HBM's)
         paged_decode_grid = [(1, 128, 2), (1, 64, 3), (1, 64, 4), (2, 128, 2)]
@@ -227,7 +231,8 @@ def main() -> None:
             del inputs
     # 2 and 3. prefill/mixed through the Triton ragged kernel, then jaxserve's Mosaic GPU kernel, per case
     # on the same inputs
-    for name, (q_lens, kv_lens) in mixed.items() if {"mixed", "paged"} & set(args.parts) else ():
+    prefill_part = "paged" if "paged" in args.parts else "paged-prefill"  # paged-prefill: these cases alone
+    for name, (q_lens, kv_lens) in mixed.items() if {"mixed", prefill_part} & set(args.parts) else ():
         inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
@@ -238,12 +243,14 @@ def main() -> None:
                 *a, sm_scale=sm_scale, interpret=interpret, block_rows=r, block_kv=b, num_warps=w, num_stages=s))
             report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
-        for consumers, block_kv, steps, in_registers in paged_grid if "paged" in args.parts else ():
-            if over("paged"):
+        for consumers, block_kv, steps, in_registers, turns in paged_grid if prefill_part in args.parts else ():
+            if over(prefill_part):
                 break
-            config = f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers}"
-            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers: ragged_paged_attention_mgpu(
-                *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s, p_in_registers=r))
+            config = (f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers} "
+                      f"ping_pong={turns}")
+            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns:
+                         ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
+                                                     block_kv=b, stages=s, p_in_registers=r, ping_pong=t))
             report(measure("paged", name, "mosaic-gpu-paged", config, fn, inputs.args, reference, amount, flops,
                            args.iters, 1e12))
     # 3, decodes: the Mosaic GPU kernel on part 1's cases beside the Triton decode kernel's defaults, on the

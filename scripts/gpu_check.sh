@@ -12,6 +12,8 @@
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py);
 #   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
+#   paged-prefill the Mosaic GPU kernel's configurations on the sweep's prefill and mixed cases (its default
+#              first, then the ping-pong schedule);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
@@ -111,7 +113,8 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode) || " $stages " == *" $1 "* ]]; }
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill) \
+             || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
 if wanted probe; then  # what a compile costs under XLA's flags, one fresh process per flag set
@@ -161,6 +164,10 @@ fi
 if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
   stage paged-decode "${PAGED_DECODE_S:-45}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" \
     --budget-s $(( ${PAGED_DECODE_S:-45} - 8 )) > "$out/paged_decode.log" 2>&1
+fi
+if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefill and mixed steps
+  stage paged-prefill "${PAGED_PREFILL_S:-60}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
+    --out "$out" --budget-s $(( ${PAGED_PREFILL_S:-60} - 8 )) > "$out/paged_prefill.log" 2>&1
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)

@@ -20,7 +20,10 @@ Per program:
 - each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, float32 accumulators), masks it (causal,
   the request's length, a sliding window), runs the online softmax in the log2 domain, writes P in the
   model's dtype to shared memory and accumulates P V (wgmma); then it normalises its rows and stores
-  them, a head's slab at once when the slab is all the block's, else in power-of-two runs.
+  them, a head's slab at once when the slab is all the block's, else in power-of-two runs;
+- with `ping_pong` (two consumers), the consumers take turns on the tensor cores, FlashAttention-3's
+  ping-pong schedule: a barrier that both arrive at orders one's softmax under the other's two GEMMs. Both
+  walk the same steps (the program's key range), so their turns always pair up.
 
 Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
@@ -48,7 +51,8 @@ HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt
 _SMEM_SPARE = 1024  # the description, barriers and alignment
 # Prefill and mixed steps: P in registers was 5-7% faster than through shared memory on an H200, on both
 # cases measured (docs/benchmarks.md), and matched the oracle there.
-DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)
+# The ping-pong schedule is opt-in until a Hopper GPU has measured it against this default.
+DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=False)
 # For decode-only steps (`AttentionConfig.mosaic_decode`): a program per request and KV head, the GQA
 # group's rows in one warpgroup. On an H200 this read K/V at 61-68% of HBM bandwidth, within 1% of the best
 # of the sweep's four configurations on each case (docs/benchmarks.md).
@@ -76,7 +80,8 @@ def shared_memory_bytes(
 def supports(
     q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
     num_consumers: int = DEFAULTS["num_consumers"], block_kv: int = DEFAULTS["block_kv"],
-    stages: int = DEFAULTS["stages"], p_in_registers: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
+    stages: int = DEFAULTS["stages"], p_in_registers: bool = False, ping_pong: bool = False,
+    smem_limit: int = HOPPER_SMEM_BYTES,
 ) -> str | None:
     """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
     if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
@@ -89,6 +94,8 @@ def supports(
         return f"page size {page_size} (a multiple of 8 that divides {block_kv})"
     if num_consumers not in (1, 2):
         return f"{num_consumers} consumer warpgroups (1 or 2)"
+    if ping_pong and num_consumers != 2:
+        return f"the ping-pong schedule on {num_consumers} consumer warpgroup(s) (it takes 2)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
     if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
@@ -116,7 +123,7 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
 def _consumer(
     o_ref,  # gmem [T, N, H]
     info, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this program's row of the descriptions
-    q_bars, k_bars, v_bars, k_free, v_free,
+    q_bars, k_bars, v_bars, k_free, v_free, turns,  # turns: the ping-pong's barrier (None without it)
     *,
     wg: int,
     group: int,
@@ -139,6 +146,10 @@ def _consumer(
     col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
     row_pos = slab_pos + (wg * rows + row) % block_q  # i32[rows, S]: each row's token position
 
+    def take_turn():  # both consumers arrive before either goes on
+        plgpu.barrier_arrive(turns)
+        plgpu.barrier_wait(turns)
+
     def step_body(step, carry, masked: bool):
         m, denom, acc = carry  # f32[rows] (log2 domain), f32[rows], f32[rows, H]
         slot = lax.rem(step - first_step, stages)
@@ -146,6 +157,8 @@ def _consumer(
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_wg, k_smem.at[slot].T)
+            if turns is not None:  # issued: the other consumer's softmax is done, its P V may go
+                take_turn()
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # f32[rows, S]
@@ -165,13 +178,21 @@ def _consumer(
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         if p_in_registers:  # FlashAttention-3's way: P stays in registers, P V accumulates in place
-            p16 = p.astype(q_wg.dtype)
-            plgpu.barrier_wait(v_bars.at[slot])
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            p = p.astype(q_wg.dtype)
         else:  # through shared memory, which Mosaic GPU's interpreter runs too
             p_wg[...] = p.astype(p_wg.dtype)
             plgpu.commit_smem()  # P's stores visible to the tensor cores' reads
-            plgpu.barrier_wait(v_bars.at[slot])
+        if turns is not None:
+            # The softmax done: the other consumer's Q K^T may go, and this one's P V waits its turn (the
+            # other's Q K^T issued). The optimization barrier keeps the softmax before the arrival.
+            p, denom, acc = lax.optimization_barrier((p, denom, acc))
+            plgpu.barrier_arrive(turns)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if turns is not None:
+            plgpu.barrier_wait(turns)
+        if p_in_registers:
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+        else:
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
@@ -192,8 +213,12 @@ def _consumer(
     first_pos = slab_pos + info[_SHIFT]  # the block's first token's position, its lowest
     unmasked_end = first_step if scores.sliding_window is not None else (first_pos + 1) // block_kv
     unmasked_end = jnp.clip(unmasked_end, first_step, end_step)
+    if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
+        take_turn()
     carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
     _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
+    if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
+        take_turn()
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
@@ -264,14 +289,15 @@ def _producer(
 
 def _kernel(
     info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores,
-    p_in_registers,
+    p_in_registers, ping_pong,
 ):
     dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
     pages_per_block = block_kv // k_ref.shape[2]
     rows = ROWS_PER_WARPGROUP
     q_copies = [len(_pieces(w, group, block_q)) for w in range(num_consumers)]
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free, v_free):
+    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free, v_free,
+               turns=None):
         wg = lax.axis_index("wg")
         bars = (q_bars, k_bars, v_bars, k_free, v_free)
 
@@ -290,7 +316,7 @@ def _kernel(
             ))
             for w in range(num_consumers):
                 pl.when(wg == w)(functools.partial(
-                    _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, wg=w, group=group,
+                    _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w, group=group,
                     block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
                 ))
 
@@ -308,6 +334,7 @@ def _kernel(
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        *([plgpu.Barrier(num_arrivals=num_consumers)] if ping_pong else []),  # the consumers' turns
         collective_axes="wg",
     )
 
@@ -359,7 +386,7 @@ def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
-                              "stages", "p_in_registers"),
+                              "stages", "p_in_registers", "ping_pong"),
 )
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
@@ -377,13 +404,14 @@ def ragged_paged_attention_mgpu(
     block_kv: int = DEFAULTS["block_kv"],
     stages: int = DEFAULTS["stages"],
     p_in_registers: bool = False,
+    ping_pong: bool = False,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
 
     `p_in_registers`: P V takes P from registers and accumulates in place (FlashAttention-3's way, the
     interpreter cannot run it: checked against the oracle on a Hopper GPU only) instead of through
-    shared memory.
+    shared memory. `ping_pong`: the two consumers take turns on the tensor cores (module docstring).
 
     Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
     otherwise, about half a second each)."""
@@ -391,7 +419,7 @@ def ragged_paged_attention_mgpu(
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     shape = (q.dtype, k_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size)
     why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
-                   p_in_registers=p_in_registers)
+                   p_in_registers=p_in_registers, ping_pong=ping_pong)
     if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
     group = num_q_heads // num_kv_heads
@@ -408,7 +436,7 @@ def ragged_paged_attention_mgpu(
 
     kernel = functools.partial(
         _kernel, num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, block_kv=block_kv,
-        scores=scores, p_in_registers=p_in_registers,
+        scores=scores, p_in_registers=p_in_registers, ping_pong=ping_pong,
     )
     out = plgpu.kernel(
         kernel,
@@ -456,7 +484,8 @@ def ragged_paged_attention_hopper(
     long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
-                                         p_in_registers=DEFAULTS["p_in_registers"] and not interpret)
+                                         p_in_registers=DEFAULTS["p_in_registers"] and not interpret,
+                                         ping_pong=DEFAULTS["ping_pong"])
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
 
