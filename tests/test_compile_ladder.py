@@ -174,7 +174,9 @@ def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
 def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir):
     """XLA:GPU copies a conditional's operands: the penalty tables' update behind a `lax.cond` copied both
     tables whole every step (64 MB at 256 sequences of GPT-2's vocabulary). On a CUDA target the update
-    runs unconditionally, in place: the compiled step copies no array of the tables' shape."""
+    runs unconditionally, in place: the compiled step copies no array of the tables' shape. The sampler's
+    logit processing has no pass-through branch: the logits are copied once, for the bias's scatter (the
+    grammar mask and the bias behind conditionals of their own copied them three times)."""
     from transformers import AutoConfig
 
     from jaxserve.models.loader import build_abstract_model
@@ -190,6 +192,7 @@ def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir):
                          deviceless_device("h100")).compiled.as_text()
     table = f"[32,{abstract.cfg.vocab_size}]"
     assert f"s32{table}" in hlo and not re.search(rf"= (s32|pred){re.escape(table)}\S* copy\(", hlo)
+    assert len(re.findall(rf"= f32\[4,{abstract.cfg.vocab_size}\]\S* copy\(", hlo)) == 1
 
 
 @pytest.mark.slow

@@ -6,10 +6,12 @@ alternatives) are the raw model's, as in vLLM. If the bans leave a row no token 
 banning the only tokens its grammar allows), the row falls back to its grammar alone.
 
 Each optional stage sits behind a `lax.cond` on "does any row use it", so a plain greedy batch costs
-an argmax, and logprobs cost nothing unless a row asks. Nothing sorts the vocabulary: top-k and top-p
-are thresholds on the probabilities and a draw is an inverse-CDF lookup (`selection`). Each row draws
-one uniform from its own key, fold_in(key(seed), output_index): the same seed gives the same tokens
-whatever shares the batch.
+an argmax, and logprobs cost nothing unless a row asks. On CUDA GPUs the logit processing (grammar mask,
+bias and penalties) runs as one stage with no conditionals nested inside (`skip_unused=False`): XLA:GPU
+copies the [R, V] logits through a conditional's pass-through branch and reads each predicate on the host.
+Nothing sorts the vocabulary: top-k and top-p are thresholds on the probabilities and a draw is an
+inverse-CDF lookup (`selection`). Each row draws one uniform from its own key, fold_in(key(seed),
+output_index): the same seed gives the same tokens whatever shares the batch.
 """
 
 from dataclasses import dataclass
@@ -53,17 +55,16 @@ def _modifies_logits(params: SamplingArrays, tables: PenaltyTables) -> jax.Array
     return jnp.any(params.constrained) | _uses_bias_or_penalties(params, tables)
 
 
-def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables) -> jax.Array:
-    """The grammar mask, then logit_bias (and min_tokens' bans), then penalties; each skipped when no row
-    uses it."""
-    logits = jax.lax.cond(
-        jnp.any(params.constrained),
-        lambda x: apply_token_bitmask(x, params.token_bitmask, params.constrained),
-        lambda x: x,
-        logits,
-    )
+def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTables, skip_unused: bool) -> jax.Array:
+    """The grammar mask, then logit_bias (and min_tokens' bans), then penalties. `skip_unused`: each of the
+    two behind its own `lax.cond` on whether a row uses it (CPUs: XLA:CPU copies nothing through the
+    pass-through branch, and a grammar-only batch skips the penalties' pass over the logits); else both
+    for every row (CUDA GPUs), where a row without a grammar, bias or penalty passes through unchanged."""
 
-    def process(masked: jax.Array) -> jax.Array:
+    def mask(x: jax.Array) -> jax.Array:
+        return apply_token_bitmask(x, params.token_bitmask, params.constrained)
+
+    def bias_and_penalize(masked: jax.Array) -> jax.Array:
         rows = jnp.broadcast_to(jnp.arange(masked.shape[0])[:, None], params.bias_token_ids.shape)
         biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
         processed = apply_penalties(
@@ -73,7 +74,10 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
         return jnp.where(no_token_left, masked, processed)
 
-    return jax.lax.cond(_uses_bias_or_penalties(params, tables), process, lambda x: x, logits)
+    if not skip_unused:
+        return bias_and_penalize(mask(logits))
+    masked = jax.lax.cond(jnp.any(params.constrained), mask, lambda x: x, logits)
+    return jax.lax.cond(_uses_bias_or_penalties(params, tables), bias_and_penalize, lambda x: x, masked)
 
 
 def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R, V] (max 1 per row) -> f32[R]
@@ -128,6 +132,7 @@ def sample(
     params: SamplingArrays,
     tables: PenaltyTables,
     num_top_logprobs: int,
+    skip_unused: bool = True,  # the logit processing's stages each behind a conditional (`_process_logits`)
 ) -> SamplerOutput:
     is_greedy = params.temperature == GREEDY_TEMPERATURE  # the row of a greedy request (`SAMPLING_ROW`)
 
@@ -146,7 +151,8 @@ def sample(
 
     # Branches that return tokens, not logits: a cond passing [R, V] logits through unchanged copies them.
     tokens = jax.lax.cond(
-        _modifies_logits(params, tables), lambda x: choose(_process_logits(x, params, tables)), choose, logits
+        _modifies_logits(params, tables), lambda x: choose(_process_logits(x, params, tables, skip_unused)), choose,
+        logits,
     )
     token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs)
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

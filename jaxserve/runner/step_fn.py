@@ -83,7 +83,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
                                            skip_untouched=not on_cuda)
             if mesh is not None:
                 penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
-            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs)
+            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, skip_unused=not on_cuda)
             prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
                                      num_top_logprobs)
         outputs = (kv_caches, penalty_tables, sampled, prompt, _by_row(sampled.tokens, batch.previous_tokens, mesh))

@@ -1,5 +1,8 @@
 """The fused sampler: filters never leak tokens outside the allowed set; seeds reproduce."""
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -32,14 +35,23 @@ def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_in
     return SamplingArrays(**{**fields, **extra})
 
 
-@jax.jit
-def _sample(logits, params, tables):
-    return sample(logits, params, tables, TOP)
+@functools.partial(jax.jit, static_argnames="skip_unused")
+def _sample(logits, params, tables, skip_unused=True):
+    return sample(logits, params, tables, TOP, skip_unused=skip_unused)
 
 
-def sample_jit(logits, params, tables=None):
-    out = _sample(logits, params, tables or PenaltyTables.zeros(SLOTS, VOCAB))
+def sample_jit(logits, params, tables=None, skip_unused=True):
+    out = _sample(logits, params, tables or PenaltyTables.zeros(SLOTS, VOCAB), skip_unused=skip_unused)
     return out.tokens, out.logprobs
+
+
+def grammar_bitmask(allowed: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Bitmask i32[R, W] and constrained bool[R] for rows whose grammar allows only the given tokens."""
+    bits = np.zeros((ROWS, bitmask_words(VOCAB) * 32), np.bool_)
+    for row, tokens in allowed.items():
+        bits[row, tokens] = True
+    words = np.packbits(bits.reshape(ROWS, -1, 32), axis=-1, bitorder="little").view(np.int32)[..., 0]
+    return words, np.isin(np.arange(ROWS), list(allowed))
 
 
 def allowed_set(logits_row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -115,6 +127,35 @@ def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled():
         # Reported logprobs stay the raw model's.
         expected = jax.nn.log_softmax(logits)[np.arange(ROWS), tokens]
         np.testing.assert_allclose(logprobs, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("skip_unused", [True, False])  # CPUs' conditional stages, CUDA GPUs' single one
+def test_grammar_bias_bans_and_penalties_together(skip_unused):
+    """Greedy rows, each with one kind of processing in one batch: a grammar, a bias, a ban that leaves a
+    row no token its grammar allows (it falls back to its grammar), penalties; and a grammar-only batch."""
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((ROWS, VOCAB)).astype(np.float32)
+    bitmask, constrained = grammar_bitmask({1: [3, 17], 3: [5]})
+    ids, values = np.full((ROWS, BIASED), VOCAB, np.int32), np.zeros((ROWS, BIASED), np.float32)
+    ids[2, 0], values[2, 0] = 7, 100.0
+    ids[3, 0], values[3, 0] = 5, -np.inf  # bans the one token row 3's grammar allows
+    tables = update_tables(PenaltyTables.zeros(SLOTS, VOCAB), np.full(16, 0, np.int32), PenaltyUpdates(
+        np.full(ROWS, SLOTS, np.int32), np.where(np.arange(16) < 1, 1, SLOTS).astype(np.int32),
+        np.full(16, SLOTS, np.int32)), True)  # slot 1's prompt: token 0
+    top = int(logits[4].argmax())
+    logits[4, 0] = logits[4, top] + 1.0  # row 4's argmax is token 0, which its penalty makes negative
+    slots = np.where(np.arange(ROWS) == 4, 1, SLOTS).astype(np.int32)  # row 4 has penalties, at first none
+    params = arrays(0.0, token_bitmask=bitmask, constrained=constrained, bias_token_ids=ids, bias_values=values,
+                    penalty_slots=slots)
+    tokens = np.asarray(sample_jit(logits, params, tables, skip_unused=skip_unused)[0])
+    assert tokens[1] == [3, 17][int(logits[1, 17] > logits[1, 3])] and tokens[2] == 7 and tokens[3] == 5
+    assert tokens[0] == logits[0].argmax() and tokens[4] == 0
+    rep = np.where(np.arange(ROWS) == 4, 100.0, 1.0).astype(np.float32)  # token 0, the prompt's, shrinks
+    params = dataclasses.replace(params, repetition_penalty=rep)
+    assert np.asarray(sample_jit(logits, params, tables, skip_unused=skip_unused)[0])[4] == top
+    grammar_only = arrays(0.0, token_bitmask=bitmask, constrained=constrained)
+    tokens = np.asarray(sample_jit(logits, grammar_only, skip_unused=skip_unused)[0])
+    assert tokens[3] == 5 and tokens[1] in (3, 17) and tokens[0] == logits[0].argmax()
 
 
 def _penalised_oracle(logits, prompt, outputs, rep, freq, pres):
