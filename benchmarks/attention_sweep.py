@@ -11,9 +11,10 @@ heads, bfloat16):
    reported in TFLOP/s of useful attention (causal keys only) and as a fraction of the dense bf16 peak.
 3. **paged**: jaxserve's own Mosaic GPU kernel (`ragged_paged_attention_mgpu`: TMA page loads, wgmma,
    a producer and one or two consumer warpgroups) on the mixed part's cases, over consumers x block_kv x
-   stages, in TFLOP/s of useful attention, side by side with part 2's Triton figures; and on part 1's
-   decode cases at pages of 16, 32 and 64 tokens, in TB/s, beside the Triton decode kernel's defaults
-   (`--parts paged-decode`: these alone).
+   stages x P in registers x the ping-pong schedule (each configuration on every case before the next,
+   the default first), in TFLOP/s of useful attention, side by side with part 2's Triton figures
+   (`--parts paged-prefill`: these alone); and on part 1's decode cases at pages of 16, 32 and 64 tokens,
+   in TB/s, beside the Triton decode kernel's defaults (`--parts paged-decode`: these alone).
 4. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
    attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, TMA + wgmma), the keys before the chunk
    gathered from their pages and attended by the same kernel without a mask, the two merged by their
@@ -141,6 +142,7 @@ def cudnn_fn(sm_scale: float) -> Callable:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="attention_sweep", help="the report's file name in --out, less .json")
     parser.add_argument("--cpu", action="store_true", help="tiny cases, Pallas in interpret mode")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--iters", type=int, default=10)
@@ -200,7 +202,7 @@ def main() -> None:
         frac = "-" if r.fraction is None else f"{r.fraction:.0%}"
         print(f"| {r.part} | {r.case} | {r.impl} | {r.config} | {r.us or 0:.1f} | {rate} | {frac} | "
               f"{r.max_abs_err if r.max_abs_err is not None else '-'} | {r.error or ''} |", flush=True)
-        (args.out / "attention_sweep.json").write_text(json.dumps(
+        (args.out / f"{args.name}.json").write_text(json.dumps(
             {"device": device.device_kind, "peak_hbm": hbm, "peak_flops": flops,
              "results": [asdict(x) for x in results]}, indent=1))
 
@@ -229,10 +231,14 @@ def main() -> None:
                 report(measure("decode", name, "triton", f"page={page_size} block_kv={block_kv} warps={nw} "
                                f"stages={ns}", fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
             del inputs
-    # 2 and 3. prefill/mixed through the Triton ragged kernel, then jaxserve's Mosaic GPU kernel, per case
-    # on the same inputs
+    # 2 and 3. prefill/mixed through the Triton ragged kernel per case, then jaxserve's Mosaic GPU kernel on
+    # the same inputs, each configuration on every case before the next (the budget cuts configurations)
     prefill_part = "paged" if "paged" in args.parts else "paged-prefill"  # paged-prefill: these cases alone
+    last_part = prefill_part if prefill_part in args.parts else "mixed"
+    prefill_cases = []  # (name, inputs, reference, useful FLOPs)
     for name, (q_lens, kv_lens) in mixed.items() if {"mixed", prefill_part} & set(args.parts) else ():
+        if over(last_part):
+            break
         inputs = build_inputs(q_lens, kv_lens, heads, 16, dtype)
         reference = np.asarray(paged_fn("reference", False, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = useful_flops(inputs, num_q_heads, head_dim)
@@ -243,16 +249,20 @@ def main() -> None:
                 *a, sm_scale=sm_scale, interpret=interpret, block_rows=r, block_kv=b, num_warps=w, num_stages=s))
             report(measure("mixed", name, "triton", f"rows={block_rows} block_kv={block_kv} warps={nw} stages={ns}",
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
-        for consumers, block_kv, steps, in_registers, turns in paged_grid if prefill_part in args.parts else ():
+        if prefill_part in args.parts:
+            prefill_cases.append((name, inputs, reference, amount))
+    for consumers, block_kv, steps, in_registers, turns in paged_grid:
+        config = (f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers} "
+                  f"ping_pong={turns}")
+        fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns:
+                     ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
+                                                 block_kv=b, stages=s, p_in_registers=r, ping_pong=t))
+        for name, inputs, reference, amount in prefill_cases:
             if over(prefill_part):
                 break
-            config = (f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers} "
-                      f"ping_pong={turns}")
-            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns:
-                         ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
-                                                     block_kv=b, stages=s, p_in_registers=r, ping_pong=t))
             report(measure("paged", name, "mosaic-gpu-paged", config, fn, inputs.args, reference, amount, flops,
                            args.iters, 1e12))
+    del prefill_cases
     # 3, decodes: the Mosaic GPU kernel on part 1's cases beside the Triton decode kernel's defaults, on the
     # same inputs, in TB/s of K/V read; per page size (a page is one TMA copy: fewer, larger copies per stage)
     decode_part = "paged" if "paged" in args.parts else "paged-decode"  # paged-decode: these cases alone

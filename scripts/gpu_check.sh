@@ -33,8 +33,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
-stages="$*"  # on the GPU machine: any of probe startup test-gpu attention chunks focus profile (default: all
-             # but chunks, which attention includes)
+stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
+             # includes, and fp8, paged-decode and paged-prefill)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -158,16 +158,16 @@ if wanted attention; then
   stage attention 100 python3 benchmarks/attention_sweep.py --out "$out" --budget-s 85 > "$out/attention.log" 2>&1
 fi
 if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep's mixed, paged and chunk parts)
-  stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts mixed paged chunk --out "$out" \
+  stage chunks "${CHUNKS_S:-60}" python3 benchmarks/attention_sweep.py --parts mixed paged chunk --out "$out" --name chunks \
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
-  stage paged-decode "${PAGED_DECODE_S:-45}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" \
+  stage paged-decode "${PAGED_DECODE_S:-45}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
     --budget-s $(( ${PAGED_DECODE_S:-45} - 8 )) > "$out/paged_decode.log" 2>&1
 fi
 if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefill and mixed steps
   stage paged-prefill "${PAGED_PREFILL_S:-60}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
-    --out "$out" --budget-s $(( ${PAGED_PREFILL_S:-60} - 8 )) > "$out/paged_prefill.log" 2>&1
+    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-60} - 8 )) > "$out/paged_prefill.log" 2>&1
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)

@@ -127,7 +127,8 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                 sampled = sample_greedy(logits, num_top_logprobs)
             else:
                 moved_sampling = dataclasses.replace(sampling, output_index=sampling.output_index + offset)
-                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs)
+                on_cuda = model.cfg.attention.compute_capability is not None
+                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs, skip_unused=not on_cuda)
             return (kv_caches, sampled.tokens, tokens.at[step].set(sampled.tokens),
                     logprobs.at[step].set(sampled.logprobs))
 

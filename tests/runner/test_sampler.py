@@ -4,12 +4,13 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.engine.step_io import bitmask_words
 from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, update_tables
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.sampler import _process_logits, sample
 from jaxserve.runner.step_batch import SamplingArrays
 
 VOCAB = 64
@@ -143,7 +144,7 @@ def test_grammar_bias_bans_and_penalties_together(skip_unused):
         np.full(ROWS, SLOTS, np.int32), np.where(np.arange(16) < 1, 1, SLOTS).astype(np.int32),
         np.full(16, SLOTS, np.int32)), True)  # slot 1's prompt: token 0
     top = int(logits[4].argmax())
-    logits[4, 0] = logits[4, top] + 1.0  # row 4's argmax is token 0, which its penalty makes negative
+    logits[4, 0] = logits[4, top] + 1.0  # row 4's argmax is token 0, the prompt's (a repetition penalty's)
     slots = np.where(np.arange(ROWS) == 4, 1, SLOTS).astype(np.int32)  # row 4 has penalties, at first none
     params = arrays(0.0, token_bitmask=bitmask, constrained=constrained, bias_token_ids=ids, bias_values=values,
                     penalty_slots=slots)
@@ -156,6 +157,33 @@ def test_grammar_bias_bans_and_penalties_together(skip_unused):
     grammar_only = arrays(0.0, token_bitmask=bitmask, constrained=constrained)
     tokens = np.asarray(sample_jit(logits, grammar_only, skip_unused=skip_unused)[0])
     assert tokens[3] == 5 and tokens[1] in (3, 17) and tokens[0] == logits[0].argmax()
+
+
+def test_both_forms_of_the_logit_processing_give_the_same_logits():
+    """The CUDA form (every stage for every row) and the CPU form (each stage behind its conditional)
+    agree exactly, row by row, on a batch with every kind of processing and on a grammar-only batch: a row
+    without a grammar, bias or penalty keeps its logits bit for bit."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((ROWS, VOCAB)) * 4, jnp.float32)
+    bitmask, constrained = grammar_bitmask({1: [3, 17, 40], 3: [5]})
+    ids, values = np.full((ROWS, BIASED), VOCAB, np.int32), np.zeros((ROWS, BIASED), np.float32)
+    ids[2, :2], values[2, :2] = [7, 9], [2.5, -1.0]
+    ids[3, 0], values[3, 0] = 5, -np.inf
+    tables = update_tables(PenaltyTables.zeros(SLOTS, VOCAB), np.arange(16, dtype=np.int32), PenaltyUpdates(
+        np.full(ROWS, SLOTS, np.int32), np.where(np.arange(16) < 6, 1, SLOTS).astype(np.int32),
+        np.where(np.arange(16) >= 10, 1, SLOTS).astype(np.int32)), True)  # slot 1: prompt 0-5, outputs 10-15
+    slots = np.where(np.arange(ROWS) == 4, 1, SLOTS).astype(np.int32)
+    penalty = lambda v: np.where(np.arange(ROWS) == 4, v, 0.0).astype(np.float32)  # noqa: E731
+    full = arrays(0.0, token_bitmask=bitmask, constrained=constrained, bias_token_ids=ids, bias_values=values,
+                  penalty_slots=slots, repetition_penalty=1.0 + penalty(0.8), frequency_penalty=penalty(0.3),
+                  presence_penalty=penalty(0.6))
+    for params in (full, arrays(0.0, token_bitmask=bitmask, constrained=constrained)):
+        with_conds = np.asarray(_process_logits(logits, params, tables, True))
+        without = np.asarray(_process_logits(logits, params, tables, False))
+        np.testing.assert_array_equal(with_conds, without)
+        plain = ~np.isin(np.arange(ROWS), [1, 2, 3, 4])
+        np.testing.assert_array_equal(without[plain], np.asarray(logits)[plain])
+    assert not np.array_equal(without, np.asarray(logits)), "the grammar-only batch masks rows 1 and 3"
 
 
 def _penalised_oracle(logits, prompt, outputs, rep, freq, pres):
