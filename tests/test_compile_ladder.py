@@ -122,7 +122,10 @@ def test_gpt2_compiles_for_a100():
 @pytest.mark.slow
 def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     """`--greedy-decodes`: the decode step without the sampler's control flow runs as one command buffer
-    (one host operation, no predicate read by the host); the full sampler's step has conditionals on top."""
+    (one host operation, no predicate read by the host); the full sampler's step has conditionals on top.
+    No kernel of the one-row step writes an array of a projection weight's shape: XLA:GPU ran GPT-2's
+    output and down projections at one row as a multiply that wrote the product whole, then a reduction
+    (24 such kernels a step, before `layers.dense` padded one row to two)."""
     from jaxserve.compile_ladder import load_model_config
     from jaxserve.models.loader import build_abstract_model
     from jaxserve.ops.attention import resolve_attention
@@ -135,8 +138,13 @@ def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     launches = {}
     for greedy in (False, True):
         step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, greedy=greedy)
-        launches[greedy] = compile_bucket(step, abstract.state, shapes, Bucket(1, 1, decode_only=True),
-                                          deviceless_device("h100"), read_launches=True).launches
+        compiled = compile_bucket(step, abstract.state, shapes, Bucket(1, 1, decode_only=True),
+                                  deviceless_device("h100"), read_launches=True)
+        launches[greedy] = compiled.launches
+    hlo = compiled.compiled.as_text()
+    weights = {re.escape(f"bf16[{','.join(map(str, w.shape))}]") for w in jax.tree.leaves(abstract.state)
+               if w.ndim >= 2 and w.size >= 768 * 768}
+    assert weights and not re.findall(rf"= ({'|'.join(weights)})\S* fusion\(", hlo)
     assert launches[True].host_ops == {"kCommandBuffer": 1} and launches[True].host_syncs == 0
     assert launches[True].graph_share == 1.0 and launches[True].control_flow == {}
     assert launches[False].host_syncs > 0 and launches[False].num_kernels > launches[True].num_kernels

@@ -54,6 +54,11 @@ class AttentionConfig:
     mesh: Any = None  # jax.sharding.Mesh with tensor parallelism: attention runs per shard of KV heads
 
     @property
+    def cuda(self) -> bool:
+        """Whether the step is compiled for a CUDA GPU (a real one, or a target compiled for without one)."""
+        return self.compute_capability is not None
+
+    @property
     def hopper(self) -> bool:
         """Whether the step is compiled for a Hopper GPU (sm_90), the target of the Mosaic GPU kernels
         (wgmma is sm_90's; Blackwell's tensor cores take other instructions)."""

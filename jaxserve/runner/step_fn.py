@@ -78,7 +78,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
             sampled = sample_greedy(logits, num_top_logprobs)
             prompt = no_prompt_logprobs(hidden.shape[0], num_top_logprobs)
         else:
-            on_cuda = model.cfg.attention.compute_capability is not None  # the target's, deviceless too
+            on_cuda = model.cfg.attention.cuda  # the target's, deviceless too
             penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates,
                                            skip_untouched=not on_cuda)
             if mesh is not None:
@@ -127,8 +127,8 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                 sampled = sample_greedy(logits, num_top_logprobs)
             else:
                 moved_sampling = dataclasses.replace(sampling, output_index=sampling.output_index + offset)
-                on_cuda = model.cfg.attention.compute_capability is not None
-                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs, skip_unused=not on_cuda)
+                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs,
+                                 skip_unused=not model.cfg.attention.cuda)
             return (kv_caches, sampled.tokens, tokens.at[step].set(sampled.tokens),
                     logprobs.at[step].set(sampled.logprobs))
 

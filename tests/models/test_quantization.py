@@ -58,6 +58,26 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_weights():
         wq.reshape(-1, 4)  # the heads axis is an output axis: it cannot join the contracted one
 
 
+def test_one_row_for_a_cuda_gpu_is_padded_to_two_and_gives_the_same_product():
+    """XLA:GPU runs some one-row dots as a multiply that writes the weight-sized product (see `dense`);
+    for a CUDA target one row goes through as two, and the product is the same, for 16-bit and FP8
+    weights alike."""
+    from jaxserve.ops.attention import AttentionConfig
+
+    cuda = AttentionConfig(impl="pallas", compute_capability=9.0)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(1, 64)), jnp.bfloat16)
+    w16 = jnp.asarray(rng.normal(size=(64, 48)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w16, np.float64)
+    assert "pad" in str(jax.make_jaxpr(lambda x, w: dense(x, w, cuda))(x, w16))
+    np.testing.assert_allclose(np.asarray(dense(x, w16, cuda), np.float64), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(np.asarray(dense(x, w16, cuda)), np.asarray(dense(x, w16, ATTENTION)))
+    w8 = quantize_fp8(jnp.asarray(rng.normal(size=(64, 48)), jnp.float32), 1)
+    x32 = x.astype(jnp.float32)
+    np.testing.assert_allclose(dense(x32, w8, cuda), np.asarray(x32, np.float64) @ _dequantized64(w8), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_a_factor_constant_over_the_contracted_axes_goes_into_the_scale():
     w = quantize_fp8(jnp.asarray(np.random.default_rng(2).normal(size=(6, 3, 4)), jnp.float32), 1)
     factor = np.asarray([2.0, 0.5, 4.0], np.float32)[None, :, None]  # per part, like GPT-2's fused q/k/v
