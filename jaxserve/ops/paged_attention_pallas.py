@@ -440,9 +440,20 @@ def _combine_splits(
     m: jax.Array,  # f32[S, R, K, Gr]
     denom: jax.Array,  # f32[S, R, K, Gr]
 ) -> jax.Array:  # f32[R, K, Gr, Hp]
-    """Merges the splits' partial softmaxes; rows that saw no key (empty context) come out as zeros."""
-    m_max = m.max(axis=0)
-    weight = jnp.exp2(m - m_max[None])  # empty splits carry denom = 0 and acc = 0, so they add nothing
-    denom = (weight * denom).sum(axis=0)
-    total = (weight[..., None] * out).sum(axis=0)
-    return total / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    """Merges the splits' partial softmaxes; rows that saw no key (empty context) come out as zeros.
+
+    One reduction over the splits whose combiner merges two partial softmaxes (the running max, the
+    rescaled sums), so XLA emits one kernel; the max over splits first and the weighted sums after took
+    two (a kernel a layer of every decode step). Empty splits carry m = MASK_VALUE, denom = 0 and acc = 0,
+    so they add nothing; MASK_VALUE is also the identity's max (an infinite one would merge to NaN)."""
+
+    def merge(a: tuple, b: tuple) -> tuple:
+        (m_a, denom_a, acc_a), (m_b, denom_b, acc_b) = a, b
+        m_ab = jnp.maximum(m_a, m_b)
+        w_a, w_b = jnp.exp2(m_a - m_ab), jnp.exp2(m_b - m_ab)
+        return m_ab, denom_a * w_a + denom_b * w_b, acc_a * w_a + acc_b * w_b
+
+    spread = lambda x: jnp.broadcast_to(x[..., None], out.shape)  # noqa: E731  (a reduction's operands share a shape)
+    identity = (jnp.float32(MASK_VALUE), jnp.float32(0.0), jnp.float32(0.0))
+    _, denom, total = jax.lax.reduce((spread(m), spread(denom), out), identity, merge, (0,))
+    return total / jnp.where(denom == 0.0, 1.0, denom)

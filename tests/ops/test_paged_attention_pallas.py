@@ -8,6 +8,7 @@ shows up as NaN in the output.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,24 @@ def test_more_splits_than_blocks_leaves_the_extra_splits_empty():
         q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.2, interpret=INTERPRET, num_splits=8, block_kv=16
     )
     check(got, case, 0.2, np.float32)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+def test_the_splits_merge_in_one_kernel_on_an_h100():
+    """The split-KV decode compiled for an H100: the Triton kernel, one reduction that merges the splits'
+    partial softmaxes, and one fusion that normalises and casts (the max over splits and the weighted
+    sums were a kernel each before: one more kernel a layer, every decode step)."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS["llama-3-8b"]
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    pages = ((num_kv_heads, 4096, 16, head_dim), jnp.bfloat16)
+    shapes = [((1, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((1,), jnp.int32), ((1, 256), jnp.int32)]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    fn = jax.jit(lambda *a: paged_decode_attention_pallas(*a, sm_scale=head_dim**-0.5, num_splits=16))
+    hlo = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}\n")]
+    kernels = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? (fusion|custom-call)\(", entry, re.MULTILINE)
+    assert kernels.count("custom-call") == 1 and kernels.count("fusion") == 2, kernels
 
 
 def test_splits_fill_the_gpu_only_when_the_batch_does_not():
