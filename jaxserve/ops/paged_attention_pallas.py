@@ -453,7 +453,9 @@ def _combine_splits(
         w_a, w_b = jnp.exp2(m_a - m_ab), jnp.exp2(m_b - m_ab)
         return m_ab, denom_a * w_a + denom_b * w_b, acc_a * w_a + acc_b * w_b
 
-    spread = lambda x: jnp.broadcast_to(x[..., None], out.shape)  # noqa: E731  (a reduction's operands share a shape)
+    def spread(x: jax.Array) -> jax.Array:  # [S, R, K, Gr] -> [S, R, K, Gr, Hp]: a reduction's operands share a shape
+        return jnp.broadcast_to(x[..., None], out.shape)
+
     identity = (jnp.float32(MASK_VALUE), jnp.float32(0.0), jnp.float32(0.0))
     _, denom, total = jax.lax.reduce((spread(m), spread(denom), out), identity, merge, (0,))
     return total / jnp.where(denom == 0.0, 1.0, denom)
