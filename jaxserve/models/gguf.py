@@ -4,9 +4,13 @@ Config and tokenizer come from the same file through transformers' GGUF support 
 llama.cpp's converter permutes Llama Q/K rows for its rotary layout; we undo that as transformers does.
 """
 
+import contextlib
+import functools
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -54,6 +58,50 @@ _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.we
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 
 
+class _PlainViewReader(GGUFReader):
+    """`GGUFReader`, slicing a plain ndarray view of the file's mapping where it sliced the `np.memmap`.
+
+    The reader takes two slices per metadata value, so a tokenizer's vocabulary and merges (hundreds of
+    thousands of strings) mean a million slices, and `np.memmap.__getitem__`, a Python method, made them
+    most of a start's GGUF parse. The view maps the same pages; tensors' `data` are views of it.
+    """
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def read_gguf(path: str | Path) -> GGUFReader:
+    """The file's metadata and tensor table, parsed once per process while the file is unchanged (a start
+    reads them for the config, the tokenizer and the weights)."""
+    path = Path(path).resolve()
+    info = path.stat()
+    return _parsed(str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str, inode: int, size: int, mtime_ns: int) -> GGUFReader:
+    return _PlainViewReader(path)
+
+
+@contextlib.contextmanager
+def shared_gguf_reads() -> Iterator[None]:
+    """Within it, `gguf.GGUFReader(path)` (as transformers calls it, once for a config and again for a
+    tokenizer) returns `read_gguf(path)`'s reader: the file is parsed once."""
+    def reader(path: str | Path, mode: str = "r") -> GGUFReader:
+        return read_gguf(path) if mode == "r" else GGUFReader(path, mode)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = GGUFReader
+
+
 def gguf_architecture(reader: GGUFReader) -> str:
     return reader.fields["general.architecture"].contents()
 
@@ -73,7 +121,7 @@ def iter_gguf_tensors(
 ) -> Iterator[tuple[str, np.ndarray | GgufTensor]]:
     """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time. With
     `keep_blocks`, a 2-D tensor in a format the native kernel reads comes as a `GgufTensor` of its blocks."""
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(

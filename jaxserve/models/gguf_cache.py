@@ -1,7 +1,7 @@
 """A GGUF file's config and tokenizer, converted once and kept as an HF directory keyed by the file's hash.
 
-transformers reads both from GGUF metadata by parsing the whole file, which took about 7 s (config) and
-5 s (tokenizer) of every start for the bundled 98 MB SmolLM2; reading the converted `config.json` and
+transformers reads both from GGUF metadata, building the config and the tokenizer (its vocabulary and
+merges) in Python, which took seconds of every start; reading the converted `config.json` and
 `tokenizer.json` takes milliseconds. The key is the file's SHA-256, so a changed file converts anew, and
 each file appears whole or not at all (written aside, then renamed), so concurrent starts are safe. The
 dequantized tensors are kept there too, as float32 safetensors (see `iter_cached_gguf_tensors`).
@@ -64,9 +64,9 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     `llama` with `expert_count`; transformers reads it as a dense Llama), Phi-3's LongRoPE factors (tensors in
     the 128k variants' files), and Gemma 2 27B's query scale (llama.cpp's rule: its 46 layers scale queries
     by (hidden / heads)^-1/2, the others by head_size^-1/2, which transformers' default of 256 gives)."""
-    from gguf import GGUFReader
+    from jaxserve.models.gguf import read_gguf
 
-    reader = GGUFReader(gguf_path)
+    reader = read_gguf(gguf_path)
     arch = reader.fields["general.architecture"].contents()
 
     def field(key: str) -> Any:
@@ -118,19 +118,22 @@ def _write_shipped(package_dir: str, staging: Path) -> None:
 
 def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
     """The GGUF's config (head size filled in) and tokenizer, read by transformers and saved to `staging`."""
-    try:
-        from transformers import AutoConfig, AutoTokenizer
+    from jaxserve.models.gguf import shared_gguf_reads
 
-        kwargs = {"gguf_file": gguf_path.name}
-        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
-    except ImportError as e:  # transformers' GGUF reader imports torch
-        raise RuntimeError(
-            f"reading {gguf_path.name}'s config and tokenizer takes transformers' GGUF reader, which needs torch "
-            f"(pip install torch; once converted, the files are cached and torch is not needed again): {e}"
-        ) from e
-    config = _fill_from_metadata(config, gguf_path)
-    config.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
+    kwargs = {"gguf_file": gguf_path.name}
+    with shared_gguf_reads():  # transformers parses the file for the config and again for the tokenizer
+        try:
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
+        except ImportError as e:  # transformers' GGUF reader imports torch
+            raise RuntimeError(
+                f"reading {gguf_path.name}'s config and tokenizer takes transformers' GGUF reader, which needs "
+                f"torch (pip install torch; once converted, the files are cached and torch is not needed again): {e}"
+            ) from e
+        config = _fill_from_metadata(config, gguf_path)
+        config.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
 
 
 def _converted_target(digest: str) -> tuple[Path, bool]:

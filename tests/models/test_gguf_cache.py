@@ -6,6 +6,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 from transformers import AutoConfig
 
@@ -119,3 +120,69 @@ def test_the_bundled_model_converts_without_torch(smollm2_gguf, tmp_path):
     want = load_tokenizer(converted_dir(smollm2_gguf)).encode("Hello, world!")
     assert "layers 30" in result.stdout and f"ids {want}" in result.stdout
     assert "refused:" in result.stdout and "needs torch" in result.stdout
+
+
+def test_the_plain_view_reader_reads_what_gguf_reads(smollm2_gguf):
+    """The reader that slices a plain view of the mapping (jaxserve/models/gguf.py) overrides a method of
+    gguf's reader: it must still read every field and tensor as gguf's own does."""
+    import gguf
+    import numpy as np
+
+    from jaxserve.models.gguf import _PlainViewReader
+
+    theirs, ours = gguf.GGUFReader(smollm2_gguf), _PlainViewReader(smollm2_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+        assert ours.fields[name].types == field.types
+    assert ours.data_offset == theirs.data_offset and len(ours.tensors) == len(theirs.tensors) == 272
+    for mine, want in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.shape.tolist()) == (want.name, want.tensor_type, want.shape.tolist())
+        np.testing.assert_array_equal(mine.data, want.data)
+
+
+def _tiny_gguf(path, context_length: int) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_context_length(context_length)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_file_is_parsed_once_until_it_changes(tmp_path):
+    from jaxserve.models.gguf import read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _tiny_gguf(path, 128)
+    first = read_gguf(path)
+    assert read_gguf(str(path)) is first and first.fields["llama.context_length"].contents() == 128
+    _tiny_gguf(path, 256)  # rewritten: another size or modification time
+    assert read_gguf(path).fields["llama.context_length"].contents() == 256
+
+
+def test_a_conversion_through_transformers_parses_the_file_once(smollm2_gguf, tmp_path, monkeypatch):
+    """transformers parses a GGUF for its config and again for its tokenizer, and jaxserve for the head size
+    and then the weights: within a conversion, all of them share one parse."""
+    import gguf
+
+    from jaxserve.models import gguf as jaxserve_gguf
+    from jaxserve.models.gguf_cache import convert_with_transformers
+
+    parses, parse = [], gguf.GGUFReader.__init__
+
+    def counted(self, path, *args, **kwargs) -> None:  # every parse, by gguf's reader or jaxserve's
+        parses.append(path)
+        parse(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    jaxserve_gguf._parsed.cache_clear()
+    convert_with_transformers(smollm2_gguf, tmp_path)
+    assert len(parses) == 1
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader  # transformers' reader given back
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
+    list(jaxserve_gguf.iter_gguf_tensors(str(smollm2_gguf), 9, 3))
+    assert len(parses) == 1  # the weights too

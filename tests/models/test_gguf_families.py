@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxserve.models.gguf import read_gguf
 from jaxserve.models.loader import load_model
 from tests.models.test_parity import TOL, PagedForward
 
@@ -73,7 +74,7 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
         writer.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "moe_intermediate_size", None):  # Qwen3-MoE's; Mixtral's experts are intermediate_size wide
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    reader = read_gguf(tokenizer_gguf)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None

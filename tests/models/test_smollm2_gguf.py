@@ -26,9 +26,12 @@ def llm():
 def hf_model(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    from jaxserve.models.gguf import shared_gguf_reads
+
+    with shared_gguf_reads():  # one parse of the file for transformers' config and weights
+        return AutoModelForCausalLM.from_pretrained(
+            str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="module")
