@@ -62,7 +62,8 @@ def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: i
            quantization: str | None = None) -> dict:
     """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
     On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={max(tp_sizes)}",
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(tp_sizes)}"
+    env = {**os.environ, "XLA_FLAGS": xla_flags.strip(),
            "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl, weight_dtype=weight_dtype,
