@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve.collector import fewer_collections
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
@@ -108,6 +109,7 @@ class CompileReport:
         return json.dumps(asdict(self), indent=2)
 
 
+@fewer_collections()  # the ladder's tracing (collector.py)
 def compile_ladder(
     model: str | None,
     target: str | None = None,

@@ -27,6 +27,7 @@ from collections import Counter
 import jax
 import numpy as np
 
+from jaxserve.collector import fewer_collections
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_io import (
     CoreOutputs,
@@ -64,6 +65,7 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 
 class EngineCore:
+    @fewer_collections()  # loading and the warm-up's tracing (collector.py)
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
         if config.parallel.multihost:
             multihost.initialize(config.parallel)  # before the first jax backend call

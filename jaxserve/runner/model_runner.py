@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.allocator import allocator_note
+from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction
 from jaxserve.engine.step_io import SchedulerOutput, StepOutput
@@ -474,6 +475,7 @@ class ModelRunner:
         logger.info("warm-up: 1 of %d buckets compiled in %.1fs (%s); compiling the rest in the background",
                     len(buckets), ready, "from the persistent cache" if first_from_cache else "not cached")
 
+        @fewer_collections()  # the rest of the tracing (collector.py)
         def finish() -> None:
             keep_a_core = _COMPILE_THREADS > 1
             if keep_a_core:  # one compile fewer at a time from here: a core stays with the steps being served
