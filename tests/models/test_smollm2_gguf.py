@@ -24,11 +24,18 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf):
+    import functools
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from jaxserve.models.gguf import shared_gguf_reads
 
-    with shared_gguf_reads():  # one parse of the file for transformers' config and weights
+    # One parse of the file for transformers' config and weights, and one map of the architecture's tensor
+    # names where transformers builds it again for each of the model's 400 modules (most of its load).
+    name_map = functools.lru_cache(gguf.get_tensor_name_map)
+    with shared_gguf_reads(), mock.patch.object(gguf, "get_tensor_name_map", name_map):
         return AutoModelForCausalLM.from_pretrained(
             str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
         ).eval()
