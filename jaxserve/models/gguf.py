@@ -77,7 +77,8 @@ class _PlainViewReader(GGUFReader):
 
 def read_gguf(path: str | Path) -> GGUFReader:
     """The file's metadata and tensor table, parsed once per process while the file is unchanged (a start
-    reads them for the config, the tokenizer and the weights)."""
+    reads them for the config, the tokenizer and the weights). The last file read stays mapped: its pages
+    are the page cache's, to evict."""
     path = Path(path).resolve()
     info = path.stat()
     return _parsed(str(path), info.st_ino, info.st_size, info.st_mtime_ns)
