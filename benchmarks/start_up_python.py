@@ -7,6 +7,10 @@ the way of a tree named by `--before` (its checkout, put first on the path), sid
 - `collector`: an in-process engine on the bundled model with the `cpu` preset, every bucket warmed up
   from a filled persistent cache (a warm start's tracing and lowering), with the time the cyclic garbage
   collector took in each generation.
+- `sizing`: the same engine sized as on a GPU: a GPU's memory statistics stood in (a 2 GiB pool of which
+  the weights use what they take here), so the KV cache is sized by compiles of the largest buckets
+  (`runner/kv_sizing.py`); the sizing's time on a warm start, every compile a persistent-cache hit, and
+  the engine's. On a GPU a hit also compiles the step's Mosaic GPU kernels again; not here.
 
     python benchmarks/start_up_python.py --before /tmp/before --runs 2
 """
@@ -45,6 +49,25 @@ print(json.dumps({"engine_s": round(time.perf_counter() - start, 2),
                   "collections": {g: [n, round(t, 2)] for g, (n, t) in sorted(spent.items())}}))
 """
 
+_SIZING = """
+import json, sys, time
+from jaxserve import LLM
+from jaxserve.runner import model_runner
+pool = 2 * 2**30
+model_runner.device_memory_stats = lambda device: {"bytes_limit": pool, "bytes_in_use": 300 * 2**20}
+size, spent = model_runner.size_kv_cache, []
+def timed(*args, **kwargs):
+    start = time.perf_counter()
+    sized = size(*args, **kwargs)
+    spent.append((time.perf_counter() - start, sized.budget.num_pages))
+    return sized
+model_runner.size_kv_cache = timed
+start = time.perf_counter()
+LLM(config="cpu", compilation_cache_dir=sys.argv[1], warmup_mode="full", gpu_memory_utilization=0.9)
+print(json.dumps({"engine_s": round(time.perf_counter() - start, 2), "sizing_s": round(spent[0][0], 2),
+                  "pages": spent[0][1]}))
+"""
+
 
 def _run(code: str, tree: Path, *args: str, env: dict[str, str]) -> dict:
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900,
@@ -58,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the version to compare with")
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", default=["gguf", "collector"], choices=["gguf", "collector"])
+    parser.add_argument("--parts", nargs="+", default=["gguf", "collector"],
+                        choices=["gguf", "collector", "sizing"])
     args = parser.parse_args()
     from jaxserve.models.loader import bundled_model_path
 
@@ -80,6 +104,12 @@ def main() -> None:
                     if run == 0:  # fills the persistent cache: every later start is warm
                         _run(_COLLECTOR, tree, str(caches[name]), env={})
                     result["collector"] = _run(_COLLECTOR, tree, str(caches[name]), env={})
+                if "sizing" in args.parts:
+                    sized_cache = str(caches[name]) + "-sized"
+                    fraction = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+                    if run == 0:
+                        result["sizing_cold"] = _run(_SIZING, tree, sized_cache, env=fraction)
+                    result["sizing"] = _run(_SIZING, tree, sized_cache, env=fraction)
                 print(json.dumps(result), flush=True)
 
 

@@ -98,6 +98,7 @@ class EngineCore:
             broadcast=self.leader.send if self.leader is not None else None,
             greedy_decodes=config.buckets.greedy_decodes and not pooling,
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
+            temp_records_dir=config.compilation_cache_dir or None,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,

@@ -15,6 +15,10 @@ change what the step keeps in temp memory beyond a workspace; so the sizing goes
    the margin again) and they compile again, checked again (logged: the margin is then too small for that
    model); a second miss raises rather than risk running out of memory in a step.
 
+A warm start that has the temp memory an earlier start sized for (`temp_records.py`) skips step 1: its
+budget keeps that figure with the margin, which gives the earlier start's page count, so step 3 loads the
+earlier start's executables from the persistent cache; step 4 checks them as before.
+
 `jaxserve compile` sizes its report's cache with steps 1 and 2 (`quick_budget`).
 """
 
@@ -58,10 +62,11 @@ class SizedKVCache(Generic[C]):
     """The sizing's result: the budget, and the largest buckets compiled at its page count."""
 
     budget: KVBudget  # its peak_temp_bytes: what the page count was sized for
-    estimated_temp_bytes: int  # the quick compile's
+    estimated_temp_bytes: int  # the quick compile's, or the earlier start's figure it was given
+    sized_for_bytes: int  # what the budget kept the margin over: the estimate, or the real figure where resized
     compiled: dict[Any, C]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
     resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
-    quick_seconds: float  # the quick compiles' wall time
+    quick_seconds: float  # the quick compiles' wall time (0 where an earlier start's figure was given)
     real_seconds: float  # the real compiles' (both rounds where resized)
 
 
@@ -85,18 +90,25 @@ def size_kv_cache(
     budget_for: Callable[[int], KVBudget],
     provisional_pages: int,
     platform: str,
+    known_temp_bytes: int | None = None,
 ) -> SizedKVCache:
-    """Sizes the cache as the module docstring says (`quick_budget`'s arguments)."""
+    """Sizes the cache as the module docstring says (`quick_budget`'s arguments); `known_temp_bytes`: the
+    figure an earlier start sized for, which replaces the quick compiles."""
     start = time.perf_counter()
-    budget, estimated = quick_budget(compile_largest, budget_for, provisional_pages, platform)
-    quick_seconds = time.perf_counter() - start
+    if known_temp_bytes is None:
+        budget, estimated = quick_budget(compile_largest, budget_for, provisional_pages, platform)
+        quick_seconds = time.perf_counter() - start
+    else:
+        estimated, budget, quick_seconds = known_temp_bytes, budget_for(with_margin(known_temp_bytes)), 0.0
+        budget.check()
     compiled = compile_largest(budget.num_pages, None)
-    real = _peak_temp(compiled)
+    real = sized_for = _peak_temp(compiled)
     resized = real > budget.peak_temp_bytes
     if resized:
-        logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its quick "
-                       "estimate (%.0f MiB): sizing the KV cache again", real / 2**20,
-                       budget.peak_temp_bytes / 2**20, estimated / 2**20)
+        logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its %s "
+                       "(%.0f MiB): sizing the KV cache again", real / 2**20, budget.peak_temp_bytes / 2**20,
+                       "quick estimate" if known_temp_bytes is None else "earlier start's figure",
+                       estimated / 2**20)
         budget = budget_for(with_margin(real))
         budget.check()
         compiled = compile_largest(budget.num_pages, None)
@@ -104,7 +116,9 @@ def size_kv_cache(
             raise RuntimeError(f"the step's temp memory is {again / 2**20:.0f} MiB compiled at {budget.num_pages} "
                                f"KV pages, over the {budget.peak_temp_bytes / 2**20:.0f} MiB its budget keeps "
                                "after a second sizing; set --num-kv-pages")
-    return SizedKVCache(budget, estimated, compiled, resized, quick_seconds,
+    else:
+        sized_for = estimated
+    return SizedKVCache(budget, estimated, sized_for, compiled, resized, quick_seconds,
                         time.perf_counter() - start - quick_seconds)
 
 

@@ -27,8 +27,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
+from jaxserve import __version__
 from jaxserve.allocator import allocator_note
 from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
@@ -46,7 +48,7 @@ from jaxserve.runner.aot import CompiledBucket, StepShapes, compile_bucket, step
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page
-from jaxserve.runner.kv_sizing import size_kv_cache
+from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, size_kv_cache
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens
@@ -55,6 +57,7 @@ from jaxserve.runner.request_rows import RequestRows
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
+from jaxserve.runner.temp_records import TempRecords, fingerprint, source_digest
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +134,16 @@ class ModelRunner:
         greedy_decodes: bool = False,
         num_decode_steps: int = 1,
         pooling: bool = False,
+        temp_records_dir: str | None = None,
     ) -> None:
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
+        self.max_logprobs = max_logprobs
+        # Where the KV sizing keeps the step's temp memory for the next start (`temp_records.py`): the
+        # persistent compilation cache's directory; None: every start estimates it by compiling, as does
+        # each process of a multi-host job (their page counts must agree, and their records might not).
+        self._temp_records = TempRecords(temp_records_dir) if temp_records_dir and jax.process_count() == 1 else None
         self.pooling = pooling  # each step also returns the rows' pooled hidden states (`step_fn._pooled`)
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket (PLAIN), filled by warmup
         # The decode buckets' other variants: greedy when `greedy_decodes`, multi-step when num_decode_steps > 1.
@@ -235,17 +244,38 @@ class ModelRunner:
                 bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's
             )
 
-        sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for,
-                              provisional_pages=self.max_pages_per_req + 1, platform=device.platform)
+        provisional_pages = self.max_pages_per_req + 1
+        key = self._sizing_key(device, provisional_pages)
+        known = self._temp_records.read(key) if self._temp_records else None
+        sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for, provisional_pages,
+                              platform=device.platform, known_temp_bytes=known)
+        if self._temp_records and sized.sized_for_bytes != known:
+            self._temp_records.write(key, sized.sized_for_bytes)
         budget = sized.budget
         logger.info(
             "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
-            "KV cache %.2f GiB; sized by compiles of the largest buckets, quick %.1fs then real %.1fs",
+            "KV cache %.2f GiB; sized by %s of the largest buckets, then real compiles %.1fs",
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
             budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
-            budget.kv_bytes / 2**30, sized.quick_seconds, sized.real_seconds,
+            budget.kv_bytes / 2**30,
+            f"quick compiles ({sized.quick_seconds:.1f}s)" if known is None else "an earlier start's figure",
+            sized.real_seconds,
         )
         return budget.num_pages, sized.compiled
+
+    def _sizing_key(self, device: jax.Device, provisional_pages: int) -> str:
+        """What fixes the sizing's quick compiles and so their temp memory: the code and the versions that
+        compile the step, the device, the model as loaded, the step's shapes and options (`temp_records.py`)."""
+        model = self.model
+        return fingerprint(
+            __version__, source_digest(), jax.__version__, jaxlib.__version__, device.platform,
+            device.device_kind, None if self.mesh is None else dict(self.mesh.shape),
+            model.cfg, model.dtype, model.weight_dtype, model.quantization, jax.tree.structure(model.state),
+            [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in self._weights], self.kv_dtype,
+            self.page_size, self.max_pages_per_req, self.max_num_seqs, self.max_logprobs, self.pooling,
+            largest_buckets(self.ladder.all_buckets()), provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform),
+            sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXSERVE_") or k == "XLA_FLAGS"),
+        )
 
     def _compile_largest(self, device: jax.Device, num_pages: int,
                          options: dict[str, Any] | None) -> dict[Bucket, CompiledBucket]:

@@ -3,12 +3,21 @@ utilization x device memory leaves after the weights, the penalty tables and the
 comes from compiling the largest buckets (runner/kv_sizing.py: here for the CPU, the path is the same), and
 the warm-up serves with the executables that sizing compiled instead of compiling them again."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
 from jaxserve.config import CacheConfig
 from jaxserve.runner import model_runner
 from jaxserve.runner.buckets import largest_buckets
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
 from jaxserve.runner.kv_sizing import TEMP_MARGIN_BYTES, with_margin
 from jaxserve.runner.penalties import PenaltyTables
+from jaxserve.runner.temp_records import SUBDIRECTORY, TempRecords
 from tests.engine.helpers import make_engine, make_prompts, run_alone
 
 GIB = 2**30
@@ -68,3 +77,51 @@ def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llam
         assert runner._compiled[bucket] is executable.compiled  # taken, not compiled again
     for prompt in make_prompts(3):
         assert run_alone(sized, prompt, 12) == run_alone(engine, prompt, 12)
+
+
+def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path):
+    """With a persistent cache's directory, the sizing records the temp memory it sized for; the next
+    sizing of the same step reads it, skips the quick compiles and gets the same page count (so the real
+    compile is the earlier start's executable); a step of other shapes has another record."""
+    runner = engine.runner
+    monkeypatch.setattr(runner, "_temp_records", TempRecords(tmp_path))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    stats = {"bytes_limit": int(80 * GIB * 0.9), "bytes_in_use": 3 * GIB}
+    calls = recording_compiles(runner, monkeypatch)
+    page_bytes = 2**20
+
+    cold_pages, _ = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    assert len(calls) == 2  # quick, then real
+    (records,) = (tmp_path / SUBDIRECTORY).iterdir()
+    estimated = calls[0][2]
+    assert json.loads(records.read_text()) == {"temp_bytes": estimated}
+
+    warm_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    assert warm_pages == cold_pages and calls[2:] == [(cold_pages, None, calls[1][2])]  # the real compile alone
+    assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))
+
+    monkeypatch.setattr(runner, "max_num_seqs", runner.max_num_seqs + 1)  # another step: its own record
+    runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    assert [options for _, options, _ in calls[3:]] == [None, None]  # quick (CPU: no quick options), real
+    assert len(list((tmp_path / SUBDIRECTORY).iterdir())) == 2
+
+
+_KEY_IN_ANOTHER_PROCESS = """
+import sys, jax
+from tests.engine.helpers import make_engine
+runner = make_engine(sys.argv[1], warmup=False).runner
+print(runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1))
+"""
+
+
+def test_the_sizing_key_is_the_same_in_another_process(llama_dir, engine):
+    """The record is found by the next start only if the key is computed the same there: no object
+    addresses, no hash-seeded order in what it digests."""
+    runner = engine.runner
+    here = runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1)
+    root = Path(__file__).resolve().parents[2]
+    other = subprocess.run([sys.executable, "-c", _KEY_IN_ANOTHER_PROCESS, str(llama_dir)], capture_output=True,
+                           text=True, cwd=root, env={**os.environ, "PYTHONHASHSEED": "11"}, timeout=300)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.strip().splitlines()[-1] == here
+    assert runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 2) != here

@@ -83,3 +83,36 @@ def test_no_room_after_the_estimate_raises_before_a_real_compile():
     with pytest.raises(ValueError, match="no room for a KV cache"):
         size_kv_cache(compiler(600 * MIB, 600 * MIB, calls), tiny, provisional_pages=9, platform="gpu")
     assert len(calls) == 1
+
+
+def test_an_earlier_start_s_figure_replaces_the_quick_compiles():
+    """A warm start given the figure the cold start sized for: no quick compile, and the cold start's page
+    count, so the real compile is the cold start's executable (a persistent-cache hit)."""
+    cold_calls, warm_calls = [], []
+    cold = size_kv_cache(compiler(400 * MIB, 450 * MIB, cold_calls), budget_for, provisional_pages=33,
+                         platform="gpu")
+    warm = size_kv_cache(compiler(400 * MIB, 450 * MIB, warm_calls), budget_for, provisional_pages=33,
+                         platform="gpu", known_temp_bytes=cold.sized_for_bytes)
+    assert cold.sized_for_bytes == 400 * MIB  # the quick estimate: the margin held
+    assert warm_calls == [(cold.budget.num_pages, None)]  # the real compile alone, at the cold start's count
+    assert warm.budget == cold.budget and warm.quick_seconds == 0 and not warm.resized
+    assert warm.sized_for_bytes == cold.sized_for_bytes  # nothing new to record
+
+
+def test_an_earlier_figure_too_small_for_the_step_is_checked_and_replaced(caplog):
+    """A record the step outgrew (a change the fingerprint missed) cannot overrun the device: the real
+    compile's check sizes the cache again, and the real figure is what the next start gets."""
+    calls = []
+    with caplog.at_level(logging.WARNING, "jaxserve.runner.kv_sizing"):
+        sized = size_kv_cache(compiler(400 * MIB, 700 * MIB, calls), budget_for, provisional_pages=33,
+                              platform="gpu", known_temp_bytes=300 * MIB)
+    first_count = budget_for(with_margin(300 * MIB)).num_pages
+    assert calls == [(first_count, None), (sized.budget.num_pages, None)]  # no quick compile
+    assert sized.resized and sized.sized_for_bytes == 700 * MIB
+    assert sized.budget.peak_temp_bytes == with_margin(700 * MIB)
+    assert "earlier start's figure (300 MiB)" in caplog.text
+    # The next start, given that figure, compiles once at the resized count.
+    again = []
+    size_kv_cache(compiler(400 * MIB, 700 * MIB, again), budget_for, provisional_pages=33, platform="gpu",
+                  known_temp_bytes=sized.sized_for_bytes)
+    assert again == [(sized.budget.num_pages, None)]
