@@ -30,9 +30,10 @@ _PHASES = {
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),
-    # a GPU's KV sizing (runner/kv_sizing.py): the largest buckets' quick compiles, then their real ones
-    "sizing_quick_s": re.compile(r"sized by compiles of the largest buckets, quick ([\d.]+)s"),
-    "sizing_real_s": re.compile(r"sized by compiles of the largest buckets, quick [\d.]+s then real ([\d.]+)s"),
+    # a GPU's KV sizing (runner/kv_sizing.py): the largest buckets' quick compiles (0 on a start that found
+    # an earlier start's record), then their real ones
+    "sizing_quick_s": re.compile(r"temp memory from (?:quick compiles|an earlier start's record) in ([\d.]+)s"),
+    "sizing_real_s": re.compile(r"the largest buckets' real compiles in ([\d.]+)s"),
 }
 
 

@@ -254,12 +254,11 @@ class ModelRunner:
         budget = sized.budget
         logger.info(
             "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
-            "KV cache %.2f GiB; sized by %s of the largest buckets, then real compiles %.1fs",
+            "KV cache %.2f GiB; temp memory from %s in %.1fs, then the largest buckets' real compiles in %.1fs",
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
             budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
-            budget.kv_bytes / 2**30,
-            f"quick compiles ({sized.quick_seconds:.1f}s)" if known is None else "an earlier start's figure",
-            sized.real_seconds,
+            budget.kv_bytes / 2**30, "quick compiles" if known is None else "an earlier start's record",
+            sized.quick_seconds, sized.real_seconds,
         )
         return budget.num_pages, sized.compiled
 

@@ -3,7 +3,9 @@ utilization x device memory leaves after the weights, the penalty tables and the
 comes from compiling the largest buckets (runner/kv_sizing.py: here for the CPU, the path is the same), and
 the warm-up serves with the executables that sizing compiled instead of compiling them again."""
 
+import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -79,7 +81,16 @@ def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llam
         assert run_alone(sized, prompt, 12) == run_alone(engine, prompt, 12)
 
 
-def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path):
+def startup_phases():
+    """benchmarks/startup.py's patterns for the server's log (the GPU check reads the sizing from it)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "startup.py"
+    spec = importlib.util.spec_from_file_location("startup_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._PHASES
+
+
+def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path, caplog):
     """With a persistent cache's directory, the sizing records the temp memory it sized for; the next
     sizing of the same step reads it, skips the quick compiles and gets the same page count (so the real
     compile is the earlier start's executable); a step of other shapes has another record."""
@@ -90,14 +101,22 @@ def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch,
     calls = recording_compiles(runner, monkeypatch)
     page_bytes = 2**20
 
-    cold_pages, _ = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    phases = startup_phases()
+    with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
+        cold_pages, _ = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
     assert len(calls) == 2  # quick, then real
+    assert "temp memory from quick compiles in" in caplog.text
+    assert phases["sizing_quick_s"].search(caplog.text) and phases["sizing_real_s"].search(caplog.text)
+    caplog.clear()
     (records,) = (tmp_path / SUBDIRECTORY).iterdir()
     estimated = calls[0][2]
     assert json.loads(records.read_text()) == {"temp_bytes": estimated}
 
-    warm_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+    with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
+        warm_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
     assert warm_pages == cold_pages and calls[2:] == [(cold_pages, None, calls[1][2])]  # the real compile alone
+    assert "temp memory from an earlier start's record in 0.0s" in caplog.text
+    assert float(phases["sizing_quick_s"].search(caplog.text).group(1)) == 0
     assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))
 
     monkeypatch.setattr(runner, "max_num_seqs", runner.max_num_seqs + 1)  # another step: its own record
