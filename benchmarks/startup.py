@@ -124,6 +124,8 @@ def main() -> None:
                         help="send this many requests (~128 prompt, 64 output tokens) at once when ready")
     parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags (after --)")
     args = parser.parse_args()
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as tmp:

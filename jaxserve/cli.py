@@ -152,7 +152,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from jaxserve.torch_free import keep_torch_out
 
     keep_torch_out(args.model)  # before transformers is imported: seconds of every start
-    from jaxserve.models.loader import resolve_model, resolve_model_config
+    from jaxserve.models.source import resolve_model, resolve_model_config
 
     # Before binding the port: a wrong --model ends here, in one line.
     resolve_model_config(args.model) if args.load_format == "dummy" else resolve_model(args.model)

@@ -28,6 +28,7 @@ Processes and threads:
 
 import atexit
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import queue
@@ -65,6 +66,13 @@ _IDLE_POLL_S = 0.005  # how often an idle core with grammars compiling looks for
 _WAIT_S = 0.005  # the longest the frontend's step() waits for the core before it returns to its commands
 
 
+def _import_tokenizer_modules() -> None:
+    try:
+        importlib.import_module("transformers.tokenization_utils_base")
+    except Exception:  # unpickling the tokenizer imports it again, and reports what fails
+        logger.debug("importing transformers' tokenizer modules ahead of the core failed", exc_info=True)
+
+
 class CoreProcessDied(RuntimeError):
     """The engine core's process failed or is gone."""
 
@@ -82,6 +90,9 @@ class CoreProcessClient:
         self._process = context.Process(target=_core_main, args=(config, child_conn, log_level, warmup),
                                         name="jaxserve-core", daemon=True)
         self._process.start()
+        # The tokenizer's transformers modules, which unpickling the core's ready message would import: most
+        # of a second otherwise spent after the core is ready, while this process only waits.
+        threading.Thread(target=_import_tokenizer_modules, name="jaxserve-imports", daemon=True).start()
         child_conn.close()  # ours is the only end left here: the core's exit closes the pipe
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would wait
         # forever for a daemon that ignores SIGTERM: a script that never calls shutdown() still exits.

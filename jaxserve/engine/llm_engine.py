@@ -24,7 +24,6 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
-from jaxserve.models.loader import LoadedModel
 from jaxserve.outputs import RequestOutput
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
     from jaxserve.engine.kv_cache_manager import KVCacheManager
     from jaxserve.engine.scheduler import Scheduler
+    from jaxserve.models.loader import LoadedModel
     from jaxserve.runner.model_runner import LaunchedStep, ModelRunner
 
 
@@ -47,7 +47,7 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
+    def __init__(self, config: EngineConfig, model: "LoadedModel | None" = None, warmup: bool = True) -> None:
         prepare_jax_platform()  # a no-op once jax's backends run; a quiet start for callers that build one first
         self.config = config
         self.async_scheduling = config.scheduler.async_scheduling
@@ -80,7 +80,7 @@ class LLMEngine:
 
     # The in-process core's parts, for tests and benchmarks.
     @property
-    def model(self) -> LoadedModel:
+    def model(self) -> "LoadedModel":
         return self._in_process().model
 
     @property

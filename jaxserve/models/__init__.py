@@ -6,11 +6,11 @@ the model does (fused, or one per expert) also exposes `hf_weight_stream(tensors
 parameters split over a mesh by the config, `split_rule(name, cfg)`.
 """
 
+import importlib
 from dataclasses import dataclass
+from functools import cache
 from types import ModuleType
 from typing import Any
-
-from jaxserve.models import gemma, gpt2, llama
 
 
 @dataclass(frozen=True)
@@ -20,22 +20,32 @@ class ModelSpec:
     model_cls: type
 
 
-_REGISTRY: dict[str, ModelSpec] = {
-    "GPT2LMHeadModel": ModelSpec(gpt2, gpt2.GPT2Config, gpt2.GPT2LMHeadModel),
-    "LlamaForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "MistralForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "Qwen2ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "Qwen3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "Phi3ForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "MixtralForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "Qwen3MoeForCausalLM": ModelSpec(llama, llama.LlamaConfig, llama.LlamaForCausalLM),
-    "Gemma2ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
-    "Gemma3ForCausalLM": ModelSpec(gemma, gemma.GemmaConfig, gemma.GemmaForCausalLM),
+# Architecture -> (module, config class, model class). A family's module (and with it jax and flax) is
+# imported when a model of that family is asked for, so that the package's jax-free modules (`source`,
+# `gguf_cache`) stay jax-free for the server's front end.
+_FAMILIES: dict[str, tuple[str, str, str]] = {
+    "GPT2LMHeadModel": ("gpt2", "GPT2Config", "GPT2LMHeadModel"),
+    "LlamaForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_FAMILIES)
+
+
+@cache
+def _spec(architecture: str) -> ModelSpec:
+    module_name, config_name, model_name = _FAMILIES[architecture]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return ModelSpec(module, getattr(module, config_name), getattr(module, model_name))
 
 
 # Configs read from GGUF metadata carry a model_type but no `architectures`.
@@ -58,8 +68,8 @@ def get_model_spec(hf_config: Any) -> ModelSpec:
     if not architectures and getattr(hf_config, "model_type", None) in _ARCHITECTURE_OF_MODEL_TYPE:
         architectures = [_ARCHITECTURE_OF_MODEL_TYPE[hf_config.model_type]]
     for name in architectures:
-        if name in _REGISTRY:
-            return _REGISTRY[name]
+        if name in _FAMILIES:
+            return _spec(name)
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given)'}; "
         f"jaxserve supports {', '.join(supported_architectures())}"

@@ -142,3 +142,23 @@ def test_a_script_that_never_shuts_the_engine_down_still_exits(llama_dir, tmp_pa
     run = subprocess.run([sys.executable, str(script), str(llama_dir)], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-3000:]
+
+
+_FRONT_END = """
+import sys
+from tests.engine.helpers import make_engine
+engine = make_engine(sys.argv[1], warmup=False, engine_process=True)
+assert engine.core is None and engine.tokenizer is not None
+print(sorted({"jax", "jaxlib", "flax", "torch"} & set(sys.modules)))
+engine.shutdown()
+"""
+
+
+def test_the_front_end_of_a_core_process_imports_no_jax(llama_dir):
+    """With the core in its own process, the front end (the server's process) holds requests, tokenizers
+    and grammars, never arrays: it imports no jax or flax, whose imports would stand before the core's
+    start on every start."""
+    result = subprocess.run([sys.executable, "-c", _FRONT_END, str(llama_dir)], capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
