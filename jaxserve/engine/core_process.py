@@ -92,11 +92,13 @@ class CoreProcessClient:
         self._process.start()
         # The tokenizer's transformers modules, which unpickling the core's ready message would import: most
         # of a second otherwise spent after the core is ready, while this process only waits.
-        threading.Thread(target=_import_tokenizer_modules, name="jaxserve-imports", daemon=True).start()
+        importing = threading.Thread(target=_import_tokenizer_modules, name="jaxserve-imports", daemon=True)
+        importing.start()
         child_conn.close()  # ours is the only end left here: the core's exit closes the pipe
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would wait
         # forever for a daemon that ignores SIGTERM: a script that never calls shutdown() still exits.
         atexit.register(self.shutdown)
+        importing.join()  # done before the core is ready: the ready message's unpickling imports nothing
         kind, *body = self._receive()
         if kind != "ready":
             self.shutdown(5)

@@ -16,8 +16,10 @@ change what the step keeps in temp memory beyond a workspace; so the sizing goes
    model); a second miss raises rather than risk running out of memory in a step.
 
 A warm start that has the temp memory an earlier start sized for (`temp_records.py`) skips step 1: its
-budget keeps that figure with the margin, which gives the earlier start's page count, so step 3 loads the
-earlier start's executables from the persistent cache; step 4 checks them as before.
+budget keeps that figure with the margin, which gives the earlier start's page count where the device's
+memory and --gpu-memory-utilization are the earlier start's too, so step 3 loads the earlier start's
+executables from the persistent cache; step 4 checks them as before. A recorded figure that leaves no room
+for the cache is not trusted: step 1 runs after all.
 
 `jaxserve compile` sizes its report's cache with steps 1 and 2 (`quick_budget`).
 """
@@ -62,11 +64,13 @@ class SizedKVCache(Generic[C]):
     """The sizing's result: the budget, and the largest buckets compiled at its page count."""
 
     budget: KVBudget  # its peak_temp_bytes: what the page count was sized for
-    estimated_temp_bytes: int  # the quick compile's, or the earlier start's figure it was given
+    estimated_temp_bytes: int  # the quick compile's, or the earlier start's figure (`from_record`)
     sized_for_bytes: int  # what the budget kept the margin over: the estimate, or the real figure where resized
+    real_temp_bytes: int  # the real compile's, at budget.num_pages
     compiled: dict[Any, C]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
     resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
-    quick_seconds: float  # the quick compiles' wall time (0 where an earlier start's figure was given)
+    from_record: bool  # the earlier start's figure replaced the quick compiles
+    quick_seconds: float  # the quick compiles' wall time (0 from a record)
     real_seconds: float  # the real compiles' (both rounds where resized)
 
 
@@ -93,32 +97,36 @@ def size_kv_cache(
     known_temp_bytes: int | None = None,
 ) -> SizedKVCache:
     """Sizes the cache as the module docstring says (`quick_budget`'s arguments); `known_temp_bytes`: the
-    figure an earlier start sized for, which replaces the quick compiles."""
+    figure an earlier start sized for, which replaces the quick compiles where it leaves room for a cache."""
     start = time.perf_counter()
-    if known_temp_bytes is None:
+    from_record = known_temp_bytes is not None
+    if from_record:
+        estimated, budget, quick_seconds = known_temp_bytes, budget_for(with_margin(known_temp_bytes)), 0.0
+        if budget.num_pages < 2:
+            logger.warning("the step's temp memory recorded by an earlier start (%.0f MiB) leaves no room for a "
+                           "KV cache: estimating it again", known_temp_bytes / 2**20)
+            from_record = False
+    if not from_record:
         budget, estimated = quick_budget(compile_largest, budget_for, provisional_pages, platform)
         quick_seconds = time.perf_counter() - start
-    else:
-        estimated, budget, quick_seconds = known_temp_bytes, budget_for(with_margin(known_temp_bytes)), 0.0
-        budget.check()
     compiled = compile_largest(budget.num_pages, None)
     real = sized_for = _peak_temp(compiled)
     resized = real > budget.peak_temp_bytes
     if resized:
         logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its %s "
                        "(%.0f MiB): sizing the KV cache again", real / 2**20, budget.peak_temp_bytes / 2**20,
-                       "quick estimate" if known_temp_bytes is None else "earlier start's figure",
+                       "earlier start's figure" if from_record else "quick estimate",
                        estimated / 2**20)
         budget = budget_for(with_margin(real))
         budget.check()
         compiled = compile_largest(budget.num_pages, None)
-        if (again := _peak_temp(compiled)) > budget.peak_temp_bytes:
-            raise RuntimeError(f"the step's temp memory is {again / 2**20:.0f} MiB compiled at {budget.num_pages} "
+        if (real := _peak_temp(compiled)) > budget.peak_temp_bytes:
+            raise RuntimeError(f"the step's temp memory is {real / 2**20:.0f} MiB compiled at {budget.num_pages} "
                                f"KV pages, over the {budget.peak_temp_bytes / 2**20:.0f} MiB its budget keeps "
                                "after a second sizing; set --num-kv-pages")
     else:
         sized_for = estimated
-    return SizedKVCache(budget, estimated, sized_for, compiled, resized, quick_seconds,
+    return SizedKVCache(budget, estimated, sized_for, real, compiled, resized, from_record, quick_seconds,
                         time.perf_counter() - start - quick_seconds)
 
 

@@ -48,7 +48,7 @@ from jaxserve.runner.aot import CompiledBucket, StepShapes, compile_bucket, step
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page
-from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, size_kv_cache
+from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, SizedKVCache, size_kv_cache
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables, load_row, seen_tokens
@@ -57,13 +57,17 @@ from jaxserve.runner.request_rows import RequestRows
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
-from jaxserve.runner.temp_records import TempRecords, fingerprint, source_digest
+from jaxserve.runner.temp_records import StepTempRecord, TempRecords, fingerprint, source_digest
 
 logger = logging.getLogger(__name__)
 
 # Buckets compiled at once at warm-up, one per core (measured 1.5x faster than one at a time on a 2-core
 # CPU; a GPU host's 16 cores compiled on 4 threads before).
 _COMPILE_THREADS = os.cpu_count() or 1
+
+# The environment variables that change what the step compiles to, besides the attention kernels' (read
+# through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
+_STEP_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_KERNEL_FLAGS")
 
 # Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
 # compiles): which of the warm-up's compiles were loads.
@@ -143,7 +147,7 @@ class ModelRunner:
         # Where the KV sizing keeps the step's temp memory for the next start (`temp_records.py`): the
         # persistent compilation cache's directory; None: every start estimates it by compiling, as does
         # each process of a multi-host job (their page counts must agree, and their records might not).
-        self._temp_records = TempRecords(temp_records_dir) if temp_records_dir and jax.process_count() == 1 else None
+        self._temp_records = TempRecords.beside(temp_records_dir) if jax.process_count() == 1 else None
         self.pooling = pooling  # each step also returns the rows' pooled hidden states (`step_fn._pooled`)
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket (PLAIN), filled by warmup
         # The decode buckets' other variants: greedy when `greedy_decodes`, multi-step when num_decode_steps > 1.
@@ -246,35 +250,61 @@ class ModelRunner:
 
         provisional_pages = self.max_pages_per_req + 1
         key = self._sizing_key(device, provisional_pages)
-        known = self._temp_records.read(key) if self._temp_records else None
+        record = self._temp_records.read(key) if self._temp_records and key else None
         sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for, provisional_pages,
-                              platform=device.platform, known_temp_bytes=known)
-        if self._temp_records and sized.sized_for_bytes != known:
-            self._temp_records.write(key, sized.sized_for_bytes)
+                              platform=device.platform,
+                              known_temp_bytes=record.sized_for_bytes if record is not None else None)
+        if self._temp_records and key:
+            self._keep_record(self._temp_records, key, record, sized)
         budget = sized.budget
         logger.info(
-            "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (estimated %.2f GiB), "
+            "memory: %.2f GiB x %.2f = %.2f GiB; weights %.2f GiB, step temp %.2f GiB (%s %.2f GiB), "
             "KV cache %.2f GiB; temp memory from %s in %.1fs, then the largest buckets' real compiles in %.1fs",
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
-            budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30, sized.estimated_temp_bytes / 2**30,
-            budget.kv_bytes / 2**30, "quick compiles" if known is None else "an earlier start's record",
+            budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30,
+            "recorded" if sized.from_record else "estimated", sized.estimated_temp_bytes / 2**30,
+            budget.kv_bytes / 2**30, "an earlier start's record" if sized.from_record else "quick compiles",
             sized.quick_seconds, sized.real_seconds,
         )
         return budget.num_pages, sized.compiled
 
-    def _sizing_key(self, device: jax.Device, provisional_pages: int) -> str:
-        """What fixes the sizing's quick compiles and so their temp memory: the code and the versions that
-        compile the step, the device, the model as loaded, the step's shapes and options (`temp_records.py`)."""
-        model = self.model
-        return fingerprint(
-            __version__, source_digest(), jax.__version__, jaxlib.__version__, device.platform,
-            device.device_kind, None if self.mesh is None else dict(self.mesh.shape),
-            model.cfg, model.dtype, model.weight_dtype, model.quantization, jax.tree.structure(model.state),
-            [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in self._weights], self.kv_dtype,
-            self.page_size, self.max_pages_per_req, self.max_num_seqs, self.max_logprobs, self.pooling,
-            largest_buckets(self.ladder.all_buckets()), provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform),
-            sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXSERVE_") or k == "XLA_FLAGS"),
-        )
+    @staticmethod
+    def _keep_record(records: TempRecords, key: str, record: StepTempRecord | None, sized: SizedKVCache) -> None:
+        """Records what this start sized for, unless the record it sized from held; drops a record whose
+        executables turned out other than it says (the step changed in a way the key missed)."""
+        if sized.from_record and not sized.resized:
+            if record is not None and sized.real_temp_bytes != record.compiled_bytes:
+                logger.info("the step's temp memory is %.0f MiB compiled, where the earlier start's was %.0f MiB: "
+                            "its record is dropped, and the next start estimates again",
+                            sized.real_temp_bytes / 2**20, record.compiled_bytes / 2**20)
+                records.forget(key)
+            return
+        records.write(key, StepTempRecord(sized.sized_for_bytes, sized.real_temp_bytes))
+
+    def _sizing_key(self, device: jax.Device, provisional_pages: int) -> str | None:
+        """The sizing's record key (`temp_records.py`): what fixes the step's temp memory, so the record's
+        figures: the code and the versions that compile the step, the device and its runtime, the model as
+        loaded, the step's shapes, kernels and options. None without records, or where it cannot be computed
+        (the sizing then compiles, as without records)."""
+        if self._temp_records is None:
+            return None
+        model, attention = self.model, self.model.cfg.attention
+        try:
+            return fingerprint(
+                __version__, source_digest(), jax.__version__, jaxlib.__version__, device.platform,
+                device.device_kind, device.client.platform_version,
+                None if self.mesh is None else dict(self.mesh.shape),
+                model.cfg, model.dtype, model.weight_dtype, model.quantization, jax.tree.structure(model.state),
+                [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in self._weights], self.kv_dtype,
+                attention.mosaic_attention, attention.mosaic_decode, self.page_size, self.max_pages_per_req,
+                self.max_num_seqs, self.max_logprobs, self.pooling, largest_buckets(self.ladder.all_buckets()),
+                provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform),
+                jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64,
+                [(name, os.environ.get(name)) for name in _STEP_ENVIRONMENT],
+            )
+        except Exception as error:  # a record saves a round of compiles; never a reason not to start
+            logger.warning("no step temp record this start: its key could not be computed (%s)", error)
+            return None
 
     def _compile_largest(self, device: jax.Device, num_pages: int,
                          options: dict[str, Any] | None) -> dict[Bucket, CompiledBucket]:

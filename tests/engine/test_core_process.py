@@ -146,6 +146,7 @@ def test_a_script_that_never_shuts_the_engine_down_still_exits(llama_dir, tmp_pa
 
 _FRONT_END = """
 import sys
+import jaxserve.api.server, jaxserve.cli, jaxserve.models.source
 from tests.engine.helpers import make_engine
 engine = make_engine(sys.argv[1], warmup=False, engine_process=True)
 assert engine.core is None and engine.tokenizer is not None
@@ -155,9 +156,9 @@ engine.shutdown()
 
 
 def test_the_front_end_of_a_core_process_imports_no_jax(llama_dir):
-    """With the core in its own process, the front end (the server's process) holds requests, tokenizers
-    and grammars, never arrays: it imports no jax or flax, whose imports would stand before the core's
-    start on every start."""
+    """With the core in its own process, the front end (the server's process: its CLI, the app, the
+    engine's client) holds requests, tokenizers and grammars, never arrays: it imports no jax or flax,
+    whose imports would stand before the core's start on every start."""
     result = subprocess.run([sys.executable, "-c", _FRONT_END, str(llama_dir)], capture_output=True, text=True,
                             timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-3000:]

@@ -91,9 +91,10 @@ def startup_phases():
 
 
 def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path, caplog):
-    """With a persistent cache's directory, the sizing records the temp memory it sized for; the next
-    sizing of the same step reads it, skips the quick compiles and gets the same page count (so the real
-    compile is the earlier start's executable); a step of other shapes has another record."""
+    """With a persistent cache's directory, the sizing records the temp memory it sized for and the real
+    compile's; the next sizing of the same step reads it, skips the quick compiles and gets the same page
+    count (so the real compile is the earlier start's executable); a step of other shapes has another
+    record; a record whose executables differ from the real compile's is dropped."""
     runner = engine.runner
     monkeypatch.setattr(runner, "_temp_records", TempRecords(tmp_path))
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
@@ -101,28 +102,59 @@ def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch,
     calls = recording_compiles(runner, monkeypatch)
     page_bytes = 2**20
 
+    def size() -> tuple[int, dict]:
+        return runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+
     phases = startup_phases()
     with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
-        cold_pages, _ = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+        cold_pages, _ = size()
     assert len(calls) == 2  # quick, then real
     assert "temp memory from quick compiles in" in caplog.text
     assert phases["sizing_quick_s"].search(caplog.text) and phases["sizing_real_s"].search(caplog.text)
     caplog.clear()
-    (records,) = (tmp_path / SUBDIRECTORY).iterdir()
-    estimated = calls[0][2]
-    assert json.loads(records.read_text()) == {"temp_bytes": estimated}
+    (record,) = (tmp_path / SUBDIRECTORY).iterdir()
+    assert json.loads(record.read_text()) == {"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2]}
 
     with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
-        warm_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
+        warm_pages, executables = size()
     assert warm_pages == cold_pages and calls[2:] == [(cold_pages, None, calls[1][2])]  # the real compile alone
     assert "temp memory from an earlier start's record in 0.0s" in caplog.text
     assert float(phases["sizing_quick_s"].search(caplog.text).group(1)) == 0
     assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))
+    assert json.loads(record.read_text()) == {"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2]}
+
+    # The recorded executables were other than these (a change the key missed): the record goes.
+    record.write_text(json.dumps({"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2] + 1}))
+    with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
+        assert size()[0] == cold_pages
+    assert "its record is dropped" in caplog.text and not record.exists()
 
     monkeypatch.setattr(runner, "max_num_seqs", runner.max_num_seqs + 1)  # another step: its own record
-    runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
-    assert [options for _, options, _ in calls[3:]] == [None, None]  # quick (CPU: no quick options), real
-    assert len(list((tmp_path / SUBDIRECTORY).iterdir())) == 2
+    size()
+    assert [options for _, options, _ in calls[4:]] == [None, None]  # quick (CPU: no quick options), real
+    assert len(list((tmp_path / SUBDIRECTORY).iterdir())) == 1
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nonexistent")
+    other_flags = runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1)
+    monkeypatch.setenv("JAXSERVE_API_KEY", "rotated")  # the environment beyond what shapes the step: ignored
+    assert runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1) == other_flags
+    monkeypatch.delenv("XLA_FLAGS")
+    assert runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1) != other_flags
+
+
+def test_no_records_no_key_and_a_key_that_fails_skips_them(engine, monkeypatch, tmp_path, caplog):
+    """Sizing without records computes no key; a key that cannot be computed (a source file unreadable,
+    say) costs the record, not the start."""
+    runner = engine.runner
+    monkeypatch.setattr(runner, "_temp_records", None)
+    assert runner._sizing_key(jax.devices()[0], 9) is None
+    monkeypatch.setattr(runner, "_temp_records", TempRecords(tmp_path))
+
+    def unreadable() -> str:
+        raise PermissionError("a source file")
+
+    monkeypatch.setattr(model_runner, "source_digest", unreadable)
+    assert runner._sizing_key(jax.devices()[0], 9) is None
+    assert "its key could not be computed (a source file)" in caplog.text
 
 
 _KEY_IN_ANOTHER_PROCESS = """
@@ -135,12 +167,13 @@ print(runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1))
 
 def test_the_sizing_key_is_the_same_in_another_process(llama_dir, engine):
     """The record is found by the next start only if the key is computed the same there: no object
-    addresses, no hash-seeded order in what it digests."""
+    addresses, no hash-seeded order in what it digests, no environment beyond what shapes the step."""
     runner = engine.runner
     here = runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1)
     root = Path(__file__).resolve().parents[2]
     other = subprocess.run([sys.executable, "-c", _KEY_IN_ANOTHER_PROCESS, str(llama_dir)], capture_output=True,
-                           text=True, cwd=root, env={**os.environ, "PYTHONHASHSEED": "11"}, timeout=300)
+                           text=True, cwd=root, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": "11", "JAXSERVE_API_KEY": "another"})
     assert other.returncode == 0, other.stderr[-2000:]
     assert other.stdout.strip().splitlines()[-1] == here
     assert runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 2) != here

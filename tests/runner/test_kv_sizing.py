@@ -93,10 +93,10 @@ def test_an_earlier_start_s_figure_replaces_the_quick_compiles():
                          platform="gpu")
     warm = size_kv_cache(compiler(400 * MIB, 450 * MIB, warm_calls), budget_for, provisional_pages=33,
                          platform="gpu", known_temp_bytes=cold.sized_for_bytes)
-    assert cold.sized_for_bytes == 400 * MIB  # the quick estimate: the margin held
+    assert cold.sized_for_bytes == 400 * MIB and cold.real_temp_bytes == 450 * MIB and not cold.from_record
     assert warm_calls == [(cold.budget.num_pages, None)]  # the real compile alone, at the cold start's count
-    assert warm.budget == cold.budget and warm.quick_seconds == 0 and not warm.resized
-    assert warm.sized_for_bytes == cold.sized_for_bytes  # nothing new to record
+    assert warm.budget == cold.budget and warm.quick_seconds == 0 and warm.from_record and not warm.resized
+    assert (warm.sized_for_bytes, warm.real_temp_bytes) == (cold.sized_for_bytes, cold.real_temp_bytes)
 
 
 def test_an_earlier_figure_too_small_for_the_step_is_checked_and_replaced(caplog):
@@ -108,7 +108,7 @@ def test_an_earlier_figure_too_small_for_the_step_is_checked_and_replaced(caplog
                               platform="gpu", known_temp_bytes=300 * MIB)
     first_count = budget_for(with_margin(300 * MIB)).num_pages
     assert calls == [(first_count, None), (sized.budget.num_pages, None)]  # no quick compile
-    assert sized.resized and sized.sized_for_bytes == 700 * MIB
+    assert sized.resized and sized.sized_for_bytes == 700 * MIB and sized.real_temp_bytes == 700 * MIB
     assert sized.budget.peak_temp_bytes == with_margin(700 * MIB)
     assert "earlier start's figure (300 MiB)" in caplog.text
     # The next start, given that figure, compiles once at the resized count.
@@ -116,3 +116,15 @@ def test_an_earlier_figure_too_small_for_the_step_is_checked_and_replaced(caplog
     size_kv_cache(compiler(400 * MIB, 700 * MIB, again), budget_for, provisional_pages=33, platform="gpu",
                   known_temp_bytes=sized.sized_for_bytes)
     assert again == [(sized.budget.num_pages, None)]
+
+
+def test_an_earlier_figure_that_leaves_no_room_is_estimated_again(caplog):
+    """A record larger than the device now allows for (another GPU, a lower utilization) does not stop the
+    start: the quick compiles run as on a cold start."""
+    calls = []
+    with caplog.at_level(logging.WARNING, "jaxserve.runner.kv_sizing"):
+        sized = size_kv_cache(compiler(400 * MIB, 450 * MIB, calls), budget_for, provisional_pages=33,
+                              platform="gpu", known_temp_bytes=20_000 * MIB)
+    assert calls == [(33, QUICK_ESTIMATE_OPTIONS["gpu"]), (sized.budget.num_pages, None)]
+    assert not sized.from_record and sized.sized_for_bytes == 400 * MIB
+    assert "leaves no room for a KV cache: estimating it again" in caplog.text
