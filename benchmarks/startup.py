@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 _PHASES = {
+    # jax's backend started, from the import of jaxserve (a GPU's imports and CUDA start)
+    "backend_s": re.compile(r"backend: .*; ready ([\d.]+)s after jaxserve was imported"),
     "load_s": re.compile(r"weights: (?:\d+ tensors loaded|restored from the orbax checkpoint) in ([\d.]+)s"),
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),

@@ -1,11 +1,13 @@
 """jaxserve: a JAX-native LLM inference engine and server."""
 
+import time
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+IMPORTED_AT = time.monotonic()  # start-up logs count from here: the first thing a jaxserve process imports
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
 
 

@@ -1,7 +1,10 @@
 """Helpers shared across test areas."""
 
+import importlib.util
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import jax
 
@@ -20,3 +23,13 @@ def count_compilations() -> Iterator[list[str]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def startup_phases() -> dict[str, re.Pattern]:
+    """benchmarks/startup.py's patterns for the server's log, by phase: the GPU check's start-up figures
+    are read from the lines they match."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "startup.py"
+    spec = importlib.util.spec_from_file_location("startup_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._PHASES

@@ -22,11 +22,13 @@ one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a w
 import dataclasses
 import logging
 import os
+import time
 from collections import Counter
 
 import jax
 import numpy as np
 
+from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_io import (
@@ -70,6 +72,7 @@ class EngineCore:
         if config.parallel.multihost:
             multihost.initialize(config.parallel)  # before the first jax backend call
         enable_compilation_cache(config.compilation_cache_dir)
+        _start_backend()
         config = _with_fast_cpu_dtypes(config)
         self.config = config
         if model is None:
@@ -274,6 +277,14 @@ class EngineCore:
         """A grammar's next mask (or a bad word's ban) depends on the token in flight: the next step waits
         for it."""
         return any(request.reads_last_token for request in self.scheduler.requests.values())
+
+
+def _start_backend() -> None:
+    """Starts jax's backend (its first device query does) and says which it is and when, counted from
+    jaxserve's import: on a GPU, the imports and CUDA's start are the first seconds of every start."""
+    devices = jax.devices()
+    logger.info("backend: %s, %d x %s, jax %s; ready %.1fs after jaxserve was imported", devices[0].platform,
+                len(devices), devices[0].device_kind, jax.__version__, time.monotonic() - IMPORTED_AT)
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

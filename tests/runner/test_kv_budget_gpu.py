@@ -3,7 +3,6 @@ utilization x device memory leaves after the weights, the penalty tables and the
 comes from compiling the largest buckets (runner/kv_sizing.py: here for the CPU, the path is the same), and
 the warm-up serves with the executables that sizing compiled instead of compiling them again."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from jaxserve.runner.kv_sizing import TEMP_MARGIN_BYTES, with_margin
 from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.runner.temp_records import SUBDIRECTORY, TempRecords
 from tests.engine.helpers import make_engine, make_prompts, run_alone
+from tests.helpers import startup_phases
 
 GIB = 2**30
 
@@ -79,15 +79,6 @@ def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llam
         assert runner._compiled[bucket] is executable.compiled  # taken, not compiled again
     for prompt in make_prompts(3):
         assert run_alone(sized, prompt, 12) == run_alone(engine, prompt, 12)
-
-
-def startup_phases():
-    """benchmarks/startup.py's patterns for the server's log (the GPU check reads the sizing from it)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "startup.py"
-    spec = importlib.util.spec_from_file_location("startup_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._PHASES
 
 
 def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path, caplog):
@@ -159,6 +150,7 @@ def test_no_records_no_key_and_a_key_that_fails_skips_them(engine, monkeypatch, 
 
 _KEY_IN_ANOTHER_PROCESS = """
 import sys, jax
+from tests.helpers import startup_phases
 from tests.engine.helpers import make_engine
 runner = make_engine(sys.argv[1], warmup=False).runner
 print(runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1))
