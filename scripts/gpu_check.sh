@@ -142,10 +142,11 @@ if wanted focus; then  # the decode kernel's default against the sweep's best, b
 fi
 if wanted startup; then
   # ready with a background warm-up (the largest bucket compiled), cold then warm; each server stops once ready
-  # (STARTUP_ARGS="--timeout 80": the cold start waits for every bucket, so the warm one finds them all cached)
+  # (STARTUP_ARGS="--timeout 80": the cold start waits for every bucket, so the warm one finds them all cached;
+  # STARTUP_SERVE_ARGS: more serve flags, e.g. --engine-process)
   stage startup "${STARTUP_S:-95}" python3 benchmarks/startup.py --config gpu ${STARTUP_ARGS:---timeout 85 --no-wait-all} \
     --json "$out/startup.json" --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy \
-    --warmup background > "$out/startup.log" 2>&1
+    --warmup background ${STARTUP_SERVE_ARGS:-} > "$out/startup.log" 2>&1
 fi
 if wanted test-gpu; then
   stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
