@@ -82,6 +82,9 @@ class EngineCore:
                 kv_cache_dtype=config.cache.kv_cache_dtype,
                 expert_parallel=config.parallel.enable_expert_parallel,
                 quantization=config.model.quantization,
+                # the weights load while the steps compile (one process: a multi-host job's processes load,
+                # size and compile in step with each other)
+                in_background=not config.parallel.multihost,
             )
         self.model = model
         self.max_model_len = min(
@@ -140,6 +143,7 @@ class EngineCore:
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode
         self.warmup_seconds = self.runner.warmup(mode=mode) if warmup else 0.0
+        self.runner.wait_for_weights()  # a start fails with its load's error, not the first step
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()
 

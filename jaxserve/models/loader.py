@@ -13,8 +13,10 @@ import glob
 import json
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from jaxserve.models.quantization import (
     checkpoint_quantization,
     fp8_checkpoint_tensors,
     quantize_model_state,
+    quantize_state,
 )
 from jaxserve.models.source import (
     ModelSource,
@@ -83,11 +86,33 @@ class LoadedModel:
     # A checkpoint's KV-cache scales by (layer, "k", "v" or "kv"), for an FP8 cache (`kv_scales.py`)
     checkpoint_kv_scales: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
     quantization: str | None = None  # the layers' dense weights in 8 bits (`quantization.py`)
+    # Weights still loading on a thread (`load_model(in_background=True)`): until `wait_for_weights`, `state`
+    # holds what they will be (ShapeDtypeStruct leaves, placed), which is all a compile needs.
+    loading: Future | None = None
 
     @property
     def mesh(self) -> Mesh | None:
         """The tensor-parallel mesh the weights are split over; None on one device."""
         return self.cfg.attention.mesh
+
+    def wait_for_weights(self) -> float:
+        """Blocks until weights loading on a thread are in `state`; returns the seconds waited (0 where they
+        were in already). Raises what the load raised, and where the weights are not what `state` said they
+        would be (the steps compiled for that would not take them)."""
+        if self.loading is None:
+            return 0.0
+        start = time.perf_counter()
+        state, kv_scales = self.loading.result()
+        expected, loaded = jax.tree.structure(self.state), jax.tree.structure(state)
+        if expected != loaded:
+            raise RuntimeError(f"the loaded weights' structure is not the one compiled for: {loaded} != {expected}")
+        for want, got in zip(jax.tree.leaves(self.state), jax.tree.leaves(state), strict=True):
+            if (tuple(got.shape), jnp.dtype(got.dtype)) != (tuple(want.shape), jnp.dtype(want.dtype)) or (
+                    want.sharding is not None and not got.sharding.is_equivalent_to(want.sharding, len(want.shape))):
+                raise RuntimeError(f"a loaded weight is {got.dtype}{list(got.shape)} on {got.sharding}, where "
+                                   f"{want.dtype}{list(want.shape)} on {want.sharding} was compiled for")
+        self.state, self.checkpoint_kv_scales, self.loading = state, kv_scales, None
+        return time.perf_counter() - start
 
 
 def _dummy_tokenizer(source: ModelSource, vocab_size: int) -> Any:
@@ -264,6 +289,7 @@ def load_model(
     kv_cache_dtype: str = "auto",
     expert_parallel: bool = False,
     quantization: str | None = None,
+    in_background: bool = False,
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
     of experts' experts split whole with `expert_parallel`). Each
@@ -271,7 +297,10 @@ def load_model(
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
     `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
     file's 8- and 4-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
-    runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8)."""
+    runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
+    `in_background`: where the weights' final shapes are known before they are read (no quantization, or
+    "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model
+    returns at once, its `state` their shapes (`LoadedModel.loading`): the steps compile while they load."""
     quantization = None if quantization == "none" else quantization
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -302,23 +331,34 @@ def load_model(
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
-    kv_scales: dict[tuple[int, str], float] = {}
-    if dummy:
-        loaded = _unflatten(dummy_weights(abstract))
-    elif is_checkpoint(source.directory):
-        loaded = restore_weights(source.directory, abstract)
-    else:
-        tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8")
-        loaded = _unflatten(tensors)
 
-    state = abstract.state
-    nnx.replace_by_pure_dict(state, loaded)
-    if quantization == GGUF:
-        if log_kept_weights(state) == 0 and auto:  # a file with no tensor in a kept format (F16, Q6_K, ...)
-            logger.info("quantization auto: no tensor in a kept format, so none")
-            quantization = None
+    def load_weights() -> tuple[nnx.State, dict[tuple[int, str], float]]:
+        kv_scales: dict[tuple[int, str], float] = {}
+        if dummy:
+            loaded = _unflatten(dummy_weights(abstract))
+        elif is_checkpoint(source.directory):
+            loaded = restore_weights(source.directory, abstract)
+        else:
+            tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8")
+            loaded = _unflatten(tensors)
+        state = abstract.state
+        nnx.replace_by_pure_dict(state, loaded)
+        if quantization != GGUF:
+            quantize_model_state(state, abstract.spec.module, quantization)
+        return state, kv_scales
+
+    loading = None
+    if in_background and stored is None and (quantization is None or (quantization == "fp8" and mesh is None)):
+        state, kv_scales = abstract.placed_state(), {}  # a copy: the load fills `abstract.state`
+        if quantization is not None:
+            quantize_state(state, abstract.spec.module, quantization)
+        loading = _on_a_thread(load_weights, "jaxserve-weights")
+        logger.info("weights: loading on a thread while the steps compile")
     else:
-        quantize_model_state(state, abstract.spec.module, quantization)
+        state, kv_scales = load_weights()
+        if quantization == GGUF and log_kept_weights(state) == 0 and auto:
+            logger.info("quantization auto: no tensor in a kept format, so none")  # (F16, Q6_K, ...)
+            quantization = None
     return LoadedModel(
         name=source.name,
         source=source,
@@ -334,7 +374,22 @@ def load_model(
         weight_dtype=jax_weight_dtype,
         quantization=quantization,
         checkpoint_kv_scales=kv_scales,
+        loading=loading,
     )
+
+
+def _on_a_thread(work: Callable[[], Any], name: str) -> Future:
+    """`work()` on a daemon thread (an exit never waits for it), its result or exception in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as error:  # the waiter raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,

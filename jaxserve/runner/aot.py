@@ -6,6 +6,7 @@ memory on the target. `ModelRunner` uses the same arguments to size its KV cache
 temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it does not have.
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,19 @@ def step_shapes(
     return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype)
 
 
+def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) -> list[jax.ShapeDtypeStruct]:
+    """The step's first argument, the leaves of `state` (arrays, or ShapeDtypeStructs of weights still
+    loading), as ShapeDtypeStructs where the weights live: on `device`, or as sharded over `mesh`."""
+    one_device = jax.sharding.SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding if mesh is not None else one_device)
+            for x in jax.tree.leaves(state)]
+
+
+def weights_bytes_per_device(weights: list[jax.ShapeDtypeStruct]) -> int:
+    """One device's share of `weights` (`abstract_weights`' placed leaves): its shards, replicated ones whole."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in weights)
+
+
 def abstract_step_args(
     state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
 ) -> tuple[Any, Any, Any, Any]:
@@ -80,9 +94,6 @@ def abstract_step_args(
     def on_device(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
-    def as_placed(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding if mesh is not None else sharding)
-
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
     page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=page_sharding)
     kv_caches = [(page, page) for _ in range(shapes.num_layers)]
@@ -91,7 +102,7 @@ def abstract_step_args(
     )
     batch = pack(neutral_batch(bucket, shapes.layout), bucket, shapes.layout)  # numpy: the bucket's shapes
     return (
-        jax.tree.leaves(jax.tree.map(as_placed, state)),
+        abstract_weights(state, device, mesh),
         kv_caches,
         jax.tree.map(on_device, penalties),
         jax.tree.map(on_device, batch),

@@ -44,7 +44,14 @@ from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import replicated, split_along
 from jaxserve.progress import progress
-from jaxserve.runner.aot import CompiledBucket, StepShapes, compile_bucket, step_shapes
+from jaxserve.runner.aot import (
+    CompiledBucket,
+    StepShapes,
+    abstract_weights,
+    compile_bucket,
+    step_shapes,
+    weights_bytes_per_device,
+)
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page
@@ -182,10 +189,17 @@ class ModelRunner:
                                                                  greedy=True)}
         self._step = self._step_fns[PLAIN]
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
+            model.wait_for_weights()  # (calibrated on them, then folded into them)
             model.kv_scales = apply_fp8_kv_scales(model, self.kv_dtype)
-        self._weights = jax.tree.leaves(model.state)  # flattened once: the step's first argument
+        # The step's first argument as compiles take it, placed: a compile never waits for weights still
+        # loading on a thread (`LoadedModel.loading`).
+        self._abstract_weights = abstract_weights(model.state, jax.devices()[0], self.mesh)
+        # The weights flattened once, the step's first argument; None until weights loading are in.
+        self._weights: list[jax.Array] | None = None if model.loading else jax.tree.leaves(model.state)
         self._single_process = jax.process_count() == 1
-        self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes)
+        # While weights load, the device holds part of them: the KV budget counts them by their shapes.
+        loading_bytes = weights_bytes_per_device(self._abstract_weights) if model.loading else None
+        self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
         # (`kv_sizing.py`): the warm-up takes them instead of compiling them again (a multi-host job's
         # followers compile what the leader sends).
@@ -194,6 +208,8 @@ class ModelRunner:
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
                 padding_slot(self.num_pages, self.page_size), self.mesh, greedy)
+        if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
+            self.wait_for_weights()
         shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         pages_at = None if self.mesh is None else split_along(self.mesh, len(shape), 0)  # split by KV head
         self.kv_caches: KVCache = [
@@ -217,16 +233,26 @@ class ModelRunner:
         if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
             logger.info("%s", allocator_note())
 
+    def wait_for_weights(self) -> list[jax.Array]:
+        """The step's weights, once weights loading on a thread are in (at once where they are); raises
+        what their load raised. Steps run on one thread at a time, which is the one that calls this."""
+        if self._weights is None:
+            waited = self.model.wait_for_weights()
+            self._weights = jax.tree.leaves(self.model.state)
+            logger.info("weights: in; the start waited %.1fs for them", waited)
+        return self._weights
+
     def _shapes(self, num_pages: int) -> StepShapes:
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,
                            self.max_num_seqs)
 
-    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None
-                      ) -> tuple[int, dict[Bucket, CompiledBucket]]:
+    def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None,
+                      loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:
         """(the KV cache's page count, the largest buckets' plain steps compiled at it where sizing it took
         that): --num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of
         the device's memory (`stats`: the device's memory_stats(), read here unless given), sized by
-        compiles (`kv_sizing.py`)."""
+        compiles (`kv_sizing.py`). `loading_weights_bytes`: one device's share of weights still loading,
+        which the budget counts in place of what the device holds so far."""
         if cache.num_kv_pages is not None:
             return cache.num_kv_pages, {}
         device = jax.devices()[0]
@@ -237,6 +263,9 @@ class ModelRunner:
             if num_pages < 2:
                 raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
             return num_pages, {}
+
+        if loading_weights_bytes is not None:
+            stats = {**stats, "bytes_in_use": loading_weights_bytes}
 
         def budget_for(temp_bytes: int) -> KVBudget:
             return budget_from_memory_stats(
@@ -295,7 +324,7 @@ class ModelRunner:
                 device.device_kind, device.client.platform_version,
                 None if self.mesh is None else dict(self.mesh.shape),
                 model.cfg, model.dtype, model.weight_dtype, model.quantization, jax.tree.structure(model.state),
-                [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in self._weights], self.kv_dtype,
+                [(x.shape, x.dtype, x.sharding) for x in self._abstract_weights], self.kv_dtype,
                 attention.mosaic_attention, attention.mosaic_decode, self.page_size, self.max_pages_per_req,
                 self.max_num_seqs, self.max_logprobs, self.pooling, largest_buckets(self.ladder.all_buckets()),
                 provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform),
@@ -451,12 +480,13 @@ class ModelRunner:
         batch = dataclasses.replace(batch, previous_tokens=self._previous_tokens)
         packed = pack(batch, bucket, self.layout)  # a numpy buffer of words, one of flags
         packed = dataclasses.replace(packed, held=tuple(self._on_device(x) for x in packed.held))
+        weights = self.wait_for_weights()
         if multi_step:
             self.kv_caches, self.penalty_tables, sampled, self._previous_tokens = step(
-                self._weights, self.kv_caches, self.penalty_tables, packed, decode_steps)
+                weights, self.kv_caches, self.penalty_tables, packed, decode_steps)
             return sampled, None, None
         self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens, *pooled = step(
-            self._weights, self.kv_caches, self.penalty_tables, packed)
+            weights, self.kv_caches, self.penalty_tables, packed)
         return sampled, prompt, pooled[0] if pooled else None
 
     def _compiled_step(self, bucket: Bucket, variant: StepVariant) -> Any | None:
@@ -587,7 +617,7 @@ class ModelRunner:
                 self._compiled[bucket] = sized.compiled
             return sized.from_cache
         with slots:
-            args = (self._weights, self.kv_caches, self.penalty_tables,
+            args = (self._abstract_weights, self.kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))
             if variant.multi_step:
                 args += (self._no_decode_steps(bucket),)

@@ -10,13 +10,14 @@ from jaxserve.sampling_params import StructuredOutputsParams as Structure
 LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs=8, max_num_batched_tokens=64)
 
 
-def make_engine(model_dir, warmup: bool = True, **overrides) -> LLMEngine:
+def make_engine(model_dir, warmup: bool = True, model=None, **overrides) -> LLMEngine:
+    """An engine on `model_dir` (or on `model`, a LoadedModel of it, where given) with the test ladder."""
     # Ready once every bucket is compiled: `auto` would warm up in the background wherever the persistent
     # cache (the default one: None leaves it) already holds the largest bucket, as earlier tests fill it.
     options = {"dtype": "float32", **LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256,
                "compilation_cache_dir": None, "warmup_mode": "full", **overrides}
     config = EngineConfig.from_preset(None, model=str(model_dir), **options)
-    return LLMEngine(config, warmup=warmup)
+    return LLMEngine(config, model=model, warmup=warmup)
 
 
 def make_prompts(n: int = 8) -> list[list[int]]:

@@ -172,3 +172,17 @@ def test_the_sizing_key_is_the_same_in_another_process(llama_dir, engine):
     assert other.returncode == 0, other.stderr[-2000:]
     assert other.stdout.strip().splitlines()[-1] == here
     assert runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 2) != here
+
+
+def test_weights_still_loading_count_by_their_shapes(engine, monkeypatch):
+    """While the weights load on a thread, the device holds part of them: the budget counts them whole, by
+    their shapes, and gets the pages a start with them all in gets."""
+    runner = engine.runner
+    monkeypatch.setattr(runner, "_temp_records", None)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    limit, page_bytes = int(80 * GIB * 0.9), 2**20
+    cache = CacheConfig(gpu_memory_utilization=0.9)
+    loaded, _ = runner._num_kv_pages(cache, page_bytes, {"bytes_limit": limit, "bytes_in_use": 3 * GIB})
+    loading, _ = runner._num_kv_pages(cache, page_bytes, {"bytes_limit": limit, "bytes_in_use": GIB // 2},
+                                      loading_weights_bytes=3 * GIB)  # a sixth of them in so far
+    assert loading == loaded

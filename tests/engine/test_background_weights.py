@@ -1,0 +1,96 @@
+"""Weights loaded on a thread while the steps compile (`load_model(in_background=True)`, the engine core's
+way): the plain load's weights, the first bucket compiled before they are in and the same greedy tokens,
+the load's errors raised at start-up, weights other than those compiled for refused, and what cannot be
+known before reading the file loaded as before."""
+
+import threading
+from concurrent.futures import Future
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import loader
+from jaxserve.models.loader import load_model
+from jaxserve.ops import cpu_kernels
+from jaxserve.runner.model_runner import ModelRunner
+from tests.engine.helpers import make_engine, make_prompts, run_alone
+
+
+def _assert_same_weights(plain, background) -> None:
+    assert jax.tree.structure(plain.state) == jax.tree.structure(background.state)
+    for want, got in zip(jax.tree.leaves(plain.state), jax.tree.leaves(background.state), strict=True):
+        assert isinstance(got, jax.Array) and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "fp8"}, {"load_format": "dummy"},
+                                     {"weight_dtype": "bfloat16"}], ids=["float32", "fp8", "dummy", "bfloat16"])
+def test_a_background_load_gives_the_plain_load_s_weights(llama_dir, options):
+    plain = load_model(str(llama_dir), "float32", **options)
+    background = load_model(str(llama_dir), "float32", in_background=True, **options)
+    assert background.loading is not None
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(background.state))  # their shapes
+    assert background.wait_for_weights() >= 0 and background.loading is None
+    _assert_same_weights(plain, background)
+    assert background.wait_for_weights() == 0.0  # in already
+
+
+@pytest.mark.cpu_only("the native CPU kernels")
+@pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error()))
+def test_a_gguf_s_kept_blocks_load_before_the_model_returns(smollm2_gguf):
+    """Which tensors stay in their blocks, and in which format, is read from the file: no shapes to compile
+    for before it is read."""
+    model = load_model(str(smollm2_gguf), quantization="gguf", in_background=True)
+    assert model.loading is None and all(not isinstance(x, jax.ShapeDtypeStruct)
+                                         for x in jax.tree.leaves(model.state))
+
+
+def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_tokens(llama_dir, monkeypatch):
+    """The load is held until the warm-up has compiled a bucket: an engine that waited for its weights before
+    compiling would never compile one (and the held load would give up after two minutes)."""
+    reference = make_engine(llama_dir, model=load_model(str(llama_dir), "float32"))  # loaded first
+    compiled = threading.Event()
+    compile_one = ModelRunner._compile_one
+
+    def compile_and_tell(self, job, slots):
+        result = compile_one(self, job, slots)
+        compiled.set()
+        return result
+
+    held = []
+    load_tensors = loader._load_tensors
+
+    def load_after_a_compile(*args, **kwargs):
+        held.append(compiled.wait(timeout=120))
+        return load_tensors(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_compile_one", compile_and_tell)
+    monkeypatch.setattr(loader, "_load_tensors", load_after_a_compile)
+    background = make_engine(llama_dir)
+    assert held == [True]
+    assert background.model.loading is None  # in before the engine was
+    for prompt in make_prompts(3):
+        assert run_alone(background, prompt, 12) == run_alone(reference, prompt, 12)
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_failed_load_fails_the_start_with_its_error(llama_dir, monkeypatch, warmup):
+    def broken(*args, **kwargs):
+        raise ValueError("checkpoint is missing weights for ('layers', 'attn', 'q_proj')")
+
+    monkeypatch.setattr(loader, "_load_tensors", broken)
+    with pytest.raises(ValueError, match="checkpoint is missing weights"):
+        make_engine(llama_dir, warmup=warmup)
+
+
+def test_weights_other_than_those_compiled_for_are_refused(llama_dir):
+    model = load_model(str(llama_dir), "float32", in_background=True)
+    state, kv_scales = model.loading.result()
+    widened = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)  # the same structure, another dtype
+    model.loading = Future()
+    model.loading.set_result((widened, kv_scales))
+    with pytest.raises(RuntimeError, match="was compiled for"):
+        model.wait_for_weights()
+    assert model.loading is not None  # not taken
