@@ -11,6 +11,8 @@ the way of a tree named by `--before` (its checkout, put first on the path), sid
   the weights use what they take here), so the KV cache is sized by compiles of the largest buckets
   (`runner/kv_sizing.py`); the sizing's time on a warm start, every compile a persistent-cache hit, and
   the engine's. On a GPU a hit also compiles the step's Mosaic GPU kernels again; not here.
+- `loading`: the `sizing` engine on `--model` (default: the bundled model, dequantized), cold (an empty
+  persistent cache) and warm: where the weights load beside the sizing's compiles, and where they do not.
 
     python benchmarks/start_up_python.py --before /tmp/before --runs 2
 """
@@ -63,7 +65,8 @@ def timed(*args, **kwargs):
     return sized
 model_runner.size_kv_cache = timed
 start = time.perf_counter()
-LLM(config="cpu", compilation_cache_dir=sys.argv[1], warmup_mode="full", gpu_memory_utilization=0.9)
+LLM(sys.argv[2] or None, config="cpu", compilation_cache_dir=sys.argv[1], warmup_mode="full",
+    gpu_memory_utilization=0.9, quantization=sys.argv[3])
 print(json.dumps({"engine_s": round(time.perf_counter() - start, 2), "sizing_s": round(spent[0][0], 2),
                   "pages": spent[0][1]}))
 """
@@ -82,7 +85,8 @@ def main() -> None:
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the version to compare with")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--parts", nargs="+", default=["gguf", "collector"],
-                        choices=["gguf", "collector", "sizing"])
+                        choices=["gguf", "collector", "sizing", "loading"])
+    parser.add_argument("--model", default="", help="the `loading` part's --model (default: the bundled one)")
     args = parser.parse_args()
     from jaxserve.models.loader import bundled_model_path
 
@@ -108,8 +112,13 @@ def main() -> None:
                     sized_cache = str(caches[name]) + "-sized"
                     fraction = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
                     if run == 0:
-                        result["sizing_cold"] = _run(_SIZING, tree, sized_cache, env=fraction)
-                    result["sizing"] = _run(_SIZING, tree, sized_cache, env=fraction)
+                        result["sizing_cold"] = _run(_SIZING, tree, sized_cache, "", "auto", env=fraction)
+                    result["sizing"] = _run(_SIZING, tree, sized_cache, "", "auto", env=fraction)
+                if "loading" in args.parts:
+                    empty = tempfile.mkdtemp(dir=scratch)  # a cold start, then a warm one on its cache
+                    fraction = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+                    result["loading_cold"] = _run(_SIZING, tree, empty, args.model, "none", env=fraction)
+                    result["loading_warm"] = _run(_SIZING, tree, empty, args.model, "none", env=fraction)
                 print(json.dumps(result), flush=True)
 
 

@@ -28,7 +28,10 @@ from pathlib import Path
 _PHASES = {
     # jax's backend started, from the import of jaxserve (a GPU's imports and CUDA start)
     "backend_s": re.compile(r"backend: .*; ready ([\d.]+)s after jaxserve was imported"),
-    "load_s": re.compile(r"weights: (?:\d+ tensors loaded|restored from the orbax checkpoint) in ([\d.]+)s"),
+    "load_s": re.compile(r"weights: (?:\d+ tensors loaded|restored from the orbax checkpoint|\d+ random tensors "
+                         r"\(.*\) drawn) in ([\d.]+)s"),
+    # weights loading beside the compiles: how long the start then waited for them (0 where they were in)
+    "weights_wait_s": re.compile(r"weights: in; the start waited ([\d.]+)s for them"),
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),

@@ -3,6 +3,7 @@ way): the plain load's weights, the first bucket compiled before they are in and
 the load's errors raised at start-up, weights other than those compiled for refused, and what cannot be
 known before reading the file loaded as before."""
 
+import logging
 import threading
 from concurrent.futures import Future
 
@@ -16,6 +17,7 @@ from jaxserve.models.loader import load_model
 from jaxserve.ops import cpu_kernels
 from jaxserve.runner.model_runner import ModelRunner
 from tests.engine.helpers import make_engine, make_prompts, run_alone
+from tests.helpers import startup_phases
 
 
 def _assert_same_weights(plain, background) -> None:
@@ -27,13 +29,15 @@ def _assert_same_weights(plain, background) -> None:
 
 @pytest.mark.parametrize("options", [{}, {"quantization": "fp8"}, {"load_format": "dummy"},
                                      {"weight_dtype": "bfloat16"}], ids=["float32", "fp8", "dummy", "bfloat16"])
-def test_a_background_load_gives_the_plain_load_s_weights(llama_dir, options):
+def test_a_background_load_gives_the_plain_load_s_weights(llama_dir, options, caplog):
     plain = load_model(str(llama_dir), "float32", **options)
-    background = load_model(str(llama_dir), "float32", in_background=True, **options)
-    assert background.loading is not None
-    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(background.state))  # their shapes
-    assert background.wait_for_weights() >= 0 and background.loading is None
+    with caplog.at_level(logging.INFO, "jaxserve.models"):  # the load logs on its thread
+        background = load_model(str(llama_dir), "float32", in_background=True, **options)
+        assert background.loading is not None
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(background.state))  # their shapes
+        assert background.wait_for_weights() >= 0 and background.loading is None
     _assert_same_weights(plain, background)
+    assert startup_phases()["load_s"].search(caplog.text)  # what was loaded and in how long, dummy draws too
     assert background.wait_for_weights() == 0.0  # in already
 
 
@@ -47,9 +51,11 @@ def test_a_gguf_s_kept_blocks_load_before_the_model_returns(smollm2_gguf):
                                          for x in jax.tree.leaves(model.state))
 
 
-def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_tokens(llama_dir, monkeypatch):
+def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_tokens(llama_dir, monkeypatch,
+                                                                                       caplog):
     """The load is held until the warm-up has compiled a bucket: an engine that waited for its weights before
-    compiling would never compile one (and the held load would give up after two minutes)."""
+    compiling would never compile one (and the held load would give up after two minutes). The log says how
+    long the load took and how long the start waited for it, as `benchmarks/startup.py` reads them."""
     reference = make_engine(llama_dir, model=load_model(str(llama_dir), "float32"))  # loaded first
     compiled = threading.Event()
     compile_one = ModelRunner._compile_one
@@ -68,8 +74,11 @@ def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_to
 
     monkeypatch.setattr(ModelRunner, "_compile_one", compile_and_tell)
     monkeypatch.setattr(loader, "_load_tensors", load_after_a_compile)
-    background = make_engine(llama_dir)
+    with caplog.at_level(logging.INFO, "jaxserve"):
+        background = make_engine(llama_dir)
     assert held == [True]
+    phases = startup_phases()
+    assert phases["load_s"].search(caplog.text) and phases["weights_wait_s"].search(caplog.text)
     assert background.model.loading is None  # in before the engine was
     for prompt in make_prompts(3):
         assert run_alone(background, prompt, 12) == run_alone(reference, prompt, 12)
