@@ -66,7 +66,7 @@ def timed(*args, **kwargs):
 model_runner.size_kv_cache = timed
 start = time.perf_counter()
 LLM(sys.argv[2] or None, config="cpu", compilation_cache_dir=sys.argv[1], warmup_mode="full",
-    gpu_memory_utilization=0.9, quantization=sys.argv[3])
+    gpu_memory_utilization=0.9, quantization=sys.argv[3] or None)
 print(json.dumps({"engine_s": round(time.perf_counter() - start, 2), "sizing_s": round(spent[0][0], 2),
                   "pages": spent[0][1]}))
 """
@@ -112,13 +112,13 @@ def main() -> None:
                     sized_cache = str(caches[name]) + "-sized"
                     fraction = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
                     if run == 0:
-                        result["sizing_cold"] = _run(_SIZING, tree, sized_cache, "", "auto", env=fraction)
-                    result["sizing"] = _run(_SIZING, tree, sized_cache, "", "auto", env=fraction)
+                        result["sizing_cold"] = _run(_SIZING, tree, sized_cache, "", "", env=fraction)
+                    result["sizing"] = _run(_SIZING, tree, sized_cache, "", "", env=fraction)
                 if "loading" in args.parts:
                     empty = tempfile.mkdtemp(dir=scratch)  # a cold start, then a warm one on its cache
                     fraction = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
-                    result["loading_cold"] = _run(_SIZING, tree, empty, args.model, "none", env=fraction)
-                    result["loading_warm"] = _run(_SIZING, tree, empty, args.model, "none", env=fraction)
+                    result["loading_cold"] = _run(_SIZING, tree, empty, args.model, "", env=fraction)
+                    result["loading_warm"] = _run(_SIZING, tree, empty, args.model, "", env=fraction)
                 print(json.dumps(result), flush=True)
 
 

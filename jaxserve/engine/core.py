@@ -86,6 +86,15 @@ class EngineCore:
                 # size and compile in step with each other)
                 in_background=not config.parallel.multihost,
             )
+        try:
+            self._start(config, model, warmup)
+        except BaseException:
+            model.abandon_loading()  # a failed start leaves no load going on beside whatever comes next
+            raise
+
+    def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool) -> None:
+        """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
+        scheduler, the warm-up."""
         self.model = model
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings

@@ -8,6 +8,7 @@ bundled in `jaxserve/model_configs/` or a config.json file; a hub id then fetche
 tokenizer.
 """
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -89,6 +90,10 @@ class LoadedModel:
     # Weights still loading on a thread (`load_model(in_background=True)`): until `wait_for_weights`, `state`
     # holds what they will be (ShapeDtypeStruct leaves, placed), which is all a compile needs.
     loading: Future | None = None
+    # The first device's bytes in use when the load began (0 on a CPU): a GPU's KV budget adds the loading
+    # weights to it, as it counts whatever the device held beside them once they are in.
+    in_use_before_loading: int = 0
+    stop_loading: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def mesh(self) -> Mesh | None:
@@ -113,6 +118,16 @@ class LoadedModel:
                                    f"{want.dtype}{list(want.shape)} on {want.sharding} was compiled for")
         self.state, self.checkpoint_kv_scales, self.loading = state, kv_scales, None
         return time.perf_counter() - start
+
+    def abandon_loading(self) -> None:
+        """Stops weights loading on a thread once the tensor under way is in (a start that failed) and waits
+        for its thread to end, so that nothing goes on loading beside what comes next; drops what it raised."""
+        if self.loading is None:
+            return
+        self.stop_loading.set()
+        with contextlib.suppress(Exception):
+            self.loading.result()
+        self.loading = None
 
 
 def _dummy_tokenizer(source: ModelSource, vocab_size: int) -> Any:
@@ -332,6 +347,8 @@ def load_model(
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
     tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
 
+    stop = threading.Event()  # set by `LoadedModel.abandon_loading`
+
     def load_weights() -> tuple[nnx.State, dict[tuple[int, str], float]]:
         kv_scales: dict[tuple[int, str], float] = {}
         if dummy:
@@ -339,7 +356,7 @@ def load_model(
         elif is_checkpoint(source.directory):
             loaded = restore_weights(source.directory, abstract)
         else:
-            tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8")
+            tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8", stop=stop)
             loaded = _unflatten(tensors)
         state = abstract.state
         nnx.replace_by_pure_dict(state, loaded)
@@ -347,11 +364,12 @@ def load_model(
             quantize_model_state(state, abstract.spec.module, quantization)
         return state, kv_scales
 
-    loading = None
+    loading, in_use = None, 0
     if in_background and stored is None and (quantization is None or (quantization == "fp8" and mesh is None)):
         state, kv_scales = abstract.placed_state(), {}  # a copy: the load fills `abstract.state`
         if quantization is not None:
             quantize_state(state, abstract.spec.module, quantization)
+        in_use = _bytes_in_use(jax.devices()[0])
         loading = _on_a_thread(load_weights, "jaxserve-weights")
         logger.info("weights: loading on a thread while the steps compile")
     else:
@@ -375,7 +393,15 @@ def load_model(
         quantization=quantization,
         checkpoint_kv_scales=kv_scales,
         loading=loading,
+        in_use_before_loading=in_use,
+        stop_loading=stop,
     )
+
+
+def _bytes_in_use(device: jax.Device) -> int:
+    """What the device's allocator holds; 0 on a CPU, which keeps no such count."""
+    stats = None if device.platform == "cpu" else device.memory_stats()
+    return int((stats or {}).get("bytes_in_use", 0))
 
 
 def _on_a_thread(work: Callable[[], Any], name: str) -> Future:
@@ -393,10 +419,12 @@ def _on_a_thread(work: Callable[[], Any], name: str) -> Future:
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,
-                  stored_fp8: bool = False) -> tuple[dict[tuple, Any], dict[tuple[int, str], float]]:
+                  stored_fp8: bool = False, stop: threading.Event | None = None
+                  ) -> tuple[dict[tuple, Any], dict[tuple[int, str], float]]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
     to its parameter's dtype, and quantized there as it arrives where `quantization` covers it. Returns
-    them by parameter path, and the checkpoint's KV-cache scales by (layer, kind) (`kv_scales.py`)."""
+    them by parameter path, and the checkpoint's KV-cache scales by (layer, kind) (`kv_scales.py`). Raises
+    LoadStopped at the next tensor once `stop` is set."""
     covered = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
     keep_blocks = quantization == GGUF  # a GGUF file's kept formats stay in their blocks where covered
     quantize = None if keep_blocks else covered
@@ -421,6 +449,8 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     if stream is not None:
         tensors = stream(tensors, cfg)
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
+        if stop is not None and stop.is_set():
+            raise LoadStopped(f"the load was stopped after {len(loaded)} tensors")
         if (kv_scale := checkpoint_kv_scale(name)) is not None:
             kv_scales[kv_scale] = float(np.max(np.asarray(tensor, np.float32)))  # per tensor, or its heads' largest
             continue
@@ -458,6 +488,10 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
     logger.info("weights: %d tensors loaded in %.1fs", len(loaded), time.perf_counter() - start)
     return loaded, kv_scales
+
+
+class LoadStopped(Exception):
+    """A load stopped by `LoadedModel.abandon_loading`."""
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:

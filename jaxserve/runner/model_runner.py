@@ -197,8 +197,10 @@ class ModelRunner:
         # The weights flattened once, the step's first argument; None until weights loading are in.
         self._weights: list[jax.Array] | None = None if model.loading else jax.tree.leaves(model.state)
         self._single_process = jax.process_count() == 1
-        # While weights load, the device holds part of them: the KV budget counts them by their shapes.
-        loading_bytes = weights_bytes_per_device(self._abstract_weights) if model.loading else None
+        # While weights load, the device holds part of them: the KV budget counts them by their shapes, on
+        # top of what it held before.
+        loading_bytes = (model.in_use_before_loading + weights_bytes_per_device(self._abstract_weights)
+                         if model.loading else None)
         self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
         # (`kv_sizing.py`): the warm-up takes them instead of compiling them again (a multi-host job's

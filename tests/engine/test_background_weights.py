@@ -87,6 +87,7 @@ def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_to
 @pytest.mark.parametrize("warmup", [True, False])
 def test_a_failed_load_fails_the_start_with_its_error(llama_dir, monkeypatch, warmup):
     def broken(*args, **kwargs):
+        assert threading.current_thread().name == "jaxserve-weights"  # beside the compiles
         raise ValueError("checkpoint is missing weights for ('layers', 'attn', 'q_proj')")
 
     monkeypatch.setattr(loader, "_load_tensors", broken)
@@ -103,3 +104,33 @@ def test_weights_other_than_those_compiled_for_are_refused(llama_dir):
     with pytest.raises(RuntimeError, match="was compiled for"):
         model.wait_for_weights()
     assert model.loading is not None  # not taken
+
+
+def test_a_start_that_fails_stops_its_load(llama_dir, monkeypatch):
+    """A start that fails while its weights load (no room for a KV cache, say) stops the load at the next
+    tensor and waits for its thread, so no load goes on beside whatever the caller does next."""
+    first_loaded, runner_built, stopping = threading.Event(), threading.Event(), []
+
+    def runner_that_fails(self, model, *args, **kwargs):
+        stopping.append(model.stop_loading)
+        runner_built.set()
+        assert first_loaded.wait(timeout=60)
+        raise RuntimeError("no room for a KV cache")
+
+    taken = []
+    iter_safetensors = loader._iter_safetensors
+
+    def tensors(directory):
+        for name, tensor in iter_safetensors(directory):
+            if taken:  # asked for a second: the first is loaded; the rest once the start has stopped the load
+                first_loaded.set()
+                assert runner_built.wait(timeout=60) and stopping[0].wait(timeout=60)
+            taken.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(ModelRunner, "__init__", runner_that_fails)
+    monkeypatch.setattr(loader, "_iter_safetensors", tensors)
+    with pytest.raises(RuntimeError, match="no room for a KV cache"):
+        make_engine(llama_dir)
+    assert len(taken) == 2  # the first loaded; the second taken, then the stop seen
+    assert not [thread for thread in threading.enumerate() if thread.name == "jaxserve-weights"]

@@ -186,3 +186,24 @@ def test_weights_still_loading_count_by_their_shapes(engine, monkeypatch):
     loading, _ = runner._num_kv_pages(cache, page_bytes, {"bytes_limit": limit, "bytes_in_use": GIB // 2},
                                       loading_weights_bytes=3 * GIB)  # a sixth of them in so far
     assert loading == loaded
+
+
+def test_a_start_loading_beside_the_sizing_gets_the_pages_of_one_that_loaded_first(llama_dir, monkeypatch):
+    """The budget of a start whose weights load beside the sizing's compiles counts what the device held
+    before the load plus the weights by their shapes: the page count of a start that loaded them first and
+    read the device's bytes in use."""
+    from jaxserve.models import loader
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    pool, held_before = GIB, 3 * 2**20  # held_before: another model's, say
+    in_use = {"bytes": held_before}
+    monkeypatch.setattr(model_runner, "device_memory_stats",
+                        lambda device: {"bytes_limit": pool, "bytes_in_use": in_use["bytes"]})
+    monkeypatch.setattr(loader, "_bytes_in_use", lambda device: held_before)
+    options = dict(num_kv_pages=None, gpu_memory_utilization=0.9, token_buckets=(64,), request_buckets=(8,),
+                   warmup=False)
+    beside = make_engine(llama_dir, **options).runner
+    model = loader.load_model(str(llama_dir), "float32")
+    in_use["bytes"] = held_before + sum(x.nbytes for x in jax.tree.leaves(model.state))
+    first = make_engine(llama_dir, model=model, **options).runner
+    assert beside.num_pages == first.num_pages > 100
