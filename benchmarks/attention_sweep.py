@@ -11,8 +11,8 @@ heads, bfloat16):
    reported in TFLOP/s of useful attention (causal keys only) and as a fraction of the dense bf16 peak.
 3. **paged**: jaxserve's own Mosaic GPU kernel (`ragged_paged_attention_mgpu`: TMA page loads, wgmma,
    a producer and one or two consumer warpgroups) on the mixed part's cases, over consumers x block_kv x
-   stages x P in registers x the ping-pong schedule (each configuration on every case before the next,
-   the default first), in TFLOP/s of useful attention, side by side with part 2's Triton figures
+   stages x P in registers x the ping-pong schedule x the overlapped softmax (each configuration on every
+   case before the next, the default first), in TFLOP/s of useful attention, side by side with part 2's Triton figures
    (`--parts paged-prefill`: these alone); and on part 1's decode cases at pages of 16, 32 and 64 tokens,
    in TB/s, beside the Triton decode kernel's defaults (`--parts paged-decode`: these alone).
 4. **tensor-core candidates** for a chunk: the chunk's causal block through JAX's Mosaic GPU flash
@@ -170,7 +170,7 @@ def main() -> None:
         page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
-        paged_grid = [(1, 64, 2, False, False)]
+        paged_grid = [(1, 64, 2, False, False, False), (1, 64, 2, False, False, True)]
         paged_decode_grid = [(1, 64, 2)]
         decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
@@ -182,11 +182,11 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        # consumers, block_kv, stages, P in registers, ping-pong (FlashAttention-3's ways: measured and checked
-        # here first); the default first, then the ping-pong schedule against it
-        paged_grid = [(2, 128, 2, True, False), (2, 128, 2, True, True), (2, 64, 4, True, True),
-                      (2, 128, 2, False, True), (1, 128, 2, True, False), (2, 64, 4, True, False),
-                      (2, 128, 2, False, False)]
+        # consumers, block_kv, stages, P in registers, ping-pong, overlap (FlashAttention-3's ways: measured and
+        # checked here first); the default first, then the ping-pong schedule and the overlapped softmax
+        paged_grid = [(2, 128, 2, True, False, False), (2, 128, 2, True, True, False), (2, 128, 2, True, False, True),
+                      (1, 128, 2, True, False, True), (2, 64, 4, True, True, False), (2, 128, 2, False, True, False),
+                      (1, 128, 2, True, False, False), (2, 64, 4, True, False, False), (2, 128, 2, False, False, False)]
         # consumers, block_kv, stages for decodes: a program per request and KV head, its group's rows padded
         # to a warpgroup's 64 (the tensor cores idle; what counts is how close the page reads come to HBM's)
         paged_decode_grid = [(1, 128, 2), (1, 64, 3), (1, 64, 4), (2, 128, 2)]
@@ -251,12 +251,12 @@ def main() -> None:
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
         if prefill_part in args.parts:
             prefill_cases.append((name, inputs, reference, amount))
-    for consumers, block_kv, steps, in_registers, turns in paged_grid:
+    for consumers, block_kv, steps, in_registers, turns, overlap in paged_grid:
         config = (f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers} "
-                  f"ping_pong={turns}")
-        fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns:
+                  f"ping_pong={turns} overlap={overlap}")
+        fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns, o=overlap:
                      ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
-                                                 block_kv=b, stages=s, p_in_registers=r, ping_pong=t))
+                                                 block_kv=b, stages=s, p_in_registers=r, ping_pong=t, overlap=o))
         for name, inputs, reference, amount in prefill_cases:
             if over(prefill_part):
                 break

@@ -13,7 +13,7 @@
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py);
 #   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
 #   paged-prefill the Mosaic GPU kernel's configurations on the sweep's prefill and mixed cases (its default
-#              first, then the ping-pong schedule);
+#              first, then the ping-pong schedule and the overlapped softmax);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in

@@ -23,7 +23,10 @@ Per program:
   them, a head's slab at once when the slab is all the block's, else in power-of-two runs;
 - with `ping_pong` (two consumers), the consumers take turns on the tensor cores, FlashAttention-3's
   ping-pong schedule: a barrier that both arrive at orders one's softmax under the other's two GEMMs. Both
-  walk the same steps (the program's key range), so their turns always pair up.
+  walk the same steps (the program's key range), so their turns always pair up;
+- with `overlap`, each consumer hides its softmax under its own tensor cores' work, FlashAttention-3's
+  intra-warpgroup pipelining: it issues step j + 1's Q K^T, then step j's P V, waits for the first only,
+  and runs step j + 1's softmax while P V goes on (`_overlapped_steps`).
 
 Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
@@ -51,8 +54,9 @@ HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt
 _SMEM_SPARE = 1024  # the description, barriers and alignment
 # Prefill and mixed steps: P in registers was 5-7% faster than through shared memory on an H200, on both
 # cases measured (docs/benchmarks.md), and matched the oracle there.
-# The ping-pong schedule is opt-in until a Hopper GPU has measured it against this default.
-DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=False)
+# The ping-pong schedule and the overlapped softmax are opt-in until a Hopper GPU has measured them against
+# this default.
+DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=False, overlap=False)
 # For decode-only steps (`AttentionConfig.mosaic_decode`): a program per request and KV head, the GQA
 # group's rows in one warpgroup. On an H200 this read K/V at 61-68% of HBM bandwidth, within 1% of the best
 # of the sweep's four configurations on each case (docs/benchmarks.md).
@@ -81,7 +85,7 @@ def supports(
     q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
     num_consumers: int = DEFAULTS["num_consumers"], block_kv: int = DEFAULTS["block_kv"],
     stages: int = DEFAULTS["stages"], p_in_registers: bool = False, ping_pong: bool = False,
-    smem_limit: int = HOPPER_SMEM_BYTES,
+    overlap: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
 ) -> str | None:
     """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
     if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
@@ -96,6 +100,8 @@ def supports(
         return f"{num_consumers} consumer warpgroups (1 or 2)"
     if ping_pong and num_consumers != 2:
         return f"the ping-pong schedule on {num_consumers} consumer warpgroup(s) (it takes 2)"
+    if ping_pong and overlap:
+        return "the ping-pong schedule and the overlapped softmax together (one or the other)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
     if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
@@ -132,6 +138,7 @@ def _consumer(
     block_kv: int,
     scores: ScoreRule,
     p_in_registers: bool,
+    overlap: bool,
 ):
     plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
     kv_head = lax.axis_index("kv_head")
@@ -150,6 +157,23 @@ def _consumer(
         plgpu.barrier_arrive(turns)
         plgpu.barrier_wait(turns)
 
+    def softmax(s, m, denom, step, masked: bool):
+        """Step `step`'s scores S f32[rows, S] -> (P f32[rows, S], the new running max, the factor alpha that
+        rescales what was summed before, the new row sums); m and the sums f32[rows], m in the log2 domain."""
+        s = scores.log2_scores(s)
+        if masked:
+            key_pos = step * block_kv + col
+            visible = (key_pos <= row_pos) & (key_pos < kv_len)
+            if scores.sliding_window is not None:
+                visible &= key_pos > row_pos - scores.sliding_window
+            s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        if masked:
+            p = jnp.where(visible, p, 0.0)  # a row with no key visible yet keeps a zero sum
+        alpha = jnp.exp2(m - m_new)
+        return p, m_new, alpha, denom * alpha + p.sum(axis=1)
+
     def step_body(step, carry, masked: bool):
         m, denom, acc = carry  # f32[rows] (log2 domain), f32[rows], f32[rows, H]
         slot = lax.rem(step - first_step, stages)
@@ -163,19 +187,7 @@ def _consumer(
 
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # f32[rows, S]
         plgpu.barrier_arrive(k_free.at[slot])
-        s = scores.log2_scores(s)
-        if masked:
-            key_pos = step * block_kv + col
-            visible = (key_pos <= row_pos) & (key_pos < kv_len)
-            if scores.sliding_window is not None:
-                visible &= key_pos > row_pos - scores.sliding_window
-            s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        if masked:
-            p = jnp.where(visible, p, 0.0)  # a row with no key visible yet keeps a zero sum
-        alpha = jnp.exp2(m - m_new)
-        denom = denom * alpha + p.sum(axis=1)
+        p, m_new, alpha, denom = softmax(s, m, denom, step, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         if p_in_registers:  # FlashAttention-3's way: P stays in registers, P V accumulates in place
             p = p.astype(q_wg.dtype)
@@ -213,12 +225,17 @@ def _consumer(
     first_pos = slab_pos + info[_SHIFT]  # the block's first token's position, its lowest
     unmasked_end = first_step if scores.sliding_window is not None else (first_pos + 1) // block_kv
     unmasked_end = jnp.clip(unmasked_end, first_step, end_step)
-    if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
-        take_turn()
-    carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
-    _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
-    if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
-        take_turn()
+    if overlap:
+        denom, acc = _overlapped_steps(
+            init, softmax, first_step, unmasked_end, end_step, q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars,
+            k_free, v_free, stages=stages, p_in_registers=p_in_registers)
+    else:
+        if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
+            take_turn()
+        carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
+        _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
+        if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
+            take_turn()
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
@@ -234,6 +251,100 @@ def _consumer(
         own = (jnp.maximum(shift - first_token, 0), jnp.minimum(shift + num_valid - first_token, num_rows))
         pl.when(~whole)(functools.partial(_store_tokens, rows_smem, head_gmem, *own))
     plgpu.wait_smem_to_gmem(0)
+
+
+def _overlapped_steps(
+    init, softmax, first_step, unmasked_end, end_step,  # softmax: the consumer's (scores, m, sums, step, masked)
+    q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars, k_free, v_free, *, stages: int, p_in_registers: bool,
+):
+    """The consumer's steps with its softmax under its own tensor cores' work, FlashAttention-3's
+    intra-warpgroup pipelining: step j's P V is issued right after step j + 1's Q K^T, and step j + 1's
+    softmax runs while P V is under way (a wgmma waits only for the groups issued before the last one).
+    The first step's scores come alone, masked (exact for the rows that are stored), and the last P V
+    alone. Returns the row sums f32[rows] and the unnormalised output f32[rows, H]."""
+    m, denom, acc = init
+    rows, block_kv = ROWS_PER_WARPGROUP, k_smem.shape[1]
+
+    def slot_of(step):
+        return lax.rem(step - first_step, stages)
+
+    def to_p(p):  # P where P V reads it: registers (returned), or shared memory (None)
+        p = p.astype(q_wg.dtype)
+        if p_in_registers:
+            return p
+        p_wg[...] = p
+        plgpu.commit_smem()  # P's stores visible to the tensor cores' reads
+        return None
+
+    first = slot_of(first_step)
+    plgpu.barrier_wait(k_bars.at[first])
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_wg, k_smem.at[first].T)
+        return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+    plgpu.barrier_arrive(k_free.at[first])
+    p, m, _, denom = softmax(s, m, denom, first_step, True)  # acc is zeros: nothing to rescale
+    p = to_p(p)
+
+    def step_body(step, carry, masked_next: bool):
+        """P V of `step`, under it the softmax of `step + 1`."""
+        m, denom, acc, p = carry
+        slot, next_slot = slot_of(step), slot_of(step + 1)
+        plgpu.barrier_wait(k_bars.at[next_slot])
+        plgpu.barrier_wait(v_bars.at[slot])
+        if p_in_registers:  # P V accumulates in place; the softmax's results leave through refs
+
+            def gemms(refs):
+                acc_ref, s_ref, m_ref, denom_ref, p_ref, alpha_ref = refs
+                # The queries' buffer indexed in here: a constant index closed over fails jax 0.12's lowering
+                plgpu.wgmma(s_ref, q_smem.at[lax.axis_index("wg")], k_smem.at[next_slot].T)
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T done, P V under way
+                plgpu.barrier_arrive(k_free.at[next_slot])
+                p_next, m_ref[...], alpha_ref[...], denom_ref[...] = softmax(s, m, denom, step + 1, masked_next)
+                p_ref[...] = p_next.astype(p.dtype)
+
+            zeros = plgpu.layout_cast(jnp.zeros((rows, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+            acc, _, m_new, denom, p_next, alpha = pl.run_state(gemms)(
+                (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), m, denom, p, m))  # waits for P V at its end
+        else:  # P V into a fresh accumulator, added (Mosaic GPU's interpreter runs this form)
+
+            def gemms(s_ref, pv_ref):
+                plgpu.wgmma(s_ref, q_wg, k_smem.at[next_slot].T)
+                plgpu.wgmma(pv_ref, p_wg, v_smem.at[slot])
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T done, P V under way
+                plgpu.barrier_arrive(k_free.at[next_slot])
+                return *softmax(s, m, denom, step + 1, masked_next), plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+
+            p_next, m_new, alpha, denom, pv = pl.run_scoped(
+                gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
+            acc = acc + pv
+        plgpu.barrier_arrive(v_free.at[slot])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return m_new, denom, acc, to_p(p_next)
+
+    carry = (m, denom, acc, p)
+    last = end_step - 1  # the loops end at the last step: its P V comes alone
+    carry = lax.fori_loop(first_step, jnp.maximum(unmasked_end - 1, first_step),
+                          functools.partial(step_body, masked_next=False), carry)
+    carry = lax.fori_loop(jnp.maximum(unmasked_end - 1, first_step), last,
+                          functools.partial(step_body, masked_next=True), carry)
+    _, denom, acc, p = carry
+    slot = slot_of(last)
+    plgpu.barrier_wait(v_bars.at[slot])
+    if p_in_registers:
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+    else:
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
+            return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    plgpu.barrier_arrive(v_free.at[slot])
+    return denom, acc
 
 
 def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> None:
@@ -289,7 +400,7 @@ def _producer(
 
 def _kernel(
     info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores,
-    p_in_registers, ping_pong,
+    p_in_registers, ping_pong, overlap,
 ):
     dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
     pages_per_block = block_kv // k_ref.shape[2]
@@ -318,6 +429,7 @@ def _kernel(
                 pl.when(wg == w)(functools.partial(
                     _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w, group=group,
                     block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
+                    overlap=overlap,
                 ))
 
     pl.run_scoped(
@@ -386,7 +498,7 @@ def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
-                              "stages", "p_in_registers", "ping_pong"),
+                              "stages", "p_in_registers", "ping_pong", "overlap"),
 )
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
@@ -405,13 +517,15 @@ def ragged_paged_attention_mgpu(
     stages: int = DEFAULTS["stages"],
     p_in_registers: bool = False,
     ping_pong: bool = False,
+    overlap: bool = False,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
 
     `p_in_registers`: P V takes P from registers and accumulates in place (FlashAttention-3's way, the
     interpreter cannot run it: checked against the oracle on a Hopper GPU only) instead of through
-    shared memory. `ping_pong`: the two consumers take turns on the tensor cores (module docstring).
+    shared memory. `ping_pong`: the two consumers take turns on the tensor cores; `overlap`: each consumer's
+    softmax runs under its own P V (module docstring).
 
     Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
     otherwise, about half a second each)."""
@@ -419,7 +533,7 @@ def ragged_paged_attention_mgpu(
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     shape = (q.dtype, k_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size)
     why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
-                   p_in_registers=p_in_registers, ping_pong=ping_pong)
+                   p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap)
     if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
     group = num_q_heads // num_kv_heads
@@ -436,7 +550,7 @@ def ragged_paged_attention_mgpu(
 
     kernel = functools.partial(
         _kernel, num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, block_kv=block_kv,
-        scores=scores, p_in_registers=p_in_registers, ping_pong=ping_pong,
+        scores=scores, p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap,
     )
     out = plgpu.kernel(
         kernel,
@@ -485,7 +599,7 @@ def ragged_paged_attention_hopper(
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
                                          p_in_registers=DEFAULTS["p_in_registers"] and not interpret,
-                                         ping_pong=DEFAULTS["ping_pong"])
+                                         ping_pong=DEFAULTS["ping_pong"], overlap=DEFAULTS["overlap"])
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
 

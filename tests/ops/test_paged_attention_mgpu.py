@@ -78,16 +78,19 @@ def test_group_sizes_and_warpgroups(num_q_heads, num_kv_heads, num_consumers):
 
 
 @needs_a_runner
-@pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong", [(2, 64, 4, False), (1, 128, 2, False),
-                                                                    (2, 64, 3, True)])
-def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages, ping_pong):
+@pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong,overlap", [
+    (2, 64, 4, False, False), (1, 128, 2, False, False), (2, 64, 3, True, False), (2, 64, 3, False, True),
+    (1, 128, 2, False, True), (1, 64, 1, False, True)])
+def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages, ping_pong, overlap):
     """Hundreds of keys: many steps through each stage, a 100-token prefill that fills several slabs, head
     dim 128, and a block that starts mid-tile (configurations within an H100's shared memory); the two
-    consumers taking turns on the tensor cores (ping-pong) through masked and unmasked steps alike."""
+    consumers taking turns on the tensor cores (ping-pong), or each running its softmax under its own
+    P V (overlap, one stage too), through masked and unmasked steps alike."""
     rng = np.random.default_rng(1)
     case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=128,
                             max_pages=40))
-    config = dict(num_consumers=num_consumers, block_kv=block_kv, stages=stages, ping_pong=ping_pong)
+    config = dict(num_consumers=num_consumers, block_kv=block_kv, stages=stages, ping_pong=ping_pong,
+                  overlap=overlap)
     assert supports(jnp.bfloat16, jnp.bfloat16, 8, 2, 128, 16, **config) is None
     check(run(case, jnp.bfloat16, sm_scale=0.09, **config), case, jnp.bfloat16, sm_scale=0.09)
 
@@ -142,25 +145,26 @@ def test_a_hopper_step_sends_short_requests_to_triton():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="wgmma from registers: Mosaic GPU's interpreter cannot run it, a Hopper GPU")
-@pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong", [(2, 128, 2, False), (2, 64, 4, False),
-                                                                    (1, 128, 3, False), (2, 128, 2, True)])
-def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, stages, ping_pong):
+@pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong,overlap", [
+    (2, 128, 2, False, False), (2, 64, 4, False, False), (1, 128, 3, False, False), (2, 128, 2, True, False),
+    (2, 128, 2, False, True), (1, 128, 3, False, True)])
+def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, stages, ping_pong, overlap):
     """FlashAttention-3's P V: P from registers, the accumulator updated in place; with and without its
-    ping-pong schedule."""
+    ping-pong schedule or its intra-warpgroup overlap."""
     rng = np.random.default_rng(4)
     case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=128,
                             max_pages=40))
     got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
-              p_in_registers=True, ping_pong=ping_pong)
+              p_in_registers=True, ping_pong=ping_pong, overlap=overlap)
     check(got, case, jnp.bfloat16, sm_scale=0.09)
 
 
 @pytest.mark.skipif(ON_HOPPER or not INTERPRETER_RUNS, reason="the interpreter's race detector (a CPU, jax >= 0.11)")
-@pytest.mark.parametrize("ping_pong", [False, True])
-def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong):
+@pytest.mark.parametrize("ping_pong,overlap", [(False, False), (True, False), (False, True)])
+def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong, overlap):
     """The producer's TMA copies, the consumers' wgmma reads and the barriers between them, checked by the
-    interpreter's vector clocks: no shared-memory access races another, with the consumers taking turns
-    or not."""
+    interpreter's vector clocks: no shared-memory access races another, with the consumers taking turns,
+    overlapping their softmax with their own P V, or neither."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -168,7 +172,7 @@ def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong):
     case = finite(make_case(rng, [3, 40, 1], [300, 40, 200], 4, 2, page_size=16, head_dim=64, max_pages=20))
     args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
     interpret_pallas_call.reset_gpu_interpret_mode_state()
-    out = ragged_paged_attention_mgpu(*args, sm_scale=0.1, block_kv=64, ping_pong=ping_pong,
+    out = ragged_paged_attention_mgpu(*args, sm_scale=0.1, block_kv=64, ping_pong=ping_pong, overlap=overlap,
                                       interpret=InterpretGPUParams(detect_races=True))
     check(np.asarray(out.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.1)
     assert not interpret_pallas_call.get_races().races_found
@@ -189,6 +193,8 @@ def test_what_the_kernel_refuses():
     assert "per KV head" in supports(*bf16, 32, 1, 64, 16, num_consumers=1)  # 32 heads of 64 rows: 2 tokens
     assert "consumer" in supports(*bf16, 32, 8, 64, 16, num_consumers=3)
     assert "ping-pong" in supports(*bf16, 32, 8, 64, 16, num_consumers=1, ping_pong=True)
+    assert "one or the other" in supports(*bf16, 32, 8, 64, 16, ping_pong=True, overlap=True)
+    assert supports(*bf16, 32, 8, 128, 16, num_consumers=1, overlap=True) is None  # one warpgroup overlaps too
     assert block_q_for(32, 8, 2) == 32 and block_q_for(9, 3, 2) == 32 and block_q_for(12, 12, 2) == 128
 
 
@@ -198,12 +204,15 @@ COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("sm
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
-@pytest.mark.parametrize("p_in_registers,ping_pong", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("p_in_registers,ping_pong,overlap", [(False, False, False), (True, False, False),
+                                                              (True, True, False), (True, False, True),
+                                                              (False, False, True)])
 @pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES)
-def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size, p_in_registers, ping_pong):
+def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size, p_in_registers, ping_pong, overlap):
     """Mosaic GPU lowers the kernel for sm_90a within the H100's 227 KiB of shared memory a block, with a
     temporary under a megabyte beside the queries (the descriptions of its blocks); P through shared memory
-    or in registers, the consumers taking turns or not."""
+    or in registers, the consumers taking turns, or each overlapping its softmax with its own P V, or
+    neither."""
     num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
     pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
@@ -211,7 +220,7 @@ def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size,
               ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
     fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=p_in_registers,
-                                                        ping_pong=ping_pong))
+                                                        ping_pong=ping_pong, overlap=overlap))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert "mosaic_gpu" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 2**20
