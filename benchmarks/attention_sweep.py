@@ -171,7 +171,7 @@ def main() -> None:
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
         paged_grid = [(1, 64, 2, False, False, False), (1, 64, 2, False, False, True)]
-        paged_decode_grid = [(1, 64, 2)]
+        paged_decode_grid = [(1, 64, 2, False, False), (1, 64, 2, False, True)]
         decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
@@ -187,9 +187,12 @@ def main() -> None:
         paged_grid = [(2, 128, 2, True, False, False), (2, 128, 2, True, True, False), (2, 128, 2, True, False, True),
                       (1, 128, 2, True, False, True), (2, 64, 4, True, True, False), (2, 128, 2, False, True, False),
                       (1, 128, 2, True, False, False), (2, 64, 4, True, False, False), (2, 128, 2, False, False, False)]
-        # consumers, block_kv, stages for decodes: a program per request and KV head, its group's rows padded
-        # to a warpgroup's 64 (the tensor cores idle; what counts is how close the page reads come to HBM's)
-        paged_decode_grid = [(1, 128, 2), (1, 64, 3), (1, 64, 4), (2, 128, 2)]
+        # consumers, block_kv, stages, P in registers, overlap for decodes: a program per request and KV head,
+        # its group's rows padded to a warpgroup's 64 (the tensor cores idle; what counts is how close the page
+        # reads come to HBM's: the overlapped softmax frees each K stage a softmax sooner); the default first
+        # (stop 47's H200 sweep: (1, 64, 4) and (2, 128, 2) no better, dropped)
+        paged_decode_grid = [(1, 128, 2, False, False), (1, 128, 2, False, True), (1, 128, 2, True, True),
+                             (1, 128, 2, True, False), (1, 64, 3, False, False)]
         decode_page_sizes = (16, 32, 64)  # 64 divides every block_kv of the grid
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
@@ -278,14 +281,15 @@ def main() -> None:
             q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret))
         report(measure("paged", name, "triton", f"page={page} decode defaults", fn, inputs.args, reference,
                        amount, hbm, args.iters, 1e12))
-        for consumers, block_kv, steps in paged_decode_grid:
+        for consumers, block_kv, steps, in_registers, overlap in paged_decode_grid:
             if over(decode_part):
                 break
-            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps: ragged_paged_attention_mgpu(
-                *a, sm_scale=sm_scale, interpret=interpret, num_consumers=c, block_kv=b, stages=s))
+            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, o=overlap:
+                         ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
+                                                     block_kv=b, stages=s, p_in_registers=r, overlap=o))
             report(measure("paged", name, "mosaic-gpu-paged", f"page={page} consumers={consumers} "
-                           f"block_kv={block_kv} stages={steps}", fn, inputs.args, reference, amount, hbm,
-                           args.iters, 1e12))
+                           f"block_kv={block_kv} stages={steps} p_in_registers={in_registers} overlap={overlap}",
+                           fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
         del inputs
     # 4. tensor-core candidates for one chunk
     for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():

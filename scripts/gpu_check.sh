@@ -163,12 +163,12 @@ if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep'
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
-  stage paged-decode "${PAGED_DECODE_S:-45}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
-    --budget-s $(( ${PAGED_DECODE_S:-45} - 8 )) > "$out/paged_decode.log" 2>&1
+  stage paged-decode "${PAGED_DECODE_S:-60}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
+    --budget-s $(( ${PAGED_DECODE_S:-60} - 8 )) > "$out/paged_decode.log" 2>&1
 fi
 if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefill and mixed steps
-  stage paged-prefill "${PAGED_PREFILL_S:-60}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
-    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-60} - 8 )) > "$out/paged_prefill.log" 2>&1
+  stage paged-prefill "${PAGED_PREFILL_S:-75}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
+    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-75} - 8 )) > "$out/paged_prefill.log" 2>&1
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)
