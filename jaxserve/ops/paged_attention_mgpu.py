@@ -102,6 +102,8 @@ def supports(
         return f"the ping-pong schedule on {num_consumers} consumer warpgroup(s) (it takes 2)"
     if ping_pong and overlap:
         return "the ping-pong schedule and the overlapped softmax together (one or the other)"
+    if overlap and head_dim > 128:
+        return f"the overlapped softmax at head dim {head_dim} (two steps' scores and the output in registers: 128)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
     if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
@@ -484,8 +486,11 @@ def _describe_blocks(
     q_len = ends[req] - starts[req]
     kv_len = jnp.where(used, kv_lens[req], 0)
     first_pos = kv_len - q_len + first_token - starts[req]  # the block's first token's position
-    end_step = jnp.where(used, pl.cdiv(first_pos + num_valid, block_kv), 0)
-    first_step = jnp.minimum(scores.first_block(first_pos, block_kv) * jnp.ones_like(end_step), end_step)
+    # At least one step for a block of tokens: always so where each request's keys include its queries; a
+    # request that breaks that gets masked zeros rather than a consumer waiting for keys never loaded.
+    end_step = jnp.where(used, jnp.maximum(pl.cdiv(first_pos + num_valid, block_kv), 1), 0)
+    first_step = jnp.clip(scores.first_block(first_pos, block_kv) * jnp.ones_like(end_step), 0,
+                          jnp.maximum(end_step - 1, 0))
     fields = [req, slab // _SLAB_ALIGN, first_pos - shift, shift, num_valid, kv_len, first_step, end_step]
     info = jnp.stack(fields, axis=1).astype(jnp.int32)
     return jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
