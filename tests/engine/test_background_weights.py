@@ -51,6 +51,7 @@ def test_a_gguf_s_kept_blocks_load_before_the_model_returns(smollm2_gguf):
                                          for x in jax.tree.leaves(model.state))
 
 
+@pytest.mark.gpu  # on a GPU, the KV cache is allocated once the weights are in: that path runs there
 def test_the_first_bucket_compiles_while_the_weights_load_and_serves_the_same_tokens(llama_dir, monkeypatch,
                                                                                        caplog):
     """The load is held until the warm-up has compiled a bucket: an engine that waited for its weights before
@@ -106,6 +107,7 @@ def test_weights_other_than_those_compiled_for_are_refused(llama_dir):
     assert model.loading is not None  # not taken
 
 
+@pytest.mark.gpu
 def test_a_start_that_fails_stops_its_load(llama_dir, monkeypatch):
     """A start that fails while its weights load (no room for a KV cache, say) stops the load at the next
     tensor and waits for its thread, so no load goes on beside whatever the caller does next."""
