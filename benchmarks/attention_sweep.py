@@ -185,8 +185,9 @@ def main() -> None:
         # consumers, block_kv, stages, P in registers, ping-pong, overlap (FlashAttention-3's ways: measured and
         # checked here first); the default first, then the ping-pong schedule and the overlapped softmax
         paged_grid = [(2, 128, 2, True, False, False), (2, 128, 2, True, True, False), (2, 128, 2, True, False, True),
-                      (1, 128, 2, True, False, True), (2, 64, 4, True, True, False), (2, 128, 2, False, True, False),
-                      (1, 128, 2, True, False, False), (2, 64, 4, True, False, False), (2, 128, 2, False, False, False)]
+                      (2, 128, 2, True, True, True), (1, 128, 2, True, False, True), (2, 64, 4, True, True, False),
+                      (2, 128, 2, False, True, False), (1, 128, 2, True, False, False), (2, 64, 4, True, False, False),
+                      (2, 128, 2, False, False, False)]
         # consumers, block_kv, stages, P in registers, overlap for decodes: a program per request and KV head,
         # its group's rows padded to a warpgroup's 64 (the tensor cores idle; what counts is how close the page
         # reads come to HBM's: the overlapped softmax frees each K stage a softmax sooner); the default first

@@ -26,7 +26,8 @@ Per program:
   walk the same steps (the program's key range), so their turns always pair up;
 - with `overlap`, each consumer hides its softmax under its own tensor cores' work, FlashAttention-3's
   intra-warpgroup pipelining: it issues step j + 1's Q K^T, then step j's P V, waits for the first only,
-  and runs step j + 1's softmax while P V goes on (`_overlapped_steps`).
+  and runs step j + 1's softmax while P V goes on (`_overlapped_steps`); with `ping_pong` too, the
+  consumers take turns issuing each round of GEMMs, as FlashAttention-3 runs both.
 
 Whole pages are loaded, so the slots past a request's length are read: they must hold finite values, which
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
@@ -38,6 +39,7 @@ GPU's interpreter on a CPU (`interpret=`, jax >= 0.11), which the tests check ag
 """
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -100,8 +102,6 @@ def supports(
         return f"{num_consumers} consumer warpgroups (1 or 2)"
     if ping_pong and num_consumers != 2:
         return f"the ping-pong schedule on {num_consumers} consumer warpgroup(s) (it takes 2)"
-    if ping_pong and overlap:
-        return "the ping-pong schedule and the overlapped softmax together (one or the other)"
     if overlap and head_dim > 128:
         return f"the overlapped softmax at head dim {head_dim} (two steps' scores and the output in registers: 128)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
@@ -227,17 +227,18 @@ def _consumer(
     first_pos = slab_pos + info[_SHIFT]  # the block's first token's position, its lowest
     unmasked_end = first_step if scores.sliding_window is not None else (first_pos + 1) // block_kv
     unmasked_end = jnp.clip(unmasked_end, first_step, end_step)
+    if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
+        take_turn()
     if overlap:
         denom, acc = _overlapped_steps(
             init, softmax, first_step, unmasked_end, end_step, q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars,
-            k_free, v_free, stages=stages, p_in_registers=p_in_registers)
+            k_free, v_free, stages=stages, p_in_registers=p_in_registers,
+            issued=take_turn if turns is not None else None)
     else:
-        if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
-            take_turn()
         carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
         _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
-        if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
-            take_turn()
+    if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
+        take_turn()
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
@@ -258,12 +259,15 @@ def _consumer(
 def _overlapped_steps(
     init, softmax, first_step, unmasked_end, end_step,  # softmax: the consumer's (scores, m, sums, step, masked)
     q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars, k_free, v_free, *, stages: int, p_in_registers: bool,
+    issued: Callable[[], None] | None = None,
 ):
     """The consumer's steps with its softmax under its own tensor cores' work, FlashAttention-3's
     intra-warpgroup pipelining: step j's P V is issued right after step j + 1's Q K^T, and step j + 1's
     softmax runs while P V is under way (a wgmma waits only for the groups issued before the last one).
     The first step's scores come alone, masked (exact for the rows that are stored), and the last P V
-    alone. Returns the row sums f32[rows] and the unnormalised output f32[rows, H]."""
+    alone. `issued`: called once each round of GEMMs is issued (the ping-pong's turn: the other consumer's
+    GEMMs go while this one's softmax runs). Returns the row sums f32[rows] and the unnormalised output
+    f32[rows, H]."""
     m, denom, acc = init
     rows, block_kv = ROWS_PER_WARPGROUP, k_smem.shape[1]
 
@@ -281,8 +285,13 @@ def _overlapped_steps(
     first = slot_of(first_step)
     plgpu.barrier_wait(k_bars.at[first])
 
+    def turn() -> None:
+        if issued is not None:
+            issued()
+
     def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_wg, k_smem.at[first].T)
+        turn()
         return acc_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
@@ -303,6 +312,7 @@ def _overlapped_steps(
                 # The queries' buffer indexed in here: a constant index closed over fails jax 0.12's lowering
                 plgpu.wgmma(s_ref, q_smem.at[lax.axis_index("wg")], k_smem.at[next_slot].T)
                 plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                turn()
                 s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T done, P V under way
                 plgpu.barrier_arrive(k_free.at[next_slot])
                 p_next, m_ref[...], alpha_ref[...], denom_ref[...] = softmax(s, m, denom, step + 1, masked_next)
@@ -316,6 +326,7 @@ def _overlapped_steps(
             def gemms(s_ref, pv_ref):
                 plgpu.wgmma(s_ref, q_wg, k_smem.at[next_slot].T)
                 plgpu.wgmma(pv_ref, p_wg, v_smem.at[slot])
+                turn()
                 s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T done, P V under way
                 plgpu.barrier_arrive(k_free.at[next_slot])
                 return *softmax(s, m, denom, step + 1, masked_next), plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
@@ -337,11 +348,17 @@ def _overlapped_steps(
     slot = slot_of(last)
     plgpu.barrier_wait(v_bars.at[slot])
     if p_in_registers:
-        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+
+        def last_pv(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+            turn()
+
+        acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
     else:
 
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_wg, v_smem.at[slot])
+            turn()
             return acc_ref[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))

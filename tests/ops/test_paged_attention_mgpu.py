@@ -80,7 +80,7 @@ def test_group_sizes_and_warpgroups(num_q_heads, num_kv_heads, num_consumers):
 @needs_a_runner
 @pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong,overlap", [
     (2, 64, 4, False, False), (1, 128, 2, False, False), (2, 64, 3, True, False), (2, 64, 3, False, True),
-    (1, 128, 2, False, True), (1, 64, 1, False, True)])
+    (1, 128, 2, False, True), (1, 64, 1, False, True), (2, 64, 3, True, True)])
 def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages, ping_pong, overlap):
     """Hundreds of keys: many steps through each stage, a 100-token prefill that fills several slabs, head
     dim 128, and a block that starts mid-tile (configurations within an H100's shared memory); the two
@@ -162,7 +162,7 @@ def test_a_request_whose_keys_miss_its_queries_still_ends():
 @pytest.mark.skipif(not ON_HOPPER, reason="wgmma from registers: Mosaic GPU's interpreter cannot run it, a Hopper GPU")
 @pytest.mark.parametrize("num_consumers,block_kv,stages,ping_pong,overlap", [
     (2, 128, 2, False, False), (2, 64, 4, False, False), (1, 128, 3, False, False), (2, 128, 2, True, False),
-    (2, 128, 2, False, True), (1, 128, 3, False, True)])
+    (2, 128, 2, False, True), (1, 128, 3, False, True), (2, 128, 2, True, True)])
 def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, stages, ping_pong, overlap):
     """FlashAttention-3's P V: P from registers, the accumulator updated in place; with and without its
     ping-pong schedule or its intra-warpgroup overlap."""
@@ -175,7 +175,7 @@ def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, st
 
 
 @pytest.mark.skipif(ON_HOPPER or not INTERPRETER_RUNS, reason="the interpreter's race detector (a CPU, jax >= 0.11)")
-@pytest.mark.parametrize("ping_pong,overlap", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("ping_pong,overlap", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong, overlap):
     """The producer's TMA copies, the consumers' wgmma reads and the barriers between them, checked by the
     interpreter's vector clocks: no shared-memory access races another, with the consumers taking turns,
@@ -208,7 +208,7 @@ def test_what_the_kernel_refuses():
     assert "per KV head" in supports(*bf16, 32, 1, 64, 16, num_consumers=1)  # 32 heads of 64 rows: 2 tokens
     assert "consumer" in supports(*bf16, 32, 8, 64, 16, num_consumers=3)
     assert "ping-pong" in supports(*bf16, 32, 8, 64, 16, num_consumers=1, ping_pong=True)
-    assert "one or the other" in supports(*bf16, 32, 8, 64, 16, ping_pong=True, overlap=True)
+    assert supports(*bf16, 32, 8, 64, 16, ping_pong=True, overlap=True) is None  # FlashAttention-3's both
     assert supports(*bf16, 32, 8, 128, 16, num_consumers=1, overlap=True) is None  # one warpgroup overlaps too
     assert "registers" in supports(*bf16, 8, 4, 256, 16, num_consumers=1, block_kv=64, stages=1, overlap=True)
     assert block_q_for(32, 8, 2) == 32 and block_q_for(9, 3, 2) == 32 and block_q_for(12, 12, 2) == 128
@@ -222,7 +222,7 @@ COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("sm
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
 @pytest.mark.parametrize("p_in_registers,ping_pong,overlap", [(False, False, False), (True, False, False),
                                                               (True, True, False), (True, False, True),
-                                                              (False, False, True)])
+                                                              (False, False, True), (True, True, True)])
 @pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES)
 def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size, p_in_registers, ping_pong, overlap):
     """Mosaic GPU lowers the kernel for sm_90a within the H100's 227 KiB of shared memory a block, with a
