@@ -175,6 +175,12 @@ def use_cpu_platform() -> None:
 JAX_DEFAULT_POOL_FRACTION = 0.75
 
 
+def device_memory_stats(device: Any) -> dict[str, int] | None:
+    """The allocator's statistics on an accelerator (`bytes_limit`, what the KV budget divides;
+    `bytes_in_use`); None on a CPU, which keeps none (its KV cache --kv-cache-memory sizes)."""
+    return None if device.platform == "cpu" else device.memory_stats()
+
+
 def allocator_pool_fraction() -> float:
     """The fraction of GPU memory JAX's allocator pools in this process."""
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))

@@ -58,6 +58,12 @@ def split_along(mesh: Mesh, ndim: int, axis: int | None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def bytes_per_device(leaves: list[jax.ShapeDtypeStruct | jax.Array]) -> int:
+    """One device's share of placed arrays: each one's shard, a replicated or unplaced (None) one whole."""
+    return sum(math.prod(x.shape if x.sharding is None else x.sharding.shard_shape(x.shape))
+               * np.dtype(x.dtype).itemsize for x in leaves)
+
+
 def param_sharding(mesh: Mesh, shape: tuple[int, ...], rule: SplitRule) -> NamedSharding:
     """Where a parameter of `shape` lives: split along its rule's axis when that divides evenly, else
     replicated (a vocabulary like GPT-2's 50,257 rows; heads always divide after `HeadLayout`)."""

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from transformers import GenerationConfig
 
 from jaxserve.config import LOAD_FORMATS
-from jaxserve.device import cpu_has_bf16_dots
+from jaxserve.device import cpu_has_bf16_dots, device_memory_stats
 from jaxserve.models import ModelSpec, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
 from jaxserve.models.dummy import dummy_weights
@@ -62,7 +62,7 @@ from jaxserve.models.source import (
 )
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
-from jaxserve.parallel import HeadLayout, SplitRule, make_mesh, param_sharding
+from jaxserve.parallel import HeadLayout, SplitRule, bytes_per_device, make_mesh, param_sharding
 from jaxserve.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -219,12 +219,7 @@ class AbstractModel:
     @property
     def weights_bytes_per_device(self) -> int:
         """One device's share of the weights: its shards, and every replicated parameter whole."""
-        total = 0
-        for path, leaf in _flatten(nnx.to_pure_dict(self.state)):
-            sharding = self.sharding(path, leaf.shape)
-            shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-            total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-        return total
+        return bytes_per_device(jax.tree.leaves(self.placed_state()))
 
 
 def build_abstract_model(
@@ -369,7 +364,7 @@ def load_model(
         state, kv_scales = abstract.placed_state(), {}  # a copy: the load fills `abstract.state`
         if quantization is not None:
             quantize_state(state, abstract.spec.module, quantization)
-        in_use = _bytes_in_use(jax.devices()[0])
+        in_use = int((device_memory_stats(jax.devices()[0]) or {}).get("bytes_in_use", 0))
         loading = _on_a_thread(load_weights, "jaxserve-weights")
         logger.info("weights: loading on a thread while the steps compile")
     else:
@@ -396,12 +391,6 @@ def load_model(
         in_use_before_loading=in_use,
         stop_loading=stop,
     )
-
-
-def _bytes_in_use(device: jax.Device) -> int:
-    """What the device's allocator holds; 0 on a CPU, which keeps no such count."""
-    stats = None if device.platform == "cpu" else device.memory_stats()
-    return int((stats or {}).get("bytes_in_use", 0))
 
 
 def _on_a_thread(work: Callable[[], Any], name: str) -> Future:

@@ -6,7 +6,6 @@ memory on the target. `ModelRunner` uses the same arguments to size its KV cache
 temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it does not have.
 """
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +71,6 @@ def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) ->
     one_device = jax.sharding.SingleDeviceSharding(device)
     return [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding if mesh is not None else one_device)
             for x in jax.tree.leaves(state)]
-
-
-def weights_bytes_per_device(weights: list[jax.ShapeDtypeStruct]) -> int:
-    """One device's share of `weights` (`abstract_weights`' placed leaves): its shards, replicated ones whole."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in weights)
 
 
 def abstract_step_args(

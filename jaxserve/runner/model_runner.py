@@ -34,7 +34,7 @@ from jaxserve import __version__
 from jaxserve.allocator import allocator_note
 from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
-from jaxserve.device import allocator_pool_fraction
+from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
@@ -42,7 +42,7 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
-from jaxserve.parallel import replicated, split_along
+from jaxserve.parallel import bytes_per_device, replicated, split_along
 from jaxserve.progress import progress
 from jaxserve.runner.aot import (
     CompiledBucket,
@@ -50,7 +50,6 @@ from jaxserve.runner.aot import (
     abstract_weights,
     compile_bucket,
     step_shapes,
-    weights_bytes_per_device,
 )
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
@@ -89,12 +88,6 @@ def _count_cache_hit(event: str, **_: Any) -> None:
 @functools.cache  # registered once per process
 def _listen_for_cache_hits() -> None:
     jax.monitoring.register_event_listener(_count_cache_hit)
-
-
-def device_memory_stats(device: jax.Device) -> dict[str, int] | None:
-    """The allocator's statistics on an accelerator (its `bytes_limit` is what the KV budget divides);
-    None on a CPU, whose KV cache --kv-cache-memory sizes."""
-    return None if device.platform == "cpu" else device.memory_stats()
 
 
 @dataclass(frozen=True, order=True)
@@ -199,7 +192,7 @@ class ModelRunner:
         self._single_process = jax.process_count() == 1
         # While weights load, the device holds part of them: the KV budget counts them by their shapes, on
         # top of what it held before.
-        loading_bytes = (model.in_use_before_loading + weights_bytes_per_device(self._abstract_weights)
+        loading_bytes = (model.in_use_before_loading + bytes_per_device(self._abstract_weights)
                          if model.loading else None)
         self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count

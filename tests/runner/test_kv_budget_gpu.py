@@ -199,7 +199,7 @@ def test_a_start_loading_beside_the_sizing_gets_the_pages_of_one_that_loaded_fir
     in_use = {"bytes": held_before}
     monkeypatch.setattr(model_runner, "device_memory_stats",
                         lambda device: {"bytes_limit": pool, "bytes_in_use": in_use["bytes"]})
-    monkeypatch.setattr(loader, "_bytes_in_use", lambda device: held_before)
+    monkeypatch.setattr(loader, "device_memory_stats", lambda device: {"bytes_in_use": held_before})
     options = dict(num_kv_pages=None, gpu_memory_utilization=0.9, token_buckets=(64,), request_buckets=(8,),
                    warmup=False)
     beside = make_engine(llama_dir, **options).runner
