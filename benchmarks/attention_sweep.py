@@ -28,6 +28,7 @@ with its error and the sweep goes on. `--budget-s` stops a part early rather tha
 """
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -139,6 +140,13 @@ def cudnn_fn(sm_scale: float) -> Callable:
     return jax.jit(fn)
 
 
+def mgpu_config(num_consumers: int, block_kv: int, stages: int, in_registers: bool, *, ping_pong: bool = False,
+                overlap: bool = False, heavy_first: bool = True) -> dict:
+    """One configuration of `ragged_paged_attention_mgpu`: its keywords, in the order the report names them."""
+    return dict(num_consumers=num_consumers, block_kv=block_kv, stages=stages, p_in_registers=in_registers,
+                ping_pong=ping_pong, overlap=overlap, heavy_first=heavy_first)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -170,8 +178,9 @@ def main() -> None:
         page_sizes, blocks_kv, warps, stages = (16,), (32,), (4,), (2,)
         mixed = {"chunk 64 at 128": ([64], [128])}
         ragged_grid = [(16, 32, 4, 2)]
-        paged_grid = [(1, 64, 2, False, False, False), (1, 64, 2, False, False, True)]
-        paged_decode_grid = [(1, 64, 2, False, False), (1, 64, 2, False, True)]
+        paged_grid = [mgpu_config(1, 64, 2, in_registers=False),
+                      mgpu_config(1, 64, 2, in_registers=False, overlap=True)]
+        paged_decode_grid = paged_grid
         decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
@@ -182,18 +191,21 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        # consumers, block_kv, stages, P in registers, ping-pong, overlap (FlashAttention-3's ways: measured and
-        # checked here first); the default first, then the ping-pong schedule and the overlapped softmax
-        paged_grid = [(2, 128, 2, True, False, False), (2, 128, 2, True, True, False), (2, 128, 2, True, False, True),
-                      (2, 128, 2, True, True, True), (1, 128, 2, True, False, True), (2, 64, 4, True, True, False),
-                      (2, 128, 2, False, True, False), (1, 128, 2, True, False, False), (2, 64, 4, True, False, False),
-                      (2, 128, 2, False, False, False)]
-        # consumers, block_kv, stages, P in registers, overlap for decodes: a program per request and KV head,
-        # its group's rows padded to a warpgroup's 64 (the tensor cores idle; what counts is how close the page
-        # reads come to HBM's: the overlapped softmax frees each K stage a softmax sooner); the default first
-        # (stop 47's H200 sweep: (1, 64, 4) and (2, 128, 2) no better, dropped)
-        paged_decode_grid = [(1, 128, 2, False, False), (1, 128, 2, False, True), (1, 128, 2, True, True),
-                             (1, 128, 2, True, False), (1, 64, 3, False, False)]
+        # FlashAttention-3's ways, measured and checked here first: the default first, then the programs in the
+        # requests' order (the default starts the heaviest first), the ping-pong schedule, the overlapped softmax
+        paged_grid = [mgpu_config(2, 128, 2, True), mgpu_config(2, 128, 2, True, heavy_first=False),
+                      mgpu_config(2, 128, 2, True, ping_pong=True), mgpu_config(2, 128, 2, True, overlap=True),
+                      mgpu_config(2, 128, 2, True, ping_pong=True, overlap=True),
+                      mgpu_config(1, 128, 2, True, overlap=True), mgpu_config(2, 64, 4, True, ping_pong=True),
+                      mgpu_config(2, 128, 2, False, ping_pong=True), mgpu_config(1, 128, 2, True),
+                      mgpu_config(2, 64, 4, True), mgpu_config(2, 128, 2, False)]
+        # Decodes: a program per request and KV head, its group's rows padded to a warpgroup's 64 (the tensor
+        # cores idle; what counts is how close the page reads come to HBM's: the overlapped softmax frees each K
+        # stage a softmax sooner, the longest requests first leave no long ones for the end); the default
+        # first (stop 47's H200 sweep: (1, 64, 4) and (2, 128, 2) no better, dropped)
+        paged_decode_grid = [mgpu_config(1, 128, 2, False), mgpu_config(1, 128, 2, False, heavy_first=False),
+                             mgpu_config(1, 128, 2, False, overlap=True), mgpu_config(1, 128, 2, True, overlap=True),
+                             mgpu_config(1, 128, 2, True), mgpu_config(1, 64, 3, False)]
         decode_page_sizes = (16, 32, 64)  # 64 divides every block_kv of the grid
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),
@@ -255,12 +267,10 @@ def main() -> None:
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
         if prefill_part in args.parts:
             prefill_cases.append((name, inputs, reference, amount))
-    for consumers, block_kv, steps, in_registers, turns, overlap in paged_grid:
-        config = (f"consumers={consumers} block_kv={block_kv} stages={steps} p_in_registers={in_registers} "
-                  f"ping_pong={turns} overlap={overlap}")
-        fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, t=turns, o=overlap:
-                     ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
-                                                 block_kv=b, stages=s, p_in_registers=r, ping_pong=t, overlap=o))
+    for kernel_config in paged_grid:
+        config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
+        fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=sm_scale, interpret=interpret,
+                                       **kernel_config))
         for name, inputs, reference, amount in prefill_cases:
             if over(prefill_part):
                 break
@@ -282,15 +292,14 @@ def main() -> None:
             q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret))
         report(measure("paged", name, "triton", f"page={page} decode defaults", fn, inputs.args, reference,
                        amount, hbm, args.iters, 1e12))
-        for consumers, block_kv, steps, in_registers, overlap in paged_decode_grid:
+        for kernel_config in paged_decode_grid:
             if over(decode_part):
                 break
-            fn = jax.jit(lambda *a, c=consumers, b=block_kv, s=steps, r=in_registers, o=overlap:
-                         ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret, num_consumers=c,
-                                                     block_kv=b, stages=s, p_in_registers=r, overlap=o))
-            report(measure("paged", name, "mosaic-gpu-paged", f"page={page} consumers={consumers} "
-                           f"block_kv={block_kv} stages={steps} p_in_registers={in_registers} overlap={overlap}",
-                           fn, inputs.args, reference, amount, hbm, args.iters, 1e12))
+            fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=sm_scale, interpret=interpret,
+                                           **kernel_config))
+            config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
+            report(measure("paged", name, "mosaic-gpu-paged", f"page={page} {config}", fn, inputs.args, reference,
+                           amount, hbm, args.iters, 1e12))
         del inputs
     # 4. tensor-core candidates for one chunk
     for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():

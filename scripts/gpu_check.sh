@@ -14,6 +14,8 @@
 #   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
 #   paged-prefill the Mosaic GPU kernel's configurations on the sweep's prefill and mixed cases (its default
 #              first, then the ping-pong schedule and the overlapped softmax);
+#   registers  the Mosaic GPU kernel's registers and spills per configuration (ptxas -v on its PTX;
+#              benchmarks/mosaic_registers.py);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
@@ -163,12 +165,16 @@ if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep'
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
-  stage paged-decode "${PAGED_DECODE_S:-60}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
-    --budget-s $(( ${PAGED_DECODE_S:-60} - 8 )) > "$out/paged_decode.log" 2>&1
+  stage paged-decode "${PAGED_DECODE_S:-70}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
+    --budget-s $(( ${PAGED_DECODE_S:-70} - 8 )) > "$out/paged_decode.log" 2>&1
 fi
 if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefill and mixed steps
-  stage paged-prefill "${PAGED_PREFILL_S:-75}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
-    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-75} - 8 )) > "$out/paged_prefill.log" 2>&1
+  stage paged-prefill "${PAGED_PREFILL_S:-90}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
+    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-90} - 8 )) > "$out/paged_prefill.log" 2>&1
+fi
+if wanted registers; then  # what ptxas says of each Mosaic GPU configuration's PTX (spills, above all)
+  stage registers "${REGISTERS_S:-60}" python3 benchmarks/mosaic_registers.py > "$out/registers.log" 2>&1
+  cat "$out/registers.log" >> "$summary"
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)

@@ -10,8 +10,16 @@ consecutive tokens times the G query heads that share the KV head, `block_q * G_
 rows, head-major (row r is head r // block_q's token r % block_q), so each K/V page read serves the whole
 GQA group. Queries are read and outputs written in place in [T, N, H] (a slab of one head is a strided
 2-D box for TMA); a slab starts on a tile of 8 tokens, so it may begin before the request's first token or
-end past its last: those rows are computed and never stored. The grid is (KV head, block); the blocks
+end past its last: those rows are computed and never stored. The grid is (block, KV head); the blocks
 past the step's requests exit at once.
+
+Launch order. A GPU starts a kernel's programs in the order of their index, the KV head fastest here, and
+a program's cost is its steps over the keys, which vary: a causal prefill's last block walks every key
+before it, its first one step; a long decode walks many pages, a short one few. With `heavy_first` (the
+default) the blocks are described in order of their steps, the most first, so the long programs start in
+the first wave and the short ones fill in behind them, longest-processing-time-first list scheduling, as
+FlashAttention-2 and 3 walk causal query blocks in reverse. In the order of the requests, the heaviest
+blocks of a causal prefill start last and the step ends with a tail of them on a few multiprocessors.
 
 Per program:
 - the producer warpgroup copies the block's description to shared memory, then the slab's queries, then
@@ -478,10 +486,14 @@ def _describe_blocks(
     block_kv: int,
     scores: ScoreRule,
     served: jax.Array | None,
+    heavy_first: bool,
 ) -> jax.Array:  # i32[NB, _INFO]
     """Each program's description. Request r's tokens [s, e) are cut into slabs of block_q tokens from s
     rounded down to a tile, so every slab starts on one; a block's own tokens are the slab's rows inside
-    [s, e), `shift` rows from its start. A slab that would pass the end of q moves back to end there."""
+    [s, e), `shift` rows from its start. A slab that would pass the end of q moves back to end there.
+
+    In the order of the requests and their slabs, or with `heavy_first` in the order of their steps, the
+    most first (a stable sort: blocks of equal steps keep that order); unused blocks come last either way."""
     num_reqs = kv_lens.shape[0]
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]  # i32[R]
     base = starts // _SLAB_ALIGN * _SLAB_ALIGN
@@ -509,7 +521,9 @@ def _describe_blocks(
     first_step = jnp.clip(scores.first_block(first_pos, block_kv) * jnp.ones_like(end_step), 0,
                           jnp.maximum(end_step - 1, 0))
     fields = [req, slab // _SLAB_ALIGN, first_pos - shift, shift, num_valid, kv_len, first_step, end_step]
-    info = jnp.stack(fields, axis=1).astype(jnp.int32)
+    info = jnp.stack(fields, axis=1).astype(jnp.int32)  # i32[NB, 8]
+    if heavy_first:
+        info = info[jnp.argsort(first_step - end_step, stable=True)]  # unused blocks walk 0 steps: last
     return jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
 
 
@@ -520,7 +534,7 @@ def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
-                              "stages", "p_in_registers", "ping_pong", "overlap"),
+                              "stages", "p_in_registers", "ping_pong", "overlap", "heavy_first"),
 )
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
@@ -540,6 +554,7 @@ def ragged_paged_attention_mgpu(
     p_in_registers: bool = False,
     ping_pong: bool = False,
     overlap: bool = False,
+    heavy_first: bool = True,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
@@ -547,7 +562,8 @@ def ragged_paged_attention_mgpu(
     `p_in_registers`: P V takes P from registers and accumulates in place (FlashAttention-3's way, the
     interpreter cannot run it: checked against the oracle on a Hopper GPU only) instead of through
     shared memory. `ping_pong`: the two consumers take turns on the tensor cores; `overlap`: each consumer's
-    softmax runs under its own P V (module docstring).
+    softmax runs under its own P V; `heavy_first`: the programs with the most steps start first (module
+    docstring).
 
     Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
     otherwise, about half a second each)."""
@@ -564,7 +580,7 @@ def ragged_paged_attention_mgpu(
     # q padded (a copy) only where its length is not a whole number of tiles or is under one slab.
     padded_tokens = max(pl.cdiv(num_tokens, _SLAB_ALIGN) * _SLAB_ALIGN, block_q)
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
-    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served)
+    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first)
     num_blocks = info.shape[0]
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
@@ -577,8 +593,8 @@ def ragged_paged_attention_mgpu(
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
-        grid=(num_kv_heads, num_blocks),
-        grid_names=("kv_head", "block"),
+        grid=(num_blocks, num_kv_heads),  # the last axis varies fastest in launch order
+        grid_names=("block", "kv_head"),
         num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in warps

@@ -16,12 +16,19 @@ import pytest
 
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability, ragged_paged_attention
 from jaxserve.ops.paged_attention_mgpu import (
+    _END_STEP,
+    _FIRST_STEP,
+    _NUM_VALID,
+    _REQ,
+    _SLAB_POS,
     MIN_Q_LEN,
+    _describe_blocks,
     block_q_for,
     ragged_paged_attention_hopper,
     ragged_paged_attention_mgpu,
     supports,
 )
+from jaxserve.ops.paged_attention_pallas import ScoreRule
 from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
 
@@ -121,6 +128,46 @@ def test_a_mix_on_larger_pages(page_size):
     case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=page_size,
                             head_dim=64, max_pages=-(-600 // page_size)))
     check(run(case, jnp.bfloat16, sm_scale=0.125, block_kv=128), case, jnp.bfloat16, sm_scale=0.125)
+
+
+def describe(q_lens: list[int], kv_lens: list[int], heavy_first: bool, block_kv: int = 64) -> np.ndarray:
+    """The programs' descriptions for a step, as the kernel would get them (GQA group 4, block_q 32)."""
+    cu_q_lens = jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32)
+    padded_tokens = max(-(-sum(q_lens) // 8) * 8, 32)
+    return np.asarray(_describe_blocks(cu_q_lens, jnp.asarray(kv_lens, jnp.int32), padded_tokens, 32, block_kv,
+                                       ScoreRule(0.125, None, None), None, heavy_first))
+
+
+def test_the_heaviest_blocks_start_first():
+    """With `heavy_first`, the same programs as in the order of the requests, in the order of their steps over
+    the keys, the most first: a causal prefill's last slab before its first, a long decode before a short
+    one; blocks of equal steps keep the requests' order and the unused blocks come last."""
+    q_lens, kv_lens = [100, 1, 1, 40], [100, 700, 30, 400]
+    plain, heavy = describe(q_lens, kv_lens, False), describe(q_lens, kv_lens, True)
+    steps = lambda info: info[:, _END_STEP] - info[:, _FIRST_STEP]  # noqa: E731
+    assert sorted(map(tuple, plain)) == sorted(map(tuple, heavy))  # a permutation of the same rows
+    assert list(steps(heavy)) == sorted(steps(plain), reverse=True)
+    used = heavy[:, _NUM_VALID] > 0
+    assert used[: used.sum()].all(), "every used block before the unused ones"
+    # the 700-key decode (11 steps of 64) first, then the 400-key chunk's two slabs (7 steps each), then the
+    # 100-token prefill's slabs (first tokens 0, 32, 64, 96: 1, 1, 2 and 2 steps), its later ones first
+    assert list(heavy[:4, _REQ]) == [1, 3, 3, 0]
+    prefill = heavy[used & (heavy[:, _REQ] == 0)]
+    assert list(steps(prefill)) == [2, 2, 1, 1] and prefill[0, _SLAB_POS] > prefill[-1, _SLAB_POS]
+    # ties keep the requests' order: the prefill's first two slabs and the 30-key decode walk one step each
+    one_step = heavy[used & (steps(heavy) == 1)]
+    assert list(one_step[:, _REQ]) == [0, 0, 2] and one_step[0, _SLAB_POS] < one_step[1, _SLAB_POS]
+
+
+@needs_a_runner
+def test_the_requests_order_matches_the_oracle_too():
+    """The launch order is the programs' only difference: in the order of the requests (the sweep's
+    comparison), the same mix matches the oracle."""
+    rng = np.random.default_rng(7)
+    case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=64,
+                            max_pages=40))
+    check(run(case, jnp.bfloat16, sm_scale=0.125, block_kv=64, heavy_first=False), case, jnp.bfloat16,
+          sm_scale=0.125)
 
 
 @needs_a_runner

@@ -1,0 +1,113 @@
+"""Registers, spills and static shared memory of the Mosaic GPU paged kernel's configurations, on a Hopper GPU.
+
+Mosaic GPU assembles a kernel only when it is loaded on a GPU, so its registers and spills cannot come from
+a deviceless compile. This runs each configuration once (Llama-3-8B heads, bfloat16, a 256-token prefill
+beside decodes, or decodes alone) in a child process with MOSAIC_GPU_DUMP_PTX set, which prints each
+kernel's PTX, and assembles that PTX with `ptxas -v` for sm_90a (`jaxserve.bench.ptxas`). A warpgroup-
+specialised kernel sets its registers per warpgroup at run time (`setmaxnreg`), so what counts here is the
+spills: a configuration that spills pays for it in local-memory traffic on every step.
+
+    python benchmarks/mosaic_registers.py                # on a Hopper GPU (about 30 s): a table on stdout
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+MARKER = "@@ configuration "
+# (name, decode-only, the kernel's keywords): the prefill default, FlashAttention-3's schedules and P through
+# shared memory; the decode default and its overlapped softmax
+CONFIGS = [
+    ("prefill default", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)),
+    ("prefill ping-pong", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=True)),
+    ("prefill overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, overlap=True)),
+    ("prefill ping-pong + overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
+                                                ping_pong=True, overlap=True)),
+    ("prefill P in smem", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=False)),
+    ("prefill P in smem + overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=False,
+                                                overlap=True)),
+    ("prefill 1 consumer + overlap", False, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True,
+                                                 overlap=True)),
+    ("decode default", True, dict(num_consumers=1, block_kv=128, stages=2)),
+    ("decode overlap", True, dict(num_consumers=1, block_kv=128, stages=2, overlap=True)),
+    ("decode overlap, P in registers", True, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True,
+                                                  overlap=True)),
+]
+
+
+def run_each_configuration() -> None:
+    """The child: each configuration compiled and run once, after a marker line naming it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
+
+    num_q_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
+    rng = np.random.default_rng(0)
+
+    def inputs(q_lens: list[int], kv_lens: list[int]) -> tuple:
+        pages_per_req = -(-max(kv_lens) // page_size)
+        num_pages = pages_per_req * len(kv_lens)
+        cache = lambda: jnp.asarray(rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)),  # noqa: E731
+                                    jnp.bfloat16)
+        return (jnp.asarray(rng.standard_normal((sum(q_lens), num_q_heads, head_dim)), jnp.bfloat16), cache(), cache(),
+                jnp.asarray(kv_lens, jnp.int32),
+                jnp.arange(num_pages, dtype=jnp.int32).reshape(len(kv_lens), pages_per_req),
+                jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32))
+
+    mixed, decodes = inputs([256] + [1] * 8, [256] + [500] * 8), inputs([1] * 16, [700] * 16)
+    for name, decode_only, config in CONFIGS:
+        print(f"{MARKER}{name}", flush=True)
+        try:
+            out = ragged_paged_attention_mgpu(*(decodes if decode_only else mixed), sm_scale=head_dim**-0.5, **config)
+            jax.block_until_ready(out)
+        except Exception as error:  # reported; the next configuration goes on
+            print(f"@@ error {type(error).__name__}: {str(error)[:300]}", flush=True)
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="the rows as JSON here too (the table goes to stdout)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return run_each_configuration()
+    from jaxserve.bench.ptxas import find_ptxas, ptx_modules, ptxas_figures
+
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1")
+    child = subprocess.run([sys.executable, __file__, "--child"], env=env,
+                           capture_output=True, text=True, timeout=500)
+    ptxas = find_ptxas()
+    print(f"ptxas: {ptxas}; the child exited {child.returncode}")
+    if child.returncode != 0:
+        print(child.stderr[-3000:])
+    print("| configuration | registers | spill stores | spill loads | stack | static smem | error |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for section in child.stdout.split(MARKER)[1:]:
+        name, _, output = section.partition("\n")
+        error = next((line for line in output.splitlines() if line.startswith("@@ error")), "")
+        modules = ptx_modules(output)
+        try:
+            figures = [f for module in modules for f in ptxas_figures(module, ptxas=ptxas)]
+        except RuntimeError as failure:
+            figures, error = [], error or str(failure)[:300]
+        if not figures:
+            error = error or f"no PTX printed ({len(modules)} modules)"
+        for f in figures or [None]:
+            rows.append(dict(configuration=name, error=error, **(asdict(f) if f else {})))
+            cells = ([f.registers, f.spill_store_bytes, f.spill_load_bytes, f.stack_bytes, f.smem_bytes]
+                     if f else ["-"] * 5)
+            print(f"| {name} | " + " | ".join(map(str, cells)) + f" | {error} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
