@@ -288,10 +288,11 @@ def main() -> None:
         inputs = build_inputs([1] * len(kv_lens), kv_lens, heads, page, dtype)
         reference = np.asarray(paged_fn("reference", True, sm_scale)(*inputs.args).astype(jnp.float32))
         amount = inputs.ideal_bytes()
-        fn = jax.jit(lambda q, k, v, kv, pt, cu: paged_decode_attention_pallas(
-            q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret))
-        report(measure("paged", name, "triton", f"page={page} decode defaults", fn, inputs.args, reference,
-                       amount, hbm, args.iters, 1e12))
+        for heavy_first in (True, False):  # the defaults (longest requests first), then the requests' order
+            fn = jax.jit(lambda q, k, v, kv, pt, cu, h=heavy_first: paged_decode_attention_pallas(
+                q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret, heavy_first=h))
+            report(measure("paged", name, "triton", f"page={page} decode defaults heavy_first={heavy_first}", fn,
+                           inputs.args, reference, amount, hbm, args.iters, 1e12))
         for kernel_config in paged_decode_grid:
             if over(decode_part):
                 break

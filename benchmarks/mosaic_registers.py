@@ -5,7 +5,9 @@ a deviceless compile. This runs each configuration once (Llama-3-8B heads, bfloa
 beside decodes, or decodes alone) in a child process with MOSAIC_GPU_DUMP_PTX set, which prints each
 kernel's PTX, and assembles that PTX with `ptxas -v` for sm_90a (`jaxserve.bench.ptxas`). A warpgroup-
 specialised kernel sets its registers per warpgroup at run time (`setmaxnreg`), so what counts here is the
-spills: a configuration that spills pays for it in local-memory traffic on every step.
+spills: a configuration that spills pays for it in local-memory traffic on every step. The machine's
+ptxas assembles the PTX, not the compiler library jaxlib links, so a count may differ from the running
+kernel's by a version's register allocation.
 
     python benchmarks/mosaic_registers.py                # on a Hopper GPU (about 30 s): a table on stdout
 """
@@ -74,6 +76,8 @@ def run_each_configuration() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="the rows as JSON here too (the table goes to stdout)")
+    parser.add_argument("--timeout", type=float, default=50, help="seconds for all the compiles; the "
+                        "configurations compiled by then are reported")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -81,16 +85,22 @@ def main() -> None:
     from jaxserve.bench.ptxas import find_ptxas, ptx_modules, ptxas_figures
 
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1")
-    child = subprocess.run([sys.executable, __file__, "--child"], env=env,
-                           capture_output=True, text=True, timeout=500)
+    env.pop("MOSAIC_GPU_DUMP_TO", None)  # it would send the PTX to files
+    try:
+        child = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True,
+                               timeout=args.timeout)
+        stdout, stderr, status = child.stdout, child.stderr, f"exited {child.returncode}"
+    except subprocess.TimeoutExpired as late:  # what it printed by then still counts
+        stdout, stderr, status = late.stdout or b"", late.stderr or b"", f"stopped after {args.timeout:.0f} s"
+    stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
     ptxas = find_ptxas()
-    print(f"ptxas: {ptxas}; the child exited {child.returncode}")
-    if child.returncode != 0:
-        print(child.stderr[-3000:])
+    print(f"ptxas: {ptxas}; the child {status}")
+    if not status.endswith(" 0"):
+        print(stderr[-3000:])
     print("| configuration | registers | spill stores | spill loads | stack | static smem | error |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    for section in child.stdout.split(MARKER)[1:]:
+    for section in stdout.split(MARKER)[1:]:
         name, _, output = section.partition("\n")
         error = next((line for line in output.splitlines() if line.startswith("@@ error")), "")
         modules = ptx_modules(output)

@@ -36,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, paged-decode and paged-prefill)
+             # includes, and fp8, paged-decode, paged-prefill and registers)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -115,7 +115,8 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill) \
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill \
+              && $1 != registers) \
              || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
@@ -173,7 +174,8 @@ if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefi
     --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-90} - 8 )) > "$out/paged_prefill.log" 2>&1
 fi
 if wanted registers; then  # what ptxas says of each Mosaic GPU configuration's PTX (spills, above all)
-  stage registers "${REGISTERS_S:-60}" python3 benchmarks/mosaic_registers.py > "$out/registers.log" 2>&1
+  stage registers "${REGISTERS_S:-60}" python3 benchmarks/mosaic_registers.py \
+    --timeout $(( ${REGISTERS_S:-60} - 10 )) > "$out/registers.log" 2>&1
   cat "$out/registers.log" >> "$summary"
 fi
 if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by side, on the 8B shape

@@ -71,6 +71,8 @@ DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, pi
 # group's rows in one warpgroup. On an H200 this read K/V at 61-68% of HBM bandwidth, within 1% of the best
 # of the sweep's four configurations on each case (docs/benchmarks.md).
 DECODE_DEFAULTS = dict(num_consumers=1, block_kv=128, stages=2)
+# The grid's blocks are CUDA's y axis (the KV heads its x: `_kernel`'s launch order), which holds at most this.
+MAX_GRID_Y = 65_535
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # A program's description: one row of i32[NB, _INFO], copied to shared memory (scalars read from there can
 # start a slice; the page ids are read from the page table in global memory).
@@ -582,6 +584,8 @@ def ragged_paged_attention_mgpu(
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
     info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first)
     num_blocks = info.shape[0]
+    if num_blocks > MAX_GRID_Y:  # past any bucket served (2,048 tokens and 256 requests: 368 blocks)
+        raise ValueError(f"{num_blocks} query blocks: the Mosaic GPU kernel launches at most {MAX_GRID_Y}")
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
     page_table = jnp.pad(jnp.clip(page_table, 0, num_pages - 1), ((0, 0), (0, columns - page_table.shape[1])))

@@ -3,14 +3,19 @@
 Two kernels share one online-softmax step over a block of KV pages:
 
 - `_ragged_kernel` serves any step: prefill chunks, decodes, or a mix, packed over one token axis. The grid
-  is (query block, KV head). A query block is up to `block_q` consecutive tokens of one request; the
+  is (KV head, query block). A query block is up to `block_q` consecutive tokens of one request; the
   program stacks those tokens' G query heads that share its KV head into one tile of `block_q x G_pad`
   rows, so every K/V page is read once per KV head and serves the whole group (native GQA, no K/V repeat).
-  Query blocks are numbered request by request on the host side of the kernel (a few jnp ops on i32[R]).
+  Query blocks are numbered outside the kernel (a few jnp ops on i32[R]), the blocks reaching the furthest
+  key first: a GPU starts programs in the order of their index (the first grid axis fastest, the KV head
+  here), so the longest start first and the short ones fill in behind them, as in the Mosaic GPU kernel
+  (`paged_attention_mgpu`, "Launch order").
 - `_decode_kernel` serves decode-only steps (one query token per request, token r belongs to request r).
-  The grid is (request, KV head, split): when batch x KV heads is too small to fill the GPU, each request's
+  The grid is (split, KV head, request): when batch x KV heads is too small to fill the GPU, each request's
   pages are divided among `num_splits` programs, which write partial (output, max, sum) triples that
-  `_combine_splits` merges with a log-sum-exp in XLA.
+  `_combine_splits` merges with a log-sum-exp in XLA. The requests are taken longest first (an order
+  computed outside the kernel; the partials are kept in that order and put back in the requests' after
+  the merge), each request's programs together.
 
 A sliding window (Mistral, Gemma's local layers) masks keys before each query's window and starts a
 program's loop at the first block its window reaches; Gemma 2's logit soft-capping bends the scores before
@@ -182,7 +187,7 @@ def _ragged_kernel(
     pages_per_block: int,
     scores: ScoreRule,
 ):
-    b, kv_head = pl.program_id(0), pl.program_id(1)
+    kv_head, b = pl.program_id(0), pl.program_id(1)
     req = block_req_ref[b]
 
     @pl.when(req >= 0)
@@ -217,12 +222,13 @@ def _ragged_kernel(
 
 
 def _decode_kernel(
+    order_ref,  # i32[R]: the request of each place in the launch order
     kv_lens_ref,  # i32[R]
     page_table_ref,  # i32[R, P_padded]
     q_ref,  # [R, N, H]: token r is request r's only query
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
     v_ref,
-    o_ref,  # f32[Gr, Hp]: this split's unnormalised output
+    o_ref,  # f32[Gr, Hp]: this split's unnormalised output (at its request's place in the order)
     max_ref,  # f32[Gr]: its running max (log2 domain)
     denom_ref,  # f32[Gr]: its softmax denominator
     *,
@@ -231,7 +237,8 @@ def _decode_kernel(
     pages_per_block: int,
     scores: ScoreRule,
 ):
-    req, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split, kv_head, place = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    req = order_ref[place]
     num_rows, padded_head_dim = o_ref.shape
     head_dim = q_ref.shape[2]
     kv_len = kv_lens_ref[req]
@@ -288,11 +295,18 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
 
 
 def query_blocks(
-    cu_q_lens: jax.Array, num_tokens: int, block_q: int, served: jax.Array | None = None
+    cu_q_lens: jax.Array,  # i32[R+1]
+    kv_lens: jax.Array,  # i32[R]
+    num_tokens: int,
+    block_q: int,
+    served: jax.Array | None = None,
+    heavy_first: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Numbers the query blocks request by request: block b belongs to request block_req[b] (-1: unused)
-    and starts at its token block_start[b]. At most T / block_q + R blocks exist (a static count); the
-    unused ones come last. `served` (bool[R]): only those requests get blocks."""
+    """Numbers the query blocks: block b belongs to request block_req[b] (-1: unused) and starts at its
+    token block_start[b]. At most T / block_q + R blocks exist (a static count); the unused ones come last.
+    Request by request, or with `heavy_first` by the key their last token reaches, furthest first (a
+    stable sort: its keys are the block's work without a sliding window). `served` (bool[R]): only those
+    requests get blocks."""
     num_reqs = cu_q_lens.shape[0] - 1
     num_blocks = pl.cdiv(num_tokens, block_q) + num_reqs
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
@@ -305,7 +319,13 @@ def query_blocks(
     block_req = jnp.minimum(block_req, num_reqs - 1)
     first_block = cu_blocks[block_req] - pl.cdiv(q_lens[block_req], block_q)
     block_start = jnp.where(is_used, (program - first_block) * block_q, 0)  # i32[NB]
-    return jnp.where(is_used, block_req, -1), block_start  # i32[NB], i32[NB]
+    block_req = jnp.where(is_used, block_req, -1)  # i32[NB]
+    if heavy_first:
+        q_len = q_lens[jnp.maximum(block_req, 0)]
+        reach = kv_lens[jnp.maximum(block_req, 0)] - q_len + jnp.minimum(block_start + block_q, q_len)
+        order = jnp.argsort(-jnp.where(is_used, reach, -1), stable=True)  # the unused blocks last
+        block_req, block_start = block_req[order], block_start[order]
+    return block_req, block_start  # i32[NB], i32[NB]
 
 
 def ragged_paged_attention_pallas(
@@ -325,6 +345,7 @@ def ragged_paged_attention_pallas(
     num_warps: int = 4,
     num_stages: int = 2,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
+    heavy_first: bool = True,  # the blocks reaching the furthest key start first (module docstring)
 ) -> jax.Array:  # [T, N, H]
     """The general kernel: same contract as `ops.attention.ragged_paged_attention`."""
     _check_shapes(q, k_pages, v_pages)
@@ -338,17 +359,17 @@ def ragged_paged_attention_pallas(
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     page_table = _pad_page_table(page_table, pages_per_block)
 
-    block_req, block_start = query_blocks(cu_q_lens, num_tokens, block_q, served)
+    block_req, block_start = query_blocks(cu_q_lens, kv_lens, num_tokens, block_q, served, heavy_first)
     num_programs = block_req.shape[0]
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
         pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
     )
     whole = pl.BlockSpec()  # the kernel indexes these itself
-    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h: (h, 0, 0, 0))
+    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, b: (h, 0, 0, 0))
     return pl.pallas_call(
         kernel,
-        grid=(num_programs, num_kv_heads),
+        grid=(num_kv_heads, num_programs),  # the first axis varies fastest in launch order
         in_specs=[whole, whole, whole, whole, whole, whole, per_kv_head, per_kv_head, whole],
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -387,10 +408,12 @@ def paged_decode_attention_pallas(
     num_sms: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    heavy_first: bool = True,
 ) -> jax.Array:  # [R, N, H]
     """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1.
 
-    `num_splits` defaults to about two waves of programs over the `num_sms` SMs of the target."""
+    `num_splits` defaults to about two waves of programs over the `num_sms` SMs of the target;
+    `heavy_first` launches the longest requests' programs first (else in the requests' order)."""
     _check_shapes(q, k_pages, v_pages)
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -410,17 +433,19 @@ def paged_decode_attention_pallas(
         _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
         scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
     )
+    # i32[R]: the request at each place of the launch order (stable: equal lengths keep the requests' order)
+    order = jnp.argsort(-kv_lens, stable=True) if heavy_first else jnp.arange(num_reqs, dtype=jnp.int32)
     whole = pl.BlockSpec()
-    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, h, s: (h, 0, 0, 0))
+    per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda s, h, r: (h, 0, 0, 0))
     partial_shape = (num_splits, num_reqs, num_kv_heads, num_rows)
     out, m, denom = pl.pallas_call(
         kernel,
-        grid=(num_reqs, num_kv_heads, num_splits),
-        in_specs=[whole, whole, whole, per_kv_head, per_kv_head],
+        grid=(num_splits, num_kv_heads, num_reqs),  # the first axis varies fastest in launch order
+        in_specs=[whole, whole, whole, whole, per_kv_head, per_kv_head],
         out_specs=[
-            pl.BlockSpec((None, None, None, num_rows, padded_head_dim), lambda r, h, s: (s, r, h, 0, 0)),
-            pl.BlockSpec((None, None, None, num_rows), lambda r, h, s: (s, r, h, 0)),
-            pl.BlockSpec((None, None, None, num_rows), lambda r, h, s: (s, r, h, 0)),
+            pl.BlockSpec((None, None, None, num_rows, padded_head_dim), lambda s, h, r: (s, r, h, 0, 0)),
+            pl.BlockSpec((None, None, None, num_rows), lambda s, h, r: (s, r, h, 0)),
+            pl.BlockSpec((None, None, None, num_rows), lambda s, h, r: (s, r, h, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, padded_head_dim), jnp.float32),
@@ -430,8 +455,10 @@ def paged_decode_attention_pallas(
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(kv_lens, page_table, q, k_pages, v_pages)
-    out = _combine_splits(out, m, denom)  # f32[R, K, Gr, Hp]
+    )(order.astype(jnp.int32), kv_lens, page_table, q, k_pages, v_pages)
+    out = _combine_splits(out, m, denom)  # f32[R, K, Gr, Hp], in the launch order
+    if heavy_first:
+        out = out[jnp.argsort(order)]  # each request's place: back in the requests' order
     return out[:, :, :group, :head_dim].reshape(q.shape).astype(q.dtype)
 
 

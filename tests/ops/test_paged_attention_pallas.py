@@ -20,6 +20,7 @@ from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
 from jaxserve.ops.paged_attention_pallas import (
     default_num_splits,
     paged_decode_attention_pallas,
+    query_blocks,
     ragged_paged_attention_pallas,
 )
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
@@ -80,10 +81,54 @@ def test_ragged_kernel_page_sizes_head_dims_and_blocks(page_size, head_dim, bloc
     check(got, case, 0.1, np.float32)
 
 
+def test_the_blocks_reaching_furthest_start_first():
+    """The same blocks as request by request, by the key their last token reaches, furthest first: the
+    700-key decode, then the 40-token chunk's blocks (its last first), the prefill's; ties keep the
+    requests' order; unused blocks last."""
+    q_lens, kv_lens = [100, 1, 1, 40], [100, 700, 30, 400]
+    cu_q_lens = jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32)
+    plain, heavy = (np.stack([np.asarray(a) for a in query_blocks(cu_q_lens, jnp.asarray(kv_lens), 142, 16,
+                                                                   heavy_first=first)], axis=1)
+                    for first in (False, True))
+    assert sorted(map(tuple, plain)) == sorted(map(tuple, heavy))
+    used = heavy[heavy[:, 0] >= 0]
+    assert len(used) == 7 + 1 + 1 + 3 and (heavy[len(used):, 0] == -1).all()
+    req, start = used[:, 0], used[:, 1]
+    reach = np.asarray(kv_lens)[req] - np.asarray(q_lens)[req] + np.minimum(start + 16, np.asarray(q_lens)[req])
+    assert list(reach) == sorted(reach, reverse=True)
+    assert list(req[:4]) == [1, 3, 3, 3] and list(start[1:4]) == [32, 16, 0]
+    assert list(req[-2:]) == [2, 0] and reach[-2] == 30 and reach[-1] == 16  # the 30-key decode, the first block
+
+
+def test_the_requests_order_matches_the_oracle_too():
+    """The launch order is the programs' only difference: request by request, the same mix matches the
+    oracle, bit for bit what the furthest-first order gives."""
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens = [1, 20, 0, 3, 40, 1], [16, 33, 5, 47, 70, 1]
+    case = make_case(rng, q_lens, kv_lens, 8, 2, page_size=16, head_dim=64)
+    got = ragged_paged_attention_pallas(*case.args, sm_scale=0.1, interpret=INTERPRET, heavy_first=False)
+    check(got, case, 0.1, np.float32)
+    heavy = ragged_paged_attention_pallas(*case.args, sm_scale=0.1, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(heavy))  # each program computes the same
+
+
 def decode_case(rng, kv_lens, num_q_heads, num_kv_heads, **kwargs) -> PagedCase:
     """One query token per request and T == R: padding requests (kv_len 0) own the padding tokens."""
     return make_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, pad_tokens=3, pad_reqs=3,
                      **kwargs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decodes_in_the_requests_order_match_too(num_splits):
+    """The decode kernel's launch order (longest request first, by default) changes only where each
+    request's partials sit until the merge: in the requests' order, bit for bit the same outputs."""
+    rng = np.random.default_rng(11)
+    case = decode_case(rng, [33, 150, 1, 17, 150, 64], 8, 2, page_size=16, head_dim=64)
+    kwargs = dict(sm_scale=0.125, interpret=INTERPRET, num_splits=num_splits)
+    in_order = paged_decode_attention_pallas(*case.args[:5], heavy_first=False, **kwargs)
+    check(in_order, case, 0.125, np.float32)
+    longest_first = paged_decode_attention_pallas(*case.args[:5], **kwargs)
+    np.testing.assert_array_equal(np.asarray(in_order), np.asarray(longest_first))
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
