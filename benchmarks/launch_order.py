@@ -8,7 +8,8 @@ block of keys through Q K^T, the softmax and P V); a multiprocessor runs one pro
 kernel's shared memory fills it: `shared_memory_bytes`), and a free one takes the next program in launch
 order, the last grid axis fastest, as a GPU's block scheduler does. It reports each order's makespan over
 the work's lower bound (every multiprocessor busy to the end), and the ratio of the two makespans: the
-step-time gain the order alone predicts where the programs' costs are as modelled.
+step-time gain the order alone predicts where the programs' costs are as modelled. A second table does
+the same for the Triton split-KV decode kernel's programs on the decode cases.
 
     python benchmarks/launch_order.py                 # an H100's or H200's 132 multiprocessors
     python benchmarks/launch_order.py --sms 108       # an A100's
@@ -60,6 +61,17 @@ def launch_costs(q_lens: list[int], kv_lens: list[int], config: dict, heavy_firs
     return (np.repeat(costs, NUM_KV_HEADS) if head_fastest else np.tile(costs, NUM_KV_HEADS)).tolist()
 
 
+def triton_decode_costs(kv_lens: list[int], heavy_first: bool, overhead: float, block_kv: int = 64) -> list[float]:
+    """The Triton split-KV decode's programs, one split each (requests x KV heads fill the GPU): a program
+    per request and KV head walking its keys `block_kv` at a time, in launch order. The grid is (split, KV
+    head, request), the longest requests first; before, (request, KV head, split), every request of a KV
+    head in turn."""
+    costs = np.ceil(np.asarray(kv_lens) / block_kv) + overhead  # f[R]
+    if heavy_first:
+        return np.repeat(np.sort(costs)[::-1], NUM_KV_HEADS).tolist()
+    return np.tile(costs, NUM_KV_HEADS).tolist()
+
+
 def makespan(costs: list[float], sms: int) -> float:
     """List scheduling: each program, in order, on the multiprocessor that frees first."""
     free_at = [0.0] * sms
@@ -88,6 +100,16 @@ def main() -> None:
             programs = sum(c > 0 for c in costs)
             print(f"| {name} | {programs} | {overhead} | " + " | ".join(f"{x:.3f}" for x in spans) +
                   f" | {spans[0] / spans[-1]:.2f}x |")
+    print("\nThe Triton split-KV decode (steps of 64 keys): before | longest first | predicted speed-up")
+    for name, (q_lens, kv_lens, _) in cases(np.random.default_rng(0)).items():
+        if set(q_lens) != {1}:
+            continue
+        for overhead in args.overheads:
+            spans = []
+            for heavy_first in (False, True):
+                costs = triton_decode_costs(kv_lens, heavy_first, overhead)
+                spans.append(makespan(costs, args.sms) / (sum(costs) / args.sms))
+            print(f"| {name} | {overhead} | {spans[0]:.3f} | {spans[1]:.3f} | {spans[0] / spans[1]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -76,22 +77,23 @@ def run_each_configuration() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="the rows as JSON here too (the table goes to stdout)")
-    parser.add_argument("--timeout", type=float, default=50, help="seconds for all the compiles; the "
-                        "configurations compiled by then are reported")
+    parser.add_argument("--timeout", type=float, default=50, help="seconds for it all (at least 10): four "
+                        "fifths for the compiles, the rest for ptxas; what is done by then is reported")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return run_each_configuration()
     from jaxserve.bench.ptxas import find_ptxas, ptx_modules, ptxas_figures
 
+    deadline = time.monotonic() + max(args.timeout, 10)
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1")
     env.pop("MOSAIC_GPU_DUMP_TO", None)  # it would send the PTX to files
     try:
         child = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True,
-                               timeout=args.timeout)
+                               timeout=0.8 * max(args.timeout, 10))
         stdout, stderr, status = child.stdout, child.stderr, f"exited {child.returncode}"
     except subprocess.TimeoutExpired as late:  # what it printed by then still counts
-        stdout, stderr, status = late.stdout or b"", late.stderr or b"", f"stopped after {args.timeout:.0f} s"
+        stdout, stderr, status = late.stdout or b"", late.stderr or b"", f"stopped after {late.timeout:.0f} s"
     stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
     ptxas = find_ptxas()
     print(f"ptxas: {ptxas}; the child {status}")
@@ -105,8 +107,9 @@ def main() -> None:
         error = next((line for line in output.splitlines() if line.startswith("@@ error")), "")
         modules = ptx_modules(output)
         try:
-            figures = [f for module in modules for f in ptxas_figures(module, ptxas=ptxas)]
-        except RuntimeError as failure:
+            figures = [f for module in modules for f in ptxas_figures(module, ptxas=ptxas,
+                                                                      timeout=deadline - time.monotonic())]
+        except (RuntimeError, subprocess.TimeoutExpired) as failure:
             figures, error = [], error or str(failure)[:300]
         if not figures:
             error = error or f"no PTX printed ({len(modules)} modules)"

@@ -70,9 +70,11 @@ def parse_ptxas_verbose(text: str) -> list[PtxasFigures]:
     return figures
 
 
-def ptxas_figures(ptx: str, arch: str = "sm_90a", ptxas: str | None = None) -> list[PtxasFigures]:
+def ptxas_figures(ptx: str, arch: str = "sm_90a", ptxas: str | None = None, timeout: float = 600
+                  ) -> list[PtxasFigures]:
     """Assemble `ptx` for `arch` with `ptxas -v` and read its report (RuntimeError with ptxas's own words
-    if it fails: a module that does not assemble is a finding too)."""
+    if it fails: a module that does not assemble is a finding too; subprocess.TimeoutExpired past
+    `timeout` seconds)."""
     ptxas = ptxas or find_ptxas()
     if ptxas is None:
         raise RuntimeError("no ptxas: install the gpu-compile extra or a CUDA toolkit")
@@ -80,7 +82,7 @@ def ptxas_figures(ptx: str, arch: str = "sm_90a", ptxas: str | None = None) -> l
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
         result = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
-                                capture_output=True, text=True, timeout=600)
+                                capture_output=True, text=True, timeout=max(timeout, 1))
     if result.returncode != 0:
         raise RuntimeError(f"ptxas failed: {result.stderr.strip()[-2000:]}")
     return parse_ptxas_verbose(result.stdout + result.stderr)

@@ -584,7 +584,7 @@ def ragged_paged_attention_mgpu(
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
     info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first)
     num_blocks = info.shape[0]
-    if num_blocks > MAX_GRID_Y:  # past any bucket served (2,048 tokens and 256 requests: 368 blocks)
+    if num_blocks > MAX_GRID_Y:  # past any bucket served (2,048 tokens, 256 requests: 368-480 blocks)
         raise ValueError(f"{num_blocks} query blocks: the Mosaic GPU kernel launches at most {MAX_GRID_Y}")
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range

@@ -323,7 +323,7 @@ def query_blocks(
     if heavy_first:
         q_len = q_lens[jnp.maximum(block_req, 0)]
         reach = kv_lens[jnp.maximum(block_req, 0)] - q_len + jnp.minimum(block_start + block_q, q_len)
-        order = jnp.argsort(-jnp.where(is_used, reach, -1), stable=True)  # the unused blocks last
+        order = jnp.argsort(jnp.where(is_used, -reach, jnp.iinfo(jnp.int32).max), stable=True)  # unused: last
         block_req, block_start = block_req[order], block_start[order]
     return block_req, block_start  # i32[NB], i32[NB]
 
@@ -433,8 +433,7 @@ def paged_decode_attention_pallas(
         _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
         scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
     )
-    # i32[R]: the request at each place of the launch order (stable: equal lengths keep the requests' order)
-    order = jnp.argsort(-kv_lens, stable=True) if heavy_first else jnp.arange(num_reqs, dtype=jnp.int32)
+    order = decode_order(kv_lens, heavy_first)  # i32[R]
     whole = pl.BlockSpec()
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda s, h, r: (h, 0, 0, 0))
     partial_shape = (num_splits, num_reqs, num_kv_heads, num_rows)
@@ -455,11 +454,20 @@ def paged_decode_attention_pallas(
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(order.astype(jnp.int32), kv_lens, page_table, q, k_pages, v_pages)
-    out = _combine_splits(out, m, denom)  # f32[R, K, Gr, Hp], in the launch order
-    if heavy_first:
-        out = out[jnp.argsort(order)]  # each request's place: back in the requests' order
-    return out[:, :, :group, :head_dim].reshape(q.shape).astype(q.dtype)
+    )(order, kv_lens, page_table, q, k_pages, v_pages)
+    out = _combine_splits(out, m, denom)[:, :, :group, :head_dim]  # f32[R, K, G, H], in the launch order
+    if heavy_first:  # back in the requests' order: request r's output is at its place in the launch order
+        place = jnp.zeros_like(order).at[order].set(jnp.arange(num_reqs, dtype=jnp.int32))  # i32[R]
+        out = out[place]
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def decode_order(kv_lens: jax.Array, heavy_first: bool = True) -> jax.Array:  # i32[R]
+    """The request at each place of the decode kernel's launch order: the longest first (a stable sort:
+    equal lengths keep the requests' order, padding requests of no keys come last), or the requests' own."""
+    if not heavy_first:
+        return jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    return jnp.argsort(-kv_lens, stable=True).astype(jnp.int32)
 
 
 def _combine_splits(

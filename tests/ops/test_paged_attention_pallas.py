@@ -18,6 +18,7 @@ import pytest
 from jaxserve.device import deviceless_device
 from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
 from jaxserve.ops.paged_attention_pallas import (
+    decode_order,
     default_num_splits,
     paged_decode_attention_pallas,
     query_blocks,
@@ -116,6 +117,14 @@ def decode_case(rng, kv_lens, num_q_heads, num_kv_heads, **kwargs) -> PagedCase:
     """One query token per request and T == R: padding requests (kv_len 0) own the padding tokens."""
     return make_case(rng, [1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, pad_tokens=3, pad_reqs=3,
                      **kwargs)
+
+
+def test_the_longest_decodes_start_first():
+    """The decode kernel's launch order: longest first, ties in the requests' order, padding requests (no
+    keys) last; or the requests' own order."""
+    kv_lens = jnp.asarray([33, 150, 0, 1, 17, 150, 64, 0], jnp.int32)
+    assert list(np.asarray(decode_order(kv_lens))) == [1, 5, 6, 0, 4, 3, 2, 7]
+    assert list(np.asarray(decode_order(kv_lens, heavy_first=False))) == list(range(8))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
