@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.ops.paged_attention_pallas import MASK_VALUE, ScoreRule, next_pow2
+from jaxserve.ops.paged_attention_pallas import MASK_VALUE, ScoreRule, heaviest_first, next_pow2
 from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
@@ -525,7 +525,7 @@ def _describe_blocks(
     fields = [req, slab // _SLAB_ALIGN, first_pos - shift, shift, num_valid, kv_len, first_step, end_step]
     info = jnp.stack(fields, axis=1).astype(jnp.int32)  # i32[NB, 8]
     if heavy_first:
-        info = info[jnp.argsort(first_step - end_step, stable=True)]  # unused blocks walk 0 steps: last
+        info = info[heaviest_first(end_step - first_step)]  # unused blocks walk 0 steps: last
     return jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
 
 

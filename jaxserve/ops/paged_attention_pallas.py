@@ -294,6 +294,14 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
         raise ValueError(f"q is {q.dtype} but the KV pages are {k_pages.dtype} (the model's dtype or FP8)")
 
 
+def heaviest_first(work: jax.Array, used: jax.Array | None = None) -> jax.Array:  # i32[n]
+    """The launch order of programs of `work` (i32[n], any unit): the most first, a stable sort (equal work
+    keeps the given order), and the ones not `used` last. Each kernel here and `paged_attention_mgpu` take
+    their programs in this order (module docstrings)."""
+    key = -work if used is None else jnp.where(used, -work, jnp.iinfo(jnp.int32).max)
+    return jnp.argsort(key, stable=True).astype(jnp.int32)
+
+
 def query_blocks(
     cu_q_lens: jax.Array,  # i32[R+1]
     kv_lens: jax.Array,  # i32[R]
@@ -323,7 +331,7 @@ def query_blocks(
     if heavy_first:
         q_len = q_lens[jnp.maximum(block_req, 0)]
         reach = kv_lens[jnp.maximum(block_req, 0)] - q_len + jnp.minimum(block_start + block_q, q_len)
-        order = jnp.argsort(jnp.where(is_used, -reach, jnp.iinfo(jnp.int32).max), stable=True)  # unused: last
+        order = heaviest_first(reach, is_used)
         block_req, block_start = block_req[order], block_start[order]
     return block_req, block_start  # i32[NB], i32[NB]
 
@@ -465,9 +473,7 @@ def paged_decode_attention_pallas(
 def decode_order(kv_lens: jax.Array, heavy_first: bool = True) -> jax.Array:  # i32[R]
     """The request at each place of the decode kernel's launch order: the longest first (a stable sort:
     equal lengths keep the requests' order, padding requests of no keys come last), or the requests' own."""
-    if not heavy_first:
-        return jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
-    return jnp.argsort(-kv_lens, stable=True).astype(jnp.int32)
+    return heaviest_first(kv_lens) if heavy_first else jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
 
 
 def _combine_splits(
