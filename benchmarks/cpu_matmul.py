@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
+from jaxserve.platform import prepare_jax_platform
 
 SHAPES = {  # name -> (K, N, output-major weights)
     "q/o proj 576x576": (576, 576, False),
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=64, help="weight matrices per case (at most 8 for the head)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    prepare_jax_platform()  # the CPU, quietly: no CUDA plugin tracebacks on a machine without a GPU
     if (error := cpu_kernels.kernel_error()) is not None:
         raise SystemExit(f"the native kernels are unavailable: {error}")
 

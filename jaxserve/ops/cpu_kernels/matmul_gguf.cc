@@ -34,7 +34,8 @@
 // runs each pair's tiles once per register tile of up to 4 x rows: 8 integer and 8 float32 accumulators, each
 // block's codes unpacked once for the tile's rows. Without
 // AVX512-VNNI, AVX2 runs the same layout 8 features at a time (`vpmaddubsw` + `vpmaddwd`); without AVX2,
-// plain loops.
+// plain loops. The rounding of x to 8 bits is vectorised too (AVX-512 or AVX2), and shared out by rows for a
+// prefill's many rows.
 
 #include <algorithm>
 #include <cmath>
@@ -59,6 +60,7 @@ constexpr int kUnitGroups = 2;   // groups per unit, at least
 constexpr int kUnitsPerWorker = 4;  // units of groups per thread, at most
 constexpr int kRowChunk = 64;    // x rows per unit
 constexpr int kTileRows = 4;     // x rows per register tile
+constexpr int kQuantizeRows = 8;  // x rows per unit of the 8-bit rounding, where it is shared
 #ifndef JAXSERVE_GGUF_PREFETCH
 #define JAXSERVE_GGUF_PREFETCH 2048
 #endif
@@ -174,6 +176,29 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
       sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#elif defined(__AVX2__)
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 v8[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v8[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v8[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      d = _mm_cvtss_f32(m4) / 127.0f;
+      const __m256 inverse = _mm256_set1_ps(d >= kMinScale ? 1.0f / d : 0.0f);
+      __m256i q32[4];  // rounds to nearest even, as rint
+      for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v8[i], inverse));
+      // Packing works within 128-bit lanes: [0 1 | 2 3] of q32[0..3] come out as 0, 2, 1, 3 in 32-bit groups.
+      const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                          _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      __m256i total = _mm256_add_epi32(_mm256_add_epi32(q32[0], q32[1]), _mm256_add_epi32(q32[2], q32[3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+      sum = _mm_cvtsi128_si32(t4);
 #else
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
@@ -438,7 +463,15 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::vector<int8_t> xq(size_t(p.m * p.k));
   std::vector<float> dx(size_t(p.m * p.blocks)), sx(size_t(p.m * p.blocks));
   std::vector<int32_t> isx(size_t(p.m * p.blocks));
-  quantize_rows(x.typed_data(), p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
+  const float* x_data = x.typed_data();
+  if (p.m < 2 * kQuantizeRows) {
+    quantize_rows(x_data, p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
+  } else {  // a prefill's rows on every thread: one thread's rounding would leave the others waiting
+    jaxserve::share_units(pool, int((p.m + kQuantizeRows - 1) / kQuantizeRows), [&](int u) {
+      const int64_t m0 = u * kQuantizeRows;
+      quantize_rows(x_data, p.k, m0, std::min<int64_t>(p.m, m0 + kQuantizeRows), xq.data(), dx.data(), sx.data(), isx.data());
+    });
+  }
   p.xq = xq.data();
   p.dx = dx.data();
   p.sx = sx.data();
