@@ -34,8 +34,7 @@
 // runs each pair's tiles once per register tile of up to 4 x rows: 8 integer and 8 float32 accumulators, each
 // block's codes unpacked once for the tile's rows. Without
 // AVX512-VNNI, AVX2 runs the same layout 8 features at a time (`vpmaddubsw` + `vpmaddwd`); without AVX2,
-// plain loops. The rounding of x to 8 bits is vectorised too (AVX-512 or AVX2), and shared out by rows for a
-// prefill's many rows.
+// plain loops. The rounding of x to 8 bits is vectorised too (AVX-512 or AVX2).
 
 #include <algorithm>
 #include <cmath>
@@ -60,7 +59,6 @@ constexpr int kUnitGroups = 2;   // groups per unit, at least
 constexpr int kUnitsPerWorker = 4;  // units of groups per thread, at most
 constexpr int kRowChunk = 64;    // x rows per unit
 constexpr int kTileRows = 4;     // x rows per register tile
-constexpr int kQuantizeRows = 8;  // x rows per unit of the 8-bit rounding, where it is shared
 #ifndef JAXSERVE_GGUF_PREFETCH
 #define JAXSERVE_GGUF_PREFETCH 2048
 #endif
@@ -463,15 +461,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::vector<int8_t> xq(size_t(p.m * p.k));
   std::vector<float> dx(size_t(p.m * p.blocks)), sx(size_t(p.m * p.blocks));
   std::vector<int32_t> isx(size_t(p.m * p.blocks));
-  const float* x_data = x.typed_data();
-  if (p.m < 2 * kQuantizeRows) {
-    quantize_rows(x_data, p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
-  } else {  // a prefill's rows on every thread: one thread's rounding would leave the others waiting
-    jaxserve::share_units(pool, int((p.m + kQuantizeRows - 1) / kQuantizeRows), [&](int u) {
-      const int64_t m0 = u * kQuantizeRows;
-      quantize_rows(x_data, p.k, m0, std::min<int64_t>(p.m, m0 + kQuantizeRows), xq.data(), dx.data(), sx.data(), isx.data());
-    });
-  }
+  quantize_rows(x.typed_data(), p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
   p.xq = xq.data();
   p.dx = dx.data();
   p.sx = sx.data();
