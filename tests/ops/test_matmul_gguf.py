@@ -72,23 +72,30 @@ def rounded_activations(x: np.ndarray) -> np.ndarray:
     return (np.rint(blocks * inverse).astype(np.float64) * dx.astype(np.float64)).reshape(m, k)
 
 
+def check_product(kind: str, x: np.ndarray, blocks: np.ndarray, rounding_cost: float | None = 2e-2) -> None:
+    """The kernel's x [M, K] @ blocks' weights^T against the float64 product of x rounded to 8 bits per block with
+    the dequantized weights (the kernel's contract, up to float32 sums), and within `rounding_cost` of the
+    product with x as it is (what the rounding costs; None: not checked)."""
+    n = blocks.shape[0]
+    weights = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64)  # [N, K]
+    call = jax.jit(cpu_kernels.matmul_gguf, static_argnums=(2, 3))
+    got = np.asarray(call(x, gguf_packing.pack(blocks, kind), kind, n))
+    assert got.shape == (x.shape[0], n)
+    scale = np.abs(x).astype(np.float64) @ np.abs(weights).T  # float32 sums: error relative to sum |x||w|
+    assert np.all(np.abs(got - rounded_activations(x) @ weights.T) <= 1e-6 * scale + 1e-30), (kind, x.shape, n)
+    if rounding_cost is not None:
+        exact = x.astype(np.float64) @ weights.T
+        assert np.all(np.abs(got - exact) <= rounding_cost * scale + 1e-30), (kind, x.shape, n)
+
+
 def check_against_float64(kind: str, m: int) -> None:
-    """Against the float64 product of x rounded to 8 bits per block with the dequantized weights (the kernel's
-    contract, up to float32 sums), and within 2% of the product with x as it is (what the rounding costs)."""
-    call = jax.jit(lambda x, w, n: cpu_kernels.matmul_gguf(x, w, kind, n), static_argnums=2)
+    """`check_product` on random activations and blocks of every shape, one block of x all zeros (scale 0)."""
     rng = np.random.default_rng(m)
     for k, n in shapes(kind):
-        blocks = _blocks(kind, n, k)
-        weights = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64)  # [N, K]
         x = rng.standard_normal((m, k)).astype(np.float32)
         if k > 32:
             x[0, 32:64] = 0.0  # an all-zero block of activations: scale 0
-        got = np.asarray(call(x, gguf_packing.pack(blocks, kind), n))
-        assert got.shape == (m, n)
-        scale = np.abs(x).astype(np.float64) @ np.abs(weights).T  # float32 sums: error relative to sum |x||w|
-        want = rounded_activations(x) @ weights.T
-        assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), (kind, m, k, n)
-        assert np.all(np.abs(got - x.astype(np.float64) @ weights.T) <= 2e-2 * scale + 1e-30), (kind, m, k, n)
+        check_product(kind, x, _blocks(kind, n, k))
 
 
 # Where each block's codes lie in the file's bytes, and the code byte of largest magnitude: every nibble 15
@@ -100,17 +107,12 @@ CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF)
 def check_largest_sums(kind: str) -> None:
     """Every code at its largest and every activation at +-127 after rounding: the largest integer sums a block can
     make (AVX2's `vpmaddubsw` adds pairs of products in int16 lanes, saturating); the same oracle."""
-    call = jax.jit(lambda x, w, n: cpu_kernels.matmul_gguf(x, w, kind, n), static_argnums=2)
     k, n = (512, 33) if kind == "Q4_K" else (96, 33)
     size, codes, largest = CODE_BYTES[kind]
     blocks = _blocks(kind, n, k).reshape(n, -1, size)
     blocks[..., codes] = largest
-    blocks = blocks.reshape(n, -1)
-    weights = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64)  # [N, K]
     x = np.stack([np.ones(k), -np.ones(k), np.where(np.arange(k) // 32 % 2 == 0, 3.0, -0.5)]).astype(np.float32)
-    got = np.asarray(call(x, gguf_packing.pack(blocks, kind), n))
-    scale = np.abs(x).astype(np.float64) @ np.abs(weights).T
-    assert np.all(np.abs(got - rounded_activations(x) @ weights.T) <= 1e-6 * scale + 1e-30), kind
+    check_product(kind, x, blocks.reshape(n, -1), rounding_cost=None)
 
 
 @pytest.mark.parametrize("kind", KINDS)
