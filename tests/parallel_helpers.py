@@ -25,7 +25,8 @@ def _worker(spec_json: str) -> None:
     for tp in spec["tp_sizes"]:
         llm = LLM(model=spec["model"], dtype="float32", weight_dtype=spec["weight_dtype"], tensor_parallel_size=tp,
                   max_num_seqs=4,
-                  max_num_batched_tokens=32, token_buckets=[32], request_buckets=[1, 4], num_kv_pages=64,
+                  # One bucket of each kind: the three prompts prefill in one step and decode together.
+                  max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="",
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"])
         runner = llm.engine.runner
