@@ -12,13 +12,16 @@ import httpx
 
 def start_server(config: str | None, port: int, dtype: str | None = "auto", *extra: str) -> subprocess.Popen:
     """`extra`: more `jaxserve serve` flags; NAME=value words among them set its environment instead
-    (e.g. JAXSERVE_ALLOCATOR=glibc). `config` or `dtype` None: not given (the server's defaults)."""
+    (e.g. JAXSERVE_ALLOCATOR=glibc). `config` or `dtype` None: not given (the server's defaults).
+
+    Served with `--warmup full` (`extra` may say otherwise): /health answers 200 once every bucket is
+    compiled, so no measurement shares the cores with a background warm-up's compiles."""
     settings = [word for word in extra if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word)]
     env = {**os.environ, **dict(word.split("=", 1) for word in settings)}
     extra = tuple(word for word in extra if word not in settings)
     chosen = [*(["--config", config] if config else []), *(["--dtype", dtype] if dtype else [])]
     command = [sys.executable, "-m", "jaxserve", "serve", *chosen, "--host", "127.0.0.1", "--port", str(port),
-               "--disable-log-stats", "--log-level", "warning", *extra]
+               "--disable-log-stats", "--log-level", "warning", "--warmup", "full", *extra]
     return wait_until_healthy(subprocess.Popen(command, env=env), port, timeout_s=900)
 
 
