@@ -16,7 +16,7 @@ def test_presets_load_and_overrides_win():
     config = EngineConfig.from_preset("cpu", max_num_seqs=4, dtype="float32", max_model_len=None)
     assert config.scheduler.max_num_seqs == 4
     assert config.model.dtype == "float32"
-    assert config.buckets.token_buckets == (32, 128)
+    assert config.buckets.token_buckets == (32, 128, 256)
     with pytest.raises(TypeError, match="unknown engine option"):
         EngineConfig.from_preset(None, no_such_flag=1)
     with pytest.raises(ValueError, match="dtype"):
