@@ -3,6 +3,10 @@ against a float64 numpy oracle, the native kernel's build, and the impl choice."
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -80,12 +84,19 @@ def test_cpu_decode_paths_match_oracle(impl):
     assert_matches_oracle(got, case, 0.125)
 
 
+HEAD_DIMS = [16, 64, 128]  # 64 and 128 have compiled-in loop bounds (the blocked loops of prefill units)
+UNIT_SHAPES = [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1), (128, 9, 3)]  # 128: runs of 64 keys
+
+
 @cpu_paths
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
-@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have compiled-in loop bounds
-@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads",
-                         [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1), (128, 9, 3)])  # 128: runs of 64 keys
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads", UNIT_SHAPES)
 def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_size, num_q_heads, num_kv_heads):
+    check_units_of_every_shape(head_dim, page_size, num_q_heads, num_kv_heads)
+
+
+def check_units_of_every_shape(head_dim: int, page_size: int, num_q_heads: int, num_kv_heads: int) -> None:
     """Decodes with contexts on and off page edges; chunks longer than one unit (64 rows / group tokens) that
     start mid-page after cached tokens; a whole prompt; empty requests and padding. Every slot a request
     does not own is NaN, so reading past a request's length or outside its pages would show."""
@@ -96,6 +107,27 @@ def test_native_kernel_matches_oracle_on_units_of_every_shape(head_dim, page_siz
                      pad_tokens=3, pad_reqs=3, max_pages=-(-75 // page_size) + 2)
     got = np.asarray(jax.jit(lambda *a: cpu_kernels.ragged_paged_attention(*a, sm_scale=0.3))(*case.args))
     assert_matches_oracle(got, case, 0.3)
+
+
+@cpu_paths
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx"], ids=["8 lanes (AVX2)", "4 lanes (no AVX)"])
+def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags, tmp_path):
+    """The blocked loops' tiles follow the build's vector registers (16 lanes with AVX-512, 8 with AVX, else
+    4): built without AVX-512 and without AVX, in a process of its own (the library loads once per process),
+    every unit shape against the oracle."""
+    script = textwrap.dedent("""
+        from tests.ops.test_attention import HEAD_DIMS, UNIT_SHAPES, check_units_of_every_shape
+        for head_dim in HEAD_DIMS:
+            for shape in UNIT_SHAPES:
+                check_units_of_every_shape(head_dim, *shape)
+        print("ok")
+    """)
+    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
 @cpu_paths

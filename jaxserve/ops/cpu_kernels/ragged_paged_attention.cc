@@ -112,18 +112,25 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(start) + b);
 }
 
-// 16 float32 lanes (one AVX-512 register; two AVX ones): GCC's vector extension, so blocks of rows keep
-// their sums in registers across a loop, which plain arrays do not reliably get.
-typedef float f32x16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+// One vector register of float32 lanes as GCC's vector extension, so blocks of rows keep their sums in
+// registers across a loop, which plain arrays do not reliably get. The width is the build's registers': a
+// wider vector (16 lanes on AVX2) compiles to element-wise traffic through the stack.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kVectorRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kLanes = 8, kVectorRegisters = 16;
+#else
+constexpr int kLanes = 4, kVectorRegisters = 16;
+#endif
+typedef float f32v __attribute__((vector_size(4 * kLanes)));
+inline f32v load_lanes(const float* p) {
+  f32v v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_lanes(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Scores of 8 rows against up to 16 keys at a time, K transposed so each step is one vector of keys times
+// Scores of 8 rows against up to kLanes keys at a time, K transposed so each step is one vector of keys times
 // one broadcast query value: no horizontal sums. For units of many rows (prefill chunks), whose per-row dot
 // products would otherwise spend more on reductions than on multiplies. Rows past the last block of 8 use
 // the dot products.
@@ -131,19 +138,19 @@ template <int kDim>
 void block_scores(const float* qs, int rows, const float* k, int keys, float* scores, float* kt) {
   for (int j0 = 0; j0 < keys; j0 += kLanes) {
     const int block_keys = std::min(kLanes, keys - j0);
-    for (int h = 0; h < kDim; ++h) {  // kt: [H, 16], keys past the run's end zero
+    for (int h = 0; h < kDim; ++h) {  // kt: [H, kLanes], keys past the run's end zero
       for (int j = 0; j < kLanes; ++j) kt[h * kLanes + j] = j < block_keys ? k[(j0 + j) * kDim + h] : 0.0f;
     }
     int row = 0;
     for (; row + 8 <= rows; row += 8) {
-      f32x16 sums[8] = {};
+      f32v sums[8] = {};
       for (int h = 0; h < kDim; ++h) {
-        const f32x16 kv = load16(kt + h * kLanes);
+        const f32v kv = load_lanes(kt + h * kLanes);
         for (int i = 0; i < 8; ++i) sums[i] += qs[(row + i) * kDim + h] * kv;
       }
       for (int i = 0; i < 8; ++i) {
         float lanes[kLanes];
-        store16(lanes, sums[i]);
+        store_lanes(lanes, sums[i]);
         std::memcpy(scores + (row + i) * kKeyRun + j0, lanes, block_keys * sizeof(float));
       }
     }
@@ -158,28 +165,31 @@ void block_scores(const float* qs, int rows, const float* k, int keys, float* sc
   }
 }
 
-// acc[rows, H] += weights[rows, keys] @ v[keys, H], kRows rows at a time held in registers across the keys.
-// Weights past a row's visible keys are zero.
+// acc[rows, H] += weights[rows, keys] @ v[keys, H], a tile of kRows rows by kSlice vectors of H held in
+// registers across the keys (half the register file: AVX-512, 4 rows of H = 64 or 2 of 128; AVX, one row
+// of 64 values at a time). Weights past a row's visible keys are zero.
 template <int kDim>
 void block_weighted_values(const float* weights, int rows, const int* visible, const float* v, float* acc) {
-  constexpr int kRows = kDim <= 64 ? 4 : 2, kChunks = kDim / kLanes;
+  constexpr int kChunks = kDim / kLanes, kSlice = std::min(kChunks, kVectorRegisters / 2);
+  constexpr int kRows = std::max(1, kVectorRegisters / 2 / kSlice);
+  static_assert(kDim % kLanes == 0 && kChunks % kSlice == 0, "a head size of whole slices of vectors");
   int row = 0;
   for (; row + kRows <= rows; row += kRows) {
     int keys = 0;
     for (int i = 0; i < kRows; ++i) keys = std::max(keys, visible[row + i]);
-    f32x16 sums[kRows][kChunks];
-    for (int i = 0; i < kRows; ++i)
-      for (int c = 0; c < kChunks; ++c) sums[i][c] = load16(acc + (row + i) * kDim + c * kLanes);
-    for (int j = 0; j < keys; ++j) {
-      f32x16 vj[kChunks];
-      for (int c = 0; c < kChunks; ++c) vj[c] = load16(v + j * kDim + c * kLanes);
-      for (int i = 0; i < kRows; ++i) {
-        const float w = weights[(row + i) * kKeyRun + j];
-        for (int c = 0; c < kChunks; ++c) sums[i][c] += w * vj[c];
+    for (int c0 = 0; c0 < kChunks; c0 += kSlice) {
+      f32v sums[kRows][kSlice];
+      for (int i = 0; i < kRows; ++i)
+        for (int c = 0; c < kSlice; ++c) sums[i][c] = load_lanes(acc + (row + i) * kDim + (c0 + c) * kLanes);
+      for (int j = 0; j < keys; ++j) {
+        for (int c = 0; c < kSlice; ++c) {
+          const f32v vj = load_lanes(v + j * kDim + (c0 + c) * kLanes);
+          for (int i = 0; i < kRows; ++i) sums[i][c] += weights[(row + i) * kKeyRun + j] * vj;
+        }
       }
+      for (int i = 0; i < kRows; ++i)
+        for (int c = 0; c < kSlice; ++c) store_lanes(acc + (row + i) * kDim + (c0 + c) * kLanes, sums[i][c]);
     }
-    for (int i = 0; i < kRows; ++i)
-      for (int c = 0; c < kChunks; ++c) store16(acc + (row + i) * kDim + c * kLanes, sums[i][c]);
   }
   for (; row < rows; ++row) {
     float* a = acc + row * kDim;
