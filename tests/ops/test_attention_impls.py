@@ -12,7 +12,7 @@ from tests.engine.helpers import make_engine, make_prompts, run_staggered
 
 # Small enough that both kernels trace in a few seconds; prefill chunks, mixed steps and decode-only steps.
 # One request bucket: an engine compiles at most four steps (two mixed, the decode and its greedy variant),
-# each seconds of XLA:CPU on a cold cache, and this file builds about forty engines.
+# each seconds of XLA:CPU on a cold cache, and this file builds 45 engines.
 KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(4,), max_num_seqs=4, max_num_batched_tokens=32)
 
 

@@ -205,7 +205,7 @@ constexpr int kBlockedRows = 8;  // units with at least this many rows take the 
 
 // Per-thread scratch, sized once for the largest head size seen.
 struct Scratch {
-  std::vector<float> queries, acc, scores, keys, values, transposed;  // [rows|run, H]...; transposed [H, 16]
+  std::vector<float> queries, acc, scores, keys, values, transposed;  // [rows|run, H]...; transposed [H, kLanes]
   void fit(int dim) {
     if (static_cast<int>(queries.size()) >= kMaxRows * dim) return;
     queries.assign(size_t(kMaxRows) * dim, 0.0f);
