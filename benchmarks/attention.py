@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxserve.ops.attention import MIN_PALLAS_COMPUTE_CAPABILITY, cuda_compute_capability, ragged_paged_attention
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
+from jaxserve.platform import prepare_jax_platform
 
 # Peak HBM bandwidth in bytes/s by device_kind substring, most specific first (vendor datasheets).
 PEAK_HBM_BYTES_PER_S = [
@@ -213,6 +214,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
 
+    prepare_jax_platform()  # as the CLI does: no CUDA plugin tracebacks on a machine without a GPU
     device = jax.devices()[0]
     capability = cuda_compute_capability(device)
     impls = list(args.impls)
