@@ -1,7 +1,11 @@
 """Helpers shared across test areas."""
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,3 +37,13 @@ def startup_phases() -> dict[str, re.Pattern]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module._PHASES
+
+
+def run_with_kernel_flags(script: str, flags: str, kernel_cache: Path) -> subprocess.CompletedProcess:
+    """`script` (Python source, dedented here) in a process of its own, from the repository root, on the CPU,
+    with the native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`) into `kernel_cache`:
+    a process loads the kernels' library once, so another build needs another process."""
+    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(kernel_cache),
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])

@@ -3,10 +3,6 @@ against a float64 numpy oracle, the native kernel's build, and the impl choice."
 
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -24,6 +20,7 @@ from jaxserve.ops.attention import (
     resolve_impl,
 )
 from jaxserve.ops.paged_attention_cpu import num_work_items, ragged_paged_attention_cpu
+from tests.helpers import run_with_kernel_flags
 from tests.ops.paged_cases import MIXES, make_case, oracle
 
 
@@ -117,16 +114,14 @@ def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags, tmp_pat
     """The blocked loops' tiles follow the build's vector registers (16 lanes with AVX-512, 8 with AVX, else
     4): built without AVX-512 and without AVX, in a process of its own (the library loads once per process),
     every unit shape against the oracle."""
-    script = textwrap.dedent("""
+    script = """
         from tests.ops.test_attention import HEAD_DIMS, UNIT_SHAPES, check_units_of_every_shape
         for head_dim in HEAD_DIMS:
             for shape in UNIT_SHAPES:
                 check_units_of_every_shape(head_dim, *shape)
         print("ok")
-    """)
-    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=Path(__file__).resolve().parents[2])
+    """
+    result = run_with_kernel_flags(script, flags, tmp_path)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 

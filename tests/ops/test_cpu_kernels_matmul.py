@@ -1,9 +1,5 @@
 """The native bfloat16 matmuls and K/V write against float64 and jnp oracles (`jaxserve.ops.cpu_kernels`)."""
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +9,7 @@ from jaxlib.version import __version_info__ as JAXLIB_VERSION
 
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.kv_write import write_kv
+from tests.helpers import run_with_kernel_flags
 from tests.ops.matmul_cases import ROWS, SHAPES, assert_close, operands, oracle
 
 pytestmark = [
@@ -55,7 +52,7 @@ def test_empty_rows_and_columns():
 def test_the_portable_loops_match_too(tmp_path):
     """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512bf16`), the kernels take their plain
     float32 loops: the same oracle, in a process of its own (the library is loaded once per process)."""
-    script = textwrap.dedent(f"""
+    script = f"""
         import jax, numpy as np
         from jaxserve.ops import cpu_kernels
         from tests.ops.matmul_cases import SHAPES, assert_close, operands, oracle
@@ -67,11 +64,8 @@ def test_the_portable_loops_match_too(tmp_path):
                     x, w = operands(m, k, n, output_major_w)
                     assert_close(np.asarray(call(x, w)), oracle(x, w, output_major_w), k)
         print("portable ok")
-    """)
-    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": "-mno-avx512bf16", "JAXSERVE_KERNEL_CACHE": str(tmp_path),
-           "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    """
+    result = run_with_kernel_flags(script, "-mno-avx512bf16", tmp_path)
     assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
     assert len(list(tmp_path.glob("*.so"))) == 1
 

@@ -1,11 +1,6 @@
 """The native GGUF matmul against a float64 oracle of the `gguf` package's own dequantization and of the kernel's
 8-bit rounding of the activations, for every block format it reads (`cpu_kernels.matmul_gguf`)."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,6 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
+from tests.helpers import run_with_kernel_flags
 
 pytestmark = [
     pytest.mark.cpu_only("the native CPU kernels"),
@@ -131,17 +127,15 @@ def test_the_largest_block_sums_do_not_overflow(kind):
 def test_the_other_instruction_sets_match_too(flags, tmp_path):
     """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX2 (plain loops), in a process of its
     own (the library is loaded once per process): the same oracle."""
-    script = textwrap.dedent("""
+    script = """
         from tests.ops.test_matmul_gguf import KINDS, ROWS, check_against_float64, check_largest_sums
         for kind in KINDS:
             check_largest_sums(kind)
             for m in ROWS:
                 check_against_float64(kind, m)
         print("ok")
-    """)
-    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=Path(__file__).resolve().parents[2])
+    """
+    result = run_with_kernel_flags(script, flags, tmp_path)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
