@@ -20,6 +20,7 @@ gperftools install is found too. JAXSERVE_ALLOCATOR=glibc keeps glibc's; =<path>
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,14 @@ def find_tcmalloc() -> Path | None:
 
 
 _ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")  # a preloaded one of these is respected
+# The CLI's commands that run steps, whose speed the allocator decides; the others (`compile`, `--help`)
+# are not started twice.
+STEP_COMMANDS = (("serve",), ("generate",), ("bench", "offline"), ("bench", "buckets"))
+
+
+def runs_steps(args: Sequence[str]) -> bool:
+    """Whether the command line `args` (the arguments after the program) is one of STEP_COMMANDS."""
+    return any(tuple(args[:len(command)]) == command for command in STEP_COMMANDS)
 
 
 def loaded_allocator() -> str:

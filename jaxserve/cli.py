@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve import __version__
-from jaxserve.allocator import preload_tcmalloc
+from jaxserve.allocator import preload_tcmalloc, runs_steps
 from jaxserve.cli_flags import (
     BUCKET_ARRIVAL_FLAGS,
     BUCKET_FLAGS,
@@ -252,13 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     add_flags(serve, WARMUP_FLAGS)
     add_flags(serve, HOST_FLAGS, "multi-host (one model over the devices of several processes)")
-    serve.set_defaults(func=_cmd_serve, default_log_level="info", runs_steps=True)
+    serve.set_defaults(func=_cmd_serve, default_log_level="info")
 
     gen = commands.add_parser("generate", help="generate a reply to one prompt and print it",
                               description="Generate without a server: a chat reply, or with --raw a completion.")
     _add_engine_args(gen)
     add_flags(gen, GENERATE_FLAGS)
-    gen.set_defaults(func=_cmd_generate, runs_steps=True)
+    gen.set_defaults(func=_cmd_generate)
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks: offline engine or HTTP load.")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Engine throughput without HTTP: one wave per concurrency.")
     _add_engine_args(offline)
     add_flags(offline, OFFLINE_FLAGS)
-    offline.set_defaults(func=_cmd_bench_offline, runs_steps=True)
+    offline.set_defaults(func=_cmd_bench_offline)
 
     serve_bench = bench_kinds.add_parser(
         "serve", help="load a running server over HTTP (like `vllm bench serve`)",
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(buckets_bench, BUCKET_FLAGS[:2])
     add_flags(buckets_bench.add_mutually_exclusive_group(), BUCKET_ARRIVAL_FLAGS)
     add_flags(buckets_bench, BUCKET_FLAGS[2:])
-    buckets_bench.set_defaults(func=_cmd_bench_buckets, log_level="warning", runs_steps=True)
+    buckets_bench.set_defaults(func=_cmd_bench_buckets, log_level="warning")
 
     compile_cmd = commands.add_parser(
         "compile", help="compile every bucket for a GPU (no GPU needed) and predict step times",
@@ -324,10 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """The command line (`argv` None) or a call from Python (`argv` given: never re-executed)."""
     args = build_parser().parse_args(argv)
-    runs_steps = getattr(args, "runs_steps", False)
     level = args.log_level or getattr(args, "default_log_level", "warning")
     try:
-        if argv is None and runs_steps:
+        if argv is None and runs_steps(sys.argv[1:]):  # done already where `__main__.main` started it
             preload_tcmalloc()  # re-executes this command once with tcmalloc preloaded, when one is found
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")

@@ -1,9 +1,11 @@
 """Shared fixtures: the bundled SmolLM2 GGUF, tiny random-weight HF models saved to disk, engines, a server."""
 
+import atexit
 import ctypes
 import gc
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,8 +41,11 @@ _NEEDS = {"api/test_fuzz.py": ("schemathesis",), "api/test_openapi.py": ("schema
 collect_ignore = [path for path, modules in _NEEDS.items()
                   if any(importlib.util.find_spec(module) is None for module in modules)]
 # Caches jaxserve writes (a GGUF's converted config and tokenizer) go to a fresh directory per session,
-# so every run also exercises the conversion; servers the tests start inherit it.
-os.environ.setdefault("JAXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxserve-test-cache-"))
+# so every run also exercises the conversion; servers and workers the tests start inherit it. The process
+# that made it removes it at exit (each run's held about 600 MB).
+if "JAXSERVE_CACHE_DIR" not in os.environ:
+    os.environ["JAXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXSERVE_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

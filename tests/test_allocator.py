@@ -104,3 +104,28 @@ def test_a_python_call_of_the_cli_never_re_executes(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).parent)
     assert result.stdout.split()[-1] == "glibc", result.stderr
+
+
+def _imports(*args: str) -> list[str]:
+    """The modules `python -m jaxserve ARGS` imports, in every process it runs as (one line each)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxserve", *args], env=_clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    return [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+
+
+@needs_tcmalloc
+def test_a_step_command_starts_again_before_the_cli_is_imported():
+    """The first process of `jaxserve generate` imports the allocator, not the CLI's modules: starting again
+    costs an interpreter's start. A command that runs no steps is not started again."""
+    imports = _imports("generate", "--help")
+    assert imports.count("jaxserve.allocator") == 2  # two processes, the same PID
+    assert imports.count("jaxserve.cli") == 1  # in the second alone
+    imports = _imports("compile", "--help")
+    assert imports.count("jaxserve.allocator") == 1 and imports.count("jaxserve.cli") == 1
+
+
+def test_the_commands_that_run_steps():
+    assert allocator.runs_steps(["serve", "--model", "gpt2"]) and allocator.runs_steps(["generate"])
+    assert allocator.runs_steps(["bench", "offline", "--concurrency", "1"]) and allocator.runs_steps(["bench", "buckets"])
+    assert not allocator.runs_steps(["bench"]) and not allocator.runs_steps(["compile", "--target", "h100"])
+    assert not allocator.runs_steps([]) and not allocator.runs_steps(["--version"])

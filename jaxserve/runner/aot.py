@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.models.layers import KVCache
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
@@ -73,6 +74,15 @@ def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) ->
             for x in jax.tree.leaves(state)]
 
 
+def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None) -> KVCache:
+    """The KV cache as ShapeDtypeStructs where the runner keeps it: on `device`, or split by KV head over
+    `mesh`."""
+    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else split_along(mesh, 4, 0)
+    page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
+    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
+    return [(page, page) for _ in range(shapes.num_layers)]
+
+
 def abstract_step_args(
     state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
 ) -> tuple[Any, Any, Any, Any]:
@@ -80,24 +90,18 @@ def abstract_step_args(
     `state`, as the step takes them), or with a tensor-parallel
     `mesh` where the runner keeps them: the state as its leaves are sharded, KV pages split by KV head,
     the rest replicated."""
-    if mesh is None:
-        sharding = page_sharding = jax.sharding.SingleDeviceSharding(device)
-    else:
-        sharding, page_sharding = replicated(mesh), split_along(mesh, 4, 0)
+    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
 
     def on_device(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
-    page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
-    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=page_sharding)
-    kv_caches = [(page, page) for _ in range(shapes.num_layers)]
     penalties = jax.eval_shape(
         lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
     )
     batch = pack(neutral_batch(bucket, shapes.layout), bucket, shapes.layout)  # numpy: the bucket's shapes
     return (
         abstract_weights(state, device, mesh),
-        kv_caches,
+        abstract_kv_caches(shapes, device, mesh),
         jax.tree.map(on_device, penalties),
         jax.tree.map(on_device, batch),
     )

@@ -39,14 +39,15 @@ from jaxserve.engine.step_io import SchedulerOutput, StepOutput
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
-from jaxserve.ops.attention import kv_cache_dtype, kv_cache_shape
+from jaxserve.ops.attention import kv_cache_dtype
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
-from jaxserve.parallel import bytes_per_device, replicated, split_along
+from jaxserve.parallel import bytes_per_device, replicated
 from jaxserve.progress import progress
 from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
+    abstract_kv_caches,
     abstract_weights,
     compile_bucket,
     step_shapes,
@@ -64,6 +65,7 @@ from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
 from jaxserve.runner.temp_records import StepTempRecord, TempRecords, fingerprint, source_digest
+from jaxserve.threads import on_a_thread
 
 logger = logging.getLogger(__name__)
 
@@ -205,13 +207,25 @@ class ModelRunner:
                 padding_slot(self.num_pages, self.page_size), self.mesh, greedy)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
-        shape = kv_cache_shape(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
-        pages_at = None if self.mesh is None else split_along(self.mesh, len(shape), 0)  # split by KV head
-        self.kv_caches: KVCache = [
-            (jnp.zeros(shape, self.kv_dtype, device=pages_at), jnp.zeros(shape, self.kv_dtype, device=pages_at))
-            for _ in range(cfg.num_layers)
-        ]
-        self.layout = self._shapes(self.num_pages).layout
+        shapes = self._shapes(self.num_pages)
+        self.layout = shapes.layout
+        # The pages as the compiles take them (on the device, or split by KV head); the cache is zeroed below.
+        self._abstract_kv_caches = abstract_kv_caches(shapes, jax.devices()[0], self.mesh)
+
+        def zeroed_kv_caches() -> KVCache:
+            return [tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
+                    for layer in self._abstract_kv_caches]
+
+        # On one CPU process, zeroing the cache (first touches of its memory, GIL released) runs on a thread
+        # while the warm-up traces the first step; the first step to run waits for it (`kv_caches`).
+        # Elsewhere at once: a GPU's memset is quick and its compiles want the memory settled, and a
+        # multi-process job's processes must launch the same computations in the same order.
+        self._kv_caches: KVCache | None = None
+        self._kv_zeroing: Future | None = None
+        if jax.default_backend() == "cpu" and self._single_process:
+            self._kv_zeroing = on_a_thread(zeroed_kv_caches, "jaxserve-kv-cache")
+        else:
+            self._kv_caches = zeroed_kv_caches()
         self.rows = RequestRows(max_num_seqs, self.max_pages_per_req)  # the persistent batch
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
@@ -227,6 +241,19 @@ class ModelRunner:
         )
         if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
             logger.info("%s", allocator_note())
+
+    @property
+    def kv_caches(self) -> KVCache:
+        """The KV cache, once zeroed (waits for a CPU's zeroing on its thread the first time; raises what
+        it raised). Read and replaced by the thread that runs steps."""
+        if self._kv_caches is None:
+            self._kv_caches = self._kv_zeroing.result()
+            self._kv_zeroing = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, kv_caches: KVCache) -> None:
+        self._kv_caches = kv_caches
 
     def wait_for_weights(self) -> list[jax.Array]:
         """The step's weights, once weights loading on a thread are in (at once where they are); raises
@@ -612,7 +639,7 @@ class ModelRunner:
                 self._compiled[bucket] = sized.compiled
             return sized.from_cache
         with slots:
-            args = (self._abstract_weights, self.kv_caches, self.penalty_tables,
+            args = (self._abstract_weights, self._abstract_kv_caches, self.penalty_tables,
                     pack(neutral_batch(bucket, self.layout), bucket, self.layout))
             if variant.multi_step:
                 args += (self._no_decode_steps(bucket),)
