@@ -84,12 +84,17 @@ def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None
 
 
 def abstract_step_args(
-    state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None
-) -> tuple[Any, Any, Any, Any]:
+    state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
+    multi_step: bool = False,
+) -> tuple[Any, ...]:
     """(weights, kv_caches, penalty_tables, batch) as ShapeDtypeStructs on `device` (weights: the leaves of
     `state`, as the step takes them), or with a tensor-parallel
     `mesh` where the runner keeps them: the state as its leaves are sharded, KV pages split by KV head,
-    the rest replicated."""
+    the rest replicated; `multi_step`: and a multi-step decode's steps per row.
+
+    Every compile of a step takes these, never the runner's arrays: an array's placement is part of the
+    lowering (one jax made itself is uncommitted, one a step returned is committed to its device), and so
+    of the persistent cache's key, which then depended on whether a step had run before the compile."""
     sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
 
     def on_device(x: Any) -> jax.ShapeDtypeStruct:
@@ -99,12 +104,15 @@ def abstract_step_args(
         lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
     )
     batch = pack(neutral_batch(bucket, shapes.layout), bucket, shapes.layout)  # numpy: the bucket's shapes
-    return (
+    args = (
         abstract_weights(state, device, mesh),
         abstract_kv_caches(shapes, device, mesh),
         jax.tree.map(on_device, penalties),
         jax.tree.map(on_device, batch),
     )
+    if multi_step:
+        args += (jax.ShapeDtypeStruct((bucket.num_reqs,), np.int32, sharding=sharding),)
+    return args
 
 
 def compile_bucket(
@@ -116,10 +124,7 @@ def compile_bucket(
     (`launches.py`: XLA dumps its thunks for it; GPUs only). `multi_step`: `step_fn` is a multi-step
     decode (`step_fn.make_decode_steps_fn`), which also takes the steps per row. `compiler_options`: XLA's
     (debug options by name), for this compile only."""
-    args = abstract_step_args(state, shapes, bucket, device, mesh)
-    if multi_step:
-        batch_sharding = jax.tree.leaves(args[3])[0].sharding  # the batch's: replicated or on the device
-        args += (jax.ShapeDtypeStruct((bucket.num_reqs,), np.int32, sharding=batch_sharding),)
+    args = abstract_step_args(state, shapes, bucket, device, mesh, multi_step)
     start = time.perf_counter()
     # Pallas's Triton lowering takes the GPU it lowers for from jax's default device (jax >= 0.11; 0.10
     # assumed compute capability 9.0 without a local GPU): the target's, for a deviceless compile.

@@ -48,6 +48,7 @@ from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
     abstract_kv_caches,
+    abstract_step_args,
     abstract_weights,
     compile_bucket,
     step_shapes,
@@ -207,14 +208,14 @@ class ModelRunner:
                 padding_slot(self.num_pages, self.page_size), self.mesh, greedy)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
-        shapes = self._shapes(self.num_pages)
-        self.layout = shapes.layout
-        # The pages as the compiles take them (on the device, or split by KV head); the cache is zeroed below.
-        self._abstract_kv_caches = abstract_kv_caches(shapes, jax.devices()[0], self.mesh)
+        self._step_shapes = self._shapes(self.num_pages)
+        self.layout = self._step_shapes.layout
+        # The pages where the compiles take them (`aot.abstract_step_args`): on the device, or split by KV head.
+        pages = abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
 
         def zeroed_kv_caches() -> KVCache:
             return [tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
-                    for layer in self._abstract_kv_caches]
+                    for layer in pages]
 
         # On one CPU process, zeroing the cache (first touches of its memory, GIL released) runs on a thread
         # while the warm-up traces the first step; the first step to run waits for it (`kv_caches`).
@@ -639,10 +640,8 @@ class ModelRunner:
                 self._compiled[bucket] = sized.compiled
             return sized.from_cache
         with slots:
-            args = (self._abstract_weights, self._abstract_kv_caches, self.penalty_tables,
-                    pack(neutral_batch(bucket, self.layout), bucket, self.layout))
-            if variant.multi_step:
-                args += (self._no_decode_steps(bucket),)
+            args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
+                                      variant.multi_step)
             _listen_for_cache_hits()
             _thread_cache_hits.count = 0
             with self._tracing:

@@ -52,7 +52,9 @@ def test_once_every_bucket_is_in_nothing_compiles(llama_dir):
 def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_rest(llama_dir, tmp_path):
     """`--warmup auto` (the default) on one host: ready once the largest bucket is in, the rest compiling
     (a cold cache) or loading (a warm one) while it serves; both generate the same tokens and end with
-    every bucket in. In a subprocess: the persistent cache is process-wide."""
+    every bucket in. A `full` warm-up then loads every bucket from what the background one wrote (the
+    cache's keys do not depend on whether a step ran before a compile). In a subprocess: the persistent
+    cache is process-wide."""
     import os
     import subprocess
     import sys
@@ -64,10 +66,10 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
         from tests.engine.helpers import make_engine, make_prompts
         from tests.runner.test_background_warmup import run_all
-        for start in ("cold", "warm"):
+        for start, mode in (("cold", "auto"), ("warm", "auto"), ("full", "full")):
             print("start", start)
             engine = make_engine({str(llama_dir)!r}, compilation_cache_dir={str(tmp_path / "xla")!r},
-                                 warmup_mode="auto", token_buckets=(64,), request_buckets=(1, 8))
+                                 warmup_mode=mode, token_buckets=(64,), request_buckets=(1, 8))
             print("tokens", start, run_all(engine, make_prompts()))
             engine.runner.wait_for_warmup()
             print("compiled", start, len(engine.runner._compiled), len(engine.runner.ladder.all_buckets()))
@@ -76,15 +78,16 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2], env=dict(os.environ),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    cold, warm = result.stdout.split("start warm")
+    _, cold, warm, full = re.split(r"^start \w+$", result.stdout, flags=re.MULTILINE)
     printed = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in result.stdout.splitlines()
                if line.startswith(("tokens ", "compiled "))}  # (what, start) -> the rest of the line
-    assert printed["tokens", "cold"] == printed["tokens", "warm"]
-    for start in ("cold", "warm"):
+    assert printed["tokens", "cold"] == printed["tokens", "warm"] == printed["tokens", "full"]
+    for start in ("cold", "warm", "full"):
         compiled, total = printed["compiled", start].split()
         assert compiled == total
     assert "warm-up: 1 of " in cold and "(not cached); compiling the rest in the background" in cold
     assert " 0 from the persistent cache" in cold
     assert "warm-up: 1 of " in warm and "(from the persistent cache); compiling the rest in the background" in warm
-    loads = re.findall(r"compiled (\d+) buckets on \d+ threads, (\d+) from the persistent cache", warm)
-    assert loads and all(int(compiled) == int(hits) > 0 for compiled, hits in loads), loads
+    for later in (warm, full):
+        loads = re.findall(r"compiled (\d+) buckets on \d+ threads, (\d+) from the persistent cache", later)
+        assert loads and all(int(compiled) == int(hits) > 0 for compiled, hits in loads), loads
