@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +64,6 @@ from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.parallel import HeadLayout, SplitRule, bytes_per_device, make_mesh, param_sharding
 from jaxserve.progress import progress
-from jaxserve.threads import on_a_thread
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +365,7 @@ def load_model(
         if quantization is not None:
             quantize_state(state, abstract.spec.module, quantization)
         in_use = int((device_memory_stats(jax.devices()[0]) or {}).get("bytes_in_use", 0))
-        loading = on_a_thread(load_weights, "jaxserve-weights")
+        loading = _on_a_thread(load_weights, "jaxserve-weights")
         logger.info("weights: loading on a thread while the steps compile")
     else:
         state, kv_scales = load_weights()
@@ -392,6 +391,20 @@ def load_model(
         in_use_before_loading=in_use,
         stop_loading=stop,
     )
+
+
+def _on_a_thread(work: Callable[[], Any], name: str) -> Future:
+    """`work()` on a daemon thread (an exit never waits for it), its result or exception in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as error:  # the waiter raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,

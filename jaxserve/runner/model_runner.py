@@ -66,7 +66,6 @@ from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
 from jaxserve.runner.temp_records import StepTempRecord, TempRecords, fingerprint, source_digest
-from jaxserve.threads import on_a_thread
 
 logger = logging.getLogger(__name__)
 
@@ -210,23 +209,11 @@ class ModelRunner:
             self.wait_for_weights()
         self._step_shapes = self._shapes(self.num_pages)
         self.layout = self._step_shapes.layout
-        # The pages where the compiles take them (`aot.abstract_step_args`): on the device, or split by KV head.
-        pages = abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
-
-        def zeroed_kv_caches() -> KVCache:
-            return [tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
-                    for layer in pages]
-
-        # On one CPU process, zeroing the cache (first touches of its memory, GIL released) runs on a thread
-        # while the warm-up traces the first step; the first step to run waits for it (`kv_caches`).
-        # Elsewhere at once: a GPU's memset is quick and its compiles want the memory settled, and a
-        # multi-process job's processes must launch the same computations in the same order.
-        self._kv_caches: KVCache | None = None
-        self._kv_zeroing: Future | None = None
-        if jax.default_backend() == "cpu" and self._single_process:
-            self._kv_zeroing = on_a_thread(zeroed_kv_caches, "jaxserve-kv-cache")
-        else:
-            self._kv_caches = zeroed_kv_caches()
+        # Zeroed where the compiles take the pages (`aot.abstract_step_args`): on the device, or split by KV head.
+        self.kv_caches: KVCache = [
+            tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
+            for layer in abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
+        ]
         self.rows = RequestRows(max_num_seqs, self.max_pages_per_req)  # the persistent batch
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
@@ -242,19 +229,6 @@ class ModelRunner:
         )
         if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
             logger.info("%s", allocator_note())
-
-    @property
-    def kv_caches(self) -> KVCache:
-        """The KV cache, once zeroed (waits for a CPU's zeroing on its thread the first time; raises what
-        it raised). Read and replaced by the thread that runs steps."""
-        if self._kv_caches is None:
-            self._kv_caches = self._kv_zeroing.result()
-            self._kv_zeroing = None
-        return self._kv_caches
-
-    @kv_caches.setter
-    def kv_caches(self, kv_caches: KVCache) -> None:
-        self._kv_caches = kv_caches
 
     def wait_for_weights(self) -> list[jax.Array]:
         """The step's weights, once weights loading on a thread are in (at once where they are); raises
