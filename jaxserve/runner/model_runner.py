@@ -186,8 +186,8 @@ class ModelRunner:
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
             model.wait_for_weights()  # (calibrated on them, then folded into them)
             model.kv_scales = apply_fp8_kv_scales(model, self.kv_dtype)
-        # The step's first argument as compiles take it, placed: a compile never waits for weights still
-        # loading on a thread (`LoadedModel.loading`).
+        # The step's first argument as compiles take it (`aot.abstract_step_args` makes it the same way), placed:
+        # what the KV budget and its record count, without waiting for weights loading on a thread.
         self._abstract_weights = abstract_weights(model.state, jax.devices()[0], self.mesh)
         # The weights flattened once, the step's first argument; None until weights loading are in.
         self._weights: list[jax.Array] | None = None if model.loading else jax.tree.leaves(model.state)
