@@ -40,10 +40,10 @@ def startup_phases() -> dict[str, re.Pattern]:
 
 
 def run_with_kernel_flags(script: str, flags: str, kernel_cache: Path) -> subprocess.CompletedProcess:
-    """`script` (Python source, dedented here) in a process of its own, from the repository root, on the CPU,
-    with the native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`) into `kernel_cache`:
-    a process loads the kernels' library once, so another build needs another process."""
-    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(kernel_cache),
-           "JAX_PLATFORMS": "cpu"}
+    """`script` (Python source, dedented here) in a process of its own, from the repository root, with the
+    native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`) into `kernel_cache`: a process
+    loads the kernels' library once, so another build needs another process. The process inherits this one's
+    backend; the tests that call this are `cpu_only`, so that backend is the CPU."""
+    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(kernel_cache)}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=Path(__file__).resolve().parents[1])

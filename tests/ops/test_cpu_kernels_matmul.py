@@ -1,6 +1,5 @@
 """The native bfloat16 matmuls and K/V write against float64 and jnp oracles (`jaxserve.ops.cpu_kernels`)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,6 @@
 """The native GGUF matmul against a float64 oracle of the `gguf` package's own dequantization and of the kernel's
 8-bit rounding of the activations, for every block format it reads (`cpu_kernels.matmul_gguf`)."""
 
-
 import jax
 import numpy as np
 import pytest
