@@ -87,6 +87,8 @@ class CompileReport:
     dtype: str
     attention: str
     page_size: int
+    kv_cache_dtype: str
+    bytes_per_page: int  # one device's share of a page: K and V of every layer
     max_model_len: int
     max_num_seqs: int
     context_len: int  # the keys each request attends in the predictions
@@ -258,7 +260,8 @@ def compile_ladder(
         results = list(pool.map(one, jobs_todo))
     return CompileReport(
         model=name, device=facts.name, target=target, dtype=jnp.dtype(jax_dtype).name, attention=attention.impl,
-        page_size=cache.page_size, max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
+        page_size=cache.page_size, kv_cache_dtype=cache_dtype.name, bytes_per_page=page_bytes,
+        max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
         jobs=jobs, tensor_parallel_size=tp, weights_bytes=weights_bytes, state_bytes=state_bytes,
         max_temp_bytes=max(r.temp_bytes for r in results),
         gpu_memory_utilization=config.cache.gpu_memory_utilization,
@@ -323,16 +326,17 @@ def format_report(report: CompileReport) -> str:
                  f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")
     lines.append(f"weights {report.weights_bytes / gib:.2f} GiB, other state {report.state_bytes / mib:.0f} MiB, "
                  f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB")
+    page = f"{report.page_size} tokens ({report.kv_cache_dtype}, {report.bytes_per_page / 2**10:,.0f} KiB)"
     if report.kv_budget_bytes is not None and report.device_memory_bytes:
         tokens = report.num_kv_pages * report.page_size
         lines.append(
             f"KV budget at --gpu-memory-utilization {report.gpu_memory_utilization}: "
             f"{report.kv_budget_bytes / gib:.2f} GiB of {report.device_memory_bytes / gib:.1f} GiB = "
-            f"{report.num_kv_pages:,} pages of {report.page_size} tokens ({tokens:,} tokens)"
+            f"{report.num_kv_pages:,} pages of {page} = {tokens:,} tokens"
         )
     else:  # an explicit --num-kv-pages, or a CPU's --kv-cache-memory
         how = "--num-kv-pages" if report.num_kv_pages_given else "the CPU budget"
-        lines.append(f"KV cache: {report.num_kv_pages:,} pages of {report.page_size} tokens ({how})")
+        lines.append(f"KV cache: {report.num_kv_pages:,} pages of {page} ({how})")
     return "\n".join(lines)
 
 

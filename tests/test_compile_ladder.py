@@ -36,7 +36,7 @@ def test_the_gpu_ladder_is_the_preset():
     assert ladder.all_buckets() == GPU_LADDER
 
 
-def _check_report(report, buckets: list[Bucket], launches_read: bool = True) -> None:
+def _check_report(report, buckets: list[Bucket], launches_read: bool = True, budgeted: bool = True) -> None:
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
     assert report.attention == "pallas"  # what `auto` picks on a real H100
     assert report.dtype == "bfloat16"
@@ -48,12 +48,16 @@ def _check_report(report, buckets: list[Bucket], launches_read: bool = True) -> 
         assert launches.num_kernels > 100 and launches.num_graphs >= 1 and 0 < launches.graph_share <= 1
         assert launches.host_ops.get("kCommandBuffer", 0) >= 1 and launches.num_host_ops < launches.num_kernels
         assert launches.num_arguments > 100  # the weights are passed as leaves: each its own argument
+    if not budgeted:  # the page count was given: no budget, and no compiles for one
+        assert report.kv_budget is None and report.num_kv_pages_given
+        return
     # The KV budget is the arithmetic of the deviceless compile's own memory analysis, sized as serve sizes
     # it (runner/kv_sizing.py): the largest buckets' quick compile at a provisional page count plus the
     # margin, which covers every bucket's temp memory once the pages are known.
     budget = report.kv_budget
     assert budget.device_memory_bytes == target_facts("h100").memory_bytes and budget.utilization == 0.9
     assert budget.weights_bytes == report.weights_bytes and budget.state_bytes == report.state_bytes
+    assert budget.bytes_per_page == report.bytes_per_page
     want = (int(budget.device_memory_bytes * 0.9) - report.weights_bytes - report.state_bytes
             - budget.peak_temp_bytes - ALLOCATOR_SLACK_BYTES)
     assert report.kv_budget_bytes == want
@@ -81,19 +85,22 @@ def test_gpt2_compiles_for_h100_through_the_cli(tmp_path):
     buckets = [Bucket(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in report["buckets"]]
     assert buckets == [Bucket(16, 16, decode_only=True), Bucket(256, 16)]
     assert report["attention"] == "pallas" and report["device"] == "NVIDIA H100 80GB HBM3"
+    # GPT-2: 12 layers of 12 KV heads of 64 dims, K and V in bfloat16, 16 tokens a page
+    assert report["bytes_per_page"] == report["kv_budget"]["bytes_per_page"] == 2 * 12 * 12 * 16 * 64 * 2
     assert all(b["temp_bytes"] > 0 and b["predicted_seconds"] > 0 for b in report["buckets"])
 
 
 @pytest.mark.slow
 def test_smollm2_compiles_for_h100_at_the_widest_buckets():
     """SmolLM2's odd head counts (9 query heads, 3 KV heads of 64) at the widest decode and mixed buckets
-    (the GPT-2 compile takes the narrowest)."""
+    (the GPT-2 compile takes the narrowest). Launches are read and the KV budget sized in the GPT-2 and
+    Llama-3-8B compiles: here the page count is given (180,000 pages of SmolLM2, 66 GB, within an H100's
+    budget), which spares the sizing's two compiles."""
     buckets = [Bucket(256, 256, decode_only=True), GPU_LADDER[-1]]
     assert all(b in GPU_LADDER for b in buckets)
-    # Launches are read in the GPT-2 and Llama-3-8B compiles.
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            variants=False, buckets=buckets, read_launches=False)
-    _check_report(report, sorted(buckets), launches_read=False)
+                            variants=False, buckets=buckets, read_launches=False, num_kv_pages=180_000)
+    _check_report(report, sorted(buckets), launches_read=False, budgeted=False)
     assert all(b.launches is None for b in report.buckets)
 
 
@@ -122,10 +129,10 @@ def test_gpt2_compiles_for_a100():
 @pytest.mark.slow
 def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     """`--greedy-decodes`: the decode step without the sampler's control flow runs as one command buffer
-    (one host operation, no predicate read by the host); the full sampler's step has conditionals on top.
-    No kernel of the one-row step writes an array of a projection weight's shape: XLA:GPU ran GPT-2's
-    output and down projections at one row as a multiply that wrote the product whole, then a reduction
-    (24 such kernels a step, before `layers.dense` padded one row to two)."""
+    (one host operation, no predicate read by the host; the full sampler's conditionals are shown in the
+    variants' test). No kernel of the one-row step writes an array of a projection weight's shape: XLA:GPU
+    ran GPT-2's output and down projections at one row as a multiply that wrote the product whole, then a
+    reduction (24 such kernels a step, before `layers.dense` padded one row to two)."""
     from jaxserve.compile_ladder import load_model_config
     from jaxserve.models.loader import build_abstract_model
     from jaxserve.ops.attention import resolve_attention
@@ -135,33 +142,38 @@ def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
     _, hf_config = load_model_config("gpt2")
     abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
     shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256)
-    launches = {}
-    for greedy in (False, True):
-        step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, greedy=greedy)
-        compiled = compile_bucket(step, abstract.state, shapes, Bucket(1, 1, decode_only=True),
-                                  deviceless_device("h100"), read_launches=True)
-        launches[greedy] = compiled.launches
+    step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, greedy=True)
+    compiled = compile_bucket(step, abstract.state, shapes, Bucket(1, 1, decode_only=True),
+                              deviceless_device("h100"), read_launches=True)
+    launches = compiled.launches
     hlo = compiled.compiled.as_text()
     weights = {re.escape(f"bf16[{','.join(map(str, w.shape))}]") for w in jax.tree.leaves(abstract.state)
                if w.ndim >= 2 and w.size >= 768 * 768}
     assert weights and not re.findall(rf"= ({'|'.join(weights)})\S* fusion\(", hlo)
-    assert launches[True].host_ops == {"kCommandBuffer": 1} and launches[True].host_syncs == 0
-    assert launches[True].graph_share == 1.0 and launches[True].control_flow == {}
-    assert launches[False].host_syncs > 0 and launches[False].num_kernels > launches[True].num_kernels
+    assert launches.host_ops == {"kCommandBuffer": 1} and launches.host_syncs == 0
+    assert launches.graph_share == 1.0 and launches.control_flow == {}
 
 
 @pytest.mark.slow
 def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
     """`jaxserve compile` holds what serve compiles: each decode bucket plain, greedy, multi-step and
-    multi-step greedy (the gpu preset turns both on); mixed buckets plain only."""
+    multi-step greedy (the gpu preset turns both on); mixed buckets plain only.
+
+    What each launches: the full sampler's conditionals read predicates on the host, which the greedy
+    variant has none of. `--num-scheduler-steps 8`'s greedy steps are one loop of known trip count, whose
+    body is one command buffer that the host issues 8 times without reading a predicate back."""
     report = compile_ladder("gpt2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
                             buckets=[Bucket(4, 4, decode_only=True), Bucket(128, 4)], num_kv_pages=4096)
     assert report.kv_budget is None and report.num_kv_pages == 4096  # given: no budget, no compiles for it
     rows = {(b.num_tokens, b.decode_only, b.variant): b.launches for b in report.buckets}
     assert set(rows) == {(4, True, "plain"), (4, True, "greedy"), (4, True, "multi-step"),
                          (4, True, "multi-step greedy"), (128, False, "plain")}
-    assert rows[4, True, "greedy"].host_syncs == 0 and rows[4, True, "plain"].host_syncs > 0
-    assert rows[4, True, "multi-step greedy"].counted_loops == 1 and rows[4, True, "multi-step greedy"].host_syncs == 0
+    plain, greedy = rows[4, True, "plain"], rows[4, True, "greedy"]
+    assert greedy.host_syncs == 0 and plain.host_syncs > 0 and plain.num_kernels > greedy.num_kernels
+    multi = rows[4, True, "multi-step greedy"]
+    assert multi.control_flow == {"kWhile": 1} and multi.counted_loops == 1 and multi.host_syncs == 0
+    assert multi.host_ops["kCommandBuffer"] == 1 and multi.host_ops["kWhile"] == 1
+    assert multi.num_host_ops <= 6 and multi.graph_share > 0.95
     assert rows[4, True, "multi-step"].host_syncs >= 1, "the full sampler's conditionals sync in each iteration"
     assert "multi-step greedy" in format_report(report)
 
@@ -201,29 +213,6 @@ def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir):
     table = f"[32,{abstract.cfg.vocab_size}]"
     assert f"s32{table}" in hlo and not re.search(rf"= (s32|pred){re.escape(table)}\S* copy\(", hlo)
     assert len(re.findall(rf"= f32\[4,{abstract.cfg.vocab_size}\]\S* copy\(", hlo)) == 1
-
-
-@pytest.mark.slow
-def test_a_multi_step_decode_reads_nothing_back_on_h100():
-    """`--num-scheduler-steps 8`: the k decode steps are one loop of known trip count, whose body is one
-    command buffer that the host issues k times without reading a predicate back (no host sync)."""
-    from jaxserve.compile_ladder import load_model_config
-    from jaxserve.models.loader import build_abstract_model
-    from jaxserve.ops.attention import resolve_attention
-    from jaxserve.ops.kv_write import padding_slot
-    from jaxserve.runner.aot import compile_bucket, step_shapes
-    from jaxserve.runner.step_fn import make_decode_steps_fn
-
-    _, hf_config = load_model_config("gpt2")
-    abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
-    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256)
-    steps = make_decode_steps_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, 8, 16,
-                                 padding_slot(4096, 16), greedy=True)
-    launches = compile_bucket(steps, abstract.state, shapes, Bucket(4, 4, decode_only=True),
-                              deviceless_device("h100"), read_launches=True, multi_step=True).launches
-    assert launches.control_flow == {"kWhile": 1} and launches.counted_loops == 1 and launches.host_syncs == 0
-    assert launches.host_ops["kCommandBuffer"] == 1 and launches.host_ops["kWhile"] == 1
-    assert launches.num_host_ops <= 6 and launches.graph_share > 0.95
 
 
 def _decode_kernel_args(device):
@@ -299,27 +288,31 @@ def test_llama_3_8b_compiles_split_over_an_8_gpu_h100_node():
 @pytest.mark.slow
 def test_smollm2_with_padded_heads_compiles_split_over_two_h100s():
     """SmolLM2's 9 query / 3 KV heads become 12 / 6 to split in two: the decode kernel compiles for that layout
-    under shard_map (the 8-GPU Llama-3-8B compile covers a mixed bucket's kernel split over devices)."""
+    under shard_map (the 8-GPU Llama-3-8B compile covers a mixed bucket's kernel split over devices, and sizes
+    the KV cache split over devices: here the page count is given)."""
     buckets = [Bucket(16, 16, decode_only=True)]
     report = compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            variants=False, buckets=buckets, tensor_parallel_size=2)
+                            variants=False, buckets=buckets, tensor_parallel_size=2, num_kv_pages=180_000)
     assert [Bucket(b.num_tokens, b.num_reqs, b.decode_only) for b in report.buckets] == buckets
     assert all(b.collectives.get("all-reduce", 0) >= 2 * 30 for b in report.buckets)
 
 
 @pytest.mark.slow
 def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
-    """`--kv-cache-dtype fp8`: both kernels reading FP8 pages get through Triton and ptxas for sm_90, and the
-    budget holds twice the pages; an A100 (compute capability 8.0, no FP8 conversions) is refused."""
+    """`--kv-cache-dtype fp8`: both kernels reading FP8 pages get through Triton and ptxas for sm_90, and a
+    page is half a bfloat16 one (a budget, whose arithmetic the other compiles check, holds twice the pages);
+    an A100 (compute capability 8.0, no FP8 conversions) is refused."""
     # Both kernels, the decode kernel at the preset's widest decode bucket; a narrower mixed bucket than the
-    # preset's widest (SmolLM2's test compiles that, with a 16-bit cache) for the suite's time.
+    # preset's widest (SmolLM2's test compiles that, with a 16-bit cache) for the suite's time. The page count
+    # is given (twice the 16-bit test's, the same bytes), which spares the budget's two sizing compiles.
     buckets = [Bucket(256, 16), Bucket(256, 256, decode_only=True)]
     options = dict(target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False, buckets=buckets,
                    read_launches=False)
-    fp8 = compile_ladder("smollm2-135m", kv_cache_dtype="fp8", **options)
-    _check_report(fp8, buckets, launches_read=False)  # the pages: the budget's bytes over a page's
+    fp8 = compile_ladder("smollm2-135m", kv_cache_dtype="fp8", num_kv_pages=360_000, **options)
+    _check_report(fp8, buckets, launches_read=False, budgeted=False)
     # SmolLM2-135M: 30 layers of 3 KV heads of 64 dims; a bfloat16 page is twice this one (K and V, 1 byte).
-    assert fp8.kv_budget.bytes_per_page == 2 * 30 * 3 * fp8.page_size * 64 * 1
+    assert fp8.kv_cache_dtype == "float8_e4m3fn" and fp8.bytes_per_page == 2 * 30 * 3 * fp8.page_size * 64 * 1
+    assert "pages of 16 tokens (float8_e4m3fn, 180 KiB) (--num-kv-pages)" in format_report(fp8)
     with pytest.raises(ValueError, match=r"compute capability >= 8\.9"):
         compile_ladder("smollm2-135m", kv_cache_dtype="fp8", **{**options, "target": "a100", "buckets": buckets[:1]})
 
