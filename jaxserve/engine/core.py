@@ -16,7 +16,8 @@ next mask, so while one is present the loop reads each step before launching the
 
 Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): once every running sequence only decodes,
 the loop reads what is in flight, launches k decode steps in one call and reads them at once, reporting
-one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a whole step late.
+one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a whole step late. While a
+background warm-up is still compiling (the k-step executables come last), decodes run one step at a time.
 """
 
 import dataclasses
@@ -200,6 +201,8 @@ class EngineCore:
         A fault caused by one sequence's data fails that sequence (a `SequenceFailure`); any other
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
+        # k-step decodes once the runner has their executables (a background warm-up compiles them last)
+        self.scheduler.num_scheduler_steps = self.runner.decode_steps_ready()
         previous, self._in_flight = self._in_flight, None
         outputs: list[CoreOutputs] = []
         if previous is not None and self.scheduler.only_decodes():

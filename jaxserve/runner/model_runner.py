@@ -580,6 +580,16 @@ class ModelRunner:
         self._background.start()
         return ready
 
+    def decode_steps_ready(self) -> int:
+        """The most decode steps one dispatch runs without compiling on the caller's thread: 1 while a
+        background warm-up is still compiling (it compiles the multi-step variants last), else
+        `num_decode_steps`. A multi-step plan in a bucket whose variant is missing would otherwise compile it
+        in the step, through the jitted function: a stall of the engine's loop, and a second compile of what
+        the warm-up compiles, under another persistent-cache key (lowered from the runner's own arrays)."""
+        if self._background is not None and self._background.is_alive():
+            return 1
+        return self.num_decode_steps
+
     def wait_for_warmup(self, timeout: float | None = None) -> None:
         """Blocks until a background warm-up has compiled every bucket."""
         if self._background is not None:

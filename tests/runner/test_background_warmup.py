@@ -39,6 +39,41 @@ def test_ready_after_one_bucket_and_the_same_tokens_while_the_rest_compile(llama
     assert run_all(engine, prompts) == want
 
 
+def test_k_step_decodes_wait_for_their_executables(llama_dir, monkeypatch):
+    """`--num-scheduler-steps 4` under a background warm-up, which compiles the k-step variants last: until
+    they are in, decodes run one step at a time (a k-step decode would compile its variant in the step, on
+    the engine's thread), with the same tokens; once they are in, k-step decodes run and nothing compiles."""
+    import threading
+
+    from jaxserve.runner.model_runner import ModelRunner
+
+    prompts = make_prompts()
+    want = run_all(make_engine(llama_dir), prompts, max_tokens=12)  # single steps, every bucket compiled
+    release = threading.Event()
+    compile_one = ModelRunner._compile_one
+
+    def held(runner, job, slots):
+        if job[1].multi_step:  # the k-step variants wait for the test
+            release.wait(300)
+        return compile_one(runner, job, slots)
+
+    monkeypatch.setattr(ModelRunner, "_compile_one", held)
+    engine = make_engine(llama_dir, warmup_mode="background", num_scheduler_steps=4)
+    runner = engine.runner
+    try:
+        assert runner.decode_steps_ready() == 1
+        assert run_all(engine, prompts, max_tokens=12) == want
+        assert runner.num_multi_steps == 0, "a k-step decode ran before its executable was compiled"
+    finally:
+        release.set()
+    runner.wait_for_warmup()
+    assert runner.decode_steps_ready() == 4
+    with count_compilations() as compiles:
+        assert run_all(engine, prompts, max_tokens=12) == want
+    assert compiles == [] and runner.num_multi_steps > 0
+    engine.shutdown()
+
+
 def test_once_every_bucket_is_in_nothing_compiles(llama_dir):
     engine = make_engine(llama_dir, warmup_mode="background")
     engine.runner.wait_for_warmup()
