@@ -5,8 +5,9 @@ host) the server is ready after one bucket and `all_compiled_s` says when the la
 `--first-requests N` sends N requests at once as soon as the server is ready and records when the last
 is answered (`answered_s`, from process start): whether a server that is ready early, compiling the
 rest while it serves, answers its first clients sooner than one that compiled everything first.
-Cold: empty compilation cache and empty jaxserve cache (the GGUF's converted config and tokenizer).
-Warm: the same command again, both caches filled by the cold start. Each start is a fresh process, and
+Cold: empty compilation cache, empty jaxserve cache (the GGUF's converted config and tokenizer) and no
+native CPU kernels built: a fresh machine's first start.
+Warm: the same command again, the caches filled by the cold start. Each start is a fresh process, and
 the server's own log gives the split (loading, KV allocation, warm-up).
 
     python benchmarks/startup.py --config default --json docs/startup.json
@@ -72,7 +73,8 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
                log_path: Path | None = None, wait_all: bool = True, first_requests: int = 0) -> dict[str, float]:
     """Starts a server, waits for /health, stops it; returns the seconds to ready and the log's phases."""
     port = _free_port()
-    env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache_dir / "jaxserve"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache_dir / "jaxserve"),
+               JAXSERVE_KERNEL_CACHE=str(cache_dir / "kernels"), HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", config, "--port", str(port),
                "--compilation-cache-dir", str(cache_dir / "xla"), *extra]
     start = time.perf_counter()

@@ -39,11 +39,13 @@ def startup_phases() -> dict[str, re.Pattern]:
     return module._PHASES
 
 
-def run_with_kernel_flags(script: str, flags: str, kernel_cache: Path) -> subprocess.CompletedProcess:
+def run_with_kernel_flags(script: str, flags: str) -> subprocess.CompletedProcess:
     """`script` (Python source, dedented here) in a process of its own, from the repository root, with the
-    native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`) into `kernel_cache`: a process
-    loads the kernels' library once, so another build needs another process. The process inherits this one's
-    backend; the tests that call this are `cpu_only`, so that backend is the CPU."""
-    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags, "JAXSERVE_KERNEL_CACHE": str(kernel_cache)}
+    native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`): a process loads the kernels'
+    library once, so another build needs another process. The build goes to the kernel cache the suite's
+    own builds use: its key holds the flags, so each set of flags is built once for every test (and run)
+    that asks for it. The process inherits this one's backend; the tests that call this are `cpu_only`, so
+    that backend is the CPU."""
+    env = {**os.environ, "JAXSERVE_KERNEL_FLAGS": flags}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=Path(__file__).resolve().parents[1])

@@ -110,7 +110,7 @@ def check_units_of_every_shape(head_dim: int, page_size: int, num_q_heads: int, 
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx"], ids=["8 lanes (AVX2)", "4 lanes (no AVX)"])
-def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags, tmp_path):
+def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags):
     """The blocked loops' tiles follow the build's vector registers (16 lanes with AVX-512, 8 with AVX, else
     4): built without AVX-512 and without AVX, in a process of its own (the library loads once per process),
     every unit shape against the oracle."""
@@ -121,7 +121,7 @@ def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags, tmp_pat
                 check_units_of_every_shape(head_dim, *shape)
         print("ok")
     """
-    result = run_with_kernel_flags(script, flags, tmp_path)
+    result = run_with_kernel_flags(script, flags)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 

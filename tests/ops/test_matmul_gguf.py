@@ -123,7 +123,7 @@ def test_the_largest_block_sums_do_not_overflow(kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"], ids=["avx2", "plain loops"])
-def test_the_other_instruction_sets_match_too(flags, tmp_path):
+def test_the_other_instruction_sets_match_too(flags):
     """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX2 (plain loops), in a process of its
     own (the library is loaded once per process): the same oracle."""
     script = """
@@ -134,7 +134,7 @@ def test_the_other_instruction_sets_match_too(flags, tmp_path):
                 check_against_float64(kind, m)
         print("ok")
     """
-    result = run_with_kernel_flags(script, flags, tmp_path)
+    result = run_with_kernel_flags(script, flags)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
