@@ -52,7 +52,8 @@ from jaxserve.config import (
     preset_names,
 )
 from jaxserve.device import pool_gpu_memory
-from jaxserve.platform import prepare_jax_platform
+from jaxserve.ops import kernel_build
+from jaxserve.platform import cpu_backend_expected, prepare_jax_platform
 
 logger = logging.getLogger("jaxserve")
 
@@ -333,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         if level != "debug":
             logging.getLogger(_JAX_PROBE_LOGGER).setLevel(logging.WARNING)
         prepare_jax_platform()  # before any backend starts: no CUDA plugin tracebacks on a machine without a GPU
+        if runs_steps(sys.argv[1:] if argv is None else argv) and cpu_backend_expected():
+            kernel_build.start_early()  # a first start's C++ compiles run while jax is imported and the model loads
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

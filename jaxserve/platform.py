@@ -27,8 +27,9 @@ drivers on your machine` (info lines, written before absl's logging is initialis
 them off (TF_CPP_MIN_LOG_LEVEL does not), only redirecting the process's stderr would.
 """
 
+import importlib.util
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 # The nodes jax checks (jax._src.hardware_utils._NVIDIA_GPU_DEVICES): a GPU, Docker's control node, WSL2.
 NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
@@ -69,3 +70,12 @@ def prepare_jax_platform(environ: MutableMapping[str, str] = os.environ) -> None
         )
     if not nvidia_gpu_visible():
         environ.setdefault(SKIP_CUDA_CHECK_ENV, "1")
+
+
+def cpu_backend_expected(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether jax will run on the CPU here, judged without importing it: JAX_PLATFORMS puts the CPU first,
+    or names nothing while no GPU's device node is visible and no TPU runtime is installed."""
+    if requested := requested_platforms(environ):
+        return requested[0] == "cpu"
+    gpu_nodes = NVIDIA_DEVICE_NODES + AMD_DEVICE_NODES
+    return not any(os.path.exists(node) for node in gpu_nodes) and importlib.util.find_spec("libtpu") is None

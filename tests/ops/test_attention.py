@@ -1,7 +1,6 @@
 """The attention paths that run on CPU (the reference, the jnp CPU path and the native decode kernel)
-against a float64 numpy oracle, the native kernel's build, and the impl choice."""
+against a float64 numpy oracle, and the impl choice."""
 
-import os
 import shutil
 from types import SimpleNamespace
 
@@ -190,24 +189,6 @@ def test_cpu_native_is_for_cpus():
     gpu = local_facts(SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="x"))
     with pytest.raises(ValueError, match="runs on CPUs, not on gpu"):
         resolve_impl("cpu-native", gpu)
-
-
-@needs_compiler
-def test_a_kernel_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    compiler = cpu_kernels._compiler()
-    library = cpu_kernels._build(compiler)
-    assert library.parent == tmp_path and library.suffix == ".so"
-    built_at = os.stat(library).st_mtime_ns
-    assert cpu_kernels._build(compiler) == library and os.stat(library).st_mtime_ns == built_at
-    assert [p.name for p in tmp_path.iterdir()] == [library.name], "no temporary files are left"
-
-
-def test_a_failed_build_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    with pytest.raises(cpu_kernels.NativeKernelUnavailable, match=r"building ragged_paged_attention\.cc failed"):
-        cpu_kernels._build("false")  # a "compiler" that always fails
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_without_the_kernels_auto_keeps_the_jnp_path_and_cpu_native_is_refused(monkeypatch):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jaxlib.version import __version_info__ as JAXLIB_VERSION
 
-from jaxserve.ops import cpu_kernels
+from jaxserve.ops import cpu_kernels, kernel_build
 from jaxserve.ops.kv_write import write_kv
 from tests.helpers import run_with_kernel_flags
 from tests.ops.matmul_cases import ROWS, SHAPES, assert_close, operands, oracle
@@ -53,7 +53,7 @@ def test_the_portable_loops_match_too():
     float32 loops: the same oracle, in a process of its own (the library is loaded once per process)."""
     script = f"""
         import jax, numpy as np
-        from jaxserve.ops import cpu_kernels
+        from jaxserve.ops import cpu_kernels, kernel_build
         from tests.ops.matmul_cases import SHAPES, assert_close, operands, oracle
         assert cpu_kernels.kernel_error() is None, cpu_kernels.kernel_error()
         for output_major_w in (False, True):
@@ -62,12 +62,12 @@ def test_the_portable_loops_match_too():
                 for k, n in SHAPES:
                     x, w = operands(m, k, n, output_major_w)
                     assert_close(np.asarray(call(x, w)), oracle(x, w, output_major_w), k)
-        print("portable ok", cpu_kernels._build(cpu_kernels._compiler()).name)
+        print("portable ok", kernel_build.built_library().name)
     """
     result = run_with_kernel_flags(script, "-mno-avx512bf16")
     assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
     built = result.stdout.split("portable ok")[1].split()[0]
-    assert built != cpu_kernels._build(cpu_kernels._compiler()).name, "the flags make a library of their own"
+    assert built != kernel_build.built_library().name, "the flags make a library of their own"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

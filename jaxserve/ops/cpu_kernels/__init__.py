@@ -6,11 +6,9 @@ a decode's attention reaches a fraction of the memory bandwidth that bounds it. 
 walks each request's pages in place instead, with work that follows the step's live tokens.
 
 The sources ship with the package and are compiled here, as llama.cpp and Triton compile for the machine
-they run on: `-march=native` picks up AVX-512 (or not) without a dispatch layer of our own. The shared
-library is cached under `JAXSERVE_KERNEL_CACHE` (default `~/.cache/jaxserve/kernels`), keyed by the source,
-the flags, jaxlib's version and this CPU's feature flags, so a changed machine or source builds anew; a
-build writes a temporary file and renames it into place, so processes building at once do not clash.
-Registration happens once per process, when a step that uses a kernel is first traced.
+they run on: `-march=native` picks up AVX-512 (or not) without a dispatch layer of our own. The build and
+its cache are `ops/kernel_build.py`'s. Registration happens once per process, when a step that uses a kernel is first
+traced.
 
 Without a C++ compiler (or when the build fails) `kernel_error()` says why and `auto` attention keeps the
 jnp CPU path; asking for `cpu-native` explicitly is then an error.
@@ -18,24 +16,14 @@ jnp CPU path; asking for `cpu-native` explicitly is then an error.
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
-SOURCES = ("ragged_paged_attention.cc", "matmul_gguf.cc", "matmul_bf16.cc", "write_kv.cc")  # longest build first
-HEADERS = ("work_sharing.h",)
-LIBRARY = "jaxserve_kernels"
+from jaxserve.ops import kernel_build
+from jaxserve.ops.kernel_build import NativeKernelUnavailable
+
 # FFI target name -> the library's handler symbol.
 TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
@@ -44,84 +32,14 @@ TARGETS = {
     "jaxserve_matmul_gguf": "JaxserveMatmulGguf",
     "jaxserve_write_kv": "JaxserveWriteKv",
 }
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-w")  # compiling
-# Linking is a separate step without -ffast-math: GCC 12 links crtfastmath.o into any -ffast-math link, even
-# -shared, whose constructor turns on flush-to-zero for the thread that loads the library, for good.
-BUILD_TIMEOUT_S = 120
-
-
-def _flags() -> tuple[str, ...]:
-    """FLAGS, then `JAXSERVE_KERNEL_FLAGS` (say `-mno-avx512bf16`, to build the portable loops)."""
-    return (*FLAGS, *os.environ.get("JAXSERVE_KERNEL_FLAGS", "").split())
-
-
-class NativeKernelUnavailable(RuntimeError):
-    """The native CPU kernels could not be built or loaded here (the message says why)."""
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")).expanduser()
-
-
-def _run_step(what: str, command: list[str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if result.returncode != 0:
-        raise NativeKernelUnavailable(f"building {what} failed: {result.stderr.strip()[-2000:]}")
-
-
-def _build(compiler: str) -> Path:
-    files = {name: resources.files(__package__).joinpath(name).read_bytes() for name in (*SOURCES, *HEADERS)}
-    key = hashlib.sha256(b"\0".join([
-        *(name.encode() + b"\0" + text for name, text in files.items()), " ".join(_flags()).encode(),
-        b"link: -shared", compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
-    ])).hexdigest()[:16]
-    library = _cache_dir() / f"{LIBRARY}-{key}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, text in files.items():
-            (Path(scratch) / name).write_bytes(text)
-        objects = [str(Path(scratch) / f"{Path(name).stem}.o") for name in SOURCES]
-        built = Path(scratch) / library.name
-        compiles = [(name, [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", "-c", str(Path(scratch) / name),
-                             "-o", obj]) for name, obj in zip(SOURCES, objects, strict=True)]
-        # One compiler per source at once, the longest first (SOURCES' order); a failure is reported for the
-        # first source in that order that failed, once every compile has ended.
-        with ThreadPoolExecutor(max_workers=min(len(compiles), len(os.sched_getaffinity(0)))) as pool:
-            for compiled in [pool.submit(_run_step, *step) for step in compiles]:
-                compiled.result()
-        _run_step(library.name, [compiler, "-shared", *objects, "-o", str(built)])
-        staged = library.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(built, staged)
-        os.replace(staged, library)
-    return library
 
 
 @functools.cache
 def _load() -> str | None:
     """Builds (or finds) and registers the kernels once per process; the reason they are missing, or None."""
-    compiler = _compiler()
-    if compiler is None:
-        return "no C++ compiler found (set CXX, or install g++)"
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-    except (NativeKernelUnavailable, OSError, subprocess.TimeoutExpired) as error:
+        library = ctypes.cdll.LoadLibrary(str(kernel_build.built_library()))
+    except (NativeKernelUnavailable, OSError) as error:
         return str(error)
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
