@@ -223,15 +223,13 @@ def engine(llama_dir):
 
 
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> Path:
-    """XLA's persistent cache for the servers the tests start, shared by the run's xdist workers (JAX locks
-    its writes): a server whose steps another one compiled (the same model, ladder and flags) loads them."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        return tmp_path_factory.mktemp("xla-cache")
-    shared = Path(tempfile.gettempdir()) / f"jaxserve-test-xla-cache-{run}"
-    shared.mkdir(exist_ok=True)
-    return shared
+def compile_cache() -> Path:
+    """XLA's persistent cache for the servers and subprocesses the tests start: the one `jaxserve serve` and
+    the tests' in-process engines use by default, so a server whose steps another server, worker or earlier
+    run compiled (the same model, ladder and flags) loads them (JAX locks its writes)."""
+    from jaxserve.config import EngineConfig
+
+    return Path(EngineConfig.compilation_cache_dir).expanduser()
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def _worker(spec_json: str) -> None:
                   max_num_seqs=4,
                   # One bucket of each kind: the three prompts prefill in one step and decode together.
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4], num_kv_pages=64,
-                  attention_impl=spec["attention_impl"], enable_prefix_caching=False, compilation_cache_dir="",
+                  attention_impl=spec["attention_impl"], enable_prefix_caching=False,
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"])
         runner = llm.engine.runner
         q_proj = _first_attention_weight(runner.model.state)

@@ -33,7 +33,7 @@ def test_convert_then_load_gives_the_same_weights_and_tokens(converted):
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     options = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[32],
-                   request_buckets=[1, 4], num_kv_pages=32, compilation_cache_dir="")
+                   request_buckets=[1, 4], num_kv_pages=32)
     outputs = [LLM(model=m, **options).generate(["Hello there"], params, use_tqdm=False)[0].outputs[0]
                for m in (str(out), str(original.source.directory))]
     assert outputs[0].token_ids == outputs[1].token_ids

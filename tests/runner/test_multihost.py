@@ -54,18 +54,16 @@ def _wait_exit(process: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"process {process.pid} still running {timeout}s after its peer stopped") from None
 
 
-def test_two_processes_serve_one_process_tokens_and_stop_together(tiny_model_dir, tmp_path):
+def test_two_processes_serve_one_process_tokens_and_stop_together(tiny_model_dir, tmp_path, compile_cache):
     from jaxserve import LLM, SamplingParams
 
     model_dir = tiny_model_dir("llama")
-    cache_dir = tmp_path / "xla"
-    single = LLM(model=str(model_dir), dtype="float32", config=str(SERVER_LADDER), num_kv_pages=64,
-                 compilation_cache_dir="")
+    single = LLM(model=str(model_dir), dtype="float32", config=str(SERVER_LADDER), num_kv_pages=64)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [out.outputs[0].text for out in single.generate(PROMPTS, params, use_tqdm=False)]
 
     # The leader stops (SIGTERM): the follower stops too, cleanly.
-    leader, follower, follower_log = _start_pair(model_dir, tmp_path, cache_dir)
+    leader, follower, follower_log = _start_pair(model_dir, tmp_path, compile_cache)
     try:
         assert [_greedy(leader.base_url, p) for p in PROMPTS] == want
         assert "process 1: following the leader" in follower_log.read_text()
@@ -76,7 +74,7 @@ def test_two_processes_serve_one_process_tokens_and_stop_together(tiny_model_dir
     assert "the leader stopped; this follower stops too" in follower_log.read_text()
 
     # A follower dies: the leader, whose next step could never complete, stops within seconds.
-    leader, follower, follower_log = _start_pair(model_dir, tmp_path, cache_dir)
+    leader, follower, follower_log = _start_pair(model_dir, tmp_path, compile_cache)
     try:
         assert _greedy(leader.base_url, PROMPTS[0]) == want[0]
         follower.send_signal(signal.SIGKILL)
