@@ -122,9 +122,9 @@ def _compile_and_link(compiler: str, files: dict[str, bytes], library: Path) -> 
         built = Path(scratch) / library.name
         compiles = [(name, [compiler, *flags(), f"-I{_include_dir()}", "-c", str(Path(scratch) / name), "-o", obj])
                     for name, obj in zip(SOURCES, objects, strict=True)]
-        # One compiler per source at once, the longest first (SOURCES' order); a failure is reported for the
-        # first source in that order that failed, once every compile has ended.
-        with ThreadPoolExecutor(max_workers=min(len(compiles), len(os.sched_getaffinity(0)))) as pool:
+        # One compiler per source at once (up to a core each), the longest first (SOURCES' order); a failure is
+        # reported for the first source in that order that failed, once every compile has ended.
+        with ThreadPoolExecutor(max_workers=min(len(compiles), os.cpu_count() or 1)) as pool:
             for compiled in [pool.submit(_run_step, *step) for step in compiles]:
                 compiled.result()
         _run_step(library.name, [compiler, "-shared", *objects, "-o", str(built)])
