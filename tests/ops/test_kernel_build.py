@@ -5,6 +5,8 @@ it imports jax, which the kernels' first use waits for."""
 import fcntl
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,37 +42,95 @@ def test_a_failed_build_says_so(cache: Path):
     assert list(cache.iterdir()) == []
 
 
-def test_a_build_under_way_elsewhere_is_waited_for_not_repeated(cache: Path):
+def test_a_build_under_way_elsewhere_is_waited_for_not_repeated(cache: Path, monkeypatch):
     """Another process holds the library's lock (here, this test): `build` waits, then takes the library
     that process made. Its own compiler (`false`) would fail, so a build of its own would raise."""
     library = kernel_build.library_path("false")
+    tries: list[int] = []
+    real_flock = fcntl.flock
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (tries.append(op), real_flock(f, op))[1])
     outcome: list = []
     with open(library.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        real_flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: outcome.append(kernel_build.build("false")))
         waiter.start()
-        time.sleep(0.5)
-        assert waiter.is_alive() and not outcome, "the build did not wait for the lock"
+        deadline = time.monotonic() + 30
+        while len(tries) < 2 and time.monotonic() < deadline:  # it found the lock taken, and tried again
+            time.sleep(0.05)
+        assert len(tries) >= 2 and waiter.is_alive() and not outcome, "the build did not wait for the lock"
         library.write_bytes(b"the other process's library")
     waiter.join(10)
     assert outcome == [library]
 
 
 def test_the_first_use_waits_for_the_early_build(cache: Path, monkeypatch):
-    builds: list[str] = []
+    """`start_early`'s thread builds; a first use meanwhile waits for that build and builds nothing itself."""
+    builders: list[str] = []
+    release = threading.Event()
 
-    def slow_build(compiler: str) -> Path:
-        time.sleep(0.5)
-        builds.append(compiler)
+    def held_build(compiler: str) -> Path:
+        builders.append(threading.current_thread().name)
+        assert release.wait(30)
         return cache / "built.so"
 
-    monkeypatch.setattr(kernel_build, "build", slow_build)
+    monkeypatch.setattr(kernel_build, "build", held_build)
     monkeypatch.setattr(kernel_build, "_outcome", None)  # this process's build, made again
     monkeypatch.setenv("CXX", shutil.which("true") or "true")
-    kernel_build.start_early()
-    assert kernel_build.built_library() == cache / "built.so"  # waited for the thread's build
-    assert kernel_build.built_library() == cache / "built.so"
-    assert len(builds) == 1
+    early = kernel_build.start_early()
+    deadline = time.monotonic() + 30
+    while not builders and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first_use: list[Path] = []
+    user = threading.Thread(target=lambda: first_use.append(kernel_build.built_library()))
+    user.start()
+    time.sleep(0.3)
+    assert user.is_alive() and not first_use, "the first use did not wait for the early build"
+    release.set()
+    user.join(10)
+    early.join(10)
+    assert first_use == [cache / "built.so"] and builders == ["jaxserve-kernel-build"]
+
+
+EXIT_MID_BUILD = """
+import sys, time
+from jaxserve.ops import kernel_build
+kernel_build.start_early()
+deadline = time.monotonic() + 30
+while not kernel_build._children and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("compiling", len(kernel_build._children), flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_process_that_exits_mid_build_stops_its_compilers(tmp_path: Path):
+    """A start that ends while its first build runs (a bad flag, a SIGTERM while loading) exits at once:
+    its compilers (here a "compiler" that takes 60 s) are killed and their scratch directory removed."""
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text("#!/bin/sh\necho $$ >> \"$(dirname \"$0\")/pids\"\nexec sleep 60\n")
+    compiler.chmod(0o755)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "CXX": str(compiler), "JAXSERVE_KERNEL_CACHE": str(tmp_path / "kernels"),
+           "TMPDIR": str(scratch)}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", EXIT_MID_BUILD], env=env, capture_output=True, text=True,
+                            timeout=50, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and f"compiling {len(kernel_build.SOURCES)}" in result.stdout, result.stderr
+    assert time.monotonic() - started < 50
+    assert list(scratch.iterdir()) == [], "the scratch directory was left"
+    time.sleep(0.5)
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == len(kernel_build.SOURCES)
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    assert alive == [], "compilers outlived the process"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
 
 
 def test_without_a_compiler_the_reason_is_kept(monkeypatch):
