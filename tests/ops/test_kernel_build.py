@@ -113,11 +113,10 @@ def test_a_process_that_exits_mid_build_stops_its_compilers(tmp_path: Path):
     scratch.mkdir()
     env = {**os.environ, "CXX": str(compiler), "JAXSERVE_KERNEL_CACHE": str(tmp_path / "kernels"),
            "TMPDIR": str(scratch)}
-    started = time.monotonic()
+    # The run's timeout is the bound: a process that waited for its "compiler" (60 s) would exceed it.
     result = subprocess.run([sys.executable, "-c", EXIT_MID_BUILD], env=env, capture_output=True, text=True,
                             timeout=50, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0 and f"compiling {len(kernel_build.SOURCES)}" in result.stdout, result.stderr
-    assert time.monotonic() - started < 50
     assert list(scratch.iterdir()) == [], "the scratch directory was left"
     time.sleep(0.5)
     pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]

@@ -7,8 +7,8 @@ walks each request's pages in place instead, with work that follows the step's l
 
 The sources ship with the package and are compiled here, as llama.cpp and Triton compile for the machine
 they run on: `-march=native` picks up AVX-512 (or not) without a dispatch layer of our own. The build and
-its cache are `ops/kernel_build.py`'s. Registration happens once per process, when a step that uses a kernel is first
-traced.
+its cache are `ops/kernel_build.py`'s. Registration happens once per process, when a step that uses a
+kernel is first traced.
 
 Without a C++ compiler (or when the build fails) `kernel_error()` says why and `auto` attention keeps the
 jnp CPU path; asking for `cpu-native` explicitly is then an error.
