@@ -100,11 +100,14 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
+    prompt_only = _prompt_only(req)
     prompts = await _prompts(serving, req)
     # Every prompt is checked before any starts, so a bad one is a 400 even when streaming. `echo` with
     # `logprobs` reports the prompt's tokens too: prompt logprobs with as many alternatives (vLLM's rule).
+    # A prompt-only request generates one token, which no part of the answer shows.
     echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
-    params = [serving.sampling_params(req, ids, req.max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = [serving.sampling_params(req, ids, max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
     grammar = await serving.compile_grammar(params[0])  # every prompt has the same structured output
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
@@ -118,8 +121,8 @@ async def create_completion(request: Request) -> Response:
             return CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = sse(_chunks(serving, req, prompts, choices, chunk),
-                   (lambda: chunk([], choices.usage)) if include_usage else None)
+        body = sse(_chunks(serving, req, prompts, choices, chunk, prompt_only),
+                   (lambda: chunk([], _usage(choices.usage, prompt_only))) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     finals = await collect(request, streams)
     items, num_generated = [], 0
@@ -130,18 +133,21 @@ async def create_completion(request: Request) -> Response:
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
             logprobs = None
-            if req.logprobs is not None:
+            if prompt_only:
+                logprobs = echoed
+            elif req.logprobs is not None:
                 logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0)
                 logprobs = _joined(echoed, logprobs) if echoed else logprobs
             items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
-                text=(prompt_text if req.echo else "") + completion.text,
+                text=(prompt_text if req.echo else "") + ("" if prompt_only else completion.text),
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+                finish_reason="length" if prompt_only else completion.finish_reason,
+                stop_reason=None if prompt_only else completion.stop_reason,
                 prompt_logprobs=prompt_logprobs,
             ))
-    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals))
+    usage = _usage(UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals)),
+                   prompt_only)
     return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
 
 
@@ -151,22 +157,48 @@ async def _chunks(
     prompts: list[tuple[str | None, list[int]]],
     choices: ChoiceStream,
     chunk: Callable[[list[CompletionChoice]], CompletionResponse],
+    prompt_only: bool,
 ) -> AsyncIterator[CompletionResponse]:
     echoed: set[int] = set()  # choices whose first chunk (carrying the echoed prompt) is out
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
-        text, logprobs = delta.completion.text_delta, None
-        if req.logprobs is not None:
+        text, logprobs = ("" if prompt_only else delta.completion.text_delta), None
+        if req.logprobs is not None and not prompt_only:
             logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index])
         if req.echo and delta.index not in echoed:  # as vLLM: the prompt leads the choice's first chunk
             echoed.add(delta.index)
             text = (prompts[delta.prompt_index][0] or "") + text
-            if logprobs is not None:
+            if req.logprobs is not None:
                 prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index])
-                logprobs = _joined(prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part)))
+                logprobs = prompt_part if prompt_only else _joined(
+                    prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part)))
         if logprobs is not None:
             text_offsets[delta.index] = _end_offset(logprobs) or text_offsets[delta.index]
+        finish_reason = delta.finish_reason
+        if prompt_only and finish_reason is not None:
+            finish_reason = "length"
         yield chunk([CompletionChoice(
-            index=delta.index, text=text, logprobs=logprobs,
-            finish_reason=delta.finish_reason, stop_reason=delta.completion.stop_reason,
+            index=delta.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=None if prompt_only else delta.completion.stop_reason,
         )])
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens` 0: the answer is the prompt alone, with its logprobs where asked (how the
+    legacy completions API, and vLLM, score a text). Elsewhere `max_tokens` is at least 1."""
+    if req.max_tokens != 0:
+        return False
+    if not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo, which returns the prompt alone)",
+                       "max_tokens")
+    if req.min_tokens:
+        raise APIError(400, "min_tokens must be 0 when max_tokens is 0", "min_tokens")
+    return True
+
+
+def _usage(usage: UsageInfo, prompt_only: bool) -> UsageInfo:
+    """The request's usage; a prompt-only request completes no token (its engine request's one is dropped)."""
+    if not prompt_only:
+        return usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return UsageInfo.of(usage.prompt_tokens, 0, cached)

@@ -53,6 +53,41 @@ def test_echo_with_logprobs_reports_the_prompt(client, hf_logprobs):
     assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
 
 
+def test_echo_with_no_tokens_scores_the_prompt(client, server, hf_logprobs):
+    """`echo` with `max_tokens` 0, how the legacy completions API (and vLLM) score a text: every choice is the
+    prompt alone with its logprobs, streamed or not, and the usage counts no completion token."""
+    prompt_text = httpx.post(f"{server.base_url}/detokenize", headers=AUTH, json={"tokens": PROMPT}).json()["prompt"]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, n=2,
+                                         temperature=1.0)
+    assert [choice.text for choice in response.choices] == [prompt_text] * 2
+    for choice in response.choices:
+        assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == len(PROMPT)
+        assert choice.logprobs.token_logprobs[0] is None
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], expected_prompt_logprobs(hf_logprobs),
+                                   atol=1e-4)
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(PROMPT), 0, len(PROMPT))
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    streamed = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert "".join(choice.text for choice in streamed) == prompt_text
+    assert [choice.finish_reason for choice in streamed][-1] == "length"
+    token_logprobs = [lp for choice in streamed if choice.logprobs for lp in choice.logprobs.token_logprobs]
+    assert token_logprobs[0] is None
+    assert token_logprobs[1:] == pytest.approx(response.choices[0].logprobs.token_logprobs[1:], abs=1e-5)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(PROMPT), 0)
+
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True)
+    assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
+    assert plain.usage.completion_tokens == 0
+
+    for extra, param in (({}, "max_tokens"), ({"echo": True, "extra_body": {"min_tokens": 2}}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, **extra)
+        assert error.value.body["param"] == param, error.value.body
+
+
 def test_prompt_logprobs_field_in_both_apis(client, server, hf_logprobs):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
                                          extra_body={"prompt_logprobs": 3})
