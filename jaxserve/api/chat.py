@@ -290,11 +290,13 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream:
         created = int(time.time())
 
-        def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage)
+        def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage,
+                                       prompt_token_ids=prompt_token_ids)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = sse(_chunks(serving, req, plan, reasoning, choices, chunk),
+        body = sse(_chunks(serving, req, plan, reasoning, choices, chunk, prompt_ids),
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     (final,) = await collect(request, streams)
@@ -306,10 +308,13 @@ async def create_chat_completion(request: Request) -> Response:
             message.content = echoed + (message.content or "")
         items.append(ChatChoice(index=c.index, message=message,
                                 logprobs=_logprobs(serving, c) if req.logprobs else None,
-                                finish_reason=finish_reason, stop_reason=c.stop_reason))
+                                finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                token_ids=list(c.token_ids) if req.return_token_ids else None))
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
-    return JSONResponse(ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
-                                               prompt_logprobs=await serving.prompt_logprobs(final)).model_dump())
+    return JSONResponse(ChatCompletionResponse(
+        id=request_id, model=model_name, choices=items, usage=usage,
+        prompt_logprobs=await serving.prompt_logprobs(final),
+        prompt_token_ids=prompt_ids if req.return_token_ids else None).model_dump())
 
 
 def _echoed(req: ChatCompletionRequest) -> str:
@@ -329,18 +334,23 @@ async def _chunks(
     plan: ToolPlan | None,
     reasoning: _Reasoning | None,
     choices: ChoiceStream,
-    chunk: Callable[[list[ChatChunkChoice]], ChatCompletionChunk],
+    chunk: Callable[..., ChatCompletionChunk],
+    prompt_ids: list[int],
 ) -> AsyncIterator[ChatCompletionChunk]:
     tool_streams = [ToolCallStream(plan.make_parser(), plan.max_calls) for _ in range(req.n)] if plan else []
     thought_streams = [reasoning.stream() for _ in range(req.n)] if reasoning else []
+    # return_token_ids: a choice's tokens since its last chunk (a delta with nothing to say yet keeps them)
+    pending_ids: list[list[int]] = [[] for _ in range(req.n)]
     echoed = _echoed(req)
     for i in range(req.n):  # the first chunk of each choice carries the role (and what echo repeats)
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    prompt_token_ids=prompt_ids if req.return_token_ids and i == 0 else None)
         if echoed:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))])
     async for delta in choices:
         completion = delta.completion
         finish_reason = delta.finish_reason
+        pending_ids[delta.index].extend(completion.token_ids)
         content: str | None = completion.text_delta
         thought: str | None = None
         if reasoning is not None:
@@ -357,10 +367,12 @@ async def _chunks(
         if (plan is not None or reasoning is not None) and not (content or calls or thought or finish_reason
                                                                  or req.logprobs):
             continue  # nothing to say yet (a call's name or a marker still arriving)
+        token_ids, pending_ids[delta.index] = pending_ids[delta.index], []
         yield chunk([ChatChunkChoice(
             index=delta.index, delta=DeltaMessage(content=content if content or (calls is None and thought is None)
                                                   else None, reasoning_content=thought, reasoning=thought,
                                                   tool_calls=calls),
             logprobs=_logprobs(serving, completion) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
+            token_ids=token_ids if req.return_token_ids else None,
         )])

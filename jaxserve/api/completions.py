@@ -145,6 +145,8 @@ async def create_completion(request: Request) -> Response:
                 finish_reason="length" if prompt_only else completion.finish_reason,
                 stop_reason=None if prompt_only else completion.stop_reason,
                 prompt_logprobs=prompt_logprobs,
+                token_ids=([] if prompt_only else list(completion.token_ids)) if req.return_token_ids else None,
+                prompt_token_ids=prompts[prompt_index][1] if req.return_token_ids else None,
             ))
     usage = _usage(UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals)),
                    prompt_only)
@@ -159,14 +161,15 @@ async def _chunks(
     chunk: Callable[[list[CompletionChoice]], CompletionResponse],
     prompt_only: bool,
 ) -> AsyncIterator[CompletionResponse]:
-    echoed: set[int] = set()  # choices whose first chunk (carrying the echoed prompt) is out
+    started: set[int] = set()  # choices whose first chunk (the echoed prompt, its ids) is out
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
         text, logprobs = ("" if prompt_only else delta.completion.text_delta), None
         if req.logprobs is not None and not prompt_only:
             logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index])
-        if req.echo and delta.index not in echoed:  # as vLLM: the prompt leads the choice's first chunk
-            echoed.add(delta.index)
+        first = delta.index not in started
+        started.add(delta.index)
+        if req.echo and first:  # as vLLM: the prompt leads the choice's first chunk
             text = (prompts[delta.prompt_index][0] or "") + text
             if req.logprobs is not None:
                 prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index])
@@ -177,9 +180,14 @@ async def _chunks(
         finish_reason = delta.finish_reason
         if prompt_only and finish_reason is not None:
             finish_reason = "length"
+        token_ids = prompt_token_ids = None
+        if req.return_token_ids:
+            token_ids = [] if prompt_only else list(delta.completion.token_ids)
+            prompt_token_ids = prompts[delta.prompt_index][1] if first else None
         yield chunk([CompletionChoice(
             index=delta.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-            stop_reason=None if prompt_only else delta.completion.stop_reason,
+            stop_reason=None if prompt_only else delta.completion.stop_reason, token_ids=token_ids,
+            prompt_token_ids=prompt_token_ids,
         )])
 
 

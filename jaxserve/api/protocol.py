@@ -94,6 +94,7 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     bad_words: list[str] | None = None  # words the output never completes
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -205,6 +206,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobList | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the choice's (a stream chunk's: its new ones)
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: in each choice's first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -255,6 +258,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: every token the choice generated
 
 
 class ChatCompletionResponse(BaseModel):
@@ -265,6 +269,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobList | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered prompt's
 
 
 class DeltaFunctionCall(BaseModel):
@@ -293,6 +298,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens since the choice's last chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -302,6 +308,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the stream's first chunk
 
 
 class ModelCard(BaseModel):

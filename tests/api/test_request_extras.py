@@ -122,3 +122,61 @@ def test_allowed_token_ids_and_bad_words(server, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == param, (extra, e.value.body)
+
+
+def _detokenize(server, token_ids: list[int]) -> str:
+    return httpx.post(f"{server.base_url}/detokenize", json={"tokens": token_ids},
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["prompt"]
+
+
+def test_return_token_ids_in_completions(server, client):
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's, which decode to its text; streamed, the
+    prompt's ids lead each choice's first chunk and every chunk carries its new ids."""
+    prompt_ids = _token_ids(server, "Hello there")
+    body = dict(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**body)
+    (choice,) = whole.choices
+    assert choice.model_extra["prompt_token_ids"] == prompt_ids
+    token_ids = choice.model_extra["token_ids"]
+    assert len(token_ids) == whole.usage.completion_tokens == 6 and _detokenize(server, token_ids) == choice.text
+
+    sampled = client.completions.create(model=MODEL, prompt=[prompt_ids, prompt_ids[:2]], max_tokens=5, n=2,
+                                        temperature=1.0, seed=3, extra_body={"return_token_ids": True,
+                                                                             "ignore_eos": True})
+    for c in sampled.choices:
+        assert c.model_extra["prompt_token_ids"] == (prompt_ids if c.index < 2 else prompt_ids[:2])
+        assert _detokenize(server, c.model_extra["token_ids"]) == c.text
+
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert [c.model_extra["prompt_token_ids"] for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c.model_extra["token_ids"]] == token_ids
+
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2).choices[0]
+    assert plain.model_extra["token_ids"] is None and plain.model_extra["prompt_token_ids"] is None
+
+
+def test_return_token_ids_in_chat(server, client):
+    """The rendered prompt's ids on the response (a stream's first chunk) and each choice's generated ids.
+    A streamed tool call holds some chunks back while a call's name arrives; their ids come with the next
+    chunk, so a stream's ids add up to the usage's count."""
+    rendered = httpx.post(f"{server.base_url}/tokenize", json={"messages": HELLO},
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]
+    body = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**body)
+    assert whole.model_extra["prompt_token_ids"] == rendered
+    token_ids = whole.choices[0].model_extra["token_ids"]
+    assert len(token_ids) == whole.usage.completion_tokens
+    assert _detokenize(server, token_ids).startswith(whole.choices[0].message.content)
+
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == rendered
+    assert all(c.model_extra["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"] or []] == token_ids
+
+    calls = list(client.chat.completions.create(
+        model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=160,
+        stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    streamed = [t for c in calls if c.choices for t in c.choices[0].model_extra["token_ids"] or []]
+    assert any(c.choices and c.choices[0].delta.tool_calls for c in calls)
+    assert len(streamed) == calls[-1].usage.completion_tokens
