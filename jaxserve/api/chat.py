@@ -145,14 +145,14 @@ async def render_chat(
     return await serving.off_loop(render)
 
 
-def _logprobs(serving: ModelServing, completion: CompletionOutput) -> ChatLogprobs:
+def _logprobs(serving: ModelServing, completion: CompletionOutput, as_ids: bool) -> ChatLogprobs:
     """Logprobs of the completion's tokens: all of them (a stream's delta holds only the new ones)."""
     content = []
     top = completion.top_logprobs or []
     for i in range(len(completion.token_ids)):
-        token = serving.token_string(completion.token_ids[i])
+        token = serving.token_label(completion.token_ids[i], as_ids)
         alternatives = [
-            TopLogprob(token=(s := serving.token_string(t)), logprob=lp, bytes=list(s.encode()))
+            TopLogprob(token=(s := serving.token_label(t, as_ids)), logprob=lp, bytes=list(s.encode()))
             for t, lp in (top[i].items() if top else ())
         ]
         content.append(TokenLogprob(token=token, logprob=completion.logprobs[i], bytes=list(token.encode()),
@@ -307,7 +307,8 @@ async def create_chat_completion(request: Request) -> Response:
         if echoed:
             message.content = echoed + (message.content or "")
         items.append(ChatChoice(index=c.index, message=message,
-                                logprobs=_logprobs(serving, c) if req.logprobs else None,
+                                logprobs=_logprobs(serving, c, req.return_tokens_as_token_ids) if req.logprobs
+                                else None,
                                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                                 token_ids=list(c.token_ids) if req.return_token_ids else None))
     usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
@@ -372,7 +373,7 @@ async def _chunks(
             index=delta.index, delta=DeltaMessage(content=content if content or (calls is None and thought is None)
                                                   else None, reasoning_content=thought, reasoning=thought,
                                                   tool_calls=calls),
-            logprobs=_logprobs(serving, completion) if req.logprobs else None,
+            logprobs=_logprobs(serving, completion, req.return_tokens_as_token_ids) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
             token_ids=token_ids if req.return_token_ids else None,
         )])

@@ -47,11 +47,12 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
     return result
 
 
-async def _echo_logprobs(serving: ModelServing, output: RequestOutput) -> CompletionLogprobs:
+async def _echo_logprobs(serving: ModelServing, output: RequestOutput, as_ids: bool) -> CompletionLogprobs:
     """The prompt's part of `echo` with `logprobs`: each prompt token with its prompt logprob (None for
     the first) and the alternatives the request asked for, in the legacy completions shape."""
     entries = output.prompt_logprobs or [None] * output.num_prompt_tokens
-    strings = await serving.token_strings({*output.prompt_token_ids, *(t for e in entries if e for t in e)})
+    ids = {*output.prompt_token_ids, *(t for e in entries if e for t in e)}
+    strings = {t: serving.token_label(t, True) for t in ids} if as_ids else await serving.token_strings(ids)
     result, text_offset = CompletionLogprobs(), 0
     for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
         token = strings[token_id]
@@ -74,19 +75,21 @@ def _end_offset(logprobs: CompletionLogprobs) -> int:
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
-def _logprobs(serving: ModelServing, completion: CompletionOutput, text_offset: int) -> CompletionLogprobs:
+def _logprobs(
+    serving: ModelServing, completion: CompletionOutput, text_offset: int, as_ids: bool
+) -> CompletionLogprobs:
     """Logprobs of the completion's tokens (a stream's delta holds only the new ones), in the legacy
     completions shape."""
     result = CompletionLogprobs()
     top = completion.top_logprobs or []
     for i in range(len(completion.token_ids)):
-        token = serving.token_string(completion.token_ids[i])
+        token = serving.token_label(completion.token_ids[i], as_ids)
         result.tokens.append(token)
         result.token_logprobs.append(completion.logprobs[i])
         result.text_offset.append(text_offset)
         text_offset += len(token)
         if top:
-            result.top_logprobs.append({serving.token_string(t): lp for t, lp in top[i].items()})
+            result.top_logprobs.append({serving.token_label(t, as_ids): lp for t, lp in top[i].items()})
         else:
             result.top_logprobs.append(None)
     return result
@@ -126,9 +129,11 @@ async def create_completion(request: Request) -> Response:
         return StreamingResponse(body, media_type="text/event-stream")
     finals = await collect(request, streams)
     items, num_generated = [], 0
+    as_ids = req.return_tokens_as_token_ids
     for prompt_index, output in enumerate(finals):
         prompt_text = prompts[prompt_index][0] or ""
-        echoed = await _echo_logprobs(serving, output) if req.echo and req.logprobs is not None else None
+        echoed = (await _echo_logprobs(serving, output, as_ids) if req.echo and req.logprobs is not None
+                  else None)
         prompt_logprobs = await serving.prompt_logprobs(output) if req.prompt_logprobs is not None else None
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
@@ -136,7 +141,7 @@ async def create_completion(request: Request) -> Response:
             if prompt_only:
                 logprobs = echoed
             elif req.logprobs is not None:
-                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0)
+                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0, as_ids)
                 logprobs = _joined(echoed, logprobs) if echoed else logprobs
             items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
@@ -162,19 +167,20 @@ async def _chunks(
     prompt_only: bool,
 ) -> AsyncIterator[CompletionResponse]:
     started: set[int] = set()  # choices whose first chunk (the echoed prompt, its ids) is out
+    as_ids = req.return_tokens_as_token_ids
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
         text, logprobs = ("" if prompt_only else delta.completion.text_delta), None
         if req.logprobs is not None and not prompt_only:
-            logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index])
+            logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index], as_ids)
         first = delta.index not in started
         started.add(delta.index)
         if req.echo and first:  # as vLLM: the prompt leads the choice's first chunk
             text = (prompts[delta.prompt_index][0] or "") + text
             if req.logprobs is not None:
-                prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index])
+                prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index], as_ids)
                 logprobs = prompt_part if prompt_only else _joined(
-                    prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part)))
+                    prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part), as_ids))
         if logprobs is not None:
             text_offsets[delta.index] = _end_offset(logprobs) or text_offsets[delta.index]
         finish_reason = delta.finish_reason

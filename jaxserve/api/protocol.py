@@ -95,6 +95,7 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None  # words the output never completes
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}", not by their text
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -1,5 +1,8 @@
 """vLLM's request extras through the openai SDK on the shared server: priority (refused: the server
-schedules fcfs), truncate_prompt_tokens, chat echo, roles, and tool calls cut by max_tokens."""
+schedules fcfs), truncate_prompt_tokens, chat echo, roles, tool calls cut by max_tokens, allowed_token_ids
+and bad_words, return_token_ids and return_tokens_as_token_ids."""
+
+import re
 
 import httpx
 import openai
@@ -180,3 +183,24 @@ def test_return_token_ids_in_chat(server, client):
     streamed = [t for c in calls if c.choices for t in c.choices[0].model_extra["token_ids"] or []]
     assert any(c.choices and c.choices[0].delta.tool_calls for c in calls)
     assert len(streamed) == calls[-1].usage.completion_tokens
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
+    """vLLM's `return_tokens_as_token_ids`: every token in logprobs (the echoed prompt's, the output's, the
+    alternatives) is "token_id:{id}", so a token whose bytes are not whole UTF-8 stays identifiable."""
+    prompt_ids = _token_ids(server, "Hello there")
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    choice = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, echo=True,
+                                       logprobs=2, extra_body=extra).choices[0]
+    ids = prompt_ids + choice.model_extra["token_ids"]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(re.fullmatch(r"token_id:\d+", key) for top in choice.logprobs.top_logprobs if top for key in top)
+    streamed = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, echo=True, logprobs=2, extra_body=extra,
+        stream=True) if c.choices]
+    assert [t for c in streamed for t in c.logprobs.tokens] == choice.logprobs.tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body=extra).choices[0]
+    assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", top.token) for e in chat.logprobs.content for top in e.top_logprobs)
