@@ -34,7 +34,7 @@ from jaxserve.api.protocol import (
 )
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningStream, split_reasoning
 from jaxserve.api.serving import ModelServing, get_serving, requested_structure
-from jaxserve.api.streaming import ChoiceStream, collect, sse
+from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -290,12 +290,15 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream:
         created = int(time.time())
 
+        include_usage, usage_every_chunk = stream_usage(req.stream_options)
+
         def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+            if usage is None and usage_every_chunk:
+                usage = choices.usage
             return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage,
                                        prompt_token_ids=prompt_token_ids)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse(_chunks(serving, req, plan, reasoning, choices, chunk, prompt_ids),
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")

@@ -15,7 +15,7 @@ from jaxserve.api.protocol import (
     random_id,
 )
 from jaxserve.api.serving import ModelServing, get_serving
-from jaxserve.api.streaming import ChoiceStream, collect, sse
+from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n: one HTTP request may not queue unbounded work
@@ -120,10 +120,13 @@ async def create_completion(request: Request) -> Response:
     choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
     model_name = req.model or serving.model_names[0]
     if req.stream:
+        include_usage, usage_every_chunk = stream_usage(req.stream_options)
+
         def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+            if usage is None and usage_every_chunk:
+                usage = _usage(choices.usage, prompt_only)
             return CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse(_chunks(serving, req, prompts, choices, chunk, prompt_only),
                    (lambda: chunk([], _usage(choices.usage, prompt_only))) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")

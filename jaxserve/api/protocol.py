@@ -28,7 +28,7 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from jaxserve.api.errors import APIError, error_body
-from jaxserve.api.protocol import UsageInfo
+from jaxserve.api.protocol import StreamOptions, UsageInfo
 from jaxserve.api.serving import merge_streams, unless_disconnected
 from jaxserve.engine.async_engine import EngineDeadError, RequestFailedError
 from jaxserve.outputs import CompletionOutput, RequestOutput, add_delta
@@ -76,6 +76,13 @@ class ChoiceStream:
                 if completion.finished:
                     self._finished.add(index)
                 yield ChoiceDelta(index, prompt_index, completion)
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a usage chunk after the last, the usage so far in every chunk): `include_usage`, and vLLM's
+    `continuous_usage_stats`, which counts only beside it."""
+    at_end = bool(options and options.include_usage)
+    return at_end, at_end and options is not None and options.continuous_usage_stats
 
 
 def sse_data(chunk: BaseModel) -> str:

@@ -1,6 +1,6 @@
 """vLLM's request extras through the openai SDK on the shared server: priority (refused: the server
 schedules fcfs), truncate_prompt_tokens, chat echo, roles, tool calls cut by max_tokens, allowed_token_ids
-and bad_words, return_token_ids and return_tokens_as_token_ids."""
+and bad_words, return_token_ids and return_tokens_as_token_ids, continuous_usage_stats."""
 
 import re
 
@@ -204,3 +204,24 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
                                           top_logprobs=2, extra_body=extra).choices[0]
     assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
     assert all(re.fullmatch(r"token_id:\d+", top.token) for e in chat.logprobs.content for top in e.top_logprobs)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's `stream_options.continuous_usage_stats` beside `include_usage`: each chunk carries the usage
+    so far, completion tokens counting up to the final usage chunk's; without it only that last chunk does."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kwargs in ((client.completions.create, {"prompt": "Hello there"}),
+                           (client.chat.completions.create, {"messages": HELLO})):
+        chunks = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}, **kwargs))
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 6 and len(set(counts)) > 2
+        assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        plain = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True,
+                            stream_options={"include_usage": True}, **kwargs))
+        assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+        alone = list(create(model=MODEL, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True},
+                            **kwargs))
+        assert all(c.usage is None for c in alone), "continuous_usage_stats counts only beside include_usage"
