@@ -3,9 +3,9 @@
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from starlette.requests import Request
@@ -145,14 +145,14 @@ async def render_chat(
     return await serving.off_loop(render)
 
 
-def _logprobs(serving: ModelServing, completion: CompletionOutput, as_ids: bool) -> ChatLogprobs:
+def _logprobs(serving: ModelServing, completion: CompletionOutput, by_id: bool) -> ChatLogprobs:
     """Logprobs of the completion's tokens: all of them (a stream's delta holds only the new ones)."""
     content = []
     top = completion.top_logprobs or []
     for i in range(len(completion.token_ids)):
-        token = serving.token_label(completion.token_ids[i], as_ids)
+        token = serving.token_label(completion.token_ids[i], by_id)
         alternatives = [
-            TopLogprob(token=(s := serving.token_label(t, as_ids)), logprob=lp, bytes=list(s.encode()))
+            TopLogprob(token=(s := serving.token_label(t, by_id)), logprob=lp, bytes=list(s.encode()))
             for t, lp in (top[i].items() if top else ())
         ]
         content.append(TokenLogprob(token=token, logprob=completion.logprobs[i], bytes=list(token.encode()),
@@ -286,7 +286,7 @@ async def create_chat_completion(request: Request) -> Response:
     run = await start_chat(serving, req, request_id)
     prompt_ids, plan, reasoning, streams = run.prompt_ids, run.plan, run.reasoning, run.streams
     model_name = req.model or serving.model_names[0]
-    choices = ChoiceStream(streams, req.n, len(prompt_ids))
+    choices = ChoiceStream(streams, req.n, [len(prompt_ids)])
     if req.stream:
         created = int(time.time())
 
@@ -294,8 +294,8 @@ async def create_chat_completion(request: Request) -> Response:
 
         def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
-            if usage is None and usage_every_chunk:
-                usage = choices.usage
+            if usage is None and usage_every_chunk and items:
+                usage = choices.choice_usage(items[0].index)
             return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=items, usage=usage,
                                        prompt_token_ids=prompt_token_ids)
 
@@ -332,13 +332,18 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return "\n".join(part["text"] for part in last.content)  # text parts only: render_chat checked them
 
 
+class _ChunkMaker(Protocol):
+    def __call__(self, items: list[ChatChunkChoice], usage: UsageInfo | None = None,
+                 prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk: ...
+
+
 async def _chunks(
     serving: ModelServing,
     req: ChatCompletionRequest,
     plan: ToolPlan | None,
     reasoning: _Reasoning | None,
     choices: ChoiceStream,
-    chunk: Callable[..., ChatCompletionChunk],
+    chunk: _ChunkMaker,
     prompt_ids: list[int],
 ) -> AsyncIterator[ChatCompletionChunk]:
     tool_streams = [ToolCallStream(plan.make_parser(), plan.max_calls) for _ in range(req.n)] if plan else []
@@ -346,9 +351,9 @@ async def _chunks(
     # return_token_ids: a choice's tokens since its last chunk (a delta with nothing to say yet keeps them)
     pending_ids: list[list[int]] = [[] for _ in range(req.n)]
     echoed = _echoed(req)
-    for i in range(req.n):  # the first chunk of each choice carries the role (and what echo repeats)
+    for i in range(req.n):  # each choice's first chunk carries the role (the prompt's ids; what echo repeats)
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                    prompt_token_ids=prompt_ids if req.return_token_ids and i == 0 else None)
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None)
         if echoed:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))])
     async for delta in choices:

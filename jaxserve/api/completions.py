@@ -1,5 +1,6 @@
 """POST /v1/completions: one engine request per prompt (each with its n completions), streamed or not."""
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -47,12 +48,15 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
     return result
 
 
-async def _echo_logprobs(serving: ModelServing, output: RequestOutput, as_ids: bool) -> CompletionLogprobs:
+async def _echo_logprobs(serving: ModelServing, output: RequestOutput, by_id: bool) -> CompletionLogprobs:
     """The prompt's part of `echo` with `logprobs`: each prompt token with its prompt logprob (None for
     the first) and the alternatives the request asked for, in the legacy completions shape."""
     entries = output.prompt_logprobs or [None] * output.num_prompt_tokens
     ids = {*output.prompt_token_ids, *(t for e in entries if e for t in e)}
-    strings = {t: serving.token_label(t, True) for t in ids} if as_ids else await serving.token_strings(ids)
+    if by_id:  # named "token_id:{id}": nothing to decode
+        strings = {t: serving.token_label(t, by_id=True) for t in ids}
+    else:
+        strings = await serving.token_strings(ids)
     result, text_offset = CompletionLogprobs(), 0
     for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
         token = strings[token_id]
@@ -76,20 +80,20 @@ def _end_offset(logprobs: CompletionLogprobs) -> int:
 
 
 def _logprobs(
-    serving: ModelServing, completion: CompletionOutput, text_offset: int, as_ids: bool
+    serving: ModelServing, completion: CompletionOutput, text_offset: int, by_id: bool
 ) -> CompletionLogprobs:
     """Logprobs of the completion's tokens (a stream's delta holds only the new ones), in the legacy
     completions shape."""
     result = CompletionLogprobs()
     top = completion.top_logprobs or []
     for i in range(len(completion.token_ids)):
-        token = serving.token_label(completion.token_ids[i], as_ids)
+        token = serving.token_label(completion.token_ids[i], by_id)
         result.tokens.append(token)
         result.token_logprobs.append(completion.logprobs[i])
         result.text_offset.append(text_offset)
         text_offset += len(token)
         if top:
-            result.top_logprobs.append({serving.token_label(t, as_ids): lp for t, lp in top[i].items()})
+            result.top_logprobs.append({serving.token_label(t, by_id): lp for t, lp in top[i].items()})
         else:
             result.top_logprobs.append(None)
     return result
@@ -107,9 +111,8 @@ async def create_completion(request: Request) -> Response:
     prompts = await _prompts(serving, req)
     # Every prompt is checked before any starts, so a bad one is a 400 even when streaming. `echo` with
     # `logprobs` reports the prompt's tokens too: prompt logprobs with as many alternatives (vLLM's rule).
-    # A prompt-only request generates one token, which no part of the answer shows.
     echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
-    max_tokens = 1 if prompt_only else req.max_tokens
+    max_tokens = 1 if prompt_only else req.max_tokens  # the engine generates at least one token
     params = [serving.sampling_params(req, ids, max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
     grammar = await serving.compile_grammar(params[0])  # every prompt has the same structured output
     if req.echo:
@@ -117,47 +120,46 @@ async def create_completion(request: Request) -> Response:
     request_id = random_id("cmpl")
     streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt, grammar, req.priority)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
-    choices = ChoiceStream(streams, req.n, sum(len(ids) for _, ids in prompts))
+    if prompt_only:
+        streams = [_without_completions(stream) for stream in streams]
+    choices = ChoiceStream(streams, req.n, [len(ids) for _, ids in prompts])
     model_name = req.model or serving.model_names[0]
     if req.stream:
         include_usage, usage_every_chunk = stream_usage(req.stream_options)
 
         def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-            if usage is None and usage_every_chunk:
-                usage = _usage(choices.usage, prompt_only)
+            if usage is None and usage_every_chunk and items:
+                usage = choices.choice_usage(items[0].index)
             return CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage)
 
-        body = sse(_chunks(serving, req, prompts, choices, chunk, prompt_only),
-                   (lambda: chunk([], _usage(choices.usage, prompt_only))) if include_usage else None)
+        body = sse(_chunks(serving, req, prompts, choices, chunk),
+                   (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     finals = await collect(request, streams)
     items, num_generated = [], 0
-    as_ids = req.return_tokens_as_token_ids
+    by_id = req.return_tokens_as_token_ids
     for prompt_index, output in enumerate(finals):
-        prompt_text = prompts[prompt_index][0] or ""
-        echoed = (await _echo_logprobs(serving, output, as_ids) if req.echo and req.logprobs is not None
+        prompt_text, prompt_ids = prompts[prompt_index]
+        echoed = (await _echo_logprobs(serving, output, by_id) if req.echo and req.logprobs is not None
                   else None)
         prompt_logprobs = await serving.prompt_logprobs(output) if req.prompt_logprobs is not None else None
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
             logprobs = None
-            if prompt_only:
-                logprobs = echoed
-            elif req.logprobs is not None:
-                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0, as_ids)
+            if req.logprobs is not None:
+                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0, by_id)
                 logprobs = _joined(echoed, logprobs) if echoed else logprobs
             items.append(CompletionChoice(
                 index=prompt_index * req.n + completion.index,
-                text=(prompt_text if req.echo else "") + ("" if prompt_only else completion.text),
+                text=((prompt_text or "") if req.echo else "") + completion.text,
                 logprobs=logprobs,
-                finish_reason="length" if prompt_only else completion.finish_reason,
-                stop_reason=None if prompt_only else completion.stop_reason,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
                 prompt_logprobs=prompt_logprobs,
-                token_ids=([] if prompt_only else list(completion.token_ids)) if req.return_token_ids else None,
-                prompt_token_ids=prompts[prompt_index][1] if req.return_token_ids else None,
+                token_ids=list(completion.token_ids) if req.return_token_ids else None,
+                prompt_token_ids=prompt_ids if req.return_token_ids else None,
             ))
-    usage = _usage(UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals)),
-                   prompt_only)
+    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals))
     return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
 
 
@@ -167,36 +169,29 @@ async def _chunks(
     prompts: list[tuple[str | None, list[int]]],
     choices: ChoiceStream,
     chunk: Callable[[list[CompletionChoice]], CompletionResponse],
-    prompt_only: bool,
 ) -> AsyncIterator[CompletionResponse]:
     started: set[int] = set()  # choices whose first chunk (the echoed prompt, its ids) is out
-    as_ids = req.return_tokens_as_token_ids
+    by_id = req.return_tokens_as_token_ids
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
-        text, logprobs = ("" if prompt_only else delta.completion.text_delta), None
-        if req.logprobs is not None and not prompt_only:
-            logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index], as_ids)
+        prompt_text, prompt_ids = prompts[delta.prompt_index]
         first = delta.index not in started
         started.add(delta.index)
+        text, logprobs = delta.completion.text_delta, None
+        if req.logprobs is not None:
+            logprobs = _logprobs(serving, delta.completion, text_offsets[delta.index], by_id)
         if req.echo and first:  # as vLLM: the prompt leads the choice's first chunk
-            text = (prompts[delta.prompt_index][0] or "") + text
-            if req.logprobs is not None:
-                prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index], as_ids)
-                logprobs = prompt_part if prompt_only else _joined(
-                    prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part), as_ids))
+            text = (prompt_text or "") + text
+            if logprobs is not None:
+                prompt_part = await _echo_logprobs(serving, choices.prompt_outputs[delta.prompt_index], by_id)
+                logprobs = _joined(prompt_part, _logprobs(serving, delta.completion, _end_offset(prompt_part), by_id))
         if logprobs is not None:
             text_offsets[delta.index] = _end_offset(logprobs) or text_offsets[delta.index]
-        finish_reason = delta.finish_reason
-        if prompt_only and finish_reason is not None:
-            finish_reason = "length"
-        token_ids = prompt_token_ids = None
-        if req.return_token_ids:
-            token_ids = [] if prompt_only else list(delta.completion.token_ids)
-            prompt_token_ids = prompts[delta.prompt_index][1] if first else None
         yield chunk([CompletionChoice(
-            index=delta.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-            stop_reason=None if prompt_only else delta.completion.stop_reason, token_ids=token_ids,
-            prompt_token_ids=prompt_token_ids,
+            index=delta.index, text=text, logprobs=logprobs,
+            finish_reason=delta.finish_reason, stop_reason=delta.completion.stop_reason,
+            token_ids=list(delta.completion.token_ids) if req.return_token_ids else None,
+            prompt_token_ids=prompt_ids if req.return_token_ids and first else None,
         )])
 
 
@@ -213,9 +208,12 @@ def _prompt_only(req: CompletionRequest) -> bool:
     return True
 
 
-def _usage(usage: UsageInfo, prompt_only: bool) -> UsageInfo:
-    """The request's usage; a prompt-only request completes no token (its engine request's one is dropped)."""
-    if not prompt_only:
-        return usage
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return UsageInfo.of(usage.prompt_tokens, 0, cached)
+async def _without_completions(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A prompt-only request's outputs: the one token its engine request generates is dropped (no text, id or
+    logprob of it anywhere, usage included), and each choice finishes by length, as after 0 tokens."""
+    async for output in outputs:
+        yield dataclasses.replace(output, outputs=[
+            CompletionOutput(index=c.index, logprobs=[] if c.logprobs is not None else None,
+                             top_logprobs=[] if c.top_logprobs is not None else None,
+                             finish_reason="length" if c.finished else None)
+            for c in output.outputs])

@@ -309,7 +309,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids: in the stream's first chunk
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first chunk
 
 
 class ModelCard(BaseModel):

@@ -203,7 +203,7 @@ async def create_response(request: Request) -> Response:
             serving.responses.put(final, _conversation_after(messages, list(final.output)))
 
     if req.stream:
-        choices = ChoiceStream(run.streams, 1, len(run.prompt_ids))
+        choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
         return StreamingResponse(_events(run, choices, response, keep), media_type="text/event-stream")
     (output,) = await collect(request, run.streams)
     completion = output.outputs[0]

@@ -212,10 +212,10 @@ class ModelServing:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def token_label(self, token_id: int, as_id: bool) -> str:
+    def token_label(self, token_id: int, by_id: bool) -> str:
         """How logprobs name a token: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:{id}"
         (a token whose bytes are not whole UTF-8, alone, has no text of its own)."""
-        return f"token_id:{token_id}" if as_id else self.token_string(token_id)
+        return f"token_id:{token_id}" if by_id else self.token_string(token_id)
 
     def token_string(self, token_id: int) -> str:
         if token_id not in self._token_strings:

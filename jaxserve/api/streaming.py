@@ -49,19 +49,27 @@ class ChoiceDelta:
 class ChoiceStream:
     """Per-choice deltas over several engine requests, with usage counted as they stream."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], n: int, num_prompt_tokens: int) -> None:
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], n: int, prompt_lengths: list[int]) -> None:
         self._streams = streams
         self._n = n
         self._finished: set[int] = set()
         self._cached_tokens = [0] * len(streams)  # per prompt, from its latest output
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_generated_tokens = 0
+        self._prompt_lengths = prompt_lengths  # per prompt (one per stream)
+        self._choice_tokens = [0] * (len(streams) * n)  # generated so far, per choice
+        self.num_prompt_tokens = sum(prompt_lengths)
         # Per prompt, the output that brought its prompt facts (prompt logprobs come once), else its first.
         self.prompt_outputs: list[RequestOutput | None] = [None] * len(streams)
 
     @property
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.num_generated_tokens, sum(self._cached_tokens))
+        return UsageInfo.of(self.num_prompt_tokens, sum(self._choice_tokens), sum(self._cached_tokens))
+
+    def choice_usage(self, index: int) -> UsageInfo:
+        """Choice `index`'s usage so far: its prompt's tokens and its own generated ones (what vLLM's
+        `continuous_usage_stats` puts in each of a choice's chunks)."""
+        prompt_index = index // self._n
+        return UsageInfo.of(self._prompt_lengths[prompt_index], self._choice_tokens[index],
+                            self._cached_tokens[prompt_index])
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         async for prompt_index, output in merge_streams(self._streams):
@@ -72,7 +80,7 @@ class ChoiceStream:
                 index = prompt_index * self._n + completion.index
                 if index in self._finished or not (completion.text or completion.finished or completion.token_ids):
                     continue
-                self.num_generated_tokens += len(completion.token_ids)
+                self._choice_tokens[index] += len(completion.token_ids)
                 if completion.finished:
                     self._finished.add(index)
                 yield ChoiceDelta(index, prompt_index, completion)

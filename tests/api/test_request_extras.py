@@ -155,6 +155,20 @@ def test_return_token_ids_in_completions(server, client):
     assert [c.model_extra["prompt_token_ids"] for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
     assert [t for c in chunks for t in c.model_extra["token_ids"]] == token_ids
 
+    # Two prompts, two greedy choices each, echoed: each choice's first chunk brings its prompt's ids.
+    other_ids = _token_ids(server, "Good morning")
+    streamed = [c.choices[0] for c in client.completions.create(
+        **{**body, "prompt": ["Hello there", "Good morning"]}, n=2, echo=True, stream=True) if c.choices]
+    for index, want_prompt in enumerate([prompt_ids, prompt_ids, other_ids, other_ids]):
+        mine = [c for c in streamed if c.index == index]
+        assert [c.model_extra["prompt_token_ids"] for c in mine] == [want_prompt] + [None] * (len(mine) - 1)
+        assert len([t for c in mine for t in c.model_extra["token_ids"]]) == 6
+    assert [t for c in streamed if c.index == 1 for t in c.model_extra["token_ids"]] == token_ids
+
+    scored = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True,
+                                       extra_body={"return_token_ids": True}).choices[0]
+    assert scored.model_extra["token_ids"] == [] and scored.model_extra["prompt_token_ids"] == prompt_ids
+
     plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2).choices[0]
     assert plain.model_extra["token_ids"] is None and plain.model_extra["prompt_token_ids"] is None
 
@@ -172,17 +186,23 @@ def test_return_token_ids_in_chat(server, client):
     assert len(token_ids) == whole.usage.completion_tokens
     assert _detokenize(server, token_ids).startswith(whole.choices[0].message.content)
 
-    chunks = list(client.chat.completions.create(**body, stream=True))
-    assert chunks[0].model_extra["prompt_token_ids"] == rendered
-    assert all(c.model_extra["prompt_token_ids"] is None for c in chunks[1:])
-    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"] or []] == token_ids
+    chunks = list(client.chat.completions.create(**body, n=2, stream=True))
+    firsts = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(c.choices[0].index for c in firsts) == [0, 1]
+    assert all(c.model_extra["prompt_token_ids"] == rendered for c in firsts)
+    assert all(c.model_extra["prompt_token_ids"] is None for c in chunks if c not in firsts)
+    for index in (0, 1):
+        assert [t for c in chunks if c.choices and c.choices[0].index == index
+                for t in c.choices[0].model_extra["token_ids"] or []] == token_ids
 
-    calls = list(client.chat.completions.create(
-        model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=160,
-        stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
-    streamed = [t for c in calls if c.choices for t in c.choices[0].model_extra["token_ids"] or []]
+    tool_call = dict(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required", temperature=0,
+                     max_tokens=160, extra_body={"return_token_ids": True})
+    called = client.chat.completions.create(**tool_call).choices[0]
+    calls = list(client.chat.completions.create(**tool_call, stream=True))
+    ids_per_chunk = [c.choices[0].model_extra["token_ids"] or [] for c in calls if c.choices]
     assert any(c.choices and c.choices[0].delta.tool_calls for c in calls)
-    assert len(streamed) == calls[-1].usage.completion_tokens
+    assert [t for ids in ids_per_chunk for t in ids] == called.model_extra["token_ids"]
+    assert max(map(len, ids_per_chunk)) > 1, "a chunk brought the ids of deltas the tool parser held back"
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
@@ -225,3 +245,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
         alone = list(create(model=MODEL, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True},
                             **kwargs))
         assert all(c.usage is None for c in alone), "continuous_usage_stats counts only beside include_usage"
+
+
+def test_continuous_usage_counts_each_choice_on_its_own(server, client):
+    """As vLLM: a chunk's usage is its choice's (its prompt's tokens, its own tokens so far); only the last,
+    choice-less chunk sums the request. A prompt-only request's chunks count no completion token."""
+    lengths = {0: len(_token_ids(server, "Hello there")), 1: len(_token_ids(server, "Good morning friend"))}
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=["Hello there", "Good morning friend"], n=2, max_tokens=5, temperature=1.0, seed=7,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    so_far = [0] * 4
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        so_far[choice.index] += len(choice.model_extra["token_ids"])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (lengths[choice.index // 2], so_far[choice.index])
+    assert so_far == [5] * 4 and chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (sum(lengths.values()), 20)
+    scored = list(client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=0, echo=True, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in scored] == [0] * len(scored)
