@@ -266,3 +266,24 @@ def test_continuous_usage_counts_each_choice_on_its_own(server, client):
         model=MODEL, prompt="Hello there", max_tokens=0, echo=True, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert [c.usage.completion_tokens for c in scored] == [0] * len(scored)
+
+
+def test_the_token_id_fields_refuse_what_is_not_a_boolean(server):
+    """Hostile values of the new fields are 400s naming the field; `max_tokens` below 0 with `echo` still
+    is one (only 0 scores the prompt)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    for extra, param in (({"return_token_ids": [1]}, "return_token_ids"),
+                         ({"return_token_ids": "maybe"}, "return_token_ids"),
+                         ({"return_tokens_as_token_ids": {"a": 1}}, "return_tokens_as_token_ids"),
+                         ({"return_tokens_as_token_ids": 10**30}, "return_tokens_as_token_ids"),
+                         ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "x"}},
+                          "stream_options.continuous_usage_stats"),
+                         ({"echo": True, "max_tokens": -1}, "max_tokens")):
+        for path, body in (("completions", {**base, **extra}),
+                           ("chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2, **extra})):
+            if path == "chat/completions" and "echo" in extra:
+                continue  # chat's echo is another field's rule
+            response = httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=headers)
+            assert response.status_code == 400, (path, extra, response.text)
+            assert response.json()["error"]["param"] == param, (path, extra, response.text)
