@@ -30,10 +30,9 @@ from jaxserve.api.protocol import (
     ToolCallInfo,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningStream, split_reasoning
-from jaxserve.api.serving import ModelServing, get_serving, requested_structure
+from jaxserve.api.serving import ModelServing, get_serving, request_ids, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
@@ -111,10 +110,14 @@ async def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
     truncate: int | None = None,
+    *,
+    documents: list[dict[str, str]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """The conversation rendered by the chat template and tokenized (the template adds special tokens),
-    on the tokenizer thread: rendering and tokenizing grow with the input. `truncate`: its last tokens
-    kept (truncate_prompt_tokens, checked already)."""
+    """The conversation rendered by the chat template and tokenized, on the tokenizer thread: rendering and
+    tokenizing grow with the input. The template writes the special tokens; `add_special_tokens` adds the
+    tokenizer's own on top (vLLM's field; a second BOS for most templates). `documents` reach the template
+    as `documents`. `truncate`: its last tokens kept (truncate_prompt_tokens, checked already)."""
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -133,14 +136,14 @@ async def render_chat(
         try:
             text = serving.tokenizer.apply_chat_template(
                 conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, tools=tools,
+                continue_final_message=continue_final_message, tokenize=False, tools=tools, documents=documents,
                 **(chat_template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
         if truncate is None:
             serving.check_text_length(text, "messages")
-        return serving.truncate(serving.tokenizer.encode(text, add_special_tokens=False), truncate)
+        return serving.truncate(serving.tokenizer.encode(text, add_special_tokens=add_special_tokens), truncate)
 
     return await serving.off_loop(render)
 
@@ -265,7 +268,8 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     serving.check_truncation(req.truncate_prompt_tokens)
     prompt_ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   req.chat_template, req.chat_template_kwargs, tools, req.truncate_prompt_tokens)
+                                   req.chat_template, req.chat_template_kwargs, tools, req.truncate_prompt_tokens,
+                                   documents=req.documents, add_special_tokens=req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
@@ -282,8 +286,8 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
 async def create_chat_completion(request: Request) -> Response:
     serving = get_serving(request)
     req = await serving.parse(request, ChatCompletionRequest)
-    request_id = random_id("chatcmpl")
-    run = await start_chat(serving, req, request_id)
+    request_id, engine_id = request_ids("chatcmpl", request, req.request_id)
+    run = await start_chat(serving, req, engine_id)
     prompt_ids, plan, reasoning, streams = run.prompt_ids, run.plan, run.reasoning, run.streams
     model_name = req.model or serving.model_names[0]
     choices = ChoiceStream(streams, req.n, [len(prompt_ids)])

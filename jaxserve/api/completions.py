@@ -13,9 +13,8 @@ from jaxserve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    random_id,
 )
-from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.api.serving import ModelServing, get_serving, request_ids
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
@@ -40,7 +39,7 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
     result = []
     for item in items:
         if isinstance(item, str):
-            ids = await serving.encode(item, truncate=req.truncate_prompt_tokens) if item else []
+            ids = await serving.encode(item, req.add_special_tokens, req.truncate_prompt_tokens) if item else []
             # A truncated prompt's text is what its kept tokens decode to (for echo)
             result.append((item if req.truncate_prompt_tokens is None else None, ids))
         else:
@@ -117,8 +116,8 @@ async def create_completion(request: Request) -> Response:
     grammar = await serving.compile_grammar(params[0])  # every prompt has the same structured output
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
-    request_id = random_id("cmpl")
-    streams = [serving.generate(ids, p, f"{request_id}-{i}", req.cache_salt, grammar, req.priority)
+    request_id, engine_id = request_ids("cmpl", request, req.request_id)
+    streams = [serving.generate(ids, p, f"{engine_id}-{i}", req.cache_salt, grammar, req.priority)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     if prompt_only:
         streams = [_without_completions(stream) for stream in streams]

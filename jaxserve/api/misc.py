@@ -56,7 +56,8 @@ async def tokenize(request: Request) -> Response:
         chat = validate(TokenizeChatRequest, data)
         serving.check_model(chat.model)
         tokens = await render_chat(serving, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-                                   chat_template_kwargs=chat.chat_template_kwargs)
+                                   chat_template_kwargs=chat.chat_template_kwargs, documents=chat.documents,
+                                   add_special_tokens=chat.add_special_tokens)
     else:
         req = validate(TokenizeCompletionRequest, data)
         serving.check_model(req.model)

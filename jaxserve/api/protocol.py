@@ -96,6 +96,8 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}", not by their text
+    request_id: str | None = None  # the response's id is "{prefix}-{this}" (an X-Request-Id header wins)
+    use_beam_search: bool = False  # vLLM's beam search: refused with a 400 (not served)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -113,6 +115,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's own (a BOS) around a text prompt
 
 
 class ChatMessage(BaseModel):
@@ -161,6 +164,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for templates that render retrieved documents (RAG)
+    add_special_tokens: bool = False  # the tokenizer's own on top of what the template writes (a second BOS)
     include_reasoning: bool = True  # under --reasoning-parser: false drops reasoning_content
     echo: bool = False  # the reply starts with the last message's content when it is the assistant's
 
@@ -343,6 +348,8 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False
 
 
 class TokenizeResponse(BaseModel):

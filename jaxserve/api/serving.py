@@ -12,6 +12,8 @@ import contextlib
 import copy
 import json
 import logging
+import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from starlette.requests import Request
 
 from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_json
 from jaxserve.api.metrics import ServerMetrics
-from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields
+from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
 from jaxserve.config import ServerConfig
@@ -38,6 +40,24 @@ from jaxserve.sampling_params import (
 )
 
 T = TypeVar("T")
+
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII: safe in ids, logs and headers
+
+
+def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str, str]:
+    """(the response's id, the engine's) as vLLM makes them: "{prefix}-{base}", the base being the client's
+    X-Request-Id header, else the body's `request_id`, else random. A client's id need not be unique (a
+    retry sends it again), so the engine's id adds a random part to it. A body id that is not 1 to 256
+    visible ASCII characters is a 400; such a header is only echoed, as before."""
+    header = request.headers.get("x-request-id")
+    base = header if header is not None and _CLIENT_REQUEST_ID.fullmatch(header) else body_id
+    if base is None:
+        response_id = random_id(prefix)
+        return response_id, response_id
+    if not _CLIENT_REQUEST_ID.fullmatch(base):
+        raise APIError(400, "request_id must be 1 to 256 visible ASCII characters", "request_id")
+    response_id = f"{prefix}-{base}"
+    return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
 logger = logging.getLogger("jaxserve.api.requests")
 
@@ -238,6 +258,8 @@ class ModelServing:
         if self.info.runner == "pooling":
             raise APIError(400, "this server embeds prompts (--runner pooling): it serves /v1/embeddings, not "
                                 "completions", "model")
+        if req.use_beam_search:
+            raise APIError(400, "beam search is not supported", "use_beam_search")
         if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
             raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         default_max = self.generation_defaults.get("max_tokens")
