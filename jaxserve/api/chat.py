@@ -11,6 +11,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.api.beam_search import BeamSearchParams, beam_search, beam_search_params
 from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     ChatChoice,
@@ -247,6 +248,7 @@ class ChatRun:
     plan: ToolPlan | None  # how tool calls are read from the text
     reasoning: _Reasoning | None  # how reasoning is split from the text
     streams: list[AsyncIterator[RequestOutput]]  # the one engine request's outputs (its n sequences)
+    beam: BeamSearchParams | None = None  # use_beam_search: no stream; the search runs when awaited
 
     def read(self, completion: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
         """A finished choice's assistant message and finish_reason."""
@@ -274,6 +276,10 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
                                      structure=plan.structure if plan is not None else None)
+    if req.use_beam_search:
+        if plan is not None:
+            raise APIError(400, "tool calls are not available with use_beam_search", "tools")
+        return ChatRun(prompt_ids, None, None, [], beam_search_params(serving, req, params, len(prompt_ids)))
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
@@ -306,7 +312,10 @@ async def create_chat_completion(request: Request) -> Response:
         body = sse(_chunks(serving, req, plan, reasoning, choices, chunk, prompt_ids),
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
-    (final,) = await collect(request, streams)
+    if run.beam is not None:
+        final = await beam_search(serving, request, prompt_ids, run.beam, engine_id, req.cache_salt, req.priority)
+    else:
+        (final,) = await collect(request, streams)
     items = []
     echoed = _echoed(req)
     for c in final.outputs:

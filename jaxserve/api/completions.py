@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.api.beam_search import beam_search, beam_search_params, side_by_side
 from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     CompletionChoice,
@@ -113,16 +114,25 @@ async def create_completion(request: Request) -> Response:
     echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
     max_tokens = 1 if prompt_only else req.max_tokens  # the engine generates at least one token
     params = [serving.sampling_params(req, ids, max_tokens, req.logprobs, echo_logprobs) for _, ids in prompts]
+    beams = None
+    if req.use_beam_search:
+        if prompt_only:
+            raise APIError(400, "beam search generates at least one token: max_tokens must be >= 1", "max_tokens")
+        beams = [beam_search_params(serving, req, p, len(ids)) for (_, ids), p in zip(prompts, params, strict=True)]
     grammar = await serving.compile_grammar(params[0])  # every prompt has the same structured output
     if req.echo:
         prompts = [(text if text is not None else await serving.decode(ids), ids) for text, ids in prompts]
     request_id, engine_id = request_ids("cmpl", request, req.request_id)
+    model_name = req.model or serving.model_names[0]
+    if beams is not None:
+        searches = [beam_search(serving, request, ids, b, f"{engine_id}-{i}", req.cache_salt, req.priority)
+                    for i, ((_, ids), b) in enumerate(zip(prompts, beams, strict=True))]
+        return await _response(serving, req, request_id, model_name, prompts, await side_by_side(searches))
     streams = [serving.generate(ids, p, f"{engine_id}-{i}", req.cache_salt, grammar, req.priority)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     if prompt_only:
         streams = [_without_completions(stream) for stream in streams]
     choices = ChoiceStream(streams, req.n, [len(ids) for _, ids in prompts])
-    model_name = req.model or serving.model_names[0]
     if req.stream:
         include_usage, usage_every_chunk = stream_usage(req.stream_options)
 
@@ -134,7 +144,12 @@ async def create_completion(request: Request) -> Response:
         body = sse(_chunks(serving, req, prompts, choices, chunk),
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
-    finals = await collect(request, streams)
+    return await _response(serving, req, request_id, model_name, prompts, await collect(request, streams))
+
+
+async def _response(serving: ModelServing, req: CompletionRequest, request_id: str, model_name: str,
+                    prompts: list[tuple[str | None, list[int]]], finals: list[RequestOutput]) -> Response:
+    """The whole answer from each prompt's final output."""
     items, num_generated = [], 0
     by_id = req.return_tokens_as_token_ids
     for prompt_index, output in enumerate(finals):
@@ -158,7 +173,7 @@ async def create_completion(request: Request) -> Response:
                 token_ids=list(completion.token_ids) if req.return_token_ids else None,
                 prompt_token_ids=prompt_ids if req.return_token_ids else None,
             ))
-    usage = UsageInfo.of(choices.num_prompt_tokens, num_generated, sum(o.num_cached_tokens for o in finals))
+    usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), num_generated, sum(o.num_cached_tokens for o in finals))
     return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
 
 

@@ -97,7 +97,8 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}", not by their text
     request_id: str | None = None  # the response's id is "{prefix}-{this}" (an X-Request-Id header wins)
-    use_beam_search: bool = False  # vLLM's beam search: refused with a 400 (not served)
+    use_beam_search: bool = False  # vLLM's beam search (api/beam_search.py): n beams, whole results
+    length_penalty: float = 1.0  # beam search ranks by cumulative logprob / length ** length_penalty
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

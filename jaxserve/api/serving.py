@@ -225,8 +225,8 @@ class ModelServing:
         keep = self.max_model_len if truncate == -1 else truncate
         return token_ids[-keep:]
 
-    async def decode(self, token_ids: list[int]) -> str:
-        return await self.off_loop(self.tokenizer.decode, token_ids)
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self.off_loop(lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -258,8 +258,6 @@ class ModelServing:
         if self.info.runner == "pooling":
             raise APIError(400, "this server embeds prompts (--runner pooling): it serves /v1/embeddings, not "
                                 "completions", "model")
-        if req.use_beam_search:
-            raise APIError(400, "beam search is not supported", "use_beam_search")
         if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come with the whole answer
             raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         default_max = self.generation_defaults.get("max_tokens")

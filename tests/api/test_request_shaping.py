@@ -1,6 +1,6 @@
 """vLLM's fields that shape a request before it runs, in-process on a tiny random Llama whose tokenizer
 adds a BOS (as Llama's do): add_special_tokens (completions, chat, /tokenize), a chat template's
-documents, request_id and X-Request-Id in the response's id, and use_beam_search refused."""
+documents, request_id and X-Request-Id in the response's id."""
 
 import json
 import shutil
@@ -159,10 +159,3 @@ def test_a_request_id_unfit_for_an_id_is_a_400_naming_it(client, bad):
     assert _post(client, "/v1/completions", {"prompt": "a", "max_tokens": 1, "request_id": "x" * 256})["id"] == \
         "cmpl-" + "x" * 256
 
-
-def test_beam_search_is_refused_not_ignored(client):
-    for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2})):
-        refused = client.post(path, json={**body, "use_beam_search": True, "n": 2})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "use_beam_search", refused.text
-        assert _post(client, path, {**body, "use_beam_search": False})["choices"]
