@@ -17,7 +17,36 @@ HERMES_TWO_CALLS = (
 )
 LLAMA_TWO_CALLS = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
                    '{"name": "now", "parameters": {}}')
+# Qwen3-Coder's arguments are typed by the request's schemas
+CODER_FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "hours": {"type": "array"},
+        "code": {"type": "string"}, "note": {"type": ["string", "null"]}}}},
+    {"name": "now", "parameters": {"type": "object", "properties": {}}},
+]
+CODER_TWO_CALLS = (
+    "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, \"FR\"\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=metric>\nTrue\n"
+    "</parameter>\n<parameter=opts>\n{\"unit\": \"c\", \"n\": [1, null]}\n</parameter>\n<parameter=hours>\n"
+    "[6, 12]\n</parameter>\n<parameter=code>\n\ndef f(x):\n    return x < 3\n\n</parameter>\n<parameter=note>\n"
+    "null\n</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+    "<function=now>\n</function>\n</tool_call>"
+)
+CODER_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True,
+                   "opts": {"unit": "c", "n": [1, None]}, "hours": [6, 12],
+                   "code": "\ndef f(x):\n    return x < 3\n", "note": None, "extra": "42"}
 CASES = [
+    (TOOL_PARSERS["qwen3_coder"](CODER_FUNCTIONS), CODER_TWO_CALLS, "Let me check.\n",
+     [("get_weather", CODER_ARGUMENTS), ("now", {})]),
+    # no <tool_call> around it, no newlines, and a closing </parameter> left out (vLLM reads these too)
+    (TOOL_PARSERS["qwen3_coder"](CODER_FUNCTIONS), "<function=get_weather><parameter=days>x7</parameter>"
+     "<parameter=city>Oslo</function>", None, [("get_weather", {"days": "x7", "city": "Oslo"})]),
+    (TOOL_PARSERS["qwen3_coder"](), "<tool_call>\n<function=f>\n<parameter=n>\n1.5e3\n</parameter>\n</function>",
+     None, [("f", {"n": "1.5e3"})]),  # no schema for it: a string
+    (TOOL_PARSERS["qwen3_coder"](), "Write <b>bold</b> with a <tool_call> tag.",
+     "Write <b>bold</b> with a <tool_call> tag.", []),
+    (TOOL_PARSERS["qwen3_coder"](), "Plain answer.", "Plain answer.", []),
     (TOOL_PARSERS["hermes"](), HERMES_TWO_CALLS, "I'll look both up.\n",
      [("get_weather", {"city": 'Paris, "FR"', "days": [1, 2], "opts": {"unit": "c"}}), ("get_time", {})]),
     (TOOL_PARSERS["hermes"](), "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.",
@@ -92,6 +121,8 @@ def test_unfinished_call_is_content_when_parsed():
     (RequiredCallsParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": '),
     (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR'),
     (TOOL_PARSERS["pythonic"](), "[a(), b(x=[1, "),
+    (TOOL_PARSERS["qwen3_coder"](), "<tool_call><function=a></function></tool_call><tool_call><function=b>"
+     "<parameter=x>\n1"),
 ])
 def test_a_truncated_output_keeps_its_complete_calls(parser, text):
     _, calls = parser.parse(text, truncated=True)
@@ -135,3 +166,38 @@ def test_plan_tools_rules():
     ]:
         with pytest.raises(InvalidParam, match=match):
             plan_tools(functions, choice, True, None)
+
+
+def test_qwen3_coder_arguments_grow_one_whole_argument_at_a_time():
+    stream = ToolCallStream(TOOL_PARSERS["qwen3_coder"](CODER_FUNCTIONS))
+    fragments = []
+    for i in range(len(CODER_TWO_CALLS)):
+        _, deltas = stream.feed(CODER_TWO_CALLS[i], final=i == len(CODER_TWO_CALLS) - 1)
+        fragments += [d.arguments for d in deltas if d.index == 0 and d.arguments]
+    assert fragments[0] == "{" and fragments[-1] == "}"
+    # each fragment between the braces is one argument, typed: never half a value
+    assert [json.loads("{" + f.removeprefix(", ") + "}") for f in fragments[1:-1]] == [
+        {k: v} for k, v in CODER_ARGUMENTS.items()]
+
+
+@pytest.mark.parametrize(("text", "schema", "value"), [
+    ("12", {"type": "integer"}, 12), ("-3", {"type": "int"}, -3), ("twelve", {"type": "integer"}, "twelve"),
+    ("2", {"type": "number"}, 2), ("2.0", {"type": "number"}, 2.0), ("1e3", {"type": "number"}, 1000.0),
+    ("nan?", {"type": "number"}, "nan?"), ("false", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, "yes"),
+    ("NULL", {"type": "string"}, None), ("[1, 'a']", {"type": "array"}, [1, "a"]),
+    ("{oops", {"type": "object"}, "{oops"), ("1" * 5000, {"type": "integer"}, "1" * 5000),
+    ("3", None, "3"), ("3", {"type": ["integer", "null"]}, "3"), ("3", "not a schema", "3"),
+    # values with no JSON form stay text: NaN and infinities, Python's sets, bytes and complex numbers
+    ("nan", {"type": "number"}, "nan"), ("-inf", {"type": "float"}, "-inf"), ("NaN", {"type": "object"}, "NaN"),
+    ("{1, 2}", {"type": "array"}, "{1, 2}"), ("b'x'", {"type": "object"}, "b'x'"), ("1j", {"type": "object"}, "1j"),
+])
+def test_qwen3_coder_types_an_argument_by_its_schema(text, schema, value):
+    from jaxserve.api.tools.qwen3_coder import typed_value
+
+    assert typed_value(text, schema) == value and type(typed_value(text, schema)) is type(value)
+
+
+def test_the_auto_plan_gives_the_parser_the_requests_schemas():
+    plan = plan_tools(CODER_FUNCTIONS, "auto", True, TOOL_PARSERS["qwen3_coder"])
+    _, calls = plan.make_parser().parse("<function=get_weather><parameter=days>5</parameter></function>")
+    assert json.loads(calls[0].arguments) == {"days": 5}

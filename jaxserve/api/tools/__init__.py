@@ -6,9 +6,11 @@ from jaxserve.api.tools.hermes import HermesToolParser
 from jaxserve.api.tools.llama3_json import Llama3JsonToolParser
 from jaxserve.api.tools.mistral import MistralToolParser
 from jaxserve.api.tools.pythonic import PythonicToolParser
+from jaxserve.api.tools.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolParser"]

@@ -10,8 +10,9 @@ fragments), so the fragments of a call always join to the arguments `parse` repo
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from jaxserve.api.tools.json_scan import Member, is_json, object_members, skip_whitespace
 
@@ -91,6 +92,10 @@ class ToolParser:
 
     name: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens, kept in the text
+
+    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
+        """`functions`: the request's tools (each a name, description and parameters' schema), which a format
+        whose arguments are not JSON reads to type them (Qwen3-Coder's); the JSON formats need none."""
 
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` holds so far; `final` when no more text will come (nothing is held back)."""

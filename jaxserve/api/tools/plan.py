@@ -1,6 +1,7 @@
 """What a chat request's `tools` and `tool_choice` mean for generation: the grammar that enforces a
 `required` or named choice, and the parser that reads calls back out of the text."""
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,4 +50,4 @@ def plan_tools(
     if parser is None:
         raise InvalidParam('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                            "--tool-call-parser", "tool_choice")
-    return ToolPlan(parser, None, max_calls, parser.keeps_special_tokens)
+    return ToolPlan(functools.partial(parser, functions), None, max_calls, parser.keeps_special_tokens)
