@@ -17,10 +17,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, misc, responses
+from jaxserve.api import chat, completions, embeddings, misc, responses, scores
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
 from jaxserve.api.openapi import openapi_routes
+from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.api.serving import ModelServing, ServerState
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
@@ -95,6 +96,9 @@ def create_app(
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", embeddings.create_embedding, methods=["POST"]),
+        # vLLM's scoring endpoints, each also at its unversioned path (and rerank at Cohere's v2 one)
+        *(Route(path, scores.create_score, methods=["POST"]) for path in SCORE_PATHS),
+        *(Route(path, scores.create_rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),

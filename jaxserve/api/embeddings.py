@@ -51,11 +51,31 @@ async def _inputs(serving: ModelServing, req: EmbeddingRequest) -> list[list[int
     return result
 
 
+def check_pooling(serving: ModelServing, what: str) -> None:
+    """A 400 unless the server embeds (`--runner pooling`): `what` ("embeddings", "scores") needs it."""
+    if serving.info.runner != "pooling":
+        raise APIError(400, f"this server generates text: {what} need a server started with --runner pooling",
+                       "model")
+
+
+async def pooled(serving: ModelServing, request: Request, prompts: list[list[int]], priority: int, request_id: str,
+                 param: str) -> list[list[float]]:
+    """Each prompt's pooled final hidden state, in order, one engine request each (batched by the scheduler);
+    the prompts are checked against the engine's limits first, a 400 naming `param` for one that fails."""
+    try:
+        check_priority(priority, serving.info.scheduling_policy)
+        for ids in prompts:
+            serving.info.limits.check(ids, POOLING_PARAMS)
+    except InvalidParam as e:
+        raise APIError(400, str(e), param if e.param == "prompt" else e.param) from None
+    streams = [serving.generate(ids, POOLING_PARAMS, f"{request_id}-{i}", priority=priority)
+               for i, ids in enumerate(prompts)]
+    return [out.embedding for out in await collect(request, streams)]
+
+
 async def create_embedding(request: Request) -> Response:
     serving = get_serving(request)
-    if serving.info.runner != "pooling":
-        raise APIError(400, "this server generates text: embeddings need a server started with --runner pooling",
-                       "model")
+    check_pooling(serving, "embeddings")
     req = await serving.parse(request, EmbeddingRequest)
     serving.check_model(req.model)
     if req.dimensions is not None:
@@ -66,19 +86,11 @@ async def create_embedding(request: Request) -> Response:
             raise APIError(400, f"dimensions must be in [1, {serving.info.hidden_size}], got {req.dimensions}",
                            "dimensions")
     prompts = await _inputs(serving, req)
-    try:
-        check_priority(req.priority, serving.info.scheduling_policy)
-        for ids in prompts:
-            serving.info.limits.check(ids, POOLING_PARAMS)
-    except InvalidParam as e:
-        raise APIError(400, str(e), "input" if e.param == "prompt" else e.param) from None
     request_id = random_id("embd")
-    streams = [serving.generate(ids, POOLING_PARAMS, f"{request_id}-{i}", priority=req.priority)
-               for i, ids in enumerate(prompts)]
-    finals = await collect(request, streams)
-    data = [EmbeddingData(index=i, embedding=_encode(finish_embedding(out.embedding, req.dimensions, req.normalize),
+    vectors = await pooled(serving, request, prompts, req.priority, request_id, "input")
+    data = [EmbeddingData(index=i, embedding=_encode(finish_embedding(vector, req.dimensions, req.normalize),
                                                      req.encoding_format))
-            for i, out in enumerate(finals)]
+            for i, vector in enumerate(vectors)]
     num_tokens = sum(len(ids) for ids in prompts)
     return JSONResponse(EmbeddingResponse(id=request_id, model=req.model or serving.model_names[0], data=data,
                                           usage=EmbeddingUsage(prompt_tokens=num_tokens,

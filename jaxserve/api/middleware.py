@@ -11,7 +11,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.api.errors import ClientDisconnected, error_response
 
-_GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health, /metrics and /version stay open
+# /health, /metrics and /version stay open
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
 
 logger = logging.getLogger("jaxserve.api")
 

@@ -33,13 +33,18 @@ from jaxserve.api.protocol import (
     EmbeddingResponse,
     ErrorResponse,
     ModelList,
+    RerankRequest,
+    RerankResponse,
     ResponseEvent,
     ResponseObject,
     ResponsesRequest,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.config import ServerConfig
 
 OPENAPI_VERSION = "3.1.0"
@@ -95,6 +100,12 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=_BODY_ERRORS, guarded=True),
     Operation("/v1/embeddings", "post", "create_embedding", "Create embeddings (a --runner pooling server)",
               "OpenAI", request=(EmbeddingRequest,), response=EmbeddingResponse, errors=_BODY_ERRORS, guarded=True),
+    *(Operation(path, "post", f"create_score{path.replace('/', '_')}", "Score text pairs by their embeddings' "
+                "cosine similarity (vLLM; a --runner pooling server)", "vLLM", request=(ScoreRequest,),
+                response=ScoreResponse, errors=_BODY_ERRORS, guarded=True) for path in SCORE_PATHS),
+    *(Operation(path, "post", f"create_rerank{path.replace('/', '_')}", "Rank documents by their relevance to a "
+                "query (vLLM, Jina and Cohere's shape; a --runner pooling server)", "vLLM", request=(RerankRequest,),
+                response=RerankResponse, errors=_BODY_ERRORS, guarded=True) for path in RERANK_PATHS),
     Operation("/v1/responses", "post", "create_response", "Create a response (the Responses API, text subset)",
               "OpenAI", request=(ResponsesRequest,), response=ResponseObject, streams=ResponseEvent,
               errors=_BODY_ERRORS, guarded=True, stream_format=(

@@ -407,6 +407,67 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /v1/score: each text_1 against its text_2 (1:1, 1:N or N:N)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /v1/rerank (Jina's and Cohere's shape): the documents ranked by their relevance to the query."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0  # the best this many; 0: all
+    truncate_prompt_tokens: int | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's place in the request
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 # The Responses API (/v1/responses), text subset: OpenAI's field names; items are checked by the handler.
 class ResponsesTextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)

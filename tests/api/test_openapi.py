@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from jaxserve.api.app import create_app
 from jaxserve.api.openapi import openapi_routes
+from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from tests.engine.helpers import make_engine
@@ -28,7 +29,8 @@ SAMPLE_BODIES: dict[tuple[str, str], Any] = {
     ("/detokenize", "post"): {"tokens": [5, 6]},
     ("/v1/responses", "post"): {"input": "Hi", "max_output_tokens": 2},
 }
-OTHER_RUNNER = {("/v1/embeddings", "post")}  # a --runner pooling server's (tests/api/test_embeddings.py)
+# A --runner pooling server's (tests/api/test_embeddings.py, tests/api/test_scores.py)
+OTHER_RUNNER = {(path, "post") for path in ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""POST /v1/score and /v1/rerank (vLLM's, for embedding models on a `--runner pooling` server): texts scored
+by the cosine similarity of their embeddings, as vLLM scores them with a bi-encoder.
+
+/score pairs `text_1` with `text_2` one to one, or one `text_1` with every `text_2`; /rerank scores each
+document against the query and returns them best first (the best `top_n`). Every text is embedded once,
+as its own engine request, so the scheduler batches them as it batches /v1/embeddings' inputs.
+"""
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.api.embeddings import MAX_INPUTS, check_pooling, pooled
+from jaxserve.api.errors import APIError
+from jaxserve.api.protocol import (
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    UsageInfo,
+    random_id,
+)
+from jaxserve.api.serving import ModelServing, get_serving
+
+SCORE_PATHS = ("/v1/score", "/score")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+
+async def _tokenized(serving: ModelServing, texts: list[str], truncate: int | None, param: str) -> list[list[int]]:
+    serving.check_truncation(truncate)
+    result = []
+    for i, text in enumerate(texts):
+        if not text:
+            raise APIError(400, "texts to score must not be empty", f"{param}.{i}" if len(texts) > 1 else param)
+        result.append(await serving.encode(text, True, truncate))
+    return result
+
+
+def _unit(vectors: list[list[float]]) -> np.ndarray:
+    """f64[n, d], each row scaled to unit length (a zero vector stays zero)."""
+    array = np.asarray(vectors, np.float64)
+    return array / np.maximum(np.linalg.norm(array, axis=1, keepdims=True), 1e-12)
+
+
+async def _cosine_scores(serving: ModelServing, request: Request, firsts: list[list[int]], seconds: list[list[int]],
+                         priority: int, request_id: str, param: str) -> list[float]:
+    """cos(first_i, second_i) for each pair, one first broadcast against every second."""
+    vectors = _unit(await pooled(serving, request, firsts + seconds, priority, request_id, param))
+    first, second = vectors[: len(firsts)], vectors[len(firsts):]
+    return (first * second).sum(axis=1).tolist()  # [1 or n, d] x [n, d]
+
+
+async def create_score(request: Request) -> Response:
+    serving = get_serving(request)
+    check_pooling(serving, "scores")
+    req = await serving.parse(request, ScoreRequest)
+    serving.check_model(req.model)
+    texts_1 = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    texts_2 = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    for param, texts in (("text_1", texts_1), ("text_2", texts_2)):
+        if not texts:
+            raise APIError(400, f"{param} must not be empty", param)
+    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+        raise APIError(400, f"text_1 and text_2 must pair 1:1, 1:N or N:N; got {len(texts_1)}:{len(texts_2)}",
+                       "text_1")
+    if len(texts_1) + len(texts_2) > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS} texts per request", "text_2")
+    firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")
+    seconds = await _tokenized(serving, texts_2, req.truncate_prompt_tokens, "text_2")
+    request_id = random_id("score")
+    scores = await _cosine_scores(serving, request, firsts, seconds, req.priority, request_id, "text_2")
+    num_tokens = sum(map(len, firsts + seconds))
+    return JSONResponse(ScoreResponse(
+        id=request_id, model=req.model or serving.model_names[0],
+        data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
+        usage=UsageInfo.of(num_tokens, 0)).model_dump())
+
+
+async def create_rerank(request: Request) -> Response:
+    serving = get_serving(request)
+    check_pooling(serving, "scores")
+    req = await serving.parse(request, RerankRequest)
+    serving.check_model(req.model)
+    if not req.documents:
+        raise APIError(400, "documents must not be empty", "documents")
+    if len(req.documents) + 1 > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS - 1} documents per request", "documents")
+    if req.top_n < 0:
+        raise APIError(400, f"top_n must be >= 0 (0: all the documents), got {req.top_n}", "top_n")
+    query = await _tokenized(serving, [req.query], req.truncate_prompt_tokens, "query")
+    documents = await _tokenized(serving, req.documents, req.truncate_prompt_tokens, "documents")
+    request_id = random_id("rerank")
+    scores = await _cosine_scores(serving, request, query, documents, req.priority, request_id, "documents")
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
+    return JSONResponse(RerankResponse(
+        id=request_id, model=req.model or serving.model_names[0],
+        usage=RerankUsage(total_tokens=sum(map(len, query + documents))),
+        results=[RerankResult(index=i, document=RerankDocument(text=req.documents[i]), relevance_score=scores[i])
+                 for i in ranked]).model_dump())
