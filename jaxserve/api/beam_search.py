@@ -28,6 +28,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
+_MAX_EXPONENT = 700.0  # e ** 700 is near the largest float (e ** 709.8)
 
 # The generated tokens of each live beam -> for each, its next token's alternatives: token id -> logprob
 NextLogprobs = Callable[[list[tuple[int, ...]]], Awaitable[list[dict[int, float]]]]
@@ -47,6 +48,7 @@ class BeamSearchParams:
     length_penalty: float
     ignore_eos: bool
     skip_special_tokens: bool
+    include_stop_str_in_output: bool  # a finished beam's EOS in its token ids (never in its text)
 
 
 def score(beam: Beam, num_prompt_tokens: int, length_penalty: float) -> float:
@@ -92,12 +94,16 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
         raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
     if checked.structured_outputs is not None:
         raise APIError(400, "structured outputs are not available with use_beam_search", "use_beam_search")
-    if not math.isfinite(req.length_penalty):
-        raise APIError(400, "length_penalty must be a finite number", "length_penalty")
+    # A score divides by length ** length_penalty, a length up to the context's: it must stay a float
+    bound = _MAX_EXPONENT / math.log(max(serving.max_model_len, 2))
+    if not abs(req.length_penalty) <= bound:  # NaN too
+        raise APIError(400, f"length_penalty must be a number in [-{bound:.0f}, {bound:.0f}] on this server",
+                       "length_penalty")
     max_tokens = checked.max_tokens
     if max_tokens is None:  # up to the context length
         max_tokens = serving.max_model_len - num_prompt_tokens
-    return BeamSearchParams(req.n, max_tokens, req.length_penalty, checked.ignore_eos, checked.skip_special_tokens)
+    return BeamSearchParams(req.n, max_tokens, req.length_penalty, checked.ignore_eos, checked.skip_special_tokens,
+                            checked.include_stop_str_in_output)
 
 
 async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[int], params: BeamSearchParams,
@@ -123,12 +129,15 @@ async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[
 
     beams = await search(next_logprobs, len(prompt_ids), params.width, params.max_tokens, eos,
                          params.length_penalty)
-    texts = await asyncio.gather(*(serving.decode(list(b.token_ids[:-1] if b.finished else b.token_ids),
-                                                  skip_special_tokens=params.skip_special_tokens) for b in beams))
-    outputs = [CompletionOutput(index=i, text=text, token_ids=list(beam.token_ids),
+    without_eos = [list(b.token_ids[:-1] if b.finished else b.token_ids) for b in beams]
+    texts = await asyncio.gather(*(serving.decode(ids, skip_special_tokens=params.skip_special_tokens)
+                                   for ids in without_eos))
+    # vLLM's: a finished beam's EOS stays out of its token ids (and usage) unless include_stop_str_in_output
+    outputs = [CompletionOutput(index=i, text=text,
+                                token_ids=list(beam.token_ids) if params.include_stop_str_in_output else ids,
                                 finish_reason="stop" if beam.finished else "length",
                                 stop_reason=beam.token_ids[-1] if beam.finished else None)
-               for i, (beam, text) in enumerate(zip(beams, texts, strict=True))]
+               for i, (beam, ids, text) in enumerate(zip(beams, without_eos, texts, strict=True))]
     return RequestOutput(request_id, None, prompt_ids, outputs, finished=True, num_cached_tokens=num_cached)
 
 
@@ -138,6 +147,7 @@ async def side_by_side(searches: list[Awaitable[T]]) -> list[T]:
     tasks = [asyncio.ensure_future(search) for search in searches]
     try:
         return await asyncio.gather(*tasks)
-    finally:
+    finally:  # the others stopped (their engine requests aborted) before the answer goes out
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -279,7 +279,8 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
     if req.use_beam_search:
         if plan is not None:
             raise APIError(400, "tool calls are not available with use_beam_search", "tools")
-        return ChatRun(prompt_ids, None, None, [], beam_search_params(serving, req, params, len(prompt_ids)))
+        return ChatRun(prompt_ids, None, _reasoning(serving, req, prompt_ids, False), [],
+                       beam_search_params(serving, req, params, len(prompt_ids)))
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
@@ -381,7 +382,8 @@ async def _chunks(
         calls: list[DeltaToolCall] | None = None
         if plan is not None:
             calls_stream = tool_streams[delta.index]
-            content, call_deltas = calls_stream.feed(content, final=finish_reason is not None)
+            content, call_deltas = calls_stream.feed(content, final=finish_reason is not None,
+                                                     truncated=finish_reason == "length")
             calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                    function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                      for d in call_deltas] or None

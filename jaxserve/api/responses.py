@@ -292,7 +292,7 @@ async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
                 thought, text = thoughts.feed(text, final)
             calls = []
             if tools is not None:
-                text, calls = tools.feed(text, final)
+                text, calls = tools.feed(text, final, truncated=delta.finish_reason == "length")
             if thought:
                 if not isinstance(out.open, ReasoningItem):
                     for event in out.open_item(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text="")])):

@@ -400,8 +400,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the caller gave up on it: the work ends (its requests aborted) first
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         raise
     finally:
         watcher.cancel()

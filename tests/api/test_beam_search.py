@@ -4,6 +4,7 @@ PyTorch model's float64 logits; and what it refuses."""
 
 import asyncio
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,9 +12,11 @@ import torch
 from starlette.testclient import TestClient
 
 from jaxserve.api.app import create_app
-from jaxserve.api.beam_search import search
+from jaxserve.api.beam_search import BeamSearchParams, beam_search, search, side_by_side
+from jaxserve.api.errors import APIError
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from tests.engine.helpers import make_engine
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -161,6 +164,8 @@ def test_chat_beams_come_as_n_messages(client):
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"response_format": {"type": "json_object"}}, "use_beam_search"),
     ({"length_penalty": "long"}, "length_penalty"),
+    ({"length_penalty": 200}, "length_penalty"),  # 2048 ** 200 is no float
+    ({"length_penalty": -200}, "length_penalty"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
       "tool_choice": "required"}, "tools"),
 ])
@@ -180,3 +185,87 @@ def test_completions_refuse_a_prompt_only_beam_search_and_infinite_penalties(cli
     echoed = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "use_beam_search": True,
                                                   "n": 2, "echo": True}).json()
     assert all(c["text"].startswith("Hello") for c in echoed["choices"])
+
+
+class _Client:
+    """A request whose client never leaves (what `collect` watches)."""
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()
+
+
+class _Serving:
+    """The engine side of `beam_search` on a toy model whose token 3 is EOS: each request's one token with
+    its alternatives, and decoding that records what it was asked."""
+
+    def __init__(self, model, fail_on: int | None = None) -> None:
+        self.model, self.fail_on, self.decoded = model, fail_on, []
+        self.info = SimpleNamespace(eos_token_ids=(3,))
+
+    def generate(self, ids, params, request_id, cache_salt=None, priority=0):
+        async def outputs():
+            await asyncio.sleep(0)
+            if self.fail_on is not None and len(ids) >= self.fail_on:
+                raise APIError(400, "a fault in this prompt's search", "prompt")
+            lp = self.model(tuple(ids[2:]))
+            top = {int(t): float(lp[t]) for t in np.argsort(-lp, kind="stable")[: params.logprobs]}
+            yield RequestOutput(request_id, None, list(ids), [CompletionOutput(
+                0, token_ids=[int(np.argmax(lp))], logprobs=[max(top.values())], top_logprobs=[top],
+                finish_reason="length")], finished=True)
+
+        return outputs()
+
+    async def decode(self, ids, skip_special_tokens=False):
+        self.decoded.append((tuple(ids), skip_special_tokens))
+        return "".join(f"<{t}>" for t in ids)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_beam_that_ends_in_eos_is_stop_without_it_in_its_text(include_stop):
+    model = _toy_model(6, seed=3)
+    serving = _Serving(model)
+    params = BeamSearchParams(width=4, max_tokens=5, length_penalty=1.0, ignore_eos=False, skip_special_tokens=False,
+                              include_stop_str_in_output=include_stop)
+    output = asyncio.run(beam_search(serving, _Client(), [7, 8], params, "r"))
+    expected = _oracle(model, 2, 4, 5, {3}, 1.0)
+    assert any(ended for _, _, ended in expected), "the case must have a beam that EOS ended"
+    for completion, (tokens, _, ended) in zip(output.outputs, expected, strict=True):
+        text_ids = tokens[:-1] if ended else tokens
+        assert completion.finish_reason == ("stop" if ended else "length")
+        assert completion.stop_reason == (3 if ended else None)
+        assert completion.text == "".join(f"<{t}>" for t in text_ids), "the EOS is never text"
+        assert completion.token_ids == list(tokens if include_stop else text_ids), "vLLM's rule for the EOS id"
+    assert {skip for _, skip in serving.decoded} == {False}
+    assert output.finished and output.prompt_token_ids == [7, 8]
+
+
+def test_one_failing_search_stops_the_others_before_the_error_is_answered():
+    serving = _Serving(_toy_model(6, seed=4), fail_on=5)  # a prompt of 2 fails in its third round
+    params = BeamSearchParams(3, 20, 1.0, True, True, False)
+
+    async def run():
+        searches = [beam_search(serving, _Client(), [1, 2], params, "fails"),
+                    beam_search(serving, _Client(), [1, 2, 9, 9, 9, 9, 9, 9], params, "long")]
+        with pytest.raises(APIError, match="a fault"):
+            await side_by_side(searches)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    left = asyncio.run(run())
+    assert not left, left
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    with TestClient(create_app(ServerConfig(reasoning_parser="deepseek_r1"), AsyncEngine(engine))) as client:
+        yield client
+
+
+def test_chat_beams_go_through_the_reasoning_parser(thinking_client):
+    """DeepSeek-R1's parser reads an output with no </think> as all reasoning: a beam's text too."""
+    body = {"messages": HELLO, "max_tokens": 5, "ignore_eos": True}
+    beam = thinking_client.post("/v1/chat/completions", json={**body, "use_beam_search": True}).json()
+    greedy = thinking_client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+    message = beam["choices"][0]["message"]
+    assert message["reasoning_content"] and not message["content"]
+    assert message["reasoning_content"] == greedy["choices"][0]["message"]["reasoning_content"], "one beam is greedy"

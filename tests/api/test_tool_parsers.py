@@ -121,8 +121,6 @@ def test_unfinished_call_is_content_when_parsed():
     (RequiredCallsParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": '),
     (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR'),
     (TOOL_PARSERS["pythonic"](), "[a(), b(x=[1, "),
-    (TOOL_PARSERS["qwen3_coder"](), "<tool_call><function=a></function></tool_call><tool_call><function=b>"
-     "<parameter=x>\n1"),
 ])
 def test_a_truncated_output_keeps_its_complete_calls(parser, text):
     _, calls = parser.parse(text, truncated=True)
@@ -182,11 +180,14 @@ def test_qwen3_coder_arguments_grow_one_whole_argument_at_a_time():
 
 @pytest.mark.parametrize(("text", "schema", "value"), [
     ("12", {"type": "integer"}, 12), ("-3", {"type": "int"}, -3), ("twelve", {"type": "integer"}, "twelve"),
-    ("2", {"type": "number"}, 2), ("2.0", {"type": "number"}, 2.0), ("1e3", {"type": "number"}, 1000.0),
-    ("nan?", {"type": "number"}, "nan?"), ("false", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, "yes"),
+    ("2", {"type": "number"}, 2), ("2.5", {"type": "number"}, 2.5), ("2.0", {"type": "number"}, 2),
+    ("1e3", {"type": "number"}, 1000),  # vLLM's: an integral number is an integer
+    ("nan?", {"type": "number"}, "nan?"), ("false", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, False),
+    ("True", {"type": "bool"}, True),
     ("NULL", {"type": "string"}, None), ("[1, 'a']", {"type": "array"}, [1, "a"]),
     ("{oops", {"type": "object"}, "{oops"), ("1" * 5000, {"type": "integer"}, "1" * 5000),
-    ("3", None, "3"), ("3", {"type": ["integer", "null"]}, "3"), ("3", "not a schema", "3"),
+    ("3", None, "3"), ("3", {"type": ["integer", "null"]}, 3), ("null", {"type": ["integer", "null"]}, None),
+    ("3", {"type": ["null"]}, "3"), ("3", "not a schema", "3"), ("3", {"type": 7}, "3"),
     # values with no JSON form stay text: NaN and infinities, Python's sets, bytes and complex numbers
     ("nan", {"type": "number"}, "nan"), ("-inf", {"type": "float"}, "-inf"), ("NaN", {"type": "object"}, "NaN"),
     ("{1, 2}", {"type": "array"}, "{1, 2}"), ("b'x'", {"type": "object"}, "b'x'"), ("1j", {"type": "object"}, "1j"),
@@ -201,3 +202,35 @@ def test_the_auto_plan_gives_the_parser_the_requests_schemas():
     plan = plan_tools(CODER_FUNCTIONS, "auto", True, TOOL_PARSERS["qwen3_coder"])
     _, calls = plan.make_parser().parse("<function=get_weather><parameter=days>5</parameter></function>")
     assert json.loads(calls[0].arguments) == {"days": 5}
+
+
+CODER_UNCLOSED = ("Sure.\n<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n"
+                  "<parameter=x>\n1\n")
+
+
+@pytest.mark.parametrize("step", [1, 5, len(CODER_UNCLOSED)])
+def test_qwen3_coder_reads_calls_an_output_stopped_short_of_closing_unless_cut(step):
+    """An output that ended by itself (EOS) before its closing tags ends its open argument and function there,
+    as vLLM reads it; one cut by max_tokens keeps only its complete calls (its last value may be cut too).
+    Streamed, the last delta says which, so a stream's calls are the finished parse's."""
+    for truncated, expected in ((False, [("a", {}), ("b", {"x": 1})]), (True, [("a", {})])):
+        parser = TOOL_PARSERS["qwen3_coder"]([{"name": "b", "parameters": {"properties": {"x": {"type": "integer"}}}}])
+        content, calls = parser.parse(CODER_UNCLOSED, truncated=truncated)
+        assert content == "Sure.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+        stream, arguments = ToolCallStream(parser), {}
+        for start in range(0, len(CODER_UNCLOSED), step):
+            final = start + step >= len(CODER_UNCLOSED)
+            _, deltas = stream.feed(CODER_UNCLOSED[start : start + step], final=final, truncated=truncated)
+            for d in deltas:
+                arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
+        assert json.loads(arguments[0]) == {}
+        if not truncated:  # a cut stream has sent the open call's start: what it sent is all it had
+            assert json.loads(arguments[1]) == {"x": 1}
+
+
+def test_qwen3_coder_looks_past_a_tool_call_tag_in_prose():
+    text = "Qwen writes <tool_call> tags. Now:\n<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    content, calls = TOOL_PARSERS["qwen3_coder"]().parse(text)
+    assert content == "Qwen writes <tool_call> tags. Now:\n" and [c.name for c in calls] == ["now"]
+    assert TOOL_PARSERS["qwen3_coder"]().parse('<function=f><parameter=s>\n東京\n</parameter></function>')[1][
+        0].arguments == '{"s": "東京"}', "arguments are written as vLLM writes them, not ASCII-escaped"

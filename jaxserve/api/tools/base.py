@@ -101,10 +101,15 @@ class ToolParser:
         """What `text` holds so far; `final` when no more text will come (nothing is held back)."""
         raise NotImplementedError
 
+    def scan_output(self, text: str, truncated: bool) -> Scan:
+        """A finished output's scan; `truncated`: cut by max_tokens (a format that reads a call left open at
+        the output's end as ended, Qwen3-Coder's, must not when it was cut)."""
+        return self.scan(text, final=True)
+
     def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
         """A finished output as (content, calls). An output whose calls do not all parse is content, unless
         it was `truncated` (cut by max_tokens) after its last complete call: then those calls are kept."""
-        scan = self.scan(text, final=True)
+        scan = self.scan_output(text, truncated)
         calls = [ToolCall(c.name, c.arguments, self.new_call_id()) for c in scan.calls
                  if c.complete and c.name is not None and is_json(c.arguments)]
         if truncated and calls and len(calls) == len(scan.calls) - 1 and not scan.calls[-1].complete:
@@ -148,10 +153,11 @@ class ToolCallStream:
     def num_calls(self) -> int:
         return len(self._calls)
 
-    def feed(self, text_delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """(new content, new call pieces) after `text_delta`; `final` on the choice's last delta."""
+    def feed(self, text_delta: str, final: bool = False, truncated: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """(new content, new call pieces) after `text_delta`; `final` on the choice's last delta, `truncated`
+        where max_tokens ended it."""
         self._text += text_delta
-        scan = self._parser.scan(self._text, final)
+        scan = self._parser.scan_output(self._text, truncated) if final else self._parser.scan(self._text, False)
         content = scan.content[self._content_sent :]
         self._content_sent = max(self._content_sent, len(scan.content))
         deltas: list[ToolCallDelta] = []

@@ -11,12 +11,17 @@
     </function>
     </tool_call>
 
-An argument's text is typed by the request's schema for it, as vLLM types it: integers, numbers and
-booleans parsed, objects and arrays read as JSON (or as a Python literal), "null" as null, anything else
-and any argument the schema does not name a string; one newline after the opening tag and one before the
-closing tag are the format's, not the value's. A call whose `<tool_call>` is missing is still read from
-its `<function=`. The arguments grow as a JSON object one argument at a time (each is typed once its
-closing tag arrives), so a stream sends each argument whole and the object's brace last.
+An argument's text is typed by the request's schema for it, as vLLM types it: integers and numbers parsed
+(an integral number as an integer), a boolean true only for "true", objects and arrays read as JSON (or as
+a Python literal), "null" as null, a nullable type as its other type; what does not parse, an argument the
+schema does not name, and a value with no JSON form (NaN, a set) stay strings. One newline after the
+opening tag and one before the closing tag are the format's, not the value's. A call whose `<tool_call>`
+is missing is still read from its `<function=`; a `<tool_call>` in prose that no function follows is
+content. An output that stopped by itself before its closing tags ends its open argument and call there,
+as vLLM reads it; one cut by max_tokens keeps only its complete calls. The arguments grow as a JSON object
+one argument at a time (each typed once its closing tag arrives), so a stream sends each argument whole
+and the object's brace last; a repeated argument keeps its first value (vLLM's the last; a stream has sent
+the first).
 """
 
 import ast
@@ -32,7 +37,7 @@ FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
 # An argument's value ends at its closing tag, or (as vLLM reads a model that leaves it out) where the next
 # argument or the function's end begins
-_VALUE_ENDS = (PARAMETER_END, PARAMETER_START, FUNCTION_END)
+_VALUE_ENDS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END)
 _INTEGER_TYPES = ("int", "integer", "uint", "long", "short", "unsigned")
 _NUMBER_TYPES = ("number", "float", "double", "num")
 _BOOLEAN_TYPES = ("boolean", "bool", "binary")
@@ -54,7 +59,9 @@ def _typed(text: str, schema: dict[str, Any] | None) -> Any:
     if text.lower() == "null":
         return None
     kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
-    kind = kind.strip().lower() if isinstance(kind, str) else "string"  # a list of types: left as text
+    if isinstance(kind, list):  # a nullable type, ["integer", "null"]: the type it is when not null
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = kind.strip().lower() if isinstance(kind, str) else "string"
     if kind in _STRING_TYPES:
         return text
     try:
@@ -62,11 +69,11 @@ def _typed(text: str, schema: dict[str, Any] | None) -> Any:
             return int(text)
         if kind.startswith(_NUMBER_TYPES):
             number = float(text)
-            return int(number) if number.is_integer() and text.strip().lstrip("+-").isdigit() else number
-    except ValueError:
+            return int(number) if number.is_integer() else number  # vLLM's: 2.0 is 2
+    except (ValueError, OverflowError):
         return text
     if kind in _BOOLEAN_TYPES:
-        return text.lower() == "true" if text.lower() in ("true", "false") else text
+        return text.lower() == "true"  # vLLM's: anything else is false
     try:  # object, array and anything else
         return json.loads(text)
     except (ValueError, RecursionError):
@@ -99,27 +106,39 @@ class Qwen3CoderToolParser(ToolParser):
             parameters = function.get("parameters") or {}
             properties = parameters.get("properties") if isinstance(parameters, dict) else None
             self._properties[function.get("name", "")] = properties if isinstance(properties, dict) else {}
+        # (function, argument, its text) -> its value: a stream scans its growing text after every delta, and
+        # typing a large object argument again each time would grow with the square of its length
+        self._typed: dict[tuple[str, str, str], Any] = {}
 
     def scan(self, text: str, final: bool) -> Scan:
-        first = _next_call(text, 0)
+        return self._scan(text, final, closes_at_end=final)
+
+    def scan_output(self, text: str, truncated: bool) -> Scan:
+        return self._scan(text, True, closes_at_end=not truncated)  # a cut call's last value may be cut too
+
+    def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
+        first, calls = None, []
+        position = _next_call(text, 0)
+        while position is not None:
+            call = self._call(text, position, closes_at_end)
+            if call is None:  # a marker in prose, not a call: look past it
+                position = _next_call(text, position + 1)
+                continue
+            first = position if first is None else first
+            calls.append(call)
+            position = _next_call(text, call.end) if call.end is not None else None
         if first is None:
             hold = 0 if final else max(held_back(text, CALL_START), held_back(text, FUNCTION_START))
             return Scan(text[: len(text) - hold], [])
-        calls: list[PartialCall] = []
-        position: int | None = first
-        while position is not None:
-            call = self._call(text, position)
-            if call is None:
-                break
-            calls.append(call)
-            position = _next_call(text, call.end) if call.end is not None else None
         if final and all(call.name is None for call in calls):  # markers but no call: all of it is content
             return Scan(text, [])
         return Scan(text[:first], calls)
 
-    def _call(self, text: str, position: int) -> PartialCall | None:
+    def _call(self, text: str, position: int, final: bool) -> PartialCall | None:
         """The call at text[position] (an optional `<tool_call>`, then its function) as far as it has arrived;
-        None where what follows `<tool_call>` is not a function."""
+        None where what follows `<tool_call>` is not a function. With `final` (the output ended by itself) a
+        function or argument still open ends at the output's end, as vLLM reads an output that stopped short
+        of its closing tags."""
         if text.startswith(CALL_START, position):
             position = skip_whitespace(text, position + len(CALL_START))
             if not text.startswith(FUNCTION_START, position):
@@ -128,15 +147,16 @@ class Qwen3CoderToolParser(ToolParser):
         if name_end < 0:
             return PartialCall(None, "", False)
         name = text[position + len(FUNCTION_START) : name_end].strip()
-        properties = self._properties.get(name, {})
         arguments: dict[str, Any] = {}
         position = name_end + 1
         while True:
             position = skip_whitespace(text, position)
-            if text.startswith(FUNCTION_END, position):
-                end = skip_whitespace(text, position + len(FUNCTION_END))
-                end = end + len(CALL_END) if text.startswith(CALL_END, end) else position + len(FUNCTION_END)
-                return PartialCall(name, json.dumps(arguments), complete=True, end=end)
+            if text.startswith(FUNCTION_END, position) or text.startswith(CALL_END, position) or (
+                    final and position >= len(text)):
+                end = position + len(FUNCTION_END) if text.startswith(FUNCTION_END, position) else position
+                after = skip_whitespace(text, end)
+                end = after + len(CALL_END) if text.startswith(CALL_END, after) else end
+                return PartialCall(name, _json(arguments), complete=True, end=end)
             if not text.startswith(PARAMETER_START, position):
                 break  # the function's end or an argument still arriving, or text that is neither
             key_end = text.find(">", position)
@@ -145,10 +165,23 @@ class Qwen3CoderToolParser(ToolParser):
             key = text[position + len(PARAMETER_START) : key_end].strip()
             value_start = key_end + 1
             ends = [(i, marker) for marker in _VALUE_ENDS if (i := text.find(marker, value_start)) >= 0]
-            if not ends:
+            if not ends and not final:
                 break
-            value_end, marker = min(ends)
-            arguments.setdefault(key, typed_value(_value_text(text[value_start:value_end]), properties.get(key)))
+            value_end, marker = min(ends) if ends else (len(text), "")
+            if key not in arguments:  # a repeated argument keeps its first value (a stream has sent it)
+                arguments[key] = self._value(name, key, _value_text(text[value_start:value_end]))
             position = value_end + (len(PARAMETER_END) if marker == PARAMETER_END else 0)
+        if final:  # text that is neither an argument nor the function's end: the call ends before it
+            return PartialCall(name, _json(arguments), complete=True, end=position)
         # Open: the arguments so far, without the closing brace, so later scans only append to them
-        return PartialCall(name, json.dumps(arguments)[:-1] if arguments else "{", complete=False)
+        return PartialCall(name, _json(arguments)[:-1] if arguments else "{", complete=False)
+
+    def _value(self, function: str, key: str, text: str) -> Any:
+        cached = (function, key, text)
+        if cached not in self._typed:
+            self._typed[cached] = typed_value(text, self._properties.get(function, {}).get(key))
+        return self._typed[cached]
+
+
+def _json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)  # as vLLM writes them: text stays readable
