@@ -52,18 +52,21 @@ async def metrics(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     serving = get_serving(request)
     data = await serving.read_json(request)
+    req: TokenizeChatRequest | TokenizeCompletionRequest
     if isinstance(data, dict) and "messages" in data:
-        chat = validate(TokenizeChatRequest, data)
-        serving.check_model(chat.model)
-        tokens = await render_chat(serving, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-                                   chat_template_kwargs=chat.chat_template_kwargs, documents=chat.documents,
-                                   add_special_tokens=chat.add_special_tokens)
+        req = validate(TokenizeChatRequest, data)
+        serving.check_model(req.model)
+        tokens = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                   chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
+                                   add_special_tokens=req.add_special_tokens)
     else:
         req = validate(TokenizeCompletionRequest, data)
         serving.check_model(req.model)
         tokens = await serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len,
-                                         tokens=tokens).model_dump())
+    strings = await serving.off_loop(serving.tokenizer.convert_ids_to_tokens, tokens) if req.return_token_strs \
+        else None
+    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens,
+                                         token_strs=strings).model_dump())
 
 
 async def detokenize(request: Request) -> Response:

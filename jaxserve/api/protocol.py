@@ -339,6 +339,7 @@ class TokenizeCompletionRequest(BaseModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # each token's string beside its id (vLLM's)
 
 
 class TokenizeChatRequest(BaseModel):
@@ -351,12 +352,14 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     add_special_tokens: bool = False
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's own strings (byte-level BPE's, e.g. "Ġworld")
 
 
 class DetokenizeRequest(BaseModel):

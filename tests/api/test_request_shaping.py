@@ -78,7 +78,14 @@ def test_completions_add_the_tokenizers_bos_unless_told_not_to(client, tokenizer
                                                    "add_special_tokens": True})
     assert ids_prompt["choices"][0]["prompt_token_ids"] == [5, 6, 7], "token ids are taken as they are"
     tokenized = _post(client, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False})
-    assert tokenized["tokens"] == text_ids
+    assert tokenized["tokens"] == text_ids and tokenized["token_strs"] is None
+
+
+def test_tokenize_returns_the_token_strings_when_asked(client, tokenizer):
+    text = _post(client, "/tokenize", {"prompt": "Hello there", "return_token_strs": True})
+    assert text["token_strs"] == [BOS, "Hello", "Ġthere"] == tokenizer.convert_ids_to_tokens(text["tokens"])
+    chat = _post(client, "/tokenize", {"messages": HELLO, "return_token_strs": True})
+    assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"]) and chat["token_strs"][0] == BOS
 
 
 def test_chat_adds_the_tokenizers_special_tokens_only_when_asked(client, tokenizer):
