@@ -15,6 +15,9 @@ from jaxserve.api.streaming import collect
 from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam, check_priority
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+# What the engine's limits name when a prompt to embed does not fit: the prompt, or the one token a pooling
+# request "generates" (POOLING_PARAMS), which no client sets; either way the text is at fault
+PROMPT_PARAMS = ("prompt", "max_tokens")
 
 
 def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -67,7 +70,7 @@ async def pooled(serving: ModelServing, request: Request, prompts: list[list[int
         for ids in prompts:
             serving.info.limits.check(ids, POOLING_PARAMS)
     except InvalidParam as e:
-        raise APIError(400, str(e), param if e.param == "prompt" else e.param) from None
+        raise APIError(400, str(e), param if e.param in PROMPT_PARAMS else e.param) from None
     streams = [serving.generate(ids, POOLING_PARAMS, f"{request_id}-{i}", priority=priority)
                for i, ids in enumerate(prompts)]
     return [out.embedding for out in await collect(request, streams)]

@@ -10,7 +10,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.api.embeddings import MAX_INPUTS, check_pooling, pooled
+from jaxserve.api.embeddings import MAX_INPUTS, PROMPT_PARAMS, check_pooling, pooled
 from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     RerankDocument,
@@ -25,17 +25,27 @@ from jaxserve.api.protocol import (
     random_id,
 )
 from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 
 async def _tokenized(serving: ModelServing, texts: list[str], truncate: int | None, param: str) -> list[list[int]]:
+    """Each text's token ids, checked against the engine's limits; a 400 names the text (`param.i` in a list)."""
     serving.check_truncation(truncate)
     result = []
     for i, text in enumerate(texts):
+        name = f"{param}.{i}" if len(texts) > 1 else param
         if not text:
-            raise APIError(400, "texts to score must not be empty", f"{param}.{i}" if len(texts) > 1 else param)
-        result.append(await serving.encode(text, True, truncate))
+            raise APIError(400, "texts to score must not be empty", name)
+        if truncate is None:
+            serving.check_text_length(text, name)
+        ids = await serving.encode(text, True, truncate)
+        try:
+            serving.info.limits.check(ids, POOLING_PARAMS)
+        except InvalidParam as e:
+            raise APIError(400, str(e), name if e.param in PROMPT_PARAMS else e.param) from None
+        result.append(ids)
     return result
 
 

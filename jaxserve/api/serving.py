@@ -402,7 +402,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the caller gave up on it: the work ends (its requests aborted) first
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # its own error must not replace the cancel
             await task
         raise
     finally:

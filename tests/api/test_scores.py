@@ -15,6 +15,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from tests.engine.helpers import make_engine
 
 QUERY = "Where do cats sleep?"
+LONG = " ".join(f"w{i}" for i in range(300))
 DOCUMENTS = ["Cats sleep on warm windowsills.", "Quarterly revenue rose by four percent.", "The cat naps on the rug.",
              "Stock prices fell."]
 
@@ -88,6 +89,10 @@ def test_rerank_orders_the_documents_by_score_and_keeps_the_best_top_n(client, c
     ("/v1/score", {"text_1": "x", "text_2": ["y"] * 2048}, "text_2"),
     ("/v1/score", {"text_1": "x", "text_2": "y", "priority": 1}, "priority"),
     ("/v1/score", {"text_1": 5, "text_2": "y"}, "text_1"),
+    ("/v1/score", {"text_1": LONG, "text_2": ["y", "z"]}, "text_1"),  # over the 256-token context
+    ("/v1/score", {"text_1": "x", "text_2": ["y", "z" * 10**6]}, "text_2.1"),  # too long to tokenize
+    ("/v1/rerank", {"query": LONG, "documents": ["d"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": ["d", LONG]}, "documents.1"),
     ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "", "documents": ["d"]}, "query"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
@@ -106,3 +111,8 @@ def test_a_generating_server_refuses_scores(tiny_model_dir):
         for path in (*SCORE_PATHS, *RERANK_PATHS):
             response = client.post(path, json={"text_1": "a", "text_2": "b", "query": "q", "documents": ["d"]})
             assert response.status_code == 400 and "--runner pooling" in response.json()["error"]["message"]
+
+
+def test_an_embedding_input_over_the_context_is_a_400_naming_the_input(client):
+    response = client.post("/v1/embeddings", json={"input": ["fits", LONG]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input", response.text

@@ -228,6 +228,11 @@ def test_qwen3_coder_reads_calls_an_output_stopped_short_of_closing_unless_cut(s
             assert json.loads(arguments[1]) == {"x": 1}
 
 
+def test_qwen3_coder_keeps_its_calls_before_a_bare_last_tool_call_tag():
+    text = "<tool_call>\n<function=now>\n</function>\n</tool_call>\n<tool_call>\n"
+    assert [c.name for c in TOOL_PARSERS["qwen3_coder"]().parse(text)[1]] == ["now"]
+
+
 def test_qwen3_coder_looks_past_a_tool_call_tag_in_prose():
     text = "Qwen writes <tool_call> tags. Now:\n<tool_call>\n<function=now>\n</function>\n</tool_call>"
     content, calls = TOOL_PARSERS["qwen3_coder"]().parse(text)

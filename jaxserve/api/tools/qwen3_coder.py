@@ -26,6 +26,7 @@ the first).
 
 import ast
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
 # An argument's value ends at its closing tag, or (as vLLM reads a model that leaves it out) where the next
 # argument or the function's end begins
-_VALUE_ENDS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END)
+_VALUE_END = re.compile("|".join(map(re.escape, (PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END))))
 _INTEGER_TYPES = ("int", "integer", "uint", "long", "short", "unsigned")
 _NUMBER_TYPES = ("number", "float", "double", "num")
 _BOOLEAN_TYPES = ("boolean", "bool", "binary")
@@ -142,7 +143,9 @@ class Qwen3CoderToolParser(ToolParser):
         if text.startswith(CALL_START, position):
             position = skip_whitespace(text, position + len(CALL_START))
             if not text.startswith(FUNCTION_START, position):
-                return PartialCall(None, "", False) if FUNCTION_START.startswith(text[position:]) else None
+                rest = text[position:]  # at an output's end, a bare <tool_call> begins nothing
+                return PartialCall(None, "", False) if FUNCTION_START.startswith(rest) and not (final and not rest) \
+                    else None
         name_end = text.find(">", position)
         if name_end < 0:
             return PartialCall(None, "", False)
@@ -164,10 +167,10 @@ class Qwen3CoderToolParser(ToolParser):
                 break
             key = text[position + len(PARAMETER_START) : key_end].strip()
             value_start = key_end + 1
-            ends = [(i, marker) for marker in _VALUE_ENDS if (i := text.find(marker, value_start)) >= 0]
-            if not ends and not final:
+            found = _VALUE_END.search(text, value_start)  # one pass: a stream scans again after every delta
+            if found is None and not final:
                 break
-            value_end, marker = min(ends) if ends else (len(text), "")
+            value_end, marker = (found.start(), found.group()) if found else (len(text), "")
             if key not in arguments:  # a repeated argument keeps its first value (a stream has sent it)
                 arguments[key] = self._value(name, key, _value_text(text[value_start:value_end]))
             position = value_end + (len(PARAMETER_END) if marker == PARAMETER_END else 0)
