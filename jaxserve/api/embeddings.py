@@ -17,7 +17,7 @@ from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam, check_priorit
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 # What the engine's limits name when a prompt to embed does not fit: the prompt, or the one token a pooling
 # request "generates" (POOLING_PARAMS), which no client sets; either way the text is at fault
-PROMPT_PARAMS = ("prompt", "max_tokens")
+_PROMPT_PARAMS = ("prompt", "max_tokens")
 
 
 def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -48,10 +48,21 @@ async def _inputs(serving: ModelServing, req: EmbeddingRequest) -> list[list[int
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "an input string must not be empty", "input")
-            result.append(await serving.encode(item, req.add_special_tokens, req.truncate_prompt_tokens))
+            ids = await serving.encode(item, req.add_special_tokens, req.truncate_prompt_tokens)
         else:
-            result.append(serving.truncate(list(item), req.truncate_prompt_tokens))
+            ids = serving.truncate(list(item), req.truncate_prompt_tokens)
+        check_pooled_prompt(serving, ids, "input")
+        result.append(ids)
     return result
+
+
+def check_pooled_prompt(serving: ModelServing, ids: list[int], param: str) -> None:
+    """A 400 naming `param` for a prompt the engine cannot embed (empty, over the context, ids outside the
+    vocabulary)."""
+    try:
+        serving.info.limits.check(ids, POOLING_PARAMS)
+    except InvalidParam as e:
+        raise APIError(400, str(e), param if e.param in _PROMPT_PARAMS else e.param) from None
 
 
 def check_pooling(serving: ModelServing, what: str) -> None:
@@ -61,16 +72,14 @@ def check_pooling(serving: ModelServing, what: str) -> None:
                        "model")
 
 
-async def pooled(serving: ModelServing, request: Request, prompts: list[list[int]], priority: int, request_id: str,
-                 param: str) -> list[list[float]]:
+async def pooled(serving: ModelServing, request: Request, prompts: list[list[int]], priority: int,
+                 request_id: str) -> list[list[float]]:
     """Each prompt's pooled final hidden state, in order, one engine request each (batched by the scheduler);
-    the prompts are checked against the engine's limits first, a 400 naming `param` for one that fails."""
+    the prompts were checked by `check_pooled_prompt`."""
     try:
         check_priority(priority, serving.info.scheduling_policy)
-        for ids in prompts:
-            serving.info.limits.check(ids, POOLING_PARAMS)
     except InvalidParam as e:
-        raise APIError(400, str(e), param if e.param in PROMPT_PARAMS else e.param) from None
+        raise APIError(400, str(e), e.param) from None
     streams = [serving.generate(ids, POOLING_PARAMS, f"{request_id}-{i}", priority=priority)
                for i, ids in enumerate(prompts)]
     return [out.embedding for out in await collect(request, streams)]
@@ -90,7 +99,7 @@ async def create_embedding(request: Request) -> Response:
                            "dimensions")
     prompts = await _inputs(serving, req)
     request_id = random_id("embd")
-    vectors = await pooled(serving, request, prompts, req.priority, request_id, "input")
+    vectors = await pooled(serving, request, prompts, req.priority, request_id)
     data = [EmbeddingData(index=i, embedding=_encode(finish_embedding(vector, req.dimensions, req.normalize),
                                                      req.encoding_format))
             for i, vector in enumerate(vectors)]

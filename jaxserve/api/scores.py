@@ -10,7 +10,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.api.embeddings import MAX_INPUTS, PROMPT_PARAMS, check_pooling, pooled
+from jaxserve.api.embeddings import MAX_INPUTS, check_pooled_prompt, check_pooling, finish_embedding, pooled
 from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     RerankDocument,
@@ -25,10 +25,10 @@ from jaxserve.api.protocol import (
     random_id,
 )
 from jaxserve.api.serving import ModelServing, get_serving
-from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+
 
 async def _tokenized(serving: ModelServing, texts: list[str], truncate: int | None, param: str) -> list[list[int]]:
     """Each text's token ids, checked against the engine's limits; a 400 names the text (`param.i` in a list)."""
@@ -41,24 +41,16 @@ async def _tokenized(serving: ModelServing, texts: list[str], truncate: int | No
         if truncate is None:
             serving.check_text_length(text, name)
         ids = await serving.encode(text, True, truncate)
-        try:
-            serving.info.limits.check(ids, POOLING_PARAMS)
-        except InvalidParam as e:
-            raise APIError(400, str(e), name if e.param in PROMPT_PARAMS else e.param) from None
+        check_pooled_prompt(serving, ids, name)
         result.append(ids)
     return result
 
 
-def _unit(vectors: list[list[float]]) -> np.ndarray:
-    """f64[n, d], each row scaled to unit length (a zero vector stays zero)."""
-    array = np.asarray(vectors, np.float64)
-    return array / np.maximum(np.linalg.norm(array, axis=1, keepdims=True), 1e-12)
-
-
 async def _cosine_scores(serving: ModelServing, request: Request, firsts: list[list[int]], seconds: list[list[int]],
-                         priority: int, request_id: str, param: str) -> list[float]:
+                         priority: int, request_id: str) -> list[float]:
     """cos(first_i, second_i) for each pair, one first broadcast against every second."""
-    vectors = _unit(await pooled(serving, request, firsts + seconds, priority, request_id, param))
+    vectors = np.stack([finish_embedding(vector, None, normalize=True)  # f32[n, d], unit rows
+                        for vector in await pooled(serving, request, firsts + seconds, priority, request_id)])
     first, second = vectors[: len(firsts)], vectors[len(firsts):]
     return (first * second).sum(axis=1).tolist()  # [1 or n, d] x [n, d]
 
@@ -81,7 +73,7 @@ async def create_score(request: Request) -> Response:
     firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")
     seconds = await _tokenized(serving, texts_2, req.truncate_prompt_tokens, "text_2")
     request_id = random_id("score")
-    scores = await _cosine_scores(serving, request, firsts, seconds, req.priority, request_id, "text_2")
+    scores = await _cosine_scores(serving, request, firsts, seconds, req.priority, request_id)
     num_tokens = sum(map(len, firsts + seconds))
     return JSONResponse(ScoreResponse(
         id=request_id, model=req.model or serving.model_names[0],
@@ -103,7 +95,7 @@ async def create_rerank(request: Request) -> Response:
     query = await _tokenized(serving, [req.query], req.truncate_prompt_tokens, "query")
     documents = await _tokenized(serving, req.documents, req.truncate_prompt_tokens, "documents")
     request_id = random_id("rerank")
-    scores = await _cosine_scores(serving, request, query, documents, req.priority, request_id, "documents")
+    scores = await _cosine_scores(serving, request, query, documents, req.priority, request_id)
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
     return JSONResponse(RerankResponse(
         id=request_id, model=req.model or serving.model_names[0],

@@ -41,6 +41,9 @@ from jaxserve.sampling_params import (
 
 T = TypeVar("T")
 
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
+logger = logging.getLogger("jaxserve.api.requests")
+
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII: safe in ids, logs and headers
 
 
@@ -58,8 +61,7 @@ def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str
         raise APIError(400, "request_id must be 1 to 256 visible ASCII characters", "request_id")
     response_id = f"{prefix}-{base}"
     return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
-logger = logging.getLogger("jaxserve.api.requests")
+
 
 # Fields of a model's generation_config.json that become default sampling parameters (vLLM's rule).
 _GENERATION_DEFAULTS = {
