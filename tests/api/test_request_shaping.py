@@ -166,3 +166,21 @@ def test_a_request_id_unfit_for_an_id_is_a_400_naming_it(client, bad):
     assert _post(client, "/v1/completions", {"prompt": "a", "max_tokens": 1, "request_id": "x" * 256})["id"] == \
         "cmpl-" + "x" * 256
 
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"add_special_tokens": [1]}, "add_special_tokens"),
+    ("/v1/chat/completions", {"add_special_tokens": {"a": 1}}, "add_special_tokens"),
+    ("/v1/chat/completions", {"documents": [{"title": "x" * 10}] * 3 + [None]}, "documents"),
+    ("/v1/chat/completions", {"documents": "not a list"}, "documents"),
+    ("/v1/completions", {"use_beam_search": "sometimes"}, "use_beam_search"),
+    ("/v1/completions", {"length_penalty": [2]}, "length_penalty"),
+    ("/tokenize", {"return_token_strs": 3.5}, "return_token_strs"),
+])
+def test_new_fields_of_the_wrong_type_are_400s_naming_them(client, path, fields, param):
+    body = {"messages": HELLO} if "chat" in path or path == "/tokenize" else {"prompt": "a"}
+    if path != "/tokenize":
+        body["max_tokens"] = 1
+    response = client.post(path, json={**body, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param), response.json()
