@@ -39,6 +39,13 @@ def llm_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def apart_engine(tiny_model_dir):
+    """An engine for the tests that build their own app while `client`'s is alive: two AsyncEngines on one
+    LLMEngine would both step it, and one would take the other's outputs (its request then never ends)."""
+    return make_engine(tiny_model_dir("llama"), warmup=False)
+
+
+@pytest.fixture(scope="module")
 def client(llm_engine) -> Iterator[TestClient]:
     with TestClient(create_app(ServerConfig(), AsyncEngine(llm_engine))) as client:
         yield client
@@ -169,8 +176,8 @@ def test_errors_match_the_error_response_schema(client, document):
         assert validator.is_valid(response.json()), response.text
 
 
-def test_security_is_applied_where_the_api_key_is_checked(llm_engine):
-    with TestClient(create_app(ServerConfig(api_key="k"), AsyncEngine(llm_engine))) as client:
+def test_security_is_applied_where_the_api_key_is_checked(apart_engine):
+    with TestClient(create_app(ServerConfig(api_key="k"), AsyncEngine(apart_engine))) as client:
         document = client.get("/openapi.json").json()  # open without a key, like /health
         assert client.get("/docs").status_code == 200
         for path, method in sorted(operations(document)):
@@ -187,8 +194,8 @@ def test_security_is_applied_where_the_api_key_is_checked(llm_engine):
                                       headers=headers).status_code == expected, (path, method)
 
 
-def test_root_path_is_honoured(llm_engine):
-    app = create_app(ServerConfig(root_path="/llm"), AsyncEngine(llm_engine))
+def test_root_path_is_honoured(apart_engine):
+    app = create_app(ServerConfig(root_path="/llm"), AsyncEngine(apart_engine))
     with TestClient(app, root_path="/llm") as client:
         assert client.get("/llm/openapi.json").json()["servers"] == [{"url": "/llm"}]
         page = client.get("/llm/docs")
