@@ -38,6 +38,7 @@ from jaxserve.config import (
     SchedulerConfig,
     ServeBenchConfig,
     ServerConfig,
+    SpeculativeConfig,
     field_default,
     preset_names,
 )
@@ -108,6 +109,15 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
+def _speculative_config(value: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.of(json.loads(value))
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}': {error}"
+        ) from None
+
+
 def _cache_dir(value: str) -> str:
     return "" if value.lower() == "none" else value  # "" disables the cache
 
@@ -159,6 +169,11 @@ ENGINE_FLAGS = (
          help="decode steps per jitted call while every running request only decodes (vLLM's former flag): "
               "the sampled tokens are fed back on the device and stops read after, at most k - 1 tokens "
               "wasted per finished request; compiles each decode bucket once more (default: 1)"),
+    Flag("--speculative-config", SchedulerConfig, "speculative_config", type=_speculative_config, preset=True,
+         help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}': while every running request only decodes, "
+              "each proposes up to k drafts by n-gram lookup in its own context and one step verifies them on a "
+              "row each; outputs are token for token those of plain decoding (default: none)"),
     Flag("--greedy-decodes", BucketConfig, "greedy_decodes", preset=True, action=argparse.BooleanOptionalAction,
          help="also compile each decode bucket as a greedy-only step (an argmax, none of the sampler's control "
               "flow), run when every row of a step is greedy and asks for nothing more; twice the decode "

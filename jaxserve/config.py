@@ -95,6 +95,57 @@ WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config for its "ngram" method (prompt lookup): each decode proposes up to
+    `num_speculative_tokens` drafts, the tokens that followed the latest n-gram of its context (n in
+    [prompt_lookup_min, prompt_lookup_max]) where it appeared before, and the model verifies them in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5  # vLLM's defaults, both
+    prompt_lookup_min: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (draft models "
+                             f"and EAGLE heads are not supported), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 64, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON object (a preset's mapping, the flag's parsed value); None stays None. As in vLLM,
+        `num_speculative_tokens` is required and a lookup bound given alone is the other's default too."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"the speculative config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("the speculative config needs num_speculative_tokens")
+        values = dict(value)
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = values["prompt_lookup_max"]
+        elif "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = values["prompt_lookup_min"]
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -107,8 +158,11 @@ class SchedulerConfig:
     # "fcfs": arrival order. "priority" (vLLM's): a request's `priority`, lower first, then arrival; when
     # pages or sequence slots run out, the lowest-priority running request is the one preempted.
     scheduling_policy: str = "fcfs"
+    # Speculative decoding (vLLM's --speculative-config), None for none.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

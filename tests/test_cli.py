@@ -31,6 +31,7 @@ from jaxserve.config import (
     OfflineBenchConfig,
     ServeBenchConfig,
     ServerConfig,
+    SpeculativeConfig,
     platform_preset,
 )
 
@@ -253,3 +254,21 @@ def test_flags_left_out_give_the_config_dataclasses_defaults(monkeypatch):
 def test_a_flag_names_a_field_of_its_config():
     with pytest.raises(TypeError, match="ServerConfig has no field 'hots'"):
         Flag("--host", ServerConfig, "hots", "address to bind")
+
+
+def test_the_speculative_config_flag_takes_vllm_s_json_and_refuses_bad_values(tmp_path, capsys):
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    speculative = _engine_config(args).scheduler.speculative_config
+    assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 3)
+    assert (speculative.prompt_lookup_min, speculative.prompt_lookup_max) == (4, 4)
+    assert _engine_config(parser.parse_args(["serve"])).scheduler.speculative_config is None
+    preset = tmp_path / "speculative.yaml"
+    preset.write_text("scheduler:\n  speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    assert _engine_config(parser.parse_args(["serve", "--config", str(preset)])).scheduler.speculative_config == \
+        SpeculativeConfig(num_speculative_tokens=2)
+    for bad in ("{not json", '{"method": "medusa", "num_speculative_tokens": 2}', '{"method": "ngram"}'):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err

@@ -103,10 +103,19 @@ class _EngineCollector(Collector):
              stats.prefix_cache_queries),
             ("jaxserve:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              stats.prefix_cache_hits),
+            ("jaxserve:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+            ("jaxserve:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
+            ("jaxserve:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             stats.spec_decode_num_accepted_tokens),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft's position.", labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_decode_accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], count)
+        yield per_position
         yield self._iteration_tokens(stats)
         if self._cache_info is not None:
             info = GaugeMetricFamily(

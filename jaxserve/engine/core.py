@@ -18,6 +18,11 @@ Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): once every running 
 the loop reads what is in flight, launches k decode steps in one call and reads them at once, reporting
 one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a whole step late. While a
 background warm-up is still compiling (the k-step executables come last), decodes run one step at a time.
+
+Speculative decoding (`SchedulerConfig.speculative_config`) runs under the same conditions: the loop reads
+what is in flight, launches a step whose requests with n-gram drafts decode on a row per draft, and reads it
+at once (the next step's positions depend on the drafts accepted), reporting one `CoreOutputs` per position.
+While every running sequence only decodes, the loop is therefore synchronous.
 """
 
 import dataclasses
@@ -43,6 +48,7 @@ from jaxserve.engine.core_io import (
     failed,
 )
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
+from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
@@ -119,8 +125,11 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,
                                        shared_window(getattr(model.cfg, "sliding_windows", ())))
+        speculative = None if pooling else sched.speculative_config
+        proposer = None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.num_scheduler_steps, sched.scheduling_policy)
+                                   sched.num_scheduler_steps, sched.scheduling_policy, proposer)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._masks = MaskFiller()
@@ -190,6 +199,10 @@ class EngineCore:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             iteration_tokens_buckets=tuple(scheduler.iteration_tokens.bucket_counts),
             iteration_tokens_sum=scheduler.iteration_tokens.sum,
+            spec_decode_num_drafts=scheduler.speculation.num_drafts,
+            spec_decode_num_draft_tokens=scheduler.speculation.num_draft_tokens,
+            spec_decode_num_accepted_tokens=scheduler.speculation.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(scheduler.speculation.accepted_per_position),
         )
 
     def step(self) -> list[CoreOutputs]:
@@ -215,8 +228,9 @@ class EngineCore:
         if previous is not None:
             outputs += self._read(previous)
         if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()
-                                            or self._in_flight.scheduler_output.is_multi_step):
-            launched, self._in_flight = self._in_flight, None  # synchronous, nothing left to overlap, or k steps
+                                            or self._in_flight.scheduler_output.reads_at_once):
+            # synchronous, nothing left to overlap, or k steps or drafts (the next plan needs their tokens)
+            launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched)
         return outputs
 
@@ -252,11 +266,14 @@ class EngineCore:
         return dataclasses.replace(plan, grammar_bitmask=bitmask)
 
     def _read(self, launched: LaunchedStep) -> list[CoreOutputs]:
-        """The step's outputs (one per step of a multi-step decode)."""
+        """The step's outputs (one per step of a multi-step decode, one per draft position of a speculative one)."""
         plan = launched.scheduler_output
-        if not plan.is_multi_step:
+        if plan.is_speculative:
+            per_step = self.scheduler.update_verified(plan, self.runner.collect(launched))
+        elif plan.is_multi_step:
+            per_step = self.scheduler.update_steps(plan, self.runner.collect_steps(launched))
+        else:
             return [self._outputs(self.scheduler.update(plan, self.runner.collect(launched)))]
-        per_step = self.scheduler.update_steps(plan, self.runner.collect_steps(launched))
         unreported = Counter(request.request_id for advanced in per_step for request in advanced)
         return [self._outputs(advanced, unreported) for advanced in per_step]
 

@@ -102,6 +102,12 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which were found cached
     iteration_tokens_buckets: tuple[int, ...] = ()  # per step: counts per ITERATION_TOKENS_BUCKETS bucket, +Inf last
     iteration_tokens_sum: int = 0
+    # Speculative decoding, since start: requests' drafts verified, draft tokens, accepted ones, and accepted
+    # ones per draft position (empty without speculative decoding).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
 
 class EngineCoreClient(Protocol):

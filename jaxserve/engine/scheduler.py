@@ -33,6 +33,16 @@ running request is a plain decode (no grammar, no logprobs, nothing the runner f
 plans k decode steps per request in one call (`decode_steps`; fewer for a request k tokens from its
 limit), with pages for all of them. The runner feeds each sample to the next step on the device; stops are
 applied when the k tokens are read (`update_steps`), so a finished request wastes at most k - 1 tokens.
+
+Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, each running request
+with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step, row i feeding
+its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over the
+pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
+index, and `update_verified` keeps row 0's sample, then row i's while row i - 1's sample is d_i. With drafts
+that are single tokens rather than distributions, that is exact rejection sampling: a sample equal to the
+draft accepts it, and any other sample is the correction, so what a request receives, seeded or greedy, is
+token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and
+is overwritten by later steps.
 """
 
 import bisect
@@ -41,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
+from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.step_io import PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import fits_kv_cache
@@ -64,6 +75,7 @@ class _Plan:
     grammar_rows: list[int] = field(default_factory=list)
     filling: set[bytes] = field(default_factory=set)  # keys of the full pages this step fills
     decode_steps: list[int] = field(default_factory=list)  # a multi-step decode's steps per row
+    draft_lengths: list[int] = field(default_factory=list)  # a speculative decode's drafts per request
 
 
 # vLLM's buckets for vllm:iteration_tokens_total.
@@ -86,6 +98,23 @@ class IterationTokens:
         self.sum += num_tokens
 
 
+class SpeculationCounts:
+    """Speculative decoding's counts since start (vLLM's spec_decode metrics), kept by the engine thread:
+    requests' drafts verified, draft tokens, accepted ones, and accepted ones per draft position."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            for position in range(num_accepted):
+                self.accepted_per_position[position] += 1
+
+
 def _priority_order(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
@@ -98,6 +127,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_scheduler_steps: int = 1,
         policy: str = "fcfs",
+        proposer: NgramProposer | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
@@ -115,6 +145,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of requests looked up in the prefix cache, since start
         self.prefix_cache_hits = 0  # of which found cached
         self.iteration_tokens = IterationTokens()
+        self.proposer = proposer
+        self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
     def check_fits(self, max_num_tokens: int) -> None:
@@ -136,16 +168,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def only_decodes(self) -> bool:
-        """Whether multi-step decoding applies once no sample is in flight: k > 1, nothing waits, and every
-        running request is a plain decode (its one next token to compute, no grammar, nothing per row)."""
-        return self.num_scheduler_steps > 1 and not self.waiting and bool(self.running) and all(
+        """Whether multi-step or speculative decoding applies once no sample is in flight: k > 1 or a
+        proposer, nothing waits, and every running request is a plain decode (its one next token to
+        compute, no grammar, nothing per row)."""
+        speeds_decodes = self.num_scheduler_steps > 1 or self.proposer is not None
+        return speeds_decodes and not self.waiting and bool(self.running) and all(
             request.has_plain_decodes and request.grammar is None
             and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
             for request in self.running)
 
     def schedule(self) -> SchedulerOutput:
         if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
-            plan = self._plan_decode_steps()
+            plan = self._plan_speculative() if self.proposer is not None else None
+            if plan is None and self.num_scheduler_steps > 1:
+                plan = self._plan_decode_steps()
             if plan is not None:
                 return self._output(plan, [])
         token_budget = self.max_num_batched_tokens
@@ -258,7 +294,7 @@ class Scheduler:
             plan.keeps_sample, tuple(plan.new_requests), plan.new_pages, plan.banned_token_ids,
             plan.prompt_logprob_targets, tuple(plan.rows_completing_pages), tuple(plan.grammar_rows),
             preempted_ids=tuple(preempted), finished_ids=finished, filling_keys=frozenset(plan.filling),
-            decode_steps=tuple(plan.decode_steps),
+            decode_steps=tuple(plan.decode_steps), draft_lengths=tuple(plan.draft_lengths),
         )
         self._inflight_filling.append(output.filling_keys)
         if not output.is_empty:
@@ -283,6 +319,41 @@ class Scheduler:
             kv_cache.allocate(request.page_ids, start + num_steps)  # fits: counted above
             self._plan_row(request, start + 1, plan, num_steps=num_steps)
             plan.decode_steps.append(num_steps)
+        return plan
+
+    def _plan_speculative(self) -> _Plan | None:
+        """Every running request decodes, those with drafts on m + 1 rows (`only_decodes`, nothing in flight);
+        None when no request has a draft, or when their pages do not all fit without preempting. Drafts are
+        cut to the rows and tokens a step holds (running requests first in order) and to each request's
+        remaining tokens."""
+        proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
+        spare_rows = min(self.max_num_seqs, self.max_num_batched_tokens) - len(running)
+        all_drafts = []
+        for request in running:
+            drafts = proposer.propose(request, min(spare_rows, request.max_num_tokens - request.num_tokens - 1))
+            spare_rows -= len(drafts)
+            all_drafts.append(drafts)
+        if not any(all_drafts):
+            return None
+        new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + len(drafts))
+                            - len(request.page_ids)) for request, drafts in zip(running, all_drafts, strict=True))
+        if new_pages > kv_cache.num_free_pages:
+            return None
+        plan = _Plan()
+        for request, drafts in zip(running, all_drafts, strict=True):
+            start = request.num_computed_tokens
+            kv_cache.release_outside_window(request.page_ids, start)
+            kv_cache.allocate(request.page_ids, start + 1 + len(drafts))  # fits: counted above
+            output_index = len(request.output_token_ids)
+            self._plan_row(request, start + 1, plan)
+            for offset, draft in enumerate(drafts, 1):  # rows that only the verification may keep
+                plan.request_ids.append(request.request_id)
+                plan.num_new_tokens.append(1)
+                plan.token_ids.append(draft)
+                plan.start_positions.append(start + offset)
+                plan.output_indices.append(output_index + offset)
+                plan.keeps_sample.append(True)
+            plan.draft_lengths.append(len(drafts))
         return plan
 
     def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False, num_steps: int = 1) -> int:
@@ -367,13 +438,15 @@ class Scheduler:
         written twice, to the same place)."""
         self._discard_filling(scheduler_output)
         new_pages = scheduler_output.new_pages
+        seen: set[str] = set()  # a speculative plan's request has rows for its drafts after its first
         for row, (request_id, start, keeps_sample) in enumerate(zip(
             scheduler_output.request_ids, scheduler_output.start_positions, scheduler_output.keeps_sample,
             strict=True,
         )):
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not RequestStatus.RUNNING or request_id in seen:
                 continue
+            seen.add(request_id)
             request.num_computed_tokens = start
             request.num_inflight_tokens -= keeps_sample * scheduler_output.steps_of(row)
             if row in new_pages:
@@ -467,6 +540,39 @@ class Scheduler:
         self._cache_completed_pages(plan)  # after the samples: the pages' keys hold them
         return per_step
 
+    def update_verified(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[list[Request]]:
+        """Records a speculative decode's samples: each request takes its first row's sample, then row i's
+        while the draft row i fed equals the sample before it and the request has not finished; each accepted
+        draft's K/V becomes computed. Returns, per position, the requests that received a token at it."""
+        plan = scheduler_output
+        if len(step_output.sampled_token_ids) != plan.num_reqs:
+            raise ValueError(f"{len(step_output.sampled_token_ids)} sampled tokens for {plan.num_reqs} rows")
+        self._discard_filling(plan)
+        samples, logprobs, inputs = step_output.sampled_token_ids, step_output.logprobs, plan.token_ids
+        per_position: list[list[Request]] = [[] for _ in range(max(plan.draft_lengths) + 1)]
+        take_sample, counts = self._take_sample, self.speculation
+        now = time.monotonic()
+        row = 0
+        for num_drafts in plan.draft_lengths:
+            request = self.requests.get(plan.request_ids[row])
+            if request is not None and not request.status.is_finished:  # else aborted while the step ran
+                take_sample(request, samples[row], logprobs[row], None, now, per_position[0])
+                accepted = 0
+                while (accepted < num_drafts and not request.status.is_finished
+                       and samples[row + accepted] == inputs[row + accepted + 1]):
+                    accepted += 1
+                    request.num_computed_tokens += 1  # the accepted draft's K/V, written by its row
+                    request.num_inflight_tokens += 1
+                    take_sample(request, samples[row + accepted], logprobs[row + accepted], None, now,
+                                 per_position[accepted])
+                counts.observe(num_drafts, accepted)
+                if self._caching and request.status is RequestStatus.RUNNING:
+                    num_full = request.num_computed_tokens // self._page_size
+                    if num_full > request.num_keyed_pages:
+                        self._cache_pages(request, num_full)
+            row += num_drafts + 1
+        return per_position
+
     def _cache_completed_pages(self, plan: SchedulerOutput) -> None:
         """Offers the pages a step completed to the prefix cache, for requests still running (a finished
         request's pages are freed; its later steps' K/V may follow a stop)."""
@@ -518,4 +624,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request.page_ids)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._finished_ids.append(request.request_id)

@@ -10,6 +10,8 @@ maps, keyed by row, for what few rows carry (pages the runner has not been sent,
 bans, prompt tokens to score, a grammar's bitmask). A plain decode costs a few list appends.
 The runner answers with `StepOutput`: one sampled token per row, in the same order. A multi-step decode
 plan (`decode_steps`) runs several decode steps in one call; the runner answers it with a `StepOutput` per step.
+A speculative plan (`draft_lengths`) gives a sequence with m drafts m + 1 consecutive decode rows, one per
+position, which the runner runs as any decode rows; the scheduler reads their samples as a verification.
 """
 
 from dataclasses import dataclass, field
@@ -80,6 +82,10 @@ class SchedulerOutput:
     # A multi-step decode (every row decodes): per row, the decode steps it runs in one call, each
     # feeding its sample to the next (fewer where a request reaches its last token); empty for one step.
     decode_steps: tuple[int, ...] = ()
+    # A speculative decode (every row decodes): per sequence, in row order, its drafts m; its m + 1 rows
+    # are consecutive, row i feeding its last known token (i = 0) or draft i at the next position and
+    # sampling what follows. Empty for a plan without drafts.
+    draft_lengths: tuple[int, ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -96,6 +102,15 @@ class SchedulerOutput:
     @property
     def is_multi_step(self) -> bool:
         return bool(self.decode_steps)
+
+    @property
+    def is_speculative(self) -> bool:
+        return bool(self.draft_lengths)
+
+    @property
+    def reads_at_once(self) -> bool:
+        """Its tokens are read as soon as it is launched: the next plan depends on how many it produced."""
+        return self.is_multi_step or self.is_speculative
 
     @property
     def num_steps(self) -> int:

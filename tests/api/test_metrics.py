@@ -134,6 +134,19 @@ def test_engine_snapshot_gauges_preemptions_iteration_tokens_and_cache_info():
     assert samples[("jaxserve:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "100")))] == 1
 
 
+def test_speculative_decoding_counts_are_vllm_s_spec_decode_series():
+    stats = EngineStats(spec_decode_num_drafts=5, spec_decode_num_draft_tokens=14, spec_decode_num_accepted_tokens=9,
+                        spec_decode_accepted_per_position=(5, 3, 1))
+    for prefix in ("jaxserve", "vllm"):
+        samples = scrape(generate_latest(ServerMetrics("m", lambda: stats, prefix=prefix).registry).decode())
+        assert value(samples, f"{prefix}:spec_decode_num_drafts_total") == 5
+        assert value(samples, f"{prefix}:spec_decode_num_draft_tokens_total") == 14
+        assert value(samples, f"{prefix}:spec_decode_num_accepted_tokens_total") == 9
+        for position, count in enumerate((5, 3, 1)):
+            assert value(samples, f"{prefix}:spec_decode_num_accepted_tokens_per_pos_total",
+                         position=str(position)) == count
+
+
 def test_no_engine_yet_reads_as_zeros_and_created_series_stay_elsewhere():
     metrics = ServerMetrics("m", lambda: None)
     samples = scrape(generate_latest(metrics.registry).decode())

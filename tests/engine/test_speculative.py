@@ -1,0 +1,238 @@
+"""Speculative decoding by n-gram lookup (`--speculative-config`): a step that verifies drafts gives the
+plain loop's outputs exactly (greedy and seeded tokens, logprobs, stop ids, stop strings, EOS, max_tokens
+inside a run of drafts), accepts drafts where the output repeats its context, computes no position past a
+request's limit, leaves no page behind, keys only computed pages for the prefix cache, and compiles
+nothing after warm-up."""
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, stop_requests, workload
+from tests.helpers import count_compilations
+
+# min 1: drafts on most steps of a random model's output, many of them rejected
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir) -> dict[str, LLMEngine]:
+    return {
+        "plain": make_engine(llama_dir),
+        "speculative": make_engine(llama_dir, speculative_config=SPECULATIVE, enable_prefix_caching=True),
+        "speculative-async": make_engine(llama_dir, speculative_config=SPECULATIVE, async_scheduling=True,
+                                         greedy_decodes=True),
+        "speculative-multi-step": make_engine(llama_dir, speculative_config=SPECULATIVE, num_scheduler_steps=3),
+    }
+
+
+def repeating_prompt(seed: int, period: int, length: int) -> list[int]:
+    """A prompt that repeats a random run of `period` tokens: its continuation's n-grams are in it."""
+    run_tokens = np.random.default_rng(seed).integers(3, 40000, size=period).tolist()
+    return (run_tokens * (length // period + 1))[:length]
+
+
+class ScriptedProposer:
+    """Drafts from the plain engine's outputs (`truths`), every few proposals with one draft corrupted: the
+    verification must accept exactly the drafts before the first wrong one. Keeps the count it expects."""
+
+    num_speculative_tokens = 3
+
+    def __init__(self, truths: dict[tuple, list[int]]) -> None:
+        self.truths = truths
+        self.num_proposals = self.expected_accepted = self.num_draft_tokens = 0
+
+    def propose(self, request, max_drafts: int) -> list[int]:
+        truth = self.truths.get(truth_key(request))
+        done = len(request.output_token_ids)
+        if truth is None or max_drafts < 1:
+            return []
+        assert truth[:done] == request.output_token_ids, "the verified output left the plain one"
+        drafts = truth[done : done + min(max_drafts, self.num_speculative_tokens)]
+        self.num_proposals += 1
+        wrong = self.num_proposals % (self.num_speculative_tokens + 2)  # past the drafts: none wrong
+        if wrong < len(drafts):
+            drafts[wrong] = 3 if drafts[wrong] != 3 else 4
+        self.expected_accepted += min(wrong, len(drafts))
+        self.num_draft_tokens += len(drafts)
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def truth_key(request) -> tuple:
+    """What fixes a sequence's output in both engines: its prompt, its seed where it samples, its stop ids."""
+    params = request.sampling_params
+    return (tuple(request.prompt_token_ids), request.sampling_seed if params.temperature else None,
+            tuple(params.stop_token_ids))
+
+
+def recorded_truths(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[dict, dict[tuple, list[int]]]:
+    """Runs `requests` on the plain engine; returns its outputs and every sequence's tokens by `truth_key`
+    (the longest where several share a key)."""
+    truths: dict[tuple, list[int]] = {}
+    scheduler = engine.scheduler
+    remove = scheduler._remove
+
+    def recording_remove(request):
+        key = truth_key(request)
+        if len(request.output_token_ids) > len(truths.get(key, ())):
+            truths[key] = list(request.output_token_ids)
+        remove(request)
+
+    scheduler._remove = recording_remove
+    try:
+        return run(engine, requests, arrivals), truths
+    finally:
+        del scheduler._remove
+
+
+def run_scripted(engine: LLMEngine, proposer, requests: dict, arrivals: dict) -> tuple[dict, int, int]:
+    """Runs `requests` with `proposer` drafting; returns the outputs, the draft tokens and the accepted ones."""
+    scheduler, counts = engine.scheduler, engine.scheduler.speculation
+    before = counts.num_draft_tokens, counts.num_accepted_tokens
+    real, scheduler.proposer = scheduler.proposer, proposer
+    try:
+        with count_compilations() as compiled:
+            outputs = run(engine, requests, arrivals)
+    finally:
+        scheduler.proposer = real
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1]
+
+
+@pytest.mark.parametrize("name", ["speculative", "speculative-async", "speculative-multi-step"])
+def test_the_verification_accepts_exactly_the_right_drafts(engines, name):
+    """Greedy and seeded requests that end on max_tokens only, drafted from the plain engine's outputs with
+    one draft wrong every few proposals: the outputs are the plain engine's and the drafts accepted are
+    exactly those before the first wrong one."""
+    prompts = make_prompts(8)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    requests = {
+        "greedy-30": (prompts[0], SamplingParams(max_tokens=30, **greedy)),
+        "greedy-2": (prompts[5], SamplingParams(max_tokens=2, **greedy)),
+        "greedy-7": (prompts[2], SamplingParams(max_tokens=7, **greedy)),
+        "seeded-n2": (prompts[1], SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=17,
+                                                 ignore_eos=True)),
+        "seeded-logprob": (prompts[6], SamplingParams(max_tokens=11, temperature=0.6, seed=4, logprobs=0,
+                                                      ignore_eos=True)),
+        "late": (prompts[3], SamplingParams(max_tokens=9, **greedy)),
+    }
+    arrivals = {"greedy-30": 0, "greedy-2": 0, "greedy-7": 1, "seeded-n2": 1, "seeded-logprob": 2, "late": 12}
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    proposer = ScriptedProposer(truths)
+    speculative, drafted, accepted = run_scripted(engines[name], proposer, requests, arrivals)
+    assert_same(plain, speculative)
+    assert drafted == proposer.num_draft_tokens > 0
+    assert accepted == proposer.expected_accepted
+    assert 0 < accepted < drafted
+
+
+def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):
+    """Stop ids, stop strings, EOS and max_tokens that fall inside a run of accepted drafts: the tokens
+    after them are dropped, and every output is the plain engine's."""
+    prompts = make_prompts(8)
+    requests = {
+        **stop_requests(engines["plain"], prompts[7]),
+        "with-eos": (prompts[4], SamplingParams(max_tokens=30, temperature=1.3, seed=2)),
+        "greedy-5": (prompts[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+    }
+    arrivals = dict.fromkeys(requests, 0)
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    assert plain["stop-id"].outputs[0].finish_reason == "stop"
+    assert isinstance(plain["stop-string"].outputs[0].stop_reason, str)
+    for name in ("speculative", "speculative-async"):
+        speculative, _, accepted = run_scripted(engines[name], ScriptedProposer(truths), requests, arrivals)
+        assert_same(plain, speculative)
+        assert accepted > 0
+
+
+def test_everything_else_gives_the_same_outputs(engines):
+    """Penalties, logprobs, grammars, bans, prefix-cache hits, n > 1, with the n-gram proposer on: the steps
+    that run beside them decode without drafts, and every output is the plain engine's."""
+    requests, arrivals = workload(engines["plain"])
+    plain = run(engines["plain"], requests, arrivals)
+    assert_same(plain, run(engines["speculative-async"], requests, arrivals))
+
+
+def computed_positions(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """Runs one request; returns its tokens and the highest position any step computed for it."""
+    scheduler, highest = engine.scheduler, []
+    update, update_verified = scheduler.update, scheduler.update_verified
+
+    def recording_update(plan, output):
+        highest.append(max(start + n - 1 for start, n in zip(plan.start_positions, plan.num_new_tokens, strict=True)))
+        return update(plan, output)
+
+    def recording_update_verified(plan, output):
+        highest.append(max(plan.start_positions))
+        return update_verified(plan, output)
+
+    scheduler.update, scheduler.update_verified = recording_update, recording_update_verified
+    try:
+        return run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0].token_ids, max(highest)
+    finally:
+        del scheduler.update, scheduler.update_verified
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 8])
+def test_drafts_never_reach_past_max_tokens(engines, max_tokens):
+    """A run of drafts is cut so that the positions computed end where the plain loop's do: the last
+    output token is sampled, never computed."""
+    prompt = repeating_prompt(5, 2, 20)  # drafts of the full k at every step
+    tokens, highest = computed_positions(engines["speculative"], prompt,
+                                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    assert len(tokens) == max_tokens
+    assert highest == len(prompt) + max_tokens - 2
+
+
+COPY_PROMPT = ("Copy the list exactly.\nList: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+               "honeydew, kiwis, lemons, mangoes, nectarines, oranges, papayas.\nCopy: apples, bananas,")
+
+
+def test_the_ngram_proposer_speeds_up_a_real_model_copying_its_prompt(smollm2_gguf):
+    """The bundled SmolLM2 copying a list from its prompt: the n-gram drafts are mostly accepted, the
+    output takes far fewer steps than tokens, and it is token for token the plain loop's."""
+    engine = make_engine(smollm2_gguf, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+    prompt = engine.tokenizer.encode(COPY_PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    scheduler, counts = engine.scheduler, engine.scheduler.speculation
+    proposer, scheduler.proposer = scheduler.proposer, None
+    plain = run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0]
+    scheduler.proposer = proposer
+    steps = 0
+    update_verified = scheduler.update_verified
+
+    def counting(plan, output):
+        nonlocal steps
+        steps += 1
+        return update_verified(plan, output)
+
+    scheduler.update_verified = counting
+    try:
+        speculative = run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0]
+    finally:
+        del scheduler.update_verified
+    assert speculative.token_ids == plain.token_ids
+    assert "cherries, dates, elderberries" in plain.text  # the model copies: the drafts have something to find
+    assert counts.num_accepted_tokens >= counts.num_draft_tokens / 2
+    assert steps < len(plain.token_ids) / 2
+
+
+def test_the_prefix_cache_holds_only_computed_pages(engines):
+    """After speculative runs with rejections and an abort (`run` checks that every page is free), a later
+    request that hits the pages they cached gets the plain engine's output (a page keyed with a rejected
+    draft's K/V would change it)."""
+    engine = engines["speculative"]
+    prompt = repeating_prompt(7, 5, 37)
+    greedy = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    first = run(engine, {"a": (prompt, greedy), "b": (prompt[:20], greedy)}, {"a": 0, "b": 0}, aborts={"b": 4})
+    continued = prompt + list(first["a"].outputs[0].token_ids)[:20]  # hits pages computed by verification
+    hits_before = engine.scheduler.prefix_cache_hits
+    again = run(engine, {"c": (continued, greedy)}, {"c": 0})
+    assert engine.scheduler.prefix_cache_hits > hits_before
+    plain = run(engines["plain"], {"c": (continued, greedy)}, {"c": 0})
+    assert again["c"].outputs[0].token_ids == plain["c"].outputs[0].token_ids
