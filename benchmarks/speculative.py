@@ -57,7 +57,8 @@ WORKLOADS = {
 def chat(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None) -> tuple[str, int, float]:
     """(text, completion tokens, seconds) of one chat request: greedy, or sampled at 0.7 with `seed`."""
     sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.7, "seed": seed}
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **sampling}
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **sampling}
     start = time.perf_counter()
     response = client.post("/v1/chat/completions", json=body)
     seconds = time.perf_counter() - start

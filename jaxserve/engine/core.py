@@ -129,9 +129,11 @@ class EngineCore:
         proposer = None if speculative is None else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.num_scheduler_steps, sched.scheduling_policy, proposer)
+                                   sched.num_scheduler_steps, sched.scheduling_policy, proposer,
+                                   row_buckets=self.runner.ladder.request_buckets)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
+        self._launched_at = 0.0  # perf_counter() when the last step was launched
         self._masks = MaskFiller()
         self.limits = RequestLimits(
             vocab_size=model.cfg.vocab_size,
@@ -228,14 +230,21 @@ class EngineCore:
         if previous is not None:
             outputs += self._read(previous)
         if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()
-                                            or self._in_flight.scheduler_output.reads_at_once):
-            # synchronous, nothing left to overlap, or k steps or drafts (the next plan needs their tokens)
+                                            or self._in_flight.scheduler_output.reads_at_once
+                                            or self._drafting()):
+            # synchronous, nothing left to overlap, k steps or drafts (the next plan needs their tokens), or a
+            # decode step while drafts may run next (timed from launch to tokens, as the draft policy wants)
             launched, self._in_flight = self._in_flight, None
-            outputs += self._read(launched)
+            outputs += self._read(launched, timed=True)
         return outputs
+
+    def _drafting(self) -> bool:
+        """Speculative decoding applies to the next step (every running sequence only decodes)."""
+        return self.scheduler.proposer is not None and self.scheduler.only_decodes()
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
         plan = self._with_grammar_masks(self.scheduler.schedule())
+        self._launched_at = time.perf_counter()
         try:
             launched = self.runner.launch(plan)  # also drops finished requests' state
         except RequestFault as fault:
@@ -265,9 +274,15 @@ class EngineCore:
                           for index, row in enumerate(plan.grammar_rows)], bitmask)
         return dataclasses.replace(plan, grammar_bitmask=bitmask)
 
-    def _read(self, launched: LaunchedStep) -> list[CoreOutputs]:
-        """The step's outputs (one per step of a multi-step decode, one per draft position of a speculative one)."""
+    def _read(self, launched: LaunchedStep, timed: bool = False) -> list[CoreOutputs]:
+        """The step's outputs (one per step of a multi-step decode, one per draft position of a speculative
+        one). `timed`: read in the call that launched it; a decode step's time then goes to the draft policy."""
         plan = launched.scheduler_output
+        if timed and self.scheduler.draft_policy is not None and plan.num_tokens == plan.num_reqs \
+                and not plan.is_multi_step:
+            jax.block_until_ready(launched.sampled.tokens)
+            num_rows = launched.batch.logits_indices.shape[0]  # its bucket's
+            self.scheduler.draft_policy.observe_step(num_rows, time.perf_counter() - self._launched_at)
         if plan.is_speculative:
             per_step = self.scheduler.update_verified(plan, self.runner.collect(launched))
         elif plan.is_multi_step:

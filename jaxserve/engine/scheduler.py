@@ -42,7 +42,8 @@ index, and `update_verified` keeps row 0's sample, then row i's while row i - 1'
 that are single tokens rather than distributions, that is exact rejection sampling: a sample equal to the
 draft accepts it, and any other sample is the correction, so what a request receives, seeded or greedy, is
 token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and
-is overwritten by later steps.
+is overwritten by later steps. How many drafts a step runs is `DraftPolicy`'s choice: the bucket of rows
+with the most expected tokens per second, from the measured step times and the recent acceptance.
 """
 
 import bisect
@@ -50,6 +51,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from jaxserve.engine.draft_policy import DraftPolicy
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
@@ -128,7 +130,10 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         policy: str = "fcfs",
         proposer: NgramProposer | None = None,
+        row_buckets: tuple[int, ...] = (),
     ) -> None:
+        """`proposer`: speculative decoding's drafts, run on the decode buckets `row_buckets` (the runner's
+        request buckets) as `DraftPolicy` chooses."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
@@ -146,6 +151,9 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found cached
         self.iteration_tokens = IterationTokens()
         self.proposer = proposer
+        max_rows = min(max_num_seqs, max_num_batched_tokens)
+        self.draft_policy = DraftPolicy(row_buckets or (max_rows,), max_rows) if proposer is not None else None
+        self._first_drafts: dict[str, int] = {}  # id -> the first draft of a request whose drafts did not run
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
@@ -323,37 +331,37 @@ class Scheduler:
 
     def _plan_speculative(self) -> _Plan | None:
         """Every running request decodes, those with drafts on m + 1 rows (`only_decodes`, nothing in flight);
-        None when no request has a draft, or when their pages do not all fit without preempting. Drafts are
-        cut to the rows and tokens a step holds (running requests first in order) and to each request's
-        remaining tokens."""
+        None when no draft is worth its row (`DraftPolicy`), or when their pages do not all fit without
+        preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
-        spare_rows = min(self.max_num_seqs, self.max_num_batched_tokens) - len(running)
-        all_drafts = []
-        for request in running:
-            drafts = proposer.propose(request, min(spare_rows, request.max_num_tokens - request.num_tokens - 1))
-            spare_rows -= len(drafts)
-            all_drafts.append(drafts)
-        if not any(all_drafts):
+        proposals = [proposer.propose(request, request.max_num_tokens - request.num_tokens - 1) for request in running]
+        if not any(proposals):
             return None
-        new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + len(drafts))
-                            - len(request.page_ids)) for request, drafts in zip(running, all_drafts, strict=True))
+        kept = self.draft_policy.choose(proposals)
+        for request, drafts, num_kept in zip(running, proposals, kept, strict=True):
+            if drafts and not num_kept:  # checked against the token it samples (`_take_sample`)
+                self._first_drafts[request.request_id] = drafts[0]
+        if not any(kept):
+            return None
+        new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + num_kept)
+                            - len(request.page_ids)) for request, num_kept in zip(running, kept, strict=True))
         if new_pages > kv_cache.num_free_pages:
             return None
         plan = _Plan()
-        for request, drafts in zip(running, all_drafts, strict=True):
+        for request, drafts, num_kept in zip(running, proposals, kept, strict=True):
             start = request.num_computed_tokens
             kv_cache.release_outside_window(request.page_ids, start)
-            kv_cache.allocate(request.page_ids, start + 1 + len(drafts))  # fits: counted above
+            kv_cache.allocate(request.page_ids, start + 1 + num_kept)  # fits: counted above
             output_index = len(request.output_token_ids)
             self._plan_row(request, start + 1, plan)
-            for offset, draft in enumerate(drafts, 1):  # rows that only the verification may keep
+            for offset, draft in enumerate(drafts[:num_kept], 1):  # rows that only the verification may keep
                 plan.request_ids.append(request.request_id)
                 plan.num_new_tokens.append(1)
                 plan.token_ids.append(draft)
                 plan.start_positions.append(start + offset)
                 plan.output_indices.append(output_index + offset)
                 plan.keeps_sample.append(True)
-            plan.draft_lengths.append(len(drafts))
+            plan.draft_lengths.append(num_kept)
         return plan
 
     def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False, num_steps: int = 1) -> int:
@@ -566,6 +574,7 @@ class Scheduler:
                     take_sample(request, samples[row + accepted], logprobs[row + accepted], None, now,
                                  per_position[accepted])
                 counts.observe(num_drafts, accepted)
+                self.draft_policy.observe_verification(num_drafts, accepted)
                 if self._caching and request.status is RequestStatus.RUNNING:
                     num_full = request.num_computed_tokens // self._page_size
                     if num_full > request.num_keyed_pages:
@@ -591,6 +600,8 @@ class Scheduler:
                      now: float, advanced: list[Request]) -> None:
         """A kept sample read: the request's next token (it may end the request), stamped `now`."""
         request.num_inflight_tokens -= 1
+        if self._first_drafts and (draft := self._first_drafts.pop(request.request_id, None)) is not None:
+            self.draft_policy.observe_first_draft(draft == token_id)
         request.append_output_token(token_id, logprob, top)
         if request.first_token_time is None:
             request.first_token_time = now
@@ -626,4 +637,5 @@ class Scheduler:
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
+            self._first_drafts.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)

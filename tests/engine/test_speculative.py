@@ -34,14 +34,13 @@ def repeating_prompt(seed: int, period: int, length: int) -> list[int]:
 
 
 class ScriptedProposer:
-    """Drafts from the plain engine's outputs (`truths`), every few proposals with one draft corrupted: the
-    verification must accept exactly the drafts before the first wrong one. Keeps the count it expects."""
+    """Drafts from the plain engine's outputs (`truths`), every few proposals with one draft corrupted."""
 
     num_speculative_tokens = 3
 
     def __init__(self, truths: dict[tuple, list[int]]) -> None:
         self.truths = truths
-        self.num_proposals = self.expected_accepted = self.num_draft_tokens = 0
+        self.num_proposals = 0
 
     def propose(self, request, max_drafts: int) -> list[int]:
         truth = self.truths.get(truth_key(request))
@@ -54,8 +53,6 @@ class ScriptedProposer:
         wrong = self.num_proposals % (self.num_speculative_tokens + 2)  # past the drafts: none wrong
         if wrong < len(drafts):
             drafts[wrong] = 3 if drafts[wrong] != 3 else 4
-        self.expected_accepted += min(wrong, len(drafts))
-        self.num_draft_tokens += len(drafts)
         return drafts
 
     def forget(self, request_id: str) -> None:
@@ -89,18 +86,39 @@ def recorded_truths(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[
         del scheduler._remove
 
 
-def run_scripted(engine: LLMEngine, proposer, requests: dict, arrivals: dict) -> tuple[dict, int, int]:
-    """Runs `requests` with `proposer` drafting; returns the outputs, the draft tokens and the accepted ones."""
+def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict,
+                 aborts: dict | None = None) -> tuple[dict, int, int, int]:
+    """Runs `requests` with `ScriptedProposer` drafting, every draft that fits run (steps cost alike); returns
+    the outputs, the draft tokens, the accepted ones, and the accepted ones expected: each verified run's
+    drafts before the first that differs from the plain engine's output."""
     scheduler, counts = engine.scheduler, engine.scheduler.speculation
+    policy, update_verified = scheduler.draft_policy, scheduler.update_verified
     before = counts.num_draft_tokens, counts.num_accepted_tokens
-    real, scheduler.proposer = scheduler.proposer, proposer
+    expected = 0
+
+    def expecting_update_verified(plan, output):
+        nonlocal expected
+        row = 0
+        for num_drafts in plan.draft_lengths:
+            request = scheduler.requests[plan.request_ids[row]]
+            truth = truths[truth_key(request)][len(request.output_token_ids):]
+            drafts = plan.token_ids[row + 1 : row + 1 + num_drafts]
+            expected += next((i for i, (d, t) in enumerate(zip(drafts, truth, strict=False)) if d != t), num_drafts)
+            row += num_drafts + 1
+        return update_verified(plan, output)
+
+    real, scheduler.proposer = scheduler.proposer, ScriptedProposer(truths)
+    scheduler.update_verified = expecting_update_verified
+    policy.observe_step = lambda rows, seconds: None
+    costs, policy.costs = policy.costs, dict.fromkeys(policy.row_buckets, 1.0)
     try:
         with count_compilations() as compiled:
-            outputs = run(engine, requests, arrivals)
+            outputs = run(engine, requests, arrivals, aborts)
     finally:
-        scheduler.proposer = real
+        scheduler.proposer, policy.costs = real, costs
+        del scheduler.update_verified, policy.observe_step
     assert compiled == [], f"compiled after warm-up: {compiled}"
-    return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1]
+    return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1], expected
 
 
 @pytest.mark.parametrize("name", ["speculative", "speculative-async", "speculative-multi-step"])
@@ -122,11 +140,9 @@ def test_the_verification_accepts_exactly_the_right_drafts(engines, name):
     }
     arrivals = {"greedy-30": 0, "greedy-2": 0, "greedy-7": 1, "seeded-n2": 1, "seeded-logprob": 2, "late": 12}
     plain, truths = recorded_truths(engines["plain"], requests, arrivals)
-    proposer = ScriptedProposer(truths)
-    speculative, drafted, accepted = run_scripted(engines[name], proposer, requests, arrivals)
+    speculative, drafted, accepted, expected = run_scripted(engines[name], truths, requests, arrivals)
     assert_same(plain, speculative)
-    assert drafted == proposer.num_draft_tokens > 0
-    assert accepted == proposer.expected_accepted
+    assert accepted == expected
     assert 0 < accepted < drafted
 
 
@@ -144,7 +160,7 @@ def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):
     assert plain["stop-id"].outputs[0].finish_reason == "stop"
     assert isinstance(plain["stop-string"].outputs[0].stop_reason, str)
     for name in ("speculative", "speculative-async"):
-        speculative, _, accepted = run_scripted(engines[name], ScriptedProposer(truths), requests, arrivals)
+        speculative, _, accepted, _ = run_scripted(engines[name], truths, requests, arrivals)
         assert_same(plain, speculative)
         assert accepted > 0
 
@@ -182,8 +198,16 @@ def test_drafts_never_reach_past_max_tokens(engines, max_tokens):
     """A run of drafts is cut so that the positions computed end where the plain loop's do: the last
     output token is sampled, never computed."""
     prompt = repeating_prompt(5, 2, 20)  # drafts of the full k at every step
-    tokens, highest = computed_positions(engines["speculative"], prompt,
-                                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    engine = engines["speculative"]
+    policy = engine.scheduler.draft_policy
+    costs, policy.costs = policy.costs, dict.fromkeys(policy.row_buckets, 1.0)  # every draft runs
+    policy.observe_step = lambda rows, seconds: None
+    try:
+        tokens, highest = computed_positions(engine, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                            ignore_eos=True))
+    finally:
+        policy.costs = costs
+        del policy.observe_step
     assert len(tokens) == max_tokens
     assert highest == len(prompt) + max_tokens - 2
 
@@ -226,13 +250,17 @@ def test_the_prefix_cache_holds_only_computed_pages(engines):
     """After speculative runs with rejections and an abort (`run` checks that every page is free), a later
     request that hits the pages they cached gets the plain engine's output (a page keyed with a rejected
     draft's K/V would change it)."""
-    engine = engines["speculative"]
     prompt = repeating_prompt(7, 5, 37)
     greedy = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
-    first = run(engine, {"a": (prompt, greedy), "b": (prompt[:20], greedy)}, {"a": 0, "b": 0}, aborts={"b": 4})
+    requests, arrivals = {"a": (prompt, greedy), "b": (prompt[:20], greedy)}, {"a": 0, "b": 0}
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    engine = engines["speculative"]
+    first, drafted, accepted, _ = run_scripted(engine, truths, requests, arrivals, aborts={"b": 4})
+    assert first["a"].outputs[0].token_ids == plain["a"].outputs[0].token_ids
+    assert 0 < accepted < drafted
     continued = prompt + list(first["a"].outputs[0].token_ids)[:20]  # hits pages computed by verification
     hits_before = engine.scheduler.prefix_cache_hits
     again = run(engine, {"c": (continued, greedy)}, {"c": 0})
     assert engine.scheduler.prefix_cache_hits > hits_before
-    plain = run(engines["plain"], {"c": (continued, greedy)}, {"c": 0})
-    assert again["c"].outputs[0].token_ids == plain["c"].outputs[0].token_ids
+    reference = run(engines["plain"], {"c": (continued, greedy)}, {"c": 0})
+    assert again["c"].outputs[0].token_ids == reference["c"].outputs[0].token_ids

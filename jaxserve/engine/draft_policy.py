@@ -1,0 +1,96 @@
+"""How many of the proposed drafts a speculative step verifies (pure Python, no jax).
+
+A step's decode rows are padded to a request bucket, and what a bucket of R rows costs depends on the
+hardware: on a GPU a decode step reads the weights once whatever R is (up to a few dozen rows), so rows
+are nearly free; on a CPU the matmuls are compute-bound beyond a few rows, and the next bucket can cost
+twice or four times the last. A draft is worth a row when it is likely to be accepted. So the policy picks,
+among the buckets that hold the running requests, the one with the most expected tokens per second:
+
+    rate(R) = (n + sum of the R - n best draft slots' acceptance probabilities) / cost(R)
+
+where a request's draft at position p is accepted with probability a^p (each draft independently with
+probability a, given the ones before it), slots are filled position by position across requests (every
+request's first draft before any second one), and cost(R) is the measured step time of R rows.
+
+- `a` is the maximum-likelihood rate of the recent verifications: accepted drafts over accepted drafts
+  plus runs that ended in a rejection, both decaying so that the estimate follows the workload. A request
+  whose drafts are not run still tells it something for free: its first draft against the token it then
+  samples (`observe_first_draft`), so a workload that turns repetitive is noticed without any row spent.
+- cost(R) is a moving average of the decode steps of R rows measured by the engine. A bucket not yet
+  measured is assumed to cost what the largest measured bucket below it costs: optimistic, so it is tried
+  once when drafts would fill it, and measured then. Before the running requests' own bucket is measured,
+  no draft is run.
+"""
+
+import bisect
+
+# Prior accepted drafts and rejections (a starts at 1/2), and the weight an observation keeps per newer one.
+_PRIOR_ACCEPTED, _PRIOR_REJECTED, _DECAY = 1.0, 1.0, 0.98
+_COST_WEIGHT = 0.2  # weight of the newest step in a bucket's moving average
+
+
+class DraftPolicy:
+    def __init__(self, row_buckets: tuple[int, ...], max_rows: int) -> None:
+        self.row_buckets = (*(b for b in row_buckets if b < max_rows), max_rows)
+        self.costs: dict[int, float] = {}  # rows of a decode bucket -> seconds per step
+        self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that a draft is accepted, given the drafts before it were."""
+        return self._accepted / (self._accepted + self._rejected)
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A decode step of `num_rows` rows (its bucket's) took `seconds`, launch to tokens read."""
+        previous = self.costs.get(num_rows)
+        self.costs[num_rows] = seconds if previous is None else previous + _COST_WEIGHT * (seconds - previous)
+
+    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
+        """A request's `num_drafts` drafts were verified and the first `num_accepted` accepted."""
+        if num_drafts:
+            self._observe(num_accepted, num_accepted < num_drafts)
+
+    def observe_first_draft(self, accepted: bool) -> None:
+        """A first draft that was not run matched (or not) the token then sampled."""
+        self._observe(int(accepted), not accepted)
+
+    def _observe(self, accepted: int, rejected: bool) -> None:
+        self._accepted = self._accepted * _DECAY + accepted
+        self._rejected = self._rejected * _DECAY + rejected
+
+    def cost(self, num_rows: int) -> float | None:
+        """A bucket's measured or assumed step time; None before any bucket up to it was measured."""
+        if num_rows in self.costs:
+            return self.costs[num_rows]
+        below = [rows for rows in self.costs if rows < num_rows]
+        return self.costs[max(below)] if below else None
+
+    def choose(self, proposals: list[list[int]]) -> list[int]:
+        """How many of each request's proposed drafts to verify (prefixes), for the best bucket."""
+        num_requests = len(proposals)
+        kept = [0] * num_requests
+        base = self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)]
+        base_cost = self.costs.get(base)
+        if base_cost is None:
+            return kept
+        # Slots in the order they are filled: first drafts, then second drafts, ... (probability a^position)
+        slots = [index for position in range(max(map(len, proposals), default=0))
+                 for index, drafts in enumerate(proposals) if len(drafts) > position]
+        acceptance = self.acceptance
+        gains = [0.0]  # expected tokens of the first i slots
+        position_of = [0] * num_requests
+        for index in slots:
+            position_of[index] += 1
+            gains.append(gains[-1] + acceptance ** position_of[index])
+        best_rate, best_slots = num_requests / base_cost, 0
+        for rows in self.row_buckets[self.row_buckets.index(base):]:
+            num_slots = min(rows - num_requests, len(slots))
+            cost = self.cost(rows)
+            rate = (num_requests + gains[num_slots]) / cost
+            if rate > best_rate:
+                best_rate, best_slots = rate, num_slots
+            if num_slots == len(slots):  # a larger bucket holds no more drafts
+                break
+        for index in slots[:best_slots]:
+            kept[index] += 1
+        return kept

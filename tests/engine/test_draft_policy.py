@@ -1,0 +1,72 @@
+"""The draft policy: no drafts before the running requests' bucket is timed, drafts in a bucket's padding
+rows for free, a larger bucket only where its expected tokens per second beat the smaller's, slots filled
+position by position, an untimed bucket tried once, and an acceptance estimate that follows verifications
+and the first drafts of requests whose drafts did not run."""
+
+import pytest
+
+from jaxserve.engine.draft_policy import DraftPolicy
+
+
+def policy_with(costs: dict[int, float], acceptance_runs: tuple[int, int] = (0, 0)) -> DraftPolicy:
+    policy = DraftPolicy((1, 4, 16, 64), max_rows=64)
+    for rows, seconds in costs.items():
+        policy.observe_step(rows, seconds)
+    accepted, rejected = acceptance_runs
+    for _ in range(accepted):
+        policy.observe_first_draft(True)
+    for _ in range(rejected):
+        policy.observe_first_draft(False)
+    return policy
+
+
+def test_nothing_runs_before_the_base_bucket_is_timed():
+    assert policy_with({}).choose([[1, 2, 3]]) == [0]
+    assert policy_with({4: 0.01}).choose([[1, 2, 3]]) == [0], "one request's bucket is 1, not timed"
+
+
+def test_padding_rows_of_the_base_bucket_take_drafts_for_free():
+    """Three requests run in the 4-row bucket either way: its fourth row takes a first draft, even at a
+    low acceptance, and the costly 16-row bucket is not chosen."""
+    policy = policy_with({4: 0.010, 16: 0.040}, acceptance_runs=(1, 30))
+    assert policy.choose([[7, 8], [], [9]]) == [1, 0, 0]
+
+
+@pytest.mark.parametrize("accepted, rejected, want", [(40, 0, [3]), (0, 40, [0])])
+def test_a_larger_bucket_runs_only_where_it_pays(accepted, rejected, want):
+    """One request: the 4-row bucket costs 1.4x the 1-row one, the 16-row 5.4x. Three drafts pay at a high
+    acceptance (1 + a + a^2 + a^3 close to 4 tokens) and not at a low one; four never do."""
+    policy = policy_with({1: 0.0065, 4: 0.0093, 16: 0.035}, acceptance_runs=(accepted, rejected))
+    assert policy.choose([[5, 6, 7, 8]]) == want
+
+
+def test_slots_fill_position_by_position():
+    """Two requests, the 4-row bucket: the two spare rows go to each request's first draft, not to one
+    request's first two."""
+    policy = policy_with({4: 0.01, 16: 0.04}, acceptance_runs=(40, 0))
+    assert policy.choose([[1, 2, 3], [4, 5, 6]]) == [1, 1]
+
+
+def test_an_untimed_bucket_is_assumed_as_cheap_as_the_largest_timed_below_it():
+    policy = policy_with({1: 0.006}, acceptance_runs=(40, 0))
+    assert policy.cost(4) == policy.cost(16) == 0.006 and policy.cost(1) == 0.006
+    assert policy.choose([[1, 2, 3]]) == [3], "tried once"
+    policy.observe_step(4, 0.030)  # measured: 5x the 1-row step for at most 4 tokens
+    assert policy.choose([[1, 2, 3]]) == [0]
+
+
+def test_the_acceptance_follows_the_recent_verifications():
+    policy = DraftPolicy((1, 4), max_rows=4)
+    assert policy.acceptance == 0.5  # the prior
+    for _ in range(50):
+        policy.observe_verification(num_drafts=4, num_accepted=4)  # runs that never ended in a rejection
+    assert policy.acceptance > 0.99
+    for _ in range(300):
+        policy.observe_verification(num_drafts=3, num_accepted=0)
+    assert policy.acceptance < 0.01, "old observations fade"
+    policy.observe_verification(num_drafts=0, num_accepted=0)  # nothing verified: nothing learned
+    assert policy.acceptance < 0.01
+
+
+def test_the_row_buckets_stop_at_the_row_limit():
+    assert DraftPolicy((1, 4, 16, 64), max_rows=8).row_buckets == (1, 4, 8)
