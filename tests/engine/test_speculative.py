@@ -214,19 +214,35 @@ def test_drafts_never_reach_past_max_tokens(engines, max_tokens):
 
 COPY_PROMPT = ("Copy the list exactly.\nList: apples, bananas, cherries, dates, elderberries, figs, grapes, "
                "honeydew, kiwis, lemons, mangoes, nectarines, oranges, papayas.\nCopy: apples, bananas,")
+# vLLM's shape with lookups of 2-3 tokens: the list's items are 1-3 tokens long
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
-def test_the_ngram_proposer_speeds_up_a_real_model_copying_its_prompt(smollm2_gguf):
-    """The bundled SmolLM2 copying a list from its prompt: the n-gram drafts are mostly accepted, the
-    output takes far fewer steps than tokens, and it is token for token the plain loop's."""
-    engine = make_engine(smollm2_gguf, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 2})
-    prompt = engine.tokenizer.encode(COPY_PROMPT)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    scheduler, counts = engine.scheduler, engine.scheduler.speculation
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2_gguf) -> LLMEngine:
+    return make_engine(smollm2_gguf, speculative_config=NGRAM)
+
+
+def plain_run(engine: LLMEngine, requests: dict, arrivals: dict) -> dict:
+    """`requests` on `engine` with its proposer off: plain decoding on the same compiled steps."""
+    scheduler = engine.scheduler
     proposer, scheduler.proposer = scheduler.proposer, None
-    plain = run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0]
-    scheduler.proposer = proposer
+    try:
+        return run(engine, requests, arrivals)
+    finally:
+        scheduler.proposer = proposer
+
+
+@pytest.mark.slow
+def test_the_ngram_proposer_speeds_up_a_real_model_copying_its_prompt(smollm2_engine):
+    """The bundled SmolLM2 copying a list from its prompt: the n-gram drafts are mostly accepted (the draft
+    policy runs them on this CPU after timing the steps), the output takes far fewer steps than tokens, and
+    it is token for token the plain loop's."""
+    engine = smollm2_engine
+    request = {"r": (engine.tokenizer.encode(COPY_PROMPT), SamplingParams(temperature=0.0, max_tokens=40,
+                                                                           ignore_eos=True))}
+    plain = plain_run(engine, request, {"r": 0})["r"].outputs[0]
+    scheduler, counts = engine.scheduler, engine.scheduler.speculation
     steps = 0
     update_verified = scheduler.update_verified
 
@@ -237,30 +253,35 @@ def test_the_ngram_proposer_speeds_up_a_real_model_copying_its_prompt(smollm2_gg
 
     scheduler.update_verified = counting
     try:
-        speculative = run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0]
+        speculative = run(engine, request, {"r": 0})["r"].outputs[0]
     finally:
         del scheduler.update_verified
     assert speculative.token_ids == plain.token_ids
     assert "cherries, dates, elderberries" in plain.text  # the model copies: the drafts have something to find
     assert counts.num_accepted_tokens >= counts.num_draft_tokens / 2
     assert steps < len(plain.token_ids) / 2
+    stats = engine.stats()  # what /metrics reads
+    assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
+        counts.num_draft_tokens, counts.num_accepted_tokens)
+    assert sum(stats.spec_decode_accepted_per_position) == counts.num_accepted_tokens
 
 
-def test_the_prefix_cache_holds_only_computed_pages(engines):
-    """After speculative runs with rejections and an abort (`run` checks that every page is free), a later
-    request that hits the pages they cached gets the plain engine's output (a page keyed with a rejected
-    draft's K/V would change it)."""
-    prompt = repeating_prompt(7, 5, 37)
-    greedy = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
-    requests, arrivals = {"a": (prompt, greedy), "b": (prompt[:20], greedy)}, {"a": 0, "b": 0}
-    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
-    engine = engines["speculative"]
-    first, drafted, accepted, _ = run_scripted(engine, truths, requests, arrivals, aborts={"b": 4})
-    assert first["a"].outputs[0].token_ids == plain["a"].outputs[0].token_ids
-    assert 0 < accepted < drafted
-    continued = prompt + list(first["a"].outputs[0].token_ids)[:20]  # hits pages computed by verification
-    hits_before = engine.scheduler.prefix_cache_hits
-    again = run(engine, {"c": (continued, greedy)}, {"c": 0})
-    assert engine.scheduler.prefix_cache_hits > hits_before
-    reference = run(engines["plain"], {"c": (continued, greedy)}, {"c": 0})
-    assert again["c"].outputs[0].token_ids == reference["c"].outputs[0].token_ids
+@pytest.mark.slow
+def test_the_core_in_its_own_process_drafts_with_the_same_outputs(smollm2_gguf, smollm2_engine):
+    """`--engine-process`: the core's verification steps and their per-position outputs cross the pipe; the
+    outputs (greedy and seeded) are plain decoding's, and the stats that come back count the drafts."""
+    engine = make_engine(smollm2_gguf, speculative_config=NGRAM, engine_process=True)
+    try:
+        prompt = engine.tokenizer.encode(COPY_PROMPT)
+        requests = {"greedy": (prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)),
+                    "seeded": (prompt, SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True))}
+        arrivals = dict.fromkeys(requests, 0)
+        plain = plain_run(smollm2_engine, requests, arrivals)
+        assert_same(plain, run(engine, requests, arrivals))
+        stats = engine.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert sum(stats.iteration_tokens_buckets) < 2 * 30, "fewer steps than tokens"
+    finally:
+        engine.shutdown()
+
+
