@@ -57,8 +57,7 @@ WORKLOADS = {
 def chat(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None) -> tuple[str, int, float]:
     """(text, completion tokens, seconds) of one chat request: greedy, or sampled at 0.7 with `seed`."""
     sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.7, "seed": seed}
-    model = client.get("/v1/models").json()["data"][0]["id"]
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **sampling}
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **sampling}
     start = time.perf_counter()
     response = client.post("/v1/chat/completions", json=body)
     seconds = time.perf_counter() - start
@@ -106,7 +105,10 @@ def main() -> None:
     speculative = start_server(None, args.port + 1, None, *args.extra, "--speculative-config", args.speculative_config)
     rows = []
     try:
-        clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900)
+        # Idle connections dropped before the server's keep-alive timeout (5 s) can close one being reused:
+        # a round on the other server leaves them idle about that long.
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900, limits=limits)
                    for name, port in (("plain", args.port), ("speculative", args.port + 1))}
         for client in clients.values():  # the first request of each shape
             one_round(client, WORKLOADS["free"], max(args.streams), 16, args.seeded)

@@ -22,7 +22,8 @@ background warm-up is still compiling (the k-step executables come last), decode
 Speculative decoding (`SchedulerConfig.speculative_config`) runs under the same conditions: the loop reads
 what is in flight, launches a step whose requests with n-gram drafts decode on a row per draft, and reads it
 at once (the next step's positions depend on the drafts accepted), reporting one `CoreOutputs` per position.
-While every running sequence only decodes, the loop is therefore synchronous.
+While drafting may run, decode steps are read in the call that launched them (timed for the draft policy);
+while it pauses (`scheduler.DRAFT_PAUSE_STEPS`), they overlap as without drafts.
 """
 
 import dataclasses
@@ -233,14 +234,14 @@ class EngineCore:
                                             or self._in_flight.scheduler_output.reads_at_once
                                             or self._drafting()):
             # synchronous, nothing left to overlap, k steps or drafts (the next plan needs their tokens), or a
-            # decode step while drafts may run next (timed from launch to tokens, as the draft policy wants)
+            # decode step while drafts may run next (timed from launch to tokens where it ran alone)
             launched, self._in_flight = self._in_flight, None
-            outputs += self._read(launched, timed=True)
+            outputs += self._read(launched, timed=previous is None)
         return outputs
 
     def _drafting(self) -> bool:
-        """Speculative decoding applies to the next step (every running sequence only decodes)."""
-        return self.scheduler.proposer is not None and self.scheduler.only_decodes()
+        """Speculative decoding may apply to the next step (on, not paused, every running sequence decoding)."""
+        return self.scheduler.drafting and self.scheduler.only_decodes()
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
         plan = self._with_grammar_masks(self.scheduler.schedule())
@@ -276,7 +277,8 @@ class EngineCore:
 
     def _read(self, launched: LaunchedStep, timed: bool = False) -> list[CoreOutputs]:
         """The step's outputs (one per step of a multi-step decode, one per draft position of a speculative
-        one). `timed`: read in the call that launched it; a decode step's time then goes to the draft policy."""
+        one). `timed`: launched with nothing in flight and read at once; a decode step's time then goes to the draft
+        policy."""
         plan = launched.scheduler_output
         if timed and self.scheduler.draft_policy is not None and plan.num_tokens == plan.num_reqs \
                 and not plan.is_multi_step:

@@ -65,14 +65,15 @@ class DraftPolicy:
         below = [rows for rows in self.costs if rows < num_rows]
         return self.costs[max(below)] if below else None
 
-    def choose(self, proposals: list[list[int]]) -> list[int]:
-        """How many of each request's proposed drafts to verify (prefixes), for the best bucket."""
+    def choose(self, proposals: list[list[int]]) -> list[int] | None:
+        """How many of each request's proposed drafts to verify (prefixes), for the best bucket; None while
+        the bucket that holds the requests alone has no measured step time."""
         num_requests = len(proposals)
         kept = [0] * num_requests
         base = self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)]
         base_cost = self.costs.get(base)
         if base_cost is None:
-            return kept
+            return None
         # Slots in the order they are filled: first drafts, then second drafts, ... (probability a^position)
         slots = [index for position in range(max(map(len, proposals), default=0))
                  for index, drafts in enumerate(proposals) if len(drafts) > position]

@@ -43,7 +43,9 @@ that are single tokens rather than distributions, that is exact rejection sampli
 draft accepts it, and any other sample is the correction, so what a request receives, seeded or greedy, is
 token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and
 is overwritten by later steps. How many drafts a step runs is `DraftPolicy`'s choice: the bucket of rows
-with the most expected tokens per second, from the measured step times and the recent acceptance.
+with the most expected tokens per second, from the measured step times and the recent acceptance. When it
+runs none (or no request has a draft), drafting pauses for `DRAFT_PAUSE_STEPS` steps, which then schedule
+asynchronously as without drafts: a step that may draft needs its requests' last tokens read first.
 """
 
 import bisect
@@ -79,6 +81,10 @@ class _Plan:
     decode_steps: list[int] = field(default_factory=list)  # a multi-step decode's steps per row
     draft_lengths: list[int] = field(default_factory=list)  # a speculative decode's drafts per request
 
+
+# Steps without drafting after a plan where none ran: they overlap the host and the device again (async
+# scheduling), and the next chance to draft comes this many steps later.
+DRAFT_PAUSE_STEPS = 16
 
 # vLLM's buckets for vllm:iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -154,6 +160,7 @@ class Scheduler:
         max_rows = min(max_num_seqs, max_num_batched_tokens)
         self.draft_policy = DraftPolicy(row_buckets or (max_rows,), max_rows) if proposer is not None else None
         self._first_drafts: dict[str, int] = {}  # id -> the first draft of a request whose drafts did not run
+        self._draft_pause = 0  # steps left before drafting may run again
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
@@ -179,15 +186,22 @@ class Scheduler:
         """Whether multi-step or speculative decoding applies once no sample is in flight: k > 1 or a
         proposer, nothing waits, and every running request is a plain decode (its one next token to
         compute, no grammar, nothing per row)."""
-        speeds_decodes = self.num_scheduler_steps > 1 or self.proposer is not None
+        speeds_decodes = self.num_scheduler_steps > 1 or self.drafting
         return speeds_decodes and not self.waiting and bool(self.running) and all(
             request.has_plain_decodes and request.grammar is None
             and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
             for request in self.running)
 
+    @property
+    def drafting(self) -> bool:
+        """Speculative decoding is on and not paused."""
+        return self.proposer is not None and not self._draft_pause
+
     def schedule(self) -> SchedulerOutput:
+        if self._draft_pause:
+            self._draft_pause -= 1
         if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
-            plan = self._plan_speculative() if self.proposer is not None else None
+            plan = self._plan_speculative() if self.drafting else None
             if plan is None and self.num_scheduler_steps > 1:
                 plan = self._plan_decode_steps()
             if plan is not None:
@@ -335,13 +349,14 @@ class Scheduler:
         preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
         proposals = [proposer.propose(request, request.max_num_tokens - request.num_tokens - 1) for request in running]
-        if not any(proposals):
+        kept = self.draft_policy.choose(proposals) if any(proposals) else [0] * len(running)
+        if kept is None:  # the step time of the requests' own bucket is not known yet: this step measures it
             return None
-        kept = self.draft_policy.choose(proposals)
         for request, drafts, num_kept in zip(running, proposals, kept, strict=True):
             if drafts and not num_kept:  # checked against the token it samples (`_take_sample`)
                 self._first_drafts[request.request_id] = drafts[0]
         if not any(kept):
+            self._draft_pause = DRAFT_PAUSE_STEPS
             return None
         new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + num_kept)
                             - len(request.page_ids)) for request, num_kept in zip(running, kept, strict=True))

@@ -21,8 +21,8 @@ def policy_with(costs: dict[int, float], acceptance_runs: tuple[int, int] = (0, 
 
 
 def test_nothing_runs_before_the_base_bucket_is_timed():
-    assert policy_with({}).choose([[1, 2, 3]]) == [0]
-    assert policy_with({4: 0.01}).choose([[1, 2, 3]]) == [0], "one request's bucket is 1, not timed"
+    assert policy_with({}).choose([[1, 2, 3]]) is None
+    assert policy_with({4: 0.01}).choose([[1, 2, 3]]) is None, "one request's bucket is 1, not timed"
 
 
 def test_padding_rows_of_the_base_bucket_take_drafts_for_free():

@@ -285,3 +285,21 @@ def test_the_core_in_its_own_process_drafts_with_the_same_outputs(smollm2_gguf, 
         engine.shutdown()
 
 
+
+
+def test_without_drafts_to_run_the_loop_overlaps_again(engines):
+    """A request whose context has no repeated n-gram: after a plan where no draft ran, drafting pauses for
+    DRAFT_PAUSE_STEPS steps, which overlap host and device as async scheduling does (`run` checks that some
+    step was in flight when the engine returned): drafts are looked for once per pause."""
+    from jaxserve.engine.scheduler import DRAFT_PAUSE_STEPS
+
+    engine = engines["speculative-async"]
+    scheduler = engine.scheduler
+    plan_speculative, looked = scheduler._plan_speculative, []
+    scheduler._plan_speculative = lambda: looked.append(1) or plan_speculative()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        run(engine, {"r": (make_prompts(1)[0], params)}, {"r": 0})
+    finally:
+        del scheduler._plan_speculative
+    assert 0 < len(looked) <= 48 // DRAFT_PAUSE_STEPS + 2
