@@ -129,6 +129,7 @@ def main() -> None:
                     "speculative_tok_s": round(spec_rate, 1), "ratio": round(spec_rate / plain_rate, 2),
                     "ratios_per_round": [round(s / p, 2) for p, s in zip(rates["plain"], rates["speculative"],
                                                                            strict=True)],
+                    "tok_s_per_round": {name: [round(rate, 1) for rate in values] for name, values in rates.items()},
                     "acceptance": round((accepted - accepted0) / max(drafted - drafted0, 1), 2),
                     "same_text": texts["plain"] == texts["speculative"],
                 })

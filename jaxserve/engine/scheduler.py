@@ -44,8 +44,12 @@ draft accepts it, and any other sample is the correction, so what a request rece
 token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and
 is overwritten by later steps. How many drafts a step runs is `DraftPolicy`'s choice: the bucket of rows
 with the most expected tokens per second, from the measured step times and the recent acceptance. When it
-runs none (or no request has a draft), drafting pauses for `DRAFT_PAUSE_STEPS` steps, which then schedule
-asynchronously as without drafts: a step that may draft needs its requests' last tokens read first.
+runs none (or no request has a draft), drafting pauses for a few steps, which then schedule asynchronously
+as without drafts (a step that may draft needs its requests' last tokens read first): 1 step, then twice as
+many after each plan in a row that ran no draft, up to `DRAFT_PAUSE_STEPS`. A pause ends early when a
+request starts, or, when no request had a draft, once one's context (up to its token in flight) ends in an
+n-gram seen before: output that alternates copied and new text drafts again as soon as it copies, and
+free text pays a read once per 16 steps.
 """
 
 import bisect
@@ -82,8 +86,8 @@ class _Plan:
     draft_lengths: list[int] = field(default_factory=list)  # a speculative decode's drafts per request
 
 
-# Steps without drafting after a plan where none ran: they overlap the host and the device again (async
-# scheduling), and the next chance to draft comes this many steps later.
+# The longest pause of drafting (steps that overlap the host and the device again, as async scheduling
+# does) after plans in a row where no draft ran.
 DRAFT_PAUSE_STEPS = 16
 
 # vLLM's buckets for vllm:iteration_tokens_total.
@@ -161,6 +165,8 @@ class Scheduler:
         self.draft_policy = DraftPolicy(row_buckets or (max_rows,), max_rows) if proposer is not None else None
         self._first_drafts: dict[str, int] = {}  # id -> the first draft of a request whose drafts did not run
         self._draft_pause = 0  # steps left before drafting may run again
+        self._next_draft_pause = 1  # the pause after the next plan that runs no draft
+        self._paused_without_drafts = False  # the pause followed a plan where no request had a draft
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
@@ -200,6 +206,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._draft_pause:
             self._draft_pause -= 1
+            if self._draft_pause and self._paused_without_drafts and any(
+                    self.proposer.propose(request, 1) for request in self.running):  # copying again
+                self._draft_pause = 0
         if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
             plan = self._plan_speculative() if self.drafting else None
             if plan is None and self.num_scheduler_steps > 1:
@@ -284,6 +293,7 @@ class Scheduler:
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_cached
                 request.status = RequestStatus.RUNNING
+                self._draft_pause, self._next_draft_pause = 0, 1  # a new context to draft from
                 if request.first_scheduled_time is None:  # a preempted request keeps its first stamps
                     request.first_scheduled_time = now
                     request.num_cached_tokens = num_cached
@@ -356,8 +366,10 @@ class Scheduler:
             if drafts and not num_kept:  # checked against the token it samples (`_take_sample`)
                 self._first_drafts[request.request_id] = drafts[0]
         if not any(kept):
-            self._draft_pause = DRAFT_PAUSE_STEPS
+            self._draft_pause, self._paused_without_drafts = self._next_draft_pause, not any(proposals)
+            self._next_draft_pause = min(2 * self._next_draft_pause, DRAFT_PAUSE_STEPS)
             return None
+        self._next_draft_pause = 1
         new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + num_kept)
                             - len(request.page_ids)) for request, num_kept in zip(running, kept, strict=True))
         if new_pages > kv_cache.num_free_pages:
