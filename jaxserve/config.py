@@ -133,6 +133,11 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"the speculative config must be a JSON object, got {value!r}")
+        value = dict(value)
+        if value.get("model") in ("ngram", "[ngram]") and "method" not in value:  # vLLM's older spelling
+            value["method"] = value.pop("model")
+        if value.get("method") == "[ngram]":
+            value["method"] = "ngram"
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")

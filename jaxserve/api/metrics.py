@@ -103,6 +103,24 @@ class _EngineCollector(Collector):
              stats.prefix_cache_queries),
             ("jaxserve:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        if stats.spec_decode_accepted_per_position:  # speculative decoding is on (vLLM's series then)
+            yield from self._speculation(stats)
+        yield self._iteration_tokens(stats)
+        if self._cache_info is not None:
+            info = GaugeMetricFamily(
+                "jaxserve:cache_config_info", "Information of the engine's cache config.",
+                labels=list(self._cache_info),
+            )
+            info.add_metric(list(self._cache_info.values()), 1)
+            yield info
+
+    def _speculation(self, stats: EngineStats) -> Iterator[Metric]:
+        labels = [self._model_name]
+        for name, doc, value in (
             ("jaxserve:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
             ("jaxserve:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
             ("jaxserve:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
@@ -112,18 +130,10 @@ class _EngineCollector(Collector):
             counter.add_metric(labels, value)
             yield counter
         per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
-                                           "Accepted tokens per draft's position.", labels=["model_name", "position"])
+                                           "Accepted tokens per draft position.", labels=["model_name", "position"])
         for position, count in enumerate(stats.spec_decode_accepted_per_position):
             per_position.add_metric([self._model_name, str(position)], count)
         yield per_position
-        yield self._iteration_tokens(stats)
-        if self._cache_info is not None:
-            info = GaugeMetricFamily(
-                "jaxserve:cache_config_info", "Information of the engine's cache config.",
-                labels=list(self._cache_info),
-            )
-            info.add_metric(list(self._cache_info.values()), 1)
-            yield info
 
     def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
         counts = stats.iteration_tokens_buckets or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)

@@ -280,11 +280,10 @@ class EngineCore:
         one). `timed`: launched with nothing in flight and read at once; a decode step's time then goes to the draft
         policy."""
         plan = launched.scheduler_output
-        if timed and self.scheduler.draft_policy is not None and plan.num_tokens == plan.num_reqs \
-                and not plan.is_multi_step:
+        if timed and self.scheduler.draft_policy is not None and plan.num_tokens == plan.num_reqs:
             jax.block_until_ready(launched.sampled.tokens)
             num_rows = launched.batch.logits_indices.shape[0]  # its bucket's
-            self.scheduler.draft_policy.observe_step(num_rows, time.perf_counter() - self._launched_at)
+            self.scheduler.draft_policy.observe_step(num_rows, time.perf_counter() - self._launched_at, plan.num_steps)
         if plan.is_speculative:
             per_step = self.scheduler.update_verified(plan, self.runner.collect(launched))
         elif plan.is_multi_step:

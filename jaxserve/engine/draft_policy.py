@@ -16,10 +16,13 @@ request's first draft before any second one), and cost(R) is the measured step t
   plus runs that ended in a rejection, both decaying so that the estimate follows the workload. A request
   whose drafts are not run still tells it something for free: its first draft against the token it then
   samples (`observe_first_draft`), so a workload that turns repetitive is noticed without any row spent.
-- cost(R) is a moving average of the decode steps of R rows measured by the engine. A bucket not yet
-  measured is assumed to cost what the largest measured bucket below it costs: optimistic, so it is tried
-  once when drafts would fill it, and measured then. Before the running requests' own bucket is measured,
-  no draft is run.
+- cost(R) is a moving average of the decode steps of R rows measured by the engine, its first
+  measurement replaced by the second (a bucket's first run pays for what later runs find ready). A bucket
+  not yet measured is assumed to cost what the largest measured bucket below it costs: optimistic, so it is
+  tried once when drafts would fill it, and measured then. Before the running requests' own bucket is
+  measured, no draft is run (`choose` says so, and the scheduler plans a step that measures it).
+- Without drafts the requests would run a plain step or, with multi-step decoding, k steps in one call;
+  the rate drafts compete with is the better of the two, per step.
 """
 
 import bisect
@@ -31,8 +34,13 @@ _COST_WEIGHT = 0.2  # weight of the newest step in a bucket's moving average
 
 class DraftPolicy:
     def __init__(self, row_buckets: tuple[int, ...], max_rows: int) -> None:
-        self.row_buckets = (*(b for b in row_buckets if b < max_rows), max_rows)
+        """`row_buckets`: the runner's decode buckets (their rows), the last covering `max_rows`, the most rows
+        a step may have."""
+        self.row_buckets = tuple(row_buckets)
+        self.max_rows = max_rows
         self.costs: dict[int, float] = {}  # rows of a decode bucket -> seconds per step
+        self.multi_step_costs: dict[int, float] = {}  # the same for multi-step decodes, per step
+        self._num_measured: dict[tuple[bool, int], int] = {}
         self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
 
     @property
@@ -40,10 +48,15 @@ class DraftPolicy:
         """The estimated probability that a draft is accepted, given the drafts before it were."""
         return self._accepted / (self._accepted + self._rejected)
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A decode step of `num_rows` rows (its bucket's) took `seconds`, launch to tokens read."""
-        previous = self.costs.get(num_rows)
-        self.costs[num_rows] = seconds if previous is None else previous + _COST_WEIGHT * (seconds - previous)
+    def observe_step(self, num_rows: int, seconds: float, num_steps: int = 1) -> None:
+        """A decode step of `num_rows` rows (its bucket's) took `seconds`, launch to tokens read; or a
+        multi-step decode of `num_steps` steps did."""
+        costs = self.costs if num_steps == 1 else self.multi_step_costs
+        key = (num_steps > 1, num_rows)
+        count = self._num_measured[key] = self._num_measured.get(key, 0) + 1
+        seconds /= num_steps
+        previous = costs.get(num_rows)
+        costs[num_rows] = seconds if count <= 2 else previous + _COST_WEIGHT * (seconds - previous)
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         """A request's `num_drafts` drafts were verified and the first `num_accepted` accepted."""
@@ -70,10 +83,13 @@ class DraftPolicy:
         the bucket that holds the requests alone has no measured step time."""
         num_requests = len(proposals)
         kept = [0] * num_requests
+        if num_requests > self.max_rows:
+            return kept
         base = self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)]
         base_cost = self.costs.get(base)
         if base_cost is None:
             return None
+        base_cost = min(base_cost, self.multi_step_costs.get(base, base_cost))
         # Slots in the order they are filled: first drafts, then second drafts, ... (probability a^position)
         slots = [index for position in range(max(map(len, proposals), default=0))
                  for index, drafts in enumerate(proposals) if len(drafts) > position]
@@ -85,12 +101,11 @@ class DraftPolicy:
             gains.append(gains[-1] + acceptance ** position_of[index])
         best_rate, best_slots = num_requests / base_cost, 0
         for rows in self.row_buckets[self.row_buckets.index(base):]:
-            num_slots = min(rows - num_requests, len(slots))
-            cost = self.cost(rows)
-            rate = (num_requests + gains[num_slots]) / cost
+            num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
+            rate = (num_requests + gains[num_slots]) / self.cost(rows)
             if rate > best_rate:
                 best_rate, best_slots = rate, num_slots
-            if num_slots == len(slots):  # a larger bucket holds no more drafts
+            if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts
                 break
         for index in slots[:best_slots]:
             kept[index] += 1

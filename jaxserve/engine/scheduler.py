@@ -86,6 +86,10 @@ class _Plan:
     draft_lengths: list[int] = field(default_factory=list)  # a speculative decode's drafts per request
 
 
+# Drafting plans between two plain steps timed for the draft policy (the bucket that holds the running
+# requests alone is otherwise not run while every plan drafts, and its cost would go stale).
+RETIME_PLANS = 64
+
 # The longest pause of drafting (steps that overlap the host and the device again, as async scheduling
 # does) after plans in a row where no draft ran.
 DRAFT_PAUSE_STEPS = 16
@@ -167,6 +171,8 @@ class Scheduler:
         self._draft_pause = 0  # steps left before drafting may run again
         self._next_draft_pause = 1  # the pause after the next plan that runs no draft
         self._paused_without_drafts = False  # the pause followed a plan where no request had a draft
+        self._times_base = False  # the next plan is one plain step, timed for the draft policy
+        self._plans_since_timed = 0  # drafting plans since the requests' own bucket was last timed
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
 
@@ -211,8 +217,9 @@ class Scheduler:
                 self._draft_pause = 0
         if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
             plan = self._plan_speculative() if self.drafting else None
-            if plan is None and self.num_scheduler_steps > 1:
+            if plan is None and self.num_scheduler_steps > 1 and not self._times_base:
                 plan = self._plan_decode_steps()
+            self._times_base = False
             if plan is not None:
                 return self._output(plan, [])
         token_budget = self.max_num_batched_tokens
@@ -360,7 +367,10 @@ class Scheduler:
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
         proposals = [proposer.propose(request, request.max_num_tokens - request.num_tokens - 1) for request in running]
         kept = self.draft_policy.choose(proposals) if any(proposals) else [0] * len(running)
-        if kept is None:  # the step time of the requests' own bucket is not known yet: this step measures it
+        self._plans_since_timed += 1
+        if kept is None or self._plans_since_timed > RETIME_PLANS:
+            # The requests' own bucket has no step time yet, or an old one: one plain step measures it.
+            self._times_base, self._plans_since_timed = True, 0
             return None
         for request, drafts, num_kept in zip(running, proposals, kept, strict=True):
             if drafts and not num_kept:  # checked against the token it samples (`_take_sample`)
@@ -591,17 +601,19 @@ class Scheduler:
         for num_drafts in plan.draft_lengths:
             request = self.requests.get(plan.request_ids[row])
             if request is not None and not request.status.is_finished:  # else aborted while the step ran
-                take_sample(request, samples[row], logprobs[row], None, now, per_position[0])
-                accepted = 0
-                while (accepted < num_drafts and not request.status.is_finished
-                       and samples[row + accepted] == inputs[row + accepted + 1]):
+                accepted = 0  # counted as vLLM counts them, a stop inside the run aside
+                while accepted < num_drafts and samples[row + accepted] == inputs[row + accepted + 1]:
                     accepted += 1
-                    request.num_computed_tokens += 1  # the accepted draft's K/V, written by its row
-                    request.num_inflight_tokens += 1
-                    take_sample(request, samples[row + accepted], logprobs[row + accepted], None, now,
-                                 per_position[accepted])
                 counts.observe(num_drafts, accepted)
                 self.draft_policy.observe_verification(num_drafts, accepted)
+                take_sample(request, samples[row], logprobs[row], None, now, per_position[0])
+                for position in range(1, accepted + 1):
+                    if request.status.is_finished:  # a stop inside the run: the rest is dropped
+                        break
+                    request.num_computed_tokens += 1  # the accepted draft's K/V, written by its row
+                    request.num_inflight_tokens += 1
+                    take_sample(request, samples[row + position], logprobs[row + position], None, now,
+                                per_position[position])
                 if self._caching and request.status is RequestStatus.RUNNING:
                     num_full = request.num_computed_tokens // self._page_size
                     if num_full > request.num_keyed_pages:

@@ -153,6 +153,7 @@ def test_no_engine_yet_reads_as_zeros_and_created_series_stay_elsewhere():
     assert value(samples, "jaxserve:num_requests_running") == 0
     assert value(samples, "jaxserve:iteration_tokens_total_count") == 0
     assert not any(name == "jaxserve:cache_config_info" for name, _ in samples), "only when the server says"
+    assert not any(name.startswith("jaxserve:spec_decode") for name, _ in samples), "only with drafting on"
     other = CollectorRegistry()
     Counter("other", "Another registry in the same process.", registry=other).inc()
     assert "other_created" in generate_latest(other).decode(), "no process-wide switch was flipped"

@@ -68,5 +68,34 @@ def test_the_acceptance_follows_the_recent_verifications():
     assert policy.acceptance < 0.01
 
 
-def test_the_row_buckets_stop_at_the_row_limit():
-    assert DraftPolicy((1, 4, 16, 64), max_rows=8).row_buckets == (1, 4, 8)
+def test_a_step_never_has_more_rows_than_the_limit():
+    """The runner's buckets go to 16 for 8 rows at most (max_num_batched_tokens under max_num_seqs): the
+    drafts stop at 8 rows, and more requests than rows get none."""
+    policy = DraftPolicy((1, 4, 16), max_rows=8)
+    for rows in (1, 4, 16):
+        policy.observe_step(rows, 0.01)
+    for _ in range(40):
+        policy.observe_first_draft(True)
+    assert sum(policy.choose([[1, 2, 3, 4]] * 3)) == 5
+    assert policy.choose([[1]] * 9) == [0] * 9
+
+
+def test_a_bucket_s_first_time_is_replaced_by_its_second():
+    policy = DraftPolicy((1, 4), max_rows=4)
+    policy.observe_step(4, 0.5)  # a first run's extra work
+    assert policy.costs[4] == 0.5
+    policy.observe_step(4, 0.010)
+    assert policy.costs[4] == 0.010
+    policy.observe_step(4, 0.020)
+    assert 0.010 < policy.costs[4] < 0.020, "a moving average from then on"
+
+
+def test_drafts_compete_with_multi_step_decoding_s_time_per_step():
+    """With k steps per call a plain decode costs 4 ms a step instead of 7: three drafts at 10 ms no longer
+    pay at a middling acceptance."""
+    policy = policy_with({1: 0.007, 4: 0.010, 16: 0.040}, acceptance_runs=(12, 8))
+    assert policy.choose([[5, 6, 7]]) == [3]
+    policy.observe_step(1, 0.032, num_steps=8)
+    policy.observe_step(1, 0.032, num_steps=8)
+    assert policy.multi_step_costs[1] == 0.004
+    assert policy.choose([[5, 6, 7]]) == [0]

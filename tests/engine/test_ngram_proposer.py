@@ -71,6 +71,8 @@ def test_vllm_s_speculative_config_shape_defaults_and_refusals():
     config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)
     assert SpeculativeConfig.of(None) is None
+    for older in ({"model": "ngram", "num_speculative_tokens": 2}, {"method": "[ngram]", "num_speculative_tokens": 2}):
+        assert SpeculativeConfig.of(older).method == "ngram"  # vLLM's other spellings
     for bad, match in (
         ({"method": "eagle", "num_speculative_tokens": 2}, "must be one of ngram"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),

@@ -86,11 +86,12 @@ def recorded_truths(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[
         del scheduler._remove
 
 
-def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict,
-                 aborts: dict | None = None) -> tuple[dict, int, int, int]:
-    """Runs `requests` with `ScriptedProposer` drafting, every draft that fits run (steps cost alike); returns
-    the outputs, the draft tokens, the accepted ones, and the accepted ones expected: each verified run's
-    drafts before the first that differs from the plain engine's output."""
+def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict, aborts: dict | None = None,
+                 real_costs: bool = False) -> tuple[dict, int, int, int]:
+    """Runs `requests` with `ScriptedProposer` drafting, every draft that fits run (steps cost alike, unless
+    `real_costs`: the draft policy's own measurements); returns the outputs, the draft tokens, the accepted
+    ones, and the accepted ones expected: each verified run's drafts before the first that differs from the
+    plain engine's output."""
     scheduler, counts = engine.scheduler, engine.scheduler.speculation
     policy, update_verified = scheduler.draft_policy, scheduler.update_verified
     before = counts.num_draft_tokens, counts.num_accepted_tokens
@@ -109,14 +110,18 @@ def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict
 
     real, scheduler.proposer = scheduler.proposer, ScriptedProposer(truths)
     scheduler.update_verified = expecting_update_verified
-    policy.observe_step = lambda rows, seconds: None
-    costs, policy.costs = policy.costs, dict.fromkeys(policy.row_buckets, 1.0)
+    costs = policy.costs
+    if not real_costs:
+        policy.observe_step = lambda *timed: None
+        policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
     try:
         with count_compilations() as compiled:
             outputs = run(engine, requests, arrivals, aborts)
     finally:
         scheduler.proposer, policy.costs = real, costs
-        del scheduler.update_verified, policy.observe_step
+        del scheduler.update_verified
+        if not real_costs:
+            del policy.observe_step
     assert compiled == [], f"compiled after warm-up: {compiled}"
     return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1], expected
 
@@ -160,56 +165,63 @@ def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):
     assert plain["stop-id"].outputs[0].finish_reason == "stop"
     assert isinstance(plain["stop-string"].outputs[0].stop_reason, str)
     for name in ("speculative", "speculative-async"):
-        speculative, _, accepted, _ = run_scripted(engines[name], truths, requests, arrivals)
+        speculative, _, accepted, expected = run_scripted(engines[name], truths, requests, arrivals)
         assert_same(plain, speculative)
-        assert accepted > 0
+        assert accepted == expected > 0  # a draft that matches a sample past a stop counts, as in vLLM
 
 
 def test_everything_else_gives_the_same_outputs(engines):
-    """Penalties, logprobs, grammars, bans, prefix-cache hits, n > 1, with the n-gram proposer on: the steps
-    that run beside them decode without drafts, and every output is the plain engine's."""
+    """Penalties, logprobs, grammars, bans, prefix-cache hits, n > 1, with drafts proposed: the steps that
+    run beside them decode without drafts, drafts run once only plain decodes are left, and every output is
+    the plain engine's."""
     requests, arrivals = workload(engines["plain"])
-    plain = run(engines["plain"], requests, arrivals)
-    assert_same(plain, run(engines["speculative-async"], requests, arrivals))
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    speculative, drafted, accepted, expected = run_scripted(engines["speculative-async"], truths, requests,
+                                                            arrivals)
+    assert_same(plain, speculative)
+    assert drafted > 0 and accepted == expected
 
 
-def computed_positions(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
-    """Runs one request; returns its tokens and the highest position any step computed for it."""
-    scheduler, highest = engine.scheduler, []
-    update, update_verified = scheduler.update, scheduler.update_verified
-
-    def recording_update(plan, output):
-        highest.append(max(start + n - 1 for start, n in zip(plan.start_positions, plan.num_new_tokens, strict=True)))
-        return update(plan, output)
-
-    def recording_update_verified(plan, output):
-        highest.append(max(plan.start_positions))
-        return update_verified(plan, output)
-
-    scheduler.update, scheduler.update_verified = recording_update, recording_update_verified
-    try:
-        return run(engine, {"r": (prompt, params)}, {"r": 0})["r"].outputs[0].token_ids, max(highest)
-    finally:
-        del scheduler.update, scheduler.update_verified
+def test_with_multi_step_decoding_drafts_still_run_on_measured_costs(engines):
+    """Multi-step decoding plans k steps where drafts do not run: the draft policy still gets the one-step
+    time it needs (a plain step times the requests' own bucket), and drafts run on its real measurements."""
+    prompts = make_prompts(8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests, arrivals = {"a": (prompts[0], params), "b": (prompts[1], params)}, {"a": 0, "b": 0}
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    engine = engines["speculative-multi-step"]
+    speculative, drafted, accepted, expected = run_scripted(engine, truths, requests, arrivals, real_costs=True)
+    assert_same(plain, speculative)
+    assert drafted > 0 and accepted == expected
+    assert 2 in engine.scheduler.draft_policy.costs  # the two requests' own bucket, timed
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 8])
 def test_drafts_never_reach_past_max_tokens(engines, max_tokens):
     """A run of drafts is cut so that the positions computed end where the plain loop's do: the last
     output token is sampled, never computed."""
-    prompt = repeating_prompt(5, 2, 20)  # drafts of the full k at every step
-    engine = engines["speculative"]
-    policy = engine.scheduler.draft_policy
-    costs, policy.costs = policy.costs, dict.fromkeys(policy.row_buckets, 1.0)  # every draft runs
-    policy.observe_step = lambda rows, seconds: None
+    prompt = make_prompts(1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    plain, truths = recorded_truths(engines["plain"], {"r": (prompt, params)}, {"r": 0})
+    runner = engines["speculative"].core.runner
+    launch, highest = runner.launch, []
+
+    def recording_launch(plan):
+        if not plan.is_empty:
+            highest.append(max(start + n - 1 for start, n in zip(plan.start_positions, plan.num_new_tokens,
+                                                                   strict=True)))
+        return launch(plan)
+
+    runner.launch = recording_launch
     try:
-        tokens, highest = computed_positions(engine, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                            ignore_eos=True))
+        outputs, drafted, _, _ = run_scripted(engines["speculative"], truths, {"r": (prompt, params)}, {"r": 0})
     finally:
-        policy.costs = costs
-        del policy.observe_step
-    assert len(tokens) == max_tokens
-    assert highest == len(prompt) + max_tokens - 2
+        del runner.launch
+    assert outputs["r"].outputs[0].token_ids == plain["r"].outputs[0].token_ids
+    assert max(highest) == len(prompt) + max_tokens - 2
+    assert (drafted > 0) == (max_tokens > 2)  # one token, or two: nothing left to draft
 
 
 COPY_PROMPT = ("Copy the list exactly.\nList: apples, bananas, cherries, dates, elderberries, figs, grapes, "
@@ -305,3 +317,23 @@ def test_without_drafts_to_run_the_loop_overlaps_again(engines):
         del scheduler._plan_speculative
     assert DRAFT_PAUSE_STEPS == 16
     assert 5 <= len(looked) <= 8  # 48 tokens: looked for at about steps 1, 3, 6, 11, 20, 37
+
+
+def test_the_prefix_cache_holds_only_computed_pages(engines):
+    """After speculative runs with rejections and an abort (`run` checks that every page is free), a later
+    request that hits the pages they cached gets the plain engine's output (a page keyed with a rejected
+    draft's K/V would change it)."""
+    prompt = repeating_prompt(7, 5, 37)
+    greedy = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    requests, arrivals = {"a": (prompt, greedy), "b": (prompt[:20], greedy)}, {"a": 0, "b": 0}
+    plain, truths = recorded_truths(engines["plain"], requests, arrivals)
+    engine = engines["speculative"]
+    first, drafted, accepted, _ = run_scripted(engine, truths, requests, arrivals, aborts={"b": 4})
+    assert first["a"].outputs[0].token_ids == plain["a"].outputs[0].token_ids
+    assert 0 < accepted < drafted
+    continued = prompt + list(first["a"].outputs[0].token_ids)[:20]  # hits pages computed by verification
+    hits_before = engine.scheduler.prefix_cache_hits
+    again = run(engine, {"c": (continued, greedy)}, {"c": 0})
+    assert engine.scheduler.prefix_cache_hits > hits_before
+    reference = run(engines["plain"], {"c": (continued, greedy)}, {"c": 0})
+    assert again["c"].outputs[0].token_ids == reference["c"].outputs[0].token_ids
