@@ -246,6 +246,7 @@ def plain_run(engine: LLMEngine, requests: dict, arrivals: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.gpu  # in `make test-gpu`: on a GPU, where decode rows are nearly free, drafts run as they do here
 def test_the_ngram_proposer_speeds_up_a_real_model_copying_its_prompt(smollm2_engine):
     """The bundled SmolLM2 copying a list from its prompt: the n-gram drafts are mostly accepted (the draft
     policy runs them on this CPU after timing the steps), the output takes far fewer steps than tokens, and
