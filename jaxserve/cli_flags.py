@@ -32,6 +32,8 @@ from jaxserve.config import (
     CompileConfig,
     EngineConfig,
     GenerateConfig,
+    LoraConfig,
+    LoraModule,
     ModelConfig,
     OfflineBenchConfig,
     ParallelConfig,
@@ -118,6 +120,13 @@ def _speculative_config(value: str) -> SpeculativeConfig:
         ) from None
 
 
+def _lora_module(value: str) -> LoraModule:
+    try:
+        return LoraModule.parse(value)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _cache_dir(value: str) -> str:
     return "" if value.lower() == "none" else value  # "" disables the cache
 
@@ -174,6 +183,17 @@ ENGINE_FLAGS = (
               "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}': while every running request only decodes, "
               "each proposes up to k drafts by n-gram lookup in its own context and one step verifies them on a "
               "row each; outputs are token for token those of plain decoding (default: none)"),
+    Flag("--enable-lora", LoraConfig, "enable_lora", preset=True, action=argparse.BooleanOptionalAction,
+         help="serve LoRA adapters (vLLM's flag): each of --lora-modules is a model name of its own, and one step "
+              "mixes requests of the base model and of up to --max-loras adapters (default: off)"),
+    Flag("--lora-modules", LoraConfig, "lora_modules", type=_lora_module, nargs="+", preset=True,
+         help="the adapters to serve, PEFT directories (adapter_config.json, adapter_model.safetensors), as "
+              "name=path or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'"),
+    Flag("--max-loras", LoraConfig, "max_loras", type=int, preset=True,
+         help=f"the most adapters one step runs; a request of another adapter waits for a slot (default: "
+              f"{LoraConfig.max_loras})"),
+    Flag("--max-lora-rank", LoraConfig, "max_lora_rank", type=int, preset=True,
+         help=f"the largest adapter rank served; every slot is this wide (default: {LoraConfig.max_lora_rank})"),
     Flag("--greedy-decodes", BucketConfig, "greedy_decodes", preset=True, action=argparse.BooleanOptionalAction,
          help="also compile each decode bucket as a greedy-only step (an argmax, none of the sampler's control "
               "flow), run when every row of a step is greedy and asks for nothing more; twice the decode "

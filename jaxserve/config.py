@@ -8,6 +8,7 @@ editable one does.
 import dataclasses
 import importlib.resources
 import importlib.resources.abc
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -178,6 +179,69 @@ class SchedulerConfig:
                              f"got {self.num_scheduler_steps}")
 
 
+MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices for --max-lora-rank
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """An adapter served under its own model name: `path`, a PEFT adapter directory (adapter_config.json and
+    adapter_model.safetensors); `base_model_name`, the model /v1/models lists as its parent (None: the
+    served model's)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | LoraModule") -> "LoraModule":
+        """vLLM's --lora-modules forms: `name=path`, or a JSON object {"name", "path", "base_model_name"}."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                value = json.loads(text)
+            else:
+                name, equals, path = text.partition("=")
+                if not equals or not name or not path:
+                    raise ValueError(f"a LoRA module is name=path or a JSON object, got {value!r}")
+                return cls(name, path)
+        if not isinstance(value, dict):
+            raise ValueError(f"a LoRA module is name=path or a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"unknown LoRA module keys {unknown}; known: {sorted(known)}")
+        if not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise ValueError(f"a LoRA module needs a string name and path, got {value!r}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (vLLM's flags): each adapter in `lora_modules` is a model name of its own; one
+    step mixes requests of up to `max_loras` adapters (and of the base model), each adapter of rank at most
+    `max_lora_rank` in one of the device's `max_loras` slots."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1  # adapters in one step: the device slots
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        modules = tuple(LoraModule.parse(module) for module in self.lora_modules)
+        object.__setattr__(self, "lora_modules", modules)
+        if modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = [module.name for module in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must differ: {names}")
+        if not 1 <= self.max_loras <= 64:
+            raise ValueError(f"max_loras must be in [1, 64], got {self.max_loras}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, "
+                             f"got {self.max_lora_rank}")
+
+
 @dataclass(frozen=True)
 class BucketConfig:
     token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
@@ -236,6 +300,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     attention_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     # When the engine is ready (WARMUP_MODES): once every bucket is compiled (full), or once the largest,
@@ -260,6 +325,10 @@ class EngineConfig:
         if self.parallel.multihost and self.engine_process:
             raise ValueError("a multi-host engine runs its core in the server's process: engine_process is "
                              "single-host")
+        if self.lora.enable_lora and (self.parallel.multihost or self.runner == "pooling"):
+            raise ValueError("--enable-lora serves generation on one host (no --runner pooling, no multi-host)")
+        if self.lora.enable_lora and self.cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            raise ValueError("--enable-lora: not with an FP8 KV cache, whose scales are folded into the projections")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {', '.join(WARMUP_MODES)}; got {self.warmup_mode!r}")
         if self.parallel.multihost and self.warmup_mode == "background":
@@ -284,7 +353,7 @@ class EngineConfig:
         EngineConfig itself; None values are ignored so CLI defaults don't mask the preset.
         """
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "buckets": {},
-                                               "parallel": {}}
+                                               "parallel": {}, "lora": {}}
         top: dict[str, Any] = {}
         if preset is not None:
             for section, values in load_preset(preset).items():
@@ -293,7 +362,7 @@ class EngineConfig:
                 sections[section].update(values or {})
         owners = {
             "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "buckets": BucketConfig,
-            "parallel": ParallelConfig,
+            "parallel": ParallelConfig, "lora": LoraConfig,
         }
         for key, value in overrides.items():
             if value is None:
@@ -305,6 +374,8 @@ class EngineConfig:
                 top[key] = value
             else:
                 raise TypeError(f"unknown engine option {key!r}")
+        if "lora_modules" in sections["lora"]:
+            sections["lora"]["lora_modules"] = tuple(sections["lora"]["lora_modules"])
         for name in ("token_buckets", "request_buckets"):
             if name in sections["buckets"]:
                 sections["buckets"][name] = tuple(sections["buckets"][name])

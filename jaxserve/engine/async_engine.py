@@ -63,6 +63,7 @@ class _Add:
     grammar: CompiledGrammar | None = None
     checked: bool = False  # see LLMEngine.add_request
     priority: int = 0
+    lora_name: str | None = None
 
 
 @dataclass
@@ -114,6 +115,7 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         checked: bool = False,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs until it finishes. Bad input raises ValueError on first use.
         `grammar`: params.structured_outputs from `compile_grammar` (else the engine thread compiles it).
@@ -124,7 +126,7 @@ class AsyncEngine:
             if not self.is_running:
                 raise EngineDeadError(f"the engine is not running: {self._dead!r}")
             self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs, cache_salt,
-                                    grammar, checked, priority))
+                                    grammar, checked, priority, lora_name))
         finished = False
         try:
             while not finished:
@@ -209,7 +211,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt,
-                                        command.grammar, command.checked, command.priority)
+                                        command.grammar, command.checked, command.priority, command.lora_name)
             except Exception as e:  # bad input (ValueError) or a tokenizer fault: this request's alone
                 if not isinstance(e, ValueError):
                     logger.error("request %s could not be added: %r", command.request_id, e, exc_info=e)

@@ -54,7 +54,9 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
+from jaxserve.models.layers import LoraSlots
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
+from jaxserve.models.lora import LoraAdapter, read_adapter, stack_shapes, with_lora_slots
 from jaxserve.process_exit import guard_cache_writes
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
@@ -103,6 +105,7 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
+        model, adapters = _with_adapters(model, config)
         self.model = model
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -121,7 +124,7 @@ class EngineCore:
             broadcast=self.leader.send if self.leader is not None else None,
             greedy_decodes=config.buckets.greedy_decodes and not pooling,
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
-            temp_records_dir=config.compilation_cache_dir or None,
+            temp_records_dir=config.compilation_cache_dir or None, lora_adapters=adapters,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,
@@ -131,7 +134,8 @@ class EngineCore:
             speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.num_scheduler_steps, sched.scheduling_policy, proposer,
-                                   row_buckets=self.runner.ladder.request_buckets)
+                                   row_buckets=self.runner.ladder.request_buckets,
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
@@ -161,6 +165,7 @@ class EngineCore:
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
             weight_dtype=model.weight_dtype.dtype.name,
+            lora_adapters=tuple((module.name, module.base_model_name) for module in config.lora.lora_modules),
         )
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode
@@ -365,3 +370,18 @@ def _details(request: Request, index: int) -> SequenceDetails:
         status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
         request.embedding if ended else None,
     )
+
+
+def _with_adapters(model: LoadedModel, config: EngineConfig) -> tuple[LoadedModel, dict[str, LoraAdapter] | None]:
+    """--enable-lora: the model with its adapter slots, and the adapters read (a bad one fails the start)."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return model, None
+    model = with_lora_slots(model, LoraSlots(lora.max_loras, lora.max_lora_rank))
+    shapes = stack_shapes(model.state)
+    adapters = {module.name: read_adapter(module.name, module.path, model.spec.module, shapes, lora.max_lora_rank)
+                for module in lora.lora_modules}
+    for adapter in adapters.values():
+        logger.info("LoRA adapter %s: rank %d, %d projections", adapter.name, adapter.rank, len(adapter.weights))
+    logger.info("LoRA: %d slots of rank %d in %d projections", lora.max_loras, lora.max_lora_rank, len(shapes))
+    return model, adapters

@@ -88,6 +88,11 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)
     weight_dtype: str  # of the matmul weights
+    # --lora-modules: each adapter's (name, base_model_name), served as a model of its own
+    lora_adapters: tuple[tuple[str, str | None], ...] = ()
+
+    def has_adapter(self, name: str) -> bool:
+        return any(name == adapter for adapter, _ in self.lora_adapters)
 
 
 @dataclass(frozen=True)

@@ -125,8 +125,11 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         checked: bool = False,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Queues a request. Raises ValueError for bad input and leaves the engine untouched.
+
+        `lora_name`: one of the engine's LoRA adapters (`--lora-modules`) to generate with; None: the base model.
 
         `cache_salt` (vLLM's): requests share cached prefix pages only with requests of the same salt.
         `priority` (vLLM's): under the priority policy, lower is served first; else it must be 0.
@@ -141,6 +144,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
+        if lora_name is not None and not self.info.has_adapter(lora_name):
+            raise InvalidParam(f"The model `{lora_name}` does not exist: no LoRA adapter of that name", "model")
         if not checked:  # InvalidParam (a ValueError) for what cannot be served
             self.limits.check(prompt_token_ids, params)
             check_cache_salt(cache_salt)
@@ -169,6 +174,7 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
                 priority=priority,
+                lora_name=lora_name,
                 bad_words_token_ids=bad_words,
             ))
         detokenizers = [IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)

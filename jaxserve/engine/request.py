@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jaxserve.engine.step_io import NO_LORA_SLOT
 from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams, max_num_tokens
 
@@ -76,6 +77,8 @@ class Request:
     # Prefix caching: separates this request's cache entries from requests with another salt.
     cache_salt: str | None = None
     priority: int = 0  # under the priority policy: lower is served first
+    lora_name: str | None = None  # its LoRA adapter (--enable-lora), None for the base model
+    lora_slot: int = NO_LORA_SLOT  # the device slot its adapter is in while it runs (`LoraSlots`)
     # bad_words as token sequences (`llm_engine.bad_words_token_ids`): the last token of each is banned
     # where the output ends with the others.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
@@ -162,6 +165,14 @@ class Request:
     def reads_prefix_cache(self) -> bool:
         """A request that reports prompt logprobs (or pools the mean of its tokens) computes its whole prompt."""
         return self.sampling_params.prompt_logprobs is None and self.pooling_type != "mean"
+
+    @property
+    def prefix_cache_salt(self) -> str | None:
+        """What keeps its prefix-cache pages apart from other requests': its cache_salt, and its adapter
+        (the same tokens' K/V differ under another adapter)."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\0lora\0{self.lora_name}"
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already

@@ -59,9 +59,10 @@ from dataclasses import dataclass, field
 
 from jaxserve.engine.draft_policy import DraftPolicy
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
+from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.step_io import PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
+from jaxserve.engine.step_io import NO_LORA_SLOT, PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import fits_kv_cache
 
 
@@ -145,9 +146,12 @@ class Scheduler:
         policy: str = "fcfs",
         proposer: NgramProposer | None = None,
         row_buckets: tuple[int, ...] = (),
+        max_loras: int = 0,
     ) -> None:
         """`proposer`: speculative decoding's drafts, run on the decode buckets `row_buckets` (the runner's
-        request buckets) as `DraftPolicy` chooses."""
+        request buckets) as `DraftPolicy` chooses. `max_loras`: the device's LoRA slots (--enable-lora): the
+        running requests use at most that many adapters, and a waiting request of another adapter waits at
+        the queue's head until a slot frees (vLLM lets later requests pass it; here none starves)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
@@ -175,6 +179,7 @@ class Scheduler:
         self._plans_since_timed = 0  # drafting plans since the requests' own bucket was last timed
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
+        self.lora_slots = LoraSlots(max_loras)
 
     def check_fits(self, max_num_tokens: int) -> None:
         """Raises ValueError if a request of up to `max_num_tokens` could never fit in the cache (the
@@ -283,6 +288,8 @@ class Scheduler:
         if not preempted:  # (requests that yielded to the queue's head stand behind it)
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.lora_name is not None and not self.lora_slots.can_take(request.lora_name):
+                    break  # its adapter waits for a slot: the running requests hold all --max-loras
                 hit = self._cached_prefix(request, plan.filling, busy)
                 if hit is None:
                     break  # its next page is computed in this step: it hits that page next step
@@ -295,6 +302,8 @@ class Scheduler:
                     self.kv_cache.free(request.page_ids)  # give the hit back
                     break
                 self.waiting.popleft()
+                if request.lora_name is not None:
+                    request.lora_slot = self.lora_slots.acquire(request.lora_name)
                 request.num_computed_tokens, request.num_keyed_pages = num_cached, len(hit)
                 if self.kv_cache.enable_prefix_caching and request.reads_prefix_cache:
                     self.prefix_cache_queries += request.num_tokens
@@ -436,7 +445,8 @@ class Scheduler:
             params = request.sampling_params
             cached = tuple(request.token_ids(0, start)) if start > 0 and params.has_penalties else None
             plan.new_requests.append(NewRequest.of(request.request_id, params, request.sampling_seed,
-                                                   request.num_prompt_tokens, cached))
+                                                   request.num_prompt_tokens, cached, request.lora_name,
+                                                   request.lora_slot))
         request.num_computed_tokens = computed_end
         request.num_inflight_tokens = num_inflight + keeps_sample * num_steps
         request.num_pages_scheduled = num_pages
@@ -474,7 +484,7 @@ class Scheduler:
 
     def _page_keys(self, request: Request, num_full_pages: int) -> list[bytes]:
         return extend_page_keys(request.page_keys, num_full_pages, self.kv_cache.page_size, request.token_ids,
-                                request.cache_salt)
+                                request.prefix_cache_salt)
 
     def unschedule(self, scheduler_output: SchedulerOutput) -> None:
         """Takes back a step that never ran (its batch could not be built): its requests keep their pages
@@ -503,6 +513,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.page_ids)
+        self._release_lora_slot(request)
         request.num_computed_tokens = request.num_keyed_pages = request.num_pages_scheduled = 0
         request.pooled_sum = None  # a mean pooling starts over with the prompt
         request.num_preemptions += 1
@@ -667,12 +678,18 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot != NO_LORA_SLOT:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = NO_LORA_SLOT
+
     def _remove(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request.page_ids)
+        self._release_lora_slot(request)
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.forget(request.request_id)

@@ -25,6 +25,8 @@ from jaxserve.sampling_params import SamplingParams, sampling_row
 # Stands in a row's tokens for a token sampled by the previous step and not yet read (async scheduling):
 # the runner takes it from the previous step's samples on the device.
 PENDING_TOKEN = -1
+# A row's LoRA slot when its request runs the base model: no slot's index, so no adapter's weights apply.
+NO_LORA_SLOT = -1
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -47,14 +49,17 @@ class NewRequest(NamedTuple):
     fills_row: bool  # the runner fills this row itself each step (penalties, biases, bans, prompt logprobs)
     # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
     cached_token_ids: tuple[int, ...] | None = None
+    lora_name: str | None = None  # its LoRA adapter (--enable-lora), None for the base model
+    lora_slot: int = NO_LORA_SLOT  # the device slot the adapter is in while the request runs
 
     @classmethod
     def of(cls, request_id: str, params: SamplingParams, sampling_seed: int, num_prompt_tokens: int,
-           cached_token_ids: tuple[int, ...] | None = None) -> "NewRequest":
+           cached_token_ids: tuple[int, ...] | None = None, lora_name: str | None = None,
+           lora_slot: int = NO_LORA_SLOT) -> "NewRequest":
         """A request's row values, read from its parameters (the one place they are)."""
         return cls(request_id, sampling_row(params), sampling_seed, num_prompt_tokens, params.logprobs or 0,
                    params.prompt_logprobs or 0, tuple(params.logit_bias.items()), params.has_penalties,
-                   params.fills_batch_rows, cached_token_ids)
+                   params.fills_batch_rows, cached_token_ids, lora_name, lora_slot)
 
 
 @dataclass(frozen=True)

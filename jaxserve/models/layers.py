@@ -235,6 +235,44 @@ def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: Atten
     return jnp.einsum("RD,VD->RV", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
+@dataclass(frozen=True)
+class LoraSlots:
+    """The device's adapter slots (`--max-loras`, `--max-lora-rank`): every LoRA weight is stacked over
+    `max_loras` slots of rank `max_rank`, an adapter of a lower rank padded with zeros."""
+
+    max_loras: int
+    max_rank: int
+
+
+class LoraStack(nnx.Module):
+    """One projection's LoRA adapters, stacked over the slots: each token adds (x A_s) B_s for its request's
+    slot s, none for a token of the base model (a slot no stack has, `step_io.NO_LORA_SLOT`). The scale
+    (alpha / r) is in B, folded in when an adapter is written to a slot.
+
+    A step may mix adapters: every token multiplies by all slots' A at once, keeps its own slot's r columns
+    (a mask) and multiplies them by all slots' B. Two dense matmuls of max_loras x max_rank columns, whose
+    shapes never change with the adapters a step holds: punica's batched LoRA as plain XLA dots, small beside
+    the projection they add to (a step's own slot choices are data, so nothing recompiles)."""
+
+    def __init__(self, d_in: int, d_out: int, slots: LoraSlots, dtype: Any) -> None:
+        self.lora_a = param(d_in, slots.max_loras, slots.max_rank, dtype=dtype)  # [K, S, r]
+        self.lora_b = param(slots.max_loras, slots.max_rank, d_out, dtype=dtype)  # [S, r, N]
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, K]
+        token_slots: jax.Array,  # i32[T]
+    ) -> jax.Array:  # [T, N], in x's dtype
+        a, b = self.lora_a[...], self.lora_b[...]
+        d_in, num_slots, rank = a.shape
+        shrunk = jnp.dot(x.astype(a.dtype), a.reshape(d_in, num_slots * rank),
+                         preferred_element_type=jnp.float32)  # [T, S*r]
+        mine = token_slots[:, None] == jnp.arange(num_slots, dtype=token_slots.dtype)[None, :]  # [T, S]
+        shrunk = (shrunk.reshape(-1, num_slots, rank) * mine[:, :, None]).reshape(-1, num_slots * rank)
+        return jnp.dot(shrunk.astype(b.dtype), b.reshape(num_slots * rank, -1),
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def project_heads(
     x: jax.Array,  # [T, D]
     w: jax.Array,  # [D, N, H]

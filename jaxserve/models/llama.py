@@ -19,6 +19,8 @@ from flax import nnx
 from jaxserve.models.layers import (
     AttentionMetadata,
     KVCache,
+    LoraSlots,
+    LoraStack,
     RMSNorm,
     Rope,
     apply_rope,
@@ -56,6 +58,7 @@ class LlamaConfig:
     moe: MoeConfig | None = None  # Mixtral, Qwen3-MoE
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
+    lora: LoraSlots | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
@@ -128,34 +131,55 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        if cfg.lora is not None:
+            self.q_lora = LoraStack(d, n * h, cfg.lora, dtype)
+            self.k_lora = LoraStack(d, k * h, cfg.lora, dtype)
+            self.v_lora = LoraStack(d, k * h, cfg.lora, dtype)
+            self.o_lora = LoraStack(n * h, d, cfg.lora, dtype)
         self.cfg = cfg
         self.sliding_window = cfg.window(layer)
 
-    def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata, lora_slots=None):
         attention = self.cfg.attention
         q = project_heads(x, self.q_proj[...], attention)  # [T, N, H]
         k = project_heads(x, self.k_proj[...], attention)  # [T, K, H]
         v = project_heads(x, self.v_proj[...], attention)
+        if lora_slots is not None:
+            q = q + self.q_lora(x, lora_slots).reshape(q.shape)
+            k = k + self.k_lora(x, lora_slots).reshape(k.shape)
+            v = v + self.v_lora(x, lora_slots).reshape(v.shape)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over H, per token and head
         q, k = apply_rope(q, positions, self.cfg.rope), apply_rope(k, positions, self.cfg.rope)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention, sliding_window=self.sliding_window)
-        return merge_heads(out, self.o_proj[...], attention), kv_cache
+        y = merge_heads(out, self.o_proj[...], attention)  # [T, D]
+        if lora_slots is not None:
+            y = y + self.o_lora(out.reshape(out.shape[0], -1), lora_slots)
+        return y, kv_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weight_dtype: Any) -> None:
-        self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
-        self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
-        self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=weight_dtype)
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = param(d, f, dtype=weight_dtype)
+        self.up_proj = param(d, f, dtype=weight_dtype)
+        self.down_proj = param(f, d, dtype=weight_dtype)
+        if cfg.lora is not None:
+            self.gate_lora = LoraStack(d, f, cfg.lora, dtype)
+            self.up_lora = LoraStack(d, f, cfg.lora, dtype)
+            self.down_lora = LoraStack(f, d, cfg.lora, dtype)
         self.attention = cfg.attention
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
         up = dense(x, self.up_proj[...], self.attention)
-        return dense(jax.nn.silu(gate) * up, self.down_proj[...], self.attention)
+        if lora_slots is not None:
+            gate, up = gate + self.gate_lora(x, lora_slots), up + self.up_lora(x, lora_slots)
+        hidden = jax.nn.silu(gate) * up
+        out = dense(hidden, self.down_proj[...], self.attention)
+        return out if lora_slots is None else out + self.down_lora(hidden, lora_slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -163,13 +187,15 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, weight_dtype, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if cfg.is_moe_layer(layer)
-                    else MLP(cfg, weight_dtype))
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if self.is_moe
+                    else MLP(cfg, dtype, weight_dtype))
 
-    def __call__(self, x, positions, kv_cache, md):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache, md, lora_slots=None):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if self.is_moe else self.mlp(h, lora_slots)), kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -190,11 +216,13 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,  # i32[T]
         kv_caches: KVCache,
         md: AttentionMetadata,
+        lora_slots: jax.Array | None = None,  # i32[T]: each token's adapter slot, with --enable-lora
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
         x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
+        lora_slots = lora_slots if self.cfg.lora is not None else None
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
+            x, kv_cache = layer(x, positions, kv_cache, md, lora_slots)
             new_caches.append(kv_cache)
         return self.norm(x), new_caches
 
@@ -253,8 +281,20 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.experts_up": (("mlp", "experts_up"), lambda w, c: np.swapaxes(w, 1, 2)),
     "mlp.experts_down": (("mlp", "experts_down"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, D, F] -> [E, F, D]
 }
+# --enable-lora (`lora.py`): a PEFT adapter's target module, by its name within an HF layer -> the
+# `LoraStack` it fills; a fused target (Phi-3's) fills several, its B rows split among them in order.
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "self_attn.q_proj": ("self_attn", "q_lora"), "self_attn.k_proj": ("self_attn", "k_lora"),
+    "self_attn.v_proj": ("self_attn", "v_lora"), "self_attn.o_proj": ("self_attn", "o_lora"),
+    "mlp.gate_proj": ("mlp", "gate_lora"), "mlp.up_proj": ("mlp", "up_lora"), "mlp.down_proj": ("mlp", "down_lora"),
+}
+LORA_FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {
+    "lora_a": (None, None), "lora_b": (None, None),  # adapters' stacks: small, on every device
     "embed_tokens": (0, None), "lm_head": (0, None), "scale": (None, None),
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),

@@ -91,6 +91,7 @@ def _fill_rows(
     if pending.any():  # async scheduling: each takes its sample from the row it had in the previous step
         batch.input_from_row[:total][pending] = rows.in_flight_sample_rows(row_ids[row_of_token[pending]])
     batch.positions[:total] = positions
+    batch.lora_slots[:total] = rows.lora_slots[row_ids][row_of_token]
 
     np.take(rows.page_table, row_ids, axis=0, out=attention.page_table[:num_rows])  # [n, P]
     page_size = layout.page_size

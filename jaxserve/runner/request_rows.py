@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxserve.engine.step_io import NewRequest, RequestFault
+from jaxserve.engine.step_io import NO_LORA_SLOT, NewRequest, RequestFault
 from jaxserve.sampling_params import SAMPLING_ROW
 
 # The per-row sampling columns a step gathers as they are, named as in `SamplingArrays`: the table's, and
@@ -41,6 +41,7 @@ class RequestRows:
         # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
         self.num_prompt_tokens = np.zeros(num_rows, np.int64)  # i64[M]
+        self.lora_slots = np.full(num_rows, NO_LORA_SLOT, np.int32)  # i32[M]: its adapter's slot (--enable-lora)
         # i32[M]: the batch row of the request's sample in the last step launched that kept one, and i64[M]
         # which step that was (`launched` counts them); a step feeds a token still in flight (async
         # scheduling) from that row of the previous step's samples.
@@ -135,4 +136,5 @@ class RequestRows:
         self.logit_bias[row] = new.logit_bias
         self.row_features[row] = new.fills_row
         self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.lora_slots[row] = new.lora_slot
         return row

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxserve.engine.step_io import bitmask_words
+from jaxserve.engine.step_io import NO_LORA_SLOT, bitmask_words
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.penalties import PenaltyUpdates
@@ -57,6 +57,7 @@ class StepBatch:
     sampling: SamplingArrays
     penalty_updates: PenaltyUpdates
     prompt_logprob_targets: jax.Array  # i32[T]: the next prompt token, to score; V where none is wanted
+    lora_slots: jax.Array  # i32[T]: the LoRA slot of each token's adapter; NO_LORA_SLOT: the base model
 
 
 @dataclass(frozen=True)
@@ -117,4 +118,5 @@ def separate_neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
             output_token_slots=np.full(num_tokens, no_slot, np.int32),
         ),
         prompt_logprob_targets=np.full(num_tokens, layout.vocab_size, np.int32),
+        lora_slots=np.full(num_tokens, NO_LORA_SLOT, np.int32),
     )

@@ -37,7 +37,10 @@ def _input_ids(batch: StepBatch) -> jax.Array:  # i32[T]
 def _forward(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_caches: KVCache,
              mesh: Mesh | None) -> tuple[jax.Array, jax.Array, KVCache]:
     """The model over the batch: (hidden f32[T, D], the sampled rows' logits f32[R, V], the KV pages)."""
-    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
+    if getattr(model.cfg, "lora", None) is None:
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
+    else:  # --enable-lora: each token's adapter slot
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, batch.lora_slots)
     logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))

@@ -1,0 +1,164 @@
+"""Multi-LoRA serving in the engine: each adapter's outputs are those of the base model with the adapter
+merged into its weights (a model of its own), whichever adapters and base-model requests share its steps,
+with slots written as adapters come and go, under async scheduling, multi-step decoding and drafting."""
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import InvalidParam, SamplingParams
+from tests.engine.helpers import make_engine, make_prompts
+from tests.lora_helpers import write_adapter, write_merged
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_model_dir, tmp_path_factory):
+    """The base model, three adapters (all projections; attention only, rsLoRA; a rank-8 one) and each
+    adapter merged into the base model's weights."""
+    base = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("lora")
+    adapters = {
+        "all": write_adapter(root / "all", base, ALL, rank=4, alpha=8.0, seed=1),
+        "attn": write_adapter(root / "attn", base, ATTENTION, rank=2, alpha=4.0, seed=2, rslora=True),
+        "wide": write_adapter(root / "wide", base, ("q_proj", "v_proj", "down_proj"), rank=8, alpha=8.0, seed=3),
+    }
+    merged = {name: write_merged(root / f"merged-{name}", base, path) for name, path in adapters.items()}
+    return base, adapters, merged
+
+
+def _lora_engine(lora_dirs, max_loras: int, **overrides) -> LLMEngine:
+    base, adapters, _ = lora_dirs
+    modules = tuple(f"{name}={path}" for name, path in adapters.items())
+    return make_engine(base, enable_lora=True, lora_modules=modules, max_loras=max_loras, **overrides)
+
+
+def _params(max_tokens: int = 8, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, **extra)
+
+
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]], params: SamplingParams,
+         running: list[list[str]] | None = None) -> dict[str, tuple[list[int], list[float]]]:
+    """Runs (id, prompt, adapter) requests together; returns each one's tokens and logprobs. `running`
+    collects the adapters each step ran."""
+    for request_id, prompt, adapter in requests:
+        engine.add_request(request_id, prompt, params, lora_name=adapter)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                completion = output.outputs[0]
+                results[output.request_id] = (list(completion.token_ids), list(completion.logprobs or []))
+        if running is not None:
+            running.append(engine._core.scheduler.lora_slots.running_adapters)
+    return results
+
+
+def _references(lora_dirs, requests, params) -> dict[str, tuple[list[int], list[float]]]:
+    """Each request run alone on its reference model: the base model, or its adapter merged."""
+    base, _, merged = lora_dirs
+    results = {}
+    for model_dir in {None: base, **merged}.values():
+        engine = make_engine(model_dir)
+        mine = [(rid, prompt, None) for rid, prompt, adapter in requests if (merged.get(adapter) or base) == model_dir]
+        results.update(_run(engine, mine, params))
+    return results
+
+
+def _assert_matches(results, references) -> None:
+    assert results.keys() == references.keys()
+    for request_id, (tokens, logprobs) in results.items():
+        assert tokens == references[request_id][0], request_id
+        np.testing.assert_allclose(logprobs, references[request_id][1], rtol=1e-4, atol=1e-4, err_msg=request_id)
+
+
+def _requests(adapters: list[str | None]) -> list[tuple[str, list[int], str | None]]:
+    prompts = make_prompts(8)
+    return [(f"r{i}-{adapter}", prompts[i % len(prompts)], adapter) for i, adapter in enumerate(adapters)]
+
+
+def test_adapters_and_base_in_one_step_match_their_merged_models(lora_dirs):
+    """Requests of three adapters and of the base model, batched together in three slots, each give what
+    its own model gives alone: the adapter merged into the weights, or the base model (which no adapter
+    touches). An adapter's outputs differ from the base model's: the adapters do change the model."""
+    requests = _requests(["all", None, "attn", "wide", "all", None, "wide", "attn"])
+    params = _params()
+    engine = _lora_engine(lora_dirs, max_loras=3)
+    running: list[list[str]] = []
+    results = _run(engine, requests, params, running)
+    references = _references(lora_dirs, requests, params)
+    _assert_matches(results, references)
+    assert ["all", "attn", "wide"] in running  # they did share steps
+    base_alone = _run(make_engine(lora_dirs[0]), [(rid, p, None) for rid, p, _ in requests], params)
+    assert all(results[rid][0] != base_alone[rid][0] for rid, _, adapter in requests if adapter is not None)
+
+
+def test_more_adapters_than_slots_take_turns(lora_dirs):
+    """With one slot, requests of three adapters run one adapter at a time (base-model requests beside any),
+    the slot written whenever its adapter changes, and every output is still its merged model's."""
+    requests = _requests(["all", "attn", None, "wide", "all", "attn"])
+    params = _params(6)
+    engine = _lora_engine(lora_dirs, max_loras=1)
+    running: list[list[str]] = []
+    results = _run(engine, requests, params, running)
+    _assert_matches(results, _references(lora_dirs, requests, params))
+    assert max(len(adapters) for adapters in running) == 1
+    writer = engine._core.runner._lora
+    assert writer.num_writes >= 3
+    assert engine._core.scheduler.lora_slots.running_adapters == []
+
+
+def test_prefix_cache_keeps_adapters_apart(lora_dirs):
+    """A prompt the base model has cached is computed again under an adapter (its K/V differ there), and an
+    adapter's cached prefix serves that adapter's next request."""
+    prompt = make_prompts(8)[3]  # 40 tokens: ten full pages
+    params = _params(5)
+    engine = _lora_engine(lora_dirs, max_loras=1)
+    first = _run(engine, [("base", prompt, None)], params)
+    hits = engine._core.scheduler.prefix_cache_hits
+    second = _run(engine, [("all", prompt, "all")], params)
+    assert engine._core.scheduler.prefix_cache_hits == hits  # nothing of the base model's pages
+    third = _run(engine, [("all-again", prompt, "all")], params)
+    assert engine._core.scheduler.prefix_cache_hits > hits  # its own
+    references = _references(lora_dirs, [("base", prompt, None), ("all", prompt, "all")], params)
+    _assert_matches({**first, **second}, references)
+    assert third["all-again"][0] == references["all"][0]
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(dict(async_scheduling=True), id="async"),
+    pytest.param(dict(num_scheduler_steps=4), id="multi-step"),
+    pytest.param(dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}), id="drafting"),
+])
+def test_adapters_under_async_multi_step_and_drafting(lora_dirs, overrides):
+    """The per-token slots follow a request through every step kind: pending tokens fed on the device,
+    several decode steps in one call, and drafts verified on rows of their own."""
+    requests = _requests(["all", None, "wide", "attn"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = _lora_engine(lora_dirs, max_loras=2, **overrides)
+    results = _run(engine, requests, params)
+    references = _references(lora_dirs, requests, params)
+    assert {rid: tokens for rid, (tokens, _) in results.items()} == {
+        rid: tokens for rid, (tokens, _) in references.items()}
+
+
+def test_unknown_adapter_is_refused_and_base_requests_take_no_slot(lora_dirs):
+    """A request names an adapter the engine serves or none; an unknown name is refused before it queues."""
+    engine = _lora_engine(lora_dirs, max_loras=1)
+    with pytest.raises(InvalidParam, match="does not exist"):
+        engine.add_request("x", [5, 6, 7], _params(), lora_name="missing")
+    assert not engine.has_unfinished_requests()
+    assert engine.info.lora_adapters == (("all", None), ("attn", None), ("wide", None))
+    running: list[list[str]] = []
+    _run(engine, [("plain", [5, 6, 7], None)], _params(2), running)
+    assert running and all(adapters == [] for adapters in running)
+    assert engine._core.runner._lora.num_writes == 0
+
+
+def test_adapter_above_the_slot_rank_fails_the_start(lora_dirs, tmp_path):
+    base = lora_dirs[0]
+    adapter = write_adapter(tmp_path / "r16", base, ATTENTION, rank=16)
+    with pytest.raises(ValueError, match="rank 16 is above --max-lora-rank 8"):
+        make_engine(base, enable_lora=True, lora_modules=(f"r16={adapter}",), max_lora_rank=8, warmup=False)
