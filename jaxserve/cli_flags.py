@@ -188,7 +188,8 @@ ENGINE_FLAGS = (
               "mixes requests of the base model and of up to --max-loras adapters (default: off)"),
     Flag("--lora-modules", LoraConfig, "lora_modules", type=_lora_module, nargs="+", preset=True,
          help="the adapters to serve, PEFT directories (adapter_config.json, adapter_model.safetensors), as "
-              "name=path or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'"),
+              "name=path or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (default: "
+              "none)"),
     Flag("--max-loras", LoraConfig, "max_loras", type=int, preset=True,
          help=f"the most adapters one step runs; a request of another adapter waits for a slot (default: "
               f"{LoraConfig.max_loras})"),

@@ -28,6 +28,8 @@ from jaxserve.config import (
     CompileConfig,
     EngineConfig,
     GenerateConfig,
+    LoraConfig,
+    LoraModule,
     OfflineBenchConfig,
     ServeBenchConfig,
     ServerConfig,
@@ -272,3 +274,28 @@ def test_the_speculative_config_flag_takes_vllm_s_json_and_refuses_bad_values(tm
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--speculative-config", bad])
         assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_the_lora_flags_take_vllm_s_forms_and_refuse_bad_values(tmp_path, capsys):
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--lora-modules",
+                              "sql=/adapters/sql", '{"name": "chat", "path": "org/chat-lora", "base_model_name": "b"}'])
+    lora = _engine_config(args).lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 3, 64)
+    assert lora.lora_modules == (LoraModule("sql", "/adapters/sql"), LoraModule("chat", "org/chat-lora", "b"))
+    assert _engine_config(parser.parse_args(["serve"])).lora == LoraConfig()
+    preset = tmp_path / "lora.yaml"
+    preset.write_text("lora:\n  enable_lora: true\n  lora_modules: [a=/x]\n  max_loras: 2\n")
+    assert _engine_config(parser.parse_args(["serve", "--config", str(preset)])).lora == LoraConfig(
+        True, (LoraModule("a", "/x"),), 2)
+    for bad in ("no-equals", "=path", "name=", '{"name": "x"}', '{"name": "x", "path": "p", "rank": 4}', "{bad"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--enable-lora", "--lora-modules", bad])
+        assert "--lora-modules" in capsys.readouterr().err
+    for flags, error in ((["--lora-modules", "a=/x"], "needs --enable-lora"),
+                         (["--enable-lora", "--max-lora-rank", "12"], "max_lora_rank must be one of"),
+                         (["--enable-lora", "--max-loras", "0"], "max_loras must be in"),
+                         (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names must differ"),
+                         (["--enable-lora", "--kv-cache-dtype", "fp8"], "not with an FP8 KV cache")):
+        with pytest.raises(ValueError, match=error):
+            _engine_config(parser.parse_args(["serve", *flags]))

@@ -107,7 +107,8 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
 
 
 async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[int], params: BeamSearchParams,
-                      request_id: str, cache_salt: str | None = None, priority: int = 0) -> RequestOutput:
+                      request_id: str, cache_salt: str | None = None, priority: int = 0,
+                      lora_name: str | None = None) -> RequestOutput:
     """The search on the engine for one prompt: its beams as the `n` completions of one final output (what
     the engine's own requests end in), finish_reason "stop" for a beam that ended in EOS, else "length".
     Cancelled with its engine requests if the client leaves."""
@@ -120,7 +121,7 @@ async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[
     async def next_logprobs(beams: list[tuple[int, ...]]) -> list[dict[int, float]]:
         nonlocal rounds, num_cached
         streams = [serving.generate([*prompt_ids, *beam], step, f"{request_id}-{rounds}-{i}", cache_salt,
-                                    priority=priority) for i, beam in enumerate(beams)]
+                                    priority=priority, lora_name=lora_name) for i, beam in enumerate(beams)]
         finals = await collect(request, streams)
         if rounds == 0:
             num_cached = finals[0].num_cached_tokens

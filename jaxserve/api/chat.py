@@ -249,6 +249,7 @@ class ChatRun:
     reasoning: _Reasoning | None  # how reasoning is split from the text
     streams: list[AsyncIterator[RequestOutput]]  # the one engine request's outputs (its n sequences)
     beam: BeamSearchParams | None = None  # use_beam_search: no stream; the search runs when awaited
+    lora_name: str | None = None  # the LoRA adapter the request's model names
 
     def read(self, completion: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
         """A finished choice's assistant message and finish_reason."""
@@ -263,7 +264,7 @@ class ChatRun:
 
 async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_id: str) -> ChatRun:
     """Checks, renders and starts a chat request; every 400 comes before anything starts."""
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
     plan = _tool_plan(serving, req)
@@ -280,14 +281,14 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
         if plan is not None:
             raise APIError(400, "tool calls are not available with use_beam_search", "tools")
         return ChatRun(prompt_ids, None, _reasoning(serving, req, prompt_ids, False), [],
-                       beam_search_params(serving, req, params, len(prompt_ids)))
+                       beam_search_params(serving, req, params, len(prompt_ids)), lora_name)
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
     params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)
-    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority)]
-    return ChatRun(prompt_ids, plan, reasoning, streams)
+    streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority, lora_name)]
+    return ChatRun(prompt_ids, plan, reasoning, streams, lora_name=lora_name)
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -314,7 +315,8 @@ async def create_chat_completion(request: Request) -> Response:
                    (lambda: chunk([], choices.usage)) if include_usage else None)
         return StreamingResponse(body, media_type="text/event-stream")
     if run.beam is not None:
-        final = await beam_search(serving, request, prompt_ids, run.beam, engine_id, req.cache_salt, req.priority)
+        final = await beam_search(serving, request, prompt_ids, run.beam, engine_id, req.cache_salt, req.priority,
+                                  run.lora_name)
     else:
         (final,) = await collect(request, streams)
     items = []

@@ -102,7 +102,7 @@ def _logprobs(
 async def create_completion(request: Request) -> Response:
     serving = get_serving(request)
     req = await serving.parse(request, CompletionRequest)
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -125,10 +125,10 @@ async def create_completion(request: Request) -> Response:
     request_id, engine_id = request_ids("cmpl", request, req.request_id)
     model_name = req.model or serving.model_names[0]
     if beams is not None:
-        searches = [beam_search(serving, request, ids, b, f"{engine_id}-{i}", req.cache_salt, req.priority)
+        searches = [beam_search(serving, request, ids, b, f"{engine_id}-{i}", req.cache_salt, req.priority, lora_name)
                     for i, ((_, ids), b) in enumerate(zip(prompts, beams, strict=True))]
         return await _response(serving, req, request_id, model_name, prompts, await side_by_side(searches))
-    streams = [serving.generate(ids, p, f"{engine_id}-{i}", req.cache_salt, grammar, req.priority)
+    streams = [serving.generate(ids, p, f"{engine_id}-{i}", req.cache_salt, grammar, req.priority, lora_name)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     if prompt_only:
         streams = [_without_completions(stream) for stream in streams]

@@ -230,9 +230,14 @@ class ModelServing:
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self.off_loop(lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (--lora-modules), None for the base model; a 404 for
+        a model not served."""
+        if model is None or model in self.model_names:
+            return None
+        if self.info.has_adapter(model):
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def token_label(self, token_id: int, by_id: bool) -> str:
         """How logprobs name a token: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:{id}"
@@ -320,14 +325,14 @@ class ModelServing:
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None,
-        grammar: CompiledGrammar | None = None, priority: int = 0,
+        grammar: CompiledGrammar | None = None, priority: int = 0, lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Starts a request whose params came from `sampling_params` (so bad input was a 400 already) and
-        whose structured output, if any, from `compile_grammar`."""
+        whose structured output, if any, from `compile_grammar`; `lora_name` from `check_model`."""
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, params %s", request_id, len(prompt_token_ids), params)
         return self.metrics.track(self.engine.generate(prompt_token_ids, params, request_id, cache_salt, grammar,
-                                                       checked=True, priority=priority))
+                                                       checked=True, priority=priority, lora_name=lora_name))
 
     def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
         """Each token decoded alone, in one batch (tokenizer thread only)."""

@@ -165,7 +165,7 @@ class EngineCore:
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
             weight_dtype=model.weight_dtype.dtype.name,
-            lora_adapters=tuple((module.name, module.base_model_name) for module in config.lora.lora_modules),
+            lora_adapters=config.lora.lora_modules,
         )
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode

@@ -10,6 +10,7 @@ what the frontend asks of a core, in this process (`EngineCore`) or in its own (
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from jaxserve.config import LoraModule
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import RequestLimits
@@ -88,11 +89,10 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)
     weight_dtype: str  # of the matmul weights
-    # --lora-modules: each adapter's (name, base_model_name), served as a model of its own
-    lora_adapters: tuple[tuple[str, str | None], ...] = ()
+    lora_adapters: tuple[LoraModule, ...] = ()  # --lora-modules: each served as a model of its own
 
     def has_adapter(self, name: str) -> bool:
-        return any(name == adapter for adapter, _ in self.lora_adapters)
+        return any(name == adapter.name for adapter in self.lora_adapters)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Reading PEFT adapters (`models/lora.py`): the layout and scale each projection's slot receives, fused
+projections split, and every adapter jaxserve cannot serve as it means refused with its reason."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxserve.models import llama
+from jaxserve.models.lora import read_adapter, slot_values
+
+# A two-layer model's stacks: (in, out) per projection; layer 1's MLP is a mixture of experts (no stacks).
+D, Q, KV, F = 8, 12, 4, 16
+SHAPES = {("layers", 0, "self_attn", "q_lora"): (D, Q), ("layers", 0, "self_attn", "k_lora"): (D, KV),
+          ("layers", 0, "self_attn", "v_lora"): (D, KV), ("layers", 0, "self_attn", "o_lora"): (Q, D),
+          ("layers", 0, "mlp", "gate_lora"): (D, F), ("layers", 0, "mlp", "up_lora"): (D, F),
+          ("layers", 0, "mlp", "down_lora"): (F, D), ("layers", 1, "self_attn", "q_lora"): (D, Q)}
+
+
+def _write(directory, tensors, **config):
+    directory.mkdir(exist_ok=True)
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, directory / "adapter_model.safetensors")
+    (directory / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, **config}))
+    return str(directory)
+
+
+def _pair(rng, module: str, in_dim: int, out_dim: int, rank: int = 2, layer: int = 0):
+    stem = f"base_model.model.model.layers.{layer}.{module}"
+    return {f"{stem}.lora_A.weight": rng.normal(size=(rank, in_dim)),
+            f"{stem}.lora_B.weight": rng.normal(size=(out_dim, rank))}
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_a_and_b_are_transposed_and_b_takes_the_scale(tmp_path, rslora):
+    rng = np.random.default_rng(0)
+    tensors = _pair(rng, "self_attn.o_proj", Q, D)
+    adapter = read_adapter("x", _write(tmp_path / "a", tensors, use_rslora=rslora), llama, SHAPES, 16)
+    a, b = adapter.weights[("layers", 0, "self_attn", "o_lora")]
+    scale = 4 / np.sqrt(2) if rslora else 4 / 2
+    stem = "base_model.model.model.layers.0.self_attn.o_proj"
+    np.testing.assert_allclose(a, tensors[f"{stem}.lora_A.weight"].T, rtol=1e-6)
+    np.testing.assert_allclose(b, scale * tensors[f"{stem}.lora_B.weight"].T, rtol=1e-6)
+    assert adapter.rank == 2 and len(adapter.weights) == 1
+    x = rng.normal(size=(3, Q))  # the delta a token gets: x A^T B^T scale, as PEFT computes it
+    np.testing.assert_allclose(x @ a @ b, scale * (x @ tensors[f"{stem}.lora_A.weight"].T
+                                                   @ tensors[f"{stem}.lora_B.weight"].T), rtol=1e-5)
+
+
+def test_fused_projections_split_their_b_rows(tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj: one A, B's rows q | k | v (gate | up), each stack its part."""
+    rng = np.random.default_rng(1)
+    tensors = {**_pair(rng, "self_attn.qkv_proj", D, Q + 2 * KV), **_pair(rng, "mlp.gate_up_proj", D, 2 * F)}
+    adapter = read_adapter("x", _write(tmp_path / "a", tensors), llama, SHAPES, 16)
+    b = tensors["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
+    for name, rows in (("q_lora", b[:Q]), ("k_lora", b[Q : Q + KV]), ("v_lora", b[Q + KV :])):
+        np.testing.assert_allclose(adapter.weights[("layers", 0, "self_attn", name)][1], 2 * rows.T, rtol=1e-6)
+    up = tensors["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"][F:]
+    np.testing.assert_allclose(adapter.weights[("layers", 0, "mlp", "up_lora")][1], 2 * up.T, rtol=1e-6)
+
+
+def test_slot_values_pad_the_rank_and_zero_what_the_adapter_leaves(tmp_path):
+    rng = np.random.default_rng(2)
+    adapter = read_adapter("x", _write(tmp_path / "a", _pair(rng, "mlp.down_proj", F, D)), llama, SHAPES, 16)
+    values = slot_values(adapter, SHAPES, 8, np.float32)
+    a, b = values[("layers", 0, "mlp", "down_lora")]
+    assert a.shape == (F, 8) and b.shape == (8, D)
+    own_a, own_b = adapter.weights[("layers", 0, "mlp", "down_lora")]
+    np.testing.assert_array_equal(a[:, :2], own_a)
+    np.testing.assert_array_equal(b[:2], own_b)
+    assert not a[:, 2:].any() and not b[2:].any()
+    assert not any(a.any() or b.any() for stack, (a, b) in values.items() if stack[-1] != "down_lora")
+    assert not any(a.any() for a, _ in slot_values(None, SHAPES, 8, np.float32).values())
+
+
+@pytest.mark.parametrize(("tensors", "config", "error"), [
+    ({}, {"use_dora": True}, "DoRA not supported"),
+    ({}, {"bias": "all"}, "trained biases"),
+    ({}, {"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({}, {"rank_pattern": {"q_proj": 4}}, "per-module ranks"),
+    ({}, {"r": 32}, "rank 32 is above --max-lora-rank 16"),
+    ({}, {"r": 0}, "positive integer"),
+    ({}, {}, "no LoRA weights"),
+    ({"base_model.model.lm_head.lora_A.weight": np.ones((2, D))}, {}, "not a LoRA weight of a decoder layer"),
+    ("mlp-of-experts", {}, "layer 1's mlp.gate_proj is not a projection"),
+    ("wrong-shape", {}, r"has A \[2, 9\] and B"),
+    ("only-a", {}, "lora_A only"),
+])
+def test_adapters_that_cannot_be_served_are_refused(tmp_path, tensors, config, error):
+    rng = np.random.default_rng(3)
+    if tensors == "mlp-of-experts":
+        tensors = _pair(rng, "mlp.gate_proj", D, F, layer=1)
+    elif tensors == "wrong-shape":
+        tensors = _pair(rng, "self_attn.q_proj", D + 1, Q)
+    elif tensors == "only-a":
+        tensors = {k: v for k, v in _pair(rng, "self_attn.q_proj", D, Q).items() if "lora_A" in k}
+    with pytest.raises(ValueError, match=error):
+        read_adapter("x", _write(tmp_path / "a", tensors, **config), llama, SHAPES, 16)
+
+
+def test_a_missing_directory_or_file(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        read_adapter("x", str(tmp_path / "nowhere"), llama, SHAPES, 16)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="cannot read"):
+        read_adapter("x", str(tmp_path / "empty"), llama, SHAPES, 16)
