@@ -139,9 +139,16 @@ def _api_key(flag: str | None) -> str | None:
     return flag or os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
+def _runtime_lora_updating() -> bool:
+    """JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING, else vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: true or 1."""
+    value = os.environ.get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return (value or "").strip().lower() in ("1", "true")
+
+
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     settings = read_flags(args, SERVER_FLAGS + SERVER_LOG_FLAGS)
-    return ServerConfig(**{**settings, "api_key": _api_key(settings["api_key"])})
+    return ServerConfig(**{**settings, "api_key": _api_key(settings["api_key"]),
+                           "allow_runtime_lora_updating": _runtime_lora_updating()})
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:

@@ -217,6 +217,21 @@ class LoraModule:
 
 
 @dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's `LoRARequest` for `LLM.generate` and `LLM.chat`: the adapter at `lora_path` (a PEFT directory)
+    under the model name `lora_name`, loaded on first use. `lora_int_id` is accepted for vLLM's signature;
+    the engine numbers adapters itself."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.lora_name or not self.lora_path:
+            raise ValueError("a LoRARequest needs a lora_name and a lora_path")
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     """Multi-LoRA serving (vLLM's flags): each adapter in `lora_modules` is a model name of its own; one
     step mixes requests of up to `max_loras` adapters (and of the base model), each adapter of rank at most
@@ -477,6 +492,9 @@ class ServerConfig:
     tool_call_parser: str | None = None  # how the model writes calls: "hermes", "llama3_json"
     metrics_prefix: str = "jaxserve"  # one of METRICS_PREFIXES: /metrics serves `jaxserve:*` or `vllm:*`
     reasoning_parser: str | None = None  # "deepseek_r1", "qwen3": <think> text into reasoning_content
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind the same switch: its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, or JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

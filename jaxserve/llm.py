@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, LoraModule, LoRARequest
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
@@ -53,14 +53,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in prompt order. `priority`: one per prompt, under
-        the priority scheduling policy (lower first)."""
+        the priority scheduling policy (lower first). `lora_request`: the LoRA adapter to generate with, for
+        every prompt or one per prompt (None: the base model), on an engine built with enable_lora=True."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority)
+        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[RequestOutput]:
         """Each prompt's embedding (`RequestOutput.embedding`, not normalized) from an engine built with
@@ -76,15 +78,33 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates the assistant's reply to one conversation or to each of a list of them."""
+        """Generates the assistant's reply to one conversation or to each of a list of them (with the LoRA
+        adapter of `lora_request`, as `generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
             apply_chat_template(tokenizer, conv, chat_template, add_generation_prompt)
             for conv in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _lora_names(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                    num_prompts: int) -> list[str | None]:
+        """Each prompt's adapter name, its adapter loaded on first use (the same name must keep its path)."""
+        requests = [lora_request] * num_prompts if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(requests) != num_prompts:
+            raise ValueError(f"{num_prompts} prompts but {len(requests)} LoRA requests")
+        for request in {r for r in requests if r is not None}:
+            served = self.engine.lora_modules.get(request.lora_name)
+            if served is None:
+                self.engine.load_lora(LoraModule(request.lora_name, request.lora_path))
+            elif served[0].path != request.lora_path:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {served[0].path}, not "
+                                 f"{request.lora_path}")
+        return [r.lora_name if r is not None else None for r in requests]
 
     def _run(
         self,
@@ -92,6 +112,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -102,13 +123,15 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        lora_names = self._lora_names(lora_request, len(prompts))
         # Only the finished outputs are returned: the engine builds no others (vLLM's LLM does the same).
         sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
         request_ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params, rank in zip(request_ids, prompts, sampling_params, priority, strict=True):
-                self.engine.add_request(request_id, prompt, params, priority=rank)
+            for request_id, prompt, params, rank, lora_name in zip(request_ids, prompts, sampling_params, priority,
+                                                                   lora_names, strict=True):
+                self.engine.add_request(request_id, prompt, params, priority=rank, lora_name=lora_name)
                 added.append(request_id)
         except ValueError:
             self.engine.abort_request(added)  # all or nothing

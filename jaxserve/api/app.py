@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, misc, responses, scores
+from jaxserve.api import chat, completions, embeddings, lora, misc, responses, scores
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
 from jaxserve.api.openapi import openapi_routes
@@ -109,6 +109,9 @@ def create_app(
         Route("/metrics", misc.metrics, methods=["GET"]),
         Route("/tokenize", misc.tokenize, methods=["POST"]),
         Route("/detokenize", misc.detokenize, methods=["POST"]),
+        *([Route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"])]
+          if config.allow_runtime_lora_updating else []),
     ]
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

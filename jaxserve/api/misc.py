@@ -24,7 +24,7 @@ async def list_models(request: Request) -> Response:
     cards = [ModelCard(id=name, root=serving.info.model_root, max_model_len=serving.max_model_len)
              for name in serving.model_names]
     cards += [ModelCard(id=adapter.name, root=adapter.path, parent=adapter.base_model_name or serving.model_names[0],
-                        max_model_len=serving.max_model_len) for adapter in serving.info.lora_adapters]
+                        max_model_len=serving.max_model_len) for adapter in serving.engine.lora_modules]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

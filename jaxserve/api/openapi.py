@@ -32,6 +32,7 @@ from jaxserve.api.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelList,
     RerankRequest,
     RerankResponse,
@@ -43,6 +44,7 @@ from jaxserve.api.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.config import ServerConfig
@@ -139,6 +141,19 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/metrics", "get", "metrics", "Prometheus metrics (jaxserve:*, named after vLLM's vllm:*)",
               "Server", content={"text/plain": {"schema": {"type": "string"}}}),
 )
+_SUCCESS_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+# Served where the server allows runtime LoRA updates (`ServerConfig.allow_runtime_lora_updating`).
+LORA_OPERATIONS: tuple[Operation, ...] = (
+    Operation("/v1/load_lora_adapter", "post", "load_lora_adapter", "Serve a PEFT LoRA adapter from a directory "
+              "on the server as a model of its own (vLLM; --enable-lora)", "vLLM", request=(LoadLoraAdapterRequest,),
+              content=_SUCCESS_TEXT, errors=_BODY_ERRORS, guarded=True),
+    Operation("/v1/unload_lora_adapter", "post", "unload_lora_adapter", "Stop serving a LoRA adapter (vLLM)", "vLLM",
+              request=(UnloadLoraAdapterRequest,), content=_SUCCESS_TEXT, errors=_BODY_ERRORS, guarded=True),
+)
+
+
+def served_operations(config: ServerConfig) -> tuple[Operation, ...]:
+    return OPERATIONS + (LORA_OPERATIONS if config.allow_runtime_lora_updating else ())
 
 
 def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], JsonSchemaMode], dict[str, Any]]]:
@@ -148,7 +163,7 @@ def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], Js
     its serialization schema (what it emits); pydantic names the two apart only where they differ.
     """
     wanted: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}
-    for op in OPERATIONS:
+    for op in OPERATIONS + LORA_OPERATIONS:
         wanted.update({(model, "validation"): None for model in op.request})
         wanted.update({(model, "serialization"): None for model in (op.response, op.streams) if model})
     wanted[(ErrorResponse, "serialization")] = None
@@ -193,7 +208,7 @@ def openapi_document(config: ServerConfig) -> dict[str, Any]:
     """The whole document, less `servers` (which depends on where a proxy mounts the app)."""
     schemas, refs = _component_schemas()
     paths: dict[str, dict[str, Any]] = {}
-    for op in OPERATIONS:
+    for op in served_operations(config):
         secured = config.api_key is not None and op.guarded
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs, secured)
     return {

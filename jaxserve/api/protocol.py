@@ -333,6 +333,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace an adapter of the same name
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name decides
+
+
 class TokenizeCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

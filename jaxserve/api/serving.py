@@ -235,7 +235,7 @@ class ModelServing:
         a model not served."""
         if model is None or model in self.model_names:
             return None
-        if self.info.has_adapter(model):
+        if self.engine.has_adapter(model):
             return model
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 

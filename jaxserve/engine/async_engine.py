@@ -31,10 +31,12 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+from jaxserve.config import LoraModule
 from jaxserve.engine.core_io import EngineInfo, EngineStats
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.structured_output import CompiledGrammar
@@ -74,6 +76,15 @@ class _Abort:
 @dataclass
 class _FailAll:
     reason: str
+
+
+@dataclass
+class _Call:
+    """Runs `work(engine)` on the engine thread; its result or exception goes to `future` on `loop`."""
+
+    work: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 _STOP = object()
@@ -154,6 +165,33 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    @property
+    def lora_modules(self) -> list[LoraModule]:
+        """The LoRA adapters served (`--lora-modules`, and those loaded since), in the order they came."""
+        return [module for module, _ in self.engine.lora_modules.values()]
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.engine.lora_modules
+
+    async def load_lora(self, module: LoraModule) -> None:
+        """Reads the adapter on a worker thread (the engine keeps stepping), then serves it; ValueError for
+        an adapter that cannot be served or a name already served."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, module)
+        await self._call(lambda engine: engine.add_lora(module, adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        """Stops serving adapter `name` (requests already added finish with it); KeyError if not served."""
+        await self._call(lambda engine: engine.remove_lora(name))
+
+    async def _call(self, work: Callable[[LLMEngine], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if not self.is_running:
+                raise EngineDeadError(f"the engine is not running: {self._dead!r}")
+            self._commands.put(_Call(work, loop, future))
+        return await future
+
     def fail_all(self, reason: str) -> None:
         """Ends every live request with EngineDeadError(reason): a shutdown past its deadline."""
         self._commands.put(_FailAll(reason))
@@ -203,6 +241,9 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
                 self._streams.pop(command.request_id, None)
                 continue
+            if isinstance(command, _Call):
+                self._answer(command)
+                continue
             if isinstance(command, _FailAll):
                 self.engine.abort_request(list(self._streams))
                 for stream in self._streams.values():
@@ -219,6 +260,21 @@ class AsyncEngine:
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, e)
                 continue
             self._streams[command.request_id] = command
+
+    def _answer(self, call: _Call) -> None:
+        def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+            if future.done():  # its caller was cancelled
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            result, error = call.work(self.engine), None
+        except Exception as e:  # the caller's to handle (a name already served, one not served)
+            result, error = None, e
+        call.loop.call_soon_threadsafe(settle, call.future, result, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hands a step's outputs to their streams: one wake-up per event loop, not one per request."""
@@ -245,3 +301,6 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, error)
+            elif isinstance(command, _Call):
+                command.loop.call_soon_threadsafe(
+                    lambda future=command.future: future.done() or future.set_exception(error))

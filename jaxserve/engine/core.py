@@ -56,7 +56,8 @@ from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.models.layers import LoraSlots
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
-from jaxserve.models.lora import LoraAdapter, read_adapter, stack_shapes, with_lora_slots
+from jaxserve.models.lora import lora_layout, with_lora_slots
+from jaxserve.models.peft import LoraAdapter
 from jaxserve.process_exit import guard_cache_writes
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
@@ -105,7 +106,8 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
-        model, adapters = _with_adapters(model, config)
+        if config.lora.enable_lora:
+            model = with_lora_slots(model, LoraSlots(config.lora.max_loras, config.lora.max_lora_rank))
         self.model = model
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -124,7 +126,7 @@ class EngineCore:
             broadcast=self.leader.send if self.leader is not None else None,
             greedy_decodes=config.buckets.greedy_decodes and not pooling,
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
-            temp_records_dir=config.compilation_cache_dir or None, lora_adapters=adapters,
+            temp_records_dir=config.compilation_cache_dir or None,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,
@@ -140,6 +142,7 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
         self._masks = MaskFiller()
+        self._retiring_loras: set[int] = set()  # removed adapters that unfinished requests still use
         self.limits = RequestLimits(
             vocab_size=model.cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -165,7 +168,7 @@ class EngineCore:
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
             weight_dtype=model.weight_dtype.dtype.name,
-            lora_adapters=config.lora.lora_modules,
+            lora_layout=lora_layout(model) if config.lora.enable_lora else None,
         )
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode
@@ -194,6 +197,25 @@ class EngineCore:
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
         """Ends sequences wherever they are (a stop string, an abort); their pages are free when this returns."""
         self.scheduler.finish_requests(seq_ids, status)
+        if self._retiring_loras:
+            self._drop_retired_loras()
+
+    def add_lora(self, lora_id: int, adapter: LoraAdapter) -> None:
+        """Serves `adapter` under `lora_id` (read and checked by the frontend, `LLMEngine.add_lora`)."""
+        self.runner.lora.adapters[lora_id] = adapter
+        logger.info("LoRA adapter %s (id %d): rank %d, %d projections, %.1f MiB", adapter.name, lora_id, adapter.rank,
+                    len(adapter.weights), adapter.nbytes / 2**20)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Drops adapter `lora_id` once no unfinished request uses it (the frontend takes no new ones)."""
+        self._retiring_loras.add(lora_id)
+        self._drop_retired_loras()
+
+    def _drop_retired_loras(self) -> None:
+        for lora_id in [i for i in self._retiring_loras if not self.scheduler.uses_lora(i)]:
+            self._retiring_loras.discard(lora_id)
+            adapter = self.runner.lora.adapters.pop(lora_id, None)
+            logger.info("LoRA adapter %s (id %d) removed", adapter.name if adapter else "?", lora_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -222,6 +244,8 @@ class EngineCore:
         A fault caused by one sequence's data fails that sequence (a `SequenceFailure`); any other
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
+        if self._retiring_loras:
+            self._drop_retired_loras()
         # k-step decodes once the runner has their executables (a background warm-up compiles them last)
         self.scheduler.num_scheduler_steps = self.runner.decode_steps_ready()
         previous, self._in_flight = self._in_flight, None
@@ -371,17 +395,3 @@ def _details(request: Request, index: int) -> SequenceDetails:
         request.embedding if ended else None,
     )
 
-
-def _with_adapters(model: LoadedModel, config: EngineConfig) -> tuple[LoadedModel, dict[str, LoraAdapter] | None]:
-    """--enable-lora: the model with its adapter slots, and the adapters read (a bad one fails the start)."""
-    lora = config.lora
-    if not lora.enable_lora:
-        return model, None
-    model = with_lora_slots(model, LoraSlots(lora.max_loras, lora.max_lora_rank))
-    shapes = stack_shapes(model.state)
-    adapters = {module.name: read_adapter(module.name, module.path, model.spec.module, shapes, lora.max_lora_rank)
-                for module in lora.lora_modules}
-    for adapter in adapters.values():
-        logger.info("LoRA adapter %s: rank %d, %d projections", adapter.name, adapter.rank, len(adapter.weights))
-    logger.info("LoRA: %d slots of rank %d in %d projections", lora.max_loras, lora.max_lora_rank, len(shapes))
-    return model, adapters

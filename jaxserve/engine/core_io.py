@@ -10,8 +10,8 @@ what the frontend asks of a core, in this process (`EngineCore`) or in its own (
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from jaxserve.config import LoraModule
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.models.peft import LoraAdapter, LoraLayout
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import RequestLimits
 
@@ -89,10 +89,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)
     weight_dtype: str  # of the matmul weights
-    lora_adapters: tuple[LoraModule, ...] = ()  # --lora-modules: each served as a model of its own
-
-    def has_adapter(self, name: str) -> bool:
-        return any(name == adapter.name for adapter in self.lora_adapters)
+    lora_layout: LoraLayout | None = None  # --enable-lora: what an adapter must fit
 
 
 @dataclass(frozen=True)
@@ -124,6 +121,10 @@ class EngineCoreClient(Protocol):
     def add_sequences(self, sequences: list[Request], grammar: "CompiledGrammar | None" = None) -> None: ...
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None: ...
+
+    def add_lora(self, lora_id: int, adapter: LoraAdapter) -> None: ...
+
+    def remove_lora(self, lora_id: int) -> None: ...
 
     def step(self) -> list[CoreOutputs]: ...
 

@@ -53,6 +53,7 @@ from jaxserve.engine.core_io import (
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
+from jaxserve.models.peft import LoraAdapter
 from jaxserve.process_exit import exit_now
 from jaxserve.sampling_params import InvalidParam
 from jaxserve.torch_free import keep_torch_out
@@ -116,6 +117,13 @@ class CoreProcessClient:
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
         self._send(("finish", seq_ids, status))
+
+    def add_lora(self, lora_id: int, adapter: LoraAdapter) -> None:
+        """Sends an adapter (read and checked here) to the core: before any request of it, in pipe order."""
+        self._send(("add_lora", lora_id, adapter))
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._send(("remove_lora", lora_id))
 
     def step(self) -> list[CoreOutputs]:
         """The updates of every step the core has sent since the last call. Waits up to `_WAIT_S` for one
@@ -271,6 +279,10 @@ class _CoreLoop:
             if command[0] == "finish":
                 self.core.finish(command[1], command[2])
                 self._drop_compiling(set(command[1]))
+            elif command[0] == "add_lora":
+                self.core.add_lora(command[1], command[2])
+            elif command[0] == "remove_lora":
+                self.core.remove_lora(command[1])
             else:
                 self._add(command[1])
         return True

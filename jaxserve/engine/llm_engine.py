@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, LoraModule
 from jaxserve.engine.core_io import EngineCoreClient, EngineInfo, EngineStats
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
+from jaxserve.models.peft import LoraAdapter, read_adapter
 from jaxserve.outputs import RequestOutput
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
@@ -77,6 +78,16 @@ class LLMEngine:
         self.outputs = OutputProcessor()
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._serials = itertools.count()
+        # --enable-lora: the adapters served, by name: (module, id). Replaced whole on a change, so other
+        # threads (the server's /v1/models) read a consistent one.
+        self.lora_modules: dict[str, tuple[LoraModule, int]] = {}
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: never reused, so neither are cache keys
+        try:
+            for module in config.lora.lora_modules:
+                self.load_lora(module)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # The in-process core's parts, for tests and benchmarks.
     @property
@@ -112,6 +123,34 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self._core.stats()
 
+    def read_lora(self, module: LoraModule) -> LoraAdapter:
+        """Reads and checks the PEFT adapter `module` names (ValueError for one that cannot be served). Any
+        thread: nothing of the engine's changes."""
+        if self.info.lora_layout is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora")
+        return read_adapter(module.name, module.path, self.info.lora_layout)
+
+    def add_lora(self, module: LoraModule, adapter: LoraAdapter) -> int:
+        """Serves `adapter` (from `read_lora`) as the model `module.name`; returns its id. ValueError for a
+        name already served."""
+        if module.name in self.lora_modules:
+            raise ValueError(f"The lora adapter '{module.name}' has already been loaded.")
+        lora_id = next(self._lora_ids)
+        self._core.add_lora(lora_id, adapter)
+        self.lora_modules = {**self.lora_modules, module.name: (module, lora_id)}
+        return lora_id
+
+    def load_lora(self, module: LoraModule) -> int:
+        """`read_lora` then `add_lora`."""
+        return self.add_lora(module, self.read_lora(module))
+
+    def remove_lora(self, name: str) -> None:
+        """Stops serving adapter `name`: new requests of it are refused; those already added finish with it.
+        KeyError for a name not served."""
+        _, lora_id = self.lora_modules[name]
+        self.lora_modules = {key: value for key, value in self.lora_modules.items() if key != name}
+        self._core.remove_lora(lora_id)
+
     @property
     def vocab_size(self) -> int:
         return self.limits.vocab_size
@@ -144,7 +183,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
-        if lora_name is not None and not self.info.has_adapter(lora_name):
+        served = self.lora_modules.get(lora_name) if lora_name is not None else None
+        if lora_name is not None and served is None:
             raise InvalidParam(f"The model `{lora_name}` does not exist: no LoRA adapter of that name", "model")
         if not checked:  # InvalidParam (a ValueError) for what cannot be served
             self.limits.check(prompt_token_ids, params)
@@ -174,7 +214,7 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
                 priority=priority,
-                lora_name=lora_name,
+                lora_id=served[1] if served is not None else None,
                 bad_words_token_ids=bad_words,
             ))
         detokenizers = [IncrementalDetokenizer.for_prompt(self.tokenizer, prompt_token_ids, params)

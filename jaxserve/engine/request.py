@@ -77,7 +77,7 @@ class Request:
     # Prefix caching: separates this request's cache entries from requests with another salt.
     cache_salt: str | None = None
     priority: int = 0  # under the priority policy: lower is served first
-    lora_name: str | None = None  # its LoRA adapter (--enable-lora), None for the base model
+    lora_id: int | None = None  # its LoRA adapter's id (`LLMEngine.add_lora`), None for the base model
     lora_slot: int = NO_LORA_SLOT  # the device slot its adapter is in while it runs (`LoraSlots`)
     # bad_words as token sequences (`llm_engine.bad_words_token_ids`): the last token of each is banned
     # where the output ends with the others.
@@ -170,9 +170,9 @@ class Request:
     def prefix_cache_salt(self) -> str | None:
         """What keeps its prefix-cache pages apart from other requests': its cache_salt, and its adapter
         (the same tokens' K/V differ under another adapter)."""
-        if self.lora_name is None:
+        if self.lora_id is None:
             return self.cache_salt
-        return f"{self.cache_salt or ''}\0lora\0{self.lora_name}"
+        return f"{self.cache_salt or ''}\0lora\0{self.lora_id}"
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already

@@ -288,7 +288,7 @@ class Scheduler:
         if not preempted:  # (requests that yielded to the queue's head stand behind it)
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                if request.lora_name is not None and not self.lora_slots.can_take(request.lora_name):
+                if request.lora_id is not None and not self.lora_slots.can_take(request.lora_id):
                     break  # its adapter waits for a slot: the running requests hold all --max-loras
                 hit = self._cached_prefix(request, plan.filling, busy)
                 if hit is None:
@@ -302,8 +302,8 @@ class Scheduler:
                     self.kv_cache.free(request.page_ids)  # give the hit back
                     break
                 self.waiting.popleft()
-                if request.lora_name is not None:
-                    request.lora_slot = self.lora_slots.acquire(request.lora_name)
+                if request.lora_id is not None:
+                    request.lora_slot = self.lora_slots.acquire(request.lora_id)
                 request.num_computed_tokens, request.num_keyed_pages = num_cached, len(hit)
                 if self.kv_cache.enable_prefix_caching and request.reads_prefix_cache:
                     self.prefix_cache_queries += request.num_tokens
@@ -445,7 +445,7 @@ class Scheduler:
             params = request.sampling_params
             cached = tuple(request.token_ids(0, start)) if start > 0 and params.has_penalties else None
             plan.new_requests.append(NewRequest.of(request.request_id, params, request.sampling_seed,
-                                                   request.num_prompt_tokens, cached, request.lora_name,
+                                                   request.num_prompt_tokens, cached, request.lora_id,
                                                    request.lora_slot))
         request.num_computed_tokens = computed_end
         request.num_inflight_tokens = num_inflight + keeps_sample * num_steps
@@ -677,6 +677,10 @@ class Scheduler:
             self._remove(request)
             finished.append(request)
         return finished
+
+    def uses_lora(self, lora_id: int) -> bool:
+        """Whether an unfinished request generates with the adapter `lora_id`."""
+        return any(request.lora_id == lora_id for request in self.requests.values())
 
     def _release_lora_slot(self, request: Request) -> None:
         if request.lora_slot != NO_LORA_SLOT:

@@ -49,17 +49,17 @@ class NewRequest(NamedTuple):
     fills_row: bool  # the runner fills this row itself each step (penalties, biases, bans, prompt logprobs)
     # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
     cached_token_ids: tuple[int, ...] | None = None
-    lora_name: str | None = None  # its LoRA adapter (--enable-lora), None for the base model
+    lora_id: int | None = None  # its LoRA adapter's id (--enable-lora), None for the base model
     lora_slot: int = NO_LORA_SLOT  # the device slot the adapter is in while the request runs
 
     @classmethod
     def of(cls, request_id: str, params: SamplingParams, sampling_seed: int, num_prompt_tokens: int,
-           cached_token_ids: tuple[int, ...] | None = None, lora_name: str | None = None,
+           cached_token_ids: tuple[int, ...] | None = None, lora_id: int | None = None,
            lora_slot: int = NO_LORA_SLOT) -> "NewRequest":
         """A request's row values, read from its parameters (the one place they are)."""
         return cls(request_id, sampling_row(params), sampling_seed, num_prompt_tokens, params.logprobs or 0,
                    params.prompt_logprobs or 0, tuple(params.logit_bias.items()), params.has_penalties,
-                   params.fills_batch_rows, cached_token_ids, lora_name, lora_slot)
+                   params.fills_batch_rows, cached_token_ids, lora_id, lora_slot)
 
 
 @dataclass(frozen=True)

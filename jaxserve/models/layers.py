@@ -224,17 +224,6 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
     return x @ w
 
 
-def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
-    """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
-    in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16). A table kept
-    in a GGUF file's blocks goes to the native kernel."""
-    if isinstance(table, GgufTable):
-        return table.logits(hidden)
-    if _native(hidden.shape[0], table, attention, NATIVE_LM_HEAD_MAX_ROWS):
-        return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
-    return jnp.einsum("RD,VD->RV", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
-
-
 @dataclass(frozen=True)
 class LoraSlots:
     """The device's adapter slots (`--max-loras`, `--max-lora-rank`): every LoRA weight is stacked over
@@ -252,11 +241,13 @@ class LoraStack(nnx.Module):
     A step may mix adapters: every token multiplies by all slots' A at once, keeps its own slot's r columns
     (a mask) and multiplies them by all slots' B. Two dense matmuls of max_loras x max_rank columns, whose
     shapes never change with the adapters a step holds: punica's batched LoRA as plain XLA dots, small beside
-    the projection they add to (a step's own slot choices are data, so nothing recompiles)."""
+    the projection they add to (a step's own slot choices are data, so nothing recompiles). Both go through
+    `dense`, as the projections do: in the weights' dtype, through the native kernels where those run."""
 
-    def __init__(self, d_in: int, d_out: int, slots: LoraSlots, dtype: Any) -> None:
-        self.lora_a = param(d_in, slots.max_loras, slots.max_rank, dtype=dtype)  # [K, S, r]
-        self.lora_b = param(slots.max_loras, slots.max_rank, d_out, dtype=dtype)  # [S, r, N]
+    def __init__(self, d_in: int, d_out: int, slots: LoraSlots, weight_dtype: Any, attention: AttentionConfig) -> None:
+        self.lora_a = param(d_in, slots.max_loras, slots.max_rank, dtype=weight_dtype)  # [K, S, r]
+        self.lora_b = param(slots.max_loras, slots.max_rank, d_out, dtype=weight_dtype)  # [S, r, N]
+        self.attention = attention
 
     def __call__(
         self,
@@ -265,12 +256,21 @@ class LoraStack(nnx.Module):
     ) -> jax.Array:  # [T, N], in x's dtype
         a, b = self.lora_a[...], self.lora_b[...]
         d_in, num_slots, rank = a.shape
-        shrunk = jnp.dot(x.astype(a.dtype), a.reshape(d_in, num_slots * rank),
-                         preferred_element_type=jnp.float32)  # [T, S*r]
+        shrunk = dense(x, a.reshape(d_in, num_slots * rank), self.attention)  # [T, S*r]
         mine = token_slots[:, None] == jnp.arange(num_slots, dtype=token_slots.dtype)[None, :]  # [T, S]
-        shrunk = (shrunk.reshape(-1, num_slots, rank) * mine[:, :, None]).reshape(-1, num_slots * rank)
-        return jnp.dot(shrunk.astype(b.dtype), b.reshape(num_slots * rank, -1),
-                       preferred_element_type=jnp.float32).astype(x.dtype)
+        shrunk = jnp.where(mine[:, :, None], shrunk.reshape(-1, num_slots, rank), 0).reshape(-1, num_slots * rank)
+        return dense(shrunk, b.reshape(num_slots * rank, -1), self.attention)
+
+
+def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
+    """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
+    in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16). A table kept
+    in a GGUF file's blocks goes to the native kernel."""
+    if isinstance(table, GgufTable):
+        return table.logits(hidden)
+    if _native(hidden.shape[0], table, attention, NATIVE_LM_HEAD_MAX_ROWS):
+        return cpu_kernels.matmul_bf16(hidden.astype(jnp.bfloat16), table, output_major_w=True)
+    return jnp.einsum("RD,VD->RV", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
 def project_heads(

@@ -132,10 +132,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         if cfg.lora is not None:
-            self.q_lora = LoraStack(d, n * h, cfg.lora, dtype)
-            self.k_lora = LoraStack(d, k * h, cfg.lora, dtype)
-            self.v_lora = LoraStack(d, k * h, cfg.lora, dtype)
-            self.o_lora = LoraStack(n * h, d, cfg.lora, dtype)
+            self.q_lora = LoraStack(d, n * h, cfg.lora, weight_dtype, cfg.attention)
+            self.k_lora = LoraStack(d, k * h, cfg.lora, weight_dtype, cfg.attention)
+            self.v_lora = LoraStack(d, k * h, cfg.lora, weight_dtype, cfg.attention)
+            self.o_lora = LoraStack(n * h, d, cfg.lora, weight_dtype, cfg.attention)
         self.cfg = cfg
         self.sliding_window = cfg.window(layer)
 
@@ -161,15 +161,15 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, weight_dtype: Any) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = param(d, f, dtype=weight_dtype)
         self.up_proj = param(d, f, dtype=weight_dtype)
         self.down_proj = param(f, d, dtype=weight_dtype)
         if cfg.lora is not None:
-            self.gate_lora = LoraStack(d, f, cfg.lora, dtype)
-            self.up_lora = LoraStack(d, f, cfg.lora, dtype)
-            self.down_lora = LoraStack(f, d, cfg.lora, dtype)
+            self.gate_lora = LoraStack(d, f, cfg.lora, weight_dtype, cfg.attention)
+            self.up_lora = LoraStack(d, f, cfg.lora, weight_dtype, cfg.attention)
+            self.down_lora = LoraStack(f, d, cfg.lora, weight_dtype, cfg.attention)
         self.attention = cfg.attention
 
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
@@ -189,7 +189,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if self.is_moe
-                    else MLP(cfg, dtype, weight_dtype))
+                    else MLP(cfg, weight_dtype))
 
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)

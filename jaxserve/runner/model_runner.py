@@ -35,11 +35,12 @@ from jaxserve.allocator import allocator_note
 from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
-from jaxserve.engine.step_io import NewRequest, SchedulerOutput, StepOutput
+from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
-from jaxserve.models.lora import LoraAdapter, slot_values, stack_shapes
+from jaxserve.models.lora import stack_shapes
+from jaxserve.models.peft import LoraAdapter, slot_values
 from jaxserve.ops.attention import kv_cache_dtype
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
@@ -142,7 +143,6 @@ class ModelRunner:
         num_decode_steps: int = 1,
         pooling: bool = False,
         temp_records_dir: str | None = None,
-        lora_adapters: dict[str, LoraAdapter] | None = None,
     ) -> None:
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
@@ -225,7 +225,8 @@ class ModelRunner:
         self._previous_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=None if self.mesh is None
                                           else replicated(self.mesh))
         self._device_copies: dict[int, tuple[np.ndarray, jax.Array]] = {}  # see _on_device
-        self._lora = _LoraWriter(model, lora_adapters) if getattr(model.cfg, "lora", None) is not None else None
+        # --enable-lora: the adapters the engine serves (`add_lora`) and the device slots they are written to
+        self.lora = LoraWriter(model) if getattr(model.cfg, "lora", None) is not None else None
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
             self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
@@ -363,8 +364,8 @@ class ModelRunner:
         num_reqs = plan.num_reqs
         bucket = self._runnable_bucket(self.ladder.pick(plan.num_tokens, num_reqs))
         self.last_step = ExecutedStep(bucket, plan.num_tokens, num_reqs)
-        if self._lora is not None and plan.new_requests:
-            self._weights = self._lora.write(plan.new_requests, self.wait_for_weights())
+        if self.lora is not None and plan.new_requests:
+            self._weights = self.lora.write(plan.new_requests, self.wait_for_weights())
         try:
             row_ids = self.rows.update(plan.new_requests, plan.request_ids, plan.new_pages)
         finally:  # after a RequestFault too: the rows written stay, and so must what they have seen
@@ -653,20 +654,21 @@ class ModelRunner:
                     len(loaded), _COMPILE_THREADS, sum(loaded))
 
 
-class _LoraWriter:
-    """--enable-lora: writes each adapter into the device slot the scheduler gave it, when a request of it
-    starts and the slot holds another (a new array per stack: a step in flight keeps reading the old ones).
-    The weights list is the step's first argument; the stacks are its leaves at `_leaves`."""
+class LoraWriter:
+    """--enable-lora: the adapters the engine serves, by id, and their writes into the device slot the
+    scheduler gave each, when a request of it starts and the slot holds another (a new array per stack: a
+    step in flight keeps reading the old ones). The weights list is the step's first argument; the stacks
+    are its leaves at `leaves`."""
 
-    def __init__(self, model: LoadedModel, adapters: dict[str, LoraAdapter] | None) -> None:
-        self.adapters = adapters or {}
+    def __init__(self, model: LoadedModel) -> None:
+        self.adapters: dict[int, LoraAdapter] = {}
         self.shapes = stack_shapes(model.state)
         self.rank, self.max_loras = model.cfg.lora.max_rank, model.cfg.lora.max_loras
         index = {tuple(key.key for key in path if isinstance(key, jax.tree_util.DictKey)): i
                  for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(model.state)[0])}
         self.leaves = [(index[(*stack, "lora_a")], index[(*stack, "lora_b")]) for stack in self.shapes]
         self.dtype = jax.tree.leaves(model.state)[self.leaves[0][0]].dtype
-        self.in_slot: list[str | None] = [None] * self.max_loras  # the adapter each slot holds
+        self.in_slot: list[int | None] = [None] * self.max_loras  # the adapter each slot holds
         self.num_writes = 0  # slots written, for tests and logs
 
         def write_slot(stacks: list[tuple[jax.Array, jax.Array]], values: list[tuple[jax.Array, jax.Array]],
@@ -679,15 +681,18 @@ class _LoraWriter:
     def write(self, new_requests: tuple[NewRequest, ...], weights: list[jax.Array]) -> list[jax.Array]:
         """The weights with the starting requests' adapters in their slots (the same list where nothing moves)."""
         for new in new_requests:
-            if new.lora_name is None or self.in_slot[new.lora_slot] == new.lora_name:
+            if new.lora_id is None or self.in_slot[new.lora_slot] == new.lora_id:
                 continue
-            values = slot_values(self.adapters[new.lora_name], self.shapes, self.rank, self.dtype)
+            adapter = self.adapters.get(new.lora_id)
+            if adapter is None:  # removed before its request started: that request fails alone
+                raise RequestFault(new.request_id) from KeyError(f"LoRA adapter {new.lora_id} was removed")
+            values = slot_values(adapter, self.shapes, self.rank, self.dtype)
             stacks = [(weights[a], weights[b]) for a, b in self.leaves]
             written = self._write_slot(stacks, list(values.values()), np.int32(new.lora_slot))
             weights = list(weights)
             for (a, b), (new_a, new_b) in zip(self.leaves, written, strict=True):
                 weights[a], weights[b] = new_a, new_b
-            self.in_slot[new.lora_slot] = new.lora_name
+            self.in_slot[new.lora_slot] = new.lora_id
             self.num_writes += 1
-            logger.debug("LoRA adapter %s written to slot %d", new.lora_name, new.lora_slot)
+            logger.debug("LoRA adapter %d written to slot %d", new.lora_id, new.lora_slot)
         return weights

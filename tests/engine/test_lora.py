@@ -52,7 +52,8 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]], p
                 completion = output.outputs[0]
                 results[output.request_id] = (list(completion.token_ids), list(completion.logprobs or []))
         if running is not None:
-            running.append(engine._core.scheduler.lora_slots.running_adapters)
+            names = {lora_id: module.name for module, lora_id in engine.lora_modules.values()}
+            running.append([names[i] for i in engine.scheduler.lora_slots.running_adapters])
     return results
 
 
@@ -105,9 +106,9 @@ def test_more_adapters_than_slots_take_turns(lora_dirs):
     results = _run(engine, requests, params, running)
     _assert_matches(results, _references(lora_dirs, requests, params))
     assert max(len(adapters) for adapters in running) == 1
-    writer = engine._core.runner._lora
+    writer = engine.runner.lora
     assert writer.num_writes >= 3
-    assert engine._core.scheduler.lora_slots.running_adapters == []
+    assert engine.scheduler.lora_slots.running_adapters == []
 
 
 def test_prefix_cache_keeps_adapters_apart(lora_dirs):
@@ -117,11 +118,11 @@ def test_prefix_cache_keeps_adapters_apart(lora_dirs):
     params = _params(5)
     engine = _lora_engine(lora_dirs, max_loras=1)
     first = _run(engine, [("base", prompt, None)], params)
-    hits = engine._core.scheduler.prefix_cache_hits
+    hits = engine.scheduler.prefix_cache_hits
     second = _run(engine, [("all", prompt, "all")], params)
-    assert engine._core.scheduler.prefix_cache_hits == hits  # nothing of the base model's pages
+    assert engine.scheduler.prefix_cache_hits == hits  # nothing of the base model's pages
     third = _run(engine, [("all-again", prompt, "all")], params)
-    assert engine._core.scheduler.prefix_cache_hits > hits  # its own
+    assert engine.scheduler.prefix_cache_hits > hits  # its own
     references = _references(lora_dirs, [("base", prompt, None), ("all", prompt, "all")], params)
     _assert_matches({**first, **second}, references)
     assert third["all-again"][0] == references["all"][0]
@@ -150,11 +151,11 @@ def test_unknown_adapter_is_refused_and_base_requests_take_no_slot(lora_dirs):
     with pytest.raises(InvalidParam, match="does not exist"):
         engine.add_request("x", [5, 6, 7], _params(), lora_name="missing")
     assert not engine.has_unfinished_requests()
-    assert [adapter.name for adapter in engine.info.lora_adapters] == ["all", "attn", "wide"]
+    assert list(engine.lora_modules) == ["all", "attn", "wide"]
     running: list[list[str]] = []
     _run(engine, [("plain", [5, 6, 7], None)], _params(2), running)
     assert running and all(adapters == [] for adapters in running)
-    assert engine._core.runner._lora.num_writes == 0
+    assert engine.runner.lora.num_writes == 0
 
 
 def test_adapter_above_the_slot_rank_fails_the_start(lora_dirs, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxserve.models import llama
-from jaxserve.models.lora import read_adapter, slot_values
+from jaxserve.models.peft import LoraLayout, read_adapter, slot_values
 
 # A two-layer model's stacks: (in, out) per projection; layer 1's MLP is a mixture of experts (no stacks).
 D, Q, KV, F = 8, 12, 4, 16
@@ -16,6 +16,7 @@ SHAPES = {("layers", 0, "self_attn", "q_lora"): (D, Q), ("layers", 0, "self_attn
           ("layers", 0, "self_attn", "v_lora"): (D, KV), ("layers", 0, "self_attn", "o_lora"): (Q, D),
           ("layers", 0, "mlp", "gate_lora"): (D, F), ("layers", 0, "mlp", "up_lora"): (D, F),
           ("layers", 0, "mlp", "down_lora"): (F, D), ("layers", 1, "self_attn", "q_lora"): (D, Q)}
+LAYOUT = LoraLayout(SHAPES, llama.LORA_TARGETS, llama.LORA_FUSED_TARGETS, 16)
 
 
 def _write(directory, tensors, **config):
@@ -35,7 +36,7 @@ def _pair(rng, module: str, in_dim: int, out_dim: int, rank: int = 2, layer: int
 def test_a_and_b_are_transposed_and_b_takes_the_scale(tmp_path, rslora):
     rng = np.random.default_rng(0)
     tensors = _pair(rng, "self_attn.o_proj", Q, D)
-    adapter = read_adapter("x", _write(tmp_path / "a", tensors, use_rslora=rslora), llama, SHAPES, 16)
+    adapter = read_adapter("x", _write(tmp_path / "a", tensors, use_rslora=rslora), LAYOUT)
     a, b = adapter.weights[("layers", 0, "self_attn", "o_lora")]
     scale = 4 / np.sqrt(2) if rslora else 4 / 2
     stem = "base_model.model.model.layers.0.self_attn.o_proj"
@@ -51,7 +52,7 @@ def test_fused_projections_split_their_b_rows(tmp_path):
     """Phi-3's qkv_proj and gate_up_proj: one A, B's rows q | k | v (gate | up), each stack its part."""
     rng = np.random.default_rng(1)
     tensors = {**_pair(rng, "self_attn.qkv_proj", D, Q + 2 * KV), **_pair(rng, "mlp.gate_up_proj", D, 2 * F)}
-    adapter = read_adapter("x", _write(tmp_path / "a", tensors), llama, SHAPES, 16)
+    adapter = read_adapter("x", _write(tmp_path / "a", tensors), LAYOUT)
     b = tensors["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
     for name, rows in (("q_lora", b[:Q]), ("k_lora", b[Q : Q + KV]), ("v_lora", b[Q + KV :])):
         np.testing.assert_allclose(adapter.weights[("layers", 0, "self_attn", name)][1], 2 * rows.T, rtol=1e-6)
@@ -61,7 +62,7 @@ def test_fused_projections_split_their_b_rows(tmp_path):
 
 def test_slot_values_pad_the_rank_and_zero_what_the_adapter_leaves(tmp_path):
     rng = np.random.default_rng(2)
-    adapter = read_adapter("x", _write(tmp_path / "a", _pair(rng, "mlp.down_proj", F, D)), llama, SHAPES, 16)
+    adapter = read_adapter("x", _write(tmp_path / "a", _pair(rng, "mlp.down_proj", F, D)), LAYOUT)
     values = slot_values(adapter, SHAPES, 8, np.float32)
     a, b = values[("layers", 0, "mlp", "down_lora")]
     assert a.shape == (F, 8) and b.shape == (8, D)
@@ -95,12 +96,12 @@ def test_adapters_that_cannot_be_served_are_refused(tmp_path, tensors, config, e
     elif tensors == "only-a":
         tensors = {k: v for k, v in _pair(rng, "self_attn.q_proj", D, Q).items() if "lora_A" in k}
     with pytest.raises(ValueError, match=error):
-        read_adapter("x", _write(tmp_path / "a", tensors, **config), llama, SHAPES, 16)
+        read_adapter("x", _write(tmp_path / "a", tensors, **config), LAYOUT)
 
 
 def test_a_missing_directory_or_file(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
-        read_adapter("x", str(tmp_path / "nowhere"), llama, SHAPES, 16)
+        read_adapter("x", str(tmp_path / "nowhere"), LAYOUT)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot read"):
-        read_adapter("x", str(tmp_path / "empty"), llama, SHAPES, 16)
+        read_adapter("x", str(tmp_path / "empty"), LAYOUT)
