@@ -1,6 +1,7 @@
 """What serving LoRA adapters costs, side by side in one run: the bundled model's engine without LoRA, and
-with `--enable-lora` (`--max-loras 4`, rank 16 slots) serving requests of the base model, of one adapter,
-and of four adapters mixed in every step. The adapters are random, rank 16, on all seven projections.
+with `--enable-lora` at `--max-loras 1` and 4 (rank 16 slots) serving requests of the base model, of one
+adapter, and of four adapters mixed in every step. The adapters are random, rank 16, on all seven
+projections.
 
 Each round runs every case once, in turn (alternating, so drift hits all alike): `--streams` greedy requests
 of `--input-len` random prompt tokens and `--output-len` new tokens each, submitted at once. Reported per
@@ -78,10 +79,12 @@ def main() -> None:
     names = [f"a{i}" for i in range(4)]
     modules = tuple(f"{name}={write_adapter(work / name, model_config, args.rank, i)}" for i, name in enumerate(names))
     plain = LLMEngine(EngineConfig.from_preset(args.config))
-    lora = LLMEngine(EngineConfig.from_preset(args.config, enable_lora=True, lora_modules=modules, max_loras=4,
-                                              max_lora_rank=args.rank))
-    cases = {"no LoRA": (plain, [None]), "LoRA on, base requests": (lora, [None]),
-             "one adapter": (lora, names[:1]), "four adapters mixed": (lora, names)}
+    one, four = (LLMEngine(EngineConfig.from_preset(args.config, enable_lora=True, lora_modules=modules,
+                                                    max_loras=slots, max_lora_rank=args.rank)) for slots in (1, 4))
+    cases = {"no LoRA": (plain, [None]), "1 slot, base requests": (one, [None]),
+             "1 slot, one adapter": (one, names[:1]), "4 slots, base requests": (four, [None]),
+             "4 slots, one adapter": (four, names[:1]),
+             "4 slots, four adapters": (four, names)}
     for engine, adapters in cases.values():  # compile what each runs, and write the slots
         run_once(engine, adapters, max(args.streams), 8, 4, seed=10**6)
     results: dict[str, dict[int, list[float]]] = {case: {s: [] for s in args.streams} for case in cases}

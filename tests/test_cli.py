@@ -299,3 +299,14 @@ def test_the_lora_flags_take_vllm_s_forms_and_refuse_bad_values(tmp_path, capsys
                          (["--enable-lora", "--kv-cache-dtype", "fp8"], "not with an FP8 KV cache")):
         with pytest.raises(ValueError, match=error):
             _engine_config(parser.parse_args(["serve", *flags]))
+
+
+def test_runtime_lora_updates_follow_jaxserve_s_then_vllm_s_variable(monkeypatch):
+    parser = build_parser()
+    for name in ("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.delenv(name, raising=False)
+    assert not _server_config(parser.parse_args(["serve"])).allow_runtime_lora_updating
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert _server_config(parser.parse_args(["serve"])).allow_runtime_lora_updating
+    monkeypatch.setenv("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    assert not _server_config(parser.parse_args(["serve"])).allow_runtime_lora_updating

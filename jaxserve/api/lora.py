@@ -12,6 +12,7 @@ from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from jaxserve.api.serving import get_serving
 from jaxserve.config import LoraModule
+from jaxserve.engine.llm_engine import AdapterExists
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -21,14 +22,14 @@ async def load_lora_adapter(request: Request) -> Response:
         raise APIError(400, "LoRA adapters are not enabled: start the server with --enable-lora", "lora_name")
     if not req.lora_name or req.lora_name in serving.model_names:
         raise APIError(400, f"lora_name {req.lora_name!r} must be a new, non-empty model name", "lora_name")
-    if not Path(req.lora_path).is_dir():  # a runtime load reads the server's disk, never the network
+    if not Path(req.lora_path).expanduser().is_dir():  # a runtime load reads the server's disk, never the network
         raise APIError(400, f"lora_path {req.lora_path!r} is not a directory on the server", "lora_path")
-    if serving.engine.has_adapter(req.lora_name):
-        if not req.load_inplace:
-            raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
-        await serving.engine.remove_lora(req.lora_name)
-    try:
-        await serving.engine.load_lora(LoraModule(req.lora_name, req.lora_path))
+    if serving.engine.has_adapter(req.lora_name) and not req.load_inplace:
+        raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
+    try:  # read first: a bad adapter leaves the one served under the name in place
+        await serving.engine.load_lora(LoraModule(req.lora_name, req.lora_path), replace=req.load_inplace)
+    except AdapterExists as error:  # loaded meanwhile by another request
+        raise APIError(400, str(error), "lora_name") from None
     except ValueError as error:
         raise APIError(400, str(error), "lora_path") from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")

@@ -110,6 +110,12 @@ class _EngineCollector(Collector):
         if stats.spec_decode_accepted_per_position:  # speculative decoding is on (vLLM's series then)
             yield from self._speculation(stats)
         yield self._iteration_tokens(stats)
+        if stats.max_loras:  # --enable-lora: vLLM's info series, its value the scrape's time
+            lora = GaugeMetricFamily("jaxserve:lora_requests_info", "Running stats on LoRA requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(stats.max_loras), ",".join(stats.waiting_lora_adapters),
+                             ",".join(stats.running_lora_adapters)], time.time())
+            yield lora
         if self._cache_info is not None:
             info = GaugeMetricFamily(
                 "jaxserve:cache_config_info", "Information of the engine's cache config.",

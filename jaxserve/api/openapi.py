@@ -92,6 +92,7 @@ class Operation:
 
 _HEALTH_RESPONSES = {"503": {"description": "Loading, draining, or the engine failed (empty body)."}}
 _JSON_OBJECT = "application/json"
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/completions", "post", "create_completion", "Create a completion", "OpenAI",
@@ -139,16 +140,15 @@ OPERATIONS: tuple[Operation, ...] = (
               content={_JSON_OBJECT: {"schema": {
                   "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
     Operation("/metrics", "get", "metrics", "Prometheus metrics (jaxserve:*, named after vLLM's vllm:*)",
-              "Server", content={"text/plain": {"schema": {"type": "string"}}}),
+              "Server", content=_TEXT),
 )
-_SUCCESS_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 # Served where the server allows runtime LoRA updates (`ServerConfig.allow_runtime_lora_updating`).
 LORA_OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/load_lora_adapter", "post", "load_lora_adapter", "Serve a PEFT LoRA adapter from a directory "
               "on the server as a model of its own (vLLM; --enable-lora)", "vLLM", request=(LoadLoraAdapterRequest,),
-              content=_SUCCESS_TEXT, errors=_BODY_ERRORS, guarded=True),
+              content=_TEXT, errors=_BODY_ERRORS, guarded=True),
     Operation("/v1/unload_lora_adapter", "post", "unload_lora_adapter", "Stop serving a LoRA adapter (vLLM)", "vLLM",
-              request=(UnloadLoraAdapterRequest,), content=_SUCCESS_TEXT, errors=_BODY_ERRORS, guarded=True),
+              request=(UnloadLoraAdapterRequest,), content=_TEXT, errors=_BODY_ERRORS, guarded=True),
 )
 
 

@@ -173,11 +173,12 @@ class AsyncEngine:
     def has_adapter(self, name: str) -> bool:
         return name in self.engine.lora_modules
 
-    async def load_lora(self, module: LoraModule) -> None:
-        """Reads the adapter on a worker thread (the engine keeps stepping), then serves it; ValueError for
-        an adapter that cannot be served or a name already served."""
+    async def load_lora(self, module: LoraModule, replace: bool = False) -> None:
+        """Reads the adapter on a worker thread (the engine keeps stepping), then serves it, in place of the
+        one of its name with `replace`; ValueError for an adapter that cannot be served or (without
+        `replace`) a name already served."""
         adapter = await asyncio.to_thread(self.engine.read_lora, module)
-        await self._call(lambda engine: engine.add_lora(module, adapter))
+        await self._call(lambda engine: engine.add_lora(module, adapter, replace))
 
     async def remove_lora(self, name: str) -> None:
         """Stops serving adapter `name` (requests already added finish with it); KeyError if not served."""

@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections import Counter
+from typing import Any
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
-from jaxserve.models.layers import LoraSlots
+from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
 from jaxserve.models.peft import LoraAdapter
@@ -107,7 +108,7 @@ class EngineCore:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
         if config.lora.enable_lora:
-            model = with_lora_slots(model, LoraSlots(config.lora.max_loras, config.lora.max_lora_rank))
+            model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
         self.model = model
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -187,6 +188,10 @@ class EngineCore:
         """Queues a request's sequences (checked by the frontend against `self.limits`); with `grammar`,
         each gets its own matcher. Raises ValueError if the cache cannot hold them (all n have the same
         size: the first is refused, so either none is added or all are)."""
+        lora_id = sequences[0].lora_id
+        if lora_id is not None and (self.runner.lora is None or lora_id not in self.runner.lora.adapters
+                                    or lora_id in self._retiring_loras):  # removed while it was on its way
+            raise InvalidParam(f"the LoRA adapter of this request (id {lora_id}) was removed", "model")
         matchers = [grammar.matcher(sequence.sampling_params.structured_outputs.after_token_ids)
                     if grammar is not None else None for sequence in sequences]  # may raise: first
         for sequence, matcher in zip(sequences, matchers, strict=True):
@@ -233,7 +238,18 @@ class EngineCore:
             spec_decode_num_draft_tokens=scheduler.speculation.num_draft_tokens,
             spec_decode_num_accepted_tokens=scheduler.speculation.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(scheduler.speculation.accepted_per_position),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.runner.lora is None:
+            return {}
+        adapters, scheduler = self.runner.lora.adapters, self.scheduler
+        waiting = sorted({request.lora_id for request in scheduler.waiting if request.lora_id is not None})
+        return {"max_loras": scheduler.lora_slots.max_loras,
+                "running_lora_adapters": tuple(adapters[i].name for i in scheduler.lora_slots.running_adapters
+                                               if i in adapters),
+                "waiting_lora_adapters": tuple(adapters[i].name for i in waiting if i in adapters)}
 
     def step(self) -> list[CoreOutputs]:
         """Schedules and launches a step, reads a step's tokens, and reports every sequence that made progress.
@@ -394,4 +410,3 @@ def _details(request: Request, index: int) -> SequenceDetails:
         status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
         request.embedding if ended else None,
     )
-

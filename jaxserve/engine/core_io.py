@@ -110,6 +110,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # --enable-lora (vLLM's lora_requests_info): the slots, and the adapters of running and waiting requests
+    max_loras: int = 0  # 0: LoRA off
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class EngineCoreClient(Protocol):

@@ -47,6 +47,10 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
     return tuple(dict.fromkeys(s for s in sequences if s))
 
 
+class AdapterExists(ValueError):
+    """A LoRA adapter of that name is served already."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: "LoadedModel | None" = None, warmup: bool = True) -> None:
         prepare_jax_platform()  # a no-op once jax's backends run; a quiet start for callers that build one first
@@ -130,11 +134,13 @@ class LLMEngine:
             raise ValueError("LoRA adapters need an engine started with --enable-lora")
         return read_adapter(module.name, module.path, self.info.lora_layout)
 
-    def add_lora(self, module: LoraModule, adapter: LoraAdapter) -> int:
+    def add_lora(self, module: LoraModule, adapter: LoraAdapter, replace: bool = False) -> int:
         """Serves `adapter` (from `read_lora`) as the model `module.name`; returns its id. ValueError for a
-        name already served."""
+        name already served, unless `replace`: then the adapter served under it is removed first."""
         if module.name in self.lora_modules:
-            raise ValueError(f"The lora adapter '{module.name}' has already been loaded.")
+            if not replace:
+                raise AdapterExists(f"The lora adapter '{module.name}' has already been loaded.")
+            self.remove_lora(module.name)
         lora_id = next(self._lora_ids)
         self._core.add_lora(lora_id, adapter)
         self.lora_modules = {**self.lora_modules, module.name: (module, lora_id)}

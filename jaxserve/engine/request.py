@@ -1,6 +1,7 @@
 """A request's host-side state as it moves through the scheduler (pure Python, no jax)."""
 
 import enum
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -170,9 +171,9 @@ class Request:
     def prefix_cache_salt(self) -> str | None:
         """What keeps its prefix-cache pages apart from other requests': its cache_salt, and its adapter
         (the same tokens' K/V differ under another adapter)."""
-        if self.lora_id is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\0lora\0{self.lora_id}"
+        if self.cache_salt is None and self.lora_id is None:
+            return None
+        return json.dumps([self.cache_salt, self.lora_id])  # one string per pair, whatever a salt holds
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already

@@ -283,13 +283,18 @@ class Scheduler:
             token_budget -= self._plan_row(request, end, plan)
             index += 1
 
-        # Waiting requests, in queue order, while there is room; never skip ahead of the queue.
+        # Waiting requests, in queue order, while there is room; never skip ahead of the queue, but for the
+        # one LoRA rule: once a request's adapter waits for a slot (the running requests hold all --max-loras),
+        # base-model requests behind it may start (they hold no slot, so they never delay it), and no other
+        # adapter's request may (a running adapter's new requests would keep its slot from freeing).
         now = time.monotonic()
+        passed = 0  # LoRA requests left at the queue's head this step
         if not preempted:  # (requests that yielded to the queue's head stand behind it)
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                if request.lora_id is not None and not self.lora_slots.can_take(request.lora_id):
-                    break  # its adapter waits for a slot: the running requests hold all --max-loras
+            while len(self.waiting) > passed and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[passed]
+                if request.lora_id is not None and (passed or not self.lora_slots.can_take(request.lora_id)):
+                    passed += 1
+                    continue
                 hit = self._cached_prefix(request, plan.filling, busy)
                 if hit is None:
                     break  # its next page is computed in this step: it hits that page next step
@@ -301,7 +306,7 @@ class Scheduler:
                 if not self.kv_cache.allocate(request.page_ids, end):
                     self.kv_cache.free(request.page_ids)  # give the hit back
                     break
-                self.waiting.popleft()
+                del self.waiting[passed]
                 if request.lora_id is not None:
                     request.lora_slot = self.lora_slots.acquire(request.lora_id)
                 request.num_computed_tokens, request.num_keyed_pages = num_cached, len(hit)

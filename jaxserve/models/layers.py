@@ -225,7 +225,7 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
 
 
 @dataclass(frozen=True)
-class LoraSlots:
+class LoraShape:
     """The device's adapter slots (`--max-loras`, `--max-lora-rank`): every LoRA weight is stacked over
     `max_loras` slots of rank `max_rank`, an adapter of a lower rank padded with zeros."""
 
@@ -244,9 +244,9 @@ class LoraStack(nnx.Module):
     the projection they add to (a step's own slot choices are data, so nothing recompiles). Both go through
     `dense`, as the projections do: in the weights' dtype, through the native kernels where those run."""
 
-    def __init__(self, d_in: int, d_out: int, slots: LoraSlots, weight_dtype: Any, attention: AttentionConfig) -> None:
-        self.lora_a = param(d_in, slots.max_loras, slots.max_rank, dtype=weight_dtype)  # [K, S, r]
-        self.lora_b = param(slots.max_loras, slots.max_rank, d_out, dtype=weight_dtype)  # [S, r, N]
+    def __init__(self, d_in: int, d_out: int, shape: LoraShape, weight_dtype: Any, attention: AttentionConfig) -> None:
+        self.lora_a = param(d_in, shape.max_loras, shape.max_rank, dtype=weight_dtype)  # [K, S, r]
+        self.lora_b = param(shape.max_loras, shape.max_rank, d_out, dtype=weight_dtype)  # [S, r, N]
         self.attention = attention
 
     def __call__(

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxserve.models.layers import (
     AttentionMetadata,
     KVCache,
-    LoraSlots,
+    LoraShape,
     LoraStack,
     RMSNorm,
     Rope,
@@ -58,7 +58,7 @@ class LlamaConfig:
     moe: MoeConfig | None = None  # Mixtral, Qwen3-MoE
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
-    lora: LoraSlots | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
+    lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":

@@ -9,7 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from jaxserve.models.layers import LoraSlots
+from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.peft import LoraLayout, StackPath
 from jaxserve.parallel import replicated
@@ -22,17 +22,19 @@ def stack_shapes(state: nnx.State) -> dict[StackPath, tuple[int, int]]:
             for path, leaf in flat.items() if path[-1] == "lora_a"}
 
 
-def with_lora_slots(model: LoadedModel, slots: LoraSlots) -> LoadedModel:
-    """The model with `slots` adapter slots in each dense projection, all zero (no adapter), beside its own
-    weights (loaded first, where they load on a thread)."""
+def with_lora_slots(model: LoadedModel, shape: LoraShape) -> LoadedModel:
+    """The model with `shape.max_loras` adapter slots in each dense projection, all zero (no adapter), beside
+    its own weights (loaded first, where they load on a thread)."""
     family = model.spec.module
     if getattr(family, "LORA_TARGETS", None) is None or not hasattr(model.cfg, "lora"):
         raise ValueError(f"--enable-lora: not supported for {model.spec.model_cls.__name__}")
-    if model.cfg.num_heads != model.hf_config.num_attention_heads:
+    hf = model.hf_config
+    if (model.cfg.num_heads, model.cfg.num_kv_heads) != (
+            hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads):
         raise ValueError("--enable-lora: not with tensor parallelism that lays heads out again (the heads do not "
                          "divide evenly over the devices)")
     model.wait_for_weights()  # where they load on a thread
-    cfg = dataclasses.replace(model.cfg, lora=slots)
+    cfg = dataclasses.replace(model.cfg, lora=shape)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.spec.model_cls(cfg, model.dtype, model.weight_dtype)))
     current = traverse_util.flatten_dict(nnx.to_pure_dict(model.state))
     placement = replicated(model.mesh) if model.mesh is not None else None

@@ -74,17 +74,21 @@ def read_adapter(name: str, path: str, layout: LoraLayout) -> LoraAdapter:
         config = json.loads((directory / ADAPTER_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"LoRA adapter {name!r}: cannot read {directory / ADAPTER_CONFIG}: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {ADAPTER_CONFIG} is not a JSON object")
     for key, what in _UNSERVED.items():
         if config.get(key):
             raise ValueError(f"LoRA adapter {name!r}: {what} not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {name!r}: trained biases (bias={config['bias']!r}) not supported")
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA adapter {name!r}: rank r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, tensor in _tensors(directory / ADAPTER_WEIGHTS, name):
@@ -92,6 +96,8 @@ def read_adapter(name: str, path: str, layout: LoraLayout) -> LoraAdapter:
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: {key} is not a LoRA weight of a decoder layer's projection "
                              "(adapters of embeddings or the LM head are not supported)")
+        if not np.isfinite(tensor).all():  # one slot's inf would reach every token through the masked product
+            raise ValueError(f"LoRA adapter {name!r}: {key} has values that are not finite")
         parts.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in {directory / ADAPTER_WEIGHTS}")

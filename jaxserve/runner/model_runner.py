@@ -364,13 +364,16 @@ class ModelRunner:
         num_reqs = plan.num_reqs
         bucket = self._runnable_bucket(self.ladder.pick(plan.num_tokens, num_reqs))
         self.last_step = ExecutedStep(bucket, plan.num_tokens, num_reqs)
+        lora_fault = None
         if self.lora is not None and plan.new_requests:
-            self._weights = self.lora.write(plan.new_requests, self.wait_for_weights())
+            self._weights, lora_fault = self.lora.write(plan.new_requests, self.wait_for_weights())
         try:
             row_ids = self.rows.update(plan.new_requests, plan.request_ids, plan.new_pages)
         finally:  # after a RequestFault too: the rows written stay, and so must what they have seen
             for row, token_ids, num_prompt_tokens in self.rows.take_seen_tokens():
                 self.load_seen_tokens(row, list(token_ids), num_prompt_tokens)
+        if lora_fault is not None:  # once the other requests' rows are written, as `RequestRows.update` does
+            raise lora_fault
         batch = build_step_batch(plan, bucket, self.layout, self.rows, row_ids)
         greedy = self.greedy_decodes and bucket.decode_only and self._all_plain_greedy(plan, batch, row_ids)
         decode_steps = None
@@ -677,15 +680,26 @@ class LoraWriter:
                     for (a, b), (new_a, new_b) in zip(stacks, values, strict=True)]
 
         self._write_slot = jax.jit(write_slot)
+        # Compiled now rather than on the engine thread when the first adapter starts: slot 0 written with
+        # its zeros, the result dropped.
+        leaves = jax.tree.leaves(model.state)
+        zeros = slot_values(None, self.shapes, self.rank, self.dtype)
+        jax.block_until_ready(self._write_slot([(leaves[a], leaves[b]) for a, b in self.leaves],
+                                               list(zeros.values()), np.int32(0)))
 
-    def write(self, new_requests: tuple[NewRequest, ...], weights: list[jax.Array]) -> list[jax.Array]:
-        """The weights with the starting requests' adapters in their slots (the same list where nothing moves)."""
+    def write(self, new_requests: tuple[NewRequest, ...], weights: list[jax.Array]
+              ) -> tuple[list[jax.Array], RequestFault | None]:
+        """The weights with the starting requests' adapters in their slots (the same list where nothing
+        moves), and the fault of a request whose adapter is gone (the core refuses those before they queue:
+        a bug), for the runner to raise once the other rows are written."""
+        fault = None
         for new in new_requests:
             if new.lora_id is None or self.in_slot[new.lora_slot] == new.lora_id:
                 continue
             adapter = self.adapters.get(new.lora_id)
-            if adapter is None:  # removed before its request started: that request fails alone
-                raise RequestFault(new.request_id) from KeyError(f"LoRA adapter {new.lora_id} was removed")
+            if adapter is None:
+                fault = fault or RequestFault(new.request_id)
+                continue
             values = slot_values(adapter, self.shapes, self.rank, self.dtype)
             stacks = [(weights[a], weights[b]) for a, b in self.leaves]
             written = self._write_slot(stacks, list(values.values()), np.int32(new.lora_slot))
@@ -695,4 +709,4 @@ class LoraWriter:
             self.in_slot[new.lora_slot] = new.lora_id
             self.num_writes += 1
             logger.debug("LoRA adapter %d written to slot %d", new.lora_id, new.lora_slot)
-        return weights
+        return weights, fault

@@ -27,7 +27,8 @@ def client(dirs):
     base, adapter, _ = dirs
     module = f'{{"name": "sql-lora", "path": "{adapter}", "base_model_name": "tiny"}}'
     engine = make_engine(base, warmup=False, enable_lora=True, lora_modules=(module,), max_loras=1)
-    with TestClient(create_app(ServerConfig(served_model_name=("tiny",)), AsyncEngine(engine))) as client:
+    config = ServerConfig(served_model_name=("tiny",), allow_runtime_lora_updating=True)
+    with TestClient(create_app(config, AsyncEngine(engine))) as client:
         yield client
 
 
@@ -77,3 +78,66 @@ def test_a_model_not_served_is_a_404(client, model):
     response = client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
     assert response.status_code == 404
     assert response.json()["error"]["param"] == "model"
+
+
+def test_adapters_load_and_unload_while_serving(client, dirs, tmp_path):
+    """vLLM's runtime updates: an adapter loaded from the server's disk serves at once under its name (the
+    same adapter as sql-lora, so the same text); unloaded, its name is a 404 again."""
+    _, adapter, _ = dirs
+    expected = _completion(client, "sql-lora")["choices"][0]["text"]
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "sql-2", "lora_path": str(adapter)})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'sql-2' added successfully."
+    assert "sql-2" in {card["id"] for card in client.get("/v1/models").json()["data"]}
+    assert _completion(client, "sql-2")["choices"][0]["text"] == expected
+    again = client.post("/v1/load_lora_adapter", json={"lora_name": "sql-2", "lora_path": str(adapter)})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    inplace = client.post("/v1/load_lora_adapter", json={"lora_name": "sql-2", "lora_path": str(adapter),
+                                                          "load_inplace": True})
+    assert inplace.status_code == 200
+    unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "sql-2"})
+    assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+    response = client.post("/v1/completions", json={"model": "sql-2", "prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 404
+    gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "sql-2"})
+    assert gone.status_code == 404 and "cannot be found" in gone.json()["error"]["message"]
+    assert _completion(client, "sql-lora")["choices"][0]["text"] == expected  # the others serve on
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"lora_name": "x", "lora_path": "/no/such/dir"}, "lora_path"),
+    ({"lora_name": "x", "lora_path": "org/hub-adapter"}, "lora_path"),  # never a download
+    ({"lora_name": "x", "lora_path": "BASE"}, "lora_path"),  # a model, not an adapter
+    ({"lora_name": "tiny", "lora_path": "ADAPTER"}, "lora_name"),  # the base model's name
+    ({"lora_name": "", "lora_path": "ADAPTER"}, "lora_name"),
+    ({"lora_name": "x"}, "lora_path"),
+    ({"lora_name": "x", "lora_path": "ADAPTER", "rank": 4}, "rank"),
+    ({"lora_name": 5, "lora_path": "ADAPTER"}, "lora_name"),
+    ([], None),
+])
+def test_bad_loads_are_400s_and_serve_nothing(client, dirs, body, param):
+    base, adapter, _ = dirs
+    if isinstance(body, dict):
+        body = {k: str(base) if v == "BASE" else str(adapter) if v == "ADAPTER" else v for k, v in body.items()}
+    response = client.post("/v1/load_lora_adapter", json=body)
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param
+    assert {card["id"] for card in client.get("/v1/models").json()["data"]} == {"tiny", "sql-lora"}
+
+
+def test_runtime_updates_are_off_unless_allowed_and_need_enable_lora(tiny_model_dir, dirs):
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    body = {"lora_name": "x", "lora_path": str(dirs[1])}
+    with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as plain:
+        assert plain.post("/v1/load_lora_adapter", json=body).status_code == 404
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    with TestClient(create_app(ServerConfig(allow_runtime_lora_updating=True), AsyncEngine(engine))) as allowed:
+        response = allowed.post("/v1/load_lora_adapter", json=body)
+        assert response.status_code == 400 and "--enable-lora" in response.json()["error"]["message"]
+
+
+def test_metrics_carry_vllm_s_lora_info_series(client):
+    _completion(client, "sql-lora")
+    lines = [line for line in client.get("/metrics").text.splitlines()
+             if line.startswith("jaxserve:lora_requests_info{")]
+    assert len(lines) == 1 and 'max_lora="1"' in lines[0] and 'running_lora_adapters=""' in lines[0]

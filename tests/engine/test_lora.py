@@ -5,9 +5,11 @@ with slots written as adapters come and go, under async scheduling, multi-step d
 import numpy as np
 import pytest
 
+from jaxserve import LLM, LoRARequest
+from jaxserve.config import LoraModule
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import InvalidParam, SamplingParams
-from tests.engine.helpers import make_engine, make_prompts
+from tests.engine.helpers import LADDER, make_engine, make_prompts
 from tests.lora_helpers import write_adapter, write_merged
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -163,3 +165,73 @@ def test_adapter_above_the_slot_rank_fails_the_start(lora_dirs, tmp_path):
     adapter = write_adapter(tmp_path / "r16", base, ATTENTION, rank=16)
     with pytest.raises(ValueError, match="rank 16 is above --max-lora-rank 8"):
         make_engine(base, enable_lora=True, lora_modules=(f"r16={adapter}",), max_lora_rank=8, warmup=False)
+
+
+def test_an_adapter_loaded_while_serving_and_one_removed_while_its_request_runs(lora_dirs):
+    """An adapter added after start-up serves its requests; removing one refuses its new requests at once
+    while its running request finishes with it, and its weights leave the core after that request."""
+    base, adapters, _ = lora_dirs
+    engine = make_engine(base, warmup=False, enable_lora=True, max_loras=2)
+    assert engine.lora_modules == {}
+    with pytest.raises(ValueError, match="cannot read"):
+        engine.load_lora(LoraModule("bad", str(base)))  # a model directory, not an adapter
+    engine.load_lora(LoraModule("all", str(adapters["all"])))
+    with pytest.raises(ValueError, match="already been loaded"):
+        engine.load_lora(LoraModule("all", str(adapters["attn"])))
+    requests = _requests(["all", None])
+    params = _params(10)
+    for request_id, prompt, adapter in requests:
+        engine.add_request(request_id, prompt, params, lora_name=adapter)
+    engine.step()  # the adapter's request runs
+    (lora_id,) = [i for _, i in engine.lora_modules.values()]
+    engine.remove_lora("all")
+    with pytest.raises(InvalidParam, match="does not exist"):
+        engine.add_request("late", [5, 6], params, lora_name="all")
+    assert lora_id in engine.runner.lora.adapters  # its request still runs with it
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = (list(output.outputs[0].token_ids), list(output.outputs[0].logprobs))
+    engine.step()
+    assert lora_id not in engine.runner.lora.adapters
+    _assert_matches(results, _references(lora_dirs, requests, params))
+    with pytest.raises(KeyError):
+        engine.remove_lora("all")
+    engine.load_lora(LoraModule("all", str(adapters["attn"])))  # the name again, another adapter: a new id
+    assert engine.lora_modules["all"][1] != lora_id
+
+
+def test_offline_lora_requests_load_on_first_use(lora_dirs):
+    """vLLM's `LLM.generate(..., lora_request=LoRARequest(name, id, path))`, for all prompts or per prompt."""
+    base, adapters, _ = lora_dirs
+    llm = LLM(model=str(base), dtype="float32", enable_lora=True, max_loras=2, max_model_len=256,
+              num_kv_pages=256, page_size=4, compilation_cache_dir=None, **LADDER)
+    prompts = make_prompts(3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    attn = LoRARequest("attn", 1, str(adapters["attn"]))
+    mixed = llm.generate(prompts, params, use_tqdm=False,
+                         lora_request=[attn, None, LoRARequest("wide", 2, str(adapters["wide"]))])
+    alone = llm.generate(prompts[:1], params, use_tqdm=False, lora_request=attn)
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    requests = [("0", prompts[0], "attn"), ("1", prompts[1], None), ("2", prompts[2], "wide")]
+    references = _references(lora_dirs, requests, params)
+    assert [list(o.outputs[0].token_ids) for o in mixed] == [references[r][0] for r, _, _ in requests]
+    with pytest.raises(ValueError, match="is loaded from"):
+        llm.generate(prompts[:1], params, use_tqdm=False, lora_request=LoRARequest("attn", 1, str(adapters["all"])))
+    with pytest.raises(ValueError, match="2 prompts but 1 LoRA requests"):
+        llm.generate(prompts[:2], params, use_tqdm=False, lora_request=[attn])
+
+
+@pytest.mark.slow
+def test_adapters_in_an_engine_process(lora_dirs):
+    """With the core in its own process, adapters cross the pipe as arrays and serve the same outputs."""
+    requests = _requests(["wide", None, "all"])
+    params = _params(6)
+    engine = _lora_engine(lora_dirs, max_loras=2, engine_process=True)
+    try:
+        results = _run(engine, requests, params)
+        engine.remove_lora("wide")
+    finally:
+        engine.shutdown()
+    _assert_matches(results, _references(lora_dirs, requests, params))

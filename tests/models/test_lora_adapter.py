@@ -81,6 +81,10 @@ def test_slot_values_pad_the_rank_and_zero_what_the_adapter_leaves(tmp_path):
     ({}, {"rank_pattern": {"q_proj": 4}}, "per-module ranks"),
     ({}, {"r": 32}, "rank 32 is above --max-lora-rank 16"),
     ({}, {"r": 0}, "positive integer"),
+    ({}, {"r": True}, "positive integer"),
+    ({}, {"lora_alpha": None}, "lora_alpha must be a number"),
+    ({}, {"lora_alpha": "8"}, "lora_alpha must be a number"),
+    ("not-finite", {}, "not finite"),
     ({}, {}, "no LoRA weights"),
     ({"base_model.model.lm_head.lora_A.weight": np.ones((2, D))}, {}, "not a LoRA weight of a decoder layer"),
     ("mlp-of-experts", {}, "layer 1's mlp.gate_proj is not a projection"),
@@ -93,6 +97,9 @@ def test_adapters_that_cannot_be_served_are_refused(tmp_path, tensors, config, e
         tensors = _pair(rng, "mlp.gate_proj", D, F, layer=1)
     elif tensors == "wrong-shape":
         tensors = _pair(rng, "self_attn.q_proj", D + 1, Q)
+    elif tensors == "not-finite":
+        tensors = _pair(rng, "self_attn.q_proj", D, Q)
+        next(iter(tensors.values()))[0, 0] = np.inf
     elif tensors == "only-a":
         tensors = {k: v for k, v in _pair(rng, "self_attn.q_proj", D, Q).items() if "lora_A" in k}
     with pytest.raises(ValueError, match=error):
@@ -105,3 +112,27 @@ def test_a_missing_directory_or_file(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot read"):
         read_adapter("x", str(tmp_path / "empty"), LAYOUT)
+
+
+def test_a_config_that_is_not_an_object(tmp_path):
+    path = _write(tmp_path / "a", _pair(np.random.default_rng(4), "self_attn.q_proj", D, Q))
+    (tmp_path / "a" / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        read_adapter("x", path, LAYOUT)
+
+
+def test_bfloat16_and_float16_tensors_read_as_their_values(tmp_path):
+    """PEFT saves adapters in the model's dtype: bfloat16's bits are a float32's top half."""
+    import ml_dtypes
+    from safetensors.numpy import save_file as save
+
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(size=(2, D)), rng.normal(size=(Q, 2))
+    stem = "base_model.model.model.layers.0.self_attn.q_proj"
+    (tmp_path / "a").mkdir()
+    save({f"{stem}.lora_A.weight": a.astype(ml_dtypes.bfloat16), f"{stem}.lora_B.weight": b.astype(np.float16)},
+         tmp_path / "a" / "adapter_model.safetensors")
+    (tmp_path / "a" / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 2}')
+    got_a, got_b = read_adapter("x", str(tmp_path / "a"), LAYOUT).weights[("layers", 0, "self_attn", "q_lora")]
+    np.testing.assert_array_equal(got_a, a.astype(ml_dtypes.bfloat16).astype(np.float32).T)
+    np.testing.assert_array_equal(got_b, b.astype(np.float16).astype(np.float32).T)
