@@ -17,7 +17,7 @@ def _worker(spec_json: str) -> None:
     spec = json.loads(spec_json)
     import jax
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM, LoRARequest, SamplingParams
     from tests.helpers import count_compilations
 
     assert len(jax.devices()) >= max(spec["tp_sizes"]), jax.devices()
@@ -28,12 +28,16 @@ def _worker(spec_json: str) -> None:
                   # One bucket of each kind: the three prompts prefill in one step and decode together.
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False,
-                  enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"])
+                  enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"],
+                  enable_lora=spec["lora"] is not None)
+        lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] is not None else None
+        if lora is not None:  # loaded before counting compiles: a first load compiles its slot write
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
         runner = llm.engine.runner
         q_proj = _first_attention_weight(runner.model.state)
         placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
         with count_compilations() as compiles:
-            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
         result = {
             "tp": tp,
             "compiles_after_warmup": len(compiles),
@@ -60,7 +64,7 @@ def _first_attention_weight(state):
 
 def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
-           quantization: str | None = None) -> dict:
+           quantization: str | None = None, lora: str | None = None) -> dict:
     """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
     On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
     xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(tp_sizes)}"
@@ -68,7 +72,7 @@ def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: i
            "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
                            attention_impl=attention_impl, weight_dtype=weight_dtype,
-                           expert_parallel=expert_parallel, quantization=quantization))
+                           expert_parallel=expert_parallel, quantization=quantization, lora=lora))
     code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.parallel import HeadLayout
+from tests.lora_helpers import write_adapter
 from tests.parallel_helpers import assert_same_as_tp1, assert_tracks_tp1, run_tp
 
 
@@ -40,6 +41,17 @@ def test_head_layout_replicates_kv_heads_and_pads_query_heads():
 def test_a_tiny_llama_matches_tp1_at_tp2_and_tp4(tiny_model_dir, tmp_path):
     results = run_tp(str(tiny_model_dir("llama")), tmp_path)
     assert results[4]["kv_shard_shape"][0] == 1  # 2 KV heads replicated to 4, one per device
+    assert_same_as_tp1(results)
+
+
+@pytest.mark.slow
+def test_lora_adapters_match_tp1_at_tp2(tiny_model_dir, tmp_path):
+    """The adapter's slots on every device, added to the split projections (the q/k/v/gate/up outputs split
+    by head or width, o/down's inputs): the same greedy tokens and top logprobs as on one device."""
+    base = tiny_model_dir("llama")
+    adapter = write_adapter(tmp_path / "adapter", base, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"), rank=4, seed=7)
+    results = run_tp(str(base), tmp_path / "cache", tp_sizes=(2, 1), lora=str(adapter))
     assert_same_as_tp1(results)
 
 
