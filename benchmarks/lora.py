@@ -8,6 +8,9 @@ of `--input-len` random prompt tokens and `--output-len` new tokens each, submit
 case and stream count: output tok/s (median of the rounds) and its ratio to the engine without LoRA.
 
     python benchmarks/lora.py --streams 1 16 --rounds 3
+    # a GPU, the 8B shape with random weights, three engines sharing its memory:
+    python benchmarks/lora.py --config gpu --model .gpu_check/llama-3-8b --load-format dummy \
+        --gpu-memory-utilization 0.28 --streams 1 16 64
 """
 
 import argparse
@@ -71,16 +74,23 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--config", default="cpu", help="the engine preset (default: cpu)")
+    parser.add_argument("--model", help="a model directory (default: the bundled SmolLM2)")
+    parser.add_argument("--load-format", default="auto", help="auto, or dummy: random weights")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="each engine's share of a GPU's memory")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
 
-    model_config = bundled_config_values("smollm2-135m")
+    model_config = (bundled_config_values("smollm2-135m") if args.model is None
+                    else json.loads((Path(args.model) / "config.json").read_text()))
+    engine_args = dict(model=args.model, load_format=args.load_format,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
     work = Path(tempfile.mkdtemp(prefix="jaxserve-lora-bench-"))
     names = [f"a{i}" for i in range(4)]
     modules = tuple(f"{name}={write_adapter(work / name, model_config, args.rank, i)}" for i, name in enumerate(names))
-    plain = LLMEngine(EngineConfig.from_preset(args.config))
+    plain = LLMEngine(EngineConfig.from_preset(args.config, **engine_args))
     one, four = (LLMEngine(EngineConfig.from_preset(args.config, enable_lora=True, lora_modules=modules,
-                                                    max_loras=slots, max_lora_rank=args.rank)) for slots in (1, 4))
+                                                    max_loras=slots, max_lora_rank=args.rank, **engine_args))
+                 for slots in (1, 4))
     cases = {"no LoRA": (plain, [None]), "1 slot, base requests": (one, [None]),
              "1 slot, one adapter": (one, names[:1]), "4 slots, base requests": (four, [None]),
              "4 slots, one adapter": (four, names[:1]),

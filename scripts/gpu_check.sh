@@ -16,6 +16,7 @@
 #              first, then the ping-pong schedule and the overlapped softmax);
 #   registers  the Mosaic GPU kernel's registers and spills per configuration (ptxas -v on its PTX;
 #              benchmarks/mosaic_registers.py);
+#   lora       what --enable-lora costs on the 8B shape (benchmarks/lora.py: no LoRA, 1 and 4 slots);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
@@ -36,7 +37,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, paged-decode, paged-prefill and registers)
+             # includes, and fp8, paged-decode, paged-prefill, registers and lora)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -116,7 +117,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
 wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill \
-              && $1 != registers) \
+              && $1 != registers && $1 != lora) \
              || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
@@ -188,6 +189,11 @@ if wanted profile; then
   for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
   stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
     2> "$out/gpu_check.log"
+fi
+if wanted lora; then  # --enable-lora's cost beside no LoRA, three engines sharing the GPU
+  stage lora "${LORA_S:-240}" python3 benchmarks/lora.py --config gpu --model .gpu_check/llama-3-8b --load-format dummy \
+    --gpu-memory-utilization 0.28 --streams 1 16 64 --rounds 2 --out "$out/lora.json" > "$out/lora.log" 2>&1
+  tail -n 20 "$out/lora.log" >> "$summary"
 fi
 if wanted imports; then  # what a server process imports before its first log line, and JAX's CUDA start
   stage imports 40 python3 -X importtime -c "import time; t = time.perf_counter(); import jaxserve.api.server, jax; \
