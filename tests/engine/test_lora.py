@@ -82,6 +82,7 @@ def _requests(adapters: list[str | None]) -> list[tuple[str, list[int], str | No
     return [(f"r{i}-{adapter}", prompts[i % len(prompts)], adapter) for i, adapter in enumerate(adapters)]
 
 
+@pytest.mark.gpu  # in `make test-gpu`: the masked slot products on a GPU's dots
 def test_adapters_and_base_in_one_step_match_their_merged_models(lora_dirs):
     """Requests of three adapters and of the base model, batched together in three slots, each give what
     its own model gives alone: the adapter merged into the weights, or the base model (which no adapter

@@ -39,6 +39,7 @@ def _slots(rows: int) -> np.ndarray:
     return np.array([(NO_LORA_SLOT, 0, 1, 2)[t % 4] for t in range(rows)], np.int32)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 def test_float32_slots_against_float64(rows):
     stack, a, b = _stack(np.float32, AttentionConfig())
