@@ -26,8 +26,11 @@ from flax import nnx
 
 from jaxserve.models import llama
 from jaxserve.models.layers import (
+    AttentionLora,
     AttentionMetadata,
     KVCache,
+    LoraShape,
+    MlpLora,
     RMSNorm,
     Rope,
     apply_rope,
@@ -65,6 +68,7 @@ class GemmaConfig:
     qk_norm: bool = False  # Gemma 3
     tie_word_embeddings: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "GemmaConfig":
@@ -110,15 +114,19 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, NORM_DTYPE)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, NORM_DTYPE)
+        if cfg.lora is not None:
+            self.lora = AttentionLora(d, n, k, h, cfg.lora, weight_dtype, cfg.attention)
         self.cfg = cfg
         self.rope = cfg.ropes[layer]
         self.sliding_window = cfg.window(layer)
 
-    def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata, lora_slots=None):
         attention = self.cfg.attention
         q = project_heads(x, self.q_proj[...], attention)  # [T, N, H]
         k = project_heads(x, self.k_proj[...], attention)  # [T, K, H]
         v = project_heads(x, self.v_proj[...], attention)
+        if lora_slots is not None:
+            q, k, v = self.lora.add_qkv(x, lora_slots, q, k, v)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over H, per token and head
         q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
@@ -126,22 +134,30 @@ class Attention(nnx.Module):
             q, k, v, kv_cache, md, attention=attention, sm_scale=self.cfg.sm_scale,
             sliding_window=self.sliding_window, logit_softcap=self.cfg.attn_logit_softcap,
         )
-        return merge_heads(out, self.o_proj[...], attention), kv_cache
+        y = merge_heads(out, self.o_proj[...], attention)  # [T, D]
+        return (y if lora_slots is None else self.lora.add_o(y, out, lora_slots)), kv_cache
 
 
 class MLP(nnx.Module):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
 
     def __init__(self, cfg: GemmaConfig, weight_dtype: Any) -> None:
-        self.gate_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
-        self.up_proj = param(cfg.hidden_size, cfg.intermediate_size, dtype=weight_dtype)
-        self.down_proj = param(cfg.intermediate_size, cfg.hidden_size, dtype=weight_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = param(d, f, dtype=weight_dtype)
+        self.up_proj = param(d, f, dtype=weight_dtype)
+        self.down_proj = param(f, d, dtype=weight_dtype)
+        if cfg.lora is not None:
+            self.lora = MlpLora(d, f, cfg.lora, weight_dtype, cfg.attention)
         self.attention = cfg.attention
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
         up = dense(x, self.up_proj[...], self.attention)
-        return dense(jax.nn.gelu(gate, approximate=True) * up, self.down_proj[...], self.attention)
+        if lora_slots is not None:
+            gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
+        hidden = jax.nn.gelu(gate, approximate=True) * up
+        out = dense(hidden, self.down_proj[...], self.attention)
+        return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -154,10 +170,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, weight_dtype)
         self.post_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
 
-    def __call__(self, x, positions, kv_cache, md):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache, md, lora_slots=None):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)
         x = x + self.post_attention_layernorm(attn_out)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x), lora_slots)
+        return x + self.post_feedforward_layernorm(mlp_out), kv_cache
 
 
 class GemmaForCausalLM(nnx.Module):
@@ -178,12 +195,14 @@ class GemmaForCausalLM(nnx.Module):
         positions: jax.Array,  # i32[T]
         kv_caches: KVCache,
         md: AttentionMetadata,
+        lora_slots: jax.Array | None = None,  # i32[T]: each token's adapter slot, with --enable-lora
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
         x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
         x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), self.dtype)  # rounded to the dtype, as in HF
+        lora_slots = lora_slots if self.cfg.lora is not None else None
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
+            x, kv_cache = layer(x, positions, kv_cache, md, lora_slots)
             new_caches.append(kv_cache)
         return self.norm(x), new_caches
 
@@ -199,6 +218,7 @@ QUANTIZED_WEIGHTS = llama.QUANTIZED_WEIGHTS  # the same names and layouts
 EMBEDDING_TABLES = llama.EMBEDDING_TABLES
 kv_scale_factor = llama.kv_scale_factor  # the same folding: Gemma 3's per-head norms as Qwen3's
 TENSOR_PARALLEL = llama.TENSOR_PARALLEL  # the same parameter names
+LORA_TARGETS, LORA_FUSED_TARGETS = llama.LORA_TARGETS, llama.LORA_FUSED_TARGETS  # the same stacks
 
 
 def _plus_one(w: np.ndarray, cfg: GemmaConfig) -> np.ndarray:

@@ -262,6 +262,58 @@ class LoraStack(nnx.Module):
         return dense(shrunk, b.reshape(num_slots * rank, -1), self.attention)
 
 
+class AttentionLora(nnx.Module):
+    """The LoRA stacks of an attention block's q, k, v and o projections (`LoraStack`)."""
+
+    def __init__(self, d: int, n: int, k: int, h: int, shape: LoraShape, weight_dtype: Any,
+                 attention: AttentionConfig) -> None:
+        self.q = LoraStack(d, n * h, shape, weight_dtype, attention)
+        self.k = LoraStack(d, k * h, shape, weight_dtype, attention)
+        self.v = LoraStack(d, k * h, shape, weight_dtype, attention)
+        self.o = LoraStack(n * h, d, shape, weight_dtype, attention)
+
+    def add_qkv(
+        self,
+        x: jax.Array,  # [T, D]
+        token_slots: jax.Array,  # i32[T]
+        q: jax.Array,  # [T, N, H]
+        k: jax.Array,  # [T, K, H]
+        v: jax.Array,  # [T, K, H]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (q + self.q(x, token_slots).reshape(q.shape), k + self.k(x, token_slots).reshape(k.shape),
+                v + self.v(x, token_slots).reshape(v.shape))
+
+    def add_o(
+        self,
+        y: jax.Array,  # [T, D]: the output projection's
+        out: jax.Array,  # [T, N, H]: attention's, its input
+        token_slots: jax.Array,  # i32[T]
+    ) -> jax.Array:  # [T, D]
+        return y + self.o(out.reshape(out.shape[0], -1), token_slots)
+
+
+class MlpLora(nnx.Module):
+    """The LoRA stacks of a gated MLP's gate, up and down projections (`LoraStack`)."""
+
+    def __init__(self, d: int, f: int, shape: LoraShape, weight_dtype: Any, attention: AttentionConfig) -> None:
+        self.gate = LoraStack(d, f, shape, weight_dtype, attention)
+        self.up = LoraStack(d, f, shape, weight_dtype, attention)
+        self.down = LoraStack(f, d, shape, weight_dtype, attention)
+
+
+# A PEFT adapter's target module, by its name within an HF decoder layer -> the `LoraStack` it fills, within
+# the model's layer (`AttentionLora` and `MlpLora` as `self_attn.lora` and `mlp.lora`); a fused target (Phi-3's)
+# fills several, its B rows split among them in order (`peft.LoraLayout`).
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    **{f"self_attn.{name}_proj": ("self_attn", "lora", name) for name in ("q", "k", "v", "o")},
+    **{f"mlp.{name}_proj": ("mlp", "lora", name) for name in ("gate", "up", "down")},
+}
+LORA_FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 def logits_from_embeddings(hidden: jax.Array, table: jax.Array, attention: AttentionConfig) -> jax.Array:
     """hidden [R, D] times an output-major table [V, D] (the LM head, or tied embeddings): f32[R, V], summed
     in float32 whatever the table's dtype (bfloat16 weights' logits are not rounded to bfloat16). A table kept

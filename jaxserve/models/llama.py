@@ -16,11 +16,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import layers
 from jaxserve.models.layers import (
+    AttentionLora,
     AttentionMetadata,
     KVCache,
     LoraShape,
-    LoraStack,
+    MlpLora,
     RMSNorm,
     Rope,
     apply_rope,
@@ -132,10 +134,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         if cfg.lora is not None:
-            self.q_lora = LoraStack(d, n * h, cfg.lora, weight_dtype, cfg.attention)
-            self.k_lora = LoraStack(d, k * h, cfg.lora, weight_dtype, cfg.attention)
-            self.v_lora = LoraStack(d, k * h, cfg.lora, weight_dtype, cfg.attention)
-            self.o_lora = LoraStack(n * h, d, cfg.lora, weight_dtype, cfg.attention)
+            self.lora = AttentionLora(d, n, k, h, cfg.lora, weight_dtype, cfg.attention)
         self.cfg = cfg
         self.sliding_window = cfg.window(layer)
 
@@ -145,9 +144,7 @@ class Attention(nnx.Module):
         k = project_heads(x, self.k_proj[...], attention)  # [T, K, H]
         v = project_heads(x, self.v_proj[...], attention)
         if lora_slots is not None:
-            q = q + self.q_lora(x, lora_slots).reshape(q.shape)
-            k = k + self.k_lora(x, lora_slots).reshape(k.shape)
-            v = v + self.v_lora(x, lora_slots).reshape(v.shape)
+            q, k, v = self.lora.add_qkv(x, lora_slots, q, k, v)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.cfg.qk_norm:
@@ -155,9 +152,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, self.cfg.rope), apply_rope(k, positions, self.cfg.rope)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention, sliding_window=self.sliding_window)
         y = merge_heads(out, self.o_proj[...], attention)  # [T, D]
-        if lora_slots is not None:
-            y = y + self.o_lora(out.reshape(out.shape[0], -1), lora_slots)
-        return y, kv_cache
+        return (y if lora_slots is None else self.lora.add_o(y, out, lora_slots)), kv_cache
 
 
 class MLP(nnx.Module):
@@ -167,19 +162,17 @@ class MLP(nnx.Module):
         self.up_proj = param(d, f, dtype=weight_dtype)
         self.down_proj = param(f, d, dtype=weight_dtype)
         if cfg.lora is not None:
-            self.gate_lora = LoraStack(d, f, cfg.lora, weight_dtype, cfg.attention)
-            self.up_lora = LoraStack(d, f, cfg.lora, weight_dtype, cfg.attention)
-            self.down_lora = LoraStack(f, d, cfg.lora, weight_dtype, cfg.attention)
+            self.lora = MlpLora(d, f, cfg.lora, weight_dtype, cfg.attention)
         self.attention = cfg.attention
 
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
         up = dense(x, self.up_proj[...], self.attention)
         if lora_slots is not None:
-            gate, up = gate + self.gate_lora(x, lora_slots), up + self.up_lora(x, lora_slots)
+            gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
         hidden = jax.nn.silu(gate) * up
         out = dense(hidden, self.down_proj[...], self.attention)
-        return out if lora_slots is None else out + self.down_lora(hidden, lora_slots)
+        return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -281,17 +274,8 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.experts_up": (("mlp", "experts_up"), lambda w, c: np.swapaxes(w, 1, 2)),
     "mlp.experts_down": (("mlp", "experts_down"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, D, F] -> [E, F, D]
 }
-# --enable-lora (`lora.py`): a PEFT adapter's target module, by its name within an HF layer -> the
-# `LoraStack` it fills; a fused target (Phi-3's) fills several, its B rows split among them in order.
-LORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "self_attn.q_proj": ("self_attn", "q_lora"), "self_attn.k_proj": ("self_attn", "k_lora"),
-    "self_attn.v_proj": ("self_attn", "v_lora"), "self_attn.o_proj": ("self_attn", "o_lora"),
-    "mlp.gate_proj": ("mlp", "gate_lora"), "mlp.up_proj": ("mlp", "up_lora"), "mlp.down_proj": ("mlp", "down_lora"),
-}
-LORA_FUSED_TARGETS: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+# --enable-lora: where each PEFT target's stack sits (`lora.py`); the MoE layers' MLPs have none.
+LORA_TARGETS, LORA_FUSED_TARGETS = layers.LORA_TARGETS, layers.LORA_FUSED_TARGETS
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {
     "lora_a": (None, None), "lora_b": (None, None),  # adapters' stacks: small, on every device

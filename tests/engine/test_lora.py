@@ -236,3 +236,32 @@ def test_adapters_in_an_engine_process(lora_dirs):
     finally:
         engine.shutdown()
     _assert_matches(results, _references(lora_dirs, requests, params))
+
+
+@pytest.mark.parametrize(("kind", "targets"), [
+    pytest.param("qwen3", ALL, id="qwen3"),  # per-head norms after the projections
+    pytest.param("gemma2", ALL, id="gemma2"),
+    pytest.param("gemma3", ALL, id="gemma3"),
+    pytest.param("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), id="phi3-fused"),
+    pytest.param("mixtral", ATTENTION, id="mixtral-attention"),  # experts have no stacks
+])
+def test_every_family_serves_adapters_as_their_merged_models(tiny_model_dir, tmp_path, kind, targets):
+    """Each family's adapter, beside a base-model request in the same steps, gives the merged model's
+    outputs: Phi-3's fused projections split into their stacks, and a mixture's attention adapted."""
+    base = tiny_model_dir(kind)
+    adapter = write_adapter(tmp_path / "adapter", base, targets, rank=4, alpha=8.0, seed=11)
+    merged = write_merged(tmp_path / "merged", base, adapter)
+    prompts = make_prompts(2)
+    params = _params(6)
+    engine = make_engine(base, warmup=False, enable_lora=True, lora_modules=(f"a={adapter}",))
+    results = _run(engine, [("a", prompts[0], "a"), ("base", prompts[1], None)], params)
+    expected = {**_run(make_engine(merged, warmup=False), [("a", prompts[0], None)], params),
+                **_run(make_engine(base, warmup=False), [("base", prompts[1], None)], params)}
+    _assert_matches(results, expected)
+    unadapted = _run(make_engine(base, warmup=False), [("x", prompts[0], None)], params)["x"]
+    assert results["a"][0] != unadapted[0] or not np.allclose(results["a"][1], unadapted[1], atol=1e-3)
+
+
+def test_a_family_without_adapter_stacks_is_refused_at_start(tiny_model_dir):
+    with pytest.raises(ValueError, match="--enable-lora: not supported for GPT2LMHeadModel"):
+        make_engine(tiny_model_dir("gpt2"), warmup=False, enable_lora=True)

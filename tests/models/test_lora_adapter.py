@@ -12,10 +12,10 @@ from jaxserve.models.peft import LoraLayout, read_adapter, slot_values
 
 # A two-layer model's stacks: (in, out) per projection; layer 1's MLP is a mixture of experts (no stacks).
 D, Q, KV, F = 8, 12, 4, 16
-SHAPES = {("layers", 0, "self_attn", "q_lora"): (D, Q), ("layers", 0, "self_attn", "k_lora"): (D, KV),
-          ("layers", 0, "self_attn", "v_lora"): (D, KV), ("layers", 0, "self_attn", "o_lora"): (Q, D),
-          ("layers", 0, "mlp", "gate_lora"): (D, F), ("layers", 0, "mlp", "up_lora"): (D, F),
-          ("layers", 0, "mlp", "down_lora"): (F, D), ("layers", 1, "self_attn", "q_lora"): (D, Q)}
+SHAPES = {("layers", 0, "self_attn", "lora", "q"): (D, Q), ("layers", 0, "self_attn", "lora", "k"): (D, KV),
+          ("layers", 0, "self_attn", "lora", "v"): (D, KV), ("layers", 0, "self_attn", "lora", "o"): (Q, D),
+          ("layers", 0, "mlp", "lora", "gate"): (D, F), ("layers", 0, "mlp", "lora", "up"): (D, F),
+          ("layers", 0, "mlp", "lora", "down"): (F, D), ("layers", 1, "self_attn", "lora", "q"): (D, Q)}
 LAYOUT = LoraLayout(SHAPES, llama.LORA_TARGETS, llama.LORA_FUSED_TARGETS, 16)
 
 
@@ -37,7 +37,7 @@ def test_a_and_b_are_transposed_and_b_takes_the_scale(tmp_path, rslora):
     rng = np.random.default_rng(0)
     tensors = _pair(rng, "self_attn.o_proj", Q, D)
     adapter = read_adapter("x", _write(tmp_path / "a", tensors, use_rslora=rslora), LAYOUT)
-    a, b = adapter.weights[("layers", 0, "self_attn", "o_lora")]
+    a, b = adapter.weights[("layers", 0, "self_attn", "lora", "o")]
     scale = 4 / np.sqrt(2) if rslora else 4 / 2
     stem = "base_model.model.model.layers.0.self_attn.o_proj"
     np.testing.assert_allclose(a, tensors[f"{stem}.lora_A.weight"].T, rtol=1e-6)
@@ -54,23 +54,23 @@ def test_fused_projections_split_their_b_rows(tmp_path):
     tensors = {**_pair(rng, "self_attn.qkv_proj", D, Q + 2 * KV), **_pair(rng, "mlp.gate_up_proj", D, 2 * F)}
     adapter = read_adapter("x", _write(tmp_path / "a", tensors), LAYOUT)
     b = tensors["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
-    for name, rows in (("q_lora", b[:Q]), ("k_lora", b[Q : Q + KV]), ("v_lora", b[Q + KV :])):
-        np.testing.assert_allclose(adapter.weights[("layers", 0, "self_attn", name)][1], 2 * rows.T, rtol=1e-6)
+    for name, rows in (("q", b[:Q]), ("k", b[Q : Q + KV]), ("v", b[Q + KV :])):
+        np.testing.assert_allclose(adapter.weights[("layers", 0, "self_attn", "lora", name)][1], 2 * rows.T, rtol=1e-6)
     up = tensors["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"][F:]
-    np.testing.assert_allclose(adapter.weights[("layers", 0, "mlp", "up_lora")][1], 2 * up.T, rtol=1e-6)
+    np.testing.assert_allclose(adapter.weights[("layers", 0, "mlp", "lora", "up")][1], 2 * up.T, rtol=1e-6)
 
 
 def test_slot_values_pad_the_rank_and_zero_what_the_adapter_leaves(tmp_path):
     rng = np.random.default_rng(2)
     adapter = read_adapter("x", _write(tmp_path / "a", _pair(rng, "mlp.down_proj", F, D)), LAYOUT)
     values = slot_values(adapter, SHAPES, 8, np.float32)
-    a, b = values[("layers", 0, "mlp", "down_lora")]
+    a, b = values[("layers", 0, "mlp", "lora", "down")]
     assert a.shape == (F, 8) and b.shape == (8, D)
-    own_a, own_b = adapter.weights[("layers", 0, "mlp", "down_lora")]
+    own_a, own_b = adapter.weights[("layers", 0, "mlp", "lora", "down")]
     np.testing.assert_array_equal(a[:, :2], own_a)
     np.testing.assert_array_equal(b[:2], own_b)
     assert not a[:, 2:].any() and not b[2:].any()
-    assert not any(a.any() or b.any() for stack, (a, b) in values.items() if stack[-1] != "down_lora")
+    assert not any(a.any() or b.any() for stack, (a, b) in values.items() if stack[-1] != "down")
     assert not any(a.any() for a, _ in slot_values(None, SHAPES, 8, np.float32).values())
 
 
@@ -133,6 +133,6 @@ def test_bfloat16_and_float16_tensors_read_as_their_values(tmp_path):
     save({f"{stem}.lora_A.weight": a.astype(ml_dtypes.bfloat16), f"{stem}.lora_B.weight": b.astype(np.float16)},
          tmp_path / "a" / "adapter_model.safetensors")
     (tmp_path / "a" / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 2}')
-    got_a, got_b = read_adapter("x", str(tmp_path / "a"), LAYOUT).weights[("layers", 0, "self_attn", "q_lora")]
+    got_a, got_b = read_adapter("x", str(tmp_path / "a"), LAYOUT).weights[("layers", 0, "self_attn", "lora", "q")]
     np.testing.assert_array_equal(got_a, a.astype(ml_dtypes.bfloat16).astype(np.float32).T)
     np.testing.assert_array_equal(got_b, b.astype(np.float16).astype(np.float32).T)
