@@ -202,7 +202,7 @@ class _Serving:
         self.model, self.fail_on, self.decoded = model, fail_on, []
         self.info = SimpleNamespace(eos_token_ids=(3,))
 
-    def generate(self, ids, params, request_id, cache_salt=None, priority=0):
+    def generate(self, ids, params, request_id, cache_salt=None, priority=0, lora_name=None):
         async def outputs():
             await asyncio.sleep(0)
             if self.fail_on is not None and len(ids) >= self.fail_on:
