@@ -193,6 +193,9 @@ ENGINE_FLAGS = (
     Flag("--max-loras", LoraConfig, "max_loras", type=int, preset=True,
          help=f"the most adapters one step runs; a request of another adapter waits for a slot (default: "
               f"{LoraConfig.max_loras})"),
+    Flag("--max-cpu-loras", LoraConfig, "max_cpu_loras", type=int, preset=True,
+         help="vLLM's bound on adapters kept in host memory; here every adapter served stays there (each load "
+              "logs its size), so it is only checked: >= --max-loras (default: --max-loras)"),
     Flag("--max-lora-rank", LoraConfig, "max_lora_rank", type=int, preset=True,
          help=f"the largest adapter rank served; every slot is this wide (default: {LoraConfig.max_lora_rank})"),
     Flag("--greedy-decodes", BucketConfig, "greedy_decodes", preset=True, action=argparse.BooleanOptionalAction,

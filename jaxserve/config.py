@@ -241,6 +241,9 @@ class LoraConfig:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one step: the device slots
     max_lora_rank: int = 16
+    # vLLM's bound on adapters cached in host memory (None: max_loras). Every adapter served stays in host
+    # memory here (each load logs its size), so it is only checked, as vLLM checks it.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         modules = tuple(LoraModule.parse(module) for module in self.lora_modules)
@@ -252,6 +255,8 @@ class LoraConfig:
             raise ValueError(f"LoRA module names must differ: {names}")
         if not 1 <= self.max_loras <= 64:
             raise ValueError(f"max_loras must be in [1, 64], got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.max_lora_rank not in MAX_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, "
                              f"got {self.max_lora_rank}")

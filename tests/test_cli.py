@@ -278,10 +278,11 @@ def test_the_speculative_config_flag_takes_vllm_s_json_and_refuses_bad_values(tm
 
 def test_the_lora_flags_take_vllm_s_forms_and_refuse_bad_values(tmp_path, capsys):
     parser = build_parser()
-    args = parser.parse_args(["serve", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--lora-modules",
+    args = parser.parse_args(["serve", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--max-cpu-loras",
+                              "8", "--lora-modules",
                               "sql=/adapters/sql", '{"name": "chat", "path": "org/chat-lora", "base_model_name": "b"}'])
     lora = _engine_config(args).lora
-    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 3, 64)
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (True, 3, 64, 8)
     assert lora.lora_modules == (LoraModule("sql", "/adapters/sql"), LoraModule("chat", "org/chat-lora", "b"))
     assert _engine_config(parser.parse_args(["serve"])).lora == LoraConfig()
     preset = tmp_path / "lora.yaml"
@@ -295,6 +296,7 @@ def test_the_lora_flags_take_vllm_s_forms_and_refuse_bad_values(tmp_path, capsys
     for flags, error in ((["--lora-modules", "a=/x"], "needs --enable-lora"),
                          (["--enable-lora", "--max-lora-rank", "12"], "max_lora_rank must be one of"),
                          (["--enable-lora", "--max-loras", "0"], "max_loras must be in"),
+                         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "must be >= max_loras"),
                          (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names must differ"),
                          (["--enable-lora", "--kv-cache-dtype", "fp8"], "not with an FP8 KV cache")):
         with pytest.raises(ValueError, match=error):

@@ -109,6 +109,8 @@ class EngineCore:
         scheduler, the warm-up."""
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
+            logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,
+                        config.lora.max_lora_rank)
         self.model = model
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
