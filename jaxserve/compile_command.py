@@ -17,6 +17,7 @@ def main(config: CompileConfig) -> None:
 
         use_cpu_platform()
     from jaxserve.compile_ladder import compile_ladder, format_report
+    from jaxserve.models.layers import LoraShape
 
     report = compile_ladder(
         config.model,
@@ -35,6 +36,7 @@ def main(config: CompileConfig) -> None:
         enable_expert_parallel=config.enable_expert_parallel,
         quantization=config.quantization,
         variants=config.variants,
+        lora=LoraShape(config.max_loras, config.max_lora_rank) if config.max_loras else None,
     )
     print(format_report(report))
     if config.json:

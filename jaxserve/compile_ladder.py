@@ -32,7 +32,9 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
+from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
+from jaxserve.models.lora import abstract_with_lora
 from jaxserve.models.quantization import layer_weight_itemsize, quantize_state
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
@@ -131,6 +133,7 @@ def compile_ladder(
     quantization: str | None = None,
     read_launches: bool = True,
     variants: bool = True,
+    lora: LoraShape | None = None,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
@@ -139,7 +142,8 @@ def compile_ladder(
     target, deviceless), memory figures are per device, and neither XLA's CPU cost analysis nor the
     roofline (which would ignore the collectives) is reported. `read_launches`: what each bucket's step
     launches (XLA dumps its thunks for it: ~10% more compile time). `variants`: the decode buckets' variants
-    the preset turns on, each its own row (module docstring).
+    the preset turns on, each its own row (module docstring). `lora`: the step with --enable-lora's adapter
+    slots, as a LoRA server compiles it.
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model)
@@ -157,6 +161,8 @@ def compile_ladder(
     jax_dtype = resolve_dtype(dtype, facts.platform)
     attention = dataclasses.replace(resolve_attention(attention_impl, facts, config.cache.kv_cache_dtype), mesh=mesh)
     abstract = build_abstract_model(hf_config, jax_dtype, attention, expert_parallel=enable_expert_parallel)
+    if lora is not None:
+        abstract = abstract_with_lora(abstract, lora, jax_dtype)
     if quantization == "gguf":
         raise ValueError("--quantization gguf runs on CPUs, from a GGUF file's blocks: not compiled deviceless")
     if quantization is not None:

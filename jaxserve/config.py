@@ -612,6 +612,9 @@ class CompileConfig:
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     quantization: str | None = ModelConfig.quantization
+    # --enable-lora's adapter slots compiled into the step: max_loras slots of rank max_lora_rank (0: none)
+    max_loras: int = 0
+    max_lora_rank: int = LoraConfig.max_lora_rank
     xla_cost: bool = True
     variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report

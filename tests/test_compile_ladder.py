@@ -330,3 +330,32 @@ def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_
     _, hf_config = load_model_config(name)
     abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
     assert abstract.num_params == num_params
+
+
+@pytest.mark.slow
+def test_lora_slots_compile_for_h100_inside_the_one_command_buffer():
+    """`jaxserve compile --max-loras 4`: a LoRA server's greedy decode step, deviceless for an H100, is still
+    one command buffer with no host sync; its weights grow by exactly the stacks' bytes, and its kernels by
+    the stacks' dots (docs/benchmarks.md, stop 64, counts them)."""
+    from jaxserve.compile_ladder import load_model_config
+    from jaxserve.models.layers import LoraShape
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.models.lora import abstract_with_lora
+    from jaxserve.ops.attention import resolve_attention
+    from jaxserve.runner.aot import compile_bucket, step_shapes
+    from jaxserve.runner.step_fn import make_step_fn
+
+    _, hf_config = load_model_config("smollm2-135m")
+    plain = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
+    lora = abstract_with_lora(plain, LoraShape(4, 16), jnp.bfloat16)
+    launches = {}
+    for name, abstract in (("plain", plain), ("lora", lora)):
+        shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256)
+        step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), 20, greedy=True)
+        launches[name] = compile_bucket(step, abstract.state, shapes, Bucket(16, 16, decode_only=True),
+                                        deviceless_device("h100"), read_launches=True).launches
+    stacks = 30 * sum(d_in + d_out for d_in, d_out in ((576, 576), (576, 192), (576, 192), (576, 576),
+                                                       (576, 1536), (576, 1536), (1536, 576)))
+    assert lora.weights_bytes - plain.weights_bytes == stacks * 4 * 16 * 2  # bfloat16
+    assert launches["lora"].host_ops == {"kCommandBuffer": 1} and launches["lora"].host_syncs == 0
+    assert launches["lora"].num_kernels > launches["plain"].num_kernels + 7 * 30

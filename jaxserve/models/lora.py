@@ -5,12 +5,13 @@ runner writes an adapter into a device slot when a request of it starts and the 
 """
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from jaxserve.models.layers import LoraShape
-from jaxserve.models.loader import LoadedModel
+from jaxserve.models.loader import AbstractModel, LoadedModel
 from jaxserve.models.peft import LoraLayout, StackPath
 from jaxserve.parallel import replicated
 
@@ -42,6 +43,17 @@ def with_lora_slots(model: LoadedModel, shape: LoraShape) -> LoadedModel:
             for path, leaf in traverse_util.flatten_dict(nnx.to_pure_dict(abstract)).items()}
     nnx.replace_by_pure_dict(abstract, traverse_util.unflatten_dict(flat))
     return dataclasses.replace(model, cfg=cfg, graphdef=graphdef, state=abstract)
+
+
+def abstract_with_lora(abstract: AbstractModel, shape: LoraShape, dtype: Any, weight_dtype: Any = None
+                       ) -> AbstractModel:
+    """A model built from its config alone, with `shape`'s adapter slots: what a compile of a LoRA server's
+    step needs (`jaxserve compile --max-loras`)."""
+    if getattr(abstract.spec.module, "LORA_TARGETS", None) is None or not hasattr(abstract.cfg, "lora"):
+        raise ValueError(f"--enable-lora: not supported for {abstract.spec.model_cls.__name__}")
+    cfg = dataclasses.replace(abstract.cfg, lora=shape)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: abstract.spec.model_cls(cfg, dtype, weight_dtype)))
+    return dataclasses.replace(abstract, cfg=cfg, graphdef=graphdef, state=state)
 
 
 def lora_layout(model: LoadedModel) -> LoraLayout:
