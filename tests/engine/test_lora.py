@@ -265,3 +265,38 @@ def test_every_family_serves_adapters_as_their_merged_models(tiny_model_dir, tmp
 def test_a_family_without_adapter_stacks_is_refused_at_start(tiny_model_dir):
     with pytest.raises(ValueError, match="--enable-lora: not supported for GPT2LMHeadModel"):
         make_engine(tiny_model_dir("gpt2"), warmup=False, enable_lora=True)
+
+
+def test_async_engine_loads_race_and_an_unload_lets_its_stream_finish(lora_dirs):
+    """Through the AsyncEngine, as the server drives it: of two loads of one name at once, one serves and
+    the other is refused; an unload while a request of the adapter streams lets that stream finish with
+    every token its merged model gives, and refuses the next request."""
+    import asyncio
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.llm_engine import AdapterExists
+
+    base, adapters, _ = lora_dirs
+    engine = AsyncEngine(make_engine(base, warmup=False, enable_lora=True, max_loras=2))
+    prompt, params = make_prompts(4)[3], _params(12)
+
+    async def scenario() -> tuple[list, list[int]]:
+        loads = await asyncio.gather(*(engine.load_lora(LoraModule("all", str(adapters["all"])))
+                                       for _ in range(2)), return_exceptions=True)
+        stream = engine.generate(prompt, params, "streamed", lora_name="all")
+        first = await anext(stream)
+        await engine.remove_lora("all")
+        last = first
+        async for last in stream:
+            pass
+        with pytest.raises(InvalidParam, match="does not exist"):
+            async for _ in engine.generate(prompt, params, "late", lora_name="all"):
+                pass
+        return loads, list(last.outputs[0].token_ids)
+
+    try:
+        loads, tokens = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert sum(load is None for load in loads) == 1 and any(isinstance(load, AdapterExists) for load in loads)
+    assert tokens == _references(lora_dirs, [("streamed", prompt, "all")], params)["streamed"][0]
