@@ -286,13 +286,11 @@ def test_async_engine_loads_race_and_an_unload_lets_its_stream_finish(lora_dirs)
         stream = engine.generate(prompt, params, "streamed", lora_name="all")
         first = await anext(stream)
         await engine.remove_lora("all")
-        last = first
-        async for last in stream:
-            pass
+        outputs = [first] + [output async for output in stream]
         with pytest.raises(InvalidParam, match="does not exist"):
             async for _ in engine.generate(prompt, params, "late", lora_name="all"):
                 pass
-        return loads, list(last.outputs[0].token_ids)
+        return loads, list(outputs[-1].outputs[0].token_ids)
 
     try:
         loads, tokens = asyncio.run(scenario())
