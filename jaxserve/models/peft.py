@@ -25,7 +25,7 @@ _UNSERVED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "lo
              "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
              "modules_to_save": "modules_to_save (full weights besides the adapter)"}
 
-StackPath = tuple  # ("layers", layer, sub-module, stack), e.g. ("layers", 3, "self_attn", "q_lora")
+StackPath = tuple  # ("layers", layer, sub-module, "lora", stack), e.g. ("layers", 3, "self_attn", "lora", "q")
 
 
 @dataclass(frozen=True)
