@@ -28,13 +28,12 @@ from jaxserve.models import llama
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
+    GatedMlp,
     KVCache,
     LoraShape,
-    MlpLora,
     RMSNorm,
     Rope,
     apply_rope,
-    dense,
     embedding_lookup,
     layer_windows,
     logits_from_embeddings,
@@ -138,28 +137,6 @@ class Attention(nnx.Module):
         return (y if lora_slots is None else self.lora.add_o(y, out, lora_slots)), kv_cache
 
 
-class MLP(nnx.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: GemmaConfig, weight_dtype: Any) -> None:
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = param(d, f, dtype=weight_dtype)
-        self.up_proj = param(d, f, dtype=weight_dtype)
-        self.down_proj = param(f, d, dtype=weight_dtype)
-        if cfg.lora is not None:
-            self.lora = MlpLora(d, f, cfg.lora, weight_dtype, cfg.attention)
-        self.attention = cfg.attention
-
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
-        gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
-        up = dense(x, self.up_proj[...], self.attention)
-        if lora_slots is not None:
-            gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
-        hidden = jax.nn.gelu(gate, approximate=True) * up
-        out = dense(hidden, self.down_proj[...], self.attention)
-        return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: GemmaConfig, weight_dtype: Any, layer: int) -> None:
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -167,7 +144,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, weight_dtype, layer)
         self.post_attention_layernorm = RMSNorm(d, eps, NORM_DTYPE)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
-        self.mlp = MLP(cfg, weight_dtype)
+        self.mlp = GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora, "gelu_tanh")  # GeGLU
         self.post_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
 
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):

@@ -301,6 +301,37 @@ class MlpLora(nnx.Module):
         self.down = LoraStack(f, d, shape, weight_dtype, attention)
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class GatedMlp(nnx.Module):
+    """down(act(gate(x)) * up(x)): Llama's SwiGLU (`silu`) and Gemma's GeGLU (`gelu_tanh`), with the LoRA
+    stacks of its three projections under --enable-lora (`lora`, the slots' shape)."""
+
+    def __init__(self, d: int, f: int, weight_dtype: Any, attention: AttentionConfig, lora: LoraShape | None,
+                 activation: str) -> None:
+        self.gate_proj = param(d, f, dtype=weight_dtype)
+        self.up_proj = param(d, f, dtype=weight_dtype)
+        self.down_proj = param(f, d, dtype=weight_dtype)
+        if lora is not None:
+            self.lora = MlpLora(d, f, lora, weight_dtype, attention)
+        self.attention = attention
+        self.activation = activation  # a key of _ACTIVATIONS
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        lora_slots: jax.Array | None = None,  # i32[T], with --enable-lora
+    ) -> jax.Array:  # [T, D]
+        gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
+        up = dense(x, self.up_proj[...], self.attention)
+        if lora_slots is not None:
+            gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
+        hidden = _ACTIVATIONS[self.activation](gate) * up
+        out = dense(hidden, self.down_proj[...], self.attention)
+        return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
+
+
 # A PEFT adapter's target module, by its name within an HF decoder layer -> the `LoraStack` it fills, within
 # the model's layer (`AttentionLora` and `MlpLora` as `self_attn.lora` and `mlp.lora`); a fused target (Phi-3's)
 # fills several, its B rows split among them in order (`peft.LoraLayout`).

@@ -20,13 +20,12 @@ from jaxserve.models import layers
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
+    GatedMlp,
     KVCache,
     LoraShape,
-    MlpLora,
     RMSNorm,
     Rope,
     apply_rope,
-    dense,
     embedding_lookup,
     layer_windows,
     logits_from_embeddings,
@@ -155,26 +154,6 @@ class Attention(nnx.Module):
         return (y if lora_slots is None else self.lora.add_o(y, out, lora_slots)), kv_cache
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weight_dtype: Any) -> None:
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = param(d, f, dtype=weight_dtype)
-        self.up_proj = param(d, f, dtype=weight_dtype)
-        self.down_proj = param(f, d, dtype=weight_dtype)
-        if cfg.lora is not None:
-            self.lora = MlpLora(d, f, cfg.lora, weight_dtype, cfg.attention)
-        self.attention = cfg.attention
-
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
-        gate = dense(x, self.gate_proj[...], self.attention)  # [T, F]
-        up = dense(x, self.up_proj[...], self.attention)
-        if lora_slots is not None:
-            gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
-        hidden = jax.nn.silu(gate) * up
-        out = dense(hidden, self.down_proj[...], self.attention)
-        return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -182,7 +161,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if self.is_moe
-                    else MLP(cfg, weight_dtype))
+                    else GatedMlp(cfg.hidden_size, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora,
+                                  "silu"))
 
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)
