@@ -336,7 +336,7 @@ def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_
 def test_lora_slots_compile_for_h100_inside_the_one_command_buffer():
     """`jaxserve compile --max-loras 4`: a LoRA server's greedy decode step, deviceless for an H100, is still
     one command buffer with no host sync; its weights grow by exactly the stacks' bytes, and its kernels by
-    the stacks' dots (docs/benchmarks.md, stop 64, counts them)."""
+    the stacks' dots (docs/benchmarks.md, stop 64, counts them). It compiles for an A100 too."""
     from jaxserve.compile_ladder import load_model_config
     from jaxserve.models.layers import LoraShape
     from jaxserve.models.loader import build_abstract_model
@@ -359,3 +359,9 @@ def test_lora_slots_compile_for_h100_inside_the_one_command_buffer():
     assert lora.weights_bytes - plain.weights_bytes == stacks * 4 * 16 * 2  # bfloat16
     assert launches["lora"].host_ops == {"kCommandBuffer": 1} and launches["lora"].host_syncs == 0
     assert launches["lora"].num_kernels > launches["plain"].num_kernels + 7 * 30
+    a100 = abstract_with_lora(build_abstract_model(hf_config, jnp.bfloat16, resolve_attention(
+        "auto", target_facts("a100"))), LoraShape(4, 16), jnp.bfloat16)
+    step = make_step_fn(a100.graphdef, jax.tree.structure(a100.state), 20, greedy=True)
+    compiled = compile_bucket(step, a100.state, step_shapes(a100.cfg, jnp.dtype(jnp.bfloat16), 16, 4096, 64, 256),
+                              Bucket(16, 16, decode_only=True), deviceless_device("a100"))
+    assert compiled.temp_bytes > 0

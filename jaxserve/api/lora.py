@@ -3,8 +3,6 @@ server allows them (`ServerConfig.allow_runtime_lora_updating`), with vLLM's bod
 is read on a worker thread (the engine keeps stepping) and served from the next request that names it;
 one unloaded takes no new request, and those already started finish with it."""
 
-from pathlib import Path
-
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -13,6 +11,7 @@ from jaxserve.api.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterReque
 from jaxserve.api.serving import get_serving
 from jaxserve.config import LoraModule
 from jaxserve.engine.llm_engine import AdapterExists
+from jaxserve.models.peft import is_local_directory
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -22,7 +21,7 @@ async def load_lora_adapter(request: Request) -> Response:
         raise APIError(400, "LoRA adapters are not enabled: start the server with --enable-lora", "lora_name")
     if not req.lora_name or req.lora_name in serving.model_names:
         raise APIError(400, f"lora_name {req.lora_name!r} must be a new, non-empty model name", "lora_name")
-    if not Path(req.lora_path).expanduser().is_dir():  # a runtime load reads the server's disk, never the network
+    if not is_local_directory(req.lora_path):  # a runtime load reads the server's disk, never the network
         raise APIError(400, f"lora_path {req.lora_path!r} is not a directory on the server", "lora_path")
     if serving.engine.has_adapter(req.lora_name) and not req.load_inplace:
         raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")

@@ -53,12 +53,19 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+def is_local_directory(path: str) -> bool:
+    """Whether `path` names a directory here; False for any path the OS refuses (too long, say)."""
+    try:
+        return Path(path).expanduser().is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def adapter_directory(path: str) -> Path:
     """A local PEFT directory as it is, or a hub id downloaded (what the user asked for: --lora-modules)."""
-    directory = Path(path).expanduser()
-    if directory.is_dir():
-        return directory
-    if directory.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if is_local_directory(path):
+        return Path(path).expanduser()
+    if path.startswith((".", "/", "~")) or path.count("/") != 1 or len(path) > 200 or Path(path).exists():
         raise ValueError(f"LoRA adapter path {path!r} is not a directory")
     from huggingface_hub import snapshot_download
 

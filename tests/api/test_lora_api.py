@@ -105,6 +105,12 @@ def test_adapters_load_and_unload_while_serving(client, dirs, tmp_path):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"lora_name": "x", "lora_path": "/no/such/dir"}, "lora_path"),
+    ({"lora_name": "x", "lora_path": "x" * 100_000}, "lora_path"),  # past the OS's name limit
+    ({"lora_name": "x", "lora_path": "/" + "a/" * 5_000}, "lora_path"),  # past its path limit
+    ({"lora_name": "x", "lora_path": "/tmp\x00/etc"}, "lora_path"),  # a NUL byte
+    ({"lora_name": "x", "lora_path": 5}, "lora_path"),
+    ({"lora_name": "x", "lora_path": ["/tmp"]}, "lora_path"),
+    ({"lora_name": "x", "lora_path": "ADAPTER", "load_inplace": "maybe"}, "load_inplace"),
     ({"lora_name": "x", "lora_path": "org/hub-adapter"}, "lora_path"),  # never a download
     ({"lora_name": "x", "lora_path": "BASE"}, "lora_path"),  # a model, not an adapter
     ({"lora_name": "tiny", "lora_path": "ADAPTER"}, "lora_name"),  # the base model's name
