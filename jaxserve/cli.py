@@ -130,7 +130,9 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     if args.trust_remote_code:
         logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
                     "tokenizers load without remote code, so no code from a model repository ever runs")
-    preset = args.config if args.config is not None else platform_preset(isolated=bool(settings["engine_process"]))
+    # A core in its own process needs all of its device's memory: this process must not open it.
+    isolated = bool(settings["engine_process"]) or (settings["data_parallel_size"] or 1) > 1
+    preset = args.config if args.config is not None else platform_preset(isolated=isolated)
     return EngineConfig.from_preset(preset, **settings, **extra)
 
 

@@ -241,6 +241,9 @@ ENGINE_FLAGS = (
     Flag(("--tensor-parallel-size", "-tp"), ParallelConfig, "tensor_parallel_size", type=int,
          help="devices to split the model over (heads, MLP width, vocabulary, KV pages); on CPU, "
               "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices"),
+    Flag(("--data-parallel-size", "-dp"), ParallelConfig, "data_parallel_size", type=int,
+         help="engine cores, each in its own process on --tensor-parallel-size devices of its own (GPUs, or "
+              "on a CPU its share of the physical cores); each request goes to the least loaded"),
     Flag("--enable-expert-parallel", ParallelConfig, "enable_expert_parallel", action="store_true",
          help="a mixture of experts: split the experts whole over the devices (default: each expert's MLP "
               "width split, as the dense MLP's)"),

@@ -286,10 +286,17 @@ class ParallelConfig:
     process_id: int = 0
     coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
     enable_expert_parallel: bool = False  # a mixture of experts' experts split whole over the devices
+    # Engine cores, each in its own process with its own tensor_parallel_size devices (vLLM's
+    # --data-parallel-size): the frontend sends each request to the least loaded one.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.num_processes > 1:
+            raise ValueError("data_parallel_size > 1 runs its engine cores on one host: not with num_processes > 1")
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if self.num_processes > 1 and not self.coordinator_address:
@@ -301,6 +308,10 @@ class ParallelConfig:
     @property
     def multihost(self) -> bool:
         return self.num_processes > 1
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.data_parallel_size > 1
 
     @property
     def is_leader(self) -> bool:
@@ -335,6 +346,14 @@ class EngineConfig:
     # state pooled (`pooling_type`: the last token's, or the mean over its tokens) instead of decoded.
     runner: str = "generate"
     pooling_type: str = "last"
+
+    @property
+    def core_processes(self) -> int:
+        """How many engine cores run in processes of their own: one per data-parallel rank, or one with
+        engine_process; 0 when the core runs in the caller's process."""
+        if self.parallel.data_parallel:
+            return self.parallel.data_parallel_size
+        return int(self.engine_process)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS or self.pooling_type not in POOLING_TYPES:

@@ -60,11 +60,12 @@ from jaxserve.torch_free import keep_torch_out
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.005  # how often an idle core with grammars compiling looks for them
-_WAIT_S = 0.005  # the longest the frontend's step() waits for the core before it returns to its commands
+STEP_WAIT_S = 0.005  # the longest the frontend's step() waits for the core before it returns to its commands
 
 
 def _import_tokenizer_modules() -> None:
@@ -84,12 +85,18 @@ class CoreProcessDied(RuntimeError):
 
 
 class CoreProcessClient:
-    def __init__(self, config: EngineConfig, warmup: bool = True) -> None:
+    def __init__(self, config: EngineConfig, warmup: bool = True, placement: "RankPlacement | None" = None,
+                 wait: bool = True) -> None:
+        """Starts the core's process and, with `wait`, waits until it is ready (else call `wait_ready()`).
+        `placement`: the devices and CPUs of a data-parallel rank, which its process takes before jax starts."""
         context = multiprocessing.get_context("spawn")
+        self.started_at = time.monotonic()
+        self.ready_at: float | None = None  # when its ready message came
         self._conn, child_conn = context.Pipe()
         log_level = logging.getLogger("jaxserve").getEffectiveLevel()
-        self._process = context.Process(target=_core_main, args=(config, child_conn, log_level, warmup),
-                                        name="jaxserve-core", daemon=True)
+        name = "jaxserve-core" if placement is None else f"jaxserve-core-{placement.rank}"
+        self._process = context.Process(target=_core_main, args=(config, child_conn, log_level, warmup, placement),
+                                        name=name, daemon=True)
         self._process.start()
         # The tokenizer's transformers modules, which unpickling the core's ready message would import: most
         # of a second otherwise spent after the core is ready, while this process only waits.
@@ -99,13 +106,23 @@ class CoreProcessClient:
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would wait
         # forever for a daemon that ignores SIGTERM: a script that never calls shutdown() still exits.
         atexit.register(self.shutdown)
-        importing.join()  # done before the core is ready: the ready message's unpickling imports nothing
+        self._importing = importing
+        self.ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Waits for the core's ready message (its facts, its tokenizer, its warm-up time), once."""
+        if self.ready:
+            return
+        self._importing.join()  # done before the core is ready: the ready message's unpickling imports nothing
         kind, *body = self._receive()
         if kind != "ready":
             self.shutdown(5)
             raise CoreProcessDied(f"the engine core did not start: {body[0]}")
         self.info: EngineInfo
         self.info, self.tokenizer, self.warmup_seconds = body
+        self.ready, self.ready_at = True, time.monotonic()
         self._stats = EngineStats()
         self._updates: list[CoreOutputs] = []  # received, not returned by step() yet
         self._received = False  # a step message came since the last step()
@@ -125,11 +142,21 @@ class CoreProcessClient:
     def remove_lora(self, lora_id: int) -> None:
         self._send(("remove_lora", lora_id))
 
-    def step(self) -> list[CoreOutputs]:
-        """The updates of every step the core has sent since the last call. Waits up to `_WAIT_S` for one
+    @property
+    def connection(self) -> Connection:
+        """The frontend's end of the pipe, readable when the core has sent something."""
+        return self._conn
+
+    @property
+    def has_updates(self) -> bool:
+        """A step message came since the last `step()`."""
+        return self._received
+
+    def step(self, timeout: float = STEP_WAIT_S) -> list[CoreOutputs]:
+        """The updates of every step the core has sent since the last call. Waits up to `timeout` s for one
         if none came, and returns [] after that: the caller's new commands reach the core without waiting
         for its step (or for a grammar it is compiling)."""
-        if not self._received and self._conn.poll(_WAIT_S):
+        if not self._received and self._conn.poll(timeout):
             self._take(self._receive())
         self._take_waiting()
         updates, self._updates, self._received = self._updates, [], False
@@ -204,15 +231,20 @@ def from_wire(wire: tuple) -> CoreOutputs:
     return CoreOutputs(seq_ids, token_ids, logprobs, time_, details, [SequenceFailure(*f) for f in failures])
 
 
-def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: bool) -> None:
-    """The core process: build the core, then step while there is work.
+def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: bool,
+               placement: "RankPlacement | None" = None) -> None:
+    """The core process: take the rank's devices and CPUs (data parallelism), build the core, then step while
+    there is work.
 
     It ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole process group, and the
     frontend, which drains its requests first, says when to stop (or its exit closes the pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    tag = "core" if placement is None else f"core {placement.rank}"
+    logging.basicConfig(format=f"%(asctime)s %(levelname)s %(name)s [{tag}]: %(message)s")
     logging.getLogger("jaxserve").setLevel(log_level)
+    if placement is not None:
+        placement.apply()  # before jax starts a backend
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_all, args=(conn, outbox), name="jaxserve-core-sender", daemon=True)
     sender.start()

@@ -7,7 +7,9 @@ sequences sharing the prompt, and turns the core's token updates into text and `
 what the core still sends for its predecessor.
 The core runs here, in this thread, or in its own process (`EngineConfig.engine_process`, vLLM V1's
 split: `core_process`), where scheduling and steps no longer share a Python interpreter with
-detokenizing and HTTP. Both run the same code on each side of the same records (`core_io`).
+detokenizing and HTTP. Both run the same code on each side of the same records (`core_io`). With
+`data_parallel_size` > 1, several cores run, each in its own process on its own devices
+(`data_parallel`), and each request goes to one of them.
 """
 
 import copy
@@ -58,13 +60,19 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         self.core: EngineCore | None  # the core when it runs in this process, else None
         self._core: EngineCoreClient  # the core, here or in its own process
-        if config.engine_process:
-            from jaxserve.engine.core_process import CoreProcessClient
-
+        if config.core_processes:
             if model is not None:
-                raise ValueError("engine_process loads the model in the core's process: pass no model")
+                raise ValueError("engine_process and data_parallel_size > 1 load the model in the cores' "
+                                 "processes: pass no model")
             self.core = None
-            self._core = CoreProcessClient(config, warmup)
+            if config.parallel.data_parallel:
+                from jaxserve.engine.data_parallel import DataParallelClient
+
+                self._core = DataParallelClient(config, warmup)
+            else:
+                from jaxserve.engine.core_process import CoreProcessClient
+
+                self._core = CoreProcessClient(config, warmup)
             self.tokenizer = self._core.tokenizer
         else:
             from jaxserve.engine import core  # imports jax

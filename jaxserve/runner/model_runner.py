@@ -71,9 +71,10 @@ from jaxserve.runner.temp_records import StepTempRecord, TempRecords, fingerprin
 
 logger = logging.getLogger(__name__)
 
-# Buckets compiled at once at warm-up, one per core (measured 1.5x faster than one at a time on a 2-core
-# CPU; a GPU host's 16 cores compiled on 4 threads before).
-_COMPILE_THREADS = os.cpu_count() or 1
+# Buckets compiled at once at warm-up, one per core this process may run on (measured 1.5x faster than one
+# at a time on a 2-core CPU; a GPU host's 16 cores compiled on 4 threads before). A data-parallel rank on a
+# CPU has its share of the cores (`placement`).
+_COMPILE_THREADS = len(os.sched_getaffinity(0)) or 1
 
 # The environment variables that change what the step compiles to, besides the attention kernels' (read
 # through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.

@@ -1,0 +1,199 @@
+"""Data parallelism: two engine cores in their own processes give the in-process engine's outputs.
+
+The routing and the placements are pure Python and tested on their own (fake topologies, fake GPU lists).
+The engine runs the core-process tests' workload (greedy and seeded sampling, n > 1, penalties, logprobs,
+prompt logprobs, stops, a grammar, prefix-cache hits, aborts) on two ranks, each pinned to its CPU cores,
+and every finished request must match the in-process engine's exactly.
+"""
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import data_parallel, placement
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.core_io import EngineStats
+from jaxserve.engine.data_parallel import SequenceRouter, combined_stats
+from jaxserve.engine.placement import RankPlacement, physical_cores, placements, visible_gpus
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+
+
+def test_a_request_goes_whole_to_the_least_loaded_rank_ties_in_turn():
+    router = SequenceRouter(3)
+    assert [router.route([f"r{i}#0"]) for i in range(3)] == [0, 1, 2]  # an idle engine spreads its requests
+    assert router.route(["n3#0", "n3#1", "n3#2"]) == 0  # n > 1: one rank, so the prompt's pages are shared
+    assert router.loads == [4, 1, 1]
+    assert router.route(["a#0"]) == 1 and router.route(["b#0"]) == 2 and router.route(["c#0"]) == 1
+    assert router.forget("n3#1") == 0 and router.forget("n3#1") is None  # ended twice: counted once
+    assert router.forget("unknown") is None
+    for seq_id in ("n3#0", "n3#2", "r0#0"):
+        router.forget(seq_id)
+    assert router.loads == [0, 3, 2] and router.route(["d#0"]) == 0
+    assert router.routed == [5, 3, 2]
+
+
+def test_stats_of_the_ranks_add_up():
+    a = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_preemptions=1, prefix_cache_queries=10,
+                    prefix_cache_hits=4, iteration_tokens_buckets=(1, 2, 0), iteration_tokens_sum=30,
+                    spec_decode_num_drafts=3, spec_decode_num_draft_tokens=6, spec_decode_num_accepted_tokens=2,
+                    spec_decode_accepted_per_position=(2, 0), max_loras=2, running_lora_adapters=("x",),
+                    waiting_lora_adapters=("y",))
+    b = EngineStats(num_running=1, kv_cache_usage=0.25, iteration_tokens_buckets=(0, 1, 1), iteration_tokens_sum=9,
+                    max_loras=2, running_lora_adapters=("y", "x"))
+    both = combined_stats([a, b], [100, 300])
+    assert (both.num_running, both.num_waiting, both.num_preemptions) == (3, 1, 1)
+    assert both.kv_cache_usage == pytest.approx((0.5 * 100 + 0.25 * 300) / 400)
+    assert (both.prefix_cache_queries, both.prefix_cache_hits) == (10, 4)
+    assert both.iteration_tokens_buckets == (1, 3, 1) and both.iteration_tokens_sum == 39
+    assert both.spec_decode_accepted_per_position == (2, 0) and both.spec_decode_num_draft_tokens == 6
+    assert both.max_loras == 2 and both.running_lora_adapters == ("x", "y") and both.waiting_lora_adapters == ("y",)
+    assert combined_stats([EngineStats(), EngineStats()], [0, 0]) == EngineStats()
+
+
+def _topology(root: Path, cpus: dict[int, tuple[int, int]]) -> Path:
+    """A fake /sys/devices/system/cpu: cpu -> (package, core id)."""
+    for cpu, (package, core) in cpus.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_cpu_ranks_take_whole_physical_cores_in_package_order(tmp_path):
+    # Two packages of two cores, SMT siblings numbered apart (cpu n and cpu n + 4), as Linux numbers them.
+    sysfs = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1), 4: (0, 0), 5: (0, 1), 6: (1, 0),
+                                 7: (1, 1)})
+    assert physical_cores(range(8), sysfs) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    cpu_env = {"JAX_PLATFORMS": "cpu"}
+    two = placements(2, 1, cpu_env, range(8), sysfs)
+    assert [p.cpus for p in two] == [{0, 1, 4, 5}, {2, 3, 6, 7}]  # a socket each
+    three = placements(3, 1, cpu_env, range(8), sysfs)
+    assert [sorted(p.cpus) for p in three] == [[0, 1, 4, 5], [2, 6], [3, 7]]
+    assert three[0].describe() == "CPUs 0-1,4-5" and three[0].gpus is None
+    assert placements(4, 1, cpu_env, [0, 4, 1], sysfs)[0].cpus is None  # 2 cores for 4 ranks: shared, unpinned
+    # A CPU without a readable topology counts as a core.
+    assert physical_cores([0, 9], sysfs) == [[9], [0]]
+
+
+def test_gpu_ranks_take_consecutive_slices_of_the_visible_gpus(monkeypatch, tmp_path):
+    monkeypatch.setattr(placement, "nvidia_gpu_visible", lambda: True)
+    env = {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "4,5,GPU-abc,7"}
+    assert [p.gpus for p in placements(2, 2, env)] == [("4", "5"), ("GPU-abc", "7")]
+    assert [p.gpus for p in placements(4, 1, env)] == [("4",), ("5",), ("GPU-abc",), ("7",)]
+    with pytest.raises(ValueError, match="needs 6 GPUs; 4 are visible"):
+        placements(3, 2, env)
+    for node in ("nvidia2", "nvidia0", "nvidiactl", "nvidia10", "nvidia-uvm"):
+        (tmp_path / node).touch()
+    assert visible_gpus({}, tmp_path) == ["0", "2", "10"]
+    monkeypatch.setattr(placement, "nvidia_gpu_visible", lambda: False)
+    with pytest.raises(ValueError, match="NVIDIA GPUs or on a CPU"):
+        placements(2, 1, {"JAX_PLATFORMS": "tpu"})
+
+
+def test_data_parallel_config_is_checked():
+    config = EngineConfig.from_preset(None, data_parallel_size=2)
+    assert config.core_processes == 2 and EngineConfig().core_processes == 0
+    assert EngineConfig.from_preset(None, engine_process=True).core_processes == 1
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        EngineConfig.from_preset(None, data_parallel_size=0)
+    with pytest.raises(ValueError, match="one host"):
+        EngineConfig.from_preset(None, data_parallel_size=2, num_processes=2, coordinator_address="h:1")
+
+
+@pytest.fixture(scope="module")
+def in_process(llama_dir):
+    return make_engine(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(llama_dir, compile_cache):
+    # Ranks on CPU cores of their own start at once, with a compilation cache too.
+    engine = make_engine(llama_dir, data_parallel_size=2, async_scheduling=True,
+                         compilation_cache_dir=str(compile_cache))
+    yield engine
+    engine.shutdown()
+
+
+def test_two_ranks_give_the_in_process_outputs(in_process, two_ranks):
+    clients = two_ranks._core.clients
+    assert two_ranks.core is None and len({client._process.pid for client in clients} | {os.getpid()}) == 3
+    assert clients[1].started_at < clients[0].ready_at
+    expected_cpus = [rank.cpus for rank in placements(2, 1)]
+    for client, cpus in zip(clients, expected_cpus, strict=True):
+        assert os.sched_getaffinity(client._process.pid) == (cpus or os.sched_getaffinity(0))
+    requests, arrivals = workload(in_process)
+    expected = run(in_process, requests, arrivals)
+    before = list(two_ranks._core.router.routed)
+    got = run(two_ranks, requests, arrivals)
+    assert_same(expected, got)
+    assert got["stop-string"].outputs[0].finish_reason == "stop"
+    routed = [after - start for after, start in zip(two_ranks._core.router.routed, before, strict=True)]
+    assert sum(routed) == sum(params.n for _, params in requests.values()) and min(routed) > 0
+    assert two_ranks._core.router.loads == [0, 0]
+
+
+def test_aborts_reach_the_rank_that_holds_the_request(in_process, two_ranks):
+    requests, arrivals = workload(in_process)
+    aborts = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}
+    expected = run(in_process, requests, arrivals, aborts)
+    got = run(two_ranks, requests, arrivals, aborts)
+    assert not set(aborts) & set(got)
+    assert_same(expected, got)
+    assert two_ranks._core.router.loads == [0, 0]
+    # Every rank's pages are free again once it has heard: a request on each, then nothing left anywhere.
+    for index in range(2):
+        two_ranks.add_request(f"last-{index}", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
+    while two_ranks.has_unfinished_requests():
+        two_ranks.step()
+    stats = two_ranks.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    assert [client.stats().iteration_tokens_sum > 0 for client in two_ranks._core.clients] == [True, True]
+
+
+def test_a_dead_rank_fails_live_requests_and_the_engine(llama_dir, compile_cache, monkeypatch):
+    # Ranks that share the host's cores (as GPU ranks do) with a compilation cache: rank 1 starts once rank 0
+    # is ready, and reads its compiles.
+    monkeypatch.setattr(data_parallel, "placements", lambda num_ranks, _: [RankPlacement(r, num_ranks)
+                                                                           for r in range(num_ranks)])
+    engine = make_engine(llama_dir, data_parallel_size=2, compilation_cache_dir=str(compile_cache))
+    clients = engine._core.clients
+    assert clients[1].started_at >= clients[0].ready_at
+    assert [os.sched_getaffinity(client._process.pid) for client in clients] == [os.sched_getaffinity(0)] * 2
+    async_engine = AsyncEngine(engine)
+
+    async def scenario() -> None:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        streams = [async_engine.generate(make_prompts(1)[0], params, request_id=f"doomed-{i}") for i in range(2)]
+        for stream in streams:
+            assert (await anext(stream)).outputs[0].token_ids  # both run, one on each rank
+        os.kill(async_engine.engine._core.clients[1]._process.pid, signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+        assert not async_engine.is_running
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_placement_is_taken_before_jax_starts(tmp_path):
+    rank = RankPlacement(0, 2, gpus=("3",), cpus=frozenset(os.sched_getaffinity(0)))
+    assert rank.describe() == "GPUs 3"
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        rank.apply()
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
