@@ -312,3 +312,19 @@ def test_runtime_lora_updates_follow_jaxserve_s_then_vllm_s_variable(monkeypatch
     assert _server_config(parser.parse_args(["serve"])).allow_runtime_lora_updating
     monkeypatch.setenv("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0")
     assert not _server_config(parser.parse_args(["serve"])).allow_runtime_lora_updating
+
+
+def test_data_parallel_flags_reach_the_config_and_keep_the_server_off_the_device(monkeypatch):
+    import jaxserve.cli
+
+    probes = []
+    monkeypatch.setattr(jaxserve.cli, "platform_preset", lambda isolated: probes.append(isolated) or "cpu")
+    parser = build_parser()
+    for flags, size in ((["-dp", "2"], 2), (["--data-parallel-size", "3", "-tp", "2"], 3), ([], 1)):
+        config = _engine_config(parser.parse_args(["serve", *flags]))
+        assert config.parallel.data_parallel_size == size and config.core_processes == (size if size > 1 else 0)
+    # The preset's probe runs in a subprocess when cores run in processes of their own: this one must not
+    # open the GPU they need.
+    assert probes == [True, True, False]
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        _engine_config(parser.parse_args(["serve", "-dp", "0"]))

@@ -225,13 +225,17 @@ def test_offline_lora_requests_load_on_first_use(lora_dirs):
 
 
 @pytest.mark.slow
-def test_adapters_in_an_engine_process(lora_dirs):
-    """With the core in its own process, adapters cross the pipe as arrays and serve the same outputs."""
-    requests = _requests(["wide", None, "all"])
+@pytest.mark.parametrize("processes", [{"engine_process": True}, {"data_parallel_size": 2}], ids=["core", "dp2"])
+def test_adapters_in_engine_processes(lora_dirs, processes):
+    """With the core in its own process, adapters cross the pipe as arrays and serve the same outputs; with
+    two data-parallel ranks, every rank has every adapter (the requests alternate between them)."""
+    requests = _requests(["wide", "all", None, "wide"])
     params = _params(6)
-    engine = _lora_engine(lora_dirs, max_loras=2, engine_process=True)
+    engine = _lora_engine(lora_dirs, max_loras=2, **processes)
     try:
         results = _run(engine, requests, params)
+        if "data_parallel_size" in processes:
+            assert engine._core.router.routed == [2, 2]
         engine.remove_lora("wide")
     finally:
         engine.shutdown()
