@@ -10,19 +10,22 @@ Processes and threads:
   again on the same cores at the same time. Ranks pinned to their own CPU cores, or without a cache, all
   start at once.
 - `DataParallelClient` is the frontend's `EngineCoreClient`, driven from the engine's one thread, as one
-  core's client is. A request's sequences all go to one rank (n > 1 shares its prompt's pages), the one with
-  the fewest unfinished sequences, ties in turn; a finish goes to the rank that holds the sequence; an
-  adapter goes to every rank. `step()` waits on every rank's pipe at once and returns what any has sent.
+  core's client is. A request's sequences all go to one rank (`SequenceRouter`: the one likely to hold its
+  prompt's start in its prefix cache, unless it runs far more than the least loaded); a finish goes to the
+  rank that holds the sequence; an adapter goes to every rank. `step()` waits on every rank's pipe at once
+  and returns what any has sent.
 - A rank that fails ends the engine, as one core's failure does: its requests cannot be vouched for.
 """
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from multiprocessing.connection import wait
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_io import CoreOutputs, EngineInfo, EngineStats
 from jaxserve.engine.core_process import STEP_WAIT_S, CoreProcessClient
+from jaxserve.engine.kv_cache_manager import extend_page_keys
 from jaxserve.engine.placement import placements
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar
@@ -49,13 +52,19 @@ class DataParallelClient:
         self.info: EngineInfo = combined_info([client.info for client in self.clients])
         self.tokenizer = self.clients[0].tokenizer
         self.warmup_seconds = max(client.warmup_seconds for client in self.clients)
-        self.router = SequenceRouter(num_ranks)
+        # A request may go past the least loaded rank to one that holds its prefix, by up to an eighth of a
+        # rank's sequences (at least one).
+        capacity = min(client.info.num_kv_pages for client in self.clients) if self.info.enable_prefix_caching else 0
+        self.router = SequenceRouter(num_ranks, slack=max(1, self.info.max_num_seqs // 8), capacity=capacity)
         logger.info("data parallel: %d engine cores, ready %s s after their start; %s", num_ranks,
                     ", ".join(f"{client.ready_at - client.started_at:.1f}" for client in self.clients),
                     "; ".join(f"rank {rank.rank}: {rank.describe()}" for rank in ranks))
 
     def add_sequences(self, sequences: list[Request], grammar: CompiledGrammar | None = None) -> None:
-        rank = self.router.route([sequence.request_id for sequence in sequences])
+        first = sequences[0]
+        page_keys = extend_page_keys([], len(first.prompt_token_ids) // self.info.page_size, self.info.page_size,
+                                     lambda start, end: first.prompt_token_ids[start:end], first.prefix_cache_salt)
+        rank = self.router.route([sequence.request_id for sequence in sequences], page_keys)
         self.clients[rank].add_sequences(sequences, grammar)
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
@@ -99,19 +108,39 @@ class DataParallelClient:
 
 
 class SequenceRouter:
-    """Which rank holds each unfinished sequence. A request's sequences go together to the rank with the
-    fewest unfinished sequences, ties in turn (so an idle engine's requests spread over the ranks)."""
+    """Which rank holds each unfinished sequence, and where a new request goes.
 
-    def __init__(self, num_ranks: int) -> None:
+    A request's sequences go together to one rank (n > 1 shares its prompt's pages): among the ranks within
+    `slack` unfinished sequences of the least loaded, the one whose prefix cache likely holds the longest
+    start of its prompt; where none holds any, the least loaded, ties in turn (an idle engine's requests
+    spread over the ranks). A turn of a conversation so finds its history's pages where the last turn left
+    them, while no rank runs far more than the others. What a rank's cache holds is guessed from the page
+    keys of the prompts sent to it, the most recent `capacity` of them (a rank cannot hold more pages than
+    its KV cache has); `capacity` 0: by load alone (no prefix caching).
+    """
+
+    def __init__(self, num_ranks: int, slack: int = 0, capacity: int = 0) -> None:
         self.loads = [0] * num_ranks  # unfinished sequences per rank
         self.routed = [0] * num_ranks  # sequences sent to each rank since start
+        self.slack = slack
+        self.capacity = capacity
         self._rank_of: dict[str, int] = {}  # unfinished sequence id -> its rank
         self._next = 0  # the rank a tie goes to first
+        self._pages: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]  # least recent first
 
-    def route(self, seq_ids: list[str]) -> int:
-        """The rank that takes one request's sequences `seq_ids`."""
+    def route(self, seq_ids: list[str], page_keys: Sequence[bytes] = ()) -> int:
+        """The rank that takes one request's sequences `seq_ids`; `page_keys`: its prompt's full pages' keys
+        (`kv_cache_manager.extend_page_keys`)."""
         num_ranks = len(self.loads)
-        rank = min(range(num_ranks), key=lambda r: (self.loads[r], (r - self._next) % num_ranks))
+        by_load = sorted(range(num_ranks), key=lambda r: (self.loads[r], (r - self._next) % num_ranks))
+        rank, longest = by_load[0], 0
+        if self.capacity and page_keys:
+            for candidate in by_load:
+                if self.loads[candidate] > self.loads[by_load[0]] + self.slack:
+                    break
+                if (matched := self._matched(candidate, page_keys)) > longest:
+                    rank, longest = candidate, matched
+            self._remember(rank, page_keys)
         self._next = (rank + 1) % num_ranks
         for seq_id in seq_ids:
             self._rank_of[seq_id] = rank
@@ -125,6 +154,27 @@ class SequenceRouter:
         if rank is not None:
             self.loads[rank] -= 1
         return rank
+
+    def _matched(self, rank: int, page_keys: Sequence[bytes]) -> int:
+        """How many of the prompt's first pages the rank was sent last (keys chain: a page's key names its
+        whole prefix)."""
+        pages = self._pages[rank]
+        lo, hi = 0, len(page_keys)  # the first `lo` are there; binary search, as the keys are chained
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if page_keys[mid - 1] in pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _remember(self, rank: int, page_keys: Sequence[bytes]) -> None:
+        pages = self._pages[rank]
+        for key in reversed(page_keys):  # the prompt's last page first out, as a prefix cache evicts
+            pages[key] = None
+            pages.move_to_end(key)
+        while len(pages) > self.capacity:
+            pages.popitem(last=False)
 
 
 def combined_info(infos: Sequence[EngineInfo]) -> EngineInfo:

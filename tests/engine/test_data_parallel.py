@@ -37,6 +37,28 @@ def test_a_request_goes_whole_to_the_least_loaded_rank_ties_in_turn():
     assert router.routed == [5, 3, 2]
 
 
+def test_a_prompt_goes_where_its_prefix_went_unless_that_rank_runs_far_more():
+    router = SequenceRouter(2, slack=2, capacity=8)
+    history = [b"h1", b"h2", b"h3"]  # page keys chain: a conversation's turns extend the last turn's keys
+    assert router.route(["turn1#0"], history[:2]) == 0
+    assert router.route(["other#0"], [b"x1"]) == 1  # nothing of it anywhere: the least loaded, in turn
+    assert router.route(["turn2#0"], history) == 0  # its first two pages went to rank 0
+    assert router.route(["short#0"], []) == 1  # under a page: by load
+    assert router.route(["n3#0", "n3#1", "n3#2"], [*history, b"h4"]) == 0  # loads 2, 2
+    assert router.loads == [5, 2]
+    assert router.route(["turn3#0"], [*history, b"h4"]) == 1  # rank 0 runs more than 2 above the least
+    assert router.route(["turn4#0"], [*history, b"h4"]) == 1  # now both ranks hold it: the less loaded
+    assert router.routed == [5, 4]
+    # A rank remembers its `capacity` most recent pages, a prompt's first pages last out.
+    small = SequenceRouter(2, slack=10, capacity=2)
+    small.route(["a#0"], [b"k1", b"k2", b"k3"])
+    assert small._matched(0, [b"k1", b"k2", b"k3"]) == 2 and small._matched(0, [b"k2"]) == 1
+    assert small.route(["b#0"], [b"k1", b"k2", b"k9"]) == 0  # rank 1 is less loaded but holds nothing
+    assert SequenceRouter(2, slack=10, capacity=0).route(["c#0"], [b"k1"]) == 0  # no prefix caching: by load
+    no_cache = SequenceRouter(2, slack=10, capacity=0)
+    assert [no_cache.route([f"d{i}#0"], [b"k1"]) for i in range(3)] == [0, 1, 0]
+
+
 def test_stats_of_the_ranks_add_up():
     a = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_preemptions=1, prefix_cache_queries=10,
                     prefix_cache_hits=4, iteration_tokens_buckets=(1, 2, 0), iteration_tokens_sum=30,
@@ -116,6 +138,9 @@ def two_ranks(llama_dir, compile_cache):
     # Ranks on CPU cores of their own start at once, with a compilation cache too.
     engine = make_engine(llama_dir, data_parallel_size=2, async_scheduling=True,
                          compilation_cache_dir=str(compile_cache))
+    # Any rank may take a request whose prefix it holds, whatever the loads (the default slack is 1 here,
+    # and the loads at a request's arrival depend on the ranks' timing).
+    engine._core.router.slack = 8
     yield engine
     engine.shutdown()
 
@@ -133,6 +158,8 @@ def test_two_ranks_give_the_in_process_outputs(in_process, two_ranks):
     got = run(two_ranks, requests, arrivals)
     assert_same(expected, got)
     assert got["stop-string"].outputs[0].finish_reason == "stop"
+    # The second request of a shared prefix went to the rank that had the first: its pages were there.
+    assert got["shared-b"].num_cached_tokens == expected["shared-b"].num_cached_tokens > 0
     routed = [after - start for after, start in zip(two_ranks._core.router.routed, before, strict=True)]
     assert sum(routed) == sum(params.n for _, params in requests.values()) and min(routed) > 0
     assert two_ranks._core.router.loads == [0, 0]
