@@ -77,11 +77,13 @@ def placements(num_ranks: int, devices_per_rank: int, environ: Mapping[str, str]
 
 
 def visible_gpus(environ: Mapping[str, str] = os.environ, dev: Path = Path("/dev")) -> list[str]:
-    """The NVIDIA GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    """The NVIDIA GPUs this process sees, as CUDA_VISIBLE_DEVICES entries: its own list (indices or UUIDs),
+    else CUDA's ordinals 0..n-1 for the n /dev/nvidiaN nodes (a container's nodes keep the host's numbers,
+    which are not CUDA's ordinals)."""
     if (listed := environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         return [entry.strip() for entry in listed.split(",") if entry.strip()]
-    indices = sorted(int(m.group(1)) for node in dev.glob("nvidia*") if (m := re.fullmatch(r"nvidia(\d+)", node.name)))
-    return [str(index) for index in indices]
+    count = sum(1 for node in dev.glob("nvidia*") if re.fullmatch(r"nvidia\d+", node.name))
+    return [str(index) for index in range(count)]
 
 
 def physical_cores(cpus: Iterable[int], sysfs: Path = _SYSFS_CPUS) -> list[list[int]]:
