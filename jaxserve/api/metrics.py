@@ -88,28 +88,31 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats() or EngineStats()
-        labels = [self._model_name]
-        for name, doc, value in (
-            ("jaxserve:num_requests_running", "Sequences in the running batch.", stats.num_running),
-            ("jaxserve:num_requests_waiting", "Sequences waiting for a slot or KV pages.", stats.num_waiting),
-            ("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full).", stats.kv_cache_usage),
+        # One series per engine core: the engine's, or with data parallelism each rank's, labelled `engine`
+        # as vLLM labels its engines (a sum over the label is the whole engine).
+        names = ["model_name", "engine"] if len(stats.ranks) > 1 else ["model_name"]
+        series = ([([self._model_name, str(rank)], snapshot) for rank, snapshot in enumerate(stats.ranks)]
+                  if len(stats.ranks) > 1 else [([self._model_name], stats)])
+        for family, name, doc, field in (
+            (GaugeMetricFamily, "jaxserve:num_requests_running", "Sequences in the running batch.", "num_running"),
+            (GaugeMetricFamily, "jaxserve:num_requests_waiting", "Sequences waiting for a slot or KV pages.",
+             "num_waiting"),
+            (GaugeMetricFamily, "jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full).",
+             "kv_cache_usage"),
+            (CounterMetricFamily, "jaxserve:num_preemptions", "Cumulative number of preemptions from the engine.",
+             "num_preemptions"),
+            (CounterMetricFamily, "jaxserve:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+            (CounterMetricFamily, "jaxserve:prefix_cache_hits",
+             "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric(labels, value)
-            yield gauge
-        for name, doc, value in (
-            ("jaxserve:num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
-            ("jaxserve:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("jaxserve:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             stats.prefix_cache_hits),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(labels, value)
-            yield counter
+            metric = family(name, doc, labels=names)
+            for labels, snapshot in series:
+                metric.add_metric(labels, getattr(snapshot, field))
+            yield metric
         if stats.spec_decode_accepted_per_position:  # speculative decoding is on (vLLM's series then)
-            yield from self._speculation(stats)
-        yield self._iteration_tokens(stats)
+            yield from self._speculation(names, series)
+        yield self._iteration_tokens(names, series)
         if stats.max_loras:  # --enable-lora: vLLM's info series, its value the scrape's time
             lora = GaugeMetricFamily("jaxserve:lora_requests_info", "Running stats on LoRA requests.",
                                      labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
@@ -124,36 +127,39 @@ class _EngineCollector(Collector):
             info.add_metric(list(self._cache_info.values()), 1)
             yield info
 
-    def _speculation(self, stats: EngineStats) -> Iterator[Metric]:
-        labels = [self._model_name]
-        for name, doc, value in (
-            ("jaxserve:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
-            ("jaxserve:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
+    @staticmethod
+    def _speculation(names: list[str], series: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        for name, doc, field in (
+            ("jaxserve:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+            ("jaxserve:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
             ("jaxserve:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             stats.spec_decode_num_accepted_tokens),
+             "spec_decode_num_accepted_tokens"),
         ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(labels, value)
+            counter = CounterMetricFamily(name, doc, labels=names)
+            for labels, snapshot in series:
+                counter.add_metric(labels, getattr(snapshot, field))
             yield counter
         per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
-                                           "Accepted tokens per draft position.", labels=["model_name", "position"])
-        for position, count in enumerate(stats.spec_decode_accepted_per_position):
-            per_position.add_metric([self._model_name, str(position)], count)
+                                           "Accepted tokens per draft position.", labels=[*names, "position"])
+        for labels, snapshot in series:
+            for position, count in enumerate(snapshot.spec_decode_accepted_per_position):
+                per_position.add_metric([*labels, str(position)], count)
         yield per_position
 
-    def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
-        counts = stats.iteration_tokens_buckets or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        cumulative, buckets = 0, []
+    @staticmethod
+    def _iteration_tokens(names: list[str], series: list[tuple[list[str], EngineStats]]) -> HistogramMetricFamily:
+        histogram = HistogramMetricFamily(
+            "jaxserve:iteration_tokens_total", "Histogram of number of tokens per engine step.", labels=names,
+        )
         # floatToGoString writes bounds as prometheus_client's own Histogram does ("8.0", "+Inf").
         bounds = [floatToGoString(b) for b in (*ITERATION_TOKENS_BUCKETS, float("inf"))]
-        for bound, count in zip(bounds, counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        histogram = HistogramMetricFamily(
-            "jaxserve:iteration_tokens_total", "Histogram of number of tokens per engine step.",
-            labels=["model_name"],
-        )
-        histogram.add_metric([self._model_name], buckets, stats.iteration_tokens_sum)
+        for labels, snapshot in series:
+            counts = snapshot.iteration_tokens_buckets or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            histogram.add_metric(labels, buckets, snapshot.iteration_tokens_sum)
         return histogram
 
 

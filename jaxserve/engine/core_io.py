@@ -114,6 +114,8 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA off
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # --data-parallel-size > 1: each rank's own snapshot (the fields above sum them); empty with one core.
+    ranks: tuple["EngineStats", ...] = ()
 
 
 class EngineCoreClient(Protocol):

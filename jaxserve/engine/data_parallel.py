@@ -185,7 +185,8 @@ def combined_info(infos: Sequence[EngineInfo]) -> EngineInfo:
 
 
 def combined_stats(stats: Sequence[EngineStats], num_kv_pages: Sequence[int]) -> EngineStats:
-    """One snapshot of all ranks: counts summed, the KV cache's usage over all pages, the adapters of all."""
+    """One snapshot of all ranks, each rank's own kept in `ranks`: counts summed, the KV cache's usage over all
+    pages, the adapters of all."""
 
     def total(name: str) -> int:
         return sum(getattr(item, name) for item in stats)
@@ -215,4 +216,5 @@ def combined_stats(stats: Sequence[EngineStats], num_kv_pages: Sequence[int]) ->
         max_loras=max(item.max_loras for item in stats),
         running_lora_adapters=union("running_lora_adapters"),
         waiting_lora_adapters=union("waiting_lora_adapters"),
+        ranks=tuple(stats),
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.api.helpers import MODEL, metric, start_server, stop_server, wait_idle
+from tests.api.helpers import MODEL, metric, start_server, stop_server, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
 
@@ -42,7 +42,11 @@ def test_two_engine_cores_serve_one_api_then_drain(tmp_path, compile_cache):
         assert len(texts) == 1 and "Paris" in texts.pop()  # greedy: the same answer from either rank
         prompt_tokens = sum(reply.usage.prompt_tokens for reply in replies)
         assert metric(server, "jaxserve:prompt_tokens_total") == prompt_tokens
-        wait_idle(server)  # both ranks' pages free again, as the frontend sums them
+        # Each rank is a series of its own, labelled `engine` as vLLM labels its engines: both ran steps, and
+        # both hold no request and no page once the answers are in.
+        assert all(metric(server, "jaxserve:iteration_tokens_total_count", engine=rank) > 0 for rank in "01")
+        gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        wait_for(lambda: not any(metric(server, f"jaxserve:{gauge}", engine=rank) for gauge in gauges for rank in "01"))
     finally:
         stop_server(server)
     assert server.process.returncode == 0

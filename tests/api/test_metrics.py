@@ -147,6 +147,27 @@ def test_speculative_decoding_counts_are_vllm_s_spec_decode_series():
                          position=str(position)) == count
 
 
+def test_data_parallel_ranks_are_series_labelled_engine_as_vllm_labels_them():
+    from jaxserve.engine.data_parallel import combined_stats
+
+    counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    counts[0] = 3
+    ranks = [EngineStats(num_running=2, kv_cache_usage=0.5, prefix_cache_hits=7, iteration_tokens_buckets=tuple(counts),
+                         iteration_tokens_sum=3, spec_decode_accepted_per_position=(4, 1)),
+             EngineStats(num_waiting=3, prefix_cache_hits=1, spec_decode_accepted_per_position=(2, 0))]
+    stats = combined_stats(ranks, [100, 100])
+    samples = scrape(generate_latest(ServerMetrics("m", lambda: stats).registry).decode())
+    assert [value(samples, "jaxserve:num_requests_running", engine=e) for e in "01"] == [2, 0]
+    assert [value(samples, "jaxserve:num_requests_waiting", engine=e) for e in "01"] == [0, 3]
+    assert [value(samples, "jaxserve:kv_cache_usage_perc", engine=e) for e in "01"] == [0.5, 0.0]
+    assert [value(samples, "jaxserve:prefix_cache_hits_total", engine=e) for e in "01"] == [7, 1]
+    assert [value(samples, "jaxserve:iteration_tokens_total_count", engine=e) for e in "01"] == [3, 0]
+    assert value(samples, "jaxserve:spec_decode_num_accepted_tokens_per_pos_total", engine="1", position="0") == 2
+    # No series without the label: a sum over `engine` is the whole engine, nothing counted twice.
+    assert not any(name.startswith("jaxserve:num_requests") and "engine" not in dict(labels)
+                   for name, labels in samples)
+
+
 def test_no_engine_yet_reads_as_zeros_and_created_series_stay_elsewhere():
     metrics = ServerMetrics("m", lambda: None)
     samples = scrape(generate_latest(metrics.registry).decode())

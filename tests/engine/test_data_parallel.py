@@ -74,7 +74,8 @@ def test_stats_of_the_ranks_add_up():
     assert both.iteration_tokens_buckets == (1, 3, 1) and both.iteration_tokens_sum == 39
     assert both.spec_decode_accepted_per_position == (2, 0) and both.spec_decode_num_draft_tokens == 6
     assert both.max_loras == 2 and both.running_lora_adapters == ("x", "y") and both.waiting_lora_adapters == ("y",)
-    assert combined_stats([EngineStats(), EngineStats()], [0, 0]) == EngineStats()
+    assert both.ranks == (a, b)
+    assert combined_stats([EngineStats(), EngineStats()], [0, 0]) == EngineStats(ranks=(EngineStats(), EngineStats()))
 
 
 def _topology(root: Path, cpus: dict[int, tuple[int, int]]) -> Path:
