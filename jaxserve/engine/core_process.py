@@ -108,6 +108,9 @@ class CoreProcessClient:
         atexit.register(self.shutdown)
         self._importing = importing
         self.ready = False
+        self._stats = EngineStats()
+        self._updates: list[CoreOutputs] = []  # received, not returned by step() yet
+        self._received = False  # a step message came since the last step()
         if wait:
             self.wait_ready()
 
@@ -123,9 +126,6 @@ class CoreProcessClient:
         self.info: EngineInfo
         self.info, self.tokenizer, self.warmup_seconds = body
         self.ready, self.ready_at = True, time.monotonic()
-        self._stats = EngineStats()
-        self._updates: list[CoreOutputs] = []  # received, not returned by step() yet
-        self._received = False  # a step message came since the last step()
 
     def add_sequences(self, sequences: list[Request], grammar: CompiledGrammar | None = None) -> None:
         """Queues a request's sequences. A grammar compiles again in the core process (compiled matchers
@@ -179,13 +179,18 @@ class CoreProcessClient:
         self._stats = body[1]
         self._received = True
 
+    def stop(self) -> None:
+        """Tells the core to stop (it drops what it runs), without waiting; `shutdown()` waits."""
+        if not self._conn.closed:
+            with contextlib.suppress(CoreProcessDied):  # already gone
+                self._send(("stop",))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the core (it drops what it runs) and waits up to `timeout` s before killing it."""
         atexit.unregister(self.shutdown)
         if self._conn.closed:
             return
-        with contextlib.suppress(CoreProcessDied):  # already gone
-            self._send(("stop",))
+        self.stop()
         deadline = time.monotonic() + timeout
         while self._process.is_alive() and time.monotonic() < deadline:
             try:  # keep reading: a core whose sender is blocked on a full pipe could not finish
@@ -243,13 +248,13 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: b
     tag = "core" if placement is None else f"core {placement.rank}"
     logging.basicConfig(format=f"%(asctime)s %(levelname)s %(name)s [{tag}]: %(message)s")
     logging.getLogger("jaxserve").setLevel(log_level)
-    if placement is not None:
-        placement.apply()  # before jax starts a backend
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_all, args=(conn, outbox), name="jaxserve-core-sender", daemon=True)
     sender.start()
     code = 0
     try:
+        if placement is not None:
+            placement.apply()  # before jax starts a backend
         keep_torch_out(config.model.model)  # before transformers is imported
         from jaxserve.engine.core import EngineCore  # imports jax: in this process only
 

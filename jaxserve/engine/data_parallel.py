@@ -5,10 +5,10 @@ Processes and threads:
 - Each rank is a `CoreProcessClient`'s process (see `core_process`), placed on its GPUs or CPU cores
   (`placement`) before its jax starts. The ranks share nothing but the host and the persistent compilation
   cache.
-- Start-up: ranks on GPUs share the host's cores, so with the compilation cache on, rank 0 starts first
-  and the others once it is ready: they read its compiled steps from the cache instead of compiling them
-  again on the same cores at the same time. Ranks pinned to their own CPU cores, or without a cache, all
-  start at once.
+- Start-up: ranks on GPUs share the host's cores, so with the compilation cache on, rank 0 starts first,
+  warms up fully, and the others start once it is ready: they read its compiled steps from the cache
+  instead of compiling them again on the same cores at the same time. Ranks pinned to their own CPU
+  cores, or without a cache, all start at once. A rank that fails to start stops them all at once.
 - `DataParallelClient` is the frontend's `EngineCoreClient`, driven from the engine's one thread, as one
   core's client is. A request's sequences all go to one rank (`SequenceRouter`: the one likely to hold its
   prompt's start in its prefix cache, unless it runs far more than the least loaded); a finish goes to the
@@ -17,7 +17,9 @@ Processes and threads:
 - A rank that fails ends the engine, as one core's failure does: its requests cannot be vouched for.
 """
 
+import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from multiprocessing.connection import wait
@@ -40,12 +42,15 @@ class DataParallelClient:
         ranks = placements(num_ranks, config.parallel.tensor_parallel_size)
         self.clients: list[CoreProcessClient] = []
         try:
-            # Ranks that share the host's cores (GPU ranks): rank 0 fills the cache that the others read.
+            # Ranks that share the host's cores (GPU ranks): rank 0 warms up fully, filling the cache, and the
+            # others start once it is ready and read every step from the cache.
             staggered = config.compilation_cache_dir is not None and ranks[0].cpus is None
-            self.clients.append(CoreProcessClient(config, warmup, ranks[0], wait=staggered))
+            first = dataclasses.replace(config, warmup_mode="full") if staggered and warmup else config
+            self.clients.append(CoreProcessClient(first, warmup, ranks[0], wait=False))
+            if staggered:
+                self._wait_ready()
             self.clients += [CoreProcessClient(config, warmup, rank, wait=False) for rank in ranks[1:]]
-            for client in self.clients:
-                client.wait_ready()
+            self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
@@ -61,9 +66,10 @@ class DataParallelClient:
                     "; ".join(f"rank {rank.rank}: {rank.describe()}" for rank in ranks))
 
     def add_sequences(self, sequences: list[Request], grammar: CompiledGrammar | None = None) -> None:
-        first = sequences[0]
-        page_keys = extend_page_keys([], len(first.prompt_token_ids) // self.info.page_size, self.info.page_size,
-                                     lambda start, end: first.prompt_token_ids[start:end], first.prefix_cache_salt)
+        first, page_keys = sequences[0], []
+        if self.router.capacity:  # prefix caching is on
+            page_keys = extend_page_keys([], len(first.prompt_token_ids) // self.info.page_size, self.info.page_size,
+                                         lambda start, end: first.prompt_token_ids[start:end], first.prefix_cache_salt)
         rank = self.router.route([sequence.request_id for sequence in sequences], page_keys)
         self.clients[rank].add_sequences(sequences, grammar)
 
@@ -102,21 +108,32 @@ class DataParallelClient:
         return combined_stats([client.stats() for client in self.clients],
                               [client.info.num_kv_pages for client in self.clients])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops every rank: all are told first, then each is waited for within the one `timeout`."""
         for client in self.clients:
-            client.shutdown()
+            client.stop()
+        deadline = time.monotonic() + timeout
+        for client in self.clients:
+            client.shutdown(max(0.0, deadline - time.monotonic()))
+
+    def _wait_ready(self) -> None:
+        """Waits until every rank started so far is ready; raises as soon as one fails."""
+        while waiting := {client.connection: client for client in self.clients if not client.ready}:
+            for connection in wait(list(waiting)):
+                waiting[connection].wait_ready()  # a ready message, or CoreProcessDied with the rank's reason
 
 
 class SequenceRouter:
     """Which rank holds each unfinished sequence, and where a new request goes.
 
-    A request's sequences go together to one rank (n > 1 shares its prompt's pages): among the ranks within
-    `slack` unfinished sequences of the least loaded, the one whose prefix cache likely holds the longest
-    start of its prompt; where none holds any, the least loaded, ties in turn (an idle engine's requests
-    spread over the ranks). A turn of a conversation so finds its history's pages where the last turn left
-    them, while no rank runs far more than the others. What a rank's cache holds is guessed from the page
-    keys of the prompts sent to it, the most recent `capacity` of them (a rank cannot hold more pages than
-    its KV cache has); `capacity` 0: by load alone (no prefix caching).
+    A request's sequences go together to one rank (n > 1 shares its prompt's pages): the least loaded, ties
+    in turn (an idle engine's requests spread over the ranks), unless a rank within `slack` unfinished
+    sequences of it likely holds at least half of the prompt's pages more than it does, in which case the
+    one that holds the most. A turn of a conversation so finds its history's pages where the last turn left
+    them, while a start most prompts share (a chat template's header, a short system prompt) does not pull
+    every request to the rank that saw it first, and no rank runs far more than the others. What a rank's
+    cache holds is guessed from the page keys of the prompts sent to it, the most recent `capacity` of them
+    (a rank cannot hold more pages than its KV cache has); `capacity` 0: by load alone (no prefix caching).
     """
 
     def __init__(self, num_ranks: int, slack: int = 0, capacity: int = 0) -> None:
@@ -133,10 +150,11 @@ class SequenceRouter:
         (`kv_cache_manager.extend_page_keys`)."""
         num_ranks = len(self.loads)
         by_load = sorted(range(num_ranks), key=lambda r: (self.loads[r], (r - self._next) % num_ranks))
-        rank, longest = by_load[0], 0
+        rank = least = by_load[0]
         if self.capacity and page_keys:
-            for candidate in by_load:
-                if self.loads[candidate] > self.loads[by_load[0]] + self.slack:
+            longest = self._matched(least, page_keys) + max(1, (len(page_keys) + 1) // 2) - 1
+            for candidate in by_load[1:]:
+                if self.loads[candidate] > self.loads[least] + self.slack:
                     break
                 if (matched := self._matched(candidate, page_keys)) > longest:
                     rank, longest = candidate, matched

@@ -6,13 +6,15 @@ only what is the rank's:
 - On NVIDIA GPUs, CUDA_VISIBLE_DEVICES lists the rank's `tensor_parallel_size` GPUs, a slice of those the
   frontend sees (its own CUDA_VISIBLE_DEVICES, else every /dev/nvidiaN). A rank that saw every GPU would
   pool memory on all of them.
-- On a CPU, the rank's process is pinned to whole physical cores (SMT siblings together, in package and
-  core order, so a rank stays within one socket where it can). XLA's thread pools, and the native kernels
-  that share them, size themselves from the process's affinity, so the ranks do not contend for cores.
+- On a CPU, every thread of the rank's process is pinned to whole physical cores (SMT siblings together,
+  in package and core order, so a rank stays within one socket where it can). XLA's thread pools, and the
+  native kernels that share them, size themselves from the process's affinity, so the ranks do not
+  contend for cores.
   Fewer physical cores than ranks: no pinning.
 Other accelerators (a TPU, an AMD GPU) are not placed: a data-parallel engine refuses to start there.
 """
 
+import contextlib
 import logging
 import os
 import re
@@ -39,7 +41,11 @@ class RankPlacement:
         if self.gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if self.cpus is not None:
-            os.sched_setaffinity(0, self.cpus)
+            # Every thread the process has already (numpy's BLAS pool starts at import), and with them all
+            # that later start (XLA's pools), which inherit it.
+            for thread in Path("/proc/self/task").iterdir():
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(thread.name), self.cpus)
         logger.info("data-parallel rank %d of %d: %s", self.rank, self.num_ranks, self.describe())
 
     def describe(self) -> str:
@@ -87,17 +93,28 @@ def visible_gpus(environ: Mapping[str, str] = os.environ, dev: Path = Path("/dev
 
 
 def physical_cores(cpus: Iterable[int], sysfs: Path = _SYSFS_CPUS) -> list[list[int]]:
-    """`cpus` grouped by physical core (SMT siblings together), the cores in (package, core id) order. A CPU
-    whose topology cannot be read counts as a core of its own."""
-    groups: dict[tuple[int, int, int], list[int]] = {}
+    """`cpus` grouped by physical core (SMT siblings together, as the kernel lists them), the cores in
+    (package, first CPU) order. A CPU whose topology cannot be read counts as a core of its own."""
+    groups: dict[tuple[int, int], list[int]] = {}
     for cpu in sorted(cpus):
         topology = sysfs / f"cpu{cpu}" / "topology"
         try:
-            key = (int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text()), -1)
+            siblings = parse_cpu_list((topology / "thread_siblings_list").read_text())
+            key = (int((topology / "physical_package_id").read_text()), min(siblings | {cpu}))
         except (OSError, ValueError):
-            key = (-1, -1, cpu)
+            key = (-1, cpu)
         groups.setdefault(key, []).append(cpu)
     return [groups[key] for key in sorted(groups)]
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list format: '0-3,8,10-11'."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _ranges(cpus: Iterable[int]) -> str:

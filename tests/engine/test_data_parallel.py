@@ -7,18 +7,22 @@ and every finished request must match the in-process engine's exactly.
 """
 
 import asyncio
+import multiprocessing
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import data_parallel, placement
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.engine.core_io import EngineStats
-from jaxserve.engine.data_parallel import SequenceRouter, combined_stats
+from jaxserve.engine.core_io import CoreOutputs, EngineStats, SequenceDetails, SequenceFailure, failed
+from jaxserve.engine.core_process import CoreProcessDied
+from jaxserve.engine.data_parallel import DataParallelClient, SequenceRouter, combined_stats
 from jaxserve.engine.placement import RankPlacement, physical_cores, placements, visible_gpus
+from jaxserve.engine.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 
@@ -37,26 +41,69 @@ def test_a_request_goes_whole_to_the_least_loaded_rank_ties_in_turn():
     assert router.routed == [5, 3, 2]
 
 
-def test_a_prompt_goes_where_its_prefix_went_unless_that_rank_runs_far_more():
+def test_a_prompt_goes_where_most_of_it_went_unless_that_rank_runs_far_more():
     router = SequenceRouter(2, slack=2, capacity=8)
-    history = [b"h1", b"h2", b"h3"]  # page keys chain: a conversation's turns extend the last turn's keys
-    assert router.route(["turn1#0"], history[:2]) == 0
+    history = [b"h1", b"h2", b"h3", b"h4"]  # page keys chain: a conversation's turns extend the last turn's keys
+    assert router.route(["turn1#0"], history[:3]) == 0
     assert router.route(["other#0"], [b"x1"]) == 1  # nothing of it anywhere: the least loaded, in turn
-    assert router.route(["turn2#0"], history) == 0  # its first two pages went to rank 0
-    assert router.route(["short#0"], []) == 1  # under a page: by load
-    assert router.route(["n3#0", "n3#1", "n3#2"], [*history, b"h4"]) == 0  # loads 2, 2
+    assert router.route(["busy#0"], []) == 0  # under a page: by load
+    assert router.route(["turn2#0"], history) == 0  # 3 of its 4 pages are rank 0's: worth one more sequence there
+    # A start most prompts share (a chat template's header) pulls nothing: one page of four is not half.
+    assert router.route(["chat#0"], [b"h1", b"y2", b"y3", b"y4"]) == 1
+    assert router.route(["n2#0", "n2#1"], history) == 0  # rank 1 holds one page of it, rank 0 all four
     assert router.loads == [5, 2]
-    assert router.route(["turn3#0"], [*history, b"h4"]) == 1  # rank 0 runs more than 2 above the least
-    assert router.route(["turn4#0"], [*history, b"h4"]) == 1  # now both ranks hold it: the less loaded
-    assert router.routed == [5, 4]
+    assert router.route(["turn3#0"], [*history, b"h5"]) == 1  # rank 0 runs more than 2 above the least
+    assert router.routed == [5, 3]
     # A rank remembers its `capacity` most recent pages, a prompt's first pages last out.
     small = SequenceRouter(2, slack=10, capacity=2)
     small.route(["a#0"], [b"k1", b"k2", b"k3"])
     assert small._matched(0, [b"k1", b"k2", b"k3"]) == 2 and small._matched(0, [b"k2"]) == 1
     assert small.route(["b#0"], [b"k1", b"k2", b"k9"]) == 0  # rank 1 is less loaded but holds nothing
-    assert SequenceRouter(2, slack=10, capacity=0).route(["c#0"], [b"k1"]) == 0  # no prefix caching: by load
-    no_cache = SequenceRouter(2, slack=10, capacity=0)
+    no_cache = SequenceRouter(2, slack=10, capacity=0)  # no prefix caching: by load alone
     assert [no_cache.route([f"d{i}#0"], [b"k1"]) for i in range(3)] == [0, 1, 0]
+
+
+def test_a_shared_first_page_spreads_requests_over_the_ranks():
+    """Chat requests share their template's first page: at low concurrency they still spread."""
+    router = SequenceRouter(4, slack=32, capacity=1000)
+    ranks = [router.route([f"chat{i}#0"], [b"template", f"question{i}".encode(), f"more{i}".encode()])
+             for i in range(8)]
+    assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+class _FakeRank:
+    """A rank's client as `DataParallelClient` drives it: what it was sent, and what it reports next."""
+
+    has_updates = True  # so step() reads without waiting on a pipe
+
+    def __init__(self) -> None:
+        self.added, self.finished, self.reports = [], [], []
+
+    def add_sequences(self, sequences, grammar=None) -> None:
+        self.added += [sequence.request_id for sequence in sequences]
+
+    def finish(self, seq_ids, status) -> None:
+        self.finished += seq_ids
+
+    def step(self, timeout: float = 0.0) -> list:
+        reports, self.reports = self.reports, []
+        return reports
+
+
+def test_every_end_a_rank_reports_or_the_frontend_causes_frees_its_load_once():
+    client = DataParallelClient.__new__(DataParallelClient)
+    client.clients, client.router = [_FakeRank(), _FakeRank()], SequenceRouter(2)
+    for sequences in (["a#0", "a#1"], ["b#0"], ["c#0"]):
+        client.add_sequences([SimpleNamespace(request_id=seq_id) for seq_id in sequences])
+    assert [rank.added for rank in client.clients] == [["a#0", "a#1"], ["b#0", "c#0"]]
+    stopped = SequenceDetails(status=RequestStatus.FINISHED_STOPPED)
+    client.clients[0].reports = [CoreOutputs(["a#1", "a#0"], [5, 6], [0.0, 0.0], 1.0, {1: stopped}, [])]
+    client.clients[1].reports = [failed([SequenceFailure("b#0", "a grammar failed")])]
+    assert len(client.step()) == 2 and client.router.loads == [1, 1]
+    # The frontend ends the rest (a stop string, an abort): each finish goes to its rank, an ended one nowhere.
+    client.finish(["a#1", "b#0", "c#0", "a#0"], RequestStatus.FINISHED_ABORTED)
+    assert [rank.finished for rank in client.clients] == [["a#1"], ["c#0"]]
+    assert client.router.loads == [0, 0]
 
 
 def test_stats_of_the_ranks_add_up():
@@ -84,7 +131,8 @@ def _topology(root: Path, cpus: dict[int, tuple[int, int]]) -> Path:
         topology = root / f"cpu{cpu}" / "topology"
         topology.mkdir(parents=True)
         (topology / "physical_package_id").write_text(f"{package}\n")
-        (topology / "core_id").write_text(f"{core}\n")
+        siblings = sorted(other for other, place in cpus.items() if place == (package, core))
+        (topology / "thread_siblings_list").write_text(",".join(map(str, siblings)) + "\n")
     return root
 
 
@@ -152,7 +200,11 @@ def test_two_ranks_give_the_in_process_outputs(in_process, two_ranks):
     assert clients[1].started_at < clients[0].ready_at
     expected_cpus = [rank.cpus for rank in placements(2, 1)]
     for client, cpus in zip(clients, expected_cpus, strict=True):
-        assert os.sched_getaffinity(client._process.pid) == (cpus or os.sched_getaffinity(0))
+        # Every thread of the rank's process (XLA's pools, numpy's, the sender) on the rank's cores.
+        threads = list(Path(f"/proc/{client._process.pid}/task").iterdir())
+        assert len(threads) > 2
+        assert {frozenset(os.sched_getaffinity(int(thread.name))) for thread in threads} == {
+            frozenset(cpus or os.sched_getaffinity(0))}
     requests, arrivals = workload(in_process)
     expected = run(in_process, requests, arrivals)
     before = list(two_ranks._core.router.routed)
@@ -211,17 +263,11 @@ def test_a_dead_rank_fails_live_requests_and_the_engine(llama_dir, compile_cache
         asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+    assert not any(client._process.is_alive() for client in clients)  # the surviving rank stopped too
 
 
-def test_a_placement_is_taken_before_jax_starts(tmp_path):
-    rank = RankPlacement(0, 2, gpus=("3",), cpus=frozenset(os.sched_getaffinity(0)))
-    assert rank.describe() == "GPUs 3"
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        rank.apply()
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+def test_a_rank_that_cannot_start_stops_them_all(tmp_path):
+    before = set(multiprocessing.active_children())  # other tests' engines
+    with pytest.raises(CoreProcessDied, match=r"did not start.*has no config\.json"):
+        make_engine(tmp_path, data_parallel_size=2)  # no model there
+    assert set(multiprocessing.active_children()) <= before
