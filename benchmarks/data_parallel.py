@@ -31,7 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 def run_conversations(engine: LLMEngine, args: argparse.Namespace, seed: int) -> dict[str, float]:
     def turn_rng(c: int, turn: int) -> np.random.Generator:
         """One stream per turn: every setting draws the same prompts, answer lengths and thinking times."""
-        return np.random.default_rng((seed, c, turn))
+        return np.random.default_rng((seed, c, turn + 1))  # turn -1: the first prompt
 
     def add(c: int, turn: int) -> None:
         # Answers of different lengths: the conversations drift apart, as real ones do.
