@@ -4,11 +4,14 @@ Each wave submits C requests of `input_len` random prompt tokens, generating exa
 tokens each (EOS ignored), and times the wave from submission to the last token.
 """
 
+import contextlib
 import json
+import multiprocessing
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -59,7 +62,15 @@ def run_wave(
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    """The peak resident memory of this process and of the engine's core processes (`--engine-process`, each
+    data-parallel rank), read while they run."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    for child in multiprocessing.active_children():
+        if child.name.startswith("jaxserve-core"):
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                status = Path(f"/proc/{child.pid}/status").read_text()
+                kib += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    return kib / 2**20
 
 
 def run_offline_benchmark(
