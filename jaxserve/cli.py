@@ -48,6 +48,7 @@ from jaxserve.config import (
     ParallelConfig,
     ServeBenchConfig,
     ServerConfig,
+    core_process_count,
     platform_preset,
     preset_names,
 )
@@ -131,7 +132,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
                     "tokenizers load without remote code, so no code from a model repository ever runs")
     # A core in its own process needs all of its device's memory: this process must not open it.
-    isolated = bool(settings["engine_process"]) or (settings["data_parallel_size"] or 1) > 1
+    isolated = core_process_count(bool(settings["engine_process"]), settings["data_parallel_size"] or 1) > 0
     preset = args.config if args.config is not None else platform_preset(isolated=isolated)
     return EngineConfig.from_preset(preset, **settings, **extra)
 

@@ -349,11 +349,7 @@ class EngineConfig:
 
     @property
     def core_processes(self) -> int:
-        """How many engine cores run in processes of their own: one per data-parallel rank, or one with
-        engine_process; 0 when the core runs in the caller's process."""
-        if self.parallel.data_parallel:
-            return self.parallel.data_parallel_size
-        return int(self.engine_process)
+        return core_process_count(self.engine_process, self.parallel.data_parallel_size)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS or self.pooling_type not in POOLING_TYPES:
@@ -419,6 +415,12 @@ class EngineConfig:
             if name in sections["buckets"]:
                 sections["buckets"][name] = tuple(sections["buckets"][name])
         return cls(**{s: owners[s](**sections[s]) for s in sections}, **top)
+
+
+def core_process_count(engine_process: bool, data_parallel_size: int) -> int:
+    """How many engine cores run in processes of their own: one per data-parallel rank, or one with
+    engine_process; 0 when the core runs in the caller's process."""
+    return data_parallel_size if data_parallel_size > 1 else int(engine_process)
 
 
 def _field_names(cls: type) -> set[str]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.allocator import loaded_allocator
 from jaxserve.config import EngineConfig, OfflineBenchConfig
+from jaxserve.engine.core_process import CORE_PROCESS_NAME
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
@@ -66,7 +67,7 @@ def peak_rss_gib() -> float:
     data-parallel rank), read while they run."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     for child in multiprocessing.active_children():
-        if child.name.startswith("jaxserve-core"):
+        if child.name.startswith(CORE_PROCESS_NAME):
             with contextlib.suppress(OSError):  # it ended meanwhile
                 status = Path(f"/proc/{child.pid}/status").read_text()
                 kib += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))

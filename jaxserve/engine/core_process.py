@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.005  # how often an idle core with grammars compiling looks for them
 STEP_WAIT_S = 0.005  # the longest the frontend's step() waits for the core before it returns to its commands
+CORE_PROCESS_NAME = "jaxserve-core"  # the core's process's name; a data-parallel rank's adds "-<rank>"
 
 
 def _import_tokenizer_modules() -> None:
@@ -94,7 +95,7 @@ class CoreProcessClient:
         self.ready_at: float | None = None  # when its ready message came
         self._conn, child_conn = context.Pipe()
         log_level = logging.getLogger("jaxserve").getEffectiveLevel()
-        name = "jaxserve-core" if placement is None else f"jaxserve-core-{placement.rank}"
+        name = CORE_PROCESS_NAME if placement is None else f"{CORE_PROCESS_NAME}-{placement.rank}"
         self._process = context.Process(target=_core_main, args=(config, child_conn, log_level, warmup, placement),
                                         name=name, daemon=True)
         self._process.start()

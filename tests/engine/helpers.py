@@ -161,3 +161,23 @@ def workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingPara
     requests.update(stop_requests(engine, prompts[7]))
     arrivals.update({"stop-id": 2, "stop-string": 4})
     return requests, arrivals
+
+
+ABORTS = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}  # `workload` request -> its abort step
+
+
+def assert_aborts_leave_the_others_unchanged(reference: LLMEngine, engine: LLMEngine) -> None:
+    """`workload` with ABORTS on both engines: the aborted are gone, every other output equals the reference's."""
+    requests, arrivals = workload(reference)
+    expected = run(reference, requests, arrivals, ABORTS)
+    got = run(engine, requests, arrivals, ABORTS)
+    assert not set(ABORTS) & set(got)
+    assert_same(expected, got)
+
+
+def run_short_requests(engine: LLMEngine, count: int) -> None:
+    """`count` two-token greedy requests, run to the end."""
+    for index in range(count):
+        engine.add_request(f"last-{index}", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -19,7 +19,15 @@ from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.core_process import CoreProcessDied
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.helpers import (
+    assert_aborts_leave_the_others_unchanged,
+    assert_same,
+    make_engine,
+    make_prompts,
+    run,
+    run_short_requests,
+    workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +56,9 @@ def test_core_process_outputs_equal_in_process(in_process, core_process):
 
 
 def test_core_process_aborts_leave_the_others_unchanged(in_process, core_process):
-    requests, arrivals = workload(in_process)
-    aborts = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}
-    expected = run(in_process, requests, arrivals, aborts)
-    got = run(core_process, requests, arrivals, aborts)
-    assert not set(aborts) & set(got)
-    assert_same(expected, got)
+    assert_aborts_leave_the_others_unchanged(in_process, core_process)
     # Everything aborted or finished: the core's pages are all free again once it has heard.
-    core_process.add_request("last", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
-    while core_process.has_unfinished_requests():
-        core_process.step()
+    run_short_requests(core_process, 1)
     stats = core_process.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
 

@@ -24,7 +24,15 @@ from jaxserve.engine.data_parallel import DataParallelClient, SequenceRouter, co
 from jaxserve.engine.placement import RankPlacement, physical_cores, placements, visible_gpus
 from jaxserve.engine.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.helpers import (
+    assert_aborts_leave_the_others_unchanged,
+    assert_same,
+    make_engine,
+    make_prompts,
+    run,
+    run_short_requests,
+    workload,
+)
 
 
 def test_a_request_goes_whole_to_the_least_loaded_rank_ties_in_turn():
@@ -219,18 +227,10 @@ def test_two_ranks_give_the_in_process_outputs(in_process, two_ranks):
 
 
 def test_aborts_reach_the_rank_that_holds_the_request(in_process, two_ranks):
-    requests, arrivals = workload(in_process)
-    aborts = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}
-    expected = run(in_process, requests, arrivals, aborts)
-    got = run(two_ranks, requests, arrivals, aborts)
-    assert not set(aborts) & set(got)
-    assert_same(expected, got)
+    assert_aborts_leave_the_others_unchanged(in_process, two_ranks)
     assert two_ranks._core.router.loads == [0, 0]
     # Every rank's pages are free again once it has heard: a request on each, then nothing left anywhere.
-    for index in range(2):
-        two_ranks.add_request(f"last-{index}", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
-    while two_ranks.has_unfinished_requests():
-        two_ranks.step()
+    run_short_requests(two_ranks, 2)
     stats = two_ranks.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert [client.stats().iteration_tokens_sum > 0 for client in two_ranks._core.clients] == [True, True]
