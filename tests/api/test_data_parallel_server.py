@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.api.helpers import MODEL, metric, start_server, stop_server, wait_for
+from tests.engine.helpers import require_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
 
@@ -22,6 +23,7 @@ def _core_processes(pid: int) -> list[int]:
 
 
 def test_two_engine_cores_serve_one_api_then_drain(tmp_path, compile_cache):
+    require_ranks(2)
     server = start_server(tmp_path, compile_cache, "--data-parallel-size", "2")
     try:
         cores = _core_processes(server.process.pid)

@@ -1,6 +1,7 @@
 """Engine test helpers: an engine on a model directory, prompts, and drivers that run requests to the end."""
 
 import numpy as np
+import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
@@ -181,3 +182,13 @@ def run_short_requests(engine: LLMEngine, count: int) -> None:
         engine.add_request(f"last-{index}", make_prompts(1)[0], SamplingParams(max_tokens=2, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def require_ranks(num_ranks: int) -> None:
+    """Skips a test whose data-parallel ranks this machine cannot place (a GPU machine with fewer GPUs)."""
+    from jaxserve.engine.placement import placements
+
+    try:
+        placements(num_ranks, 1)
+    except ValueError as e:
+        pytest.skip(f"{num_ranks} data-parallel ranks cannot be placed here: {e}")

@@ -29,6 +29,7 @@ from tests.engine.helpers import (
     assert_same,
     make_engine,
     make_prompts,
+    require_ranks,
     run,
     run_short_requests,
     workload,
@@ -192,6 +193,7 @@ def in_process(llama_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(llama_dir, compile_cache):
+    require_ranks(2)
     # Ranks on CPU cores of their own start at once, with a compilation cache too.
     engine = make_engine(llama_dir, data_parallel_size=2, async_scheduling=True,
                          compilation_cache_dir=str(compile_cache))
@@ -267,6 +269,7 @@ def test_a_dead_rank_fails_live_requests_and_the_engine(llama_dir, compile_cache
 
 
 def test_a_rank_that_cannot_start_stops_them_all(tmp_path):
+    require_ranks(2)
     before = set(multiprocessing.active_children())  # other tests' engines
     with pytest.raises(CoreProcessDied, match=r"did not start.*has no config\.json"):
         make_engine(tmp_path, data_parallel_size=2)  # no model there

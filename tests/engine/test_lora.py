@@ -9,7 +9,7 @@ from jaxserve import LLM, LoRARequest
 from jaxserve.config import LoraModule
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import InvalidParam, SamplingParams
-from tests.engine.helpers import LADDER, make_engine, make_prompts
+from tests.engine.helpers import LADDER, make_engine, make_prompts, require_ranks
 from tests.lora_helpers import write_adapter, write_merged
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -229,6 +229,8 @@ def test_offline_lora_requests_load_on_first_use(lora_dirs):
 def test_adapters_in_engine_processes(lora_dirs, processes):
     """With the core in its own process, adapters cross the pipe as arrays and serve the same outputs; with
     two data-parallel ranks, every rank has every adapter (the requests alternate between them)."""
+    if "data_parallel_size" in processes:
+        require_ranks(2)
     requests = _requests(["wide", "all", None, "wide"])
     params = _params(6)
     engine = _lora_engine(lora_dirs, max_loras=2, **processes)
