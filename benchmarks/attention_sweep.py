@@ -193,19 +193,21 @@ def main() -> None:
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
         # FlashAttention-3's ways, measured and checked here first: the default first, then the programs in the
         # requests' order (the default starts the heaviest first), the ping-pong schedule, the overlapped softmax
-        paged_grid = [mgpu_config(2, 128, 2, True), mgpu_config(2, 128, 2, True, heavy_first=False),
-                      mgpu_config(2, 128, 2, True, ping_pong=True), mgpu_config(2, 128, 2, True, overlap=True),
+        paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True), mgpu_config(2, 128, 2, True),
+                      mgpu_config(2, 128, 2, True, ping_pong=True, heavy_first=False),
                       mgpu_config(2, 128, 2, True, ping_pong=True, overlap=True),
-                      mgpu_config(1, 128, 2, True, overlap=True), mgpu_config(2, 64, 4, True, ping_pong=True),
-                      mgpu_config(2, 128, 2, False, ping_pong=True), mgpu_config(1, 128, 2, True),
-                      mgpu_config(2, 64, 4, True), mgpu_config(2, 128, 2, False)]
+                      mgpu_config(2, 64, 4, True, ping_pong=True), mgpu_config(2, 128, 2, True, overlap=True),
+                      mgpu_config(1, 128, 2, True, overlap=True), mgpu_config(2, 128, 2, False, ping_pong=True),
+                      mgpu_config(1, 128, 2, True), mgpu_config(2, 64, 4, True), mgpu_config(2, 128, 2, False)]
         # Decodes: a program per request and KV head, its group's rows padded to a warpgroup's 64 (the tensor
-        # cores idle; what counts is how close the page reads come to HBM's: the overlapped softmax frees each K
-        # stage a softmax sooner, the longest requests first leave no long ones for the end); the default
-        # first (stop 47's H200 sweep: (1, 64, 4) and (2, 128, 2) no better, dropped)
-        paged_decode_grid = [mgpu_config(1, 128, 2, False), mgpu_config(1, 128, 2, False, heavy_first=False),
-                             mgpu_config(1, 128, 2, False, overlap=True), mgpu_config(1, 128, 2, True, overlap=True),
-                             mgpu_config(1, 128, 2, True), mgpu_config(1, 64, 3, False)]
+        # cores idle; what counts is how close the page reads come to HBM's); the default first, then the
+        # longest requests first (the default before stop 66), then P in registers in the requests' order (not
+        # measured yet), then the overlapped softmax (stop 66's H200 sweep: slower on both cases) and a
+        # smaller block (stop 47's: (1, 64, 4) and (2, 128, 2) no better, dropped)
+        paged_decode_grid = [mgpu_config(1, 128, 2, False, heavy_first=False), mgpu_config(1, 128, 2, False),
+                             mgpu_config(1, 128, 2, True, heavy_first=False),
+                             mgpu_config(1, 128, 2, False, overlap=True, heavy_first=False),
+                             mgpu_config(1, 64, 3, False, heavy_first=False)]
         decode_page_sizes = (16, 32, 64)  # 64 divides every block_kv of the grid
         chunk_cases = {"prefill 2048": (2048, 2048), "prefill 1024": (1024, 1024),
                        "chunk 1024 at 4096": (1024, 4096), "chunk 512 at 8192": (512, 8192),

