@@ -191,8 +191,8 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        # FlashAttention-3's ways, measured and checked here first: the default first, then the programs in the
-        # requests' order (the default starts the heaviest first), the ping-pong schedule, the overlapped softmax
+        # FlashAttention-3's ways, measured and checked here first: the default (ping-pong) first, then the
+        # default before stop 66 (no ping-pong), ping-pong in the requests' order and with the overlapped softmax
         paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True), mgpu_config(2, 128, 2, True),
                       mgpu_config(2, 128, 2, True, ping_pong=True, heavy_first=False),
                       mgpu_config(2, 128, 2, True, ping_pong=True, overlap=True),

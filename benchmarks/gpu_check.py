@@ -15,6 +15,7 @@ that would start past the budget is skipped, so a run cut short still reports wh
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,8 +28,9 @@ CPU_LEVELS = (1, 4)
 def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int, output_len: int,
               profile_steps: int, quantization: str | None, deadline: float,
               keep: Callable[[dict], None]) -> dict:
-    """Measures one shape in parts, the most telling first; after each part `keep` gets the result so far
-    (a run stopped from outside keeps it), and no part starts after `deadline` (time.monotonic())."""
+    """Measures one shape in parts, the most telling first, each at every level; after each level `keep` gets
+    the result so far (a run stopped from outside keeps it), and no part but the first starts after
+    `deadline` (time.monotonic())."""
     import numpy as np
 
     from jaxserve.bench import step_profile
@@ -55,35 +57,39 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     def multi_step() -> None:
         scheduler.num_scheduler_steps, runner.greedy_decodes = multi_steps, True
 
-    def profiles(steps: int) -> list[dict]:
-        return step_profile.as_dicts([profiler.profile(c, input_len, steps) for c in levels])
+    def profile(steps: int) -> Callable[[int], dict]:
+        return lambda level: step_profile.as_dicts([profiler.profile(level, input_len, steps)])[0]
 
-    def waves() -> list[dict]:
-        return [run_wave(engine, c, input_len, output_len, rng).__dict__ for c in levels]
+    def wave(level: int) -> dict:
+        return run_wave(engine, level, input_len, output_len, rng).__dict__
 
-    # (name, setting, measure): greedy single steps' profile (the step's breakdown), their waves (TPOT), the
-    # multi-step decodes' waves, then the full sampler's and the multi-step decodes' profiles
-    parts = [("profiles", lambda: single_steps(True), lambda: profiles(profile_steps)),  # the greedy variant
-             ("waves", lambda: single_steps(True), waves),
-             ("waves_multi_step", multi_step, waves),
-             ("profiles_full_sampler", lambda: single_steps(False), lambda: profiles(profile_steps)),
-             ("profiles_multi_step", multi_step, lambda: profiles(max(2, profile_steps // multi_steps)))]
+    # (name, setting, one level's measure): greedy single steps' profile (the step's breakdown), their waves
+    # (TPOT), the multi-step decodes' waves, then the full sampler's and the multi-step decodes' profiles
+    parts = [("profiles", lambda: single_steps(True), profile(profile_steps)),  # the greedy variant
+             ("waves", lambda: single_steps(True), wave),
+             ("waves_multi_step", multi_step, wave),
+             ("profiles_full_sampler", lambda: single_steps(False), profile(profile_steps)),
+             ("profiles_multi_step", multi_step, profile(max(2, profile_steps // multi_steps)))]
     try:
-        for name, setting, measure in parts:
-            if time.monotonic() > deadline:
+        for index, (name, setting, measure) in enumerate(parts):
+            if index > 0 and time.monotonic() > deadline:  # a shape started gets its first part
                 result["skipped_parts"].append(name)
                 continue
             setting()
             if name == "waves":
                 run_wave(engine, 1, input_len, 4, rng)  # every code path once before timing
-            result[name] = measure()
-            if name == "profiles":
-                result["device"] = result["profiles"][0]["device"]
-                result["greedy_steps"] = runner.num_greedy_steps
-            result["multi_step_calls"] = runner.num_multi_steps
-            keep(result)
+            result[name] = []
+            for level in levels:  # kept level by level: an error at 256 sequences keeps 1 and 64
+                result[name].append(measure(level))
+                if name == "profiles" and "device" not in result:
+                    result["device"] = result["profiles"][0]["device"]
+                result["greedy_steps"], result["multi_step_calls"] = runner.num_greedy_steps, runner.num_multi_steps
+                keep(result)
     finally:
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        except Exception:  # the measurement's own error, if any, is the one to report
+            logging.exception("%s: the engine's shutdown failed", model)
     return result
 
 
@@ -118,6 +124,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Replaces `path` at once: a run killed mid-write leaves the last whole report."""
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, help="model directories (config.json + tokenizer)")
@@ -125,7 +138,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="tiny levels and lengths, for a run on this machine")
     parser.add_argument("--budget-s", type=float, default=330.0,
-                        help="no shape, and no part of one, starts after this many seconds")
+                        help="no shape, and no part of one but its first, starts after this many seconds")
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
                         help="each shape once per weight format, side by side (none: the checkpoint's dtype)")
     args = parser.parse_args()
@@ -138,13 +151,13 @@ def main() -> None:
 
     def write(final: bool = False) -> str:
         """The report so far, as JSON and as a table: after every part of every shape."""
-        report = table([r for r in results if "error" not in r])
+        report = table(results)  # a shape that failed part-way keeps the rows it measured
         failed = [f"{r['model']}: {r['error']}" for r in results if "error" in r]
         parts = [f"{r['model']}: {', '.join(r['skipped_parts'])}" for r in results if r.get("skipped_parts")]
         text = (report + "".join(f"\nfailed: {f}" for f in failed) + "".join(f"\nskipped (time): {s}" for s in skipped)
                 + "".join(f"\nparts skipped (time): {p}" for p in parts) + ("" if final else "\n(run in progress)"))
-        (args.out / "gpu_check.md").write_text(text + "\n")
-        (args.out / "gpu_check.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=2))
+        write_whole(args.out / "gpu_check.md", text + "\n")
+        write_whole(args.out / "gpu_check.json", json.dumps({"results": results, "skipped": skipped}, indent=2))
         return text
 
     for model, quantization in ((m, q) for m in args.models for q in args.quantizations):

@@ -43,8 +43,8 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[list[int], list[int], dic
 
 # The orders compared: (name, blocks sorted heaviest first, KV head the fastest axis of the launch order)
 ORDERS = [("before: requests' order, KV head slowest", False, False),
-          ("requests' order, KV head fastest (heavy_first=False)", False, True),
-          ("heaviest first (the default)", True, True)]
+          ("requests' order, KV head fastest (heavy_first=False: the decode default)", False, True),
+          ("heaviest first (the prefill default)", True, True)]
 
 
 def launch_costs(q_lens: list[int], kv_lens: list[int], config: dict, heavy_first: bool, head_fastest: bool,

@@ -22,11 +22,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 MARKER = "@@ configuration "
-# (name, decode-only, the kernel's keywords): the prefill default, FlashAttention-3's schedules and P through
-# shared memory; the decode default and its overlapped softmax
+# (name, decode-only, the kernel's keywords): the prefill default (ping-pong) and the schedules beside it, P
+# through shared memory; the decode default and its overlapped softmax
 CONFIGS = [
-    ("prefill default", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)),
-    ("prefill ping-pong", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=True)),
+    ("prefill without ping-pong", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)),
+    ("prefill default (ping-pong)", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
+                                                ping_pong=True)),
     ("prefill overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, overlap=True)),
     ("prefill ping-pong + overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
                                                 ping_pong=True, overlap=True)),

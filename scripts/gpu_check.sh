@@ -66,12 +66,19 @@ PY
   gguf=$(.venv/bin/python -c "from jaxserve.models.loader import bundled_model_path as p; print(p())")
   rm -rf .gpu_gguf_a .gpu_gguf_b && mkdir -p .gpu_gguf_a .gpu_gguf_b
   half=$(( $(stat -c %s "$gguf") / 2 ))
-  # gzip -1 takes each half from 47 to 43 MiB: with the checkout, the wheels and .gpu_check, under a call's 64 MiB
+  # gzip -1 takes each half from 47 to 44 MiB: with the checkout, the wheels and .gpu_check, under a call's 64 MiB
   head -c $half "$gguf" | gzip -1 > .gpu_gguf_a/part.gz && tail -c +$((half + 1)) "$gguf" | gzip -1 > .gpu_gguf_b/part.gz
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu_gguf_b/sha256
   basename "$gguf" > .gpu_gguf_b/name
   for d in /.gpu_gguf_a/ /.gpu_gguf_b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
   du -sh .gpu_check .whl .gpu_gguf_a .gpu_gguf_b
+  # a call carries the checkout's tracked files, the wheels, .gpu_check and one half: at most 64 MiB
+  for half in .gpu_gguf_a .gpu_gguf_b; do
+    mib=$(( ($(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) + $(du -sb .whl .gpu_check $half \
+      | awk '{s += $1} END {print s}')) / 1048576 ))
+    if (( mib > 63 )); then echo "a call with $half would carry $mib MiB, over the 64 MiB a call takes" >&2; exit 1; fi
+    echo "a call with $half carries $mib MiB"
+  done
   exit 0
 fi
 
@@ -158,6 +165,7 @@ if wanted startup; then
 fi
 if wanted test-gpu; then
   # (each failure's report is written as it happens: a stage stopped at its limit keeps them)
+  : > "$out/test_failures.log"
   stage test-gpu "${TEST_GPU_S:-300}" env JAX_PLATFORMS=cuda,cpu JAXSERVE_TEST_FAILURES="$out/test_failures.log" \
     python3 -m pytest -v -m gpu ${PYTEST_TIMEOUT---timeout 100} \
     -p no:cacheprovider -rfEs --durations 15 ${TEST_GPU_ARGS:--n 6 --dist loadgroup tests} > "$out/pytest.log" 2>&1
@@ -193,7 +201,7 @@ fi
 if wanted profile; then
   models=()
   for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
-  stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 60 \
+  stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 80 \
     2> "$out/gpu_check.log"
 fi
 if wanted lora; then  # --enable-lora's cost beside no LoRA, three engines sharing the GPU

@@ -2,8 +2,8 @@
 tensor cores, a producer warpgroup that streams K/V pages while consumer warpgroups compute.
 
 The Triton kernels (`paged_attention_pallas`) serve every CUDA GPU from sm_80; this one serves the prefill
-and mixed steps of Hopper GPUs, where Triton's dots reach a few percent of the tensor cores' peak. Decode
-steps keep the split-KV Triton kernel.
+and mixed steps of Hopper GPUs, where Triton's dots reach a few percent of the tensor cores' peak, and their
+decode-only steps where `AttentionConfig.mosaic_decode` says so (by default with jaxlib >= 0.12).
 
 Work split. A program serves one query block of one request and one KV head: a slab of `block_q`
 consecutive tokens times the G query heads that share the KV head, `block_q * G_pad = 64 * consumers`
@@ -20,6 +20,7 @@ default) the blocks are described in order of their steps, the most first, so th
 the first wave and the short ones fill in behind them, longest-processing-time-first list scheduling, as
 FlashAttention-2 and 3 walk causal query blocks in reverse. In the order of the requests, the heaviest
 blocks of a causal prefill start last and the step ends with a tail of them on a few multiprocessors.
+Decode-only steps launch in the requests' order (`DECODE_HEAVY_FIRST`), which an H200 measured faster.
 
 Per program:
 - the producer warpgroup copies the block's description to shared memory, then the slab's queries, then
@@ -64,15 +65,15 @@ HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt
 _SMEM_SPARE = 1024  # the description, barriers and alignment
 # Prefill and mixed steps, as measured on an H200 (docs/benchmarks.md; every configuration matched the
 # reference there): P in registers, 5-7% faster than through shared memory; the ping-pong schedule, 12-13%
-# faster on chunks after 4k-8k keys and even on a 2k prefill. The overlapped softmax was slower on every
-# case and stays opt-in.
+# less time on chunks after 4k-8k keys and the same on a 2k prefill. The overlapped softmax was slower on
+# every case and stays opt-in.
 DEFAULTS = dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, ping_pong=True, overlap=False)
 # For decode-only steps (`AttentionConfig.mosaic_decode`): a program per request and KV head, the GQA
 # group's rows in one warpgroup, launched in the requests' order (`DECODE_HEAVY_FIRST`). On an H200 this
-# read K/V at 66-73% of HBM bandwidth, the best of the sweep's configurations on both cases.
+# read K/V at 66-73% of HBM bandwidth, within 0.4% of the best of the sweep's configurations on each case.
 DECODE_DEFAULTS = dict(num_consumers=1, block_kv=128, stages=2)
-# Decodes' programs differ in length by their requests' keys alone, and on an H200 the requests' order
-# read K/V 3-6% faster than the heaviest first (docs/benchmarks.md), which prefills keep.
+# Decodes' programs differ in length by their requests' keys alone, and on an H200 the requests' order took
+# 2.5-10% less time than the heaviest first (docs/benchmarks.md), which prefills keep.
 DECODE_HEAVY_FIRST = False
 # The grid's blocks are CUDA's y axis (the KV heads its x: `_kernel`'s launch order), which holds at most this.
 MAX_GRID_Y = 65_535

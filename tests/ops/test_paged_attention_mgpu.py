@@ -172,13 +172,14 @@ def test_the_requests_order_matches_the_oracle_too():
 
 
 @needs_a_runner
-def test_sliding_window_and_soft_cap_in_float16():
+@pytest.mark.parametrize("ping_pong", [False, True])  # True: the prefill default's schedule
+def test_sliding_window_and_soft_cap_in_float16(ping_pong):
     """Gemma 2's soft cap and a window of 37 keys; the pages wholly before each window hold garbage."""
     rng = np.random.default_rng(2)
     case = make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=16, head_dim=64, max_pages=40)
     case = finite(blank_before_windows(case, 37))
     scores = dict(sm_scale=0.09, sliding_window=37, logit_softcap=30.0)
-    check(run(case, jnp.float16, block_kv=64, **scores), case, jnp.float16, **scores)
+    check(run(case, jnp.float16, block_kv=64, ping_pong=ping_pong, **scores), case, jnp.float16, **scores)
 
 
 @needs_a_runner
@@ -197,14 +198,16 @@ def test_a_hopper_step_sends_short_requests_to_triton():
 @needs_a_runner
 def test_a_request_whose_keys_miss_its_queries_still_ends():
     """Outside the contract (a request with query tokens and no keys: their positions are below 0), the kernel
-    still ends, with finite rows, both schedules alike: each block walks at least one step, so no consumer
-    waits for keys the producer never loads."""
+    still ends, with finite rows, every schedule alike: each block walks at least one step, so no consumer
+    waits for keys the producer never loads, and two consumers' ping-pong turns pair up."""
     rng = np.random.default_rng(6)
     case = finite(make_case(rng, [20, 40], [0, 60], 8, 2, page_size=16, head_dim=64, max_pages=8))
-    plain, overlapped = (run(case, jnp.bfloat16, sm_scale=0.125, block_kv=64, overlap=overlap)
-                         for overlap in (False, True))
-    assert np.isfinite(plain).all() and np.isfinite(overlapped).all()
+    plain, overlapped, ping_pong = (run(case, jnp.bfloat16, sm_scale=0.125, block_kv=64, **schedule)
+                                    for schedule in ({}, {"overlap": True}, {"ping_pong": True}))
+    for got in (plain, overlapped, ping_pong):
+        assert np.isfinite(got).all()
     np.testing.assert_allclose(overlapped, plain, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(ping_pong, plain, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="wgmma from registers: Mosaic GPU's interpreter cannot run it, a Hopper GPU")
