@@ -42,8 +42,10 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     engine = LLMEngine(EngineConfig.from_preset(ladder, model=model, load_format="dummy",
                                                 compilation_cache_dir="", quantization=quantization))
     profiler = step_profile.StepProfiler(engine)
-    scheduler, runner = engine.scheduler, engine.runner
-    multi_steps = scheduler.num_scheduler_steps  # the ladder's k; 1 while the single-step loop is measured
+    runner = engine.runner
+    # The ladder's k. Each engine step sets the scheduler's k from the runner's (`decode_steps_ready`), so the
+    # single-step parts set the runner's: before stop 66's fix they set the scheduler's, and ran k-step decodes.
+    multi_steps = runner.num_decode_steps
     rng = np.random.default_rng(0)
     result = {
         "model": model, "quantization": quantization, "dtype": engine.info.dtype,
@@ -52,10 +54,10 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     }
 
     def single_steps(greedy: bool) -> None:
-        scheduler.num_scheduler_steps, runner.greedy_decodes = 1, greedy
+        runner.num_decode_steps, runner.greedy_decodes = 1, greedy
 
     def multi_step() -> None:
-        scheduler.num_scheduler_steps, runner.greedy_decodes = multi_steps, True
+        runner.num_decode_steps, runner.greedy_decodes = multi_steps, True
 
     def profile(steps: int) -> Callable[[int], dict]:
         return lambda level: step_profile.as_dicts([profiler.profile(level, input_len, steps)])[0]
