@@ -14,10 +14,13 @@ step overlaps the device's. The updates are the synchronous loop's; a stop is se
 token the extra step sampled is dropped. A sequence with a grammar needs its last token to build its
 next mask, so while one is present the loop reads each step before launching the next.
 
-Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): once every running sequence only decodes,
-the loop reads what is in flight, launches k decode steps in one call and reads them at once, reporting
-one `CoreOutputs` per step; a stop is seen when the k tokens are read, never a whole step late. While a
-background warm-up is still compiling (the k-step executables come last), decodes run one step at a time.
+Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): once every running sequence only decodes, the
+loop launches k decode steps in one call, reporting one `CoreOutputs` per step. Synchronously it reads what
+is in flight first and reads the k steps at once (a stop is seen when the k tokens are read). With async
+scheduling the calls overlap as single steps do: call N + 1 starts from call N's last tokens on the device,
+and N is read while N + 1 runs, so the device does not wait through the host's turn; a stop is then seen
+one call late, and the k tokens computed past it are dropped. While a background warm-up is still
+compiling (the k-step executables come last), decodes run one step at a time.
 
 Speculative decoding (`SchedulerConfig.speculative_config`) runs under the same conditions: the loop reads
 what is in flight, launches a step whose requests with n-gram drafts decode on a row per draft, and reads it
@@ -140,7 +143,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.num_scheduler_steps, sched.scheduling_policy, proposer,
                                    row_buckets=self.runner.ladder.request_buckets,
-                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
+                                   overlap_decode_steps=sched.async_scheduling)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
@@ -268,7 +272,7 @@ class EngineCore:
         self.scheduler.num_scheduler_steps = self.runner.decode_steps_ready()
         previous, self._in_flight = self._in_flight, None
         outputs: list[CoreOutputs] = []
-        if previous is not None and self.scheduler.only_decodes():
+        if previous is not None and self.scheduler.only_decodes() and not self._overlaps_decode_steps():
             # A multi-step decode starts from read tokens: report these now (a first token must not wait
             # for the k steps), and launch the k steps on the next call.
             return self._read(previous)
@@ -278,13 +282,23 @@ class EngineCore:
         if previous is not None:
             outputs += self._read(previous)
         if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()
-                                            or self._in_flight.scheduler_output.reads_at_once
+                                            or self._in_flight.scheduler_output.is_speculative
+                                            or (self._in_flight.scheduler_output.is_multi_step
+                                                and not self._overlaps_decode_steps())
                                             or self._drafting()):
-            # synchronous, nothing left to overlap, k steps or drafts (the next plan needs their tokens), or a
-            # decode step while drafts may run next (timed from launch to tokens where it ran alone)
+            # synchronous, nothing left to overlap, drafts or k steps that the next plan cannot overlap (it
+            # needs their tokens), or a decode step while drafts may run next (timed from launch to tokens
+            # where it ran alone)
             launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched, timed=previous is None)
         return outputs
+
+    def _overlaps_decode_steps(self) -> bool:
+        """Async k-step decodes: call N + 1 is launched from call N's last tokens on the device before N is
+        read, so the host's turn (N's outputs) runs while the device decodes. Not while drafting: the next
+        plan then needs the tokens."""
+        return self.scheduler.overlap_decode_steps and self.scheduler.num_scheduler_steps > 1 \
+            and not self.scheduler.drafting
 
     def _drafting(self) -> bool:
         """Speculative decoding may apply to the next step (on, not paused, every running sequence decoding)."""

@@ -147,16 +147,20 @@ class Scheduler:
         proposer: NgramProposer | None = None,
         row_buckets: tuple[int, ...] = (),
         max_loras: int = 0,
+        overlap_decode_steps: bool = False,
     ) -> None:
         """`proposer`: speculative decoding's drafts, run on the decode buckets `row_buckets` (the runner's
         request buckets) as `DraftPolicy` chooses. `max_loras`: the device's LoRA slots (--enable-lora): the
         running requests use at most that many adapters, and a waiting request of another adapter waits at
-        the queue's head until a slot frees (vLLM lets later requests pass it; here none starves)."""
+        the queue's head until a slot frees (vLLM lets later requests pass it; here none starves).
+        `overlap_decode_steps` (async scheduling): a k-step decode may be planned while the last step's
+        samples are still in flight, its first tokens taken from them on the device."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
         self.by_priority = policy == "priority"
         self.num_scheduler_steps = num_scheduler_steps
+        self.overlap_decode_steps = overlap_decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -220,7 +224,8 @@ class Scheduler:
             if self._draft_pause and self._paused_without_drafts and any(
                     self.proposer.propose(request, 1) for request in self.running):  # copying again
                 self._draft_pause = 0
-        if self.only_decodes() and not any(request.num_inflight_tokens for request in self.running):
+        in_flight = any(request.num_inflight_tokens for request in self.running)
+        if self.only_decodes() and (not in_flight or (self.overlap_decode_steps and not self.drafting)):
             plan = self._plan_speculative() if self.drafting else None
             if plan is None and self.num_scheduler_steps > 1 and not self._times_base:
                 plan = self._plan_decode_steps()
@@ -355,15 +360,20 @@ class Scheduler:
         return output
 
     def _plan_decode_steps(self) -> _Plan | None:
-        """Every running request decodes up to k steps (`only_decodes`, nothing in flight); None when their
-        pages do not all fit without preempting (the one-step plan then decides who yields)."""
+        """Every running request decodes up to k steps (`only_decodes`; with `overlap_decode_steps` the
+        samples of the step in flight feed the first); None when their pages do not all fit without
+        preempting (the one-step plan then decides who yields), or when a request's last token is in flight
+        (it finishes when read: the one-step plan leaves it out)."""
         if len(self.running) > self.max_num_batched_tokens:
             return None
         k, kv_cache = self.num_scheduler_steps, self.kv_cache
-        steps = [min(k, request.max_num_tokens - request.num_tokens) for request in self.running]
+        steps = [min(k, request.max_num_tokens - request.num_tokens - request.num_inflight_tokens)
+                 for request in self.running]
+        if min(steps) < 1 or max(steps) == 1:  # one step is the plain decode's plan
+            return None
         new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + n) - len(request.page_ids))
                         for request, n in zip(self.running, steps, strict=True))
-        if max(steps) == 1 or new_pages > kv_cache.num_free_pages:  # one step is the plain decode's plan
+        if new_pages > kv_cache.num_free_pages:
             return None
         plan = _Plan()
         for request, num_steps in zip(self.running, steps, strict=True):
