@@ -262,7 +262,8 @@ class EngineCore:
 
         Synchronous: launches step N and reads it. Async: launches N + 1, then reads N (the first call reads
         nothing); while a sequence has a grammar, or when nothing is left to run, it reads what is in
-        flight without launching. A multi-step decode is launched once nothing is in flight and read at once.
+        flight without launching. A multi-step decode is launched once nothing is in flight and read at once,
+        or, async (`_overlaps_decode_steps`), launched and read as a single step is.
         A fault caused by one sequence's data fails that sequence (a `SequenceFailure`); any other
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
@@ -295,10 +296,10 @@ class EngineCore:
 
     def _overlaps_decode_steps(self) -> bool:
         """Async k-step decodes: call N + 1 is launched from call N's last tokens on the device before N is
-        read, so the host's turn (N's outputs) runs while the device decodes. Not while drafting: the next
-        plan then needs the tokens."""
-        return self.scheduler.overlap_decode_steps and self.scheduler.num_scheduler_steps > 1 \
-            and not self.scheduler.drafting
+        read, so the host's turn (N's outputs) runs while the device decodes. Not with speculative decoding:
+        drafting plans need the tokens, and its draft policy times k-step calls read at once."""
+        scheduler = self.scheduler
+        return scheduler.overlap_decode_steps and scheduler.num_scheduler_steps > 1 and scheduler.proposer is None
 
     def _drafting(self) -> bool:
         """Speculative decoding may apply to the next step (on, not paused, every running sequence decoding)."""

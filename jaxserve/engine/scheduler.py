@@ -28,11 +28,14 @@ scheduled again; any other stop (EOS, a stop id or string) is seen one step late
 that step sampled is dropped, as vLLM's async scheduling does. Pages filled by steps in flight count as
 being filled until their step is read, so a request arriving meanwhile still waits for them.
 
-Multi-step decoding (`num_scheduler_steps` k > 1): when nothing waits, no sample is in flight and every
-running request is a plain decode (no grammar, no logprobs, nothing the runner fills row by row), a step
-plans k decode steps per request in one call (`decode_steps`; fewer for a request k tokens from its
-limit), with pages for all of them. The runner feeds each sample to the next step on the device; stops are
-applied when the k tokens are read (`update_steps`), so a finished request wastes at most k - 1 tokens.
+Multi-step decoding (`num_scheduler_steps` k > 1): when nothing waits and every running request is a plain
+decode (no grammar, no logprobs, nothing the runner fills row by row), with no sample in flight or, with
+`overlap_decode_steps` (async scheduling), the last call's samples in flight (each row's first input is then
+pending, as a single step's is), a step plans k decode steps per request in one call (`decode_steps`;
+fewer for a request k tokens from its limit, counting the tokens in flight), with pages for all of them.
+The runner feeds each sample to the next step on the device; stops are applied when the k tokens are read
+(`update_steps`), so a finished request wastes at most k - 1 tokens, or 2k - 1 when calls overlap. A
+request preempted while a k-step call for it is in flight resumes once that call is read.
 
 Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, each running request
 with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step, row i feeding
@@ -204,9 +207,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def only_decodes(self) -> bool:
-        """Whether multi-step or speculative decoding applies once no sample is in flight: k > 1 or a
-        proposer, nothing waits, and every running request is a plain decode (its one next token to
-        compute, no grammar, nothing per row)."""
+        """Whether multi-step or speculative decoding may apply (speculative once no sample is in flight):
+        k > 1 or a proposer, nothing waits, and every running request is a plain decode (its one next token
+        to compute, no grammar, nothing per row)."""
         speeds_decodes = self.num_scheduler_steps > 1 or self.drafting
         return speeds_decodes and not self.waiting and bool(self.running) and all(
             request.has_plain_decodes and request.grammar is None
@@ -297,6 +300,11 @@ class Scheduler:
         if not preempted:  # (requests that yielded to the queue's head stand behind it)
             while len(self.waiting) > passed and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[passed]
+                if request.num_inflight_tokens > 1:
+                    # It yielded while a k-step call for it runs (priority policy, overlapped calls): that
+                    # call writes its old pages, which resuming now would key for the prefix cache under new
+                    # pages never computed. It resumes once the call is read.
+                    break
                 if request.lora_id is not None and (passed or not self.lora_slots.can_take(request.lora_id)):
                     passed += 1
                     continue

@@ -113,11 +113,6 @@ class SchedulerOutput:
         return bool(self.draft_lengths)
 
     @property
-    def reads_at_once(self) -> bool:
-        """Its tokens are read as soon as it is launched: the next plan depends on how many it produced."""
-        return self.is_multi_step or self.is_speculative
-
-    @property
     def num_steps(self) -> int:
         """Decode steps the plan runs in one call (1 unless a multi-step decode)."""
         return max(self.decode_steps, default=1)

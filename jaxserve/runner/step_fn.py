@@ -137,6 +137,8 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
 
         carry = (kv_caches, _input_ids(batch), jnp.zeros((num_steps, num_rows), jnp.int32),
                  jnp.zeros((num_steps, num_rows), jnp.float32))
+        # A row's last sample feeds the next call (async k-step calls). For a row with fewer steps than k it
+        # is a padding step's, not its own: such a row reaches its max_tokens, and is never planned again.
         kv_caches, last_tokens, tokens, logprobs = jax.lax.fori_loop(0, num_steps, one_step, carry)
         no_top = jnp.zeros((num_steps, num_rows, num_top_logprobs), jnp.int32)
         sampled = SamplerOutput(tokens, logprobs, no_top, no_top.astype(jnp.float32))

@@ -8,7 +8,9 @@ import pytest
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_io import StepOutput
 from jaxserve.sampling_params import InvalidParam, check_priority
+from tests.engine.sent_pages import replay
 from tests.engine.test_scheduler import make_request, run_step
 
 
@@ -137,3 +139,39 @@ def test_the_engine_serves_by_priority_and_an_fcfs_engine_refuses_one(llama_dir)
     with pytest.raises(InvalidParam, match="--scheduling-policy priority"):
         fcfs.add_request("p", prompts[0], greedy(3), priority=2)
     assert not fcfs.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("k", [4, 8])  # k-step calls within a page of 4 tokens, and longer than one
+def test_a_request_that_yields_while_its_k_step_call_runs_resumes_once_the_call_is_read(k):
+    """Overlapped k-step calls (async scheduling) with prefix caching: an urgent arrival preempts a request
+    whose k-step call is still in flight. The request must not resume in the same plan: its call writes its
+    old pages, and a resume under new pages would key them for the prefix cache before they are computed
+    (with k over a page, keying past its pages raised)."""
+    kv_cache = KVCacheManager(17, 4, enable_prefix_caching=True)  # 16 pages of 4 tokens
+    sched = Scheduler(kv_cache, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=k,
+                      policy="priority", overlap_decode_steps=True)
+    background = prioritized("background", 1, num_prompt=9, max_tokens=20)
+    sched.add_request(background)
+    run_step(sched)  # the prefill, read
+    in_flight = sched.schedule()  # k steps, not read yet
+    replay(sched, in_flight)
+    assert list(in_flight.decode_steps) == [k] and background.num_inflight_tokens == k
+    sched.add_request(prioritized("urgent", 0, num_prompt=4 * kv_cache.num_free_pages + 4, max_tokens=2))
+    plan = sched.schedule()  # launched while the k steps run
+    replay(sched, plan)
+    assert plan.preempted_ids == ("background",)
+    assert "background" not in plan.request_ids, "resumed while its k-step call runs"
+    outputs = [StepOutput(in_flight.request_ids, [7], [0.0]) for _ in range(k)]
+    sched.update_steps(in_flight, outputs)  # read after the next plan was launched
+    sched.update(plan, StepOutput(plan.request_ids, [7] * plan.num_reqs, [0.0] * plan.num_reqs))
+    assert background.num_keyed_pages * 4 <= background.num_computed_tokens
+    for _ in range(100):  # to the end, each plan read before the next (k-step plans through update_steps)
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        replay(sched, out)
+        read = [StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs)] * out.num_steps
+        sched.update_steps(out, read) if out.is_multi_step else sched.update(out, read[0])
+        for request in sched.running:  # every page keyed for the prefix cache holds computed tokens
+            assert request.num_keyed_pages * 4 <= request.num_computed_tokens
+    assert background.status.is_finished and len(background.output_token_ids) == 20
