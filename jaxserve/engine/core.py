@@ -296,10 +296,9 @@ class EngineCore:
 
     def _overlaps_decode_steps(self) -> bool:
         """Async k-step decodes: call N + 1 is launched from call N's last tokens on the device before N is
-        read, so the host's turn (N's outputs) runs while the device decodes. Not with speculative decoding:
-        drafting plans need the tokens, and its draft policy times k-step calls read at once."""
-        scheduler = self.scheduler
-        return scheduler.overlap_decode_steps and scheduler.num_scheduler_steps > 1 and scheduler.proposer is None
+        read, so the host's turn (N's outputs) runs while the device decodes (`Scheduler.overlap_decode_steps`
+        says when)."""
+        return self.scheduler.overlap_decode_steps and self.scheduler.num_scheduler_steps > 1
 
     def _drafting(self) -> bool:
         """Speculative decoding may apply to the next step (on, not paused, every running sequence decoding)."""

@@ -157,13 +157,14 @@ class Scheduler:
         running requests use at most that many adapters, and a waiting request of another adapter waits at
         the queue's head until a slot frees (vLLM lets later requests pass it; here none starves).
         `overlap_decode_steps` (async scheduling): a k-step decode may be planned while the last step's
-        samples are still in flight, its first tokens taken from them on the device."""
+        samples are still in flight, its first tokens taken from them on the device; never with a proposer
+        (drafting plans need the tokens, and its draft policy times k-step calls read at once)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
         self.by_priority = policy == "priority"
         self.num_scheduler_steps = num_scheduler_steps
-        self.overlap_decode_steps = overlap_decode_steps
+        self.overlap_decode_steps = overlap_decode_steps and proposer is None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -227,8 +228,8 @@ class Scheduler:
             if self._draft_pause and self._paused_without_drafts and any(
                     self.proposer.propose(request, 1) for request in self.running):  # copying again
                 self._draft_pause = 0
-        in_flight = any(request.num_inflight_tokens for request in self.running)
-        if self.only_decodes() and (not in_flight or (self.overlap_decode_steps and not self.drafting)):
+        if self.only_decodes() and (self.overlap_decode_steps
+                                    or not any(request.num_inflight_tokens for request in self.running)):
             plan = self._plan_speculative() if self.drafting else None
             if plan is None and self.num_scheduler_steps > 1 and not self._times_base:
                 plan = self._plan_decode_steps()
