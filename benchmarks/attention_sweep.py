@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth, time_per_call
 
-from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
+from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_hopper, ragged_paged_attention_mgpu
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
 PARTS = ("decode", "mixed", "paged", "paged-prefill", "paged-decode", "chunk")
@@ -269,6 +269,15 @@ def main() -> None:
                            fn, inputs.args, reference, amount, flops, args.iters, 1e12))
         if prefill_part in args.parts:
             prefill_cases.append((name, inputs, reference, amount))
+    # First, each case as the engine's Hopper step runs it (`ragged_paged_attention_hopper`): requests of
+    # MIN_Q_LEN tokens or more through the Mosaic GPU kernel's defaults, the rest (the mixed case's decodes)
+    # through the Triton kernel beside it, the two outputs summed
+    engine_fn = jax.jit(functools.partial(ragged_paged_attention_hopper, sm_scale=sm_scale, interpret=interpret))
+    for name, inputs, reference, amount in prefill_cases:
+        if over(prefill_part):
+            break
+        report(measure("paged", name, "engine-hopper", "mosaic-gpu defaults + triton for decodes", engine_fn,
+                       inputs.args, reference, amount, flops, args.iters, 1e12))
     for kernel_config in paged_grid:
         config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
         fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=sm_scale, interpret=interpret,

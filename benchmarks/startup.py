@@ -118,6 +118,15 @@ def start_once(config: str, cache_dir: Path, extra: list[str], timeout: float,
     return result
 
 
+def cache_entries(xla_dir: Path, largest: int = 4) -> dict[str, object]:
+    """What JAX's persistent cache holds after a start: its entry count, bytes, and its largest entries (a
+    module name and a key's head): whether a cold start wrote the executables a warm start then missed."""
+    files = sorted((f for f in xla_dir.glob("*") if f.is_file() and not f.name.endswith("-atime")),
+                   key=lambda f: f.stat().st_size, reverse=True)
+    return {"cache_entries": len(files), "cache_mib": round(sum(f.stat().st_size for f in files) / 2**20, 1),
+            "cache_largest": [f"{f.name[:48]} {f.stat().st_size / 2**20:.1f} MiB" for f in files[:largest]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="default", help="the preset or YAML whose ladder warm-up compiles")
@@ -140,7 +149,7 @@ def main() -> None:
                 log_path = args.log_dir / f"serve-{run}-{kind}.log" if args.log_dir else None
                 result = start_once(args.config, Path(tmp), args.extra, args.timeout, log_path,
                                     wait_all=not args.no_wait_all, first_requests=args.first_requests)
-                rows.append({"run": run, "kind": kind, **result})
+                rows.append({"run": run, "kind": kind, **result, **cache_entries(Path(tmp) / "xla")})
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "rows": rows}, indent=2))
