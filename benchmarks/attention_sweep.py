@@ -141,10 +141,12 @@ def cudnn_fn(sm_scale: float) -> Callable:
 
 
 def mgpu_config(num_consumers: int, block_kv: int, stages: int, in_registers: bool, *, ping_pong: bool = False,
-                overlap: bool = False, heavy_first: bool = True) -> dict:
-    """One configuration of `ragged_paged_attention_mgpu`: its keywords, in the order the report names them."""
-    return dict(num_consumers=num_consumers, block_kv=block_kv, stages=stages, p_in_registers=in_registers,
-                ping_pong=ping_pong, overlap=overlap, heavy_first=heavy_first)
+                overlap: bool = False, heavy_first: bool = True, programs_per_kv_head: int | None = None) -> dict:
+    """One configuration of `ragged_paged_attention_mgpu`: its keywords, in the order the report names them
+    (a persistent grid's programs last, where there is one)."""
+    config = dict(num_consumers=num_consumers, block_kv=block_kv, stages=stages, p_in_registers=in_registers,
+                  ping_pong=ping_pong, overlap=overlap, heavy_first=heavy_first)
+    return config if programs_per_kv_head is None else {**config, "programs_per_kv_head": programs_per_kv_head}
 
 
 def main() -> None:
@@ -180,7 +182,8 @@ def main() -> None:
         ragged_grid = [(16, 32, 4, 2)]
         paged_grid = [mgpu_config(1, 64, 2, in_registers=False),
                       mgpu_config(1, 64, 2, in_registers=False, overlap=True)]
-        paged_decode_grid = paged_grid
+        paged_decode_grid = list(paged_grid)
+        paged_grid.insert(1, mgpu_config(1, 64, 2, in_registers=False, programs_per_kv_head=2))
         decode_page_sizes = (16, 32)
         chunk_cases = {"chunk 128 at 128": (128, 128)}
     else:
@@ -191,9 +194,14 @@ def main() -> None:
                  "prefill 2048": ([2048], [2048]), "chunk 1024 at 4096": ([1024], [4096]),
                  "chunk 512 at 8192": ([512], [8192])}
         ragged_grid = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-        # FlashAttention-3's ways, measured and checked here first: the default (ping-pong) first, then the
-        # default before stop 66 (no ping-pong), ping-pong in the requests' order and with the overlapped softmax
-        paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True), mgpu_config(2, 128, 2, True),
+        # FlashAttention-3's ways, measured and checked here first: the default (ping-pong) first, then on a
+        # persistent grid (a program a multiprocessor, each walking its share of the query blocks: the fill and
+        # drain once a program, not once a block; with and without ping-pong), then the default before stop 66
+        # (no ping-pong), ping-pong in the requests' order and with the overlapped softmax
+        per_head = max(1, getattr(jax.devices()[0], "core_count", 132) // heads[1])  # 16 on an H100/H200
+        paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True),
+                      mgpu_config(2, 128, 2, True, ping_pong=True, programs_per_kv_head=per_head),
+                      mgpu_config(2, 128, 2, True, programs_per_kv_head=per_head), mgpu_config(2, 128, 2, True),
                       mgpu_config(2, 128, 2, True, ping_pong=True, heavy_first=False),
                       mgpu_config(2, 128, 2, True, ping_pong=True, overlap=True),
                       mgpu_config(2, 64, 4, True, ping_pong=True), mgpu_config(2, 128, 2, True, overlap=True),

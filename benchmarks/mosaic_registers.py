@@ -28,6 +28,8 @@ CONFIGS = [
     ("prefill without ping-pong", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True)),
     ("prefill default (ping-pong)", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
                                                 ping_pong=True)),
+    ("prefill persistent grid (ping-pong)", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
+                                                        ping_pong=True, programs_per_kv_head=16)),
     ("prefill overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True, overlap=True)),
     ("prefill ping-pong + overlap", False, dict(num_consumers=2, block_kv=128, stages=2, p_in_registers=True,
                                                 ping_pong=True, overlap=True)),

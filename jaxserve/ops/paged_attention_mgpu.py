@@ -11,7 +11,11 @@ rows, head-major (row r is head r // block_q's token r % block_q), so each K/V p
 GQA group. Queries are read and outputs written in place in [T, N, H] (a slab of one head is a strided
 2-D box for TMA); a slab starts on a tile of 8 tokens, so it may begin before the request's first token or
 end past its last: those rows are computed and never stored. The grid is (block, KV head); the blocks
-past the step's requests exit at once.
+past the step's requests exit at once. With `programs_per_kv_head`, a persistent grid: as many programs a KV
+head (the multiprocessors over the KV heads: one wave), each walking its share of the blocks with one ring of
+stages, so a program's fill (its description, queries, first pages) and drain (the last P V, the store) are
+paid once a program and overlap the next block's, not once a block; a 2,048-token prefill's blocks walk
+1 to 16 steps, 8.5 on average (docs/benchmarks.md).
 
 Launch order. A GPU starts a kernel's programs in the order of their index, the KV head fastest here, and
 a program's cost is its steps over the keys, which vary: a causal prefill's last block walks every key
@@ -53,6 +57,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -101,7 +106,7 @@ def supports(
     q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
     num_consumers: int = DEFAULTS["num_consumers"], block_kv: int = DEFAULTS["block_kv"],
     stages: int = DEFAULTS["stages"], p_in_registers: bool = False, ping_pong: bool = False,
-    overlap: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
+    overlap: bool = False, persistent: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
 ) -> str | None:
     """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
     if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
@@ -116,6 +121,8 @@ def supports(
         return f"{num_consumers} consumer warpgroups (1 or 2)"
     if ping_pong and num_consumers != 2:
         return f"the ping-pong schedule on {num_consumers} consumer warpgroup(s) (it takes 2)"
+    if overlap and persistent:
+        return "the overlapped softmax on a persistent grid (only the plain steps free the queries' buffer)"
     if overlap and head_dim > 128:
         return f"the overlapped softmax at head dim {head_dim} (two steps' scores and the output in registers: 128)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
@@ -142,10 +149,32 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
     return pieces
 
 
-def _consumer(
+def _consumer(o_ref, info, *buffers_and_barriers, **static):
+    """Consumer warpgroup `wg`'s program: its blocks in turn (`_walk_blocks`)."""
+    plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
+    _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, row, done, *buffers_and_barriers, **static))
+
+
+def _walk_blocks(info, block: Callable[[Any, Any, Any], None]) -> None:
+    """Calls `block(row, i, done)` for each used description of the program's `info` in shared memory:
+    i32[_INFO], one block, or a persistent grid's i32[M, _INFO], the used ones first; `row`: block i's
+    description, `done`: the program's steps before it, which place its steps in the ring of stages.
+    Unused blocks (past the step's requests) are skipped."""
+    if info.ndim == 1:
+        pl.when(info[_NUM_VALID] > 0)(lambda: block(info, 0, 0))
+        return
+
+    def body(i, done):
+        pl.when(info[i, _NUM_VALID] > 0)(lambda: block(info.at[i], i, done))
+        return done + info[i, _END_STEP] - info[i, _FIRST_STEP]  # 0 for an unused block
+
+    lax.fori_loop(0, info.shape[0], body, jnp.int32(0))
+
+
+def _consumer_block(
     o_ref,  # gmem [T, N, H]
-    info, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this program's row of the descriptions
-    q_bars, k_bars, v_bars, k_free, v_free, turns,  # turns: the ping-pong's barrier (None without it)
+    info, done, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this block's description; done: the steps before
+    q_bars, k_bars, v_bars, k_free, v_free, q_free, turns,  # q_free: the queries' buffer is free (persistent grid)
     *,
     wg: int,
     group: int,
@@ -156,7 +185,6 @@ def _consumer(
     p_in_registers: bool,
     overlap: bool,
 ):
-    plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
     kv_head = lax.axis_index("kv_head")
     rows, head_dim = ROWS_PER_WARPGROUP, q_smem.shape[-1]
     slab_pos, kv_len = info[_SLAB_POS], info[_KV_LEN]
@@ -192,7 +220,7 @@ def _consumer(
 
     def step_body(step, carry, masked: bool):
         m, denom, acc = carry  # f32[rows] (log2 domain), f32[rows], f32[rows, H]
-        slot = lax.rem(step - first_step, stages)
+        slot = lax.rem(done + step - first_step, stages)
         plgpu.barrier_wait(k_bars.at[slot])
 
         def qk(acc_ref):
@@ -203,6 +231,8 @@ def _consumer(
 
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # f32[rows, S]
         plgpu.barrier_arrive(k_free.at[slot])
+        if q_free is not None:  # the block's last Q K^T read: the producer may load the next block's queries
+            pl.when(step == end_step - 1)(functools.partial(plgpu.barrier_arrive, q_free[wg]))
         p, m_new, alpha, denom = softmax(s, m, denom, step, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         if p_in_registers:  # FlashAttention-3's way: P stays in registers, P V accumulates in place
@@ -245,7 +275,7 @@ def _consumer(
         take_turn()
     if overlap:
         denom, acc = _overlapped_steps(
-            init, softmax, first_step, unmasked_end, end_step, q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars,
+            init, softmax, done, first_step, unmasked_end, end_step, q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars,
             k_free, v_free, stages=stages, p_in_registers=p_in_registers,
             issued=take_turn if turns is not None else None)
     else:
@@ -271,7 +301,7 @@ def _consumer(
 
 
 def _overlapped_steps(
-    init, softmax, first_step, unmasked_end, end_step,  # softmax: the consumer's (scores, m, sums, step, masked)
+    init, softmax, done, first_step, unmasked_end, end_step,  # softmax: the consumer's (scores, m, sums, step, masked)
     q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars, k_free, v_free, *, stages: int, p_in_registers: bool,
     issued: Callable[[], None] | None = None,
 ):
@@ -285,8 +315,8 @@ def _overlapped_steps(
     m, denom, acc = init
     rows, block_kv = ROWS_PER_WARPGROUP, k_smem.shape[1]
 
-    def slot_of(step):
-        return lax.rem(step - first_step, stages)
+    def slot_of(step):  # `done`: the program's steps before this block (a persistent grid's)
+        return lax.rem(done + step - first_step, stages)
 
     def to_p(p):  # P where P V reads it: registers (returned), or shared memory (None)
         p = p.astype(q_wg.dtype)
@@ -394,10 +424,18 @@ def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> Non
         ))
 
 
-def _producer(
+def _producer(q_ref, k_ref, v_ref, page_table_ref, info, *buffers_and_barriers, **static):
+    """The producer warpgroup's program: its blocks in turn, one ring of stages across them, so the next
+    block's pages load while the consumers finish this one."""
+    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: its registers go to the consumers
+    _walk_blocks(info, lambda row, i, done: _producer_block(q_ref, k_ref, v_ref, page_table_ref, row, i, done,
+                                                            *buffers_and_barriers, **static))
+
+
+def _producer_block(
     q_ref, k_ref, v_ref, page_table_ref,  # gmem
-    info, q_smem, k_smem, v_smem,
-    q_bars, k_bars, v_bars, k_free, v_free,
+    info, i, done, q_smem, k_smem, v_smem,  # info: block i's description; done: the program's steps before it
+    q_bars, k_bars, v_bars, k_free, v_free, q_free,
     *,
     num_consumers: int,
     group: int,
@@ -405,11 +443,12 @@ def _producer(
     stages: int,
     pages_per_block: int,
 ):
-    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: its registers go to the consumers
     kv_head = lax.axis_index("kv_head")
     page_size = k_ref.shape[2]
     slab_start, req = info[_SLAB_TILE] * _SLAB_ALIGN, info[_REQ]
     for w in range(num_consumers):
+        if q_free is not None:  # after the program's first block: once consumer w has read its last queries
+            pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free[w]))
         for g, first_token, first_row, num_rows in _pieces(w, group, block_q):
             plgpu.copy_gmem_to_smem(
                 q_ref.at[pl.ds(slab_start + first_token, num_rows), kv_head * group + g],
@@ -420,7 +459,7 @@ def _producer(
 
     @pl.loop(first_step, end_step)
     def _(step):
-        j = step - first_step
+        j = done + step - first_step  # the program's steps so far: the ring's position
         slot = lax.rem(j, stages)
         for cache_ref, smem, bars, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
             pl.when(j >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # the stage is free
@@ -440,30 +479,30 @@ def _kernel(
     rows = ROWS_PER_WARPGROUP
     q_copies = [len(_pieces(w, group, block_q)) for w in range(num_consumers)]
 
+    persistent = info_ref.ndim == 3  # i32[programs, M, _INFO]: M blocks a program; else i32[blocks, _INFO]
+
     def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free, v_free,
-               turns=None):
+               *optional):  # q_free with a persistent grid, then turns with ping-pong
+        q_free = optional[0] if persistent else None
+        turns = optional[-1] if ping_pong else None
         wg = lax.axis_index("wg")
-        bars = (q_bars, k_bars, v_bars, k_free, v_free)
+        bars = (q_bars, k_bars, v_bars, k_free, v_free, q_free)
 
         @pl.when(wg == num_consumers)
         def _():
             plgpu.copy_gmem_to_smem(info_ref.at[lax.axis_index("block")], info, info_bar)
 
         plgpu.barrier_wait(info_bar)
-
-        @pl.when(info[_NUM_VALID] > 0)  # unused blocks (past the step's requests) stop here
-        def _():
-            pl.when(wg == num_consumers)(functools.partial(
-                _producer, q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars,
-                num_consumers=num_consumers, group=group, block_q=block_q, stages=stages,
-                pages_per_block=pages_per_block,
+        pl.when(wg == num_consumers)(functools.partial(
+            _producer, q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars,
+            num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, pages_per_block=pages_per_block,
+        ))
+        for w in range(num_consumers):
+            pl.when(wg == w)(functools.partial(
+                _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w, group=group,
+                block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
+                overlap=overlap,
             ))
-            for w in range(num_consumers):
-                pl.when(wg == w)(functools.partial(
-                    _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w, group=group,
-                    block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
-                    overlap=overlap,
-                ))
 
     pl.run_scoped(
         scoped,
@@ -472,13 +511,15 @@ def _kernel(
         _swizzled((stages, block_kv, head_dim), dtype),
         _swizzled((num_consumers, rows, block_kv) if not p_in_registers else (1, 8, 64), dtype),  # P
         plgpu.SMEM((num_consumers, rows, head_dim), dtype),  # the output, plain: stored a token at a time
-        plgpu.SMEM((_INFO,), jnp.int32),  # last: the swizzled buffers before it stay 1,024-byte aligned
+        plgpu.SMEM(info_ref.shape[1:], jnp.int32),  # last: the swizzled buffers before it stay 1,024-byte aligned
         plgpu.Barrier(),
         tuple(plgpu.Barrier(num_arrivals=n) for n in q_copies),  # one per consumer: its query copies
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        # one per consumer: its last Q K^T of a block done, its queries' buffer free for the next block's
+        *([tuple(plgpu.Barrier() for _ in range(num_consumers))] if persistent else []),
         *([plgpu.Barrier(num_arrivals=num_consumers)] if ping_pong else []),  # the consumers' turns
         collective_axes="wg",
     )
@@ -493,13 +534,19 @@ def _describe_blocks(
     scores: ScoreRule,
     served: jax.Array | None,
     heavy_first: bool,
-) -> jax.Array:  # i32[NB, _INFO]
+    programs: int | None = None,
+) -> jax.Array:  # i32[NB, _INFO], or with `programs` i32[programs, M, _INFO]
     """Each program's description. Request r's tokens [s, e) are cut into slabs of block_q tokens from s
     rounded down to a tile, so every slab starts on one; a block's own tokens are the slab's rows inside
     [s, e), `shift` rows from its start. A slab that would pass the end of q moves back to end there.
 
     In the order of the requests and their slabs, or with `heavy_first` in the order of their steps, the
-    most first (a stable sort: blocks of equal steps keep that order); unused blocks come last either way."""
+    most first (a stable sort: blocks of equal steps keep that order); unused blocks come last either way.
+
+    With `programs` (a persistent grid: that many programs a KV head, each walking several blocks), program p
+    takes the blocks of that order in a snake: p, 2P - 1 - p, 2P + p, ..., so the heaviest and the lightest
+    pair up and the programs' steps come out nearly equal; each holds M = ceil(NB / P) rows, its used blocks
+    first (the rows past NB are zeros: unused)."""
     num_reqs = kv_lens.shape[0]
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]  # i32[R]
     base = starts // _SLAB_ALIGN * _SLAB_ALIGN
@@ -530,7 +577,14 @@ def _describe_blocks(
     info = jnp.stack(fields, axis=1).astype(jnp.int32)  # i32[NB, 8]
     if heavy_first:
         info = info[heaviest_first(end_step - first_step)]  # unused blocks walk 0 steps: last
-    return jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
+    info = jnp.pad(info, ((0, 0), (0, _INFO - len(fields))))
+    if programs is None:
+        return info
+    passes = pl.cdiv(num_blocks, programs)
+    p, k = np.arange(programs)[:, None], np.arange(passes)[None, :]
+    order = k * programs + np.where(k % 2 == 0, p, programs - 1 - p)  # [P, M]: the snake, static
+    info = jnp.pad(info, ((0, programs * passes - num_blocks), (0, 0)))  # zero rows: unused
+    return info[order]
 
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
@@ -540,7 +594,8 @@ def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret", "num_consumers", "block_kv",
-                              "stages", "p_in_registers", "ping_pong", "overlap", "heavy_first"),
+                              "stages", "p_in_registers", "ping_pong", "overlap", "heavy_first",
+                              "programs_per_kv_head"),
 )
 def ragged_paged_attention_mgpu(
     q: jax.Array,  # [T, N, H]
@@ -561,6 +616,7 @@ def ragged_paged_attention_mgpu(
     ping_pong: bool = False,
     overlap: bool = False,
     heavy_first: bool = True,
+    programs_per_kv_head: int | None = None,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
 ) -> jax.Array:  # [T, N, H]
     """Same contract as `ops.attention.ragged_paged_attention` (finite values in unused page slots).
@@ -569,7 +625,10 @@ def ragged_paged_attention_mgpu(
     interpreter cannot run it: checked against the oracle on a Hopper GPU only) instead of through
     shared memory. `ping_pong`: the two consumers take turns on the tensor cores; `overlap`: each consumer's
     softmax runs under its own P V; `heavy_first`: the programs with the most steps start first (module
-    docstring).
+    docstring); `programs_per_kv_head`: a persistent grid of that many programs a KV head (one wave: the
+    GPU's multiprocessors over the KV heads), each walking its share of the blocks (`_describe_blocks`)
+    with one ring of stages, the next block's queries and pages loading under this one's last steps;
+    None: a program a block.
 
     Jitted, so that a model's layers share one lowering of the kernel (Mosaic GPU lowers each call
     otherwise, about half a second each)."""
@@ -577,7 +636,8 @@ def ragged_paged_attention_mgpu(
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     shape = (q.dtype, k_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size)
     why = supports(*shape, num_consumers=num_consumers, block_kv=block_kv, stages=stages,
-                   p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap)
+                   p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap,
+                   persistent=programs_per_kv_head is not None)
     if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not take {why}")
     group = num_q_heads // num_kv_heads
@@ -586,10 +646,14 @@ def ragged_paged_attention_mgpu(
     # q padded (a copy) only where its length is not a whole number of tiles or is under one slab.
     padded_tokens = max(pl.cdiv(num_tokens, _SLAB_ALIGN) * _SLAB_ALIGN, block_q)
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
-    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first)
-    num_blocks = info.shape[0]
+    info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first,
+                            programs_per_kv_head)
+    num_blocks = info.shape[0]  # programs along the grid's blocks axis
     if num_blocks > MAX_GRID_Y:  # past any bucket served (2,048 tokens, 256 requests: 368-480 blocks)
         raise ValueError(f"{num_blocks} query blocks: the Mosaic GPU kernel launches at most {MAX_GRID_Y}")
+    if info.ndim == 3 and (need := shared_memory_bytes(
+            head_dim, num_consumers, block_kv, stages, p_in_registers) + info[0].size * 4) > HOPPER_SMEM_BYTES:
+        raise ValueError(f"{info.shape[1]} blocks a program: {need} bytes of shared memory (fewer: more programs)")
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
     page_table = jnp.pad(jnp.clip(page_table, 0, num_pages - 1), ((0, 0), (0, columns - page_table.shape[1])))

@@ -172,6 +172,48 @@ def test_the_requests_order_matches_the_oracle_too():
 
 
 @needs_a_runner
+@pytest.mark.parametrize("programs,num_consumers,stages,ping_pong,heavy_first", [
+    (3, 2, 3, False, True), (2, 2, 2, True, True), (5, 1, 2, False, True), (4, 2, 3, True, False),
+    (1, 2, 2, True, True)])
+def test_a_persistent_grid_matches_the_oracle(programs, num_consumers, stages, ping_pong, heavy_first):
+    """A persistent grid: each program walks several blocks (a 200-token prefill's slabs, a chunk after
+    cached keys, decodes) with one ring of stages, so a block's steps start mid-ring and the next block's
+    queries load once the consumers' last Q K^T of this one is done; one program a KV head walks them all.
+    Bit for bit what a program a block gives: the same blocks, the same steps."""
+    rng = np.random.default_rng(11)
+    case = finite(make_case(rng, [3, 200, 1, 70], [300, 200, 520, 200], 8, 2, page_size=16, head_dim=64,
+                            max_pages=40))
+    config = dict(num_consumers=num_consumers, block_kv=64, stages=stages, ping_pong=ping_pong,
+                  heavy_first=heavy_first)
+    got = run(case, jnp.bfloat16, sm_scale=0.125, programs_per_kv_head=programs, **config)
+    check(got, case, jnp.bfloat16, sm_scale=0.125)
+    np.testing.assert_array_equal(got, run(case, jnp.bfloat16, sm_scale=0.125, **config))
+
+
+def test_a_persistent_grid_deals_every_block_once_and_evens_out_the_steps():
+    """Program p's rows: the blocks of the launch order p, 2P - 1 - p, 2P + p, ... (a snake), its used ones
+    first; every used block in exactly one program, and no program more than one block's steps from
+    another (the heaviest dealt against the lightest)."""
+    q_lens, kv_lens = [2048], [2048]  # a causal prefill: 64 slabs of 32 tokens, 1 to 16 steps of 128 keys
+    flat = describe(q_lens, kv_lens, True, block_kv=128)
+    cu_q_lens = jnp.asarray([0, 2048], jnp.int32)
+    dealt = np.asarray(_describe_blocks(cu_q_lens, jnp.asarray(kv_lens, jnp.int32), 2048, 32, 128,
+                                        ScoreRule(0.125, None, None), None, True, programs=16))
+    assert dealt.shape[:2] == (16, -(-flat.shape[0] // 16))
+    used = dealt[:, :, _NUM_VALID] > 0
+    assert all(row[: row.sum()].all() for row in used), "each program's used blocks first"
+    as_set = lambda rows: sorted(map(tuple, rows))  # noqa: E731
+    assert as_set(dealt[used]) == as_set(flat[flat[:, _NUM_VALID] > 0])
+    steps = (dealt[:, :, _END_STEP] - dealt[:, :, _FIRST_STEP]).sum(axis=1)
+    assert steps.sum() == (flat[:, _END_STEP] - flat[:, _FIRST_STEP]).sum()
+    assert steps.max() - steps.min() <= (flat[:, _END_STEP] - flat[:, _FIRST_STEP]).max()
+    # here exactly even: each step count 1..16 is 4 slabs', and program 0 takes the launch order's blocks 0,
+    # 31, 32 and 63 (16 + 9 + 8 + 1 steps), program 15 its 15, 16, 47 and 48 (13 + 12 + 5 + 4)
+    assert list(dealt[0, :4, _END_STEP] - dealt[0, :4, _FIRST_STEP]) == [16, 9, 8, 1]
+    assert set(steps.tolist()) == {34}
+
+
+@needs_a_runner
 @pytest.mark.parametrize("ping_pong", [False, True])  # True: the prefill default's schedule
 def test_sliding_window_and_soft_cap_in_float16(ping_pong):
     """Gemma 2's soft cap and a window of 37 keys; the pages wholly before each window hold garbage."""
@@ -226,11 +268,13 @@ def test_p_in_registers_matches_the_oracle_on_hopper(num_consumers, block_kv, st
 
 
 @pytest.mark.skipif(ON_HOPPER or not INTERPRETER_RUNS, reason="the interpreter's race detector (a CPU, jax >= 0.11)")
-@pytest.mark.parametrize("ping_pong,overlap", [(False, False), (True, False), (False, True), (True, True)])
-def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong, overlap):
+@pytest.mark.parametrize("ping_pong,overlap,programs", [(False, False, None), (True, False, None), (False, True, None),
+                                                       (True, True, None), (True, False, 2), (False, False, 1)])
+def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong, overlap, programs):
     """The producer's TMA copies, the consumers' wgmma reads and the barriers between them, checked by the
     interpreter's vector clocks: no shared-memory access races another, with the consumers taking turns,
-    overlapping their softmax with their own P V, or neither."""
+    overlapping their softmax with their own P V, or neither; and on a persistent grid, where the next
+    block's queries overwrite this one's and its output buffer is reused."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -239,7 +283,7 @@ def test_the_interpreter_finds_no_race_between_the_warpgroups(ping_pong, overlap
     args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
     interpret_pallas_call.reset_gpu_interpret_mode_state()
     out = ragged_paged_attention_mgpu(*args, sm_scale=0.1, block_kv=64, ping_pong=ping_pong, overlap=overlap,
-                                      interpret=InterpretGPUParams(detect_races=True))
+                                      programs_per_kv_head=programs, interpret=InterpretGPUParams(detect_races=True))
     check(np.asarray(out.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.1)
     assert not interpret_pallas_call.get_races().races_found
 
@@ -260,6 +304,7 @@ def test_what_the_kernel_refuses():
     assert "consumer" in supports(*bf16, 32, 8, 64, 16, num_consumers=3)
     assert "ping-pong" in supports(*bf16, 32, 8, 64, 16, num_consumers=1, ping_pong=True)
     assert supports(*bf16, 32, 8, 64, 16, ping_pong=True, overlap=True) is None  # FlashAttention-3's both
+    assert "persistent" in supports(*bf16, 32, 8, 64, 16, overlap=True, persistent=True)
     assert supports(*bf16, 32, 8, 128, 16, num_consumers=1, overlap=True) is None  # one warpgroup overlaps too
     assert "registers" in supports(*bf16, 8, 4, 256, 16, num_consumers=1, block_kv=64, stages=1, overlap=True)
     assert block_q_for(32, 8, 2) == 32 and block_q_for(9, 3, 2) == 32 and block_q_for(12, 12, 2) == 128
@@ -291,6 +336,24 @@ def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size,
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert "mosaic_gpu" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 2**20
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+@pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES[:2])
+def test_a_persistent_grid_compiles_for_an_h100(model, num_tokens, num_reqs, page_size):
+    """The persistent grid at the prefill defaults, 16 programs a KV head (an H100's 132 multiprocessors
+    over Llama-3-8B's 8 KV heads): each program's descriptions in shared memory beside the defaults' buffers,
+    the loop over its blocks, the queries' barriers."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
+    shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
+              ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=True,
+                                                        ping_pong=True, programs_per_kv_head=16))
+    compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
+    assert "mosaic_gpu" in compiled.as_text()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
