@@ -174,6 +174,7 @@ def main() -> None:
     sm_scale = head_dim ** -0.5
     dtype = jnp.bfloat16
     interpret = args.cpu
+    num_sms = getattr(jax.devices()[0], "core_count", 132)  # a persistent grid's programs: one wave
     rng = np.random.default_rng(0)
     if args.cpu:
         decode_cases = {"decode 4 x 20-70": rng.integers(20, 70, 4).tolist()}
@@ -198,7 +199,7 @@ def main() -> None:
         # persistent grid (a program a multiprocessor, each walking its share of the query blocks: the fill and
         # drain once a program, not once a block; with and without ping-pong), then the default before stop 66
         # (no ping-pong), ping-pong in the requests' order and with the overlapped softmax
-        per_head = max(1, getattr(jax.devices()[0], "core_count", 132) // heads[1])  # 16 on an H100/H200
+        per_head = max(1, num_sms // heads[1])  # 16 on an H100/H200
         paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True),
                       mgpu_config(2, 128, 2, True, ping_pong=True, programs_per_kv_head=per_head),
                       mgpu_config(2, 128, 2, True, programs_per_kv_head=per_head), mgpu_config(2, 128, 2, True),
@@ -209,10 +210,14 @@ def main() -> None:
                       mgpu_config(1, 128, 2, True), mgpu_config(2, 64, 4, True), mgpu_config(2, 128, 2, False)]
         # Decodes: a program per request and KV head, its group's rows padded to a warpgroup's 64 (the tensor
         # cores idle; what counts is how close the page reads come to HBM's); the default first, then the
-        # longest requests first (the default before stop 66), then P in registers in the requests' order (not
+        # longest requests first (the default before stop 66), then a persistent grid (a program a
+        # multiprocessor, each walking its requests' pages in one ring of stages: a short request's fill under
+        # the one before; the longest first, dealt in a snake), then P in registers in the requests' order (not
         # measured yet), then the overlapped softmax (stop 66's H200 sweep: slower on both cases) and a
         # smaller block (stop 47's: (1, 64, 4) and (2, 128, 2) no better, dropped)
-        paged_decode_grid = [mgpu_config(1, 128, 2, False, heavy_first=False), mgpu_config(1, 128, 2, False),
+        paged_decode_grid = [mgpu_config(1, 128, 2, False, heavy_first=False),
+                             mgpu_config(1, 128, 2, False, programs_per_kv_head=per_head),
+                             mgpu_config(1, 128, 2, False),
                              mgpu_config(1, 128, 2, True, heavy_first=False),
                              mgpu_config(1, 128, 2, False, overlap=True, heavy_first=False),
                              mgpu_config(1, 64, 3, False, heavy_first=False)]
@@ -323,6 +328,8 @@ def main() -> None:
         for kernel_config in paged_decode_grid:
             if over(decode_part):
                 break
+            if "programs_per_kv_head" in kernel_config and not args.cpu:  # one wave on this case's KV heads
+                kernel_config = {**kernel_config, "programs_per_kv_head": max(1, num_sms // case_heads[1])}
             fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=case_scale, interpret=interpret,
                                            **kernel_config))
             config = " ".join(f"{key}={value}" for key, value in kernel_config.items())

@@ -103,19 +103,21 @@ def test_long_contexts_cycle_the_stages(num_consumers, block_kv, stages, ping_po
 
 
 @needs_a_runner
-@pytest.mark.parametrize("page_size,block_kv,stages,overlap", [(16, 64, 3, False), (32, 64, 3, False),
-                                                               (64, 128, 2, False), (16, 64, 3, True),
-                                                               (64, 128, 2, True)])
-def test_a_decode_only_batch_on_one_warpgroup(page_size, block_kv, stages, overlap):
+@pytest.mark.parametrize("page_size,block_kv,stages,overlap,programs", [
+    (16, 64, 3, False, None), (32, 64, 3, False, None), (64, 128, 2, False, None), (16, 64, 3, True, None),
+    (64, 128, 2, True, None), (16, 64, 2, False, 3)])
+def test_a_decode_only_batch_on_one_warpgroup(page_size, block_kv, stages, overlap, programs):
     """The decode cases `attention_sweep.py` times on a GPU against the Triton decode kernel: one query
     token per request, so each program is one request and KV head, its group's 4 rows of the warpgroup's
     64 (the slab's other tokens are other requests'); contexts from one key to many stages; pages of 16
-    (the `gpu` preset's), 32 and 64 tokens, one to four TMA copies a stage; the softmax under P V or not."""
+    (the `gpu` preset's), 32 and 64 tokens, one to four TMA copies a stage; the softmax under P V or not;
+    and on a persistent grid, each program walking several requests' pages in one ring of stages."""
     rng = np.random.default_rng(3)
     kv_lens = [1, 63, 64, 65, 200, 17, 130, 300]
     case = finite(make_case(rng, [1] * len(kv_lens), kv_lens, 8, 2, page_size=page_size, head_dim=128,
                             max_pages=-(-320 // page_size)))
-    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=1, block_kv=block_kv, stages=stages, overlap=overlap)
+    got = run(case, jnp.bfloat16, sm_scale=0.09, num_consumers=1, block_kv=block_kv, stages=stages, overlap=overlap,
+              programs_per_kv_head=programs)
     check(got, case, jnp.bfloat16, sm_scale=0.09)
 
 
