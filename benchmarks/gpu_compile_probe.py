@@ -23,6 +23,9 @@ FLAG_SETS = {
     "default": "",
     "no-triton-gemm": "--xla_gpu_enable_triton_gemm=false",
     "autotune-0": "--xla_gpu_autotune_level=0",
+    # each compile's kernels through LLVM and ptxas on XLA's thread pool, not one after another (a deviceless
+    # compile's backend is ~3/4 of it, 149 kernels for GPT-2's step, each compiled alone: docs/benchmarks.md)
+    "parallel-llvm": "--xla_gpu_enable_llvm_module_compilation_parallelism=true",
 }
 LADDER = """
 buckets:

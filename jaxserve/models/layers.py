@@ -427,6 +427,7 @@ def paged_attention(
             sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), sliding_window=sliding_window,
             logit_softcap=logit_softcap, impl=attention.impl, num_sms=attention.num_sms, decode_only=md.decode_only,
             hopper=attention.mosaic_attention, hopper_decode=attention.mosaic_decode,
+            persistent=attention.mosaic_persistent,
         )
         return out, (k_pages, v_pages)
 

@@ -83,6 +83,13 @@ class AttentionConfig:
         return self.hopper and MOSAIC_IN_COMMAND_BUFFERS
 
     @property
+    def mosaic_persistent(self) -> bool:
+        """Whether the Mosaic GPU kernel runs on a persistent grid (`paged_attention_mgpu`, "Work split":
+        a program a multiprocessor, each walking several query blocks or requests): with
+        JAXSERVE_MOSAIC_PERSISTENT=1, until a GPU has measured it against a program a block."""
+        return self.hopper and self.num_sms is not None and os.environ.get("JAXSERVE_MOSAIC_PERSISTENT") == "1"
+
+    @property
     def native_matmuls(self) -> bool:
         """Whether bfloat16 matmuls go through the native CPU kernel too (`cpu_kernels.matmul_bf16`): with
         `cpu-native` on one device. XLA:CPU runs bfloat16 dots several times slower than float32 ones."""
@@ -172,6 +179,7 @@ def ragged_paged_attention(
     decode_only: bool = False,
     hopper: bool = False,
     hopper_decode: bool = False,
+    persistent: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
 
@@ -189,7 +197,8 @@ def ragged_paged_attention(
     `num_sms` programs. `impl` is taken as resolved (`auto` is resolved against the local device).
     `hopper` (static, with `pallas`): the target is a Hopper GPU, whose prefill and mixed steps go through
     the Mosaic GPU kernel where the shapes fit it; `hopper_decode` (static) sends decode-only steps there
-    too (`AttentionConfig.mosaic_decode`).
+    too (`AttentionConfig.mosaic_decode`); `persistent` (static): the Mosaic GPU kernel on a persistent
+    grid of `num_sms` programs over the KV heads (`AttentionConfig.mosaic_persistent`).
     """
     if impl == "auto":
         impl = resolve_impl(impl)
@@ -208,12 +217,14 @@ def ragged_paged_attention(
 
         config = mgpu.DECODE_DEFAULTS if decode_only else mgpu.DEFAULTS
         shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
-        if mgpu.supports(*shape, **config) is None:
+        if mgpu.supports(*shape, **config, persistent=persistent) is None:
             args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
-            if decode_only:
-                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores,
-                                                        heavy_first=mgpu.DECODE_HEAVY_FIRST)
-            return mgpu.ragged_paged_attention_hopper(*args, **scores)
+            # a wave of programs: the multiprocessors over this device's KV heads
+            programs = max(1, num_sms // k_pages.shape[0]) if persistent and num_sms else None
+            if decode_only:  # dealt longest first on a persistent grid (a snake of the launch order)
+                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
+                                                        heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)
+            return mgpu.ragged_paged_attention_hopper(*args, **scores, programs_per_kv_head=programs)
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
             q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores

@@ -686,7 +686,8 @@ def ragged_paged_attention_mgpu(
 MIN_Q_LEN = 16
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap", "interpret",
+                                             "programs_per_kv_head"))
 def ragged_paged_attention_hopper(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
@@ -699,6 +700,7 @@ def ragged_paged_attention_hopper(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     interpret: bool = False,  # both kernels in their interpreters (tests on a CPU)
+    programs_per_kv_head: int | None = None,  # this kernel on a persistent grid
 ) -> jax.Array:  # [T, N, H]
     """A Hopper step with prefill tokens: requests of at least MIN_Q_LEN query tokens through this kernel,
     the rest (decodes, short chunks) through the Triton kernel; each returns zeros for the other's tokens."""
@@ -709,7 +711,8 @@ def ragged_paged_attention_hopper(
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
                                          p_in_registers=DEFAULTS["p_in_registers"] and not interpret,
-                                         ping_pong=DEFAULTS["ping_pong"], overlap=DEFAULTS["overlap"])
+                                         ping_pong=DEFAULTS["ping_pong"], overlap=DEFAULTS["overlap"],
+                                         programs_per_kv_head=programs_per_kv_head)
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
 

@@ -393,3 +393,30 @@ def test_mosaic_decode_is_the_default_on_hopper_where_command_buffers_keep_it(mo
         monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", setting)
         assert config.mosaic_decode is wanted
         assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
+
+
+def test_the_persistent_grid_is_opt_in_and_takes_a_wave_of_programs(monkeypatch):
+    """JAXSERVE_MOSAIC_PERSISTENT=1 puts the Mosaic GPU kernel on a persistent grid, on Hopper only and where
+    the SM count is known; the entry point then asks for the SMs over the KV heads, prefill and decode alike
+    (the decodes dealt longest first, as the snake needs)."""
+    from jaxserve.ops import attention
+    from jaxserve.ops import paged_attention_mgpu as mgpu
+
+    monkeypatch.delenv("JAXSERVE_MOSAIC_PERSISTENT", raising=False)
+    h100 = AttentionConfig(impl="pallas", num_sms=132, compute_capability=9.0)
+    assert not h100.mosaic_persistent
+    monkeypatch.setenv("JAXSERVE_MOSAIC_PERSISTENT", "1")
+    assert h100.mosaic_persistent
+    assert not AttentionConfig(impl="pallas", num_sms=108, compute_capability=8.0).mosaic_persistent  # an A100
+    assert not AttentionConfig(impl="pallas", compute_capability=9.0).mosaic_persistent  # no SM count
+
+    calls = []
+    monkeypatch.setattr(mgpu, "ragged_paged_attention_mgpu", lambda *a, **k: calls.append(k) or a[0])
+    monkeypatch.setattr(mgpu, "ragged_paged_attention_hopper", lambda *a, **k: calls.append(k) or a[0])
+    args = [np.zeros((64, 32, 128), jnp.bfloat16), *[np.zeros((8, 64, 16, 128), jnp.bfloat16)] * 2,
+            np.zeros(64, np.int32), np.zeros((64, 4), np.int32), np.zeros(65, np.int32)]
+    for decode_only in (False, True):
+        attention.ragged_paged_attention(*args, sm_scale=0.1, impl="pallas", num_sms=132, decode_only=decode_only,
+                                         hopper=True, hopper_decode=True, persistent=True)
+    assert [call["programs_per_kv_head"] for call in calls] == [16, 16]  # 132 SMs over 8 KV heads
+    assert calls[1]["heavy_first"]
