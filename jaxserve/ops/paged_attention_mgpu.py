@@ -68,6 +68,7 @@ from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into
 _SMEM_SPARE = 1024  # the description, barriers and alignment
+_BARRIER_BYTES = 256  # a persistent grid's: room kept beside its descriptions for the barriers
 # Prefill and mixed steps, as measured on an H200 (docs/benchmarks.md; every configuration matched the
 # reference there): P in registers, 5-7% faster than through shared memory; the ping-pong schedule, 12-13%
 # less time on chunks after 4k-8k keys and the same on a 2k prefill. The overlapped softmax was slower on
@@ -153,6 +154,8 @@ def _consumer(o_ref, info, *buffers_and_barriers, **static):
     """Consumer warpgroup `wg`'s program: its blocks in turn (`_walk_blocks`)."""
     plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
     _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, row, done, *buffers_and_barriers, **static))
+    if info.ndim == 2:  # a persistent grid's blocks waited only for their stores' reads
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _walk_blocks(info, block: Callable[[Any, Any, Any], None]) -> None:
@@ -297,7 +300,9 @@ def _consumer_block(
         pl.when(whole)(functools.partial(plgpu.copy_smem_to_gmem, rows_smem, head_gmem))
         own = (jnp.maximum(shift - first_token, 0), jnp.minimum(shift + num_valid - first_token, num_rows))
         pl.when(~whole)(functools.partial(_store_tokens, rows_smem, head_gmem, *own))
-    plgpu.wait_smem_to_gmem(0)
+    # A persistent grid's next block rewrites the output buffer once the stores have read it; the last one's
+    # are waited for at the program's end (`_consumer`)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=q_free is not None)
 
 
 def _overlapped_steps(
@@ -446,15 +451,20 @@ def _producer_block(
     kv_head = lax.axis_index("kv_head")
     page_size = k_ref.shape[2]
     slab_start, req = info[_SLAB_TILE] * _SLAB_ALIGN, info[_REQ]
-    for w in range(num_consumers):
-        if q_free is not None:  # after the program's first block: once consumer w has read its last queries
-            pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free[w]))
-        for g, first_token, first_row, num_rows in _pieces(w, group, block_q):
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[pl.ds(slab_start + first_token, num_rows), kv_head * group + g],
-                q_smem.at[w, pl.ds(first_row, num_rows)],
-                q_bars[w],
-            )
+
+    def load_queries():
+        for w in range(num_consumers):
+            if q_free is not None:  # after the program's first block: once consumer w has read its last queries
+                pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free[w]))
+            for g, first_token, first_row, num_rows in _pieces(w, group, block_q):
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[pl.ds(slab_start + first_token, num_rows), kv_head * group + g],
+                    q_smem.at[w, pl.ds(first_row, num_rows)],
+                    q_bars[w],
+                )
+
+    if q_free is None:  # a program a block: its queries first
+        load_queries()
     first_step, end_step = info[_FIRST_STEP], info[_END_STEP]
 
     @pl.loop(first_step, end_step)
@@ -468,6 +478,8 @@ def _producer_block(
                 plgpu.copy_gmem_to_smem(
                     cache_ref.at[kv_head, page], smem.at[slot, pl.ds(p * page_size, page_size)], bars.at[slot]
                 )
+        if q_free is not None:  # a persistent grid: the block's first pages go before the wait for its queries'
+            pl.when(step == first_step)(load_queries)  # buffer (the consumers' last Q K^T of the block before)
 
 
 def _kernel(
@@ -554,8 +566,7 @@ def _describe_blocks(
     if served is not None:
         counts = jnp.where(served, counts, 0)
     cu_counts = jnp.cumsum(counts)
-    # Request r has at most (q_r + 7 + block_q - 1) // block_q blocks; summed: (T + 6 R) // block_q + R.
-    num_blocks = (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
+    num_blocks = _num_blocks(padded_tokens, num_reqs, block_q)
     program = jnp.arange(num_blocks, dtype=jnp.int32)
     used = program < cu_counts[-1]
     req = jnp.searchsorted(cu_counts, program, side="right", method=_SEARCH)
@@ -585,6 +596,12 @@ def _describe_blocks(
     order = k * programs + np.where(k % 2 == 0, p, programs - 1 - p)  # [P, M]: the snake, static
     info = jnp.pad(info, ((0, programs * passes - num_blocks), (0, 0)))  # zero rows: unused
     return info[order]
+
+
+def _num_blocks(padded_tokens: int, num_reqs: int, block_q: int) -> int:
+    """The most query blocks a step has: request r has at most (q_r + 7 + block_q - 1) // block_q; summed,
+    (T + 6 R) // block_q + R."""
+    return (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
 
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
@@ -646,14 +663,16 @@ def ragged_paged_attention_mgpu(
     # q padded (a copy) only where its length is not a whole number of tiles or is under one slab.
     padded_tokens = max(pl.cdiv(num_tokens, _SLAB_ALIGN) * _SLAB_ALIGN, block_q)
     q_in = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))) if padded_tokens > num_tokens else q
+    programs = programs_per_kv_head
+    if programs is not None:  # as many more programs as a program's descriptions need to fit its shared memory
+        room = HOPPER_SMEM_BYTES - shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)
+        most_blocks = (room - _BARRIER_BYTES) // (_INFO * 4)
+        programs = max(programs, pl.cdiv(_num_blocks(padded_tokens, kv_lens.shape[0], block_q), most_blocks))
     info = _describe_blocks(cu_q_lens, kv_lens, padded_tokens, block_q, block_kv, scores, served, heavy_first,
-                            programs_per_kv_head)
+                            programs)
     num_blocks = info.shape[0]  # programs along the grid's blocks axis
     if num_blocks > MAX_GRID_Y:  # past any bucket served (2,048 tokens, 256 requests: 368-480 blocks)
         raise ValueError(f"{num_blocks} query blocks: the Mosaic GPU kernel launches at most {MAX_GRID_Y}")
-    if info.ndim == 3 and (need := shared_memory_bytes(
-            head_dim, num_consumers, block_kv, stages, p_in_registers) + info[0].size * 4) > HOPPER_SMEM_BYTES:
-        raise ValueError(f"{info.shape[1]} blocks a program: {need} bytes of shared memory (fewer: more programs)")
     pages_per_block = block_kv // page_size
     columns = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block  # whole steps, all in range
     page_table = jnp.pad(jnp.clip(page_table, 0, num_pages - 1), ((0, 0), (0, columns - page_table.shape[1])))

@@ -420,3 +420,19 @@ def test_the_persistent_grid_is_opt_in_and_takes_a_wave_of_programs(monkeypatch)
                                          hopper=True, hopper_decode=True, persistent=True)
     assert [call["programs_per_kv_head"] for call in calls] == [16, 16]  # 132 SMs over 8 KV heads
     assert calls[1]["heavy_first"]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless lowering: on a machine without a GPU")
+def test_a_persistent_grid_takes_more_programs_where_the_descriptions_would_not_fit():
+    """One program a KV head over 1,136 query blocks (an 8,192-token step of 1,024 requests, MHA heads)
+    would need 145 KiB of descriptions beside the kernel's buffers: the grid grows to as many programs as
+    fit them, rather than failing the step."""
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    pages = ((32, 4096, 16, 128), jnp.bfloat16)
+    shapes = [((8192, 32, 128), jnp.bfloat16), pages, pages, ((1024,), jnp.int32), ((1024, 64), jnp.int32),
+              ((1025,), jnp.int32)]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=0.1, p_in_registers=True, ping_pong=True,
+                                                        programs_per_kv_head=1))
+    with jax.default_device(deviceless_h100()):
+        assert "mosaic_gpu" in fn.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
