@@ -37,8 +37,9 @@ _PHASES = {
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),
     # a GPU's KV sizing (runner/kv_sizing.py): the largest buckets' quick compiles (0 on a start that found
-    # an earlier start's record), then their real ones
-    "sizing_quick_s": re.compile(r"temp memory from (?:quick compiles|an earlier start's record) in ([\d.]+)s"),
+    # an earlier start's record, or sized from the step's shapes), then their real ones
+    "sizing_quick_s": re.compile(r"temp memory from (?:quick compiles|an earlier start's record|the step's shapes) "
+                                 r"in ([\d.]+)s"),
     "sizing_real_s": re.compile(r"the largest buckets' real compiles in ([\d.]+)s"),
 }
 

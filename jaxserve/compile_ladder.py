@@ -41,10 +41,10 @@ from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # t
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
-from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes
+from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes, temp_estimate
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
-from jaxserve.runner.kv_sizing import quick_budget
+from jaxserve.runner.kv_sizing import with_margin
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
@@ -99,6 +99,7 @@ class CompileReport:
     weights_bytes: int  # one device's share
     state_bytes: int
     max_temp_bytes: int
+    estimated_temp_bytes: int  # the KV sizing's estimate from the step's shapes (runner/kv_sizing.py)
     gpu_memory_utilization: float
     device_memory_bytes: int | None
     kv_budget: KVBudget | None  # how the KV budget was reached (None off GPUs)
@@ -192,20 +193,15 @@ def compile_ladder(
         return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
 
     # The page count is an argument shape, and the budget needs the step's temp memory: the cache is sized
-    # as serve sizes it (runner/kv_sizing.py), from the largest buckets' quick compile at a provisional
-    # count plus the margin kept for autotuning, which a deviceless compile does not run.
+    # as a cold serve sizes it (runner/kv_sizing.py), from the step's shapes plus the margin kept for
+    # autotuning, which a deviceless compile does not run (the report's temp figures say whether the real
+    # compiles fit it).
     budget: KVBudget | None = None
+    estimate = temp_estimate(cfg, jax.tree.leaves(state), largest_buckets(todo))
     if facts.memory_bytes and config.cache.num_kv_pages is None:  # an explicit count wins, as in serve
-
-        def compile_largest(num_pages: int, options: dict[str, Any] | None) -> dict[Bucket, Any]:
-            return {b: compile_bucket(step, state, shapes_for(num_pages), b, device, mesh, compiler_options=options)
-                    for b in largest_buckets(todo)}
-
-        def budget_for(temp_bytes: int) -> KVBudget:
-            return KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes, state_bytes,
-                            temp_bytes, page_bytes)
-
-        budget, _ = quick_budget(compile_largest, budget_for, max_pages_per_req + 1, device.platform)
+        budget = KVBudget(facts.memory_bytes, config.cache.gpu_memory_utilization, weights_bytes, state_bytes,
+                          with_margin(estimate), page_bytes)
+        budget.check()
         num_pages = budget.num_pages
     else:
         num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
@@ -269,7 +265,7 @@ def compile_ladder(
         page_size=cache.page_size, kv_cache_dtype=cache_dtype.name, bytes_per_page=page_bytes,
         max_model_len=max_len, max_num_seqs=sched.max_num_seqs, context_len=context,
         jobs=jobs, tensor_parallel_size=tp, weights_bytes=weights_bytes, state_bytes=state_bytes,
-        max_temp_bytes=max(r.temp_bytes for r in results),
+        max_temp_bytes=max(r.temp_bytes for r in results), estimated_temp_bytes=estimate,
         gpu_memory_utilization=config.cache.gpu_memory_utilization,
         device_memory_bytes=facts.memory_bytes,
         kv_budget=budget, kv_budget_bytes=budget.kv_bytes if budget else None, num_kv_pages=num_pages,
@@ -331,7 +327,8 @@ def format_report(report: CompileReport) -> str:
     lines.append(f"{len(report.buckets)} steps compiled in {report.compile_seconds:.1f}s of compile time "
                  f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")
     lines.append(f"weights {report.weights_bytes / gib:.2f} GiB, other state {report.state_bytes / mib:.0f} MiB, "
-                 f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB")
+                 f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB (estimated from the step's shapes: "
+                 f"{report.estimated_temp_bytes / mib:.0f} MiB)")
     page = f"{report.page_size} tokens ({report.kv_cache_dtype}, {report.bytes_per_page / 2**10:,.0f} KiB)"
     if report.kv_budget_bytes is not None and report.device_memory_bytes:
         tokens = report.num_kv_pages * report.page_size

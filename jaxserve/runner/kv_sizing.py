@@ -3,11 +3,12 @@
 The KV cache gets what the step's peak temp memory leaves (`kv_budget.py`), and only a compile of the step
 tells its temp memory; but the page count is one of the step's argument shapes, so a compile at a
 provisional count is not the step that serves, and the warm-up compiled the largest bucket a second time.
-A GPU's compile is mostly XLA's autotuning (docs/benchmarks.md), which picks GEMM tilings and does not
-change what the step keeps in temp memory beyond a workspace; so the sizing goes:
+Autotuning picks GEMM tilings and does not change what the step keeps in temp memory beyond a workspace; so
+the sizing goes:
 
-1. estimate: the largest mixed and decode buckets compiled at a provisional page count with the backend's
-   quick options (autotuning off on a GPU), for their temp memory;
+1. estimate: from the step's shapes (`shapes_estimate`), or where the caller has none, the largest mixed
+   and decode buckets compiled at a provisional page count with the backend's quick options (autotuning
+   off on a GPU), for their temp memory;
 2. size: the page count from that estimate plus `TEMP_MARGIN` (what autotuning may add: split-K and cuBLAS
    workspaces);
 3. compile those buckets for real at that page count: the warm-up's first executables, kept;
@@ -15,13 +16,18 @@ change what the step keeps in temp memory beyond a workspace; so the sizing goes
    the margin again) and they compile again, checked again (logged: the margin is then too small for that
    model); a second miss raises rather than risk running out of memory in a step.
 
+On an H200 the quick compiles took about as long as the real ones, most of a cold start
+(docs/benchmarks.md): a step's compile is mostly its kernels' code generation, not autotuning. The estimate
+from the shapes costs nothing, and step 4 checks it as it checks a quick one: a figure too small costs the
+second round of real compiles that the quick compiles cost before, one too large only KV pages.
+
 A warm start that has the temp memory an earlier start sized for (`temp_records.py`) skips step 1: its
 budget keeps that figure with the margin, which gives the earlier start's page count where the device's
 memory and --gpu-memory-utilization are the earlier start's too, so step 3 loads the earlier start's
 executables from the persistent cache; step 4 checks them as before. A recorded figure that leaves no room
 for the cache is not trusted: step 1 runs after all.
 
-`jaxserve compile` sizes its report's cache with steps 1 and 2 (`quick_budget`).
+`jaxserve compile` sizes its report's cache with steps 1 and 2 from the shapes, as a cold start does.
 """
 
 import logging
@@ -37,6 +43,21 @@ logger = logging.getLogger(__name__)
 # Compile options that give a step's temp memory in a fraction of a real compile's time, by platform
 # (jax.Device.platform). Platforms without an entry estimate with a real compile.
 QUICK_ESTIMATE_OPTIONS: dict[str, dict[str, Any]] = {"gpu": {"xla_gpu_autotune_level": 0}}
+
+# The estimate from the step's shapes: float32 copies of the largest step's logits rows (the sampler's: its
+# sort, top-k and top-p, the log-softmax) and of its widest activation over the tokens' rows (the MLP's);
+# above every bundled shape's compiled figure for an H100 before the margin (docs/benchmarks.md, and
+# tests/test_compile_ladder.py checks it).
+SAMPLER_COPIES = 4.5
+ACTIVATION_COPIES = 2
+
+
+def shapes_estimate(logit_rows: int, vocab_size: int, token_rows: int, widest_activation: int) -> int:
+    """The step's temp memory from its shapes: `logit_rows` (the largest bucket's requests) over the vocab,
+    and `token_rows` (its tokens, times the experts each token visits in a mixture of experts) over the
+    widest activation (the largest dimension of any weight that is not the vocab's), float32 copies."""
+    return int(4 * (SAMPLER_COPIES * logit_rows * vocab_size + ACTIVATION_COPIES * token_rows * widest_activation))
+
 
 # Left over the estimate for what the real compile's autotuned kernels may add.
 TEMP_MARGIN_FRACTION = 0.25
@@ -64,7 +85,7 @@ class SizedKVCache(Generic[C]):
     """The sizing's result: the budget, and the largest buckets compiled at its page count."""
 
     budget: KVBudget  # its peak_temp_bytes: what the page count was sized for
-    estimated_temp_bytes: int  # the quick compile's, or the earlier start's figure (`from_record`)
+    estimated_temp_bytes: int  # the quick compile's, the shapes', or the earlier start's figure (`source`)
     sized_for_bytes: int  # what the budget kept the margin over: the estimate, or the real figure where resized
     real_temp_bytes: int  # the real compile's, at budget.num_pages
     compiled: dict[Any, C]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
@@ -72,6 +93,7 @@ class SizedKVCache(Generic[C]):
     from_record: bool  # the earlier start's figure replaced the quick compiles
     quick_seconds: float  # the quick compiles' wall time (0 from a record)
     real_seconds: float  # the real compiles' (both rounds where resized)
+    source: str = "compiles"  # of the estimate: record (an earlier start's), shapes, or compiles (quick ones)
 
 
 def quick_budget(
@@ -95,18 +117,23 @@ def size_kv_cache(
     provisional_pages: int,
     platform: str,
     known_temp_bytes: int | None = None,
+    shapes_temp_bytes: int | None = None,
 ) -> SizedKVCache:
     """Sizes the cache as the module docstring says (`quick_budget`'s arguments); `known_temp_bytes`: the
-    figure an earlier start sized for, which replaces the quick compiles where it leaves room for a cache."""
+    figure an earlier start sized for, which replaces the quick compiles where it leaves room for a cache;
+    else `shapes_temp_bytes` (`shapes_estimate`) does, where it does."""
     start = time.perf_counter()
-    from_record = known_temp_bytes is not None
-    if from_record:
-        estimated, budget, quick_seconds = known_temp_bytes, budget_for(with_margin(known_temp_bytes)), 0.0
+    source = "record" if known_temp_bytes is not None else "shapes" if shapes_temp_bytes is not None else "compiles"
+    if source != "compiles":
+        estimated = known_temp_bytes if known_temp_bytes is not None else shapes_temp_bytes
+        budget, quick_seconds = budget_for(with_margin(estimated)), 0.0
         if budget.num_pages < 2:
-            logger.warning("the step's temp memory recorded by an earlier start (%.0f MiB) leaves no room for a "
-                           "KV cache: estimating it again", known_temp_bytes / 2**20)
-            from_record = False
-    if not from_record:
+            logger.warning("the step's temp memory %s (%.0f MiB) leaves no room for a KV cache: estimating it with "
+                           "quick compiles", "recorded by an earlier start" if source == "record" else
+                           "estimated from its shapes", estimated / 2**20)
+            source = "compiles"
+    from_record = source == "record"
+    if source == "compiles":
         budget, estimated = quick_budget(compile_largest, budget_for, provisional_pages, platform)
         quick_seconds = time.perf_counter() - start
     compiled = compile_largest(budget.num_pages, None)
@@ -115,8 +142,7 @@ def size_kv_cache(
     if resized:
         logger.warning("the step's temp memory is %.0f MiB compiled, over the %.0f MiB kept from its %s "
                        "(%.0f MiB): sizing the KV cache again", real / 2**20, budget.peak_temp_bytes / 2**20,
-                       "earlier start's figure" if from_record else "quick estimate",
-                       estimated / 2**20)
+                       _SOURCES[source], estimated / 2**20)
         budget = budget_for(with_margin(real))
         budget.check()
         compiled = compile_largest(budget.num_pages, None)
@@ -127,7 +153,10 @@ def size_kv_cache(
     else:
         sized_for = estimated
     return SizedKVCache(budget, estimated, sized_for, real, compiled, resized, from_record, quick_seconds,
-                        time.perf_counter() - start - quick_seconds)
+                        time.perf_counter() - start - quick_seconds, source)
+
+
+_SOURCES = {"record": "earlier start's figure", "shapes": "estimate from its shapes", "compiles": "quick estimate"}
 
 
 def _peak_temp(compiled: dict[Any, C]) -> int:

@@ -54,6 +54,7 @@ from jaxserve.runner.aot import (
     abstract_weights,
     compile_bucket,
     step_shapes,
+    temp_estimate,
 )
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
@@ -78,6 +79,8 @@ _COMPILE_THREADS = len(os.sched_getaffinity(0)) or 1
 
 # The environment variables that change what the step compiles to, besides the attention kernels' (read
 # through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
+# Where the KV sizing's first figure came from (`SizedKVCache.source`), as the start's log says it.
+_SIZING_SOURCES = {"record": "an earlier start's record", "shapes": "the step's shapes", "compiles": "quick compiles"}
 _STEP_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_KERNEL_FLAGS")
 
 # Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
@@ -282,9 +285,11 @@ class ModelRunner:
         provisional_pages = self.max_pages_per_req + 1
         key = self._sizing_key(device, provisional_pages)
         record = self._temp_records.read(key) if self._temp_records and key else None
+        shapes_temp = temp_estimate(self.model.cfg, self._abstract_weights, largest_buckets(self.ladder.all_buckets()))
         sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for, provisional_pages,
                               platform=device.platform,
-                              known_temp_bytes=record.sized_for_bytes if record is not None else None)
+                              known_temp_bytes=record.sized_for_bytes if record is not None else None,
+                              shapes_temp_bytes=shapes_temp)
         if self._temp_records and key:
             self._keep_record(self._temp_records, key, record, sized)
         budget = sized.budget
@@ -294,8 +299,7 @@ class ModelRunner:
             budget.device_memory_bytes / 2**30, budget.utilization, budget.pool_bytes / 2**30,
             budget.weights_bytes / 2**30, budget.peak_temp_bytes / 2**30,
             "recorded" if sized.from_record else "estimated", sized.estimated_temp_bytes / 2**30,
-            budget.kv_bytes / 2**30, "an earlier start's record" if sized.from_record else "quick compiles",
-            sized.quick_seconds, sized.real_seconds,
+            budget.kv_bytes / 2**30, _SIZING_SOURCES[sized.source], sized.quick_seconds, sized.real_seconds,
         )
         return budget.num_pages, sized.compiled
 

@@ -1,7 +1,8 @@
 """ModelRunner's KV budget on a GPU, with a GPU's memory statistics stood in: the pages are what
 utilization x device memory leaves after the weights, the penalty tables and the step's temp memory, which
-comes from compiling the largest buckets (runner/kv_sizing.py: here for the CPU, the path is the same), and
-the warm-up serves with the executables that sizing compiled instead of compiling them again."""
+a cold start estimates from the step's shapes and checks with the largest buckets' real compiles
+(runner/kv_sizing.py: here for the CPU, the path is the same), and the warm-up serves with the executables
+that sizing compiled instead of compiling them again."""
 
 import json
 import logging
@@ -14,6 +15,7 @@ import jax
 
 from jaxserve.config import CacheConfig
 from jaxserve.runner import model_runner
+from jaxserve.runner.aot import temp_estimate
 from jaxserve.runner.buckets import largest_buckets
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
 from jaxserve.runner.kv_sizing import TEMP_MARGIN_BYTES, with_margin
@@ -52,11 +54,12 @@ def test_the_pages_fill_what_the_utilization_leaves(engine, monkeypatch):
 
     num_pages, executables = runner._num_kv_pages(CacheConfig(gpu_memory_utilization=0.9), page_bytes, stats)
 
-    (provisional, _, estimated), (final, options, real) = calls  # the quick estimate, then the real compile
-    assert provisional == runner.max_pages_per_req + 1 and final == num_pages and options is None
+    ((final, options, real),) = calls  # the real compile alone: the estimate came from the step's shapes
+    estimated = temp_estimate(runner.model.cfg, runner._abstract_weights, largest_buckets(runner.ladder.all_buckets()))
+    assert final == num_pages and options is None
     assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))  # for the warm-up
     assert not runner._sized_executables  # this runner's own cache was sized by --num-kv-pages
-    assert 0 < real <= with_margin(estimated)  # XLA's memory analysis of the largest buckets
+    assert 0 < real <= with_margin(estimated)  # XLA's memory analysis of the largest buckets: within the budget
     penalties = PenaltyTables.num_bytes(runner.max_num_seqs, runner.model.cfg.vocab_size)
     pool = stats["bytes_limit"]  # JAX's pool is exactly the 90% the budget may use
     free = pool - 3 * GIB - penalties - with_margin(estimated) - ALLOCATOR_SLACK_BYTES
@@ -102,30 +105,31 @@ def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch,
     phases = startup_phases()
     with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
         cold_pages, _ = size()
-    assert len(calls) == 2  # quick, then real
-    assert "temp memory from quick compiles in" in caplog.text
+    assert len(calls) == 1  # real, sized from the step's shapes
+    assert "temp memory from the step's shapes in 0.0s" in caplog.text
     assert phases["sizing_quick_s"].search(caplog.text) and phases["sizing_real_s"].search(caplog.text)
     caplog.clear()
     (record,) = (tmp_path / SUBDIRECTORY).iterdir()
-    assert json.loads(record.read_text()) == {"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2]}
+    estimated = temp_estimate(runner.model.cfg, runner._abstract_weights, largest_buckets(runner.ladder.all_buckets()))
+    assert json.loads(record.read_text()) == {"sized_for_bytes": estimated, "compiled_bytes": calls[0][2]}
 
     with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
         warm_pages, executables = size()
-    assert warm_pages == cold_pages and calls[2:] == [(cold_pages, None, calls[1][2])]  # the real compile alone
+    assert warm_pages == cold_pages and calls[1:] == [(cold_pages, None, calls[0][2])]  # the real compile alone
     assert "temp memory from an earlier start's record in 0.0s" in caplog.text
     assert float(phases["sizing_quick_s"].search(caplog.text).group(1)) == 0
     assert set(executables) == set(largest_buckets(runner.ladder.all_buckets()))
-    assert json.loads(record.read_text()) == {"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2]}
+    assert json.loads(record.read_text()) == {"sized_for_bytes": estimated, "compiled_bytes": calls[0][2]}
 
     # The recorded executables were other than these (a change the key missed): the record goes.
-    record.write_text(json.dumps({"sized_for_bytes": calls[0][2], "compiled_bytes": calls[1][2] + 1}))
+    record.write_text(json.dumps({"sized_for_bytes": estimated, "compiled_bytes": calls[0][2] + 1}))
     with caplog.at_level(logging.INFO, "jaxserve.runner.model_runner"):
         assert size()[0] == cold_pages
     assert "its record is dropped" in caplog.text and not record.exists()
 
     monkeypatch.setattr(runner, "max_num_seqs", runner.max_num_seqs + 1)  # another step: its own record
     size()
-    assert [options for _, options, _ in calls[4:]] == [None, None]  # quick (CPU: no quick options), real
+    assert [options for _, options, _ in calls[3:]] == [None]  # real, sized from its shapes
     assert len(list((tmp_path / SUBDIRECTORY).iterdir())) == 1
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nonexistent")
     other_flags = runner._sizing_key(jax.devices()[0], runner.max_pages_per_req + 1)

@@ -7,7 +7,13 @@ import logging
 import pytest
 
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES, KVBudget
-from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, TEMP_MARGIN_BYTES, size_kv_cache, with_margin
+from jaxserve.runner.kv_sizing import (
+    QUICK_ESTIMATE_OPTIONS,
+    TEMP_MARGIN_BYTES,
+    shapes_estimate,
+    size_kv_cache,
+    with_margin,
+)
 
 MIB = 2**20
 PAGE = MIB
@@ -127,4 +133,43 @@ def test_an_earlier_figure_that_leaves_no_room_is_estimated_again(caplog):
                               platform="gpu", known_temp_bytes=20_000 * MIB)
     assert calls == [(33, QUICK_ESTIMATE_OPTIONS["gpu"]), (sized.budget.num_pages, None)]
     assert not sized.from_record and sized.sized_for_bytes == 400 * MIB
-    assert "leaves no room for a KV cache: estimating it again" in caplog.text
+    assert "leaves no room for a KV cache: estimating it with quick compiles" in caplog.text
+
+
+def test_a_cold_start_sizes_from_the_step_s_shapes_without_quick_compiles():
+    """Given the estimate from the step's shapes, a cold start compiles once, for real, at the count that
+    estimate and the margin leave; the record it leaves gives a warm start that count again."""
+    calls = []
+    cold = size_kv_cache(compiler(400 * MIB, 450 * MIB, calls), budget_for, provisional_pages=33, platform="gpu",
+                         shapes_temp_bytes=500 * MIB)
+    assert calls == [(budget_for(with_margin(500 * MIB)).num_pages, None)]
+    assert cold.source == "shapes" and not cold.from_record and not cold.resized and cold.quick_seconds == 0
+    assert (cold.sized_for_bytes, cold.real_temp_bytes) == (500 * MIB, 450 * MIB)
+    warm_calls = []
+    warm = size_kv_cache(compiler(400 * MIB, 450 * MIB, warm_calls), budget_for, provisional_pages=33,
+                         platform="gpu", known_temp_bytes=cold.sized_for_bytes, shapes_temp_bytes=500 * MIB)
+    assert warm_calls == calls and warm.budget == cold.budget and warm.source == "record"
+
+
+def test_a_record_wins_over_the_shapes_and_a_short_estimate_is_checked(caplog):
+    """An earlier start's figure is taken before the shapes' (it is what the persistent cache holds
+    executables for); an estimate from the shapes under the real figure is caught by the real compile's
+    check and the cache sized again, as a quick estimate would be."""
+    calls = []
+    size_kv_cache(compiler(400 * MIB, 450 * MIB, calls), budget_for, provisional_pages=33, platform="gpu",
+                  known_temp_bytes=420 * MIB, shapes_temp_bytes=900 * MIB)
+    assert calls == [(budget_for(with_margin(420 * MIB)).num_pages, None)]
+    calls = []
+    with caplog.at_level(logging.WARNING, "jaxserve.runner.kv_sizing"):
+        sized = size_kv_cache(compiler(400 * MIB, 700 * MIB, calls), budget_for, provisional_pages=33,
+                              platform="gpu", shapes_temp_bytes=300 * MIB)
+    assert calls == [(budget_for(with_margin(300 * MIB)).num_pages, None), (sized.budget.num_pages, None)]
+    assert sized.resized and sized.sized_for_bytes == 700 * MIB  # what the next start's record holds
+    assert "estimate from its shapes (300 MiB)" in caplog.text
+
+
+def test_the_shapes_estimate_counts_the_sampler_s_rows_and_the_widest_activation():
+    """Float32 copies: 4.5 of the logits rows over the vocab, 2 of the widest activation over the token
+    rows (GPT-2's largest `gpu` buckets: 256 requests, 2,048 tokens, its MLP's 3,072)."""
+    assert shapes_estimate(256, 50257, 2048, 3072) == 4 * (4.5 * 256 * 50257 + 2 * 2048 * 3072)
+    assert shapes_estimate(256, 50257, 2048, 3072) > shapes_estimate(256, 50257, 1024, 3072)
