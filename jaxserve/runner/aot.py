@@ -20,7 +20,7 @@ from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.buckets import Bucket
-from jaxserve.runner.kv_sizing import shapes_estimate
+from jaxserve.runner.kv_sizing import MOE_ROW_COPIES, shapes_estimate
 from jaxserve.runner.launches import StepLaunches, compile_with_launches
 from jaxserve.runner.packing import neutral_batch, pack
 from jaxserve.runner.penalties import PenaltyTables
@@ -81,7 +81,7 @@ def temp_estimate(cfg: Any, weights: list[Any], largest: list[Bucket]) -> int:
     largest dimension but the vocab's) and the largest buckets."""
     widest = max((d for w in weights if np.ndim(w) >= 2 for d in np.shape(w)[-2:] if d != cfg.vocab_size), default=0)
     moe = getattr(cfg, "moe", None)
-    token_rows = max(b.num_tokens for b in largest) * (moe.top_k if moe is not None else 1)
+    token_rows = max(b.num_tokens for b in largest) * (moe.top_k * MOE_ROW_COPIES if moe is not None else 1)
     return shapes_estimate(max(b.num_reqs for b in largest), cfg.vocab_size, token_rows, widest)
 
 

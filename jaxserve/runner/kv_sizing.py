@@ -50,6 +50,9 @@ QUICK_ESTIMATE_OPTIONS: dict[str, dict[str, Any]] = {"gpu": {"xla_gpu_autotune_l
 # tests/test_compile_ladder.py checks it).
 SAMPLER_COPIES = 4.5
 ACTIVATION_COPIES = 2
+# A mixture of experts' token rows: each token's top-k copies, held about three times over (the rows
+# dispatched to the experts, their outputs, the combination; fitted to Qwen3-30B-A3B's compile).
+MOE_ROW_COPIES = 3
 
 
 def shapes_estimate(logit_rows: int, vocab_size: int, token_rows: int, widest_activation: int) -> int:

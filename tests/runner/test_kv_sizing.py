@@ -173,3 +173,25 @@ def test_the_shapes_estimate_counts_the_sampler_s_rows_and_the_widest_activation
     rows (GPT-2's largest `gpu` buckets: 256 requests, 2,048 tokens, its MLP's 3,072)."""
     assert shapes_estimate(256, 50257, 2048, 3072) == 4 * (4.5 * 256 * 50257 + 2 * 2048 * 3072)
     assert shapes_estimate(256, 50257, 2048, 3072) > shapes_estimate(256, 50257, 1024, 3072)
+
+
+def test_the_step_s_estimate_takes_the_widest_weight_but_the_vocab_and_a_mixture_s_rows():
+    """`temp_estimate`: the largest bucket's requests over the vocab; its tokens over the largest dimension
+    of any weight but the vocab's (embeddings and heads are the vocab's); a mixture of experts' tokens
+    times their top k, three times over (MOE_ROW_COPIES)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jaxserve.models.moe import MoeConfig
+    from jaxserve.runner.aot import temp_estimate
+    from jaxserve.runner.buckets import Bucket
+    from jaxserve.runner.kv_sizing import MOE_ROW_COPIES
+
+    weights = [np.zeros((1000, 64)), np.zeros((64, 1000)), np.zeros((4, 64, 300)), np.zeros(64)]
+    largest = [Bucket(512, 16), Bucket(32, 32, decode_only=True)]
+    dense = SimpleNamespace(vocab_size=1000, moe=None)
+    assert temp_estimate(dense, weights, largest) == shapes_estimate(32, 1000, 512, 300)
+    mixture = SimpleNamespace(vocab_size=1000, moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=300,
+                                                             normalize_top_k=True))
+    assert temp_estimate(mixture, weights, largest) == shapes_estimate(32, 1000, 512 * 2 * MOE_ROW_COPIES, 300)
