@@ -337,6 +337,9 @@ def format_report(report: CompileReport) -> str:
             f"{report.kv_budget_bytes / gib:.2f} GiB of {report.device_memory_bytes / gib:.1f} GiB = "
             f"{report.num_kv_pages:,} pages of {page} = {tokens:,} tokens"
         )
+        if report.kv_budget is not None and report.max_temp_bytes > report.kv_budget.peak_temp_bytes:
+            lines.append(f"  (the compiled temp memory is over the {report.kv_budget.peak_temp_bytes / mib:.0f} MiB "
+                         "the estimate kept: serve sizes the cache again from the compiled figure)")
     else:  # an explicit --num-kv-pages, or a CPU's --kv-cache-memory
         how = "--num-kv-pages" if report.num_kv_pages_given else "the CPU budget"
         lines.append(f"KV cache: {report.num_kv_pages:,} pages of {page} ({how})")

@@ -51,9 +51,8 @@ def _check_report(report, buckets: list[Bucket], launches_read: bool = True, bud
     if not budgeted:  # the page count was given: no budget, and no compiles for one
         assert report.kv_budget is None and report.num_kv_pages_given
         return
-    # The KV budget is the arithmetic of the deviceless compile's own memory analysis, sized as serve sizes
-    # it (runner/kv_sizing.py): the largest buckets' quick compile at a provisional page count plus the
-    # margin, which covers every bucket's temp memory once the pages are known.
+    # The KV budget is sized as a cold serve sizes it (runner/kv_sizing.py): the step's temp memory
+    # estimated from its shapes plus the margin, which covers every bucket's compiled temp memory.
     budget = report.kv_budget
     assert budget.device_memory_bytes == target_facts("h100").memory_bytes and budget.utilization == 0.9
     assert budget.weights_bytes == report.weights_bytes and budget.state_bytes == report.state_bytes

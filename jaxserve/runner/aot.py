@@ -76,10 +76,17 @@ def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) ->
 
 
 def temp_estimate(cfg: Any, weights: list[Any], largest: list[Bucket]) -> int:
-    """The KV sizing's first figure for the step's temp memory (`kv_sizing.shapes_estimate`) from the model's
-    config, its weights' shapes (`weights`: arrays or ShapeDtypeStructs; the widest activation is their
-    largest dimension but the vocab's) and the largest buckets."""
-    widest = max((d for w in weights if np.ndim(w) >= 2 for d in np.shape(w)[-2:] if d != cfg.vocab_size), default=0)
+    """The KV sizing's first figure for one device's step temp memory (`kv_sizing.shapes_estimate`) from the
+    model's config, its weights (arrays or ShapeDtypeStructs; the widest activation is the largest of their
+    last two dimensions, one device's share where they are sharded, but for the vocab's weights: the
+    embeddings and the head, whose logits the sampler's term counts) and the largest buckets."""
+
+    def one_device(w: Any) -> tuple[int, ...]:
+        sharding = getattr(w, "sharding", None)
+        return tuple(sharding.shard_shape(w.shape)) if sharding is not None else np.shape(w)
+
+    widest = max((d for w in weights if np.ndim(w) >= 2 and cfg.vocab_size not in np.shape(w)
+                  for d in one_device(w)[-2:]), default=0)
     moe = getattr(cfg, "moe", None)
     token_rows = max(b.num_tokens for b in largest) * (moe.top_k * MOE_ROW_COPIES if moe is not None else 1)
     return shapes_estimate(max(b.num_reqs for b in largest), cfg.vocab_size, token_rows, widest)

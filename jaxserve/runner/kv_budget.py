@@ -1,8 +1,8 @@
 """How many KV pages fit: the GPU memory budget, as vLLM defines `--gpu-memory-utilization` (no jax).
 
 The KV cache gets what is left of `utilization x device memory` once the weights, the other state the
-step keeps (penalty tables), and the step's peak temp memory (XLA's memory analysis of the largest
-buckets' quick compile, with a margin: `kv_sizing.py`) are taken out. JAX's allocator is told to pool
+step keeps (penalty tables), and the step's peak temp memory (an estimate checked by XLA's memory
+analysis of the largest buckets' compiles, with a margin: `kv_sizing.py`) are taken out. JAX's allocator is told to pool
 exactly `utilization x device memory` (`XLA_PYTHON_CLIENT_MEM_FRACTION`), so the budget is memory the
 process can actually use.
 """

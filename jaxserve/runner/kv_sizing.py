@@ -25,7 +25,8 @@ A warm start that has the temp memory an earlier start sized for (`temp_records.
 budget keeps that figure with the margin, which gives the earlier start's page count where the device's
 memory and --gpu-memory-utilization are the earlier start's too, so step 3 loads the earlier start's
 executables from the persistent cache; step 4 checks them as before. A recorded figure that leaves no room
-for the cache is not trusted: step 1 runs after all.
+for the cache is not trusted, and the quick compiles estimate after all; so they do where the shapes'
+figure, an upper estimate, would leave fewer pages than a request of the longest length takes.
 
 `jaxserve compile` sizes its report's cache with steps 1 and 2 from the shapes, as a cold start does.
 """
@@ -68,7 +69,7 @@ TEMP_MARGIN_BYTES = 64 * 2**20
 
 
 def with_margin(estimated_temp_bytes: int) -> int:
-    """The temp memory a budget keeps for a step whose quick compile estimated `estimated_temp_bytes`."""
+    """The temp memory a budget keeps for a step whose temp memory was estimated at `estimated_temp_bytes`."""
     return int(estimated_temp_bytes * (1 + TEMP_MARGIN_FRACTION)) + TEMP_MARGIN_BYTES
 
 
@@ -93,8 +94,8 @@ class SizedKVCache(Generic[C]):
     real_temp_bytes: int  # the real compile's, at budget.num_pages
     compiled: dict[Any, C]  # the largest buckets compiled for real at budget.num_pages (compile_largest's)
     resized: bool  # the real compile needed more temp memory than the margin left: sized a second time
-    from_record: bool  # the earlier start's figure replaced the quick compiles
-    quick_seconds: float  # the quick compiles' wall time (0 from a record)
+    from_record: bool  # the earlier start's figure was the estimate
+    quick_seconds: float  # the quick compiles' wall time (0 from a record or the shapes)
     real_seconds: float  # the real compiles' (both rounds where resized)
     source: str = "compiles"  # of the estimate: record (an earlier start's), shapes, or compiles (quick ones)
 
@@ -122,18 +123,23 @@ def size_kv_cache(
     known_temp_bytes: int | None = None,
     shapes_temp_bytes: int | None = None,
 ) -> SizedKVCache:
-    """Sizes the cache as the module docstring says (`quick_budget`'s arguments); `known_temp_bytes`: the
-    figure an earlier start sized for, which replaces the quick compiles where it leaves room for a cache;
-    else `shapes_temp_bytes` (`shapes_estimate`) does, where it does."""
+    """Sizes the cache as the module docstring says (`quick_budget`'s arguments; `provisional_pages`: the
+    pages of a request of the longest length, plus one); `known_temp_bytes`: the figure an earlier start
+    sized for, which replaces the quick compiles where it leaves room for a cache; else `shapes_temp_bytes`
+    (`shapes_estimate`) does, where it leaves a longest request's pages."""
     start = time.perf_counter()
     source = "record" if known_temp_bytes is not None else "shapes" if shapes_temp_bytes is not None else "compiles"
     if source != "compiles":
         estimated = known_temp_bytes if known_temp_bytes is not None else shapes_temp_bytes
         budget, quick_seconds = budget_for(with_margin(estimated)), 0.0
-        if budget.num_pages < 2:
-            logger.warning("the step's temp memory %s (%.0f MiB) leaves no room for a KV cache: estimating it with "
-                           "quick compiles", "recorded by an earlier start" if source == "record" else
-                           "estimated from its shapes", estimated / 2**20)
+        # The shapes' figure is an upper estimate: where its margin would cost a request of the longest
+        # length its pages (a tight device), the quick compiles' figure is worth their time
+        fewest = 2 if source == "record" else provisional_pages
+        if budget.num_pages < fewest:
+            logger.warning("the step's temp memory %s (%.0f MiB) leaves %s: estimating it with quick compiles",
+                           "recorded by an earlier start" if source == "record" else "estimated from its shapes",
+                           estimated / 2**20, "no room for a KV cache" if source == "record" else
+                           f"{budget.num_pages} KV pages (a longest request takes {provisional_pages - 1})")
             source = "compiles"
     from_record = source == "record"
     if source == "compiles":

@@ -77,10 +77,11 @@ logger = logging.getLogger(__name__)
 # CPU has its share of the cores (`placement`).
 _COMPILE_THREADS = len(os.sched_getaffinity(0)) or 1
 
-# The environment variables that change what the step compiles to, besides the attention kernels' (read
-# through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
 # Where the KV sizing's first figure came from (`SizedKVCache.source`), as the start's log says it.
 _SIZING_SOURCES = {"record": "an earlier start's record", "shapes": "the step's shapes", "compiles": "quick compiles"}
+
+# The environment variables that change what the step compiles to, besides the attention kernels' (read
+# through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
 _STEP_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_KERNEL_FLAGS")
 
 # Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
@@ -153,8 +154,8 @@ class ModelRunner:
         self.model = model
         self.max_logprobs = max_logprobs
         # Where the KV sizing keeps the step's temp memory for the next start (`temp_records.py`): the
-        # persistent compilation cache's directory; None: every start estimates it by compiling, as does
-        # each process of a multi-host job (their page counts must agree, and their records might not).
+        # persistent compilation cache's directory; None: every start estimates it afresh, as does each
+        # process of a multi-host job (their page counts must agree, and their records might not).
         self._temp_records = TempRecords.beside(temp_records_dir) if jax.process_count() == 1 else None
         self.pooling = pooling  # each step also returns the rows' pooled hidden states (`step_fn._pooled`)
         self._compiled: dict[Bucket, Any] = {}  # jax.stages.Compiled per bucket (PLAIN), filled by warmup
@@ -255,9 +256,10 @@ class ModelRunner:
                       loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:
         """(the KV cache's page count, the largest buckets' plain steps compiled at it where sizing it took
         that): --num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of
-        the device's memory (`stats`: the device's memory_stats(), read here unless given), sized by
-        compiles (`kv_sizing.py`). `loading_weights_bytes`: one device's share of weights still loading,
-        which the budget counts in place of what the device holds so far."""
+        the device's memory (`stats`: the device's memory_stats(), read here unless given), sized from an
+        estimate of the step's temp memory that its compiles check (`kv_sizing.py`).
+        `loading_weights_bytes`: one device's share of weights still loading, which the budget counts in
+        place of what the device holds so far."""
         if cache.num_kv_pages is not None:
             return cache.num_kv_pages, {}
         device = jax.devices()[0]

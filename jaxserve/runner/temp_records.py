@@ -1,10 +1,12 @@
 """The step's temp memory as a start's KV sizing found it, kept beside JAX's persistent compilation cache,
-so that a warm start sizes its cache without the quick compiles (no jax).
+so that a warm start sizes its cache as the earlier start did (no jax).
 
-A GPU start sizes its KV cache from the largest buckets' temp memory, which a quick compile at a provisional
-page count estimates (`kv_sizing.py`). On a warm start those compiles are cache hits, but a hit still
-traces and lowers the step, loads the executable and compiles its Mosaic GPU kernels again: one round of
-the largest buckets spent on a figure the last start already had. So the sizing's figure is recorded here,
+A GPU start sizes its KV cache from an estimate of the largest buckets' temp memory: from the step's shapes,
+or from quick compiles at a provisional page count where those leave too little room (`kv_sizing.py`). The
+page count is one of the step's shapes, so a warm start must size from the same figure as the earlier one
+for its real compiles to be the earlier start's executables; and where that figure came from compiles,
+those would be a round of the largest buckets spent on a figure the last start already had (a cache hit
+still traces and lowers the step and loads the executable). So the sizing's figure is recorded here,
 under a fingerprint of everything that shapes the step (the runner's), and a start that finds it sizes
 the cache from it and goes straight to the real compiles, which load from the persistent cache at the page
 count the earlier start chose.

@@ -89,7 +89,7 @@ def test_a_sized_runner_serves_the_sizing_s_executables_and_the_same_tokens(llam
 
 def test_a_warm_start_sizes_from_the_earlier_start_s_record(engine, monkeypatch, tmp_path, caplog):
     """With a persistent cache's directory, the sizing records the temp memory it sized for and the real
-    compile's; the next sizing of the same step reads it, skips the quick compiles and gets the same page
+    compile's; the next sizing of the same step reads it and gets the same page
     count (so the real compile is the earlier start's executable); a step of other shapes has another
     record; a record whose executables differ from the real compile's is dropped."""
     runner = engine.runner

@@ -1,6 +1,6 @@
-"""The KV cache's sizing on a GPU (runner/kv_sizing.py), with compiles stood in: a quick estimate at a
-provisional page count, one real compile at the final count, and a second sizing only where the real
-compile needs more temp memory than the margin left."""
+"""The KV cache's sizing on a GPU (runner/kv_sizing.py), with compiles stood in: an estimate (an earlier
+start's record, the step's shapes, or quick compiles at a provisional page count), one real compile at the
+final count, and a second sizing only where the real compile needs more temp memory than the margin left."""
 
 import logging
 
@@ -195,3 +195,33 @@ def test_the_step_s_estimate_takes_the_widest_weight_but_the_vocab_and_a_mixture
     mixture = SimpleNamespace(vocab_size=1000, moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=300,
                                                              normalize_top_k=True))
     assert temp_estimate(mixture, weights, largest) == shapes_estimate(32, 1000, 512 * 2 * MOE_ROW_COPIES, 300)
+
+
+def test_a_shapes_estimate_that_leaves_a_longest_request_too_few_pages_is_compiled_instead(caplog):
+    """The shapes' figure is an upper estimate: on a device where its margin would leave fewer pages than a
+    request of the longest length takes (the provisional count), the quick compiles give the figure."""
+    calls = []
+    tight = budget_for(0).num_pages  # every page the device has with no temp memory at all
+    with caplog.at_level(logging.WARNING, "jaxserve.runner.kv_sizing"):
+        sized = size_kv_cache(compiler(400 * MIB, 450 * MIB, calls), budget_for, provisional_pages=tight - 400,
+                              platform="gpu", shapes_temp_bytes=1_000 * MIB)
+    assert calls == [(tight - 400, QUICK_ESTIMATE_OPTIONS["gpu"]), (sized.budget.num_pages, None)]
+    assert sized.source == "compiles" and sized.sized_for_bytes == 400 * MIB
+    assert "a longest request takes" in caplog.text
+
+
+def test_the_estimate_takes_one_device_s_share_of_a_sharded_weight():
+    """With tensor parallelism the budget is one device's: a weight split over devices counts its shard's
+    dimensions (an MLP's intermediate over 4 devices), and the vocab's weights none, split or not."""
+    from types import SimpleNamespace
+
+    from jaxserve.runner.aot import temp_estimate
+    from jaxserve.runner.buckets import Bucket
+
+    def sharded(shape, split_axis, ways):
+        shard = tuple(d // ways if i == split_axis else d for i, d in enumerate(shape))
+        return SimpleNamespace(shape=shape, ndim=len(shape), sharding=SimpleNamespace(shard_shape=lambda s: shard))
+
+    cfg = SimpleNamespace(vocab_size=1000, moe=None)
+    weights = [sharded((64, 1000), 1, 4), sharded((64, 800), 1, 4), sharded((800, 64), 0, 4)]
+    assert temp_estimate(cfg, weights, [Bucket(512, 16)]) == shapes_estimate(16, 1000, 512, 200)
