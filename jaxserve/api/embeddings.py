@@ -1,6 +1,7 @@
 """POST /v1/embeddings: each input embedded by a `--runner pooling` engine (one engine request per input,
 batched by the scheduler like any prompt), normalized, cut to `dimensions` for matryoshka models, and
-sent as floats or base64."""
+sent as floats or base64. A body with `messages` instead of `input` is vLLM's chat embeddings request: the
+conversation rendered by the chat template, as /v1/chat/completions renders it, and embedded as one input."""
 
 import base64
 
@@ -8,8 +9,16 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.api.errors import APIError
-from jaxserve.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, random_id
+from jaxserve.api.chat import render_chat
+from jaxserve.api.errors import APIError, validate
+from jaxserve.api.protocol import (
+    EmbeddingChatRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    random_id,
+)
 from jaxserve.api.serving import ModelServing, get_serving
 from jaxserve.api.streaming import collect
 from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam, check_priority
@@ -34,7 +43,14 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def _inputs(serving: ModelServing, req: EmbeddingRequest) -> list[list[int]]:
+async def _inputs(serving: ModelServing, req: EmbeddingRequest | EmbeddingChatRequest) -> list[list[int]]:
+    if isinstance(req, EmbeddingChatRequest):
+        serving.check_truncation(req.truncate_prompt_tokens)
+        ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                req.chat_template, req.chat_template_kwargs, None, req.truncate_prompt_tokens,
+                                add_special_tokens=req.add_special_tokens)
+        check_pooled_prompt(serving, ids, "messages")
+        return [ids]
     items = req.input
     if isinstance(items, str) or (items and all(isinstance(t, int) for t in items)):
         items = [items]
@@ -88,7 +104,11 @@ async def pooled(serving: ModelServing, request: Request, prompts: list[list[int
 async def create_embedding(request: Request) -> Response:
     serving = get_serving(request)
     check_pooling(serving, "embeddings")
-    req = await serving.parse(request, EmbeddingRequest)
+    data = await serving.read_json(request)
+    chat = isinstance(data, dict) and "messages" in data
+    if chat and "input" in data:
+        raise APIError(400, "input or messages: a request embeds one or the other", "messages")
+    req = validate(EmbeddingChatRequest if chat else EmbeddingRequest, data)
     serving.check_model(req.model)
     if req.dimensions is not None:
         if not serving.matryoshka:

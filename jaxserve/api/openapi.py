@@ -29,6 +29,7 @@ from jaxserve.api.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingChatRequest,
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
@@ -102,7 +103,8 @@ OPERATIONS: tuple[Operation, ...] = (
               request=(ChatCompletionRequest,), response=ChatCompletionResponse, streams=ChatCompletionChunk,
               errors=_BODY_ERRORS, guarded=True),
     Operation("/v1/embeddings", "post", "create_embedding", "Create embeddings (a --runner pooling server)",
-              "OpenAI", request=(EmbeddingRequest,), response=EmbeddingResponse, errors=_BODY_ERRORS, guarded=True),
+              "OpenAI", request=(EmbeddingRequest, EmbeddingChatRequest), response=EmbeddingResponse,
+              errors=_BODY_ERRORS, guarded=True),
     *(Operation(path, "post", f"create_score{path.replace('/', '_')}", "Score text pairs by their embeddings' "
                 "cosine similarity (vLLM; a --runner pooling server)", "vLLM", request=(ScoreRequest,),
                 response=ScoreResponse, errors=_BODY_ERRORS, guarded=True) for path in SCORE_PATHS),

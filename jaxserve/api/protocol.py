@@ -388,21 +388,39 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, normalize, priority)."""
+class _EmbeddingFields(BaseModel):
+    """What both embeddings requests take: OpenAI's fields and vLLM's extras (truncate_prompt_tokens,
+    normalize, priority)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # matryoshka models only: the embedding's first k values, normalized
     user: str | None = None
     # vLLM extras
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
     normalize: bool = True  # to unit length (L2), as OpenAI's embeddings are
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+class EmbeddingRequest(_EmbeddingFields):
+    """OpenAI's embeddings request: texts or token ids, each embedded."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
+
+
+class EmbeddingChatRequest(_EmbeddingFields):
+    """vLLM's chat embeddings request: a conversation, rendered by the chat template and embedded as one
+    input (vLLM's defaults: no generation prompt, no special tokens beyond the template's)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class EmbeddingData(BaseModel):

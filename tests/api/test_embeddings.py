@@ -67,6 +67,55 @@ def test_token_ids_truncation_and_unnormalized_vectors(embed, pooling_server):
     assert abs(np.linalg.norm(raw) - 1.0) > 1e-3
 
 
+CHAT = [{"role": "system", "content": "You sort support tickets."},
+        {"role": "user", "content": "My invoice shows the wrong amount."}]
+
+
+def test_a_conversation_is_embedded_as_its_chat_template_renders_it(embed, pooling_server):
+    """vLLM's chat embeddings: `messages` instead of `input`, rendered by the model's chat template (no
+    generation prompt unless asked, no special tokens beyond the template's) and embedded as one input:
+    the same vector as the rendered ids sent as tokens, and their count as the usage."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def rendered(**options) -> list[int]:
+        body = {"messages": CHAT, "add_generation_prompt": False, **options}
+        return httpx.post(f"{pooling_server.base_url}/tokenize", headers=headers, json=body).json()["tokens"]
+
+    def embedded(**options) -> dict:
+        response = httpx.post(f"{pooling_server.v1}/embeddings", headers=headers,
+                              json={"model": MODEL, "messages": CHAT, "encoding_format": "float", **options})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    ids = rendered()
+    chat = embedded()
+    assert chat["usage"]["prompt_tokens"] == len(ids) and len(chat["data"]) == 1
+    by_ids = embed.embeddings.create(model=MODEL, input=[ids], encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(chat["data"][0]["embedding"], by_ids, atol=1e-5)
+    prompted = embedded(add_generation_prompt=True)  # the assistant's header after the conversation
+    assert prompted["usage"]["prompt_tokens"] == len(rendered(add_generation_prompt=True)) > len(ids)
+    assert not np.allclose(prompted["data"][0]["embedding"], by_ids, atol=1e-3)
+    cut = embedded(truncate_prompt_tokens=5)  # the rendered conversation's last 5 tokens
+    tail = embed.embeddings.create(model=MODEL, input=[ids[-5:]], encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(cut["data"][0]["embedding"], tail, atol=1e-5)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": CHAT, "input": "hi"}, "messages"),  # one or the other
+    ({"messages": []}, "messages"),
+    ({"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True}, None),
+    ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),  # the server's template only
+    ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),  # over the context
+    ({"messages": "hi"}, "messages"),
+])
+def test_bad_conversations_are_400s_naming_the_field(pooling_server, body, param):
+    response = httpx.post(f"{pooling_server.v1}/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json=body)
+    assert response.status_code == 400, response.text
+    assert param is None or response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
