@@ -317,6 +317,16 @@ def test_what_the_kernel_refuses():
 COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("smollm2-135m", 2048, 256, 16)]
 
 
+def h100_kernel_args(model: str, num_tokens: int, num_reqs: int, page_size: int, context: int = 8192):
+    """The kernel's arguments as ShapeDtypeStructs on a deviceless H100, at `model`'s heads, and its head dim."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
+    shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
+              ((num_reqs, context // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes], head_dim
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
 @pytest.mark.parametrize("p_in_registers,ping_pong,overlap", [(False, False, False), (True, False, False),
                                                               (True, True, False), (True, False, True),
@@ -327,12 +337,7 @@ def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size,
     temporary under a megabyte beside the queries (the descriptions of its blocks); P through shared memory
     or in registers, the consumers taking turns, or each overlapping its softmax with its own P V, or
     neither."""
-    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
-    pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
-    shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
-              ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
-    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    structs, head_dim = h100_kernel_args(model, num_tokens, num_reqs, page_size)
     fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=p_in_registers,
                                                         ping_pong=ping_pong, overlap=overlap))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
@@ -346,12 +351,7 @@ def test_a_persistent_grid_compiles_for_an_h100(model, num_tokens, num_reqs, pag
     """The persistent grid at the prefill defaults, 16 programs a KV head (an H100's 132 multiprocessors
     over Llama-3-8B's 8 KV heads): each program's descriptions in shared memory beside the defaults' buffers,
     the loop over its blocks, the queries' barriers."""
-    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
-    pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
-    shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
-              ((num_reqs, 8192 // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
-    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+    structs, head_dim = h100_kernel_args(model, num_tokens, num_reqs, page_size)
     fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=True,
                                                         ping_pong=True, programs_per_kv_head=16))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
