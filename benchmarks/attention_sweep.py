@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth, time_per_call
 
-from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_hopper, ragged_paged_attention_mgpu
+from jaxserve.ops.paged_attention_mgpu import one_wave, ragged_paged_attention_hopper, ragged_paged_attention_mgpu
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
 PARTS = ("decode", "mixed", "paged", "paged-prefill", "paged-decode", "chunk")
@@ -199,7 +199,7 @@ def main() -> None:
         # persistent grid (a program a multiprocessor, each walking its share of the query blocks: the fill and
         # drain once a program, not once a block; with and without ping-pong), then the default before stop 66
         # (no ping-pong), ping-pong in the requests' order and with the overlapped softmax
-        per_head = max(1, num_sms // heads[1])  # 16 on an H100/H200
+        per_head = one_wave(num_sms, heads[1])  # 16 on an H100/H200
         paged_grid = [mgpu_config(2, 128, 2, True, ping_pong=True),
                       mgpu_config(2, 128, 2, True, ping_pong=True, programs_per_kv_head=per_head),
                       mgpu_config(2, 128, 2, True, programs_per_kv_head=per_head), mgpu_config(2, 128, 2, True),
@@ -329,7 +329,7 @@ def main() -> None:
             if over(decode_part):
                 break
             if "programs_per_kv_head" in kernel_config and not args.cpu:  # one wave on this case's KV heads
-                kernel_config = {**kernel_config, "programs_per_kv_head": max(1, num_sms // case_heads[1])}
+                kernel_config = {**kernel_config, "programs_per_kv_head": one_wave(num_sms, case_heads[1])}
             fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=case_scale, interpret=interpret,
                                            **kernel_config))
             config = " ".join(f"{key}={value}" for key, value in kernel_config.items())

@@ -44,8 +44,8 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
 
 
 async def _inputs(serving: ModelServing, req: EmbeddingRequest | EmbeddingChatRequest) -> list[list[int]]:
+    serving.check_truncation(req.truncate_prompt_tokens)
     if isinstance(req, EmbeddingChatRequest):
-        serving.check_truncation(req.truncate_prompt_tokens)
         ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template, req.chat_template_kwargs, None, req.truncate_prompt_tokens,
                                 add_special_tokens=req.add_special_tokens)
@@ -58,7 +58,6 @@ async def _inputs(serving: ModelServing, req: EmbeddingRequest | EmbeddingChatRe
         raise APIError(400, "input must not be empty", "input")
     if len(items) > MAX_INPUTS:
         raise APIError(400, f"at most {MAX_INPUTS} inputs per request, got {len(items)}", "input")
-    serving.check_truncation(req.truncate_prompt_tokens)
     result = []
     for item in items:
         if isinstance(item, str):

@@ -219,8 +219,7 @@ def ragged_paged_attention(
         shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
         if mgpu.supports(*shape, **config, persistent=persistent) is None:
             args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
-            # a wave of programs: the multiprocessors over this device's KV heads
-            programs = max(1, num_sms // k_pages.shape[0]) if persistent and num_sms else None
+            programs = mgpu.one_wave(num_sms, k_pages.shape[0]) if persistent and num_sms else None  # this device's
             if decode_only:  # dealt longest first on a persistent grid (a snake of the launch order)
                 return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
                                                         heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)

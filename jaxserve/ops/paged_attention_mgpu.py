@@ -14,8 +14,7 @@ end past its last: those rows are computed and never stored. The grid is (block,
 past the step's requests exit at once. With `programs_per_kv_head`, a persistent grid: as many programs a KV
 head (the multiprocessors over the KV heads: one wave), each walking its share of the blocks with one ring of
 stages, so a program's fill (its description, queries, first pages) and drain (the last P V, the store) are
-paid once a program and overlap the next block's, not once a block; a 2,048-token prefill's blocks walk
-1 to 16 steps, 8.5 on average (docs/benchmarks.md).
+paid once a program and overlap the next block's, not once a block (`one_wave` gives the count).
 
 Launch order. A GPU starts a kernel's programs in the order of their index, the KV head fastest here, and
 a program's cost is its steps over the keys, which vary: a causal prefill's last block walks every key
@@ -602,6 +601,12 @@ def _num_blocks(padded_tokens: int, num_reqs: int, block_q: int) -> int:
     """The most query blocks a step has: request r has at most (q_r + 7 + block_q - 1) // block_q; summed,
     (T + 6 R) // block_q + R."""
     return (padded_tokens + (_SLAB_ALIGN - 2) * num_reqs) // block_q + num_reqs
+
+
+def one_wave(num_sms: int, num_kv_heads: int) -> int:
+    """A persistent grid's programs a KV head: the GPU's multiprocessors over the KV heads (one program a
+    multiprocessor, its shared memory held whole), at least one."""
+    return max(1, num_sms // num_kv_heads)
 
 
 def block_q_for(num_q_heads: int, num_kv_heads: int, num_consumers: int) -> int:
