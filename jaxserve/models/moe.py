@@ -7,9 +7,11 @@ own expert's weights: gate and up [E, D, F], then down [E, F, D]. Each row's out
 weight, is added back to its token. Compute follows the T x k assignments, never T x E.
 
 The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), JAX's Mosaic GPU ragged dot
-(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each expert's rows);
-elsewhere `jax.lax.ragged_dot`, which XLA:GPU and XLA:CPU compute densely, every row against every expert
-(E times the work), which is right but slow: a Triton grouped matmul for sm_80/89 is still to come.
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each expert's rows); on
+a CPU with the native kernels and bfloat16 experts, `cpu_kernels.grouped_matmul_bf16`, which multiplies
+each expert's rows by its weights and reads no other expert's; elsewhere `jax.lax.ragged_dot`, which XLA:GPU
+and XLA:CPU compute densely, every row against every expert (E times the work), which is right but slow: a
+Triton grouped matmul for sm_80/89 is still to come.
 
 With a mesh the experts run under `shard_map`, in one of two layouts (`MoeConfig.expert_parallel`):
 - tensor parallel (vLLM's default): every device holds every expert's slice of the F axis; the down
@@ -31,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models.layers import param
+from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
 
@@ -64,6 +67,7 @@ def grouped_expert_mlp(
     num_experts: int,
     first_expert: jax.Array | int = 0,  # the global id of this device's first expert (expert parallel)
     hopper: bool = False,  # compiled for compute capability 9.0: the Mosaic GPU grouped matmul
+    native: bool = False,  # the native CPU kernel for bfloat16 experts (`grouped_matmul`)
 ) -> jax.Array:  # f32[T, D]: this device's share of sum_k weight * expert(x)
     """The routed experts' SwiGLU MLP over the assignments, grouped by expert. Rows routed to experts this
     device does not hold contribute zeros."""
@@ -79,10 +83,10 @@ def grouped_expert_mlp(
     rows = x[token_of_row]  # [A, D]
     if num_local != num_experts:  # this device's experts' rows first; the rows past them come back as zeros
         rows = jnp.roll(rows, -shift, axis=0)
-    h = grouped_matmul(rows, gate, local_counts, hopper)  # f32[A, F]
-    u = grouped_matmul(rows, up, local_counts, hopper)
+    h = grouped_matmul(rows, gate, local_counts, hopper, native)  # f32[A, F]
+    u = grouped_matmul(rows, up, local_counts, hopper, native)
     h = (jax.nn.silu(h) * u).astype(x.dtype)
-    out = grouped_matmul(h, down, local_counts, hopper)  # f32[A, D]
+    out = grouped_matmul(h, down, local_counts, hopper, native)  # f32[A, D]
     if num_local != num_experts:
         out = jnp.roll(out, shift, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
@@ -98,9 +102,12 @@ def grouped_matmul(
     w: jax.Array,  # [G, K, N]
     group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
     hopper: bool = False,
+    native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
 ) -> jax.Array:  # f32[A, N]
     """rows[group g] @ w[g] for every group: the Mosaic GPU kernel on Hopper where the shapes fit its tiles,
-    else `jax.lax.ragged_dot`."""
+    the native kernel on a CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
+    if native and rows.dtype == w.dtype == jnp.bfloat16:
+        return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
     k, n = w.shape[1], w.shape[2]
     tiles_fit = k % _MGPU_TILES["block_k"] == 0 and n % _MGPU_TILES["block_n"] == 0 and rows.dtype == w.dtype
     if not (hopper and tiles_fit):
@@ -144,7 +151,7 @@ class SparseMoeBlock(nnx.Module):
         num_experts, mesh, hopper = self.moe.num_experts, self.attention.mesh, is_hopper(self.attention)
         if mesh is None:
             return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
-                                      hopper=hopper).astype(x.dtype)
+                                      hopper=hopper, native=self.attention.native_matmuls).astype(x.dtype)
         expert_parallel = self.moe.expert_parallel
 
         def local(rows, weights, experts, gate, up, down):  # one device's experts, or its slice of each

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models.moe import grouped_expert_mlp, grouped_matmul, is_hopper, route
+from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
 
 E, K, D, F, T = 6, 2, 16, 24, 11
@@ -69,6 +70,45 @@ def test_rows_past_the_groups_come_back_as_zeros():
     w = jnp.ones((2, 4, 3))
     out = np.asarray(grouped_matmul(rows, w, jnp.asarray([2, 3], jnp.int32)))
     assert (out[:5] == 4).all() and (out[5:] == 0).all()
+
+
+native_kernels = pytest.mark.skipif(cpu_kernels.kernel_error() is not None or jax.default_backend() != "cpu",
+                                    reason=f"the native CPU kernels: {cpu_kernels.kernel_error() or 'not a CPU'}")
+
+
+@native_kernels
+@pytest.mark.parametrize("experts_per_device", [E, 2], ids=["every expert", "expert parallel"])
+def test_the_native_grouped_matmul_matches_the_oracle(case, experts_per_device):
+    """bfloat16 experts on a CPU through `cpu_kernels.grouped_matmul_bf16`, whole or as devices' shares
+    (each device's experts' rows rolled first), against the float64 oracle of the bfloat16 operands."""
+    x, logits, gate, up, down = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in case)
+    weights, experts = route(jnp.asarray(logits), K, True)
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    parts = [grouped_expert_mlp(bf16(x), weights, experts, bf16(gate[i:i + experts_per_device]),
+                                bf16(up[i:i + experts_per_device]), bf16(down[i:i + experts_per_device]),
+                                num_experts=E, first_expert=i, native=True) for i in range(0, E, experts_per_device)]
+    # The hidden activations are rounded to bfloat16 between the matmuls, as on the XLA path.
+    np.testing.assert_allclose(np.asarray(sum(parts)), oracle(x, logits, gate, up, down, True), atol=2e-2, rtol=2e-2)
+    xla = grouped_expert_mlp(bf16(x), weights, experts, bf16(gate), bf16(up), bf16(down), num_experts=E)
+    np.testing.assert_allclose(np.asarray(sum(parts)), np.asarray(xla), atol=1e-4, rtol=1e-4)
+
+
+@native_kernels
+def test_a_cpu_native_step_takes_the_native_grouped_matmul():
+    """The block's three grouped matmuls compile to the native kernel with `cpu-native` and bfloat16 experts,
+    and to XLA's ragged dot with float32 ones (the kernel multiplies bfloat16 operands only)."""
+    from flax import nnx
+
+    from jaxserve.models.moe import MoeConfig, SparseMoeBlock
+
+    attention = AttentionConfig(impl="cpu-native")
+    for dtype, calls in ((jnp.bfloat16, 3), (jnp.float32, 0)):
+        block = SparseMoeBlock(MoeConfig(num_experts=E, top_k=K, intermediate_size=F, normalize_top_k=True), D,
+                               attention, dtype)
+        graph, state = nnx.split(block)
+        step = jax.jit(lambda state, x, graph=graph: nnx.merge(graph, state)(x))
+        hlo = step.lower(state, jnp.ones((T, D), dtype)).as_text()
+        assert hlo.count("jaxserve_grouped_matmul_bf16") == calls, dtype
 
 
 def test_the_mosaic_kernel_is_hoppers():

@@ -9,7 +9,17 @@ from jaxlib.version import __version_info__ as JAXLIB_VERSION
 from jaxserve.ops import cpu_kernels, kernel_build
 from jaxserve.ops.kv_write import write_kv
 from tests.helpers import run_with_kernel_flags
-from tests.ops.matmul_cases import ROWS, SHAPES, assert_close, operands, oracle
+from tests.ops.matmul_cases import (
+    GROUPED_SHAPES,
+    GROUPS,
+    ROWS,
+    SHAPES,
+    assert_close,
+    grouped_operands,
+    grouped_oracle,
+    operands,
+    oracle,
+)
 
 pytestmark = [
     pytest.mark.cpu_only("the native CPU kernels, and what XLA:CPU compiles"),
@@ -48,13 +58,49 @@ def test_empty_rows_and_columns():
     assert cpu_kernels.matmul_bf16(x, w, output_major_w=True).shape == (3, 0)
 
 
+@pytest.mark.parametrize("groups", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_grouped_matmul_against_float64(groups):
+    call = jax.jit(cpu_kernels.grouped_matmul_bf16)
+    for k, n in GROUPED_SHAPES:
+        rows, w, sizes = grouped_operands(groups, k, n, spare_rows=3)
+        got = np.asarray(call(rows, w, sizes))
+        assert_close(got, grouped_oracle(rows, w, groups), k)
+        assert (got[sum(groups):] == 0).all()  # rows past the groups
+
+
+def test_grouped_matmul_is_ragged_dot():
+    """`jax.lax.ragged_dot`'s contract with float32 sums, which the mixture of experts relies on."""
+    rows, w, sizes = grouped_operands((17, 0, 3, 40), 256, 96, spare_rows=4, seed=2)
+    want = jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.grouped_matmul_bf16(rows, w, sizes)), np.asarray(want),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_matmul_takes_sizes_past_the_rows_and_below_zero_as_the_rows_there_are():
+    """Sizes summing past the rows stop at the last row, a negative size is an empty group: no read or write
+    out of bounds whatever the sizes hold."""
+    rows, w, _ = grouped_operands((4, 4), 64, 32)
+    got = np.asarray(cpu_kernels.grouped_matmul_bf16(rows, w, jnp.asarray([-5, 54], jnp.int32)))
+    np.testing.assert_allclose(got, grouped_oracle(rows, w, (0, 8)), atol=1e-3)
+
+
+def test_grouped_matmul_refuses_other_operands():
+    rows, w, sizes = grouped_operands((2, 1), 8, 4)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.grouped_matmul_bf16(rows.astype(jnp.float32), w, sizes)
+    with pytest.raises(ValueError, match="group sizes"):
+        cpu_kernels.grouped_matmul_bf16(rows, w, sizes[:1])
+    assert cpu_kernels.grouped_matmul_bf16(rows[:0], w, jnp.zeros(2, jnp.int32)).shape == (0, 4)
+
+
 def test_the_portable_loops_match_too():
     """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512bf16`), the kernels take their plain
     float32 loops: the same oracle, in a process of its own (the library is loaded once per process)."""
     script = f"""
         import jax, numpy as np
         from jaxserve.ops import cpu_kernels, kernel_build
-        from tests.ops.matmul_cases import SHAPES, assert_close, operands, oracle
+        from tests.ops.matmul_cases import (GROUPED_SHAPES, GROUPS, SHAPES, assert_close, grouped_operands,
+                                            grouped_oracle, operands, oracle)
         assert cpu_kernels.kernel_error() is None, cpu_kernels.kernel_error()
         for output_major_w in (False, True):
             call = jax.jit(lambda x, w: cpu_kernels.matmul_bf16(x, w, output_major_w=output_major_w))
@@ -62,6 +108,11 @@ def test_the_portable_loops_match_too():
                 for k, n in SHAPES:
                     x, w = operands(m, k, n, output_major_w)
                     assert_close(np.asarray(call(x, w)), oracle(x, w, output_major_w), k)
+        for groups in GROUPS:
+            for k, n in GROUPED_SHAPES:
+                rows, w, sizes = grouped_operands(groups, k, n, spare_rows=3)
+                assert_close(np.asarray(cpu_kernels.grouped_matmul_bf16(rows, w, sizes)),
+                             grouped_oracle(rows, w, groups), k)
         print("portable ok", kernel_build.built_library().name)
     """
     result = run_with_kernel_flags(script, "-mno-avx512bf16")

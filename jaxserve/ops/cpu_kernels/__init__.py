@@ -29,6 +29,7 @@ TARGETS = {
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
     "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
     "jaxserve_matmul_bf16_nt": "JaxserveMatmulBf16Nt",
+    "jaxserve_grouped_matmul_bf16": "JaxserveGroupedMatmulBf16",
     "jaxserve_matmul_gguf": "JaxserveMatmulGguf",
     "jaxserve_write_kv": "JaxserveWriteKv",
 }
@@ -87,6 +88,26 @@ def matmul_bf16(
     n = w.shape[0] if output_major_w else w.shape[1]
     target = "jaxserve_matmul_bf16_nt" if output_major_w else "jaxserve_matmul_bf16"
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
+
+
+def grouped_matmul_bf16(
+    rows: jax.Array,  # bf16[A, K], sorted by group
+    w: jax.Array,  # bf16[G, K, N]
+    group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
+) -> jax.Array:  # f32[A, N]
+    """rows[group g] @ w[g] for every group, from bfloat16 operands with float32 sums (`matmul_bf16.cc`):
+    `jax.lax.ragged_dot`'s contract, with work that follows the rows. XLA:CPU computes a ragged dot densely,
+    every row against every group's weights."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    if rows.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or rows.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"grouped_matmul_bf16 takes bfloat16 rows [A, K] and weights [G, K, N], got "
+                         f"{rows.dtype}{rows.shape} and {w.dtype}{w.shape}")
+    if group_sizes.shape != w.shape[:1]:
+        raise ValueError(f"grouped_matmul_bf16: {w.shape[0]} groups of weights, {group_sizes.shape} group sizes")
+    call = jax.ffi.ffi_call("jaxserve_grouped_matmul_bf16", jax.ShapeDtypeStruct((rows.shape[0], w.shape[2]),
+                                                                                 jnp.float32))
+    return call(rows, w, group_sizes.astype(jnp.int32))
 
 
 # GGUF block formats the native matmul multiplies by (ggml's type numbers, `matmul_gguf.cc`).

@@ -5,6 +5,9 @@
 //
 //   JaxserveMatmulBf16    out f32[M, N] = x bf16[M, K] @ w bf16[K, N]    (weights stored input-major)
 //   JaxserveMatmulBf16Nt  out f32[M, N] = x bf16[M, K] @ w bf16[N, K]^T  (the LM head: the embedding table)
+//   JaxserveGroupedMatmulBf16  out f32[A, N]: the rows of x bf16[A, K] in groups of group_sizes i32[G], each
+//                              group's rows @ its own w bf16[G, K, N]; rows past the groups are zeros
+//                              (a mixture of experts' assignments, sorted by expert)
 //
 // Products of bfloat16 values are exact in float32 and every sum is float32: the contract of a bfloat16
 // dot with float32 accumulation (XLA's on GPUs), up to the order of the sums; `vdpbf16ps` also reads and
@@ -400,6 +403,65 @@ void nt_unit(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t col
 
 using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
+// One product's share of a call: its units of work, and where its K-split partials go.
+struct Work {
+  Problem p;
+  int splits = 0;         // K-split units streaming input-major weights (a few rows), or 0 for tiles
+  int64_t padded_n = 0;   // the partials' row length: whole 64-column tiles
+  size_t partial = 0;     // the first of its partials in the call's buffer
+  int64_t panel = 0, panels = 0;  // tiles: the columns of a unit, and units across the columns
+  int units = 0;
+  int first_unit = 0;
+};
+
+// The units of p: one in-order weight stream per K-split unit for up to kStreamRows rows of input-major
+// weights (at most `max_splits` of them), else (a panel of columns, up to kRowChunk rows) a unit.
+Work plan(const Problem& p, bool w_output_major, int max_splits, size_t& partial_floats) {
+  Work work;
+  work.p = p;
+  if (!w_output_major && p.m <= kStreamRows) {
+    work.padded_n = (p.n + 63) / 64 * 64;
+    work.splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, std::min(max_splits, kMaxSplits)));
+    work.units = work.splits;
+    work.partial = partial_floats;
+    partial_floats += size_t(work.splits) * p.m * work.padded_n;
+    return work;
+  }
+  // Narrow panels when there are few columns, so both threads have work at one row.
+  work.panel = p.n >= 8 * kPanel ? kPanel : 32;
+  work.panels = (p.n + work.panel - 1) / work.panel;
+  work.units = int(work.panels * ((p.m + kRowChunk - 1) / kRowChunk));
+  return work;
+}
+
+// Runs every unit of every product on this thread and the pool's, then adds each product's K-split
+// partials (few, whatever the core count) on this thread.
+void run(ffi::ThreadPool& pool, std::vector<Work>& works, size_t partial_floats, UnitFn unit) {
+  int total = 0;
+  for (Work& work : works) {
+    work.first_unit = total;
+    total += work.units;
+  }
+  std::vector<float> partial(partial_floats, 0.0f);
+  jaxserve::share_units(pool, total, [&works, &partial, unit](int u) {
+    const Work& work = *(std::upper_bound(works.begin(), works.end(), u,
+                                          [](int at, const Work& w) { return at < w.first_unit; }) - 1);
+    const Problem& p = work.p;
+    const int i = u - work.first_unit;
+    if (work.splits > 0) {
+      const int64_t k0 = p.k * i / work.splits / 2 * 2;
+      const int64_t k1 = i + 1 == work.splits ? p.k : p.k * (i + 1) / work.splits / 2 * 2;
+      kn_stream_unit(p, k0, k1, work.padded_n, partial.data() + work.partial + size_t(i) * p.m * work.padded_n);
+      return;
+    }
+    const int64_t m0 = (i / work.panels) * kRowChunk, n0 = (i % work.panels) * work.panel;
+    unit(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), n0, std::min<int64_t>(work.panel, p.n - n0));
+  });
+  for (const Work& work : works) {
+    if (work.splits > 0) kn_stream_finish(work.p, partial.data() + work.partial, work.splits, work.padded_n);
+  }
+}
+
 ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                   ffi::ResultBuffer<ffi::F32> out, bool w_output_major) {
   const auto x_dims = x.dimensions();
@@ -419,26 +481,9 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   p.w = reinterpret_cast<const uint16_t*>(w.typed_data());
   p.out = out->typed_data();
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (!w_output_major && p.m <= kStreamRows) {  // split K: one in-order weight stream per unit
-    const int64_t padded_n = (p.n + 63) / 64 * 64;  // whole 64-column tiles
-    // The partials are zeroed and summed on this thread: a few splits, whatever the core count.
-    const int splits = int(std::clamp<int64_t>(p.k / kStreamMinRows, 1, std::min(jaxserve::num_workers(pool), kMaxSplits)));
-    std::vector<float> partial(size_t(splits) * p.m * padded_n, 0.0f);
-    jaxserve::share_units(pool, splits, [&p, &partial, splits, padded_n](int s) {
-      const int64_t k0 = p.k * s / splits / 2 * 2, k1 = s + 1 == splits ? p.k : p.k * (s + 1) / splits / 2 * 2;
-      kn_stream_unit(p, k0, k1, padded_n, partial.data() + s * p.m * padded_n);
-    });
-    kn_stream_finish(p, partial.data(), splits, padded_n);
-    return ffi::Error::Success();
-  }
-  const UnitFn unit = w_output_major ? nt_unit : kn_unit;
-  // Narrow panels when there are few columns, so both threads have work at one row.
-  const int64_t panel = p.n >= 8 * kPanel ? kPanel : 32;
-  const int64_t panels = (p.n + panel - 1) / panel, chunks = (p.m + kRowChunk - 1) / kRowChunk;
-  jaxserve::share_units(pool, int(panels * chunks), [&p, unit, panel, panels](int u) {
-    const int64_t m0 = (u / panels) * kRowChunk, n0 = (u % panels) * panel;
-    unit(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), n0, std::min<int64_t>(panel, p.n - n0));
-  });
+  size_t partial_floats = 0;
+  std::vector<Work> works{plan(p, w_output_major, jaxserve::num_workers(pool), partial_floats)};
+  run(pool, works, partial_floats, w_output_major ? nt_unit : kn_unit);
   return ffi::Error::Success();
 }
 
@@ -450,6 +495,44 @@ ffi::Error MatmulInputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi:
 ffi::Error MatmulOutputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                              ffi::ResultBuffer<ffi::F32> out) {
   return Matmul(pool, x, w, out, true);
+}
+
+// Rows of x in groups, each times its own input-major weights: a mixture of experts' assignments sorted by
+// expert. Each non-empty group is a product of its own, planned as above; groups share the threads, so a
+// group's K-split narrows as more groups stream (one unit a group once there are as many as threads).
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const auto out_dims = out->dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("grouped_matmul_bf16: x [A, K], w [G, K, N], group_sizes [G], out [A, N]");
+  }
+  const int64_t rows = x_dims[0], k = x_dims[1], n = w_dims[2], groups = w_dims[0];
+  if (w_dims[1] != k || group_sizes.dimensions()[0] != groups || out_dims[0] != rows || out_dims[1] != n) {
+    return ffi::Error::InvalidArgument("grouped_matmul_bf16: mismatched shapes");
+  }
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
+  const int32_t* sizes = group_sizes.typed_data();
+  float* outs = out->typed_data();
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  std::vector<Problem> problems;
+  int64_t covered = 0, streamed = 0;
+  for (int64_t g = 0; g < groups && covered < rows; ++g) {
+    const int64_t m = std::min<int64_t>(std::max(sizes[g], 0), rows - covered);
+    if (m == 0) continue;
+    problems.push_back(Problem{m, n, k, xs + covered * k, ws + g * k * n, outs + covered * n});
+    covered += m;
+    streamed += m <= kStreamRows;
+  }
+  std::fill(outs + covered * n, outs + rows * n, 0.0f);  // rows past the groups
+  const int max_splits = int(std::max<int64_t>(jaxserve::num_workers(pool) / std::max<int64_t>(streamed, 1), 1));
+  size_t partial_floats = 0;
+  std::vector<Work> works;
+  for (const Problem& p : problems) works.push_back(plan(p, false, max_splits, partial_floats));
+  run(pool, works, partial_floats, kn_unit);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -466,4 +549,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Nt, MatmulOutputMajor,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulBf16, GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,90 @@
+"""A mixture of experts' MLP on a CPU: the native grouped matmul (`cpu_kernels.grouped_matmul_bf16`) against
+`jax.lax.ragged_dot`, which XLA:CPU computes densely (every row against every expert), side by side.
+
+One layer's routed experts in a model's shapes (`--model`, a bundled config: Qwen3-30B-A3B by default, 128
+experts of 2,048 x 768, 8 a token), bfloat16 weights, random router logits, for T tokens a step
+(`--tokens`: 1 to 16 are decodes, 256 a prefill chunk). Each case runs `--copies` layers back to back in
+one jitted function, each taking the one before's output, so the experts come from memory as in a served
+step. Reports the median time per layer over alternating rounds, and for the native kernel the GB/s of
+the experts it reads (those the routing hit, each once).
+
+    python benchmarks/moe_cpu.py --tokens 1 4 16 64 256 --rounds 3
+"""
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model_configs import bundled_config_values
+from jaxserve.models.moe import grouped_expert_mlp, route
+from jaxserve.platform import prepare_jax_platform
+
+
+def layers_fn(copies: int, top_k: int, num_experts: int, native: bool):
+    @jax.jit
+    def run(x, logits, gates, ups, downs):  # x bf16[T, D]; logits f32[L, T, E]; L layers' experts [E, ...]
+        for layer in range(copies):
+            weights, experts = route(logits[layer], top_k, True)
+            out = grouped_expert_mlp(x, weights, experts, gates[layer], ups[layer], downs[layer],
+                                     num_experts=num_experts, native=native)
+            x = (x.astype(jnp.float32) + out).astype(jnp.bfloat16)
+        return x
+
+    return run
+
+
+def median_seconds(fn, args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b", help="a bundled config with experts")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--copies", type=int, default=4, help="layers per call (their experts are distinct)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3, help="timed calls per case and round")
+    args = parser.parse_args()
+    prepare_jax_platform()
+    values = bundled_config_values(args.model)
+    d, f = values["hidden_size"], values["moe_intermediate_size"]
+    e, k = values["num_experts"], values["num_experts_per_tok"]
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    draw = functools.partial(jax.random.normal, dtype=jnp.bfloat16)
+    # Separate arrays a layer, as the model holds them: a slice of one stacked array would be copied out
+    # for the kernel's call.
+    keys = iter(jax.random.split(key, 3 * args.copies))
+    gates = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
+    ups = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
+    downs = [draw(next(keys), (e, f, d)) * 0.02 for _ in range(args.copies)]
+    impls = {"native": layers_fn(args.copies, k, e, True), "ragged_dot": layers_fn(args.copies, k, e, False)}
+    expert_bytes = 3 * d * f * 2
+    print(f"{args.model}: {e} experts of {d} x {f}, {k} a token, bfloat16; {args.copies} layers a call\n")
+    print("| tokens | experts hit | native ms/layer | ragged_dot ms/layer | ratio | native GB/s of experts read |")
+    print("|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((args.copies, tokens, e)), jnp.float32)
+        hit = np.mean([len(np.unique(np.argsort(-np.asarray(logits[i]), axis=1)[:, :k])) for i in range(args.copies)])
+        per_round = {name: [] for name in impls}
+        for _ in range(args.rounds):
+            for name, fn in impls.items():
+                per_round[name].append(median_seconds(fn, (x, logits, gates, ups, downs), args.runs) / args.copies)
+        native, dense = np.median(per_round["native"]), np.median(per_round["ragged_dot"])
+        print(f"| {tokens} | {hit:.0f} | {native * 1e3:.2f} | {dense * 1e3:.1f} | {dense / native:.1f} | "
+              f"{hit * expert_bytes / native / 1e9:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
