@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
@@ -117,11 +117,20 @@ def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.nda
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _as_float32(tensor: ReaderTensor) -> np.ndarray:
+    """A tensor's values in float32: float16 and float32 tensors widened by numpy directly (the `gguf`
+    package's generic path took 2.4 s for a 128 x 768 x 2,048 float16 tensor of experts, numpy 0.3 s)."""
+    if tensor.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
+        return np.asarray(tensor.data).astype(np.float32)  # a copy: the file's pages are mapped read-only
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
 def iter_gguf_tensors(
     path: str, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
 ) -> Iterator[tuple[str, np.ndarray | GgufTensor]]:
     """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time. With
-    `keep_blocks`, a 2-D tensor in a format the native kernel reads comes as a `GgufTensor` of its blocks."""
+    `keep_blocks`, a 2-D tensor (or a mixture's 3-D stacked experts) in a format the native kernel reads comes
+    as a `GgufTensor` of its blocks."""
     reader = read_gguf(path)
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -131,10 +140,10 @@ def iter_gguf_tensors(
         )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for tensor in reader.tensors:
-        if keep_blocks and tensor.tensor_type.name in KEPT_KINDS and tensor.data.ndim == 2:
+        if keep_blocks and tensor.tensor_type.name in KEPT_KINDS and tensor.data.ndim in (2, 3):  # 3: experts
             array = GgufTensor(np.asarray(tensor.data), tensor.tensor_type.name)
         else:
-            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            array = _as_float32(tensor)
         if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
             array = array - 1.0
         if tensor.name in _GLOBAL_NAMES:

@@ -4,7 +4,7 @@ transformers reads both from GGUF metadata, building the config and the tokenize
 merges) in Python, which took seconds of every start; reading the converted `config.json` and
 `tokenizer.json` takes milliseconds. The key is the file's SHA-256, so a changed file converts anew, and
 each file appears whole or not at all (written aside, then renamed), so concurrent starts are safe. The
-dequantized tensors are kept there too, as float32 safetensors (see `iter_cached_gguf_tensors`).
+dequantized tensors of a small file are kept there too, as float32 safetensors (see `iter_cached_gguf_tensors`).
 """
 
 import hashlib
@@ -178,6 +178,22 @@ _TENSORS_FILE = "tensors.safetensors"
 _BLOCKS_FILE = "tensors-blocks.safetensors"  # the same, with the kept formats' tensors as their blocks
 
 
+# The largest copy kept: the whole copy is held in memory while the first load writes it, and a dequantized
+# tensor takes float32's 4 bytes a weight where the file may hold 0.5-2. Past it, a file's start reads the
+# file itself: its parsing and dequantizing then cost less than reading a float32 copy from disk.
+MAX_COPY_BYTES = 2 * 2**30
+
+
+def copy_bytes(gguf_path: Path, keep_blocks: bool) -> int:
+    """The bytes `iter_cached_gguf_tensors` would keep for the file: the kept formats' blocks as stored
+    (with `keep_blocks`), every other tensor in float32."""
+    from jaxserve.models.gguf import read_gguf
+    from jaxserve.models.gguf_weights import KEPT_KINDS
+
+    return sum(int(t.n_bytes) if keep_blocks and t.tensor_type.name in KEPT_KINDS and t.data.ndim == 2
+               else 4 * int(t.n_elements) for t in read_gguf(gguf_path).tensors)
+
+
 def iter_cached_gguf_tensors(
     gguf_path: Path, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
 ) -> Iterator[tuple[str, Any]]:
@@ -186,7 +202,8 @@ def iter_cached_gguf_tensors(
 
     Parsing a GGUF's metadata (49k vocabulary strings, field by field) and dequantizing took about 6 s of
     every start for the bundled model; the copy is memory-mapped in well under a second. The first load
-    reads the GGUF and writes the copy (aside, then renamed); the tensors are the same arrays.
+    reads the GGUF and writes the copy (aside, then renamed); the tensors are the same arrays. A file whose
+    copy would pass `MAX_COPY_BYTES` is read from the file at every start instead.
     """
     from safetensors import safe_open
     from safetensors.numpy import save_file
@@ -195,6 +212,11 @@ def iter_cached_gguf_tensors(
     from jaxserve.models.gguf_weights import GgufTensor
 
     target = converted_dir(gguf_path) / (_BLOCKS_FILE if keep_blocks else _TENSORS_FILE)
+    if not target.is_file() and (size := copy_bytes(gguf_path, keep_blocks)) > MAX_COPY_BYTES:
+        logger.info("%s's tensors are read from the file at every start: a copy would take %.1f GiB, past the "
+                    "cache's %.0f GiB", gguf_path.name, size / 2**30, MAX_COPY_BYTES / 2**30)
+        yield from iter_gguf_tensors(str(gguf_path), num_heads, num_kv_heads, keep_blocks)
+        return
     if target.is_file():
         with safe_open(str(target), framework="numpy") as f:
             kinds = f.metadata() or {}

@@ -8,8 +8,10 @@ and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `Gguf
 the same blocks, packed 16 output features at a time for the kernel (`ops/gguf_packing.py`), with the
 parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table the family's `EMBEDDING_TABLES`
 lists (and so a tied LM head) becomes a `GgufTable`: its rows are decoded where looked up, and the LM head's
-logits come from the same kernel. Every other tensor (norms, a mixture's experts, formats the kernel does not
-read) is dequantized as before.
+logits come from the same kernel. A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
+stacked here from one tensor an expert), become `GgufExperts` where the family's `EXPERT_WEIGHTS` lists them:
+each expert's blocks packed as a weight's, multiplied by `cpu_kernels.grouped_matmul_gguf` for the rows
+routed to it. Every other tensor (norms, formats the kernel does not read) is dequantized as before.
 """
 
 import collections
@@ -84,6 +86,30 @@ def matmul(x: jax.Array, w: GgufWeight) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class GgufExperts(_ReadWhole):
+    """A mixture's stacked expert weights [E, K, N] kept in their blocks: each expert's [N, K] blocks packed 16
+    output features at a time, as a `GgufWeight`'s."""
+
+    blocks: Any  # u8[E, ceil(N / 16), group_bytes]
+    kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
+    shape: tuple[int, int, int] = dataclasses.field(metadata={"static": True})  # [E, K, N], the parameter's
+
+    ndim = 3
+
+    def dequantize(self) -> jax.Array:  # f32[E, K, N], on the host: for tests
+        blocks = np.asarray(self.blocks)
+        return jnp.asarray(np.stack([GgufTensor(gguf_packing.unpack(expert, self.kind, self.shape[2]), self.kind)
+                                     .dequantize().T for expert in blocks]))
+
+
+def grouped_matmul(rows: jax.Array, w: GgufExperts, group_sizes: jax.Array) -> jax.Array:
+    """rows [A, K] sorted by expert, group_sizes i32[E] -> f32[A, N]: each expert's rows times its blocks, the
+    rows rounded to 8 bits per block of 32 (`matmul`'s arithmetic)."""
+    return cpu_kernels.grouped_matmul_gguf(rows.astype(jnp.float32), w.blocks, group_sizes, w.kind, w.shape[2])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class GgufTable(_ReadWhole):
     """A token-embedding table [V, D] kept in its blocks: rows looked up by decoding their blocks, and (tied or
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
@@ -130,15 +156,15 @@ class GgufTensor:
     """One quantized tensor of a GGUF file as it is stored: blocks u8[out, in / 32 * block_bytes] (HF's Linear
     layout, [out, in], in blocks along `in`) and their format."""
 
-    blocks: np.ndarray  # u8[out, row_bytes]
+    blocks: np.ndarray  # u8[out, row_bytes], or u8[E, out, row_bytes] for a mixture's stacked experts
     kind: str  # a key of KEPT_KINDS
 
     @property
-    def shape(self) -> tuple[int, int]:  # the weight's [out, in]
+    def shape(self) -> tuple[int, ...]:  # the weight's [out, in] (or [E, out, in])
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.kind]]
-        return self.blocks.shape[0], self.blocks.shape[1] // block_bytes * block_size
+        return *self.blocks.shape[:-1], self.blocks.shape[-1] // block_bytes * block_size
 
     def __getitem__(self, rows: slice) -> "GgufTensor":
         """Output rows (what a fused projection's split takes)."""
@@ -147,7 +173,7 @@ class GgufTensor:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
         return self.dequantize() if dtype is None else self.dequantize().astype(dtype)
 
-    def dequantize(self) -> np.ndarray:  # f32[out, in], as ggml computes it
+    def dequantize(self) -> np.ndarray:  # f32[out, in] (or [E, out, in]), as ggml computes it
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -169,6 +195,13 @@ class GgufTensor:
             raise ValueError(f"GGUF {self.kind} tensor [{out}, {inner}] does not fit parameter {shape}")
         packed = jax.device_put(gguf_packing.pack(self.blocks, self.kind))
         return GgufWeight(packed, self.kind, tuple(shape), contracted)
+
+    def as_experts(self, shape: tuple[int, ...]) -> GgufExperts:
+        """These stacked blocks [E, out, in] as the experts' parameter [E, in, out], on the default device."""
+        if len(self.shape) != 3 or tuple(shape) != (self.shape[0], self.shape[2], self.shape[1]):
+            raise ValueError(f"GGUF {self.kind} experts {list(self.shape)} do not fit parameter {tuple(shape)}")
+        packed = np.stack([gguf_packing.pack(expert, self.kind) for expert in self.blocks])
+        return GgufExperts(jax.device_put(packed), self.kind, tuple(shape))
 
 
 def check_gguf_quantization(gguf_file: str | None, tensor_parallel_size: int) -> None:
@@ -193,9 +226,9 @@ def keeps_blocks_by_default(gguf_file: str | None, tensor_parallel_size: int, fa
 
 def log_kept_weights(state: Any) -> int:
     """The start-up line saying what each kind of weight runs as; returns how many tensors are kept."""
-    kept_types = (GgufWeight, GgufTable)
+    kept_types = (GgufWeight, GgufExperts, GgufTable)
     leaves = jax.tree.leaves(state, is_leaf=lambda leaf: isinstance(leaf, kept_types))
-    layers = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufWeight))
+    layers = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufWeight | GgufExperts))
     tables = collections.Counter(leaf.kind for leaf in leaves if isinstance(leaf, GgufTable))
     kept_bytes = sum(leaf.blocks.nbytes for leaf in leaves if isinstance(leaf, kept_types))
     other = [leaf for leaf in leaves if not isinstance(leaf, kept_types)]

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import layers
+from jaxserve.models.gguf_weights import GgufTensor
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
@@ -207,6 +208,8 @@ class LlamaForCausalLM(nnx.Module):
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
+# A mixture's stacked experts [E, in, out], which a GGUF file's blocks stay in (`gguf_weights.GgufExperts`).
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token-embedding tables ([V, D], as a GGUF file stores them) that `--quantization gguf` keeps in their blocks.
 EMBEDDING_TABLES = ("embed_tokens", "lm_head")
 
@@ -284,19 +287,29 @@ _EXPERT_RE = re.compile(
 _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
+def stack_experts(tensors: list[Any]) -> Any:
+    """One kind of a layer's expert weights, [out, in] each, as one [E, out, in]: a GGUF file's blocks of one
+    format stay blocks (`GgufTensor`), anything else becomes a float array."""
+    kinds = {tensor.kind for tensor in tensors if isinstance(tensor, GgufTensor)}
+    if len(kinds) == 1 and all(isinstance(tensor, GgufTensor) for tensor in tensors):
+        return GgufTensor(np.stack([tensor.blocks for tensor in tensors]), kinds.pop())
+    return np.stack([np.asarray(tensor) for tensor in tensors])
+
+
 def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, and each layer's
     per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
-    yielded once its last expert has arrived."""
+    yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_experts`)."""
     pending: dict[tuple[str, str], dict[int, Any]] = {}
     for name, tensor in tensors:
         if match := _EXPERT_RE.match(name):
             layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
             experts = pending.setdefault((layer, kind), {})
-            experts[expert] = np.asarray(tensor)
+            experts[expert] = tensor
             if len(experts) == cfg.moe.num_experts:
                 del pending[(layer, kind)]
-                yield f"model.layers.{layer}.mlp.experts_{kind}", np.stack([experts[e] for e in range(len(experts))])
+                stacked = stack_experts([experts[e] for e in range(len(experts))])
+                yield f"model.layers.{layer}.mlp.experts_{kind}", stacked
             continue
         yield from _split_fused_weight(name, tensor, cfg)
     if pending:

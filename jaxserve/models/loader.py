@@ -461,6 +461,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers_table(path) and tensor.kind in TABLE_KINDS:
                 loaded[path] = tensor.as_table(tuple(expected[path].shape))
                 continue
+            if exact and covered.covers_experts(path) and tensor.blocks.ndim == 3:
+                loaded[path] = tensor.as_experts(tuple(expected[path].shape))
+                continue
             tensor = tensor.dequantize()
         value = abstract.lay_out(path, transform(tensor, cfg))
         if tuple(value.shape) != tuple(expected[path].shape):

@@ -9,7 +9,8 @@ weight, is added back to its token. Compute follows the T x k assignments, never
 The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), JAX's Mosaic GPU ragged dot
 (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each expert's rows); on
 a CPU with the native kernels and bfloat16 experts, `cpu_kernels.grouped_matmul_bf16`, which multiplies
-each expert's rows by its weights and reads no other expert's; elsewhere `jax.lax.ragged_dot`, which XLA:GPU
+each expert's rows by its weights and reads no other expert's (and a GGUF file's experts kept in their
+blocks, `gguf_weights.GgufExperts`, the same way in integers); elsewhere `jax.lax.ragged_dot`, which XLA:GPU
 and XLA:CPU compute densely, every row against every expert (E times the work), which is right but slow: a
 Triton grouped matmul for sm_80/89 is still to come.
 
@@ -32,6 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxserve.models import gguf_weights
+from jaxserve.models.gguf_weights import GgufExperts
 from jaxserve.models.layers import param
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
@@ -99,13 +102,16 @@ _MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, 
 
 def grouped_matmul(
     rows: jax.Array,  # [A, K], sorted by group
-    w: jax.Array,  # [G, K, N]
+    w: jax.Array | GgufExperts,  # [G, K, N]
     group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
     hopper: bool = False,
     native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
 ) -> jax.Array:  # f32[A, N]
-    """rows[group g] @ w[g] for every group: the Mosaic GPU kernel on Hopper where the shapes fit its tiles,
-    the native kernel on a CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
+    """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, the Mosaic GPU
+    kernel on Hopper where the shapes fit its tiles, the native kernel on a CPU for bfloat16 operands, else
+    `jax.lax.ragged_dot`."""
+    if isinstance(w, GgufExperts):
+        return gguf_weights.grouped_matmul(rows, w, group_sizes)
     if native and rows.dtype == w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
     k, n = w.shape[1], w.shape[2]
@@ -147,7 +153,7 @@ class SparseMoeBlock(nnx.Module):
         logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[T, E]
         weights, experts = route(logits, self.moe.top_k, self.moe.normalize_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
-        rows = x.astype(gate.dtype)
+        rows = x if isinstance(gate, GgufExperts) else x.astype(gate.dtype)  # blocks take x as it is
         num_experts, mesh, hopper = self.moe.num_experts, self.attention.mesh, is_hopper(self.attention)
         if mesh is None:
             return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,

@@ -112,6 +112,7 @@ class Quantizer:
                              f"{family.__name__.rsplit('.', 1)[-1]}")
         self.table, self.layers_key = table, family.LAYERS_KEY
         self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
+        self.expert_weights = getattr(family, "EXPERT_WEIGHTS", ())
         self._quantize = jax.jit(quantize_fp8, static_argnums=1)
 
     def covers(self, path: tuple) -> bool:
@@ -119,6 +120,9 @@ class Quantizer:
 
     def covers_table(self, path: tuple) -> bool:  # a token-embedding table GGUF blocks can stay in
         return len(path) == 1 and path[0] in self.embedding_tables
+
+    def covers_experts(self, path: tuple) -> bool:  # a mixture's stacked experts GGUF blocks can stay in
+        return path[0] == self.layers_key and path[-1] in self.expert_weights
 
     def stored(self, path: tuple, values: np.ndarray, channel_scale: np.ndarray) -> Fp8Weight:
         """A checkpoint's own e4m3 values, already in the model's layout, with its per-channel scale f32[out]

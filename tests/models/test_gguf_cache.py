@@ -186,3 +186,23 @@ def test_a_conversion_through_transformers_parses_the_file_once(smollm2_gguf, tm
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
     list(jaxserve_gguf.iter_gguf_tensors(str(smollm2_gguf), 9, 3))
     assert len(parses) == 1  # the weights too
+
+
+def test_a_file_past_the_cache_s_limit_is_read_from_the_file(smollm2_gguf, tmp_path, monkeypatch):
+    """No float32 copy for a large file: its tensors come straight from the GGUF, and nothing is written (a
+    7.5 GiB float16 file's copy took 15 GiB of disk, and of memory while the first start wrote it)."""
+    import numpy as np
+
+    from jaxserve.models import gguf_cache
+    from jaxserve.models.gguf import iter_gguf_tensors
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    size = gguf_cache.copy_bytes(smollm2_gguf, keep_blocks=False)
+    assert size > 4 * 134_000_000  # SmolLM2-135M's weights in float32
+    assert gguf_cache.copy_bytes(smollm2_gguf, keep_blocks=True) < size / 4  # its Q4_1 blocks as stored
+    monkeypatch.setattr(gguf_cache, "MAX_COPY_BYTES", size - 1)
+    streamed = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3))
+    assert not list(tmp_path.rglob("tensors*.safetensors"))
+    direct = dict(iter_gguf_tensors(str(smollm2_gguf), 9, 3))
+    assert streamed.keys() == direct.keys()
+    assert all(np.array_equal(streamed[name], array) for name, array in direct.items())

@@ -2,6 +2,7 @@
 blocks and multiplied by the native kernel give the model the dequantized weights give it."""
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from jaxserve.models import layers
-from jaxserve.models.gguf_weights import GgufTable, GgufTensor, GgufWeight
+from jaxserve.models.gguf_weights import GgufExperts, GgufTable, GgufTensor, GgufWeight
 from jaxserve.models.loader import load_model
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
@@ -234,3 +235,72 @@ def test_the_native_kernel_is_the_only_matmul_in_a_kept_weight_s_step():
     hlo = jax.jit(lambda x, w: layers.dense(x, w, AttentionConfig(impl="cpu"))).lower(
         jnp.ones((3, 64), jnp.float32), w).as_text()
     assert "jaxserve_matmul_gguf" in hlo and "dot_general" not in hlo
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["qwen3moe, stacked", "mixtral, one tensor an expert"])
+def test_a_mixture_s_experts_stay_in_their_blocks_and_give_the_dequantized_model_s_logits(
+        per_expert, smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE GGUF (experts stacked, as llama.cpp stores them) and a tiny Mixtral one (one tensor an
+    expert, as older files hold them, stacked as blocks at load) whose experts are Q8_0 (gate), Q4_0 (up) and
+    Q4_1 (down): each kind stays in its blocks (`GgufExperts`), decodes to the parameter the dequantizing load
+    builds, runs through the grouped GGUF kernel alone, and the logits follow the dequantized model's."""
+    import torch
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+    from tests.models.test_gguf_families import experts_as_llama_cpp_stores_them, write_gguf
+    from tests.models.test_parity import PagedForward
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                  initializer_range=0.3, num_experts_per_tok=2)
+    if per_expert:
+        arch, hf = "llama", transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, intermediate_size=64, num_local_experts=4, sliding_window=None)).eval()
+    else:
+        arch, hf = "qwen3moe", transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, intermediate_size=128, head_dim=16, num_experts=4, moe_intermediate_size=64,
+            norm_topk_prob=True)).eval()
+    kinds = {"gate": "Q8_0", "up": "Q4_0", "down": "Q4_1"}
+    tensors = []
+    for name, array in experts_as_llama_cpp_stores_them(hf, per_expert):
+        expert = re.search(r"(?:experts_|\.expert\.\d+\.)(gate|up|down)", name)  # stacked, or one expert's
+        kind = GGMLQuantizationType[kinds[expert.group(1)]] if expert else None
+        tensors.append((name, (quantize(array, kind), kind) if kind else array))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, hf.config, tensors, smollm2_gguf)
+    kept = load_model(str(path), dtype="float32", quantization="gguf")
+    plain = load_model(str(path), dtype="float32")
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    experts = {path: v for path, v in kept_flat.items() if isinstance(v, GgufExperts)}
+    assert {path[-1]: v.kind for path, v in experts.items()} == {f"experts_{k}": v for k, v in kinds.items()}
+    assert len(experts) == 3 * hf.config.num_hidden_layers
+    for path, weight in experts.items():
+        np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
+    tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
+    got = PagedForward(kept, list(range(1, 9)))(tokens)
+    want = PagedForward(plain, list(range(1, 9)))(tokens)
+    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+def test_kept_experts_multiply_through_the_grouped_kernel_only():
+    """A mixture's kept experts: the grouped GGUF kernel three times, no dot over widened values, and the
+    rows routed to each expert times its dequantized blocks (x rounded to 8 bits per block)."""
+    from jaxserve.models.moe import grouped_matmul
+
+    rng = np.random.default_rng(3)
+    hf = rng.standard_normal((3, 48, 64)).astype(np.float32)  # [E, out, in]
+    blocks = quantize(hf, GGMLQuantizationType.Q8_0)
+    w = GgufTensor(blocks, "Q8_0").as_experts((3, 64, 48))
+    rows = rng.standard_normal((7, 64)).astype(np.float32)
+    sizes = jnp.asarray([2, 0, 4], jnp.int32)
+    got = np.asarray(grouped_matmul(jnp.asarray(rows), w, sizes))
+    weights = np.asarray(w.dequantize(), np.float64)  # [E, in, out]
+    want = np.concatenate([rounded_activations(rows[:2]) @ weights[0], rounded_activations(rows[2:6]) @ weights[2],
+                           np.zeros((1, 48))])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    hlo = jax.jit(grouped_matmul).lower(jnp.asarray(rows), w, sizes).as_text()
+    assert "jaxserve_grouped_matmul_gguf" in hlo and "dot_general" not in hlo and "ragged" not in hlo

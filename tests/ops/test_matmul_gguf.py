@@ -121,15 +121,42 @@ def test_the_largest_block_sums_do_not_overflow(kind):
     check_largest_sums(kind)
 
 
+def check_grouped(kind: str) -> None:
+    """The grouped kernel: each group's rows times its own blocks against the same float64 oracle, groups
+    empty, of one row, of a partial and of several tiles, past a 64-row chunk; rows past the groups zero."""
+    rng = np.random.default_rng(7)
+    (k, n), groups = shapes(kind)[2], (3, 0, 1, 70, 0, 4)
+    blocks = [_blocks(kind, n, k, seed=g) for g in range(len(groups))]
+    x = rng.standard_normal((sum(groups) + 2, k)).astype(np.float32)
+    packed = np.stack([gguf_packing.pack(b, kind) for b in blocks])
+    call = jax.jit(cpu_kernels.grouped_matmul_gguf, static_argnums=(3, 4))
+    got = np.asarray(call(x, packed, np.asarray(groups, np.int32), kind, n))
+    start = 0
+    for size, group_blocks in zip(groups, blocks, strict=True):
+        weights = dequantize(group_blocks, GGMLQuantizationType[kind]).astype(np.float64)
+        rows = x[start:start + size]
+        scale = np.abs(rows).astype(np.float64) @ np.abs(weights).T
+        want = rounded_activations(rows) @ weights.T
+        assert np.all(np.abs(got[start:start + size] - want) <= 1e-6 * scale + 1e-30), (kind, size)
+        start += size
+    assert (got[start:] == 0).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grouped_matmul_against_float64(kind):
+    check_grouped(kind)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"], ids=["avx2", "plain loops"])
 def test_the_other_instruction_sets_match_too(flags):
     """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX2 (plain loops), in a process of its
     own (the library is loaded once per process): the same oracle."""
     script = """
-        from tests.ops.test_matmul_gguf import KINDS, ROWS, check_against_float64, check_largest_sums
+        from tests.ops.test_matmul_gguf import KINDS, ROWS, check_against_float64, check_grouped, check_largest_sums
         for kind in KINDS:
             check_largest_sums(kind)
+            check_grouped(kind)
             for m in ROWS:
                 check_against_float64(kind, m)
         print("ok")

@@ -31,6 +31,7 @@ TARGETS = {
     "jaxserve_matmul_bf16_nt": "JaxserveMatmulBf16Nt",
     "jaxserve_grouped_matmul_bf16": "JaxserveGroupedMatmulBf16",
     "jaxserve_matmul_gguf": "JaxserveMatmulGguf",
+    "jaxserve_grouped_matmul_gguf": "JaxserveGroupedMatmulGguf",
     "jaxserve_write_kv": "JaxserveWriteKv",
 }
 
@@ -103,8 +104,9 @@ def grouped_matmul_bf16(
     if rows.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or rows.ndim != 2 or w.ndim != 3:
         raise ValueError(f"grouped_matmul_bf16 takes bfloat16 rows [A, K] and weights [G, K, N], got "
                          f"{rows.dtype}{rows.shape} and {w.dtype}{w.shape}")
-    if group_sizes.shape != w.shape[:1]:
-        raise ValueError(f"grouped_matmul_bf16: {w.shape[0]} groups of weights, {group_sizes.shape} group sizes")
+    if group_sizes.shape != w.shape[:1] or rows.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_matmul_bf16: rows {rows.shape} and weights {w.shape} do not contract, or "
+                         f"{group_sizes.shape} group sizes for {w.shape[0]} groups")
     call = jax.ffi.ffi_call("jaxserve_grouped_matmul_bf16", jax.ShapeDtypeStruct((rows.shape[0], w.shape[2]),
                                                                                  jnp.float32))
     return call(rows, w, group_sizes.astype(jnp.int32))
@@ -131,6 +133,27 @@ def matmul_gguf(
         raise ValueError(f"matmul_gguf: {n} output features are {-(-n // 16)} groups of 16, not {w.shape[0]}")
     call = jax.ffi.ffi_call("jaxserve_matmul_gguf", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), w, kind=np.int32(GGUF_KINDS[kind]))
+
+
+def grouped_matmul_gguf(
+    rows: jax.Array,  # f32[A, K], sorted by group
+    w: jax.Array,  # u8[G, ceil(N / 16), group_bytes]: each group's GGUF blocks packed by `gguf_packing.pack`
+    group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
+    kind: str,  # a key of GGUF_KINDS
+    n: int,  # output features
+) -> jax.Array:  # f32[A, N]
+    """rows[group g] @ W[g].T for every group, W kept in a GGUF file's blocks: `matmul_gguf`'s arithmetic
+    (x rounded to 8 bits per block of 32) with work that follows the rows (`matmul_gguf.cc`)."""
+    if (error := _load()) is not None:
+        raise NativeKernelUnavailable(error)
+    if rows.ndim != 2 or w.ndim != 3 or w.dtype != jnp.uint8:
+        raise ValueError(f"grouped_matmul_gguf takes rows [A, K] and packed u8 blocks [G, groups, bytes], got "
+                         f"{rows.shape} and {w.dtype}{w.shape}")
+    if w.shape[1] != -(-n // 16) or group_sizes.shape != w.shape[:1]:
+        raise ValueError(f"grouped_matmul_gguf: {n} output features in {w.shape[1]} groups of 16, or "
+                         f"{group_sizes.shape} sizes for {w.shape[0]} groups of weights")
+    call = jax.ffi.ffi_call("jaxserve_grouped_matmul_gguf", jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    return call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32), kind=np.int32(GGUF_KINDS[kind]))
 
 
 def write_kv(

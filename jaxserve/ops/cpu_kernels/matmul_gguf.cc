@@ -5,6 +5,9 @@
 //   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
 //                       interleaved 16 output features at a time (`jaxserve/ops/gguf_packing.py` lays them
 //                       out): u8[ceil(N / 16), group_bytes]
+//   JaxserveGroupedMatmulGguf  out f32[A, N]: the rows of x f32[A, K] in groups of group_sizes i32[G], each
+//                       group's rows @ its own W^T, w u8[G, ceil(N / 16), group_bytes] (a mixture of
+//                       experts' assignments sorted by expert); rows past the groups are zeros
 //
 // The blocks (ggml's formats; `kind` is ggml's type number), for one output feature:
 //   Q4_0 (2):  f16 d, u8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
@@ -433,6 +436,75 @@ void unit(const Problem& p, int64_t m0, int64_t rows, int64_t g0, int64_t groups
 
 using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
+UnitFn unit_for(int32_t kind) {
+  return kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : kind == kQ4_K ? unit<kQ4_K> : unit<kQ8_0>;
+}
+
+// One product's units: runs of groups (long, contiguous tiles, which the hardware prefetcher follows; a few
+// runs a thread of `workers`, at least one pair of groups a run) times chunks of x rows.
+struct Work {
+  Problem p;
+  int64_t unit_groups = 0, units_n = 0;
+  int units = 0, first_unit = 0;
+};
+
+Work plan(const Problem& p, int64_t workers) {
+  Work work;
+  work.p = p;
+  const int64_t runs = 2 * kUnitsPerWorker * workers;
+  work.unit_groups = std::max<int64_t>(kUnitGroups, 2 * ((p.groups + runs - 1) / runs));
+  work.units_n = (p.groups + work.unit_groups - 1) / work.unit_groups;
+  work.units = int(work.units_n * ((p.m + kRowChunk - 1) / kRowChunk));
+  return work;
+}
+
+// Every unit of every product, on this thread and the pool's.
+void run(ffi::ThreadPool& pool, std::vector<Work>& works, UnitFn unit_fn) {
+  int total = 0;
+  for (Work& work : works) {
+    work.first_unit = total;
+    total += work.units;
+  }
+  jaxserve::share_units(pool, total, [&works, unit_fn](int u) {
+    const Work& work = *(std::upper_bound(works.begin(), works.end(), u,
+                                          [](int at, const Work& w) { return at < w.first_unit; }) - 1);
+    const Problem& p = work.p;
+    const int64_t i = u - work.first_unit;
+    const int64_t m0 = (i / work.units_n) * kRowChunk, g0 = (i % work.units_n) * work.unit_groups;
+    unit_fn(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), g0, std::min<int64_t>(work.unit_groups, p.groups - g0));
+  });
+}
+
+// x rounded to 8 bits per block: the rows' codes, scales and sums, which every product of a call shares.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> isx;
+
+  QuantizedRows(const float* x, int64_t m, int64_t k)
+      : xq(size_t(m * k)), dx(size_t(m * (k / kBlock))), sx(dx.size()), isx(dx.size()) {
+    quantize_rows(x, k, 0, m, xq.data(), dx.data(), sx.data(), isx.data());
+  }
+
+  // Rows m0 onward of x times `w`'s groups into rows m0 onward of out.
+  Problem rows(int64_t m0, int64_t m, int64_t n, int64_t k, const uint8_t* w, int64_t w_group_bytes, float* out) const {
+    Problem p;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    p.blocks = k / kBlock;
+    p.groups = (n + kFeatures - 1) / kFeatures;
+    p.w = w;
+    p.group_bytes = w_group_bytes;
+    p.xq = xq.data() + m0 * k;
+    p.dx = dx.data() + m0 * p.blocks;
+    p.sx = sx.data() + m0 * p.blocks;
+    p.isx = isx.data() + m0 * p.blocks;
+    p.out = out + m0 * n;
+    return p;
+  }
+};
+
 ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
   const auto x_dims = x.dimensions();
@@ -444,38 +516,61 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
   }
-  Problem p;
-  p.m = x_dims[0];
-  p.k = x_dims[1];
-  p.n = out_dims[1];
-  p.groups = w_dims[0];
-  p.group_bytes = w_dims[1];
-  p.blocks = p.k / kBlock;
-  if (p.k % kBlock != 0 || group_bytes(kind, p.blocks) == 0 || p.group_bytes != group_bytes(kind, p.blocks) || out_dims[0] != p.m ||
-      p.groups != (p.n + kFeatures - 1) / kFeatures) {
+  const int64_t m = x_dims[0], k = x_dims[1], n = out_dims[1];
+  if (k % kBlock != 0 || group_bytes(kind, k / kBlock) == 0 || w_dims[1] != group_bytes(kind, k / kBlock) ||
+      out_dims[0] != m || w_dims[0] != (n + kFeatures - 1) / kFeatures) {
     return ffi::Error::InvalidArgument("matmul_gguf: mismatched shapes");
   }
-  p.w = w.typed_data();
-  p.out = out->typed_data();
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<int8_t> xq(size_t(p.m * p.k));
-  std::vector<float> dx(size_t(p.m * p.blocks)), sx(size_t(p.m * p.blocks));
-  std::vector<int32_t> isx(size_t(p.m * p.blocks));
-  quantize_rows(x.typed_data(), p.k, 0, p.m, xq.data(), dx.data(), sx.data(), isx.data());
-  p.xq = xq.data();
-  p.dx = dx.data();
-  p.sx = sx.data();
-  p.isx = isx.data();
-  const UnitFn run = kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : kind == kQ4_K ? unit<kQ4_K> : unit<kQ8_0>;
-  // Each thread streams long runs of contiguous tiles (a few units per thread), which the hardware prefetcher
-  // follows; a unit takes at least one pair of groups.
-  const int64_t unit_groups = std::max<int64_t>(kUnitGroups, 2 * ((p.groups + 2 * kUnitsPerWorker * jaxserve::num_workers(pool) - 1) /
-                                                                  (2 * kUnitsPerWorker * jaxserve::num_workers(pool))));
-  const int64_t units_n = (p.groups + unit_groups - 1) / unit_groups, chunks_m = (p.m + kRowChunk - 1) / kRowChunk;
-  jaxserve::share_units(pool, int(units_n * chunks_m), [&p, run, units_n, unit_groups](int u) {
-    const int64_t m0 = (u / units_n) * kRowChunk, g0 = (u % units_n) * unit_groups;
-    run(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), g0, std::min<int64_t>(unit_groups, p.groups - g0));
-  });
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const QuantizedRows rows(x.typed_data(), m, k);
+  std::vector<Work> works{plan(rows.rows(0, m, n, k, w.typed_data(), w_dims[1], out->typed_data()),
+                               jaxserve::num_workers(pool))};
+  run(pool, works, unit_for(kind));
+  return ffi::Error::Success();
+}
+
+// Rows of x in groups, each times its own weights' blocks (a mixture of experts' assignments sorted by
+// expert): x rounded to 8 bits once, then each non-empty group a product planned as above, all sharing
+// the threads. Rows past the groups are zeros.
+ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const auto out_dims = out->dimensions();
+  if (!known_kind(kind)) {
+    return ffi::Error::InvalidArgument("grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K)");
+  }
+  if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "grouped_matmul_gguf: x [A, K], w [G, ceil(N / 16), group_bytes], group_sizes [G], out [A, N]");
+  }
+  const int64_t a = x_dims[0], k = x_dims[1], n = out_dims[1], experts = w_dims[0];
+  if (k % kBlock != 0 || group_bytes(kind, k / kBlock) == 0 || w_dims[2] != group_bytes(kind, k / kBlock) ||
+      out_dims[0] != a || w_dims[1] != (n + kFeatures - 1) / kFeatures || group_sizes.dimensions()[0] != experts) {
+    return ffi::Error::InvalidArgument("grouped_matmul_gguf: mismatched shapes");
+  }
+  float* outs = out->typed_data();
+  if (a == 0 || n == 0) return ffi::Error::Success();
+  const int32_t* sizes = group_sizes.typed_data();
+  std::vector<std::pair<int64_t, int64_t>> spans;  // (group, rows), in order
+  int64_t covered = 0;
+  for (int64_t g = 0; g < experts && covered < a; ++g) {
+    const int64_t m = std::min<int64_t>(std::max(sizes[g], 0), a - covered);
+    if (m > 0) spans.emplace_back(g, m);
+    covered += m;
+  }
+  std::fill(outs + covered * n, outs + a * n, 0.0f);  // rows past the groups
+  if (covered == 0) return ffi::Error::Success();
+  const QuantizedRows rows(x.typed_data(), covered, k);
+  const int64_t expert_bytes = w_dims[1] * w_dims[2];
+  const int64_t workers = std::max<int64_t>(jaxserve::num_workers(pool) / int64_t(spans.size()), 1);
+  std::vector<Work> works;
+  int64_t m0 = 0;
+  for (const auto& [g, m] : spans) {
+    works.push_back(plan(rows.rows(m0, m, n, k, w.typed_data() + g * expert_bytes, w_dims[2], outs), workers));
+    m0 += m;
+  }
+  run(pool, works, unit_for(kind));
   return ffi::Error::Success();
 }
 
@@ -486,5 +581,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGguf, MatmulGguf,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulGguf, GroupedMatmulGguf,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("kind"));
