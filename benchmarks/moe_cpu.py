@@ -1,14 +1,15 @@
-"""A mixture of experts' MLP on a CPU: the native grouped matmul (`cpu_kernels.grouped_matmul_bf16`) against
-`jax.lax.ragged_dot`, which XLA:CPU computes densely (every row against every expert), side by side.
+"""A mixture of experts' MLP on a CPU: the native grouped matmuls (`cpu_kernels.grouped_matmul_bf16`, and
+`grouped_matmul_gguf` on experts kept in Q4_0 blocks) against `jax.lax.ragged_dot`, which XLA:CPU computes
+densely (every row against every expert), side by side.
 
 One layer's routed experts in a model's shapes (`--model`, a bundled config: Qwen3-30B-A3B by default, 128
 experts of 2,048 x 768, 8 a token), bfloat16 weights, random router logits, for T tokens a step
 (`--tokens`: 1 to 16 are decodes, 256 a prefill chunk). Each case runs `--copies` layers back to back in
 one jitted function, each taking the one before's output, so the experts come from memory as in a served
-step. Reports the median time per layer over alternating rounds, and for the native kernel the GB/s of
-the experts it reads (those the routing hit, each once).
+step. Reports the median time per layer over alternating rounds, and for the native kernels the GB/s of
+the experts they read (those the routing hit, each once: 2 bytes a weight in bfloat16, 0.5625 in Q4_0).
 
-    python benchmarks/moe_cpu.py --tokens 1 4 16 64 256 --rounds 3
+    python benchmarks/moe_cpu.py --tokens 1 4 16 64 256 --rounds 2
 """
 
 import argparse
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model_configs import bundled_config_values
+from jaxserve.models.gguf_weights import GgufExperts, GgufTensor
 from jaxserve.models.moe import grouped_expert_mlp, route
 from jaxserve.platform import prepare_jax_platform
 
@@ -35,6 +37,13 @@ def layers_fn(copies: int, top_k: int, num_experts: int, native: bool):
         return x
 
     return run
+
+
+def random_q4_0_experts(rng: np.random.Generator, num_experts: int, k: int, n: int) -> GgufExperts:
+    """Experts [E, K, N] in Q4_0 blocks of random codes under a scale of 0.002 (stored [E, N, K / 32 * 18])."""
+    blocks = rng.integers(0, 256, size=(num_experts, n, k // 32, 18), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return GgufTensor(blocks.reshape(num_experts, n, -1), "Q4_0").as_experts((num_experts, k, n))
 
 
 def median_seconds(fn, args, runs: int) -> float:
@@ -68,22 +77,30 @@ def main() -> None:
     gates = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
     ups = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
     downs = [draw(next(keys), (e, f, d)) * 0.02 for _ in range(args.copies)]
-    impls = {"native": layers_fn(args.copies, k, e, True), "ragged_dot": layers_fn(args.copies, k, e, False)}
-    expert_bytes = 3 * d * f * 2
-    print(f"{args.model}: {e} experts of {d} x {f}, {k} a token, bfloat16; {args.copies} layers a call\n")
-    print("| tokens | experts hit | native ms/layer | ragged_dot ms/layer | ratio | native GB/s of experts read |")
-    print("|---|---|---|---|---|---|")
+    q4_gates, q4_ups, q4_downs = ([random_q4_0_experts(rng, e, d_in, d_out) for _ in range(args.copies)]
+                                  for d_in, d_out in ((d, f), (d, f), (f, d)))
+    native, dense = layers_fn(args.copies, k, e, True), layers_fn(args.copies, k, e, False)
+    impls = {"ragged_dot": (dense, (gates, ups, downs)), "native": (native, (gates, ups, downs)),
+             "native Q4_0": (native, (q4_gates, q4_ups, q4_downs))}
+    expert_bytes = {"native": 3 * d * f * 2, "native Q4_0": 3 * d * f * 18 / 32}
+    print(f"{args.model}: {e} experts of {d} x {f}, {k} a token; {args.copies} layers a call\n")
+    print("| tokens | experts hit | ragged_dot ms/layer | native bf16 ms/layer | ratio | GB/s | native Q4_0 ms/layer "
+          "| ratio | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
         logits = jnp.asarray(rng.standard_normal((args.copies, tokens, e)), jnp.float32)
         hit = np.mean([len(np.unique(np.argsort(-np.asarray(logits[i]), axis=1)[:, :k])) for i in range(args.copies)])
         per_round = {name: [] for name in impls}
         for _ in range(args.rounds):
-            for name, fn in impls.items():
-                per_round[name].append(median_seconds(fn, (x, logits, gates, ups, downs), args.runs) / args.copies)
-        native, dense = np.median(per_round["native"]), np.median(per_round["ragged_dot"])
-        print(f"| {tokens} | {hit:.0f} | {native * 1e3:.2f} | {dense * 1e3:.1f} | {dense / native:.1f} | "
-              f"{hit * expert_bytes / native / 1e9:.1f} |", flush=True)
+            for name, (fn, experts) in impls.items():
+                per_round[name].append(median_seconds(fn, (x, logits, *experts), args.runs) / args.copies)
+        times = {name: float(np.median(values)) for name, values in per_round.items()}
+        row = [f"{tokens}", f"{hit:.0f}", f"{times['ragged_dot'] * 1e3:.1f}"]
+        for name in ("native", "native Q4_0"):
+            row += [f"{times[name] * 1e3:.2f}", f"{times['ragged_dot'] / times[name]:.0f}",
+                    f"{hit * expert_bytes[name] / times[name] / 1e9:.1f}"]
+        print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":
