@@ -175,7 +175,9 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 _TENSORS_FILE = "tensors.safetensors"
-_BLOCKS_FILE = "tensors-blocks.safetensors"  # the same, with the kept formats' tensors as their blocks
+# The same, with the kept formats' tensors as their blocks; "-2" since a mixture's experts are kept too (an
+# older copy holds them dequantized).
+_BLOCKS_FILE = "tensors-blocks-2.safetensors"
 
 
 # The largest copy kept: the whole copy is held in memory while the first load writes it, and a dequantized
@@ -187,11 +189,10 @@ MAX_COPY_BYTES = 2 * 2**30
 def copy_bytes(gguf_path: Path, keep_blocks: bool) -> int:
     """The bytes `iter_cached_gguf_tensors` would keep for the file: the kept formats' blocks as stored
     (with `keep_blocks`), every other tensor in float32."""
-    from jaxserve.models.gguf import read_gguf
-    from jaxserve.models.gguf_weights import KEPT_KINDS
+    from jaxserve.models.gguf import keeps_blocks, read_gguf
 
-    return sum(int(t.n_bytes) if keep_blocks and t.tensor_type.name in KEPT_KINDS and t.data.ndim == 2
-               else 4 * int(t.n_elements) for t in read_gguf(gguf_path).tensors)
+    return sum(int(t.n_bytes) if keep_blocks and keeps_blocks(t) else 4 * int(t.n_elements)
+               for t in read_gguf(gguf_path).tensors)
 
 
 def iter_cached_gguf_tensors(

@@ -204,6 +204,15 @@ class GgufTensor:
         return GgufExperts(jax.device_put(packed), self.kind, tuple(shape))
 
 
+def stack_expert_tensors(tensors: list[Any]) -> Any:
+    """One kind of a layer's expert weights, [out, in] each, as one [E, out, in]: a GGUF file's blocks of one
+    format stay blocks (a `GgufTensor`), anything else becomes a float array."""
+    kinds = {tensor.kind for tensor in tensors if isinstance(tensor, GgufTensor)}
+    if len(kinds) == 1 and all(isinstance(tensor, GgufTensor) for tensor in tensors):
+        return GgufTensor(np.stack([tensor.blocks for tensor in tensors]), kinds.pop())
+    return np.stack([np.asarray(tensor) for tensor in tensors])
+
+
 def check_gguf_quantization(gguf_file: str | None, tensor_parallel_size: int) -> None:
     """`--quantization gguf` needs a GGUF file, one device, a CPU and the native kernels; else a clear error."""
     if gguf_file is None:

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import layers
-from jaxserve.models.gguf_weights import GgufTensor
+from jaxserve.models.gguf_weights import GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
@@ -287,28 +287,19 @@ _EXPERT_RE = re.compile(
 _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
-def stack_experts(tensors: list[Any]) -> Any:
-    """One kind of a layer's expert weights, [out, in] each, as one [E, out, in]: a GGUF file's blocks of one
-    format stay blocks (`GgufTensor`), anything else becomes a float array."""
-    kinds = {tensor.kind for tensor in tensors if isinstance(tensor, GgufTensor)}
-    if len(kinds) == 1 and all(isinstance(tensor, GgufTensor) for tensor in tensors):
-        return GgufTensor(np.stack([tensor.blocks for tensor in tensors]), kinds.pop())
-    return np.stack([np.asarray(tensor) for tensor in tensors])
-
-
 def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, and each layer's
     per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
-    yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_experts`)."""
+    yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`)."""
     pending: dict[tuple[str, str], dict[int, Any]] = {}
     for name, tensor in tensors:
         if match := _EXPERT_RE.match(name):
             layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
             experts = pending.setdefault((layer, kind), {})
-            experts[expert] = tensor
+            experts[expert] = tensor if isinstance(tensor, GgufTensor) else np.asarray(tensor)  # blocks stay
             if len(experts) == cfg.moe.num_experts:
                 del pending[(layer, kind)]
-                stacked = stack_experts([experts[e] for e in range(len(experts))])
+                stacked = stack_expert_tensors([experts[e] for e in range(len(experts))])
                 yield f"model.layers.{layer}.mlp.experts_{kind}", stacked
             continue
         yield from _split_fused_weight(name, tensor, cfg)

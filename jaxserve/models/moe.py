@@ -112,10 +112,11 @@ def grouped_matmul(
     `jax.lax.ragged_dot`."""
     if isinstance(w, GgufExperts):
         return gguf_weights.grouped_matmul(rows, w, group_sizes)
-    if native and rows.dtype == w.dtype == jnp.bfloat16:
+    rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
+    if native and w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
     k, n = w.shape[1], w.shape[2]
-    tiles_fit = k % _MGPU_TILES["block_k"] == 0 and n % _MGPU_TILES["block_n"] == 0 and rows.dtype == w.dtype
+    tiles_fit = k % _MGPU_TILES["block_k"] == 0 and n % _MGPU_TILES["block_n"] == 0
     if not (hopper and tiles_fit):
         return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu

@@ -189,8 +189,8 @@ def test_a_conversion_through_transformers_parses_the_file_once(smollm2_gguf, tm
 
 
 def test_a_file_past_the_cache_s_limit_is_read_from_the_file(smollm2_gguf, tmp_path, monkeypatch):
-    """No float32 copy for a large file: its tensors come straight from the GGUF, and nothing is written (a
-    7.5 GiB float16 file's copy took 15 GiB of disk, and of memory while the first start wrote it)."""
+    """No float32 copy for a large file: its tensors come straight from the GGUF, and nothing is written (the
+    copy takes float32's 4 bytes a weight, on disk and in memory while the first start writes it)."""
     import numpy as np
 
     from jaxserve.models import gguf_cache

@@ -243,7 +243,7 @@ def test_a_mixture_s_experts_stay_in_their_blocks_and_give_the_dequantized_model
     """A tiny Qwen3-MoE GGUF (experts stacked, as llama.cpp stores them) and a tiny Mixtral one (one tensor an
     expert, as older files hold them, stacked as blocks at load) whose experts are Q8_0 (gate), Q4_0 (up) and
     Q4_1 (down): each kind stays in its blocks (`GgufExperts`), decodes to the parameter the dequantizing load
-    builds, runs through the grouped GGUF kernel alone, and the logits follow the dequantized model's."""
+    builds, and the logits follow the dequantized model's."""
     import torch
     import transformers
 
@@ -304,3 +304,30 @@ def test_kept_experts_multiply_through_the_grouped_kernel_only():
     np.testing.assert_allclose(got, want, atol=1e-4)
     hlo = jax.jit(grouped_matmul).lower(jnp.asarray(rows), w, sizes).as_text()
     assert "jaxserve_grouped_matmul_gguf" in hlo and "dot_general" not in hlo and "ragged" not in hlo
+
+
+def test_a_layer_mixing_kept_experts_and_bfloat16_ones_stays_on_the_native_kernels():
+    """A Q4_K_M file's layer may keep gate and up in blocks while its down projection (Q6_K) is dequantized to
+    bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's native kernel, never
+    sent to a dense `ragged_dot` over widened weights."""
+    from jaxserve.models.moe import grouped_expert_mlp
+
+    rng = np.random.default_rng(4)
+    gate, up = (GgufTensor(quantize(rng.standard_normal((3, 32, 64)).astype(np.float32), GGMLQuantizationType.Q8_0),
+                           "Q8_0").as_experts((3, 64, 32)) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((3, 32, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    weights, experts = jnp.full((5, 2), 0.5), jnp.asarray(rng.integers(0, 3, (5, 2)), jnp.int32)
+    step = jax.jit(lambda x, w, e, g, u, d: grouped_expert_mlp(x, w, e, g, u, d, num_experts=3, native=True))
+    hlo = step.lower(x, weights, experts, gate, up, down).as_text()
+    assert hlo.count("jaxserve_grouped_matmul_gguf") == 2 and hlo.count("jaxserve_grouped_matmul_bf16") == 1
+    assert "ragged" not in hlo
+    got = np.asarray(step(x, weights, experts, gate, up, down))
+    dense = {name: np.asarray(w.dequantize(), np.float64) for name, w in (("gate", gate), ("up", up))}
+    want = np.zeros((5, 64))
+    for t in range(5):
+        for e in np.asarray(experts[t]):
+            xt = rounded_activations(np.asarray(x[t:t + 1]))[0]
+            h, u = xt @ dense["gate"][e], xt @ dense["up"][e]
+            want[t] += 0.5 * (h / (1 + np.exp(-h)) * u) @ np.asarray(down[e], np.float64)
+    np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
