@@ -14,11 +14,11 @@ the experts they read (those the routing hit, each once: 2 bytes a weight in bfl
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from lora_stacks import median_ms  # this directory's
 
 from jaxserve.model_configs import bundled_config_values
 from jaxserve.models.gguf_weights import GgufExperts, GgufTensor
@@ -44,16 +44,6 @@ def random_q4_0_experts(rng: np.random.Generator, num_experts: int, k: int, n: i
     blocks = rng.integers(0, 256, size=(num_experts, n, k // 32, 18), dtype=np.uint8)
     blocks[..., :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
     return GgufTensor(blocks.reshape(num_experts, n, -1), "Q4_0").as_experts((num_experts, k, n))
-
-
-def median_seconds(fn, args, runs: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -94,7 +84,7 @@ def main() -> None:
         per_round = {name: [] for name in impls}
         for _ in range(args.rounds):
             for name, (fn, experts) in impls.items():
-                per_round[name].append(median_seconds(fn, (x, logits, *experts), args.runs) / args.copies)
+                per_round[name].append(median_ms(fn, x, logits, *experts, repeats=args.runs) / 1e3 / args.copies)
         times = {name: float(np.median(values)) for name, values in per_round.items()}
         row = [f"{tokens}", f"{hit:.0f}", f"{times['ragged_dot'] * 1e3:.1f}"]
         for name in ("native", "native Q4_0"):

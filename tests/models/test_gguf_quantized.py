@@ -150,13 +150,33 @@ def test_the_bundled_model_keeps_its_q4_1_blocks_and_computes_the_same_logits(ca
     assert np.abs(got[np.arange(len(prompt)), top] - want[np.arange(len(prompt)), top]).max() < 0.5
 
 
+def _kept_and_dequantized(path, arch: str, config, tensors: list, tokenizer_gguf) -> tuple:
+    """A GGUF written from `tensors`, loaded with its kept formats in their blocks and fully dequantized."""
+    from tests.models.test_gguf_families import write_gguf
+
+    write_gguf(path, arch, config, tensors, tokenizer_gguf)
+    return load_model(str(path), dtype="float32", quantization="gguf"), load_model(str(path), dtype="float32")
+
+
+def assert_logits_follow(kept, plain) -> None:
+    """The kept model's logits follow the dequantized one's. The kernels round activations to 8 bits per block
+    (`test_dense_and_the_head_projections...` checks that contract exactly); through the random tiny models'
+    two or three layers the logits stay close."""
+    from tests.models.test_parity import PagedForward
+
+    tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
+    got = PagedForward(kept, list(range(1, 9)))(tokens)
+    want = PagedForward(plain, list(range(1, 9)))(tokens)
+    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
 @pytest.mark.slow
 def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gguf, tmp_path, monkeypatch):
     """A tiny Phi-3 GGUF whose projections are stored in the three formats, layer by layer (its fused qkv and
     gate/up split by rows of blocks), its embeddings in Q8_0 and its LM head in Q4_1: each kept weight decodes to
     the parameter the dequantizing load builds, and the logits follow the dequantized model's."""
-    from tests.models.test_gguf_families import gguf_name, tiny_model, write_gguf
-    from tests.models.test_parity import PagedForward
+    from tests.models.test_gguf_families import gguf_name, tiny_model
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     arch, hf = "phi3", tiny_model("phi3")
@@ -171,10 +191,7 @@ def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gg
             stored[gguf_name(name, arch)] = kind
             array = (quantize(array, GGMLQuantizationType[kind]), GGMLQuantizationType[kind])
         tensors.append((name, array))
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(path, arch, hf.config, tensors, smollm2_gguf)
-    kept = load_model(str(path), dtype="float32", quantization="gguf")
-    plain = load_model(str(path), dtype="float32")
+    kept, plain = _kept_and_dequantized(tmp_path / f"tiny-{arch}.gguf", arch, hf.config, tensors, smollm2_gguf)
     kept_flat, plain_flat = _flat(kept), _flat(plain)
     weights = {path: v for path, v in kept_flat.items() if isinstance(v, GgufWeight)}
     assert {w.kind for w in weights.values()} == set(kinds) and len(weights) == 7 * hf.config.num_hidden_layers
@@ -184,13 +201,7 @@ def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gg
     weights.update({path: v for path, v in kept_flat.items() if isinstance(v, GgufTable)})
     for path, weight in weights.items():  # the blocks land where the dequantized values do, format by format
         np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
-    # The kernel rounds activations to 8 bits per block (`test_dense_and_the_head_projections...` checks that
-    # contract exactly); through the random tiny models' two or three layers the logits stay close.
-    tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
-    got = PagedForward(kept, list(range(1, 9)))(tokens)
-    want = PagedForward(plain, list(range(1, 9)))(tokens)
-    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    assert_logits_follow(kept, plain)
 
 
 def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoints(tiny_model_dir, caplog):
@@ -248,8 +259,7 @@ def test_a_mixture_s_experts_stay_in_their_blocks_and_give_the_dequantized_model
     import transformers
 
     from tests.conftest import TINY_VOCAB
-    from tests.models.test_gguf_families import experts_as_llama_cpp_stores_them, write_gguf
-    from tests.models.test_parity import PagedForward
+    from tests.models.test_gguf_families import experts_as_llama_cpp_stores_them
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -269,21 +279,14 @@ def test_a_mixture_s_experts_stay_in_their_blocks_and_give_the_dequantized_model
         expert = re.search(r"(?:experts_|\.expert\.\d+\.)(gate|up|down)", name)  # stacked, or one expert's
         kind = GGMLQuantizationType[kinds[expert.group(1)]] if expert else None
         tensors.append((name, (quantize(array, kind), kind) if kind else array))
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(path, arch, hf.config, tensors, smollm2_gguf)
-    kept = load_model(str(path), dtype="float32", quantization="gguf")
-    plain = load_model(str(path), dtype="float32")
+    kept, plain = _kept_and_dequantized(tmp_path / f"tiny-{arch}.gguf", arch, hf.config, tensors, smollm2_gguf)
     kept_flat, plain_flat = _flat(kept), _flat(plain)
     experts = {path: v for path, v in kept_flat.items() if isinstance(v, GgufExperts)}
     assert {path[-1]: v.kind for path, v in experts.items()} == {f"experts_{k}": v for k, v in kinds.items()}
     assert len(experts) == 3 * hf.config.num_hidden_layers
     for path, weight in experts.items():
         np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
-    tokens = np.random.default_rng(5).integers(0, kept.cfg.vocab_size, size=19).tolist()
-    got = PagedForward(kept, list(range(1, 9)))(tokens)
-    want = PagedForward(plain, list(range(1, 9)))(tokens)
-    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    assert_logits_follow(kept, plain)
 
 
 def test_kept_experts_multiply_through_the_grouped_kernel_only():

@@ -411,7 +411,6 @@ struct Work {
   size_t partial = 0;     // the first of its partials in the call's buffer
   int64_t panel = 0, panels = 0;  // tiles: the columns of a unit, and units across the columns
   int units = 0;
-  int first_unit = 0;
 };
 
 // The units of p: one in-order weight stream per K-split unit for up to kStreamRows rows of input-major
@@ -436,18 +435,13 @@ Work plan(const Problem& p, bool w_output_major, int max_splits, size_t& partial
 
 // Runs every unit of every product on this thread and the pool's, then adds each product's K-split
 // partials (few, whatever the core count) on this thread.
-void run(ffi::ThreadPool& pool, std::vector<Work>& works, size_t partial_floats, UnitFn unit) {
-  int total = 0;
-  for (Work& work : works) {
-    work.first_unit = total;
-    total += work.units;
-  }
+void run(ffi::ThreadPool& pool, const std::vector<Work>& works, size_t partial_floats, UnitFn unit) {
+  std::vector<int> units;
+  for (const Work& work : works) units.push_back(work.units);
   std::vector<float> partial(partial_floats, 0.0f);
-  jaxserve::share_units(pool, total, [&works, &partial, unit](int u) {
-    const Work& work = *(std::upper_bound(works.begin(), works.end(), u,
-                                          [](int at, const Work& w) { return at < w.first_unit; }) - 1);
+  jaxserve::share_product_units(pool, units, [&works, &partial, unit](int w, int i) {
+    const Work& work = works[w];
     const Problem& p = work.p;
-    const int i = u - work.first_unit;
     if (work.splits > 0) {
       const int64_t k0 = p.k * i / work.splits / 2 * 2;
       const int64_t k1 = i + 1 == work.splits ? p.k : p.k * (i + 1) / work.splits / 2 * 2;

@@ -445,7 +445,7 @@ UnitFn unit_for(int32_t kind) {
 struct Work {
   Problem p;
   int64_t unit_groups = 0, units_n = 0;
-  int units = 0, first_unit = 0;
+  int units = 0;
 };
 
 Work plan(const Problem& p, int64_t workers) {
@@ -459,17 +459,12 @@ Work plan(const Problem& p, int64_t workers) {
 }
 
 // Every unit of every product, on this thread and the pool's.
-void run(ffi::ThreadPool& pool, std::vector<Work>& works, UnitFn unit_fn) {
-  int total = 0;
-  for (Work& work : works) {
-    work.first_unit = total;
-    total += work.units;
-  }
-  jaxserve::share_units(pool, total, [&works, unit_fn](int u) {
-    const Work& work = *(std::upper_bound(works.begin(), works.end(), u,
-                                          [](int at, const Work& w) { return at < w.first_unit; }) - 1);
+void run(ffi::ThreadPool& pool, const std::vector<Work>& works, UnitFn unit_fn) {
+  std::vector<int> units;
+  for (const Work& work : works) units.push_back(work.units);
+  jaxserve::share_product_units(pool, units, [&works, unit_fn](int w, int64_t i) {
+    const Work& work = works[w];
     const Problem& p = work.p;
-    const int64_t i = u - work.first_unit;
     const int64_t m0 = (i / work.units_n) * kRowChunk, g0 = (i % work.units_n) * work.unit_groups;
     unit_fn(p, m0, std::min<int64_t>(kRowChunk, p.m - m0), g0, std::min<int64_t>(work.unit_groups, p.groups - g0));
   });

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +47,18 @@ inline void share_units(xla::ffi::ThreadPool& pool, int num_units, std::function
   for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
   while (work->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+}
+
+// Runs run(p, i) for every unit i < units[p] of every product p of a call (a mixture's experts, each a
+// product of its own), all of them shared as `share_units` shares one product's.
+inline void share_product_units(xla::ffi::ThreadPool& pool, const std::vector<int>& units,
+                                const std::function<void(int, int)>& run) {
+  std::vector<int> first(units.size() + 1, 0);  // each product's first unit, then the total
+  for (size_t p = 0; p < units.size(); ++p) first[p + 1] = first[p] + units[p];
+  share_units(pool, first.back(), [&first, &run](int u) {
+    const int p = int(std::upper_bound(first.begin(), first.end(), u) - first.begin()) - 1;
+    run(p, u - first[p]);
+  });
 }
 
 }  // namespace jaxserve
