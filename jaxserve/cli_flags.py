@@ -140,8 +140,8 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
 
 _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
                       "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
-                      "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q4_0, Q4_1, Q8_0 and Q4_K "
-                      "layer weights and Q4_0, Q4_1 and Q8_0 token embeddings (and LM head) stay in their "
+                      "keep their dtype. gguf (CPUs, a .gguf --model): the file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
+                      "layer weights and untied LM head and Q4_0, Q4_1 and Q8_0 token embeddings stay in their "
                       "blocks, multiplied by a native kernel")
 
 ENGINE_FLAGS = (

@@ -175,9 +175,14 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 _TENSORS_FILE = "tensors.safetensors"
-# The same, with the kept formats' tensors as their blocks; "-2" since a mixture's experts are kept too (an
-# older copy holds them dequantized).
-_BLOCKS_FILE = "tensors-blocks-2.safetensors"
+
+
+def _blocks_file() -> str:
+    """The same, with the kept formats' tensors as their blocks: named by those formats ("-2" since a mixture's
+    experts are kept too), so that a copy written when fewer were kept, holding them dequantized, is not read."""
+    from jaxserve.models.gguf_weights import KEPT_KINDS
+
+    return f"tensors-blocks-2-{'-'.join(KEPT_KINDS).lower()}.safetensors"
 
 
 # The largest copy kept: the whole copy is held in memory while the first load writes it, and a dequantized
@@ -212,7 +217,7 @@ def iter_cached_gguf_tensors(
     from jaxserve.models.gguf import iter_gguf_tensors
     from jaxserve.models.gguf_weights import GgufTensor
 
-    target = converted_dir(gguf_path) / (_BLOCKS_FILE if keep_blocks else _TENSORS_FILE)
+    target = converted_dir(gguf_path) / (_blocks_file() if keep_blocks else _TENSORS_FILE)
     if not target.is_file() and (size := copy_bytes(gguf_path, keep_blocks)) > MAX_COPY_BYTES:
         logger.info("%s's tensors are read from the file at every start: a copy would take %.1f GiB, past the "
                     "cache's %.0f GiB", gguf_path.name, size / 2**30, MAX_COPY_BYTES / 2**30)

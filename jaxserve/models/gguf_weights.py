@@ -8,7 +8,9 @@ and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `Gguf
 the same blocks, packed 16 output features at a time for the kernel (`ops/gguf_packing.py`), with the
 parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table the family's `EMBEDDING_TABLES`
 lists (and so a tied LM head) becomes a `GgufTable`: its rows are decoded where looked up, and the LM head's
-logits come from the same kernel. A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
+logits come from the same kernel. Rows are decoded for the block formats of 32 weights (`TABLE_KINDS`); an
+untied LM head (the family's `HEAD_TABLES`), never looked up, stays in any kept format (llama.cpp's K-quant
+files store it in Q6_K). A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
 stacked here from one tensor an expert), become `GgufExperts` where the family's `EXPERT_WEIGHTS` lists them:
 each expert's blocks packed as a weight's, multiplied by `cpu_kernels.grouped_matmul_gguf` for the rows
 routed to it. Every other tensor (norms, formats the kernel does not read) is dequantized as before.
@@ -29,8 +31,8 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K: the block formats kept as they are
-TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats an embedding table stays in (its rows decoded by jnp)
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: the block formats kept as they are
+TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats a looked-up embedding table stays in (rows decoded by jnp)
 
 
 class _ReadWhole:
@@ -115,7 +117,7 @@ class GgufTable(_ReadWhole):
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
     blocks: Any  # u8[ceil(V / 16), D / 32 * tile_bytes]: the file's [V, D] blocks packed (`gguf_packing`)
-    kind: str = dataclasses.field(metadata={"static": True})  # one of TABLE_KINDS
+    kind: str = dataclasses.field(metadata={"static": True})  # one of TABLE_KINDS (any of KEPT_KINDS: a head's)
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
     ndim = 2
@@ -123,6 +125,9 @@ class GgufTable(_ReadWhole):
     def lookup(self, ids: jax.Array) -> jax.Array:  # i32[T] -> f32[T, D]
         """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales). One
         gather reads only the ids' own bytes: their scales and codes in each block's tile of 16 features."""
+        if self.kind not in TABLE_KINDS:
+            raise ValueError(f"a {self.kind} table is an LM head's, multiplied by only: rows are looked up in "
+                             f"{', '.join(TABLE_KINDS)} blocks")
         features, num_blocks = gguf_packing.FEATURES, self.shape[1] // 32
         scales, tile = gguf_packing.SCALES[self.kind], gguf_packing.tile_bytes(self.kind)
         group, lane = (ids // features)[:, None, None, None], (ids % features)[:, None, None, None]
@@ -179,9 +184,10 @@ class GgufTensor:
 
         return np.asarray(dequantize(self.blocks, GGMLQuantizationType[self.kind]), np.float32)
 
-    def as_table(self, shape: tuple[int, ...]) -> GgufTable:
-        """These blocks as an embedding table [V, D] (the file's own layout), on the default device."""
-        if self.kind not in TABLE_KINDS:
+    def as_table(self, shape: tuple[int, ...], looked_up: bool = True) -> GgufTable:
+        """These blocks as an embedding table [V, D] (the file's own layout), on the default device; one not
+        `looked_up` (an untied LM head) in any kept format."""
+        if self.kind not in (TABLE_KINDS if looked_up else KEPT_KINDS):
             raise ValueError(f"an embedding table stays in {', '.join(TABLE_KINDS)} blocks, not {self.kind}")
         if tuple(shape) != self.shape:
             raise ValueError(f"GGUF {self.kind} tensor {list(self.shape)} does not fit table {tuple(shape)}")

@@ -458,8 +458,8 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers(path):
                 loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
-            if exact and covered.covers_table(path) and tensor.kind in TABLE_KINDS:
-                loaded[path] = tensor.as_table(tuple(expected[path].shape))
+            if exact and covered.covers_table(path) and (tensor.kind in TABLE_KINDS or covered.covers_head(path)):
+                loaded[path] = tensor.as_table(tuple(expected[path].shape), looked_up=not covered.covers_head(path))
                 continue
             if exact and covered.covers_experts(path) and tensor.blocks.ndim == 3:
                 loaded[path] = tensor.as_experts(tuple(expected[path].shape))

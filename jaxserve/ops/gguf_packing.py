@@ -10,6 +10,12 @@ features past N zero. No value changes: packing is a permutation of bytes, and `
 Q4_K's super-blocks of 256 weights are packed per (group, super-block): the 16 features' d and dmin, their
 8 scales and 8 mins unpacked from 6 bits to a byte each, then the super-block's 8 blocks of 32 codes, each as
 a Q4_0 block's codes (byte j: weight j in the low nibble, j + 16 in the high).
+
+Q6_K's super-blocks of 256 weights (16 sub-blocks of 16, each its own int8 scale, and 6-bit codes) are packed
+per (group, super-block) too: the 16 features' d, their 16 scales, then each block of 32 as a Q4_0 block's
+codes holding the codes' low 4 bits, followed by two planes of their high 2 bits (for the weights of the low
+nibbles, then of the high nibbles): plane byte 4f + j holds in bits 2c .. 2c + 1 the high bits of the weight
+whose low bits are in byte j of chunk c of feature f.
 """
 
 import numpy as np
@@ -20,6 +26,8 @@ CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}  # code bytes per block of 32 
 SUPER = 256  # Q4_K: weights per super-block
 SUPER_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 SUPER_TILE = FEATURES * (2 + 2 + 8 + 8 + SUPER // 2)  # Q4_K: one super-block of 16 features, packed
+Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: low 4 bits, high 2 bits, i8 scales[16], f16 d
+Q6_K_TILE = FEATURES * (2 + 16 + SUPER // 2 + SUPER // 4)  # Q6_K: one super-block of 16 features, packed
 
 
 def block_bytes(kind: str) -> int:
@@ -31,13 +39,17 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
 
 
 def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inputs
-    return k // SUPER * SUPER_TILE if kind == "Q4_K" else k // 32 * tile_bytes(kind)
+    if kind in ("Q4_K", "Q6_K"):
+        return k // SUPER * (SUPER_TILE if kind == "Q4_K" else Q6_K_TILE)
+    return k // 32 * tile_bytes(kind)
 
 
 def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]."""
     if kind == "Q4_K":
         return _pack_q4_k(blocks)
+    if kind == "Q6_K":
+        return _pack_q6_k(blocks)
     n, row_bytes = blocks.shape
     per_block, scales = block_bytes(kind), SCALES[kind]
     num_blocks, groups = row_bytes // per_block, -(-n // FEATURES)
@@ -56,6 +68,8 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
     """`pack`'s inverse: u8[ceil(N / 16), group_bytes] -> u8[N, file's row bytes]."""
     if kind == "Q4_K":
         return _unpack_q4_k(packed, n)
+    if kind == "Q6_K":
+        return _unpack_q6_k(packed, n)
     groups, row_bytes = packed.shape
     scales, num_blocks = SCALES[kind], row_bytes // tile_bytes(kind)
     tiles = packed.reshape(groups, num_blocks, tile_bytes(kind))
@@ -111,3 +125,58 @@ def _q4_k_scales(six_bit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], -1)
     mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], -1)
     return scales.astype(np.uint8), mins.astype(np.uint8)
+
+
+def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
+    n, row_bytes = blocks.shape
+    supers, groups = row_bytes // Q6_K_BYTES, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, Q6_K_BYTES), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, Q6_K_BYTES)
+    grouped = padded.reshape(groups, FEATURES, supers, Q6_K_BYTES)  # [group, feature, super, bytes]
+    codes = _q6_k_codes(grouped[..., :192]).reshape(groups, FEATURES, supers, 8, 2, 16)  # [.., block, half, 16]
+    low, high = codes & 15, codes >> 4
+    q4 = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # [.., chunk, j]
+    high = high.reshape(groups, FEATURES, supers, 8, 2, 4, 4)  # [.., block, half, chunk, j]
+    planes = sum(high[..., c, :] << (2 * c) for c in range(4)).astype(np.uint8)  # [.., block, half, j]
+    q4 = q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, chunk, feature, 4]
+    planes = planes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, half, feature, 4]
+    d = grouped[..., 208:210].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
+    scales = grouped[..., 192:208].transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [group, super, 16, feature]
+    per_block = np.concatenate([q4, planes], -1).reshape(groups, supers, -1)
+    return np.ascontiguousarray(np.concatenate([d, scales, per_block], -1).reshape(groups, supers * Q6_K_TILE))
+
+
+def _unpack_q6_k(packed: np.ndarray, n: int) -> np.ndarray:
+    groups, row_bytes = packed.shape
+    supers = row_bytes // Q6_K_TILE
+    tiles = packed.reshape(groups, supers, Q6_K_TILE)
+    d = tiles[..., :32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+    scales = tiles[..., 32:288].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
+    per_block = tiles[..., 288:].reshape(groups, supers, 8, 384)
+    q4 = per_block[..., :256].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    planes = per_block[..., 256:].reshape(groups, supers, 8, 2, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    q4 = q4.reshape(groups, FEATURES, supers, 8, 16)
+    low = np.stack([q4 & 15, q4 >> 4], -2)  # [.., block, half, 16]
+    high = np.stack([(planes >> (2 * c)) & 3 for c in range(4)], -2).reshape(groups, FEATURES, supers, 8, 2, 16)
+    codes = (low | (high << 4)).reshape(groups, FEATURES, supers, 256)
+    blocks = np.concatenate([_q6_k_bytes(codes), scales, d], -1).reshape(groups * FEATURES, supers * Q6_K_BYTES)
+    return np.ascontiguousarray(blocks[:n])
+
+
+def _q6_k_codes(bits: np.ndarray) -> np.ndarray:
+    """Q6_K's ql[128] and qh[64] -> its 256 codes in order, u8[..., 256] of 0 .. 63 (ggml's `dequantize_row_q6_K`:
+    each half of 128 weights takes 64 bytes of ql, low then high nibbles, and 32 of qh, 2 bits per weight)."""
+    ql = bits[..., :128].reshape(*bits.shape[:-1], 2, 64)
+    qh = bits[..., 128:192].reshape(*bits.shape[:-1], 2, 1, 32)
+    low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], -2)  # [.., 2, 4, 32]
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return (low | (high << 4)).reshape(*bits.shape[:-1], 256)
+
+
+def _q6_k_bytes(codes: np.ndarray) -> np.ndarray:
+    """`_q6_k_codes`' inverse: u8[..., 256] codes -> ql[128] and qh[64], u8[..., 192]."""
+    q = codes.reshape(*codes.shape[:-1], 2, 4, 32)
+    ql = np.concatenate([(q[..., 0, :] & 15) | ((q[..., 2, :] & 15) << 4),
+                         (q[..., 1, :] & 15) | ((q[..., 3, :] & 15) << 4)], -1)  # [.., 2, 64]
+    qh = sum((q[..., c, :] >> 4) << (2 * c) for c in range(4)).astype(np.uint8)  # [.., 2, 32]
+    return np.concatenate([ql.reshape(*codes.shape[:-1], 128), qh.reshape(*codes.shape[:-1], 64)], -1)

@@ -55,21 +55,27 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
         out.reshape(16, -1)
 
 
-def test_a_q4_k_weight_multiplies_by_its_dequantized_super_blocks():
-    """Q4_K (llama.cpp's Q4_K_M files' main format) kept as a layer weight: its 6-bit scales and mins and its
-    codes give, through the kernel, x rounded to 8 bits per block times the `gguf` package's dequantization;
-    as an embedding table it is refused (the loader dequantizes it instead)."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_k_quant_weight_and_lm_head_multiply_by_their_dequantized_super_blocks(kind):
+    """Q4_K and Q6_K (llama.cpp's Q4_K_M files' formats) kept as a layer weight and as an untied LM head: their
+    scales and codes give, through the kernel, x rounded to 8 bits per block times the `gguf` package's
+    dequantization. A table that is looked up is refused in them (the loader dequantizes it instead)."""
     from tests.ops.test_matmul_gguf import _blocks
 
-    blocks = _blocks("Q4_K", 96, 512, seed=4)  # [out, in]
-    want = dequantize(blocks, GGMLQuantizationType.Q4_K).astype(np.float64).T  # [in, out]
-    weight = GgufTensor(blocks, "Q4_K").as_weight((512, 96), 1)
+    blocks = _blocks(kind, 96, 512, seed=4)  # [out, in]
+    want = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float64).T  # [in, out]
+    weight = GgufTensor(blocks, kind).as_weight((512, 96), 1)
     np.testing.assert_array_equal(np.asarray(weight.dequantize()), want.astype(np.float32))
     x = np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
     got = jax.jit(layers.dense, static_argnums=2)(x, weight, AttentionConfig(impl="cpu"))
     np.testing.assert_allclose(np.asarray(got), rounded_activations(x) @ want, rtol=1e-5, atol=1e-4)
+    head = GgufTensor(blocks, kind).as_table((96, 512), looked_up=False)
+    logits = jax.jit(lambda h, t: layers.logits_from_embeddings(h, t, AttentionConfig(impl="cpu")))(x, head)
+    np.testing.assert_allclose(np.asarray(logits), rounded_activations(x) @ want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="embedding table stays in"):
-        GgufTensor(blocks, "Q4_K").as_table((96, 512))
+        GgufTensor(blocks, kind).as_table((96, 512))
+    with pytest.raises(ValueError, match="multiplied by only"):
+        head.lookup(jnp.zeros(2, jnp.int32))
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -218,8 +224,45 @@ def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoi
 
 
 @pytest.mark.slow
+def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Qwen3 GGUF laid out as llama-quantize's Q4_K_M lays one out: the untied LM head and the V and down
+    projections in Q6_K, the rest in Q8_0 (in place of Q4_K, which the gguf package does not write). The head
+    stays a Q6_K table, the projections Q6_K weights; each decodes to the parameter the dequantizing load builds,
+    and the logits follow the dequantized model's."""
+    import torch
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+    from tests.ops.test_matmul_gguf import quantize_q6_k
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+        initializer_range=0.1)).eval()
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        if name in ("lm_head.weight",) or name.endswith(("v_proj.weight", "down_proj.weight")):
+            array = (quantize_q6_k(array), GGMLQuantizationType.Q6_K)
+        elif name.endswith("proj.weight") or name == "model.embed_tokens.weight":
+            array = (quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        tensors.append((name, array))
+    kept, plain = _kept_and_dequantized(tmp_path / "tiny-qwen3.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    kinds = {path[-1]: v.kind for path, v in kept_flat.items() if isinstance(v, GgufWeight | GgufTable)}
+    assert kinds == {"embed_tokens": "Q8_0", "lm_head": "Q6_K", "v_proj": "Q6_K", "down_proj": "Q6_K",
+                     **{name: "Q8_0" for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")}}
+    for path, weight in kept_flat.items():
+        if isinstance(weight, GgufWeight | GgufTable):
+            np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
+    assert_logits_follow(kept, plain)
+
+
+@pytest.mark.slow
 def test_auto_on_a_gguf_file_with_no_kept_format_dequantizes(smollm2_gguf, tmp_path, monkeypatch, caplog):
-    """A GGUF file whose tensors are all float (F32 here, F16 or Q6_K alike) keeps nothing: `auto` then says so
+    """A GGUF file whose tensors are all float (F32 here, F16 or Q5_K alike) keeps nothing: `auto` then says so
     and the model reports no quantization (the roofline reads the weights' bytes from it)."""
     from tests.models.test_gguf_families import tiny_model, write_gguf
 
@@ -310,9 +353,9 @@ def test_kept_experts_multiply_through_the_grouped_kernel_only():
 
 
 def test_a_layer_mixing_kept_experts_and_bfloat16_ones_stays_on_the_native_kernels():
-    """A Q4_K_M file's layer may keep gate and up in blocks while its down projection (Q6_K) is dequantized to
-    bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's native kernel, never
-    sent to a dense `ragged_dot` over widened weights."""
+    """A layer may keep gate and up in blocks while its down projection, in a format not kept (a Q5_K_M file's
+    Q5_K), is dequantized to bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's
+    native kernel, never sent to a dense `ragged_dot` over widened weights."""
     from jaxserve.models.moe import grouped_expert_mlp
 
     rng = np.random.default_rng(4)

@@ -20,11 +20,12 @@ KINDS = tuple(cpu_kernels.GGUF_KINDS)
 # and a 16-row unit. K: one block, odd block counts, SmolLM2's widths.
 ROWS = (1, 3, 4, 7, 64, 65)
 SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64))
-Q4_K_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
+SUPER_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
+SUPER_KINDS = ("Q4_K", "Q6_K")  # the gguf package quantizes to neither: random super-blocks
 
 
 def shapes(kind: str) -> tuple[tuple[int, int], ...]:
-    return Q4_K_SHAPES if kind == "Q4_K" else SHAPES
+    return SUPER_SHAPES if kind in SUPER_KINDS else SHAPES
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:  # f32[...] -> u8[..., 2]
@@ -45,10 +46,41 @@ def _q4_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[
     return blocks.reshape(n, -1)
 
 
+def _q6_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 210]
+    """Random Q6_K super-blocks: any codes and int8 scales (-128 and 127 among them), d of a real file's
+    magnitudes, one super-block far from the others' scale, a zero row, and a d among float16's subnormals."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 192] = 0x80  # scale -128
+    blocks[..., 193] = 0x7F
+    blocks[..., 208:210] = _f16_bytes(rng.uniform(-1e-3, 1e-3, blocks.shape[:2]))
+    blocks[:, 0, 208:210] = _f16_bytes(np.full(n, 0.05))
+    if n > 2:
+        blocks[1] = 0
+        blocks[2, 0, 208:210] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 210]
+    """Q6_K blocks of real weights (the gguf package does not quantize to Q6_K): each sub-block of 16 a scale
+    max|w| / 31 rounded to an int8 multiple of the super-block's d, codes rint(w / (d * sc)) + 32 in 0 .. 63."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+    scale = np.abs(sub).max(-1) / 31  # [N, super, 16]
+    d = (scale.max(-1, keepdims=True) / 127).astype(np.float16)  # [N, super, 1]
+    d32 = d.astype(np.float32)
+    sc = np.rint(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)).clip(-128, 127)
+    step = (d32 * sc)[..., None]
+    codes = np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step > 0)).clip(-32, 31) + 32
+    bits = gguf_packing._q6_k_bytes(codes.astype(np.uint8).reshape(n, k // 256, 256))
+    return np.concatenate([bits, sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], -1).reshape(n, -1)
+
+
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, file's row bytes]
     rng = np.random.default_rng(seed)
     if kind == "Q4_K":
         return _q4_k_blocks(n, k, rng)
+    if kind == "Q6_K":
+        return _q6_k_blocks(n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] *= 40.0  # one block per row far from the others' scale
     if n > 2:
@@ -96,13 +128,13 @@ def check_against_float64(kind: str, m: int) -> None:
 # Where each block's codes lie in the file's bytes, and the code byte of largest magnitude: every nibble 15
 # (Q8_0: 127).
 CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F),
-              "Q4_K": (144, slice(16, 144), 0xFF)}
+              "Q4_K": (144, slice(16, 144), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF)}
 
 
 def check_largest_sums(kind: str) -> None:
     """Every code at its largest and every activation at +-127 after rounding: the largest integer sums a block can
     make (AVX2's `vpmaddubsw` adds pairs of products in int16 lanes, saturating); the same oracle."""
-    k, n = (512, 33) if kind == "Q4_K" else (96, 33)
+    k, n = (512, 33) if kind in SUPER_KINDS else (96, 33)
     size, codes, largest = CODE_BYTES[kind]
     blocks = _blocks(kind, n, k).reshape(n, -1, size)
     blocks[..., codes] = largest
@@ -204,6 +236,28 @@ def test_q4_k_packing_unpacks_exactly_with_its_scales_and_codes_in_bytes():
     assert tile[320 + 256 * 3 + 4 * 4] == qs[0] | (qs[16] << 4)
     with pytest.raises(Exception, match="mismatched shapes"):  # K must be whole super-blocks
         cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-gguf_packing.SUPER_TILE // 2], "Q4_K", 37)
+
+
+def test_q6_k_packing_unpacks_exactly_with_its_high_bits_in_planes():
+    """Q6_K's codes come apart into a Q4_0 block's low 4 bits and two planes of high 2 bits, and pack back to the
+    file's ql and qh; each feature's d and 16 scales lead the tile."""
+    blocks = _blocks("Q6_K", 37, 512, seed=3)
+    packed = gguf_packing.pack(blocks, "Q6_K")
+    assert packed.shape == (3, 2 * gguf_packing.Q6_K_TILE)
+    assert np.array_equal(gguf_packing.unpack(packed, "Q6_K", 37), blocks)
+    supers = blocks.reshape(37, 2, 210)
+    codes = gguf_packing._q6_k_codes(supers[..., :192])  # [feature, super, 256]
+    weights = dequantize(blocks, GGMLQuantizationType.Q6_K).reshape(37, 2, 256)
+    scales = supers[..., 192:208].view(np.int8).astype(np.float32)
+    d = supers[..., 208:210].copy().view(np.float16).astype(np.float32)  # [feature, super, 1]
+    assert np.array_equal(weights, d * np.repeat(scales, 16, -1) * (codes.astype(np.float32) - 32))
+    tile = packed[0, gguf_packing.Q6_K_TILE:]  # group 0, super-block 1
+    assert np.array_equal(tile[2 * 7: 2 * 8], supers[7, 1, 208:210])  # feature 7's d
+    assert np.array_equal(tile[32 + 16 * 9: 32 + 16 * 10], supers[:16, 1, 192 + 9])  # every feature's scale 9
+    block = tile[288 + 384 * 3:]  # block 3: codes 96 .. 127; feature 4's byte 2 of chunk 1: codes 102 and 118
+    assert block[64 + 4 * 4 + 2] == (codes[4, 1, 102] & 15) | ((codes[4, 1, 118] & 15) << 4)
+    assert (block[256 + 4 * 4 + 2] >> 2) & 3 == codes[4, 1, 102] >> 4  # the low nibbles' plane, bits 2c ..
+    assert (block[320 + 4 * 4 + 2] >> 2) & 3 == codes[4, 1, 118] >> 4  # the high nibbles' plane
 
 
 def test_matmul_refuses_mismatched_blocks():

@@ -15,11 +15,18 @@
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
 //   Q4_K (12): super-blocks of 8 blocks: f16 d, f16 dmin, 6-bit scales sc[8] and mins mn[8], 4-bit codes q;
 //              block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
+//   Q6_K (14): super-blocks of 16 sub-blocks of 16: f16 d, i8 scales sc[16], 6-bit codes q;
+//              sub-block i's  w[j] = d * sc[i] * (q[j] - 32)
 // A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
 // bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
 // 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q4_K
 // tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn (u8[8][16] each,
-// unpacked from 6 bits), then its 8 blocks' codes as Q4's.
+// unpacked from 6 bits), then its 8 blocks' codes as Q4's. A Q6_K tile holds one super-block of each of 16
+// features: d (f16[16]), sc (i8[16][16]), then each block of 32 as a Q4 block's codes (the codes' low 4 bits)
+// followed by two 64-byte planes of their high 2 bits, for the low nibbles' weights and the high nibbles':
+// byte 4f + j of a plane holds, in bits 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds
+// in byte 4f + j. A block of 32 is two of Q6_K's sub-blocks, whose scales differ: the low nibbles' weights
+// (0 .. 15) and the high nibbles' (16 .. 31), whose dot products are summed apart.
 // So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
 // with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
@@ -28,7 +35,8 @@
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
 // with bias 8 (Q4_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes as they
 // are, bias 0) or 0, and the m term for Q4_1 and Q4_K only (Q4_K: d * sc and -dmin * mn, both exact in
-// float32). The integer part is exact, so
+// float32). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the sub-block, times d * sc
+// (exact in float32). The integer part is exact, so
 // the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
 // float64 oracle), up to float32 sums.
 //
@@ -67,7 +75,7 @@ constexpr int kTileRows = 4;     // x rows per register tile
 #endif
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
-enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12 };
+enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 ? 64 : 32; }  // the f16 d (and m) vectors
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
@@ -75,8 +83,13 @@ constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ4_K; }
 constexpr int kSuper = 8;                          // Q4_K: blocks per super-block
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K: d, dmin (f16[16]), scales, mins (u8[8][16])
 constexpr int kSuperTile = kSuperHead + kSuper * 256;
+constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
+constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
+constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
 
-constexpr bool known_kind(int32_t kind) { return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0 || kind == kQ4_K; }
+constexpr bool known_kind(int32_t kind) {
+  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0 || kind == kQ4_K || kind == kQ6_K;
+}
 
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
 int64_t group_bytes(int32_t kind, int64_t blocks) {
@@ -85,6 +98,7 @@ int64_t group_bytes(int32_t kind, int64_t blocks) {
     case kQ4_1:
     case kQ8_0: return blocks * (scale_bytes(kind) + 64 * chunks(kind));
     case kQ4_K: return blocks % kSuper == 0 ? blocks / kSuper * kSuperTile : 0;
+    case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * kQ6Tile : 0;
     default: return 0;
   }
 }
@@ -129,16 +143,18 @@ struct Problem {
   const float* dx;                  // [M, blocks]: each block's scale
   const float* sx;                  // [M, blocks]: dx * sum(xq) over the block
   const int32_t* isx;               // [M, blocks]: sum(xq) over the block
+  const int32_t* hsx;               // [M, 2 * blocks]: sum(xq) over each half block (Q6_K's sub-blocks)
   float* out;                       // [M, N]
 };
 
 // Where block b of group g lies: its codes and its 16 features' scale factors.
 struct BlockAt {
   const uint8_t* codes;  // 64 * chunks bytes
-  const uint8_t* d;      // f16[16]: d (Q4_K: the super-block's d)
+  const uint8_t* d;      // f16[16]: d (Q4_K, Q6_K: the super-block's d)
   const uint8_t* m;      // f16[16]: Q4_1's m, Q4_K's dmin
-  const uint8_t* sc;     // Q4_K: u8[16], the block's scales (d * sc is its d)
+  const uint8_t* sc;     // Q4_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves'
   const uint8_t* mn;     // Q4_K: u8[16], the block's mins (dmin * mn is its -m)
+  const uint8_t* planes = nullptr;  // Q6_K: u8[2][64], the high 2 bits of the low and the high nibbles' codes
 };
 
 template <int32_t K>
@@ -148,6 +164,10 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
     const uint8_t* super = group + (b / kSuper) * kSuperTile;
     const int64_t sub = b % kSuper;
     return {super + kSuperHead + 256 * sub, super, super + 32, super + 64 + 16 * sub, super + 192 + 16 * sub};
+  } else if constexpr (K == kQ6_K) {
+    const uint8_t* super = group + (b / kSuper) * kQ6Tile;
+    const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
+    return {codes, super, nullptr, super + 32 + 32 * (b % kSuper), nullptr, codes + 256};
   } else {
     const uint8_t* tile = group + b * (scale_bytes(K) + 64 * chunks(K));
     return {tile + scale_bytes(K), tile, tile + 32, nullptr, nullptr};
@@ -298,9 +318,93 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
   }
 }
 
+// Chunk c's high bits of Q6_K codes, from bits 2c .. 2c + 1 of each byte of a plane to bits 4 .. 5 (16-bit
+// shifts: what crosses bytes falls outside the mask). `c` is a constant once the chunk loop is unrolled.
+inline __m512i high_bits(__m512i plane, int c) {
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+  switch (c) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(plane, 4), bits45);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(plane, 2), bits45);
+    case 2: return _mm512_and_si512(plane, bits45);
+    default: return _mm512_and_si512(_mm512_srli_epi16(plane, 2), bits45);
+  }
+}
+
+// Q6_K's tile: each block's two sub-blocks (the low nibbles' weights, then the high nibbles') one after the
+// other, each its own integer sums and scale; the codes' 6 bits are the nibble and 2 bits of its plane.
+template <int R, int G>
+void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 sums[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    BlockAt at[G];
+    __m512 d[G];
+    for (int g = 0; g < G; ++g) {
+      at[g] = block_at<kQ6_K>(p, g0 + g, b);
+      for (int line = 0; kPrefetchBytes > 0 && line < kQ6Block; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(at[g].codes) + kPrefetchBytes + line, _MM_HINT_T0);
+      }
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[g].d)));
+    }
+    for (int half = 0; half < 2; ++half) {
+      __m512i planes[G];
+      __m512 scale[G];  // d * sc, exact in float32 (11 by 8 bits)
+      for (int g = 0; g < G; ++g) {
+        planes[g] = _mm512_loadu_si512(at[g].planes + 64 * half);
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[g].sc + 16 * half));
+        scale[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      }
+      __m512i dots[R][G];
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) dots[r][g] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        __m512i q[G];
+        for (int g = 0; g < G; ++g) {
+          const __m512i v = _mm512_loadu_si512(at[g].codes + 64 * c);
+          const __m512i nibbles = _mm512_and_si512(half == 0 ? v : _mm512_srli_epi16(v, 4), low4);
+          q[g] = _mm512_or_si512(nibbles, high_bits(planes[g], c));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * half + 4 * c));
+          for (int g = 0; g < G; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], q[g], x);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
+        const __m512 dx = _mm512_set1_ps(p.dx[xb]);
+        const __m512i offset = _mm512_set1_epi32(32 * p.hsx[2 * xb + half]);
+        for (int g = 0; g < G; ++g) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r][g], offset));
+          sums[r][g] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[g], dx), sums[r][g]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t n0 = (g0 + g) * kFeatures;
+      float* out = p.out + (m0 + r) * p.n + n0;
+      if (p.n - n0 >= kFeatures) {
+        _mm512_storeu_ps(out, sums[r][g]);
+      } else {
+        _mm512_mask_storeu_ps(out, __mmask16((1u << (p.n - n0)) - 1), sums[r][g]);
+      }
+    }
+  }
+}
+
 template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
-  if (groups == 2) {
+  if constexpr (K == kQ6_K) {
+    if (groups == 2) {
+      tile_q6_k<R, 2>(p, g0, m0);
+    } else {
+      tile_q6_k<R, 1>(p, g0, m0);
+    }
+  } else if (groups == 2) {
     tile<K, R, 2>(p, g0, m0);
   } else {
     tile<K, R, 1>(p, g0, m0);
@@ -371,10 +475,61 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
   }
 }
 
+// Q6_K's half tile: each block's two sub-blocks one after the other (`tile_q6_k` under AVX-512).
+template <int R>
+void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256 sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const BlockAt at = block_at<kQ6_K>(p, g, b);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.d + 16 * half)));
+    for (int sub = 0; sub < 2; ++sub) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.planes + 64 * sub + 32 * half));
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.sc + 16 * sub + 8 * half));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      __m256i dots[R];
+      for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.codes + 64 * c + 32 * half));
+        const __m256i nibbles = _mm256_and_si256(sub == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(_mm256_slli_epi16(plane, 6 - 2 * c), 2), bits45);
+        const __m256i q = _mm256_or_si256(nibbles, high);  // <= 63: pairs of products fit int16
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * sub + 4 * c));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
+        const __m256i dot = _mm256_sub_epi32(dots[r], _mm256_set1_epi32(32 * p.hsx[2 * xb + sub]));
+        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(p.dx[xb])), sums[r]);
+      }
+    }
+  }
+  const int64_t n0 = g * kFeatures + 8 * half;
+  for (int r = 0; r < R; ++r) {
+    float* out = p.out + (m0 + r) * p.n + n0;
+    if (p.n - n0 >= 8) {
+      _mm256_storeu_ps(out, sums[r]);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sums[r]);
+      std::copy(lanes, lanes + (p.n - n0), out);
+    }
+  }
+}
+
 template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
   for (int64_t g = g0; g < g0 + groups; ++g) {
-    for (int half = 0; half < 2 && g * kFeatures + 8 * half < p.n; ++half) half_tile<K, R>(p, g, half, m0);
+    for (int half = 0; half < 2 && g * kFeatures + 8 * half < p.n; ++half) {
+      if constexpr (K == kQ6_K) {
+        half_tile_q6_k<R>(p, g, half, m0);
+      } else {
+        half_tile<K, R>(p, g, half, m0);
+      }
+    }
   }
 }
 
@@ -391,6 +546,22 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
           const uint8_t* codes = at.codes + 4 * f;
           const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
           const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
+          if constexpr (K == kQ6_K) {
+            for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
+              int32_t dot = 0;
+              for (int c = 0; c < 4; ++c) {
+                for (int j = 0; j < 4; ++j) {
+                  const uint8_t byte = codes[64 * c + j], high = at.planes[64 * sub + 4 * f + j];
+                  const int32_t q = (sub == 0 ? byte & 15 : byte >> 4) | (((high >> (2 * c)) & 3) << 4);
+                  dot += q * x[16 * sub + 4 * c + j];
+                }
+              }
+              dot -= 32 * p.hsx[2 * xb + sub];
+              const float scale = half_to_float(at.d + 2 * f) * float(int8_t(at.sc[16 * sub + f]));
+              total += scale * p.dx[xb] * float(dot);
+            }
+            continue;
+          }
           int32_t dot = 0;
           for (int c = 0; c < chunks(K); ++c) {
             for (int j = 0; j < 4; ++j) {
@@ -437,7 +608,13 @@ void unit(const Problem& p, int64_t m0, int64_t rows, int64_t g0, int64_t groups
 using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 UnitFn unit_for(int32_t kind) {
-  return kind == kQ4_0 ? unit<kQ4_0> : kind == kQ4_1 ? unit<kQ4_1> : kind == kQ4_K ? unit<kQ4_K> : unit<kQ8_0>;
+  switch (kind) {
+    case kQ4_0: return unit<kQ4_0>;
+    case kQ4_1: return unit<kQ4_1>;
+    case kQ4_K: return unit<kQ4_K>;
+    case kQ6_K: return unit<kQ6_K>;
+    default: return unit<kQ8_0>;
+  }
 }
 
 // One product's units: runs of groups (long, contiguous tiles, which the hardware prefetcher follows; a few
@@ -474,11 +651,17 @@ void run(ffi::ThreadPool& pool, const std::vector<Work>& works, UnitFn unit_fn) 
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
-  std::vector<int32_t> isx;
+  std::vector<int32_t> isx, hsx;  // hsx: Q6_K's sums over half blocks, empty for the other kinds
 
-  QuantizedRows(const float* x, int64_t m, int64_t k)
+  QuantizedRows(const float* x, int64_t m, int64_t k, int32_t kind)
       : xq(size_t(m * k)), dx(size_t(m * (k / kBlock))), sx(dx.size()), isx(dx.size()) {
     quantize_rows(x, k, 0, m, xq.data(), dx.data(), sx.data(), isx.data());
+    if (kind == kQ6_K) {
+      hsx.assign(2 * isx.size(), 0);
+      for (size_t half = 0; half < hsx.size(); ++half) {
+        for (int j = 0; j < kBlock / 2; ++j) hsx[half] += xq[half * (kBlock / 2) + j];
+      }
+    }
   }
 
   // Rows m0 onward of x times `w`'s groups into rows m0 onward of out.
@@ -495,6 +678,7 @@ struct QuantizedRows {
     p.dx = dx.data() + m0 * p.blocks;
     p.sx = sx.data() + m0 * p.blocks;
     p.isx = isx.data() + m0 * p.blocks;
+    p.hsx = hsx.empty() ? nullptr : hsx.data() + 2 * m0 * p.blocks;
     p.out = out + m0 * n;
     return p;
   }
@@ -506,7 +690,8 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto w_dims = w.dimensions();
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
-    return ffi::Error::InvalidArgument("matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K)");
+    return ffi::Error::InvalidArgument(
+        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -517,7 +702,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("matmul_gguf: mismatched shapes");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const QuantizedRows rows(x.typed_data(), m, k);
+  const QuantizedRows rows(x.typed_data(), m, k, kind);
   std::vector<Work> works{plan(rows.rows(0, m, n, k, w.typed_data(), w_dims[1], out->typed_data()),
                                jaxserve::num_workers(pool))};
   run(pool, works, unit_for(kind));
@@ -533,7 +718,8 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const auto w_dims = w.dimensions();
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
-    return ffi::Error::InvalidArgument("grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K)");
+    return ffi::Error::InvalidArgument(
+        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument(
@@ -556,7 +742,7 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   std::fill(outs + covered * n, outs + a * n, 0.0f);  // rows past the groups
   if (covered == 0) return ffi::Error::Success();
-  const QuantizedRows rows(x.typed_data(), covered, k);
+  const QuantizedRows rows(x.typed_data(), covered, k, kind);
   const int64_t expert_bytes = w_dims[1] * w_dims[2];
   const int64_t workers = std::max<int64_t>(jaxserve::num_workers(pool) / int64_t(spans.size()), 1);
   std::vector<Work> works;
