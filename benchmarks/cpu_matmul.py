@@ -1,8 +1,11 @@
-"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1 and Q8_0 blocks
-(`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
+"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q8_0, Q4_K and
+Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
 
-SmolLM2-135M's shapes at 1, 4, 16 and 64 rows: the attention and MLP projections (weights [K, N]) and the
-LM head (the [V, D] embedding table). Each case runs `--copies` different weight matrices back to back in
+SmolLM2-135M's shapes (`--shapes smollm2`, whose widths are not whole K-quant super-blocks) or Qwen3-30B-A3B's
+dense ones (`--shapes qwen3-30b-a3b`) at 1, 4, 16 and 64 rows: the attention and MLP projections (weights
+[K, N]) and the LM head (the [V, D] embedding table). The K-quants' blocks are random bytes with float16
+scales of a real file's size (the gguf package does not quantize to them): the kernel's work does not
+depend on the values. Each case runs `--copies` different weight matrices back to back in
 one jitted function, each call taking the one before's output (as a model's layers do, so that XLA does not
 run them at once), so that the weights come from memory as in a served step (64 copies of a 576 x 1536
 matrix are 113 MB in bfloat16, past a 32 MB L3), and reports the median time per matrix over alternating
@@ -10,6 +13,8 @@ rounds, with GFLOP/s and the weights' GB/s.
 
     python benchmarks/cpu_matmul.py --rows 1 4 8 16 64 512 --rounds 3
     python benchmarks/cpu_matmul.py --impls "xla float32" "native bfloat16" "native Q4_1" "native Q8_0"
+    python benchmarks/cpu_matmul.py --shapes qwen3-30b-a3b --impls "native bfloat16" "native Q8_0" "native Q4_K" \
+        "native Q6_K" --rows 1 4 16 --copies 8
 """
 
 import argparse
@@ -27,14 +32,36 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 from jaxserve.platform import prepare_jax_platform
 
 SHAPES = {  # name -> (K, N, output-major weights)
-    "q/o proj 576x576": (576, 576, False),
-    "k/v proj 576x192": (576, 192, False),
-    "gate/up 576x1536": (576, 1536, False),
-    "down 1536x576": (1536, 576, False),
-    "LM head 49152x576": (576, 49152, True),
+    "smollm2": {
+        "q/o proj 576x576": (576, 576, False),
+        "k/v proj 576x192": (576, 192, False),
+        "gate/up 576x1536": (576, 1536, False),
+        "down 1536x576": (1536, 576, False),
+        "LM head 49152x576": (576, 49152, True),
+    },
+    "qwen3-30b-a3b": {
+        "q proj 2048x4096": (2048, 4096, False),
+        "k/v proj 2048x512": (2048, 512, False),
+        "o proj 4096x2048": (4096, 2048, False),
+        "LM head 151936x2048": (2048, 151936, True),
+    },
 }
-IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")  # f32 sums
-GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q8_0": 34 / 32}  # bytes per weight
+IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0", "native Q4_K",
+         "native Q6_K")  # f32 sums
+GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q8_0": 34 / 32, "native Q4_K": 144 / 256,
+              "native Q6_K": 210 / 256}  # bytes per weight
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # super-block bytes, where its f16 scales lie
+
+
+def gguf_blocks(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:  # [N, K] -> u8[N, row bytes]
+    if kind not in K_QUANTS:
+        return quantize(w, GGMLQuantizationType[kind])
+    size, scales = K_QUANTS[kind]
+    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+    scale = np.full(blocks.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    for at in scales:
+        blocks[..., at: at + 2] = scale
+    return blocks.reshape(w.shape[0], -1)
 
 
 def case_fn(impl: str, output_major: bool, n: int):
@@ -69,7 +96,8 @@ def timed(fn, x, ws, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS[:6]))
+    parser.add_argument("--shapes", choices=list(SHAPES), default="smollm2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--copies", type=int, default=64, help="weight matrices per case (at most 8 for the head)")
@@ -84,13 +112,13 @@ def main() -> None:
     columns = " | ".join(f"{impl} us (GFLOP/s, GB/s)" for impl in args.impls)
     print(f"| case | rows | {columns} | f32 / best native |")
     print("|---|---|" + "---|" * (len(args.impls) + 1))
-    for name, (k, n, output_major) in SHAPES.items():
+    for name, (k, n, output_major) in SHAPES[args.shapes].items():
         copies = min(args.copies, 8) if output_major else args.copies
         weights32 = [jnp.asarray(rng.standard_normal((n, k) if output_major else (k, n)) * 0.05, jnp.float32)
                      for _ in range(copies)]
         weights16 = [w.astype(jnp.bfloat16) for w in weights32]
         blocks = {  # GGUF's blocks [N, K / 32 * bytes], packed 16 output features at a time for the kernel
-            impl: [gguf_packing.pack(quantize(np.asarray(w if output_major else w.T), GGMLQuantizationType[kind]), kind)
+            impl: [jnp.asarray(gguf_packing.pack(gguf_blocks(np.asarray(w if output_major else w.T), kind, rng), kind))
                    for w in weights32] for impl in args.impls if impl in GGUF_BYTES
             for kind in [impl.removeprefix("native ")]}
         for m in args.rows:
