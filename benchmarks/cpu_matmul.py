@@ -1,5 +1,5 @@
-"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q8_0, Q4_K and
-Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
+"""The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K and Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
 
 SmolLM2-135M's shapes (`--shapes smollm2`, whose widths are not whole K-quant super-blocks) or Qwen3-30B-A3B's
 dense ones (`--shapes qwen3-30b-a3b`) at 1, 4, 16 and 64 rows: the attention and MLP projections (weights
@@ -46,10 +46,10 @@ SHAPES = {  # name -> (K, N, output-major weights)
         "LM head 151936x2048": (2048, 151936, True),
     },
 }
-IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0", "native Q4_K",
-         "native Q6_K")  # f32 sums
-GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q8_0": 34 / 32, "native Q4_K": 144 / 256,
-              "native Q6_K": 210 / 256}  # bytes per weight
+DEFAULT_IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")
+IMPLS = (*DEFAULT_IMPLS, "native Q5_0", "native Q5_1", "native Q4_K", "native Q6_K")  # f32 sums
+GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q5_0": 22 / 32, "native Q5_1": 24 / 32,
+              "native Q8_0": 34 / 32, "native Q4_K": 144 / 256, "native Q6_K": 210 / 256}  # bytes per weight
 K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # super-block bytes, where its f16 scales lie
 
 
@@ -96,7 +96,7 @@ def timed(fn, x, ws, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS[:6]))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS))
     parser.add_argument("--shapes", choices=list(SHAPES), default="smollm2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
@@ -107,6 +107,9 @@ def main() -> None:
     if (error := cpu_kernels.kernel_error()) is not None:
         raise SystemExit(f"the native kernels are unavailable: {error}")
 
+    k_quants = [impl for impl in args.impls if impl.removeprefix("native ") in K_QUANTS]
+    if k_quants and any(k % 256 for k, _, _ in SHAPES[args.shapes].values()):
+        parser.error(f"{', '.join(k_quants)} need widths in whole super-blocks of 256: --shapes qwen3-30b-a3b")
     rng = np.random.default_rng(0)
     rows = []
     columns = " | ".join(f"{impl} us (GFLOP/s, GB/s)" for impl in args.impls)
@@ -114,13 +117,18 @@ def main() -> None:
     print("|---|---|" + "---|" * (len(args.impls) + 1))
     for name, (k, n, output_major) in SHAPES[args.shapes].items():
         copies = min(args.copies, 8) if output_major else args.copies
-        weights32 = [jnp.asarray(rng.standard_normal((n, k) if output_major else (k, n)) * 0.05, jnp.float32)
-                     for _ in range(copies)]
-        weights16 = [w.astype(jnp.bfloat16) for w in weights32]
+        shape = (n, k) if output_major else (k, n)
+
+        def weight(copy: int, shape: tuple[int, int] = shape) -> np.ndarray:  # each copy's float32 values, made
+            return np.random.default_rng(copy).standard_normal(shape, np.float32) * 0.05  # where needed only
+
+        weights32 = [jnp.asarray(weight(i)) for i in range(copies)] if "xla float32" in args.impls else []
+        weights16 = [jnp.asarray(weight(i), jnp.bfloat16) for i in range(copies)
+                     if {"xla bfloat16", "native bfloat16"} & set(args.impls)]
         blocks = {  # GGUF's blocks [N, K / 32 * bytes], packed 16 output features at a time for the kernel
-            impl: [jnp.asarray(gguf_packing.pack(gguf_blocks(np.asarray(w if output_major else w.T), kind, rng), kind))
-                   for w in weights32] for impl in args.impls if impl in GGUF_BYTES
-            for kind in [impl.removeprefix("native ")]}
+            impl: [jnp.asarray(gguf_packing.pack(gguf_blocks(weight(i) if output_major else weight(i).T, kind, rng),
+                                                 kind)) for i in range(copies)]
+            for impl in args.impls if impl in GGUF_BYTES for kind in [impl.removeprefix("native ")]}
         for m in args.rows:
             x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             fns = {impl: case_fn(impl, output_major, n) for impl in args.impls}

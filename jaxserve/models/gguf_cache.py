@@ -242,6 +242,9 @@ def iter_cached_gguf_tensors(
     try:
         save_file(tensors, staging, metadata=kinds or None)
         os.replace(staging, target)
+        for stale in target.parent.glob("tensors-blocks*.safetensors"):  # older copies, fewer formats kept
+            if stale != target:
+                stale.unlink(missing_ok=True)
     except OSError as e:  # a cache that cannot be written only costs the next start time
         logger.warning("could not cache %s's tensors: %s", gguf_path.name, e)
         Path(staging).unlink(missing_ok=True)

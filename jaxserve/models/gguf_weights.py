@@ -1,4 +1,4 @@
-"""GGUF weights kept in their 8- and 4-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
+"""GGUF weights kept in their 4- to 8-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
 dense weights and token embeddings of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf`
 multiplies by them in integers (the activations rounded to 8 bits per block of 32, as llama.cpp does), where the
 default path dequantizes every tensor to float32 or bfloat16 at load.
@@ -31,7 +31,7 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: the block formats kept as they are
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K: the formats kept as they are
 TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats a looked-up embedding table stays in (rows decoded by jnp)
 
 
@@ -116,7 +116,7 @@ class GgufTable(_ReadWhole):
     """A token-embedding table [V, D] kept in its blocks: rows looked up by decoding their blocks, and (tied or
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
-    blocks: Any  # u8[ceil(V / 16), D / 32 * tile_bytes]: the file's [V, D] blocks packed (`gguf_packing`)
+    blocks: Any  # u8[ceil(V / 16), group_bytes(kind, D)]: the file's [V, D] blocks packed (`gguf_packing`)
     kind: str = dataclasses.field(metadata={"static": True})  # one of TABLE_KINDS (any of KEPT_KINDS: a head's)
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
@@ -187,8 +187,9 @@ class GgufTensor:
     def as_table(self, shape: tuple[int, ...], looked_up: bool = True) -> GgufTable:
         """These blocks as an embedding table [V, D] (the file's own layout), on the default device; one not
         `looked_up` (an untied LM head) in any kept format."""
-        if self.kind not in (TABLE_KINDS if looked_up else KEPT_KINDS):
-            raise ValueError(f"an embedding table stays in {', '.join(TABLE_KINDS)} blocks, not {self.kind}")
+        kinds = TABLE_KINDS if looked_up else KEPT_KINDS
+        if self.kind not in kinds:
+            raise ValueError(f"an embedding table stays in {', '.join(kinds)} blocks, not {self.kind}")
         if tuple(shape) != self.shape:
             raise ValueError(f"GGUF {self.kind} tensor {list(self.shape)} does not fit table {tuple(shape)}")
         return GgufTable(jax.device_put(gguf_packing.pack(self.blocks, self.kind)), self.kind, self.shape)

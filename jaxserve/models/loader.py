@@ -306,7 +306,7 @@ def load_model(
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
     `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
-    file's 8- and 4-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
+    file's 4- to 8-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
     runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
     `in_background`: where the weights' final shapes are known before they are read (no quantization, or
     "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model
@@ -370,7 +370,7 @@ def load_model(
     else:
         state, kv_scales = load_weights()
         if quantization == GGUF and log_kept_weights(state) == 0 and auto:
-            logger.info("quantization auto: no tensor in a kept format, so none")  # (F16, Q6_K, ...)
+            logger.info("quantization auto: no tensor in a kept format, so none")  # (F16, Q5_K, ...)
             quantization = None
     return LoadedModel(
         name=source.name,
@@ -458,8 +458,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers(path):
                 loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
-            if exact and covered.covers_table(path) and (tensor.kind in TABLE_KINDS or covered.covers_head(path)):
-                loaded[path] = tensor.as_table(tuple(expected[path].shape), looked_up=not covered.covers_head(path))
+            looked_up = not (exact and covered.covers_head(path))
+            if exact and covered.covers_table(path) and (tensor.kind in TABLE_KINDS or not looked_up):
+                loaded[path] = tensor.as_table(tuple(expected[path].shape), looked_up)
                 continue
             if exact and covered.covers_experts(path) and tensor.blocks.ndim == 3:
                 loaded[path] = tensor.as_experts(tuple(expected[path].shape))

@@ -7,6 +7,11 @@ block): the 16 features' d as f16[16], their m (Q4_1) as f16[16], then the code 
 holding bytes 4c .. 4c + 3 of each feature's codes in turn: `u8[ceil(N / 16), group_bytes(kind, K)]`, with
 features past N zero. No value changes: packing is a permutation of bytes, and `unpack` inverts it.
 
+Q5_0 and Q5_1 blocks (Q4_0's and Q4_1's with a 5th bit a code, u32 qh between the scales and the codes) keep
+those bits as a plane between the scales and the code chunks: byte 4f + j of the plane holds in bit c the 5th
+bit of the weight whose low bits are byte j of chunk c's low nibble (weight 4c + j), in bit 4 + c its high
+nibble's (weight 16 + 4c + j). The plane holds the same bits as qh, so this is a permutation of bits.
+
 Q4_K's super-blocks of 256 weights are packed per (group, super-block): the 16 features' d and dmin, their
 8 scales and 8 mins unpacked from 6 bits to a byte each, then the super-block's 8 blocks of 32 codes, each as
 a Q4_0 block's codes (byte j: weight j in the low nibble, j + 16 in the high).
@@ -21,17 +26,20 @@ whose low bits are in byte j of chunk c of feature f.
 import numpy as np
 
 FEATURES = 16  # output features per group
-SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
-CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
-SUPER = 256  # Q4_K: weights per super-block
-SUPER_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
-SUPER_TILE = FEATURES * (2 + 2 + 8 + 8 + SUPER // 2)  # Q4_K: one super-block of 16 features, packed
-Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: low 4 bits, high 2 bits, i8 scales[16], f16 d
-Q6_K_TILE = FEATURES * (2 + 16 + SUPER // 2 + SUPER // 4)  # Q6_K: one super-block of 16 features, packed
+SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
+PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4}  # bytes of 5th bits per block of 32 weights (qh)
+CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
+SUPER = 256  # Q4_K, Q6_K: weights per super-block (8 blocks of 32)
+Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
+Q4_K_TILE = FEATURES * (2 + 2 + 8 + 8 + SUPER // 2)  # Q4_K: one super-block of 16 features, packed
+Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: ql (low 4 bits), qh (high 2), i8 scales[16], f16 d
+Q6_K_HEAD = FEATURES * (2 + 16)  # Q6_K's packed tile: the features' d, then their 16 scales
+Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
+Q6_K_TILE = Q6_K_HEAD + 8 * Q6_K_BLOCK  # Q6_K: one super-block of 16 features, packed
 
 
 def block_bytes(kind: str) -> int:
-    return 2 * SCALES[kind] + CODE_BYTES[kind]
+    return 2 * SCALES[kind] + PLANE_BYTES.get(kind, 0) + CODE_BYTES[kind]
 
 
 def tile_bytes(kind: str) -> int:  # one block of each of 16 features
@@ -40,7 +48,7 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
 
 def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inputs
     if kind in ("Q4_K", "Q6_K"):
-        return k // SUPER * (SUPER_TILE if kind == "Q4_K" else Q6_K_TILE)
+        return k // SUPER * (Q4_K_TILE if kind == "Q4_K" else Q6_K_TILE)
     return k // 32 * tile_bytes(kind)
 
 
@@ -58,10 +66,14 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     grouped = padded.reshape(groups, FEATURES, num_blocks, per_block)
     # [group, feature, block, scale, 2 bytes] -> [group, block, scale, feature, 2 bytes]
     scale_part = grouped[..., : 2 * scales].reshape(groups, FEATURES, num_blocks, scales, 2).transpose(0, 2, 3, 1, 4)
+    codes_at = 2 * scales + PLANE_BYTES.get(kind, 0)
     # [group, feature, block, chunk, 4 bytes] -> [group, block, chunk, feature, 4 bytes]
-    code_part = grouped[..., 2 * scales:].reshape(groups, FEATURES, num_blocks, -1, 4).transpose(0, 2, 3, 1, 4)
-    tiles = np.concatenate([scale_part.reshape(groups, num_blocks, -1), code_part.reshape(groups, num_blocks, -1)], -1)
-    return np.ascontiguousarray(tiles.reshape(groups, num_blocks * tile_bytes(kind)))
+    code_part = grouped[..., codes_at:].reshape(groups, FEATURES, num_blocks, -1, 4).transpose(0, 2, 3, 1, 4)
+    parts = [scale_part.reshape(groups, num_blocks, -1), code_part.reshape(groups, num_blocks, -1)]
+    if kind in PLANE_BYTES:  # [group, feature, block, 4 bytes] -> [group, block, feature, 4 bytes]
+        plane = _plane(grouped[..., 2 * scales: codes_at]).transpose(0, 2, 1, 3)
+        parts.insert(1, plane.reshape(groups, num_blocks, -1))
+    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, num_blocks * tile_bytes(kind)))
 
 
 def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
@@ -73,21 +85,39 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
     groups, row_bytes = packed.shape
     scales, num_blocks = SCALES[kind], row_bytes // tile_bytes(kind)
     tiles = packed.reshape(groups, num_blocks, tile_bytes(kind))
+    codes_at = (2 * scales + PLANE_BYTES.get(kind, 0)) * FEATURES
     scale_part = tiles[..., : 2 * scales * FEATURES].reshape(groups, num_blocks, scales, FEATURES, 2)
-    code_part = tiles[..., 2 * scales * FEATURES:].reshape(groups, num_blocks, -1, FEATURES, 4)
-    per_feature = np.concatenate([
-        scale_part.transpose(0, 3, 1, 2, 4).reshape(groups, FEATURES, num_blocks, -1),
-        code_part.transpose(0, 3, 1, 2, 4).reshape(groups, FEATURES, num_blocks, -1),
-    ], -1)
+    code_part = tiles[..., codes_at:].reshape(groups, num_blocks, -1, FEATURES, 4)
+    parts = [scale_part.transpose(0, 3, 1, 2, 4).reshape(groups, FEATURES, num_blocks, -1),
+             code_part.transpose(0, 3, 1, 2, 4).reshape(groups, FEATURES, num_blocks, -1)]
+    if kind in PLANE_BYTES:
+        plane = tiles[..., 2 * scales * FEATURES: codes_at].reshape(groups, num_blocks, FEATURES, 4)
+        parts.insert(1, _qh(plane.transpose(0, 2, 1, 3)))
+    per_feature = np.concatenate(parts, -1)
     return np.ascontiguousarray(per_feature.reshape(groups * FEATURES, num_blocks * block_bytes(kind))[:n])
+
+
+def _plane(qh: np.ndarray) -> np.ndarray:
+    """Q5's qh (u8[..., 4], bit i the 5th bit of weight i) -> its plane u8[..., 4]: byte j's bit c that of weight
+    4c + j, bit 4 + c that of weight 16 + 4c + j."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little").reshape(*qh.shape[:-1], 2, 4, 4)  # [.., half, c, j]
+    shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # [half, c, 1]
+    return (bits << shifts).sum((-3, -2), dtype=np.uint8)
+
+
+def _qh(plane: np.ndarray) -> np.ndarray:
+    """`_plane`'s inverse."""
+    shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # [half, c, 1]
+    bits = (plane[..., None, None, :] >> shifts) & 1  # [.., half, c, j]
+    return np.packbits(bits.reshape(*plane.shape[:-1], 32), axis=-1, bitorder="little")
 
 
 def _pack_q4_k(blocks: np.ndarray) -> np.ndarray:
     n, row_bytes = blocks.shape
-    supers, groups = row_bytes // SUPER_BYTES, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, SUPER_BYTES), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, SUPER_BYTES)
-    grouped = padded.reshape(groups, FEATURES, supers, SUPER_BYTES)  # [group, feature, super, bytes]
+    supers, groups = row_bytes // Q4_K_BYTES, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, Q4_K_BYTES), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, Q4_K_BYTES)
+    grouped = padded.reshape(groups, FEATURES, supers, Q4_K_BYTES)  # [group, feature, super, bytes]
     scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
     qs = grouped[..., 16:].reshape(groups, FEATURES, supers, 4, 32)  # 4 x 32 bytes: blocks 2i (low), 2i + 1 (high)
     codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
@@ -96,13 +126,13 @@ def _pack_q4_k(blocks: np.ndarray) -> np.ndarray:
     parts = [part.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for part in head]
     parts += [part.transpose(0, 2, 3, 1).reshape(groups, supers, -1) for part in (scales, mins)]  # [.., 8, 16]
     parts.append(q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1))  # [.., block, chunk, feature, 4]
-    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * SUPER_TILE))
+    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * Q4_K_TILE))
 
 
 def _unpack_q4_k(packed: np.ndarray, n: int) -> np.ndarray:
     groups, row_bytes = packed.shape
-    supers = row_bytes // SUPER_TILE
-    tiles = packed.reshape(groups, supers, SUPER_TILE)
+    supers = row_bytes // Q4_K_TILE
+    tiles = packed.reshape(groups, supers, Q4_K_TILE)
     d, dmin = (tiles[..., at: at + 32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3) for at in (0, 32))
     scales, mins = (tiles[..., at: at + 128].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
                     for at in (64, 192))
@@ -115,7 +145,7 @@ def _unpack_q4_k(packed: np.ndarray, n: int) -> np.ndarray:
         mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
         (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
     ], -1)
-    blocks = np.concatenate([d, dmin, six_bit, qs], -1).reshape(groups * FEATURES, supers * SUPER_BYTES)
+    blocks = np.concatenate([d, dmin, six_bit, qs], -1).reshape(groups * FEATURES, supers * Q4_K_BYTES)
     return np.ascontiguousarray(blocks[:n])
 
 
@@ -133,15 +163,15 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     padded = np.zeros((groups * FEATURES, supers, Q6_K_BYTES), np.uint8)
     padded[:n] = blocks.reshape(n, supers, Q6_K_BYTES)
     grouped = padded.reshape(groups, FEATURES, supers, Q6_K_BYTES)  # [group, feature, super, bytes]
-    codes = _q6_k_codes(grouped[..., :192]).reshape(groups, FEATURES, supers, 8, 2, 16)  # [.., block, half, 16]
-    low, high = codes & 15, codes >> 4
+    scales_at, d_at = SUPER // 2 + SUPER // 4, Q6_K_BYTES - 2
+    codes = _q6_k_codes(grouped[..., :scales_at]).reshape(groups, FEATURES, supers, 8, 2, 16)  # [.., block, half, 16]
+    low, high = codes & 15, (codes >> 4).reshape(groups, FEATURES, supers, 8, 2, 4, 4)  # high: [.., half, chunk, j]
     q4 = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # [.., chunk, j]
-    high = high.reshape(groups, FEATURES, supers, 8, 2, 4, 4)  # [.., block, half, chunk, j]
     planes = sum(high[..., c, :] << (2 * c) for c in range(4)).astype(np.uint8)  # [.., block, half, j]
     q4 = q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, chunk, feature, 4]
     planes = planes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, half, feature, 4]
-    d = grouped[..., 208:210].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
-    scales = grouped[..., 192:208].transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [group, super, 16, feature]
+    d = grouped[..., d_at:].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
+    scales = grouped[..., scales_at:d_at].transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [.., 16, feature]
     per_block = np.concatenate([q4, planes], -1).reshape(groups, supers, -1)
     return np.ascontiguousarray(np.concatenate([d, scales, per_block], -1).reshape(groups, supers * Q6_K_TILE))
 
@@ -150,15 +180,16 @@ def _unpack_q6_k(packed: np.ndarray, n: int) -> np.ndarray:
     groups, row_bytes = packed.shape
     supers = row_bytes // Q6_K_TILE
     tiles = packed.reshape(groups, supers, Q6_K_TILE)
-    d = tiles[..., :32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
-    scales = tiles[..., 32:288].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
-    per_block = tiles[..., 288:].reshape(groups, supers, 8, 384)
-    q4 = per_block[..., :256].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
-    planes = per_block[..., 256:].reshape(groups, supers, 8, 2, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    d = tiles[..., : 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+    scales = tiles[..., 2 * FEATURES: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
+    per_block = tiles[..., Q6_K_HEAD:].reshape(groups, supers, 8, Q6_K_BLOCK)
+    code_bytes = FEATURES * 32 // 2
+    q4 = per_block[..., :code_bytes].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    planes = per_block[..., code_bytes:].reshape(groups, supers, 8, 2, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
     q4 = q4.reshape(groups, FEATURES, supers, 8, 16)
     low = np.stack([q4 & 15, q4 >> 4], -2)  # [.., block, half, 16]
     high = np.stack([(planes >> (2 * c)) & 3 for c in range(4)], -2).reshape(groups, FEATURES, supers, 8, 2, 16)
-    codes = (low | (high << 4)).reshape(groups, FEATURES, supers, 256)
+    codes = (low | (high << 4)).reshape(groups, FEATURES, supers, SUPER)
     blocks = np.concatenate([_q6_k_bytes(codes), scales, d], -1).reshape(groups * FEATURES, supers * Q6_K_BYTES)
     return np.ascontiguousarray(blocks[:n])
 

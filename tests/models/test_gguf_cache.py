@@ -206,3 +206,23 @@ def test_a_file_past_the_cache_s_limit_is_read_from_the_file(smollm2_gguf, tmp_p
     direct = dict(iter_gguf_tensors(str(smollm2_gguf), 9, 3))
     assert streamed.keys() == direct.keys()
     assert all(np.array_equal(streamed[name], array) for name, array in direct.items())
+
+
+def test_a_blocks_copy_is_named_by_the_kept_formats_and_older_copies_go(smollm2_gguf, tmp_path, monkeypatch):
+    """The copy with kept blocks names the formats kept, so that a copy written when fewer were kept (holding
+    some of them dequantized) is never read; once the new copy is written the older one is removed, and the
+    float32 copy stays."""
+    from jaxserve.models import gguf_cache
+    from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    directory = converted_dir(smollm2_gguf)
+    stale, plain = directory / "tensors-blocks-2.safetensors", directory / "tensors.safetensors"
+    stale.write_bytes(b"an older copy")
+    plain.write_bytes(b"the float32 copy")
+    first = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
+    copies = sorted(path.name for path in directory.glob("tensors*.safetensors"))
+    assert copies == ["tensors-blocks-2-" + "-".join(KEPT_KINDS).lower() + ".safetensors", "tensors.safetensors"]
+    again = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
+    assert again.keys() == first.keys()
+    assert all(isinstance(again[name], GgufTensor) == isinstance(array, GgufTensor) for name, array in first.items())

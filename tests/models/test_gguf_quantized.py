@@ -1,5 +1,5 @@
-"""`--quantization gguf`: a GGUF file's Q4_0, Q4_1 and Q8_0 layer weights and token embeddings kept in their
-blocks and multiplied by the native kernel give the model the dequantized weights give it."""
+"""`--quantization gguf`: a GGUF file's layer weights, experts, LM head and token embeddings kept in their blocks
+(every format the native kernel reads) and multiplied by it give the model the dequantized weights give it."""
 
 import logging
 import re
@@ -34,7 +34,7 @@ def _weight(kind: str, shape: tuple[int, ...], contracted: int, seed: int = 0) -
     return GgufTensor(blocks, kind).as_weight(shape, contracted), want
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind):
     """x rounded to 8 bits per block (the kernel's contract, `tests/ops/test_matmul_gguf.py`) times the
     dequantized weight, laid out over the parameter's axes."""
@@ -178,22 +178,23 @@ def assert_logits_follow(kept, plain) -> None:
 
 
 @pytest.mark.slow
-def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gguf, tmp_path, monkeypatch):
-    """A tiny Phi-3 GGUF whose projections are stored in the three formats, layer by layer (its fused qkv and
-    gate/up split by rows of blocks), its embeddings in Q8_0 and its LM head in Q4_1: each kept weight decodes to
+def test_files_in_five_formats_of_32_weight_blocks_give_the_dequantized_model_s_logits(
+        smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Phi-3 GGUF whose projections are stored in five formats, layer by layer (its fused qkv and
+    gate/up split by rows of blocks), its embeddings in Q8_0 and its LM head in Q5_0: each kept weight decodes to
     the parameter the dequantizing load builds, and the logits follow the dequantized model's."""
     from tests.models.test_gguf_families import gguf_name, tiny_model
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     arch, hf = "phi3", tiny_model("phi3")
-    kinds = ["Q4_0", "Q4_1", "Q8_0"]
+    kinds = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
     stored: dict[str, str] = {}
     tensors = []
     for name, tensor in hf.state_dict().items():
         array = tensor.numpy().astype(np.float32)
-        tables = {"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q4_1"}
+        tables = {"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q5_0"}
         if (".layers." in name and name.endswith("proj.weight")) or name in tables:
-            kind = tables.get(name) or kinds[(int(name.split(".")[2]) + len(stored)) % 3]
+            kind = tables.get(name) or kinds[len(stored) % len(kinds)]  # in turn: each layer starts elsewhere
             stored[gguf_name(name, arch)] = kind
             array = (quantize(array, GGMLQuantizationType[kind]), GGMLQuantizationType[kind])
         tensors.append((name, array))
@@ -203,7 +204,7 @@ def test_q4_0_q4_1_and_q8_0_files_give_the_dequantized_model_s_logits(smollm2_gg
     assert {w.kind for w in weights.values()} == set(kinds) and len(weights) == 7 * hf.config.num_hidden_layers
     assert not hf.config.tie_word_embeddings
     assert {path: v.kind for path, v in kept_flat.items() if isinstance(v, GgufTable)} == {
-        ("embed_tokens",): "Q8_0", ("lm_head",): "Q4_1"}
+        ("embed_tokens",): "Q8_0", ("lm_head",): "Q5_0"}
     weights.update({path: v for path, v in kept_flat.items() if isinstance(v, GgufTable)})
     for path, weight in weights.items():  # the blocks land where the dequantized values do, format by format
         np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
@@ -224,11 +225,13 @@ def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoi
 
 
 @pytest.mark.slow
-def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(smollm2_gguf, tmp_path, monkeypatch):
-    """A tiny Qwen3 GGUF laid out as llama-quantize's Q4_K_M lays one out: the untied LM head and the V and down
-    projections in Q6_K, the rest in Q8_0 (in place of Q4_K, which the gguf package does not write). The head
-    stays a Q6_K table, the projections Q6_K weights; each decodes to the parameter the dequantizing load builds,
-    and the logits follow the dequantized model's."""
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Qwen3 GGUF laid out as llama-quantize's Q4_K_M lays one out: the LM head (untied; tied, the token
+    embeddings) and the V and down projections in Q6_K, the rest in Q8_0 (in place of Q4_K, which the gguf
+    package does not write). An untied head stays a Q6_K table and the projections Q6_K weights; tied, the Q6_K
+    embeddings, whose rows are looked up, are dequantized. Each decodes to the parameter the dequantizing load
+    builds, and the logits follow the dequantized model's."""
     import torch
     import transformers
 
@@ -239,12 +242,15 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(smollm2_gguf, t
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=tied,
         initializer_range=0.1)).eval()
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     tensors = []
     for name, tensor in hf.state_dict().items():
         array = tensor.numpy().astype(np.float32)
-        if name in ("lm_head.weight",) or name.endswith(("v_proj.weight", "down_proj.weight")):
+        if tied and name == "lm_head.weight":
+            continue  # as llama.cpp writes a tied model: token_embd only
+        if name == head or name.endswith(("v_proj.weight", "down_proj.weight")):
             array = (quantize_q6_k(array), GGMLQuantizationType.Q6_K)
         elif name.endswith("proj.weight") or name == "model.embed_tokens.weight":
             array = (quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
@@ -252,11 +258,15 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(smollm2_gguf, t
     kept, plain = _kept_and_dequantized(tmp_path / "tiny-qwen3.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
     kept_flat, plain_flat = _flat(kept), _flat(plain)
     kinds = {path[-1]: v.kind for path, v in kept_flat.items() if isinstance(v, GgufWeight | GgufTable)}
-    assert kinds == {"embed_tokens": "Q8_0", "lm_head": "Q6_K", "v_proj": "Q6_K", "down_proj": "Q6_K",
+    tables = {} if tied else {"embed_tokens": "Q8_0", "lm_head": "Q6_K"}
+    assert kinds == {**tables, "v_proj": "Q6_K", "down_proj": "Q6_K",
                      **{name: "Q8_0" for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")}}
     for path, weight in kept_flat.items():
         if isinstance(weight, GgufWeight | GgufTable):
             np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
+    if tied:
+        embeddings = [np.asarray(flat[("embed_tokens",)]) for flat in (kept_flat, plain_flat)]
+        np.testing.assert_array_equal(*embeddings)
     assert_logits_follow(kept, plain)
 
 

@@ -126,9 +126,10 @@ def check_against_float64(kind: str, m: int) -> None:
 
 
 # Where each block's codes lie in the file's bytes, and the code byte of largest magnitude: every nibble 15
-# (Q8_0: 127).
-CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F),
-              "Q4_K": (144, slice(16, 144), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF)}
+# (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too).
+CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q5_0": (22, slice(2, 22), 0xFF),
+              "Q5_1": (24, slice(4, 24), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F), "Q4_K": (144, slice(16, 144), 0xFF),
+              "Q6_K": (210, slice(0, 192), 0xFF)}
 
 
 def check_largest_sums(kind: str) -> None:
@@ -203,20 +204,30 @@ def test_the_other_instruction_sets_match_too(flags):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_packing_is_a_permutation_that_unpacks_exactly(kind):
-    """Packed, every byte of the file's blocks is kept once (features past N are zero), and unpacking gives the
-    file's rows back; a packed tile holds the 16 features' scales, then their codes 4 bytes at a time."""
+    """Packed, every byte of the file's blocks is kept once (Q5's 5th bits once, as a plane; features past N are
+    zero), and unpacking gives the file's rows back; a packed tile holds the 16 features' scales, their plane,
+    then their codes 4 bytes at a time."""
     blocks = _blocks(kind, 37, 96, seed=1)
     packed = gguf_packing.pack(blocks, kind)
     assert packed.shape == (3, 3 * gguf_packing.tile_bytes(kind))
     assert np.array_equal(gguf_packing.unpack(packed, kind, 37), blocks)
-    assert np.array_equal(np.sort(packed, axis=None)[-blocks.size:], np.sort(blocks, axis=None))
+    plane_bytes = gguf_packing.PLANE_BYTES.get(kind, 0)
+    if plane_bytes:
+        assert np.unpackbits(packed).sum() == np.unpackbits(blocks).sum()
+    else:
+        assert np.array_equal(np.sort(packed, axis=None)[-blocks.size:], np.sort(blocks, axis=None))
     scale_bytes = 2 * gguf_packing.SCALES[kind]
     tile = packed[0, : gguf_packing.tile_bytes(kind)]  # group 0, block 0
     assert np.array_equal(tile[2:4], blocks[1, :2])  # feature 1's d
-    chunk_1 = 16 * scale_bytes + 64  # code bytes 4 .. 7 of each feature
-    assert np.array_equal(tile[chunk_1 + 4 * 5: chunk_1 + 4 * 6], blocks[5, scale_bytes + 4: scale_bytes + 8])
+    chunk_1 = 16 * (scale_bytes + plane_bytes) + 64  # code bytes 4 .. 7 of each feature
+    codes = scale_bytes + plane_bytes
+    assert np.array_equal(tile[chunk_1 + 4 * 5: chunk_1 + 4 * 6], blocks[5, codes + 4: codes + 8])
+    if plane_bytes:  # feature 5's byte 3 of chunk 1: weights 7 and 23's 5th bits
+        qh = int.from_bytes(blocks[5, scale_bytes: codes].tobytes(), "little")
+        byte = tile[16 * scale_bytes + 4 * 5 + 3]
+        assert (byte >> 1) & 1 == (qh >> 7) & 1 and (byte >> 5) & 1 == (qh >> 23) & 1
 
 
 def test_q4_k_packing_unpacks_exactly_with_its_scales_and_codes_in_bytes():
@@ -224,18 +235,18 @@ def test_q4_k_packing_unpacks_exactly_with_its_scales_and_codes_in_bytes():
     each block's codes are laid out as Q4_0's."""
     blocks = _blocks("Q4_K", 37, 512, seed=2)
     packed = gguf_packing.pack(blocks, "Q4_K")
-    assert packed.shape == (3, 2 * gguf_packing.SUPER_TILE)
+    assert packed.shape == (3, 2 * gguf_packing.Q4_K_TILE)
     assert np.array_equal(gguf_packing.unpack(packed, "Q4_K", 37), blocks)
     supers = blocks.reshape(37, 2, 144)
     scales, mins = gguf_packing._q4_k_scales(supers[..., 4:16])
-    tile = packed[0, : gguf_packing.SUPER_TILE]  # group 0, super-block 0
+    tile = packed[0, : gguf_packing.Q4_K_TILE]  # group 0, super-block 0
     assert np.array_equal(tile[64 + 16 * 5: 64 + 16 * 6], scales[:16, 0, 5])  # every feature's scale of block 5
     assert np.array_equal(tile[192 + 16 * 6: 192 + 16 * 7], mins[:16, 0, 6])
     # block 3 is the high nibbles of the file's second 32 bytes; feature 4's code byte 0 holds weights 0 and 16
     qs = supers[4, 0, 16 + 32: 16 + 64] >> 4
     assert tile[320 + 256 * 3 + 4 * 4] == qs[0] | (qs[16] << 4)
     with pytest.raises(Exception, match="mismatched shapes"):  # K must be whole super-blocks
-        cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-gguf_packing.SUPER_TILE // 2], "Q4_K", 37)
+        cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-gguf_packing.Q4_K_TILE // 2], "Q4_K", 37)
 
 
 def test_q6_k_packing_unpacks_exactly_with_its_high_bits_in_planes():

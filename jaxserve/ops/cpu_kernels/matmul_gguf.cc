@@ -1,5 +1,5 @@
 // Matmuls with GGUF-quantized weights for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and
-// registers it). A GGUF file's 8- and 4-bit tensors stay in their blocks in memory and are multiplied in
+// registers it). A GGUF file's 4- to 8-bit tensors stay in their blocks in memory and are multiplied in
 // them: a decode step reads 4.5-8.5 bits per weight instead of 16 or 32.
 //
 //   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
@@ -12,6 +12,8 @@
 // The blocks (ggml's formats; `kind` is ggml's type number), for one output feature:
 //   Q4_0 (2):  f16 d, u8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
 //   Q4_1 (3):  f16 d, f16 m, u8 qs[16]    w[j] = d * (qs[j] & 15) + m,    w[j + 16] = d * (qs[j] >> 4) + m
+//   Q5_0 (6):  f16 d, u32 qh, u8 qs[16]   Q4_0's with bit j of qh as the 5th bit of w[j], and bias 16
+//   Q5_1 (7):  f16 d, f16 m, u32 qh, u8 qs[16]   Q4_1's with bit j of qh as the 5th bit of w[j]
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
 //   Q4_K (12): super-blocks of 8 blocks: f16 d, f16 dmin, 6-bit scales sc[8] and mins mn[8], 4-bit codes q;
 //              block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
@@ -19,7 +21,10 @@
 //              sub-block i's  w[j] = d * sc[i] * (q[j] - 32)
 // A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
 // bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
-// 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q4_K
+// 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q5
+// tile holds a plane of the codes' 5th bits between its scales and its Q4 chunks: byte 4f + j holds in bit c
+// the 5th bit of the weight whose low bits chunk c holds in byte 4f + j's low nibble, in bit 4 + c the high
+// nibble's. A Q4_K
 // tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn (u8[8][16] each,
 // unpacked from 6 bits), then its 8 blocks' codes as Q4's. A Q6_K tile holds one super-block of each of 16
 // features: d (f16[16]), sc (i8[16][16]), then each block of 32 as a Q4 block's codes (the codes' low 4 bits)
@@ -33,8 +38,8 @@
 // As llama.cpp does, each row of x is first rounded to 8 bits per block of 32 (a float scale dx = max|x| / 127
 // and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
-// with bias 8 (Q4_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes as they
-// are, bias 0) or 0, and the m term for Q4_1 and Q4_K only (Q4_K: d * sc and -dmin * mn, both exact in
+// with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes as they
+// are, bias 0) or 0, and the m term for Q4_1, Q5_1 and Q4_K only (Q4_K: d * sc and -dmin * mn, both exact in
 // float32). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the sub-block, times d * sc
 // (exact in float32). The integer part is exact, so
 // the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
@@ -75,12 +80,14 @@ constexpr int kTileRows = 4;     // x rows per register tile
 #endif
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
-enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
-constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 ? 64 : 32; }  // the f16 d (and m) vectors
+constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 ? 64 : 32; }  // f16 d (and m)
+constexpr bool has_plane(int32_t kind) { return kind == kQ5_0 || kind == kQ5_1; }  // the codes' 5th bits
+constexpr int plane_bytes(int32_t kind) { return has_plane(kind) ? 64 : 0; }
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
-constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ4_K; }
-constexpr int kSuper = 8;                          // Q4_K: blocks per super-block
+constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 || kind == kQ4_K; }
+constexpr int kSuper = 8;                          // Q4_K, Q6_K: blocks per super-block
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K: d, dmin (f16[16]), scales, mins (u8[8][16])
 constexpr int kSuperTile = kSuperHead + kSuper * 256;
 constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
@@ -88,7 +95,8 @@ constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits
 constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
 
 constexpr bool known_kind(int32_t kind) {
-  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0 || kind == kQ4_K || kind == kQ6_K;
+  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ4_K ||
+         kind == kQ6_K;
 }
 
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
@@ -96,7 +104,9 @@ int64_t group_bytes(int32_t kind, int64_t blocks) {
   switch (kind) {
     case kQ4_0:
     case kQ4_1:
-    case kQ8_0: return blocks * (scale_bytes(kind) + 64 * chunks(kind));
+    case kQ5_0:
+    case kQ5_1:
+    case kQ8_0: return blocks * (scale_bytes(kind) + plane_bytes(kind) + 64 * chunks(kind));
     case kQ4_K: return blocks % kSuper == 0 ? blocks / kSuper * kSuperTile : 0;
     case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * kQ6Tile : 0;
     default: return 0;
@@ -154,7 +164,7 @@ struct BlockAt {
   const uint8_t* m;      // f16[16]: Q4_1's m, Q4_K's dmin
   const uint8_t* sc;     // Q4_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves'
   const uint8_t* mn;     // Q4_K: u8[16], the block's mins (dmin * mn is its -m)
-  const uint8_t* planes = nullptr;  // Q6_K: u8[2][64], the high 2 bits of the low and the high nibbles' codes
+  const uint8_t* planes = nullptr;  // Q5: u8[64], the codes' 5th bits; Q6_K: u8[2][64], their high 2 bits
 };
 
 template <int32_t K>
@@ -169,24 +179,35 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
     const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
     return {codes, super, nullptr, super + 32 + 32 * (b % kSuper), nullptr, codes + 256};
   } else {
-    const uint8_t* tile = group + b * (scale_bytes(K) + 64 * chunks(K));
-    return {tile + scale_bytes(K), tile, tile + 32, nullptr, nullptr};
+    const uint8_t* tile = group + b * (scale_bytes(K) + plane_bytes(K) + 64 * chunks(K));
+    return {tile + scale_bytes(K) + plane_bytes(K), tile, tile + 32, nullptr, nullptr, tile + scale_bytes(K)};
   }
 }
 
 // Below this block scale (float32's smallest normal) 1 / dx could overflow: such a block's xq are 0.
 constexpr float kMinScale = 0x1p-126f;
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline int32_t sum_lanes(__m256i v) {  // the sum of 8 int32 lanes
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(t4);
+}
+#endif
+
 // x rows [m0, m1) rounded to 8 bits per block: dx = max|x| / 127, xq = rint(x * (1 / dx)) (0 for an all-zero
-// block, or one whose scale is below kMinScale), in IEEE float32 arithmetic (not -ffast-math's approximate reciprocal), as the tests' oracle rounds.
+// block, or one whose scale is below kMinScale), in IEEE float32 arithmetic (not -ffast-math's approximate
+// reciprocal), as the tests' oracle rounds. hsx (Q6_K's, or null): sum(xq) over each half block.
 __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int64_t k, int64_t m0, int64_t m1,
-                                                             int8_t* xq, float* dx, float* sx, int32_t* isx) {
+                                                             int8_t* xq, float* dx, float* sx, int32_t* isx,
+                                                             int32_t* hsx) {
   const int64_t blocks = k / kBlock;
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + m * k + b * kBlock;
       int8_t* q = xq + m * k + b * kBlock;
-      int32_t sum = 0;
+      int32_t halves[2] = {0, 0};  // sum(xq) over weights 0 .. 15 and 16 .. 31
       float d;
 #if defined(__AVX512F__)
       const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
@@ -196,7 +217,8 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
-      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      halves[0] = _mm512_reduce_add_epi32(qlo);
+      halves[1] = _mm512_reduce_add_epi32(qhi);
 #elif defined(__AVX2__)
       const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 v8[4], amax = _mm256_setzero_ps();
@@ -215,11 +237,8 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
       const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                           _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      __m256i total = _mm256_add_epi32(_mm256_add_epi32(q32[0], q32[1]), _mm256_add_epi32(q32[2], q32[3]));
-      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
-      sum = _mm_cvtsi128_si32(t4);
+      halves[0] = sum_lanes(_mm256_add_epi32(q32[0], q32[1]));
+      halves[1] = sum_lanes(_mm256_add_epi32(q32[2], q32[3]));
 #else
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
@@ -227,33 +246,56 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
       const float inverse = d >= kMinScale ? 1.0f / d : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
         q[j] = int8_t(std::nearbyint(v[j] * inverse));
-        sum += q[j];
+        halves[j / 16] += q[j];
       }
 #endif
+      const int32_t sum = halves[0] + halves[1];
       dx[m * blocks + b] = d;
       sx[m * blocks + b] = d * float(sum);
       isx[m * blocks + b] = sum;
+      if (hsx != nullptr) {
+        hsx[2 * (m * blocks + b)] = halves[0];
+        hsx[2 * (m * blocks + b) + 1] = halves[1];
+      }
     }
   }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ8_0 ? 128 : 0; }
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : kind == kQ8_0 ? 128 : 0; }
+
+// A tile's sums into out[m0 : m0 + R, 16 g0 : 16 (g0 + G)], features past N left out.
+template <int R, int G>
+void store_tile(const Problem& p, int64_t g0, int64_t m0, const __m512 (&sums)[R][G]) {
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t n0 = (g0 + g) * kFeatures;
+      float* out = p.out + (m0 + r) * p.n + n0;
+      if (p.n - n0 >= kFeatures) {
+        _mm512_storeu_ps(out, sums[r][g]);
+      } else {
+        _mm512_mask_storeu_ps(out, __mmask16((1u << (p.n - n0)) - 1), sums[r][g]);
+      }
+    }
+  }
+}
 
 // out[m0 : m0 + R, 16 g0 : 16 (g0 + G)]: G groups of 16 features, R rows of x.
 template <int32_t K, int R, int G>
 void tile(const Problem& p, int64_t g0, int64_t m0) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80));
+  const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80)), bit4 = _mm512_set1_epi8(0x10);
   __m512 sums[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     const uint8_t* codes[G];
     __m512 d[G], mins[G];
+    __m512i plane[G];
     for (int g = 0; g < G; ++g) {
       const BlockAt at = block_at<K>(p, g0 + g, b);
       codes[g] = at.codes;
+      if constexpr (has_plane(K)) plane[g] = _mm512_loadu_si512(at.planes);
       for (int line = 0; kPrefetchBytes > 0 && line < 64 * chunks(K); line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(at.codes) + kPrefetchBytes + line, _MM_HINT_T0);
       }
@@ -281,6 +323,10 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
           lo[g] = _mm512_and_si512(v, low4);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
+        if constexpr (has_plane(K)) {  // bits c and 4 + c to bit 4 (16-bit shifts: what crosses bytes is masked)
+          lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(_mm512_slli_epi16(plane[g], 4 - c), bit4));
+          hi[g] = _mm512_or_si512(hi[g], _mm512_and_si512(_mm512_srli_epi16(plane[g], c), bit4));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
@@ -300,22 +346,14 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
         __m512i dot = dots[r][g];
         if constexpr (bias(K) != 0) dot = _mm512_sub_epi32(dot, offset);
         sums[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[g], dx), sums[r][g]);
-        if constexpr (K == kQ4_1) sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
+        if constexpr (K == kQ4_1 || K == kQ5_1) {
+          sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
+        }
         if constexpr (K == kQ4_K) sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) {
-      const int64_t n0 = (g0 + g) * kFeatures;
-      float* out = p.out + (m0 + r) * p.n + n0;
-      if (p.n - n0 >= kFeatures) {
-        _mm512_storeu_ps(out, sums[r][g]);
-      } else {
-        _mm512_mask_storeu_ps(out, __mmask16((1u << (p.n - n0)) - 1), sums[r][g]);
-      }
-    }
-  }
+  store_tile<R, G>(p, g0, m0, sums);
 }
 
 // Chunk c's high bits of Q6_K codes, from bits 2c .. 2c + 1 of each byte of a plane to bits 4 .. 5 (16-bit
@@ -383,17 +421,7 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) {
-      const int64_t n0 = (g0 + g) * kFeatures;
-      float* out = p.out + (m0 + r) * p.n + n0;
-      if (p.n - n0 >= kFeatures) {
-        _mm512_storeu_ps(out, sums[r][g]);
-      } else {
-        _mm512_mask_storeu_ps(out, __mmask16((1u << (p.n - n0)) - 1), sums[r][g]);
-      }
-    }
-  }
+  store_tile<R, G>(p, g0, m0, sums);
 }
 
 template <int32_t K, int R>
@@ -413,16 +441,47 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : 0; }  // Q8_0: signs folded into x, no bias
+// Q8_0: signs folded into x, no bias
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }
+
+// Half a group's sums into out[m0 : m0 + R, 16 g + 8 half : + 8], features past N left out.
+template <int R>
+void store_half(const Problem& p, int64_t g, int half, int64_t m0, const __m256 (&sums)[R]) {
+  const int64_t n0 = g * kFeatures + 8 * half;
+  for (int r = 0; r < R; ++r) {
+    float* out = p.out + (m0 + r) * p.n + n0;
+    if (p.n - n0 >= 8) {
+      _mm256_storeu_ps(out, sums[r]);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sums[r]);
+      std::copy(lanes, lanes + (p.n - n0), out);
+    }
+  }
+}
+
+// Chunk c's high bits of Q6_K codes, from bits 2c .. 2c + 1 of each byte of a plane to bits 4 .. 5
+// (`high_bits` under AVX-512).
+inline __m256i high_bits(__m256i plane, int c) {
+  const __m256i bits45 = _mm256_set1_epi8(0x30);
+  switch (c) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(plane, 4), bits45);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(plane, 2), bits45);
+    case 2: return _mm256_and_si256(plane, bits45);
+    default: return _mm256_and_si256(_mm256_srli_epi16(plane, 2), bits45);
+  }
+}
 
 // out[m0 : m0 + R, 16 g + 8 half : + 8]: half a group, 8 features in 256-bit lanes.
 template <int32_t K, int R>
 void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   __m256 sums[R];
   for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     const BlockAt at = block_at<K>(p, g, b);
+    __m256i plane = _mm256_setzero_si256();
+    if constexpr (has_plane(K)) plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.planes + 32 * half));
     const auto halves = [half](const uint8_t* f16) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f16 + 16 * half)));
     };
@@ -447,7 +506,11 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
         } else {
           const __m256i xh = _mm256_set1_epi32(load_i32(x + 16 + 4 * c));
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (has_plane(K)) {  // codes <= 31: the two products' pair sums fit int16
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(plane, 4 - c), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(plane, c), bit4));
+          }
           const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
         }
@@ -458,27 +521,17 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
       __m256i dot = dots[r];
       if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[xb]));
       sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[xb])), sums[r]);
-      if constexpr (K == kQ4_1) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
+      if constexpr (K == kQ4_1 || K == kQ5_1) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
       if constexpr (K == kQ4_K) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
     }
   }
-  const int64_t n0 = g * kFeatures + 8 * half;
-  for (int r = 0; r < R; ++r) {
-    float* out = p.out + (m0 + r) * p.n + n0;
-    if (p.n - n0 >= 8) {
-      _mm256_storeu_ps(out, sums[r]);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, sums[r]);
-      std::copy(lanes, lanes + (p.n - n0), out);
-    }
-  }
+  store_half<R>(p, g, half, m0, sums);
 }
 
 // Q6_K's half tile: each block's two sub-blocks one after the other (`tile_q6_k` under AVX-512).
 template <int R>
 void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 sums[R];
   for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -493,8 +546,7 @@ void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.codes + 64 * c + 32 * half));
         const __m256i nibbles = _mm256_and_si256(sub == 0 ? v : _mm256_srli_epi16(v, 4), low4);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(_mm256_slli_epi16(plane, 6 - 2 * c), 2), bits45);
-        const __m256i q = _mm256_or_si256(nibbles, high);  // <= 63: pairs of products fit int16
+        const __m256i q = _mm256_or_si256(nibbles, high_bits(plane, c));  // <= 63: pairs of products fit int16
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * sub + 4 * c));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones));
@@ -507,17 +559,7 @@ void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
       }
     }
   }
-  const int64_t n0 = g * kFeatures + 8 * half;
-  for (int r = 0; r < R; ++r) {
-    float* out = p.out + (m0 + r) * p.n + n0;
-    if (p.n - n0 >= 8) {
-      _mm256_storeu_ps(out, sums[r]);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, sums[r]);
-      std::copy(lanes, lanes + (p.n - n0), out);
-    }
-  }
+  store_half<R>(p, g, half, m0, sums);
 }
 
 template <int32_t K, int R>
@@ -535,6 +577,53 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #else  // the same integer sums in plain loops
 
+constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }  // Q8_0: signed codes
+
+// Feature f's share of block b for x row r: x rounded to 8 bits (xq, the row's block at `x`) times the weights.
+template <int32_t K>
+float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x, int64_t xb) {
+  const uint8_t* codes = at.codes + 4 * f;
+  if constexpr (K == kQ6_K) {
+    float total = 0.0f;
+    for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
+      int32_t dot = 0;
+      for (int c = 0; c < 4; ++c) {
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = codes[64 * c + j], high = at.planes[64 * sub + 4 * f + j];
+          const int32_t q = (sub == 0 ? byte & 15 : byte >> 4) | (((high >> (2 * c)) & 3) << 4);
+          dot += q * x[16 * sub + 4 * c + j];
+        }
+      }
+      dot -= 32 * p.hsx[2 * xb + sub];
+      const float scale = half_to_float(at.d + 2 * f) * float(int8_t(at.sc[16 * sub + f]));
+      total += scale * p.dx[xb] * float(dot);
+    }
+    return total;
+  } else {
+    int32_t dot = 0;
+    for (int c = 0; c < chunks(K); ++c) {
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t byte = codes[64 * c + j];
+        if constexpr (K == kQ8_0) {
+          dot += int32_t(int8_t(byte)) * x[4 * c + j];
+        } else {
+          const int32_t fifth = has_plane(K) ? at.planes[4 * f + j] : 0;  // bits c and 4 + c
+          const int32_t lo = (byte & 15) | (((fifth >> c) & 1) << 4);
+          const int32_t hi = (byte >> 4) | (((fifth >> (4 + c)) & 1) << 4);
+          dot += lo * x[4 * c + j] + hi * x[16 + 4 * c + j];
+        }
+      }
+    }
+    dot -= bias(K) * p.isx[xb];
+    float d = half_to_float(at.d + 2 * f), m = has_mins(K) ? half_to_float(at.m + 2 * f) : 0.0f;
+    if constexpr (K == kQ4_K) {
+      d *= float(at.sc[f]);
+      m *= -float(at.mn[f]);
+    }
+    return d * p.dx[xb] * float(dot) + m * p.sx[xb];
+  }
+}
+
 template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
   for (int64_t g = g0; g < g0 + groups; ++g) {
@@ -542,45 +631,8 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
       for (int r = 0; r < R; ++r) {
         float total = 0.0f;
         for (int64_t b = 0; b < p.blocks; ++b) {
-          const BlockAt at = block_at<K>(p, g, b);
-          const uint8_t* codes = at.codes + 4 * f;
-          const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
           const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
-          if constexpr (K == kQ6_K) {
-            for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
-              int32_t dot = 0;
-              for (int c = 0; c < 4; ++c) {
-                for (int j = 0; j < 4; ++j) {
-                  const uint8_t byte = codes[64 * c + j], high = at.planes[64 * sub + 4 * f + j];
-                  const int32_t q = (sub == 0 ? byte & 15 : byte >> 4) | (((high >> (2 * c)) & 3) << 4);
-                  dot += q * x[16 * sub + 4 * c + j];
-                }
-              }
-              dot -= 32 * p.hsx[2 * xb + sub];
-              const float scale = half_to_float(at.d + 2 * f) * float(int8_t(at.sc[16 * sub + f]));
-              total += scale * p.dx[xb] * float(dot);
-            }
-            continue;
-          }
-          int32_t dot = 0;
-          for (int c = 0; c < chunks(K); ++c) {
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = codes[64 * c + j];
-              if constexpr (K == kQ8_0) {
-                dot += int32_t(int8_t(byte)) * x[4 * c + j];
-              } else {
-                dot += int32_t(byte & 15) * x[4 * c + j] + int32_t(byte >> 4) * x[16 + 4 * c + j];
-              }
-            }
-          }
-          if constexpr (K == kQ4_0) dot -= 8 * p.isx[xb];
-          float d = half_to_float(at.d + 2 * f), m = has_mins(K) ? half_to_float(at.m + 2 * f) : 0.0f;
-          if constexpr (K == kQ4_K) {
-            d *= float(at.sc[f]);
-            m *= -float(at.mn[f]);
-          }
-          total += d * p.dx[xb] * float(dot);
-          if constexpr (has_mins(K)) total += m * p.sx[xb];
+          total += block_product<K>(p, block_at<K>(p, g, b), f, p.xq + (m0 + r) * p.k + b * kBlock, xb);
         }
         p.out[(m0 + r) * p.n + g * kFeatures + f] = total;
       }
@@ -611,6 +663,8 @@ UnitFn unit_for(int32_t kind) {
   switch (kind) {
     case kQ4_0: return unit<kQ4_0>;
     case kQ4_1: return unit<kQ4_1>;
+    case kQ5_0: return unit<kQ5_0>;
+    case kQ5_1: return unit<kQ5_1>;
     case kQ4_K: return unit<kQ4_K>;
     case kQ6_K: return unit<kQ6_K>;
     default: return unit<kQ8_0>;
@@ -654,14 +708,9 @@ struct QuantizedRows {
   std::vector<int32_t> isx, hsx;  // hsx: Q6_K's sums over half blocks, empty for the other kinds
 
   QuantizedRows(const float* x, int64_t m, int64_t k, int32_t kind)
-      : xq(size_t(m * k)), dx(size_t(m * (k / kBlock))), sx(dx.size()), isx(dx.size()) {
-    quantize_rows(x, k, 0, m, xq.data(), dx.data(), sx.data(), isx.data());
-    if (kind == kQ6_K) {
-      hsx.assign(2 * isx.size(), 0);
-      for (size_t half = 0; half < hsx.size(); ++half) {
-        for (int j = 0; j < kBlock / 2; ++j) hsx[half] += xq[half * (kBlock / 2) + j];
-      }
-    }
+      : xq(size_t(m * k)), dx(size_t(m * (k / kBlock))), sx(dx.size()), isx(dx.size()),
+        hsx(kind == kQ6_K ? 2 * dx.size() : 0) {
+    quantize_rows(x, k, 0, m, xq.data(), dx.data(), sx.data(), isx.data(), hsx.empty() ? nullptr : hsx.data());
   }
 
   // Rows m0 onward of x times `w`'s groups into rows m0 onward of out.
@@ -691,7 +740,7 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
+        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -719,7 +768,8 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
+        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 14 "
+        "(Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument(
