@@ -1,15 +1,17 @@
 """A mixture of experts' MLP on a CPU: the native grouped matmuls (`cpu_kernels.grouped_matmul_bf16`, and
-`grouped_matmul_gguf` on experts kept in Q4_0 blocks) against `jax.lax.ragged_dot`, which XLA:CPU computes
-densely (every row against every expert), side by side.
+`grouped_matmul_gguf` on experts kept in GGUF blocks: Q4_0, Q4_K or Q6_K) against `jax.lax.ragged_dot`, which
+XLA:CPU computes densely (every row against every expert), side by side.
 
 One layer's routed experts in a model's shapes (`--model`, a bundled config: Qwen3-30B-A3B by default, 128
 experts of 2,048 x 768, 8 a token), bfloat16 weights, random router logits, for T tokens a step
 (`--tokens`: 1 to 16 are decodes, 256 a prefill chunk). Each case runs `--copies` layers back to back in
 one jitted function, each taking the one before's output, so the experts come from memory as in a served
 step. Reports the median time per layer over alternating rounds, and for the native kernels the GB/s of
-the experts they read (those the routing hit, each once: 2 bytes a weight in bfloat16, 0.5625 in Q4_0).
+the experts they read (those the routing hit, each once: 2 bytes a weight in bfloat16, 0.5625 in Q4_0 and
+Q4_K, 0.8203 in Q6_K). The blocks hold random codes under float16 scales of a real file's size.
 
     python benchmarks/moe_cpu.py --tokens 1 4 16 64 256 --rounds 2
+    python benchmarks/moe_cpu.py --impls "native bf16" "native Q4_0" "native Q4_K" "native Q6_K" --tokens 1 16
 """
 
 import argparse
@@ -39,11 +41,18 @@ def layers_fn(copies: int, top_k: int, num_experts: int, native: bool):
     return run
 
 
-def random_q4_0_experts(rng: np.random.Generator, num_experts: int, k: int, n: int) -> GgufExperts:
-    """Experts [E, K, N] in Q4_0 blocks of random codes under a scale of 0.002 (stored [E, N, K / 32 * 18])."""
-    blocks = rng.integers(0, 256, size=(num_experts, n, k // 32, 18), dtype=np.uint8)
-    blocks[..., :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    return GgufTensor(blocks.reshape(num_experts, n, -1), "Q4_0").as_experts((num_experts, k, n))
+# A format's block: (weights, bytes, where its float16 scales lie, their value).
+BLOCKS = {"Q4_0": (32, 18, (0,), 0.002), "Q4_K": (256, 144, (0, 2), 0.0005), "Q6_K": (256, 210, (208,), 0.0001)}
+IMPLS = ("ragged_dot", "native bf16", "native Q4_0", "native Q4_K", "native Q6_K")
+
+
+def random_experts(rng: np.random.Generator, kind: str, num_experts: int, k: int, n: int) -> GgufExperts:
+    """Experts [E, K, N] in `kind`'s blocks of random codes (stored [E, N, K / weights * bytes])."""
+    weights, size, scales, value = BLOCKS[kind]
+    blocks = rng.integers(0, 256, size=(num_experts, n, k // weights, size), dtype=np.uint8)
+    for at in scales:
+        blocks[..., at: at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return GgufTensor(blocks.reshape(num_experts, n, -1), kind).as_experts((num_experts, k, n))
 
 
 def main() -> None:
@@ -53,6 +62,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="layers per call (their experts are distinct)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3, help="timed calls per case and round")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS[:3]))
     args = parser.parse_args()
     prepare_jax_platform()
     values = bundled_config_values(args.model)
@@ -67,16 +77,23 @@ def main() -> None:
     gates = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
     ups = [draw(next(keys), (e, d, f)) * 0.02 for _ in range(args.copies)]
     downs = [draw(next(keys), (e, f, d)) * 0.02 for _ in range(args.copies)]
-    q4_gates, q4_ups, q4_downs = ([random_q4_0_experts(rng, e, d_in, d_out) for _ in range(args.copies)]
-                                  for d_in, d_out in ((d, f), (d, f), (f, d)))
     native, dense = layers_fn(args.copies, k, e, True), layers_fn(args.copies, k, e, False)
-    impls = {"ragged_dot": (dense, (gates, ups, downs)), "native": (native, (gates, ups, downs)),
-             "native Q4_0": (native, (q4_gates, q4_ups, q4_downs))}
-    expert_bytes = {"native": 3 * d * f * 2, "native Q4_0": 3 * d * f * 18 / 32}
+    impls = {"ragged_dot": (dense, (gates, ups, downs)), "native bf16": (native, (gates, ups, downs))}
+    expert_bytes = {"native bf16": 3 * d * f * 2}
+    for kind in BLOCKS:
+        if f"native {kind}" in args.impls:
+            layers = tuple([random_experts(rng, kind, e, d_in, d_out) for _ in range(args.copies)]
+                           for d_in, d_out in ((d, f), (d, f), (f, d)))  # gates, ups, downs: each a list
+            impls[f"native {kind}"] = (native, layers)
+            expert_bytes[f"native {kind}"] = 3 * d * f * BLOCKS[kind][1] / BLOCKS[kind][0]
+    impls = {name: impls[name] for name in args.impls}
+    natives = [name for name in args.impls if name != "ragged_dot"]
+    base = args.impls[0]  # the ratios' baseline
     print(f"{args.model}: {e} experts of {d} x {f}, {k} a token; {args.copies} layers a call\n")
-    print("| tokens | experts hit | ragged_dot ms/layer | native bf16 ms/layer | ratio | GB/s | native Q4_0 ms/layer "
-          "| ratio | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | experts hit | " + " | ".join(f"{name} ms/layer" for name in args.impls)
+          + "".join(f" | {base} / {name}" for name in args.impls[1:])
+          + "".join(f" | {name} GB/s" for name in natives) + " |")
+    print("|---|---|" + "---|" * (2 * len(args.impls) - 1 + len(natives)))
     for tokens in args.tokens:
         x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
         logits = jnp.asarray(rng.standard_normal((args.copies, tokens, e)), jnp.float32)
@@ -86,10 +103,9 @@ def main() -> None:
             for name, (fn, experts) in impls.items():
                 per_round[name].append(median_ms(fn, x, logits, *experts, repeats=args.runs) / 1e3 / args.copies)
         times = {name: float(np.median(values)) for name, values in per_round.items()}
-        row = [f"{tokens}", f"{hit:.0f}", f"{times['ragged_dot'] * 1e3:.1f}"]
-        for name in ("native", "native Q4_0"):
-            row += [f"{times[name] * 1e3:.2f}", f"{times['ragged_dot'] / times[name]:.0f}",
-                    f"{hit * expert_bytes[name] / times[name] / 1e9:.1f}"]
+        row = [f"{tokens}", f"{hit:.0f}", *(f"{times[name] * 1e3:.2f}" for name in args.impls)]
+        row += [f"{times[base] / times[name]:.2f}" for name in args.impls[1:]]
+        row += [f"{hit * expert_bytes[name] / times[name] / 1e9:.1f}" for name in natives]
         print("| " + " | ".join(row) + " |", flush=True)
 
 
