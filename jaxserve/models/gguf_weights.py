@@ -31,7 +31,7 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K: the formats kept as they are
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K: the formats kept as they are
 TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats a looked-up embedding table stays in (rows decoded by jnp)
 
 

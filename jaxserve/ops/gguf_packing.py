@@ -14,7 +14,8 @@ nibble's (weight 16 + 4c + j). The plane holds the same bits as qh, so this is a
 
 Q4_K's super-blocks of 256 weights are packed per (group, super-block): the 16 features' d and dmin, their
 8 scales and 8 mins unpacked from 6 bits to a byte each, then the super-block's 8 blocks of 32 codes, each as
-a Q4_0 block's codes (byte j: weight j in the low nibble, j + 16 in the high).
+a Q4_0 block's codes (byte j: weight j in the low nibble, j + 16 in the high). Q5_K's are Q4_K's with each
+block's plane of 5th bits (as Q5_0's) before its codes.
 
 Q6_K's super-blocks of 256 weights (16 sub-blocks of 16, each its own int8 scale, and 6-bit codes) are packed
 per (group, super-block) too: the 16 features' d, their 16 scales, then each block of 32 as a Q4_0 block's
@@ -27,11 +28,12 @@ import numpy as np
 
 FEATURES = 16  # output features per group
 SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
-PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4}  # bytes of 5th bits per block of 32 weights (qh)
+PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 4}  # bytes of 5th bits per block of 32 weights (qh)
 CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
-SUPER = 256  # Q4_K, Q6_K: weights per super-block (8 blocks of 32)
+SUPER = 256  # Q4_K, Q5_K, Q6_K: weights per super-block (8 blocks of 32)
 Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 Q4_K_TILE = FEATURES * (2 + 2 + 8 + 8 + SUPER // 2)  # Q4_K: one super-block of 16 features, packed
+K_QUANT_BYTES = {"Q4_K": Q4_K_BYTES, "Q5_K": Q4_K_BYTES + SUPER // 8}  # Q5_K: and qh[32], the codes' 5th bits
 Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: ql (low 4 bits), qh (high 2), i8 scales[16], f16 d
 Q6_K_HEAD = FEATURES * (2 + 16)  # Q6_K's packed tile: the features' d, then their 16 scales
 Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
@@ -46,16 +48,22 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
     return FEATURES * block_bytes(kind)
 
 
+def super_tile(kind: str) -> int:  # Q4_K's or Q5_K's packed super-block of 16 features (Q5_K: and its planes)
+    return Q4_K_TILE + 8 * FEATURES * PLANE_BYTES.get(kind, 0)
+
+
 def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inputs
-    if kind in ("Q4_K", "Q6_K"):
-        return k // SUPER * (Q4_K_TILE if kind == "Q4_K" else Q6_K_TILE)
+    if kind in K_QUANT_BYTES:
+        return k // SUPER * super_tile(kind)
+    if kind == "Q6_K":
+        return k // SUPER * Q6_K_TILE
     return k // 32 * tile_bytes(kind)
 
 
 def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]."""
-    if kind == "Q4_K":
-        return _pack_q4_k(blocks)
+    if kind in K_QUANT_BYTES:
+        return _pack_q4_k(blocks, kind)
     if kind == "Q6_K":
         return _pack_q6_k(blocks)
     n, row_bytes = blocks.shape
@@ -78,8 +86,8 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
 
 def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
     """`pack`'s inverse: u8[ceil(N / 16), group_bytes] -> u8[N, file's row bytes]."""
-    if kind == "Q4_K":
-        return _unpack_q4_k(packed, n)
+    if kind in K_QUANT_BYTES:
+        return _unpack_q4_k(packed, kind, n)
     if kind == "Q6_K":
         return _unpack_q6_k(packed, n)
     groups, row_bytes = packed.shape
@@ -112,31 +120,39 @@ def _qh(plane: np.ndarray) -> np.ndarray:
     return np.packbits(bits.reshape(*plane.shape[:-1], 32), axis=-1, bitorder="little")
 
 
-def _pack_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _pack_q4_k(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
     n, row_bytes = blocks.shape
-    supers, groups = row_bytes // Q4_K_BYTES, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, Q4_K_BYTES), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, Q4_K_BYTES)
-    grouped = padded.reshape(groups, FEATURES, supers, Q4_K_BYTES)  # [group, feature, super, bytes]
+    size, fifth = K_QUANT_BYTES[kind], K_QUANT_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
+    supers, groups = row_bytes // size, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, size)
+    grouped = padded.reshape(groups, FEATURES, supers, size)  # [group, feature, super, bytes]
     scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
-    qs = grouped[..., 16:].reshape(groups, FEATURES, supers, 4, 32)  # 4 x 32 bytes: blocks 2i (low), 2i + 1 (high)
+    qs = grouped[..., 16 + fifth:].reshape(groups, FEATURES, supers, 4, 32)  # blocks 2i (low nibbles), 2i + 1
     codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
     q4 = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # Q4_0's bytes
     head = [grouped[..., 0:2], grouped[..., 2:4]]  # d, dmin: [group, feature, super, 2] -> [group, super, 32]
     parts = [part.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for part in head]
     parts += [part.transpose(0, 2, 3, 1).reshape(groups, supers, -1) for part in (scales, mins)]  # [.., 8, 16]
-    parts.append(q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1))  # [.., block, chunk, feature, 4]
-    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * Q4_K_TILE))
+    per_block = [q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)]  # [.., block, chunk, feature, 4]
+    if fifth:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature, 4]
+        bits = (grouped[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [group, feature, super, j, b]
+        qh = np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")  # [.., block, 4]
+        per_block.insert(0, _plane(qh).transpose(0, 2, 3, 1, 4).reshape(groups, supers, 8, -1))
+    parts.append(np.concatenate(per_block, -1).reshape(groups, supers, -1))
+    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * super_tile(kind)))
 
 
-def _unpack_q4_k(packed: np.ndarray, n: int) -> np.ndarray:
+def _unpack_q4_k(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q4_K or Q5_K
     groups, row_bytes = packed.shape
-    supers = row_bytes // Q4_K_TILE
-    tiles = packed.reshape(groups, supers, Q4_K_TILE)
+    tile, plane_bytes = super_tile(kind), FEATURES * PLANE_BYTES.get(kind, 0)
+    supers = row_bytes // tile
+    tiles = packed.reshape(groups, supers, tile)
     d, dmin = (tiles[..., at: at + 32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3) for at in (0, 32))
     scales, mins = (tiles[..., at: at + 128].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
                     for at in (64, 192))
-    q4 = tiles[..., 320:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    per_block = tiles[..., 320:].reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
+    q4 = per_block[..., plane_bytes:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
     q4 = q4.reshape(groups, FEATURES, supers, 8, 16)
     codes = np.concatenate([q4 & 15, q4 >> 4], -1).reshape(groups, FEATURES, supers, 4, 2, 32)
     qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(groups, FEATURES, supers, 128)
@@ -145,7 +161,12 @@ def _unpack_q4_k(packed: np.ndarray, n: int) -> np.ndarray:
         mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
         (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
     ], -1)
-    blocks = np.concatenate([d, dmin, six_bit, qs], -1).reshape(groups * FEATURES, supers * Q4_K_BYTES)
+    parts = [d, dmin, six_bit, qs]
+    if plane_bytes:
+        plane = per_block[..., :plane_bytes].reshape(groups, supers, 8, FEATURES, 4).transpose(0, 3, 1, 2, 4)
+        bits = np.unpackbits(_qh(plane), axis=-1, bitorder="little")  # [group, feature, super, block, j]
+        parts.insert(3, np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")[..., 0])  # qh[32]
+    blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * K_QUANT_BYTES[kind])
     return np.ascontiguousarray(blocks[:n])
 
 

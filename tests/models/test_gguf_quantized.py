@@ -55,11 +55,12 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
         out.reshape(16, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_k_quant_weight_and_lm_head_multiply_by_their_dequantized_super_blocks(kind):
-    """Q4_K and Q6_K (llama.cpp's Q4_K_M files' formats) kept as a layer weight and as an untied LM head: their
-    scales and codes give, through the kernel, x rounded to 8 bits per block times the `gguf` package's
-    dequantization. A table that is looked up is refused in them (the loader dequantizes it instead)."""
+    """Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files' formats) kept as a layer weight and as an
+    untied LM head: their scales and codes give, through the kernel, x rounded to 8 bits per block times the
+    `gguf` package's dequantization. A table that is looked up is refused in them (the loader dequantizes it
+    instead)."""
     from tests.ops.test_matmul_gguf import _blocks
 
     blocks = _blocks(kind, 96, 512, seed=4)  # [out, in]
@@ -272,7 +273,7 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_g
 
 @pytest.mark.slow
 def test_auto_on_a_gguf_file_with_no_kept_format_dequantizes(smollm2_gguf, tmp_path, monkeypatch, caplog):
-    """A GGUF file whose tensors are all float (F32 here, F16 or Q5_K alike) keeps nothing: `auto` then says so
+    """A GGUF file whose tensors are all float (F32 here, F16 or Q3_K alike) keeps nothing: `auto` then says so
     and the model reports no quantization (the roofline reads the weights' bytes from it)."""
     from tests.models.test_gguf_families import tiny_model, write_gguf
 
@@ -363,8 +364,8 @@ def test_kept_experts_multiply_through_the_grouped_kernel_only():
 
 
 def test_a_layer_mixing_kept_experts_and_bfloat16_ones_stays_on_the_native_kernels():
-    """A layer may keep gate and up in blocks while its down projection, in a format not kept (a Q5_K_M file's
-    Q5_K), is dequantized to bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's
+    """A layer may keep gate and up in blocks while its down projection, in a format not kept (a Q3_K_M file's
+    Q3_K), is dequantized to bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's
     native kernel, never sent to a dense `ragged_dot` over widened weights."""
     from jaxserve.models.moe import grouped_expert_mlp
 

@@ -21,7 +21,7 @@ KINDS = tuple(cpu_kernels.GGUF_KINDS)
 ROWS = (1, 3, 4, 7, 64, 65)
 SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64))
 SUPER_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
-SUPER_KINDS = ("Q4_K", "Q6_K")  # the gguf package quantizes to neither: random super-blocks
+SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # the gguf package quantizes to none of them: random super-blocks
 
 
 def shapes(kind: str) -> tuple[tuple[int, int], ...]:
@@ -32,11 +32,11 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:  # f32[...] -> u8[..., 2]
     return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8).reshape(*values.shape, 2)
 
 
-def _q4_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 144]
-    """Random Q4_K super-blocks (the gguf package does not quantize to Q4_K): any 6-bit scales and mins and
-    codes, d and dmin of a real file's magnitudes, one super-block far from the others' scale, a zero row,
-    and scales among float16's subnormals."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+def _q4_k_blocks(n: int, k: int, rng: np.random.Generator, size: int = 144) -> np.ndarray:  # u8[N, K / 256 * size]
+    """Random Q4_K (or Q5_K: `size` 176) super-blocks: any 6-bit scales and mins and codes (and 5th bits), d
+    and dmin of a real file's magnitudes, one super-block far from the others' scale, a zero row, and scales
+    among float16's subnormals."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
     blocks[..., 0:2] = _f16_bytes(rng.uniform(1e-3, 2e-2, blocks.shape[:2]))
     blocks[..., 2:4] = _f16_bytes(rng.uniform(0.0, 2e-2, blocks.shape[:2]))
     blocks[:, 0, 0:2] = _f16_bytes(np.full(n, 0.8))
@@ -77,8 +77,8 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 
 
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, file's row bytes]
     rng = np.random.default_rng(seed)
-    if kind == "Q4_K":
-        return _q4_k_blocks(n, k, rng)
+    if kind in ("Q4_K", "Q5_K"):
+        return _q4_k_blocks(n, k, rng, 144 if kind == "Q4_K" else 176)
     if kind == "Q6_K":
         return _q6_k_blocks(n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -129,7 +129,7 @@ def check_against_float64(kind: str, m: int) -> None:
 # (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too).
 CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q5_0": (22, slice(2, 22), 0xFF),
               "Q5_1": (24, slice(4, 24), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F), "Q4_K": (144, slice(16, 144), 0xFF),
-              "Q6_K": (210, slice(0, 192), 0xFF)}
+              "Q5_K": (176, slice(16, 176), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF)}
 
 
 def check_largest_sums(kind: str) -> None:

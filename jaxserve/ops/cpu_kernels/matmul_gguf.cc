@@ -17,6 +17,7 @@
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
 //   Q4_K (12): super-blocks of 8 blocks: f16 d, f16 dmin, 6-bit scales sc[8] and mins mn[8], 4-bit codes q;
 //              block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
+//   Q5_K (13): Q4_K's with 5-bit codes (u8 qh[32]: bit i of qh[j] the 5th bit of block i's weight j)
 //   Q6_K (14): super-blocks of 16 sub-blocks of 16: f16 d, i8 scales sc[16], 6-bit codes q;
 //              sub-block i's  w[j] = d * sc[i] * (q[j] - 32)
 // A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
@@ -26,7 +27,7 @@
 // the 5th bit of the weight whose low bits chunk c holds in byte 4f + j's low nibble, in bit 4 + c the high
 // nibble's. A Q4_K
 // tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn (u8[8][16] each,
-// unpacked from 6 bits), then its 8 blocks' codes as Q4's. A Q6_K tile holds one super-block of each of 16
+// unpacked from 6 bits), then its 8 blocks' codes as Q4's (Q5_K: each block's plane, then its codes). A Q6_K tile holds one super-block of each of 16
 // features: d (f16[16]), sc (i8[16][16]), then each block of 32 as a Q4 block's codes (the codes' low 4 bits)
 // followed by two 64-byte planes of their high 2 bits, for the low nibbles' weights and the high nibbles':
 // byte 4f + j of a plane holds, in bits 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds
@@ -80,23 +81,24 @@ constexpr int kTileRows = 4;     // x rows per register tile
 #endif
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
-enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 ? 64 : 32; }  // f16 d (and m)
-constexpr bool has_plane(int32_t kind) { return kind == kQ5_0 || kind == kQ5_1; }  // the codes' 5th bits
+constexpr bool has_plane(int32_t kind) { return kind == kQ5_0 || kind == kQ5_1 || kind == kQ5_K; }  // 5th bits
 constexpr int plane_bytes(int32_t kind) { return has_plane(kind) ? 64 : 0; }
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
-constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 || kind == kQ4_K; }
+constexpr bool scaled_blocks(int32_t kind) { return kind == kQ4_K || kind == kQ5_K; }  // d * sc, dmin * mn
+constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 || scaled_blocks(kind); }
 constexpr int kSuper = 8;                          // Q4_K, Q6_K: blocks per super-block
-constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K: d, dmin (f16[16]), scales, mins (u8[8][16])
-constexpr int kSuperTile = kSuperHead + kSuper * 256;
+constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K, Q5_K: d, dmin (f16[16]), scales, mins (u8[8][16])
+constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_bytes(kind) + 256); }  // Q4_K, Q5_K
 constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
 constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
 constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
 
 constexpr bool known_kind(int32_t kind) {
   return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ4_K ||
-         kind == kQ6_K;
+         kind == kQ5_K || kind == kQ6_K;
 }
 
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
@@ -107,7 +109,8 @@ int64_t group_bytes(int32_t kind, int64_t blocks) {
     case kQ5_0:
     case kQ5_1:
     case kQ8_0: return blocks * (scale_bytes(kind) + plane_bytes(kind) + 64 * chunks(kind));
-    case kQ4_K: return blocks % kSuper == 0 ? blocks / kSuper * kSuperTile : 0;
+    case kQ4_K:
+    case kQ5_K: return blocks % kSuper == 0 ? blocks / kSuper * super_tile(kind) : 0;
     case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * kQ6Tile : 0;
     default: return 0;
   }
@@ -170,10 +173,11 @@ struct BlockAt {
 template <int32_t K>
 inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
   const uint8_t* group = p.w + g * p.group_bytes;
-  if constexpr (K == kQ4_K) {
-    const uint8_t* super = group + (b / kSuper) * kSuperTile;
+  if constexpr (scaled_blocks(K)) {
+    const uint8_t* super = group + (b / kSuper) * super_tile(K);
     const int64_t sub = b % kSuper;
-    return {super + kSuperHead + 256 * sub, super, super + 32, super + 64 + 16 * sub, super + 192 + 16 * sub};
+    const uint8_t* block = super + kSuperHead + (plane_bytes(K) + 256) * sub;  // Q5_K: its plane, then its codes
+    return {block + plane_bytes(K), super, super + 32, super + 64 + 16 * sub, super + 192 + 16 * sub, block};
   } else if constexpr (K == kQ6_K) {
     const uint8_t* super = group + (b / kSuper) * kQ6Tile;
     const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
@@ -301,7 +305,7 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
       }
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.d)));
       if constexpr (has_mins(K)) mins[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.m)));
-      if constexpr (K == kQ4_K) {  // d * sc and dmin * mn: exact in float32 (11 by 6 bits)
+      if constexpr (scaled_blocks(K)) {  // d * sc and dmin * mn: exact in float32 (11 by 6 bits)
         const auto widen = [](const uint8_t* u8) {
           return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u8))));
         };
@@ -349,7 +353,7 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
         if constexpr (K == kQ4_1 || K == kQ5_1) {
           sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
         }
-        if constexpr (K == kQ4_K) sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
+        if constexpr (scaled_blocks(K)) sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
       }
     }
   }
@@ -490,7 +494,7 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
     };
     __m256 d = halves(at.d), mins = _mm256_setzero_ps();
     if constexpr (has_mins(K)) mins = halves(at.m);
-    if constexpr (K == kQ4_K) {
+    if constexpr (scaled_blocks(K)) {
       d = _mm256_mul_ps(d, widen(at.sc));
       mins = _mm256_mul_ps(mins, widen(at.mn));
     }
@@ -522,7 +526,7 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
       if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[xb]));
       sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[xb])), sums[r]);
       if constexpr (K == kQ4_1 || K == kQ5_1) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
-      if constexpr (K == kQ4_K) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
+      if constexpr (scaled_blocks(K)) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
     }
   }
   store_half<R>(p, g, half, m0, sums);
@@ -616,7 +620,7 @@ float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x,
     }
     dot -= bias(K) * p.isx[xb];
     float d = half_to_float(at.d + 2 * f), m = has_mins(K) ? half_to_float(at.m + 2 * f) : 0.0f;
-    if constexpr (K == kQ4_K) {
+    if constexpr (scaled_blocks(K)) {
       d *= float(at.sc[f]);
       m *= -float(at.mn[f]);
     }
@@ -666,6 +670,7 @@ UnitFn unit_for(int32_t kind) {
     case kQ5_0: return unit<kQ5_0>;
     case kQ5_1: return unit<kQ5_1>;
     case kQ4_K: return unit<kQ4_K>;
+    case kQ5_K: return unit<kQ5_K>;
     case kQ6_K: return unit<kQ6_K>;
     default: return unit<kQ8_0>;
   }
@@ -740,7 +745,8 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K)");
+        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 "
+        "(Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -768,8 +774,8 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 14 "
-        "(Q6_K)");
+        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) "
+        "or 14 (Q6_K)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument(
