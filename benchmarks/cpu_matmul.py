@@ -1,5 +1,6 @@
 """The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K and Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32 and bfloat16 dots.
+Q8_0, Q4_K, Q5_K and Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32
+and bfloat16 dots.
 
 SmolLM2-135M's shapes (`--shapes smollm2`, whose widths are not whole K-quant super-blocks) or Qwen3-30B-A3B's
 dense ones (`--shapes qwen3-30b-a3b`) at 1, 4, 16 and 64 rows: the attention and MLP projections (weights
@@ -47,10 +48,11 @@ SHAPES = {  # name -> (K, N, output-major weights)
     },
 }
 DEFAULT_IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")
-IMPLS = (*DEFAULT_IMPLS, "native Q5_0", "native Q5_1", "native Q4_K", "native Q6_K")  # f32 sums
+IMPLS = (*DEFAULT_IMPLS, "native Q5_0", "native Q5_1", "native Q4_K", "native Q5_K", "native Q6_K")  # f32 sums
 GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q5_0": 22 / 32, "native Q5_1": 24 / 32,
-              "native Q8_0": 34 / 32, "native Q4_K": 144 / 256, "native Q6_K": 210 / 256}  # bytes per weight
-K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # super-block bytes, where its f16 scales lie
+              "native Q8_0": 34 / 32, "native Q4_K": 144 / 256, "native Q5_K": 176 / 256,
+              "native Q6_K": 210 / 256}  # bytes per weight
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, where f16 scales lie
 
 
 def gguf_blocks(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:  # [N, K] -> u8[N, row bytes]
