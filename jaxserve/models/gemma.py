@@ -193,7 +193,6 @@ class GemmaForCausalLM(nnx.Module):
 LAYERS_KEY = llama.LAYERS_KEY
 QUANTIZED_WEIGHTS = llama.QUANTIZED_WEIGHTS  # the same names and layouts
 EMBEDDING_TABLES = llama.EMBEDDING_TABLES
-HEAD_TABLES = llama.HEAD_TABLES
 kv_scale_factor = llama.kv_scale_factor  # the same folding: Gemma 3's per-head norms as Qwen3's
 TENSOR_PARALLEL = llama.TENSOR_PARALLEL  # the same parameter names
 LORA_TARGETS, LORA_FUSED_TARGETS = llama.LORA_TARGETS, llama.LORA_FUSED_TARGETS  # the same stacks

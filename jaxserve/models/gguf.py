@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from jaxserve.models.gguf_weights import KEPT_KINDS, TABLE_KINDS, GgufTensor
+from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -119,9 +119,8 @@ def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.nda
 
 def keeps_blocks(tensor: ReaderTensor) -> bool:
     """Whether a file's tensor can stay in its blocks: a format the native kernel reads, a 2-D weight or a
-    mixture's 3-D stacked experts; the token embeddings (looked up) only in a format whose rows are decoded."""
-    kinds = TABLE_KINDS if tensor.name == "token_embd.weight" else KEPT_KINDS
-    return tensor.tensor_type.name in kinds and tensor.data.ndim in (2, 3)
+    mixture's 3-D stacked experts."""
+    return tensor.tensor_type.name in KEPT_KINDS and tensor.data.ndim in (2, 3)
 
 
 def iter_gguf_tensors(

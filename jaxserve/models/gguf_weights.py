@@ -8,9 +8,7 @@ and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `Gguf
 the same blocks, packed 16 output features at a time for the kernel (`ops/gguf_packing.py`), with the
 parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table the family's `EMBEDDING_TABLES`
 lists (and so a tied LM head) becomes a `GgufTable`: its rows are decoded where looked up, and the LM head's
-logits come from the same kernel. Rows are decoded for the block formats of 32 weights (`TABLE_KINDS`); an
-untied LM head (the family's `HEAD_TABLES`), never looked up, stays in any kept format (llama.cpp's K-quant
-files store it in Q6_K). A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
+logits come from the same kernel. A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
 stacked here from one tensor an expert), become `GgufExperts` where the family's `EXPERT_WEIGHTS` lists them:
 each expert's blocks packed as a weight's, multiplied by `cpu_kernels.grouped_matmul_gguf` for the rows
 routed to it. Every other tensor (norms, formats the kernel does not read) is dequantized as before.
@@ -32,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
 KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K: the formats kept as they are
-TABLE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the formats a looked-up embedding table stays in (rows decoded by jnp)
 
 
 class _ReadWhole:
@@ -117,36 +114,16 @@ class GgufTable(_ReadWhole):
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
     blocks: Any  # u8[ceil(V / 16), group_bytes(kind, D)]: the file's [V, D] blocks packed (`gguf_packing`)
-    kind: str = dataclasses.field(metadata={"static": True})  # one of TABLE_KINDS (any of KEPT_KINDS: a head's)
+    kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
     ndim = 2
 
     def lookup(self, ids: jax.Array) -> jax.Array:  # i32[T] -> f32[T, D]
-        """The ids' rows, decoded as ggml dequantizes them (float32 products of the codes and the scales). One
-        gather reads only the ids' own bytes: their scales and codes in each block's tile of 16 features."""
-        if self.kind not in TABLE_KINDS:
-            raise ValueError(f"a {self.kind} table is an LM head's, multiplied by only: rows are looked up in "
-                             f"{', '.join(TABLE_KINDS)} blocks")
-        features, num_blocks = gguf_packing.FEATURES, self.shape[1] // 32
-        scales, tile = gguf_packing.SCALES[self.kind], gguf_packing.tile_bytes(self.kind)
-        group, lane = (ids // features)[:, None, None, None], (ids % features)[:, None, None, None]
-        block = jnp.arange(num_blocks)[None, :, None, None] * tile
-        head_at = (block + jnp.arange(scales)[None, None, :, None] * (2 * features) + lane * 2
-                   + jnp.arange(2)[None, None, None, :])  # [T, blocks, scales, 2 bytes]
-        code_chunks = gguf_packing.CODE_BYTES[self.kind] // 4
-        codes_at = (block + 2 * scales * features + jnp.arange(code_chunks)[None, None, :, None] * (4 * features)
-                    + lane * 4 + jnp.arange(4)[None, None, None, :])  # [T, blocks, chunks, 4 bytes]
-        head = self.blocks[group, head_at]
-        factors = jax.lax.bitcast_convert_type(head, jnp.float16).astype(jnp.float32)  # [T, blocks, scales]
-        codes = self.blocks[group, codes_at].reshape(ids.shape[0], num_blocks, -1)  # [T, blocks, code bytes]
-        if self.kind == "Q8_0":
-            values = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * factors[..., :1]
-        else:  # byte 4c + j holds weights 4c + j (low nibble) and 16 + 4c + j (high)
-            nibbles = jnp.concatenate([codes & 15, codes >> 4], axis=-1).astype(jnp.float32)  # [T, blocks, 32]
-            values = (nibbles - 8.0) * factors[..., :1] if self.kind == "Q4_0" else (
-                nibbles * factors[..., :1] + factors[..., 1:])
-        return values.reshape(ids.shape[0], self.shape[1])
+        """The ids' rows, decoded as ggml dequantizes them (the same float32 products of codes and scales, in
+        the same order). Each field is one gather of only the ids' own bytes in their group's tiles
+        (`gguf_packing`'s layout: a feature's bytes lie at a fixed stride from feature 0's)."""
+        return _decode_rows(self.kind, self.blocks, ids, self.shape[1])
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         return cpu_kernels.matmul_gguf(hidden.astype(jnp.float32), self.blocks, self.kind, self.shape[0])
@@ -154,6 +131,72 @@ class GgufTable(_ReadWhole):
     def dequantize(self) -> jax.Array:  # f32[V, D], on the host: for tests
         blocks = gguf_packing.unpack(np.asarray(self.blocks), self.kind, self.shape[0])
         return jnp.asarray(GgufTensor(blocks, self.kind).dequantize())
+
+
+def _lane_bytes(blocks: jax.Array, ids: jax.Array, offsets: np.ndarray, stride: int) -> jax.Array:
+    """u8[T, *offsets.shape]: for each id, the bytes at `offsets` (feature 0's, in its group's row of packed
+    tiles) moved `stride` bytes a feature along, to the id's own feature."""
+    lane = (ids % gguf_packing.FEATURES).reshape(-1, *([1] * offsets.ndim))
+    return blocks[(ids // gguf_packing.FEATURES).reshape(lane.shape), jnp.asarray(offsets) + lane * stride]
+
+
+def _halves(blocks: jax.Array, ids: jax.Array, offsets: np.ndarray) -> jax.Array:  # f16 at offsets -> f32[T, ...]
+    pairs = _lane_bytes(blocks, ids, offsets[..., None] + np.arange(2), 2)
+    return jax.lax.bitcast_convert_type(pairs, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(codes: jax.Array) -> jax.Array:  # u8[..., chunk, j] -> [..., half, chunk, j]: weight 16 half + 4c + j
+    return jnp.stack([codes & 15, codes >> 4], axis=-3)
+
+
+def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:  # -> f32[T, width]
+    """Rows `ids` of a table kept in `kind`'s packed blocks, as the gguf package dequantizes them."""
+    features, t = gguf_packing.FEATURES, ids.shape[0]
+    c, j = np.arange(4)[:, None], np.arange(4)[None, :]  # a chunk's 4 bytes of each feature: [chunk, j]
+    fifth_shifts = (4 * np.arange(2)[:, None, None] + np.arange(4)[None, :, None]).astype(np.uint8)  # [half, c, 1]
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):  # super-blocks of 8 blocks of 32
+        supers, plane = width // gguf_packing.SUPER, features * gguf_packing.PLANE_BYTES.get(kind, 0)
+        tile = gguf_packing.Q6_K_TILE if kind == "Q6_K" else gguf_packing.super_tile(kind)
+        at = (np.arange(supers) * tile)[:, None]  # [super, 1]
+        block = np.arange(8)[None, :]
+        d = _halves(blocks, ids, at[:, 0])  # [T, super]
+        if kind == "Q6_K":
+            block_at = at + gguf_packing.Q6_K_HEAD + block * gguf_packing.Q6_K_BLOCK  # [super, block]
+            codes = _lane_bytes(blocks, ids, block_at[..., None, None] + 64 * c + j, 4)  # [T, S, block, chunk, j]
+            planes = _lane_bytes(blocks, ids, block_at[..., None, None] + 256 + 64 * np.arange(2)[:, None] + j, 4)
+            high = (planes[..., :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., half, c, j]
+            q = (_nibbles(codes) | (high << 4)).astype(jnp.int8) - jnp.int8(32)  # [T, S, block, half, chunk, j]
+            scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, at + 32 + 16 * np.arange(16), 1), jnp.int8)
+            scale = (d[..., None] * scales.astype(jnp.float32)).reshape(t, supers, 8, 2, 1)  # sub-blocks of 16
+            return (scale * q.reshape(t, supers, 8, 2, 16).astype(jnp.float32)).reshape(t, width)
+        dmin = _halves(blocks, ids, at[:, 0] + 32)
+        sc, mn = (_lane_bytes(blocks, ids, at + start + 16 * block, 1).astype(jnp.float32) for start in (64, 192))
+        block_at = at + gguf_packing.Q4_K_HEAD + block * (plane + 256)  # [super, block]: (plane,) codes
+        q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + plane + 64 * c + j, 4))
+        if plane:  # Q5_K: each block's plane of 5th bits
+            bits = _lane_bytes(blocks, ids, block_at[..., None] + np.arange(4), 4)  # [T, S, block, j]
+            q = q | (((bits[..., None, None, :] >> fifth_shifts) & 1) << 4)
+        values = q.reshape(t, supers, 8, 32).astype(jnp.float32)
+        scale, low = (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None]  # [T, S, block, 1]
+        return (scale * values - low).reshape(t, width)
+    num_blocks, scales = width // 32, gguf_packing.SCALES[kind]
+    plane, tile = features * gguf_packing.PLANE_BYTES.get(kind, 0), gguf_packing.tile_bytes(kind)
+    at = (np.arange(num_blocks) * tile)[:, None]  # [block, 1]
+    factors = _halves(blocks, ids, at + 2 * features * np.arange(scales))  # [T, block, d (m)]
+    chunks = np.arange(gguf_packing.CODE_BYTES[kind] // 4)[:, None]
+    codes = _lane_bytes(blocks, ids, at[..., None] + 2 * scales * features + plane + 64 * chunks + j, 4)
+    if kind == "Q8_0":
+        values = jax.lax.bitcast_convert_type(codes, jnp.int8).reshape(t, num_blocks, 32).astype(jnp.float32)
+        return (values * factors[..., :1]).reshape(t, width)
+    q = _nibbles(codes)  # [T, block, half, chunk, j]
+    if plane:  # Q5_0, Q5_1: the plane of 5th bits
+        bits = _lane_bytes(blocks, ids, at + 2 * scales * features + np.arange(4), 4)  # [T, block, j]
+        q = q | (((bits[..., None, None, :] >> fifth_shifts) & 1) << 4)
+    q = q.reshape(t, num_blocks, 32)
+    if kind in ("Q4_0", "Q5_0"):  # signed codes: q - 8 (Q5_0: q - 16)
+        offset = 8 if kind == "Q4_0" else 16
+        return ((q.astype(jnp.int8) - jnp.int8(offset)).astype(jnp.float32) * factors[..., :1]).reshape(t, width)
+    return (q.astype(jnp.float32) * factors[..., :1] + factors[..., 1:]).reshape(t, width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +227,8 @@ class GgufTensor:
 
         return np.asarray(dequantize(self.blocks, GGMLQuantizationType[self.kind]), np.float32)
 
-    def as_table(self, shape: tuple[int, ...], looked_up: bool = True) -> GgufTable:
-        """These blocks as an embedding table [V, D] (the file's own layout), on the default device; one not
-        `looked_up` (an untied LM head) in any kept format."""
-        kinds = TABLE_KINDS if looked_up else KEPT_KINDS
-        if self.kind not in kinds:
-            raise ValueError(f"an embedding table stays in {', '.join(kinds)} blocks, not {self.kind}")
+    def as_table(self, shape: tuple[int, ...]) -> GgufTable:
+        """These blocks as an embedding table [V, D] (the file's own layout), on the default device."""
         if tuple(shape) != self.shape:
             raise ValueError(f"GGUF {self.kind} tensor {list(self.shape)} does not fit table {tuple(shape)}")
         return GgufTable(jax.device_put(gguf_packing.pack(self.blocks, self.kind)), self.kind, self.shape)

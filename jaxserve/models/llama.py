@@ -212,8 +212,6 @@ QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_p
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token-embedding tables ([V, D], as a GGUF file stores them) that `--quantization gguf` keeps in their blocks.
 EMBEDDING_TABLES = ("embed_tokens", "lm_head")
-# Of those, the ones only multiplied by, never looked up (an untied LM head): kept in any format the kernel reads.
-HEAD_TABLES = ("lm_head",)
 
 
 def kv_scale_factor(cfg: LlamaConfig, path: tuple, k_scale: float, v_scale: float) -> float | None:

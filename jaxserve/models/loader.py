@@ -37,7 +37,6 @@ from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.gguf_weights import (
     GGUF,
-    TABLE_KINDS,
     GgufTensor,
     check_gguf_quantization,
     keeps_blocks_by_default,
@@ -458,9 +457,8 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             if exact and covered.covers(path):
                 loaded[path] = tensor.as_weight(tuple(expected[path].shape), covered.table[path[-1]])
                 continue
-            looked_up = not (exact and covered.covers_head(path))
-            if exact and covered.covers_table(path) and (tensor.kind in TABLE_KINDS or not looked_up):
-                loaded[path] = tensor.as_table(tuple(expected[path].shape), looked_up)
+            if exact and covered.covers_table(path):
+                loaded[path] = tensor.as_table(tuple(expected[path].shape))
                 continue
             if exact and covered.covers_experts(path) and tensor.blocks.ndim == 3:
                 loaded[path] = tensor.as_experts(tuple(expected[path].shape))

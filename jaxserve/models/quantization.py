@@ -112,7 +112,6 @@ class Quantizer:
                              f"{family.__name__.rsplit('.', 1)[-1]}")
         self.table, self.layers_key = table, family.LAYERS_KEY
         self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
-        self.head_tables = getattr(family, "HEAD_TABLES", ())
         self.expert_weights = getattr(family, "EXPERT_WEIGHTS", ())
         self._quantize = jax.jit(quantize_fp8, static_argnums=1)
 
@@ -121,9 +120,6 @@ class Quantizer:
 
     def covers_table(self, path: tuple) -> bool:  # a token-embedding table GGUF blocks can stay in
         return len(path) == 1 and path[0] in self.embedding_tables
-
-    def covers_head(self, path: tuple) -> bool:  # a table only multiplied by (an untied LM head), never looked up
-        return len(path) == 1 and path[0] in self.head_tables
 
     def covers_experts(self, path: tuple) -> bool:  # a mixture's stacked experts GGUF blocks can stay in
         return path[0] == self.layers_key and path[-1] in self.expert_weights

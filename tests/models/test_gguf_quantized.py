@@ -58,9 +58,8 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_k_quant_weight_and_lm_head_multiply_by_their_dequantized_super_blocks(kind):
     """Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files' formats) kept as a layer weight and as an
-    untied LM head: their scales and codes give, through the kernel, x rounded to 8 bits per block times the
-    `gguf` package's dequantization. A table that is looked up is refused in them (the loader dequantizes it
-    instead)."""
+    LM head: their scales and codes give, through the kernel, x rounded to 8 bits per block times the `gguf`
+    package's dequantization."""
     from tests.ops.test_matmul_gguf import _blocks
 
     blocks = _blocks(kind, 96, 512, seed=4)  # [out, in]
@@ -70,26 +69,25 @@ def test_a_k_quant_weight_and_lm_head_multiply_by_their_dequantized_super_blocks
     x = np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
     got = jax.jit(layers.dense, static_argnums=2)(x, weight, AttentionConfig(impl="cpu"))
     np.testing.assert_allclose(np.asarray(got), rounded_activations(x) @ want, rtol=1e-5, atol=1e-4)
-    head = GgufTensor(blocks, kind).as_table((96, 512), looked_up=False)
+    head = GgufTensor(blocks, kind).as_table((96, 512))
     logits = jax.jit(lambda h, t: layers.logits_from_embeddings(h, t, AttentionConfig(impl="cpu")))(x, head)
     np.testing.assert_allclose(np.asarray(logits), rounded_activations(x) @ want, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="embedding table stays in"):
-        GgufTensor(blocks, kind).as_table((96, 512))
-    with pytest.raises(ValueError, match="multiplied by only"):
-        head.lookup(jnp.zeros(2, jnp.int32))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", list(cpu_kernels.GGUF_KINDS))
 def test_an_embedding_table_kept_in_blocks_looks_up_and_multiplies_as_the_dequantized_one(kind):
-    """Rows looked up from the packed blocks equal the dequantized table's bit for bit (ids at the edges of the
-    16-feature groups, repeated, and a vocabulary that is not a multiple of 16); the logits are the hidden
-    states rounded to 8 bits per block times the dequantized table."""
+    """Rows looked up from the packed blocks equal the dequantized table's bit for bit, in every kept format
+    (ids at the edges of the 16-feature groups, repeated, and a vocabulary that is not a multiple of 16; the
+    K-quants' random scales, codes and high bits, their zero row and subnormal scales); the logits are the
+    hidden states rounded to 8 bits per block times the dequantized table."""
+    from tests.ops.test_matmul_gguf import SUPER_KINDS, _blocks
+
     rng = np.random.default_rng(3)
-    vocab, width = 53, 96
-    blocks = quantize(rng.standard_normal((vocab, width)).astype(np.float32), GGMLQuantizationType[kind])
+    vocab, width = 53, 512 if kind in SUPER_KINDS else 96
+    blocks = _blocks(kind, vocab, width, seed=3)
     want = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32)  # [V, D]
     table = GgufTensor(blocks, kind).as_table((vocab, width))
-    ids = jnp.asarray([0, 15, 16, 31, 32, 52, 7, 7], jnp.int32)
+    ids = jnp.asarray([0, 15, 16, 31, 32, 52, 7, 7, 1, 2], jnp.int32)
     got = jax.jit(layers.embedding_lookup)(table, ids)
     np.testing.assert_array_equal(np.asarray(got), want[np.asarray(ids)])
     hidden = rng.standard_normal((5, width)).astype(np.float32)
@@ -230,9 +228,9 @@ def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoi
 def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_gguf, tmp_path, monkeypatch):
     """A tiny Qwen3 GGUF laid out as llama-quantize's Q4_K_M lays one out: the LM head (untied; tied, the token
     embeddings) and the V and down projections in Q6_K, the rest in Q8_0 (in place of Q4_K, which the gguf
-    package does not write). An untied head stays a Q6_K table and the projections Q6_K weights; tied, the Q6_K
-    embeddings, whose rows are looked up, are dequantized. Each decodes to the parameter the dequantizing load
-    builds, and the logits follow the dequantized model's."""
+    package does not write). The head (tied: the embeddings, looked up too) stays a Q6_K table and the
+    projections Q6_K weights; each decodes to the parameter the dequantizing load builds, and the logits follow
+    the dequantized model's."""
     import torch
     import transformers
 
@@ -259,15 +257,12 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_g
     kept, plain = _kept_and_dequantized(tmp_path / "tiny-qwen3.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
     kept_flat, plain_flat = _flat(kept), _flat(plain)
     kinds = {path[-1]: v.kind for path, v in kept_flat.items() if isinstance(v, GgufWeight | GgufTable)}
-    tables = {} if tied else {"embed_tokens": "Q8_0", "lm_head": "Q6_K"}
+    tables = {"embed_tokens": "Q6_K"} if tied else {"embed_tokens": "Q8_0", "lm_head": "Q6_K"}
     assert kinds == {**tables, "v_proj": "Q6_K", "down_proj": "Q6_K",
                      **{name: "Q8_0" for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")}}
     for path, weight in kept_flat.items():
         if isinstance(weight, GgufWeight | GgufTable):
             np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
-    if tied:
-        embeddings = [np.asarray(flat[("embed_tokens",)]) for flat in (kept_flat, plain_flat)]
-        np.testing.assert_array_equal(*embeddings)
     assert_logits_follow(kept, plain)
 
 
