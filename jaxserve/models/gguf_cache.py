@@ -242,9 +242,22 @@ def iter_cached_gguf_tensors(
     try:
         save_file(tensors, staging, metadata=kinds or None)
         os.replace(staging, target)
-        for stale in target.parent.glob("tensors-blocks*.safetensors"):  # older copies, fewer formats kept
-            if stale != target:
-                stale.unlink(missing_ok=True)
     except OSError as e:  # a cache that cannot be written only costs the next start time
         logger.warning("could not cache %s's tensors: %s", gguf_path.name, e)
         Path(staging).unlink(missing_ok=True)
+        return
+    if keep_blocks:
+        _remove_older_blocks_copies(target)
+
+
+def _remove_older_blocks_copies(target: Path) -> None:
+    """Deletes blocks copies beside `target` written when fewer formats were kept (their names list fewer, or
+    none: `tensors-blocks-2`), which no start reads again; a copy keeping formats this one does not (a newer
+    jaxserve's, sharing the cache) stays."""
+    kept = set(target.stem.split("-")[3:])
+    for copy in target.parent.glob("tensors-blocks-2*.safetensors"):
+        if copy != target and set(copy.stem.split("-")[3:]) < kept:
+            try:
+                copy.unlink()
+            except OSError as e:
+                logger.debug("could not remove the older copy %s: %s", copy, e)

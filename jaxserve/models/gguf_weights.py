@@ -114,7 +114,7 @@ class GgufTable(_ReadWhole):
     not) the LM head's logits by the native kernel, the table being output-major as the kernel reads it."""
 
     blocks: Any  # u8[ceil(V / 16), group_bytes(kind, D)]: the file's [V, D] blocks packed (`gguf_packing`)
-    kind: str = dataclasses.field(metadata={"static": True})  # a key of KEPT_KINDS
+    kind: str = dataclasses.field(metadata={"static": True})  # one of KEPT_KINDS
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})  # [V, D]
 
     ndim = 2
@@ -149,14 +149,17 @@ def _nibbles(codes: jax.Array) -> jax.Array:  # u8[..., chunk, j] -> [..., half,
     return jnp.stack([codes & 15, codes >> 4], axis=-3)
 
 
+def _with_fifth_bits(nibbles: jax.Array, plane: jax.Array) -> jax.Array:  # [..., half, chunk, j], plane [..., j]
+    return nibbles | (((plane[..., None, None, :] >> gguf_packing.FIFTH_BIT_SHIFTS) & 1) << 4)
+
+
 def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:  # -> f32[T, width]
     """Rows `ids` of a table kept in `kind`'s packed blocks, as the gguf package dequantizes them."""
     features, t = gguf_packing.FEATURES, ids.shape[0]
     c, j = np.arange(4)[:, None], np.arange(4)[None, :]  # a chunk's 4 bytes of each feature: [chunk, j]
-    fifth_shifts = (4 * np.arange(2)[:, None, None] + np.arange(4)[None, :, None]).astype(np.uint8)  # [half, c, 1]
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):  # super-blocks of 8 blocks of 32
+    if kind in gguf_packing.SUPER_KINDS:  # super-blocks of 8 blocks of 32
         supers, plane = width // gguf_packing.SUPER, features * gguf_packing.PLANE_BYTES.get(kind, 0)
-        tile = gguf_packing.Q6_K_TILE if kind == "Q6_K" else gguf_packing.super_tile(kind)
+        tile = gguf_packing.super_tile(kind)
         at = (np.arange(supers) * tile)[:, None]  # [super, 1]
         block = np.arange(8)[None, :]
         d = _halves(blocks, ids, at[:, 0])  # [T, super]
@@ -174,8 +177,7 @@ def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> ja
         block_at = at + gguf_packing.Q4_K_HEAD + block * (plane + 256)  # [super, block]: (plane,) codes
         q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + plane + 64 * c + j, 4))
         if plane:  # Q5_K: each block's plane of 5th bits
-            bits = _lane_bytes(blocks, ids, block_at[..., None] + np.arange(4), 4)  # [T, S, block, j]
-            q = q | (((bits[..., None, None, :] >> fifth_shifts) & 1) << 4)
+            q = _with_fifth_bits(q, _lane_bytes(blocks, ids, block_at[..., None] + np.arange(4), 4))
         values = q.reshape(t, supers, 8, 32).astype(jnp.float32)
         scale, low = (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None]  # [T, S, block, 1]
         return (scale * values - low).reshape(t, width)
@@ -183,15 +185,14 @@ def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> ja
     plane, tile = features * gguf_packing.PLANE_BYTES.get(kind, 0), gguf_packing.tile_bytes(kind)
     at = (np.arange(num_blocks) * tile)[:, None]  # [block, 1]
     factors = _halves(blocks, ids, at + 2 * features * np.arange(scales))  # [T, block, d (m)]
-    chunks = np.arange(gguf_packing.CODE_BYTES[kind] // 4)[:, None]
+    chunks = np.arange(gguf_packing.CODE_BYTES[kind] // 4)[:, None]  # [chunk, 1]
     codes = _lane_bytes(blocks, ids, at[..., None] + 2 * scales * features + plane + 64 * chunks + j, 4)
     if kind == "Q8_0":
         values = jax.lax.bitcast_convert_type(codes, jnp.int8).reshape(t, num_blocks, 32).astype(jnp.float32)
         return (values * factors[..., :1]).reshape(t, width)
     q = _nibbles(codes)  # [T, block, half, chunk, j]
     if plane:  # Q5_0, Q5_1: the plane of 5th bits
-        bits = _lane_bytes(blocks, ids, at + 2 * scales * features + np.arange(4), 4)  # [T, block, j]
-        q = q | (((bits[..., None, None, :] >> fifth_shifts) & 1) << 4)
+        q = _with_fifth_bits(q, _lane_bytes(blocks, ids, at + 2 * scales * features + np.arange(4), 4))
     q = q.reshape(t, num_blocks, 32)
     if kind in ("Q4_0", "Q5_0"):  # signed codes: q - 8 (Q5_0: q - 16)
         offset = 8 if kind == "Q4_0" else 16

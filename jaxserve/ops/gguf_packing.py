@@ -3,7 +3,7 @@
 
 A GGUF file stores a weight [N, K] as llama.cpp lays it out: row n holds K / 32 blocks, each its scale(s) and
 its codes (`u8[N, K / 32 * block_bytes]`). Packed, the same bytes are regrouped per (group of 16 features,
-block): the 16 features' d as f16[16], their m (Q4_1) as f16[16], then the code bytes in chunks of 64, chunk c
+block): the 16 features' d as f16[16], their m (Q4_1, Q5_1) as f16[16], then the code bytes in chunks of 64, chunk c
 holding bytes 4c .. 4c + 3 of each feature's codes in turn: `u8[ceil(N / 16), group_bytes(kind, K)]`, with
 features past N zero. No value changes: packing is a permutation of bytes, and `unpack` inverts it.
 
@@ -29,12 +29,16 @@ import numpy as np
 FEATURES = 16  # output features per group
 SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
 PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 4}  # bytes of 5th bits per block of 32 weights (qh)
+# A plane byte's bit for the 5th bit of weight 16 half + 4c + j (byte j of chunk c): 4 half + c, [half, chunk, 1].
+FIFTH_BIT_SHIFTS = (4 * np.arange(2)[:, None, None] + np.arange(4)[None, :, None]).astype(np.uint8)
 CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
 SUPER = 256  # Q4_K, Q5_K, Q6_K: weights per super-block (8 blocks of 32)
+SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 Q4_K_HEAD = FEATURES * (2 + 2 + 8 + 8)  # Q4_K's packed tile: the features' d, dmin, 8 scales and 8 mins
 Q4_K_TILE = Q4_K_HEAD + FEATURES * SUPER // 2  # Q4_K: one super-block of 16 features, packed
-K_QUANT_BYTES = {"Q4_K": Q4_K_BYTES, "Q5_K": Q4_K_BYTES + SUPER // 8}  # Q5_K: and qh[32], the codes' 5th bits
+# Super-blocks of 8 blocks with 6-bit scales and mins (Q4_K, and Q5_K with qh[32], the codes' 5th bits): bytes.
+SCALED_SUPER_BYTES = {"Q4_K": Q4_K_BYTES, "Q5_K": Q4_K_BYTES + SUPER // 8}
 Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: ql (low 4 bits), qh (high 2), i8 scales[16], f16 d
 Q6_K_HEAD = FEATURES * (2 + 16)  # Q6_K's packed tile: the features' d, then their 16 scales
 Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
@@ -49,22 +53,24 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
     return FEATURES * block_bytes(kind)
 
 
-def super_tile(kind: str) -> int:  # Q4_K's or Q5_K's packed super-block of 16 features (Q5_K: and its planes)
+def super_tile(kind: str) -> int:  # one packed super-block of 16 features: Q4_K, Q5_K (with its planes), Q6_K
+    if kind == "Q6_K":
+        return Q6_K_TILE
+    if kind not in SCALED_SUPER_BYTES:
+        raise ValueError(f"{kind} has no super-blocks")
     return Q4_K_TILE + 8 * FEATURES * PLANE_BYTES.get(kind, 0)
 
 
 def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inputs
-    if kind in K_QUANT_BYTES:
+    if kind in SUPER_KINDS:
         return k // SUPER * super_tile(kind)
-    if kind == "Q6_K":
-        return k // SUPER * Q6_K_TILE
     return k // 32 * tile_bytes(kind)
 
 
 def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]."""
-    if kind in K_QUANT_BYTES:
-        return _pack_q4_k(blocks, kind)
+    if kind in SCALED_SUPER_BYTES:
+        return _pack_scaled_supers(blocks, kind)
     if kind == "Q6_K":
         return _pack_q6_k(blocks)
     n, row_bytes = blocks.shape
@@ -87,8 +93,8 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
 
 def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
     """`pack`'s inverse: u8[ceil(N / 16), group_bytes] -> u8[N, file's row bytes]."""
-    if kind in K_QUANT_BYTES:
-        return _unpack_q4_k(packed, kind, n)
+    if kind in SCALED_SUPER_BYTES:
+        return _unpack_scaled_supers(packed, kind, n)
     if kind == "Q6_K":
         return _unpack_q6_k(packed, n)
     groups, row_bytes = packed.shape
@@ -110,20 +116,18 @@ def _plane(qh: np.ndarray) -> np.ndarray:
     """Q5's qh (u8[..., 4], bit i the 5th bit of weight i) -> its plane u8[..., 4]: byte j's bit c that of weight
     4c + j, bit 4 + c that of weight 16 + 4c + j."""
     bits = np.unpackbits(qh, axis=-1, bitorder="little").reshape(*qh.shape[:-1], 2, 4, 4)  # [.., half, c, j]
-    shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # [half, c, 1]
-    return (bits << shifts).sum((-3, -2), dtype=np.uint8)
+    return (bits << FIFTH_BIT_SHIFTS).sum((-3, -2), dtype=np.uint8)
 
 
 def _qh(plane: np.ndarray) -> np.ndarray:
     """`_plane`'s inverse."""
-    shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # [half, c, 1]
-    bits = (plane[..., None, None, :] >> shifts) & 1  # [.., half, c, j]
+    bits = (plane[..., None, None, :] >> FIFTH_BIT_SHIFTS) & 1  # [.., half, c, j]
     return np.packbits(bits.reshape(*plane.shape[:-1], 32), axis=-1, bitorder="little")
 
 
-def _pack_q4_k(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
+def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
     n, row_bytes = blocks.shape
-    size, fifth = K_QUANT_BYTES[kind], K_QUANT_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
+    size, fifth = SCALED_SUPER_BYTES[kind], SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
     supers, groups = row_bytes // size, -(-n // FEATURES)
     padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
     padded[:n] = blocks.reshape(n, supers, size)
@@ -144,7 +148,7 @@ def _pack_q4_k(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
     return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * super_tile(kind)))
 
 
-def _unpack_q4_k(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q4_K or Q5_K
+def _unpack_scaled_supers(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q4_K or Q5_K
     groups, row_bytes = packed.shape
     tile, plane_bytes = super_tile(kind), FEATURES * PLANE_BYTES.get(kind, 0)
     supers = row_bytes // tile
@@ -167,7 +171,7 @@ def _unpack_q4_k(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q4_K o
         plane = per_block[..., :plane_bytes].reshape(groups, supers, 8, FEATURES, 4).transpose(0, 3, 1, 2, 4)
         bits = np.unpackbits(_qh(plane), axis=-1, bitorder="little")  # [group, feature, super, block, j]
         parts.insert(3, np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")[..., 0])  # qh[32]
-    blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * K_QUANT_BYTES[kind])
+    blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * SCALED_SUPER_BYTES[kind])
     return np.ascontiguousarray(blocks[:n])
 
 

@@ -210,19 +210,20 @@ def test_a_file_past_the_cache_s_limit_is_read_from_the_file(smollm2_gguf, tmp_p
 
 def test_a_blocks_copy_is_named_by_the_kept_formats_and_older_copies_go(smollm2_gguf, tmp_path, monkeypatch):
     """The copy with kept blocks names the formats kept, so that a copy written when fewer were kept (holding
-    some of them dequantized) is never read; once the new copy is written the older one is removed, and the
-    float32 copy stays."""
+    some of them dequantized) is never read; once the new copy is written the older ones are removed, and the
+    float32 copy and one keeping more formats (a newer jaxserve's, sharing the cache) stay."""
     from jaxserve.models import gguf_cache
     from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
     directory = converted_dir(smollm2_gguf)
-    stale, plain = directory / "tensors-blocks-2.safetensors", directory / "tensors.safetensors"
-    stale.write_bytes(b"an older copy")
-    plain.write_bytes(b"the float32 copy")
+    kinds = "-".join(KEPT_KINDS).lower()
+    for name in ("tensors-blocks-2", "tensors-blocks-2-q4_0-q8_0", f"tensors-blocks-2-{kinds}-q3_k", "tensors"):
+        (directory / f"{name}.safetensors").write_bytes(b"another copy")
     first = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
     copies = sorted(path.name for path in directory.glob("tensors*.safetensors"))
-    assert copies == ["tensors-blocks-2-" + "-".join(KEPT_KINDS).lower() + ".safetensors", "tensors.safetensors"]
+    assert copies == [f"tensors-blocks-2-{kinds}-q3_k.safetensors", f"tensors-blocks-2-{kinds}.safetensors",
+                      "tensors.safetensors"]
     again = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
     assert again.keys() == first.keys()
     assert all(isinstance(again[name], GgufTensor) == isinstance(array, GgufTensor) for name, array in first.items())

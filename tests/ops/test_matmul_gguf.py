@@ -21,7 +21,7 @@ KINDS = tuple(cpu_kernels.GGUF_KINDS)
 ROWS = (1, 3, 4, 7, 64, 65)
 SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64))
 SUPER_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
-SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # the gguf package quantizes to none of them: random super-blocks
+SUPER_KINDS = gguf_packing.SUPER_KINDS  # the gguf package quantizes to none of them: random super-blocks
 
 
 def shapes(kind: str) -> tuple[tuple[int, int], ...]:
@@ -230,23 +230,32 @@ def test_packing_is_a_permutation_that_unpacks_exactly(kind):
         assert (byte >> 1) & 1 == (qh >> 7) & 1 and (byte >> 5) & 1 == (qh >> 23) & 1
 
 
-def test_q4_k_packing_unpacks_exactly_with_its_scales_and_codes_in_bytes():
-    """Q4_K's 6-bit scales and mins come out one per byte, in ggml's order, and pack back to the same 12 bytes;
-    each block's codes are laid out as Q4_0's."""
-    blocks = _blocks("Q4_K", 37, 512, seed=2)
-    packed = gguf_packing.pack(blocks, "Q4_K")
-    assert packed.shape == (3, 2 * gguf_packing.Q4_K_TILE)
-    assert np.array_equal(gguf_packing.unpack(packed, "Q4_K", 37), blocks)
-    supers = blocks.reshape(37, 2, 144)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_q4_k_and_q5_k_packing_unpack_exactly_with_scales_and_codes_in_bytes(kind):
+    """Q4_K's and Q5_K's 6-bit scales and mins come out one per byte, in ggml's order, and pack back to the same
+    12 bytes; each block's codes are laid out as Q4_0's, Q5_K's after the block's plane of 5th bits (bit b of
+    qh[j]: block b's weight j)."""
+    size = gguf_packing.SCALED_SUPER_BYTES[kind]
+    tile_bytes = gguf_packing.super_tile(kind)
+    plane = 64 if kind == "Q5_K" else 0
+    blocks = _blocks(kind, 37, 512, seed=2)
+    packed = gguf_packing.pack(blocks, kind)
+    assert packed.shape == (3, 2 * tile_bytes)
+    assert np.array_equal(gguf_packing.unpack(packed, kind, 37), blocks)
+    supers = blocks.reshape(37, 2, size)
     scales, mins = gguf_packing._q4_k_scales(supers[..., 4:16])
-    tile = packed[0, : gguf_packing.Q4_K_TILE]  # group 0, super-block 0
+    tile = packed[0, :tile_bytes]  # group 0, super-block 0
     assert np.array_equal(tile[64 + 16 * 5: 64 + 16 * 6], scales[:16, 0, 5])  # every feature's scale of block 5
     assert np.array_equal(tile[192 + 16 * 6: 192 + 16 * 7], mins[:16, 0, 6])
     # block 3 is the high nibbles of the file's second 32 bytes; feature 4's code byte 0 holds weights 0 and 16
-    qs = supers[4, 0, 16 + 32: 16 + 64] >> 4
-    assert tile[320 + 256 * 3 + 4 * 4] == qs[0] | (qs[16] << 4)
+    qs = supers[4, 0, 16 + plane // 2 + 32: 16 + plane // 2 + 64] >> 4
+    block_3 = tile[320 + (plane + 256) * 3:]
+    assert block_3[plane + 4 * 4] == qs[0] | (qs[16] << 4)
+    if plane:  # feature 4's plane byte 2: bit 1 the 5th bit of weight 6, bit 5 of weight 22 (bit 3 of qh[6], qh[22])
+        qh = supers[4, 0, 16:48]
+        assert (block_3[4 * 4 + 2] >> 1) & 1 == (qh[6] >> 3) & 1 and (block_3[4 * 4 + 2] >> 5) & 1 == (qh[22] >> 3) & 1
     with pytest.raises(Exception, match="mismatched shapes"):  # K must be whole super-blocks
-        cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-gguf_packing.Q4_K_TILE // 2], "Q4_K", 37)
+        cpu_kernels.matmul_gguf(np.ones((2, 480), np.float32), packed[:, :-tile_bytes // 2], kind, 37)
 
 
 def test_q6_k_packing_unpacks_exactly_with_its_high_bits_in_planes():

@@ -20,31 +20,32 @@
 //   Q5_K (13): Q4_K's with 5-bit codes (u8 qh[32]: bit i of qh[j] the 5th bit of block i's weight j)
 //   Q6_K (14): super-blocks of 16 sub-blocks of 16: f16 d, i8 scales sc[16], 6-bit codes q;
 //              sub-block i's  w[j] = d * sc[i] * (q[j] - 32)
-// A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, f16[16]), then the code
-// bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
+// A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, Q5_1: f16[16]), then the
+// code bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
 // 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q5
 // tile holds a plane of the codes' 5th bits between its scales and its Q4 chunks: byte 4f + j holds in bit c
 // the 5th bit of the weight whose low bits chunk c holds in byte 4f + j's low nibble, in bit 4 + c the high
-// nibble's. A Q4_K
-// tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn (u8[8][16] each,
-// unpacked from 6 bits), then its 8 blocks' codes as Q4's (Q5_K: each block's plane, then its codes). A Q6_K tile holds one super-block of each of 16
-// features: d (f16[16]), sc (i8[16][16]), then each block of 32 as a Q4 block's codes (the codes' low 4 bits)
-// followed by two 64-byte planes of their high 2 bits, for the low nibbles' weights and the high nibbles':
-// byte 4f + j of a plane holds, in bits 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds
-// in byte 4f + j. A block of 32 is two of Q6_K's sub-blocks, whose scales differ: the low nibbles' weights
-// (0 .. 15) and the high nibbles' (16 .. 31), whose dot products are summed apart.
+// nibble's. A Q4_K tile holds one super-block of each of 16 features: d and dmin (f16[16] each), sc and mn
+// (u8[8][16] each, unpacked from 6 bits), then its 8 blocks' codes as Q4's (Q5_K: each block's plane, then
+// its codes). A Q6_K tile holds one super-block of each of 16 features: d (f16[16]), sc (i8[16][16]), then
+// each block of 32 as a Q4 block's codes (the codes' low 4 bits) followed by two 64-byte planes of their high
+// 2 bits, for the low nibbles' weights and the high nibbles': byte 4f + j of a plane holds, in bits
+// 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds in byte 4f + j. A block of 32 is two
+// of Q6_K's sub-blocks, whose scales differ: the low nibbles' weights (0 .. 15) and the high nibbles'
+// (16 .. 31), whose dot products are summed apart.
 // So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
 // with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
 // As llama.cpp does, each row of x is first rounded to 8 bits per block of 32 (a float scale dx = max|x| / 127
-// and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q8_0: q + 128):
+// and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q5: the nibbles with
+// their 5th bits; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
-// with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes as they
-// are, bias 0) or 0, and the m term for Q4_1, Q5_1 and Q4_K only (Q4_K: d * sc and -dmin * mn, both exact in
-// float32). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the sub-block, times d * sc
-// (exact in float32). The integer part is exact, so
-// the result is x rounded to 8 bits times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the
-// float64 oracle), up to float32 sums.
+// with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes
+// as they are, bias 0) or 0, and the m term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and
+// -dmin * mn, both exact in float32). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the
+// sub-block, times d * sc (exact in float32). The integer part is exact, so the result is x rounded to 8 bits
+// times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32
+// sums.
 //
 // Work is split into units of (a run of at least two groups of 16 features, at most 4 runs per thread; a chunk
 // of x rows), shared with XLA's intra-op threads (`work_sharing.h`). A unit takes its groups two at a time and
@@ -88,10 +89,15 @@ constexpr bool has_plane(int32_t kind) { return kind == kQ5_0 || kind == kQ5_1 |
 constexpr int plane_bytes(int32_t kind) { return has_plane(kind) ? 64 : 0; }
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
 constexpr bool scaled_blocks(int32_t kind) { return kind == kQ4_K || kind == kQ5_K; }  // d * sc, dmin * mn
-constexpr bool has_mins(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 || scaled_blocks(kind); }
-constexpr int kSuper = 8;                          // Q4_K, Q6_K: blocks per super-block
+constexpr bool adds_m(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1; }  // w = d * q + m
+constexpr bool has_mins(int32_t kind) { return adds_m(kind) || scaled_blocks(kind); }
+// The codes' zero point where it is folded into the integer sums as bias * sum(xq): Q4_0's and Q5_0's
+// (AVX512-VNNI adds Q8_0's 128, its signed codes made unsigned).
+constexpr int32_t code_bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }
+constexpr int kSuper = 8;                          // Q4_K, Q5_K, Q6_K: blocks per super-block
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K, Q5_K: d, dmin (f16[16]), scales, mins (u8[8][16])
-constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_bytes(kind) + 256); }  // Q4_K, Q5_K
+// Q4_K's and Q5_K's packed super-block of 16 features (Q5_K: each block's plane too).
+constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_bytes(kind) + 256); }
 constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
 constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
 constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
@@ -164,9 +170,9 @@ struct Problem {
 struct BlockAt {
   const uint8_t* codes;  // 64 * chunks bytes
   const uint8_t* d;      // f16[16]: d (Q4_K, Q6_K: the super-block's d)
-  const uint8_t* m;      // f16[16]: Q4_1's m, Q4_K's dmin
-  const uint8_t* sc;     // Q4_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves'
-  const uint8_t* mn;     // Q4_K: u8[16], the block's mins (dmin * mn is its -m)
+  const uint8_t* m;      // f16[16]: Q4_1's and Q5_1's m, Q4_K's and Q5_K's dmin
+  const uint8_t* sc;     // Q4_K, Q5_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves'
+  const uint8_t* mn;     // Q4_K, Q5_K: u8[16], the block's mins (dmin * mn is its -m)
   const uint8_t* planes = nullptr;  // Q5: u8[64], the codes' 5th bits; Q6_K: u8[2][64], their high 2 bits
 };
 
@@ -184,7 +190,8 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
     return {codes, super, nullptr, super + 32 + 32 * (b % kSuper), nullptr, codes + 256};
   } else {
     const uint8_t* tile = group + b * (scale_bytes(K) + plane_bytes(K) + 64 * chunks(K));
-    return {tile + scale_bytes(K) + plane_bytes(K), tile, tile + 32, nullptr, nullptr, tile + scale_bytes(K)};
+    const uint8_t* plane = has_plane(K) ? tile + scale_bytes(K) : nullptr;
+    return {tile + scale_bytes(K) + plane_bytes(K), tile, tile + 32, nullptr, nullptr, plane};
   }
 }
 
@@ -267,7 +274,7 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : kind == kQ8_0 ? 128 : 0; }
+constexpr int32_t bias(int32_t kind) { return kind == kQ8_0 ? 128 : code_bias(kind); }
 
 // A tile's sums into out[m0 : m0 + R, 16 g0 : 16 (g0 + G)], features past N left out.
 template <int R, int G>
@@ -350,9 +357,7 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
         __m512i dot = dots[r][g];
         if constexpr (bias(K) != 0) dot = _mm512_sub_epi32(dot, offset);
         sums[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[g], dx), sums[r][g]);
-        if constexpr (K == kQ4_1 || K == kQ5_1) {
-          sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
-        }
+        if constexpr (adds_m(K)) sums[r][g] = _mm512_fmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
         if constexpr (scaled_blocks(K)) sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(p.sx[xb]), sums[r][g]);
       }
     }
@@ -445,8 +450,7 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-// Q8_0: signs folded into x, no bias
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }
+constexpr int32_t bias(int32_t kind) { return code_bias(kind); }  // Q8_0: signs folded into x, no bias
 
 // Half a group's sums into out[m0 : m0 + R, 16 g + 8 half : + 8], features past N left out.
 template <int R>
@@ -502,6 +506,15 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
     for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
     for (int c = 0; c < chunks(K); ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.codes + 64 * c + 32 * half));
+      __m256i lo = v, hi = v;  // the chunk's codes, unpacked once for the tile's rows (Q8_0: as they are)
+      if constexpr (K != kQ8_0) {
+        lo = _mm256_and_si256(v, low4);
+        hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (has_plane(K)) {  // codes <= 31: the two products' pair sums fit int16
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(plane, 4 - c), bit4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(plane, c), bit4));
+        }
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
         const __m256i xl = _mm256_set1_epi32(load_i32(x + 4 * c));
@@ -510,11 +523,6 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
         } else {
           const __m256i xh = _mm256_set1_epi32(load_i32(x + 16 + 4 * c));
-          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          if constexpr (has_plane(K)) {  // codes <= 31: the two products' pair sums fit int16
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(plane, 4 - c), bit4));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(plane, c), bit4));
-          }
           const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
         }
@@ -525,7 +533,7 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
       __m256i dot = dots[r];
       if constexpr (bias(K) != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias(K) * p.isx[xb]));
       sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[xb])), sums[r]);
-      if constexpr (K == kQ4_1 || K == kQ5_1) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
+      if constexpr (adds_m(K)) sums[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
       if constexpr (scaled_blocks(K)) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(p.sx[xb]), sums[r]);
     }
   }
@@ -581,7 +589,7 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #else  // the same integer sums in plain loops
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }  // Q8_0: signed codes
+constexpr int32_t bias(int32_t kind) { return code_bias(kind); }  // Q8_0: signed codes, no bias
 
 // Feature f's share of block b for x row r: x rounded to 8 bits (xq, the row's block at `x`) times the weights.
 template <int32_t K>
