@@ -155,43 +155,66 @@ def _with_fifth_bits(nibbles: jax.Array, plane: jax.Array) -> jax.Array:  # [...
 
 def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:  # -> f32[T, width]
     """Rows `ids` of a table kept in `kind`'s packed blocks, as the gguf package dequantizes them."""
-    features, t = gguf_packing.FEATURES, ids.shape[0]
-    c, j = np.arange(4)[:, None], np.arange(4)[None, :]  # a chunk's 4 bytes of each feature: [chunk, j]
-    if kind in gguf_packing.SUPER_KINDS:  # super-blocks of 8 blocks of 32
-        supers, plane = width // gguf_packing.SUPER, features * gguf_packing.PLANE_BYTES.get(kind, 0)
-        tile = gguf_packing.super_tile(kind)
-        at = (np.arange(supers) * tile)[:, None]  # [super, 1]
-        block = np.arange(8)[None, :]
-        d = _halves(blocks, ids, at[:, 0])  # [T, super]
-        if kind == "Q6_K":
-            block_at = at + gguf_packing.Q6_K_HEAD + block * gguf_packing.Q6_K_BLOCK  # [super, block]
-            codes = _lane_bytes(blocks, ids, block_at[..., None, None] + 64 * c + j, 4)  # [T, S, block, chunk, j]
-            planes = _lane_bytes(blocks, ids, block_at[..., None, None] + 256 + 64 * np.arange(2)[:, None] + j, 4)
-            high = (planes[..., :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., half, c, j]
-            q = (_nibbles(codes) | (high << 4)).astype(jnp.int8) - jnp.int8(32)  # [T, S, block, half, chunk, j]
-            scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, at + 32 + 16 * np.arange(16), 1), jnp.int8)
-            scale = (d[..., None] * scales.astype(jnp.float32)).reshape(t, supers, 8, 2, 1)  # sub-blocks of 16
-            return (scale * q.reshape(t, supers, 8, 2, 16).astype(jnp.float32)).reshape(t, width)
-        dmin = _halves(blocks, ids, at[:, 0] + 32)
-        sc, mn = (_lane_bytes(blocks, ids, at + start + 16 * block, 1).astype(jnp.float32) for start in (64, 192))
-        block_at = at + gguf_packing.Q4_K_HEAD + block * (plane + 256)  # [super, block]: (plane,) codes
-        q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + plane + 64 * c + j, 4))
-        if plane:  # Q5_K: each block's plane of 5th bits
-            q = _with_fifth_bits(q, _lane_bytes(blocks, ids, block_at[..., None] + np.arange(4), 4))
-        values = q.reshape(t, supers, 8, 32).astype(jnp.float32)
-        scale, low = (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None]  # [T, S, block, 1]
-        return (scale * values - low).reshape(t, width)
-    num_blocks, scales = width // 32, gguf_packing.SCALES[kind]
-    plane, tile = features * gguf_packing.PLANE_BYTES.get(kind, 0), gguf_packing.tile_bytes(kind)
-    at = (np.arange(num_blocks) * tile)[:, None]  # [block, 1]
+    if kind == "Q6_K":
+        return _decode_q6_k_rows(blocks, ids, width)
+    if kind in gguf_packing.SUPER_KINDS:
+        return _decode_scaled_super_rows(kind, blocks, ids, width)
+    return _decode_block_rows(kind, blocks, ids, width)
+
+
+# A chunk's 4 bytes of each feature, [chunk, j]: chunk c's byte j of a feature holds weight 4c + j (its low
+# nibble) and 16 + 4c + j (its high nibble), or, in Q8_0's 8 chunks, weight 4c + j.
+_CHUNK, _BYTE = np.arange(4)[:, None], np.arange(4)[None, :]
+
+
+def _decode_q6_k_rows(blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """Q6_K: per super-block d, 16 int8 scales (one per sub-block of 16), and each block of 32 as Q4 nibbles
+    (the codes' low 4 bits) followed by two planes of their high 2 bits; w = d * sc * (q - 32)."""
+    t, supers = ids.shape[0], width // gguf_packing.SUPER
+    at = (np.arange(supers) * gguf_packing.Q6_K_TILE)[:, None]  # [super, 1]
+    d = _halves(blocks, ids, at[:, 0])  # [T, super]
+    block_at = at + gguf_packing.Q6_K_HEAD + np.arange(8)[None, :] * gguf_packing.Q6_K_BLOCK  # [super, block]
+    codes = _lane_bytes(blocks, ids, block_at[..., None, None] + 64 * _CHUNK + _BYTE, 4)  # [T, S, block, chunk, j]
+    planes = _lane_bytes(blocks, ids, block_at[..., None, None] + 256 + 64 * np.arange(2)[:, None] + _BYTE, 4)
+    high = (planes[..., :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., half, chunk, j]
+    q = (_nibbles(codes) | (high << 4)).astype(jnp.int8) - jnp.int8(32)  # [T, S, block, half, chunk, j]
+    scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, at + 32 + 16 * np.arange(16), 1), jnp.int8)
+    scale = (d[..., None] * scales.astype(jnp.float32)).reshape(t, supers, 8, 2, 1)  # per sub-block of 16
+    return (scale * q.reshape(t, supers, 8, 2, 16).astype(jnp.float32)).reshape(t, width)
+
+
+def _decode_scaled_super_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """Q4_K, Q5_K: per super-block d, dmin, and 8 scales and mins (a byte each), then each block of 32 as Q4
+    nibbles (Q5_K: after the block's plane of 5th bits); w = d * sc * q - dmin * mn."""
+    t, supers = ids.shape[0], width // gguf_packing.SUPER
+    plane = gguf_packing.FEATURES * gguf_packing.PLANE_BYTES.get(kind, 0)
+    at = (np.arange(supers) * gguf_packing.super_tile(kind))[:, None]  # [super, 1]
+    block = np.arange(8)[None, :]
+    d, dmin = _halves(blocks, ids, at[:, 0]), _halves(blocks, ids, at[:, 0] + 32)  # [T, super]
+    sc, mn = (_lane_bytes(blocks, ids, at + start + 16 * block, 1).astype(jnp.float32) for start in (64, 192))
+    block_at = at + gguf_packing.Q4_K_HEAD + block * (plane + 256)  # [super, block]: (plane,) codes
+    q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + plane + 64 * _CHUNK + _BYTE, 4))
+    if plane:
+        q = _with_fifth_bits(q, _lane_bytes(blocks, ids, block_at[..., None] + np.arange(4), 4))
+    values = q.reshape(t, supers, 8, 32).astype(jnp.float32)
+    scale, low = (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None]  # [T, S, block, 1]
+    return (scale * values - low).reshape(t, width)
+
+
+def _decode_block_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: per block of 32 d (and m), (Q5: a plane of 5th bits,) then the codes;
+    w = d * (q - bias) (Q4_0: bias 8, Q5_0: 16, Q8_0: signed codes) or d * q + m."""
+    t, num_blocks, features = ids.shape[0], width // 32, gguf_packing.FEATURES
+    scales, plane = gguf_packing.SCALES[kind], features * gguf_packing.PLANE_BYTES.get(kind, 0)
+    at = (np.arange(num_blocks) * gguf_packing.tile_bytes(kind))[:, None]  # [block, 1]
     factors = _halves(blocks, ids, at + 2 * features * np.arange(scales))  # [T, block, d (m)]
     chunks = np.arange(gguf_packing.CODE_BYTES[kind] // 4)[:, None]  # [chunk, 1]
-    codes = _lane_bytes(blocks, ids, at[..., None] + 2 * scales * features + plane + 64 * chunks + j, 4)
+    codes = _lane_bytes(blocks, ids, at[..., None] + 2 * scales * features + plane + 64 * chunks + _BYTE, 4)
     if kind == "Q8_0":
         values = jax.lax.bitcast_convert_type(codes, jnp.int8).reshape(t, num_blocks, 32).astype(jnp.float32)
         return (values * factors[..., :1]).reshape(t, width)
     q = _nibbles(codes)  # [T, block, half, chunk, j]
-    if plane:  # Q5_0, Q5_1: the plane of 5th bits
+    if plane:
         q = _with_fifth_bits(q, _lane_bytes(blocks, ids, at + 2 * scales * features + np.arange(4), 4))
     q = q.reshape(t, num_blocks, 32)
     if kind in ("Q4_0", "Q5_0"):  # signed codes: q - 8 (Q5_0: q - 16)
