@@ -174,15 +174,21 @@ def converted_dir(gguf_path: Path) -> Path:
     return target
 
 
-_TENSORS_FILE = "tensors.safetensors"
+_TENSORS_FILE = "tensors.safetensors"  # a file's tensors, every one dequantized to float32
+_BLOCKS_COPY = "tensors-blocks-2"  # the copy keeping the kept formats' blocks ("-2": a mixture's experts too)
 
 
 def _blocks_file() -> str:
-    """The same, with the kept formats' tensors as their blocks: named by those formats ("-2" since a mixture's
-    experts are kept too), so that a copy written when fewer were kept, holding them dequantized, is not read."""
+    """The copy with the kept formats' tensors as their blocks, the rest in float32: named by those formats,
+    so that a copy written when fewer were kept, holding them dequantized, is not read."""
     from jaxserve.models.gguf_weights import KEPT_KINDS
 
-    return f"tensors-blocks-2-{'-'.join(KEPT_KINDS).lower()}.safetensors"
+    return f"{_BLOCKS_COPY}-{'-'.join(sorted(kind.lower() for kind in KEPT_KINDS))}.safetensors"
+
+
+def _kinds_in(copy: Path) -> set[str]:
+    """The formats a blocks copy's name lists (none for the first such copies, named `tensors-blocks-2`)."""
+    return set(copy.stem.removeprefix(_BLOCKS_COPY).split("-")[1:])
 
 
 # The largest copy kept: the whole copy is held in memory while the first load writes it, and a dequantized
@@ -251,12 +257,12 @@ def iter_cached_gguf_tensors(
 
 
 def _remove_older_blocks_copies(target: Path) -> None:
-    """Deletes blocks copies beside `target` written when fewer formats were kept (their names list fewer, or
-    none: `tensors-blocks-2`), which no start reads again; a copy keeping formats this one does not (a newer
-    jaxserve's, sharing the cache) stays."""
-    kept = set(target.stem.split("-")[3:])
-    for copy in target.parent.glob("tensors-blocks-2*.safetensors"):
-        if copy != target and set(copy.stem.split("-")[3:]) < kept:
+    """Deletes the blocks copies beside `target` that keep no format it does not (fewer, or the same under an
+    older name), which no start reads again; a copy keeping formats this one does not (a newer jaxserve's,
+    sharing the cache) stays."""
+    kept = _kinds_in(target)
+    for copy in target.parent.glob(f"{_BLOCKS_COPY}*.safetensors"):
+        if copy != target and _kinds_in(copy) <= kept:
             try:
                 copy.unlink()
             except OSError as e:

@@ -6,12 +6,13 @@ default path dequantizes every tensor to float32 or bfloat16 at load.
 A file's tensor arrives as a `GgufTensor` (its blocks, one output feature per row, as llama.cpp lays them out)
 and, where the family's `QUANTIZED_WEIGHTS` lists the parameter, becomes a `GgufWeight` in the model's state:
 the same blocks, packed 16 output features at a time for the kernel (`ops/gguf_packing.py`), with the
-parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table the family's `EMBEDDING_TABLES`
-lists (and so a tied LM head) becomes a `GgufTable`: its rows are decoded where looked up, and the LM head's
-logits come from the same kernel. A mixture's experts, stacked [E, out, in] as llama.cpp stores them (or
-stacked here from one tensor an expert), become `GgufExperts` where the family's `EXPERT_WEIGHTS` lists them:
-each expert's blocks packed as a weight's, multiplied by `cpu_kernels.grouped_matmul_gguf` for the rows
-routed to it. Every other tensor (norms, formats the kernel does not read) is dequantized as before.
+parameter's shape, [*contracted_axes, *output_axes]. A token-embedding table or an untied LM head the
+family's `EMBEDDING_TABLES` lists becomes a `GgufTable`: a table's rows are decoded where looked up, and the
+LM head's logits (tied or not) come from the same kernel. A mixture's experts, stacked [E, out, in] as
+llama.cpp stores them (or stacked here from one tensor an expert), become `GgufExperts` where the family's
+`EXPERT_WEIGHTS` lists them: each expert's blocks packed as a weight's, multiplied by
+`cpu_kernels.grouped_matmul_gguf` for the rows routed to it. Every other tensor (norms, formats the kernel
+does not read) is dequantized as before.
 """
 
 import collections
@@ -177,8 +178,9 @@ def _decode_q6_k_rows(blocks: jax.Array, ids: jax.Array, width: int) -> jax.Arra
     codes = _lane_bytes(blocks, ids, block_at[..., None, None] + 64 * _CHUNK + _BYTE, 4)  # [T, S, block, chunk, j]
     planes = _lane_bytes(blocks, ids, block_at[..., None, None] + 256 + 64 * np.arange(2)[:, None] + _BYTE, 4)
     high = (planes[..., :, None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., half, chunk, j]
-    q = (_nibbles(codes) | (high << 4)).astype(jnp.int8) - jnp.int8(32)  # [T, S, block, half, chunk, j]
-    scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, at + 32 + 16 * np.arange(16), 1), jnp.int8)
+    q = (_nibbles(codes) | (high << 4)).astype(jnp.int8) - jnp.int8(gguf_packing.Q6_K_BIAS)  # [T, S, block, half, c, j]
+    scale_at = at + gguf_packing.Q6_K_SCALES_AT + 16 * np.arange(16)  # [super, sub-block]
+    scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, scale_at, 1), jnp.int8)
     scale = (d[..., None] * scales.astype(jnp.float32)).reshape(t, supers, 8, 2, 1)  # per sub-block of 16
     return (scale * q.reshape(t, supers, 8, 2, 16).astype(jnp.float32)).reshape(t, width)
 
@@ -190,8 +192,9 @@ def _decode_scaled_super_rows(kind: str, blocks: jax.Array, ids: jax.Array, widt
     plane = gguf_packing.FEATURES * gguf_packing.PLANE_BYTES.get(kind, 0)
     at = (np.arange(supers) * gguf_packing.super_tile(kind))[:, None]  # [super, 1]
     block = np.arange(8)[None, :]
-    d, dmin = _halves(blocks, ids, at[:, 0]), _halves(blocks, ids, at[:, 0] + 32)  # [T, super]
-    sc, mn = (_lane_bytes(blocks, ids, at + start + 16 * block, 1).astype(jnp.float32) for start in (64, 192))
+    d, dmin = _halves(blocks, ids, at[:, 0]), _halves(blocks, ids, at[:, 0] + gguf_packing.Q4_K_DMIN_AT)  # [T, S]
+    sc, mn = (_lane_bytes(blocks, ids, at + start + 16 * block, 1).astype(jnp.float32)
+              for start in (gguf_packing.Q4_K_SCALES_AT, gguf_packing.Q4_K_MINS_AT))
     block_at = at + gguf_packing.Q4_K_HEAD + block * (plane + 256)  # [super, block]: (plane,) codes
     q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + plane + 64 * _CHUNK + _BYTE, 4))
     if plane:

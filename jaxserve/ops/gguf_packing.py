@@ -36,11 +36,14 @@ SUPER = 256  # Q4_K, Q5_K, Q6_K: weights per super-block (8 blocks of 32)
 SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 Q4_K_HEAD = FEATURES * (2 + 2 + 8 + 8)  # Q4_K's packed tile: the features' d, dmin, 8 scales and 8 mins
+Q4_K_DMIN_AT, Q4_K_SCALES_AT, Q4_K_MINS_AT = 2 * FEATURES, 4 * FEATURES, 12 * FEATURES  # where they start in it
 Q4_K_TILE = Q4_K_HEAD + FEATURES * SUPER // 2  # Q4_K: one super-block of 16 features, packed
 # Super-blocks of 8 blocks with 6-bit scales and mins (Q4_K, and Q5_K with qh[32], the codes' 5th bits): bytes.
 SCALED_SUPER_BYTES = {"Q4_K": Q4_K_BYTES, "Q5_K": Q4_K_BYTES + SUPER // 8}
 Q6_K_BYTES = SUPER // 2 + SUPER // 4 + 16 + 2  # Q6_K: ql (low 4 bits), qh (high 2), i8 scales[16], f16 d
 Q6_K_HEAD = FEATURES * (2 + 16)  # Q6_K's packed tile: the features' d, then their 16 scales
+Q6_K_SCALES_AT = 2 * FEATURES  # where the scales start in it (i8[16 sub-blocks][16 features])
+Q6_K_BIAS = 32  # w = d * sc * (q - 32)
 Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
 Q6_K_TILE = Q6_K_HEAD + 8 * Q6_K_BLOCK  # Q6_K: one super-block of 16 features, packed
 
@@ -127,21 +130,22 @@ def _qh(plane: np.ndarray) -> np.ndarray:
 
 def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
     n, row_bytes = blocks.shape
-    size, fifth = SCALED_SUPER_BYTES[kind], SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
+    size, qh_bytes = SCALED_SUPER_BYTES[kind], SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
     supers, groups = row_bytes // size, -(-n // FEATURES)
     padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
     padded[:n] = blocks.reshape(n, supers, size)
     grouped = padded.reshape(groups, FEATURES, supers, size)  # [group, feature, super, bytes]
     scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
-    qs = grouped[..., 16 + fifth:].reshape(groups, FEATURES, supers, 4, 32)  # blocks 2i (low nibbles), 2i + 1
+    qs = grouped[..., 16 + qh_bytes:].reshape(groups, FEATURES, supers, 4, 32)  # blocks 2i (low nibbles), 2i + 1
     codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
     q4 = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # Q4_0's bytes
     head = [grouped[..., 0:2], grouped[..., 2:4]]  # d, dmin: [group, feature, super, 2] -> [group, super, 32]
     parts = [part.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for part in head]
     parts += [part.transpose(0, 2, 3, 1).reshape(groups, supers, -1) for part in (scales, mins)]  # [.., 8, 16]
     per_block = [q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)]  # [.., block, chunk, feature, 4]
-    if fifth:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature, 4]
-        bits = (grouped[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [group, feature, super, j, b]
+    if qh_bytes:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature, 4]
+        qh_bits = grouped[..., 16:16 + qh_bytes, None]  # [group, feature, super, j, 1]
+        bits = (qh_bits >> np.arange(8, dtype=np.uint8)) & 1  # [.., j, b]
         qh = np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")  # [.., block, 4]
         per_block.insert(0, _plane(qh).transpose(0, 2, 3, 1, 4).reshape(groups, supers, 8, -1))
     parts.append(np.concatenate(per_block, -1).reshape(groups, supers, -1))
@@ -153,10 +157,11 @@ def _unpack_scaled_supers(packed: np.ndarray, kind: str, n: int) -> np.ndarray: 
     tile, plane_bytes = super_tile(kind), FEATURES * PLANE_BYTES.get(kind, 0)
     supers = row_bytes // tile
     tiles = packed.reshape(groups, supers, tile)
-    d, dmin = (tiles[..., at: at + 32].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3) for at in (0, 32))
-    scales, mins = (tiles[..., at: at + 128].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
-                    for at in (64, 192))
-    per_block = tiles[..., 320:].reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
+    d, dmin = (tiles[..., at: at + 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+               for at in (0, Q4_K_DMIN_AT))
+    scales, mins = (tiles[..., at: at + 8 * FEATURES].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
+                    for at in (Q4_K_SCALES_AT, Q4_K_MINS_AT))
+    per_block = tiles[..., Q4_K_HEAD:].reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
     q4 = per_block[..., plane_bytes:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
     q4 = q4.reshape(groups, FEATURES, supers, 8, 16)
     codes = np.concatenate([q4 & 15, q4 >> 4], -1).reshape(groups, FEATURES, supers, 4, 2, 32)

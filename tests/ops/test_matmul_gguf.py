@@ -17,10 +17,11 @@ pytestmark = [
 
 KINDS = tuple(cpu_kernels.GGUF_KINDS)
 # Rows: one tile row, a partial tile, whole tiles, past a 64-row chunk. Columns: below and past a 4-row tile
-# and a 16-row unit. K: one block, odd block counts, SmolLM2's widths.
+# and a 16-row unit, a group's second 8 features in part (AVX2's second half tile, AVX-512's masked store). K:
+# one block, odd block counts, SmolLM2's widths.
 ROWS = (1, 3, 4, 7, 64, 65)
-SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64))
-SUPER_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5))  # K in super-blocks of 256
+SHAPES = ((32, 1), (32, 5), (96, 17), (576, 192), (1536, 33), (160, 64), (64, 29))
+SUPER_SHAPES = ((256, 1), (256, 17), (512, 33), (768, 192), (1536, 5), (256, 29))  # K in super-blocks of 256
 SUPER_KINDS = gguf_packing.SUPER_KINDS  # the gguf package quantizes to none of them: random super-blocks
 
 

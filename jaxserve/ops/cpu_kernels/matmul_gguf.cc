@@ -101,6 +101,7 @@ constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_byt
 constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
 constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
 constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
+constexpr int32_t kQ6Bias = 32;                // Q6_K's zero point: w = d * sc * (q - 32)
 
 constexpr bool known_kind(int32_t kind) {
   return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ4_K ||
@@ -181,9 +182,10 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
   const uint8_t* group = p.w + g * p.group_bytes;
   if constexpr (scaled_blocks(K)) {
     const uint8_t* super = group + (b / kSuper) * super_tile(K);
-    const int64_t sub = b % kSuper;
-    const uint8_t* block = super + kSuperHead + (plane_bytes(K) + 256) * sub;  // Q5_K: its plane, then its codes
-    return {block + plane_bytes(K), super, super + 32, super + 64 + 16 * sub, super + 192 + 16 * sub, block};
+    const int64_t block = b % kSuper;  // within its super-block
+    const uint8_t* at = super + kSuperHead + (plane_bytes(K) + 256) * block;  // Q5_K: its plane, then its codes
+    return {at + plane_bytes(K), super, super + 32, super + 64 + 16 * block, super + 192 + 16 * block,
+            has_plane(K) ? at : nullptr};
   } else if constexpr (K == kQ6_K) {
     const uint8_t* super = group + (b / kSuper) * kQ6Tile;
     const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
@@ -395,12 +397,12 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
       }
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[g].d)));
     }
-    for (int half = 0; half < 2; ++half) {
+    for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
       __m512i planes[G];
       __m512 scale[G];  // d * sc, exact in float32 (11 by 8 bits)
       for (int g = 0; g < G; ++g) {
-        planes[g] = _mm512_loadu_si512(at[g].planes + 64 * half);
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[g].sc + 16 * half));
+        planes[g] = _mm512_loadu_si512(at[g].planes + 64 * sub);
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[g].sc + 16 * sub));
         scale[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       }
       __m512i dots[R][G];
@@ -411,18 +413,18 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
         __m512i q[G];
         for (int g = 0; g < G; ++g) {
           const __m512i v = _mm512_loadu_si512(at[g].codes + 64 * c);
-          const __m512i nibbles = _mm512_and_si512(half == 0 ? v : _mm512_srli_epi16(v, 4), low4);
+          const __m512i nibbles = _mm512_and_si512(sub == 0 ? v : _mm512_srli_epi16(v, 4), low4);
           q[g] = _mm512_or_si512(nibbles, high_bits(planes[g], c));
         }
         for (int r = 0; r < R; ++r) {
-          const __m512i x = _mm512_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * half + 4 * c));
+          const __m512i x = _mm512_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * sub + 4 * c));
           for (int g = 0; g < G; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], q[g], x);
         }
       }
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
         const __m512 dx = _mm512_set1_ps(p.dx[xb]);
-        const __m512i offset = _mm512_set1_epi32(32 * p.hsx[2 * xb + half]);
+        const __m512i offset = _mm512_set1_epi32(kQ6Bias * p.hsx[2 * xb + sub]);
         for (int g = 0; g < G; ++g) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r][g], offset));
           sums[r][g] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[g], dx), sums[r][g]);
@@ -566,7 +568,7 @@ void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
       }
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
-        const __m256i dot = _mm256_sub_epi32(dots[r], _mm256_set1_epi32(32 * p.hsx[2 * xb + sub]));
+        const __m256i dot = _mm256_sub_epi32(dots[r], _mm256_set1_epi32(kQ6Bias * p.hsx[2 * xb + sub]));
         sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(p.dx[xb])), sums[r]);
       }
     }
@@ -606,7 +608,7 @@ float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x,
           dot += q * x[16 * sub + 4 * c + j];
         }
       }
-      dot -= 32 * p.hsx[2 * xb + sub];
+      dot -= kQ6Bias * p.hsx[2 * xb + sub];
       const float scale = half_to_float(at.d + 2 * f) * float(int8_t(at.sc[16 * sub + f]));
       total += scale * p.dx[xb] * float(dot);
     }
