@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
@@ -49,16 +49,17 @@ SHAPES = {  # name -> (K, N, output-major weights)
 }
 DEFAULT_IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")
 IMPLS = (*DEFAULT_IMPLS, "native Q5_0", "native Q5_1", "native Q4_K", "native Q5_K", "native Q6_K")  # f32 sums
-GGUF_BYTES = {"native Q4_0": 18 / 32, "native Q4_1": 20 / 32, "native Q5_0": 22 / 32, "native Q5_1": 24 / 32,
-              "native Q8_0": 34 / 32, "native Q4_K": 144 / 256, "native Q5_K": 176 / 256,
-              "native Q6_K": 210 / 256}  # bytes per weight
-K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, where f16 scales lie
+GGUF_BYTES = {  # bytes per weight, from the gguf package's (weights, bytes) per block
+    impl: GGML_QUANT_SIZES[GGMLQuantizationType[impl.removeprefix("native ")]][1]
+    / GGML_QUANT_SIZES[GGMLQuantizationType[impl.removeprefix("native ")]][0]
+    for impl in IMPLS if impl.startswith("native Q")}
+K_QUANTS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where their f16 scales lie in a block
 
 
 def gguf_blocks(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:  # [N, K] -> u8[N, row bytes]
     if kind not in K_QUANTS:
         return quantize(w, GGMLQuantizationType[kind])
-    size, scales = K_QUANTS[kind]
+    size, scales = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1], K_QUANTS[kind]
     blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
     scale = np.full(blocks.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
     for at in scales:

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from lora_stacks import median_ms  # this directory's
 
 from jaxserve.model_configs import bundled_config_values
@@ -42,15 +43,15 @@ def layers_fn(copies: int, top_k: int, num_experts: int, native: bool):
     return run
 
 
-# A format's block: (weights, bytes, where its float16 scales lie, their value).
-BLOCKS = {"Q4_0": (32, 18, (0,), 0.002), "Q4_K": (256, 144, (0, 2), 0.0005), "Q5_K": (256, 176, (0, 2), 0.0003),
-          "Q6_K": (256, 210, (208,), 0.0001)}
+# A format's float16 scales in a block: where they lie, their value (a block's weights and bytes are the gguf
+# package's GGML_QUANT_SIZES).
+BLOCKS = {"Q4_0": ((0,), 0.002), "Q4_K": ((0, 2), 0.0005), "Q5_K": ((0, 2), 0.0003), "Q6_K": ((208,), 0.0001)}
 IMPLS = ("ragged_dot", "native bf16", *(f"native {kind}" for kind in BLOCKS))
 
 
 def random_experts(rng: np.random.Generator, kind: str, num_experts: int, k: int, n: int) -> GgufExperts:
     """Experts [E, K, N] in `kind`'s blocks of random codes (stored [E, N, K / weights * bytes])."""
-    weights, size, scales, value = BLOCKS[kind]
+    (weights, size), (scales, value) = GGML_QUANT_SIZES[GGMLQuantizationType[kind]], BLOCKS[kind]
     blocks = rng.integers(0, 256, size=(num_experts, n, k // weights, size), dtype=np.uint8)
     for at in scales:
         blocks[..., at: at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
@@ -87,7 +88,8 @@ def main() -> None:
             layers = tuple([random_experts(rng, kind, e, d_in, d_out) for _ in range(args.copies)]
                            for d_in, d_out in ((d, f), (d, f), (f, d)))  # gates, ups, downs: each a list
             impls[f"native {kind}"] = (native, layers)
-            expert_bytes[f"native {kind}"] = 3 * d * f * BLOCKS[kind][1] / BLOCKS[kind][0]
+            weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+            expert_bytes[f"native {kind}"] = 3 * d * f * size / weights
     impls = {name: impls[name] for name in args.impls}
     natives = [name for name in args.impls if name != "ragged_dot"]
     base = args.impls[0]  # the ratios' baseline

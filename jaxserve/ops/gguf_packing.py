@@ -212,7 +212,7 @@ def _unpack_q6_k(packed: np.ndarray, n: int) -> np.ndarray:
     supers = row_bytes // Q6_K_TILE
     tiles = packed.reshape(groups, supers, Q6_K_TILE)
     d = tiles[..., : 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
-    scales = tiles[..., 2 * FEATURES: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
+    scales = tiles[..., Q6_K_SCALES_AT: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
     per_block = tiles[..., Q6_K_HEAD:].reshape(groups, supers, 8, Q6_K_BLOCK)
     code_bytes = FEATURES * 32 // 2
     q4 = per_block[..., :code_bytes].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
