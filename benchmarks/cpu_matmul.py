@@ -1,11 +1,11 @@
 """The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K and Q6_K blocks (`cpu_kernels.matmul_gguf`, float32 activations) against XLA:CPU's float32
-and bfloat16 dots.
+Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks (`cpu_kernels.matmul_gguf`, float32 activations) against
+XLA:CPU's float32 and bfloat16 dots.
 
 SmolLM2-135M's shapes (`--shapes smollm2`, whose widths are not whole K-quant super-blocks) or Qwen3-30B-A3B's
 dense ones (`--shapes qwen3-30b-a3b`) at 1, 4, 16 and 64 rows: the attention and MLP projections (weights
-[K, N]) and the LM head (the [V, D] embedding table). The K-quants' blocks are random bytes with float16
-scales of a real file's size (the gguf package does not quantize to them): the kernel's work does not
+[K, N]) and the LM head (the [V, D] embedding table). The K-quants' and IQ4 formats' blocks are random bytes
+with float16 scales of a real file's size (the gguf package does not quantize to them): the kernel's work does not
 depend on the values. Each case runs `--copies` different weight matrices back to back in
 one jitted function, each call taking the one before's output (as a model's layers do, so that XLA does not
 run them at once), so that the weights come from memory as in a served step (64 copies of a 576 x 1536
@@ -48,19 +48,19 @@ SHAPES = {  # name -> (K, N, output-major weights)
     },
 }
 DEFAULT_IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")
-IMPLS = (*DEFAULT_IMPLS, "native Q5_0", "native Q5_1", "native Q4_K", "native Q5_K", "native Q6_K")  # f32 sums
+IMPLS = (*DEFAULT_IMPLS, *(f"native {kind}" for kind in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")))
+GGUF_KINDS = {impl: kind for impl in IMPLS if (kind := impl.removeprefix("native ")) in cpu_kernels.GGUF_KINDS}
 GGUF_BYTES = {  # bytes per weight, from the gguf package's (weights, bytes) per block
-    impl: GGML_QUANT_SIZES[GGMLQuantizationType[impl.removeprefix("native ")]][1]
-    / GGML_QUANT_SIZES[GGMLQuantizationType[impl.removeprefix("native ")]][0]
-    for impl in IMPLS if impl.startswith("native Q")}
-K_QUANTS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where their f16 scales lie in a block
+    impl: GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1] / GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+    for impl, kind in GGUF_KINDS.items()}
+RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # their f16 scales
 
 
 def gguf_blocks(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:  # [N, K] -> u8[N, row bytes]
-    if kind not in K_QUANTS:
+    if kind not in RANDOM_BLOCKS:
         return quantize(w, GGMLQuantizationType[kind])
-    size, scales = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1], K_QUANTS[kind]
-    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+    (weights, size), scales = GGML_QUANT_SIZES[GGMLQuantizationType[kind]], RANDOM_BLOCKS[kind]
+    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // weights, size), dtype=np.uint8)
     scale = np.full(blocks.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
     for at in scales:
         blocks[..., at: at + 2] = scale
@@ -110,7 +110,8 @@ def main() -> None:
     if (error := cpu_kernels.kernel_error()) is not None:
         raise SystemExit(f"the native kernels are unavailable: {error}")
 
-    k_quants = [impl for impl in args.impls if impl.removeprefix("native ") in K_QUANTS]
+    k_quants = [impl for impl in args.impls
+                if impl in GGUF_KINDS and GGML_QUANT_SIZES[GGMLQuantizationType[GGUF_KINDS[impl]]][0] == 256]
     if k_quants and any(k % 256 for k, _, _ in SHAPES[args.shapes].values()):
         parser.error(f"{', '.join(k_quants)} need widths in whole super-blocks of 256: --shapes qwen3-30b-a3b")
     rng = np.random.default_rng(0)

@@ -30,7 +30,7 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K: the formats kept as they are
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q4_K .. Q6_K, IQ4_NL, IQ4_XS: the formats kept as they are
 
 
 class _ReadWhole:
@@ -158,6 +158,8 @@ def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> ja
     """Rows `ids` of a table kept in `kind`'s packed blocks, as the gguf package dequantizes them."""
     if kind == "Q6_K":
         return _decode_q6_k_rows(blocks, ids, width)
+    if kind == "IQ4_XS":
+        return _decode_iq4_xs_rows(blocks, ids, width)
     if kind in gguf_packing.SUPER_KINDS:
         return _decode_scaled_super_rows(kind, blocks, ids, width)
     return _decode_block_rows(kind, blocks, ids, width)
@@ -204,9 +206,29 @@ def _decode_scaled_super_rows(kind: str, blocks: jax.Array, ids: jax.Array, widt
     return (scale * values - low).reshape(t, width)
 
 
+def _iq4_values(codes: jax.Array) -> jax.Array:  # u8[...] of 0 .. 15 -> f32[...]: the IQ4 formats' table
+    from gguf.quants import IQ4_NL
+
+    return jnp.asarray(IQ4_NL.kvalues, jnp.float32)[codes]
+
+
+def _decode_iq4_xs_rows(blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """IQ4_XS: per super-block d and 8 int8 scales (the file's 6 bits less 32), then each block of 32 as Q4
+    nibbles indexing the IQ4 table; w = d * sc * value(q)."""
+    t, supers = ids.shape[0], width // gguf_packing.SUPER
+    at = (np.arange(supers) * gguf_packing.IQ4_XS_TILE)[:, None]  # [super, 1]
+    block = np.arange(8)[None, :]
+    d = _halves(blocks, ids, at[:, 0])  # [T, S]
+    sc = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, at + gguf_packing.IQ4_XS_SCALES_AT + 16 * block, 1),
+                                      jnp.int8).astype(jnp.float32)  # [T, S, block]
+    block_at = at + gguf_packing.IQ4_XS_HEAD + block * 256  # [super, block]
+    q = _nibbles(_lane_bytes(blocks, ids, block_at[..., None, None] + 64 * _CHUNK + _BYTE, 4))
+    return ((d[..., None] * sc)[..., None] * _iq4_values(q).reshape(t, supers, 8, 32)).reshape(t, width)
+
+
 def _decode_block_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: per block of 32 d (and m), (Q5: a plane of 5th bits,) then the codes;
-    w = d * (q - bias) (Q4_0: bias 8, Q5_0: 16, Q8_0: signed codes) or d * q + m."""
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: per block of 32 d (and m), (Q5: a plane of 5th bits,) then the
+    codes; w = d * (q - bias) (Q4_0: bias 8, Q5_0: 16, Q8_0: signed codes), d * q + m, or d * value(q) (IQ4_NL)."""
     t, num_blocks, features = ids.shape[0], width // 32, gguf_packing.FEATURES
     scales, plane = gguf_packing.SCALES[kind], features * gguf_packing.PLANE_BYTES.get(kind, 0)
     at = (np.arange(num_blocks) * gguf_packing.tile_bytes(kind))[:, None]  # [block, 1]
@@ -220,6 +242,8 @@ def _decode_block_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int)
     if plane:
         q = _with_fifth_bits(q, _lane_bytes(blocks, ids, at + 2 * scales * features + np.arange(4), 4))
     q = q.reshape(t, num_blocks, 32)
+    if kind == "IQ4_NL":
+        return (_iq4_values(q) * factors[..., :1]).reshape(t, width)
     if kind in ("Q4_0", "Q5_0"):  # signed codes: q - 8 (Q5_0: q - 16)
         offset = 8 if kind == "Q4_0" else 16
         return ((q.astype(jnp.int8) - jnp.int8(offset)).astype(jnp.float32) * factors[..., :1]).reshape(t, width)

@@ -22,18 +22,23 @@ per (group, super-block) too: the 16 features' d, their 16 scales, then each blo
 codes holding the codes' low 4 bits, followed by two planes of their high 2 bits (for the weights of the low
 nibbles, then of the high nibbles): plane byte 4f + j holds in bits 2c .. 2c + 1 the high bits of the weight
 whose low bits are in byte j of chunk c of feature f.
+
+IQ4_NL's blocks are Q4_0's, their nibbles indices into a table of 16 values, and pack as Q4_0's. IQ4_XS's
+super-blocks of 256 weights (d, 8 6-bit scales, then each block's 16 code bytes as IQ4_NL's) are packed per
+(group, super-block): the 16 features' d, their 8 scales as int8 (the 6 bits less 32), then the 8 blocks' codes
+as Q4_0's.
 """
 
 import numpy as np
 
 FEATURES = 16  # output features per group
-SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1}  # f16 scales per block: d (and m)
+SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1, "IQ4_NL": 1}  # f16 scales per block: d (and m)
 PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 4}  # bytes of 5th bits per block of 32 weights (qh)
 # A plane byte's bit for the 5th bit of weight 16 half + 4c + j (byte j of chunk c): 4 half + c, [half, chunk, 1].
 FIFTH_BIT_SHIFTS = (4 * np.arange(2)[:, None, None] + np.arange(4)[None, :, None]).astype(np.uint8)
-CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32}  # code bytes per block of 32 weights
-SUPER = 256  # Q4_K, Q5_K, Q6_K: weights per super-block (8 blocks of 32)
-SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32, "IQ4_NL": 16}  # per block of 32 weights
+SUPER = 256  # Q4_K, Q5_K, Q6_K, IQ4_XS: weights per super-block (8 blocks of 32)
+SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 Q4_K_HEAD = FEATURES * (2 + 2 + 8 + 8)  # Q4_K's packed tile: the features' d, dmin, 8 scales and 8 mins
 Q4_K_DMIN_AT, Q4_K_SCALES_AT, Q4_K_MINS_AT = 2 * FEATURES, 4 * FEATURES, 12 * FEATURES  # where they start in it
@@ -46,6 +51,11 @@ Q6_K_SCALES_AT = 2 * FEATURES  # where the scales start in it (i8[16 sub-blocks]
 Q6_K_BIAS = 32  # w = d * sc * (q - 32)
 Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
 Q6_K_TILE = Q6_K_HEAD + 8 * Q6_K_BLOCK  # Q6_K: one super-block of 16 features, packed
+IQ4_XS_BYTES = 2 + 2 + 4 + SUPER // 2  # IQ4_XS: f16 d, u16 scales_h (2 high bits a block), u8 scales_l[4], codes
+IQ4_XS_SCALES_AT = 2 * FEATURES  # IQ4_XS's packed tile: the features' d, then their 8 scales (i8[8][16])
+IQ4_XS_HEAD = FEATURES * (2 + 8)
+IQ4_XS_SCALE_BIAS = 32  # w = d * (ls - 32) * value(q), ls the file's 6-bit scale
+IQ4_XS_TILE = IQ4_XS_HEAD + FEATURES * SUPER // 2  # IQ4_XS: one super-block of 16 features, packed
 
 
 def block_bytes(kind: str) -> int:
@@ -59,6 +69,8 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
 def super_tile(kind: str) -> int:  # one packed super-block of 16 features: Q4_K, Q5_K (with its planes), Q6_K
     if kind == "Q6_K":
         return Q6_K_TILE
+    if kind == "IQ4_XS":
+        return IQ4_XS_TILE
     if kind not in SCALED_SUPER_BYTES:
         raise ValueError(f"{kind} has no super-blocks")
     return Q4_K_TILE + 8 * FEATURES * PLANE_BYTES.get(kind, 0)
@@ -76,6 +88,8 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
         return _pack_scaled_supers(blocks, kind)
     if kind == "Q6_K":
         return _pack_q6_k(blocks)
+    if kind == "IQ4_XS":
+        return _pack_iq4_xs(blocks)
     n, row_bytes = blocks.shape
     per_block, scales = block_bytes(kind), SCALES[kind]
     num_blocks, groups = row_bytes // per_block, -(-n // FEATURES)
@@ -100,6 +114,8 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
         return _unpack_scaled_supers(packed, kind, n)
     if kind == "Q6_K":
         return _unpack_q6_k(packed, n)
+    if kind == "IQ4_XS":
+        return _unpack_iq4_xs(packed, n)
     groups, row_bytes = packed.shape
     scales, num_blocks = SCALES[kind], row_bytes // tile_bytes(kind)
     tiles = packed.reshape(groups, num_blocks, tile_bytes(kind))
@@ -242,3 +258,35 @@ def _q6_k_bytes(codes: np.ndarray) -> np.ndarray:
                          (q[..., 1, :] & 15) | ((q[..., 3, :] & 15) << 4)], -1)  # [.., 2, 64]
     qh = sum((q[..., c, :] >> 4) << (2 * c) for c in range(4)).astype(np.uint8)  # [.., 2, 32]
     return np.concatenate([ql.reshape(*codes.shape[:-1], 128), qh.reshape(*codes.shape[:-1], 64)], -1)
+
+
+def _pack_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    n, row_bytes = blocks.shape
+    supers, groups = row_bytes // IQ4_XS_BYTES, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, IQ4_XS_BYTES), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, IQ4_XS_BYTES)
+    grouped = padded.reshape(groups, FEATURES, supers, IQ4_XS_BYTES)  # [group, feature, super, bytes]
+    scales_h = grouped[..., 2:4].copy().view("<u2")  # [.., 1]: bits 2i .. 2i + 1 block i's high 2 bits
+    scales_l = grouped[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [.., 4, 2]: blocks 2i, 2i + 1's low 4
+    high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [.., 8]
+    scales = ((scales_l.reshape(*high.shape) & 15) | (high << 4).astype(np.uint8)) - np.uint8(IQ4_XS_SCALE_BIAS)
+    d = grouped[..., 0:2].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
+    scales = scales.transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [group, super, block, feature]: int8 bytes
+    codes = grouped[..., 8:].reshape(groups, FEATURES, supers, 8, 4, 4)  # each block's 16 bytes, as Q4_0's
+    codes = codes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1)  # [.., block, chunk, feature, 4]
+    return np.ascontiguousarray(np.concatenate([d, scales, codes], -1).reshape(groups, supers * IQ4_XS_TILE))
+
+
+def _unpack_iq4_xs(packed: np.ndarray, n: int) -> np.ndarray:
+    groups, row_bytes = packed.shape
+    supers = row_bytes // IQ4_XS_TILE
+    tiles = packed.reshape(groups, supers, IQ4_XS_TILE)
+    d = tiles[..., : 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+    scales = tiles[..., IQ4_XS_SCALES_AT: IQ4_XS_HEAD].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
+    six_bit = (scales + np.uint8(IQ4_XS_SCALE_BIAS)) & 63  # [group, feature, super, block]
+    scales_l = (six_bit[..., 0::2] & 15) | ((six_bit[..., 1::2] & 15) << 4)
+    scales_h = ((six_bit >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    codes = tiles[..., IQ4_XS_HEAD:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    parts = [d, scales_h[..., None].astype("<u2").view(np.uint8), scales_l, codes.reshape(groups, FEATURES, supers, -1)]
+    blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * IQ4_XS_BYTES)
+    return np.ascontiguousarray(blocks[:n])

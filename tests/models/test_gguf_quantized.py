@@ -55,11 +55,11 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
         out.reshape(16, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
-def test_a_k_quant_weight_and_lm_head_multiply_by_their_dequantized_super_blocks(kind):
-    """Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files' formats) kept as a layer weight and as an
-    LM head: their scales and codes give, through the kernel, x rounded to 8 bits per block times the `gguf`
-    package's dequantization."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_a_k_quant_or_iq4_weight_and_lm_head_multiply_by_their_dequantized_blocks(kind):
+    """Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files' formats) and IQ4_NL and IQ4_XS (its IQ4_XS
+    files') kept as a layer weight and as an LM head: their scales and codes give, through the kernel, x rounded
+    to 8 bits per block times the `gguf` package's dequantization."""
     from tests.ops.test_matmul_gguf import _blocks
 
     blocks = _blocks(kind, 96, 512, seed=4)  # [out, in]
@@ -260,6 +260,46 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_g
     tables = {"embed_tokens": "Q6_K"} if tied else {"embed_tokens": "Q8_0", "lm_head": "Q6_K"}
     assert kinds == {**tables, "v_proj": "Q6_K", "down_proj": "Q6_K",
                      **{name: "Q8_0" for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")}}
+    for path, weight in kept_flat.items():
+        if isinstance(weight, GgufWeight | GgufTable):
+            np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
+    assert_logits_follow(kept, plain)
+
+
+@pytest.mark.slow
+def test_an_iq4_xs_file_keeps_its_iq4_xs_and_iq4_nl_tensors(smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Qwen3 GGUF laid out as llama-quantize's IQ4_XS lays one out: the token embeddings and projections
+    in IQ4_XS, IQ4_NL where a row is not whole super-blocks of 256 (the down projections' 96 inputs), the LM
+    head in Q6_K. Every tensor stays in its blocks, decodes to the parameter the dequantizing load builds, and the
+    logits follow the dequantized model's."""
+    import torch
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+    from tests.ops.test_matmul_gguf import quantize_iq4_nl, quantize_iq4_xs, quantize_q6_k
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+        initializer_range=0.1)).eval()
+    quantizers = {"IQ4_XS": quantize_iq4_xs, "IQ4_NL": quantize_iq4_nl, "Q6_K": quantize_q6_k}
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        if name == "lm_head.weight":
+            kind = "Q6_K"
+        elif name.endswith("proj.weight") or name == "model.embed_tokens.weight":
+            kind = "IQ4_XS" if array.shape[1] % 256 == 0 else "IQ4_NL"
+        else:
+            kind = None
+        tensors.append((name, (quantizers[kind](array), GGMLQuantizationType[kind]) if kind else array))
+    kept, plain = _kept_and_dequantized(tmp_path / "tiny-iq4_xs.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    kinds = {path[-1]: v.kind for path, v in kept_flat.items() if isinstance(v, GgufWeight | GgufTable)}
+    assert kinds == {"embed_tokens": "IQ4_XS", "lm_head": "Q6_K", "down_proj": "IQ4_NL",
+                     **{name: "IQ4_XS" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}}
     for path, weight in kept_flat.items():
         if isinstance(weight, GgufWeight | GgufTable):
             np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))

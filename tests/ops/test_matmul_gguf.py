@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
 from tests.helpers import run_with_kernel_flags
@@ -76,18 +76,73 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 
     return np.concatenate([bits, sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], -1).reshape(n, -1)
 
 
+IQ4_VALUES = np.asarray(IQ4_NL.kvalues, np.float32)
+
+
+def _nearest_iq4_codes(w: np.ndarray, step: np.ndarray) -> np.ndarray:  # f32[..., 32], [..., 1] -> u8 0 .. 15
+    scaled = np.divide(w, step, out=np.zeros_like(w), where=step != 0)
+    return np.abs(scaled[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+
+
+def _iq4_bytes(codes: np.ndarray) -> np.ndarray:  # u8[..., 32] codes -> [..., 16]: weight j low, j + 16 high
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 32 * 18]
+    """IQ4_NL blocks of real weights (the gguf package does not quantize to the IQ4 formats): a block's d maps
+    its largest magnitude to the table's -127, each code the table's nearest value."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)  # [N, block, 1]
+    d = (largest / -127).astype(np.float16)
+    codes = _nearest_iq4_codes(blocks, d.astype(np.float32))
+    return np.concatenate([d.view(np.uint8), _iq4_bytes(codes)], -1).reshape(n, -1)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 136]
+    """IQ4_XS super-blocks of real weights: each block's scale (its largest magnitude over -127) a 6-bit multiple
+    of the super-block's d (scales less 32 in -32 .. 31), each code the table's nearest value."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0] / -127  # [N, S, 8]
+    d = (np.abs(largest).max(-1, keepdims=True) / 32).astype(np.float16)  # [N, S, 1]
+    d32 = d.astype(np.float32)
+    sc = np.rint(np.divide(largest, d32, out=np.zeros_like(largest), where=d32 > 0)).clip(-32, 31)
+    codes = _nearest_iq4_codes(blocks, (d32 * sc)[..., None])  # [N, S, 8, 32]
+    ls = (sc + 32).astype(np.uint8)
+    scales_h = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    scales_l = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
+    parts = [d.view(np.uint8), scales_h[..., None].astype("<u2").view(np.uint8), scales_l,
+             _iq4_bytes(codes).reshape(n, k // 256, 128)]
+    return np.concatenate(parts, -1).reshape(n, -1)
+
+
+def _iq4_xs_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 136]
+    """Random IQ4_XS super-blocks: any 6-bit scales and codes, d of a real file's magnitudes, one super-block far
+    from the others' scale, a zero row, and a d among float16's subnormals."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
+    blocks[..., 0:2] = _f16_bytes(rng.uniform(-1e-3, 1e-3, blocks.shape[:2]))
+    blocks[:, 0, 0:2] = _f16_bytes(np.full(n, 0.05))
+    if n > 2:
+        blocks[1] = 0
+        blocks[2, 0, 0:2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
+    return blocks.reshape(n, -1)
+
+
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, file's row bytes]
     rng = np.random.default_rng(seed)
     if kind in ("Q4_K", "Q5_K"):
         return _q4_k_blocks(n, k, rng, 144 if kind == "Q4_K" else 176)
     if kind == "Q6_K":
         return _q6_k_blocks(n, k, rng)
+    if kind == "IQ4_XS":
+        return _iq4_xs_blocks(n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] *= 40.0  # one block per row far from the others' scale
     if n > 2:
         w[1] = 0.0  # a zero row: scale 0
         w[2, :32] = 1e-6  # scales among float16's subnormals
-    return quantize(w, GGMLQuantizationType[kind])
+    return quantize_iq4_nl(w) if kind == "IQ4_NL" else quantize(w, GGMLQuantizationType[kind])
 
 
 def rounded_activations(x: np.ndarray) -> np.ndarray:
@@ -127,10 +182,11 @@ def check_against_float64(kind: str, m: int) -> None:
 
 
 # Where each block's codes lie in the file's bytes, and the code byte of largest magnitude: every nibble 15
-# (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too).
+# (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too; the IQ4 formats: every nibble 0, the value -127).
 CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q5_0": (22, slice(2, 22), 0xFF),
               "Q5_1": (24, slice(4, 24), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F), "Q4_K": (144, slice(16, 144), 0xFF),
-              "Q5_K": (176, slice(16, 176), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF)}
+              "Q5_K": (176, slice(16, 176), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF),
+              "IQ4_NL": (18, slice(2, 18), 0x00), "IQ4_XS": (136, slice(8, 136), 0x00)}
 
 
 def check_largest_sums(kind: str) -> None:
@@ -205,7 +261,7 @@ def test_the_other_instruction_sets_match_too(flags):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
 def test_packing_is_a_permutation_that_unpacks_exactly(kind):
     """Packed, every byte of the file's blocks is kept once (Q5's 5th bits once, as a plane; features past N are
     zero), and unpacking gives the file's rows back; a packed tile holds the 16 features' scales, their plane,
@@ -279,6 +335,38 @@ def test_q6_k_packing_unpacks_exactly_with_its_high_bits_in_planes():
     assert block[64 + 4 * 4 + 2] == (codes[4, 1, 102] & 15) | ((codes[4, 1, 118] & 15) << 4)
     assert (block[256 + 4 * 4 + 2] >> 2) & 3 == codes[4, 1, 102] >> 4  # the low nibbles' plane, bits 2c ..
     assert (block[320 + 4 * 4 + 2] >> 2) & 3 == codes[4, 1, 118] >> 4  # the high nibbles' plane
+
+
+def test_iq4_xs_packing_unpacks_exactly_with_its_scales_as_int8():
+    """IQ4_XS's 6-bit scales come out one int8 a byte (less 32), in ggml's order, and pack back to the file's
+    scales_h and scales_l; each block's codes are laid out as Q4_0's; the weights are d * sc * value(q)."""
+    blocks = _blocks("IQ4_XS", 37, 512, seed=5)
+    packed = gguf_packing.pack(blocks, "IQ4_XS")
+    assert packed.shape == (3, 2 * gguf_packing.IQ4_XS_TILE)
+    assert np.array_equal(gguf_packing.unpack(packed, "IQ4_XS", 37), blocks)
+    supers = blocks.reshape(37, 2, 136)
+    tile = packed[0, gguf_packing.IQ4_XS_TILE:]  # group 0, super-block 1
+    scales = tile[32:160].view(np.int8).reshape(8, 16).T.astype(np.float32)  # [feature, block]
+    d = supers[:16, 1, 0:2].copy().view(np.float16).astype(np.float32)  # [feature, 1]
+    codes = supers[:16, 1, 8:].reshape(16, 8, 16)
+    values = IQ4_VALUES[np.concatenate([codes & 15, codes >> 4], -1)]  # [feature, block, 32]
+    weights = dequantize(blocks, GGMLQuantizationType.IQ4_XS).reshape(37, 2, 8, 32)
+    assert np.array_equal(weights[:16, 1], (d * scales)[..., None] * values)
+    assert (scales >= -32).all() and (scales <= 31).all() and scales.min() == -32 and scales.max() == 31
+    assert np.array_equal(tile[2 * 7: 2 * 8], supers[7, 1, 0:2])  # feature 7's d
+    block = tile[gguf_packing.IQ4_XS_HEAD + 256 * 3:]  # block 3; feature 4's bytes 4 .. 7 lead chunk 1
+    assert np.array_equal(block[64 + 4 * 4: 64 + 4 * 5], codes[4, 3, 4:8])
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_quantizers_keep_weights_close(kind):
+    """The tests' IQ4 quantizers (real weights for the model tests): the dequantized weights within a step of the
+    table's of the originals."""
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    blocks = quantize_iq4_nl(w) if kind == "IQ4_NL" else quantize_iq4_xs(w)
+    got = dequantize(blocks, GGMLQuantizationType[kind])
+    assert got.shape == w.shape and np.abs(got - w).max() < 0.25 * np.abs(w).max()
+    assert np.corrcoef(got.ravel(), w.ravel())[0, 1] > 0.99
 
 
 def test_matmul_refuses_mismatched_blocks():

@@ -20,6 +20,10 @@
 //   Q5_K (13): Q4_K's with 5-bit codes (u8 qh[32]: bit i of qh[j] the 5th bit of block i's weight j)
 //   Q6_K (14): super-blocks of 16 sub-blocks of 16: f16 d, i8 scales sc[16], 6-bit codes q;
 //              sub-block i's  w[j] = d * sc[i] * (q[j] - 32)
+//   IQ4_NL (20): f16 d, u8 qs[16]         Q4_0's with the nibbles indices into a table of 16 int8 values:
+//              w[j] = d * kIq4Values[qs[j] & 15],  w[j + 16] = d * kIq4Values[qs[j] >> 4]
+//   IQ4_XS (23): super-blocks of 8 blocks: f16 d, 6-bit scales sc[8] (less 32), IQ4_NL's codes q;
+//              block i's  w[j] = d * sc[i] * kIq4Values[q[j]]
 // A tile holds one block of each of 16 features: their d (f16[16]), their m (Q4_1, Q5_1: f16[16]), then the
 // code bytes in chunks of 64, chunk c holding bytes qs[4c .. 4c + 3] of feature 0, then of feature 1, ... (Q4:
 // 4 chunks, whose low nibbles are weights 4c .. 4c + 3 and high nibbles 16 + 4c ..; Q8_0: 8 chunks). A Q5
@@ -32,7 +36,9 @@
 // 2 bits, for the low nibbles' weights and the high nibbles': byte 4f + j of a plane holds, in bits
 // 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds in byte 4f + j. A block of 32 is two
 // of Q6_K's sub-blocks, whose scales differ: the low nibbles' weights (0 .. 15) and the high nibbles'
-// (16 .. 31), whose dot products are summed apart.
+// (16 .. 31), whose dot products are summed apart. An IQ4_NL tile is Q4_0's; an IQ4_XS tile holds one
+// super-block of each of 16 features: d (f16[16]), sc (i8[8][16], the scales less 32), then its 8 blocks'
+// codes as Q4's.
 // So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
 // with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
@@ -40,9 +46,9 @@
 // and integers xq = rint(x / dx)). With u a block's unsigned codes (Q4: the nibbles; Q5: the nibbles with
 // their 5th bits; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
-// with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 under AVX512-VNNI; AVX2 and plain loops take Q8_0's signed codes
-// as they are, bias 0) or 0, and the m term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and
-// -dmin * mn, both exact in float32). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the
+// with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 and the IQ4 formats under AVX512-VNNI, whose table lookup gives
+// the values plus 128; AVX2 and plain loops take their signed values as they are, bias 0) or 0, and the m term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and
+// -dmin * mn, both exact in float32; IQ4_XS: d * sc). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the
 // sub-block, times d * sc (exact in float32). The integer part is exact, so the result is x rounded to 8 bits
 // times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32
 // sums.
@@ -82,13 +88,21 @@ constexpr int kTileRows = 4;     // x rows per register tile
 #endif
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
-enum Kind : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Kind : int32_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
+  kIQ4_XS = 23
+};
+
+// The IQ4 formats' 16 values (ggml's `kvalues_iq4nl`), which their 4-bit codes index.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 constexpr int scale_bytes(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1 ? 64 : 32; }  // f16 d (and m)
 constexpr bool has_plane(int32_t kind) { return kind == kQ5_0 || kind == kQ5_1 || kind == kQ5_K; }  // 5th bits
 constexpr int plane_bytes(int32_t kind) { return has_plane(kind) ? 64 : 0; }
 constexpr int chunks(int32_t kind) { return kind == kQ8_0 ? 8 : 4; }          // 64-byte chunks of codes
 constexpr bool scaled_blocks(int32_t kind) { return kind == kQ4_K || kind == kQ5_K; }  // d * sc, dmin * mn
+constexpr bool signed_scales(int32_t kind) { return kind == kIQ4_XS; }  // d * sc, sc an int8 a block
+constexpr bool table_codes(int32_t kind) { return kind == kIQ4_NL || kind == kIQ4_XS; }  // kIq4Values[q]
 constexpr bool adds_m(int32_t kind) { return kind == kQ4_1 || kind == kQ5_1; }  // w = d * q + m
 constexpr bool has_mins(int32_t kind) { return adds_m(kind) || scaled_blocks(kind); }
 // The codes' zero point where it is folded into the integer sums as bias * sum(xq): Q4_0's and Q5_0's
@@ -102,10 +116,12 @@ constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales 
 constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
 constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
 constexpr int32_t kQ6Bias = 32;                // Q6_K's zero point: w = d * sc * (q - 32)
+constexpr int kXsHead = 32 + 8 * 16;               // IQ4_XS: d (f16[16]), scales (i8[8][16])
+constexpr int kXsTile = kXsHead + kSuper * 256;
 
 constexpr bool known_kind(int32_t kind) {
   return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ4_K ||
-         kind == kQ5_K || kind == kQ6_K;
+         kind == kQ5_K || kind == kQ6_K || kind == kIQ4_NL || kind == kIQ4_XS;
 }
 
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
@@ -115,10 +131,12 @@ int64_t group_bytes(int32_t kind, int64_t blocks) {
     case kQ4_1:
     case kQ5_0:
     case kQ5_1:
-    case kQ8_0: return blocks * (scale_bytes(kind) + plane_bytes(kind) + 64 * chunks(kind));
+    case kQ8_0:
+    case kIQ4_NL: return blocks * (scale_bytes(kind) + plane_bytes(kind) + 64 * chunks(kind));
     case kQ4_K:
     case kQ5_K: return blocks % kSuper == 0 ? blocks / kSuper * super_tile(kind) : 0;
     case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * kQ6Tile : 0;
+    case kIQ4_XS: return blocks % kSuper == 0 ? blocks / kSuper * kXsTile : 0;
     default: return 0;
   }
 }
@@ -170,9 +188,10 @@ struct Problem {
 // Where block b of group g lies: its codes and its 16 features' scale factors.
 struct BlockAt {
   const uint8_t* codes;  // 64 * chunks bytes
-  const uint8_t* d;      // f16[16]: d (Q4_K, Q6_K: the super-block's d)
+  const uint8_t* d;      // f16[16]: d (Q4_K, Q6_K, IQ4_XS: the super-block's d)
   const uint8_t* m;      // f16[16]: Q4_1's and Q5_1's m, Q4_K's and Q5_K's dmin
-  const uint8_t* sc;     // Q4_K, Q5_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves'
+  const uint8_t* sc;     // Q4_K, Q5_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves';
+                         // IQ4_XS: i8[16], the block's scales
   const uint8_t* mn;     // Q4_K, Q5_K: u8[16], the block's mins (dmin * mn is its -m)
   const uint8_t* planes = nullptr;  // Q5: u8[64], the codes' 5th bits; Q6_K: u8[2][64], their high 2 bits
 };
@@ -190,6 +209,9 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
     const uint8_t* super = group + (b / kSuper) * kQ6Tile;
     const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
     return {codes, super, nullptr, super + 32 + 32 * (b % kSuper), nullptr, codes + 256};
+  } else if constexpr (K == kIQ4_XS) {
+    const uint8_t* super = group + (b / kSuper) * kXsTile;
+    return {super + kXsHead + 256 * (b % kSuper), super, nullptr, super + 32 + 16 * (b % kSuper), nullptr};
   } else {
     const uint8_t* tile = group + b * (scale_bytes(K) + plane_bytes(K) + 64 * chunks(K));
     const uint8_t* plane = has_plane(K) ? tile + scale_bytes(K) : nullptr;
@@ -276,7 +298,14 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
-constexpr int32_t bias(int32_t kind) { return kind == kQ8_0 ? 128 : code_bias(kind); }
+constexpr int32_t bias(int32_t kind) { return kind == kQ8_0 || table_codes(kind) ? 128 : code_bias(kind); }
+
+// kIq4Values + 128 (unsigned, as `vpdpbusd` takes its codes) in each 128-bit lane, for `vpshufb`.
+inline __m512i iq4_table_u8() {
+  alignas(16) uint8_t table[16];
+  for (int i = 0; i < 16; ++i) table[i] = uint8_t(kIq4Values[i] + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+}
 
 // A tile's sums into out[m0 : m0 + R, 16 g0 : 16 (g0 + G)], features past N left out.
 template <int R, int G>
@@ -298,6 +327,7 @@ void store_tile(const Problem& p, int64_t g0, int64_t m0, const __m512 (&sums)[R
 template <int32_t K, int R, int G>
 void tile(const Problem& p, int64_t g0, int64_t m0) {
   const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80)), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i values = table_codes(K) ? iq4_table_u8() : _mm512_setzero_si512();
   __m512 sums[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
@@ -321,6 +351,10 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
         d[g] = _mm512_mul_ps(d[g], widen(at.sc));
         mins[g] = _mm512_mul_ps(mins[g], widen(at.mn));
       }
+      if constexpr (signed_scales(K)) {  // d * sc: exact in float32 (11 by 6 bits)
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at.sc));
+        d[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      }
     }
     __m512i dots[R][G];
     for (int r = 0; r < R; ++r)
@@ -335,6 +369,10 @@ void tile(const Problem& p, int64_t g0, int64_t m0) {
         } else {
           lo[g] = _mm512_and_si512(v, low4);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        if constexpr (table_codes(K)) {  // the codes' values + 128
+          lo[g] = _mm512_shuffle_epi8(values, lo[g]);
+          hi[g] = _mm512_shuffle_epi8(values, hi[g]);
         }
         if constexpr (has_plane(K)) {  // bits c and 4 + c to bit 4 (16-bit shifts: what crosses bytes is masked)
           lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(_mm512_slli_epi16(plane[g], 4 - c), bit4));
@@ -452,7 +490,7 @@ void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-constexpr int32_t bias(int32_t kind) { return code_bias(kind); }  // Q8_0: signs folded into x, no bias
+constexpr int32_t bias(int32_t kind) { return code_bias(kind); }  // Q8_0, IQ4: signs folded into x, no bias
 
 // Half a group's sums into out[m0 : m0 + R, 16 g + 8 half : + 8], features past N left out.
 template <int R>
@@ -486,6 +524,7 @@ inline __m256i high_bits(__m256i plane, int c) {
 template <int32_t K, int R>
 void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
   const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
   __m256 sums[R];
   for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -504,6 +543,10 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
       d = _mm256_mul_ps(d, widen(at.sc));
       mins = _mm256_mul_ps(mins, widen(at.mn));
     }
+    if constexpr (signed_scales(K)) {
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.sc + 8 * half));
+      d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    }
     __m256i dots[R];
     for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
     for (int c = 0; c < chunks(K); ++c) {
@@ -516,6 +559,10 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
           lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(plane, 4 - c), bit4));
           hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(plane, c), bit4));
         }
+        if constexpr (table_codes(K)) {  // the codes' signed values
+          lo = _mm256_shuffle_epi8(values, lo);
+          hi = _mm256_shuffle_epi8(values, hi);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = p.xq + (m0 + r) * p.k + b * kBlock;
@@ -523,6 +570,12 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
         if constexpr (K == kQ8_0) {  // |q| . sign(x, q) = q . x; |q| <= 128 and |x| <= 127 keep pairs in int16
           const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xl, v));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(prod, ones));
+        } else if constexpr (table_codes(K)) {  // as Q8_0's; the two halves' pairs widened apart (|q| <= 127)
+          const __m256i xh = _mm256_set1_epi32(load_i32(x + 16 + 4 * c));
+          const __m256i low = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xl, lo));
+          const __m256i high = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xh, hi));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_add_epi32(_mm256_madd_epi16(low, ones),
+                                                               _mm256_madd_epi16(high, ones)));
         } else {
           const __m256i xh = _mm256_set1_epi32(load_i32(x + 16 + 4 * c));
           const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
@@ -622,8 +675,11 @@ float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x,
           dot += int32_t(int8_t(byte)) * x[4 * c + j];
         } else {
           const int32_t fifth = has_plane(K) ? at.planes[4 * f + j] : 0;  // bits c and 4 + c
-          const int32_t lo = (byte & 15) | (((fifth >> c) & 1) << 4);
-          const int32_t hi = (byte >> 4) | (((fifth >> (4 + c)) & 1) << 4);
+          int32_t lo = (byte & 15) | (((fifth >> c) & 1) << 4), hi = (byte >> 4) | (((fifth >> (4 + c)) & 1) << 4);
+          if constexpr (table_codes(K)) {
+            lo = kIq4Values[lo];
+            hi = kIq4Values[hi];
+          }
           dot += lo * x[4 * c + j] + hi * x[16 + 4 * c + j];
         }
       }
@@ -634,6 +690,7 @@ float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x,
       d *= float(at.sc[f]);
       m *= -float(at.mn[f]);
     }
+    if constexpr (signed_scales(K)) d *= float(int8_t(at.sc[f]));
     return d * p.dx[xb] * float(dot) + m * p.sx[xb];
   }
 }
@@ -682,6 +739,8 @@ UnitFn unit_for(int32_t kind) {
     case kQ4_K: return unit<kQ4_K>;
     case kQ5_K: return unit<kQ5_K>;
     case kQ6_K: return unit<kQ6_K>;
+    case kIQ4_NL: return unit<kIQ4_NL>;
+    case kIQ4_XS: return unit<kIQ4_XS>;
     default: return unit<kQ8_0>;
   }
 }
@@ -755,8 +814,8 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 "
-        "(Q6_K)");
+        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 "
+        "(Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -784,8 +843,8 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) "
-        "or 14 (Q6_K)");
+        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), "
+        "14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument(
