@@ -1,5 +1,5 @@
 """The native bfloat16 matmul (`cpu_kernels.matmul_bf16`) and the native GGUF matmul on Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks (`cpu_kernels.matmul_gguf`, float32 activations) against
+Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks (`cpu_kernels.matmul_gguf`, float32 activations) against
 XLA:CPU's float32 and bfloat16 dots.
 
 SmolLM2-135M's shapes (`--shapes smollm2`, whose widths are not whole K-quant super-blocks) or Qwen3-30B-A3B's
@@ -48,12 +48,14 @@ SHAPES = {  # name -> (K, N, output-major weights)
     },
 }
 DEFAULT_IMPLS = ("xla float32", "xla bfloat16", "native bfloat16", "native Q4_0", "native Q4_1", "native Q8_0")
-IMPLS = (*DEFAULT_IMPLS, *(f"native {kind}" for kind in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")))
+IMPLS = (*DEFAULT_IMPLS, *(f"native {kind}" for kind in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                                         "Q6_K", "IQ4_NL", "IQ4_XS")))
 GGUF_KINDS = {impl: kind for impl in IMPLS if (kind := impl.removeprefix("native ")) in cpu_kernels.GGUF_KINDS}
 GGUF_BYTES = {  # bytes per weight, from the gguf package's (weights, bytes) per block
     impl: GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1] / GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
     for impl, kind in GGUF_KINDS.items()}
-RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # their f16 scales
+RANDOM_BLOCKS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+                 "IQ4_XS": (0,)}  # where their f16 scales lie in a block
 
 
 def gguf_blocks(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:  # [N, K] -> u8[N, row bytes]

@@ -1,15 +1,15 @@
 """A mixture of experts' MLP on a CPU: the native grouped matmuls (`cpu_kernels.grouped_matmul_bf16`, and
-`grouped_matmul_gguf` on experts kept in GGUF blocks: Q4_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against
+`grouped_matmul_gguf` on experts kept in GGUF blocks: Q4_0, Q2_K .. Q6_K or IQ4_XS) against
 `jax.lax.ragged_dot`, which XLA:CPU computes densely (every row against every expert), side by side.
 
 One layer's routed experts in a model's shapes (`--model`, a bundled config: Qwen3-30B-A3B by default, 128
 experts of 2,048 x 768, 8 a token), bfloat16 weights, random router logits, for T tokens a step
 (`--tokens`: 1 to 16 are decodes, 256 a prefill chunk). Each case runs `--copies` layers back to back in
 one jitted function, each taking the one before's output, so the experts come from memory as in a served
-step. Reports the median time per layer over alternating rounds, and for the native kernels the GB/s of
-the experts they read (those the routing hit, each once: 2 bytes a weight in bfloat16, 0.5625 in Q4_0 and
-Q4_K, 0.6875 in Q5_K, 0.8203 in Q6_K, 0.5313 in IQ4_XS). The blocks hold random codes under float16 scales of
-a real file's size.
+step. Reports the median time per layer over alternating rounds, and for the native kernels the GB/s of the
+experts they read (those the routing hit, each once: 2 bytes a weight in bfloat16, 0.5625 in Q4_0 and Q4_K,
+0.6875 in Q5_K, 0.8203 in Q6_K, 0.5313 in IQ4_XS, 0.4297 in Q3_K, 0.3281 in Q2_K). The blocks hold random codes
+under float16 scales of a real file's size.
 
     python benchmarks/moe_cpu.py --tokens 1 4 16 64 256 --rounds 2
     python benchmarks/moe_cpu.py --impls "native bf16" "native Q4_0" "native Q4_K" "native Q5_K" "native Q6_K" \
@@ -47,7 +47,7 @@ def layers_fn(copies: int, top_k: int, num_experts: int, native: bool):
 # A format's float16 scales in a block: where they lie, their value (a block's weights and bytes are the gguf
 # package's GGML_QUANT_SIZES).
 BLOCKS = {"Q4_0": ((0,), 0.002), "Q4_K": ((0, 2), 0.0005), "Q5_K": ((0, 2), 0.0003), "Q6_K": ((208,), 0.0001),
-          "IQ4_XS": ((0,), 0.0001)}
+          "IQ4_XS": ((0,), 0.0001), "Q3_K": ((108,), 0.0003), "Q2_K": ((80, 82), 0.0005)}
 IMPLS = ("ragged_dot", "native bf16", *(f"native {kind}" for kind in BLOCKS))
 
 

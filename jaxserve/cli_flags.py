@@ -141,8 +141,8 @@ _LOAD_FORMAT_HELP = ("auto: the checkpoint's weights; dummy: random weights in t
 _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 scale per output channel, quantized on "
                       "load (vLLM's flag): half the bytes a decode reads of them; the embeddings and the LM head "
                       "keep their dtype. gguf (CPUs, a .gguf --model): the layer weights, a mixture's "
-                      "experts, the token embeddings and the LM head in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-                      "Q6_K, IQ4_NL or IQ4_XS stay in their blocks, multiplied by a native kernel")
+                      "experts, the token embeddings and the LM head in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
+                      "Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS stay in their blocks, multiplied by a native kernel")
 
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),

@@ -30,7 +30,7 @@ from jaxserve.ops import cpu_kernels, gguf_packing
 logger = logging.getLogger(__name__)
 
 GGUF = "gguf"
-KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q4_K .. Q6_K, IQ4_NL, IQ4_XS: the formats kept as they are
+KEPT_KINDS = tuple(cpu_kernels.GGUF_KINDS)  # Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS: the formats kept as they are
 
 
 class _ReadWhole:
@@ -160,6 +160,8 @@ def _decode_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> ja
         return _decode_q6_k_rows(blocks, ids, width)
     if kind == "IQ4_XS":
         return _decode_iq4_xs_rows(blocks, ids, width)
+    if kind in gguf_packing.TWO_BIT_HEAD:
+        return _decode_two_bit_rows(kind, blocks, ids, width)
     if kind in gguf_packing.SUPER_KINDS:
         return _decode_scaled_super_rows(kind, blocks, ids, width)
     return _decode_block_rows(kind, blocks, ids, width)
@@ -185,6 +187,29 @@ def _decode_q6_k_rows(blocks: jax.Array, ids: jax.Array, width: int) -> jax.Arra
     scales = jax.lax.bitcast_convert_type(_lane_bytes(blocks, ids, scale_at, 1), jnp.int8)
     scale = (d[..., None] * scales.astype(jnp.float32)).reshape(t, supers, 8, 2, 1)  # per sub-block of 16
     return (scale * q.reshape(t, supers, 8, 2, 16).astype(jnp.float32)).reshape(t, width)
+
+
+def _decode_two_bit_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """Q3_K, Q2_K: per super-block d (Q2_K: and dmin) and each sub-block of 16's scale (Q3_K: int8; Q2_K: a byte
+    sc | mn << 4), then each block of 32 as two chunks of 2-bit codes (and Q3_K's plane of third bits);
+    w = d * sc * (q - 4) (Q3_K) or d * sc * q - dmin * mn (Q2_K)."""
+    t, supers = ids.shape[0], width // gguf_packing.SUPER
+    at = (np.arange(supers) * gguf_packing.super_tile(kind))[:, None]  # [super, 1]
+    d = _halves(blocks, ids, at[:, 0])[..., None]  # [T, S, 1]
+    scales = _lane_bytes(blocks, ids, at + gguf_packing.TWO_BIT_SCALES_AT[kind] + 16 * np.arange(16), 1)  # [T, S, 16]
+    block_at = at + gguf_packing.TWO_BIT_HEAD[kind] + np.arange(8) * gguf_packing.TWO_BIT_BLOCK[kind]  # [S, block]
+    chunks = _lane_bytes(blocks, ids, block_at[..., None, None] + 64 * np.arange(2)[:, None] + _BYTE, 4)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None, None]  # [s, 1, 1]
+    q = ((chunks[..., None, :, :] >> shifts) & 3).reshape(t, supers, 16, 16)  # [.., s, k, j]: weight 8s + 4k + j
+    if kind == "Q2_K":
+        dmin = _halves(blocks, ids, at[:, 0] + 2 * gguf_packing.FEATURES)[..., None]
+        scale, low = d * (scales & 15).astype(jnp.float32), dmin * (scales >> 4).astype(jnp.float32)
+        return (scale[..., None] * q.astype(jnp.float32) - low[..., None]).reshape(t, width)
+    plane = _lane_bytes(blocks, ids, block_at[..., None] + 128 + np.arange(4), 4)  # [T, S, block, j]
+    third = (plane[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., t, j]: weight 4t + j
+    values = (q | (third.reshape(t, supers, 16, 16) << 2)).astype(jnp.int8) - jnp.int8(gguf_packing.Q3_K_BIAS)
+    scale = d * jax.lax.bitcast_convert_type(scales, jnp.int8).astype(jnp.float32)
+    return (scale[..., None] * values.astype(jnp.float32)).reshape(t, width)
 
 
 def _decode_scaled_super_rows(kind: str, blocks: jax.Array, ids: jax.Array, width: int) -> jax.Array:

@@ -369,7 +369,7 @@ def load_model(
     else:
         state, kv_scales = load_weights()
         if quantization == GGUF and log_kept_weights(state) == 0 and auto:
-            logger.info("quantization auto: no tensor in a kept format, so none")  # (F16, Q3_K, ...)
+            logger.info("quantization auto: no tensor in a kept format, so none")  # (F16, IQ3_S, ...)
             quantization = None
     return LoadedModel(
         name=source.name,

@@ -23,6 +23,13 @@ codes holding the codes' low 4 bits, followed by two planes of their high 2 bits
 nibbles, then of the high nibbles): plane byte 4f + j holds in bits 2c .. 2c + 1 the high bits of the weight
 whose low bits are in byte j of chunk c of feature f.
 
+Q3_K's and Q2_K's super-blocks of 256 weights (16 sub-blocks of 16, each its own scale, Q2_K's a min too; codes
+of 2 bits, Q3_K's with a mask of third bits) are packed per (group, super-block) as Q6_K's with 2-bit codes: the
+16 features' d (Q2_K: and dmin), each sub-block's scales (Q3_K: int8, the 6 bits less 32; Q2_K: the file's byte
+sc | mn << 4), then each block of 32 as two chunks of codes, byte 4f + j of chunk k holding in bits 2s .. 2s + 1
+the code of weight 8s + 4k + j, and (Q3_K) a plane of the third bits, byte 4f + j holding in bit t that of
+weight 4t + j.
+
 IQ4_NL's blocks are Q4_0's, their nibbles indices into a table of 16 values, and pack as Q4_0's. IQ4_XS's
 super-blocks of 256 weights (d, 8 6-bit scales, then each block's 16 code bytes as IQ4_NL's) are packed per
 (group, super-block): the 16 features' d, their 8 scales as int8 (the 6 bits less 32), then the 8 blocks' codes
@@ -37,8 +44,8 @@ PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 4}  # bytes of 5th bits per block o
 # A plane byte's bit for the 5th bit of weight 16 half + 4c + j (byte j of chunk c): 4 half + c, [half, chunk, 1].
 FIFTH_BIT_SHIFTS = (4 * np.arange(2)[:, None, None] + np.arange(4)[None, :, None]).astype(np.uint8)
 CODE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32, "IQ4_NL": 16}  # per block of 32 weights
-SUPER = 256  # Q4_K, Q5_K, Q6_K, IQ4_XS: weights per super-block (8 blocks of 32)
-SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+SUPER = 256  # Q2_K .. Q6_K, IQ4_XS: weights per super-block (8 blocks of 32)
+SUPER_KINDS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 Q4_K_BYTES = 2 + 2 + 12 + 128  # Q4_K: f16 d, f16 dmin, 6-bit scales and mins, 4-bit codes
 Q4_K_HEAD = FEATURES * (2 + 2 + 8 + 8)  # Q4_K's packed tile: the features' d, dmin, 8 scales and 8 mins
 Q4_K_DMIN_AT, Q4_K_SCALES_AT, Q4_K_MINS_AT = 2 * FEATURES, 4 * FEATURES, 12 * FEATURES  # where they start in it
@@ -51,6 +58,12 @@ Q6_K_SCALES_AT = 2 * FEATURES  # where the scales start in it (i8[16 sub-blocks]
 Q6_K_BIAS = 32  # w = d * sc * (q - 32)
 Q6_K_BLOCK = FEATURES * (32 // 2 + 32 // 4)  # then per block of 32: the codes' low 4 bits, their two planes
 Q6_K_TILE = Q6_K_HEAD + 8 * Q6_K_BLOCK  # Q6_K: one super-block of 16 features, packed
+Q3_K_BYTES = SUPER // 8 + SUPER // 4 + 12 + 2  # Q3_K: hmask (third bits), qs (low 2 bits), 6-bit scales, f16 d
+Q3_K_BIAS = 4  # w = d * (ls - 32) * (q - 4), q = low bits | third bit << 2
+Q2_K_BYTES = 16 + SUPER // 4 + 2 + 2  # Q2_K: scales (sc | mn << 4), qs (2 bits), f16 d, f16 dmin
+TWO_BIT_SCALES_AT = {"Q3_K": 2 * FEATURES, "Q2_K": 4 * FEATURES}  # where the sub-blocks' scales start in a tile
+TWO_BIT_HEAD = {kind: at + 16 * FEATURES for kind, at in TWO_BIT_SCALES_AT.items()}  # then the blocks
+TWO_BIT_BLOCK = {"Q3_K": FEATURES * (8 + 4), "Q2_K": FEATURES * 8}  # a block of 32: codes (and third bits)
 IQ4_XS_BYTES = 2 + 2 + 4 + SUPER // 2  # IQ4_XS: f16 d, u16 scales_h (2 high bits a block), u8 scales_l[4], codes
 IQ4_XS_SCALES_AT = 2 * FEATURES  # IQ4_XS's packed tile: the features' d, then their 8 scales (i8[8][16])
 IQ4_XS_HEAD = FEATURES * (2 + 8)
@@ -71,6 +84,8 @@ def super_tile(kind: str) -> int:  # one packed super-block of 16 features: Q4_K
         return Q6_K_TILE
     if kind == "IQ4_XS":
         return IQ4_XS_TILE
+    if kind in TWO_BIT_HEAD:
+        return TWO_BIT_HEAD[kind] + 8 * TWO_BIT_BLOCK[kind]
     if kind not in SCALED_SUPER_BYTES:
         raise ValueError(f"{kind} has no super-blocks")
     return Q4_K_TILE + 8 * FEATURES * PLANE_BYTES.get(kind, 0)
@@ -90,6 +105,8 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
         return _pack_q6_k(blocks)
     if kind == "IQ4_XS":
         return _pack_iq4_xs(blocks)
+    if kind in TWO_BIT_HEAD:
+        return _pack_two_bit(blocks, kind)
     n, row_bytes = blocks.shape
     per_block, scales = block_bytes(kind), SCALES[kind]
     num_blocks, groups = row_bytes // per_block, -(-n // FEATURES)
@@ -116,6 +133,8 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
         return _unpack_q6_k(packed, n)
     if kind == "IQ4_XS":
         return _unpack_iq4_xs(packed, n)
+    if kind in TWO_BIT_HEAD:
+        return _unpack_two_bit(packed, kind, n)
     groups, row_bytes = packed.shape
     scales, num_blocks = SCALES[kind], row_bytes // tile_bytes(kind)
     tiles = packed.reshape(groups, num_blocks, tile_bytes(kind))
@@ -289,4 +308,84 @@ def _unpack_iq4_xs(packed: np.ndarray, n: int) -> np.ndarray:
     codes = tiles[..., IQ4_XS_HEAD:].reshape(groups, supers, 8, 4, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
     parts = [d, scales_h[..., None].astype("<u2").view(np.uint8), scales_l, codes.reshape(groups, FEATURES, supers, -1)]
     blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * IQ4_XS_BYTES)
+    return np.ascontiguousarray(blocks[:n])
+
+
+def two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's qs[64] -> their 256 low 2 bits in order, u8[..., 256] (ggml's layout: byte l of each
+    half of 32 bytes holds weights 128 half + 32i + l in bits 2i .. 2i + 1)."""
+    q = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return (q & 3).reshape(*qs.shape[:-1], SUPER)
+
+
+def _two_bit_qs(codes: np.ndarray) -> np.ndarray:  # `two_bit_codes`' inverse
+    q = codes.reshape(*codes.shape[:-1], 2, 4, 32)
+    return sum(q[..., i, :] << (2 * i) for i in range(4)).astype(np.uint8).reshape(*codes.shape[:-1], 64)
+
+
+def q3_k_third_bits(hmask: np.ndarray) -> np.ndarray:  # hmask u8[..., 32] -> u8[..., 256]: bit i of byte l, 32i + l
+    return ((hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(*hmask.shape[:-1], SUPER)
+
+
+def q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> its 16 6-bit scales, u8[..., 16] (ggml's `dequantize_row_q3_K`): low 4 bits of scale
+    8 half + i in byte i's half, high 2 bits of scale 4k + i in bits 2k of byte 8 + i."""
+    low = (packed[..., None, 0:8] >> np.array([0, 4], np.uint8)[:, None]) & 15  # [.., 2, 8]
+    high = (packed[..., None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 4, 4]
+    return (low.reshape(*packed.shape[:-1], 16) | (high.reshape(*packed.shape[:-1], 16) << 4)).astype(np.uint8)
+
+
+def _q3_k_scale_bytes(scales: np.ndarray) -> np.ndarray:  # `q3_k_scales`' inverse: u8[..., 16] -> u8[..., 12]
+    low, high = scales & 15, (scales >> 4).reshape(*scales.shape[:-1], 4, 4)
+    return np.concatenate([low[..., :8] | (low[..., 8:] << 4),
+                           sum(high[..., k, :] << (2 * k) for k in range(4)).astype(np.uint8)], -1)
+
+
+def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
+    n, row_bytes = blocks.shape
+    size = Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES
+    supers, groups = row_bytes // size, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
+    padded[:n] = blocks.reshape(n, supers, size)
+    grouped = padded.reshape(groups, FEATURES, supers, size)  # [group, feature, super, bytes]
+    if kind == "Q3_K":
+        qs, factors = grouped[..., 32:96], [grouped[..., 108:110]]  # d
+        scales = q3_k_scales(grouped[..., 96:108]) - np.uint8(32)  # int8 bytes
+    else:
+        qs, factors, scales = grouped[..., 16:80], [grouped[..., 80:82], grouped[..., 82:84]], grouped[..., :16]
+    codes = two_bit_codes(qs).reshape(groups, FEATURES, supers, 8, 4, 2, 4)  # [.., block, s, k, j]: 8s + 4k + j
+    chunks = sum(codes[..., s, :, :] << (2 * s) for s in range(4)).astype(np.uint8)  # [.., block, k, j]
+    per_block = [chunks.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)]  # [.., block, k, feature, j]
+    if kind == "Q3_K":
+        third = q3_k_third_bits(grouped[..., :32]).reshape(groups, FEATURES, supers, 8, 8, 4)  # [.., t, j]: 4t + j
+        plane = sum(third[..., t, :] << t for t in range(8)).astype(np.uint8)  # [.., block, j]
+        per_block.append(plane.transpose(0, 2, 3, 1, 4).reshape(groups, supers, 8, -1))
+    parts = [factor.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for factor in factors]
+    parts.append(scales.transpose(0, 2, 3, 1).reshape(groups, supers, -1))  # [group, super, sub-block, feature]
+    parts.append(np.concatenate(per_block, -1).reshape(groups, supers, -1))
+    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * super_tile(kind)))
+
+
+def _unpack_two_bit(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q3_K or Q2_K
+    groups, row_bytes = packed.shape
+    supers, head = row_bytes // super_tile(kind), TWO_BIT_HEAD[kind]
+    tiles = packed.reshape(groups, supers, super_tile(kind))
+    scales_at = TWO_BIT_SCALES_AT[kind]
+    factors = [tiles[..., at: at + 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+               for at in range(0, scales_at, 2 * FEATURES)]  # d (and dmin): [group, feature, super, 2]
+    scales = tiles[..., scales_at: head].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
+    per_block = tiles[..., head:].reshape(groups, supers, 8, TWO_BIT_BLOCK[kind])
+    chunks = per_block[..., :128].reshape(groups, supers, 8, 2, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)
+    codes = np.stack([(chunks >> (2 * s)) & 3 for s in range(4)], -3)  # [group, feature, super, block, s, k, j]
+    qs = _two_bit_qs(codes.reshape(groups, FEATURES, supers, SUPER))
+    if kind == "Q2_K":
+        parts = [scales, qs, *factors]
+    else:
+        plane = per_block[..., 128:].reshape(groups, supers, 8, FEATURES, 4).transpose(0, 3, 1, 2, 4)
+        third = np.stack([(plane >> t) & 1 for t in range(8)], -2)  # [.., block, t, j]: weight 32 block + 4t + j
+        bits = third.reshape(groups, FEATURES, supers, 8, 32)  # [.., i, l]: weight 32i + l
+        hmask = sum(bits[..., i, :] << i for i in range(8)).astype(np.uint8)
+        parts = [hmask, qs, _q3_k_scale_bytes(scales + np.uint8(32)), *factors]
+    size = Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES
+    blocks = np.concatenate(parts, -1).reshape(groups * FEATURES, supers * size)
     return np.ascontiguousarray(blocks[:n])

@@ -55,10 +55,10 @@ def test_dense_and_the_head_projections_multiply_by_the_dequantized_blocks(kind)
         out.reshape(16, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_a_k_quant_or_iq4_weight_and_lm_head_multiply_by_their_dequantized_blocks(kind):
-    """Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files' formats) and IQ4_NL and IQ4_XS (its IQ4_XS
-    files') kept as a layer weight and as an LM head: their scales and codes give, through the kernel, x rounded
+    """The K-quants (llama.cpp's Q2_K, Q3_K_M, Q4_K_M and Q5_K_M files' formats) and IQ4_NL and IQ4_XS (its
+    IQ4_XS files') kept as a layer weight and as an LM head: their scales and codes give, through the kernel, x rounded
     to 8 bits per block times the `gguf` package's dequantization."""
     from tests.ops.test_matmul_gguf import _blocks
 
@@ -266,17 +266,25 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_g
     assert_logits_follow(kept, plain)
 
 
+# Formats as llama-quantize lays them out: the LM head in Q6_K; per projection (the token embeddings as q's) a
+# format, and IQ4_NL where a row is not whole super-blocks of 256 (the down projections' 96 inputs here).
+LLAMA_QUANTIZE_LAYOUTS = {
+    "IQ4_XS": dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), "IQ4_XS"),
+    "Q2_K": {**dict.fromkeys(("q", "k", "gate", "up", "down"), "Q2_K"), "v": "Q3_K", "o": "Q3_K"},
+}
+
+
 @pytest.mark.slow
-def test_an_iq4_xs_file_keeps_its_iq4_xs_and_iq4_nl_tensors(smollm2_gguf, tmp_path, monkeypatch):
-    """A tiny Qwen3 GGUF laid out as llama-quantize's IQ4_XS lays one out: the token embeddings and projections
-    in IQ4_XS, IQ4_NL where a row is not whole super-blocks of 256 (the down projections' 96 inputs), the LM
-    head in Q6_K. Every tensor stays in its blocks, decodes to the parameter the dequantizing load builds, and the
-    logits follow the dequantized model's."""
+@pytest.mark.parametrize("layout", list(LLAMA_QUANTIZE_LAYOUTS))
+def test_an_iq4_xs_or_q2_k_file_keeps_every_tensor_in_its_blocks(layout, smollm2_gguf, tmp_path, monkeypatch):
+    """A tiny Qwen3 GGUF laid out as llama-quantize's IQ4_XS or Q2_K lays one out (`LLAMA_QUANTIZE_LAYOUTS`).
+    Every tensor stays in its blocks, decodes to the parameter the dequantizing load builds, and the logits
+    follow the dequantized model's."""
     import torch
     import transformers
 
     from tests.conftest import TINY_VOCAB
-    from tests.ops.test_matmul_gguf import quantize_iq4_nl, quantize_iq4_xs, quantize_q6_k
+    from tests.ops import test_matmul_gguf as quantizers
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -284,22 +292,24 @@ def test_an_iq4_xs_file_keeps_its_iq4_xs_and_iq4_nl_tensors(smollm2_gguf, tmp_pa
         vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
         initializer_range=0.1)).eval()
-    quantizers = {"IQ4_XS": quantize_iq4_xs, "IQ4_NL": quantize_iq4_nl, "Q6_K": quantize_q6_k}
-    tensors = []
+    projections = LLAMA_QUANTIZE_LAYOUTS[layout]
+    tensors, want = [], {}
     for name, tensor in hf.state_dict().items():
         array = tensor.numpy().astype(np.float32)
+        projection = re.search(r"(\w+)_proj\.weight$", name)
         if name == "lm_head.weight":
             kind = "Q6_K"
-        elif name.endswith("proj.weight") or name == "model.embed_tokens.weight":
-            kind = "IQ4_XS" if array.shape[1] % 256 == 0 else "IQ4_NL"
+        elif projection or name == "model.embed_tokens.weight":
+            kind = projections[projection.group(1) if projection else "q"] if array.shape[1] % 256 == 0 else "IQ4_NL"
         else:
-            kind = None
-        tensors.append((name, (quantizers[kind](array), GGMLQuantizationType[kind]) if kind else array))
-    kept, plain = _kept_and_dequantized(tmp_path / "tiny-iq4_xs.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
+            tensors.append((name, array))
+            continue
+        want[name.split(".")[-2]] = kind
+        tensors.append((name, (getattr(quantizers, f"quantize_{kind.lower()}")(array), GGMLQuantizationType[kind])))
+    kept, plain = _kept_and_dequantized(tmp_path / f"tiny-{layout}.gguf", "qwen3", hf.config, tensors, smollm2_gguf)
     kept_flat, plain_flat = _flat(kept), _flat(plain)
     kinds = {path[-1]: v.kind for path, v in kept_flat.items() if isinstance(v, GgufWeight | GgufTable)}
-    assert kinds == {"embed_tokens": "IQ4_XS", "lm_head": "Q6_K", "down_proj": "IQ4_NL",
-                     **{name: "IQ4_XS" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}}
+    assert kinds == want and "IQ4_NL" in kinds.values()
     for path, weight in kept_flat.items():
         if isinstance(weight, GgufWeight | GgufTable):
             np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[path]), str(path))
@@ -308,7 +318,7 @@ def test_an_iq4_xs_file_keeps_its_iq4_xs_and_iq4_nl_tensors(smollm2_gguf, tmp_pa
 
 @pytest.mark.slow
 def test_auto_on_a_gguf_file_with_no_kept_format_dequantizes(smollm2_gguf, tmp_path, monkeypatch, caplog):
-    """A GGUF file whose tensors are all float (F32 here, F16 or Q3_K alike) keeps nothing: `auto` then says so
+    """A GGUF file whose tensors are all float (F32 here, F16 or IQ3_XXS alike) keeps nothing: `auto` then says so
     and the model reports no quantization (the roofline reads the weights' bytes from it)."""
     from tests.models.test_gguf_families import tiny_model, write_gguf
 
@@ -399,8 +409,8 @@ def test_kept_experts_multiply_through_the_grouped_kernel_only():
 
 
 def test_a_layer_mixing_kept_experts_and_bfloat16_ones_stays_on_the_native_kernels():
-    """A layer may keep gate and up in blocks while its down projection, in a format not kept (a Q3_K_M file's
-    Q3_K), is dequantized to bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's
+    """A layer may keep gate and up in blocks while its down projection, in a format not kept (an IQ3_M file's
+    IQ3_S), is dequantized to bfloat16: the float32 rows the blocks take are rounded to bfloat16 for the latter's
     native kernel, never sent to a dense `ragged_dot` over widened weights."""
     from jaxserve.models.moe import grouped_expert_mlp
 

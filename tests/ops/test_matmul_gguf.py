@@ -76,6 +76,56 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 
     return np.concatenate([bits, sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], -1).reshape(n, -1)
 
 
+def _two_bit_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q3_K or Q2_K super-blocks: any codes (and third bits), scales and mins, d (and dmin) of a real
+    file's magnitudes, one super-block far from the others' scale, a zero row, and a d among float16's
+    subnormals."""
+    size, scales_at = (110, 108) if kind == "Q3_K" else (84, 80)
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    blocks[..., scales_at: size] = _f16_bytes(rng.uniform(-1e-3, 1e-3, (*blocks.shape[:2], (size - scales_at) // 2))
+                                              ).reshape(*blocks.shape[:2], -1)
+    blocks[:, 0, scales_at: scales_at + 2] = _f16_bytes(np.full(n, 0.05))
+    if n > 2:
+        blocks[1] = 0
+        blocks[2, 0, scales_at: scales_at + 2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 110]
+    """Q3_K blocks of real weights: each sub-block of 16 a scale (its largest magnitude over -4) as a 6-bit
+    multiple of the super-block's d (less 32: -32 .. 31), codes rint(w / (d * sc)) in -4 .. 3."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+    scale = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0] / -4  # [N, S, 16]
+    d = (np.abs(scale).max(-1, keepdims=True) / 32).astype(np.float16)
+    d32 = d.astype(np.float32)
+    sc = np.rint(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)).clip(-32, 31)
+    step = (d32 * sc)[..., None]
+    q = (np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)).clip(-4, 3) + 4).astype(np.uint8)
+    q = q.reshape(n, k // 256, 256)
+    hmask = ((q >> 2).reshape(n, k // 256, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+    parts = [hmask, gguf_packing._two_bit_qs(q & 3), gguf_packing._q3_k_scale_bytes((sc + 32).astype(np.uint8)),
+             d.view(np.uint8)]
+    return np.concatenate(parts, -1).reshape(n, -1)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 84]
+    """Q2_K blocks of real weights: each sub-block of 16 a 4-bit multiple of d for its step (its range over 3)
+    and of dmin for its min (at most 0), codes rint((w + min) / step) in 0 .. 3."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+    low = np.maximum(-sub.min(-1), 0.0)  # [N, S, 16]: the min to add back
+    step = (sub.max(-1) + low) / 3
+    d, dmin = ((x.max(-1, keepdims=True) / 15).astype(np.float16) for x in (step, low))
+    sc, mn = (np.rint(np.divide(x, f.astype(np.float32), out=np.zeros_like(x), where=f > 0)).clip(0, 15)
+              for x, f in ((step, d), (low, dmin)))
+    width, offset = (d.astype(np.float32) * sc)[..., None], (dmin.astype(np.float32) * mn)[..., None]
+    q = np.rint(np.divide(sub + offset, width, out=np.zeros_like(sub), where=width > 0)).clip(0, 3).astype(np.uint8)
+    scales = (sc.astype(np.uint8) | (mn.astype(np.uint8) << 4))
+    parts = [scales, gguf_packing._two_bit_qs(q.reshape(n, k // 256, 256)), d.view(np.uint8), dmin.view(np.uint8)]
+    return np.concatenate(parts, -1).reshape(n, -1)
+
+
 IQ4_VALUES = np.asarray(IQ4_NL.kvalues, np.float32)
 
 
@@ -137,6 +187,8 @@ def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, fi
         return _q6_k_blocks(n, k, rng)
     if kind == "IQ4_XS":
         return _iq4_xs_blocks(n, k, rng)
+    if kind in ("Q3_K", "Q2_K"):
+        return _two_bit_blocks(kind, n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] *= 40.0  # one block per row far from the others' scale
     if n > 2:
@@ -186,7 +238,8 @@ def check_against_float64(kind: str, m: int) -> None:
 CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q5_0": (22, slice(2, 22), 0xFF),
               "Q5_1": (24, slice(4, 24), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F), "Q4_K": (144, slice(16, 144), 0xFF),
               "Q5_K": (176, slice(16, 176), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF),
-              "IQ4_NL": (18, slice(2, 18), 0x00), "IQ4_XS": (136, slice(8, 136), 0x00)}
+              "IQ4_NL": (18, slice(2, 18), 0x00), "IQ4_XS": (136, slice(8, 136), 0x00),
+              "Q3_K": (110, slice(0, 96), 0xFF), "Q2_K": (84, slice(16, 80), 0xFF)}
 
 
 def check_largest_sums(kind: str) -> None:
@@ -358,15 +411,52 @@ def test_iq4_xs_packing_unpacks_exactly_with_its_scales_as_int8():
     assert np.array_equal(block[64 + 4 * 4: 64 + 4 * 5], codes[4, 3, 4:8])
 
 
-@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
-def test_iq4_quantizers_keep_weights_close(kind):
-    """The tests' IQ4 quantizers (real weights for the model tests): the dequantized weights within a step of the
-    table's of the originals."""
+@pytest.mark.parametrize("kind", ["Q3_K", "Q2_K"])
+def test_q3_k_and_q2_k_packing_unpacks_exactly_with_2_bit_codes_in_chunks(kind):
+    """Q3_K's and Q2_K's codes come apart into chunks of 2 bits (and Q3_K's plane of third bits) and pack back to
+    the file's bytes; each feature's d (Q2_K: and dmin) and 16 scales lead the tile; the weights are
+    d * sc * (q - 4) (Q3_K) or d * sc * q - dmin * mn (Q2_K)."""
+    blocks = _blocks(kind, 37, 512, seed=6)
+    packed = gguf_packing.pack(blocks, kind)
+    assert packed.shape == (3, 2 * gguf_packing.super_tile(kind))
+    assert np.array_equal(gguf_packing.unpack(packed, kind, 37), blocks)
+    size = blocks.shape[1] // 2
+    supers = blocks.reshape(37, 2, size)
+    weights = dequantize(blocks, GGMLQuantizationType[kind]).reshape(37, 2, 16, 16)
+    if kind == "Q3_K":
+        codes = gguf_packing.two_bit_codes(supers[..., 32:96]) | (gguf_packing.q3_k_third_bits(supers[..., :32]) << 2)
+        scales = gguf_packing.q3_k_scales(supers[..., 96:108]).astype(np.float32) - 32
+        d = supers[..., 108:110].copy().view(np.float16).astype(np.float32)[..., None]  # [feature, super, 1, 1]
+        assert np.array_equal(weights, d * scales[..., None] * (codes.reshape(37, 2, 16, 16) - 4.0))
+    else:
+        codes = gguf_packing.two_bit_codes(supers[..., 16:80]).reshape(37, 2, 16, 16).astype(np.float32)
+        d, dmin = (supers[..., at: at + 2].copy().view(np.float16).astype(np.float32) for at in (80, 82))  # [.., 1]
+        sc, mn = (supers[..., :16] & 15).astype(np.float32), (supers[..., :16] >> 4).astype(np.float32)
+        assert np.array_equal(weights, (d * sc)[..., None] * codes - (dmin * mn)[..., None])
+    tile = packed[0, gguf_packing.super_tile(kind):]  # group 0, super-block 1
+    at, d_at = gguf_packing.TWO_BIT_SCALES_AT[kind], {"Q3_K": 108, "Q2_K": 80}[kind]
+    assert np.array_equal(tile[2 * 7: 2 * 8], supers[7, 1, d_at: d_at + 2])  # feature 7's d
+    want_scales = scales.astype(np.int8).view(np.uint8) if kind == "Q3_K" else supers[..., :16]
+    assert np.array_equal(tile[at + 16 * 9: at + 16 * 10], want_scales[:16, 1, 9])  # every feature's sub-block 9
+    block = tile[gguf_packing.TWO_BIT_HEAD[kind] + gguf_packing.TWO_BIT_BLOCK[kind] * 3:]  # weights 96 .. 127
+    all_codes = codes.reshape(37, 2, 256)
+    # chunk 1's byte 2 of feature 4: weights 8s + 4 + 2 (s = 0 .. 3) of the block, 2 bits each
+    byte = block[64 + 4 * 4 + 2]
+    assert [(byte >> (2 * s)) & 3 for s in range(4)] == [int(all_codes[4, 1, 96 + 8 * s + 6]) & 3 for s in range(4)]
+    if kind == "Q3_K":  # the plane's byte 2 of feature 4: bit t the third bit of weight 4t + 2
+        plane = block[128 + 4 * 4 + 2]
+        assert [(plane >> t) & 1 for t in range(8)] == [int(all_codes[4, 1, 96 + 4 * t + 2]) >> 2 for t in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"])
+def test_the_tests_quantizers_keep_weights_close(kind):
+    """The tests' quantizers for the formats the gguf package does not write (real weights for the model tests):
+    the dequantized weights follow the originals."""
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
-    blocks = quantize_iq4_nl(w) if kind == "IQ4_NL" else quantize_iq4_xs(w)
-    got = dequantize(blocks, GGMLQuantizationType[kind])
-    assert got.shape == w.shape and np.abs(got - w).max() < 0.25 * np.abs(w).max()
-    assert np.corrcoef(got.ravel(), w.ravel())[0, 1] > 0.99
+    quantizer = {"IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs, "Q3_K": quantize_q3_k, "Q2_K": quantize_q2_k}
+    got = dequantize(quantizer[kind](w), GGMLQuantizationType[kind])
+    assert got.shape == w.shape and np.abs(got - w).max() < 0.5 * np.abs(w).max()
+    assert np.corrcoef(got.ravel(), w.ravel())[0, 1] > {"Q3_K": 0.95, "Q2_K": 0.85}.get(kind, 0.99)
 
 
 def test_matmul_refuses_mismatched_blocks():

@@ -15,6 +15,10 @@
 //   Q5_0 (6):  f16 d, u32 qh, u8 qs[16]   Q4_0's with bit j of qh as the 5th bit of w[j], and bias 16
 //   Q5_1 (7):  f16 d, f16 m, u32 qh, u8 qs[16]   Q4_1's with bit j of qh as the 5th bit of w[j]
 //   Q8_0 (8):  f16 d, i8 qs[32]           w[j] = d * qs[j]
+//   Q2_K (10): super-blocks of 16 sub-blocks of 16: f16 d, f16 dmin, 4-bit scales sc[16] and mins mn[16],
+//              2-bit codes q;  sub-block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
+//   Q3_K (11): super-blocks of 16 sub-blocks of 16: f16 d, 6-bit scales sc[16] (less 32), 3-bit codes q (2
+//              low bits and a mask of high bits);  sub-block i's  w[j] = d * sc[i] * (q[j] - 4)
 //   Q4_K (12): super-blocks of 8 blocks: f16 d, f16 dmin, 6-bit scales sc[8] and mins mn[8], 4-bit codes q;
 //              block i's  w[j] = d * sc[i] * q[j] - dmin * mn[i]
 //   Q5_K (13): Q4_K's with 5-bit codes (u8 qh[32]: bit i of qh[j] the 5th bit of block i's weight j)
@@ -36,9 +40,14 @@
 // 2 bits, for the low nibbles' weights and the high nibbles': byte 4f + j of a plane holds, in bits
 // 2c .. 2c + 1, the high bits of the weight whose low bits chunk c holds in byte 4f + j. A block of 32 is two
 // of Q6_K's sub-blocks, whose scales differ: the low nibbles' weights (0 .. 15) and the high nibbles'
-// (16 .. 31), whose dot products are summed apart. An IQ4_NL tile is Q4_0's; an IQ4_XS tile holds one
-// super-block of each of 16 features: d (f16[16]), sc (i8[8][16], the scales less 32), then its 8 blocks'
-// codes as Q4's.
+// (16 .. 31), whose dot products are summed apart. Q3_K's and Q2_K's tiles are laid out as Q6_K's with 2-bit
+// codes: a head (Q3_K: Q6_K's, the scales less 32; Q2_K: d and dmin (f16[16] each), then each sub-block's
+// byte sc | mn << 4 (u8[16][16])), then per block of 32 two chunks of 2-bit codes, byte 4f + j of chunk k
+// holding in bits 2s .. 2s + 1 the code of weight 8s + 4k + j, and (Q3_K) a 64-byte plane of the high bits,
+// byte 4f + j holding in bit t that of weight 4t + j. So the codes of weights 16 sub + 4c + j (sub-block
+// `sub`, c = 0 .. 3) are bits 2 (2 sub + c / 2) of chunk c % 2, and bit 4 sub + c of the plane. An IQ4_NL
+// tile is Q4_0's; an IQ4_XS tile holds one super-block of each of 16 features: d (f16[16]), sc (i8[8][16], the
+// scales less 32), then its 8 blocks' codes as Q4's.
 // So one 512-bit register holds four consecutive codes of 16 features, and one `vpdpbusd` multiplies them
 // with four activations broadcast from a row of x: 64 products, every lane a different output feature.
 //
@@ -47,11 +56,12 @@
 // their 5th bits; Q8_0: q + 128):
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
 // with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 and the IQ4 formats under AVX512-VNNI, whose table lookup gives
-// the values plus 128; AVX2 and plain loops take their signed values as they are, bias 0) or 0, and the m term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and
-// -dmin * mn, both exact in float32; IQ4_XS: d * sc). Q6_K's sums run per sub-block of 16, with bias 32 and sum(xq) over the
-// sub-block, times d * sc (exact in float32). The integer part is exact, so the result is x rounded to 8 bits
-// times the dequantized weights (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32
-// sums.
+// the values plus 128; AVX2 and plain loops take their signed values as they are, bias 0) or 0, and the m
+// term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and -dmin * mn, both exact in float32; IQ4_XS:
+// d * sc). Q6_K's, Q3_K's and Q2_K's sums run per sub-block of 16, with bias 32 (Q6_K), 4 (Q3_K) or 0 and
+// sum(xq) over the sub-block, times d * sc (exact in float32), plus Q2_K's -dmin * mn * dx * sum(xq) over the
+// sub-block. The integer part is exact, so the result is x rounded to 8 bits times the dequantized weights
+// (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32 sums.
 //
 // Work is split into units of (a run of at least two groups of 16 features, at most 4 runs per thread; a chunk
 // of x rows), shared with XLA's intra-op threads (`work_sharing.h`). A unit takes its groups two at a time and
@@ -89,8 +99,8 @@ constexpr int kTileRows = 4;     // x rows per register tile
 constexpr int kPrefetchBytes = JAXSERVE_GGUF_PREFETCH;  // how far ahead of its tiles a stream prefetches
 
 enum Kind : int32_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
-  kIQ4_XS = 23
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 // The IQ4 formats' 16 values (ggml's `kvalues_iq4nl`), which their 4-bit codes index.
@@ -112,16 +122,24 @@ constexpr int kSuper = 8;                          // Q4_K, Q5_K, Q6_K: blocks p
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K, Q5_K: d, dmin (f16[16]), scales, mins (u8[8][16])
 // Q4_K's and Q5_K's packed super-block of 16 features (Q5_K: each block's plane too).
 constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_bytes(kind) + 256); }
-constexpr int kQ6Head = 32 + 16 * 16;              // Q6_K: d (f16[16]), scales (i8[16][16])
-constexpr int kQ6Block = 256 + 2 * 64;             // Q6_K: a block's low 4 bits, then its two planes of 2
-constexpr int kQ6Tile = kQ6Head + kSuper * kQ6Block;
-constexpr int32_t kQ6Bias = 32;                // Q6_K's zero point: w = d * sc * (q - 32)
+// Q6_K, Q3_K, Q2_K: super-blocks of 16 sub-blocks of 16 weights, each its own scale (Q2_K: and min).
+constexpr bool sub_blocks(int32_t kind) { return kind == kQ6_K || kind == kQ3_K || kind == kQ2_K; }
+constexpr bool two_bit_codes(int32_t kind) { return kind == kQ3_K || kind == kQ2_K; }  // Q3_K: a high bit too
+// The head of a packed super-block: Q6_K, Q3_K: d (f16[16]), scales (i8[16][16]); Q2_K: d, dmin (f16[16] each),
+// each sub-block's scales and mins (u8[16][16], sc | mn << 4).
+constexpr int sub_block_head(int32_t kind) { return kind == kQ2_K ? 64 + 256 : 32 + 256; }
+// A block of 32 of 16 features: Q6_K: its low 4 bits, then two planes of 2 bits; Q3_K: two chunks of 2-bit
+// codes, then a plane of high bits; Q2_K: two chunks of 2-bit codes.
+constexpr int sub_block_block(int32_t kind) { return kind == kQ6_K ? 256 + 2 * 64 : kind == kQ3_K ? 128 + 64 : 128; }
+constexpr int sub_block_tile(int32_t kind) { return sub_block_head(kind) + kSuper * sub_block_block(kind); }
+// The codes' zero point: w = d * sc * (q - bias) (Q2_K: its mins instead).
+constexpr int32_t sub_block_bias(int32_t kind) { return kind == kQ6_K ? 32 : kind == kQ3_K ? 4 : 0; }
 constexpr int kXsHead = 32 + 8 * 16;               // IQ4_XS: d (f16[16]), scales (i8[8][16])
 constexpr int kXsTile = kXsHead + kSuper * 256;
 
 constexpr bool known_kind(int32_t kind) {
-  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ4_K ||
-         kind == kQ5_K || kind == kQ6_K || kind == kIQ4_NL || kind == kIQ4_XS;
+  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ5_0 || kind == kQ5_1 || kind == kQ8_0 || kind == kQ2_K ||
+         kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_NL || kind == kIQ4_XS;
 }
 
 // Bytes of one group's tiles for K / 32 blocks; 0 for a kind (or a block count) the kernel does not take.
@@ -135,7 +153,9 @@ int64_t group_bytes(int32_t kind, int64_t blocks) {
     case kIQ4_NL: return blocks * (scale_bytes(kind) + plane_bytes(kind) + 64 * chunks(kind));
     case kQ4_K:
     case kQ5_K: return blocks % kSuper == 0 ? blocks / kSuper * super_tile(kind) : 0;
-    case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * kQ6Tile : 0;
+    case kQ2_K:
+    case kQ3_K:
+    case kQ6_K: return blocks % kSuper == 0 ? blocks / kSuper * sub_block_tile(kind) : 0;
     case kIQ4_XS: return blocks % kSuper == 0 ? blocks / kSuper * kXsTile : 0;
     default: return 0;
   }
@@ -181,7 +201,7 @@ struct Problem {
   const float* dx;                  // [M, blocks]: each block's scale
   const float* sx;                  // [M, blocks]: dx * sum(xq) over the block
   const int32_t* isx;               // [M, blocks]: sum(xq) over the block
-  const int32_t* hsx;               // [M, 2 * blocks]: sum(xq) over each half block (Q6_K's sub-blocks)
+  const int32_t* hsx;               // [M, 2 * blocks]: sum(xq) over each half block (sub-blocks of 16)
   float* out;                       // [M, N]
 };
 
@@ -189,11 +209,12 @@ struct Problem {
 struct BlockAt {
   const uint8_t* codes;  // 64 * chunks bytes
   const uint8_t* d;      // f16[16]: d (Q4_K, Q6_K, IQ4_XS: the super-block's d)
-  const uint8_t* m;      // f16[16]: Q4_1's and Q5_1's m, Q4_K's and Q5_K's dmin
-  const uint8_t* sc;     // Q4_K, Q5_K: u8[16], the block's scales (d * sc is its d); Q6_K: i8[2][16], its halves';
-                         // IQ4_XS: i8[16], the block's scales
+  const uint8_t* m;      // f16[16]: Q4_1's and Q5_1's m, Q4_K's, Q5_K's and Q2_K's dmin
+  const uint8_t* sc;     // Q4_K, Q5_K: u8[16], the block's scales (d * sc is its d); Q6_K, Q3_K: i8[2][16], its
+                         // sub-blocks'; Q2_K: u8[2][16], its sub-blocks' sc | mn << 4; IQ4_XS: i8[16]
   const uint8_t* mn;     // Q4_K, Q5_K: u8[16], the block's mins (dmin * mn is its -m)
-  const uint8_t* planes = nullptr;  // Q5: u8[64], the codes' 5th bits; Q6_K: u8[2][64], their high 2 bits
+  const uint8_t* planes = nullptr;  // Q5: u8[64], the codes' 5th bits; Q6_K: u8[2][64], their high 2 bits;
+                                    // Q3_K: u8[64], their high bits
 };
 
 template <int32_t K>
@@ -205,10 +226,12 @@ inline BlockAt block_at(const Problem& p, int64_t g, int64_t b) {
     const uint8_t* at = super + kSuperHead + (plane_bytes(K) + 256) * block;  // Q5_K: its plane, then its codes
     return {at + plane_bytes(K), super, super + 32, super + 64 + 16 * block, super + 192 + 16 * block,
             has_plane(K) ? at : nullptr};
-  } else if constexpr (K == kQ6_K) {
-    const uint8_t* super = group + (b / kSuper) * kQ6Tile;
-    const uint8_t* codes = super + kQ6Head + kQ6Block * (b % kSuper);
-    return {codes, super, nullptr, super + 32 + 32 * (b % kSuper), nullptr, codes + 256};
+  } else if constexpr (sub_blocks(K)) {
+    const uint8_t* super = group + (b / kSuper) * sub_block_tile(K);
+    const uint8_t* codes = super + sub_block_head(K) + sub_block_block(K) * (b % kSuper);
+    const int64_t scales_at = (K == kQ2_K ? 64 : 32) + 32 * (b % kSuper);
+    const uint8_t* planes = K == kQ6_K ? codes + 256 : K == kQ3_K ? codes + 128 : nullptr;
+    return {codes, super, K == kQ2_K ? super + 32 : nullptr, super + scales_at, nullptr, planes};
   } else if constexpr (K == kIQ4_XS) {
     const uint8_t* super = group + (b / kSuper) * kXsTile;
     return {super + kXsHead + 256 * (b % kSuper), super, nullptr, super + 32 + 16 * (b % kSuper), nullptr};
@@ -417,31 +440,64 @@ inline __m512i high_bits(__m512i plane, int c) {
   }
 }
 
-// Q6_K's tile: each block's two sub-blocks (the low nibbles' weights, then the high nibbles') one after the
-// other, each its own integer sums and scale; the codes' 6 bits are the nibble and 2 bits of its plane.
-template <int R, int G>
-void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+// Bit t of each byte to bit `to`, the others 0 (16-bit shifts: what crosses bytes falls outside the mask).
+// `t` is a constant once the chunk loop is unrolled.
+inline __m512i bit_to(__m512i bytes, int t, int to) {
+  const __m512i moved = t > to ? _mm512_srli_epi16(bytes, t - to) : t < to ? _mm512_slli_epi16(bytes, to - t) : bytes;
+  return _mm512_and_si512(moved, _mm512_set1_epi8(char(1 << to)));
+}
+
+// The unsigned codes of weights 16 sub + 4c + j of a Q6_K, Q3_K or Q2_K block (`codes`: its first chunk;
+// `plane`: Q6_K's plane for the sub-block, Q3_K's plane), 64 bytes: j in each feature's 4.
+template <int32_t K>
+inline __m512i sub_block_codes(const uint8_t* codes, __m512i plane, int sub, int c) {
+  if constexpr (K == kQ6_K) {
+    const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+    const __m512i nibbles = _mm512_and_si512(sub == 0 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+    return _mm512_or_si512(nibbles, high_bits(plane, c));
+  } else {
+    const int slot = 2 * sub + c / 2;  // bits 2 slot .. 2 slot + 1 of chunk c % 2
+    const __m512i v = _mm512_loadu_si512(codes + 64 * (c % 2));
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(v, 2 * slot), _mm512_set1_epi8(0x03));
+    if constexpr (K == kQ3_K) return _mm512_or_si512(low, bit_to(plane, 4 * sub + c, 2));
+    return low;
+  }
+}
+
+// Q6_K's, Q3_K's and Q2_K's tile: each block's two sub-blocks (weights 0 .. 15, then 16 .. 31) one after the
+// other, each its own integer sums and scale (Q2_K: and min).
+template <int32_t K, int R, int G>
+void tile_sub_blocks(const Problem& p, int64_t g0, int64_t m0) {
   __m512 sums[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     BlockAt at[G];
-    __m512 d[G];
+    __m512 d[G], dmin[G];
     for (int g = 0; g < G; ++g) {
-      at[g] = block_at<kQ6_K>(p, g0 + g, b);
-      for (int line = 0; kPrefetchBytes > 0 && line < kQ6Block; line += 64) {
+      at[g] = block_at<K>(p, g0 + g, b);
+      for (int line = 0; kPrefetchBytes > 0 && line < sub_block_block(K); line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(at[g].codes) + kPrefetchBytes + line, _MM_HINT_T0);
       }
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[g].d)));
+      if constexpr (K == kQ2_K) {
+        dmin[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[g].m)));
+      }
     }
-    for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
+    for (int sub = 0; sub < 2; ++sub) {  // weights 0 .. 15, then 16 .. 31
       __m512i planes[G];
-      __m512 scale[G];  // d * sc, exact in float32 (11 by 8 bits)
+      __m512 scale[G], mins[G];  // d * sc and dmin * mn: exact in float32 (11 by at most 8 bits)
       for (int g = 0; g < G; ++g) {
-        planes[g] = _mm512_loadu_si512(at[g].planes + 64 * sub);
+        if constexpr (K == kQ6_K) planes[g] = _mm512_loadu_si512(at[g].planes + 64 * sub);
+        if constexpr (K == kQ3_K) planes[g] = _mm512_loadu_si512(at[g].planes);
         const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[g].sc + 16 * sub));
-        scale[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        if constexpr (K == kQ2_K) {  // sc | mn << 4
+          const __m512i both = _mm512_cvtepu8_epi32(sc);
+          scale[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))));
+          mins[g] = _mm512_mul_ps(dmin[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)));
+        } else {
+          scale[g] = _mm512_mul_ps(d[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        }
       }
       __m512i dots[R][G];
       for (int r = 0; r < R; ++r)
@@ -449,11 +505,7 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         __m512i q[G];
-        for (int g = 0; g < G; ++g) {
-          const __m512i v = _mm512_loadu_si512(at[g].codes + 64 * c);
-          const __m512i nibbles = _mm512_and_si512(sub == 0 ? v : _mm512_srli_epi16(v, 4), low4);
-          q[g] = _mm512_or_si512(nibbles, high_bits(planes[g], c));
-        }
+        for (int g = 0; g < G; ++g) q[g] = sub_block_codes<K>(at[g].codes, planes[g], sub, c);
         for (int r = 0; r < R; ++r) {
           const __m512i x = _mm512_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * sub + 4 * c));
           for (int g = 0; g < G; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], q[g], x);
@@ -461,11 +513,15 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
       }
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
-        const __m512 dx = _mm512_set1_ps(p.dx[xb]);
-        const __m512i offset = _mm512_set1_epi32(kQ6Bias * p.hsx[2 * xb + sub]);
+        const float dx = p.dx[xb];
+        const int32_t sub_sum = p.hsx[2 * xb + sub];  // sum(xq) over the sub-block
+        const __m512i offset = _mm512_set1_epi32(sub_block_bias(K) * sub_sum);
         for (int g = 0; g < G; ++g) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r][g], offset));
-          sums[r][g] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[g], dx), sums[r][g]);
+          sums[r][g] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[g], _mm512_set1_ps(dx)), sums[r][g]);
+          if constexpr (K == kQ2_K) {
+            sums[r][g] = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(dx * float(sub_sum)), sums[r][g]);
+          }
         }
       }
     }
@@ -475,11 +531,11 @@ void tile_q6_k(const Problem& p, int64_t g0, int64_t m0) {
 
 template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
-  if constexpr (K == kQ6_K) {
+  if constexpr (sub_blocks(K)) {
     if (groups == 2) {
-      tile_q6_k<R, 2>(p, g0, m0);
+      tile_sub_blocks<K, R, 2>(p, g0, m0);
     } else {
-      tile_q6_k<R, 1>(p, g0, m0);
+      tile_sub_blocks<K, R, 1>(p, g0, m0);
     }
   } else if (groups == 2) {
     tile<K, R, 2>(p, g0, m0);
@@ -595,25 +651,61 @@ void half_tile(const Problem& p, int64_t g, int half, int64_t m0) {
   store_half<R>(p, g, half, m0, sums);
 }
 
-// Q6_K's half tile: each block's two sub-blocks one after the other (`tile_q6_k` under AVX-512).
-template <int R>
-void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+// Bit t of each byte to bit `to` (`bit_to` under AVX-512).
+inline __m256i bit_to(__m256i bytes, int t, int to) {
+  const __m256i moved = t > to ? _mm256_srli_epi16(bytes, t - to) : t < to ? _mm256_slli_epi16(bytes, to - t) : bytes;
+  return _mm256_and_si256(moved, _mm256_set1_epi8(char(1 << to)));
+}
+
+// Half a group's codes of weights 16 sub + 4c + j of a Q6_K, Q3_K or Q2_K block (`sub_block_codes` under
+// AVX-512; `codes` and `plane` at the half's features).
+template <int32_t K>
+inline __m256i sub_block_codes(const uint8_t* codes, __m256i plane, int sub, int c) {
+  if constexpr (K == kQ6_K) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c));
+    const __m256i nibbles = _mm256_and_si256(sub == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+    return _mm256_or_si256(nibbles, high_bits(plane, c));  // <= 63: pairs of products fit int16
+  } else {
+    const int slot = 2 * sub + c / 2;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (c % 2)));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 2 * slot), _mm256_set1_epi8(0x03));
+    if constexpr (K == kQ3_K) return _mm256_or_si256(low, bit_to(plane, 4 * sub + c, 2));
+    return low;
+  }
+}
+
+// Q6_K's, Q3_K's and Q2_K's half tile: each block's two sub-blocks one after the other (`tile_sub_blocks`
+// under AVX-512).
+template <int32_t K, int R>
+void half_tile_sub_blocks(const Problem& p, int64_t g, int half, int64_t m0) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 sums[R];
   for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
-    const BlockAt at = block_at<kQ6_K>(p, g, b);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.d + 16 * half)));
+    const BlockAt at = block_at<K>(p, g, b);
+    const auto halves = [half](const uint8_t* f16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f16 + 16 * half)));
+    };
+    const __m256 d = halves(at.d), dmin = K == kQ2_K ? halves(at.m) : _mm256_setzero_ps();
     for (int sub = 0; sub < 2; ++sub) {
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.planes + 64 * sub + 32 * half));
+      __m256i plane = _mm256_setzero_si256();
+      if constexpr (K == kQ6_K || K == kQ3_K) {
+        const uint8_t* planes = at.planes + (K == kQ6_K ? 64 * sub : 0) + 32 * half;
+        plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes));
+      }
       const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.sc + 16 * sub + 8 * half));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      __m256 scale, mins = _mm256_setzero_ps();
+      if constexpr (K == kQ2_K) {  // sc | mn << 4
+        const __m256i both = _mm256_cvtepu8_epi32(sc);
+        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15))));
+        mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4)));
+      } else {
+        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      }
       __m256i dots[R];
       for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.codes + 64 * c + 32 * half));
-        const __m256i nibbles = _mm256_and_si256(sub == 0 ? v : _mm256_srli_epi16(v, 4), low4);
-        const __m256i q = _mm256_or_si256(nibbles, high_bits(plane, c));  // <= 63: pairs of products fit int16
+        const __m256i q = sub_block_codes<K>(at.codes + 32 * half, plane, sub, c);
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_set1_epi32(load_i32(p.xq + (m0 + r) * p.k + b * kBlock + 16 * sub + 4 * c));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones));
@@ -621,8 +713,11 @@ void half_tile_q6_k(const Problem& p, int64_t g, int half, int64_t m0) {
       }
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m0 + r) * p.blocks + b;  // x row m0 + r's block b
-        const __m256i dot = _mm256_sub_epi32(dots[r], _mm256_set1_epi32(kQ6Bias * p.hsx[2 * xb + sub]));
-        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(p.dx[xb])), sums[r]);
+        const float dx = p.dx[xb];
+        const int32_t sub_sum = p.hsx[2 * xb + sub];
+        const __m256i dot = _mm256_sub_epi32(dots[r], _mm256_set1_epi32(sub_block_bias(K) * sub_sum));
+        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), sums[r]);
+        if constexpr (K == kQ2_K) sums[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dx * float(sub_sum)), sums[r]);
       }
     }
   }
@@ -633,8 +728,8 @@ template <int32_t K, int R>
 void row_tile(const Problem& p, int64_t g0, int groups, int64_t m0) {
   for (int64_t g = g0; g < g0 + groups; ++g) {
     for (int half = 0; half < 2 && g * kFeatures + 8 * half < p.n; ++half) {
-      if constexpr (K == kQ6_K) {
-        half_tile_q6_k<R>(p, g, half, m0);
+      if constexpr (sub_blocks(K)) {
+        half_tile_sub_blocks<K, R>(p, g, half, m0);
       } else {
         half_tile<K, R>(p, g, half, m0);
       }
@@ -650,20 +745,33 @@ constexpr int32_t bias(int32_t kind) { return code_bias(kind); }  // Q8_0: signe
 template <int32_t K>
 float block_product(const Problem& p, const BlockAt& at, int f, const int8_t* x, int64_t xb) {
   const uint8_t* codes = at.codes + 4 * f;
-  if constexpr (K == kQ6_K) {
+  if constexpr (sub_blocks(K)) {
     float total = 0.0f;
-    for (int sub = 0; sub < 2; ++sub) {  // the low nibbles' sub-block, then the high nibbles'
+    for (int sub = 0; sub < 2; ++sub) {  // weights 0 .. 15, then 16 .. 31
       int32_t dot = 0;
       for (int c = 0; c < 4; ++c) {
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t byte = codes[64 * c + j], high = at.planes[64 * sub + 4 * f + j];
-          const int32_t q = (sub == 0 ? byte & 15 : byte >> 4) | (((high >> (2 * c)) & 3) << 4);
+        for (int j = 0; j < 4; ++j) {  // weight 16 sub + 4c + j
+          int32_t q;
+          if constexpr (K == kQ6_K) {
+            const uint8_t byte = codes[64 * c + j], high = at.planes[64 * sub + 4 * f + j];
+            q = (sub == 0 ? byte & 15 : byte >> 4) | (((high >> (2 * c)) & 3) << 4);
+          } else {
+            q = (codes[64 * (c % 2) + j] >> (2 * (2 * sub + c / 2))) & 3;
+            if constexpr (K == kQ3_K) q |= ((at.planes[4 * f + j] >> (4 * sub + c)) & 1) << 2;
+          }
           dot += q * x[16 * sub + 4 * c + j];
         }
       }
-      dot -= kQ6Bias * p.hsx[2 * xb + sub];
-      const float scale = half_to_float(at.d + 2 * f) * float(int8_t(at.sc[16 * sub + f]));
-      total += scale * p.dx[xb] * float(dot);
+      const int32_t sub_sum = p.hsx[2 * xb + sub];
+      dot -= sub_block_bias(K) * sub_sum;
+      const uint8_t sc = at.sc[16 * sub + f];
+      const float d = half_to_float(at.d + 2 * f), dx = p.dx[xb];
+      if constexpr (K == kQ2_K) {  // sc | mn << 4
+        const float dmin = half_to_float(at.m + 2 * f);
+        total += d * float(sc & 15) * dx * float(dot) - dmin * float(sc >> 4) * (dx * float(sub_sum));
+      } else {
+        total += d * float(int8_t(sc)) * dx * float(dot);
+      }
     }
     return total;
   } else {
@@ -736,6 +844,8 @@ UnitFn unit_for(int32_t kind) {
     case kQ4_1: return unit<kQ4_1>;
     case kQ5_0: return unit<kQ5_0>;
     case kQ5_1: return unit<kQ5_1>;
+    case kQ2_K: return unit<kQ2_K>;
+    case kQ3_K: return unit<kQ3_K>;
     case kQ4_K: return unit<kQ4_K>;
     case kQ5_K: return unit<kQ5_K>;
     case kQ6_K: return unit<kQ6_K>;
@@ -779,11 +889,11 @@ void run(ffi::ThreadPool& pool, const std::vector<Work>& works, UnitFn unit_fn) 
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
-  std::vector<int32_t> isx, hsx;  // hsx: Q6_K's sums over half blocks, empty for the other kinds
+  std::vector<int32_t> isx, hsx;  // hsx: sums over half blocks (sub-blocks of 16), empty for the other kinds
 
   QuantizedRows(const float* x, int64_t m, int64_t k, int32_t kind)
       : xq(size_t(m * k)), dx(size_t(m * (k / kBlock))), sx(dx.size()), isx(dx.size()),
-        hsx(kind == kQ6_K ? 2 * dx.size() : 0) {
+        hsx(sub_blocks(kind) ? 2 * dx.size() : 0) {
     quantize_rows(x, k, 0, m, xq.data(), dx.data(), sx.data(), isx.data(), hsx.empty() ? nullptr : hsx.data());
   }
 
@@ -814,8 +924,8 @@ ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 "
-        "(Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
+        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 "
+        "(Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
@@ -843,8 +953,8 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const auto out_dims = out->dimensions();
   if (!known_kind(kind)) {
     return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), "
-        "14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
+        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), "
+        "12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
     return ffi::Error::InvalidArgument(
