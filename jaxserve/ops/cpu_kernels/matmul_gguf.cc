@@ -488,6 +488,7 @@ void tile_sub_blocks(const Problem& p, int64_t g0, int64_t m0) {
       __m512i planes[G];
       __m512 scale[G], mins[G];  // d * sc and dmin * mn: exact in float32 (11 by at most 8 bits)
       for (int g = 0; g < G; ++g) {
+        planes[g] = _mm512_setzero_si512();  // Q2_K: none
         if constexpr (K == kQ6_K) planes[g] = _mm512_loadu_si512(at[g].planes + 64 * sub);
         if constexpr (K == kQ3_K) planes[g] = _mm512_loadu_si512(at[g].planes);
         const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[g].sc + 16 * sub));
