@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones in its shapes
 # vLLM's names. fp8: e4m3 weights with a scale per output channel, quantized on load; gguf: a GGUF file's
-# 4- to 8-bit layer weights and token embeddings kept in their blocks, for the native CPU kernel.
+# 2- to 8-bit layer weights and token embeddings kept in their blocks, for the native CPU kernel.
 QUANTIZATIONS = ("fp8", "gguf")
 # auto (the commands' default): gguf for a GGUF file where its kernel runs (a CPU, one device), else none
 # (the library's default, None: every tensor dequantized, a 16- or 32-bit checkpoint as it is).

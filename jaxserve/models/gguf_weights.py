@@ -1,4 +1,4 @@
-"""GGUF weights kept in their 4- to 8-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
+"""GGUF weights kept in their 2- to 8-bit blocks (`--quantization gguf`, vLLM's name): on a CPU, the layers'
 dense weights and token embeddings of a GGUF file stay as the file stores them and `cpu_kernels.matmul_gguf`
 multiplies by them in integers (the activations rounded to 8 bits per block of 32, as llama.cpp does), where the
 default path dequantizes every tensor to float32 or bfloat16 at load.

@@ -305,7 +305,7 @@ def load_model(
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
     `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
-    file's 4- to 8-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
+    file's 2- to 8-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
     runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
     `in_background`: where the weights' final shapes are known before they are read (no quantization, or
     "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model

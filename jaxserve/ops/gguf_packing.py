@@ -5,7 +5,8 @@ A GGUF file stores a weight [N, K] as llama.cpp lays it out: row n holds K / 32 
 its codes (`u8[N, K / 32 * block_bytes]`). Packed, the same bytes are regrouped per (group of 16 features,
 block): the 16 features' d as f16[16], their m (Q4_1, Q5_1) as f16[16], then the code bytes in chunks of 64, chunk c
 holding bytes 4c .. 4c + 3 of each feature's codes in turn: `u8[ceil(N / 16), group_bytes(kind, K)]`, with
-features past N zero. No value changes: packing is a permutation of bytes, and `unpack` inverts it.
+features past N zero. No value changes: packing moves bytes (and the formats below, bits; Q3_K's and IQ4_XS's
+6-bit scales become int8), and `unpack` inverts it.
 
 Q5_0 and Q5_1 blocks (Q4_0's and Q4_1's with a 5th bit a code, u32 qh between the scales and the codes) keep
 those bits as a plane between the scales and the code chunks: byte 4f + j of the plane holds in bit c the 5th
@@ -79,7 +80,7 @@ def tile_bytes(kind: str) -> int:  # one block of each of 16 features
     return FEATURES * block_bytes(kind)
 
 
-def super_tile(kind: str) -> int:  # one packed super-block of 16 features: Q4_K, Q5_K (with its planes), Q6_K
+def super_tile(kind: str) -> int:  # one packed super-block of 16 features: Q2_K .. Q6_K, IQ4_XS
     if kind == "Q6_K":
         return Q6_K_TILE
     if kind == "IQ4_XS":

@@ -278,8 +278,8 @@ LLAMA_QUANTIZE_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LLAMA_QUANTIZE_LAYOUTS))
 def test_an_iq4_xs_or_q2_k_file_keeps_every_tensor_in_its_blocks(layout, smollm2_gguf, tmp_path, monkeypatch):
     """A tiny Qwen3 GGUF laid out as llama-quantize's IQ4_XS or Q2_K lays one out (`LLAMA_QUANTIZE_LAYOUTS`).
-    Every tensor stays in its blocks, decodes to the parameter the dequantizing load builds, and the logits
-    follow the dequantized model's."""
+    Every tensor stays in its blocks, dequantizes to the parameter the dequantizing load builds, and the
+    logits follow the dequantized model's."""
     import torch
     import transformers
 

@@ -194,7 +194,12 @@ def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, fi
     if n > 2:
         w[1] = 0.0  # a zero row: scale 0
         w[2, :32] = 1e-6  # scales among float16's subnormals
-    return quantize_iq4_nl(w) if kind == "IQ4_NL" else quantize(w, GGMLQuantizationType[kind])
+    if kind != "IQ4_NL":
+        return quantize(w, GGMLQuantizationType[kind])
+    blocks = quantize_iq4_nl(w).reshape(n, -1, 18)
+    if n > 2:  # this quantizer's d for 1e-6 rounds to 0 in float16: a subnormal d, set directly
+        blocks[2, 0, 0:2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
+    return blocks.reshape(n, -1)
 
 
 def rounded_activations(x: np.ndarray) -> np.ndarray:
@@ -234,7 +239,8 @@ def check_against_float64(kind: str, m: int) -> None:
 
 
 # Where each block's codes lie in the file's bytes, and the code byte of largest magnitude: every nibble 15
-# (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too; the IQ4 formats: every nibble 0, the value -127).
+# (Q8_0: 127; Q5's qh and Q6_K's high bits all ones too; the IQ4 formats: every nibble 0, the value -127). Q3_K's
+# and Q2_K's bytes all ones give their largest unsigned codes, what AVX2's pairs of products in int16 take.
 CODE_BYTES = {"Q4_0": (18, slice(2, 18), 0xFF), "Q4_1": (20, slice(4, 20), 0xFF), "Q5_0": (22, slice(2, 22), 0xFF),
               "Q5_1": (24, slice(4, 24), 0xFF), "Q8_0": (34, slice(2, 34), 0x7F), "Q4_K": (144, slice(16, 144), 0xFF),
               "Q5_K": (176, slice(16, 176), 0xFF), "Q6_K": (210, slice(0, 192), 0xFF),

@@ -1,6 +1,6 @@
 // Matmuls with GGUF-quantized weights for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and
-// registers it). A GGUF file's 4- to 8-bit tensors stay in their blocks in memory and are multiplied in
-// them: a decode step reads 4.5-8.5 bits per weight instead of 16 or 32.
+// registers it). A GGUF file's 2- to 8-bit tensors stay in their blocks in memory and are multiplied in
+// them: a decode step reads 2.6-8.5 bits per weight instead of 16 or 32.
 //
 //   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
 //                       interleaved 16 output features at a time (`jaxserve/ops/gguf_packing.py` lays them
@@ -57,8 +57,8 @@
 //   x . w = sum over blocks of  d * dx * (u . xq - bias * sum(xq))  +  m * dx * sum(xq)
 // with bias 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 and the IQ4 formats under AVX512-VNNI, whose table lookup gives
 // the values plus 128; AVX2 and plain loops take their signed values as they are, bias 0) or 0, and the m
-// term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and -dmin * mn, both exact in float32; IQ4_XS:
-// d * sc). Q6_K's, Q3_K's and Q2_K's sums run per sub-block of 16, with bias 32 (Q6_K), 4 (Q3_K) or 0 and
+// term for Q4_1, Q5_1, Q4_K and Q5_K only (Q4_K, Q5_K: d * sc and -dmin * mn, both exact in float32; IQ4_XS's
+// d is d * sc too). Q6_K's, Q3_K's and Q2_K's sums run per sub-block of 16, with bias 32 (Q6_K), 4 (Q3_K) or 0 and
 // sum(xq) over the sub-block, times d * sc (exact in float32), plus Q2_K's -dmin * mn * dx * sum(xq) over the
 // sub-block. The integer part is exact, so the result is x rounded to 8 bits times the dequantized weights
 // (`tests/ops/test_matmul_gguf.py` holds the float64 oracle), up to float32 sums.
@@ -118,13 +118,12 @@ constexpr bool has_mins(int32_t kind) { return adds_m(kind) || scaled_blocks(kin
 // The codes' zero point where it is folded into the integer sums as bias * sum(xq): Q4_0's and Q5_0's
 // (AVX512-VNNI adds Q8_0's 128, its signed codes made unsigned).
 constexpr int32_t code_bias(int32_t kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }
-constexpr int kSuper = 8;                          // Q4_K, Q5_K, Q6_K: blocks per super-block
+constexpr int kSuper = 8;                          // Q2_K .. Q6_K, IQ4_XS: blocks per super-block
 constexpr int kSuperHead = 2 * 32 + 2 * 128;       // Q4_K, Q5_K: d, dmin (f16[16]), scales, mins (u8[8][16])
 // Q4_K's and Q5_K's packed super-block of 16 features (Q5_K: each block's plane too).
 constexpr int super_tile(int32_t kind) { return kSuperHead + kSuper * (plane_bytes(kind) + 256); }
 // Q6_K, Q3_K, Q2_K: super-blocks of 16 sub-blocks of 16 weights, each its own scale (Q2_K: and min).
 constexpr bool sub_blocks(int32_t kind) { return kind == kQ6_K || kind == kQ3_K || kind == kQ2_K; }
-constexpr bool two_bit_codes(int32_t kind) { return kind == kQ3_K || kind == kQ2_K; }  // Q3_K: a high bit too
 // The head of a packed super-block: Q6_K, Q3_K: d (f16[16]), scales (i8[16][16]); Q2_K: d, dmin (f16[16] each),
 // each sub-block's scales and mins (u8[16][16], sc | mn << 4).
 constexpr int sub_block_head(int32_t kind) { return kind == kQ2_K ? 64 + 256 : 32 + 256; }
@@ -256,7 +255,7 @@ inline int32_t sum_lanes(__m256i v) {  // the sum of 8 int32 lanes
 
 // x rows [m0, m1) rounded to 8 bits per block: dx = max|x| / 127, xq = rint(x * (1 / dx)) (0 for an all-zero
 // block, or one whose scale is below kMinScale), in IEEE float32 arithmetic (not -ffast-math's approximate
-// reciprocal), as the tests' oracle rounds. hsx (Q6_K's, or null): sum(xq) over each half block.
+// reciprocal), as the tests' oracle rounds. hsx (Q6_K's, Q3_K's, Q2_K's, or null): sum(xq) over each half block.
 __attribute__((optimize("no-fast-math"))) void quantize_rows(const float* x, int64_t k, int64_t m0, int64_t m1,
                                                              int8_t* xq, float* dx, float* sx, int32_t* isx,
                                                              int32_t* hsx) {
