@@ -220,11 +220,11 @@ def test_a_blocks_copy_is_named_by_the_kept_formats_and_older_copies_go(smollm2_
     kinds = "-".join(sorted(kind.lower() for kind in KEPT_KINDS))
     unsorted = "-".join(kind.lower() for kind in reversed(sorted(KEPT_KINDS)))  # the same formats, another order
     for name in ("tensors-blocks-2", "tensors-blocks-2-q4_0-q8_0", f"tensors-blocks-2-{unsorted}",
-                 f"tensors-blocks-2-{kinds}-q3_k", "tensors"):
+                 f"tensors-blocks-2-{kinds}-iq3_s", "tensors"):
         (directory / f"{name}.safetensors").write_bytes(b"another copy")
     first = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
     copies = sorted(path.name for path in directory.glob("tensors*.safetensors"))
-    assert copies == [f"tensors-blocks-2-{kinds}-q3_k.safetensors", f"tensors-blocks-2-{kinds}.safetensors",
+    assert copies == [f"tensors-blocks-2-{kinds}-iq3_s.safetensors", f"tensors-blocks-2-{kinds}.safetensors",
                       "tensors.safetensors"]
     again = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
     assert again.keys() == first.keys()
