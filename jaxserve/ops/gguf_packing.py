@@ -72,6 +72,22 @@ IQ4_XS_SCALE_BIAS = 32  # w = d * (ls - 32) * value(q), ls the file's 6-bit scal
 IQ4_XS_TILE = IQ4_XS_HEAD + FEATURES * SUPER // 2  # IQ4_XS: one super-block of 16 features, packed
 
 
+def _by_group(blocks: np.ndarray, size: int) -> np.ndarray:
+    """A file's rows u8[N, S * size] as u8[groups, 16, S, size] ([group, feature, block or super-block, bytes]),
+    features past N zero."""
+    n, row_bytes = blocks.shape
+    units, groups = row_bytes // size, -(-n // FEATURES)
+    padded = np.zeros((groups * FEATURES, units, size), np.uint8)
+    padded[:n] = blocks.reshape(n, units, size)
+    return padded.reshape(groups, FEATURES, units, size)
+
+
+def _f16_fields(tiles: np.ndarray, at: int) -> np.ndarray:
+    """Packed tiles [groups, S, tile]' 16 features' f16 at `at` -> u8[groups, 16, S, 2], the file's order."""
+    groups, supers, _ = tiles.shape
+    return tiles[..., at: at + 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+
+
 def block_bytes(kind: str) -> int:
     return 2 * SCALES[kind] + PLANE_BYTES.get(kind, 0) + CODE_BYTES[kind]
 
@@ -108,12 +124,9 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
         return _pack_iq4_xs(blocks)
     if kind in TWO_BIT_HEAD:
         return _pack_two_bit(blocks, kind)
-    n, row_bytes = blocks.shape
-    per_block, scales = block_bytes(kind), SCALES[kind]
-    num_blocks, groups = row_bytes // per_block, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, num_blocks, per_block), np.uint8)
-    padded[:n] = blocks.reshape(n, num_blocks, per_block)
-    grouped = padded.reshape(groups, FEATURES, num_blocks, per_block)
+    scales = SCALES[kind]
+    grouped = _by_group(blocks, block_bytes(kind))  # [group, feature, block, bytes]
+    groups, _, num_blocks, _ = grouped.shape
     # [group, feature, block, scale, 2 bytes] -> [group, block, scale, feature, 2 bytes]
     scale_part = grouped[..., : 2 * scales].reshape(groups, FEATURES, num_blocks, scales, 2).transpose(0, 2, 3, 1, 4)
     codes_at = 2 * scales + PLANE_BYTES.get(kind, 0)
@@ -165,12 +178,9 @@ def _qh(plane: np.ndarray) -> np.ndarray:
 
 
 def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
-    n, row_bytes = blocks.shape
-    size, qh_bytes = SCALED_SUPER_BYTES[kind], SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
-    supers, groups = row_bytes // size, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, size)
-    grouped = padded.reshape(groups, FEATURES, supers, size)  # [group, feature, super, bytes]
+    qh_bytes = SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
+    grouped = _by_group(blocks, SCALED_SUPER_BYTES[kind])  # [group, feature, super, bytes]
+    groups, _, supers, _ = grouped.shape
     scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
     qs = grouped[..., 16 + qh_bytes:].reshape(groups, FEATURES, supers, 4, 32)  # blocks 2i (low nibbles), 2i + 1
     codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
@@ -193,8 +203,7 @@ def _unpack_scaled_supers(packed: np.ndarray, kind: str, n: int) -> np.ndarray: 
     tile, plane_bytes = super_tile(kind), FEATURES * PLANE_BYTES.get(kind, 0)
     supers = row_bytes // tile
     tiles = packed.reshape(groups, supers, tile)
-    d, dmin = (tiles[..., at: at + 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
-               for at in (0, Q4_K_DMIN_AT))
+    d, dmin = _f16_fields(tiles, 0), _f16_fields(tiles, Q4_K_DMIN_AT)
     scales, mins = (tiles[..., at: at + 8 * FEATURES].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
                     for at in (Q4_K_SCALES_AT, Q4_K_MINS_AT))
     per_block = tiles[..., Q4_K_HEAD:].reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
@@ -225,11 +234,8 @@ def _q4_k_scales(six_bit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
-    n, row_bytes = blocks.shape
-    supers, groups = row_bytes // Q6_K_BYTES, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, Q6_K_BYTES), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, Q6_K_BYTES)
-    grouped = padded.reshape(groups, FEATURES, supers, Q6_K_BYTES)  # [group, feature, super, bytes]
+    grouped = _by_group(blocks, Q6_K_BYTES)  # [group, feature, super, bytes]
+    groups, _, supers, _ = grouped.shape
     scales_at, d_at = SUPER // 2 + SUPER // 4, Q6_K_BYTES - 2
     codes = _q6_k_codes(grouped[..., :scales_at]).reshape(groups, FEATURES, supers, 8, 2, 16)  # [.., block, half, 16]
     low, high = codes & 15, (codes >> 4).reshape(groups, FEATURES, supers, 8, 2, 4, 4)  # high: [.., half, chunk, j]
@@ -247,7 +253,7 @@ def _unpack_q6_k(packed: np.ndarray, n: int) -> np.ndarray:
     groups, row_bytes = packed.shape
     supers = row_bytes // Q6_K_TILE
     tiles = packed.reshape(groups, supers, Q6_K_TILE)
-    d = tiles[..., : 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+    d = _f16_fields(tiles, 0)
     scales = tiles[..., Q6_K_SCALES_AT: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
     per_block = tiles[..., Q6_K_HEAD:].reshape(groups, supers, 8, Q6_K_BLOCK)
     code_bytes = FEATURES * 32 // 2
@@ -281,11 +287,8 @@ def _q6_k_bytes(codes: np.ndarray) -> np.ndarray:
 
 
 def _pack_iq4_xs(blocks: np.ndarray) -> np.ndarray:
-    n, row_bytes = blocks.shape
-    supers, groups = row_bytes // IQ4_XS_BYTES, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, IQ4_XS_BYTES), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, IQ4_XS_BYTES)
-    grouped = padded.reshape(groups, FEATURES, supers, IQ4_XS_BYTES)  # [group, feature, super, bytes]
+    grouped = _by_group(blocks, IQ4_XS_BYTES)  # [group, feature, super, bytes]
+    groups, _, supers, _ = grouped.shape
     scales_h = grouped[..., 2:4].copy().view("<u2")  # [.., 1]: bits 2i .. 2i + 1 block i's high 2 bits
     scales_l = grouped[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [.., 4, 2]: blocks 2i, 2i + 1's low 4
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [.., 8]
@@ -301,7 +304,7 @@ def _unpack_iq4_xs(packed: np.ndarray, n: int) -> np.ndarray:
     groups, row_bytes = packed.shape
     supers = row_bytes // IQ4_XS_TILE
     tiles = packed.reshape(groups, supers, IQ4_XS_TILE)
-    d = tiles[..., : 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
+    d = _f16_fields(tiles, 0)
     scales = tiles[..., IQ4_XS_SCALES_AT: IQ4_XS_HEAD].reshape(groups, supers, 8, FEATURES).transpose(0, 3, 1, 2)
     six_bit = (scales + np.uint8(IQ4_XS_SCALE_BIAS)) & 63  # [group, feature, super, block]
     scales_l = (six_bit[..., 0::2] & 15) | ((six_bit[..., 1::2] & 15) << 4)
@@ -343,12 +346,8 @@ def _q3_k_scale_bytes(scales: np.ndarray) -> np.ndarray:  # `q3_k_scales`' inver
 
 
 def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
-    n, row_bytes = blocks.shape
-    size = Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES
-    supers, groups = row_bytes // size, -(-n // FEATURES)
-    padded = np.zeros((groups * FEATURES, supers, size), np.uint8)
-    padded[:n] = blocks.reshape(n, supers, size)
-    grouped = padded.reshape(groups, FEATURES, supers, size)  # [group, feature, super, bytes]
+    grouped = _by_group(blocks, Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES)  # [group, feature, super, bytes]
+    groups, _, supers, _ = grouped.shape
     if kind == "Q3_K":
         qs, factors = grouped[..., 32:96], [grouped[..., 108:110]]  # d
         scales = q3_k_scales(grouped[..., 96:108]) - np.uint8(32)  # int8 bytes
@@ -372,8 +371,7 @@ def _unpack_two_bit(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q3_
     supers, head = row_bytes // super_tile(kind), TWO_BIT_HEAD[kind]
     tiles = packed.reshape(groups, supers, super_tile(kind))
     scales_at = TWO_BIT_SCALES_AT[kind]
-    factors = [tiles[..., at: at + 2 * FEATURES].reshape(groups, supers, FEATURES, 2).transpose(0, 2, 1, 3)
-               for at in range(0, scales_at, 2 * FEATURES)]  # d (and dmin): [group, feature, super, 2]
+    factors = [_f16_fields(tiles, at) for at in range(0, scales_at, 2 * FEATURES)]  # d (and dmin)
     scales = tiles[..., scales_at: head].reshape(groups, supers, 16, FEATURES).transpose(0, 3, 1, 2)
     per_block = tiles[..., head:].reshape(groups, supers, 8, TWO_BIT_BLOCK[kind])
     chunks = per_block[..., :128].reshape(groups, supers, 8, 2, FEATURES, 4).transpose(0, 4, 1, 2, 3, 5)

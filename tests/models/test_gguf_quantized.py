@@ -223,6 +223,20 @@ def test_auto_keeps_a_gguf_file_s_blocks_on_a_cpu_and_dequantizes_other_checkpoi
     assert load_model(str(tiny_model_dir("llama")), dtype="float32", quantization="auto").quantization is None
 
 
+def _tiny_qwen3(intermediate_size: int, tied: bool):
+    """A random two-layer Qwen3 whose widths are whole K-quant super-blocks (hidden 256), seeded."""
+    import torch
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=tied, initializer_range=0.1)).eval()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_gguf, tmp_path, monkeypatch):
@@ -231,18 +245,10 @@ def test_a_q4_k_m_style_file_keeps_its_q6_k_head_and_projections(tied, smollm2_g
     package does not write). The head (tied: the embeddings, looked up too) stays a Q6_K table and the
     projections Q6_K weights; each decodes to the parameter the dequantizing load builds, and the logits follow
     the dequantized model's."""
-    import torch
-    import transformers
-
-    from tests.conftest import TINY_VOCAB
     from tests.ops.test_matmul_gguf import quantize_q6_k
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=tied,
-        initializer_range=0.1)).eval()
+    hf = _tiny_qwen3(intermediate_size=256, tied=tied)
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     tensors = []
     for name, tensor in hf.state_dict().items():
@@ -280,18 +286,10 @@ def test_an_iq4_xs_or_q2_k_file_keeps_every_tensor_in_its_blocks(layout, smollm2
     """A tiny Qwen3 GGUF laid out as llama-quantize's IQ4_XS or Q2_K lays one out (`LLAMA_QUANTIZE_LAYOUTS`).
     Every tensor stays in its blocks, dequantizes to the parameter the dequantizing load builds, and the
     logits follow the dequantized model's."""
-    import torch
-    import transformers
-
-    from tests.conftest import TINY_VOCAB
     from tests.ops import test_matmul_gguf as quantizers
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
-        initializer_range=0.1)).eval()
+    hf = _tiny_qwen3(intermediate_size=96, tied=False)
     projections = LLAMA_QUANTIZE_LAYOUTS[layout]
     tensors, want = [], {}
     for name, tensor in hf.state_dict().items():

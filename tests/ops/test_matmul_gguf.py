@@ -4,7 +4,7 @@
 import jax
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL, dequantize, quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
@@ -47,17 +47,26 @@ def _q4_k_blocks(n: int, k: int, rng: np.random.Generator, size: int = 144) -> n
     return blocks.reshape(n, -1)
 
 
-def _q6_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 210]
-    """Random Q6_K super-blocks: any codes and int8 scales (-128 and 127 among them), d of a real file's
-    magnitudes, one super-block far from the others' scale, a zero row, and a d among float16's subnormals."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 192] = 0x80  # scale -128
-    blocks[..., 193] = 0x7F
-    blocks[..., 208:210] = _f16_bytes(rng.uniform(-1e-3, 1e-3, blocks.shape[:2]))
-    blocks[:, 0, 208:210] = _f16_bytes(np.full(n, 0.05))
+# Where the float16 factors lie in a super-block (d, and Q2_K's dmin after it), and how many, for the formats
+# whose random blocks take any bytes elsewhere.
+FACTORS_AT = {"Q2_K": (80, 2), "Q3_K": (108, 1), "Q6_K": (208, 1), "IQ4_XS": (0, 1)}
+
+
+def _random_super_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, row bytes]
+    """Random Q2_K, Q3_K, Q6_K or IQ4_XS super-blocks: any codes, scales (Q6_K's int8 -128 and 127 among them)
+    and mins, d (and dmin) of a real file's magnitudes, one super-block far from the others' scale, a zero row,
+    and a d among float16's subnormals."""
+    size, (at, count) = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1], FACTORS_AT[kind]
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    if kind == "Q6_K":
+        blocks[..., 192] = 0x80  # scale -128
+        blocks[..., 193] = 0x7F
+    factors = _f16_bytes(rng.uniform(-1e-3, 1e-3, (*blocks.shape[:2], count)))
+    blocks[..., at: at + 2 * count] = factors.reshape(*blocks.shape[:2], -1)
+    blocks[:, 0, at: at + 2] = _f16_bytes(np.full(n, 0.05))
     if n > 2:
         blocks[1] = 0
-        blocks[2, 0, 208:210] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
+        blocks[2, 0, at: at + 2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
     return blocks.reshape(n, -1)
 
 
@@ -74,21 +83,6 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 
     codes = np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step > 0)).clip(-32, 31) + 32
     bits = gguf_packing._q6_k_bytes(codes.astype(np.uint8).reshape(n, k // 256, 256))
     return np.concatenate([bits, sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], -1).reshape(n, -1)
-
-
-def _two_bit_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q3_K or Q2_K super-blocks: any codes (and third bits), scales and mins, d (and dmin) of a real
-    file's magnitudes, one super-block far from the others' scale, a zero row, and a d among float16's
-    subnormals."""
-    size, scales_at = (110, 108) if kind == "Q3_K" else (84, 80)
-    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    blocks[..., scales_at: size] = _f16_bytes(rng.uniform(-1e-3, 1e-3, (*blocks.shape[:2], (size - scales_at) // 2))
-                                              ).reshape(*blocks.shape[:2], -1)
-    blocks[:, 0, scales_at: scales_at + 2] = _f16_bytes(np.full(n, 0.05))
-    if n > 2:
-        blocks[1] = 0
-        blocks[2, 0, scales_at: scales_at + 2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
-    return blocks.reshape(n, -1)
 
 
 def quantize_q3_k(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 * 110]
@@ -167,28 +161,12 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:  # f32[N, K] -> u8[N, K / 256 
     return np.concatenate(parts, -1).reshape(n, -1)
 
 
-def _iq4_xs_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # u8[N, K / 256 * 136]
-    """Random IQ4_XS super-blocks: any 6-bit scales and codes, d of a real file's magnitudes, one super-block far
-    from the others' scale, a zero row, and a d among float16's subnormals."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
-    blocks[..., 0:2] = _f16_bytes(rng.uniform(-1e-3, 1e-3, blocks.shape[:2]))
-    blocks[:, 0, 0:2] = _f16_bytes(np.full(n, 0.05))
-    if n > 2:
-        blocks[1] = 0
-        blocks[2, 0, 0:2] = _f16_bytes(np.full(1, 1e-6)).reshape(2)
-    return blocks.reshape(n, -1)
-
-
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:  # u8[N, file's row bytes]
     rng = np.random.default_rng(seed)
     if kind in ("Q4_K", "Q5_K"):
         return _q4_k_blocks(n, k, rng, 144 if kind == "Q4_K" else 176)
-    if kind == "Q6_K":
-        return _q6_k_blocks(n, k, rng)
-    if kind == "IQ4_XS":
-        return _iq4_xs_blocks(n, k, rng)
-    if kind in ("Q3_K", "Q2_K"):
-        return _two_bit_blocks(kind, n, k, rng)
+    if kind in FACTORS_AT:
+        return _random_super_blocks(kind, n, k, rng)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] *= 40.0  # one block per row far from the others' scale
     if n > 2:
