@@ -117,6 +117,11 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):
     return load_tokenizer(converted_dir(request.getfixturevalue("smollm2_gguf")))
 
 
+# Kinds whose norms sit apart from Llama's (OLMo 2's after each block) or scale with multipliers (Granite):
+# their norms' weights random, so that a norm in the wrong place shows.
+RANDOM_NORM_KINDS = ("olmo2", "granite")
+
+
 def _tiny_hf_model(kind: str):
     model = _build_tiny_hf_model(kind)
     import torch
@@ -129,6 +134,8 @@ def _tiny_hf_model(kind: str):
                 tensor.normal_(mean=1.0, std=0.3)
             if kind.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's (1 + w) norms, at zeros
                 tensor.normal_(std=0.3)
+            elif kind in RANDOM_NORM_KINDS and name.endswith("norm.weight"):  # where a norm's place is the test
+                tensor.normal_(mean=1.0, std=0.3)
     return model
 
 
@@ -175,6 +182,22 @@ def _build_tiny_hf_model(kind: str):
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **{**llama_like, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1))
+    if kind == "qwen2-moe":  # 6 experts, 2 per token, and a gated shared expert; layer 1 dense
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **{**llama_like, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1))
+    if kind == "granite":  # multipliers far from 1, and biases on q, k, v and o
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **llama_like, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.5,
+            logits_scaling=2.5, attention_bias=True))
+    if kind == "smollm3":  # layer 1 without RoPE
+        return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+            **{**llama_like, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0))
+    if kind == "olmo2":
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**llama_like))
+    if kind == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+            **{**llama_like, "head_dim": 32, "tie_word_embeddings": True}, pad_token_id=0))
     gemma_like = dict(llama_like, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, num_hidden_layers=3,
                       tie_word_embeddings=True, pad_token_id=0)
     if kind == "gemma2":  # local, global, local; caps low enough to bend the tiny model's scores and logits

@@ -72,6 +72,28 @@ def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tiny_model_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2-moe", "olmo2", "granite"])
+def test_the_newer_families_match_tp1_at_tp2(kind, tiny_model_dir, tmp_path):
+    """Qwen2-MoE's shared expert split by width beside its routed experts (its gate whole on every device),
+    OLMo 2's norms over all query heads and all key heads while the heads are split, and Granite's output
+    projection bias: the same tokens and logprobs as one device."""
+    assert_same_as_tp1(run_tp(str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1)))
+
+
+def test_norms_over_all_heads_refuse_a_padded_head_layout():
+    """OLMo 2's query norm is over all N heads at once: padded or replicated heads would change its mean."""
+    from jaxserve.models.layers import Rope
+    from jaxserve.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=9, num_kv_heads=3,
+                      head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
+                      max_position_embeddings=16, rope=Rope((1.0,)), qk_norm="all")
+    assert cfg.with_heads(9, 3) == cfg
+    with pytest.raises(ValueError, match="split evenly"):
+        cfg.with_heads(12, 6)
+
+
+@pytest.mark.slow
 def test_bfloat16_weights_split_over_devices(tiny_model_dir, tmp_path):
     """`weight_dtype` under tensor parallelism: each shard is stored in bfloat16 where it lives, and the
     split model tracks one device's (`assert_tracks_tp1`)."""

@@ -32,6 +32,11 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "Phi3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "GraniteForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "SmolLM3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Olmo2ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
 }
@@ -58,6 +63,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

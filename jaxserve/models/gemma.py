@@ -1,10 +1,10 @@
-"""Gemma 2 and Gemma 3 (text) in Flax NNX.
+"""Gemma, Gemma 2 and Gemma 3 (text) in Flax NNX.
 
 What sets them apart from the Llama family: RMSNorms that scale by (1 + w), a norm before and after both
-the attention and the MLP, a GeGLU MLP (tanh-approximated GELU), token embeddings scaled by sqrt(D), queries
-scaled by `query_pre_attn_scalar`^-1/2, and local layers with a sliding window beside global ones. Gemma 2
-soft-caps attention scores and final logits; Gemma 3 normalises each query and key head (like Qwen3) and
-gives its local layers their own RoPE base.
+the attention and the MLP (Gemma: before only), a GeGLU MLP (tanh-approximated GELU), token embeddings
+scaled by sqrt(D), queries scaled by `query_pre_attn_scalar`^-1/2 (Gemma: H^-1/2), and local layers with a
+sliding window beside global ones. Gemma 2 soft-caps attention scores and final logits; Gemma 3
+normalises each query and key head (like Qwen3) and gives its local layers their own RoPE base.
 
 The norms' (1 + w) is formed once on load, in float32 (the norms' parameters are float32 whatever the
 model's dtype), so a norm multiplies as transformers' does and the shared `RMSNorm` serves.
@@ -65,6 +65,7 @@ class GemmaConfig:
     attn_logit_softcap: float | None = None  # Gemma 2
     final_logit_softcap: float | None = None  # Gemma 2
     qk_norm: bool = False  # Gemma 3
+    norms_after: bool = True  # Gemma 2 and 3: each block's output normed too (Gemma: only its input)
     tie_word_embeddings: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
@@ -85,12 +86,13 @@ class GemmaConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
-            sm_scale=hf.query_pre_attn_scalar**-0.5,
+            sm_scale=getattr(hf, "query_pre_attn_scalar", head_dim) ** -0.5,
             ropes=tuple(rope_for(hf, head_dim, kind) for kind in layer_types),
             sliding_windows=layer_windows(hf),
             attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
             qk_norm=hf.model_type.startswith("gemma3"),
+            norms_after=hf.model_type != "gemma",
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
             attention=attention or AttentionConfig(),
         )
@@ -142,16 +144,18 @@ class DecoderLayer(nnx.Module):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, NORM_DTYPE)
         self.self_attn = Attention(cfg, weight_dtype, layer)
-        self.post_attention_layernorm = RMSNorm(d, eps, NORM_DTYPE)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
         self.mlp = GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora, "gelu_tanh")  # GeGLU
-        self.post_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
+        if cfg.norms_after:
+            self.post_attention_layernorm = RMSNorm(d, eps, NORM_DTYPE)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, NORM_DTYPE)
+        self.norms_after = cfg.norms_after
 
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)
-        x = x + self.post_attention_layernorm(attn_out)
+        x = x + (self.post_attention_layernorm(attn_out) if self.norms_after else attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(x), lora_slots)
-        return x + self.post_feedforward_layernorm(mlp_out), kv_cache
+        return x + (self.post_feedforward_layernorm(mlp_out) if self.norms_after else mlp_out), kv_cache
 
 
 class GemmaForCausalLM(nnx.Module):
@@ -216,9 +220,13 @@ _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
 def map_hf_weight(name: str, cfg: GemmaConfig) -> tuple[tuple[str | int, ...], Callable] | None:
-    """Where an HF tensor goes in this model, or None for tensors the model has no use for."""
+    """Where an HF tensor goes in this model, or None for tensors the model has no use for. Gemma's
+    `post_attention_layernorm` is the norm before its MLP (Gemma 2's `pre_feedforward_layernorm`)."""
     if match := _LAYER_RE.match(name):
-        entry = _LAYER_MAP.get(match.group(2))
+        layer_name = match.group(2)
+        if not cfg.norms_after and layer_name == "post_attention_layernorm.weight":
+            layer_name = "pre_feedforward_layernorm.weight"
+        entry = _LAYER_MAP.get(layer_name)
         if entry is None:
             return None
         path, transform = entry

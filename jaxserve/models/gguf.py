@@ -44,6 +44,10 @@ _EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts_gate"
                  "ffn_down_exps": "mlp.experts_down"}
 _PER_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
 _ARCH_LAYER_NAMES["qwen3moe"] = _EXPERT_NAMES
+# Qwen2-MoE: the shared expert beside the routed ones, and its gate
+_ARCH_LAYER_NAMES["qwen2moe"] = {
+    **_EXPERT_NAMES, "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _ARCH_LAYER_NAMES["llama"] = _EXPERT_NAMES
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
@@ -55,7 +59,7 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3")
 
 
 class _PlainViewReader(GGUFReader):

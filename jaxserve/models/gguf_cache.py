@@ -60,10 +60,11 @@ def content_digest(path: Path) -> str:
 def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     """`config` completed from the file's metadata where transformers' GGUF reader leaves things out: the head
     size (`{arch}.attention.key_length`; Qwen3-0.6B's is 128, not hidden_size / heads = 64), an expert's MLP
-    width (Qwen3-MoE), and a `llama` file's experts, which make it a Mixtral (llama.cpp writes Mixtral as
-    `llama` with `expert_count`; transformers reads it as a dense Llama), Phi-3's LongRoPE factors (tensors in
-    the 128k variants' files), and Gemma 2 27B's query scale (llama.cpp's rule: its 46 layers scale queries
-    by (hidden / heads)^-1/2, the others by head_size^-1/2, which transformers' default of 256 gives)."""
+    width (Qwen3-MoE, Qwen2-MoE) and a shared expert's (Qwen2-MoE), a `llama` file's experts, which make it a
+    Mixtral (llama.cpp writes Mixtral as `llama` with `expert_count`; transformers reads it as a dense Llama),
+    Phi-3's LongRoPE factors (tensors in the 128k variants' files), and Gemma 2 27B's query scale (llama.cpp's
+    rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by head_size^-1/2, which
+    transformers' default of 256 gives)."""
     from jaxserve.models.gguf import read_gguf
 
     reader = read_gguf(gguf_path)
@@ -77,6 +78,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
         config.head_dim = int(head_dim)
     if (expert_width := field("expert_feed_forward_length")) is not None:
         config.moe_intermediate_size = int(expert_width)
+    if (shared_width := field("expert_shared_feed_forward_length")) is not None:
+        config.shared_expert_intermediate_size = int(shared_width)
     if arch == "phi3" and (factors := {t.name: t.data for t in reader.tensors if t.name.startswith("rope_factors_")}):
         original = field("rope.scaling.original_context_length") or config.max_position_embeddings
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "longrope",

@@ -1,7 +1,10 @@
 """The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases; sliding
-windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key head, before RoPE) and Phi-3
-(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary); Mixtral and Qwen3-MoE (a
-mixture-of-experts MLP, `moe.py`, in every layer or in those the config names).
+windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key head, before RoPE), Phi-3
+(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary), Granite (the embeddings,
+each block's output, the attention scores and the logits scaled by the config's multipliers), SmolLM3 (no
+RoPE in every fourth layer), OLMo 2 (each block's output normed instead of its input; one RMSNorm over all
+query heads and one over all key heads); Mixtral, Qwen3-MoE and Qwen2-MoE (a mixture-of-experts MLP,
+`moe.py`, in every layer or in those the config names; Qwen2-MoE's with a gated shared expert beside it).
 
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
@@ -55,7 +58,17 @@ class LlamaConfig:
     qkv_bias: bool
     max_position_embeddings: int
     rope: Rope
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, with weights [H]
+    qk_norm: str | None = None  # "head": an RMSNorm over each head's query and key (Qwen3), weights [H];
+    # "all": one over all heads' queries and one over all keys (OLMo 2), weights [N*H] and [K*H]
+    o_bias: bool = False  # a bias on the output projection (Llama and Granite with `attention_bias`)
+    norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
+    # Granite: the embeddings and each block's output multiplied, the attention's scale (None: 1 / sqrt(H)),
+    # and the logits divided by `logits_scaling`.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: full attention); empty: none anywhere
     moe: MoeConfig | None = None  # Mixtral, Qwen3-MoE
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
@@ -65,9 +78,12 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias = attention_bias or hf.model_type in ("qwen2", "qwen2_moe")
         windows = layer_windows(hf)
         moe, moe_layers = _moe_of(hf)
+        granite = hf.model_type == "granite"
+        no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -81,7 +97,14 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim),
-            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all"}.get(hf.model_type),
+            o_bias=attention_bias and hf.model_type in ("llama", "granite"),
+            norm_after=hf.model_type == "olmo2",
+            rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
+            embedding_multiplier=hf.embedding_multiplier if granite else 1.0,
+            residual_multiplier=hf.residual_multiplier if granite else 1.0,
+            attention_multiplier=hf.attention_multiplier if granite else None,
+            logits_scaling=hf.logits_scaling if granite else 1.0,
             sliding_windows=windows if any(windows) else (),
             moe=moe,
             moe_layers=moe_layers,
@@ -90,6 +113,9 @@ class LlamaConfig:
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -102,20 +128,24 @@ class LlamaConfig:
 
     def with_heads(self, num_heads: int, num_kv_heads: int) -> "LlamaConfig":
         """The same model with its heads laid out for tensor parallelism (`jaxserve.parallel.HeadLayout`)."""
+        if self.qk_norm == "all" and (num_heads, num_kv_heads) != (self.num_heads, self.num_kv_heads):
+            raise ValueError(f"tensor parallelism: the query and key norms over all heads need {self.num_heads} "
+                             f"query and {self.num_kv_heads} KV heads to split evenly over the devices")
         return dataclasses.replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
-    """The experts of a Mixtral or Qwen3-MoE config, and which layers have them."""
+    """The experts of a Mixtral, Qwen3-MoE or Qwen2-MoE config, and which layers have them."""
     num_layers = hf.num_hidden_layers
     if hf.model_type == "mixtral":
         return MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True), (True,) * num_layers
-    if hf.model_type == "qwen3_moe" and hf.num_experts:
+    if hf.model_type in ("qwen3_moe", "qwen2_moe") and hf.num_experts:
         dense = set(getattr(hf, "mlp_only_layers", None) or ())
         step = getattr(hf, "decoder_sparse_step", 1) or 1
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) if hf.model_type == "qwen2_moe" else 0
         return MoeConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
-                         bool(hf.norm_topk_prob)), layers
+                         bool(hf.norm_topk_prob), shared_expert_size=shared), layers
     return None, ()
 
 
@@ -130,13 +160,17 @@ class Attention(nnx.Module):
             self.q_bias = param(n, h, dtype=dtype)
             self.k_bias = param(k, h, dtype=dtype)
             self.v_bias = param(k, h, dtype=dtype)
+        if cfg.o_bias:
+            self.o_bias = param(d, dtype=dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            across = cfg.qk_norm == "all"
+            self.q_norm = RMSNorm(n * h if across else h, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k * h if across else h, cfg.rms_norm_eps, dtype)
         if cfg.lora is not None:
             self.lora = AttentionLora(d, n, k, h, cfg.lora, weight_dtype, cfg.attention)
         self.cfg = cfg
         self.sliding_window = cfg.window(layer)
+        self.rope = cfg.rope if cfg.uses_rope(layer) else None
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata, lora_slots=None):
         attention = self.cfg.attention
@@ -147,29 +181,49 @@ class Attention(nnx.Module):
             q, k, v = self.lora.add_qkv(x, lora_slots, q, k, v)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if self.cfg.qk_norm:
+        if self.cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)  # over H, per token and head
-        q, k = apply_rope(q, positions, self.cfg.rope), apply_rope(k, positions, self.cfg.rope)
-        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention, sliding_window=self.sliding_window)
+        elif self.cfg.qk_norm == "all":  # over N*H (K*H), per token
+            q = self.q_norm(q.reshape(q.shape[0], -1)).reshape(q.shape)
+            k = self.k_norm(k.reshape(k.shape[0], -1)).reshape(k.shape)
+        if self.rope is not None:
+            q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+        out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention,
+                                        sm_scale=self.cfg.attention_multiplier, sliding_window=self.sliding_window)
         y = merge_heads(out, self.o_proj[...], attention)  # [T, D]
+        if self.cfg.o_bias:
+            y = y + self.o_bias[...]
         return (y if lora_slots is None else self.lora.add_o(y, out, lora_slots)), kv_cache
 
 
 class DecoderLayer(nnx.Module):
+    """x + attention(norm(x)), then the same with the MLP; with `norm_after` (OLMo 2), x + norm(attention(x))
+    (HF names that norm `post_attention_layernorm` too, and the MLP's `post_feedforward_layernorm`)."""
+
     def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if not cfg.norm_after:
+            self.input_layernorm = RMSNorm(d, eps, dtype)
         self.self_attn = Attention(cfg, dtype, weight_dtype, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype)
+        if cfg.norm_after:
+            self.post_feedforward_layernorm = RMSNorm(d, eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = (SparseMoeBlock(cfg.moe, cfg.hidden_size, cfg.attention, weight_dtype) if self.is_moe
-                    else GatedMlp(cfg.hidden_size, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora,
-                                  "silu"))
+        self.mlp = (SparseMoeBlock(cfg.moe, d, cfg.attention, weight_dtype) if self.is_moe
+                    else GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora, "silu"))
+        self.norm_after = cfg.norm_after
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def _residual(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        return x + (out if self.residual_multiplier == 1.0 else out * self.residual_multiplier)
 
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, lora_slots)
-        x = x + attn_out
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h) if self.is_moe else self.mlp(h, lora_slots)), kv_cache
+        h = x if self.norm_after else self.input_layernorm(x)
+        attn_out, kv_cache = self.self_attn(h, positions, kv_cache, md, lora_slots)
+        x = self._residual(x, self.post_attention_layernorm(attn_out) if self.norm_after else attn_out)
+        h = x if self.norm_after else self.post_attention_layernorm(x)
+        mlp_out = self.mlp(h) if self.is_moe else self.mlp(h, lora_slots)
+        return self._residual(x, self.post_feedforward_layernorm(mlp_out) if self.norm_after else mlp_out), kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -193,6 +247,8 @@ class LlamaForCausalLM(nnx.Module):
         lora_slots: jax.Array | None = None,  # i32[T]: each token's adapter slot, with --enable-lora
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
         x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         lora_slots = lora_slots if self.cfg.lora is not None else None
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -202,7 +258,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return logits_from_embeddings(hidden, head[...], self.cfg.attention)
+        logits = logits_from_embeddings(hidden, head[...], self.cfg.attention)
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
 
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
@@ -234,6 +291,7 @@ def _proj_in(shape_fn: Callable[[LlamaConfig], tuple[int, ...]]):
 _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig], np.ndarray]]] = {
     "input_layernorm.weight": (("input_layernorm", "scale"), lambda w, c: w),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), lambda w, c: w),
+    "post_feedforward_layernorm.weight": (("post_feedforward_layernorm", "scale"), lambda w, c: w),
     "self_attn.q_proj.weight": (
         ("self_attn", "q_proj"), _proj_in(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
     "self_attn.k_proj.weight": (
@@ -245,6 +303,7 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "self_attn.q_bias": (("self_attn", "q_bias"), lambda w, c: w.reshape(c.num_heads, c.head_dim)),
     "self_attn.k_bias": (("self_attn", "k_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
     "self_attn.v_bias": (("self_attn", "v_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "self_attn.o_proj.bias": (("self_attn", "o_bias"), lambda w, c: w),
     "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), lambda w, c: w),
     "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), lambda w, c: w),
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
@@ -253,6 +312,11 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     # Mixture of experts: the router, and each kind of expert weight stacked by `hf_weight_stream`
     "mlp.gate.weight": (("mlp", "router"), lambda w, c: w.T),
     "block_sparse_moe.gate.weight": (("mlp", "router"), lambda w, c: w.T),
+    # Qwen2-MoE's shared expert, and its gate (one logit a token)
+    "mlp.shared_expert.gate_proj.weight": (("mlp", "shared_expert", "gate_proj"), lambda w, c: w.T),
+    "mlp.shared_expert.up_proj.weight": (("mlp", "shared_expert", "up_proj"), lambda w, c: w.T),
+    "mlp.shared_expert.down_proj.weight": (("mlp", "shared_expert", "down_proj"), lambda w, c: w.T),
+    "mlp.shared_expert_gate.weight": (("mlp", "shared_expert_gate"), lambda w, c: w.reshape(-1, 1)),  # [1, D] or [D]
     "mlp.experts_gate": (("mlp", "experts_gate"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, F, D] -> [E, D, F]
     "mlp.experts_up": (("mlp", "experts_up"), lambda w, c: np.swapaxes(w, 1, 2)),
     "mlp.experts_down": (("mlp", "experts_down"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, D, F] -> [E, F, D]
@@ -266,6 +330,7 @@ TENSOR_PARALLEL: dict[str, SplitRule] = {
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
     "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None), "router": (None, None),
+    "o_bias": (None, None), "shared_expert_gate": (None, None),
     **dict(zip(("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(False)),
                strict=True)),
 }

@@ -1,4 +1,6 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing and the experts' matmuls grouped by expert.
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): top-k routing and the experts' matmuls grouped by
+expert, and Qwen2-MoE's shared expert, a dense SwiGLU MLP every token goes through, its output scaled by a
+sigmoid gate of the token.
 
 Each token's router picks its `top_k` experts (softmax over all experts in float32, then the top k, their
 weights renormalised where the model says so). The T x k (token, expert) assignments are sorted by expert,
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.models import gguf_weights
 from jaxserve.models.gguf_weights import GgufExperts
-from jaxserve.models.layers import param
+from jaxserve.models.layers import GatedMlp, param
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
@@ -48,6 +50,7 @@ class MoeConfig:
     intermediate_size: int  # each expert's F
     normalize_top_k: bool  # renormalise the k chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     expert_parallel: bool = False  # with a mesh: whole experts per device, not slices of every expert
+    shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's F (0: none)
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -132,7 +135,8 @@ def is_hopper(attention: AttentionConfig) -> bool:
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router [D, E] and the experts' SwiGLU weights, stacked by expert."""
+    """Router [D, E] and the experts' SwiGLU weights, stacked by expert; Qwen2-MoE's shared expert and its
+    gate [D, 1] beside them."""
 
     def __init__(self, cfg: MoeConfig, hidden_size: int, attention: AttentionConfig, weight_dtype: Any) -> None:
         e, d, f = cfg.num_experts, hidden_size, cfg.intermediate_size
@@ -145,10 +149,22 @@ class SparseMoeBlock(nnx.Module):
         self.experts_gate = param(e, d, f, dtype=weight_dtype)
         self.experts_up = param(e, d, f, dtype=weight_dtype)
         self.experts_down = param(e, f, d, dtype=weight_dtype)
+        if cfg.shared_expert_size:
+            self.shared_expert = GatedMlp(d, cfg.shared_expert_size, weight_dtype, attention, None, "silu")
+            self.shared_expert_gate = param(d, 1, dtype=weight_dtype)
         self.moe = cfg
         self.attention = attention
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        routed = self._routed(x)
+        if not self.moe.shared_expert_size:
+            return routed
+        gate_w = self.shared_expert_gate[...]
+        gate = jax.nn.sigmoid(jnp.dot(x.astype(gate_w.dtype), gate_w, preferred_element_type=jnp.float32))  # f32[T, 1]
+        shared = self.shared_expert(x).astype(jnp.float32)
+        return (routed.astype(jnp.float32) + gate * shared).astype(x.dtype)
+
+    def _routed(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]: sum_k weight * expert(x)
         router = self.router[...]
         # Router logits summed and kept in float32: rounded to a 16-bit dtype, near-tied experts swap places.
         logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[T, E]

@@ -23,8 +23,10 @@ _GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _MOE_NAMES = {**_LAYER_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts_gate": "ffn_gate_exps",
               "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps"}
+_SHARED_EXPERT_NAMES = {"mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                        "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
-               "qwen3moe": _MOE_NAMES, "llama": _MOE_NAMES,
+               "qwen3moe": _MOE_NAMES, "llama": _MOE_NAMES, "qwen2moe": {**_MOE_NAMES, **_SHARED_EXPERT_NAMES},
                "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -74,6 +76,8 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
         writer.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "moe_intermediate_size", None):  # Qwen3-MoE's; Mixtral's experts are intermediate_size wide
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):  # Qwen2-MoE's
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     reader = read_gguf(tokenizer_gguf)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
@@ -271,6 +275,39 @@ def test_a_mixtral_gguf_matches_transformers(per_expert, smollm2_gguf, tmp_path,
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.moe.num_experts == 4 and loaded.cfg.moe.top_k == 2 and loaded.cfg.moe.intermediate_size == 48
     tokens = np.random.default_rng(6).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def test_a_qwen2_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
+    """Qwen2-MoE: the routed experts stacked, the shared expert's weights and its gate (one row, which
+    llama.cpp declares [D]) under llama.cpp's `_shexp` names, both widths read from the file's metadata, and
+    q/k/v biases."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    hf = transformers.Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            if name.endswith(".bias"):
+                tensor.normal_(std=0.3)
+    tensors = [(name, array.reshape(-1) if name.endswith("shared_expert_gate.weight") else array)
+               for name, array in experts_as_llama_cpp_stores_them(hf)]
+    path = tmp_path / "tiny-qwen2moe.gguf"
+    write_gguf(path, "qwen2moe", hf.config, tensors, smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.cfg.moe.intermediate_size == 48 and loaded.cfg.moe.shared_expert_size == 40
+    assert loaded.cfg.qkv_bias and not loaded.cfg.moe.normalize_top_k
+    tokens = np.random.default_rng(8).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
