@@ -319,6 +319,8 @@ def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
 @pytest.mark.parametrize(("name", "num_params"), [
     ("mixtral-8x7b", 46_702_792_704),  # Mixtral-8x7B's safetensors index: 93,405,585,408 bf16 bytes
     ("qwen3-30b-a3b", 30_532_122_624),  # Qwen3-30B-A3B's
+    ("qwen1.5-moe-a2.7b", 14_315_784_192),  # Qwen1.5-MoE-A2.7B's 14.3B, its shared experts and their gates in
+    ("granite-3.1-2b", 2_533_531_648),  # Granite 3.1 2B's 2.53B (tied embeddings)
 ])
 def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_params):
     """The shapes `jaxserve compile` and `--load-format dummy` take: every expert, router and norm counted."""
@@ -329,6 +331,30 @@ def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_
     _, hf_config = load_model_config(name)
     abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
     assert abstract.num_params == num_params
+
+
+def test_the_bundled_shapes_of_the_newer_families_read_as_their_configs_say():
+    """Each family's own fields, read from its config.json as published: SmolLM3's every fourth layer without
+    RoPE, OLMo 2's norms, Granite's multipliers, Qwen1.5-MoE's shared expert, the first Gemma's query scale."""
+    from jaxserve.compile_ladder import load_model_config
+    from jaxserve.models.loader import build_abstract_model
+    from jaxserve.ops.attention import resolve_attention
+
+    def cfg(name):
+        _, hf_config = load_model_config(name)
+        return build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100"))).cfg
+
+    smollm3 = cfg("smollm3-3b")
+    assert [i for i in range(36) if not smollm3.uses_rope(i)] == list(range(3, 36, 4))
+    olmo2 = cfg("olmo-2-1b")
+    assert olmo2.norm_after and olmo2.qk_norm == "all" and not olmo2.o_bias
+    granite = cfg("granite-3.1-2b")
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_multiplier,
+            granite.logits_scaling) == (12.0, 0.22, 0.015625, 8.0)
+    qwen2_moe = cfg("qwen1.5-moe-a2.7b")
+    assert qwen2_moe.moe.shared_expert_size == 5632 and qwen2_moe.qkv_bias and not qwen2_moe.moe.normalize_top_k
+    gemma = cfg("gemma-2b")
+    assert not gemma.norms_after and gemma.sm_scale == 256**-0.5 and gemma.sliding_windows == (None,) * 18
 
 
 @pytest.mark.slow

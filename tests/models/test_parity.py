@@ -121,7 +121,8 @@ def test_qwen2_biases_are_loaded(tiny_model_dir):
     assert np.abs(bias).max() > 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe", "qwen2-moe", "granite",
+                                  "olmo2"])
 def test_bfloat16_weights_track_float32(kind, tiny_model_dir, tiny_hf_model):
     """bf16 is a serving dtype, not a parity one: its logits stay close and mostly agree on argmax, as close
     as transformers' own bfloat16 model's do. (The tiny Qwen3-MoE's routing is fragile: rounded to bfloat16,
