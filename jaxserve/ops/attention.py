@@ -174,6 +174,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
     impl: str = "auto",
     num_sms: int | None = None,
     decode_only: bool = False,
@@ -191,6 +192,9 @@ def ragged_paged_attention(
     implementation reads the pages before that but the Mosaic GPU kernel, which loads whole blocks of
     keys (their slots must then hold finite values, as the engine's do) and masks the keys outside.
     `logit_softcap` (static): scaled scores s become cap * tanh(s / cap) before the softmax (Gemma 2).
+    `sinks`: each query head's attention-sink logit (GPT-OSS), added to the softmax's denominator as a key
+    that weighs no value. The Pallas kernels and the jnp paths take them; the native CPU kernel and the
+    Mosaic GPU kernels do not, and steps with sinks go to the jnp CPU path and the Pallas kernels instead.
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
@@ -203,6 +207,10 @@ def ragged_paged_attention(
     if impl == "auto":
         impl = resolve_impl(impl)
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    if sinks is not None:  # neither the native CPU kernel nor the Mosaic GPU kernels take sinks
+        impl = "cpu" if impl == "cpu-native" else impl
+        hopper = hopper_decode = False
+        scores["sinks"] = sinks
     if impl == "cpu-native":
         return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     if impl == "cpu":

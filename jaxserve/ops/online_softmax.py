@@ -28,9 +28,10 @@ def in_window(key_pos: jax.Array, query_pos: jax.Array, window: int) -> jax.Arra
 
 
 def online_softmax(num_blocks: jax.Array, rows: tuple[int, ...], head_dim: int, block: BlockFn,
-                   first_block: jax.Array | int = 0) -> jax.Array:
+                   first_block: jax.Array | int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """softmax(scores) @ values over blocks [first_block, num_blocks), f32[*rows, H]; rows that see nothing
-    get zeros."""
+    get zeros. `sinks` (f32, broadcastable to `rows`): attention sinks (GPT-OSS), a logit per row that joins
+    the softmax's denominator and weighs no value; the running max and denominator start from it."""
 
     def body(carry):
         index, m, denom, acc = carry
@@ -45,8 +46,8 @@ def online_softmax(num_blocks: jax.Array, rows: tuple[int, ...], head_dim: int, 
 
     init = (
         jnp.asarray(first_block, jnp.int32),
-        jnp.full(rows, MASK_VALUE, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
+        jnp.full(rows, MASK_VALUE, jnp.float32) if sinks is None else jnp.broadcast_to(sinks, rows).astype(jnp.float32),
+        jnp.zeros(rows, jnp.float32) if sinks is None else jnp.ones(rows, jnp.float32),
         jnp.zeros((*rows, head_dim), jnp.float32),
     )
     _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)

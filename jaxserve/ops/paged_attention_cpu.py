@@ -53,6 +53,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks, as the reference takes them
     query_block: int | None = None,
     pages_per_block: int = 8,
     decode_only: bool = False,
@@ -134,8 +135,12 @@ def ragged_paged_attention_cpu(
         v = jnp.where(key_in_range[None, :, :, None], v, 0.0)
         return soft_cap(scores(qs, k), logit_softcap), visible, lambda p: jnp.einsum("kwrs,kwsh->kwrh", p, v)
 
+    row_sinks = None  # f32[K, 1, G*Q]: each row's head's sink, rows in (g, q) order
+    if sinks is not None:
+        row_sinks = jnp.repeat(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group), query_block, axis=1)
+        row_sinks = row_sinks[:, None, :]
     out = online_softmax(num_blocks, (num_kv_heads, num_items, rows), head_dim, block,
-                         first_block=first_block)  # [K, W, G*Q, H]
+                         first_block=first_block, sinks=row_sinks)  # [K, W, G*Q, H]
     out = out.reshape(num_kv_heads, num_items, group, query_block, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_items * query_block, num_q_heads, head_dim)  # [W*Q, N, H]
 

@@ -154,12 +154,14 @@ def _attend_blocks(
     *,
     pages_per_block: int,
     scores: ScoreRule,
+    sinks: jax.Array | None = None,  # f32[M]: each row's attention-sink logit (natural log domain)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # max f32[M] (log2 domain), denom f32[M], acc f32[M, Hp]
-    """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages."""
+    """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages; with `sinks`,
+    the running max and denominator start from each row's sink (a key that weighs no value)."""
     num_rows, padded_head_dim = q.shape
     init = (
-        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((num_rows,), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32) if sinks is None else sinks * _LOG2_E,
+        jnp.zeros((num_rows,), jnp.float32) if sinks is None else jnp.ones((num_rows,), jnp.float32),
         jnp.zeros((num_rows, padded_head_dim), jnp.float32),
     )
     body = functools.partial(
@@ -178,15 +180,17 @@ def _ragged_kernel(
     q_ref,  # [T, N, H]
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
     v_ref,
-    _zeros_ref,  # [T, N, H], aliased to o_ref so tokens no program writes stay zero
-    o_ref,  # [T, N, H]
-    *,
+    *refs,  # (sinks f32[N] with `has_sinks`,) zeros [T, N, H] aliased to o_ref (tokens no program writes
+    # stay zero), o_ref [T, N, H]
     group: int,
     padded_group: int,
     block_q: int,
     pages_per_block: int,
     scores: ScoreRule,
+    has_sinks: bool = False,
 ):
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref = refs[-1]
     kv_head, b = pl.program_id(0), pl.program_id(1)
     req = block_req_ref[b]
 
@@ -213,9 +217,12 @@ def _ragged_kernel(
         block_kv = pages_per_block * k_ref.shape[1]
         num_blocks = pl.cdiv(kv_len - q_end + last_token + 1, block_kv)
         first_block = scores.first_block(kv_len - q_end + first_token, block_kv)
+        sinks = None
+        if sinks_ref is not None:
+            sinks = plgpu.load(sinks_ref.at[kv_head * group + jnp.minimum(g, group - 1)])  # f32[M]
         _, denom, acc = _attend_blocks(
             q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first_block, num_blocks,
-            pages_per_block=pages_per_block, scores=scores,
+            pages_per_block=pages_per_block, scores=scores, sinks=sinks,
         )
         out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
         plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=mask)
@@ -347,6 +354,7 @@ def ragged_paged_attention_pallas(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks (`ops.attention.ragged_paged_attention`)
     interpret: bool = False,
     block_rows: int = 64,
     block_kv: int = 64,
@@ -372,20 +380,23 @@ def ragged_paged_attention_pallas(
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
         pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
+        has_sinks=sinks is not None,
     )
     whole = pl.BlockSpec()  # the kernel indexes these itself
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, b: (h, 0, 0, 0))
+    extra = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)
+    zeros_index = 8 + len(extra)
     return pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_programs),  # the first axis varies fastest in launch order
-        in_specs=[whole, whole, whole, whole, whole, whole, per_kv_head, per_kv_head, whole],
+        in_specs=[whole, whole, whole, whole, whole, whole, per_kv_head, per_kv_head, *(whole for _ in extra), whole],
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        input_output_aliases={8: 0},
+        input_output_aliases={zeros_index: 0},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, jnp.zeros_like(q))
+    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, *extra, jnp.zeros_like(q))
 
 
 def default_num_splits(
@@ -410,6 +421,7 @@ def paged_decode_attention_pallas(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks, joined to the splits when they are merged
     interpret: bool = False,
     block_kv: int = 64,  # 64 keys x 3 stages: the best of an H100 sweep (docs/benchmarks.md)
     num_splits: int | None = None,
@@ -463,6 +475,13 @@ def paged_decode_attention_pallas(
         interpret=interpret,
         name="paged_decode_attention",
     )(order, kv_lens, page_table, q, k_pages, v_pages)
+    if sinks is not None:  # one more partial softmax per row: its sink's logit, a denominator of 1, no values
+        row_sinks = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) * _LOG2_E
+        row_sinks = jnp.pad(row_sinks, ((0, 0), (0, num_rows - group)))  # f32[K, Gr]
+        sink_max = jnp.broadcast_to(row_sinks, (1, num_reqs, num_kv_heads, num_rows))
+        m = jnp.concatenate([m, sink_max])
+        denom = jnp.concatenate([denom, jnp.ones_like(sink_max)])
+        out = jnp.concatenate([out, jnp.zeros((1, *out.shape[1:]), out.dtype)])
     out = _combine_splits(out, m, denom)[:, :, :group, :head_dim]  # f32[R, K, G, H], in the launch order
     if heavy_first:  # back in the requests' order: request r's output is at its place in the launch order
         place = jnp.zeros_like(order).at[order].set(jnp.arange(num_reqs, dtype=jnp.int32))  # i32[R]

@@ -27,10 +27,12 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
     pages_per_block: int = 8,
 ) -> jax.Array:  # [T, N, H]
     """`sliding_window`: a query sees only the keys at most `sliding_window - 1` positions before it;
-    `logit_softcap`: scaled scores pass through `cap * tanh(s / cap)` before the softmax (Gemma 2)."""
+    `logit_softcap`: scaled scores pass through `cap * tanh(s / cap)` before the softmax (Gemma 2);
+    `sinks`: each query head's attention-sink logit, in the softmax's denominator only (GPT-OSS)."""
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     )
@@ -77,5 +79,7 @@ def ragged_paged_attention_reference(
         s = soft_cap(jnp.einsum("tkgh,ktsh->tkgs", qg, k), logit_softcap)  # [T, K, G, S]
         return s, visible[:, None, None, :], lambda p: jnp.einsum("tkgs,ktsh->tkgh", p, v)
 
-    out = online_softmax(num_blocks, (num_tokens, num_kv_heads, group), head_dim, block)  # nothing visible -> 0
+    head_sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group)
+    out = online_softmax(num_blocks, (num_tokens, num_kv_heads, group), head_dim, block,
+                         sinks=head_sinks)  # nothing visible -> 0
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

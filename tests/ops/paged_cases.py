@@ -76,9 +76,10 @@ def make_case(
 
 
 def oracle(case: PagedCase, sm_scale: float, sliding_window: int | None = None,
-           logit_softcap: float | None = None) -> np.ndarray:
+           logit_softcap: float | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """Dense float64 attention, request by request, straight from the definition: a query at position p
-    sees keys max(0, p - sliding_window + 1) .. p; scaled scores are soft-capped as cap * tanh(s / cap)."""
+    sees keys max(0, p - sliding_window + 1) .. p; scaled scores are soft-capped as cap * tanh(s / cap);
+    a head's sink logit joins the scores in the softmax and its weight is dropped (GPT-OSS)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (case.q, case.k_pages, case.v_pages))
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     group = q.shape[1] // num_kv_heads
@@ -99,8 +100,11 @@ def oracle(case: PagedCase, sm_scale: float, sliding_window: int | None = None,
                 scores = k[kv_head, first : pos + 1] @ q[q_start + i, head] * sm_scale
                 if logit_softcap is not None:
                     scores = logit_softcap * np.tanh(scores / logit_softcap)
+                if sinks is not None:
+                    scores = np.append(scores, sinks[head])
                 p = np.exp(scores - scores.max())
-                out[q_start + i, head] = (p / p.sum()) @ v[kv_head, first : pos + 1]
+                p = p / p.sum()
+                out[q_start + i, head] = p[: pos + 1 - first] @ v[kv_head, first : pos + 1]
     return out
 
 

@@ -1,5 +1,5 @@
-"""Sliding-window attention and logit soft-capping in every attention implementation, against the float64
-oracle: windows inside a page, across pages and longer than the context; GQA groups; prefill chunks after
+"""Sliding-window attention, logit soft-capping and attention sinks in every attention implementation,
+against the float64 oracle: windows inside a page, across pages and longer than the context; GQA groups; prefill chunks after
 cached tokens, decodes and mixes. Pages wholly before every query's window hold NaN, so an implementation
 that reads them fails (the server may free those pages)."""
 
@@ -18,11 +18,12 @@ WINDOWS = [1, 3, 4, 9, 64]  # one key; inside a page of 4; a page; across pages;
 SOFTCAP = 1.5  # scores of about +-3 here (sm_scale 0.7): the cap bends them
 
 
-def check(got, case, sm_scale: float, window: int | None, softcap: float | None, tol: float = 2e-5) -> None:
+def check(got, case, sm_scale: float, window: int | None, softcap: float | None, tol: float = 2e-5,
+          sinks: np.ndarray | None = None) -> None:
     got = np.asarray(got, np.float32)
     real = case.num_real_tokens
     assert np.all(np.isfinite(got)), "a page before every window was read"
-    want = oracle(case, sm_scale, sliding_window=window, logit_softcap=softcap)
+    want = oracle(case, sm_scale, sliding_window=window, logit_softcap=softcap, sinks=sinks)
     np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
     assert np.all(got[real:] == 0), "padding tokens must come back as zeros"
 
@@ -102,6 +103,65 @@ def test_decode_kernel_windows_and_caps(num_splits, window, softcap):
     check(got, case, 0.2, window, softcap, tol=TOLERANCE[np.float32])
 
 
+def head_sinks(num_q_heads: int) -> np.ndarray:
+    """Sink logits from far below the scores (no effect) to far above (most of the weight) by head."""
+    return np.linspace(-6.0, 4.0, num_q_heads).astype(np.float32)
+
+
+def assert_sinks_matter(got, case, sm_scale: float, window: int | None) -> None:
+    plain = oracle(case, sm_scale, sliding_window=window)[: case.num_real_tokens]
+    assert np.abs(np.asarray(got)[: case.num_real_tokens] - plain).max() > 1e-2, "the sinks changed nothing"
+
+
+@pytest.mark.cpu_only("the attention paths for CPUs")
+@pytest.mark.parametrize("impl", ["reference", "cpu", native])  # the native kernel hands sinks to the cpu path
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("mix", ["long", "mixed_with_empty", "chunk_after_cache"])
+def test_cpu_paths_take_attention_sinks(impl, window, mix):
+    """GPT-OSS's sinks: each query head's logit joins its softmax's denominator (windowed layers too), and
+    padding tokens and requests that see nothing still come back as zeros."""
+    case = windowed_case(mix, window, 6, 2)
+    sinks = head_sinks(6)
+    got = jax.jit(lambda s, *a: ragged_paged_attention(*a, sm_scale=0.7, sliding_window=window, sinks=s,
+                                                       impl=impl))(sinks, *case.args)
+    check(got, case, 0.7, window, None, sinks=sinks)
+    assert_sinks_matter(got, case, 0.7, window)
+
+
+@pytest.mark.slow  # Pallas' interpreter
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("mix", ["long", "mixed_with_empty"])
+def test_ragged_kernel_takes_attention_sinks(window, mix):
+    """Each row of a program's query block starts its softmax from its own head's sink (GQA groups of 4)."""
+    from tests.ops.test_paged_attention_pallas import KERNEL_IMPL, TOLERANCE
+
+    case = windowed_case(mix, window, 8, 2, page_size=4, head_dim=64)
+    sinks = head_sinks(8)
+    got = ragged_paged_attention(*case.args, sm_scale=0.2, sliding_window=window, sinks=sinks, impl=KERNEL_IMPL)
+    check(got, case, 0.2, window, None, tol=TOLERANCE[np.float32], sinks=sinks)
+    assert_sinks_matter(got, case, 0.2, window)
+
+
+@pytest.mark.slow  # Pallas' interpreter
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_takes_attention_sinks(num_splits):
+    """The sinks join the splits' partial softmaxes once, where they are merged; a padding request (no keys)
+    stays zero."""
+    from tests.ops.test_paged_attention_pallas import INTERPRET, TOLERANCE
+
+    kv_lens = [1, 16, 17, 33, 150, 0]
+    case = make_case(np.random.default_rng(11), [1] * 5 + [0], kv_lens, 8, 2, page_size=16, head_dim=64,
+                     pad_tokens=1, pad_reqs=0, max_pages=10)
+    q, k_pages, v_pages, lens, table, _ = case.args
+    sinks = head_sinks(8)
+    got = paged_decode_attention_pallas(q, k_pages, v_pages, lens, table, sm_scale=0.2, sinks=sinks,
+                                        interpret=INTERPRET, num_splits=num_splits, block_kv=32)
+    check(got, case, 0.2, None, None, tol=TOLERANCE[np.float32], sinks=sinks)
+    assert_sinks_matter(got, case, 0.2, None)
+
+
 # (query heads, KV heads, head dim, window, soft cap) of Gemma 2 2B's and Gemma 3 1B's local layers.
 GEMMA_LOCAL_LAYERS = {"gemma-2-2b": (8, 4, 256, 4096, 50.0), "gemma-3-1b": (4, 1, 256, 512, None)}
 
@@ -123,4 +183,23 @@ def test_windowed_kernels_lower_for_cuda(model):
     decode = lower_for_cuda(lambda *a: paged_decode_attention_pallas(*a, **scores),
                             ((64, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((64,), jnp.int32),
                             ((64, 512), jnp.int32))
+    assert calls_triton(ragged) and calls_triton(decode)
+
+
+def test_kernels_with_sinks_lower_for_cuda():
+    """Both Pallas kernels with GPT-OSS-20B's sliding layers' shapes (64 query heads over 8 KV heads of 64,
+    a window of 128) and sinks lower to Triton for an H100 (deviceless on a CPU)."""
+    import jax.numpy as jnp
+
+    from jaxserve.ops.paged_attention_pallas import ragged_paged_attention_pallas
+    from tests.ops.test_paged_attention_pallas import calls_triton, lower_for_cuda
+
+    pages = ((8, 2048, 16, 64), jnp.bfloat16)
+    sinks = ((64,), jnp.float32)
+    scores = dict(sm_scale=64**-0.5, sliding_window=128)
+    ragged = lower_for_cuda(lambda s, *a: ragged_paged_attention_pallas(*a, sinks=s, **scores), sinks,
+                            ((512, 64, 64), jnp.bfloat16), pages, pages, ((64,), jnp.int32),
+                            ((64, 512), jnp.int32), ((65,), jnp.int32))
+    decode = lower_for_cuda(lambda s, *a: paged_decode_attention_pallas(*a, sinks=s, **scores), sinks,
+                            ((64, 64, 64), jnp.bfloat16), pages, pages, ((64,), jnp.int32), ((64, 512), jnp.int32))
     assert calls_triton(ragged) and calls_triton(decode)
