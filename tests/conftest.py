@@ -128,8 +128,10 @@ def _tiny_hf_model(kind: str):
 
     with torch.no_grad():  # HF zero-initialises biases; random ones make parity tests see them
         for name, tensor in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):  # GPT-OSS's experts' too (gate_up_proj_bias...)
                 tensor.normal_(std=0.3)
+            if name.endswith(".sinks"):  # GPT-OSS's attention sinks: some heads' far above the scores
+                tensor.normal_(std=2.0)
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's per-head norms start at ones
                 tensor.normal_(mean=1.0, std=0.3)
             if kind.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's (1 + w) norms, at zeros
@@ -193,6 +195,11 @@ def _build_tiny_hf_model(kind: str):
     if kind == "smollm3":  # layer 1 without RoPE
         return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
             **{**llama_like, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0))
+    if kind == "gpt-oss":  # sliding, full, sliding; 4 experts, 2 a token; a clamp the tiny model's values reach
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **{**llama_like, "num_hidden_layers": 3, "intermediate_size": 48}, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     if kind == "olmo2":
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**llama_like))
     if kind == "gemma":

@@ -321,6 +321,7 @@ def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
     ("qwen3-30b-a3b", 30_532_122_624),  # Qwen3-30B-A3B's
     ("qwen1.5-moe-a2.7b", 14_315_784_192),  # Qwen1.5-MoE-A2.7B's 14.3B, its shared experts and their gates in
     ("granite-3.1-2b", 2_533_531_648),  # Granite 3.1 2B's 2.53B (tied embeddings)
+    ("gpt-oss-20b", 20_914_757_184),  # gpt-oss-20b's 20.9B: sinks, biases and the experts' biases counted
 ])
 def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_params):
     """The shapes `jaxserve compile` and `--load-format dummy` take: every expert, router and norm counted."""
@@ -335,7 +336,8 @@ def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_
 
 def test_the_bundled_shapes_of_the_newer_families_read_as_their_configs_say():
     """Each family's own fields, read from its config.json as published: SmolLM3's every fourth layer without
-    RoPE, OLMo 2's norms, Granite's multipliers, Qwen1.5-MoE's shared expert, the first Gemma's query scale."""
+    RoPE, OLMo 2's norms, Granite's multipliers, Qwen1.5-MoE's shared expert, GPT-OSS's sinks, alternating
+    windows and YaRN, the first Gemma's query scale."""
     from jaxserve.compile_ladder import load_model_config
     from jaxserve.models.loader import build_abstract_model
     from jaxserve.ops.attention import resolve_attention
@@ -353,6 +355,9 @@ def test_the_bundled_shapes_of_the_newer_families_read_as_their_configs_say():
             granite.logits_scaling) == (12.0, 0.22, 0.015625, 8.0)
     qwen2_moe = cfg("qwen1.5-moe-a2.7b")
     assert qwen2_moe.moe.shared_expert_size == 5632 and qwen2_moe.qkv_bias and not qwen2_moe.moe.normalize_top_k
+    gpt_oss = cfg("gpt-oss-20b")
+    assert gpt_oss.attention_sinks and gpt_oss.o_bias and gpt_oss.qkv_bias and gpt_oss.moe.softmax_after_top_k
+    assert gpt_oss.sliding_windows == (128, None) * 12 and gpt_oss.rope.attention_factor == pytest.approx(1.3466, 1e-4)
     gemma = cfg("gemma-2b")
     assert not gemma.norms_after and gemma.sm_scale == 256**-0.5 and gemma.sliding_windows == (None,) * 18
 

@@ -37,6 +37,7 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "SmolLM3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
 }

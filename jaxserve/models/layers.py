@@ -412,31 +412,36 @@ def paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache.
-    `sm_scale` defaults to 1 / sqrt(H); a window and a soft cap as in `ops.attention.ragged_paged_attention`.
+    `sm_scale` defaults to 1 / sqrt(H); a window, a soft cap and attention sinks as in
+    `ops.attention.ragged_paged_attention`.
 
     With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
     split by head, the pages by KV head, and the metadata whole.
     """
-    def attend(q, k, v, kv_cache, md):  # one device's heads and pages, or all of them
+    def attend(q, k, v, kv_cache, md, sinks=None):  # one device's heads and pages, or all of them
         write = cpu_kernels.write_kv if attention.impl == "cpu-native" else write_kv
         k_pages, v_pages = write(*kv_cache, k, v, md.slot_mapping)
         out = ragged_paged_attention(
             q, k_pages, v_pages, md.kv_lens, md.page_table, md.cu_q_lens,
             sm_scale=sm_scale or 1.0 / math.sqrt(q.shape[-1]), sliding_window=sliding_window,
-            logit_softcap=logit_softcap, impl=attention.impl, num_sms=attention.num_sms, decode_only=md.decode_only,
+            logit_softcap=logit_softcap, sinks=sinks, impl=attention.impl, num_sms=attention.num_sms,
+            decode_only=md.decode_only,
             hopper=attention.mosaic_attention, hopper_decode=attention.mosaic_decode,
             persistent=attention.mosaic_persistent,
         )
         return out, (k_pages, v_pages)
 
     if attention.mesh is None:
-        return attend(q, k, v, kv_cache, md)
+        return attend(q, k, v, kv_cache, md, sinks)
     heads, pages = PartitionSpec(None, TP_AXIS, None), PartitionSpec(TP_AXIS)
+    sinks_specs, sinks_args = ((), ()) if sinks is None else ((PartitionSpec(TP_AXIS),), (sinks,))
     per_shard = jax.shard_map(
         attend, mesh=attention.mesh,
-        in_specs=(heads, heads, heads, (pages, pages), PartitionSpec()), out_specs=(heads, (pages, pages)),
+        in_specs=(heads, heads, heads, (pages, pages), PartitionSpec(), *sinks_specs),
+        out_specs=(heads, (pages, pages)),
         check_vma=False,  # the Pallas calls inside carry no varying-axis annotations
     )
-    return per_shard(q, k, v, kv_cache, md)
+    return per_shard(q, k, v, kv_cache, md, *sinks_args)

@@ -4,7 +4,9 @@ windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key hea
 each block's output, the attention scores and the logits scaled by the config's multipliers), SmolLM3 (no
 RoPE in every fourth layer), OLMo 2 (each block's output normed instead of its input; one RMSNorm over all
 query heads and one over all key heads); Mixtral, Qwen3-MoE and Qwen2-MoE (a mixture-of-experts MLP,
-`moe.py`, in every layer or in those the config names; Qwen2-MoE's with a gated shared expert beside it).
+`moe.py`, in every layer or in those the config names; Qwen2-MoE's with a gated shared expert beside it);
+GPT-OSS (attention sinks, biases everywhere, sliding layers between full ones, YaRN, experts with biases and
+a clamped SwiGLU, routed by a softmax over the top k logits; its experts fused, or in MXFP4, split on load).
 
 Axis letters: T tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -40,6 +43,7 @@ from jaxserve.models.layers import (
     rope_for,
 )
 from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
+from jaxserve.models.mxfp4 import decode_mxfp4
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -60,7 +64,8 @@ class LlamaConfig:
     rope: Rope
     qk_norm: str | None = None  # "head": an RMSNorm over each head's query and key (Qwen3), weights [H];
     # "all": one over all heads' queries and one over all keys (OLMo 2), weights [N*H] and [K*H]
-    o_bias: bool = False  # a bias on the output projection (Llama and Granite with `attention_bias`)
+    o_bias: bool = False  # a bias on the output projection (Llama, Granite and GPT-OSS with `attention_bias`)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
     norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
     rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
     # Granite: the embeddings and each block's output multiplied, the attention's scale (None: 1 / sqrt(H)),
@@ -98,7 +103,8 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim),
             qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all"}.get(hf.model_type),
-            o_bias=attention_bias and hf.model_type in ("llama", "granite"),
+            o_bias=attention_bias and hf.model_type in ("llama", "granite", "gpt_oss"),
+            attention_sinks=hf.model_type == "gpt_oss",
             norm_after=hf.model_type == "olmo2",
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
             embedding_multiplier=hf.embedding_multiplier if granite else 1.0,
@@ -135,10 +141,14 @@ class LlamaConfig:
 
 
 def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
-    """The experts of a Mixtral, Qwen3-MoE or Qwen2-MoE config, and which layers have them."""
+    """The experts of a Mixtral, Qwen3-MoE, Qwen2-MoE or GPT-OSS config, and which layers have them."""
     num_layers = hf.num_hidden_layers
     if hf.model_type == "mixtral":
         return MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True), (True,) * num_layers
+    if hf.model_type == "gpt_oss":
+        return MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, False,
+                         softmax_after_top_k=True, biases=True, swiglu_limit=float(hf.swiglu_limit),
+                         swiglu_alpha=float(hf.swiglu_alpha)), (True,) * num_layers
     if hf.model_type in ("qwen3_moe", "qwen2_moe") and hf.num_experts:
         dense = set(getattr(hf, "mlp_only_layers", None) or ())
         step = getattr(hf, "decoder_sparse_step", 1) or 1
@@ -162,6 +172,8 @@ class Attention(nnx.Module):
             self.v_bias = param(k, h, dtype=dtype)
         if cfg.o_bias:
             self.o_bias = param(d, dtype=dtype)
+        if cfg.attention_sinks:
+            self.sinks = param(n, dtype=jnp.float32)
         if cfg.qk_norm:
             across = cfg.qk_norm == "all"
             self.q_norm = RMSNorm(n * h if across else h, cfg.rms_norm_eps, dtype)
@@ -189,7 +201,8 @@ class Attention(nnx.Module):
         if self.rope is not None:
             q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention,
-                                        sm_scale=self.cfg.attention_multiplier, sliding_window=self.sliding_window)
+                                        sm_scale=self.cfg.attention_multiplier, sliding_window=self.sliding_window,
+                                        sinks=self.sinks[...] if self.cfg.attention_sinks else None)
         y = merge_heads(out, self.o_proj[...], attention)  # [T, D]
         if self.cfg.o_bias:
             y = y + self.o_bias[...]
@@ -304,6 +317,7 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "self_attn.k_bias": (("self_attn", "k_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
     "self_attn.v_bias": (("self_attn", "v_bias"), lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
     "self_attn.o_proj.bias": (("self_attn", "o_bias"), lambda w, c: w),
+    "self_attn.sinks": (("self_attn", "sinks"), lambda w, c: w),
     "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), lambda w, c: w),
     "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), lambda w, c: w),
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, c: w.T),
@@ -317,6 +331,12 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.shared_expert.up_proj.weight": (("mlp", "shared_expert", "up_proj"), lambda w, c: w.T),
     "mlp.shared_expert.down_proj.weight": (("mlp", "shared_expert", "down_proj"), lambda w, c: w.T),
     "mlp.shared_expert_gate.weight": (("mlp", "shared_expert_gate"), lambda w, c: w.reshape(-1, 1)),  # [1, D] or [D]
+    # GPT-OSS's router and experts' biases (its experts' weights as the others', by `hf_weight_stream`)
+    "mlp.router.weight": (("mlp", "router"), lambda w, c: w.T),
+    "mlp.router.bias": (("mlp", "router_bias"), lambda w, c: w),
+    "mlp.experts_gate_bias": (("mlp", "experts_gate_bias"), lambda w, c: w),
+    "mlp.experts_up_bias": (("mlp", "experts_up_bias"), lambda w, c: w),
+    "mlp.experts_down_bias": (("mlp", "experts_down_bias"), lambda w, c: w),
     "mlp.experts_gate": (("mlp", "experts_gate"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, F, D] -> [E, D, F]
     "mlp.experts_up": (("mlp", "experts_up"), lambda w, c: np.swapaxes(w, 1, 2)),
     "mlp.experts_down": (("mlp", "experts_down"), lambda w, c: np.swapaxes(w, 1, 2)),  # [E, D, F] -> [E, F, D]
@@ -330,13 +350,18 @@ TENSOR_PARALLEL: dict[str, SplitRule] = {
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
     "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None), "router": (None, None),
-    "o_bias": (None, None), "shared_expert_gate": (None, None),
+    "o_bias": (None, None), "shared_expert_gate": (None, None), "sinks": (0, "q"),
+    "router_bias": (None, None), "experts_down_bias": (None, None),  # the down biases are added after the split
+    "experts_gate_bias": (1, None), "experts_up_bias": (1, None),  # [E, F]: by width, as the experts
     **dict(zip(("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(False)),
                strict=True)),
 }
 # Under --enable-expert-parallel the experts split whole instead (`split_rule`).
-EXPERT_PARALLEL: dict[str, SplitRule] = dict(zip(
-    ("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(True)), strict=True))
+EXPERT_PARALLEL: dict[str, SplitRule] = {
+    **dict(zip(("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(True)),
+               strict=True)),
+    "experts_gate_bias": (0, None), "experts_up_bias": (0, None),
+}
 
 
 def split_rule(name: str, cfg: LlamaConfig) -> SplitRule:
@@ -353,11 +378,24 @@ _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 
 
 def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, and each layer's
+    """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, each layer's
     per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
-    yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`)."""
+    yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`),
+    and GPT-OSS's fused experts split (`_gpt_oss_experts`)."""
     pending: dict[tuple[str, str], dict[int, Any]] = {}
+    mxfp4: dict[str, dict[str, Any]] = {}  # GPT-OSS's MXFP4 experts: name -> whichever of blocks and scales came
     for name, tensor in tensors:
+        if match := _MXFP4_RE.match(name):
+            stem, part = match.groups()
+            parts = mxfp4.setdefault(stem, {})
+            parts[part] = np.asarray(tensor)
+            if len(parts) == 2:
+                del mxfp4[stem]
+                yield from _gpt_oss_experts(stem, decode_mxfp4(parts["blocks"], parts["scales"]), out_major=True)
+            continue
+        if _GPT_OSS_EXPERTS_RE.match(name):
+            yield from _gpt_oss_experts(name, np.asarray(tensor), out_major=False)
+            continue
         if match := _EXPERT_RE.match(name):
             layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
             experts = pending.setdefault((layer, kind), {})
@@ -371,6 +409,29 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
     if pending:
         (layer, kind), experts = next(iter(pending.items()))
         raise ValueError(f"layer {layer}'s {kind} weights: {len(experts)} of {cfg.moe.num_experts} experts found")
+    if mxfp4:
+        stem, parts = next(iter(mxfp4.items()))
+        missing = "scales" if "blocks" in parts else "blocks"
+        raise ValueError(f"{stem}: MXFP4 {next(iter(parts))} without their {missing}")
+
+
+_MXFP4_RE = re.compile(r"^(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+_GPT_OSS_EXPERTS_RE = re.compile(r"^.*\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
+
+
+def _gpt_oss_experts(name: str, tensor: np.ndarray, out_major: bool) -> list[tuple[str, np.ndarray]]:
+    """GPT-OSS's fused experts as the other mixtures' stacked ones: `gate_up_proj` [E, D, 2F] (in MXFP4,
+    [E, 2F, D] once decoded: `out_major`) holds gate and up in alternate columns, its bias [E, 2F] likewise;
+    `down_proj` is [E, F, D] ([E, D, F] in MXFP4). Weights come out [E, out, in], as `_LAYER_MAP` takes them."""
+    stem, kind = name.rsplit(".experts.", 1)  # model.layers.N.mlp, gate_up_proj[_bias] | down_proj[_bias]
+    if kind == "gate_up_proj_bias":
+        return [(f"{stem}.experts_gate_bias", tensor[:, 0::2]), (f"{stem}.experts_up_bias", tensor[:, 1::2])]
+    if kind == "down_proj_bias":
+        return [(f"{stem}.experts_down_bias", tensor)]
+    out_in = tensor if out_major else np.swapaxes(tensor, 1, 2)  # [E, out, in]
+    if kind == "down_proj":
+        return [(f"{stem}.experts_down", out_in)]
+    return [(f"{stem}.experts_gate", out_in[:, 0::2]), (f"{stem}.experts_up", out_in[:, 1::2])]
 
 
 def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:

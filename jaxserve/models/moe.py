@@ -1,9 +1,11 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): top-k routing and the experts' matmuls grouped by
-expert, and Qwen2-MoE's shared expert, a dense SwiGLU MLP every token goes through, its output scaled by a
-sigmoid gate of the token.
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS): top-k routing and the experts' matmuls
+grouped by expert, and Qwen2-MoE's shared expert, a dense SwiGLU MLP every token goes through, its output
+scaled by a sigmoid gate of the token.
 
 Each token's router picks its `top_k` experts (softmax over all experts in float32, then the top k, their
-weights renormalised where the model says so). The T x k (token, expert) assignments are sorted by expert,
+weights renormalised where the model says so; GPT-OSS: the top k logits, then a softmax over those k).
+GPT-OSS's router and experts have biases, and its SwiGLU is clamped: (clip(up) + 1) * g * sigmoid(alpha * g)
+with g = min(gate, limit). The T x k (token, expert) assignments are sorted by expert,
 so each expert's tokens are one contiguous run of rows, and one grouped matmul multiplies every run by its
 own expert's weights: gate and up [E, D, F], then down [E, F, D]. Each row's output, times its routing
 weight, is added back to its token. Compute follows the T x k assignments, never T x E.
@@ -51,10 +53,26 @@ class MoeConfig:
     normalize_top_k: bool  # renormalise the k chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     expert_parallel: bool = False  # with a mesh: whole experts per device, not slices of every expert
     shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's F (0: none)
+    softmax_after_top_k: bool = False  # GPT-OSS: the k largest logits first, then a softmax over them
+    biases: bool = False  # GPT-OSS: the router's logits and every expert projection's output have biases
+    swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU (module docstring); None: silu(gate) * up
+    swiglu_alpha: float = 1.0
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """f32[T, E] router logits -> (f32[T, k] weights, i32[T, k] experts): softmax, then the top k."""
+def expert_activation(gate: jax.Array, up: jax.Array, limit: float | None, alpha: float) -> jax.Array:
+    """silu(gate) * up, or GPT-OSS's clamped SwiGLU where the config gives a limit."""
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1.0) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool, after_top_k: bool = False) -> tuple[jax.Array, jax.Array]:
+    """f32[T, E] router logits -> (f32[T, k] weights, i32[T, k] experts): softmax, then the top k; with
+    `after_top_k`, the top k logits, then their softmax."""
+    if after_top_k:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -74,9 +92,13 @@ def grouped_expert_mlp(
     first_expert: jax.Array | int = 0,  # the global id of this device's first expert (expert parallel)
     hopper: bool = False,  # compiled for compute capability 9.0: the Mosaic GPU grouped matmul
     native: bool = False,  # the native CPU kernel for bfloat16 experts (`grouped_matmul`)
-) -> jax.Array:  # f32[T, D]: this device's share of sum_k weight * expert(x)
+    gate_bias: jax.Array | None = None,  # [E_local, F_local] (GPT-OSS)
+    up_bias: jax.Array | None = None,  # [E_local, F_local]
+    swiglu_limit: float | None = None,  # `expert_activation`
+    swiglu_alpha: float = 1.0,
+) -> jax.Array:  # f32[T, D]: this device's share of sum_k weight * expert(x), less the down biases
     """The routed experts' SwiGLU MLP over the assignments, grouped by expert. Rows routed to experts this
-    device does not hold contribute zeros."""
+    device does not hold contribute zeros (the grouped matmuls return zeros for rows past their groups)."""
     num_tokens, top_k = experts.shape
     num_local = gate.shape[0]
     flat_experts = experts.reshape(-1)  # i32[A]
@@ -91,7 +113,13 @@ def grouped_expert_mlp(
         rows = jnp.roll(rows, -shift, axis=0)
     h = grouped_matmul(rows, gate, local_counts, hopper, native)  # f32[A, F]
     u = grouped_matmul(rows, up, local_counts, hopper, native)
-    h = (jax.nn.silu(h) * u).astype(x.dtype)
+    if gate_bias is not None:  # each row's own expert's biases (rows of other devices' experts come to 0 later)
+        expert_of_row = flat_experts[order]  # i32[A], sorted
+        if num_local != num_experts:
+            expert_of_row = jnp.roll(expert_of_row, -shift)
+        local = jnp.clip(expert_of_row - first_expert, 0, num_local - 1)
+        h, u = h + gate_bias[local].astype(jnp.float32), u + up_bias[local].astype(jnp.float32)
+    h = expert_activation(h, u, swiglu_limit, swiglu_alpha).astype(x.dtype)
     out = grouped_matmul(h, down, local_counts, hopper, native)  # f32[A, D]
     if num_local != num_experts:
         out = jnp.roll(out, shift, axis=0)
@@ -152,6 +180,11 @@ class SparseMoeBlock(nnx.Module):
         if cfg.shared_expert_size:
             self.shared_expert = GatedMlp(d, cfg.shared_expert_size, weight_dtype, attention, None, "silu")
             self.shared_expert_gate = param(d, 1, dtype=weight_dtype)
+        if cfg.biases:
+            self.router_bias = param(e, dtype=weight_dtype)
+            self.experts_gate_bias = param(e, f, dtype=weight_dtype)
+            self.experts_up_bias = param(e, f, dtype=weight_dtype)
+            self.experts_down_bias = param(e, d, dtype=weight_dtype)
         self.moe = cfg
         self.attention = attention
 
@@ -168,26 +201,47 @@ class SparseMoeBlock(nnx.Module):
         router = self.router[...]
         # Router logits summed and kept in float32: rounded to a 16-bit dtype, near-tied experts swap places.
         logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[T, E]
-        weights, experts = route(logits, self.moe.top_k, self.moe.normalize_top_k)
+        moe = self.moe
+        if moe.biases:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
+        weights, experts = route(logits, moe.top_k, moe.normalize_top_k, moe.softmax_after_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
         rows = x if isinstance(gate, GgufExperts) else x.astype(gate.dtype)  # blocks take x as it is
-        num_experts, mesh, hopper = self.moe.num_experts, self.attention.mesh, is_hopper(self.attention)
+        num_experts, mesh, hopper = moe.num_experts, self.attention.mesh, is_hopper(self.attention)
+        biases = (self.experts_gate_bias[...], self.experts_up_bias[...]) if moe.biases else ()
+        activation = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
         if mesh is None:
-            return grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
-                                      hopper=hopper, native=self.attention.native_matmuls).astype(x.dtype)
-        expert_parallel = self.moe.expert_parallel
+            out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts, hopper=hopper,
+                                     native=self.attention.native_matmuls, **_named(biases), **activation)
+        else:
+            out = self._split_over_mesh(rows, weights, experts, gate, up, down, biases, activation)
+        if moe.biases:  # sum_k weight * the chosen experts' down biases, once whatever the mesh
+            chosen = self.experts_down_bias[...].astype(jnp.float32)[experts]  # f32[T, k, D]
+            out = out + jnp.einsum("tk,tkd->td", weights, chosen)
+        return out.astype(x.dtype)
 
-        def local(rows, weights, experts, gate, up, down):  # one device's experts, or its slice of each
+    def _split_over_mesh(self, rows, weights, experts, gate, up, down, biases, activation) -> jax.Array:
+        """The experts under `shard_map`: each device its slice of every expert's F, or its whole experts
+        (module docstring), the outputs added over the devices."""
+        num_experts, hopper, expert_parallel = self.moe.num_experts, is_hopper(self.attention), self.moe.expert_parallel
+
+        def local(rows, weights, experts, gate, up, down, *biases):  # one device's experts, or its slice of each
             first = jax.lax.axis_index(TP_AXIS) * gate.shape[0] if expert_parallel else 0
             out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
-                                     first_expert=first, hopper=hopper)
+                                     first_expert=first, hopper=hopper, **_named(biases), **activation)
             return jax.lax.psum(out, TP_AXIS)
 
         whole = PartitionSpec()
         specs = [PartitionSpec(*(None,) * axis, TP_AXIS) for axis in expert_split_axes(expert_parallel)]
-        out = jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, *specs), out_specs=whole,
-                            check_vma=False)(rows, weights, experts, gate, up, down)
-        return out.astype(x.dtype)
+        bias_spec = PartitionSpec(TP_AXIS) if expert_parallel else PartitionSpec(None, TP_AXIS)  # [E, F]
+        return jax.shard_map(local, mesh=self.attention.mesh,
+                             in_specs=(whole, whole, whole, *specs, *(bias_spec for _ in biases)), out_specs=whole,
+                             check_vma=False)(rows, weights, experts, gate, up, down, *biases)
+
+
+def _named(biases: tuple) -> dict[str, jax.Array]:
+    """The experts' (gate, up) biases, or none, as `grouped_expert_mlp` takes them."""
+    return dict(zip(("gate_bias", "up_bias"), biases, strict=True)) if biases else {}
 
 
 def expert_split_axes(expert_parallel: bool) -> tuple[int, int, int]:

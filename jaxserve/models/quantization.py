@@ -201,6 +201,8 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
         return None
     config = config if isinstance(config, dict) else config.to_dict()
     method = config.get("quant_method")
+    if method == "mxfp4":  # GPT-OSS's experts: decoded to the weight dtype as they load (`mxfp4.py`)
+        return None
     if method == "fp8" and not config.get("weight_block_size"):
         return "fp8"
     if method == "compressed-tensors":

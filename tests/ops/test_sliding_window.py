@@ -1,7 +1,7 @@
 """Sliding-window attention, logit soft-capping and attention sinks in every attention implementation,
-against the float64 oracle: windows inside a page, across pages and longer than the context; GQA groups; prefill chunks after
-cached tokens, decodes and mixes. Pages wholly before every query's window hold NaN, so an implementation
-that reads them fails (the server may free those pages)."""
+against the float64 oracle: windows inside a page, across pages and longer than the context; GQA groups;
+prefill chunks after cached tokens, decodes and mixes. Pages wholly before every query's window hold NaN,
+so an implementation that reads them fails (the server may free those pages)."""
 
 import jax
 import numpy as np
