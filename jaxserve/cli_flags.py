@@ -281,7 +281,8 @@ SERVER_FLAGS = (
     Flag("--reasoning-parser", ServerConfig, "reasoning_parser", choices=REASONING_PARSER_NAMES,
          help="split a reasoning model's <think>...</think> part into message.reasoning_content (and "
               "delta.reasoning_content when streaming); structured outputs and tool calls apply to the answer "
-              "after it: deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3) (default: none)"),
+              "after it: deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3), openai_gptoss (GPT-OSS's "
+              "harmony analysis channel; its final channel is the answer) (default: none)"),
     Flag("--generation-config", ServerConfig, "generation_config",
          "default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder"),
     Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,

@@ -284,6 +284,8 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
                        beam_search_params(serving, req, params, len(prompt_ids)), lora_name)
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
+    if serving.reasoning is not None and serving.reasoning.parser.special_markers:  # harmony's, likewise
+        params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
     params = _after_reasoning(serving, params, reasoning)
     grammar = await serving.compile_grammar(params)

@@ -9,6 +9,11 @@ with enable_thinking=False) leaves the model answering; one whose last marker is
 template) leaves it reasoning; with neither, DeepSeek-R1 reasons first (its `<think>` optional) and
 Qwen3 reasons only if its output opens with `<think>`. Structured outputs apply once reasoning has ended
 (`ReasoningMarkers.grammar_waits`: the grammar waits for the end marker's tokens).
+
+GPT-OSS speaks OpenAI's harmony format, whose markers are special tokens (the text then keeps special
+tokens): `<|channel|>analysis<|message|>` opens its reasoning, `<|end|><|start|>assistant<|channel|>final
+<|message|>` (no space) ends it, an answer given without reasoning opens with `<|channel|>final<|message|>`,
+and `<|return|>` ends the turn. Its prompts hold earlier turns' markers, so every output starts open.
 """
 
 import enum
@@ -28,11 +33,19 @@ class ReasoningParser:
     reasons_unprompted: bool  # with no marker in the prompt or at the output's start, it reasons anyway
     start: str = "<think>"
     end: str = "</think>"
+    answer_start: str = ""  # opens an answer given without reasoning (harmony's final channel); dropped
+    turn_ends: tuple[str, ...] = ()  # markers that end the turn (harmony's special tokens), dropped from the answer
+    special_markers: bool = False  # the markers are special tokens: the output's text keeps special tokens
+    phase_from_prompt: bool = True  # False: every output starts open (`ReasoningMarkers.first_phase`)
 
 
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", reasons_unprompted=True),
     "qwen3": ReasoningParser("qwen3", reasons_unprompted=False),
+    "openai_gptoss": ReasoningParser(
+        "openai_gptoss", reasons_unprompted=False, start="<|channel|>analysis<|message|>",
+        end="<|end|><|start|>assistant<|channel|>final<|message|>", answer_start="<|channel|>final<|message|>",
+        turn_ends=("<|return|>", "<|end|>", "<|call|>"), special_markers=True, phase_from_prompt=False),
 }
 
 
@@ -59,16 +72,19 @@ class ReasoningStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content in `delta` (with text held back before); `final` flushes."""
         text, self._held = self._held + delta, ""
-        start, end = self._parser.start, self._parser.end
+        parser = self._parser
+        start, end, answer_start = parser.start, parser.end, parser.answer_start
         reasoning = content = ""
         while text:
             if self._phase is Phase.OPENING:
                 if text.startswith(start):
                     text, self._phase = text[len(start):], Phase.REASONING
-                elif start.startswith(text) and not final:
+                elif answer_start and text.startswith(answer_start):
+                    text, self._phase = text[len(answer_start):], Phase.CONTENT
+                elif not final and (start.startswith(text) or (answer_start and answer_start.startswith(text))):
                     self._held, text = text, ""
                 else:
-                    self._phase = Phase.REASONING if self._parser.reasons_unprompted else Phase.CONTENT
+                    self._phase = Phase.REASONING if parser.reasons_unprompted else Phase.CONTENT
             elif self._phase is Phase.REASONING:
                 index = text.find(end)
                 if index >= 0:
@@ -79,7 +95,11 @@ class ReasoningStream:
                 reasoning += text[: len(text) - keep]
                 self._held, text = text[len(text) - keep:], ""
             else:
-                content, text = content + text, ""
+                for marker in parser.turn_ends:
+                    text = text.replace(marker, "")
+                keep = 0 if final else max((_partial_suffix(text, m) for m in parser.turn_ends), default=0)
+                content += text[: len(text) - keep]
+                self._held, text = text[len(text) - keep:], ""
         return reasoning, content
 
 
@@ -112,7 +132,10 @@ class ReasoningMarkers:
         return cls(parser, *ids)
 
     def first_phase(self, prompt_ids: list[int]) -> Phase:
-        """Where the output of this prompt starts: after the prompt's last marker, if it has one."""
+        """Where the output of this prompt starts: after the prompt's last marker, if it has one (open for a
+        parser whose prompts say nothing of it)."""
+        if not self.parser.phase_from_prompt:
+            return Phase.OPENING
         last_start, last_end = _rfind(prompt_ids, list(self.start_ids)), _rfind(prompt_ids, list(self.end_ids))
         if last_end > last_start:
             return Phase.CONTENT

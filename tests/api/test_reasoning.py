@@ -182,3 +182,65 @@ def test_the_responses_api_sends_reasoning_as_a_reasoning_item(apps):
         chat["reasoning_content"]
     assert [e["type"] for e in events][-3:] == ["response.reasoning_text.done", "response.output_item.done",
                                                "response.incomplete"]
+
+
+HARMONY = REASONING_PARSERS["openai_gptoss"]
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (f"{ANALYSIS}Add 12 tens and 12.{FINAL}132<|return|>", ("Add 12 tens and 12.", "132")),
+    ("<|channel|>final<|message|>132<|return|>", (None, "132")),  # no reasoning: the final channel's marker goes
+    (f"{ANALYSIS}cut off", ("cut off", None)),
+    (f"{ANALYSIS}a{FINAL}b<|end|>", ("a", "b")),
+    ("no markers", (None, "no markers")),
+    ("<|channel|>commentary<|message|>x", (None, "<|channel|>commentary<|message|>x")),
+])
+def test_harmony_outputs_split(text, expected):
+    """GPT-OSS's analysis channel is the reasoning and its final channel the answer, the turn's end dropped."""
+    assert split_reasoning(HARMONY, Phase.OPENING, text) == expected
+
+
+@pytest.mark.parametrize("text", [f"{ANALYSIS}ab{FINAL}cd<|return|>", "<|channel|>final<|message|>x<|return|>",
+                                  f"{ANALYSIS}<|end|>x", "<|channel|>fin"])
+def test_a_harmony_stream_cut_anywhere_splits_as_the_whole_text(text):
+    whole = split_reasoning(HARMONY, Phase.OPENING, text)
+    for cut in range(len(text) + 1):
+        stream = ReasoningStream(HARMONY, Phase.OPENING)
+        parts = [stream.feed(text[:cut]), stream.feed(text[cut:], final=True)]
+        assert tuple("".join(p[i] for p in parts) or None for i in (0, 1)) == whole, cut
+
+
+def test_every_harmony_output_starts_open():
+    """A harmony prompt holds earlier turns' final channels (the end marker) and its own open turn: its
+    output starts open whatever the prompt's last marker."""
+    class Harmony:
+        def encode(self, text, add_special_tokens=False):
+            return {ANALYSIS: [1, 2, 3], FINAL: [4, 5, 6, 1, 7, 3]}[text]
+
+    markers = ReasoningMarkers.of(HARMONY, Harmony())
+    assert markers.first_phase([4, 5, 6, 1, 7, 3, 9, 4, 5, 6]) is Phase.OPENING
+    assert markers.grammar_waits(Phase.OPENING) == (4, 5, 6, 1, 7, 3)
+
+
+def test_the_harmony_parser_keeps_the_special_tokens_it_reads(smollm2_tokenizer, tmp_path):
+    """Over HTTP, on a tiny model whose tokenizer has harmony's special tokens: forced to write
+    `<|channel|>` three times, the answer holds them under `openai_gptoss` (they reach the parser), and
+    is empty without it (special tokens are skipped, as vLLM skips them)."""
+    from tests.conftest import _tiny_hf_model
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>", "<|end|>",
+                                                                "<|start|>", "<|return|>", "<|call|>"]})
+    model = _tiny_hf_model("llama").eval()
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    engine = AsyncEngine(make_engine(tmp_path))
+    channel = _ids(engine, "<|channel|>")
+    body = {"max_tokens": 3, "logit_bias": {str(channel): 100}}
+    with TestClient(create_app(ServerConfig(reasoning_parser="openai_gptoss"), engine)) as harmony, \
+            TestClient(create_app(ServerConfig(), engine)) as plain:
+        message = _chat(harmony, **body)["choices"][0]["message"]
+        assert message["content"] == "<|channel|>" * 3 and message["reasoning_content"] is None
+        assert _chat(plain, **body)["choices"][0]["message"]["content"] == ""
