@@ -5,6 +5,7 @@ llama.cpp's converter permutes Llama Q/K rows for its rotary layout; we undo tha
 """
 
 import contextlib
+import copy
 import functools
 import re
 from collections.abc import Iterator
@@ -50,6 +51,11 @@ _ARCH_LAYER_NAMES["qwen2moe"] = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _ARCH_LAYER_NAMES["llama"] = _EXPERT_NAMES
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# GPT-OSS: its router (with a bias), its norm before the MLP, its attention sinks (a tensor without a suffix in
+# transformers' names), and its experts' biases (`blk.N.ffn_gate_exps.bias` -> `mlp.experts_gate_bias`).
+_ARCH_LAYER_NAMES["gpt-oss"] = {**_EXPERT_NAMES, "ffn_gate_inp": "mlp.router",
+                                "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+_UNSUFFIXED = ("attn_sinks",)
 # llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
@@ -59,7 +65,8 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
+                                 "gpt-oss")
 
 
 class _PlainViewReader(GGUFReader):
@@ -96,15 +103,29 @@ def _parsed(path: str, inode: int, size: int, mtime_ns: int) -> GGUFReader:
 @contextlib.contextmanager
 def shared_gguf_reads() -> Iterator[None]:
     """Within it, `gguf.GGUFReader(path)` (as transformers calls it, once for a config and again for a
-    tokenizer) returns `read_gguf(path)`'s reader: the file is parsed once."""
+    tokenizer) returns `read_gguf(path)`'s reader: the file is parsed once. A gpt-oss file's reader leaves
+    out its RoPE scaling keys, which transformers 5 fails to read (it takes each key's length field for its
+    value); `gguf_cache` reads them instead."""
     def reader(path: str | Path, mode: str = "r") -> GGUFReader:
-        return read_gguf(path) if mode == "r" else GGUFReader(path, mode)
+        return _for_transformers(read_gguf(path)) if mode == "r" else GGUFReader(path, mode)
 
     gguf.GGUFReader = reader
     try:
         yield
     finally:
         gguf.GGUFReader = GGUFReader
+
+
+_UNREADABLE_BY_TRANSFORMERS = {"gpt-oss": "gpt-oss.rope.scaling."}  # architecture -> the keys' prefix
+
+
+def _for_transformers(reader: GGUFReader) -> GGUFReader:
+    prefix = _UNREADABLE_BY_TRANSFORMERS.get(gguf_architecture(reader))
+    if prefix is None:
+        return reader
+    view = copy.copy(reader)  # the same mapping and tensors, fewer fields
+    view.fields = {key: value for key, value in reader.fields.items() if not key.startswith(prefix)}
+    return view
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
@@ -164,4 +185,7 @@ def iter_gguf_tensors(
         elif arch == "llama" and kind == "attn_k":
             array = _unpermute_rotary(array, num_kv_heads)
         name = f"model.layers.{layer}.{names[kind]}"
-        yield (name if kind.endswith("_exps") else f"{name}.{suffix}"), array
+        if kind.endswith("_exps"):  # stacked experts: their weights unsuffixed, their biases `_bias`
+            yield (name if suffix == "weight" else f"{name}_bias"), array
+        else:
+            yield (name if kind in _UNSUFFIXED else f"{name}.{suffix}"), array

@@ -62,7 +62,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     size (`{arch}.attention.key_length`; Qwen3-0.6B's is 128, not hidden_size / heads = 64), an expert's MLP
     width (Qwen3-MoE, Qwen2-MoE) and a shared expert's (Qwen2-MoE), a `llama` file's experts, which make it a
     Mixtral (llama.cpp writes Mixtral as `llama` with `expert_count`; transformers reads it as a dense Llama),
-    Phi-3's LongRoPE factors (tensors in the 128k variants' files), and Gemma 2 27B's query scale (llama.cpp's
+    Phi-3's LongRoPE factors (tensors in the 128k variants' files), gpt-oss's window and YaRN scaling
+    (`gguf.py` hides the scaling from transformers), and Gemma 2 27B's query scale (llama.cpp's
     rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by head_size^-1/2, which
     transformers' default of 256 gives)."""
     from jaxserve.models.gguf import read_gguf
@@ -87,6 +88,13 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
                                   "short_factor": [float(f) for f in factors["rope_factors_short.weight"]],
                                   "original_max_position_embeddings": int(original)}
         config.original_max_position_embeddings = int(original)
+    if arch == "gpt-oss" and (window := field("attention.sliding_window")) is not None:  # transformers reads
+        config.sliding_window = int(window)  # `gpt-oss.sliding_window`, where llama.cpp writes none
+    if arch == "gpt-oss" and (factor := field("rope.scaling.factor")) is not None:  # hidden from transformers
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": field("rope.scaling.type") or "yarn",
+                                  "factor": float(factor)}
+        if (original := field("rope.scaling.original_context_length")) is not None:
+            config.rope_parameters["original_max_position_embeddings"] = int(original)
     if arch == "gemma2" and config.num_hidden_layers == 46:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     if arch == "llama" and field("expert_count"):

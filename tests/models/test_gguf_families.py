@@ -49,6 +49,25 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
     """A GGUF of a transformers config and its HF-named `tensors` (name -> array, in the dtype to store, or
     (blocks, GGMLQuantizationType) to store quantized), laid out as llama.cpp's converter lays it out (Gemma's
     norms stored as 1 + w), with the tokenizer fields of `tokenizer_gguf`."""
+    write_gguf_tensors(path, arch, cfg, _as_llama_cpp_names(arch, cfg, tensors), tokenizer_gguf)
+
+
+def _as_llama_cpp_names(arch: str, cfg, tensors):
+    for name, tensor in tensors:
+        if isinstance(tensor, tuple):  # (blocks, GGMLQuantizationType): stored quantized
+            yield gguf_name(name, arch), tensor
+            continue
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        elif arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary rows
+            heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
+            tensor = tensor.reshape(heads, 2, -1, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+        yield gguf_name(name, arch), tensor
+
+
+def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dict | None = None) -> None:
+    """A GGUF of a transformers config's metadata (and `extra` {key: (value, GGUFValueType)}), the tokenizer
+    fields of `tokenizer_gguf`, and `tensors` already under llama.cpp's names (array, or (blocks, type))."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
@@ -83,16 +102,13 @@ def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, (value, value_type) in (extra or {}).items():
+        writer.add_key_value(key, value, value_type)
     for name, tensor in tensors:
         raw_dtype = None
-        if isinstance(tensor, tuple):  # (blocks, GGMLQuantizationType): stored quantized
+        if isinstance(tensor, tuple):
             tensor, raw_dtype = tensor
-        elif arch.startswith("gemma") and name.endswith("norm.weight"):
-            tensor = tensor + 1.0
-        elif arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary rows
-            heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
-            tensor = tensor.reshape(heads, 2, -1, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
-        writer.add_tensor(gguf_name(name, arch), tensor, raw_dtype=raw_dtype)
+        writer.add_tensor(name, tensor, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

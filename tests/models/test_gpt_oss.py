@@ -92,3 +92,94 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_matches_transformers(tmp_path, 
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL * 10, rtol=0)
+
+
+def _as_llama_cpp_stores_gpt_oss(hf, rng: np.random.Generator) -> list:
+    """The tiny model's tensors under llama.cpp's gpt-oss names and layout: gate and up split out of their
+    alternate columns and stacked [E, out, in] in ggml's MXFP4 blocks (random codes; the transformers model
+    takes their values as the gguf package decodes them), their biases apart, the sinks as `attn_sinks`."""
+    import gguf
+    from gguf.quants import dequantize
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    block_bytes = gguf.GGML_QUANT_SIZES[mxfp4][1]  # 17: a scale byte and 16 bytes of codes
+    tensors = []
+    with torch.no_grad():
+        for index, layer in enumerate(hf.model.layers):
+            blk, experts = f"blk.{index}", layer.mlp.experts
+            num_experts, hidden, double_width = experts.gate_up_proj.shape
+            stacked = {}
+            for kind, rows, features in (("gate", double_width // 2, hidden), ("up", double_width // 2, hidden),
+                                         ("down", hidden, double_width // 2)):
+                raw = rng.integers(0, 256, size=(num_experts, rows, features // 32 * block_bytes), dtype=np.uint8)
+                raw[..., ::block_bytes] = rng.integers(127 - 4, 127 + 2, size=raw[..., ::block_bytes].shape)
+                stacked[kind] = dequantize(raw, mxfp4).reshape(num_experts, rows, features)  # [E, out, in]
+                tensors.append((f"{blk}.ffn_{kind}_exps.weight", (raw, mxfp4)))
+            gate_up = np.empty((num_experts, hidden, double_width), np.float32)
+            gate_up[..., 0::2], gate_up[..., 1::2] = stacked["gate"].swapaxes(1, 2), stacked["up"].swapaxes(1, 2)
+            experts.gate_up_proj.copy_(torch.from_numpy(gate_up))
+            experts.down_proj.copy_(torch.from_numpy(stacked["down"].swapaxes(1, 2).copy()))
+            bias = experts.gate_up_proj_bias.numpy()
+            tensors += [(f"{blk}.ffn_gate_exps.bias", bias[:, 0::2].copy()),
+                        (f"{blk}.ffn_up_exps.bias", bias[:, 1::2].copy()),
+                        (f"{blk}.ffn_down_exps.bias", experts.down_proj_bias.numpy())]
+            attention = layer.self_attn
+            for ours, theirs in (("attn_q", attention.q_proj), ("attn_k", attention.k_proj),
+                                 ("attn_v", attention.v_proj), ("attn_output", attention.o_proj),
+                                 ("ffn_gate_inp", layer.mlp.router)):
+                tensors += [(f"{blk}.{ours}.weight", theirs.weight.numpy()),
+                            (f"{blk}.{ours}.bias", theirs.bias.numpy())]
+            tensors += [(f"{blk}.attn_sinks.weight", attention.sinks.numpy()),
+                        (f"{blk}.attn_norm.weight", layer.input_layernorm.weight.numpy()),
+                        (f"{blk}.post_attention_norm.weight", layer.post_attention_layernorm.weight.numpy())]
+    tensors += [("token_embd.weight", hf.model.embed_tokens.weight.detach().numpy()),
+                ("output_norm.weight", hf.model.norm.weight.detach().numpy()),
+                ("output.weight", hf.lm_head.weight.detach().numpy())]
+    return [(name, t if isinstance(t, tuple) else np.ascontiguousarray(t, np.float32)) for name, t in tensors]
+
+
+def test_a_gpt_oss_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
+    """A `gpt-oss` file as llama.cpp writes it (its experts in ggml's MXFP4, decoded by the gguf package on
+    load): llama.cpp's names for the sinks, the router and its bias, the experts' biases and the norm before
+    the MLP; the YaRN scaling, window and head size from the file's metadata."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+    from tests.models.test_gguf_families import write_gguf_tensors
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"])
+    hf = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            if name.endswith(("_bias", ".bias", ".sinks")):
+                tensor.normal_(std=0.3)
+    tensors = _as_llama_cpp_stores_gpt_oss(hf, np.random.default_rng(3))
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gguf_tensors(path, "gpt-oss", hf.config, tensors, smollm2_gguf, extra=_gpt_oss_metadata(hf.config))
+    loaded = load_model(str(path), dtype="float32")
+    cfg = loaded.cfg
+    assert cfg.attention_sinks and cfg.sliding_windows == (5, None) and cfg.head_dim == 16
+    assert cfg.rope.attention_factor == pytest.approx(0.1 * np.log(32.0) + 1.0)
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL * 10, rtol=0)
+
+
+def _gpt_oss_metadata(config) -> dict:
+    """The keys llama.cpp's converter writes for gpt-oss beyond the common ones: its window, YaRN scaling and
+    experts' width (values, types)."""
+    import gguf
+
+    rope = config.rope_parameters
+    u32, f32, text = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+    return {"gpt-oss.rope.scaling.type": ("yarn", text), "gpt-oss.rope.scaling.factor": (rope["factor"], f32),
+            "gpt-oss.rope.scaling.original_context_length": (rope["original_max_position_embeddings"], u32),
+            "gpt-oss.expert_feed_forward_length": (config.intermediate_size, u32)}
