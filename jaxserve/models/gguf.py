@@ -17,6 +17,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
+from jaxserve.models.mxfp4 import GGML_MXFP4_BYTES, GGML_Q5_0_BYTES, ggml_mxfp4_as_q5_0
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -143,9 +144,24 @@ def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.nda
 
 
 def keeps_blocks(tensor: ReaderTensor) -> bool:
-    """Whether a file's tensor can stay in its blocks: a format the native kernel reads, a 2-D weight or a
-    mixture's 3-D stacked experts."""
-    return tensor.tensor_type.name in KEPT_KINDS and tensor.data.ndim in (2, 3)
+    """Whether a file's tensor can stay in its blocks: a format the native kernel reads (or MXFP4, whose
+    blocks become Q5_0's: `mxfp4.ggml_mxfp4_as_q5_0`), a 2-D weight or a mixture's 3-D stacked experts."""
+    return tensor.tensor_type.name in (*KEPT_KINDS, "MXFP4") and tensor.data.ndim in (2, 3)
+
+
+def kept_bytes(tensor: ReaderTensor) -> int:
+    """The bytes a kept tensor's blocks take (MXFP4's as Q5_0's)."""
+    if tensor.tensor_type.name == "MXFP4":
+        return int(tensor.n_bytes) // GGML_MXFP4_BYTES * GGML_Q5_0_BYTES
+    return int(tensor.n_bytes)
+
+
+def _kept(tensor: ReaderTensor) -> GgufTensor | None:
+    """A kept tensor's blocks; None for MXFP4 blocks with a scale float16 cannot hold (dequantized instead)."""
+    if tensor.tensor_type.name != "MXFP4":
+        return GgufTensor(np.asarray(tensor.data), tensor.tensor_type.name)
+    blocks = ggml_mxfp4_as_q5_0(tensor.data)
+    return None if blocks is None else GgufTensor(blocks, "Q5_0")
 
 
 def iter_gguf_tensors(
@@ -163,9 +179,8 @@ def iter_gguf_tensors(
         )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for tensor in reader.tensors:
-        if keep_blocks and keeps_blocks(tensor):
-            array = GgufTensor(np.asarray(tensor.data), tensor.tensor_type.name)
-        else:
+        array = _kept(tensor) if keep_blocks and keeps_blocks(tensor) else None
+        if array is None:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
             array = array - 1.0

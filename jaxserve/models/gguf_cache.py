@@ -211,9 +211,9 @@ MAX_COPY_BYTES = 2 * 2**30
 def copy_bytes(gguf_path: Path, keep_blocks: bool) -> int:
     """The bytes `iter_cached_gguf_tensors` would keep for the file: the kept formats' blocks as stored
     (with `keep_blocks`), every other tensor in float32."""
-    from jaxserve.models.gguf import keeps_blocks, read_gguf
+    from jaxserve.models.gguf import keeps_blocks, kept_bytes, read_gguf
 
-    return sum(int(t.n_bytes) if keep_blocks and keeps_blocks(t) else 4 * int(t.n_elements)
+    return sum(kept_bytes(t) if keep_blocks and keeps_blocks(t) else 4 * int(t.n_elements)
                for t in read_gguf(gguf_path).tensors)
 
 

@@ -22,6 +22,27 @@ def random_mxfp4(rng: np.random.Generator, rows: tuple[int, ...], features: int)
     return blocks, scales
 
 
+def tiny_gpt_oss(**overrides):
+    """Two layers (sliding, full) of 4 experts, 2 a token, widths of 64 (whole MXFP4 blocks), with random biases
+    and sinks (transformers starts them at zero)."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(**{**dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"]), **overrides})
+    hf = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            if name.endswith(("_bias", ".bias", ".sinks")):
+                tensor.normal_(std=0.3)
+    return hf
+
+
 def test_mxfp4_decodes_as_transformers_does():
     """Every E2M1 code (both nibbles of every byte value) and scales from 2^-127 up, against
     transformers' own MXFP4 dequantization (which it transposes to [E, in, out] for its experts)."""
@@ -48,24 +69,12 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_matches_transformers(tmp_path, 
     with their scales, gate and up in alternate rows, and `quantization_config` {"quant_method": "mxfp4"}.
     The reference is the transformers model holding the same experts dequantized by transformers."""
     import safetensors.numpy
-    import transformers
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tests.conftest import TINY_VOCAB
-
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=5, swiglu_limit=3.0,
-        layer_types=["sliding_attention", "full_attention"])
-    hf = transformers.GptOssForCausalLM(config).eval()
+    hf = tiny_gpt_oss(swiglu_limit=3.0)
     rng = np.random.default_rng(1)
     tensors = {}
     with torch.no_grad():
-        for name, tensor in hf.named_parameters():
-            if name.endswith(("_bias", ".bias", ".sinks")):
-                tensor.normal_(std=0.3)
         for layer in hf.model.layers:
             experts = layer.mlp.experts
             for kind, rows, features in (("gate_up_proj", 2 * 64, 64), ("down_proj", 64, 64)):
@@ -112,7 +121,8 @@ def _as_llama_cpp_stores_gpt_oss(hf, rng: np.random.Generator) -> list:
             for kind, rows, features in (("gate", double_width // 2, hidden), ("up", double_width // 2, hidden),
                                          ("down", hidden, double_width // 2)):
                 raw = rng.integers(0, 256, size=(num_experts, rows, features // 32 * block_bytes), dtype=np.uint8)
-                raw[..., ::block_bytes] = rng.integers(127 - 4, 127 + 2, size=raw[..., ::block_bytes].shape)
+                scales = raw[..., ::block_bytes]
+                raw[..., ::block_bytes] = rng.integers(127 - 8, 127 - 4, size=scales.shape)  # 2^-8 .. 2^-5
                 stacked[kind] = dequantize(raw, mxfp4).reshape(num_experts, rows, features)  # [E, out, in]
                 tensors.append((f"{blk}.ffn_{kind}_exps.weight", (raw, mxfp4)))
             gate_up = np.empty((num_experts, hidden, double_width), np.float32)
@@ -142,23 +152,10 @@ def test_a_gpt_oss_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch
     """A `gpt-oss` file as llama.cpp writes it (its experts in ggml's MXFP4, decoded by the gguf package on
     load): llama.cpp's names for the sinks, the router and its bias, the experts' biases and the norm before
     the MLP; the YaRN scaling, window and head size from the file's metadata."""
-    import transformers
-
-    from tests.conftest import TINY_VOCAB
     from tests.models.test_gguf_families import write_gguf_tensors
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        layer_types=["sliding_attention", "full_attention"])
-    hf = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, tensor in hf.named_parameters():
-            if name.endswith(("_bias", ".bias", ".sinks")):
-                tensor.normal_(std=0.3)
+    hf = tiny_gpt_oss()
     tensors = _as_llama_cpp_stores_gpt_oss(hf, np.random.default_rng(3))
     path = tmp_path / "tiny-gpt-oss.gguf"
     write_gguf_tensors(path, "gpt-oss", hf.config, tensors, smollm2_gguf, extra=_gpt_oss_metadata(hf.config))
@@ -171,6 +168,49 @@ def test_a_gpt_oss_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL * 10, rtol=0)
+
+
+def test_mxfp4_blocks_become_q5_0_blocks_of_the_same_weights():
+    """Every code and every scale float16 holds (2^-24 .. 2^15 for the doubled values): the gguf package
+    decodes the Q5_0 blocks to exactly the MXFP4 blocks' weights; a scale past float16's is left to decode."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from jaxserve.models.mxfp4 import ggml_mxfp4_as_q5_0
+
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(40, 8 * 17), dtype=np.uint8)
+    raw[:, ::17] = np.arange(104, 144, dtype=np.uint8)[:, None]  # row r's blocks at scale 2^(r - 24), doubled
+    q5_0 = ggml_mxfp4_as_q5_0(raw)
+    assert q5_0.shape == (40, 8 * 22)
+    mxfp4_values = dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(dequantize(q5_0, gguf.GGMLQuantizationType.Q5_0), mxfp4_values)
+    for scale in (103, 144):
+        raw[0, 0] = scale
+        assert ggml_mxfp4_as_q5_0(raw) is None
+
+
+def test_a_gpt_oss_gguf_keeps_its_mxfp4_experts_as_q5_0_blocks(smollm2_gguf, tmp_path, monkeypatch):
+    """`--quantization gguf` on a gpt-oss file: each layer's MXFP4 experts stay in blocks (as Q5_0's, the
+    same weights), run through the grouped native kernel with their biases, and the logits follow the
+    dequantized model's."""
+    from jaxserve.models.gguf_weights import GgufExperts
+    from tests.models.test_gguf_families import write_gguf_tensors
+    from tests.models.test_gguf_quantized import _flat, assert_logits_follow
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_gpt_oss()
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gguf_tensors(path, "gpt-oss", hf.config, _as_llama_cpp_stores_gpt_oss(hf, np.random.default_rng(6)),
+                       smollm2_gguf, extra=_gpt_oss_metadata(hf.config))
+    kept = load_model(str(path), dtype="float32", quantization="gguf")
+    plain = load_model(str(path), dtype="float32")
+    kept_flat, plain_flat = _flat(kept), _flat(plain)
+    experts = {path: v for path, v in kept_flat.items() if isinstance(v, GgufExperts)}
+    assert len(experts) == 3 * 2 and {v.kind for v in experts.values()} == {"Q5_0"}
+    for where, weight in experts.items():
+        np.testing.assert_array_equal(np.asarray(weight.dequantize()), np.asarray(plain_flat[where]), str(where))
+    assert_logits_follow(kept, plain)
 
 
 def _gpt_oss_metadata(config) -> dict:
