@@ -8,7 +8,8 @@ per round (the same prompts for both servers within a round, never twice for one
 is restarted per level with `-np` equal to the concurrency (its slots); jaxserve runs one ladder for all
 levels. Then a long prompt (`--long-prompt` tokens, `max_tokens` 1) measures TTFT on both.
 `--variants` serves one jaxserve per set of extra `jaxserve serve` flags, each in the rotation, so a change
-is measured against its predecessor and llama-server in one run.
+is measured against its predecessor and llama-server in one run. `--gguf FILE` serves FILE on both servers
+(jaxserve as `--model FILE`, unless a variant names its own `--model`); the JSON says what each served.
 
     python benchmarks/vs_llama_server.py --concurrency 1 16 64 --rounds 2 --long-prompt 8000 \
         --json docs/vs-llama-server-cpu.json
@@ -69,7 +70,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--long-prompt", type=int, default=8000, help="tokens of the TTFT prompt; 0 skips it")
     parser.add_argument("--llama-server", type=Path, default=PEERS / "llama.cpp/build/bin/llama-server")
-    parser.add_argument("--gguf", type=Path, default=PEERS / "models/SmolLM2-135M-Instruct.F16.gguf")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the file both servers serve (default: llama-server SmolLM2's F16 file, jaxserve "
+                             "its bundled SmolLM2)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--defaults", action="store_true",
                         help="serve jaxserve as `jaxserve serve` starts with no flags: its platform preset and "
@@ -84,6 +87,8 @@ def main() -> None:
                              "NAME=value words for its environment (default: one, none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    jaxserve_model = [] if args.gguf is None else ["--model", str(args.gguf)]
+    args.gguf = args.gguf or PEERS / "models/SmolLM2-135M-Instruct.F16.gguf"
     if args.sampling:  # the flags given last win
         args.sampling = ["--top-k", "0", "--top-p", "1", "--min-p", "0", *args.sampling]
 
@@ -101,8 +106,9 @@ def main() -> None:
             for flags, port in zip(args.variants, jax_ports.values(), strict=True):
                 chosen = (None, None) if args.defaults else (str(ladder), args.dtype)
                 length = [] if args.defaults and not args.long_prompt else ["--max-model-len", str(max_len)]
+                own_model = "--model" in flags.split()
                 servers.append(start_server(
-                    chosen[0], port, chosen[1], *length, *flags.split(),
+                    chosen[0], port, chosen[1], *length, *([] if own_model else jaxserve_model), *flags.split(),
                     *(["--async-scheduling"] if args.async_scheduling else [])))
             for round_index in range(args.rounds):
                 # each round shifts the order by one server, so each takes every place in turn
@@ -169,9 +175,17 @@ def main() -> None:
             print(f"\n{name}, {args.long_prompt}-token prompt, TTFT: {jt:.2f} s, llama-server {lt:.2f} s, "
                   f"ratio {jt / lt:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": rows, "runs": [
+        default = jaxserve_model[1] if jaxserve_model else "bundled SmolLM2"
+        served = {"llama-server": str(args.gguf), **{name: _model_of(flags.split(), default)
+                                                     for name, flags in zip(jax_ports, args.variants, strict=True)}}
+        Path(args.json).write_text(json.dumps({"served": served, "summary": rows, "runs": [
             {"server": name, "level": level, "results": results} for (name, level), results in runs.items()]},
             indent=2))
+
+
+def _model_of(flags: list[str], default: str) -> str:
+    """The `--model` a variant's flags give, else `default`."""
+    return flags[flags.index("--model") + 1] if "--model" in flags[:-1] else default
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks (GPT-OSS)
 ) -> jax.Array:  # [T, N, H]
     """`ragged_paged_attention_reference`'s contract; q float32 or bfloat16, the cache float32, bfloat16 or
     float16 (read as stored; scores and sums in float32)."""
@@ -71,7 +72,9 @@ def ragged_paged_attention(
         raise NativeKernelUnavailable(error)
     call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-                cu_q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+                cu_q_lens.astype(jnp.int32),
+                jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
+                sm_scale=np.float32(sm_scale),
                 sliding_window=np.int32(sliding_window or 0), logit_softcap=np.float32(logit_softcap or 0.0))
 
 

@@ -76,6 +76,7 @@ struct Problem {
   float sm_scale;
   int sliding_window;   // 0: every earlier key
   float logit_softcap;  // 0: none
+  const float* sinks;   // [num_q_heads]: each head's attention-sink logit (GPT-OSS), or null: none
   const void* q;
   const void* k_pages;
   const void* v_pages;
@@ -242,8 +243,10 @@ void attend_unit(const Problem& p, const Unit& unit) {
     const Q* q_row = q + row_offset(row);
     for (int h = 0; h < dim; ++h) qs[row * dim + h] = to_float(q_row[h]) * p.sm_scale;
     for (int h = 0; h < dim; ++h) acc[row * dim + h] = 0.0f;
-    row_max[row] = -1e30f;  // finite: the build uses -ffast-math
-    row_sum[row] = 0.0f;
+    // finite: the build uses -ffast-math. A sink is a key of its own logit that weighs no value: the running
+    // maximum and sum start from it.
+    row_max[row] = p.sinks != nullptr ? p.sinks[unit.kv_head * group + row % group] : -1e30f;
+    row_sum[row] = p.sinks != nullptr ? 1.0f : 0.0f;
   }
   const int64_t page_elems = int64_t(page_size) * dim;
   const T* k_head = static_cast<const T*>(p.k_pages) + unit.kv_head * p.num_pages * page_elems;
@@ -351,8 +354,8 @@ UnitFn pick_unit(ffi::DataType cache, int head_dim) {
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                                float sm_scale, int32_t sliding_window, float logit_softcap,
-                                ffi::Result<ffi::AnyBuffer> out) {
+                                ffi::Buffer<ffi::F32> sinks, float sm_scale, int32_t sliding_window,
+                                float logit_softcap, ffi::Result<ffi::AnyBuffer> out) {
   const auto q_dims = q.dimensions();
   const auto k_dims = k_pages.dimensions();
   const auto table_dims = page_table.dimensions();
@@ -370,6 +373,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.sm_scale = sm_scale;
   p.sliding_window = std::max(0, sliding_window);
   p.logit_softcap = std::max(0.0f, logit_softcap);
+  const int64_t num_sinks = sinks.element_count();  // 0: none; else one per query head
+  if (num_sinks != 0 && num_sinks != p.num_q_heads) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be none or one per query head");
+  }
+  p.sinks = num_sinks != 0 ? sinks.typed_data() : nullptr;
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const auto v_dims = v_pages.dimensions();
   if (v_dims.size() != 4 || v_dims[0] != k_dims[0] || v_dims[1] != k_dims[1] || v_dims[2] != k_dims[2] ||
@@ -436,6 +444,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks: f32[N] or f32[0]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("logit_softcap")
