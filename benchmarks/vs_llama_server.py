@@ -106,7 +106,7 @@ def main() -> None:
             for flags, port in zip(args.variants, jax_ports.values(), strict=True):
                 chosen = (None, None) if args.defaults else (str(ladder), args.dtype)
                 length = [] if args.defaults and not args.long_prompt else ["--max-model-len", str(max_len)]
-                own_model = "--model" in flags.split()
+                own_model = any(w == "--model" or w.startswith("--model=") for w in flags.split())
                 servers.append(start_server(
                     chosen[0], port, chosen[1], *length, *([] if own_model else jaxserve_model), *flags.split(),
                     *(["--async-scheduling"] if args.async_scheduling else [])))
@@ -185,7 +185,12 @@ def main() -> None:
 
 def _model_of(flags: list[str], default: str) -> str:
     """The `--model` a variant's flags give, else `default`."""
-    return flags[flags.index("--model") + 1] if "--model" in flags[:-1] else default
+    for index, word in enumerate(flags):
+        if word.startswith("--model="):
+            return word.removeprefix("--model=")
+        if word == "--model" and index + 1 < len(flags):
+            return flags[index + 1]
+    return default
 
 
 if __name__ == "__main__":

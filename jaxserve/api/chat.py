@@ -277,14 +277,14 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
                                      structure=plan.structure if plan is not None else None)
+    if serving.reasoning is not None and serving.reasoning.parser.special_markers:  # harmony's markers must
+        params = dataclasses.replace(params, skip_special_tokens=False)  # reach the parser (beams' too)
     if req.use_beam_search:
         if plan is not None:
             raise APIError(400, "tool calls are not available with use_beam_search", "tools")
         return ChatRun(prompt_ids, None, _reasoning(serving, req, prompt_ids, False), [],
                        beam_search_params(serving, req, params, len(prompt_ids)), lora_name)
     if plan is not None and plan.keeps_special_tokens:  # the calls' markers must reach the parser
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    if serving.reasoning is not None and serving.reasoning.parser.special_markers:  # harmony's, likewise
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
     params = _after_reasoning(serving, params, reasoning)

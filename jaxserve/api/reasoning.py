@@ -125,11 +125,12 @@ class ReasoningMarkers:
     parser: ReasoningParser
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]  # where the answer starts: the answer's own marker (harmony's), else the end's
 
     @classmethod
     def of(cls, parser: ReasoningParser, tokenizer: Any) -> "ReasoningMarkers":
-        ids = [tuple(tokenizer.encode(marker, add_special_tokens=False)) for marker in (parser.start, parser.end)]
-        return cls(parser, *ids)
+        markers = (parser.start, parser.end, parser.answer_start or parser.end)
+        return cls(parser, *(tuple(tokenizer.encode(marker, add_special_tokens=False)) for marker in markers))
 
     def first_phase(self, prompt_ids: list[int]) -> Phase:
         """Where the output of this prompt starts: after the prompt's last marker, if it has one (open for a
@@ -142,5 +143,7 @@ class ReasoningMarkers:
         return Phase.REASONING if last_start >= 0 else Phase.OPENING
 
     def grammar_waits(self, phase: Phase) -> tuple[int, ...]:
-        """The tokens a structured output waits for before it applies: none once reasoning is over."""
-        return () if phase is Phase.CONTENT else self.end_ids
+        """The tokens a structured output waits for before it applies: none once reasoning is over. Harmony's
+        end marker ends with its answer's marker, so waiting for the latter covers an answer given without
+        reasoning too."""
+        return () if phase is Phase.CONTENT else self.answer_ids

@@ -84,7 +84,8 @@ class LlamaConfig:
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = attention_bias or hf.model_type in ("qwen2", "qwen2_moe")
+        qkv_bias = (attention_bias or hf.model_type == "qwen2"
+                    or (hf.model_type == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True))))
         windows = layer_windows(hf)
         moe, moe_layers = _moe_of(hf)
         granite = hf.model_type == "granite"
@@ -103,7 +104,7 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim),
             qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all"}.get(hf.model_type),
-            o_bias=attention_bias and hf.model_type in ("llama", "granite", "gpt_oss"),
+            o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe"),  # Qwen2's biases: q, k, v
             attention_sinks=hf.model_type == "gpt_oss",
             norm_after=hf.model_type == "olmo2",
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
@@ -385,7 +386,7 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
     pending: dict[tuple[str, str], dict[int, Any]] = {}
     mxfp4: dict[str, dict[str, Any]] = {}  # GPT-OSS's MXFP4 experts: name -> whichever of blocks and scales came
     for name, tensor in tensors:
-        if match := _MXFP4_RE.match(name):
+        if cfg.moe is not None and cfg.moe.biases and (match := _MXFP4_RE.match(name)):  # GPT-OSS's
             stem, part = match.groups()
             parts = mxfp4.setdefault(stem, {})
             parts[part] = np.asarray(tensor)
@@ -393,7 +394,7 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
                 del mxfp4[stem]
                 yield from _gpt_oss_experts(stem, decode_mxfp4(parts["blocks"], parts["scales"]), out_major=True)
             continue
-        if _GPT_OSS_EXPERTS_RE.match(name):
+        if cfg.moe is not None and cfg.moe.biases and _GPT_OSS_EXPERTS_RE.match(name):
             yield from _gpt_oss_experts(name, np.asarray(tensor), out_major=False)
             continue
         if match := _EXPERT_RE.match(name):

@@ -41,15 +41,18 @@ def ggml_mxfp4_as_q5_0(
     blocks: np.ndarray,  # u8[..., n * 17]: a GGUF tensor's rows of MXFP4 blocks
 ) -> np.ndarray | None:  # u8[..., n * 22]
     """The same weights as Q5_0 blocks, exactly, or None where a block's scale is beyond float16's powers
-    of two. Q5_0 is d * (q - 16) with 5-bit codes q: twice an E2M1 value is an integer in -12 .. 12, so
-    q = 2v + 16 and d = 2^(e - 128) hold each weight exactly, at 5.5 bits a weight (MXFP4's: 4.25), and a
-    GGUF file's MXFP4 experts (gpt-oss's) run on the native kernel's Q5_0 path."""
+    of two (but for a block of zeros, whatever its scale). Q5_0 is d * (q - 16) with 5-bit codes q: twice
+    an E2M1 value is an integer in -12 .. 12, so q = 2v + 16 and d = 2^(e - 128) hold each weight exactly,
+    at 5.5 bits a weight (MXFP4's: 4.25), and a GGUF file's MXFP4 experts (gpt-oss's) run on the native
+    kernel's Q5_0 path."""
     blocks = np.asarray(blocks, np.uint8)
     rows, row_bytes = blocks.shape[:-1], blocks.shape[-1]
     if row_bytes % GGML_MXFP4_BYTES:
         raise ValueError(f"MXFP4 rows of {row_bytes} bytes are not whole blocks of {GGML_MXFP4_BYTES}")
     mx = blocks.reshape(-1, GGML_MXFP4_BYTES)
     exponents = mx[:, 0].astype(np.int32) - SCALE_BIAS - 1  # d = 2^(e - 128): the doubled values' scale
+    zero = ((mx[:, 1:] & 0x77) == 0).all(axis=1)  # every code +-0: any scale gives the block's zeros
+    exponents = np.where(zero, 0, exponents)
     if exponents.size and (exponents.min() < _F16_EXPONENTS.start or exponents.max() >= _F16_EXPONENTS.stop):
         return None
     codes = np.concatenate([mx[:, 1:] & 0x0F, mx[:, 1:] >> 4], axis=1)  # u8[B, 32], weights 0 .. 31

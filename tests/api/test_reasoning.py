@@ -216,11 +216,13 @@ def test_every_harmony_output_starts_open():
     output starts open whatever the prompt's last marker."""
     class Harmony:
         def encode(self, text, add_special_tokens=False):
-            return {ANALYSIS: [1, 2, 3], FINAL: [4, 5, 6, 1, 7, 3]}[text]
+            return {ANALYSIS: [1, 2, 3], FINAL: [4, 5, 6, 1, 7, 3], "<|channel|>final<|message|>": [1, 7, 3]}[text]
 
     markers = ReasoningMarkers.of(HARMONY, Harmony())
     assert markers.first_phase([4, 5, 6, 1, 7, 3, 9, 4, 5, 6]) is Phase.OPENING
-    assert markers.grammar_waits(Phase.OPENING) == (4, 5, 6, 1, 7, 3)
+    # A structured output waits for the answer's own marker, which ends the end marker too: it applies to an
+    # answer given with or without an analysis first.
+    assert markers.grammar_waits(Phase.OPENING) == (1, 7, 3)
 
 
 def test_the_harmony_parser_keeps_the_special_tokens_it_reads(smollm2_tokenizer, tmp_path):

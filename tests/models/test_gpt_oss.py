@@ -188,6 +188,10 @@ def test_mxfp4_blocks_become_q5_0_blocks_of_the_same_weights():
     for scale in (103, 144):
         raw[0, 0] = scale
         assert ggml_mxfp4_as_q5_0(raw) is None
+    raw[0, :17] = (0, *[0x80] * 16)  # a block of -0s at scale 2^-127: zeros whatever the scale
+    zeros = dequantize(ggml_mxfp4_as_q5_0(raw), gguf.GGMLQuantizationType.Q5_0)
+    assert (zeros[0, :32] == 0).all()
+    np.testing.assert_array_equal(zeros[1:], mxfp4_values[1:])
 
 
 def test_a_gpt_oss_gguf_keeps_its_mxfp4_experts_as_q5_0_blocks(smollm2_gguf, tmp_path, monkeypatch):
