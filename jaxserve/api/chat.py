@@ -32,7 +32,7 @@ from jaxserve.api.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningStream, split_reasoning
+from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningSplitter, reasoning_stream, split_reasoning
 from jaxserve.api.serving import ModelServing, get_serving, request_ids, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
@@ -185,8 +185,8 @@ class _Reasoning:
     phase: Phase  # where its outputs start
     included: bool  # the request's include_reasoning
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.parser, self.phase)
+    def stream(self) -> ReasoningSplitter:
+        return reasoning_stream(self.parser, self.phase)
 
 
 def _reasoning(serving: ModelServing, req: ChatCompletionRequest, prompt_ids: list[int],
@@ -255,7 +255,7 @@ class ChatRun:
         """A finished choice's assistant message and finish_reason."""
         return _message(completion, self.plan, self.reasoning)
 
-    def reasoning_stream(self) -> ReasoningStream | None:
+    def reasoning_stream(self) -> ReasoningSplitter | None:
         return self.reasoning.stream() if self.reasoning is not None else None
 
     def tool_stream(self) -> ToolCallStream | None:

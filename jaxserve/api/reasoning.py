@@ -10,15 +10,17 @@ template) leaves it reasoning; with neither, DeepSeek-R1 reasons first (its `<th
 Qwen3 reasons only if its output opens with `<think>`. Structured outputs apply once reasoning has ended
 (`ReasoningMarkers.grammar_waits`: the grammar waits for the end marker's tokens).
 
-GPT-OSS speaks OpenAI's harmony format, whose markers are special tokens (the text then keeps special
-tokens): `<|channel|>analysis<|message|>` opens its reasoning, `<|end|><|start|>assistant<|channel|>final
-<|message|>` (no space) ends it, an answer given without reasoning opens with `<|channel|>final<|message|>`,
-and `<|return|>` ends the turn. Its prompts hold earlier turns' markers, so every output starts open.
+GPT-OSS speaks OpenAI's harmony format, a run of messages whose markers are special tokens (the text then
+keeps special tokens): its analysis channel is the reasoning, its final channel the answer, and a tool
+call is a message of its own (`jaxserve.api.harmony` reads them). Its prompts hold earlier turns'
+markers, so every output starts open; a structured output waits for the final channel's marker.
 """
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from jaxserve.api.harmony import HarmonyStream
 
 
 class Phase(enum.Enum):
@@ -33,10 +35,10 @@ class ReasoningParser:
     reasons_unprompted: bool  # with no marker in the prompt or at the output's start, it reasons anyway
     start: str = "<think>"
     end: str = "</think>"
-    answer_start: str = ""  # opens an answer given without reasoning (harmony's final channel); dropped
-    turn_ends: tuple[str, ...] = ()  # markers that end the turn (harmony's special tokens), dropped from the answer
+    answer_start: str = ""  # where the answer starts when it has its own marker (harmony's final channel)
     special_markers: bool = False  # the markers are special tokens: the output's text keeps special tokens
     phase_from_prompt: bool = True  # False: every output starts open (`ReasoningMarkers.first_phase`)
+    harmony: bool = False  # the text is harmony messages (`jaxserve.api.harmony.HarmonyStream` splits it)
 
 
 REASONING_PARSERS = {
@@ -45,8 +47,14 @@ REASONING_PARSERS = {
     "openai_gptoss": ReasoningParser(
         "openai_gptoss", reasons_unprompted=False, start="<|channel|>analysis<|message|>",
         end="<|end|><|start|>assistant<|channel|>final<|message|>", answer_start="<|channel|>final<|message|>",
-        turn_ends=("<|return|>", "<|end|>", "<|call|>"), special_markers=True, phase_from_prompt=False),
+        special_markers=True, phase_from_prompt=False, harmony=True),
 }
+
+
+class ReasoningSplitter(Protocol):
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """The reasoning and the content in `delta` (with text held back before); `final` flushes."""
+        ...
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -73,15 +81,13 @@ class ReasoningStream:
         """The reasoning and the content in `delta` (with text held back before); `final` flushes."""
         text, self._held = self._held + delta, ""
         parser = self._parser
-        start, end, answer_start = parser.start, parser.end, parser.answer_start
+        start, end = parser.start, parser.end
         reasoning = content = ""
         while text:
             if self._phase is Phase.OPENING:
                 if text.startswith(start):
                     text, self._phase = text[len(start):], Phase.REASONING
-                elif answer_start and text.startswith(answer_start):
-                    text, self._phase = text[len(answer_start):], Phase.CONTENT
-                elif not final and (start.startswith(text) or (answer_start and answer_start.startswith(text))):
+                elif not final and start.startswith(text):
                     self._held, text = text, ""
                 else:
                     self._phase = Phase.REASONING if parser.reasons_unprompted else Phase.CONTENT
@@ -95,17 +101,19 @@ class ReasoningStream:
                 reasoning += text[: len(text) - keep]
                 self._held, text = text[len(text) - keep:], ""
             else:
-                for marker in parser.turn_ends:
-                    text = text.replace(marker, "")
-                keep = 0 if final else max((_partial_suffix(text, m) for m in parser.turn_ends), default=0)
-                content += text[: len(text) - keep]
-                self._held, text = text[len(text) - keep:], ""
+                content += text
+                text = ""
         return reasoning, content
+
+
+def reasoning_stream(parser: ReasoningParser, phase: Phase) -> ReasoningSplitter:
+    """The splitter of one output that starts in `phase`."""
+    return HarmonyStream() if parser.harmony else ReasoningStream(parser, phase)
 
 
 def split_reasoning(parser: ReasoningParser, phase: Phase, text: str) -> tuple[str | None, str | None]:
     """A whole output's (reasoning, content), None where a part is empty."""
-    reasoning, content = ReasoningStream(parser, phase).feed(text, final=True)
+    reasoning, content = reasoning_stream(parser, phase).feed(text, final=True)
     return reasoning or None, content or None
 
 

@@ -241,7 +241,20 @@ def build_abstract_model(
     return AbstractModel(spec, cfg, graphdef, state, checkpoint_cfg, heads)
 
 
+# Harmony's (GPT-OSS's) ends of a turn: its answer's and a tool call's. Its generation_config lists both; a GGUF
+# file names one end token only, and llama.cpp stops at both by their text.
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+
+
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    eos = _configured_eos(source, hf_config, tokenizer)
+    if getattr(hf_config, "model_type", None) == "gpt_oss":
+        stops = [tokenizer.convert_tokens_to_ids(token) for token in HARMONY_STOPS]
+        eos += tuple(i for i in stops if isinstance(i, int) and i != tokenizer.unk_token_id and i not in eos)
+    return eos
+
+
+def _configured_eos(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     eos: Any = None
     if source.gguf_file is None:
         try:

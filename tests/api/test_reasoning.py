@@ -9,7 +9,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.api.app import create_app
-from jaxserve.api.reasoning import REASONING_PARSERS, Phase, ReasoningMarkers, ReasoningStream, split_reasoning
+from jaxserve.api.reasoning import (
+    REASONING_PARSERS,
+    Phase,
+    ReasoningMarkers,
+    ReasoningStream,
+    reasoning_stream,
+    split_reasoning,
+)
 from jaxserve.config import REASONING_PARSER_NAMES, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from tests.engine.helpers import make_engine
@@ -186,6 +193,7 @@ def test_the_responses_api_sends_reasoning_as_a_reasoning_item(apps):
 
 HARMONY = REASONING_PARSERS["openai_gptoss"]
 ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -194,7 +202,13 @@ ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|
     (f"{ANALYSIS}cut off", ("cut off", None)),
     (f"{ANALYSIS}a{FINAL}b<|end|>", ("a", "b")),
     ("no markers", (None, "no markers")),
-    ("<|channel|>commentary<|message|>x", (None, "<|channel|>commentary<|message|>x")),
+    ("<|channel|>commentary<|message|>I will look.<|end|>", (None, "I will look.")),  # a preamble is content
+    # a call goes to the content whole, for the tool-call parser; the other form has the recipient first
+    (f"{ANALYSIS}Look it up.<|end|>{CALL}", ("Look it up.", CALL)),
+    (" to=functions.f<|channel|>commentary json<|message|>{}", (None, " to=functions.f<|channel|>commentary json"
+                                                                    "<|message|>{}")),
+    (f"{ANALYSIS}a<|end|><|start|>assistant<|channel|>analysis<|message|>b{FINAL}c", ("ab", "c")),
+    ("<|channel|><|channel|>x<|message|>y", (None, "<|channel|>y")),  # a stray marker is text, the message read
 ])
 def test_harmony_outputs_split(text, expected):
     """GPT-OSS's analysis channel is the reasoning and its final channel the answer, the turn's end dropped."""
@@ -202,11 +216,12 @@ def test_harmony_outputs_split(text, expected):
 
 
 @pytest.mark.parametrize("text", [f"{ANALYSIS}ab{FINAL}cd<|return|>", "<|channel|>final<|message|>x<|return|>",
-                                  f"{ANALYSIS}<|end|>x", "<|channel|>fin"])
+                                  f"{ANALYSIS}<|end|>x", "<|channel|>fin", f"{ANALYSIS}a<b<|end|>{CALL}",
+                                  " to=functions.f<|channel|>commentary json<|message|>{}"])
 def test_a_harmony_stream_cut_anywhere_splits_as_the_whole_text(text):
     whole = split_reasoning(HARMONY, Phase.OPENING, text)
     for cut in range(len(text) + 1):
-        stream = ReasoningStream(HARMONY, Phase.OPENING)
+        stream = reasoning_stream(HARMONY, Phase.OPENING)
         parts = [stream.feed(text[:cut]), stream.feed(text[cut:], final=True)]
         assert tuple("".join(p[i] for p in parts) or None for i in (0, 1)) == whole, cut
 
@@ -225,20 +240,11 @@ def test_every_harmony_output_starts_open():
     assert markers.grammar_waits(Phase.OPENING) == (1, 7, 3)
 
 
-def test_the_harmony_parser_keeps_the_special_tokens_it_reads(smollm2_tokenizer, tmp_path):
+def test_the_harmony_parser_keeps_the_special_tokens_it_reads(harmony_model_dir):
     """Over HTTP, on a tiny model whose tokenizer has harmony's special tokens: forced to write
     `<|channel|>` three times, the answer holds them under `openai_gptoss` (they reach the parser), and
     is empty without it (special tokens are skipped, as vLLM skips them)."""
-    from tests.conftest import _tiny_hf_model
-
-    tokenizer = copy.deepcopy(smollm2_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>", "<|end|>",
-                                                                "<|start|>", "<|return|>", "<|call|>"]})
-    model = _tiny_hf_model("llama").eval()
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_path)
-    engine = AsyncEngine(make_engine(tmp_path))
+    engine = AsyncEngine(make_engine(harmony_model_dir))
     channel = _ids(engine, "<|channel|>")
     body = {"max_tokens": 3, "logit_bias": {str(channel): 100}}
     with TestClient(create_app(ServerConfig(reasoning_parser="openai_gptoss"), engine)) as harmony, \

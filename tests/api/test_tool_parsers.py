@@ -36,7 +36,15 @@ CODER_TWO_CALLS = (
 CODER_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True,
                    "opts": {"unit": "c", "n": [1, None]}, "hours": [6, 12],
                    "code": "\ndef f(x):\n    return x < 3\n", "note": None, "extra": "42"}
+HARMONY_TWO_CALLS = (  # a preamble, then a call as GPT-OSS writes it and one in the chat template's form
+    '<|channel|>analysis<|message|>Both.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>'
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo, '
+    '\\"NO\\""}<|end|><|start|>assistant to=functions.now<|channel|>commentary json<|message|> {} <|call|>'
+)
 CASES = [
+    (TOOL_PARSERS["openai"](), HARMONY_TWO_CALLS, "Checking.", [("get_weather", {"city": 'Oslo, "NO"'}), ("now", {})]),
+    (TOOL_PARSERS["openai"](), '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": "<|x"}', None,
+     [("f", {"a": "<|x"})]),  # its <|call|> stopped generation, so it is not in the text
     (TOOL_PARSERS["qwen3_coder"](CODER_FUNCTIONS), CODER_TWO_CALLS, "Let me check.\n",
      [("get_weather", CODER_ARGUMENTS), ("now", {})]),
     # no <tool_call> around it, no newlines, and a closing </parameter> left out (vLLM reads these too)
@@ -121,6 +129,8 @@ def test_unfinished_call_is_content_when_parsed():
     (RequiredCallsParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": '),
     (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR'),
     (TOOL_PARSERS["pythonic"](), "[a(), b(x=[1, "),
+    (TOOL_PARSERS["openai"](), "<|channel|>commentary to=functions.a <|constrain|>json<|message|>{}<|end|><|start|>"
+                               'assistant<|channel|>commentary to=functions.b <|constrain|>json<|message|>{"y": '),
 ])
 def test_a_truncated_output_keeps_its_complete_calls(parser, text):
     _, calls = parser.parse(text, truncated=True)
@@ -239,3 +249,20 @@ def test_qwen3_coder_looks_past_a_tool_call_tag_in_prose():
     assert content == "Qwen writes <tool_call> tags. Now:\n" and [c.name for c in calls] == ["now"]
     assert TOOL_PARSERS["qwen3_coder"]().parse('<function=f><parameter=s>\n東京\n</parameter></function>')[1][
         0].arguments == '{"s": "東京"}', "arguments are written as vLLM writes them, not ASCII-escaped"
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four.<|return|>",
+     "Four."),
+    ("<|channel|>final<|message|>No tools: to=functions.f is text here.", "No tools: to=functions.f is text here."),
+    ("Not harmony at all.", "Not harmony at all."),
+    ("<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}", "{}"),  # a built-in tool: no call
+])
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_harmony_output_without_calls_is_its_messages_content(text, content, step):
+    """GPT-OSS's text is its messages' bodies, not its markup, when it calls nothing (the analysis channel is
+    reasoning, left to the reasoning parser)."""
+    assert TOOL_PARSERS["openai"]().parse(text) == (content, [])
+    stream = ToolCallStream(TOOL_PARSERS["openai"]())
+    pieces = [stream.feed(text[i : i + step], final=i + step >= len(text)) for i in range(0, len(text), step)]
+    assert "".join(piece for piece, _ in pieces) == (content or "") and not any(calls for _, calls in pieces)
