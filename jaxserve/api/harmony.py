@@ -41,53 +41,61 @@ class Message:
     end: int | None  # after its END once it has one (None while it may go on)
 
 
+_LONGEST = max(map(len, _MARKERS))
+
+
 def _held(text: str) -> int:
-    """How many trailing characters of `text` could begin a marker, to be held back while streaming."""
-    for size in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
-        tail = text[-size:]
+    """How many trailing characters of `text` could begin a marker, to be held back while streaming (every
+    marker begins with '<')."""
+    index = text.find("<", max(0, len(text) - (_LONGEST - 1)))
+    while index >= 0:
+        tail = text[index:]
         if any(marker.startswith(tail) for marker in _MARKERS):
-            return size
+            return len(text) - index
+        index = text.find("<", index + 1)
     return 0
 
 
 def _may_become_header(text: str, at_output_start: bool) -> bool:
     """Whether `text`, the start of a message with no <|message|> yet, may still grow into a header."""
-    if len(text) > _MAX_HEADER or any(marker in text for marker in (*ENDS, MESSAGE)):
+    if len(text) >= _MAX_HEADER or any(marker in text for marker in (*ENDS, MESSAGE)):
         return False  # a header ends at its first <|message|>, before any END
     openers = BREAKS + ((" to=", "to=") if at_output_start else ())
     return any(text.startswith(opener) or opener.startswith(text) for opener in openers)
 
 
-def _body(text: str, message_start: int, body_start: int, final: bool) -> tuple[int, int | None]:
+def _body(text: str, message_start: int, body_start: int, final: bool, resume: int) -> tuple[int, int | None]:
     """(body_end, end) of the body at text[body_start:]: it ends at an END (dropped) or where the next
-    message breaks in (a break at the message's very start is not one: that text is no header)."""
+    message breaks in (a break at the message's very start is not one: that text is no header). No marker
+    starts before `resume`."""
     stop, end = len(text), None
     for marker in ENDS:
-        index = text.find(marker, body_start)
+        index = text.find(marker, max(body_start, resume))
         if 0 <= index < stop:
             stop, end = index, index + len(marker)
     for marker in BREAKS:
-        index = text.find(marker, max(body_start, message_start + 1))
+        index = text.find(marker, max(body_start, message_start + 1, resume))
         if 0 <= index < stop:
             stop, end = index, index
     if end is None and not final:
-        stop -= _held(text[body_start:])
+        stop -= _held(text[max(body_start, len(text) - _LONGEST) :])
     return stop, end
 
 
-def next_message(text: str, start: int, final: bool) -> Message | None:
+def next_message(text: str, start: int, final: bool, resume: int = 0) -> Message | None:
     """The message at text[start:], or None where nothing can be said of it yet (no text, or a header still
-    arriving). `final`: no more text will come."""
+    arriving). `final`: no more text will come. `resume`: no marker starts before it (a stream that has
+    read up to there searches on from there)."""
     if start >= len(text):
         return None
-    header = _HEADER.match(text, start)
-    if header is not None and header.end() - start <= _MAX_HEADER:
+    header = _HEADER.match(text, start, start + _MAX_HEADER)  # bounded: its runs of [^<] could backtrack
+    if header is not None:
         recipient = _RECIPIENT.search(text, start, header.end())
-        body_end, end = _body(text, start, header.end(), final)
+        body_end, end = _body(text, start, header.end(), final, resume)
         return Message(start, header.group(1), recipient.group(1) if recipient else None, header.end(), body_end, end)
-    if not final and _may_become_header(text[start:], at_output_start=start == 0):
+    if not final and _may_become_header(text[start : start + _MAX_HEADER], at_output_start=start == 0):
         return None
-    body_end, end = _body(text, start, start, final)
+    body_end, end = _body(text, start, start, final, resume)
     return Message(start, None, None, start, body_end, end)
 
 
@@ -109,7 +117,7 @@ class HarmonyStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         self._text += delta
         reasoning, content = [], []
-        while (message := next_message(self._text, self._start, final)) is not None:
+        while (message := next_message(self._text, self._start, final, resume=self._routed)) is not None:
             if message.recipient is not None:
                 sink, begin, stop = content, message.start, message.end or message.body_end
             else:

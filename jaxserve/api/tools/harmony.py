@@ -8,7 +8,10 @@ and commentary preambles say; the analysis channel is reasoning, never content (
 openai_gptoss` returns it). The markers are special tokens, so requests that may call tools keep them.
 """
 
-from jaxserve.api.harmony import is_call, next_message
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.api.harmony import Message, is_call, next_message
 from jaxserve.api.tools.base import PartialCall, Scan, ToolCall, ToolParser
 
 _FUNCTIONS = "functions."
@@ -23,25 +26,43 @@ class HarmonyToolParser(ToolParser):
         scan = self.scan_output(text, truncated)
         return (scan.content or None, []) if not scan.calls else super().parse(text, truncated)
 
+    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
+        super().__init__(functions)
+        # A stream scans its text again after every delta: what the last scan read is kept, to go on from
+        # where it stopped when the text has only grown (the text, the start of the message it stopped in,
+        # the content and calls before that message, and how far its markers were searched).
+        self._last: tuple[str, int, list[str], list[PartialCall], int] = ("", 0, [], [], 0)
+
     def scan(self, text: str, final: bool) -> Scan:
         return self._scan(text, final, truncated=False)
 
     def scan_output(self, text: str, truncated: bool) -> Scan:
         return self._scan(text, True, truncated)
 
-    @staticmethod
-    def _scan(text: str, final: bool, truncated: bool) -> Scan:
-        content: list[str] = []
-        calls: list[PartialCall] = []
-        start = 0
-        while (message := next_message(text, start, final)) is not None:
-            if is_call(message):
-                ended = message.end is not None or (final and not truncated)
-                arguments = text[message.body_start : message.body_end].strip()
-                calls.append(PartialCall(message.recipient.removeprefix(_FUNCTIONS), arguments, ended, message.end))
-            elif message.channel != "analysis":
-                content.append(text[message.body_start : message.body_end])
-            if message.end is None:
-                break
-            start = message.end
+    def _scan(self, text: str, final: bool, truncated: bool) -> Scan:
+        last_text, start, content, calls, resume = self._last
+        if not text.startswith(last_text):
+            start, content, calls, resume = 0, [], [], 0
+        content, calls = list(content), list(calls)
+        while (message := next_message(text, start, final, resume)) is not None:
+            if message.end is None:  # the message still arriving: read again next time
+                self._last = (text, start, content, calls, message.body_end)
+                return Scan("".join(content + self._content(text, message)), calls + self._calls(
+                    text, message, final and not truncated))
+            content += self._content(text, message)
+            calls += self._calls(text, message, True)
+            start = resume = message.end
+        self._last = (text, start, content, calls, resume)
         return Scan("".join(content), calls)
+
+    @staticmethod
+    def _content(text: str, message: Message) -> list[str]:
+        return [] if is_call(message) or message.channel == "analysis" else [
+            text[message.body_start : message.body_end]]
+
+    @staticmethod
+    def _calls(text: str, message: Message, ended: bool) -> list[PartialCall]:
+        if not is_call(message):
+            return []
+        arguments = text[message.body_start : message.body_end].strip()
+        return [PartialCall(message.recipient.removeprefix(_FUNCTIONS), arguments, ended, message.end)]
