@@ -22,9 +22,11 @@ START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")  # end a message, dropped with it
 BREAKS = (START, CHANNEL)  # begin the next message: end a body that was never ended
 _MARKERS = ENDS + BREAKS
-# A whole header, from the message's start to its body's (the recipient may come before the channel or after).
-_HEADER = re.compile(r"(?:<\|start\|>[^<]*|\s*to=[^<]*)?<\|channel\|>([^<\s]*)[^<]*(?:<\|constrain\|>[^<]*)?"
-                     + re.escape(MESSAGE))
+# A whole header, from the message's start to its body's; the recipient comes before the channel or after it
+# (before it with no <|start|> only at the output's start, where the prompt wrote <|start|>assistant).
+_HEADER_END = r"<\|channel\|>\s*([^<\s]*)[^<]*(?:<\|constrain\|>[^<]*)?" + re.escape(MESSAGE)
+_HEADER = re.compile(r"(?:<\|start\|>[^<]*)?" + _HEADER_END)
+_FIRST_HEADER = re.compile(r"(?:<\|start\|>[^<]*|\s*to=[^<]*)?" + _HEADER_END)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _MAX_HEADER = 256  # characters: a longer run without <|message|> is not a header
 
@@ -60,8 +62,9 @@ def _may_become_header(text: str, at_output_start: bool) -> bool:
     """Whether `text`, the start of a message with no <|message|> yet, may still grow into a header."""
     if len(text) >= _MAX_HEADER or any(marker in text for marker in (*ENDS, MESSAGE)):
         return False  # a header ends at its first <|message|>, before any END
-    openers = BREAKS + ((" to=", "to=") if at_output_start else ())
-    return any(text.startswith(opener) or opener.startswith(text) for opener in openers)
+    if at_output_start and (text.lstrip().startswith("to=") or "to=".startswith(text.lstrip())):
+        return True
+    return any(text.startswith(opener) or opener.startswith(text) for opener in BREAKS)
 
 
 def _body(text: str, message_start: int, body_start: int, final: bool, resume: int) -> tuple[int, int | None]:
@@ -88,7 +91,8 @@ def next_message(text: str, start: int, final: bool, resume: int = 0) -> Message
     read up to there searches on from there)."""
     if start >= len(text):
         return None
-    header = _HEADER.match(text, start, start + _MAX_HEADER)  # bounded: its runs of [^<] could backtrack
+    pattern = _FIRST_HEADER if start == 0 else _HEADER
+    header = pattern.match(text, start, start + _MAX_HEADER)  # bounded: its runs of [^<] could backtrack
     if header is not None:
         recipient = _RECIPIENT.search(text, start, header.end())
         body_end, end = _body(text, start, header.end(), final, resume)
@@ -99,15 +103,20 @@ def next_message(text: str, start: int, final: bool, resume: int = 0) -> Message
     return Message(start, None, None, start, body_end, end)
 
 
+FUNCTIONS = "functions."
+
+
 def is_call(message: Message) -> bool:
     """A call of one of the request's functions (harmony's built-in tools, `browser.*` and `python`, are not)."""
-    return message.recipient is not None and message.recipient.startswith("functions.")
+    return message.recipient is not None and message.recipient.startswith(FUNCTIONS) and \
+        len(message.recipient) > len(FUNCTIONS)
 
 
 class HarmonyStream:
     """Splits one output's harmony text deltas into (reasoning, content) deltas: the analysis channel is the
     reasoning; final and commentary messages' bodies are the content; a message to a recipient (a tool call)
-    goes to the content whole, header and END included, for the tool-call parser to read."""
+    goes to the content whole, header and END included (an `<|end|>` where the next message broke in), for
+    the tool-call parser to read."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -127,5 +136,7 @@ class HarmonyStream:
             self._routed = max(self._routed, stop)
             if message.end is None:
                 break
+            if message.recipient is not None and message.end == message.body_end:  # ended by the next message
+                content.append(ENDS[0])
             self._start = self._routed = message.end
         return "".join(reasoning), "".join(content)

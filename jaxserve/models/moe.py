@@ -131,6 +131,15 @@ def grouped_expert_mlp(
 _MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 
 
+def _mgpu_tiles(k: int, n: int) -> dict[str, int] | None:
+    """The Mosaic GPU kernel's tiles for [K, N] experts, or None where none fit: output columns 128 at a time,
+    or 64 where N is no multiple of 128 (GPT-OSS's 2,880; the kernel's own tuning tries both)."""
+    if k % _MGPU_TILES["block_k"]:
+        return None
+    block_n = next((size for size in (_MGPU_TILES["block_n"], 64) if n % size == 0), None)
+    return None if block_n is None else {**_MGPU_TILES, "block_n": block_n}
+
+
 def grouped_matmul(
     rows: jax.Array,  # [A, K], sorted by group
     w: jax.Array | GgufExperts,  # [G, K, N]
@@ -146,13 +155,12 @@ def grouped_matmul(
     rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
     if native and w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
-    k, n = w.shape[1], w.shape[2]
-    tiles_fit = k % _MGPU_TILES["block_k"] == 0 and n % _MGPU_TILES["block_n"] == 0
-    if not (hopper and tiles_fit):
+    tiles = _mgpu_tiles(w.shape[1], w.shape[2]) if hopper else None
+    if tiles is None:
         return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    out = ragged_dot_mgpu.ragged_dot(rows, w, group_sizes=group_sizes, **_MGPU_TILES).astype(jnp.float32)
+    out = ragged_dot_mgpu.ragged_dot(rows, w, group_sizes=group_sizes, **tiles).astype(jnp.float32)
     covered = jnp.arange(rows.shape[0]) < group_sizes.sum()  # the kernel leaves rows past the groups unwritten
     return jnp.where(covered[:, None], out, 0.0)
 

@@ -251,6 +251,51 @@ def test_qwen3_coder_looks_past_a_tool_call_tag_in_prose():
         0].arguments == '{"s": "東京"}', "arguments are written as vLLM writes them, not ASCII-escaped"
 
 
+HARMONY_ODD = [  # a model that strays from the format: streams cut anywhere must read as the whole text
+    "<|channel|>analysis<|message|>x<|end|> to=functions.f<|channel|>commentary json<|message|>{}",
+    "\n to=functions.f<|channel|>commentary json<|message|>{}",
+    "<|channel|>analysis<|message|>x<|end|> to=assistant<|channel|>final<|message|>Hello world, the answer",
+    "<|channel|>final<|message|>a<|end|>to=<|channel|>analysis<|message|>s",
+    "<|channel|>commentary to=functions.f<|message|>{}<|channel|>final<|message|>x",
+    "<|channel|> final<|message|>a<|channel|>commentary to=functions.<|message|>{}",
+    '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city":"Os',
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_ODD)
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_a_harmony_stream_cut_anywhere_reads_as_the_whole_output(text, reasoning):
+    """With the reasoning split before it (as `--reasoning-parser openai_gptoss` serves) or alone, the call
+    parser's stream, cut at any point, sends the content and the calls that the whole output's parse holds."""
+    from jaxserve.api.harmony import HarmonyStream
+
+    whole = HarmonyStream().feed(text, final=True)[1] if reasoning else text
+    content, calls = TOOL_PARSERS["openai"]().parse(whole)
+    assert "<|" not in (content or "") or not calls
+    for cut in range(len(text) + 1):
+        splitter, stream = HarmonyStream(), ToolCallStream(TOOL_PARSERS["openai"]())
+        sent, arguments = "", {}
+        for piece, final in ((text[:cut], False), (text[cut:], True)):
+            piece = splitter.feed(piece, final)[1] if reasoning else piece
+            new, deltas = stream.feed(piece, final)
+            sent += new
+            for delta in deltas:
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.arguments or "")
+        if calls:
+            assert sent == (content or "") and list(arguments.values()) == [c.arguments for c in calls], cut
+        else:  # calls that do not all parse: what the stream sent is a beginning of what the parse says
+            assert (content or "").startswith(sent.rstrip()) or not arguments, cut
+
+
+def test_a_reused_harmony_parser_reads_a_longer_text_afresh():
+    text = "<|channel|>final<|message|>hi<|ca"
+    parser = TOOL_PARSERS["openai"]()
+    parser.parse(text)
+    longer = text + "ll|><|start|>assistant<|channel|>commentary to=functions.f<|message|>{}"
+    content, calls = parser.parse(longer)
+    assert content == "hi" and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+
+
 @pytest.mark.parametrize(("text", "content"), [
     ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four.<|return|>",
      "Four."),

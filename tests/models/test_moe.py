@@ -125,26 +125,30 @@ def test_the_mosaic_grouped_matmul_matches_ragged_dot_on_the_device():
     if not is_hopper(AttentionConfig(impl="pallas", compute_capability=cuda_compute_capability())):
         pytest.skip("not a Hopper GPU")
     rng = np.random.default_rng(1)
-    counts = rng.multinomial(2000, np.ones(128) / 128).astype(np.int32)  # 2,000 of 2,048 rows in groups
-    rows = jnp.asarray(rng.standard_normal((2048, 2048)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((128, 2048, 768)) * 0.02, jnp.bfloat16)
-    got = grouped_matmul(rows, w, jnp.asarray(counts), hopper=True)
-    want = jax.lax.ragged_dot(rows, w, jnp.asarray(counts), preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-2, rtol=2e-2)
+    for groups, k, n in ((128, 2048, 768), (32, 2880, 2880)):  # Qwen3-30B-A3B's experts, GPT-OSS-20B's
+        counts = rng.multinomial(2000, np.ones(groups) / groups).astype(np.int32)  # 2,000 of 2,048 rows in groups
+        rows = jnp.asarray(rng.standard_normal((2048, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((groups, k, n)) * 0.02, jnp.bfloat16)
+        got = grouped_matmul(rows, w, jnp.asarray(counts), hopper=True)
+        want = jax.lax.ragged_dot(rows, w, jnp.asarray(counts), preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-2, rtol=2e-2)
 
 
-def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100():
-    """Deviceless: Qwen3-30B-A3B's experts (128 of width 768 over a hidden size of 2,048), 256 tokens routed
-    to 8 each, compile to Mosaic GPU kernels with no dense [E, rows, D] temporary (XLA's own ragged dot
-    expands to one, a gigabyte here)."""
+@pytest.mark.parametrize(("num_experts", "top_k", "hidden", "width"), [(128, 8, 2048, 768), (32, 4, 2880, 2880)])
+def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_experts, top_k, hidden, width):
+    """Deviceless: Qwen3-30B-A3B's experts (128 of width 768 over a hidden size of 2,048) and GPT-OSS-20B's
+    (32 of 2,880 over 2,880, no multiple of the kernel's 128 columns: 64 at a time), 256 tokens routed to
+    top_k each, compile to Mosaic GPU kernels with no dense [E, rows, D] temporary (XLA's own ragged dot
+    expands to one, a gigabyte for Qwen3's)."""
     from tests.ops.test_paged_attention_pallas import deviceless_h100
 
     device = deviceless_h100()
     placed = jax.sharding.SingleDeviceSharding(device)
-    shapes = [((256, 2048), jnp.bfloat16), ((256, 8), jnp.float32), ((256, 8), jnp.int32),
-              ((128, 2048, 768), jnp.bfloat16), ((128, 2048, 768), jnp.bfloat16), ((128, 768, 2048), jnp.bfloat16)]
+    shapes = [((256, hidden), jnp.bfloat16), ((256, top_k), jnp.float32), ((256, top_k), jnp.int32),
+              ((num_experts, hidden, width), jnp.bfloat16), ((num_experts, hidden, width), jnp.bfloat16),
+              ((num_experts, width, hidden), jnp.bfloat16)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
-    fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=128, hopper=True))
+    fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=num_experts, hopper=True))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 3
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20

@@ -11,10 +11,8 @@ openai_gptoss` returns it). The markers are special tokens, so requests that may
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.api.harmony import Message, is_call, next_message
+from jaxserve.api.harmony import FUNCTIONS, HarmonyStream, Message, is_call, next_message
 from jaxserve.api.tools.base import PartialCall, Scan, ToolCall, ToolParser
-
-_FUNCTIONS = "functions."
 
 
 class HarmonyToolParser(ToolParser):
@@ -22,15 +20,22 @@ class HarmonyToolParser(ToolParser):
     keeps_special_tokens = True
 
     def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """As any parser's, but an output without calls is the content of its messages, not its raw text."""
+        """As any parser's, but the content is never the raw text: an output without calls is its messages'
+        content, and one whose calls do not all parse is that with the calls' messages whole (its analysis,
+        the reasoning, left out)."""
         scan = self.scan_output(text, truncated)
-        return (scan.content or None, []) if not scan.calls else super().parse(text, truncated)
+        if not scan.calls:
+            return scan.content or None, []
+        content, calls = super().parse(text, truncated)
+        if not calls:
+            return HarmonyStream().feed(text, final=True)[1] or None, []
+        return content, calls
 
     def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
         super().__init__(functions)
-        # A stream scans its text again after every delta: what the last scan read is kept, to go on from
-        # where it stopped when the text has only grown (the text, the start of the message it stopped in,
-        # the content and calls before that message, and how far its markers were searched).
+        # A stream scans its text again after every delta: what the last scan before the end read is kept, to
+        # go on from where it stopped when the text has only grown (the text, the start of the message it
+        # stopped in, the content and calls before that message, and how far its markers were searched).
         self._last: tuple[str, int, list[str], list[PartialCall], int] = ("", 0, [], [], 0)
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -46,13 +51,15 @@ class HarmonyToolParser(ToolParser):
         content, calls = list(content), list(calls)
         while (message := next_message(text, start, final, resume)) is not None:
             if message.end is None:  # the message still arriving: read again next time
-                self._last = (text, start, content, calls, message.body_end)
+                if not final:
+                    self._last = (text, start, content, calls, message.body_end)
                 return Scan("".join(content + self._content(text, message)), calls + self._calls(
                     text, message, final and not truncated))
             content += self._content(text, message)
             calls += self._calls(text, message, True)
             start = resume = message.end
-        self._last = (text, start, content, calls, resume)
+        if not final:
+            self._last = (text, start, content, calls, resume)
         return Scan("".join(content), calls)
 
     @staticmethod
@@ -65,4 +72,4 @@ class HarmonyToolParser(ToolParser):
         if not is_call(message):
             return []
         arguments = text[message.body_start : message.body_end].strip()
-        return [PartialCall(message.recipient.removeprefix(_FUNCTIONS), arguments, ended, message.end)]
+        return [PartialCall(message.recipient.removeprefix(FUNCTIONS), arguments, ended, message.end)]
