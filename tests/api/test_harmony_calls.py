@@ -83,3 +83,21 @@ def test_gpt_oss_stops_at_a_call_and_at_its_answer_s_end(harmony_model_dir, engi
     assert eos == (2, *tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
     Config.model_type = "llama"
     assert _eos_token_ids(ModelSource(harmony_model_dir, "model.gguf", "m"), Config(), tokenizer) == (2,)
+
+
+def test_an_earlier_turn_s_reasoning_reaches_the_template_as_gpt_oss_reads_it():
+    """GPT-OSS's template renders an earlier call's analysis from `thinking`; clients send back the
+    reasoning_content (or reasoning) they were given. A call with content too keeps only the content, which
+    that template requires."""
+    from jaxserve.api.chat import _message_dicts
+    from jaxserve.api.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+    messages = [ChatMessage(role="user", content="Weather in Paris?", reasoning="not an assistant's"),
+                ChatMessage(role="assistant", content=None, reasoning_content="Weather, so call.", tool_calls=[call]),
+                ChatMessage(role="assistant", content="Checking.", reasoning="Hm.", tool_calls=[call]),
+                ChatMessage(role="assistant", content="Sunny.", reasoning="Done.", thinking="Own.")]
+    user, only_call, with_content, own = _message_dicts(messages)
+    assert "thinking" not in user and "thinking" not in with_content and own["thinking"] == "Own."
+    assert only_call["thinking"] == "Weather, so call." and only_call["tool_calls"][0]["function"]["arguments"] == \
+        json.loads(ARGUMENTS)
