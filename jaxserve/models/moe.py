@@ -131,6 +131,12 @@ def grouped_expert_mlp(
 _MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 
 
+# XLA's own ragged dot computes every row against every group, through a dense [G, A, N] temporary: on a GPU it
+# stays where that temporary is small (a decode step's few rows), inside XLA's command buffers, which the
+# Mosaic GPU kernel's custom calls would split (three a layer); the kernel takes the rest.
+_DENSE_TEMP_BYTES = 64 * 2**20
+
+
 def _mgpu_tiles(k: int, n: int) -> dict[str, int] | None:
     """The Mosaic GPU kernel's tiles for [K, N] experts, or None where none fit: output columns 128 at a time,
     or 64 where N is no multiple of 128 (GPT-OSS's 2,880; the kernel's own tuning tries both)."""
@@ -148,14 +154,16 @@ def grouped_matmul(
     native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
 ) -> jax.Array:  # f32[A, N]
     """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, the Mosaic GPU
-    kernel on Hopper where the shapes fit its tiles, the native kernel on a CPU for bfloat16 operands, else
-    `jax.lax.ragged_dot`."""
+    kernel on Hopper where the shapes fit its tiles and the rows are many (`_DENSE_TEMP_BYTES`), the native
+    kernel on a CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
     if isinstance(w, GgufExperts):
         return gguf_weights.grouped_matmul(rows, w, group_sizes)
     rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
     if native and w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
-    tiles = _mgpu_tiles(w.shape[1], w.shape[2]) if hopper else None
+    num_groups, k, n = w.shape
+    few_rows = num_groups * rows.shape[0] * max(k, n) * 4 <= _DENSE_TEMP_BYTES
+    tiles = _mgpu_tiles(k, n) if hopper and not few_rows else None
     if tiles is None:
         return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
