@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
@@ -67,7 +67,10 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                                 "gpt-oss")
+                                 "gpt-oss", "granite", "smollm3")
+# Llama's layout under other names: llama.cpp's converter writes them as it writes Llama (its Q/K rows permuted),
+# with their own keys beside Llama's (Granite's multipliers); transformers' GGUF reader knows them as `llama`.
+_AS_LLAMA = ("granite", "smollm3")
 
 
 class _PlainViewReader(GGUFReader):
@@ -106,7 +109,8 @@ def shared_gguf_reads() -> Iterator[None]:
     """Within it, `gguf.GGUFReader(path)` (as transformers calls it, once for a config and again for a
     tokenizer) returns `read_gguf(path)`'s reader: the file is parsed once. A gpt-oss file's reader leaves
     out its RoPE scaling keys, which transformers 5 fails to read (it takes each key's length field for its
-    value); `gguf_cache` reads them instead."""
+    value), and a Granite or SmolLM3 file's reader says `llama`, which transformers reads; `gguf_cache` reads
+    the rest itself."""
     def reader(path: str | Path, mode: str = "r") -> GGUFReader:
         return _for_transformers(read_gguf(path)) if mode == "r" else GGUFReader(path, mode)
 
@@ -121,7 +125,14 @@ _UNREADABLE_BY_TRANSFORMERS = {"gpt-oss": "gpt-oss.rope.scaling."}  # architectu
 
 
 def _for_transformers(reader: GGUFReader) -> GGUFReader:
-    prefix = _UNREADABLE_BY_TRANSFORMERS.get(gguf_architecture(reader))
+    arch = gguf_architecture(reader)
+    if arch in _AS_LLAMA:
+        view = copy.copy(reader)  # the same mapping and tensors; its fields say `llama`
+        view.fields = {_renamed(key, arch): field._replace(name=_renamed(key, arch))
+                       for key, field in reader.fields.items()}
+        view.fields[_ARCHITECTURE] = _string_field(_ARCHITECTURE, "llama")
+        return view
+    prefix = _UNREADABLE_BY_TRANSFORMERS.get(arch)
     if prefix is None:
         return reader
     view = copy.copy(reader)  # the same mapping and tensors, fewer fields
@@ -129,8 +140,20 @@ def _for_transformers(reader: GGUFReader) -> GGUFReader:
     return view
 
 
+_ARCHITECTURE = "general.architecture"
+
+
+def _renamed(key: str, arch: str) -> str:
+    return "llama" + key.removeprefix(arch) if key.startswith(f"{arch}.") else key
+
+
+def _string_field(name: str, value: str) -> ReaderField:
+    """A metadata field holding one string, as the reader parses one."""
+    return ReaderField(0, name, [np.frombuffer(value.encode(), np.uint8)], [0], [gguf.GGUFValueType.STRING])
+
+
 def gguf_architecture(reader: GGUFReader) -> str:
-    return reader.fields["general.architecture"].contents()
+    return reader.fields[_ARCHITECTURE].contents()
 
 
 def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.ndarray | GgufTensor:
@@ -195,9 +218,9 @@ def iter_gguf_tensors(
         if match is None or match.group(2) not in names:
             continue
         layer, kind, suffix = match.groups()
-        if arch == "llama" and kind == "attn_q":
+        if arch in ("llama", *_AS_LLAMA) and kind == "attn_q":
             array = _unpermute_rotary(array, num_heads)
-        elif arch == "llama" and kind == "attn_k":
+        elif arch in ("llama", *_AS_LLAMA) and kind == "attn_k":
             array = _unpermute_rotary(array, num_kv_heads)
         name = f"model.layers.{layer}.{names[kind]}"
         if kind.endswith("_exps"):  # stacked experts: their weights unsuffixed, their biases `_bias`

@@ -63,7 +63,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     width (Qwen3-MoE, Qwen2-MoE) and a shared expert's (Qwen2-MoE), a `llama` file's experts, which make it a
     Mixtral (llama.cpp writes Mixtral as `llama` with `expert_count`; transformers reads it as a dense Llama),
     Phi-3's LongRoPE factors (tensors in the 128k variants' files), gpt-oss's window and YaRN scaling
-    (`gguf.py` hides the scaling from transformers), and Gemma 2 27B's query scale (llama.cpp's
+    (`gguf.py` hides the scaling from transformers), Granite's multipliers and SmolLM3's layers without RoPE
+    (files transformers reads as Llama's), and Gemma 2 27B's query scale (llama.cpp's
     rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by head_size^-1/2, which
     transformers' default of 256 gives)."""
     from jaxserve.models.gguf import read_gguf
@@ -97,6 +98,16 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
             config.rope_parameters["original_max_position_embeddings"] = int(original)
     if arch == "gemma2" and config.num_hidden_layers == 46:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        from transformers import GraniteConfig
+
+        scales = {"embedding_multiplier": field("embedding_scale"), "residual_multiplier": field("residual_scale"),
+                  "attention_multiplier": field("attention.scale"), "logits_scaling": field("logit_scale")}
+        config = GraniteConfig(**_llama_fields(config, reader), **{k: float(v) for k, v in scales.items() if v})
+    if arch == "smollm3":  # llama.cpp leaves RoPE out of every fourth layer, as SmolLM3's config does by default
+        from transformers import SmolLM3Config
+
+        config = SmolLM3Config(**_llama_fields(config, reader), no_rope_layer_interval=4)
     if arch == "llama" and field("expert_count"):
         from transformers import MixtralConfig
 
@@ -105,6 +116,15 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
                       sliding_window=None)
         config = MixtralConfig(**fields)
     return config
+
+
+def _llama_fields(config: Any, reader: Any) -> dict[str, Any]:
+    """A Llama config read from a file of another name (`gguf._AS_LLAMA`), as the fields of that family's config:
+    with biases on the attention's projections where the file holds them (Granite's may)."""
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version")}
+    fields["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    return fields
 
 
 # The bundled model's converted files, shipped with the package (models/bundled/, tokenizer.json gzipped):
