@@ -28,7 +28,9 @@ _SHARED_EXPERT_NAMES = {"mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.sha
 _ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
                "qwen3moe": _MOE_NAMES, "llama": _MOE_NAMES, "qwen2moe": {**_MOE_NAMES, **_SHARED_EXPERT_NAMES},
                "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
-               "granite": _LAYER_NAMES, "smollm3": _LAYER_NAMES}
+               "granite": _LAYER_NAMES, "smollm3": _LAYER_NAMES, "gemma": _LAYER_NAMES,
+               "olmo2": {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                         "post_feedforward_layernorm": "post_ffw_norm"}}
 _PERMUTED = ("llama", "granite", "smollm3")  # written as llama.cpp's LlamaModel writes them: Q/K rows permuted
 _ROTARY_ROWS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -364,6 +366,25 @@ def test_granite_and_smollm3_ggufs_match_transformers(kind, tiny_hf_model, smoll
     write_gguf_tensors(path, kind, hf.config, _as_llama_cpp_names(kind, hf.config, tensors), smollm2_gguf, extra)
     loaded = load_model(str(path), dtype="float32")
     tokens = np.random.default_rng(9).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["olmo2", "gemma"])
+def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """OLMo 2 (norms after attention and after the MLP, random here, and q/k norms across all heads) and Gemma 1
+    (norms stored as 1 + w, no soft caps or window, which transformers' Gemma 2 reading would add), neither
+    with its Q/K rows permuted."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model(kind)
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()
+               if not (kind == "gemma" and name == "lm_head.weight")]  # tied
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    tokens = np.random.default_rng(10).integers(0, loaded.cfg.vocab_size, size=19).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
