@@ -103,6 +103,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
 
         scales = {"embedding_multiplier": field("embedding_scale"), "residual_multiplier": field("residual_scale"),
                   "attention_multiplier": field("attention.scale"), "logits_scaling": field("logit_scale")}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        scales["attention_multiplier"] = scales["attention_multiplier"] or head_dim**-0.5  # llama.cpp's default
         config = GraniteConfig(**_llama_fields(config, reader), **{k: float(v) for k, v in scales.items() if v})
     if arch == "smollm3":  # llama.cpp leaves RoPE out of every fourth layer, as SmolLM3's config does by default
         from transformers import SmolLM3Config
@@ -110,6 +112,10 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
         config = SmolLM3Config(**_llama_fields(config, reader), no_rope_layer_interval=4)
     if arch == "olmo2":
         from transformers import Olmo2Config
+
+        if field("attention.sliding_window") or field("rope.scaling.type"):  # llama.cpp writes OLMo 3 as `olmo2`
+            raise ValueError(f"{gguf_path.name} is an OLMo 3 file (an `olmo2` file with a sliding window or RoPE "
+                             "scaling), which jaxserve does not serve yet")
 
         config = Olmo2Config(**_llama_fields(config, reader))
     if arch == "gemma":  # read as Gemma 2, whose soft caps, window and query scale Gemma 1 has not

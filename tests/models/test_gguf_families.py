@@ -389,3 +389,18 @@ def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_g
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def test_an_olmo3_file_is_refused_rather_than_read_as_olmo2(tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """llama.cpp writes OLMo 3 under OLMo 2's architecture, with a sliding window and YaRN that OLMo 2's config
+    has no place for: read as OLMo 2 it would load and answer wrongly, so it is refused."""
+    import gguf
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("olmo2")
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()]
+    path = tmp_path / "tiny-olmo3.gguf"
+    extra = {"olmo2.attention.sliding_window": (4096, gguf.GGUFValueType.UINT32)}
+    write_gguf_tensors(path, "olmo2", hf.config, _as_llama_cpp_names("olmo2", hf.config, tensors), smollm2_gguf, extra)
+    with pytest.raises(ValueError, match="OLMo 3"):
+        load_model(str(path), dtype="float32")
