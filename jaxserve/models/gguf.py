@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
@@ -57,8 +57,11 @@ _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _ARCH_LAYER_NAMES["gpt-oss"] = {**_EXPERT_NAMES, "ffn_gate_inp": "mlp.router",
                                 "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _UNSUFFIXED = ("attn_sinks",)
+# OLMo 2: norms after attention and after the MLP (none before), and q/k norms across all heads
+_ARCH_LAYER_NAMES["olmo2"] = {"post_attention_norm": "post_attention_layernorm",
+                              "post_ffw_norm": "post_feedforward_layernorm"}
 # llama.cpp stores Gemma's RMSNorm weights as (1 + w); transformers' checkpoints hold w.
-_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+_NORMS_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -67,7 +70,13 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                                 "gpt-oss")
+                                 "gpt-oss", "granite", "smollm3", "olmo2", "gemma")
+# Architectures transformers' GGUF reader does not know, and the one it reads their config and tokenizer as
+# (`gguf_cache` rebuilds the family's own config from the file): Granite and SmolLM3 are written as Llama
+# is, OLMo 2 with Llama's keys, Gemma 1 with Gemma 2's.
+_READ_AS = {"granite": "llama", "smollm3": "llama", "olmo2": "llama", "gemma": "gemma2"}
+# llama.cpp's converter permutes these architectures' Q/K rows (its `LlamaModel`) for its rotary layout.
+_PERMUTED = ("llama", "granite", "smollm3")
 
 
 class _PlainViewReader(GGUFReader):
@@ -106,7 +115,8 @@ def shared_gguf_reads() -> Iterator[None]:
     """Within it, `gguf.GGUFReader(path)` (as transformers calls it, once for a config and again for a
     tokenizer) returns `read_gguf(path)`'s reader: the file is parsed once. A gpt-oss file's reader leaves
     out its RoPE scaling keys, which transformers 5 fails to read (it takes each key's length field for its
-    value); `gguf_cache` reads them instead."""
+    value), and a file of an architecture transformers does not know says one it does (`_READ_AS`);
+    `gguf_cache` reads the rest itself."""
     def reader(path: str | Path, mode: str = "r") -> GGUFReader:
         return _for_transformers(read_gguf(path)) if mode == "r" else GGUFReader(path, mode)
 
@@ -121,7 +131,14 @@ _UNREADABLE_BY_TRANSFORMERS = {"gpt-oss": "gpt-oss.rope.scaling."}  # architectu
 
 
 def _for_transformers(reader: GGUFReader) -> GGUFReader:
-    prefix = _UNREADABLE_BY_TRANSFORMERS.get(gguf_architecture(reader))
+    arch = gguf_architecture(reader)
+    if (read_as := _READ_AS.get(arch)) is not None:
+        view = copy.copy(reader)  # the same mapping and tensors; its fields say `read_as`
+        view.fields = {_renamed(key, arch, read_as): field._replace(name=_renamed(key, arch, read_as))
+                       for key, field in reader.fields.items()}
+        view.fields[_ARCHITECTURE] = _string_field(_ARCHITECTURE, read_as)
+        return view
+    prefix = _UNREADABLE_BY_TRANSFORMERS.get(arch)
     if prefix is None:
         return reader
     view = copy.copy(reader)  # the same mapping and tensors, fewer fields
@@ -129,8 +146,20 @@ def _for_transformers(reader: GGUFReader) -> GGUFReader:
     return view
 
 
+_ARCHITECTURE = "general.architecture"
+
+
+def _renamed(key: str, arch: str, read_as: str) -> str:
+    return read_as + key.removeprefix(arch) if key.startswith(f"{arch}.") else key
+
+
+def _string_field(name: str, value: str) -> ReaderField:
+    """A metadata field holding one string, as the reader parses one."""
+    return ReaderField(0, name, [np.frombuffer(value.encode(), np.uint8)], [0], [gguf.GGUFValueType.STRING])
+
+
 def gguf_architecture(reader: GGUFReader) -> str:
-    return reader.fields["general.architecture"].contents()
+    return reader.fields[_ARCHITECTURE].contents()
 
 
 def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.ndarray | GgufTensor:
@@ -195,9 +224,9 @@ def iter_gguf_tensors(
         if match is None or match.group(2) not in names:
             continue
         layer, kind, suffix = match.groups()
-        if arch == "llama" and kind == "attn_q":
+        if arch in _PERMUTED and kind == "attn_q":
             array = _unpermute_rotary(array, num_heads)
-        elif arch == "llama" and kind == "attn_k":
+        elif arch in _PERMUTED and kind == "attn_k":
             array = _unpermute_rotary(array, num_kv_heads)
         name = f"model.layers.{layer}.{names[kind]}"
         if kind.endswith("_exps"):  # stacked experts: their weights unsuffixed, their biases `_bias`

@@ -63,9 +63,10 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     width (Qwen3-MoE, Qwen2-MoE) and a shared expert's (Qwen2-MoE), a `llama` file's experts, which make it a
     Mixtral (llama.cpp writes Mixtral as `llama` with `expert_count`; transformers reads it as a dense Llama),
     Phi-3's LongRoPE factors (tensors in the 128k variants' files), gpt-oss's window and YaRN scaling
-    (`gguf.py` hides the scaling from transformers), and Gemma 2 27B's query scale (llama.cpp's
-    rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by head_size^-1/2, which
-    transformers' default of 256 gives)."""
+    (`gguf.py` hides the scaling from transformers), the configs of the families transformers reads as others
+    (`gguf._READ_AS`: Granite's multipliers, SmolLM3's layers without RoPE, OLMo 2, Gemma 1), and Gemma 2
+    27B's query scale (llama.cpp's rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by
+    head_size^-1/2, which transformers' default of 256 gives)."""
     from jaxserve.models.gguf import read_gguf
 
     reader = read_gguf(gguf_path)
@@ -97,6 +98,32 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
             config.rope_parameters["original_max_position_embeddings"] = int(original)
     if arch == "gemma2" and config.num_hidden_layers == 46:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        from transformers import GraniteConfig
+
+        scales = {"embedding_multiplier": field("embedding_scale"), "residual_multiplier": field("residual_scale"),
+                  "attention_multiplier": field("attention.scale"), "logits_scaling": field("logit_scale")}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        scales["attention_multiplier"] = scales["attention_multiplier"] or head_dim**-0.5  # llama.cpp's default
+        config = GraniteConfig(**_llama_fields(config, reader), **{k: float(v) for k, v in scales.items() if v})
+    if arch == "smollm3":  # llama.cpp leaves RoPE out of every fourth layer, as SmolLM3's config does by default
+        from transformers import SmolLM3Config
+
+        config = SmolLM3Config(**_llama_fields(config, reader), no_rope_layer_interval=4)
+    if arch == "olmo2":
+        from transformers import Olmo2Config
+
+        if field("attention.sliding_window") or field("rope.scaling.type"):  # llama.cpp writes OLMo 3 as `olmo2`
+            raise ValueError(f"{gguf_path.name} is an OLMo 3 file (an `olmo2` file with a sliding window or RoPE "
+                             "scaling), which jaxserve does not serve yet")
+
+        config = Olmo2Config(**_llama_fields(config, reader))
+    if arch == "gemma":  # read as Gemma 2, whose soft caps, window and query scale Gemma 1 has not
+        from transformers import GemmaConfig
+
+        gemma2_only = ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
+                       "layer_types", "cache_implementation", "use_bidirectional_attention")
+        config = GemmaConfig(**{k: v for k, v in _own_fields(config).items() if k not in gemma2_only})
     if arch == "llama" and field("expert_count"):
         from transformers import MixtralConfig
 
@@ -105,6 +132,18 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
                       sliding_window=None)
         config = MixtralConfig(**fields)
     return config
+
+
+def _own_fields(config: Any) -> dict[str, Any]:
+    """A config's fields, to make another family's config of them."""
+    skipped = ("model_type", "architectures", "transformers_version")
+    return {k: v for k, v in config.to_dict().items() if k not in skipped}
+
+
+def _llama_fields(config: Any, reader: Any) -> dict[str, Any]:
+    """A Llama config read from a file of another architecture (`gguf._READ_AS`), as the fields of that family's
+    config: with biases on the attention's projections where the file holds them (Granite's may)."""
+    return {**_own_fields(config), "attention_bias": any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)}
 
 
 # The bundled model's converted files, shipped with the package (models/bundled/, tokenizer.json gzipped):

@@ -27,7 +27,12 @@ _SHARED_EXPERT_NAMES = {"mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.sha
                         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _ARCH_NAMES = {"qwen3": _LAYER_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
                "qwen3moe": _MOE_NAMES, "llama": _MOE_NAMES, "qwen2moe": {**_MOE_NAMES, **_SHARED_EXPERT_NAMES},
-               "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+               "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+               "granite": _LAYER_NAMES, "smollm3": _LAYER_NAMES, "gemma": _LAYER_NAMES,
+               "olmo2": {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                         "post_feedforward_layernorm": "post_ffw_norm"}}
+_PERMUTED = ("llama", "granite", "smollm3")  # written as llama.cpp's LlamaModel writes them: Q/K rows permuted
+_ROTARY_ROWS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 
@@ -59,8 +64,8 @@ def _as_llama_cpp_names(arch: str, cfg, tensors):
             continue
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1.0
-        elif arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary rows
-            heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
+        elif arch in _PERMUTED and name.endswith(_ROTARY_ROWS):  # llama.cpp's rotary rows
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             tensor = tensor.reshape(heads, 2, -1, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
         yield gguf_name(name, arch), tensor
 
@@ -328,3 +333,74 @@ def test_a_qwen2_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypat
         expected = hf(torch.tensor([tokens])).logits[0].numpy()
     got = PagedForward(loaded, list(range(1, 9)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["granite", "smollm3"])
+def test_granite_and_smollm3_ggufs_match_transformers(kind, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """Files transformers' GGUF reader does not know, which llama.cpp writes as Llama's (Q/K rows permuted)
+    under their own names: Granite's multipliers under llama.cpp's keys (here far from 1, with biases on
+    q, k, v and o), and SmolLM3, whose file says nothing of its layers without RoPE (llama.cpp leaves RoPE
+    out of every fourth layer, as SmolLM3's config does by default)."""
+    import gguf
+    import transformers
+
+    from tests.conftest import _build_tiny_hf_model
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if kind == "granite":
+        hf = tiny_hf_model("granite")
+        scales = {gguf.Keys.LLM.EMBEDDING_SCALE: hf.config.embedding_multiplier,
+                  gguf.Keys.LLM.RESIDUAL_SCALE: hf.config.residual_multiplier,
+                  gguf.Keys.Attention.SCALE: hf.config.attention_multiplier,
+                  gguf.Keys.LLM.LOGIT_SCALE: hf.config.logits_scaling}
+        extra = {key.format(arch=kind): (value, gguf.GGUFValueType.FLOAT32) for key, value in scales.items()}
+    else:  # four layers: the default interval leaves the last one without RoPE
+        config = _build_tiny_hf_model("smollm3").config
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("layer_types", "no_rope_layers")}
+        config = transformers.SmolLM3Config(**{**fields, "num_hidden_layers": 4})
+        assert config.no_rope_layers == [1, 1, 1, 0]
+        torch.manual_seed(0)
+        hf, extra = transformers.SmolLM3ForCausalLM(config).eval(), {}
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()]
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf_tensors(path, kind, hf.config, _as_llama_cpp_names(kind, hf.config, tensors), smollm2_gguf, extra)
+    loaded = load_model(str(path), dtype="float32")
+    tokens = np.random.default_rng(9).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["olmo2", "gemma"])
+def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """OLMo 2 (norms after attention and after the MLP, random here, and q/k norms across all heads) and Gemma 1
+    (norms stored as 1 + w, no soft caps or window, which transformers' Gemma 2 reading would add), neither
+    with its Q/K rows permuted."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model(kind)
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()
+               if not (kind == "gemma" and name == "lm_head.weight")]  # tied
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
+    loaded = load_model(str(path), dtype="float32")
+    tokens = np.random.default_rng(10).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def test_an_olmo3_file_is_refused_rather_than_read_as_olmo2(tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """llama.cpp writes OLMo 3 under OLMo 2's architecture, with a sliding window and YaRN that OLMo 2's config
+    has no place for: read as OLMo 2 it would load and answer wrongly, so it is refused."""
+    import gguf
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("olmo2")
+    tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()]
+    path = tmp_path / "tiny-olmo3.gguf"
+    extra = {"olmo2.attention.sliding_window": (4096, gguf.GGUFValueType.UINT32)}
+    write_gguf_tensors(path, "olmo2", hf.config, _as_llama_cpp_names("olmo2", hf.config, tensors), smollm2_gguf, extra)
+    with pytest.raises(ValueError, match="OLMo 3"):
+        load_model(str(path), dtype="float32")
