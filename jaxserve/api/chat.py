@@ -68,7 +68,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             data["tool_calls"] = _template_tool_calls(data["tool_calls"], f"messages.{i}.tool_calls")
         data.setdefault("content", "")  # an assistant turn of only tool calls: templates read content
         reasoning = data.get("reasoning_content") or data.get("reasoning")
-        if message.role == "assistant" and reasoning and "thinking" not in data and not (
+        if message.role == "assistant" and isinstance(reasoning, str) and reasoning and "thinking" not in data and not (
                 data["content"] and data.get("tool_calls")):  # which GPT-OSS's template refuses
             data["thinking"] = reasoning  # GPT-OSS's template renders an earlier turn's analysis from `thinking`
         if isinstance(message.content, list):

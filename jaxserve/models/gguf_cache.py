@@ -127,10 +127,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     if arch == "llama" and field("expert_count"):
         from transformers import MixtralConfig
 
-        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
-        fields.update(num_local_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
-                      sliding_window=None)
-        config = MixtralConfig(**fields)
+        config = MixtralConfig(**_own_fields(config), num_local_experts=int(field("expert_count")),
+                               num_experts_per_tok=int(field("expert_used_count")), sliding_window=None)
     return config
 
 

@@ -50,6 +50,16 @@ def gguf_name(hf_name: str, arch: str = "qwen3") -> str:
     return f"blk.{layer}.{_ARCH_NAMES[arch][module]}.{suffix}"
 
 
+def assert_logits_match(loaded, hf, seed: int) -> None:
+    """The loaded file's logits over 19 random tokens, prompt then chunks through the paged cache, equal the
+    transformers model's, to TOL."""
+    tokens = np.random.default_rng(seed).integers(0, loaded.cfg.vocab_size, size=19).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, 9)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
 def write_gguf(path, arch: str, cfg, tensors, tokenizer_gguf) -> None:
     """A GGUF of a transformers config and its HF-named `tensors` (name -> array, in the dtype to store, or
     (blocks, GGMLQuantizationType) to store quantized), laid out as llama.cpp's converter lays it out (Gemma's
@@ -151,11 +161,7 @@ def test_a_qwen3_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
     write_qwen3_gguf(path, hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.qk_norm and loaded.cfg.head_dim == hf.config.head_dim
-    tokens = np.random.default_rng(3).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=3)
 
 
 def tiny_model(kind: str):
@@ -200,11 +206,7 @@ def test_gemma_and_phi3_ggufs_match_transformers(kind, smollm2_gguf, tmp_path, m
                if not (kind.startswith("gemma") and name == "lm_head.weight")]  # tied
     write_gguf(path, kind.removesuffix("-longrope"), hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
-    tokens = np.random.default_rng(4).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=4)
 
 
 @pytest.mark.parametrize(("layers", "scalar"), [(26, 256), (46, 4608 // 32)], ids=["gemma-2-2b", "gemma-2-27b"])
@@ -268,11 +270,7 @@ def test_a_qwen3_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypat
     write_gguf(path, "qwen3moe", hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.moe.intermediate_size == 48 and loaded.cfg.moe.normalize_top_k
-    tokens = np.random.default_rng(5).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=5)
 
 
 @pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
@@ -295,11 +293,7 @@ def test_a_mixtral_gguf_matches_transformers(per_expert, smollm2_gguf, tmp_path,
     write_gguf(path, "llama", hf.config, experts_as_llama_cpp_stores_them(hf, per_expert), smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.moe.num_experts == 4 and loaded.cfg.moe.top_k == 2 and loaded.cfg.moe.intermediate_size == 48
-    tokens = np.random.default_rng(6).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=6)
 
 
 def test_a_qwen2_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypatch):
@@ -328,11 +322,7 @@ def test_a_qwen2_moe_gguf_matches_transformers(smollm2_gguf, tmp_path, monkeypat
     loaded = load_model(str(path), dtype="float32")
     assert loaded.cfg.moe.intermediate_size == 48 and loaded.cfg.moe.shared_expert_size == 40
     assert loaded.cfg.qkv_bias and not loaded.cfg.moe.normalize_top_k
-    tokens = np.random.default_rng(8).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=8)
 
 
 @pytest.mark.parametrize("kind", ["granite", "smollm3"])
@@ -365,11 +355,7 @@ def test_granite_and_smollm3_ggufs_match_transformers(kind, tiny_hf_model, smoll
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf_tensors(path, kind, hf.config, _as_llama_cpp_names(kind, hf.config, tensors), smollm2_gguf, extra)
     loaded = load_model(str(path), dtype="float32")
-    tokens = np.random.default_rng(9).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=9)
 
 
 @pytest.mark.parametrize("kind", ["olmo2", "gemma"])
@@ -384,11 +370,7 @@ def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_g
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(path, kind, hf.config, tensors, smollm2_gguf)
     loaded = load_model(str(path), dtype="float32")
-    tokens = np.random.default_rng(10).integers(0, loaded.cfg.vocab_size, size=19).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].numpy()
-    got = PagedForward(loaded, list(range(1, 9)))(tokens)
-    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    assert_logits_match(loaded, hf, seed=10)
 
 
 def test_an_olmo3_file_is_refused_rather_than_read_as_olmo2(tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):

@@ -115,8 +115,12 @@ class ToolParser:
         if truncated and calls and len(calls) == len(scan.calls) - 1 and not scan.calls[-1].complete:
             return scan.content or None, calls
         if not scan.calls or len(calls) != len(scan.calls):
-            return text, []
+            return self.unparsed(text, scan), []
         return scan.content or None, calls
+
+    def unparsed(self, text: str, scan: Scan) -> str | None:
+        """The content of an output whose calls (if any) do not all parse: the text as written."""
+        return text
 
     @staticmethod
     def new_call_id() -> str:

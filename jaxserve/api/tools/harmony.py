@@ -12,24 +12,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.api.harmony import FUNCTIONS, HarmonyStream, Message, is_call, next_message
-from jaxserve.api.tools.base import PartialCall, Scan, ToolCall, ToolParser
+from jaxserve.api.tools.base import PartialCall, Scan, ToolParser
 
 
 class HarmonyToolParser(ToolParser):
     name = "openai"
     keeps_special_tokens = True
 
-    def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """As any parser's, but the content is never the raw text: an output without calls is its messages'
-        content, and one whose calls do not all parse is that with the calls' messages whole (its analysis,
-        the reasoning, left out)."""
-        scan = self.scan_output(text, truncated)
+    def unparsed(self, text: str, scan: Scan) -> str | None:
+        """Never the raw text: an output without calls is its messages' content, and one whose calls do not all
+        parse is that with the calls' messages whole (its analysis, the reasoning, left out)."""
         if not scan.calls:
-            return scan.content or None, []
-        content, calls = super().parse(text, truncated)
-        if not calls:
-            return HarmonyStream().feed(text, final=True)[1] or None, []
-        return content, calls
+            return scan.content or None
+        return HarmonyStream().feed(text, final=True)[1] or None
 
     def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
         super().__init__(functions)
