@@ -193,8 +193,7 @@ def ragged_paged_attention(
     keys (their slots must then hold finite values, as the engine's do) and masks the keys outside.
     `logit_softcap` (static): scaled scores s become cap * tanh(s / cap) before the softmax (Gemma 2).
     `sinks`: each query head's attention-sink logit (GPT-OSS), added to the softmax's denominator as a key
-    that weighs no value. Every path takes them but the Mosaic GPU kernels: steps with sinks go to the
-    Pallas (Triton) kernels on a GPU.
+    that weighs no value; every path takes them.
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
@@ -207,8 +206,7 @@ def ragged_paged_attention(
     if impl == "auto":
         impl = resolve_impl(impl)
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
-    if sinks is not None:  # the Mosaic GPU kernels take no sinks
-        hopper = hopper_decode = False
+    if sinks is not None:
         scores["sinks"] = sinks
     if impl == "cpu-native":
         return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)

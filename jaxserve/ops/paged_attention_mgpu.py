@@ -32,7 +32,8 @@ Per program:
 - each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, float32 accumulators), masks it (causal,
   the request's length, a sliding window), runs the online softmax in the log2 domain, writes P in the
   model's dtype to shared memory and accumulates P V (wgmma); then it normalises its rows and stores
-  them, a head's slab at once when the slab is all the block's, else in power-of-two runs;
+  them, a head's slab at once when the slab is all the block's, else in power-of-two runs; with attention
+  sinks (GPT-OSS), each row's sink joins its denominator there, exp(sink - max) (`_row_sinks`);
 - with `ping_pong` (two consumers), the consumers take turns on the tensor cores, FlashAttention-3's
   ping-pong schedule: a barrier that both arrive at orders one's softmax under the other's two GEMMs. Both
   walk the same steps (the program's key range), so their turns always pair up;
@@ -61,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.ops.paged_attention_pallas import MASK_VALUE, ScoreRule, heaviest_first, next_pow2
+from jaxserve.ops.paged_attention_pallas import LOG2_E, MASK_VALUE, ScoreRule, heaviest_first, next_pow2
 from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
@@ -149,10 +150,11 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
     return pieces
 
 
-def _consumer(o_ref, info, *buffers_and_barriers, **static):
+def _consumer(o_ref, sinks_ref, info, *buffers_and_barriers, **static):
     """Consumer warpgroup `wg`'s program: its blocks in turn (`_walk_blocks`)."""
     plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
-    _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, row, done, *buffers_and_barriers, **static))
+    _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, sinks_ref, row, done, *buffers_and_barriers,
+                                                            **static))
     if info.ndim == 2:  # a persistent grid's blocks waited only for their stores' reads
         plgpu.wait_smem_to_gmem(0)
 
@@ -173,8 +175,21 @@ def _walk_blocks(info, block: Callable[[Any, Any, Any], None]) -> None:
     lax.fori_loop(0, info.shape[0], body, jnp.int32(0))
 
 
+def _row_sinks(sinks_ref, row: jax.Array, *, wg: int, group: int, block_q: int) -> jax.Array:
+    """Each of warpgroup `wg`'s rows' attention-sink logit in the log2 domain, f32[rows] (the row sums'
+    layout): its query head's, read from `sinks_ref` (gmem f32[N]); MASK_VALUE on the rows of padding heads.
+    `row`: i32[rows, S], the row index in the scores' layout."""
+    head = (wg * ROWS_PER_WARPGROUP + row) // block_q  # the query head in the group, each row's
+    first_head = lax.axis_index("kv_head") * group
+    sinks = plgpu.layout_cast(jnp.full(row.shape, MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA)
+    for g, *_ in _pieces(wg, group, block_q):
+        sinks = jnp.where(head == g, sinks_ref[first_head + g] * LOG2_E, sinks)
+    return sinks.max(axis=1)
+
+
 def _consumer_block(
     o_ref,  # gmem [T, N, H]
+    sinks_ref,  # gmem f32[N], or None: no attention sinks
     info, done, q_smem, k_smem, v_smem, p_smem, o_smem,  # info: this block's description; done: the steps before
     q_bars, k_bars, v_bars, k_free, v_free, q_free, turns,  # q_free: the queries' buffer is free (persistent grid)
     *,
@@ -276,15 +291,18 @@ def _consumer_block(
     if turns is not None and wg == 1:  # the second consumer starts a turn behind the first
         take_turn()
     if overlap:
-        denom, acc = _overlapped_steps(
+        m, denom, acc = _overlapped_steps(
             init, softmax, done, first_step, unmasked_end, end_step, q_smem, q_wg, k_smem, v_smem, p_wg, k_bars, v_bars,
             k_free, v_free, stages=stages, p_in_registers=p_in_registers,
             issued=take_turn if turns is not None else None)
     else:
         carry = lax.fori_loop(first_step, unmasked_end, functools.partial(step_body, masked=False), init)
-        _, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
+        m, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
     if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
         take_turn()
+    if sinks_ref is not None:  # a key that weighs no value: its exp joins the sums (starting the softmax from
+        denom = denom + jnp.exp2(_row_sinks(sinks_ref, row, wg=wg, group=group, block_q=block_q) - m)  # it, as
+        # the Triton kernels do, gives the same quotient)
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
@@ -314,8 +332,8 @@ def _overlapped_steps(
     softmax runs while P V is under way (a wgmma waits only for the groups issued before the last one).
     The first step's scores come alone, masked (exact for the rows that are stored), and the last P V
     alone. `issued`: called once each round of GEMMs is issued (the ping-pong's turn: the other consumer's
-    GEMMs go while this one's softmax runs). Returns the row sums f32[rows] and the unnormalised output
-    f32[rows, H]."""
+    GEMMs go while this one's softmax runs). Returns the running max f32[rows] (log2 domain), the row sums
+    f32[rows] and the unnormalised output f32[rows, H]."""
     m, denom, acc = init
     rows, block_kv = ROWS_PER_WARPGROUP, k_smem.shape[1]
 
@@ -392,7 +410,7 @@ def _overlapped_steps(
                           functools.partial(step_body, masked_next=False), carry)
     carry = lax.fori_loop(jnp.maximum(unmasked_end - 1, first_step), last,
                           functools.partial(step_body, masked_next=True), carry)
-    _, denom, acc, p = carry
+    m, denom, acc, p = carry
     slot = slot_of(last)
     plgpu.barrier_wait(v_bars.at[slot])
     if p_in_registers:
@@ -411,7 +429,7 @@ def _overlapped_steps(
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     plgpu.barrier_arrive(v_free.at[slot])
-    return denom, acc
+    return m, denom, acc
 
 
 def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> None:
@@ -482,9 +500,10 @@ def _producer_block(
 
 
 def _kernel(
-    info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, num_consumers, group, block_q, stages, block_kv, scores,
-    p_in_registers, ping_pong, overlap,
-):
+    info_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, num_consumers, group, block_q, stages, block_kv, scores,
+    p_in_registers, ping_pong, overlap, has_sinks,
+):  # refs: (sinks f32[N] with `has_sinks`,) the output [T, N, H]
+    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
     pages_per_block = block_kv // k_ref.shape[2]
     rows = ROWS_PER_WARPGROUP
@@ -510,9 +529,9 @@ def _kernel(
         ))
         for w in range(num_consumers):
             pl.when(wg == w)(functools.partial(
-                _consumer, o_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w, group=group,
-                block_q=block_q, stages=stages, block_kv=block_kv, scores=scores, p_in_registers=p_in_registers,
-                overlap=overlap,
+                _consumer, o_ref, sinks_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w,
+                group=group, block_q=block_q, stages=stages, block_kv=block_kv, scores=scores,
+                p_in_registers=p_in_registers, overlap=overlap,
             ))
 
     pl.run_scoped(
@@ -630,6 +649,7 @@ def ragged_paged_attention_mgpu(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks (`ops.attention.ragged_paged_attention`)
     interpret: Any = False,  # True: Mosaic GPU's interpreter; or its InterpretGPUParams
     num_consumers: int = DEFAULTS["num_consumers"],
     block_kv: int = DEFAULTS["block_kv"],
@@ -684,8 +704,9 @@ def ragged_paged_attention_mgpu(
 
     kernel = functools.partial(
         _kernel, num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, block_kv=block_kv,
-        scores=scores, p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap,
+        scores=scores, p_in_registers=p_in_registers, ping_pong=ping_pong, overlap=overlap, has_sinks=sinks is not None,
     )
+    extra = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
@@ -695,7 +716,7 @@ def ragged_paged_attention_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in warps
         interpret=_interpret_params() if interpret is True else interpret,
-    )(info, page_table, q_in, k_pages, v_pages)[:num_tokens]
+    )(info, page_table, q_in, k_pages, v_pages, *extra)[:num_tokens]
     # Tokens past the step's requests (padding), and those of requests not served, are written by no program.
     written = jnp.arange(num_tokens) < cu_q_lens[-1]
     if served is not None:
@@ -723,6 +744,7 @@ def ragged_paged_attention_hopper(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]: attention sinks
     interpret: bool = False,  # both kernels in their interpreters (tests on a CPU)
     programs_per_kv_head: int | None = None,  # this kernel on a persistent grid
 ) -> jax.Array:  # [T, N, H]
@@ -730,7 +752,7 @@ def ragged_paged_attention_hopper(
     the rest (decodes, short chunks) through the Triton kernel; each returns zeros for the other's tokens."""
     from jaxserve.ops.paged_attention_pallas import ragged_paged_attention_pallas
 
-    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
     long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,

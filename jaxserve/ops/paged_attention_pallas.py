@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -1e30
-_LOG2_E = math.log2(math.e)
+LOG2_E = math.log2(math.e)
 _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _SPLIT_WAVES = 2  # when splitting, aim for this many programs per streaming multiprocessor
 _DEFAULT_NUM_SMS = 132  # an H100 SXM; used where no target is given (CPU, interpret mode)
@@ -85,8 +85,8 @@ class ScoreRule:
     def log2_scores(self, dots: jax.Array) -> jax.Array:
         """The scores in the log2 domain the kernels' exp2 works in (log2(e) folded into the scale)."""
         if self.logit_softcap is None:
-            return dots * (self.sm_scale * _LOG2_E)
-        return jnp.tanh(dots * (self.sm_scale / self.logit_softcap)) * (self.logit_softcap * _LOG2_E)
+            return dots * (self.sm_scale * LOG2_E)
+        return jnp.tanh(dots * (self.sm_scale / self.logit_softcap)) * (self.logit_softcap * LOG2_E)
 
     def first_block(self, first_pos: jax.Array, block_kv: int) -> jax.Array | int:
         """The first block of keys a query at `first_pos` (and any later one) can see."""
@@ -160,7 +160,7 @@ def _attend_blocks(
     the running max and denominator start from each row's sink (a key that weighs no value)."""
     num_rows, padded_head_dim = q.shape
     init = (
-        jnp.full((num_rows,), MASK_VALUE, jnp.float32) if sinks is None else sinks * _LOG2_E,
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32) if sinks is None else sinks * LOG2_E,
         jnp.zeros((num_rows,), jnp.float32) if sinks is None else jnp.ones((num_rows,), jnp.float32),
         jnp.zeros((num_rows, padded_head_dim), jnp.float32),
     )
@@ -476,7 +476,7 @@ def paged_decode_attention_pallas(
         name="paged_decode_attention",
     )(order, kv_lens, page_table, q, k_pages, v_pages)
     if sinks is not None:  # one more partial softmax per row: its sink's logit, a denominator of 1, no values
-        row_sinks = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) * _LOG2_E
+        row_sinks = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) * LOG2_E
         row_sinks = jnp.pad(row_sinks, ((0, 0), (0, num_rows - group)))  # f32[K, Gr]
         sink_max = jnp.broadcast_to(row_sinks, (1, num_reqs, num_kv_heads, num_rows))
         m = jnp.concatenate([m, sink_max])

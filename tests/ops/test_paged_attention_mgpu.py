@@ -21,6 +21,8 @@ from jaxserve.ops.paged_attention_mgpu import (
     _NUM_VALID,
     _REQ,
     _SLAB_POS,
+    DECODE_DEFAULTS,
+    DEFAULTS,
     MIN_Q_LEN,
     _describe_blocks,
     block_q_for,
@@ -31,6 +33,7 @@ from jaxserve.ops.paged_attention_mgpu import (
 from jaxserve.ops.paged_attention_pallas import ScoreRule
 from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
+from tests.ops.test_sliding_window import assert_sinks_matter, head_sinks
 
 ON_HOPPER = AttentionConfig(impl="pallas", compute_capability=cuda_compute_capability()).hopper
 INTERPRETER_RUNS = jax.__version_info__ >= (0, 11)
@@ -226,6 +229,44 @@ def test_sliding_window_and_soft_cap_in_float16(ping_pong):
     check(run(case, jnp.float16, block_kv=64, ping_pong=ping_pong, **scores), case, jnp.float16, **scores)
 
 
+# GPT-OSS's attention: groups of 8 query heads a KV head, heads of 64, a window of 128 keys on every other layer.
+GPT_OSS_HEADS = (64, 8, 64)
+
+
+@needs_a_runner
+@pytest.mark.parametrize("window,schedule", [
+    (None, dict(ping_pong=True, block_kv=64)), (37, dict(block_kv=64)), (37, dict(overlap=True, block_kv=64)),
+    (None, dict(num_consumers=1, block_kv=128, stages=2))])  # the last: the decode defaults
+def test_attention_sinks_join_each_row_s_denominator(window, schedule):
+    """GPT-OSS's sinks (`head_sinks`: far below the scores to far above them): each row's own head's sink
+    joins its softmax's denominator after the last step, in every schedule (the overlapped one hands back
+    its running max for it), windowed or not, with GQA groups of 8 as GPT-OSS's (16 rows of 8 heads a
+    block on two consumers, 8 of 8 on one)."""
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [1, 40, 3, 0, 70, 1], [130, 40, 300, 0, 200, 1], 16, 2, page_size=16, head_dim=64,
+                     max_pages=20)
+    case = finite(blank_before_windows(case, window) if window else case)
+    sinks = head_sinks(16)
+    scores = dict(sm_scale=0.125, sliding_window=window)
+    got = run(case, jnp.bfloat16, sinks=jnp.asarray(sinks), **scores, **schedule)
+    check(got, case, jnp.bfloat16, sinks=sinks, **scores)
+    assert_sinks_matter(got, case, 0.125, window)
+
+
+@needs_a_runner
+def test_a_hopper_step_with_sinks_passes_them_to_both_kernels():
+    """GPT-OSS's prefill steps on Hopper: the long requests' rows through the Mosaic GPU kernel, the decodes'
+    through the Triton kernel, each with its heads' sinks."""
+    rng = np.random.default_rng(8)
+    case = finite(make_case(rng, [1, 40, 3, 16], [50, 60, 20, 90], 16, 2, page_size=16, head_dim=64, max_pages=8))
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    sinks = head_sinks(16)
+    got = ragged_paged_attention_hopper(*args, sm_scale=0.125, sinks=jnp.asarray(sinks), interpret=not ON_HOPPER)
+    got = np.asarray(got.astype(jnp.float32))
+    check(got, case, jnp.bfloat16, sm_scale=0.125, sinks=sinks)
+    assert_sinks_matter(got, case, 0.125, None)
+
+
 @needs_a_runner
 def test_a_hopper_step_sends_short_requests_to_triton():
     """Requests of MIN_Q_LEN tokens or more through the Mosaic GPU kernel, decodes and short chunks through
@@ -319,7 +360,7 @@ COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("sm
 
 def h100_kernel_args(model: str, num_tokens: int, num_reqs: int, page_size: int, context: int = 8192):
     """The kernel's arguments as ShapeDtypeStructs on a deviceless H100, at `model`'s heads, and its head dim."""
-    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    num_q_heads, num_kv_heads, head_dim = {**PRODUCTION_HEADS, "gpt-oss-20b": GPT_OSS_HEADS}[model]
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
     pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
     shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
@@ -359,25 +400,42 @@ def test_a_persistent_grid_compiles_for_an_h100(model, num_tokens, num_reqs, pag
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+@pytest.mark.parametrize("config", [DEFAULTS, DECODE_DEFAULTS])
+def test_gpt_oss_s_sinks_compile_for_an_h100(config):
+    """GPT-OSS-20B's heads with their sinks and a window of 128, at the prefill and the decode defaults: the
+    sinks' reads and the denominator's extra term lower for sm_90a."""
+    num_tokens, num_reqs = (2048, 256) if config is DEFAULTS else (256, 256)
+    structs, head_dim = h100_kernel_args("gpt-oss-20b", num_tokens, num_reqs, 16)
+    sinks = jax.ShapeDtypeStruct((GPT_OSS_HEADS[0],), jnp.float32, sharding=structs[0].sharding)
+    fn = jax.jit(lambda s, *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, sliding_window=128, sinks=s,
+                                                           **config))
+    compiled = fn.trace(sinks, *structs).lower(lowering_platforms=("cuda",)).compile()
+    assert "mosaic_gpu" in compiled.as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
 def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
-    """The entry point's choice on an H100: mixed steps through Mosaic GPU, decode-only steps and an FP8
-    cache through the Triton kernels."""
+    """The entry point's choice on an H100: mixed steps through Mosaic GPU, with attention sinks too, decode-only
+    steps and an FP8 cache through the Triton kernels."""
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
 
-    def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False) -> str:
+    def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False, sinks: bool = False) -> str:
         shapes = [((64, 32, 128), jnp.bfloat16), ((8, 1024, 16, 128), cache_dtype), ((8, 1024, 16, 128), cache_dtype),
                   ((64,), jnp.int32), ((64, 64), jnp.int32), ((65,), jnp.int32)]
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
         fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="pallas", hopper=True,
-                                                       decode_only=decode_only, hopper_decode=hopper_decode))
+                                                       decode_only=decode_only, hopper_decode=hopper_decode,
+                                                       sinks=jnp.zeros(32) if sinks else None))
         with jax.default_device(deviceless_h100()):
             return fn.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(False, jnp.bfloat16)
+    assert "mosaic_gpu" in lowered(False, jnp.bfloat16, sinks=True)
     assert "mosaic_gpu" not in lowered(True, jnp.bfloat16)
     assert "mosaic_gpu" not in lowered(False, jnp.float8_e4m3fn)
     # Opted in (JAXSERVE_MOSAIC_DECODE=1), decode-only steps take the Mosaic GPU kernel; an FP8 cache not.
     assert "mosaic_gpu" in lowered(True, jnp.bfloat16, hopper_decode=True)
+    assert "mosaic_gpu" in lowered(True, jnp.bfloat16, hopper_decode=True, sinks=True)
     assert "mosaic_gpu" not in lowered(True, jnp.float8_e4m3fn, hopper_decode=True)
 
 
