@@ -119,7 +119,7 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):
 
 # Kinds whose norms sit apart from Llama's (OLMo 2's after each block) or scale with multipliers (Granite):
 # their norms' weights random, so that a norm in the wrong place shows.
-RANDOM_NORM_KINDS = ("olmo2", "granite")
+RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite")
 
 
 def _tiny_hf_model(kind: str):
@@ -202,6 +202,13 @@ def _build_tiny_hf_model(kind: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     if kind == "olmo2":
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**llama_like))
+    if kind == "olmo3":  # OLMo 2's norms; windowed, full, windowed layers, each kind with its own RoPE (YaRN on
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=500.0),  # the full one, as OLMo 3's)
+                "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=128)}
+        return transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            **{**llama_like, "num_hidden_layers": 3}, sliding_window=5, rope_parameters=rope,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     if kind == "gemma":
         return transformers.GemmaForCausalLM(transformers.GemmaConfig(
             **{**llama_like, "head_dim": 32, "tie_word_embeddings": True}, pad_token_id=0))

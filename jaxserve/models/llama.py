@@ -3,7 +3,8 @@ windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key hea
 (fused qkv and gate/up projections, split on load; LongRoPE and partial rotary), Granite (the embeddings,
 each block's output, the attention scores and the logits scaled by the config's multipliers), SmolLM3 (no
 RoPE in every fourth layer), OLMo 2 (each block's output normed instead of its input; one RMSNorm over all
-query heads and one over all key heads); Mixtral, Qwen3-MoE and Qwen2-MoE (a mixture-of-experts MLP,
+query heads and one over all key heads), OLMo 3 (OLMo 2 with three windowed layers to a full one, YaRN on the
+full ones only); Mixtral, Qwen3-MoE and Qwen2-MoE (a mixture-of-experts MLP,
 `moe.py`, in every layer or in those the config names; Qwen2-MoE's with a gated shared expert beside it);
 GPT-OSS (attention sinks, biases everywhere, sliding layers between full ones, YaRN, experts with biases and
 a clamped SwiGLU, routed by a softmax over the top k logits; its experts fused, or in MXFP4, split on load).
@@ -41,6 +42,7 @@ from jaxserve.models.layers import (
     param,
     project_heads,
     rope_for,
+    rope_parameters,
 )
 from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.models.mxfp4 import decode_mxfp4
@@ -61,13 +63,15 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
-    rope: Rope
+    rope: Rope  # every layer's, unless `layer_ropes` says otherwise
     qk_norm: str | None = None  # "head": an RMSNorm over each head's query and key (Qwen3), weights [H];
     # "all": one over all heads' queries and one over all keys (OLMo 2), weights [N*H] and [K*H]
     o_bias: bool = False  # a bias on the output projection (Llama, Granite and GPT-OSS with `attention_bias`)
     attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
     norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
     rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
+    layer_ropes: tuple[Rope, ...] = ()  # per layer, where RoPE differs by layer type (OLMo 3's YaRN on its full
+    # layers only); empty: `rope` everywhere
     # Granite: the embeddings and each block's output multiplied, the attention's scale (None: 1 / sqrt(H)),
     # and the logits divided by `logits_scaling`.
     embedding_multiplier: float = 1.0
@@ -90,6 +94,9 @@ class LlamaConfig:
         moe, moe_layers = _moe_of(hf)
         granite = hf.model_type == "granite"
         no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
+        layer_types = list(getattr(hf, "layer_types", None) or [])
+        by_type = bool(layer_types) and all(isinstance(rope_parameters(hf).get(kind), dict) for kind in layer_types)
+        olmo = hf.model_type in ("olmo2", "olmo3")
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -102,12 +109,13 @@ class LlamaConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             max_position_embeddings=hf.max_position_embeddings,
-            rope=rope_for(hf, head_dim),
-            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all"}.get(hf.model_type),
+            rope=rope_for(hf, head_dim, "full_attention" if by_type else None),
+            qk_norm="all" if olmo else {"qwen3": "head", "qwen3_moe": "head"}.get(hf.model_type),
             o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe"),  # Qwen2's biases: q, k, v
             attention_sinks=hf.model_type == "gpt_oss",
-            norm_after=hf.model_type == "olmo2",
+            norm_after=olmo,
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
+            layer_ropes=tuple(rope_for(hf, head_dim, kind) for kind in layer_types) if by_type else (),
             embedding_multiplier=hf.embedding_multiplier if granite else 1.0,
             residual_multiplier=hf.residual_multiplier if granite else 1.0,
             attention_multiplier=hf.attention_multiplier if granite else None,
@@ -123,6 +131,12 @@ class LlamaConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
+
+    def rope_of(self, layer: int) -> Rope | None:
+        """Layer `layer`'s rotary embedding; None where it has none."""
+        if not self.uses_rope(layer):
+            return None
+        return self.layer_ropes[layer] if self.layer_ropes else self.rope
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -183,7 +197,7 @@ class Attention(nnx.Module):
             self.lora = AttentionLora(d, n, k, h, cfg.lora, weight_dtype, cfg.attention)
         self.cfg = cfg
         self.sliding_window = cfg.window(layer)
-        self.rope = cfg.rope if cfg.uses_rope(layer) else None
+        self.rope = cfg.rope_of(layer)
 
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata, lora_slots=None):
         attention = self.cfg.attention

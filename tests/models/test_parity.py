@@ -66,10 +66,11 @@ class PagedForward:
 # (past its original context, so the long factors) and partial rotary; yarn is Llama with YaRN scaling;
 # mixtral and qwen3-moe route each token to 2 of their experts (qwen3-moe with a dense layer between), qwen2-moe
 # too, with its gated shared expert; granite scales by its multipliers; smollm3 has a layer without RoPE; olmo2
-# norms each block's output and all heads' queries and keys at once; gemma is Gemma 2 without its norms after;
+# norms each block's output and all heads' queries and keys at once, and olmo3 adds windows and a RoPE per layer
+# kind; gemma is Gemma 2 without its norms after;
 # gpt-oss has attention sinks, windows of 5, YaRN, and experts with biases and a clamped SwiGLU.
 PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3",
-                "mixtral", "qwen3-moe", "qwen2-moe", "granite", "smollm3", "olmo2", "gemma", "gpt-oss"]
+                "mixtral", "qwen3-moe", "qwen2-moe", "granite", "smollm3", "olmo2", "olmo3", "gemma", "gpt-oss"]
 # On a GPU (`make test-gpu`, in full float32: tests/conftest.py), one kind per device code path: learned
 # positions and LayerNorm, RoPE with GQA, windows and soft caps in the kernels, the grouped expert matmuls.
 # Each costs ~30 s there (an H200: its compiles), and the others differ only in host-side shapes and maps.
