@@ -9,10 +9,11 @@ dequantized tensors of a small file are kept there too, as float32 safetensors (
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
     Mixtral (llama.cpp writes Mixtral as `llama` with `expert_count`; transformers reads it as a dense Llama),
     Phi-3's LongRoPE factors (tensors in the 128k variants' files), gpt-oss's window and YaRN scaling
     (`gguf.py` hides the scaling from transformers), the configs of the families transformers reads as others
-    (`gguf._READ_AS`: Granite's multipliers, SmolLM3's layers without RoPE, OLMo 2, Gemma 1), and Gemma 2
+    (`gguf._READ_AS`: Granite's multipliers, SmolLM3's layers without RoPE, OLMo 2 and 3, Gemma 1), and Gemma 2
     27B's query scale (llama.cpp's rule: its 46 layers scale queries by (hidden / heads)^-1/2, the others by
     head_size^-1/2, which transformers' default of 256 gives)."""
     from jaxserve.models.gguf import read_gguf
@@ -110,13 +111,17 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
         from transformers import SmolLM3Config
 
         config = SmolLM3Config(**_llama_fields(config, reader), no_rope_layer_interval=4)
-    if arch == "olmo2":
+    if arch == "olmo2" and (window := field("attention.sliding_window")):  # llama.cpp writes OLMo 3 as `olmo2`
+        from transformers import Olmo3Config
+
+        config = Olmo3Config(**{**_llama_fields(config, reader),
+                                **_olmo3_fields(field, config.num_hidden_layers, window)})
+    elif arch == "olmo2":
         from transformers import Olmo2Config
 
-        if field("attention.sliding_window") or field("rope.scaling.type"):  # llama.cpp writes OLMo 3 as `olmo2`
-            raise ValueError(f"{gguf_path.name} is an OLMo 3 file (an `olmo2` file with a sliding window or RoPE "
-                             "scaling), which jaxserve does not serve yet")
-
+        if field("rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"{gguf_path.name}: an `olmo2` file with RoPE scaling and no window (neither OLMo 2 "
+                             "nor OLMo 3), which jaxserve does not serve")
         config = Olmo2Config(**_llama_fields(config, reader))
     if arch == "gemma":  # read as Gemma 2, whose soft caps, window and query scale Gemma 1 has not
         from transformers import GemmaConfig
@@ -130,6 +135,35 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
         config = MixtralConfig(**_own_fields(config), num_local_experts=int(field("expert_count")),
                                num_experts_per_tok=int(field("expert_used_count")), sliding_window=None)
     return config
+
+
+def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> dict[str, Any]:
+    """OLMo 3's window, layer kinds and RoPE from an `olmo2` file's metadata, as llama.cpp reads them: the
+    layers `attention.sliding_window_pattern` marks are windowed (a flag per layer, or a period n: every n-th
+    layer full; 4 by default); those rotate at `rope.freq_base_swa` (else the base) unscaled, the full ones
+    with the file's scaling (YaRN, its attention factor times `rope.scaling.attn_factor`)."""
+    pattern = field("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        period = 4 if pattern is None else int(pattern)
+        windowed = [period == 0 or layer % period < period - 1 for layer in range(num_layers)]
+    base = float(field("rope.freq_base") or 10000.0)
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
+    scaling = field("rope.scaling.type")
+    if scaling == "yarn":
+        factor = float(field("rope.scaling.factor"))
+        full.update(rope_type="yarn", factor=factor)
+        if (original := field("rope.scaling.original_context_length")) is not None:
+            full["original_max_position_embeddings"] = int(original)
+        if (scale := field("rope.scaling.attn_factor")) is not None:
+            full["attention_factor"] = float(scale) * (0.1 * math.log(factor) + 1.0)
+    elif scaling not in (None, "none"):
+        raise ValueError(f"an OLMo 3 file with RoPE scaling {scaling!r} (jaxserve reads YaRN)")
+    sliding = {"rope_type": "default", "rope_theta": float(field("rope.freq_base_swa") or base)}
+    return {"sliding_window": int(window),
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed],
+            "rope_parameters": {"sliding_attention": sliding, "full_attention": full}}
 
 
 def _own_fields(config: Any) -> dict[str, Any]:

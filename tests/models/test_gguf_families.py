@@ -81,7 +81,8 @@ def _as_llama_cpp_names(arch: str, cfg, tensors):
 
 
 def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dict | None = None) -> None:
-    """A GGUF of a transformers config's metadata (and `extra` {key: (value, GGUFValueType)}), the tokenizer
+    """A GGUF of a transformers config's metadata (and `extra` {key: (value, GGUFValueType[, an array's item
+    type])}), the tokenizer
     fields of `tokenizer_gguf`, and `tensors` already under llama.cpp's names (array, or (blocks, type))."""
     import gguf
 
@@ -117,8 +118,8 @@ def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dic
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    for key, (value, value_type) in (extra or {}).items():
-        writer.add_key_value(key, value, value_type)
+    for key, (value, value_type, *sub_type) in (extra or {}).items():
+        writer.add_key_value(key, value, value_type, sub_type=sub_type[0] if sub_type else None)
     for name, tensor in tensors:
         raw_dtype = None
         if isinstance(tensor, tuple):
@@ -373,16 +374,27 @@ def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_g
     assert_logits_match(loaded, hf, seed=10)
 
 
-def test_an_olmo3_file_is_refused_rather_than_read_as_olmo2(tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
-    """llama.cpp writes OLMo 3 under OLMo 2's architecture, with a sliding window and YaRN that OLMo 2's config
-    has no place for: read as OLMo 2 it would load and answer wrongly, so it is refused."""
+@pytest.mark.parametrize("pattern", ["flags", "period"])
+def test_an_olmo3_file_matches_transformers(pattern, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """llama.cpp writes OLMo 3 under OLMo 2's architecture, with a window, the windowed layers (a flag per layer
+    as its converter writes them, or a period: every n-th layer full) and YaRN, which applies to the full layers
+    only; the windowed ones rotate at their own base. Read as OLMo 2 it would load and answer wrongly."""
     import gguf
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    hf = tiny_hf_model("olmo2")
+    hf = tiny_hf_model("olmo3")  # windowed, full, windowed: a period of 2 says the same
     tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()]
+    full, sliding = hf.config.rope_parameters["full_attention"], hf.config.rope_parameters["sliding_attention"]
+    flags = [kind == "sliding_attention" for kind in hf.config.layer_types]
+    extra = {"olmo2.attention.sliding_window_pattern": (flags, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+             if pattern == "flags" else (2, gguf.GGUFValueType.UINT32),
+             "olmo2.rope.freq_base_swa": (sliding["rope_theta"], gguf.GGUFValueType.FLOAT32),
+             "olmo2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+             "olmo2.rope.scaling.factor": (full["factor"], gguf.GGUFValueType.FLOAT32),
+             "olmo2.rope.scaling.original_context_length": (full["original_max_position_embeddings"],
+                                                            gguf.GGUFValueType.UINT32)}
     path = tmp_path / "tiny-olmo3.gguf"
-    extra = {"olmo2.attention.sliding_window": (4096, gguf.GGUFValueType.UINT32)}
     write_gguf_tensors(path, "olmo2", hf.config, _as_llama_cpp_names("olmo2", hf.config, tensors), smollm2_gguf, extra)
-    with pytest.raises(ValueError, match="OLMo 3"):
-        load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.cfg.sliding_windows == (5, None, 5)
+    assert_logits_match(loaded, hf, seed=11)
