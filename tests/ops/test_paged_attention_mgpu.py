@@ -368,16 +368,21 @@ def h100_kernel_args(model: str, num_tokens: int, num_reqs: int, page_size: int,
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes], head_dim
 
 
+# Each schedule (P through shared memory or in registers, the consumers taking turns, each overlapping its
+# softmax with its own P V, or neither) at Llama-3-8B's widest bucket; the other cases at the prefill defaults'.
+SCHEDULES = [(False, False, False), (True, False, False), (True, True, False), (True, False, True),
+             (False, False, True), (True, True, True)]
+PREFILL_DEFAULTS = (DEFAULTS["p_in_registers"], DEFAULTS["ping_pong"], DEFAULTS["overlap"])
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
-@pytest.mark.parametrize("p_in_registers,ping_pong,overlap", [(False, False, False), (True, False, False),
-                                                              (True, True, False), (True, False, True),
-                                                              (False, False, True), (True, True, True)])
-@pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES)
+@pytest.mark.parametrize("model,num_tokens,num_reqs,page_size,p_in_registers,ping_pong,overlap",
+                         [(*COMPILE_CASES[0], *schedule) for schedule in SCHEDULES]
+                         + [(*case, *PREFILL_DEFAULTS) for case in COMPILE_CASES[1:]])
 def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size, p_in_registers, ping_pong, overlap):
     """Mosaic GPU lowers the kernel for sm_90a within the H100's 227 KiB of shared memory a block, with a
-    temporary under a megabyte beside the queries (the descriptions of its blocks); P through shared memory
-    or in registers, the consumers taking turns, or each overlapping its softmax with its own P V, or
-    neither."""
+    temporary under a megabyte beside the queries (the descriptions of its blocks), in every schedule
+    (`SCHEDULES`)."""
     structs, head_dim = h100_kernel_args(model, num_tokens, num_reqs, page_size)
     fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, p_in_registers=p_in_registers,
                                                         ping_pong=ping_pong, overlap=overlap))
