@@ -234,7 +234,7 @@ ENGINE_FLAGS = (
          preset=True),
     Flag("--compilation-cache-dir", EngineConfig, "compilation_cache_dir", type=_cache_dir, preset=True,
          help="JAX's persistent compilation cache; 'none' disables it "
-              "(default: $JAXSERVE_CACHE_DIR/xla, by default ~/.cache/jaxserve/xla)"),
+              f"(default: {EngineConfig.compilation_cache_dir})"),
     Flag("--enable-prefix-caching", CacheConfig, "enable_prefix_caching", preset=True,
          action=argparse.BooleanOptionalAction,
          help="reuse the KV pages of prompt prefixes computed before (default: on, as in vLLM)"),

@@ -17,8 +17,6 @@ from typing import Any
 
 import yaml
 
-from jaxserve.cache_dirs import cache_dir
-
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -335,8 +333,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     attention_impl: str = "auto"
-    # XLA's persistent cache (None or "": none): `$JAXSERVE_CACHE_DIR/xla`, by default ~/.cache/jaxserve/xla
-    compilation_cache_dir: str | None = field(default_factory=lambda: str(cache_dir("xla")))
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     # When the engine is ready (WARMUP_MODES): once every bucket is compiled (full), or once the largest,
     # which holds any step, is (background: the rest compile while serving). auto, `serve`'s default, is
     # background on one host and full across hosts (every process runs the same buckets in the same

@@ -202,10 +202,10 @@ def _build_tiny_hf_model(kind: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     if kind == "olmo2":
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**llama_like))
-    if kind == "olmo3":  # OLMo 2's norms; windowed, full, windowed layers, each kind with its own RoPE (YaRN on
-        rope = {"sliding_attention": dict(rope_type="default", rope_theta=500.0),  # the full one, as OLMo 3's)
-                "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                       original_max_position_embeddings=128)}
+    if kind == "olmo3":  # OLMo 2's norms; windowed, full, windowed layers, YaRN (with its own attention factor,
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),  # as OLMo 3's) on the full
+                "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,  # one only
+                                       original_max_position_embeddings=128, attention_factor=1.3)}
         return transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
             **{**llama_like, "num_hidden_layers": 3}, sliding_window=5, rope_parameters=rope,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
@@ -274,27 +274,12 @@ def engine(llama_dir):
 
 @pytest.fixture(scope="session")
 def compile_cache() -> Path:
-    """XLA's persistent cache of this session, in its cache directory: the servers and subprocesses the tests
-    start use it, and so does each worker's own compiles (`_session_compilation_cache`), so a step that
-    another test, server or worker compiled (the same program) is loaded, not compiled again (JAX locks its
-    writes). It is the default one, `$JAXSERVE_CACHE_DIR/xla`, and JAXSERVE_CACHE_DIR is fresh each session, as
-    on a clean machine: a run neither reads nor fills the user's cache, and its time does not depend on the
-    runs before."""
-    from jaxserve.cache_dirs import cache_dir
+    """XLA's persistent cache for the servers and subprocesses the tests start: the one `jaxserve serve` and
+    the tests' in-process engines use by default, so a server whose steps another server, worker or earlier
+    run compiled (the same model, ladder and flags) loads them (JAX locks its writes)."""
+    from jaxserve.config import EngineConfig
 
-    return cache_dir("xla")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_compilation_cache(compile_cache) -> None:
-    """Each worker's compiles through the session's persistent cache (`compile_cache`), opened before any
-    test's: JAX opens its cache once a process, so an engine that names another directory later (a test's
-    own JAXSERVE_CACHE_DIR) keeps this one."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(compile_cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # as the engine's (engine/core.py)
-    jax.jit(lambda x: x + 1)(0)  # the first compile opens the cache
+    return Path(EngineConfig.compilation_cache_dir).expanduser()
 
 
 @pytest.fixture(scope="session")

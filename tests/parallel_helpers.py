@@ -29,7 +29,7 @@ def _worker(spec_json: str) -> None:
                   max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False,
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"],
-                  enable_lora=spec["lora"] is not None, compilation_cache_dir=spec["compilation_cache_dir"])
+                  enable_lora=spec["lora"] is not None)
         lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] is not None else None
         if lora is not None:  # loaded before counting compiles: a first load compiles its slot write
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
@@ -65,16 +65,12 @@ def _first_attention_weight(state):
 def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
            quantization: str | None = None, lora: str | None = None) -> dict:
-    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads), its
-    steps compiled through the session's XLA cache. On CPU devices on any machine: a GPU machine's test
-    process may have only one GPU."""
-    from jaxserve.cache_dirs import cache_dir
-
+    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
+    On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
     xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(tp_sizes)}"
     env = {**os.environ, "XLA_FLAGS": xla_flags.strip(),
            "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
     spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
-                           compilation_cache_dir=str(cache_dir("xla")),
                            attention_impl=attention_impl, weight_dtype=weight_dtype,
                            expert_parallel=expert_parallel, quantization=quantization, lora=lora))
     code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"

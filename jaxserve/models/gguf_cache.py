@@ -19,8 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.cache_dirs import cache_dir
-
 logger = logging.getLogger(__name__)
 
 _CONVERTED_FILES = ("config.json", "tokenizer_config.json")
@@ -29,7 +27,8 @@ _FORMAT = "3"  # bump when what is written here changes
 
 def cache_root() -> Path:
     """`$JAXSERVE_CACHE_DIR/gguf`, by default `~/.cache/jaxserve/gguf`."""
-    return cache_dir("gguf")
+    base = os.environ.get("JAXSERVE_CACHE_DIR") or "~/.cache/jaxserve"
+    return Path(base).expanduser() / "gguf"
 
 
 def file_sha256(path: Path) -> str:
@@ -139,10 +138,12 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
 
 
 def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> dict[str, Any]:
-    """OLMo 3's window, layer kinds and RoPE from an `olmo2` file's metadata, as llama.cpp reads them: the
+    """OLMo 3's window, layer kinds and RoPE from an `olmo2` file's metadata, as llama.cpp runs them: the
     layers `attention.sliding_window_pattern` marks are windowed (a flag per layer, or a period n: every n-th
-    layer full; 4 by default); those rotate at `rope.freq_base_swa` (else the base) unscaled, the full ones
-    with the file's scaling (YaRN, its attention factor times `rope.scaling.attn_factor`)."""
+    layer full; 4 by default) and rotate unscaled; the full ones take the file's scaling (YaRN). YaRN's
+    attention factor is the checkpoint's own where the converter wrote it (`rope.scaling.yarn_attn_factor`,
+    which llama.cpp leaves for its own figure, the same at OLMo 3's default), else YaRN's default times
+    llama.cpp's `rope.scaling.attn_factor`."""
     pattern = field("attention.sliding_window_pattern")
     if isinstance(pattern, list):
         windowed = [bool(flag) for flag in pattern]
@@ -157,11 +158,16 @@ def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> 
         full.update(rope_type="yarn", factor=factor)
         if (original := field("rope.scaling.original_context_length")) is not None:
             full["original_max_position_embeddings"] = int(original)
-        if (scale := field("rope.scaling.attn_factor")) is not None:
+        if (own := field("rope.scaling.yarn_attn_factor")) is not None:
+            full["attention_factor"] = float(own)
+        elif (scale := field("rope.scaling.attn_factor")) is not None:
             full["attention_factor"] = float(scale) * (0.1 * math.log(factor) + 1.0)
+        for beta in ("beta_fast", "beta_slow"):
+            if (value := field(f"rope.scaling.yarn_{beta}")) is not None:
+                full[beta] = float(value)
     elif scaling not in (None, "none"):
         raise ValueError(f"an OLMo 3 file with RoPE scaling {scaling!r} (jaxserve reads YaRN)")
-    sliding = {"rope_type": "default", "rope_theta": float(field("rope.freq_base_swa") or base)}
+    sliding = {"rope_type": "default", "rope_theta": base}  # llama.cpp's OLMo 2 graph rotates every layer at the base
     return {"sliding_window": int(window),
             "layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed],
             "rope_parameters": {"sliding_attention": sliding, "full_attention": full}}

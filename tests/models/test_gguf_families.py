@@ -377,20 +377,20 @@ def test_olmo2_and_gemma_ggufs_match_transformers(kind, tiny_hf_model, smollm2_g
 @pytest.mark.parametrize("pattern", ["flags", "period"])
 def test_an_olmo3_file_matches_transformers(pattern, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
     """llama.cpp writes OLMo 3 under OLMo 2's architecture, with a window, the windowed layers (a flag per layer
-    as its converter writes them, or a period: every n-th layer full) and YaRN, which applies to the full layers
-    only; the windowed ones rotate at their own base. Read as OLMo 2 it would load and answer wrongly."""
+    as its converter writes them, or a period: every n-th layer full) and YaRN with the checkpoint's attention
+    factor, which applies to the full layers only. Read as OLMo 2 it would load and answer wrongly."""
     import gguf
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = tiny_hf_model("olmo3")  # windowed, full, windowed: a period of 2 says the same
     tensors = [(name, tensor.numpy().astype(np.float32)) for name, tensor in hf.state_dict().items()]
-    full, sliding = hf.config.rope_parameters["full_attention"], hf.config.rope_parameters["sliding_attention"]
+    full = hf.config.rope_parameters["full_attention"]
     flags = [kind == "sliding_attention" for kind in hf.config.layer_types]
     extra = {"olmo2.attention.sliding_window_pattern": (flags, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
              if pattern == "flags" else (2, gguf.GGUFValueType.UINT32),
-             "olmo2.rope.freq_base_swa": (sliding["rope_theta"], gguf.GGUFValueType.FLOAT32),
              "olmo2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
              "olmo2.rope.scaling.factor": (full["factor"], gguf.GGUFValueType.FLOAT32),
+             "olmo2.rope.scaling.yarn_attn_factor": (full["attention_factor"], gguf.GGUFValueType.FLOAT32),
              "olmo2.rope.scaling.original_context_length": (full["original_max_position_embeddings"],
                                                             gguf.GGUFValueType.UINT32)}
     path = tmp_path / "tiny-olmo3.gguf"

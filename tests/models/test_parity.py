@@ -99,6 +99,23 @@ def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     np.testing.assert_allclose(np.concatenate(got), expected, atol=TOL, rtol=0)
 
 
+def test_olmo3_spelled_flat_scales_its_full_layers_only(tiny_hf_model):
+    """transformers 4 spells OLMo 3's RoPE flat (`rope_scaling`, `rope_theta`) and runs its windowed layers
+    unscaled: the same layers' RoPE as transformers 5's spelling by layer kind."""
+    import copy
+
+    from jaxserve.models.llama import LlamaConfig
+
+    nested = tiny_hf_model("olmo3").config
+    flat = copy.deepcopy(nested)
+    full = dict(nested.rope_parameters["full_attention"])
+    flat.rope_parameters, flat.rope_theta = None, full.pop("rope_theta")
+    flat.rope_scaling = full
+    want, got = LlamaConfig.from_hf(nested), LlamaConfig.from_hf(flat)
+    assert got.layer_ropes == want.layer_ropes and got.rope == want.rope
+    assert want.layer_ropes[0] == want.layer_ropes[2] != want.layer_ropes[1] == want.rope
+
+
 def test_the_reference_soft_caps_gemma2s_attention(tiny_model_dir, tiny_hf_model):
     """The parity reference must apply attn_logit_softcapping: transformers' SDPA attention drops it, and
     transformers 5.17 gives Gemma 2 SDPA by default (the GPU image's: its parity failed from the second

@@ -234,19 +234,21 @@ GPT_OSS_HEADS = (64, 8, 64)
 
 
 @needs_a_runner
-@pytest.mark.parametrize("window,schedule", [
-    (None, dict(ping_pong=True, block_kv=64)), (37, dict(block_kv=64)), (37, dict(overlap=True, block_kv=64)),
-    (None, dict(num_consumers=1, block_kv=128, stages=2))])  # the last: the decode defaults
-def test_attention_sinks_join_each_row_s_denominator(window, schedule):
+@pytest.mark.parametrize("num_q_heads,window,schedule", [
+    (16, None, dict(ping_pong=True, block_kv=64)), (16, 37, dict(block_kv=64)),
+    (16, 37, dict(overlap=True, block_kv=64)), (16, None, dict(num_consumers=1, block_kv=128, stages=2)),
+    (6, 37, dict(block_kv=64)), (16, None, dict(block_kv=64, programs_per_kv_head=3))])
+def test_attention_sinks_join_each_row_s_denominator(num_q_heads, window, schedule):
     """GPT-OSS's sinks (`head_sinks`: far below the scores to far above them): each row's own head's sink
     joins its softmax's denominator after the last step, in every schedule (the overlapped one hands back
-    its running max for it), windowed or not, with GQA groups of 8 as GPT-OSS's (16 rows of 8 heads a
-    block on two consumers, 8 of 8 on one)."""
+    its running max for it; the fourth is the decode defaults'), windowed or not, with GQA groups of 8 as
+    GPT-OSS's (16 rows of 8 heads a block on two consumers, 8 of 8 on one), groups of 3 padded to 4 (rows
+    of a padding head beside real ones), and on a persistent grid (a program's blocks in turn)."""
     rng = np.random.default_rng(7)
-    case = make_case(rng, [1, 40, 3, 0, 70, 1], [130, 40, 300, 0, 200, 1], 16, 2, page_size=16, head_dim=64,
-                     max_pages=20)
+    case = make_case(rng, [1, 40, 3, 0, 70, 1], [130, 40, 300, 0, 200, 1], num_q_heads, 2, page_size=16,
+                     head_dim=64, max_pages=20)
     case = finite(blank_before_windows(case, window) if window else case)
-    sinks = head_sinks(16)
+    sinks = head_sinks(num_q_heads)
     scores = dict(sm_scale=0.125, sliding_window=window)
     got = run(case, jnp.bfloat16, sinks=jnp.asarray(sinks), **scores, **schedule)
     check(got, case, jnp.bfloat16, sinks=sinks, **scores)
