@@ -261,10 +261,15 @@ def test_the_vllm_prefix_serves_every_series_under_vllm_names_and_its_dashboard_
         assert value(got, gauge) == expected
     assert value(got, "vllm:prompt_tokens_total") == 4 and value(got, "vllm:generation_tokens_total") == 5
     assert value(got, "vllm:request_success_total", finished_reason="length") == 1
-    # histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket[...]))): one request
-    # whose end to end latency is in the (0.0, 0.001] bucket or above; the quantile lands in its bucket
-    e2e = histogram_quantile(got, "vllm:e2e_request_latency_seconds", 0.99)
-    assert e2e == histogram_quantile(want, "jaxserve:e2e_request_latency_seconds", 0.99) and e2e > 0
+    # histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket[...]))): one request,
+    # whose end to end latency (this test's wall clock: its bucket varies with the machine's load) lands in one
+    # of the same buckets under either name
+    def edges(samples, name: str) -> list[str]:
+        return sorted(dict(labels)["le"] for sample, labels in samples if sample == f"{name}_bucket")
+
+    assert histogram_quantile(got, "vllm:e2e_request_latency_seconds", 0.99) > 0
+    assert edges(got, "vllm:e2e_request_latency_seconds") == edges(want, "jaxserve:e2e_request_latency_seconds")
+    assert len(edges(got, "vllm:e2e_request_latency_seconds")) > 10
     with pytest.raises(ValueError, match="metrics_prefix must be one of jaxserve, vllm"):
         ServerConfig(metrics_prefix="sglang")
     from jaxserve.cli import _server_config, build_parser
