@@ -9,7 +9,6 @@ dequantized tensors of a small file are kept there too, as float32 safetensors (
 
 import hashlib
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -142,8 +141,7 @@ def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> 
     layers `attention.sliding_window_pattern` marks are windowed (a flag per layer, or a period n: every n-th
     layer full; 4 by default) and rotate unscaled; the full ones take the file's scaling (YaRN). YaRN's
     attention factor is the checkpoint's own where the converter wrote it (`rope.scaling.yarn_attn_factor`,
-    which llama.cpp leaves for its own figure, the same at OLMo 3's default), else YaRN's default times
-    llama.cpp's `rope.scaling.attn_factor`."""
+    which llama.cpp leaves for its own figure, the same at OLMo 3's default), else YaRN's default."""
     pattern = field("attention.sliding_window_pattern")
     if isinstance(pattern, list):
         windowed = [bool(flag) for flag in pattern]
@@ -154,14 +152,11 @@ def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> 
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
     scaling = field("rope.scaling.type")
     if scaling == "yarn":
-        factor = float(field("rope.scaling.factor"))
-        full.update(rope_type="yarn", factor=factor)
+        full.update(rope_type="yarn", factor=float(field("rope.scaling.factor")))
         if (original := field("rope.scaling.original_context_length")) is not None:
             full["original_max_position_embeddings"] = int(original)
         if (own := field("rope.scaling.yarn_attn_factor")) is not None:
             full["attention_factor"] = float(own)
-        elif (scale := field("rope.scaling.attn_factor")) is not None:
-            full["attention_factor"] = float(scale) * (0.1 * math.log(factor) + 1.0)
         for beta in ("beta_fast", "beta_slow"):
             if (value := field(f"rope.scaling.yarn_{beta}")) is not None:
                 full[beta] = float(value)

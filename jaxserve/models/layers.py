@@ -76,7 +76,8 @@ class Rope:
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's RoPE parameters (those of `layer_type` where a model keys them by layer type, as Gemma 3
-    does), in transformers 5's spelling."""
+    and OLMo 3 do), in transformers 5's spelling. transformers 4 spells OLMo 3's flat and runs its windowed
+    layers unscaled: so are they read here."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         return dict(params[layer_type])
@@ -85,6 +86,8 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         if getattr(hf_config, "partial_rotary_factor", None):
             params.setdefault("partial_rotary_factor", hf_config.partial_rotary_factor)
+    if getattr(hf_config, "model_type", None) == "olmo3" and layer_type == "sliding_attention":  # spelled flat
+        params = {"rope_type": "default", "rope_theta": params.get("rope_theta", 10000.0)}
     return params
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -43,7 +42,6 @@ from jaxserve.models.layers import (
     param,
     project_heads,
     rope_for,
-    rope_parameters,
 )
 from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.models.mxfp4 import decode_mxfp4
@@ -71,8 +69,8 @@ class LlamaConfig:
     attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
     norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
     rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
-    layer_ropes: tuple[Rope, ...] = ()  # per layer, where RoPE differs by layer type (OLMo 3's YaRN on its full
-    # layers only); empty: `rope` everywhere
+    layer_ropes: tuple[Rope, ...] = ()  # per layer, where the config lists layer kinds (RoPE may differ by kind:
+    # OLMo 3's YaRN on its full layers only); empty: `rope` everywhere
     # Granite: the embeddings and each block's output multiplied, the attention's scale (None: 1 / sqrt(H)),
     # and the logits divided by `logits_scaling`.
     embedding_multiplier: float = 1.0
@@ -95,7 +93,7 @@ class LlamaConfig:
         moe, moe_layers = _moe_of(hf)
         granite = hf.model_type == "granite"
         no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
-        layer_ropes = _layer_ropes(hf, head_dim)
+        layer_types = getattr(hf, "layer_types", None) or ()
         olmo = hf.model_type in ("olmo2", "olmo3")
         return cls(
             vocab_size=hf.vocab_size,
@@ -109,13 +107,13 @@ class LlamaConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             max_position_embeddings=hf.max_position_embeddings,
-            rope=rope_for(hf, head_dim, "full_attention" if _rope_by_kind(hf) else None),
+            rope=rope_for(hf, head_dim, "full_attention"),
             qk_norm="all" if olmo else {"qwen3": "head", "qwen3_moe": "head"}.get(hf.model_type),
             o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe"),  # Qwen2's biases: q, k, v
             attention_sinks=hf.model_type == "gpt_oss",
             norm_after=olmo,
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
-            layer_ropes=layer_ropes,
+            layer_ropes=tuple(rope_for(hf, head_dim, kind) for kind in layer_types),
             embedding_multiplier=hf.embedding_multiplier if granite else 1.0,
             residual_multiplier=hf.residual_multiplier if granite else 1.0,
             attention_multiplier=hf.attention_multiplier if granite else None,
@@ -172,27 +170,6 @@ def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
         return MoeConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
                          bool(hf.norm_topk_prob), shared_expert_size=shared), layers
     return None, ()
-
-
-def _rope_by_kind(hf: Any) -> bool:
-    """Whether the config keys its RoPE parameters by layer kind (transformers 5's OLMo 3)."""
-    kinds = getattr(hf, "layer_types", None) or []
-    return bool(kinds) and all(isinstance(rope_parameters(hf).get(kind), dict) for kind in kinds)
-
-
-def _layer_ropes(hf: Any, head_dim: int) -> tuple[Rope, ...]:
-    """Each layer's RoPE where it differs by layer kind, else (): the config's own per kind, or for OLMo 3
-    spelled flat (transformers 4) its scaling on the full layers only, the windowed ones rotating unscaled at
-    the same base, as transformers 4 runs it."""
-    kinds = list(getattr(hf, "layer_types", None) or [])
-    if _rope_by_kind(hf):
-        return tuple(rope_for(hf, head_dim, kind) for kind in kinds)
-    if hf.model_type != "olmo3" or not kinds:
-        return ()
-    theta = rope_parameters(hf).get("rope_theta", 10000.0)
-    plain = rope_for(SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": theta}), head_dim)
-    scaled = rope_for(hf, head_dim)
-    return tuple(scaled if kind == "full_attention" else plain for kind in kinds)
 
 
 class Attention(nnx.Module):
