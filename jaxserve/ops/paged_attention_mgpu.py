@@ -300,9 +300,10 @@ def _consumer_block(
         m, denom, acc = lax.fori_loop(unmasked_end, end_step, functools.partial(step_body, masked=True), carry)
     if turns is not None and wg == 0:  # and the first ends a turn after it: both arrived equally often
         take_turn()
-    if sinks_ref is not None:  # a key that weighs no value: its exp joins the sums (starting the softmax from
-        denom = denom + jnp.exp2(_row_sinks(sinks_ref, row, wg=wg, group=group, block_q=block_q) - m)  # it, as
-        # the Triton kernels do, gives the same quotient)
+    if sinks_ref is not None:
+        # A key that weighs no value: its exp joins the sums (the same quotient as the Triton kernels', which
+        # start the softmax from it)
+        denom = denom + jnp.exp2(_row_sinks(sinks_ref, row, wg=wg, group=group, block_q=block_q) - m)
     denom = jnp.where(denom == 0.0, 1.0, denom)
     o_wg[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(o_wg.dtype)
     plgpu.commit_smem()
