@@ -1,5 +1,6 @@
 """Helpers shared across test areas."""
 
+import functools
 import importlib.util
 import os
 import re
@@ -11,12 +12,34 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import jax
+import pytest
 
 # What a test engine that sizes its KV cache by budget (a test server, the bundled model's engine) may take of
 # a GPU: under the tenth of it that each test process's pool may grow to (tests/conftest.py). A budget equal to
 # the pool left its warm-up's temp buffers no room on an H200 (docs/benchmarks.md, stop 66), and six workers'
 # engines and servers must fit the device together. A CPU's budget is --kv-cache-memory instead.
 TEST_GPU_MEMORY_UTILIZATION = 0.06
+
+
+def run_jitted(fn, *args, **options):
+    """fn(*args, **options) as one jitted program, as a step runs it: op by op, each of its operations would
+    compile on its own (a test of an attention path compiled ten to thirty programs where it needs one)."""
+    return jax.jit(functools.partial(fn, **options))(*args)
+
+
+def pairwise(first: list, second: list, third: list) -> list:
+    """Cases that hold every pair of values from two of the three lists, where the full grid holds every
+    triple: each (x, y) of first x second once, third's values in turn along the diagonals, so that each
+    (x, z) and (y, z) pair appears too. A value may be a pytest.param with marks (a skip); its case takes them."""
+    assert len(first) >= len(third) and len(second) >= len(third), "third's values would miss some pairs"
+    param_set = type(pytest.param(None))
+    cases = []
+    for i, x in enumerate(first):
+        for j, y in enumerate(second):
+            values = (x, y, third[(i + j) % len(third)])
+            marks = [mark for v in values if isinstance(v, param_set) for mark in v.marks]
+            cases.append(pytest.param(*(v.values[0] if isinstance(v, param_set) else v for v in values), marks=marks))
+    return cases
 
 
 @contextmanager

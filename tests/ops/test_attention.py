@@ -19,7 +19,7 @@ from jaxserve.ops.attention import (
     resolve_impl,
 )
 from jaxserve.ops.paged_attention_cpu import num_work_items, ragged_paged_attention_cpu
-from tests.helpers import run_with_kernel_flags
+from tests.helpers import pairwise, run_jitted, run_with_kernel_flags
 from tests.ops.paged_cases import MIXES, make_case, oracle
 
 
@@ -47,20 +47,19 @@ native = pytest.param("cpu-native", marks=pytest.mark.skipif(not NATIVE, reason=
 def test_cpu_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], num_q_heads, num_kv_heads)
-    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.25, impl=impl))
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl=impl))
     assert_matches_oracle(got, case, 0.25)
 
 
 @cpu_paths
-@pytest.mark.parametrize("query_block", [1, 2, 3, 8, 64])
-@pytest.mark.parametrize("pages_per_block", [1, 3, 8])
-@pytest.mark.parametrize("mix", ["prefills", "chunk_after_cache", "mixed_with_empty", "long"])
-def test_cpu_work_items_of_any_size_match_oracle(query_block, pages_per_block, mix):
+@pytest.mark.parametrize(("query_block", "mix", "pages_per_block"), pairwise(
+    [1, 2, 3, 8, 64], ["prefills", "chunk_after_cache", "mixed_with_empty", "long"], [1, 3, 8]))
+def test_cpu_work_items_of_any_size_match_oracle(query_block, mix, pages_per_block):
     """Items that split requests mid-page, straddle K/V block edges, or hold a whole request; requests with
     no queries and padding requests (NaN pages outside what each request owns would show any overreach)."""
     case = make_case(np.random.default_rng(7), *MIXES[mix], 6, 2)
-    got = np.asarray(jax.jit(lambda *a: ragged_paged_attention_cpu(
-        *a, sm_scale=0.25, query_block=query_block, pages_per_block=pages_per_block))(*case.args))
+    got = np.asarray(run_jitted(ragged_paged_attention_cpu, *case.args, sm_scale=0.25, query_block=query_block,
+                                pages_per_block=pages_per_block))
     assert_matches_oracle(got, case, 0.25)
 
 
@@ -76,7 +75,7 @@ def test_cpu_decode_paths_match_oracle(impl):
     rng = np.random.default_rng(3)
     q_lens, kv_lens = [1] * 5, [1, 16, 17, 33, 47]
     case = make_case(rng, q_lens, kv_lens, 9, 3, pad_tokens=2, pad_reqs=2)
-    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.125, impl=impl, decode_only=True))
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.125, impl=impl, decode_only=True))
     assert_matches_oracle(got, case, 0.125)
 
 

@@ -16,6 +16,7 @@ from jaxserve.ops.attention import (
 )
 from jaxserve.ops.kv_write import to_cache_dtype, write_kv
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
+from tests.helpers import run_jitted
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, calls_triton, lower_for_cuda
 
@@ -57,7 +58,7 @@ def test_the_write_saturates_at_e4m3s_largest_value_and_rounds_to_3_mantissa_bit
 def test_the_jnp_paths_read_an_fp8_cache_exactly(impl, mix):
     rng = np.random.default_rng(sorted(MIXES).index(mix))
     case = fp8_case(make_case(rng, *MIXES[mix], 6, 2), jnp.float32)
-    got = np.asarray(ragged_paged_attention(*case.args, sm_scale=0.25, impl=impl))
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl=impl))
     num_real = case.num_real_tokens
     np.testing.assert_allclose(got[:num_real], oracle(widened(case), 0.25)[:num_real], atol=2e-5, rtol=1e-5)
     assert np.all(got[num_real:] == 0)
@@ -74,13 +75,14 @@ def test_the_kernels_read_an_fp8_cache(mix, q_dtype, tol):
     want = oracle(widened(case), 0.125)
     num_real = case.num_real_tokens
     interpret = KERNEL_IMPL == "interpret"
-    got = ragged_paged_attention_pallas(*case.args, sm_scale=0.125, interpret=interpret)
+    got = run_jitted(ragged_paged_attention_pallas, *case.args, sm_scale=0.125, interpret=interpret)
     got = np.asarray(jnp.asarray(got).astype(jnp.float32))
     assert np.all(np.isfinite(got)), "NaN from an unused FP8 slot leaked into the output"
     np.testing.assert_allclose(got[:num_real], want[:num_real], atol=tol, rtol=tol)
     if mix == "decodes":  # one query per request: the decode kernel too (its padding requests read nothing)
         q = case.q[: case.page_table.shape[0]]
-        got = paged_decode_attention_pallas(q, *case.args[1:5], sm_scale=0.125, interpret=interpret, num_splits=2)
+        got = run_jitted(paged_decode_attention_pallas, q, *case.args[1:5], sm_scale=0.125, interpret=interpret,
+                         num_splits=2)
         got = np.asarray(jnp.asarray(got).astype(jnp.float32))
         np.testing.assert_allclose(got[:4], want[:4], atol=tol, rtol=tol)
 

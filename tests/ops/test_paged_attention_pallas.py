@@ -24,6 +24,7 @@ from jaxserve.ops.paged_attention_pallas import (
     query_blocks,
     ragged_paged_attention_pallas,
 )
+from tests.helpers import run_jitted
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 
 # The kernel runs interpreted on CPU (about a minute in all): part of `make test`, not of the quick loop.
@@ -45,7 +46,7 @@ def check(got: jax.Array, case: PagedCase, sm_scale: float, dtype, tol: float | 
     tol = tol or TOLERANCE[dtype]
     assert np.all(np.isfinite(got)), "NaN from an unused page slot leaked into the output"
     np.testing.assert_allclose(got[:num_real], oracle(case, sm_scale)[:num_real], atol=tol, rtol=tol)
-    reference = ragged_paged_attention(*case.args, sm_scale=sm_scale, impl="reference")
+    reference = run_jitted(ragged_paged_attention, *case.args, sm_scale=sm_scale, impl="reference")
     reference = np.asarray(reference.astype(jnp.float32))
     np.testing.assert_allclose(got[:num_real], reference[:num_real], atol=tol, rtol=tol)
     assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
@@ -56,7 +57,7 @@ def check(got: jax.Array, case: PagedCase, sm_scale: float, dtype, tol: float | 
 def test_ragged_kernel_matches_oracle(mix, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], num_q_heads, num_kv_heads, page_size=16, head_dim=64)
-    got = ragged_paged_attention(*case.args, sm_scale=0.125, impl=KERNEL_IMPL)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.125, impl=KERNEL_IMPL)
     check(got, case, 0.125, np.float32)
 
 
@@ -64,7 +65,7 @@ def test_ragged_kernel_matches_oracle(mix, num_q_heads, num_kv_heads):
 def test_ragged_kernel_bfloat16(mix):
     rng = np.random.default_rng(10 + sorted(MIXES).index(mix))
     case = make_case(rng, *MIXES[mix], 8, 2, page_size=16, head_dim=64, dtype=jnp.bfloat16)
-    check(ragged_paged_attention(*case.args, sm_scale=0.125, impl=KERNEL_IMPL), case, 0.125, jnp.bfloat16)
+    check(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.125, impl=KERNEL_IMPL), case, 0.125, jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +77,8 @@ def test_ragged_kernel_page_sizes_head_dims_and_blocks(page_size, head_dim, bloc
     # Query blocks of several tokens, with kv lengths on, one before and one past page boundaries.
     q_lens, kv_lens = [1, 20, 0, 3, 40, 1], [page_size, 2 * page_size + 1, 5, 3 * page_size - 1, 70, 1]
     case = make_case(rng, q_lens, kv_lens, 8, 2, page_size=page_size, head_dim=head_dim)
-    got = ragged_paged_attention_pallas(
+    got = run_jitted(
+        ragged_paged_attention_pallas,
         *case.args, sm_scale=0.1, interpret=INTERPRET, block_rows=block_rows, block_kv=block_kv
     )
     check(got, case, 0.1, np.float32)
@@ -107,9 +109,9 @@ def test_the_requests_order_matches_the_oracle_too():
     rng = np.random.default_rng(3)
     q_lens, kv_lens = [1, 20, 0, 3, 40, 1], [16, 33, 5, 47, 70, 1]
     case = make_case(rng, q_lens, kv_lens, 8, 2, page_size=16, head_dim=64)
-    got = ragged_paged_attention_pallas(*case.args, sm_scale=0.1, interpret=INTERPRET, heavy_first=False)
+    got = run_jitted(ragged_paged_attention_pallas, *case.args, sm_scale=0.1, interpret=INTERPRET, heavy_first=False)
     check(got, case, 0.1, np.float32)
-    heavy = ragged_paged_attention_pallas(*case.args, sm_scale=0.1, interpret=INTERPRET)
+    heavy = run_jitted(ragged_paged_attention_pallas, *case.args, sm_scale=0.1, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(heavy))  # each program computes the same
 
 
@@ -134,9 +136,9 @@ def test_decodes_in_the_requests_order_match_too(num_splits):
     rng = np.random.default_rng(11)
     case = decode_case(rng, [33, 150, 1, 17, 150, 64], 8, 2, page_size=16, head_dim=64)
     kwargs = dict(sm_scale=0.125, interpret=INTERPRET, num_splits=num_splits)
-    in_order = paged_decode_attention_pallas(*case.args[:5], heavy_first=False, **kwargs)
+    in_order = run_jitted(paged_decode_attention_pallas, *case.args[:5], heavy_first=False, **kwargs)
     check(in_order, case, 0.125, np.float32)
-    longest_first = paged_decode_attention_pallas(*case.args[:5], **kwargs)
+    longest_first = run_jitted(paged_decode_attention_pallas, *case.args[:5], **kwargs)
     np.testing.assert_array_equal(np.asarray(in_order), np.asarray(longest_first))
 
 
@@ -147,7 +149,8 @@ def test_decode_kernel_matches_oracle(num_q_heads, num_kv_heads, num_splits):
     case = decode_case(rng, [1, 16, 17, 32, 33, 150], num_q_heads, num_kv_heads, page_size=16, head_dim=64,
                        max_pages=10)
     q, k_pages, v_pages, kv_lens, page_table, _ = case.args
-    got = paged_decode_attention_pallas(
+    got = run_jitted(
+        paged_decode_attention_pallas,
         q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.125, interpret=INTERPRET, num_splits=num_splits,
         block_kv=32,
     )
@@ -160,7 +163,7 @@ def test_decode_kernel_dtypes_and_shapes_through_the_entry_point(dtype, page_siz
     rng = np.random.default_rng(page_size)
     case = decode_case(rng, [3, 64, 65, 200, 1], 8, 2, page_size=page_size, head_dim=head_dim, dtype=dtype,
                        max_pages=16)
-    got = ragged_paged_attention(*case.args, sm_scale=0.1, impl=KERNEL_IMPL, decode_only=True)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.1, impl=KERNEL_IMPL, decode_only=True)
     check(got, case, 0.1, dtype)
 
 
@@ -168,7 +171,8 @@ def test_more_splits_than_blocks_leaves_the_extra_splits_empty():
     rng = np.random.default_rng(7)
     case = decode_case(rng, [1, 5, 40], 4, 2, page_size=16, head_dim=64, max_pages=4)
     q, k_pages, v_pages, kv_lens, page_table, _ = case.args
-    got = paged_decode_attention_pallas(
+    got = run_jitted(
+        paged_decode_attention_pallas,
         q, k_pages, v_pages, kv_lens, page_table, sm_scale=0.2, interpret=INTERPRET, num_splits=8, block_kv=16
     )
     check(got, case, 0.2, np.float32)
@@ -269,5 +273,5 @@ def test_kernels_match_the_oracle_at_serving_shapes(mix, dtype):
         kv_lens = [1536, *rng.integers(100, 1500, 63).tolist()]
         case = make_case(rng, [1024] + [1] * 63, kv_lens, num_q_heads, num_kv_heads, **shape)
     sm_scale = head_dim**-0.5
-    got = ragged_paged_attention(*case.args, sm_scale=sm_scale, impl=KERNEL_IMPL, decode_only=decode_only)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=sm_scale, impl=KERNEL_IMPL, decode_only=decode_only)
     check(got, case, sm_scale, dtype, tol=SERVING_TOLERANCE[dtype])

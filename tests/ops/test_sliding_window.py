@@ -10,6 +10,7 @@ import pytest
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import ragged_paged_attention
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas
+from tests.helpers import pairwise, run_jitted
 from tests.ops.paged_cases import MIXES, blank_before_windows, make_case, oracle
 
 NATIVE = cpu_kernels.kernel_error() is None
@@ -35,12 +36,10 @@ def windowed_case(mix: str, window: int | None, num_q_heads: int, num_kv_heads: 
 
 
 @pytest.mark.cpu_only("the attention paths for CPUs")
-@pytest.mark.parametrize("impl", ["reference", "cpu", native])
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_cpu_paths_attend_within_the_window(impl, window, mix):
+@pytest.mark.parametrize(("window", "mix", "impl"), pairwise(WINDOWS, sorted(MIXES), ["reference", "cpu", native]))
+def test_cpu_paths_attend_within_the_window(window, mix, impl):
     case = windowed_case(mix, window, 6, 2)
-    got = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.7, sliding_window=window, impl=impl))(*case.args)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.7, sliding_window=window, impl=impl)
     check(got, case, 0.7, window, None)
 
 
@@ -50,7 +49,8 @@ def test_cpu_paths_attend_within_the_window(impl, window, mix):
 @pytest.mark.parametrize("mix", ["long", "mixed_with_empty"])
 def test_cpu_paths_soft_cap_the_scores(impl, window, mix):
     case = windowed_case(mix, window, 4, 2)
-    got = ragged_paged_attention(*case.args, sm_scale=0.7, sliding_window=window, logit_softcap=SOFTCAP, impl=impl)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.7, sliding_window=window, logit_softcap=SOFTCAP,
+                     impl=impl)
     check(got, case, 0.7, window, SOFTCAP)
     plain = oracle(case, 0.7, sliding_window=window)[: case.num_real_tokens]
     assert np.abs(np.asarray(got)[: case.num_real_tokens] - plain).max() > 1e-2, "the cap changed nothing"
@@ -79,8 +79,8 @@ def test_ragged_kernel_windows_and_caps(window, softcap, mix):
     from tests.ops.test_paged_attention_pallas import KERNEL_IMPL, TOLERANCE
 
     case = windowed_case(mix, window, 8, 2, page_size=4, head_dim=64)
-    got = ragged_paged_attention(*case.args, sm_scale=0.2, sliding_window=window, logit_softcap=softcap,
-                                 impl=KERNEL_IMPL)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.2, sliding_window=window, logit_softcap=softcap,
+                     impl=KERNEL_IMPL)
     check(got, case, 0.2, window, softcap, tol=TOLERANCE[np.float32])
 
 
@@ -97,9 +97,9 @@ def test_decode_kernel_windows_and_caps(num_splits, window, softcap):
                      pad_tokens=0, pad_reqs=0, max_pages=10)
     case = blank_before_windows(case, window)
     q, k_pages, v_pages, lens, table, _ = case.args
-    got = paged_decode_attention_pallas(q, k_pages, v_pages, lens, table, sm_scale=0.2, sliding_window=window,
-                                        logit_softcap=softcap, interpret=INTERPRET, num_splits=num_splits,
-                                        block_kv=32)
+    got = run_jitted(paged_decode_attention_pallas, q, k_pages, v_pages, lens, table, sm_scale=0.2,
+                     sliding_window=window, logit_softcap=softcap, interpret=INTERPRET, num_splits=num_splits,
+                     block_kv=32)
     check(got, case, 0.2, window, softcap, tol=TOLERANCE[np.float32])
 
 
@@ -138,7 +138,8 @@ def test_ragged_kernel_takes_attention_sinks(window, mix):
 
     case = windowed_case(mix, window, 8, 2, page_size=4, head_dim=64)
     sinks = head_sinks(8)
-    got = ragged_paged_attention(*case.args, sm_scale=0.2, sliding_window=window, sinks=sinks, impl=KERNEL_IMPL)
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=0.2, sliding_window=window, sinks=sinks,
+                     impl=KERNEL_IMPL)
     check(got, case, 0.2, window, None, tol=TOLERANCE[np.float32], sinks=sinks)
     assert_sinks_matter(got, case, 0.2, window)
 
@@ -156,8 +157,8 @@ def test_decode_kernel_takes_attention_sinks(num_splits):
                      pad_tokens=1, pad_reqs=0, max_pages=10)
     q, k_pages, v_pages, lens, table, _ = case.args
     sinks = head_sinks(8)
-    got = paged_decode_attention_pallas(q, k_pages, v_pages, lens, table, sm_scale=0.2, sinks=sinks,
-                                        interpret=INTERPRET, num_splits=num_splits, block_kv=32)
+    got = run_jitted(paged_decode_attention_pallas, q, k_pages, v_pages, lens, table, sm_scale=0.2, sinks=sinks,
+                     interpret=INTERPRET, num_splits=num_splits, block_kv=32)
     check(got, case, 0.2, None, None, tol=TOLERANCE[np.float32], sinks=sinks)
     assert_sinks_matter(got, case, 0.2, None)
 
