@@ -14,12 +14,30 @@ from tests.engine.helpers import make_engine, make_prompts, run_staggered
 # One request bucket: an engine compiles at most four steps (two mixed, the decode and its greedy variant),
 # each seconds of XLA:CPU on a cold cache, and this file builds 45 engines.
 KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(4,), max_num_seqs=4, max_num_batched_tokens=32)
+MAX_TOKENS = [9, 6, 12, 5, 8, 10]
+ARRIVALS = [0, 0, 1, 3, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def generate(tiny_model_dir):
+    """(kind, attention impl) -> the greedy tokens of six staggered requests (prefill chunks, mixed and
+    decode-only steps) on that path, each pair run once in this module: the generation tests compare their
+    paths with the reference path's tokens, which they share."""
+    outputs = {}
+
+    def run(kind: str, impl: str) -> dict[int, list[int]]:
+        if (kind, impl) not in outputs:
+            engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
+            outputs[kind, impl] = run_staggered(engine, make_prompts(6), MAX_TOKENS, ARRIVALS)
+        return outputs[kind, impl]
+
+    return run
 
 
 @pytest.mark.slow  # the interpreted kernel, end to end
 @pytest.mark.gpu  # the compiled kernel in the engine on a GPU
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])
-def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model_dir, monkeypatch):
+def test_greedy_generation_with_the_kernel_equals_the_reference(kind, generate, monkeypatch):
     traced = {"ragged": 0, "decode": 0}
 
     def counting(name, kernel):
@@ -32,23 +50,17 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, tiny_model
                         counting("ragged", paged_attention_pallas.ragged_paged_attention_pallas))
     monkeypatch.setattr(paged_attention_pallas, "paged_decode_attention_pallas",
                         counting("decode", paged_attention_pallas.paged_decode_attention_pallas))
-    prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
-    outputs = {}
     kernel_impl = "pallas" if resolve_impl("auto") == "pallas" else "interpret"
-    for impl in ("reference", kernel_impl):
-        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
-        outputs[impl] = run_staggered(engine, prompts, max_tokens, arrivals)
-    assert outputs[kernel_impl] == outputs["reference"]
-    assert [len(outputs[kernel_impl][i]) for i in range(6)] == max_tokens
+    outputs = generate(kind, kernel_impl)
+    assert outputs == generate(kind, "reference")
+    assert [len(outputs[i]) for i in range(6)] == MAX_TOKENS
     assert traced["ragged"] > 0 and traced["decode"] > 0, "both kernels should have served steps"
 
 
 @pytest.mark.cpu_only("the attention paths for CPUs")
 @pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])  # gemma2: windows and soft caps
-def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, tiny_model_dir, monkeypatch):
+def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, generate, monkeypatch):
     """The CPU paths (the jnp work items, the native kernel) through prefill chunks, mixed and decode-only
     steps generate exactly the reference path's tokens."""
     if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
@@ -56,15 +68,9 @@ def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, t
     native_calls = []
     monkeypatch.setattr(cpu_kernels, "ragged_paged_attention",
                         lambda *a, **kw: native_calls.append(1) or ragged_paged_attention(*a, **kw))
-    prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
-    outputs = {}
-    for name in ("reference", impl):
-        engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=name, **KERNEL_LADDER)
-        outputs[name] = run_staggered(engine, prompts, max_tokens, arrivals)
-    assert outputs[impl] == outputs["reference"]
-    assert [len(outputs[impl][i]) for i in range(6)] == max_tokens
+    outputs = generate(kind, impl)
+    assert outputs == generate(kind, "reference")
+    assert [len(outputs[i]) for i in range(6)] == MAX_TOKENS
     assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves cpu-native's steps, and only those"
 
 
@@ -77,8 +83,7 @@ def test_a_16_bit_cache_under_a_float32_model(kv_cache_dtype, tiny_model_dir):
     if (error := cpu_kernels.kernel_error()) is not None:
         pytest.skip(error)
     prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
+    max_tokens, arrivals = MAX_TOKENS, ARRIVALS
     outputs = {}
     for impl in ("reference", "cpu", "cpu-native"):
         engine = make_engine(tiny_model_dir("llama"), warmup=False, attention_impl=impl, kv_cache_dtype=kv_cache_dtype,
@@ -136,8 +141,7 @@ def test_bfloat16_weights_under_the_native_kernels(kind, setting, tiny_model_dir
                         write(*a, **kw))
     options = SIXTEEN_BIT_WEIGHTS[setting]
     prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
+    max_tokens, arrivals = MAX_TOKENS, ARRIVALS
     outputs = {}
     for impl in ("reference", "cpu-native"):
         # Decodes of up to 8 tokens run the native matmul; the larger steps XLA's bfloat16 dot.
@@ -164,8 +168,7 @@ def test_an_fp8_cache_on_a_cpu(tiny_model_dir):
     from the same FP8 values. (How close they stay to a 16-bit cache's is measured on the bundled model:
     benchmarks/greedy_agreement.py; this random tiny model's top logits are too close to keep its tokens.)"""
     prompts = make_prompts(6)
-    max_tokens = [9, 6, 12, 5, 8, 10]
-    arrivals = [0, 0, 1, 3, 6, 7]
+    max_tokens, arrivals = MAX_TOKENS, ARRIVALS
     outputs = {}
     for impl in ("auto", "reference"):
         engine = make_engine(tiny_model_dir("llama"), warmup=False, attention_impl=impl, kv_cache_dtype="fp8",
