@@ -7,12 +7,11 @@ import pytest
 
 from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.attention import resolve_impl
-from jaxserve.ops.cpu_kernels import ragged_paged_attention
 from tests.engine.helpers import make_engine, make_prompts, run_staggered
 
 # Small enough that both kernels trace in a few seconds; prefill chunks, mixed steps and decode-only steps.
 # One request bucket: an engine compiles at most four steps (two mixed, the decode and its greedy variant),
-# each seconds of XLA:CPU on a cold cache, and this file builds 45 engines.
+# each seconds of XLA:CPU on a cold cache, and this file builds 39 engines.
 KERNEL_LADDER = dict(token_buckets=(16, 32), request_buckets=(4,), max_num_seqs=4, max_num_batched_tokens=32)
 MAX_TOKENS = [9, 6, 12, 5, 8, 10]
 ARRIVALS = [0, 0, 1, 3, 6, 7]
@@ -21,14 +20,21 @@ ARRIVALS = [0, 0, 1, 3, 6, 7]
 @pytest.fixture(scope="module")
 def generate(tiny_model_dir):
     """(kind, attention impl) -> the greedy tokens of six staggered requests (prefill chunks, mixed and
-    decode-only steps) on that path, each pair run once in this module: the generation tests compare their
-    paths with the reference path's tokens, which they share."""
+    decode-only steps) on that path, and whether the native CPU kernel served any of its steps; each pair
+    run once in this module: the generation tests compare their paths with the reference path's tokens,
+    which they share."""
     outputs = {}
 
-    def run(kind: str, impl: str) -> dict[int, list[int]]:
+    def run(kind: str, impl: str) -> tuple[dict[int, list[int]], bool]:
         if (kind, impl) not in outputs:
-            engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
-            outputs[kind, impl] = run_staggered(engine, make_prompts(6), MAX_TOKENS, ARRIVALS)
+            native_calls = []
+            kernel = cpu_kernels.ragged_paged_attention
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(cpu_kernels, "ragged_paged_attention",
+                              lambda *a, **kw: native_calls.append(1) or kernel(*a, **kw))
+                engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
+                tokens = run_staggered(engine, make_prompts(6), MAX_TOKENS, ARRIVALS)
+            outputs[kind, impl] = tokens, bool(native_calls)
         return outputs[kind, impl]
 
     return run
@@ -51,8 +57,8 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, generate, 
     monkeypatch.setattr(paged_attention_pallas, "paged_decode_attention_pallas",
                         counting("decode", paged_attention_pallas.paged_decode_attention_pallas))
     kernel_impl = "pallas" if resolve_impl("auto") == "pallas" else "interpret"
-    outputs = generate(kind, kernel_impl)
-    assert outputs == generate(kind, "reference")
+    outputs, _ = generate(kind, kernel_impl)
+    assert outputs == generate(kind, "reference")[0]
     assert [len(outputs[i]) for i in range(6)] == MAX_TOKENS
     assert traced["ragged"] > 0 and traced["decode"] > 0, "both kernels should have served steps"
 
@@ -60,18 +66,17 @@ def test_greedy_generation_with_the_kernel_equals_the_reference(kind, generate, 
 @pytest.mark.cpu_only("the attention paths for CPUs")
 @pytest.mark.parametrize("impl", ["cpu", "cpu-native"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])  # gemma2: windows and soft caps
-def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, generate, monkeypatch):
+def test_greedy_generation_with_the_cpu_paths_equals_the_reference(kind, impl, generate):
     """The CPU paths (the jnp work items, the native kernel) through prefill chunks, mixed and decode-only
     steps generate exactly the reference path's tokens."""
     if impl == "cpu-native" and (error := cpu_kernels.kernel_error()) is not None:
         pytest.skip(error)
-    native_calls = []
-    monkeypatch.setattr(cpu_kernels, "ragged_paged_attention",
-                        lambda *a, **kw: native_calls.append(1) or ragged_paged_attention(*a, **kw))
-    outputs = generate(kind, impl)
-    assert outputs == generate(kind, "reference")
+    outputs, used_native = generate(kind, impl)
+    reference, reference_used_native = generate(kind, "reference")
+    assert outputs == reference
     assert [len(outputs[i]) for i in range(6)] == MAX_TOKENS
-    assert bool(native_calls) == (impl == "cpu-native"), "the kernel serves cpu-native's steps, and only those"
+    assert used_native == (impl == "cpu-native") and not reference_used_native, (
+        "the kernel serves cpu-native's steps, and only those")
 
 
 @pytest.mark.cpu_only("the CPU paths and the CPU's KV budget (--kv-cache-memory)")
