@@ -31,6 +31,7 @@ from jaxserve.ops.paged_attention_mgpu import (
     supports,
 )
 from jaxserve.ops.paged_attention_pallas import ScoreRule
+from tests.helpers import run_jitted
 from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
 from tests.ops.test_sliding_window import assert_sinks_matter, head_sinks
@@ -54,7 +55,7 @@ def finite(case: PagedCase) -> PagedCase:
 
 def run(case: PagedCase, dtype, **kwargs) -> np.ndarray:
     args = [jnp.asarray(a, dtype) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
-    out = ragged_paged_attention_mgpu(*args, interpret=not ON_HOPPER, **kwargs)
+    out = run_jitted(ragged_paged_attention_mgpu, *args, interpret=not ON_HOPPER, **kwargs)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -263,7 +264,8 @@ def test_a_hopper_step_with_sinks_passes_them_to_both_kernels():
     case = finite(make_case(rng, [1, 40, 3, 16], [50, 60, 20, 90], 16, 2, page_size=16, head_dim=64, max_pages=8))
     args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
     sinks = head_sinks(16)
-    got = ragged_paged_attention_hopper(*args, sm_scale=0.125, sinks=jnp.asarray(sinks), interpret=not ON_HOPPER)
+    got = run_jitted(ragged_paged_attention_hopper, *args, sm_scale=0.125, sinks=jnp.asarray(sinks),
+                     interpret=not ON_HOPPER)
     got = np.asarray(got.astype(jnp.float32))
     check(got, case, jnp.bfloat16, sm_scale=0.125, sinks=sinks)
     assert_sinks_matter(got, case, 0.125, None)
@@ -278,7 +280,7 @@ def test_a_hopper_step_sends_short_requests_to_triton():
     assert min(q for q in q_lens if q >= MIN_Q_LEN) == MIN_Q_LEN and any(1 < q < MIN_Q_LEN for q in q_lens)
     case = finite(make_case(rng, q_lens, kv_lens, 8, 2, page_size=16, head_dim=64, max_pages=20))
     args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
-    got = ragged_paged_attention_hopper(*args, sm_scale=0.125, interpret=not ON_HOPPER)
+    got = run_jitted(ragged_paged_attention_hopper, *args, sm_scale=0.125, interpret=not ON_HOPPER)
     check(np.asarray(got.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.125)
 
 
