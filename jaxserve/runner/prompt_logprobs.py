@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runner.selection import top_k
+
 CHUNK = 128  # tokens per pass through the LM head
 
 
@@ -39,6 +41,7 @@ def prompt_logprobs(
     targets: jax.Array,  # i32[T]: the token to score at each position; V = none
     vocab_size: int,
     num_top: int,
+    on_cuda: bool = False,  # the target is a CUDA GPU (`selection.top_k`)
     chunk: int = CHUNK,
 ) -> PromptLogprobs:
     num_tokens, dim = hidden.shape
@@ -50,7 +53,7 @@ def prompt_logprobs(
         logprobs = jax.nn.log_softmax(compute_logits(hidden), axis=-1)  # f32[C, V]
         target = jnp.take_along_axis(logprobs, jnp.minimum(targets, vocab_size - 1)[:, None], axis=-1)  # [C, 1]
         rank = jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32) + 1  # [C]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)  # [C, L]
+        top_logprobs, top_ids = top_k(logprobs, num_top, on_cuda)  # [C, L]
         return target[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
     def compute(hidden: jax.Array) -> PromptLogprobs:

@@ -7,8 +7,9 @@ banning the only tokens its grammar allows), the row falls back to its grammar a
 
 Each optional stage sits behind a `lax.cond` on "does any row use it", so a plain greedy batch costs
 an argmax, and logprobs cost nothing unless a row asks. On CUDA GPUs the logit processing (grammar mask,
-bias and penalties) runs as one stage with no conditionals nested inside (`skip_unused=False`): XLA:GPU
-copies the [R, V] logits through a conditional's pass-through branch and reads each predicate on the host.
+bias and penalties) runs as one stage with no conditionals nested inside (`on_cuda`): XLA:GPU copies the
+[R, V] logits through a conditional's pass-through branch and reads each predicate on the host; and the
+top logprobs are taken as XLA:GPU's TopK kernel takes them (`selection.top_k`).
 Nothing sorts the vocabulary: top-k and top-p are thresholds on the probabilities and a draw is an
 inverse-CDF lookup (`selection`). Each row draws one uniform from its own key, fold_in(key(seed),
 output_index): the same seed gives the same tokens whatever shares the batch.
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.runner.penalties import PenaltyTables, apply_penalties
-from jaxserve.runner.selection import first_argmax, sample_categorical, top_k_threshold, top_p_threshold
+from jaxserve.runner.selection import first_argmax, sample_categorical, top_k, top_k_threshold, top_p_threshold
 from jaxserve.runner.step_batch import SamplingArrays
 from jaxserve.sampling_params import GREEDY_TEMPERATURE
 
@@ -98,7 +99,7 @@ def _no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax
 
 
 def _reported_logprobs(
-    raw_logits: jax.Array, tokens: jax.Array, params: SamplingArrays, num_top_logprobs: int
+    raw_logits: jax.Array, tokens: jax.Array, params: SamplingArrays, num_top_logprobs: int, on_cuda: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The sampled tokens' logprobs f32[R] and the top-L alternatives (f32[R, L], i32[R, L]) under the raw
     model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as much as the sampling)."""
@@ -109,7 +110,7 @@ def _reported_logprobs(
         token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_total
         wants_top = jnp.any(params.wants_top_logprobs)
         top_logits, top_ids = jax.lax.cond(
-            wants_top, lambda x: tuple(jax.lax.top_k(x, num_top_logprobs)), lambda x: nothing[1:], raw
+            wants_top, lambda x: top_k(x, num_top_logprobs, on_cuda), lambda x: nothing[1:], raw
         )
         return token_logprobs, top_logits - log_total[:, None], top_ids.astype(jnp.int32)
 
@@ -132,7 +133,7 @@ def sample(
     params: SamplingArrays,
     tables: PenaltyTables,
     num_top_logprobs: int,
-    skip_unused: bool = True,  # the logit processing's stages each behind a conditional (`_process_logits`)
+    on_cuda: bool = False,  # the target is a CUDA GPU (the module's docstring)
 ) -> SamplerOutput:
     is_greedy = params.temperature == GREEDY_TEMPERATURE  # the row of a greedy request (`SAMPLING_ROW`)
 
@@ -150,9 +151,7 @@ def sample(
         return jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, mixed, logits)
 
     # Branches that return tokens, not logits: a cond passing [R, V] logits through unchanged copies them.
-    tokens = jax.lax.cond(
-        _modifies_logits(params, tables), lambda x: choose(_process_logits(x, params, tables, skip_unused)), choose,
-        logits,
-    )
-    token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs)
+    processed_and_chosen = lambda x: choose(_process_logits(x, params, tables, skip_unused=not on_cuda))  # noqa: E731
+    tokens = jax.lax.cond(_modifies_logits(params, tables), processed_and_chosen, choose, logits)
+    token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs, on_cuda)
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

@@ -13,6 +13,8 @@ runs at memory speed:
   count or sum per step. The kept set is the sort-based one: every token at or above the k-th largest
   probability, then those whose probability mass strictly above them is under top_p of what top-k kept
   (ties kept together).
+- `top_k`: `jax.lax.top_k`, on CUDA GPUs in pieces of at most 16 (XLA:GPU's own TopK kernel); a larger k
+  there becomes a sort of each whole row, many kernels to compile and a slower step.
 - `sample_categorical`: inverse-CDF sampling with one uniform per row: the row's mass per chunk, the
   chunk where the cumulative mass crosses u x total, then the token inside it. Tokens of zero
   probability are never drawn (each level also requires weight, as XLA:CPU's blocked cumsum rounds).
@@ -89,6 +91,28 @@ def top_p_threshold(probs: jax.Array, top_p: jax.Array, floor: jax.Array) -> jax
     top = _bits(eligible.max(axis=-1))
     least = _bisect(jnp.zeros_like(top), top, keeps_at)  # at 0 the whole mass is above: never kept
     return jnp.where(top_p < 1.0, _float(least), 0.0)
+
+
+_GPU_TOP_K_KERNEL_MAX = 16  # the largest k XLA:GPU runs as its TopK kernel rather than as a sort
+
+
+def top_k(x: jax.Array, k: int, on_cuda: bool) -> tuple[jax.Array, jax.Array]:  # f32[R, V] -> f32[R, k], i32[R, k]
+    """`jax.lax.top_k(x, k)`: the k largest of each row, largest first, and their indices. On CUDA GPUs k
+    above 16 is taken 16 at a time, each piece's tokens set to -inf before the next (a row then needs k
+    entries above -inf, as logits and logprobs have)."""
+    if not on_cuda or k <= _GPU_TOP_K_KERNEL_MAX:
+        return tuple(jax.lax.top_k(x, k))
+    rows = jnp.arange(x.shape[0])[:, None]  # [R, 1]
+    values, indices = [], []
+    while k:
+        piece = min(k, _GPU_TOP_K_KERNEL_MAX)
+        top, index = jax.lax.top_k(x, piece)  # [R, piece]
+        values.append(top)
+        indices.append(index)
+        k -= piece
+        if k:
+            x = x.at[rows, index].set(-jnp.inf)
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(indices, axis=-1)
 
 
 def sample_categorical(weights: jax.Array, uniforms: jax.Array) -> jax.Array:

@@ -86,9 +86,9 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
                                            skip_untouched=not on_cuda)
             if mesh is not None:
                 penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
-            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, skip_unused=not on_cuda)
+            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, on_cuda)
             prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
-                                     num_top_logprobs)
+                                     num_top_logprobs, on_cuda)
         outputs = (kv_caches, penalty_tables, sampled, prompt, _by_row(sampled.tokens, batch.previous_tokens, mesh))
         return (*outputs, _pooled(hidden, batch)) if pooling else outputs
 
@@ -131,7 +131,7 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
             else:
                 moved_sampling = dataclasses.replace(sampling, output_index=sampling.output_index + offset)
                 sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs,
-                                 skip_unused=not model.cfg.attention.cuda)
+                                 on_cuda=model.cfg.attention.cuda)
             return (kv_caches, sampled.tokens, tokens.at[step].set(sampled.tokens),
                     logprobs.at[step].set(sampled.logprobs))
 

@@ -36,13 +36,13 @@ def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_in
     return SamplingArrays(**{**fields, **extra})
 
 
-@functools.partial(jax.jit, static_argnames="skip_unused")
-def _sample(logits, params, tables, skip_unused=True):
-    return sample(logits, params, tables, TOP, skip_unused=skip_unused)
+@functools.partial(jax.jit, static_argnames="on_cuda")
+def _sample(logits, params, tables, on_cuda=False):
+    return sample(logits, params, tables, TOP, on_cuda=on_cuda)
 
 
-def sample_jit(logits, params, tables=None, skip_unused=True):
-    out = _sample(logits, params, tables or PenaltyTables.zeros(SLOTS, VOCAB), skip_unused=skip_unused)
+def sample_jit(logits, params, tables=None, on_cuda=False):
+    out = _sample(logits, params, tables or PenaltyTables.zeros(SLOTS, VOCAB), on_cuda=on_cuda)
     return out.tokens, out.logprobs
 
 
@@ -130,8 +130,8 @@ def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled():
         np.testing.assert_allclose(logprobs, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("skip_unused", [True, False])  # CPUs' conditional stages, CUDA GPUs' single one
-def test_grammar_bias_bans_and_penalties_together(skip_unused):
+@pytest.mark.parametrize("on_cuda", [False, True])  # CPUs' conditional stages, CUDA GPUs' single one
+def test_grammar_bias_bans_and_penalties_together(on_cuda):
     """Greedy rows, each with one kind of processing in one batch: a grammar, a bias, a ban that leaves a
     row no token its grammar allows (it falls back to its grammar), penalties; and a grammar-only batch."""
     rng = np.random.default_rng(6)
@@ -148,14 +148,14 @@ def test_grammar_bias_bans_and_penalties_together(skip_unused):
     slots = np.where(np.arange(ROWS) == 4, 1, SLOTS).astype(np.int32)  # row 4 has penalties, at first none
     params = arrays(0.0, token_bitmask=bitmask, constrained=constrained, bias_token_ids=ids, bias_values=values,
                     penalty_slots=slots)
-    tokens = np.asarray(sample_jit(logits, params, tables, skip_unused=skip_unused)[0])
+    tokens = np.asarray(sample_jit(logits, params, tables, on_cuda=on_cuda)[0])
     assert tokens[1] == [3, 17][int(logits[1, 17] > logits[1, 3])] and tokens[2] == 7 and tokens[3] == 5
     assert tokens[0] == logits[0].argmax() and tokens[4] == 0
     rep = np.where(np.arange(ROWS) == 4, 100.0, 1.0).astype(np.float32)  # token 0, the prompt's, shrinks
     params = dataclasses.replace(params, repetition_penalty=rep)
-    assert np.asarray(sample_jit(logits, params, tables, skip_unused=skip_unused)[0])[4] == top
+    assert np.asarray(sample_jit(logits, params, tables, on_cuda=on_cuda)[0])[4] == top
     grammar_only = arrays(0.0, token_bitmask=bitmask, constrained=constrained)
-    tokens = np.asarray(sample_jit(logits, grammar_only, skip_unused=skip_unused)[0])
+    tokens = np.asarray(sample_jit(logits, grammar_only, on_cuda=on_cuda)[0])
     assert tokens[3] == 5 and tokens[1] in (3, 17) and tokens[0] == logits[0].argmax()
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.runner.selection import CHUNK, first_argmax, sample_categorical, top_k_threshold, top_p_threshold
+from jaxserve.runner.selection import CHUNK, first_argmax, sample_categorical, top_k, top_k_threshold, top_p_threshold
 
 VOCABS = [CHUNK * 5, 50257, 77]  # a multiple of the chunk, GPT-2's odd vocabulary, less than one chunk
 
@@ -36,6 +36,21 @@ def test_top_k_threshold_is_the_kth_largest_probability(vocab):
     for row, k in enumerate(ks):
         expected = 0.0 if k == 0 else np.sort(probs[row])[::-1][min(k, vocab) - 1]
         assert got[row] == expected, (row, k)
+
+
+@pytest.mark.parametrize("on_cuda", [False, True], ids=["whole", "in pieces of 16"])
+@pytest.mark.parametrize("k", [5, 16, 20, 40])
+def test_top_k_is_a_stable_descending_sort_s_first_k(k, on_cuda):
+    """Largest first, the lower index first among equals, also where a tie straddles two pieces."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 50257)).astype(np.float32)
+    x[1] = np.round(x[1] * 2)  # many ties everywhere
+    x[2, 100:130] = 9.0  # 30 equal maxima: the 16th and 17th are equal
+    x[3, [7, 70000 % 50257, 50256]] = 8.0
+    values, indices = jax.jit(top_k, static_argnums=(1, 2))(x, k, on_cuda)
+    order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.asarray(indices), order)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, order, axis=-1))
 
 
 def top_p_oracle(probs: np.ndarray, top_p: float, floor: float) -> set[int]:
