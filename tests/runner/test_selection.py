@@ -38,6 +38,7 @@ def test_top_k_threshold_is_the_kth_largest_probability(vocab):
         assert got[row] == expected, (row, k)
 
 
+@pytest.mark.gpu  # in `make test-gpu`: XLA:GPU's TopK kernel (the pieces) and its sort (k whole) on the device
 @pytest.mark.parametrize("on_cuda", [False, True], ids=["whole", "in pieces of 16"])
 @pytest.mark.parametrize("k", [5, 16, 20, 40])
 def test_top_k_is_a_stable_descending_sort_s_first_k(k, on_cuda):
