@@ -23,7 +23,7 @@ SETTINGS = {  # name -> per-row sampling values (and whether rows ask for logpro
     "top_k 50": dict(temperature=1.0, top_k=50),
     "top_k 50, top_p 0.9, min_p 0.05": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
 }
-NUM_TOP = 20
+NUM_TOP = 20  # the top logprobs the step computes when any row asks for some (vLLM's --max-logprobs default)
 
 
 def sampling_arrays(rows: int, vocab: int, setting: dict):
@@ -51,7 +51,7 @@ def sampling_arrays(rows: int, vocab: int, setting: dict):
     return SamplingArrays(**{f.name: values[f.name] for f in dataclasses.fields(SamplingArrays)})
 
 
-def measure(rows: int, vocab: int, setting: dict, repeats: int, logit_scale: float) -> float:
+def measure(rows: int, vocab: int, setting: dict, repeats: int, logit_scale: float, on_cuda: bool) -> float:
     import jax
 
     from jaxserve.runner.penalties import PenaltyTables
@@ -59,7 +59,7 @@ def measure(rows: int, vocab: int, setting: dict, repeats: int, logit_scale: flo
 
     logits = jax.numpy.asarray(np.random.default_rng(0).standard_normal((rows, vocab), np.float32) * logit_scale)
     params, tables = sampling_arrays(rows, vocab, setting), PenaltyTables.zeros(rows, vocab)
-    step = jax.jit(lambda logits, params, tables: sample(logits, params, tables, NUM_TOP))
+    step = jax.jit(lambda logits, params, tables: sample(logits, params, tables, NUM_TOP, on_cuda))
     jax.block_until_ready(step(logits, params, tables))
     times = []
     for _ in range(repeats):
@@ -78,14 +78,20 @@ def main() -> None:
     parser.add_argument("--logit-scale", type=float, default=3.0,
                         help="logits are normal x this: 3 is flat (top-p 0.9 keeps ~1,500 tokens of 49,152), "
                              "4 about 50, 5 about 5")
+    parser.add_argument("--cpu-form", action="store_true",
+                        help="on a CUDA GPU, the sampler as CPUs compile it (conditional stages, top-k whole)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from jaxserve.device import local_facts
+
+    on_cuda = local_facts().compute_capability is not None and not args.cpu_form
     results = []
     print("| setting | " + " | ".join(f"{r} rows ms" for r in args.rows) + " |")
     print("|---" * (len(args.rows) + 1) + "|")
     for name in args.settings:
-        row = {r: measure(r, args.vocab, SETTINGS[name], args.repeats, args.logit_scale) for r in args.rows}
-        results.append({"setting": name, "vocab": args.vocab, "logit_scale": args.logit_scale, "median_ms": row})
+        row = {r: measure(r, args.vocab, SETTINGS[name], args.repeats, args.logit_scale, on_cuda) for r in args.rows}
+        results.append({"setting": name, "vocab": args.vocab, "logit_scale": args.logit_scale, "on_cuda": on_cuda,
+                        "median_ms": row})
         print(f"| {name} | " + " | ".join(f"{row[r]:.2f}" for r in args.rows) + " |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

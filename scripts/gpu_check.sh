@@ -17,6 +17,8 @@
 #   registers  the Mosaic GPU kernel's registers and spills per configuration (ptxas -v on its PTX;
 #              benchmarks/mosaic_registers.py);
 #   lora       what --enable-lora costs on the 8B shape (benchmarks/lora.py: no LoRA, 1 and 4 slots);
+#   sampler    the sampler alone at Llama 3's vocabulary (benchmarks/sampler.py), as a CUDA GPU compiles it
+#              (top logprobs on XLA:GPU's TopK kernel), then as a CPU does (a sort of each row);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
 #
 #   scripts/gpu_check.sh --prepare   # here, once: model directories (bundled shapes, SmolLM2's tokenizer) in
@@ -37,7 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, paged-decode, paged-prefill, registers and lora)
+             # includes, and fp8, paged-decode, paged-prefill, registers, lora and sampler)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -125,7 +127,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
 wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill \
-              && $1 != registers && $1 != lora) \
+              && $1 != registers && $1 != lora && $1 != sampler) \
              || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
@@ -208,6 +210,14 @@ if wanted lora; then  # --enable-lora's cost beside no LoRA, three engines shari
   stage lora "${LORA_S:-240}" python3 benchmarks/lora.py --config gpu --model .gpu_check/llama-3-8b --load-format dummy \
     --gpu-memory-utilization 0.28 --streams 1 16 64 --rounds 2 --out "$out/lora.json" > "$out/lora.log" 2>&1
   tail -n 20 "$out/lora.log" >> "$summary"
+fi
+if wanted sampler; then  # the same settings as on a GPU, then in the CPU's form, side by side
+  for form in gpu cpu; do
+    stage "sampler-$form" "${SAMPLER_S:-45}" python3 benchmarks/sampler.py --rows 16 256 --vocab 128256 \
+      --settings greedy "greedy + logprobs 5" "top_k 50, top_p 0.9, min_p 0.05" $([[ $form == cpu ]] && echo --cpu-form) \
+      --json "$out/sampler_$form.json" > "$out/sampler_$form.log" 2>&1
+    { echo "sampler ($form form):"; cat "$out/sampler_$form.log"; } >> "$summary"
+  done
 fi
 if wanted imports; then  # what a server process imports before its first log line, and JAX's CUDA start
   stage imports 40 python3 -X importtime -c "import time; t = time.perf_counter(); import jaxserve.api.server, jax; \

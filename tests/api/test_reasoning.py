@@ -92,7 +92,7 @@ def thinking_engine(tmp_path_factory, smollm2_tokenizer):
     directory = tmp_path_factory.mktemp("tiny-thinking")
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
-    return AsyncEngine(make_engine(directory))
+    return AsyncEngine(make_engine(directory, warmup=False))
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def test_the_harmony_parser_keeps_the_special_tokens_it_reads(harmony_model_dir)
     """Over HTTP, on a tiny model whose tokenizer has harmony's special tokens: forced to write
     `<|channel|>` three times, the answer holds them under `openai_gptoss` (they reach the parser), and
     is empty without it (special tokens are skipped, as vLLM skips them)."""
-    engine = AsyncEngine(make_engine(harmony_model_dir))
+    engine = AsyncEngine(make_engine(harmony_model_dir, warmup=False))
     channel = _ids(engine, "<|channel|>")
     body = {"max_tokens": 3, "logit_bias": {str(channel): 100}}
     with TestClient(create_app(ServerConfig(reasoning_parser="openai_gptoss"), engine)) as harmony, \

@@ -12,7 +12,9 @@ LADDER = dict(token_buckets=(16, 64), request_buckets=(1, 2, 4, 8), max_num_seqs
 
 
 def make_engine(model_dir, warmup: bool = True, model=None, **overrides) -> LLMEngine:
-    """An engine on `model_dir` (or on `model`, a LoadedModel of it, where given) with the test ladder."""
+    """An engine on `model_dir` (or on `model`, a LoadedModel of it, where given) with the test ladder.
+    `warmup=False`: each step compiles when first run, for tests of outputs whose engine differs from the
+    shared ones (a small KV cache, another vocabulary), where a warm-up compiles buckets they never run."""
     # Ready once every bucket is compiled: `auto` would warm up in the background wherever the persistent
     # cache (the default one: None leaves it) already holds the largest bucket, as earlier tests fill it.
     options = {"dtype": "float32", **LADDER, "page_size": 4, "num_kv_pages": 256, "max_model_len": 256,

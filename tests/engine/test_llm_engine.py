@@ -35,7 +35,7 @@ def test_continuous_batching_changes_nothing(engine, solo_outputs):
 @pytest.mark.gpu
 def test_preemption_changes_nothing(llama_dir, solo_outputs):
     # 24 usable pages of 4 tokens cannot hold all eight requests at once: some are preempted.
-    small = make_engine(llama_dir, num_kv_pages=25)
+    small = make_engine(llama_dir, warmup=False, num_kv_pages=25)
     preemptions = []
     original = small.scheduler._preempt
     small.scheduler._preempt = lambda r: (preemptions.append(r.request_id), original(r))[1]
@@ -45,7 +45,7 @@ def test_preemption_changes_nothing(llama_dir, solo_outputs):
 
 @pytest.mark.gpu
 def test_chunked_prefill_changes_nothing(llama_dir, solo_outputs):
-    tiny_budget = make_engine(llama_dir, max_num_batched_tokens=8, token_buckets=(8,))
+    tiny_budget = make_engine(llama_dir, warmup=False, max_num_batched_tokens=8, token_buckets=(8,))
     check_batched(tiny_budget, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
 
 

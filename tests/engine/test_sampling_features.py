@@ -69,7 +69,7 @@ def test_penalties_survive_batching_and_preemption(llama_dir, engine):
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.7, presence_penalty=0.4)
     solo = [run_one(engine, p, params).token_ids for p in prompts]
-    small = make_engine(llama_dir, num_kv_pages=25)  # forces preemption and recompute
+    small = make_engine(llama_dir, warmup=False, num_kv_pages=25)  # forces preemption and recompute
     preemptions = []
     original = small.scheduler._preempt
     small.scheduler._preempt = lambda r: (preemptions.append(r.request_id), original(r))[1]
