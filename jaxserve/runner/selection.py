@@ -1,4 +1,5 @@
-"""Vocabulary-wide selections without sorting: argmax, top-k/top-p thresholds, and a categorical draw.
+"""Vocabulary-wide selections without sorting: argmax, top-k/top-p thresholds, a categorical draw, and the
+top-k values themselves (`top_k`, on the backend's own top-k).
 
 The sampler's work per row is a pass or a few over V logits (49,152 for SmolLM2, 128,256 for Llama 3).
 The obvious jnp forms are slow on XLA:CPU, measured at 64 rows x 49,152 (benchmarks/sampler.py):
@@ -99,7 +100,7 @@ _GPU_TOP_K_KERNEL_MAX = 16  # the largest k XLA:GPU runs as its TopK kernel rath
 def top_k(x: jax.Array, k: int, on_cuda: bool) -> tuple[jax.Array, jax.Array]:  # f32[R, V] -> f32[R, k], i32[R, k]
     """`jax.lax.top_k(x, k)`: the k largest of each row, largest first, and their indices. On CUDA GPUs k
     above 16 is taken 16 at a time, each piece's tokens set to -inf before the next (a row then needs k
-    entries above -inf, as logits and logprobs have)."""
+    entries above -inf, as logits and logprobs have): one pass over the row per piece."""
     if not on_cuda or k <= _GPU_TOP_K_KERNEL_MAX:
         return tuple(jax.lax.top_k(x, k))
     rows = jnp.arange(x.shape[0])[:, None]  # [R, 1]
