@@ -151,7 +151,9 @@ def sample(
         return jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_tokens, mixed, logits)
 
     # Branches that return tokens, not logits: a cond passing [R, V] logits through unchanged copies them.
-    processed_and_chosen = lambda x: choose(_process_logits(x, params, tables, skip_unused=not on_cuda))  # noqa: E731
-    tokens = jax.lax.cond(_modifies_logits(params, tables), processed_and_chosen, choose, logits)
+    tokens = jax.lax.cond(
+        _modifies_logits(params, tables),
+        lambda x: choose(_process_logits(x, params, tables, skip_unused=not on_cuda)), choose, logits,
+    )
     token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs, on_cuda)
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)
