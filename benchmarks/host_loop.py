@@ -96,6 +96,8 @@ def measure(num_seqs: int, decode_steps: int, mode: str, vocab_size: int = 49152
     model_runner.build_step_batch = timed("build", model_runner.build_step_batch)
     model_runner.to_host = timed("device", model_runner.to_host)
     runner._compiled = {bucket: timed("dispatch", compiled) for bucket, compiled in runner._compiled.items()}
+    runner._compiled_samplers = {rows: timed("dispatch", sampler)  # CPUs: the step's second program
+                                 for rows, sampler in runner._compiled_samplers.items()}
     engine.outputs.process = timed("frontend", engine.outputs.process)
     core_step = engine.core.step
 

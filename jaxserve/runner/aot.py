@@ -133,6 +133,22 @@ def abstract_step_args(
     return args
 
 
+def abstract_sample_args(shapes: StepShapes, num_reqs: int, device: Any, mesh: Mesh | None = None) -> tuple[Any, ...]:
+    """(logits, sampling, penalty_tables) of a request bucket of `num_reqs` rows as ShapeDtypeStructs where
+    the step leaves them (on `device`, or replicated over `mesh`): what `step_fn.make_sample_fn`'s program
+    takes, for any bucket of as many rows."""
+    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
+
+    def on_device(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    layout = shapes.layout
+    sampling = neutral_batch(Bucket(num_reqs, num_reqs, decode_only=True), layout).sampling  # numpy
+    penalties = jax.eval_shape(lambda: PenaltyTables.zeros(layout.num_penalty_slots, layout.vocab_size))
+    logits = jax.ShapeDtypeStruct((num_reqs, layout.vocab_size), np.float32, sharding=sharding)
+    return logits, jax.tree.map(on_device, sampling), jax.tree.map(on_device, penalties)
+
+
 def compile_bucket(
     step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
     read_launches: bool = False, multi_step: bool = False, compiler_options: dict[str, Any] | None = None,

@@ -50,6 +50,7 @@ from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
     abstract_kv_caches,
+    abstract_sample_args,
     abstract_step_args,
     abstract_weights,
     compile_bucket,
@@ -67,7 +68,7 @@ from jaxserve.runner.prompt_logprobs import PromptLogprobs
 from jaxserve.runner.request_rows import RequestRows
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step_batch import StepBatch
-from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
+from jaxserve.runner.step_fn import make_decode_steps_fn, make_sample_fn, make_step_fn, samples_apart
 from jaxserve.runner.temp_records import StepTempRecord, TempRecords, fingerprint, source_digest
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,14 @@ class ModelRunner:
         )
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
-        self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling),
+        # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
+        self.sample_apart = samples_apart(jax.devices()[0].platform)
+        self._sample_fn = make_sample_fn(max_logprobs, max_num_seqs, self.mesh)
+        self._compiled_samplers: dict[int, Any] = {}  # jax.stages.Compiled per request bucket (R), by warmup
+        # One lock per R, so that two buckets' compiles on threads compile their sampler once.
+        self._sampler_locks = {r: threading.Lock() for r in {b.num_reqs for b in ladder.all_buckets()}}
+        self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling,
+                                              sample_apart=self.sample_apart),
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
                                                                  greedy=True)}
         self._step = self._step_fns[PLAIN]
@@ -498,8 +506,14 @@ class ModelRunner:
             self.kv_caches, self.penalty_tables, sampled, self._previous_tokens = step(
                 weights, self.kv_caches, self.penalty_tables, packed, decode_steps)
             return sampled, None, None
-        self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens, *pooled = step(
-            weights, self.kv_caches, self.penalty_tables, packed)
+        if variant == PLAIN and self.sample_apart:
+            self.kv_caches, self.penalty_tables, logits, sampling, prompt, *pooled = step(
+                weights, self.kv_caches, self.penalty_tables, packed)
+            sampler = self._compiled_samplers.get(bucket.num_reqs, self._sample_fn)
+            sampled, self._previous_tokens = sampler(logits, sampling, self.penalty_tables)
+        else:
+            self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens, *pooled = step(
+                weights, self.kv_caches, self.penalty_tables, packed)
         return sampled, prompt, pooled[0] if pooled else None
 
     def _compiled_step(self, bucket: Bucket, variant: StepVariant) -> Any | None:
@@ -640,22 +654,40 @@ class ModelRunner:
                 self._compiled[bucket] = sized.compiled
             return sized.from_cache
         with slots:
+            _listen_for_cache_hits()
+            # The bucket runs once its sampler is compiled too (`sample_apart`): compiled first, by one bucket
+            # per request bucket while the others wait for it here.
+            sampler_from_cache = self._compile_sampler(bucket.num_reqs) if variant == PLAIN else True
             args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
                                       variant.multi_step)
-            _listen_for_cache_hits()
             _thread_cache_hits.count = 0
             with self._tracing:
                 if self._stop_compiling.is_set():  # stopped while this job waited for its turn
                     return None
                 lowered = self._step_fns[variant].trace(*args).lower()
             compiled = lowered.compile()
-            from_cache = _thread_cache_hits.count > 0
+            from_cache = _thread_cache_hits.count > 0 and sampler_from_cache
         with self._compiled_lock:
             if variant == PLAIN:
                 self._compiled[bucket] = compiled
             else:
                 self._compiled_variants[bucket, variant] = compiled
         return from_cache
+
+    def _compile_sampler(self, num_reqs: int) -> bool:
+        """Compiles the sampler's program for `num_reqs` rows unless it is (`sample_apart` only); returns
+        whether nothing was compiled but from JAX's persistent cache."""
+        if not self.sample_apart:
+            return True
+        with self._sampler_locks[num_reqs]:
+            if num_reqs in self._compiled_samplers:
+                return True
+            args = abstract_sample_args(self._step_shapes, num_reqs, jax.devices()[0], self.mesh)
+            _thread_cache_hits.count = 0
+            with self._tracing:
+                lowered = self._sample_fn.trace(*args).lower()
+            self._compiled_samplers[num_reqs] = lowered.compile()
+            return _thread_cache_hits.count > 0
 
     @staticmethod
     def _log_compiled(futures: list[Future[bool | None]]) -> None:

@@ -8,6 +8,12 @@ step, the list 15 us. With a tensor-parallel `mesh`, logits are gathered whole b
 pages stay split by KV head from step to step. Besides the sampler's output they return the samples by
 row, i32[M], which the next step may read as inputs before the host has seen them. The batch comes packed
 (`packing.pack`): two buffers instead of 25 narrow arrays.
+
+On CPUs the plain step leaves the full sampler to a program of its own (`make_sample_fn`), compiled once
+per request bucket rather than once per bucket: most of a step's compile is the sampler's (its top-k and
+top-p bisections, the draw, the logprobs), and one bucket's sampler is every bucket's with as many rows.
+A CPU runs programs one after another with nothing to launch, so the split costs a dispatch. GPUs keep the
+sampler inside the step, one program to launch (the greedy and multi-step variants keep it everywhere).
 """
 
 import dataclasses
@@ -24,7 +30,7 @@ from jaxserve.runner.packing import PackedBatch, unpack
 from jaxserve.runner.penalties import PenaltyTables, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
-from jaxserve.runner.step_batch import StepBatch
+from jaxserve.runner.step_batch import SamplingArrays, StepBatch
 
 
 def _input_ids(batch: StepBatch) -> jax.Array:  # i32[T]
@@ -48,9 +54,9 @@ def _forward(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_cache
     return hidden, logits, kv_caches
 
 
-def _by_row(tokens: jax.Array, previous_tokens: jax.Array, mesh: Mesh | None) -> jax.Array:  # i32[M]
+def _by_row(tokens: jax.Array, max_rows: int, mesh: Mesh | None) -> jax.Array:  # i32[M]
     """The samples, i32[R], as the next step reads them: by row, over all M rows."""
-    tokens_by_row = jnp.zeros_like(previous_tokens).at[: tokens.shape[0]].set(tokens)
+    tokens_by_row = jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens)
     return tokens_by_row if mesh is None else jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
 
 
@@ -65,11 +71,13 @@ def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
-                 greedy: bool = False, pooling: bool = False):
+                 greedy: bool = False, pooling: bool = False, sample_apart: bool = False):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
     PromptLogprobs, tokens_by_row)`, jitted with the KV pages and penalty tables donated.
     `greedy`: the variant for batches whose every row is greedy and asks for nothing more
     (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them.
+    `sample_apart` (CPUs, not with `greedy`): the step stops at the logits and returns (kv_caches,
+    penalty_tables, logits f32[R, V], SamplingArrays, PromptLogprobs) for `make_sample_fn`'s program.
     `pooling` (--runner pooling): also each row's pooled hidden states (`_pooled`), last in the tuple."""
 
     def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
@@ -86,13 +94,38 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
                                            skip_untouched=not on_cuda)
             if mesh is not None:
                 penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
-            sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, on_cuda)
             prompt = prompt_logprobs(model.compute_logits, hidden, batch.prompt_logprob_targets, logits.shape[-1],
                                      num_top_logprobs, on_cuda)
-        outputs = (kv_caches, penalty_tables, sampled, prompt, _by_row(sampled.tokens, batch.previous_tokens, mesh))
+            if not sample_apart:
+                sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, on_cuda)
+        if sample_apart and not greedy:  # `make_sample_fn`'s program samples
+            sampling = batch.sampling if mesh is None else jax.lax.with_sharding_constraint(batch.sampling,
+                                                                                            replicated(mesh))
+            outputs = (kv_caches, penalty_tables, logits, sampling, prompt)
+        else:
+            outputs = (kv_caches, penalty_tables, sampled, prompt,
+                       _by_row(sampled.tokens, batch.previous_tokens.shape[0], mesh))
         return (*outputs, _pooled(hidden, batch)) if pooling else outputs
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
+
+
+def samples_apart(platform: str) -> bool:
+    """Whether a runner on `platform` leaves the plain step's sampler to `make_sample_fn`'s program: on CPUs
+    (the module's docstring)."""
+    return platform == "cpu"
+
+
+def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = None):
+    """`sample_step(logits, sampling, penalty_tables) -> (SamplerOutput, tokens_by_row i32[M])`, jitted: the
+    full sampler of a step made with `sample_apart` (CPUs), as its own program; its shapes are the request
+    bucket's alone (logits f32[R, V], SamplingArrays of R rows). `max_rows`: M, the runner's rows."""
+
+    def sample_step(logits: jax.Array, sampling: SamplingArrays, penalty_tables: PenaltyTables):
+        sampled = sample(logits, sampling, penalty_tables, num_top_logprobs)
+        return sampled, _by_row(sampled.tokens, max_rows, mesh)
+
+    return jax.jit(sample_step)
 
 
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
@@ -142,6 +175,6 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
         kv_caches, last_tokens, tokens, logprobs = jax.lax.fori_loop(0, num_steps, one_step, carry)
         no_top = jnp.zeros((num_steps, num_rows, num_top_logprobs), jnp.int32)
         sampled = SamplerOutput(tokens, logprobs, no_top, no_top.astype(jnp.float32))
-        return kv_caches, penalty_tables, sampled, _by_row(last_tokens, batch.previous_tokens, mesh)
+        return kv_caches, penalty_tables, sampled, _by_row(last_tokens, batch.previous_tokens.shape[0], mesh)
 
     return jax.jit(decode_steps, donate_argnames=("kv_caches", "penalty_tables"))
