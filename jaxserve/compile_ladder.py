@@ -1,5 +1,7 @@
 """`jaxserve compile`: the whole step (model, attention kernels, sampler) compiled for every bucket of a
-ladder, for a GPU this machine does not have (or for the local device), with a roofline per bucket.
+ladder, for a GPU this machine does not have (or for the local device), with a roofline per bucket. On a
+CPU, as `serve` runs it there, the plain step stops at the logits and a row per request bucket holds its
+sampler's program (`step_fn.samples_apart`).
 
 Nothing runs: the model is built from its config alone (shapes, no weights), the step's arguments are
 `ShapeDtypeStruct`s on the target device, and XLA compiles them as it would on that GPU (Triton and ptxas
@@ -41,13 +43,21 @@ from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # t
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
-from jaxserve.runner.aot import StepShapes, abstract_step_args, compile_bucket, step_shapes, temp_estimate
+from jaxserve.runner.aot import (
+    CompiledBucket,
+    StepShapes,
+    abstract_step_args,
+    compile_bucket,
+    compile_sampler,
+    step_shapes,
+    temp_estimate,
+)
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
 from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
 from jaxserve.runner.kv_sizing import with_margin
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
-from jaxserve.runner.step_fn import make_decode_steps_fn, make_step_fn
+from jaxserve.runner.step_fn import make_decode_steps_fn, make_sample_fn, make_step_fn, samples_apart
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +87,8 @@ class BucketResult:
     collectives: dict[str, int]  # cross-device ops in the compiled step (tensor parallelism), by kind
     launches: StepLaunches | None  # what the step launches and which command buffers hold it (GPU targets)
     # Which step function: "plain", or a decode bucket's "greedy", "multi-step" or "multi-step greedy"
-    # (the roofline figures stay one decode step's).
+    # (the roofline figures stay one decode step's), or on CPU targets a request bucket's "sampler"
+    # (`step_fn.make_sample_fn`; no roofline).
     variant: str = "plain"
 
 
@@ -185,7 +196,9 @@ def compile_ladder(
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
                                 cache_dtype.itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
-    step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh)
+    apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
+    step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
+                        sample_apart=apart)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
@@ -230,10 +243,15 @@ def compile_ladder(
     jobs_todo = [(bucket, name) for bucket in todo for name in step_fns
                  if name == "plain" or (bucket.decode_only and (name != "multi-step greedy"
                                                                 or config.buckets.greedy_decodes))]
+    if apart:  # one sampler per request bucket
+        step_fns["sampler"] = (make_sample_fn(config.model.max_logprobs, sched.max_num_seqs, mesh), False)
+        jobs_todo += [(Bucket(rows, rows, decode_only=True), "sampler") for rows in sorted({b.num_reqs for b in todo})]
 
     def one(job: tuple[Bucket, str]) -> BucketResult:
         bucket, variant = job
         step_fn, multi_step = step_fns[variant]
+        if variant == "sampler":
+            return _sampler_result(compile_sampler(step_fn, shapes, bucket.num_reqs, device, mesh))
         compiled = compile_bucket(step_fn, state, shapes, bucket, device, mesh, read_launches=read_launches,
                                   multi_step=multi_step)
         xla_flops = xla_bytes = None
@@ -273,6 +291,18 @@ def compile_ladder(
         compile_seconds=round(sum(r.compile_seconds for r in results), 2),
         wall_seconds=round(time.perf_counter() - wall_start, 2),
         buckets=results,
+    )
+
+
+def _sampler_result(compiled: CompiledBucket) -> BucketResult:
+    """A sampler's row (CPU targets): its compile and memory; no roofline, which counts whole steps."""
+    logger.info("compiled the sampler of %d rows in %.1fs", compiled.bucket.num_reqs, compiled.compile_seconds)
+    return BucketResult(
+        num_tokens=compiled.bucket.num_tokens, num_reqs=compiled.bucket.num_reqs, decode_only=True,
+        compile_seconds=round(compiled.compile_seconds, 3), argument_bytes=compiled.argument_bytes,
+        output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
+        xla_flops=None, xla_bytes=None, flops=0.0, bytes=0.0, predicted_seconds=None, bound=None, collectives={},
+        launches=None, variant="sampler",
     )
 
 

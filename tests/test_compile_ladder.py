@@ -279,7 +279,9 @@ def test_the_roofline_counts_agree_with_xla_cost_analysis():
     report = compile_ladder("gpt2", target=None, preset="gpu", dtype="float32", context_len=1,
                             buckets=[Bucket(512, 1), Bucket(2048, 1)])
     vocab, dim = 50257, 768
-    for bucket in report.buckets:
+    # On a CPU the plain step leaves its sampler to a program of its own, one row per request bucket.
+    assert [(b.variant, b.num_reqs) for b in report.buckets] == [("plain", 1), ("plain", 1), ("sampler", 1)]
+    for bucket in report.buckets[:2]:
         t = bucket.num_tokens
         branch = jax.jit(lambda h, targets, w: prompt_logprobs(
             lambda x: jnp.einsum("RD,VD->RV", x, w), h, targets, vocab, 20)).trace(

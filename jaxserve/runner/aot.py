@@ -170,7 +170,21 @@ def compile_bucket(
             lambda options: lowered.compile(compiler_options={**(compiler_options or {}), **options}))
     else:
         compiled = lowered.compile(compiler_options=compiler_options or None)
-    seconds = time.perf_counter() - start
+    return _compiled_bucket(bucket, compiled, time.perf_counter() - start, launches)
+
+
+def compile_sampler(sample_fn: Any, shapes: StepShapes, num_reqs: int, device: Any,
+                    mesh: Mesh | None = None) -> CompiledBucket:
+    """Compiles `step_fn.make_sample_fn`'s program for a request bucket of `num_reqs` rows on `device` (or
+    `mesh`): what a CPU runs beside each plain step (`step_fn.samples_apart`)."""
+    args = abstract_sample_args(shapes, num_reqs, device, mesh)
+    start = time.perf_counter()
+    compiled = sample_fn.trace(*args).lower().compile()
+    return _compiled_bucket(Bucket(num_reqs, num_reqs, decode_only=True), compiled, time.perf_counter() - start)
+
+
+def _compiled_bucket(bucket: Bucket, compiled: Any, seconds: float, launches: StepLaunches | None = None,
+                     ) -> CompiledBucket:
     memory = compiled.memory_analysis()
     return CompiledBucket(
         bucket=bucket,

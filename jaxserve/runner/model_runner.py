@@ -3,7 +3,9 @@
 The step is one pure function,
 `step(state, kv_caches, penalty_tables, batch) -> (kv_caches, penalty_tables, SamplerOutput)`,
 jitted once with the KV pages and penalty tables donated (updated in place) and compiled ahead of time
-for every bucket at warm-up, a few buckets at once on worker threads; steps run those executables.
+for every bucket at warm-up, a few buckets at once on worker threads; steps run those executables. On
+CPUs the plain step is two programs, the step to the logits and the sampler, compiled once per request
+bucket with the first bucket of its size (`step_fn.samples_apart`).
 A background warm-up (`serve --warmup background`) makes the runner ready after one bucket and compiles the
 rest on a thread; the engine thread only reads the table of compiled buckets, under a lock.
 Results leave the device once per step. `launch` dispatches a step and returns at once; `collect` waits
@@ -649,15 +651,17 @@ class ModelRunner:
             return None
         bucket, variant = job
         sized = self._sized_executables.get(bucket) if variant == PLAIN else None
-        if sized is not None:
-            with self._compiled_lock:
-                self._compiled[bucket] = sized.compiled
-            return sized.from_cache
         with slots:
             _listen_for_cache_hits()
             # The bucket runs once its sampler is compiled too (`sample_apart`): compiled first, by one bucket
             # per request bucket while the others wait for it here.
             sampler_from_cache = self._compile_sampler(bucket.num_reqs) if variant == PLAIN else True
+            if sampler_from_cache is None:
+                return None
+            if sized is not None:
+                with self._compiled_lock:
+                    self._compiled[bucket] = sized.compiled
+                return sized.from_cache and sampler_from_cache
             args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
                                       variant.multi_step)
             _thread_cache_hits.count = 0
@@ -674,14 +678,16 @@ class ModelRunner:
                 self._compiled_variants[bucket, variant] = compiled
         return from_cache
 
-    def _compile_sampler(self, num_reqs: int) -> bool:
+    def _compile_sampler(self, num_reqs: int) -> bool | None:
         """Compiles the sampler's program for `num_reqs` rows unless it is (`sample_apart` only); returns
-        whether nothing was compiled but from JAX's persistent cache."""
+        whether nothing was compiled but from JAX's persistent cache, or None where the warm-up was stopped."""
         if not self.sample_apart:
             return True
         with self._sampler_locks[num_reqs]:
             if num_reqs in self._compiled_samplers:
                 return True
+            if self._stop_compiling.is_set():
+                return None
             args = abstract_sample_args(self._step_shapes, num_reqs, jax.devices()[0], self.mesh)
             _thread_cache_hits.count = 0
             with self._tracing:

@@ -6,7 +6,8 @@ Both take the model's weights as a flat list (the leaves of an `nnx.State` with 
 flattens a call's arguments on every call, and flattening the 272-leaf State of SmolLM2 costs 0.36 ms per
 step, the list 15 us. With a tensor-parallel `mesh`, logits are gathered whole before sampling and the KV
 pages stay split by KV head from step to step. Besides the sampler's output they return the samples by
-row, i32[M], which the next step may read as inputs before the host has seen them. The batch comes packed
+row, i32[M], which the next step may read as inputs before the host has seen them (on CPUs the plain
+step's sampler returns both, below). The batch comes packed
 (`packing.pack`): two buffers instead of 25 narrow arrays.
 
 On CPUs the plain step leaves the full sampler to a program of its own (`make_sample_fn`), compiled once
@@ -73,7 +74,8 @@ def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
                  greedy: bool = False, pooling: bool = False, sample_apart: bool = False):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
-    PromptLogprobs, tokens_by_row)`, jitted with the KV pages and penalty tables donated.
+    PromptLogprobs, tokens_by_row)` (with `sample_apart`, below, the logits in the sampler's place), jitted
+    with the KV pages and penalty tables donated.
     `greedy`: the variant for batches whose every row is greedy and asks for nothing more
     (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them.
     `sample_apart` (CPUs, not with `greedy`): the step stops at the logits and returns (kv_caches,

@@ -2,7 +2,8 @@
 utilization x device memory leaves after the weights, the penalty tables and the step's temp memory, which
 a cold start estimates from the step's shapes and checks with the largest buckets' real compiles
 (runner/kv_sizing.py: here for the CPU, the path is the same), and the warm-up serves with the executables
-that sizing compiled instead of compiling them again."""
+that sizing compiled instead of compiling them again. The shared engine keeps its sampler inside the step,
+as GPUs do (`step_fn.samples_apart`): the sizing's compiles then hold the sampler's temp memory."""
 
 import json
 import logging
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from jaxserve.config import CacheConfig
 from jaxserve.runner import model_runner
@@ -25,6 +27,14 @@ from tests.engine.helpers import make_engine, make_prompts, run_alone
 from tests.helpers import startup_phases
 
 GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    """The tiny Llama on the tests' ladder, its step built as a GPU's, with the sampler inside."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "samples_apart", lambda platform: False)
+        return make_engine(llama_dir)
 
 
 def recording_compiles(runner, monkeypatch) -> list[tuple[int, dict | None, int]]:
