@@ -512,7 +512,7 @@ class ModelRunner:
             self.kv_caches, self.penalty_tables, logits, sampling, prompt, *pooled = step(
                 weights, self.kv_caches, self.penalty_tables, packed)
             sampler = self._compiled_samplers.get(bucket.num_reqs, self._sample_fn)
-            sampled, self._previous_tokens = sampler(logits, sampling, self.penalty_tables)
+            sampled, self._previous_tokens, self.penalty_tables = sampler(logits, sampling, self.penalty_tables)
         else:
             self.kv_caches, self.penalty_tables, sampled, prompt, self._previous_tokens, *pooled = step(
                 weights, self.kv_caches, self.penalty_tables, packed)

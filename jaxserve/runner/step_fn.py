@@ -119,15 +119,17 @@ def samples_apart(platform: str) -> bool:
 
 
 def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = None):
-    """`sample_step(logits, sampling, penalty_tables) -> (SamplerOutput, tokens_by_row i32[M])`, jitted: the
-    full sampler of a step made with `sample_apart` (CPUs), as its own program; its shapes are the request
-    bucket's alone (logits f32[R, V], SamplingArrays of R rows). `max_rows`: M, the runner's rows."""
+    """`sample_step(logits, sampling, penalty_tables) -> (SamplerOutput, tokens_by_row i32[M], penalty_tables)`,
+    jitted: the full sampler of a step made with `sample_apart` (CPUs), as its own program; its shapes are
+    the request bucket's alone (logits f32[R, V], SamplingArrays of R rows). `max_rows`: M, the runner's
+    rows. The penalty tables pass through donated, so the next step's donation of them follows this program
+    rather than a pending read of it."""
 
     def sample_step(logits: jax.Array, sampling: SamplingArrays, penalty_tables: PenaltyTables):
         sampled = sample(logits, sampling, penalty_tables, num_top_logprobs)
-        return sampled, _by_row(sampled.tokens, max_rows, mesh)
+        return sampled, _by_row(sampled.tokens, max_rows, mesh), penalty_tables
 
-    return jax.jit(sample_step)
+    return jax.jit(sample_step, donate_argnames=("penalty_tables",))
 
 
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
