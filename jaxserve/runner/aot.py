@@ -7,6 +7,7 @@ temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,23 +114,16 @@ def abstract_step_args(
     Every compile of a step takes these, never the runner's arrays: an array's placement is part of the
     lowering (one jax made itself is uncommitted, one a step returned is committed to its device), and so
     of the persistent cache's key, which then depended on whether a step had run before the compile."""
-    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
-
-    def on_device(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-    penalties = jax.eval_shape(
-        lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size)
-    )
+    on_device = _placed(device, mesh)
     batch = pack(neutral_batch(bucket, shapes.layout), bucket, shapes.layout)  # numpy: the bucket's shapes
     args = (
         abstract_weights(state, device, mesh),
         abstract_kv_caches(shapes, device, mesh),
-        jax.tree.map(on_device, penalties),
+        _abstract_penalty_tables(shapes, on_device),
         jax.tree.map(on_device, batch),
     )
     if multi_step:
-        args += (jax.ShapeDtypeStruct((bucket.num_reqs,), np.int32, sharding=sharding),)
+        args += (on_device(np.zeros(bucket.num_reqs, np.int32)),)
     return args
 
 
@@ -137,16 +131,21 @@ def abstract_sample_args(shapes: StepShapes, num_reqs: int, device: Any, mesh: M
     """(logits, sampling, penalty_tables) of a request bucket of `num_reqs` rows as ShapeDtypeStructs where
     the step leaves them (on `device`, or replicated over `mesh`): what `step_fn.make_sample_fn`'s program
     takes, for any bucket of as many rows."""
+    on_device = _placed(device, mesh)
+    sampling = neutral_batch(Bucket(num_reqs, num_reqs, decode_only=True), shapes.layout).sampling  # numpy
+    logits = jax.ShapeDtypeStruct((num_reqs, shapes.layout.vocab_size), np.float32)
+    return on_device(logits), jax.tree.map(on_device, sampling), _abstract_penalty_tables(shapes, on_device)
+
+
+def _placed(device: Any, mesh: Mesh | None) -> Callable[[Any], jax.ShapeDtypeStruct]:
+    """An array's (or ShapeDtypeStruct's) shape and dtype on `device`, or replicated over `mesh`."""
     sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
+    return lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
-    def on_device(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
-    layout = shapes.layout
-    sampling = neutral_batch(Bucket(num_reqs, num_reqs, decode_only=True), layout).sampling  # numpy
-    penalties = jax.eval_shape(lambda: PenaltyTables.zeros(layout.num_penalty_slots, layout.vocab_size))
-    logits = jax.ShapeDtypeStruct((num_reqs, layout.vocab_size), np.float32, sharding=sharding)
-    return logits, jax.tree.map(on_device, sampling), jax.tree.map(on_device, penalties)
+def _abstract_penalty_tables(shapes: StepShapes, on_device: Callable[[Any], jax.ShapeDtypeStruct]) -> PenaltyTables:
+    tables = jax.eval_shape(lambda: PenaltyTables.zeros(shapes.layout.num_penalty_slots, shapes.layout.vocab_size))
+    return jax.tree.map(on_device, tables)
 
 
 def compile_bucket(
