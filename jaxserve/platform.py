@@ -22,9 +22,13 @@ Not chosen: JAX_PLATFORMS=cpu where no NVIDIA GPU is visible (it would also hide
 and a logging filter on jax's private logger (the failing check still runs, and a filter on a message's
 wording stops working silently when jax rewords it).
 
-Not silenced: at `import jax`, the plugin's C++ extensions print `cudart_stub.cc:31] Could not find cuda
-drivers on your machine` (info lines, written before absl's logging is initialised); no variable turns
-them off (TF_CPP_MIN_LOG_LEVEL does not), only redirecting the process's stderr would.
+The other noise, at `import jax` and at the backend's start: each of the plugin's C++ extensions (jaxlib's
+gpu_solver, gpu_prng, gpu_linalg, then the PJRT plugin) prints `cudart_stub.cc:31] Could not find cuda
+drivers on your machine` with absl's "All log messages before absl::InitializeLog()" banner: eight lines.
+It is the CUDA runtime library they fail to find, not the driver, and no variable turns the lines off
+(TF_CPP_MIN_LOG_LEVEL does not). So the `gpu-compile` extra installs the runtime (nvidia-cuda-runtime-cu12,
+3 MB, the package `jax[cuda12]` brings on a GPU machine): the extensions load it and say nothing, and with
+the version check skipped nothing calls it without a GPU.
 """
 
 import importlib.util

@@ -61,10 +61,11 @@ def _cli(*argv: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(nvidia_gpu_visible(), reason="a start on a machine without a GPU")
 def test_a_start_without_a_gpu_logs_no_traceback():
     # --max-model-len 0 fails after the preset is chosen (jax's backends started) and before any load.
+    # Nothing else is written: no traceback of the CUDA check, no line of the plugin's extensions
+    # ("cudart_stub.cc:31] Could not find cuda drivers") at `import jax` or at the backend's start.
     result = _cli("generate", "--prompt", "hi", "--max-model-len", "0")
     assert result.returncode == 1
-    assert "Traceback" not in result.stderr and "Unable to load CUDA" not in result.stderr, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
+    assert result.stderr.splitlines() == ["jaxserve: error: max_model_len must be >= 1, got 0"], result.stderr
 
 
 @pytest.mark.skipif(nvidia_gpu_visible(), reason="a start on a machine without a GPU")
@@ -75,7 +76,7 @@ def test_the_python_api_starts_without_a_traceback_too():
             "tensor_parallel_size=3)\nexcept ValueError as e:\n    print(e)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=inherited)
     assert result.returncode == 0 and "needs 3 devices; this process sees 1" in result.stdout, result.stderr
-    assert "Traceback" not in result.stderr and "Unable to load CUDA" not in result.stderr, result.stderr
+    assert result.stderr == "", result.stderr
 
 
 @pytest.mark.skipif(nvidia_gpu_visible(), reason="needs a machine without a GPU")
