@@ -94,8 +94,9 @@ def test_grouped_matmul_refuses_other_operands():
 
 
 def test_the_portable_loops_match_too():
-    """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512bf16`), the kernels take their plain
-    float32 loops: the same oracle, in a process of its own (the library is loaded once per process)."""
+    """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512f`, an AVX2 machine's build, which the GGUF
+    and attention kernels' tests build too), the kernels take their plain float32 loops: the same oracle, in a
+    process of its own (the library is loaded once per process)."""
     script = f"""
         import jax, numpy as np
         from jaxserve.ops import cpu_kernels, kernel_build
@@ -115,7 +116,7 @@ def test_the_portable_loops_match_too():
                              grouped_oracle(rows, w, groups), k)
         print("portable ok", kernel_build.built_library().name)
     """
-    result = run_with_kernel_flags(script, "-mno-avx512bf16")
+    result = run_with_kernel_flags(script, "-mno-avx512f")
     assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
     built = result.stdout.split("portable ok")[1].split()[0]
     assert built != kernel_build.built_library().name, "the flags make a library of their own"

@@ -281,10 +281,11 @@ def test_grouped_matmul_against_float64(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"], ids=["avx2", "plain loops"])
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx"], ids=["avx2", "plain loops"])
 def test_the_other_instruction_sets_match_too(flags):
-    """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX2 (plain loops), in a process of its
-    own (the library is loaded once per process): the same oracle."""
+    """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX (plain loops, F16C's conversions
+    too), in a process of its own (the library is loaded once per process): the same oracle. The flags are the
+    attention kernel's narrower builds' (tests/ops/test_attention.py), so the suite builds each library once."""
     script = """
         from tests.ops.test_matmul_gguf import KINDS, ROWS, check_against_float64, check_grouped, check_largest_sums
         for kind in KINDS:
