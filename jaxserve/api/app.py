@@ -101,6 +101,8 @@ def create_app(
         *(Route(path, scores.create_rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
         Route("/ping", misc.health, methods=["GET", "POST"]),

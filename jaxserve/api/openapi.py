@@ -37,6 +37,7 @@ from jaxserve.api.protocol import (
     ModelList,
     RerankRequest,
     RerankResponse,
+    ResponseDeleted,
     ResponseEvent,
     ResponseObject,
     ResponsesRequest,
@@ -118,8 +119,15 @@ OPERATIONS: tuple[Operation, ...] = (
                   "response.created, response.in_progress, each output item's events, then response.completed "
                   "(response.incomplete when cut by max_output_tokens; error and response.failed if the engine "
                   "fails mid-stream).")),
-    Operation("/v1/responses/{response_id}", "get", "retrieve_response", "A stored response", "OpenAI",
+    Operation("/v1/responses/{response_id}", "get", "retrieve_response", "A stored response; a background one "
+              "as it stands (queued, in_progress, then completed, incomplete, failed or cancelled)", "OpenAI",
               response=ResponseObject, errors=(401, 404, 503), guarded=True, path_params=("response_id",)),
+    Operation("/v1/responses/{response_id}", "delete", "delete_response", "Forget a stored response (a "
+              "background one that runs is cancelled first)", "OpenAI", response=ResponseDeleted,
+              errors=(401, 404, 503), guarded=True, path_params=("response_id",)),
+    Operation("/v1/responses/{response_id}/cancel", "post", "cancel_response", "Cancel a background response "
+              "that runs; one that ended is answered as it ended", "OpenAI", response=ResponseObject,
+              errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",)),
     Operation("/v1/models", "get", "list_models", "List the served models", "OpenAI",
               response=ModelList, errors=(401, 503), guarded=True),
     Operation("/tokenize", "post", "tokenize", "Tokenize a prompt or a chat (vLLM)", "vLLM",
@@ -137,7 +145,8 @@ OPERATIONS: tuple[Operation, ...] = (
               content={_JSON_OBJECT: {"schema": {
                   "type": "object", "required": ["server_load"],
                   "properties": {"server_load": {"type": "integer", "minimum": 0,
-                                                 "description": "HTTP requests being served now."}}}}}),
+                                                 "description": "HTTP requests being served now, and "
+                                                                "background responses being answered."}}}}}),
     Operation("/version", "get", "version", "The jaxserve version", "Server",
               content={_JSON_OBJECT: {"schema": {
                   "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),

@@ -544,6 +544,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    background: bool = False  # answered by the server on its own time; polled with GET, ended with cancel
     # vLLM extras
     top_k: int | None = None
     seed: int | None = None
@@ -615,7 +616,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     instructions: str | None = None
@@ -636,6 +637,12 @@ class ResponseObject(BaseModel):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
 
 
 class ResponseEvent(BaseModel):

@@ -1,31 +1,89 @@
-"""The Responses API's stored responses (`store`, `previous_response_id`): bounded, in memory, used on the
-event loop only."""
+"""The Responses API's stored responses (`store`, `previous_response_id`) and the background ones still being
+answered (`background`): bounded, in memory, used on the event loop only.
 
+A background response is answered by a task of its own, which the store holds until it ends. The task
+writes the response as it moves (queued, in progress, then completed, incomplete, failed or cancelled)
+through `settle`, which writes only while the task is still registered: a response deleted while it runs
+stays deleted. `cancel` and `delete` wait for the task to end, so its engine request has been aborted and
+its last state written before they answer.
+"""
+
+import asyncio
 import collections
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from jaxserve.api.protocol import ResponseObject
 
 MAX_STORED_RESPONSES = 1024
 
+Conversation = list[dict[str, Any]]  # the chat messages a response ended, to continue from
+
 
 class ResponseStore:
-    """Stored responses with the conversation each ended (its messages, to continue from), at most
-    `capacity`, least recently used first out."""
+    """Stored responses with the conversation each ended (None while a background one runs, or where it
+    failed or was cancelled), at most `capacity`, least recently used first out; and the tasks answering
+    background responses."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
         self._capacity = capacity
-        self._entries: collections.OrderedDict[str, tuple[ResponseObject, list[dict[str, Any]]]] = (
+        self._entries: collections.OrderedDict[str, tuple[ResponseObject, Conversation | None]] = (
             collections.OrderedDict())
+        self._running: dict[str, asyncio.Task] = {}
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+    def put(self, response: ResponseObject, conversation: Conversation | None) -> None:
         self._entries[response.id] = (response, conversation)
         self._entries.move_to_end(response.id)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[ResponseObject, list[dict[str, Any]]] | None:
+    def get(self, response_id: str) -> tuple[ResponseObject, Conversation | None] | None:
         entry = self._entries.get(response_id)
         if entry is not None:
             self._entries.move_to_end(response_id)
         return entry
+
+    def start(self, response: ResponseObject, work: Coroutine[Any, Any, None],
+              on_end: Callable[[], None]) -> None:
+        """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own;
+        `on_end` is called when it ends, however it ends (cancelled before it started too)."""
+        self.put(response, None)
+        task = asyncio.get_running_loop().create_task(work)
+        self._running[response.id] = task
+
+        def ended(_: asyncio.Task) -> None:
+            if self._running.get(response.id) is task:
+                del self._running[response.id]
+            on_end()
+
+        task.add_done_callback(ended)
+
+    def settle(self, response: ResponseObject, conversation: Conversation | None = None) -> None:
+        """A background response's new state, from its own task; dropped once the response was deleted."""
+        if response.id in self._running:
+            self.put(response, conversation)
+
+    def is_running(self, response_id: str) -> bool:
+        return response_id in self._running
+
+    async def cancel(self, response_id: str) -> None:
+        """Cancels a running background response and waits until its task has ended (its engine request
+        aborted, `cancelled` written); nothing happens to one that has ended."""
+        if (task := self._running.get(response_id)) is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            entry = self._entries.get(response_id)
+            if entry is not None and entry[0].status in ("queued", "in_progress"):  # cancelled before it ran
+                self.put(entry[0].model_copy(update={"status": "cancelled"}), None)
+
+    async def delete(self, response_id: str) -> bool:
+        """Forgets a response, cancelling it first if it runs; False if it is not stored."""
+        task = self._running.pop(response_id, None)
+        if task is not None:  # unregistered first: what its task still writes is dropped
+            task.cancel()
+            await asyncio.wait({task})
+        return self._entries.pop(response_id, None) is not None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)

@@ -1,15 +1,21 @@
-"""POST /v1/responses and GET /v1/responses/{response_id}: OpenAI's Responses API, text subset, over the
-chat path (the chat template, tools, structured outputs and reasoning parsers are chat's).
+"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel:
+OpenAI's Responses API, text subset, over the chat path (the chat template, tools, structured outputs and
+reasoning parsers are chat's).
 
 A request's `input` (a string, or message, function_call and function_call_output items) becomes chat
 messages, after the stored conversation of `previous_response_id` and under its own `instructions`
 (which, as OpenAI's, are not carried to the next response). The answer becomes output items: the
 reasoning, the message, then the function calls. Streamed, it is OpenAI's event sequence, each event
 numbered (`sequence_number`). Responses are kept in a bounded in-memory store, least recently used first
-out, unless `store` is false. Everything here runs on the event loop.
+out, unless `store` is false. A `background` response is answered by a task of its own: the request is
+checked and started, the answer is `queued`, and the client polls GET until it ends or cancels it
+(`response_store.py`). Its work counts as in flight, so a shutdown's drain waits for it. Everything here
+runs on the event loop.
 """
 
+import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.api.chat import ChatRun, start_chat
-from jaxserve.api.errors import APIError
+from jaxserve.api.errors import APIError, error_body
 from jaxserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ChatResponseMessage,
     ChatTool,
+    ErrorInfo,
     FunctionCallItem,
     FunctionDefinition,
     IncompleteDetails,
@@ -38,14 +45,19 @@ from jaxserve.api.protocol import (
     OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
+    ResponseDeleted,
     ResponseFormat,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
     UsageInfo,
 )
-from jaxserve.api.serving import get_serving
-from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error
+from jaxserve.api.response_store import ResponseStore
+from jaxserve.api.serving import ServerState, get_serving
+from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error, finals
+from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -178,11 +190,18 @@ async def create_response(request: Request) -> Response:
     serving = get_serving(request)
     req = await serving.parse(request, ResponsesRequest)
     serving.check_model(req.model)
+    if req.background and not req.store:
+        raise APIError(400, "a background response must be stored: store must be true", "background")
+    if req.background and req.stream:
+        raise APIError(400, "stream is not available with background; poll GET /v1/responses/{id}", "stream")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = serving.responses.get(req.previous_response_id)
         if stored is None:
             raise APIError(404, f"Response with id '{req.previous_response_id}' not found.", "previous_response_id")
+        if stored[1] is None:
+            raise APIError(400, f"Response '{req.previous_response_id}' is {stored[0].status}: it has no answer "
+                                "to continue from", "previous_response_id")
         history = stored[1]
     messages = [*history, *input_messages(req.input)]
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -196,31 +215,91 @@ async def create_response(request: Request) -> Response:
         else req.tool_choice or "auto",
         text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
         if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
-        previous_response_id=req.previous_response_id, store=req.store, metadata=req.metadata, user=req.user)
+        previous_response_id=req.previous_response_id, store=req.store, metadata=req.metadata, user=req.user,
+        background=req.background)
 
     def keep(final: ResponseObject) -> None:
         if req.store:
             serving.responses.put(final, _conversation_after(messages, list(final.output)))
 
+    if req.background:
+        state: ServerState = request.app.state.server
+        queued = response.model_copy(update={"status": "queued"})
+        state.num_in_flight += 1  # the drain waits for it as for an HTTP request; /load counts it
+
+        def ended() -> None:
+            state.num_in_flight -= 1
+
+        serving.responses.start(queued, _answer_in_background(serving.responses, run, response, messages), ended)
+        return JSONResponse(queued.model_dump())
     if req.stream:
         choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
         return StreamingResponse(_events(run, choices, response, keep), media_type="text/event-stream")
     (output,) = await collect(request, run.streams)
-    completion = output.outputs[0]
-    message, _ = run.read(completion)
-    usage = UsageInfo.of(len(run.prompt_ids), output.num_generated_tokens, output.num_cached_tokens)
-    final = _finished(response, _output_items(message), completion.finish_reason, usage)
+    final = _answered(run, response, output)
     keep(final)
     return JSONResponse(final.model_dump())
 
 
-async def retrieve_response(request: Request) -> Response:
-    serving = get_serving(request)
+def _answered(run: ChatRun, response: ResponseObject, output: RequestOutput) -> ResponseObject:
+    """The response that an engine request's final output answers."""
+    completion = output.outputs[0]
+    message, _ = run.read(completion)
+    usage = UsageInfo.of(len(run.prompt_ids), output.num_generated_tokens, output.num_cached_tokens)
+    return _finished(response, _output_items(message), completion.finish_reason, usage)
+
+
+async def _answer_in_background(store: ResponseStore, run: ChatRun, response: ResponseObject,
+                                messages: list[dict[str, Any]]) -> None:
+    """A background response's task: in progress, then what the engine answered, or failed with the error a
+    client would have been sent, or cancelled (its engine request aborted as it ends)."""
+    try:
+        store.settle(response)
+        (output,) = await finals(run.streams)
+        final = _answered(run, response, output)
+        store.settle(final, _conversation_after(messages, list(final.output)))
+    except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending: this task ends here
+        store.settle(response.model_copy(update={"status": "cancelled"}))
+    except ENGINE_ERRORS as e:
+        store.settle(_failed(response, engine_error(e)))
+    except Exception as e:  # a bug must not leave the response in progress for ever
+        logger.exception("background response %s failed", response.id)
+        store.settle(_failed(response, APIError(500, f"{type(e).__name__}: {e}")))
+
+
+def _failed(response: ResponseObject, error: APIError) -> ResponseObject:
+    body = error_body(error.status, error.message, error.param).error
+    return response.model_copy(update={"status": "failed", "error": ErrorInfo(**body.model_dump())})
+
+
+def _stored(request: Request) -> tuple[ResponseStore, ResponseObject]:
+    store = get_serving(request).responses
     response_id = request.path_params["response_id"]
-    stored = serving.responses.get(response_id)
+    stored = store.get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
-    return JSONResponse(stored[0].model_dump())
+    return store, stored[0]
+
+
+async def retrieve_response(request: Request) -> Response:
+    return JSONResponse(_stored(request)[1].model_dump())
+
+
+async def cancel_response(request: Request) -> Response:
+    """Ends a background response that runs (its engine request aborted) and answers it as it then stands:
+    cancelled, or as it ended if it ended first (OpenAI's cancel is idempotent)."""
+    store, response = _stored(request)
+    if not response.background:
+        raise APIError(400, "only a response created with background=true can be cancelled", "response_id")
+    await store.cancel(response.id)
+    return JSONResponse(store.get(response.id)[0].model_dump())
+
+
+async def delete_response(request: Request) -> Response:
+    """Forgets a stored response, cancelling it first if it runs in the background."""
+    store, response = _stored(request)
+    await store.delete(response.id)
+    return JSONResponse(ResponseDeleted(id=response.id).model_dump())
 
 
 class _EventWriter:

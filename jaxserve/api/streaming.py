@@ -111,16 +111,17 @@ async def sse(chunks: AsyncIterator[BaseModel], usage_chunk: Callable[[], BaseMo
     yield "data: [DONE]\n\n"
 
 
+async def finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each engine request's final output, in prompt order; cancelling this aborts the requests."""
+    result: list[RequestOutput | None] = [None] * len(streams)
+    async for index, delta in merge_streams(streams):
+        result[index] = add_delta(result[index], delta)
+    return result
+
+
 async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Each engine request's final output, in prompt order; cancelled if the client leaves."""
-
-    async def finals() -> list[RequestOutput]:
-        result: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in merge_streams(streams):
-            result[index] = add_delta(result[index], delta)
-        return result
-
     try:
-        return await unless_disconnected(request, finals())
+        return await unless_disconnected(request, finals(streams))
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None

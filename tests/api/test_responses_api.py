@@ -1,8 +1,11 @@
 """/v1/responses through the openai SDK on the shared server: the same answers as chat, streamed as
 OpenAI's events, continued with previous_response_id, with function tools and JSON schemas."""
 
+import asyncio
 import json
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -107,6 +110,8 @@ def test_text_format_json_schema(client):
     ({"input": "hi", "max_output_tokens": 0}, "max_tokens"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+    ({"input": "hi", "background": True, "store": False}, "background"),  # nothing to poll
+    ({"input": "hi", "background": True, "stream": True}, "stream"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -125,3 +130,103 @@ def test_the_store_keeps_the_most_recently_used_responses():
     store.put(ResponseObject(id="c", status="completed", model="m"), [])
     assert store.get("b") is None and store.get("a")[1] == [{"role": "user", "content": "a"}]
     assert store.get("c") is not None
+
+
+STORY = dict(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=1500, temperature=0)
+
+
+def _poll(client, response_id: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status} after {timeout}s"
+        time.sleep(0.05)
+    return response
+
+
+def _engine_idle(client) -> bool:
+    """No sequence runs in the engine (its requests finished or aborted), per /metrics."""
+    base = str(client.base_url).removesuffix("/v1/")
+    for _ in range(100):
+        text = httpx.get(f"{base}/metrics").text
+        if "jaxserve:num_requests_running" in text and all(
+                float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+                if line.startswith("jaxserve:num_requests_running")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_background_response_is_polled_to_the_answer_of_a_foreground_one(client):
+    kwargs = dict(model=MODEL, input=ASK, max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kwargs)
+    queued = client.responses.create(**kwargs, background=True)
+    assert queued.background and queued.status == "queued" and queued.output == [] and queued.usage is None
+    done = _poll(client, queued.id)
+    assert done.background and done.status == whole.status and done.output_text == whole.output_text
+    assert done.usage.output_tokens == whole.usage.output_tokens
+    # It continues a conversation as a foreground response does.
+    follow = dict(model=MODEL, input="Now three animals.", max_output_tokens=12, temperature=0)
+    assert (client.responses.create(**follow, previous_response_id=done.id).output_text
+            == client.responses.create(**follow, previous_response_id=whole.id).output_text)
+    # Cancelling a response that ended answers it as it ended (OpenAI's cancel is idempotent).
+    again = client.responses.cancel(done.id)
+    assert again.status == done.status and again.output_text == done.output_text
+
+
+def test_cancel_ends_a_running_background_response_and_its_engine_request(client):
+    running = client.responses.create(**STORY, background=True)
+    base = str(client.base_url).removesuffix("/v1/")
+    assert httpx.get(f"{base}/load").json()["server_load"] >= 1  # the drain at shutdown waits for it
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.id == running.id
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert _engine_idle(client), "the cancelled response's engine request still runs"
+    with pytest.raises(openai.BadRequestError) as e:  # it has no answer to continue from
+        client.responses.create(model=MODEL, input="Go on.", max_output_tokens=4, previous_response_id=running.id)
+    assert e.value.body["param"] == "previous_response_id" and "cancelled" in e.value.body["message"]
+    foreground = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="background=true"):
+        client.responses.cancel(foreground.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_missing")
+
+
+def test_delete_forgets_a_response_and_cancels_a_running_one(client):
+    ended = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    running = client.responses.create(**STORY, background=True)
+    for response in (ended, running):
+        assert client.delete(f"/responses/{response.id}", cast_to=object) == {
+            "id": response.id, "object": "response", "deleted": True}
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(response.id)
+    assert _engine_idle(client), "the deleted response's engine request still runs"
+
+
+def test_the_store_drops_what_a_deleted_background_response_still_writes():
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import ResponseStore
+
+    async def scenario() -> list[str]:
+        store, ended = ResponseStore(), []
+        response = ResponseObject(id="r", status="queued", model="m", background=True)
+        gate = asyncio.Event()
+
+        async def work() -> None:
+            try:
+                await gate.wait()
+            finally:  # as a cancelled background task does: writes its last state
+                store.settle(response.model_copy(update={"status": "cancelled"}))
+
+        store.start(response, work(), lambda: ended.append("ended"))
+        await asyncio.sleep(0)
+        assert store.is_running("r") and store.get("r")[0].status == "queued"
+        assert await store.delete("r") and store.get("r") is None and not store.is_running("r")
+        # Cancelled before it ever ran: the end is still counted.
+        store.start(response.model_copy(update={"id": "s"}), work(), lambda: ended.append("ended"))
+        await store.cancel("s")
+        assert store.num_running == 0 and store.get("s")[0].status == "cancelled"
+        return ended
+
+    assert asyncio.run(scenario()) == ["ended", "ended"]
