@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, lora, misc, responses, scores
+from jaxserve.api import chat, completions, embeddings, invocations, lora, misc, responses, scores
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
 from jaxserve.api.openapi import openapi_routes
@@ -103,6 +103,7 @@ def create_app(
         Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/invocations", invocations.invoke, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
         Route("/ping", misc.health, methods=["GET", "POST"]),

@@ -138,10 +138,6 @@ def _check_unicode(text: str, path: str) -> None:
                            path or None) from None
 
 
-async def parse_body(request: Request, model: type[Model], limit: int, timeout: float) -> Model:
-    return validate(model, await read_json(request, limit, timeout))
-
-
 def validate(model: type[Model], data: Any) -> Model:
     """The parsed request, or a 400 naming the first invalid field (never a bare 422)."""
     try:

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.api.errors import ClientDisconnected, error_response
 
 # /health, /metrics and /version stay open
-_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/invocations")
 
 logger = logging.getLogger("jaxserve.api")
 

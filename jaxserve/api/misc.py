@@ -36,9 +36,11 @@ async def health(request: Request) -> Response:
 
 
 async def load(request: Request) -> Response:
-    """How many API requests are in flight (vLLM's /load), for load-aware routing."""
+    """How many API requests are in flight (vLLM's /load), background responses being answered among them,
+    for load-aware routing."""
     state: ServerState = request.app.state.server
-    return JSONResponse({"server_load": state.num_in_flight})
+    background = state.serving.responses.num_running if state.serving is not None else 0
+    return JSONResponse({"server_load": state.num_in_flight + background})
 
 
 async def version(request: Request) -> Response:

@@ -81,7 +81,7 @@ class Operation:
     summary: str
     tag: str
     request: tuple[type[BaseModel], ...] = ()
-    response: type[BaseModel] | None = None
+    response: type[BaseModel] | tuple[type[BaseModel], ...] | None = None  # a tuple: one of them
     content: dict[str, Any] | None = None
     streams: type[BaseModel] | None = None  # the model of each `data:` event
     errors: tuple[int, ...] = ()
@@ -128,6 +128,15 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/responses/{response_id}/cancel", "post", "cancel_response", "Cancel a background response "
               "that runs; one that ended is answered as it ended", "OpenAI", response=ResponseObject,
               errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",)),
+    Operation("/invocations", "post", "invocations", "SageMaker's inference route (vLLM's): a body with messages is "
+              "answered as /v1/chat/completions, one with prompt as /v1/completions; on a --runner pooling server "
+              "query and documents as /v1/rerank, text_1 or text_2 as /v1/score, input or messages as "
+              "/v1/embeddings", "vLLM",
+              request=(ChatCompletionRequest, CompletionRequest, EmbeddingRequest, EmbeddingChatRequest,
+                       ScoreRequest, RerankRequest),
+              response=(ChatCompletionResponse, CompletionResponse, EmbeddingResponse, ScoreResponse, RerankResponse),
+              streams=ChatCompletionChunk, errors=_BODY_ERRORS, guarded=True, stream_format=(
+                  ' With "stream": true, the server-sent events of the endpoint the body picks.')),
     Operation("/v1/models", "get", "list_models", "List the served models", "OpenAI",
               response=ModelList, errors=(401, 503), guarded=True),
     Operation("/tokenize", "post", "tokenize", "Tokenize a prompt or a chat (vLLM)", "vLLM",
@@ -176,10 +185,14 @@ def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], Js
     wanted: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}
     for op in OPERATIONS + LORA_OPERATIONS:
         wanted.update({(model, "validation"): None for model in op.request})
-        wanted.update({(model, "serialization"): None for model in (op.response, op.streams) if model})
+        wanted.update({(model, "serialization"): None for model in (*_responses(op), op.streams) if model})
     wanted[(ErrorResponse, "serialization")] = None
     refs, schema = models_json_schema(list(wanted), ref_template=REF_TEMPLATE)
     return schema.get("$defs", {}), refs
+
+
+def _responses(op: Operation) -> tuple[type[BaseModel], ...]:
+    return op.response if isinstance(op.response, tuple) else (op.response,) if op.response else ()
 
 
 def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
@@ -192,9 +205,10 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
         bodies = [refs[(model, "validation")] for model in op.request]
         doc["requestBody"] = {"required": True, "content": {_JSON_OBJECT: {
             "schema": bodies[0] if len(bodies) == 1 else {"anyOf": bodies}}}}
-    if op.response is not None:
-        content: dict[str, Any] = {_JSON_OBJECT: {"schema": refs[(op.response, "serialization")]}}
-        description = f"A {op.response.__name__}."
+    if models := _responses(op):
+        schemas = [refs[(model, "serialization")] for model in models]
+        content: dict[str, Any] = {_JSON_OBJECT: {"schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}}}
+        description = f"A {' or '.join(model.__name__ for model in models)}."
         if op.streams is not None:
             content["text/event-stream"] = {"schema": {"type": "string"}}
             description += op.stream_format or (

@@ -4,13 +4,15 @@ answered (`background`): bounded, in memory, used on the event loop only.
 A background response is answered by a task of its own, which the store holds until it ends. The task
 writes the response as it moves (queued, in progress, then completed, incomplete, failed or cancelled)
 through `settle`, which writes only while the task is still registered: a response deleted while it runs
-stays deleted. `cancel` and `delete` wait for the task to end, so its engine request has been aborted and
-its last state written before they answer.
+stays deleted, and the least-recently-used eviction passes over a response that runs (its client may still
+cancel it). `cancel` and `delete` wait for the task to end, so its engine request has been aborted and its
+last state written before they answer. The store is this process's memory: a restart loses it, so a
+shutdown's drain does not wait for background responses that no client could read after it.
 """
 
 import asyncio
 import collections
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from jaxserve.api.protocol import ResponseObject
@@ -34,8 +36,9 @@ class ResponseStore:
     def put(self, response: ResponseObject, conversation: Conversation | None) -> None:
         self._entries[response.id] = (response, conversation)
         self._entries.move_to_end(response.id)
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+        if (excess := len(self._entries) - self._capacity) > 0:  # the oldest go, but none that runs
+            for key in [key for key in self._entries if key not in self._running][:excess]:
+                del self._entries[key]
 
     def get(self, response_id: str) -> tuple[ResponseObject, Conversation | None] | None:
         entry = self._entries.get(response_id)
@@ -43,18 +46,16 @@ class ResponseStore:
             self._entries.move_to_end(response_id)
         return entry
 
-    def start(self, response: ResponseObject, work: Coroutine[Any, Any, None],
-              on_end: Callable[[], None]) -> None:
-        """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own;
-        `on_end` is called when it ends, however it ends (cancelled before it started too)."""
-        self.put(response, None)
+    def start(self, response: ResponseObject, work: Coroutine[Any, Any, None]) -> None:
+        """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own,
+        held here until it ends, however it ends (cancelled before it started too)."""
         task = asyncio.get_running_loop().create_task(work)
         self._running[response.id] = task
+        self.put(response, None)
 
         def ended(_: asyncio.Task) -> None:
             if self._running.get(response.id) is task:
                 del self._running[response.id]
-            on_end()
 
         task.add_done_callback(ended)
 
@@ -72,8 +73,10 @@ class ResponseStore:
         if (task := self._running.get(response_id)) is not None:
             task.cancel()
             await asyncio.wait({task})
+            # A task cancelled before it first ran wrote nothing (and started no engine request): its
+            # response still reads queued. Written here, after the task, as its own write would have been.
             entry = self._entries.get(response_id)
-            if entry is not None and entry[0].status in ("queued", "in_progress"):  # cancelled before it ran
+            if entry is not None and entry[0].status in ("queued", "in_progress"):
                 self.put(entry[0].model_copy(update={"status": "cancelled"}), None)
 
     async def delete(self, response_id: str) -> bool:

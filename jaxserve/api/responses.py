@@ -9,8 +9,7 @@ reasoning, the message, then the function calls. Streamed, it is OpenAI's event 
 numbered (`sequence_number`). Responses are kept in a bounded in-memory store, least recently used first
 out, unless `store` is false. A `background` response is answered by a task of its own: the request is
 checked and started, the answer is `queued`, and the client polls GET until it ends or cancels it
-(`response_store.py`). Its work counts as in flight, so a shutdown's drain waits for it. Everything here
-runs on the event loop.
+(`response_store.py`); /load counts it. Everything here runs on the event loop.
 """
 
 import asyncio
@@ -31,7 +30,6 @@ from jaxserve.api.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTool,
-    ErrorInfo,
     FunctionCallItem,
     FunctionDefinition,
     IncompleteDetails,
@@ -53,7 +51,7 @@ from jaxserve.api.protocol import (
     UsageInfo,
 )
 from jaxserve.api.response_store import ResponseStore
-from jaxserve.api.serving import ServerState, get_serving
+from jaxserve.api.serving import get_serving
 from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error, finals
 from jaxserve.outputs import RequestOutput
 
@@ -223,14 +221,8 @@ async def create_response(request: Request) -> Response:
             serving.responses.put(final, _conversation_after(messages, list(final.output)))
 
     if req.background:
-        state: ServerState = request.app.state.server
         queued = response.model_copy(update={"status": "queued"})
-        state.num_in_flight += 1  # the drain waits for it as for an HTTP request; /load counts it
-
-        def ended() -> None:
-            state.num_in_flight -= 1
-
-        serving.responses.start(queued, _answer_in_background(serving.responses, run, response, messages), ended)
+        serving.responses.start(queued, _answer_in_background(serving.responses, run, response, messages))
         return JSONResponse(queued.model_dump())
     if req.stream:
         choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
@@ -258,8 +250,9 @@ async def _answer_in_background(store: ResponseStore, run: ChatRun, response: Re
         (output,) = await finals(run.streams)
         final = _answered(run, response, output)
         store.settle(final, _conversation_after(messages, list(final.output)))
-    except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending: this task ends here
+    except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending
         store.settle(response.model_copy(update={"status": "cancelled"}))
+        raise
     except ENGINE_ERRORS as e:
         store.settle(_failed(response, engine_error(e)))
     except Exception as e:  # a bug must not leave the response in progress for ever
@@ -268,8 +261,9 @@ async def _answer_in_background(store: ResponseStore, run: ChatRun, response: Re
 
 
 def _failed(response: ResponseObject, error: APIError) -> ResponseObject:
-    body = error_body(error.status, error.message, error.param).error
-    return response.model_copy(update={"status": "failed", "error": ErrorInfo(**body.model_dump())})
+    """Failed, with the error a client would have been sent; its code a string, as OpenAI's ("server_error")."""
+    info = error_body(error.status, error.message, error.param).error
+    return response.model_copy(update={"status": "failed", "error": info.model_copy(update={"code": info.type})})
 
 
 def _stored(request: Request) -> tuple[ResponseStore, ResponseObject]:
@@ -292,7 +286,9 @@ async def cancel_response(request: Request) -> Response:
     if not response.background:
         raise APIError(400, "only a response created with background=true can be cancelled", "response_id")
     await store.cancel(response.id)
-    return JSONResponse(store.get(response.id)[0].model_dump())
+    if (stored := store.get(response.id)) is None:  # deleted while it was being cancelled
+        raise APIError(404, f"Response with id '{response.id}' not found.", "response_id")
+    return JSONResponse(stored[0].model_dump())
 
 
 async def delete_response(request: Request) -> Response:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.api.errors import APIError, ClientDisconnected, parse_body, read_json
+from jaxserve.api.errors import APIError, ClientDisconnected, read_json, validate
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
@@ -191,10 +191,15 @@ class ModelServing:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def parse(self, request: Request, model: type[T]) -> T:
-        return await parse_body(request, model, self.config.max_request_body_bytes, self.config.body_read_timeout)
+        return validate(model, await self.read_json(request))
 
     async def read_json(self, request: Request) -> Any:
-        return await read_json(request, self.config.max_request_body_bytes, self.config.body_read_timeout)
+        """The body's JSON, read once a request: a route that picks its handler by the body (/invocations)
+        reads it first, and the handler gets the same."""
+        if not hasattr(request.state, "json_body"):
+            request.state.json_body = await read_json(request, self.config.max_request_body_bytes,
+                                                      self.config.body_read_timeout)
+        return request.state.json_body
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """Runs tokenizer work on the tokenizer thread (one at a time: the tokenizer is not shareable)."""

@@ -143,17 +143,25 @@ def _poll(client, response_id: str, timeout: float = 120.0):
     return response
 
 
-def _engine_idle(client) -> bool:
+def _metric(client, name: str, label: str = "") -> float:
+    """A metric's value summed over its series (those whose labels hold `label`), from /metrics."""
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and label in line)
+
+
+def _aborted(client) -> float:
+    return _metric(client, "jaxserve:request_success_total", 'finished_reason="abort"')
+
+
+def _engine_idle(client, timeout: float = 60.0) -> bool:
     """No sequence runs in the engine (its requests finished or aborted), per /metrics."""
-    base = str(client.base_url).removesuffix("/v1/")
-    for _ in range(100):
-        text = httpx.get(f"{base}/metrics").text
-        if "jaxserve:num_requests_running" in text and all(
-                float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
-                if line.startswith("jaxserve:num_requests_running")):
-            return True
+    deadline = time.monotonic() + timeout
+    while _metric(client, "jaxserve:num_requests_running") != 0:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 def test_a_background_response_is_polled_to_the_answer_of_a_foreground_one(client):
@@ -174,11 +182,14 @@ def test_a_background_response_is_polled_to_the_answer_of_a_foreground_one(clien
 
 
 def test_cancel_ends_a_running_background_response_and_its_engine_request(client):
+    aborted = _aborted(client)
     running = client.responses.create(**STORY, background=True)
     base = str(client.base_url).removesuffix("/v1/")
-    assert httpx.get(f"{base}/load").json()["server_load"] >= 1  # the drain at shutdown waits for it
+    assert httpx.get(f"{base}/load").json()["server_load"] >= 1
+    assert client.responses.retrieve(running.id).status in ("queued", "in_progress")  # a long story: it runs
     cancelled = client.responses.cancel(running.id)
     assert cancelled.status == "cancelled" and cancelled.id == running.id
+    assert _aborted(client) == aborted + 1  # its stream closed before it finished: the engine request aborts
     assert client.responses.retrieve(running.id).status == "cancelled"
     assert _engine_idle(client), "the cancelled response's engine request still runs"
     with pytest.raises(openai.BadRequestError) as e:  # it has no answer to continue from
@@ -193,7 +204,9 @@ def test_cancel_ends_a_running_background_response_and_its_engine_request(client
 
 def test_delete_forgets_a_response_and_cancels_a_running_one(client):
     ended = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    aborted = _aborted(client)
     running = client.responses.create(**STORY, background=True)
+    assert client.responses.retrieve(running.id).status in ("queued", "in_progress")
     for response in (ended, running):
         assert client.delete(f"/responses/{response.id}", cast_to=object) == {
             "id": response.id, "object": "response", "deleted": True}
@@ -201,6 +214,7 @@ def test_delete_forgets_a_response_and_cancels_a_running_one(client):
             client.responses.retrieve(response.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.delete(response.id)
+    assert _aborted(client) == aborted + 1
     assert _engine_idle(client), "the deleted response's engine request still runs"
 
 
@@ -208,8 +222,8 @@ def test_the_store_drops_what_a_deleted_background_response_still_writes():
     from jaxserve.api.protocol import ResponseObject
     from jaxserve.api.response_store import ResponseStore
 
-    async def scenario() -> list[str]:
-        store, ended = ResponseStore(), []
+    async def scenario() -> None:
+        store = ResponseStore()
         response = ResponseObject(id="r", status="queued", model="m", background=True)
         gate = asyncio.Event()
 
@@ -219,14 +233,66 @@ def test_the_store_drops_what_a_deleted_background_response_still_writes():
             finally:  # as a cancelled background task does: writes its last state
                 store.settle(response.model_copy(update={"status": "cancelled"}))
 
-        store.start(response, work(), lambda: ended.append("ended"))
+        store.start(response, work())
         await asyncio.sleep(0)
         assert store.is_running("r") and store.get("r")[0].status == "queued"
         assert await store.delete("r") and store.get("r") is None and not store.is_running("r")
-        # Cancelled before it ever ran: the end is still counted.
-        store.start(response.model_copy(update={"id": "s"}), work(), lambda: ended.append("ended"))
+        # Cancelled before it ever ran: cancelled all the same, and no longer held.
+        store.start(response.model_copy(update={"id": "s"}), work())
         await store.cancel("s")
         assert store.num_running == 0 and store.get("s")[0].status == "cancelled"
-        return ended
+        # A cancel and a delete at once: the response is gone, and the cancel does not fail.
+        store.start(response.model_copy(update={"id": "t"}), work())
+        await asyncio.sleep(0)
+        await asyncio.gather(store.cancel("t"), store.delete("t"))
+        assert store.get("t") is None and store.num_running == 0
 
-    assert asyncio.run(scenario()) == ["ended", "ended"]
+    asyncio.run(scenario())
+
+
+def test_the_store_never_evicts_a_response_that_runs():
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import ResponseStore
+
+    async def scenario() -> None:
+        store, gate = ResponseStore(capacity=2), asyncio.Event()
+        store.start(ResponseObject(id="bg", status="queued", model="m", background=True), gate.wait())
+        for name in ("a", "b", "c"):
+            store.put(ResponseObject(id=name, status="completed", model="m"), [])
+        assert store.get("bg") is not None and store.get("c") is not None
+        assert store.get("a") is None and store.get("b") is None
+        gate.set()
+        while store.num_running:  # its task ends, then its done-callback lets it go
+            await asyncio.sleep(0)
+        store.put(ResponseObject(id="d", status="completed", model="m"), [])  # now it may go
+        assert store.get("bg") is None
+
+    asyncio.run(scenario())
+
+
+def test_a_background_response_the_engine_fails_is_failed_with_the_error():
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import ResponseStore
+    from jaxserve.api.responses import _answer_in_background
+    from jaxserve.engine.async_engine import EngineDeadError
+
+    class Run:  # a ChatRun whose one engine stream fails at its start
+        async def _failing(self):
+            raise EngineDeadError("the engine core exited")
+            yield
+
+        @property
+        def streams(self):
+            return [self._failing()]
+
+    async def scenario() -> ResponseObject:
+        store = ResponseStore()
+        response = ResponseObject(id="r", status="queued", model="m", background=True)
+        store.start(response, _answer_in_background(store, Run(), response, []))
+        while store.is_running("r"):
+            await asyncio.sleep(0)
+        return store.get("r")
+
+    failed, conversation = asyncio.run(scenario())
+    assert failed.status == "failed" and conversation is None
+    assert failed.error.code == "service_unavailable" and "the engine core exited" in failed.error.message

@@ -116,3 +116,19 @@ def test_a_generating_server_refuses_scores(tiny_model_dir):
 def test_an_embedding_input_over_the_context_is_a_400_naming_the_input(client):
     response = client.post("/v1/embeddings", json={"input": ["fits", LONG]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "input", response.text
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}),
+    ("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+    ("/v1/embeddings", {"input": DOCUMENTS[:2]}),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": QUERY}]}),
+])
+def test_invocations_answers_as_the_endpoint_the_body_picks(client, path, body):
+    """SageMaker's /invocations on a pooling server (the generating server's side: tests/api/test_invocations.py)."""
+    want, got = _post(client, path, body), _post(client, "/invocations", body)
+    for answer in (want, got):
+        answer.pop("id", None), answer.pop("created", None)
+    assert got == want
+    refused = client.post("/invocations", json={"prompt": "hi"})
+    assert refused.status_code == 400 and "query and documents (/v1/rerank)" in refused.json()["error"]["message"]
