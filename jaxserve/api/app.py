@@ -105,6 +105,7 @@ def create_app(
         Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
         Route("/invocations", invocations.invoke, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", misc.retrieve_model, methods=["GET"]),
         Route("/health", misc.health, methods=["GET"]),
         Route("/ping", misc.health, methods=["GET", "POST"]),
         Route("/load", misc.load, methods=["GET"]),

@@ -1,4 +1,5 @@
-"""GET /v1/models, /health, /ping, /load, /version, /metrics; POST /tokenize, /detokenize (vLLM's shapes)."""
+"""GET /v1/models, /v1/models/{model}, /health, /ping, /load, /version, /metrics; POST /tokenize, /detokenize
+(vLLM's shapes)."""
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -19,13 +20,28 @@ from jaxserve.api.protocol import (
 from jaxserve.api.serving import ServerState, get_serving
 
 
-async def list_models(request: Request) -> Response:
+def _model_cards(request: Request) -> list[ModelCard]:
+    """The served model under each of its names, then each LoRA adapter served as a model of its own."""
     serving = get_serving(request)
-    cards = [ModelCard(id=name, root=serving.info.model_root, max_model_len=serving.max_model_len)
-             for name in serving.model_names]
-    cards += [ModelCard(id=adapter.name, root=adapter.path, parent=adapter.base_model_name or serving.model_names[0],
-                        max_model_len=serving.max_model_len) for adapter in serving.engine.lora_modules]
-    return JSONResponse(ModelList(data=cards).model_dump())
+    cards = [ModelCard(id=name, created=serving.created, root=serving.info.model_root,
+                       max_model_len=serving.max_model_len) for name in serving.model_names]
+    cards += [ModelCard(id=adapter.name, created=serving.created, root=adapter.path,
+                        parent=adapter.base_model_name or serving.model_names[0], max_model_len=serving.max_model_len)
+              for adapter in serving.engine.lora_modules]
+    return cards
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=_model_cards(request)).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One served model's card (OpenAI's `models.retrieve`); its id may hold slashes (a hub name)."""
+    model_id = request.path_params["model_id"]
+    for card in _model_cards(request):
+        if card.id == model_id:
+            return JSONResponse(card.model_dump())
+    raise APIError(404, f"The model '{model_id}' does not exist.", "model")
 
 
 async def health(request: Request) -> Response:

@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +150,7 @@ class ModelServing:
     reasoning: ReasoningMarkers | None  # --reasoning-parser with its markers' token ids
     matryoshka: bool  # the model's embeddings may be cut short (`dimensions`)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for follow-ups
+    created: int = field(default_factory=lambda: int(time.time()))  # the models' `created`: when they loaded
     _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "jaxserve-tokenizer"))
     _token_strings: dict[int, str] = field(default_factory=dict)
 

@@ -44,6 +44,8 @@ def test_models_lists_the_adapter_with_its_parent(client, dirs):
     assert set(cards) == {"tiny", "sql-lora"}
     assert cards["sql-lora"]["parent"] == "tiny"
     assert cards["sql-lora"]["root"] == str(dirs[1])
+    for name, card in cards.items():  # retrieved one by one: the same cards
+        assert client.get(f"/v1/models/{name}").json() == card
 
 
 def test_an_adapter_request_gets_the_merged_models_outputs(client, dirs):
