@@ -84,6 +84,8 @@ def create_app(
         state.draining = True
         if stats_logger is not None:
             stats_logger.cancel()
+        if state.serving is not None:  # their engine requests abort while the engine and this loop run
+            await state.serving.responses.cancel_all()
         if loading is not None:
             await loading  # a load cannot be interrupted; let it finish so its engine is shut down
             if state.serving is not None:

@@ -25,6 +25,7 @@ _ERROR_TYPES = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_exceeded",
     500: "server_error",
     503: "service_unavailable",
 }

@@ -61,6 +61,7 @@ _ERROR_MEANINGS = {
     401: "Missing or wrong API key.",
     404: "Unknown model.",
     413: "Request body over the size limit.",
+    429: "Too many background responses are being answered; poll or cancel some first.",
     500: "Internal server error.",
     503: "The model is loading, the server is draining, or the engine failed.",
 }
@@ -115,7 +116,7 @@ OPERATIONS: tuple[Operation, ...] = (
                 response=RerankResponse, errors=_BODY_ERRORS, guarded=True) for path in RERANK_PATHS),
     Operation("/v1/responses", "post", "create_response", "Create a response (the Responses API, text subset)",
               "OpenAI", request=(ResponsesRequest,), response=ResponseObject, streams=ResponseEvent,
-              errors=_BODY_ERRORS, guarded=True, stream_format=(
+              errors=(*_BODY_ERRORS, 429), guarded=True, stream_format=(
                   ' With "stream": true, server-sent events `event: <type>` / `data: <ResponseEvent JSON>`: '
                   "response.created, response.in_progress, each output item's events, then response.completed "
                   "(response.incomplete when cut by max_output_tokens; error and response.failed if the engine "

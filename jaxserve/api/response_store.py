@@ -7,7 +7,8 @@ through `settle`, which writes only while the task is still registered: a respon
 stays deleted, and the least-recently-used eviction passes over a response that runs (its client may still
 cancel it). `cancel` and `delete` wait for the task to end, so its engine request has been aborted and its
 last state written before they answer. The store is this process's memory: a restart loses it, so a
-shutdown's drain does not wait for background responses that no client could read after it.
+shutdown's drain does not wait for background responses that no client could read after it; the app's
+shutdown cancels them (`cancel_all`) before its engine stops.
 """
 
 import asyncio
@@ -79,6 +80,11 @@ class ResponseStore:
             if entry is not None and entry[0].status in ("queued", "in_progress"):
                 self.put(entry[0].model_copy(update={"status": "cancelled"}), None)
 
+    async def cancel_all(self) -> None:
+        """Cancels every background response that runs (the app's shutdown: their engine requests abort
+        while the engine and the event loop still run)."""
+        await asyncio.gather(*(self.cancel(response_id) for response_id in list(self._running)))
+
     async def delete(self, response_id: str) -> bool:
         """Forgets a response, cancelling it first if it runs; False if it is not stored."""
         task = self._running.pop(response_id, None)
@@ -90,3 +96,9 @@ class ResponseStore:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def is_full(self) -> bool:
+        """As many background responses run as the store holds: another would evict what a client polls
+        (a client that enqueues background work without end is refused, not queued)."""
+        return len(self._running) >= self._capacity

@@ -192,6 +192,9 @@ async def create_response(request: Request) -> Response:
         raise APIError(400, "a background response must be stored: store must be true", "background")
     if req.background and req.stream:
         raise APIError(400, "stream is not available with background; poll GET /v1/responses/{id}", "stream")
+    if req.background and serving.responses.is_full:
+        raise APIError(429, f"{serving.responses.num_running} background responses are being answered, the most "
+                            "this server holds: poll or cancel some first", "background")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = serving.responses.get(req.previous_response_id)

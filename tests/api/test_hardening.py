@@ -305,7 +305,12 @@ def assert_drained(server, health: httpx.Response, refused: httpx.Response, fini
 
 
 def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
+    """A background response that runs does not hold the drain (no client could read it after), and the
+    shutdown cancels it cleanly: exit 0, no traceback."""
     server = trusting_server
+    story = {"input": "Tell me a long story.", "max_output_tokens": 1800, "background": True}
+    background = httpx.post(f"{server.v1}/responses", json=story, timeout=60)
+    assert background.status_code == 200 and background.json()["status"] == "queued", background.text
     assert_drained(server, *signal_while_serving(server, lambda: server.process.send_signal(signal.SIGTERM)))
 
 

@@ -261,6 +261,9 @@ def test_the_store_never_evicts_a_response_that_runs():
             store.put(ResponseObject(id=name, status="completed", model="m"), [])
         assert store.get("bg") is not None and store.get("c") is not None
         assert store.get("a") is None and store.get("b") is None
+        assert not store.is_full  # one of two runs
+        store.start(ResponseObject(id="bg2", status="queued", model="m", background=True), gate.wait())
+        assert store.is_full  # create_response refuses a third with a 429
         gate.set()
         while store.num_running:  # its task ends, then its done-callback lets it go
             await asyncio.sleep(0)
@@ -296,3 +299,30 @@ def test_a_background_response_the_engine_fails_is_failed_with_the_error():
     failed, conversation = asyncio.run(scenario())
     assert failed.status == "failed" and conversation is None
     assert failed.error.code == "service_unavailable" and "the engine core exited" in failed.error.message
+
+
+def test_background_responses_past_the_store_s_capacity_are_429s(tiny_model_dir):
+    """A client that enqueues background work without end is refused once the store holds as many running
+    responses as it can keep, and served again once one ends (in-process: a store of one)."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.api.app import create_app
+    from jaxserve.api.response_store import ResponseStore
+    from jaxserve.config import ServerConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+    from tests.engine.helpers import make_engine
+
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as http:
+        http.app.state.server.serving.responses = ResponseStore(capacity=1)
+        body = {"input": "Once upon a time", "max_output_tokens": 200, "temperature": 0, "background": True}
+        first = http.post("/v1/responses", json=body).json()
+        refused = http.post("/v1/responses", json=body)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["param"] == "background" and "poll or cancel" in refused.text
+        assert http.post(f"/v1/responses/{first['id']}/cancel").json()["status"] in ("cancelled", "completed")
+        again = http.post("/v1/responses", json=body)
+        assert again.status_code == 200, again.text
+        # Ended before the client closes: the engine outlives this app, and must not answer a closed loop.
+        http.post(f"/v1/responses/{again.json()['id']}/cancel")
+        assert http.post("/v1/responses", json={**body, "background": False, "max_output_tokens": 1}).status_code == 200
