@@ -105,6 +105,7 @@ def create_app(
         Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
         Route("/invocations", invocations.invoke, methods=["POST"]),
         Route("/v1/models", misc.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", misc.retrieve_model, methods=["GET"]),

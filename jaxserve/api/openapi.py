@@ -40,6 +40,7 @@ from jaxserve.api.protocol import (
     RerankResponse,
     ResponseDeleted,
     ResponseEvent,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ScoreRequest,
@@ -130,6 +131,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/responses/{response_id}/cancel", "post", "cancel_response", "Cancel a background response "
               "that runs; one that ended is answered as it ended", "OpenAI", response=ResponseObject,
               errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",)),
+    Operation("/v1/responses/{response_id}/input_items", "get", "list_input_items", "The input items a stored "
+              "response was asked with, a page at a time (query: order asc or desc, limit 1-100, after an item "
+              "id)", "OpenAI", response=ResponseItemList, errors=(400, 401, 404, 503), guarded=True,
+              path_params=("response_id",)),
     Operation("/invocations", "post", "invocations", "SageMaker's inference route (vLLM's): a body with messages is "
               "answered as /v1/chat/completions, one with prompt as /v1/completions; on a --runner pooling server "
               "query and documents as /v1/rerank, text_1 or text_2 as /v1/score, input or messages as "

@@ -639,6 +639,16 @@ class ResponseObject(BaseModel):
     background: bool = False
 
 
+class ResponseItemList(BaseModel):
+    """A page of a response's input items (GET /v1/responses/{id}/input_items), OpenAI's cursor list."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response"] = "response"

@@ -13,7 +13,8 @@ shutdown cancels them (`cancel_all`) before its engine stops.
 
 import asyncio
 import collections
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.api.protocol import ResponseObject
@@ -23,36 +24,43 @@ MAX_STORED_RESPONSES = 1024
 Conversation = list[dict[str, Any]]  # the chat messages a response ended, to continue from
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    response: ResponseObject
+    conversation: Conversation | None  # None while a background one runs, or where it failed or was cancelled
+    input_items: Sequence[dict[str, Any]] = field(default=())  # its request's input as OpenAI's items, with ids
+
+
 class ResponseStore:
-    """Stored responses with the conversation each ended (None while a background one runs, or where it
-    failed or was cancelled), at most `capacity`, least recently used first out; and the tasks answering
-    background responses."""
+    """Stored responses with the conversation each ended and their input items, at most `capacity`, least
+    recently used first out; and the tasks answering background responses."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
         self._capacity = capacity
-        self._entries: collections.OrderedDict[str, tuple[ResponseObject, Conversation | None]] = (
-            collections.OrderedDict())
+        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
         self._running: dict[str, asyncio.Task] = {}
 
-    def put(self, response: ResponseObject, conversation: Conversation | None) -> None:
-        self._entries[response.id] = (response, conversation)
+    def put(self, response: ResponseObject, conversation: Conversation | None,
+            input_items: Sequence[dict[str, Any]] = ()) -> None:
+        self._entries[response.id] = StoredResponse(response, conversation, input_items)
         self._entries.move_to_end(response.id)
         if (excess := len(self._entries) - self._capacity) > 0:  # the oldest go, but none that runs
             for key in [key for key in self._entries if key not in self._running][:excess]:
                 del self._entries[key]
 
-    def get(self, response_id: str) -> tuple[ResponseObject, Conversation | None] | None:
+    def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
         if entry is not None:
             self._entries.move_to_end(response_id)
         return entry
 
-    def start(self, response: ResponseObject, work: Coroutine[Any, Any, None]) -> None:
+    def start(self, response: ResponseObject, input_items: Sequence[dict[str, Any]],
+              work: Coroutine[Any, Any, None]) -> None:
         """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own,
         held here until it ends, however it ends (cancelled before it started too)."""
         task = asyncio.get_running_loop().create_task(work)
         self._running[response.id] = task
-        self.put(response, None)
+        self.put(response, None, input_items)
 
         def ended(_: asyncio.Task) -> None:
             if self._running.get(response.id) is task:
@@ -63,7 +71,8 @@ class ResponseStore:
     def settle(self, response: ResponseObject, conversation: Conversation | None = None) -> None:
         """A background response's new state, from its own task; dropped once the response was deleted."""
         if response.id in self._running:
-            self.put(response, conversation)
+            entry = self._entries.get(response.id)
+            self.put(response, conversation, entry.input_items if entry is not None else ())
 
     def is_running(self, response_id: str) -> bool:
         return response_id in self._running
@@ -77,8 +86,8 @@ class ResponseStore:
             # A task cancelled before it first ran wrote nothing (and started no engine request): its
             # response still reads queued. Written here, after the task, as its own write would have been.
             entry = self._entries.get(response_id)
-            if entry is not None and entry[0].status in ("queued", "in_progress"):
-                self.put(entry[0].model_copy(update={"status": "cancelled"}), None)
+            if entry is not None and entry.response.status in ("queued", "in_progress"):
+                self.put(entry.response.model_copy(update={"status": "cancelled"}), None, entry.input_items)
 
     async def cancel_all(self) -> None:
         """Cancels every background response that runs (the app's shutdown: their engine requests abort

@@ -1,6 +1,6 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel:
-OpenAI's Responses API, text subset, over the chat path (the chat template, tools, structured outputs and
-reasoning parsers are chat's).
+"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel,
+GET /v1/responses/{response_id}/input_items: OpenAI's Responses API, text subset, over the chat path (the
+chat template, tools, structured outputs and reasoning parsers are chat's).
 
 A request's `input` (a string, or message, function_call and function_call_output items) becomes chat
 messages, after the stored conversation of `previous_response_id` and under its own `instructions`
@@ -45,12 +45,13 @@ from jaxserve.api.protocol import (
     ReasoningText,
     ResponseDeleted,
     ResponseFormat,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
     UsageInfo,
 )
-from jaxserve.api.response_store import ResponseStore
+from jaxserve.api.response_store import ResponseStore, StoredResponse
 from jaxserve.api.serving import get_serving
 from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error, finals
 from jaxserve.outputs import RequestOutput
@@ -114,6 +115,34 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise APIError(400, "input must hold at least one message", "input")
     return messages
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's `input` (checked by `input_messages`) as OpenAI's input items, each with an id: the
+    client's where it gave one, else a new one. What GET .../input_items lists."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        given = item.get("id") if isinstance(item.get("id"), str) else None
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            content = item["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+            listed.append({"id": given or _item_id("msg"), "type": "message", "role": item["role"],
+                           "content": [{"type": part, "text": text} for text in texts], "status": "completed"})
+        elif kind == "function_call":
+            listed.append({"id": given or _item_id("fc"), "type": "function_call", "call_id": item["call_id"],
+                           "name": item["name"], "arguments": item["arguments"], "status": "completed"})
+        elif kind == "function_call_output":
+            output = item["output"]
+            listed.append({"id": given or _item_id("fco"), "type": "function_call_output", "call_id": item["call_id"],
+                           "output": output if isinstance(output, str) else json.dumps(output), "status": "completed"})
+        else:  # reasoning
+            summary = item.get("summary") if isinstance(item.get("summary"), list) else []
+            listed.append({"id": given or _item_id("rs"), "type": "reasoning", "summary": summary})
+    return listed
 
 
 def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -200,11 +229,12 @@ async def create_response(request: Request) -> Response:
         stored = serving.responses.get(req.previous_response_id)
         if stored is None:
             raise APIError(404, f"Response with id '{req.previous_response_id}' not found.", "previous_response_id")
-        if stored[1] is None:
-            raise APIError(400, f"Response '{req.previous_response_id}' is {stored[0].status}: it has no answer "
-                                "to continue from", "previous_response_id")
-        history = stored[1]
+        if stored.conversation is None:
+            raise APIError(400, f"Response '{req.previous_response_id}' is {stored.response.status}: it has no "
+                                "answer to continue from", "previous_response_id")
+        history = stored.conversation
     messages = [*history, *input_messages(req.input)]
+    items = input_items(req.input)
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     response_id = _item_id("resp")
     run = await start_chat(serving, _chat_request(req, instructions + messages), response_id)
@@ -221,11 +251,11 @@ async def create_response(request: Request) -> Response:
 
     def keep(final: ResponseObject) -> None:
         if req.store:
-            serving.responses.put(final, _conversation_after(messages, list(final.output)))
+            serving.responses.put(final, _conversation_after(messages, list(final.output)), items)
 
     if req.background:
         queued = response.model_copy(update={"status": "queued"})
-        serving.responses.start(queued, _answer_in_background(serving.responses, run, response, messages))
+        serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages))
         return JSONResponse(queued.model_dump())
     if req.stream:
         choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
@@ -269,36 +299,64 @@ def _failed(response: ResponseObject, error: APIError) -> ResponseObject:
     return response.model_copy(update={"status": "failed", "error": info.model_copy(update={"code": info.type})})
 
 
-def _stored(request: Request) -> tuple[ResponseStore, ResponseObject]:
+def _stored(request: Request) -> tuple[ResponseStore, StoredResponse]:
     store = get_serving(request).responses
     response_id = request.path_params["response_id"]
     stored = store.get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
-    return store, stored[0]
+    return store, stored
 
 
 async def retrieve_response(request: Request) -> Response:
-    return JSONResponse(_stored(request)[1].model_dump())
+    return JSONResponse(_stored(request)[1].response.model_dump())
+
+
+async def list_input_items(request: Request) -> Response:
+    """A page of the input items a stored response was asked with, as OpenAI lists them: `order` desc (the
+    default, newest first) or asc, `limit` 1-100 (20), `after` the id of the item the page follows."""
+    _, stored = _stored(request)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {query.get('limit')!r}", "limit")
+    items = list(stored.input_items) if order == "asc" else list(reversed(stored.input_items))
+    start = 0
+    if (after := query.get("after")) is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after names no input item of this response: {after!r}", "after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return JSONResponse(ResponseItemList(data=page, first_id=page[0]["id"] if page else None,
+                                         last_id=page[-1]["id"] if page else None,
+                                         has_more=start + limit < len(items)).model_dump())
 
 
 async def cancel_response(request: Request) -> Response:
     """Ends a background response that runs (its engine request aborted) and answers it as it then stands:
     cancelled, or as it ended if it ended first (OpenAI's cancel is idempotent)."""
-    store, response = _stored(request)
+    store, stored = _stored(request)
+    response = stored.response
     if not response.background:
         raise APIError(400, "only a response created with background=true can be cancelled", "response_id")
     await store.cancel(response.id)
     if (stored := store.get(response.id)) is None:  # deleted while it was being cancelled
         raise APIError(404, f"Response with id '{response.id}' not found.", "response_id")
-    return JSONResponse(stored[0].model_dump())
+    return JSONResponse(stored.response.model_dump())
 
 
 async def delete_response(request: Request) -> Response:
     """Forgets a stored response, cancelling it first if it runs in the background."""
-    store, response = _stored(request)
-    await store.delete(response.id)
-    return JSONResponse(ResponseDeleted(id=response.id).model_dump())
+    store, stored = _stored(request)
+    await store.delete(stored.response.id)
+    return JSONResponse(ResponseDeleted(id=stored.response.id).model_dump())
 
 
 class _EventWriter:

@@ -128,7 +128,7 @@ def test_the_store_keeps_the_most_recently_used_responses():
         store.put(ResponseObject(id=name, status="completed", model="m"), [{"role": "user", "content": name}])
     assert store.get("a") is not None  # "a" is now the most recent
     store.put(ResponseObject(id="c", status="completed", model="m"), [])
-    assert store.get("b") is None and store.get("a")[1] == [{"role": "user", "content": "a"}]
+    assert store.get("b") is None and store.get("a").conversation == [{"role": "user", "content": "a"}]
     assert store.get("c") is not None
 
 
@@ -233,16 +233,16 @@ def test_the_store_drops_what_a_deleted_background_response_still_writes():
             finally:  # as a cancelled background task does: writes its last state
                 store.settle(response.model_copy(update={"status": "cancelled"}))
 
-        store.start(response, work())
+        store.start(response, [], work())
         await asyncio.sleep(0)
-        assert store.is_running("r") and store.get("r")[0].status == "queued"
+        assert store.is_running("r") and store.get("r").response.status == "queued"
         assert await store.delete("r") and store.get("r") is None and not store.is_running("r")
         # Cancelled before it ever ran: cancelled all the same, and no longer held.
-        store.start(response.model_copy(update={"id": "s"}), work())
+        store.start(response.model_copy(update={"id": "s"}), [], work())
         await store.cancel("s")
-        assert store.num_running == 0 and store.get("s")[0].status == "cancelled"
+        assert store.num_running == 0 and store.get("s").response.status == "cancelled"
         # A cancel and a delete at once: the response is gone, and the cancel does not fail.
-        store.start(response.model_copy(update={"id": "t"}), work())
+        store.start(response.model_copy(update={"id": "t"}), [], work())
         await asyncio.sleep(0)
         await asyncio.gather(store.cancel("t"), store.delete("t"))
         assert store.get("t") is None and store.num_running == 0
@@ -256,13 +256,13 @@ def test_the_store_never_evicts_a_response_that_runs():
 
     async def scenario() -> None:
         store, gate = ResponseStore(capacity=2), asyncio.Event()
-        store.start(ResponseObject(id="bg", status="queued", model="m", background=True), gate.wait())
+        store.start(ResponseObject(id="bg", status="queued", model="m", background=True), [], gate.wait())
         for name in ("a", "b", "c"):
             store.put(ResponseObject(id=name, status="completed", model="m"), [])
         assert store.get("bg") is not None and store.get("c") is not None
         assert store.get("a") is None and store.get("b") is None
         assert not store.is_full  # one of two runs
-        store.start(ResponseObject(id="bg2", status="queued", model="m", background=True), gate.wait())
+        store.start(ResponseObject(id="bg2", status="queued", model="m", background=True), [], gate.wait())
         assert store.is_full  # create_response refuses a third with a 429
         gate.set()
         while store.num_running:  # its task ends, then its done-callback lets it go
@@ -291,12 +291,13 @@ def test_a_background_response_the_engine_fails_is_failed_with_the_error():
     async def scenario() -> ResponseObject:
         store = ResponseStore()
         response = ResponseObject(id="r", status="queued", model="m", background=True)
-        store.start(response, _answer_in_background(store, Run(), response, []))
+        store.start(response, [], _answer_in_background(store, Run(), response, []))
         while store.is_running("r"):
             await asyncio.sleep(0)
         return store.get("r")
 
-    failed, conversation = asyncio.run(scenario())
+    stored = asyncio.run(scenario())
+    failed, conversation = stored.response, stored.conversation
     assert failed.status == "failed" and conversation is None
     assert failed.error.code == "service_unavailable" and "the engine core exited" in failed.error.message
 
@@ -326,3 +327,58 @@ def test_background_responses_past_the_store_s_capacity_are_429s(tiny_model_dir)
         # Ended before the client closes: the engine outlives this app, and must not answer a closed loop.
         http.post(f"/v1/responses/{again.json()['id']}/cancel")
         assert http.post("/v1/responses", json={**body, "background": False, "max_output_tokens": 1}).status_code == 200
+
+
+def test_input_items_list_what_a_response_was_asked_with_a_page_at_a_time(client):
+    asked = [{"role": "system", "content": "Answer briefly."},
+             {"role": "user", "content": "Name three colours."},
+             {"role": "assistant", "content": "Red, green, blue."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Now three animals."}]}]
+    response = client.responses.create(model=MODEL, input=asked, max_output_tokens=2)
+    items = client.responses.input_items.list(response.id, order="asc").data
+    assert [(item.type, item.role) for item in items] == [("message", m["role"]) for m in asked]
+    assert [item.content[0].text for item in items] == [
+        "Answer briefly.", "Name three colours.", "Red, green, blue.", "Now three animals."]
+    assert [item.content[0].type for item in items] == ["input_text", "input_text", "output_text", "input_text"]
+    ids = [item.id for item in items]
+    assert len(set(ids)) == 4 and all(i.startswith("msg_") for i in ids)
+    assert [item.id for item in client.responses.input_items.list(response.id).data] == ids[::-1]  # desc: default
+    first = client.responses.input_items.list(response.id, order="asc", limit=3)
+    assert first.has_more and [item.id for item in first.data] == ids[:3] and first.last_id == ids[2]
+    rest = client.responses.input_items.list(response.id, order="asc", limit=3, after=ids[2])
+    assert not rest.has_more and [item.id for item in rest.data] == ids[3:]
+    assert [item.id for item in client.responses.input_items.list(response.id, order="asc", limit=1)] == ids  # pages
+    # A follow-up lists its own input, not the conversation it continues.
+    follow = client.responses.create(model=MODEL, input="And three birds.", max_output_tokens=2,
+                                     previous_response_id=response.id)
+    (only,) = client.responses.input_items.list(follow.id).data
+    assert only.content[0].text == "And three birds." and only.role == "user"
+
+
+@pytest.mark.parametrize(("query", "param"), [({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                                              ({"limit": "ten"}, "limit"), ({"order": "sideways"}, "order"),
+                                              ({"after": "msg_missing"}, "after")])
+def test_input_items_refuse_a_bad_query_naming_it(client, query, param):
+    response = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.get(f"/responses/{response.id}/input_items", cast_to=object, options={"params": query})
+    assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+
+
+def test_input_items_keep_calls_their_outputs_and_the_client_s_ids():
+    from jaxserve.api.responses import input_items, input_messages
+
+    asked = [{"type": "message", "role": "user", "content": "Weather in Paris?", "id": "msg_client"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": {"sky": "clear"}},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "It asked."}]}]
+    input_messages(asked)  # what create_response checks first
+    message, call, output, reasoning = input_items(asked)
+    assert message == {"id": "msg_client", "type": "message", "role": "user", "status": "completed",
+                       "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
+    assert call["id"].startswith("fc_") and (call["call_id"], call["name"], call["arguments"]) == (
+        "call_1", "get_weather", '{"city": "Paris"}')
+    assert output["type"] == "function_call_output" and json.loads(output["output"]) == {"sky": "clear"}
+    assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"] == "It asked."
