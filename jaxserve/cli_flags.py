@@ -255,8 +255,8 @@ SERVER_FLAGS = (
     Flag("--served-model-name", ServerConfig, "served_model_name", nargs="+",
          help="name(s) clients use in `model` (default: the model's name)"),
     Flag("--api-key", ServerConfig, "api_key",
-         help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $JAXSERVE_API_KEY, "
-              "else $VLLM_API_KEY, else none)"),
+         help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, the scoring routes and "
+              "/invocations (SageMaker sends no key) (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),
     Flag("--allowed-origins", ServerConfig, "allowed_origins", "CORS origins, a JSON list", type=_json_list),
     Flag("--allow-credentials", ServerConfig, "allow_credentials", "CORS: allow credentials", **_OFF),
     Flag("--allowed-methods", ServerConfig, "allowed_methods", "CORS methods, a JSON list", type=_json_list),

@@ -33,13 +33,18 @@ _POOLING: tuple[tuple[tuple[str, ...], Handler, str], ...] = (
 )
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
 def handler_for(body: object, runner: str) -> Handler:
-    """The handler that answers `body` on a server whose engine runs `runner` ("generate" or "pooling")."""
+    """The handler that answers `body` on a server whose engine runs `runner` ("generate" or "pooling"): the
+    first whose fields the body holds, not null."""
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, not {_JSON_TYPES.get(type(body), 'that')}")
     routes = _POOLING if runner == "pooling" else _GENERATE
     for fields, handler, _ in routes:
-        if all(field in body for field in fields):
+        if all(body.get(field) is not None for field in fields):
             return handler
     takes = "; ".join(f"{' and '.join(fields)} ({path})" for fields, _, path in routes)
     raise APIError(400, f"no endpoint of this server takes this body: /invocations takes a body with {takes}")

@@ -17,7 +17,7 @@ from jaxserve.api.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from jaxserve.api.serving import ServerState, get_serving
+from jaxserve.api.serving import ServerState, get_serving, model_not_found
 
 
 def _model_cards(request: Request) -> list[ModelCard]:
@@ -36,12 +36,14 @@ async def list_models(request: Request) -> Response:
 
 
 async def retrieve_model(request: Request) -> Response:
-    """One served model's card (OpenAI's `models.retrieve`); its id may hold slashes (a hub name)."""
-    model_id = request.path_params["model_id"]
+    """One served model's card (OpenAI's `models.retrieve`); its id may hold slashes (a hub name). No id
+    (`/v1/models/`) is the list."""
+    if not (model_id := request.path_params["model_id"]):
+        return await list_models(request)
     for card in _model_cards(request):
         if card.id == model_id:
             return JSONResponse(card.model_dump())
-    raise APIError(404, f"The model '{model_id}' does not exist.", "model")
+    raise model_not_found(model_id)
 
 
 async def health(request: Request) -> Response:

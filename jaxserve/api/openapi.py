@@ -90,6 +90,7 @@ class Operation:
     errors: tuple[int, ...] = ()
     guarded: bool = False  # behind --api-key (middleware.py's guarded prefixes)
     path_params: tuple[str, ...] = ()  # the `{name}` parts of `path`, each a string
+    query_params: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, JSON schema), each optional
     # How a stream ends, when it is not chat's way (`data: [DONE]`): the Responses API's typed events.
     stream_format: str | None = None
     extra_responses: dict[str, Any] = field(default_factory=dict)
@@ -132,9 +133,11 @@ OPERATIONS: tuple[Operation, ...] = (
               "that runs; one that ended is answered as it ended", "OpenAI", response=ResponseObject,
               errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",)),
     Operation("/v1/responses/{response_id}/input_items", "get", "list_input_items", "The input items a stored "
-              "response was asked with, a page at a time (query: order asc or desc, limit 1-100, after an item "
-              "id)", "OpenAI", response=ResponseItemList, errors=(400, 401, 404, 503), guarded=True,
-              path_params=("response_id",)),
+              "response was asked with, a page at a time", "OpenAI", response=ResponseItemList,
+              errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",), query_params=(
+                  ("order", {"enum": ["asc", "desc"], "default": "desc"}),
+                  ("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+                  ("after", {"type": "string", "description": "The id of the item the page follows."}))),
     Operation("/invocations", "post", "invocations", "SageMaker's inference route (vLLM's): a body with messages is "
               "answered as /v1/chat/completions, one with prompt as /v1/completions; on a --runner pooling server "
               "query and documents as /v1/rerank, text_1 or text_2 as /v1/score, input or messages as "
@@ -207,9 +210,12 @@ def _responses(op: Operation) -> tuple[type[BaseModel], ...]:
 def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
     """The operation object; `secured`: this server checks a key on this route."""
     doc: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
-    if op.path_params:
-        doc["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                             for name in op.path_params]
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in op.path_params]
+    parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
+                   for name, schema in op.query_params]
+    if parameters:
+        doc["parameters"] = parameters
     if op.request:
         bodies = [refs[(model, "validation")] for model in op.request]
         doc["requestBody"] = {"required": True, "content": {_JSON_OBJECT: {

@@ -107,7 +107,11 @@ class ResponseStore:
         return len(self._running)
 
     @property
+    def max_running(self) -> int:
+        """The most background responses that run at once: half the store, so that the other half keeps
+        room for responses that ended (a client that enqueues background work without end is refused)."""
+        return max(1, self._capacity // 2)
+
+    @property
     def is_full(self) -> bool:
-        """As many background responses run as the store holds: another would evict what a client polls
-        (a client that enqueues background work without end is refused, not queued)."""
-        return len(self._running) >= self._capacity
+        return len(self._running) >= self.max_running

@@ -66,10 +66,10 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text(content: Any, param: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
+def _texts(content: Any, param: str) -> list[str]:
+    """A message's content as its texts: a string, or its text parts."""
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise APIError(400, "content must be a string or a list of parts", param)
     texts = []
@@ -78,22 +78,39 @@ def _text(content: Any, param: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"content part of type {kind!r} is not supported; only text", f"{param}.{j}")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A request's `input` as chat messages: function calls join the assistant turn they follow, their
-    outputs become tool messages; reasoning items are dropped (templates re-render reasoning themselves)."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+def read_input(given: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A request's `input`, checked, as chat messages and as OpenAI's input items.
+
+    Messages: function calls join the assistant turn they follow, their outputs become tool messages,
+    reasoning items are dropped (templates re-render reasoning themselves). Items (what GET .../input_items
+    lists): each with an id, the client's where it gave one (ids must differ: a cursor names one), else a
+    new one."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
+    items: list[dict[str, Any]] = []
+    given_ids: set[str] = set()
+    for i, item in enumerate(given):
         kind = item.get("type", "message")
+        item_id = item.get("id")
+        if item_id is not None:
+            if not isinstance(item_id, str) or item_id in given_ids:
+                raise APIError(400, f"input[{i}].id must be a string no other input item has", f"input.{i}.id")
+            given_ids.add(item_id)
         if kind == "message":
             role = item.get("role")
             if role not in _INPUT_ROLES:
                 raise APIError(400, f"input[{i}].role must be one of {', '.join(_INPUT_ROLES)}", f"input.{i}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            texts = _texts(item.get("content"), f"input.{i}.content")
+            messages.append({"role": role, "content": "\n".join(texts)})
+            part = "output_text" if role == "assistant" else "input_text"
+            parts = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}
+                     for text in texts]
+            items.append({"id": item_id or _item_id("msg"), "type": "message", "role": role, "content": parts,
+                          "status": "completed"})
         elif kind == "function_call":
             fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
             if not all(isinstance(value, str) for value in fields.values()):
@@ -104,45 +121,23 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            items.append({"id": item_id or _item_id("fc"), "type": "function_call", **fields, "status": "completed"})
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or output is None:
                 raise APIError(400, "a function_call_output item needs a call_id and an output", f"input.{i}")
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": output if isinstance(output, str) else json.dumps(output)})
-        elif kind != "reasoning":
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            items.append({"id": item_id or _item_id("fco"), "type": "function_call_output", "call_id": call_id,
+                          "output": text, "status": "completed"})
+        elif kind == "reasoning":
+            summary = item.get("summary") if isinstance(item.get("summary"), list) else []
+            items.append({"id": item_id or _item_id("rs"), "type": "reasoning", "summary": summary})
+        else:
             raise APIError(400, f"input items of type {kind!r} are not supported", f"input.{i}.type")
     if not messages:
         raise APIError(400, "input must hold at least one message", "input")
-    return messages
-
-
-def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A request's `input` (checked by `input_messages`) as OpenAI's input items, each with an id: the
-    client's where it gave one, else a new one. What GET .../input_items lists."""
-    if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
-    listed = []
-    for item in items:
-        kind = item.get("type", "message")
-        given = item.get("id") if isinstance(item.get("id"), str) else None
-        if kind == "message":
-            part = "output_text" if item["role"] == "assistant" else "input_text"
-            content = item["content"]
-            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
-            listed.append({"id": given or _item_id("msg"), "type": "message", "role": item["role"],
-                           "content": [{"type": part, "text": text} for text in texts], "status": "completed"})
-        elif kind == "function_call":
-            listed.append({"id": given or _item_id("fc"), "type": "function_call", "call_id": item["call_id"],
-                           "name": item["name"], "arguments": item["arguments"], "status": "completed"})
-        elif kind == "function_call_output":
-            output = item["output"]
-            listed.append({"id": given or _item_id("fco"), "type": "function_call_output", "call_id": item["call_id"],
-                           "output": output if isinstance(output, str) else json.dumps(output), "status": "completed"})
-        else:  # reasoning
-            summary = item.get("summary") if isinstance(item.get("summary"), list) else []
-            listed.append({"id": given or _item_id("rs"), "type": "reasoning", "summary": summary})
-    return listed
+    return messages, items
 
 
 def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -221,9 +216,6 @@ async def create_response(request: Request) -> Response:
         raise APIError(400, "a background response must be stored: store must be true", "background")
     if req.background and req.stream:
         raise APIError(400, "stream is not available with background; poll GET /v1/responses/{id}", "stream")
-    if req.background and serving.responses.is_full:
-        raise APIError(429, f"{serving.responses.num_running} background responses are being answered, the most "
-                            "this server holds: poll or cancel some first", "background")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = serving.responses.get(req.previous_response_id)
@@ -233,8 +225,8 @@ async def create_response(request: Request) -> Response:
             raise APIError(400, f"Response '{req.previous_response_id}' is {stored.response.status}: it has no "
                                 "answer to continue from", "previous_response_id")
         history = stored.conversation
-    messages = [*history, *input_messages(req.input)]
-    items = input_items(req.input)
+    asked, items = read_input(req.input)
+    messages = [*history, *asked]
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     response_id = _item_id("resp")
     run = await start_chat(serving, _chat_request(req, instructions + messages), response_id)
@@ -254,6 +246,10 @@ async def create_response(request: Request) -> Response:
             serving.responses.put(final, _conversation_after(messages, list(final.output)), items)
 
     if req.background:
+        # Checked here, after the awaits of the checks above: nothing runs until the task iterates the stream.
+        if serving.responses.is_full:
+            raise APIError(429, f"{serving.responses.num_running} background responses are being answered, the "
+                                "most this server runs at once: poll or cancel some first", "background")
         queued = response.model_copy(update={"status": "queued"})
         serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages))
         return JSONResponse(queued.model_dump())
@@ -458,9 +454,8 @@ async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
         for event in out.close_item():
             yield event
     except ENGINE_ERRORS as e:
-        error = engine_error(e)
-        yield out.event("error", code=str(error.status), message=error.message, param=error.param)
-        failed = response.model_copy(update={"status": "failed", "output": out.items})
+        failed = _failed(response, engine_error(e)).model_copy(update={"output": out.items})
+        yield out.event("error", code=failed.error.code, message=failed.error.message, param=failed.error.param)
         yield out.event("response.failed", response=failed.model_dump())
         return
     final = _finished(response, out.items, finish_reason, choices.usage)

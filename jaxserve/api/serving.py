@@ -133,6 +133,10 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", "model")
+
+
 @dataclass
 class ModelServing:
     """Everything the handlers need once the model is loaded."""
@@ -244,7 +248,7 @@ class ModelServing:
             return None
         if self.engine.has_adapter(model):
             return model
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+        raise model_not_found(model)
 
     def token_label(self, token_id: int, by_id: bool) -> str:
         """How logprobs name a token: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:{id}"

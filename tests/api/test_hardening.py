@@ -311,6 +311,8 @@ def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
     story = {"input": "Tell me a long story.", "max_output_tokens": 1800, "background": True}
     background = httpx.post(f"{server.v1}/responses", json=story, timeout=60)
     assert background.status_code == 200 and background.json()["status"] == "queued", background.text
+    running = httpx.get(f"{server.v1}/responses/{background.json()['id']}", timeout=60).json()
+    assert running["status"] in ("queued", "in_progress"), running
     assert_drained(server, *signal_while_serving(server, lambda: server.process.send_signal(signal.SIGTERM)))
 
 

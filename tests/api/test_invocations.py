@@ -43,14 +43,23 @@ def test_a_streamed_chat_through_invocations_is_chat_s_stream(server):
     assert text == _post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"model": MODEL, "input": "hi"}, "messages (/v1/chat/completions); prompt (/v1/completions)"),
-    ([CHAT], "must be a JSON object, not list"),
-    ({"model": MODEL, "messages": "not a list"}, "messages"),  # chat's own validation, naming the field
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"model": MODEL, "input": "hi"}, None, "messages (/v1/chat/completions); prompt (/v1/completions)"),
+    ([CHAT], None, "must be a JSON object, not an array"),
+    ("hi", None, "must be a JSON object, not a string"),
+    ({"model": MODEL, "messages": "not a list"}, "messages", ""),  # chat's own validation, naming the field
+    ({"model": MODEL, "messages": None, "prompt": 5}, "prompt", ""),  # a null field picks nothing: a completion
 ])
-def test_what_invocations_refuses_is_a_400(server, body, message):
+def test_what_invocations_refuses_is_a_400(server, body, param, message):
     response = _post(server, "/invocations", body)
-    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"], response.text
+
+
+def test_a_null_field_picks_no_endpoint(server):
+    body = {**COMPLETION, "messages": None}
+    assert _post(server, "/invocations", body).json()["choices"][0] == _post(
+        server, "/v1/completions", COMPLETION).json()["choices"][0]
 
 
 def test_the_key_guards_invocations(server):

@@ -157,6 +157,7 @@ def _aborted(client) -> float:
 def _engine_idle(client, timeout: float = 60.0) -> bool:
     """No sequence runs in the engine (its requests finished or aborted), per /metrics."""
     deadline = time.monotonic() + timeout
+    assert "jaxserve:num_requests_running" in httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
     while _metric(client, "jaxserve:num_requests_running") != 0:
         if time.monotonic() > deadline:
             return False
@@ -189,7 +190,7 @@ def test_cancel_ends_a_running_background_response_and_its_engine_request(client
     assert client.responses.retrieve(running.id).status in ("queued", "in_progress")  # a long story: it runs
     cancelled = client.responses.cancel(running.id)
     assert cancelled.status == "cancelled" and cancelled.id == running.id
-    assert _aborted(client) == aborted + 1  # its stream closed before it finished: the engine request aborts
+    assert _aborted(client) >= aborted + 1  # its stream closed before it finished: the engine request aborts
     assert client.responses.retrieve(running.id).status == "cancelled"
     assert _engine_idle(client), "the cancelled response's engine request still runs"
     with pytest.raises(openai.BadRequestError) as e:  # it has no answer to continue from
@@ -214,7 +215,7 @@ def test_delete_forgets_a_response_and_cancels_a_running_one(client):
             client.responses.retrieve(response.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.delete(response.id)
-    assert _aborted(client) == aborted + 1
+    assert _aborted(client) >= aborted + 1
     assert _engine_idle(client), "the deleted response's engine request still runs"
 
 
@@ -261,14 +262,15 @@ def test_the_store_never_evicts_a_response_that_runs():
             store.put(ResponseObject(id=name, status="completed", model="m"), [])
         assert store.get("bg") is not None and store.get("c") is not None
         assert store.get("a") is None and store.get("b") is None
-        assert not store.is_full  # one of two runs
-        store.start(ResponseObject(id="bg2", status="queued", model="m", background=True), [], gate.wait())
-        assert store.is_full  # create_response refuses a third with a 429
+        assert store.is_full  # half the store may run: create_response refuses another with a 429
         gate.set()
-        while store.num_running:  # its task ends, then its done-callback lets it go
-            await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            while store.num_running:  # its task ends, then its done-callback lets it go
+                await asyncio.sleep(0)
+        assert not store.is_full
         store.put(ResponseObject(id="d", status="completed", model="m"), [])  # now it may go
         assert store.get("bg") is None
+        assert ResponseStore(capacity=1024).max_running == 512
 
     asyncio.run(scenario())
 
@@ -292,8 +294,9 @@ def test_a_background_response_the_engine_fails_is_failed_with_the_error():
         store = ResponseStore()
         response = ResponseObject(id="r", status="queued", model="m", background=True)
         store.start(response, [], _answer_in_background(store, Run(), response, []))
-        while store.is_running("r"):
-            await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            while store.is_running("r"):
+                await asyncio.sleep(0)
         return store.get("r")
 
     stored = asyncio.run(scenario())
@@ -315,7 +318,7 @@ def test_background_responses_past_the_store_s_capacity_are_429s(tiny_model_dir)
 
     engine = make_engine(tiny_model_dir("llama"), warmup=False)
     with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as http:
-        http.app.state.server.serving.responses = ResponseStore(capacity=1)
+        http.app.state.server.serving.responses = ResponseStore(capacity=2)  # one may run
         body = {"input": "Once upon a time", "max_output_tokens": 200, "temperature": 0, "background": True}
         first = http.post("/v1/responses", json=body).json()
         refused = http.post("/v1/responses", json=body)
@@ -368,17 +371,24 @@ def test_input_items_refuse_a_bad_query_naming_it(client, query, param):
 
 
 def test_input_items_keep_calls_their_outputs_and_the_client_s_ids():
-    from jaxserve.api.responses import input_items, input_messages
+    from jaxserve.api.errors import APIError
+    from jaxserve.api.responses import read_input
 
     asked = [{"type": "message", "role": "user", "content": "Weather in Paris?", "id": "msg_client"},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": {"sky": "clear"}},
-             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "It asked."}]}]
-    input_messages(asked)  # what create_response checks first
-    message, call, output, reasoning = input_items(asked)
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "It asked."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Clear."}]}]
+    messages, (message, call, output, reasoning, answer) = read_input(asked)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     assert message == {"id": "msg_client", "type": "message", "role": "user", "status": "completed",
                        "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
     assert call["id"].startswith("fc_") and (call["call_id"], call["name"], call["arguments"]) == (
         "call_1", "get_weather", '{"city": "Paris"}')
     assert output["type"] == "function_call_output" and json.loads(output["output"]) == {"sky": "clear"}
     assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"] == "It asked."
+    assert answer["content"] == [{"type": "output_text", "text": "Clear.", "annotations": []}]
+    # A cursor names one item: two items of one id are refused (OpenAI's rule too).
+    with pytest.raises(APIError) as e:
+        read_input([asked[0], {**asked[4], "id": "msg_client"}])
+    assert e.value.status == 400 and e.value.param == "input.1.id"

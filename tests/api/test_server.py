@@ -27,8 +27,11 @@ def test_health_models_version_and_loading(server, client):
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 2048
     assert client.models.retrieve(MODEL) == models[0]
-    with pytest.raises(openai.NotFoundError, match="The model 'gpt-4o' does not exist"):
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist"):
         client.models.retrieve("gpt-4o")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    listed = httpx.get(f"{server.v1}/models", headers=auth).json()
+    assert httpx.get(f"{server.v1}/models/", headers=auth).json() == listed  # no id: the list
 
 
 def test_the_default_serves_a_gguf_file_in_its_blocks(tmp_path, compile_cache):
