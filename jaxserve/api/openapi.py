@@ -125,7 +125,13 @@ OPERATIONS: tuple[Operation, ...] = (
                   "fails mid-stream).")),
     Operation("/v1/responses/{response_id}", "get", "retrieve_response", "A stored response; a background one "
               "as it stands (queued, in_progress, then completed, incomplete, failed or cancelled)", "OpenAI",
-              response=ResponseObject, errors=(401, 404, 503), guarded=True, path_params=("response_id",)),
+              response=ResponseObject, streams=ResponseEvent, errors=(400, 401, 404, 503), guarded=True,
+              path_params=("response_id",), query_params=(
+                  ("stream", {"type": "boolean", "default": False}),
+                  ("starting_after", {"type": "integer", "minimum": -1, "default": -1,
+                                      "description": "With stream: the sequence number the events follow."})),
+              stream_format=' With stream=true (a background response created with "stream": true): its '
+                            "events after starting_after, then each as it comes, as POST /v1/responses streams them."),
     Operation("/v1/responses/{response_id}", "delete", "delete_response", "Forget a stored response (a "
               "background one that runs is cancelled first)", "OpenAI", response=ResponseDeleted,
               errors=(401, 404, 503), guarded=True, path_params=("response_id",)),

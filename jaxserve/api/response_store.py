@@ -13,7 +13,7 @@ shutdown cancels them (`cancel_all`) before its engine stops.
 
 import asyncio
 import collections
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +24,46 @@ MAX_STORED_RESPONSES = 1024
 Conversation = list[dict[str, Any]]  # the chat messages a response ended, to continue from
 
 
+class EventLog:
+    """A streamed background response's server-sent events (each one frame, `sequence_number` its index),
+    kept for its clients: the one that created it, and any that resume later from a sequence number
+    (GET ...?stream=true&starting_after=N). A client that leaves stops reading; the response goes on."""
+
+    def __init__(self) -> None:
+        self.frames: list[str] = []
+        self.done = False
+        self._changed = asyncio.Event()  # set, then replaced, at each change
+
+    def append(self, frame: str) -> None:
+        self.frames.append(frame)
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, start: int) -> AsyncIterator[str]:
+        """The frames from index `start` on, then each as it comes, until the log closes."""
+        index = start
+        while True:
+            while index < len(self.frames):
+                yield self.frames[index]
+                index += 1
+            if self.done:
+                return
+            await self._changed.wait()  # the event of this moment: the next change sets it
+
+
 @dataclass(frozen=True)
 class StoredResponse:
     response: ResponseObject
     conversation: Conversation | None  # None while a background one runs, or where it failed or was cancelled
     input_items: Sequence[dict[str, Any]] = field(default=())  # its request's input as OpenAI's items, with ids
+    events: EventLog | None = None  # a background response created with stream=true: its events
 
 
 class ResponseStore:
@@ -41,8 +76,8 @@ class ResponseStore:
         self._running: dict[str, asyncio.Task] = {}
 
     def put(self, response: ResponseObject, conversation: Conversation | None,
-            input_items: Sequence[dict[str, Any]] = ()) -> None:
-        self._entries[response.id] = StoredResponse(response, conversation, input_items)
+            input_items: Sequence[dict[str, Any]] = (), events: EventLog | None = None) -> None:
+        self._entries[response.id] = StoredResponse(response, conversation, input_items, events)
         self._entries.move_to_end(response.id)
         if (excess := len(self._entries) - self._capacity) > 0:  # the oldest go, but none that runs
             for key in [key for key in self._entries if key not in self._running][:excess]:
@@ -55,16 +90,19 @@ class ResponseStore:
         return entry
 
     def start(self, response: ResponseObject, input_items: Sequence[dict[str, Any]],
-              work: Coroutine[Any, Any, None]) -> None:
+              work: Coroutine[Any, Any, None], events: EventLog | None = None) -> None:
         """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own,
-        held here until it ends, however it ends (cancelled before it started too)."""
+        held here until it ends, however it ends (cancelled before it started too); `events`, where the
+        response streams, closes then too."""
         task = asyncio.get_running_loop().create_task(work)
         self._running[response.id] = task
-        self.put(response, None, input_items)
+        self.put(response, None, input_items, events)
 
         def ended(_: asyncio.Task) -> None:
             if self._running.get(response.id) is task:
                 del self._running[response.id]
+            if events is not None:
+                events.close()
 
         task.add_done_callback(ended)
 
@@ -72,7 +110,9 @@ class ResponseStore:
         """A background response's new state, from its own task; dropped once the response was deleted."""
         if response.id in self._running:
             entry = self._entries.get(response.id)
-            self.put(response, conversation, entry.input_items if entry is not None else ())
+            if entry is None:  # evicted: not while it runs, unless the store was built over capacity
+                entry = StoredResponse(response, None)
+            self.put(response, conversation, entry.input_items, entry.events)
 
     def is_running(self, response_id: str) -> bool:
         return response_id in self._running
@@ -87,7 +127,8 @@ class ResponseStore:
             # response still reads queued. Written here, after the task, as its own write would have been.
             entry = self._entries.get(response_id)
             if entry is not None and entry.response.status in ("queued", "in_progress"):
-                self.put(entry.response.model_copy(update={"status": "cancelled"}), None, entry.input_items)
+                self.put(entry.response.model_copy(update={"status": "cancelled"}), None, entry.input_items,
+                         entry.events)
 
     async def cancel_all(self) -> None:
         """Cancels every background response that runs (the app's shutdown: their engine requests abort

@@ -51,7 +51,7 @@ from jaxserve.api.protocol import (
     ResponseUsage,
     UsageInfo,
 )
-from jaxserve.api.response_store import ResponseStore, StoredResponse
+from jaxserve.api.response_store import EventLog, ResponseStore, StoredResponse
 from jaxserve.api.serving import get_serving
 from jaxserve.api.streaming import ENGINE_ERRORS, ChoiceStream, collect, engine_error, finals
 from jaxserve.outputs import RequestOutput
@@ -214,8 +214,6 @@ async def create_response(request: Request) -> Response:
     serving.check_model(req.model)
     if req.background and not req.store:
         raise APIError(400, "a background response must be stored: store must be true", "background")
-    if req.background and req.stream:
-        raise APIError(400, "stream is not available with background; poll GET /v1/responses/{id}", "stream")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = serving.responses.get(req.previous_response_id)
@@ -245,17 +243,25 @@ async def create_response(request: Request) -> Response:
         if req.store:
             serving.responses.put(final, _conversation_after(messages, list(final.output)), items)
 
+    def keep_failed(failed: ResponseObject) -> None:
+        if req.store:
+            serving.responses.put(failed, None, items)
+
     if req.background:
         # Checked here, after the awaits of the checks above: nothing runs until the task iterates the stream.
         if serving.responses.is_full:
             raise APIError(429, f"{serving.responses.num_running} background responses are being answered, the "
                                 "most this server runs at once: poll or cancel some first", "background")
         queued = response.model_copy(update={"status": "queued"})
-        serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages))
+        log = EventLog() if req.stream else None
+        serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages, log),
+                                log)
+        if log is not None:  # this client reads the events as they come; if it leaves, the response goes on
+            return StreamingResponse(log.follow(0), media_type="text/event-stream")
         return JSONResponse(queued.model_dump())
     if req.stream:
         choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
-        return StreamingResponse(_events(run, choices, response, keep), media_type="text/event-stream")
+        return StreamingResponse(_events(run, choices, response, keep, keep_failed), media_type="text/event-stream")
     (output,) = await collect(request, run.streams)
     final = _answered(run, response, output)
     keep(final)
@@ -271,14 +277,27 @@ def _answered(run: ChatRun, response: ResponseObject, output: RequestOutput) -> 
 
 
 async def _answer_in_background(store: ResponseStore, run: ChatRun, response: ResponseObject,
-                                messages: list[dict[str, Any]]) -> None:
+                                messages: list[dict[str, Any]], log: EventLog | None) -> None:
     """A background response's task: in progress, then what the engine answered, or failed with the error a
-    client would have been sent, or cancelled (its engine request aborted as it ends)."""
+    client would have been sent, or cancelled (its engine request aborted as it ends). With `log`, it streams:
+    each event goes to the log, for the clients that read it now or later."""
+
+    def keep(final: ResponseObject) -> None:
+        store.settle(final, _conversation_after(messages, list(final.output)))
+
     try:
         store.settle(response)
-        (output,) = await finals(run.streams)
-        final = _answered(run, response, output)
-        store.settle(final, _conversation_after(messages, list(final.output)))
+        if log is None:
+            (output,) = await finals(run.streams)
+            keep(_answered(run, response, output))
+            return
+        choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
+        events = _events(run, choices, response, keep, store.settle)
+        try:
+            async for frame in events:
+                log.append(frame)
+        finally:
+            await events.aclose()
     except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending
         store.settle(response.model_copy(update={"status": "cancelled"}))
         raise
@@ -305,7 +324,25 @@ def _stored(request: Request) -> tuple[ResponseStore, StoredResponse]:
 
 
 async def retrieve_response(request: Request) -> Response:
-    return JSONResponse(_stored(request)[1].response.model_dump())
+    """A stored response; with `stream=true`, a background response created with stream=true as its events,
+    those after `starting_after` (a sequence number) and then each as it comes."""
+    _, stored = _stored(request)
+    query = request.query_params
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise APIError(400, f"stream must be true or false, got {query.get('stream')!r}", "stream")
+    if stream == "false":
+        return JSONResponse(stored.response.model_dump())
+    if stored.events is None:
+        raise APIError(400, "only a background response created with stream=true can be streamed", "stream")
+    try:
+        after = int(query.get("starting_after", "-1"))
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise APIError(400, f"starting_after must be a sequence number, got {query.get('starting_after')!r}",
+                       "starting_after")
+    return StreamingResponse(stored.events.follow(after + 1), media_type="text/event-stream")
 
 
 async def list_input_items(request: Request) -> Response:
@@ -407,9 +444,11 @@ class _EventWriter:
 
 
 async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
-                  keep: Callable[[ResponseObject], None]) -> AsyncIterator[str]:
+                  keep: Callable[[ResponseObject], None],
+                  keep_failed: Callable[[ResponseObject], None]) -> AsyncIterator[str]:
     """A streamed response: created, in progress, each output item's events as its text arrives, then
-    completed (or incomplete); an engine failure after the start ends it with an error event and failed."""
+    completed (or incomplete), kept with `keep`; an engine failure after the start ends it with an error
+    event and failed, kept with `keep_failed`."""
     out = _EventWriter()
     yield out.event("response.created", response=response.model_dump())
     yield out.event("response.in_progress", response=response.model_dump())
@@ -455,6 +494,7 @@ async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
             yield event
     except ENGINE_ERRORS as e:
         failed = _failed(response, engine_error(e)).model_copy(update={"output": out.items})
+        keep_failed(failed)
         yield out.event("error", code=failed.error.code, message=failed.error.message, param=failed.error.param)
         yield out.event("response.failed", response=failed.model_dump())
         return

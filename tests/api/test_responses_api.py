@@ -111,7 +111,6 @@ def test_text_format_json_schema(client):
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"input": "hi", "background": True, "store": False}, "background"),  # nothing to poll
-    ({"input": "hi", "background": True, "stream": True}, "stream"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -275,13 +274,16 @@ def test_the_store_never_evicts_a_response_that_runs():
     asyncio.run(scenario())
 
 
-def test_a_background_response_the_engine_fails_is_failed_with_the_error():
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_background_response_the_engine_fails_is_failed_with_the_error(streamed):
     from jaxserve.api.protocol import ResponseObject
-    from jaxserve.api.response_store import ResponseStore
+    from jaxserve.api.response_store import EventLog, ResponseStore
     from jaxserve.api.responses import _answer_in_background
     from jaxserve.engine.async_engine import EngineDeadError
 
     class Run:  # a ChatRun whose one engine stream fails at its start
+        prompt_ids = (1, 2)
+
         async def _failing(self):
             raise EngineDeadError("the engine core exited")
             yield
@@ -290,19 +292,28 @@ def test_a_background_response_the_engine_fails_is_failed_with_the_error():
         def streams(self):
             return [self._failing()]
 
-    async def scenario() -> ResponseObject:
-        store = ResponseStore()
+        def reasoning_stream(self):
+            return None
+
+        def tool_stream(self):
+            return None
+
+    async def scenario():
+        store, log = ResponseStore(), EventLog() if streamed else None
         response = ResponseObject(id="r", status="queued", model="m", background=True)
-        store.start(response, [], _answer_in_background(store, Run(), response, []))
+        store.start(response, [], _answer_in_background(store, Run(), response, [], log), log)
         async with asyncio.timeout(10):
             while store.is_running("r"):
                 await asyncio.sleep(0)
-        return store.get("r")
+        return store.get("r"), log
 
-    stored = asyncio.run(scenario())
+    stored, log = asyncio.run(scenario())
     failed, conversation = stored.response, stored.conversation
     assert failed.status == "failed" and conversation is None
     assert failed.error.code == "service_unavailable" and "the engine core exited" in failed.error.message
+    if streamed:  # its readers saw the error, then the failed response, and the log closed
+        assert log.done and [json.loads(f.split("data: ", 1)[1])["type"] for f in log.frames][-2:] == [
+            "error", "response.failed"]
 
 
 def test_background_responses_past_the_store_s_capacity_are_429s(tiny_model_dir):
@@ -392,3 +403,82 @@ def test_input_items_keep_calls_their_outputs_and_the_client_s_ids():
     with pytest.raises(APIError) as e:
         read_input([asked[0], {**asked[4], "id": "msg_client"}])
     assert e.value.status == 400 and e.value.param == "input.1.id"
+
+
+def test_a_streamed_background_response_is_the_foreground_stream_and_resumes_from_any_event(client):
+    kwargs = dict(model=MODEL, input=ASK, max_output_tokens=12, temperature=0)
+    foreground = list(client.responses.create(**kwargs, stream=True))
+    events = list(client.responses.create(**kwargs, stream=True, background=True))
+    assert [e.type for e in events] == [e.type for e in foreground]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == foreground[-1].response.output_text
+    response_id = events[0].response.id
+    assert client.responses.retrieve(response_id).output_text == events[-1].response.output_text
+    # Resumed: the events after a sequence number, the same ones; after the last, none.
+    resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [(e.sequence_number, e.type) for e in resumed] == [(e.sequence_number, e.type) for e in events[4:]]
+    assert len(list(client.responses.retrieve(response_id, stream=True))) == len(events)
+    assert list(client.responses.retrieve(response_id, stream=True, starting_after=len(events) - 1)) == []
+
+
+def test_a_client_that_leaves_a_background_stream_leaves_the_response_running(client, server):
+    body = {"model": MODEL, "input": ASK, "max_output_tokens": 24, "temperature": 0, "stream": True,
+            "background": True}
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    with httpx.stream("POST", f"{server.v1}/responses", json=body, headers=headers, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
+    assert first["type"] == "response.created"
+    done = _poll(client, first["response"]["id"])  # the client left after one event: the response went on
+    assert done.status in ("completed", "incomplete") and done.output_text
+    whole = client.responses.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
+    assert done.output_text == whole.output_text
+
+
+def test_cancelling_a_streamed_background_response_ends_its_readers(client):
+    stream = client.responses.create(**STORY, stream=True, background=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    response_id = seen[0].response.id
+    assert client.responses.cancel(response_id).status == "cancelled"
+    rest = list(stream)  # the log closes: this reader ends, without a completion
+    assert all(e.type != "response.completed" for e in rest)
+    assert [e.type for e in client.responses.retrieve(response_id, stream=True)][:len(seen)] == [e.type for e in seen]
+
+
+def test_streaming_again_needs_a_streamed_background_response(client):
+    plain = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    for query, param in (({"stream": "true"}, "stream"), ({"stream": "maybe"}, "stream")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.get(f"/responses/{plain.id}", cast_to=object, options={"params": query})
+        assert e.value.body["param"] == param
+    streamed = list(client.responses.create(model=MODEL, input=ASK, max_output_tokens=2, stream=True, background=True))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.get(f"/responses/{streamed[0].response.id}", cast_to=object,
+                   options={"params": {"stream": "true", "starting_after": "-5"}})
+    assert e.value.body["param"] == "starting_after"
+
+
+def test_the_event_log_follows_from_any_index_and_ends_when_closed():
+    from jaxserve.api.response_store import EventLog
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        log = EventLog()
+        log.append("a")
+
+        async def read(start: int) -> list[str]:
+            return [frame async for frame in log.follow(start)]
+
+        early, late = asyncio.create_task(read(0)), asyncio.create_task(read(2))
+        await asyncio.sleep(0)
+        for frame in ("b", "c"):
+            log.append(frame)
+            await asyncio.sleep(0)
+        log.close()
+        async with asyncio.timeout(10):
+            return await early, await late
+
+    assert asyncio.run(scenario()) == (["a", "b", "c"], ["c"])
