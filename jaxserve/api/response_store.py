@@ -5,10 +5,14 @@ A background response is answered by a task of its own, which the store holds un
 writes the response as it moves (queued, in progress, then completed, incomplete, failed or cancelled)
 through `settle`, which writes only while the task is still registered: a response deleted while it runs
 stays deleted, and the least-recently-used eviction passes over a response that runs (its client may still
-cancel it). `cancel` and `delete` wait for the task to end, so its engine request has been aborted and its
-last state written before they answer. The store is this process's memory: a restart loses it, so a
-shutdown's drain does not wait for background responses that no client could read after it; the app's
-shutdown cancels them (`cancel_all`) before its engine stops.
+cancel it). A streamed one's events are kept while it is stored, within a budget over all of them
+(`MAX_EVENT_BYTES`, the oldest let go first). `cancel` and `delete` wait for the task to end, so its
+engine request has been aborted and its last state written before they answer.
+
+The store is this process's memory: a restart loses it. So a shutdown's drain does not wait for background
+responses that no client could read after it (only, as for any HTTP request, for a client still reading
+one's events, within the drain's timeout), and the app's shutdown cancels them (`cancel_all`) before its
+engine stops.
 """
 
 import asyncio
@@ -20,6 +24,7 @@ from typing import Any
 from jaxserve.api.protocol import ResponseObject
 
 MAX_STORED_RESPONSES = 1024
+MAX_EVENT_BYTES = 256 * 2**20  # the ended responses' event logs together; the oldest go first past it
 
 Conversation = list[dict[str, Any]]  # the chat messages a response ended, to continue from
 
@@ -31,12 +36,19 @@ class EventLog:
 
     def __init__(self) -> None:
         self.frames: list[str] = []
+        self.nbytes = 0  # the frames' characters: what the store's budget counts
         self.done = False
+        self.dropped = False  # its frames were let go (the store's budget): it can no longer be read
         self._changed = asyncio.Event()  # set, then replaced, at each change
 
     def append(self, frame: str) -> None:
         self.frames.append(frame)
+        self.nbytes += len(frame)
         self._wake()
+
+    def drop(self) -> None:
+        """Lets an ended log's frames go."""
+        self.frames, self.nbytes, self.dropped = [], 0, True
 
     def close(self) -> None:
         self.done = True
@@ -70,8 +82,9 @@ class ResponseStore:
     """Stored responses with the conversation each ended and their input items, at most `capacity`, least
     recently used first out; and the tasks answering background responses."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._capacity = capacity
+        self._max_event_bytes = max_event_bytes
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
         self._running: dict[str, asyncio.Task] = {}
 
@@ -103,8 +116,20 @@ class ResponseStore:
                 del self._running[response.id]
             if events is not None:
                 events.close()
+                self._trim_events()
 
         task.add_done_callback(ended)
+
+    def _trim_events(self) -> None:
+        """Past the budget, the oldest ended responses' event logs let their frames go (their responses stay
+        stored: GET without stream still answers)."""
+        logs = [entry.events for entry in self._entries.values() if entry.events is not None and entry.events.done]
+        total = sum(log.nbytes for log in logs)
+        for log in logs:  # oldest first
+            if total <= self._max_event_bytes:
+                break
+            total -= log.nbytes
+            log.drop()
 
     def settle(self, response: ResponseObject, conversation: Conversation | None = None) -> None:
         """A background response's new state, from its own task; dropped once the response was deleted."""

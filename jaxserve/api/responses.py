@@ -285,6 +285,9 @@ async def _answer_in_background(store: ResponseStore, run: ChatRun, response: Re
     def keep(final: ResponseObject) -> None:
         store.settle(final, _conversation_after(messages, list(final.output)))
 
+    def keep_failed(failed: ResponseObject) -> None:
+        store.settle(failed)
+
     try:
         store.settle(response)
         if log is None:
@@ -292,20 +295,22 @@ async def _answer_in_background(store: ResponseStore, run: ChatRun, response: Re
             keep(_answered(run, response, output))
             return
         choices = ChoiceStream(run.streams, 1, [len(run.prompt_ids)])
-        events = _events(run, choices, response, keep, store.settle)
-        try:
-            async for frame in events:
-                log.append(frame)
-        finally:
-            await events.aclose()
-    except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending
-        store.settle(response.model_copy(update={"status": "cancelled"}))
+        # Each frame's index in the log is its sequence_number (_EventWriter numbers them from 0).
+        async for frame in _events(run, choices, response, keep, keep_failed, queued=True):
+            log.append(frame)
+    except asyncio.CancelledError:  # POST .../cancel, DELETE, or the server's loop ending; readers of its
+        store.settle(response.model_copy(update={"status": "cancelled"}))  # events see them end: GET says why
         raise
-    except ENGINE_ERRORS as e:
-        store.settle(_failed(response, engine_error(e)))
+    except ENGINE_ERRORS as e:  # (a streamed one's are in its events already)
+        keep_failed(_failed(response, engine_error(e)))
     except Exception as e:  # a bug must not leave the response in progress for ever
         logger.exception("background response %s failed", response.id)
-        store.settle(_failed(response, APIError(500, f"{type(e).__name__}: {e}")))
+        failed = _failed(response, APIError(500, f"{type(e).__name__}: {e}"))
+        keep_failed(failed)
+        if log is not None:  # its readers get the end a failed stream has
+            out = _EventWriter(first=len(log.frames))
+            log.append(out.event("error", code=failed.error.code, message=failed.error.message, param=None))
+            log.append(out.event("response.failed", response=failed.model_dump()))
 
 
 def _failed(response: ResponseObject, error: APIError) -> ResponseObject:
@@ -338,10 +343,13 @@ async def retrieve_response(request: Request) -> Response:
     try:
         after = int(query.get("starting_after", "-1"))
     except ValueError:
-        after = -2
-    if after < -1:
+        after = None
+    if after is None or after < -1:
         raise APIError(400, f"starting_after must be a sequence number, got {query.get('starting_after')!r}",
                        "starting_after")
+    if stored.events.dropped:
+        raise APIError(400, "this response's events are no longer kept (the store keeps the newest); GET it "
+                            "without stream", "stream")
     return StreamingResponse(stored.events.follow(after + 1), media_type="text/event-stream")
 
 
@@ -395,8 +403,8 @@ async def delete_response(request: Request) -> Response:
 class _EventWriter:
     """Numbers and frames a streamed response's events, and tracks its output items as they open and close."""
 
-    def __init__(self) -> None:
-        self.sequence_number = 0
+    def __init__(self, first: int = 0) -> None:
+        self.sequence_number = first
         self.items: list[OutputItem] = []
         self.open: OutputItem | None = None
 
@@ -444,13 +452,19 @@ class _EventWriter:
 
 
 async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
-                  keep: Callable[[ResponseObject], None],
-                  keep_failed: Callable[[ResponseObject], None]) -> AsyncIterator[str]:
-    """A streamed response: created, in progress, each output item's events as its text arrives, then
-    completed (or incomplete), kept with `keep`; an engine failure after the start ends it with an error
-    event and failed, kept with `keep_failed`."""
+                  keep: Callable[[ResponseObject], None], keep_failed: Callable[[ResponseObject], None],
+                  queued: bool = False) -> AsyncIterator[str]:
+    """A streamed response: created (`queued`: created queued, then response.queued, as OpenAI's background
+    streams begin), in progress, each output item's events as its text arrives, then completed (or
+    incomplete), kept with `keep`; an engine failure after the start ends it with an error event and
+    failed, kept with `keep_failed`."""
     out = _EventWriter()
-    yield out.event("response.created", response=response.model_dump())
+    if queued:
+        waiting = response.model_copy(update={"status": "queued"}).model_dump()
+        yield out.event("response.created", response=waiting)
+        yield out.event("response.queued", response=waiting)
+    else:
+        yield out.event("response.created", response=response.model_dump())
     yield out.event("response.in_progress", response=response.model_dump())
     thoughts, tools = run.reasoning_stream(), run.tool_stream()
     finish_reason = None

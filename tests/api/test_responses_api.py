@@ -336,6 +336,13 @@ def test_background_responses_past_the_store_s_capacity_are_429s(tiny_model_dir)
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["param"] == "background" and "poll or cancel" in refused.text
         assert http.post(f"/v1/responses/{first['id']}/cancel").json()["status"] in ("cancelled", "completed")
+        # Past the store's budget for events, an ended response's go (GET without stream still answers).
+        http.app.state.server.serving.responses = ResponseStore(capacity=2, max_event_bytes=1)
+        streamed = http.post("/v1/responses", json={**body, "max_output_tokens": 2, "stream": True})
+        created = json.loads(streamed.text.split("data: ", 1)[1].split("\n", 1)[0])
+        gone = http.get(f"/v1/responses/{created['response']['id']}", params={"stream": "true"})
+        assert gone.status_code == 400 and "no longer kept" in gone.text, gone.text
+        assert http.get(f"/v1/responses/{created['response']['id']}").json()["status"] in ("completed", "incomplete")
         again = http.post("/v1/responses", json=body)
         assert again.status_code == 200, again.text
         # Ended before the client closes: the engine outlives this app, and must not answer a closed loop.
@@ -409,7 +416,9 @@ def test_a_streamed_background_response_is_the_foreground_stream_and_resumes_fro
     kwargs = dict(model=MODEL, input=ASK, max_output_tokens=12, temperature=0)
     foreground = list(client.responses.create(**kwargs, stream=True))
     events = list(client.responses.create(**kwargs, stream=True, background=True))
-    assert [e.type for e in events] == [e.type for e in foreground]
+    # OpenAI's background streams begin queued: created (queued), queued, then as a foreground stream.
+    assert [e.type for e in events] == ["response.created", "response.queued", *(e.type for e in foreground[1:])]
+    assert events[0].response.status == "queued" and events[0].response.background
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == foreground[-1].response.output_text
     response_id = events[0].response.id
@@ -422,7 +431,7 @@ def test_a_streamed_background_response_is_the_foreground_stream_and_resumes_fro
 
 
 def test_a_client_that_leaves_a_background_stream_leaves_the_response_running(client, server):
-    body = {"model": MODEL, "input": ASK, "max_output_tokens": 24, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "input": ASK, "max_output_tokens": 64, "temperature": 0, "stream": True,
             "background": True}
     headers = {"Authorization": f"Bearer {client.api_key}"}
     with httpx.stream("POST", f"{server.v1}/responses", json=body, headers=headers, timeout=120) as stream:
@@ -430,12 +439,16 @@ def test_a_client_that_leaves_a_background_stream_leaves_the_response_running(cl
         first = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
     assert first["type"] == "response.created"
     done = _poll(client, first["response"]["id"])  # the client left after one event: the response went on
-    assert done.status in ("completed", "incomplete") and done.output_text
-    whole = client.responses.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
+    assert done.status in ("completed", "incomplete") and done.output_text  # not cancelled
+    whole = client.responses.create(model=MODEL, input=ASK, max_output_tokens=64, temperature=0)
     assert done.output_text == whole.output_text
 
 
 def test_cancelling_a_streamed_background_response_ends_its_readers(client):
+    """Both readers, the creating client's and one that resumed while it ran, end when it is cancelled: the
+    log closes without a final event (GET says why)."""
+    import concurrent.futures
+
     stream = client.responses.create(**STORY, stream=True, background=True)
     seen = []
     for event in stream:
@@ -443,9 +456,16 @@ def test_cancelling_a_streamed_background_response_ends_its_readers(client):
         if event.type == "response.output_text.delta":
             break
     response_id = seen[0].response.id
-    assert client.responses.cancel(response_id).status == "cancelled"
-    rest = list(stream)  # the log closes: this reader ends, without a completion
-    assert all(e.type != "response.completed" for e in rest)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        resumed = pool.submit(lambda: [e.type for e in client.responses.retrieve(
+            response_id, stream=True, starting_after=seen[-1].sequence_number)])
+        time.sleep(0.5)  # the resumed reader waits on the log
+        assert not resumed.done()
+        assert client.responses.cancel(response_id).status == "cancelled"
+        later = resumed.result(timeout=60)
+    rest = [e.type for e in stream]
+    finals = {"response.completed", "response.incomplete", "response.failed"}
+    assert not finals & set(later) and not finals & set(rest)
     assert [e.type for e in client.responses.retrieve(response_id, stream=True)][:len(seen)] == [e.type for e in seen]
 
 
