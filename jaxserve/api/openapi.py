@@ -33,6 +33,7 @@ from jaxserve.api.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
+    InputItemsQuery,
     LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
@@ -42,6 +43,7 @@ from jaxserve.api.protocol import (
     ResponseEvent,
     ResponseItemList,
     ResponseObject,
+    ResponseQuery,
     ResponsesRequest,
     ScoreRequest,
     ScoreResponse,
@@ -90,7 +92,7 @@ class Operation:
     errors: tuple[int, ...] = ()
     guarded: bool = False  # behind --api-key (middleware.py's guarded prefixes)
     path_params: tuple[str, ...] = ()  # the `{name}` parts of `path`, each a string
-    query_params: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, JSON schema), each optional
+    query: type[BaseModel] | None = None  # the query's model: each field an optional parameter
     # How a stream ends, when it is not chat's way (`data: [DONE]`): the Responses API's typed events.
     stream_format: str | None = None
     extra_responses: dict[str, Any] = field(default_factory=dict)
@@ -126,10 +128,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/responses/{response_id}", "get", "retrieve_response", "A stored response; a background one "
               "as it stands (queued, in_progress, then completed, incomplete, failed or cancelled)", "OpenAI",
               response=ResponseObject, streams=ResponseEvent, errors=(400, 401, 404, 503), guarded=True,
-              path_params=("response_id",), query_params=(
-                  ("stream", {"type": "boolean", "default": False}),
-                  ("starting_after", {"type": "integer", "minimum": -1, "default": -1,
-                                      "description": "With stream: the sequence number the events follow."})),
+              path_params=("response_id",), query=ResponseQuery,
               stream_format=' With stream=true (a background response created with "stream": true): its '
                             "events after starting_after, then each as it comes, as POST /v1/responses streams them."),
     Operation("/v1/responses/{response_id}", "delete", "delete_response", "Forget a stored response (a "
@@ -140,10 +139,7 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",)),
     Operation("/v1/responses/{response_id}/input_items", "get", "list_input_items", "The input items a stored "
               "response was asked with, a page at a time", "OpenAI", response=ResponseItemList,
-              errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",), query_params=(
-                  ("order", {"enum": ["asc", "desc"], "default": "desc"}),
-                  ("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
-                  ("after", {"type": "string", "description": "The id of the item the page follows."}))),
+              errors=(400, 401, 404, 503), guarded=True, path_params=("response_id",), query=InputItemsQuery),
     Operation("/invocations", "post", "invocations", "SageMaker's inference route (vLLM's): a body with messages is "
               "answered as /v1/chat/completions, one with prompt as /v1/completions; on a --runner pooling server "
               "query and documents as /v1/rerank, text_1 or text_2 as /v1/score, input or messages as "
@@ -218,8 +214,10 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict[str, Any]:
     doc: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
     parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                   for name in op.path_params]
-    parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
-                   for name, schema in op.query_params]
+    if op.query is not None:
+        fields = op.query.model_json_schema()["properties"]
+        parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
+                       for name, schema in fields.items()]
     if parameters:
         doc["parameters"] = parameters
     if op.request:

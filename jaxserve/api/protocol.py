@@ -639,6 +639,27 @@ class ResponseObject(BaseModel):
     background: bool = False
 
 
+class ResponseQuery(BaseModel):
+    """GET /v1/responses/{id}'s query: `stream` a background response created with stream=true again, its
+    events after `starting_after` (a sequence number; -1: from the first)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    stream: bool = False
+    starting_after: int = Field(default=-1, ge=-1, le=2**63 - 1)
+
+
+class InputItemsQuery(BaseModel):
+    """GET /v1/responses/{id}/input_items's query: OpenAI's cursor pages (`after`: the id of the item the
+    page follows)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    order: Literal["asc", "desc"] = "desc"
+    limit: int = Field(default=20, ge=1, le=100)
+    after: str | None = None
+
+
 class ResponseItemList(BaseModel):
     """A page of a response's input items (GET /v1/responses/{id}/input_items), OpenAI's cursor list."""
 

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.api.chat import ChatRun, start_chat
-from jaxserve.api.errors import APIError, error_body
+from jaxserve.api.errors import APIError, error_body, validate
 from jaxserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,6 +33,7 @@ from jaxserve.api.protocol import (
     FunctionCallItem,
     FunctionDefinition,
     IncompleteDetails,
+    InputItemsQuery,
     InputTokensDetails,
     JsonSchemaFormat,
     MessageItem,
@@ -47,6 +48,7 @@ from jaxserve.api.protocol import (
     ResponseFormat,
     ResponseItemList,
     ResponseObject,
+    ResponseQuery,
     ResponsesRequest,
     ResponseUsage,
     UsageInfo,
@@ -218,7 +220,7 @@ async def create_response(request: Request) -> Response:
     if req.previous_response_id is not None:
         stored = serving.responses.get(req.previous_response_id)
         if stored is None:
-            raise APIError(404, f"Response with id '{req.previous_response_id}' not found.", "previous_response_id")
+            raise _response_not_found(req.previous_response_id, "previous_response_id")
         if stored.conversation is None:
             raise APIError(400, f"Response '{req.previous_response_id}' is {stored.response.status}: it has no "
                                 "answer to continue from", "previous_response_id")
@@ -324,56 +326,42 @@ def _stored(request: Request) -> tuple[ResponseStore, StoredResponse]:
     response_id = request.path_params["response_id"]
     stored = store.get(response_id)
     if stored is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
+        raise _response_not_found(response_id)
     return store, stored
+
+
+def _response_not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param)
 
 
 async def retrieve_response(request: Request) -> Response:
     """A stored response; with `stream=true`, a background response created with stream=true as its events,
     those after `starting_after` (a sequence number) and then each as it comes."""
     _, stored = _stored(request)
-    query = request.query_params
-    stream = query.get("stream", "false").lower()
-    if stream not in ("true", "false"):
-        raise APIError(400, f"stream must be true or false, got {query.get('stream')!r}", "stream")
-    if stream == "false":
+    query = validate(ResponseQuery, dict(request.query_params))
+    if not query.stream:
         return JSONResponse(stored.response.model_dump())
     if stored.events is None:
         raise APIError(400, "only a background response created with stream=true can be streamed", "stream")
-    try:
-        after = int(query.get("starting_after", "-1"))
-    except ValueError:
-        after = None
-    if after is None or after < -1:
-        raise APIError(400, f"starting_after must be a sequence number, got {query.get('starting_after')!r}",
-                       "starting_after")
     if stored.events.dropped:
         raise APIError(400, "this response's events are no longer kept (the store keeps the newest); GET it "
                             "without stream", "stream")
-    return StreamingResponse(stored.events.follow(after + 1), media_type="text/event-stream")
+    return StreamingResponse(stored.events.follow(query.starting_after + 1), media_type="text/event-stream")
 
 
 async def list_input_items(request: Request) -> Response:
     """A page of the input items a stored response was asked with, as OpenAI lists them: `order` desc (the
     default, newest first) or asc, `limit` 1-100 (20), `after` the id of the item the page follows."""
     _, stored = _stored(request)
-    query = request.query_params
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise APIError(400, f"limit must be an integer from 1 to 100, got {query.get('limit')!r}", "limit")
-    items = list(stored.input_items) if order == "asc" else list(reversed(stored.input_items))
+    query = validate(InputItemsQuery, dict(request.query_params))
+    items = list(stored.input_items) if query.order == "asc" else list(reversed(stored.input_items))
     start = 0
-    if (after := query.get("after")) is not None:
+    if query.after is not None:
         ids = [item["id"] for item in items]
-        if after not in ids:
-            raise APIError(400, f"after names no input item of this response: {after!r}", "after")
-        start = ids.index(after) + 1
+        if query.after not in ids:
+            raise APIError(400, f"after names no input item of this response: {query.after!r}", "after")
+        start = ids.index(query.after) + 1
+    limit = query.limit
     page = items[start:start + limit]
     return JSONResponse(ResponseItemList(data=page, first_id=page[0]["id"] if page else None,
                                          last_id=page[-1]["id"] if page else None,
@@ -389,7 +377,7 @@ async def cancel_response(request: Request) -> Response:
         raise APIError(400, "only a response created with background=true can be cancelled", "response_id")
     await store.cancel(response.id)
     if (stored := store.get(response.id)) is None:  # deleted while it was being cancelled
-        raise APIError(404, f"Response with id '{response.id}' not found.", "response_id")
+        raise _response_not_found(response.id)
     return JSONResponse(stored.response.model_dump())
 
 

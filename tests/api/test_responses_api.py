@@ -377,7 +377,8 @@ def test_input_items_list_what_a_response_was_asked_with_a_page_at_a_time(client
 
 
 @pytest.mark.parametrize(("query", "param"), [({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
-                                              ({"limit": "ten"}, "limit"), ({"order": "sideways"}, "order"),
+                                              ({"limit": "ten"}, "limit"), ({"limit": "1" + "0" * 30}, "limit"),
+                                              ({"order": "sideways"}, "order"),
                                               ({"after": "msg_missing"}, "after")])
 def test_input_items_refuse_a_bad_query_naming_it(client, query, param):
     response = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
@@ -476,10 +477,11 @@ def test_streaming_again_needs_a_streamed_background_response(client):
             client.get(f"/responses/{plain.id}", cast_to=object, options={"params": query})
         assert e.value.body["param"] == param
     streamed = list(client.responses.create(model=MODEL, input=ASK, max_output_tokens=2, stream=True, background=True))
-    with pytest.raises(openai.BadRequestError) as e:
-        client.get(f"/responses/{streamed[0].response.id}", cast_to=object,
-                   options={"params": {"stream": "true", "starting_after": "-5"}})
-    assert e.value.body["param"] == "starting_after"
+    for after in ("-5", "9" * 30, "first"):  # below -1, past any int64, not a number
+        with pytest.raises(openai.BadRequestError) as e:
+            client.get(f"/responses/{streamed[0].response.id}", cast_to=object,
+                       options={"params": {"stream": "true", "starting_after": after}})
+        assert e.value.body["param"] == "starting_after", after
 
 
 def test_the_event_log_follows_from_any_index_and_ends_when_closed():
