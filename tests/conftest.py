@@ -94,6 +94,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
+@pytest.fixture(scope="module")
+def tp_worker() -> Iterator[object]:
+    """A process with four CPU devices that runs a module's tensor-parallel checks in turn
+    (tests/parallel_helpers.py)."""
+    from tests.parallel_helpers import TPWorker
+
+    worker = TPWorker()
+    yield worker
+    worker.close()
+
+
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer, saved beside each tiny model
 
 

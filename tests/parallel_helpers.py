@@ -1,27 +1,43 @@
 """Tensor parallelism in a subprocess with several CPU devices: generate at each TP size and compare with TP=1
-(tests/test_parallel.py, tests/models/test_checkpoint.py)."""
+(tests/test_parallel.py, tests/models/test_checkpoint.py).
+
+The test process has one CPU device, and jax fixes the device count when its backend starts, so the checks
+run in a worker process started with `--xla_force_host_platform_device_count=4`. One worker serves a test
+module's checks in turn (`TPWorker`, the `tp_worker` fixture): each check paid about 4 s of Python and jax
+start-up when it had a process of its own. Between checks the worker drops jax's caches, so each check
+compiles, or loads from the persistent cache, what it runs, as in a process of its own.
+"""
 
 import json
 import os
+import queue
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
+NUM_DEVICES = 4
+CHECK_TIMEOUT_S = 1200
 
 
-def _worker(spec_json: str) -> None:
-    """In the subprocess: generate greedily at each TP size; print one JSON line per size."""
-    spec = json.loads(spec_json)
+def _check(spec: dict) -> list[dict]:
+    """In the worker: generate greedily at each TP size; one result per size."""
     import jax
 
     from jaxserve import LLM, LoRARequest, SamplingParams
     from tests.helpers import count_compilations
 
     assert len(jax.devices()) >= max(spec["tp_sizes"]), jax.devices()
+    # The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
+    os.environ["JAXSERVE_CACHE_DIR"] = spec["cache_dir"]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
+    results = []
     for tp in spec["tp_sizes"]:
         llm = LLM(model=spec["model"], dtype="float32", weight_dtype=spec["weight_dtype"], tensor_parallel_size=tp,
                   max_num_seqs=4,
@@ -38,7 +54,7 @@ def _worker(spec_json: str) -> None:
         placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
         with count_compilations() as compiles:
             outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
-        result = {
+        results.append({
             "tp": tp,
             "compiles_after_warmup": len(compiles),
             "kv_devices": sorted(placed),
@@ -47,9 +63,87 @@ def _worker(spec_json: str) -> None:
             "q_proj_dtype": str(q_proj.dtype),
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
-        }
-        print("RESULT " + json.dumps(result), flush=True)
+        })
         llm.engine.shutdown()
+        del llm, runner, q_proj
+    return results
+
+
+def _serve() -> None:
+    """The worker's loop: a check's spec per line on stdin; its results, or the traceback that ended it, as
+    one line on stdout."""
+    import gc
+
+    import jax
+
+    for line in sys.stdin:
+        try:
+            reply = {"results": _check(json.loads(line))}
+        except BaseException:  # the test that sent the check reports it
+            reply = {"error": traceback.format_exc()}
+        jax.clear_caches()
+        gc.collect()
+        print("REPLY " + json.dumps(reply), flush=True)
+
+
+class TPWorker:
+    """The worker process, started on first use and again after one that died."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        self._stderr = Path(tempfile.mkdtemp(prefix="jaxserve-tp-worker-")) / "stderr.log"
+
+    def _start(self) -> subprocess.Popen:
+        xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"
+        # CPU devices on any machine: a GPU machine's test process may have only one GPU.
+        env = {**os.environ, "XLA_FLAGS": xla_flags.strip(), "JAX_PLATFORMS": "cpu"}
+        root = Path(__file__).resolve().parents[1]
+        with open(self._stderr, "w") as stderr:  # the worker's own descriptor stays open
+            proc = subprocess.Popen([sys.executable, "-c", "from tests.parallel_helpers import _serve; _serve()"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env=env, cwd=root)
+        replies = self._replies = queue.Queue()
+
+        def read() -> None:
+            for line in proc.stdout:
+                if line.startswith("REPLY "):
+                    replies.put(line[6:])
+            replies.put(None)  # the process ended
+
+        threading.Thread(target=read, daemon=True).start()
+        return proc
+
+    def _stderr_tail(self) -> str:
+        return self._stderr.read_text(errors="replace")[-4000:]
+
+    def check(self, spec: dict) -> list[dict]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        self._proc.stdin.write(json.dumps(spec) + "\n")
+        self._proc.stdin.flush()
+        try:
+            line = self._replies.get(timeout=CHECK_TIMEOUT_S)
+        except queue.Empty:
+            self._proc.kill()
+            raise AssertionError(
+                f"the TP worker gave no answer in {CHECK_TIMEOUT_S} s:\n{self._stderr_tail()}") from None
+        if line is None:
+            self._proc.wait()
+            raise AssertionError(f"the TP worker died ({self._proc.returncode}):\n{self._stderr_tail()}")
+        reply = json.loads(line)
+        assert "error" not in reply, f"{reply['error']}\n(the worker's stderr:)\n{self._stderr_tail()}"
+        return reply["results"]
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._stderr.parent, ignore_errors=True)
 
 
 def _first_attention_weight(state):
@@ -62,24 +156,15 @@ def _first_attention_weight(state):
     return getattr(weight, "values", weight)  # an Fp8Weight's e4m3 values
 
 
-def run_tp(model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
+def run_tp(worker: TPWorker, model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
            quantization: str | None = None, lora: str | None = None) -> dict:
-    """The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
-    On CPU devices on any machine: a GPU machine's test process may have only one GPU."""
-    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(tp_sizes)}"
-    env = {**os.environ, "XLA_FLAGS": xla_flags.strip(),
-           "JAX_PLATFORMS": "cpu", "JAXSERVE_CACHE_DIR": str(cache_dir)}
-    spec = json.dumps(dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens,
-                           attention_impl=attention_impl, weight_dtype=weight_dtype,
-                           expert_parallel=expert_parallel, quantization=quantization, lora=lora))
-    code = f"from tests.parallel_helpers import _worker; _worker({spec!r})"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env,
-                          cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {r["tp"]: r for r in results}
+    """Each TP size's results, keyed by the size; the largest loads first, from an empty jaxserve cache in
+    `cache_dir` (a GGUF converts with its own heads)."""
+    spec = dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens, cache_dir=str(cache_dir),
+                attention_impl=attention_impl, weight_dtype=weight_dtype, expert_parallel=expert_parallel,
+                quantization=quantization, lora=lora)
+    return {r["tp"]: r for r in worker.check(spec)}
 
 
 def assert_same_as_tp1(results: dict, atol: float = 2e-4) -> None:

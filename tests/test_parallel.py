@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU devices: TP=2 (and for a tiny Llama TP=4) give TP=1's greedy tokens and logprobs.
 
-The test process has one CPU device, so each check runs in a subprocess started with
-`--xla_force_host_platform_device_count=4`, which loads the model at TP=1, 2 and 4 in turn and reports
-what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
+The test process has one CPU device, so the checks run in a worker process with four
+(`--xla_force_host_platform_device_count=4`, tests/parallel_helpers.py), which loads each model at TP=1, 2
+and 4 in turn and reports what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
 Llama whose heads split over no device count (query heads padded), a tiny GPT-2, and the bundled SmolLM2
 (9 query / 3 KV heads: both at once).
 """
@@ -38,48 +38,50 @@ def test_head_layout_replicates_kv_heads_and_pads_query_heads():
 
 
 @pytest.mark.slow
-def test_a_tiny_llama_matches_tp1_at_tp2_and_tp4(tiny_model_dir, tmp_path):
-    results = run_tp(str(tiny_model_dir("llama")), tmp_path)
+def test_a_tiny_llama_matches_tp1_at_tp2_and_tp4(tp_worker, tiny_model_dir, tmp_path):
+    results = run_tp(tp_worker, str(tiny_model_dir("llama")), tmp_path)
     assert results[4]["kv_shard_shape"][0] == 1  # 2 KV heads replicated to 4, one per device
     assert_same_as_tp1(results)
 
 
 @pytest.mark.slow
-def test_lora_adapters_match_tp1_at_tp2(tiny_model_dir, tmp_path):
+def test_lora_adapters_match_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
     """The adapter's slots on every device, added to the split projections (the q/k/v/gate/up outputs split
     by head or width, o/down's inputs): the same greedy tokens and top logprobs as on one device."""
     base = tiny_model_dir("llama")
     adapter = write_adapter(tmp_path / "adapter", base, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"), rank=4, seed=7)
-    results = run_tp(str(base), tmp_path / "cache", tp_sizes=(2, 1), lora=str(adapter))
+    results = run_tp(tp_worker, str(base), tmp_path / "cache", tp_sizes=(2, 1), lora=str(adapter))
     assert_same_as_tp1(results)
 
 
 @pytest.mark.slow
-def test_a_tiny_gpt2_matches_tp1_at_tp2(tiny_model_dir, tmp_path):
+def test_a_tiny_gpt2_matches_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
     """GPT-2's fused QKV, learned positions and LayerNorms split in two (TP=4 adds only what the Llama checks)."""
-    assert_same_as_tp1(run_tp(str(tiny_model_dir("gpt2")), tmp_path, tp_sizes=(2, 1)))
+    assert_same_as_tp1(run_tp(tp_worker, str(tiny_model_dir("gpt2")), tmp_path, tp_sizes=(2, 1)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tiny_model_dir, expert_parallel, tmp_path):
+def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tp_worker, tiny_model_dir, expert_parallel,
+                                                                     tmp_path):
     """Mixtral's 4 experts under tensor parallelism (each expert's MLP width split) and expert parallelism
     (whole experts per device, the rows of the others rolled out): the same tokens and logprobs as one
     device."""
-    results = run_tp(str(tiny_model_dir("mixtral")), tmp_path, tp_sizes=(2, 1), expert_parallel=expert_parallel)
+    results = run_tp(tp_worker, str(tiny_model_dir("mixtral")), tmp_path, tp_sizes=(2, 1),
+                     expert_parallel=expert_parallel)
     assert_same_as_tp1(results)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "expert_parallel"), [("qwen2-moe", False), ("olmo2", False), ("granite", False),
                                                       ("gpt-oss", False), ("gpt-oss", True)])
-def test_the_newer_families_match_tp1_at_tp2(kind, expert_parallel, tiny_model_dir, tmp_path):
+def test_the_newer_families_match_tp1_at_tp2(tp_worker, kind, expert_parallel, tiny_model_dir, tmp_path):
     """Qwen2-MoE's shared expert split by width beside its routed experts (its gate whole on every device),
     OLMo 2's norms over all query heads and all key heads while the heads are split, Granite's output
     projection bias, GPT-OSS's sinks split with their heads and its experts' biases split with their experts
     (by width, or whole): the same tokens and logprobs as one device."""
-    results = run_tp(str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), expert_parallel=expert_parallel)
+    results = run_tp(tp_worker, str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), expert_parallel=expert_parallel)
     assert_same_as_tp1(results)
 
 
@@ -97,29 +99,29 @@ def test_norms_over_all_heads_refuse_a_padded_head_layout():
 
 
 @pytest.mark.slow
-def test_bfloat16_weights_split_over_devices(tiny_model_dir, tmp_path):
+def test_bfloat16_weights_split_over_devices(tp_worker, tiny_model_dir, tmp_path):
     """`weight_dtype` under tensor parallelism: each shard is stored in bfloat16 where it lives, and the
     split model tracks one device's (`assert_tracks_tp1`)."""
-    results = run_tp(str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), weight_dtype="bfloat16")
+    results = run_tp(tp_worker, str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), weight_dtype="bfloat16")
     assert {r["q_proj_dtype"] for r in results.values()} == {"bfloat16"}
     assert len(results[2]["q_proj_shards"]) == 2
     assert_tracks_tp1(results)
 
 
 @pytest.mark.slow
-def test_fp8_weights_split_over_devices_match_tp1(tiny_model_dir, tmp_path):
+def test_fp8_weights_split_over_devices_match_tp1(tp_worker, tiny_model_dir, tmp_path):
     """`--quantization fp8` under tensor parallelism: each device quantizes its shards with the scales of the
     whole weight (a row-parallel weight's channel maximum spans the devices), so the tokens and logprobs are
     TP=1's."""
-    results = run_tp(str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), quantization="fp8")
+    results = run_tp(tp_worker, str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), quantization="fp8")
     assert {r["q_proj_dtype"] for r in results.values()} == {"float8_e4m3fn"}
     assert len(results[2]["q_proj_shards"]) == 2
     assert_same_as_tp1(results)
 
 
 @pytest.mark.slow
-def test_bundled_smollm2_matches_tp1_at_tp2(tmp_path):
+def test_bundled_smollm2_matches_tp1_at_tp2(tp_worker, tmp_path):
     """SmolLM2's 9 query / 3 KV heads split in two: both padded and replicated at once."""
-    results = run_tp(None, tmp_path, tp_sizes=(2, 1), max_tokens=12)
+    results = run_tp(tp_worker, None, tmp_path, tp_sizes=(2, 1), max_tokens=12)
     assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
     assert_same_as_tp1(results, atol=1e-3)

@@ -57,11 +57,11 @@ def test_a_bfloat16_checkpoint_restores_in_float32(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_restores_bfloat16_weights_onto_replicated_heads(converted, tmp_path):
+def test_a_checkpoint_restores_bfloat16_weights_onto_replicated_heads(tp_worker, converted, tmp_path):
     """At TP=4 the tiny Llama's 2 KV heads are replicated: the stored float32 tensors are read whole, laid
     out on the host and cast there to the bfloat16 the weights ask for, the norms staying float32."""
     _, out = converted
-    results = run_tp(str(out), tmp_path, tp_sizes=(4, 1), weight_dtype="bfloat16")
+    results = run_tp(tp_worker, str(out), tmp_path, tp_sizes=(4, 1), weight_dtype="bfloat16")
     assert {r["q_proj_dtype"] for r in results.values()} == {"bfloat16"}
     assert results[4]["kv_shard_shape"][0] == 1 and len(results[4]["q_proj_shards"]) == 4
     assert_tracks_tp1(results)
@@ -86,11 +86,11 @@ def test_bfloat16_weights_under_a_float32_model_round_trip(tiny_model_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_a_checkpoint_restores_onto_its_shards_at_tp2_and_tp4(converted, tmp_path):
+def test_a_checkpoint_restores_onto_its_shards_at_tp2_and_tp4(tp_worker, converted, tmp_path):
     """TP=2 keeps the tiny Llama's heads (each shard read where it lives); TP=4 replicates its 2 KV heads
     (read whole, laid out on the host); both give TP=1's tokens."""
     _, out = converted
-    results = run_tp(str(out), tmp_path)
+    results = run_tp(tp_worker, str(out), tmp_path)
     assert_same_as_tp1(results)
     for tp in (2, 4):
         shards = results[tp]["q_proj_shards"]
