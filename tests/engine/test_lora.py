@@ -2,6 +2,8 @@
 merged into its weights (a model of its own), whichever adapters and base-model requests share its steps,
 with slots written as adapters come and go, under async scheduling, multi-step decoding and drafting."""
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -59,14 +61,32 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]], p
     return results
 
 
+_REFERENCE_ENGINES: dict[str, LLMEngine] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_engines_live_for_the_module() -> Iterator[None]:
+    yield
+    _REFERENCE_ENGINES.clear()
+
+
+def _reference_engine(model_dir) -> LLMEngine:
+    """The engine of a reference model (the base model, or an adapter merged into it), built once for the
+    module. Prefix caching is off, so every run computes its requests anew, as a new engine would."""
+    key = str(model_dir)
+    if key not in _REFERENCE_ENGINES:
+        _REFERENCE_ENGINES[key] = make_engine(model_dir, warmup=False, enable_prefix_caching=False)
+    return _REFERENCE_ENGINES[key]
+
+
 def _references(lora_dirs, requests, params) -> dict[str, tuple[list[int], list[float]]]:
-    """Each request run alone on its reference model: the base model, or its adapter merged."""
+    """Each request run on its reference model: the base model, or its adapter merged."""
     base, _, merged = lora_dirs
     results = {}
     for model_dir in {None: base, **merged}.values():
-        engine = make_engine(model_dir, warmup=False)
         mine = [(rid, prompt, None) for rid, prompt, adapter in requests if (merged.get(adapter) or base) == model_dir]
-        results.update(_run(engine, mine, params))
+        if mine:
+            results.update(_run(_reference_engine(model_dir), mine, params))
     return results
 
 
@@ -95,7 +115,7 @@ def test_adapters_and_base_in_one_step_match_their_merged_models(lora_dirs):
     references = _references(lora_dirs, requests, params)
     _assert_matches(results, references)
     assert ["all", "attn", "wide"] in running  # they did share steps
-    base_alone = _run(make_engine(lora_dirs[0], warmup=False), [(rid, p, None) for rid, p, _ in requests], params)
+    base_alone = _run(_reference_engine(lora_dirs[0]), [(rid, p, None) for rid, p, _ in requests], params)
     assert all(results[rid][0] != base_alone[rid][0] for rid, _, adapter in requests if adapter is not None)
 
 
@@ -261,10 +281,10 @@ def test_every_family_serves_adapters_as_their_merged_models(tiny_model_dir, tmp
     params = _params(6)
     engine = make_engine(base, warmup=False, enable_lora=True, lora_modules=(f"a={adapter}",))
     results = _run(engine, [("a", prompts[0], "a"), ("base", prompts[1], None)], params)
-    expected = {**_run(make_engine(merged, warmup=False), [("a", prompts[0], None)], params),
-                **_run(make_engine(base, warmup=False), [("base", prompts[1], None)], params)}
+    on_base = _run(make_engine(base, warmup=False), [("base", prompts[1], None), ("x", prompts[0], None)], params)
+    expected = {**_run(make_engine(merged, warmup=False), [("a", prompts[0], None)], params), "base": on_base["base"]}
     _assert_matches(results, expected)
-    unadapted = _run(make_engine(base, warmup=False), [("x", prompts[0], None)], params)["x"]
+    unadapted = on_base["x"]
     assert results["a"][0] != unadapted[0] or not np.allclose(results["a"][1], unadapted[1], atol=1e-3)
 
 
