@@ -141,16 +141,18 @@ def test_folded_scales_change_no_output_and_fill_e4m3s_range(kind, tiny_model_di
 
     directory = tiny_model_dir(kind)
     prompts, max_tokens, arrivals = make_prompts(4), [6, 5, 7, 4], [0, 0, 1, 2]
-    plain = run_staggered(make_engine(directory, warmup=False, attention_impl="reference"), prompts, max_tokens,
-                          arrivals)
+    # Both engines on one ladder: the folded model's steps are the plain one's programs (loaded from the
+    # persistent cache), with other weights.
+    ladder = dict(token_buckets=(16, 64), request_buckets=(1, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    plain = run_staggered(make_engine(directory, warmup=False, attention_impl="reference", **ladder), prompts,
+                          max_tokens, arrivals)
     model = load_model(str(directory), "float32", "reference")
     rng = np.random.default_rng(0)
     scales = 2.0 ** rng.integers(-6, 7, (model.cfg.num_layers, 2)).astype(np.float32)
     fold_kv_scales(model, scales)
     config = EngineConfig.from_preset(None, model=str(directory), compilation_cache_dir=None, dtype="float32",
                                       attention_impl="reference", page_size=4, num_kv_pages=256, max_model_len=256,
-                                      token_buckets=(16, 64), request_buckets=(1, 4), max_num_seqs=4,
-                                      max_num_batched_tokens=64)
+                                      **ladder)
     from jaxserve.engine.llm_engine import LLMEngine
 
     folded = run_staggered(LLMEngine(config, model=model, warmup=False), prompts, max_tokens, arrivals)
