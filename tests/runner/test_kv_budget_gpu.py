@@ -31,10 +31,11 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    """The tiny Llama on the tests' ladder, its step built as a GPU's, with the sampler inside."""
+    """The tiny Llama on the tests' ladder, its step built as a GPU's, with the sampler inside; its steps
+    compile as they first run (the tests size its budget, and run a few requests on it)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_runner, "samples_apart", lambda platform: False)
-        return make_engine(llama_dir)
+        return make_engine(llama_dir, warmup=False)
 
 
 def recording_compiles(runner, monkeypatch) -> list[tuple[int, dict | None, int]]:
