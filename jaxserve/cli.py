@@ -166,7 +166,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from jaxserve.models.source import resolve_model, resolve_model_config
 
     # Before binding the port: a wrong --model ends here, in one line.
-    resolve_model_config(args.model) if args.load_format == "dummy" else resolve_model(args.model)
+    if args.load_format == "dummy":
+        resolve_model_config(args.model, args.revision, args.download_dir, args.hf_overrides)
+    else:
+        resolve_model(args.model, args.revision, args.download_dir)
     hosts = read_flags(args, HOST_FLAGS)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
     if parallel.multihost:

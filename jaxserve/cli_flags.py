@@ -111,6 +111,16 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {value!r}")
+    return parsed
+
+
 def _speculative_config(value: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.of(json.loads(value))
@@ -144,8 +154,18 @@ _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 sca
                       "experts, the token embeddings and the LM head in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
                       "Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS stay in their blocks, multiplied by a native kernel")
 
+_HF_OVERRIDES_HELP = ("fields of the model's transformers config replaced, a JSON object (vLLM's flag): "
+                      "'{\"max_position_embeddings\": 65536}'; a RoPE scaling in either spelling, the model's "
+                      "theta kept: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                      "\"original_max_position_embeddings\": 32768}}' serves 131,072 tokens; an object for a "
+                      "sub-config (text_config) updates its fields (default: none)")
+
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
+    Flag("--revision", ModelConfig, "revision", "a hub model's branch, tag or commit (default: main)"),
+    Flag("--download-dir", ModelConfig, "download_dir",
+         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
+    Flag("--hf-overrides", ModelConfig, "hf_overrides", type=_json_object, help=_HF_OVERRIDES_HELP),
     Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
     Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATION_CHOICES, default="auto",
          help=_QUANTIZATION_HELP + "; auto: gguf for a .gguf --model on a CPU (one device), else none; none: "
@@ -285,6 +305,10 @@ SERVER_FLAGS = (
               "harmony analysis channel; its final channel is the answer) (default: none)"),
     Flag("--generation-config", ServerConfig, "generation_config",
          "default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder"),
+    Flag("--override-generation-config", ServerConfig, "override_generation_config", type=_json_object,
+         help="default sampling parameters over --generation-config's, a JSON object of generation_config.json "
+              "names (vLLM's flag): '{\"temperature\": 0.6, \"top_p\": 0.95, \"max_new_tokens\": 512}'; "
+              "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (default: none)"),
     Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,
          help="seconds for a request body to arrive in full; a slower one gets a 408"),
     Flag("--shutdown-timeout", ServerConfig, "shutdown_timeout", type=float,

@@ -35,6 +35,12 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "cpu", "cpu-native", "p
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 # The HTTP server's own log levels (uvicorn's names, which vLLM's --uvicorn-log-level takes).
 SERVER_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Fields of a generation_config.json that become default sampling parameters (vLLM's rule), by their name
+# there: the model's own file (--generation-config) and --override-generation-config.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 # The metrics' name prefix: jaxserve's own, or vLLM's, so dashboards and alerts written for vLLM work as is.
 METRICS_PREFIXES = ("jaxserve", "vllm")
 
@@ -48,7 +54,11 @@ class ModelConfig:
     weight_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    revision: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit; None: main
+    download_dir: str | None = None  # where a hub id's files are cached; None: the Hugging Face cache
+    # Fields of the model's transformers config replaced (vLLM's --hf-overrides): {"max_position_embeddings":
+    # 65536}, {"rope_scaling": {...}}; a dict for a sub-config updates its fields (`source.with_hf_overrides`)
+    hf_overrides: dict[str, Any] | None = None
     max_logprobs: int = 20  # the most top alternatives a request may ask for (a compiled shape)
     load_format: str = "auto"  # one of LOAD_FORMATS: the checkpoint's weights, or "dummy": random ones
     quantization: str | None = None  # one of QUANTIZATION_CHOICES: the weights' quantized form, or None
@@ -64,6 +74,8 @@ class ModelConfig:
                              f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
 
 
 @dataclass(frozen=True)
@@ -506,6 +518,9 @@ class ServerConfig:
     enable_request_id_headers: bool = False
     chat_template: str | None = None  # a file or an inline Jinja template; None: the tokenizer's
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a folder
+    # Default sampling parameters over --generation-config's (vLLM's --override-generation-config), by their
+    # generation_config.json names (GENERATION_CONFIG_FIELDS): {"temperature": 0.6, "max_new_tokens": 512}
+    override_generation_config: dict[str, Any] | None = None
     disable_log_stats: bool = False
     shutdown_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM
     max_request_body_bytes: int = 16 * 2**20
@@ -542,6 +557,26 @@ class ServerConfig:
                              f"got {self.reasoning_parser!r}")
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
+        if self.override_generation_config is not None:
+            _check_generation_overrides(self.override_generation_config)
+
+
+def _check_generation_overrides(overrides: Any) -> None:
+    """Each default a valid sampling parameter: a bad one is refused at start, not in every request's 400."""
+    from jaxserve.sampling_params import InvalidParam, SamplingParams  # no jax
+
+    if not isinstance(overrides, dict):
+        raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
+    for name, value in overrides.items():
+        if name not in GENERATION_CONFIG_FIELDS:
+            raise ValueError(f"--override-generation-config: {name!r} is not one of "
+                             f"{', '.join(GENERATION_CONFIG_FIELDS)}")
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{GENERATION_CONFIG_FIELDS[name]: value})
+        except InvalidParam as error:
+            raise ValueError(f"--override-generation-config: {name}: {error}") from None
 
 
 # The commands' own settings, beside the engine's and the server's: `jaxserve --help` shows these defaults

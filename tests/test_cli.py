@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -328,3 +329,30 @@ def test_data_parallel_flags_reach_the_config_and_keep_the_server_off_the_device
     assert probes == [True, True, False]
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
         _engine_config(parser.parse_args(["serve", "-dp", "0"]))
+
+
+def test_serve_looks_for_the_revision_it_was_given_before_binding(tmp_path, tiny_model_dir):
+    """The front end's check of --model takes --revision and --download-dir: a revision that is not cached
+    fails there, in one line, though main is (it checked main before)."""
+    repo = tmp_path / "downloads" / "models--jaxserve-tests--tiny-llama"
+    shutil.copytree(tiny_model_dir("llama"), repo / "snapshots" / ("1" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = _run_cli("serve", "jaxserve-tests/tiny-llama", "--revision", "v2", "--download-dir",
+                      str(tmp_path / "downloads"), "--port", "0", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = _our_lines(result.stderr)
+    assert len(lines) == 1 and "'jaxserve-tests/tiny-llama' is not in the local" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--hf-overrides", "[1]", "expected a JSON object"),
+    ("--hf-overrides", "{bad", "expected a JSON object, got '{bad'"),
+    ("--override-generation-config", '{"temperature": 5}', "temperature must be a finite number in [0.0, 2.0]"),
+    ("--override-generation-config", '{"do_sample": true}', "'do_sample' is not one of temperature, top_p"),
+])
+def test_json_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
+    result = _run_cli("serve", flag, value, "--port", "0")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert message in result.stderr, result.stderr

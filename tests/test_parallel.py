@@ -2,9 +2,9 @@
 
 The test process has one CPU device, so the checks run in a worker process with four
 (`--xla_force_host_platform_device_count=4`, tests/parallel_helpers.py), which loads each model at TP=1, 2
-and 4 in turn and reports what each produced. Models: a tiny Llama with fewer KV heads than devices (KV heads replicated), a tiny
-Llama whose heads split over no device count (query heads padded), a tiny GPT-2, and the bundled SmolLM2
-(9 query / 3 KV heads: both at once).
+and 4 in turn and reports what each produced. Models: a tiny Llama with fewer KV heads than devices (KV
+heads replicated), a tiny Llama whose heads split over no device count (query heads padded), a tiny GPT-2,
+and the bundled SmolLM2 (9 query / 3 KV heads: both at once).
 """
 
 

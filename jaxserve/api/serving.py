@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
-from jaxserve.config import ServerConfig
+from jaxserve.config import GENERATION_CONFIG_FIELDS, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.outputs import RequestOutput, RequestOutputKind
@@ -64,24 +64,19 @@ def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str
     return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
 
 
-# Fields of a model's generation_config.json that become default sampling parameters (vLLM's rule).
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-}
-
-
-def load_generation_defaults(setting: str, model_dir: Path | None) -> dict[str, Any]:
-    """Default sampling parameters: "vllm" none, "auto" the model's generation_config.json, or a folder's."""
-    if setting == "vllm":
-        return {}
-    directory = model_dir if setting == "auto" else Path(setting)
-    if directory is None or not (directory / "generation_config.json").is_file():
-        if setting != "auto":
+def load_generation_defaults(setting: str, model_dir: Path | None,
+                             overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Default sampling parameters: "vllm" none, "auto" the model's generation_config.json, or a folder's;
+    then `overrides` (--override-generation-config) over them, by the same names (vLLM's rule)."""
+    raw: dict[str, Any] = {}
+    if setting != "vllm":
+        directory = model_dir if setting == "auto" else Path(setting)
+        if directory is not None and (directory / "generation_config.json").is_file():
+            raw = json.loads((directory / "generation_config.json").read_text())
+        elif setting != "auto":
             raise FileNotFoundError(f"--generation-config: no generation_config.json in {directory}")
-        return {}
-    raw = json.loads((directory / "generation_config.json").read_text())
-    return {ours: raw[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    raw = {**raw, **(overrides or {})}
+    return {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}
 
 
 def load_chat_template(setting: str | None) -> str | None:
@@ -171,7 +166,8 @@ class ModelServing:
             loop_tokenizer=copy.deepcopy(engine.tokenizer),
             chat_template=load_chat_template(config.chat_template),
             generation_defaults=load_generation_defaults(
-                config.generation_config, Path(info.model_dir) if info.model_dir else None
+                config.generation_config, Path(info.model_dir) if info.model_dir else None,
+                config.override_generation_config,
             ),
             metrics=ServerMetrics(names[0], lambda: engine.stats, max_model_len=info.limits.max_model_len, cache_info={
                 "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_kv_pages),

@@ -97,6 +97,8 @@ class EngineCore:
                 kv_cache_dtype=config.cache.kv_cache_dtype,
                 expert_parallel=config.parallel.enable_expert_parallel,
                 quantization=config.model.quantization,
+                download_dir=config.model.download_dir,
+                hf_overrides=config.model.hf_overrides,
                 # the weights load while the steps compile (one process: a multi-host job's processes load,
                 # size and compile in step with each other)
                 in_background=not config.parallel.multihost,
@@ -118,6 +120,10 @@ class EngineCore:
         self.max_model_len = min(
             config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
         )
+        if self.max_model_len < (config.model.max_model_len or 0):
+            logger.warning("--max-model-len %d is longer than the model's context, %d: serving %d (a RoPE-scaled "
+                           "context is set with --hf-overrides)", config.model.max_model_len,
+                           model.max_position_embeddings, self.max_model_len)
         sched = config.scheduler
         pooling = config.runner == "pooling"  # prompts embedded, nothing decoded: no decode variants
         self.pooling_type = config.pooling_type if pooling else None

@@ -91,6 +91,18 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     return params
 
 
+def context_length(hf_config: Any, max_position_embeddings: int) -> int:
+    """The longest context the model serves: its position count, or where its RoPE is YaRN's, the original
+    context times the factor when that is longer (vLLM's rule: Qwen's configs, and `--hf-overrides` as their
+    model cards give it, keep 32,768 positions beside a factor of 4 for 131,072 tokens)."""
+    params = rope_parameters(hf_config)
+    if params.get("rope_type", params.get("type")) == "yarn":
+        factor, original = params.get("factor"), params.get("original_max_position_embeddings")
+        if factor and original:
+            return max(max_position_embeddings, int(original * factor))
+    return max_position_embeddings
+
+
 def rope_for(hf_config: Any, head_dim: int, layer_type: str | None = None) -> Rope:
     """The rotary embedding of the config's RoPE variant: default, linear, llama3, yarn, longrope (Phi-3's
     `su` too). LongRoPE's long factors are taken when the model's context is longer than its original one

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ from jaxserve.models.gguf_weights import (
     log_kept_weights,
 )
 from jaxserve.models.kv_scales import checkpoint_kv_scale
+from jaxserve.models.layers import context_length
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
@@ -312,6 +313,8 @@ def load_model(
     expert_parallel: bool = False,
     quantization: str | None = None,
     in_background: bool = False,
+    download_dir: str | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
     of experts' experts split whole with `expert_parallel`). Each
@@ -322,16 +325,18 @@ def load_model(
     runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
     `in_background`: where the weights' final shapes are known before they are read (no quantization, or
     "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model
-    returns at once, its `state` their shapes (`LoadedModel.loading`): the steps compile while they load."""
+    returns at once, its `state` their shapes (`LoadedModel.loading`): the steps compile while they load.
+    `download_dir`: where a hub id's files are cached (None: the Hugging Face cache); `hf_overrides`: fields
+    of the model's config replaced (`source.with_hf_overrides`)."""
     quantization = None if quantization == "none" else quantization
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
     if dummy:
-        source, hf_config = resolve_model_config(model, revision)
+        source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
     else:
-        source = resolve_model(model, revision)
-        hf_config = load_hf_config(source)
+        source = resolve_model(model, revision, download_dir)
+        hf_config = load_hf_config(source, hf_overrides)
     metadata = metadata_dir(source)
     if quantization == GGUF:
         check_gguf_quantization(None if dummy else source.gguf_file, tensor_parallel_size)
@@ -394,7 +399,7 @@ def load_model(
         state=state,
         tokenizer=tokenizer,
         eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
-        max_position_embeddings=abstract.cfg.max_position_embeddings,
+        max_position_embeddings=context_length(hf_config, abstract.cfg.max_position_embeddings),
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,
         quantization=quantization,

@@ -8,6 +8,7 @@ loader (`loader.py`) takes a `ModelSource` from here.
 import importlib.resources
 import importlib.util
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ def bundled_model_path() -> Path:
     return files[0]
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
-    """Finds the model's files: the bundled GGUF, a local path, or a hub id (cached, or downloaded now).
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """Finds the model's files: the bundled GGUF, a local path, or a hub id at `revision` (cached in
+    `download_dir`, by default the Hugging Face cache, or downloaded there now).
 
     Cheap for local paths and cached ids, and every failure is one line naming the fix, so
     `jaxserve serve` calls it before binding the port and a wrong `--model` never leaves a server up
@@ -57,38 +59,42 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
         return ModelSource(path, None, model)
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model path not found: {model}")
-    return ModelSource(_download(model, revision), None, model)
+    return ModelSource(_download(model, revision, download_dir=download_dir), None, model)
 
 
 _METADATA_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
-def resolve_model_config(model: str | None, revision: str | None = None) -> tuple[ModelSource, Any]:
+def resolve_model_config(model: str | None, revision: str | None = None, download_dir: str | None = None,
+                         hf_overrides: Mapping[str, Any] | None = None) -> tuple[ModelSource, Any]:
     """(source, transformers config) of a model whose weights are not read: a bundled shape name, a
     config.json file, or anything --model takes (a hub id fetches its config and tokenizer only)."""
     if model in BUNDLED_SHAPES:
         directory = Path(str(importlib.resources.files("jaxserve") / "model_configs"))
-        return ModelSource(directory, None, model), _auto_config().for_model(**bundled_config_values(model))
+        config = _auto_config().for_model(**bundled_config_values(model))
+        return ModelSource(directory, None, model), with_hf_overrides(config, hf_overrides)
     if model is not None and Path(model).suffix == ".json":
         path = Path(model).expanduser()
         values = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
-        return ModelSource(path.parent, None, path.stem), _auto_config().for_model(**values)
+        return ModelSource(path.parent, None, path.stem), with_hf_overrides(_auto_config().for_model(**values),
+                                                                             hf_overrides)
     path = Path(model).expanduser() if model is not None else None
     if model is None or path.suffix == ".gguf" or path.exists() or model.startswith((".", "/", "~")):
-        source = resolve_model(model, revision)
+        source = resolve_model(model, revision, download_dir)
     else:
-        source = ModelSource(_download(model, revision, _METADATA_FILES), None, model)
-    return source, load_hf_config(source)
+        source = ModelSource(_download(model, revision, _METADATA_FILES, download_dir), None, model)
+    return source, load_hf_config(source, hf_overrides)
 
 
-def _download(repo_id: str, revision: str | None, patterns: list[str] | None = None) -> Path:
+def _download(repo_id: str, revision: str | None, patterns: list[str] | None = None,
+              download_dir: str | None = None) -> Path:
     import huggingface_hub.constants
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     patterns = patterns or [*_METADATA_FILES, "*.safetensors"]
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=download_dir))
     except LocalEntryNotFoundError as e:
         if huggingface_hub.constants.HF_HUB_OFFLINE:  # the hub's own reading of the variable
             why, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it"
@@ -108,8 +114,63 @@ def metadata_dir(source: ModelSource) -> Path:
     return converted_dir(source.directory / source.gguf_file) if source.gguf_file else source.directory
 
 
-def load_hf_config(source: ModelSource) -> Any:
-    return _auto_config().from_pretrained(str(metadata_dir(source)))
+def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None = None) -> Any:
+    return with_hf_overrides(_auto_config().from_pretrained(str(metadata_dir(source))), hf_overrides)
+
+
+# transformers 5 keeps RoPE's settings in `rope_parameters`, the base frequency with them: a config built
+# with a `rope_scaling` or `rope_theta` of transformers 4's spelling beside them takes a default theta or
+# ignores the new one. These keys are translated into `rope_parameters`.
+_ROPE_KEYS = ("rope_scaling", "rope_theta", "rope_parameters")
+
+
+def with_hf_overrides(config: Any, overrides: Mapping[str, Any] | None) -> Any:
+    """`config` with vLLM's `--hf-overrides` applied: each key replaces the config's field of that name, and a
+    dict given for a sub-config (a `text_config`) updates that sub-config's fields. RoPE's are merged into
+    `rope_parameters` (transformers 5's), the base frequency kept unless given: `{"rope_scaling": {"rope_type":
+    "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}`, as Qwen's model cards give it for vLLM,
+    scales the model's own theta. The config is built again from its values, so transformers checks them."""
+    if not overrides:
+        return config
+    values = config.to_dict()
+    _merge(config, values, overrides)
+    return type(config).from_dict(values)
+
+
+def _merge(config: Any, values: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            _merge(current, values[key], value)
+        elif key in _ROPE_KEYS and isinstance(getattr(config, "rope_parameters", None), dict):
+            values["rope_parameters"] = _rope_override(dict(values.get("rope_parameters") or {}), key, value)
+            values.pop("rope_scaling", None)
+        else:
+            values[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _rope_override(rope: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """`rope_parameters` after an override of `key`: flat, or keyed by layer type (Gemma 3's, OLMo 3's)."""
+    by_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    if key == "rope_theta":
+        if by_layer_type:
+            return {layer_type: {**params, "rope_theta": value} for layer_type, params in rope.items()}
+        return {**rope, "rope_theta": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"--hf-overrides: {key} must be an object, got {value!r}")
+    value = dict(value)
+    if "type" in value and "rope_type" not in value:  # the older name
+        value["rope_type"] = value.pop("type")
+    layered_value = bool(value) and all(isinstance(v, Mapping) for v in value.values())
+    if by_layer_type or layered_value:
+        if key == "rope_parameters" and layered_value:
+            return {**rope, **{layer_type: dict(params) for layer_type, params in value.items()}}
+        raise ValueError(f"--hf-overrides: this model's RoPE parameters are per layer type "
+                         f"({', '.join(rope)}): give rope_parameters as {{layer type: parameters}}")
+    theta = rope.get("rope_theta")
+    return {**({"rope_theta": theta} if theta is not None else {}), **value}
 
 
 def _auto_config() -> Any:

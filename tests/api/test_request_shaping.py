@@ -184,3 +184,26 @@ def test_new_fields_of_the_wrong_type_are_400s_naming_them(client, path, fields,
     response = client.post(path, json={**body, **fields})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(param), response.json()
+
+
+def test_override_generation_config_sets_the_defaults_a_request_leaves_out(bos_model_dir, tmp_path):
+    """`--override-generation-config '{"max_new_tokens": 3, "temperature": 0.0}'` over a model whose
+    generation_config.json says 7 tokens at temperature 0.9: a chat request without those fields gets 3
+    greedy tokens (those it gets asking for them), and a request's own fields win. (Completions default to
+    16 tokens, OpenAI's, so there only the temperature is left to the default.)"""
+    model_dir = tmp_path / "model"
+    shutil.copytree(bos_model_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.9, "max_new_tokens": 7,
+                                                                  "top_p": 0.5}))
+    config = ServerConfig(override_generation_config={"max_new_tokens": 3, "temperature": 0.0})
+    with TestClient(create_app(config, AsyncEngine(make_engine(model_dir, warmup=False)))) as client:
+        body = {"messages": HELLO, "return_token_ids": True}
+        defaulted = _post(client, "/v1/chat/completions", body)["choices"][0]
+        asked = _post(client, "/v1/chat/completions", {**body, "max_tokens": 3, "temperature": 0.0})["choices"][0]
+        own = _post(client, "/v1/chat/completions", {**body, "max_tokens": 5, "temperature": 0.0})["choices"][0]
+        prompt = {"prompt": "Hello there", "max_tokens": 4, "return_token_ids": True}
+        completions = [_post(client, "/v1/completions", {**prompt, **extra})["choices"][0]["token_ids"]
+                       for extra in ({}, {"temperature": 0.0}, {"temperature": 1.0, "seed": 1})]
+    assert defaulted["finish_reason"] == "length" and len(defaulted["token_ids"]) == 3
+    assert defaulted["token_ids"] == asked["token_ids"] == own["token_ids"][:3] and len(own["token_ids"]) == 5
+    assert completions[0] == completions[1] != completions[2]

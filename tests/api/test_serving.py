@@ -72,3 +72,27 @@ def test_validation_errors_name_the_field_without_union_member_names():
     with pytest.raises(APIError) as info:
         validate(Body, {"prompt": "hi", "n": "many"})
     assert info.value.param == "n"
+
+
+def test_generation_overrides_go_over_the_model_s_defaults(tmp_path):
+    """--override-generation-config, vLLM's: its values over the model's generation_config.json (or alone,
+    with --generation-config vllm), by the file's names."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    overrides = {"temperature": 0.2, "max_new_tokens": 5, "top_k": None}
+    assert load_generation_defaults("auto", tmp_path, overrides) == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 5}
+    assert load_generation_defaults("vllm", tmp_path, overrides) == {"temperature": 0.2, "max_tokens": 5}
+    assert load_generation_defaults("auto", None, {"min_p": 0.1}) == {"min_p": 0.1}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"temperature": -1}, "temperature: temperature must be a finite number"),
+    ({"max_new_tokens": 0}, "max_new_tokens: max_tokens must be an integer in [1, "),
+    ({"top_p": "high"}, "top_p: top_p must be a finite number"),
+    ({"seed": 3}, "'seed' is not one of temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"),
+])
+def test_generation_overrides_are_checked_at_start(overrides, message):
+    from jaxserve.config import ServerConfig
+
+    with pytest.raises(ValueError) as raised:
+        ServerConfig(override_generation_config=overrides)
+    assert message in str(raised.value)

@@ -1,4 +1,7 @@
-"""Resolving --model: bundled GGUF, local paths, hub ids offline."""
+"""Resolving --model: bundled GGUF, local paths, hub ids offline (at a revision, in a download directory)."""
+
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -33,8 +36,6 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_cached_hub_id_loads_offline(tmp_path, monkeypatch, tiny_model_dir):
     """A hub id resolves through huggingface-hub's cache layout with no network."""
-    import shutil
-
     import huggingface_hub.constants
 
     from jaxserve.models.loader import load_model
@@ -67,3 +68,33 @@ def test_all_auto_dtypes_are_16_bit_on_a_cpu_that_multiplies_bfloat16(monkeypatc
         # Not on GPUs, nor under the Pallas kernel (its cache is the model's dtype).
         assert loader.fast_cpu_dtypes("auto", "auto", "auto", "auto", "gpu") == ("auto", "auto")
         assert loader.fast_cpu_dtypes("auto", "auto", "auto", "interpret", "cpu") == ("auto", "auto")
+
+
+def _hub_cache(cache: Path, model_dir: Path, refs: dict[str, str]) -> Path:
+    """A Hugging Face cache at `cache` holding `model_dir` as the hub repo jaxserve-tests/tiny-llama, one
+    snapshot per commit that `refs` (branch or tag -> commit) name."""
+    repo = cache / "models--jaxserve-tests--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    for ref, commit in refs.items():
+        if not (repo / "snapshots" / commit).exists():
+            shutil.copytree(model_dir, repo / "snapshots" / commit)
+        (repo / "refs" / ref).write_text(commit)
+    return repo
+
+
+def test_a_revision_in_a_download_dir_resolves_offline(tmp_path, monkeypatch, tiny_model_dir):
+    """`--revision` picks the branch or tag's snapshot and `--download-dir` the cache it is in (vLLM's
+    flags); the default cache is not looked at."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))
+    main, tagged = "1" * 40, "2" * 40
+    repo = _hub_cache(tmp_path / "mine", tiny_model_dir("llama"), {"main": main, "v2": tagged})
+    downloads = str(tmp_path / "mine")
+    assert resolve_model("jaxserve-tests/tiny-llama", download_dir=downloads).directory == repo / "snapshots" / main
+    assert resolve_model("jaxserve-tests/tiny-llama", "v2", downloads).directory == repo / "snapshots" / tagged
+    with pytest.raises(RuntimeError, match="not in the local Hugging Face cache"):
+        resolve_model("jaxserve-tests/tiny-llama", "v3", downloads)
+    with pytest.raises(RuntimeError, match="not in the local Hugging Face cache"):
+        resolve_model("jaxserve-tests/tiny-llama")  # the default cache does not hold it
