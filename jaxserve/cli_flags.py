@@ -431,6 +431,10 @@ COMPILE_FLAGS = (
     Flag("--model", CompileConfig, "model",
          f"a bundled shape ({', '.join(BUNDLED_SHAPES)}), a config.json, or anything serve --model takes "
          "(default: the bundled SmolLM2)"),
+    Flag("--revision", CompileConfig, "revision", "a hub model's branch, tag or commit (default: main)"),
+    Flag("--download-dir", CompileConfig, "download_dir",
+         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
+    Flag("--hf-overrides", CompileConfig, "hf_overrides", type=_json_object, help=_HF_OVERRIDES_HELP),
     Flag("--target", CompileConfig, "target", "the GPU to compile for; local: this machine's default device",
          choices=[*TARGETS, "local"]),
     Flag("--config", CompileConfig, "preset", f"the ladder: a preset ({', '.join(preset_names())}) or a .yaml path",
@@ -475,4 +479,6 @@ CONVERT_FLAGS = (
     Flag("--weight-dtype", ModelConfig, "weight_dtype", "the matmul weights' dtype; auto (the default) is "
          "--dtype's", choices=DTYPES),
     Flag("--revision", ModelConfig, "revision", "hub revision (default: the latest)"),
+    Flag("--download-dir", ModelConfig, "download_dir",
+         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
 )

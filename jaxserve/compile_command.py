@@ -37,6 +37,9 @@ def main(config: CompileConfig) -> None:
         quantization=config.quantization,
         variants=config.variants,
         lora=LoraShape(config.max_loras, config.max_lora_rank) if config.max_loras else None,
+        revision=config.revision,
+        download_dir=config.download_dir,
+        hf_overrides=config.hf_overrides,
     )
     print(format_report(report))
     if config.json:

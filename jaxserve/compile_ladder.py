@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import EngineConfig
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
-from jaxserve.models.layers import LoraShape
+from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
 from jaxserve.models.quantization import layer_weight_itemsize, quantize_state
@@ -62,9 +62,11 @@ from jaxserve.runner.step_fn import make_decode_steps_fn, make_sample_fn, make_s
 logger = logging.getLogger(__name__)
 
 
-def load_model_config(model: str | None) -> tuple[str, Any]:
-    """(name, transformers config) for a bundled shape name, a config.json file, or anything --model takes."""
-    source, hf_config = resolve_model_config(model)
+def load_model_config(model: str | None, revision: str | None = None, download_dir: str | None = None,
+                      hf_overrides: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """(name, transformers config) for a bundled shape name, a config.json file, or anything --model takes
+    (serve's --revision, --download-dir and --hf-overrides applied as serve applies them)."""
+    source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
     return source.name, hf_config
 
 
@@ -146,6 +148,9 @@ def compile_ladder(
     read_launches: bool = True,
     variants: bool = True,
     lora: LoraShape | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
@@ -158,7 +163,7 @@ def compile_ladder(
     slots, as a LoRA server compiles it.
     """
     wall_start = time.perf_counter()
-    name, hf_config = load_model_config(model)
+    name, hf_config = load_model_config(model, revision, download_dir, hf_overrides)
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))
                      if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, **cache_options)
@@ -184,8 +189,8 @@ def compile_ladder(
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
-    max_len = min(max_model_len or config.model.max_model_len or cfg.max_position_embeddings,
-                  cfg.max_position_embeddings)
+    context = context_length(hf_config, cfg.max_position_embeddings)  # as serve caps it (engine/core.py)
+    max_len = min(max_model_len or config.model.max_model_len or context, context)
     sched, cache = config.scheduler, config.cache
     ladder = BucketLadder(config.buckets.token_buckets, config.buckets.request_buckets,
                           sched.max_num_batched_tokens, sched.max_num_seqs)

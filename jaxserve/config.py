@@ -558,19 +558,20 @@ class ServerConfig:
         if not self.body_read_timeout > 0:  # also refuses NaN
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
         if self.override_generation_config is not None:
-            _check_generation_overrides(self.override_generation_config)
+            check_generation_overrides(self.override_generation_config)
 
 
-def _check_generation_overrides(overrides: Any) -> None:
+def check_generation_overrides(overrides: Any) -> None:
     """Each default a valid sampling parameter: a bad one is refused at start, not in every request's 400."""
     from jaxserve.sampling_params import InvalidParam, SamplingParams  # no jax
 
     if not isinstance(overrides, dict):
         raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
     for name, value in overrides.items():
-        if name not in GENERATION_CONFIG_FIELDS:
-            raise ValueError(f"--override-generation-config: {name!r} is not one of "
-                             f"{', '.join(GENERATION_CONFIG_FIELDS)}")
+        if name not in GENERATION_CONFIG_FIELDS:  # vLLM ignores them too (a model card's do_sample, say)
+            logger.warning("--override-generation-config: %r is not a default jaxserve takes (%s): ignored", name,
+                           ", ".join(GENERATION_CONFIG_FIELDS))
+            continue
         if value is None:
             continue
         try:
@@ -655,6 +656,9 @@ class CompileConfig:
     """`jaxserve compile`: every bucket of a ladder compiled for a GPU target or the local device."""
 
     model: str | None = ModelConfig.model
+    revision: str | None = ModelConfig.revision
+    download_dir: str | None = ModelConfig.download_dir
+    hf_overrides: dict[str, Any] | None = ModelConfig.hf_overrides
     target: str = "h100"  # a TARGETS name, or "local": this machine's default device
     preset: str = "gpu"
     dtype: str = ModelConfig.dtype

@@ -3,12 +3,14 @@
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, LoraModule, LoRARequest
+from jaxserve.config import EngineConfig, LoraModule, LoRARequest, check_generation_overrides
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.models.source import load_generation_defaults
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
 from jaxserve.platform import prepare_jax_platform
@@ -23,6 +25,8 @@ class LLM:
 
     `LLM()` uses the bundled SmolLM2-135M-Instruct. Keyword arguments are engine options
     (`max_model_len`, `max_num_seqs`, `num_kv_pages`, ...); `config` names a preset in jaxserve/configs/ or a YAML file.
+    `generation_config` and `override_generation_config` are serve's flags of those names (vLLM's): the
+    sampling parameters that `generate` and `chat` use when given none (`get_default_sampling_params`).
     """
 
     def __init__(
@@ -30,22 +34,38 @@ class LLM:
         model: str | None = None,
         dtype: str = "auto",
         config: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> None:
         prepare_jax_platform()  # before anything starts jax's backends, as the CLI does
+        if override_generation_config is not None:
+            check_generation_overrides(override_generation_config)  # before the model loads
         engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
-        self.engine = LLMEngine(engine_config)
-        self._ids = itertools.count()
+        self._start(LLMEngine(engine_config), generation_config, override_generation_config)
 
     @classmethod
     def from_engine_config(cls, engine_config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(engine_config)
-        llm._ids = itertools.count()
+        llm._start(LLMEngine(engine_config))
         return llm
+
+    def _start(self, engine: LLMEngine, generation_config: str = "auto",
+               override_generation_config: dict[str, Any] | None = None) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+        model_dir = engine.info.model_dir
+        self._generation_defaults = load_generation_defaults(
+            generation_config, Path(model_dir) if model_dir else None, override_generation_config)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
+        as max_tokens) under `override_generation_config`, the rest SamplingParams' own."""
+        return SamplingParams(**self._generation_defaults)
 
     def generate(
         self,
@@ -115,7 +135,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

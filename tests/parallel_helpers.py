@@ -30,13 +30,11 @@ def _check(spec: dict) -> list[dict]:
     """In the worker: generate greedily at each TP size; one result per size."""
     import jax
 
-    from jaxserve import LLM, LoRARequest, SamplingParams
-    from tests.helpers import count_compilations
+    from jaxserve import LLM
 
     assert len(jax.devices()) >= max(spec["tp_sizes"]), jax.devices()
     # The largest TP size loads first, from an empty jaxserve cache (a GGUF converts with its own heads).
     os.environ["JAXSERVE_CACHE_DIR"] = spec["cache_dir"]
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
     results = []
     for tp in spec["tp_sizes"]:
         llm = LLM(model=spec["model"], dtype="float32", weight_dtype=spec["weight_dtype"], tensor_parallel_size=tp,
@@ -46,27 +44,39 @@ def _check(spec: dict) -> list[dict]:
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False,
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"],
                   enable_lora=spec["lora"] is not None)
-        lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] is not None else None
-        if lora is not None:  # loaded before counting compiles: a first load compiles its slot write
-            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
-        runner = llm.engine.runner
-        q_proj = _first_attention_weight(runner.model.state)
-        placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
-        with count_compilations() as compiles:
-            outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
-        results.append({
-            "tp": tp,
-            "compiles_after_warmup": len(compiles),
-            "kv_devices": sorted(placed),
-            "kv_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
-            "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
-            "q_proj_dtype": str(q_proj.dtype),
-            "tokens": [o.outputs[0].token_ids for o in outputs],
-            "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
-        })
-        llm.engine.shutdown()
-        del llm, runner, q_proj
+        try:
+            results.append(_generate(llm, tp, spec))
+        finally:
+            llm.engine.shutdown()
     return results
+
+
+def _generate(llm, tp: int, spec: dict) -> dict:
+    """What the TP=`tp` engine placed where, and the greedy tokens and top logprobs it gives."""
+    import jax
+
+    from jaxserve import LoRARequest, SamplingParams
+    from tests.helpers import count_compilations
+
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
+    lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] is not None else None
+    if lora is not None:  # loaded before counting compiles: a first load compiles its slot write
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
+    runner = llm.engine.runner
+    q_proj = _first_attention_weight(runner.model.state)
+    placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
+    with count_compilations() as compiles:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
+    return {
+        "tp": tp,
+        "compiles_after_warmup": len(compiles),
+        "kv_devices": sorted(placed),
+        "kv_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
+        "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
+        "q_proj_dtype": str(q_proj.dtype),
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
+    }
 
 
 def _serve() -> None:
@@ -83,7 +93,7 @@ def _serve() -> None:
             reply = {"error": traceback.format_exc()}
         jax.clear_caches()
         gc.collect()
-        print("REPLY " + json.dumps(reply), flush=True)
+        print("\nREPLY " + json.dumps(reply), flush=True)  # on a line of its own, whatever was printed before
 
 
 class TPWorker:
@@ -120,12 +130,18 @@ class TPWorker:
     def check(self, spec: dict) -> list[dict]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
-        self._proc.stdin.write(json.dumps(spec) + "\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(json.dumps(spec) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            self._proc.wait()
+            raise AssertionError(f"the TP worker died ({self._proc.returncode}):\n{self._stderr_tail()}") from None
         try:
             line = self._replies.get(timeout=CHECK_TIMEOUT_S)
         except queue.Empty:
             self._proc.kill()
+            self._proc.wait()
+            self._proc = None  # the next check starts another
             raise AssertionError(
                 f"the TP worker gave no answer in {CHECK_TIMEOUT_S} s:\n{self._stderr_tail()}") from None
         if line is None:

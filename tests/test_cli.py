@@ -21,6 +21,7 @@ from jaxserve.cli_flags import (
     GENERATE_FLAGS,
     OFFLINE_FLAGS,
     SERVE_BENCH_FLAGS,
+    SERVER_FLAGS,
     Flag,
     read_flags,
 )
@@ -333,24 +334,48 @@ def test_data_parallel_flags_reach_the_config_and_keep_the_server_off_the_device
 
 def test_serve_looks_for_the_revision_it_was_given_before_binding(tmp_path, tiny_model_dir):
     """The front end's check of --model takes --revision and --download-dir: a revision that is not cached
-    fails there, in one line, though main is (it checked main before)."""
-    repo = tmp_path / "downloads" / "models--jaxserve-tests--tiny-llama"
+    fails there, in one line, though main is (it checked main before); main in that directory passes it,
+    and the start goes on to the next check (a tensor-parallel size of 0), though the default cache holds
+    nothing."""
+    downloads = tmp_path / "downloads"
+    repo = downloads / "models--jaxserve-tests--tiny-llama"
     shutil.copytree(tiny_model_dir("llama"), repo / "snapshots" / ("1" * 40))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("1" * 40)
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
-    result = _run_cli("serve", "jaxserve-tests/tiny-llama", "--revision", "v2", "--download-dir",
-                      str(tmp_path / "downloads"), "--port", "0", env=env)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    lines = _our_lines(result.stderr)
-    assert len(lines) == 1 and "'jaxserve-tests/tiny-llama' is not in the local" in lines[0], result.stderr
+    model = ("serve", "jaxserve-tests/tiny-llama", "--download-dir", str(downloads), "--port", "0")
+    missing = _run_cli(*model, "--revision", "v2", env=env)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    lines = _our_lines(missing.stderr)
+    assert len(lines) == 1, missing.stderr
+    assert f"'jaxserve-tests/tiny-llama' at revision 'v2' is not in the local Hugging Face cache ({downloads})" \
+        in lines[0]
+    found = _run_cli(*model, "--revision", "main", "--tensor-parallel-size", "0", env=env)
+    assert found.returncode == 1 and "Traceback" not in found.stderr
+    assert _our_lines(found.stderr)[-1] == "jaxserve: error: tensor_parallel_size must be >= 1, got 0", found.stderr
+
+
+def test_the_model_source_flags_reach_the_engine_and_compile_configs():
+    parser = build_parser()
+    overrides = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
+    argv = ["--revision", "v2", "--download-dir", "/models", "--hf-overrides", overrides]
+    model = _engine_config(parser.parse_args(["serve", *argv])).model
+    assert (model.revision, model.download_dir, model.hf_overrides) == (
+        "v2", "/models", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert _engine_config(parser.parse_args(["serve"])).model.hf_overrides is None
+    compile_args = parser.parse_args(["compile", *argv])
+    compiled = CompileConfig(**read_flags(compile_args, COMPILE_FLAGS))
+    assert (compiled.revision, compiled.download_dir, compiled.hf_overrides["rope_scaling"]["factor"]) == (
+        "v2", "/models", 4.0)
+    server = ServerConfig(**read_flags(parser.parse_args(
+        ["serve", "--override-generation-config", '{"temperature": 0.5}']), SERVER_FLAGS))
+    assert server.override_generation_config == {"temperature": 0.5}
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--hf-overrides", "[1]", "expected a JSON object"),
     ("--hf-overrides", "{bad", "expected a JSON object, got '{bad'"),
     ("--override-generation-config", '{"temperature": 5}', "temperature must be a finite number in [0.0, 2.0]"),
-    ("--override-generation-config", '{"do_sample": true}', "'do_sample' is not one of temperature, top_p"),
 ])
 def test_json_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
     result = _run_cli("serve", flag, value, "--port", "0")

@@ -10,12 +10,11 @@ must not stall the loop), one for the loop itself, which only decodes single tok
 import asyncio
 import contextlib
 import copy
-import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +27,10 @@ from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
-from jaxserve.config import GENERATION_CONFIG_FIELDS, ServerConfig
+from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
+from jaxserve.models.source import load_generation_defaults
 from jaxserve.outputs import RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import (
     InvalidParam,
@@ -62,21 +62,6 @@ def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str
         raise APIError(400, "request_id must be 1 to 256 visible ASCII characters", "request_id")
     response_id = f"{prefix}-{base}"
     return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
-
-
-def load_generation_defaults(setting: str, model_dir: Path | None,
-                             overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Default sampling parameters: "vllm" none, "auto" the model's generation_config.json, or a folder's;
-    then `overrides` (--override-generation-config) over them, by the same names (vLLM's rule)."""
-    raw: dict[str, Any] = {}
-    if setting != "vllm":
-        directory = model_dir if setting == "auto" else Path(setting)
-        if directory is not None and (directory / "generation_config.json").is_file():
-            raw = json.loads((directory / "generation_config.json").read_text())
-        elif setting != "auto":
-            raise FileNotFoundError(f"--generation-config: no generation_config.json in {directory}")
-    raw = {**raw, **(overrides or {})}
-    return {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}
 
 
 def load_chat_template(setting: str | None) -> str | None:
@@ -111,15 +96,6 @@ def requested_structure(req: SamplingFields) -> StructuredOutputsParams | None:
     if len(asked) > 1:
         raise InvalidParam(f"{' and '.join(asked)} both constrain the output; give one", next(iter(asked)))
     return next(iter(asked.values()), None)
-
-
-def is_matryoshka(model_dir: str | None) -> bool:
-    """Whether the model's config says its embeddings may be cut short (Qwen3-Embedding's do)."""
-    config = Path(model_dir) / "config.json" if model_dir else None
-    if config is None or not config.is_file():
-        return False
-    raw = json.loads(config.read_text())
-    return bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions"))
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -178,7 +154,7 @@ class ModelServing:
             max_prompt_chars=info.limits.max_model_len * longest_token_chars(engine.tokenizer),
             reasoning=ReasoningMarkers.of(REASONING_PARSERS[config.reasoning_parser], engine.tokenizer)
             if config.reasoning_parser else None,
-            matryoshka=is_matryoshka(info.model_dir),
+            matryoshka=info.matryoshka,
         )
 
     @property

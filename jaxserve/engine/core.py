@@ -182,6 +182,8 @@ class EngineCore:
             dtype=model.dtype.dtype.name,
             weight_dtype=model.weight_dtype.dtype.name,
             lora_layout=lora_layout(model) if config.lora.enable_lora else None,
+            matryoshka=bool(getattr(model.hf_config, "is_matryoshka", False)
+                            or getattr(model.hf_config, "matryoshka_dimensions", None)),
         )
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode

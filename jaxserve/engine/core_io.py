@@ -90,6 +90,9 @@ class EngineInfo:
     dtype: str  # of the activations (and the KV cache, unless `kv_cache_dtype` says otherwise)
     weight_dtype: str  # of the matmul weights
     lora_layout: LoraLayout | None = None  # --enable-lora: what an adapter must fit
+    # The config says its embeddings may be cut short (Qwen3-Embedding's; `--hf-overrides '{"is_matryoshka":
+    # true}'`, vLLM's way, for a model that does not say so)
+    matryoshka: bool = False
 
 
 @dataclass(frozen=True)

@@ -91,16 +91,31 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     return params
 
 
+# RoPE types whose factor does not lengthen the context (vLLM's rule): LongRoPE's and Llama 3's positions
+# count the scaled context already.
+_CONTEXT_KEPT = ("default", "su", "longrope", "llama3", "mrope")
+
+
 def context_length(hf_config: Any, max_position_embeddings: int) -> int:
-    """The longest context the model serves: its position count, or where its RoPE is YaRN's, the original
-    context times the factor when that is longer (vLLM's rule: Qwen's configs, and `--hf-overrides` as their
-    model cards give it, keep 32,768 positions beside a factor of 4 for 131,072 tokens)."""
+    """The longest context the model serves, by vLLM's rule, never below its position count: a RoPE scaling's
+    factor times the positions, or for YaRN times the original context (Qwen's configs, and `--hf-overrides`
+    as their model cards give it, keep 32,768 positions beside a YaRN factor of 4 for 131,072 tokens). Where
+    RoPE is set per layer type (Gemma 3's linear full layers, whose positions count the scaled context
+    already), a YaRN layer type's alone counts (OLMo 3's)."""
     params = rope_parameters(hf_config)
-    if params.get("rope_type", params.get("type")) == "yarn":
-        factor, original = params.get("factor"), params.get("original_max_position_embeddings")
-        if factor and original:
-            return max(max_position_embeddings, int(original * factor))
-    return max_position_embeddings
+    if params and all(isinstance(v, dict) for v in params.values()):
+        longest = [_scaled_context(p, max_position_embeddings) for p in params.values() if p.get("rope_type") == "yarn"]
+        return max([max_position_embeddings, *longest])
+    return max(max_position_embeddings, _scaled_context(params, max_position_embeddings))
+
+
+def _scaled_context(params: dict[str, Any], max_position_embeddings: int) -> int:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if rope_type in _CONTEXT_KEPT or not factor:
+        return max_position_embeddings
+    base = params.get("original_max_position_embeddings") if rope_type == "yarn" else None
+    return int((base or max_position_embeddings) * factor)
 
 
 def rope_for(hf_config: Any, head_dim: int, layer_type: str | None = None) -> Rope:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxserve.config import GENERATION_CONFIG_FIELDS
 from jaxserve.model_configs import BUNDLED_SHAPES, bundled_config_values
 from jaxserve.models.gguf_cache import converted_dir
 
@@ -100,9 +101,11 @@ def _download(repo_id: str, revision: str | None, patterns: list[str] | None = N
             why, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it"
         else:
             why, fix = "the hub could not be reached", "check the network"
+        at = f" at revision {revision!r}" if revision else ""
+        where = f" ({download_dir})" if download_dir else ""
         raise RuntimeError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and {why}: pass a cached hub id, "
-            f"a local model directory or a .gguf file, or {fix}"
+            f"model {repo_id!r}{at} is not in the local Hugging Face cache{where} and {why}: pass a cached hub "
+            f"id, a local model directory or a .gguf file, or {fix}"
         ) from e
     except HfHubHTTPError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -121,15 +124,18 @@ def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None =
 # transformers 5 keeps RoPE's settings in `rope_parameters`, the base frequency with them: a config built
 # with a `rope_scaling` or `rope_theta` of transformers 4's spelling beside them takes a default theta or
 # ignores the new one. These keys are translated into `rope_parameters`.
-_ROPE_KEYS = ("rope_scaling", "rope_theta", "rope_parameters")
+_ROPE_KEYS = ("rope_scaling", "rope_theta", "rope_parameters", "rope_local_base_freq")
+# What a new scaling keeps of the parameters it replaces: the base frequency and the rotated fraction.
+_ROPE_KEPT = ("rope_theta", "partial_rotary_factor")
 
 
 def with_hf_overrides(config: Any, overrides: Mapping[str, Any] | None) -> Any:
     """`config` with vLLM's `--hf-overrides` applied: each key replaces the config's field of that name, and a
     dict given for a sub-config (a `text_config`) updates that sub-config's fields. RoPE's are merged into
-    `rope_parameters` (transformers 5's), the base frequency kept unless given: `{"rope_scaling": {"rope_type":
-    "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}`, as Qwen's model cards give it for vLLM,
-    scales the model's own theta. The config is built again from its values, so transformers checks them."""
+    `rope_parameters` (transformers 5's), the base frequency and rotated fraction kept unless given:
+    `{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}`, as
+    Qwen's model cards give it for vLLM, scales the model's own theta. The config is built again from its
+    values, so transformers checks them."""
     if not overrides:
         return config
     values = config.to_dict()
@@ -152,28 +158,50 @@ def _merge(config: Any, values: dict[str, Any], overrides: Mapping[str, Any]) ->
 
 
 def _rope_override(rope: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
-    """`rope_parameters` after an override of `key`: flat, or keyed by layer type (Gemma 3's, OLMo 3's)."""
+    """`rope_parameters` after an override of `key`. Where they are keyed by layer type (Gemma 3's, OLMo 3's),
+    only `rope_parameters` by layer type is taken: the older spellings map onto those layer types each in
+    its model's own way (Gemma 3's theta is its full layers', OLMo 3's every layer's)."""
     by_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())
-    if key == "rope_theta":
-        if by_layer_type:
-            return {layer_type: {**params, "rope_theta": value} for layer_type, params in rope.items()}
+    layered_value = isinstance(value, Mapping) and bool(value) and all(isinstance(v, Mapping) for v in value.values())
+    if by_layer_type:
+        if key == "rope_parameters" and layered_value:
+            return {**rope, **{layer_type: dict(params) for layer_type, params in value.items()}}
+        raise ValueError(f"--hf-overrides: this model's RoPE parameters are per layer type ({', '.join(rope)}): "
+                         f"give rope_parameters as {{layer type: parameters}}, not {key}")
+    if layered_value:
+        raise ValueError(f"--hf-overrides: this model's RoPE parameters are not per layer type: give {key} as "
+                         f"one set of parameters")
+    kept = {name: rope[name] for name in _ROPE_KEPT if name in rope}
+    if key in ("rope_theta", "rope_local_base_freq"):
+        if key == "rope_local_base_freq":
+            raise ValueError("--hf-overrides: rope_local_base_freq is a model's with RoPE per layer type")
         return {**rope, "rope_theta": value}
+    if value is None:  # no scaling
+        return {**kept, "rope_type": "default"}
     if not isinstance(value, Mapping):
-        raise ValueError(f"--hf-overrides: {key} must be an object, got {value!r}")
+        raise ValueError(f"--hf-overrides: {key} must be an object or null, got {value!r}")
     value = dict(value)
     if "type" in value and "rope_type" not in value:  # the older name
         value["rope_type"] = value.pop("type")
-    layered_value = bool(value) and all(isinstance(v, Mapping) for v in value.values())
-    if by_layer_type or layered_value:
-        if key == "rope_parameters" and layered_value:
-            return {**rope, **{layer_type: dict(params) for layer_type, params in value.items()}}
-        raise ValueError(f"--hf-overrides: this model's RoPE parameters are per layer type "
-                         f"({', '.join(rope)}): give rope_parameters as {{layer type: parameters}}")
-    theta = rope.get("rope_theta")
-    return {**({"rope_theta": theta} if theta is not None else {}), **value}
+    return {**kept, **value}
 
 
 def _auto_config() -> Any:
     from transformers import AutoConfig  # seconds: only where a config is read
 
     return AutoConfig
+
+
+def load_generation_defaults(setting: str, model_dir: Path | None,
+                             overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Default sampling parameters: "vllm" none, "auto" the model's generation_config.json, or a folder's;
+    then `overrides` (--override-generation-config) over them, by the same names (vLLM's rule)."""
+    raw: dict[str, Any] = {}
+    if setting != "vllm":
+        directory = model_dir if setting == "auto" else Path(setting)
+        if directory is not None and (directory / "generation_config.json").is_file():
+            raw = json.loads((directory / "generation_config.json").read_text())
+        elif setting != "auto":
+            raise FileNotFoundError(f"--generation-config: no generation_config.json in {directory}")
+    raw = {**raw, **(overrides or {})}
+    return {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}

@@ -7,7 +7,8 @@ import pytest
 from pydantic import BaseModel
 
 from jaxserve.api.errors import APIError, validate
-from jaxserve.api.serving import load_chat_template, load_generation_defaults, merge_streams
+from jaxserve.api.serving import load_chat_template, merge_streams
+from jaxserve.models.source import load_generation_defaults
 
 
 def test_generation_defaults(tmp_path):
@@ -88,7 +89,6 @@ def test_generation_overrides_go_over_the_model_s_defaults(tmp_path):
     ({"temperature": -1}, "temperature: temperature must be a finite number"),
     ({"max_new_tokens": 0}, "max_new_tokens: max_tokens must be an integer in [1, "),
     ({"top_p": "high"}, "top_p: top_p must be a finite number"),
-    ({"seed": 3}, "'seed' is not one of temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"),
 ])
 def test_generation_overrides_are_checked_at_start(overrides, message):
     from jaxserve.config import ServerConfig
@@ -96,3 +96,13 @@ def test_generation_overrides_are_checked_at_start(overrides, message):
     with pytest.raises(ValueError) as raised:
         ServerConfig(override_generation_config=overrides)
     assert message in str(raised.value)
+
+
+def test_generation_overrides_jaxserve_does_not_take_are_ignored_with_a_warning(tmp_path, caplog):
+    """As vLLM does: a model card's generation settings copied whole (do_sample, say) start the server."""
+    from jaxserve.config import ServerConfig
+
+    overrides = {"do_sample": True, "temperature": 0.6}
+    ServerConfig(override_generation_config=overrides)
+    assert "'do_sample' is not a default jaxserve takes (temperature, top_p, top_k" in caplog.text
+    assert load_generation_defaults("vllm", None, overrides) == {"temperature": 0.6}

@@ -76,7 +76,9 @@ def _reference_engine(model_dir) -> LLMEngine:
     key = str(model_dir)
     if key not in _REFERENCE_ENGINES:
         _REFERENCE_ENGINES[key] = make_engine(model_dir, warmup=False, enable_prefix_caching=False)
-    return _REFERENCE_ENGINES[key]
+    engine = _REFERENCE_ENGINES[key]
+    assert not engine.has_unfinished_requests(), "an earlier test left requests on the reference engine"
+    return engine
 
 
 def _references(lora_dirs, requests, params) -> dict[str, tuple[list[int], list[float]]]:

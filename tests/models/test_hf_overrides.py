@@ -4,6 +4,7 @@ scaling gives (vLLM's rule)."""
 
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -45,18 +46,35 @@ def test_a_rope_scaling_keeps_the_model_s_theta_in_either_spelling():
         with_hf_overrides(config, {"rope_scaling": 4.0})
 
 
+def test_what_a_new_scaling_keeps_and_what_is_refused():
+    """A scaling keeps the theta and the rotated fraction (which transformers 5 keeps in `rope_parameters`),
+    null removes it, and parameters by layer type are refused where the model's are not."""
+    config = with_hf_overrides(_qwen2(), {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                              "partial_rotary_factor": 0.5}})
+    scaled = with_hf_overrides(config, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert scaled.rope_parameters == {"rope_theta": 1e6, "partial_rotary_factor": 0.5, "rope_type": "linear",
+                                      "factor": 2.0}
+    assert with_hf_overrides(scaled, {"rope_scaling": None}).rope_parameters == {
+        "rope_theta": 1e6, "partial_rotary_factor": 0.5, "rope_type": "default"}
+    with pytest.raises(ValueError, match="not per layer type: give rope_parameters as one set"):
+        with_hf_overrides(config, {"rope_parameters": {"full_attention": {"rope_type": "default"}}})
+
+
 def test_rope_parameters_by_layer_type_and_sub_configs():
-    """Gemma 3 keys its RoPE by layer type: a theta sets each, parameters are given by layer type, and a
-    flat scaling, which names no layer type, is refused. A dict for a sub-config updates its fields."""
+    """Gemma 3 keys its RoPE by layer type: parameters are given by layer type. The older spellings, which
+    transformers maps onto those layer types in each model's own way (Gemma 3's theta is its full layers'
+    alone), are refused with what to give instead. A dict for a sub-config updates its fields."""
     gemma = transformers.Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                           intermediate_size=8, head_dim=16)
-    thetas = with_hf_overrides(gemma, {"rope_theta": 5e4}).rope_parameters
-    assert {params["rope_theta"] for params in thetas.values()} == {5e4}
     linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     full = with_hf_overrides(gemma, {"rope_parameters": {"full_attention": linear}}).rope_parameters
     assert full == {"sliding_attention": gemma.rope_parameters["sliding_attention"], "full_attention": linear}
-    with pytest.raises(ValueError, match="per layer type \\(sliding_attention, full_attention\\)"):
-        with_hf_overrides(gemma, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    for key, value in (("rope_scaling", {"rope_type": "linear", "factor": 8.0}), ("rope_theta", 5e4),
+                       ("rope_local_base_freq", 5e4)):
+        with pytest.raises(ValueError, match=re.escape(
+                f"per layer type (sliding_attention, full_attention): give rope_parameters as "
+                f"{{layer type: parameters}}, not {key}")):
+            with_hf_overrides(gemma, {key: value})
     text = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8)
     llava = transformers.LlavaConfig(text_config=text.to_dict())
     nested = with_hf_overrides(llava, {"text_config": {"max_position_embeddings": 4096}})
@@ -64,16 +82,29 @@ def test_rope_parameters_by_layer_type_and_sub_configs():
     assert nested.text_config.hidden_size == 64 and nested.vision_config.to_dict() == llava.vision_config.to_dict()
 
 
-def test_a_yarn_scaling_serves_the_original_context_times_its_factor():
-    """vLLM's rule: Qwen's configs keep 32,768 positions beside a YaRN factor of 4 for 131,072 tokens; GPT-OSS's
-    131,072 positions are already 4,096 x 32; other scalings keep the positions given."""
+def test_a_scaled_rope_serves_its_longer_context():
+    """vLLM's rule: Qwen's configs keep 32,768 positions beside a YaRN factor of 4 for 131,072 tokens (the
+    original context times the factor); a linear factor multiplies the positions; LongRoPE's and Llama 3's
+    positions count the scaled context already; GPT-OSS's 131,072 positions are 4,096 x 32. Per layer type
+    (Gemma 3's linear full layers, positions already scaled) only a YaRN layer type counts."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert context_length(with_hf_overrides(_qwen2(), {"rope_scaling": yarn}), 32768) == 131072
     assert context_length(_qwen2(), 32768) == 32768
     linear = with_hf_overrides(_qwen2(), {"rope_scaling": {"rope_type": "linear", "factor": 4.0}})
-    assert context_length(linear, 32768) == 32768
+    assert context_length(linear, 32768) == 131072
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    assert context_length(with_hf_overrides(_qwen2(), {"rope_scaling": llama3}), 131072) == 131072
     gpt_oss = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
     assert context_length(with_hf_overrides(_qwen2(), {"rope_scaling": gpt_oss}), 131072) == 131072
+    gemma = transformers.Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                          intermediate_size=8, head_dim=16, max_position_embeddings=131072)
+    scaled = with_hf_overrides(gemma, {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                              "rope_theta": 1e6}}})
+    assert context_length(scaled, 131072) == 131072
+    olmo_like = with_hf_overrides(gemma, {"rope_parameters": {"full_attention": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}})
+    assert context_length(olmo_like, 131072) == 262144
 
 
 def _generate(engine, prompts) -> dict[str, tuple[list[int], list[float]]]:
@@ -118,3 +149,22 @@ def test_the_engine_serves_the_overridden_config(tiny_model_dir, tmp_path, caplo
     assert "--max-model-len 2048 is longer than the model's context, 512: serving 512" in caplog.text
     unscaled = _generate(plain, prompts)
     assert any(not np.allclose(results[r][1], unscaled[r][1], atol=1e-3) for r in results)
+
+
+def test_an_override_makes_a_model_s_embeddings_matryoshka(tiny_model_dir):
+    """vLLM's way to serve `dimensions` for a model whose config does not say it may be cut short:
+    `--hf-overrides '{"is_matryoshka": true}'`."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.api.app import create_app
+    from jaxserve.config import ServerConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+
+    body = {"input": "The cat sat on the mat.", "dimensions": 16}
+    for overrides, status in ((None, 400), ({"is_matryoshka": True}, 200)):
+        engine = make_engine(tiny_model_dir("llama"), warmup=False, runner="pooling", hf_overrides=overrides)
+        with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as client:
+            response = client.post("/v1/embeddings", json=body)
+        assert response.status_code == status, response.text
+    vector = np.asarray(response.json()["data"][0]["embedding"])
+    assert vector.shape == (16,) and np.linalg.norm(vector) == pytest.approx(1.0, rel=1e-5)

@@ -98,3 +98,17 @@ def test_a_revision_in_a_download_dir_resolves_offline(tmp_path, monkeypatch, ti
         resolve_model("jaxserve-tests/tiny-llama", "v3", downloads)
     with pytest.raises(RuntimeError, match="not in the local Hugging Face cache"):
         resolve_model("jaxserve-tests/tiny-llama")  # the default cache does not hold it
+
+
+def test_an_engine_loads_a_revision_from_a_download_dir(tmp_path, monkeypatch, tiny_model_dir):
+    """The engine's own load takes the revision and the directory (the front end's check is test_cli's)."""
+    import huggingface_hub.constants
+
+    from tests.engine.helpers import make_engine
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))
+    tagged = "2" * 40
+    repo = _hub_cache(tmp_path / "mine", tiny_model_dir("llama"), {"main": "1" * 40, "v2": tagged})
+    engine = make_engine("jaxserve-tests/tiny-llama", warmup=False, revision="v2", download_dir=str(tmp_path / "mine"))
+    assert engine.info.model_dir == str(repo / "snapshots" / tagged)

@@ -1,0 +1,36 @@
+"""`LLM`'s default sampling parameters, vLLM's: the model's generation_config.json under
+`override_generation_config`, used by `generate` and `chat` when given no SamplingParams."""
+
+import json
+import shutil
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import LADDER, make_prompts
+
+
+def test_generate_without_params_samples_with_the_model_s_defaults(tiny_model_dir, tmp_path):
+    """The model says top_k 1 (greedy) and 5 new tokens; the override says 3: `generate(prompts)` gives the
+    3 greedy tokens that explicit greedy parameters give."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5,
+                                                                  "temperature": 0.7}))
+    llm = LLM(model=str(model_dir), dtype="float32", override_generation_config={"max_new_tokens": 3},
+              max_model_len=256, num_kv_pages=256, page_size=4, **LADDER)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.max_tokens, defaults.temperature) == (1, 3, 0.7)
+    prompts = make_prompts(3)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, use_tqdm=False)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    assert got == [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert [len(tokens) for tokens in got] == [3, 3, 3]
+    chat = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert len(chat[0].outputs[0].token_ids) == 3
+
+
+def test_a_bad_override_is_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match="top_p: top_p must be a finite number"):
+        LLM(model="/nonexistent", override_generation_config={"top_p": 0})
