@@ -111,6 +111,30 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(value: str) -> int:
+    """An integer, or one with vLLM's suffixes: k, m, g by powers of ten (`25.6k` is 25,600), K, M, G by
+    powers of two (`32K` is 32,768, whole multiples only)."""
+    text = value.strip()
+    if text and text[-1] in _SUFFIXES:
+        number, scale = text[:-1], _SUFFIXES[text[-1]]
+        try:
+            if text[-1].isupper():
+                return int(number) * scale
+            amount = float(number) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number such as 32768, 32k or 32K, got {value!r}") from None
+        if not amount.is_integer():
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of tokens")
+        return int(amount)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 32768, 32k or 32K, got {value!r}") from None
+
+
 def _json_object(value: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)
@@ -166,6 +190,11 @@ ENGINE_FLAGS = (
     Flag("--download-dir", ModelConfig, "download_dir",
          "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
     Flag("--hf-overrides", ModelConfig, "hf_overrides", type=_json_object, help=_HF_OVERRIDES_HELP),
+    Flag("--tokenizer", ModelConfig, "tokenizer",
+         "a hub id or directory whose tokenizer and chat template replace the model's (vLLM's flag; a GGUF "
+         "file's base model's, say) (default: the model's)"),
+    Flag("--tokenizer-revision", ModelConfig, "tokenizer_revision",
+         "a hub tokenizer's branch, tag or commit (default: main)"),
     Flag("--load-format", ModelConfig, "load_format", choices=LOAD_FORMATS, help=_LOAD_FORMAT_HELP),
     Flag("--quantization", ModelConfig, "quantization", choices=QUANTIZATION_CHOICES, default="auto",
          help=_QUANTIZATION_HELP + "; auto: gguf for a .gguf --model on a CPU (one device), else none; none: "
@@ -179,8 +208,9 @@ ENGINE_FLAGS = (
               "cache are bfloat16. "
               "bfloat16 under a float32 model: half the weights' memory and what a decode reads, through the "
               "native kernels on CPUs; activations stay float32"),
-    Flag("--max-model-len", ModelConfig, "max_model_len", "context length (default: the model's)", type=int,
-         preset=True),
+    Flag("--max-model-len", ModelConfig, "max_model_len", type=human_int, preset=True,
+         help="context length, in tokens; 32k is 32,000 and 32K 32,768, as vLLM reads them (default: the "
+              "model's)"),
     Flag("--max-num-seqs", SchedulerConfig, "max_num_seqs", "the most sequences in one step (default: the preset's)",
          type=int, preset=True),
     Flag("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens",
@@ -286,6 +316,9 @@ SERVER_FLAGS = (
     Flag("--root-path", ServerConfig, "root_path", "path prefix when behind a path-based proxy (default: none)"),
     Flag("--enable-request-id-headers", ServerConfig, "enable_request_id_headers", **_OFF,
          help="add X-Request-Id to every response (a client's own id is always echoed)"),
+    Flag("--enable-force-include-usage", ServerConfig, "enable_force_include_usage", **_OFF,
+         help="every streamed completion and chat completion ends with a usage chunk, as if its "
+              "stream_options asked for it (vLLM's flag: for metering)"),
     Flag("--chat-template", ServerConfig, "chat_template",
          "a Jinja chat template, or a file holding one (default: the tokenizer's)"),
     Flag("--trust-request-chat-template", ServerConfig, "trust_request_chat_template", **_OFF,

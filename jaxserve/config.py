@@ -56,6 +56,10 @@ class ModelConfig:
     seed: int = 0
     revision: str | None = None  # a hub id's branch, tag or commit; None: main
     download_dir: str | None = None  # where a hub id's files are cached; None: the Hugging Face cache
+    # The tokenizer (and its chat template) from elsewhere (vLLM's --tokenizer): a hub id or a directory;
+    # None: the model's own (a GGUF file's converted one)
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None  # a hub tokenizer's branch, tag or commit; None: main
     # Fields of the model's transformers config replaced (vLLM's --hf-overrides): {"max_position_embeddings":
     # 65536}, {"rope_scaling": {...}}; a dict for a sub-config updates its fields (`source.with_hf_overrides`)
     hf_overrides: dict[str, Any] | None = None
@@ -516,6 +520,7 @@ class ServerConfig:
     ssl_certfile: str | None = None
     root_path: str = ""
     enable_request_id_headers: bool = False
+    enable_force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not (vLLM's)
     chat_template: str | None = None  # a file or an inline Jinja template; None: the tokenizer's
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a folder
     # Default sampling parameters over --generation-config's (vLLM's --override-generation-config), by their

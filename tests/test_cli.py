@@ -376,8 +376,22 @@ def test_the_model_source_flags_reach_the_engine_and_compile_configs():
     ("--hf-overrides", "[1]", "expected a JSON object"),
     ("--hf-overrides", "{bad", "expected a JSON object, got '{bad'"),
     ("--override-generation-config", '{"temperature": 5}', "temperature must be a finite number in [0.0, 2.0]"),
+    ("--tokenizer", "./no-such-tokenizer", "jaxserve: error: tokenizer directory not found: ./no-such-tokenizer"),
 ])
-def test_json_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
+def test_model_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
     result = _run_cli("serve", flag, value, "--port", "0")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert message in result.stderr, result.stderr
+
+
+def test_max_model_len_reads_vllm_s_suffixes():
+    from jaxserve.cli_flags import human_int
+
+    assert [human_int(v) for v in ("2048", "32k", "32K", "25.6k", "1m", "1M", "2g")] == [
+        2048, 32_000, 32_768, 25_600, 10**6, 2**20, 2 * 10**9]
+    for bad in ("1.5K", "32 tokens", "0.0001k", "k", "infk", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            human_int(bad)
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(["serve", "--max-model-len", "32K"])).model.max_model_len == 32_768
+    assert _engine_config(parser.parse_args(["serve", "--max-model-len", "4096"])).model.max_model_len == 4096

@@ -308,7 +308,7 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream:
         created = int(time.time())
 
-        include_usage, usage_every_chunk = stream_usage(req.stream_options)
+        include_usage, usage_every_chunk = stream_usage(req.stream_options, serving.config.enable_force_include_usage)
 
         def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:

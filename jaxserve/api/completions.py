@@ -134,7 +134,7 @@ async def create_completion(request: Request) -> Response:
         streams = [_without_completions(stream) for stream in streams]
     choices = ChoiceStream(streams, req.n, [len(ids) for _, ids in prompts])
     if req.stream:
-        include_usage, usage_every_chunk = stream_usage(req.stream_options)
+        include_usage, usage_every_chunk = stream_usage(req.stream_options, serving.config.enable_force_include_usage)
 
         def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
             if usage is None and usage_every_chunk and items:

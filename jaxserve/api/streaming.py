@@ -86,10 +86,11 @@ class ChoiceStream:
                 yield ChoiceDelta(index, prompt_index, completion)
 
 
-def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
-    """(a usage chunk after the last, the usage so far in every chunk): `include_usage`, and vLLM's
-    `continuous_usage_stats`, which counts only beside it."""
-    at_end = bool(options and options.include_usage)
+def stream_usage(options: StreamOptions | None, force: bool = False) -> tuple[bool, bool]:
+    """(a usage chunk after the last, the usage so far in every chunk): `include_usage`, or `force`
+    (--enable-force-include-usage) whatever the request says, and vLLM's `continuous_usage_stats`, which
+    counts only beside them."""
+    at_end = bool(options and options.include_usage) or force
     return at_end, at_end and options is not None and options.continuous_usage_stats
 
 

@@ -99,6 +99,8 @@ class EngineCore:
                 quantization=config.model.quantization,
                 download_dir=config.model.download_dir,
                 hf_overrides=config.model.hf_overrides,
+                tokenizer=config.model.tokenizer,
+                tokenizer_revision=config.model.tokenizer_revision,
                 # the weights load while the steps compile (one process: a multi-host job's processes load,
                 # size and compile in step with each other)
                 in_background=not config.parallel.multihost,

@@ -59,6 +59,7 @@ from jaxserve.models.source import (
     metadata_dir,
     resolve_model,
     resolve_model_config,
+    resolve_tokenizer,
 )
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
@@ -315,6 +316,8 @@ def load_model(
     in_background: bool = False,
     download_dir: str | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    tokenizer: str | None = None,
+    tokenizer_revision: str | None = None,
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
     of experts' experts split whole with `expert_parallel`). Each
@@ -327,7 +330,8 @@ def load_model(
     "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model
     returns at once, its `state` their shapes (`LoadedModel.loading`): the steps compile while they load.
     `download_dir`: where a hub id's files are cached (None: the Hugging Face cache); `hf_overrides`: fields
-    of the model's config replaced (`source.with_hf_overrides`)."""
+    of the model's config replaced (`source.with_hf_overrides`); `tokenizer`: a hub id or directory whose
+    tokenizer (and chat template) replaces the model's own, at `tokenizer_revision`."""
     quantization = None if quantization == "none" else quantization
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -357,7 +361,10 @@ def load_model(
         gguf_file = None if dummy else source.gguf_file
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
-    tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
+    if tokenizer is not None:
+        tokenizer = load_tokenizer(resolve_tokenizer(tokenizer, tokenizer_revision, download_dir))
+    else:
+        tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
 
     stop = threading.Event()  # set by `LoadedModel.abandon_loading`
 

@@ -112,6 +112,17 @@ def _download(repo_id: str, revision: str | None, patterns: list[str] | None = N
         raise RuntimeError(f"could not download model {repo_id!r} from the hub: {first_line}") from e
 
 
+def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The directory of `--tokenizer`'s files: a local directory, or a hub id's tokenizer and config files at
+    `revision` (cached in `download_dir`, or downloaded now). One line naming the fix where it fails."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or tokenizer.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
+    return _download(tokenizer, revision, _METADATA_FILES, download_dir)
+
+
 def metadata_dir(source: ModelSource) -> Path:
     """Where the model's config and tokenizer files are: its directory, or a GGUF's converted copy."""
     return converted_dir(source.directory / source.gguf_file) if source.gguf_file else source.directory

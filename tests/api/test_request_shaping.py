@@ -207,3 +207,24 @@ def test_override_generation_config_sets_the_defaults_a_request_leaves_out(bos_m
     assert defaulted["finish_reason"] == "length" and len(defaulted["token_ids"]) == 3
     assert defaulted["token_ids"] == asked["token_ids"] == own["token_ids"][:3] and len(own["token_ids"]) == 5
     assert completions[0] == completions[1] != completions[2]
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(bos_model_dir):
+    """`--enable-force-include-usage` (vLLM's): a stream that did not ask for usage ends with a usage chunk
+    all the same, chat and completions; without the flag it does not."""
+    def last_chunk(client: TestClient, path: str, body: dict) -> dict:
+        events = client.post(path, json={**body, "stream": True}).text.strip().split("\n\n")
+        assert events[-1] == "data: [DONE]"
+        return json.loads(events[-2].removeprefix("data: "))
+
+    bodies = {"/v1/chat/completions": {"messages": HELLO, "max_tokens": 3},
+              "/v1/completions": {"prompt": "Hello there", "max_tokens": 3}}
+    for force in (True, False):
+        engine = AsyncEngine(make_engine(bos_model_dir, warmup=False))
+        with TestClient(create_app(ServerConfig(enable_force_include_usage=force), engine)) as client:
+            for path, body in bodies.items():
+                last = last_chunk(client, path, body)
+                if force:
+                    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3, (path, last)
+                else:
+                    assert last["choices"] and last.get("usage") is None, (path, last)

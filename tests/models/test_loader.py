@@ -112,3 +112,34 @@ def test_an_engine_loads_a_revision_from_a_download_dir(tmp_path, monkeypatch, t
     repo = _hub_cache(tmp_path / "mine", tiny_model_dir("llama"), {"main": "1" * 40, "v2": tagged})
     engine = make_engine("jaxserve-tests/tiny-llama", warmup=False, revision="v2", download_dir=str(tmp_path / "mine"))
     assert engine.info.model_dir == str(repo / "snapshots" / tagged)
+
+
+def test_a_tokenizer_from_elsewhere_replaces_the_model_s(tmp_path, monkeypatch, tiny_model_dir):
+    """vLLM's --tokenizer: the engine renders and tokenizes with the given directory's tokenizer and chat
+    template; a hub id's tokenizer files come from the cache at --tokenizer-revision; a path that is not
+    there is one line."""
+    import huggingface_hub.constants
+
+    from jaxserve.models.source import resolve_tokenizer
+    from jaxserve.models.tokenizer import apply_chat_template
+    from tests.engine.helpers import make_engine
+
+    base = tiny_model_dir("llama")
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, tokenizer_dir / name)
+    template = "<<{{ messages[0]['content'] }}>>"
+    (tokenizer_dir / "chat_template.jinja").write_text(template)
+    assert (base / "chat_template.jinja").read_text() != template
+    engine = make_engine(base, warmup=False, tokenizer=str(tokenizer_dir))
+    assert engine.tokenizer.chat_template == template
+    assert engine.tokenizer.decode(apply_chat_template(engine.tokenizer, [{"role": "user", "content": "Hi"}])) == \
+        "<<Hi>>"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))
+    repo = _hub_cache(tmp_path / "mine", tokenizer_dir, {"v2": "2" * 40})
+    found = resolve_tokenizer("jaxserve-tests/tiny-llama", "v2", str(tmp_path / "mine"))
+    assert found == repo / "snapshots" / ("2" * 40)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer directory not found: \./no-such-tokenizer"):
+        resolve_tokenizer("./no-such-tokenizer")
