@@ -163,15 +163,14 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from jaxserve.torch_free import keep_torch_out
 
     keep_torch_out(args.model)  # before transformers is imported: seconds of every start
-    from jaxserve.models.source import resolve_model, resolve_model_config, resolve_tokenizer
+    from jaxserve.models.source import replacement_tokenizer, resolve_model, resolve_model_config
 
     # Before binding the port: a wrong --model ends here, in one line.
     if args.load_format == "dummy":
         resolve_model_config(args.model, args.revision, args.download_dir, args.hf_overrides)
     else:
         resolve_model(args.model, args.revision, args.download_dir)
-    if args.tokenizer is not None:
-        resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir)
+    replacement_tokenizer(args.tokenizer, args.tokenizer_revision, args.model, args.revision, args.download_dir)
     hosts = read_flags(args, HOST_FLAGS)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
     if parallel.multihost:

@@ -7,7 +7,9 @@ the same rows. Like cli.py this module must not import jax: `jaxserve --help` bu
 
 import argparse
 import dataclasses
+import decimal
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,28 +113,26 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
-_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 
 
 def human_int(value: str) -> int:
-    """An integer, or one with vLLM's suffixes: k, m, g by powers of ten (`25.6k` is 25,600), K, M, G by
-    powers of two (`32K` is 32,768, whole multiples only)."""
-    text = value.strip()
-    if text and text[-1] in _SUFFIXES:
-        number, scale = text[:-1], _SUFFIXES[text[-1]]
-        try:
-            if text[-1].isupper():
-                return int(number) * scale
-            amount = float(number) * scale
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number such as 32768, 32k or 32K, got {value!r}") from None
-        if not amount.is_integer():
-            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of tokens")
-        return int(amount)
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 32768, 32k or 32K, got {value!r}") from None
+    """A token count, plain or with vLLM's suffixes: k, m, g, t by powers of ten (`25.6k` is 25,600), K, M, G,
+    T by powers of two (`32K` is 32,768, whole multiples only)."""
+    if value.isascii() and value.isdigit():
+        return int(value)
+    match = _HUMAN_INT.fullmatch(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a count such as 32768, 32k or 32K, got {value!r}")
+    number, suffix = match.groups()
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: a binary multiple (K, M, G, T) takes a whole number; "
+                                         f"{number}{suffix.lower()} is decimal")
+    amount = decimal.Decimal(number) * _SUFFIXES[suffix]
+    if amount != amount.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of tokens")
+    return int(amount)
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -214,7 +214,8 @@ ENGINE_FLAGS = (
     Flag("--max-num-seqs", SchedulerConfig, "max_num_seqs", "the most sequences in one step (default: the preset's)",
          type=int, preset=True),
     Flag("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens",
-         "the most tokens in one step (default: the preset's)", type=int, preset=True),
+         "the most tokens in one step, with --max-model-len's suffixes (default: the preset's)", type=human_int,
+         preset=True),
     Flag("--async-scheduling", SchedulerConfig, "async_scheduling", preset=True,
          action=argparse.BooleanOptionalAction,
          help="schedule and dispatch each step before reading the previous step's tokens, so the host's work "
@@ -475,7 +476,7 @@ COMPILE_FLAGS = (
     Flag("--dtype", CompileConfig, "dtype", "auto: bfloat16 on GPUs, float32 on CPU", choices=DTYPES),
     Flag("--attention-impl", CompileConfig, "attention_impl", "auto picks what a real device of the target's "
          "kind would", choices=ATTENTION_IMPLS),
-    Flag("--max-model-len", CompileConfig, "max_model_len", "(default: the model's)", type=int),
+    Flag("--max-model-len", CompileConfig, "max_model_len", "as serve's (default: the model's)", type=human_int),
     Flag("--context-len", CompileConfig, "context_len", type=int,
          help="keys each request attends in the predicted step times (default: max-model-len/2)"),
     Flag("--gpu-memory-utilization", CompileConfig, "gpu_memory_utilization", type=float,

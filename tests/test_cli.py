@@ -359,9 +359,11 @@ def test_the_model_source_flags_reach_the_engine_and_compile_configs():
     parser = build_parser()
     overrides = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
     argv = ["--revision", "v2", "--download-dir", "/models", "--hf-overrides", overrides]
-    model = _engine_config(parser.parse_args(["serve", *argv])).model
+    model = _engine_config(parser.parse_args(["serve", *argv, "--tokenizer", "org/tok", "--tokenizer-revision",
+                                              "v3"])).model
     assert (model.revision, model.download_dir, model.hf_overrides) == (
         "v2", "/models", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert (model.tokenizer, model.tokenizer_revision) == ("org/tok", "v3")
     assert _engine_config(parser.parse_args(["serve"])).model.hf_overrides is None
     compile_args = parser.parse_args(["compile", *argv])
     compiled = CompileConfig(**read_flags(compile_args, COMPILE_FLAGS))
@@ -376,7 +378,9 @@ def test_the_model_source_flags_reach_the_engine_and_compile_configs():
     ("--hf-overrides", "[1]", "expected a JSON object"),
     ("--hf-overrides", "{bad", "expected a JSON object, got '{bad'"),
     ("--override-generation-config", '{"temperature": 5}', "temperature must be a finite number in [0.0, 2.0]"),
-    ("--tokenizer", "./no-such-tokenizer", "jaxserve: error: tokenizer directory not found: ./no-such-tokenizer"),
+    ("--tokenizer", "./no-such-tokenizer", "jaxserve: error: tokenizer not found: ./no-such-tokenizer (a directory, "
+                                           "a .gguf file or a hub id)"),
+    ("--max-model-len", "1.5K", "a binary multiple (K, M, G, T) takes a whole number; 1.5k is decimal"),
 ])
 def test_model_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
     result = _run_cli("serve", flag, value, "--port", "0")
@@ -387,11 +391,15 @@ def test_model_flags_refuse_what_they_cannot_use_in_one_line(flag, value, messag
 def test_max_model_len_reads_vllm_s_suffixes():
     from jaxserve.cli_flags import human_int
 
-    assert [human_int(v) for v in ("2048", "32k", "32K", "25.6k", "1m", "1M", "2g")] == [
-        2048, 32_000, 32_768, 25_600, 10**6, 2**20, 2 * 10**9]
-    for bad in ("1.5K", "32 tokens", "0.0001k", "k", "infk", ""):
+    assert [human_int(v) for v in ("2048", "32k", "32K", "25.6k", "1.005k", "1m", "1M", "2g", "1T")] == [
+        2048, 32_000, 32_768, 25_600, 1005, 10**6, 2**20, 2 * 10**9, 2**40]
+    for bad in ("1.5K", "32 tokens", "32 K", "0.0001k", "k", "infk", "-1k", "1e3k", "²", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             human_int(bad)
     parser = build_parser()
-    assert _engine_config(parser.parse_args(["serve", "--max-model-len", "32K"])).model.max_model_len == 32_768
+    config = _engine_config(parser.parse_args(["serve", "--config", "gpu", "--max-model-len", "32K",
+                                               "--max-num-batched-tokens", "2K"]))
+    assert (config.model.max_model_len, config.scheduler.max_num_batched_tokens) == (32_768, 2048)
     assert _engine_config(parser.parse_args(["serve", "--max-model-len", "4096"])).model.max_model_len == 4096
+    compile_args = parser.parse_args(["compile", "--max-model-len", "128k"])
+    assert CompileConfig(**read_flags(compile_args, COMPILE_FLAGS)).max_model_len == 128_000

@@ -57,9 +57,9 @@ from jaxserve.models.source import (
     bundled_model_path,
     load_hf_config,
     metadata_dir,
+    replacement_tokenizer,
     resolve_model,
     resolve_model_config,
-    resolve_tokenizer,
 )
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
@@ -248,8 +248,13 @@ def build_abstract_model(
 HARMONY_STOPS = ("<|return|>", "<|call|>")
 
 
-def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any, tokenizer_given: bool = False
+                   ) -> tuple[int, ...]:
+    """The model's stop tokens; with a tokenizer from elsewhere (--tokenizer), its EOS too, as vLLM stops at
+    both (a chat tokenizer's <|im_end|> beside a base model's <|endoftext|>)."""
     eos = _configured_eos(source, hf_config, tokenizer)
+    if tokenizer_given and isinstance(tokenizer.eos_token_id, int) and tokenizer.eos_token_id not in eos:
+        eos += (tokenizer.eos_token_id,)
     if getattr(hf_config, "model_type", None) == "gpt_oss":
         stops = [tokenizer.convert_tokens_to_ids(token) for token in HARMONY_STOPS]
         eos += tuple(i for i in stops if isinstance(i, int) and i != tokenizer.unk_token_id and i not in eos)
@@ -361,8 +366,13 @@ def load_model(
         gguf_file = None if dummy else source.gguf_file
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
-    if tokenizer is not None:
-        tokenizer = load_tokenizer(resolve_tokenizer(tokenizer, tokenizer_revision, download_dir))
+    tokenizer_dir = replacement_tokenizer(tokenizer, tokenizer_revision, model, revision, download_dir)
+    replaced = tokenizer_dir is not None
+    if replaced:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if len(tokenizer) > abstract.cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of "
+                             f"{abstract.cfg.vocab_size}: it is not this model's")
     else:
         tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
 
@@ -405,7 +415,7 @@ def load_model(
         graphdef=abstract.graphdef,
         state=state,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer),
+        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer, replaced),
         max_position_embeddings=context_length(hf_config, abstract.cfg.max_position_embeddings),
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,

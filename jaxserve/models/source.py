@@ -88,7 +88,7 @@ def resolve_model_config(model: str | None, revision: str | None = None, downloa
 
 
 def _download(repo_id: str, revision: str | None, patterns: list[str] | None = None,
-              download_dir: str | None = None) -> Path:
+              download_dir: str | None = None, what: str = "model") -> Path:
     import huggingface_hub.constants
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -103,24 +103,46 @@ def _download(repo_id: str, revision: str | None, patterns: list[str] | None = N
             why, fix = "the hub could not be reached", "check the network"
         at = f" at revision {revision!r}" if revision else ""
         where = f" ({download_dir})" if download_dir else ""
+        instead = "a local model directory or a .gguf file" if what == "model" else "a local directory"
         raise RuntimeError(
-            f"model {repo_id!r}{at} is not in the local Hugging Face cache{where} and {why}: pass a cached hub "
-            f"id, a local model directory or a .gguf file, or {fix}"
+            f"{what} {repo_id!r}{at} is not in the local Hugging Face cache{where} and {why}: pass a cached hub "
+            f"id, {instead}, or {fix}"
         ) from e
     except HfHubHTTPError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"could not download model {repo_id!r} from the hub: {first_line}") from e
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """The directory of `--tokenizer`'s files: a local directory, or a hub id's tokenizer and config files at
-    `revision` (cached in `download_dir`, or downloaded now). One line naming the fix where it fails."""
+    """The directory of `--tokenizer`'s files: a local directory, a .gguf file's converted tokenizer, or a hub
+    id's tokenizer and config files at `revision` (cached in `download_dir`, or downloaded now). One line
+    naming the fix where it fails, a directory without a tokenizer's files too."""
     path = Path(tokenizer).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return converted_dir(path)
     if path.is_dir():
-        return path
-    if path.exists() or tokenizer.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
-    return _download(tokenizer, revision, _METADATA_FILES, download_dir)
+        directory = path
+    elif path.exists() or tokenizer.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"tokenizer not found: {tokenizer} (a directory, a .gguf file or a hub id)")
+    else:
+        directory = _download(tokenizer, revision, _METADATA_FILES, download_dir, what="tokenizer")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{tokenizer} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    return directory
+
+
+def replacement_tokenizer(tokenizer: str | None, tokenizer_revision: str | None, model: str | None,
+                          revision: str | None, download_dir: str | None) -> Path | None:
+    """Where --tokenizer's files are (`resolve_tokenizer`), by vLLM's defaults: --tokenizer-revision alone
+    names the model's own tokenizer at that revision, and a tokenizer's revision is --revision unless given;
+    None when neither flag is given (the model's own tokenizer, as it loads)."""
+    if tokenizer is None and tokenizer_revision is None:
+        return None
+    name = tokenizer or model or str(bundled_model_path())
+    return resolve_tokenizer(name, tokenizer_revision or revision, download_dir)
 
 
 def metadata_dir(source: ModelSource) -> Path:

@@ -1,5 +1,6 @@
 """Resolving --model: bundled GGUF, local paths, hub ids offline (at a revision, in a download directory)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -116,10 +117,12 @@ def test_an_engine_loads_a_revision_from_a_download_dir(tmp_path, monkeypatch, t
 
 def test_a_tokenizer_from_elsewhere_replaces_the_model_s(tmp_path, monkeypatch, tiny_model_dir):
     """vLLM's --tokenizer: the engine renders and tokenizes with the given directory's tokenizer and chat
-    template; a hub id's tokenizer files come from the cache at --tokenizer-revision; a path that is not
-    there is one line."""
+    template, and stops at its EOS beside the model's own; a hub id's tokenizer files come from the cache at
+    --tokenizer-revision (alone: the model's own tokenizer at that revision); a path that is not there, a
+    directory without a tokenizer and a tokenizer larger than the model's vocabulary are one line each."""
     import huggingface_hub.constants
 
+    from jaxserve.models.loader import load_model
     from jaxserve.models.source import resolve_tokenizer
     from jaxserve.models.tokenizer import apply_chat_template
     from tests.engine.helpers import make_engine
@@ -132,14 +135,37 @@ def test_a_tokenizer_from_elsewhere_replaces_the_model_s(tmp_path, monkeypatch, 
     template = "<<{{ messages[0]['content'] }}>>"
     (tokenizer_dir / "chat_template.jinja").write_text(template)
     assert (base / "chat_template.jinja").read_text() != template
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
     engine = make_engine(base, warmup=False, tokenizer=str(tokenizer_dir))
     assert engine.tokenizer.chat_template == template
     assert engine.tokenizer.decode(apply_chat_template(engine.tokenizer, [{"role": "user", "content": "Hi"}])) == \
         "<<Hi>>"
+    own = load_model(str(base), "float32").eos_token_ids
+    assert own == (2,) and engine.info.eos_token_ids == (2, 0)  # <|im_end|> the model's, <|endoftext|> the tokenizer's
+
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))
     repo = _hub_cache(tmp_path / "mine", tokenizer_dir, {"v2": "2" * 40})
     found = resolve_tokenizer("jaxserve-tests/tiny-llama", "v2", str(tmp_path / "mine"))
     assert found == repo / "snapshots" / ("2" * 40)
-    with pytest.raises(FileNotFoundError, match=r"tokenizer directory not found: \./no-such-tokenizer"):
+    _hub_cache(tmp_path / "model-cache", base, {"main": "1" * 40})
+    shutil.copytree(tokenizer_dir, tmp_path / "model-cache" / "models--jaxserve-tests--tiny-llama" / "snapshots" /
+                    ("3" * 40))
+    (tmp_path / "model-cache" / "models--jaxserve-tests--tiny-llama" / "refs" / "v3").write_text("3" * 40)
+    by_revision = make_engine("jaxserve-tests/tiny-llama", warmup=False, download_dir=str(tmp_path / "model-cache"),
+                              tokenizer_revision="v3")
+    assert by_revision.tokenizer.chat_template == template  # the model's main, its tokenizer's v3
+    assert by_revision.info.model_dir.endswith("1" * 40)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer not found: \./no-such-tokenizer"):
         resolve_tokenizer("./no-such-tokenizer")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        resolve_tokenizer(str(tmp_path / "empty"))
+    gpt2 = tiny_model_dir("gpt2")  # the same tokenizer files: fits; a vocabulary cut to 100 does not
+    small = tmp_path / "small-vocab"
+    shutil.copytree(gpt2, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    with pytest.raises(ValueError, match="tokens, more than the model's vocabulary of 100: it is not this model's"):
+        load_model(str(small), "float32", load_format="dummy", tokenizer=str(tokenizer_dir))
