@@ -178,6 +178,8 @@ _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 sca
                       "experts, the token embeddings and the LM head in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
                       "Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS stay in their blocks, multiplied by a native kernel")
 
+_REVISION_HELP = "a hub model's branch, tag or commit (default: main)"
+_DOWNLOAD_DIR_HELP = "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"
 _HF_OVERRIDES_HELP = ("fields of the model's transformers config replaced, a JSON object (vLLM's flag): "
                       "'{\"max_position_embeddings\": 65536}'; a RoPE scaling in either spelling, the model's "
                       "theta kept: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
@@ -186,9 +188,8 @@ _HF_OVERRIDES_HELP = ("fields of the model's transformers config replaced, a JSO
 
 ENGINE_FLAGS = (
     Flag("--model", ModelConfig, "model", _BUNDLED_MODEL),
-    Flag("--revision", ModelConfig, "revision", "a hub model's branch, tag or commit (default: main)"),
-    Flag("--download-dir", ModelConfig, "download_dir",
-         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
+    Flag("--revision", ModelConfig, "revision", _REVISION_HELP),
+    Flag("--download-dir", ModelConfig, "download_dir", _DOWNLOAD_DIR_HELP),
     Flag("--hf-overrides", ModelConfig, "hf_overrides", type=_json_object, help=_HF_OVERRIDES_HELP),
     Flag("--tokenizer", ModelConfig, "tokenizer",
          "a hub id or directory whose tokenizer and chat template replace the model's (vLLM's flag; a GGUF "
@@ -465,9 +466,8 @@ COMPILE_FLAGS = (
     Flag("--model", CompileConfig, "model",
          f"a bundled shape ({', '.join(BUNDLED_SHAPES)}), a config.json, or anything serve --model takes "
          "(default: the bundled SmolLM2)"),
-    Flag("--revision", CompileConfig, "revision", "a hub model's branch, tag or commit (default: main)"),
-    Flag("--download-dir", CompileConfig, "download_dir",
-         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
+    Flag("--revision", CompileConfig, "revision", _REVISION_HELP),
+    Flag("--download-dir", CompileConfig, "download_dir", _DOWNLOAD_DIR_HELP),
     Flag("--hf-overrides", CompileConfig, "hf_overrides", type=_json_object, help=_HF_OVERRIDES_HELP),
     Flag("--target", CompileConfig, "target", "the GPU to compile for; local: this machine's default device",
          choices=[*TARGETS, "local"]),
@@ -512,7 +512,6 @@ CONVERT_FLAGS = (
               "bfloat16 on GPUs"),
     Flag("--weight-dtype", ModelConfig, "weight_dtype", "the matmul weights' dtype; auto (the default) is "
          "--dtype's", choices=DTYPES),
-    Flag("--revision", ModelConfig, "revision", "hub revision (default: the latest)"),
-    Flag("--download-dir", ModelConfig, "download_dir",
-         "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"),
+    Flag("--revision", ModelConfig, "revision", _REVISION_HELP),
+    Flag("--download-dir", ModelConfig, "download_dir", _DOWNLOAD_DIR_HELP),
 )

@@ -369,12 +369,12 @@ def load_model(
     tokenizer_dir = replacement_tokenizer(tokenizer, tokenizer_revision, model, revision, download_dir)
     replaced = tokenizer_dir is not None
     if replaced:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        if len(tokenizer) > abstract.cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of "
-                             f"{abstract.cfg.vocab_size}: it is not this model's")
+        text_tokenizer = load_tokenizer(tokenizer_dir)
+        if len(text_tokenizer) > abstract.cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {len(text_tokenizer)} tokens, more than the model's vocabulary "
+                             f"of {abstract.cfg.vocab_size}: it is not this model's")
     else:
-        tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
+        text_tokenizer = _dummy_tokenizer(source, abstract.cfg.vocab_size) if dummy else load_tokenizer(metadata)
 
     stop = threading.Event()  # set by `LoadedModel.abandon_loading`
 
@@ -414,8 +414,8 @@ def load_model(
         spec=abstract.spec,
         graphdef=abstract.graphdef,
         state=state,
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(source, hf_config, tokenizer, replaced),
+        tokenizer=text_tokenizer,
+        eos_token_ids=_eos_token_ids(source, hf_config, text_tokenizer, replaced),
         max_position_embeddings=context_length(hf_config, abstract.cfg.max_position_embeddings),
         dtype=jax_dtype,
         weight_dtype=jax_weight_dtype,

@@ -204,11 +204,11 @@ def _rope_override(rope: dict[str, Any], key: str, value: Any) -> dict[str, Any]
     if layered_value:
         raise ValueError(f"--hf-overrides: this model's RoPE parameters are not per layer type: give {key} as "
                          f"one set of parameters")
-    kept = {name: rope[name] for name in _ROPE_KEPT if name in rope}
-    if key in ("rope_theta", "rope_local_base_freq"):
-        if key == "rope_local_base_freq":
-            raise ValueError("--hf-overrides: rope_local_base_freq is a model's with RoPE per layer type")
+    if key == "rope_local_base_freq":
+        raise ValueError("--hf-overrides: rope_local_base_freq is a model's with RoPE per layer type")
+    if key == "rope_theta":
         return {**rope, "rope_theta": value}
+    kept = {name: rope[name] for name in _ROPE_KEPT if name in rope}
     if value is None:  # no scaling
         return {**kept, "rope_type": "default"}
     if not isinstance(value, Mapping):
