@@ -28,13 +28,17 @@ from jaxserve.cli_flags import (
     ENGINE_FLAGS,
     GENERATE_FLAGS,
     HOST_FLAGS,
+    INERT_ENGINE_FLAGS,
+    INERT_SERVER_FLAGS,
     OFFLINE_FLAGS,
     SERVE_BENCH_FLAGS,
     SERVER_FLAGS,
     SERVER_LOG_FLAGS,
     WARMUP_FLAGS,
     Group,
+    InertFlag,
     add_flags,
+    given_inert_flags,
     read_flags,
 )
 from jaxserve.config import (
@@ -112,25 +116,28 @@ def _add_log_level(parser: Group, help: str) -> None:
     parser.add_argument("--log-level", default=None, choices=LOG_LEVELS, help=help)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, inert: Sequence[InertFlag] = INERT_ENGINE_FLAGS) -> None:
     group = parser.add_argument_group("engine")
     add_flags(group, ENGINE_FLAGS[:1])  # --model
     group.add_argument("--config", default=None,
                        help=f"a bundled preset ({', '.join(preset_names())}) or a YAML file: bucket ladders and "
                             "engine defaults (default: cpu on a CPU, gpu on a GPU)")
     add_flags(group, ENGINE_FLAGS[1:])
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted for vLLM compatibility; jaxserve never runs code from a model repository")
     _add_log_level(group, "jaxserve's log level (default: info for serve, warning otherwise)")
+    group = parser.add_argument_group("vLLM's flags that change nothing here (taken so that its command lines run)")
+    for flag in inert:
+        flag.add_to(group)
+
+
+def _log_inert_flags(args: argparse.Namespace) -> None:
+    for given, flag in given_inert_flags(args, INERT_ENGINE_FLAGS + INERT_SERVER_FLAGS):
+        logger.warning("%s changes nothing in jaxserve: %s", given, flag.why)
 
 
 def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     settings = read_flags(args, ENGINE_FLAGS)
     # Before jax starts a backend (platform_preset starts one): JAX pools 75% of a GPU by default.
     pool_gpu_memory(settings["gpu_memory_utilization"] or CacheConfig.gpu_memory_utilization)
-    if args.trust_remote_code:
-        logger.info("--trust-remote-code changes nothing here: jaxserve's models are its own Flax ports and "
-                    "tokenizers load without remote code, so no code from a model repository ever runs")
     # A core in its own process needs all of its device's memory: this process must not open it.
     isolated = core_process_count(bool(settings["engine_process"]), settings["data_parallel_size"] or 1) > 0
     preset = args.config if args.config is not None else platform_preset(isolated=isolated)
@@ -264,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="same as --model (default: the bundled SmolLM2-135M-Instruct)")
     add_flags(serve, SERVER_FLAGS, "server")
     add_flags(serve, SERVER_LOG_FLAGS, "logging")
-    _add_engine_args(serve)
+    _add_engine_args(serve, INERT_ENGINE_FLAGS + INERT_SERVER_FLAGS)
     add_flags(serve, WARMUP_FLAGS)
     add_flags(serve, HOST_FLAGS, "multi-host (one model over the devices of several processes)")
     serve.set_defaults(func=_cmd_serve, default_log_level="info")
@@ -350,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         prepare_jax_platform()  # before any backend starts: no CUDA plugin tracebacks on a machine without a GPU
         if runs_steps(sys.argv[1:] if argv is None else argv) and cpu_backend_expected():
             kernel_build.start_early()  # a first start's C++ compiles run while jax is imported and the model loads
+        _log_inert_flags(args)
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

@@ -10,12 +10,13 @@ import dataclasses
 import decimal
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
+    CHAT_TEMPLATE_CONTENT_FORMATS,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -92,6 +93,53 @@ class Flag:
         return tuple(value) if isinstance(value, list) else value
 
 
+@dataclasses.dataclass(frozen=True)
+class InertFlag:
+    """A flag of `vllm serve` that jaxserve takes, so that a vLLM command line runs unchanged, and that
+    changes nothing here: `why` is its help, and is logged when it is given (`given_inert_flags`)."""
+
+    names: tuple[str, ...]
+    why: str
+    kind: str = "value"  # value: takes one; values: one or more; switch: none; boolean: also --no-NAME
+    check: Callable[[str], str] | None = None  # argparse's `type`: refuses a value that would mean something
+
+    @property
+    def option(self) -> str:
+        """Its name as a keyword argument of vLLM's `LLM` (`trust_remote_code`)."""
+        return self.names[0].lstrip("-").replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return "inert_" + self.option
+
+    def add_to(self, group: Group) -> None:
+        options: dict[str, Any] = {
+            "value": {"metavar": "VALUE"}, "values": {"metavar": "VALUE", "nargs": "+"},
+            "switch": {"action": "store_true"}, "boolean": {"action": argparse.BooleanOptionalAction},
+        }[self.kind]
+        if self.check is not None:
+            options["type"] = self.check
+        # store_true's default is False: None for every kind, so that "given" is "not None"
+        group.add_argument(*self.names, dest=self.dest, default=None, help=f"no effect here: {self.why} (default: "
+                           "not given)", **options)
+
+
+def given_inert_flags(args: argparse.Namespace, flags: Sequence[InertFlag]) -> list[tuple[str, InertFlag]]:
+    """(the flag as given, its row) for each of `flags` on the command line."""
+    given = []
+    for flag in flags:
+        value = getattr(args, flag.dest, None)
+        if value is None:
+            continue
+        if value is False:  # --no-NAME
+            given.append(("--no-" + flag.names[0].removeprefix("--"), flag))
+        elif value is True:
+            given.append((flag.names[0], flag))
+        else:
+            given.append((f"{flag.names[0]} {' '.join(value) if isinstance(value, list) else value}", flag))
+    return given
+
+
 def add_flags(parser: Group, flags: Sequence[Flag], title: str | None = None) -> None:
     group = parser.add_argument_group(title) if title else parser
     for flag in flags:
@@ -161,6 +209,31 @@ def _lora_module(value: str) -> LoraModule:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# vLLM's former --task names for the runner that serves them
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def _task_runner(value: str) -> str:
+    if value not in _TASK_RUNNERS:
+        raise argparse.ArgumentTypeError(f"{value!r}: say --runner generate or --runner pooling (--task takes "
+                                         f"{', '.join(_TASK_RUNNERS)})")
+    return _TASK_RUNNERS[value]
+
+
+def _fast_tokenizer(value: str) -> str:
+    if value not in ("auto", "hf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: tokenizers load through transformers' AutoTokenizer, as "
+                                         "vLLM's auto and hf modes load them, and in no other mode")
+    return value
+
+
+def _one_pipeline_stage(value: str) -> str:
+    if value.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{value!r}: jaxserve runs one pipeline stage; split a model over "
+                                         "devices with --tensor-parallel-size, over hosts with --num-processes")
+    return value
+
+
 def _cache_dir(value: str) -> str:
     return "" if value.lower() == "none" else value  # "" disables the cache
 
@@ -178,6 +251,9 @@ _QUANTIZATION_HELP = ("fp8: the layers' dense weights in e4m3 with a float32 sca
                       "experts, the token embeddings and the LM head in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
                       "Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS stay in their blocks, multiplied by a native kernel")
 
+_ENFORCE_EAGER_HELP = ("on GPUs, compile the steps without CUDA graphs (XLA's command buffers): the host launches "
+                       "each kernel, as vLLM's flag runs without CUDA graphs; slower steps, to debug or compare "
+                       "with; nothing changes on CPUs")
 _REVISION_HELP = "a hub model's branch, tag or commit (default: main)"
 _DOWNLOAD_DIR_HELP = "where a hub model's files are cached and downloaded to (default: the Hugging Face cache)"
 _HF_OVERRIDES_HELP = ("fields of the model's transformers config replaced, a JSON object (vLLM's flag): "
@@ -259,8 +335,8 @@ ENGINE_FLAGS = (
               "and HTTP in this one, as vLLM V1 does (default: off)"),
     Flag("--block-size", CacheConfig, "page_size", "tokens per KV page (default: the preset's)", type=int,
          preset=True),
-    Flag("--num-kv-pages", CacheConfig, "num_kv_pages", "KV pages, overriding the memory budget (default: from "
-         "the budget)", type=int, preset=True),
+    Flag(("--num-kv-pages", "--num-gpu-blocks-override"), CacheConfig, "num_kv_pages", type=int, preset=True,
+         help="KV pages, overriding the memory budget (vLLM's --num-gpu-blocks-override) (default: from the budget)"),
     Flag("--kv-cache-dtype", CacheConfig, "kv_cache_dtype", preset=True, choices=KV_CACHE_DTYPES,
          help="the KV cache's dtype; auto (the default) is the model's (but see --weight-dtype). float16 or "
               "bfloat16 under a float32 model halve the cache's memory and what attention reads; fp8 (e4m3 "
@@ -274,6 +350,8 @@ ENGINE_FLAGS = (
     Flag("--runner", EngineConfig, "runner", choices=RUNNERS,
          help="generate: completions and chat; pooling: /v1/embeddings, each prompt's final hidden states "
               "pooled by --pooling-type, through the same scheduler and buckets (vLLM's flag)"),
+    Flag("--task", EngineConfig, "runner", type=_task_runner,
+         help="vLLM's former flag for --runner: generate, or embed (embedding) for pooling"),
     Flag("--pooling-type", EngineConfig, "pooling_type", choices=POOLING_TYPES,
          help="with --runner pooling: last (the last token's hidden state: decoder embedding models such as "
               "Qwen3-Embedding) or mean (over the prompt's tokens)"),
@@ -284,6 +362,7 @@ ENGINE_FLAGS = (
          help=f"the most top logprobs a request may ask for (default: {ModelConfig.max_logprobs})"),
     Flag("--seed", ModelConfig, "seed", f"seed of the sampling RNG (default: {ModelConfig.seed})", type=int,
          preset=True),
+    Flag("--enforce-eager", EngineConfig, "enforce_eager", action="store_true", help=_ENFORCE_EAGER_HELP),
     Flag("--compilation-cache-dir", EngineConfig, "compilation_cache_dir", type=_cache_dir, preset=True,
          help="JAX's persistent compilation cache; 'none' disables it "
               f"(default: {EngineConfig.compilation_cache_dir})"),
@@ -299,6 +378,53 @@ ENGINE_FLAGS = (
     Flag("--enable-expert-parallel", ParallelConfig, "enable_expert_parallel", action="store_true",
          help="a mixture of experts: split the experts whole over the devices (default: each expert's MLP "
               "width split, as the dense MLP's)"),
+)
+
+# vLLM's engine flags that mean nothing in jaxserve, on every command that builds an engine.
+_PARTIAL_PREFILLS = ("the scheduler fills each step with prompt chunks up to --max-num-batched-tokens, however many "
+                     "prompts that takes")
+_LLGUIDANCE = "structured outputs are always compiled by llguidance"
+INERT_ENGINE_FLAGS = (
+    InertFlag(("--trust-remote-code",), "jaxserve's models are its own Flax ports and tokenizers load without "
+              "remote code, so no code from a model repository ever runs", "switch"),
+    InertFlag(("--swap-space",), "a preempted request's KV pages are computed again when it resumes, never "
+              "swapped to host memory (as in vLLM V1)"),
+    InertFlag(("--cpu-offload-gb",), "the weights stay on the devices that serve them; a model larger than "
+              "they hold fails to load"),
+    InertFlag(("--enable-chunked-prefill",), "prompts are always prefilled in chunks of up to "
+              "--max-num-batched-tokens, beside the running requests' decodes (as in vLLM V1)", "boolean"),
+    InertFlag(("--max-num-partial-prefills",), _PARTIAL_PREFILLS),
+    InertFlag(("--max-long-partial-prefills",), _PARTIAL_PREFILLS),
+    InertFlag(("--long-prefill-token-threshold",), _PARTIAL_PREFILLS),
+    InertFlag(("--max-seq-len-to-capture",), "every bucket of the ladder is one compiled program, whatever the "
+              "context lengths in it"),
+    InertFlag(("--cuda-graph-sizes",), "the compiled step sizes are the ladder's buckets (--config)", "values"),
+    InertFlag(("--compilation-config", "-O"), "each bucket's step is one XLA program, compiled once "
+              "(--enforce-eager: without CUDA graphs)"),
+    InertFlag(("--disable-custom-all-reduce",), "the collectives are XLA's own", "switch"),
+    InertFlag(("--distributed-executor-backend",), "jaxserve starts its own processes: --engine-process, "
+              "--data-parallel-size, and --num-processes across hosts"),
+    InertFlag(("--max-parallel-loading-workers",), "the weights load in one pass, while the steps compile"),
+    InertFlag(("--tokenizer-mode",), "tokenizers load through transformers' AutoTokenizer (auto and hf only)",
+              check=_fast_tokenizer),
+    InertFlag(("--guided-decoding-backend",), _LLGUIDANCE),
+    InertFlag(("--structured-outputs-config",), _LLGUIDANCE),
+    InertFlag(("--limit-mm-per-prompt",), "jaxserve serves text models"),
+    InertFlag(("--use-v2-block-manager",), "vLLM's former flag: KV pages are always managed as blocks", "switch"),
+    InertFlag(("--pipeline-parallel-size", "-pp"), "one pipeline stage, the only size taken",
+              check=_one_pipeline_stage),
+)
+
+# vLLM's server flags that mean nothing in jaxserve: `serve` only.
+INERT_SERVER_FLAGS = (
+    InertFlag(("--enable-prompt-tokens-details",), "usage always has prompt_tokens_details.cached_tokens",
+              "switch"),
+    InertFlag(("--enable-server-load-tracking",), "GET /load is always served", "switch"),
+    InertFlag(("--enable-reasoning",), "vLLM's former flag: --reasoning-parser alone turns it on", "switch"),
+    InertFlag(("--max-log-len",), "--enable-log-requests logs a prompt's length, never its text"),
+    InertFlag(("--disable-frontend-multiprocessing",), "the HTTP front end and the engine share one process "
+              "unless --engine-process", "switch"),
+    InertFlag(("--api-server-count",), "one process serves HTTP, off the engine's thread"),
 )
 
 SERVER_FLAGS = (
@@ -323,6 +449,11 @@ SERVER_FLAGS = (
               "stream_options asked for it (vLLM's flag: for metering)"),
     Flag("--chat-template", ServerConfig, "chat_template",
          "a Jinja chat template, or a file holding one (default: the tokenizer's)"),
+    Flag("--chat-template-content-format", ServerConfig, "chat_template_content_format",
+         choices=CHAT_TEMPLATE_CONTENT_FORMATS,
+         help="how a message's content reaches the chat template (vLLM's flag): string, its text parts joined "
+              "by newlines; openai, a list of OpenAI's parts, [{\"type\": \"text\", \"text\": ...}]; auto, "
+              "openai for a template that loops over a message's content, else string"),
     Flag("--trust-request-chat-template", ServerConfig, "trust_request_chat_template", **_OFF,
          help="let a request bring its own `chat_template` (refused otherwise: a template is code that runs on "
               "the server)"),
@@ -344,6 +475,16 @@ SERVER_FLAGS = (
          help="default sampling parameters over --generation-config's, a JSON object of generation_config.json "
               "names (vLLM's flag): '{\"temperature\": 0.6, \"top_p\": 0.95, \"max_new_tokens\": 512}'; "
               "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (default: none)"),
+    Flag("--default-chat-template-kwargs", ServerConfig, "default_chat_template_kwargs", type=_json_object,
+         help="arguments for the chat template under each request's chat_template_kwargs, a JSON object (vLLM's "
+              "flag): '{\"enable_thinking\": false}' (default: none)"),
+    Flag("--response-role", ServerConfig, "response_role",
+         help="a chat reply's role where the prompt opens a new turn (add_generation_prompt); a reply that "
+              "continues the last message has that message's role"),
+    Flag("--return-tokens-as-token-ids", ServerConfig, "return_tokens_as_token_ids", **_OFF,
+         help="logprobs name tokens 'token_id:{id}', as if every request asked for it"),
+    Flag("--disable-fastapi-docs", ServerConfig, "disable_fastapi_docs", **_OFF,
+         help="no /docs nor /openapi.json (vLLM's name for it)"),
     Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,
          help="seconds for a request body to arrive in full; a slower one gets a 408"),
     Flag("--shutdown-timeout", ServerConfig, "shutdown_timeout", type=float,
@@ -499,6 +640,7 @@ COMPILE_FLAGS = (
     Flag("--max-lora-rank", CompileConfig, "max_lora_rank", type=int, help="the slots' rank, with --max-loras"),
     Flag("--no-xla-cost", CompileConfig, "xla_cost", "skip XLA's cost analysis (a CPU lowering per bucket)",
          action="store_false"),
+    Flag("--enforce-eager", CompileConfig, "enforce_eager", action="store_true", help=_ENFORCE_EAGER_HELP),
     Flag("--no-variants", CompileConfig, "variants", action="store_false",
          help="only the plain step per bucket, not the decode buckets' greedy and multi-step variants the "
               "preset turns on"),

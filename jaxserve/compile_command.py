@@ -40,6 +40,7 @@ def main(config: CompileConfig) -> None:
         revision=config.revision,
         download_dir=config.download_dir,
         hf_overrides=config.hf_overrides,
+        enforce_eager=config.enforce_eager,
     )
     print(format_report(report))
     if config.json:

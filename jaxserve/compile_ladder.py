@@ -49,6 +49,7 @@ from jaxserve.runner.aot import (
     abstract_step_args,
     compile_bucket,
     compile_sampler,
+    step_compiler_options,
     step_shapes,
     temp_estimate,
 )
@@ -151,6 +152,7 @@ def compile_ladder(
     revision: str | None = None,
     download_dir: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    enforce_eager: bool = False,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
@@ -160,7 +162,7 @@ def compile_ladder(
     roofline (which would ignore the collectives) is reported. `read_launches`: what each bucket's step
     launches (XLA dumps its thunks for it: ~10% more compile time). `variants`: the decode buckets' variants
     the preset turns on, each its own row (module docstring). `lora`: the step with --enable-lora's adapter
-    slots, as a LoRA server compiles it.
+    slots, as a LoRA server compiles it. `enforce_eager`: the steps as `serve --enforce-eager` compiles them.
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model, revision, download_dir, hf_overrides)
@@ -202,8 +204,9 @@ def compile_ladder(
                                 cache_dtype.itemsize) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
     apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
+    options = step_compiler_options(enforce_eager, device.platform)
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
-                        sample_apart=apart)
+                        sample_apart=apart, compiler_options=options)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
@@ -239,17 +242,18 @@ def compile_ladder(
     if variants:
         treedef, max_logprobs = jax.tree.structure(abstract.state), config.model.max_logprobs
         if config.buckets.greedy_decodes:
-            step_fns["greedy"] = (make_step_fn(abstract.graphdef, treedef, max_logprobs, mesh, greedy=True), False)
+            step_fns["greedy"] = (make_step_fn(abstract.graphdef, treedef, max_logprobs, mesh, greedy=True,
+                                               compiler_options=options), False)
         if sched.num_scheduler_steps > 1:
             for greedy in (False, True):
                 step_fns["multi-step greedy" if greedy else "multi-step"] = (make_decode_steps_fn(
                     abstract.graphdef, treedef, max_logprobs, sched.num_scheduler_steps, cache.page_size,
-                    padding_slot(num_pages, cache.page_size), mesh, greedy), True)
+                    padding_slot(num_pages, cache.page_size), mesh, greedy, options), True)
     jobs_todo = [(bucket, name) for bucket in todo for name in step_fns
                  if name == "plain" or (bucket.decode_only and (name != "multi-step greedy"
                                                                 or config.buckets.greedy_decodes))]
     if apart:  # one sampler per request bucket
-        step_fns["sampler"] = (make_sample_fn(config.model.max_logprobs, sched.max_num_seqs, mesh), False)
+        step_fns["sampler"] = (make_sample_fn(config.model.max_logprobs, sched.max_num_seqs, mesh, options), False)
         jobs_todo += [(Bucket(rows, rows, decode_only=True), "sampler") for rows in sorted({b.num_reqs for b in todo})]
 
     def one(job: tuple[Bucket, str]) -> BucketResult:

@@ -43,6 +43,10 @@ GENERATION_CONFIG_FIELDS = {
 }
 # The metrics' name prefix: jaxserve's own, or vLLM's, so dashboards and alerts written for vLLM work as is.
 METRICS_PREFIXES = ("jaxserve", "vllm")
+# How a message's content reaches the chat template (vLLM's --chat-template-content-format): string, its
+# text parts joined; openai, OpenAI's list of parts ([{"type": "text", "text": ...}]); auto, openai for a
+# template that loops over a message's content, else string.
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 @dataclass(frozen=True)
@@ -362,6 +366,9 @@ class EngineConfig:
     # state pooled (`pooling_type`: the last token's, or the mean over its tokens) instead of decoded.
     runner: str = "generate"
     pooling_type: str = "last"
+    # The steps compiled without XLA's command buffers (CUDA graphs) on GPUs: each kernel launched by the
+    # host, as vLLM's --enforce-eager runs without CUDA graphs (`runner/aot.step_compiler_options`).
+    enforce_eager: bool = False
 
     @property
     def core_processes(self) -> int:
@@ -430,7 +437,31 @@ class EngineConfig:
         for name in ("token_buckets", "request_buckets"):
             if name in sections["buckets"]:
                 sections["buckets"][name] = tuple(sections["buckets"][name])
+        _cover_given_limits(sections, overrides)
         return cls(**{s: owners[s](**sections[s]) for s in sections}, **top)
+
+
+# A limit given beside a preset, and the ladder whose largest bucket must hold it.
+_LIMIT_LADDERS = {"max_num_seqs": "request_buckets", "max_num_batched_tokens": "token_buckets"}
+
+
+def _cover_given_limits(sections: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> None:
+    """A --max-num-seqs or --max-num-batched-tokens above the preset's largest bucket (vLLM's `--max-num-seqs
+    512` on the gpu preset's 256) extends that ladder up to it, doubling, so that a step pads by less than
+    2x; a ladder given beside it is the caller's, and must hold it already (__post_init__)."""
+    for limit, ladder_name in _LIMIT_LADDERS.items():
+        given = overrides.get(limit)
+        if given is None or overrides.get(ladder_name) is not None:
+            continue
+        ladder = list(sections["buckets"].get(ladder_name, field_default(BucketConfig, ladder_name)))
+        added = []
+        while ladder[-1] < given:
+            ladder.append(min(2 * ladder[-1], given))
+            added.append(ladder[-1])
+        if added:
+            logger.info("%s %d is above the preset's largest bucket: %s %s added (more to compile)",
+                        limit, given, ladder_name, ", ".join(map(str, added)))
+            sections["buckets"][ladder_name] = tuple(ladder)
 
 
 def core_process_count(engine_process: bool, data_parallel_size: int) -> int:
@@ -504,6 +535,15 @@ def platform_preset(isolated: bool = False) -> str:
     return preset
 
 
+# apply_chat_template's own arguments: chat_template_kwargs (a request's, or --default-chat-template-kwargs)
+# may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP side of `jaxserve serve`; flag names and defaults follow `vllm serve`."""
@@ -522,6 +562,7 @@ class ServerConfig:
     enable_request_id_headers: bool = False
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not (vLLM's)
     chat_template: str | None = None  # a file or an inline Jinja template; None: the tokenizer's
+    chat_template_content_format: str = "auto"  # one of CHAT_TEMPLATE_CONTENT_FORMATS
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": none; or a folder
     # Default sampling parameters over --generation-config's (vLLM's --override-generation-config), by their
     # generation_config.json names (GENERATION_CONFIG_FIELDS): {"temperature": 0.6, "max_new_tokens": 512}
@@ -538,6 +579,11 @@ class ServerConfig:
     tool_call_parser: str | None = None  # how the model writes calls: "hermes", "llama3_json"
     metrics_prefix: str = "jaxserve"  # one of METRICS_PREFIXES: /metrics serves `jaxserve:*` or `vllm:*`
     reasoning_parser: str | None = None  # "deepseek_r1", "qwen3": <think> text into reasoning_content
+    disable_fastapi_docs: bool = False  # no /docs nor /openapi.json (vLLM's --disable-fastapi-docs)
+    response_role: str = "assistant"  # a chat reply's role where the prompt asks for a new turn (vLLM's)
+    # chat_template_kwargs under each request's own (vLLM's --default-chat-template-kwargs): {"enable_thinking": false}
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False  # every request's default for the field of that name (vLLM's)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind the same switch: its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING, or JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
@@ -564,6 +610,17 @@ class ServerConfig:
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
         if self.override_generation_config is not None:
             check_generation_overrides(self.override_generation_config)
+        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, "
+                             f"got {self.chat_template_content_format!r}")
+        if not self.response_role:
+            raise ValueError("response_role must not be empty")
+        if self.default_chat_template_kwargs is not None:
+            if not isinstance(self.default_chat_template_kwargs, dict):
+                raise ValueError(f"default_chat_template_kwargs must be a dict, got "
+                                 f"{self.default_chat_template_kwargs!r}")
+            if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.default_chat_template_kwargs)):
+                raise ValueError(f"default_chat_template_kwargs may not set {', '.join(reserved)}")
 
 
 def check_generation_overrides(overrides: Any) -> None:
@@ -681,5 +738,6 @@ class CompileConfig:
     max_loras: int = 0
     max_lora_rank: int = LoraConfig.max_lora_rank
     xla_cost: bool = True
+    enforce_eager: bool = EngineConfig.enforce_eager
     variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report

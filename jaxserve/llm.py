@@ -1,13 +1,16 @@
 """`jaxserve.LLM`: offline batched generation, like `vllm.LLM`."""
 
+import argparse
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxserve.cli_flags import INERT_ENGINE_FLAGS
 from jaxserve.config import EngineConfig, LoraModule, LoRARequest, check_generation_overrides
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.source import load_generation_defaults
@@ -15,6 +18,8 @@ from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import RequestOutput, RequestOutputKind
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import POOLING_PARAMS, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
 Conversation = list[dict[str, Any]]
@@ -24,7 +29,9 @@ class LLM:
     """Loads a model once and generates for many prompts at a time.
 
     `LLM()` uses the bundled SmolLM2-135M-Instruct. Keyword arguments are engine options
-    (`max_model_len`, `max_num_seqs`, `num_kv_pages`, ...); `config` names a preset in jaxserve/configs/ or a YAML file.
+    (`max_model_len`, `max_num_seqs`, `num_kv_pages`, `enforce_eager`, ...), and vLLM's that change nothing
+    here (`trust_remote_code`, `swap_space`, ...: serve's inert flags) are taken with a warning; `config`
+    names a preset in jaxserve/configs/ or a YAML file.
     `generation_config` and `override_generation_config` are serve's flags of those names (vLLM's): the
     sampling parameters that `generate` and `chat` use when given none (`get_default_sampling_params`).
     """
@@ -41,6 +48,15 @@ class LLM:
         prepare_jax_platform()  # before anything starts jax's backends, as the CLI does
         if override_generation_config is not None:
             check_generation_overrides(override_generation_config)  # before the model loads
+        for flag in INERT_ENGINE_FLAGS:  # vLLM's options that change nothing here, as the CLI takes them
+            if flag.option in engine_options:
+                value = engine_options.pop(flag.option)
+                if flag.check is not None:
+                    try:
+                        flag.check(str(value))
+                    except argparse.ArgumentTypeError as error:
+                        raise ValueError(f"{flag.option}: {error}") from None
+                logger.warning("%s=%r changes nothing in jaxserve: %s", flag.option, value, flag.why)
         engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
         self._start(LLMEngine(engine_config), generation_config, override_generation_config)
 

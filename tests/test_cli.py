@@ -130,11 +130,93 @@ def test_the_api_key_comes_from_the_flag_then_jaxserve_then_vllm_variables(monke
     assert _server_config(parser.parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
 
 
-def test_trust_remote_code_is_accepted_and_explained(caplog):
-    args = build_parser().parse_args(["generate", "--prompt", "hi", "--config", "cpu", "--trust-remote-code"])
+# Command lines written for `vllm serve` (its docs' and model cards' flags): each runs unchanged, with the
+# flags that mean something here mapped, and each one that does not named in a warning with the reason.
+VLLM_COMMAND_LINES = {
+    "serve gpt2 --tensor-parallel-size 1 --max-model-len 8k --gpu-memory-utilization 0.9 --enable-chunked-prefill "
+    "--max-num-batched-tokens 2048 --disable-log-requests --swap-space 16 --trust-remote-code": (
+        "--enable-chunked-prefill", "--swap-space 16", "--trust-remote-code"),
+    "serve gpt2 --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3 --enforce-eager "
+    "--max-num-seqs 64 -pp 1 --distributed-executor-backend mp --enable-prompt-tokens-details "
+    "--no-enable-chunked-prefill": (
+        "--pipeline-parallel-size 1", "--distributed-executor-backend mp", "--no-enable-chunked-prefill",
+        "--enable-prompt-tokens-details"),
+    "serve gpt2 -O3 --cuda-graph-sizes 1 2 4 --max-seq-len-to-capture 8192 --disable-custom-all-reduce "
+    "--tokenizer-mode auto --guided-decoding-backend xgrammar --use-v2-block-manager --num-gpu-blocks-override "
+    "512 --enable-server-load-tracking --max-log-len 100 --api-server-count 1 --disable-frontend-multiprocessing": (
+        "--compilation-config 3", "--cuda-graph-sizes 1 2 4", "--max-seq-len-to-capture 8192",
+        "--disable-custom-all-reduce", "--tokenizer-mode auto", "--guided-decoding-backend xgrammar",
+        "--use-v2-block-manager", "--enable-server-load-tracking", "--max-log-len 100", "--api-server-count 1",
+        "--disable-frontend-multiprocessing"),
+    "serve gpt2 --dtype auto --enable-reasoning --reasoning-parser deepseek_r1 --task generate "
+    "--disable-log-requests --max-model-len 8192 --gpu-memory-utilization 0.8 --enable-chunked-prefill": (
+        "--enable-reasoning", "--enable-chunked-prefill"),
+    "serve gpt2 --task embed": (),
+    "generate --prompt hi --trust-remote-code --cpu-offload-gb 0 --max-num-partial-prefills 2 "
+    "--long-prefill-token-threshold 512 --limit-mm-per-prompt image=0 --structured-outputs-config x": (
+        "--trust-remote-code", "--cpu-offload-gb 0", "--max-num-partial-prefills 2",
+        "--long-prefill-token-threshold 512", "--limit-mm-per-prompt image=0", "--structured-outputs-config x"),
+}
+
+
+@pytest.mark.parametrize("command_line", VLLM_COMMAND_LINES)
+def test_vllm_command_lines_run_with_each_flag_mapped_or_named_without_effect(command_line, caplog):
+    from jaxserve.cli import _log_inert_flags
+
+    args = build_parser().parse_args(command_line.split())
     with caplog.at_level(logging.INFO, logger="jaxserve"):
-        _engine_config(args)
-    assert "no code from a model repository ever runs" in caplog.text
+        _log_inert_flags(args)
+    named = [record.getMessage().split(" changes nothing in jaxserve: ")[0] for record in caplog.records]
+    assert sorted(named) == sorted(VLLM_COMMAND_LINES[command_line])
+    assert all(record.levelno == logging.WARNING for record in caplog.records)
+    engine = _engine_config(args)
+    if "--enforce-eager" in command_line:
+        assert engine.enforce_eager and engine.cache.num_kv_pages is None
+    if "--num-gpu-blocks-override" in command_line:  # vLLM's name for a fixed KV page count
+        assert engine.cache.num_kv_pages == 512 and not engine.enforce_eager
+    assert engine.runner == ("pooling" if "--task embed" in command_line else "generate")  # vLLM's former flag
+
+
+def test_the_command_names_each_flag_without_effect_before_it_runs(monkeypatch, caplog):
+    from jaxserve import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_cmd_generate", lambda args: ran.append(args.prompt))
+    monkeypatch.setattr(cli.kernel_build, "start_early", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        main(["generate", "--prompt", "hi", "--trust-remote-code", "--swap-space", "4"])
+    assert ran == [["hi"]]
+    assert "--trust-remote-code changes nothing in jaxserve: jaxserve's models are its own Flax ports" in caplog.text
+    assert "--swap-space 4 changes nothing in jaxserve: a preempted request's KV pages are computed" in caplog.text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "-pp", "2"], "'2': jaxserve runs one pipeline stage; split a model over devices with "
+                            "--tensor-parallel-size"),
+    (["serve", "--response-role", ""], "response_role must not be empty"),
+    (["serve", "--default-chat-template-kwargs", '{"tokenize": true}'],
+     "default_chat_template_kwargs may not set tokenize"),
+    (["serve", "--chat-template-content-format", "xml"], "invalid choice: 'xml'"),
+    (["serve", "--swap-space"], "expected one argument"),
+    (["serve", "--task", "auto"], "'auto': say --runner generate or --runner pooling"),
+    (["serve", "--runner", "embed"], "invalid choice: 'embed'"),
+    (["serve", "--tokenizer-mode", "mistral"], "'mistral': tokenizers load through transformers' AutoTokenizer"),
+])
+def test_vllm_flags_refuse_what_would_mean_something_else(argv, message, capsys):
+    with pytest.raises((SystemExit, ValueError)) as error:
+        _server_config(build_parser().parse_args(argv))
+    assert message in (str(error.value) if error.type is ValueError else capsys.readouterr().err)
+
+
+def test_vllm_s_chat_and_docs_flags_reach_the_server_config():
+    config = _server_config(build_parser().parse_args([
+        "serve", "--response-role", "model", "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--return-tokens-as-token-ids", "--disable-fastapi-docs", "--chat-template-content-format", "openai"]))
+    assert (config.response_role, config.default_chat_template_kwargs) == ("model", {"enable_thinking": False})
+    assert config.return_tokens_as_token_ids and config.disable_fastapi_docs
+    assert config.chat_template_content_format == "openai"
+    compiled = CompileConfig(**read_flags(build_parser().parse_args(["compile", "--enforce-eager"]), COMPILE_FLAGS))
+    assert compiled.enforce_eager
 
 
 def test_without_config_the_preset_follows_the_platform():

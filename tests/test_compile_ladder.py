@@ -160,6 +160,24 @@ def test_the_greedy_decode_variant_is_one_command_buffer_on_h100():
 
 
 @pytest.mark.slow
+def test_enforce_eager_compiles_the_step_without_command_buffers_for_h100():
+    """`--enforce-eager` (vLLM's flag, which runs without CUDA graphs): the same decode step as the
+    command-buffer tests above, with no command buffer at all; the host issues each of its kernels. The
+    sampler's program and a CPU's steps have no such option to take (`step_compiler_options`)."""
+    from jaxserve.runner.aot import step_compiler_options
+
+    report = compile_ladder("gpt2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+                            buckets=[Bucket(4, 4, decode_only=True)], num_kv_pages=4096, enforce_eager=True)
+    (row,) = report.buckets
+    launches = row.launches
+    assert launches.num_graphs == 0 and launches.kernels_in_graphs == 0 and launches.graph_share == 0
+    assert "kCommandBuffer" not in launches.host_ops and launches.num_kernels > 100
+    assert launches.num_host_ops > 100, "the host issues the kernels one by one"
+    assert step_compiler_options(True, "gpu") == {"xla_gpu_enable_command_buffer": ""}
+    assert step_compiler_options(True, "cpu") == {} and step_compiler_options(False, "gpu") == {}
+
+
+@pytest.mark.slow
 def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
     """`jaxserve compile` holds what serve compiles: each decode bucket plain, greedy, multi-step and
     multi-step greedy (the gpu preset turns both on); mixed buckets plain only.

@@ -23,6 +23,21 @@ def test_presets_load_and_overrides_win():
         EngineConfig.from_preset(None, dtype="float8")
 
 
+def test_limits_above_the_preset_s_ladder_extend_it_by_doubling(caplog):
+    """vLLM's `--max-num-seqs 512 --max-num-batched-tokens 5000` on the gpu preset (256 sequences, 2,048
+    tokens): each ladder doubles up to the limit, ending at it, instead of refusing to start; a limit within
+    the ladder leaves it as it is, and a ladder given beside a limit must hold it."""
+    with caplog.at_level("INFO", logger="jaxserve.config"):
+        config = EngineConfig.from_preset("gpu", max_num_seqs=512, max_num_batched_tokens=5000)
+    assert config.buckets.request_buckets == (1, 16, 64, 256, 512)
+    assert config.buckets.token_buckets == (256, 512, 1024, 2048, 4096, 5000)
+    assert "max_num_batched_tokens 5000 is above the preset's largest bucket: token_buckets 4096, 5000 added" \
+        in caplog.text
+    assert EngineConfig.from_preset("cpu", max_num_seqs=8).buckets == EngineConfig.from_preset("cpu").buckets
+    with pytest.raises(ValueError, match=r"the largest request bucket \(4\) must cover max_num_seqs \(8\)"):
+        EngineConfig.from_preset("cpu", max_num_seqs=8, request_buckets=(1, 4))
+
+
 def test_every_bundled_preset_builds_an_engine_config():
     names = preset_names()
     assert names == sorted(p.stem for p in SOURCE_PRESETS.glob("*.yaml"))

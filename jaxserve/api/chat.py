@@ -35,8 +35,10 @@ from jaxserve.api.protocol import (
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningSplitter, reasoning_stream, split_reasoning
 from jaxserve.api.serving import ModelServing, get_serving, request_ids, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
+from jaxserve.api.template_format import rendering_template, template_content_format
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
+from jaxserve.config import RESERVED_TEMPLATE_KWARGS
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import InvalidParam, SamplingParams
 
@@ -59,8 +61,9 @@ def _template_tool_calls(calls: object, param: str) -> list[dict[str, Any]]:
     return result
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them, with content parts joined into text."""
+def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content as text (`content_format` string, parts joined by
+    newlines) or as OpenAI's list of text parts (openai, a plain text its one part)."""
     result = []
     for i, message in enumerate(messages):
         data = message.model_dump(exclude_none=True)
@@ -71,6 +74,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.role == "assistant" and isinstance(reasoning, str) and reasoning and "thinking" not in data and not (
                 data["content"] and data.get("tool_calls")):  # which GPT-OSS's template refuses
             data["thinking"] = reasoning  # GPT-OSS's template renders an earlier turn's analysis from `thinking`
+        texts = [message.content] if isinstance(message.content, str) else None
         if isinstance(message.content, list):
             texts = []
             for part in message.content:
@@ -79,8 +83,19 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                         "only text", f"messages.{i}.content")
                 texts.append(part["text"])
             data["content"] = "\n".join(texts)
+        if content_format == "openai" and texts is not None:
+            data["content"] = [{"type": "text", "text": text} for text in texts]
         result.append(data)
     return result
+
+
+def _content_format(serving: ModelServing, template: str | dict[str, str] | None, tools: Any) -> str:
+    """--chat-template-content-format, its `auto` read from the template that renders the request."""
+    chosen = serving.config.chat_template_content_format
+    if chosen != "auto":
+        return chosen
+    rendering = rendering_template(template, tools)
+    return template_content_format(rendering) if rendering else "string"
 
 
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -96,14 +111,6 @@ def check_roles(messages: list[ChatMessage], template: str | dict[str, str] | No
         if role not in OPENAI_ROLES and not (template and (f"'{role}'" in template or f'"{role}"' in template)):
             raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(sorted(OPENAI_ROLES))}, "
                                 "and the chat template does not use it", f"messages.{i}.role")
-
-
-# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
 
 
 async def render_chat(
@@ -130,19 +137,21 @@ async def render_chat(
     if chat_template is not None and not serving.config.trust_request_chat_template:
         raise APIError(400, "a chat_template in the request is refused: the server runs only its own template "
                             "unless started with --trust-request-chat-template", "chat_template")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
-    if reserved:
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {})):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    # the server's defaults under the request's own (vLLM's --default-chat-template-kwargs)
+    template_kwargs = {**(serving.config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
     template = chat_template or serving.chat_template
-    check_roles(messages, template or getattr(serving.tokenizer, "chat_template", None))
-    conversation = _message_dicts(messages)
+    rendering = template or getattr(serving.tokenizer, "chat_template", None)
+    check_roles(messages, rendering)
+    conversation = _message_dicts(messages, _content_format(serving, rendering, tools))
 
     def render() -> list[int]:
         try:
             text = serving.tokenizer.apply_chat_template(
                 conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False, tools=tools, documents=documents,
-                **(chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
@@ -219,18 +228,20 @@ def _after_reasoning(serving: ModelServing, params: SamplingParams, reasoning: _
 
 
 def _message(
-    completion: CompletionOutput, plan: ToolPlan | None, reasoning: _Reasoning | None,
+    completion: CompletionOutput, plan: ToolPlan | None, reasoning: _Reasoning | None, role: str = "assistant",
 ) -> tuple[ChatResponseMessage, str | None]:
-    """The assistant message of a finished choice (its reasoning, then the calls its answer holds), and
-    its finish_reason."""
+    """The reply message of a finished choice (its reasoning, then the calls its answer holds), and its
+    finish_reason."""
     thought, text = split_reasoning(reasoning.parser, reasoning.phase, completion.text) if reasoning else (
         None, completion.text)
     thought = thought if reasoning is not None and reasoning.included else None
     if plan is None:
-        return ChatResponseMessage(content=text, reasoning_content=thought, reasoning=thought), completion.finish_reason
+        message = ChatResponseMessage(role=role, content=text, reasoning_content=thought, reasoning=thought)
+        return message, completion.finish_reason
     content, calls = plan.make_parser().parse(text or "", truncated=completion.finish_reason == "length")
     calls = calls[: plan.max_calls]
     message = ChatResponseMessage(
+        role=role,
         content=None if plan.forced and calls else content,
         reasoning_content=thought,
         reasoning=thought,
@@ -326,13 +337,14 @@ async def create_chat_completion(request: Request) -> Response:
     else:
         (final,) = await collect(request, streams)
     items = []
-    echoed = _echoed(req)
+    role = _reply_role(serving, req)
+    echoed = _echoed(req, role)
     for c in final.outputs:
-        message, finish_reason = _message(c, plan, reasoning)
+        message, finish_reason = _message(c, plan, reasoning, role)
         if echoed:
             message.content = echoed + (message.content or "")
         items.append(ChatChoice(index=c.index, message=message,
-                                logprobs=_logprobs(serving, c, req.return_tokens_as_token_ids) if req.logprobs
+                                logprobs=_logprobs(serving, c, serving.tokens_by_id(req)) if req.logprobs
                                 else None,
                                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                                 token_ids=list(c.token_ids) if req.return_token_ids else None))
@@ -343,11 +355,17 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_token_ids=prompt_ids if req.return_token_ids else None).model_dump())
 
 
-def _echoed(req: ChatCompletionRequest) -> str:
-    """vLLM's chat `echo`: the reply starts with the last message when that is the assistant's own (a
+def _reply_role(serving: ModelServing, req: ChatCompletionRequest) -> str:
+    """The reply's role, as vLLM gives it: --response-role where the prompt opens a new turn, else that of
+    the last message, which the reply continues."""
+    return serving.config.response_role if req.add_generation_prompt else req.messages[-1].role
+
+
+def _echoed(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message when that has the reply's `role` (a
     message the reply continues)."""
     last = req.messages[-1]
-    if not req.echo or last.role != "assistant" or last.content is None:
+    if not req.echo or last.role != role or last.content is None:
         return ""
     if isinstance(last.content, str):
         return last.content
@@ -372,9 +390,10 @@ async def _chunks(
     thought_streams = [reasoning.stream() for _ in range(req.n)] if reasoning else []
     # return_token_ids: a choice's tokens since its last chunk (a delta with nothing to say yet keeps them)
     pending_ids: list[list[int]] = [[] for _ in range(req.n)]
-    echoed = _echoed(req)
+    role = _reply_role(serving, req)
+    echoed = _echoed(req, role)
     for i in range(req.n):  # each choice's first chunk carries the role (the prompt's ids; what echo repeats)
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=role, content=""))],
                     prompt_token_ids=prompt_ids if req.return_token_ids else None)
         if echoed:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))])
@@ -404,7 +423,7 @@ async def _chunks(
             index=delta.index, delta=DeltaMessage(content=content if content or (calls is None and thought is None)
                                                   else None, reasoning_content=thought, reasoning=thought,
                                                   tool_calls=calls),
-            logprobs=_logprobs(serving, completion, req.return_tokens_as_token_ids) if req.logprobs else None,
+            logprobs=_logprobs(serving, completion, serving.tokens_by_id(req)) if req.logprobs else None,
             finish_reason=finish_reason, stop_reason=completion.stop_reason,
             token_ids=token_ids if req.return_token_ids else None,
         )])

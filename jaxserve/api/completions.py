@@ -151,7 +151,7 @@ async def _response(serving: ModelServing, req: CompletionRequest, request_id: s
                     prompts: list[tuple[str | None, list[int]]], finals: list[RequestOutput]) -> Response:
     """The whole answer from each prompt's final output."""
     items, num_generated = [], 0
-    by_id = req.return_tokens_as_token_ids
+    by_id = serving.tokens_by_id(req)
     for prompt_index, output in enumerate(finals):
         prompt_text, prompt_ids = prompts[prompt_index]
         echoed = (await _echo_logprobs(serving, output, by_id) if req.echo and req.logprobs is not None
@@ -185,7 +185,7 @@ async def _chunks(
     chunk: Callable[[list[CompletionChoice]], CompletionResponse],
 ) -> AsyncIterator[CompletionResponse]:
     started: set[int] = set()  # choices whose first chunk (the echoed prompt, its ids) is out
-    by_id = req.return_tokens_as_token_ids
+    by_id = serving.tokens_by_id(req)
     text_offsets = [0] * (len(prompts) * req.n)
     async for delta in choices:
         prompt_text, prompt_ids = prompts[delta.prompt_index]

@@ -78,8 +78,9 @@ async def tokenize(request: Request) -> Response:
     if isinstance(data, dict) and "messages" in data:
         req = validate(TokenizeChatRequest, data)
         serving.check_model(req.model)
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         tokens = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
+                                   req.chat_template, req.chat_template_kwargs, tools, documents=req.documents,
                                    add_special_tokens=req.add_special_tokens)
     else:
         req = validate(TokenizeCompletionRequest, data)

@@ -299,7 +299,10 @@ SwaggerUIBundle({{url: {url}, dom_id: "#swagger-ui", deepLinking: true,
 
 
 def openapi_routes(config: ServerConfig) -> list[Route]:
-    """Routes for /openapi.json and /docs. The document is built once: the models never change."""
+    """Routes for /openapi.json and /docs (none with --disable-fastapi-docs). The document is built once:
+    the models never change."""
+    if config.disable_fastapi_docs:
+        return []
     document = openapi_document(config)
 
     async def openapi_json(request: Request) -> Response:

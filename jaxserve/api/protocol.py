@@ -95,7 +95,8 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None  # words the output never completes
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}", not by their text
+    # logprobs name tokens "token_id:{id}", not by their text; None: the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None  # the response's id is "{prefix}-{this}" (an X-Request-Id header wins)
     use_beam_search: bool = False  # vLLM's beam search (api/beam_search.py): n beams, whole results
     length_penalty: float = 1.0  # beam search ranks by cumulative logprob / length ** length_penalty
@@ -364,7 +365,9 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # as chat's: only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=1024)  # given to the template, as chat's
     documents: list[dict[str, str]] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False

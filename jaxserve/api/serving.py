@@ -222,6 +222,12 @@ class ModelServing:
             return model
         raise model_not_found(model)
 
+    def tokens_by_id(self, req: Any) -> bool:
+        """Whether a request's logprobs name tokens by id: its `return_tokens_as_token_ids` where given, else
+        the server's default (vLLM's --return-tokens-as-token-ids)."""
+        asked = req.return_tokens_as_token_ids
+        return self.config.return_tokens_as_token_ids if asked is None else asked
+
     def token_label(self, token_id: int, by_id: bool) -> str:
         """How logprobs name a token: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:{id}"
         (a token whose bytes are not whole UTF-8, alone, has no text of its own)."""

@@ -141,6 +141,7 @@ class EngineCore:
             greedy_decodes=config.buckets.greedy_decodes and not pooling,
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
             temp_records_dir=config.compilation_cache_dir or None,
+            enforce_eager=config.enforce_eager,
         )
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,

@@ -148,6 +148,17 @@ def _abstract_penalty_tables(shapes: StepShapes, on_device: Callable[[Any], jax.
     return jax.tree.map(on_device, tables)
 
 
+# XLA's option that forms command buffers (CUDA graphs): none, with vLLM's --enforce-eager.
+_NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def step_compiler_options(enforce_eager: bool, platform: str) -> dict[str, Any]:
+    """XLA's options for the step's programs (`step_fn`'s makers) on `platform` (a jax device's): with
+    `enforce_eager`, no command buffers on a GPU, so that the host launches each kernel of a step, as vLLM
+    runs without CUDA graphs. A CPU has none to turn off."""
+    return dict(_NO_COMMAND_BUFFERS) if enforce_eager and platform in ("gpu", "cuda", "rocm") else {}
+
+
 def compile_bucket(
     step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
     read_launches: bool = False, multi_step: bool = False, compiler_options: dict[str, Any] | None = None,

@@ -97,7 +97,9 @@ def compile_with_launches(compile_fn: Callable[[dict[str, Any]], Any]) -> tuple[
     compiled step's launches from the dump: (compiled, launches), launches None off GPUs (no thunks)."""
     with tempfile.TemporaryDirectory(prefix="jaxserve-thunks-") as dump_dir:
         compiled = compile_fn({"xla_dump_to": dump_dir})
-        files = glob.glob(f"{dump_dir}/*thunk_sequence_after_thunk_passes.txt")
+        # Without command buffers to form (--enforce-eager), XLA runs no thunk passes: the sequence as emitted.
+        files = (glob.glob(f"{dump_dir}/*thunk_sequence_after_thunk_passes.txt")
+                 or glob.glob(f"{dump_dir}/*thunk_sequence.txt"))
         if not files:
             return compiled, None
         with open(max(files)) as f:

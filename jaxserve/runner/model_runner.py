@@ -56,6 +56,7 @@ from jaxserve.runner.aot import (
     abstract_step_args,
     abstract_weights,
     compile_bucket,
+    step_compiler_options,
     step_shapes,
     temp_estimate,
 )
@@ -151,6 +152,7 @@ class ModelRunner:
         num_decode_steps: int = 1,
         pooling: bool = False,
         temp_records_dir: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
@@ -191,14 +193,17 @@ class ModelRunner:
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
         self.sample_apart = samples_apart(jax.devices()[0].platform)
-        self._sample_fn = make_sample_fn(max_logprobs, max_num_seqs, self.mesh)
+        # XLA's options for every program of the step (`--enforce-eager`: no CUDA graphs on a GPU)
+        self._compiler_options = step_compiler_options(enforce_eager, jax.devices()[0].platform)
+        options = self._compiler_options
+        self._sample_fn = make_sample_fn(max_logprobs, max_num_seqs, self.mesh, compiler_options=options)
         self._compiled_samplers: dict[int, Any] = {}  # jax.stages.Compiled per request bucket (R), by warmup
         # One lock per R, so that two buckets' compiles on threads compile their sampler once.
         self._sampler_locks = {r: threading.Lock() for r in {b.num_reqs for b in ladder.all_buckets()}}
         self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling,
-                                              sample_apart=self.sample_apart),
+                                              sample_apart=self.sample_apart, compiler_options=options),
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
-                                                                 greedy=True)}
+                                                                 greedy=True, compiler_options=options)}
         self._step = self._step_fns[PLAIN]
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
             model.wait_for_weights()  # (calibrated on them, then folded into them)
@@ -221,7 +226,7 @@ class ModelRunner:
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
-                padding_slot(self.num_pages, self.page_size), self.mesh, greedy)
+                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, self._compiler_options)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
         self._step_shapes = self._shapes(self.num_pages)
@@ -345,7 +350,7 @@ class ModelRunner:
                 [(x.shape, x.dtype, x.sharding) for x in self._abstract_weights], self.kv_dtype,
                 attention.mosaic_attention, attention.mosaic_decode, self.page_size, self.max_pages_per_req,
                 self.max_num_seqs, self.max_logprobs, self.pooling, largest_buckets(self.ladder.all_buckets()),
-                provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform),
+                provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform), self._compiler_options,
                 jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64,
                 [(name, os.environ.get(name)) for name in _STEP_ENVIRONMENT],
             )

@@ -72,7 +72,8 @@ def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
-                 greedy: bool = False, pooling: bool = False, sample_apart: bool = False):
+                 greedy: bool = False, pooling: bool = False, sample_apart: bool = False,
+                 compiler_options: dict[str, Any] | None = None):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
     PromptLogprobs, tokens_by_row)` (with `sample_apart`, below, the logits in the sampler's place), jitted
     with the KV pages and penalty tables donated.
@@ -80,7 +81,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
     (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them.
     `sample_apart` (CPUs, not with `greedy`): the step stops at the logits and returns (kv_caches,
     penalty_tables, logits f32[R, V], SamplingArrays, PromptLogprobs) for `make_sample_fn`'s program.
-    `pooling` (--runner pooling): also each row's pooled hidden states (`_pooled`), last in the tuple."""
+    `pooling` (--runner pooling): also each row's pooled hidden states (`_pooled`), last in the tuple.
+    `compiler_options`: XLA's, for every compile of it (`step_compiler_options`), as for the makers below."""
 
     def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
@@ -109,7 +111,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
                        _by_row(sampled.tokens, batch.previous_tokens.shape[0], mesh))
         return (*outputs, _pooled(hidden, batch)) if pooling else outputs
 
-    return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"))
+    return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"), compiler_options=compiler_options or None)
 
 
 def samples_apart(platform: str) -> bool:
@@ -118,7 +120,8 @@ def samples_apart(platform: str) -> bool:
     return platform == "cpu"
 
 
-def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = None):
+def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = None,
+                   compiler_options: dict[str, Any] | None = None):
     """`sample_step(logits, sampling, penalty_tables) -> (SamplerOutput, tokens_by_row i32[M], penalty_tables)`,
     jitted: the full sampler of a step made with `sample_apart` (CPUs), as its own program; its shapes are
     the request bucket's alone (logits f32[R, V], SamplingArrays of R rows). `max_rows`: M, the runner's
@@ -129,11 +132,12 @@ def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = Non
         sampled = sample(logits, sampling, penalty_tables, num_top_logprobs)
         return sampled, _by_row(sampled.tokens, max_rows, mesh), penalty_tables
 
-    return jax.jit(sample_step, donate_argnames=("penalty_tables",))
+    return jax.jit(sample_step, donate_argnames=("penalty_tables",), compiler_options=compiler_options or None)
 
 
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
-                         page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False):
+                         page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False,
+                         compiler_options: dict[str, Any] | None = None):
     """`decode_steps(weights, kv_caches, penalty_tables, packed, row_steps) -> (kv_caches, penalty_tables,
     SamplerOutput with tokens and logprobs [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
     one token at index r) whose rows ask for nothing the runner fills row by row (no penalties, biases,
@@ -181,4 +185,5 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
         sampled = SamplerOutput(tokens, logprobs, no_top, no_top.astype(jnp.float32))
         return kv_caches, penalty_tables, sampled, _by_row(last_tokens, batch.previous_tokens.shape[0], mesh)
 
-    return jax.jit(decode_steps, donate_argnames=("kv_caches", "penalty_tables"))
+    return jax.jit(decode_steps, donate_argnames=("kv_caches", "penalty_tables"),
+                   compiler_options=compiler_options or None)

@@ -98,7 +98,7 @@ def test_an_earlier_turn_s_reasoning_reaches_the_template_as_gpt_oss_reads_it():
                 ChatMessage(role="assistant", content="Checking.", reasoning="Hm.", tool_calls=[call]),
                 ChatMessage(role="assistant", content="Sunny.", reasoning="Done.", thinking="Own."),
                 ChatMessage(role="assistant", content="Hi.", reasoning_content={"not": "text"})]
-    user, only_call, with_content, own, not_text = _message_dicts(messages)
+    user, only_call, with_content, own, not_text = _message_dicts(messages, "string")
     assert "thinking" not in user and "thinking" not in with_content and own["thinking"] == "Own."
     assert "thinking" not in not_text  # only text is a template's thinking
     assert only_call["thinking"] == "Weather, so call." and only_call["tool_calls"][0]["function"]["arguments"] == \

@@ -1,7 +1,9 @@
 """`LLM`'s default sampling parameters, vLLM's: the model's generation_config.json under
-`override_generation_config`, used by `generate` and `chat` when given no SamplingParams."""
+`override_generation_config`, used by `generate` and `chat` when given no SamplingParams; and vLLM's
+options that change nothing here, taken with a warning."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -34,3 +36,28 @@ def test_generate_without_params_samples_with_the_model_s_defaults(tiny_model_di
 def test_a_bad_override_is_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="top_p: top_p must be a finite number"):
         LLM(model="/nonexistent", override_generation_config={"top_p": 0})
+
+
+def test_llm_takes_vllm_s_options_that_change_nothing_with_a_warning(monkeypatch, caplog):
+    """`LLM(trust_remote_code=True, swap_space=4, ...)`, as vLLM's LLM is called: each such option is
+    named in a warning and left out of the engine's config, which gets the others; a misspelled option is
+    still an error."""
+    from jaxserve import llm as llm_module
+
+    class Built(Exception):
+        pass
+
+    def engine(config):
+        raise Built(config)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", engine)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.llm"), pytest.raises(Built) as built:
+        LLM(trust_remote_code=True, swap_space=4, enforce_eager=True, max_num_seqs=4, config="cpu")
+    config = built.value.args[0]
+    assert config.enforce_eager and config.scheduler.max_num_seqs == 4
+    assert [record.getMessage().split(" changes nothing")[0] for record in caplog.records
+            if record.name == "jaxserve.llm"] == ["trust_remote_code=True", "swap_space=4"]
+    with pytest.raises(TypeError, match="unknown engine option 'swap_spce'"):
+        LLM(swap_spce=4, config="cpu")
+    with pytest.raises(ValueError, match="pipeline_parallel_size: '2': jaxserve runs one pipeline stage"):
+        LLM(pipeline_parallel_size=2, config="cpu")
