@@ -144,9 +144,10 @@ async def render_chat(
     template = chat_template or serving.chat_template
     rendering = template or getattr(serving.tokenizer, "chat_template", None)
     check_roles(messages, rendering)
-    conversation = _message_dicts(messages, _content_format(serving, rendering, tools))
 
     def render() -> list[int]:
+        # a template's content format read from its syntax tree: parsing a new template takes a while
+        conversation = _message_dicts(messages, _content_format(serving, rendering, tools))
         try:
             text = serving.tokenizer.apply_chat_template(
                 conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
