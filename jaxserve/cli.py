@@ -28,6 +28,7 @@ from jaxserve.cli_flags import (
     ENGINE_FLAGS,
     GENERATE_FLAGS,
     HOST_FLAGS,
+    INERT_BENCH_FLAGS,
     INERT_ENGINE_FLAGS,
     INERT_SERVER_FLAGS,
     OFFLINE_FLAGS,
@@ -124,13 +125,17 @@ def _add_engine_args(parser: argparse.ArgumentParser, inert: Sequence[InertFlag]
                             "engine defaults (default: cpu on a CPU, gpu on a GPU)")
     add_flags(group, ENGINE_FLAGS[1:])
     _add_log_level(group, "jaxserve's log level (default: info for serve, warning otherwise)")
+    _add_inert_flags(parser, inert)
+
+
+def _add_inert_flags(parser: argparse.ArgumentParser, flags: Sequence[InertFlag]) -> None:
     group = parser.add_argument_group("vLLM's flags that change nothing here (taken so that its command lines run)")
-    for flag in inert:
+    for flag in flags:
         flag.add_to(group)
 
 
 def _log_inert_flags(args: argparse.Namespace) -> None:
-    for given, flag in given_inert_flags(args, INERT_ENGINE_FLAGS + INERT_SERVER_FLAGS):
+    for given, flag in given_inert_flags(args, INERT_ENGINE_FLAGS + INERT_SERVER_FLAGS + INERT_BENCH_FLAGS):
         logger.warning("%s changes nothing in jaxserve: %s", given, flag.why)
 
 
@@ -296,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "req/s, output tok/s, TTFT/TPOT/ITL/E2E mean, p50 and p99 per concurrency level.",
     )
     add_flags(serve_bench, SERVE_BENCH_FLAGS)
+    _add_inert_flags(serve_bench, INERT_BENCH_FLAGS)
     serve_bench.set_defaults(func=_cmd_bench_serve, log_level="warning")
 
     buckets_bench = bench_kinds.add_parser(

@@ -415,6 +415,20 @@ INERT_ENGINE_FLAGS = (
               check=_one_pipeline_stage),
 )
 
+def _random_dataset(value: str) -> str:
+    if value != "random":
+        raise argparse.ArgumentTypeError(f"{value!r}: the prompts are random token ids (vLLM's random dataset); "
+                                         "`jaxserve bench buckets --workload` replays other traffic shapes")
+    return value
+
+
+# `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
+INERT_BENCH_FLAGS = (
+    InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset", check=_random_dataset),
+    InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them"),
+    InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly --output-len tokens", "switch"),
+)
+
 # vLLM's server flags that mean nothing in jaxserve: `serve` only.
 INERT_SERVER_FLAGS = (
     InertFlag(("--enable-prompt-tokens-details",), "usage always has prompt_tokens_details.cached_tokens",
@@ -550,14 +564,18 @@ SERVE_BENCH_FLAGS = (
     Flag("--model", ServeBenchConfig, "model", "the `model` field to send (default: none, the server's)"),
     Flag("--api-key", ServeBenchConfig, "api_key",
          "bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),
-    Flag("--concurrency", ServeBenchConfig, "concurrency", "requests in flight; one row per level", type=int,
-         nargs="+"),
+    Flag(("--concurrency", "--max-concurrency"), ServeBenchConfig, "concurrency", type=int, nargs="+",
+         help="requests in flight, at most (vLLM's --max-concurrency); one row per level"),
+    Flag("--request-rate", ServeBenchConfig, "request_rate", type=float,
+         help="requests per second, sent at Poisson-distributed times (vLLM's flag); inf sends them all at once, "
+              "--concurrency of them in flight"),
     Flag("--num-prompts", ServeBenchConfig, "num_prompts", "requests per level (default: 4 x concurrency, at "
          "least 8)", type=int),
-    Flag("--input-len", ServeBenchConfig, "input_len", "prompt length in tokens (random token ids)", type=int),
-    Flag("--prefix-len", ServeBenchConfig, "prefix_len", type=int,
-         help="tokens of one shared prefix before each prompt, like a system prompt (vLLM's --random-prefix-len)"),
-    Flag("--output-len", ServeBenchConfig, "output_len", type=int,
+    Flag(("--input-len", "--random-input-len"), ServeBenchConfig, "input_len", type=int,
+         help="prompt length in tokens (random token ids)"),
+    Flag(("--prefix-len", "--random-prefix-len"), ServeBenchConfig, "prefix_len", type=int,
+         help="tokens of one shared prefix before each prompt, like a system prompt"),
+    Flag(("--output-len", "--random-output-len"), ServeBenchConfig, "output_len", type=int,
          help="tokens generated per request (EOS ignored, so exactly this many)"),
     Flag("--seed", ServeBenchConfig, "seed", "seed of the random prompts", type=int),
     Flag("--temperature", ServeBenchConfig, "temperature", "sent with every request; 0 is greedy", type=float),

@@ -10,6 +10,7 @@ import importlib.resources
 import importlib.resources.abc
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -680,6 +681,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     concurrency: tuple[int, ...] = (1, 4, 16)
     num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
+    request_rate: float = math.inf  # Poisson arrivals per second, up to `concurrency` in flight; inf: all at once
     input_len: int = 128
     prefix_len: int = 0
     output_len: int = 128

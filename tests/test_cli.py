@@ -252,24 +252,37 @@ def test_the_platform_choice_is_logged_and_jax_backend_probes_are_not():
     assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
 
 
-def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys):
+def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, caplog):
+    """Each level's row as soon as it is measured; the command takes `vllm bench serve`'s names for its
+    flags (--max-concurrency, --request-rate, --random-input-len, ...) and names those without effect."""
     import jaxserve.bench.serve
 
     seen_before_level: list[str] = []
+    calls: list[tuple] = []
 
-    async def fake_run_level(base_url, model, concurrency, *args, **kwargs) -> dict:
+    async def fake_run_level(base_url, model, concurrency, num_prompts, input_len, output_len, **kwargs) -> dict:
         seen_before_level.append(capsys.readouterr().out)
+        calls.append((concurrency, input_len, output_len, kwargs["prefix_len"], kwargs["request_rate"]))
         latency = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
-        return {"concurrency": concurrency, "request_throughput": 1.0, "output_tokens_per_s": 2.0, "failed": 0,
-                "errors": [], "ttft_ms": latency, "tpot_ms": latency, "itl_ms": latency, "e2e_ms": latency}
+        return {"concurrency": concurrency, "request_rate": kwargs["request_rate"], "request_throughput": 1.0,
+                "output_tokens_per_s": 2.0, "failed": 0, "errors": [], "ttft_ms": latency, "tpot_ms": latency,
+                "itl_ms": latency, "e2e_ms": latency}
 
     monkeypatch.setattr(jaxserve.bench.serve, "run_level", fake_run_level)
-    main(["bench", "serve", "--concurrency", "1", "4"])
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        main(["bench", "serve", "--max-concurrency", "1", "4", "--request-rate", "2.5", "--random-input-len", "64",
+              "--random-output-len", "16", "--random-prefix-len", "8", "--dataset-name", "random", "--ignore-eos"])
+    assert calls == [(1, 64, 16, 8, 2.5), (4, 64, 16, 8, 2.5)]
     rest = capsys.readouterr().out.splitlines()
     header = seen_before_level[0].splitlines()
-    assert len(header) == 1 and header[0].split()[:3] == ["conc", "req/s", "out"]
+    assert len(header) == 1 and header[0].split()[:3] == ["conc", "req/s", "out"] and header[0].split()[-1] == "rate"
     assert seen_before_level[1].split()[0] == "1"  # level 1's row, printed before level 4 ran
-    assert [line.split()[0] for line in rest] == ["4", "(latencies"]
+    assert [line.split()[0] for line in rest] == ["4", "(latencies"] and rest[0].split()[-1] == "2.5"
+    assert "--dataset-name random changes nothing in jaxserve" in caplog.text
+    assert "--ignore-eos changes nothing in jaxserve" in caplog.text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--dataset-name", "sharegpt"])
+    assert "'sharegpt': the prompts are random token ids" in capsys.readouterr().err
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):

@@ -2,13 +2,15 @@
 
 Each request streams /v1/completions with a prompt of exactly `input_len` random token ids (after a
 `prefix_len`-token prefix that every request shares, as a system prompt is) and `ignore_eos`, so it
-yields exactly `output_len` tokens; the server's reported cached prompt tokens are counted. At most
-`concurrency` requests are in flight.
+yields exactly `output_len` tokens; the server's reported cached prompt tokens are counted. Requests are
+sent at `request_rate` per second, at Poisson-distributed times as vLLM's are (inf: all at once), and at
+most `concurrency` are in flight: one that arrives with that many in flight waits for one to finish.
 TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
 """
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -65,6 +67,18 @@ async def _one_request(
     return result
 
 
+def arrival_offsets(num_prompts: int, request_rate: float, seed: int = 0) -> list[float]:
+    """When each request is sent, in seconds from the first: a Poisson process of `request_rate` per second
+    (exponential gaps, the first request at 0), or all at 0 for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * num_prompts
+    rng = random.Random(seed)
+    offsets = [0.0]
+    for _ in range(num_prompts - 1):
+        offsets.append(offsets[-1] + rng.expovariate(request_rate))
+    return offsets
+
+
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
@@ -83,9 +97,13 @@ async def run_level(
     seed: int = 0,
     prefix_len: int = 0,
     sampling: dict[str, float | int | None] | None = None,
+    request_rate: float = math.inf,
 ) -> dict:
-    """Sends `num_prompts` requests, `concurrency` at a time; returns the vLLM-style summary. `sampling`:
-    fields sent with every request (those set to None are left out); greedy by default."""
+    """Sends `num_prompts` requests at `request_rate` per second, at most `concurrency` in flight; returns
+    the vLLM-style summary. `sampling`: fields sent with every request (those set to None are left out);
+    greedy by default."""
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0 (inf: all at once), got {request_rate}")
     sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
     rng = random.Random(seed)
     prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
@@ -107,18 +125,21 @@ async def run_level(
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def bounded(body: dict) -> RequestResult:
+        async def bounded(body: dict, offset: float) -> RequestResult:
+            await asyncio.sleep(offset - (time.perf_counter() - start))  # its arrival; a negative wait is none
             async with limit:
                 return await _one_request(client, url, headers, body)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(b) for b in bodies))
+        offsets = arrival_offsets(num_prompts, request_rate, seed)
+        results = await asyncio.gather(*(bounded(b, t) for b, t in zip(bodies, offsets, strict=True)))
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     num_output = sum(r.num_output_tokens for r in ok)
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
     return {
         "concurrency": concurrency,
+        "request_rate": request_rate,
         "num_prompts": num_prompts,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -140,11 +161,13 @@ def format_report(results: list[dict]) -> str:
     lines = [
         f"{'conc':>5} {'req/s':>7} {'out tok/s':>10} "
         + " ".join(f"{m + ' ' + s:>12}" for m in ("TTFT", "TPOT", "ITL", "E2E") for s in ("mean", "p50", "p99"))
+        + f" {'rate':>6}"
     ]
     for r in results:
         row = f"{r['concurrency']:>5} {r['request_throughput']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
         row += " ".join(f"{r[m][s]:>12.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
                         for s in ("mean", "p50", "p99"))
+        row += f" {r['request_rate']:>6g}"  # requests sent per second (inf: all at once)
         if r["failed"]:
             row += f"   ({r['failed']} failed: {r['errors']})"
         lines.append(row)
@@ -165,6 +188,7 @@ def main(config: ServeBenchConfig) -> None:
         results.append(asyncio.run(run_level(
             config.base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
             api_key=config.api_key, seed=config.seed, prefix_len=config.prefix_len, sampling=sampling,
+            request_rate=config.request_rate,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)
