@@ -422,10 +422,18 @@ def _random_dataset(value: str) -> str:
     return value
 
 
+def _completions_backend(value: str) -> str:
+    if value not in ("openai", "vllm"):
+        raise argparse.ArgumentTypeError(f"{value!r}: requests stream /v1/completions (vLLM's openai and vllm "
+                                         "backends)")
+    return value
+
+
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
     InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset", check=_random_dataset),
-    InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them"),
+    InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them",
+              check=_completions_backend),
     InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly --output-len tokens", "switch"),
 )
 
@@ -565,12 +573,16 @@ SERVE_BENCH_FLAGS = (
     Flag("--api-key", ServeBenchConfig, "api_key",
          "bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),
     Flag(("--concurrency", "--max-concurrency"), ServeBenchConfig, "concurrency", type=int, nargs="+",
-         help="requests in flight, at most (vLLM's --max-concurrency); one row per level"),
+         help="requests in flight, at most (vLLM's --max-concurrency); one row per level (default: 1 4 16, or "
+              "with a --request-rate one row without a cap)"),
     Flag("--request-rate", ServeBenchConfig, "request_rate", type=float,
-         help="requests per second, sent at Poisson-distributed times (vLLM's flag); inf sends them all at once, "
-              "--concurrency of them in flight"),
-    Flag("--num-prompts", ServeBenchConfig, "num_prompts", "requests per level (default: 4 x concurrency, at "
-         "least 8)", type=int),
+         help="requests sent per second, at random times as vLLM sends them (a Poisson process, the last sent "
+              "at num-prompts / rate); inf sends them all at once"),
+    Flag("--burstiness", ServeBenchConfig, "burstiness", type=float,
+         help="with --request-rate, the gaps' gamma shape (vLLM's flag): 1 a Poisson process, below 1 burstier, "
+              "above 1 steadier"),
+    Flag("--num-prompts", ServeBenchConfig, "num_prompts", type=int,
+         help="requests per level (default: 4 x concurrency, or 10 s of arrivals without a cap; at least 8)"),
     Flag(("--input-len", "--random-input-len"), ServeBenchConfig, "input_len", type=int,
          help="prompt length in tokens (random token ids)"),
     Flag(("--prefix-len", "--random-prefix-len"), ServeBenchConfig, "prefix_len", type=int,
@@ -636,6 +648,11 @@ COMPILE_FLAGS = (
     Flag("--attention-impl", CompileConfig, "attention_impl", "auto picks what a real device of the target's "
          "kind would", choices=ATTENTION_IMPLS),
     Flag("--max-model-len", CompileConfig, "max_model_len", "as serve's (default: the model's)", type=human_int),
+    Flag("--max-num-seqs", CompileConfig, "max_num_seqs", type=int,
+         help="as serve's: above the preset's largest bucket, its ladder extended as serve extends it (default: "
+              "the preset's)"),
+    Flag("--max-num-batched-tokens", CompileConfig, "max_num_batched_tokens", type=human_int,
+         help="as serve's, the same (default: the preset's)"),
     Flag("--context-len", CompileConfig, "context_len", type=int,
          help="keys each request attends in the predicted step times (default: max-model-len/2)"),
     Flag("--gpu-memory-utilization", CompileConfig, "gpu_memory_utilization", type=float,

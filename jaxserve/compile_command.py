@@ -41,6 +41,8 @@ def main(config: CompileConfig) -> None:
         download_dir=config.download_dir,
         hf_overrides=config.hf_overrides,
         enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     print(format_report(report))
     if config.json:

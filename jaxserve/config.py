@@ -393,10 +393,11 @@ class EngineConfig:
         if self.parallel.multihost and self.warmup_mode == "background":
             raise ValueError("a multi-host engine warms up fully: every process must run the same buckets in "
                              "the same order")
-        if self.buckets.request_buckets[-1] < self.scheduler.max_num_seqs:
+        max_rows = min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)  # in one step
+        if self.buckets.request_buckets[-1] < max_rows:
             raise ValueError(
                 f"the largest request bucket ({self.buckets.request_buckets[-1]}) must cover "
-                f"max_num_seqs ({self.scheduler.max_num_seqs})"
+                f"max_num_seqs ({self.scheduler.max_num_seqs}), or max_num_batched_tokens where that is smaller"
             )
         if self.buckets.token_buckets[-1] < self.scheduler.max_num_batched_tokens:
             raise ValueError(
@@ -449,11 +450,16 @@ _LIMIT_LADDERS = {"max_num_seqs": "request_buckets", "max_num_batched_tokens": "
 def _cover_given_limits(sections: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> None:
     """A --max-num-seqs or --max-num-batched-tokens above the preset's largest bucket (vLLM's `--max-num-seqs
     512` on the gpu preset's 256) extends that ladder up to it, doubling, so that a step pads by less than
-    2x; a ladder given beside it is the caller's, and must hold it already (__post_init__)."""
+    2x; a ladder given beside it is the caller's, and must hold it already (__post_init__). Rows are
+    extended only as far as the step's tokens reach: a step of N tokens has at most N rows."""
+    scheduler = sections["scheduler"]
+    max_tokens = scheduler.get("max_num_batched_tokens", field_default(SchedulerConfig, "max_num_batched_tokens"))
     for limit, ladder_name in _LIMIT_LADDERS.items():
         given = overrides.get(limit)
         if given is None or overrides.get(ladder_name) is not None:
             continue
+        if limit == "max_num_seqs":
+            given = min(given, max_tokens)
         ladder = list(sections["buckets"].get(ladder_name, field_default(BucketConfig, ladder_name)))
         added = []
         while ladder[-1] < given:
@@ -679,9 +685,10 @@ class ServeBenchConfig:
     base_url: str = f"http://127.0.0.1:{ServerConfig.port}/v1"
     model: str | None = None  # the `model` field sent; None: none, the server's
     api_key: str | None = None
-    concurrency: tuple[int, ...] = (1, 4, 16)
-    num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
-    request_rate: float = math.inf  # Poisson arrivals per second, up to `concurrency` in flight; inf: all at once
+    concurrency: tuple[int, ...] | None = None  # levels, requests in flight at most; None: `levels`
+    num_prompts: int | None = None  # per level; None: `prompts_per_level`
+    request_rate: float = math.inf  # requests sent per second (vLLM's schedule, bench/serve.py); inf: all at once
+    burstiness: float = 1.0  # the gaps' gamma shape: 1 a Poisson process, < 1 burstier, > 1 steadier (vLLM's)
     input_len: int = 128
     prefix_len: int = 0
     output_len: int = 128
@@ -691,6 +698,29 @@ class ServeBenchConfig:
     top_k: int | None = None
     min_p: float | None = None
     json: str | None = None  # a file for the results
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and min(self.concurrency, default=0) < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not self.request_rate > 0 or not self.burstiness > 0:
+            raise ValueError(f"request_rate and burstiness must be > 0 (a rate of inf sends every request at once), "
+                             f"got {self.request_rate} and {self.burstiness}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+
+    @property
+    def levels(self) -> tuple[int | None, ...]:
+        """The rows' in-flight caps: those given; else, with a finite rate, one level without a cap (as vLLM's
+        --request-rate without --max-concurrency), else 1, 4 and 16."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return (None,) if math.isfinite(self.request_rate) else (1, 4, 16)
+
+    def prompts_per_level(self, concurrency: int | None) -> int:
+        """--num-prompts, else 4 per request in flight, or 10 seconds of arrivals without a cap; at least 8."""
+        if self.num_prompts is not None:
+            return self.num_prompts
+        return max(8, 4 * concurrency if concurrency is not None else math.ceil(10 * self.request_rate))
 
 
 @dataclass(frozen=True)
@@ -728,6 +758,8 @@ class CompileConfig:
     dtype: str = ModelConfig.dtype
     attention_impl: str = EngineConfig.attention_impl
     max_model_len: int | None = ModelConfig.max_model_len
+    max_num_seqs: int | None = None  # None: the preset's; above its ladder, as serve extends it
+    max_num_batched_tokens: int | None = None  # the same
     context_len: int | None = None  # None: max_model_len / 2
     gpu_memory_utilization: float | None = None  # None: the preset's
     kv_cache_dtype: str | None = None  # None: the preset's

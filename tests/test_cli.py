@@ -215,8 +215,9 @@ def test_vllm_s_chat_and_docs_flags_reach_the_server_config():
     assert (config.response_role, config.default_chat_template_kwargs) == ("model", {"enable_thinking": False})
     assert config.return_tokens_as_token_ids and config.disable_fastapi_docs
     assert config.chat_template_content_format == "openai"
-    compiled = CompileConfig(**read_flags(build_parser().parse_args(["compile", "--enforce-eager"]), COMPILE_FLAGS))
-    assert compiled.enforce_eager
+    compiled = CompileConfig(**read_flags(build_parser().parse_args(
+        ["compile", "--enforce-eager", "--max-num-seqs", "512", "--max-num-batched-tokens", "8k"]), COMPILE_FLAGS))
+    assert compiled.enforce_eager and (compiled.max_num_seqs, compiled.max_num_batched_tokens) == (512, 8000)
 
 
 def test_without_config_the_preset_follows_the_platform():
@@ -283,6 +284,17 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--dataset-name", "sharegpt"])
     assert "'sharegpt': the prompts are random token ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--backend", "openai-chat"])
+    assert "'openai-chat': requests stream /v1/completions" in capsys.readouterr().err
+    calls.clear()
+    main(["bench", "serve", "--request-rate", "3"])  # a rate without a cap: one level, uncapped, as vLLM's
+    assert calls == [(None, 128, 128, 0, 3.0)] and capsys.readouterr().out.splitlines()[0].split()[0] == "-"
+    main(["bench", "serve"])
+    assert [call[0] for call in calls[1:]] == [1, 4, 16]
+    for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "serve", *bad])
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):

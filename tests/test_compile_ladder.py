@@ -186,8 +186,10 @@ def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
     variant has none of. `--num-scheduler-steps 8`'s greedy steps are one loop of known trip count, whose
     body is one command buffer that the host issues 8 times without reading a predicate back."""
     report = compile_ladder("gpt2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                            buckets=[Bucket(4, 4, decode_only=True), Bucket(128, 4)], num_kv_pages=4096)
+                            buckets=[Bucket(4, 4, decode_only=True), Bucket(128, 4)], num_kv_pages=4096,
+                            max_num_seqs=512)  # serve's limit beyond the preset's ladder: the step's rows too
     assert report.kv_budget is None and report.num_kv_pages == 4096  # given: no budget, no compiles for it
+    assert report.max_num_seqs == 512
     rows = {(b.num_tokens, b.decode_only, b.variant): b.launches for b in report.buckets}
     assert set(rows) == {(4, True, "plain"), (4, True, "greedy"), (4, True, "multi-step"),
                          (4, True, "multi-step greedy"), (128, False, "plain")}

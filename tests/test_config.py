@@ -34,6 +34,8 @@ def test_limits_above_the_preset_s_ladder_extend_it_by_doubling(caplog):
     assert "max_num_batched_tokens 5000 is above the preset's largest bucket: token_buckets 4096, 5000 added" \
         in caplog.text
     assert EngineConfig.from_preset("cpu", max_num_seqs=8).buckets == EngineConfig.from_preset("cpu").buckets
+    # the cpu preset's steps hold 256 tokens, so at most 256 rows: no bucket of rows no step could fill
+    assert EngineConfig.from_preset("cpu", max_num_seqs=512).buckets.request_buckets == (1, 4, 16, 64, 128, 256)
     with pytest.raises(ValueError, match=r"the largest request bucket \(4\) must cover max_num_seqs \(8\)"):
         EngineConfig.from_preset("cpu", max_num_seqs=8, request_buckets=(1, 4))
 

@@ -3,8 +3,9 @@
 Each request streams /v1/completions with a prompt of exactly `input_len` random token ids (after a
 `prefix_len`-token prefix that every request shares, as a system prompt is) and `ignore_eos`, so it
 yields exactly `output_len` tokens; the server's reported cached prompt tokens are counted. Requests are
-sent at `request_rate` per second, at Poisson-distributed times as vLLM's are (inf: all at once), and at
-most `concurrency` are in flight: one that arrives with that many in flight waits for one to finish.
+sent at `request_rate` per second on vLLM's schedule (`arrival_offsets`; inf: all at once), and at most
+`concurrency` are in flight (None: no cap): one that arrives with that many in flight waits for one to
+finish, and its latencies count from when it is sent, as vLLM counts them.
 TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
 """
 
@@ -67,16 +68,17 @@ async def _one_request(
     return result
 
 
-def arrival_offsets(num_prompts: int, request_rate: float, seed: int = 0) -> list[float]:
-    """When each request is sent, in seconds from the first: a Poisson process of `request_rate` per second
-    (exponential gaps, the first request at 0), or all at 0 for an infinite rate."""
+def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """When each request is sent, in seconds from the start, as vLLM's `bench serve` schedules them: a gap
+    before each request (the first too) drawn from a gamma distribution of shape `burstiness` and mean
+    1 / `request_rate` (burstiness 1: exponential gaps, a Poisson process), the sums then scaled so that the
+    last request goes at exactly num_prompts / request_rate, which steadies the offered rate across seeds.
+    An infinite rate sends every request at once."""
     if math.isinf(request_rate):
         return [0.0] * num_prompts
-    rng = random.Random(seed)
-    offsets = [0.0]
-    for _ in range(num_prompts - 1):
-        offsets.append(offsets[-1] + rng.expovariate(request_rate))
-    return offsets
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_prompts))
+    return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
 
 
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -89,7 +91,7 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]
 async def run_level(
     base_url: str,
     model: str | None,
-    concurrency: int,
+    concurrency: int | None,
     num_prompts: int,
     input_len: int,
     output_len: int,
@@ -98,12 +100,14 @@ async def run_level(
     prefix_len: int = 0,
     sampling: dict[str, float | int | None] | None = None,
     request_rate: float = math.inf,
+    burstiness: float = 1.0,
 ) -> dict:
-    """Sends `num_prompts` requests at `request_rate` per second, at most `concurrency` in flight; returns
-    the vLLM-style summary. `sampling`: fields sent with every request (those set to None are left out);
-    greedy by default."""
-    if not request_rate > 0:
-        raise ValueError(f"request_rate must be > 0 (inf: all at once), got {request_rate}")
+    """Sends `num_prompts` requests at `request_rate` per second, at most `concurrency` in flight (None: no
+    cap); returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
+    left out); greedy by default."""
+    if not request_rate > 0 or not burstiness > 0:
+        raise ValueError(f"request_rate and burstiness must be > 0 (inf: all at once), got {request_rate}, "
+                         f"{burstiness}")
     sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
     rng = random.Random(seed)
     prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
@@ -118,11 +122,12 @@ async def run_level(
         }
         for _ in range(num_prompts)
     ]
-    limit = asyncio.Semaphore(concurrency)
+    in_flight = concurrency or num_prompts
+    limit = asyncio.Semaphore(in_flight)
     timeout = httpx.Timeout(None, connect=30.0)
     # A connection per request: some servers (llama-server) drop idle kept-alive connections, and a request
     # sent on one fails before reaching them. A local connect costs well under a millisecond.
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def bounded(body: dict, offset: float) -> RequestResult:
@@ -131,7 +136,7 @@ async def run_level(
                 return await _one_request(client, url, headers, body)
 
         start = time.perf_counter()
-        offsets = arrival_offsets(num_prompts, request_rate, seed)
+        offsets = arrival_offsets(num_prompts, request_rate, burstiness, seed)
         results = await asyncio.gather(*(bounded(b, t) for b, t in zip(bodies, offsets, strict=True)))
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
@@ -139,7 +144,8 @@ async def run_level(
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
     return {
         "concurrency": concurrency,
-        "request_rate": request_rate,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # vLLM's JSON: strict JSON
+        "burstiness": burstiness,
         "num_prompts": num_prompts,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -164,10 +170,10 @@ def format_report(results: list[dict]) -> str:
         + f" {'rate':>6}"
     ]
     for r in results:
-        row = f"{r['concurrency']:>5} {r['request_throughput']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
+        row = f"{r['concurrency'] or '-':>5} {r['request_throughput']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
         row += " ".join(f"{r[m][s]:>12.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
                         for s in ("mean", "p50", "p99"))
-        row += f" {r['request_rate']:>6g}"  # requests sent per second (inf: all at once)
+        row += f" {r['request_rate']:>6}"  # requests sent per second (inf: all at once)
         if r["failed"]:
             row += f"   ({r['failed']} failed: {r['errors']})"
         lines.append(row)
@@ -181,17 +187,17 @@ def main(config: ServeBenchConfig) -> None:
     header, footer = format_report([]).splitlines()  # no rows: the header and the footnote
     print(header, flush=True)
     results = []
-    for concurrency in config.concurrency:
-        num_prompts = config.num_prompts or max(4 * concurrency, 8)
+    for concurrency in config.levels:
+        num_prompts = config.prompts_per_level(concurrency)
         sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                     "min_p": config.min_p}
         results.append(asyncio.run(run_level(
             config.base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
             api_key=config.api_key, seed=config.seed, prefix_len=config.prefix_len, sampling=sampling,
-            request_rate=config.request_rate,
+            request_rate=config.request_rate, burstiness=config.burstiness,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)
     if config.json:
         with open(config.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(results, f, indent=2, allow_nan=False)

@@ -2,11 +2,14 @@
 requests arrive at the request rate."""
 
 import asyncio
+import json
 import math
+import time
 
 import numpy as np
 import pytest
 
+from jaxserve.bench import serve
 from jaxserve.bench.serve import arrival_offsets, run_level
 from tests.api.helpers import API_KEY
 
@@ -23,20 +26,53 @@ def test_bench_serve_sends_its_sampling_fields(server):
         assert refused["failed"] == 1 and "HTTP 400" in refused["errors"][0] and field in refused["errors"][0]
 
 
-def test_requests_arrive_as_a_poisson_process_of_the_request_rate():
-    """vLLM's --request-rate: exponential gaps of mean 1/rate from a seed, the first request at once; an
-    infinite rate sends every request at once."""
-    offsets = arrival_offsets(4000, 50.0, seed=3)
-    gaps = np.diff(offsets)
-    assert offsets[0] == 0.0 and (gaps > 0).all() and offsets == arrival_offsets(4000, 50.0, seed=3)
-    assert np.mean(gaps) == pytest.approx(1 / 50, rel=0.05) and np.std(gaps) == pytest.approx(1 / 50, rel=0.08)
+def test_requests_arrive_on_vllm_s_schedule():
+    """vLLM's --request-rate and --burstiness: gamma gaps of mean 1/rate before every request (exponential
+    at burstiness 1), the last request sent at exactly N / rate; reproducible from the seed; burstier below
+    1, steadier above; an infinite rate sends every request at once."""
+    offsets = np.asarray(arrival_offsets(4000, 50.0, seed=3))
+    gaps = np.diff(offsets, prepend=0.0)
+    assert offsets[-1] == pytest.approx(4000 / 50) and (gaps > 0).all()
+    assert offsets.tolist() == arrival_offsets(4000, 50.0, seed=3) != arrival_offsets(4000, 50.0, seed=4)
+    assert np.mean(gaps) == pytest.approx(1 / 50) and np.std(gaps) == pytest.approx(1 / 50, rel=0.08)
+    bursty, steady = (np.diff(arrival_offsets(4000, 50.0, burstiness=b, seed=3)) for b in (0.25, 4.0))
+    assert np.std(bursty) > 1.5 * np.std(gaps) and np.std(steady) < 0.6 * np.std(gaps)
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
 
 
-def test_bench_serve_sends_at_the_request_rate(server):
-    offsets = arrival_offsets(4, 10.0, seed=0)
-    result = asyncio.run(run_level(server.v1, None, 4, 4, 8, 2, api_key=API_KEY, seed=0, request_rate=10.0))
-    assert result["failed"] == 0 and result["completed"] == 4 and result["request_rate"] == 10.0
-    assert result["duration_s"] >= offsets[-1], "the last request was not sent before its arrival time"
-    with pytest.raises(ValueError, match="request_rate must be > 0"):
+def _fake_requests(monkeypatch, seconds: float) -> tuple[list[float], list[int]]:
+    """`_one_request` replaced by one that takes `seconds`: (the send times, the peak of requests in flight)."""
+    sent: list[float] = []
+    in_flight, peak = [0], [0]
+
+    async def one_request(client, url, headers, body) -> serve.RequestResult:
+        sent.append(time.perf_counter())
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        await asyncio.sleep(seconds)
+        in_flight[0] -= 1
+        return serve.RequestResult(ttft_s=seconds / 2, e2e_s=seconds, num_output_tokens=2)
+
+    monkeypatch.setattr(serve, "_one_request", one_request)
+    return sent, peak
+
+
+def test_requests_are_sent_at_their_times_and_no_more_than_the_cap_in_flight(monkeypatch):
+    sent, peak = _fake_requests(monkeypatch, 0.05)
+    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, None, 12, 8, 2, request_rate=40.0, seed=1))
+    offsets = arrival_offsets(12, 40.0, seed=1)
+    assert result["completed"] == 12 and result["request_rate"] == 40.0
+    since_first = np.asarray(sent) - sent[0]
+    assert np.abs(since_first - (np.asarray(offsets) - offsets[0])).max() < 0.02, "sent at their arrival times"
+    assert result["duration_s"] >= offsets[-1]
+    peak[0] = 0
+    capped = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 2, 6, 8, 2))  # all at once, 2 in flight
+    assert peak[0] == 2 and capped["completed"] == 6 and capped["duration_s"] >= 3 * 0.05
+    assert capped["request_rate"] == "inf" and json.loads(json.dumps(capped, allow_nan=False)) == capped
+
+
+def test_bench_serve_sends_at_the_request_rate_to_the_server(server):
+    result = asyncio.run(run_level(server.v1, None, None, 4, 8, 2, api_key=API_KEY, request_rate=50.0))
+    assert result["failed"] == 0 and result["completed"] == 4, result["errors"]
+    with pytest.raises(ValueError, match="request_rate and burstiness must be > 0"):
         asyncio.run(run_level(server.v1, None, 1, 1, 8, 2, api_key=API_KEY, request_rate=0.0))
