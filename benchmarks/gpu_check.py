@@ -9,7 +9,10 @@ before it is trusted with GPU minutes. Each shape is measured in parts, and the 
 written after every part; a shape is skipped when the time left (`--budget-s`) could not hold it, and a part
 that would start past the budget is skipped, so a run cut short still reports what it measured.
 
-    python benchmarks/gpu_check.py --models DIR... --out OUT [--cpu] [--budget-s 330]
+    python benchmarks/gpu_check.py --models DIR... --out OUT [--cpu] [--budget-s 330] [--enforce-eager]
+
+`--enforce-eager` measures the steps as `serve --enforce-eager` compiles them, without CUDA graphs (XLA's
+command buffers): beside a run without it, what the command buffers save per step.
 """
 
 import argparse
@@ -27,7 +30,7 @@ CPU_LEVELS = (1, 4)
 
 def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int, output_len: int,
               profile_steps: int, quantization: str | None, deadline: float,
-              keep: Callable[[dict], None]) -> dict:
+              keep: Callable[[dict], None], enforce_eager: bool = False) -> dict:
     """Measures one shape in parts, the most telling first, each at every level; after each level `keep` gets
     the result so far (a run stopped from outside keeps it), and no part but the first starts after
     `deadline` (time.monotonic())."""
@@ -39,8 +42,8 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     from jaxserve.engine.llm_engine import LLMEngine
 
     start = time.perf_counter()
-    engine = LLMEngine(EngineConfig.from_preset(ladder, model=model, load_format="dummy",
-                                                compilation_cache_dir="", quantization=quantization))
+    engine = LLMEngine(EngineConfig.from_preset(ladder, model=model, load_format="dummy", compilation_cache_dir="",
+                                                quantization=quantization, enforce_eager=enforce_eager))
     profiler = step_profile.StepProfiler(engine)
     runner = engine.runner
     # The ladder's k. Each engine step sets the scheduler's k from the runner's (`decode_steps_ready`), so the
@@ -51,6 +54,7 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
         "model": model, "quantization": quantization, "dtype": engine.info.dtype,
         "startup_s": round(time.perf_counter() - start, 1), "warmup_s": round(engine.warmup_seconds, 1),
         "async_scheduling": engine.async_scheduling, "num_scheduler_steps": multi_steps, "skipped_parts": [],
+        "enforce_eager": enforce_eager,
     }
 
     def single_steps(greedy: bool) -> None:
@@ -143,6 +147,7 @@ def main() -> None:
                         help="no shape, and no part of one but its first, starts after this many seconds")
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
                         help="each shape once per weight format, side by side (none: the checkpoint's dtype)")
+    parser.add_argument("--enforce-eager", action="store_true", help="the steps without CUDA graphs, as serve's flag")
     args = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stderr)
@@ -178,7 +183,7 @@ def main() -> None:
 
         try:
             result = run_shape(model, args.ladder, levels, input_len, output_len, steps,
-                               None if quantization == "none" else quantization, deadline, keep)
+                               None if quantization == "none" else quantization, deadline, keep, args.enforce_eager)
         except Exception as e:  # one shape failing (out of memory, say) must not lose the others' figures
             logging.exception("%s failed", model)
             result = {**results[-1], "model": model, "error": repr(e)}

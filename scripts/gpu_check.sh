@@ -203,8 +203,9 @@ fi
 if wanted profile; then
   models=()
   for s in "${shapes[@]}"; do models+=(".gpu_check/$s"); done
+  # PROFILE_ARGS=--enforce-eager: the same without command buffers (CUDA graphs), to set beside a plain run
   stage gpu-check 115 python3 benchmarks/gpu_check.py --models "${models[@]}" --out "$out" --budget-s 80 \
-    2> "$out/gpu_check.log"
+    ${PROFILE_ARGS:-} 2> "$out/gpu_check.log"
 fi
 if wanted lora; then  # --enable-lora's cost beside no LoRA, three engines sharing the GPU
   stage lora "${LORA_S:-240}" python3 benchmarks/lora.py --config gpu --model .gpu_check/llama-3-8b --load-format dummy \
