@@ -429,12 +429,19 @@ def _completions_backend(value: str) -> str:
     return value
 
 
+def _completions_endpoint(value: str) -> str:
+    if value.rstrip("/") != "/v1/completions":
+        raise argparse.ArgumentTypeError(f"{value!r}: requests go to /v1/completions")
+    return value
+
+
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
     InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset", check=_random_dataset),
     InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them",
               check=_completions_backend),
     InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly --output-len tokens", "switch"),
+    InertFlag(("--endpoint",), "requests go to /v1/completions", check=_completions_endpoint),
 )
 
 # vLLM's server flags that mean nothing in jaxserve: `serve` only.
@@ -568,7 +575,12 @@ OFFLINE_FLAGS = (
 )
 
 SERVE_BENCH_FLAGS = (
-    Flag("--base-url", ServeBenchConfig, "base_url", "the server's OpenAI base URL"),
+    Flag("--base-url", ServeBenchConfig, "base_url",
+         "the server's OpenAI base URL, or its root, to which /v1 is added (vLLM's --base-url names the root)"),
+    Flag("--host", ServeBenchConfig, "host", "the server's host, over --base-url (vLLM's flag) (default: 127.0.0.1 "
+         "with --port)"),
+    Flag("--port", ServeBenchConfig, "port", type=int, help=f"the server's port, over --base-url (vLLM's flag) "
+         f"(default: {ServerConfig.port} with --host)"),
     Flag("--model", ServeBenchConfig, "model", "the `model` field to send (default: none, the server's)"),
     Flag("--api-key", ServeBenchConfig, "api_key",
          "bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),
@@ -589,6 +601,9 @@ SERVE_BENCH_FLAGS = (
          help="tokens of one shared prefix before each prompt, like a system prompt"),
     Flag(("--output-len", "--random-output-len"), ServeBenchConfig, "output_len", type=int,
          help="tokens generated per request (EOS ignored, so exactly this many)"),
+    Flag("--random-range-ratio", ServeBenchConfig, "range_ratio", type=float,
+         help="each request's input and output lengths drawn uniformly within this fraction of theirs, either "
+              "side (vLLM's flag): 0.5 with --input-len 128 is 64-192 tokens"),
     Flag("--seed", ServeBenchConfig, "seed", "seed of the random prompts", type=int),
     Flag("--temperature", ServeBenchConfig, "temperature", "sent with every request; 0 is greedy", type=float),
     Flag("--top-p", ServeBenchConfig, "top_p", "sent with every request (default: not sent)", type=float),

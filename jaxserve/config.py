@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -682,7 +683,9 @@ class OfflineBenchConfig:
 class ServeBenchConfig:
     """`jaxserve bench serve`: HTTP load on a running server, one row per concurrency level."""
 
-    base_url: str = f"http://127.0.0.1:{ServerConfig.port}/v1"
+    base_url: str = f"http://127.0.0.1:{ServerConfig.port}/v1"  # a server's root (vLLM's meaning) or its /v1
+    host: str | None = None  # vLLM's --host and --port: the server at http://HOST:PORT, over base_url
+    port: int | None = None
     model: str | None = None  # the `model` field sent; None: none, the server's
     api_key: str | None = None
     concurrency: tuple[int, ...] | None = None  # levels, requests in flight at most; None: `levels`
@@ -692,6 +695,9 @@ class ServeBenchConfig:
     input_len: int = 128
     prefix_len: int = 0
     output_len: int = 128
+    # vLLM's --random-range-ratio: each request's input and output lengths drawn uniformly within this
+    # fraction of input_len and output_len, either side
+    range_ratio: float = 0.0
     seed: int = 0
     temperature: float = 0.0
     top_p: float | None = None  # None: not sent
@@ -707,6 +713,17 @@ class ServeBenchConfig:
                              f"got {self.request_rate} and {self.burstiness}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+
+    @property
+    def openai_base_url(self) -> str:
+        """The server's OpenAI base URL: http://HOST:PORT/v1 where --host or --port is given; else base_url,
+        with /v1 added to a bare server root (`http://localhost:8000`, as vLLM's --base-url names a server)."""
+        if self.host is not None or self.port is not None:
+            return f"http://{self.host or '127.0.0.1'}:{self.port or ServerConfig.port}/v1"
+        base = self.base_url.rstrip("/")
+        return base if urllib.parse.urlsplit(base).path else f"{base}/v1"
 
     @property
     def levels(self) -> tuple[int | None, ...]:

@@ -292,7 +292,23 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     assert calls == [(None, 128, 128, 0, 3.0)] and capsys.readouterr().out.splitlines()[0].split()[0] == "-"
     main(["bench", "serve"])
     assert [call[0] for call in calls[1:]] == [1, 4, 16]
-    for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"]):
+    from jaxserve.config import ServeBenchConfig
+
+    assert ServeBenchConfig().openai_base_url == "http://127.0.0.1:8000/v1"
+    assert ServeBenchConfig(base_url="http://gpu-box:8000").openai_base_url == "http://gpu-box:8000/v1", (
+        "vLLM's --base-url names the server's root")
+    assert ServeBenchConfig(base_url="http://gpu-box:8000/v1/").openai_base_url == "http://gpu-box:8000/v1"
+    assert ServeBenchConfig(host="gpu-box", base_url="http://x/v1").openai_base_url == "http://gpu-box:8000/v1"
+    assert ServeBenchConfig(port=9000).openai_base_url == "http://127.0.0.1:9000/v1"
+    urls: list[str] = []
+    monkeypatch.setattr(jaxserve.bench.serve, "run_level",
+                        lambda base_url, *args, **kwargs: urls.append((base_url, kwargs["range_ratio"])) or
+                        fake_run_level(base_url, *args, **kwargs))
+    main(["bench", "serve", "--host", "gpu-box", "--port", "9000", "--endpoint", "/v1/completions",
+          "--random-range-ratio", "0.25", "--max-concurrency", "2"])
+    assert urls == [("http://gpu-box:9000/v1", 0.25)]
+    for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"],
+                ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"]):
         with pytest.raises(SystemExit):
             main(["bench", "serve", *bad])
 

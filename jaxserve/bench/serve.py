@@ -2,7 +2,8 @@
 
 Each request streams /v1/completions with a prompt of exactly `input_len` random token ids (after a
 `prefix_len`-token prefix that every request shares, as a system prompt is) and `ignore_eos`, so it
-yields exactly `output_len` tokens; the server's reported cached prompt tokens are counted. Requests are
+yields exactly `output_len` tokens (with `range_ratio`, each request's lengths drawn around those, as
+vLLM's random dataset draws them); the server's reported cached prompt tokens are counted. Requests are
 sent at `request_rate` per second on vLLM's schedule (`arrival_offsets`; inf: all at once), and at most
 `concurrency` are in flight (None: no cap): one that arrives with that many in flight waits for one to
 finish, and its latencies count from when it is sent, as vLLM counts them.
@@ -81,6 +82,11 @@ def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1
     return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
 
 
+def _drawn_length(rng: random.Random, length: int, range_ratio: float) -> int:
+    """A length drawn uniformly from [length (1 - r), length (1 + r)], at least 1 (vLLM's random dataset)."""
+    return rng.randint(max(1, math.floor(length * (1 - range_ratio))), max(1, math.ceil(length * (1 + range_ratio))))
+
+
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
@@ -101,10 +107,12 @@ async def run_level(
     sampling: dict[str, float | int | None] | None = None,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
+    range_ratio: float = 0.0,
 ) -> dict:
     """Sends `num_prompts` requests at `request_rate` per second, at most `concurrency` in flight (None: no
     cap); returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
-    left out); greedy by default."""
+    left out); greedy by default. `range_ratio`: each request's lengths drawn uniformly within that fraction
+    of `input_len` and `output_len`, either side (vLLM's random dataset)."""
     if not request_rate > 0 or not burstiness > 0:
         raise ValueError(f"request_rate and burstiness must be > 0 (inf: all at once), got {request_rate}, "
                          f"{burstiness}")
@@ -113,14 +121,15 @@ async def run_level(
     prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
     url = f"{base_url.rstrip('/')}/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    input_lens = [_drawn_length(rng, input_len, range_ratio) for _ in range(num_prompts)]
     bodies = [
         {
             **({"model": model} if model else {}),
-            "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(input_len)],
-            "max_tokens": output_len, "ignore_eos": True, **sampling, "stream": True,
-            "stream_options": {"include_usage": True},
+            "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(length)],
+            "max_tokens": _drawn_length(rng, output_len, range_ratio), "ignore_eos": True, **sampling,
+            "stream": True, "stream_options": {"include_usage": True},
         }
-        for _ in range(num_prompts)
+        for length in input_lens
     ]
     in_flight = concurrency or num_prompts
     limit = asyncio.Semaphore(in_flight)
@@ -141,6 +150,7 @@ async def run_level(
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     num_output = sum(r.num_output_tokens for r in ok)
+    num_prompt = sum(prefix_len + length for r, length in zip(results, input_lens, strict=True) if r.error is None)
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
     return {
         "concurrency": concurrency,
@@ -153,8 +163,8 @@ async def run_level(
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_tokens_per_s": num_output / duration,
-        "total_tokens_per_s": (num_output + len(ok) * (prefix_len + input_len)) / duration,
-        "prompt_tokens": len(ok) * (prefix_len + input_len),
+        "total_tokens_per_s": (num_output + num_prompt) / duration,
+        "prompt_tokens": num_prompt,
         "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
         "ttft_ms": _percentiles([r.ttft_s for r in ok]),
         "tpot_ms": _percentiles(tpot),
@@ -192,9 +202,9 @@ def main(config: ServeBenchConfig) -> None:
         sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                     "min_p": config.min_p}
         results.append(asyncio.run(run_level(
-            config.base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
+            config.openai_base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
             api_key=config.api_key, seed=config.seed, prefix_len=config.prefix_len, sampling=sampling,
-            request_rate=config.request_rate, burstiness=config.burstiness,
+            request_rate=config.request_rate, burstiness=config.burstiness, range_ratio=config.range_ratio,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)

@@ -71,6 +71,28 @@ def test_requests_are_sent_at_their_times_and_no_more_than_the_cap_in_flight(mon
     assert capped["request_rate"] == "inf" and json.loads(json.dumps(capped, allow_nan=False)) == capped
 
 
+def test_lengths_vary_within_the_range_ratio_and_the_prompt_tokens_count_them(monkeypatch):
+    """vLLM's --random-range-ratio: input and output lengths uniform within the ratio either side of theirs;
+    the report's prompt tokens are those sent (the shared prefix's included)."""
+    bodies: list[dict] = []
+    _fake_requests(monkeypatch, 0.0)
+    one_request = serve._one_request
+
+    async def recording(client, url, headers, body) -> serve.RequestResult:
+        bodies.append(body)
+        return await one_request(client, url, headers, body)
+
+    monkeypatch.setattr(serve, "_one_request", recording)
+    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 200, 100, 40, prefix_len=5, range_ratio=0.5))
+    inputs = [len(body["prompt"]) - 5 for body in bodies]
+    outputs = [body["max_tokens"] for body in bodies]
+    assert 50 <= min(inputs) < 60 and 140 < max(inputs) <= 150 and min(outputs) >= 20 and max(outputs) <= 60
+    assert len(set(outputs)) > 20 and result["prompt_tokens"] == sum(len(body["prompt"]) for body in bodies)
+    bodies.clear()
+    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 10, 100, 40))
+    assert {len(body["prompt"]) for body in bodies} == {100} and {body["max_tokens"] for body in bodies} == {40}
+
+
 def test_bench_serve_sends_at_the_request_rate_to_the_server(server):
     result = asyncio.run(run_level(server.v1, None, None, 4, 8, 2, api_key=API_KEY, request_rate=50.0))
     assert result["failed"] == 0 and result["completed"] == 4, result["errors"]
