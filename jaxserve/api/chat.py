@@ -125,11 +125,13 @@ async def render_chat(
     *,
     documents: list[dict[str, str]] | None = None,
     add_special_tokens: bool = False,
+    reasoning_effort: str | None = None,
 ) -> list[int]:
     """The conversation rendered by the chat template and tokenized, on the tokenizer thread: rendering and
     tokenizing grow with the input. The template writes the special tokens; `add_special_tokens` adds the
     tokenizer's own on top (vLLM's field; a second BOS for most templates). `documents` reach the template
-    as `documents`. `truncate`: its last tokens kept (truncate_prompt_tokens, checked already)."""
+    as `documents`, and `reasoning_effort` as `reasoning_effort` (over chat_template_kwargs', as vLLM merges
+    them). `truncate`: its last tokens kept (truncate_prompt_tokens, checked already)."""
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -140,7 +142,8 @@ async def render_chat(
     if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {})):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     # the server's defaults under the request's own (vLLM's --default-chat-template-kwargs)
-    template_kwargs = {**(serving.config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
+    template_kwargs = {**(serving.config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {}),
+                       **({"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {})}
     template = chat_template or serving.chat_template
     rendering = template or getattr(serving.tokenizer, "chat_template", None)
     check_roles(messages, rendering)
@@ -288,7 +291,8 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
     serving.check_truncation(req.truncate_prompt_tokens)
     prompt_ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.chat_template, req.chat_template_kwargs, tools, req.truncate_prompt_tokens,
-                                   documents=req.documents, add_special_tokens=req.add_special_tokens)
+                                   documents=req.documents, add_special_tokens=req.add_special_tokens,
+                                   reasoning_effort=req.reasoning_effort)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,

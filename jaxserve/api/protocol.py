@@ -15,6 +15,8 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+ReasoningEffort = Literal["low", "medium", "high"]  # vLLM's values of OpenAI's reasoning effort
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -169,6 +171,8 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None  # for templates that render retrieved documents (RAG)
     add_special_tokens: bool = False  # the tokenizer's own on top of what the template writes (a second BOS)
     include_reasoning: bool = True  # under --reasoning-parser: false drops reasoning_content
+    # OpenAI's: the chat template's `reasoning_effort` (GPT-OSS's template writes it into the system message)
+    reasoning_effort: ReasoningEffort | None = None
     echo: bool = False  # the reply starts with the last message's content when it is the assistant's
 
 
@@ -529,6 +533,14 @@ class ResponsesNamedToolChoice(BaseModel):
     name: str
 
 
+class ReasoningOptions(BaseModel):
+    """The Responses API's `reasoning`: its `effort` (a summary is not written)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    effort: ReasoningEffort | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -548,6 +560,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False  # answered by the server on its own time; polled with GET, ended with cancel
+    reasoning: ReasoningOptions | None = None  # its effort is chat's reasoning_effort
     # vLLM extras
     top_k: int | None = None
     seed: int | None = None

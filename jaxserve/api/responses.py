@@ -169,7 +169,8 @@ def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         model=req.model, messages=[ChatMessage(**m) for m in messages], max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, priority=req.priority,
         tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
-        response_format=response_format, user=req.user)
+        response_format=response_format, user=req.user,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None)
 
 
 def _output_items(message: ChatResponseMessage) -> list[OutputItem]:

@@ -179,3 +179,28 @@ def test_tokenize_renders_a_request_s_template_and_tools_as_chat_does(engine, to
     with TestClient(create_app(ServerConfig(), engine)) as untrusting:
         response = untrusting.post("/tokenize", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+
+
+EFFORT_TEMPLATE = ("{{ reasoning_effort | default('unset') }}:{% if reasoning_effort == 'high' %} think hard{% endif %}"
+                   "{% for m in messages %} {{ m.content }}{% endfor %}")
+
+
+def test_reasoning_effort_reaches_the_chat_template(engine, tokenizer):
+    """OpenAI's `reasoning_effort` is the template's `reasoning_effort` (GPT-OSS's template writes it into
+    its system message), over chat_template_kwargs' as vLLM merges them; the Responses API's
+    `reasoning.effort` is the same; a value outside low, medium and high is a 400 naming the field."""
+    def encoded(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    with _client(engine, chat_template=EFFORT_TEMPLATE) as client:
+        assert _prompt_ids(client) == encoded("unset: Say hello.")
+        assert _prompt_ids(client, reasoning_effort="low") == encoded("low: Say hello.")
+        assert _prompt_ids(client, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == \
+            encoded("high: think hard Say hello.")
+        response = client.post("/v1/chat/completions", json={"messages": HELLO, "reasoning_effort": "extreme"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
+        usage = {effort: _post(client, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 1,
+                                                         **({"reasoning": {"effort": effort}} if effort else {})}
+                               )["usage"]["input_tokens"] for effort in (None, "low", "high")}
+        assert usage == {None: len(encoded("unset: Say hello.")), "low": len(encoded("low: Say hello.")),
+                         "high": len(encoded("high: think hard Say hello."))}
