@@ -576,11 +576,10 @@ OFFLINE_FLAGS = (
 
 SERVE_BENCH_FLAGS = (
     Flag("--base-url", ServeBenchConfig, "base_url",
-         "the server's OpenAI base URL, or its root, to which /v1 is added (vLLM's --base-url names the root)"),
-    Flag("--host", ServeBenchConfig, "host", "the server's host, over --base-url (vLLM's flag) (default: 127.0.0.1 "
-         "with --port)"),
-    Flag("--port", ServeBenchConfig, "port", type=int, help=f"the server's port, over --base-url (vLLM's flag) "
-         f"(default: {ServerConfig.port} with --host)"),
+         "the server's root, or its OpenAI base URL ending in /v1 (vLLM's flag names the root) (default: "
+         "http://HOST:PORT)"),
+    Flag("--host", ServeBenchConfig, "host", "the server's host, without --base-url (vLLM's flag)"),
+    Flag("--port", ServeBenchConfig, "port", "the server's port, without --base-url (vLLM's flag)", type=int),
     Flag("--model", ServeBenchConfig, "model", "the `model` field to send (default: none, the server's)"),
     Flag("--api-key", ServeBenchConfig, "api_key",
          "bearer token to send (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else none)"),

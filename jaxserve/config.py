@@ -683,9 +683,9 @@ class OfflineBenchConfig:
 class ServeBenchConfig:
     """`jaxserve bench serve`: HTTP load on a running server, one row per concurrency level."""
 
-    base_url: str = f"http://127.0.0.1:{ServerConfig.port}/v1"  # a server's root (vLLM's meaning) or its /v1
-    host: str | None = None  # vLLM's --host and --port: the server at http://HOST:PORT, over base_url
-    port: int | None = None
+    base_url: str | None = None  # a server's root (vLLM's meaning) or its OpenAI base; None: host and port's
+    host: str = "127.0.0.1"  # vLLM's --host and --port: the server at http://HOST:PORT, without a base_url
+    port: int = ServerConfig.port
     model: str | None = None  # the `model` field sent; None: none, the server's
     api_key: str | None = None
     concurrency: tuple[int, ...] | None = None  # levels, requests in flight at most; None: `levels`
@@ -715,15 +715,19 @@ class ServeBenchConfig:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        if self.base_url is not None and urllib.parse.urlsplit(self.base_url).scheme not in ("http", "https"):
+            raise ValueError(f"base_url must be an http:// or https:// URL, got {self.base_url!r}")
 
     @property
     def openai_base_url(self) -> str:
-        """The server's OpenAI base URL: http://HOST:PORT/v1 where --host or --port is given; else base_url,
-        with /v1 added to a bare server root (`http://localhost:8000`, as vLLM's --base-url names a server)."""
-        if self.host is not None or self.port is not None:
-            return f"http://{self.host or '127.0.0.1'}:{self.port or ServerConfig.port}/v1"
-        base = self.base_url.rstrip("/")
-        return base if urllib.parse.urlsplit(base).path else f"{base}/v1"
+        """The server's OpenAI base URL, as vLLM's bench finds the server: base_url where given, with /v1
+        added unless its path ends in it (`http://gpu:8000` is a server's root, as vLLM's --base-url names
+        one; `http://gpu:8000/v1` works too); else http://HOST:PORT/v1 (an IPv6 host bracketed)."""
+        if self.base_url is not None:
+            base = self.base_url.rstrip("/")
+            return base if urllib.parse.urlsplit(base).path.endswith("/v1") else f"{base}/v1"
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port}/v1"
 
     @property
     def levels(self) -> tuple[int | None, ...]:

@@ -295,11 +295,16 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     from jaxserve.config import ServeBenchConfig
 
     assert ServeBenchConfig().openai_base_url == "http://127.0.0.1:8000/v1"
-    assert ServeBenchConfig(base_url="http://gpu-box:8000").openai_base_url == "http://gpu-box:8000/v1", (
-        "vLLM's --base-url names the server's root")
-    assert ServeBenchConfig(base_url="http://gpu-box:8000/v1/").openai_base_url == "http://gpu-box:8000/v1"
-    assert ServeBenchConfig(host="gpu-box", base_url="http://x/v1").openai_base_url == "http://gpu-box:8000/v1"
-    assert ServeBenchConfig(port=9000).openai_base_url == "http://127.0.0.1:9000/v1"
+    for base_url, url in [("http://gpu-box:8000", "http://gpu-box:8000/v1"),  # vLLM's: the server's root
+                          ("http://gpu-box:8000/", "http://gpu-box:8000/v1"),
+                          ("http://gpu-box:8000/v1/", "http://gpu-box:8000/v1"),  # jaxserve's: its OpenAI base
+                          ("https://proxy/team-a", "https://proxy/team-a/v1")]:  # a server behind a path
+        assert ServeBenchConfig(base_url=base_url).openai_base_url == url
+    assert ServeBenchConfig(host="gpu-box", base_url="http://x/v1").openai_base_url == "http://x/v1", (
+        "vLLM's order: a base URL wins over host and port")
+    assert ServeBenchConfig(host="::1", port=9000).openai_base_url == "http://[::1]:9000/v1"
+    with pytest.raises(ValueError, match="base_url must be an http:// or https:// URL"):
+        ServeBenchConfig(base_url="gpu-box:8000")
     urls: list[str] = []
     monkeypatch.setattr(jaxserve.bench.serve, "run_level",
                         lambda base_url, *args, **kwargs: urls.append((base_url, kwargs["range_ratio"])) or
@@ -375,7 +380,7 @@ def test_flags_left_out_give_the_config_dataclasses_defaults(monkeypatch):
     assert buckets_config == BucketBenchConfig(ladders=("cpu",))
     generate = read_flags(parser.parse_args(["generate", "--prompt", "hi"]), GENERATE_FLAGS)
     assert GenerateConfig(**generate) == GenerateConfig(prompt=("hi",))
-    assert ServeBenchConfig().base_url.endswith(f":{ServerConfig().port}/v1")
+    assert ServeBenchConfig().openai_base_url.endswith(f":{ServerConfig().port}/v1")
 
 
 def test_a_flag_names_a_field_of_its_config():

@@ -81,7 +81,7 @@ async def tokenize(request: Request) -> Response:
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         tokens = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.chat_template, req.chat_template_kwargs, tools, documents=req.documents,
-                                   add_special_tokens=req.add_special_tokens)
+                                   add_special_tokens=req.add_special_tokens, reasoning_effort=req.reasoning_effort)
     else:
         req = validate(TokenizeCompletionRequest, data)
         serving.check_model(req.model)

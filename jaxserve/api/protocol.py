@@ -15,7 +15,8 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-ReasoningEffort = Literal["low", "medium", "high"]  # vLLM's values of OpenAI's reasoning effort
+# OpenAI's reasoning efforts, as vLLM takes them
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 class ErrorInfo(BaseModel):
     message: str
@@ -371,6 +372,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None  # as chat's: only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # as chat's
     tools: list[ChatTool] | None = Field(default=None, max_length=1024)  # given to the template, as chat's
     documents: list[dict[str, str]] | None = None
     add_special_tokens: bool = False

@@ -240,7 +240,7 @@ async def create_response(request: Request) -> Response:
         text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
         if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
         previous_response_id=req.previous_response_id, store=req.store, metadata=req.metadata, user=req.user,
-        background=req.background)
+        background=req.background, reasoning=req.reasoning.model_dump() if req.reasoning is not None else None)
 
     def keep(final: ResponseObject) -> None:
         if req.store:

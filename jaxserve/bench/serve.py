@@ -82,9 +82,13 @@ def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1
     return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
 
 
-def _drawn_length(rng: random.Random, length: int, range_ratio: float) -> int:
-    """A length drawn uniformly from [length (1 - r), length (1 + r)], at least 1 (vLLM's random dataset)."""
-    return rng.randint(max(1, math.floor(length * (1 - range_ratio))), max(1, math.ceil(length * (1 + range_ratio))))
+def _drawn_length(rng: random.Random, length: int, range_ratio: float, least: int = 0) -> int:
+    """A length drawn uniformly from [length (1 - r), length (1 + r)], at least `least` (vLLM's random
+    dataset); `length` itself, drawing nothing, where r is 0."""
+    if range_ratio == 0:
+        return length
+    low, high = math.floor(length * (1 - range_ratio)), math.ceil(length * (1 + range_ratio))
+    return rng.randint(max(least, low), max(least, high))
 
 
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -126,7 +130,7 @@ async def run_level(
         {
             **({"model": model} if model else {}),
             "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(length)],
-            "max_tokens": _drawn_length(rng, output_len, range_ratio), "ignore_eos": True, **sampling,
+            "max_tokens": _drawn_length(rng, output_len, range_ratio, least=1), "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True},
         }
         for length in input_lens

@@ -181,8 +181,9 @@ def test_tokenize_renders_a_request_s_template_and_tools_as_chat_does(engine, to
         assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
 
 
-EFFORT_TEMPLATE = ("{{ reasoning_effort | default('unset') }}:{% if reasoning_effort == 'high' %} think hard{% endif %}"
-                   "{% for m in messages %} {{ m.content }}{% endfor %}")
+# The effort's marker: a number of words that tells the efforts apart by the prompt's length alone.
+EFFORT_TEMPLATE = ("{% set words = {'none': 1, 'low': 2, 'high': 4, 'max': 5}.get(reasoning_effort, 0) %}"
+                   "{% for i in range(words) %}think {% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
 def test_reasoning_effort_reaches_the_chat_template(engine, tokenizer):
@@ -192,15 +193,22 @@ def test_reasoning_effort_reaches_the_chat_template(engine, tokenizer):
     def encoded(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
+    def thinking(words: int) -> list[int]:
+        return encoded("think " * words + "Say hello.")
+
     with _client(engine, chat_template=EFFORT_TEMPLATE) as client:
-        assert _prompt_ids(client) == encoded("unset: Say hello.")
-        assert _prompt_ids(client, reasoning_effort="low") == encoded("low: Say hello.")
+        assert _prompt_ids(client) == thinking(0)
+        assert _prompt_ids(client, reasoning_effort="low") == thinking(2)
+        assert _prompt_ids(client, reasoning_effort="none") == thinking(1), "vLLM's values beyond OpenAI's three"
         assert _prompt_ids(client, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == \
-            encoded("high: think hard Say hello.")
+            thinking(4)
+        assert _post(client, "/tokenize", {"messages": HELLO, "reasoning_effort": "max"})["tokens"] == thinking(5)
         response = client.post("/v1/chat/completions", json={"messages": HELLO, "reasoning_effort": "extreme"})
         assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
-        usage = {effort: _post(client, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 1,
-                                                         **({"reasoning": {"effort": effort}} if effort else {})}
-                               )["usage"]["input_tokens"] for effort in (None, "low", "high")}
-        assert usage == {None: len(encoded("unset: Say hello.")), "low": len(encoded("low: Say hello.")),
-                         "high": len(encoded("high: think hard Say hello."))}
+        for effort, words in ((None, 0), ("low", 2), ("high", 4)):
+            reply = _post(client, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 1,
+                                                    **({"reasoning": {"effort": effort}} if effort else {})})
+            assert reply["usage"]["input_tokens"] == len(thinking(words))
+            assert reply["reasoning"] == ({"effort": effort} if effort else None), "echoed as OpenAI does"
+        response = client.post("/v1/responses", json={"input": "Hi", "reasoning": {"effort": "extreme"}})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("reasoning")

@@ -91,6 +91,9 @@ def test_lengths_vary_within_the_range_ratio_and_the_prompt_tokens_count_them(mo
     bodies.clear()
     asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 10, 100, 40))
     assert {len(body["prompt"]) for body in bodies} == {100} and {body["max_tokens"] for body in bodies} == {40}
+    bodies.clear()  # the shared prefix alone, as before the ratio existed; outputs at least 1 token
+    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 30, 0, 1, prefix_len=5, range_ratio=0.9))
+    assert {len(body["prompt"]) for body in bodies} == {5} and {body["max_tokens"] for body in bodies} <= {1, 2}
 
 
 def test_bench_serve_sends_at_the_request_rate_to_the_server(server):
