@@ -220,18 +220,14 @@ def _task_runner(value: str) -> str:
     return _TASK_RUNNERS[value]
 
 
-def _fast_tokenizer(value: str) -> str:
-    if value not in ("auto", "hf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: tokenizers load through transformers' AutoTokenizer, as "
-                                         "vLLM's auto and hf modes load them, and in no other mode")
-    return value
-
-
-def _one_pipeline_stage(value: str) -> str:
-    if value.strip() != "1":
-        raise argparse.ArgumentTypeError(f"{value!r}: jaxserve runs one pipeline stage; split a model over "
-                                         "devices with --tensor-parallel-size, over hosts with --num-processes")
-    return value
+def _only(*allowed: str, why: str) -> Callable[[str], str]:
+    """argparse's `type` for an inert flag: a value of `allowed` passes; another, which would change what
+    jaxserve does, is refused with `why`."""
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{value!r}: {why}")
+        return value
+    return check
 
 
 def _cache_dir(value: str) -> str:
@@ -406,42 +402,27 @@ INERT_ENGINE_FLAGS = (
               "--data-parallel-size, and --num-processes across hosts"),
     InertFlag(("--max-parallel-loading-workers",), "the weights load in one pass, while the steps compile"),
     InertFlag(("--tokenizer-mode",), "tokenizers load through transformers' AutoTokenizer (auto and hf only)",
-              check=_fast_tokenizer),
+              check=_only("auto", "hf", why="tokenizers load through transformers' AutoTokenizer, as vLLM's "
+                                            "auto and hf modes load them, and in no other mode")),
     InertFlag(("--guided-decoding-backend",), _LLGUIDANCE),
     InertFlag(("--structured-outputs-config",), _LLGUIDANCE),
     InertFlag(("--limit-mm-per-prompt",), "jaxserve serves text models"),
     InertFlag(("--use-v2-block-manager",), "vLLM's former flag: KV pages are always managed as blocks", "switch"),
     InertFlag(("--pipeline-parallel-size", "-pp"), "one pipeline stage, the only size taken",
-              check=_one_pipeline_stage),
+              check=_only("1", why="jaxserve runs one pipeline stage; split a model over devices with "
+                                   "--tensor-parallel-size, over hosts with --num-processes")),
 )
-
-def _random_dataset(value: str) -> str:
-    if value != "random":
-        raise argparse.ArgumentTypeError(f"{value!r}: the prompts are random token ids (vLLM's random dataset); "
-                                         "`jaxserve bench buckets --workload` replays other traffic shapes")
-    return value
-
-
-def _completions_backend(value: str) -> str:
-    if value not in ("openai", "vllm"):
-        raise argparse.ArgumentTypeError(f"{value!r}: requests stream /v1/completions (vLLM's openai and vllm "
-                                         "backends)")
-    return value
-
-
-def _completions_endpoint(value: str) -> str:
-    if value.rstrip("/") != "/v1/completions":
-        raise argparse.ArgumentTypeError(f"{value!r}: requests go to /v1/completions")
-    return value
-
 
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
-    InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset", check=_random_dataset),
+    InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset",
+              check=_only("random", why="the prompts are random token ids (vLLM's random dataset); `jaxserve bench "
+                                        "buckets --workload` replays other traffic shapes")),
     InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them",
-              check=_completions_backend),
+              check=_only("openai", "vllm", why="requests stream /v1/completions (vLLM's openai and vllm backends)")),
     InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly --output-len tokens", "switch"),
-    InertFlag(("--endpoint",), "requests go to /v1/completions", check=_completions_endpoint),
+    InertFlag(("--endpoint",), "requests go to /v1/completions",
+              check=_only("/v1/completions", "/v1/completions/", why="requests go to /v1/completions")),
 )
 
 # vLLM's server flags that mean nothing in jaxserve: `serve` only.
