@@ -17,6 +17,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from server import start_server, stop_server
 
+from jaxserve.bench.datasets import random_requests
 from jaxserve.bench.serve import run_level
 
 
@@ -33,13 +34,14 @@ def measure(args: argparse.Namespace, caching: bool) -> list[dict]:
     base_url = f"http://127.0.0.1:{args.port}"
     try:
         # Warm the server's paths with prompts of another prefix (nothing of the measured one is cached).
-        asyncio.run(run_level(f"{base_url}/v1", None, 2, 2, args.input_len, 4, seed=999, prefix_len=args.prefix_len))
+        warm = random_requests(2, args.input_len, 4, args.prefix_len, seed=999)
+        asyncio.run(run_level(f"{base_url}/v1", None, 2, warm))
         rows = []
         for concurrency in args.concurrency:
             before = prefix_counters(base_url)
             num_prompts = args.num_prompts or max(4 * concurrency, 8)
-            result = asyncio.run(run_level(f"{base_url}/v1", None, concurrency, num_prompts, args.input_len,
-                                           args.output_len, seed=concurrency, prefix_len=args.prefix_len))
+            requests = random_requests(num_prompts, args.input_len, args.output_len, args.prefix_len, seed=concurrency)
+            result = asyncio.run(run_level(f"{base_url}/v1", None, concurrency, requests, seed=concurrency))
             after = prefix_counters(base_url)
             queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
             rows.append({"caching": caching, **result, "metrics_hit_rate": hits / queries if queries else 0.0})

@@ -24,6 +24,7 @@ import numpy as np
 from server import start_server, stop_server
 from tiny_model import write_tiny_llama
 
+from jaxserve.bench.datasets import random_requests
 from jaxserve.bench.offline import run_wave
 from jaxserve.bench.serve import run_level
 from jaxserve.config import EngineConfig, load_preset
@@ -67,8 +68,8 @@ def main() -> None:
                           *(["--engine-process"] if args.engine_process else []))
     try:
         base_url = f"http://127.0.0.1:{args.port}/v1"
-        asyncio.run(run_level(base_url, None, c, c, args.input_len, 4))  # warm the server's paths
-        http = asyncio.run(run_level(base_url, None, c, c, args.input_len, args.output_len))
+        asyncio.run(run_level(base_url, None, c, random_requests(c, args.input_len, 4)))  # warm the server's paths
+        http = asyncio.run(run_level(base_url, None, c, random_requests(c, args.input_len, args.output_len)))
     finally:
         stop_server(server)
 

@@ -16,6 +16,8 @@ from typing import Any
 from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
+    AUTO_MAX_MODEL_LEN,
+    BENCH_DATASETS,
     CHAT_TEMPLATE_CONTENT_FORMATS,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -183,6 +185,12 @@ def human_int(value: str) -> int:
     return int(amount)
 
 
+def max_model_len(value: str) -> int:
+    """--max-model-len: a count as `human_int` reads it, or auto (vLLM's -1 too): the model's context, or as
+    much of it as the KV cache holds."""
+    return AUTO_MAX_MODEL_LEN if value.strip().lower() in ("auto", str(AUTO_MAX_MODEL_LEN)) else human_int(value)
+
+
 def _json_object(value: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)
@@ -281,9 +289,9 @@ ENGINE_FLAGS = (
               "cache are bfloat16. "
               "bfloat16 under a float32 model: half the weights' memory and what a decode reads, through the "
               "native kernels on CPUs; activations stay float32"),
-    Flag("--max-model-len", ModelConfig, "max_model_len", type=human_int, preset=True,
-         help="context length, in tokens; 32k is 32,000 and 32K 32,768, as vLLM reads them (default: the "
-              "model's)"),
+    Flag("--max-model-len", ModelConfig, "max_model_len", type=max_model_len, preset=True,
+         help="context length, in tokens; 32k is 32,000 and 32K 32,768, as vLLM reads them; auto (or -1): the "
+              "model's, or as much of it as the KV cache holds (default: the model's)"),
     Flag("--max-num-seqs", SchedulerConfig, "max_num_seqs", "the most sequences in one step (default: the preset's)",
          type=int, preset=True),
     Flag("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens",
@@ -415,12 +423,9 @@ INERT_ENGINE_FLAGS = (
 
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
-    InertFlag(("--dataset-name",), "the prompts are random token ids, vLLM's random dataset",
-              check=_only("random", why="the prompts are random token ids (vLLM's random dataset); `jaxserve bench "
-                                        "buckets --workload` replays other traffic shapes")),
     InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them",
               check=_only("openai", "vllm", why="requests stream /v1/completions (vLLM's openai and vllm backends)")),
-    InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly --output-len tokens", "switch"),
+    InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly its output length", "switch"),
     InertFlag(("--endpoint",), "requests go to /v1/completions",
               check=_only("/v1/completions", "/v1/completions/", why="requests go to /v1/completions")),
 )
@@ -584,7 +589,28 @@ SERVE_BENCH_FLAGS = (
     Flag("--random-range-ratio", ServeBenchConfig, "range_ratio", type=float,
          help="each request's input and output lengths drawn uniformly within this fraction of theirs, either "
               "side (vLLM's flag): 0.5 with --input-len 128 is 64-192 tokens"),
-    Flag("--seed", ServeBenchConfig, "seed", "seed of the random prompts", type=int),
+    Flag("--dataset-name", ServeBenchConfig, "dataset_name", choices=BENCH_DATASETS,
+         help="vLLM's datasets: random token ids of the lengths above; sharegpt, a ShareGPT JSON file's "
+              "conversations, each one's first turn for as many tokens as its reply (vLLM's filter and "
+              "order); custom, a JSONL file of {\"prompt\": ..., \"output_tokens\": ...}, each prompt in the "
+              "chat template (default: random)"),
+    Flag("--dataset-path", ServeBenchConfig, "dataset_path",
+         "the sharegpt or custom dataset's file (default: none, for the random dataset)"),
+    Flag("--tokenizer", ServeBenchConfig, "tokenizer",
+         "counts a file's prompt and reply tokens: a directory, a .gguf file or a hub id (default: --model, "
+         "else the model the server names in /v1/models)"),
+    Flag("--sharegpt-output-len", ServeBenchConfig, "sharegpt_output_len", type=int,
+         help="sharegpt: every request's output length (default: each conversation's reply's)"),
+    Flag("--custom-output-len", ServeBenchConfig, "custom_output_len", type=int,
+         help="custom: every request's output length; -1 takes each line's output_tokens (default: 256)"),
+    Flag("--skip-chat-template", ServeBenchConfig, "skip_chat_template", **_OFF,
+         help="custom: send each prompt as written, not as a user turn in the tokenizer's chat template"),
+    Flag("--disable-shuffle", ServeBenchConfig, "disable_shuffle", **_OFF,
+         help="take a file's prompts in its order, not in the seed's shuffle"),
+    Flag("--no-oversample", ServeBenchConfig, "no_oversample", **_OFF,
+         help="where fewer of a file's prompts pass than --num-prompts, send those alone, not repeats to fill"),
+    Flag("--seed", ServeBenchConfig, "seed", "seed of the random prompts, a file's shuffle, the arrival times",
+         type=int),
     Flag("--temperature", ServeBenchConfig, "temperature", "sent with every request; 0 is greedy", type=float),
     Flag("--top-p", ServeBenchConfig, "top_p", "sent with every request (default: not sent)", type=float),
     Flag("--top-k", ServeBenchConfig, "top_k", "sent with every request, a vLLM/llama.cpp extension (default: "
@@ -642,7 +668,7 @@ COMPILE_FLAGS = (
     Flag("--dtype", CompileConfig, "dtype", "auto: bfloat16 on GPUs, float32 on CPU", choices=DTYPES),
     Flag("--attention-impl", CompileConfig, "attention_impl", "auto picks what a real device of the target's "
          "kind would", choices=ATTENTION_IMPLS),
-    Flag("--max-model-len", CompileConfig, "max_model_len", "as serve's (default: the model's)", type=human_int),
+    Flag("--max-model-len", CompileConfig, "max_model_len", "as serve's (default: the model's)", type=max_model_len),
     Flag("--max-num-seqs", CompileConfig, "max_num_seqs", type=int,
          help="as serve's: above the preset's largest bucket, its ladder extended as serve extends it (default: "
               "the preset's)"),

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.collector import fewer_collections
-from jaxserve.config import EngineConfig
+from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
@@ -54,7 +54,7 @@ from jaxserve.runner.aot import (
     temp_estimate,
 )
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
-from jaxserve.runner.kv_budget import KVBudget, bytes_per_page
+from jaxserve.runner.kv_budget import KVBudget, bytes_per_page, fit_to_kv_cache
 from jaxserve.runner.kv_sizing import with_margin
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
@@ -196,7 +196,8 @@ def compile_ladder(
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
     context = context_length(hf_config, cfg.max_position_embeddings)  # as serve caps it (engine/core.py)
-    max_len = min(max_model_len or config.model.max_model_len or context, context)
+    asked = max_model_len or config.model.max_model_len
+    max_len = context_served(asked, context)
     sched, cache = config.scheduler, config.cache
     ladder = BucketLadder(config.buckets.token_buckets, config.buckets.request_buckets,
                           sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -230,6 +231,9 @@ def compile_ladder(
         num_pages = budget.num_pages
     else:
         num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
+    if asked == AUTO_MAX_MODEL_LEN:  # as the runner fits it (model_runner.py)
+        max_len = fit_to_kv_cache(max_len, num_pages, cache.page_size)
+        max_pages_per_req = -(-max_len // cache.page_size)
     shapes = shapes_for(num_pages)
 
     reference_step = None

@@ -49,6 +49,14 @@ METRICS_PREFIXES = ("jaxserve", "vllm")
 # text parts joined; openai, OpenAI's list of parts ([{"type": "text", "text": ...}]); auto, openai for a
 # template that loops over a message's content, else string.
 CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
+# --max-model-len auto (vLLM's -1): the model's context, or as much of it as the KV cache holds
+AUTO_MAX_MODEL_LEN = -1
+
+
+def context_served(max_model_len: int | None, context: int) -> int:
+    """The context length served, before the KV cache is sized: --max-model-len cut to the model's
+    `context`; the context itself for None and auto (which the cache's size may shorten: `fit_to_kv_cache`)."""
+    return context if max_model_len in (None, AUTO_MAX_MODEL_LEN) else min(max_model_len, context)
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class ModelConfig:
     # The matmul weights' dtype (projections, token embeddings, LM head); auto: `dtype`'s. bfloat16 under a
     # float32 model is llama.cpp's F16 split: 16-bit weights, activations and the residual stream in float32.
     weight_dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
+    max_model_len: int | None = None  # None: the model's own context length; AUTO_MAX_MODEL_LEN: what fits
     seed: int = 0
     revision: str | None = None  # a hub id's branch, tag or commit; None: main
     download_dir: str | None = None  # where a hub id's files are cached; None: the Hugging Face cache
@@ -82,8 +90,8 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != AUTO_MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be >= 1, or {AUTO_MAX_MODEL_LEN} for auto, got {self.max_model_len}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
 
@@ -679,6 +687,9 @@ class OfflineBenchConfig:
     profile_steps: int = 32  # decode steps timed per level
 
 
+BENCH_DATASETS = ("random", "sharegpt", "custom")  # `bench serve`'s, vLLM's names (bench/datasets.py)
+
+
 @dataclass(frozen=True)
 class ServeBenchConfig:
     """`jaxserve bench serve`: HTTP load on a running server, one row per concurrency level."""
@@ -698,6 +709,16 @@ class ServeBenchConfig:
     # vLLM's --random-range-ratio: each request's input and output lengths drawn uniformly within this
     # fraction of input_len and output_len, either side
     range_ratio: float = 0.0
+    # vLLM's datasets (bench/datasets.py): random token ids of the lengths above, or a file's prompts, counted
+    # with `tokenizer` (None: --model's, else that of the model the server names in /v1/models)
+    dataset_name: str = "random"
+    dataset_path: str | None = None  # sharegpt: a ShareGPT JSON file; custom: a JSONL file of prompts
+    tokenizer: str | None = None
+    sharegpt_output_len: int | None = None  # None: each conversation's reply's length
+    custom_output_len: int = 256  # -1: each line's output_tokens
+    skip_chat_template: bool = False  # custom: each prompt as written, not as a user turn of the chat template
+    disable_shuffle: bool = False  # the file's order, not the seed's shuffle
+    no_oversample: bool = False  # where fewer prompts than num_prompts pass, send those, not repeats to fill
     seed: int = 0
     temperature: float = 0.0
     top_p: float | None = None  # None: not sent
@@ -717,6 +738,17 @@ class ServeBenchConfig:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
         if self.base_url is not None and urllib.parse.urlsplit(self.base_url).scheme not in ("http", "https"):
             raise ValueError(f"base_url must be an http:// or https:// URL, got {self.base_url!r}")
+        if self.dataset_name not in BENCH_DATASETS:
+            raise ValueError(f"dataset_name must be one of {', '.join(BENCH_DATASETS)}, got {self.dataset_name!r}")
+        if (self.dataset_name == "random") != (self.dataset_path is None):
+            raise ValueError("the random dataset takes no dataset path; name the file's kind (sharegpt or custom)"
+                             if self.dataset_path is not None else
+                             f"the {self.dataset_name} dataset reads a file: give its dataset path")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise ValueError(f"sharegpt_output_len must be >= 1, got {self.sharegpt_output_len}")
+        if self.custom_output_len != -1 and self.custom_output_len < 1:
+            raise ValueError(f"custom_output_len must be >= 1, or -1 for each line's output_tokens, got "
+                             f"{self.custom_output_len}")
 
     @property
     def openai_base_url(self) -> str:

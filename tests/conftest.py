@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.config import EngineConfig
 from jaxserve.platform import nvidia_gpu_visible, prepare_jax_platform
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+# XLA's persistent cache from the first compile on, in the workers and every process they start (jax reads
+# these at import): the one `jaxserve serve` uses by default, so identical programs (the engines of the
+# tests' ladder on one tiny model, module after module) compile once per run and load after. Before, a
+# worker turned it on only when a test built an engine with the default cache, partway through the run.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(EngineConfig.compilation_cache_dir).expanduser()))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # as jaxserve's engines set it
 # The backend that is there (servers and subprocesses the tests start inherit these settings): the CPU
 # where no NVIDIA GPU is visible, else the GPU; JAX_PLATFORMS=cpu runs the suite on the CPU anyway.
 if not nvidia_gpu_visible():

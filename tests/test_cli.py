@@ -250,7 +250,8 @@ def test_the_platform_choice_is_logged_and_jax_backend_probes_are_not():
     assert result.returncode == 1
     assert "no --config given and the JAX backend is" in result.stderr
     assert "Unable to initialize backend" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "jaxserve: error: max_model_len must be >= 1, got 0"
+    assert result.stderr.strip().splitlines()[-1] == ("jaxserve: error: max_model_len must be >= 1, or -1 for auto, "
+                                                      "got 0")
 
 
 def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, caplog):
@@ -261,9 +262,9 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     seen_before_level: list[str] = []
     calls: list[tuple] = []
 
-    async def fake_run_level(base_url, model, concurrency, num_prompts, input_len, output_len, **kwargs) -> dict:
+    async def fake_run_level(base_url, model, concurrency, requests, **kwargs) -> dict:
         seen_before_level.append(capsys.readouterr().out)
-        calls.append((concurrency, input_len, output_len, kwargs["prefix_len"], kwargs["request_rate"]))
+        calls.append((concurrency, requests[0].prompt_len, requests[0].output_len, kwargs["request_rate"]))
         latency = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
         return {"concurrency": concurrency, "request_rate": kwargs["request_rate"], "request_throughput": 1.0,
                 "output_tokens_per_s": 2.0, "failed": 0, "errors": [], "ttft_ms": latency, "tpot_ms": latency,
@@ -273,23 +274,22 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
         main(["bench", "serve", "--max-concurrency", "1", "4", "--request-rate", "2.5", "--random-input-len", "64",
               "--random-output-len", "16", "--random-prefix-len", "8", "--dataset-name", "random", "--ignore-eos"])
-    assert calls == [(1, 64, 16, 8, 2.5), (4, 64, 16, 8, 2.5)]
+    assert calls == [(1, 64 + 8, 16, 2.5), (4, 64 + 8, 16, 2.5)]
     rest = capsys.readouterr().out.splitlines()
     header = seen_before_level[0].splitlines()
     assert len(header) == 1 and header[0].split()[:3] == ["conc", "req/s", "out"] and header[0].split()[-1] == "rate"
     assert seen_before_level[1].split()[0] == "1"  # level 1's row, printed before level 4 ran
     assert [line.split()[0] for line in rest] == ["4", "(latencies"] and rest[0].split()[-1] == "2.5"
-    assert "--dataset-name random changes nothing in jaxserve" in caplog.text
     assert "--ignore-eos changes nothing in jaxserve" in caplog.text
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--dataset-name", "sharegpt"])
-    assert "'sharegpt': the prompts are random token ids" in capsys.readouterr().err
+        build_parser().parse_args(["bench", "serve", "--dataset-name", "sonnet"])
+    assert "invalid choice: 'sonnet'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--backend", "openai-chat"])
     assert "'openai-chat': requests stream /v1/completions" in capsys.readouterr().err
     calls.clear()
     main(["bench", "serve", "--request-rate", "3"])  # a rate without a cap: one level, uncapped, as vLLM's
-    assert calls == [(None, 128, 128, 0, 3.0)] and capsys.readouterr().out.splitlines()[0].split()[0] == "-"
+    assert calls == [(None, 128, 128, 3.0)] and capsys.readouterr().out.splitlines()[0].split()[0] == "-"
     main(["bench", "serve"])
     assert [call[0] for call in calls[1:]] == [1, 4, 16]
     from jaxserve.config import ServeBenchConfig
@@ -307,11 +307,13 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
         ServeBenchConfig(base_url="gpu-box:8000")
     urls: list[str] = []
     monkeypatch.setattr(jaxserve.bench.serve, "run_level",
-                        lambda base_url, *args, **kwargs: urls.append((base_url, kwargs["range_ratio"])) or
-                        fake_run_level(base_url, *args, **kwargs))
+                        lambda base_url, model, concurrency, requests, **kwargs:
+                        urls.append((base_url, sorted({r.prompt_len for r in requests}))) or
+                        fake_run_level(base_url, model, concurrency, requests, **kwargs))
     main(["bench", "serve", "--host", "gpu-box", "--port", "9000", "--endpoint", "/v1/completions",
           "--random-range-ratio", "0.25", "--max-concurrency", "2"])
-    assert urls == [("http://gpu-box:9000/v1", 0.25)]
+    [(url, lengths)] = urls
+    assert url == "http://gpu-box:9000/v1" and len(lengths) > 1 and 96 <= min(lengths) <= max(lengths) <= 160
     for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"],
                 ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"]):
         with pytest.raises(SystemExit):
@@ -531,3 +533,13 @@ def test_max_model_len_reads_vllm_s_suffixes():
     assert _engine_config(parser.parse_args(["serve", "--max-model-len", "4096"])).model.max_model_len == 4096
     compile_args = parser.parse_args(["compile", "--max-model-len", "128k"])
     assert CompileConfig(**read_flags(compile_args, COMPILE_FLAGS)).max_model_len == 128_000
+    for auto in ("auto", "AUTO", "-1", " auto "):  # vLLM's: what the KV cache holds of the model's context
+        assert _engine_config(parser.parse_args(["serve", "--max-model-len", auto])).model.max_model_len == -1
+        compile_args = parser.parse_args(["compile", "--max-model-len", auto])
+        assert CompileConfig(**read_flags(compile_args, COMPILE_FLAGS)).max_model_len == -1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-model-len=-2"])
+    from jaxserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match="max_model_len must be >= 1, or -1 for auto, got -2"):
+        ModelConfig(max_model_len=-2)

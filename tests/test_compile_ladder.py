@@ -285,6 +285,15 @@ def test_an_oversized_kernel_block_is_rejected():
 
 
 @pytest.mark.slow
+def test_max_model_len_auto_compiles_the_page_tables_serve_would_run(tiny_model_dir):
+    """`jaxserve compile --max-model-len auto`: as serve fits it, the model's context (the tiny Llama's 512)
+    where the KV cache holds it, else what one request can hold there (8 usable pages of 16 tokens)."""
+    options = dict(target=None, preset="cpu", dtype="float32", xla_cost=False, variants=False, max_model_len=-1,
+                    buckets=[Bucket(1, 1, decode_only=True)])
+    fitted, whole = (compile_ladder(str(tiny_model_dir("llama")), num_kv_pages=pages, **options) for pages in (9, 100))
+    assert (fitted.max_model_len, whole.max_model_len) == (128, 512)
+
+
 def test_the_roofline_counts_agree_with_xla_cost_analysis():
     """The analytic flops of a prefill step against XLA's own count for the same step lowered for the CPU.
 

@@ -65,7 +65,8 @@ def test_a_start_without_a_gpu_logs_no_traceback():
     # ("cudart_stub.cc:31] Could not find cuda drivers") at `import jax` or at the backend's start.
     result = _cli("generate", "--prompt", "hi", "--max-model-len", "0")
     assert result.returncode == 1
-    assert result.stderr.splitlines() == ["jaxserve: error: max_model_len must be >= 1, got 0"], result.stderr
+    assert result.stderr.splitlines() == ["jaxserve: error: max_model_len must be >= 1, or -1 for auto, got 0"], (
+        result.stderr)
 
 
 @pytest.mark.skipif(nvidia_gpu_visible(), reason="a start on a machine without a GPU")

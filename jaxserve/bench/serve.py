@@ -1,10 +1,9 @@
 """`jaxserve bench serve`: an HTTP load generator in the manner of `vllm bench serve`.
 
-Each request streams /v1/completions with a prompt of exactly `input_len` random token ids (after a
-`prefix_len`-token prefix that every request shares, as a system prompt is) and `ignore_eos`, so it
-yields exactly `output_len` tokens (with `range_ratio`, each request's lengths drawn around those, as
-vLLM's random dataset draws them); the server's reported cached prompt tokens are counted. Requests are
-sent at `request_rate` per second on vLLM's schedule (`arrival_offsets`; inf: all at once), and at most
+Each request streams /v1/completions with its prompt (`datasets.py`: random token ids, a ShareGPT
+conversation's first turn, a custom file's prompt) and `ignore_eos`, so it yields exactly its output
+length; the server's reported prompt and cached prompt tokens are counted. Requests are sent at
+`request_rate` per second on vLLM's schedule (`arrival_offsets`; inf: all at once), and at most
 `concurrency` are in flight (None: no cap): one that arrives with that many in flight waits for one to
 finish, and its latencies count from when it is sent, as vLLM counts them.
 TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
@@ -13,18 +12,16 @@ TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT)
 import asyncio
 import json
 import math
-import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import numpy as np
 
+from jaxserve.bench.datasets import BenchRequest, CustomDataset, ShareGPTDataset, random_requests
 from jaxserve.config import ServeBenchConfig
-
-# Random prompt ids come from this range: past the special tokens of common vocabularies (GPT-2's
-# 50257, SmolLM2's 49152, Llama 3's 128256).
-_TOKEN_RANGE = (1000, 30000)
 
 
 @dataclass
@@ -33,6 +30,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_prompt_tokens: int | None = None  # the server's count (usage), where it reports one
     num_cached_tokens: int = 0
     error: str | None = None
 
@@ -53,6 +51,7 @@ async def _one_request(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                    result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     result.num_cached_tokens = details.get("cached_tokens") or 0
                 if not chunk.get("choices"):
@@ -82,15 +81,6 @@ def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1
     return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
 
 
-def _drawn_length(rng: random.Random, length: int, range_ratio: float, least: int = 0) -> int:
-    """A length drawn uniformly from [length (1 - r), length (1 + r)], at least `least` (vLLM's random
-    dataset); `length` itself, drawing nothing, where r is 0."""
-    if range_ratio == 0:
-        return length
-    low, high = math.floor(length * (1 - range_ratio)), math.ceil(length * (1 + range_ratio))
-    return rng.randint(max(least, low), max(least, high))
-
-
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
@@ -102,39 +92,31 @@ async def run_level(
     base_url: str,
     model: str | None,
     concurrency: int | None,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
+    requests: list[BenchRequest],
     api_key: str | None = None,
     seed: int = 0,
-    prefix_len: int = 0,
     sampling: dict[str, float | int | None] | None = None,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
-    range_ratio: float = 0.0,
 ) -> dict:
-    """Sends `num_prompts` requests at `request_rate` per second, at most `concurrency` in flight (None: no
-    cap); returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
-    left out); greedy by default. `range_ratio`: each request's lengths drawn uniformly within that fraction
-    of `input_len` and `output_len`, either side (vLLM's random dataset)."""
+    """Sends `requests` at `request_rate` per second, at most `concurrency` in flight (None: no cap);
+    returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
+    left out); greedy by default. `seed`: the arrival times'."""
     if not request_rate > 0 or not burstiness > 0:
         raise ValueError(f"request_rate and burstiness must be > 0 (inf: all at once), got {request_rate}, "
                          f"{burstiness}")
     sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
-    rng = random.Random(seed)
-    prefix = [rng.randrange(*_TOKEN_RANGE) for _ in range(prefix_len)]
     url = f"{base_url.rstrip('/')}/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    input_lens = [_drawn_length(rng, input_len, range_ratio) for _ in range(num_prompts)]
     bodies = [
         {
             **({"model": model} if model else {}),
-            "prompt": prefix + [rng.randrange(*_TOKEN_RANGE) for _ in range(length)],
-            "max_tokens": _drawn_length(rng, output_len, range_ratio, least=1), "ignore_eos": True, **sampling,
+            "prompt": request.prompt, "max_tokens": request.output_len, "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True},
         }
-        for length in input_lens
+        for request in requests
     ]
+    num_prompts = len(requests)
     in_flight = concurrency or num_prompts
     limit = asyncio.Semaphore(in_flight)
     timeout = httpx.Timeout(None, connect=30.0)
@@ -154,7 +136,8 @@ async def run_level(
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     num_output = sum(r.num_output_tokens for r in ok)
-    num_prompt = sum(prefix_len + length for r, length in zip(results, input_lens, strict=True) if r.error is None)
+    num_prompt = sum(request.prompt_len if r.num_prompt_tokens is None else r.num_prompt_tokens
+                     for r, request in zip(results, requests, strict=True) if r.error is None)
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
     return {
         "concurrency": concurrency,
@@ -195,20 +178,61 @@ def format_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def level_requests(config: ServeBenchConfig) -> Callable[[int], list[BenchRequest]]:
+    """A level's requests by its prompt count, from `config`'s dataset: a file is read (and its tokenizer
+    loaded) once, here, and every level takes its first prompts, as each of vLLM's runs does."""
+    if config.dataset_name == "random":
+        return lambda num_prompts: random_requests(num_prompts, config.input_len, config.output_len,
+                                                   config.prefix_len, config.range_ratio, config.seed)
+    tokenizer = _tokenizer(config)
+    oversample, shuffle = not config.no_oversample, not config.disable_shuffle
+    if config.dataset_name == "sharegpt":
+        sharegpt = ShareGPTDataset(config.dataset_path, config.seed, shuffle)
+        return lambda num_prompts: sharegpt.sample(tokenizer, num_prompts, config.sharegpt_output_len, oversample)
+    custom = CustomDataset(config.dataset_path, config.seed, shuffle)
+    return lambda num_prompts: custom.sample(tokenizer, num_prompts, config.custom_output_len,
+                                             not config.skip_chat_template, oversample)
+
+
+def _tokenizer(config: ServeBenchConfig) -> Any:
+    """--tokenizer, else --model, else the model the server names in /v1/models (its `root`, the path or
+    hub id it loaded, where the server gives one, as jaxserve and vLLM do; else its id)."""
+    from jaxserve.models.source import resolve_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
+
+    name = config.tokenizer or config.model
+    if name is None:
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        try:
+            response = httpx.get(f"{config.openai_base_url}/models", headers=headers, timeout=30.0)
+            response.raise_for_status()
+            card = response.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+            raise ValueError(f"the {config.dataset_name} dataset counts tokens with the model's tokenizer, and "
+                             f"{config.openai_base_url}/models named no model ({error!r}): give --tokenizer "
+                             f"or --model") from None
+        name = card.get("root") or card["id"]
+    try:
+        return load_tokenizer(resolve_tokenizer(name))
+    except (OSError, RuntimeError, ValueError) as error:
+        raise ValueError(f"no tokenizer from {name!r} for the {config.dataset_name} dataset ({error}); give "
+                         f"--tokenizer: a directory, a .gguf file or a hub id") from None
+
+
 def main(config: ServeBenchConfig) -> None:
     """The command: one level per `config.concurrency`, each row printed as soon as it is measured (after
     the header), the results written to `config.json`."""
+    requests_of = level_requests(config)  # a file's errors before any output
     header, footer = format_report([]).splitlines()  # no rows: the header and the footnote
     print(header, flush=True)
     results = []
     for concurrency in config.levels:
-        num_prompts = config.prompts_per_level(concurrency)
+        requests = requests_of(config.prompts_per_level(concurrency))
         sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                     "min_p": config.min_p}
         results.append(asyncio.run(run_level(
-            config.openai_base_url, config.model, concurrency, num_prompts, config.input_len, config.output_len,
-            api_key=config.api_key, seed=config.seed, prefix_len=config.prefix_len, sampling=sampling,
-            request_rate=config.request_rate, burstiness=config.burstiness, range_ratio=config.range_ratio,
+            config.openai_base_url, config.model, concurrency, requests, api_key=config.api_key, seed=config.seed,
+            sampling=sampling, request_rate=config.request_rate, burstiness=config.burstiness,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
-from jaxserve.config import EngineConfig
+from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, context_served
 from jaxserve.engine.core_io import (
     CoreOutputs,
     EngineInfo,
@@ -119,10 +119,9 @@ class EngineCore:
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,
                         config.lora.max_lora_rank)
         self.model = model
-        self.max_model_len = min(
-            config.model.max_model_len or model.max_position_embeddings, model.max_position_embeddings
-        )
-        if self.max_model_len < (config.model.max_model_len or 0):
+        asked = config.model.max_model_len
+        self.max_model_len = context_served(asked, model.max_position_embeddings)
+        if self.max_model_len < (asked or 0):
             logger.warning("--max-model-len %d is longer than the model's context, %d: serving %d (a RoPE-scaled "
                            "context is set with --hf-overrides)", config.model.max_model_len,
                            model.max_position_embeddings, self.max_model_len)
@@ -142,10 +141,17 @@ class EngineCore:
             num_decode_steps=1 if pooling else sched.num_scheduler_steps, pooling=pooling,
             temp_records_dir=config.compilation_cache_dir or None,
             enforce_eager=config.enforce_eager,
+            fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
         )
+        self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
                                        config.cache.enable_prefix_caching,
                                        shared_window(getattr(model.cfg, "sliding_windows", ())))
+        if self.kv_cache.capacity_tokens < self.max_model_len:  # as vLLM would refuse to start
+            logger.warning("the KV cache holds %d tokens, fewer than the %d of --max-model-len: a longer request is "
+                           "refused; --max-model-len auto serves what the cache holds, and a larger cache "
+                           "(--kv-cache-memory, --gpu-memory-utilization, --num-kv-pages) serves more",
+                           self.kv_cache.capacity_tokens, self.max_model_len)
         speculative = None if pooling else sched.speculative_config
         proposer = None if speculative is None else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 ALLOCATOR_SLACK_BYTES = 256 * 2**20
 
 
+def fit_to_kv_cache(max_model_len: int, num_pages: int, page_size: int) -> int:
+    """--max-model-len auto's length once the cache is sized: `max_model_len`, or the tokens one request
+    can hold where the cache holds fewer (every page but the padding slot's, as the page manager counts)."""
+    return min(max_model_len, (num_pages - 1) * page_size)
+
+
 @dataclass(frozen=True)
 class KVBudget:
     device_memory_bytes: int

@@ -62,7 +62,7 @@ from jaxserve.runner.aot import (
 )
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
-from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page
+from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page, fit_to_kv_cache
 from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, SizedKVCache, size_kv_cache
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import neutral_batch, pack
@@ -153,7 +153,10 @@ class ModelRunner:
         pooling: bool = False,
         temp_records_dir: str | None = None,
         enforce_eager: bool = False,
+        fit_to_cache: bool = False,
     ) -> None:
+        """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
+        that is less (`self.max_model_len` is what the runner serves)."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -219,6 +222,12 @@ class ModelRunner:
         loading_bytes = (model.in_use_before_loading + bytes_per_device(self._abstract_weights)
                          if model.loading else None)
         self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
+        self.max_model_len = max_model_len
+        if fit_to_cache and (fitted := fit_to_kv_cache(max_model_len, self.num_pages, self.page_size)) < max_model_len:
+            logger.info("--max-model-len auto: %d tokens, what the KV cache holds of the model's %d", fitted,
+                        max_model_len)
+            self.max_model_len, self.max_pages_per_req = fitted, -(-fitted // self.page_size)
+            sized = {}  # compiled with page tables as wide as the model's context
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
         # (`kv_sizing.py`): the warm-up takes them instead of compiling them again (a multi-host job's
         # followers compile what the leader sends).

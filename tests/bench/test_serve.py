@@ -10,19 +10,21 @@ import numpy as np
 import pytest
 
 from jaxserve.bench import serve
+from jaxserve.bench.datasets import random_requests
 from jaxserve.bench.serve import arrival_offsets, run_level
 from tests.api.helpers import API_KEY
 
 
 def test_bench_serve_sends_its_sampling_fields(server):
     sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05}
-    result = asyncio.run(run_level(server.v1, None, 2, 4, 8, 6, api_key=API_KEY, sampling=sampled))
+    result = asyncio.run(run_level(server.v1, None, 2, random_requests(4, 8, 6), api_key=API_KEY, sampling=sampled))
     assert result["failed"] == 0 and result["completed"] == 4, result["errors"]
     assert result["output_tokens_per_s"] * result["duration_s"] == pytest.approx(4 * 6)
     # A value the server refuses proves each field is sent.
     for field, bad in [("top_p", 1.5), ("top_k", -5), ("min_p", 2.0), ("temperature", -1.0)]:
         sampling = {**sampled, field: bad}
-        refused = asyncio.run(run_level(server.v1, None, 1, 1, 8, 2, api_key=API_KEY, sampling=sampling))
+        refused = asyncio.run(run_level(server.v1, None, 1, random_requests(1, 8, 2), api_key=API_KEY,
+                                                   sampling=sampling))
         assert refused["failed"] == 1 and "HTTP 400" in refused["errors"][0] and field in refused["errors"][0]
 
 
@@ -59,14 +61,15 @@ def _fake_requests(monkeypatch, seconds: float) -> tuple[list[float], list[int]]
 
 def test_requests_are_sent_at_their_times_and_no_more_than_the_cap_in_flight(monkeypatch):
     sent, peak = _fake_requests(monkeypatch, 0.05)
-    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, None, 12, 8, 2, request_rate=40.0, seed=1))
+    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, None, random_requests(12, 8, 2), request_rate=40.0,
+                                   seed=1))
     offsets = arrival_offsets(12, 40.0, seed=1)
     assert result["completed"] == 12 and result["request_rate"] == 40.0
     since_first = np.asarray(sent) - sent[0]
     assert np.abs(since_first - (np.asarray(offsets) - offsets[0])).max() < 0.02, "sent at their arrival times"
     assert result["duration_s"] >= offsets[-1]
     peak[0] = 0
-    capped = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 2, 6, 8, 2))  # all at once, 2 in flight
+    capped = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 2, random_requests(6, 8, 2)))  # at once, 2 in flight
     assert peak[0] == 2 and capped["completed"] == 6 and capped["duration_s"] >= 3 * 0.05
     assert capped["request_rate"] == "inf" and json.loads(json.dumps(capped, allow_nan=False)) == capped
 
@@ -83,21 +86,54 @@ def test_lengths_vary_within_the_range_ratio_and_the_prompt_tokens_count_them(mo
         return await one_request(client, url, headers, body)
 
     monkeypatch.setattr(serve, "_one_request", recording)
-    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 200, 100, 40, prefix_len=5, range_ratio=0.5))
+    requests = random_requests(200, 100, 40, prefix_len=5, range_ratio=0.5)
+    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, requests))
     inputs = [len(body["prompt"]) - 5 for body in bodies]
     outputs = [body["max_tokens"] for body in bodies]
     assert 50 <= min(inputs) < 60 and 140 < max(inputs) <= 150 and min(outputs) >= 20 and max(outputs) <= 60
     assert len(set(outputs)) > 20 and result["prompt_tokens"] == sum(len(body["prompt"]) for body in bodies)
     bodies.clear()
-    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 10, 100, 40))
+    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, random_requests(10, 100, 40)))
     assert {len(body["prompt"]) for body in bodies} == {100} and {body["max_tokens"] for body in bodies} == {40}
     bodies.clear()  # the shared prefix alone, as before the ratio existed; outputs at least 1 token
-    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, 30, 0, 1, prefix_len=5, range_ratio=0.9))
+    asyncio.run(run_level("http://127.0.0.1:9/v1", None, 8, random_requests(30, 0, 1, prefix_len=5, range_ratio=0.9)))
     assert {len(body["prompt"]) for body in bodies} == {5} and {body["max_tokens"] for body in bodies} <= {1, 2}
 
 
 def test_bench_serve_sends_at_the_request_rate_to_the_server(server):
-    result = asyncio.run(run_level(server.v1, None, None, 4, 8, 2, api_key=API_KEY, request_rate=50.0))
+    result = asyncio.run(run_level(server.v1, None, None, random_requests(4, 8, 2), api_key=API_KEY, request_rate=50.0))
     assert result["failed"] == 0 and result["completed"] == 4, result["errors"]
     with pytest.raises(ValueError, match="request_rate and burstiness must be > 0"):
-        asyncio.run(run_level(server.v1, None, 1, 1, 8, 2, api_key=API_KEY, request_rate=0.0))
+        asyncio.run(run_level(server.v1, None, 1, random_requests(1, 8, 2), api_key=API_KEY, request_rate=0.0))
+
+
+def test_bench_serve_replays_a_file_s_prompts_through_the_server(server, tmp_path, smollm2_tokenizer, smollm2_gguf):
+    """vLLM's `bench serve --dataset-name sharegpt|custom --dataset-path F`: each conversation's first turn (or
+    each line's prompt, in the chat template) sent as text for its reply's length (or the line's
+    output_tokens). Without --tokenizer or --model, the tokens are counted with the tokenizer of the model
+    the server names in /v1/models: the prompt tokens the bench counts are those the server reports."""
+    from jaxserve.bench.datasets import CustomDataset, ShareGPTDataset
+    from jaxserve.cli import main
+
+    replies = ["Paris is the capital of France.", "Two plus two is four, as always.",
+               "Water boils at one hundred degrees.", "The sun rises in the east, mostly."]
+    conversations = [{"conversations": [{"from": "human", "value": f"Question {i}: tell me a short fact, please."},
+                                        {"from": "gpt", "value": reply}]} for i, reply in enumerate(replies)]
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps(conversations))
+    custom = tmp_path / "prompts.jsonl"
+    custom.write_text("\n".join(json.dumps({"prompt": f"Name a colour, number {i}.", "output_tokens": 3 + i})
+                                for i in range(3)))
+    server_flags = ["--base-url", server.base_url, "--api-key", API_KEY, "--max-concurrency", "2", "--num-prompts"]
+    for flags, expected in [
+        (["6", "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt)],  # 4 conversations, 2 repeats
+         ShareGPTDataset(str(sharegpt)).sample(smollm2_tokenizer, 6)),
+        (["3", "--dataset-name", "custom", "--dataset-path", str(custom), "--custom-output-len", "-1",
+          "--tokenizer", str(smollm2_gguf)],
+         CustomDataset(str(custom)).sample(smollm2_tokenizer, 3, output_len=-1)),
+    ]:
+        main(["bench", "serve", *server_flags, *flags, "--json", str(tmp_path / "result.json")])
+        [result] = json.loads((tmp_path / "result.json").read_text())
+        assert result["completed"] == len(expected) and result["failed"] == 0, result["errors"]
+        assert round(result["output_tokens_per_s"] * result["duration_s"]) == sum(r.output_len for r in expected)
+        assert result["prompt_tokens"] == sum(r.prompt_len for r in expected)

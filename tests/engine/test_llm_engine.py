@@ -1,6 +1,7 @@
 """LLMEngine on a tiny random Llama: continuous batching, preemption, chunked prefill, compiles, errors."""
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -47,6 +48,25 @@ def test_preemption_changes_nothing(llama_dir, solo_outputs):
 def test_chunked_prefill_changes_nothing(llama_dir, solo_outputs):
     tiny_budget = make_engine(llama_dir, warmup=False, max_num_batched_tokens=8, token_buckets=(8,))
     check_batched(tiny_budget, solo_outputs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
+
+
+def test_max_model_len_auto_serves_what_the_kv_cache_holds(llama_dir, solo_outputs, caplog):
+    """vLLM's --max-model-len auto (-1): the model's context (the tiny Llama's 512) where the KV cache holds
+    it, else what one request can hold there (16 usable pages of 4 tokens: 64), which the requests' limit
+    and the steps' page tables follow, with the same tokens. A length the cache cannot hold, given, is kept,
+    with a warning that names auto."""
+    prompts, max_tokens, expected = solo_outputs
+    fitted = make_engine(llama_dir, warmup=False, max_model_len=-1, num_kv_pages=17)
+    assert fitted.max_model_len == 64 and fitted.core.runner.max_pages_per_req == 16
+    assert run_alone(fitted, prompts[3], max_tokens[3]) == expected[3]  # 40 prompt tokens
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        fitted.add_request("long", prompts[3] * 2, greedy(1))
+    assert make_engine(llama_dir, warmup=False, max_model_len=-1, num_kv_pages=129).max_model_len == 512
+    with caplog.at_level(logging.WARNING, "jaxserve.engine.core"):
+        fixed = make_engine(llama_dir, warmup=False, max_model_len=256, num_kv_pages=17)
+    assert fixed.max_model_len == 256 and fixed.core.runner.max_pages_per_req == 64
+    assert ("the KV cache holds 64 tokens, fewer than the 256 of --max-model-len: a longer request is refused; "
+            "--max-model-len auto serves what the cache holds") in caplog.text
 
 
 @pytest.mark.gpu
