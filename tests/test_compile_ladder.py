@@ -284,7 +284,6 @@ def test_an_oversized_kernel_block_is_rejected():
         kernel(128).trace(*args).lower().compile()  # the default block compiles
 
 
-@pytest.mark.slow
 def test_max_model_len_auto_compiles_the_page_tables_serve_would_run(tiny_model_dir):
     """`jaxserve compile --max-model-len auto`: as serve fits it, the model's context (the tiny Llama's 512)
     where the KV cache holds it, else what one request can hold there (8 usable pages of 16 tokens)."""
@@ -294,6 +293,7 @@ def test_max_model_len_auto_compiles_the_page_tables_serve_would_run(tiny_model_
     assert (fitted.max_model_len, whole.max_model_len) == (128, 512)
 
 
+@pytest.mark.slow
 def test_the_roofline_counts_agree_with_xla_cost_analysis():
     """The analytic flops of a prefill step against XLA's own count for the same step lowered for the CPU.
 

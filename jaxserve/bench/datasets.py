@@ -63,8 +63,8 @@ class ShareGPTDataset:
                              f"{type(entries).__name__}")
         self.path = path
         self.seed = seed
-        self.conversations = [entry["conversations"] for entry in entries
-                              if isinstance(entry, dict) and len(entry.get("conversations") or ()) >= 2]
+        self.conversations = [entry["conversations"] for entry in entries if isinstance(entry, dict)
+                              and isinstance(entry.get("conversations"), list) and len(entry["conversations"]) >= 2]
         if shuffle:
             random.Random(seed).shuffle(self.conversations)
 
@@ -161,4 +161,4 @@ def _read_json(path: str) -> Any:
 
 
 def _read_lines(path: str) -> list[str]:
-    return Path(path).read_text(encoding="utf-8").splitlines()
+    return Path(path).read_text(encoding="utf-8").split("\n")  # only there: JSON strings may hold U+2028

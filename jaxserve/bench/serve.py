@@ -198,7 +198,7 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
     """--tokenizer, else --model, else the model the server names in /v1/models (its `root`, the path or
     hub id it loaded, where the server gives one, as jaxserve and vLLM do; else its id)."""
     from jaxserve.models.source import resolve_tokenizer
-    from jaxserve.models.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import is_fallback_template, load_tokenizer
 
     name = config.tokenizer or config.model
     if name is None:
@@ -207,16 +207,20 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
             response = httpx.get(f"{config.openai_base_url}/models", headers=headers, timeout=30.0)
             response.raise_for_status()
             card = response.json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+            name = card.get("root") or card["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
             raise ValueError(f"the {config.dataset_name} dataset counts tokens with the model's tokenizer, and "
                              f"{config.openai_base_url}/models named no model ({error!r}): give --tokenizer "
                              f"or --model") from None
-        name = card.get("root") or card["id"]
     try:
-        return load_tokenizer(resolve_tokenizer(name))
+        tokenizer = load_tokenizer(resolve_tokenizer(name))
     except (OSError, RuntimeError, ValueError) as error:
         raise ValueError(f"no tokenizer from {name!r} for the {config.dataset_name} dataset ({error}); give "
                          f"--tokenizer: a directory, a .gguf file or a hub id") from None
+    if config.dataset_name == "custom" and not config.skip_chat_template and is_fallback_template(tokenizer):
+        raise ValueError(f"{name} has no chat template for the custom dataset's prompts (vLLM's bench stops "
+                         f"there too): give --skip-chat-template to send them as written")
+    return tokenizer
 
 
 def main(config: ServeBenchConfig) -> None:

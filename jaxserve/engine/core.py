@@ -148,8 +148,8 @@ class EngineCore:
                                        config.cache.enable_prefix_caching,
                                        shared_window(getattr(model.cfg, "sliding_windows", ())))
         if self.kv_cache.capacity_tokens < self.max_model_len:  # as vLLM would refuse to start
-            logger.warning("the KV cache holds %d tokens, fewer than the %d of --max-model-len: a longer request is "
-                           "refused; --max-model-len auto serves what the cache holds, and a larger cache "
+            logger.warning("the KV cache holds %d tokens, fewer than the %d of the context served: a longer request "
+                           "is refused; --max-model-len auto serves what the cache holds, and a larger cache "
                            "(--kv-cache-memory, --gpu-memory-utilization, --num-kv-pages) serves more",
                            self.kv_cache.capacity_tokens, self.max_model_len)
         speculative = None if pooling else sched.speculative_config

@@ -20,6 +20,11 @@ def load_tokenizer(model_dir: Path, gguf_file: str | None = None) -> Any:
     return tokenizer
 
 
+def is_fallback_template(tokenizer: Any) -> bool:
+    """Whether `tokenizer`'s chat template is jaxserve's fallback: the model ships none."""
+    return getattr(tokenizer, "chat_template", None) == FALLBACK_CHAT_TEMPLATE
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],

@@ -122,11 +122,13 @@ def size_kv_cache(
     platform: str,
     known_temp_bytes: int | None = None,
     shapes_temp_bytes: int | None = None,
+    any_size: bool = False,
 ) -> SizedKVCache:
     """Sizes the cache as the module docstring says (`quick_budget`'s arguments; `provisional_pages`: the
     pages of a request of the longest length, plus one); `known_temp_bytes`: the figure an earlier start
     sized for, which replaces the quick compiles where it leaves room for a cache; else `shapes_temp_bytes`
-    (`shapes_estimate`) does, where it leaves a longest request's pages."""
+    (`shapes_estimate`) does, where it leaves a longest request's pages (`any_size`: any cache, whose size
+    the longest request's then follows: --max-model-len auto)."""
     start = time.perf_counter()
     source = "record" if known_temp_bytes is not None else "shapes" if shapes_temp_bytes is not None else "compiles"
     if source != "compiles":
@@ -134,7 +136,7 @@ def size_kv_cache(
         budget, quick_seconds = budget_for(with_margin(estimated)), 0.0
         # The shapes' figure is an upper estimate: where its margin would cost a request of the longest
         # length its pages (a tight device), the quick compiles' figure is worth their time
-        fewest = 2 if source == "record" else provisional_pages
+        fewest = 2 if source == "record" or any_size else provisional_pages
         if budget.num_pages < fewest:
             logger.warning("the step's temp memory %s (%.0f MiB) leaves %s: estimating it with quick compiles",
                            "recorded by an earlier start" if source == "record" else "estimated from its shapes",

@@ -184,6 +184,8 @@ class ModelRunner:
         self._broadcast = broadcast  # multi-host leader: sends each step's device work to the followers
         self.ladder = ladder
         self.page_size = cache_config.page_size
+        self.max_model_len = max_model_len
+        self._fit_to_cache = fit_to_cache  # the page tables as wide as the cache holds (`_served_len`)
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -222,12 +224,10 @@ class ModelRunner:
         loading_bytes = (model.in_use_before_loading + bytes_per_device(self._abstract_weights)
                          if model.loading else None)
         self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
-        self.max_model_len = max_model_len
-        if fit_to_cache and (fitted := fit_to_kv_cache(max_model_len, self.num_pages, self.page_size)) < max_model_len:
-            logger.info("--max-model-len auto: %d tokens, what the KV cache holds of the model's %d", fitted,
+        if (served := self._served_len(self.num_pages)) < max_model_len:  # the sized steps compiled at it too
+            logger.info("--max-model-len auto: %d tokens, what the KV cache holds of the model's %d", served,
                         max_model_len)
-            self.max_model_len, self.max_pages_per_req = fitted, -(-fitted // self.page_size)
-            sized = {}  # compiled with page tables as wide as the model's context
+            self.max_model_len, self.max_pages_per_req = served, -(-served // self.page_size)
         # The largest buckets' plain steps, compiled by the GPU memory budget at the final page count
         # (`kv_sizing.py`): the warm-up takes them instead of compiling them again (a multi-host job's
         # followers compile what the leader sends).
@@ -272,8 +272,16 @@ class ModelRunner:
             logger.info("weights: in; the start waited %.1fs for them", waited)
         return self._weights
 
+    def _served_len(self, num_pages: int) -> int:
+        """The longest request at a cache of `num_pages`: max_model_len, or under --max-model-len auto as
+        much of it as the cache holds."""
+        if not self._fit_to_cache:
+            return self.max_model_len
+        return fit_to_kv_cache(self.max_model_len, num_pages, self.page_size)
+
     def _shapes(self, num_pages: int) -> StepShapes:
-        return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, self.max_pages_per_req,
+        pages_per_req = -(-self._served_len(num_pages) // self.page_size)  # the page tables' width
+        return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, pages_per_req,
                            self.max_num_seqs)
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None,
@@ -315,7 +323,7 @@ class ModelRunner:
         sized = size_kv_cache(functools.partial(self._compile_largest, device), budget_for, provisional_pages,
                               platform=device.platform,
                               known_temp_bytes=record.sized_for_bytes if record is not None else None,
-                              shapes_temp_bytes=shapes_temp)
+                              shapes_temp_bytes=shapes_temp, any_size=self._fit_to_cache)
         if self._temp_records and key:
             self._keep_record(self._temp_records, key, record, sized)
         budget = sized.budget

@@ -3,6 +3,7 @@ which order, for how many tokens; the custom JSONL file's prompts in the chat te
 
 import json
 import random
+import shutil
 
 import pytest
 
@@ -59,7 +60,8 @@ def test_sharegpt_takes_the_conversations_vllm_takes_in_its_order(sharegpt, smol
         assert request.output_len == len(smollm2_tokenizer(turns[1]["value"]).input_ids) >= 4
     assert [r.prompt for r in dataset.sample(smollm2_tokenizer, 3)] == [r.prompt for r in requests[:3]]
     other = ShareGPTDataset(path, seed=1).sample(smollm2_tokenizer, 12)
-    assert sorted(r.prompt for r in other) == sorted(r.prompt for r in requests) != [r.prompt for r in other]
+    assert sorted(r.prompt for r in other) == sorted(r.prompt for r in requests)
+    assert [r.prompt for r in other] != [r.prompt for r in requests]
     in_file_order = ShareGPTDataset(path, shuffle=False).sample(smollm2_tokenizer, 12)
     assert [r.prompt for r in in_file_order] == [g["conversations"][0]["value"] for g in good]
 
@@ -67,8 +69,9 @@ def test_sharegpt_takes_the_conversations_vllm_takes_in_its_order(sharegpt, smol
 def test_sharegpt_fills_up_with_repeats_unless_told_not_to(sharegpt, smollm2_tokenizer):
     path, good = sharegpt
     dataset = ShareGPTDataset(path)
-    filled = dataset.sample(smollm2_tokenizer, 40)
-    assert len(filled) == 40 and filled[:12] == dataset.sample(smollm2_tokenizer, 12)
+    filled, kept = dataset.sample(smollm2_tokenizer, 40), dataset.sample(smollm2_tokenizer, 12)
+    rng = random.Random(0)  # vLLM's top-up: random.seed(seed), then random.choice of the kept ones
+    assert filled == kept + [rng.choice(kept) for _ in range(28)]
     assert {r.prompt for r in filled} == {g["conversations"][0]["value"] for g in good}
     assert len(dataset.sample(smollm2_tokenizer, 40, oversample=False)) == 12
 
@@ -94,6 +97,9 @@ def test_sharegpt_files_that_cannot_serve_are_named(tmp_path, smollm2_tokenizer)
     none_pass = ShareGPTDataset(_sharegpt_file(tmp_path, [_conversation("Hi", "Hello there, my friend")]))
     with pytest.raises(ValueError, match=r"none of its 1 conversations .* has a prompt of 4-1024 tokens"):
         none_pass.sample(smollm2_tokenizer, 4)
+    not_a_list = ShareGPTDataset(_sharegpt_file(tmp_path, [{"conversations": {"a": 1, "b": 2}}]))
+    with pytest.raises(ValueError, match="none of its 0 conversations"):
+        not_a_list.sample(smollm2_tokenizer, 4)
     bad_turn = ShareGPTDataset(_sharegpt_file(tmp_path, [{"conversations": [{"from": "human"}, "text"]}]))
     with pytest.raises(ValueError, match="each turn of a conversation is"):
         bad_turn.sample(smollm2_tokenizer, 4)
@@ -114,7 +120,8 @@ def test_custom_prompts_go_in_the_chat_template_for_their_lengths(tmp_path, smol
     assert [(r.prompt, r.output_len) for r in plain] == [(line["prompt"], line["output_tokens"]) for line in lines]
     assert [r.output_len for r in dataset.sample(smollm2_tokenizer, 2, output_len=7)] == [7, 7]
     shuffled = CustomDataset(str(path), seed=0).sample(smollm2_tokenizer, 6, chat_template=False)
-    assert sorted(r.prompt for r in shuffled) == sorted(r.prompt for r in plain) != [r.prompt for r in shuffled]
+    assert sorted(r.prompt for r in shuffled) == sorted(r.prompt for r in plain)
+    assert [r.prompt for r in shuffled] != [r.prompt for r in plain]
     assert len(dataset.sample(smollm2_tokenizer, 9)) == 9 and len(dataset.sample(smollm2_tokenizer, 9,
                                                                                  oversample=False)) == 6
 
@@ -141,6 +148,35 @@ def test_custom_output_tokens_must_be_whole_counts_where_taken(tmp_path, smollm2
     assert dataset.sample(smollm2_tokenizer, 1)[0].output_len == 256  # the file's counts are not read
     with pytest.raises(ValueError, match="each line needs \"output_tokens\", a whole number of tokens >= 1"):
         dataset.sample(smollm2_tokenizer, 1, output_len=-1)
+
+
+def test_lines_split_at_newlines_only(tmp_path, smollm2_tokenizer):
+    """JSON strings may hold U+2028 and U+2029 unescaped (json.dumps(ensure_ascii=False) writes them so):
+    a line ends at a newline only, as pandas' reader (vLLM's) splits it."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "one\u2028two\u2029three"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    [request] = CustomDataset(str(path)).sample(smollm2_tokenizer, 1, chat_template=False)
+    assert request.prompt == "one\u2028two\u2029three"
+
+
+def test_custom_prompts_need_a_chat_template_or_skip_it(tmp_path, smollm2_gguf):
+    """A tokenizer without a chat template: vLLM's bench cannot put a custom prompt in one, and neither does
+    this one (jaxserve's fallback template is not the model's); --skip-chat-template sends the prompts as
+    written."""
+    from jaxserve.bench.serve import _tokenizer
+    from jaxserve.models.gguf_cache import converted_dir
+
+    plain = tmp_path / "plain-tokenizer"
+    shutil.copytree(converted_dir(smollm2_gguf), plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    settings = dict(dataset_name="custom", dataset_path="prompts.jsonl", tokenizer=str(plain))
+    with pytest.raises(ValueError, match="has no chat template for the custom dataset's prompts"):
+        _tokenizer(ServeBenchConfig(**settings))
+    assert _tokenizer(ServeBenchConfig(**settings, skip_chat_template=True))("a b").input_ids
+    assert _tokenizer(ServeBenchConfig(**{**settings, "tokenizer": str(smollm2_gguf)})).chat_template
 
 
 def test_a_custom_dataset_is_a_jsonl_file(tmp_path):

@@ -65,7 +65,7 @@ def test_max_model_len_auto_serves_what_the_kv_cache_holds(llama_dir, solo_outpu
     with caplog.at_level(logging.WARNING, "jaxserve.engine.core"):
         fixed = make_engine(llama_dir, warmup=False, max_model_len=256, num_kv_pages=17)
     assert fixed.max_model_len == 256 and fixed.core.runner.max_pages_per_req == 64
-    assert ("the KV cache holds 64 tokens, fewer than the 256 of --max-model-len: a longer request is refused; "
+    assert ("the KV cache holds 64 tokens, fewer than the 256 of the context served: a longer request is refused; "
             "--max-model-len auto serves what the cache holds") in caplog.text
 
 
