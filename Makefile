@@ -59,12 +59,12 @@ $(NEWEST_STAMP): pyproject.toml
 	scripts/fetch_tcmalloc.sh $(NEWEST_VENV)/lib/jaxserve
 	touch $@
 
-# The suites that touch jax's API (kernels, models, the runner's steps, platform and GPU compiles, tensor
-# parallelism) and one engine and one server suite end to end; the rest of the fast suite is host-side code
+# The suites that touch jax's API (kernels, models and their LoRA stacks, the runner's steps, platform and
+# GPU compiles, tensor parallelism) and one engine and one server suite end to end; the rest of the fast
+# suite (the LoRA and data-parallel engines among it: the same steps driven by host-side code) is code
 # that the jax version does not reach, and runs under `make test`.
 NEWEST_TESTS := tests/ops tests/models tests/runner tests/test_platform.py tests/test_compile_ladder.py \
-	tests/test_parallel.py tests/engine/test_llm_engine.py tests/engine/test_lora.py tests/engine/test_data_parallel.py \
-	tests/api/test_server.py
+	tests/test_parallel.py tests/engine/test_llm_engine.py tests/api/test_server.py
 
 test-newest-jax: $(NEWEST_STAMP)
 	@$(NEWEST_BIN)/python -c "import sys, jax, flax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"

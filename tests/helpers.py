@@ -76,6 +76,21 @@ def startup_phases() -> dict[str, re.Pattern]:
     return module._PHASES
 
 
+def skip_a_build_like_the_suite_s(flags: str) -> None:
+    """Skips a test of the native kernels built with `flags` (`-mno-avx512f`, `-mno-avx`) where this CPU lacks
+    what they take away: `-march=native` then makes the same code, which the rest of the suite has tested
+    (an AVX2 machine's suite runs the AVX2 loops). The build would still be a library of its own, as the
+    flags are in its cache key, and take a compile of every kernel to prove nothing more."""
+    removed = {"-mno-avx512f": "avx512f", "-mno-avx": "avx"}[flags]
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu_flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return
+    if removed not in cpu_flags:
+        pytest.skip(f"this CPU has no {removed}: built with {flags}, the kernels are the suite's own build")
+
+
 def run_with_kernel_flags(script: str, flags: str) -> subprocess.CompletedProcess:
     """`script` (Python source, dedented here) in a process of its own, from the repository root, with the
     native CPU kernels built with `flags` appended (`JAXSERVE_KERNEL_FLAGS`): a process loads the kernels'

@@ -215,9 +215,11 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block):
                     return
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # Stats before the outputs: a client that has its answer and then reads /metrics sees the
+                # state after the step that finished it (its request no longer running).
                 self.stats = self.engine.stats()
+                self._deliver(outputs)
         except BaseException as e:
             logger.exception("engine step failed; the engine is dead")
             error = EngineDeadError(f"engine failed: {e!r}")

@@ -19,7 +19,7 @@ from jaxserve.ops.attention import (
     resolve_impl,
 )
 from jaxserve.ops.paged_attention_cpu import num_work_items, ragged_paged_attention_cpu
-from tests.helpers import pairwise, run_jitted, run_with_kernel_flags
+from tests.helpers import pairwise, run_jitted, run_with_kernel_flags, skip_a_build_like_the_suite_s
 from tests.ops.paged_cases import MIXES, make_case, oracle
 
 
@@ -112,6 +112,7 @@ def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags):
     """The blocked loops' tiles follow the build's vector registers (16 lanes with AVX-512, 8 with AVX, else
     4): built without AVX-512 and without AVX, in a process of its own (the library loads once per process),
     every unit shape against the oracle."""
+    skip_a_build_like_the_suite_s(flags)
     script = """
         from tests.ops.test_attention import HEAD_DIMS, UNIT_SHAPES, check_units_of_every_shape
         for head_dim in HEAD_DIMS:

@@ -8,7 +8,7 @@ from jaxlib.version import __version_info__ as JAXLIB_VERSION
 
 from jaxserve.ops import cpu_kernels, kernel_build
 from jaxserve.ops.kv_write import write_kv
-from tests.helpers import run_with_kernel_flags
+from tests.helpers import run_with_kernel_flags, skip_a_build_like_the_suite_s
 from tests.ops.matmul_cases import (
     GROUPED_SHAPES,
     GROUPS,
@@ -97,6 +97,7 @@ def test_the_portable_loops_match_too():
     """Built without AVX512-BF16 (`JAXSERVE_KERNEL_FLAGS=-mno-avx512f`, an AVX2 machine's build, which the GGUF
     and attention kernels' tests build too), the kernels take their plain float32 loops: the same oracle, in a
     process of its own (the library is loaded once per process)."""
+    skip_a_build_like_the_suite_s("-mno-avx512f")
     script = f"""
         import jax, numpy as np
         from jaxserve.ops import cpu_kernels, kernel_build

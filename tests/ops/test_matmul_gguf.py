@@ -8,7 +8,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL, dequantize, quantize
 
 from jaxserve.ops import cpu_kernels, gguf_packing
-from tests.helpers import run_with_kernel_flags
+from tests.helpers import run_with_kernel_flags, skip_a_build_like_the_suite_s
 
 pytestmark = [
     pytest.mark.cpu_only("the native CPU kernels"),
@@ -286,6 +286,7 @@ def test_the_other_instruction_sets_match_too(flags):
     """Built without AVX-512 (AVX2's `vpmaddubsw` and rounding) and without AVX (plain loops, F16C's conversions
     too), in a process of its own (the library is loaded once per process): the same oracle. The flags are the
     attention kernel's narrower builds' (tests/ops/test_attention.py), so the suite builds each library once."""
+    skip_a_build_like_the_suite_s(flags)
     script = """
         from tests.ops.test_matmul_gguf import KINDS, ROWS, check_against_float64, check_grouped, check_largest_sums
         for kind in KINDS:
