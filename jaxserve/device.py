@@ -122,15 +122,19 @@ def local_facts(device: Any = None) -> DeviceFacts:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This x86 CPU's feature flags, as /proc/cpuinfo lists them (`avx2`, `avx512f`, ...); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_bf16_dots() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo's
     flags): where 16-bit weights and KV cache are the fast default (`loader.resolve_weight_dtype`)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def deviceless_device(target: str) -> Any:

@@ -81,13 +81,10 @@ def skip_a_build_like_the_suite_s(flags: str) -> None:
     what they take away: `-march=native` then makes the same code, which the rest of the suite has tested
     (an AVX2 machine's suite runs the AVX2 loops). The build would still be a library of its own, as the
     flags are in its cache key, and take a compile of every kernel to prove nothing more."""
+    from jaxserve.device import cpu_flags
+
     removed = {"-mno-avx512f": "avx512f", "-mno-avx": "avx"}[flags]
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu_flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return
-    if removed not in cpu_flags:
+    if removed not in cpu_flags():
         pytest.skip(f"this CPU has no {removed}: built with {flags}, the kernels are the suite's own build")
 
 
