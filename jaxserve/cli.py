@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench = bench_kinds.add_parser(
         "serve", help="load a running server over HTTP (like `vllm bench serve`)",
-        description="Load a running server over HTTP (like `vllm bench serve`): streamed /v1/completions; "
+        description="Load a running server over HTTP (like `vllm bench serve`): streamed /v1/completions (or "
+                    "/v1/chat/completions: --backend openai-chat); "
                     "req/s, output tok/s, TTFT/TPOT/ITL/E2E mean, p50 and p99 per concurrency level.",
     )
     add_flags(serve_bench, SERVE_BENCH_FLAGS)

@@ -17,6 +17,7 @@ from jaxserve.api.tools import TOOL_PARSERS  # names only: light
 from jaxserve.config import (
     ATTENTION_IMPLS,
     AUTO_MAX_MODEL_LEN,
+    BENCH_BACKENDS,
     BENCH_DATASETS,
     CHAT_TEMPLATE_CONTENT_FORMATS,
     DTYPES,
@@ -423,11 +424,7 @@ INERT_ENGINE_FLAGS = (
 
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
-    InertFlag(("--backend",), "requests stream /v1/completions, as vLLM's openai and vllm backends send them",
-              check=_only("openai", "vllm", why="requests stream /v1/completions (vLLM's openai and vllm backends)")),
     InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly its output length", "switch"),
-    InertFlag(("--endpoint",), "requests go to /v1/completions",
-              check=_only("/v1/completions", "/v1/completions/", why="requests go to /v1/completions")),
 )
 
 # vLLM's server flags that mean nothing in jaxserve: `serve` only.
@@ -589,6 +586,13 @@ SERVE_BENCH_FLAGS = (
     Flag("--random-range-ratio", ServeBenchConfig, "range_ratio", type=float,
          help="each request's input and output lengths drawn uniformly within this fraction of theirs, either "
               "side (vLLM's flag): 0.5 with --input-len 128 is 64-192 tokens"),
+    Flag("--backend", ServeBenchConfig, "backend", choices=tuple(BENCH_BACKENDS),
+         help="vLLM's backends: openai and vllm stream /v1/completions; openai-chat streams /v1/chat/completions, "
+              "each prompt one user message in the server's chat template (random token ids decoded to text "
+              "first; a custom file's prompts not templated here) (default: openai)"),
+    Flag("--endpoint", ServeBenchConfig, "endpoint",
+         "the backend's route (vLLM's flag): /v1/completions, or /v1/chat/completions for openai-chat (default: "
+         "the backend's)"),
     Flag("--dataset-name", ServeBenchConfig, "dataset_name", choices=BENCH_DATASETS,
          help="vLLM's datasets: random token ids of the lengths above; sharegpt, a ShareGPT JSON file's "
               "conversations, each one's first turn for as many tokens as its reply (vLLM's filter and "

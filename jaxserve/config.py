@@ -688,6 +688,9 @@ class OfflineBenchConfig:
 
 
 BENCH_DATASETS = ("random", "sharegpt", "custom")  # `bench serve`'s, vLLM's names (bench/datasets.py)
+# `bench serve`'s backends, vLLM's names, and the route each streams: the completions API takes a prompt, the
+# chat API one user message (the server applies the chat template)
+BENCH_BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
 @dataclass(frozen=True)
@@ -711,6 +714,8 @@ class ServeBenchConfig:
     range_ratio: float = 0.0
     # vLLM's datasets (bench/datasets.py): random token ids of the lengths above, or a file's prompts, counted
     # with `tokenizer` (None: --model's, else that of the model the server names in /v1/models)
+    backend: str = "openai"  # BENCH_BACKENDS: openai-chat streams /v1/chat/completions, the others /v1/completions
+    endpoint: str | None = None  # the backend's route, as vLLM's --endpoint names it; None: the backend's
     dataset_name: str = "random"
     dataset_path: str | None = None  # sharegpt: a ShareGPT JSON file; custom: a JSONL file of prompts
     tokenizer: str | None = None
@@ -740,6 +745,13 @@ class ServeBenchConfig:
             raise ValueError(f"base_url must be an http:// or https:// URL, got {self.base_url!r}")
         if self.dataset_name not in BENCH_DATASETS:
             raise ValueError(f"dataset_name must be one of {', '.join(BENCH_DATASETS)}, got {self.dataset_name!r}")
+        if self.backend not in BENCH_BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BENCH_BACKENDS)}, got {self.backend!r}")
+        if self.endpoint is not None and self.endpoint.rstrip("/") != BENCH_BACKENDS[self.backend]:
+            others = [name for name, route in BENCH_BACKENDS.items() if route == self.endpoint.rstrip("/")]
+            raise ValueError(f"the {self.backend} backend streams {BENCH_BACKENDS[self.backend]}, not {self.endpoint}"
+                             + (f" (that is the {others[-1]} backend's)" if others else
+                                f"; jaxserve serves {' and '.join(sorted(set(BENCH_BACKENDS.values())))}"))
         if (self.dataset_name == "random") != (self.dataset_path is None):
             raise ValueError("the random dataset takes no dataset path; name the file's kind (sharegpt or custom)"
                              if self.dataset_path is not None else
@@ -760,6 +772,11 @@ class ServeBenchConfig:
             return base if urllib.parse.urlsplit(base).path.endswith("/v1") else f"{base}/v1"
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"http://{host}:{self.port}/v1"
+
+    @property
+    def chat(self) -> bool:
+        """Whether requests go to the chat API (each prompt one user message) rather than the completions API."""
+        return BENCH_BACKENDS[self.backend] == "/v1/chat/completions"
 
     @property
     def levels(self) -> tuple[int | None, ...]:

@@ -285,8 +285,8 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
         build_parser().parse_args(["bench", "serve", "--dataset-name", "sonnet"])
     assert "invalid choice: 'sonnet'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--backend", "openai-chat"])
-    assert "'openai-chat': requests stream /v1/completions" in capsys.readouterr().err
+        build_parser().parse_args(["bench", "serve", "--backend", "sglang"])
+    assert "invalid choice: 'sglang'" in capsys.readouterr().err
     calls.clear()
     main(["bench", "serve", "--request-rate", "3"])  # a rate without a cap: one level, uncapped, as vLLM's
     assert calls == [(None, 128, 128, 3.0)] and capsys.readouterr().out.splitlines()[0].split()[0] == "-"
@@ -315,9 +315,15 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     [(url, lengths)] = urls
     assert url == "http://gpu-box:9000/v1" and len(lengths) > 1 and 96 <= min(lengths) <= max(lengths) <= 160
     for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"],
-                ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"]):
+                ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"],
+                ["--backend", "openai-chat", "--endpoint", "/v1/completions"], ["--endpoint", "/v1/embeddings"]):
         with pytest.raises(SystemExit):
             main(["bench", "serve", *bad])
+    with pytest.raises(ValueError, match="the openai backend streams /v1/completions, not /v1/chat/completions "
+                                         r"\(that is the openai-chat backend's\)"):
+        ServeBenchConfig(endpoint="/v1/chat/completions")
+    assert ServeBenchConfig(backend="openai-chat", endpoint="/v1/chat/completions/").chat
+    assert not ServeBenchConfig(backend="vllm").chat
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(tmp_path):

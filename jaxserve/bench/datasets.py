@@ -42,6 +42,14 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, prefix_le
     return requests
 
 
+def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
+    """Token-id prompts as text, for an API that takes text (the chat API): each decoded, its length
+    counted again (a decoded text need not encode back to the same ids)."""
+    decoded = [tokenizer.decode(r.prompt) if isinstance(r.prompt, list) else r.prompt for r in requests]
+    return [BenchRequest(text, len(tokenizer(text).input_ids), r.output_len)
+            for text, r in zip(decoded, requests, strict=True)]
+
+
 def drawn_length(rng: random.Random, length: int, range_ratio: float, least: int = 0) -> int:
     """A length drawn uniformly from [length (1 - r), length (1 + r)], at least `least` (vLLM's random
     dataset); `length` itself, drawing nothing, where r is 0."""

@@ -1,12 +1,14 @@
 """`jaxserve bench serve`: an HTTP load generator in the manner of `vllm bench serve`.
 
 Each request streams /v1/completions with its prompt (`datasets.py`: random token ids, a ShareGPT
-conversation's first turn, a custom file's prompt) and `ignore_eos`, so it yields exactly its output
-length; the server's reported prompt and cached prompt tokens are counted. Requests are sent at
+conversation's first turn, a custom file's prompt), or with the openai-chat backend /v1/chat/completions
+with the prompt as one user message (random ids decoded to text first), and `ignore_eos`, so it yields
+exactly its output length; the server's reported prompt and cached prompt tokens are counted. Requests are sent at
 `request_rate` per second on vLLM's schedule (`arrival_offsets`; inf: all at once), and at most
 `concurrency` are in flight (None: no cap): one that arrives with that many in flight waits for one to
 finish, and its latencies count from when it is sent, as vLLM counts them.
-TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1).
+TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1); a chat
+stream's opening chunk, which carries the role and no text, is not a token.
 """
 
 import asyncio
@@ -20,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from jaxserve.bench.datasets import BenchRequest, CustomDataset, ShareGPTDataset, random_requests
+from jaxserve.bench.datasets import BenchRequest, CustomDataset, ShareGPTDataset, as_text, random_requests
 from jaxserve.config import ServeBenchConfig
 
 
@@ -33,6 +35,18 @@ class RequestResult:
     num_prompt_tokens: int | None = None  # the server's count (usage), where it reports one
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+def _carries_output(chunk: dict) -> bool:
+    """Whether a streamed chunk carries generated output: any choice of a completions chunk (vLLM's bench
+    counts those), a chat chunk's text, reasoning or tool call (not the opening chunk's role)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    delta = choices[0].get("delta")
+    if delta is None:  # the completions API
+        return True
+    return any(delta.get(key) for key in ("content", "reasoning_content", "reasoning", "tool_calls"))
 
 
 async def _one_request(
@@ -54,7 +68,7 @@ async def _one_request(
                     result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     result.num_cached_tokens = details.get("cached_tokens") or 0
-                if not chunk.get("choices"):
+                if not _carries_output(chunk):
                     continue
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
@@ -66,6 +80,20 @@ async def _one_request(
         result.error = repr(e)
     result.e2e_s = time.perf_counter() - start
     return result
+
+
+def _body(request: BenchRequest, model: str | None, sampling: dict[str, float | int], chat: bool) -> dict:
+    """One request's body: the prompt, its output length with EOS ignored, the sampling fields, streamed
+    with usage; for the chat API, the prompt as one user message and the length as max_completion_tokens."""
+    if chat:
+        if not isinstance(request.prompt, str):
+            raise ValueError("the chat API takes text: decode token-id prompts first (datasets.as_text)")
+        prompt: dict = {"messages": [{"role": "user", "content": request.prompt}],
+                        "max_completion_tokens": request.output_len}
+    else:
+        prompt = {"prompt": request.prompt, "max_tokens": request.output_len}
+    return {**({"model": model} if model else {}), **prompt, "ignore_eos": True, **sampling,
+            "stream": True, "stream_options": {"include_usage": True}}
 
 
 def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -98,24 +126,19 @@ async def run_level(
     sampling: dict[str, float | int | None] | None = None,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
+    chat: bool = False,
 ) -> dict:
     """Sends `requests` at `request_rate` per second, at most `concurrency` in flight (None: no cap);
     returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
-    left out); greedy by default. `seed`: the arrival times'."""
+    left out); greedy by default. `seed`: the arrival times'. `chat`: to /v1/chat/completions, each prompt
+    (text) one user message, as vLLM's openai-chat backend sends it; else to /v1/completions."""
     if not request_rate > 0 or not burstiness > 0:
         raise ValueError(f"request_rate and burstiness must be > 0 (inf: all at once), got {request_rate}, "
                          f"{burstiness}")
     sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
-    url = f"{base_url.rstrip('/')}/completions"
+    url = f"{base_url.rstrip('/')}/{'chat/completions' if chat else 'completions'}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    bodies = [
-        {
-            **({"model": model} if model else {}),
-            "prompt": request.prompt, "max_tokens": request.output_len, "ignore_eos": True, **sampling,
-            "stream": True, "stream_options": {"include_usage": True},
-        }
-        for request in requests
-    ]
+    bodies = [_body(request, model, sampling, chat) for request in requests]
     num_prompts = len(requests)
     in_flight = concurrency or num_prompts
     limit = asyncio.Semaphore(in_flight)
@@ -181,26 +204,38 @@ def format_report(results: list[dict]) -> str:
 def level_requests(config: ServeBenchConfig) -> Callable[[int], list[BenchRequest]]:
     """A level's requests by its prompt count, from `config`'s dataset: a file is read (and its tokenizer
     loaded) once, here, and every level takes its first prompts, as each of vLLM's runs does."""
-    if config.dataset_name == "random":
+    if config.dataset_name == "random" and not config.chat:
         return lambda num_prompts: random_requests(num_prompts, config.input_len, config.output_len,
                                                    config.prefix_len, config.range_ratio, config.seed)
     tokenizer = _tokenizer(config)
+    if config.dataset_name == "random":  # the chat API takes text: the ids decoded, as vLLM's dataset sends them
+        return lambda num_prompts: as_text(random_requests(num_prompts, config.input_len, config.output_len,
+                                                           config.prefix_len, config.range_ratio, config.seed),
+                                           tokenizer)
     oversample, shuffle = not config.no_oversample, not config.disable_shuffle
     if config.dataset_name == "sharegpt":
         sharegpt = ShareGPTDataset(config.dataset_path, config.seed, shuffle)
         return lambda num_prompts: sharegpt.sample(tokenizer, num_prompts, config.sharegpt_output_len, oversample)
     custom = CustomDataset(config.dataset_path, config.seed, shuffle)
     return lambda num_prompts: custom.sample(tokenizer, num_prompts, config.custom_output_len,
-                                             not config.skip_chat_template, oversample)
+                                             _templated_here(config), oversample)
+
+
+def _templated_here(config: ServeBenchConfig) -> bool:
+    """Whether the custom dataset's prompts are put in the chat template here: not where the chat API's
+    server puts them there (vLLM's bench would template them twice), nor with --skip-chat-template."""
+    return not config.skip_chat_template and not config.chat
 
 
 def _tokenizer(config: ServeBenchConfig) -> Any:
     """--tokenizer, else --model, else the model the server names in /v1/models (its `root`, the path or
-    hub id it loaded, where the server gives one, as jaxserve and vLLM do; else its id)."""
+    hub id it loaded, where the server gives one, as jaxserve and vLLM do; else its id). Random prompts need
+    it only for the chat API, which takes them as text."""
     from jaxserve.models.source import resolve_tokenizer
     from jaxserve.models.tokenizer import is_fallback_template, load_tokenizer
 
     name = config.tokenizer or config.model
+    uses = "decodes its token ids for the chat API" if config.dataset_name == "random" else "counts tokens"
     if name is None:
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         try:
@@ -209,7 +244,7 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
             card = response.json()["data"][0]
             name = card.get("root") or card["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
-            raise ValueError(f"the {config.dataset_name} dataset counts tokens with the model's tokenizer, and "
+            raise ValueError(f"the {config.dataset_name} dataset {uses} with the model's tokenizer, and "
                              f"{config.openai_base_url}/models named no model ({error!r}): give --tokenizer "
                              f"or --model") from None
     try:
@@ -217,7 +252,7 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
     except (OSError, RuntimeError, ValueError) as error:
         raise ValueError(f"no tokenizer from {name!r} for the {config.dataset_name} dataset ({error}); give "
                          f"--tokenizer: a directory, a .gguf file or a hub id") from None
-    if config.dataset_name == "custom" and not config.skip_chat_template and is_fallback_template(tokenizer):
+    if config.dataset_name == "custom" and _templated_here(config) and is_fallback_template(tokenizer):
         raise ValueError(f"{name} has no chat template for the custom dataset's prompts (vLLM's bench stops "
                          f"there too): give --skip-chat-template to send them as written")
     return tokenizer
@@ -236,7 +271,7 @@ def main(config: ServeBenchConfig) -> None:
                     "min_p": config.min_p}
         results.append(asyncio.run(run_level(
             config.openai_base_url, config.model, concurrency, requests, api_key=config.api_key, seed=config.seed,
-            sampling=sampling, request_rate=config.request_rate, burstiness=config.burstiness,
+            sampling=sampling, request_rate=config.request_rate, burstiness=config.burstiness, chat=config.chat,
         )))
         print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
     print(footer)

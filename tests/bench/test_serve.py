@@ -139,3 +139,63 @@ def test_bench_serve_replays_a_file_s_prompts_through_the_server(server, tmp_pat
         assert result["completed"] == len(expected) and result["failed"] == 0, result["errors"]
         assert round(result["output_tokens_per_s"] * result["duration_s"]) == sum(r.output_len for r in expected)
         assert result["prompt_tokens"] == sum(r.prompt_len for r in expected)
+
+
+def test_a_chat_stream_s_first_token_is_its_first_text_not_its_role():
+    """TTFT and ITL count chunks that carry output: a completions chunk's choice (as vLLM's bench counts it),
+    a chat chunk's text, reasoning or tool call; not the chat stream's opening role chunk, which jaxserve
+    sends before the prompt is computed, nor the usage chunk."""
+    carries = serve._carries_output
+    assert not carries({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assert carries({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+    assert carries({"choices": [{"index": 0, "delta": {"reasoning_content": "so"}}]})
+    assert carries({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]})
+    assert carries({"choices": [{"index": 0, "text": ""}]})
+    assert not carries({"choices": [], "usage": {"completion_tokens": 3}})
+
+
+def test_bench_serve_streams_the_chat_api_as_vllm_s_openai_chat_backend(server, tmp_path, smollm2_tokenizer,
+                                                                         monkeypatch):
+    """vLLM's `bench serve --backend openai-chat`: each prompt one user message to /v1/chat/completions
+    (random token ids decoded with the tokenizer of the model the server names), for exactly its output
+    length; the prompt tokens counted are the server's, the chat template's included. A custom file's
+    prompts go as written: the server puts them in the template, once."""
+    from jaxserve.bench.datasets import CustomDataset, as_text
+    from jaxserve.cli import main
+
+    bodies: list[dict] = []
+    one_request = serve._one_request
+
+    async def recording(client, url, headers, body) -> serve.RequestResult:
+        bodies.append(body)
+        assert url.endswith("/v1/chat/completions")
+        result = await one_request(client, url, headers, body)
+        assert 0 < result.ttft_s < result.e2e_s and len(result.itl_s) == body["max_completion_tokens"] - 1
+        return result
+
+    monkeypatch.setattr(serve, "_one_request", recording)
+    flags = ["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY, "--backend", "openai-chat",
+             "--max-concurrency", "2", "--num-prompts", "4", "--json", str(tmp_path / "result.json")]
+    main([*flags, "--input-len", "12", "--output-len", "5"])
+    [result] = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert round(result["output_tokens_per_s"] * result["duration_s"]) == 4 * 5
+    texts = [smollm2_tokenizer.decode(r.prompt) for r in random_requests(4, 12, 5)]
+    assert [body["messages"] for body in bodies] == [[{"role": "user", "content": text}] for text in texts]
+    assert all("prompt" not in body and body["ignore_eos"] for body in bodies)
+    templated = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                       add_generation_prompt=True, tokenize=False) for text in texts]
+    assert result["prompt_tokens"] == sum(len(smollm2_tokenizer(text).input_ids) for text in templated)
+    assert result["prompt_tokens"] > sum(r.prompt_len for r in as_text(random_requests(4, 12, 5), smollm2_tokenizer))
+
+    custom = tmp_path / "prompts.jsonl"
+    custom.write_text("\n".join(json.dumps({"prompt": f"Name a colour, number {i}."}) for i in range(2)))
+    bodies.clear()
+    main([*flags, "--dataset-name", "custom", "--dataset-path", str(custom), "--custom-output-len", "3",
+          "--disable-shuffle"])
+    [result] = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert {body["messages"][0]["content"] for body in bodies} == {"Name a colour, number 0.",
+                                                                   "Name a colour, number 1."}
+    templated = CustomDataset(str(custom), shuffle=False).sample(smollm2_tokenizer, 4, output_len=3)
+    assert result["prompt_tokens"] == sum(r.prompt_len for r in templated)
