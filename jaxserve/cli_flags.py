@@ -19,6 +19,8 @@ from jaxserve.config import (
     AUTO_MAX_MODEL_LEN,
     BENCH_BACKENDS,
     BENCH_DATASETS,
+    BENCH_METRICS,
+    BENCH_SLO_METRICS,
     CHAT_TEMPLATE_CONTENT_FORMATS,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -152,6 +154,43 @@ def add_flags(parser: Group, flags: Sequence[Flag], title: str | None = None) ->
 def read_flags(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, Any]:
     """{field: value} of `flags` as parsed."""
     return {flag.field: flag.read(args) for flag in flags}
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"top_k\": 20}}', got {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def _key_value(value: str) -> tuple[str, str]:
+    key, equals, rest = value.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return key.strip(), rest.strip()
+
+
+def _slo(value: str) -> tuple[str, float]:
+    metric, colon, bound = value.partition(":")
+    try:
+        if colon:
+            return metric.strip(), float(bound)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected METRIC:MILLISECONDS such as ttft:500, got {value!r}")
+
+
+def _comma_list(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
+    def parse(value: str) -> tuple:
+        try:
+            return tuple(kind(item.strip()) for item in value.split(",") if item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {value!r}") from None
+
+    return parse
 
 
 def _json_list(value: str) -> list[str]:
@@ -425,6 +464,7 @@ INERT_ENGINE_FLAGS = (
 # `vllm bench serve`'s flags that mean nothing to `jaxserve bench serve`.
 INERT_BENCH_FLAGS = (
     InertFlag(("--ignore-eos",), "every request ignores EOS, for exactly its output length", "switch"),
+    InertFlag(("--disable-tqdm",), "the bench prints a row a level, not a progress bar", "switch"),
 )
 
 # vLLM's server flags that mean nothing in jaxserve: `serve` only.
@@ -621,7 +661,50 @@ SERVE_BENCH_FLAGS = (
          "not sent)", type=int),
     Flag("--min-p", ServeBenchConfig, "min_p", "sent with every request, a vLLM/llama.cpp extension (default: "
          "not sent)", type=float),
+    Flag("--frequency-penalty", ServeBenchConfig, "frequency_penalty", "sent with every request (default: not sent)",
+         type=float),
+    Flag("--presence-penalty", ServeBenchConfig, "presence_penalty", "sent with every request (default: not sent)",
+         type=float),
+    Flag("--repetition-penalty", ServeBenchConfig, "repetition_penalty", "sent with every request, a vLLM extension "
+         "(default: not sent)", type=float),
+    Flag("--logprobs", ServeBenchConfig, "logprobs", type=int,
+         help="log-probabilities per token, asked of every request (the chat API's logprobs and top_logprobs) "
+              "(default: none)"),
+    Flag("--extra-body", ServeBenchConfig, "extra_body", type=_json_object,
+         help="a JSON object whose fields every request also carries, over the bench's own (vLLM's flag), e.g. "
+              "'{\"chat_template_kwargs\": {\"enable_thinking\": false}}' (default: none)"),
+    Flag("--served-model-name", ServeBenchConfig, "served_model_name",
+         "the `model` field to send where it differs from --model, which then names the tokenizer (vLLM's flag) "
+         "(default: --model)"),
+    Flag("--header", ServeBenchConfig, "headers", type=_key_value, nargs="*", metavar="KEY=VALUE",
+         help="headers sent with every request (vLLM's flag) (default: none)"),
+    Flag("--request-id-prefix", ServeBenchConfig, "request_id_prefix",
+         "each request's X-Request-Id is this, the level's number and the request's, as in PREFIX0-12 "
+         "(default: bench- and 8 random hex digits)"),
+    Flag("--insecure", ServeBenchConfig, "insecure", **_OFF, help="https without checking the server's certificate"),
+    Flag("--percentile-metrics", ServeBenchConfig, "percentile_metrics", type=_comma_list(str),
+         help=f"the latencies the table shows, comma-separated: some of {','.join(BENCH_METRICS)} (vLLM's names; "
+              f"every one is in the JSON) (default: all)"),
+    Flag("--metric-percentiles", ServeBenchConfig, "metric_percentiles", type=_comma_list(float),
+         help="percentiles reported beside each latency's mean and median, comma-separated, as 90,99 (default: 99)"),
+    Flag("--goodput", ServeBenchConfig, "goodput", type=_slo, nargs="+", metavar="METRIC:MS",
+         help=f"service level objectives in ms, METRIC one of {', '.join(BENCH_SLO_METRICS)} (vLLM's flag): the "
+              f"requests per second that met them all (good/s) (default: none)"),
+    Flag("--ready-check-timeout-sec", ServeBenchConfig, "ready_check_timeout_sec", type=float,
+         help="first send a one-token request until the server answers it, waiting at most this long, as for a "
+              "server still starting (vLLM's flag); 0 sends none (default: 0)"),
+    Flag("--num-warmups", ServeBenchConfig, "num_warmups", type=int,
+         help="requests of the first prompt sent, and not measured, before the first level (default: 0)"),
     Flag("--json", ServeBenchConfig, "json", "also write the results to this file (default: none)"),
+    Flag("--save-result", ServeBenchConfig, "save_result", **_OFF,
+         help="also write the results, a record a level with the run's settings, as vLLM's flag names the file: "
+              "LABEL-RATEqps-concurrencyC-MODEL-DATE.json"),
+    Flag("--result-dir", ServeBenchConfig, "result_dir", "--save-result's folder (default: the current one)"),
+    Flag("--result-filename", ServeBenchConfig, "result_filename", "--save-result's file name (default: vLLM's)"),
+    Flag("--label", ServeBenchConfig, "label", "names the run in its records and --save-result's file (default: "
+         "the backend)"),
+    Flag("--metadata", ServeBenchConfig, "metadata", type=_key_value, nargs="*", metavar="KEY=VALUE",
+         help="pairs added to each record of the results (vLLM's flag) (default: none)"),
 )
 
 BUCKET_FLAGS = (

@@ -691,6 +691,9 @@ BENCH_DATASETS = ("random", "sharegpt", "custom")  # `bench serve`'s, vLLM's nam
 # `bench serve`'s backends, vLLM's names, and the route each streams: the completions API takes a prompt, the
 # chat API one user message (the server applies the chat template)
 BENCH_BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# `bench serve`'s latency metrics, vLLM's names (--percentile-metrics), and those a goodput SLO may bound
+BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
+BENCH_SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True)
@@ -700,7 +703,8 @@ class ServeBenchConfig:
     base_url: str | None = None  # a server's root (vLLM's meaning) or its OpenAI base; None: host and port's
     host: str = "127.0.0.1"  # vLLM's --host and --port: the server at http://HOST:PORT, without a base_url
     port: int = ServerConfig.port
-    model: str | None = None  # the `model` field sent; None: none, the server's
+    model: str | None = None  # the `model` field sent (and the tokenizer's source); None: none, the server's
+    served_model_name: str | None = None  # the `model` field sent in place of `model` (vLLM's flag)
     api_key: str | None = None
     concurrency: tuple[int, ...] | None = None  # levels, requests in flight at most; None: `levels`
     num_prompts: int | None = None  # per level; None: `prompts_per_level`
@@ -729,7 +733,28 @@ class ServeBenchConfig:
     top_p: float | None = None  # None: not sent
     top_k: int | None = None
     min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None  # per token; None: none asked for
+    extra_body: dict[str, Any] | None = None  # fields added to every request's body (vLLM's --extra-body)
+    headers: tuple[tuple[str, str], ...] = ()  # sent with every request (vLLM's --header KEY=VALUE)
+    request_id_prefix: str | None = None  # each request's X-Request-Id is this and its number; None: a random one
+    insecure: bool = False  # https without checking the server's certificate
+    # the report: which metrics the table shows, and the percentiles of each beside mean and median
+    percentile_metrics: tuple[str, ...] = BENCH_METRICS
+    metric_percentiles: tuple[float, ...] = (99.0,)
+    goodput: tuple[tuple[str, float], ...] = ()  # SLOs in ms (metric, bound): requests/s that meet them all
+    ready_check_timeout_sec: float = 0.0  # wait this long for the server to answer a request first; 0: no wait
+    num_warmups: int = 0  # requests sent, not measured, before the first level
     json: str | None = None  # a file for the results
+    # vLLM's --save-result: the results also in result_dir/result_filename, by default named from the label
+    # (else the backend), the rate, the levels, the model and the time; `metadata` pairs added to each record
+    save_result: bool = False
+    result_dir: str | None = None
+    result_filename: str | None = None
+    label: str | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and min(self.concurrency, default=0) < 1:
@@ -758,6 +783,20 @@ class ServeBenchConfig:
                              f"the {self.dataset_name} dataset reads a file: give its dataset path")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"sharegpt_output_len must be >= 1, got {self.sharegpt_output_len}")
+        if not set(self.percentile_metrics) <= set(BENCH_METRICS) or not self.percentile_metrics:
+            raise ValueError(f"percentile_metrics must name some of {', '.join(BENCH_METRICS)}, got "
+                             f"{', '.join(self.percentile_metrics) or 'none'}")
+        if not all(0 < p < 100 for p in self.metric_percentiles):
+            raise ValueError(f"metric_percentiles must be in (0, 100), got {self.metric_percentiles}")
+        for metric, bound in self.goodput:
+            if metric not in BENCH_SLO_METRICS or not bound >= 0:
+                raise ValueError(f"a goodput SLO is METRIC:MS with METRIC one of {', '.join(BENCH_SLO_METRICS)} and "
+                                 f"MS >= 0, got {metric}:{bound}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.num_warmups < 0 or not self.ready_check_timeout_sec >= 0:
+            raise ValueError(f"num_warmups and ready_check_timeout_sec must be >= 0, got {self.num_warmups} and "
+                             f"{self.ready_check_timeout_sec}")
         if self.custom_output_len != -1 and self.custom_output_len < 1:
             raise ValueError(f"custom_output_len must be >= 1, or -1 for each line's output_tokens, got "
                              f"{self.custom_output_len}")

@@ -273,7 +273,8 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     monkeypatch.setattr(jaxserve.bench.serve, "run_level", fake_run_level)
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
         main(["bench", "serve", "--max-concurrency", "1", "4", "--request-rate", "2.5", "--random-input-len", "64",
-              "--random-output-len", "16", "--random-prefix-len", "8", "--dataset-name", "random", "--ignore-eos"])
+              "--random-output-len", "16", "--random-prefix-len", "8", "--dataset-name", "random", "--ignore-eos",
+              "--disable-tqdm"])
     assert calls == [(1, 64 + 8, 16, 2.5), (4, 64 + 8, 16, 2.5)]
     rest = capsys.readouterr().out.splitlines()
     header = seen_before_level[0].splitlines()
@@ -281,6 +282,7 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     assert seen_before_level[1].split()[0] == "1"  # level 1's row, printed before level 4 ran
     assert [line.split()[0] for line in rest] == ["4", "(latencies"] and rest[0].split()[-1] == "2.5"
     assert "--ignore-eos changes nothing in jaxserve" in caplog.text
+    assert "--disable-tqdm changes nothing in jaxserve" in caplog.text
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--dataset-name", "sonnet"])
     assert "invalid choice: 'sonnet'" in capsys.readouterr().err
@@ -316,7 +318,11 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     assert url == "http://gpu-box:9000/v1" and len(lengths) > 1 and 96 <= min(lengths) <= max(lengths) <= 160
     for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"],
                 ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"],
-                ["--backend", "openai-chat", "--endpoint", "/v1/completions"], ["--endpoint", "/v1/embeddings"]):
+                ["--backend", "openai-chat", "--endpoint", "/v1/completions"], ["--endpoint", "/v1/embeddings"],
+                ["--goodput", "itl:50"], ["--goodput", "ttft=50"], ["--goodput", "ttft:-1"],
+                ["--metric-percentiles", "100"],
+                ["--percentile-metrics", "ttft,latency"], ["--extra-body", "[1]"], ["--header", "no-equals"],
+                ["--num-warmups", "-1"], ["--logprobs", "-2"]):
         with pytest.raises(SystemExit):
             main(["bench", "serve", *bad])
     with pytest.raises(ValueError, match="the openai backend streams /v1/completions, not /v1/chat/completions "

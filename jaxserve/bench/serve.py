@@ -8,22 +8,31 @@ exactly its output length; the server's reported prompt and cached prompt tokens
 `concurrency` are in flight (None: no cap): one that arrives with that many in flight waits for one to
 finish, and its latencies count from when it is sent, as vLLM counts them.
 TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT) / (tokens - 1); a chat
-stream's opening chunk, which carries the role and no text, is not a token.
+stream's opening chunk, which carries the role and no text, is not a token. Each latency is summed up by its
+mean, deviation, median and chosen percentiles, and a goodput counts the requests within every SLO given.
+
+Before the levels, as vLLM's bench: a ready check (a one-token request sent until the server answers it) and
+warm-up requests, where asked for. Everything here runs on one asyncio loop per level; nothing is shared
+between levels but the settings.
 """
 
 import asyncio
+import contextlib
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
 from jaxserve.bench.datasets import BenchRequest, CustomDataset, ShareGPTDataset, as_text, random_requests
-from jaxserve.config import ServeBenchConfig
+from jaxserve.config import BENCH_BACKENDS, ServeBenchConfig
 
 
 @dataclass
@@ -63,6 +72,11 @@ async def _one_request(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"a streamed event that is not a JSON object: {line[:200]!r}")
+                if chunk.get("error"):  # an error after the stream began (vLLM and jaxserve send one so)
+                    result.error = f"error in the stream: {json.dumps(chunk['error'])[:200]}"
+                    break
                 if chunk.get("usage"):
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
                     result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -78,11 +92,13 @@ async def _one_request(
                 last = now
     except httpx.HTTPError as e:
         result.error = repr(e)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a body that is not the API's
+        result.error = f"malformed stream: {e!r}"[:300]
     result.e2e_s = time.perf_counter() - start
     return result
 
 
-def _body(request: BenchRequest, model: str | None, sampling: dict[str, float | int], chat: bool) -> dict:
+def _body(request: BenchRequest, model: str | None, sampling: dict[str, Any], chat: bool) -> dict:
     """One request's body: the prompt, its output length with EOS ignored, the sampling fields, streamed
     with usage; for the chat API, the prompt as one user message and the length as max_completion_tokens."""
     if chat:
@@ -94,6 +110,20 @@ def _body(request: BenchRequest, model: str | None, sampling: dict[str, float | 
         prompt = {"prompt": request.prompt, "max_tokens": request.output_len}
     return {**({"model": model} if model else {}), **prompt, "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+def request_fields(config: ServeBenchConfig) -> dict[str, Any]:
+    """The fields every request carries besides its prompt and length: the sampling settings given, logprobs
+    (the completions API's count; the chat API's flag and top_logprobs), then --extra-body's, which win."""
+    fields: dict[str, Any] = {
+        "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k, "min_p": config.min_p,
+        "frequency_penalty": config.frequency_penalty, "presence_penalty": config.presence_penalty,
+        "repetition_penalty": config.repetition_penalty,
+    }
+    if config.logprobs is not None:
+        fields.update({"logprobs": True, "top_logprobs": config.logprobs} if config.chat else
+                      {"logprobs": config.logprobs})
+    return {**{key: value for key, value in fields.items() if value is not None}, **(config.extra_body or {})}
 
 
 def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -109,11 +139,37 @@ def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1
     return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
 
 
-def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
-    array = np.asarray(values) * scale
-    return {"mean": float(array.mean()), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+def _percentile_key(percentile: float) -> str:
+    return f"p{percentile:g}"  # p99, p99.9, as vLLM names them
+
+
+def _percentiles(values: list[float], percentiles: tuple[float, ...] = (99.0,)) -> dict[str, float]:
+    """Mean, standard deviation, median (p50) and `percentiles` of `values` (seconds), in milliseconds."""
+    array = np.asarray(values or [0.0]) * 1000.0
+    summary = {"mean": float(array.mean()), "std": float(array.std()), "p50": float(np.percentile(array, 50))}
+    return summary | {_percentile_key(p): float(np.percentile(array, p)) for p in percentiles}
+
+
+def _meets(result: RequestResult, slos_ms: dict[str, float]) -> bool:
+    """Whether a request met every SLO (vLLM's goodput: a request of one token has a TPOT of 0)."""
+    tpot = (result.e2e_s - result.ttft_s) / (result.num_output_tokens - 1) if result.num_output_tokens > 1 else 0.0
+    measured = {"ttft": result.ttft_s, "tpot": tpot, "e2el": result.e2e_s}
+    return all(measured[metric] * 1000.0 <= bound for metric, bound in slos_ms.items())
+
+
+def _client(in_flight: int, verify: bool) -> httpx.AsyncClient:
+    # A connection per request: some servers (llama-server) drop idle kept-alive connections, and a request
+    # sent on one fails before reaching them. A local connect costs well under a millisecond.
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), verify=verify,
+                             limits=httpx.Limits(max_connections=in_flight, max_keepalive_connections=0))
+
+
+def _headers(api_key: str | None, headers: dict[str, str] | None) -> dict[str, str]:
+    return {**({"Authorization": f"Bearer {api_key}"} if api_key else {}), **(headers or {})}
+
+
+def _url(base_url: str, chat: bool) -> str:
+    return f"{base_url.rstrip('/')}/{'chat/completions' if chat else 'completions'}"
 
 
 async def run_level(
@@ -123,46 +179,53 @@ async def run_level(
     requests: list[BenchRequest],
     api_key: str | None = None,
     seed: int = 0,
-    sampling: dict[str, float | int | None] | None = None,
+    sampling: dict[str, Any] | None = None,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
     chat: bool = False,
+    headers: dict[str, str] | None = None,
+    request_id_prefix: str | None = None,
+    percentiles: tuple[float, ...] = (99.0,),
+    goodput: dict[str, float] | None = None,
+    verify: bool = True,
 ) -> dict:
     """Sends `requests` at `request_rate` per second, at most `concurrency` in flight (None: no cap);
     returns the vLLM-style summary. `sampling`: fields sent with every request (those set to None are
     left out); greedy by default. `seed`: the arrival times'. `chat`: to /v1/chat/completions, each prompt
-    (text) one user message, as vLLM's openai-chat backend sends it; else to /v1/completions."""
+    (text) one user message, as vLLM's openai-chat backend sends it; else to /v1/completions. `headers`:
+    sent with each request, with X-Request-Id `request_id_prefix` and the request's number where given.
+    Each latency is summed up by its mean, deviation, median and `percentiles`; `goodput` (SLOs in ms on
+    ttft, tpot, e2el) adds the rate of requests that met them all."""
     if not request_rate > 0 or not burstiness > 0:
         raise ValueError(f"request_rate and burstiness must be > 0 (inf: all at once), got {request_rate}, "
                          f"{burstiness}")
     sampling = {key: value for key, value in (sampling or {"temperature": 0.0}).items() if value is not None}
-    url = f"{base_url.rstrip('/')}/{'chat/completions' if chat else 'completions'}"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = _url(base_url, chat)
+    sent_headers = _headers(api_key, headers)
     bodies = [_body(request, model, sampling, chat) for request in requests]
+    request_headers = [sent_headers if request_id_prefix is None else
+                       {**sent_headers, "X-Request-Id": f"{request_id_prefix}{i}"} for i in range(len(requests))]
     num_prompts = len(requests)
     in_flight = concurrency or num_prompts
     limit = asyncio.Semaphore(in_flight)
-    timeout = httpx.Timeout(None, connect=30.0)
-    # A connection per request: some servers (llama-server) drop idle kept-alive connections, and a request
-    # sent on one fails before reaching them. A local connect costs well under a millisecond.
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with _client(in_flight, verify) as client:
 
-        async def bounded(body: dict, offset: float) -> RequestResult:
+        async def bounded(body: dict, request_headers: dict[str, str], offset: float) -> RequestResult:
             await asyncio.sleep(offset - (time.perf_counter() - start))  # its arrival; a negative wait is none
             async with limit:
-                return await _one_request(client, url, headers, body)
+                return await _one_request(client, url, request_headers, body)
 
         start = time.perf_counter()
         offsets = arrival_offsets(num_prompts, request_rate, burstiness, seed)
-        results = await asyncio.gather(*(bounded(b, t) for b, t in zip(bodies, offsets, strict=True)))
+        results = await asyncio.gather(*(bounded(b, h, t) for b, h, t in zip(bodies, request_headers, offsets,
+                                                                                  strict=True)))
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(request.prompt_len if r.num_prompt_tokens is None else r.num_prompt_tokens
                      for r, request in zip(results, requests, strict=True) if r.error is None)
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
-    return {
+    summary = {
         "concurrency": concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # vLLM's JSON: strict JSON
         "burstiness": burstiness,
@@ -176,23 +239,69 @@ async def run_level(
         "total_tokens_per_s": (num_output + num_prompt) / duration,
         "prompt_tokens": num_prompt,
         "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
-        "ttft_ms": _percentiles([r.ttft_s for r in ok]),
-        "tpot_ms": _percentiles(tpot),
-        "itl_ms": _percentiles([gap for r in ok for gap in r.itl_s]),
-        "e2e_ms": _percentiles([r.e2e_s for r in ok]),
+        "ttft_ms": _percentiles([r.ttft_s for r in ok], percentiles),
+        "tpot_ms": _percentiles(tpot, percentiles),
+        "itl_ms": _percentiles([gap for r in ok for gap in r.itl_s], percentiles),
+        "e2e_ms": _percentiles([r.e2e_s for r in ok], percentiles),
     }
+    if goodput:
+        summary["goodput_slos_ms"] = dict(goodput)
+        summary["request_goodput"] = sum(_meets(r, goodput) for r in ok) / duration
+    return summary
 
 
-def format_report(results: list[dict]) -> str:
-    lines = [
-        f"{'conc':>5} {'req/s':>7} {'out tok/s':>10} "
-        + " ".join(f"{m + ' ' + s:>12}" for m in ("TTFT", "TPOT", "ITL", "E2E") for s in ("mean", "p50", "p99"))
-        + f" {'rate':>6}"
-    ]
+async def wait_until_ready(base_url: str, body: dict, chat: bool, timeout_s: float, headers: dict[str, str],
+                           verify: bool = True, retry_s: float = 1.0) -> float:
+    """vLLM's ready check: sends `body` until the server answers it with a 200, retrying while nothing
+    listens, while the server says it is busy or starting (429, 5xx) and its stream breaks off; a request it
+    refuses otherwise (4xx) stops at once, since sending it again cannot help. Returns the seconds waited."""
+    url, start = _url(base_url, chat), time.perf_counter()
+    async with _client(1, verify) as client:
+        while True:
+            result = await _one_request(client, url, headers, body)
+            if result.error is None:
+                return time.perf_counter() - start
+            status = result.error.split()[1].rstrip(":") if result.error.startswith("HTTP ") else ""
+            if status.startswith("4") and status != "429":
+                raise ValueError(f"the server refused the ready check's request ({result.error}); the benchmark's "
+                                 f"requests would fail alike")
+            if time.perf_counter() - start + retry_s > timeout_s:
+                raise ValueError(f"{url} was not ready within {timeout_s:g} s (the last try: {result.error})")
+            await asyncio.sleep(retry_s)
+
+
+async def warm_up(base_url: str, model: str | None, request: BenchRequest, count: int, in_flight: int,
+                  sampling: dict[str, Any], chat: bool, headers: dict[str, str], verify: bool = True) -> int:
+    """vLLM's --num-warmups: `count` requests of the first prompt, `in_flight` at a time, not measured.
+    Returns how many failed."""
+    body, url, limit = _body(request, model, sampling, chat), _url(base_url, chat), asyncio.Semaphore(in_flight)
+    async with _client(in_flight, verify) as client:
+
+        async def bounded() -> RequestResult:
+            async with limit:
+                return await _one_request(client, url, headers, body)
+
+        results = await asyncio.gather(*(bounded() for _ in range(count)))
+    return sum(r.error is not None for r in results)
+
+
+_METRIC_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2el": "e2e_ms"}
+_TITLES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
+
+
+def format_report(results: list[dict], metrics: tuple[str, ...] = tuple(_METRIC_KEYS),
+                  percentiles: tuple[float, ...] = (99.0,), goodput: bool = False) -> str:
+    """A header, a row per level and a footnote: req/s, output tok/s, then each of `metrics`' mean, median
+    and `percentiles`, the goodput (req/s within the SLOs) where measured, and the request rate."""
+    stats = ["mean", "p50", *(_percentile_key(p) for p in percentiles if p != 50)]
+    header = f"{'conc':>5} {'req/s':>7} {'out tok/s':>10} " + " ".join(
+        f"{_TITLES[m] + ' ' + s:>12}" for m in metrics for s in stats)
+    lines = [header + (f" {'good/s':>7}" if goodput else "") + f" {'rate':>6}"]
     for r in results:
         row = f"{r['concurrency'] or '-':>5} {r['request_throughput']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
-        row += " ".join(f"{r[m][s]:>12.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-                        for s in ("mean", "p50", "p99"))
+        row += " ".join(f"{r[_METRIC_KEYS[m]][s]:>12.1f}" for m in metrics for s in stats)
+        if goodput:
+            row += f" {r['request_goodput']:>7.2f}"
         row += f" {r['request_rate']:>6}"  # requests sent per second (inf: all at once)
         if r["failed"]:
             row += f"   ({r['failed']} failed: {r['errors']})"
@@ -227,26 +336,33 @@ def _templated_here(config: ServeBenchConfig) -> bool:
     return not config.skip_chat_template and not config.chat
 
 
+def _served_model(config: ServeBenchConfig) -> str:
+    """The model the server names first in /v1/models: its `root` (the path or hub id it loaded, where the
+    server gives one, as jaxserve and vLLM do), else its id. ValueError where the server names none."""
+    try:
+        response = httpx.get(f"{config.openai_base_url}/models", headers=_headers(config.api_key, dict(config.headers)),
+                             timeout=30.0, verify=not config.insecure)
+        response.raise_for_status()
+        card = response.json()["data"][0]
+        return card.get("root") or card["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+        raise ValueError(f"{config.openai_base_url}/models named no model ({error!r})") from None
+
+
 def _tokenizer(config: ServeBenchConfig) -> Any:
-    """--tokenizer, else --model, else the model the server names in /v1/models (its `root`, the path or
-    hub id it loaded, where the server gives one, as jaxserve and vLLM do; else its id). Random prompts need
-    it only for the chat API, which takes them as text."""
+    """--tokenizer, else --model, else the model the server names in /v1/models. Random prompts need it only
+    for the chat API, which takes them as text."""
     from jaxserve.models.source import resolve_tokenizer
     from jaxserve.models.tokenizer import is_fallback_template, load_tokenizer
 
     name = config.tokenizer or config.model
     uses = "decodes its token ids for the chat API" if config.dataset_name == "random" else "counts tokens"
     if name is None:
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         try:
-            response = httpx.get(f"{config.openai_base_url}/models", headers=headers, timeout=30.0)
-            response.raise_for_status()
-            card = response.json()["data"][0]
-            name = card.get("root") or card["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
-            raise ValueError(f"the {config.dataset_name} dataset {uses} with the model's tokenizer, and "
-                             f"{config.openai_base_url}/models named no model ({error!r}): give --tokenizer "
-                             f"or --model") from None
+            name = _served_model(config)
+        except ValueError as error:
+            raise ValueError(f"the {config.dataset_name} dataset {uses} with the model's tokenizer, and {error}: "
+                             f"give --tokenizer or --model") from None
     try:
         tokenizer = load_tokenizer(resolve_tokenizer(name))
     except (OSError, RuntimeError, ValueError) as error:
@@ -258,23 +374,65 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
     return tokenizer
 
 
+def result_path(config: ServeBenchConfig, model_id: str | None, date: str) -> str:
+    """Where --save-result writes, as vLLM names the file: --result-filename, else the label (else the
+    backend), the rate, the levels' caps, the model's last path part and the time; inside --result-dir."""
+    caps = [str(c) for c in config.levels if c is not None]
+    levels = "-concurrency" + "-".join(caps) if caps else ""
+    model = (model_id or "model").rstrip("/").split("/")[-1]
+    label = config.label or config.backend
+    name = config.result_filename or f"{label}-{config.request_rate}qps{levels}-{model}-{date}.json"
+    return str(Path(config.result_dir) / name) if config.result_dir else name
+
+
 def main(config: ServeBenchConfig) -> None:
-    """The command: one level per `config.concurrency`, each row printed as soon as it is measured (after
-    the header), the results written to `config.json`."""
+    """The command: the ready check and the warm-up requests where asked for, then one level per
+    `config.concurrency`, each row printed as soon as it is measured (after the header), the results written
+    to `config.json` and, with --save-result, to `result_path`, each level a record with the run's settings."""
+    sampling, chat, verify = request_fields(config), config.chat, not config.insecure
+    model = config.served_model_name or config.model
+    headers = _headers(config.api_key, dict(config.headers))
+    if config.ready_check_timeout_sec > 0:
+        print(f"waiting up to {config.ready_check_timeout_sec:g} s for the server to answer", flush=True)
+        probe = _body(BenchRequest("Hello", 1, 1), model, sampling, chat)
+        waited = asyncio.run(wait_until_ready(config.openai_base_url, probe, chat, config.ready_check_timeout_sec,
+                                              headers, verify))
+        print(f"the server answered after {waited:.1f} s", flush=True)
     requests_of = level_requests(config)  # a file's errors before any output
-    header, footer = format_report([]).splitlines()  # no rows: the header and the footnote
+    prefix = config.request_id_prefix if config.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
+    if config.num_warmups:
+        first_cap = config.levels[0] or config.num_warmups
+        failed = asyncio.run(warm_up(config.openai_base_url, model, requests_of(1)[0], config.num_warmups,
+                                     min(first_cap, config.num_warmups), sampling, chat, headers, verify))
+        print(f"warm-up: {config.num_warmups} requests, {failed} failed", flush=True)
+    goodput = dict(config.goodput)
+    report = {"metrics": config.percentile_metrics, "percentiles": config.metric_percentiles,
+              "goodput": bool(goodput)}
+    header, footer = format_report([], **report).splitlines()  # no rows: the header and the footnote
     print(header, flush=True)
     results = []
-    for concurrency in config.levels:
+    for level, concurrency in enumerate(config.levels):
         requests = requests_of(config.prompts_per_level(concurrency))
-        sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
-                    "min_p": config.min_p}
         results.append(asyncio.run(run_level(
-            config.openai_base_url, config.model, concurrency, requests, api_key=config.api_key, seed=config.seed,
-            sampling=sampling, request_rate=config.request_rate, burstiness=config.burstiness, chat=config.chat,
+            config.openai_base_url, model, concurrency, requests, api_key=config.api_key, seed=config.seed,
+            sampling=sampling, request_rate=config.request_rate, burstiness=config.burstiness, chat=chat,
+            headers=dict(config.headers), request_id_prefix=f"{prefix}{level}-", percentiles=config.metric_percentiles,
+            goodput=goodput, verify=verify,
         )))
-        print("\n".join(format_report(results[-1:]).splitlines()[1:-1]), flush=True)
+        print("\n".join(format_report(results[-1:], **report).splitlines()[1:-1]), flush=True)
     print(footer)
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(results, f, indent=2, allow_nan=False)
+    if not (config.json or config.save_result):
+        return
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    model_id = config.model
+    if model_id is None:
+        with contextlib.suppress(ValueError):
+            model_id = _served_model(config)
+    run = {"date": date, "backend": config.backend, "endpoint": BENCH_BACKENDS[config.backend],
+           "label": config.label, "model_id": model_id, "tokenizer_id": config.tokenizer or model_id,
+           "dataset_name": config.dataset_name, **dict(config.metadata)}
+    records = [{**run, **result} for result in results]
+    for path in [config.json] * bool(config.json) + [result_path(config, model_id, date)] * config.save_result:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(records, indent=2, allow_nan=False))
+        print(f"results written to {path}")

@@ -199,3 +199,95 @@ def test_bench_serve_streams_the_chat_api_as_vllm_s_openai_chat_backend(server, 
                                                                    "Name a colour, number 1."}
     templated = CustomDataset(str(custom), shuffle=False).sample(smollm2_tokenizer, 4, output_len=3)
     assert result["prompt_tokens"] == sum(r.prompt_len for r in templated)
+
+
+def test_latencies_are_summed_up_at_the_percentiles_asked_and_goodput_counts_requests_within_every_slo(monkeypatch):
+    """vLLM's --metric-percentiles and --goodput: each latency's mean, deviation, median and the percentiles
+    asked for; the goodput is the rate of requests whose TTFT, TPOT and E2E all met their SLOs (a request of
+    one token has a TPOT of 0)."""
+    latencies = {}  # max_tokens -> (ttft_s, e2e_s, tokens)
+    for i in range(1, 11):
+        latencies[i] = (0.01 * i, 0.01 * i + 0.002 * (i - 1) * 10, i)  # TPOT 20 ms from the second token
+
+    async def one_request(client, url, headers, body) -> serve.RequestResult:
+        ttft, e2e, tokens = latencies[body["max_tokens"]]
+        return serve.RequestResult(ttft_s=ttft, e2e_s=e2e, num_output_tokens=tokens, itl_s=[0.02] * (tokens - 1))
+
+    monkeypatch.setattr(serve, "_one_request", one_request)
+    requests = [serve.BenchRequest([1000], 1, i) for i in range(1, 11)]
+    result = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 4, requests, percentiles=(90.0, 99.9),
+                                   goodput={"ttft": 50.0, "tpot": 25.0}))
+    ttfts = np.asarray([0.01 * i for i in range(1, 11)]) * 1000
+    assert result["ttft_ms"]["p90"] == pytest.approx(np.percentile(ttfts, 90))
+    assert result["ttft_ms"]["p99.9"] == pytest.approx(np.percentile(ttfts, 99.9))
+    assert result["ttft_ms"]["p50"] == pytest.approx(np.median(ttfts)) and "p99" not in result["ttft_ms"]
+    assert result["ttft_ms"]["std"] == pytest.approx(ttfts.std())
+    assert result["tpot_ms"]["mean"] == pytest.approx(20.0)
+    # TTFT <= 50 ms: the first five requests; TPOT 20 ms (0 for the one-token request) meets 25 ms
+    assert result["request_goodput"] * result["duration_s"] == pytest.approx(5)
+    assert result["goodput_slos_ms"] == {"ttft": 50.0, "tpot": 25.0}
+    strict = asyncio.run(run_level("http://127.0.0.1:9/v1", None, 4, requests, goodput={"tpot": 10.0, "e2el": 1e6}))
+    assert strict["request_goodput"] * strict["duration_s"] == pytest.approx(1), "only the one-token request"
+    assert "request_goodput" not in asyncio.run(run_level("http://127.0.0.1:9/v1", None, 4, requests))
+
+
+def test_the_ready_check_waits_for_an_answer_and_stops_at_a_refusal(server):
+    """vLLM's --ready-check-timeout-sec: a request sent until the server answers it; nothing listening is
+    retried until the time is up; a request the server refuses (a 400) ends the wait at once."""
+    from jaxserve.bench.datasets import BenchRequest
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    probe = serve._body(BenchRequest("Hello", 1, 1), None, {"temperature": 0.0}, chat=False)
+    assert asyncio.run(serve.wait_until_ready(server.v1, probe, False, 60.0, headers)) < 60.0
+    chat_probe = serve._body(BenchRequest("Hello", 1, 1), None, {"temperature": 0.0}, chat=True)
+    assert asyncio.run(serve.wait_until_ready(server.v1, chat_probe, True, 60.0, headers)) < 60.0
+    with pytest.raises(ValueError, match=r"refused the ready check's request \(HTTP 400.*temperature"):
+        asyncio.run(serve.wait_until_ready(server.v1, {**probe, "temperature": -1.0}, False, 60.0, headers))
+    with pytest.raises(ValueError, match=r"refused the ready check's request \(HTTP 401"):
+        asyncio.run(serve.wait_until_ready(server.v1, probe, False, 60.0, {}))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"was not ready within 1\.5 s \(the last try: ConnectError"):
+        asyncio.run(serve.wait_until_ready("http://127.0.0.1:9/v1", probe, False, 1.5, headers, retry_s=0.2))
+    assert 1.0 < time.perf_counter() - start < 10.0
+
+
+def test_bench_serve_takes_vllm_s_run_flags_to_the_server(server, tmp_path, monkeypatch):
+    """--num-warmups, --header, --request-id-prefix, --extra-body, --logprobs, --served-model-name and the
+    penalties reach the server on every request (warm-up requests first, not measured); --save-result writes a
+    record a level, with the run's settings and --metadata, to vLLM's file name in --result-dir."""
+    from jaxserve.cli import main
+
+    sent: list[tuple[dict, dict]] = []
+    one_request = serve._one_request
+
+    async def recording(client, url, headers, body) -> serve.RequestResult:
+        sent.append((headers, body))
+        result = await one_request(client, url, headers, body)
+        assert result.error is None, result.error
+        return result
+
+    monkeypatch.setattr(serve, "_one_request", recording)
+    served = json.loads(__import__("httpx").get(f"{server.v1}/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                                                timeout=30).text)["data"][0]["id"]
+    main(["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY, "--max-concurrency", "1", "2",
+          "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--num-warmups", "2",
+          "--ready-check-timeout-sec", "30", "--header", "X-Team=bench", "--request-id-prefix", "run7-",
+          "--extra-body", '{"top_k": 1, "seed": 5}', "--logprobs", "2", "--served-model-name", served,
+          "--model", "a-tokenizer-name", "--frequency-penalty", "0.5", "--repetition-penalty", "1.1",
+          "--save-result", "--result-dir", str(tmp_path / "results"), "--label", "smoke", "--metadata", "tp=1",
+          "gpu=none", "--metric-percentiles", "90", "--goodput", "e2el:60000"])
+    probe, warmups, measured = sent[0], sent[1:3], sent[3:]
+    assert probe[1]["max_tokens"] == 1 and len(measured) == 6
+    assert all(headers["X-Team"] == "bench" and "X-Request-Id" not in headers for headers, _ in [probe, *warmups])
+    assert [headers["X-Request-Id"] for headers, _ in measured] == [f"run7-{level}-{i}" for level in (0, 1)
+                                                                     for i in range(3)]
+    for _, body in sent:
+        assert body["model"] == served and body["top_k"] == 1 and body["seed"] == 5 and body["logprobs"] == 2
+        assert body["frequency_penalty"] == 0.5 and body["repetition_penalty"] == 1.1
+    [path] = (tmp_path / "results").iterdir()
+    assert path.name.startswith("smoke-infqps-concurrency1-2-a-tokenizer-name-") and path.suffix == ".json"
+    records = json.loads(path.read_text())
+    assert [r["concurrency"] for r in records] == [1, 2] and all(r["completed"] == 3 for r in records)
+    assert all(r["tp"] == "1" and r["gpu"] == "none" and r["label"] == "smoke" and r["backend"] == "openai"
+               and r["model_id"] == "a-tokenizer-name" and "p90" in r["ttft_ms"] for r in records)
+    assert all(r["request_goodput"] == pytest.approx(r["request_throughput"]) for r in records)
