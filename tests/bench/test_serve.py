@@ -291,3 +291,24 @@ def test_bench_serve_takes_vllm_s_run_flags_to_the_server(server, tmp_path, monk
     assert all(r["tp"] == "1" and r["gpu"] == "none" and r["label"] == "smoke" and r["backend"] == "openai"
                and r["model_id"] == "a-tokenizer-name" and "p90" in r["ttft_ms"] for r in records)
     assert all(r["request_goodput"] == pytest.approx(r["request_throughput"]) for r in records)
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    (b'data: {"choices": [{"index": 0, "text": "a"}]}\n\ndata: {"error": {"message": "engine died", "code": 500}}\n\n',
+     "error in the stream: {\"message\": \"engine died\""),
+    (b"data: [1, 2]\n\n", "malformed stream: ValueError(\"a streamed event that is not a JSON object"),
+    (b"data: {not json\n\n", "malformed stream: JSONDecodeError"),
+    (b'data: {"usage": {"prompt_tokens": 3}}\n\n', "malformed stream: KeyError('completion_tokens')"),
+])
+def test_a_stream_that_breaks_off_or_is_not_the_api_s_fails_its_request_alone(body, error):
+    """A server's error event mid-stream, or a body that is not the API's, fails that request with the reason
+    (the level goes on and counts it failed) rather than ending the whole run with a traceback."""
+    import httpx
+
+    async def one() -> serve.RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await serve._one_request(client, "http://bench.test/v1/completions", {}, {})
+
+    result = asyncio.run(one())
+    assert result.error is not None and result.error.startswith(error), result.error
