@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.api.beam_search import BeamSearchParams, beam_search, beam_search_params
-from jaxserve.api.errors import APIError
+from jaxserve.api.errors import MAX_JSON_DEPTH, APIError, check_json
 from jaxserve.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -53,10 +53,18 @@ def _template_tool_calls(calls: object, param: str) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise APIError(400, "each tool call needs a function with a name", param)
         arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            raise APIError(400, "tool call arguments must be a JSON text", param) from None
+        if isinstance(arguments, str):  # a dict or list came through the body's own checks
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise APIError(400, "tool call arguments must be a JSON text", param) from None
+            except RecursionError:
+                raise APIError(400, f"tool call arguments are nested deeper than {MAX_JSON_DEPTH} levels",
+                               param) from None
+            try:
+                check_json(arguments)
+            except APIError as e:
+                raise APIError(400, f"tool call arguments: {e.message}", param) from None
         result.append({**call, "function": {**function, "arguments": arguments}})
     return result
 

@@ -100,10 +100,10 @@ def parse_json(body: bytes) -> Any:
     """The parsed body, checked for depth and valid Unicode; APIError(400) otherwise."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON in the request body: {e}") from None
     except RecursionError:
         raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
+        raise APIError(400, f"invalid JSON in the request body: {e}") from None
     check_json(data)
     return data
 

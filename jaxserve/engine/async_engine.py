@@ -26,6 +26,7 @@ Threads and queues:
 """
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -225,10 +226,15 @@ class AsyncEngine:
             error = EngineDeadError(f"engine failed: {e!r}")
             with self._lock:
                 self._dead = e
-                for stream in self._streams.values():
-                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
-                self._streams.clear()
+                self._fail_streams(error)
                 self._fail_pending(error)
+
+    def _fail_streams(self, error: EngineDeadError) -> None:
+        """Ends every live request's stream with `error` (on its loop, unless that loop is closed)."""
+        for stream in self._streams.values():
+            with contextlib.suppress(RuntimeError):  # a loop closed under its caller: nobody waits there
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+        self._streams.clear()
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands (waiting for one if `block`); False once asked to stop."""
@@ -238,7 +244,8 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            if command is _STOP:
+            if command is _STOP:  # the requests still streaming end with an error, not a wait forever
+                self._fail_streams(EngineDeadError("the engine was shut down"))
                 return False
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
@@ -249,9 +256,7 @@ class AsyncEngine:
                 continue
             if isinstance(command, _FailAll):
                 self.engine.abort_request(list(self._streams))
-                for stream in self._streams.values():
-                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineDeadError(command.reason))
-                self._streams.clear()
+                self._fail_streams(EngineDeadError(command.reason))
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.cache_salt,

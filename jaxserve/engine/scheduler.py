@@ -301,10 +301,11 @@ class Scheduler:
         if not preempted:  # (requests that yielded to the queue's head stand behind it)
             while len(self.waiting) > passed and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[passed]
-                if request.num_inflight_tokens > 1:
-                    # It yielded while a k-step call for it runs (priority policy, overlapped calls): that
-                    # call writes its old pages, which resuming now would key for the prefix cache under new
-                    # pages never computed. It resumes once the call is read.
+                if request.num_inflight_tokens or request.request_id in yielded:
+                    # It yielded to the queue's head in this schedule (priority policy): it resumes from the
+                    # next step on, not in the plan it just left. And while a step that samples it is in
+                    # flight (async scheduling, overlapped calls), that step writes its old pages, which
+                    # resuming now would key for the prefix cache under new pages never computed.
                     break
                 if request.lora_id is not None and (passed or not self.lora_slots.can_take(request.lora_id)):
                     passed += 1
@@ -343,6 +344,9 @@ class Scheduler:
         if not self.waiting:
             return []
         head = self.waiting[0]
+        if head.lora_id is not None and not self.lora_slots.can_take(head.lora_id):
+            return []  # it waits for its adapter's slot to free as requests finish (yields free sequences and
+            # pages, not slots): preempting for it would only recompute the victims, step after step
         head_order = _priority_order(head)
         num_pages = self.kv_cache.num_pages_for(min(head.num_tokens, self.max_num_batched_tokens))
         yielded = []

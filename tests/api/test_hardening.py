@@ -103,6 +103,15 @@ def nested(depth: int, leaf: str = "1") -> str:
     return "[" * depth + leaf + "]" * depth
 
 
+def _call_with(arguments: str) -> dict:
+    """An assistant turn that called tool f with `arguments` (a JSON text)."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+_TOOL_REPLY = {"role": "tool", "tool_call_id": "c1", "content": "x"}
+
+
 @pytest.mark.parametrize(
     "path,body,param",
     [
@@ -118,6 +127,21 @@ def nested(depth: int, leaf: str = "1") -> str:
         ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
         ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}', None),
         ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),
+        # an integer of more digits than Python converts (4,300), in any field, known or not
+        ("/v1/completions", '{"prompt": "hi", "x": ' + "1" * 4301 + "}", None),
+        ("/v1/completions", '{"prompt": [' + "7" * 5000 + "]}", None),
+        ("/tokenize", '{"prompt": "hi", "add_special_tokens": ' + "1" * 5000 + "}", None),
+        # tool-call arguments, a JSON text inside a string, nested past Python's recursion limit or the body's
+        ("/v1/chat/completions", json.dumps({"messages": [*FRANCE, _call_with(nested(100_000)), _TOOL_REPLY]}),
+         "messages.1.tool_calls"),
+        ("/v1/chat/completions", json.dumps({"messages": [*FRANCE, _call_with(nested(500)), _TOOL_REPLY]}),
+         "messages.1.tool_calls"),
+        ("/tokenize", json.dumps({"messages": [*FRANCE, _call_with(nested(100_000)), _TOOL_REPLY]}),
+         "messages.1.tool_calls"),
+        ("/v1/responses", json.dumps({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
+                                                 "arguments": nested(100_000)},
+                                                {"type": "function_call_output", "call_id": "c1", "output": "r"}]}),
+         None),
     ],
 )
 def test_malformed_bodies_are_400s(server, path, body, param):

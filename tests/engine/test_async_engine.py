@@ -79,6 +79,24 @@ def test_shutdown_engine_refuses_new_work(tiny_model_dir):
         asyncio.run(main())
 
 
+def test_a_shutdown_ends_the_streams_still_running_with_an_error(tiny_model_dir):
+    """A stream still generating when the engine shuts down (no drain first: a host other than `jaxserve
+    serve`, or the library) ends with EngineDeadError rather than waiting forever."""
+    async_engine = AsyncEngine(make_engine(tiny_model_dir("llama"), warmup=False))
+    params = SamplingParams(max_tokens=250, ignore_eos=True, temperature=0.0)
+
+    async def main() -> int:
+        seen = 0
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in async_engine.generate([5, 6, 7], params):
+                seen += 1
+                if seen == 2:
+                    asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) >= 2
+
+
 def test_grammar_compiles_off_the_engine_thread_with_a_timeout(engines, monkeypatch):
     """A definition that compiles slowly is an InvalidParam after the timeout, and the engine serves on;
     a compiled grammar travels with the request and constrains it."""

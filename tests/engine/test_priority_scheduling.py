@@ -175,3 +175,58 @@ def test_a_request_that_yields_while_its_k_step_call_runs_resumes_once_the_call_
         for request in sched.running:  # every page keyed for the prefix cache holds computed tokens
             assert request.num_keyed_pages * 4 <= request.num_computed_tokens
     assert background.status.is_finished and len(background.output_token_ids) == 20
+
+
+@pytest.mark.parametrize("budget", [5, 6])
+def test_a_request_that_yields_with_one_sample_in_flight_resumes_once_it_is_read(budget):
+    """Async scheduling without multi-step: a request whose one sample is still in flight yields to an urgent
+    arrival. Resumed in the same plan on new pages, it had its old step's completed pages keyed under the
+    new ones when that step was read: past its new page table (an IndexError that killed the engine, with a
+    budget of 5) or on pages never computed (6), which a later request with its prefix would have read."""
+    kv_cache = KVCacheManager(4, 4, enable_prefix_caching=True)  # 3 usable pages of 4 tokens
+    sched = Scheduler(kv_cache, max_num_seqs=4, max_num_batched_tokens=budget, policy="priority")
+    background = prioritized("background", 5, num_prompt=7, max_tokens=5)
+    sched.add_request(background)
+    while background.num_computed_tokens < 7:
+        run_step(sched)
+    in_flight = sched.schedule()  # its decode, completing its second page, not read yet
+    replay(sched, in_flight)
+    assert background.num_inflight_tokens == 1
+    urgent = dataclasses.replace(make_request("urgent", 8, max_tokens=2), priority=0,
+                                 prompt_token_ids=[*background.prompt_token_ids[:4], 9000, 9001, 9002, 9003])
+    urgent.num_tokens = len(urgent.prompt_token_ids)
+    sched.add_request(urgent)
+    plan = sched.schedule()  # launched before the decode is read
+    replay(sched, plan)
+    assert plan.preempted_ids == ("background",) and "background" not in plan.request_ids
+    sched.update(in_flight, StepOutput(in_flight.request_ids, [7], [0.0]))
+    sched.update(plan, StepOutput(plan.request_ids, [7] * plan.num_reqs, [0.0] * plan.num_reqs))
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+        for request in sched.running:  # every page keyed for the prefix cache holds computed tokens
+            assert request.num_keyed_pages * 4 <= request.num_computed_tokens
+    assert background.status.is_finished and len(background.output_token_ids) == 5
+    assert urgent.status.is_finished and len(urgent.output_token_ids) == 2
+
+
+def test_a_head_waiting_for_an_adapter_slot_makes_nobody_yield():
+    """The queue's head waits for a LoRA slot (--max-loras 1, held by a more urgent request). Preempting a
+    base-model request frees no slot: it made that request yield, resume in the same plan and recompute
+    its context, step after step. Now nothing yields until the head can start."""
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, policy="priority",
+                      max_loras=1)
+    holder = dataclasses.replace(prioritized("holder", 0, num_prompt=8, max_tokens=40), lora_id=1)
+    base = prioritized("base", 5, num_prompt=8, max_tokens=40, arrival=1.0)
+    sched.add_request(holder)
+    sched.add_request(base)
+    run_step(sched)
+    run_step(sched)
+    sched.add_request(dataclasses.replace(prioritized("other-adapter", 1, num_prompt=8, max_tokens=4, arrival=2.0),
+                                          lora_id=2))
+    for _ in range(10):
+        out = run_step(sched)
+        assert out.preempted_ids == () and sorted(out.request_ids) == ["base", "holder"]
+        assert list(out.num_new_tokens) == [1, 1], "decodes, not a recomputed context"
+    assert base.num_preemptions == 0

@@ -60,7 +60,7 @@ def call_in_object(text: str, start: int, name_keys: tuple[str, ...], argument_k
     if name_member is not None and name_member.end is not None:
         try:
             value = json.loads(text[name_member.start : name_member.end])
-        except ValueError:
+        except (ValueError, RecursionError):
             value = None
         name = value if isinstance(value, str) else None
     args_member = next((by_key[k] for k in argument_keys if k in by_key), None)

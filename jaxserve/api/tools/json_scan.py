@@ -105,6 +105,6 @@ def object_members(text: str, i: int) -> tuple[list[Member], int | None]:
 def is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
         return False
     return True
