@@ -119,6 +119,19 @@ def test_stream_never_sends_half_a_marker_as_content():
     assert sent == "Sure "
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_a_call_nested_past_python_s_recursion_limit_is_content_not_a_crash(name):
+    """A model can be made to write arguments (or a name) nested deeper than Python's parser goes (a forced
+    tool whose schema is a $ref chain). Parsing it raised RecursionError after the generation: a 500 that
+    lost the output. Such a call is text that is not JSON to Python, so it stays content."""
+    deep = "[" * 5000 + "1" + "]" * 5000
+    text = {"hermes": f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {{"a": {deep}}}}}',
+            "mistral": f'[TOOL_CALLS][{{"name": {deep}, "arguments": {{}}}}]'}[name]
+    content, calls = TOOL_PARSERS[name]().parse(text)
+    assert calls == [] and content == text
+
+
 def test_unfinished_call_is_content_when_parsed():
     text = '<tool_call>{"name": "f", "arguments": {"a": '
     assert TOOL_PARSERS["hermes"]().parse(text) == (text, [])
