@@ -289,8 +289,11 @@ class ChatRun:
         return ToolCallStream(self.plan.make_parser(), self.plan.max_calls) if self.plan is not None else None
 
 
-async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_id: str) -> ChatRun:
-    """Checks, renders and starts a chat request; every 400 comes before anything starts."""
+async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_id: str,
+                     field_names: dict[str, str] | None = None) -> ChatRun:
+    """Checks, renders and starts a chat request; every 400 comes before anything starts, naming the field
+    as the client sent it: chat's own names, or `field_names` (the sampling field's name to the one the
+    client's API gives it: the Responses API's max_output_tokens) where the request came through another."""
     lora_name = serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
@@ -303,8 +306,11 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
                                    reasoning_effort=req.reasoning_effort)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+             "logprobs": "top_logprobs", **({"structured_outputs": "response_format"} if req.response_format else {}),
+             **(field_names or {}), **({"structured_outputs": "tools"} if plan is not None and plan.forced else {})}
     params = serving.sampling_params(req, prompt_ids, max_tokens, logprobs,
-                                     structure=plan.structure if plan is not None else None)
+                                     structure=plan.structure if plan is not None else None, field_names=names)
     if serving.reasoning is not None and serving.reasoning.parser.special_markers:  # harmony's markers must
         params = dataclasses.replace(params, skip_special_tokens=False)  # reach the parser (beams' too)
     if req.use_beam_search:
@@ -316,7 +322,7 @@ async def start_chat(serving: ModelServing, req: ChatCompletionRequest, request_
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = _reasoning(serving, req, prompt_ids, params.structured_outputs is not None)
     params = _after_reasoning(serving, params, reasoning)
-    grammar = await serving.compile_grammar(params)
+    grammar = await serving.compile_grammar(params, names)
     streams = [serving.generate(prompt_ids, params, request_id, req.cache_salt, grammar, req.priority, lora_name)]
     return ChatRun(prompt_ids, plan, reasoning, streams, lora_name=lora_name)
 

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The sampling fields as the Responses API names them, for its 400s (its chat request's names otherwise)
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs", "structured_outputs": "text.format"}
 
 
 def _item_id(prefix: str) -> str:
@@ -230,7 +232,7 @@ async def create_response(request: Request) -> Response:
     messages = [*history, *asked]
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     response_id = _item_id("resp")
-    run = await start_chat(serving, _chat_request(req, instructions + messages), response_id)
+    run = await start_chat(serving, _chat_request(req, instructions + messages), response_id, _FIELD_NAMES)
     response = ResponseObject(
         id=response_id, status="in_progress", model=req.model or serving.model_names[0],
         instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,

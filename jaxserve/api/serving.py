@@ -64,6 +64,15 @@ def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str
     return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
 
 
+def client_error(error: InvalidParam, field_names: dict[str, str] | None = None) -> APIError:
+    """A 400 for a sampling field's error, the field named as the request's API spells it (`field_names`:
+    the sampling field's name to the request's), in the message too."""
+    name = (field_names or {}).get(error.param or "")
+    if name is None:
+        return APIError(400, str(error), error.param)
+    return APIError(400, re.sub(rf"\b{re.escape(error.param)}\b", name, str(error)), name)
+
+
 def load_chat_template(setting: str | None) -> str | None:
     """--chat-template is a file path or the template itself."""
     if setting is None:
@@ -246,11 +255,13 @@ class ModelServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         structure: StructuredOutputsParams | None = None,
+        field_names: dict[str, str] | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams, checked against the engine's limits (the one rule, in
-        jaxserve.sampling_params); any violation is a 400 naming the field. `prompt_logprobs` defaults
-        to the request's own field; its cache_salt and priority are checked here too. `structure` (a tool choice's
-        grammar) replaces what the request's own fields ask for."""
+        jaxserve.sampling_params); any violation is a 400 naming the field, as `field_names` spells the
+        sampling fields in this request's API (chat's max_completion_tokens for max_tokens). `prompt_logprobs`
+        defaults to the request's own field; its cache_salt and priority are checked here too. `structure` (a
+        tool choice's grammar) replaces what the request's own fields ask for."""
         if self.info.runner == "pooling":
             raise APIError(400, "this server embeds prompts (--runner pooling): it serves /v1/embeddings, not "
                                 "completions", "model")
@@ -300,17 +311,19 @@ class ModelServing:
             check_cache_salt(req.cache_salt)
             check_priority(req.priority, self.info.scheduling_policy)
         except InvalidParam as e:
-            raise APIError(400, str(e), e.param) from None
+            raise client_error(e, field_names) from None
         return params
 
-    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """The request's structured output compiled on the grammar threads; a 400 if it fails or is slow."""
+    async def compile_grammar(self, params: SamplingParams,
+                              field_names: dict[str, str] | None = None) -> CompiledGrammar | None:
+        """The request's structured output compiled on the grammar threads; a 400 if it fails or is slow
+        (`field_names` as for `sampling_params`)."""
         if params.structured_outputs is None:
             return None
         try:
             return await self.engine.compile_grammar(params.structured_outputs, GRAMMAR_COMPILE_TIMEOUT_S)
         except InvalidParam as e:
-            raise APIError(400, str(e), e.param) from None
+            raise client_error(e, field_names) from None
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None,

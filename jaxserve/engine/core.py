@@ -441,5 +441,5 @@ def _details(request: Request, index: int) -> SequenceDetails:
     return SequenceDetails(
         request.output_top_logprobs[index] if request.sampling_params.logprobs else None,
         status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
-        request.embedding if ended else None,
+        request.embedding if ended else None, ended and request.stopped_on_token,
     )

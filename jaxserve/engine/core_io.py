@@ -42,6 +42,9 @@ class SequenceDetails(NamedTuple):
     num_preemptions: int = 0
     first: FirstToken | None = None  # on the sequence's first token
     embedding: list[float] | None = None  # a pooling request's pooled hidden state, with its one token
+    # the token that ended it is EOS or one of its stop ids, whose text is left out (vLLM's) unless the
+    # request includes stop strings in its output
+    stop_token: bool = False
 
 
 class SequenceFailure(NamedTuple):

@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
     stream: DecodeStream
     text: str = ""
     num_emitted_chars: int = 0
+    num_tokens: int = 0  # generated tokens added
     stop_reason: str | None = None
     _max_stop_len: int = field(init=False)
 
@@ -45,13 +46,16 @@ class IncrementalDetokenizer:
         return any(self.add_token(token_id) for token_id in new_token_ids)
 
     def add_token(self, token_id: int) -> bool:
-        """Appends one generated token to the text; True if a stop string ended the sequence."""
+        """Appends one generated token to the text; True if a stop string ended the sequence. Stop strings
+        count from the token after the first min_tokens (vLLM's rule), and only those that end in text
+        from there on."""
+        self.num_tokens += 1
         piece = self.stream.step(self.backend, token_id)
         if not piece:  # an incomplete character: wait for the next token
             return False
         old_len = len(self.text)
         self.text += piece
-        return bool(self._max_stop_len) and self._check_stop(old_len)
+        return bool(self._max_stop_len) and self.num_tokens > self.params.min_tokens and self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> bool:
         search_from = max(0, old_len - self._max_stop_len + 1)

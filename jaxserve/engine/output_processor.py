@@ -52,8 +52,8 @@ class _Sequence:
             text, token_ids = text_delta, list(delta_ids)  # two lists: a caller may change one
             logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
             top_logprobs = self.top_logprobs[first_new:] if params.logprobs else None
-        else:
-            text, token_ids = self.detokenizer.text, list(self.token_ids)
+        else:  # the text streamed so far: not what take_delta holds back as a possible stop string's start
+            text, token_ids = self.detokenizer.text[: self.detokenizer.num_emitted_chars], list(self.token_ids)
             logprobs = list(self.logprobs) if params.logprobs is not None else None
             top_logprobs = list(self.top_logprobs) if params.logprobs else None
         return CompletionOutput(
@@ -177,7 +177,8 @@ class OutputProcessor:
                 seq.num_preemptions = detail.num_preemptions
                 if detail.embedding is not None:
                     seq.parent.embedding = detail.embedding
-                self._add_token(step, seq, token_id, logprob, update.time, detail.status, detail.stop_reason)
+                self._add_token(step, seq, token_id, logprob, update.time, detail.status, detail.stop_reason,
+                                detail.stop_token)
             for failure in update.failures:  # the core failed them (and logged why)
                 seq = sequences.get(failure.seq_id)
                 if seq is None or seq.status is not None:
@@ -197,24 +198,28 @@ class OutputProcessor:
         return ProcessedStep(outputs + step.failed, step.stopped, step.dropped)
 
     def _add_token(self, step: _Step, seq: _Sequence, token_id: int, logprob: float, time: float,
-                   status: RequestStatus | None = None, stop_reason: int | str | None = None) -> None:
-        """A sequence's new token: its text, a stop string, or the core's end (`status`)."""
+                   status: RequestStatus | None = None, stop_reason: int | str | None = None,
+                   stop_token: bool = False) -> None:
+        """A sequence's new token: its text (none for the EOS or stop id that ended it, unless the request
+        includes stop strings), a stop string, or the core's end (`status`). A stop string completed by the
+        token the core ended on max_tokens still makes the end a stop, as the text is cut there."""
         state = seq.parent
         seq.token_ids.append(token_id)
         seq.logprobs.append(logprob)
         seq.last_token_time = time
         try:
-            stop = seq.detokenizer.add_token(token_id)
+            stop = (not stop_token or state.params.include_stop_str_in_output) and seq.detokenizer.add_token(token_id)
         except Exception as e:
             logger.error("request %s failed and was dropped: %r", state.request_id, e, exc_info=e)
             step.failed.append(self._fail(state, engine_fault(e), None, step.dropped))
             step.touched.pop(state.request_id, None)
             return
-        if status is not None:
-            seq.status, seq.stop_reason = status, stop_reason
-        elif stop:
+        if stop and status in (None, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, seq.detokenizer.stop_reason
-            step.stopped.append(seq.seq_id)
+            if status is None:  # the core still runs it: it finishes it on hearing
+                step.stopped.append(seq.seq_id)
+        elif status is not None:
+            seq.status, seq.stop_reason = status, stop_reason
         step.touched[state.request_id] = state
 
     def _forget(self, state: _RequestState) -> None:

@@ -157,6 +157,14 @@ class Request:
         return banned
 
     @property
+    def stopped_on_token(self) -> bool:
+        """It stopped on its last token being EOS or one of its stop ids (not on a grammar's end alone)."""
+        if self.status is not RequestStatus.FINISHED_STOPPED or not self.output_token_ids:
+            return False
+        params, last = self.sampling_params, self.output_token_ids[-1]
+        return last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
+
+    @property
     def reads_last_token(self) -> bool:
         """Its next step depends on the token before it (a grammar's mask, a bad word's ban), so that
         token must be read, not left in flight."""

@@ -79,7 +79,18 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/completions", '{"prompt": "hi", "n": 129}', "n"),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "n": 4000}', "n"),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
-                                 '"top_logprobs": 21}', "logprobs"),
+                                 '"top_logprobs": 21}', "top_logprobs"),
+        # each field named as its API spells it, in the param and the message
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
+         "max_completion_tokens"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+        ("/v1/responses", '{"input": "hi", "max_output_tokens": 0}', "max_output_tokens"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", '
+                                 '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": '
+                                 '"object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}', "tools"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+                                 '"json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}}',
+         "response_format"),
         ("/v1/completions", '{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 128}', "prompt"),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
                                  '"x"}]}', "messages.1.role"),
@@ -90,7 +101,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ],
 )
 def test_out_of_range_sampling_fields_are_400s(server, path, body, param):
-    assert_error(post_raw(server, path, body), 400, param)
+    response = post_raw(server, path, body)
+    assert_error(response, 400, param)
+    if param in ("max_completion_tokens", "max_output_tokens"):
+        assert param in response.json()["error"]["message"] and "max_tokens" not in response.json()["error"]["message"]
 
 
 def test_the_engine_survives_them_all(server):

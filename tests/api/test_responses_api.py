@@ -107,7 +107,7 @@ def test_text_format_json_schema(client):
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input.0.role"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools.0"),
-    ({"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),  # as the Responses API names it
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"input": "hi", "background": True, "store": False}, "background"),  # nothing to poll

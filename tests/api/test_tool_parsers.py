@@ -324,3 +324,15 @@ def test_a_harmony_output_without_calls_is_its_messages_content(text, content, s
     stream = ToolCallStream(TOOL_PARSERS["openai"]())
     pieces = [stream.feed(text[i : i + step], final=i + step >= len(text)) for i in range(0, len(text), step)]
     assert "".join(piece for piece, _ in pieces) == (content or "") and not any(calls for _, calls in pieces)
+
+
+def test_a_named_tool_choice_cut_by_max_tokens_is_still_its_call_as_the_stream_sends_it():
+    """vLLM's: a named tool choice's output is that function's arguments, a tool call however it ended. Cut
+    by max_tokens, the arguments as far as they got, as the stream sent them; it was content before, so a
+    client got a call streamed and content otherwise."""
+    text = '{"city": "Par'
+    content, calls = NamedCallParser("get_weather").parse(text, truncated=True)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", text)]
+    stream = ToolCallStream(NamedCallParser("get_weather"))
+    _, deltas = stream.feed(text, final=True)
+    assert "".join(d.arguments or "" for d in deltas) == text and deltas[0].name == "get_weather"

@@ -49,3 +49,29 @@ def test_every_token_goes_in_the_columns_and_anything_more_in_details():
     assert records["preempted"].num_preemptions == 1, "a stop string may end it next: its count must be known"
     assert records["top"].top_logprobs == {9: -0.5}
     assert records["last"].status is RequestStatus.FINISHED_LENGTH
+
+
+def test_an_end_on_eos_or_a_stop_id_is_marked_and_every_detail_crosses_the_core_process_pipe():
+    """The core marks the token that ended a sequence on EOS or a stop id (its text is left out), not one
+    that ended it by length; and a step's details reach the frontend whole through the core process's
+    wire format, a pooled embedding and that mark included."""
+    from jaxserve.engine.core_io import CoreOutputs, FirstToken, SequenceDetails
+    from jaxserve.engine.core_process import from_wire, to_wire
+
+    scheduler = Scheduler(KVCacheManager(64, 8), max_num_seqs=8, max_num_batched_tokens=64)
+    core = EngineCore.__new__(EngineCore)
+    core.scheduler, core.runner = scheduler, GivenTokens(scheduler)
+    for name, extra in {"stop-id": dict(stop_token_ids=[9]), "eos": dict(), "length": dict(ignore_eos=True)}.items():
+        scheduler.add_request(Request(name, [1, 2, 3], SamplingParams(max_tokens=2, **extra),
+                                      eos_token_ids=(9,) if name == "eos" else (2,), max_model_len=64,
+                                      sampling_seed=0))
+    core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))  # token 8
+    (second,) = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))  # token 9: each ends
+    records = {second.seq_ids[index]: detail for index, detail in second.details.items()}
+    assert {name: (d.status, d.stop_token) for name, d in records.items()} == {
+        "stop-id": (RequestStatus.FINISHED_STOPPED, True), "eos": (RequestStatus.FINISHED_STOPPED, True),
+        "length": (RequestStatus.FINISHED_LENGTH, False)}
+    detail = SequenceDetails({5: -0.1}, RequestStatus.FINISHED_STOPPED, 9, 2, FirstToken(1.5, 16, None), [0.25, -1.0],
+                             True)
+    outputs = CoreOutputs(["a"], [9], [-0.1], 3.0, {0: detail}, [])
+    assert from_wire(to_wire(outputs)) == outputs

@@ -2,6 +2,7 @@
 gets one output, the cumulative one (pure Python: the frontend's OutputProcessor, no model)."""
 
 import dataclasses
+import itertools
 
 from jaxserve.engine.core_io import CoreOutputs, FirstToken, SequenceDetails
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -21,7 +22,7 @@ def update(seq_id: str, token_id: int, logprob: float, top: dict | None = None,
 
 def run(tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
     """Two completions of one request, fed the same updates: the first stops on a stop string, the second
-    on its length a step later; logprobs with alternatives and prompt logprobs throughout."""
+    on its length a step before; logprobs with alternatives and prompt logprobs throughout."""
     params = SamplingParams(n=2, logprobs=1, prompt_logprobs=0, stop=" cat", max_tokens=6, output_kind=kind)
     text = tokenizer.encode(" the big dog and the cat sat down", add_special_tokens=False)
     processor = OutputProcessor()
@@ -34,8 +35,8 @@ def run(tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
         for seq in (0, 1):
             token = text[step]
             first = FirstToken(0.5, 0, prompt_logprobs if seq == 0 else None) if step == 0 else None
-            status = RequestStatus.FINISHED_LENGTH if seq == 1 and step == 5 else None
-            if step < 6 or seq == 0:
+            status = RequestStatus.FINISHED_LENGTH if seq == 1 and step == 4 else None
+            if step < 5 or seq == 0:
                 updates.append(update(f"r#{seq}", token, -0.1 * step, {token: -0.1 * step}, status,
                                       time=1.0 + step, first=first))
         processed = processor.process(updates)
@@ -121,3 +122,69 @@ def test_a_sibling_ahead_of_the_first_sequence_waits_for_the_prompt_logprobs(smo
                                        update("r#1", 314, -0.5, time=2.0)]).outputs
         assert output.prompt_logprobs == [None, *entries]
         assert [c.token_ids for c in output.outputs] == [[3458], [504, 314]], "the sibling's tokens were kept"
+
+
+def _feed(tokenizer, params: SamplingParams, text: str, last: SequenceDetails | None = None) -> list:
+    """`text`'s tokens fed to a one-sequence request, the last with `last`'s details: its outputs, until it
+    stops."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    processor = OutputProcessor()
+    processor.add("r", None, PROMPT, params, ["r#0"], [IncrementalDetokenizer.for_prompt(tokenizer, PROMPT, params)],
+                  0.0)
+    outputs = []
+    for i, token in enumerate(ids):
+        details = {0: last} if last is not None and i == len(ids) - 1 else {}
+        processed = processor.process([CoreOutputs(["r#0"], [token], [0.0], 1.0 + i, details, [])])
+        outputs += [o.outputs[0] for o in processed.outputs]
+        if processed.stopped or (outputs and outputs[-1].finish_reason):
+            break
+    return outputs
+
+
+def test_stop_strings_count_from_the_token_after_min_tokens(smollm2_tokenizer):
+    """vLLM's rule: a stop string ends a sequence only once more than min_tokens tokens are out, and only
+    one that ends in the text from there on."""
+    text = " stop a b c d stop e"
+    delta = RequestOutputKind.DELTA
+    early = _feed(smollm2_tokenizer, SamplingParams(stop=" stop", max_tokens=20, output_kind=delta), " a stop b")
+    assert "".join(o.text for o in early) == " a" and early[-1].stop_reason == " stop"
+    outputs = _feed(smollm2_tokenizer, SamplingParams(stop=" stop", min_tokens=3, max_tokens=20, output_kind=delta),
+                    text)
+    assert "".join(o.text for o in outputs) == " stop a b c d" and outputs[-1].finish_reason == "stop"
+
+
+def test_the_stop_token_s_text_is_left_out_unless_stop_strings_are_included(smollm2_tokenizer):
+    """The EOS or stop id the core ended a sequence on is in its token ids, not its text (vLLM's), unless
+    include_stop_str_in_output."""
+    newline = smollm2_tokenizer.encode("\n", add_special_tokens=False)[-1]
+    ended = SequenceDetails(None, RequestStatus.FINISHED_STOPPED, newline, 0, None, None, True)
+    for include, expected in [(False, " one two"), (True, " one two\n")]:
+        params = SamplingParams(stop_token_ids=[newline], max_tokens=20, include_stop_str_in_output=include,
+                                output_kind=RequestOutputKind.CUMULATIVE)
+        *_, last = _feed(smollm2_tokenizer, params, " one two\n", ended)
+        assert (last.text, last.finish_reason, last.stop_reason) == (expected, "stop", newline)
+        assert last.token_ids[-1] == newline
+    completed = SequenceDetails(None, RequestStatus.FINISHED_STOPPED, None, 0, None, None, False)  # a grammar's end
+    params = SamplingParams(max_tokens=20, output_kind=RequestOutputKind.CUMULATIVE)
+    assert _feed(smollm2_tokenizer, params, ' {"a": 1}', completed)[-1].text == ' {"a": 1}'
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(smollm2_tokenizer):
+    """The core ends a sequence on max_tokens with the token that completes a stop string: the text is cut
+    at the string, and the finish is a stop with that string as its reason, as vLLM reports it."""
+    text = " red green blue"
+    length = SequenceDetails(None, RequestStatus.FINISHED_LENGTH, None, 0, None, None, False)
+    params = SamplingParams(stop=" blue", max_tokens=len(smollm2_tokenizer.encode(text, add_special_tokens=False)),
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    *_, last = _feed(smollm2_tokenizer, params, text, length)
+    assert (last.text, last.finish_reason, last.stop_reason) == (" red green", "stop", " blue")
+
+
+def test_a_cumulative_output_never_takes_text_back(smollm2_tokenizer):
+    """A cumulative output holds the text streamed so far: what might start a stop string waits, as a
+    delta's does, instead of being shown and then cut."""
+    params = SamplingParams(stop=" more STOP", max_tokens=20, output_kind=RequestOutputKind.CUMULATIVE)
+    outputs = _feed(smollm2_tokenizer, params, " world more STOP")
+    texts = [o.text for o in outputs]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts)), texts
+    assert texts[-1] == " world" and outputs[-1].finish_reason == "stop"

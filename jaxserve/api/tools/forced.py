@@ -8,7 +8,7 @@ how that text reads as calls. These work with any model and need no parser.
 
 from typing import Any
 
-from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, calls_in_sequence
+from jaxserve.api.tools.base import PartialCall, Scan, ToolCall, ToolParser, calls_in_sequence
 from jaxserve.api.tools.json_scan import skip_whitespace, value_end
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -46,6 +46,12 @@ class NamedCallParser(ToolParser):
         end = value_end(text, start)
         return Scan("", [PartialCall(self._function_name, text[start:end or len(text)], complete=end is not None,
                                      end=end)])
+
+    def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """The named function's call, however the output ended (vLLM's): cut by max_tokens, its arguments as
+        far as they got, as the stream sends them; never content."""
+        (call,) = self.scan(text, final=True).calls
+        return None, [ToolCall(call.name, call.arguments, self.new_call_id())]
 
 
 class RequiredCallsParser(ToolParser):
