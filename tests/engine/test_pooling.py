@@ -38,6 +38,23 @@ def test_embeddings_match_transformers_final_hidden_states(llama_dir, tiny_hf_mo
         assert output.finished and len(output.embedding) == hidden.shape[1]
 
 
+def test_embeddings_cross_the_core_process_pipe(llama_dir):
+    """--runner pooling with the engine core in its own process (--engine-process, or each data-parallel
+    rank): the pooled hidden states reach the frontend as the in-process engine gives them (the pipe's wire
+    format once dropped them)."""
+    prompts = make_prompts(3)
+    expected = [o.embedding for o in _llm(llama_dir, "last").embed(prompts, use_tqdm=False)]
+    options = {**LADDER, "max_num_batched_tokens": 16, "token_buckets": (16,)}
+    llm = LLM(model=str(llama_dir), dtype="float32", runner="pooling", page_size=4, num_kv_pages=256,
+              max_model_len=256, compilation_cache_dir=None, engine_process=True, **options)
+    try:
+        got = [o.embedding for o in llm.embed(prompts, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert all(e is not None for e in got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
 def test_a_pooling_engine_refuses_to_generate(llama_dir):
     llm = _llm(llama_dir, "last")
     with pytest.raises(InvalidParam, match="--runner pooling"):
