@@ -17,10 +17,18 @@ _GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rer
 logger = logging.getLogger("jaxserve.api")
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches: the request's, less --root-path where it starts with it at a segment's
+    end (as Starlette's router strips it); `/v` is not a prefix of `/v1/completions`."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 def _is_api_path(scope: Scope) -> bool:
     """An HTTP request to the API proper (what the key guards and the drain waits for)."""
-    path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-    return scope["type"] == "http" and path.startswith(_GUARDED_PREFIXES)
+    return scope["type"] == "http" and route_path(scope).startswith(_GUARDED_PREFIXES)
 
 
 class APIKeyMiddleware:

@@ -47,7 +47,7 @@ class EventLog:
         self._wake()
 
     def drop(self) -> None:
-        """Lets an ended log's frames go."""
+        """Lets an ended log's frames go: a new list, so that readers already following it finish theirs."""
         self.frames, self.nbytes, self.dropped = [], 0, True
 
     def close(self) -> None:
@@ -60,10 +60,12 @@ class EventLog:
 
     async def follow(self, start: int) -> AsyncIterator[str]:
         """The frames from index `start` on, then each as it comes, until the log closes."""
-        index = start
+        # One list to its end: frames are appended to it while the log runs, and a drop (of an ended log only)
+        # replaces it, so a reader inside an ended log finishes it.
+        index, frames = start, self.frames
         while True:
-            while index < len(self.frames):
-                yield self.frames[index]
+            while index < len(frames):
+                yield frames[index]
                 index += 1
             if self.done:
                 return

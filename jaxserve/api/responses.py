@@ -497,8 +497,11 @@ async def _events(run: ChatRun, choices: ChoiceStream, response: ResponseObject,
                                     output_index=len(out.items) - 1, delta=call.arguments)
         for event in out.close_item():
             yield event
-    except ENGINE_ERRORS as e:
-        failed = _failed(response, engine_error(e)).model_copy(update={"output": out.items})
+    except Exception as e:  # the engine's errors, or a fault of the server's own: a 500 in the stream
+        if not isinstance(e, ENGINE_ERRORS):
+            logger.exception("response %s failed after its stream began", response.id)
+        error = engine_error(e) if isinstance(e, ENGINE_ERRORS) else APIError(500, "internal server error")
+        failed = _failed(response, error).model_copy(update={"output": out.items})
         keep_failed(failed)
         yield out.event("error", code=failed.error.code, message=failed.error.message, param=failed.error.param)
         yield out.event("response.failed", response=failed.model_dump())

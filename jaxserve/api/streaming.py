@@ -8,6 +8,7 @@ engine failed, then `[DONE]`. `collect` is the non-streamed path: it adds each r
 Everything here runs on the event loop.
 """
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from jaxserve.outputs import CompletionOutput, RequestOutput, add_delta
 from jaxserve.sampling_params import InvalidParam
 
 ENGINE_ERRORS = (ValueError, EngineDeadError, RequestFailedError)
+
+logger = logging.getLogger(__name__)
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -109,6 +112,9 @@ async def sse(chunks: AsyncIterator[BaseModel], usage_chunk: Callable[[], BaseMo
     except ENGINE_ERRORS as e:
         error = engine_error(e)
         yield sse_data(error_body(error.status, error.message, error.param))
+    except Exception:  # a fault of the server's own after the 200: an error event, not a body cut mid-chunk
+        logger.exception("a stream failed after its response began")
+        yield sse_data(error_body(500, "internal server error"))
     yield "data: [DONE]\n\n"
 
 

@@ -504,3 +504,30 @@ def test_the_event_log_follows_from_any_index_and_ends_when_closed():
             return await early, await late
 
     assert asyncio.run(scenario()) == (["a", "b", "c"], ["c"])
+
+
+def test_a_reader_inside_a_log_the_store_drops_reads_it_to_its_end():
+    """The store lets the oldest ended logs go past its byte budget; a client still reading one (a slow
+    creator, a resumed stream) gets every event, not a stream that stops cleanly halfway."""
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import EventLog, ResponseStore
+
+    async def scenario() -> tuple[list[str], bool]:
+        store, logs = ResponseStore(capacity=8, max_event_bytes=100), [EventLog(), EventLog()]
+
+        async def work(log: EventLog, count: int) -> None:
+            for k in range(count):
+                log.append(f"event {k:02d} " + "x" * 10)
+
+        response = [ResponseObject(id=f"resp_{i}", status="queued", model="m", background=True) for i in range(2)]
+        store.start(response[0], [], work(logs[0], 5), logs[0])  # 95 bytes: within the budget
+        await asyncio.sleep(0.01)
+        reader = logs[0].follow(0)
+        got = [await anext(reader) for _ in range(2)]
+        store.start(response[1], [], work(logs[1], 2), logs[1])  # the budget passed: the first log goes
+        await asyncio.sleep(0.01)
+        got += [frame async for frame in reader]
+        return got, logs[0].dropped
+
+    got, dropped = asyncio.run(scenario())
+    assert dropped and len(got) == 5 and got[-1].startswith("event 04")

@@ -106,3 +106,22 @@ def test_generation_overrides_jaxserve_does_not_take_are_ignored_with_a_warning(
     ServerConfig(override_generation_config=overrides)
     assert "'do_sample' is not a default jaxserve takes (temperature, top_p, top_k" in caplog.text
     assert load_generation_defaults("vllm", None, overrides) == {"temperature": 0.6}
+
+
+def test_a_stream_that_fails_after_its_200_ends_with_an_error_event_and_done():
+    """A fault of the server's own while a stream runs (past the 200, so no status can change) is an error
+    event then [DONE], as an engine error is; before, the connection was cut mid-body with neither."""
+    from jaxserve.api.protocol import UsageInfo
+    from jaxserve.api.streaming import sse, sse_data
+
+    async def chunks():
+        yield UsageInfo.of(1, 1, 0)
+        raise RuntimeError("a bug in a chunk builder")
+
+    async def frames() -> list[str]:
+        return [frame async for frame in sse(chunks(), None)]
+
+    sent = asyncio.run(frames())
+    assert sent[0] == sse_data(UsageInfo.of(1, 1, 0)) and sent[-1] == "data: [DONE]\n\n"
+    error = json.loads(sent[1].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "server_error" and "RuntimeError" not in error["message"]
