@@ -691,13 +691,15 @@ SERVE_BENCH_FLAGS = (
          help=f"service level objectives in ms, METRIC one of {', '.join(BENCH_SLO_METRICS)} (vLLM's flag): the "
               f"requests per second that met them all (good/s) (default: none)"),
     Flag("--ready-check-timeout-sec", ServeBenchConfig, "ready_check_timeout_sec", type=float,
-         help="first send a one-token request until the server answers it, waiting at most this long, as for a "
-              "server still starting (vLLM's flag); 0 sends none (default: 0)"),
+         help="first send the first request until the server answers it, waiting at most this long, as for a "
+              "server still starting (vLLM's flag); a refusal (4xx) ends the wait at once; 0 sends none "
+              "(default: 0)"),
     Flag("--num-warmups", ServeBenchConfig, "num_warmups", type=int,
          help="requests of the first prompt sent, and not measured, before the first level (default: 0)"),
     Flag("--json", ServeBenchConfig, "json", "also write the results to this file (default: none)"),
     Flag("--save-result", ServeBenchConfig, "save_result", **_OFF,
-         help="also write the results, a record a level with the run's settings, as vLLM's flag names the file: "
+         help="also write the results, a record a level with the run's settings and vLLM's flat names for "
+              "the figures (median_ttft_ms, output_throughput, ...), to a file named as vLLM names it: "
               "LABEL-RATEqps-concurrencyC-MODEL-DATE.json"),
     Flag("--result-dir", ServeBenchConfig, "result_dir", "--save-result's folder (default: the current one)"),
     Flag("--result-filename", ServeBenchConfig, "result_filename", "--save-result's file name (default: vLLM's)"),

@@ -789,9 +789,9 @@ class ServeBenchConfig:
         if not all(0 < p < 100 for p in self.metric_percentiles):
             raise ValueError(f"metric_percentiles must be in (0, 100), got {self.metric_percentiles}")
         for metric, bound in self.goodput:
-            if metric not in BENCH_SLO_METRICS or not bound >= 0:
+            if metric not in BENCH_SLO_METRICS or not 0 <= bound < math.inf:
                 raise ValueError(f"a goodput SLO is METRIC:MS with METRIC one of {', '.join(BENCH_SLO_METRICS)} and "
-                                 f"MS >= 0, got {metric}:{bound}")
+                                 f"MS finite and >= 0, got {metric}:{bound}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.num_warmups < 0 or not self.ready_check_timeout_sec >= 0:

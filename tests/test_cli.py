@@ -319,7 +319,7 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
     for bad in (["--max-concurrency", "0"], ["--request-rate", "0"], ["--burstiness", "-1"],
                 ["--random-range-ratio", "1"], ["--endpoint", "/v1/chat/completions"],
                 ["--backend", "openai-chat", "--endpoint", "/v1/completions"], ["--endpoint", "/v1/embeddings"],
-                ["--goodput", "itl:50"], ["--goodput", "ttft=50"], ["--goodput", "ttft:-1"],
+                ["--goodput", "itl:50"], ["--goodput", "ttft=50"], ["--goodput", "ttft:-1"], ["--goodput", "e2el:inf"],
                 ["--metric-percentiles", "100"],
                 ["--percentile-metrics", "ttft,latency"], ["--extra-body", "[1]"], ["--header", "no-equals"],
                 ["--num-warmups", "-1"], ["--logprobs", "-2"]):

@@ -11,9 +11,11 @@ TTFT is the first streamed token, ITL the gaps between tokens, TPOT (E2E - TTFT)
 stream's opening chunk, which carries the role and no text, is not a token. Each latency is summed up by its
 mean, deviation, median and chosen percentiles, and a goodput counts the requests within every SLO given.
 
-Before the levels, as vLLM's bench: a ready check (a one-token request sent until the server answers it) and
-warm-up requests, where asked for. Everything here runs on one asyncio loop per level; nothing is shared
-between levels but the settings.
+Before the levels, as vLLM's bench: a ready check (the first request sent until the server answers it) and
+warm-up requests, where asked for. Saved results are a record per level: jaxserve's figures and the same under
+the flat names of vLLM's saved results (`median_ttft_ms`, `output_throughput`, ...). A stream that carries
+no output fails, as in vLLM; one without a usage chunk counts its output chunks as its tokens. Everything
+here runs on one asyncio loop per level (and one for the ready check, one for the warm-up).
 """
 
 import asyncio
@@ -43,6 +45,7 @@ class RequestResult:
     num_output_tokens: int = 0
     num_prompt_tokens: int | None = None  # the server's count (usage), where it reports one
     num_cached_tokens: int = 0
+    usage_reported: bool = True  # False: the server sent no usage, so its output tokens are its output chunks
     error: str | None = None
 
 
@@ -63,6 +66,7 @@ async def _one_request(
 ) -> RequestResult:
     result = RequestResult()
     start = last = time.perf_counter()
+    num_chunks, usage = 0, None  # chunks that carried output; the usage the server reported
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -78,12 +82,13 @@ async def _one_request(
                     result.error = f"error in the stream: {json.dumps(chunk['error'])[:200]}"
                     break
                 if chunk.get("usage"):
-                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
-                    result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    result.num_cached_tokens = details.get("cached_tokens") or 0
+                    usage = chunk["usage"]
+                    result.num_output_tokens = usage["completion_tokens"]
+                    result.num_prompt_tokens = usage.get("prompt_tokens")
+                    result.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if not _carries_output(chunk):
                     continue
+                num_chunks += 1
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
                     result.ttft_s = now - start
@@ -95,6 +100,10 @@ async def _one_request(
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # a body that is not the API's
         result.error = f"malformed stream: {e!r}"[:300]
     result.e2e_s = time.perf_counter() - start
+    if result.error is None and num_chunks == 0:  # vLLM's bench fails it too: it has no first token
+        result.error = "the stream carried no output (no text, reasoning or tool call)"
+    elif usage is None:  # a server without stream usage: each output chunk a token, a lower bound if it merges
+        result.num_output_tokens, result.usage_reported = num_chunks, False
     return result
 
 
@@ -238,7 +247,9 @@ async def run_level(
         "output_tokens_per_s": num_output / duration,
         "total_tokens_per_s": (num_output + num_prompt) / duration,
         "prompt_tokens": num_prompt,
+        "output_tokens": num_output,
         "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
+        "requests_without_usage": sum(not r.usage_reported for r in ok),  # their tokens counted as chunks
         "ttft_ms": _percentiles([r.ttft_s for r in ok], percentiles),
         "tpot_ms": _percentiles(tpot, percentiles),
         "itl_ms": _percentiles([gap for r in ok for gap in r.itl_s], percentiles),
@@ -374,6 +385,21 @@ def _tokenizer(config: ServeBenchConfig) -> Any:
     return tokenizer
 
 
+def vllm_names(result: dict) -> dict:
+    """A level's figures under the flat names of vLLM's saved results, so that scripts reading those read
+    these: totals, throughputs, and each latency's mean, median, deviation and percentiles in ms."""
+    flat = {"duration": result["duration_s"], "completed": result["completed"], "failed": result["failed"],
+            "total_input_tokens": result["prompt_tokens"], "total_output_tokens": result["output_tokens"],
+            "request_throughput": result["request_throughput"], "output_throughput": result["output_tokens_per_s"],
+            "total_token_throughput": result["total_tokens_per_s"], "max_concurrency": result["concurrency"]}
+    if "request_goodput" in result:
+        flat["request_goodput"] = result["request_goodput"]
+    for metric, key in _METRIC_KEYS.items():
+        for stat, value in result[key].items():
+            flat[f"{'median' if stat == 'p50' else stat}_{metric}_ms"] = value
+    return flat
+
+
 def result_path(config: ServeBenchConfig, model_id: str | None, date: str) -> str:
     """Where --save-result writes, as vLLM names the file: --result-filename, else the label (else the
     backend), the rate, the levels' caps, the model's last path part and the time; inside --result-dir."""
@@ -392,13 +418,17 @@ def main(config: ServeBenchConfig) -> None:
     sampling, chat, verify = request_fields(config), config.chat, not config.insecure
     model = config.served_model_name or config.model
     headers = _headers(config.api_key, dict(config.headers))
-    if config.ready_check_timeout_sec > 0:
+    # The prompts first (a file's errors before any output), unless the server must name their tokenizer
+    needs_server = config.tokenizer is None and config.model is None and (config.dataset_name != "random" or chat)
+    requests_of = None if needs_server else level_requests(config)
+    if config.ready_check_timeout_sec > 0:  # vLLM's probe: the first request (else a greeting of its length)
         print(f"waiting up to {config.ready_check_timeout_sec:g} s for the server to answer", flush=True)
-        probe = _body(BenchRequest("Hello", 1, 1), model, sampling, chat)
-        waited = asyncio.run(wait_until_ready(config.openai_base_url, probe, chat, config.ready_check_timeout_sec,
-                                              headers, verify))
+        first = requests_of(1)[0] if requests_of else BenchRequest("Hello", 1, config.output_len)
+        waited = asyncio.run(wait_until_ready(config.openai_base_url, _body(first, model, sampling, chat), chat,
+                                              config.ready_check_timeout_sec, headers, verify))
         print(f"the server answered after {waited:.1f} s", flush=True)
-    requests_of = level_requests(config)  # a file's errors before any output
+    if requests_of is None:
+        requests_of = level_requests(config)
     prefix = config.request_id_prefix if config.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
     if config.num_warmups:
         first_cap = config.levels[0] or config.num_warmups
@@ -431,7 +461,7 @@ def main(config: ServeBenchConfig) -> None:
     run = {"date": date, "backend": config.backend, "endpoint": BENCH_BACKENDS[config.backend],
            "label": config.label, "model_id": model_id, "tokenizer_id": config.tokenizer or model_id,
            "dataset_name": config.dataset_name, **dict(config.metadata)}
-    records = [{**run, **result} for result in results]
+    records = [{**run, **result, **vllm_names(result)} for result in results]
     for path in [config.json] * bool(config.json) + [result_path(config, model_id, date)] * config.save_result:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(records, indent=2, allow_nan=False))

@@ -277,7 +277,7 @@ def test_bench_serve_takes_vllm_s_run_flags_to_the_server(server, tmp_path, monk
           "--save-result", "--result-dir", str(tmp_path / "results"), "--label", "smoke", "--metadata", "tp=1",
           "gpu=none", "--metric-percentiles", "90", "--goodput", "e2el:60000"])
     probe, warmups, measured = sent[0], sent[1:3], sent[3:]
-    assert probe[1]["max_tokens"] == 1 and len(measured) == 6
+    assert probe[1] == measured[0][1] and len(measured) == 6, "vLLM's probe: the first request"
     assert all(headers["X-Team"] == "bench" and "X-Request-Id" not in headers for headers, _ in [probe, *warmups])
     assert [headers["X-Request-Id"] for headers, _ in measured] == [f"run7-{level}-{i}" for level in (0, 1)
                                                                      for i in range(3)]
@@ -291,6 +291,10 @@ def test_bench_serve_takes_vllm_s_run_flags_to_the_server(server, tmp_path, monk
     assert all(r["tp"] == "1" and r["gpu"] == "none" and r["label"] == "smoke" and r["backend"] == "openai"
                and r["model_id"] == "a-tokenizer-name" and "p90" in r["ttft_ms"] for r in records)
     assert all(r["request_goodput"] == pytest.approx(r["request_throughput"]) for r in records)
+    for record in records:  # vLLM's flat names too
+        assert record["median_ttft_ms"] == record["ttft_ms"]["p50"] and record["p90_e2el_ms"] == record["e2e_ms"]["p90"]
+        assert record["total_output_tokens"] == 9 and record["output_throughput"] == record["output_tokens_per_s"]
+        assert record["max_concurrency"] == record["concurrency"] and record["requests_without_usage"] == 0
 
 
 @pytest.mark.parametrize(("body", "error"), [
@@ -299,6 +303,11 @@ def test_bench_serve_takes_vllm_s_run_flags_to_the_server(server, tmp_path, monk
     (b"data: [1, 2]\n\n", "malformed stream: ValueError(\"a streamed event that is not a JSON object"),
     (b"data: {not json\n\n", "malformed stream: JSONDecodeError"),
     (b'data: {"usage": {"prompt_tokens": 3}}\n\n', "malformed stream: KeyError('completion_tokens')"),
+    # a 200 whose stream carries no output (the role chunk, an empty finish): no first token, as vLLM fails it
+    (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+     b'data: {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "length"}]}\n\n'
+     b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 16}}\n\ndata: [DONE]\n\n',
+     "the stream carried no output"),
 ])
 def test_a_stream_that_breaks_off_or_is_not_the_api_s_fails_its_request_alone(body, error):
     """A server's error event mid-stream, or a body that is not the API's, fails that request with the reason
@@ -312,3 +321,20 @@ def test_a_stream_that_breaks_off_or_is_not_the_api_s_fails_its_request_alone(bo
 
     result = asyncio.run(one())
     assert result.error is not None and result.error.startswith(error), result.error
+
+
+def test_a_stream_without_usage_counts_its_output_chunks():
+    """A server that sends no usage chunk: each chunk that carried output is a token (a lower bound where a
+    server merges tokens), said in the level's requests_without_usage, instead of 0 tokens and perfect TPOTs."""
+    import httpx
+
+    body = b"".join(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n' for _ in range(5)) + b"data: [DONE]\n\n"
+
+    async def one() -> serve.RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await serve._one_request(client, "http://bench.test/v1/completions", {}, {})
+
+    result = asyncio.run(one())
+    assert result.error is None and result.num_output_tokens == 5 and not result.usage_reported
+    assert len(result.itl_s) == 4
