@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -165,6 +166,9 @@ class EngineCore:
         self._launched_at = 0.0  # perf_counter() when the last step was launched
         self._masks = MaskFiller()
         self._retiring_loras: set[int] = set()  # removed adapters that unfinished requests still use
+        # Whether requests not yet in the scheduler use an adapter (a core process's, while their grammars
+        # compile): a removed adapter stays for them too.
+        self.lora_waiting: Callable[[int], bool] = lambda lora_id: False
         self.limits = RequestLimits(
             vocab_size=model.cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -212,8 +216,8 @@ class EngineCore:
         each gets its own matcher. Raises ValueError if the cache cannot hold them (all n have the same
         size: the first is refused, so either none is added or all are)."""
         lora_id = sequences[0].lora_id
-        if lora_id is not None and (self.runner.lora is None or lora_id not in self.runner.lora.adapters
-                                    or lora_id in self._retiring_loras):  # removed while it was on its way
+        if lora_id is not None and (self.runner.lora is None or lora_id not in self.runner.lora.adapters):
+            # (a request accepted before its adapter's removal keeps it, retiring or not: `lora_waiting`)
             raise InvalidParam(f"the LoRA adapter of this request (id {lora_id}) was removed", "model")
         matchers = [grammar.matcher(sequence.sampling_params.structured_outputs.after_token_ids)
                     if grammar is not None else None for sequence in sequences]  # may raise: first
@@ -225,8 +229,7 @@ class EngineCore:
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
         """Ends sequences wherever they are (a stop string, an abort); their pages are free when this returns."""
         self.scheduler.finish_requests(seq_ids, status)
-        if self._retiring_loras:
-            self._drop_retired_loras()
+        self.drop_retired_loras()
 
     def add_lora(self, lora_id: int, adapter: LoraAdapter) -> None:
         """Serves `adapter` under `lora_id` (read and checked by the frontend, `LLMEngine.add_lora`)."""
@@ -237,10 +240,15 @@ class EngineCore:
     def remove_lora(self, lora_id: int) -> None:
         """Drops adapter `lora_id` once no unfinished request uses it (the frontend takes no new ones)."""
         self._retiring_loras.add(lora_id)
-        self._drop_retired_loras()
+        self.drop_retired_loras()
 
-    def _drop_retired_loras(self) -> None:
-        for lora_id in [i for i in self._retiring_loras if not self.scheduler.uses_lora(i)]:
+    def drop_retired_loras(self) -> None:
+        """Drops the removed adapters that no unfinished request uses any more (queued, running, or waiting
+        outside the scheduler: `lora_waiting`)."""
+        if not self._retiring_loras:
+            return
+        for lora_id in [i for i in self._retiring_loras
+                        if not self.scheduler.uses_lora(i) and not self.lora_waiting(i)]:
             self._retiring_loras.discard(lora_id)
             adapter = self.runner.lora.adapters.pop(lora_id, None)
             logger.info("LoRA adapter %s (id %d) removed", adapter.name if adapter else "?", lora_id)
@@ -284,8 +292,7 @@ class EngineCore:
         A fault caused by one sequence's data fails that sequence (a `SequenceFailure`); any other
         exception (the device, the runtime) propagates: the core cannot vouch for its state.
         """
-        if self._retiring_loras:
-            self._drop_retired_loras()
+        self.drop_retired_loras()
         # k-step decodes once the runner has their executables (a background warm-up compiles them last)
         self.scheduler.num_scheduler_steps = self.runner.decode_steps_ready()
         previous, self._in_flight = self._in_flight, None

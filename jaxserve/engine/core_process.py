@@ -291,6 +291,8 @@ class _CoreLoop:
         self.grammar_pool = ThreadPoolExecutor(2, "jaxserve-core-grammar")  # as many as the API's
         self.compiling: list[tuple[list[Request], Future]] = []  # sequences waiting for their grammar
         self.failed: list[SequenceFailure] = []  # adds refused here, reported with the next step
+        # an adapter removed while a request of it compiles its grammar stays until that request ends
+        core.lora_waiting = lambda lora_id: any(seqs[0].lora_id == lora_id for seqs, _ in self.compiling)
 
     def run(self) -> None:
         sent_stats = None
@@ -344,8 +346,9 @@ class _CoreLoop:
                 self._refuse(sequences, e)
                 continue
             self._admit(sequences, grammar)
-        self.compiling = waiting
-
+        if len(waiting) < len(self.compiling):
+            self.compiling = waiting
+            self.core.drop_retired_loras()  # a refused one may have been a removed adapter's last
     def _admit(self, sequences: list[Request], grammar: CompiledGrammar | None) -> None:
         try:
             self.core.add_sequences(sequences, grammar)
@@ -360,3 +363,4 @@ class _CoreLoop:
     def _drop_compiling(self, seq_ids: set[str]) -> None:
         self.compiling = [(seqs, future) for seqs, future in self.compiling
                           if not any(seq.request_id in seq_ids for seq in seqs)]
+        self.core.drop_retired_loras()

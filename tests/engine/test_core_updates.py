@@ -3,12 +3,14 @@ sequences with more news (pure Python: a real scheduler, the runner's results gi
 
 from types import SimpleNamespace
 
+import pytest
+
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import SchedulerOutput, StepOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import InvalidParam, SamplingParams
 
 
 class GivenTokens:
@@ -75,3 +77,31 @@ def test_an_end_on_eos_or_a_stop_id_is_marked_and_every_detail_crosses_the_core_
                              True)
     outputs = CoreOutputs(["a"], [9], [-0.1], 3.0, {0: detail}, [])
     assert from_wire(to_wire(outputs)) == outputs
+
+
+def test_an_adapter_removed_while_a_request_of_it_waits_outside_the_scheduler_serves_it_first():
+    """A core process compiles a request's grammar before the scheduler sees it. An adapter removed
+    meanwhile (unload, or a replacement under its name) stayed only for the scheduler's requests: the
+    compiled request was then refused ("adapter removed") although the frontend had accepted it. Now the
+    adapter stays until that request ends, then goes."""
+    scheduler = Scheduler(KVCacheManager(64, 8), max_num_seqs=8, max_num_batched_tokens=64, max_loras=1)
+    core = EngineCore.__new__(EngineCore)
+    adapter = SimpleNamespace(name="sql")
+    core.scheduler, core.pooling_type = scheduler, "last"
+    core.runner = SimpleNamespace(lora=SimpleNamespace(adapters={1: adapter}))
+    core._retiring_loras = set()
+    waiting = {1}  # adapter ids of the requests compiling outside the scheduler
+    core.lora_waiting = lambda lora_id: lora_id in waiting
+    core.remove_lora(1)
+    assert core.runner.lora.adapters == {1: adapter}, "kept for the request still compiling"
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_ids=(2,),
+                      max_model_len=64, sampling_seed=0, lora_id=1)
+    waiting.clear()
+    core.add_sequences([request])  # its grammar compiled: it joins the scheduler
+    assert scheduler.uses_lora(1) and core.runner.lora.adapters == {1: adapter}
+    core.finish(["r"], RequestStatus.FINISHED_ABORTED)
+    assert core.runner.lora.adapters == {}, "gone once its last request ended"
+    late = Request("late", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_ids=(2,), max_model_len=64,
+                   sampling_seed=0, lora_id=1)
+    with pytest.raises(InvalidParam, match="was removed"):
+        core.add_sequences([late])
