@@ -65,12 +65,14 @@ def request_ids(prefix: str, request: Request, body_id: str | None) -> tuple[str
 
 
 def client_error(error: InvalidParam, field_names: dict[str, str] | None = None) -> APIError:
-    """A 400 for a sampling field's error, the field named as the request's API spells it (`field_names`:
-    the sampling field's name to the request's), in the message too."""
-    name = (field_names or {}).get(error.param or "")
-    if name is None:
-        return APIError(400, str(error), error.param)
-    return APIError(400, re.sub(rf"\b{re.escape(error.param)}\b", name, str(error)), name)
+    """A 400 for a sampling field's error, every field named as the request's API spells it (`field_names`:
+    the sampling field's name to the request's), in the param and the message ("min_tokens must be <=
+    max_completion_tokens")."""
+    names = {old: new for old, new in (field_names or {}).items() if old != new}
+    message = str(error)
+    if names:
+        message = re.sub(rf"\b({'|'.join(map(re.escape, names))})\b", lambda m: names[m.group(1)], message)
+    return APIError(400, message, names.get(error.param or "", error.param))
 
 
 def load_chat_template(setting: str | None) -> str | None:

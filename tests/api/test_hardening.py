@@ -84,6 +84,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
          "max_completion_tokens"),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, '
+                                 '"max_completion_tokens": 2}', "min_tokens"),
         ("/v1/responses", '{"input": "hi", "max_output_tokens": 0}', "max_output_tokens"),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", '
                                  '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": '
@@ -103,7 +105,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 def test_out_of_range_sampling_fields_are_400s(server, path, body, param):
     response = post_raw(server, path, body)
     assert_error(response, 400, param)
-    if param in ("max_completion_tokens", "max_output_tokens"):
+    if param in ("max_completion_tokens", "max_output_tokens") or "max_completion_tokens" in body:
         assert param in response.json()["error"]["message"] and "max_tokens" not in response.json()["error"]["message"]
 
 
