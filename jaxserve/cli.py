@@ -172,19 +172,26 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     server_config = _server_config(args)
+    hosts = read_flags(args, HOST_FLAGS)
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
     from jaxserve.torch_free import keep_torch_out
 
     keep_torch_out(args.model)  # before transformers is imported: seconds of every start
-    from jaxserve.models.source import replacement_tokenizer, resolve_model, resolve_model_config
+    from jaxserve.api.server import bind, run_server
+    from jaxserve.api.serving import check_server_files
+    from jaxserve.models.source import load_hf_config, replacement_tokenizer, resolve_model, resolve_model_config
 
-    # Before binding the port: a wrong --model ends here, in one line.
+    # First the port and the server's files (a busy port ends the start in one line), then --model, before
+    # anything loads.
+    hypercorn = bind(server_config) if parallel.is_leader else None  # a follower serves no HTTP
+    check_server_files(server_config)
     if args.load_format == "dummy":
         resolve_model_config(args.model, args.revision, args.download_dir, args.hf_overrides)
     else:
-        resolve_model(args.model, args.revision, args.download_dir)
+        source = resolve_model(args.model, args.revision, args.download_dir)
+        if args.hf_overrides:  # transformers checks the overridden values; a wrong one ends here
+            load_hf_config(source, args.hf_overrides)
     replacement_tokenizer(args.tokenizer, args.tokenizer_revision, args.model, args.revision, args.download_dir)
-    hosts = read_flags(args, HOST_FLAGS)
-    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
     if parallel.multihost:
         from jaxserve.engine.follower import run_follower
         from jaxserve.runner import multihost
@@ -193,21 +200,22 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         if not parallel.is_leader:  # no HTTP here: replay process 0's steps until it stops
             run_follower(_engine_config(args, **hosts))
             return
-    from jaxserve.api.server import run_server
     from jaxserve.process_exit import exit_now
 
     # exit_now: the engine has stopped; compiles a background warm-up still runs are not waited for
-    exit_now(run_server(_engine_config(args, **read_flags(args, WARMUP_FLAGS), **hosts), server_config))
+    engine_config = _engine_config(args, **read_flags(args, WARMUP_FLAGS), **hosts)
+    exit_now(run_server(engine_config, server_config, hypercorn))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    llm = LLM.from_engine_config(_engine_config(args))
     config = GenerateConfig(**read_flags(args, GENERATE_FLAGS))
+    # Before the model loads and compiles: a sampling flag out of range ends the command in one line.
     params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                             max_tokens=config.max_tokens, seed=args.seed)
+    llm = LLM.from_engine_config(_engine_config(args))
     start = time.perf_counter()
     if config.raw:
         outputs = llm.generate(list(config.prompt), params)

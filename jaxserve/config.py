@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, or {AUTO_MAX_MODEL_LEN} for auto, got {self.max_model_len}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.max_logprobs < 0:  # vLLM's -1 (the whole vocabulary) would be a vocabulary-wide compiled top-k
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class CacheConfig:
             raise ValueError(f"num_kv_pages must be >= 2, got {self.num_kv_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not 0.0 < self.kv_cache_memory_gib < math.inf:
+            raise ValueError(f"kv_cache_memory_gib (--kv-cache-memory) must be a number of GiB > 0, "
+                             f"got {self.kv_cache_memory_gib}")
 
 
 MAX_SCHEDULER_STEPS = 64
@@ -331,6 +339,12 @@ class ParallelConfig:
             raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("num_processes > 1 needs a coordinator_address HOST:PORT")
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            # PORT + 1 carries the work channel (channel_address), so PORT stops one short of the last port.
+            if not host or not port.isdigit() or not 1 <= int(port) < 65535:
+                raise ValueError(f"coordinator_address must be HOST:PORT with PORT in [1, 65534], "
+                                 f"got {self.coordinator_address!r}")
         if self.num_processes > 1 and self.tensor_parallel_size % self.num_processes:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
                              f"num_processes ({self.num_processes}): each process brings its devices")
@@ -424,15 +438,15 @@ class EngineConfig:
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "buckets": {},
                                                "parallel": {}, "lora": {}}
         top: dict[str, Any] = {}
-        if preset is not None:
-            for section, values in load_preset(preset).items():
-                if section not in sections:
-                    raise ValueError(f"unknown section {section!r} in preset {preset}")
-                sections[section].update(values or {})
         owners = {
             "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "buckets": BucketConfig,
             "parallel": ParallelConfig, "lora": LoraConfig,
         }
+        if preset is not None:
+            for section, values in load_preset(preset).items():
+                if section not in sections:
+                    raise ValueError(f"unknown section {section!r} in preset {preset}")
+                sections[section].update(_preset_values(owners[section], values, f"preset {preset}: {section}"))
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -450,6 +464,27 @@ class EngineConfig:
                 sections["buckets"][name] = tuple(sections["buckets"][name])
         _cover_given_limits(sections, overrides)
         return cls(**{s: owners[s](**sections[s]) for s in sections}, **top)
+
+
+def _preset_values(owner: type, values: Any, where: str) -> dict[str, Any]:
+    """A preset section's values, each checked against its field's type (a YAML list becomes the tuple a
+    ladder is), so a wrong one fails naming its field rather than deep in a comparison."""
+    from pydantic import TypeAdapter, ValidationError
+
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must map field names to values, got {values!r}")
+    hints = typing.get_type_hints(owner)
+    checked = {}
+    for name, value in values.items():
+        if name not in _field_names(owner):
+            raise ValueError(f"{where} has no field {name!r}; its fields: {', '.join(sorted(_field_names(owner)))}")
+        try:
+            checked[name] = TypeAdapter(hints[name]).validate_python(value)
+        except ValidationError as e:
+            raise ValueError(f"{where}.{name}: {e.errors()[0]['msg']}, got {value!r}") from None
+    return checked
 
 
 # A limit given beside a preset, and the ladder whose largest bucket must hold it.
@@ -524,7 +559,16 @@ def load_preset(preset: str | Path) -> dict[str, Any]:
             raise FileNotFoundError(f"no config preset {preset!r}; choose from {', '.join(preset_names())} "
                                     "or pass a .yaml path")
         text = resource.read_text()
-    return yaml.safe_load(text) or {}
+    try:
+        sections = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"config {preset} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(sections, dict):
+        raise ValueError(f"config {preset} must map section names (model, cache, scheduler, ...) to fields, "
+                         f"got {type(sections).__name__}")
+    return sections
 
 
 def platform_preset(isolated: bool = False) -> str:
@@ -609,8 +653,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-        if self.shutdown_timeout < 0:
-            raise ValueError("shutdown_timeout must be >= 0")
+        if not self.shutdown_timeout >= 0:  # inf waits for every request; nan is refused
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.server_log_level not in SERVER_LOG_LEVELS:
             raise ValueError(f"server_log_level must be one of {', '.join(SERVER_LOG_LEVELS)}, "
                              f"got {self.server_log_level!r}")
@@ -685,6 +729,13 @@ class OfflineBenchConfig:
     json: str | None = None  # a file for the report
     profile: bool = False  # profile decode steps per level instead of running waves (`bench/step_profile.py`)
     profile_steps: int = 32  # decode steps timed per level
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        for name in ("input_len", "output_len", "profile_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 BENCH_DATASETS = ("random", "sharegpt", "custom")  # `bench serve`'s, vLLM's names (bench/datasets.py)
@@ -853,6 +904,13 @@ class BucketBenchConfig:
     max_buckets: int = 24
     out: str = "bench-buckets"
 
+    def __post_init__(self) -> None:
+        if self.rate is not None and not 0 < self.rate < math.inf:
+            raise ValueError(f"rate must be a finite number of requests per second > 0, got {self.rate}")
+        for name in ("concurrency", "num_requests", "max_model_len", "max_buckets"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
 
 @dataclass(frozen=True)
 class CompileConfig:
@@ -884,3 +942,16 @@ class CompileConfig:
     enforce_eager: bool = EngineConfig.enforce_eager
     variants: bool = True  # the decode buckets' variants the preset turns on (greedy, multi-step)
     json: str | None = None  # a file for the report
+
+    def __post_init__(self) -> None:
+        for name in ("jobs", "tensor_parallel_size", "max_lora_rank", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "context_len"):
+            if (value := getattr(self, name)) is not None and value < 1 and (name, value) != (
+                    "max_model_len", AUTO_MAX_MODEL_LEN):
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 2:
+            raise ValueError(f"num_kv_pages must be >= 2, got {self.num_kv_pages}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -523,6 +523,14 @@ def test_the_model_source_flags_reach_the_engine_and_compile_configs():
     ("--tokenizer", "./no-such-tokenizer", "jaxserve: error: tokenizer not found: ./no-such-tokenizer (a directory, "
                                            "a .gguf file or a hub id)"),
     ("--max-model-len", "1.5K", "a binary multiple (K, M, G, T) takes a whole number; 1.5k is decimal"),
+    ("--hf-overrides", '{"num_hidden_layers": "two"}', "Field 'num_hidden_layers' expected int, got str"),
+    ("--chat-template", "./no-such-template.jinja", "--chat-template './no-such-template.jinja' looks like a file "
+                                                    "path but cannot be read: No such file or directory"),
+    ("--generation-config", "./no-such-folder", "--generation-config: no generation_config.json in no-such-folder"),
+    ("--seed", "-1", "seed must be >= 0, got -1"),
+    ("--kv-cache-memory", "nan", "must be a number of GiB > 0, got nan"),
+    ("--shutdown-timeout", "nan", "shutdown_timeout must be >= 0, got nan"),
+    ("--coordinator-address", "nohost", "coordinator_address must be HOST:PORT"),
 ])
 def test_model_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
     result = _run_cli("serve", flag, value, "--port", "0")

@@ -58,6 +58,23 @@ def test_a_preset_file_is_read_from_its_path_and_unknown_names_list_the_choices(
         load_preset(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.parametrize("text,message", [
+    ("scheduler: [1, 2\n", r"is not valid YAML at line 2, column 1: expected ',' or '\]'"),
+    ("- 1\n- 2\n", "must map section names .* got list"),
+    ("weights:\n  dtype: float32\n", "unknown section 'weights'"),
+    ("scheduler:\n  - 3\n", r"scheduler must map field names to values, got \[3\]"),
+    ("scheduler:\n  max_num_seq: 3\n", "scheduler has no field 'max_num_seq'; its fields: async_scheduling, "),
+    ("scheduler:\n  max_num_seqs: many\n", "scheduler.max_num_seqs: Input should be a valid integer.*got 'many'"),
+    ("buckets:\n  token_buckets: [16, big]\n", "buckets.token_buckets: Input should be a valid integer"),
+    ("cache:\n  enable_prefix_caching: {}\n", "cache.enable_prefix_caching: Input should be a valid boolean"),
+])
+def test_a_malformed_preset_file_is_refused_naming_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_preset(str(path))
+
+
 def test_the_platform_preset_follows_the_jax_backend(monkeypatch, caplog):
     want = {"cpu": "cpu", "gpu": "gpu"}.get(jax.default_backend(), "default")
     with caplog.at_level("INFO", logger="jaxserve.config"):
@@ -90,6 +107,8 @@ def test_server_config_defaults_follow_vllm_and_bad_values_are_refused():
     (dict(num_processes=2, process_id=-1, coordinator_address="h:1", tensor_parallel_size=2), "process_id must be in"),
     (dict(num_processes=2, process_id=1, tensor_parallel_size=2), "needs a coordinator_address"),
     (dict(num_processes=2, coordinator_address="h:1", tensor_parallel_size=3), "multiple of num_processes"),
+    *[(dict(num_processes=2, coordinator_address=bad, tensor_parallel_size=2), "coordinator_address must be HOST:PORT")
+      for bad in ("h", "h:", ":1234", "h:port", "h:-1", "h:0", "h:65535", "h:99999", "h:1.5")],
 ])
 def test_parallel_settings_out_of_range_are_refused(fields, match):
     from jaxserve.config import ParallelConfig
@@ -146,3 +165,33 @@ def test_field_default_reads_a_default_or_calls_its_factory():
     assert field_default(CompileConfig, "jobs") == (os.cpu_count() or 1)
     with pytest.raises(TypeError, match="no field 'nope'"):
         field_default(ServerConfig, "nope")
+
+
+@pytest.mark.parametrize("owner,fields,message", [
+    ("ModelConfig", dict(seed=-1), "seed must be >= 0"),
+    ("ModelConfig", dict(max_logprobs=-1), "max_logprobs must be >= 0"),
+    ("CacheConfig", dict(kv_cache_memory_gib=0.0), "kv_cache_memory_gib"),
+    ("CacheConfig", dict(kv_cache_memory_gib=math.inf), "kv_cache_memory_gib"),
+    ("CacheConfig", dict(kv_cache_memory_gib=math.nan), "kv_cache_memory_gib"),
+    ("ServerConfig", dict(shutdown_timeout=math.nan), "shutdown_timeout must be >= 0"),
+    ("ServerConfig", dict(shutdown_timeout=-1.0), "shutdown_timeout must be >= 0"),
+    ("BucketBenchConfig", dict(rate=0.0), "rate must be a finite number"),
+    ("BucketBenchConfig", dict(rate=math.inf), "rate must be a finite number"),
+    ("BucketBenchConfig", dict(concurrency=0), "concurrency must be >= 1"),
+    ("BucketBenchConfig", dict(num_requests=0), "num_requests must be >= 1"),
+    ("BucketBenchConfig", dict(max_buckets=0), "max_buckets must be >= 1"),
+    ("OfflineBenchConfig", dict(concurrency=(1, 0)), "concurrency levels must be >= 1"),
+    ("OfflineBenchConfig", dict(concurrency=()), "concurrency levels must be >= 1"),
+    ("OfflineBenchConfig", dict(output_len=0), "output_len must be >= 1"),
+    ("CompileConfig", dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+    ("CompileConfig", dict(jobs=0), "jobs must be >= 1"),
+    ("CompileConfig", dict(max_loras=-1), "max_loras must be >= 0"),
+    ("CompileConfig", dict(num_kv_pages=1), "num_kv_pages must be >= 2"),
+    ("CompileConfig", dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
+])
+def test_settings_out_of_range_are_refused_before_anything_runs(owner, fields, message):
+    import jaxserve.config
+
+    with pytest.raises(ValueError, match=message):
+        getattr(jaxserve.config, owner)(**fields)
+    assert getattr(jaxserve.config, owner)()  # the defaults pass

@@ -13,8 +13,11 @@ A model that fails to load exits 1 too.
 """
 
 import asyncio
+import errno
 import logging
+import os
 import signal
+import ssl
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
@@ -30,7 +33,35 @@ _CUT_GRACE_S = 5.0  # after the deadline, time for handlers to send their error 
 _ENGINE_POLL_S = 0.5
 
 
-def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def bind(config: ServerConfig) -> HypercornConfig:
+    """Hypercorn's configuration, its sockets already bound and its TLS files already read.
+
+    Called before the model is looked for: a port in use, a host that is not this machine's or a
+    certificate that cannot be read fails the start at once, in one line, not after minutes of loading
+    (as `vllm serve` binds its socket before its engine starts). Connections are refused until the
+    server listens, once the app has started.
+    """
+    hc = _hypercorn_config(config)
+    for flag, path in (("--ssl-certfile", config.ssl_certfile), ("--ssl-keyfile", config.ssl_keyfile)):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {path!r} is not a file")
+    try:
+        if hc.ssl_enabled:
+            hc.create_ssl_context()
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile cannot be used: {e}") from e
+    try:
+        sockets = hc.create_sockets()
+    except OSError as e:
+        reason = "it is in use (another server?)" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise RuntimeError(f"cannot listen on {hc.bind[0]}: {reason}") from e
+    # Hypercorn takes the bound sockets by their descriptors; detach() hands each over, so nothing here
+    # closes a descriptor that Hypercorn's own socket owns.
+    hc.bind = [f"fd://{sock.detach()}" for sock in sockets.secure_sockets or sockets.insecure_sockets]
+    return hc
+
+
+def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
@@ -48,9 +79,9 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     return hc
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serves until a signal or an engine failure; returns the process exit code."""
-    return asyncio.run(_serve(engine_config, server_config))
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, hypercorn: HypercornConfig) -> int:
+    """Serves on `hypercorn` (from `bind`) until a signal or an engine failure; returns the exit code."""
+    return asyncio.run(_serve(engine_config, server_config, hypercorn))
 
 
 async def drain(state: ServerState, timeout: float) -> None:
@@ -68,7 +99,7 @@ async def drain(state: ServerState, timeout: float) -> None:
             await asyncio.sleep(0.05)
 
 
-async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+async def _serve(engine_config: EngineConfig, server_config: ServerConfig, hypercorn: HypercornConfig) -> int:
     from jaxserve.engine.llm_engine import LLMEngine  # imports jax; keep `jaxserve --help` fast
 
     stop = asyncio.Event()
@@ -114,7 +145,7 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> in
         loop.add_signal_handler(signum, on_signal, signum)
     watcher = asyncio.create_task(watch_engine())
     try:
-        await hypercorn_serve(app, hypercorn_config(server_config), shutdown_trigger=stop.wait)
+        await hypercorn_serve(app, hypercorn, shutdown_trigger=stop.wait)
     finally:
         watcher.cancel()
     logger.info("server stopped")

@@ -76,11 +76,27 @@ def client_error(error: InvalidParam, field_names: dict[str, str] | None = None)
 
 
 def load_chat_template(setting: str | None) -> str | None:
-    """--chat-template is a file path or the template itself."""
+    """--chat-template is a file path or the template itself, by vLLM's rule: a value without any of
+    `{`, `}` or a newline is a path, which must open; a template given inline has its backslash escapes
+    (`\\n`) decoded, as a shell passes them."""
     if setting is None:
         return None
-    path = Path(setting)
-    return path.read_text() if len(setting) < 4096 and path.is_file() else setting
+    try:
+        return Path(setting).read_text()
+    except (OSError, ValueError) as e:
+        if not any(c in setting for c in "{}\n"):
+            raise FileNotFoundError(f"--chat-template {setting!r} looks like a file path but cannot be read: "
+                                    f"{e.strerror if isinstance(e, OSError) else e}") from None
+    # unicode_escape reads bytes as latin-1: other characters travel as their own escapes, so they survive.
+    return setting.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def check_server_files(config: ServerConfig) -> None:
+    """Reads --chat-template's and --generation-config's files before the model loads, so a wrong path
+    ends the start in one line (ModelServing.create reads them again once the model is there)."""
+    load_chat_template(config.chat_template)
+    if config.generation_config not in ("auto", "vllm"):
+        load_generation_defaults(config.generation_config, None, config.override_generation_config)
 
 
 def requested_structure(req: SamplingFields) -> StructuredOutputsParams | None:

@@ -171,9 +171,14 @@ def with_hf_overrides(config: Any, overrides: Mapping[str, Any] | None) -> Any:
     values, so transformers checks them."""
     if not overrides:
         return config
+    from huggingface_hub.errors import StrictDataclassError
+
     values = config.to_dict()
     _merge(config, values, overrides)
-    return type(config).from_dict(values)
+    try:
+        return type(config).from_dict(values)
+    except (StrictDataclassError, TypeError, ValueError) as e:  # transformers' own check of a value
+        raise ValueError(f"--hf-overrides {dict(overrides)}: {' '.join(str(e).split())}") from None
 
 
 def _merge(config: Any, values: dict[str, Any], overrides: Mapping[str, Any]) -> None:

@@ -7,7 +7,8 @@ import pytest
 from pydantic import BaseModel
 
 from jaxserve.api.errors import APIError, validate
-from jaxserve.api.serving import load_chat_template, merge_streams
+from jaxserve.api.serving import check_server_files, load_chat_template, merge_streams
+from jaxserve.config import ServerConfig
 from jaxserve.models.source import load_generation_defaults
 
 
@@ -30,6 +31,27 @@ def test_chat_template_from_file_or_inline(tmp_path):
     assert load_chat_template(str(path)) == template
     assert load_chat_template(template) == template
     assert load_chat_template(None) is None
+
+
+def test_a_chat_template_that_looks_like_a_path_must_open_and_an_inline_one_has_its_escapes_decoded(tmp_path):
+    """vLLM's rule: no `{`, `}` nor newline makes the value a path; a shell's `\\n` in an inline template is
+    a newline. Characters beyond latin-1 survive the decoding (vLLM's own decode garbles them)."""
+    for mistyped in (str(tmp_path / "tempalte.jinja"), "templates/chat.jinja", str(tmp_path)):
+        with pytest.raises(FileNotFoundError, match="looks like a file path but cannot be read"):
+            load_chat_template(mistyped)
+    assert load_chat_template("{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"
+    assert load_chat_template("{{ '日本 é' }}\\t") == "{{ '日本 é' }}\t"
+    assert load_chat_template("{{ 'x' }}" * 5000) == "{{ 'x' }}" * 5000  # too long a name for a path
+
+
+def test_the_server_s_files_are_read_before_the_model_loads(tmp_path):
+    check_server_files(ServerConfig(chat_template="{{ 1 }}", generation_config="vllm"))
+    with pytest.raises(FileNotFoundError, match="--chat-template"):
+        check_server_files(ServerConfig(chat_template=str(tmp_path / "missing.jinja")))
+    with pytest.raises(FileNotFoundError, match=r"--generation-config: no generation_config\.json in"):
+        check_server_files(ServerConfig(generation_config=str(tmp_path)))
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
+    check_server_files(ServerConfig(generation_config=str(tmp_path)))
 
 
 def test_merge_streams_interleaves_and_cancels_producers_when_closed():

@@ -24,6 +24,13 @@ def _qwen2(**values) -> transformers.Qwen2Config:
                                     max_position_embeddings=32768, rope_theta=1e6, **values)
 
 
+@pytest.mark.parametrize("overrides,field", [({"num_hidden_layers": "two"}, "num_hidden_layers"),
+                                             ({"rms_norm_eps": "small"}, "rms_norm_eps")])
+def test_a_value_of_the_wrong_type_is_refused_in_one_line_naming_its_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"^--hf-overrides .*Validation error for field '{field}'"):
+        with_hf_overrides(_qwen2(), overrides)
+
+
 def test_a_rope_scaling_keeps_the_model_s_theta_in_either_spelling():
     """Qwen's model cards give `{"rope_scaling": {"rope_type": "yarn", ...}}` for vLLM: built as a config
     field beside transformers 5's `rope_parameters`, it would take the default theta (10,000, not the
