@@ -140,9 +140,12 @@ def arrival_offsets(num_prompts: int, request_rate: float, burstiness: float = 1
     before each request (the first too) drawn from a gamma distribution of shape `burstiness` and mean
     1 / `request_rate` (burstiness 1: exponential gaps, a Poisson process), the sums then scaled so that the
     last request goes at exactly num_prompts / request_rate, which steadies the offered rate across seeds.
-    An infinite rate sends every request at once."""
+    An infinite rate sends every request at once; an infinite burstiness (the gamma's limit) spaces them
+    evenly, 1 / `request_rate` apart."""
     if math.isinf(request_rate):
         return [0.0] * num_prompts
+    if math.isinf(burstiness):
+        return [(i + 1) / request_rate for i in range(num_prompts)]
     rng = np.random.default_rng(seed)
     offsets = np.cumsum(rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_prompts))
     return (offsets * (num_prompts / request_rate / offsets[-1])).tolist()
@@ -237,7 +240,7 @@ async def run_level(
     summary = {
         "concurrency": concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # vLLM's JSON: strict JSON
-        "burstiness": burstiness,
+        "burstiness": burstiness if math.isfinite(burstiness) else "inf",
         "num_prompts": num_prompts,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -451,8 +454,14 @@ def main(config: ServeBenchConfig) -> None:
         )))
         print("\n".join(format_report(results[-1:], **report).splitlines()[1:-1]), flush=True)
     print(footer)
-    if not (config.json or config.save_result):
-        return
+    if config.json or config.save_result:
+        _write_results(config, results)
+    if failing := [r for r in results if not r["completed"]]:  # a script's run must not pass on no answers
+        level = failing[0]["concurrency"] or "unbounded"
+        raise RuntimeError(f"no request succeeded at concurrency {level}: {'; '.join(failing[0]['errors'])}")
+
+
+def _write_results(config: ServeBenchConfig, results: list[dict]) -> None:
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     model_id = config.model
     if model_id is None:

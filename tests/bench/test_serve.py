@@ -40,6 +40,7 @@ def test_requests_arrive_on_vllm_s_schedule():
     bursty, steady = (np.diff(arrival_offsets(4000, 50.0, burstiness=b, seed=3)) for b in (0.25, 4.0))
     assert np.std(bursty) > 1.5 * np.std(gaps) and np.std(steady) < 0.6 * np.std(gaps)
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(4, 8.0, burstiness=math.inf) == [0.125, 0.25, 0.375, 0.5]  # the gamma's limit: even gaps
 
 
 def _fake_requests(monkeypatch, seconds: float) -> tuple[list[float], list[int]]:
@@ -338,3 +339,20 @@ def test_a_stream_without_usage_counts_its_output_chunks():
     result = asyncio.run(one())
     assert result.error is None and result.num_output_tokens == 5 and not result.usage_reported
     assert len(result.itl_s) == 4
+
+
+def test_a_run_in_which_no_request_succeeds_writes_its_results_and_exits_1(server, tmp_path, capsys):
+    """Every request refused (a top_p out of range): the rows and the saved record say so, and the command
+    exits 1 naming the level and the server's reason, so that a script's benchmark does not pass on nothing."""
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY, "--max-concurrency", "2",
+              "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--extra-body", '{"top_p": 5}',
+              "--burstiness", "inf", "--request-rate", "50", "--result-filename", str(tmp_path / "run.json"),
+              "--save-result"])
+    assert exited.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("jaxserve: error: no request succeeded at concurrency 2: HTTP 400") and "top_p" in last
+    [record] = json.loads((tmp_path / "run.json").read_text())
+    assert (record["completed"], record["failed"], record["burstiness"]) == (0, 2, "inf")
