@@ -179,6 +179,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     keep_torch_out(args.model)  # before transformers is imported: seconds of every start
     from jaxserve.api.server import bind, run_server
     from jaxserve.api.serving import check_server_files
+    from jaxserve.models.peft import check_adapter_source
     from jaxserve.models.source import load_hf_config, replacement_tokenizer, resolve_model, resolve_model_config
 
     # First the port and the server's files (a busy port ends the start in one line), then --model, before
@@ -192,6 +193,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         if args.hf_overrides:  # transformers checks the overridden values; a wrong one ends here
             load_hf_config(source, args.hf_overrides)
     replacement_tokenizer(args.tokenizer, args.tokenizer_revision, args.model, args.revision, args.download_dir)
+    for module in args.lora_modules or ():
+        check_adapter_source(module.name, module.path)
     if parallel.multihost:
         from jaxserve.engine.follower import run_follower
         from jaxserve.runner import multihost

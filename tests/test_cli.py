@@ -244,6 +244,19 @@ def test_serving_an_uncached_hub_id_offline_fails_in_one_line_before_binding(tmp
     assert "a local model directory or a .gguf file" in lines[0] and "unset HF_HUB_OFFLINE" in lines[0]
 
 
+def test_a_model_that_fails_to_load_for_a_flag_s_reason_says_why_in_one_line_and_exits_1(tmp_path):
+    """An adapter of rank 64 under --max-lora-rank 16 is refused once the model's layout is known, while
+    the server loads: the log says why without a traceback, and the process exits 1 for its supervisor."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    result = _run_cli("serve", "--host", "127.0.0.1", "--port", "0", "--enable-lora", "--lora-modules",
+                      f"big={adapter}", "--max-lora-rank", "16")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "ERROR jaxserve.api.app: loading the model failed: LoRA adapter 'big': rank 64 is above " \
+           "--max-lora-rank 16" in result.stderr
+
+
 def test_the_platform_choice_is_logged_and_jax_backend_probes_are_not():
     # --max-model-len 0 fails after the preset is chosen (jax's backends initialised) and before any load.
     result = _run_cli("generate", "--prompt", "hi", "--max-model-len", "0", "--log-level", "info")
@@ -531,6 +544,7 @@ def test_the_model_source_flags_reach_the_engine_and_compile_configs():
     ("--kv-cache-memory", "nan", "must be a number of GiB > 0, got nan"),
     ("--shutdown-timeout", "nan", "shutdown_timeout must be >= 0, got nan"),
     ("--coordinator-address", "nohost", "coordinator_address must be HOST:PORT"),
+    ("--lora-modules", "x=./no-such-adapter", "LoRA adapter path './no-such-adapter' is not a directory"),
 ])
 def test_model_flags_refuse_what_they_cannot_use_in_one_line(flag, value, message):
     result = _run_cli("serve", flag, value, "--port", "0")

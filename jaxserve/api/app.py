@@ -57,7 +57,10 @@ def create_app(
             async_engine = await asyncio.to_thread(loader)
             state.serving = await asyncio.to_thread(ModelServing.create, async_engine, config)
         except Exception as e:
-            logger.exception("loading the model failed")
+            if isinstance(e, ValueError | FileNotFoundError):  # what the model or a flag cannot be: one line
+                logger.error("loading the model failed: %s", e)
+            else:
+                logger.exception("loading the model failed")
             state.load_error = e
             if on_load_error is not None:
                 on_load_error(e)

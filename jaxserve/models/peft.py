@@ -72,6 +72,14 @@ def adapter_directory(path: str) -> Path:
     return Path(snapshot_download(path, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS]))
 
 
+def check_adapter_source(name: str, path: str) -> None:
+    """That --lora-modules' `path` is a directory (or a hub id, downloaded) holding a PEFT adapter config,
+    before the model loads; `read_adapter` checks its contents once the model's layout is known."""
+    directory = adapter_directory(path)
+    if not (directory / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"LoRA adapter {name!r}: no {ADAPTER_CONFIG} in {directory}")
+
+
 def read_adapter(name: str, path: str, layout: LoraLayout) -> LoraAdapter:
     """The PEFT adapter at `path` for a model of `layout`; raises ValueError, naming the adapter, for what
     cannot be served as the adapter means it."""
