@@ -4,13 +4,22 @@ import time
 from typing import Any
 
 from jaxserve.config import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 IMPORTED_AT = time.monotonic()  # start-up logs count from here: the first thing a jaxserve process imports
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "LoRARequest",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from jaxserve.config, and each command imports what it runs when it runs.
 """
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -184,7 +185,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     # First the port and the server's files (a busy port ends the start in one line), then --model, before
     # anything loads.
-    hypercorn = bind(server_config) if parallel.is_leader else None  # a follower serves no HTTP
+    hypercorn = None  # a follower serves no HTTP
+    if parallel.is_leader:
+        hypercorn, port = bind(server_config)
+        server_config = dataclasses.replace(server_config, port=port)  # the system's choice for --port 0
     check_server_files(server_config)
     if args.load_format == "dummy":
         resolve_model_config(args.model, args.revision, args.download_dir, args.hf_overrides)

@@ -11,11 +11,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxserve.cli_flags import INERT_ENGINE_FLAGS
-from jaxserve.config import EngineConfig, LoraModule, LoRARequest, check_generation_overrides
+from jaxserve.config import (
+    CHAT_TEMPLATE_CONTENT_FORMATS,
+    EngineConfig,
+    LoraModule,
+    LoRARequest,
+    check_generation_overrides,
+)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.source import load_generation_defaults
 from jaxserve.models.tokenizer import apply_chat_template
-from jaxserve.outputs import RequestOutput, RequestOutputKind
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import POOLING_PARAMS, SamplingParams
 
@@ -100,28 +106,41 @@ class LLM:
             prompts = [prompts]
         return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority, lora_request)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each prompt's embedding (`RequestOutput.embedding`, not normalized) from an engine built with
-        runner="pooling"; outputs in prompt order."""
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`, vLLM's form; not normalized) from an engine built
+        with runner="pooling"; outputs in prompt order."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([_prompt_input(p) for p in prompts], POOLING_PARAMS, use_tqdm)
+        return [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in prompts], POOLING_PARAMS,
+                                                                use_tqdm)]
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generates the assistant's reply to one conversation or to each of a list of them (with the LoRA
-        adapter of `lora_request`, as `generate`)."""
+        """Generates the assistant's reply to one conversation or to each of a list of them, vLLM's
+        arguments in vLLM's order: the LoRA adapter of `lora_request` as `generate`; the template rendered
+        as the chat API renders a request (`tools`, `chat_template_kwargs`, `continue_final_message`, and
+        content given as OpenAI's text parts)."""
+        if chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of "
+                             f"{', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, got {chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
-            apply_chat_template(tokenizer, conv, chat_template, add_generation_prompt)
+            apply_chat_template(tokenizer, conv, chat_template, add_generation_prompt,
+                                continue_final_message=continue_final_message, tools=tools,
+                                chat_template_kwargs=chat_template_kwargs,
+                                content_format=chat_template_content_format)
             for conv in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)

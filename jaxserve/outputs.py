@@ -14,10 +14,12 @@ class RequestOutputKind(enum.Enum):
 
 
 class Logprob(NamedTuple):
-    """A token's log-probability and its rank in the distribution (1 = the most likely), as in vLLM."""
+    """A token's log-probability and its rank in the distribution (1 = the most likely; None where it was
+    not computed: a sampled token outside the top alternatives asked for), as vLLM's Logprob."""
 
     logprob: float
-    rank: int
+    rank: int | None
+    decoded_token: str | None = None  # vLLM's field; jaxserve leaves it unset (decode the id to read it)
 
 
 # Per prompt token: None for the first (nothing precedes it), else {token id: Logprob} holding the prompt's
@@ -34,16 +36,33 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None  # per token, when the request asked for logprobs
+    token_logprobs: list[float] | None = None  # each token's own, when the request asked for logprobs
     top_logprobs: list[dict[int, float]] | None = None  # per token, when it asked for logprobs > 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
+    # The sum of every token's logprob so far (with DELTA outputs too), when the request asked for
+    # logprobs; a beam's score before its length penalty (vLLM's)
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def logprobs(self) -> "list[dict[int, Logprob]] | None":
+        """vLLM's form of the logprobs: per token, {token id: Logprob} holding the token itself and the top
+        alternatives asked for, ranked from 1. The token's own rank is None where it is not among them."""
+        if self.token_logprobs is None:
+            return None
+        tops = self.top_logprobs or [{} for _ in self.token_logprobs]
+        result = []
+        for token_id, logprob, top in zip(self.token_ids, self.token_logprobs, tops, strict=True):
+            entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top.items(), start=1)}
+            entry.setdefault(token_id, Logprob(logprob, None))
+            result.append(entry)
+        return result
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,27 @@ class RequestOutput:
         return sum(len(o.token_ids) for o in self.outputs)
 
 
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the prompt's pooled final hidden state, not normalized
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s record of one prompt, as vLLM's: the vector is `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> "EmbeddingRequestOutput":
+        if output.embedding is None:
+            raise ValueError(f"request {output.request_id} has no embedding: {output.error or 'not pooled'}")
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding), output.finished)
+
+
 def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """`total` (None before the first) with a DELTA output added: completions extended in place, the
     latest status and facts taken. The first delta is copied, so the caller's delta stays its own."""
@@ -119,16 +159,17 @@ def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
         old = completions.get(new.index)
         if old is None:
             old = completions[new.index] = CompletionOutput(
-                new.index, logprobs=None if new.logprobs is None else [],
+                new.index, token_logprobs=None if new.token_logprobs is None else [],
                 top_logprobs=None if new.top_logprobs is None else [])
             total.outputs.append(old)
         old.text += new.text
         old.token_ids.extend(new.token_ids)
-        if new.logprobs is not None:
-            old.logprobs.extend(new.logprobs)
+        if new.token_logprobs is not None:
+            old.token_logprobs.extend(new.token_logprobs)
         if new.top_logprobs is not None:
             old.top_logprobs.extend(new.top_logprobs)
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        old.cumulative_logprob = new.cumulative_logprob
         old.text_delta, old.token_ids_delta = new.text_delta, new.token_ids_delta
     total.outputs.sort(key=lambda completion: completion.index)
     total.finished, total.metrics = delta.finished, delta.metrics

@@ -137,7 +137,8 @@ async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[
     outputs = [CompletionOutput(index=i, text=text,
                                 token_ids=list(beam.token_ids) if params.include_stop_str_in_output else ids,
                                 finish_reason="stop" if beam.finished else "length",
-                                stop_reason=beam.token_ids[-1] if beam.finished else None)
+                                stop_reason=beam.token_ids[-1] if beam.finished else None,
+                                cumulative_logprob=beam.cumulative_logprob)
                for i, (beam, ids, text) in enumerate(zip(beams, without_eos, texts, strict=True))]
     return RequestOutput(request_id, None, prompt_ids, outputs, finished=True, num_cached_tokens=num_cached)
 

@@ -35,10 +35,10 @@ from jaxserve.api.protocol import (
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningSplitter, reasoning_stream, split_reasoning
 from jaxserve.api.serving import ModelServing, get_serving, request_ids, requested_structure
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
-from jaxserve.api.template_format import rendering_template, template_content_format
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
 from jaxserve.config import RESERVED_TEMPLATE_KWARGS
+from jaxserve.models.template_format import content_texts, resolve_content_format, template_content
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import InvalidParam, SamplingParams
 
@@ -82,28 +82,14 @@ def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dic
         if message.role == "assistant" and isinstance(reasoning, str) and reasoning and "thinking" not in data and not (
                 data["content"] and data.get("tool_calls")):  # which GPT-OSS's template refuses
             data["thinking"] = reasoning  # GPT-OSS's template renders an earlier turn's analysis from `thinking`
-        texts = [message.content] if isinstance(message.content, str) else None
-        if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"content part of type {part.get('type')!r} is not supported; "
-                                        "only text", f"messages.{i}.content")
-                texts.append(part["text"])
-            data["content"] = "\n".join(texts)
-        if content_format == "openai" and texts is not None:
-            data["content"] = [{"type": "text", "text": text} for text in texts]
+        try:
+            texts = content_texts(message.content)
+        except ValueError as e:
+            raise APIError(400, str(e), f"messages.{i}.content") from None
+        if texts is not None:
+            data["content"] = template_content(texts, content_format)
         result.append(data)
     return result
-
-
-def _content_format(serving: ModelServing, template: str | dict[str, str] | None, tools: Any) -> str:
-    """--chat-template-content-format, its `auto` read from the template that renders the request."""
-    chosen = serving.config.chat_template_content_format
-    if chosen != "auto":
-        return chosen
-    rendering = rendering_template(template, tools)
-    return template_content_format(rendering) if rendering else "string"
 
 
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -158,7 +144,8 @@ async def render_chat(
 
     def render() -> list[int]:
         # a template's content format read from its syntax tree: parsing a new template takes a while
-        conversation = _message_dicts(messages, _content_format(serving, rendering, tools))
+        content_format = resolve_content_format(serving.config.chat_template_content_format, rendering, tools)
+        conversation = _message_dicts(messages, content_format)
         try:
             text = serving.tokenizer.apply_chat_template(
                 conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
@@ -184,7 +171,7 @@ def _logprobs(serving: ModelServing, completion: CompletionOutput, by_id: bool) 
             TopLogprob(token=(s := serving.token_label(t, by_id)), logprob=lp, bytes=list(s.encode()))
             for t, lp in (top[i].items() if top else ())
         ]
-        content.append(TokenLogprob(token=token, logprob=completion.logprobs[i], bytes=list(token.encode()),
+        content.append(TokenLogprob(token=token, logprob=completion.token_logprobs[i], bytes=list(token.encode()),
                                     top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 

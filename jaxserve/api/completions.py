@@ -89,7 +89,7 @@ def _logprobs(
     for i in range(len(completion.token_ids)):
         token = serving.token_label(completion.token_ids[i], by_id)
         result.tokens.append(token)
-        result.token_logprobs.append(completion.logprobs[i])
+        result.token_logprobs.append(completion.token_logprobs[i])
         result.text_offset.append(text_offset)
         text_offset += len(token)
         if top:
@@ -227,7 +227,7 @@ async def _without_completions(outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     logprob of it anywhere, usage included), and each choice finishes by length, as after 0 tokens."""
     async for output in outputs:
         yield dataclasses.replace(output, outputs=[
-            CompletionOutput(index=c.index, logprobs=[] if c.logprobs is not None else None,
+            CompletionOutput(index=c.index, token_logprobs=[] if c.token_logprobs is not None else None,
                              top_logprobs=[] if c.top_logprobs is not None else None,
                              finish_reason="length" if c.finished else None)
             for c in output.outputs])

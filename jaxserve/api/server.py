@@ -33,8 +33,9 @@ _CUT_GRACE_S = 5.0  # after the deadline, time for handlers to send their error 
 _ENGINE_POLL_S = 0.5
 
 
-def bind(config: ServerConfig) -> HypercornConfig:
-    """Hypercorn's configuration, its sockets already bound and its TLS files already read.
+def bind(config: ServerConfig) -> tuple[HypercornConfig, int]:
+    """Hypercorn's configuration, its sockets already bound and its TLS files already read, and the port
+    they are bound to (the one the system chose for --port 0).
 
     Called before the model is looked for: a port in use, a host that is not this machine's or a
     certificate that cannot be read fails the start at once, in one line, not after minutes of loading
@@ -57,8 +58,10 @@ def bind(config: ServerConfig) -> HypercornConfig:
         raise RuntimeError(f"cannot listen on {hc.bind[0]}: {reason}") from e
     # Hypercorn takes the bound sockets by their descriptors; detach() hands each over, so nothing here
     # closes a descriptor that Hypercorn's own socket owns.
-    hc.bind = [f"fd://{sock.detach()}" for sock in sockets.secure_sockets or sockets.insecure_sockets]
-    return hc
+    bound = sockets.secure_sockets or sockets.insecure_sockets
+    port = bound[0].getsockname()[1]
+    hc.bind = [f"fd://{sock.detach()}" for sock in bound]
+    return hc, port
 
 
 def _hypercorn_config(config: ServerConfig) -> HypercornConfig:

@@ -31,6 +31,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # the sum of `logprobs`, kept as they come
     status: RequestStatus | None = None  # a finished status once it ended
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
@@ -50,18 +51,19 @@ class _Sequence:
         text_delta = self.detokenizer.take_delta(finished)
         if params.output_kind is RequestOutputKind.DELTA:
             text, token_ids = text_delta, list(delta_ids)  # two lists: a caller may change one
-            logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
+            token_logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
             top_logprobs = self.top_logprobs[first_new:] if params.logprobs else None
         else:  # the text streamed so far: not what take_delta holds back as a possible stop string's start
             text, token_ids = self.detokenizer.text[: self.detokenizer.num_emitted_chars], list(self.token_ids)
-            logprobs = list(self.logprobs) if params.logprobs is not None else None
+            token_logprobs = list(self.logprobs) if params.logprobs is not None else None
             top_logprobs = list(self.top_logprobs) if params.logprobs else None
         return CompletionOutput(
             index=self.index,
             text=text,
             token_ids=token_ids,
-            logprobs=logprobs,
+            token_logprobs=token_logprobs,
             top_logprobs=top_logprobs,
+            cumulative_logprob=self.cumulative_logprob if params.logprobs is not None else None,
             finish_reason=finish_reason(self.status) if finished else None,
             stop_reason=self.stop_reason,
             text_delta=text_delta,
@@ -206,6 +208,7 @@ class OutputProcessor:
         state = seq.parent
         seq.token_ids.append(token_id)
         seq.logprobs.append(logprob)
+        seq.cumulative_logprob += logprob
         seq.last_token_time = time
         try:
             stop = (not stop_token or state.params.include_stop_str_in_output) and seq.detokenizer.add_token(token_id)

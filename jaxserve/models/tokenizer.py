@@ -5,6 +5,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from jaxserve.models.template_format import content_texts, resolve_content_format, template_content
+
 # Used only when a model ships no chat template (GPT-2, base models): plain "role: content" turns.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -30,11 +32,32 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    *,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
-    """Renders a conversation and tokenizes it (the template supplies any special tokens)."""
+    """Renders a conversation and tokenizes it (the template supplies any special tokens), as the chat API
+    renders a request's: each message's content as the template reads it (`content_format`, vLLM's
+    --chat-template-content-format: OpenAI's text parts joined, or a text made one part), `tools` and
+    `chat_template_kwargs` passed to the template, and `continue_final_message` leaving the last message
+    open for the model to go on with."""
     if not messages:
         raise ValueError("messages must not be empty")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    content_format = resolve_content_format(content_format, chat_template or tokenizer.chat_template, tools)
+    conversation = []
+    for i, message in enumerate(messages):
+        try:
+            texts = content_texts(message.get("content"))
+        except ValueError as e:
+            raise ValueError(f"messages[{i}]: {e}") from None
+        conversation.append(message if texts is None else {**message, "content": template_content(texts,
+                                                                                                  content_format)})
     text = tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, tools=tools, tokenize=False, **(chat_template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)

@@ -210,7 +210,7 @@ class _Serving:
             lp = self.model(tuple(ids[2:]))
             top = {int(t): float(lp[t]) for t in np.argsort(-lp, kind="stable")[: params.logprobs]}
             yield RequestOutput(request_id, None, list(ids), [CompletionOutput(
-                0, token_ids=[int(np.argmax(lp))], logprobs=[max(top.values())], top_logprobs=[top],
+                0, token_ids=[int(np.argmax(lp))], token_logprobs=[max(top.values())], top_logprobs=[top],
                 finish_reason="length")], finished=True)
 
         return outputs()

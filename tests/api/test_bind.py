@@ -28,9 +28,11 @@ def _hello_app() -> Starlette:
     return Starlette(routes=[Route("/", hello)])
 
 
-def _get_while_serving(config: ServerConfig, url: str) -> httpx.Response:
-    """Serves the hello app on `bind(config)`'s sockets and GETs `url` from a thread."""
-    hypercorn = bind(config)
+def _get_while_serving(config: ServerConfig, scheme: str) -> httpx.Response:
+    """Serves the hello app on `bind(config)`'s sockets and GETs its root from a thread."""
+    hypercorn, port = bind(config)
+    assert port == config.port or (config.port == 0 and port > 0)
+    url = f"{scheme}://127.0.0.1:{port}/"
 
     async def main() -> httpx.Response:
         stop = asyncio.Event()
@@ -58,9 +60,9 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_plain_http_is_served_on_the_bound_socket():
-    port = free_port()
-    response = _get_while_serving(ServerConfig(host="127.0.0.1", port=port), f"http://127.0.0.1:{port}/")
+@pytest.mark.parametrize("port", [free_port(), 0], ids=["given", "the-system-s-choice"])
+def test_plain_http_is_served_on_the_bound_socket(port):
+    response = _get_while_serving(ServerConfig(host="127.0.0.1", port=port), "http")
     assert response.status_code == 200 and response.text == "hello over http"
 
 
@@ -68,7 +70,7 @@ def test_https_is_served_with_the_certificate_read_at_bind(tmp_path):
     cert, key = _self_signed(tmp_path)
     port = free_port()
     config = ServerConfig(host="127.0.0.1", port=port, ssl_certfile=str(cert), ssl_keyfile=str(key))
-    response = _get_while_serving(config, f"https://127.0.0.1:{port}/")
+    response = _get_while_serving(config, "https")
     assert response.status_code == 200 and response.text == "hello over https"
 
 

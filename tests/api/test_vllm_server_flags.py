@@ -9,9 +9,9 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from jaxserve.api.app import create_app
-from jaxserve.api.template_format import template_content_format
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.models.template_format import template_content_format
 from tests.engine.helpers import make_engine
 
 HELLO = [{"role": "user", "content": "Say hello."}]

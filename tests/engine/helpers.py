@@ -107,7 +107,7 @@ def summary(output) -> list[tuple]:
 
 
 def logprob_values(output) -> list[float]:
-    values = [v for c in output.outputs for v in (c.logprobs or [])]
+    values = [v for c in output.outputs for v in (c.token_logprobs or [])]
     values += [v for c in output.outputs for t in (c.top_logprobs or []) for v in t.values()]
     values += [lp.logprob for e in (output.prompt_logprobs or []) if e for lp in e.values()]
     return values

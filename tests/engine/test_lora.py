@@ -54,7 +54,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]], p
         for output in engine.step():
             if output.finished:
                 completion = output.outputs[0]
-                results[output.request_id] = (list(completion.token_ids), list(completion.logprobs or []))
+                results[output.request_id] = (list(completion.token_ids), list(completion.token_logprobs or []))
         if running is not None:
             names = {lora_id: module.name for module, lora_id in engine.lora_modules.values()}
             running.append([names[i] for i in engine.scheduler.lora_slots.running_adapters])
@@ -215,7 +215,7 @@ def test_an_adapter_loaded_while_serving_and_one_removed_while_its_request_runs(
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                results[output.request_id] = (list(output.outputs[0].token_ids), list(output.outputs[0].logprobs))
+                results[output.request_id] = (list(output.outputs[0].token_ids), list(output.outputs[0].token_logprobs))
     engine.step()
     assert lora_id not in engine.runner.lora.adapters
     _assert_matches(results, _references(lora_dirs, requests, params))

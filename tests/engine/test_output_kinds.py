@@ -61,10 +61,10 @@ def test_deltas_add_up_to_the_cumulative_outputs(smollm2_tokenizer):
     for delta, whole in zip(deltas, cumulative, strict=True):
         for d, c in zip(delta.outputs, whole.outputs, strict=True):
             assert d.token_ids == c.token_ids_delta and d.text == d.text_delta == c.text_delta
-            assert len(d.logprobs) == len(d.top_logprobs) == len(d.token_ids)
+            assert len(d.token_logprobs) == len(d.top_logprobs) == len(d.token_ids)
         total = add_delta(total, delta)
-        so_far = [(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in total.outputs]
-        assert so_far == [(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in whole.outputs]
+        so_far = [(c.token_ids, c.token_logprobs, c.top_logprobs, c.finish_reason) for c in total.outputs]
+        assert so_far == [(c.token_ids, c.token_logprobs, c.top_logprobs, c.finish_reason) for c in whole.outputs]
         # The text so far is what was streamed: a cumulative output also holds what may start a stop string.
         assert all(whole_c.text.startswith(c.text) for c, whole_c in zip(total.outputs, whole.outputs, strict=True))
     assert as_final(total) == as_final(cumulative[-1])

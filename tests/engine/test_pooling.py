@@ -34,8 +34,8 @@ def test_embeddings_match_transformers_final_hidden_states(llama_dir, tiny_hf_mo
     for prompt, output in zip(prompts, outputs, strict=True):
         hidden = _reference(hf_model, prompt)
         expected = hidden[-1] if pooling_type == "last" else hidden.mean(axis=0)
-        np.testing.assert_allclose(output.embedding, expected, rtol=2e-4, atol=2e-4)
-        assert output.finished and len(output.embedding) == hidden.shape[1]
+        np.testing.assert_allclose(output.outputs.embedding, expected, rtol=2e-4, atol=2e-4)
+        assert output.finished and len(output.outputs.embedding) == hidden.shape[1]
 
 
 def test_embeddings_cross_the_core_process_pipe(llama_dir):
@@ -43,12 +43,12 @@ def test_embeddings_cross_the_core_process_pipe(llama_dir):
     rank): the pooled hidden states reach the frontend as the in-process engine gives them (the pipe's wire
     format once dropped them)."""
     prompts = make_prompts(3)
-    expected = [o.embedding for o in _llm(llama_dir, "last").embed(prompts, use_tqdm=False)]
+    expected = [o.outputs.embedding for o in _llm(llama_dir, "last").embed(prompts, use_tqdm=False)]
     options = {**LADDER, "max_num_batched_tokens": 16, "token_buckets": (16,)}
     llm = LLM(model=str(llama_dir), dtype="float32", runner="pooling", page_size=4, num_kv_pages=256,
               max_model_len=256, compilation_cache_dir=None, engine_process=True, **options)
     try:
-        got = [o.embedding for o in llm.embed(prompts, use_tqdm=False)]
+        got = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
     finally:
         llm.engine.shutdown()
     assert all(e is not None for e in got)

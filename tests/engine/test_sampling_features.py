@@ -148,7 +148,7 @@ def test_logprobs_match_transformers(engine, hf_llama):
         top = np.argsort(-reference)[:3]
         assert list(completion.top_logprobs[i]) == top.tolist()
         np.testing.assert_allclose(list(completion.top_logprobs[i].values()), reference[top], atol=1e-4)
-        np.testing.assert_allclose(completion.logprobs[i], reference[completion.token_ids[i]], atol=1e-4)
+        np.testing.assert_allclose(completion.token_logprobs[i], reference[completion.token_ids[i]], atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -123,7 +123,7 @@ def _generate(engine, prompts) -> dict[str, tuple[list[int], list[float]]]:
         for output in engine.step():
             if output.finished:
                 completion = output.outputs[0]
-                results[output.request_id] = (list(completion.token_ids), list(completion.logprobs))
+                results[output.request_id] = (list(completion.token_ids), list(completion.token_logprobs))
     return results
 
 

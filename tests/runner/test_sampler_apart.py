@@ -35,7 +35,7 @@ def _serve(engine) -> dict[str, tuple[list[int], list[float], list[dict[int, flo
         for output in engine.step():
             if output.finished:
                 completion = output.outputs[0]
-                results[output.request_id] = (completion.token_ids, completion.logprobs or [],
+                results[output.request_id] = (completion.token_ids, completion.token_logprobs or [],
                                               completion.top_logprobs or [])
         step += 1
     return results

@@ -84,3 +84,36 @@ def rendering_template(template: str | dict[str, str] | None, tools: Any) -> str
     if tools and "tool_use" in template:
         return template["tool_use"]
     return template.get("default")
+
+
+def resolve_content_format(setting: str, template: str | dict[str, str] | None, tools: Any) -> str:
+    """--chat-template-content-format's `setting` (`string`, `openai` or `auto`), `auto` read from the
+    template that renders a conversation with `tools`."""
+    if setting != "auto":
+        return setting
+    rendering = rendering_template(template, tools)
+    return template_content_format(rendering) if rendering else "string"
+
+
+def content_texts(content: Any) -> list[str] | None:
+    """A message's content as its texts: a string is one; OpenAI's list of content parts, each text part's
+    text. None for anything else (no content). Raises ValueError for a part that is not text."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"content part of type {kind!r} is not supported; only text")
+        texts.append(part["text"])
+    return texts
+
+
+def template_content(texts: list[str], content_format: str) -> str | list[dict[str, str]]:
+    """A message's texts as a template of `content_format` reads them: one text, the parts joined by
+    newlines (string), or OpenAI's list of text parts (openai)."""
+    if content_format == "openai":
+        return [{"type": "text", "text": text} for text in texts]
+    return "\n".join(texts)

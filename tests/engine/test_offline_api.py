@@ -1,0 +1,89 @@
+"""`LLM.chat` and `LLM.generate`'s outputs as vLLM's offline API has them: a conversation rendered as the chat
+API renders a request (OpenAI's text parts, tools, chat_template_kwargs, continue_final_message), and
+logprobs per token as {token id: Logprob} with the completion's cumulative logprob."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM
+from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import LADDER, make_prompts
+
+# Shows what reaches the template: the tools' names, a keyword argument, each message's content as given
+TEMPLATE = ("{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
+            "{% if greeting is defined %}[{{ greeting }}]{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}({{ p['text'] }}){% endfor %}"
+                  "{% endfor %}")
+ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=256, num_kv_pages=256,
+               page_size=4, **LADDER)
+
+
+def _prompt(llm: LLM, messages, **kwargs) -> str:
+    [output] = llm.chat(messages, ONE_TOKEN, use_tqdm=False, **kwargs)
+    return llm.get_tokenizer().decode(output.prompt_token_ids)
+
+
+def test_chat_renders_a_conversation_as_the_chat_api_renders_a_request(llm):
+    user = {"role": "user", "content": "hi there"}
+    assert _prompt(llm, [user], chat_template=TEMPLATE) == "<user>hi there</user><assistant>"
+    parts = {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}
+    assert _prompt(llm, [parts], chat_template=TEMPLATE) == "<user>hi\nthere</user><assistant>", \
+        "a string template reads the text parts joined by newlines"
+    assert _prompt(llm, [user], chat_template=PARTS_TEMPLATE) == "<user>(hi there)", \
+        "a template that loops over the parts gets a text as one part (auto)"
+    assert _prompt(llm, [parts], chat_template=PARTS_TEMPLATE) == "<user>(hi)(there)"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    assert _prompt(llm, [user], chat_template=TEMPLATE, tools=[tool], chat_template_kwargs={"greeting": "hello"}) \
+        == "[tool get_weather][hello]<user>hi there</user><assistant>"
+    partial = [user, {"role": "assistant", "content": "The answer is"}]
+    assert _prompt(llm, partial, chat_template=TEMPLATE, add_generation_prompt=False,
+                   continue_final_message=True) == "<user>hi there</user><assistant>The answer is"
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "message"), [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     r"messages\[0\]: content part of type 'image_url' is not supported; only text"),
+    ([{"role": "user", "content": "hi"}], {"continue_final_message": True},
+     "continue_final_message and add_generation_prompt cannot both be true"),
+    ([{"role": "user", "content": "hi"}], {"chat_template_content_format": "parts"},
+     "chat_template_content_format must be one of auto, string, openai"),
+])
+def test_chat_refuses_what_it_cannot_render(llm, messages, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, ONE_TOKEN, use_tqdm=False, **kwargs)
+
+
+def test_logprobs_come_per_token_as_vllm_s_with_the_cumulative_logprob(llm):
+    prompts = make_prompts(2)
+    asked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3), use_tqdm=False)
+    for output in asked:
+        completion = output.outputs[0]
+        assert len(completion.logprobs) == len(completion.token_ids) == 5
+        for token_id, logprob, entry in zip(completion.token_ids, completion.token_logprobs, completion.logprobs,
+                                            strict=True):
+            assert len(entry) == 3 and [e.rank for e in entry.values()] == [1, 2, 3]
+            assert entry[token_id] == Logprob(pytest.approx(logprob, abs=1e-6), 1), "greedy: the top token"
+            assert all(isinstance(e, Logprob) and e.decoded_token is None for e in entry.values())
+            values = [e.logprob for e in entry.values()]
+            assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert completion.cumulative_logprob == pytest.approx(math.fsum(completion.token_logprobs), abs=1e-6)
+        assert completion.cumulative_logprob < 0
+    sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=8, logprobs=0, seed=3), use_tqdm=False)
+    for output in sampled:  # no alternatives asked: each entry is the token's own, its rank not computed
+        completion = output.outputs[0]
+        assert [list(e) for e in completion.logprobs] == [[t] for t in completion.token_ids]
+        assert all(e.rank is None for entry in completion.logprobs for e in entry.values())
+        assert completion.cumulative_logprob == pytest.approx(
+            float(np.sum([e.logprob for entry in completion.logprobs for e in entry.values()])), abs=1e-5)
+    [plain] = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
