@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.cli_flags import INERT_ENGINE_FLAGS
+from jaxserve.cli_flags import ENGINE_FLAGS, INERT_ENGINE_FLAGS
 from jaxserve.config import (
     CHAT_TEMPLATE_CONTENT_FORMATS,
     EngineConfig,
@@ -63,6 +63,7 @@ class LLM:
                     except argparse.ArgumentTypeError as error:
                         raise ValueError(f"{flag.option}: {error}") from None
                 logger.warning("%s=%r changes nothing in jaxserve: %s", flag.option, value, flag.why)
+        engine_options = _by_field_name(engine_options)
         engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
         self._start(LLMEngine(engine_config), generation_config, override_generation_config)
 
@@ -199,6 +200,29 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _by_field_name(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with vLLM's names of engine options that jaxserve's fields name otherwise (block_size,
+    num_gpu_blocks_override, task: the serve flags' own names) under the field's name, a text converted
+    as the flag converts it (task="embed" is runner="pooling")."""
+    aliases = {name[2:].replace("-", "_"): flag for flag in ENGINE_FLAGS for name in flag.names
+               if name.startswith("--") and name[2:].replace("-", "_") != flag.field}
+    result = dict(options)
+    for name, flag in aliases.items():
+        if name not in result:
+            continue
+        value = result.pop(name)
+        convert = flag.options.get("type")
+        if isinstance(value, str) and convert is not None:
+            try:
+                value = convert(value)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"{name}: {error}") from None
+        if result.get(flag.field, value) != value:
+            raise ValueError(f"{name}={value!r} and {flag.field}={result[flag.field]!r} set the same option")
+        result[flag.field] = value
+    return result
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

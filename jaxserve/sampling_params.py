@@ -133,6 +133,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM's: none of these words' token sequences is completed
     structured_outputs: StructuredOutputsParams | None = None  # constrains every token to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
+    # vLLM's: the only tokens the output may hold (and EOS); given, it is structured_outputs' allowed_token_ids
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens kept (-1: max_model_len)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,7 +148,20 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k is None or (isinstance(self.top_k, int) and -1 <= self.top_k < 0):
             self.top_k = 0
+        if self.allowed_token_ids is not None:
+            self._take_allowed_token_ids()
         self._validate()
+
+    def _take_allowed_token_ids(self) -> None:
+        if not isinstance(self.allowed_token_ids, list | tuple):
+            raise InvalidParam("allowed_token_ids must be a list of token ids", "allowed_token_ids")
+        allowed = tuple(self.allowed_token_ids)
+        given = self.structured_outputs
+        if given is None:
+            self.structured_outputs = StructuredOutputsParams(allowed_token_ids=allowed)
+        elif given.allowed_token_ids != allowed:  # equal where `dataclasses.replace` runs this again
+            raise InvalidParam("allowed_token_ids and structured_outputs both constrain the output; give one",
+                               "allowed_token_ids")
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -303,6 +319,19 @@ class RequestLimits:
         if num_biased > self.max_biased_tokens:
             raise InvalidParam(f"logit_bias, stop_token_ids and bad_words name {num_biased} tokens together (with "
                                f"EOS); at most {self.max_biased_tokens} are supported", "logit_bias")
+
+    def check_truncation(self, truncate: int | None) -> None:
+        """vLLM's rule for truncate_prompt_tokens: -1 (the context length) or 1 to max_model_len."""
+        if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or not (
+                truncate == -1 or 1 <= truncate <= self.max_model_len)):
+            raise InvalidParam(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
+                               f"context length), got {truncate}", "truncate_prompt_tokens")
+
+    def truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
+        """The prompt's last `truncate` tokens (-1: the context length's worth); all of them for None."""
+        if truncate is None:
+            return token_ids
+        return token_ids[-(self.max_model_len if truncate == -1 else truncate):]
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """OpenAI's context-length error, with the numbers that broke it; then the KV capacity."""

@@ -225,17 +225,13 @@ class ModelServing:
         return self.truncate(token_ids, truncate)
 
     def check_truncation(self, truncate: int | None) -> None:
-        """vLLM's rule for truncate_prompt_tokens: -1 (the context length) or 1 to max_model_len."""
-        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
-            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
-                                f"context length), got {truncate}", "truncate_prompt_tokens")
+        try:
+            self.info.limits.check_truncation(truncate)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param) from None
 
     def truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
-        """The prompt's last `truncate` tokens (-1: the context length's worth); all of them for None."""
-        if truncate is None:
-            return token_ids
-        keep = self.max_model_len if truncate == -1 else truncate
-        return token_ids[-keep:]
+        return self.info.limits.truncate(token_ids, truncate)
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self.off_loop(lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))

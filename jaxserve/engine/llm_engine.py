@@ -197,6 +197,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
+        if params.truncate_prompt_tokens is not None:  # the server cuts the prompt itself and leaves this None
+            self.limits.check_truncation(params.truncate_prompt_tokens)
+            prompt_token_ids = self.limits.truncate(prompt_token_ids, params.truncate_prompt_tokens)
         served = self.lora_modules.get(lora_name) if lora_name is not None else None
         if lora_name is not None and served is None:
             raise InvalidParam(f"The model `{lora_name}` does not exist: no LoRA adapter of that name", "model")

@@ -87,3 +87,32 @@ def test_logprobs_come_per_token_as_vllm_s_with_the_cumulative_logprob(llm):
             float(np.sum([e.logprob for entry in completion.logprobs for e in entry.values()])), abs=1e-5)
     [plain] = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+def test_vllm_s_allowed_token_ids_and_truncate_prompt_tokens_are_sampling_params(llm):
+    allowed = [5, 6, 7]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=12, allowed_token_ids=allowed)
+    assert params.structured_outputs.allowed_token_ids == tuple(allowed)
+    outputs = llm.generate(make_prompts(4), params, use_tqdm=False)  # (the LLM replaces their output kind)
+    eos = llm.get_tokenizer().eos_token_id
+    for output in outputs:  # the allowed tokens, and the EOS that may end them
+        tokens = output.outputs[0].token_ids
+        assert tokens and set(tokens[:-1]) <= set(allowed) and tokens[-1] in {*allowed, eos}
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) > 8
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="allowed_token_ids and structured_outputs both constrain the output"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs=StructuredOutputsParams(regex="a+"))
+
+    prompt = list(range(10, 40))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    [cut] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, truncate_prompt_tokens=8),
+                         use_tqdm=False)
+    [tail] = llm.generate([prompt[-8:]], greedy, use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-8:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    [whole] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, truncate_prompt_tokens=-1),
+                           use_tqdm=False)
+    assert whole.prompt_token_ids == prompt  # -1: the context length's worth, here all of it
+    for bad in (0, -2, 257):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or in \[1, 256\]"):
+            llm.generate([prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=bad), use_tqdm=False)

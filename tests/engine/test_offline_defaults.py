@@ -61,3 +61,28 @@ def test_llm_takes_vllm_s_options_that_change_nothing_with_a_warning(monkeypatch
         LLM(swap_spce=4, config="cpu")
     with pytest.raises(ValueError, match="pipeline_parallel_size: '2': jaxserve runs one pipeline stage"):
         LLM(pipeline_parallel_size=2, config="cpu")
+
+
+def test_llm_takes_vllm_s_names_of_options_jaxserve_names_otherwise(monkeypatch):
+    """`LLM(block_size=32, num_gpu_blocks_override=512, task="embed")`, vLLM's names, set the page size, the
+    page count and the pooling runner, as serve's flags of those names do; both names at odds are refused."""
+    from jaxserve import llm as llm_module
+
+    class Built(Exception):
+        pass
+
+    def engine(config):
+        raise Built(config)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", engine)
+    with pytest.raises(Built) as built:
+        LLM(block_size=32, num_gpu_blocks_override=512, task="embed", config="cpu")
+    config = built.value.args[0]
+    assert (config.cache.page_size, config.cache.num_kv_pages, config.runner) == (32, 512, "pooling")
+    with pytest.raises(Built) as built:
+        LLM(block_size=32, page_size=32, config="cpu")
+    assert built.value.args[0].cache.page_size == 32
+    with pytest.raises(ValueError, match="block_size=32 and page_size=16 set the same option"):
+        LLM(block_size=32, page_size=16, config="cpu")
+    with pytest.raises(ValueError, match="task: 'draft': say --runner generate or --runner pooling"):
+        LLM(task="draft", config="cpu")
