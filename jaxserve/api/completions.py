@@ -83,7 +83,9 @@ def _logprobs(
     serving: ModelServing, completion: CompletionOutput, text_offset: int, by_id: bool
 ) -> CompletionLogprobs:
     """Logprobs of the completion's tokens (a stream's delta holds only the new ones), in the legacy
-    completions shape."""
+    completions shape. Each position's top_logprobs holds the sampled token first, then the alternatives
+    asked for: up to logprobs + 1 entries, as OpenAI's legacy API and vLLM give them (logprobs=0: the
+    sampled token's alone)."""
     result = CompletionLogprobs()
     top = completion.top_logprobs or []
     for i in range(len(completion.token_ids)):
@@ -92,10 +94,8 @@ def _logprobs(
         result.token_logprobs.append(completion.token_logprobs[i])
         result.text_offset.append(text_offset)
         text_offset += len(token)
-        if top:
-            result.top_logprobs.append({serving.token_label(t, by_id): lp for t, lp in top[i].items()})
-        else:
-            result.top_logprobs.append(None)
+        alternatives = {serving.token_label(t, by_id): lp for t, lp in top[i].items()} if top else {}
+        result.top_logprobs.append({token: completion.token_logprobs[i], **alternatives})
     return result
 
 

@@ -144,7 +144,17 @@ def test_logprobs(client):
     assert "".join(logprobs.tokens) == completion.choices[0].text
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) == 3 and max(top.values()) == pytest.approx(logprob)  # greedy: the top token
-        assert top[token] == pytest.approx(logprob)
+        assert top[token] == pytest.approx(logprob) and next(iter(top)) == token, "the sampled token first"
+    # OpenAI's legacy rule (vLLM's): the sampled token is always there, so logprobs=0 gives it alone and a
+    # sampled token outside the top k makes k + 1 entries
+    sampled = client.completions.create(model=MODEL, prompt="The sky is", temperature=2.0, seed=7, max_tokens=16,
+                                        logprobs=0).choices[0].logprobs
+    assert sampled.top_logprobs == [{t: lp} for t, lp in zip(sampled.tokens, sampled.token_logprobs, strict=True)]
+    wide = client.completions.create(model=MODEL, prompt="The sky is", temperature=2.0, seed=7, max_tokens=16,
+                                     logprobs=1).choices[0].logprobs
+    assert all(len(top) == 1 + (lp < max(top.values())) and top[t] == lp
+               for t, lp, top in zip(wide.tokens, wide.token_logprobs, wide.top_logprobs, strict=True))
+    assert any(len(top) == 2 for top in wide.top_logprobs), "at temperature 2 some token is not the top one"
 
     chat = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=5,
                                           logprobs=True, top_logprobs=2)
