@@ -24,7 +24,9 @@ from jaxserve.allocator import preload_tcmalloc, runs_steps
 from jaxserve.cli_flags import (
     BUCKET_ARRIVAL_FLAGS,
     BUCKET_FLAGS,
+    CHAT_FLAGS,
     COMPILE_FLAGS,
+    COMPLETE_FLAGS,
     CONVERT_FLAGS,
     ENGINE_FLAGS,
     GENERATE_FLAGS,
@@ -46,6 +48,7 @@ from jaxserve.cli_flags import (
 from jaxserve.config import (
     BucketBenchConfig,
     CacheConfig,
+    ClientConfig,
     CompileConfig,
     EngineConfig,
     GenerateConfig,
@@ -235,6 +238,24 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(f"\n[{num_tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
 
 
+def _cmd_chat(args: argparse.Namespace) -> None:
+    from jaxserve import client
+
+    try:
+        client.chat(ClientConfig(**read_flags(args, CHAT_FLAGS)))
+    except KeyboardInterrupt:  # Ctrl-C while an answer streams: the end, not a traceback
+        print(file=sys.stderr)
+
+
+def _cmd_complete(args: argparse.Namespace) -> None:
+    from jaxserve import client
+
+    try:
+        client.complete(ClientConfig(**read_flags(args, COMPLETE_FLAGS)))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+
+
 def _cmd_bench_offline(args: argparse.Namespace) -> None:
     from jaxserve.bench import offline
 
@@ -301,6 +322,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     add_flags(gen, GENERATE_FLAGS)
     gen.set_defaults(func=_cmd_generate)
+
+    chat = commands.add_parser(
+        "chat", help="chat with a running server from the terminal (like `vllm chat`)",
+        description="Chat with a running server: each line read is a user message, the reply streams back, and "
+                    "the conversation goes on until end of input (Ctrl-D); --quick sends one message.")
+    add_flags(chat, CHAT_FLAGS)
+    chat.set_defaults(func=_cmd_chat, log_level="warning")
+    complete = commands.add_parser(
+        "complete", help="complete prompts on a running server from the terminal (like `vllm complete`)",
+        description="Complete prompts on a running server: each line read is a prompt, its completion streams "
+                    "back; --quick completes one prompt.")
+    add_flags(complete, COMPLETE_FLAGS)
+    complete.set_defaults(func=_cmd_complete, log_level="warning")
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks: offline engine or HTTP load.")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")

@@ -37,6 +37,7 @@ from jaxserve.config import (
     BucketBenchConfig,
     BucketConfig,
     CacheConfig,
+    ClientConfig,
     CompileConfig,
     EngineConfig,
     GenerateConfig,
@@ -582,6 +583,28 @@ GENERATE_FLAGS = (
     Flag("--temperature", GenerateConfig, "temperature", "sampling temperature; 0 is greedy", type=float),
     Flag("--top-p", GenerateConfig, "top_p", "nucleus sampling threshold", type=float),
     Flag("--top-k", GenerateConfig, "top_k", "sample from the k likeliest tokens; 0 is all", type=int),
+)
+
+_CLIENT_FLAGS = (
+    Flag("--url", ClientConfig, "url", "the server's OpenAI base URL"),
+    Flag("--model-name", ClientConfig, "model_name", "the model to ask (default: the first /v1/models lists)"),
+    Flag("--api-key", ClientConfig, "api_key", "the server's API key (default: OPENAI_API_KEY, else none)"),
+)
+CHAT_FLAGS = (
+    *_CLIENT_FLAGS,
+    Flag("--system-prompt", ClientConfig, "system_prompt", "the conversation's system message (default: none)"),
+    Flag("--max-tokens", ClientConfig, "max_tokens", "the most tokens of each reply (default: the server's)",
+         type=int),
+    Flag(("-q", "--quick"), ClientConfig, "quick",
+         "send this one message, print the reply and exit (default: none: read messages until end of input)",
+         metavar="MESSAGE"),
+)
+COMPLETE_FLAGS = (
+    *_CLIENT_FLAGS,
+    Flag("--max-tokens", ClientConfig, "max_tokens", "the most tokens of each completion (default: the "
+         "server's)", type=int),
+    Flag(("-q", "--quick"), ClientConfig, "quick", "complete this one prompt, print it and exit "
+         "(default: none: read prompts until end of input)", metavar="PROMPT"),
 )
 
 OFFLINE_FLAGS = (

@@ -708,6 +708,25 @@ def check_generation_overrides(overrides: Any) -> None:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """`jaxserve chat` and `jaxserve complete`: a running server's terminal clients (vLLM's commands)."""
+
+    url: str = "http://localhost:8000/v1"  # the server's OpenAI base URL
+    model_name: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None  # None: OPENAI_API_KEY, else none
+    system_prompt: str | None = None  # the chat's first message
+    max_tokens: int | None = None  # None: the server's default
+    quick: str | None = None  # send this one message, print the answer and exit
+
+    def __post_init__(self) -> None:
+        if urllib.parse.urlsplit(self.url).scheme not in ("http", "https"):
+            raise ValueError(f"url must be an http:// or https:// URL, got {self.url!r}")
+        self.__dict__["url"] = self.url.rstrip("/")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class GenerateConfig:
     """`jaxserve generate`: the prompts and their sampling (the engine is an EngineConfig)."""
 
