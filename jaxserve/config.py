@@ -231,6 +231,13 @@ class LoraModule:
     base_model_name: str | None = None
 
     @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """A preset's module validates by `parse`, the flag's rule, so YAML takes the flag's forms."""
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(cls.parse)
+
+    @classmethod
     def parse(cls, value: "str | dict[str, Any] | LoraModule") -> "LoraModule":
         """vLLM's --lora-modules forms: `name=path`, or a JSON object {"name", "path", "base_model_name"}."""
         if isinstance(value, cls):

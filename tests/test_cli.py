@@ -280,8 +280,8 @@ def test_bench_serve_prints_its_header_before_the_rows(monkeypatch, capsys, capl
         calls.append((concurrency, requests[0].prompt_len, requests[0].output_len, kwargs["request_rate"]))
         latency = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
         return {"concurrency": concurrency, "request_rate": kwargs["request_rate"], "request_throughput": 1.0,
-                "output_tokens_per_s": 2.0, "failed": 0, "errors": [], "ttft_ms": latency, "tpot_ms": latency,
-                "itl_ms": latency, "e2e_ms": latency}
+                "output_tokens_per_s": 2.0, "completed": len(requests), "failed": 0, "errors": [], "ttft_ms": latency,
+                "tpot_ms": latency, "itl_ms": latency, "e2e_ms": latency}
 
     monkeypatch.setattr(jaxserve.bench.serve, "run_level", fake_run_level)
     with caplog.at_level(logging.WARNING, logger="jaxserve"):

@@ -67,6 +67,7 @@ def test_a_preset_file_is_read_from_its_path_and_unknown_names_list_the_choices(
     ("scheduler:\n  max_num_seqs: many\n", "scheduler.max_num_seqs: Input should be a valid integer.*got 'many'"),
     ("buckets:\n  token_buckets: [16, big]\n", "buckets.token_buckets: Input should be a valid integer"),
     ("cache:\n  enable_prefix_caching: {}\n", "cache.enable_prefix_caching: Input should be a valid boolean"),
+    ("lora:\n  lora_modules: [nope]\n", "lora.lora_modules: .*a LoRA module is name=path or a JSON object"),
 ])
 def test_a_malformed_preset_file_is_refused_naming_what_is_wrong(tmp_path, text, message):
     path = tmp_path / "mine.yaml"
