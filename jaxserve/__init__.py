@@ -4,13 +4,24 @@ import time
 from typing import Any
 
 from jaxserve.config import LoRARequest
-from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, RequestOutputKind
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+)
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 IMPORTED_AT = time.monotonic()  # start-up logs count from here: the first thing a jaxserve process imports
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "LoRARequest",

@@ -18,12 +18,20 @@ from jaxserve.config import (
     LoRARequest,
     check_generation_overrides,
 )
+from jaxserve.engine.beam_search import Beam, BeamSearch, length_penalty_bound
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.source import load_generation_defaults
 from jaxserve.models.tokenizer import apply_chat_template
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from jaxserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+)
 from jaxserve.platform import prepare_jax_platform
-from jaxserve.sampling_params import POOLING_PARAMS, SamplingParams
+from jaxserve.sampling_params import POOLING_PARAMS, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +154,77 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _lora_names(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
-                    num_prompts: int) -> list[str | None]:
-        """Each prompt's adapter name, its adapter loaded on first use (the same name must keep its path)."""
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py) for each prompt, best beams first, in prompt order.
+        Each round asks the engine for one token after every live beam of every prompt at once, with its
+        2 x beam_width alternatives (so beam_width is at most half of max_logprobs); the prefix cache serves
+        the beams' shared tokens. `concurrency_limit`: prompts searched at a time (all of them: None)."""
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
+        max_width = self.engine.limits.max_logprobs // 2
+        if params.beam_width > max_width:
+            raise ValueError(f"beam_width is at most {max_width} on this engine (each round reads 2 x beam_width "
+                             f"alternatives, max_logprobs {self.engine.limits.max_logprobs})")
+        if abs(params.length_penalty) > (bound := length_penalty_bound(self.engine.max_model_len)):
+            raise ValueError(f"length_penalty must be in [-{bound:.0f}, {bound:.0f}] on this engine")
+        tokenizer = self.engine.tokenizer
+        prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) if p else []
+                      for p in map(_prompt_input, prompts)]
+        for ids in prompt_ids:  # each round's prompt grows by a token, its last the generated one
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens {params.max_tokens} exceed the "
+                                 f"model's context of {self.engine.max_model_len} tokens")
+        lora_requests = self._lora_requests(lora_request, len(prompt_ids))
+        eos = frozenset(() if params.ignore_eos else self.engine.info.eos_token_ids)
+        step = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        limit = concurrency_limit or max(len(prompt_ids), 1)
+        outputs = []
+        with tqdm(total=len(prompt_ids), desc="Beam search", disable=not use_tqdm, leave=False) as bar:
+            for start in range(0, len(prompt_ids), limit):
+                group = range(start, min(start + limit, len(prompt_ids)))
+                searches = {i: BeamSearch(len(prompt_ids[i]), params.beam_width, params.max_tokens, eos,
+                                          params.length_penalty) for i in group}
+                while live := [(i, s) for i, s in searches.items() if not s.done]:
+                    asked = [(i, beam) for i, search in live for beam in search.live_token_ids()]
+                    finals = self._run([[*prompt_ids[i], *beam] for i, beam in asked], step, use_tqdm=False,
+                                       lora_request=[lora_requests[i] for i, _ in asked])
+                    answers = iter(final.outputs[0].top_logprobs[0] for final in finals)
+                    for _, search in live:
+                        search.extend([next(answers) for _ in search.live])
+                for i in group:
+                    outputs.append(BeamSearchOutput([self._beam_sequence(prompt_ids[i], beam, lora_requests[i])
+                                                     for beam in searches[i].best()]))
+                    bar.update(1)
+        return outputs
+
+    def _beam_sequence(self, prompt_ids: list[int], beam: Beam, lora_request: LoRARequest | None) -> BeamSearchSequence:
+        """vLLM's record of a beam: the prompt's tokens and the beam's, all of them decoded."""
+        tokens = [*prompt_ids, *beam.token_ids]
+        ranked = [{token_id: Logprob(logprob, rank) for rank, (token_id, logprob) in enumerate(alternatives.items(), 1)}
+                  for alternatives in beam.alternatives]
+        return BeamSearchSequence(tokens, ranked, beam.cumulative_logprob, self.engine.tokenizer.decode(tokens),
+                                  "stop" if beam.finished else "length",
+                                  beam.token_ids[-1] if beam.finished else None, lora_request)
+
+    def _lora_requests(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                       num_prompts: int) -> list[LoRARequest | None]:
         requests = [lora_request] * num_prompts if lora_request is None or isinstance(lora_request, LoRARequest) \
             else list(lora_request)
         if len(requests) != num_prompts:
             raise ValueError(f"{num_prompts} prompts but {len(requests)} LoRA requests")
+        return requests
+
+    def _lora_names(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                    num_prompts: int) -> list[str | None]:
+        """Each prompt's adapter name, its adapter loaded on first use (the same name must keep its path)."""
+        requests = self._lora_requests(lora_request, num_prompts)
         for request in {r for r in requests if r is not None}:
             served = self.engine.lora_modules.get(request.lora_name)
             if served is None:

@@ -2,7 +2,10 @@
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from jaxserve.config import LoRARequest
 
 
 class RequestOutputKind(enum.Enum):
@@ -147,6 +150,28 @@ class EmbeddingRequestOutput:
         if output.embedding is None:
             raise ValueError(f"request {output.request_id} has no embedding: {output.error or 'not pooled'}")
         return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding), output.finished)
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    """One of `LLM.beam_search`'s beams, as vLLM's: `tokens` the prompt's and the generated (a finished beam's
+    EOS last), `text` all of them decoded, `logprobs` per generated token the alternatives it was chosen
+    among, ranked; finish_reason "stop" for a beam an EOS ended (stop_reason that id), else "length"."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    text: str
+    finish_reason: str
+    stop_reason: int | None = None
+    lora_request: "LoRARequest | None" = None
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    """`LLM.beam_search`'s answer for one prompt: its best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

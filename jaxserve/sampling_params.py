@@ -221,6 +221,27 @@ class SamplingParams:
 GREEDY_TEMPERATURE = 0.0  # a sampling row's temperature when its request is greedy (the sampler's test)
 
 
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search`: `beam_width` beams kept each round, up to `max_tokens` generated,
+    ranked by cumulative logprob / length ** `length_penalty`; `ignore_eos`: no beam ends at an EOS;
+    `include_stop_str_in_output`: a finished beam's EOS stays in its token ids (the server's choices). Beams
+    are ranked by the model's raw logprobs, as vLLM's V1 engine ranks them, so `temperature` changes nothing."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1, _INT32_MAX)
+        _check_int("max_tokens", self.max_tokens, 1, _INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, 2.0)
+        _check_float("length_penalty", self.length_penalty, -math.inf, math.inf)
+
+
 class RowField(NamedTuple):
     """One per-request sampling value as the step reads it: its column's name (as in the runner's rows and
     `SamplingArrays`), dtype, the value that switches it off (a padding row), and how it is read."""

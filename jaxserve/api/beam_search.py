@@ -1,20 +1,11 @@
-"""Beam search (vLLM's `use_beam_search`), run by the API on top of the engine, one token at a time.
-
-Each round asks the engine for one token after every live beam, with that token's 2 x width most likely
-alternatives and their logprobs; each beam is extended by each alternative, and the `width` extensions
-with the highest cumulative logprob live on. An extension by an EOS token finishes its beam instead
-(unless `ignore_eos`). After `max_tokens` rounds, or once no beam is live, finished and live beams are
-ranked by cumulative logprob / length ** length_penalty, the length counting the prompt and not a final
-EOS (vLLM's score), and the best `width` become the `n` choices, best first. A round's beams share the
-prompt and most of their tokens, so the prefix cache serves most of each round's prefill.
-
-`search` takes the model as a callback, so it runs against any next-token distribution (the tests' oracle
-among them); `beam_search` runs it on the engine for one request.
+"""Beam search (vLLM's `use_beam_search`) for the API: the engine's search (engine/beam_search.py) moved a
+round at a time, each round one engine request per live beam for one token and its 2 x width most likely
+alternatives. A round's beams share the prompt and most of their tokens, so the prefix cache serves most of
+each round's prefill.
 """
 
 import asyncio
-import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,61 +15,22 @@ from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import SamplingFields
 from jaxserve.api.serving import ModelServing
 from jaxserve.api.streaming import collect
+from jaxserve.engine.beam_search import BeamSearch, length_penalty_bound
 from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 T = TypeVar("T")
-_MAX_EXPONENT = 700.0  # e ** 700 is near the largest float (e ** 709.8)
-
-# The generated tokens of each live beam -> for each, its next token's alternatives: token id -> logprob
-NextLogprobs = Callable[[list[tuple[int, ...]]], Awaitable[list[dict[int, float]]]]
 
 
 @dataclass(frozen=True)
-class Beam:
-    token_ids: tuple[int, ...]  # generated; an EOS last where it finished the beam
-    cumulative_logprob: float
-    finished: bool = False
+class ServedBeamSearch(BeamSearchParams):
+    """A request's beam search: vLLM's parameters, and whether the beams' text skips special tokens."""
 
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    width: int  # the request's n
-    max_tokens: int
-    length_penalty: float
-    ignore_eos: bool
-    skip_special_tokens: bool
-    include_stop_str_in_output: bool  # a finished beam's EOS in its token ids (never in its text)
-
-
-def score(beam: Beam, num_prompt_tokens: int, length_penalty: float) -> float:
-    """vLLM's ranking of beams: cumulative logprob / length ** length_penalty, the length counting the prompt
-    and not a final EOS."""
-    length = num_prompt_tokens + len(beam.token_ids) - beam.finished
-    return beam.cumulative_logprob / length**length_penalty
-
-
-async def search(next_logprobs: NextLogprobs, num_prompt_tokens: int, width: int, max_tokens: int,
-                 eos_token_ids: frozenset[int], length_penalty: float) -> list[Beam]:
-    """The best `width` beams, best first (ties in the order they were found)."""
-    live, finished = [Beam((), 0.0)], []
-    for _ in range(max_tokens):
-        if not live:
-            break
-        extended = []
-        alternatives = await next_logprobs([beam.token_ids for beam in live])
-        for beam, candidates in zip(live, alternatives, strict=True):
-            for token_id, logprob in candidates.items():
-                ends = token_id in eos_token_ids
-                (finished if ends else extended).append(
-                    Beam((*beam.token_ids, token_id), beam.cumulative_logprob + logprob, ends))
-        # One length among them, so this is their cumulative logprob's order too
-        live = sorted(extended, key=lambda b: score(b, num_prompt_tokens, length_penalty), reverse=True)[:width]
-    return sorted(finished + live, key=lambda b: score(b, num_prompt_tokens, length_penalty), reverse=True)[:width]
+    skip_special_tokens: bool = True
 
 
 def beam_search_params(serving: ModelServing, req: SamplingFields, checked: SamplingParams,
-                       num_prompt_tokens: int) -> BeamSearchParams:
+                       num_prompt_tokens: int) -> ServedBeamSearch:
     """The search's parameters from a request whose fields `serving.sampling_params` checked already
     (`checked`); a 400 naming the field for what beam search cannot answer. Sampling fields (temperature,
     top_p, penalties, stop strings) do not apply: beams are ranked by the model's own logprobs, as vLLM's are."""
@@ -94,42 +46,40 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
         raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
     if checked.structured_outputs is not None:
         raise APIError(400, "structured outputs are not available with use_beam_search", "use_beam_search")
-    # A score divides by length ** length_penalty, a length up to the context's: it must stay a float
-    bound = _MAX_EXPONENT / math.log(max(serving.max_model_len, 2))
+    bound = length_penalty_bound(serving.max_model_len)
     if not abs(req.length_penalty) <= bound:  # NaN too
         raise APIError(400, f"length_penalty must be a number in [-{bound:.0f}, {bound:.0f}] on this server",
                        "length_penalty")
     max_tokens = checked.max_tokens
     if max_tokens is None:  # up to the context length
         max_tokens = serving.max_model_len - num_prompt_tokens
-    return BeamSearchParams(req.n, max_tokens, req.length_penalty, checked.ignore_eos, checked.skip_special_tokens,
-                            checked.include_stop_str_in_output)
+    return ServedBeamSearch(req.n, max_tokens, checked.ignore_eos, length_penalty=req.length_penalty,
+                            include_stop_str_in_output=checked.include_stop_str_in_output,
+                            skip_special_tokens=checked.skip_special_tokens)
 
 
-async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[int], params: BeamSearchParams,
+async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[int], params: ServedBeamSearch,
                       request_id: str, cache_salt: str | None = None, priority: int = 0,
                       lora_name: str | None = None) -> RequestOutput:
     """The search on the engine for one prompt: its beams as the `n` completions of one final output (what
     the engine's own requests end in), finish_reason "stop" for a beam that ended in EOS, else "length".
     Cancelled with its engine requests if the client leaves."""
-    step = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=2 * params.width, ignore_eos=True,
+    step = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
                           output_kind=RequestOutputKind.DELTA)
     eos = frozenset(() if params.ignore_eos else serving.info.eos_token_ids)
+    search = BeamSearch(len(prompt_ids), params.beam_width, params.max_tokens, eos, params.length_penalty)
     rounds = 0
     num_cached = 0
-
-    async def next_logprobs(beams: list[tuple[int, ...]]) -> list[dict[int, float]]:
-        nonlocal rounds, num_cached
+    while not search.done:
         streams = [serving.generate([*prompt_ids, *beam], step, f"{request_id}-{rounds}-{i}", cache_salt,
-                                    priority=priority, lora_name=lora_name) for i, beam in enumerate(beams)]
+                                    priority=priority, lora_name=lora_name)
+                   for i, beam in enumerate(search.live_token_ids())]
         finals = await collect(request, streams)
         if rounds == 0:
             num_cached = finals[0].num_cached_tokens
         rounds += 1
-        return [final.outputs[0].top_logprobs[0] for final in finals]
-
-    beams = await search(next_logprobs, len(prompt_ids), params.width, params.max_tokens, eos,
-                         params.length_penalty)
+        search.extend([final.outputs[0].top_logprobs[0] for final in finals])
+    beams = search.best()
     without_eos = [list(b.token_ids[:-1] if b.finished else b.token_ids) for b in beams]
     texts = await asyncio.gather(*(serving.decode(ids, skip_special_tokens=params.skip_special_tokens)
                                    for ids in without_eos))

@@ -11,7 +11,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.beam_search import BeamSearchParams, beam_search, beam_search_params
+from jaxserve.api.beam_search import ServedBeamSearch, beam_search, beam_search_params
 from jaxserve.api.errors import MAX_JSON_DEPTH, APIError, check_json
 from jaxserve.api.protocol import (
     ChatChoice,
@@ -262,7 +262,7 @@ class ChatRun:
     plan: ToolPlan | None  # how tool calls are read from the text
     reasoning: _Reasoning | None  # how reasoning is split from the text
     streams: list[AsyncIterator[RequestOutput]]  # the one engine request's outputs (its n sequences)
-    beam: BeamSearchParams | None = None  # use_beam_search: no stream; the search runs when awaited
+    beam: ServedBeamSearch | None = None  # use_beam_search: no stream; the search runs when awaited
     lora_name: str | None = None  # the LoRA adapter the request's model names
 
     def read(self, completion: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:

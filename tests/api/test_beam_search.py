@@ -12,58 +12,15 @@ import torch
 from starlette.testclient import TestClient
 
 from jaxserve.api.app import create_app
-from jaxserve.api.beam_search import BeamSearchParams, beam_search, search, side_by_side
+from jaxserve.api.beam_search import ServedBeamSearch, beam_search, side_by_side
 from jaxserve.api.errors import APIError
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from tests.engine.beam_cases import oracle, run_search, toy_model
 from tests.engine.helpers import make_engine
 
 HELLO = [{"role": "user", "content": "Say hello."}]
-
-
-def _toy_model(vocab: int, seed: int):
-    """A next-token distribution that depends on the whole prefix: float64 logprobs."""
-
-    def logprobs(prefix: tuple[int, ...]) -> np.ndarray:
-        rng = np.random.default_rng([seed, len(prefix), *prefix])
-        logits = rng.normal(scale=2.0, size=vocab)
-        return logits - np.logaddexp.reduce(logits)
-
-    return logprobs
-
-
-def _run(model, num_prompt: int, width: int, max_tokens: int, eos: frozenset[int], length_penalty: float):
-    async def next_logprobs(beams):
-        result = []
-        for beam in beams:
-            lp = model(beam)
-            top = np.argsort(-lp, kind="stable")[:2 * width]
-            result.append({int(t): float(lp[t]) for t in top})
-        return result
-
-    return asyncio.run(search(next_logprobs, num_prompt, width, max_tokens, eos, length_penalty))
-
-
-def _oracle(model, num_prompt: int, width: int, max_tokens: int, eos: set[int], length_penalty: float):
-    """vLLM's beam search written out on arrays: (tokens, cumulative logprob, ended by EOS), best first."""
-    def score(tokens, total, ended):
-        return total / (num_prompt + len(tokens) - ended) ** length_penalty
-
-    live, done = [((), 0.0)], []
-    for _ in range(max_tokens):
-        if not live:
-            break
-        grown = []
-        for tokens, total in live:
-            lp = model(tokens)
-            for t in np.argsort(-lp, kind="stable")[:2 * width]:
-                entry = ((*tokens, int(t)), total + lp[t])
-                (done if int(t) in eos else grown).append((*entry, int(t) in eos))
-        grown.sort(key=lambda e: -e[1])
-        live = [(tokens, total) for tokens, total, _ in grown[:width]]
-    finished = done + [(tokens, total, False) for tokens, total in live]
-    return sorted(finished, key=lambda e: -score(*e))[:width]
 
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.5])
@@ -71,7 +28,7 @@ def test_a_search_that_prunes_nothing_finds_the_best_sequences_of_all(length_pen
     """Width 64 over 4 tokens (8 alternatives per beam: all of them) for 3 rounds keeps every sequence, so the
     result is the best of all 4 + 4^2 + 4^3 candidates (those ended by EOS at each length, the rest at 3)."""
     vocab, eos, width, num_prompt = 4, 3, 64, 5
-    model = _toy_model(vocab, seed=1)
+    model = toy_model(vocab, seed=1)
     candidates = []
     for length in (1, 2, 3):
         for tokens in itertools.product(range(vocab), repeat=length):
@@ -81,7 +38,7 @@ def test_a_search_that_prunes_nothing_finds_the_best_sequences_of_all(length_pen
             ended = tokens[-1] == eos
             candidates.append((tokens, total / (num_prompt + length - ended) ** length_penalty))
     best = sorted(candidates, key=lambda c: -c[1])[:width]
-    beams = _run(model, num_prompt, width, 3, frozenset({eos}), length_penalty)
+    beams = run_search(model, num_prompt, width, 3, frozenset({eos}), length_penalty)
     assert [b.token_ids for b in beams] == [tokens for tokens, _ in best]
     assert all(b.finished == (b.token_ids[-1] == eos) for b in beams)
 
@@ -89,9 +46,9 @@ def test_a_search_that_prunes_nothing_finds_the_best_sequences_of_all(length_pen
 @pytest.mark.parametrize("width", [1, 2, 5])
 @pytest.mark.parametrize("eos", [frozenset(), frozenset({0, 7})])
 def test_a_pruning_search_is_vllms_algorithm(width, eos):
-    model = _toy_model(40, seed=width)
-    beams = _run(model, 7, width, 9, eos, 1.0)
-    expected = _oracle(model, 7, width, 9, set(eos), 1.0)
+    model = toy_model(40, seed=width)
+    beams = run_search(model, 7, width, 9, eos, 1.0)
+    expected = oracle(model, 7, width, 9, set(eos), 1.0)
     assert [(b.token_ids, b.finished) for b in beams] == [(tokens, ended) for tokens, _, ended in expected]
     assert np.allclose([b.cumulative_logprob for b in beams], [total for _, total, _ in expected], atol=1e-9)
     if width == 1 and not eos:  # one beam with 2 alternatives is greedy decoding
@@ -130,7 +87,7 @@ def test_served_beams_are_the_oracles_on_the_pytorch_model(client, torch_logprob
     body = response.json()
     assert body["id"] == "cmpl-beams" and len(body["choices"]) == 2 * width
     for p, prompt in enumerate(prompts):
-        expected = _oracle(lambda t, prompt=prompt: torch_logprobs((*prompt, *t)), len(prompt), width, max_tokens,
+        expected = oracle(lambda t, prompt=prompt: torch_logprobs((*prompt, *t)), len(prompt), width, max_tokens,
                            set(), 1.0)
         choices = body["choices"][p * width:(p + 1) * width]
         assert [c["index"] for c in choices] == list(range(p * width, (p + 1) * width))
@@ -222,12 +179,12 @@ class _Serving:
 
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_a_beam_that_ends_in_eos_is_stop_without_it_in_its_text(include_stop):
-    model = _toy_model(6, seed=3)
+    model = toy_model(6, seed=3)
     serving = _Serving(model)
-    params = BeamSearchParams(width=4, max_tokens=5, length_penalty=1.0, ignore_eos=False, skip_special_tokens=False,
-                              include_stop_str_in_output=include_stop)
+    params = ServedBeamSearch(beam_width=4, max_tokens=5, length_penalty=1.0, ignore_eos=False,
+                              skip_special_tokens=False, include_stop_str_in_output=include_stop)
     output = asyncio.run(beam_search(serving, _Client(), [7, 8], params, "r"))
-    expected = _oracle(model, 2, 4, 5, {3}, 1.0)
+    expected = oracle(model, 2, 4, 5, {3}, 1.0)
     assert any(ended for _, _, ended in expected), "the case must have a beam that EOS ended"
     for completion, (tokens, _, ended) in zip(output.outputs, expected, strict=True):
         text_ids = tokens[:-1] if ended else tokens
@@ -240,8 +197,8 @@ def test_a_beam_that_ends_in_eos_is_stop_without_it_in_its_text(include_stop):
 
 
 def test_one_failing_search_stops_the_others_before_the_error_is_answered():
-    serving = _Serving(_toy_model(6, seed=4), fail_on=5)  # a prompt of 2 fails in its third round
-    params = BeamSearchParams(3, 20, 1.0, True, True, False)
+    serving = _Serving(toy_model(6, seed=4), fail_on=5)  # a prompt of 2 fails in its third round
+    params = ServedBeamSearch(3, 20, ignore_eos=True)
 
     async def run():
         searches = [beam_search(serving, _Client(), [1, 2], params, "fails"),

@@ -1,6 +1,6 @@
-"""`LLM.chat` and `LLM.generate`'s outputs as vLLM's offline API has them: a conversation rendered as the chat
-API renders a request (OpenAI's text parts, tools, chat_template_kwargs, continue_final_message), and
-logprobs per token as {token id: Logprob} with the completion's cumulative logprob."""
+"""`LLM.chat`, `LLM.generate` and `LLM.beam_search` as vLLM's offline API has them: a conversation rendered as
+the chat API renders a request (OpenAI's text parts, tools, chat_template_kwargs, continue_final_message),
+logprobs per token as {token id: Logprob} with the completion's cumulative logprob, and beam search's records."""
 
 import math
 
@@ -9,7 +9,8 @@ import pytest
 
 from jaxserve import LLM
 from jaxserve.outputs import Logprob
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from tests.engine.beam_cases import oracle
 from tests.engine.helpers import LADDER, make_prompts
 
 # Shows what reaches the template: the tools' names, a keyword argument, each message's content as given
@@ -116,3 +117,53 @@ def test_vllm_s_allowed_token_ids_and_truncate_prompt_tokens_are_sampling_params
     for bad in (0, -2, 257):
         with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or in \[1, 256\]"):
             llm.generate([prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=bad), use_tqdm=False)
+
+
+def test_beam_search_is_vllm_s_algorithm_on_the_pytorch_model(llm, tiny_hf_model):
+    """`LLM.beam_search` against vLLM's algorithm run on the PyTorch model's float64 logprobs: the beams, best
+    first, as vLLM's records (prompt and beam tokens, all decoded; each token's ranked alternatives)."""
+    import torch
+
+    model = tiny_hf_model("llama").double()
+
+    def logprobs(ids: tuple[int, ...]) -> np.ndarray:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([list(ids)])).logits[0, -1], -1).numpy()
+
+    prompts = [[5, 6, 7, 8, 9], {"prompt_token_ids": [300, 2000, 17]}, [40, 41]]
+    width, max_tokens = 3, 5
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.beam_search(prompts, params, concurrency_limit=2)
+    assert len(outputs) == len(prompts)
+    tokenizer = llm.get_tokenizer()
+    for prompt, output in zip([[5, 6, 7, 8, 9], [300, 2000, 17], [40, 41]], outputs, strict=True):
+        expected = oracle(lambda t, prompt=prompt: logprobs((*prompt, *t)), len(prompt), width, max_tokens, set(), 1.0)
+        assert [tuple(seq.tokens[len(prompt):]) for seq in output.sequences] == [t for t, _, _ in expected]
+        for seq, (_, total, _) in zip(output.sequences, expected, strict=True):
+            assert seq.tokens[:len(prompt)] == prompt and seq.text == tokenizer.decode(seq.tokens)
+            assert seq.cum_logprob == pytest.approx(total, abs=1e-3)
+            assert (seq.finish_reason, seq.stop_reason, seq.lora_request) == ("length", None, None)
+            assert len(seq.logprobs) == max_tokens
+            chosen = [entry[token] for entry, token in zip(seq.logprobs, seq.tokens[len(prompt):], strict=True)]
+            assert seq.cum_logprob == pytest.approx(math.fsum(c.logprob for c in chosen), abs=1e-9)
+            assert all([e.rank for e in entry.values()] == list(range(1, 2 * width + 1)) for entry in seq.logprobs)
+    [alone] = llm.beam_search([[5, 6, 7, 8, 9]], params)
+    assert [(s.tokens, s.text) for s in alone.sequences] == [(s.tokens, s.text) for s in outputs[0].sequences], \
+        "a prompt's beams do not depend on the others searched with it"
+    assert [s.cum_logprob for s in alone.sequences] == pytest.approx([s.cum_logprob for s in outputs[0].sequences],
+                                                                     abs=1e-4)
+
+
+def test_beam_search_refuses_what_it_cannot_search(llm):
+    with pytest.raises(ValueError, match=r"beam_width must be an integer in \[1,"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=math.nan)
+    with pytest.raises(ValueError, match=r"beam_width is at most 10 on this engine"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="a prompt of 5 tokens and max_tokens 252 exceed the model's context of 256"):
+        llm.beam_search([[1, 2, 3, 4, 5]], BeamSearchParams(beam_width=2, max_tokens=252))
+    with pytest.raises(ValueError, match="concurrency_limit must be a positive integer"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    with pytest.raises(ValueError, match=r"length_penalty must be in \[-126, 126\] on this engine"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=500.0))
