@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jaxserve.outputs import RequestOutputKind
 
@@ -136,6 +136,11 @@ class SamplingParams:
     # vLLM's: the only tokens the output may hold (and EOS); given, it is structured_outputs' allowed_token_ids
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens kept (-1: max_model_len)
+    detokenize: bool = True  # vLLM's: False leaves the text empty (token ids only) and skips decoding
+    # vLLM's: spaces between special tokens kept in the text; fast tokenizers (jaxserve's, and vLLM's fast
+    # path) decode them as they are either way
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None  # vLLM's: carried for custom code, read by nothing in jaxserve
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -190,6 +195,10 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
+        if not self.detokenize and self.stop_strings:
+            raise InvalidParam("stop strings are found in the text: they need detokenize=True", "stop")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise InvalidParam("extra_args must be a dict", "extra_args")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParam("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):

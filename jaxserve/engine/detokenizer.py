@@ -22,7 +22,7 @@ _PREFIX_WINDOW = 5  # prompt tokens of context so the first generated tokens dec
 class IncrementalDetokenizer:
     backend: Any  # the fast tokenizer's Rust `tokenizers.Tokenizer`
     params: SamplingParams
-    stream: DecodeStream
+    stream: DecodeStream | None  # None: the request asked for no text (detokenize=False)
     text: str = ""
     num_emitted_chars: int = 0
     num_tokens: int = 0  # generated tokens added
@@ -37,6 +37,8 @@ class IncrementalDetokenizer:
         cls, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
     ) -> "IncrementalDetokenizer":
         """`tokenizer`: a transformers fast tokenizer (every tokenizer jaxserve loads is one)."""
+        if not params.detokenize:
+            return cls(tokenizer.backend_tokenizer, params, None)
         context = list(prompt_token_ids[-_PREFIX_WINDOW:])
         stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
         return cls(tokenizer.backend_tokenizer, params, stream)
@@ -50,6 +52,8 @@ class IncrementalDetokenizer:
         count from the token after the first min_tokens (vLLM's rule), and only those that end in text
         from there on."""
         self.num_tokens += 1
+        if self.stream is None:
+            return False
         piece = self.stream.step(self.backend, token_id)
         if not piece:  # an incomplete character: wait for the next token
             return False
