@@ -194,7 +194,7 @@ class LLM:
                 while live := [(i, s) for i, s in searches.items() if not s.done]:
                     asked = [(i, beam) for i, search in live for beam in search.live_token_ids()]
                     finals = self._run([[*prompt_ids[i], *beam] for i, beam in asked], step, use_tqdm=False,
-                                       lora_request=[lora_requests[i] for i, _ in asked])
+                                       lora_request=[lora_requests[i] for i, _ in asked], decode_logprob_tokens=False)
                     answers = iter(final.outputs[0].top_logprobs[0] for final in finals)
                     for _, search in live:
                         search.extend([next(answers) for _ in search.live])
@@ -207,7 +207,8 @@ class LLM:
     def _beam_sequence(self, prompt_ids: list[int], beam: Beam, lora_request: LoRARequest | None) -> BeamSearchSequence:
         """vLLM's record of a beam: the prompt's tokens and the beam's, all of them decoded."""
         tokens = [*prompt_ids, *beam.token_ids]
-        ranked = [{token_id: Logprob(logprob, rank) for rank, (token_id, logprob) in enumerate(alternatives.items(), 1)}
+        decoded = self._decoded({t for alternatives in beam.alternatives for t in alternatives})
+        ranked = [{t: Logprob(logprob, rank, decoded[t]) for rank, (t, logprob) in enumerate(alternatives.items(), 1)}
                   for alternatives in beam.alternatives]
         return BeamSearchSequence(tokens, ranked, beam.cumulative_logprob, self.engine.tokenizer.decode(tokens),
                                   "stop" if beam.finished else "length",
@@ -241,6 +242,7 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        decode_logprob_tokens: bool = True,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -271,7 +273,32 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [finished[request_id] for request_id in request_ids]
+        outputs = [finished[request_id] for request_id in request_ids]
+        for output in outputs if decode_logprob_tokens else ():
+            self._decode_logprob_tokens(output)
+        return outputs
+
+    def _decode_logprob_tokens(self, output: RequestOutput) -> None:
+        """vLLM's Logprob.decoded_token, each logprob's token decoded alone, for an output that has logprobs."""
+        ids = {t for entry in output.prompt_logprobs or [] if entry for t in entry}
+        for completion in output.outputs:
+            if completion.token_logprobs is not None:
+                ids.update(completion.token_ids)
+                ids.update(t for top in completion.top_logprobs or [] for t in top)
+        if not ids:
+            return
+        decoded = self._decoded(ids)
+        for completion in output.outputs:
+            if completion.token_logprobs is not None:
+                completion.decoded_tokens = decoded
+        if output.prompt_logprobs is not None:
+            output.prompt_logprobs = [None if entry is None else
+                                      {t: lp._replace(decoded_token=decoded[t]) for t, lp in entry.items()}
+                                      for entry in output.prompt_logprobs]
+
+    def _decoded(self, token_ids: set[int]) -> dict[int, str]:
+        tokenizer = self.engine.tokenizer
+        return {t: tokenizer.decode([t]) for t in token_ids}
 
 
 def _by_field_name(options: dict[str, Any]) -> dict[str, Any]:

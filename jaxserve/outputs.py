@@ -22,7 +22,7 @@ class Logprob(NamedTuple):
 
     logprob: float
     rank: int | None
-    decoded_token: str | None = None  # vLLM's field; jaxserve leaves it unset (decode the id to read it)
+    decoded_token: str | None = None  # the token's own text (vLLM's field), where it was decoded: `LLM` does
 
 
 # Per prompt token: None for the first (nothing precedes it), else {token id: Logprob} holding the prompt's
@@ -48,6 +48,9 @@ class CompletionOutput:
     # The sum of every token's logprob so far (with DELTA outputs too), when the request asked for
     # logprobs; a beam's score before its length penalty (vLLM's)
     cumulative_logprob: float | None = None
+    # Each logprob's token id -> its own text (vLLM's Logprob.decoded_token), where the caller decoded them
+    # (`LLM` does; the server writes its own token strings)
+    decoded_tokens: dict[int, str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,10 +63,11 @@ class CompletionOutput:
         if self.token_logprobs is None:
             return None
         tops = self.top_logprobs or [{} for _ in self.token_logprobs]
+        decoded = self.decoded_tokens or {}
         result = []
         for token_id, logprob, top in zip(self.token_ids, self.token_logprobs, tops, strict=True):
-            entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top.items(), start=1)}
-            entry.setdefault(token_id, Logprob(logprob, None))
+            entry = {t: Logprob(lp, rank, decoded.get(t)) for rank, (t, lp) in enumerate(top.items(), start=1)}
+            entry.setdefault(token_id, Logprob(logprob, None, decoded.get(token_id)))
             result.append(entry)
         return result
 

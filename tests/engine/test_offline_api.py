@@ -66,19 +66,24 @@ def test_chat_refuses_what_it_cannot_render(llm, messages, kwargs, message):
 
 def test_logprobs_come_per_token_as_vllm_s_with_the_cumulative_logprob(llm):
     prompts = make_prompts(2)
-    asked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3), use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    asked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=1),
+                         use_tqdm=False)
     for output in asked:
         completion = output.outputs[0]
         assert len(completion.logprobs) == len(completion.token_ids) == 5
         for token_id, logprob, entry in zip(completion.token_ids, completion.token_logprobs, completion.logprobs,
                                             strict=True):
             assert len(entry) == 3 and [e.rank for e in entry.values()] == [1, 2, 3]
-            assert entry[token_id] == Logprob(pytest.approx(logprob, abs=1e-6), 1), "greedy: the top token"
-            assert all(isinstance(e, Logprob) and e.decoded_token is None for e in entry.values())
+            assert entry[token_id] == Logprob(pytest.approx(logprob, abs=1e-6), 1, tokenizer.decode([token_id])), \
+                "greedy: the top token"
+            assert all(isinstance(e, Logprob) and e.decoded_token == tokenizer.decode([t]) for t, e in entry.items())
             values = [e.logprob for e in entry.values()]
             assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
         assert completion.cumulative_logprob == pytest.approx(math.fsum(completion.token_logprobs), abs=1e-6)
         assert completion.cumulative_logprob < 0
+        assert output.prompt_logprobs[0] is None and all(
+            e.decoded_token == tokenizer.decode([t]) for entry in output.prompt_logprobs[1:] for t, e in entry.items())
     sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=8, logprobs=0, seed=3), use_tqdm=False)
     for output in sampled:  # no alternatives asked: each entry is the token's own, its rank not computed
         completion = output.outputs[0]
@@ -147,6 +152,7 @@ def test_beam_search_is_vllm_s_algorithm_on_the_pytorch_model(llm, tiny_hf_model
             chosen = [entry[token] for entry, token in zip(seq.logprobs, seq.tokens[len(prompt):], strict=True)]
             assert seq.cum_logprob == pytest.approx(math.fsum(c.logprob for c in chosen), abs=1e-9)
             assert all([e.rank for e in entry.values()] == list(range(1, 2 * width + 1)) for entry in seq.logprobs)
+            assert all(e.decoded_token == tokenizer.decode([t]) for entry in seq.logprobs for t, e in entry.items())
     [alone] = llm.beam_search([[5, 6, 7, 8, 9]], params)
     assert [(s.tokens, s.text) for s in alone.sequences] == [(s.tokens, s.text) for s in outputs[0].sequences], \
         "a prompt's beams do not depend on the others searched with it"
