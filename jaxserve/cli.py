@@ -60,6 +60,7 @@ from jaxserve.config import (
     core_process_count,
     platform_preset,
     preset_names,
+    profiler_dir,
 )
 from jaxserve.device import pool_gpu_memory
 from jaxserve.ops import kernel_build
@@ -167,7 +168,8 @@ def _runtime_lora_updating() -> bool:
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     settings = read_flags(args, SERVER_FLAGS + SERVER_LOG_FLAGS)
     return ServerConfig(**{**settings, "api_key": _api_key(settings["api_key"]),
-                           "allow_runtime_lora_updating": _runtime_lora_updating()})
+                           "allow_runtime_lora_updating": _runtime_lora_updating(),
+                           "profiler_dir": profiler_dir(settings["profiler_dir"])})
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:

@@ -536,6 +536,10 @@ SERVER_FLAGS = (
               "continues the last message has that message's role"),
     Flag("--return-tokens-as-token-ids", ServerConfig, "return_tokens_as_token_ids", **_OFF,
          help="logprobs name tokens 'token_id:{id}', as if every request asked for it"),
+    Flag("--profiler-dir", ServerConfig, "profiler_dir",
+         "serve POST /start_profile and /stop_profile, which record a jax.profiler trace of the engine (XProf / "
+         "TensorBoard and Perfetto files) into this folder (default: $JAXSERVE_PROFILER_DIR, else "
+         "$VLLM_TORCH_PROFILER_DIR, else not served)"),
     Flag("--disable-fastapi-docs", ServerConfig, "disable_fastapi_docs", **_OFF,
          help="no /docs nor /openapi.json (vLLM's name for it)"),
     Flag("--body-read-timeout", ServerConfig, "body_read_timeout", type=float,

@@ -654,6 +654,9 @@ class ServerConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind the same switch: its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING, or JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # POST /start_profile and /stop_profile record a jax.profiler trace of the engine into this folder
+    # (vLLM's routes, behind the same switch: its VLLM_TORCH_PROFILER_DIR, or JAXSERVE_PROFILER_DIR)
+    profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -688,6 +691,12 @@ class ServerConfig:
                                  f"{self.default_chat_template_kwargs!r}")
             if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.default_chat_template_kwargs)):
                 raise ValueError(f"default_chat_template_kwargs may not set {', '.join(reserved)}")
+
+
+def profiler_dir(given: str | None = None) -> str | None:
+    """Where a profile goes: `given` (--profiler-dir), else JAXSERVE_PROFILER_DIR, else vLLM's
+    VLLM_TORCH_PROFILER_DIR (its switch for the profiling routes, so a vLLM deployment's env carries over)."""
+    return given or os.environ.get("JAXSERVE_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
 
 
 def check_generation_overrides(overrides: Any) -> None:

@@ -17,6 +17,7 @@ from jaxserve.config import (
     LoraModule,
     LoRARequest,
     check_generation_overrides,
+    profiler_dir,
 )
 from jaxserve.engine.beam_search import Beam, BeamSearch, length_penalty_bound
 from jaxserve.engine.llm_engine import LLMEngine
@@ -213,6 +214,20 @@ class LLM:
         return BeamSearchSequence(tokens, ranked, beam.cumulative_logprob, self.engine.tokenizer.decode(tokens),
                                   "stop" if beam.finished else "length",
                                   beam.token_ids[-1] if beam.finished else None, lora_request)
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """vLLM's: records a `jax.profiler` trace of the engine's steps until `stop_profile` (XProf /
+        TensorBoard and Perfetto files) into `profile_dir`, else $JAXSERVE_PROFILER_DIR, else
+        $VLLM_TORCH_PROFILER_DIR."""
+        log_dir = profiler_dir(profile_dir)
+        if log_dir is None:
+            raise ValueError("start_profile needs a folder: profile_dir, $JAXSERVE_PROFILER_DIR or "
+                             "$VLLM_TORCH_PROFILER_DIR")
+        self.engine.start_profile(log_dir)
+
+    def stop_profile(self) -> str:
+        """Ends the trace once the device has run every step launched; returns the folder it went to."""
+        return self.engine.stop_profile()
 
     def _lora_requests(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
                        num_prompts: int) -> list[LoRARequest | None]:

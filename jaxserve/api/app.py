@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, invocations, lora, misc, responses, scores
+from jaxserve.api import chat, completions, embeddings, invocations, lora, misc, profile, responses, scores
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
 from jaxserve.api.openapi import openapi_routes
@@ -122,6 +122,8 @@ def create_app(
         *([Route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
            Route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"])]
           if config.allow_runtime_lora_updating else []),
+        *([Route("/start_profile", profile.start_profile, methods=["POST"]),
+           Route("/stop_profile", profile.stop_profile, methods=["POST"])] if config.profiler_dir is not None else []),
     ]
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

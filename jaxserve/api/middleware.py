@@ -12,7 +12,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.api.errors import ClientDisconnected, error_response
 
 # /health, /metrics and /version stay open
-_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/invocations")
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/invocations", "/start_profile",
+                     "/stop_profile")
 
 logger = logging.getLogger("jaxserve.api")
 

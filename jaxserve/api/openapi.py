@@ -186,8 +186,18 @@ LORA_OPERATIONS: tuple[Operation, ...] = (
 )
 
 
+# Served where the server has a profiler folder (`ServerConfig.profiler_dir`).
+PROFILE_OPERATIONS: tuple[Operation, ...] = (
+    Operation("/start_profile", "post", "start_profile", "Start recording a jax.profiler trace of the engine into "
+              "the server's --profiler-dir (vLLM)", "vLLM", content={}, errors=(400, 401, 500, 503), guarded=True),
+    Operation("/stop_profile", "post", "stop_profile", "Stop the trace and write it (XProf / TensorBoard and "
+              "Perfetto files) (vLLM)", "vLLM", content={}, errors=(400, 401, 500, 503), guarded=True),
+)
+
+
 def served_operations(config: ServerConfig) -> tuple[Operation, ...]:
-    return OPERATIONS + (LORA_OPERATIONS if config.allow_runtime_lora_updating else ())
+    return (OPERATIONS + (LORA_OPERATIONS if config.allow_runtime_lora_updating else ())
+            + (PROFILE_OPERATIONS if config.profiler_dir is not None else ()))
 
 
 def _component_schemas() -> tuple[dict[str, Any], dict[tuple[type[BaseModel], JsonSchemaMode], dict[str, Any]]]:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
 import re
 import time
 import uuid
@@ -92,9 +93,15 @@ def load_chat_template(setting: str | None) -> str | None:
 
 
 def check_server_files(config: ServerConfig) -> None:
-    """Reads --chat-template's and --generation-config's files before the model loads, so a wrong path
-    ends the start in one line (ModelServing.create reads them again once the model is there)."""
+    """Reads --chat-template's and --generation-config's files and makes --profiler-dir's folder before the
+    model loads, so a wrong path ends the start in one line (ModelServing.create reads the files again once
+    the model is there)."""
     load_chat_template(config.chat_template)
+    if config.profiler_dir is not None:
+        try:
+            os.makedirs(config.profiler_dir, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"--profiler-dir {config.profiler_dir}: {error.strerror or error}") from None
     if config.generation_config not in ("auto", "vllm"):
         load_generation_defaults(config.generation_config, None, config.override_generation_config)
 

@@ -185,6 +185,14 @@ class AsyncEngine:
         """Stops serving adapter `name` (requests already added finish with it); KeyError if not served."""
         await self._call(lambda engine: engine.remove_lora(name))
 
+    async def start_profile(self, log_dir: str) -> None:
+        """`LLMEngine.start_profile` on the engine thread, between steps."""
+        await self._call(lambda engine: engine.start_profile(log_dir))
+
+    async def stop_profile(self) -> str:
+        """`LLMEngine.stop_profile` on the engine thread: waits for the device, then writes the trace."""
+        return await self._call(lambda engine: engine.stop_profile())
+
     async def _call(self, work: Callable[[LLMEngine], Any]) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -256,6 +256,19 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def start_profile(self, log_dir: str) -> None:
+        """Records a `jax.profiler` trace of this process into `log_dir` until `stop_profile`: the steps'
+        host work and their device ops, for XProf / TensorBoard (`*.xplane.pb`) and Perfetto
+        (`perfetto_trace.json.gz`)."""
+        jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+        logger.info("profiling into %s", log_dir)
+
+    def stop_profile(self) -> None:
+        """Ends the trace once the device has run what was launched, so the trace holds those steps."""
+        jax.block_until_ready(self.runner.kv_caches)
+        jax.profiler.stop_trace()
+        logger.info("profile written")
+
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(

@@ -143,6 +143,12 @@ class CoreProcessClient:
     def remove_lora(self, lora_id: int) -> None:
         self._send(("remove_lora", lora_id))
 
+    def start_profile(self, log_dir: str) -> None:
+        self._send(("start_profile", log_dir))
+
+    def stop_profile(self) -> None:
+        self._send(("stop_profile",))
+
     @property
     def connection(self) -> Connection:
         """The frontend's end of the pipe, readable when the core has sent something."""
@@ -323,9 +329,21 @@ class _CoreLoop:
                 self.core.add_lora(command[1], command[2])
             elif command[0] == "remove_lora":
                 self.core.remove_lora(command[1])
+            elif command[0] in ("start_profile", "stop_profile"):
+                self._profile(command)
             else:
                 self._add(command[1])
         return True
+
+    def _profile(self, command: tuple) -> None:
+        """A profiler that cannot start or stop (a folder it cannot write) is logged; the core serves on."""
+        try:
+            if command[0] == "start_profile":
+                self.core.start_profile(command[1])
+            else:
+                self.core.stop_profile()
+        except Exception:
+            logger.exception("the profiler could not %s", command[0].replace("_profile", ""))
 
     def _add(self, sequences: list[Request]) -> None:
         spec = sequences[0].sampling_params.structured_outputs

@@ -19,6 +19,7 @@ Processes and threads:
 
 import dataclasses
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -88,6 +89,15 @@ class DataParallelClient:
     def remove_lora(self, lora_id: int) -> None:
         for client in self.clients:
             client.remove_lora(lora_id)
+
+    def start_profile(self, log_dir: str) -> None:
+        """Each rank's trace in a folder of its own (`rank0`, `rank1`, ...): their file names would collide."""
+        for rank, client in enumerate(self.clients):
+            client.start_profile(os.path.join(log_dir, f"rank{rank}"))
+
+    def stop_profile(self) -> None:
+        for client in self.clients:
+            client.stop_profile()
 
     def step(self) -> list[CoreOutputs]:
         """What every rank has sent since the last call, waiting up to a few milliseconds for any."""

@@ -15,6 +15,7 @@ detokenizing and HTTP. Both run the same code on each side of the same records (
 import copy
 import dataclasses
 import itertools
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,10 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
 
 class AdapterExists(ValueError):
     """A LoRA adapter of that name is served already."""
+
+
+class ProfilerState(RuntimeError):
+    """A profile started while one is recorded, or stopped while none is."""
 
 
 class LLMEngine:
@@ -94,6 +99,7 @@ class LLMEngine:
         # threads (the server's /v1/models) read a consistent one.
         self.lora_modules: dict[str, tuple[LoraModule, int]] = {}
         self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: never reused, so neither are cache keys
+        self.profile_dir: str | None = None  # where the trace being recorded goes; None: none is
         try:
             for module in config.lora.lora_modules:
                 self.load_lora(module)
@@ -134,6 +140,23 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self._core.stats()
+
+    def start_profile(self, log_dir: str) -> None:
+        """Records a `jax.profiler` trace of the core (each data-parallel rank's in `rank<i>` under
+        `log_dir`) until `stop_profile`: vLLM's start_profile, for XProf / TensorBoard and Perfetto."""
+        if self.profile_dir is not None:
+            raise ProfilerState(f"a profile is being recorded already, into {self.profile_dir}")
+        os.makedirs(log_dir, exist_ok=True)  # OSError for a folder that cannot be made, before the core tries
+        self._core.start_profile(log_dir)
+        self.profile_dir = log_dir
+
+    def stop_profile(self) -> str:
+        """Ends the trace once the device has run what was launched; returns the folder it went to."""
+        if self.profile_dir is None:
+            raise ProfilerState("no profile is being recorded: start one first")
+        log_dir, self.profile_dir = self.profile_dir, None
+        self._core.stop_profile()
+        return log_dir
 
     def read_lora(self, module: LoraModule) -> LoraAdapter:
         """Reads and checks the PEFT adapter `module` names (ValueError for one that cannot be served). Any

@@ -117,6 +117,15 @@ def test_the_document_and_the_app_routes_agree(client, document):
     assert not DOC_ROUTES & set(document["paths"])  # FastAPI's convention: the docs don't describe themselves
 
 
+def test_the_optional_routes_are_documented_where_they_are_served(apart_engine, tmp_path):
+    """Runtime LoRA updates and the profiler's routes: in the document exactly when the app serves them."""
+    config = ServerConfig(allow_runtime_lora_updating=True, profiler_dir=str(tmp_path))
+    with TestClient(create_app(config, AsyncEngine(apart_engine))) as client:
+        documented, served = operations(client.get("/openapi.json").json()), app_operations(client.app)
+    assert documented == served
+    assert {("/v1/load_lora_adapter", "post"), ("/start_profile", "post"), ("/stop_profile", "post")} <= served
+
+
 def test_request_bodies_come_from_the_pydantic_models(document):
     schemas = document["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest", "DetokenizeRequest", "TokenizeCompletionRequest",

@@ -1,5 +1,11 @@
 """Engine test helpers: an engine on a model directory, prompts, and drivers that run requests to the end."""
 
+import glob
+import gzip
+import json
+import time
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -194,3 +200,23 @@ def require_ranks(num_ranks: int) -> None:
         placements(num_ranks, 1)
     except ValueError as e:
         pytest.skip(f"{num_ranks} data-parallel ranks cannot be placed here: {e}")
+
+
+def traced_jit_calls(log_dir: str, timeout: float = 60.0) -> Counter:
+    """The jitted functions a `jax.profiler` trace under `log_dir` recorded (`step`), with their call counts;
+    waits up to `timeout` s for a whole trace (a core process writes it when it hears the stop)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            [path] = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+            with gzip.open(path) as f:
+                trace = json.load(f)
+            break
+        except (ValueError, EOFError, OSError):  # not there yet, or still being written
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no whole trace under {log_dir} after {timeout:g} s") from None
+            time.sleep(0.1)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = [e["name"].removeprefix("PjitFunction(").removesuffix(")") for e in events
+             if e.get("ph") == "X" and e.get("name", "").startswith("PjitFunction(")]
+    return Counter(name.removeprefix("jit(").removesuffix(")") for name in names)  # `jit(step)` or `step`

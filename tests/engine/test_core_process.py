@@ -17,7 +17,7 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.core_process import CoreProcessDied
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine, ProfilerState
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import (
     assert_aborts_leave_the_others_unchanged,
@@ -26,6 +26,7 @@ from tests.engine.helpers import (
     make_prompts,
     run,
     run_short_requests,
+    traced_jit_calls,
     workload,
 )
 
@@ -121,7 +122,7 @@ def test_a_request_id_reused_at_once_gets_only_its_own_tokens(in_process, core_p
 EXITS_WITHOUT_SHUTDOWN = """
 import sys
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine, ProfilerState
 from jaxserve.sampling_params import SamplingParams
 
 if __name__ == "__main__":
@@ -164,3 +165,21 @@ def test_the_front_end_of_a_core_process_imports_no_jax(llama_dir):
                             timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("where", ["in_process", "core_process"])
+def test_a_profile_records_the_engine_s_steps_where_they_run(where, request, tmp_path):
+    """start_profile / stop_profile trace the process that runs the steps (the core's, with engine_process),
+    refusing a second start and a stop without one."""
+    engine = request.getfixturevalue(where)
+    log_dir = str(tmp_path / "trace")
+    engine.start_profile(log_dir)
+    with pytest.raises(ProfilerState, match=f"a profile is being recorded already, into {log_dir}"):
+        engine.start_profile(str(tmp_path / "other"))
+    run_short_requests(engine, 2)
+    assert engine.stop_profile() == log_dir
+    with pytest.raises(ProfilerState, match="no profile is being recorded"):
+        engine.stop_profile()
+    calls = traced_jit_calls(log_dir)
+    assert calls["step"] >= 2, calls  # the prefill and the decode, at least
+    assert not (tmp_path / "other").exists()

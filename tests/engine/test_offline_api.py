@@ -11,7 +11,7 @@ from jaxserve import LLM
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from tests.engine.beam_cases import oracle
-from tests.engine.helpers import LADDER, make_prompts
+from tests.engine.helpers import LADDER, make_prompts, traced_jit_calls
 
 # Shows what reaches the template: the tools' names, a keyword argument, each message's content as given
 TEMPLATE = ("{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
@@ -189,3 +189,15 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
         SamplingParams(stop=["\n"], detokenize=False)
     with pytest.raises(ValueError, match="extra_args must be a dict"):
         SamplingParams(extra_args=[1])
+
+
+def test_start_profile_and_stop_profile_trace_the_steps_between_them(llm, tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXSERVE_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="start_profile needs a folder"):
+        llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "trace"))
+    llm.start_profile()
+    llm.generate(make_prompts(2), ONE_TOKEN, use_tqdm=False)
+    assert llm.stop_profile() == str(tmp_path / "trace")
+    assert traced_jit_calls(str(tmp_path / "trace"))["step"] >= 1
