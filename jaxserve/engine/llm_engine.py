@@ -135,7 +135,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops what runs besides steps (a background warm-up's compiles; multi-host followers; the
-        core's process)."""
+        core's process); a profile still being recorded is written first."""
+        if self.profile_dir is not None:
+            self.stop_profile()
         self._core.shutdown()
 
     def stats(self) -> EngineStats:

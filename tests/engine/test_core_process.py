@@ -183,3 +183,11 @@ def test_a_profile_records_the_engine_s_steps_where_they_run(where, request, tmp
     calls = traced_jit_calls(log_dir)
     assert calls["step"] >= 2, calls  # the prefill and the decode, at least
     assert not (tmp_path / "other").exists()
+
+
+def test_a_profile_still_recorded_at_shutdown_is_written(llama_dir, tmp_path):
+    engine = make_engine(llama_dir, engine_process=True)
+    engine.start_profile(str(tmp_path / "trace"))
+    run_short_requests(engine, 1)
+    engine.shutdown()
+    assert traced_jit_calls(str(tmp_path / "trace"))["step"] >= 1
