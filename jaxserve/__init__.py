@@ -12,6 +12,7 @@ from jaxserve.outputs import (
     Logprob,
     RequestOutput,
     RequestOutputKind,
+    ScoringRequestOutput,
 )
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -29,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringRequestOutput",
     "__version__",
 ]
 

@@ -21,6 +21,7 @@ from jaxserve.config import (
 )
 from jaxserve.engine.beam_search import Beam, BeamSearch, length_penalty_bound
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.scoring import check_pairing, cosine_scores
 from jaxserve.models.source import load_generation_defaults
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import (
@@ -30,6 +31,8 @@ from jaxserve.outputs import (
     Logprob,
     RequestOutput,
     RequestOutputKind,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import POOLING_PARAMS, BeamSearchParams, SamplingParams
@@ -110,19 +113,39 @@ class LLM:
         """Generates for every prompt; outputs come back in prompt order. `priority`: one per prompt, under
         the priority scheduling policy (lower first). `lora_request`: the LoRA adapter to generate with, for
         every prompt or one per prompt (None: the base model), on an engine built with enable_lora=True."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        return self._run([_prompt_input(p) for p in prompts], sampling_params, use_tqdm, priority, lora_request)
+        return self._run([_prompt_input(p) for p in _as_prompts(prompts)], sampling_params, use_tqdm, priority,
+                         lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (`outputs.embedding`, vLLM's form; not normalized) from an engine built
         with runner="pooling"; outputs in prompt order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in prompts], POOLING_PARAMS,
-                                                                use_tqdm)]
+        return [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in _as_prompts(prompts)],
+                                                                POOLING_PARAMS, use_tqdm)]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's scoring with an embedding model (an engine built with runner="pooling"): the cosine
+        similarity of each pair's embeddings, `data_1` against `data_2` one to one, or one text against each
+        of `data_2`, as the server's /score (engine/scoring.py). `truncate_prompt_tokens` cuts every text; a list
+        of `lora_request`s has one per text, data_1's then data_2's (vLLM's)."""
+        firsts, seconds = _as_prompts(data_1), _as_prompts(data_2)
+        check_pairing(len(firsts), len(seconds))
+        params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = self._run([_prompt_input(p) for p in firsts + seconds], params, use_tqdm,
+                             lora_request=lora_request)
+        pooled = [EmbeddingRequestOutput.of(output) for output in embedded]
+        lefts, rights = pooled[:len(firsts)], pooled[len(firsts):]
+        scores = cosine_scores([o.outputs.embedding for o in lefts], [o.outputs.embedding for o in rights])
+        lefts = lefts * len(rights) if len(lefts) == 1 else lefts
+        return [ScoringRequestOutput(f"{left.request_id}_{right.request_id}", ScoringOutput(score),
+                                     left.prompt_token_ids + right.prompt_token_ids)
+                for left, right, score in zip(lefts, rights, scores, strict=True)]
 
     def chat(
         self,
@@ -337,6 +360,13 @@ def _by_field_name(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name}={value!r} and {flag.field}={result[flag.field]!r} set the same option")
         result[flag.field] = value
     return result
+
+
+def _as_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a text, token ids, a dict) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -157,6 +157,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True)
+class ScoringOutput:
+    score: float  # the cosine similarity of the two texts' embeddings
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """`LLM.score`'s record of one pair, as vLLM's: the score is `outputs.score`; the request id and the
+    token ids are the two texts' joined."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True)
 class BeamSearchSequence:
     """One of `LLM.beam_search`'s beams, as vLLM's: `tokens` the prompt's and the generated (a finished beam's
     EOS last), `text` all of them decoded, `logprobs` per generated token the alternatives it was chosen

@@ -21,20 +21,13 @@ from jaxserve.api.protocol import (
 )
 from jaxserve.api.serving import ModelServing, get_serving
 from jaxserve.api.streaming import collect
+from jaxserve.engine.scoring import finish_embedding
 from jaxserve.sampling_params import POOLING_PARAMS, InvalidParam, check_priority
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 # What the engine's limits name when a prompt to embed does not fit: the prompt, or the one token a pooling
 # request "generates" (POOLING_PARAMS), which no client sets; either way the text is at fault
 _PROMPT_PARAMS = ("prompt", "max_tokens")
-
-
-def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
-    """The pooled vector cut to its first `dimensions` values, then scaled to unit length: f32[k]."""
-    result = np.asarray(vector, np.float32)[:dimensions]
-    if normalize:
-        result = result / max(float(np.linalg.norm(result)), 1e-12)
-    return result
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -6,11 +6,10 @@ document against the query and returns them best first (the best `top_n`). Every
 as its own engine request, so the scheduler batches them as it batches /v1/embeddings' inputs.
 """
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.api.embeddings import MAX_INPUTS, check_pooled_prompt, check_pooling, finish_embedding, pooled
+from jaxserve.api.embeddings import MAX_INPUTS, check_pooled_prompt, check_pooling, pooled
 from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import (
     RerankDocument,
@@ -25,6 +24,7 @@ from jaxserve.api.protocol import (
     random_id,
 )
 from jaxserve.api.serving import ModelServing, get_serving
+from jaxserve.engine.scoring import check_pairing, cosine_scores
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
@@ -49,10 +49,8 @@ async def _tokenized(serving: ModelServing, texts: list[str], truncate: int | No
 async def _cosine_scores(serving: ModelServing, request: Request, firsts: list[list[int]], seconds: list[list[int]],
                          priority: int, request_id: str) -> list[float]:
     """cos(first_i, second_i) for each pair, one first broadcast against every second."""
-    vectors = np.stack([finish_embedding(vector, None, normalize=True)  # f32[n, d], unit rows
-                        for vector in await pooled(serving, request, firsts + seconds, priority, request_id)])
-    first, second = vectors[: len(firsts)], vectors[len(firsts):]
-    return (first * second).sum(axis=1).tolist()  # [1 or n, d] x [n, d]
+    vectors = await pooled(serving, request, firsts + seconds, priority, request_id)
+    return cosine_scores(vectors[: len(firsts)], vectors[len(firsts):])
 
 
 async def create_score(request: Request) -> Response:
@@ -65,9 +63,10 @@ async def create_score(request: Request) -> Response:
     for param, texts in (("text_1", texts_1), ("text_2", texts_2)):
         if not texts:
             raise APIError(400, f"{param} must not be empty", param)
-    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
-        raise APIError(400, f"text_1 and text_2 must pair 1:1, 1:N or N:N; got {len(texts_1)}:{len(texts_2)}",
-                       "text_1")
+    try:
+        check_pairing(len(texts_1), len(texts_2))
+    except ValueError as error:
+        raise APIError(400, f"text_1 and text_2: {error}", "text_1") from None
     if len(texts_1) + len(texts_2) > MAX_INPUTS:
         raise APIError(400, f"at most {MAX_INPUTS} texts per request", "text_2")
     firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")

@@ -60,3 +60,32 @@ def test_a_pooling_engine_refuses_to_generate(llama_dir):
     with pytest.raises(InvalidParam, match="--runner pooling"):
         llm.engine.add_request("gen", [5, 6, 7], SamplingParams(max_tokens=5))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_score_is_the_cosine_of_the_pairs_embeddings(llama_dir, tiny_hf_model):
+    """`LLM.score` (vLLM's, for embedding models) against the float64 cosine of transformers' last hidden
+    states: one text against several, pairs one to one, truncated texts, and the pairings it refuses."""
+    hf_model = tiny_hf_model("llama")
+    llm = _llm(llama_dir, "last")
+    prompts = make_prompts(5)
+
+    def cosine(a: list[int], b: list[int]) -> float:
+        x, y = _reference(hf_model, a)[-1], _reference(hf_model, b)[-1]
+        return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
+
+    one_to_n = llm.score({"prompt_token_ids": prompts[0]}, [{"prompt_token_ids": p} for p in prompts[1:]],
+                         use_tqdm=False)
+    assert [o.outputs.score for o in one_to_n] == pytest.approx([cosine(prompts[0], p) for p in prompts[1:]],
+                                                                abs=1e-5)
+    assert [o.prompt_token_ids for o in one_to_n] == [prompts[0] + p for p in prompts[1:]]
+    assert len({o.request_id for o in one_to_n}) == 4 and all(o.finished for o in one_to_n)
+    pairs = llm.score([prompts[1], prompts[2]], [prompts[3], prompts[4]], use_tqdm=False)
+    assert [o.outputs.score for o in pairs] == pytest.approx([cosine(prompts[1], prompts[3]),
+                                                              cosine(prompts[2], prompts[4])], abs=1e-5)
+    long = [p for p in prompts if len(p) > 6][:2]
+    [cut] = llm.score(long[0], long[1], truncate_prompt_tokens=6, use_tqdm=False)
+    assert cut.outputs.score == pytest.approx(cosine(long[0][-6:], long[1][-6:]), abs=1e-5)
+    with pytest.raises(ValueError, match="must pair 1:1, 1:N or N:N; got 2:3"):
+        llm.score([prompts[0], prompts[1]], prompts[2:], use_tqdm=False)
+    with pytest.raises(ValueError, match="must not be empty lists"):
+        llm.score([], prompts[2:], use_tqdm=False)
