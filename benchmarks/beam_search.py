@@ -4,6 +4,11 @@ alternating, on a `jaxserve serve` of the bundled model with its defaults. Beam 
 round per token (each live beam's next token), so its time is per-round latency x output length.
 
     python benchmarks/beam_search.py --widths 1 4 --output-len 32 --rounds 3
+
+`--offline N`: `LLM.beam_search` of N prompts instead, each round's beams of every prompt in one engine batch
+(the default) against one prompt at a time (`concurrency_limit=1`), alternating.
+
+    python benchmarks/beam_search.py --offline 8 --widths 4 --output-len 32 --rounds 3
 """
 
 import argparse
@@ -25,6 +30,29 @@ def timed(client: httpx.Client, body: dict) -> float:
     return time.perf_counter() - start
 
 
+def offline(num_prompts: int, widths: list[int], output_len: int, rounds: int) -> list[dict]:
+    from jaxserve import LLM, BeamSearchParams
+
+    llm = LLM()
+    prompts = [f"{PROMPT} Chapter {i + 1}:" for i in range(num_prompts)]
+    llm.beam_search(prompts, BeamSearchParams(max(widths), output_len))  # first use of each shape
+    llm.beam_search(prompts, BeamSearchParams(max(widths), output_len), concurrency_limit=1)
+    rows = []
+    for width in widths:
+        params = BeamSearchParams(width, output_len, ignore_eos=True)
+        times: dict[str, list[float]] = {"batched": [], "one_at_a_time": []}
+        for _ in range(rounds):
+            for name, limit in (("batched", None), ("one_at_a_time", 1)):
+                start = time.perf_counter()
+                llm.beam_search(prompts, params, concurrency_limit=limit)
+                times[name].append(time.perf_counter() - start)
+        batched, alone = statistics.median(times["batched"]), statistics.median(times["one_at_a_time"])
+        rows.append({"prompts": num_prompts, "width": width, "output_len": output_len, "batched_s": round(batched, 2),
+                     "one_at_a_time_s": round(alone, 2), "speedup": round(alone / batched, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4])
@@ -32,8 +60,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8931)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--offline", type=int, default=None, metavar="N", help="LLM.beam_search of N prompts")
     parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags (after --)")
     args = parser.parse_args()
+    if args.offline is not None:
+        rows = offline(args.offline, args.widths, args.output_len, args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     server = start_server(None, args.port, None, *args.extra)
     rows = []
     try:
