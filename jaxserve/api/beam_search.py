@@ -17,7 +17,7 @@ from jaxserve.api.serving import ModelServing
 from jaxserve.api.streaming import collect
 from jaxserve.engine.beam_search import BeamSearch, length_penalty_bound
 from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, InvalidParam, SamplingParams
 
 T = TypeVar("T")
 
@@ -53,9 +53,12 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
     max_tokens = checked.max_tokens
     if max_tokens is None:  # up to the context length
         max_tokens = serving.max_model_len - num_prompt_tokens
-    return ServedBeamSearch(req.n, max_tokens, checked.ignore_eos, length_penalty=req.length_penalty,
-                            include_stop_str_in_output=checked.include_stop_str_in_output,
-                            skip_special_tokens=checked.skip_special_tokens)
+    try:
+        return ServedBeamSearch(req.n, max_tokens, checked.ignore_eos, length_penalty=req.length_penalty,
+                                include_stop_str_in_output=checked.include_stop_str_in_output,
+                                skip_special_tokens=checked.skip_special_tokens)
+    except InvalidParam as error:  # beam search generates at least one token
+        raise APIError(400, str(error), error.param) from None
 
 
 async def beam_search(serving: ModelServing, request: Request, prompt_ids: list[int], params: ServedBeamSearch,

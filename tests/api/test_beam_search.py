@@ -116,6 +116,7 @@ def test_chat_beams_come_as_n_messages(client):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 11}, "n"),  # 2 x 11 alternatives exceed --max-logprobs 20
+    ({"max_tokens": 0}, "max_tokens"),  # a beam search generates at least one token
     ({"stream": True}, "stream"),
     ({"logprobs": True}, "logprobs"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
