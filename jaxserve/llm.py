@@ -180,7 +180,7 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: BeamSearchParams,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
@@ -190,7 +190,7 @@ class LLM:
         Each round asks the engine for one token after every live beam of every prompt at once, with its
         2 x beam_width alternatives (so beam_width is at most half of max_logprobs); the prefix cache serves
         the beams' shared tokens. `concurrency_limit`: prompts searched at a time (all of them: None)."""
-        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+        if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
         max_width = self.engine.limits.max_logprobs // 2
         if params.beam_width > max_width:
@@ -200,7 +200,7 @@ class LLM:
             raise ValueError(f"length_penalty must be in [-{bound:.0f}, {bound:.0f}] on this engine")
         tokenizer = self.engine.tokenizer
         prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) if p else []
-                      for p in map(_prompt_input, prompts)]
+                      for p in map(_prompt_input, _as_prompts(prompts))]
         for ids in prompt_ids:  # each round's prompt grows by a token, its last the generated one
             if len(ids) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens {params.max_tokens} exceed the "
@@ -312,8 +312,9 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         outputs = [finished[request_id] for request_id in request_ids]
-        for output in outputs if decode_logprob_tokens else ():
-            self._decode_logprob_tokens(output)
+        for output, params in zip(outputs, sampling_params, strict=True):
+            if decode_logprob_tokens and params.detokenize:  # detokenize=False: nothing decoded
+                self._decode_logprob_tokens(output)
         return outputs
 
     def _decode_logprob_tokens(self, output: RequestOutput) -> None:

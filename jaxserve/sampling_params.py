@@ -137,8 +137,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens kept (-1: max_model_len)
     detokenize: bool = True  # vLLM's: False leaves the text empty (token ids only) and skips decoding
-    # vLLM's: spaces between special tokens kept in the text; fast tokenizers (jaxserve's, and vLLM's fast
-    # path) decode them as they are either way
+    # vLLM's: spaces between special tokens kept in the text (with skip_special_tokens=False); taken, and
+    # changes nothing here: special tokens are decoded as the tokenizer writes them
     spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None  # vLLM's: carried for custom code, read by nothing in jaxserve
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -234,7 +234,8 @@ GREEDY_TEMPERATURE = 0.0  # a sampling row's temperature when its request is gre
 class BeamSearchParams:
     """vLLM's parameters of `LLM.beam_search`: `beam_width` beams kept each round, up to `max_tokens` generated,
     ranked by cumulative logprob / length ** `length_penalty`; `ignore_eos`: no beam ends at an EOS;
-    `include_stop_str_in_output`: a finished beam's EOS stays in its token ids (the server's choices). Beams
+    `include_stop_str_in_output`: a finished beam's EOS stays in its token ids (the server's choices;
+    `LLM.beam_search`'s records keep it, as vLLM's do). Beams
     are ranked by the model's raw logprobs, as vLLM's V1 engine ranks them, so `temperature` changes nothing."""
 
     beam_width: int

@@ -265,8 +265,10 @@ class EngineCore:
 
     def stop_profile(self) -> None:
         """Ends the trace once the device has run what was launched, so the trace holds those steps."""
-        jax.block_until_ready(self.runner.kv_caches)
-        jax.profiler.stop_trace()
+        try:
+            jax.block_until_ready(self.runner.kv_caches)
+        finally:  # a device fault still ends the trace, so a later start can begin one
+            jax.profiler.stop_trace()
         logger.info("profile written")
 
     def stats(self) -> EngineStats:

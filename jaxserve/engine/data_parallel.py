@@ -92,8 +92,15 @@ class DataParallelClient:
 
     def start_profile(self, log_dir: str) -> None:
         """Each rank's trace in a folder of its own (`rank0`, `rank1`, ...): their file names would collide."""
-        for rank, client in enumerate(self.clients):
-            client.start_profile(os.path.join(log_dir, f"rank{rank}"))
+        started = []
+        try:
+            for rank, client in enumerate(self.clients):
+                client.start_profile(os.path.join(log_dir, f"rank{rank}"))
+                started.append(client)
+        except BaseException:  # a rank gone: those started stop, so none is left tracing
+            for client in started:
+                client.stop_profile()
+            raise
 
     def stop_profile(self) -> None:
         for client in self.clients:

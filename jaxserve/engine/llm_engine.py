@@ -15,6 +15,7 @@ detokenizing and HTTP. Both run the same code on each side of the same records (
 import copy
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,9 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
         for text in (word.lstrip(), " " + word.lstrip()):
             sequences.append(tuple(tokenizer.encode(text, add_special_tokens=False)))
     return tuple(dict.fromkeys(s for s in sequences if s))
+
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterExists(ValueError):
@@ -135,10 +139,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops what runs besides steps (a background warm-up's compiles; multi-host followers; the
-        core's process); a profile still being recorded is written first."""
-        if self.profile_dir is not None:
-            self.stop_profile()
-        self._core.shutdown()
+        core's process); a profile still being recorded is written first, if it can be."""
+        try:
+            if self.profile_dir is not None:
+                self.stop_profile()
+        except Exception:  # a dead core, a device fault: the shutdown goes on
+            logger.exception("the profile being recorded could not be written")
+        finally:
+            self._core.shutdown()
 
     def stats(self) -> EngineStats:
         return self._core.stats()
@@ -150,7 +158,7 @@ class LLMEngine:
             raise ProfilerState(f"a profile is being recorded already, into {self.profile_dir}")
         os.makedirs(log_dir, exist_ok=True)  # OSError for a folder that cannot be made, before the core tries
         self._core.start_profile(log_dir)
-        self.profile_dir = log_dir
+        self.profile_dir = log_dir  # a core process's own failure to start is in its log (it serves on)
 
     def stop_profile(self) -> str:
         """Ends the trace once the device has run what was launched; returns the folder it went to."""

@@ -185,6 +185,16 @@ def test_a_profile_records_the_engine_s_steps_where_they_run(where, request, tmp
     assert not (tmp_path / "other").exists()
 
 
+def test_a_dead_core_s_profile_does_not_stop_the_shutdown(llama_dir, tmp_path):
+    engine = make_engine(llama_dir, engine_process=True)
+    process = engine._core._process
+    engine.start_profile(str(tmp_path / "trace"))
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(30)
+    engine.shutdown()  # the lost profile is logged; the shutdown goes on
+    assert engine.profile_dir is None and not process.is_alive() and engine._core._conn.closed
+
+
 def test_a_profile_still_recorded_at_shutdown_is_written(llama_dir, tmp_path):
     engine = make_engine(llama_dir, engine_process=True)
     engine.start_profile(str(tmp_path / "trace"))

@@ -169,8 +169,11 @@ def test_beam_search_refuses_what_it_cannot_search(llm):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(ValueError, match="a prompt of 5 tokens and max_tokens 252 exceed the model's context of 256"):
         llm.beam_search([[1, 2, 3, 4, 5]], BeamSearchParams(beam_width=2, max_tokens=252))
-    with pytest.raises(ValueError, match="concurrency_limit must be a positive integer"):
-        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    for limit in (0, 2.5, True):
+        with pytest.raises(ValueError, match="concurrency_limit must be a positive integer"):
+            llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=limit)
+    [one] = llm.beam_search("hi there", BeamSearchParams(beam_width=2, max_tokens=2))  # a text is one prompt
+    assert len(one.sequences) == 2
     with pytest.raises(ValueError, match=r"length_penalty must be in \[-126, 126\] on this engine"):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=500.0))
 
@@ -180,11 +183,12 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     texts = llm.generate(prompts, greedy, use_tqdm=False)
     ids_only = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False,
-                                                    spaces_between_special_tokens=False, extra_args={"tag": 1}),
-                            use_tqdm=False)
+                                                    spaces_between_special_tokens=False, extra_args={"tag": 1},
+                                                    logprobs=2), use_tqdm=False)
     for text, ids in zip(texts, ids_only, strict=True):
         assert ids.outputs[0].token_ids == text.outputs[0].token_ids and len(ids.outputs[0].token_ids) == 6
         assert ids.outputs[0].text == "" and text.outputs[0].text
+        assert all(e.decoded_token is None for entry in ids.outputs[0].logprobs for e in entry.values())
     with pytest.raises(ValueError, match="stop strings are found in the text: they need detokenize=True"):
         SamplingParams(stop=["\n"], detokenize=False)
     with pytest.raises(ValueError, match="extra_args must be a dict"):
