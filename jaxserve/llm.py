@@ -19,7 +19,7 @@ from jaxserve.config import (
     check_generation_overrides,
     profiler_dir,
 )
-from jaxserve.engine.beam_search import Beam, BeamSearch, length_penalty_bound
+from jaxserve.engine.beam_search import Beam, BeamSearch, check_search
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scoring import check_pairing, cosine_scores
 from jaxserve.models.source import load_generation_defaults
@@ -192,12 +192,8 @@ class LLM:
         the beams' shared tokens. `concurrency_limit`: prompts searched at a time (all of them: None)."""
         if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
-        max_width = self.engine.limits.max_logprobs // 2
-        if params.beam_width > max_width:
-            raise ValueError(f"beam_width is at most {max_width} on this engine (each round reads 2 x beam_width "
-                             f"alternatives, max_logprobs {self.engine.limits.max_logprobs})")
-        if abs(params.length_penalty) > (bound := length_penalty_bound(self.engine.max_model_len)):
-            raise ValueError(f"length_penalty must be in [-{bound:.0f}, {bound:.0f}] on this engine")
+        check_search(params.beam_width, params.length_penalty, self.engine.limits.max_logprobs,
+                     self.engine.max_model_len)
         tokenizer = self.engine.tokenizer
         prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) if p else []
                       for p in map(_prompt_input, _as_prompts(prompts))]

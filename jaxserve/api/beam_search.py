@@ -15,7 +15,7 @@ from jaxserve.api.errors import APIError
 from jaxserve.api.protocol import SamplingFields
 from jaxserve.api.serving import ModelServing
 from jaxserve.api.streaming import collect
-from jaxserve.engine.beam_search import BeamSearch, length_penalty_bound
+from jaxserve.engine.beam_search import BeamSearch, check_search
 from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import BeamSearchParams, InvalidParam, SamplingParams
 
@@ -34,10 +34,11 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
     """The search's parameters from a request whose fields `serving.sampling_params` checked already
     (`checked`); a 400 naming the field for what beam search cannot answer. Sampling fields (temperature,
     top_p, penalties, stop strings) do not apply: beams are ranked by the model's own logprobs, as vLLM's are."""
-    max_width = serving.info.limits.max_logprobs // 2
-    if req.n > max_width:
-        raise APIError(400, f"n is the beam width, which is at most {max_width} on this server (each round reads "
-                            f"2 x n alternatives, --max-logprobs {serving.info.limits.max_logprobs})", "n")
+    try:
+        check_search(req.n, req.length_penalty, serving.info.limits.max_logprobs, serving.max_model_len)
+    except InvalidParam as error:  # the request's n is the beam width
+        raise APIError(400, f"n is the beam width: {error}" if error.param == "beam_width" else str(error),
+                       "n" if error.param == "beam_width" else error.param) from None
     if req.stream:
         raise APIError(400, "beam search answers with its finished beams: stream must be false", "stream")
     if req.prompt_logprobs is not None:
@@ -46,10 +47,6 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
         raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
     if checked.structured_outputs is not None:
         raise APIError(400, "structured outputs are not available with use_beam_search", "use_beam_search")
-    bound = length_penalty_bound(serving.max_model_len)
-    if not abs(req.length_penalty) <= bound:  # NaN too
-        raise APIError(400, f"length_penalty must be a number in [-{bound:.0f}, {bound:.0f}] on this server",
-                       "length_penalty")
     max_tokens = checked.max_tokens
     if max_tokens is None:  # up to the context length
         max_tokens = serving.max_model_len - num_prompt_tokens

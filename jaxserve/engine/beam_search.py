@@ -14,6 +14,8 @@ of every prompt in one engine batch.
 import math
 from dataclasses import dataclass
 
+from jaxserve.sampling_params import InvalidParam
+
 Alternatives = dict[int, float]  # a beam's next token's alternatives: token id -> logprob under the model
 
 
@@ -32,10 +34,16 @@ def score(beam: Beam, num_prompt_tokens: int, length_penalty: float) -> float:
     return beam.cumulative_logprob / length**length_penalty
 
 
-def length_penalty_bound(max_model_len: int) -> float:
-    """The largest |length_penalty| whose scores stay floats: a score divides by length ** length_penalty, a
-    length up to the context's, and e ** 700 is near the largest float (e ** 709.8)."""
-    return 700.0 / math.log(max(max_model_len, 2))
+def check_search(beam_width: int, length_penalty: float, max_logprobs: int, max_model_len: int) -> None:
+    """What an engine can search, InvalidParam naming the field otherwise: each round reads 2 x beam_width
+    alternatives, at most max_logprobs; a score divides by length ** length_penalty, a length up to the
+    context's, and must stay a float (e ** 700 is near the largest, e ** 709.8)."""
+    if beam_width > (max_width := max_logprobs // 2):
+        raise InvalidParam(f"beam_width is at most {max_width} on this engine (each round reads 2 x beam_width "
+                           f"alternatives, max_logprobs {max_logprobs})", "beam_width")
+    bound = 700.0 / math.log(max(max_model_len, 2))
+    if not abs(length_penalty) <= bound:  # NaN too
+        raise InvalidParam(f"length_penalty must be in [-{bound:.0f}, {bound:.0f}] on this engine", "length_penalty")
 
 
 class BeamSearch:
