@@ -1,7 +1,8 @@
 """AsyncEngine: the LLMEngine on a background thread, fed and drained from asyncio.
 
 Threads and queues:
-- One engine thread owns the LLMEngine and is the only code that touches it. It loops: apply pending
+- One engine thread owns the LLMEngine and is the only code that touches it (a second AsyncEngine on the
+  same LLMEngine is refused while the first one's thread lives). It loops: apply pending
   commands (add / abort) from a thread-safe `queue.Queue`, run `engine.step()`, hand the step's
   RequestOutputs to their requests' `asyncio.Queue`s with one `loop.call_soon_threadsafe` per event loop
   (each call writes to the loop's self-pipe: one per request would be 256 system calls per step at 256
@@ -32,6 +33,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,6 +91,10 @@ class _Call:
 
 
 _STOP = object()
+# The thread driving each LLMEngine: two would step one engine at once (donated device buffers used twice,
+# one taking the other's outputs), so a second AsyncEngine waits for the first's shutdown.
+_drivers: "weakref.WeakKeyDictionary[LLMEngine, threading.Thread]" = weakref.WeakKeyDictionary()
+_drivers_lock = threading.Lock()
 _IDLE_REFRESH_S = 0.5  # an idle engine thread wakes this often to refresh `stats` (a core process's come late)
 
 
@@ -112,7 +118,12 @@ class AsyncEngine:
         self._lock = threading.Lock()  # orders "put a command" against "the engine died"
         self.stats = EngineStats()  # replaced whole by the engine thread, so readers see a consistent one
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
-        self._thread.start()
+        with _drivers_lock:
+            driver = _drivers.get(engine)
+            if driver is not None and driver.is_alive():
+                raise RuntimeError("this LLMEngine is driven by another AsyncEngine: shut that one down first")
+            _drivers[engine] = self._thread
+            self._thread.start()
 
     @property
     def is_running(self) -> bool:

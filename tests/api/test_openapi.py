@@ -41,10 +41,12 @@ def llm_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def apart_engine(tiny_model_dir):
-    """An engine for the tests that build their own app while `client`'s is alive: two AsyncEngines on one
-    LLMEngine would both step it, and one would take the other's outputs (its request then never ends)."""
-    return make_engine(tiny_model_dir("llama"), warmup=False)
+def apart_engine(tiny_model_dir) -> Iterator[AsyncEngine]:
+    """An engine for the tests that build their own app while `client`'s is alive (one LLMEngine is driven by
+    one AsyncEngine at a time); an app given an AsyncEngine leaves its shutdown to the caller."""
+    async_engine = AsyncEngine(make_engine(tiny_model_dir("llama"), warmup=False))
+    yield async_engine
+    async_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,7 @@ def test_the_document_and_the_app_routes_agree(client, document):
 def test_the_optional_routes_are_documented_where_they_are_served(apart_engine, tmp_path):
     """Runtime LoRA updates and the profiler's routes: in the document exactly when the app serves them."""
     config = ServerConfig(allow_runtime_lora_updating=True, profiler_dir=str(tmp_path))
-    with TestClient(create_app(config, AsyncEngine(apart_engine))) as client:
+    with TestClient(create_app(config, apart_engine)) as client:
         documented, served = operations(client.get("/openapi.json").json()), app_operations(client.app)
     assert documented == served
     assert {("/v1/load_lora_adapter", "post"), ("/start_profile", "post"), ("/stop_profile", "post")} <= served
@@ -194,7 +196,7 @@ def test_errors_match_the_error_response_schema(client, document):
 
 
 def test_security_is_applied_where_the_api_key_is_checked(apart_engine):
-    with TestClient(create_app(ServerConfig(api_key="k"), AsyncEngine(apart_engine))) as client:
+    with TestClient(create_app(ServerConfig(api_key="k"), apart_engine)) as client:
         document = client.get("/openapi.json").json()  # open without a key, like /health
         assert client.get("/docs").status_code == 200
         for path, method in sorted(operations(document)):
@@ -212,7 +214,7 @@ def test_security_is_applied_where_the_api_key_is_checked(apart_engine):
 
 
 def test_root_path_is_honoured(apart_engine):
-    app = create_app(ServerConfig(root_path="/llm"), AsyncEngine(apart_engine))
+    app = create_app(ServerConfig(root_path="/llm"), apart_engine)
     with TestClient(app, root_path="/llm") as client:
         assert client.get("/llm/openapi.json").json()["servers"] == [{"url": "/llm"}]
         page = client.get("/llm/docs")

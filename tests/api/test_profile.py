@@ -2,6 +2,8 @@
 between them; a second start or a stop without one is a 400 and the server serves on; behind --api-key; not
 served without a folder; and the folder's rule (flag, then JAXSERVE_PROFILER_DIR, then vLLM's variable)."""
 
+from collections.abc import Iterator
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -13,14 +15,17 @@ from tests.engine.helpers import make_engine, traced_jit_calls
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir("llama"), warmup=False)
+def engine(tiny_model_dir) -> Iterator[AsyncEngine]:
+    """One AsyncEngine for the module's apps (one LLMEngine is driven by one at a time)."""
+    async_engine = AsyncEngine(make_engine(tiny_model_dir("llama"), warmup=False))
+    yield async_engine
+    async_engine.shutdown()
 
 
 def test_a_profile_holds_the_requests_between_start_and_stop(engine, tmp_path):
     log_dir = tmp_path / "trace"
     config = ServerConfig(profiler_dir=str(log_dir), api_key="k")
-    with TestClient(create_app(config, AsyncEngine(engine))) as client:
+    with TestClient(create_app(config, engine)) as client:
         assert client.post("/start_profile").status_code == 401, "behind the API key"
         key = {"Authorization": "Bearer k"}
         assert client.post("/start_profile", headers=key).status_code == 200
@@ -38,7 +43,7 @@ def test_a_profile_holds_the_requests_between_start_and_stop(engine, tmp_path):
 
 
 def test_the_routes_are_not_served_without_a_folder(engine):
-    with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as client:
+    with TestClient(create_app(ServerConfig(), engine)) as client:
         assert client.post("/start_profile").status_code == 404
         assert "/start_profile" not in client.get("/openapi.json").json()["paths"]
 

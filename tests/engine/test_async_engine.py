@@ -79,6 +79,24 @@ def test_shutdown_engine_refuses_new_work(tiny_model_dir):
         asyncio.run(main())
 
 
+def test_one_engine_is_driven_by_one_async_engine_at_a_time(tiny_model_dir):
+    """A second AsyncEngine on a driven LLMEngine is refused (two threads would step it at once); once the
+    first shuts down, the next one drives the same engine and serves."""
+    engine = make_engine(tiny_model_dir("llama"), warmup=False)
+    expected = run_alone(engine, [5, 6, 7], 3)
+    first = AsyncEngine(engine)
+    with pytest.raises(RuntimeError, match="driven by another AsyncEngine"):
+        AsyncEngine(engine)
+    assert first.is_running
+    first.shutdown()
+    second = AsyncEngine(engine)
+    try:
+        deltas, last = asyncio.run(asyncio.wait_for(collect(second, [5, 6, 7], greedy(3)), 60))
+        assert deltas == expected and last.finished
+    finally:
+        second.shutdown()
+
+
 def test_a_shutdown_ends_the_streams_still_running_with_an_error(tiny_model_dir):
     """A stream still generating when the engine shuts down (no drain first: a host other than `jaxserve
     serve`, or the library) ends with EngineDeadError rather than waiting forever."""
