@@ -195,6 +195,10 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, _MIN_REPETITION_PENALTY, 2.0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParam(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         if not self.detokenize and self.stop_strings:
             raise InvalidParam("stop strings are found in the text: they need detokenize=True", "stop")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):

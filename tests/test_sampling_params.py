@@ -44,6 +44,11 @@ LIMITS = RequestLimits(vocab_size=1000, max_model_len=8192, max_logprobs=20, max
         ("logit_bias", {5: math.nan}),
         ("logit_bias", {5: 101.0}),
         ("logit_bias", {-1: 1.0}),
+        ("detokenize", "no"),  # a truthy string was taken as True
+        ("ignore_eos", None),
+        ("skip_special_tokens", 0),
+        ("include_stop_str_in_output", "false"),
+        ("spaces_between_special_tokens", []),
     ],
 )
 def test_out_of_range_fields_are_rejected_by_name(field, value):

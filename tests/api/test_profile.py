@@ -42,6 +42,17 @@ def test_a_profile_holds_the_requests_between_start_and_stop(engine, tmp_path):
     assert traced_jit_calls(str(log_dir))["step"] >= 2
 
 
+def test_the_routes_answer_503_for_an_engine_that_is_not_running(tiny_model_dir, tmp_path):
+    stopped = AsyncEngine(make_engine(tiny_model_dir("llama"), warmup=False))
+    stopped.shutdown()
+    with TestClient(create_app(ServerConfig(profiler_dir=str(tmp_path)), stopped)) as client:
+        for path in ("/start_profile", "/stop_profile"):
+            response = client.post(path)
+            assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+            assert "not running" in response.json()["error"]["message"]
+    assert not list(tmp_path.iterdir())  # no trace was started
+
+
 def test_the_routes_are_not_served_without_a_folder(engine):
     with TestClient(create_app(ServerConfig(), engine)) as client:
         assert client.post("/start_profile").status_code == 404
