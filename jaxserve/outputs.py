@@ -17,8 +17,7 @@ class RequestOutputKind(enum.Enum):
 
 
 class Logprob(NamedTuple):
-    """A token's log-probability and its rank in the distribution (1 = the most likely; None where it was
-    not computed: a sampled token outside the top alternatives asked for), as vLLM's Logprob."""
+    """A token's log-probability and its rank in the distribution (1 = the most likely), as vLLM's Logprob."""
 
     logprob: float
     rank: int | None
@@ -40,6 +39,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] | None = None  # each token's own, when the request asked for logprobs
+    token_ranks: list[int] | None = None  # each token's rank in its distribution (1 = the most likely), the same
     top_logprobs: list[dict[int, float]] | None = None  # per token, when it asked for logprobs > 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -58,16 +58,17 @@ class CompletionOutput:
 
     @property
     def logprobs(self) -> "list[dict[int, Logprob]] | None":
-        """vLLM's form of the logprobs: per token, {token id: Logprob} holding the token itself and the top
-        alternatives asked for, ranked from 1. The token's own rank is None where it is not among them."""
+        """vLLM's form of the logprobs: per token, {token id: Logprob} holding the token itself with its rank
+        and the top alternatives asked for, ranked from 1."""
         if self.token_logprobs is None:
             return None
         tops = self.top_logprobs or [{} for _ in self.token_logprobs]
+        ranks = self.token_ranks or [None] * len(self.token_logprobs)
         decoded = self.decoded_tokens or {}
         result = []
-        for token_id, logprob, top in zip(self.token_ids, self.token_logprobs, tops, strict=True):
+        for token_id, logprob, own_rank, top in zip(self.token_ids, self.token_logprobs, ranks, tops, strict=True):
             entry = {t: Logprob(lp, rank, decoded.get(t)) for rank, (t, lp) in enumerate(top.items(), start=1)}
-            entry.setdefault(token_id, Logprob(logprob, None, decoded.get(token_id)))
+            entry.setdefault(token_id, Logprob(logprob, own_rank, decoded.get(token_id)))
             result.append(entry)
         return result
 
@@ -205,12 +206,15 @@ def add_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
         if old is None:
             old = completions[new.index] = CompletionOutput(
                 new.index, token_logprobs=None if new.token_logprobs is None else [],
+                token_ranks=None if new.token_ranks is None else [],
                 top_logprobs=None if new.top_logprobs is None else [])
             total.outputs.append(old)
         old.text += new.text
         old.token_ids.extend(new.token_ids)
         if new.token_logprobs is not None:
             old.token_logprobs.extend(new.token_logprobs)
+        if new.token_ranks is not None:
+            old.token_ranks.extend(new.token_ranks)
         if new.top_logprobs is not None:
             old.top_logprobs.extend(new.top_logprobs)
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason

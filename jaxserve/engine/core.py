@@ -412,9 +412,9 @@ class EngineCore:
                 index -= unreported[request.request_id] - 1
                 unreported[request.request_id] -= 1
             last = index == len(request.output_token_ids) - 1
-            # Plain: not its first token, not its last, no top logprobs, no preemption count to carry.
+            # Plain: not its first token, not its last, no logprobs' rank, no preemption count to carry.
             plain = index > 0 and not (last and request.status.is_finished)
-            if not plain or request.sampling_params.logprobs or request.num_preemptions:
+            if not plain or request.sampling_params.logprobs is not None or request.num_preemptions:
                 details[len(seq_ids)] = _details(request, index)
             seq_ids.append(request.request_id)
             token_ids.append(request.output_token_ids[index])
@@ -452,16 +452,17 @@ def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:
 
 def _details(request: Request, index: int) -> SequenceDetails:
     """What a sequence's new token, its output `index`, carries besides (its first token's facts, an end,
-    top logprobs)."""
+    top logprobs, its rank)."""
     first = None
     if index == 0:
         first = FirstToken(
             request.first_scheduled_time, request.num_cached_tokens,
             None if request.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs))
-    status = request.status
+    status, params = request.status, request.sampling_params
     ended = status.is_finished and index == len(request.output_token_ids) - 1
     return SequenceDetails(
-        request.output_top_logprobs[index] if request.sampling_params.logprobs else None,
+        request.output_top_logprobs[index] if params.logprobs else None,
         status if ended else None, request.stop_reason if ended else None, request.num_preemptions, first,
         request.embedding if ended else None, ended and request.stopped_on_token,
+        request.output_ranks[index] if params.logprobs is not None else None,
     )

@@ -45,6 +45,7 @@ class SequenceDetails(NamedTuple):
     # the token that ended it is EOS or one of its stop ids, whose text is left out (vLLM's) unless the
     # request includes stop strings in its output
     stop_token: bool = False
+    rank: int | None = None  # the token's rank in its distribution (1 = the most likely), when logprobs is set
 
 
 class SequenceFailure(NamedTuple):

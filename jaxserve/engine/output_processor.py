@@ -31,6 +31,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # each token's rank, when the request asked for logprobs
     cumulative_logprob: float = 0.0  # the sum of `logprobs`, kept as they come
     status: RequestStatus | None = None  # a finished status once it ended
     stop_reason: int | str | None = None
@@ -52,16 +53,19 @@ class _Sequence:
         if params.output_kind is RequestOutputKind.DELTA:
             text, token_ids = text_delta, list(delta_ids)  # two lists: a caller may change one
             token_logprobs = self.logprobs[first_new:] if params.logprobs is not None else None
+            token_ranks = self.ranks[first_new:] if params.logprobs is not None else None
             top_logprobs = self.top_logprobs[first_new:] if params.logprobs else None
         else:  # the text streamed so far: not what take_delta holds back as a possible stop string's start
             text, token_ids = self.detokenizer.text[: self.detokenizer.num_emitted_chars], list(self.token_ids)
             token_logprobs = list(self.logprobs) if params.logprobs is not None else None
+            token_ranks = list(self.ranks) if params.logprobs is not None else None
             top_logprobs = list(self.top_logprobs) if params.logprobs else None
         return CompletionOutput(
             index=self.index,
             text=text,
             token_ids=token_ids,
             token_logprobs=token_logprobs,
+            token_ranks=token_ranks,
             top_logprobs=top_logprobs,
             cumulative_logprob=self.cumulative_logprob if params.logprobs is not None else None,
             finish_reason=finish_reason(self.status) if finished else None,
@@ -176,6 +180,8 @@ class OutputProcessor:
                         state.prompt_logprobs_known = True
                 if detail.top_logprobs is not None:
                     seq.top_logprobs.append(detail.top_logprobs)
+                if detail.rank is not None:
+                    seq.ranks.append(detail.rank)
                 seq.num_preemptions = detail.num_preemptions
                 if detail.embedding is not None:
                     seq.parent.embedding = detail.embedding

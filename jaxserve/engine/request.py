@@ -65,6 +65,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when logprobs > 0
+    output_ranks: list[int] = field(default_factory=list)  # each output token's rank, when logprobs is set
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
@@ -191,13 +192,16 @@ class Request:
             raise ValueError(f"prompt logprobs from token {first_token} leave a gap after token {known - 1}")
         self.prompt_logprobs.extend(entries[known - first_token :])
 
-    def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
+    def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None,
+                            rank: int | None = None) -> None:
         """Records a sampled token and finishes the request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+        if rank is not None:
+            self.output_ranks.append(rank)
         if self.grammar is not None:
             if not self.grammar.consume(token_id):
                 self.grammar_error = self.grammar.error or f"token {token_id} is not allowed here"

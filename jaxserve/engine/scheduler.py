@@ -570,20 +570,20 @@ class Scheduler:
             if request is not None and not request.status.is_finished:
                 request.add_prompt_logprobs(first_token, entries)
         advanced: list[Request] = []
-        top_logprobs, take_sample = step_output.top_logprobs, self._take_sample
+        top_logprobs, ranks, take_sample = step_output.top_logprobs, step_output.ranks, self._take_sample
         now = time.monotonic()  # one stamp for every token of this step
         samples = zip(plan.request_ids, step_output.sampled_token_ids, step_output.logprobs, strict=True)
-        if not top_logprobs and all(plan.keeps_sample):  # every sample is a plain next token (most steps)
+        if not top_logprobs and not ranks and all(plan.keeps_sample):  # plain next tokens (most steps)
             for request_id, token_id, logprob in samples:
                 request = requests.get(request_id)
                 if request is not None and not request.status.is_finished:  # else aborted while the step ran
-                    take_sample(request, token_id, logprob, None, now, advanced)
+                    take_sample(request, token_id, logprob, None, None, now, advanced)
             return advanced
         for row, (request_id, token_id, logprob) in enumerate(samples):
             request = requests.get(request_id)
             # A prefill chunk's sample is no real next token.
             if plan.keeps_sample[row] and request is not None and not request.status.is_finished:
-                take_sample(request, token_id, logprob, top_logprobs.get(row), now, advanced)
+                take_sample(request, token_id, logprob, top_logprobs.get(row), ranks.get(row), now, advanced)
         return advanced
 
     def _pool(self, plan: SchedulerOutput, pooled: dict[int, tuple]) -> None:
@@ -616,10 +616,10 @@ class Scheduler:
             if len(output.sampled_token_ids) != plan.num_reqs:
                 raise ValueError(f"{len(output.sampled_token_ids)} sampled tokens for {plan.num_reqs} requests")
             advanced: list[Request] = []
-            for (request, num_steps), token_id, logprob in zip(rows, output.sampled_token_ids, output.logprobs,
-                                                               strict=True):
+            for row, ((request, num_steps), token_id, logprob) in enumerate(
+                    zip(rows, output.sampled_token_ids, output.logprobs, strict=True)):
                 if step < num_steps and request is not None and not request.status.is_finished:
-                    take_sample(request, token_id, logprob, None, now, advanced)
+                    take_sample(request, token_id, logprob, None, output.ranks.get(row), now, advanced)
             per_step.append(advanced)
         self._cache_completed_pages(plan)  # after the samples: the pages' keys hold them
         return per_step
@@ -632,7 +632,8 @@ class Scheduler:
         if len(step_output.sampled_token_ids) != plan.num_reqs:
             raise ValueError(f"{len(step_output.sampled_token_ids)} sampled tokens for {plan.num_reqs} rows")
         self._discard_filling(plan)
-        samples, logprobs, inputs = step_output.sampled_token_ids, step_output.logprobs, plan.token_ids
+        samples, logprobs, ranks = step_output.sampled_token_ids, step_output.logprobs, step_output.ranks
+        inputs = plan.token_ids
         per_position: list[list[Request]] = [[] for _ in range(max(plan.draft_lengths) + 1)]
         take_sample, counts = self._take_sample, self.speculation
         now = time.monotonic()
@@ -645,14 +646,14 @@ class Scheduler:
                     accepted += 1
                 counts.observe(num_drafts, accepted)
                 self.draft_policy.observe_verification(num_drafts, accepted)
-                take_sample(request, samples[row], logprobs[row], None, now, per_position[0])
+                take_sample(request, samples[row], logprobs[row], None, ranks.get(row), now, per_position[0])
                 for position in range(1, accepted + 1):
                     if request.status.is_finished:  # a stop inside the run: the rest is dropped
                         break
                     request.num_computed_tokens += 1  # the accepted draft's K/V, written by its row
                     request.num_inflight_tokens += 1
-                    take_sample(request, samples[row + position], logprobs[row + position], None, now,
-                                per_position[position])
+                    take_sample(request, samples[row + position], logprobs[row + position], None,
+                                ranks.get(row + position), now, per_position[position])
                 if self._caching and request.status is RequestStatus.RUNNING:
                     num_full = request.num_computed_tokens // self._page_size
                     if num_full > request.num_keyed_pages:
@@ -675,12 +676,13 @@ class Scheduler:
                     self._cache_pages(request, num_full)
 
     def _take_sample(self, request: Request, token_id: int, logprob: float, top: dict[int, float] | None,
-                     now: float, advanced: list[Request]) -> None:
-        """A kept sample read: the request's next token (it may end the request), stamped `now`."""
+                     rank: int | None, now: float, advanced: list[Request]) -> None:
+        """A kept sample read: the request's next token (it may end the request), stamped `now`; `top` and
+        `rank` where the request asked for logprobs."""
         request.num_inflight_tokens -= 1
         if self._first_drafts and (draft := self._first_drafts.pop(request.request_id, None)) is not None:
             self.draft_policy.observe_first_draft(draft == token_id)
-        request.append_output_token(token_id, logprob, top)
+        request.append_output_token(token_id, logprob, top, rank)
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now

@@ -134,6 +134,7 @@ class StepOutput:
     sampled_token_ids: list[int]
     logprobs: list[float]
     top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: logprob}
+    ranks: dict[int, int] = field(default_factory=dict)  # row -> its sampled token's rank, for rows asking logprobs
     # row -> (first prompt token scored, {token: Logprob} per token), for rows scoring prompt tokens.
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     # --runner pooling: row -> (its hidden state at its last token this step, the sum over its tokens), f32[D].

@@ -133,7 +133,7 @@ class LaunchedStep:
     row_ids: np.ndarray  # intp[n]: each step row's request row (`RequestRows`)
     num_top_logprobs: np.ndarray  # i32[n]: alternatives each row reports (read at launch: rows are reused)
     num_prompt_logprobs: np.ndarray  # i32[n]: the same per prompt token
-    sampled: SamplerOutput  # on the device; a multi-step decode's tokens and logprobs are [k, R]
+    sampled: SamplerOutput  # on the device; a multi-step decode's tokens, logprobs and ranks are [k, R]
     prompt: PromptLogprobs | None  # on the device; None for a multi-step decode
     pooled: tuple[jax.Array, jax.Array] | None = None  # on the device, --runner pooling: f32[R, D] last, sum
 
@@ -438,10 +438,15 @@ class ModelRunner:
 
     def collect_steps(self, launched: LaunchedStep) -> list[StepOutput]:
         """Waits for a launched multi-step decode's samples: one `StepOutput` per step of its plan."""
-        plan = launched.scheduler_output
-        tokens, logprobs = to_host((launched.sampled.tokens, launched.sampled.logprobs))  # [k, R]
+        plan, sampled = launched.scheduler_output, launched.sampled
         num_reqs = plan.num_reqs
-        return [StepOutput(plan.request_ids, tokens[step, :num_reqs].tolist(), logprobs[step, :num_reqs].tolist())
+        rank_rows = np.flatnonzero(launched.batch.sampling.wants_logprobs[:num_reqs]).tolist()
+        if rank_rows:
+            tokens, logprobs, ranks = to_host((sampled.tokens, sampled.logprobs, sampled.ranks))  # [k, R]
+        else:
+            tokens, logprobs = to_host((sampled.tokens, sampled.logprobs))  # [k, R]
+        return [StepOutput(plan.request_ids, tokens[step, :num_reqs].tolist(), logprobs[step, :num_reqs].tolist(),
+                           ranks={row: int(ranks[step, row]) for row in rank_rows})
                 for step in range(plan.num_steps)]
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
@@ -449,22 +454,26 @@ class ModelRunner:
         plan, batch = launched.scheduler_output, launched.batch
         num_reqs = plan.num_reqs
         top_rows = np.flatnonzero(batch.sampling.wants_top_logprobs[:num_reqs]).tolist()
+        rank_rows = np.flatnonzero(batch.sampling.wants_logprobs[:num_reqs]).tolist()
         sampled = launched.sampled
         top_logprobs: dict[int, dict[int, float]] = {}
         if top_rows:
             out = to_host(sampled)
-            tokens, logprobs = out.tokens, out.logprobs
+            tokens, logprobs, ranks = out.tokens, out.logprobs, out.ranks
             for row in top_rows:
                 k = launched.num_top_logprobs[row]
                 ids, lps = out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
                 top_logprobs[row] = dict(zip(ids, lps, strict=True))
-        else:  # no row asked for alternatives: their arrays stay on the device
+        elif rank_rows:  # no row asked for alternatives: their arrays stay on the device
+            tokens, logprobs, ranks = to_host((sampled.tokens, sampled.logprobs, sampled.ranks))
+        else:
             tokens, logprobs = to_host((sampled.tokens, sampled.logprobs))
         return StepOutput(
             request_ids=plan.request_ids,
             sampled_token_ids=tokens[:num_reqs].tolist(),
             logprobs=logprobs[:num_reqs].tolist(),
             top_logprobs=top_logprobs,
+            ranks={row: int(ranks[row]) for row in rank_rows},
             prompt_logprobs=self._prompt_logprobs(launched) if plan.prompt_logprob_targets else {},
             pooled=self._pooled(launched) if launched.pooled is not None else {},
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.selection import top_k
+from jaxserve.runner.selection import rank_of, top_k
 
 CHUNK = 128  # tokens per pass through the LM head
 
@@ -51,10 +51,9 @@ def prompt_logprobs(
     def score(chunk_in: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         hidden, targets = chunk_in  # [C, D], i32[C]
         logprobs = jax.nn.log_softmax(compute_logits(hidden), axis=-1)  # f32[C, V]
-        target = jnp.take_along_axis(logprobs, jnp.minimum(targets, vocab_size - 1)[:, None], axis=-1)  # [C, 1]
-        rank = jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32) + 1  # [C]
+        target = jnp.take_along_axis(logprobs, jnp.minimum(targets, vocab_size - 1)[:, None], axis=-1)[:, 0]  # [C]
         top_logprobs, top_ids = top_k(logprobs, num_top, on_cuda)  # [C, L]
-        return target[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
+        return target, rank_of(logprobs, target), top_ids.astype(jnp.int32), top_logprobs
 
     def compute(hidden: jax.Array) -> PromptLogprobs:
         chunks = (

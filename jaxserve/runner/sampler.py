@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.runner.penalties import PenaltyTables, apply_penalties
-from jaxserve.runner.selection import first_argmax, sample_categorical, top_k, top_k_threshold, top_p_threshold
+from jaxserve.runner.selection import (
+    first_argmax,
+    rank_of,
+    sample_categorical,
+    top_k,
+    top_k_threshold,
+    top_p_threshold,
+)
 from jaxserve.runner.step_batch import SamplingArrays
 from jaxserve.sampling_params import GREEDY_TEMPERATURE
 
@@ -31,6 +38,7 @@ from jaxserve.sampling_params import GREEDY_TEMPERATURE
 class SamplerOutput:
     tokens: jax.Array  # i32[R]
     logprobs: jax.Array  # f32[R]: the sampled token's logprob under the raw model (zeros unless a row asked)
+    ranks: jax.Array  # i32[R]: its rank there, 1 = the most likely (zeros unless a row asked)
     top_token_ids: jax.Array  # i32[R, L]: the L most likely tokens (zeros unless a row asked)
     top_logprobs: jax.Array  # f32[R, L]
 
@@ -92,27 +100,30 @@ def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R
     return jnp.maximum(jnp.maximum(floor_k, floor_p), params.min_p)
 
 
-def _no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """What is reported when no row asks: token logprobs f32[R], top logprobs f32[R, L], top ids i32[R, L]."""
-    return (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top), jnp.float32),
-            jnp.zeros((num_rows, num_top), jnp.int32))
+def _no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What is reported when no row asks: token logprobs f32[R], their ranks i32[R], top logprobs f32[R, L],
+    top ids i32[R, L]."""
+    return (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
+            jnp.zeros((num_rows, num_top), jnp.float32), jnp.zeros((num_rows, num_top), jnp.int32))
 
 
 def _reported_logprobs(
     raw_logits: jax.Array, tokens: jax.Array, params: SamplingArrays, num_top_logprobs: int, on_cuda: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The sampled tokens' logprobs f32[R] and the top-L alternatives (f32[R, L], i32[R, L]) under the raw
-    model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as much as the sampling)."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The sampled tokens' logprobs f32[R] and ranks i32[R], and the top-L alternatives (f32[R, L],
+    i32[R, L]) under the raw model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as
+    much as the sampling)."""
     nothing = _no_logprobs(raw_logits.shape[0], num_top_logprobs)
 
     def compute(raw: jax.Array):
         log_total = jax.nn.logsumexp(raw, axis=-1)  # [R]
-        token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_total
+        token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [R]
         wants_top = jnp.any(params.wants_top_logprobs)
         top_logits, top_ids = jax.lax.cond(
-            wants_top, lambda x: top_k(x, num_top_logprobs, on_cuda), lambda x: nothing[1:], raw
+            wants_top, lambda x: top_k(x, num_top_logprobs, on_cuda), lambda x: nothing[2:], raw
         )
-        return token_logprobs, top_logits - log_total[:, None], top_ids.astype(jnp.int32)
+        return (token_logits - log_total, rank_of(raw, token_logits), top_logits - log_total[:, None],
+                top_ids.astype(jnp.int32))
 
     def skip(raw: jax.Array):
         return nothing
@@ -124,8 +135,8 @@ def sample_greedy(logits: jax.Array, num_top_logprobs: int) -> SamplerOutput:  #
     """`sample` for a batch whose every row is greedy and asks for nothing more (no logprobs, grammar,
     bias, ban or penalty): the argmax, with no control flow. On a GPU each top-level `lax.cond` reads its
     predicate on the host, a stall every step; a plain greedy decode needs none of `sample`'s stages."""
-    token_logprobs, top_logprobs, top_ids = _no_logprobs(logits.shape[0], num_top_logprobs)
-    return SamplerOutput(first_argmax(logits), token_logprobs, top_ids, top_logprobs)
+    token_logprobs, ranks, top_logprobs, top_ids = _no_logprobs(logits.shape[0], num_top_logprobs)
+    return SamplerOutput(first_argmax(logits), token_logprobs, ranks, top_ids, top_logprobs)
 
 
 def sample(
@@ -155,5 +166,6 @@ def sample(
         _modifies_logits(params, tables),
         lambda x: choose(_process_logits(x, params, tables, skip_unused=not on_cuda)), choose, logits,
     )
-    token_logprobs, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs, on_cuda)
-    return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)
+    token_logprobs, ranks, top_logprobs, top_ids = _reported_logprobs(logits, tokens, params, num_top_logprobs,
+                                                                      on_cuda)
+    return SamplerOutput(tokens, token_logprobs, ranks, top_ids, top_logprobs)

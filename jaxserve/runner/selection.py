@@ -16,6 +16,8 @@ runs at memory speed:
   (ties kept together).
 - `top_k`: `jax.lax.top_k`, on CUDA GPUs in pieces of at most 16 (XLA:GPU's own TopK kernel); a larger k
   there becomes a sort of each whole row, many kernels to compile and a slower step.
+- `rank_of`: a value's rank in its row (1 = the largest), one masked count: the rank vLLM reports with a
+  sampled or prompt token's logprob.
 - `sample_categorical`: inverse-CDF sampling with one uniform per row: the row's mass per chunk, the
   chunk where the cumulative mass crosses u x total, then the token inside it. Tokens of zero
   probability are never drawn (each level also requires weight, as XLA:CPU's blocked cumsum rounds).
@@ -114,6 +116,11 @@ def top_k(x: jax.Array, k: int, on_cuda: bool) -> tuple[jax.Array, jax.Array]:  
         if k:
             x = x.at[rows, index].set(-jnp.inf)
     return jnp.concatenate(values, axis=-1), jnp.concatenate(indices, axis=-1)
+
+
+def rank_of(x: jax.Array, value: jax.Array) -> jax.Array:  # f32[R, V], f32[R] -> i32[R]
+    """1 + the number of entries of each row above its `value`: 1 for the row's largest."""
+    return jnp.sum(x > value[:, None], axis=-1, dtype=jnp.int32) + 1
 
 
 def sample_categorical(weights: jax.Array, uniforms: jax.Array) -> jax.Array:

@@ -139,7 +139,7 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                          page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False,
                          compiler_options: dict[str, Any] | None = None):
     """`decode_steps(weights, kv_caches, penalty_tables, packed, row_steps) -> (kv_caches, penalty_tables,
-    SamplerOutput with tokens and logprobs [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
+    SamplerOutput with tokens, logprobs and ranks [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
     one token at index r) whose rows ask for nothing the runner fills row by row (no penalties, biases,
     bans, prompt logprobs or grammar: the scheduler plans only plain decodes so).
 
@@ -157,7 +157,7 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
         last_step = jnp.maximum(row_steps - 1, 0)  # i32[R]
 
         def one_step(step: jax.Array, carry: tuple) -> tuple:
-            kv_caches, input_ids, tokens, logprobs = carry
+            kv_caches, input_ids, tokens, logprobs, ranks = carry
             offset = jnp.minimum(step, last_step)  # i32[R]: a row past its steps stays on its last
             positions = batch.positions + offset  # i32[R] (T == R)
             pages = attention.page_table[jnp.arange(num_rows), positions // page_size]  # i32[R]
@@ -174,15 +174,15 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                 sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs,
                                  on_cuda=model.cfg.attention.cuda)
             return (kv_caches, sampled.tokens, tokens.at[step].set(sampled.tokens),
-                    logprobs.at[step].set(sampled.logprobs))
+                    logprobs.at[step].set(sampled.logprobs), ranks.at[step].set(sampled.ranks))
 
         carry = (kv_caches, _input_ids(batch), jnp.zeros((num_steps, num_rows), jnp.int32),
-                 jnp.zeros((num_steps, num_rows), jnp.float32))
+                 jnp.zeros((num_steps, num_rows), jnp.float32), jnp.zeros((num_steps, num_rows), jnp.int32))
         # A row's last sample feeds the next call (async k-step calls). For a row with fewer steps than k it
         # is a padding step's, not its own: such a row reaches its max_tokens, and is never planned again.
-        kv_caches, last_tokens, tokens, logprobs = jax.lax.fori_loop(0, num_steps, one_step, carry)
+        kv_caches, last_tokens, tokens, logprobs, ranks = jax.lax.fori_loop(0, num_steps, one_step, carry)
         no_top = jnp.zeros((num_steps, num_rows, num_top_logprobs), jnp.int32)
-        sampled = SamplerOutput(tokens, logprobs, no_top, no_top.astype(jnp.float32))
+        sampled = SamplerOutput(tokens, logprobs, ranks, no_top, no_top.astype(jnp.float32))
         return kv_caches, penalty_tables, sampled, _by_row(last_tokens, batch.previous_tokens.shape[0], mesh)
 
     return jax.jit(decode_steps, donate_argnames=("kv_caches", "penalty_tables"),

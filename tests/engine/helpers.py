@@ -125,6 +125,16 @@ def assert_same(sync: dict, overlapped: dict) -> None:
         assert summary(overlapped[request_id]) == summary(sync[request_id]), f"{request_id} differs"
         np.testing.assert_allclose(logprob_values(overlapped[request_id]), logprob_values(sync[request_id]),
                                    rtol=0, atol=1e-4, err_msg=request_id)
+        ranks, sync_ranks = token_ranks(overlapped[request_id]), token_ranks(sync[request_id])
+        assert [r is None for r in ranks] == [r is None for r in sync_ranks], f"{request_id}: ranks"
+        # within one: the logits' last bits may flip a near-tie
+        np.testing.assert_allclose([r or 0 for r in ranks], [r or 0 for r in sync_ranks], rtol=0, atol=1,
+                                   err_msg=request_id)
+
+
+def token_ranks(output) -> list[int | None]:
+    """Each sampled token's rank, where the request asked for logprobs (None per completion that did not)."""
+    return [r for c in output.outputs for r in (c.token_ranks if c.token_ranks is not None else [None])]
 
 
 def stop_requests(engine: LLMEngine, prompt: list[int]) -> dict[str, tuple[list[int], SamplingParams]]:

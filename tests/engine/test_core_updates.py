@@ -14,8 +14,8 @@ from jaxserve.sampling_params import InvalidParam, SamplingParams
 
 
 class GivenTokens:
-    """A runner whose steps sample token 7 + the step's index for every row, with top logprobs for the rows
-    that asked."""
+    """A runner whose steps sample token 7 + the step's index for every row, with top logprobs and a rank
+    (the step's index) for the rows that asked, as the model runner's collect gives them."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler, self.steps = scheduler, 0
@@ -27,7 +27,9 @@ class GivenTokens:
         tokens = [7 + self.steps] * len(ids)
         top = {row: {token: -0.5} for row, (i, token) in enumerate(zip(ids, tokens, strict=True))
                if self.scheduler.requests[i].sampling_params.logprobs}
-        return StepOutput(ids, tokens, [-0.5] * len(ids), top)
+        ranks = {row: self.steps for row, i in enumerate(ids)
+                 if self.scheduler.requests[i].sampling_params.logprobs is not None}
+        return StepOutput(ids, tokens, [-0.5] * len(ids), top, ranks)
 
 
 def test_every_token_goes_in_the_columns_and_anything_more_in_details():
@@ -35,21 +37,22 @@ def test_every_token_goes_in_the_columns_and_anything_more_in_details():
     core = EngineCore.__new__(EngineCore)  # the step's bookkeeping only: no model, no runner
     core.scheduler, core.runner = scheduler, GivenTokens(scheduler)
     params = {"plain": dict(max_tokens=5), "preempted": dict(max_tokens=5), "top": dict(max_tokens=5, logprobs=2),
-              "last": dict(max_tokens=2)}
+              "last": dict(max_tokens=2), "own": dict(max_tokens=5, logprobs=0)}
     for name, extra in params.items():
         scheduler.add_request(Request(name, [1, 2, 3], SamplingParams(ignore_eos=True, **extra), eos_token_ids=(2,),
                                       max_model_len=64, sampling_seed=0))
     (first,) = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
-    assert first.seq_ids == list(params) and set(first.details) == {0, 1, 2, 3}
+    assert first.seq_ids == list(params) and set(first.details) == {0, 1, 2, 3, 4}
     assert all(detail.first is not None for detail in first.details.values()), "first tokens carry their facts"
     scheduler.requests["preempted"].num_preemptions = 1  # as if it had been preempted and resumed
     (second,) = core._read(SimpleNamespace(scheduler_output=scheduler.schedule()))
-    assert second.seq_ids == list(params) and second.token_ids == [9] * 4 and second.logprobs == [-0.5] * 4
+    assert second.seq_ids == list(params) and second.token_ids == [9] * 5 and second.logprobs == [-0.5] * 5
     assert not second.failures
     records = {second.seq_ids[index]: detail for index, detail in second.details.items()}
-    assert set(records) == {"preempted", "top", "last"}, "a plain token carries nothing more"
+    assert set(records) == {"preempted", "top", "last", "own"}, "a plain token carries nothing more"
     assert records["preempted"].num_preemptions == 1, "a stop string may end it next: its count must be known"
-    assert records["top"].top_logprobs == {9: -0.5}
+    assert records["top"].top_logprobs == {9: -0.5} and records["top"].rank == 2
+    assert records["own"].top_logprobs is None and records["own"].rank == 2, "logprobs=0: the token's rank alone"
     assert records["last"].status is RequestStatus.FINISHED_LENGTH
 
 
@@ -74,7 +77,7 @@ def test_an_end_on_eos_or_a_stop_id_is_marked_and_every_detail_crosses_the_core_
         "stop-id": (RequestStatus.FINISHED_STOPPED, True), "eos": (RequestStatus.FINISHED_STOPPED, True),
         "length": (RequestStatus.FINISHED_LENGTH, False)}
     detail = SequenceDetails({5: -0.1}, RequestStatus.FINISHED_STOPPED, 9, 2, FirstToken(1.5, 16, None), [0.25, -1.0],
-                             True)
+                             True, 3)
     outputs = CoreOutputs(["a"], [9], [-0.1], 3.0, {0: detail}, [])
     assert from_wire(to_wire(outputs)) == outputs
 

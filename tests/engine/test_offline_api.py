@@ -85,10 +85,11 @@ def test_logprobs_come_per_token_as_vllm_s_with_the_cumulative_logprob(llm):
         assert output.prompt_logprobs[0] is None and all(
             e.decoded_token == tokenizer.decode([t]) for entry in output.prompt_logprobs[1:] for t, e in entry.items())
     sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=8, logprobs=0, seed=3), use_tqdm=False)
-    for output in sampled:  # no alternatives asked: each entry is the token's own, its rank not computed
+    for output in sampled:  # no alternatives asked: each entry is the token's own, with its rank
         completion = output.outputs[0]
         assert [list(e) for e in completion.logprobs] == [[t] for t in completion.token_ids]
-        assert all(e.rank is None for entry in completion.logprobs for e in entry.values())
+        ranks = [e.rank for entry in completion.logprobs for e in entry.values()]
+        assert ranks == completion.token_ranks and all(isinstance(rank, int) and rank >= 1 for rank in ranks)
         assert completion.cumulative_logprob == pytest.approx(
             float(np.sum([e.logprob for entry in completion.logprobs for e in entry.values()])), abs=1e-5)
     [plain] = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
