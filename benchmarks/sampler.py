@@ -19,6 +19,7 @@ SETTINGS = {  # name -> per-row sampling values (and whether rows ask for logpro
     "greedy": dict(temperature=0.0),
     "greedy + logprobs 5": dict(temperature=0.0, logprobs=5),
     "temperature 1": dict(temperature=1.0),
+    "temperature 1 + logprobs 0": dict(temperature=1.0, logprobs=0),
     "top_p 0.9": dict(temperature=1.0, top_p=0.9),
     "top_k 50": dict(temperature=1.0, top_k=50),
     "top_k 50, top_p 0.9, min_p 0.05": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),

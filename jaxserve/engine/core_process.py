@@ -14,7 +14,8 @@ Processes and threads:
 - `CoreProcessClient` is the frontend's end. One thread uses it (the `LLMEngine`'s owner). `step()`
   takes every step the core has sent since the last call, waiting a few milliseconds for one at most,
   so that new requests and aborts reach the core while it steps; `stats()` takes what has come without
-  waiting (updates it finds wait for the next `step()`).
+  waiting (updates it finds wait for the next `step()`). A profiler command waits for the core's answer
+  (the steps sent before it are kept), so a trace the core cannot start or write fails its caller.
 - The core process ignores SIGINT and SIGTERM (sent to the whole process group by a Ctrl-C or a service
   manager): the frontend drains first, then stops it.
 - A fault the core cannot pin on one sequence ends the core process: it sends why, then exits. The
@@ -31,6 +32,7 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import sys
@@ -80,9 +82,12 @@ class CoreProcessDied(RuntimeError):
     """The engine core's process failed or is gone."""
 
 
-# Commands, frontend -> core: ("add", [Request]), ("finish", [seq id], RequestStatus), ("stop",).
+# Commands, frontend -> core: ("add", [Request]), ("finish", [seq id], RequestStatus), ("add_lora", id, adapter),
+# ("remove_lora", id), ("start_profile", folder), ("stop_profile",), ("stop",).
 # Messages, core -> frontend: ("ready", EngineInfo, tokenizer, warmup seconds), ("step", [CoreOutputs as
-# plain tuples (`to_wire`)], EngineStats), ("dead", reason).
+# plain tuples (`to_wire`)], EngineStats), ("answer", None or the exception) for a profiler command, ("dead",
+# reason).
+ANSWER_TIMEOUT_S = 300.0  # the longest a profiler command waits for the core: a stop writes the whole trace
 
 
 class CoreProcessClient:
@@ -144,10 +149,28 @@ class CoreProcessClient:
         self._send(("remove_lora", lora_id))
 
     def start_profile(self, log_dir: str) -> None:
-        self._send(("start_profile", log_dir))
+        """Starts the core's trace; raises what the core raised (a trace it runs already, a folder it
+        cannot use)."""
+        self._ask(("start_profile", log_dir))
 
     def stop_profile(self) -> None:
-        self._send(("stop_profile",))
+        """Ends the core's trace once it is written; raises what the core raised."""
+        self._ask(("stop_profile",))
+
+    def _ask(self, command: tuple, timeout: float = ANSWER_TIMEOUT_S) -> None:
+        """Sends a command the core answers, and waits for the answer; the step messages sent before it
+        are kept for `step()`."""
+        self._send(command)
+        deadline = time.monotonic() + timeout
+        while self._conn.poll(max(deadline - time.monotonic(), 0)):
+            message = self._receive()
+            if message[0] != "answer":
+                self._take(message)
+                continue
+            if message[1] is not None:
+                raise message[1]
+            return
+        raise TimeoutError(f"the engine core did not answer {command[0]} within {timeout:g} s")
 
     @property
     def connection(self) -> Connection:
@@ -180,6 +203,8 @@ class CoreProcessClient:
 
     def _take(self, message: tuple) -> None:
         kind, *body = message
+        if kind == "answer":  # to a profiler command whose wait timed out
+            return
         if kind != "step":
             raise CoreProcessDied(f"the engine core failed: {body[0]}")
         self._updates += [from_wire(item) for item in body[0]]
@@ -288,6 +313,15 @@ def _send_all(conn: Connection, outbox: queue.Queue) -> None:
             return
 
 
+def _picklable(error: Exception) -> Exception:
+    """`error` if it crosses the pipe as itself, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
 class _CoreLoop:
     def __init__(self, core: "EngineCore", conn: Connection, outbox: queue.Queue) -> None:
         self.core = core
@@ -336,14 +370,18 @@ class _CoreLoop:
         return True
 
     def _profile(self, command: tuple) -> None:
-        """A profiler that cannot start or stop (a folder it cannot write) is logged; the core serves on."""
+        """Starts or stops the trace and answers: None, or the exception (a trace running already, a folder
+        it cannot write), which the frontend raises; the core serves on either way."""
+        error = None
         try:
             if command[0] == "start_profile":
                 self.core.start_profile(command[1])
             else:
                 self.core.stop_profile()
-        except Exception:
-            logger.exception("the profiler could not %s", command[0].replace("_profile", ""))
+        except Exception as e:
+            logger.warning("the profiler could not %s: %r", command[0].replace("_profile", ""), e)
+            error = _picklable(e)
+        self.outbox.put(("answer", error))
 
     def _add(self, sequences: list[Request]) -> None:
         spec = sequences[0].sampling_params.structured_outputs

@@ -17,6 +17,7 @@ Processes and threads:
 - A rank that fails ends the engine, as one core's failure does: its requests cannot be vouched for.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -97,9 +98,10 @@ class DataParallelClient:
             for rank, client in enumerate(self.clients):
                 client.start_profile(os.path.join(log_dir, f"rank{rank}"))
                 started.append(client)
-        except BaseException:  # a rank gone: those started stop, so none is left tracing
+        except BaseException:  # a rank gone or refusing: those started stop, so none is left tracing
             for client in started:
-                client.stop_profile()
+                with contextlib.suppress(Exception):  # the first failure is the one to report
+                    client.stop_profile()
             raise
 
     def stop_profile(self) -> None:

@@ -157,8 +157,8 @@ class LLMEngine:
         if self.profile_dir is not None:
             raise ProfilerState(f"a profile is being recorded already, into {self.profile_dir}")
         os.makedirs(log_dir, exist_ok=True)  # OSError for a folder that cannot be made, before the core tries
-        self._core.start_profile(log_dir)
-        self.profile_dir = log_dir  # a core process's own failure to start is in its log (it serves on)
+        self._core.start_profile(log_dir)  # a core process's failure is raised here too
+        self.profile_dir = log_dir
 
     def stop_profile(self) -> str:
         """Ends the trace once the device has run what was launched; returns the folder it went to."""

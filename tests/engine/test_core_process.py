@@ -22,6 +22,7 @@ from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import (
     assert_aborts_leave_the_others_unchanged,
     assert_same,
+    greedy,
     make_engine,
     make_prompts,
     run,
@@ -183,6 +184,28 @@ def test_a_profile_records_the_engine_s_steps_where_they_run(where, request, tmp
     calls = traced_jit_calls(log_dir)
     assert calls["step"] >= 2, calls  # the prefill and the decode, at least
     assert not (tmp_path / "other").exists()
+
+
+def test_a_profiler_command_the_core_refuses_fails_its_caller_and_the_core_serves_on(llama_dir, tmp_path):
+    """The core's own refusal (jax runs one trace per process) reaches the frontend as the core raised it,
+    with the steps sent before the answer kept; the core then serves and its trace stops."""
+    engine = make_engine(llama_dir, engine_process=True)
+    try:
+        client = engine._core
+        client.start_profile(str(tmp_path / "first"))
+        engine.add_request("before", [5, 6, 7], greedy(3))
+        with pytest.raises(RuntimeError, match=r"(?i)already"):  # past LLMEngine's own check, as a race would be
+            client.start_profile(str(tmp_path / "second"))
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert len(finished["before"].outputs[0].token_ids) == 3
+        client.stop_profile()
+        with pytest.raises(RuntimeError):  # no trace runs now: the core says so
+            client.stop_profile()
+        assert traced_jit_calls(str(tmp_path / "first"))["step"] >= 1
+    finally:
+        engine.shutdown()
 
 
 def test_a_dead_core_s_profile_does_not_stop_the_shutdown(llama_dir, tmp_path):

@@ -32,6 +32,7 @@ from tests.engine.helpers import (
     require_ranks,
     run,
     run_short_requests,
+    traced_jit_calls,
     workload,
 )
 
@@ -236,6 +237,21 @@ def test_aborts_reach_the_rank_that_holds_the_request(in_process, two_ranks):
     stats = two_ranks.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert [client.stats().iteration_tokens_sum > 0 for client in two_ranks._core.clients] == [True, True]
+
+
+def test_each_rank_traces_its_own_steps_and_a_refusal_on_one_stops_the_others(two_ranks, tmp_path):
+    """A profile writes each rank's trace in `rank<i>`; a rank that refuses to start (it traces already)
+    fails the start, and the ranks started before it stop, so a later profile starts everywhere."""
+    clients = two_ranks._core.clients
+    clients[1].start_profile(str(tmp_path / "rank1-alone"))
+    with pytest.raises(RuntimeError, match=r"(?i)already"):
+        two_ranks.start_profile(str(tmp_path / "refused"))
+    assert two_ranks.profile_dir is None
+    clients[1].stop_profile()
+    two_ranks.start_profile(str(tmp_path / "trace"))  # rank 0 was stopped: it starts again
+    run_short_requests(two_ranks, 2)  # a request on each rank
+    assert two_ranks.stop_profile() == str(tmp_path / "trace")
+    assert [traced_jit_calls(str(tmp_path / "trace" / f"rank{rank}"))["step"] >= 1 for rank in (0, 1)] == [True] * 2
 
 
 def test_a_dead_rank_fails_live_requests_and_the_engine(llama_dir, compile_cache, monkeypatch):
