@@ -28,13 +28,17 @@ async def stop_profile(request: Request) -> Response:
 
 
 async def _profiler_call(call: Awaitable[object]) -> None:
-    """The engine's answer as the client's: a start or stop out of turn is a 400, a folder that cannot be
-    written a 500 saying why, an engine that is not running a 503."""
+    """The engine's answer as the client's: a start or stop out of turn is a 400, an engine that is not
+    running a 503, and a profiler that fails (a folder it cannot write, jax's own refusal, a core that does
+    not answer) a 500 saying why."""
     try:
         await call
     except ProfilerState as error:
         raise APIError(400, str(error)) from None
-    except OSError as error:
-        raise APIError(500, f"the profiler folder {error.filename}: {error.strerror or error}") from None
     except (EngineDeadError, CoreProcessDied) as error:
         raise APIError(503, f"the engine is not running: {error}") from None
+    except OSError as error:
+        where = f"the profiler folder {error.filename}" if error.filename else "the profiler"
+        raise APIError(500, f"{where}: {error.strerror or error}") from None
+    except Exception as error:
+        raise APIError(500, f"the profiler failed: {error}") from None

@@ -53,6 +53,24 @@ def test_the_routes_answer_503_for_an_engine_that_is_not_running(tiny_model_dir,
     assert not list(tmp_path.iterdir())  # no trace was started
 
 
+def test_a_profiler_that_refuses_is_a_500_saying_why_and_the_server_serves_on(engine, tmp_path):
+    """jax runs one trace per process: with another one running (a caller's own), a start fails with jax's
+    reason, and once that trace ends the profiler starts and stops."""
+    import jax
+
+    with TestClient(create_app(ServerConfig(profiler_dir=str(tmp_path / "served")), engine)) as client:
+        jax.profiler.start_trace(str(tmp_path / "other"))
+        try:
+            refused = client.post("/start_profile")
+        finally:
+            jax.profiler.stop_trace()
+        assert refused.status_code == 500, refused.text
+        assert refused.json()["error"]["message"].startswith("the profiler failed: ")
+        assert client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+        assert client.post("/start_profile").status_code == 200
+        assert client.post("/stop_profile").status_code == 200
+
+
 def test_the_routes_are_not_served_without_a_folder(engine):
     with TestClient(create_app(ServerConfig(), engine)) as client:
         assert client.post("/start_profile").status_code == 404
