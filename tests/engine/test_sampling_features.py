@@ -152,25 +152,36 @@ def test_logprobs_match_transformers(engine, hf_llama):
 
 
 @pytest.mark.slow  # transformers reference
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_a_sampled_token_s_rank_matches_transformers(tiny_model_dir, hf_llama, num_scheduler_steps):
-    """logprobs=0 (no alternatives): each sampled token's logprob and rank (vLLM's Logprob.rank, 1 = the most
-    likely) against the float64 distribution transformers gives at its position, in single and multi-step
-    decodes (a logprobs=0 request is a plain decode, so k steps run in one call)."""
+@pytest.mark.parametrize("num_scheduler_steps,temperature,logprobs", [
+    (1, 1.5, 0), (4, 1.5, 0),  # no alternatives: the rank is counted over the vocabulary
+    (1, 1.5, 2),  # tokens outside the top 2: counted over the vocabulary
+    (1, 0.0, 2),  # each token among the top 2: its rank read there, no pass over the vocabulary
+])
+def test_a_sampled_token_s_rank_matches_transformers(tiny_model_dir, hf_llama, num_scheduler_steps, temperature,
+                                                     logprobs):
+    """Each sampled token's logprob and rank (vLLM's Logprob.rank, 1 = the most likely) against the float64
+    distribution transformers gives at its position, in single and multi-step decodes (a logprobs=0
+    request is a plain decode, so k steps run in one call)."""
     engine = make_engine(tiny_model_dir("llama"), warmup=False, num_scheduler_steps=num_scheduler_steps)
     prompt = make_prompts()[1]
-    params = SamplingParams(temperature=1.5, seed=7, max_tokens=12, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=12, ignore_eos=True, logprobs=logprobs)
     completion = run_one(engine, prompt, params)
     with torch.no_grad():
         logits = hf_llama(torch.tensor([prompt + completion.token_ids])).logits[0].double()
     reference = torch.log_softmax(logits, -1).numpy()[len(prompt) - 1 : -1]  # [12, V]: each output token's
     assert len(completion.logprobs) == len(completion.token_ranks) == 12
-    for row, token, entry in zip(reference, completion.token_ids, completion.logprobs, strict=True):
-        assert list(entry) == [token]
+    for row, token, rank, entry in zip(reference, completion.token_ids, completion.token_ranks, completion.logprobs,
+                                       strict=True):
+        assert token in entry and len(entry) in (logprobs, logprobs + 1)
         assert entry[token].logprob == pytest.approx(row[token], abs=1e-4)
         tol = 1e-4  # the rank counts tokens above; those within tolerance may fall either side
-        assert 1 + np.sum(row > row[token] + tol) <= entry[token].rank <= 1 + np.sum(row > row[token] - tol)
-    assert max(completion.token_ranks) > 1, "at temperature 1.5 some token is not the most likely"
+        assert 1 + np.sum(row > row[token] + tol) <= rank <= 1 + np.sum(row > row[token] - tol)
+        assert entry[token].rank == rank
+    ranks = completion.token_ranks
+    if temperature:
+        assert max(ranks) > max(logprobs, 1), "at temperature 1.5 some token is outside the top alternatives"
+    else:
+        assert ranks == [1] * 12, "greedy: the most likely token each time"
 
 
 @pytest.mark.parametrize(
