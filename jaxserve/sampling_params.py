@@ -61,19 +61,17 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's allowed_token_ids: only these (and EOS)
     whitespace_pattern: str | None = None  # a regex for the whitespace between JSON tokens
     # The grammar applies once the output has produced these tokens (a reasoning model's end of
     # thinking, `</think>`): what comes before is free. Not part of the grammar's definition (`key`).
     after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "allowed_token_ids")
-                 if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise InvalidParam("structured outputs need exactly one of json, json_object, regex, choice, grammar "
-                               f"or allowed_token_ids; got {', '.join(given) or 'none'}", "structured_outputs")
+            raise InvalidParam("structured outputs need exactly one of json, json_object, regex, choice or grammar; "
+                               f"got {', '.join(given) or 'none'}", "structured_outputs")
         if not isinstance(self.json_object, bool):
             raise InvalidParam("structured_outputs.json_object must be a boolean", "structured_outputs")
         if self.json is not None and not isinstance(self.json, dict | str):
@@ -87,10 +85,6 @@ class StructuredOutputsParams:
             if not ok or not all(isinstance(c, str) and c for c in self.choice):
                 raise InvalidParam(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
                                    "structured_outputs")
-        if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if not isinstance(ids, tuple) or not ids or not all(type(t) is int and 0 <= t < _INT32_MAX for t in ids):
-                raise InvalidParam("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
         if len(self.key) > MAX_GRAMMAR_CHARS:
             raise InvalidParam(f"the structured output's definition exceeds {MAX_GRAMMAR_CHARS} characters",
                                "structured_outputs")
@@ -133,8 +127,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM's: none of these words' token sequences is completed
     structured_outputs: StructuredOutputsParams | None = None  # constrains every token to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
-    # vLLM's: the only tokens the output may hold (and EOS); given, it is structured_outputs' allowed_token_ids
-    allowed_token_ids: list[int] | None = None
+    # vLLM's: the only tokens the output may hold, EOS and stop ids included (a list without EOS runs to
+    # max_tokens); a mask on the logits, with a structured output's if both are given
+    allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens kept (-1: max_model_len)
     detokenize: bool = True  # vLLM's: False leaves the text empty (token ids only) and skips decoding
     # vLLM's: spaces between special tokens kept in the text (with skip_special_tokens=False); taken, and
@@ -154,19 +149,12 @@ class SamplingParams:
         if self.top_k is None or (isinstance(self.top_k, int) and -1 <= self.top_k < 0):
             self.top_k = 0
         if self.allowed_token_ids is not None:
-            self._take_allowed_token_ids()
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids or not all(
+                    type(t) is int and 0 <= t < _INT32_MAX for t in ids):
+                raise InvalidParam("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+            self.allowed_token_ids = tuple(ids)
         self._validate()
-
-    def _take_allowed_token_ids(self) -> None:
-        if not isinstance(self.allowed_token_ids, list | tuple):
-            raise InvalidParam("allowed_token_ids must be a list of token ids", "allowed_token_ids")
-        allowed = tuple(self.allowed_token_ids)
-        given = self.structured_outputs
-        if given is None:
-            self.structured_outputs = StructuredOutputsParams(allowed_token_ids=allowed)
-        elif given.allowed_token_ids != allowed:  # equal where `dataclasses.replace` runs this again
-            raise InvalidParam("allowed_token_ids and structured_outputs both constrain the output; give one",
-                               "allowed_token_ids")
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -221,9 +209,10 @@ class SamplingParams:
     @property
     def fills_batch_rows(self) -> bool:
         """Whether the runner fills this request's batch row itself every step (penalty rows, logit_bias,
-        min_tokens' and bad words' bans, prompt logprobs) rather than only gathering its persistent row."""
+        min_tokens' and bad words' bans, prompt logprobs, allowed_token_ids' mask) rather than only gathering
+        its persistent row."""
         return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.prompt_logprobs is not None
-                or bool(self.bad_words))
+                or bool(self.bad_words) or self.allowed_token_ids is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -344,8 +333,7 @@ class RequestLimits:
             raise InvalidParam(f"token id {bad} in logit_bias/stop_token_ids is outside the vocabulary "
                                f"[0, {self.vocab_size})", "logit_bias" if bad in params.logit_bias else
                                "stop_token_ids")
-        allowed = params.structured_outputs.allowed_token_ids if params.structured_outputs else None
-        bad = next((t for t in allowed or () if t >= self.vocab_size), None)
+        bad = next((t for t in params.allowed_token_ids or () if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidParam(f"token id {bad} in allowed_token_ids is outside the vocabulary [0, {self.vocab_size})",
                                "allowed_token_ids")

@@ -47,6 +47,8 @@ def beam_search_params(serving: ModelServing, req: SamplingFields, checked: Samp
         raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
     if checked.structured_outputs is not None:
         raise APIError(400, "structured outputs are not available with use_beam_search", "use_beam_search")
+    if checked.allowed_token_ids is not None:  # beams rank the model's own logprobs, which no mask changes
+        raise APIError(400, "allowed_token_ids are not available with use_beam_search", "allowed_token_ids")
     max_tokens = checked.max_tokens
     if max_tokens is None:  # up to the context length
         max_tokens = serving.max_model_len - num_prompt_tokens

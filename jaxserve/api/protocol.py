@@ -96,7 +96,7 @@ class SamplingFields(BaseModel):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # under --scheduling-policy priority: lower first
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     bad_words: list[str] | None = None  # words the output never completes
-    allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (and EOS)
+    allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (EOS only if listed)
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
     # logprobs name tokens "token_id:{id}", not by their text; None: the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None

@@ -125,8 +125,6 @@ def requested_structure(req: SamplingFields) -> StructuredOutputsParams | None:
               "grammar": req.guided_grammar}
     if any(v is not None for v in guided.values()):
         asked["guided_*"] = StructuredOutputsParams(**guided, whitespace_pattern=req.guided_whitespace_pattern)
-    if req.allowed_token_ids is not None:
-        asked["allowed_token_ids"] = StructuredOutputsParams(allowed_token_ids=tuple(req.allowed_token_ids))
     if len(asked) > 1:
         raise InvalidParam(f"{' and '.join(asked)} both constrain the output; give one", next(iter(asked)))
     return next(iter(asked.values()), None)
@@ -315,6 +313,7 @@ class ModelServing:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=logit_bias,
                 bad_words=req.bad_words,
+                allowed_token_ids=req.allowed_token_ids,
                 seed=req.seed,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,

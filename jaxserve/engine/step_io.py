@@ -34,6 +34,16 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def token_bitmask(token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """A bitmask row allowing exactly `token_ids` (each below vocab_size): i32[ceil(vocab_size / 32)]."""
+    ids = np.asarray(token_ids, np.int64)  # [k]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"a token id outside the vocabulary [0, {vocab_size})")
+    words = np.zeros(bitmask_words(vocab_size), np.uint32)
+    np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
+
+
 class NewRequest(NamedTuple):
     """What a request's runner row holds from the step it starts or resumes in until it ends or is
     preempted: the values that stay the same from step to step."""
@@ -46,11 +56,12 @@ class NewRequest(NamedTuple):
     num_prompt_logprobs: int  # alternatives reported per prompt token (prompt_logprobs), 0 for none
     logit_bias: tuple[tuple[int, float], ...]  # (token id, bias)
     has_penalties: bool  # its samples depend on the tokens seen (the runner keeps a penalty row)
-    fills_row: bool  # the runner fills this row itself each step (penalties, biases, bans, prompt logprobs)
+    fills_row: bool  # the runner fills this row itself each step (penalties, biases, bans, prompt logprobs, a mask)
     # After a prefix-cache hit with penalties: the cached tokens, which the penalty row counts as if they ran.
     cached_token_ids: tuple[int, ...] | None = None
     lora_id: int | None = None  # its LoRA adapter's id (--enable-lora), None for the base model
     lora_slot: int = NO_LORA_SLOT  # the device slot the adapter is in while the request runs
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens it may sample (vLLM's allowed_token_ids)
 
     @classmethod
     def of(cls, request_id: str, params: SamplingParams, sampling_seed: int, num_prompt_tokens: int,
@@ -59,7 +70,7 @@ class NewRequest(NamedTuple):
         """A request's row values, read from its parameters (the one place they are)."""
         return cls(request_id, sampling_row(params), sampling_seed, num_prompt_tokens, params.logprobs or 0,
                    params.prompt_logprobs or 0, tuple(params.logit_bias.items()), params.has_penalties,
-                   params.fills_batch_rows, cached_token_ids, lora_id, lora_slot)
+                   params.fills_batch_rows, cached_token_ids, lora_id, lora_slot, params.allowed_token_ids)
 
 
 @dataclass(frozen=True)

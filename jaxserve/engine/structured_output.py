@@ -46,8 +46,6 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if spec.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-        if spec.allowed_token_ids is not None:  # any run of these tokens: llguidance's token-id ranges
-            return llguidance.grammar_from("lark", f"start: <[{_id_ranges(spec.allowed_token_ids)}]>*")
         if spec.choice is not None:
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(choice) for choice in spec.choice))
@@ -56,17 +54,6 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise
     except (ValueError, TypeError, RecursionError) as e:
         raise InvalidParam(f"the structured output's definition is invalid: {e}", "structured_outputs") from None
-
-
-def _id_ranges(token_ids: tuple[int, ...]) -> str:
-    """Token ids as llguidance's ranges: (1, 2, 3, 7) -> "1-3,7"."""
-    ranges: list[list[int]] = []
-    for token_id in sorted(set(token_ids)):
-        if ranges and token_id == ranges[-1][1] + 1:
-            ranges[-1][1] = token_id
-        else:
-            ranges.append([token_id, token_id])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 class GrammarMatcher:

@@ -20,13 +20,13 @@ def build_step_batch(
     row_ids: np.ndarray,  # intp[n]: each step row's request row in `rows`
 ) -> StepBatch:
     """The step's arrays: the requests' persistent rows gathered, the step's own columns filled for all rows
-    at once, and only rows using rare features (penalties, biases, bans, prompt logprobs, a grammar) filled
-    one by one (a Python loop over every row costs 20 us a row, 5 ms a step at 256 decodes). A value that
-    cannot go in its column (one request's bad data) raises RequestFault for that request: the rows are
-    filled again one at a time to find it."""
+    at once, and only rows using rare features (penalties, biases, bans, prompt logprobs, allowed tokens, a
+    grammar) filled one by one (a Python loop over every row costs 20 us a row, 5 ms a step at 256 decodes).
+    A value that cannot go in its column (one request's bad data) raises RequestFault for that request: the
+    rows are filled again one at a time to find it."""
     batch = neutral_batch(bucket, layout)
     try:
-        biases = _fill_rows(batch, plan, rows, row_ids, layout)
+        biases, allowed = _fill_rows(batch, plan, rows, row_ids, layout)
     except Exception as error:
         for row in range(plan.num_reqs):
             try:
@@ -34,7 +34,7 @@ def build_step_batch(
             except Exception as e:  # one request's values must not fail the whole step
                 raise RequestFault(plan.request_ids[row]) from e
         raise error
-    if not biases and not plan.grammar_rows:
+    if not biases and not allowed and not plan.grammar_rows:
         return batch
     sampling = batch.sampling
     bias_token_ids, bias_values, token_bitmask = sampling.bias_token_ids, sampling.bias_values, sampling.token_bitmask
@@ -43,10 +43,14 @@ def build_step_batch(
         for row, token_ids, values in biases:
             bias_token_ids[row, : len(token_ids)] = token_ids
             bias_values[row, : len(values)] = values
-    if plan.grammar_rows:  # their masks, filled by the engine after it read the last step's tokens
+    if plan.grammar_rows or allowed:
         token_bitmask = token_bitmask.copy()
+    if plan.grammar_rows:  # their masks, filled by the engine after it read the last step's tokens
         token_bitmask[list(plan.grammar_rows)] = plan.grammar_bitmask
         sampling.constrained[list(plan.grammar_rows)] = True
+    for row, mask in allowed:  # allowed_token_ids: alone, or within the grammar's mask
+        token_bitmask[row] = token_bitmask[row] & mask if sampling.constrained[row] else mask
+        sampling.constrained[row] = True
     sampling = dataclasses.replace(sampling, bias_token_ids=bias_token_ids, bias_values=bias_values,
                                    token_bitmask=token_bitmask)
     return dataclasses.replace(batch, sampling=sampling)
@@ -70,12 +74,13 @@ def _fill_rows(
     rows: RequestRows,
     row_ids: np.ndarray,
     layout: BatchLayout,
-) -> list[tuple[int, np.ndarray, np.ndarray]]:
+) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], list[tuple[int, np.ndarray]]]:
     """Writes the plan's rows into rows 0.. of a neutral batch; returns the biased rows as (row, token ids
-    i32[k], biases f32[k]), written afterwards into copies of the shared bias arrays."""
+    i32[k], biases f32[k]) and the rows with allowed tokens as (row, bitmask i32[W]), written afterwards
+    into copies of the shared bias and bitmask arrays."""
     num_rows = plan.num_reqs
     if not num_rows:
-        return []
+        return [], []
     attention, sampling, penalties = batch.attention, batch.sampling, batch.penalty_updates
     lengths = np.array(plan.num_new_tokens, np.int64)  # [n]
     cu_lens = np.zeros(num_rows + 1, np.int64)  # [n + 1]
@@ -107,7 +112,7 @@ def _fill_rows(
     sampling.output_index[:num_rows] = plan.output_indices
 
     # Features few requests use: row by row, only for the rows that use them.
-    biases = []
+    biases, allowed = [], []
     no_slot = layout.num_penalty_slots
     for row in np.flatnonzero(rows.row_features[row_ids]).tolist():
         request_row = row_ids[row]
@@ -129,4 +134,6 @@ def _fill_rows(
             if len(bias) > MAX_BIASED_TOKENS:
                 raise ValueError(f"{len(bias)} biased tokens, at most {MAX_BIASED_TOKENS}")
             biases.append((row, np.array(list(bias), np.int32), np.array(list(bias.values()), np.float32)))
-    return biases
+        if (mask := rows.allowed_masks[request_row]) is not None:
+            allowed.append((row, mask))
+    return biases, allowed

@@ -245,7 +245,7 @@ class ModelRunner:
             tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
             for layer in abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
         ]
-        self.rows = RequestRows(max_num_seqs, self.max_pages_per_req)  # the persistent batch
+        self.rows = RequestRows(max_num_seqs, self.max_pages_per_req, cfg.vocab_size)  # the persistent batch
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
             self.penalty_tables = jax.device_put(to_host(self.penalty_tables), replicated(self.mesh))

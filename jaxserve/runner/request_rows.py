@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxserve.engine.step_io import NO_LORA_SLOT, NewRequest, RequestFault
+from jaxserve.engine.step_io import NO_LORA_SLOT, NewRequest, RequestFault, token_bitmask
 from jaxserve.sampling_params import SAMPLING_ROW
 
 # The per-row sampling columns a step gathers as they are, named as in `SamplingArrays`: the table's, and
@@ -25,8 +25,9 @@ SAMPLING_COLUMNS = (*(column.name for column in SAMPLING_ROW), "seeds", "penalty
 class RequestRows:
     """Rows 0..M-1 for up to M = max_num_seqs running requests."""
 
-    def __init__(self, num_rows: int, max_pages_per_req: int) -> None:
+    def __init__(self, num_rows: int, max_pages_per_req: int, vocab_size: int) -> None:
         self.num_rows = num_rows
+        self.vocab_size = vocab_size  # the logits' width, which a token bitmask covers
         self._free: deque[int] = deque(range(num_rows))
         self.row_of: dict[str, int] = {}
         self.page_table = np.zeros((num_rows, max_pages_per_req), np.int32)  # i32[M, P]; page 0 (scratch) pads
@@ -37,8 +38,10 @@ class RequestRows:
         self.num_top_logprobs = np.zeros(num_rows, np.int32)  # i32[M]: alternatives per sampled token
         self.num_prompt_logprobs = np.zeros(num_rows, np.int32)  # i32[M]: alternatives per prompt token
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * num_rows  # per row: (token id, bias)
+        # per row: its allowed_token_ids as a token bitmask, i32[ceil(V / 32)], or None
+        self.allowed_masks: list[np.ndarray | None] = [None] * num_rows
         # bool[M]: the request uses a feature the step fills row by row (penalties, logit_bias,
-        # min_tokens' bans, prompt logprobs); the others never leave the gathered columns.
+        # min_tokens' bans, prompt logprobs, allowed tokens); the others never leave the gathered columns.
         self.row_features = np.zeros(num_rows, np.bool_)
         self.num_prompt_tokens = np.zeros(num_rows, np.int64)  # i64[M]
         self.lora_slots = np.full(num_rows, NO_LORA_SLOT, np.int32)  # i32[M]: its adapter's slot (--enable-lora)
@@ -119,6 +122,7 @@ class RequestRows:
             values = [np.dtype(column.dtype).type(value) for column, value in zip(SAMPLING_ROW, new.sampling_row,
                                                                                      strict=True)]
             seed = np.uint32(new.sampling_seed)
+            allowed = None if new.allowed_token_ids is None else token_bitmask(new.allowed_token_ids, self.vocab_size)
         except (OverflowError, ValueError, TypeError) as error:
             raise RequestFault(new.request_id) from error
         row = self.row_of.get(new.request_id)
@@ -134,6 +138,7 @@ class RequestRows:
         self.num_top_logprobs[row] = new.num_top_logprobs
         self.num_prompt_logprobs[row] = new.num_prompt_logprobs
         self.logit_bias[row] = new.logit_bias
+        self.allowed_masks[row] = allowed
         self.row_features[row] = new.fills_row
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.lora_slots[row] = new.lora_slot

@@ -110,7 +110,10 @@ def test_allowed_token_ids_and_bad_words(server, client):
     (a,), (b,) = _token_ids(server, "a"), _token_ids(server, "b")
     held = client.completions.create(model=MODEL, prompt="Spell:", max_tokens=8, temperature=1.0, seed=1,
                                      extra_body={"allowed_token_ids": [a, b]})
-    assert set(held.choices[0].text) <= {"a", "b"}
+    assert set(held.choices[0].text) <= {"a", "b"} and held.choices[0].finish_reason == "length", "no EOS unlisted"
+    both = client.completions.create(model=MODEL, prompt="Spell:", max_tokens=6, temperature=1.0, seed=1,
+                                     extra_body={"allowed_token_ids": [a, b], "structured_outputs": {"regex": "a+"}})
+    assert both.choices[0].text == "a" * 6, "each token is both allowed and in the grammar"
     greedy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
                                        temperature=0).choices[0].text
     first_word = greedy.split()[0]
@@ -119,7 +122,7 @@ def test_allowed_token_ids_and_bad_words(server, client):
     assert banned != greedy and banned.split()[0:1] != [first_word]
     for extra, param in (({"allowed_token_ids": [10**8]}, "allowed_token_ids"),
                          ({"allowed_token_ids": []}, "allowed_token_ids"),
-                         ({"allowed_token_ids": [a], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"allowed_token_ids": [a], "use_beam_search": True, "n": 2}, "allowed_token_ids"),
                          ({"bad_words": [""]}, "bad_words"),
                          ({"bad_words": ["w"] * 33}, "bad_words")):
         with pytest.raises(openai.BadRequestError) as e:

@@ -173,10 +173,12 @@ def workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingPara
                                                              ignore_eos=True)),
         "regex": (prompts[2], SamplingParams(max_tokens=12, temperature=1.0, seed=5,
                                              structured_outputs=Structure(regex=r"[a-c]{2,6}-\d{1,3}"))),
+        "allowed": (prompts[5], SamplingParams(max_tokens=10, temperature=1.0, seed=9,
+                                               allowed_token_ids=[11, 12, 13, 1000, 20000])),
     }
     arrivals = {"greedy": 0, "one-token": 0, "two-tokens": 1, "seeded-n3": 1, "unseeded-greedy-n2": 2,
                 "penalties": 3, "sampled-penalties": 3, "logprobs": 4, "min-tokens": 5, "shared-a": 6,
-                "shared-b": 7, "regex": 18}
+                "shared-b": 7, "regex": 18, "allowed": 3}
     requests.update(stop_requests(engine, prompts[7]))
     arrivals.update({"stop-id": 2, "stop-string": 4})
     return requests, arrivals

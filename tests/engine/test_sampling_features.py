@@ -122,16 +122,47 @@ def test_bad_words_are_never_completed(engine):
         SamplingParams(bad_words=["  "])
 
 
-def test_allowed_token_ids_hold_the_output_to_them(engine):
-    from jaxserve.sampling_params import StructuredOutputsParams
+class OnlyAllowed(transformers.LogitsProcessor):
+    """vLLM's allowed_token_ids: every other token's score at -inf."""
 
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = torch.tensor(allowed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(scores, -torch.inf)
+        mask[:, self.allowed] = 0.0
+        return scores + mask
+
+
+@pytest.mark.slow  # transformers reference
+def test_allowed_token_ids_match_transformers_greedy(engine, hf_llama):
+    prompt = make_prompts()[3]
+    plain = hf_greedy(hf_llama, prompt, 12)
+    allowed = [t for t in range(1000, 1100) if t not in plain] + plain[5:7]  # the plain output's 6th and 7th
+    got = run_one(engine, prompt, SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed))
+    assert got.token_ids == hf_greedy(hf_llama, prompt, 12, logits_processor=[OnlyAllowed(allowed)])
+    assert got.token_ids != plain and set(got.token_ids) <= set(allowed)
+
+
+def test_allowed_token_ids_hold_the_output_to_them_and_end_on_eos_only_if_listed(engine):
+    prompt, eos = make_prompts()[0], engine.model.eos_token_ids[0]
     allowed = (1234, 1235, 1236, 40000)
-    completion = run_one(engine, make_prompts()[0], SamplingParams(
-        temperature=1.0, seed=3, max_tokens=16, structured_outputs=StructuredOutputsParams(allowed_token_ids=allowed)))
-    assert completion.token_ids and set(completion.token_ids) <= {*allowed, *engine.model.eos_token_ids}
+    held = run_one(engine, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=16, allowed_token_ids=allowed))
+    assert len(held.token_ids) == 16 and set(held.token_ids) <= set(allowed), "no EOS unless it is listed"
+    assert held.finish_reason == "length"
+    ends = run_one(engine, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=8, allowed_token_ids=[eos]))
+    assert (ends.token_ids, ends.finish_reason) == ([eos], "stop")
+    past = run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[eos],
+                                                  ignore_eos=True))
+    assert (past.token_ids, past.finish_reason) == ([eos] * 4, "length")
+    stopped = run_one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[1235],
+                                                     stop_token_ids=[1235]))
+    assert (stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == ([1235], "stop", 1235)
     with pytest.raises(ValueError, match="allowed_token_ids"):
-        engine.add_request("x", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(
-            allowed_token_ids=(10**6,))))
+        engine.add_request("x", [5, 6], SamplingParams(allowed_token_ids=[10**6]))
+    for bad in ([], [-1], [1.0], "5", [True]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
     assert not engine.has_unfinished_requests()
 
 

@@ -23,7 +23,7 @@ BUCKET = Bucket(8, 4, False)
 
 def built_batch():
     """Two requests with features in every column kind: floats, uint32 seeds, booleans, biases, penalties."""
-    rows = RequestRows(num_rows=4, max_pages_per_req=3)
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=LAYOUT.vocab_size)
     a = new_request("a", 2**32 - 1, temperature=0.7, top_p=0.25, logprobs=2, logit_bias={3: -1.5})
     b = new_request("b", 0, 3, repetition_penalty=1.25, min_p=0.125)
     out = plan([Row("a", (5,), 0, 0, True, 0, (1, 2), (), (), a), Row("b", (7, 8, 9), 0, 0, True, 0, (5,), (), (), b)])

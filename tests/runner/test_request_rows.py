@@ -9,7 +9,7 @@ from tests.runner.helpers import new_request as new
 
 
 def test_rows_keep_pages_and_parameters_across_steps():
-    rows = RequestRows(num_rows=4, max_pages_per_req=6)
+    rows = RequestRows(num_rows=4, max_pages_per_req=6, vocab_size=40)
     a, b = rows.update((new("a", temperature=0.5, top_k=7), new("b", repetition_penalty=1.2)), ["a", "b"],
                        {0: (0, (3, 4)), 1: (0, (9,))}).tolist()
     assert a != b
@@ -23,13 +23,13 @@ def test_rows_keep_pages_and_parameters_across_steps():
 
 
 def test_a_greedy_request_s_row_holds_the_greedy_temperature():
-    rows = RequestRows(num_rows=2, max_pages_per_req=2)
+    rows = RequestRows(num_rows=2, max_pages_per_req=2, vocab_size=40)
     (row,) = rows.update((new("g", temperature=1e-6),), ["g"], {0: (0, (1,))})
     assert rows.temperature[row] == 0.0, "below the greedy threshold: the row says greedy exactly"
 
 
 def test_a_resumed_request_is_written_afresh_and_released_rows_are_reused():
-    rows = RequestRows(num_rows=2, max_pages_per_req=4)
+    rows = RequestRows(num_rows=2, max_pages_per_req=4, vocab_size=40)
     (a,) = rows.update((new("a", temperature=0.3),), ["a"], {0: (0, (1, 2, 3))})
     (again,) = rows.update((new("a"),), ["a"], {0: (0, (7,))})  # back from preemption: fewer pages
     assert again == a
@@ -42,7 +42,7 @@ def test_a_resumed_request_is_written_afresh_and_released_rows_are_reused():
 
 
 def test_a_value_out_of_its_column_fails_its_request_alone():
-    rows = RequestRows(num_rows=4, max_pages_per_req=4)
+    rows = RequestRows(num_rows=4, max_pages_per_req=4, vocab_size=40)
     hit = new("hit", repetition_penalty=1.3, cached_token_ids=(10, 11, 12, 13))  # after a prefix-cache hit
     with pytest.raises(RequestFault) as info:
         rows.update((hit, new("bad", seed=2**40)), ["hit", "bad"], {0: (1, (1,)), 1: (0, (2,))})
@@ -56,14 +56,14 @@ def test_a_value_out_of_its_column_fails_its_request_alone():
 
 
 def test_a_running_request_without_a_row_fails_alone():
-    rows = RequestRows(num_rows=2, max_pages_per_req=2)
+    rows = RequestRows(num_rows=2, max_pages_per_req=2, vocab_size=40)
     with pytest.raises(RequestFault) as info:
         rows.update((), ["ghost"], {})
     assert info.value.request_id == "ghost"
 
 
 def test_pages_past_a_row_fail_their_request():
-    rows = RequestRows(num_rows=2, max_pages_per_req=2)
+    rows = RequestRows(num_rows=2, max_pages_per_req=2, vocab_size=40)
     with pytest.raises(RequestFault) as info:
         rows.update((new("long"),), ["long"], {0: (0, (1, 2, 3))})
     assert info.value.request_id == "long"

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxserve.engine.step_io import PENDING_TOKEN, RequestFault, SchedulerOutput
+from jaxserve.engine.step_io import PENDING_TOKEN, RequestFault, SchedulerOutput, token_bitmask
+from jaxserve.engine.structured_output import allowed_tokens
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.request_rows import RequestRows
@@ -38,7 +39,7 @@ def prefills(names: str) -> SchedulerOutput:
 
 
 def test_a_plan_s_rows_fill_the_batch():
-    rows = RequestRows(num_rows=4, max_pages_per_req=3)
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=LAYOUT.vocab_size)
     launch(rows, prefills("cab"))
     assert [rows.row_of[r] for r in "cab"] == [0, 1, 2]
     launch(rows, plan([row("a", (20,), 3, 1), row("b", (30,), 5, 1)]))
@@ -62,7 +63,7 @@ def test_a_plan_s_rows_fill_the_batch():
 
 
 def test_bans_biases_prompt_targets_and_grammar_masks_reach_only_their_rows():
-    rows = RequestRows(num_rows=4, max_pages_per_req=3)
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=LAYOUT.vocab_size)
     a = row("a", PROMPTS["a"], 0, 0, 0, PAGES["a"], resumed=True)
     biased = a.new._replace(logit_bias=((3, -1.5),), fills_row=True)
     out = plan([a._replace(new=biased, banned_token_ids=(2,), prompt_logprob_targets=(2, 3)),
@@ -79,8 +80,31 @@ def test_bans_biases_prompt_targets_and_grammar_masks_reach_only_their_rows():
     assert (sampling.token_bitmask[0] == -1).all(), "an unconstrained row allows every token"
 
 
+def test_allowed_token_ids_mask_their_row_alone_and_within_a_grammar_s_mask():
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=LAYOUT.vocab_size)
+    a, b, c = (row(r, PROMPTS[r], 0, 0, 0, PAGES[r], resumed=True) for r in "abc")
+    a = a._replace(new=new_request("a", 1, 3, allowed_token_ids=[3, 7, 39]))
+    b = b._replace(new=new_request("b", 2, 5, allowed_token_ids=[7, 12]))
+    grammar = token_bitmask((7, 8), LAYOUT.vocab_size)[None]  # [1, W]: b's grammar allows 7 and 8
+    out = plan([a, b, c])
+    out = SchedulerOutput(**{**out.__dict__, "grammar_rows": (1,), "grammar_bitmask": grammar})
+    _, batch = launch(rows, out)
+    sampling = batch.sampling
+    assert sampling.constrained[:3].tolist() == [True, True, False]
+    assert allowed_tokens(sampling.token_bitmask[0], LAYOUT.vocab_size).tolist() == [3, 7, 39]
+    assert allowed_tokens(sampling.token_bitmask[1], LAYOUT.vocab_size).tolist() == [7], "both masks hold"
+    assert (sampling.token_bitmask[2] == -1).all()
+    # the next step: a's mask is its row's, with no grammar (and no copy of the shared neutral masks' rows)
+    _, batch = launch(rows, plan([row("a", (20,), 3, 1)]))
+    assert batch.sampling.constrained[:2].tolist() == [True, False]
+    assert allowed_tokens(batch.sampling.token_bitmask[0], LAYOUT.vocab_size).tolist() == [3, 7, 39]
+    assert (batch.sampling.token_bitmask[1] == -1).all()
+    with pytest.raises(RequestFault):  # an id past the mask (the engine's limits refuse it before)
+        rows.update((new_request("d", allowed_token_ids=[LAYOUT.vocab_size]),), ["d"], {})
+
+
 def test_a_token_in_flight_from_a_step_that_did_not_sample_it_fails_its_request():
-    rows = RequestRows(num_rows=4, max_pages_per_req=3)
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=LAYOUT.vocab_size)
     launch(rows, prefills("ab"))
     launch(rows, plan([row("a", (20,), 3, 1)]))  # b did not run
     out = plan([row("a", (PENDING_TOKEN,), 4, 2), row("b", (PENDING_TOKEN,), 5, 1)])
