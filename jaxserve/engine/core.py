@@ -341,7 +341,7 @@ class EngineCore:
 
     def _drafting(self) -> bool:
         """Speculative decoding may apply to the next step (on, not paused, every running sequence decoding)."""
-        return self.scheduler.drafting and self.scheduler.only_decodes()
+        return self.scheduler.drafts_apply()
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
         plan = self._with_grammar_masks(self.scheduler.schedule())

@@ -166,6 +166,19 @@ class Request:
         return last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
 
     @property
+    def decodes_on_device(self) -> bool:
+        """Its decodes may run k to a call (multi-step): nothing between its steps comes from the host. Plain
+        decodes, and those whose row holds the same for every step (penalties, counted on the device;
+        logit_bias; allowed tokens) once min_tokens' bans are over; not with a grammar, bad words or top
+        logprobs."""
+        if self.grammar is not None:
+            return False
+        if self.has_plain_decodes:
+            return True
+        params = self.sampling_params
+        return not params.logprobs and not params.bad_words and self.num_scheduled_outputs >= params.min_tokens
+
+    @property
     def reads_last_token(self) -> bool:
         """Its next step depends on the token before it (a grammar's mask, a bad word's ban), so that
         token must be read, not left in flight."""

@@ -28,8 +28,9 @@ scheduled again; any other stop (EOS, a stop id or string) is seen one step late
 that step sampled is dropped, as vLLM's async scheduling does. Pages filled by steps in flight count as
 being filled until their step is read, so a request arriving meanwhile still waits for them.
 
-Multi-step decoding (`num_scheduler_steps` k > 1): when nothing waits and every running request is a plain
-decode (no grammar, no logprobs, nothing the runner fills row by row), with no sample in flight or, with
+Multi-step decoding (`num_scheduler_steps` k > 1): when nothing waits and every running request decodes on
+the device (no grammar, no bans, no top logprobs; penalties, logit_bias and allowed tokens are the row's own
+there, `Request.decodes_on_device`), with no sample in flight or, with
 `overlap_decode_steps` (async scheduling), the last call's samples in flight (each row's first input is then
 pending, as a single step's is), a step plans k decode steps per request in one call (`decode_steps`;
 fewer for a request k tokens from its limit, counting the tokens in flight), with pages for all of them.
@@ -37,7 +38,8 @@ The runner feeds each sample to the next step on the device; stops are applied w
 (`update_steps`), so a finished request wastes at most k - 1 tokens, or 2k - 1 when calls overlap. A
 request preempted while a k-step call for it is in flight resumes once that call is read.
 
-Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, each running request
+Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, with plain decodes only
+(nothing the runner fills row by row), each running request
 with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step, row i feeding
 its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over the
 pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
@@ -208,14 +210,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def only_decodes(self) -> bool:
-        """Whether multi-step or speculative decoding may apply (speculative once no sample is in flight):
-        k > 1 or a proposer, nothing waits, and every running request is a plain decode (its one next token
-        to compute, no grammar, nothing per row)."""
-        speeds_decodes = self.num_scheduler_steps > 1 or self.drafting
-        return speeds_decodes and not self.waiting and bool(self.running) and all(
-            request.has_plain_decodes and request.grammar is None
-            and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
-            for request in self.running)
+        """Whether multi-step or speculative decoding may apply (speculative once no sample is in flight)."""
+        return self.steps_apply() or self.drafts_apply()
+
+    def steps_apply(self) -> bool:
+        """k-step decodes may run: k > 1, nothing waits, and every running request has its one next token to
+        compute and decodes on the device (`Request.decodes_on_device`)."""
+        if self.num_scheduler_steps == 1 or self.waiting or not self.running:
+            return False
+        return all(request.decodes_on_device
+                   and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
+                   for request in self.running)
+
+    def drafts_apply(self) -> bool:
+        """Drafts may run: a proposer, not paused, nothing waits, and every running request is a plain decode
+        (its one next token to compute, no grammar, nothing per row: a draft's rows sample as its first)."""
+        if not self.drafting or self.waiting or not self.running:
+            return False
+        return all(request.has_plain_decodes and request.grammar is None
+                   and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
+                   for request in self.running)
 
     @property
     def drafting(self) -> bool:
@@ -230,8 +244,8 @@ class Scheduler:
                 self._draft_pause = 0
         if self.only_decodes() and (self.overlap_decode_steps
                                     or not any(request.num_inflight_tokens for request in self.running)):
-            plan = self._plan_speculative() if self.drafting else None
-            if plan is None and self.num_scheduler_steps > 1 and not self._times_base:
+            plan = self._plan_speculative() if self.drafts_apply() else None
+            if plan is None and not self._times_base and self.steps_apply():
                 plan = self._plan_decode_steps()
             self._times_base = False
             if plan is not None:

@@ -73,6 +73,20 @@ def update_tables(tables: PenaltyTables, input_ids: jax.Array, updates: PenaltyU
     return jax.lax.cond(touched, update, lambda t: t, tables)
 
 
+def count_outputs(tables: PenaltyTables, token_ids: jax.Array, slots: jax.Array,
+                  skip_untouched: bool = True) -> PenaltyTables:
+    """The tables with each token i32[R] counted once more as generated in its row's slot i32[R] (S: none):
+    a multi-step decode's step feeding the last step's samples. `skip_untouched` as in `update_tables`."""
+    num_slots = tables.output_counts.shape[0]
+
+    def count(tables: PenaltyTables) -> PenaltyTables:
+        return PenaltyTables(tables.output_counts.at[slots, token_ids].add(1, mode="drop"), tables.prompt_mask)
+
+    if not skip_untouched:
+        return count(tables)
+    return jax.lax.cond(jnp.any(slots < num_slots), count, lambda t: t, tables)
+
+
 def apply_penalties(
     logits: jax.Array,  # f32[R, V]
     tables: PenaltyTables,

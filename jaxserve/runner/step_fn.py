@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from jaxserve.models.layers import KVCache
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.packing import PackedBatch, unpack
-from jaxserve.runner.penalties import PenaltyTables, update_tables
+from jaxserve.runner.penalties import PenaltyTables, count_outputs, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
 from jaxserve.runner.step_batch import SamplingArrays, StepBatch
@@ -140,8 +140,10 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                          compiler_options: dict[str, Any] | None = None):
     """`decode_steps(weights, kv_caches, penalty_tables, packed, row_steps) -> (kv_caches, penalty_tables,
     SamplerOutput with tokens, logprobs and ranks [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
-    one token at index r) whose rows ask for nothing the runner fills row by row (no penalties, biases,
-    bans, prompt logprobs or grammar: the scheduler plans only plain decodes so).
+    one token at index r) whose rows need nothing from the host between steps (no grammar, no bans, no top
+    logprobs: the scheduler plans such decodes only, `Request.decodes_on_device`). A row's logit_bias and
+    allowed tokens hold for every step; its penalty row counts each step's input token as generated, as a
+    single step's would (step 0's as the batch says, from the host).
 
     Step s (a `lax.fori_loop` of `num_steps`) feeds each row step s - 1's sample at the next position,
     writing its K/V through the row's page table, and samples with output index + s (a seed's draws
@@ -155,9 +157,17 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
         attention, sampling = batch.attention, batch.sampling
         num_rows = batch.logits_indices.shape[0]
         last_step = jnp.maximum(row_steps - 1, 0)  # i32[R]
+        on_cuda = model.cfg.attention.cuda  # the target's, deviceless too
+        num_slots = penalty_tables.output_counts.shape[0]
+        input_ids = _input_ids(batch)
+        if not greedy:  # (the greedy variant's rows have no penalty row)
+            penalty_tables = update_tables(penalty_tables, input_ids, batch.penalty_updates,
+                                           skip_untouched=not on_cuda)
+            if mesh is not None:
+                penalty_tables = jax.lax.with_sharding_constraint(penalty_tables, replicated(mesh))
 
         def one_step(step: jax.Array, carry: tuple) -> tuple:
-            kv_caches, input_ids, tokens, logprobs, ranks = carry
+            kv_caches, penalty_tables, input_ids, tokens, logprobs, ranks = carry
             offset = jnp.minimum(step, last_step)  # i32[R]: a row past its steps stays on its last
             positions = batch.positions + offset  # i32[R] (T == R)
             pages = attention.page_table[jnp.arange(num_rows), positions // page_size]  # i32[R]
@@ -170,17 +180,20 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
             if greedy:
                 sampled = sample_greedy(logits, num_top_logprobs)
             else:
+                # the last step's samples are this step's inputs: generated tokens of the rows that ran it
+                counted = jnp.where((step > 0) & (step < row_steps), sampling.penalty_slots, num_slots)  # i32[R]
+                penalty_tables = count_outputs(penalty_tables, input_ids, counted, skip_untouched=not on_cuda)
                 moved_sampling = dataclasses.replace(sampling, output_index=sampling.output_index + offset)
-                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs,
-                                 on_cuda=model.cfg.attention.cuda)
-            return (kv_caches, sampled.tokens, tokens.at[step].set(sampled.tokens),
+                sampled = sample(logits, moved_sampling, penalty_tables, num_top_logprobs, on_cuda=on_cuda)
+            return (kv_caches, penalty_tables, sampled.tokens, tokens.at[step].set(sampled.tokens),
                     logprobs.at[step].set(sampled.logprobs), ranks.at[step].set(sampled.ranks))
 
-        carry = (kv_caches, _input_ids(batch), jnp.zeros((num_steps, num_rows), jnp.int32),
+        carry = (kv_caches, penalty_tables, input_ids, jnp.zeros((num_steps, num_rows), jnp.int32),
                  jnp.zeros((num_steps, num_rows), jnp.float32), jnp.zeros((num_steps, num_rows), jnp.int32))
         # A row's last sample feeds the next call (async k-step calls). For a row with fewer steps than k it
         # is a padding step's, not its own: such a row reaches its max_tokens, and is never planned again.
-        kv_caches, last_tokens, tokens, logprobs, ranks = jax.lax.fori_loop(0, num_steps, one_step, carry)
+        kv_caches, penalty_tables, last_tokens, tokens, logprobs, ranks = jax.lax.fori_loop(
+            0, num_steps, one_step, carry)
         no_top = jnp.zeros((num_steps, num_rows, num_top_logprobs), jnp.int32)
         sampled = SamplerOutput(tokens, logprobs, ranks, no_top, no_top.astype(jnp.float32))
         return kv_caches, penalty_tables, sampled, _by_row(last_tokens, batch.previous_tokens.shape[0], mesh)

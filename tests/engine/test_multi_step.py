@@ -1,7 +1,7 @@
 """Multi-step decoding (`--num-scheduler-steps k`): k decode steps in one jitted call give the single-step
 loop's outputs exactly (greedy and seeded tokens, stop ids, stop strings, EOS, max_tokens inside a run),
-wastes at most k - 1 tokens per finished request, falls back to single steps while anything else runs,
-and compiles nothing after warm-up."""
+wastes at most k - 1 tokens per finished request, serves penalties, biases and allowed tokens k steps a
+call too, falls back to single steps while anything else runs, and compiles nothing after warm-up."""
 
 import pytest
 
@@ -105,6 +105,54 @@ def test_a_stopped_request_wastes_at_most_k_minus_1_tokens_or_2k_minus_1_overlap
             assert engines[name].runner.num_multi_steps > 0
             wasted = STEPS - 1 if name == "multi" else 2 * STEPS - 1
             assert stop_at <= computed <= stop_at + wasted, name
+
+
+def row_filled_requests() -> tuple[dict, dict]:
+    """Requests whose rows the runner fills, all of whose decodes may run k to a call: penalties (counted on
+    the device between the steps), logit_bias, allowed tokens, min_tokens once its bans are over, prompt
+    logprobs once the prompt is in."""
+    prompts = make_prompts(8)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    requests = {
+        "repetition": (prompts[7], SamplingParams(max_tokens=18, repetition_penalty=1.5, **greedy)),
+        "frequency": (prompts[3], SamplingParams(max_tokens=15, temperature=1.0, seed=4, frequency_penalty=1.5,
+                                                 presence_penalty=0.5, ignore_eos=True)),
+        "negative": (prompts[0], SamplingParams(max_tokens=14, frequency_penalty=-1.0, **greedy)),
+        "bias": (prompts[1], SamplingParams(max_tokens=13, logit_bias={100: 30.0, 200: 29.5}, **greedy)),
+        "allowed": (prompts[2], SamplingParams(max_tokens=16, temperature=1.0, seed=6,
+                                               allowed_token_ids=[11, 12, 13, 1000, 20000])),
+        "min-tokens": (prompts[4], SamplingParams(max_tokens=17, min_tokens=6, temperature=1.2, seed=1)),
+        "prompt-logprobs": (prompts[6], SamplingParams(max_tokens=11, prompt_logprobs=2, **greedy)),
+    }
+    arrivals = {"repetition": 0, "frequency": 0, "negative": 1, "bias": 1, "allowed": 2, "min-tokens": 2,
+                "prompt-logprobs": 3}
+    return requests, arrivals
+
+
+def test_rows_the_runner_fills_decode_k_steps_a_call_with_the_same_outputs(engines):
+    requests, arrivals = row_filled_requests()
+    single = run(engines["single"], requests, arrivals)
+    assert single["repetition"].outputs[0].token_ids != run(engines["single"], {"plain": (
+        requests["repetition"][0], SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True))},
+        {"plain": 0})["plain"].outputs[0].token_ids, "the penalty changes the output"
+    for name in ("multi", "multi-async"):
+        engine = engines[name]
+        scheduler, in_k_steps = engine.scheduler, set()
+        update_steps = scheduler.update_steps
+
+        def noting_update_steps(plan, outputs, seen=in_k_steps, update=update_steps):
+            seen.update(plan.request_ids)
+            return update(plan, outputs)
+
+        scheduler.update_steps = noting_update_steps
+        try:
+            with count_compilations() as compiled:
+                multi = run(engine, requests, arrivals)
+        finally:
+            del scheduler.update_steps
+        assert compiled == [], f"{name} compiled after warm-up: {compiled}"
+        assert {seq_id.split("#")[0] for seq_id in in_k_steps} == set(requests), in_k_steps
+        assert_same(single, multi)
 
 
 def test_everything_else_runs_single_steps_with_the_same_outputs(engines):
