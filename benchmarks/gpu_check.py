@@ -66,14 +66,17 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
     def profile(steps: int) -> Callable[[int], dict]:
         return lambda level: step_profile.as_dicts([profiler.profile(level, input_len, steps)])[0]
 
-    def wave(level: int) -> dict:
-        return run_wave(engine, level, input_len, output_len, rng).__dict__
+    def wave(level: int, repetition_penalty: float = 1.0) -> dict:
+        return run_wave(engine, level, input_len, output_len, rng, repetition_penalty).__dict__
 
     # (name, setting, one level's measure): greedy single steps' profile (the step's breakdown), their waves
-    # (TPOT), the multi-step decodes' waves, then the full sampler's and the multi-step decodes' profiles
+    # (TPOT), the multi-step decodes' waves, plain and with a repetition penalty (Qwen2.5's generation config
+    # sets 1.05 for every request: the full sampler's k steps, the penalty counted on the device), then the
+    # full sampler's and the multi-step decodes' profiles
     parts = [("profiles", lambda: single_steps(True), profile(profile_steps)),  # the greedy variant
              ("waves", lambda: single_steps(True), wave),
              ("waves_multi_step", multi_step, wave),
+             ("waves_multi_step_penalty", multi_step, lambda level: wave(level, repetition_penalty=1.05)),
              ("profiles_full_sampler", lambda: single_steps(False), profile(profile_steps)),
              ("profiles_multi_step", multi_step, profile(max(2, profile_steps // multi_steps)))]
     try:
@@ -101,7 +104,8 @@ def run_shape(model: str, ladder: Path, levels: tuple[int, ...], input_len: int,
 
 def table(results: list[dict]) -> str:
     """Rows per shape and level; a part not measured (skipped for time, or the run stopped) shows as '-'."""
-    lines = ["| shape | seqs | out tok/s (k steps) | TPOT ms (k steps) | step ms (full sampler; k steps) | host ms "
+    lines = ["| shape | seqs | out tok/s (k steps; with a penalty) | TPOT ms (k steps; with a penalty) "
+             "| step ms (full sampler; k steps) | host ms "
              "| dispatch ms | device ms | gap ms | kernels | roofline ms | fraction (k steps) |", "|---" * 12 + "|"]
 
     def at(r: dict, part: str, i: int) -> dict:
@@ -115,13 +119,16 @@ def table(results: list[dict]) -> str:
             profile, wave = at(r, "profiles", i), at(r, "waves", i)
             full, multi, wave_multi = at(r, "profiles_full_sampler", i), at(r, "profiles_multi_step", i), \
                 at(r, "waves_multi_step", i)
+            penalized = at(r, "waves_multi_step_penalty", i)
             m = profile.get("median_ms", {})
             lines.append(
                 f"| {Path(r['model']).name}{' ' + r['quantization'] if r.get('quantization') else ''} "
                 f"| {wave.get('concurrency', profile.get('concurrency'))} "
                 f"| {fmt(wave.get('output_tokens_per_s'), ',.0f')} "
-                f"({fmt(wave_multi.get('output_tokens_per_s'), ',.0f')}) "
-                f"| {fmt(wave.get('mean_tpot_ms'), '.2f')} ({fmt(wave_multi.get('mean_tpot_ms'), '.2f')}) "
+                f"({fmt(wave_multi.get('output_tokens_per_s'), ',.0f')}; "
+                f"{fmt(penalized.get('output_tokens_per_s'), ',.0f')}) "
+                f"| {fmt(wave.get('mean_tpot_ms'), '.2f')} ({fmt(wave_multi.get('mean_tpot_ms'), '.2f')}; "
+                f"{fmt(penalized.get('mean_tpot_ms'), '.2f')}) "
                 f"| {fmt(m.get('step'), '.3f')} ({fmt(full.get('median_ms', {}).get('step'), '.3f')}; "
                 f"{fmt(multi.get('median_ms', {}).get('step'), '.3f')}) | {fmt(m.get('host'), '.3f')} "
                 f"| {fmt(m.get('dispatch'), '.3f')} | {fmt(m.get('device'), '.3f')} | {fmt(m.get('gap'), '.3f')} "

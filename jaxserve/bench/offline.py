@@ -33,9 +33,13 @@ class WaveResult:
 
 
 def run_wave(
-    engine: LLMEngine, concurrency: int, input_len: int, output_len: int, rng: np.random.Generator
+    engine: LLMEngine, concurrency: int, input_len: int, output_len: int, rng: np.random.Generator,
+    repetition_penalty: float = 1.0,
 ) -> WaveResult:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    """`concurrency` greedy requests of random prompts at once, each exactly `output_len` tokens (with
+    `repetition_penalty`, as a model's generation config may set it for every request)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            repetition_penalty=repetition_penalty)
     start = time.perf_counter()
     first_token: dict[str, float] = {}
     done: dict[str, float] = {}
