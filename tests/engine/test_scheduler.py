@@ -298,3 +298,28 @@ def test_a_decode_scheduled_while_its_token_is_in_flight_is_pending():
     assert shares(third) == [("a", 5, (9,))] and third.output_indices == [3]
     sched.update(third, StepOutput(["a"], [10], [0.0]))
     assert not sched.has_unfinished(), "its fourth token finished it"
+
+
+@pytest.mark.parametrize("params,first_k_step_at", [
+    (dict(repetition_penalty=1.2, logit_bias={5: 1.0}, allowed_token_ids=[7, 8]), 1),  # from the first decode
+    (dict(min_tokens=6, frequency_penalty=0.5), 6),  # once min_tokens' bans are over
+    (dict(bad_words=["x"]), None),  # bans the host decides each step
+    (dict(logprobs=3), None),  # top logprobs, which the k-step program does not return
+])
+def test_k_step_plans_take_rows_that_decode_on_the_device(params, first_k_step_at):
+    k = 4
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=k)
+    request = Request("r", list(range(10, 15)), SamplingParams(max_tokens=24, ignore_eos=True, **params),
+                      eos_token_ids=(2,), max_model_len=1024, sampling_seed=0,
+                      bad_words_token_ids=((99,),) if "bad_words" in params else ())
+    sched.add_request(request)
+    k_step_plans_at = []  # the outputs the request had when each k-step plan was made
+    while sched.has_unfinished():
+        out = sched.schedule()
+        replay(sched, out)
+        if out.is_multi_step:
+            k_step_plans_at.append(len(request.output_token_ids))
+        read = [StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs)] * out.num_steps
+        sched.update_steps(out, read) if out.is_multi_step else sched.update(out, read[0])
+    assert len(request.output_token_ids) == 24
+    assert (k_step_plans_at[0] if k_step_plans_at else None) == first_k_step_at, k_step_plans_at
