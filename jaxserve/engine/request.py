@@ -179,6 +179,13 @@ class Request:
         return not params.logprobs and not params.bad_words and self.num_scheduled_outputs >= params.min_tokens
 
     @property
+    def verifies_drafts(self) -> bool:
+        """Its decodes may carry drafts (speculative decoding): each draft's row samples as its first row does,
+        which holds for what `decodes_on_device` allows but penalties (a draft row would count the drafts
+        before them into the request's one penalty row)."""
+        return self.decodes_on_device and not self.sampling_params.has_penalties
+
+    @property
     def reads_last_token(self) -> bool:
         """Its next step depends on the token before it (a grammar's mask, a bad word's ban), so that
         token must be read, not left in flight."""

@@ -38,8 +38,8 @@ The runner feeds each sample to the next step on the device; stops are applied w
 (`update_steps`), so a finished request wastes at most k - 1 tokens, or 2k - 1 when calls overlap. A
 request preempted while a k-step call for it is in flight resumes once that call is read.
 
-Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, with plain decodes only
-(nothing the runner fills row by row), each running request
+Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, without penalties (a
+draft row would count the drafts before it; `Request.verifies_drafts`), each running request
 with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step, row i feeding
 its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over the
 pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
@@ -223,11 +223,11 @@ class Scheduler:
                    for request in self.running)
 
     def drafts_apply(self) -> bool:
-        """Drafts may run: a proposer, not paused, nothing waits, and every running request is a plain decode
-        (its one next token to compute, no grammar, nothing per row: a draft's rows sample as its first)."""
+        """Drafts may run: a proposer, not paused, nothing waits, and every running request has its one next
+        token to compute and may verify drafts (`Request.verifies_drafts`)."""
         if not self.drafting or self.waiting or not self.running:
             return False
-        return all(request.has_plain_decodes and request.grammar is None
+        return all(request.verifies_drafts
                    and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
                    for request in self.running)
 

@@ -87,11 +87,11 @@ def recorded_truths(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[
 
 
 def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict, aborts: dict | None = None,
-                 real_costs: bool = False) -> tuple[dict, int, int, int]:
+                 real_costs: bool = False, drafted_ids: set[str] | None = None) -> tuple[dict, int, int, int]:
     """Runs `requests` with `ScriptedProposer` drafting, every draft that fits run (steps cost alike, unless
     `real_costs`: the draft policy's own measurements); returns the outputs, the draft tokens, the accepted
     ones, and the accepted ones expected: each verified run's drafts before the first that differs from the
-    plain engine's output."""
+    plain engine's output. `drafted_ids` gets the requests of every step that verified drafts."""
     scheduler, counts = engine.scheduler, engine.scheduler.speculation
     policy, update_verified = scheduler.draft_policy, scheduler.update_verified
     before = counts.num_draft_tokens, counts.num_accepted_tokens
@@ -105,6 +105,8 @@ def run_scripted(engine: LLMEngine, truths: dict, requests: dict, arrivals: dict
             truth = truths[truth_key(request)][len(request.output_token_ids):]
             drafts = plan.token_ids[row + 1 : row + 1 + num_drafts]
             expected += next((i for i, (d, t) in enumerate(zip(drafts, truth, strict=False)) if d != t), num_drafts)
+            if num_drafts and drafted_ids is not None:
+                drafted_ids.add(request.request_id.split("#")[0])
             row += num_drafts + 1
         return update_verified(plan, output)
 
@@ -142,13 +144,21 @@ def test_the_verification_accepts_exactly_the_right_drafts(engines, name):
         "seeded-logprob": (prompts[6], SamplingParams(max_tokens=11, temperature=0.6, seed=4, logprobs=0,
                                                       ignore_eos=True)),
         "late": (prompts[3], SamplingParams(max_tokens=9, **greedy)),
+        # each draft's row under the request's bias and allowed tokens, as its first row
+        "biased": (prompts[4], SamplingParams(max_tokens=15, logit_bias={100: 30.0, 200: 29.8}, **greedy)),
+        "allowed": (prompts[7], SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True,
+                                               allowed_token_ids=[11, 12, 13, 1000, 20000])),
     }
-    arrivals = {"greedy-30": 0, "greedy-2": 0, "greedy-7": 1, "seeded-n2": 1, "seeded-logprob": 2, "late": 12}
+    arrivals = {"greedy-30": 0, "greedy-2": 0, "greedy-7": 1, "seeded-n2": 1, "seeded-logprob": 2, "late": 12,
+                "biased": 2, "allowed": 3}
     plain, truths = recorded_truths(engines["plain"], requests, arrivals)
-    speculative, drafted, accepted, expected = run_scripted(engines[name], truths, requests, arrivals)
+    drafted_ids: set[str] = set()
+    speculative, drafted, accepted, expected = run_scripted(engines[name], truths, requests, arrivals,
+                                                            drafted_ids=drafted_ids)
     assert_same(plain, speculative)
     assert accepted == expected
     assert 0 < accepted < drafted
+    assert {"biased", "allowed"} <= drafted_ids, drafted_ids
 
 
 def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):
