@@ -58,8 +58,10 @@ free text pays a read once per 16 steps.
 """
 
 import bisect
+import operator
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxserve.engine.draft_policy import DraftPolicy
@@ -69,6 +71,9 @@ from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.step_io import NO_LORA_SLOT, PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import fits_kv_cache
+
+_DECODES_ON_DEVICE = operator.attrgetter("decodes_on_device")
+_VERIFIES_DRAFTS = operator.attrgetter("verifies_drafts")
 
 
 @dataclass(slots=True)
@@ -214,22 +219,22 @@ class Scheduler:
         return self.steps_apply() or self.drafts_apply()
 
     def steps_apply(self) -> bool:
-        """k-step decodes may run: k > 1, nothing waits, and every running request has its one next token to
-        compute and decodes on the device (`Request.decodes_on_device`)."""
-        if self.num_scheduler_steps == 1 or self.waiting or not self.running:
-            return False
-        return all(request.decodes_on_device
-                   and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
-                   for request in self.running)
+        """k-step decodes may run: k > 1 and every running request decodes on the device
+        (`Request.decodes_on_device`; `_all_decode`)."""
+        return self.num_scheduler_steps > 1 and self._all_decode(_DECODES_ON_DEVICE)
 
     def drafts_apply(self) -> bool:
-        """Drafts may run: a proposer, not paused, nothing waits, and every running request has its one next
-        token to compute and may verify drafts (`Request.verifies_drafts`)."""
-        if not self.drafting or self.waiting or not self.running:
-            return False
-        return all(request.verifies_drafts
-                   and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
-                   for request in self.running)
+        """Drafts may run: a proposer, not paused, and every running request may verify drafts
+        (`Request.verifies_drafts`; `_all_decode`)."""
+        return self.drafting and self._all_decode(_VERIFIES_DRAFTS)
+
+    def _all_decode(self, eligible: Callable[[Request], bool]) -> bool:
+        """Nothing waits, and every running request has its one next token to compute and is `eligible` (a
+        plain decode without a grammar is both kinds, asked inline: most rows of a busy step)."""
+        return not self.waiting and bool(self.running) and all(
+            ((request.has_plain_decodes and request.grammar is None) or eligible(request))
+            and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
+            for request in self.running)
 
     @property
     def drafting(self) -> bool:
