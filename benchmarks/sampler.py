@@ -41,6 +41,7 @@ def sampling_arrays(rows: int, vocab: int, setting: dict):
         "bias_token_ids": np.full((rows, 1), vocab, np.int32),
         "bias_values": np.zeros((rows, 1), np.float32),
         "penalty_slots": np.full(rows, rows, np.int32),
+        "penalty_drafts": np.full((rows, 0), vocab, np.int32),
         "repetition_penalty": np.ones(rows, np.float32),
         "frequency_penalty": np.zeros(rows, np.float32),
         "presence_penalty": np.zeros(rows, np.float32),

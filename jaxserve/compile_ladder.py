@@ -216,7 +216,8 @@ def compile_ladder(
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:
-        return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs)
+        return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs,
+                           sched.max_drafts)
 
     # The page count is an argument shape, and the budget needs the step's temp memory: the cache is sized
     # as a cold serve sizes it (runner/kv_sizing.py), from the step's shapes plus the margin kept for

@@ -216,6 +216,11 @@ class SchedulerConfig:
             raise ValueError(f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], "
                              f"got {self.num_scheduler_steps}")
 
+    @property
+    def max_drafts(self) -> int:
+        """Drafts a speculative decode verifies per request at most; 0 without speculative decoding."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
 
 MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices for --max-lora-rank
 

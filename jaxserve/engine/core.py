@@ -143,6 +143,7 @@ class EngineCore:
             temp_records_dir=config.compilation_cache_dir or None,
             enforce_eager=config.enforce_eager,
             fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
+            max_drafts=0 if pooling else sched.max_drafts,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,

@@ -167,23 +167,16 @@ class Request:
 
     @property
     def decodes_on_device(self) -> bool:
-        """Its decodes may run k to a call (multi-step): nothing between its steps comes from the host. Plain
-        decodes, and those whose row holds the same for every step (penalties, counted on the device;
-        logit_bias; allowed tokens) once min_tokens' bans are over; not with a grammar, bad words or top
-        logprobs."""
+        """Its decodes may run k to a call (multi-step) or carry drafts (speculative decoding): nothing between
+        its steps comes from the host. Plain decodes, and those whose row holds the same for every step
+        (penalties, counted on the device; logit_bias; allowed tokens) once min_tokens' bans are over; not
+        with a grammar, bad words or top logprobs."""
         if self.grammar is not None:
             return False
         if self.has_plain_decodes:
             return True
         params = self.sampling_params
         return not params.logprobs and not params.bad_words and self.num_scheduled_outputs >= params.min_tokens
-
-    @property
-    def verifies_drafts(self) -> bool:
-        """Its decodes may carry drafts (speculative decoding): each draft's row samples as its first row does,
-        which holds for what `decodes_on_device` allows but penalties (a draft row would count the drafts
-        before them into the request's one penalty row)."""
-        return self.decodes_on_device and not self.sampling_params.has_penalties
 
     @property
     def reads_last_token(self) -> bool:

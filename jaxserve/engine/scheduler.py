@@ -38,30 +38,27 @@ The runner feeds each sample to the next step on the device; stops are applied w
 (`update_steps`), so a finished request wastes at most k - 1 tokens, or 2k - 1 when calls overlap. A
 request preempted while a k-step call for it is in flight resumes once that call is read.
 
-Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions, without penalties (a
-draft row would count the drafts before it; `Request.verifies_drafts`), each running request
-with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step, row i feeding
-its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over the
-pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
+Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions (a draft row's penalties
+count the drafts before it, and the accepted drafts are counted on the device: `runner/penalties.py`), each
+running request with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step,
+row i feeding its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over
+the pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
 index, and `update_verified` keeps row 0's sample, then row i's while row i - 1's sample is d_i. With drafts
 that are single tokens rather than distributions, that is exact rejection sampling: a sample equal to the
 draft accepts it, and any other sample is the correction, so what a request receives, seeded or greedy, is
-token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and
-is overwritten by later steps. How many drafts a step runs is `DraftPolicy`'s choice: the bucket of rows
-with the most expected tokens per second, from the measured step times and the recent acceptance. When it
-runs none (or no request has a draft), drafting pauses for a few steps, which then schedule asynchronously
-as without drafts (a step that may draft needs its requests' last tokens read first): 1 step, then twice as
-many after each plan in a row that ran no draft, up to `DRAFT_PAUSE_STEPS`. A pause ends early when a
-request starts, or, when no request had a draft, once one's context (up to its token in flight) ends in an
-n-gram seen before: output that alternates copied and new text drafts again as soon as it copies, and
-free text pays a read once per 16 steps.
+token for token what plain decodes give it. Rejected rows' K/V lies past the request's computed tokens and is
+overwritten by later steps. How many drafts a step runs is `DraftPolicy`'s choice: the bucket of rows with the
+most expected tokens per second, from the measured step times and the recent acceptance. When it runs none (or
+no request has a draft), drafting pauses for a few steps, which then schedule asynchronously as without drafts
+(a step that may draft needs its requests' last tokens read first): 1 step, then twice as many after each plan
+in a row that ran no draft, up to `DRAFT_PAUSE_STEPS`. A pause ends early when a request starts, or, when no
+request had a draft, once one's context (up to its token in flight) ends in an n-gram seen before: output that
+alternates copied and new text drafts again as soon as it copies, and free text pays a read once per 16 steps.
 """
 
 import bisect
-import operator
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxserve.engine.draft_policy import DraftPolicy
@@ -71,9 +68,6 @@ from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.step_io import NO_LORA_SLOT, PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import fits_kv_cache
-
-_DECODES_ON_DEVICE = operator.attrgetter("decodes_on_device")
-_VERIFIES_DRAFTS = operator.attrgetter("verifies_drafts")
 
 
 @dataclass(slots=True)
@@ -219,20 +213,20 @@ class Scheduler:
         return self.steps_apply() or self.drafts_apply()
 
     def steps_apply(self) -> bool:
-        """k-step decodes may run: k > 1 and every running request decodes on the device
-        (`Request.decodes_on_device`; `_all_decode`)."""
-        return self.num_scheduler_steps > 1 and self._all_decode(_DECODES_ON_DEVICE)
+        """k-step decodes may run: k > 1 and every running request decodes on the device (`_all_decode`)."""
+        return self.num_scheduler_steps > 1 and self._all_decode()
 
     def drafts_apply(self) -> bool:
-        """Drafts may run: a proposer, not paused, and every running request may verify drafts
-        (`Request.verifies_drafts`; `_all_decode`)."""
-        return self.drafting and self._all_decode(_VERIFIES_DRAFTS)
+        """Drafts may run: a proposer, not paused, and every running request decodes on the device (each
+        draft's row samples as its first row does; `_all_decode`)."""
+        return self.drafting and self._all_decode()
 
-    def _all_decode(self, eligible: Callable[[Request], bool]) -> bool:
-        """Nothing waits, and every running request has its one next token to compute and is `eligible` (a
-        plain decode without a grammar is both kinds, asked inline: most rows of a busy step)."""
+    def _all_decode(self) -> bool:
+        """Nothing waits, and every running request has its one next token to compute and decodes on the
+        device (`Request.decodes_on_device`; a plain decode without a grammar, most rows of a busy step,
+        asked inline)."""
         return not self.waiting and bool(self.running) and all(
-            ((request.has_plain_decodes and request.grammar is None) or eligible(request))
+            ((request.has_plain_decodes and request.grammar is None) or request.decodes_on_device)
             and request.num_tokens + request.num_inflight_tokens - request.num_computed_tokens == 1
             for request in self.running)
 

@@ -54,9 +54,11 @@ class CompiledBucket:
 
 
 def step_shapes(
-    cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int
+    cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int,
+    max_drafts: int = 0,
 ) -> StepShapes:
-    """The step's shapes for a model config (`cfg`: the model file's own) and a KV cache of `num_pages`."""
+    """The step's shapes for a model config (`cfg`: the model file's own) and a KV cache of `num_pages`;
+    `max_drafts`: a speculative decode's drafts per request at most (0: none)."""
     layout = BatchLayout(
         page_size=page_size,
         max_pages_per_req=max_pages_per_req,
@@ -64,6 +66,7 @@ def step_shapes(
         vocab_size=cfg.vocab_size,
         num_penalty_slots=max_num_seqs,
         max_num_seqs=max_num_seqs,
+        max_drafts=max_drafts,
     )
     return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype)
 

@@ -68,6 +68,16 @@ def _one_row(plan: SchedulerOutput, row: int) -> SchedulerOutput:
     )
 
 
+def _draft_positions(plan: SchedulerOutput) -> np.ndarray | None:
+    """A speculative plan's rows' draft positions i64[n] (0: a request's first row, j: the row feeding its
+    draft j - 1); None for a plan without drafts."""
+    if not plan.draft_lengths:
+        return None
+    lengths = np.array(plan.draft_lengths, np.int64) + 1  # [s]: rows per request
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)  # [n]: each row's request's first row
+    return np.arange(int(lengths.sum())) - starts
+
+
 def _fill_rows(
     batch: StepBatch,
     plan: SchedulerOutput,
@@ -114,11 +124,15 @@ def _fill_rows(
     # Features few requests use: row by row, only for the rows that use them.
     biases, allowed = [], []
     no_slot = layout.num_penalty_slots
+    draft_positions = _draft_positions(plan)  # [n], or None without drafts
     for row in np.flatnonzero(rows.row_features[row_ids]).tolist():
         request_row = row_ids[row]
         first, end = cu_lens[row], cu_lens[row + 1]
         slot = int(sampling.penalty_slots[row])
-        if slot != no_slot:
+        if slot != no_slot and draft_positions is not None and (position := draft_positions[row]):
+            # a draft's row: its input is counted once accepted; its penalties count the drafts before it
+            sampling.penalty_drafts[row, :position] = token_ids[cu_lens[row - position + 1 : row + 1]]
+        elif slot != no_slot:
             if starts[row] == 0:  # new or recomputed: the step clears its penalty row
                 penalties.reset_slots[row] = slot
             is_prompt = positions[first:end] < rows.num_prompt_tokens[request_row]

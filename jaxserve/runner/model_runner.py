@@ -154,9 +154,11 @@ class ModelRunner:
         temp_records_dir: str | None = None,
         enforce_eager: bool = False,
         fit_to_cache: bool = False,
+        max_drafts: int = 0,
     ) -> None:
         """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
-        that is less (`self.max_model_len` is what the runner serves)."""
+        that is less (`self.max_model_len` is what the runner serves). `max_drafts`: a speculative decode's
+        drafts per request at most (0: none), which a penalty row's sampling counts."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -186,6 +188,7 @@ class ModelRunner:
         self.page_size = cache_config.page_size
         self.max_model_len = max_model_len
         self._fit_to_cache = fit_to_cache  # the page tables as wide as the cache holds (`_served_len`)
+        self._max_drafts = max_drafts
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
@@ -282,7 +285,7 @@ class ModelRunner:
     def _shapes(self, num_pages: int) -> StepShapes:
         pages_per_req = -(-self._served_len(num_pages) // self.page_size)  # the page tables' width
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, pages_per_req,
-                           self.max_num_seqs)
+                           self.max_num_seqs, self._max_drafts)
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None,
                       loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:

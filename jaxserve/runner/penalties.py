@@ -14,6 +14,13 @@ first, so recomputation never double-counts. Rows without a slot use index S, wh
 
 A request that starts after a prefix-cache hit never feeds its cached tokens through a step, so its row
 is written whole from the host first (`load_row`, `seen_tokens`), as if those tokens had been fed.
+
+A speculative decode gives a request one row per draft position, all on its one slot. Row j (j >= 1) feeds
+draft j - 1, which is not counted when the step starts (the draft may be rejected): the row's penalties
+count the drafts before its position on top of the slot's counts (`drafts`, vLLM's rejection sampler
+does the same), and once the step has sampled, each draft that the verification accepts (every draft up
+to it matched the sample before it) is counted into the slot (`count_accepted_drafts`): the rule the
+scheduler verifies by, so the slot then holds exactly the request's outputs.
 """
 
 from dataclasses import dataclass
@@ -87,10 +94,31 @@ def count_outputs(tables: PenaltyTables, token_ids: jax.Array, slots: jax.Array,
     return jax.lax.cond(jnp.any(slots < num_slots), count, lambda t: t, tables)
 
 
+def count_accepted_drafts(tables: PenaltyTables, drafts: jax.Array, tokens: jax.Array, slots: jax.Array,
+                          skip_untouched: bool = True) -> PenaltyTables:
+    """The tables with each accepted draft counted as generated in its request's slot. `drafts` i32[R, D]:
+    each row's drafts before its position (V pads; a row at draft position j has j, its request's rows
+    being consecutive), `tokens` i32[R] the step's samples, `slots` i32[R] (S: none). Row i at position
+    j >= 1 fed draft j - 1, which is accepted when the samples of rows i - j .. i - 1 are drafts 0 .. j - 1.
+    `skip_untouched` as in `update_tables`."""
+    num_rows, depth = drafts.shape
+    if depth == 0:  # no speculative decoding: nothing to count
+        return tables
+    num_slots, vocab_size = tables.output_counts.shape
+    is_draft = drafts < vocab_size  # [R, D]
+    position = jnp.sum(is_draft, axis=1)  # [R]: j
+    before = jnp.arange(num_rows)[:, None] - position[:, None] + jnp.arange(depth)  # [R, D]: rows i - j + k
+    samples = tokens[jnp.clip(before, 0, num_rows - 1)]  # [R, D]
+    accepted = (position > 0) & jnp.all((samples == drafts) | ~is_draft, axis=1)  # [R]
+    fed = jnp.take_along_axis(drafts, jnp.maximum(position - 1, 0)[:, None], axis=1)[:, 0]  # [R]: draft j - 1
+    return count_outputs(tables, fed, jnp.where(accepted, slots, num_slots), skip_untouched)
+
+
 def apply_penalties(
     logits: jax.Array,  # f32[R, V]
     tables: PenaltyTables,
     slots: jax.Array,  # i32[R]; S for rows without penalties
+    drafts: jax.Array,  # i32[R, D]: the drafts before a speculative row's position, counted too; V pads
     repetition: jax.Array,  # f32[R]; 1 = off
     frequency: jax.Array,  # f32[R]; 0 = off
     presence: jax.Array,  # f32[R]; 0 = off
@@ -98,7 +126,10 @@ def apply_penalties(
     """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token
     seen in the prompt or output; frequency and presence subtract per generated occurrence / once."""
     rows = jnp.minimum(slots, tables.output_counts.shape[0] - 1)  # rows without a slot: penalties are off
-    counts = tables.output_counts[rows].astype(jnp.float32)  # [R, V]
+    counts = tables.output_counts[rows]  # [R, V]
+    if drafts.shape[1]:
+        counts = counts.at[jnp.arange(drafts.shape[0])[:, None], drafts].add(1, mode="drop")
+    counts = counts.astype(jnp.float32)
     seen = (counts > 0) | tables.prompt_mask[rows]
     rep = repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)

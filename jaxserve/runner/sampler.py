@@ -77,7 +77,7 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         rows = jnp.broadcast_to(jnp.arange(masked.shape[0])[:, None], params.bias_token_ids.shape)
         biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
         processed = apply_penalties(
-            biased, tables, params.penalty_slots,
+            biased, tables, params.penalty_slots, params.penalty_drafts,
             params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
         )
         no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]

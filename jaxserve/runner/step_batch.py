@@ -34,6 +34,9 @@ class SamplingArrays:
     wants_top_logprobs: jax.Array  # bool[R]: and its top alternatives
     seeds: jax.Array  # u32[R]
     penalty_slots: jax.Array  # i32[R]: the row in the penalty tables; S = none
+    # i32[R, D]: a speculative decode's drafts before the row's position, which its penalties count (and the
+    # step counts into its slot once accepted: `penalties.count_accepted_drafts`); V pads. D: the layout's.
+    penalty_drafts: jax.Array
     output_index: jax.Array  # i32[R]: which output token this is, so a seed reproduces
     bias_token_ids: jax.Array  # i32[R, B]: V (out of range) pads
     bias_values: jax.Array  # f32[R, B]: added to the logits; -inf bans (min_tokens)
@@ -70,6 +73,7 @@ class BatchLayout:
     vocab_size: int
     num_penalty_slots: int
     max_num_seqs: int  # M: rows the previous step's samples are kept for
+    max_drafts: int = 0  # D: drafts a speculative decode verifies per request at most (0: none)
 
 
 @functools.cache  # one per bucket size: the runner keys their device copies by identity
@@ -106,6 +110,7 @@ def separate_neutral_batch(bucket: Bucket, layout: BatchLayout) -> StepBatch:
             **{column.name: np.full(num_reqs, column.neutral, column.dtype) for column in SAMPLING_ROW},
             seeds=np.zeros(num_reqs, np.uint32),
             penalty_slots=np.full(num_reqs, no_slot, np.int32),
+            penalty_drafts=np.full((num_reqs, layout.max_drafts), layout.vocab_size, np.int32),
             output_index=np.zeros(num_reqs, np.int32),
             bias_token_ids=bias_token_ids,
             bias_values=bias_values,

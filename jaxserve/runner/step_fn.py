@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from jaxserve.models.layers import KVCache
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.packing import PackedBatch, unpack
-from jaxserve.runner.penalties import PenaltyTables, count_outputs, update_tables
+from jaxserve.runner.penalties import PenaltyTables, count_accepted_drafts, count_outputs, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
 from jaxserve.runner.step_batch import SamplingArrays, StepBatch
@@ -102,6 +102,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
                                      num_top_logprobs, on_cuda)
             if not sample_apart:
                 sampled = sample(logits, batch.sampling, penalty_tables, num_top_logprobs, on_cuda)
+                penalty_tables = _count_accepted_drafts(penalty_tables, batch.sampling, sampled, mesh, on_cuda)
         if sample_apart and not greedy:  # `make_sample_fn`'s program samples
             sampling = batch.sampling if mesh is None else jax.lax.with_sharding_constraint(batch.sampling,
                                                                                             replicated(mesh))
@@ -112,6 +113,14 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         return (*outputs, _pooled(hidden, batch)) if pooling else outputs
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"), compiler_options=compiler_options or None)
+
+
+def _count_accepted_drafts(tables: PenaltyTables, sampling: SamplingArrays, sampled: SamplerOutput,
+                           mesh: Mesh | None, on_cuda: bool) -> PenaltyTables:
+    """The penalty tables once a speculative decode's accepted drafts are counted (`penalties`' docstring)."""
+    tables = count_accepted_drafts(tables, sampling.penalty_drafts, sampled.tokens, sampling.penalty_slots,
+                                   skip_untouched=not on_cuda)
+    return tables if mesh is None else jax.lax.with_sharding_constraint(tables, replicated(mesh))
 
 
 def samples_apart(platform: str) -> bool:
@@ -130,6 +139,7 @@ def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = Non
 
     def sample_step(logits: jax.Array, sampling: SamplingArrays, penalty_tables: PenaltyTables):
         sampled = sample(logits, sampling, penalty_tables, num_top_logprobs)
+        penalty_tables = _count_accepted_drafts(penalty_tables, sampling, sampled, mesh, on_cuda=False)
         return sampled, _by_row(sampled.tokens, max_rows, mesh), penalty_tables
 
     return jax.jit(sample_step, donate_argnames=("penalty_tables",), compiler_options=compiler_options or None)

@@ -148,9 +148,15 @@ def test_the_verification_accepts_exactly_the_right_drafts(engines, name):
         "biased": (prompts[4], SamplingParams(max_tokens=15, logit_bias={100: 30.0, 200: 29.8}, **greedy)),
         "allowed": (prompts[7], SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True,
                                                allowed_token_ids=[11, 12, 13, 1000, 20000])),
+        # each draft's row counting the drafts before it into its penalties, the accepted ones into its slot
+        "penalized": (repeating_prompt(21, 5, 30), SamplingParams(max_tokens=24, repetition_penalty=1.4,
+                                                                  frequency_penalty=0.7, presence_penalty=0.3,
+                                                                  **greedy)),
+        "penalized-seeded": (repeating_prompt(22, 4, 20), SamplingParams(max_tokens=18, temperature=0.7, seed=5,
+                                                                         frequency_penalty=1.2, ignore_eos=True)),
     }
     arrivals = {"greedy-30": 0, "greedy-2": 0, "greedy-7": 1, "seeded-n2": 1, "seeded-logprob": 2, "late": 12,
-                "biased": 2, "allowed": 3}
+                "biased": 2, "allowed": 3, "penalized": 18, "penalized-seeded": 19}
     plain, truths = recorded_truths(engines["plain"], requests, arrivals)
     drafted_ids: set[str] = set()
     speculative, drafted, accepted, expected = run_scripted(engines[name], truths, requests, arrivals,
@@ -158,7 +164,7 @@ def test_the_verification_accepts_exactly_the_right_drafts(engines, name):
     assert_same(plain, speculative)
     assert accepted == expected
     assert 0 < accepted < drafted
-    assert {"biased", "allowed"} <= drafted_ids, drafted_ids
+    assert {"biased", "allowed", "penalized", "penalized-seeded"} <= drafted_ids, drafted_ids
 
 
 def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):

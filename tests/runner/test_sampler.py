@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.step_io import bitmask_words
-from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, update_tables
+from jaxserve.runner.penalties import PenaltyTables, PenaltyUpdates, count_accepted_drafts, update_tables
 from jaxserve.runner.sampler import _process_logits, sample
 from jaxserve.runner.step_batch import SamplingArrays
 
@@ -28,7 +28,8 @@ def arrays(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_in
         seeds=np.arange(ROWS, dtype=np.uint32) if seeds is None else np.asarray(seeds, np.uint32),
         output_index=full(output_index, np.int32),
         bias_token_ids=np.full((ROWS, BIASED), VOCAB, np.int32), bias_values=np.zeros((ROWS, BIASED), np.float32),
-        penalty_slots=full(SLOTS, np.int32), repetition_penalty=full(1.0, np.float32),
+        penalty_slots=full(SLOTS, np.int32), penalty_drafts=np.full((ROWS, 0), VOCAB, np.int32),
+        repetition_penalty=full(1.0, np.float32),
         frequency_penalty=full(0.0, np.float32), presence_penalty=full(0.0, np.float32),
         wants_logprobs=full(True, np.bool_), wants_top_logprobs=full(False, np.bool_),
         token_bitmask=np.full((ROWS, bitmask_words(VOCAB)), -1, np.int32), constrained=full(False, np.bool_),
@@ -231,6 +232,52 @@ def test_penalty_tables_count_inputs_and_penalties_match_an_oracle(skip_untouche
     assert np.asarray(tokens)[4] == expected.argmax()
     untouched = [r for r in range(ROWS) if r != 4]
     np.testing.assert_array_equal(np.asarray(tokens)[untouched], logits[untouched].argmax(-1))
+
+
+@pytest.mark.parametrize("skip_untouched", [True, False])
+def test_a_draft_rows_penalties_count_the_drafts_before_it_and_the_accepted_drafts_are_counted(skip_untouched):
+    """A speculative decode's rows 2..5: one request (slot 1) at draft positions 0..3 feeding its last token
+    then drafts 7, 7, 12. Row j's penalties count the slot's outputs and drafts 0..j - 1 (the float64
+    oracle's outputs), rows without a slot none; once sampled, the drafts the verification accepts (each up
+    to the first whose row before it sampled something else) are counted into the slot, and only those."""
+    rng = np.random.default_rng(5)
+    tables = PenaltyTables.zeros(SLOTS, VOCAB)
+    none = np.full(16, SLOTS, np.int32)
+    prompt_slots, output_slots, ids = none.copy(), none.copy(), np.zeros(16, np.int32)
+    prompt_slots[:2], ids[:2] = 1, [7, 20]  # the prompt, then the outputs so far: 3 and the last token, 7
+    output_slots[2:4], ids[2:4] = 1, [3, 7]
+    tables = update_tables(tables, ids, PenaltyUpdates(np.full(ROWS, SLOTS, np.int32), prompt_slots, output_slots),
+                           skip_untouched)
+    drafts_fed = [7, 7, 12]
+    drafts = np.full((ROWS, 3), VOCAB, np.int32)  # D = 3
+    for position in range(1, 4):
+        drafts[2 + position, :position] = drafts_fed[:position]
+    slots = np.full(ROWS, SLOTS, np.int32)
+    slots[2:6] = 1
+    rep, freq, pres = np.ones(ROWS, np.float32), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.float32)
+    rep[2:6], freq[2:6], pres[2:6] = 1.5, 0.9, 0.4
+    logits = (rng.standard_normal((ROWS, VOCAB)) * 0.3).astype(np.float32)
+    logits[:, [3, 7, 12]] = [2.0, 7.0, 2.9]  # the counts decide between 7 and 12
+    params = arrays(0.0, penalty_slots=slots, penalty_drafts=drafts, repetition_penalty=rep, frequency_penalty=freq,
+                    presence_penalty=pres)
+    tokens = np.asarray(sample_jit(logits, params, tables, on_cuda=not skip_untouched)[0])
+    for position in range(4):
+        expected = _penalised_oracle(logits[2 + position], [7, 20], [3, 7, *drafts_fed[:position]], 1.5, 0.9, 0.4)
+        assert tokens[2 + position] == expected.argmax(), position
+        without = _penalised_oracle(logits[2 + position], [7, 20], [3, 7], 1.5, 0.9, 0.4)
+        assert (without.argmax() != expected.argmax()) == (position in (1, 2))  # the drafts decide rows 3, 4
+    others = [0, 1, 6, 7]
+    np.testing.assert_array_equal(tokens[others], logits[others].argmax(-1))
+
+    count = jax.jit(count_accepted_drafts, static_argnames="skip_untouched")
+    base = np.asarray(tables.output_counts)[1]
+    for matching in range(4):  # the samples of rows 2..4 equal drafts 0..matching - 1, then one differs
+        samples = tokens.copy()
+        samples[2:5] = [*drafts_fed[:matching], *([40] * (3 - matching))]
+        counted = np.asarray(count(tables, drafts, samples, slots, skip_untouched=skip_untouched).output_counts)
+        expected = base + np.bincount(drafts_fed[:matching], minlength=VOCAB)
+        np.testing.assert_array_equal(counted[1], expected)
+        np.testing.assert_array_equal(np.delete(counted, 1, axis=0), np.delete(np.asarray(tables.output_counts), 1, 0))
 
 
 def test_top_logprobs_are_the_raw_models_top_tokens():

@@ -1,5 +1,7 @@
 """build_step_batch: a plan's columns and sparse rows, with the persistent rows, become the step's arrays."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -27,9 +29,9 @@ def row(request_id: str, token_ids: tuple[int, ...], start: int, num_output_toke
     return Row(request_id, token_ids, start, num_output_tokens, True, first_new_page, new_page_ids, (), (), new)
 
 
-def launch(rows: RequestRows, out: SchedulerOutput):
+def launch(rows: RequestRows, out: SchedulerOutput, layout: BatchLayout = LAYOUT):
     row_ids = rows.update(out.new_requests, out.request_ids, out.new_pages)
-    batch = build_step_batch(out, BUCKET, LAYOUT, rows, row_ids)
+    batch = build_step_batch(out, BUCKET, layout, rows, row_ids)
     rows.launched(row_ids, np.array(out.keeps_sample, np.bool_))
     return row_ids, batch
 
@@ -60,6 +62,22 @@ def test_a_plan_s_rows_fill_the_batch():
     assert batch.sampling.output_index[:3].tolist() == [1, 2, 2]
     assert batch.penalty_updates.output_token_slots[0] == row_ids[0], "c's row fills its penalties"
     assert batch.penalty_updates.output_token_slots[1] == LAYOUT.num_penalty_slots, "a has none"
+
+
+def test_a_speculative_plan_s_draft_rows_carry_the_drafts_before_them_for_their_penalties():
+    """c (penalties) verifies drafts 17 and 18 on the two rows after its first: the first row's input is
+    counted when the step starts, as a decode's; the drafts are not (the step counts the accepted ones once
+    sampled), and each draft's row carries the drafts before it. a, without penalties, carries none."""
+    layout = dataclasses.replace(LAYOUT, max_drafts=3)
+    rows = RequestRows(num_rows=4, max_pages_per_req=3, vocab_size=layout.vocab_size)
+    launch(rows, prefills("ca"), layout)
+    out = plan([row("a", (20,), 3, 1), row("c", (13,), 4, 1, 1, (9,)), row("c", (17,), 5, 2), row("c", (18,), 6, 3)])
+    row_ids, batch = launch(rows, dataclasses.replace(out, draft_lengths=(0, 2)), layout)
+    slot_c, none, pad = row_ids[1], layout.num_penalty_slots, layout.vocab_size
+    assert batch.sampling.penalty_slots[:4].tolist() == [none, slot_c, slot_c, slot_c]
+    assert batch.penalty_updates.output_token_slots[:4].tolist() == [none, slot_c, none, none]
+    assert batch.sampling.penalty_drafts[:4].tolist() == [[pad] * 3, [pad] * 3, [17, pad, pad], [17, 18, pad]]
+    assert batch.positions[:4].tolist() == [3, 4, 5, 6]
 
 
 def test_bans_biases_prompt_targets_and_grammar_masks_reach_only_their_rows():
