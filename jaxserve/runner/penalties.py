@@ -20,7 +20,8 @@ draft j - 1, which is not counted when the step starts (the draft may be rejecte
 count the drafts before its position on top of the slot's counts (`drafts`, vLLM's rejection sampler
 does the same), and once the step has sampled, each draft that the verification accepts (every draft up
 to it matched the sample before it) is counted into the slot (`count_accepted_drafts`): the rule the
-scheduler verifies by, so the slot then holds exactly the request's outputs.
+scheduler verifies by, so the slot then holds every output but the last sample, which the next step
+counts as its input, as after a plain decode.
 """
 
 from dataclasses import dataclass
@@ -83,7 +84,8 @@ def update_tables(tables: PenaltyTables, input_ids: jax.Array, updates: PenaltyU
 def count_outputs(tables: PenaltyTables, token_ids: jax.Array, slots: jax.Array,
                   skip_untouched: bool = True) -> PenaltyTables:
     """The tables with each token i32[R] counted once more as generated in its row's slot i32[R] (S: none):
-    a multi-step decode's step feeding the last step's samples. `skip_untouched` as in `update_tables`."""
+    a multi-step decode's step feeding the last step's samples, a speculative decode's accepted drafts.
+    `skip_untouched` as in `update_tables`."""
     num_slots = tables.output_counts.shape[0]
 
     def count(tables: PenaltyTables) -> PenaltyTables:
@@ -122,12 +124,20 @@ def apply_penalties(
     repetition: jax.Array,  # f32[R]; 1 = off
     frequency: jax.Array,  # f32[R]; 0 = off
     presence: jax.Array,  # f32[R]; 0 = off
+    fused: bool = False,
 ) -> jax.Array:  # f32[R, V]
     """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token
-    seen in the prompt or output; frequency and presence subtract per generated occurrence / once."""
+    seen in the prompt or output; frequency and presence subtract per generated occurrence / once.
+    `fused` (CUDA GPUs): the drafts are counted by comparison with the vocabulary's ids, elementwise work
+    that fuses with the penalties' (a scatter would write the gathered [R, V] counts out and read them
+    back); else by a scatter of their R x D ids, where a comparison per draft would cost a pass over [R, V]."""
     rows = jnp.minimum(slots, tables.output_counts.shape[0] - 1)  # rows without a slot: penalties are off
     counts = tables.output_counts[rows]  # [R, V]
-    if drafts.shape[1]:
+    if drafts.shape[1] and fused:
+        vocab_ids = jnp.arange(counts.shape[1], dtype=drafts.dtype)
+        for k in range(drafts.shape[1]):
+            counts = counts + (drafts[:, k, None] == vocab_ids).astype(counts.dtype)
+    elif drafts.shape[1]:
         counts = counts.at[jnp.arange(drafts.shape[0])[:, None], drafts].add(1, mode="drop")
     counts = counts.astype(jnp.float32)
     seen = (counts > 0) | tables.prompt_mask[rows]

@@ -78,7 +78,7 @@ def _process_logits(logits: jax.Array, params: SamplingArrays, tables: PenaltyTa
         biased = masked.at[rows, params.bias_token_ids].add(params.bias_values, mode="drop")
         processed = apply_penalties(
             biased, tables, params.penalty_slots, params.penalty_drafts,
-            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+            params.repetition_penalty, params.frequency_penalty, params.presence_penalty, fused=not skip_unused,
         )
         no_token_left = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
         return jnp.where(no_token_left, masked, processed)

@@ -188,8 +188,8 @@ def test_stops_inside_a_verified_run_end_where_plain_decoding_ends(engines):
 
 def test_everything_else_gives_the_same_outputs(engines):
     """Penalties, logprobs, grammars, bans, prefix-cache hits, n > 1, with drafts proposed: the steps that
-    run beside them decode without drafts, drafts run once only plain decodes are left, and every output is
-    the plain engine's."""
+    run beside a grammar, bans or top logprobs decode without drafts, drafts run once every request decodes
+    on the device, and every output is the plain engine's."""
     requests, arrivals = workload(engines["plain"])
     requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
