@@ -216,7 +216,8 @@ def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
     assert budgeted.num_kernels == small.num_kernels and budgeted.host_ops == small.host_ops
 
 
-def _tiny_llama_h100_step(tiny_model_dir, bucket: Bucket, num_top_logprobs: int) -> tuple[str, int]:
+def _tiny_llama_h100_step(tiny_model_dir, bucket: Bucket, num_top_logprobs: int,
+                          max_drafts: int = 0) -> tuple[str, int]:
     """The tiny Llama's step for `bucket`, compiled for an H100 in bfloat16: its HLO and the vocabulary."""
     from transformers import AutoConfig
 
@@ -227,22 +228,25 @@ def _tiny_llama_h100_step(tiny_model_dir, bucket: Bucket, num_top_logprobs: int)
 
     hf_config = AutoConfig.from_pretrained(tiny_model_dir("llama"))
     abstract = build_abstract_model(hf_config, jnp.bfloat16, resolve_attention("auto", target_facts("h100")))
-    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 64, 8, 32)
+    shapes = step_shapes(abstract.cfg, jnp.dtype(jnp.bfloat16), 16, 64, 8, 32, max_drafts)
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), num_top_logprobs)
     hlo = compile_bucket(step, abstract.state, shapes, bucket, deviceless_device("h100")).compiled.as_text()
     return hlo, abstract.cfg.vocab_size
 
 
-def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir):
+@pytest.mark.parametrize("max_drafts", [0, 4])  # without and with speculative decoding's draft counts
+def test_the_h100_step_updates_the_penalty_tables_in_place(tiny_model_dir, max_drafts):
     """XLA:GPU copies a conditional's operands: the penalty tables' update behind a `lax.cond` copied both
     tables whole every step (64 MB at 256 sequences of GPT-2's vocabulary). On a CUDA target the update
     runs unconditionally, in place: the compiled step copies no array of the tables' shape. The sampler's
     logit processing has no pass-through branch: the logits are copied once, for the bias's scatter (the
-    grammar mask and the bias behind conditionals of their own copied them three times)."""
-    hlo, vocab_size = _tiny_llama_h100_step(tiny_model_dir, Bucket(4, 4, decode_only=True), 5)
+    grammar mask and the bias behind conditionals of their own copied them three times). A draft row's
+    penalties count the drafts before it by comparison, fused: no scatter writes the rows' counts out."""
+    hlo, vocab_size = _tiny_llama_h100_step(tiny_model_dir, Bucket(4, 4, decode_only=True), 5, max_drafts)
     table = f"[32,{vocab_size}]"
     assert f"s32{table}" in hlo and not re.search(rf"= (s32|pred){re.escape(table)}\S* copy\(", hlo)
     assert len(re.findall(rf"= f32\[4,{vocab_size}\]\S* copy\(", hlo)) == 1
+    assert not re.search(rf"= s32\[4,{vocab_size}\]\S* scatter\(", hlo)
 
 
 def test_the_h100_step_takes_20_top_logprobs_with_the_topk_kernel_and_sorts_nothing(tiny_model_dir):
