@@ -790,6 +790,8 @@ COMPILE_FLAGS = (
               "the preset's)"),
     Flag("--max-num-batched-tokens", CompileConfig, "max_num_batched_tokens", type=human_int,
          help="as serve's, the same (default: the preset's)"),
+    Flag("--speculative-config", CompileConfig, "speculative_config", type=_speculative_config,
+         help="as serve's: the step as speculative decoding runs it (default: the preset's)"),
     Flag("--context-len", CompileConfig, "context_len", type=int,
          help="keys each request attends in the predicted step times (default: max-model-len/2)"),
     Flag("--gpu-memory-utilization", CompileConfig, "gpu_memory_utilization", type=float,

@@ -43,6 +43,7 @@ def main(config: CompileConfig) -> None:
         enforce_eager=config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        speculative_config=config.speculative_config,
     )
     print(format_report(report))
     if config.json:

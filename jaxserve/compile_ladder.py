@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.collector import fewer_collections
-from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, context_served
+from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
@@ -155,6 +155,7 @@ def compile_ladder(
     enforce_eager: bool = False,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> CompileReport:
     """Compiles the step for every bucket of `preset`'s ladder (or `buckets`) for `target` (None: local).
 
@@ -164,15 +165,17 @@ def compile_ladder(
     roofline (which would ignore the collectives) is reported. `read_launches`: what each bucket's step
     launches (XLA dumps its thunks for it: ~10% more compile time). `variants`: the decode buckets' variants
     the preset turns on, each its own row (module docstring). `lora`: the step with --enable-lora's adapter
-    slots, as a LoRA server compiles it. `enforce_eager`, `max_num_seqs`, `max_num_batched_tokens`: as serve
-    takes them (the limits extend the preset's ladder where they pass it).
+    slots, as a LoRA server compiles it. `enforce_eager`, `max_num_seqs`, `max_num_batched_tokens`,
+    `speculative_config`: as serve takes them (the limits extend the preset's ladder where they pass it; the
+    speculative config sizes the draft rows' penalty inputs).
     """
     wall_start = time.perf_counter()
     name, hf_config = load_model_config(model, revision, download_dir, hf_overrides)
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))
                      if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens, **cache_options)
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      speculative_config=speculative_config, **cache_options)
     tp = tensor_parallel_size
     facts: DeviceFacts = target_facts(target) if target else local_facts(jax.devices()[0])
     # XLA's memory limit as a real GPU's compile gets it: serve's allocator pool

@@ -967,6 +967,7 @@ class CompileConfig:
     max_model_len: int | None = ModelConfig.max_model_len
     max_num_seqs: int | None = None  # None: the preset's; above its ladder, as serve extends it
     max_num_batched_tokens: int | None = None  # the same
+    speculative_config: SpeculativeConfig | None = None  # the same
     context_len: int | None = None  # None: max_model_len / 2
     gpu_memory_utilization: float | None = None  # None: the preset's
     kv_cache_dtype: str | None = None  # None: the preset's

@@ -216,8 +216,10 @@ def test_vllm_s_chat_and_docs_flags_reach_the_server_config():
     assert config.return_tokens_as_token_ids and config.disable_fastapi_docs
     assert config.chat_template_content_format == "openai"
     compiled = CompileConfig(**read_flags(build_parser().parse_args(
-        ["compile", "--enforce-eager", "--max-num-seqs", "512", "--max-num-batched-tokens", "8k"]), COMPILE_FLAGS))
+        ["compile", "--enforce-eager", "--max-num-seqs", "512", "--max-num-batched-tokens", "8k",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']), COMPILE_FLAGS))
     assert compiled.enforce_eager and (compiled.max_num_seqs, compiled.max_num_batched_tokens) == (512, 8000)
+    assert compiled.speculative_config.num_speculative_tokens == 3
 
 
 def test_without_config_the_preset_follows_the_platform():
