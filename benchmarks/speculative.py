@@ -56,13 +56,12 @@ WORKLOADS = {
 }
 
 
-REPETITION_PENALTY = {}  # {"repetition_penalty": x} when --repetition-penalty is given
-
-
-def chat(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None) -> tuple[str, int, float]:
+def chat(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None,
+         repetition_penalty: float | None = None) -> tuple[str, int, float]:
     """(text, completion tokens, seconds) of one chat request: greedy, or sampled at 0.7 with `seed`."""
     sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.7, "seed": seed}
-    sampling.update(REPETITION_PENALTY)
+    if repetition_penalty is not None:
+        sampling["repetition_penalty"] = repetition_penalty
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **sampling}
     start = time.perf_counter()
     response = client.post("/v1/chat/completions", json=body)
@@ -83,13 +82,13 @@ def accepted_counts(client: httpx.Client) -> tuple[float, float]:
     return total("spec_decode_num_draft_tokens"), total("spec_decode_num_accepted_tokens")
 
 
-def one_round(client: httpx.Client, prompts: list[str], streams: int, max_tokens: int, seeded: bool
-              ) -> tuple[list[str], int, float]:
+def one_round(client: httpx.Client, prompts: list[str], streams: int, max_tokens: int, seeded: bool,
+              repetition_penalty: float | None = None) -> tuple[list[str], int, float]:
     """`streams` requests at once (the workload's prompts in turn): their texts, tokens and wall time."""
     jobs = [(prompts[i % len(prompts)], None if not seeded else i) for i in range(streams)]
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        results = list(pool.map(lambda job: chat(client, job[0], max_tokens, job[1]), jobs))
+        results = list(pool.map(lambda job: chat(client, job[0], max_tokens, job[1], repetition_penalty), jobs))
     wall = time.perf_counter() - start
     return [text for text, _, _ in results], sum(tokens for _, tokens, _ in results), wall
 
@@ -108,8 +107,6 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("extra", nargs="*", help="more `jaxserve serve` flags for both servers (after --)")
     args = parser.parse_args()
-    if args.repetition_penalty is not None:
-        REPETITION_PENALTY["repetition_penalty"] = args.repetition_penalty
     plain = start_server(None, args.port, None, *args.extra)
     speculative = start_server(None, args.port + 1, None, *args.extra, "--speculative-config", args.speculative_config)
     rows = []
@@ -120,7 +117,7 @@ def main() -> None:
         clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900, limits=limits)
                    for name, port in (("plain", args.port), ("speculative", args.port + 1))}
         for client in clients.values():  # the first request of each shape
-            one_round(client, WORKLOADS["free"], max(args.streams), 16, args.seeded)
+            one_round(client, WORKLOADS["free"], max(args.streams), 16, args.seeded, args.repetition_penalty)
         for workload in args.workloads:
             for streams in args.streams:
                 rates: dict[str, list[float]] = {"plain": [], "speculative": []}
@@ -129,7 +126,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for name, client in clients.items():
                         texts[name], tokens, wall = one_round(client, WORKLOADS[workload], streams,
-                                                              args.max_tokens, args.seeded)
+                                                              args.max_tokens, args.seeded, args.repetition_penalty)
                         rates[name].append(tokens / wall)
                 drafted, accepted = accepted_counts(clients["speculative"])
                 plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["speculative"])

@@ -209,8 +209,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def only_decodes(self) -> bool:
-        """Whether multi-step or speculative decoding may apply (speculative once no sample is in flight)."""
-        return self.steps_apply() or self.drafts_apply()
+        """Whether multi-step or speculative decoding may apply (speculative once no sample is in flight): the
+        running requests asked once (`_all_decode`)."""
+        return (self.num_scheduler_steps > 1 or self.drafting) and self._all_decode()
 
     def steps_apply(self) -> bool:
         """k-step decodes may run: k > 1 and every running request decodes on the device (`_all_decode`)."""

@@ -164,7 +164,9 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                      packed: PackedBatch, row_steps: jax.Array):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
         batch = unpack(packed)
-        attention, sampling = batch.attention, batch.sampling
+        attention = batch.attention
+        # a k-step plan carries no drafts: its rows' draft columns (padding) are left out of the penalties
+        sampling = dataclasses.replace(batch.sampling, penalty_drafts=batch.sampling.penalty_drafts[:, :0])
         num_rows = batch.logits_indices.shape[0]
         last_step = jnp.maximum(row_steps - 1, 0)  # i32[R]
         on_cuda = model.cfg.attention.cuda  # the target's, deviceless too
