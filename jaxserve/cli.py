@@ -47,7 +47,6 @@ from jaxserve.cli_flags import (
 )
 from jaxserve.config import (
     BucketBenchConfig,
-    CacheConfig,
     ClientConfig,
     CompileConfig,
     EngineConfig,
@@ -57,12 +56,10 @@ from jaxserve.config import (
     ParallelConfig,
     ServeBenchConfig,
     ServerConfig,
-    core_process_count,
-    platform_preset,
+    engine_preset,
     preset_names,
     profiler_dir,
 )
-from jaxserve.device import pool_gpu_memory
 from jaxserve.ops import kernel_build
 from jaxserve.platform import cpu_backend_expected, prepare_jax_platform
 
@@ -146,11 +143,8 @@ def _log_inert_flags(args: argparse.Namespace) -> None:
 
 def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     settings = read_flags(args, ENGINE_FLAGS)
-    # Before jax starts a backend (platform_preset starts one): JAX pools 75% of a GPU by default.
-    pool_gpu_memory(settings["gpu_memory_utilization"] or CacheConfig.gpu_memory_utilization)
-    # A core in its own process needs all of its device's memory: this process must not open it.
-    isolated = core_process_count(bool(settings["engine_process"]), settings["data_parallel_size"] or 1) > 0
-    preset = args.config if args.config is not None else platform_preset(isolated=isolated)
+    preset = engine_preset(args.config, settings["gpu_memory_utilization"], bool(settings["engine_process"]),
+                           settings["data_parallel_size"])
     return EngineConfig.from_preset(preset, **settings, **extra)
 
 

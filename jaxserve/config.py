@@ -607,6 +607,21 @@ def platform_preset(isolated: bool = False) -> str:
     return preset
 
 
+def engine_preset(config: str | Path | None, gpu_memory_utilization: float | None = None,
+                  engine_process: bool = False, data_parallel_size: int | None = None) -> str | Path:
+    """The preset an engine starts from, as `serve` and `LLM()` pick it: `config` where given, else the
+    platform's (`platform_preset`). First lets JAX pool the GPU memory the engine may use
+    (`--gpu-memory-utilization`; JAX pools 75% of a GPU by default), which holds only before jax starts a
+    backend, as `platform_preset` does; an engine core in its own process (`--engine-process`, data
+    parallelism) needs all of its device, so then the platform is asked in a subprocess."""
+    from jaxserve.device import pool_gpu_memory
+
+    pool_gpu_memory(gpu_memory_utilization or CacheConfig.gpu_memory_utilization)
+    if config is not None:
+        return config
+    return platform_preset(isolated=core_process_count(engine_process, data_parallel_size or 1) > 0)
+
+
 # apply_chat_template's own arguments: chat_template_kwargs (a request's, or --default-chat-template-kwargs)
 # may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({

@@ -17,6 +17,7 @@ from jaxserve.config import (
     LoraModule,
     LoRARequest,
     check_generation_overrides,
+    engine_preset,
     profiler_dir,
 )
 from jaxserve.engine.beam_search import Beam, BeamSearch, check_search
@@ -76,7 +77,10 @@ class LLM:
                         raise ValueError(f"{flag.option}: {error}") from None
                 logger.warning("%s=%r changes nothing in jaxserve: %s", flag.option, value, flag.why)
         engine_options = _by_field_name(engine_options)
-        engine_config = EngineConfig.from_preset(config, model=model, dtype=dtype, **engine_options)
+        # serve's preset where `config` is None: the platform's (vLLM's LLM and serve share their defaults)
+        preset = engine_preset(config, engine_options.get("gpu_memory_utilization"),
+                               bool(engine_options.get("engine_process")), engine_options.get("data_parallel_size"))
+        engine_config = EngineConfig.from_preset(preset, model=model, dtype=dtype, **engine_options)
         self._start(LLMEngine(engine_config), generation_config, override_generation_config)
 
     @classmethod

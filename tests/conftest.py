@@ -277,6 +277,20 @@ def tiny_hf_model(tiny_model_dir) -> Callable[[str], object]:
     return load
 
 
+@pytest.fixture(autouse=True)
+def _own_traces_under_monkeypatch(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that patches code gets traces of its own: runners made alike share their step functions and
+    what JAX holds for them (`runner.step_fn._shared`), so an engine made under a patch of the code a step
+    traces (a kernel counted, a platform faked) would otherwise run an earlier engine's trace, and leave its
+    own to later tests. JAX's in-memory caches go before and after such a test."""
+    patches = "monkeypatch" in request.fixturenames and "jax" in sys.modules
+    if patches:
+        sys.modules["jax"].clear_caches()
+    yield
+    if patches:
+        sys.modules["jax"].clear_caches()
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")

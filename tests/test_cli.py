@@ -474,10 +474,10 @@ def test_runtime_lora_updates_follow_jaxserve_s_then_vllm_s_variable(monkeypatch
 
 
 def test_data_parallel_flags_reach_the_config_and_keep_the_server_off_the_device(monkeypatch):
-    import jaxserve.cli
+    import jaxserve.config
 
     probes = []
-    monkeypatch.setattr(jaxserve.cli, "platform_preset", lambda isolated: probes.append(isolated) or "cpu")
+    monkeypatch.setattr(jaxserve.config, "platform_preset", lambda isolated: probes.append(isolated) or "cpu")
     parser = build_parser()
     for flags, size in ((["-dp", "2"], 2), (["--data-parallel-size", "3", "-tp", "2"], 3), ([], 1)):
         config = _engine_config(parser.parse_args(["serve", *flags]))

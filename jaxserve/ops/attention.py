@@ -44,6 +44,11 @@ kv_cache_shape = paged_attention_pallas.kv_cache_shape
 FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.FP8_CACHE_DTYPES[0])
 
 
+# The environment the kernel choices below read while a step is traced: part of the key of anything that
+# keeps a traced step (`runner.step_fn`).
+TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """A resolved attention choice (part of the model config, so of the compile key)."""

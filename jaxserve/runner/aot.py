@@ -50,7 +50,7 @@ class CompiledBucket:
     temp_bytes: int  # XLA's scratch for the step: what the KV budget must leave free
     compiled: Any  # jax.stages.Compiled
     launches: StepLaunches | None = None  # when asked for, on a GPU
-    from_cache: bool | None = None  # JAX's persistent cache served it, where the caller counted
+    origin: str | None = None  # where its executable came from (`compile_origin`), where the caller counted
 
 
 def step_shapes(

@@ -48,6 +48,7 @@ from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import bytes_per_device, replicated
 from jaxserve.progress import progress
+from jaxserve.runner import compile_origin
 from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
@@ -87,20 +88,6 @@ _SIZING_SOURCES = {"record": "an earlier start's record", "shapes": "the step's 
 # The environment variables that change what the step compiles to, besides the attention kernels' (read
 # through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
 _STEP_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_KERNEL_FLAGS")
-
-# Persistent-cache hits, counted per compiling thread (JAX calls its event listeners in the thread that
-# compiles): which of the warm-up's compiles were loads.
-_thread_cache_hits = threading.local()
-
-
-def _count_cache_hit(event: str, **_: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits" and hasattr(_thread_cache_hits, "count"):
-        _thread_cache_hits.count += 1
-
-
-@functools.cache  # registered once per process
-def _listen_for_cache_hits() -> None:
-    jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 @dataclass(frozen=True, order=True)
@@ -386,11 +373,10 @@ class ModelRunner:
         largest = largest_buckets(self.ladder.all_buckets())
 
         def compile_one(bucket: Bucket) -> CompiledBucket:
-            _listen_for_cache_hits()
-            _thread_cache_hits.count = 0
-            compiled = compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh,
-                                      compiler_options=options)
-            return dataclasses.replace(compiled, from_cache=_thread_cache_hits.count > 0)
+            with compile_origin.counting() as origin:
+                compiled = compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh,
+                                          compiler_options=options)
+            return dataclasses.replace(compiled, origin=origin())
 
         with ThreadPoolExecutor(max_workers=min(len(largest), _COMPILE_THREADS),
                                 thread_name_prefix="jaxserve-budget") as pool:
@@ -602,7 +588,7 @@ class ModelRunner:
         background = mode != "full"
         futures = [pool.submit(self._compile_one, job, slots) for job in jobs[:1 if background else None]]
         try:
-            first_from_cache = futures[0].result()
+            first_origin = futures[0].result()
             ready_jobs = 1 if background else len(jobs)
             waited = futures[:ready_jobs]
             for future in progress(waited, "Compiling buckets", logger, unit="buckets") if show_progress else waited:
@@ -625,7 +611,7 @@ class ModelRunner:
             logger.info("warm-up: %d buckets compiled in %.1fs", len(buckets), ready)
             return ready
         logger.info("warm-up: 1 of %d buckets compiled in %.1fs (%s); compiling the rest in the background",
-                    len(buckets), ready, "from the persistent cache" if first_from_cache else "not cached")
+                    len(buckets), ready, first_origin)
 
         @fewer_collections()  # the rest of the tracing (collector.py)
         def finish() -> None:
@@ -678,62 +664,61 @@ class ModelRunner:
     def _no_decode_steps(bucket: Bucket) -> np.ndarray:
         return np.zeros(bucket.num_reqs, np.int32)  # i32[R]: a multi-step decode's rows, all padding
 
-    def _compile_one(self, job: tuple[Bucket, StepVariant], slots: threading.Semaphore) -> bool | None:
-        """Compiles one (bucket, variant) into the table, holding one of `slots`; returns whether JAX's
-        persistent cache served it, or None where it was skipped (the warm-up was stopped)."""
+    def _compile_one(self, job: tuple[Bucket, StepVariant], slots: threading.Semaphore) -> str | None:
+        """Compiles one (bucket, variant) into the table, holding one of `slots`; returns where its
+        executables came from (`compile_origin`), or None where it was skipped (the warm-up was stopped)."""
         if self._stop_compiling.is_set():
             return None
         bucket, variant = job
         sized = self._sized_executables.get(bucket) if variant == PLAIN else None
         with slots:
-            _listen_for_cache_hits()
             # The bucket runs once its sampler is compiled too (`sample_apart`): compiled first, by one bucket
             # per request bucket while the others wait for it here.
-            sampler_from_cache = self._compile_sampler(bucket.num_reqs) if variant == PLAIN else True
-            if sampler_from_cache is None:
+            sampler_origin = self._compile_sampler(bucket.num_reqs) if variant == PLAIN else compile_origin.KEPT
+            if sampler_origin is None:
                 return None
             if sized is not None:
                 with self._compiled_lock:
                     self._compiled[bucket] = sized.compiled
-                return sized.from_cache and sampler_from_cache
+                return compile_origin.worst(sized.origin, sampler_origin)
             args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
                                       variant.multi_step)
-            _thread_cache_hits.count = 0
-            with self._tracing:
-                if self._stop_compiling.is_set():  # stopped while this job waited for its turn
-                    return None
-                lowered = self._step_fns[variant].trace(*args).lower()
-            compiled = lowered.compile()
-            from_cache = _thread_cache_hits.count > 0 and sampler_from_cache
+            with compile_origin.counting() as origin:
+                with self._tracing:
+                    if self._stop_compiling.is_set():  # stopped while this job waited for its turn
+                        return None
+                    lowered = self._step_fns[variant].trace(*args).lower()
+                compiled = lowered.compile()
         with self._compiled_lock:
             if variant == PLAIN:
                 self._compiled[bucket] = compiled
             else:
                 self._compiled_variants[bucket, variant] = compiled
-        return from_cache
+        return compile_origin.worst(origin(), sampler_origin)
 
-    def _compile_sampler(self, num_reqs: int) -> bool | None:
+    def _compile_sampler(self, num_reqs: int) -> str | None:
         """Compiles the sampler's program for `num_reqs` rows unless it is (`sample_apart` only); returns
-        whether nothing was compiled but from JAX's persistent cache, or None where the warm-up was stopped."""
+        where its executable came from (KEPT where this runner has it), or None where the warm-up was stopped."""
         if not self.sample_apart:
-            return True
+            return compile_origin.KEPT
         with self._sampler_locks[num_reqs]:
             if num_reqs in self._compiled_samplers:
-                return True
+                return compile_origin.KEPT
             if self._stop_compiling.is_set():
                 return None
             args = abstract_sample_args(self._step_shapes, num_reqs, jax.devices()[0], self.mesh)
-            _thread_cache_hits.count = 0
-            with self._tracing:
-                lowered = self._sample_fn.trace(*args).lower()
-            self._compiled_samplers[num_reqs] = lowered.compile()
-            return _thread_cache_hits.count > 0
+            with compile_origin.counting() as origin:
+                with self._tracing:
+                    lowered = self._sample_fn.trace(*args).lower()
+                self._compiled_samplers[num_reqs] = lowered.compile()
+            return origin()
 
     @staticmethod
-    def _log_compiled(futures: list[Future[bool | None]]) -> None:
-        loaded = [result for result in (f.result() for f in futures) if result is not None]
-        logger.info("compiled %d buckets on %d threads, %d from the persistent cache",
-                    len(loaded), _COMPILE_THREADS, sum(loaded))
+    def _log_compiled(futures: list[Future[str | None]]) -> None:
+        origins = [origin for origin in (f.result() for f in futures) if origin is not None]
+        kept = origins.count(compile_origin.KEPT)
+        logger.info("compiled %d buckets on %d threads, %d from the persistent cache%s", len(origins), _COMPILE_THREADS,
+                    origins.count(compile_origin.LOADED), f", {kept} {compile_origin.KEPT}" if kept else "")
 
 
 class LoraWriter:

@@ -18,6 +18,10 @@ sampler inside the step, one program to launch (the greedy and multi-step varian
 """
 
 import dataclasses
+import functools
+import inspect
+import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,12 +30,45 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.models.layers import KVCache
+from jaxserve.ops.attention import TRACE_ENVIRONMENT
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.packing import PackedBatch, unpack
 from jaxserve.runner.penalties import PenaltyTables, count_accepted_drafts, count_outputs, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
 from jaxserve.runner.step_batch import SamplingArrays, StepBatch
+
+SHARED_PROGRAMS = 8  # a maker's jitted functions kept for runners made alike (`_shared`)
+
+
+def _shared(maker: Callable) -> Callable:
+    """`maker`, made once per distinct arguments in a process: runners made alike (an `LLM` made again in a
+    notebook, a test module's engines) share its jitted function, and with it JAX's caches of its traces,
+    lowerings and executables, so the second runner's warm-up traces and compiles nothing. The key is the
+    maker's arguments (the model's GraphDef holds its config) and the environment that the model's code
+    reads while tracing (`TRACE_ENVIRONMENT`); JAX's caches key the rest (shapes, shardings, its config).
+    The last SHARED_PROGRAMS are kept, with what JAX holds for them; arguments that cannot be hashed make a
+    function of their own."""
+    signature = inspect.signature(maker)
+
+    @functools.lru_cache(maxsize=SHARED_PROGRAMS)
+    def made(arguments: tuple, options: tuple, environment: tuple) -> Callable:
+        return maker(**dict(arguments), compiler_options=dict(options))
+
+    @functools.wraps(maker)
+    def shared(*args: Any, **kwargs: Any) -> Callable:
+        arguments = signature.bind(*args, **kwargs).arguments
+        options = arguments.pop("compiler_options", None) or {}
+        key = (tuple(arguments.items()), tuple(sorted(options.items())),
+               tuple(os.environ.get(name) for name in TRACE_ENVIRONMENT))
+        try:
+            hash(key)
+        except TypeError:
+            return maker(*args, **kwargs)
+        return made(*key)
+
+    shared.cache_clear = made.cache_clear
+    return shared
 
 
 def _input_ids(batch: StepBatch) -> jax.Array:  # i32[T]
@@ -71,6 +108,7 @@ def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     return hidden[batch.logits_indices], jax.ops.segment_sum(hidden, token_rows, num_segments=num_rows)
 
 
+@_shared
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
                  greedy: bool = False, pooling: bool = False, sample_apart: bool = False,
                  compiler_options: dict[str, Any] | None = None):
@@ -129,6 +167,7 @@ def samples_apart(platform: str) -> bool:
     return platform == "cpu"
 
 
+@_shared
 def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = None,
                    compiler_options: dict[str, Any] | None = None):
     """`sample_step(logits, sampling, penalty_tables) -> (SamplerOutput, tokens_by_row i32[M], penalty_tables)`,
@@ -145,6 +184,7 @@ def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = Non
     return jax.jit(sample_step, donate_argnames=("penalty_tables",), compiler_options=compiler_options or None)
 
 
+@_shared
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
                          page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False,
                          compiler_options: dict[str, Any] | None = None):

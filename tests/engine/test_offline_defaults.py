@@ -86,3 +86,38 @@ def test_llm_takes_vllm_s_names_of_options_jaxserve_names_otherwise(monkeypatch)
         LLM(block_size=32, page_size=16, config="cpu")
     with pytest.raises(ValueError, match="task: 'draft': say --runner generate or --runner pooling"):
         LLM(task="draft", config="cpu")
+
+
+def test_llm_starts_from_serve_s_preset_for_the_platform(monkeypatch):
+    """`LLM()` with no `config` takes the preset `serve` takes on this backend (vLLM's LLM and serve share
+    their defaults): on a CPU the `cpu` ladder, not the forty-odd buckets of the default one, which made every
+    `LLM()` warm up for half a minute. Asked in a subprocess where cores run in processes of their own, as
+    serve asks; `config` wins where given."""
+    import jax
+
+    from jaxserve import config as config_module
+    from jaxserve import llm as llm_module
+    from jaxserve.config import EngineConfig, load_preset
+
+    class Built(Exception):
+        pass
+
+    def engine(config):
+        raise Built(config)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", engine)
+    expected = {"cpu": "cpu", "gpu": "gpu"}.get(jax.default_backend(), "default")
+    with pytest.raises(Built) as built:
+        LLM()
+    ladder = load_preset(expected).get("buckets", {})
+    assert built.value.args[0].buckets.token_buckets == tuple(ladder["token_buckets"])
+    assert built.value.args[0].buckets.token_buckets != EngineConfig().buckets.token_buckets
+    probes = []
+    monkeypatch.setattr(config_module, "platform_preset", lambda isolated: probes.append(isolated) or "cpu")
+    for options in ({"data_parallel_size": 2}, {"engine_process": True}, {}):
+        with pytest.raises(Built):
+            LLM(**options)
+    assert probes == [True, True, False]
+    with pytest.raises(Built) as built:
+        LLM(config="default")
+    assert built.value.args[0].buckets.token_buckets == EngineConfig().buckets.token_buckets and len(probes) == 3

@@ -4,6 +4,8 @@ in nothing compiles again."""
 
 import re
 
+import jax
+
 from tests.engine.helpers import greedy, make_engine, make_prompts
 from tests.helpers import count_compilations
 
@@ -22,6 +24,7 @@ def run_all(engine, prompts, max_tokens=6) -> dict[str, list[int]]:
 def test_ready_after_one_bucket_and_the_same_tokens_while_the_rest_compile(llama_dir):
     prompts = make_prompts()
     want = run_all(make_engine(llama_dir), prompts)
+    jax.clear_caches()  # the next engine compiles as in a new process (not the first one's programs, `_shared`)
 
     engine = make_engine(llama_dir, warmup_mode="background")
     runner = engine.runner
@@ -89,7 +92,8 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
     (a cold cache) or loading (a warm one) while it serves; both generate the same tokens and end with
     every bucket in. A `full` warm-up then loads every bucket from what the background one wrote (the
     cache's keys do not depend on whether a step ran before a compile). In a subprocess: the persistent
-    cache is process-wide."""
+    cache is process-wide. Each start after the first clears what JAX holds in memory, as a new process
+    starts without it (else the engines share their programs, `step_fn._shared`, and load nothing)."""
     import os
     import subprocess
     import sys
@@ -98,6 +102,7 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
 
     script = textwrap.dedent(f"""
         import logging, sys
+        import jax
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
         from tests.engine.helpers import make_engine, make_prompts
         from tests.runner.test_background_warmup import run_all
@@ -109,6 +114,7 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
             engine.runner.wait_for_warmup()
             print("compiled", start, len(engine.runner._compiled), len(engine.runner.ladder.all_buckets()))
             engine.shutdown()
+            jax.clear_caches()
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2], env=dict(os.environ),
                             capture_output=True, text=True, timeout=600)
