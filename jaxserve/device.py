@@ -16,6 +16,7 @@ import functools
 import importlib.resources
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,8 +191,22 @@ def allocator_pool_fraction() -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))
 
 
+def _backend_started() -> bool:
+    """Whether this process has started a JAX backend (without importing jax where it has not been)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # JAX's own record; no public API says it
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return started() if started is not None else bool(getattr(xla_bridge, "_backends", None))
+
+
 def pool_gpu_memory(utilization: float) -> None:
     """Lets JAX's allocator pool `utilization` of GPU memory, the share `--gpu-memory-utilization` gives
     jaxserve (JAX's default pool is 75%, so the KV budget could not use more). A user's own
-    XLA_PYTHON_CLIENT_MEM_FRACTION wins. Only effective before jax starts a backend."""
+    XLA_PYTHON_CLIENT_MEM_FRACTION wins. Only effective before jax starts a backend: after (an `LLM` made in
+    a process that has used jax), the pool stays what it is, and so does the variable, which the KV budget
+    reads as the pool's size (`allocator_pool_fraction`)."""
+    if _backend_started():
+        return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{utilization:g}")

@@ -86,3 +86,17 @@ def test_the_cli_says_in_one_line_that_the_gpu_asked_for_is_missing():
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("jaxserve: error: JAX_PLATFORMS=cuda asks for a GPU, and none is visible")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_gpu_pool_is_set_before_a_backend_starts_and_left_alone_after():
+    """`pool_gpu_memory` (serve's and `LLM`'s --gpu-memory-utilization) sets JAX's pool fraction while no
+    backend has started; after, JAX's pool is what it is, so the variable (which the KV budget reads as the
+    pool's size) is not set to a figure JAX never took. In fresh processes: the test's has started jax."""
+    inherited = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    code = ("import os, sys\nfrom jaxserve.device import pool_gpu_memory\n"
+            "if sys.argv[1] == 'after':\n    import jax\n    jax.devices()\n"
+            "pool_gpu_memory(0.5)\nprint(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))")
+    for when, expected in (("before", "0.5"), ("after", "None")):
+        result = subprocess.run([sys.executable, "-c", code, when], capture_output=True, text=True, timeout=120,
+                                env=inherited)
+        assert result.returncode == 0 and result.stdout.split() == [expected], (when, result.stdout, result.stderr)

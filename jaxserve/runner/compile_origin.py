@@ -39,18 +39,28 @@ def _listen() -> None:
 
 @contextlib.contextmanager
 def counting() -> Iterator[Callable[[], str]]:
-    """Counts this thread's compiles inside the block; yields a function that says, once they are done,
+    """Counts this thread's compiles inside the block; yields a function that says, once the block is left,
     where their executables came from: COMPILED if XLA compiled any, LOADED if the persistent cache served
-    every one, KEPT if none reached XLA."""
+    every one, KEPT if none reached XLA. A block inside another adds its counts to the outer one's."""
     _listen()
+    outer = (getattr(_tally, "compiles", None), getattr(_tally, "loads", None))
     _tally.compiles = _tally.loads = 0
+    counted = [0, 0]  # compiles, loads: the block's, once it is left
 
     def origin() -> str:
-        if _tally.compiles == 0:
+        compiles, loads = counted
+        if compiles == 0:
             return KEPT
-        return LOADED if _tally.loads >= _tally.compiles else COMPILED
+        return LOADED if loads >= compiles else COMPILED
 
-    yield origin
+    try:
+        yield origin
+    finally:
+        counted[:] = _tally.compiles, _tally.loads
+        if outer[0] is None:
+            del _tally.compiles, _tally.loads
+        else:
+            _tally.compiles, _tally.loads = outer[0] + counted[0], outer[1] + counted[1]
 
 
 def worst(*origins: str) -> str:

@@ -21,6 +21,8 @@ import dataclasses
 import functools
 import inspect
 import os
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,22 +40,19 @@ from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
 from jaxserve.runner.step_batch import SamplingArrays, StepBatch
 
-SHARED_PROGRAMS = 8  # a maker's jitted functions kept for runners made alike (`_shared`)
-
 
 def _shared(maker: Callable) -> Callable:
-    """`maker`, made once per distinct arguments in a process: runners made alike (an `LLM` made again in a
-    notebook, a test module's engines) share its jitted function, and with it JAX's caches of its traces,
-    lowerings and executables, so the second runner's warm-up traces and compiles nothing. The key is the
-    maker's arguments (the model's GraphDef holds its config) and the environment that the model's code
-    reads while tracing (`TRACE_ENVIRONMENT`); JAX's caches key the rest (shapes, shardings, its config).
-    The last SHARED_PROGRAMS are kept, with what JAX holds for them; arguments that cannot be hashed make a
-    function of their own."""
+    """`maker`, made once per distinct arguments while some runner holds its function: runners made alike
+    (an `LLM` made again in a notebook cell while the last one still stands, a test module's engines) share
+    its jitted function, and with it JAX's caches of its traces, lowerings and executables, so the second
+    runner's warm-up traces and compiles nothing. The key is the maker's arguments (the model's GraphDef
+    holds its config) and the environment that the model's code reads while tracing (`TRACE_ENVIRONMENT`);
+    JAX's caches key the rest (shapes, shardings, its config). Functions are held weakly: once no runner
+    holds one, it goes with what JAX keeps for it (a closed engine's executables are not kept for a runner
+    that may never come). Arguments that cannot be hashed make a function of their own."""
     signature = inspect.signature(maker)
-
-    @functools.lru_cache(maxsize=SHARED_PROGRAMS)
-    def made(arguments: tuple, options: tuple, environment: tuple) -> Callable:
-        return maker(**dict(arguments), compiler_options=dict(options))
+    made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    lock = threading.Lock()
 
     @functools.wraps(maker)
     def shared(*args: Any, **kwargs: Any) -> Callable:
@@ -65,9 +64,12 @@ def _shared(maker: Callable) -> Callable:
             hash(key)
         except TypeError:
             return maker(*args, **kwargs)
-        return made(*key)
+        with lock:
+            function = made.get(key)
+            if function is None:
+                function = made[key] = maker(*args, **kwargs)
+        return function
 
-    shared.cache_clear = made.cache_clear
     return shared
 
 

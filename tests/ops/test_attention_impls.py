@@ -32,6 +32,7 @@ def generate(tiny_model_dir):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(cpu_kernels, "ragged_paged_attention",
                               lambda *a, **kw: native_calls.append(1) or kernel(*a, **kw))
+                jax.clear_caches()  # traced anew under the patch, not an earlier engine's trace (`_shared`)
                 engine = make_engine(tiny_model_dir(kind), warmup=False, attention_impl=impl, **KERNEL_LADDER)
                 tokens = run_staggered(engine, make_prompts(6), MAX_TOKENS, ARRIVALS)
             outputs[kind, impl] = tokens, bool(native_calls)

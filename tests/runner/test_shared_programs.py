@@ -1,9 +1,11 @@
-"""Runners made alike in one process share their step functions (`step_fn._shared`), and with them what JAX
-holds for those: an engine made again (an `LLM` in a notebook cell run twice) traces and compiles nothing,
-says so, and generates what the first one did. Runners that differ in anything the step is traced from get
-programs of their own."""
+"""Runners made alike in one process share their step functions (`step_fn._shared`) while one holds them,
+and with them what JAX holds for those: an engine made again (an `LLM` in a notebook cell run twice) traces
+and compiles nothing, says so, and generates what the first one did. Runners that differ in anything the
+step is traced from get programs of their own."""
 
+import gc
 import logging
+import weakref
 
 import jax
 
@@ -47,6 +49,11 @@ def test_what_the_step_is_traced_from_keys_its_function(llama_dir, monkeypatch):
     assert make_decode_steps_fn(graphdef, treedef, 5, 8, runner.page_size, 1024) is not steps
     assert make_decode_steps_fn(graphdef, treedef, 5, 4, runner.page_size, 2048) is not steps
     assert make_sample_fn(5, 8) is make_sample_fn(5, 8)
+    sampler = make_sample_fn(5, 16)
+    held = weakref.ref(sampler)
+    del sampler
+    gc.collect()
+    assert held() is None, "a function no runner holds is not kept"
     assert make_sample_fn(5, 8, mesh=["unhashable"]) is not make_sample_fn(5, 8, mesh=["unhashable"])  # not shared
 
 
@@ -66,5 +73,10 @@ def test_the_origin_of_a_compile_is_where_its_executable_came_from(tmp_path):
     with compile_origin.counting() as origin:
         jax.jit(lambda x: x * 5.0 - 2.0).trace(jax.numpy.arange(11.0)).lower().compile()
     assert origin() in (compile_origin.COMPILED, compile_origin.LOADED)
+    with compile_origin.counting() as outer:
+        with compile_origin.counting() as inner:
+            jax.jit(lambda x: x * 7.0 + 3.0).trace(jax.numpy.arange(13.0)).lower().compile()
+        jitted.trace(x).lower().compile()  # kept: the outer block's own compile adds nothing
+    assert inner() in (compile_origin.COMPILED, compile_origin.LOADED) and outer() == inner()
     assert compile_origin.worst(compile_origin.KEPT, compile_origin.LOADED) == compile_origin.LOADED
     assert compile_origin.worst(compile_origin.LOADED, compile_origin.COMPILED) == compile_origin.COMPILED
