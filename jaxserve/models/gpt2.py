@@ -18,6 +18,7 @@ from jaxserve.models.layers import (
     AttentionMetadata,
     KVCache,
     LayerNorm,
+    apply_layers,
     dense,
     embedding_lookup,
     logits_from_embeddings,
@@ -123,10 +124,7 @@ class GPT2LMHeadModel(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
         x = embedding_lookup(self.wte[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
         x = x + self.wpe[...][positions]
-        new_caches = []
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            x, kv_cache = block(x, kv_cache, md)
-            new_caches.append(kv_cache)
+        x, new_caches = apply_layers(self.h, x, kv_caches, md=md)
         return self.ln_f(x), new_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

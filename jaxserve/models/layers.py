@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from jaxserve.models import gguf_weights, quantization
 from jaxserve.models.gguf_weights import GgufTable, GgufWeight
 from jaxserve.models.quantization import Fp8Weight
 from jaxserve.ops import cpu_kernels
-from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention
+from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention, trace_environment
 from jaxserve.ops.kv_write import write_kv
 from jaxserve.parallel import TP_AXIS
 
@@ -32,6 +33,35 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[R+1]
     # Static (part of the compile key): every request has exactly one query token, token r is request r's.
     decode_only: bool = field(default=False, metadata=dict(static=True))
+
+
+def apply_layers(layers: nnx.List, x: jax.Array, kv_caches: KVCache, **kwargs: Any) -> tuple[jax.Array, KVCache]:
+    """`x, kv_cache = layer(x, kv_cache=kv_cache, **kwargs)` for each layer and its cache in turn; returns the
+    last `x` and the layers' new caches.
+
+    Each layer is called through one jitted function, `_apply_layer`, whose static arguments are the layer's
+    structure (its `nnx.GraphDef`: config, window, rotary embedding) and the environment the attention's
+    choice of kernel reads while tracing, and whose traced ones are its weights and inputs. Inside a step's
+    trace jax keeps a nested jit's jaxpr by its static arguments and input types, and its lowering within the
+    step's module, so a model's identical layers are traced and lowered once, Pallas kernels and all, where
+    a plain loop traced every layer again: the layers' part of the Python time that every step's compile
+    spends before XLA (warm starts included) divided by their number. XLA inlines the calls before its
+    first optimization: it compiles the plain loop's computation, its instructions in an order that can
+    change a fusion (docs/benchmarks.md, stop 89)."""
+    environment = trace_environment()
+    new_caches = []
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        graphdef, state = nnx.split(layer)
+        x, kv_cache = _apply_layer(graphdef, environment, state, x, kv_cache, kwargs)
+        new_caches.append(kv_cache)
+    return x, new_caches
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _apply_layer(graphdef: nnx.GraphDef, environment: tuple[str | None, ...], state: nnx.State, x: jax.Array,
+                 kv_cache: tuple[jax.Array, jax.Array], kwargs: dict[str, Any]) -> tuple[jax.Array, Any]:
+    del environment  # a key only: the kernels read it from the environment while this traces
+    return nnx.merge(graphdef, state)(x, kv_cache=kv_cache, **kwargs)
 
 
 def param(*shape: int, dtype: Any) -> nnx.Param:

@@ -33,6 +33,7 @@ from jaxserve.models.layers import (
     LoraShape,
     RMSNorm,
     Rope,
+    apply_layers,
     apply_rope,
     embedding_lookup,
     layer_windows,
@@ -276,10 +277,7 @@ class LlamaForCausalLM(nnx.Module):
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         lora_slots = lora_slots if self.cfg.lora is not None else None
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md, lora_slots)
-            new_caches.append(kv_cache)
+        x, new_caches = apply_layers(self.layers, x, kv_caches, positions=positions, md=md, lora_slots=lora_slots)
         return self.norm(x), new_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

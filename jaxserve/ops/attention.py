@@ -49,6 +49,11 @@ FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.
 TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT")
 
 
+def trace_environment() -> tuple[str | None, ...]:
+    """TRACE_ENVIRONMENT's values now: part of the key of a kept trace."""
+    return tuple(os.environ.get(name) for name in TRACE_ENVIRONMENT)
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """A resolved attention choice (part of the model config, so of the compile key)."""

@@ -20,7 +20,6 @@ sampler inside the step, one program to launch (the greedy and multi-step varian
 import dataclasses
 import functools
 import inspect
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.models.layers import KVCache
-from jaxserve.ops.attention import TRACE_ENVIRONMENT
+from jaxserve.ops.attention import trace_environment
 from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.packing import PackedBatch, unpack
 from jaxserve.runner.penalties import PenaltyTables, count_accepted_drafts, count_outputs, update_tables
@@ -46,7 +45,7 @@ def _shared(maker: Callable) -> Callable:
     (an `LLM` made again in a notebook cell while the last one still stands, a test module's engines) share
     its jitted function, and with it JAX's caches of its traces, lowerings and executables, so the second
     runner's warm-up traces and compiles nothing. The key is the maker's arguments (the model's GraphDef
-    holds its config) and the environment that the model's code reads while tracing (`TRACE_ENVIRONMENT`);
+    holds its config) and the environment that the model's code reads while tracing (`trace_environment`);
     JAX's caches key the rest (shapes, shardings, its config). Functions are held weakly: once no runner
     holds one, it goes with what JAX keeps for it (a closed engine's executables are not kept for a runner
     that may never come). Arguments that cannot be hashed make a function of their own."""
@@ -58,8 +57,7 @@ def _shared(maker: Callable) -> Callable:
     def shared(*args: Any, **kwargs: Any) -> Callable:
         arguments = signature.bind(*args, **kwargs).arguments
         options = arguments.pop("compiler_options", None) or {}
-        key = (tuple(arguments.items()), tuple(sorted(options.items())),
-               tuple(os.environ.get(name) for name in TRACE_ENVIRONMENT))
+        key = (tuple(arguments.items()), tuple(sorted(options.items())), trace_environment())
         try:
             hash(key)
         except TypeError:
