@@ -43,6 +43,7 @@ from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # t
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import TP_AXIS
 from jaxserve.roofline import model_shape, step_cost
+from jaxserve.runner import trace_time
 from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
@@ -93,6 +94,10 @@ class BucketResult:
     # (the roofline figures stay one decode step's), or on CPU targets a request bucket's "sampler"
     # (`step_fn.make_sample_fn`; no roofline).
     variant: str = "plain"
+    # Of compile_seconds, jax's tracing and lowering (Python: one compile at a time under the GIL;
+    # runner/trace_time.py)
+    trace_seconds: float = 0.0
+    lower_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,8 @@ class CompileReport:
     num_kv_pages: int
     num_kv_pages_given: bool  # --num-kv-pages (the preset's or the flag's), not a budget
     compile_seconds: float  # the ladder's, summed over buckets
+    trace_seconds: float  # of it, jax's tracing and lowering, summed over buckets (BucketResult)
+    lower_seconds: float
     wall_seconds: float
     buckets: list[BucketResult]
 
@@ -271,10 +278,16 @@ def compile_ladder(
     def one(job: tuple[Bucket, str]) -> BucketResult:
         bucket, variant = job
         step_fn, multi_step = step_fns[variant]
+        with trace_time.measuring() as python:
+            if variant == "sampler":
+                compiled = compile_sampler(step_fn, shapes, bucket.num_reqs, device, mesh)
+            else:
+                compiled = compile_bucket(step_fn, state, shapes, bucket, device, mesh, read_launches=read_launches,
+                                          multi_step=multi_step)
+        python_seconds = {"trace_seconds": round(python.trace_seconds, 3),
+                          "lower_seconds": round(python.lower_seconds, 3)}
         if variant == "sampler":
-            return _sampler_result(compile_sampler(step_fn, shapes, bucket.num_reqs, device, mesh))
-        compiled = compile_bucket(step_fn, state, shapes, bucket, device, mesh, read_launches=read_launches,
-                                  multi_step=multi_step)
+            return _sampler_result(compiled, python_seconds)
         xla_flops = xla_bytes = None
         if reference_step is not None and variant == "plain":
             ref_step, ref_state = reference_step
@@ -294,7 +307,7 @@ def compile_ladder(
             xla_flops=xla_flops, xla_bytes=xla_bytes, flops=predicted.flops, bytes=predicted.bytes,
             predicted_seconds=predicted.seconds, bound=predicted.bound,
             collectives=count_collectives(compiled.compiled.as_text()) if mesh is not None else {},
-            launches=compiled.launches, variant=variant,
+            launches=compiled.launches, variant=variant, **python_seconds,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -310,12 +323,14 @@ def compile_ladder(
         kv_budget=budget, kv_budget_bytes=budget.kv_bytes if budget else None, num_kv_pages=num_pages,
         num_kv_pages_given=config.cache.num_kv_pages is not None,
         compile_seconds=round(sum(r.compile_seconds for r in results), 2),
+        trace_seconds=round(sum(r.trace_seconds for r in results), 2),
+        lower_seconds=round(sum(r.lower_seconds for r in results), 2),
         wall_seconds=round(time.perf_counter() - wall_start, 2),
         buckets=results,
     )
 
 
-def _sampler_result(compiled: CompiledBucket) -> BucketResult:
+def _sampler_result(compiled: CompiledBucket, python_seconds: dict[str, float]) -> BucketResult:
     """A sampler's row (CPU targets): its compile and memory; no roofline, which counts whole steps."""
     logger.info("compiled the sampler of %d rows in %.1fs", compiled.bucket.num_reqs, compiled.compile_seconds)
     return BucketResult(
@@ -323,7 +338,7 @@ def _sampler_result(compiled: CompiledBucket) -> BucketResult:
         compile_seconds=round(compiled.compile_seconds, 3), argument_bytes=compiled.argument_bytes,
         output_bytes=compiled.output_bytes, alias_bytes=compiled.alias_bytes, temp_bytes=compiled.temp_bytes,
         xla_flops=None, xla_bytes=None, flops=0.0, bytes=0.0, predicted_seconds=None, bound=None, collectives={},
-        launches=None, variant="sampler",
+        launches=None, variant="sampler", **python_seconds,
     )
 
 
@@ -376,7 +391,9 @@ def format_report(report: CompileReport) -> str:
             + ", ".join(f"{n} {kind}" for kind, n in r.collectives.items()) for r in report.buckets))
     lines.append("")
     lines.append(f"{len(report.buckets)} steps compiled in {report.compile_seconds:.1f}s of compile time "
-                 f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s))")
+                 f"({report.wall_seconds:.1f}s wall, {report.jobs} job(s)); of it, jax traced for "
+                 f"{report.trace_seconds:.1f}s and lowered for {report.lower_seconds:.1f}s (Python: one compile "
+                 f"at a time)")
     lines.append(f"weights {report.weights_bytes / gib:.2f} GiB, other state {report.state_bytes / mib:.0f} MiB, "
                  f"largest temp allocation {report.max_temp_bytes / mib:.0f} MiB (estimated from the step's shapes: "
                  f"{report.estimated_temp_bytes / mib:.0f} MiB)")

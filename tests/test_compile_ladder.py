@@ -41,6 +41,9 @@ def _check_report(report, buckets: list[Bucket], launches_read: bool = True, bud
     assert report.attention == "pallas"  # what `auto` picks on a real H100
     assert report.dtype == "bfloat16"
     assert all(b.temp_bytes > 0 and b.compile_seconds > 0 for b in report.buckets)
+    # jax's tracing and lowering: part of the compile time (the CPU reference's for XLA's cost left out)
+    assert report.trace_seconds > 0 and report.lower_seconds > 0
+    assert report.trace_seconds + report.lower_seconds < report.compile_seconds
     assert all(b.predicted_seconds > 0 and b.bound in ("compute", "memory") for b in report.buckets)
     # What each step launches, from XLA's thunks: most kernels recorded in command buffers, a few host ops.
     for b in report.buckets if launches_read else ():

@@ -48,7 +48,7 @@ from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import bytes_per_device, replicated
 from jaxserve.progress import progress
-from jaxserve.runner import compile_origin
+from jaxserve.runner import compile_origin, trace_time
 from jaxserve.runner.aot import (
     CompiledBucket,
     StepShapes,
@@ -163,6 +163,8 @@ class ModelRunner:
         self.num_greedy_steps = 0  # steps run by a greedy variant, for tests and benchmarks
         self.num_multi_steps = 0  # calls of a multi-step variant, the same
         self._compiled_lock = threading.Lock()  # a background warm-up adds while steps read
+        # The start's step compiles' tracing and lowering, summed (the KV sizing's and the warm-up's)
+        self._warmup_python = trace_time.TraceTime()
         self._stop_compiling = threading.Event()
         # Tracing and lowering a step are Python, holding the GIL; XLA's compile releases it. One thread
         # traces at a time, so that a dozen compile threads (a GPU machine's cores) leave the GIL to the
@@ -373,9 +375,11 @@ class ModelRunner:
         largest = largest_buckets(self.ladder.all_buckets())
 
         def compile_one(bucket: Bucket) -> CompiledBucket:
-            with compile_origin.counting() as origin:
+            with compile_origin.counting() as origin, trace_time.measuring() as python:
                 compiled = compile_bucket(self._step, self.model.state, shapes, bucket, device, self.mesh,
                                           compiler_options=options)
+            with self._compiled_lock:
+                self._warmup_python += python
             return dataclasses.replace(compiled, origin=origin())
 
         with ThreadPoolExecutor(max_workers=min(len(largest), _COMPILE_THREADS),
@@ -683,7 +687,7 @@ class ModelRunner:
                 return compile_origin.worst(sized.origin, sampler_origin)
             args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
                                       variant.multi_step)
-            with compile_origin.counting() as origin:
+            with compile_origin.counting() as origin, trace_time.measuring() as python:
                 with self._tracing:
                     if self._stop_compiling.is_set():  # stopped while this job waited for its turn
                         return None
@@ -694,6 +698,7 @@ class ModelRunner:
                 self._compiled[bucket] = compiled
             else:
                 self._compiled_variants[bucket, variant] = compiled
+            self._warmup_python += python
         return compile_origin.worst(origin(), sampler_origin)
 
     def _compile_sampler(self, num_reqs: int) -> str | None:
@@ -713,12 +718,14 @@ class ModelRunner:
                 self._compiled_samplers[num_reqs] = lowered.compile()
             return origin()
 
-    @staticmethod
-    def _log_compiled(futures: list[Future[str | None]]) -> None:
+    def _log_compiled(self, futures: list[Future[str | None]]) -> None:
         origins = [origin for origin in (f.result() for f in futures) if origin is not None]
         kept = origins.count(compile_origin.KEPT)
-        logger.info("compiled %d buckets on %d threads, %d from the persistent cache%s", len(origins), _COMPILE_THREADS,
-                    origins.count(compile_origin.LOADED), f", {kept} {compile_origin.KEPT}" if kept else "")
+        python = self._warmup_python
+        logger.info("compiled %d buckets on %d threads, %d from the persistent cache%s; jax traced their steps for "
+                    "%.1fs and lowered them for %.1fs (Python: one compile at a time)", len(origins), _COMPILE_THREADS,
+                    origins.count(compile_origin.LOADED), f", {kept} {compile_origin.KEPT}" if kept else "",
+                    python.trace_seconds, python.lower_seconds)
 
 
 class LoraWriter:

@@ -29,6 +29,7 @@ def test_an_engine_made_again_compiles_nothing_and_generates_the_same_tokens(lla
     buckets = len(again.runner.ladder.all_buckets())
     assert f"compiled {buckets} buckets on " in caplog.text
     assert f", 0 from the persistent cache, {buckets} {compile_origin.KEPT}" in caplog.text
+    assert "jax traced their steps for 0.0s and lowered them for 0.0s" in caplog.text  # nor traced anything
     again.shutdown()
 
 
