@@ -35,6 +35,9 @@ _PHASES = {
     "weights_wait_s": re.compile(r"weights: in; the start waited ([\d.]+)s for them"),
     "warmup_s": re.compile(r"warm-up: (?:\d+ of )?\d+ buckets compiled in ([\d.]+)s"),
     "all_compiled_s": re.compile(r"warm-up: (?:all )?\d+ buckets compiled in ([\d.]+)s"),
+    # of the start's step compiles, jax's tracing and lowering (Python: one compile at a time; runner/trace_time.py)
+    "trace_s": re.compile(r"jax traced their steps for ([\d.]+)s"),
+    "lower_s": re.compile(r"jax traced their steps for [\d.]+s and lowered them for ([\d.]+)s"),
     "cache_hits": re.compile(r"(\d+) from the persistent cache"),
     # a GPU's KV sizing (runner/kv_sizing.py): the largest buckets' quick compiles (0 on a start that found
     # an earlier start's record, or sized from the step's shapes), then their real ones
