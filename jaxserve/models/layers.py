@@ -41,9 +41,10 @@ def apply_layers(layers: nnx.List, x: jax.Array, kv_caches: KVCache, **kwargs: A
 
     Each layer is called through one jitted function, `_apply_layer`, whose static arguments are the layer's
     structure (its `nnx.GraphDef`: config, window, rotary embedding) and the environment the attention's
-    choice of kernel reads while tracing, and whose traced ones are its weights and inputs. Inside a step's
-    trace jax keeps a nested jit's jaxpr by its static arguments and input types, and its lowering within the
-    step's module, so a model's identical layers are traced and lowered once, Pallas kernels and all, where
+    choice of kernel reads while tracing, and whose traced ones are its weights and inputs. jax keeps a
+    nested jit's jaxpr for the process by its static arguments and input types (until evicted or
+    `jax.clear_caches()`), and its lowering within the step's module, so a model's identical layers are
+    traced and lowered once, Pallas kernels and all, where
     a plain loop traced every layer again: the layers' part of the Python time that every step's compile
     spends before XLA (warm starts included) divided by their number. XLA inlines the calls before its
     first optimization: it compiles the plain loop's computation, its instructions in an order that can

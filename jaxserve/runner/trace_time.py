@@ -4,9 +4,11 @@ one at a time while XLA's part runs in parallel: on a many-core host it is what 
 once XLA's compiles are spread over the cores, and all that a warm start's compiles cost beyond the
 persistent cache's loads.
 
-Read from JAX's monitoring events, which JAX sends in the thread that traces or lowers, where each ends. A
-trace's event covers the traces nested in it (a jitted function called inside another, traced at its first
-call), whose own events come first: those are left out, so nothing is counted twice."""
+Read from JAX's monitoring events, which JAX sends in the thread that traces or lowers, where each ends; each
+is a wall-clock span, so a thread's figure includes the time it waited for the GIL while another thread
+traced: blocks on threads that trace at once (`jaxserve compile --jobs` > 1) each count the overlap. Spans
+inside another are counted once (jax 0.10-0.12 send no event for a jit traced inside another; this holds if
+one does)."""
 
 import contextlib
 import functools
