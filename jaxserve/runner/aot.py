@@ -6,6 +6,7 @@ memory on the target. `ModelRunner` uses the same arguments to size its KV cache
 temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it does not have.
 """
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,6 +163,11 @@ def step_compiler_options(enforce_eager: bool, platform: str) -> dict[str, Any]:
     return dict(_NO_COMMAND_BUFFERS) if enforce_eager and platform in ("gpu", "cuda", "rocm") else {}
 
 
+# Tracing and lowering hold the GIL: compiles on threads take turns at them anyway, and one at a time each
+# trace's wall-clock span (what `trace_time` sums) is its own work, not its wait for another's.
+_TRACING = threading.Lock()
+
+
 def compile_bucket(
     step_fn: Any, state: nnx.State, shapes: StepShapes, bucket: Bucket, device: Any, mesh: Mesh | None = None,
     read_launches: bool = False, multi_step: bool = False, compiler_options: dict[str, Any] | None = None,
@@ -175,7 +181,7 @@ def compile_bucket(
     start = time.perf_counter()
     # Pallas's Triton lowering takes the GPU it lowers for from jax's default device (jax >= 0.11; 0.10
     # assumed compute capability 9.0 without a local GPU): the target's, for a deviceless compile.
-    with jax.default_device(device):
+    with _TRACING, jax.default_device(device):
         lowered = step_fn.trace(*args).lower()
     launches = None
     if read_launches:

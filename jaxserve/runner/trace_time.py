@@ -5,8 +5,8 @@ once XLA's compiles are spread over the cores, and all that a warm start's compi
 persistent cache's loads.
 
 Read from JAX's monitoring events, which JAX sends in the thread that traces or lowers, where each ends; each
-is a wall-clock span, so a thread's figure includes the time it waited for the GIL while another thread
-traced: blocks on threads that trace at once (`jaxserve compile --jobs` > 1) each count the overlap. Spans
+is a wall-clock span, so a thread's figure would include the time it waited for the GIL while another thread
+traced: the compiles measured here trace one at a time (`aot.compile_bucket`, the warm-up's lock). Spans
 inside another are counted once (jax 0.10-0.12 send no event for a jit traced inside another; this holds if
 one does)."""
 
