@@ -163,9 +163,12 @@ def step_compiler_options(enforce_eager: bool, platform: str) -> dict[str, Any]:
     return dict(_NO_COMMAND_BUFFERS) if enforce_eager and platform in ("gpu", "cuda", "rocm") else {}
 
 
-# Tracing and lowering hold the GIL: compiles on threads take turns at them anyway, and one at a time each
-# trace's wall-clock span (what `trace_time` sums) is its own work, not its wait for another's.
-_TRACING = threading.Lock()
+# Held while a step is traced and lowered, by every compile of one (here and the runner's warm-up). That is
+# Python, holding the GIL, where XLA's compile releases it: one thread traces at a time, so that a dozen
+# compile threads (a GPU machine's cores) leave the GIL to the steps being served rather than take it in
+# turns, run their XLA compiles side by side, and each trace's wall-clock span (what `trace_time` sums) is
+# its own work, not its wait for another's.
+TRACING = threading.Lock()
 
 
 def compile_bucket(
@@ -181,7 +184,7 @@ def compile_bucket(
     start = time.perf_counter()
     # Pallas's Triton lowering takes the GPU it lowers for from jax's default device (jax >= 0.11; 0.10
     # assumed compute capability 9.0 without a local GPU): the target's, for a deviceless compile.
-    with _TRACING, jax.default_device(device):
+    with TRACING, jax.default_device(device):
         lowered = step_fn.trace(*args).lower()
     launches = None
     if read_launches:

@@ -50,6 +50,7 @@ from jaxserve.parallel import bytes_per_device, replicated
 from jaxserve.progress import progress
 from jaxserve.runner import compile_origin, trace_time
 from jaxserve.runner.aot import (
+    TRACING,
     CompiledBucket,
     StepShapes,
     abstract_kv_caches,
@@ -166,10 +167,6 @@ class ModelRunner:
         # The start's step compiles' tracing and lowering, summed (the KV sizing's and the warm-up's)
         self._warmup_python = trace_time.TraceTime()
         self._stop_compiling = threading.Event()
-        # Tracing and lowering a step are Python, holding the GIL; XLA's compile releases it. One thread
-        # traces at a time, so that a dozen compile threads (a GPU machine's cores) leave the GIL to the
-        # steps being served rather than take it in turns, and run their compiles side by side.
-        self._tracing = threading.Lock()
         self._background: threading.Thread | None = None
         self.last_step: ExecutedStep | None = None  # for benchmarks: the bucket the last step ran in
         self._broadcast = broadcast  # multi-host leader: sends each step's device work to the followers
@@ -688,7 +685,7 @@ class ModelRunner:
             args = abstract_step_args(self.model.state, self._step_shapes, bucket, jax.devices()[0], self.mesh,
                                       variant.multi_step)
             with compile_origin.counting() as origin, trace_time.measuring() as python:
-                with self._tracing:
+                with TRACING:
                     if self._stop_compiling.is_set():  # stopped while this job waited for its turn
                         return None
                     lowered = self._step_fns[variant].trace(*args).lower()
@@ -713,7 +710,7 @@ class ModelRunner:
                 return None
             args = abstract_sample_args(self._step_shapes, num_reqs, jax.devices()[0], self.mesh)
             with compile_origin.counting() as origin:
-                with self._tracing:
+                with TRACING:
                     lowered = self._sample_fn.trace(*args).lower()
                 self._compiled_samplers[num_reqs] = lowered.compile()
             return origin()
