@@ -491,7 +491,7 @@ def paged_attention(
             logit_softcap=logit_softcap, sinks=sinks, impl=attention.impl, num_sms=attention.num_sms,
             decode_only=md.decode_only,
             hopper=attention.mosaic_attention, hopper_decode=attention.mosaic_decode,
-            persistent=attention.mosaic_persistent,
+            persistent=attention.mosaic_persistent, hopper_fp8=attention.mosaic_fp8,
         )
         return out, (k_pages, v_pages)
 

@@ -46,7 +46,8 @@ FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.
 
 # The environment the kernel choices below read while a step is traced: part of the key of anything that
 # keeps a traced step (`runner.step_fn`).
-TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT")
+TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT",
+                     "JAXSERVE_MOSAIC_FP8")
 
 
 def trace_environment() -> tuple[str | None, ...]:
@@ -98,6 +99,13 @@ class AttentionConfig:
         a program a multiprocessor, each walking several query blocks or requests): with
         JAXSERVE_MOSAIC_PERSISTENT=1, until a GPU has measured it against a program a block."""
         return self.hopper and self.num_sms is not None and os.environ.get("JAXSERVE_MOSAIC_PERSISTENT") == "1"
+
+    @property
+    def mosaic_fp8(self) -> bool:
+        """Whether the Mosaic GPU kernel reads an FP8 cache (widening its stages in shared memory:
+        `paged_attention_mgpu`), rather than leaving such steps to the Triton kernels: with
+        JAXSERVE_MOSAIC_FP8=1, until a Hopper GPU has run it against the oracle and measured it."""
+        return self.hopper and os.environ.get("JAXSERVE_MOSAIC_FP8") == "1"
 
     @property
     def native_matmuls(self) -> bool:
@@ -191,6 +199,7 @@ def ragged_paged_attention(
     hopper: bool = False,
     hopper_decode: bool = False,
     persistent: bool = False,
+    hopper_fp8: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of packed ragged queries over each request's paged K/V.
 
@@ -211,7 +220,8 @@ def ragged_paged_attention(
     `hopper` (static, with `pallas`): the target is a Hopper GPU, whose prefill and mixed steps go through
     the Mosaic GPU kernel where the shapes fit it; `hopper_decode` (static) sends decode-only steps there
     too (`AttentionConfig.mosaic_decode`); `persistent` (static): the Mosaic GPU kernel on a persistent
-    grid of `num_sms` programs over the KV heads (`AttentionConfig.mosaic_persistent`).
+    grid of `num_sms` programs over the KV heads (`AttentionConfig.mosaic_persistent`); `hopper_fp8`
+    (static): an FP8 cache takes the Mosaic GPU kernel too (`AttentionConfig.mosaic_fp8`), else the Triton ones.
     """
     if impl == "auto":
         impl = resolve_impl(impl)
@@ -227,12 +237,12 @@ def ragged_paged_attention(
     if impl == "reference":
         return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     interpret = impl == "interpret"
-    if (hopper_decode if decode_only else hopper) and not interpret:
+    fp8_cache = k_pages.dtype in paged_attention_pallas.FP8_CACHE_DTYPES
+    if (hopper_decode if decode_only else hopper) and not interpret and (hopper_fp8 or not fp8_cache):
         from jaxserve.ops import paged_attention_mgpu as mgpu
 
-        config = mgpu.DECODE_DEFAULTS if decode_only else mgpu.DEFAULTS
         shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
-        if mgpu.supports(*shape, **config, persistent=persistent) is None:
+        if (config := mgpu.config_for(decode_only, *shape, persistent=persistent)) is not None:
             args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
             programs = mgpu.one_wave(num_sms, k_pages.shape[0]) if persistent and num_sms else None  # this device's
             if decode_only:  # dealt longest first on a persistent grid (a snake of the launch order)

@@ -46,8 +46,16 @@ Whole pages are loaded, so the slots past a request's length are read: they must
 the engine guarantees (a fresh cache is zeros, freed pages keep finite K/V, padding writes are dropped).
 Their scores are masked before the softmax and their P is exactly 0, so they never reach the output.
 
+An FP8 cache (e4m3, its per-layer scales folded into the weights: `models/kv_scales.py`) is read as it is
+stored, half a 16-bit cache's bytes: the producer's TMA copies land the pages in FP8 staging buffers, and
+the producer widens each stage to the queries' dtype in the K and V buffers the consumers read (e4m3 to
+float16 in hardware, `cvt.f16x2.e4m3x2`, then to bfloat16: sm_90 has no direct e4m3 -> bfloat16 convert),
+a stage behind its copies (`_producer_block`), so a ring of FP8 stages stays in flight. The consumers'
+program is the 16-bit one; e4m3 values are exact in float16 and bfloat16, so the kernel computes what a
+16-bit cache of the same values gives.
+
 Needs: a head dim that is a multiple of 64, pages of a multiple of 8 tokens that divide `block_kv`, queries
-and cache in float16 or bfloat16 (an FP8 cache stays on the Triton kernel). The kernel also runs in Mosaic
+in float16 or bfloat16 and a cache of the same dtype or FP8 e4m3. The kernel also runs in Mosaic
 GPU's interpreter on a CPU (`interpret=`, jax >= 0.11), which the tests check against the float64 oracle.
 """
 
@@ -62,7 +70,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.ops.paged_attention_pallas import LOG2_E, MASK_VALUE, ScoreRule, heaviest_first, next_pow2
+from jaxserve.ops.paged_attention_pallas import (
+    FP8_CACHE_DTYPES,
+    LOG2_E,
+    MASK_VALUE,
+    ScoreRule,
+    heaviest_first,
+    next_pow2,
+)
 from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
@@ -94,13 +109,15 @@ _SLAB_ALIGN = 8
 
 
 def shared_memory_bytes(
-    head_dim: int, num_consumers: int, block_kv: int, stages: int, p_in_registers: bool = False, itemsize: int = 2
+    head_dim: int, num_consumers: int, block_kv: int, stages: int, p_in_registers: bool = False, itemsize: int = 2,
+    fp8: bool = False,
 ) -> int:
     """The kernel's buffers: per consumer its queries, P (unless in registers) and output; per stage a K and
-    a V block."""
+    a V block, and with an `fp8` cache their FP8 staging buffers."""
     rows = num_consumers * ROWS_PER_WARPGROUP
     p_cols = 0 if p_in_registers else block_kv
-    return (rows * (2 * head_dim + p_cols) + 2 * stages * block_kv * head_dim) * itemsize + _SMEM_SPARE
+    staging = 2 * stages * block_kv * head_dim if fp8 else 0  # one byte an element
+    return (rows * (2 * head_dim + p_cols) + 2 * stages * block_kv * head_dim) * itemsize + staging + _SMEM_SPARE
 
 
 def supports(
@@ -110,8 +127,10 @@ def supports(
     overlap: bool = False, persistent: bool = False, smem_limit: int = HOPPER_SMEM_BYTES,
 ) -> str | None:
     """Why this kernel cannot serve a shape (None when it can): the caller then takes the Triton kernel."""
-    if jnp.dtype(q_dtype) not in MGPU_DTYPES or jnp.dtype(cache_dtype) != jnp.dtype(q_dtype):
-        return f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(cache_dtype).name} (float16 or bfloat16, alike)"
+    fp8 = jnp.dtype(cache_dtype) in FP8_CACHE_DTYPES
+    if jnp.dtype(q_dtype) not in MGPU_DTYPES or not (fp8 or jnp.dtype(cache_dtype) == jnp.dtype(q_dtype)):
+        return (f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(cache_dtype).name} (float16 or bfloat16, "
+                "the cache alike or FP8 e4m3)")
     if head_dim % 64:
         return f"head dim {head_dim} (a multiple of 64)"
     if block_kv % 64:
@@ -128,14 +147,49 @@ def supports(
         return f"the overlapped softmax at head dim {head_dim} (two steps' scores and the output in registers: 128)"
     if next_pow2(num_q_heads // num_kv_heads) * 8 > num_consumers * ROWS_PER_WARPGROUP:
         return f"{num_q_heads // num_kv_heads} query heads per KV head (a block holds at least 8 tokens)"
-    if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers)) > smem_limit:
+    if (need := shared_memory_bytes(head_dim, num_consumers, block_kv, stages, p_in_registers, fp8=fp8)) > smem_limit:
         return f"head dim {head_dim} at block_kv {block_kv} x {stages} stages ({need} bytes of shared memory)"
     return None
 
 
-def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A shared-memory buffer in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+def config_for(
+    decode_only: bool, q_dtype, cache_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+    persistent: bool = False,
+) -> dict[str, Any] | None:
+    """The kernel's settings for a step (`DECODE_DEFAULTS` for decode-only steps, else `DEFAULTS`), `block_kv`
+    halved (down to 64) where the defaults' buffers pass the shared memory (an FP8 cache's staging buffers
+    do at the prefill defaults); None where the kernel cannot serve the shape at all."""
+    config = dict(DECODE_DEFAULTS if decode_only else DEFAULTS)
+    shape = (q_dtype, cache_dtype, num_q_heads, num_kv_heads, head_dim, page_size)
+    while (why := supports(*shape, **config, persistent=persistent)) is not None:
+        if "shared memory" not in why or config["block_kv"] <= 64:
+            return None
+        config["block_kv"] //= 2
+    return config
+
+
+def _swizzled(shape: tuple[int, ...], dtype, swizzle: int = 128) -> plgpu.SMEM:
+    """A shared-memory buffer in the layout wgmma reads: tiles of 8 rows by `swizzle` bytes (64 elements of
+    16 bits at the default 128), swizzled."""
+    columns = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle)))
+
+
+# FP8 staging buffers: tiles of 64 e4m3 values (64-byte swizzle), so a 64 x 64 piece of a stage is whole
+# tiles of both it and the 16-bit buffer it widens into, and a piece's values fit the producer's registers.
+_FP8_SWIZZLE = 64
+_WIDEN_PIECE = 64
+
+
+def _widen(fp8_smem, dst_smem) -> None:
+    """Copies a stage's FP8 K or V block [S, H] into its 16-bit buffer, widened (e4m3 -> float16 in
+    hardware, then to bfloat16 where that is the queries' dtype), 64 x 64 values at a time."""
+    block_kv, head_dim = fp8_smem.shape
+    for r in range(0, block_kv, _WIDEN_PIECE):
+        for c in range(0, head_dim, _WIDEN_PIECE):
+            rows, cols = pl.ds(r, _WIDEN_PIECE), pl.ds(c, _WIDEN_PIECE)
+            piece = fp8_smem[rows, cols].astype(jnp.float16)
+            dst_smem[rows, cols] = piece.astype(dst_smem.dtype)
 
 
 def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]]:
@@ -150,9 +204,9 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
     return pieces
 
 
-def _consumer(o_ref, sinks_ref, info, *buffers_and_barriers, **static):
+def _consumer(o_ref, sinks_ref, info, *buffers_and_barriers, registers: int, **static):
     """Consumer warpgroup `wg`'s program: its blocks in turn (`_walk_blocks`)."""
-    plgpu.set_max_registers(232, action="increase")  # S, P and the accumulators, with no spills
+    plgpu.set_max_registers(registers, action="increase")  # S, P and the accumulators (`CONSUMER_REGISTERS`)
     _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, sinks_ref, row, done, *buffers_and_barriers,
                                                             **static))
     if info.ndim == 2:  # a persistent grid's blocks waited only for their stores' reads
@@ -447,10 +501,17 @@ def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> Non
         ))
 
 
+# Registers a thread (setmaxnreg): the producer's, which only issues copies with a 16-bit cache and widens an
+# FP8 one's stages too, and the consumers', which hold S, P and the accumulators without spills; a program's
+# warpgroups share the multiprocessor's 64K (2 consumers and the producer: 2 x 128 x 232 + 128 x 40).
+PRODUCER_REGISTERS = {False: 40, True: 64}  # by whether the cache is FP8
+CONSUMER_REGISTERS = {(2, False): 232, (2, True): 224, (1, False): 232, (1, True): 232}  # (consumers, FP8)
+
+
 def _producer(q_ref, k_ref, v_ref, page_table_ref, info, *buffers_and_barriers, **static):
     """The producer warpgroup's program: its blocks in turn, one ring of stages across them, so the next
     block's pages load while the consumers finish this one."""
-    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: its registers go to the consumers
+    plgpu.set_max_registers(PRODUCER_REGISTERS[static["staging"] is not None], action="decrease")
     _walk_blocks(info, lambda row, i, done: _producer_block(q_ref, k_ref, v_ref, page_table_ref, row, i, done,
                                                             *buffers_and_barriers, **static))
 
@@ -465,6 +526,7 @@ def _producer_block(
     block_q: int,
     stages: int,
     pages_per_block: int,
+    staging: tuple[Any, Any, Any, Any] | None,  # an FP8 cache's: K and V staging buffers, their copies' barriers
 ):
     kv_head = lax.axis_index("kv_head")
     page_size = k_ref.shape[2]
@@ -485,19 +547,52 @@ def _producer_block(
         load_queries()
     first_step, end_step = info[_FIRST_STEP], info[_END_STEP]
 
-    @pl.loop(first_step, end_step)
+    def load_pages(step, cache_ref, smem, bars):  # one TMA copy a page of the step's keys, onto `bars`
+        for p in range(pages_per_block):
+            page = page_table_ref[req, step * pages_per_block + p]
+            plgpu.copy_gmem_to_smem(cache_ref.at[kv_head, page], smem.at[pl.ds(p * page_size, page_size)], bars)
+
+    if staging is None:
+
+        @pl.loop(first_step, end_step)
+        def _(step):
+            j = done + step - first_step  # the program's steps so far: the ring's position
+            slot = lax.rem(j, stages)
+            for cache_ref, smem, bars, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
+                pl.when(j >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # the stage is free
+                load_pages(step, cache_ref, smem.at[slot], bars.at[slot])
+            if q_free is not None:  # a persistent grid: the block's first pages go before the wait for its
+                pl.when(step == first_step)(load_queries)  # queries' buffer (the last Q K^T of the block before)
+        return
+
+    # An FP8 cache: step s's pages are copied into FP8 stage s % stages, and widened `lag` steps later into
+    # the 16-bit stage the consumers read (once they have freed it), so `lag` steps' copies stay in flight
+    # while the producer widens. An FP8 stage is copied into again only after it was widened (program order;
+    # `commit_smem` orders the widening's reads before the copy's writes).
+    k_fp8, v_fp8, k_copied, v_copied = staging
+    lag = stages - 1
+
+    @pl.loop(first_step, end_step + lag)
     def _(step):
-        j = done + step - first_step  # the program's steps so far: the ring's position
-        slot = lax.rem(j, stages)
-        for cache_ref, smem, bars, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
-            pl.when(j >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # the stage is free
-            for p in range(pages_per_block):
-                page = page_table_ref[req, step * pages_per_block + p]
-                plgpu.copy_gmem_to_smem(
-                    cache_ref.at[kv_head, page], smem.at[slot, pl.ds(p * page_size, page_size)], bars.at[slot]
-                )
-        if q_free is not None:  # a persistent grid: the block's first pages go before the wait for its queries'
-            pl.when(step == first_step)(load_queries)  # buffer (the consumers' last Q K^T of the block before)
+        @pl.when(step < end_step)
+        def _():
+            slot = lax.rem(done + step - first_step, stages)
+            load_pages(step, k_ref, k_fp8.at[slot], k_copied.at[slot])
+            load_pages(step, v_ref, v_fp8.at[slot], v_copied.at[slot])
+            if q_free is not None:
+                pl.when(step == first_step)(load_queries)
+
+        @pl.when(step - lag >= first_step)
+        def _():
+            j = done + step - lag - first_step
+            slot = lax.rem(j, stages)
+            for fp8_smem, copied, smem, bars, free in ((k_fp8, k_copied, k_smem, k_bars, k_free),
+                                                       (v_fp8, v_copied, v_smem, v_bars, v_free)):
+                plgpu.barrier_wait(copied.at[slot])
+                pl.when(j >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                _widen(fp8_smem.at[slot], smem.at[slot])
+                plgpu.commit_smem()  # the widened values visible to the consumers' wgmma
+                plgpu.barrier_arrive(bars.at[slot])
 
 
 def _kernel(
@@ -506,14 +601,17 @@ def _kernel(
 ):  # refs: (sinks f32[N] with `has_sinks`,) the output [T, N, H]
     sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+    fp8 = k_ref.dtype in FP8_CACHE_DTYPES
     pages_per_block = block_kv // k_ref.shape[2]
     rows = ROWS_PER_WARPGROUP
     q_copies = [len(_pieces(w, group, block_q)) for w in range(num_consumers)]
 
     persistent = info_ref.ndim == 3  # i32[programs, M, _INFO]: M blocks a program; else i32[blocks, _INFO]
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free, v_free,
-               *optional):  # q_free with a persistent grid, then turns with ping-pong
+    def scoped(q_smem, k_smem, v_smem, p_smem, fp8_smem, o_smem, info, info_bar, q_bars, k_bars, v_bars, k_free,
+               v_free, *optional):  # q_free with a persistent grid, turns with ping-pong, then the FP8 copies'
+        optional = list(optional)
+        staging = (*fp8_smem, *optional.pop()) if fp8 else None  # FP8 K, V; their copies' barriers
         q_free = optional[0] if persistent else None
         turns = optional[-1] if ping_pong else None
         wg = lax.axis_index("wg")
@@ -527,12 +625,13 @@ def _kernel(
         pl.when(wg == num_consumers)(functools.partial(
             _producer, q_ref, k_ref, v_ref, page_table_ref, info, q_smem, k_smem, v_smem, *bars,
             num_consumers=num_consumers, group=group, block_q=block_q, stages=stages, pages_per_block=pages_per_block,
+            staging=staging,
         ))
         for w in range(num_consumers):
             pl.when(wg == w)(functools.partial(
                 _consumer, o_ref, sinks_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w,
                 group=group, block_q=block_q, stages=stages, block_kv=block_kv, scores=scores,
-                p_in_registers=p_in_registers, overlap=overlap,
+                p_in_registers=p_in_registers, overlap=overlap, registers=CONSUMER_REGISTERS[num_consumers, fp8],
             ))
 
     pl.run_scoped(
@@ -541,17 +640,22 @@ def _kernel(
         _swizzled((stages, block_kv, head_dim), dtype),
         _swizzled((stages, block_kv, head_dim), dtype),
         _swizzled((num_consumers, rows, block_kv) if not p_in_registers else (1, 8, 64), dtype),  # P
+        # an FP8 cache's staging buffers, K and V (none with a 16-bit cache)
+        tuple(_swizzled((stages, block_kv, head_dim), ref.dtype, _FP8_SWIZZLE) for ref in (k_ref, v_ref) if fp8),
         plgpu.SMEM((num_consumers, rows, head_dim), dtype),  # the output, plain: stored a token at a time
         plgpu.SMEM(info_ref.shape[1:], jnp.int32),  # last: the swizzled buffers before it stay 1,024-byte aligned
         plgpu.Barrier(),
         tuple(plgpu.Barrier(num_arrivals=n) for n in q_copies),  # one per consumer: its query copies
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        # K and V stages ready: their pages' copies arrived, or with an FP8 cache the producer widened them
+        plgpu.Barrier(num_arrivals=1 if fp8 else pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1 if fp8 else pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         # one per consumer: its last Q K^T of a block done, its queries' buffer free for the next block's
         *([tuple(plgpu.Barrier() for _ in range(num_consumers))] if persistent else []),
         *([plgpu.Barrier(num_arrivals=num_consumers)] if ping_pong else []),  # the consumers' turns
+        *([(plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),  # the FP8 stages' copies: K, V
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages))] if fp8 else []),
         collective_axes="wg",
     )
 
@@ -756,9 +860,10 @@ def ragged_paged_attention_hopper(
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
     long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+    shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
+    config = config_for(False, *shape, persistent=programs_per_kv_head is not None) or DEFAULTS  # else it says why
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
-                                         p_in_registers=DEFAULTS["p_in_registers"] and not interpret,
-                                         ping_pong=DEFAULTS["ping_pong"], overlap=DEFAULTS["overlap"],
+                                         **{**config, "p_in_registers": config["p_in_registers"] and not interpret},
                                          programs_per_kv_head=programs_per_kv_head)
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton

@@ -26,6 +26,7 @@ from jaxserve.ops.paged_attention_mgpu import (
     MIN_Q_LEN,
     _describe_blocks,
     block_q_for,
+    config_for,
     ragged_paged_attention_hopper,
     ragged_paged_attention_mgpu,
     supports,
@@ -134,6 +135,73 @@ def test_a_mix_on_larger_pages(page_size):
     case = finite(make_case(rng, [3, 100, 1, 70], [300, 100, 520, 200], 8, 2, page_size=page_size,
                             head_dim=64, max_pages=-(-600 // page_size)))
     check(run(case, jnp.bfloat16, sm_scale=0.125, block_kv=128), case, jnp.bfloat16, sm_scale=0.125)
+
+
+FP8 = jnp.float8_e4m3fn
+
+
+def in_fp8(case: PagedCase) -> PagedCase:
+    """The case with its K/V values rounded to e4m3 (the oracle then reads the cache's own values), every
+    unowned slot at e4m3's largest finite value (a larger one would cast to NaN)."""
+    stored = lambda pages: np.asarray(jnp.asarray(np.clip(pages, -448, 448), FP8).astype(jnp.float32))  # noqa: E731
+    return PagedCase(case.q, stored(case.k_pages), stored(case.v_pages), case.kv_lens, case.page_table,
+                     case.cu_q_lens)
+
+
+# (decode-only, the kernel's settings): the prefill and decode settings `config_for` gives an FP8 cache at
+# head dim 128, and beside them one stage, three, ping-pong, the overlapped softmax and a persistent grid.
+FP8_SETTINGS = {
+    "prefill": (False, dict(num_consumers=2, block_kv=64, stages=2, ping_pong=True)),
+    "decode": (True, dict(num_consumers=1, block_kv=64, stages=2)),
+    "one stage": (False, dict(num_consumers=2, block_kv=64, stages=1)),
+    "three stages, one consumer": (False, dict(num_consumers=1, block_kv=64, stages=3)),
+    "overlap": (False, dict(num_consumers=2, block_kv=64, stages=2, overlap=True)),
+    "persistent": (False, dict(num_consumers=2, block_kv=64, stages=2, ping_pong=True, programs_per_kv_head=2)),
+    "persistent decode": (True, dict(num_consumers=1, block_kv=64, stages=3, programs_per_kv_head=1)),
+}
+
+
+@needs_a_runner
+@pytest.mark.parametrize("setting", FP8_SETTINGS)
+def test_an_fp8_cache_matches_the_oracle_over_its_own_values(setting):
+    """An FP8 cache: the producer copies e4m3 pages into staging buffers and widens each stage for the
+    consumers a stage behind its copies; the output is the oracle's over the cache's e4m3 values, through
+    prefills, a chunk after cached tokens and decodes (or decodes alone), every schedule. In the interpreter
+    (a CPU) its race detector runs too: no widening reads a stage before its copy landed or writes one the
+    consumers still read, no copy overwrites a stage before it was widened."""
+    decode_only, config = FP8_SETTINGS[setting]
+    rng = np.random.default_rng(7)
+    q_lens, kv_lens = ([1] * 6, [1, 63, 65, 200, 17, 300]) if decode_only else ([3, 100, 1, 70], [300, 100, 520, 200])
+    case = in_fp8(finite(make_case(rng, q_lens, kv_lens, 8, 2, page_size=16, head_dim=128, max_pages=40)))
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    args[1:3] = [jnp.asarray(pages, FP8) for pages in (case.k_pages, case.v_pages)]
+    settings = {k: v for k, v in config.items() if k != "programs_per_kv_head"}
+    assert supports(jnp.bfloat16, FP8, 8, 2, 128, 16, **settings, persistent=settings != config) is None
+    if ON_HOPPER:
+        out = run_jitted(ragged_paged_attention_mgpu, *args, sm_scale=0.09, **config)
+    else:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        interpret_pallas_call.reset_gpu_interpret_mode_state()
+        out = ragged_paged_attention_mgpu(*args, sm_scale=0.09, interpret=InterpretGPUParams(detect_races=True),
+                                          **config)
+        assert not interpret_pallas_call.get_races().races_found
+    check(np.asarray(out.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.09)
+
+
+def test_an_fp8_cache_takes_half_the_keys_a_step_where_its_staging_would_pass_the_shared_memory():
+    """`config_for`: the defaults where they fit (a 16-bit cache, SmolLM2's head dim 64 with FP8 too); with an
+    FP8 cache at head dim 128 the staging buffers pass an H100's shared memory at 128 keys a step, so 64;
+    None where nothing fits (Gemma's head dim 256) or the dtypes do not go together."""
+    bf16 = jnp.bfloat16
+    for decode_only, defaults in ((False, DEFAULTS), (True, DECODE_DEFAULTS)):
+        assert config_for(decode_only, bf16, bf16, 32, 8, 128, 16) == defaults
+        assert config_for(decode_only, bf16, FP8, 32, 8, 128, 16) == {**defaults, "block_kv": 64}
+        assert config_for(decode_only, bf16, FP8, 9, 3, 64, 16) == defaults
+        assert config_for(decode_only, bf16, FP8, 8, 4, 256, 16) is None
+    assert config_for(False, bf16, jnp.float16, 32, 8, 128, 16) is None
+    assert "shared memory" in supports(bf16, FP8, 32, 8, 128, 16, **DEFAULTS)
 
 
 def describe(q_lens: list[int], kv_lens: list[int], heavy_first: bool, block_kv: int = 64) -> np.ndarray:
@@ -341,7 +409,8 @@ def test_what_the_kernel_refuses():
     assert supports(*bf16, 32, 8, 128, 16) is None  # Llama-3-8B
     assert supports(*bf16, 9, 3, 64, 16) is None  # SmolLM2
     assert "float16 or bfloat16" in supports(jnp.float32, jnp.float32, 32, 8, 128, 16)
-    assert "alike" in supports(jnp.bfloat16, jnp.float8_e4m3fn, 32, 8, 128, 16)  # an FP8 cache stays on Triton
+    assert "alike or FP8" in supports(jnp.bfloat16, jnp.float16, 32, 8, 128, 16)
+    assert supports(jnp.bfloat16, jnp.float8_e4m3fn, 32, 8, 128, 16, block_kv=64) is None  # an FP8 cache
     assert "multiple of 64" in supports(*bf16, 32, 8, 96, 16)
     assert "page size" in supports(*bf16, 32, 8, 64, 4)
     assert "block_kv 32" in supports(*bf16, 9, 3, 64, 16, block_kv=32)  # fails Mosaic GPU's tiling otherwise
@@ -396,6 +465,20 @@ def test_the_kernel_compiles_for_an_h100(model, num_tokens, num_reqs, page_size,
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
+@pytest.mark.parametrize("decode_only", [False, True], ids=["prefill", "decode"])
+def test_an_fp8_cache_compiles_for_an_h100(decode_only):
+    """With an FP8 cache, at Llama-3-8B's heads and the gpu preset's widest mixed or decode bucket, the
+    settings `config_for` gives lower and compile for sm_90a within the shared memory: the e4m3 copies and
+    their widening (e4m3 -> float16 -> bfloat16: sm_90 has no direct convert, which ptxas would refuse)."""
+    structs, head_dim = h100_kernel_args("llama-3-8b", 256 if decode_only else 2048, 256, 16)
+    structs[1:3] = [jax.ShapeDtypeStruct(structs[1].shape, FP8, sharding=structs[1].sharding)] * 2
+    config = config_for(decode_only, jnp.bfloat16, FP8, 32, 8, head_dim, 16)
+    fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, **config))
+    compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
+    assert "mosaic_gpu" in compiled.as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
 @pytest.mark.parametrize("model,num_tokens,num_reqs,page_size", COMPILE_CASES[:2])
 def test_a_persistent_grid_compiles_for_an_h100(model, num_tokens, num_reqs, page_size):
     """The persistent grid at the prefill defaults, 16 programs a KV head (an H100's 132 multiprocessors
@@ -425,16 +508,18 @@ def test_gpt_oss_s_sinks_compile_for_an_h100(config):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
 def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
     """The entry point's choice on an H100: mixed steps through Mosaic GPU, with attention sinks too, decode-only
-    steps and an FP8 cache through the Triton kernels."""
+    steps and an FP8 cache through the Triton kernels, unless opted in (JAXSERVE_MOSAIC_DECODE=1 and
+    JAXSERVE_MOSAIC_FP8=1: `hopper_decode`, `hopper_fp8`)."""
     placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
 
-    def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False, sinks: bool = False) -> str:
+    def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False, sinks: bool = False,
+                hopper_fp8: bool = False) -> str:
         shapes = [((64, 32, 128), jnp.bfloat16), ((8, 1024, 16, 128), cache_dtype), ((8, 1024, 16, 128), cache_dtype),
                   ((64,), jnp.int32), ((64, 64), jnp.int32), ((65,), jnp.int32)]
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
         fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="pallas", hopper=True,
                                                        decode_only=decode_only, hopper_decode=hopper_decode,
-                                                       sinks=jnp.zeros(32) if sinks else None))
+                                                       sinks=jnp.zeros(32) if sinks else None, hopper_fp8=hopper_fp8))
         with jax.default_device(deviceless_h100()):
             return fn.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -446,6 +531,10 @@ def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
     assert "mosaic_gpu" in lowered(True, jnp.bfloat16, hopper_decode=True)
     assert "mosaic_gpu" in lowered(True, jnp.bfloat16, hopper_decode=True, sinks=True)
     assert "mosaic_gpu" not in lowered(True, jnp.float8_e4m3fn, hopper_decode=True)
+    # Opted in (JAXSERVE_MOSAIC_FP8=1), an FP8 cache's steps take it too, mixed and (opted in) decode-only.
+    assert "mosaic_gpu" in lowered(False, jnp.float8_e4m3fn, hopper_fp8=True)
+    assert "mosaic_gpu" in lowered(True, jnp.float8_e4m3fn, hopper_decode=True, hopper_fp8=True)
+    assert "mosaic_gpu" not in lowered(True, jnp.float8_e4m3fn, hopper_fp8=True)
 
 
 def test_mosaic_decode_is_the_default_on_hopper_where_command_buffers_keep_it(monkeypatch):
@@ -460,6 +549,21 @@ def test_mosaic_decode_is_the_default_on_hopper_where_command_buffers_keep_it(mo
         monkeypatch.setenv("JAXSERVE_MOSAIC_DECODE", setting)
         assert config.mosaic_decode is wanted
         assert not AttentionConfig(impl="pallas", compute_capability=8.0).mosaic_decode  # an A100: Triton
+
+
+def test_an_fp8_cache_on_the_mosaic_kernel_is_opt_in_and_part_of_the_trace_key(monkeypatch):
+    """JAXSERVE_MOSAIC_FP8=1 sends an FP8 cache's Hopper steps to the Mosaic GPU kernel (until a GPU has run
+    it); the variable is part of the environment a kept trace is keyed by."""
+    from jaxserve.ops.attention import trace_environment
+
+    monkeypatch.delenv("JAXSERVE_MOSAIC_FP8", raising=False)
+    h100 = AttentionConfig(impl="pallas", num_sms=132, compute_capability=9.0)
+    before = trace_environment()
+    assert not h100.mosaic_fp8
+    monkeypatch.setenv("JAXSERVE_MOSAIC_FP8", "1")
+    assert h100.mosaic_fp8 and trace_environment() != before
+    assert not AttentionConfig(impl="pallas", compute_capability=8.9).mosaic_fp8  # an L4: Triton's
+    assert not AttentionConfig(impl="interpret", compute_capability=9.0).mosaic_fp8
 
 
 def test_the_persistent_grid_is_opt_in_and_takes_a_wave_of_programs(monkeypatch):
