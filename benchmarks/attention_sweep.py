@@ -41,10 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 from attention import HEADS, PagedInputs, build_inputs, paged_fn, peak_bandwidth, time_per_call
 
-from jaxserve.ops.paged_attention_mgpu import one_wave, ragged_paged_attention_hopper, ragged_paged_attention_mgpu
+from jaxserve.ops.paged_attention_mgpu import (
+    config_for,
+    one_wave,
+    ragged_paged_attention_hopper,
+    ragged_paged_attention_mgpu,
+)
 from jaxserve.ops.paged_attention_pallas import paged_decode_attention_pallas, ragged_paged_attention_pallas
 
 PARTS = ("decode", "mixed", "paged", "paged-prefill", "paged-decode", "chunk")
+FP8 = jnp.float8_e4m3fn
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 
 
@@ -291,6 +297,19 @@ def main() -> None:
             break
         report(measure("paged", name, "engine-hopper", "mosaic-gpu defaults + triton for decodes", engine_fn,
                        inputs.args, reference, amount, flops, args.iters, 1e12))
+        if over(prefill_part):
+            break
+        # With an FP8 cache (e4m3, the same seeds): the Triton kernel, then the Mosaic GPU kernel's FP8 settings
+        # (`config_for`: its K/V widened in shared memory) with Triton for the decodes, as JAXSERVE_MOSAIC_FP8=1
+        # runs the step; each against the reference over the cache's own values
+        fp8 = build_inputs(inputs.q_lens, list(np.asarray(inputs.kv_lens)), heads, 16, dtype, cache_dtype=FP8)
+        fp8_reference = np.asarray(paged_fn("reference", False, sm_scale)(*fp8.args).astype(jnp.float32))
+        triton_fn = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=sm_scale, interpret=interpret))
+        report(measure("paged", name, "triton-fp8", "defaults", triton_fn, fp8.args, fp8_reference, amount, flops,
+                       args.iters, 1e12))
+        report(measure("paged", name, "engine-hopper-fp8", "mosaic-gpu FP8 settings + triton for decodes", engine_fn,
+                       fp8.args, fp8_reference, amount, flops, args.iters, 1e12))
+        del fp8
     for kernel_config in paged_grid:
         config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
         fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=sm_scale, interpret=interpret,
@@ -335,6 +354,28 @@ def main() -> None:
             config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
             report(measure("paged", name, "mosaic-gpu-paged", f"page={page} {config}", fn, inputs.args, reference,
                            amount, hbm, args.iters, 1e12))
+        del inputs
+        if page != 16 or case_heads != heads or over(decode_part):
+            continue
+        # An FP8 cache (e4m3, half the bytes to read): the Triton decode kernel's defaults, then the Mosaic GPU
+        # kernel at the settings `config_for` gives it (its stages widened in shared memory) and with a third
+        # stage; TB/s of the FP8 bytes read
+        inputs = build_inputs([1] * len(kv_lens), kv_lens, case_heads, page, dtype, cache_dtype=FP8)
+        reference = np.asarray(paged_fn("reference", True, case_scale)(*inputs.args).astype(jnp.float32))
+        amount = inputs.ideal_bytes()
+        fn = jax.jit(lambda q, k, v, kv, pt, cu, scale=case_scale: paged_decode_attention_pallas(
+            q, k, v, kv, pt, sm_scale=scale, interpret=interpret))
+        report(measure("paged", name, "triton-fp8", f"page={page} decode defaults", fn, inputs.args, reference,
+                       amount, hbm, args.iters, 1e12))
+        fp8_config = config_for(True, dtype, FP8, *case_heads, page)
+        for kernel_config in (fp8_config, {**fp8_config, "stages": 3}) if fp8_config else ():
+            if over(decode_part):
+                break
+            fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=case_scale, interpret=interpret,
+                                           heavy_first=False, **kernel_config))
+            config = " ".join(f"{key}={value}" for key, value in kernel_config.items())
+            report(measure("paged", name, "mosaic-gpu-paged-fp8", f"page={page} {config}", fn, inputs.args,
+                           reference, amount, hbm, args.iters, 1e12))
         del inputs
     # 4. tensor-core candidates for one chunk
     for name, (q_len, kv_len) in chunk_cases.items() if "chunk" in args.parts else ():
