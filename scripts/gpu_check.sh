@@ -183,12 +183,12 @@ if wanted chunks; then  # the tensor-core kernels for prefill chunks (the sweep'
     --budget-s $(( ${CHUNKS_S:-60} - 10 )) > "$out/chunks.log" 2>&1
 fi
 if wanted paged-decode; then  # the Mosaic GPU kernel on decodes beside the Triton decode kernel's defaults
-  stage paged-decode "${PAGED_DECODE_S:-70}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
-    --budget-s $(( ${PAGED_DECODE_S:-70} - 8 )) > "$out/paged_decode.log" 2>&1
+  stage paged-decode "${PAGED_DECODE_S:-100}" python3 benchmarks/attention_sweep.py --parts paged-decode --out "$out" --name paged_decode \
+    --budget-s $(( ${PAGED_DECODE_S:-100} - 8 )) > "$out/paged_decode.log" 2>&1
 fi
 if wanted paged-prefill; then  # the Mosaic GPU kernel's configurations on prefill and mixed steps
-  stage paged-prefill "${PAGED_PREFILL_S:-90}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
-    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-90} - 8 )) > "$out/paged_prefill.log" 2>&1
+  stage paged-prefill "${PAGED_PREFILL_S:-120}" python3 benchmarks/attention_sweep.py --parts paged-prefill \
+    --out "$out" --name paged_prefill --budget-s $(( ${PAGED_PREFILL_S:-120} - 8 )) > "$out/paged_prefill.log" 2>&1
 fi
 if wanted registers; then  # what ptxas says of each Mosaic GPU configuration's PTX (spills, above all)
   stage registers "${REGISTERS_S:-60}" python3 benchmarks/mosaic_registers.py \
