@@ -1,9 +1,11 @@
 """What ptxas says of a kernel's PTX: registers a thread, spills, shared memory and stack.
 
-Mosaic GPU kernels are lowered to PTX and assembled only when the executable is loaded on a GPU (jaxlib's
-custom call), so unlike the Triton kernels of a deviceless compile their registers are known only there.
-With MOSAIC_GPU_DUMP_PTX set, Mosaic GPU prints each kernel's PTX to stdout as it compiles it;
-`ptx_modules` cuts the PTX out of such output and `ptxas_figures` assembles it with `ptxas -v`.
+With MOSAIC_GPU_DUMP_PTX set, Mosaic GPU prints each kernel's PTX to stdout as it compiles it: on a GPU,
+and from jaxlib 0.12 in a deviceless compile too (jaxlib 0.10-0.11 compile a Mosaic GPU kernel only when
+its executable is loaded on a GPU). `ptx_modules` cuts the PTX out of such output and `ptxas_figures`
+assembles it with `ptxas -v`. jaxlib's compiler library writes a newer PTX ISA version than a toolkit's
+ptxas may read; `ptxas_figures` then assembles the module as the newest version that ptxas reads and says
+so (`PtxasFigures.ptx_version`): a kernel that uses no newer instruction assembles the same.
 """
 
 import os
@@ -11,7 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # LLVM's NVPTX back end opens every module with this comment (Mosaic GPU's PTX comes from it).
@@ -33,11 +35,14 @@ class PtxasFigures:
     spill_store_bytes: int
     spill_load_bytes: int
     smem_bytes: int  # static shared memory (a kernel's dynamic shared memory is not in it)
+    ptx_version: str | None = None  # the version the module was assembled as, where ptxas did not read its own
 
 
 def find_ptxas() -> str | None:
-    """ptxas on PATH, in CUDA's usual place, or in the `nvidia-cuda-nvcc` wheel (the gpu-compile extra's)."""
-    candidates = [shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas"]
+    """ptxas on PATH, in CUDA's usual place (the newest of /usr/local/cuda-*), or in the `nvidia-cuda-nvcc`
+    wheel (the gpu-compile extra's)."""
+    toolkits = sorted(Path("/usr/local").glob("cuda-*/bin/ptxas"), key=_toolkit_version, reverse=True)
+    candidates = [shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas", *map(str, toolkits)]
     try:
         import nvidia.cuda_nvcc  # the gpu-compile extra, where installed
 
@@ -45,6 +50,11 @@ def find_ptxas() -> str | None:
     except ImportError:
         pass
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def _toolkit_version(ptxas: Path) -> tuple[int, ...]:
+    """/usr/local/cuda-13.0/bin/ptxas -> (13, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", ptxas.parent.parent.name.removeprefix("cuda-")))
 
 
 def ptx_modules(output: str) -> list[str]:
@@ -78,11 +88,20 @@ def ptxas_figures(ptx: str, arch: str = "sm_90a", ptxas: str | None = None, time
     ptxas = ptxas or find_ptxas()
     if ptxas is None:
         raise RuntimeError("no ptxas: install the gpu-compile extra or a CUDA toolkit")
+    result = _assemble(ptx, ptxas, arch, timeout)
+    newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", result.stderr)
+    if result.returncode != 0 and newest:  # a newer ISA than this ptxas reads: as the newest it does
+        result = _assemble(re.sub(r"^\.version [\d.]+$", f".version {newest.group(1)}", ptx, count=1, flags=re.M),
+                           ptxas, arch, timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {result.stderr.strip()[-2000:]}")
+    figures = parse_ptxas_verbose(result.stdout + result.stderr)
+    return [replace(f, ptx_version=newest.group(1)) for f in figures] if newest else figures
+
+
+def _assemble(ptx: str, ptxas: str, arch: str, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
-        result = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
-                                capture_output=True, text=True, timeout=max(timeout, 1))
-    if result.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {result.stderr.strip()[-2000:]}")
-    return parse_ptxas_verbose(result.stdout + result.stderr)
+        return subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
+                              capture_output=True, text=True, timeout=max(timeout, 1))

@@ -73,3 +73,15 @@ def test_ptxas_reports_each_kernels_registers_and_stack():
 def test_ptx_that_does_not_assemble_says_why():
     with pytest.raises(RuntimeError, match="ptxas failed"):
         ptxas_figures(PTX.replace("add.s32", "add.bogus"))
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas here (the gpu-compile extra or a CUDA toolkit has one)")
+def test_a_newer_ptx_version_than_ptxas_reads_is_assembled_as_its_newest_and_said_so():
+    """jaxlib's compiler library writes a newer PTX ISA than a toolkit's ptxas may read (9.5 from jaxlib 0.12
+    against CUDA 13.0's 9.0): the module is assembled as the newest version ptxas reads, the same figures as
+    a module written at that version, and each record names the version used."""
+    as_written = {f.kernel: f for f in ptxas_figures(PTX)}
+    newer = {f.kernel: f for f in ptxas_figures(PTX.replace(".version 8.0", ".version 99.9"))}
+    assert set(newer) == set(as_written) and all(f.ptx_version for f in newer.values())
+    assert all(f.ptx_version is None for f in as_written.values())
+    assert newer["on_the_stack"].stack_bytes == as_written["on_the_stack"].stack_bytes >= 64

@@ -9,11 +9,17 @@ The kernel loads whole pages, so unused slots must hold finite values (the engin
 put a large finite value there instead of NaN, which reaches the output unless it is masked exactly.
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.bench.ptxas import find_ptxas
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability, ragged_paged_attention
 from jaxserve.ops.paged_attention_mgpu import (
     _END_STEP,
@@ -476,6 +482,25 @@ def test_an_fp8_cache_compiles_for_an_h100(decode_only):
     fn = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=head_dim**-0.5, **config))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert "mosaic_gpu" in compiled.as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or jax.__version_info__ < (0, 12),
+                    reason="a deviceless compile that prints Mosaic GPU's PTX: jax >= 0.12 without a GPU")
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas here (the gpu-compile extra or a CUDA toolkit has one)")
+def test_the_defaults_and_the_fp8_settings_assemble_without_spills(tmp_path):
+    """`benchmarks/mosaic_registers.py` deviceless: the prefill default, and an FP8 cache's prefill and decode
+    settings (the producer widening its stages within 64 registers, the consumers within 224), assembled by
+    ptxas for sm_90a at Llama-3-8B's heads, spill nothing to local memory."""
+    names = ["prefill default (ping-pong)", "prefill FP8 (ping-pong)", "decode FP8"]
+    script = Path(__file__).parents[2] / "benchmarks" / "mosaic_registers.py"
+    done = subprocess.run([sys.executable, str(script), "--deviceless", "--timeout", "240", "--configs", *names,
+                           "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["configuration"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == set(names), done.stdout
+    for name, row in rows.items():
+        assert not row["error"] and row["registers"] > 0, (name, row)
+        assert row["spill_store_bytes"] == row["spill_load_bytes"] == row["stack_bytes"] == 0, (name, row)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a deviceless compile: on a machine without a GPU")
