@@ -51,6 +51,7 @@ CONFIGS = [
                                             ping_pong=True)),
     ("decode FP8", True, dict(num_consumers=1, block_kv=64, stages=2)),
     ("decode FP8, 3 stages", True, dict(num_consumers=1, block_kv=64, stages=3)),
+    ("decode FP8, 128 keys, P in registers", True, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True)),
 ]
 
 
