@@ -7,7 +7,8 @@
   matmuls then run in the same library (`AttentionConfig.native_matmuls`).
 - `pallas`: the Pallas kernels for CUDA GPUs, sm_80 and newer: Triton's (`paged_attention_pallas`), and on
   Hopper (sm_90) Mosaic GPU's for prefill and mixed steps (`paged_attention_mgpu`: TMA, wgmma) where the
-  shapes fit it (16-bit cache, head dim a multiple of 64, pages of a multiple of 8 tokens).
+  shapes fit it (a 16-bit cache, or an FP8 one with JAXSERVE_MOSAIC_FP8=1; head dim a multiple of 64,
+  pages of a multiple of 8 tokens).
 - `interpret`: the same kernel run by Pallas' interpreter, so CPU tests exercise its indexing and masking.
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
   kernel cannot be built here (no C++ compiler); `reference` elsewhere.
