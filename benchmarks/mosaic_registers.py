@@ -58,11 +58,16 @@ CONFIGS = [
 def run_each_configuration(deviceless: bool, names: list[str] | None) -> None:
     """The child: each configuration compiled and run once (or with `deviceless`, compiled for an H100),
     after a marker line naming it."""
+    from jaxserve.device import deviceless_device, use_cpu_platform
+    from jaxserve.platform import prepare_jax_platform
+
+    prepare_jax_platform()
+    if deviceless:
+        use_cpu_platform()  # before a backend starts: a deviceless compile needs the CPU as the platform
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.device import deviceless_device
     from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
 
     num_q_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
@@ -114,9 +119,9 @@ def main() -> None:
     if args.child:
         return run_each_configuration(args.deviceless, args.configs)
     if args.deviceless is None:
-        import jax
+        from jaxserve.platform import nvidia_gpu_visible
 
-        args.deviceless = jax.default_backend() != "gpu"
+        args.deviceless = not nvidia_gpu_visible()
     from jaxserve.bench.ptxas import find_ptxas, ptx_modules, ptxas_figures
 
     deadline = time.monotonic() + max(args.timeout, 10)
