@@ -44,6 +44,7 @@ CONFIGS = [
     ("prefill 1 consumer + overlap", False, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True,
                                                  overlap=True)),
     ("decode default", True, dict(num_consumers=1, block_kv=128, stages=2)),
+    ("decode P in registers", True, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True)),
     ("decode overlap", True, dict(num_consumers=1, block_kv=128, stages=2, overlap=True)),
     ("decode overlap, P in registers", True, dict(num_consumers=1, block_kv=128, stages=2, p_in_registers=True,
                                                   overlap=True)),
