@@ -160,12 +160,13 @@ def config_for(
     halved (down to 64) where the defaults' buffers pass the shared memory (an FP8 cache's staging buffers
     do at the prefill defaults); None where the kernel cannot serve the shape at all."""
     config = dict(DECODE_DEFAULTS if decode_only else DEFAULTS)
-    shape = (q_dtype, cache_dtype, num_q_heads, num_kv_heads, head_dim, page_size)
-    while (why := supports(*shape, **config, persistent=persistent)) is not None:
-        if "shared memory" not in why or config["block_kv"] <= 64:
-            return None
+    fp8 = jnp.dtype(cache_dtype) in FP8_CACHE_DTYPES
+    buffers = {k: v for k, v in config.items() if k in ("num_consumers", "stages", "p_in_registers")}
+    while config["block_kv"] > 64 and shared_memory_bytes(
+            head_dim, block_kv=config["block_kv"], fp8=fp8, **buffers) > HOPPER_SMEM_BYTES:
         config["block_kv"] //= 2
-    return config
+    shape = (q_dtype, cache_dtype, num_q_heads, num_kv_heads, head_dim, page_size)
+    return config if supports(*shape, **config, persistent=persistent) is None else None
 
 
 def _swizzled(shape: tuple[int, ...], dtype, swizzle: int = 128) -> plgpu.SMEM:
@@ -206,7 +207,7 @@ def _pieces(wg: int, group: int, block_q: int) -> list[tuple[int, int, int, int]
 
 def _consumer(o_ref, sinks_ref, info, *buffers_and_barriers, registers: int, **static):
     """Consumer warpgroup `wg`'s program: its blocks in turn (`_walk_blocks`)."""
-    plgpu.set_max_registers(registers, action="increase")  # S, P and the accumulators (`CONSUMER_REGISTERS`)
+    plgpu.set_max_registers(registers, action="increase")  # S, P and the accumulators (`_consumer_registers`)
     _walk_blocks(info, lambda row, i, done: _consumer_block(o_ref, sinks_ref, row, done, *buffers_and_barriers,
                                                             **static))
     if info.ndim == 2:  # a persistent grid's blocks waited only for their stores' reads
@@ -502,10 +503,20 @@ def _store_tokens(rows_smem, head_gmem, first: jax.Array, end: jax.Array) -> Non
 
 
 # Registers a thread (setmaxnreg): the producer's, which only issues copies with a 16-bit cache and widens an
-# FP8 one's stages too, and the consumers', which hold S, P and the accumulators without spills; a program's
-# warpgroups share the multiprocessor's 64K (2 consumers and the producer: 2 x 128 x 232 + 128 x 40).
-PRODUCER_REGISTERS = {False: 40, True: 64}  # by whether the cache is FP8
-CONSUMER_REGISTERS = {(2, False): 232, (2, True): 224, (1, False): 232, (1, True): 232}  # (consumers, FP8)
+# FP8 one's stages too (by whether the cache is FP8), and the consumers', which hold S, P and the accumulators
+# without spills: up to 232, within what the producer leaves of the multiprocessor's 64K (`_consumer_registers`).
+PRODUCER_REGISTERS = {False: 40, True: 64}
+MAX_CONSUMER_REGISTERS = 232
+_REGISTER_FILE = 65_536  # 32-bit registers a multiprocessor
+_WARPGROUP_THREADS = 128
+
+
+def _consumer_registers(num_consumers: int, fp8: bool) -> int:
+    """The consumers' setmaxnreg: the register file less the producer's, shared by the consumer warpgroups
+    (128 threads each), a multiple of 8, at most MAX_CONSUMER_REGISTERS (2 consumers: 232 beside a producer
+    of 40, 224 beside one of 64)."""
+    left = (_REGISTER_FILE - _WARPGROUP_THREADS * PRODUCER_REGISTERS[fp8]) // (_WARPGROUP_THREADS * num_consumers)
+    return min(MAX_CONSUMER_REGISTERS, left // 8 * 8)
 
 
 def _producer(q_ref, k_ref, v_ref, page_table_ref, info, *buffers_and_barriers, **static):
@@ -631,7 +642,7 @@ def _kernel(
             pl.when(wg == w)(functools.partial(
                 _consumer, o_ref, sinks_ref, info, q_smem, k_smem, v_smem, p_smem, o_smem, *bars, turns, wg=w,
                 group=group, block_q=block_q, stages=stages, block_kv=block_kv, scores=scores,
-                p_in_registers=p_in_registers, overlap=overlap, registers=CONSUMER_REGISTERS[num_consumers, fp8],
+                p_in_registers=p_in_registers, overlap=overlap, registers=_consumer_registers(num_consumers, fp8),
             ))
 
     pl.run_scoped(
