@@ -89,6 +89,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}; the backend here is {backend}"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """JAXSERVE_TEST_COMPILE_LOG=FILE: each XLA compile of the run, test by test (tests/compile_log.py)."""
+    if path := os.environ.get("JAXSERVE_TEST_COMPILE_LOG"):
+        from tests.compile_log import CompileLog
+
+        config.pluginmanager.register(CompileLog(path), "jaxserve-compile-log")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With JAXSERVE_TEST_FAILURES set to a file, each failure's report is appended there as it happens (by
     the controlling process under xdist): a run stopped at its time limit, as the prepared GPU check's is,

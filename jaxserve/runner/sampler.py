@@ -150,6 +150,13 @@ def _sampled_ranks(
                         lambda x: rank_of(x, token_logits), raw)
 
 
+def _row_uniforms(params: SamplingArrays) -> jax.Array:  # f32[R] in [0, 1)
+    """Each row's uniform for its draw, from its own key, fold_in(key(seed), output_index) (the module's
+    docstring)."""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.output_index)
+    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+
+
 def sample_greedy(logits: jax.Array, num_top_logprobs: int) -> SamplerOutput:  # f32[R, V]
     """`sample` for a batch whose every row is greedy and asks for nothing more (no logprobs, grammar,
     bias, ban or penalty): the argmax, with no control flow. On a GPU each top-level `lax.cond` reads its
@@ -166,13 +173,15 @@ def sample(
     on_cuda: bool = False,  # the target is a CUDA GPU (the module's docstring)
 ) -> SamplerOutput:
     is_greedy = params.temperature == GREEDY_TEMPERATURE  # the row of a greedy request (`SAMPLING_ROW`)
+    # Drawn here, once, rather than where they are used: `choose` is traced into both branches of the
+    # conditional below, which would compile the draw's hash (threefry's rounds) twice; R numbers cost
+    # nothing next to the [R, V] work.
+    uniforms = _row_uniforms(params)  # f32[R]
 
     def random_tokens(logits: jax.Array) -> jax.Array:
         temperature = jnp.where(is_greedy, 1.0, params.temperature)
         probs = jnp.exp((logits - logits.max(axis=-1, keepdims=True)) / temperature[:, None])  # [R, V], max 1
         floor = _keep_floor(probs, params)  # [R]
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.output_index)
-        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # [R]
         return sample_categorical(jnp.where(probs >= floor[:, None], probs, 0.0), uniforms)
 
     def choose(logits: jax.Array) -> jax.Array:  # f32[R, V] -> i32[R]
