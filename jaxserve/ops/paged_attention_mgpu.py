@@ -70,6 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.ops.mosaic_gpu_lowering import remember_ptxas_version
 from jaxserve.ops.paged_attention_pallas import (
     FP8_CACHE_DTYPES,
     LOG2_E,
@@ -79,6 +80,8 @@ from jaxserve.ops.paged_attention_pallas import (
     next_pow2,
 )
 from jaxserve.ops.paged_attention_pallas import SEARCH_METHOD as _SEARCH
+
+remember_ptxas_version()  # the lowering's question to ptxas, asked once a process (mosaic_gpu_lowering.py)
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 HOPPER_SMEM_BYTES = 232_448  # an H100's or H200's shared memory a block may opt into

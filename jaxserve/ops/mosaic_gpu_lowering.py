@@ -1,0 +1,29 @@
+"""What lowering a Mosaic GPU kernel costs in Python, made to follow the kernel alone.
+
+Mosaic GPU's lowering asks jaxlib for the newest PTX ISA version its ptxas supports at every register
+conversion that involves a type of 8 bits or fewer (booleans and FP8 among them), and jaxlib (0.10 to 0.12)
+answers by running `ptxas --version` in a new process each time: about fifty processes for each attention
+kernel lowered, a mixed step's Hopper attention once a bucket, at every start (a warm start lowers every
+step to find it in the persistent cache). The answer cannot change while a process runs, so it is asked
+once and remembered (`remember_ptxas_version`). Where a jax lays this out otherwise, nothing is changed.
+"""
+
+import functools
+from types import ModuleType
+
+
+def remember_ptxas_version(extension: ModuleType | None = None) -> bool:
+    """Makes `extension._get_ptxas_isa_version` (jaxlib's Mosaic GPU extension, by default) ask ptxas once a
+    process, and returns whether it does. A failed query (no ptxas) is not remembered: it fails as before."""
+    if extension is None:
+        try:
+            from jax._src.lib import mosaic_gpu
+        except ImportError:  # a jaxlib without Mosaic GPU
+            return False
+        extension = getattr(mosaic_gpu, "_mosaic_gpu_ext", None)
+    query = getattr(extension, "_get_ptxas_isa_version", None)
+    if query is None:
+        return False
+    if not hasattr(query, "cache_info"):  # not remembered yet
+        extension._get_ptxas_isa_version = functools.cache(query)
+    return True
