@@ -1,6 +1,7 @@
 """Mosaic GPU's lowering asks jaxlib for ptxas's PTX ISA version at each narrow-type conversion, and jaxlib
 runs ptxas for each answer: jaxserve remembers it for the process (ops/mosaic_gpu_lowering.py)."""
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import jax
@@ -12,7 +13,7 @@ from jaxserve.ops.paged_attention_mgpu import config_for, ragged_paged_attention
 from tests.ops.test_paged_attention_mgpu import FP8, h100_kernel_args
 
 
-def _counted(answer, calls: list) -> callable:
+def _counted(answer: object, calls: list) -> Callable[[], object]:
     def query():
         calls.append(1)
         if isinstance(answer, Exception):
