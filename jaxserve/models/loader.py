@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import GenerationConfig
 
+from jaxserve.background import on_a_thread
 from jaxserve.config import LOAD_FORMATS
 from jaxserve.device import cpu_has_bf16_dots, device_memory_stats
 from jaxserve.models import ModelSpec, get_model_spec
@@ -399,7 +400,7 @@ def load_model(
         if quantization is not None:
             quantize_state(state, abstract.spec.module, quantization)
         in_use = int((device_memory_stats(jax.devices()[0]) or {}).get("bytes_in_use", 0))
-        loading = _on_a_thread(load_weights, "jaxserve-weights")
+        loading = on_a_thread(load_weights, "jaxserve-weights")
         logger.info("weights: loading on a thread while the steps compile")
     else:
         state, kv_scales = load_weights()
@@ -425,20 +426,6 @@ def load_model(
         in_use_before_loading=in_use,
         stop_loading=stop,
     )
-
-
-def _on_a_thread(work: Callable[[], Any], name: str) -> Future:
-    """`work()` on a daemon thread (an exit never waits for it), its result or exception in the future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as error:  # the waiter raises it
-            future.set_exception(error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,

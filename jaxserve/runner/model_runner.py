@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxserve import __version__
 from jaxserve.allocator import allocator_note
+from jaxserve.background import on_a_thread
 from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
@@ -124,6 +125,19 @@ class LaunchedStep:
     sampled: SamplerOutput  # on the device; a multi-step decode's tokens, logprobs and ranks are [k, R]
     prompt: PromptLogprobs | None  # on the device; None for a multi-step decode
     pooled: tuple[jax.Array, jax.Array] | None = None  # on the device, --runner pooling: f32[R, D] last, sum
+
+
+def _zeroed_kv_caches(abstract: KVCache) -> KVCache:
+    """The KV cache `abstract` describes, zeroed, in one program: one dispatch, where a zeros call per page
+    array paid one each (and on a CPU took half as long again). A runner made again runs the same program."""
+    return list(_zeros_program(tuple(tuple(layer) for layer in abstract))())
+
+
+@functools.cache
+def _zeros_program(abstract: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]) -> Any:
+    shardings = jax.tree.map(lambda page: page.sharding, abstract)
+    return jax.jit(lambda: jax.tree.map(lambda page: jnp.zeros(page.shape, page.dtype), abstract),
+                   out_shardings=shardings)
 
 
 class ModelRunner:
@@ -230,10 +244,15 @@ class ModelRunner:
         self._step_shapes = self._shapes(self.num_pages)
         self.layout = self._step_shapes.layout
         # Zeroed where the compiles take the pages (`aot.abstract_step_args`): on the device, or split by KV head.
-        self.kv_caches: KVCache = [
-            tuple(jnp.zeros(page.shape, page.dtype, device=page.sharding) for page in layer)
-            for layer in abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
-        ]
+        # On a CPU, zeroing is the first touch of every page (page faults, not bandwidth): it runs on a thread
+        # while the warm-up's first compile traces, and the first step waits for it (`kv_caches`).
+        abstract_kv = abstract_kv_caches(self._step_shapes, jax.devices()[0], self.mesh)
+        self._kv_caches: KVCache | None = None
+        self._kv_zeroing: Future | None = None
+        if jax.default_backend() == "cpu":
+            self._kv_zeroing = on_a_thread(lambda: _zeroed_kv_caches(abstract_kv), "jaxserve-kv-cache")
+        else:
+            self._kv_caches = _zeroed_kv_caches(abstract_kv)
         self.rows = RequestRows(max_num_seqs, self.max_pages_per_req, cfg.vocab_size)  # the persistent batch
         self.penalty_tables = PenaltyTables.zeros(max_num_seqs, cfg.vocab_size)
         if self.mesh is not None:
@@ -251,6 +270,19 @@ class ModelRunner:
         )
         if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
             logger.info("%s", allocator_note())
+
+    @property
+    def kv_caches(self) -> KVCache:
+        """The KV cache: per layer, (keys, values) pages on the device; waits for its zeroing on a thread."""
+        if self._kv_caches is None:
+            assert self._kv_zeroing is not None
+            self._kv_caches = self._kv_zeroing.result()
+            self._kv_zeroing = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: KVCache) -> None:  # each step's, the donated pages' successors
+        self._kv_caches = caches
 
     def wait_for_weights(self) -> list[jax.Array]:
         """The step's weights, once weights loading on a thread are in (at once where they are); raises

@@ -138,3 +138,42 @@ def test_auto_is_ready_after_one_bucket_cold_or_warm_and_a_warm_start_loads_the_
     for later in (warm, full):
         loads = re.findall(r"compiled (\d+) buckets on \d+ threads, (\d+) from the persistent cache", later)
         assert loads and all(int(compiled) == int(hits) > 0 for compiled, hits in loads), loads
+
+
+def test_a_cpu_kv_cache_is_zeroed_on_a_thread_beside_the_first_compile(llama_dir, monkeypatch):
+    """On a CPU, zeroing the KV cache is the first touch of every page: it runs on a thread of its own, so the
+    warm-up's first compile starts while it is under way, and the first step waits for it. The cache is then
+    zeros in the steps' shapes and dtype, and the engine's greedy tokens are a fully synchronous start's."""
+    import threading
+
+    from jaxserve.runner import model_runner
+    from jaxserve.runner.model_runner import ModelRunner
+
+    assert jax.default_backend() == "cpu"  # the suite's backend for this model (tests/conftest.py)
+    prompts = make_prompts()
+    want = run_all(make_engine(llama_dir), prompts)
+    zeroing_threads, compiling = [], threading.Event()
+    release = threading.Event()
+    zeroed, compile_one = model_runner._zeroed_kv_caches, ModelRunner._compile_one
+
+    def held_zeroing(abstract):
+        zeroing_threads.append(threading.current_thread())
+        assert release.wait(60), "the first compile never started while the cache was being zeroed"
+        return zeroed(abstract)
+
+    def noted_compile(runner, job, slots):
+        compiling.set()
+        release.set()  # a compile under way while the zeroing waits: the two overlap
+        return compile_one(runner, job, slots)
+
+    monkeypatch.setattr(model_runner, "_zeroed_kv_caches", held_zeroing)
+    monkeypatch.setattr(ModelRunner, "_compile_one", noted_compile)
+    engine = make_engine(llama_dir, num_kv_pages=200)  # another page count: not the first engine's programs
+    assert compiling.is_set()
+    assert [t.name for t in zeroing_threads] == ["jaxserve-kv-cache"]
+    runner = engine.runner
+    abstract = model_runner.abstract_kv_caches(runner._step_shapes, jax.devices()[0], runner.mesh)
+    caches = runner.kv_caches
+    assert [[(p.shape, p.dtype) for p in layer] for layer in caches] == \
+        [[(p.shape, p.dtype) for p in layer] for layer in abstract]
+    assert run_all(engine, prompts) == want
