@@ -1,8 +1,8 @@
 """What lowering a Mosaic GPU kernel costs in Python, made to follow the kernel alone.
 
 Mosaic GPU's lowering asks jaxlib for the newest PTX ISA version its ptxas supports at every register
-conversion that involves a type of 8 bits or fewer (booleans and FP8 among them), and jaxlib 0.10 answers
-by running `ptxas --version` in a new process each time: about fifty processes for each attention kernel
+conversion that involves a type of 8 bits or fewer (booleans and FP8 among them), and jaxlib 0.10 and 0.11
+answer by running ptxas in a new process each time: about fifty processes for each attention kernel
 lowered, a mixed step's Hopper attention once a bucket, at every start (a warm start lowers every step to
 find it in the persistent cache). jaxlib 0.12 asks less often and answers faster. The answer cannot change
 while a process runs, so it is asked once and remembered (`remember_ptxas_version`). Where a jax lays this
