@@ -1,9 +1,8 @@
 """Tokenizers and chat templates, from HF files or GGUF metadata (both through transformers)."""
 
+import json
 from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer
 
 from jaxserve.models.template_format import content_texts, resolve_content_format, template_content
 
@@ -15,11 +14,34 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 def load_tokenizer(model_dir: Path, gguf_file: str | None = None) -> Any:
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+    if gguf_file is None and (backend := _generic_backend(model_dir)) is not None:
+        tokenizer = backend.from_pretrained(str(model_dir))
+    else:
+        from transformers import AutoTokenizer
+
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
     return tokenizer
+
+
+# tokenizer_config.json's `tokenizer_class` values that name transformers' generic tokenizers-backed class
+# (what a converted GGUF's tokenizer is), which AutoTokenizer resolves without a model-specific class.
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _generic_backend(model_dir: Path) -> Any:
+    """transformers' generic tokenizer class where `model_dir`'s tokenizer is one, else None. Loaded through
+    it, the tokenizer is AutoTokenizer's, and the start skips AutoTokenizer's import: transformers' scan of
+    every model family's source files (docs/benchmarks.md, stop 93)."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except (OSError, ValueError, ImportError):  # no such file, or a transformers without that module
+        return None
+    generic = isinstance(config, dict) and config.get("tokenizer_class") in _GENERIC_CLASSES
+    return TokenizersBackend if generic else None
 
 
 def is_fallback_template(tokenizer: Any) -> bool:
