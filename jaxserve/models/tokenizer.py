@@ -31,7 +31,7 @@ def load_tokenizer(model_dir: Path, gguf_file: str | None = None) -> Any:
 _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
-def _generic_backend(model_dir: Path) -> Any:
+def _generic_backend(model_dir: Path) -> type | None:
     """transformers' generic tokenizer class where `model_dir`'s tokenizer is one, else None. Loaded through
     it, the tokenizer is AutoTokenizer's, and the start skips AutoTokenizer's import: transformers' scan of
     every model family's source files (docs/benchmarks.md, stop 93)."""
