@@ -9,7 +9,6 @@ must not stall the loop), one for the loop itself, which only decodes single tok
 
 import asyncio
 import contextlib
-import copy
 import logging
 import os
 import re
@@ -171,7 +170,7 @@ class ModelServing:
             info=info,
             model_names=names,
             tokenizer=engine.tokenizer,
-            loop_tokenizer=copy.deepcopy(engine.tokenizer),
+            loop_tokenizer=engine.engine.tokenizer_copy(),
             chat_template=load_chat_template(config.chat_template),
             generation_defaults=load_generation_defaults(
                 config.generation_config, Path(info.model_dir) if info.model_dir else None,

@@ -28,7 +28,6 @@ Threads and queues:
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import logging
 import queue
@@ -108,7 +107,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.info: EngineInfo = engine.info
-        self.tokenizer = copy.deepcopy(engine.tokenizer)  # for other threads; the engine thread has its own
+        self.tokenizer = engine.tokenizer_copy()  # for other threads; the engine thread has its own
         self._grammars = engine.grammars  # thread-safe; only compile() is called from here
         self._grammar_pool = ThreadPoolExecutor(2, "jaxserve-grammar")
         self._commands: queue.Queue = queue.Queue()

@@ -63,6 +63,7 @@ from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
 from jaxserve.models.peft import LoraAdapter
+from jaxserve.models.tokenizer import TokenizerCopies
 from jaxserve.process_exit import guard_cache_writes
 from jaxserve.runner import multihost
 from jaxserve.runner.buckets import BucketLadder
@@ -71,6 +72,10 @@ from jaxserve.runner.step_batch import MAX_BIASED_TOKENS
 from jaxserve.sampling_params import InvalidParam, RequestLimits
 
 logger = logging.getLogger(__name__)
+
+# The tokenizer's copies a server's threads take, each its own (`LLMEngine.tokenizer_copy`): the grammar
+# compiler's, the async engine's, the event loop's.
+TOKENIZER_COPIES = 3
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
@@ -201,7 +206,9 @@ class EngineCore:
         )
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode
-        self.warmup_seconds = self.runner.warmup(mode=mode) if warmup else 0.0
+        # The tokenizer's copies for the threads above (`TokenizerCopies`), made while the first step runs
+        self.tokenizer_copies = TokenizerCopies(model.tokenizer, TOKENIZER_COPIES)
+        self.warmup_seconds = self.runner.warmup(mode=mode, meanwhile=self.tokenizer_copies.make) if warmup else 0.0
         self.runner.wait_for_weights()  # a start fails with its load's error, not the first step
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()

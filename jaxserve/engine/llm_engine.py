@@ -12,7 +12,6 @@ detokenizing and HTTP. Both run the same code on each side of the same records (
 (`data_parallel`), and each request goes to one of them.
 """
 
-import copy
 import dataclasses
 import itertools
 import logging
@@ -29,6 +28,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.peft import LoraAdapter, read_adapter
+from jaxserve.models.tokenizer import TokenizerCopies
 from jaxserve.outputs import RequestOutput
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
@@ -88,10 +88,14 @@ class LLMEngine:
 
             self.core = self._core = core.EngineCore(config, model, warmup)
             self.tokenizer = self.core.model.tokenizer
+        # Copies of the tokenizer for threads that use one of their own: made during the warm-up where the
+        # core runs here, else as they are taken.
+        self._tokenizer_copies = (self.core.tokenizer_copies if self.core is not None
+                                  else TokenizerCopies(self.tokenizer, 0))
         self.info: EngineInfo = self._core.info
         # This side's one grammar compiler, with its own tokenizer copy: grammars compile on other threads
         # (the server's) while this one detokenizes.
-        self.grammars = GrammarCompiler(copy.deepcopy(self.tokenizer), self.info.limits.vocab_size,
+        self.grammars = GrammarCompiler(self.tokenizer_copy(), self.info.limits.vocab_size,
                                         self.info.eos_token_ids)
         self.limits = self.info.limits
         self.max_model_len = self.limits.max_model_len
@@ -136,6 +140,10 @@ class LLMEngine:
         if self.core is None:
             raise AttributeError("the engine core runs in its own process")
         return self.core
+
+    def tokenizer_copy(self) -> Any:
+        """A copy of the tokenizer for a thread of the caller's that uses no other (`TokenizerCopies`)."""
+        return self._tokenizer_copies.take()
 
     def shutdown(self) -> None:
         """Stops what runs besides steps (a background warm-up's compiles; multi-host followers; the

@@ -1,6 +1,8 @@
 """Tokenizers and chat templates, from HF files or GGUF metadata (both through transformers)."""
 
+import copy
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,39 @@ def _generic_backend(model_dir: Path) -> type | None:
         return None
     generic = isinstance(config, dict) and config.get("tokenizer_class") in _GENERIC_CLASSES
     return TokenizersBackend if generic else None
+
+
+class TokenizerCopies:
+    """Copies of one tokenizer for the threads that each use one (a `tokenizers` object is not shared between
+    threads: the grammar compiler's, the async engine's, the server's event loop's). A copy is a deep copy,
+    Rust that holds the GIL throughout (docs/benchmarks.md, stop 94), so a start makes them ahead where its
+    own thread would only wait for the device (`make`, during the warm-up's first run); `take` hands one out,
+    or copies one then where none were made."""
+
+    def __init__(self, tokenizer: Any, count: int) -> None:
+        self.tokenizer = tokenizer
+        self._wanted = count  # copies still to be handed out that `make` prepares
+        self._made: list[Any] = []
+        self._lock = threading.Lock()
+
+    def make(self) -> None:
+        """Prepares the copies still wanted, on the caller's thread."""
+        while True:
+            with self._lock:
+                if self._wanted <= 0:
+                    return
+                self._wanted -= 1
+            made = copy.deepcopy(self.tokenizer)
+            with self._lock:
+                self._made.append(made)
+
+    def take(self) -> Any:
+        """A copy of the tokenizer of the caller's own: a prepared one, or one copied now."""
+        with self._lock:
+            if self._made:
+                return self._made.pop()
+            self._wanted = max(self._wanted - 1, 0)
+        return copy.deepcopy(self.tokenizer)
 
 
 def is_fallback_template(tokenizer: Any) -> bool:

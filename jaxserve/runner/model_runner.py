@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -596,7 +597,8 @@ class ModelRunner:
                     and (wanted.decode_only or not b.decode_only)]
         return min(fits) if fits else wanted
 
-    def warmup(self, show_progress: bool = True, mode: str = "full") -> float:
+    def warmup(self, show_progress: bool = True, mode: str = "full", meanwhile: Callable[[], None] | None = None,
+               ) -> float:
         """Compiles the step for every bucket ahead of time; returns the seconds until steps can run.
 
         Buckets compile a few at once on threads (XLA releases the GIL while it compiles; tracing does
@@ -608,6 +610,8 @@ class ModelRunner:
         ready early answers its first clients sooner than one that compiled every bucket first, though its
         first steps share the cores with compiles (docs/benchmarks.md). Buckets compiled before ready are
         also run once (on the empty batch); the others pay their first run's extra cost on first use.
+        `meanwhile` runs on this thread while the first of those runs is on the device (host work of the
+        start's that would otherwise wait for it).
         """
         start = time.perf_counter()
         self.replay_seen_tokens(0, [], 0)  # compiles the penalty-row load (a zero row: no slot is in use yet)
@@ -633,8 +637,12 @@ class ModelRunner:
         for bucket, variant in jobs[:ready_jobs]:  # an executable's first run costs extra once (0.6 s for
             # 128 x 16 on CPU): pay it here and wait for it: dispatch is asynchronous, and an unawaited run is
             # paid by the first request (its step waited ~4 s behind them on CPU)
-            jax.block_until_ready(self.run_step(neutral_batch(bucket, self.layout), bucket, variant.greedy,
-                                                self._no_decode_steps(bucket) if variant.multi_step else None))
+            outputs = self.run_step(neutral_batch(bucket, self.layout), bucket, variant.greedy,
+                                    self._no_decode_steps(bucket) if variant.multi_step else None)
+            if meanwhile is not None:
+                meanwhile, run_now = None, meanwhile
+                run_now()
+            jax.block_until_ready(outputs)
         self.num_greedy_steps = self.num_multi_steps = 0
         futures += [pool.submit(self._compile_one, job, slots) for job in jobs[len(futures):]]
         pool.shutdown(wait=False)  # its threads work through the queue; nothing more is submitted
