@@ -175,8 +175,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     hosts = read_flags(args, HOST_FLAGS)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, **hosts)
     from jaxserve.torch_free import keep_torch_out
+    from jaxserve.transformers_scan import remember_scans
 
     keep_torch_out(args.model)  # before transformers is imported: seconds of every start
+    remember_scans()  # the same: transformers' scans of its sources, read from the last start's record
     from jaxserve.api.server import bind, run_server
     from jaxserve.api.serving import check_server_files
     from jaxserve.models.peft import check_adapter_source

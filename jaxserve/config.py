@@ -54,6 +54,12 @@ CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 AUTO_MAX_MODEL_LEN = -1
 
 
+def cache_home() -> Path:
+    """Where jaxserve keeps what it converts or records between starts: `$JAXSERVE_CACHE_DIR`, by default
+    `~/.cache/jaxserve` (XLA's compilation cache is `--compilation-cache-dir`'s)."""
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR") or "~/.cache/jaxserve").expanduser()
+
+
 def context_served(max_model_len: int | None, context: int) -> int:
     """The context length served, before the KV cache is sized: --max-model-len cut to the model's
     `context`; the context itself for None and auto (which the cache's size may shorten: `fit_to_kv_cache`)."""

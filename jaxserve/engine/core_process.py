@@ -59,6 +59,7 @@ from jaxserve.models.peft import LoraAdapter
 from jaxserve.process_exit import exit_now
 from jaxserve.sampling_params import InvalidParam
 from jaxserve.torch_free import keep_torch_out
+from jaxserve.transformers_scan import remember_scans
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
@@ -288,6 +289,7 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int, warmup: b
         if placement is not None:
             placement.apply()  # before jax starts a backend
         keep_torch_out(config.model.model)  # before transformers is imported
+        remember_scans()
         from jaxserve.engine.core import EngineCore  # imports jax: in this process only
 
         core = EngineCore(config, warmup=warmup)

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config import cache_home
+
 logger = logging.getLogger(__name__)
 
 _CONVERTED_FILES = ("config.json", "tokenizer_config.json")
@@ -26,8 +28,7 @@ _FORMAT = "3"  # bump when what is written here changes
 
 def cache_root() -> Path:
     """`$JAXSERVE_CACHE_DIR/gguf`, by default `~/.cache/jaxserve/gguf`."""
-    base = os.environ.get("JAXSERVE_CACHE_DIR") or "~/.cache/jaxserve"
-    return Path(base).expanduser() / "gguf"
+    return cache_home() / "gguf"
 
 
 def file_sha256(path: Path) -> str:

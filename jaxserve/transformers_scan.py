@@ -1,0 +1,124 @@
+"""transformers' scans of its own source tree, remembered between starts.
+
+transformers 5 learns what each of its modules exports by reading their source: at its import, and again
+when `transformers.models` is first imported (AutoConfig's import, which every start makes to read the
+model's config), `define_import_structure` reads the source of every model family (1,696 files) and
+matches their `__all__` lists. That is most of transformers' import time, at every start, for a result
+that changes only with the files (docs/benchmarks.md, stop 94).
+
+`remember_scans()` wraps that function, before transformers is imported, with a record on disk: keyed
+by the scanned directory and the path, size and modification time of every file under it, so any change
+to transformers' files (an upgrade, an edited checkout) scans afresh. The wrapper returns what the scan
+returned, unpickled anew at each call. Where anything is not as expected (no such function, a record
+that cannot be read or written) transformers' own scan runs, as without it.
+"""
+
+import contextlib
+import functools
+import hashlib
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import pickle
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from jaxserve.config import cache_home
+
+logger = logging.getLogger(__name__)
+
+_MODULE = "transformers.utils.import_utils"  # where the scan is defined
+_FUNCTION = "define_import_structure"  # (module_path, prefix=None) -> the import structure
+_RECORD_VERSION = b"1"  # of this module's key and record format
+
+
+def remember_scans() -> bool:
+    """Installs the wrapper for transformers' next import; False where transformers (or its module) is
+    imported already, whose scans have run."""
+    if "transformers" in sys.modules or _MODULE in sys.modules:
+        return False
+    if not any(isinstance(finder, _WrapOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
+    return True
+
+
+def _records_dir() -> Path:
+    return cache_home() / "transformers-scans"
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds `_MODULE` as the other finders do, and wraps its scan once it has run."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module: ModuleType) -> None:
+            exec_module(module)
+            scan = getattr(module, _FUNCTION, None)
+            if callable(scan):
+                setattr(module, _FUNCTION, _remembered(scan))
+
+        spec.loader.exec_module = exec_and_wrap  # this spec's loader only: made for this import
+        return spec
+
+
+def _remembered(scan: Callable[..., Any]) -> Callable[..., Any]:
+    lock = threading.Lock()
+
+    @functools.wraps(scan)
+    def remembered(module_path: Any, prefix: str | None = None) -> Any:
+        try:
+            key = _key(Path(module_path), prefix)
+        except OSError:
+            return scan(module_path, prefix)
+        record = _records_dir() / f"{key}.pickle"
+        with lock:
+            try:
+                return pickle.loads(record.read_bytes())
+            except FileNotFoundError:
+                pass
+            except Exception as error:  # a damaged record: scanned and written again
+                logger.debug("transformers scan record %s unreadable: %s", record, error)
+            structure = scan(module_path, prefix)
+            _write(record, structure)
+            return structure
+
+    return remembered
+
+
+def _key(directory: Path, prefix: str | None) -> str:
+    """A digest of the scanned directory and every file under it (path, size, modification time), Python's
+    bytecode caches left out."""
+    digest = hashlib.sha256(_RECORD_VERSION + b"\0" + str(directory.resolve()).encode() + b"\0"
+                            + repr(prefix).encode())
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # Python's own, rewritten as it pleases
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            digest.update(f"\0{os.path.relpath(os.path.join(root, name), directory)}\0{stat.st_size}"
+                          f"\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _write(record: Path, structure: Any) -> None:
+    """Writes the record whole (a file of its own renamed over it); one that cannot be written is skipped."""
+    own = record.with_name(f"{record.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        payload = pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        own.write_bytes(payload)
+        os.replace(own, record)
+    except (OSError, pickle.PicklingError, TypeError) as error:
+        with contextlib.suppress(OSError):
+            own.unlink(missing_ok=True)
+        logger.debug("transformers scan not recorded in %s: %s", record.parent, error)
