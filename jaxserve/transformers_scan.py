@@ -97,16 +97,28 @@ def _remembered(scan: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _key(directory: Path, prefix: str | None) -> str:
-    """A digest of the scanned directory and every file under it (path, size, modification time), Python's
+    """A digest of the scanned directory, the prefix and the files under the directory."""
+    return hashlib.sha256(b"\0".join([_RECORD_VERSION, repr(prefix).encode(),
+                                       _files_digest(str(directory.resolve())).encode()])).hexdigest()
+
+
+@functools.lru_cache(maxsize=8)  # per process, as transformers keeps its scans: `models` is asked twice
+def _files_digest(directory: str) -> str:
+    """A digest of `directory` and every file under it (relative path, size, modification time), Python's
     bytecode caches left out."""
-    digest = hashlib.sha256(_RECORD_VERSION + b"\0" + str(directory.resolve()).encode() + b"\0"
-                            + repr(prefix).encode())
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # Python's own, rewritten as it pleases
-        for name in sorted(files):
-            stat = os.stat(os.path.join(root, name))
-            digest.update(f"\0{os.path.relpath(os.path.join(root, name), directory)}\0{stat.st_size}"
-                          f"\0{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(directory.encode())
+    pending = [(directory, "")]
+    while pending:
+        folder, relative = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                name = f"{relative}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != "__pycache__":  # Python's own, rewritten as it pleases
+                        pending.append((entry.path, name))
+                else:
+                    stat = entry.stat()
+                    digest.update(f"\0{name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
 
 

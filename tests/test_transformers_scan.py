@@ -19,7 +19,13 @@ from jaxserve import transformers_scan
 @pytest.fixture
 def records(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    transformers_scan._files_digest.cache_clear()
     return tmp_path / "cache" / "transformers-scans"
+
+
+def as_a_new_process() -> None:
+    """Forgets this process's digests of the files (a process takes them once, as transformers its scans)."""
+    transformers_scan._files_digest.cache_clear()
 
 
 @pytest.fixture
@@ -65,13 +71,16 @@ def test_a_changed_file_is_scanned_afresh(records: Path, package: Path):
     remembered = transformers_scan._remembered(counting_scan(calls))
     remembered(package)
     (package / "llama" / "configuration_llama.py").write_text("__all__ = ['LlamaConfig', 'LlamaTextConfig']\n")
+    as_a_new_process()
     assert remembered(package)[frozenset()]["llama.configuration_llama"] == {"LlamaConfig", "LlamaTextConfig"}
     (package / "mistral").mkdir()
     (package / "mistral" / "configuration_mistral.py").write_text("__all__ = ['MistralConfig']\n")
+    as_a_new_process()
     assert "mistral.configuration_mistral" in remembered(package)[frozenset()]
     assert len(calls) == 3
     (package / "llama" / "__pycache__").mkdir()  # Python's bytecode caches are not the sources
     (package / "llama" / "__pycache__" / "configuration_llama.cpython-311.pyc").write_bytes(b"\0")
+    as_a_new_process()
     remembered(package)
     assert len(calls) == 3
 
