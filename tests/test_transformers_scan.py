@@ -144,3 +144,25 @@ def test_a_process_that_remembers_the_scans_reads_configs_and_tokenizers_as_one_
     assert len(list(records.glob("*.pickle"))) >= 2  # transformers' import's and `transformers.models`' at least
     assert plain["config"] == first["config"] == second["config"]
     assert plain["ids"] == first["ids"] == second["ids"]
+
+
+ENGINE_FIRST = """
+import sys
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+try:
+    LLMEngine(EngineConfig.from_preset(None, model=sys.argv[1]))
+except Exception:
+    pass  # no such model: the engine had installed the wrapper by then
+from transformers.utils import import_utils
+code = getattr(import_utils.define_import_structure, "__code__", None)
+print(code is not None and code.co_filename.endswith("transformers_scan.py"))
+"""
+
+
+def test_an_engine_made_in_python_remembers_the_scans(records: Path, tmp_path: Path):
+    """`LLM()` and other engines built in Python (not through `serve`) take the records too."""
+    done = subprocess.run([sys.executable, "-c", ENGINE_FIRST, str(tmp_path / "no-such-model")],
+                          capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"

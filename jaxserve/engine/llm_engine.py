@@ -32,6 +32,7 @@ from jaxserve.models.tokenizer import TokenizerCopies
 from jaxserve.outputs import RequestOutput
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
+from jaxserve.transformers_scan import remember_scans
 
 if TYPE_CHECKING:
     from jaxserve.engine.core import EngineCore
@@ -65,6 +66,7 @@ class ProfilerState(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: "LoadedModel | None" = None, warmup: bool = True) -> None:
         prepare_jax_platform()  # a no-op once jax's backends run; a quiet start for callers that build one first
+        remember_scans()  # a no-op once transformers is imported; else its start reads the last one's scans
         self.config = config
         self.async_scheduling = config.scheduler.async_scheduling
         self.core: EngineCore | None  # the core when it runs in this process, else None
