@@ -52,33 +52,47 @@ def _records_dir() -> Path:
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds `_MODULE` as the other finders do, and wraps its scan once it has run."""
+    """Finds `_MODULE` on the parent package's path, as the import system would, and loads it through
+    `_WrappingLoader`."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
         if fullname != _MODULE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_wrap(module: ModuleType) -> None:
-            exec_module(module)
-            scan = getattr(module, _FUNCTION, None)
-            if callable(scan):
-                setattr(module, _FUNCTION, _remembered(scan))
-
-        spec.loader.exec_module = exec_and_wrap  # this spec's loader only: made for this import
+            return None  # the other finders find it, unwrapped
+        spec.loader = _WrappingLoader(spec.loader)
         return spec
 
 
-def _remembered(scan: Callable[..., Any]) -> Callable[..., Any]:
+class _WrappingLoader(importlib.abc.Loader):
+    """`loader`, which wraps the module's scan once the module has run; anything else asked of it (the
+    source, for tracebacks) is `loader`'s."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        scan = getattr(module, _FUNCTION, None)
+        if callable(scan) and not getattr(scan, "jaxserve_records", False):
+            setattr(module, _FUNCTION, _remembered(scan, getattr(module, "__file__", None)))
+
+
+def _remembered(scan: Callable[..., Any], scanner: str | None = None) -> Callable[..., Any]:
+    """`scan` with records; `scanner`: the file that defines it (part of every key: a changed scan rescans)."""
     lock = threading.Lock()
 
     @functools.wraps(scan)
     def remembered(module_path: Any, prefix: str | None = None) -> Any:
         try:
-            key = _key(Path(module_path), prefix)
+            key = _key(Path(module_path), prefix, scanner)
         except OSError:
             return scan(module_path, prefix)
         record = _records_dir() / f"{key}.pickle"
@@ -93,19 +107,24 @@ def _remembered(scan: Callable[..., Any]) -> Callable[..., Any]:
             _write(record, structure)
             return structure
 
+    remembered.jaxserve_records = True  # type: ignore[attr-defined]  # a module run again keeps one wrapper
     return remembered
 
 
-def _key(directory: Path, prefix: str | None) -> str:
-    """A digest of the scanned directory, the prefix and the files under the directory."""
-    return hashlib.sha256(b"\0".join([_RECORD_VERSION, repr(prefix).encode(),
+def _key(module_path: Path, prefix: str | None, scanner: str | None) -> str:
+    """A digest of the scanned directory (a package's `__init__.py` stands for its folder, as transformers
+    takes it), the prefix, the files under the directory and the scanner's own file."""
+    directory = module_path.parent if module_path.is_file() else module_path
+    scanner_stat = os.stat(scanner) if scanner else None
+    scanner_facts = f"{scanner}\0{scanner_stat.st_size}\0{scanner_stat.st_mtime_ns}" if scanner_stat else ""
+    return hashlib.sha256(b"\0".join([_RECORD_VERSION, repr(prefix).encode(), scanner_facts.encode(),
                                        _files_digest(str(directory.resolve())).encode()])).hexdigest()
 
 
 @functools.lru_cache(maxsize=8)  # per process, as transformers keeps its scans: `models` is asked twice
 def _files_digest(directory: str) -> str:
-    """A digest of `directory` and every file under it (relative path, size, modification time), Python's
-    bytecode caches left out."""
+    """A digest of `directory` and every file under it (relative path, size, modification time, inode),
+    folders followed through links as transformers follows them, Python's bytecode caches left out."""
     digest = hashlib.sha256(directory.encode())
     pending = [(directory, "")]
     while pending:
@@ -113,12 +132,12 @@ def _files_digest(directory: str) -> str:
         with os.scandir(folder) as entries:
             for entry in sorted(entries, key=lambda e: e.name):
                 name = f"{relative}/{entry.name}"
-                if entry.is_dir(follow_symlinks=False):
+                if entry.is_dir():
                     if entry.name != "__pycache__":  # Python's own, rewritten as it pleases
                         pending.append((entry.path, name))
                 else:
                     stat = entry.stat()
-                    digest.update(f"\0{name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+                    digest.update(f"\0{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}".encode())
     return digest.hexdigest()
 
 

@@ -32,6 +32,8 @@ def as_a_new_process() -> None:
 def package(tmp_path: Path) -> Path:
     """A tree shaped like one transformers scans: modules in folders."""
     root = tmp_path / "models"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
     for family in ("llama", "qwen2"):
         (root / family).mkdir(parents=True)
         (root / family / "__init__.py").write_text("")
@@ -44,8 +46,12 @@ def counting_scan(calls: list):
 
     def scan(module_path, prefix=None):
         calls.append((str(module_path), prefix))
+        if Path(module_path).is_file():  # a package's __init__.py: its folder (transformers' rule)
+            module_path = Path(module_path).parent
         found = {}
-        for path in sorted(Path(module_path).rglob("configuration_*.py")):
+        paths = [Path(root, name) for root, _, names in os.walk(module_path, followlinks=True) for name in names
+                 if name.startswith("configuration_")]
+        for path in sorted(paths):
             names = set(ast.literal_eval(path.read_text().split("=", 1)[1].strip()))
             module = f"{path.parent.name}.{path.stem}"
             found[f"{prefix}.{module}" if prefix else module] = names
@@ -80,6 +86,40 @@ def test_a_changed_file_is_scanned_afresh(records: Path, package: Path):
     assert len(calls) == 3
     (package / "llama" / "__pycache__").mkdir()  # Python's bytecode caches are not the sources
     (package / "llama" / "__pycache__" / "configuration_llama.cpython-311.pyc").write_bytes(b"\0")
+    as_a_new_process()
+    remembered(package)
+    assert len(calls) == 3
+
+
+def test_a_packages_init_stands_for_its_folder(records: Path, package: Path):
+    """transformers' packages scan themselves by their `__init__.py`: `transformers.models`' own import does."""
+    calls = []
+    remembered = transformers_scan._remembered(counting_scan(calls))
+    want = counting_scan([])(package)
+    assert remembered(package / "__init__.py") == want and remembered(package / "__init__.py") == want
+    assert len(calls) == 1
+    (package / "qwen2" / "configuration_qwen2.py").write_text("__all__ = ['Qwen2Config', 'Qwen2MoeConfig']\n")
+    as_a_new_process()
+    assert remembered(package / "__init__.py")[frozenset()]["qwen2.configuration_qwen2"] == \
+        {"Qwen2Config", "Qwen2MoeConfig"}
+    assert len(calls) == 2
+
+
+def test_a_linked_folder_and_the_scanner_itself_are_part_of_the_key(records: Path, package: Path, tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere" / "gemma"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "configuration_gemma.py").write_text("__all__ = ['GemmaConfig']\n")
+    (package / "gemma").symlink_to(elsewhere)  # transformers follows folders through links
+    scanner = tmp_path / "import_utils.py"
+    scanner.write_text("# the scan's code\n")
+    calls = []
+    remembered = transformers_scan._remembered(counting_scan(calls), str(scanner))
+    remembered(package)
+    (elsewhere / "configuration_gemma.py").write_text("__all__ = ['GemmaConfig', 'Gemma2Config']\n")
+    as_a_new_process()
+    assert remembered(package)[frozenset()]["gemma.configuration_gemma"] == {"GemmaConfig", "Gemma2Config"}
+    assert len(calls) == 2
+    scanner.write_text("# the scan's code, changed\n")
     as_a_new_process()
     remembered(package)
     assert len(calls) == 3
@@ -120,8 +160,10 @@ scan = import_utils.define_import_structure
 wrapped = getattr(getattr(scan, "__code__", None), "co_filename", "").endswith("transformers_scan.py")
 own = scan.__wrapped__ if wrapped else scan
 models = transformers.models.__file__.rsplit("/", 1)[0]
-same = all(scan(models, prefix) == own(models, prefix) for prefix in (None, "models"))
-print(json.dumps({"installed": bool(installed), "wrapped": wrapped, "same": same,
+scanned = import_utils.create_import_structure_from_path.cache_info().currsize  # folders transformers read
+same = all(scan(path, prefix) == own(path, prefix)
+           for path in (models, models + "/__init__.py") for prefix in (None, "models"))
+print(json.dumps({"installed": bool(installed), "wrapped": wrapped, "same": same, "scanned": scanned,
                   "config": config.to_dict(), "ids": tokenizer("Hello world, 1234")["input_ids"]}))
 """
 
@@ -141,6 +183,8 @@ def test_a_process_that_remembers_the_scans_reads_configs_and_tokenizers_as_one_
     plain, first, second = run("0"), run("1"), run("1")
     assert not plain["wrapped"] and first["installed"] and first["wrapped"] and second["wrapped"]
     assert first["same"] and second["same"]  # the records give transformers' own scans
+    assert plain["scanned"] > 0 and first["scanned"] > 0  # model families' folders, read (an LRU of 128)
+    assert second["scanned"] == 0  # every scan of the start (the import's, `transformers.models`') from a record
     assert len(list(records.glob("*.pickle"))) >= 2  # transformers' import's and `transformers.models`' at least
     assert plain["config"] == first["config"] == second["config"]
     assert plain["ids"] == first["ids"] == second["ids"]

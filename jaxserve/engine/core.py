@@ -73,11 +73,6 @@ from jaxserve.sampling_params import InvalidParam, RequestLimits
 
 logger = logging.getLogger(__name__)
 
-# The tokenizer's copies a server's threads take, each its own (`LLMEngine.tokenizer_copy`): the grammar
-# compiler's, the async engine's, the event loop's.
-TOKENIZER_COPIES = 3
-
-
 def enable_compilation_cache(cache_dir: str | None) -> None:
     if not cache_dir:  # None or "": no persistent cache
         return
@@ -89,7 +84,10 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 class EngineCore:
     @fewer_collections()  # loading and the warm-up's tracing (collector.py)
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, warmup: bool = True,
+                 tokenizer_copies: int = 0) -> None:
+        """`tokenizer_copies`: copies of the tokenizer to make during the warm-up for the threads of an engine
+        in this process (`LLMEngine`); a core in a process of its own makes none."""
         if config.parallel.multihost:
             multihost.initialize(config.parallel)  # before the first jax backend call
         enable_compilation_cache(config.compilation_cache_dir)
@@ -112,12 +110,12 @@ class EngineCore:
                 in_background=not config.parallel.multihost,
             )
         try:
-            self._start(config, model, warmup)
+            self._start(config, model, warmup, tokenizer_copies)
         except BaseException:
             model.abandon_loading()  # a failed start leaves no load going on beside whatever comes next
             raise
 
-    def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool) -> None:
+    def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool, tokenizer_copies: int) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
         if config.lora.enable_lora:
@@ -207,7 +205,7 @@ class EngineCore:
         # a multi-host job warms up fully: every process must run the same buckets in the same order
         mode = "full" if config.parallel.multihost else config.warmup_mode
         # The tokenizer's copies for the threads above (`TokenizerCopies`), made while the first step runs
-        self.tokenizer_copies = TokenizerCopies(model.tokenizer, TOKENIZER_COPIES)
+        self.tokenizer_copies = TokenizerCopies(model.tokenizer, tokenizer_copies)
         self.warmup_seconds = self.runner.warmup(mode=mode, meanwhile=self.tokenizer_copies.make) if warmup else 0.0
         self.runner.wait_for_weights()  # a start fails with its load's error, not the first step
         if self.leader is not None:  # every process has warmed up alike

@@ -59,6 +59,12 @@ class AdapterExists(ValueError):
     """A LoRA adapter of that name is served already."""
 
 
+# The tokenizer's copies that threads of a server take, each its own (`LLMEngine.tokenizer_copy`): the grammar
+# compiler's, the async engine's, the event loop's. An offline engine takes one; the others' making hid
+# behind the warm-up's first step.
+TOKENIZER_COPIES = 3
+
+
 class ProfilerState(RuntimeError):
     """A profile started while one is recorded, or stopped while none is."""
 
@@ -88,7 +94,7 @@ class LLMEngine:
         else:
             from jaxserve.engine import core  # imports jax
 
-            self.core = self._core = core.EngineCore(config, model, warmup)
+            self.core = self._core = core.EngineCore(config, model, warmup, tokenizer_copies=TOKENIZER_COPIES)
             self.tokenizer = self.core.model.tokenizer
         # Copies of the tokenizer for threads that use one of their own: made during the warm-up where the
         # core runs here, else as they are taken.

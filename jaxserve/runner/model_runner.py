@@ -639,10 +639,12 @@ class ModelRunner:
             # paid by the first request (its step waited ~4 s behind them on CPU)
             outputs = self.run_step(neutral_batch(bucket, self.layout), bucket, variant.greedy,
                                     self._no_decode_steps(bucket) if variant.multi_step else None)
-            if meanwhile is not None:
-                meanwhile, run_now = None, meanwhile
-                run_now()
-            jax.block_until_ready(outputs)
+            try:
+                if meanwhile is not None:
+                    meanwhile, run_now = None, meanwhile
+                    run_now()
+            finally:
+                jax.block_until_ready(outputs)
         self.num_greedy_steps = self.num_multi_steps = 0
         futures += [pool.submit(self._compile_one, job, slots) for job in jobs[len(futures):]]
         pool.shutdown(wait=False)  # its threads work through the queue; nothing more is submitted

@@ -69,7 +69,7 @@ def test_copies_taken_while_they_are_made_are_each_their_own(tokenizer):
 def test_an_engine_makes_its_copies_during_the_warm_up_and_its_threads_take_them(llama_dir, monkeypatch,
                                                                                   deep_copies):
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.core import TOKENIZER_COPIES
+    from jaxserve.engine.llm_engine import TOKENIZER_COPIES
     from jaxserve.runner.model_runner import ModelRunner
     from tests.engine.helpers import make_engine
 
