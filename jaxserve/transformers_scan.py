@@ -7,10 +7,11 @@ matches their `__all__` lists. That is most of transformers' import time, at eve
 that changes only with the files (docs/benchmarks.md, stop 94).
 
 `remember_scans()` wraps that function, before transformers is imported, with a record on disk: keyed
-by the scanned directory and the path, size and modification time of every file under it, so any change
-to transformers' files (an upgrade, an edited checkout) scans afresh. The wrapper returns what the scan
-returned, unpickled anew at each call. Where anything is not as expected (no such function, a record
-that cannot be read or written) transformers' own scan runs, as without it.
+by the scanned folder (a package's `__init__.py` stands for its folder, as transformers takes it), the
+prefix, the path, size, modification time and inode of every file under the folder, and the scanner's own
+file, so any change to transformers' files (an upgrade, an edited checkout) scans afresh. The wrapper
+returns what the scan returned, unpickled anew at each call. Where anything is not as expected (no such
+function, a record that cannot be read or written) transformers' own scan runs, as without it.
 """
 
 import contextlib

@@ -73,6 +73,7 @@ from jaxserve.sampling_params import InvalidParam, RequestLimits
 
 logger = logging.getLogger(__name__)
 
+
 def enable_compilation_cache(cache_dir: str | None) -> None:
     if not cache_dir:  # None or "": no persistent cache
         return
