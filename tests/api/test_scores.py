@@ -45,6 +45,15 @@ def cosine(tiny_model_dir, tiny_hf_model):
     return similarity
 
 
+def _approx_floats(answer):
+    """A JSON answer with every float compared to float32's precision (lists and dicts kept as they are)."""
+    if isinstance(answer, dict):
+        return {key: _approx_floats(value) for key, value in answer.items()}
+    if isinstance(answer, list):
+        return [_approx_floats(value) for value in answer]
+    return pytest.approx(answer, rel=1e-5, abs=1e-6) if isinstance(answer, float) else answer
+
+
 def _post(client: TestClient, path: str, body: dict) -> dict:
     response = client.post(path, json=body)
     assert response.status_code == 200, response.text
@@ -129,6 +138,8 @@ def test_invocations_answers_as_the_endpoint_the_body_picks(client, path, body):
     want, got = _post(client, path, body), _post(client, "/invocations", body)
     for answer in (want, got):
         answer.pop("id", None), answer.pop("created", None)
-    assert got == want
+    # The two calls may be batched differently (texts split across steps as they arrive), so a float may
+    # differ in its last bits; everything else is the same answer.
+    assert got == _approx_floats(want)
     refused = client.post("/invocations", json={"prompt": "hi"})
     assert refused.status_code == 400 and "query and documents (/v1/rerank)" in refused.json()["error"]["message"]
