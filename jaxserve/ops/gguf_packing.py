@@ -37,6 +37,8 @@ super-blocks of 256 weights (d, 8 6-bit scales, then each block's 16 code bytes 
 as Q4_0's.
 """
 
+import functools
+
 import numpy as np
 
 FEATURES = 16  # output features per group
@@ -74,12 +76,24 @@ IQ4_XS_TILE = IQ4_XS_HEAD + FEATURES * SUPER // 2  # IQ4_XS: one super-block of 
 
 def _by_group(blocks: np.ndarray, size: int) -> np.ndarray:
     """A file's rows u8[N, S * size] as u8[groups, 16, S, size] ([group, feature, block or super-block, bytes]),
-    features past N zero."""
+    features past N zero (a view where N is a multiple of 16)."""
     n, row_bytes = blocks.shape
     units, groups = row_bytes // size, -(-n // FEATURES)
+    if n % FEATURES == 0:
+        return blocks.reshape(groups, FEATURES, units, size)
     padded = np.zeros((groups * FEATURES, units, size), np.uint8)
     padded[:n] = blocks.reshape(n, units, size)
     return padded.reshape(groups, FEATURES, units, size)
+
+
+def _words(fields: np.ndarray, width: int) -> np.ndarray:
+    """u8[..., k * width] -> its k words of `width` bytes ([..., k]), a view where the layout allows: numpy moves a
+    transposed array word by word, several times faster than byte by byte."""
+    dtype = {2: np.uint16, 4: np.uint32}[width]
+    try:
+        return fields.view(dtype)
+    except ValueError:  # the last axis not contiguous
+        return np.ascontiguousarray(fields).view(dtype)
 
 
 def _f16_fields(tiles: np.ndarray, at: int) -> np.ndarray:
@@ -127,16 +141,19 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     scales = SCALES[kind]
     grouped = _by_group(blocks, block_bytes(kind))  # [group, feature, block, bytes]
     groups, _, num_blocks, _ = grouped.shape
-    # [group, feature, block, scale, 2 bytes] -> [group, block, scale, feature, 2 bytes]
-    scale_part = grouped[..., : 2 * scales].reshape(groups, FEATURES, num_blocks, scales, 2).transpose(0, 2, 3, 1, 4)
+    tiles = np.empty((groups, num_blocks, tile_bytes(kind)), np.uint8)  # each part written in place, word by word
     codes_at = 2 * scales + PLANE_BYTES.get(kind, 0)
-    # [group, feature, block, chunk, 4 bytes] -> [group, block, chunk, feature, 4 bytes]
-    code_part = grouped[..., codes_at:].reshape(groups, FEATURES, num_blocks, -1, 4).transpose(0, 2, 3, 1, 4)
-    parts = [scale_part.reshape(groups, num_blocks, -1), code_part.reshape(groups, num_blocks, -1)]
+    plane_at, tile_codes_at = 2 * scales * FEATURES, codes_at * FEATURES
+    # [group, feature, block, scale] -> [group, block, scale, feature], f16 words
+    tiles[..., :plane_at].view(np.uint16).reshape(groups, num_blocks, scales, FEATURES)[...] = (
+        _words(grouped[..., : 2 * scales], 2).transpose(0, 2, 3, 1))
+    # [group, feature, block, chunk] -> [group, block, chunk, feature], 4-byte words
+    tiles[..., tile_codes_at:].view(np.uint32).reshape(groups, num_blocks, -1, FEATURES)[...] = (
+        _words(grouped[..., codes_at:], 4).transpose(0, 2, 3, 1))
     if kind in PLANE_BYTES:  # [group, feature, block, 4 bytes] -> [group, block, feature, 4 bytes]
-        plane = _plane(grouped[..., 2 * scales: codes_at]).transpose(0, 2, 1, 3)
-        parts.insert(1, plane.reshape(groups, num_blocks, -1))
-    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, num_blocks * tile_bytes(kind)))
+        tiles[..., plane_at:tile_codes_at].reshape(groups, num_blocks, FEATURES, 4)[...] = (
+            _plane(grouped[..., 2 * scales: codes_at]).transpose(0, 2, 1, 3))
+    return tiles.reshape(groups, num_blocks * tile_bytes(kind))
 
 
 def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
@@ -164,11 +181,34 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
     return np.ascontiguousarray(per_feature.reshape(groups * FEATURES, num_blocks * block_bytes(kind))[:n])
 
 
+LOW_NIBBLES = np.uint32(0x0F0F0F0F)  # in a word of 4 code bytes
+LOW_PAIRS = np.uint32(0x03030303)  # a word's bytes' bits 0 .. 1
+
+
+@functools.cache
+def _nibble_gather() -> np.ndarray:
+    """u16[65536]: for 16 bits v, nibble j holds bits j, 4 + j, 8 + j, 12 + j of v in bits 0 .. 3 (Q5's plane, a
+    half at a time)."""
+    v = np.arange(1 << 16, dtype=np.uint32)
+    table = np.zeros_like(v)
+    for j in range(4):
+        for c in range(4):
+            table |= ((v >> (4 * c + j)) & 1) << (4 * j + c)
+    return table.astype(np.uint16)
+
+
+def _spread_nibbles(x: np.ndarray) -> np.ndarray:  # u32 of 16 bits: nibble j -> bits 0 .. 3 of byte j
+    return (x & 0xF) | ((x & 0xF0) << 4) | ((x & 0xF00) << 8) | ((x & 0xF000) << 12)
+
+
 def _plane(qh: np.ndarray) -> np.ndarray:
     """Q5's qh (u8[..., 4], bit i the 5th bit of weight i) -> its plane u8[..., 4]: byte j's bit c that of weight
-    4c + j, bit 4 + c that of weight 16 + 4c + j."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little").reshape(*qh.shape[:-1], 2, 4, 4)  # [.., half, c, j]
-    return (bits << FIFTH_BIT_SHIFTS).sum((-3, -2), dtype=np.uint8)
+    4c + j, bit 4 + c that of weight 16 + 4c + j (each half of qh's 32 bits through a table)."""
+    bits = _words(qh.astype("<u1", copy=False), 4)[..., 0].astype("<u4", copy=False)  # [...]: bit i, weight i
+    table = _nibble_gather()
+    low, high = (table[half].astype(np.uint32) for half in (bits & 0xFFFF, bits >> 16))
+    plane = (_spread_nibbles(low) | (_spread_nibbles(high) << 4)).astype("<u4", copy=False)
+    return plane.view(np.uint8).reshape(qh.shape)
 
 
 def _qh(plane: np.ndarray) -> np.ndarray:
@@ -177,25 +217,40 @@ def _qh(plane: np.ndarray) -> np.ndarray:
     return np.packbits(bits.reshape(*plane.shape[:-1], 32), axis=-1, bitorder="little")
 
 
+def _q4_0_words(first: np.ndarray, second: np.ndarray, low_block: np.ndarray, high_block: np.ndarray) -> None:
+    """Two blocks of 32 codes held as ggml's K-quants hold them, words of 4 code bytes `first` (bytes 0 .. 15 of
+    the 32) and `second` (16 .. 31) with the first block's weight l, 16 + l in byte l's low nibble and the second
+    block's in its high nibble -> each block's codes as Q4_0's (byte j: weight j low, j + 16 high), as words, into
+    `low_block` and `high_block` (all four of one shape, laid out as the tile wants them)."""
+    np.bitwise_or(first & LOW_NIBBLES, (second & LOW_NIBBLES) << 4, out=low_block)
+    np.bitwise_or((first >> 4) & LOW_NIBBLES, second & ~LOW_NIBBLES, out=high_block)
+
+
 def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
     qh_bytes = SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
     grouped = _by_group(blocks, SCALED_SUPER_BYTES[kind])  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
+    tiles = np.empty((groups, supers, super_tile(kind)), np.uint8)  # each part written in place
+    for at, field in ((0, 0), (Q4_K_DMIN_AT, 2)):  # d, dmin: f16 [group, feature, super] -> [group, super, feature]
+        tiles[..., at: at + 2 * FEATURES].view(np.uint16)[...] = _words(grouped[..., field: field + 2], 2)[
+            ..., 0].transpose(0, 2, 1)
     scales, mins = _q4_k_scales(grouped[..., 4:16])  # [group, feature, super, 8] each
-    qs = grouped[..., 16 + qh_bytes:].reshape(groups, FEATURES, supers, 4, 32)  # blocks 2i (low nibbles), 2i + 1
-    codes = np.stack([qs & 15, qs >> 4], axis=4).reshape(groups, FEATURES, supers, 8, 32)  # [.., block, weight]
-    q4 = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # Q4_0's bytes
-    head = [grouped[..., 0:2], grouped[..., 2:4]]  # d, dmin: [group, feature, super, 2] -> [group, super, 32]
-    parts = [part.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for part in head]
-    parts += [part.transpose(0, 2, 3, 1).reshape(groups, supers, -1) for part in (scales, mins)]  # [.., 8, 16]
-    per_block = [q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)]  # [.., block, chunk, feature, 4]
-    if qh_bytes:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature, 4]
-        qh_bits = grouped[..., 16:16 + qh_bytes, None]  # [group, feature, super, j, 1]
-        bits = (qh_bits >> np.arange(8, dtype=np.uint8)) & 1  # [.., j, b]
+    for at, values in ((Q4_K_SCALES_AT, scales), (Q4_K_MINS_AT, mins)):  # -> [group, super, 8, feature]
+        tiles[..., at: at + 8 * FEATURES].reshape(groups, supers, 8, FEATURES)[...] = values.transpose(0, 2, 3, 1)
+    # qs[32 i + l]: weight l of block 2i in the low nibble, of block 2i + 1 in the high; as words moved to the
+    # tile's order first, [group, super, i, half of the 32 bytes, chunk, feature], so that the nibbles' arithmetic
+    # runs over long rows
+    qs = _words(grouped[..., 16 + qh_bytes:], 4).reshape(groups, FEATURES, supers, 4, 2, 4)
+    qs = np.ascontiguousarray(qs.transpose(0, 2, 3, 4, 5, 1)).reshape(groups, supers, 4, 2, -1)
+    plane_words = FEATURES * PLANE_BYTES.get(kind, 0) // 4
+    per_block = tiles[..., Q4_K_HEAD:].view(np.uint32).reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
+    codes = per_block[..., plane_words:].reshape(groups, supers, 4, 2, -1)  # [.., i, block 2i + h, chunk x feature]
+    _q4_0_words(qs[..., 0, :], qs[..., 1, :], codes[..., 0, :], codes[..., 1, :])
+    if plane_words:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature] words
+        bits = np.unpackbits(grouped[..., 16:16 + qh_bytes, None], axis=-1, bitorder="little")  # [.., j, b]
         qh = np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")  # [.., block, 4]
-        per_block.insert(0, _plane(qh).transpose(0, 2, 3, 1, 4).reshape(groups, supers, 8, -1))
-    parts.append(np.concatenate(per_block, -1).reshape(groups, supers, -1))
-    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * super_tile(kind)))
+        per_block[..., :plane_words][...] = _words(_plane(qh), 4)[..., 0].transpose(0, 2, 3, 1)
+    return tiles.reshape(groups, supers * super_tile(kind))
 
 
 def _unpack_scaled_supers(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q4_K or Q5_K
@@ -237,16 +292,27 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     grouped = _by_group(blocks, Q6_K_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     scales_at, d_at = SUPER // 2 + SUPER // 4, Q6_K_BYTES - 2
-    codes = _q6_k_codes(grouped[..., :scales_at]).reshape(groups, FEATURES, supers, 8, 2, 16)  # [.., block, half, 16]
-    low, high = codes & 15, (codes >> 4).reshape(groups, FEATURES, supers, 8, 2, 4, 4)  # high: [.., half, chunk, j]
-    q4 = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(groups, FEATURES, supers, 8, 4, 4)  # [.., chunk, j]
-    planes = sum(high[..., c, :] << (2 * c) for c in range(4)).astype(np.uint8)  # [.., block, half, j]
-    q4 = q4.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, chunk, feature, 4]
-    planes = planes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)  # [.., block, half, feature, 4]
-    d = grouped[..., d_at:].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
-    scales = grouped[..., scales_at:d_at].transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [.., 16, feature]
-    per_block = np.concatenate([q4, planes], -1).reshape(groups, supers, -1)
-    return np.ascontiguousarray(np.concatenate([d, scales, per_block], -1).reshape(groups, supers * Q6_K_TILE))
+    tiles = np.empty((groups, supers, Q6_K_TILE), np.uint8)  # each part written in place
+    tiles[..., :Q6_K_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., d_at:], 2)[..., 0].transpose(0, 2, 1)
+    tiles[..., Q6_K_SCALES_AT: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES)[...] = (
+        grouped[..., scales_at:d_at].transpose(0, 2, 3, 1))  # [group, super, sub-block, feature]
+    # Half n of 128 weights: ql[64 n + l]'s low nibble is weight l, ql[64 n + 32 + l]'s weight 32 + l, their high
+    # nibbles weights 64 + l and 96 + l; qh[32 n + l]'s bits 2k .. 2k + 1 the high bits of weight 32k + l.
+    # ql as words in the tile's order, [group, super, n, m, 16 bytes of 32, chunk, feature]
+    ql = _words(grouped[..., :SUPER // 2], 4).reshape(groups, FEATURES, supers, 2, 2, 2, 4)
+    ql = np.ascontiguousarray(ql.transpose(0, 2, 3, 4, 5, 6, 1)).reshape(groups, supers, 2, 2, 2, -1)
+    per_block = tiles[..., Q6_K_HEAD:].view(np.uint32).reshape(groups, supers, 8, -1)  # [.., block, codes, planes]
+    codes = per_block[..., : 4 * FEATURES].reshape(groups, supers, 2, 2, 2, -1)  # [.., n, h, m, chunk x feature]
+    for m in range(2):  # blocks 4n + m (low nibbles) and 4n + 2 + m (high)
+        _q4_0_words(ql[..., m, 0, :], ql[..., m, 1, :], codes[..., 0, m, :], codes[..., 1, m, :])
+    qh = _words(grouped[..., SUPER // 2: scales_at], 4)  # qh[32 n + 16 p + 4 c + j]: [.., n, 1, p, c] as words
+    qh = qh.reshape(groups, FEATURES, supers, 2, 1, 2, 4)
+    shifts = 2 * np.arange(4, dtype=np.uint32)  # block k's bits in qh; chunk c's place in a plane
+    pairs = ((qh >> shifts[:, None, None]) & LOW_PAIRS) << shifts  # [.., n, k, p, c]: chunk c's pairs at bits 2c
+    planes = np.bitwise_or.reduce(pairs, -1)  # [.., n, k, p]: block 4n + k's plane of weights 16 p + 4c + j
+    per_block[..., 4 * FEATURES:].reshape(groups, supers, 8, 2, FEATURES)[...] = planes.reshape(
+        groups, FEATURES, supers, 8, 2).transpose(0, 2, 3, 4, 1)  # [.., block, half, feature]
+    return tiles.reshape(groups, supers * Q6_K_TILE)
 
 
 def _unpack_q6_k(packed: np.ndarray, n: int) -> np.ndarray:

@@ -326,6 +326,22 @@ def test_packing_is_a_permutation_that_unpacks_exactly(kind):
         assert (byte >> 1) & 1 == (qh >> 7) & 1 and (byte >> 5) & 1 == (qh >> 23) & 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_reads_the_file_s_rows_wherever_they_lie(kind):
+    """Blocks read-only (as a memory-mapped file gives them), at an odd byte offset and a row stride that no 2- or
+    4-byte word divides (where packing cannot view its fields as words), pack as their contiguous copy does, at
+    whole and partial groups of 16 features, and unpack to them."""
+    for n in (32, 37):
+        blocks = _blocks(kind, n, 512, seed=7)
+        wider = np.zeros((n, blocks.shape[1] + 3), np.uint8)
+        wider[:, 1: 1 + blocks.shape[1]] = blocks
+        lying = wider[:, 1: 1 + blocks.shape[1]]
+        lying.flags.writeable = False
+        packed = gguf_packing.pack(lying, kind)
+        assert np.array_equal(packed, gguf_packing.pack(blocks.copy(), kind)), n
+        assert np.array_equal(gguf_packing.unpack(packed, kind, n), blocks), n
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
 def test_q4_k_and_q5_k_packing_unpack_exactly_with_scales_and_codes_in_bytes(kind):
     """Q4_K's and Q5_K's 6-bit scales and mins come out one per byte, in ggml's order, and pack back to the same
