@@ -38,10 +38,14 @@ as Q4_0's.
 """
 
 import functools
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 FEATURES = 16  # output features per group
+PIECE_BYTES = 2 << 20  # a tensor's blocks packed on one thread at least (more threads for a larger tensor)
 SCALES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q5_1": 2, "Q8_0": 1, "IQ4_NL": 1}  # f16 scales per block: d (and m)
 PLANE_BYTES = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 4}  # bytes of 5th bits per block of 32 weights (qh)
 # A plane byte's bit for the 5th bit of weight 16 half + 4c + j (byte j of chunk c): 4 half + c, [half, chunk, 1].
@@ -72,6 +76,8 @@ IQ4_XS_SCALES_AT = 2 * FEATURES  # IQ4_XS's packed tile: the features' d, then t
 IQ4_XS_HEAD = FEATURES * (2 + 8)
 IQ4_XS_SCALE_BIAS = 32  # w = d * (ls - 32) * value(q), ls the file's 6-bit scale
 IQ4_XS_TILE = IQ4_XS_HEAD + FEATURES * SUPER // 2  # IQ4_XS: one super-block of 16 features, packed
+SUPER_BYTES = {**SCALED_SUPER_BYTES, "Q6_K": Q6_K_BYTES, "Q3_K": Q3_K_BYTES, "Q2_K": Q2_K_BYTES,
+               "IQ4_XS": IQ4_XS_BYTES}  # a super-block's bytes in the file
 
 
 def _by_group(blocks: np.ndarray, size: int) -> np.ndarray:
@@ -129,7 +135,34 @@ def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inp
 
 
 def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]."""
+    """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]. A large tensor is packed in pieces of whole
+    groups on as many threads as this process has cores (numpy lets go of the GIL as it moves and shifts)."""
+    groups = -(-blocks.shape[0] // FEATURES)
+    pieces = min(len(os.sched_getaffinity(0)), blocks.nbytes // PIECE_BYTES, groups)
+    if pieces <= 1:
+        return _pack_rows(blocks, kind)
+    bounds = [groups * i // pieces for i in range(pieces + 1)]  # each piece's first group
+    packed = np.empty((groups, _packed_row_bytes(kind, blocks.shape[1])), np.uint8)
+
+    def pack_piece(i: int) -> None:
+        rows = blocks[FEATURES * bounds[i]: FEATURES * bounds[i + 1]]
+        packed[bounds[i]: bounds[i + 1]] = _pack_rows(rows, kind)
+
+    with ThreadPoolExecutor(pieces - 1, thread_name_prefix="jaxserve-gguf-pack") as pool:
+        others = [pool.submit(pack_piece, i) for i in range(1, pieces)]
+        pack_piece(0)
+        for piece in others:
+            piece.result()
+    return packed
+
+
+def _packed_row_bytes(kind: str, row_bytes: int) -> int:  # a file's row of blocks -> its group's packed bytes
+    if kind in SUPER_KINDS:
+        return row_bytes // SUPER_BYTES[kind] * super_tile(kind)
+    return row_bytes // block_bytes(kind) * tile_bytes(kind)
+
+
+def _pack_rows(blocks: np.ndarray, kind: str) -> np.ndarray:
     if kind in SCALED_SUPER_BYTES:
         return _pack_scaled_supers(blocks, kind)
     if kind == "Q6_K":
@@ -183,6 +216,7 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
 
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)  # in a word of 4 code bytes
 LOW_PAIRS = np.uint32(0x03030303)  # a word's bytes' bits 0 .. 1
+LOW_BITS = np.uint32(0x01010101)  # a word's bytes' bit 0
 
 
 @functools.cache
@@ -246,10 +280,15 @@ def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or
     per_block = tiles[..., Q4_K_HEAD:].view(np.uint32).reshape(groups, supers, 8, -1)  # [.., block, (plane,) codes]
     codes = per_block[..., plane_words:].reshape(groups, supers, 4, 2, -1)  # [.., i, block 2i + h, chunk x feature]
     _q4_0_words(qs[..., 0, :], qs[..., 1, :], codes[..., 0, :], codes[..., 1, :])
-    if plane_words:  # bit b of qh[j]: block b's weight j -> each block's Q5 plane, [.., block, feature] words
-        bits = np.unpackbits(grouped[..., 16:16 + qh_bytes, None], axis=-1, bitorder="little")  # [.., j, b]
-        qh = np.packbits(bits.transpose(0, 1, 2, 4, 3), axis=-1, bitorder="little")  # [.., block, 4]
-        per_block[..., :plane_words][...] = _words(_plane(qh), 4)[..., 0].transpose(0, 2, 3, 1)
+    if plane_words:  # bit b of qh[j] is block b's weight j's: block b's plane byte j' holds in bit m that of
+        # qh[4m + j'] (weight 4c + j' for m = c, 16 + 4c + j' for m = 4 + c), so its words are those of qh's 8
+        # words' bits b, each word's moved to bit m
+        qh = np.ascontiguousarray(np.moveaxis(_words(grouped[..., 16:16 + qh_bytes], 4), -1, 0))  # [m, g, F, S]
+        for block in range(8):
+            plane = np.zeros(qh.shape[1:], np.uint32)
+            for m in range(8):
+                plane |= ((qh[m] >> block) & LOW_BITS) << m
+            per_block[..., block, :plane_words] = plane.transpose(0, 2, 1)  # [group, super, feature]
     return tiles.reshape(groups, supers * super_tile(kind))
 
 
@@ -305,13 +344,16 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     codes = per_block[..., : 4 * FEATURES].reshape(groups, supers, 2, 2, 2, -1)  # [.., n, h, m, chunk x feature]
     for m in range(2):  # blocks 4n + m (low nibbles) and 4n + 2 + m (high)
         _q4_0_words(ql[..., m, 0, :], ql[..., m, 1, :], codes[..., 0, m, :], codes[..., 1, m, :])
-    qh = _words(grouped[..., SUPER // 2: scales_at], 4)  # qh[32 n + 16 p + 4 c + j]: [.., n, 1, p, c] as words
-    qh = qh.reshape(groups, FEATURES, supers, 2, 1, 2, 4)
-    shifts = 2 * np.arange(4, dtype=np.uint32)  # block k's bits in qh; chunk c's place in a plane
-    pairs = ((qh >> shifts[:, None, None]) & LOW_PAIRS) << shifts  # [.., n, k, p, c]: chunk c's pairs at bits 2c
-    planes = np.bitwise_or.reduce(pairs, -1)  # [.., n, k, p]: block 4n + k's plane of weights 16 p + 4c + j
-    per_block[..., 4 * FEATURES:].reshape(groups, supers, 8, 2, FEATURES)[...] = planes.reshape(
-        groups, FEATURES, supers, 8, 2).transpose(0, 2, 3, 4, 1)  # [.., block, half, feature]
+    # qh[32 n + 16 p + 4 c + j] as words, [n, p, c, group, feature, super]: block 4n + k's plane p holds in bits
+    # 2c .. 2c + 1 of byte j the bits 2k .. 2k + 1 of byte j of word (n, p, c)
+    qh = _words(grouped[..., SUPER // 2: scales_at], 4).reshape(groups, FEATURES, supers, 2, 2, 4)
+    qh = np.ascontiguousarray(qh.transpose(3, 4, 5, 0, 1, 2))
+    planes = per_block[..., 4 * FEATURES:].reshape(groups, supers, 2, 4, 2, FEATURES)  # [.., n, k, p, feature]
+    for n, k, half in itertools.product(range(2), range(4), range(2)):
+        plane = np.zeros(qh.shape[3:], np.uint32)
+        for c in range(4):
+            plane |= ((qh[n, half, c] >> (2 * k)) & LOW_PAIRS) << (2 * c)
+        planes[:, :, n, k, half] = plane.transpose(0, 2, 1)  # [group, super, feature]
     return tiles.reshape(groups, supers * Q6_K_TILE)
 
 

@@ -1,6 +1,8 @@
 """The native GGUF matmul against a float64 oracle of the `gguf` package's own dequantization and of the kernel's
 8-bit rounding of the activations, for every block format it reads (`cpu_kernels.matmul_gguf`)."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -340,6 +342,26 @@ def test_packing_reads_the_file_s_rows_wherever_they_lie(kind):
         packed = gguf_packing.pack(lying, kind)
         assert np.array_equal(packed, gguf_packing.pack(blocks.copy(), kind)), n
         assert np.array_equal(gguf_packing.unpack(packed, kind, n), blocks), n
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q6_K"])
+def test_a_large_tensor_packs_in_pieces_on_threads_as_it_does_whole(kind, monkeypatch):
+    """A tensor past `PIECE_BYTES` is packed in pieces of whole groups (here 3 uneven ones, on 3 cores: 5, 5 and
+    6 groups, the last partial), each on a thread of its own but the first, into one array."""
+    blocks = _blocks(kind, 16 * 15 + 7, 512, seed=8)
+    whole = gguf_packing.pack(blocks, kind)
+    threads = set()
+    pack_rows = gguf_packing._pack_rows
+
+    def spying(rows: np.ndarray, kind: str) -> np.ndarray:
+        threads.add(threading.current_thread().name)
+        return pack_rows(rows, kind)
+
+    monkeypatch.setattr(gguf_packing, "PIECE_BYTES", 1024)
+    monkeypatch.setattr(gguf_packing.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(gguf_packing, "_pack_rows", spying)
+    assert np.array_equal(gguf_packing.pack(blocks, kind), whole)
+    assert len(threads) == 3 and sum(name.startswith("jaxserve-gguf-pack") for name in threads) == 2, threads
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
