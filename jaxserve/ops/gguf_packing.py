@@ -401,11 +401,15 @@ def _pack_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     scales_l = grouped[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [.., 4, 2]: blocks 2i, 2i + 1's low 4
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [.., 8]
     scales = ((scales_l.reshape(*high.shape) & 15) | (high << 4).astype(np.uint8)) - np.uint8(IQ4_XS_SCALE_BIAS)
-    d = grouped[..., 0:2].transpose(0, 2, 1, 3).reshape(groups, supers, -1)  # [group, super, feature, 2]
-    scales = scales.transpose(0, 2, 3, 1).reshape(groups, supers, -1)  # [group, super, block, feature]: int8 bytes
-    codes = grouped[..., 8:].reshape(groups, FEATURES, supers, 8, 4, 4)  # each block's 16 bytes, as Q4_0's
-    codes = codes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1)  # [.., block, chunk, feature, 4]
-    return np.ascontiguousarray(np.concatenate([d, scales, codes], -1).reshape(groups, supers * IQ4_XS_TILE))
+    tiles = np.empty((groups, supers, IQ4_XS_TILE), np.uint8)  # each part written in place
+    tiles[..., :IQ4_XS_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., 0:2], 2)[..., 0].transpose(0, 2, 1)
+    tiles[..., IQ4_XS_SCALES_AT: IQ4_XS_HEAD].reshape(groups, supers, 8, FEATURES)[...] = (
+        scales.transpose(0, 2, 3, 1))  # [group, super, block, feature]: int8 bytes
+    # each block's 16 code bytes, as Q4_0's, as words: [group, feature, super, block, chunk] -> [.., block, chunk,
+    # feature]
+    tiles[..., IQ4_XS_HEAD:].view(np.uint32).reshape(groups, supers, 8, 4, FEATURES)[...] = _words(
+        grouped[..., 8:], 4).reshape(groups, FEATURES, supers, 8, 4).transpose(0, 2, 3, 4, 1)
+    return tiles.reshape(groups, supers * IQ4_XS_TILE)
 
 
 def _unpack_iq4_xs(packed: np.ndarray, n: int) -> np.ndarray:
@@ -457,21 +461,35 @@ def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
     grouped = _by_group(blocks, Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     if kind == "Q3_K":
-        qs, factors = grouped[..., 32:96], [grouped[..., 108:110]]  # d
+        qs_at, factors_at = 32, (108,)  # d
         scales = q3_k_scales(grouped[..., 96:108]) - np.uint8(32)  # int8 bytes
     else:
-        qs, factors, scales = grouped[..., 16:80], [grouped[..., 80:82], grouped[..., 82:84]], grouped[..., :16]
-    codes = two_bit_codes(qs).reshape(groups, FEATURES, supers, 8, 4, 2, 4)  # [.., block, s, k, j]: 8s + 4k + j
-    chunks = sum(codes[..., s, :, :] << (2 * s) for s in range(4)).astype(np.uint8)  # [.., block, k, j]
-    per_block = [chunks.transpose(0, 2, 3, 4, 1, 5).reshape(groups, supers, 8, -1)]  # [.., block, k, feature, j]
-    if kind == "Q3_K":
-        third = q3_k_third_bits(grouped[..., :32]).reshape(groups, FEATURES, supers, 8, 8, 4)  # [.., t, j]: 4t + j
-        plane = sum(third[..., t, :] << t for t in range(8)).astype(np.uint8)  # [.., block, j]
-        per_block.append(plane.transpose(0, 2, 3, 1, 4).reshape(groups, supers, 8, -1))
-    parts = [factor.transpose(0, 2, 1, 3).reshape(groups, supers, -1) for factor in factors]
-    parts.append(scales.transpose(0, 2, 3, 1).reshape(groups, supers, -1))  # [group, super, sub-block, feature]
-    parts.append(np.concatenate(per_block, -1).reshape(groups, supers, -1))
-    return np.ascontiguousarray(np.concatenate(parts, -1).reshape(groups, supers * super_tile(kind)))
+        qs_at, factors_at, scales = 16, (80, 82), grouped[..., :16]  # d, dmin
+    tiles = np.empty((groups, supers, super_tile(kind)), np.uint8)  # each part written in place
+    for i, at in enumerate(factors_at):  # f16 [group, feature, super] -> [group, super, feature]
+        tiles[..., 2 * FEATURES * i: 2 * FEATURES * (i + 1)].view(np.uint16)[...] = _words(
+            grouped[..., at: at + 2], 2)[..., 0].transpose(0, 2, 1)
+    scales_at = TWO_BIT_SCALES_AT[kind]
+    tiles[..., scales_at: TWO_BIT_HEAD[kind]].reshape(groups, supers, 16, FEATURES)[...] = (
+        scales.transpose(0, 2, 3, 1))  # [group, super, sub-block, feature]
+    per_block = tiles[..., TWO_BIT_HEAD[kind]:].view(np.uint32).reshape(groups, supers, 8, -1)
+    # qs[32 h + 4 q + j] as words [h, q, group, feature, super]: block 4h + i's weight l in bits 2i of byte l of
+    # half h, so chunk k of block 4h + i holds in bits 2s .. 2s + 1 of byte j bits 2i .. 2i + 1 of word (h, 2s + k)
+    qs = _words(grouped[..., qs_at: qs_at + SUPER // 4], 4).reshape(groups, FEATURES, supers, 2, 8)
+    qs = np.ascontiguousarray(qs.transpose(3, 4, 0, 1, 2))
+    for h, i, k in itertools.product(range(2), range(4), range(2)):
+        chunk = np.zeros(qs.shape[2:], np.uint32)
+        for step in range(4):
+            chunk |= ((qs[h, 2 * step + k] >> (2 * i)) & LOW_PAIRS) << (2 * step)
+        per_block[:, :, 4 * h + i, FEATURES * k: FEATURES * (k + 1)] = chunk.transpose(0, 2, 1)
+    if kind == "Q3_K":  # hmask[4t + j]'s bit b is the third bit of block b's weight 4t + j: plane byte j's bit t
+        hmask = np.ascontiguousarray(np.moveaxis(_words(grouped[..., :32], 4), -1, 0))  # [t, group, feature, super]
+        for block in range(8):
+            plane = np.zeros(hmask.shape[1:], np.uint32)
+            for t in range(8):
+                plane |= ((hmask[t] >> block) & LOW_BITS) << t
+            per_block[:, :, block, 2 * FEATURES:] = plane.transpose(0, 2, 1)
+    return tiles.reshape(groups, supers * super_tile(kind))
 
 
 def _unpack_two_bit(packed: np.ndarray, kind: str, n: int) -> np.ndarray:  # Q3_K or Q2_K

@@ -347,21 +347,24 @@ def test_packing_reads_the_file_s_rows_wherever_they_lie(kind):
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q6_K"])
 def test_a_large_tensor_packs_in_pieces_on_threads_as_it_does_whole(kind, monkeypatch):
     """A tensor past `PIECE_BYTES` is packed in pieces of whole groups (here 3 uneven ones, on 3 cores: 5, 5 and
-    6 groups, the last partial), each on a thread of its own but the first, into one array."""
+    6 groups, the last partial), the first on the calling thread and the others on the pool's, into one array."""
     blocks = _blocks(kind, 16 * 15 + 7, 512, seed=8)
     whole = gguf_packing.pack(blocks, kind)
-    threads = set()
+    pieces = {}  # the piece's first row -> (its rows, the thread that packed it)
     pack_rows = gguf_packing._pack_rows
 
     def spying(rows: np.ndarray, kind: str) -> np.ndarray:
-        threads.add(threading.current_thread().name)
+        first = (rows.__array_interface__["data"][0] - blocks.__array_interface__["data"][0]) // blocks.strides[0]
+        pieces[first] = rows.shape[0], threading.current_thread().name
         return pack_rows(rows, kind)
 
     monkeypatch.setattr(gguf_packing, "PIECE_BYTES", 1024)
     monkeypatch.setattr(gguf_packing.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     monkeypatch.setattr(gguf_packing, "_pack_rows", spying)
     assert np.array_equal(gguf_packing.pack(blocks, kind), whole)
-    assert len(threads) == 3 and sum(name.startswith("jaxserve-gguf-pack") for name in threads) == 2, threads
+    assert {first: rows for first, (rows, _) in pieces.items()} == {0: 80, 80: 80, 160: 87}
+    assert pieces[0][1] == threading.current_thread().name
+    assert all(pieces[first][1].startswith("jaxserve-gguf-pack") for first in (80, 160)), pieces
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
