@@ -27,6 +27,16 @@ def run_jitted(fn, *args, **options):
     return jax.jit(functools.partial(fn, **options))(*args)
 
 
+def approx_floats(answer):
+    """A JSON answer with every float compared to float32's precision, the rest exactly: for answers computed in
+    steps that may batch differently (which requests share a step depends on when they arrive)."""
+    if isinstance(answer, dict):
+        return {key: approx_floats(value) for key, value in answer.items()}
+    if isinstance(answer, list):
+        return [approx_floats(value) for value in answer]
+    return pytest.approx(answer, rel=1e-5, abs=1e-6) if isinstance(answer, float) else answer
+
+
 def pairwise(first: list, second: list, third: list) -> list:
     """Cases that hold every pair of values from two of the three lists, where the full grid holds every
     triple: each (x, y) of first x second once, third's values in turn along the diagonals, so that each

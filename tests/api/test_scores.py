@@ -13,6 +13,7 @@ from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from tests.engine.helpers import make_engine
+from tests.helpers import approx_floats
 
 QUERY = "Where do cats sleep?"
 LONG = " ".join(f"w{i}" for i in range(300))
@@ -43,15 +44,6 @@ def cosine(tiny_model_dir, tiny_hf_model):
         return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
 
     return similarity
-
-
-def _approx_floats(answer):
-    """A JSON answer with every float compared to float32's precision (lists and dicts kept as they are)."""
-    if isinstance(answer, dict):
-        return {key: _approx_floats(value) for key, value in answer.items()}
-    if isinstance(answer, list):
-        return [_approx_floats(value) for value in answer]
-    return pytest.approx(answer, rel=1e-5, abs=1e-6) if isinstance(answer, float) else answer
 
 
 def _post(client: TestClient, path: str, body: dict) -> dict:
@@ -140,6 +132,6 @@ def test_invocations_answers_as_the_endpoint_the_body_picks(client, path, body):
         answer.pop("id", None), answer.pop("created", None)
     # The two calls may be batched differently (texts split across steps as they arrive), so a float may
     # differ in its last bits; everything else is the same answer.
-    assert got == _approx_floats(want)
+    assert got == approx_floats(want)
     refused = client.post("/invocations", json={"prompt": "hi"})
     assert refused.status_code == 400 and "query and documents (/v1/rerank)" in refused.json()["error"]["message"]

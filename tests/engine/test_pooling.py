@@ -52,7 +52,8 @@ def test_embeddings_cross_the_core_process_pipe(llama_dir):
     finally:
         llm.engine.shutdown()
     assert all(e is not None for e in got)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    # the core's own loop may split the prompts across steps as they arrive: float32's last bits may differ
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
 def test_a_pooling_engine_refuses_to_generate(llama_dir):
