@@ -94,7 +94,8 @@ def _by_group(blocks: np.ndarray, size: int) -> np.ndarray:
 
 def _words(fields: np.ndarray, width: int) -> np.ndarray:
     """u8[..., k * width] -> its k words of `width` bytes ([..., k]), a view where the layout allows: numpy moves a
-    transposed array word by word, several times faster than byte by byte."""
+    transposed array word by word, several times faster than byte by byte. The host's byte order, little-endian
+    as the file's: byte j of a word is its bits 8j .. 8j + 7."""
     dtype = {2: np.uint16, 4: np.uint32}[width]
     try:
         return fields.view(dtype)
@@ -215,8 +216,17 @@ def unpack(packed: np.ndarray, kind: str, n: int) -> np.ndarray:
 
 
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)  # in a word of 4 code bytes
-LOW_PAIRS = np.uint32(0x03030303)  # a word's bytes' bits 0 .. 1
-LOW_BITS = np.uint32(0x01010101)  # a word's bytes' bit 0
+FIELD_MASKS = {1: np.uint32(0x01010101), 2: np.uint32(0x03030303)}  # a word's bytes' lowest bit, lowest 2
+
+
+def _gather_fields(words: np.ndarray, at: int, width: int) -> np.ndarray:
+    """Words w_0, w_1, ... (u32[n, ...], n * width <= 8) -> one word (u32[...]) whose byte j holds in bits
+    width * m .. width * (m + 1) - 1 the `width` bits at bit `at` of byte j of w_m: how the planes of high bits
+    and the 2-bit chunks regroup a file's bit fields, a whole array at a time."""
+    gathered = np.zeros(words.shape[1:], np.uint32)
+    for m, word in enumerate(words):
+        gathered |= ((word >> at) & FIELD_MASKS[width]) << (width * m)
+    return gathered
 
 
 @functools.cache
@@ -238,11 +248,10 @@ def _spread_nibbles(x: np.ndarray) -> np.ndarray:  # u32 of 16 bits: nibble j ->
 def _plane(qh: np.ndarray) -> np.ndarray:
     """Q5's qh (u8[..., 4], bit i the 5th bit of weight i) -> its plane u8[..., 4]: byte j's bit c that of weight
     4c + j, bit 4 + c that of weight 16 + 4c + j (each half of qh's 32 bits through a table)."""
-    bits = _words(qh.astype("<u1", copy=False), 4)[..., 0].astype("<u4", copy=False)  # [...]: bit i, weight i
+    bits = _words(qh, 4)[..., 0]  # [...]: bit i, weight i
     table = _nibble_gather()
     low, high = (table[half].astype(np.uint32) for half in (bits & 0xFFFF, bits >> 16))
-    plane = (_spread_nibbles(low) | (_spread_nibbles(high) << 4)).astype("<u4", copy=False)
-    return plane.view(np.uint8).reshape(qh.shape)
+    return (_spread_nibbles(low) | (_spread_nibbles(high) << 4)).view(np.uint8).reshape(qh.shape)
 
 
 def _qh(plane: np.ndarray) -> np.ndarray:
@@ -285,10 +294,7 @@ def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or
         # words' bits b, each word's moved to bit m
         qh = np.ascontiguousarray(np.moveaxis(_words(grouped[..., 16:16 + qh_bytes], 4), -1, 0))  # [m, g, F, S]
         for block in range(8):
-            plane = np.zeros(qh.shape[1:], np.uint32)
-            for m in range(8):
-                plane |= ((qh[m] >> block) & LOW_BITS) << m
-            per_block[..., block, :plane_words] = plane.transpose(0, 2, 1)  # [group, super, feature]
+            per_block[..., block, :plane_words] = _gather_fields(qh, block, 1).transpose(0, 2, 1)
     return tiles.reshape(groups, supers * super_tile(kind))
 
 
@@ -350,10 +356,7 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     qh = np.ascontiguousarray(qh.transpose(3, 4, 5, 0, 1, 2))
     planes = per_block[..., 4 * FEATURES:].reshape(groups, supers, 2, 4, 2, FEATURES)  # [.., n, k, p, feature]
     for n, k, half in itertools.product(range(2), range(4), range(2)):
-        plane = np.zeros(qh.shape[3:], np.uint32)
-        for c in range(4):
-            plane |= ((qh[n, half, c] >> (2 * k)) & LOW_PAIRS) << (2 * c)
-        planes[:, :, n, k, half] = plane.transpose(0, 2, 1)  # [group, super, feature]
+        planes[:, :, n, k, half] = _gather_fields(qh[n, half], 2 * k, 2).transpose(0, 2, 1)
     return tiles.reshape(groups, supers * Q6_K_TILE)
 
 
@@ -478,17 +481,12 @@ def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
     qs = _words(grouped[..., qs_at: qs_at + SUPER // 4], 4).reshape(groups, FEATURES, supers, 2, 8)
     qs = np.ascontiguousarray(qs.transpose(3, 4, 0, 1, 2))
     for h, i, k in itertools.product(range(2), range(4), range(2)):
-        chunk = np.zeros(qs.shape[2:], np.uint32)
-        for step in range(4):
-            chunk |= ((qs[h, 2 * step + k] >> (2 * i)) & LOW_PAIRS) << (2 * step)
+        chunk = _gather_fields(qs[h, k::2], 2 * i, 2)  # words (h, 2s + k), s = 0 .. 3
         per_block[:, :, 4 * h + i, FEATURES * k: FEATURES * (k + 1)] = chunk.transpose(0, 2, 1)
     if kind == "Q3_K":  # hmask[4t + j]'s bit b is the third bit of block b's weight 4t + j: plane byte j's bit t
         hmask = np.ascontiguousarray(np.moveaxis(_words(grouped[..., :32], 4), -1, 0))  # [t, group, feature, super]
         for block in range(8):
-            plane = np.zeros(hmask.shape[1:], np.uint32)
-            for t in range(8):
-                plane |= ((hmask[t] >> block) & LOW_BITS) << t
-            per_block[:, :, block, 2 * FEATURES:] = plane.transpose(0, 2, 1)
+            per_block[:, :, block, 2 * FEATURES:] = _gather_fields(hmask, block, 1).transpose(0, 2, 1)
     return tiles.reshape(groups, supers * super_tile(kind))
 
 
