@@ -39,6 +39,7 @@ as Q4_0's.
 
 import functools
 import itertools
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,6 +93,19 @@ def _by_group(blocks: np.ndarray, size: int) -> np.ndarray:
     return padded.reshape(groups, FEATURES, units, size)
 
 
+ALIGNMENT = 64  # bytes: jax's CPU client adopts a host buffer so aligned as the array's own, where it copies others
+
+
+def _aligned_bytes(*shape: int) -> np.ndarray:
+    """An uninitialized u8 array of `shape` starting on an ALIGNMENT boundary, so that `jax.device_put` on a CPU
+    takes the packed blocks as they lie instead of copying them (numpy's own allocation is aligned to 16 bytes
+    at least, and glibc's large ones sit 16 bytes past a page)."""
+    size = math.prod(shape)
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start: start + size].reshape(shape)
+
+
 def _words(fields: np.ndarray, width: int) -> np.ndarray:
     """u8[..., k * width] -> its k words of `width` bytes ([..., k]), a view where the layout allows: numpy moves a
     transposed array word by word, several times faster than byte by byte. The host's byte order, little-endian
@@ -143,7 +157,7 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     if pieces <= 1:
         return _pack_rows(blocks, kind)
     bounds = [groups * i // pieces for i in range(pieces + 1)]  # each piece's first group
-    packed = np.empty((groups, _packed_row_bytes(kind, blocks.shape[1])), np.uint8)
+    packed = _aligned_bytes(groups, _packed_row_bytes(kind, blocks.shape[1]))
 
     def pack_piece(i: int) -> None:
         rows = blocks[FEATURES * bounds[i]: FEATURES * bounds[i + 1]]
@@ -175,7 +189,7 @@ def _pack_rows(blocks: np.ndarray, kind: str) -> np.ndarray:
     scales = SCALES[kind]
     grouped = _by_group(blocks, block_bytes(kind))  # [group, feature, block, bytes]
     groups, _, num_blocks, _ = grouped.shape
-    tiles = np.empty((groups, num_blocks, tile_bytes(kind)), np.uint8)  # each part written in place, word by word
+    tiles = _aligned_bytes(groups, num_blocks, tile_bytes(kind))  # each part written in place, word by word
     codes_at = 2 * scales + PLANE_BYTES.get(kind, 0)
     plane_at, tile_codes_at = 2 * scales * FEATURES, codes_at * FEATURES
     # [group, feature, block, scale] -> [group, block, scale, feature], f16 words
@@ -273,7 +287,7 @@ def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or
     qh_bytes = SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
     grouped = _by_group(blocks, SCALED_SUPER_BYTES[kind])  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
-    tiles = np.empty((groups, supers, super_tile(kind)), np.uint8)  # each part written in place
+    tiles = _aligned_bytes(groups, supers, super_tile(kind))  # each part written in place
     for at, field in ((0, 0), (Q4_K_DMIN_AT, 2)):  # d, dmin: f16 [group, feature, super] -> [group, super, feature]
         tiles[..., at: at + 2 * FEATURES].view(np.uint16)[...] = _words(grouped[..., field: field + 2], 2)[
             ..., 0].transpose(0, 2, 1)
@@ -337,7 +351,7 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     grouped = _by_group(blocks, Q6_K_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     scales_at, d_at = SUPER // 2 + SUPER // 4, Q6_K_BYTES - 2
-    tiles = np.empty((groups, supers, Q6_K_TILE), np.uint8)  # each part written in place
+    tiles = _aligned_bytes(groups, supers, Q6_K_TILE)  # each part written in place
     tiles[..., :Q6_K_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., d_at:], 2)[..., 0].transpose(0, 2, 1)
     tiles[..., Q6_K_SCALES_AT: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES)[...] = (
         grouped[..., scales_at:d_at].transpose(0, 2, 3, 1))  # [group, super, sub-block, feature]
@@ -404,7 +418,7 @@ def _pack_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     scales_l = grouped[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [.., 4, 2]: blocks 2i, 2i + 1's low 4
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [.., 8]
     scales = ((scales_l.reshape(*high.shape) & 15) | (high << 4).astype(np.uint8)) - np.uint8(IQ4_XS_SCALE_BIAS)
-    tiles = np.empty((groups, supers, IQ4_XS_TILE), np.uint8)  # each part written in place
+    tiles = _aligned_bytes(groups, supers, IQ4_XS_TILE)  # each part written in place
     tiles[..., :IQ4_XS_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., 0:2], 2)[..., 0].transpose(0, 2, 1)
     tiles[..., IQ4_XS_SCALES_AT: IQ4_XS_HEAD].reshape(groups, supers, 8, FEATURES)[...] = (
         scales.transpose(0, 2, 3, 1))  # [group, super, block, feature]: int8 bytes
@@ -468,7 +482,7 @@ def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
         scales = q3_k_scales(grouped[..., 96:108]) - np.uint8(32)  # int8 bytes
     else:
         qs_at, factors_at, scales = 16, (80, 82), grouped[..., :16]  # d, dmin
-    tiles = np.empty((groups, supers, super_tile(kind)), np.uint8)  # each part written in place
+    tiles = _aligned_bytes(groups, supers, super_tile(kind))  # each part written in place
     for i, at in enumerate(factors_at):  # f16 [group, feature, super] -> [group, super, feature]
         tiles[..., 2 * FEATURES * i: 2 * FEATURES * (i + 1)].view(np.uint16)[...] = _words(
             grouped[..., at: at + 2], 2)[..., 0].transpose(0, 2, 1)
