@@ -322,8 +322,7 @@ class GgufTensor:
         """These stacked blocks [E, out, in] as the experts' parameter [E, in, out], on the default device."""
         if len(self.shape) != 3 or tuple(shape) != (self.shape[0], self.shape[2], self.shape[1]):
             raise ValueError(f"GGUF {self.kind} experts {list(self.shape)} do not fit parameter {tuple(shape)}")
-        packed = np.stack([gguf_packing.pack(expert, self.kind) for expert in self.blocks])
-        return GgufExperts(jax.device_put(packed), self.kind, tuple(shape))
+        return GgufExperts(jax.device_put(gguf_packing.pack_experts(self.blocks, self.kind)), self.kind, tuple(shape))
 
 
 def stack_expert_tensors(tensors: list[Any]) -> Any:

@@ -171,6 +171,16 @@ def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
     return packed
 
 
+def pack_experts(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """A mixture's stacked experts u8[E, N, file's row bytes] -> u8[E, ceil(N / 16), group_bytes], each packed as
+    `pack` packs it, into one aligned array."""
+    experts, n, row_bytes = blocks.shape
+    packed = _aligned_bytes(experts, -(-n // FEATURES), _packed_row_bytes(kind, row_bytes))
+    for expert, expert_blocks in zip(packed, blocks, strict=True):
+        expert[...] = pack(expert_blocks, kind)
+    return packed
+
+
 def _packed_row_bytes(kind: str, row_bytes: int) -> int:  # a file's row of blocks -> its group's packed bytes
     if kind in SUPER_KINDS:
         return row_bytes // SUPER_BYTES[kind] * super_tile(kind)

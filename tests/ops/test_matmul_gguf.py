@@ -369,17 +369,20 @@ def test_a_large_tensor_packs_in_pieces_on_threads_as_it_does_whole(kind, monkey
 
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_packed_blocks_are_aligned_so_the_cpu_takes_them_without_a_copy(pieces, monkeypatch):
-    """Every format's packed blocks start on a 64-byte boundary, packed whole or in pieces on threads, and
-    `jax.device_put` on the CPU keeps that buffer as the device array's (a copy would be a second 4.6 GB at
-    an 8B model's start)."""
+    """Every format's packed blocks (and a mixture's stacked experts', each packed as alone) start on a 64-byte
+    boundary, packed whole or in pieces on threads, and `jax.device_put` on the CPU keeps that buffer as the
+    device array's (a copy would be a second 4.6 GB at an 8B model's start)."""
     if pieces > 1:
         monkeypatch.setattr(gguf_packing, "PIECE_BYTES", 1024)
         monkeypatch.setattr(gguf_packing.os, "sched_getaffinity", lambda pid: set(range(pieces)))
     for kind in KINDS:
-        packed = gguf_packing.pack(_blocks(kind, 16 * 9 + 5, 512, seed=9), kind)
-        assert packed.ctypes.data % gguf_packing.ALIGNMENT == 0, kind
-        on_device = jax.device_put(packed, jax.devices("cpu")[0])
-        assert on_device.unsafe_buffer_pointer() == packed.ctypes.data, kind
+        blocks = _blocks(kind, 16 * 9 + 5, 512, seed=9)
+        experts = np.stack([blocks, blocks[::-1]])
+        for packed in (gguf_packing.pack(blocks, kind), gguf_packing.pack_experts(experts, kind)):
+            assert packed.ctypes.data % gguf_packing.ALIGNMENT == 0, kind
+            on_device = jax.device_put(packed, jax.devices("cpu")[0])
+            assert on_device.unsafe_buffer_pointer() == packed.ctypes.data, kind
+        assert np.array_equal(gguf_packing.pack_experts(experts, kind)[1], gguf_packing.pack(blocks[::-1], kind))
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
