@@ -262,7 +262,9 @@ def _nibble_gather() -> np.ndarray:
     for j in range(4):
         for c in range(4):
             table |= ((v >> (4 * c + j)) & 1) << (4 * j + c)
-    return table.astype(np.uint16)
+    table = table.astype(np.uint16)
+    table.flags.writeable = False  # shared by every call and thread
+    return table
 
 
 def _spread_nibbles(x: np.ndarray) -> np.ndarray:  # u32 of 16 bits: nibble j -> bits 0 .. 3 of byte j
@@ -272,10 +274,11 @@ def _spread_nibbles(x: np.ndarray) -> np.ndarray:  # u32 of 16 bits: nibble j ->
 def _plane(qh: np.ndarray) -> np.ndarray:
     """Q5's qh (u8[..., 4], bit i the 5th bit of weight i) -> its plane u8[..., 4]: byte j's bit c that of weight
     4c + j, bit 4 + c that of weight 16 + 4c + j (each half of qh's 32 bits through a table)."""
-    bits = _words(qh, 4)[..., 0]  # [...]: bit i, weight i
+    bits = _words(qh, 4)[..., 0].astype("<u4", copy=False)  # [...]: bit i, weight i (the file's byte order)
     table = _nibble_gather()
     low, high = (table[half].astype(np.uint32) for half in (bits & 0xFFFF, bits >> 16))
-    return (_spread_nibbles(low) | (_spread_nibbles(high) << 4)).view(np.uint8).reshape(qh.shape)
+    plane = (_spread_nibbles(low) | (_spread_nibbles(high) << 4)).astype("<u4", copy=False)
+    return plane.view(np.uint8).reshape(qh.shape)
 
 
 def _qh(plane: np.ndarray) -> np.ndarray:

@@ -331,17 +331,21 @@ def test_packing_is_a_permutation_that_unpacks_exactly(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_packing_reads_the_file_s_rows_wherever_they_lie(kind):
     """Blocks read-only (as a memory-mapped file gives them), at an odd byte offset and a row stride that no 2- or
-    4-byte word divides (where packing cannot view its fields as words), pack as their contiguous copy does, at
-    whole and partial groups of 16 features, and unpack to them."""
+    4-byte word divides, or in Fortran order (where packing cannot view its fields as words), pack as their
+    contiguous copy does, at whole and partial groups of 16 features, and unpack to them; the features past N
+    pack as zero rows would."""
     for n in (32, 37):
         blocks = _blocks(kind, n, 512, seed=7)
         wider = np.zeros((n, blocks.shape[1] + 3), np.uint8)
         wider[:, 1: 1 + blocks.shape[1]] = blocks
         lying = wider[:, 1: 1 + blocks.shape[1]]
         lying.flags.writeable = False
-        packed = gguf_packing.pack(lying, kind)
-        assert np.array_equal(packed, gguf_packing.pack(blocks.copy(), kind)), n
+        packed = gguf_packing.pack(blocks.copy(), kind)
+        for layout in (lying, np.asfortranarray(blocks)):
+            assert np.array_equal(gguf_packing.pack(layout, kind), packed), n
         assert np.array_equal(gguf_packing.unpack(packed, kind, n), blocks), n
+        zero_rows = np.zeros((48 - n, blocks.shape[1]), np.uint8)
+        assert np.array_equal(packed, gguf_packing.pack(np.concatenate([blocks, zero_rows]), kind)[: len(packed)])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q6_K"])
