@@ -30,8 +30,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("ragged_paged_attention.cc", "matmul_gguf.cc", "matmul_bf16.cc", "write_kv.cc")
-HEADERS = ("work_sharing.h",)
+SOURCES = ("ragged_paged_attention.cc", "matmul_gguf.cc", "matmul_bf16.cc", "write_kv.cc", "ffi_bindings.cc")
+HEADERS = ("kernels.h", "work_sharing.h")
 LIBRARY = "jaxserve_kernels"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-w")  # compiling
 # Linking is a separate step without -ffast-math: GCC 12 links crtfastmath.o into any -ffast-math link, even

@@ -163,3 +163,37 @@ def test_a_bfloat16_cache_is_written_in_place_without_widening():
     native = compiled(cpu_kernels.write_kv)
     assert not any(copy in native for copy in widened)
     assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}" in native
+
+
+def _raw_call(target: str, out_shape: tuple[int, ...], *args, **attrs):
+    """The FFI target called directly, past the Python wrappers' own checks."""
+    return jax.block_until_ready(jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))(*args, **attrs))
+
+
+@pytest.mark.parametrize("rank", [1, 5], ids=["rank 1", "rank 5"])
+def test_every_handler_refuses_a_wrong_rank_with_its_kernel_s_message(rank):
+    """Each handler hands its buffers to its kernel as views (`ffi_bindings.cc`), and a buffer of a rank past
+    what a view holds comes as an empty one: the kernel's shape check still refuses it, by its own message,
+    as an error for the caller rather than a read out of bounds."""
+    bf16 = jnp.ones((2,) * rank, jnp.bfloat16)
+    f32 = jnp.ones((2,) * rank, jnp.float32)
+    u8 = jnp.ones((2,) * rank, jnp.uint8)
+    sizes = jnp.ones((2,), jnp.int32)
+    cases = {
+        "jaxserve_matmul_bf16": ("x, w and out must be 2-D", (bf16, bf16), {}),
+        "jaxserve_matmul_bf16_nt": ("x, w and out must be 2-D", (bf16, bf16), {}),
+        "jaxserve_grouped_matmul_bf16": (r"x \[A, K\], w \[G, K, N\]", (bf16, bf16, sizes), {}),
+        "jaxserve_matmul_gguf": ("x, w and out must be 2-D", (f32, u8), {"kind": np.int32(2)}),
+        "jaxserve_grouped_matmul_gguf": (r"x \[A, K\], w \[G, ceil", (f32, u8, sizes), {"kind": np.int32(2)}),
+    }
+    for target, (message, args, attrs) in cases.items():
+        with pytest.raises(Exception, match=message):
+            _raw_call(target, (2, 2), *args, **attrs)
+
+
+def test_the_kv_write_refuses_a_cache_of_rank_5():
+    pages = jnp.zeros((1, 2, 2, 2, 8), jnp.float32)
+    rows = jnp.ones((2, 1, 8), jnp.float32)
+    call = jax.ffi.ffi_call("jaxserve_write_kv", (jax.ShapeDtypeStruct(pages.shape, pages.dtype),) * 2)
+    with pytest.raises(Exception, match="write_kv: mismatched shapes or dtypes"):
+        jax.block_until_ready(call(pages, pages, rows, rows, jnp.zeros((2,), jnp.int32)))

@@ -1,5 +1,5 @@
 // Matmuls with bfloat16 operands and float32 sums for CPUs, XLA FFI custom calls (jaxserve.ops.cpu_kernels
-// builds and registers them). A bfloat16 model's projections and LM head run here on CPUs: XLA:CPU runs its
+// builds and registers them; their handlers are `ffi_bindings.cc`'s). A bfloat16 model's projections and LM head run here on CPUs: XLA:CPU runs its
 // bfloat16 dots several times slower than float32 ones, while AVX512-BF16's `vdpbf16ps` multiplies pairs of
 // bfloat16 values into float32 sums, 32 products an instruction from half the bytes of float32 weights.
 //
@@ -37,10 +37,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "work_sharing.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
@@ -435,7 +433,7 @@ Work plan(const Problem& p, bool w_output_major, int max_splits, size_t& partial
 
 // Runs every unit of every product on this thread and the pool's, then adds each product's K-split
 // partials (few, whatever the core count) on this thread.
-void run(ffi::ThreadPool& pool, const std::vector<Work>& works, size_t partial_floats, UnitFn unit) {
+void run(jaxserve::ThreadPool& pool, const std::vector<Work>& works, size_t partial_floats, UnitFn unit) {
   std::vector<int> units;
   for (const Work& work : works) units.push_back(work.units);
   std::vector<float> partial(partial_floats, 0.0f);
@@ -456,61 +454,54 @@ void run(ffi::ThreadPool& pool, const std::vector<Work>& works, size_t partial_f
   }
 }
 
-ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                  ffi::ResultBuffer<ffi::F32> out, bool w_output_major) {
+}  // namespace
+
+namespace jaxserve {
+
+Status matmul_bf16(ThreadPool& pool, const Array& x, const Array& w, const Array& out, bool w_output_major) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  const auto out_dims = out->dimensions();
+  const auto out_dims = out.dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("matmul_bf16: x, w and out must be 2-D");
+    return "matmul_bf16: x, w and out must be 2-D";
   }
   Problem p;
   p.m = x_dims[0];
   p.k = x_dims[1];
   p.n = w_output_major ? w_dims[0] : w_dims[1];
   if ((w_output_major ? w_dims[1] : w_dims[0]) != p.k || out_dims[0] != p.m || out_dims[1] != p.n) {
-    return ffi::Error::InvalidArgument("matmul_bf16: mismatched shapes");
+    return "matmul_bf16: mismatched shapes";
   }
-  p.x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  p.w = reinterpret_cast<const uint16_t*>(w.typed_data());
-  p.out = out->typed_data();
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.as<const uint16_t>();
+  p.w = w.as<const uint16_t>();
+  p.out = out.as<float>();
+  if (p.m == 0 || p.n == 0) return nullptr;
   size_t partial_floats = 0;
-  std::vector<Work> works{plan(p, w_output_major, jaxserve::num_workers(pool), partial_floats)};
+  std::vector<Work> works{plan(p, w_output_major, num_workers(pool), partial_floats)};
   run(pool, works, partial_floats, w_output_major ? nt_unit : kn_unit);
-  return ffi::Error::Success();
-}
-
-ffi::Error MatmulInputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                            ffi::ResultBuffer<ffi::F32> out) {
-  return Matmul(pool, x, w, out, false);
-}
-
-ffi::Error MatmulOutputMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                             ffi::ResultBuffer<ffi::F32> out) {
-  return Matmul(pool, x, w, out, true);
+  return nullptr;
 }
 
 // Rows of x in groups, each times its own input-major weights: a mixture of experts' assignments sorted by
 // expert. Each non-empty group is a product of its own, planned as above; groups share the threads, so a
 // group's K-split narrows as more groups stream (one unit a group once there are as many as threads).
-ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+Status grouped_matmul_bf16(ThreadPool& pool, const Array& x, const Array& w, const Array& group_sizes,
+                           const Array& out) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  const auto out_dims = out->dimensions();
+  const auto out_dims = out.dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("grouped_matmul_bf16: x [A, K], w [G, K, N], group_sizes [G], out [A, N]");
+    return "grouped_matmul_bf16: x [A, K], w [G, K, N], group_sizes [G], out [A, N]";
   }
   const int64_t rows = x_dims[0], k = x_dims[1], n = w_dims[2], groups = w_dims[0];
   if (w_dims[1] != k || group_sizes.dimensions()[0] != groups || out_dims[0] != rows || out_dims[1] != n) {
-    return ffi::Error::InvalidArgument("grouped_matmul_bf16: mismatched shapes");
+    return "grouped_matmul_bf16: mismatched shapes";
   }
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
-  const int32_t* sizes = group_sizes.typed_data();
-  float* outs = out->typed_data();
-  if (rows == 0 || n == 0) return ffi::Error::Success();
+  const uint16_t* xs = x.as<const uint16_t>();
+  const uint16_t* ws = w.as<const uint16_t>();
+  const int32_t* sizes = group_sizes.as<const int32_t>();
+  float* outs = out.as<float>();
+  if (rows == 0 || n == 0) return nullptr;
   std::vector<Problem> problems;
   int64_t covered = 0, streamed = 0;
   for (int64_t g = 0; g < groups && covered < rows; ++g) {
@@ -521,34 +512,12 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Bu
     streamed += m <= kStreamRows;
   }
   std::fill(outs + covered * n, outs + rows * n, 0.0f);  // rows past the groups
-  const int max_splits = int(std::max<int64_t>(jaxserve::num_workers(pool) / std::max<int64_t>(streamed, 1), 1));
+  const int max_splits = int(std::max<int64_t>(num_workers(pool) / std::max<int64_t>(streamed, 1), 1));
   size_t partial_floats = 0;
   std::vector<Work> works;
   for (const Problem& p : problems) works.push_back(plan(p, false, max_splits, partial_floats));
   run(pool, works, partial_floats, kn_unit);
-  return ffi::Error::Success();
+  return nullptr;
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16, MatmulInputMajor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Nt, MatmulOutputMajor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulBf16, GroupedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+}  // namespace jaxserve

@@ -1,6 +1,6 @@
-// Matmuls with GGUF-quantized weights for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and
-// registers it). A GGUF file's 2- to 8-bit tensors stay in their blocks in memory and are multiplied in
-// them: a decode step reads 2.6-8.5 bits per weight instead of 16 or 32.
+// Matmuls with GGUF-quantized weights for CPUs, XLA FFI custom calls (jaxserve.ops.cpu_kernels builds and
+// registers them; their handlers are `ffi_bindings.cc`'s). A GGUF file's 2- to 8-bit tensors stay in their
+// blocks in memory and are multiplied in them: a decode step reads 2.6-8.5 bits per weight instead of 16 or 32.
 //
 //   JaxserveMatmulGguf  out f32[M, N] = x f32[M, K] @ W^T, W [N, K] in GGUF blocks of 32 weights along K,
 //                       interleaved 16 output features at a time (`jaxserve/ops/gguf_packing.py` lays them
@@ -80,10 +80,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "work_sharing.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
@@ -874,7 +872,7 @@ Work plan(const Problem& p, int64_t workers) {
 }
 
 // Every unit of every product, on this thread and the pool's.
-void run(ffi::ThreadPool& pool, const std::vector<Work>& works, UnitFn unit_fn) {
+void run(jaxserve::ThreadPool& pool, const std::vector<Work>& works, UnitFn unit_fn) {
   std::vector<int> units;
   for (const Work& work : works) units.push_back(work.units);
   jaxserve::share_product_units(pool, units, [&works, unit_fn](int w, int64_t i) {
@@ -917,57 +915,57 @@ struct QuantizedRows {
   }
 };
 
-ffi::Error MatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                      ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
+}  // namespace
+
+namespace jaxserve {
+
+Status matmul_gguf(ThreadPool& pool, const Array& x, const Array& w, const Array& out, int32_t kind) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  const auto out_dims = out->dimensions();
+  const auto out_dims = out.dimensions();
   if (!known_kind(kind)) {
-    return ffi::Error::InvalidArgument(
-        "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 "
-        "(Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
+    return "matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), 12 "
+        "(Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)";
   }
   if (x_dims.size() != 2 || w_dims.size() != 2 || out_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("matmul_gguf: x, w and out must be 2-D");
+    return "matmul_gguf: x, w and out must be 2-D";
   }
   const int64_t m = x_dims[0], k = x_dims[1], n = out_dims[1];
   if (k % kBlock != 0 || group_bytes(kind, k / kBlock) == 0 || w_dims[1] != group_bytes(kind, k / kBlock) ||
       out_dims[0] != m || w_dims[0] != (n + kFeatures - 1) / kFeatures) {
-    return ffi::Error::InvalidArgument("matmul_gguf: mismatched shapes");
+    return "matmul_gguf: mismatched shapes";
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  const QuantizedRows rows(x.typed_data(), m, k, kind);
-  std::vector<Work> works{plan(rows.rows(0, m, n, k, w.typed_data(), w_dims[1], out->typed_data()),
-                               jaxserve::num_workers(pool))};
+  if (m == 0 || n == 0) return nullptr;
+  const QuantizedRows rows(x.as<const float>(), m, k, kind);
+  std::vector<Work> works{plan(rows.rows(0, m, n, k, w.as<const uint8_t>(), w_dims[1], out.as<float>()),
+                               num_workers(pool))};
   run(pool, works, unit_for(kind));
-  return ffi::Error::Success();
+  return nullptr;
 }
 
 // Rows of x in groups, each times its own weights' blocks (a mixture of experts' assignments sorted by
 // expert): x rounded to 8 bits once, then each non-empty group a product planned as above, all sharing
 // the threads. Rows past the groups are zeros.
-ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
+Status grouped_matmul_gguf(ThreadPool& pool, const Array& x, const Array& w, const Array& group_sizes,
+                           const Array& out, int32_t kind) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  const auto out_dims = out->dimensions();
+  const auto out_dims = out.dimensions();
   if (!known_kind(kind)) {
-    return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), "
-        "12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)");
+    return "grouped_matmul_gguf: kind must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 10 (Q2_K), 11 (Q3_K), "
+        "12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)";
   }
   if (x_dims.size() != 2 || w_dims.size() != 3 || group_sizes.dimensions().size() != 1 || out_dims.size() != 2) {
-    return ffi::Error::InvalidArgument(
-        "grouped_matmul_gguf: x [A, K], w [G, ceil(N / 16), group_bytes], group_sizes [G], out [A, N]");
+    return "grouped_matmul_gguf: x [A, K], w [G, ceil(N / 16), group_bytes], group_sizes [G], out [A, N]";
   }
   const int64_t a = x_dims[0], k = x_dims[1], n = out_dims[1], experts = w_dims[0];
   if (k % kBlock != 0 || group_bytes(kind, k / kBlock) == 0 || w_dims[2] != group_bytes(kind, k / kBlock) ||
       out_dims[0] != a || w_dims[1] != (n + kFeatures - 1) / kFeatures || group_sizes.dimensions()[0] != experts) {
-    return ffi::Error::InvalidArgument("grouped_matmul_gguf: mismatched shapes");
+    return "grouped_matmul_gguf: mismatched shapes";
   }
-  float* outs = out->typed_data();
-  if (a == 0 || n == 0) return ffi::Error::Success();
-  const int32_t* sizes = group_sizes.typed_data();
+  float* outs = out.as<float>();
+  if (a == 0 || n == 0) return nullptr;
+  const int32_t* sizes = group_sizes.as<const int32_t>();
   std::vector<std::pair<int64_t, int64_t>> spans;  // (group, rows), in order
   int64_t covered = 0;
   for (int64_t g = 0; g < experts && covered < a; ++g) {
@@ -976,35 +974,18 @@ ffi::Error GroupedMatmulGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     covered += m;
   }
   std::fill(outs + covered * n, outs + a * n, 0.0f);  // rows past the groups
-  if (covered == 0) return ffi::Error::Success();
-  const QuantizedRows rows(x.typed_data(), covered, k, kind);
+  if (covered == 0) return nullptr;
+  const QuantizedRows rows(x.as<const float>(), covered, k, kind);
   const int64_t expert_bytes = w_dims[1] * w_dims[2];
-  const int64_t workers = std::max<int64_t>(jaxserve::num_workers(pool) / int64_t(spans.size()), 1);
+  const int64_t workers = std::max<int64_t>(num_workers(pool) / int64_t(spans.size()), 1);
   std::vector<Work> works;
   int64_t m0 = 0;
   for (const auto& [g, m] : spans) {
-    works.push_back(plan(rows.rows(m0, m, n, k, w.typed_data() + g * expert_bytes, w_dims[2], outs), workers));
+    works.push_back(plan(rows.rows(m0, m, n, k, w.as<const uint8_t>() + g * expert_bytes, w_dims[2], outs), workers));
     m0 += m;
   }
   run(pool, works, unit_for(kind));
-  return ffi::Error::Success();
+  return nullptr;
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGguf, MatmulGguf,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("kind"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulGguf, GroupedMatmulGguf,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("kind"));
+}  // namespace jaxserve

@@ -1,4 +1,5 @@
-// Ragged paged attention for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and registers it).
+// Ragged paged attention for CPUs, an XLA FFI custom call (jaxserve.ops.cpu_kernels builds and registers it;
+// its handler is `ffi_bindings.cc`'s JaxserveRaggedPagedAttention).
 //
 // The packed queries of a step (prefill chunks and decodes, any mix) attend causally over each request's
 // paged K/V. Work unit = (request r, KV head k, a block of r's consecutive query tokens): its rows are the
@@ -37,10 +38,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "work_sharing.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
@@ -342,25 +341,28 @@ UnitFn pick_unit(int head_dim) {
 }
 
 template <typename Q>
-UnitFn pick_unit(ffi::DataType cache, int head_dim) {
+UnitFn pick_unit(jaxserve::DType cache, int head_dim) {
   switch (cache) {
-    case ffi::DataType::F32: return pick_unit<Q, float>(head_dim);
-    case ffi::DataType::BF16: return pick_unit<Q, bf16>(head_dim);
-    case ffi::DataType::F16: return pick_unit<Q, _Float16>(head_dim);
+    case jaxserve::DType::kF32: return pick_unit<Q, float>(head_dim);
+    case jaxserve::DType::kBF16: return pick_unit<Q, bf16>(head_dim);
+    case jaxserve::DType::kF16: return pick_unit<Q, _Float16>(head_dim);
     default: return nullptr;
   }
 }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                                ffi::Buffer<ffi::F32> sinks, float sm_scale, int32_t sliding_window,
-                                float logit_softcap, ffi::Result<ffi::AnyBuffer> out) {
+}  // namespace
+
+namespace jaxserve {
+
+Status ragged_paged_attention(ThreadPool& pool, const Array& q, const Array& k_pages, const Array& v_pages,
+                              const Array& kv_lens, const Array& page_table, const Array& cu_q_lens,
+                              const Array& sinks, float sm_scale, int32_t sliding_window, float logit_softcap,
+                              const Array& out) {
   const auto q_dims = q.dimensions();
   const auto k_dims = k_pages.dimensions();
   const auto table_dims = page_table.dimensions();
   if (q_dims.size() != 3 || k_dims.size() != 4 || table_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+    return "ragged_paged_attention: bad ranks";
   }
   const int num_tokens = int(q_dims[0]), num_reqs = int(table_dims[0]);
   Problem p;
@@ -375,39 +377,38 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.logit_softcap = std::max(0.0f, logit_softcap);
   const int64_t num_sinks = sinks.element_count();  // 0: none; else one per query head
   if (num_sinks != 0 && num_sinks != p.num_q_heads) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be none or one per query head");
+    return "ragged_paged_attention: sinks must be none or one per query head";
   }
-  p.sinks = num_sinks != 0 ? sinks.typed_data() : nullptr;
+  p.sinks = num_sinks != 0 ? sinks.as<const float>() : nullptr;
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   const auto v_dims = v_pages.dimensions();
   if (v_dims.size() != 4 || v_dims[0] != k_dims[0] || v_dims[1] != k_dims[1] || v_dims[2] != k_dims[2] ||
       v_dims[3] != k_dims[3]) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: K and V pages differ in shape");
+    return "ragged_paged_attention: K and V pages differ in shape";
   }
   if (group < 1 || group > kMaxRows || p.num_q_heads % p.num_kv_heads != 0 || k_dims[3] != q_dims[2] ||
       int(kv_lens.dimensions()[0]) != num_reqs || int(cu_q_lens.dimensions()[0]) != num_reqs + 1) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported or mismatched shapes");
+    return "ragged_paged_attention: unsupported or mismatched shapes";
   }
-  const bool f32 = q.element_type() == ffi::DataType::F32;
-  const UnitFn run = f32 ? pick_unit<float>(k_pages.element_type(), p.head_dim)
-                         : q.element_type() == ffi::DataType::BF16 ? pick_unit<bf16>(k_pages.element_type(), p.head_dim)
-                                                                   : nullptr;
-  if (run == nullptr || k_pages.element_type() != v_pages.element_type() || q.element_type() != out->element_type()) {
-    return ffi::Error::InvalidArgument(
-        "ragged_paged_attention: q and out float32 or bfloat16, K and V one of float32, bfloat16, float16");
+  const bool f32 = q.dtype == DType::kF32;
+  const UnitFn run = f32                        ? pick_unit<float>(k_pages.dtype, p.head_dim)
+                     : q.dtype == DType::kBF16 ? pick_unit<bf16>(k_pages.dtype, p.head_dim)
+                                               : nullptr;
+  if (run == nullptr || k_pages.dtype != v_pages.dtype || q.dtype != out.dtype) {
+    return "ragged_paged_attention: q and out float32 or bfloat16, K and V one of float32, bfloat16, float16";
   }
-  p.q = q.untyped_data();
-  p.k_pages = k_pages.untyped_data();
-  p.v_pages = v_pages.untyped_data();
-  p.kv_lens = kv_lens.typed_data();
-  p.page_table = page_table.typed_data();
-  p.cu_q_lens = cu_q_lens.typed_data();
-  p.out = out->untyped_data();
+  p.q = q.data;
+  p.k_pages = k_pages.data;
+  p.v_pages = v_pages.data;
+  p.kv_lens = kv_lens.as<const int32_t>();
+  p.page_table = page_table.as<const int32_t>();
+  p.cu_q_lens = cu_q_lens.as<const int32_t>();
+  p.out = out.data;
 
   std::vector<Unit> units;
   const int block = kMaxRows / group;  // query tokens per unit
   // What the units will read, checked once here: a bad batch is an error, never a read out of bounds.
-  if (p.cu_q_lens[0] != 0) return ffi::Error::InvalidArgument("ragged_paged_attention: cu_q_lens[0] is not 0");
+  if (p.cu_q_lens[0] != 0) return "ragged_paged_attention: cu_q_lens[0] is not 0";
   for (int r = 0; r < num_reqs; ++r) {
     const int q_len = p.cu_q_lens[r + 1] - p.cu_q_lens[r];
     const int kv_len = p.kv_lens[r], num_live_pages = (kv_len + p.page_size - 1) / p.page_size;
@@ -418,7 +419,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       const int32_t id = p.page_table[int64_t(r) * p.max_pages + page];
       valid = id >= 0 && id < p.num_pages;
     }
-    if (!valid) return ffi::Error::InvalidArgument("ragged_paged_attention: request metadata out of range");
+    if (!valid) return "ragged_paged_attention: request metadata out of range";
     for (int first = 0; first < q_len; first += block) {
       for (int k = 0; k < p.num_kv_heads; ++k) units.push_back({r, k, first, std::min(block, q_len - first)});
     }
@@ -428,24 +429,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   const int num_real = p.cu_q_lens[num_reqs];
   std::memset(static_cast<char*>(p.out) + num_real * row_bytes, 0, (num_tokens - num_real) * row_bytes);
 
-  jaxserve::share_units(pool, static_cast<int>(units.size()),
-                        [&p, &units, run](int u) { run(p, units[u]); });
-  return ffi::Error::Success();
+  share_units(pool, static_cast<int>(units.size()), [&p, &units, run](int u) { run(p, units[u]); });
+  return nullptr;
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks: f32[N] or f32[0]
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("logit_softcap")
-                                  .Ret<ffi::AnyBuffer>());
+}  // namespace jaxserve
