@@ -36,6 +36,9 @@ LIBRARY = "jaxserve_kernels"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-w")  # compiling
 # Linking is a separate step without -ffast-math: GCC 12 links crtfastmath.o into any -ffast-math link, even
 # -shared, whose constructor turns on flush-to-zero for the thread that loads the library, for good.
+# After FLAGS for one source: the handlers only hand each call's buffers on, and XLA's binding templates
+# compile in much less time at -O1 (docs/benchmarks.md, stop 96).
+SOURCE_FLAGS = {"ffi_bindings.cc": ("-O1",)}
 BUILD_TIMEOUT_S = 120  # the compiles together, then the link
 LOCK_WAIT_S = 2 * BUILD_TIMEOUT_S  # another process's build of the same library, before building it here too
 
@@ -89,7 +92,8 @@ def library_path(compiler: str, files: dict[str, bytes] | None = None,
     build_flags = flags() if build_flags is None else build_flags
     key = hashlib.sha256(b"\0".join([
         *(name.encode() + b"\0" + text for name, text in files.items()), " ".join(build_flags).encode(),
-        b"link: -shared", compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+        repr(sorted(SOURCE_FLAGS.items())).encode(), b"link: -shared", compiler.encode(), jaxlib.__version__.encode(),
+        _cpu_flags().encode(),
     ])).hexdigest()[:16]
     return _cache_dir() / f"{LIBRARY}-{key}.so"
 
@@ -198,7 +202,8 @@ def _compile_and_link(compiler: str, files: dict[str, bytes], build_flags: tuple
         for name, text in files.items():
             (scratch / name).write_bytes(text)
         objects = [str(scratch / f"{Path(name).stem}.o") for name in SOURCES]
-        _run_at_once([(name, [compiler, *build_flags, f"-I{_include_dir()}", "-c", str(scratch / name), "-o", obj])
+        _run_at_once([(name, [compiler, *build_flags, *SOURCE_FLAGS.get(name, ()), f"-I{_include_dir()}", "-c",
+                              str(scratch / name), "-o", obj])
                       for name, obj in zip(SOURCES, objects, strict=True)], scratch)
         built = scratch / library.name
         _run_at_once([(library.name, [compiler, "-shared", *objects, "-o", str(built)])], scratch)
