@@ -557,7 +557,6 @@ class Scheduler:
         self.kv_cache.free(request.page_ids)
         self._release_lora_slot(request)
         request.num_computed_tokens = request.num_keyed_pages = request.num_pages_scheduled = 0
-        request.pooled_sum = None  # a mean pooling starts over with the prompt
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -602,13 +601,18 @@ class Scheduler:
 
     def _pool(self, plan: SchedulerOutput, pooled: dict[int, tuple]) -> None:
         """--runner pooling: each row's hidden states pooled into its request (summed over its chunks for
-        "mean"); a request whose prompt this step completed gets its embedding, before its one sample."""
+        "mean"); a request whose prompt this step completed gets its embedding, before its one sample.
+
+        A mean's sum starts over with each chunk at position 0 (a pooled request reads no cached prefix), not
+        when the request is preempted: a chunk in flight then is still read, and added, before the request
+        starts over, and if it was the prompt's last the request finishes from it."""
         for row, (last, total) in pooled.items():
             request = self.requests.get(plan.request_ids[row])
             if request is None or request.pooling_type is None or request.status.is_finished:
                 continue
             if request.pooling_type == "mean":
-                request.pooled_sum = total if request.pooled_sum is None else request.pooled_sum + total
+                starts_over = plan.start_positions[row] == 0 or request.pooled_sum is None
+                request.pooled_sum = total if starts_over else request.pooled_sum + total
             if plan.keeps_sample[row]:
                 vector = last if request.pooling_type == "last" else request.pooled_sum / request.num_prompt_tokens
                 request.embedding = vector.tolist()

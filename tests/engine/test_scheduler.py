@@ -4,6 +4,7 @@ import itertools
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
@@ -323,3 +324,61 @@ def test_k_step_plans_take_rows_that_decode_on_the_device(params, first_k_step_a
         sched.update_steps(out, read) if out.is_multi_step else sched.update(out, read[0])
     assert len(request.output_token_ids) == 24
     assert (k_step_plans_at[0] if k_step_plans_at else None) == first_k_step_at, k_step_plans_at
+
+
+def _embedding_request(request_id: str, prompt: list[int]) -> Request:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                      eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
+    request.pooling_type = "mean"  # what EngineCore.add_sequences sets under --runner pooling
+    return request
+
+
+def _pooled_step(out) -> StepOutput:
+    """The runner's answer with a token's hidden state its id: per row, (the last token's, the chunk's sum), so a
+    prompt's mean pooling is the mean of its ids."""
+    pooled, first = {}, 0
+    for row, count in enumerate(out.num_new_tokens):
+        tokens = out.token_ids[first:first + count]
+        first += count
+        pooled[row] = (np.array([float(tokens[-1])]), np.array([float(sum(tokens))]))
+    return StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs, pooled=pooled)
+
+
+def test_a_mean_pooling_preempted_with_a_chunk_in_flight_is_its_prompt_s_mean():
+    """Async scheduling (step N + 1 planned before step N is read): a request preempted while a chunk is in
+    flight still has that chunk read, then starts over from its first token; its embedding counts each token
+    once."""
+    scheduler = Scheduler(KVCacheManager(7, 4, enable_prefix_caching=False), max_num_seqs=4,
+                          max_num_batched_tokens=8)
+    first, second = _embedding_request("b", list(range(100, 120))), _embedding_request("a", list(range(10, 18)))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    in_flight = None
+    for _ in range(20):
+        if not scheduler.has_unfinished() and in_flight is None:
+            break
+        out = scheduler.schedule()
+        if in_flight is not None:
+            scheduler.update(in_flight, _pooled_step(in_flight))
+        in_flight = None if out.is_empty else out
+    assert second.num_preemptions == 1 and second.status is RequestStatus.FINISHED_LENGTH, "the case preempts a"
+    for request in (first, second):
+        assert request.embedding == [float(np.mean(request.prompt_token_ids))]
+
+
+def test_a_mean_pooling_that_yields_with_its_last_chunk_in_flight_finishes_with_its_prompt_s_mean():
+    """The priority policy: a request yields to an urgent one while its prompt's last chunk is in flight; that
+    chunk's step still completes it, with the sum of every chunk."""
+    scheduler = Scheduler(KVCacheManager(3, 4, enable_prefix_caching=False), max_num_seqs=4,
+                          max_num_batched_tokens=4, policy="priority")
+    request = _embedding_request("a", list(range(10, 17)))  # chunks [0, 4) and [4, 7)
+    request.priority = 1
+    scheduler.add_request(request)
+    first_chunk = scheduler.schedule()
+    last_chunk = scheduler.schedule()  # planned before the first is read
+    scheduler.update(first_chunk, _pooled_step(first_chunk))
+    scheduler.add_request(_embedding_request("urgent", [30, 31, 32, 33]))
+    assert scheduler.schedule().preempted_ids == ("a",)
+    scheduler.update(last_chunk, _pooled_step(last_chunk))
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.embedding == [float(np.mean(request.prompt_token_ids))]
