@@ -73,6 +73,9 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    # The stream it ends: the request is aborted only while that stream is the id's (an add that was refused,
+    # say for an id in use, must not abort the request that holds the id). None: whichever stream it is.
+    outputs: "asyncio.Queue[RequestOutput | BaseException] | None" = None
 
 
 @dataclass
@@ -160,7 +163,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self._commands.put(_Abort(request_id, outputs))
 
     async def compile_grammar(self, spec: StructuredOutputsParams, timeout: float) -> CompiledGrammar:
         """Compiles a structured output on the grammar threads. InvalidParam for a definition that fails
@@ -174,6 +177,7 @@ class AsyncEngine:
                                ) from None
 
     def abort(self, request_id: str) -> None:
+        """Drops a live request: its pages are freed and its stream ends with RequestFailedError."""
         self._commands.put(_Abort(request_id))
 
     @property
@@ -266,8 +270,7 @@ class AsyncEngine:
                 self._fail_streams(EngineDeadError("the engine was shut down"))
                 return False
             if isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
-                self._streams.pop(command.request_id, None)
+                self._abort(command)
                 continue
             if isinstance(command, _Call):
                 self._answer(command)
@@ -286,6 +289,17 @@ class AsyncEngine:
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, e)
                 continue
             self._streams[command.request_id] = command
+
+    def _abort(self, command: _Abort) -> None:
+        stream = self._streams.get(command.request_id)
+        if stream is None or (command.outputs is not None and stream.outputs is not command.outputs):
+            return  # finished already, or the id is another stream's (this one's add was refused)
+        self.engine.abort_request(command.request_id)
+        del self._streams[command.request_id]
+        if command.outputs is None:  # aborted by id (`abort`): whoever reads the stream learns that it ended
+            with contextlib.suppress(RuntimeError):  # a loop closed under its caller: nobody waits there
+                stream.loop.call_soon_threadsafe(
+                    stream.outputs.put_nowait, RequestFailedError(f"request {command.request_id} was aborted"))
 
     def _answer(self, call: _Call) -> None:
         def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import greedy, make_engine, make_prompts, run_alone
 
@@ -152,3 +152,42 @@ def test_grammar_compiles_off_the_engine_thread_with_a_timeout(engines, monkeypa
     assert constrained.outputs[0].text in ("red", "green")
     assert deltas == expected[0]
     assert threads and all(name.startswith("jaxserve-grammar") for name in threads)
+
+
+def test_a_duplicate_id_given_up_before_its_refusal_leaves_the_request_of_that_id_alone(engines):
+    """A caller's second request under a live request's id is refused; if the caller gives it up before the
+    refusal arrives, the abort it sends must not reach the first request."""
+    async_engine, prompts, expected = engines
+
+    async def main():
+        first = asyncio.create_task(collect(async_engine, prompts[0], greedy(10), "shared-id"))
+        await asyncio.sleep(0)  # the first request's add is queued
+        duplicate = async_engine.generate(prompts[1], greedy(10), "shared-id")
+        waiting = asyncio.create_task(anext(duplicate))
+        await asyncio.sleep(0)  # its add is queued behind the first's
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await duplicate.aclose()
+        return await asyncio.wait_for(first, 60)  # aborted by the duplicate, the first stream never ended
+
+    deltas, last = asyncio.run(main())
+    assert deltas == expected[0] and last.outputs[0].finish_reason == "length"
+
+
+def test_an_abort_by_id_ends_the_request_s_stream_and_frees_its_pages(engines):
+    async_engine, prompts, _ = engines
+    kv = async_engine.engine.kv_cache
+
+    async def main():
+        stream = async_engine.generate(prompts[3], greedy(200), "aborted-by-id")
+        await anext(stream)
+        async_engine.abort("aborted-by-id")
+        with pytest.raises(RequestFailedError, match="aborted-by-id was aborted"):
+            await asyncio.wait_for(anext(stream), 60)
+        for _ in range(200):
+            if kv.num_free_pages == kv.num_usable_pages and not async_engine.engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main()), "pages were not freed after the abort"
