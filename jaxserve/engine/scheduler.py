@@ -382,8 +382,8 @@ class Scheduler:
             decode_steps=tuple(plan.decode_steps), draft_lengths=tuple(plan.draft_lengths),
         )
         self._inflight_filling.append(output.filling_keys)
-        if not output.is_empty:
-            self.iteration_tokens.observe(output.num_tokens * output.num_steps)
+        if not output.is_empty:  # a k-step decode computes each row's token once a step it runs
+            self.iteration_tokens.observe(sum(output.decode_steps) if output.is_multi_step else output.num_tokens)
         return output
 
     def _plan_decode_steps(self) -> _Plan | None:

@@ -326,6 +326,24 @@ def test_k_step_plans_take_rows_that_decode_on_the_device(params, first_k_step_a
     assert (k_step_plans_at[0] if k_step_plans_at else None) == first_k_step_at, k_step_plans_at
 
 
+def test_a_k_step_plan_counts_the_tokens_its_rows_compute():
+    """vllm:iteration_tokens_total: a k-step decode computes each row's token once a step the row runs; a
+    row that ends before k (its max_tokens) computes fewer."""
+    k = 4
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=k)
+    for request_id, max_tokens in (("long", 9), ("short", 3)):
+        sched.add_request(make_request(request_id, 5, max_tokens))
+    multi_step = False
+    while sched.has_unfinished():
+        out = sched.schedule()
+        replay(sched, out)
+        multi_step |= out.is_multi_step and len(set(out.decode_steps)) > 1
+        read = [StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs)] * out.num_steps
+        sched.update_steps(out, read) if out.is_multi_step else sched.update(out, read[0])
+    assert multi_step, "a k-step plan whose rows run different steps"
+    assert sched.iteration_tokens.sum == 5 + 5 + 8 + 2, "two prompts, then the 8 and 2 tokens fed after the first"
+
+
 def _embedding_request(request_id: str, prompt: list[int]) -> Request:
     request = Request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                       eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
