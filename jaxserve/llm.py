@@ -120,11 +120,14 @@ class LLM:
         return self._run([_prompt_input(p) for p in _as_prompts(prompts)], sampling_params, use_tqdm, priority,
                          lora_request)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (`outputs.embedding`, vLLM's form; not normalized) from an engine built
-        with runner="pooling"; outputs in prompt order."""
+        with runner="pooling"; outputs in prompt order. `truncate_prompt_tokens` keeps each prompt's last
+        tokens (-1: the context's worth), as `score`."""
+        params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in _as_prompts(prompts)],
-                                                                POOLING_PARAMS, use_tqdm)]
+                                                                params, use_tqdm)]
 
     def score(
         self,

@@ -291,8 +291,12 @@ def check_priority(priority: object, scheduling_policy: str) -> None:
                            "start it with --scheduling-policy priority", "priority")
 
 
-def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """Prompt + output length at which a request must stop: what it may need of the KV cache."""
+def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, pooled: bool = False) -> int:
+    """Prompt + output length at which a request must stop: what it may need of the KV cache. A `pooled`
+    request (--runner pooling) stops at its one sample, which is dropped and takes no position, so its prompt
+    may fill the context."""
+    if pooled:
+        return num_prompt_tokens + 1
     limit = max_model_len if max_tokens is None else num_prompt_tokens + max_tokens
     return min(limit, max_model_len)
 
@@ -315,15 +319,15 @@ class RequestLimits:
     num_eos_tokens: int
     kv_capacity_tokens: int  # usable KV pages x page size
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidParam for a request this engine cannot serve."""
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, pooled: bool = False) -> None:
+        """Raises InvalidParam for a request this engine cannot serve (`pooled`: a prompt to embed)."""
         num_prompt = len(prompt_token_ids)
         if not num_prompt:
             raise InvalidParam("the prompt is empty", "prompt")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidParam(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        self.check_length(num_prompt, params.max_tokens)
+        self.check_length(num_prompt, params.max_tokens, pooled)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -356,9 +360,16 @@ class RequestLimits:
             return token_ids
         return token_ids[-(self.max_model_len if truncate == -1 else truncate):]
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """OpenAI's context-length error, with the numbers that broke it; then the KV capacity."""
-        if max_tokens is None:  # up to the context length
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, pooled: bool = False) -> None:
+        """OpenAI's context-length error, with the numbers that broke it; then the KV capacity. A `pooled`
+        prompt (embedded: nothing generated) may fill the context."""
+        if pooled:
+            if num_prompt_tokens > self.max_model_len:
+                raise InvalidParam(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{num_prompt_tokens} tokens in the input for embedding generation. Please reduce the length "
+                    "of the input.", "prompt")
+        elif max_tokens is None:  # up to the context length
             if num_prompt_tokens >= self.max_model_len:
                 raise InvalidParam(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, your "
@@ -369,7 +380,7 @@ class RequestLimits:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        total = max_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len)
+        total = max_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len, pooled)
         if not fits_kv_cache(total, self.kv_capacity_tokens):
             raise InvalidParam(f"the request needs up to {total} tokens of KV cache but the cache holds "
                                f"{self.kv_capacity_tokens}", "max_tokens")

@@ -68,7 +68,7 @@ def check_pooled_prompt(serving: ModelServing, ids: list[int], param: str) -> No
     """A 400 naming `param` for a prompt the engine cannot embed (empty, over the context, ids outside the
     vocabulary)."""
     try:
-        serving.info.limits.check(ids, POOLING_PARAMS)
+        serving.info.limits.check(ids, POOLING_PARAMS, pooled=True)
     except InvalidParam as e:
         raise APIError(400, str(e), param if e.param in _PROMPT_PARAMS else e.param) from None
 

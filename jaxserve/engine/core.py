@@ -230,7 +230,8 @@ class EngineCore:
                     if grammar is not None else None for sequence in sequences]  # may raise: first
         for sequence, matcher in zip(sequences, matchers, strict=True):
             sequence.grammar = matcher
-            sequence.pooling_type = self.pooling_type
+            if self.pooling_type is not None:
+                sequence.pool(self.pooling_type)
             self.scheduler.add_request(sequence)
 
     def finish(self, seq_ids: list[str], status: RequestStatus) -> None:

@@ -253,7 +253,7 @@ class LLMEngine:
         if lora_name is not None and served is None:
             raise InvalidParam(f"The model `{lora_name}` does not exist: no LoRA adapter of that name", "model")
         if not checked:  # InvalidParam (a ValueError) for what cannot be served
-            self.limits.check(prompt_token_ids, params)
+            self.limits.check(prompt_token_ids, params, pooled=self.info.runner == "pooling")
             check_cache_salt(cache_salt)
             check_priority(priority, self.info.scheduling_policy)
         if self.info.runner == "pooling" and (params.max_tokens != 1 or params.n != 1 or params.structured_outputs):

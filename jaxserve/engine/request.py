@@ -107,6 +107,11 @@ class Request:
     has_plain_decodes: bool = field(init=False)
     has_long_bad_words: bool = field(init=False)  # a bad word of several tokens: its ban reads the last token
 
+    def pool(self, pooling_type: str) -> None:
+        """Makes this a request to embed (--runner pooling): its prompt pooled, its one sample dropped."""
+        self.pooling_type = pooling_type
+        self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), 1, self.max_model_len, pooled=True)
+
     def __post_init__(self) -> None:
         self.max_num_tokens = max_num_tokens(len(self.prompt_token_ids), self.sampling_params.max_tokens,
                                              self.max_model_len)

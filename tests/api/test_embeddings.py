@@ -139,3 +139,20 @@ def test_each_server_refuses_the_other_kind_of_request(embed, client):
         embed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         client.embeddings.create(model=MODEL, input="Hi")  # the shared server generates
+
+
+def test_an_input_as_long_as_the_context_is_embedded(embed, pooling_server):
+    """vLLM embeds up to max_model_len tokens (the server's 2,048): nothing is generated, so no token of the
+    context is kept for one; a longer input is a 400 with the numbers, and truncation to the context fits."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    context = [int(t) for t in np.random.default_rng(5).integers(100, 20_000, 2048)]
+    full = embed.embeddings.create(model=MODEL, input=[context], encoding_format="float").data[0].embedding
+    over = httpx.post(f"{pooling_server.v1}/embeddings", headers=headers, json={"input": [[7, *context]]},
+                      timeout=120)
+    assert over.status_code == 400 and "2048 tokens. However, you requested 2049 tokens" in over.text, over.text
+    assert over.json()["error"]["param"] == "input"
+    cut = httpx.post(f"{pooling_server.v1}/embeddings", headers=headers,
+                     json={"input": [[7, *context]], "truncate_prompt_tokens": -1, "encoding_format": "float"},
+                     timeout=120)
+    assert cut.status_code == 200, cut.text
+    np.testing.assert_allclose(cut.json()["data"][0]["embedding"], full, atol=1e-5)

@@ -90,3 +90,22 @@ def test_score_is_the_cosine_of_the_pairs_embeddings(llama_dir, tiny_hf_model):
         llm.score([prompts[0], prompts[1]], prompts[2:], use_tqdm=False)
     with pytest.raises(ValueError, match="must not be empty lists"):
         llm.score([], prompts[2:], use_tqdm=False)
+
+
+@pytest.mark.parametrize("pooling_type", ["last", "mean"])
+def test_a_prompt_that_fills_the_context_is_embedded(llama_dir, tiny_hf_model, pooling_type):
+    """vLLM embeds prompts of up to max_model_len tokens: a pooled request's one sample is dropped and takes no
+    position. One token more is refused with the context's numbers; truncation to the context (-1) fits."""
+    options = {**LADDER, "max_num_batched_tokens": 16, "token_buckets": (16,)}
+    llm = LLM(model=str(llama_dir), dtype="float32", runner="pooling", pooling_type=pooling_type, page_size=4,
+              num_kv_pages=64, max_model_len=48, compilation_cache_dir=None, **options)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(5, 200, 48)]
+    [output] = llm.embed([prompt], use_tqdm=False)
+    hidden = _reference(tiny_hf_model("llama"), prompt)
+    expected = hidden[-1] if pooling_type == "last" else hidden.mean(axis=0)
+    np.testing.assert_allclose(output.outputs.embedding, expected, rtol=2e-4, atol=2e-4)
+    with pytest.raises(InvalidParam, match=r"maximum context length is 48 tokens\. However, you requested 49 tokens"):
+        llm.engine.add_request("over", [*prompt, 7], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    [cut] = llm.embed([[7, *prompt]], truncate_prompt_tokens=-1, use_tqdm=False)
+    np.testing.assert_allclose(cut.outputs.embedding, output.outputs.embedding, rtol=1e-5, atol=1e-6)
+    assert not llm.engine.has_unfinished_requests()

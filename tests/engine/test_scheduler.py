@@ -347,7 +347,7 @@ def test_a_k_step_plan_counts_the_tokens_its_rows_compute():
 def _embedding_request(request_id: str, prompt: list[int]) -> Request:
     request = Request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                       eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
-    request.pooling_type = "mean"  # what EngineCore.add_sequences sets under --runner pooling
+    request.pool("mean")  # what EngineCore.add_sequences does under --runner pooling
     return request
 
 
