@@ -16,7 +16,7 @@ from typing import Any
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from jaxserve.sampling_params import InvalidParam, StructuredOutputsParams
 
@@ -66,6 +66,7 @@ class GrammarMatcher:
         self._matcher = matcher
         self._awaited = tuple(after_token_ids)
         self._recent: tuple[int, ...] = ()  # the output's last tokens while the grammar waits
+        self._dead_end = False  # a mask found no token to continue the output (`consume`)
 
     @property
     def is_active(self) -> bool:
@@ -73,12 +74,17 @@ class GrammarMatcher:
         return not self._awaited
 
     def consume(self, token_id: int) -> bool:
-        """Advances past a sampled token; False if the grammar forbids it (the matcher is then in error)."""
+        """Advances past a sampled token; False if the grammar forbids it (the matcher is then in error), or
+        if the last mask found no token that continues the output: llguidance then allows EOS alone, and
+        accepts it, though the output is incomplete (a JSON schema whose required property refers to itself)."""
         if self._awaited:
             self._recent = (*self._recent, token_id)[-len(self._awaited):]
             if self._recent == self._awaited:
                 self._awaited = ()
             return True
+        if self._matcher.is_error():
+            self._dead_end = True
+            return False
         return self._matcher.consume_token(token_id)
 
     @property
@@ -88,6 +94,8 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
+        if self._dead_end:  # llguidance says NoExtensionBias
+            return "no token can continue the output here"
         return self._matcher.get_error()
 
     def fork(self) -> "GrammarMatcher":
@@ -144,6 +152,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidParam(f"the structured output's definition is invalid: {matcher.get_error()}",
                                "structured_outputs")
+        first = matcher.deep_copy()  # its first mask: a definition that no output matches has no first token
+        fill_next_token_bitmask(first, allocate_token_bitmask(1, self.vocab_size), 0)
+        if first.is_error():
+            raise InvalidParam("the structured output's definition matches no output", "structured_outputs")
         compiled = CompiledGrammar(matcher)
         with self._lock:
             self._cache[key] = compiled

@@ -210,6 +210,11 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not-an-object"}}],
       "tool_choice": "required"}, None),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    # definitions that no output matches
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}},
+     "response_format"),
 ]
 
 

@@ -111,10 +111,35 @@ def test_invalid_definitions_are_invalid_params(engine):
             engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=structure))
         assert info.value.param == "structured_outputs"
     assert not engine.has_unfinished_requests()
+    for structure in [Structure(regex=r"[^\s\S]"), Structure(grammar="root ::= root"),
+                      Structure(grammar="start: start"), Structure(json={"$ref": "#"})]:  # no output matches
+        with pytest.raises(InvalidParam, match="matches no output") as info:
+            engine.add_request("dead", [1, 2, 3], SamplingParams(structured_outputs=structure))
+        assert info.value.param == "structured_outputs"
+    assert not engine.has_unfinished_requests()
     with pytest.raises(InvalidParam):
         Structure(json={"type": "object"}, regex="a")
     with pytest.raises(InvalidParam):
         Structure(choice=[])
+
+
+def test_a_grammar_that_reaches_a_dead_end_fails_the_request_rather_than_stopping_it(engine):
+    """A JSON schema whose required property refers to itself starts well (`{"a": `) and then no token can
+    continue it: llguidance's mask then allows EOS alone and accepts it, which ended the output as if
+    complete ("stop"). The request fails instead, saying so, and the others in its step are untouched."""
+    looping = Structure(json={"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/properties/a"}}})
+    prompts = make_prompts(2)
+    engine.add_request("dead-end", prompts[0], SamplingParams(temperature=0, max_tokens=16,
+                                                              structured_outputs=looping))
+    engine.add_request("beside", prompts[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished or output.error is not None:
+                finished[output.request_id] = output
+    failed, beside = finished["dead-end"], finished["beside"]
+    assert failed.error is not None and "no token can continue the output" in failed.error
+    assert beside.error is None and len(beside.outputs[0].token_ids) == 6
 
 
 def test_compiled_grammars_are_cached(engine):
