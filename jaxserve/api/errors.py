@@ -30,7 +30,7 @@ _ERROR_TYPES = {
     503: "service_unavailable",
 }
 MAX_JSON_DEPTH = 64  # tool schemas nest ~10 deep; recursion in pydantic and jinja starts near 1,000
-_PARSE_OFF_LOOP_BYTES = 256 * 1024  # bigger bodies are parsed on a worker thread
+_OFF_LOOP_BYTES = 256 * 1024  # bigger bodies are parsed, and their inputs converted, on a worker thread
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -89,11 +89,10 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
-async def read_json(request: Request, limit: int, timeout: float) -> Any:
-    body = await read_body(request, limit, timeout)
-    if len(body) > _PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse_json, body)
-    return parse_json(body)
+def is_large(body: bytes | int) -> bool:
+    """Whether a body (or its size) is large enough that parsing it, or converting what it holds, is work for a
+    worker thread rather than the event loop."""
+    return (body if isinstance(body, int) else len(body)) > _OFF_LOOP_BYTES
 
 
 def parse_json(body: bytes) -> Any:

@@ -6,9 +6,9 @@ Requests ignore unknown fields, as OpenAI's and vLLM's servers do; a field we kn
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 
 def random_id(prefix: str) -> str:
@@ -17,6 +17,13 @@ def random_id(prefix: str) -> str:
 
 # OpenAI's reasoning efforts, as vLLM takes them
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+# OpenAI's metadata (a response's, a chat completion's): at most 16 pairs, keys of at most 64 characters and
+# values of at most 512.
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]
 
 class ErrorInfo(BaseModel):
     message: str
@@ -559,7 +566,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     background: bool = False  # answered by the server on its own time; polled with GET, ended with cancel
     reasoning: ReasoningOptions | None = None  # its effort is chat's reasoning_effort
@@ -647,7 +654,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     previous_response_id: str | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     usage: ResponseUsage | None = None
     error: ErrorInfo | None = None

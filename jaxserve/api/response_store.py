@@ -5,9 +5,11 @@ A background response is answered by a task of its own, which the store holds un
 writes the response as it moves (queued, in progress, then completed, incomplete, failed or cancelled)
 through `settle`, which writes only while the task is still registered: a response deleted while it runs
 stays deleted, and the least-recently-used eviction passes over a response that runs (its client may still
-cancel it). A streamed one's events are kept while it is stored, within a budget over all of them
-(`MAX_EVENT_BYTES`, the oldest let go first). `cancel` and `delete` wait for the task to end, so its
-engine request has been aborted and its last state written before they answer.
+cancel it). The stored responses are kept within a budget of bytes too (`MAX_STORED_BYTES`, each counted
+by its request's body and its answer's JSON: an input may be as large as the body limit), and a streamed
+one's events within a budget over all of them (`MAX_EVENT_BYTES`, the oldest let go first). `cancel` and
+`delete` wait for the task to end, so its engine request has been aborted and its last state written
+before they answer.
 
 The store is this process's memory: a restart loses it. So a shutdown's drain does not wait for background
 responses that no client could read after it (only, as for any HTTP request, for a client still reading
@@ -24,6 +26,7 @@ from typing import Any
 from jaxserve.api.protocol import ResponseObject
 
 MAX_STORED_RESPONSES = 1024
+MAX_STORED_BYTES = 512 * 2**20  # the stored responses' requests and answers together; the oldest go first past it
 MAX_EVENT_BYTES = 256 * 2**20  # the ended responses' event logs together; the oldest go first past it
 
 Conversation = list[dict[str, Any]]  # the chat messages a response ended, to continue from
@@ -78,25 +81,41 @@ class StoredResponse:
     conversation: Conversation | None  # None while a background one runs, or where it failed or was cancelled
     input_items: Sequence[dict[str, Any]] = field(default=())  # its request's input as OpenAI's items, with ids
     events: EventLog | None = None  # a background response created with stream=true: its events
+    request_bytes: int = 0  # its request's body: what its input items, and the conversation, hold at most
+    nbytes: int = 0  # what the store's budget counts: the request's body and the response's JSON
 
 
 class ResponseStore:
-    """Stored responses with the conversation each ended and their input items, at most `capacity`, least
-    recently used first out; and the tasks answering background responses."""
+    """Stored responses with the conversation each ended and their input items, at most `capacity` and
+    `max_bytes`, least recently used first out; and the tasks answering background responses."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_event_bytes: int = MAX_EVENT_BYTES,
+                 max_bytes: int = MAX_STORED_BYTES) -> None:
         self._capacity = capacity
         self._max_event_bytes = max_event_bytes
+        self._max_bytes = max_bytes
+        self._nbytes = 0  # the entries' `nbytes`
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
         self._running: dict[str, asyncio.Task] = {}
 
     def put(self, response: ResponseObject, conversation: Conversation | None,
-            input_items: Sequence[dict[str, Any]] = (), events: EventLog | None = None) -> None:
-        self._entries[response.id] = StoredResponse(response, conversation, input_items, events)
+            input_items: Sequence[dict[str, Any]] = (), events: EventLog | None = None,
+            request_bytes: int = 0) -> None:
+        """Stores (or rewrites) a response; `request_bytes`: its request's body."""
+        entry = StoredResponse(response, conversation, input_items, events, request_bytes,
+                               request_bytes + len(response.model_dump_json()))
+        if (old := self._entries.get(response.id)) is not None:
+            self._nbytes -= old.nbytes
+        self._entries[response.id] = entry
+        self._nbytes += entry.nbytes
         self._entries.move_to_end(response.id)
-        if (excess := len(self._entries) - self._capacity) > 0:  # the oldest go, but none that runs
-            for key in [key for key in self._entries if key not in self._running][:excess]:
-                del self._entries[key]
+        excess = len(self._entries) - self._capacity
+        if excess > 0 or self._nbytes > self._max_bytes:  # the oldest go, but none that runs and not this one
+            for key in [key for key in self._entries if key not in self._running and key != response.id]:
+                if excess <= 0 and self._nbytes <= self._max_bytes:
+                    break
+                self._nbytes -= self._entries.pop(key).nbytes
+                excess -= 1
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -105,13 +124,13 @@ class ResponseStore:
         return entry
 
     def start(self, response: ResponseObject, input_items: Sequence[dict[str, Any]],
-              work: Coroutine[Any, Any, None], events: EventLog | None = None) -> None:
+              work: Coroutine[Any, Any, None], events: EventLog | None = None, request_bytes: int = 0) -> None:
         """Stores `response` (queued) and answers it in the background: `work` runs as a task of its own,
         held here until it ends, however it ends (cancelled before it started too); `events`, where the
         response streams, closes then too."""
         task = asyncio.get_running_loop().create_task(work)
         self._running[response.id] = task
-        self.put(response, None, input_items, events)
+        self.put(response, None, input_items, events, request_bytes)
 
         def ended(_: asyncio.Task) -> None:
             if self._running.get(response.id) is task:
@@ -139,7 +158,7 @@ class ResponseStore:
             entry = self._entries.get(response.id)
             if entry is None:  # evicted: not while it runs, unless the store was built over capacity
                 entry = StoredResponse(response, None)
-            self.put(response, conversation, entry.input_items, entry.events)
+            self.put(response, conversation, entry.input_items, entry.events, entry.request_bytes)
 
     def is_running(self, response_id: str) -> bool:
         return response_id in self._running
@@ -155,7 +174,7 @@ class ResponseStore:
             entry = self._entries.get(response_id)
             if entry is not None and entry.response.status in ("queued", "in_progress"):
                 self.put(entry.response.model_copy(update={"status": "cancelled"}), None, entry.input_items,
-                         entry.events)
+                         entry.events, entry.request_bytes)
 
     async def cancel_all(self) -> None:
         """Cancels every background response that runs (the app's shutdown: their engine requests abort
@@ -168,7 +187,10 @@ class ResponseStore:
         if task is not None:  # unregistered first: what its task still writes is dropped
             task.cancel()
             await asyncio.wait({task})
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._nbytes -= entry.nbytes
+        return entry is not None
 
     @property
     def num_running(self) -> int:

@@ -228,11 +228,17 @@ async def create_response(request: Request) -> Response:
             raise APIError(400, f"Response '{req.previous_response_id}' is {stored.response.status}: it has no "
                                 "answer to continue from", "previous_response_id")
         history = stored.conversation
-    asked, items = read_input(req.input)
-    messages = [*history, *asked]
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+
+    def converted() -> tuple[list[dict[str, Any]], list[dict[str, Any]], ChatCompletionRequest]:
+        asked, items = read_input(req.input)
+        messages = [*history, *asked]
+        return items, messages, _chat_request(req, instructions + messages)
+
+    items, messages, chat = await serving.by_size(request, converted)  # seconds of Python for 300k items
+    request_bytes = serving.body_bytes(request)
     response_id = _item_id("resp")
-    run = await start_chat(serving, _chat_request(req, instructions + messages), response_id, _FIELD_NAMES)
+    run = await start_chat(serving, chat, response_id, _FIELD_NAMES)
     response = ResponseObject(
         id=response_id, status="in_progress", model=req.model or serving.model_names[0],
         instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
@@ -246,11 +252,11 @@ async def create_response(request: Request) -> Response:
 
     def keep(final: ResponseObject) -> None:
         if req.store:
-            serving.responses.put(final, _conversation_after(messages, list(final.output)), items)
+            serving.responses.put(final, _conversation_after(messages, list(final.output)), items, None, request_bytes)
 
     def keep_failed(failed: ResponseObject) -> None:
         if req.store:
-            serving.responses.put(failed, None, items)
+            serving.responses.put(failed, None, items, None, request_bytes)
 
     if req.background:
         # Checked here, after the awaits of the checks above: nothing runs until the task iterates the stream.
@@ -260,7 +266,7 @@ async def create_response(request: Request) -> Response:
         queued = response.model_copy(update={"status": "queued"})
         log = EventLog() if req.stream else None
         serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages, log),
-                                log)
+                                log, request_bytes)
         if log is not None:  # this client reads the events as they come; if it leaves, the response goes on
             return StreamingResponse(log.follow(0), media_type="text/event-stream")
         return JSONResponse(queued.model_dump())

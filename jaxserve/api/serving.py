@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.api.errors import APIError, ClientDisconnected, read_json, validate
+from jaxserve.api.errors import APIError, ClientDisconnected, is_large, parse_json, read_body, validate
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
@@ -206,9 +206,21 @@ class ModelServing:
         """The body's JSON, read once a request: a route that picks its handler by the body (/invocations)
         reads it first, and the handler gets the same."""
         if not hasattr(request.state, "json_body"):
-            request.state.json_body = await read_json(request, self.config.max_request_body_bytes,
-                                                      self.config.body_read_timeout)
+            body = await read_body(request, self.config.max_request_body_bytes, self.config.body_read_timeout)
+            request.state.json_body_bytes = len(body)
+            request.state.json_body = await asyncio.to_thread(parse_json, body) if is_large(body) else parse_json(body)
         return request.state.json_body
+
+    @staticmethod
+    def body_bytes(request: Request) -> int:
+        """The size of the request's body, once `read_json` has read it."""
+        return request.state.json_body_bytes
+
+    @staticmethod
+    async def by_size(request: Request, work: Callable[[], T]) -> T:
+        """`work()` on a worker thread where the request's body was large (its Python work on a large
+        input would hold the event loop), else here."""
+        return await asyncio.to_thread(work) if is_large(ModelServing.body_bytes(request)) else work()
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """Runs tokenizer work on the tokenizer thread (one at a time: the tokenizer is not shareable)."""

@@ -111,6 +111,10 @@ def test_text_format_json_schema(client):
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"input": "hi", "background": True, "store": False}, "background"),  # nothing to poll
+    # OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -129,6 +133,26 @@ def test_the_store_keeps_the_most_recently_used_responses():
     store.put(ResponseObject(id="c", status="completed", model="m"), [])
     assert store.get("b") is None and store.get("a").conversation == [{"role": "user", "content": "a"}]
     assert store.get("c") is not None
+
+
+def test_the_store_keeps_its_responses_within_its_byte_budget():
+    """An input may be as large as the body limit (a reasoning item's summary never reaches the prompt, so no
+    context bounds it): past the budget the least recently used go, though never the one just stored."""
+    from jaxserve.api.protocol import ResponseObject
+    from jaxserve.api.response_store import ResponseStore
+
+    store = ResponseStore(capacity=100, max_bytes=12_000)  # each about 3,000 + its JSON (about 500)
+    for name in ("a", "b", "c"):
+        store.put(ResponseObject(id=name, status="completed", model="m"), [], request_bytes=3_000)
+    assert all(store.get(name) is not None for name in "abc")
+    store.get("a")  # "b" is now the least recently used
+    store.put(ResponseObject(id="d", status="completed", model="m"), [], request_bytes=3_000)
+    assert store.get("b") is None and all(store.get(name) is not None for name in "acd")
+    store.put(ResponseObject(id="huge", status="completed", model="m"), [], request_bytes=50_000)
+    assert store.get("huge") is not None and all(store.get(name) is None for name in "acd")
+    store.put(ResponseObject(id="huge", status="completed", model="m"), [], request_bytes=1_000)  # rewritten
+    store.put(ResponseObject(id="e", status="completed", model="m"), [], request_bytes=1_000)
+    assert store.get("huge") is not None and store.get("e") is not None, "a rewrite counts once"
 
 
 STORY = dict(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=1500, temperature=0)

@@ -147,3 +147,22 @@ def test_a_stream_that_fails_after_its_200_ends_with_an_error_event_and_done():
     assert sent[0] == sse_data(UsageInfo.of(1, 1, 0)) and sent[-1] == "data: [DONE]\n\n"
     error = json.loads(sent[1].removeprefix("data: "))["error"]
     assert error["code"] == 500 and error["type"] == "server_error" and "RuntimeError" not in error["message"]
+
+
+def test_a_large_body_s_input_is_converted_on_a_worker_thread():
+    """`ModelServing.by_size`: the Python work on a large body's input (a Responses request's 300k items took
+    seconds) runs on a worker thread, so the event loop answers others meanwhile; a small one's runs here."""
+    import threading
+    from types import SimpleNamespace
+
+    from jaxserve.api.serving import ModelServing
+
+    async def thread_of(nbytes: int) -> threading.Thread:
+        request = SimpleNamespace(state=SimpleNamespace(json_body_bytes=nbytes))
+        return await ModelServing.by_size(request, threading.current_thread)
+
+    async def main():
+        return threading.current_thread(), await thread_of(1_000), await thread_of(10 * 2**20)
+
+    loop_thread, small, large = asyncio.run(main())
+    assert small is loop_thread and large is not loop_thread
