@@ -344,8 +344,11 @@ class RequestLimits:
         num_biased = (len(params.logit_bias) + len(params.stop_token_ids) + self.num_eos_tokens
                       + 2 * len(params.bad_words))
         if num_biased > self.max_biased_tokens:
+            counts = {"logit_bias": len(params.logit_bias), "stop_token_ids": len(params.stop_token_ids),
+                      "bad_words": 2 * len(params.bad_words)}
             raise InvalidParam(f"logit_bias, stop_token_ids and bad_words name {num_biased} tokens together (with "
-                               f"EOS); at most {self.max_biased_tokens} are supported", "logit_bias")
+                               f"EOS); at most {self.max_biased_tokens} are supported",
+                               max(counts, key=counts.__getitem__))  # the field that names the most
 
     def check_truncation(self, truncate: int | None) -> None:
         """vLLM's rule for truncate_prompt_tokens: -1 (the context length) or 1 to max_model_len."""

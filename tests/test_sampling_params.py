@@ -78,9 +78,13 @@ def test_engine_limits():
     with pytest.raises(InvalidParam, match="stop_token_ids") as info:
         LIMITS.check([1], SamplingParams(stop_token_ids=[1000]))
     assert info.value.param == "stop_token_ids"
-    with pytest.raises(InvalidParam, match="at most 128"):
+    with pytest.raises(InvalidParam, match="at most 128") as info:
         LIMITS.check([1], SamplingParams(logit_bias={i: 1.0 for i in range(128)}))
+    assert info.value.param == "logit_bias"
     LIMITS.check([1], SamplingParams(logit_bias={i: 1.0 for i in range(127)}))
+    with pytest.raises(InvalidParam, match="at most 128") as info:  # named by the field that names the most
+        LIMITS.check([1], SamplingParams(logit_bias={1: 1.0}, stop_token_ids=list(range(200))))
+    assert info.value.param == "stop_token_ids"
 
 
 def test_context_length_errors_name_real_numbers():

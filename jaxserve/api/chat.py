@@ -38,7 +38,7 @@ from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
 from jaxserve.config import RESERVED_TEMPLATE_KWARGS
-from jaxserve.models.template_format import content_texts, resolve_content_format, template_content
+from jaxserve.models.template_format import ContentPartError, content_texts, resolve_content_format, template_content
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import InvalidParam, SamplingParams
 
@@ -84,8 +84,8 @@ def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dic
             data["thinking"] = reasoning  # GPT-OSS's template renders an earlier turn's analysis from `thinking`
         try:
             texts = content_texts(message.content)
-        except ValueError as e:
-            raise APIError(400, str(e), f"messages.{i}.content") from None
+        except ContentPartError as e:
+            raise APIError(400, str(e), f"messages.{i}.content.{e.where}") from None
         if texts is not None:
             data["content"] = template_content(texts, content_format)
         result.append(data)

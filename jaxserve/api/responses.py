@@ -78,9 +78,11 @@ def _texts(content: Any, param: str) -> list[str]:
         raise APIError(400, "content must be a string or a list of parts", param)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"content part of type {kind!r} is not supported; only text", f"{param}.{j}")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, "a text part's text must be a string", f"{param}.{j}.text")
         texts.append(part["text"])
     return texts
 

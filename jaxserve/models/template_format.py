@@ -95,18 +95,29 @@ def resolve_content_format(setting: str, template: str | dict[str, str] | None, 
     return template_content_format(rendering) if rendering else "string"
 
 
+class ContentPartError(ValueError):
+    """A content part that is not a text part, or a text part without a text; `where`: the part's index, and
+    the field at fault within it ("2", "2.text")."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
 def content_texts(content: Any) -> list[str] | None:
     """A message's content as its texts: a string is one; OpenAI's list of content parts, each text part's
-    text. None for anything else (no content). Raises ValueError for a part that is not text."""
+    text. None for anything else (no content). Raises ContentPartError for a part that is not text."""
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         return None
     texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"content part of type {kind!r} is not supported; only text")
+            raise ContentPartError(f"content part of type {kind!r} is not supported; only text", str(j))
+        if not isinstance(part.get("text"), str):
+            raise ContentPartError("a text part's text must be a string", f"{j}.text")
         texts.append(part["text"])
     return texts
 

@@ -140,6 +140,15 @@ _TOOL_REPLY = {"role": "tool", "tool_call_id": "c1", "content": "x"}
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
          "messages.0.content.0.text"),
         ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+        # content parts: each error names the part, and the text where a text part has none
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+                                 '{"type": "image_url"}]}]}', "messages.0.content.1"),
+        ("/v1/responses", '{"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}',
+         "input.0.content.0.text"),
         ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
         ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}', None),
         ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),
