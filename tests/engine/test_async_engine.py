@@ -38,19 +38,24 @@ def test_concurrent_streams_match_solo_runs(engines):
         assert last.finished and last.outputs[0].finish_reason == "length"
 
 
+async def all_pages_free(async_engine, timeout: float = 2.0) -> bool:
+    """Whether, within `timeout` seconds, every KV page is free and no request is left in the engine."""
+    kv = async_engine.engine.kv_cache
+    for _ in range(int(timeout / 0.01)):
+        if kv.num_free_pages == kv.num_usable_pages and not async_engine.engine.has_unfinished_requests():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 def test_cancelled_stream_aborts_and_frees_pages(engines):
     async_engine, prompts, _ = engines
-    kv = async_engine.engine.kv_cache
 
     async def main():
         stream = async_engine.generate(prompts[3], greedy(200), "cancel-me")
         await anext(stream)  # the request is running and holds pages
         await stream.aclose()  # the client went away
-        for _ in range(200):
-            if kv.num_free_pages == kv.num_usable_pages and not async_engine.engine.has_unfinished_requests():
-                return True
-            await asyncio.sleep(0.01)
-        return False
+        return await all_pages_free(async_engine)
 
     assert asyncio.run(main()), "pages were not freed after the stream was closed"
 
@@ -176,7 +181,6 @@ def test_a_duplicate_id_given_up_before_its_refusal_leaves_the_request_of_that_i
 
 def test_an_abort_by_id_ends_the_request_s_stream_and_frees_its_pages(engines):
     async_engine, prompts, _ = engines
-    kv = async_engine.engine.kv_cache
 
     async def main():
         stream = async_engine.generate(prompts[3], greedy(200), "aborted-by-id")
@@ -189,10 +193,6 @@ def test_an_abort_by_id_ends_the_request_s_stream_and_frees_its_pages(engines):
 
         with pytest.raises(RequestFailedError, match="aborted-by-id was aborted"):
             await asyncio.wait_for(read_to_the_end(), 60)
-        for _ in range(200):
-            if kv.num_free_pages == kv.num_usable_pages and not async_engine.engine.has_unfinished_requests():
-                return True
-            await asyncio.sleep(0.01)
-        return False
+        return await all_pages_free(async_engine)
 
     assert asyncio.run(main()), "pages were not freed after the abort"
