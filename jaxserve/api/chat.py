@@ -54,19 +54,24 @@ def _template_tool_calls(calls: object, param: str) -> list[dict[str, Any]]:
             raise APIError(400, "each tool call needs a function with a name", param)
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):  # a dict or list came through the body's own checks
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise APIError(400, "tool call arguments must be a JSON text", param) from None
-            except RecursionError:
-                raise APIError(400, f"tool call arguments are nested deeper than {MAX_JSON_DEPTH} levels",
-                               param) from None
-            try:
-                check_json(arguments)
-            except APIError as e:
-                raise APIError(400, f"tool call arguments: {e.message}", param) from None
+            arguments = tool_call_arguments(arguments, param)
         result.append({**call, "function": {**function, "arguments": arguments}})
     return result
+
+
+def tool_call_arguments(text: str, param: str) -> Any:
+    """A tool call's arguments, a JSON text, parsed and checked as a body is; a 400 naming `param` otherwise."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        raise APIError(400, "tool call arguments must be a JSON text", param) from None
+    except RecursionError:
+        raise APIError(400, f"tool call arguments are nested deeper than {MAX_JSON_DEPTH} levels", param) from None
+    try:
+        check_json(arguments)
+    except APIError as e:
+        raise APIError(400, f"tool call arguments: {e.message}", param) from None
+    return arguments
 
 
 def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.api.chat import ChatRun, start_chat
+from jaxserve.api.chat import ChatRun, start_chat, tool_call_arguments
 from jaxserve.api.errors import APIError, error_body, validate
 from jaxserve.api.protocol import (
     ChatCompletionRequest,
@@ -121,6 +121,7 @@ def read_input(given: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
             fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
             if not all(isinstance(value, str) for value in fields.values()):
                 raise APIError(400, "a function_call item needs call_id, name and arguments strings", f"input.{i}")
+            tool_call_arguments(fields["arguments"], f"input.{i}.arguments")  # named here, not as chat's field
             call = {"id": fields["call_id"], "type": "function",
                     "function": {"name": fields["name"], "arguments": fields["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":

@@ -166,7 +166,10 @@ _TOOL_REPLY = {"role": "tool", "tool_call_id": "c1", "content": "x"}
         ("/v1/responses", json.dumps({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
                                                  "arguments": nested(100_000)},
                                                 {"type": "function_call_output", "call_id": "c1", "output": "r"}]}),
-         None),
+         "input.0.arguments"),
+        ("/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi"},
+                                                {"type": "function_call", "call_id": "c1", "name": "f",
+                                                 "arguments": "not json"}]}), "input.1.arguments"),
     ],
 )
 def test_malformed_bodies_are_400s(server, path, body, param):
