@@ -8,6 +8,7 @@ exception deep inside pydantic, a tokenizer or a log line.
 
 import asyncio
 import json
+import typing
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -31,6 +32,7 @@ _ERROR_TYPES = {
 }
 MAX_JSON_DEPTH = 64  # tool schemas nest ~10 deep; recursion in pydantic and jinja starts near 1,000
 _OFF_LOOP_BYTES = 256 * 1024  # bigger bodies are parsed, and their inputs converted, on a worker thread
+_PIECEWISE_ITEMS = 1024  # a large body's list of models longer than this is validated an item at a time
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -138,11 +140,36 @@ def _check_unicode(text: str, path: str) -> None:
                            path or None) from None
 
 
-def validate(model: type[Model], data: Any) -> Model:
-    """The parsed request, or a 400 naming the first invalid field (never a bare 422)."""
+def validate(model: type[Model], data: Any, where: str = "") -> Model:
+    """The parsed request, or a 400 naming the first invalid field (never a bare 422); `where`: the
+    location of `data` in the body, before the fields' names."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not _is_union_member_tag(p)) or None
+        param = ".".join([*filter(None, [where]), *(str(p) for p in first["loc"] if not _is_union_member_tag(p))])
+        param = param or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def validate_in_pieces(model: type[Model], data: Any) -> Model:
+    """`validate` for a large body, on a worker thread: its long lists of models (a chat's messages) are
+    validated an item at a time first. pydantic holds the interpreter lock through a validation call, so one
+    call over 300,000 messages stopped the event loop's thread for a second; between items it runs."""
+    if isinstance(data, dict):
+        data = dict(data)
+        for name, field in model.model_fields.items():
+            key, item_model = field.alias or name, _list_item_model(field.annotation)
+            items = data.get(key)
+            if item_model is not None and isinstance(items, list) and len(items) > _PIECEWISE_ITEMS:
+                data[key] = [validate(item_model, item, f"{key}.{i}") for i, item in enumerate(items)]
+    return validate(model, data)  # the items, models already, are taken as they are
+
+
+def _list_item_model(annotation: Any) -> type[BaseModel] | None:
+    """M for a field of type list[M], M a model; else None."""
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
+    return None

@@ -22,7 +22,15 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.api.errors import APIError, ClientDisconnected, is_large, parse_json, read_body, validate
+from jaxserve.api.errors import (
+    APIError,
+    ClientDisconnected,
+    is_large,
+    parse_json,
+    read_body,
+    validate,
+    validate_in_pieces,
+)
 from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
@@ -200,7 +208,10 @@ class ModelServing:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def parse(self, request: Request, model: type[T]) -> T:
-        return validate(model, await self.read_json(request))
+        data = await self.read_json(request)
+        if is_large(self.body_bytes(request)):  # its validation is long too, and holds the interpreter lock
+            return await asyncio.to_thread(validate_in_pieces, model, data)
+        return validate(model, data)
 
     async def read_json(self, request: Request) -> Any:
         """The body's JSON, read once a request: a route that picks its handler by the body (/invocations)

@@ -166,3 +166,21 @@ def test_a_large_body_s_input_is_converted_on_a_worker_thread():
 
     loop_thread, small, large = asyncio.run(main())
     assert small is loop_thread and large is not loop_thread
+
+
+def test_a_large_body_s_long_lists_are_validated_an_item_at_a_time_to_the_same_request():
+    """`errors.validate_in_pieces` (a large body's validation, on a worker thread): the same request as one
+    validation, and an invalid item named as one validation names it."""
+    from jaxserve.api.errors import APIError, validate, validate_in_pieces
+    from jaxserve.api.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(3000)]
+    body = {"model": "m", "max_tokens": 3, "messages": messages}
+    assert validate_in_pieces(ChatCompletionRequest, body) == validate(ChatCompletionRequest, body)
+    bad = {**body, "messages": [*messages[:2500], {"role": "user", "content": 5}, *messages[2500:]]}
+    errors = []
+    for check in (validate, validate_in_pieces):
+        with pytest.raises(APIError) as info:
+            check(ChatCompletionRequest, bad)
+        errors.append((info.value.param, info.value.message))
+    assert errors[0] == errors[1] and errors[0][0].startswith("messages.2500.content"), errors
