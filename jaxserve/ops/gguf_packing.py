@@ -106,6 +106,16 @@ def _aligned_bytes(*shape: int) -> np.ndarray:
     return raw[start: start + size].reshape(shape)
 
 
+def _tiles(out: np.ndarray | None, groups: int, units: int, tile: int) -> np.ndarray:
+    """A packer's output u8[groups, units, tile]: `out` (u8[groups, units * tile], C-contiguous: a piece of a
+    larger output, written in place), or a fresh aligned array."""
+    if out is None:
+        return _aligned_bytes(groups, units, tile)
+    if not out.flags.c_contiguous or out.shape != (groups, units * tile):
+        raise ValueError(f"out must be a contiguous u8[{groups}, {units * tile}], not {out.shape}")
+    return out.reshape(groups, units, tile)
+
+
 def _words(fields: np.ndarray, width: int) -> np.ndarray:
     """u8[..., k * width] -> its k words of `width` bytes ([..., k]), a view where the layout allows: numpy moves a
     transposed array word by word, several times faster than byte by byte. The host's byte order, little-endian
@@ -149,19 +159,20 @@ def group_bytes(kind: str, k: int) -> int:  # one group's packed bytes for K inp
     return k // 32 * tile_bytes(kind)
 
 
-def pack(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes]. A large tensor is packed in pieces of whole
-    groups on as many threads as this process has cores (numpy lets go of the GIL as it moves and shifts)."""
+def pack(blocks: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
+    """u8[N, file's row bytes] -> u8[ceil(N / 16), group_bytes], into `out` where given (contiguous). A large
+    tensor is packed in pieces of whole groups on as many threads as this process has cores (numpy lets go
+    of the GIL as it moves and shifts), each piece in place in the output."""
     groups = -(-blocks.shape[0] // FEATURES)
     pieces = min(len(os.sched_getaffinity(0)), blocks.nbytes // PIECE_BYTES, groups)
     if pieces <= 1:
-        return _pack_rows(blocks, kind)
+        return _pack_rows(blocks, kind, out)
     bounds = [groups * i // pieces for i in range(pieces + 1)]  # each piece's first group
-    packed = _aligned_bytes(groups, _packed_row_bytes(kind, blocks.shape[1]))
+    packed = _aligned_bytes(groups, _packed_row_bytes(kind, blocks.shape[1])) if out is None else out
 
     def pack_piece(i: int) -> None:
         rows = blocks[FEATURES * bounds[i]: FEATURES * bounds[i + 1]]
-        packed[bounds[i]: bounds[i + 1]] = _pack_rows(rows, kind)
+        _pack_rows(rows, kind, packed[bounds[i]: bounds[i + 1]])
 
     with ThreadPoolExecutor(pieces - 1, thread_name_prefix="jaxserve-gguf-pack") as pool:
         others = [pool.submit(pack_piece, i) for i in range(1, pieces)]
@@ -177,7 +188,7 @@ def pack_experts(blocks: np.ndarray, kind: str) -> np.ndarray:
     experts, n, row_bytes = blocks.shape
     packed = _aligned_bytes(experts, -(-n // FEATURES), _packed_row_bytes(kind, row_bytes))
     for expert, expert_blocks in zip(packed, blocks, strict=True):
-        expert[...] = pack(expert_blocks, kind)
+        pack(expert_blocks, kind, out=expert)
     return packed
 
 
@@ -187,19 +198,19 @@ def _packed_row_bytes(kind: str, row_bytes: int) -> int:  # a file's row of bloc
     return row_bytes // block_bytes(kind) * tile_bytes(kind)
 
 
-def _pack_rows(blocks: np.ndarray, kind: str) -> np.ndarray:
+def _pack_rows(blocks: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
     if kind in SCALED_SUPER_BYTES:
-        return _pack_scaled_supers(blocks, kind)
+        return _pack_scaled_supers(blocks, kind, out)
     if kind == "Q6_K":
-        return _pack_q6_k(blocks)
+        return _pack_q6_k(blocks, out)
     if kind == "IQ4_XS":
-        return _pack_iq4_xs(blocks)
+        return _pack_iq4_xs(blocks, out)
     if kind in TWO_BIT_HEAD:
-        return _pack_two_bit(blocks, kind)
+        return _pack_two_bit(blocks, kind, out)
     scales = SCALES[kind]
     grouped = _by_group(blocks, block_bytes(kind))  # [group, feature, block, bytes]
     groups, _, num_blocks, _ = grouped.shape
-    tiles = _aligned_bytes(groups, num_blocks, tile_bytes(kind))  # each part written in place, word by word
+    tiles = _tiles(out, groups, num_blocks, tile_bytes(kind))  # each part written in place, word by word
     codes_at = 2 * scales + PLANE_BYTES.get(kind, 0)
     plane_at, tile_codes_at = 2 * scales * FEATURES, codes_at * FEATURES
     # [group, feature, block, scale] -> [group, block, scale, feature], f16 words
@@ -296,11 +307,11 @@ def _q4_0_words(first: np.ndarray, second: np.ndarray, low_block: np.ndarray, hi
     np.bitwise_or((first >> 4) & LOW_NIBBLES, second & ~LOW_NIBBLES, out=high_block)
 
 
-def _pack_scaled_supers(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q4_K or Q5_K
+def _pack_scaled_supers(blocks: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:  # Q4_K, Q5_K
     qh_bytes = SCALED_SUPER_BYTES[kind] - Q4_K_BYTES  # Q5_K: qh[32] after the scales
     grouped = _by_group(blocks, SCALED_SUPER_BYTES[kind])  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
-    tiles = _aligned_bytes(groups, supers, super_tile(kind))  # each part written in place
+    tiles = _tiles(out, groups, supers, super_tile(kind))  # each part written in place
     for at, field in ((0, 0), (Q4_K_DMIN_AT, 2)):  # d, dmin: f16 [group, feature, super] -> [group, super, feature]
         tiles[..., at: at + 2 * FEATURES].view(np.uint16)[...] = _words(grouped[..., field: field + 2], 2)[
             ..., 0].transpose(0, 2, 1)
@@ -360,11 +371,11 @@ def _q4_k_scales(six_bit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.uint8), mins.astype(np.uint8)
 
 
-def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
+def _pack_q6_k(blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     grouped = _by_group(blocks, Q6_K_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     scales_at, d_at = SUPER // 2 + SUPER // 4, Q6_K_BYTES - 2
-    tiles = _aligned_bytes(groups, supers, Q6_K_TILE)  # each part written in place
+    tiles = _tiles(out, groups, supers, Q6_K_TILE)  # each part written in place
     tiles[..., :Q6_K_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., d_at:], 2)[..., 0].transpose(0, 2, 1)
     tiles[..., Q6_K_SCALES_AT: Q6_K_HEAD].reshape(groups, supers, 16, FEATURES)[...] = (
         grouped[..., scales_at:d_at].transpose(0, 2, 3, 1))  # [group, super, sub-block, feature]
@@ -424,14 +435,14 @@ def _q6_k_bytes(codes: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(*codes.shape[:-1], 128), qh.reshape(*codes.shape[:-1], 64)], -1)
 
 
-def _pack_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+def _pack_iq4_xs(blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     grouped = _by_group(blocks, IQ4_XS_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     scales_h = grouped[..., 2:4].copy().view("<u2")  # [.., 1]: bits 2i .. 2i + 1 block i's high 2 bits
     scales_l = grouped[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [.., 4, 2]: blocks 2i, 2i + 1's low 4
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [.., 8]
     scales = ((scales_l.reshape(*high.shape) & 15) | (high << 4).astype(np.uint8)) - np.uint8(IQ4_XS_SCALE_BIAS)
-    tiles = _aligned_bytes(groups, supers, IQ4_XS_TILE)  # each part written in place
+    tiles = _tiles(out, groups, supers, IQ4_XS_TILE)  # each part written in place
     tiles[..., :IQ4_XS_SCALES_AT].view(np.uint16)[...] = _words(grouped[..., 0:2], 2)[..., 0].transpose(0, 2, 1)
     tiles[..., IQ4_XS_SCALES_AT: IQ4_XS_HEAD].reshape(groups, supers, 8, FEATURES)[...] = (
         scales.transpose(0, 2, 3, 1))  # [group, super, block, feature]: int8 bytes
@@ -487,7 +498,7 @@ def _q3_k_scale_bytes(scales: np.ndarray) -> np.ndarray:  # `q3_k_scales`' inver
                            sum(high[..., k, :] << (2 * k) for k in range(4)).astype(np.uint8)], -1)
 
 
-def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
+def _pack_two_bit(blocks: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:  # Q3_K or Q2_K
     grouped = _by_group(blocks, Q3_K_BYTES if kind == "Q3_K" else Q2_K_BYTES)  # [group, feature, super, bytes]
     groups, _, supers, _ = grouped.shape
     if kind == "Q3_K":
@@ -495,7 +506,7 @@ def _pack_two_bit(blocks: np.ndarray, kind: str) -> np.ndarray:  # Q3_K or Q2_K
         scales = q3_k_scales(grouped[..., 96:108]) - np.uint8(32)  # int8 bytes
     else:
         qs_at, factors_at, scales = 16, (80, 82), grouped[..., :16]  # d, dmin
-    tiles = _aligned_bytes(groups, supers, super_tile(kind))  # each part written in place
+    tiles = _tiles(out, groups, supers, super_tile(kind))  # each part written in place
     for i, at in enumerate(factors_at):  # f16 [group, feature, super] -> [group, super, feature]
         tiles[..., 2 * FEATURES * i: 2 * FEATURES * (i + 1)].view(np.uint16)[...] = _words(
             grouped[..., at: at + 2], 2)[..., 0].transpose(0, 2, 1)

@@ -351,21 +351,26 @@ def test_packing_reads_the_file_s_rows_wherever_they_lie(kind):
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q6_K"])
 def test_a_large_tensor_packs_in_pieces_on_threads_as_it_does_whole(kind, monkeypatch):
     """A tensor past `PIECE_BYTES` is packed in pieces of whole groups (here 3 uneven ones, on 3 cores: 5, 5 and
-    6 groups, the last partial), the first on the calling thread and the others on the pool's, into one array."""
+    6 groups, the last partial), the first on the calling thread and the others on the pool's, each in place in
+    one array."""
     blocks = _blocks(kind, 16 * 15 + 7, 512, seed=8)
     whole = gguf_packing.pack(blocks, kind)
     pieces = {}  # the piece's first row -> (its rows, the thread that packed it)
+    outs = []  # where each piece was packed
     pack_rows = gguf_packing._pack_rows
 
-    def spying(rows: np.ndarray, kind: str) -> np.ndarray:
+    def spying(rows: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
         first = (rows.__array_interface__["data"][0] - blocks.__array_interface__["data"][0]) // blocks.strides[0]
         pieces[first] = rows.shape[0], threading.current_thread().name
-        return pack_rows(rows, kind)
+        outs.append(out)
+        return pack_rows(rows, kind, out)
 
     monkeypatch.setattr(gguf_packing, "PIECE_BYTES", 1024)
     monkeypatch.setattr(gguf_packing.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     monkeypatch.setattr(gguf_packing, "_pack_rows", spying)
-    assert np.array_equal(gguf_packing.pack(blocks, kind), whole)
+    packed = gguf_packing.pack(blocks, kind)
+    assert np.array_equal(packed, whole)
+    assert all(out is not None and np.shares_memory(out, packed) for out in outs), "each piece packed in place"
     assert {first: rows for first, (rows, _) in pieces.items()} == {0: 80, 80: 80, 160: 87}
     assert pieces[0][1] == threading.current_thread().name
     assert all(pieces[first][1].startswith("jaxserve-gguf-pack") for first in (80, 160)), pieces
@@ -521,3 +526,14 @@ def test_matmul_refuses_mismatched_blocks():
 def test_empty_rows():
     packed = gguf_packing.pack(_blocks("Q8_0", 3, 64), "Q8_0")
     assert cpu_kernels.matmul_gguf(np.ones((0, 64), np.float32), packed, "Q8_0", 3).shape == (0, 3)
+
+
+def test_packing_into_a_given_output_writes_it_in_place_and_refuses_one_it_cannot():
+    blocks = _blocks("Q4_K", 40, 512, seed=9)
+    whole = gguf_packing.pack(blocks, "Q4_K")
+    out = np.zeros_like(whole)
+    assert gguf_packing.pack(blocks, "Q4_K", out=out) is not None and np.array_equal(out, whole)
+    wide = np.zeros((whole.shape[0], 2 * whole.shape[1]), np.uint8)
+    for wrong in (wide[:, ::2], np.zeros((whole.shape[0], whole.shape[1] + 1), np.uint8)):  # strided; wrong size
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            gguf_packing.pack(blocks, "Q4_K", out=wrong)
