@@ -91,10 +91,10 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
-def is_large(body: bytes | int) -> bool:
-    """Whether a body (or its size) is large enough that parsing it, or converting what it holds, is work for a
-    worker thread rather than the event loop."""
-    return (body if isinstance(body, int) else len(body)) > _OFF_LOOP_BYTES
+def is_large(body_bytes: int) -> bool:
+    """Whether a body of this size is large enough that parsing it, or converting what it holds, is work for
+    a worker thread rather than the event loop."""
+    return body_bytes > _OFF_LOOP_BYTES
 
 
 def parse_json(body: bytes) -> Any:
@@ -147,8 +147,8 @@ def validate(model: type[Model], data: Any, where: str = "") -> Model:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join([*filter(None, [where]), *(str(p) for p in first["loc"] if not _is_union_member_tag(p))])
-        param = param or None
+        fields = [str(p) for p in first["loc"] if not _is_union_member_tag(p)]
+        param = ".".join([where, *fields] if where else fields) or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
 

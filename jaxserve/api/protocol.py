@@ -25,6 +25,7 @@ Metadata = Annotated[
     Field(max_length=16),
 ]
 
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

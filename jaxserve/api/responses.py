@@ -255,11 +255,12 @@ async def create_response(request: Request) -> Response:
 
     def keep(final: ResponseObject) -> None:
         if req.store:
-            serving.responses.put(final, _conversation_after(messages, list(final.output)), items, None, request_bytes)
+            serving.responses.put(final, _conversation_after(messages, list(final.output)), items,
+                                  request_bytes=request_bytes)
 
     def keep_failed(failed: ResponseObject) -> None:
         if req.store:
-            serving.responses.put(failed, None, items, None, request_bytes)
+            serving.responses.put(failed, None, items, request_bytes=request_bytes)
 
     if req.background:
         # Checked here, after the awaits of the checks above: nothing runs until the task iterates the stream.
@@ -269,7 +270,7 @@ async def create_response(request: Request) -> Response:
         queued = response.model_copy(update={"status": "queued"})
         log = EventLog() if req.stream else None
         serving.responses.start(queued, items, _answer_in_background(serving.responses, run, response, messages, log),
-                                log, request_bytes)
+                                log, request_bytes=request_bytes)
         if log is not None:  # this client reads the events as they come; if it leaves, the response goes on
             return StreamingResponse(log.follow(0), media_type="text/event-stream")
         return JSONResponse(queued.model_dump())

@@ -9,6 +9,7 @@ must not stall the loop), one for the loop itself, which only decodes single tok
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -219,7 +220,7 @@ class ModelServing:
         if not hasattr(request.state, "json_body"):
             body = await read_body(request, self.config.max_request_body_bytes, self.config.body_read_timeout)
             request.state.json_body_bytes = len(body)
-            request.state.json_body = await asyncio.to_thread(parse_json, body) if is_large(body) else parse_json(body)
+            request.state.json_body = await self.by_size(request, functools.partial(parse_json, body))
         return request.state.json_body
 
     @staticmethod

@@ -132,19 +132,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16, MatmulBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Both bfloat16 matmuls' calls: x, w -> out (w input- or output-major, by the handler).
+static auto MatmulBf16Binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Ret<
+      ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Nt, MatmulBf16Nt,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16, MatmulBf16, MatmulBf16Binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Nt, MatmulBf16Nt, MatmulBf16Binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulBf16, GroupedMatmulBf16,
                               ffi::Ffi::Bind()
