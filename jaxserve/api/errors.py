@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from jaxserve.api.json_pieces import loads_in_pieces
 from jaxserve.api.protocol import ErrorInfo, ErrorResponse
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -98,9 +99,10 @@ def is_large(body_bytes: int) -> bool:
 
 
 def parse_json(body: bytes) -> Any:
-    """The parsed body, checked for depth and valid Unicode; APIError(400) otherwise."""
+    """The parsed body, checked for depth and valid Unicode; APIError(400) otherwise. A large body is parsed
+    in pieces, between which the event loop runs (its parse is on a worker thread)."""
     try:
-        data = json.loads(body)
+        data = loads_in_pieces(body) if is_large(len(body)) else json.loads(body)
     except RecursionError:
         raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
