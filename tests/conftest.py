@@ -145,7 +145,7 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):
 
 # Kinds whose norms sit apart from Llama's (OLMo 2's after each block) or scale with multipliers (Granite):
 # their norms' weights random, so that a norm in the wrong place shows.
-RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite")
+RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite", "olmoe")
 
 
 def _tiny_hf_model(kind: str):
@@ -218,6 +218,19 @@ def _build_tiny_hf_model(kind: str):
         return transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **llama_like, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.5,
             logits_scaling=2.5, attention_bias=True))
+    if kind == "granite-moe":  # Granite's multipliers; 4 experts, 2 a token, the softmax over the two
+        return transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+            **{**llama_like, "intermediate_size": 48}, embedding_multiplier=3.0, residual_multiplier=0.4,
+            attention_multiplier=0.5, logits_scaling=2.5, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "granite-moe-shared":  # and a shared expert, ungated
+        return transformers.GraniteMoeSharedForCausalLM(transformers.GraniteMoeSharedConfig(
+            **{**llama_like, "intermediate_size": 48}, embedding_multiplier=3.0, residual_multiplier=0.4,
+            attention_multiplier=0.5, logits_scaling=2.5, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=40))
+    if kind == "olmoe":  # OLMo 2's norms over all heads, before the blocks; 6 experts, 2 a token; q, k, v clipped
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **{**llama_like, "intermediate_size": 48}, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+            clip_qkv=1.5))
     if kind == "smollm3":  # layer 1 without RoPE
         return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
             **{**llama_like, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0))

@@ -67,6 +67,7 @@ class LlamaConfig:
     qk_norm: str | None = None  # "head": an RMSNorm over each head's query and key (Qwen3), weights [H];
     # "all": one over all heads' queries and one over all keys (OLMo 2), weights [N*H] and [K*H]
     o_bias: bool = False  # a bias on the output projection (Llama, Granite and GPT-OSS with `attention_bias`)
+    clip_qkv: float | None = None  # OLMoE's `clip_qkv`: queries, keys and values clamped to +-it after the norms
     attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
     norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
     rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
@@ -92,7 +93,7 @@ class LlamaConfig:
                     or (hf.model_type == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True))))
         windows = layer_windows(hf)
         moe, moe_layers = _moe_of(hf)
-        granite = hf.model_type == "granite"
+        granite = hf.model_type in ("granite", "granitemoe", "granitemoeshared")
         no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
         layer_types = getattr(hf, "layer_types", None) or ()
         olmo = hf.model_type in ("olmo2", "olmo3")
@@ -109,8 +110,10 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim, "full_attention"),
-            qk_norm="all" if olmo else {"qwen3": "head", "qwen3_moe": "head"}.get(hf.model_type),
+            qk_norm="all" if olmo or hf.model_type == "olmoe" else {"qwen3": "head", "qwen3_moe": "head"}.get(
+                hf.model_type),
             o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe"),  # Qwen2's biases: q, k, v
+            clip_qkv=getattr(hf, "clip_qkv", None) if hf.model_type == "olmoe" else None,
             attention_sinks=hf.model_type == "gpt_oss",
             norm_after=olmo,
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
@@ -155,8 +158,17 @@ class LlamaConfig:
 
 
 def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
-    """The experts of a Mixtral, Qwen3-MoE, Qwen2-MoE or GPT-OSS config, and which layers have them."""
+    """The experts of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Granite-MoE or GPT-OSS config, and which layers
+    have them."""
     num_layers = hf.num_hidden_layers
+    if hf.model_type == "olmoe":
+        return (MoeConfig(hf.num_experts, hf.num_experts_per_tok, hf.intermediate_size, bool(hf.norm_topk_prob)),
+                (True,) * num_layers)
+    if hf.model_type in ("granitemoe", "granitemoeshared"):  # the top k logits, then their softmax
+        shared = getattr(hf, "shared_intermediate_size", 0) if hf.model_type == "granitemoeshared" else 0
+        return (MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, False,
+                          softmax_after_top_k=True, shared_expert_size=shared, shared_expert_gated=False),
+                (True,) * num_layers)
     if hf.model_type == "mixtral":
         return MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True), (True,) * num_layers
     if hf.model_type == "gpt_oss":
@@ -212,6 +224,9 @@ class Attention(nnx.Module):
         elif self.cfg.qk_norm == "all":  # over N*H (K*H), per token
             q = self.q_norm(q.reshape(q.shape[0], -1)).reshape(q.shape)
             k = self.k_norm(k.reshape(k.shape[0], -1)).reshape(k.shape)
+        if self.cfg.clip_qkv is not None:
+            clip = self.cfg.clip_qkv
+            q, k, v = jnp.clip(q, -clip, clip), jnp.clip(k, -clip, clip), jnp.clip(v, -clip, clip)
         if self.rope is not None:
             q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         out, kv_cache = paged_attention(q, k, v, kv_cache, md, attention=attention,
@@ -337,6 +352,7 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     # Mixture of experts: the router, and each kind of expert weight stacked by `hf_weight_stream`
     "mlp.gate.weight": (("mlp", "router"), lambda w, c: w.T),
     "block_sparse_moe.gate.weight": (("mlp", "router"), lambda w, c: w.T),
+    "block_sparse_moe.router.layer.weight": (("mlp", "router"), lambda w, c: w.T),  # Granite-MoE's
     # Qwen2-MoE's shared expert, and its gate (one logit a token)
     "mlp.shared_expert.gate_proj.weight": (("mlp", "shared_expert", "gate_proj"), lambda w, c: w.T),
     "mlp.shared_expert.up_proj.weight": (("mlp", "shared_expert", "up_proj"), lambda w, c: w.T),
@@ -446,8 +462,22 @@ def _gpt_oss_experts(name: str, tensor: np.ndarray, out_major: bool) -> list[tup
 
 
 def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:
-    """Phi-3's fused projections as the separate tensors the other checkpoints hold: `qkv_proj` rows are
-    [q (N*H), k (K*H), v (K*H)], `gate_up_proj` rows [gate (F), up (F)]. Other tensors pass as they are."""
+    """Phi-3's and Granite-MoE's fused projections as the separate tensors the other checkpoints hold:
+    `qkv_proj` rows are [q (N*H), k (K*H), v (K*H)]; `gate_up_proj` rows, and Granite-MoE's shared
+    `input_linear` rows, [gate (F), up (F)]; its experts' `input_linear` is [E, gate and up (2F), D], their
+    `output_linear` [E, D, F] (stacked as `hf_weight_stream` stacks the others'). Other tensors pass as they are."""
+    if name.endswith(".block_sparse_moe.input_linear.weight"):
+        stem = name.removesuffix("block_sparse_moe.input_linear.weight")
+        half = tensor.shape[1] // 2
+        return [(stem + "mlp.experts_gate", tensor[:, :half]), (stem + "mlp.experts_up", tensor[:, half:])]
+    if name.endswith(".block_sparse_moe.output_linear.weight"):
+        return [(name.removesuffix("block_sparse_moe.output_linear.weight") + "mlp.experts_down", tensor)]
+    if name.endswith(".shared_mlp.input_linear.weight"):
+        stem = name.removesuffix("shared_mlp.input_linear.weight") + "mlp.shared_expert."
+        half = tensor.shape[0] // 2
+        return [(stem + "gate_proj.weight", tensor[:half]), (stem + "up_proj.weight", tensor[half:])]
+    if name.endswith(".shared_mlp.output_linear.weight"):
+        return [(name.removesuffix("shared_mlp.output_linear.weight") + "mlp.shared_expert.down_proj.weight", tensor)]
     if name.endswith(".self_attn.qkv_proj.weight"):
         stem = name.removesuffix("qkv_proj.weight")
         q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -52,7 +52,8 @@ class MoeConfig:
     intermediate_size: int  # each expert's F
     normalize_top_k: bool  # renormalise the k chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     expert_parallel: bool = False  # with a mesh: whole experts per device, not slices of every expert
-    shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's F (0: none)
+    shared_expert_size: int = 0  # Qwen2-MoE, Granite-MoE-Shared: the shared expert's F (0: none)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert's output scaled by a sigmoid gate a token
     softmax_after_top_k: bool = False  # GPT-OSS: the k largest logits first, then a softmax over them
     biases: bool = False  # GPT-OSS: the router's logits and every expert projection's output have biases
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU (module docstring); None: silu(gate) * up
@@ -195,7 +196,8 @@ class SparseMoeBlock(nnx.Module):
         self.experts_down = param(e, f, d, dtype=weight_dtype)
         if cfg.shared_expert_size:
             self.shared_expert = GatedMlp(d, cfg.shared_expert_size, weight_dtype, attention, None, "silu")
-            self.shared_expert_gate = param(d, 1, dtype=weight_dtype)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = param(d, 1, dtype=weight_dtype)
         if cfg.biases:
             self.router_bias = param(e, dtype=weight_dtype)
             self.experts_gate_bias = param(e, f, dtype=weight_dtype)
@@ -208,10 +210,12 @@ class SparseMoeBlock(nnx.Module):
         routed = self._routed(x)
         if not self.moe.shared_expert_size:
             return routed
-        gate_w = self.shared_expert_gate[...]
-        gate = jax.nn.sigmoid(jnp.dot(x.astype(gate_w.dtype), gate_w, preferred_element_type=jnp.float32))  # f32[T, 1]
         shared = self.shared_expert(x).astype(jnp.float32)
-        return (routed.astype(jnp.float32) + gate * shared).astype(x.dtype)
+        if self.moe.shared_expert_gated:
+            gate_w = self.shared_expert_gate[...]
+            shared = shared * jax.nn.sigmoid(
+                jnp.dot(x.astype(gate_w.dtype), gate_w, preferred_element_type=jnp.float32))  # * f32[T, 1]
+        return (routed.astype(jnp.float32) + shared).astype(x.dtype)
 
     def _routed(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]: sum_k weight * expert(x)
         router = self.router[...]
