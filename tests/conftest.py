@@ -145,7 +145,7 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):
 
 # Kinds whose norms sit apart from Llama's (OLMo 2's after each block) or scale with multipliers (Granite):
 # their norms' weights random, so that a norm in the wrong place shows.
-RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite", "olmoe")
+RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite", "olmoe", "glm4")
 
 
 def _tiny_hf_model(kind: str):
@@ -231,6 +231,10 @@ def _build_tiny_hf_model(kind: str):
         return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **{**llama_like, "intermediate_size": 48}, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
             clip_qkv=1.5))
+    if kind == "glm4":  # RoPE on adjacent pairs over half of each head; norms before and after each block
+        return transformers.Glm4ForCausalLM(transformers.Glm4Config(
+            **llama_like, attention_bias=True, pad_token_id=0,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)))
     if kind == "smollm3":  # layer 1 without RoPE
         return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
             **{**llama_like, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0))

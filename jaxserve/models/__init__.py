@@ -41,6 +41,7 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "Olmo3ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "OlmoeForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    "Glm4ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
@@ -78,6 +79,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

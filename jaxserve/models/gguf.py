@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 
 from jaxserve.models.gguf_weights import KEPT_KINDS, GgufTensor
 from jaxserve.models.mxfp4 import GGML_MXFP4_BYTES, GGML_Q5_0_BYTES, ggml_mxfp4_as_q5_0
+from jaxserve.models.rope_layout import to_rotate_half
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -167,9 +168,7 @@ def _unpermute_rotary(weight: np.ndarray | GgufTensor, num_heads: int) -> np.nda
     tensor's blocks move whole)."""
     if isinstance(weight, GgufTensor):
         return GgufTensor(_unpermute_rotary(weight.blocks, num_heads), weight.kind)
-    half = weight.shape[0] // num_heads // 2
-    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
+    return to_rotate_half(weight, num_heads, rotary_dim=weight.shape[0] // num_heads)
 
 
 def keeps_blocks(tensor: ReaderTensor) -> bool:

@@ -46,6 +46,7 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.models.mxfp4 import decode_mxfp4
+from jaxserve.models.rope_layout import rotate_half_order, to_rotate_half
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
 
@@ -70,6 +71,8 @@ class LlamaConfig:
     clip_qkv: float | None = None  # OLMoE's `clip_qkv`: queries, keys and values clamped to +-it after the norms
     attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
     norm_after: bool = False  # OLMo 2: each block's output normed before the residual add, not its input
+    sandwich_norms: bool = False  # GLM-4: each block's input and output normed (`post_self_attn_layernorm`...)
+    interleaved_rope: bool = False  # GLM-4: RoPE on adjacent pairs; q and k rows reordered at load (`rope_layout`)
     rope_layers: tuple[bool, ...] = ()  # per layer, whether RoPE applies (SmolLM3's NoPE layers); empty: all
     layer_ropes: tuple[Rope, ...] = ()  # per layer, where the config lists layer kinds (RoPE may differ by kind:
     # OLMo 3's YaRN on its full layers only); empty: `rope` everywhere
@@ -112,10 +115,12 @@ class LlamaConfig:
             rope=rope_for(hf, head_dim, "full_attention"),
             qk_norm="all" if olmo or hf.model_type == "olmoe" else {"qwen3": "head", "qwen3_moe": "head"}.get(
                 hf.model_type),
-            o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe"),  # Qwen2's biases: q, k, v
+            o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe", "glm4"),  # their biases: q, k, v
             clip_qkv=getattr(hf, "clip_qkv", None) if hf.model_type == "olmoe" else None,
             attention_sinks=hf.model_type == "gpt_oss",
             norm_after=olmo,
+            sandwich_norms=hf.model_type == "glm4",
+            interleaved_rope=hf.model_type == "glm4",
             rope_layers=tuple(bool(use) for use in no_rope_layers) if no_rope_layers else (),
             layer_ropes=tuple(rope_for(hf, head_dim, kind) for kind in layer_types),
             embedding_multiplier=hf.embedding_multiplier if granite else 1.0,
@@ -127,6 +132,11 @@ class LlamaConfig:
             moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotary dims of each head (the first ones; partial rotary leaves the rest)."""
+        return 2 * len(self.rope.inv_freq)
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -240,7 +250,8 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """x + attention(norm(x)), then the same with the MLP; with `norm_after` (OLMo 2), x + norm(attention(x))
-    (HF names that norm `post_attention_layernorm` too, and the MLP's `post_feedforward_layernorm`)."""
+    (HF names that norm `post_attention_layernorm` too, and the MLP's `post_feedforward_layernorm`); with
+    `sandwich_norms` (GLM-4), x + norm(attention(norm(x)))."""
 
     def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -250,10 +261,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, dtype)
         if cfg.norm_after:
             self.post_feedforward_layernorm = RMSNorm(d, eps, dtype)
+        if cfg.sandwich_norms:
+            self.post_self_attn_layernorm = RMSNorm(d, eps, dtype)
+            self.post_mlp_layernorm = RMSNorm(d, eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (SparseMoeBlock(cfg.moe, d, cfg.attention, weight_dtype) if self.is_moe
                     else GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, cfg.lora, "silu"))
-        self.norm_after = cfg.norm_after
+        self.norm_after, self.sandwich_norms = cfg.norm_after, cfg.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier
 
     def _residual(self, x: jax.Array, out: jax.Array) -> jax.Array:
@@ -262,10 +276,18 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv_cache, md, lora_slots=None):
         h = x if self.norm_after else self.input_layernorm(x)
         attn_out, kv_cache = self.self_attn(h, positions, kv_cache, md, lora_slots)
-        x = self._residual(x, self.post_attention_layernorm(attn_out) if self.norm_after else attn_out)
+        if self.norm_after:
+            attn_out = self.post_attention_layernorm(attn_out)
+        elif self.sandwich_norms:
+            attn_out = self.post_self_attn_layernorm(attn_out)
+        x = self._residual(x, attn_out)
         h = x if self.norm_after else self.post_attention_layernorm(x)
         mlp_out = self.mlp(h) if self.is_moe else self.mlp(h, lora_slots)
-        return self._residual(x, self.post_feedforward_layernorm(mlp_out) if self.norm_after else mlp_out), kv_cache
+        if self.norm_after:
+            mlp_out = self.post_feedforward_layernorm(mlp_out)
+        elif self.sandwich_norms:
+            mlp_out = self.post_mlp_layernorm(mlp_out)
+        return self._residual(x, mlp_out), kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -331,6 +353,8 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "input_layernorm.weight": (("input_layernorm", "scale"), lambda w, c: w),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), lambda w, c: w),
     "post_feedforward_layernorm.weight": (("post_feedforward_layernorm", "scale"), lambda w, c: w),
+    "post_self_attn_layernorm.weight": (("post_self_attn_layernorm", "scale"), lambda w, c: w),
+    "post_mlp_layernorm.weight": (("post_mlp_layernorm", "scale"), lambda w, c: w),
     "self_attn.q_proj.weight": (
         ("self_attn", "q_proj"), _proj_in(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
     "self_attn.k_proj.weight": (
@@ -370,6 +394,16 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
 }
 # --enable-lora: where each PEFT target's stack sits (`lora.py`); the MoE layers' MLPs have none.
 LORA_TARGETS, LORA_FUSED_TARGETS = layers.LORA_TARGETS, layers.LORA_FUSED_TARGETS
+
+
+def lora_row_orders(cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """PEFT target -> the order its B rows take, where the model reorders its weights' rows at load (GLM-4's
+    q and k, `_rotate_half_rows`); targets not named keep theirs."""
+    if not cfg.interleaved_rope:
+        return {}
+    order = rotate_half_order(cfg.head_dim, cfg.rotary_dim)
+    return {f"self_attn.{name}_proj": (np.arange(heads)[:, None] * cfg.head_dim + order).reshape(-1)
+            for name, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads))}
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {
     "lora_a": (None, None), "lora_b": (None, None),  # adapters' stacks: small, on every device
@@ -408,7 +442,7 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
     """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, each layer's
     per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
     yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`),
-    and GPT-OSS's fused experts split (`_gpt_oss_experts`)."""
+    GPT-OSS's fused experts split (`_gpt_oss_experts`), and GLM-4's q and k rows in the rotate-half layout."""
     pending: dict[tuple[str, str], dict[int, Any]] = {}
     mxfp4: dict[str, dict[str, Any]] = {}  # GPT-OSS's MXFP4 experts: name -> whichever of blocks and scales came
     for name, tensor in tensors:
@@ -432,7 +466,8 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
                 stacked = stack_expert_tensors([experts[e] for e in range(len(experts))])
                 yield f"model.layers.{layer}.mlp.experts_{kind}", stacked
             continue
-        yield from _split_fused_weight(name, tensor, cfg)
+        for part_name, part in _split_fused_weight(name, tensor, cfg):
+            yield part_name, _rotate_half_rows(part_name, part, cfg)
     if pending:
         (layer, kind), experts = next(iter(pending.items()))
         raise ValueError(f"layer {layer}'s {kind} weights: {len(experts)} of {cfg.moe.num_experts} experts found")
@@ -459,6 +494,18 @@ def _gpt_oss_experts(name: str, tensor: np.ndarray, out_major: bool) -> list[tup
     if kind == "down_proj":
         return [(f"{stem}.experts_down", out_in)]
     return [(f"{stem}.experts_gate", out_in[:, 0::2]), (f"{stem}.experts_up", out_in[:, 1::2])]
+
+
+_QK_ROWS_RE = re.compile(r"\.self_attn\.([qk])_proj\.(?:weight|bias)$")
+
+
+def _rotate_half_rows(name: str, tensor: Any, cfg: LlamaConfig) -> Any:
+    """A query or key projection's rows (or bias) reordered into the rotate-half layout, where the model's
+    RoPE is interleaved (`rope_layout`); other tensors as they are."""
+    if not cfg.interleaved_rope or (match := _QK_ROWS_RE.search(name)) is None:
+        return tensor
+    return to_rotate_half(np.asarray(tensor), cfg.num_heads if match.group(1) == "q" else cfg.num_kv_heads,
+                          cfg.rotary_dim)
 
 
 def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:

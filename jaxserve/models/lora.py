@@ -60,4 +60,6 @@ def lora_layout(model: LoadedModel) -> LoraLayout:
     """What adapters for `model` (given its slots) must fit."""
     family = model.spec.module
     fused = dict(getattr(family, "LORA_FUSED_TARGETS", {}))
-    return LoraLayout(stack_shapes(model.state), dict(family.LORA_TARGETS), fused, model.cfg.lora.max_rank)
+    row_orders = family.lora_row_orders(model.cfg) if hasattr(family, "lora_row_orders") else {}
+    return LoraLayout(stack_shapes(model.state), dict(family.LORA_TARGETS), fused, model.cfg.lora.max_rank,
+                      row_orders)

@@ -10,7 +10,7 @@ HF layer -> its stack's path within the model's layer) and, for fused projection
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,14 @@ StackPath = tuple  # ("layers", layer, sub-module, "lora", stack), e.g. ("layers
 @dataclass(frozen=True)
 class LoraLayout:
     """What an adapter must fit: the model's LoRA stacks, (in, out) of the projection each adds to; the
-    family's target names (`LORA_TARGETS`, `LORA_FUSED_TARGETS`); the slots' rank (--max-lora-rank)."""
+    family's target names (`LORA_TARGETS`, `LORA_FUSED_TARGETS`); the slots' rank (--max-lora-rank); the
+    targets whose output rows the model reorders at load, and their order (GLM-4's q and k)."""
 
     stacks: dict[StackPath, tuple[int, int]]
     targets: dict[str, tuple[str, ...]]
     fused_targets: dict[str, tuple[str, ...]]
     max_rank: int
+    row_orders: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,14 +128,21 @@ def read_adapter(name: str, path: str, layout: LoraLayout) -> LoraAdapter:
         if a.shape != (rank, shapes[stacks[0]][0]) or b.shape != (sum(outs), rank):
             raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {target} has A {list(a.shape)} and B "
                              f"{list(b.shape)}, not [{rank}, {shapes[stacks[0]][0]}] and [{sum(outs)}, {rank}]")
-        for stack, rows in zip(stacks, np.split(b, np.cumsum(outs)[:-1]), strict=True):
+        for one, stack, rows in zip(_targets(layout, target), stacks, np.split(b, np.cumsum(outs)[:-1]), strict=True):
+            if (order := layout.row_orders.get(one)) is not None:
+                rows = rows[order]
             weights[stack] = (np.ascontiguousarray(a.T), np.ascontiguousarray(rows.T) * np.float32(scale))
     return LoraAdapter(name, rank, weights)
 
 
+def _targets(layout: LoraLayout, target: str) -> tuple[str, ...]:
+    """The targets a PEFT target fills: itself, or a fused one's parts."""
+    return layout.fused_targets.get(target, (target,))
+
+
 def _stacks(name: str, layout: LoraLayout, layer: int, target: str) -> list[StackPath]:
     stacks = []
-    for one in layout.fused_targets.get(target, (target,)):
+    for one in _targets(layout, target):
         where = layout.targets.get(one)
         stack = ("layers", layer, *where) if where is not None else None
         if stack not in layout.stacks:

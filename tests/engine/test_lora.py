@@ -272,10 +272,12 @@ def test_adapters_in_engine_processes(lora_dirs, processes):
     pytest.param("gemma3", ALL, id="gemma3"),
     pytest.param("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), id="phi3-fused"),
     pytest.param("mixtral", ATTENTION, id="mixtral-attention"),  # experts have no stacks
+    pytest.param("glm4", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"), id="glm4"),
 ])
 def test_every_family_serves_adapters_as_their_merged_models(tiny_model_dir, tmp_path, kind, targets):
     """Each family's adapter, beside a base-model request in the same steps, gives the merged model's
-    outputs: Phi-3's fused projections split into their stacks, and a mixture's attention adapted."""
+    outputs: Phi-3's fused projections split into their stacks, a mixture's attention adapted, and GLM-4's q and k
+    B rows reordered as its weights' rows are (`rope_layout`)."""
     base = tiny_model_dir(kind)
     adapter = write_adapter(tmp_path / "adapter", base, targets, rank=4, alpha=8.0, seed=11)
     merged = write_merged(tmp_path / "merged", base, adapter)

@@ -69,11 +69,12 @@ class PagedForward:
 # norms each block's output and all heads' queries and keys at once, and olmo3 adds windows and a RoPE per layer
 # kind; olmoe norms all heads' queries and keys before its blocks, clips q, k and v, and routes to 2 of 6 experts;
 # granite-moe scales as granite does and softmaxes its top 2 logits, and granite-moe-shared adds an ungated shared
-# expert; gemma is Gemma 2 without its norms after;
+# expert; glm4 rotates adjacent pairs over half of each head and norms each block's input and output; gemma is
+# Gemma 2 without its norms after;
 # gpt-oss has attention sinks, windows of 5, YaRN, and experts with biases and a clamped SwiGLU.
 PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3",
                 "mixtral", "qwen3-moe", "qwen2-moe", "granite", "smollm3", "olmo2", "olmo3", "gemma", "gpt-oss",
-                "olmoe", "granite-moe", "granite-moe-shared"]
+                "olmoe", "granite-moe", "granite-moe-shared", "glm4"]
 # On a GPU (`make test-gpu`, in full float32: tests/conftest.py), one kind per device code path: learned
 # positions and LayerNorm, RoPE with GQA, windows and soft caps in the kernels, the grouped expert matmuls.
 # Each costs ~30 s there (an H200: its compiles), and the others differ only in host-side shapes and maps.
@@ -144,7 +145,7 @@ def test_qwen2_biases_are_loaded(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe", "qwen2-moe", "granite",
-                                  "olmo2", "gpt-oss", "granite-moe-shared"])
+                                  "olmo2", "gpt-oss", "granite-moe-shared", "glm4"])
 def test_bfloat16_weights_track_float32(kind, tiny_model_dir, tiny_hf_model):
     """bf16 is a serving dtype, not a parity one: its logits stay close and mostly agree on argmax, as close
     as transformers' own bfloat16 model's do. (The tiny Qwen3-MoE's routing is fragile: rounded to bfloat16,
