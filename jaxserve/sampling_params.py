@@ -301,6 +301,12 @@ def max_num_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     return min(limit, max_model_len)
 
 
+def kv_tokens(max_num_tokens: int, pooled: bool) -> int:
+    """The KV cache positions a request of up to `max_num_tokens` may fill: as many, but a pooled request's,
+    whose one sample is dropped and takes no position."""
+    return max_num_tokens - 1 if pooled else max_num_tokens
+
+
 def fits_kv_cache(num_tokens: int, kv_capacity_tokens: int) -> bool:
     """The one rule for whether a request of up to `num_tokens` can ever run: its pages fit the cache
     (`kv_capacity_tokens`: usable pages x page size, so a whole number of pages)."""
@@ -383,7 +389,7 @@ class RequestLimits:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        total = max_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len, pooled)
+        total = kv_tokens(max_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len, pooled), pooled)
         if not fits_kv_cache(total, self.kv_capacity_tokens):
             raise InvalidParam(f"the request needs up to {total} tokens of KV cache but the cache holds "
                                f"{self.kv_capacity_tokens}", "max_tokens")

@@ -67,7 +67,7 @@ from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.step_io import NO_LORA_SLOT, PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
-from jaxserve.sampling_params import fits_kv_cache
+from jaxserve.sampling_params import fits_kv_cache, kv_tokens
 
 
 @dataclass(slots=True)
@@ -190,15 +190,16 @@ class Scheduler:
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
         self.lora_slots = LoraSlots(max_loras)
 
-    def check_fits(self, max_num_tokens: int) -> None:
-        """Raises ValueError if a request of up to `max_num_tokens` could never fit in the cache (the
-        frontend refused it already, by the same rule: a guard against a queue that could never move)."""
-        if not fits_kv_cache(max_num_tokens, self.kv_cache.capacity_tokens):
-            raise ValueError(f"request needs up to {max_num_tokens} tokens of KV cache but the cache holds "
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError if the request could never fit in the cache (the frontend refused it already, by
+        the same rule: a guard against a queue that could never move)."""
+        needed = kv_tokens(request.max_num_tokens, pooled=request.pooling_type is not None)
+        if not fits_kv_cache(needed, self.kv_cache.capacity_tokens):
+            raise ValueError(f"request needs up to {needed} tokens of KV cache but the cache holds "
                              f"{self.kv_cache.capacity_tokens}")
 
     def add_request(self, request: Request) -> None:
-        self.check_fits(request.max_num_tokens)
+        self.check_fits(request)
         self.requests[request.request_id] = request
         if self.by_priority:  # after the requests of its priority that came before it
             bisect.insort_right(self.waiting, request, key=_priority_order)
@@ -291,18 +292,12 @@ class Scheduler:
                 continue
             end = min(num_known, start + token_budget)
             if end > len(request.page_ids) * page_size:  # it needs a page (a decode does once a page)
-                self.kv_cache.release_outside_window(request.page_ids, start)
-                while not self.kv_cache.allocate(request.page_ids, end):
-                    victim = self.running.pop()
-                    self._preempt(victim)
-                    preempted.append(victim.request_id)
-                    if victim is request:
-                        break
-                else:
-                    token_budget -= self._plan_row(request, end, plan)
+                end = self._make_room(request, start, end, num_known - start > 1, preempted)
+                if end is None:  # it preempted itself: nothing more fits
+                    break
+                if end == start:  # a prefill that waits, in its pages, for some to free
                     index += 1
                     continue
-                break  # the request preempted itself: nothing more fits
             token_budget -= self._plan_row(request, end, plan)
             index += 1
 
@@ -350,6 +345,28 @@ class Scheduler:
                 self.running.append(request)
                 token_budget -= self._plan_row(request, end, plan, resumed=True)
         return self._output(plan, yielded + preempted)
+
+    def _make_room(self, request: Request, start: int, end: int, is_chunk: bool, preempted: list[str]) -> int | None:
+        """Allocates the pages of `request`'s row [start, end), preempting from the running list's end (the
+        least urgent first) until they fit; returns the row's end, or None where the request preempted itself.
+        A prefill chunk with only itself left to preempt takes the pages there are instead: a shorter chunk, or
+        none this step (`start`: it keeps its pages). Preempting itself would drop what it computed for pages
+        that no one takes in this plan (a plan that preempts starts no waiting request), and the next plan would
+        start it again into the same pages, step after step while the others run."""
+        kv_cache = self.kv_cache
+        kv_cache.release_outside_window(request.page_ids, start)
+        while not kv_cache.allocate(request.page_ids, end):
+            if is_chunk and self.running[-1] is request:
+                end = min(end, (len(request.page_ids) + kv_cache.num_free_pages) * self._page_size)
+                if end <= start:
+                    return start
+                continue  # (it fits now)
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+        return end
 
     def _yield_to_waiting(self) -> list[str]:
         """Priority policy: preempts running requests of lower priority than the waiting queue's head, the

@@ -11,7 +11,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus, request_metrics
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import PENDING_TOKEN, StepOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import InvalidParam, RequestLimits, SamplingParams
 from tests.engine.sent_pages import plan, replay, rows, shares
 
 _prompt_starts = itertools.count(10, 1000)  # every request its own prompt: no prefix-cache hits here
@@ -364,24 +364,66 @@ def _pooled_step(out) -> StepOutput:
 
 def test_a_mean_pooling_preempted_with_a_chunk_in_flight_is_its_prompt_s_mean():
     """Async scheduling (step N + 1 planned before step N is read): a request preempted while a chunk is in
-    flight still has that chunk read, then starts over from its first token; its embedding counts each token
-    once."""
-    scheduler = Scheduler(KVCacheManager(7, 4, enable_prefix_caching=False), max_num_seqs=4,
-                          max_num_batched_tokens=8)
-    first, second = _embedding_request("b", list(range(100, 120))), _embedding_request("a", list(range(10, 18)))
-    scheduler.add_request(first)
-    scheduler.add_request(second)
+    flight (a decode ahead of it needs its page) still has that chunk read, then starts over from its first
+    token; its embedding counts each token once."""
+    scheduler = Scheduler(KVCacheManager(4, 4, enable_prefix_caching=False), max_num_seqs=4,
+                          max_num_batched_tokens=6)
+    decoding, pooled = make_request("d", 3, max_tokens=3), _embedding_request("a", list(range(10, 18)))
+    scheduler.add_request(decoding)
+    scheduler.add_request(pooled)
     in_flight = None
-    for _ in range(20):
+    for _ in range(40):
         if not scheduler.has_unfinished() and in_flight is None:
             break
         out = scheduler.schedule()
         if in_flight is not None:
             scheduler.update(in_flight, _pooled_step(in_flight))
         in_flight = None if out.is_empty else out
-    assert second.num_preemptions == 1 and second.status is RequestStatus.FINISHED_LENGTH, "the case preempts a"
-    for request in (first, second):
-        assert request.embedding == [float(np.mean(request.prompt_token_ids))]
+    assert pooled.num_preemptions == 1 and pooled.status is RequestStatus.FINISHED_LENGTH, "the case preempts a"
+    assert decoding.status is RequestStatus.FINISHED_LENGTH and decoding.num_preemptions == 0
+    assert pooled.embedding == [float(np.mean(pooled.prompt_token_ids))]
+
+
+def test_a_pooled_prompt_may_fill_the_cache_and_one_token_more_may_not():
+    """A pooled request's one sample is dropped and takes no position: a prompt of the cache's capacity (under
+    --max-model-len auto, of max_model_len) fits it, in the frontend's check and the scheduler's."""
+    limits = RequestLimits(vocab_size=100, max_model_len=17, max_logprobs=0, max_biased_tokens=8, num_eos_tokens=1,
+                           kv_capacity_tokens=16)
+    limits.check_length(16, 1, pooled=True)
+    with pytest.raises(InvalidParam, match="needs up to 17 tokens of KV cache"):
+        limits.check_length(17, 1, pooled=True)
+    scheduler = Scheduler(KVCacheManager(5, 4, enable_prefix_caching=False), max_num_seqs=2, max_num_batched_tokens=16)
+    filling, over = _embedding_request("e", list(range(10, 26))), _embedding_request("f", list(range(10, 27)))
+    with pytest.raises(ValueError, match="needs up to 17 tokens of KV cache but the cache holds 16"):
+        scheduler.add_request(over)
+    scheduler.add_request(filling)
+    out = scheduler.schedule()
+    assert out.num_new_tokens == [16] and len(filling.page_ids) == 4
+    scheduler.update(out, _pooled_step(out))
+    assert filling.status is RequestStatus.FINISHED_LENGTH
+    assert filling.embedding == [float(np.mean(filling.prompt_token_ids))]
+
+
+def test_a_prefill_with_no_one_else_to_preempt_takes_the_free_pages_or_waits_in_its_own():
+    """A prefill chunk that needs pages when the running list's end is itself: a shorter chunk in the free
+    pages, or none this step. Preempting itself (as before) dropped its chunks for pages that no one took,
+    and the next plan started it again into the same pages, for as long as the decode ahead of it held its
+    own (here, under a window, for ever: the decode's pages never grow)."""
+    for window, expected_tokens in ((None, 32 + 61), (20, 61)):  # without a window the decode takes P's pages once
+        scheduler = Scheduler(KVCacheManager(6, 16, enable_prefix_caching=False, sliding_window=window),
+                              max_num_seqs=4, max_num_batched_tokens=20)
+        decoding, prefill = make_request("D", 40, max_tokens=40), make_request("P", 60, max_tokens=2)
+        scheduler.add_request(decoding)
+        computed = 0
+        for step in range(200):
+            if step == 3:
+                scheduler.add_request(prefill)
+            if not scheduler.has_unfinished():
+                break
+            out = run_step(scheduler)
+            computed += sum(n for r, n in zip(out.request_ids, out.num_new_tokens, strict=True) if r == "P")
+        assert prefill.status.is_finished and decoding.status.is_finished
+        assert prefill.num_preemptions == (window is None) and computed == expected_tokens, (window, computed)
 
 
 def test_a_mean_pooling_that_yields_with_its_last_chunk_in_flight_finishes_with_its_prompt_s_mean():
