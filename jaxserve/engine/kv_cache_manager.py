@@ -155,6 +155,10 @@ class KVCacheManager:
             page_ids.append(page)
         return True
 
+    def num_freed_by(self, page_ids: list[int]) -> int:
+        """How many pages `free(page_ids)` would return to the free queue: those no other request holds."""
+        return sum(page != SCRATCH_PAGE and self._ref_counts[page] == 1 for page in page_ids)
+
     def free(self, page_ids: list[int]) -> None:
         """Drops the request's reference on each page and empties `page_ids`. Pages no one holds join
         the free queue: uncached ones at the front (reused first), cached ones at the back, tail first."""

@@ -369,25 +369,58 @@ class Scheduler:
         return end
 
     def _yield_to_waiting(self) -> list[str]:
-        """Priority policy: preempts running requests of lower priority than the waiting queue's head, the
-        lowest first, while the head's first chunk would find no sequence slot or too few free pages
-        (counted without prefix-cache hits); returns their ids."""
-        if not self.waiting:
+        """Priority policy: preempts running requests of lower priority than the next waiting request to
+        start (`_next_to_start`), the lowest first, as few as its first chunk needs to start in this plan
+        (a sequence slot, some of the token budget, its pages past its prefix-cache hit, once the running
+        requests that stay have planned their rows); returns their ids. None yields where even all of them
+        would not let it start (requests of its priority or above hold the room): they would only recompute,
+        later, what they had computed, while it waits all the same."""
+        head = self._next_to_start()
+        if head is None or head.num_inflight_tokens:  # (a step in flight still writes its old pages)
             return []
-        head = self.waiting[0]
-        if head.lora_id is not None and not self.lora_slots.can_take(head.lora_id):
-            return []  # it waits for its adapter's slot to free as requests finish (yields free sequences and
-            # pages, not slots): preempting for it would only recompute the victims, step after step
-        head_order = _priority_order(head)
-        num_pages = self.kv_cache.num_pages_for(min(head.num_tokens, self.max_num_batched_tokens))
+        hit = self._cached_prefix(head, set(), frozenset().union(*self._inflight_filling))
+        if hit is None:  # it starts next step, after the page a step in flight fills
+            return []
+        kv_cache, head_order, running = self.kv_cache, _priority_order(head), self.running
+        revived = sum(kv_cache.ref_count(page) == 0 for page in hit)  # free cached pages it takes back
+        # The budget left and the pages taken once the first m running requests plan their next rows, as
+        # the running loop plans them (windows' releases aside), for every m.
+        budget, taken, after = self.max_num_batched_tokens, 0, [(self.max_num_batched_tokens, 0)]
+        for request in running:
+            num_known = request.num_tokens + request.num_inflight_tokens
+            if budget > 0 and num_known < request.max_num_tokens:
+                end = min(num_known, request.num_computed_tokens + budget)
+                budget -= end - request.num_computed_tokens
+                taken += max(0, kv_cache.num_pages_for(end) - len(request.page_ids))
+            after.append((budget, taken))
+        lower = [request for request in reversed(running) if _priority_order(request) > head_order]
+        freed = 0
+        for count in range(len(lower) + 1):  # the running list's tail yields (it is in priority order)
+            if count:
+                freed += kv_cache.num_freed_by(lower[count - 1].page_ids)
+            budget, taken = after[len(running) - count]
+            if len(running) - count >= self.max_num_seqs or budget <= 0:
+                continue
+            end = min(head.num_tokens, len(hit) * self._page_size + budget)
+            if kv_cache.num_free_pages + freed - taken >= kv_cache.num_pages_for(end) - len(hit) + revived:
+                break
+        else:
+            return []
         yielded = []
-        while self.running and _priority_order(self.running[-1]) > head_order and (
-            len(self.running) >= self.max_num_seqs or self.kv_cache.num_free_pages < num_pages
-        ):
-            victim = self.running.pop()
+        for _ in range(count):
+            victim = running.pop()
             self._preempt(victim)
             yielded.append(victim.request_id)
         return yielded
+
+    def _next_to_start(self) -> Request | None:
+        """The waiting request that the waiting loop would start first: the queue's head, or, while the head's
+        adapter waits for a LoRA slot, the first base-model request behind it (the loop's one LoRA rule:
+        preempting for the head itself would free sequences and pages, not slots)."""
+        for index, request in enumerate(self.waiting):
+            if request.lora_id is None or (index == 0 and self.lora_slots.can_take(request.lora_id)):
+                return request
+        return None
 
     def _output(self, plan: _Plan, preempted: list[str]) -> SchedulerOutput:
         finished, self._finished_ids = tuple(self._finished_ids), []

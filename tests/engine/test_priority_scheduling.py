@@ -230,3 +230,90 @@ def test_a_head_waiting_for_an_adapter_slot_makes_nobody_yield():
         assert out.preempted_ids == () and sorted(out.request_ids) == ["base", "holder"]
         assert list(out.num_new_tokens) == [1, 1], "decodes, not a recomputed context"
     assert base.num_preemptions == 0
+
+
+def test_no_yield_when_higher_priority_requests_hold_the_pages_the_head_needs():
+    """10 usable pages: R (priority 0) holds 8, L (priority 5) holds 2, none free. H (priority 1) needs 4 pages:
+    preempting L frees only 2, so H cannot start until R finishes, whatever L does. L is preempted anyway, sits
+    behind H for the rest of R's run (it needed no more pages and would have finished meanwhile), and then
+    recomputes its context. Nobody yields when yielding cannot let the head start."""
+    sched = Scheduler(KVCacheManager(11, 4, enable_prefix_caching=False), max_num_seqs=4,
+                      max_num_batched_tokens=64, policy="priority")
+    high = prioritized("R", 0, num_prompt=27, max_tokens=6, arrival=0.0)
+    low = prioritized("L", 5, num_prompt=3, max_tokens=6, arrival=1.0)
+    sched.add_request(high)
+    sched.add_request(low)
+    for _ in range(3):
+        run_step(sched)
+    assert sched.kv_cache.num_free_pages == 0 and len(high.page_ids) == 8 and len(low.page_ids) == 2
+    sched.add_request(prioritized("H", 1, num_prompt=16, max_tokens=2, arrival=2.0))
+    out = run_step(sched)
+    assert "H" not in out.request_ids  # it cannot start: 2 free pages after the yield, it needs 4
+    assert out.preempted_ids == (), f"{out.preempted_ids} yielded, yet the head did not start"
+    assert low.num_preemptions == 0
+
+
+def test_no_yield_when_the_token_budget_is_spent_by_higher_priority_requests():
+    """max_num_seqs 3, budget 8. Running: R2 (priority 0, finishing), R (priority 0, a 40-token prefill that takes
+    the rest of every step's budget), L (priority 5). H (priority 1) arrives: L yields its sequence slot, but R
+    spends the budget, so H does not start; R2's slot frees the next step, so when H finally starts (once R's
+    prefill ends) it never needed L's slot: L would recompute its 7 tokens for nothing. So L does not yield."""
+    sched = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), max_num_seqs=3,
+                      max_num_batched_tokens=8, policy="priority")
+    finishing = prioritized("R2", 0, num_prompt=4, max_tokens=4, arrival=0.0)
+    low = prioritized("L", 5, num_prompt=4, max_tokens=30, arrival=1.0)
+    sched.add_request(finishing)
+    sched.add_request(low)
+    run_step(sched)
+    run_step(sched)
+    sched.add_request(prioritized("R", 0, num_prompt=40, max_tokens=1, arrival=0.5))
+    run_step(sched)
+    sched.add_request(prioritized("H", 1, num_prompt=4, max_tokens=2, arrival=2.0))
+    out = run_step(sched)
+    assert "H" not in out.request_ids and sum(out.num_new_tokens) == 8  # the budget went to R2 and R
+    assert out.preempted_ids == (), f"{out.preempted_ids} yielded, yet the head did not start"
+    admitted_at = None
+    for step in range(10):
+        out = run_step(sched)
+        if "H" in out.request_ids:
+            admitted_at = step
+            break
+    assert admitted_at is not None and finishing.status.is_finished
+    assert low.num_preemptions == 0, "L yielded a slot that H never needed (R2's had freed)"
+
+
+def test_no_yield_when_the_head_fits_after_its_prefix_cache_hit():
+    """7 usable pages, one free. H (priority 1) shares R's first 12 tokens (3 keyed pages) and needs one new page:
+    it fits as is (the yield counted H's 4 pages without its hit, and preempted L, priority 5)."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
+    high = prioritized("R", 0, num_prompt=14, max_tokens=2, arrival=0.0)
+    low = prioritized("L", 5, num_prompt=6, max_tokens=2, arrival=1.0)
+    sched.add_request(high)
+    sched.add_request(low)
+    run_step(sched)
+    assert kv.num_free_pages == 1 and high.num_keyed_pages == 3
+    head = dataclasses.replace(prioritized("H", 1, num_prompt=1, max_tokens=2, arrival=2.0),
+                               prompt_token_ids=[*high.prompt_token_ids[:12], 5000, 5001])
+    head.num_tokens, head.max_num_tokens = 14, 16
+    sched.add_request(head)
+    out = run_step(sched)
+    assert "H" in out.request_ids and head.num_cached_tokens == 12
+    assert out.preempted_ids == (), "L yielded although H fit in the one free page after its hit"
+
+
+def test_lower_priorities_yield_to_a_request_behind_a_head_waiting_for_an_adapter_slot():
+    """max_loras 1 (held by X, priority -1), max_num_seqs 2 (X and L, priority 5). The queue: H1 (adapter 1,
+    priority 0: waits for the slot) then H2 (base model, priority 1). The waiting loop lets base-model requests
+    pass H1, and L yields to H2 as it would without H1 in the queue (it waited for all 30 of L's tokens)."""
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, policy="priority",
+                      max_loras=1)
+    sched.add_request(dataclasses.replace(prioritized("X", -1, num_prompt=4, max_tokens=30), lora_id=2))
+    sched.add_request(prioritized("L", 5, num_prompt=4, max_tokens=30, arrival=1.0))
+    run_step(sched)
+    sched.add_request(dataclasses.replace(prioritized("H1", 0, num_prompt=4, max_tokens=2, arrival=2.0), lora_id=1))
+    sched.add_request(prioritized("H2", 1, num_prompt=4, max_tokens=2, arrival=3.0))
+    started = set()
+    for _ in range(5):
+        started |= set(run_step(sched).request_ids)
+    assert "H2" in started, "a priority-1 request waited behind priority 5 for five steps"
