@@ -164,6 +164,9 @@ def _tiny_hf_model(kind: str):
                 tensor.normal_(std=0.3)
             elif kind in RANDOM_NORM_KINDS and name.endswith("norm.weight"):  # where a norm's place is the test
                 tensor.normal_(mean=1.0, std=0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zeros at first: where it moves the choice
+                buffer.normal_(std=0.3)
     return model
 
 
@@ -235,6 +238,19 @@ def _build_tiny_hf_model(kind: str):
         return transformers.Glm4ForCausalLM(transformers.Glm4Config(
             **llama_like, attention_bias=True, pad_token_id=0,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)))
+    if kind.startswith("deepseek"):  # latent attention; a dense layer, then 8 experts and a shared one
+        mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=24,
+                   n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                   pad_token_id=0, **{**llama_like, "num_key_value_heads": 4, "head_dim": 8, "num_hidden_layers": 3})
+        if kind == "deepseek-v2":  # V2-Lite's: one query projection, softmax and top k; YaRN with its mscale
+            rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                        mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
+            return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+                **mla, q_lora_rank=None, topk_method="greedy", norm_topk_prob=False, rope_parameters=rope))
+        # V3's: queries through a latent; sigmoid scores with a correction bias, 2 of 4 groups, renormalised
+        # and scaled
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **mla, q_lora_rank=20, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5))
     if kind == "smollm3":  # layer 1 without RoPE
         return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
             **{**llama_like, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0))

@@ -24,7 +24,6 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import layers
-from jaxserve.models.gguf_weights import GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
@@ -44,7 +43,7 @@ from jaxserve.models.layers import (
     project_heads,
     rope_for,
 )
-from jaxserve.models.moe import MoeConfig, SparseMoeBlock, expert_split_axes
+from jaxserve.models.moe import ExpertStacker, MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.models.mxfp4 import decode_mxfp4
 from jaxserve.models.rope_layout import rotate_half_order, to_rotate_half
 from jaxserve.ops.attention import AttentionConfig
@@ -433,17 +432,12 @@ def split_rule(name: str, cfg: LlamaConfig) -> SplitRule:
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
-_EXPERT_RE = re.compile(
-    r"^(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-
-
 def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as the model keeps them: Phi-3's fused projections split, each layer's
     per-expert weights stacked into one [E, out, in] tensor per kind (`model.layers.i.mlp.experts_gate`...),
     yielded once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`),
     GPT-OSS's fused experts split (`_gpt_oss_experts`), and GLM-4's q and k rows in the rotate-half layout."""
-    pending: dict[tuple[str, str], dict[int, Any]] = {}
+    experts = ExpertStacker(cfg.moe.num_experts if cfg.moe is not None else 0)
     mxfp4: dict[str, dict[str, Any]] = {}  # GPT-OSS's MXFP4 experts: name -> whichever of blocks and scales came
     for name, tensor in tensors:
         if cfg.moe is not None and cfg.moe.biases and (match := _MXFP4_RE.match(name)):  # GPT-OSS's
@@ -457,20 +451,12 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
         if cfg.moe is not None and cfg.moe.biases and _GPT_OSS_EXPERTS_RE.match(name):
             yield from _gpt_oss_experts(name, np.asarray(tensor), out_major=False)
             continue
-        if match := _EXPERT_RE.match(name):
-            layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
-            experts = pending.setdefault((layer, kind), {})
-            experts[expert] = tensor if isinstance(tensor, GgufTensor) else np.asarray(tensor)  # blocks stay
-            if len(experts) == cfg.moe.num_experts:
-                del pending[(layer, kind)]
-                stacked = stack_expert_tensors([experts[e] for e in range(len(experts))])
-                yield f"model.layers.{layer}.mlp.experts_{kind}", stacked
+        if (stacked := experts.add(name, tensor)) is not None:
+            yield from stacked
             continue
         for part_name, part in _split_fused_weight(name, tensor, cfg):
             yield part_name, _rotate_half_rows(part_name, part, cfg)
-    if pending:
-        (layer, kind), experts = next(iter(pending.items()))
-        raise ValueError(f"layer {layer}'s {kind} weights: {len(experts)} of {cfg.moe.num_experts} experts found")
+    experts.check_complete()
     if mxfp4:
         stem, parts = next(iter(mxfp4.items()))
         missing = "scales" if "blocks" in parts else "blocks"

@@ -1,6 +1,6 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS): top-k routing and the experts' matmuls
-grouped by expert, and Qwen2-MoE's shared expert, a dense SwiGLU MLP every token goes through, its output
-scaled by a sigmoid gate of the token.
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS, OLMoE, Granite-MoE, DeepSeek): top-k
+routing and the experts' matmuls grouped by expert, and a shared expert, a dense SwiGLU MLP every token goes
+through (Qwen2-MoE's output scaled by a sigmoid gate of the token; DeepSeek's and Granite's not).
 
 Each token's router picks its `top_k` experts (softmax over all experts in float32, then the top k, their
 weights renormalised where the model says so; GPT-OSS: the top k logits, then a softmax over those k).
@@ -29,16 +29,18 @@ Tokens and routing are replicated on every device either way, as the attention's
 Axis letters: T tokens, D hidden, E experts, F expert MLP width, A = T * k assignments.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models import gguf_weights
-from jaxserve.models.gguf_weights import GgufExperts
+from jaxserve.models.gguf_weights import GgufExperts, GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import GatedMlp, param
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
@@ -58,6 +60,18 @@ class MoeConfig:
     biases: bool = False  # GPT-OSS: the router's logits and every expert projection's output have biases
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU (module docstring); None: silu(gate) * up
     swiglu_alpha: float = 1.0
+    # DeepSeek's routers (`route_deepseek`): scores by softmax or sigmoid (V3), a choice limited to the best
+    # `top_groups` of `num_groups` groups of experts, a learned bias on the scores for the choice only (V3's
+    # `e_score_correction_bias`), the chosen weights scaled by `routed_scaling`
+    scoring: str = "softmax"
+    num_groups: int = 1
+    top_groups: int = 1
+    score_correction: bool = False
+    routed_scaling: float = 1.0
+
+    @property
+    def deepseek_routing(self) -> bool:
+        return self.scoring != "softmax" or self.num_groups > 1 or self.score_correction or self.routed_scaling != 1.0
 
 
 def expert_activation(gate: jax.Array, up: jax.Array, limit: float | None, alpha: float) -> jax.Array:
@@ -79,6 +93,29 @@ def route(logits: jax.Array, top_k: int, normalize: bool, after_top_k: bool = Fa
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def route_deepseek(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """f32[T, E] router logits -> (f32[T, k] weights, i32[T, k] experts), as DeepSeek-V2 and V3 route: each
+    expert's score (softmax over the experts, or its sigmoid); with groups, only the experts of the
+    `top_groups` best groups eligible, a group scored by its best expert (V2) or, with V3's correction bias
+    (f32[E], added to the scores for the choice), its best two; the top k eligible; their weights are their
+    scores (without the bias), renormalised where the model says so, times `routed_scaling`."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if correction is None else scores + correction
+    if moe.num_groups > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.reshape(num_tokens, moe.num_groups, num_experts // moe.num_groups)  # [T, G, E/G]
+        group_scores = grouped.max(axis=-1) if correction is None else jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        best_groups = jax.lax.top_k(group_scores, moe.top_groups)[1]  # i32[T, top_groups]
+        eligible = jax.nn.one_hot(best_groups, moe.num_groups, dtype=jnp.bool_).any(axis=1)  # [T, G]
+        choice = jnp.where(jnp.repeat(eligible, num_experts // moe.num_groups, axis=1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, moe.top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if moe.normalize_top_k:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * moe.routed_scaling, experts.astype(jnp.int32)
 
 
 def grouped_expert_mlp(
@@ -198,6 +235,8 @@ class SparseMoeBlock(nnx.Module):
             self.shared_expert = GatedMlp(d, cfg.shared_expert_size, weight_dtype, attention, None, "silu")
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = param(d, 1, dtype=weight_dtype)
+        if cfg.score_correction:
+            self.router_correction = param(e, dtype=jnp.float32)
         if cfg.biases:
             self.router_bias = param(e, dtype=weight_dtype)
             self.experts_gate_bias = param(e, f, dtype=weight_dtype)
@@ -224,7 +263,11 @@ class SparseMoeBlock(nnx.Module):
         moe = self.moe
         if moe.biases:
             logits = logits + self.router_bias[...].astype(jnp.float32)
-        weights, experts = route(logits, moe.top_k, moe.normalize_top_k, moe.softmax_after_top_k)
+        if moe.deepseek_routing:
+            correction = self.router_correction[...] if moe.score_correction else None
+            weights, experts = route_deepseek(logits, moe, correction)
+        else:
+            weights, experts = route(logits, moe.top_k, moe.normalize_top_k, moe.softmax_after_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
         rows = x if isinstance(gate, GgufExperts) else x.astype(gate.dtype)  # blocks take x as it is
         num_experts, mesh, hopper = moe.num_experts, self.attention.mesh, is_hopper(self.attention)
@@ -262,6 +305,40 @@ class SparseMoeBlock(nnx.Module):
 def _named(biases: tuple) -> dict[str, jax.Array]:
     """The experts' (gate, up) biases, or none, as `grouped_expert_mlp` takes them."""
     return dict(zip(("gate_bias", "up_bias"), biases, strict=True)) if biases else {}
+
+
+_EXPERT_RE = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class ExpertStacker:
+    """A checkpoint's per-expert weights (`model.layers.i.mlp.experts.j.gate_proj.weight`, Mixtral's `w1`...)
+    stacked into one [E, out, in] tensor per layer and kind (`model.layers.i.mlp.experts_gate`...), each
+    once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.pending: dict[tuple[str, str], dict[int, Any]] = {}
+
+    def add(self, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
+        """None where `name` is no expert's weight; else what it completes: its layer and kind's stack, or
+        nothing yet."""
+        if not self.num_experts or (match := _EXPERT_RE.match(name)) is None:
+            return None
+        layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
+        experts = self.pending.setdefault((layer, kind), {})
+        experts[expert] = tensor if isinstance(tensor, GgufTensor) else np.asarray(tensor)  # blocks stay
+        if len(experts) < self.num_experts:
+            return []
+        del self.pending[(layer, kind)]
+        stacked = stack_expert_tensors([experts[e] for e in range(len(experts))])
+        return [(f"model.layers.{layer}.mlp.experts_{kind}", stacked)]
+
+    def check_complete(self) -> None:
+        if self.pending:
+            (layer, kind), experts = next(iter(self.pending.items()))
+            raise ValueError(f"layer {layer}'s {kind} weights: {len(experts)} of {self.num_experts} experts found")
 
 
 def expert_split_axes(expert_parallel: bool) -> tuple[int, int, int]:

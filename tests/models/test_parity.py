@@ -74,7 +74,7 @@ class PagedForward:
 # gpt-oss has attention sinks, windows of 5, YaRN, and experts with biases and a clamped SwiGLU.
 PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3",
                 "mixtral", "qwen3-moe", "qwen2-moe", "granite", "smollm3", "olmo2", "olmo3", "gemma", "gpt-oss",
-                "olmoe", "granite-moe", "granite-moe-shared", "glm4"]
+                "olmoe", "granite-moe", "granite-moe-shared", "glm4", "deepseek-v2", "deepseek-v3"]
 # On a GPU (`make test-gpu`, in full float32: tests/conftest.py), one kind per device code path: learned
 # positions and LayerNorm, RoPE with GQA, windows and soft caps in the kernels, the grouped expert matmuls.
 # Each costs ~30 s there (an H200: its compiles), and the others differ only in host-side shapes and maps.

@@ -80,7 +80,8 @@ def test_cpu_decode_paths_match_oracle(impl):
 
 
 HEAD_DIMS = [16, 64, 128]  # 64 and 128 have compiled-in loop bounds (the blocked loops of prefill units)
-UNIT_SHAPES = [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1), (128, 9, 3)]  # 128: runs of 64 keys
+# 128: runs of 64 keys; 128 query heads on 1 (DeepSeek's latent attention): a group of two units' rows
+UNIT_SHAPES = [(4, 6, 2), (16, 9, 3), (8, 4, 4), (32, 16, 1), (128, 9, 3), (4, 128, 1)]
 
 
 @cpu_paths

@@ -67,9 +67,23 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,  # f32[N]: attention sinks (GPT-OSS)
 ) -> jax.Array:  # [T, N, H]
     """`ragged_paged_attention_reference`'s contract; q float32 or bfloat16, the cache float32, bfloat16 or
-    float16 (read as stored; scores and sums in float32)."""
+    float16 (read as stored; scores and sums in float32). A group of more query heads a KV head than a unit
+    holds (DeepSeek's latent attention: all N heads on one) is attended a part of the group at a time."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = num_q_heads // num_kv_heads
+    if group > MAX_GROUP and group % MAX_GROUP == 0:
+        parts = group // MAX_GROUP
+        by_part = q.reshape(num_tokens, num_kv_heads, parts, MAX_GROUP, head_dim)
+        part_sinks = None if sinks is None else jnp.asarray(sinks).reshape(num_kv_heads, parts, MAX_GROUP)
+        outs = [ragged_paged_attention(
+            by_part[:, :, part].reshape(num_tokens, num_kv_heads * MAX_GROUP, head_dim), k_pages, v_pages, kv_lens,
+            page_table, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            sinks=None if part_sinks is None else part_sinks[:, part].reshape(-1)) for part in range(parts)]
+        return jnp.stack([out.reshape(num_tokens, num_kv_heads, MAX_GROUP, head_dim) for out in outs],
+                         axis=2).reshape(q.shape)
     call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
                 cu_q_lens.astype(jnp.int32),
@@ -114,6 +128,8 @@ def grouped_matmul_bf16(
                                                                                  jnp.float32))
     return call(rows, w, group_sizes.astype(jnp.int32))
 
+
+MAX_GROUP = 64  # query heads a KV head in one of the attention kernel's units (its kMaxRows)
 
 # GGUF block formats the native matmul multiplies by (ggml's type numbers, `matmul_gguf.cc`).
 GGUF_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,

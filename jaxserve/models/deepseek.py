@@ -1,0 +1,323 @@
+"""DeepSeek-V2 and V3 (and their architecture's others: Kimi K2, Moonlight) in Flax NNX: multi-head latent
+attention (MLA) over a cache of latents, and DeepSeek's mixture of experts.
+
+MLA compresses each token's keys and values into one latent c (`kv_lora_rank` wide, normed) and one RoPE key
+k_r (`qk_rope_head_dim`, shared by every head). A head's key is [W_UK c, k_r] and its value W_UV c. The cache
+keeps [c, k_r] alone, one "KV head" of C + R dims, and attention runs on it with the up-projections absorbed
+into the query and the output (as vLLM's and FlashMLA's decode do):
+- q_h . k_h = (W_UK_h^T q_nope_h) . c + q_rope_h . k_r: the query [W_UK_h^T q_nope_h, q_rope_h] against the
+  cached [c, k_r], one KV head for all N query heads (a group of N), scaled by (nope + rope)^-1/2 (and YaRN's
+  mscale squared, where the config scales RoPE);
+- out_h = W_UV_h (sum_s p_hs c_s): the attention's value is the cached vector too, and its first C dims,
+  times W_UV_h, are the head's output.
+Each token caches C + R values a layer (576 for V2/V3) for K and the same for V, where the heads' own keys
+and values would take N x (nope + rope + v) (24,576 for V3's 128 heads).
+
+RoPE: DeepSeek rotates adjacent pairs; the rows of the projections that make q_rope and k_r are reordered at
+load into the rotate-half layout (`rope_layout`).
+
+The experts: DeepSeek's router (`moe.route_deepseek`: softmax or sigmoid scores, groups, V3's correction
+bias, a scaling factor), an ungated shared expert of `n_shared_experts` x the experts' width, and dense MLPs
+in the first `first_k_dense_replace` layers.
+
+Axis letters: T tokens, D hidden, N heads, P no-RoPE query/key dims, R RoPE dims, C latent, V value dims,
+Q query latent (V3's `q_lora_rank`), F MLP width.
+"""
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models import llama
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    GatedMlp,
+    KVCache,
+    RMSNorm,
+    Rope,
+    apply_layers,
+    apply_rope,
+    dense,
+    embedding_lookup,
+    logits_from_embeddings,
+    merge_heads,
+    paged_attention,
+    param,
+    project_heads,
+    rope_for,
+    rope_parameters,
+)
+from jaxserve.models.moe import ExpertStacker, MoeConfig, SparseMoeBlock
+from jaxserve.models.rope_layout import rotate_half_order
+from jaxserve.ops.attention import AttentionConfig
+
+_LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek norms of the two latents take the norm's default, not the config's
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense layers' MLP
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None  # V3: queries through a normed latent of this width; None: one projection (V2-Lite)
+    kv_lora_rank: int  # C
+    qk_nope_head_dim: int  # P
+    qk_rope_head_dim: int  # R
+    v_head_dim: int  # V
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope: Rope  # over the R dims
+    sm_scale: float  # (P + R)^-1/2, times YaRN's mscale squared where RoPE is scaled
+    moe: MoeConfig
+    first_dense_layers: int  # `first_k_dense_replace`
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lora: None = None  # no adapter stacks (--enable-lora is refused)
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "DeepseekConfig":
+        v3 = hf.model_type == "deepseek_v3"
+        method = getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"DeepSeek's topk_method {method!r} is not supported")
+        if getattr(hf, "attention_bias", False):
+            raise ValueError("DeepSeek with attention biases is not supported")
+        grouped = method != "greedy" and (getattr(hf, "n_group", None) or 1) > 1
+        moe = MoeConfig(
+            hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob),
+            shared_expert_size=hf.moe_intermediate_size * (getattr(hf, "n_shared_experts", None) or 0),
+            shared_expert_gated=False, scoring="sigmoid" if method == "noaux_tc" else "softmax",
+            num_groups=hf.n_group if grouped else 1, top_groups=hf.topk_group if grouped else 1,
+            score_correction=method == "noaux_tc", routed_scaling=float(hf.routed_scaling_factor or 1.0))
+        rope_dims = hf.qk_rope_head_dim
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            q_lora_rank=hf.q_lora_rank,
+            kv_lora_rank=hf.kv_lora_rank,
+            qk_nope_head_dim=hf.qk_nope_head_dim,
+            qk_rope_head_dim=rope_dims,
+            v_head_dim=hf.v_head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=hf.max_position_embeddings,
+            rope=rope_for(hf, rope_dims),
+            sm_scale=_softmax_scale(rope_parameters(hf), hf.qk_nope_head_dim + rope_dims),
+            moe=moe,
+            first_dense_layers=hf.first_k_dense_replace or 0,
+            attention=attention or AttentionConfig(),
+        )
+
+    # What the cache and the runner see: one KV head of the latent and the RoPE key.
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def with_heads(self, num_heads: int, num_kv_heads: int) -> "DeepseekConfig":
+        raise ValueError("tensor parallelism is not supported for DeepSeek's latent attention yet")
+
+
+def _softmax_scale(rope: dict[str, Any], qk_head_dim: int) -> float:
+    """(P + R)^-1/2, times YaRN's mscale(factor, mscale_all_dim) squared where the config scales RoPE (the
+    reference implementation's, and transformers' `yarn_apply_mscale`)."""
+    scale = qk_head_dim ** -0.5
+    if rope.get("rope_type", "default") != "default" and (all_dim := rope.get("mscale_all_dim")):
+        factor = rope["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class LatentAttention(nnx.Module):
+    def __init__(self, cfg: DeepseekConfig, dtype: Any, weight_dtype: Any) -> None:
+        d, n, p, r, c, v = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.kv_lora_rank, cfg.v_head_dim)
+        if cfg.q_lora_rank is None:
+            self.q_proj = param(d, n, p + r, dtype=weight_dtype)
+        else:
+            self.q_a_proj = param(d, cfg.q_lora_rank, dtype=weight_dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS, dtype)
+            self.q_b_proj = param(cfg.q_lora_rank, n, p + r, dtype=weight_dtype)
+        self.kv_a_proj = param(d, c + r, dtype=weight_dtype)  # the latent and the RoPE key
+        self.kv_a_layernorm = RMSNorm(c, _LATENT_NORM_EPS, dtype)
+        self.w_uk = param(n, p, c, dtype=weight_dtype)  # the keys' up-projection, absorbed into the queries
+        self.w_uv = param(n, v, c, dtype=weight_dtype)  # the values', applied to the attention's output
+        self.o_proj = param(n, v, d, dtype=weight_dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata, lora_slots=None):
+        cfg, attention = self.cfg, self.cfg.attention
+        p, c = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = project_heads(x, self.q_proj[...], attention)  # [T, N, P + R]
+        else:
+            q = project_heads(self.q_a_layernorm(dense(x, self.q_a_proj[...], attention)), self.q_b_proj[...],
+                              attention)
+        latent = dense(x, self.kv_a_proj[...], attention)  # [T, C + R]
+        kv = self.kv_a_layernorm(latent[:, :c])  # [T, C]
+        k_rope = apply_rope(latent[:, None, c:], positions, cfg.rope)  # [T, 1, R]
+        q_rope = apply_rope(q[..., p:], positions, cfg.rope)  # [T, N, R]
+        w_uk = self.w_uk[...]
+        q_latent = jnp.einsum("tnp,npc->tnc", q[..., :p].astype(w_uk.dtype), w_uk,
+                              preferred_element_type=jnp.float32).astype(q.dtype)  # [T, N, C]
+        query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C + R]
+        key = jnp.concatenate([kv[:, None, :], k_rope], axis=-1)  # [T, 1, C + R]: what the cache keeps
+        out, kv_cache = paged_attention(query, key, key, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale)
+        w_uv = self.w_uv[...]
+        heads = jnp.einsum("tnc,nvc->tnv", out[..., :c].astype(w_uv.dtype), w_uv,
+                           preferred_element_type=jnp.float32).astype(x.dtype)  # [T, N, V]
+        return merge_heads(heads, self.o_proj[...], attention), kv_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DeepseekConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps, dtype)
+        self.self_attn = LatentAttention(cfg, dtype, weight_dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype)
+        self.is_moe = layer >= cfg.first_dense_layers
+        self.mlp = (SparseMoeBlock(cfg.moe, d, cfg.attention, weight_dtype) if self.is_moe
+                    else GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, None, "silu"))
+
+    def __call__(self, x, positions, kv_cache, md, lora_slots=None):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class DeepseekForCausalLM(nnx.Module):
+    def __init__(self, cfg: DeepseekConfig, dtype: Any, weight_dtype: Any = None) -> None:
+        """`dtype`: activations, norms; `weight_dtype` (None: `dtype`): projections, embeddings, LM head."""
+        weight_dtype = weight_dtype or dtype
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,
+        md: AttentionMetadata,
+        lora_slots: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
+        x, new_caches = apply_layers(self.layers, x, kv_caches, positions=positions, md=md)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        return logits_from_embeddings(hidden, head[...], self.cfg.attention)
+
+
+LAYERS_KEY = llama.LAYERS_KEY
+EMBEDDING_TABLES = llama.EMBEDDING_TABLES
+
+
+def split_rule(name: str, cfg: DeepseekConfig) -> tuple[None, None]:
+    """Every parameter whole on one device: tensor parallelism is refused (`DeepseekConfig.with_heads`)."""
+    return None, None
+
+
+def kv_scale_factor(cfg: DeepseekConfig, path: tuple, k_scale: float, v_scale: float) -> Any:
+    raise ValueError("a checkpoint's FP8 KV-cache scales are not supported for DeepSeek's latent cache")
+
+
+def _rope_rows_last(width: int, rope_dims: int) -> np.ndarray:
+    """i64[width]: the order of a row block whose last `rope_dims` rows are RoPE's, interleaved to rotate-half."""
+    head = width - rope_dims
+    return np.concatenate([np.arange(head), head + rotate_half_order(rope_dims, rope_dims)])
+
+
+def _query_rows(w: np.ndarray, cfg: DeepseekConfig) -> np.ndarray:
+    """A query projection's rows [N * (P + R), in], each head's RoPE rows reordered: [in, N, P + R]."""
+    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    heads = np.asarray(w).reshape(cfg.num_heads, width, -1)[:, _rope_rows_last(width, cfg.qk_rope_head_dim)]
+    return np.ascontiguousarray(heads.transpose(2, 0, 1))
+
+
+def _latent_rows(w: np.ndarray, cfg: DeepseekConfig) -> np.ndarray:
+    """`kv_a_proj_with_mqa` [C + R, D], the RoPE key's rows reordered: [D, C + R]."""
+    return np.ascontiguousarray(np.asarray(w)[_rope_rows_last(w.shape[0], cfg.qk_rope_head_dim)].T)
+
+
+def _up_projections(name: str, tensor: Any, cfg: DeepseekConfig) -> list[tuple[str, np.ndarray]]:
+    """`kv_b_proj` [N * (P + V), C] as the keys' and the values' up-projections, [N, P, C] and [N, V, C]."""
+    stem = name.removesuffix("kv_b_proj.weight")
+    heads = np.asarray(tensor).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return [(stem + "w_uk", heads[:, :cfg.qk_nope_head_dim]), (stem + "w_uv", heads[:, cfg.qk_nope_head_dim:])]
+
+
+def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: DeepseekConfig) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors as the model keeps them: the experts stacked per layer and kind, `kv_b_proj`
+    split into the keys' and values' up-projections."""
+    experts = ExpertStacker(cfg.moe.num_experts)
+    for name, tensor in tensors:
+        if (stacked := experts.add(name, tensor)) is not None:
+            yield from stacked
+        elif name.endswith(".self_attn.kv_b_proj.weight"):
+            yield from _up_projections(name, tensor, cfg)
+        else:
+            yield name, tensor
+    experts.check_complete()
+
+
+# HF checkpoint name (after `hf_weight_stream`) -> (NNX path, transform). HF Linear weights are [out, in].
+_LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, DeepseekConfig], np.ndarray]]] = {
+    **{name: llama._LAYER_MAP[name] for name in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "mlp.gate.weight", "mlp.experts_gate", "mlp.experts_up", "mlp.experts_down")},
+    "mlp.gate.e_score_correction_bias": (("mlp", "router_correction"), lambda w, c: np.asarray(w, np.float32)),
+    **{f"mlp.shared_experts.{kind}_proj.weight": (("mlp", "shared_expert", f"{kind}_proj"), lambda w, c: w.T)
+       for kind in ("gate", "up", "down")},
+    "self_attn.q_proj.weight": (("self_attn", "q_proj"), _query_rows),
+    "self_attn.q_a_proj.weight": (("self_attn", "q_a_proj"), lambda w, c: w.T),
+    "self_attn.q_a_layernorm.weight": (("self_attn", "q_a_layernorm", "scale"), lambda w, c: w),
+    "self_attn.q_b_proj.weight": (("self_attn", "q_b_proj"), _query_rows),
+    "self_attn.kv_a_proj_with_mqa.weight": (("self_attn", "kv_a_proj"), _latent_rows),
+    "self_attn.kv_a_layernorm.weight": (("self_attn", "kv_a_layernorm", "scale"), lambda w, c: w),
+    "self_attn.w_uk": (("self_attn", "w_uk"), lambda w, c: w),
+    "self_attn.w_uv": (("self_attn", "w_uv"), lambda w, c: w),
+    "self_attn.o_proj.weight": (
+        ("self_attn", "o_proj"), lambda w, c: w.T.reshape(c.num_heads, c.v_head_dim, c.hidden_size)),
+}
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+def map_hf_weight(name: str, cfg: DeepseekConfig) -> tuple[tuple[str | int, ...], Callable] | None:
+    """Where an HF tensor goes in this model, or None for tensors the model has no use for (V3's multi-token
+    prediction layers past `num_hidden_layers`, among them)."""
+    if match := _LAYER_RE.match(name):
+        layer = int(match.group(1))
+        entry = _LAYER_MAP.get(match.group(2))
+        if entry is None or layer >= cfg.num_layers:
+            return None
+        path, transform = entry
+        return ("layers", layer, *path), transform
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        return ("embed_tokens",), lambda w, c: w
+    if name in ("model.norm.weight", "norm.weight"):
+        return ("norm", "scale"), lambda w, c: w
+    if name == "lm_head.weight" and not cfg.tie_word_embeddings:
+        return ("lm_head",), lambda w, c: w
+    return None
