@@ -125,6 +125,19 @@ def test_llama_3_8b_compiles_for_h100_at_the_narrowest_and_widest_buckets():
 
 
 @pytest.mark.slow
+def test_deepseek_v2_lite_compiles_for_h100_over_its_latent_cache():
+    """DeepSeek's latent attention at the narrowest decode bucket: its 576-dim heads (one KV head of the latent
+    and the RoPE key) on XLA's reference attention (the Triton kernels' blocks exceed the shared memory:
+    tests/ops/test_attention.py), its experts on the Mosaic GPU grouped matmul; a page is 27 layers' K and V of
+    16 tokens x 576 values."""
+    buckets = [Bucket(1, 1, decode_only=True)]
+    report = compile_ladder("deepseek-v2-lite", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            variants=False, buckets=buckets, read_launches=False, num_kv_pages=20_000)
+    _check_report(report, buckets, launches_read=False, budgeted=False)
+    assert report.bytes_per_page == 27 * 2 * 16 * 576 * 2
+
+
+@pytest.mark.slow
 def test_gpt2_compiles_for_a100():
     """The A100 description (trimmed to what jaxlib 0.10's proto reads) works, and `auto` picks the kernels
     for compute capability 8.0 with its 108 SMs."""
@@ -382,6 +395,7 @@ def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
     ("qwen1.5-moe-a2.7b", 14_315_784_192),  # Qwen1.5-MoE-A2.7B's 14.3B, its shared experts and their gates in
     ("granite-3.1-2b", 2_533_531_648),  # Granite 3.1 2B's 2.53B (tied embeddings)
     ("gpt-oss-20b", 20_914_757_184),  # gpt-oss-20b's 20.9B: sinks, biases and the experts' biases counted
+    ("deepseek-v2-lite", 15_706_484_224),  # DeepSeek-V2-Lite's 15.7B: the latent projections, 2 shared experts
 ])
 def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_params):
     """The shapes `jaxserve compile` and `--load-format dummy` take: every expert, router and norm counted."""

@@ -250,6 +250,8 @@ def ragged_paged_attention(
                 return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
                                                         heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)
             return mgpu.ragged_paged_attention_hopper(*args, **scores, programs_per_kv_head=programs)
+    if not interpret and not paged_attention_pallas.fits(q.shape[2]):  # (nor does the Mosaic GPU kernel's memory)
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
     if decode_only:
         return paged_attention_pallas.paged_decode_attention_pallas(
             q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores

@@ -61,6 +61,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# The widest padded head dim the Triton kernels' blocks fit in an H100's shared memory at their block sizes
+# (Gemma 2's 256 does); a wider one (DeepSeek's latent attention: 576, padded to 1,024) asked for 297 KB.
+MAX_HEAD_DIM = 256
+
+
+def fits(head_dim: int) -> bool:
+    """Whether the Triton kernels serve this head dim (`MAX_HEAD_DIM`)."""
+    return _padded_head_dim(head_dim) <= MAX_HEAD_DIM
+
+
 def _padded_head_dim(head_dim: int) -> int:
     """The head dim the kernels compute in: a power of two that Triton's dot accepts."""
     return next_pow2(max(head_dim, _MIN_DOT_DIM))

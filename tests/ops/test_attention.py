@@ -51,6 +51,21 @@ def test_cpu_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
     assert_matches_oracle(got, case, 0.25)
 
 
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_head_dims_wider_than_the_gpu_kernels_fit_take_the_reference_path(decode_only):
+    """DeepSeek's latent attention (576 dims, 1,024 padded) asked the Triton kernels for 297 KB of an H100's
+    227 KB of shared memory: on a GPU it takes XLA's reference path (here, `pallas` without a GPU computes
+    only by that path)."""
+    from jaxserve.ops import paged_attention_pallas
+
+    assert paged_attention_pallas.fits(256) and not paged_attention_pallas.fits(576)
+    q_lens, kv_lens = ([1, 1, 1], [5, 17, 9]) if decode_only else MIXES["chunk_after_cache"]
+    case = make_case(np.random.default_rng(3), q_lens, kv_lens, 16, 1, head_dim=576)
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="pallas",
+                                decode_only=decode_only))
+    assert_matches_oracle(got, case, 0.25)
+
+
 @cpu_paths
 @pytest.mark.parametrize(("query_block", "mix", "pages_per_block"), pairwise(
     [1, 2, 3, 8, 64], ["prefills", "chunk_after_cache", "mixed_with_empty", "long"], [1, 3, 8]))
