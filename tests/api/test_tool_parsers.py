@@ -41,7 +41,22 @@ HARMONY_TWO_CALLS = (  # a preamble, then a call as GPT-OSS writes it and one in
     '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo, '
     '\\"NO\\""}<|end|><|start|>assistant to=functions.now<|channel|>commentary json<|message|> {} <|call|>'
 )
+# DeepSeek's markers (special tokens): V3's calls name a type and fence their arguments; V3.1's do neither
+CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CALL_BEGIN, CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+SEP = "<\uff5ctool\u2581sep\uff5c>"
+DEEPSEEK_V3_TWO_CALLS = (
+    f'Let me check.{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n{{"city": "Paris, \\"FR\\"", '
+    f'"days": [1, 2]}}\n```{CALL_END}\n{CALL_BEGIN}function{SEP}now\n```json\n{{}}\n```{CALL_END}{CALLS_END}')
+DEEPSEEK_V31_TWO_CALLS = (f'{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": "```json {{"}}{CALL_END}'
+                          f'{CALL_BEGIN}now{SEP}{{}}{CALL_END}{CALLS_END}')
 CASES = [
+    (TOOL_PARSERS["deepseek_v3"](), DEEPSEEK_V3_TWO_CALLS, "Let me check.",
+     [("get_weather", {"city": 'Paris, "FR"', "days": [1, 2]}), ("now", {})]),
+    (TOOL_PARSERS["deepseek_v3"](), "Fences: ```json {} ``` are content.", "Fences: ```json {} ``` are content.", []),
+    (TOOL_PARSERS["deepseek_v31"](), DEEPSEEK_V31_TWO_CALLS, None,
+     [("get_weather", {"city": "```json {"}), ("now", {})]),
+    (TOOL_PARSERS["deepseek_v31"](), "Plain answer.", "Plain answer.", []),
     (TOOL_PARSERS["openai"](), HARMONY_TWO_CALLS, "Checking.", [("get_weather", {"city": 'Oslo, "NO"'}), ("now", {})]),
     (TOOL_PARSERS["openai"](), '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": "<|x"}', None,
      [("f", {"a": "<|x"})]),  # its <|call|> stopped generation, so it is not in the text
