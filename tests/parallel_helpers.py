@@ -168,7 +168,8 @@ def _first_attention_weight(state):
     pure = nnx.to_pure_dict(state)
     layers = pure.get("layers") or pure["h"]
     layer = layers[0]
-    weight = layer["self_attn"]["q_proj"] if "self_attn" in layer else layer["qkv"]
+    attention = layer.get("self_attn", {})
+    weight = attention.get("q_proj", attention.get("q_b_proj")) if attention else layer["qkv"]  # DeepSeek V3: q_b
     return getattr(weight, "values", weight)  # an Fp8Weight's e4m3 values
 
 

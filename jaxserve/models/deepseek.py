@@ -24,6 +24,7 @@ Axis letters: T tokens, D hidden, N heads, P no-RoPE query/key dims, R RoPE dims
 Q query latent (V3's `q_lora_rank`), F MLP width.
 """
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -57,6 +58,7 @@ from jaxserve.models.layers import (
 from jaxserve.models.moe import ExpertStacker, MoeConfig, SparseMoeBlock
 from jaxserve.models.rope_layout import rotate_half_order
 from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import SplitRule
 
 _LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek norms of the two latents take the norm's default, not the config's
 
@@ -80,6 +82,9 @@ class DeepseekConfig:
     sm_scale: float  # (P + R)^-1/2, times YaRN's mscale squared where RoPE is scaled
     moe: MoeConfig
     first_dense_layers: int  # `first_k_dense_replace`
+    # The cache's KV heads: the latent's one, or under tensor parallelism a copy of it on each device
+    # (`jaxserve.parallel.HeadLayout`), each read by that device's query heads
+    num_kv_heads: int = 1
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: None = None  # no adapter stacks (--enable-lora is refused)
 
@@ -120,17 +125,19 @@ class DeepseekConfig:
             attention=attention or AttentionConfig(),
         )
 
-    # What the cache and the runner see: one KV head of the latent and the RoPE key.
-    @property
-    def num_kv_heads(self) -> int:
-        return 1
-
     @property
     def head_dim(self) -> int:
+        """What the cache keeps a KV head: the latent and the RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def with_heads(self, num_heads: int, num_kv_heads: int) -> "DeepseekConfig":
-        raise ValueError("tensor parallelism is not supported for DeepSeek's latent attention yet")
+        """The same model with its heads laid out for tensor parallelism: the query heads split over the
+        devices, the latent's one KV head copied to each."""
+        return dataclasses.replace(self, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+    def with_expert_parallel(self) -> "DeepseekConfig":
+        """Experts split whole over the mesh's devices (`--enable-expert-parallel`), not by their F axis."""
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, expert_parallel=True))
 
 
 def _softmax_scale(rope: dict[str, Any], qk_head_dim: int) -> float:
@@ -178,6 +185,8 @@ class LatentAttention(nnx.Module):
                               preferred_element_type=jnp.float32).astype(q.dtype)  # [T, N, C]
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C + R]
         key = jnp.concatenate([kv[:, None, :], k_rope], axis=-1)  # [T, 1, C + R]: what the cache keeps
+        if cfg.num_kv_heads > 1:  # a copy for each device's query heads (tensor parallelism)
+            key = jnp.broadcast_to(key, (key.shape[0], cfg.num_kv_heads, key.shape[2]))
         out, kv_cache = paged_attention(query, key, key, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale)
         w_uv = self.w_uv[...]
         heads = jnp.einsum("tnc,nvc->tnv", out[..., :c].astype(w_uv.dtype), w_uv,
@@ -234,9 +243,20 @@ LAYERS_KEY = llama.LAYERS_KEY
 EMBEDDING_TABLES = llama.EMBEDDING_TABLES
 
 
-def split_rule(name: str, cfg: DeepseekConfig) -> tuple[None, None]:
-    """Every parameter whole on one device: tensor parallelism is refused (`DeepseekConfig.with_heads`)."""
-    return None, None
+# Tensor parallelism (`jaxserve.parallel`): the query heads and everything per head split, the latents'
+# projections whole on every device (each computes the latent its cache copy keeps); the MLPs and experts as
+# Llama's.
+TENSOR_PARALLEL: dict[str, SplitRule] = {
+    **llama.TENSOR_PARALLEL, "q_proj": (1, "q"), "q_b_proj": (1, "q"), "w_uk": (0, "q"), "w_uv": (0, "q"),
+    "o_proj": (0, "q"), "q_a_proj": (None, None), "kv_a_proj": (None, None), "router_correction": (None, None),
+}
+
+
+def split_rule(name: str, cfg: DeepseekConfig) -> SplitRule:
+    """How the parameter `name` splits over a mesh (the experts as the config lays them out)."""
+    if cfg.moe.expert_parallel and name in llama.EXPERT_PARALLEL:
+        return llama.EXPERT_PARALLEL[name]
+    return TENSOR_PARALLEL[name]
 
 
 def kv_scale_factor(cfg: DeepseekConfig, path: tuple, k_scale: float, v_scale: float) -> Any:
