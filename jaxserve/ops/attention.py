@@ -29,6 +29,7 @@ import jaxlib.version
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
 from jaxserve.ops import cpu_kernels, paged_attention_pallas
+from jaxserve.ops.head_groups import in_group_parts
 from jaxserve.ops.paged_attention_cpu import ragged_paged_attention_cpu
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
 
@@ -250,12 +251,20 @@ def ragged_paged_attention(
                 return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
                                                         heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)
             return mgpu.ragged_paged_attention_hopper(*args, **scores, programs_per_kv_head=programs)
-    if not interpret and not paged_attention_pallas.fits(q.shape[2]):  # (nor does the Mosaic GPU kernel's memory)
+    settings = paged_attention_pallas.block_settings(q.shape[2], decode_only)
+    group = q.shape[1] // k_pages.shape[0]
+    if settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
+                            and group % paged_attention_pallas.MAX_WIDE_GROUP):
         return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
-    if decode_only:
-        return paged_attention_pallas.paged_decode_attention_pallas(
-            q, k_pages, v_pages, kv_lens, page_table, interpret=interpret, num_sms=num_sms, **scores
-        )
-    return paged_attention_pallas.ragged_paged_attention_pallas(
-        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, interpret=interpret, **scores
-    )
+
+    def triton(q: jax.Array, sinks: jax.Array | None) -> jax.Array:  # (sinks: these heads')
+        kwargs = {**scores, **settings, "sinks": sinks, "interpret": interpret}
+        if decode_only:
+            return paged_attention_pallas.paged_decode_attention_pallas(
+                q, k_pages, v_pages, kv_lens, page_table, num_sms=num_sms, **kwargs)
+        return paged_attention_pallas.ragged_paged_attention_pallas(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **kwargs)
+
+    if settings and group > paged_attention_pallas.MAX_WIDE_GROUP:  # wide heads: a part of the group a call
+        return in_group_parts(triton, q, k_pages.shape[0], paged_attention_pallas.MAX_WIDE_GROUP, sinks)
+    return triton(q, sinks)

@@ -61,14 +61,26 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-# The widest padded head dim the Triton kernels' blocks fit in an H100's shared memory at their block sizes
-# (Gemma 2's 256 does); a wider one (DeepSeek's latent attention: 576, padded to 1,024) asked for 297 KB.
+# The widest padded head dim the Triton kernels' default blocks fit in an H100's shared memory (Gemma 2's 256
+# does). Wider heads up to 1,024 padded (DeepSeek's latent attention: 576) take smaller blocks and at most
+# `MAX_WIDE_GROUP` query heads a KV head a block; at the defaults DeepSeek-V2-Lite's asked for 297 KB of the
+# 227 KB (deviceless H100 compiles: docs/benchmarks.md, stop 97).
 MAX_HEAD_DIM = 256
+MAX_WIDE_HEAD_DIM = 1024
+MAX_WIDE_GROUP = 32
+WIDE_DECODE = dict(block_kv=32, num_stages=3)
+WIDE_RAGGED = dict(block_kv=32, num_stages=2, block_rows=32)
 
 
-def fits(head_dim: int) -> bool:
-    """Whether the Triton kernels serve this head dim (`MAX_HEAD_DIM`)."""
-    return _padded_head_dim(head_dim) <= MAX_HEAD_DIM
+def block_settings(head_dim: int, decode_only: bool) -> dict | None:
+    """The kernels' block settings for a head dim: the defaults ({}), the wide heads' smaller blocks, or None
+    where no setting fits (XLA's reference path serves those)."""
+    padded = _padded_head_dim(head_dim)
+    if padded <= MAX_HEAD_DIM:
+        return {}
+    if padded <= MAX_WIDE_HEAD_DIM:
+        return dict(WIDE_DECODE if decode_only else WIDE_RAGGED)
+    return None
 
 
 def _padded_head_dim(head_dim: int) -> int:

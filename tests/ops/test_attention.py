@@ -52,16 +52,19 @@ def test_cpu_paths_match_oracle(impl, mix, num_q_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("decode_only", [False, True])
-def test_head_dims_wider_than_the_gpu_kernels_fit_take_the_reference_path(decode_only):
-    """DeepSeek's latent attention (576 dims, 1,024 padded) asked the Triton kernels for 297 KB of an H100's
-    227 KB of shared memory: on a GPU it takes XLA's reference path (here, `pallas` without a GPU computes
-    only by that path)."""
-    from jaxserve.ops import paged_attention_pallas
+@pytest.mark.parametrize("num_q_heads", [16, 64])
+def test_wide_heads_in_the_triton_kernels_smaller_blocks_match_the_oracle(decode_only, num_q_heads):
+    """DeepSeek's latent attention (576 dims, padded to 1,024; all heads on one KV head) at the Triton kernels'
+    wide-head settings, in interpret mode: a group of 64 in two calls of 32 heads. (At the default blocks its
+    576-dim heads asked an H100 for 297 KB of shared memory; tests/test_compile_ladder.py compiles these.)"""
+    from jaxserve.ops import paged_attention_pallas as pallas
 
-    assert paged_attention_pallas.fits(256) and not paged_attention_pallas.fits(576)
-    q_lens, kv_lens = ([1, 1, 1], [5, 17, 9]) if decode_only else MIXES["chunk_after_cache"]
-    case = make_case(np.random.default_rng(3), q_lens, kv_lens, 16, 1, head_dim=576)
-    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="pallas",
+    assert pallas.block_settings(256, decode_only) == {} and pallas.block_settings(2048, decode_only) is None
+    assert pallas.block_settings(576, decode_only) == (pallas.WIDE_DECODE if decode_only else pallas.WIDE_RAGGED)
+    q_lens, kv_lens = ([1, 1, 1], [5, 40, 9]) if decode_only else ([1, 7, 0, 3], [9, 40, 0, 3])
+    pads = dict(pad_tokens=0, pad_reqs=0) if decode_only else {}
+    case = make_case(np.random.default_rng(3), q_lens, kv_lens, num_q_heads, 1, head_dim=576, **pads)
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="interpret",
                                 decode_only=decode_only))
     assert_matches_oracle(got, case, 0.25)
 

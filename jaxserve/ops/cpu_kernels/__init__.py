@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.ops import kernel_build
+from jaxserve.ops.head_groups import in_group_parts
 from jaxserve.ops.kernel_build import NativeKernelUnavailable
 
 # FFI target name -> the library's handler symbol.
@@ -71,19 +72,12 @@ def ragged_paged_attention(
     holds (DeepSeek's latent attention: all N heads on one) is attended a part of the group at a time."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
-    num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
-    group = num_q_heads // num_kv_heads
+    group = q.shape[1] // num_kv_heads
     if group > MAX_GROUP and group % MAX_GROUP == 0:
-        parts = group // MAX_GROUP
-        by_part = q.reshape(num_tokens, num_kv_heads, parts, MAX_GROUP, head_dim)
-        part_sinks = None if sinks is None else jnp.asarray(sinks).reshape(num_kv_heads, parts, MAX_GROUP)
-        outs = [ragged_paged_attention(
-            by_part[:, :, part].reshape(num_tokens, num_kv_heads * MAX_GROUP, head_dim), k_pages, v_pages, kv_lens,
-            page_table, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            sinks=None if part_sinks is None else part_sinks[:, part].reshape(-1)) for part in range(parts)]
-        return jnp.stack([out.reshape(num_tokens, num_kv_heads, MAX_GROUP, head_dim) for out in outs],
-                         axis=2).reshape(q.shape)
+        return in_group_parts(lambda q, sinks: ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
+            logit_softcap=logit_softcap, sinks=sinks), q, num_kv_heads, MAX_GROUP, sinks)
     call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
                 cu_q_lens.astype(jnp.int32),
