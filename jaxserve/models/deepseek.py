@@ -126,6 +126,11 @@ class DeepseekConfig:
         )
 
     @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is the experts (after the first `first_k_dense_replace` dense ones)."""
+        return tuple(layer >= self.first_dense_layers for layer in range(self.num_layers))
+
+    @property
     def head_dim(self) -> int:
         """What the cache keeps a KV head: the latent and the RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -200,7 +205,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(d, eps, dtype)
         self.self_attn = LatentAttention(cfg, dtype, weight_dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype)
-        self.is_moe = layer >= cfg.first_dense_layers
+        self.is_moe = cfg.moe_layers[layer]
         self.mlp = (SparseMoeBlock(cfg.moe, d, cfg.attention, weight_dtype) if self.is_moe
                     else GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, None, "silu"))
 
