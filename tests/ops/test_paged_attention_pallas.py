@@ -275,3 +275,23 @@ def test_kernels_match_the_oracle_at_serving_shapes(mix, dtype):
     sm_scale = head_dim**-0.5
     got = run_jitted(ragged_paged_attention, *case.args, sm_scale=sm_scale, impl=KERNEL_IMPL, decode_only=decode_only)
     check(got, case, sm_scale, dtype, tol=SERVING_TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(INTERPRET, reason="minutes in Pallas' interpreter at these shapes (tests/ops/test_attention.py "
+                                      "runs the wide heads' blocks interpreted, smaller)")
+@pytest.mark.parametrize("num_q_heads", [16, 64])  # DeepSeek-V2-Lite's, and a group the calls split in two
+@pytest.mark.parametrize("mix", SERVING_MIXES)
+def test_deepseek_s_wide_heads_match_the_oracle_on_the_device(mix, num_q_heads):
+    """DeepSeek's latent attention (one KV head of 576 dims, the wide-head blocks) at bfloat16 serving shapes:
+    64 decodes over contexts of up to 2,048 tokens, and a 512-token chunk beside 15 decodes."""
+    rng = np.random.default_rng(num_q_heads)
+    shape = dict(page_size=16, head_dim=576, dtype=jnp.bfloat16, max_pages=2048 // 16 + 1)
+    decode_only = mix == "256 decodes"
+    if decode_only:
+        case = decode_case(rng, rng.integers(1, 2049, 64).tolist(), num_q_heads, 1, **shape)
+    else:
+        case = make_case(rng, [512] + [1] * 15, [1024, *rng.integers(100, 1500, 15).tolist()], num_q_heads, 1,
+                         **shape)
+    sm_scale = 192**-0.5  # (nope + rope)^-1/2, not the cached width's
+    got = run_jitted(ragged_paged_attention, *case.args, sm_scale=sm_scale, impl=KERNEL_IMPL, decode_only=decode_only)
+    check(got, case, sm_scale, jnp.bfloat16, tol=SERVING_TOLERANCE[jnp.bfloat16])
