@@ -334,6 +334,10 @@ class RequestLimits:
         if bad is not None:
             raise InvalidParam(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         self.check_length(num_prompt, params.max_tokens, pooled)
+        if params.max_tokens is None and not pooled and params.min_tokens > self.max_model_len - num_prompt:
+            raise InvalidParam(f"min_tokens ({params.min_tokens}) must be <= max_tokens (the "
+                               f"{self.max_model_len - num_prompt} tokens the context leaves after the prompt)",
+                               "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

@@ -109,3 +109,12 @@ def test_output_kind_must_be_a_request_output_kind():
         with pytest.raises(InvalidParam, match="output_kind") as info:
             SamplingParams(output_kind=bad)
         assert info.value.param == "output_kind"
+
+
+def test_min_tokens_past_what_the_context_leaves_is_refused_without_max_tokens():
+    """Without max_tokens a request may run to the context's end: min_tokens beyond that (EOS banned until the
+    context is full) is refused, as vLLM refuses min_tokens > the max_tokens it fills in."""
+    LIMITS.check([1] * 100, SamplingParams(max_tokens=None, min_tokens=8092))
+    with pytest.raises(InvalidParam, match=r"min_tokens \(8093\) must be <= max_tokens \(the 8092 tokens") as info:
+        LIMITS.check([1] * 100, SamplingParams(max_tokens=None, min_tokens=8093))
+    assert info.value.param == "min_tokens"

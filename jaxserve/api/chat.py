@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import jinja2
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from jaxserve.api.beam_search import ServedBeamSearch, beam_search, beam_search_params
 from jaxserve.api.errors import MAX_JSON_DEPTH, APIError, check_json
@@ -33,7 +33,14 @@ from jaxserve.api.protocol import (
     UsageInfo,
 )
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningSplitter, reasoning_stream, split_reasoning
-from jaxserve.api.serving import ModelServing, get_serving, request_ids, requested_structure
+from jaxserve.api.serving import (
+    ModelServing,
+    get_serving,
+    logprob_token_ids,
+    num_logprobs,
+    request_ids,
+    requested_structure,
+)
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
@@ -347,23 +354,29 @@ async def create_chat_completion(request: Request) -> Response:
                                   run.lora_name)
     else:
         (final,) = await collect(request, streams)
-    items = []
-    role = _reply_role(serving, req)
+    role, by_id = _reply_role(serving, req), serving.tokens_by_id(req)
     echoed = _echoed(req, role)
-    for c in final.outputs:
-        message, finish_reason = _message(c, plan, reasoning, role)
-        if echoed:
-            message.content = echoed + (message.content or "")
-        items.append(ChatChoice(index=c.index, message=message,
-                                logprobs=_logprobs(serving, c, serving.tokens_by_id(req)) if req.logprobs
-                                else None,
-                                finish_reason=finish_reason, stop_reason=c.stop_reason,
-                                token_ids=list(c.token_ids) if req.return_token_ids else None))
-    usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
-    return JSONResponse(ChatCompletionResponse(
-        id=request_id, model=model_name, choices=items, usage=usage,
-        prompt_logprobs=await serving.prompt_logprobs(final),
-        prompt_token_ids=prompt_ids if req.return_token_ids else None).model_dump())
+    if req.logprobs:
+        await serving.label_tokens(logprob_token_ids(final.outputs), by_id)
+    prompt_logprobs = await serving.prompt_logprobs(final)
+
+    def build() -> ChatCompletionResponse:
+        items = []
+        for c in final.outputs:
+            message, finish_reason = _message(c, plan, reasoning, role)
+            if echoed:
+                message.content = echoed + (message.content or "")
+            items.append(ChatChoice(index=c.index, message=message,
+                                    logprobs=_logprobs(serving, c, by_id) if req.logprobs else None,
+                                    finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                    token_ids=list(c.token_ids) if req.return_token_ids else None))
+        usage = UsageInfo.of(len(prompt_ids), final.num_generated_tokens, final.num_cached_tokens)
+        return ChatCompletionResponse(id=request_id, model=model_name, choices=items, usage=usage,
+                                      prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=prompt_ids if req.return_token_ids else None)
+
+    return await serving.answer(build, num_logprobs(final, req.top_logprobs if req.logprobs else None,
+                                                    req.prompt_logprobs))
 
 
 def _reply_role(serving: ModelServing, req: ChatCompletionRequest) -> str:

@@ -1,10 +1,11 @@
 """POST /v1/completions: one engine request per prompt (each with its n completions), streamed or not."""
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from jaxserve.api.beam_search import beam_search, beam_search_params, side_by_side
 from jaxserve.api.errors import APIError
@@ -15,7 +16,7 @@ from jaxserve.api.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from jaxserve.api.serving import ModelServing, get_serving, request_ids
+from jaxserve.api.serving import ModelServing, get_serving, logprob_token_ids, num_logprobs, request_ids
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
@@ -50,22 +51,27 @@ async def _prompts(serving: ModelServing, req: CompletionRequest) -> list[tuple[
 
 async def _echo_logprobs(serving: ModelServing, output: RequestOutput, by_id: bool) -> CompletionLogprobs:
     """The prompt's part of `echo` with `logprobs`: each prompt token with its prompt logprob (None for
-    the first) and the alternatives the request asked for, in the legacy completions shape."""
+    the first) and the alternatives the request asked for, in the legacy completions shape (built on a worker
+    thread: a long prompt's entries are many)."""
     entries = output.prompt_logprobs or [None] * output.num_prompt_tokens
     ids = {*output.prompt_token_ids, *(t for e in entries if e for t in e)}
     if by_id:  # named "token_id:{id}": nothing to decode
         strings = {t: serving.token_label(t, by_id=True) for t in ids}
     else:
         strings = await serving.token_strings(ids)
-    result, text_offset = CompletionLogprobs(), 0
-    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
-        token = strings[token_id]
-        result.tokens.append(token)
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-        result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
-        result.top_logprobs.append(None if entry is None else {strings[t]: lp.logprob for t, lp in entry.items()})
-    return result
+
+    def convert() -> CompletionLogprobs:
+        result, text_offset = CompletionLogprobs(), 0
+        for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
+            token = strings[token_id]
+            result.tokens.append(token)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+            result.top_logprobs.append(None if entry is None else {strings[t]: lp.logprob for t, lp in entry.items()})
+        return result
+
+    return await asyncio.to_thread(convert)
 
 
 def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
@@ -150,31 +156,41 @@ async def create_completion(request: Request) -> Response:
 async def _response(serving: ModelServing, req: CompletionRequest, request_id: str, model_name: str,
                     prompts: list[tuple[str | None, list[int]]], finals: list[RequestOutput]) -> Response:
     """The whole answer from each prompt's final output."""
-    items, num_generated = [], 0
     by_id = serving.tokens_by_id(req)
-    for prompt_index, output in enumerate(finals):
-        prompt_text, prompt_ids = prompts[prompt_index]
-        echoed = (await _echo_logprobs(serving, output, by_id) if req.echo and req.logprobs is not None
-                  else None)
-        prompt_logprobs = await serving.prompt_logprobs(output) if req.prompt_logprobs is not None else None
-        for completion in output.outputs:
-            num_generated += len(completion.token_ids)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0, by_id)
-                logprobs = _joined(echoed, logprobs) if echoed else logprobs
-            items.append(CompletionChoice(
-                index=prompt_index * req.n + completion.index,
-                text=((prompt_text or "") if req.echo else "") + completion.text,
-                logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                prompt_logprobs=prompt_logprobs,
-                token_ids=list(completion.token_ids) if req.return_token_ids else None,
-                prompt_token_ids=prompt_ids if req.return_token_ids else None,
-            ))
-    usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), num_generated, sum(o.num_cached_tokens for o in finals))
-    return JSONResponse(CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage).model_dump())
+    echoes = [await _echo_logprobs(serving, output, by_id) if req.echo and req.logprobs is not None else None
+              for output in finals]
+    prompt_logprobs = [await serving.prompt_logprobs(output) if req.prompt_logprobs is not None else None
+                       for output in finals]
+    if req.logprobs is not None:
+        await serving.label_tokens(logprob_token_ids(c for output in finals for c in output.outputs), by_id)
+
+    def build() -> CompletionResponse:
+        items, num_generated = [], 0
+        for prompt_index, output in enumerate(finals):
+            prompt_text, prompt_ids = prompts[prompt_index]
+            echoed = echoes[prompt_index]
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _logprobs(serving, completion, _end_offset(echoed) if echoed else 0, by_id)
+                    logprobs = _joined(echoed, logprobs) if echoed else logprobs
+                items.append(CompletionChoice(
+                    index=prompt_index * req.n + completion.index,
+                    text=((prompt_text or "") if req.echo else "") + completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    prompt_logprobs=prompt_logprobs[prompt_index],
+                    token_ids=list(completion.token_ids) if req.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                ))
+        usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), num_generated,
+                             sum(o.num_cached_tokens for o in finals))
+        return CompletionResponse(id=request_id, model=model_name, choices=items, usage=usage)
+
+    echoed_prompts = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
+    return await serving.answer(build, sum(num_logprobs(output, req.logprobs, echoed_prompts) for output in finals))
 
 
 async def _chunks(

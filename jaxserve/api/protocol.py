@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -73,10 +73,21 @@ class StructuredOutputsField(BaseModel):
     whitespace_pattern: str | None = None
 
 
+# Fields OpenAI's API lets a client send as null, meaning the default (completions' max_tokens: its 16)
+NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "echo", "parallel_tool_calls", "max_tokens"})
+
+
 class SamplingFields(BaseModel):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
+            return {key: value for key, value in data.items() if value is not None or key not in NULL_IS_DEFAULT}
+        return data
 
     model: str | None = None
     n: int = 1

@@ -460,3 +460,13 @@ def test_sigterm_exits_without_waiting_for_background_compiles(tmp_path: Path, c
         assert "server stopped" in log and "Traceback" not in log, log[-3000:]
     finally:
         stop_server(server)
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    """OpenAI's and vLLM's rule: stream_options only with stream true (it was taken and ignored)."""
+    for path, body in (("/v1/chat/completions", {"messages": FRANCE}), ("/v1/completions", {"prompt": "Hi"})):
+        for stream in (False, None):
+            response = httpx.post(f"{server.base_url}{path}", headers=AUTH, json={
+                **body, "max_tokens": 2, "stream": stream, "stream_options": {"include_usage": True}})
+            assert_error(response, 400, "stream_options")
+            assert response.json()["error"]["param"] == "stream_options"

@@ -184,3 +184,89 @@ def test_a_large_body_s_long_lists_are_validated_an_item_at_a_time_to_the_same_r
             check(ChatCompletionRequest, bad)
         errors.append((info.value.param, info.value.message))
     assert errors[0] == errors[1] and errors[0][0].startswith("messages.2500.content"), errors
+
+
+def test_null_is_the_default_where_openai_lets_a_client_send_it():
+    """n, stream, logprobs, echo, parallel_tool_calls and max_tokens sent as null take their defaults, as
+    OpenAI's and vLLM's servers read them (a null was a 400; completions' max_tokens null ran to the context's
+    end instead of its default 16)."""
+    from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest
+
+    completion = validate(CompletionRequest, {"prompt": "x", "max_tokens": None, "n": None, "stream": None,
+                                              "echo": None, "logprobs": None})
+    assert (completion.max_tokens, completion.n, completion.stream, completion.echo, completion.logprobs) == (
+        16, 1, False, False, None)
+    chat = validate(ChatCompletionRequest, {"messages": [], "n": None, "stream": None, "logprobs": None,
+                                            "parallel_tool_calls": None, "max_tokens": None})
+    assert (chat.n, chat.stream, chat.logprobs, chat.parallel_tool_calls, chat.max_tokens) == (1, False, False, True,
+                                                                                                None)
+    with pytest.raises(APIError, match="n"):
+        validate(CompletionRequest, {"prompt": "x", "n": "two"})
+
+
+def test_a_large_answer_is_built_and_encoded_on_a_worker_thread_to_the_same_bytes():
+    """`ModelServing.answer`: an answer listing many logprobs is built off the event loop and encoded in pieces
+    (`json_pieces.dumps_in_pieces`), to the bytes Starlette's JSONResponse of its dump gives; a small one is
+    built here."""
+    import threading
+
+    from starlette.responses import JSONResponse
+
+    from jaxserve.api.protocol import (
+        ChatChoice,
+        ChatCompletionResponse,
+        ChatLogprobs,
+        ChatResponseMessage,
+        PromptLogprob,
+        TokenLogprob,
+        TopLogprob,
+        UsageInfo,
+    )
+    from jaxserve.api.serving import LARGE_ANSWER_LOGPROBS, ModelServing
+
+    def build() -> ChatCompletionResponse:
+        built_on.append(threading.current_thread())
+        tokens = [TokenLogprob(token=f"t\u00e9{i}\"", logprob=-i / 7, bytes=[116], top_logprobs=[
+            TopLogprob(token=f"a{j}", logprob=-j / 3, bytes=[97]) for j in range(3)]) for i in range(40)]
+        return ChatCompletionResponse(
+            id="x", model="m", usage=UsageInfo.of(3, 40, 0), prompt_logprobs=[None, {5: PromptLogprob(
+                logprob=-1.5, rank=1, decoded_token="a")}],
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(role="assistant", content="h\u00e9"),
+                                logprobs=ChatLogprobs(content=tokens), finish_reason="stop") for i in range(4)])
+
+    async def main():
+        return (threading.current_thread(), await ModelServing.answer(build, LARGE_ANSWER_LOGPROBS),
+                await ModelServing.answer(build, LARGE_ANSWER_LOGPROBS + 1))
+
+    built_on: list[threading.Thread] = []
+    loop_thread, small, large = asyncio.run(main())
+    assert built_on[0] is loop_thread and built_on[1] is not loop_thread
+    expected = JSONResponse(build().model_dump()).body
+    assert small.body == large.body == expected and large.media_type == "application/json"
+
+
+def test_other_threads_run_while_a_large_answer_is_encoded():
+    """pydantic's model_dump and json.dumps are one call each over a whole answer: in pieces, the lock passes."""
+    import threading
+    import time
+
+    from jaxserve.api.json_pieces import dumps_in_pieces
+    from jaxserve.api.protocol import ChatLogprobs, TokenLogprob, TopLogprob
+
+    logprobs = ChatLogprobs(content=[TokenLogprob(token="t", logprob=-1.0, top_logprobs=[
+        TopLogprob(token="a", logprob=-2.0, bytes=[97]) for _ in range(20)]) for _ in range(6000)])
+    encoding, ticks = threading.Event(), []
+
+    def tick() -> None:
+        encoding.wait()
+        while encoding.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    encoding.set()
+    body = dumps_in_pieces(logprobs)
+    encoding.clear()
+    ticker.join()
+    assert json.loads(body) == logprobs.model_dump() and len(ticks) >= 4, len(ticks)

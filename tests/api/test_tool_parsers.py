@@ -154,7 +154,6 @@ def test_unfinished_call_is_content_when_parsed():
 
 @pytest.mark.parametrize(("parser", "text"), [
     (TOOL_PARSERS["hermes"](), '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "argu'),
-    (RequiredCallsParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": '),
     (TOOL_PARSERS["mistral"](), '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR'),
     (TOOL_PARSERS["pythonic"](), "[a(), b(x=[1, "),
     (TOOL_PARSERS["openai"](), "<|channel|>commentary to=functions.a <|constrain|>json<|message|>{}<|end|><|start|>"
@@ -164,6 +163,16 @@ def test_a_truncated_output_keeps_its_complete_calls(parser, text):
     _, calls = parser.parse(text, truncated=True)
     assert [c.name for c in calls] == ["a"] and json.loads(calls[0].arguments) in ({}, {"x": 1})
     assert parser.parse(text) == (text, []), "not cut by max_tokens: an unfinished call is content"
+
+
+def test_a_required_choice_cut_inside_its_first_call_is_neither_content_nor_a_call():
+    """`tool_choice: "required"`: the grammar made the text calls, so an output cut before its first call was
+    complete is not content (it was given as the raw JSON); cut later, its complete calls are kept."""
+    for text in ('[{"name": "a", "parameters": {"x', '[{"name": "a", "parameters":', "["):
+        assert RequiredCallsParser().parse(text, truncated=True) == (None, [])
+    _, calls = RequiredCallsParser().parse('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "par',
+                                           truncated=True)
+    assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')]
 
 
 def test_calls_with_arguments_that_are_not_literals_are_content():

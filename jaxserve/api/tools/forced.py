@@ -62,3 +62,9 @@ class RequiredCallsParser(ToolParser):
         if start >= len(text) or text[start] != "[":
             return Scan("", [])
         return Scan("", calls_in_sequence(text, skip_whitespace(text, start + 1), ",", ("name",), ("parameters",)))
+
+    def unparsed(self, text: str, scan: Scan) -> str | None:
+        """None: the grammar made the text calls, so an output cut before its first call was complete is not
+        content (it was the raw JSON, where the stream had sent the call; vLLM's whole answer: no calls and no
+        content). Cut later, the answer keeps its complete calls (`ToolParser.parse`)."""
+        return None
