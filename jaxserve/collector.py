@@ -9,8 +9,9 @@ the GIL for seconds, while the compile threads waited to trace their next bucket
 How. `fewer_collections()` raises the youngest generation's threshold while a start traces, so the
 collector runs far less often; the garbage it then finds is the same. The old thresholds return when the
 last thread inside leaves (an engine's warm-up and a deviceless compile may overlap in one process).
-Nothing is frozen or disabled: a process that builds and drops engines (the offline `LLM`, the tests)
-still reclaims their cycles.
+Nothing is frozen or disabled here: a process that builds and drops engines (the offline `LLM`, the tests)
+still reclaims their cycles. A server, which keeps its engine for good, freezes its start-up heap once it
+is ready (`freeze_start_up_heap`).
 """
 
 import contextlib
@@ -23,6 +24,16 @@ START_UP_THRESHOLD = 50_000  # net allocations between young collections; CPytho
 _lock = threading.Lock()
 _inside = 0
 _restore: tuple[int, ...] = ()
+
+
+def freeze_start_up_heap() -> None:
+    """A server's objects from its start (the imports, the model, the compiled steps: millions of them)
+    moved out of the collector's reach for good, after one last collection (`gc.freeze`, as vLLM's server
+    does once it is up). A full collection then traverses what the requests made since, not the whole
+    start-up heap: the event loop no longer stops for the tenths of a second that each one took while a
+    large request's objects piled up (docs/benchmarks.md, stop 97)."""
+    gc.collect()
+    gc.freeze()
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightM
 from jaxserve.api.openapi import openapi_routes
 from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.api.serving import ModelServing, ServerState
+from jaxserve.collector import freeze_start_up_heap
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 
@@ -65,6 +66,7 @@ def create_app(
             if on_load_error is not None:
                 on_load_error(e)
             return
+        await asyncio.to_thread(freeze_start_up_heap)
         host = "0.0.0.0" if config.host in ("", "::") else config.host
         logger.info("ready: serving %s at http://%s:%d%s/v1", state.serving.model_names[0], host,
                     config.port, config.root_path)
