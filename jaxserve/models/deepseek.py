@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -40,14 +39,10 @@ from jaxserve.models import llama
 from jaxserve.models.layers import (
     AttentionMetadata,
     GatedMlp,
-    KVCache,
     RMSNorm,
     Rope,
-    apply_layers,
     apply_rope,
     dense,
-    embedding_lookup,
-    logits_from_embeddings,
     merge_heads,
     paged_attention,
     param,
@@ -87,6 +82,8 @@ class DeepseekConfig:
     num_kv_heads: int = 1
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: None = None  # no adapter stacks (--enable-lora is refused)
+    embedding_multiplier: float = 1.0  # (Llama's stack reads these: Granite's scales, none here)
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "DeepseekConfig":
@@ -215,33 +212,10 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-class DeepseekForCausalLM(nnx.Module):
-    def __init__(self, cfg: DeepseekConfig, dtype: Any, weight_dtype: Any = None) -> None:
-        """`dtype`: activations, norms; `weight_dtype` (None: `dtype`): projections, embeddings, LM head."""
-        weight_dtype = weight_dtype or dtype
-        self.cfg = cfg
-        self.dtype = dtype
-        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
+class DeepseekForCausalLM(llama.LlamaForCausalLM):
+    """Llama's stack (embeddings, layers, norm, LM head) of DeepSeek's blocks."""
 
-    def __call__(
-        self,
-        input_ids: jax.Array,  # i32[T]
-        positions: jax.Array,  # i32[T]
-        kv_caches: KVCache,
-        md: AttentionMetadata,
-        lora_slots: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
-        x, new_caches = apply_layers(self.layers, x, kv_caches, positions=positions, md=md)
-        return self.norm(x), new_caches
-
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return logits_from_embeddings(hidden, head[...], self.cfg.attention)
+    layer_class = DecoderLayer
 
 
 LAYERS_KEY = llama.LAYERS_KEY

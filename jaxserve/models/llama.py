@@ -290,13 +290,15 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    layer_class: type[nnx.Module] = DecoderLayer  # a family of another block over the same stack (DeepSeek's)
+
     def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any = None) -> None:
         """`dtype`: activations, norms, biases; `weight_dtype` (None: `dtype`): projections, embeddings, LM head."""
         weight_dtype = weight_dtype or dtype
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([self.layer_class(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=weight_dtype)
