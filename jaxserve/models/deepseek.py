@@ -26,7 +26,6 @@ Q query latent (V3's `q_lora_rank`), F MLP width.
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,7 +299,7 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, DeepseekConfi
     "self_attn.o_proj.weight": (
         ("self_attn", "o_proj"), lambda w, c: w.T.reshape(c.num_heads, c.v_head_dim, c.hidden_size)),
 }
-_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_LAYER_RE = llama._LAYER_RE
 
 
 def map_hf_weight(name: str, cfg: DeepseekConfig) -> tuple[tuple[str | int, ...], Callable] | None:
@@ -313,10 +312,4 @@ def map_hf_weight(name: str, cfg: DeepseekConfig) -> tuple[tuple[str | int, ...]
             return None
         path, transform = entry
         return ("layers", layer, *path), transform
-    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
-        return ("embed_tokens",), lambda w, c: w
-    if name in ("model.norm.weight", "norm.weight"):
-        return ("norm", "scale"), lambda w, c: w
-    if name == "lm_head.weight" and not cfg.tie_word_embeddings:
-        return ("lm_head",), lambda w, c: w
-    return None
+    return llama.map_outer_weight(name, cfg)

@@ -537,6 +537,11 @@ def map_hf_weight(name: str, cfg: LlamaConfig) -> tuple[tuple[str | int, ...], C
             return None
         path, transform = entry
         return ("layers", int(match.group(1)), *path), transform
+    return map_outer_weight(name, cfg)
+
+
+def map_outer_weight(name: str, cfg: Any) -> tuple[tuple[str | int, ...], Callable] | None:
+    """Where the embeddings, the final norm and an untied LM head go in a Llama-style stack; None otherwise."""
     if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
         return ("embed_tokens",), lambda w, c: w
     if name in ("model.norm.weight", "norm.weight"):
