@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
+from jaxserve.models import kv_arrays
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
@@ -216,7 +217,7 @@ def compile_ladder(
     cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl,
                                          attention.compute_capability)
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
-                                cache_dtype.itemsize) // tp
+                                cache_dtype.itemsize, kv_arrays(cfg)) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
     apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
     options = step_compiler_options(enforce_eager, device.platform)

@@ -9,8 +9,8 @@ Counts, per step of a bucket of T tokens and R requests, each request attending 
 - flops: 2 x T x (the layers' matmul weights) + 2 x R x V x D (logits for the R sampled rows)
   + 4 x T x context_len x N x H x L (attention's QK^T and PV);
 - bytes: every weight once (the embedding table only for the T rows it gathers), the KV cache that the
-  R requests read (R x context_len x 2 x K x H x L x itemsize; a layer with a sliding window reads at most
-  its window) and the T tokens' K/V it writes.
+  R requests read (R x context_len x 2 x K x H x L x itemsize, or 1 x where the values are the keys; a layer
+  with a sliding window reads at most its window) and the T tokens' K/V it writes.
 - a mixture of experts: each token's k experts add 2 x k x (one expert's weights) flops per MoE layer,
   and a step reads the experts its T tokens touch, E x (1 - (1 - k / E)^T) per layer if routing spreads
   tokens evenly (all of them from a few dozen tokens on for Qwen3-30B-A3B's 8 of 128).
@@ -19,6 +19,8 @@ Activations are left out: at these sizes they stay in cache or are small next to
 
 from dataclasses import dataclass
 from typing import Any
+
+from jaxserve.models import kv_arrays
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ModelShape:
     top_k: int = 0
     expert_weights: int = 0
     windows: tuple[int | None, ...] = ()  # per layer: its sliding window (None: every key); empty: none
+    kv_arrays: int = 2  # K and V, or 1 where the cache keeps K alone (its values are its keys: DeepSeek's latent)
 
     @property
     def weights_read_per_step(self) -> int:
@@ -54,11 +57,11 @@ class ModelShape:
         return self.num_moe_layers * touched * self.expert_weights
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_arrays * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     def kv_read_per_request(self, context_len: int, itemsize: int) -> int:
         """The K/V bytes one request's query reads: every layer's keys, up to its window where it has one."""
-        per_layer_key = 2 * self.num_kv_heads * self.head_dim * itemsize
+        per_layer_key = self.kv_arrays * self.num_kv_heads * self.head_dim * itemsize
         windows = self.windows or (None,) * self.num_layers
         return sum(min(context_len, window or context_len) for window in windows) * per_layer_key
 
@@ -104,6 +107,7 @@ def model_shape(num_params: int, cfg: Any) -> ModelShape:
         layer_weights=layer, head_weights=head, other_weights=other, num_moe_layers=num_moe,
         num_experts=moe.num_experts if moe is not None else 0, top_k=moe.top_k if moe is not None else 0,
         expert_weights=expert, windows=tuple(getattr(cfg, "sliding_windows", ())),
+        kv_arrays=kv_arrays(cfg),
     )
 
 

@@ -129,14 +129,14 @@ def test_deepseek_v2_lite_compiles_for_h100_over_its_latent_cache():
     """DeepSeek's latent attention at a decode and a mixed bucket: its 576-dim heads (one KV head of the latent
     and the RoPE key) in the Triton kernels' wide-head blocks, which fit an H100's shared memory where the
     defaults asked for 297 KB (tests/ops/test_attention.py checks their numbers), its experts on the Mosaic
-    GPU grouped matmul; a page is each layer's K and V of 16 tokens x 576 values. Its first two layers (a dense
-    one and one of experts): the kernels are each layer's same ones."""
+    GPU grouped matmul; a page is each layer's keys alone (its values are its keys) of 16 tokens x 576 values.
+    Its first two layers (a dense one and one of experts): the kernels are each layer's same ones."""
     buckets = [Bucket(16, 16, decode_only=True), Bucket(256, 16)]
     report = compile_ladder("deepseek-v2-lite", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
                             variants=False, buckets=buckets, read_launches=False, num_kv_pages=20_000,
                             hf_overrides={"num_hidden_layers": 2})
     _check_report(report, buckets, launches_read=False, budgeted=False)
-    assert report.bytes_per_page == 2 * 2 * 16 * 576 * 2
+    assert report.bytes_per_page == 2 * 16 * 576 * 2  # 2 layers' K alone, bfloat16
 
 
 @pytest.mark.slow

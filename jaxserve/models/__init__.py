@@ -50,6 +50,18 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+def values_are_keys(cfg: Any) -> bool:
+    """Whether a model's attention reads its values from its keys, so that its cache keeps one array of pages a
+    layer, not two (DeepSeek's latent cache: `models.deepseek`); its config says so (`values_are_keys`). Here,
+    without jax, for the roofline as well as the cache."""
+    return bool(getattr(cfg, "values_are_keys", False))
+
+
+def kv_arrays(cfg: Any) -> int:
+    """Arrays of pages a layer's cache keeps: K and V, or K alone (`values_are_keys`)."""
+    return 1 if values_are_keys(cfg) else 2
+
+
 def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
 

@@ -10,8 +10,9 @@ into the query and the output (as vLLM's and FlashMLA's decode do):
   mscale squared, where the config scales RoPE);
 - out_h = W_UV_h (sum_s p_hs c_s): the attention's value is the cached vector too, and its first C dims,
   times W_UV_h, are the head's output.
-Each token caches C + R values a layer (576 for V2/V3) for K and the same for V, where the heads' own keys
-and values would take N x (nope + rope + v) (24,576 for V3's 128 heads).
+Each token caches C + R values a layer (576 for V2/V3), once: the values are read from the keys' pages
+(`models.values_are_keys`), where the heads' own keys and values would take N x (nope + rope + v) (24,576
+for V3's 128 heads).
 
 RoPE: DeepSeek rotates adjacent pairs; the rows of the projections that make q_rope and k_r are reordered at
 load into the rotate-half layout (`rope_layout`).
@@ -83,6 +84,9 @@ class DeepseekConfig:
     lora: None = None  # no adapter stacks (--enable-lora is refused)
     embedding_multiplier: float = 1.0  # (Llama's stack reads these: Granite's scales, none here)
     logits_scaling: float = 1.0
+    # The cache keeps each token's [c, k_r] once, as its key: the values are the keys' first C dims
+    # (`models.values_are_keys`).
+    values_are_keys: bool = True
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "DeepseekConfig":
@@ -188,7 +192,7 @@ class LatentAttention(nnx.Module):
         key = jnp.concatenate([kv[:, None, :], k_rope], axis=-1)  # [T, 1, C + R]: what the cache keeps
         if cfg.num_kv_heads > 1:  # a copy for each device's query heads (tensor parallelism)
             key = jnp.broadcast_to(key, (key.shape[0], cfg.num_kv_heads, key.shape[2]))
-        out, kv_cache = paged_attention(query, key, key, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale)
+        out, kv_cache = paged_attention(query, key, None, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale)
         w_uv = self.w_uv[...]
         heads = jnp.einsum("tnc,nvc->tnv", out[..., :c].astype(w_uv.dtype), w_uv,
                            preferred_element_type=jnp.float32).astype(x.dtype)  # [T, N, V]

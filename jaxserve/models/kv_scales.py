@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from jaxserve.models import quantization
-from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models import quantization, values_are_keys
+from jaxserve.models.layers import AttentionMetadata, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 
 logger = logging.getLogger(__name__)
@@ -91,10 +91,10 @@ def calibrate_amax(model: Any, num_tokens: int = CALIBRATION_TOKENS, seed: int =
     @jax.jit
     def amax(state: nnx.State, tokens: jax.Array) -> jax.Array:
         module = nnx.merge(model.graphdef, state)
-        caches = [(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)]
+        caches = kv_cache_layers(cfg.num_layers, values_are_keys(cfg), lambda: jnp.zeros(shape, model.dtype))
         _, caches = module(tokens, jnp.arange(num_tokens, dtype=jnp.int32), caches, md)
-        return jnp.stack([jnp.stack([jnp.abs(k.astype(jnp.float32)).max(), jnp.abs(v.astype(jnp.float32)).max()])
-                          for k, v in caches])
+        return jnp.stack([jnp.stack([jnp.abs(k.astype(jnp.float32)).max(), jnp.abs((k if v is None else v).astype(
+            jnp.float32)).max()]) for k, v in caches])
 
     return np.asarray(amax(model.state, jnp.asarray(tokens)))
 

@@ -1,6 +1,7 @@
 """Pieces the model files share: parameters, norms, rotary embedding, paged attention metadata."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -19,7 +20,14 @@ from jaxserve.ops.attention import AttentionConfig, ragged_paged_attention, trac
 from jaxserve.ops.kv_write import write_kv
 from jaxserve.parallel import TP_AXIS
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [K, pages, page_size, H]
+# Per layer: (k_pages, v_pages), each [K, pages, page_size, H]; v_pages None where the values are the keys.
+KVCache = list[tuple[jax.Array, jax.Array | None]]
+
+
+def kv_cache_layers(num_layers: int, keys_only: bool, make_pages: Callable[[], Any]) -> list[tuple[Any, Any]]:
+    """A cache of `num_layers` layers: (K pages, V pages) each, or (K pages, None) with `keys_only`; each array
+    from `make_pages()` (arrays, or ShapeDtypeStructs for a compile)."""
+    return [(make_pages(), None if keys_only else make_pages()) for _ in range(num_layers)]
 
 
 @jax.tree_util.register_dataclass
@@ -465,8 +473,8 @@ def embedding_lookup(
 def paged_attention(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
-    kv_cache: tuple[jax.Array, jax.Array],
+    v: jax.Array | None,  # [T, K, H]; None: the values are the keys
+    kv_cache: tuple[jax.Array, jax.Array | None],
     md: AttentionMetadata,
     *,
     attention: AttentionConfig,
@@ -474,14 +482,18 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
     """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache.
     `sm_scale` defaults to 1 / sqrt(H); a window, a soft cap and attention sinks as in
-    `ops.attention.ragged_paged_attention`.
+    `ops.attention.ragged_paged_attention`. With `v` None the values are the keys: the cache is
+    (K pages, None) (`models.values_are_keys`), and each key is read once for both.
 
     With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
     split by head, the pages by KV head, and the metadata whole.
     """
+    if (v is None) != (kv_cache[1] is None):
+        raise ValueError("values are the keys (v None) exactly where the cache keeps K alone (V pages None)")
+
     def attend(q, k, v, kv_cache, md, sinks=None):  # one device's heads and pages, or all of them
         write = cpu_kernels.write_kv if attention.impl == "cpu-native" else write_kv
         k_pages, v_pages = write(*kv_cache, k, v, md.slot_mapping)

@@ -186,7 +186,7 @@ def resolve_attention(impl: str, device: DeviceFacts | None = None, kv_cache_dty
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H]; None: the values are the keys
     kv_lens: jax.Array,  # i32[R]
     page_table: jax.Array,  # i32[R, P]
     cu_q_lens: jax.Array,  # i32[R+1]
@@ -215,6 +215,8 @@ def ragged_paged_attention(
     `logit_softcap` (static): scaled scores s become cap * tanh(s / cap) before the softmax (Gemma 2).
     `sinks`: each query head's attention-sink logit (GPT-OSS), added to the softmax's denominator as a key
     that weighs no value; every path takes them.
+    `v_pages` None: each key is also its value (DeepSeek's latent cache, `models.values_are_keys`); the
+    Triton kernels then load each block once for both products, the other paths read the keys' pages as values.
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
@@ -227,17 +229,18 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
+    values = k_pages if v_pages is None else v_pages  # for the paths that read values from pages of their own
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     if sinks is not None:
         scores["sinks"] = sinks
     if impl == "cpu-native":
-        return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
+        return cpu_kernels.ragged_paged_attention(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
     if impl == "cpu":
         return ragged_paged_attention_cpu(
-            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, decode_only=decode_only, **scores
+            q, k_pages, values, kv_lens, page_table, cu_q_lens, decode_only=decode_only, **scores
         )
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
+        return ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
     interpret = impl == "interpret"
     fp8_cache = k_pages.dtype in paged_attention_pallas.FP8_CACHE_DTYPES
     if (hopper_decode if decode_only else hopper) and not interpret and (hopper_fp8 or not fp8_cache):
@@ -245,7 +248,7 @@ def ragged_paged_attention(
 
         shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
         if (config := mgpu.config_for(decode_only, *shape, persistent=persistent)) is not None:
-            args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+            args = (q, k_pages, values, kv_lens, page_table, cu_q_lens)
             programs = mgpu.one_wave(num_sms, k_pages.shape[0]) if persistent and num_sms else None  # this device's
             if decode_only:  # dealt longest first on a persistent grid (a snake of the launch order)
                 return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
@@ -255,7 +258,7 @@ def ragged_paged_attention(
     group = q.shape[1] // k_pages.shape[0]
     if settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
                             and group % paged_attention_pallas.MAX_WIDE_GROUP):
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores)
+        return ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
 
     def triton(q: jax.Array, sinks: jax.Array | None) -> jax.Array:  # (sinks: these heads')
         kwargs = {**scores, **settings, "sinks": sinks, "interpret": interpret}

@@ -16,12 +16,13 @@ def to_cache_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def write_kv(
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H]; None: the cache keeps K alone
     k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
+    v: jax.Array | None,  # [T, K, H]; None with v_pages
     slot_mapping: jax.Array,  # i32[T]: page_id * page_size + offset; out of range for padding
-) -> tuple[jax.Array, jax.Array]:
-    """Writes token t's K/V into flat slot `slot_mapping[t]`.
+) -> tuple[jax.Array, jax.Array | None]:
+    """Writes token t's K/V into flat slot `slot_mapping[t]`; a cache whose values are its keys (`v_pages`
+    None: `models.values_are_keys`) takes K alone.
 
     Padding tokens carry a slot past the end of the cache and are dropped by the scatter, so they
     never touch a page that a request owns.
@@ -34,7 +35,7 @@ def write_kv(
         flat = flat.at[:, slot_mapping].set(to_cache_dtype(new.swapaxes(0, 1), pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return scatter(k_pages, k), None if v_pages is None else scatter(v_pages, v)
 
 
 def padding_slot(num_pages: int, page_size: int) -> int:

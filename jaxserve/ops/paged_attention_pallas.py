@@ -120,7 +120,7 @@ class ScoreRule:
 def _attend_block(
     q: jax.Array,  # [M, Hp], the model's dtype
     k_ref,  # ref [num_pages, page_size, H] (this program's KV head), the model's dtype or FP8
-    v_ref,
+    v_ref,  # the same for V, or None where the values are the keys (each block loaded once for both)
     page_table_ref,  # ref i32[R, P_padded]
     req: jax.Array,  # i32 scalar
     block: jax.Array,  # i32 scalar: which block of `pages_per_block` pages
@@ -145,7 +145,10 @@ def _attend_block(
     load_mask = key_live[:, :, None] & _head_dim_mask(padded_head_dim, head_dim)[None, None, :]
     index = (page_ids[:, None, None], slot[None, :, None], dim[None, None, :])
     k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
-    v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
+    if v_ref is None:  # the values are the keys: one load serves both products
+        v = k
+    else:
+        v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # an FP8 cache is widened to the queries' dtype in registers
 
     m, denom, acc = carry
@@ -201,16 +204,17 @@ def _ragged_kernel(
     page_table_ref,  # i32[R, P_padded]
     q_ref,  # [T, N, H]
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
-    v_ref,
-    *refs,  # (sinks f32[N] with `has_sinks`,) zeros [T, N, H] aliased to o_ref (tokens no program writes
-    # stay zero), o_ref [T, N, H]
+    *refs,  # (v_ref like k_ref unless `values_are_keys`,) (sinks f32[N] with `has_sinks`,) zeros [T, N, H]
+    # aliased to o_ref (tokens no program writes stay zero), o_ref [T, N, H]
     group: int,
     padded_group: int,
     block_q: int,
     pages_per_block: int,
     scores: ScoreRule,
     has_sinks: bool = False,
+    values_are_keys: bool = False,
 ):
+    v_ref, refs = (None, refs) if values_are_keys else (refs[0], refs[1:])
     sinks_ref = refs[0] if has_sinks else None
     o_ref = refs[-1]
     kv_head, b = pl.program_id(0), pl.program_id(1)
@@ -256,16 +260,17 @@ def _decode_kernel(
     page_table_ref,  # i32[R, P_padded]
     q_ref,  # [R, N, H]: token r is request r's only query
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
-    v_ref,
-    o_ref,  # f32[Gr, Hp]: this split's unnormalised output (at its request's place in the order)
-    max_ref,  # f32[Gr]: its running max (log2 domain)
-    denom_ref,  # f32[Gr]: its softmax denominator
-    *,
+    *refs,  # (v_ref like k_ref unless `values_are_keys`,) then:
+    # o_ref f32[Gr, Hp]: this split's unnormalised output (at its request's place in the order)
+    # max_ref f32[Gr]: its running max (log2 domain); denom_ref f32[Gr]: its softmax denominator
     group: int,
     num_splits: int,
     pages_per_block: int,
     scores: ScoreRule,
+    values_are_keys: bool = False,
 ):
+    v_ref, refs = (None, refs) if values_are_keys else (refs[0], refs[1:])
+    o_ref, max_ref, denom_ref = refs
     split, kv_head, place = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     req = order_ref[place]
     num_rows, padded_head_dim = o_ref.shape
@@ -310,10 +315,10 @@ def _compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pages.shape[0]
-    if k_pages.shape != v_pages.shape:
+    if v_pages is not None and k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -368,7 +373,7 @@ def query_blocks(
 def ragged_paged_attention_pallas(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H]; None: the values are the keys
     kv_lens: jax.Array,  # i32[R]
     page_table: jax.Array,  # i32[R, P]
     cu_q_lens: jax.Array,  # i32[R+1]
@@ -402,23 +407,25 @@ def ragged_paged_attention_pallas(
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
         pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
-        has_sinks=sinks is not None,
+        has_sinks=sinks is not None, values_are_keys=v_pages is None,
     )
     whole = pl.BlockSpec()  # the kernel indexes these itself
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, b: (h, 0, 0, 0))
+    pages = (k_pages,) if v_pages is None else (k_pages, v_pages)
     extra = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)
-    zeros_index = 8 + len(extra)
+    zeros_index = 6 + len(pages) + len(extra)
     return pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_programs),  # the first axis varies fastest in launch order
-        in_specs=[whole, whole, whole, whole, whole, whole, per_kv_head, per_kv_head, *(whole for _ in extra), whole],
+        in_specs=[whole, whole, whole, whole, whole, whole, *(per_kv_head for _ in pages), *(whole for _ in extra),
+                  whole],
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={zeros_index: 0},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, *extra, jnp.zeros_like(q))
+    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, *pages, *extra, jnp.zeros_like(q))
 
 
 def default_num_splits(
@@ -436,7 +443,7 @@ def default_num_splits(
 def paged_decode_attention_pallas(
     q: jax.Array,  # [R, N, H]: one query token per request
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H]; None: the values are the keys
     kv_lens: jax.Array,  # i32[R]; 0 for padding requests
     page_table: jax.Array,  # i32[R, P]
     *,
@@ -473,16 +480,17 @@ def paged_decode_attention_pallas(
 
     kernel = functools.partial(
         _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
-        scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
+        scores=ScoreRule(sm_scale, sliding_window, logit_softcap), values_are_keys=v_pages is None,
     )
     order = decode_order(kv_lens, heavy_first)  # i32[R]
     whole = pl.BlockSpec()
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda s, h, r: (h, 0, 0, 0))
+    pages = (k_pages,) if v_pages is None else (k_pages, v_pages)
     partial_shape = (num_splits, num_reqs, num_kv_heads, num_rows)
     out, m, denom = pl.pallas_call(
         kernel,
         grid=(num_splits, num_kv_heads, num_reqs),  # the first axis varies fastest in launch order
-        in_specs=[whole, whole, whole, whole, per_kv_head, per_kv_head],
+        in_specs=[whole, whole, whole, whole, *(per_kv_head for _ in pages)],
         out_specs=[
             pl.BlockSpec((None, None, None, num_rows, padded_head_dim), lambda s, h, r: (s, r, h, 0, 0)),
             pl.BlockSpec((None, None, None, num_rows), lambda s, h, r: (s, r, h, 0)),
@@ -496,7 +504,7 @@ def paged_decode_attention_pallas(
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(order, kv_lens, page_table, q, k_pages, v_pages)
+    )(order, kv_lens, page_table, q, *pages)
     if sinks is not None:  # one more partial softmax per row: its sink's logit, a denominator of 1, no values
         row_sinks = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) * LOG2_E
         row_sinks = jnp.pad(row_sinks, ((0, 0), (0, num_rows - group)))  # f32[K, Gr]

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.models.layers import KVCache
+from jaxserve.models import values_are_keys
+from jaxserve.models.layers import KVCache, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.parallel import replicated, split_along
@@ -39,6 +40,7 @@ class StepShapes:
     num_pages: int
     layout: BatchLayout
     dtype: Any  # the KV cache's dtype
+    values_are_keys: bool = False  # the cache keeps K alone (`models.values_are_keys`)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def step_shapes(
         max_num_seqs=max_num_seqs,
         max_drafts=max_drafts,
     )
-    return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype)
+    return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype, values_are_keys(cfg))
 
 
 def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) -> list[jax.ShapeDtypeStruct]:
@@ -103,7 +105,7 @@ def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None
     sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else split_along(mesh, 4, 0)
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
     page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
-    return [(page, page) for _ in range(shapes.num_layers)]
+    return kv_cache_layers(shapes.num_layers, shapes.values_are_keys, lambda: page)
 
 
 def abstract_step_args(

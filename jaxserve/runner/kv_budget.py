@@ -80,6 +80,7 @@ def budget_from_memory_stats(
     )
 
 
-def bytes_per_page(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, itemsize: int) -> int:
-    """One page of K and V in every layer."""
-    return 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize
+def bytes_per_page(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, itemsize: int,
+                   arrays: int = 2) -> int:
+    """One page of K and V in every layer (`arrays` 1: of K alone, where the values are the keys)."""
+    return arrays * num_layers * num_kv_heads * page_size * head_dim * itemsize

@@ -40,6 +40,7 @@ from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
+from jaxserve.models import kv_arrays
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
@@ -196,7 +197,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
                                        cfg.attention.compute_capability)
         page_bytes = bytes_per_page(
-            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize
+            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize, kv_arrays(cfg)
         )
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)

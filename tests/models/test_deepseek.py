@@ -1,5 +1,5 @@
-"""DeepSeek-V2/V3 through the engine: the latent cache (one KV head of C + R dims), the engine's greedy tokens
-equal to transformers' own generation, and what is refused (LoRA)."""
+"""DeepSeek-V2/V3 through the engine: the latent cache (one KV head of C + R dims, kept once, as the keys), the
+engine's greedy tokens equal to transformers' own generation, and what is refused (LoRA)."""
 
 import pytest
 import torch
@@ -13,8 +13,9 @@ def test_the_engine_s_greedy_tokens_are_transformers_generation(kind, tiny_model
     over the latent cache; each one's tokens equal transformers' greedy generation of it alone."""
     engine = make_engine(tiny_model_dir(kind), warmup=False, max_num_batched_tokens=16)
     cfg = engine.runner.model.cfg
-    k_pages = engine.runner.kv_caches[0][0]
+    k_pages, v_pages = engine.runner.kv_caches[0]
     assert (k_pages.shape[0], k_pages.shape[-1]) == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # [K, pages, page, H]
+    assert v_pages is None  # the values are read from the keys' pages: one array a layer
     prompts, max_tokens = make_prompts(4), [9, 6, 8, 5]
     prompts = [[token % cfg.vocab_size for token in prompt] for prompt in prompts]
     got = run_staggered(engine, prompts, max_tokens, arrivals=[0, 0, 2, 3])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.models import layers
-from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models import layers, values_are_keys
+from jaxserve.models.layers import AttentionMetadata, kv_cache_layers
 from jaxserve.models.loader import load_model
 from jaxserve.ops.attention import kv_cache_shape
 
@@ -23,8 +23,8 @@ def _inputs(loaded) -> tuple:
     cfg = loaded.cfg
     shape = kv_cache_shape(8, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
     rng = np.random.default_rng(0)
-    kv = [(jnp.asarray(rng.normal(size=shape), jnp.float32), jnp.asarray(rng.normal(size=shape), jnp.float32))
-          for _ in range(cfg.num_layers)]
+    kv = kv_cache_layers(cfg.num_layers, values_are_keys(cfg),
+                         lambda: jnp.asarray(rng.normal(size=shape), jnp.float32))
     md = AttentionMetadata(slot_mapping=np.arange(4, 10, dtype=np.int32), kv_lens=np.array([6], np.int32),
                            page_table=np.array([[1, 2, 0, 0]], np.int32), cu_q_lens=np.array([0, 6], np.int32))
     return loaded.state, np.arange(5, 11, dtype=np.int32), np.arange(6, dtype=np.int32), kv, md

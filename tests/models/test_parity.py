@@ -7,7 +7,8 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models import values_are_keys
+from jaxserve.models.layers import AttentionMetadata, kv_cache_layers
 from jaxserve.models.loader import load_model
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
@@ -37,7 +38,7 @@ class PagedForward:
         self.graphdef, self.state = loaded.graphdef, loaded.state
         cfg = loaded.cfg
         shape = kv_cache_shape(NUM_PAGES, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan)) for _ in range(cfg.num_layers)]
+        self.kv = kv_cache_layers(cfg.num_layers, values_are_keys(cfg), lambda: jnp.full(shape, jnp.nan))
         self.pages = np.asarray(page_ids, np.int32)
         self.num_computed = 0
 

@@ -1,6 +1,7 @@
 """The attention paths that run on CPU (the reference, the jnp CPU path and the native decode kernel)
 against a float64 numpy oracle, and the impl choice."""
 
+import dataclasses
 import shutil
 from types import SimpleNamespace
 
@@ -65,6 +66,22 @@ def test_wide_heads_in_the_triton_kernels_smaller_blocks_match_the_oracle(decode
     pads = dict(pad_tokens=0, pad_reqs=0) if decode_only else {}
     case = make_case(np.random.default_rng(3), q_lens, kv_lens, num_q_heads, 1, head_dim=576, **pads)
     got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="interpret",
+                                decode_only=decode_only))
+    assert_matches_oracle(got, case, 0.25)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("impl", [pytest.param("reference", marks=cpu_paths), pytest.param("cpu", marks=cpu_paths),
+                                  pytest.param(native.values[0], marks=[*native.marks, cpu_paths]), "interpret"])
+def test_a_cache_of_keys_alone_reads_its_keys_as_values(impl, decode_only):
+    """v_pages None (DeepSeek's latent cache: one KV head of 576 dims, 16 query heads): every path attends as
+    if the keys' pages were also the values', the Triton kernels (interpreted) loading each block once."""
+    q_lens, kv_lens = ([1, 1, 1], [5, 40, 9]) if decode_only else ([1, 7, 0, 3], [9, 40, 0, 3])
+    pads = dict(pad_tokens=0, pad_reqs=0) if decode_only else {}
+    case = make_case(np.random.default_rng(5), q_lens, kv_lens, 16, 1, head_dim=576, **pads)
+    case = dataclasses.replace(case, v_pages=case.k_pages)
+    q, k_pages, _, *rest = case.args
+    got = np.asarray(run_jitted(ragged_paged_attention, q, k_pages, None, *rest, sm_scale=0.25, impl=impl,
                                 decode_only=decode_only))
     assert_matches_oracle(got, case, 0.25)
 

@@ -33,7 +33,7 @@ TARGETS = {
     "jaxserve_grouped_matmul_bf16": "JaxserveGroupedMatmulBf16",
     "jaxserve_matmul_gguf": "JaxserveMatmulGguf",
     "jaxserve_grouped_matmul_gguf": "JaxserveGroupedMatmulGguf",
-    "jaxserve_write_kv": "JaxserveWriteKv",
+    "jaxserve_write_pages": "JaxserveWritePages",
 }
 
 
@@ -172,17 +172,19 @@ def grouped_matmul_gguf(
 
 def write_kv(
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H]; None: the cache keeps K alone
     k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
+    v: jax.Array | None,  # [T, K, H]
     slot_mapping: jax.Array,  # i32[T]: page_id * page_size + offset; out of range for padding
-) -> tuple[jax.Array, jax.Array]:
-    """`ops.kv_write.write_kv`'s contract, in place (`write_kv.cc`): the cache buffers become the outputs."""
+) -> tuple[jax.Array, jax.Array | None]:
+    """`ops.kv_write.write_kv`'s contract, in place (`write_kv.cc`): each cache buffer becomes its output."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
-    call = jax.ffi.ffi_call(
-        "jaxserve_write_kv", (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                              jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={0: 0, 1: 1},
-    )
-    return call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_mapping.astype(jnp.int32))
+    slots = slot_mapping.astype(jnp.int32)
+
+    def write(pages: jax.Array, rows: jax.Array) -> jax.Array:
+        call = jax.ffi.ffi_call("jaxserve_write_pages", jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+                                input_output_aliases={0: 0})
+        return call(pages, rows.astype(pages.dtype), slots)
+
+    return write(k_pages, k), None if v_pages is None else write(v_pages, v)

@@ -68,11 +68,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                                    sliding_window, logit_softcap, view(out)));
 }
 
-ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
-                   ffi::Result<ffi::AnyBuffer> v_out) {
-  return to_error(jaxserve::write_kv(view(k_pages), view(v_pages), view(k), view(v), view(slot_mapping),
-                                     view(k_out), view(v_out)));
+ffi::Error WritePages(ffi::AnyBuffer pages, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> slot_mapping,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  return to_error(jaxserve::write_pages(view(pages), view(rows), view(slot_mapping), view(out)));
 }
 
 ffi::Error MatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
@@ -122,14 +120,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttention
                                   .Attr<float>("logit_softcap")
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWritePages, WritePages,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 // Both bfloat16 matmuls' calls: x, w -> out (w input- or output-major, by the handler).

@@ -68,8 +68,7 @@ Status ragged_paged_attention(ThreadPool& pool, const Array& q, const Array& k_p
                               const Array& out);
 
 // write_kv.cc
-Status write_kv(const Array& k_pages, const Array& v_pages, const Array& k, const Array& v,
-                const Array& slot_mapping, const Array& k_out, const Array& v_out);
+Status write_pages(const Array& pages, const Array& rows, const Array& slot_mapping, const Array& out);
 
 // matmul_bf16.cc (`w_output_major`: w is [N, K], the LM head's embedding table)
 Status matmul_bf16(ThreadPool& pool, const Array& x, const Array& w, const Array& out, bool w_output_major);
