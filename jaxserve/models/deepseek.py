@@ -242,7 +242,18 @@ def split_rule(name: str, cfg: DeepseekConfig) -> SplitRule:
 
 
 def kv_scale_factor(cfg: DeepseekConfig, path: tuple, k_scale: float, v_scale: float) -> Any:
-    raise ValueError("a checkpoint's FP8 KV-cache scales are not supported for DeepSeek's latent cache")
+    """What a layer's parameter at `path` is multiplied by to fold an FP8 cache's scale into the weights
+    (`kv_scales.py`). The cache keeps one array, its values its keys, so one scale s = `k_scale` serves it
+    (`v_scale` is not used): the latent c / s (the norm's scale divided; the latent's projection feeds the norm,
+    which undoes any scale of it) and the RoPE key k_r / s (its projection's RoPE columns); the queries' latent
+    part (W_UK) and RoPE part (their projection's RoPE columns) times s, so each score is unchanged; and W_UV
+    times s, so each head's output is."""
+    c, p, r = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    rope_key = np.concatenate([np.ones(c), np.full(r, 1.0 / k_scale)]).astype(np.float32)  # over [C + R]
+    rope_query = np.concatenate([np.ones(p), np.full(r, k_scale)]).astype(np.float32)  # over a head's [P + R]
+    return {("self_attn", "kv_a_layernorm", "scale"): 1.0 / k_scale, ("self_attn", "kv_a_proj"): rope_key,
+            ("self_attn", "q_proj"): rope_query, ("self_attn", "q_b_proj"): rope_query,
+            ("self_attn", "w_uk"): k_scale, ("self_attn", "w_uv"): k_scale}.get(path)
 
 
 def _rope_rows_last(width: int, rope_dims: int) -> np.ndarray:

@@ -129,11 +129,12 @@ def test_power_of_two_scales_leave_headroom_below_448():
     assert power_of_two_scale(0.0, 448.0) == 1.0
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "deepseek-v2", "deepseek-v3"])
 def test_folded_scales_change_no_output_and_fill_e4m3s_range(kind, tiny_model_dir):
     """Folding power-of-two scales into a layer's weights is exact: with a float32 cache the model gives the
-    same logprobs. With an FP8 cache the calibrated scales bring each layer's largest |K| and |V| into
-    [112, 224] (448 over twice and once the headroom), where e4m3 keeps its 3 mantissa bits."""
+    same tokens. With an FP8 cache the calibrated scales bring each layer's largest |K| and |V| into
+    [112, 224] (448 over twice and once the headroom), where e4m3 keeps its 3 mantissa bits. DeepSeek's
+    latent cache (one array, its values its keys) takes each layer's K scale alone."""
     from jaxserve.config import EngineConfig
     from jaxserve.models.kv_scales import calibrate_amax, fold_kv_scales
     from jaxserve.models.loader import load_model
