@@ -93,7 +93,7 @@ def _dequantized_state(state: nnx.State) -> dict:
         {p: v.dequantize(jnp.float32) if isinstance(v, Fp8Weight) else v for p, v in flat.items()})
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2", "deepseek-v2", "deepseek-v3"])
 def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_original(kind, tiny_model_dir):
     directory = str(tiny_model_dir(kind))
     original = load_model(directory, dtype="float32", attention_impl="cpu")
@@ -102,7 +102,13 @@ def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_origina
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(quantized.state))
     fp8 = [p for p, v in flat.items() if isinstance(v, Fp8Weight)]
     family = quantized.spec.module
-    assert len(fp8) == quantized.cfg.num_layers * len(family.QUANTIZED_WEIGHTS)
+    if kind.startswith("deepseek"):  # V2's query projection or V3's two; a dense MLP or a shared expert a layer
+        queries = ["q_proj"] if kind == "deepseek-v2" else ["q_a_proj", "q_b_proj"]
+        per_layer = sorted([*queries, "kv_a_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        layers = range(quantized.cfg.num_layers)
+        assert all(sorted(p[-1] for p in fp8 if p[1] == layer) == per_layer for layer in layers)
+    else:
+        assert len(fp8) == quantized.cfg.num_layers * len(family.QUANTIZED_WEIGHTS)
     assert not any(isinstance(v, Fp8Weight) for p, v in flat.items() if p[0] != family.LAYERS_KEY)  # embeddings
 
     tokens = np.random.default_rng(3).integers(0, quantized.cfg.vocab_size, size=19).tolist()
@@ -114,10 +120,11 @@ def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_origina
 
     # Against the unquantized model: e4m3's 3 mantissa bits round each weight by up to 6%, and in these random
     # tiny models every layer's rounding compounds (measured: logits 6-13% off on average, 68-100% of argmaxes
-    # kept); the bundled model's figures are in docs/benchmarks.md.
+    # kept; 53% for DeepSeek-V3's, whose queries pass two rounded projections); the bundled model's figures are
+    # in docs/benchmarks.md.
     want = PagedForward(original, pages)(tokens)
     assert np.abs(got - want).mean() < 0.2 * np.abs(want).mean()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.6
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= (0.5 if kind == "deepseek-v3" else 0.6)
 
 
 def test_an_fp8_cache_s_scales_fold_into_fp8_weights(tiny_model_dir):
