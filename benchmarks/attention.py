@@ -15,6 +15,8 @@ fraction of the device's peak HBM bandwidth, and the largest difference from the
     python benchmarks/attention.py --json docs/attention.json
     # CPU smoke run
     python benchmarks/attention.py --impls reference dense --batch-sizes 1 4 --context-lens 128 --mixed none
+    # DeepSeek's latent cache: one KV head of 576 dims, keys alone (read as the values too)
+    python benchmarks/attention.py --heads deepseek-v2-lite --values-are-keys
 """
 
 import argparse
@@ -44,7 +46,8 @@ PEAK_HBM_BYTES_PER_S = [
     ("L40S", 0.864e12),
     ("L4", 0.3e12),
 ]
-HEADS = {"gpt2": (12, 12, 64), "smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}
+HEADS = {"gpt2": (12, 12, 64), "smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128),
+         "deepseek-v2-lite": (16, 1, 576)}  # its latent attention: all heads on one KV head of C + R
 MIXES = {  # name -> (q_len per request, kv_len per request)
     "prefill 1x2048": ([2048], [2048]),
     "chunks 4x512 after 1536": ([512] * 4, [2048] * 4),
@@ -67,7 +70,7 @@ def peak_bandwidth(device: jax.Device) -> float | None:
 class PagedInputs:
     q: jax.Array  # [T, N, H]
     k_pages: jax.Array  # [K, num_pages, page_size, H]
-    v_pages: jax.Array
+    v_pages: jax.Array | None  # None: the values are the keys (a cache of one array)
     kv_lens: jax.Array  # i32[R]
     page_table: jax.Array  # i32[R, P]
     cu_q_lens: jax.Array  # i32[R+1]
@@ -79,12 +82,14 @@ class PagedInputs:
 
     def ideal_bytes(self) -> int:
         num_kv_heads, _, _, head_dim = self.k_pages.shape
-        kv = 2 * int(np.sum(np.asarray(self.kv_lens))) * num_kv_heads * head_dim * self.k_pages.dtype.itemsize
+        arrays = 1 if self.v_pages is None else 2
+        kv = arrays * int(np.sum(np.asarray(self.kv_lens))) * num_kv_heads * head_dim * self.k_pages.dtype.itemsize
         return kv + 2 * self.q.size * self.q.dtype.itemsize
 
 
 def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int], page_size: int,
-                 dtype: jnp.dtype, seed: int = 0, cache_dtype: jnp.dtype | None = None) -> PagedInputs:
+                 dtype: jnp.dtype, seed: int = 0, cache_dtype: jnp.dtype | None = None,
+                 values_are_keys: bool = False) -> PagedInputs:
     num_q_heads, num_kv_heads, head_dim = heads
     rng = np.random.default_rng(seed)
     pages_per_req = [-(-kv // page_size) for kv in kv_lens]
@@ -98,7 +103,7 @@ def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, i
     keys = jax.random.split(jax.random.key(seed), 3)
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     k_pages = jax.random.normal(keys[0], shape, cache_dtype or dtype)
-    v_pages = jax.random.normal(keys[1], shape, cache_dtype or dtype)
+    v_pages = None if values_are_keys else jax.random.normal(keys[1], shape, cache_dtype or dtype)
     q = jax.random.normal(keys[2], (sum(q_lens), num_q_heads, head_dim), dtype)
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return PagedInputs(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_table),
@@ -114,7 +119,8 @@ def dense_attention_fn(inputs: PagedInputs, sm_scale: float) -> tuple[Callable, 
         gathered = pages[:, inputs.page_table]  # [K, R, P, page_size, H]
         return gathered.reshape(num_kv_heads, num_reqs, max_pages * page_size, head_dim).transpose(1, 2, 0, 3)
 
-    k, v = jax.jit(contiguous)(inputs.k_pages), jax.jit(contiguous)(inputs.v_pages)
+    k = jax.jit(contiguous)(inputs.k_pages)
+    v = k if inputs.v_pages is None else jax.jit(contiguous)(inputs.v_pages)
     q_lens = np.asarray(inputs.q_lens)
     max_q = int(q_lens.max())
     cu = np.concatenate([[0], np.cumsum(q_lens)])
@@ -204,6 +210,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32", "float16"],
                         help="the K/V pages' dtype (default: --dtype); cpu-native and the jnp paths read any")
+    parser.add_argument("--values-are-keys", action="store_true",
+                        help="a cache of keys alone, read as the values too (DeepSeek's latent cache)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--context-lens", type=int, nargs="+", default=[128, 512, 2048, 4096])
@@ -229,20 +237,21 @@ def main() -> None:
     sm_scale = heads[2] ** -0.5
     print(f"device: {device.device_kind} (compute capability {capability}); peak HBM "
           f"{peak / 1e9 if peak else 'unknown'} GB/s; heads {args.heads} {heads}; {args.dtype}, cache {cache_dtype}; "
-          f"page size {args.page_size}")
+          f"page size {args.page_size}{'; values are the keys' if args.values_are_keys else ''}")
     print("| case | impl | us/call | GB/s | of peak | max abs err vs reference |")
     print("|---|---|---|---|---|---|")
     rows: list[Row] = []
     for batch in args.batch_sizes:
         for context in args.context_lens:
             inputs = build_inputs([1] * batch, [context] * batch, heads, args.page_size, dtype,
-                                  cache_dtype=cache_dtype)
+                                  cache_dtype=cache_dtype, values_are_keys=args.values_are_keys)
             rows += run_case("decode", f"decode b={batch} ctx={context}", inputs, impls, sm_scale, args.iters,
                              args.calls_per_sample, peak)
             del inputs
     for name in [m for m in args.mixed if m != "none"]:
         q_lens, kv_lens = MIXES[name]
-        inputs = build_inputs(q_lens, kv_lens, heads, args.page_size, dtype, cache_dtype=cache_dtype)
+        inputs = build_inputs(q_lens, kv_lens, heads, args.page_size, dtype, cache_dtype=cache_dtype,
+                              values_are_keys=args.values_are_keys)
         rows += run_case("mixed", name, inputs, impls, sm_scale, args.iters, args.calls_per_sample, peak)
     if args.json:
         with open(args.json, "w") as f:

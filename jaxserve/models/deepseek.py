@@ -192,9 +192,10 @@ class LatentAttention(nnx.Module):
         key = jnp.concatenate([kv[:, None, :], k_rope], axis=-1)  # [T, 1, C + R]: what the cache keeps
         if cfg.num_kv_heads > 1:  # a copy for each device's query heads (tensor parallelism)
             key = jnp.broadcast_to(key, (key.shape[0], cfg.num_kv_heads, key.shape[2]))
-        out, kv_cache = paged_attention(query, key, None, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale)
+        out, kv_cache = paged_attention(query, key, None, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale,
+                                        value_dims=c)  # [T, N, C]: the values are the cached latents
         w_uv = self.w_uv[...]
-        heads = jnp.einsum("tnc,nvc->tnv", out[..., :c].astype(w_uv.dtype), w_uv,
+        heads = jnp.einsum("tnc,nvc->tnv", out.astype(w_uv.dtype), w_uv,
                            preferred_element_type=jnp.float32).astype(x.dtype)  # [T, N, V]
         return merge_heads(heads, self.o_proj[...], attention), kv_cache
 

@@ -482,11 +482,13 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]
+    value_dims: int | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
     """Writes this step's K/V into the pages, then attends over them. Returns [T, N, H] and the cache.
     `sm_scale` defaults to 1 / sqrt(H); a window, a soft cap and attention sinks as in
     `ops.attention.ragged_paged_attention`. With `v` None the values are the keys: the cache is
-    (K pages, None) (`models.values_are_keys`), and each key is read once for both.
+    (K pages, None) (`models.values_are_keys`), and each key is read once for both; `value_dims`: the values
+    are the keys' first dims, and the output [T, N, value_dims].
 
     With a mesh, each device does this for its own heads and pages (`shard_map`): q, k and v arrive
     split by head, the pages by KV head, and the metadata whole.
@@ -503,7 +505,7 @@ def paged_attention(
             logit_softcap=logit_softcap, sinks=sinks, impl=attention.impl, num_sms=attention.num_sms,
             decode_only=md.decode_only,
             hopper=attention.mosaic_attention, hopper_decode=attention.mosaic_decode,
-            persistent=attention.mosaic_persistent, hopper_fp8=attention.mosaic_fp8,
+            persistent=attention.mosaic_persistent, hopper_fp8=attention.mosaic_fp8, value_dims=value_dims,
         )
         return out, (k_pages, v_pages)
 

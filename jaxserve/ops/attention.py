@@ -202,7 +202,8 @@ def ragged_paged_attention(
     hopper_decode: bool = False,
     persistent: bool = False,
     hopper_fp8: bool = False,
-) -> jax.Array:  # [T, N, H]
+    value_dims: int | None = None,
+) -> jax.Array:  # [T, N, Hv]: Hv is value_dims, or H
     """Causal attention of packed ragged queries over each request's paged K/V.
 
     Request r's queries are tokens `cu_q_lens[r]:cu_q_lens[r+1]`, the last positions of its `kv_lens[r]`
@@ -217,6 +218,9 @@ def ragged_paged_attention(
     that weighs no value; every path takes them.
     `v_pages` None: each key is also its value (DeepSeek's latent cache, `models.values_are_keys`); the
     Triton kernels then load each block once for both products, the other paths read the keys' pages as values.
+    `value_dims` (static, with `v_pages` None): the values are the keys' first `value_dims` dims, and the output
+    is that wide (DeepSeek's latent, without the RoPE key); the Triton kernels then hold the head in two pieces
+    where both are powers of two (`paged_attention_pallas.HeadPieces`), the other paths drop the rest at the end.
 
     `decode_only` (static) promises that token r is request r's only query (T == R; padding requests
     have kv_len 0), which lets the kernel split long contexts across programs into about two waves of
@@ -229,6 +233,13 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl)
+    if value_dims is not None and v_pages is not None:
+        raise ValueError("value_dims: the values are the keys' first dims, with v_pages None")
+    if value_dims is not None and value_dims != q.shape[2] and impl not in ("pallas", "interpret"):
+        whole = ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale,
+                                       sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                                       impl=impl, num_sms=num_sms, decode_only=decode_only)
+        return whole[..., :value_dims]
     values = k_pages if v_pages is None else v_pages  # for the paths that read values from pages of their own
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     if sinks is not None:
@@ -251,17 +262,20 @@ def ragged_paged_attention(
             args = (q, k_pages, values, kv_lens, page_table, cu_q_lens)
             programs = mgpu.one_wave(num_sms, k_pages.shape[0]) if persistent and num_sms else None  # this device's
             if decode_only:  # dealt longest first on a persistent grid (a snake of the launch order)
-                return mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
-                                                        heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)
-            return mgpu.ragged_paged_attention_hopper(*args, **scores, programs_per_kv_head=programs)
+                out = mgpu.ragged_paged_attention_mgpu(*args, **config, **scores, programs_per_kv_head=programs,
+                                                       heavy_first=mgpu.DECODE_HEAVY_FIRST or programs is not None)
+            else:
+                out = mgpu.ragged_paged_attention_hopper(*args, **scores, programs_per_kv_head=programs)
+            return out[..., :value_dims]
     settings = paged_attention_pallas.block_settings(q.shape[2], decode_only)
     group = q.shape[1] // k_pages.shape[0]
     if settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
                             and group % paged_attention_pallas.MAX_WIDE_GROUP):
-        return ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        out = ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        return out[..., :value_dims]
 
     def triton(q: jax.Array, sinks: jax.Array | None) -> jax.Array:  # (sinks: these heads')
-        kwargs = {**scores, **settings, "sinks": sinks, "interpret": interpret}
+        kwargs = {**scores, **settings, "sinks": sinks, "interpret": interpret, "value_dims": value_dims}
         if decode_only:
             return paged_attention_pallas.paged_decode_attention_pallas(
                 q, k_pages, v_pages, kv_lens, page_table, num_sms=num_sms, **kwargs)

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 
 def in_group_parts(
     attend: Callable[[jax.Array, jax.Array | None], jax.Array],  # (q [T, K * G', H], sinks f32[K * G']) -> out
+    # [T, K * G', Hv] (Hv: the values' width, H or fewer)
     q: jax.Array,  # [T, N, H]
     num_kv_heads: int,
     part: int,  # G': query heads of a group a call takes, dividing the group
     sinks: jax.Array | None = None,  # f32[N]
-) -> jax.Array:  # [T, N, H]
+) -> jax.Array:  # [T, N, Hv]
     """`attend` on each part of every group: queries [T, K, G, H] in G / G' calls of [T, K, G', H], each
     reading the same K/V pages; the outputs put back in the heads' order."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -22,4 +23,5 @@ def in_group_parts(
     part_sinks = None if sinks is None else jnp.asarray(sinks).reshape(num_kv_heads, parts, part)
     outs = [attend(by_part[:, :, i].reshape(num_tokens, num_kv_heads * part, head_dim),
                    None if part_sinks is None else part_sinks[:, i].reshape(-1)) for i in range(parts)]
-    return jnp.stack([out.reshape(num_tokens, num_kv_heads, part, head_dim) for out in outs], axis=2).reshape(q.shape)
+    outs = [out.reshape(num_tokens, num_kv_heads, part, -1) for out in outs]
+    return jnp.stack(outs, axis=2).reshape(num_tokens, num_q_heads, -1)

@@ -97,6 +97,50 @@ def _head_dim_mask(padded_head_dim: int, head_dim: int) -> jax.Array:  # bool[Hp
 
 
 @dataclass(frozen=True)
+class HeadPieces:
+    """How a program holds a head's dims in registers (static: part of the kernel): in pieces of consecutive
+    dims, each padded to a power of two that Triton's dot takes, the scores summed over them; and which dims of
+    the values it accumulates and writes out.
+
+    One piece is the whole head (padded: 576 dims compute as 1,024). A cache of keys alone whose values are the
+    keys' first `value_dims` (DeepSeek's latent attention: the 512-dim latent, then the 64-dim RoPE key) splits
+    where both parts are powers of two, as FlashMLA does: two pieces, no padding, and the first piece of each
+    key block serves as its values, so the accumulator holds 512 dims where a padded head held 1,024."""
+
+    pieces: tuple[tuple[int, int], ...]  # (first dim, width) of each piece, in order
+    value_dims: int  # the output's width: the head's, or the keys' first dims that are the values
+
+    @staticmethod
+    def of(head_dim: int, value_dims: int | None = None, values_are_keys: bool = False) -> "HeadPieces":
+        value_dims = head_dim if value_dims is None else value_dims
+        rest = head_dim - value_dims
+        if values_are_keys and rest > 0 and all(_MIN_DOT_DIM <= n == next_pow2(n) for n in (value_dims, rest)):
+            return HeadPieces(((0, value_dims), (value_dims, rest)), value_dims)
+        return HeadPieces(((0, head_dim),), value_dims)
+
+    @property
+    def padded(self) -> tuple[int, ...]:  # each piece's width in registers
+        return tuple(_padded_head_dim(width) for _, width in self.pieces)
+
+    def accumulated(self, values_are_keys: bool) -> int:
+        """The accumulator's width: a value block's in registers (the first piece's, where the keys are the
+        values)."""
+        return self.padded[0] if values_are_keys else _padded_head_dim(sum(w for _, w in self.pieces))
+
+    def load(self, ref, rows: tuple, row_mask: jax.Array) -> list[jax.Array]:
+        """Each piece of `ref.at[*rows, dims]`, a list of [..., padded width]: `rows` index the leading axes
+        (scalars, or arrays with a trailing axis of 1 for the dims), `row_mask` (with that axis) masks them,
+        and each piece's padding is masked too."""
+        loaded = []
+        for (start, width), padded in zip(self.pieces, self.padded, strict=True):
+            shape = (1,) * (row_mask.ndim - 1) + (padded,)
+            dim = jnp.arange(padded, dtype=jnp.int32).reshape(shape)
+            mask = row_mask & _head_dim_mask(padded, width).reshape(shape)
+            loaded.append(plgpu.load(ref.at[(*rows, start + dim)], mask=mask, other=0.0))
+        return loaded
+
+
+@dataclass(frozen=True)
 class ScoreRule:
     """How a program turns q.k into the softmax's scores (static: part of the kernel)."""
 
@@ -118,46 +162,48 @@ class ScoreRule:
 
 
 def _attend_block(
-    q: jax.Array,  # [M, Hp], the model's dtype
+    q: tuple[jax.Array, ...],  # each piece of the rows' queries [M, piece's padded width], the model's dtype
     k_ref,  # ref [num_pages, page_size, H] (this program's KV head), the model's dtype or FP8
-    v_ref,  # the same for V, or None where the values are the keys (each block loaded once for both)
+    v_ref,  # the same for V, or None where the values are the keys (their first piece: loaded once for both)
     page_table_ref,  # ref i32[R, P_padded]
     req: jax.Array,  # i32 scalar
     block: jax.Array,  # i32 scalar: which block of `pages_per_block` pages
     kv_len: jax.Array,  # i32 scalar
     row_pos: jax.Array,  # i32[M]: each query row's absolute position; a row sees keys <= it
-    carry: tuple[jax.Array, jax.Array, jax.Array],  # m f32[M], denom f32[M], acc f32[M, Hp]
+    carry: tuple[jax.Array, jax.Array, jax.Array],  # m f32[M], denom f32[M], acc f32[M, Ha]
     *,
     pages_per_block: int,
     scores: ScoreRule,
+    head: HeadPieces,
 ):
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
-    padded_head_dim = q.shape[1]
+    page_size = k_ref.shape[1]
     block_kv = pages_per_block * page_size
     page_ids = page_table_ref[req, pl.ds(block * pages_per_block, pages_per_block)]  # i32[B]
     slot = jnp.arange(page_size, dtype=jnp.int32)
-    dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
     key_pos = (block * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32))[:, None] * page_size
     key_pos = key_pos + slot[None, :]  # i32[B, page_size]
     key_live = key_pos < kv_len
     if scores.sliding_window is not None:  # keys before every row's window are never loaded
         key_live &= key_pos > jnp.min(row_pos) - scores.sliding_window
-    load_mask = key_live[:, :, None] & _head_dim_mask(padded_head_dim, head_dim)[None, None, :]
-    index = (page_ids[:, None, None], slot[None, :, None], dim[None, None, :])
-    k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
+    rows = (page_ids[:, None, None], slot[None, :, None])
+    # each piece of the block's keys [S, piece's padded width]; an FP8 cache widened to the queries' dtype in
+    # registers
+    k = [piece.reshape(block_kv, -1).astype(q[0].dtype) for piece in head.load(k_ref, rows, key_live[:, :, None])]
     if v_ref is None:  # the values are the keys: one load serves both products
-        v = k
+        v = k[0]
     else:
-        v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0).reshape(block_kv, padded_head_dim)
-    k, v = k.astype(q.dtype), v.astype(q.dtype)  # an FP8 cache is widened to the queries' dtype in registers
+        (v,) = HeadPieces.of(k_ref.shape[2]).load(v_ref, rows, key_live[:, :, None])
+        v = v.reshape(block_kv, -1).astype(q[0].dtype)
 
     m, denom, acc = carry
     key_pos = key_pos.reshape(block_kv)
     visible = key_pos[None, :] <= row_pos[:, None]  # [M, S]
     if scores.sliding_window is not None:
         visible &= key_pos[None, :] > row_pos[:, None] - scores.sliding_window
-    s = scores.log2_scores(plgpu.dot(q, k, trans_b=True))  # f32[M, S]
-    s = jnp.where(visible, s, MASK_VALUE)
+    dots = plgpu.dot(q[0], k[0], trans_b=True)  # f32[M, S], summed over the head's pieces
+    for q_piece, k_piece in zip(q[1:], k[1:], strict=True):
+        dots += plgpu.dot(q_piece, k_piece, trans_b=True)
+    s = jnp.where(visible, scores.log2_scores(dots), MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # rows with nothing visible yet stay 0
     alpha = jnp.exp2(m - m_new)
@@ -167,7 +213,7 @@ def _attend_block(
 
 
 def _attend_blocks(
-    q: jax.Array,  # [M, Hp]
+    q: tuple[jax.Array, ...],  # each piece [M, its padded width]
     k_ref,
     v_ref,
     page_table_ref,
@@ -179,19 +225,20 @@ def _attend_blocks(
     *,
     pages_per_block: int,
     scores: ScoreRule,
+    head: HeadPieces,
     sinks: jax.Array | None = None,  # f32[M]: each row's attention-sink logit (natural log domain)
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # max f32[M] (log2 domain), denom f32[M], acc f32[M, Hp]
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # max f32[M] (log2 domain), denom f32[M], acc f32[M, Ha]
     """Runs the online softmax over blocks [first_block, end_block) of request `req`'s pages; with `sinks`,
     the running max and denominator start from each row's sink (a key that weighs no value)."""
-    num_rows, padded_head_dim = q.shape
+    num_rows = q[0].shape[0]
     init = (
         jnp.full((num_rows,), MASK_VALUE, jnp.float32) if sinks is None else sinks * LOG2_E,
         jnp.zeros((num_rows,), jnp.float32) if sinks is None else jnp.ones((num_rows,), jnp.float32),
-        jnp.zeros((num_rows, padded_head_dim), jnp.float32),
+        jnp.zeros((num_rows, head.accumulated(v_ref is None)), jnp.float32),
     )
     body = functools.partial(
         _attend_block, q, k_ref, v_ref, page_table_ref, req,
-        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, scores=scores,
+        kv_len=kv_len, row_pos=row_pos, pages_per_block=pages_per_block, scores=scores, head=head,
     )
     return jax.lax.fori_loop(first_block, end_block, lambda j, carry: body(j, carry=carry), init)
 
@@ -204,13 +251,14 @@ def _ragged_kernel(
     page_table_ref,  # i32[R, P_padded]
     q_ref,  # [T, N, H]
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
-    *refs,  # (v_ref like k_ref unless `values_are_keys`,) (sinks f32[N] with `has_sinks`,) zeros [T, N, H]
-    # aliased to o_ref (tokens no program writes stay zero), o_ref [T, N, H]
+    *refs,  # (v_ref like k_ref unless `values_are_keys`,) (sinks f32[N] with `has_sinks`,) zeros [T, N, Hv]
+    # aliased to o_ref (tokens no program writes stay zero), o_ref [T, N, Hv] (Hv: `head.value_dims`)
     group: int,
     padded_group: int,
     block_q: int,
     pages_per_block: int,
     scores: ScoreRule,
+    head: HeadPieces,
     has_sinks: bool = False,
     values_are_keys: bool = False,
 ):
@@ -222,8 +270,6 @@ def _ragged_kernel(
 
     @pl.when(req >= 0)
     def _():
-        head_dim = q_ref.shape[2]
-        padded_head_dim = _padded_head_dim(head_dim)
         num_rows = block_q * padded_group
         q_start, q_end = cu_q_lens_ref[req], cu_q_lens_ref[req + 1]
         kv_len = kv_lens_ref[req]
@@ -233,10 +279,8 @@ def _ragged_kernel(
         token = first_token + rows // padded_group  # i32[M]
         g = rows % padded_group
         row_ok = (token < q_end) & (g < group)
-        dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
-        index = (token[:, None], (kv_head * group + g)[:, None], dim[None, :])
-        mask = row_ok[:, None] & _head_dim_mask(padded_head_dim, head_dim)[None, :]
-        q = plgpu.load(q_ref.at[index], mask=mask, other=0.0)  # [M, Hp]
+        rows = (token[:, None], (kv_head * group + g)[:, None])
+        q = tuple(head.load(q_ref, rows, row_ok[:, None]))  # each piece [M, its padded width]
         row_pos = kv_len - q_end + token  # the request's last token sits at kv_len - 1
 
         last_token = jnp.minimum(first_token + block_q, q_end) - 1
@@ -248,10 +292,11 @@ def _ragged_kernel(
             sinks = plgpu.load(sinks_ref.at[kv_head * group + jnp.minimum(g, group - 1)])  # f32[M]
         _, denom, acc = _attend_blocks(
             q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first_block, num_blocks,
-            pages_per_block=pages_per_block, scores=scores, sinks=sinks,
+            pages_per_block=pages_per_block, scores=scores, head=head, sinks=sinks,
         )
-        out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
-        plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=mask)
+        out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # [M, Ha]: the values' dims first
+        dim = jnp.arange(out.shape[1], dtype=jnp.int32)[None, :]
+        plgpu.store(o_ref.at[(*rows, dim)], out.astype(o_ref.dtype), mask=row_ok[:, None] & (dim < head.value_dims))
 
 
 def _decode_kernel(
@@ -261,20 +306,20 @@ def _decode_kernel(
     q_ref,  # [R, N, H]: token r is request r's only query
     k_ref,  # [num_pages, page_size, H] (this program's KV head)
     *refs,  # (v_ref like k_ref unless `values_are_keys`,) then:
-    # o_ref f32[Gr, Hp]: this split's unnormalised output (at its request's place in the order)
+    # o_ref f32[Gr, Ha]: this split's unnormalised output (at its request's place in the order)
     # max_ref f32[Gr]: its running max (log2 domain); denom_ref f32[Gr]: its softmax denominator
     group: int,
     num_splits: int,
     pages_per_block: int,
     scores: ScoreRule,
+    head: HeadPieces,
     values_are_keys: bool = False,
 ):
     v_ref, refs = (None, refs) if values_are_keys else (refs[0], refs[1:])
     o_ref, max_ref, denom_ref = refs
     split, kv_head, place = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     req = order_ref[place]
-    num_rows, padded_head_dim = o_ref.shape
-    head_dim = q_ref.shape[2]
+    num_rows = o_ref.shape[0]
     kv_len = kv_lens_ref[req]
     # Split this request's own blocks (those in its window) evenly, so short contexts still spread over
     # every split.
@@ -286,13 +331,11 @@ def _decode_kernel(
     last = jnp.minimum(first + per_split, num_blocks)
 
     g = jnp.arange(num_rows, dtype=jnp.int32)
-    dim = jnp.arange(padded_head_dim, dtype=jnp.int32)
-    mask = (g < group)[:, None] & _head_dim_mask(padded_head_dim, head_dim)[None, :]
-    q = plgpu.load(q_ref.at[req, (kv_head * group + g)[:, None], dim[None, :]], mask=mask, other=0.0)
+    q = tuple(head.load(q_ref, (req, (kv_head * group + g)[:, None]), (g < group)[:, None]))  # pieces [Gr, .]
     row_pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
     m, denom, acc = _attend_blocks(
         q, k_ref, v_ref, page_table_ref, req, kv_len, row_pos, first, last,
-        pages_per_block=pages_per_block, scores=scores,
+        pages_per_block=pages_per_block, scores=scores, head=head,
     )
     o_ref[...] = acc
     max_ref[...] = m
@@ -315,9 +358,11 @@ def _compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None) -> None:
+def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None, value_dims: int | None = None) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pages.shape[0]
+    if value_dims is not None and (v_pages is not None or not 0 < value_dims <= head_dim):
+        raise ValueError(f"value_dims={value_dims}: the values are the keys' first dims (v_pages None), 1..{head_dim}")
     if v_pages is not None and k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
     if num_q_heads % num_kv_heads:
@@ -389,9 +434,10 @@ def ragged_paged_attention_pallas(
     num_stages: int = 2,
     served: jax.Array | None = None,  # bool[R]: only these requests' tokens (the others' come back as zeros)
     heavy_first: bool = True,  # the blocks reaching the furthest key start first (module docstring)
-) -> jax.Array:  # [T, N, H]
+    value_dims: int | None = None,  # with v_pages None: the values are the keys' first `value_dims` dims
+) -> jax.Array:  # [T, N, Hv]: Hv is value_dims, or H
     """The general kernel: same contract as `ops.attention.ragged_paged_attention`."""
-    _check_shapes(q, k_pages, v_pages)
+    _check_shapes(q, k_pages, v_pages, value_dims)
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -404,10 +450,12 @@ def ragged_paged_attention_pallas(
 
     block_req, block_start = query_blocks(cu_q_lens, kv_lens, num_tokens, block_q, served, heavy_first)
     num_programs = block_req.shape[0]
+    head = HeadPieces.of(q.shape[2], value_dims, v_pages is None)
+    out_shape = jax.ShapeDtypeStruct((num_tokens, num_q_heads, head.value_dims), q.dtype)
     kernel = functools.partial(
         _ragged_kernel, group=group, padded_group=padded_group, block_q=block_q,
         pages_per_block=pages_per_block, scores=ScoreRule(sm_scale, sliding_window, logit_softcap),
-        has_sinks=sinks is not None, values_are_keys=v_pages is None,
+        head=head, has_sinks=sinks is not None, values_are_keys=v_pages is None,
     )
     whole = pl.BlockSpec()  # the kernel indexes these itself
     per_kv_head = pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, b: (h, 0, 0, 0))
@@ -420,12 +468,13 @@ def ragged_paged_attention_pallas(
         in_specs=[whole, whole, whole, whole, whole, whole, *(per_kv_head for _ in pages), *(whole for _ in extra),
                   whole],
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_shape,
         input_output_aliases={zeros_index: 0},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, *pages, *extra, jnp.zeros_like(q))
+    )(block_req, block_start, cu_q_lens, kv_lens, page_table, q, *pages, *extra,
+      jnp.zeros(out_shape.shape, out_shape.dtype))
 
 
 def default_num_splits(
@@ -458,19 +507,21 @@ def paged_decode_attention_pallas(
     num_warps: int = 4,
     num_stages: int = 3,
     heavy_first: bool = True,
-) -> jax.Array:  # [R, N, H]
+    value_dims: int | None = None,  # with v_pages None: the values are the keys' first `value_dims` dims
+) -> jax.Array:  # [R, N, Hv]: Hv is value_dims, or H
     """The decode specialisation (split-KV). Request r's query is token r at position kv_lens[r] - 1.
 
     `num_splits` defaults to about two waves of programs over the `num_sms` SMs of the target;
     `heavy_first` launches the longest requests' programs first (else in the requests' order)."""
-    _check_shapes(q, k_pages, v_pages)
+    _check_shapes(q, k_pages, v_pages, value_dims)
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if page_table.shape[0] != num_reqs:
         raise ValueError(f"decode needs one token per request: {num_reqs} tokens, {page_table.shape[0]} requests")
     group = num_q_heads // num_kv_heads
     num_rows = max(_MIN_DOT_DIM, next_pow2(group))
-    padded_head_dim = _padded_head_dim(head_dim)
+    head = HeadPieces.of(head_dim, value_dims, v_pages is None)
+    accumulated = head.accumulated(v_pages is None)
     pages_per_block = _pages_per_block(page_size, block_kv, page_table.shape[1])
     if num_splits is None:
         num_splits = default_num_splits(
@@ -480,7 +531,7 @@ def paged_decode_attention_pallas(
 
     kernel = functools.partial(
         _decode_kernel, group=group, num_splits=num_splits, pages_per_block=pages_per_block,
-        scores=ScoreRule(sm_scale, sliding_window, logit_softcap), values_are_keys=v_pages is None,
+        scores=ScoreRule(sm_scale, sliding_window, logit_softcap), head=head, values_are_keys=v_pages is None,
     )
     order = decode_order(kv_lens, heavy_first)  # i32[R]
     whole = pl.BlockSpec()
@@ -492,12 +543,12 @@ def paged_decode_attention_pallas(
         grid=(num_splits, num_kv_heads, num_reqs),  # the first axis varies fastest in launch order
         in_specs=[whole, whole, whole, whole, *(per_kv_head for _ in pages)],
         out_specs=[
-            pl.BlockSpec((None, None, None, num_rows, padded_head_dim), lambda s, h, r: (s, r, h, 0, 0)),
+            pl.BlockSpec((None, None, None, num_rows, accumulated), lambda s, h, r: (s, r, h, 0, 0)),
             pl.BlockSpec((None, None, None, num_rows), lambda s, h, r: (s, r, h, 0)),
             pl.BlockSpec((None, None, None, num_rows), lambda s, h, r: (s, r, h, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((*partial_shape, padded_head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*partial_shape, accumulated), jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
@@ -512,11 +563,11 @@ def paged_decode_attention_pallas(
         m = jnp.concatenate([m, sink_max])
         denom = jnp.concatenate([denom, jnp.ones_like(sink_max)])
         out = jnp.concatenate([out, jnp.zeros((1, *out.shape[1:]), out.dtype)])
-    out = _combine_splits(out, m, denom)[:, :, :group, :head_dim]  # f32[R, K, G, H], in the launch order
+    out = _combine_splits(out, m, denom)[:, :, :group, :head.value_dims]  # f32[R, K, G, Hv], launch order
     if heavy_first:  # back in the requests' order: request r's output is at its place in the launch order
         place = jnp.zeros_like(order).at[order].set(jnp.arange(num_reqs, dtype=jnp.int32))  # i32[R]
         out = out[place]
-    return out.reshape(q.shape).astype(q.dtype)
+    return out.reshape(num_reqs, num_q_heads, head.value_dims).astype(q.dtype)
 
 
 def decode_order(kv_lens: jax.Array, heavy_first: bool = True) -> jax.Array:  # i32[R]

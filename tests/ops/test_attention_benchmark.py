@@ -32,3 +32,23 @@ def test_attention_benchmark_smoke(tmp_path):
         assert row["us_per_call"] > 0 and row["max_abs_err"] < tolerance
         if capability is None:
             assert row["peak_fraction"] is None  # a CPU has no HBM peak to compare with
+
+
+@pytest.mark.slow  # runs benchmarks/attention.py in a subprocess
+def test_attention_benchmark_reads_a_cache_of_keys_alone(tmp_path):
+    """`--values-are-keys` (DeepSeek's latent cache): dense attention over the keys as values agrees with the
+    reference path reading the keys' pages as values, and the ideal traffic counts the one array."""
+    out = tmp_path / "rows.json"
+    command = [sys.executable, str(SCRIPT), "--impls", "reference", "dense", "cpu", "--heads", "deepseek-v2-lite",
+               "--dtype", "float32", "--values-are-keys", "--batch-sizes", "2", "--context-lens", "40", "--mixed",
+               "none", "--iters", "1", "--calls-per-sample", "1", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["impl"] for row in rows] == ["reference", "dense", "cpu"]
+    tolerance = 5e-3 if cuda_compute_capability() is not None else 1e-5
+    for row in rows:
+        assert row["max_abs_err"] < tolerance
+        # 2 requests x 40 keys x 576 float32s, read once; the query and output of 16 heads
+        ideal = 2 * 40 * 576 * 4 + 2 * 2 * 16 * 576 * 4
+        assert abs(row["gb_per_s"] * 1e9 * row["us_per_call"] * 1e-6 - ideal) < 1e-3 * ideal
