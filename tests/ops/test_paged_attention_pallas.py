@@ -41,14 +41,15 @@ GQA = [(4, 4), (4, 2), (8, 2), (8, 1), (9, 3)]  # group sizes 1, 2, 4, 8 and Smo
 
 
 def check(got: jax.Array, case: PagedCase, sm_scale: float, dtype, tol: float | None = None) -> None:
-    """Matches the oracle and the reference within `tol` (the dtype's tolerance); padding tokens are zeros."""
+    """Matches the oracle and the reference within `tol` (the dtype's tolerance), in as many of the values'
+    first dims as `got` has (a cache of keys alone with `value_dims`); padding tokens are zeros."""
     got = np.asarray(got.astype(jnp.float32))
-    num_real = case.num_real_tokens
+    num_real, dims = case.num_real_tokens, got.shape[-1]
     tol = tol or TOLERANCE[dtype]
     assert np.all(np.isfinite(got)), "NaN from an unused page slot leaked into the output"
-    np.testing.assert_allclose(got[:num_real], oracle(case, sm_scale)[:num_real], atol=tol, rtol=tol)
+    np.testing.assert_allclose(got[:num_real], oracle(case, sm_scale)[:num_real, :, :dims], atol=tol, rtol=tol)
     reference = run_jitted(ragged_paged_attention, *case.args, sm_scale=sm_scale, impl="reference")
-    reference = np.asarray(reference.astype(jnp.float32))
+    reference = np.asarray(reference.astype(jnp.float32))[..., :dims]
     np.testing.assert_allclose(got[:num_real], reference[:num_real], atol=tol, rtol=tol)
     assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
 
@@ -283,9 +284,9 @@ def test_kernels_match_the_oracle_at_serving_shapes(mix, dtype):
 @pytest.mark.parametrize("num_q_heads", [16, 64])  # DeepSeek-V2-Lite's, and a group the calls split in two
 @pytest.mark.parametrize("mix", SERVING_MIXES)
 def test_deepseek_s_wide_heads_match_the_oracle_on_the_device(mix, num_q_heads):
-    """DeepSeek's latent attention (one KV head of 576 dims, the wide-head blocks, a cache of keys alone that the
-    kernels read as values too) at bfloat16 serving shapes: 64 decodes over contexts of up to 2,048 tokens, and a
-    512-token chunk beside 15 decodes."""
+    """DeepSeek's latent attention (one KV head of 576 dims, the wide-head blocks, a cache of keys alone whose first
+    512 dims the kernels read as the values, the head in two pieces) at bfloat16 serving shapes: 64 decodes over
+    contexts of up to 2,048 tokens, and a 512-token chunk beside 15 decodes."""
     rng = np.random.default_rng(num_q_heads)
     shape = dict(page_size=16, head_dim=576, dtype=jnp.bfloat16, max_pages=2048 // 16 + 1)
     decode_only = mix == "256 decodes"
@@ -298,5 +299,6 @@ def test_deepseek_s_wide_heads_match_the_oracle_on_the_device(mix, num_q_heads):
     case = dataclasses.replace(case, v_pages=case.k_pages)
     q, k_pages, _, *rest = case.args
     got = run_jitted(ragged_paged_attention, q, k_pages, None, *rest, sm_scale=sm_scale, impl=KERNEL_IMPL,
-                     decode_only=decode_only)
+                     decode_only=decode_only, value_dims=512)
+    assert got.shape[-1] == 512
     check(got, case, sm_scale, jnp.bfloat16, tol=SERVING_TOLERANCE[jnp.bfloat16])
