@@ -52,15 +52,18 @@ def checkpoint_kv_scale(name: str) -> tuple[int, str] | None:
     return None if match is None else (int(match.group(1) or match.group(2)), match.group(3))
 
 
-def checkpoint_amax(found: dict[tuple[int, str], float], num_layers: int) -> np.ndarray | None:
+def checkpoint_amax(found: dict[tuple[int, str], float], num_layers: int, keys_only: bool = False) -> np.ndarray | None:
     """f32[L, 2]: each layer's (K, V) maximum that a checkpoint's scales (`checkpoint_kv_scale`'s finds, by
-    layer and kind) were calibrated for; None where it has none. Raises where only some layers have them."""
+    layer and kind) were calibrated for; None where it has none. Raises where only some layers have them.
+    `keys_only` (a cache of keys alone, `models.values_are_keys`): a layer's `k_scale` serves for both."""
     if not found:
         return None
     amax = np.zeros((num_layers, 2), np.float32)
     for layer in range(num_layers):
         for column, kind in enumerate("kv"):
             scale = found.get((layer, kind), found.get((layer, "kv")))
+            if scale is None and keys_only:
+                scale = found.get((layer, "k"))
             if scale is None:
                 raise ValueError(f"the checkpoint has KV-cache scales for some layers, but no {kind}_scale for "
                                  f"layer {layer}")
@@ -121,7 +124,7 @@ def apply_fp8_kv_scales(model: Any, cache_dtype: Any) -> np.ndarray:
     checkpoint's KV-cache scales where it has them, else from a calibration pass; f32[L, 2]."""
     start = time.perf_counter()
     limit = float(jnp.finfo(cache_dtype).max)
-    amax = checkpoint_amax(model.checkpoint_kv_scales, model.cfg.num_layers)
+    amax = checkpoint_amax(model.checkpoint_kv_scales, model.cfg.num_layers, values_are_keys(model.cfg))
     source = "the checkpoint's k_scale and v_scale"
     if amax is None:
         amax, source = calibrate_amax(model), "a calibration pass"

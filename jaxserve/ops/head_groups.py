@@ -23,5 +23,6 @@ def in_group_parts(
     part_sinks = None if sinks is None else jnp.asarray(sinks).reshape(num_kv_heads, parts, part)
     outs = [attend(by_part[:, :, i].reshape(num_tokens, num_kv_heads * part, head_dim),
                    None if part_sinks is None else part_sinks[:, i].reshape(-1)) for i in range(parts)]
-    outs = [out.reshape(num_tokens, num_kv_heads, part, -1) for out in outs]
-    return jnp.stack(outs, axis=2).reshape(num_tokens, num_q_heads, -1)
+    width = outs[0].shape[-1]  # the values' (explicit: a reshape's -1 cannot be inferred at zero tokens)
+    outs = [out.reshape(num_tokens, num_kv_heads, part, width) for out in outs]
+    return jnp.stack(outs, axis=2).reshape(num_tokens, num_q_heads, width)

@@ -97,6 +97,17 @@ def test_a_cache_of_keys_alone_reads_its_keys_as_values(impl, decode_only, value
     assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
 
 
+def test_group_parts_put_back_each_head_s_values_at_any_token_count():
+    """`in_group_parts` splits 64 heads on one KV head into calls of 32 and puts their outputs (as wide as the
+    values: 512 of 576 dims here) back in the heads' order, at zero tokens too."""
+    from jaxserve.ops.head_groups import in_group_parts
+
+    for num_tokens in (0, 3):
+        q = jax.numpy.arange(num_tokens * 64 * 576, dtype=np.float32).reshape(num_tokens, 64, 576)
+        out = in_group_parts(lambda part, sinks: part[..., :512] * 2.0, q, 1, 32)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(q[..., :512]) * 2.0)
+
+
 @cpu_paths
 @pytest.mark.parametrize(("query_block", "mix", "pages_per_block"), pairwise(
     [1, 2, 3, 8, 64], ["prefills", "chunk_after_cache", "mixed_with_empty", "long"], [1, 3, 8]))

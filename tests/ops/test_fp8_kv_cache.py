@@ -232,6 +232,17 @@ def test_a_checkpoint_s_kv_scales_replace_the_calibration(tiny_model_dir, tmp_pa
     np.testing.assert_array_equal(skewed_model.kv_scales[:, 1], folded.kv_scales[:, 1] / 8)
 
 
+def test_a_cache_of_keys_alone_takes_a_checkpoint_s_k_scale_alone():
+    """DeepSeek's latent cache is one array: a checkpoint's `k_scale` a layer is enough (its values are its
+    keys); a K-and-V cache still needs both."""
+    from jaxserve.models.kv_scales import checkpoint_amax
+
+    found = {(0, "k"): 0.5, (1, "k"): 0.25}
+    np.testing.assert_array_equal(checkpoint_amax(found, 2, keys_only=True), [[224.0, 224.0], [112.0, 112.0]])
+    with pytest.raises(ValueError, match="no v_scale for layer 0"):
+        checkpoint_amax(found, 2)
+
+
 def test_kv_scales_for_only_some_layers_are_refused_by_an_fp8_cache_alone(tiny_model_dir, tmp_path):
     from tests.engine.helpers import make_engine
 
