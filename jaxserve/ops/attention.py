@@ -235,23 +235,23 @@ def ragged_paged_attention(
         impl = resolve_impl(impl)
     if value_dims is not None and v_pages is not None:
         raise ValueError("value_dims: the values are the keys' first dims, with v_pages None")
-    if value_dims is not None and value_dims != q.shape[2] and impl not in ("pallas", "interpret"):
-        whole = ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale,
-                                       sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
-                                       impl=impl, num_sms=num_sms, decode_only=decode_only)
-        return whole[..., :value_dims]
-    values = k_pages if v_pages is None else v_pages  # for the paths that read values from pages of their own
+    # The paths that read values from pages of their own; they attend over whole heads, and `[..., :value_dims]`
+    # keeps the values' dims (a no-op without value_dims).
+    values = k_pages if v_pages is None else v_pages
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     if sinks is not None:
         scores["sinks"] = sinks
     if impl == "cpu-native":
-        return cpu_kernels.ragged_paged_attention(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        out = cpu_kernels.ragged_paged_attention(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        return out[..., :value_dims]
     if impl == "cpu":
-        return ragged_paged_attention_cpu(
+        out = ragged_paged_attention_cpu(
             q, k_pages, values, kv_lens, page_table, cu_q_lens, decode_only=decode_only, **scores
         )
+        return out[..., :value_dims]
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        out = ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
+        return out[..., :value_dims]
     interpret = impl == "interpret"
     fp8_cache = k_pages.dtype in paged_attention_pallas.FP8_CACHE_DTYPES
     if (hopper_decode if decode_only else hopper) and not interpret and (hopper_fp8 or not fp8_cache):

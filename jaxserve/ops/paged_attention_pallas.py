@@ -296,7 +296,8 @@ def _ragged_kernel(
         )
         out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # [M, Ha]: the values' dims first
         dim = jnp.arange(out.shape[1], dtype=jnp.int32)[None, :]
-        plgpu.store(o_ref.at[(*rows, dim)], out.astype(o_ref.dtype), mask=row_ok[:, None] & (dim < head.value_dims))
+        mask = row_ok[:, None] & _head_dim_mask(out.shape[1], head.value_dims)[None, :]  # all-true dims: folded
+        plgpu.store(o_ref.at[(*rows, dim)], out.astype(o_ref.dtype), mask=mask)
 
 
 def _decode_kernel(
