@@ -224,6 +224,7 @@ class DeepseekForCausalLM(llama.LlamaForCausalLM):
 
 LAYERS_KEY = llama.LAYERS_KEY
 EMBEDDING_TABLES = llama.EMBEDDING_TABLES
+EXPERT_WEIGHTS = llama.EXPERT_WEIGHTS  # a GGUF file's routed experts, kept in their blocks
 # `--quantization fp8`: the projections `layers.dense` multiplies by (the queries', the latent's, the output, the
 # dense and shared MLPs'); the up-projections W_UK and W_UV (einsums over every head's latent) and the routed
 # experts keep their dtype.
@@ -268,34 +269,51 @@ def _rope_rows_last(width: int, rope_dims: int) -> np.ndarray:
     return np.concatenate([np.arange(head), head + rotate_half_order(rope_dims, rope_dims)])
 
 
-def _query_rows(w: np.ndarray, cfg: DeepseekConfig) -> np.ndarray:
-    """A query projection's rows [N * (P + R), in], each head's RoPE rows reordered: [in, N, P + R]."""
-    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    heads = np.asarray(w).reshape(cfg.num_heads, width, -1)[:, _rope_rows_last(width, cfg.qk_rope_head_dim)]
-    return np.ascontiguousarray(heads.transpose(2, 0, 1))
+def _query_heads(w: np.ndarray, cfg: DeepseekConfig) -> np.ndarray:
+    """A query projection [N * (P + R), in] as [in, N, P + R]."""
+    return np.ascontiguousarray(np.asarray(w).T.reshape(-1, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
 
 
-def _latent_rows(w: np.ndarray, cfg: DeepseekConfig) -> np.ndarray:
-    """`kv_a_proj_with_mqa` [C + R, D], the RoPE key's rows reordered: [D, C + R]."""
-    return np.ascontiguousarray(np.asarray(w)[_rope_rows_last(w.shape[0], cfg.qk_rope_head_dim)].T)
+def _rope_rows(name: str, cfg: DeepseekConfig) -> np.ndarray | None:
+    """i64[out]: the order that puts the RoPE rows of the projection `name` (the queries', each head's last R
+    rows; the latent's, its last R) in the rotate-half layout, or None for a tensor without RoPE rows."""
+    r = cfg.qk_rope_head_dim
+    if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
+        width = cfg.qk_nope_head_dim + r
+        return (np.arange(cfg.num_heads)[:, None] * width + _rope_rows_last(width, r)).reshape(-1)
+    if name.endswith(".self_attn.kv_a_proj_with_mqa.weight"):
+        return _rope_rows_last(cfg.kv_lora_rank + r, r)
+    return None
 
 
 def _up_projections(name: str, tensor: Any, cfg: DeepseekConfig) -> list[tuple[str, np.ndarray]]:
-    """`kv_b_proj` [N * (P + V), C] as the keys' and the values' up-projections, [N, P, C] and [N, V, C]."""
-    stem = name.removesuffix("kv_b_proj.weight")
-    heads = np.asarray(tensor).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-    return [(stem + "w_uk", heads[:, :cfg.qk_nope_head_dim]), (stem + "w_uv", heads[:, cfg.qk_nope_head_dim:])]
+    """The keys' and the values' up-projections as [N, P, C] and [N, V, C], from `kv_b_proj` [N * (P + V), C],
+    or from llama.cpp's split of it: `k_b_proj` [N, C, P] (transposed) and `v_b_proj` [N, V, C]."""
+    n, p, c, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    stem, _, kind = name.removesuffix(".weight").rpartition(".")
+    stem += "."
+    if kind == "k_b_proj":
+        return [(stem + "w_uk", np.asarray(tensor).reshape(n, c, p).transpose(0, 2, 1))]
+    if kind == "v_b_proj":
+        return [(stem + "w_uv", np.asarray(tensor).reshape(n, v, c))]
+    heads = np.asarray(tensor).reshape(n, p + v, c)
+    return [(stem + "w_uk", heads[:, :p]), (stem + "w_uv", heads[:, p:])]
 
 
 def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: DeepseekConfig) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as the model keeps them: the experts stacked per layer and kind, `kv_b_proj`
-    split into the keys' and values' up-projections."""
+    split into the keys' and values' up-projections, and the RoPE rows of the queries' and the latent's
+    projections reordered to the rotate-half layout (rows move whole, so a GGUF file's blocks and an FP8
+    checkpoint's per-row scales move with them)."""
     experts = ExpertStacker(cfg.moe.num_experts)
     for name, tensor in tensors:
         if (stacked := experts.add(name, tensor)) is not None:
             yield from stacked
-        elif name.endswith(".self_attn.kv_b_proj.weight"):
+        elif name.endswith((".self_attn.kv_b_proj.weight", ".self_attn.k_b_proj.weight",
+                            ".self_attn.v_b_proj.weight")):
             yield from _up_projections(name, tensor, cfg)
+        elif (order := _rope_rows(name, cfg)) is not None:
+            yield name, tensor[order]
         else:
             yield name, tensor
     experts.check_complete()
@@ -309,11 +327,11 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, DeepseekConfi
     "mlp.gate.e_score_correction_bias": (("mlp", "router_correction"), lambda w, c: np.asarray(w, np.float32)),
     **{f"mlp.shared_experts.{kind}_proj.weight": (("mlp", "shared_expert", f"{kind}_proj"), lambda w, c: w.T)
        for kind in ("gate", "up", "down")},
-    "self_attn.q_proj.weight": (("self_attn", "q_proj"), _query_rows),
+    "self_attn.q_proj.weight": (("self_attn", "q_proj"), _query_heads),
     "self_attn.q_a_proj.weight": (("self_attn", "q_a_proj"), lambda w, c: w.T),
     "self_attn.q_a_layernorm.weight": (("self_attn", "q_a_layernorm", "scale"), lambda w, c: w),
-    "self_attn.q_b_proj.weight": (("self_attn", "q_b_proj"), _query_rows),
-    "self_attn.kv_a_proj_with_mqa.weight": (("self_attn", "kv_a_proj"), _latent_rows),
+    "self_attn.q_b_proj.weight": (("self_attn", "q_b_proj"), _query_heads),
+    "self_attn.kv_a_proj_with_mqa.weight": (("self_attn", "kv_a_proj"), lambda w, c: w.T),
     "self_attn.kv_a_layernorm.weight": (("self_attn", "kv_a_layernorm", "scale"), lambda w, c: w),
     "self_attn.w_uk": (("self_attn", "w_uk"), lambda w, c: w),
     "self_attn.w_uv": (("self_attn", "w_uv"), lambda w, c: w),

@@ -57,7 +57,18 @@ _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # transformers' names), and its experts' biases (`blk.N.ffn_gate_exps.bias` -> `mlp.experts_gate_bias`).
 _ARCH_LAYER_NAMES["gpt-oss"] = {**_EXPERT_NAMES, "ffn_gate_inp": "mlp.router",
                                 "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
-_UNSUFFIXED = ("attn_sinks",)
+# DeepSeek-V2/V3 (`deepseek2`): the latent attention's projections and norms, the router's correction bias (a
+# tensor without a suffix in transformers' names), the shared experts (plural in DeepSeek's names). Files written
+# since llama.cpp absorbs the up-projections hold `kv_b_proj` as the keys' part, transposed, and the values'
+# (`deepseek.hf_weight_stream` takes either).
+_ARCH_LAYER_NAMES["deepseek2"] = {
+    **_EXPERT_NAMES, "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+_UNSUFFIXED = ("attn_sinks", "exp_probs_b")
 # OLMo 2: norms after attention and after the MLP (none before), and q/k norms across all heads
 _ARCH_LAYER_NAMES["olmo2"] = {"post_attention_norm": "post_attention_layernorm",
                               "post_ffw_norm": "post_feedforward_layernorm"}
@@ -71,11 +82,11 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                                 "gpt-oss", "granite", "smollm3", "olmo2", "gemma")
+                                 "gpt-oss", "granite", "smollm3", "olmo2", "gemma", "deepseek2")
 # Architectures transformers' GGUF reader does not know, and the one it reads their config and tokenizer as
 # (`gguf_cache` rebuilds the family's own config from the file): Granite and SmolLM3 are written as Llama
-# is, OLMo 2 with Llama's keys, Gemma 1 with Gemma 2's.
-_READ_AS = {"granite": "llama", "smollm3": "llama", "olmo2": "llama", "gemma": "gemma2"}
+# is, OLMo 2 with Llama's keys, Gemma 1 with Gemma 2's, DeepSeek with Llama's and its own.
+_READ_AS = {"granite": "llama", "smollm3": "llama", "olmo2": "llama", "gemma": "gemma2", "deepseek2": "llama"}
 # llama.cpp's converter permutes these architectures' Q/K rows (its `LlamaModel`) for its rotary layout.
 _PERMUTED = ("llama", "granite", "smollm3")
 

@@ -82,23 +82,28 @@ def _as_llama_cpp_names(arch: str, cfg, tensors):
 
 def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dict | None = None) -> None:
     """A GGUF of a transformers config's metadata (and `extra` {key: (value, GGUFValueType[, an array's item
-    type])}), the tokenizer
-    fields of `tokenizer_gguf`, and `tensors` already under llama.cpp's names (array, or (blocks, type))."""
+    type])}, which replaces a key the config would give), the tokenizer fields of `tokenizer_gguf`, and
+    `tensors` already under llama.cpp's names (array, or (blocks, type))."""
     import gguf
 
+    extra = extra or {}
     writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    keys, types = gguf.Keys, gguf.GGUFValueType
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3's: the global layers'
-    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value, value_type in (
+            (keys.LLM.BLOCK_COUNT, cfg.num_hidden_layers, types.UINT32),
+            (keys.LLM.CONTEXT_LENGTH, cfg.max_position_embeddings, types.UINT32),
+            (keys.LLM.EMBEDDING_LENGTH, cfg.hidden_size, types.UINT32),
+            (keys.LLM.FEED_FORWARD_LENGTH, cfg.intermediate_size, types.UINT32),
+            (keys.Attention.HEAD_COUNT, cfg.num_attention_heads, types.UINT32),
+            (keys.Attention.HEAD_COUNT_KV, cfg.num_key_value_heads, types.UINT32),
+            (keys.Attention.KEY_LENGTH, head_dim, types.UINT32),
+            (keys.Attention.VALUE_LENGTH, head_dim, types.UINT32),
+            (keys.Rope.FREQ_BASE, rope.get("rope_theta", 10000.0), types.FLOAT32),
+            (keys.Attention.LAYERNORM_RMS_EPS, cfg.rms_norm_eps, types.FLOAT32)):
+        if key.format(arch=arch) not in extra:
+            writer.add_key_value(key.format(arch=arch), value, value_type)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
     if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3 128k: the factors as tensors
@@ -106,10 +111,12 @@ def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dic
                              gguf.GGUFValueType.UINT32)
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], np.float32))
-    if experts := getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts and f"{arch}.expert_count" not in extra:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if getattr(cfg, "moe_intermediate_size", None):  # Qwen3-MoE's; Mixtral's experts are intermediate_size wide
+    if getattr(cfg, "moe_intermediate_size", None) and f"{arch}.expert_feed_forward_length" not in extra:
+        # Qwen3-MoE's; Mixtral's experts are intermediate_size wide
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):  # Qwen2-MoE's
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -118,7 +125,7 @@ def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dic
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    for key, (value, value_type, *sub_type) in (extra or {}).items():
+    for key, (value, value_type, *sub_type) in extra.items():
         writer.add_key_value(key, value, value_type, sub_type=sub_type[0] if sub_type else None)
     for name, tensor in tensors:
         raw_dtype = None

@@ -1,0 +1,189 @@
+"""DeepSeek-V2 and V3 GGUF files (llama.cpp's `deepseek2` architecture), laid out as llama.cpp's converter lays
+them out: its metadata keys (the latent's widths, the experts' counts, scales and gating function, YaRN's log
+multiplier), one KV head, the rows of every projection as the checkpoint holds them (RoPE's adjacent pairs
+unpermuted), the routed experts stacked, and `kv_b_proj` split into the keys' part, transposed, and the values'
+(or whole, as files written before llama.cpp absorbed the up-projections hold it). Loaded through the GGUF path,
+each gives the logits of the transformers model it was written from; with its projections and experts in 8- and
+4-bit blocks, kept as they are, it follows the model its dequantized blocks make."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from jaxserve.models.loader import load_model
+from jaxserve.ops import cpu_kernels
+from tests.models.test_gguf_families import assert_logits_match, experts_as_llama_cpp_stores_them, write_gguf_tensors
+
+pytestmark = pytest.mark.slow  # the transformers reference
+
+_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b", "self_attn.k_b_proj": "attn_k_b",
+    "self_attn.v_b_proj": "attn_v_b", "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    "mlp.experts_gate": "ffn_gate_exps", "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def _llama_cpp_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    if rest == "mlp.gate.e_score_correction_bias":
+        return f"blk.{layer}.exp_probs_b.bias"
+    if rest.startswith("mlp.experts_"):
+        return f"blk.{layer}.{_NAMES[rest]}.weight"
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_NAMES[module]}.{suffix}"
+
+
+def _metadata(cfg, split_kv_b: bool) -> dict:
+    """llama.cpp's `deepseek2` keys for a transformers DeepSeek config (its converter's choices)."""
+    types, rope = gguf.GGUFValueType, cfg.rope_parameters
+    u32, f32 = types.UINT32, types.FLOAT32
+    qk, c, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    keys = {
+        "head_count_kv": (1, u32), "rope.dimension_count": (r, u32), "attention.kv_lora_rank": (c, u32),
+        "leading_dense_block_count": (cfg.first_k_dense_replace, u32),
+        "expert_feed_forward_length": (cfg.moe_intermediate_size, u32), "expert_count": (cfg.n_routed_experts, u32),
+        "expert_used_count": (cfg.num_experts_per_tok, u32), "expert_shared_count": (cfg.n_shared_experts, u32),
+        "expert_weights_scale": (cfg.routed_scaling_factor, f32),
+        "expert_gating_func": (2 if cfg.model_type == "deepseek_v3" else 1, u32),
+    }
+    if split_kv_b:  # the cached latent's widths, and the heads' own under `_mla`
+        keys.update({"attention.key_length": (c + r, u32), "attention.value_length": (c, u32),
+                     "attention.key_length_mla": (qk, u32), "attention.value_length_mla": (cfg.v_head_dim, u32)})
+    else:
+        keys.update({"attention.key_length": (qk, u32), "attention.value_length": (cfg.v_head_dim, u32)})
+    if cfg.q_lora_rank:
+        keys["attention.q_lora_rank"] = (cfg.q_lora_rank, u32)
+    if cfg.norm_topk_prob:
+        keys["expert_weights_norm"] = (True, types.BOOL)
+    if getattr(cfg, "n_group", None):
+        keys.update({"expert_group_count": (cfg.n_group, u32), "expert_group_used_count": (cfg.topk_group, u32)})
+    if rope.get("rope_type") == "yarn":
+        keys.update({"rope.scaling.type": ("yarn", types.STRING), "rope.scaling.factor": (rope["factor"], f32),
+                      "rope.scaling.original_context_length": (rope["original_max_position_embeddings"], u32),
+                      "rope.scaling.yarn_log_multiplier": (0.1 * rope["mscale_all_dim"], f32)})
+    return {f"deepseek2.{key}": value for key, value in keys.items()}
+
+
+def _tensors(hf, split_kv_b: bool) -> list:
+    """`hf`'s float32 tensors under llama.cpp's names, experts stacked and `kv_b_proj` split (or not)."""
+    cfg, tensors = hf.config, []
+    for name, array in experts_as_llama_cpp_stores_them(hf):
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            heads = array.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            stem = name.removesuffix("kv_b_proj.weight")
+            tensors += [(stem + "k_b_proj.weight", np.ascontiguousarray(
+                heads[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))),  # [N, C, P]
+                        (stem + "v_b_proj.weight", np.ascontiguousarray(heads[:, cfg.qk_nope_head_dim:]))]  # [N, V, C]
+        else:
+            tensors.append((name, array))
+    return [(_llama_cpp_name(name), array) for name, array in tensors]
+
+
+def write_deepseek_gguf(path, hf, tokenizer_gguf, split_kv_b: bool = True, quantized=None) -> None:
+    """`hf` as llama.cpp writes a `deepseek2` file; `quantized(name, array)` may give (blocks, type) for a
+    tensor to store quantized."""
+    tensors = _tensors(hf, split_kv_b)
+    if quantized is not None:
+        tensors = [(name, quantized(name, array) or array) for name, array in tensors]
+    write_gguf_tensors(path, "deepseek2", hf.config, tensors, tokenizer_gguf, _metadata(hf.config, split_kv_b))
+
+
+def _randomized(hf, bias_std: float = 0.5):
+    """Norms around 1 and a router correction bias (zero at initialization) that changes the experts chosen."""
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.normal_(mean=1.0, std=0.3)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(std=bias_std)
+    return hf
+
+
+@pytest.mark.parametrize("kind, split_kv_b", [("deepseek-v2", True), ("deepseek-v3", True), ("deepseek-v2", False)],
+                         ids=["v2-lite", "v3", "v2-lite, kv_b whole"])
+def test_a_deepseek_gguf_matches_transformers(kind, split_kv_b, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+    """V2-Lite's shape (one query projection, a softmax router, YaRN with its mscale) and V3's (queries through a
+    latent, a sigmoid router with its correction bias over groups, scaled), each layer's config read back from
+    llama.cpp's keys."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _randomized(tiny_hf_model(kind))
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_deepseek_gguf(path, hf, smollm2_gguf, split_kv_b)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.hf_config.model_type == hf.config.model_type
+    cfg = loaded.cfg
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        hf.config.q_lora_rank, 32, 16, 8, 12)
+    assert cfg.moe.score_correction == (kind == "deepseek-v3") and cfg.first_dense_layers == 1
+    assert_logits_match(loaded, hf, seed=12)
+
+
+def _tiny_v3_in_blocks():
+    """A V3 whose widths are whole blocks of 32 (every projection's and expert's input), so each can be stored
+    quantized. Its router's correction bias, which picks the experts (and not their weights), is wide enough
+    that the 8-bit activations do not flip a choice (one flip moves a token's logits by as much as they span)."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=512, initializer_range=0.3,
+        pad_token_id=0)
+    return _randomized(transformers.DeepseekV3ForCausalLM(config).eval(), bias_std=3.0)
+
+
+@pytest.mark.cpu_only("the native CPU kernels")
+@pytest.mark.skipif(cpu_kernels.kernel_error() is not None, reason=str(cpu_kernels.kernel_error()))
+def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_model(
+        smollm2_gguf, tmp_path, monkeypatch):
+    """The queries', the latent's and the output projections, the dense and shared MLPs in Q8_0, the routed
+    experts in Q4_0: each stays in its blocks (the RoPE rows of the queries' and the latent's projections moved
+    as whole rows of blocks) and decodes to the parameter the dequantizing load builds; the up-projections
+    (absorbed into the attention) are dequantized; the logits follow the dequantized model's."""
+    from flax import nnx, traverse_util
+
+    from jaxserve.models.gguf_weights import GgufExperts, GgufWeight
+    from tests.models.test_gguf_quantized import assert_logits_follow
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _tiny_v3_in_blocks()
+
+    def quantized(name: str, array: np.ndarray):
+        if name.endswith("_exps.weight"):
+            kind = GGMLQuantizationType.Q4_0
+        elif name.startswith("blk.") and array.ndim == 2 and "ffn_gate_inp" not in name:  # not the router
+            kind = GGMLQuantizationType.Q8_0
+        else:
+            return None
+        return quantize(array, kind), kind
+
+    path = tmp_path / "tiny-v3-blocks.gguf"
+    write_deepseek_gguf(path, hf, smollm2_gguf, quantized=quantized)
+    kept = load_model(str(path), dtype="float32", quantization="gguf")
+    plain = load_model(str(path), dtype="float32")
+    kept_flat = traverse_util.flatten_dict(nnx.to_pure_dict(kept.state))
+    plain_flat = traverse_util.flatten_dict(nnx.to_pure_dict(plain.state))
+    weights = {path[-1] for path, value in kept_flat.items() if isinstance(value, GgufWeight)}
+    assert weights == {"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert sum(isinstance(value, GgufExperts) for value in kept_flat.values()) == 3  # layer 1's three kinds
+    for path, value in kept_flat.items():
+        got = value.dequantize() if isinstance(value, GgufWeight | GgufExperts) else value
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(plain_flat[path]), str(path))
+    assert_logits_follow(kept, plain)
