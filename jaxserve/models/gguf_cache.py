@@ -270,6 +270,31 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
         config = _fill_from_metadata(config, gguf_path)
         config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
+    _warn_of_an_unknown_pre_tokenizer(gguf_path)
+
+
+# Byte-level pre-tokenizers whose split transformers' GGUF reader gives without its table of them: GPT-2's own
+_GPT2_SPLITS = ("gpt-2", "default")
+
+
+def _warn_of_an_unknown_pre_tokenizer(gguf_path: Path) -> None:
+    """A byte-level BPE file names the regex that splits text before its merges (`tokenizer.ggml.pre`: llama.cpp
+    keeps one per name). transformers' GGUF reader knows some names; for the others (DeepSeek's among them) it
+    splits as GPT-2 does, which can tokenize digits, CJK or punctuation unlike the model's own tokenizer."""
+    from jaxserve.models.gguf import read_gguf
+
+    fields = read_gguf(gguf_path).fields
+    model, pre = (fields[key].contents() if key in fields else None
+                  for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"))
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as known
+    except ImportError:  # another transformers: it says nothing of what it knows
+        return
+    if model == "gpt2" and pre is not None and pre not in known and pre not in _GPT2_SPLITS:
+        logger.warning("%s: transformers does not know its pre-tokenizer %r and splits text as GPT-2 does, which may "
+                       "tokenize some text (numbers, CJK) unlike the model's own tokenizer; pass --tokenizer with "
+                       "the model's hub id (or a directory with its tokenizer.json) to use its own",
+                       gguf_path.name, pre)
 
 
 def _converted_target(digest: str) -> tuple[Path, bool]:

@@ -187,3 +187,26 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
         got = value.dequantize() if isinstance(value, GgufWeight | GgufExperts) else value
         np.testing.assert_array_equal(np.asarray(got), np.asarray(plain_flat[path]), str(path))
     assert_logits_follow(kept, plain)
+
+
+@pytest.mark.parametrize("pre, warned", [("deepseek-v3", True), ("qwen2", False), ("gpt-2", False)])
+def test_a_pre_tokenizer_transformers_does_not_know_is_reported(pre, warned, tiny_hf_model, smollm2_gguf, tmp_path,
+                                                                monkeypatch, caplog):
+    """DeepSeek's files name a pre-tokenizer (`deepseek-v3`, `deepseek-llm`) that transformers' GGUF reader
+    does not reproduce: it splits their text as GPT-2 does. The conversion says so, once, and names the way
+    out; a name it knows, or GPT-2's own, passes in silence. The config is read back all the same."""
+    import json
+    import logging
+
+    from jaxserve.models.gguf_cache import converted_dir
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("deepseek-v3")
+    path = tmp_path / f"deepseek-{pre}.gguf"
+    metadata = {**_metadata(hf.config, split_kv_b=True), "tokenizer.ggml.pre": (pre, gguf.GGUFValueType.STRING)}
+    write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        converted = json.loads((converted_dir(path) / "config.json").read_text())
+    assert converted["model_type"] == "deepseek_v3" and converted["q_lora_rank"] == 20
+    assert ("does not know its pre-tokenizer 'deepseek-v3'" in caplog.text) == warned
+    assert "--tokenizer" in caplog.text if warned else caplog.text == ""

@@ -122,7 +122,7 @@ def write_gguf_tensors(path, arch: str, cfg, tensors, tokenizer_gguf, extra: dic
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     reader = read_gguf(tokenizer_gguf)
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith("tokenizer.") and key not in extra:
             sub_type = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for key, (value, value_type, *sub_type) in extra.items():
