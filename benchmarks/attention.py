@@ -48,6 +48,9 @@ PEAK_HBM_BYTES_PER_S = [
 ]
 HEADS = {"gpt2": (12, 12, 64), "smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128),
          "deepseek-v2-lite": (16, 1, 576)}  # its latent attention: all heads on one KV head of C + R
+# With --values-are-keys, the values' dims (the keys' first ones) of the heads that read them so: DeepSeek's
+# latent C, as the model asks (its RoPE key's R dims are the rest)
+LATENT_VALUE_DIMS = {"deepseek-v2-lite": 512}
 MIXES = {  # name -> (q_len per request, kv_len per request)
     "prefill 1x2048": ([2048], [2048]),
     "chunks 4x512 after 1536": ([512] * 4, [2048] * 4),
@@ -75,6 +78,7 @@ class PagedInputs:
     page_table: jax.Array  # i32[R, P]
     cu_q_lens: jax.Array  # i32[R+1]
     q_lens: list[int]
+    value_dims: int | None = None  # with v_pages None: the output is the keys' first value_dims dims
 
     @property
     def args(self) -> tuple[jax.Array, ...]:
@@ -89,7 +93,7 @@ class PagedInputs:
 
 def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int], page_size: int,
                  dtype: jnp.dtype, seed: int = 0, cache_dtype: jnp.dtype | None = None,
-                 values_are_keys: bool = False) -> PagedInputs:
+                 values_are_keys: bool = False, value_dims: int | None = None) -> PagedInputs:
     num_q_heads, num_kv_heads, head_dim = heads
     rng = np.random.default_rng(seed)
     pages_per_req = [-(-kv // page_size) for kv in kv_lens]
@@ -107,7 +111,7 @@ def build_inputs(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, i
     q = jax.random.normal(keys[2], (sum(q_lens), num_q_heads, head_dim), dtype)
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return PagedInputs(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_table),
-                       jnp.asarray(cu_q_lens), list(q_lens))
+                       jnp.asarray(cu_q_lens), list(q_lens), value_dims if values_are_keys else None)
 
 
 def dense_attention_fn(inputs: PagedInputs, sm_scale: float) -> tuple[Callable, tuple, Callable]:
@@ -135,17 +139,19 @@ def dense_attention_fn(inputs: PagedInputs, sm_scale: float) -> tuple[Callable, 
     def fn(q, k, v, mask):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale)
 
-    return jax.jit(fn), (q, k, v, mask), lambda out: out[token_req, token_row]
+    return jax.jit(fn), (q, k, v, mask), lambda out: out[token_req, token_row][..., :inputs.value_dims]
 
 
-def paged_fn(impl: str, decode: bool, sm_scale: float) -> Callable:
+def paged_fn(impl: str, decode: bool, sm_scale: float, value_dims: int | None = None) -> Callable:
     if impl in ("reference", "cpu", "cpu-native"):
-        return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, impl=impl, decode_only=decode))
+        return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, impl=impl, decode_only=decode,
+                                                         value_dims=value_dims))
     interpret = impl == "interpret"
     if decode and impl in ("pallas", "interpret"):
         return jax.jit(lambda q, k, v, kv, pt, cu: paged_decode_attention_pallas(
-            q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret))
-    return jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=sm_scale, interpret=interpret))
+            q, k, v, kv, pt, sm_scale=sm_scale, interpret=interpret, value_dims=value_dims))
+    return jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=sm_scale, interpret=interpret,
+                                                            value_dims=value_dims))
 
 
 def time_per_call(fn: Callable, args: tuple, iters: int, calls_per_sample: int) -> float:
@@ -177,7 +183,8 @@ class Row:
 def run_case(sweep: str, case: str, inputs: PagedInputs, impls: list[str], sm_scale: float, iters: int,
              calls_per_sample: int, peak: float | None) -> list[Row]:
     decode = sweep == "decode"
-    reference = np.asarray(paged_fn("reference", decode, sm_scale)(*inputs.args).astype(jnp.float32))
+    reference = np.asarray(paged_fn("reference", decode, sm_scale, inputs.value_dims)(*inputs.args)
+                           .astype(jnp.float32))
     rows = []
     for impl in impls:
         if impl == "pallas-ragged" and not decode:
@@ -186,7 +193,7 @@ def run_case(sweep: str, case: str, inputs: PagedInputs, impls: list[str], sm_sc
             fn, args, unpack = dense_attention_fn(inputs, sm_scale)
         else:
             fn, args, unpack = paged_fn(impl.removesuffix("-ragged"), decode and impl != "pallas-ragged",
-                                        sm_scale), inputs.args, lambda out: out
+                                        sm_scale, inputs.value_dims), inputs.args, lambda out: out
         seconds = time_per_call(fn, args, iters, calls_per_sample)
         err = float(np.abs(np.asarray(unpack(fn(*args)).astype(jnp.float32)) - reference).max())
         bandwidth = inputs.ideal_bytes() / seconds
@@ -211,7 +218,8 @@ def main() -> None:
     parser.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32", "float16"],
                         help="the K/V pages' dtype (default: --dtype); cpu-native and the jnp paths read any")
     parser.add_argument("--values-are-keys", action="store_true",
-                        help="a cache of keys alone, read as the values too (DeepSeek's latent cache)")
+                        help="a cache of keys alone, read as the values too (DeepSeek's latent cache: the "
+                             "output is its first 512 dims, as the model asks)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--context-lens", type=int, nargs="+", default=[128, 512, 2048, 4096])
@@ -244,14 +252,15 @@ def main() -> None:
     for batch in args.batch_sizes:
         for context in args.context_lens:
             inputs = build_inputs([1] * batch, [context] * batch, heads, args.page_size, dtype,
-                                  cache_dtype=cache_dtype, values_are_keys=args.values_are_keys)
+                                  cache_dtype=cache_dtype, values_are_keys=args.values_are_keys,
+                                  value_dims=LATENT_VALUE_DIMS.get(args.heads))
             rows += run_case("decode", f"decode b={batch} ctx={context}", inputs, impls, sm_scale, args.iters,
                              args.calls_per_sample, peak)
             del inputs
     for name in [m for m in args.mixed if m != "none"]:
         q_lens, kv_lens = MIXES[name]
         inputs = build_inputs(q_lens, kv_lens, heads, args.page_size, dtype, cache_dtype=cache_dtype,
-                              values_are_keys=args.values_are_keys)
+                              values_are_keys=args.values_are_keys, value_dims=LATENT_VALUE_DIMS.get(args.heads))
         rows += run_case("mixed", name, inputs, impls, sm_scale, args.iters, args.calls_per_sample, peak)
     if args.json:
         with open(args.json, "w") as f:

@@ -235,15 +235,15 @@ def ragged_paged_attention(
         impl = resolve_impl(impl)
     if value_dims is not None and v_pages is not None:
         raise ValueError("value_dims: the values are the keys' first dims, with v_pages None")
-    # The paths that read values from pages of their own; they attend over whole heads, and `[..., :value_dims]`
-    # keeps the values' dims (a no-op without value_dims).
-    values = k_pages if v_pages is None else v_pages
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     if sinks is not None:
         scores["sinks"] = sinks
-    if impl == "cpu-native":
-        out = cpu_kernels.ragged_paged_attention(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
-        return out[..., :value_dims]
+    if impl == "cpu-native":  # reads each block of keys once for both products, sums only the values' dims
+        return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, **scores,
+                                                  value_dims=value_dims)
+    # The paths that read values from pages of their own; they attend over whole heads, and `[..., :value_dims]`
+    # keeps the values' dims (a no-op without value_dims).
+    values = k_pages if v_pages is None else v_pages
     if impl == "cpu":
         out = ragged_paged_attention_cpu(
             q, k_pages, values, kv_lens, page_table, cu_q_lens, decode_only=decode_only, **scores

@@ -109,6 +109,41 @@ def test_group_parts_put_back_each_head_s_values_at_any_token_count():
 
 
 @cpu_paths
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value_dims", [512, 500, None], ids=["latent 512 (compiled)", "500", "whole head"])
+@pytest.mark.parametrize(("q_lens", "kv_lens", "scores"), [
+    ([1], [300], {}),  # one decode: one unit, whose 16 heads split in ranges so that every thread works
+    ([1], [70], {"sliding_window": 29, "sinks": np.linspace(-6.0, 4.0, 16, dtype=np.float32)}),  # ranges' heads
+    ([1, 1, 1], [1, 64, 200], {}),  # as many units as threads or more: whole groups
+    ([37, 1], [200, 45], {}),  # a chunk after cached tokens: units of 4 tokens x 16 heads, the blocked loops
+], ids=["one decode", "one decode, window and sinks", "decodes", "chunk and decode"])
+def test_the_native_kernel_reads_deepseek_s_latent_once(q_lens, kv_lens, scores, value_dims, cache_dtype):
+    """DeepSeek's latent cache (one KV head of 576 dims for 16 query heads, keys alone): the native kernel reads
+    each block of keys once as keys and values, sums only the values' dims (the first 512, whose loops are
+    compiled, or any other count), and splits a call of fewer units than threads by heads; against the float64
+    oracle on the cache's own values, over many pages and runs of 64 keys."""
+    check_the_latent(q_lens, kv_lens, scores, value_dims, cache_dtype)
+
+
+def check_the_latent(q_lens: list[int], kv_lens: list[int], scores: dict, value_dims: int | None,
+                     cache_dtype: str) -> None:
+    import ml_dtypes
+
+    case = make_case(np.random.default_rng(len(q_lens) + kv_lens[0]), q_lens, kv_lens, 16, 1, page_size=16,
+                     head_dim=576, pad_tokens=2, pad_reqs=1, max_pages=20)
+    k_pages = case.k_pages.astype(ml_dtypes.bfloat16) if cache_dtype == "bfloat16" else case.k_pages
+    case = dataclasses.replace(case, k_pages=k_pages.astype(np.float32), v_pages=k_pages.astype(np.float32))
+    got = np.asarray(jax.jit(lambda q, k, *a: cpu_kernels.ragged_paged_attention(
+        q, k, None, *a, sm_scale=0.05, value_dims=value_dims, **scores))(case.q, k_pages, *case.args[3:]))
+    assert got.shape == (*case.q.shape[:2], value_dims or 576)
+    want = oracle(case, 0.05, **scores)[..., :value_dims]
+    real = case.num_real_tokens
+    np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
+    assert np.all(got[real:] == 0), "padding tokens must come back as zeros"
+
+
+@cpu_paths
 @pytest.mark.parametrize(("query_block", "mix", "pages_per_block"), pairwise(
     [1, 2, 3, 8, 64], ["prefills", "chunk_after_cache", "mixed_with_empty", "long"], [1, 3, 8]))
 def test_cpu_work_items_of_any_size_match_oracle(query_block, mix, pages_per_block):
@@ -169,13 +204,15 @@ def check_units_of_every_shape(head_dim: int, page_size: int, num_q_heads: int, 
 def test_the_native_kernel_built_for_narrower_vectors_matches_too(flags):
     """The blocked loops' tiles follow the build's vector registers (16 lanes with AVX-512, 8 with AVX, else
     4): built without AVX-512 and without AVX, in a process of its own (the library loads once per process),
-    every unit shape against the oracle."""
+    every unit shape against the oracle, and DeepSeek's latent."""
     skip_a_build_like_the_suite_s(flags)
     script = """
-        from tests.ops.test_attention import HEAD_DIMS, UNIT_SHAPES, check_units_of_every_shape
+        from tests.ops.test_attention import HEAD_DIMS, UNIT_SHAPES, check_the_latent, check_units_of_every_shape
         for head_dim in HEAD_DIMS:
             for shape in UNIT_SHAPES:
                 check_units_of_every_shape(head_dim, *shape)
+        for q_lens, kv_lens in (([1], [300]), ([37, 1], [200, 45])):  # DeepSeek's latent: its 512 values' tiles
+            check_the_latent(q_lens, kv_lens, {}, 512, "bfloat16")
         print("ok")
     """
     result = run_with_kernel_flags(script, flags)

@@ -57,7 +57,7 @@ def kernel_error() -> str | None:
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array | None,  # [K, num_pages, page_size, H], or None: the keys are the values too
     kv_lens: jax.Array,  # i32[R]
     page_table: jax.Array,  # i32[R, P]
     cu_q_lens: jax.Array,  # i32[R+1]
@@ -66,20 +66,26 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]: attention sinks (GPT-OSS)
-) -> jax.Array:  # [T, N, H]
+    value_dims: int | None = None,  # with v_pages None: the values are the keys' first value_dims dims
+) -> jax.Array:  # [T, N, Hv]: Hv is value_dims, or H
     """`ragged_paged_attention_reference`'s contract; q float32 or bfloat16, the cache float32, bfloat16 or
     float16 (read as stored; scores and sums in float32). A group of more query heads a KV head than a unit
-    holds (DeepSeek's latent attention: all N heads on one) is attended a part of the group at a time."""
+    holds (DeepSeek's latent attention: all N heads on one) is attended a part of the group at a time. With
+    `v_pages` None each block of keys is read once for both products, and only the values' dims are summed."""
     if (error := _load()) is not None:
         raise NativeKernelUnavailable(error)
+    if value_dims is not None and v_pages is not None:
+        raise ValueError("value_dims: the values are the keys' first dims, with v_pages None")
     num_kv_heads = k_pages.shape[0]
     group = q.shape[1] // num_kv_heads
     if group > MAX_GROUP and group % MAX_GROUP == 0:
         return in_group_parts(lambda q, sinks: ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
-            logit_softcap=logit_softcap, sinks=sinks), q, num_kv_heads, MAX_GROUP, sinks)
-    call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+            logit_softcap=logit_softcap, sinks=sinks, value_dims=value_dims), q, num_kv_heads, MAX_GROUP, sinks)
+    out_shape = (*q.shape[:2], value_dims or q.shape[2])
+    values = jnp.zeros((0,), k_pages.dtype) if v_pages is None else v_pages  # no elements: the keys
+    call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", jax.ShapeDtypeStruct(out_shape, q.dtype))
+    return call(q, k_pages, values, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
                 cu_q_lens.astype(jnp.int32),
                 jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
                 sm_scale=np.float32(sm_scale),
