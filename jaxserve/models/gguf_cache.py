@@ -273,8 +273,10 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
     _warn_of_an_unknown_pre_tokenizer(gguf_path)
 
 
-# Byte-level pre-tokenizers whose split transformers' GGUF reader gives without its table of them: GPT-2's own
-_GPT2_SPLITS = ("gpt-2", "default")
+# Byte-level pre-tokenizers whose split transformers' GGUF reader gives without its table of them: GPT-2's own,
+# and SmolLM's (GPT-2's after splitting digits apart, which changes no token: no token of its vocabulary holds a
+# digit beside anything else)
+_GPT2_SPLITS = ("gpt-2", "default", "smollm")
 
 
 def _warn_of_an_unknown_pre_tokenizer(gguf_path: Path) -> None:

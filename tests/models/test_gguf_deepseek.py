@@ -6,6 +6,8 @@ unpermuted), the routed experts stacked, and `kv_b_proj` split into the keys' pa
 each gives the logits of the transformers model it was written from; with its projections and experts in 8- and
 4-bit blocks, kept as they are, it follows the model its dequantized blocks make."""
 
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
@@ -51,7 +53,7 @@ def _metadata(cfg, split_kv_b: bool) -> dict:
     u32, f32 = types.UINT32, types.FLOAT32
     qk, c, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     keys = {
-        "head_count_kv": (1, u32), "rope.dimension_count": (r, u32), "attention.kv_lora_rank": (c, u32),
+        "attention.head_count_kv": (1, u32), "rope.dimension_count": (r, u32), "attention.kv_lora_rank": (c, u32),
         "leading_dense_block_count": (cfg.first_k_dense_replace, u32),
         "expert_feed_forward_length": (cfg.moe_intermediate_size, u32), "expert_count": (cfg.n_routed_experts, u32),
         "expert_used_count": (cfg.num_experts_per_tok, u32), "expert_shared_count": (cfg.n_shared_experts, u32),
@@ -76,28 +78,29 @@ def _metadata(cfg, split_kv_b: bool) -> dict:
     return {f"deepseek2.{key}": value for key, value in keys.items()}
 
 
-def _tensors(hf, split_kv_b: bool) -> list:
-    """`hf`'s float32 tensors under llama.cpp's names, experts stacked and `kv_b_proj` split (or not)."""
-    cfg, tensors = hf.config, []
-    for name, array in experts_as_llama_cpp_stores_them(hf):
+def llama_cpp_tensors(cfg, tensors, split_kv_b: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors (experts stacked, `mlp.experts_gate`...) under llama.cpp's names, `kv_b_proj` split (or
+    not)."""
+    for name, array in tensors:
         if split_kv_b and name.endswith("kv_b_proj.weight"):
             heads = array.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             stem = name.removesuffix("kv_b_proj.weight")
-            tensors += [(stem + "k_b_proj.weight", np.ascontiguousarray(
-                heads[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))),  # [N, C, P]
-                        (stem + "v_b_proj.weight", np.ascontiguousarray(heads[:, cfg.qk_nope_head_dim:]))]  # [N, V, C]
+            yield _llama_cpp_name(stem + "k_b_proj.weight"), np.ascontiguousarray(
+                heads[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))  # [N, C, P]
+            yield _llama_cpp_name(stem + "v_b_proj.weight"), np.ascontiguousarray(
+                heads[:, cfg.qk_nope_head_dim:])  # [N, V, C]
         else:
-            tensors.append((name, array))
-    return [(_llama_cpp_name(name), array) for name, array in tensors]
+            yield _llama_cpp_name(name), array
 
 
-def write_deepseek_gguf(path, hf, tokenizer_gguf, split_kv_b: bool = True, quantized=None) -> None:
-    """`hf` as llama.cpp writes a `deepseek2` file; `quantized(name, array)` may give (blocks, type) for a
-    tensor to store quantized."""
-    tensors = _tensors(hf, split_kv_b)
+def write_deepseek_gguf(path, cfg, tensors, tokenizer_gguf, split_kv_b: bool = True, quantized=None,
+                        extra: dict | None = None) -> None:
+    """A transformers DeepSeek config and its HF-named tensors as llama.cpp writes a `deepseek2` file;
+    `quantized(name, array)` may give (blocks, type) for a tensor to store quantized; `extra` adds keys."""
+    tensors = llama_cpp_tensors(cfg, tensors, split_kv_b)
     if quantized is not None:
-        tensors = [(name, quantized(name, array) or array) for name, array in tensors]
-    write_gguf_tensors(path, "deepseek2", hf.config, tensors, tokenizer_gguf, _metadata(hf.config, split_kv_b))
+        tensors = ((name, quantized(name, array) or array) for name, array in tensors)
+    write_gguf_tensors(path, "deepseek2", cfg, tensors, tokenizer_gguf, {**_metadata(cfg, split_kv_b), **(extra or {})})
 
 
 def _randomized(hf, bias_std: float = 0.5):
@@ -121,7 +124,7 @@ def test_a_deepseek_gguf_matches_transformers(kind, split_kv_b, tiny_hf_model, s
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = _randomized(tiny_hf_model(kind))
     path = tmp_path / f"tiny-{kind}.gguf"
-    write_deepseek_gguf(path, hf, smollm2_gguf, split_kv_b)
+    write_deepseek_gguf(path, hf.config, experts_as_llama_cpp_stores_them(hf), smollm2_gguf, split_kv_b)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.hf_config.model_type == hf.config.model_type
     cfg = loaded.cfg
@@ -175,7 +178,7 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
         return quantize(array, kind), kind
 
     path = tmp_path / "tiny-v3-blocks.gguf"
-    write_deepseek_gguf(path, hf, smollm2_gguf, quantized=quantized)
+    write_deepseek_gguf(path, hf.config, experts_as_llama_cpp_stores_them(hf), smollm2_gguf, quantized=quantized)
     kept = load_model(str(path), dtype="float32", quantization="gguf")
     plain = load_model(str(path), dtype="float32")
     kept_flat = traverse_util.flatten_dict(nnx.to_pure_dict(kept.state))
