@@ -113,11 +113,13 @@ def test_bfloat16_weights_split_over_devices(tp_worker, tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_fp8_weights_split_over_devices_match_tp1(tp_worker, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "deepseek-v2"])
+def test_fp8_weights_split_over_devices_match_tp1(kind, tp_worker, tiny_model_dir, tmp_path):
     """`--quantization fp8` under tensor parallelism: each device quantizes its shards with the scales of the
     whole weight (a row-parallel weight's channel maximum spans the devices), so the tokens and logprobs are
-    TP=1's."""
-    results = run_tp(tp_worker, str(tiny_model_dir("llama")), tmp_path, tp_sizes=(2, 1), quantization="fp8")
+    TP=1's. DeepSeek's query and output projections split by heads, its latent's projection whole on each device
+    (each computes the latent its cache copy keeps)."""
+    results = run_tp(tp_worker, str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), quantization="fp8")
     assert {r["q_proj_dtype"] for r in results.values()} == {"float8_e4m3fn"}
     assert len(results[2]["q_proj_shards"]) == 2
     assert_same_as_tp1(results)
