@@ -131,7 +131,7 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
                        "layer_types", "cache_implementation", "use_bidirectional_attention")
         config = GemmaConfig(**{k: v for k, v in _own_fields(config).items() if k not in gemma2_only})
     if arch == "deepseek2":
-        config = _deepseek_config(config, field, {t.name for t in reader.tensors})
+        config = _deepseek_config(config, _required(field, gguf_path.name, arch), {t.name for t in reader.tensors})
     if arch == "llama" and field("expert_count"):
         from transformers import MixtralConfig
 
@@ -144,7 +144,23 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
 _SIGMOID_GATING = 2
 
 
-def _deepseek_config(config: Any, field: Callable[[str], Any], tensor_names: set[str]) -> Any:
+def _required(field: Callable[[str], Any], file: str, arch: str) -> Callable[[str, Any], Any]:
+    """`field`, and a key's default where it may be missing; a key with no default that the file lacks is an
+    error naming it."""
+    missing = object()
+
+    def read(key: str, default: Any = missing) -> Any:
+        value = field(key)
+        if value is not None:
+            return value
+        if default is missing:
+            raise ValueError(f"{file}: the `{arch}` file has no `{arch}.{key}`, which jaxserve needs to serve it")
+        return default
+
+    return read
+
+
+def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[str]) -> Any:
     """A `deepseek2` file's DeepSeek-V2 config (softmax router) or V3 config (sigmoid router, with its correction
     bias), rebuilt from llama.cpp's keys. The heads' query/key and value widths are `key_length_mla` and
     `value_length_mla` where the file has them (written since llama.cpp absorbs the up-projections; its
@@ -153,36 +169,35 @@ def _deepseek_config(config: Any, field: Callable[[str], Any], tensor_names: set
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     rope_dims = int(field("rope.dimension_count"))
-    qk_dims = int(field("attention.key_length_mla") or field("attention.key_length"))
-    rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base") or 10000.0)}
-    if field("rope.scaling.type") == "yarn":
-        mscale = float(field("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+    qk_dims = int(field("attention.key_length_mla", None) or field("attention.key_length"))
+    rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base", 10000.0))}
+    if (scaling := field("rope.scaling.type", None)) == "yarn":
+        mscale = float(field("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
         rope.update(rope_type="yarn", factor=float(field("rope.scaling.factor")), mscale=mscale, mscale_all_dim=mscale,
                     original_max_position_embeddings=int(field("rope.scaling.original_context_length")),
-                    beta_fast=float(field("rope.scaling.yarn_beta_fast") or 32.0),
-                    beta_slow=float(field("rope.scaling.yarn_beta_slow") or 1.0))
-    elif field("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"a `deepseek2` file with RoPE scaling {field('rope.scaling.type')!r}, which DeepSeek's "
-                         "configs do not use")
-    groups = int(field("expert_group_count") or 1)
-    sigmoid = field("expert_gating_func") == _SIGMOID_GATING
+                    beta_fast=float(field("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(field("rope.scaling.yarn_beta_slow", 1.0)))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"a `deepseek2` file with RoPE scaling {scaling!r}, which DeepSeek's configs do not use")
+    groups = int(field("expert_group_count", 1))
+    sigmoid = field("expert_gating_func", None) == _SIGMOID_GATING
     fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id, tie_word_embeddings="output.weight" not in tensor_names,
-        rope_parameters=rope, q_lora_rank=int(field("attention.q_lora_rank") or 0) or None,
+        rope_parameters=rope, q_lora_rank=int(field("attention.q_lora_rank", 0)) or None,
         kv_lora_rank=int(field("attention.kv_lora_rank")), qk_rope_head_dim=rope_dims,
         qk_nope_head_dim=qk_dims - rope_dims,
-        v_head_dim=int(field("attention.value_length_mla") or field("attention.value_length")),
-        first_k_dense_replace=int(field("leading_dense_block_count") or 0),
+        v_head_dim=int(field("attention.value_length_mla", None) or field("attention.value_length")),
+        first_k_dense_replace=int(field("leading_dense_block_count", 0)),
         n_routed_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
         moe_intermediate_size=int(field("expert_feed_forward_length")),
-        n_shared_experts=int(field("expert_shared_count") or 0),
-        routed_scaling_factor=float(field("expert_weights_scale") or 1.0),
-        norm_topk_prob=bool(field("expert_weights_norm")), n_group=groups,
-        topk_group=int(field("expert_group_used_count") or groups))
+        n_shared_experts=int(field("expert_shared_count", 0)),
+        routed_scaling_factor=float(field("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(field("expert_weights_norm", False)), n_group=groups,
+        topk_group=int(field("expert_group_used_count", groups)))
     if sigmoid:
         return DeepseekV3Config(**fields)
     return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if groups > 1 else "greedy")

@@ -6,6 +6,7 @@ unpermuted), the routed experts stacked, and `kv_b_proj` split into the keys' pa
 each gives the logits of the transformers model it was written from; with its projections and experts in 8- and
 4-bit blocks, kept as they are, it follows the model its dequantized blocks make."""
 
+import re
 from collections.abc import Iterator
 
 import gguf
@@ -213,3 +214,20 @@ def test_a_pre_tokenizer_transformers_does_not_know_is_reported(pre, warned, tin
     assert converted["model_type"] == "deepseek_v3" and converted["q_lora_rank"] == 20
     assert ("does not know its pre-tokenizer 'deepseek-v3'" in caplog.text) == warned
     assert "--tokenizer" in caplog.text if warned else caplog.text == ""
+
+
+def test_a_deepseek_file_without_a_key_it_needs_is_refused_by_name(tiny_hf_model, smollm2_gguf, tmp_path,
+                                                                    monkeypatch):
+    """A `deepseek2` file that does not say its latent's width is refused with the key's name, not a TypeError;
+    keys with defaults (the experts' scale, the query latent) may be missing."""
+    from jaxserve.models.gguf_cache import converted_dir
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("deepseek-v2")
+    metadata = _metadata(hf.config, split_kv_b=True)
+    del metadata["deepseek2.attention.kv_lora_rank"], metadata["deepseek2.expert_weights_scale"]
+    path = tmp_path / "deepseek-no-latent.gguf"
+    write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
+    with pytest.raises(ValueError, match=re.escape("deepseek-no-latent.gguf: the `deepseek2` file has no "
+                                                   "`deepseek2.attention.kv_lora_rank`")):
+        converted_dir(path)
