@@ -141,7 +141,7 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
 
 
 # llama.cpp's `expert_gating_func`: how a DeepSeek router scores its experts (a file without it is V2's softmax)
-_SIGMOID_GATING = 2
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
 
 
 def _required(field: Callable[[str], Any], file: str, arch: str) -> Callable[[str, Any], Any]:
@@ -180,7 +180,11 @@ def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[s
     elif scaling not in (None, "none"):
         raise ValueError(f"a `deepseek2` file with RoPE scaling {scaling!r}, which DeepSeek's configs do not use")
     groups = int(field("expert_group_count", 1))
-    sigmoid = field("expert_gating_func", None) == _SIGMOID_GATING
+    gating = int(field("expert_gating_func", _SOFTMAX_GATING))
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
+        raise ValueError(f"a `deepseek2` file whose experts are scored by llama.cpp's gating function {gating}: "
+                         "jaxserve serves its softmax (1) and sigmoid (2)")
+    sigmoid = gating == _SIGMOID_GATING
     fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,

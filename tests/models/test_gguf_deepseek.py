@@ -104,7 +104,7 @@ def write_deepseek_gguf(path, cfg, tensors, tokenizer_gguf, split_kv_b: bool = T
     write_gguf_tensors(path, "deepseek2", cfg, tensors, tokenizer_gguf, {**_metadata(cfg, split_kv_b), **(extra or {})})
 
 
-def _randomized(hf, bias_std: float = 0.5):
+def _randomized(hf):
     """Norms around 1 and a router correction bias (zero at initialization) that changes the experts chosen."""
     with torch.no_grad():
         for name, tensor in hf.named_parameters():
@@ -112,33 +112,46 @@ def _randomized(hf, bias_std: float = 0.5):
                 tensor.normal_(mean=1.0, std=0.3)
         for name, buffer in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buffer.normal_(std=bias_std)
+                buffer.normal_(std=0.5)
     return hf
 
 
-@pytest.mark.parametrize("kind, split_kv_b", [("deepseek-v2", True), ("deepseek-v3", True), ("deepseek-v2", False)],
-                         ids=["v2-lite", "v3", "v2-lite, kv_b whole"])
-def test_a_deepseek_gguf_matches_transformers(kind, split_kv_b, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch):
+def _tied(hf):
+    """The same model with its LM head tied to its embeddings (a file without `output.weight`)."""
+    config = type(hf.config)(**{**hf.config.to_dict(), "tie_word_embeddings": True})
+    torch.manual_seed(1)
+    return _randomized(type(hf)(config).eval())
+
+
+@pytest.mark.parametrize("kind, split_kv_b, tied", [
+    ("deepseek-v2", True, False), ("deepseek-v3", True, False), ("deepseek-v2", False, False),
+    ("deepseek-v3", True, True)], ids=["v2-lite", "v3", "v2-lite, kv_b whole", "v3, tied"])
+def test_a_deepseek_gguf_matches_transformers(kind, split_kv_b, tied, tiny_hf_model, smollm2_gguf, tmp_path,
+                                              monkeypatch):
     """V2-Lite's shape (one query projection, a softmax router, YaRN with its mscale) and V3's (queries through a
-    latent, a sigmoid router with its correction bias over groups, scaled), each layer's config read back from
-    llama.cpp's keys."""
+    latent, a sigmoid router with its correction bias over groups, scaled; also with its LM head tied, which the
+    file says by leaving `output.weight` out), each layer's config read back from llama.cpp's keys."""
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    hf = _randomized(tiny_hf_model(kind))
+    hf = _tied(tiny_hf_model(kind)) if tied else _randomized(tiny_hf_model(kind))
     path = tmp_path / f"tiny-{kind}.gguf"
-    write_deepseek_gguf(path, hf.config, experts_as_llama_cpp_stores_them(hf), smollm2_gguf, split_kv_b)
+    tensors = [(name, array) for name, array in experts_as_llama_cpp_stores_them(hf)
+               if not (tied and name == "lm_head.weight")]
+    write_deepseek_gguf(path, hf.config, tensors, smollm2_gguf, split_kv_b)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.hf_config.model_type == hf.config.model_type
     cfg = loaded.cfg
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
         hf.config.q_lora_rank, 32, 16, 8, 12)
     assert cfg.moe.score_correction == (kind == "deepseek-v3") and cfg.first_dense_layers == 1
+    assert cfg.tie_word_embeddings == tied
     assert_logits_match(loaded, hf, seed=12)
 
 
 def _tiny_v3_in_blocks():
     """A V3 whose widths are whole blocks of 32 (every projection's and expert's input), so each can be stored
-    quantized. Its router's correction bias, which picks the experts (and not their weights), is wide enough
-    that the 8-bit activations do not flip a choice (one flip moves a token's logits by as much as they span)."""
+    quantized. Its router's correction bias, which picks the experts (and not their weights), always picks the
+    second group's two: the 8-bit activations would otherwise flip a near-tied choice now and then (one flip
+    moves a token's logits by as much as they span). The float test checks the choices themselves."""
     import transformers
 
     from tests.conftest import TINY_VOCAB
@@ -146,11 +159,16 @@ def _tiny_v3_in_blocks():
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=8,
         v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=512, initializer_range=0.3,
         pad_token_id=0)
-    return _randomized(transformers.DeepseekV3ForCausalLM(config).eval(), bias_std=3.0)
+    hf = _randomized(transformers.DeepseekV3ForCausalLM(config).eval())
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.tensor([0.0, 0.0, 6.0, 6.0]))  # a group's sum moves by less than 2 with the scores
+    return hf
 
 
 @pytest.mark.cpu_only("the native CPU kernels")
@@ -160,7 +178,8 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
     """The queries', the latent's and the output projections, the dense and shared MLPs in Q8_0, the routed
     experts in Q4_0: each stays in its blocks (the RoPE rows of the queries' and the latent's projections moved
     as whole rows of blocks) and decodes to the parameter the dequantizing load builds; the up-projections
-    (absorbed into the attention) are dequantized; the logits follow the dequantized model's."""
+    (absorbed into the attention), stored in Q8_0 as llama-quantize stores them, are dequantized; the logits
+    follow the dequantized model's."""
     from flax import nnx, traverse_util
 
     from jaxserve.models.gguf_weights import GgufExperts, GgufWeight
@@ -172,7 +191,8 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
     def quantized(name: str, array: np.ndarray):
         if name.endswith("_exps.weight"):
             kind = GGMLQuantizationType.Q4_0
-        elif name.startswith("blk.") and array.ndim == 2 and "ffn_gate_inp" not in name:  # not the router
+        elif ((name.startswith("blk.") and array.ndim == 2 and "ffn_gate_inp" not in name)  # not the router
+              or name.endswith(("attn_k_b.weight", "attn_v_b.weight"))):  # the up-projections, [N, C, P], [N, V, C]
             kind = GGMLQuantizationType.Q8_0
         else:
             return None
@@ -180,6 +200,10 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
 
     path = tmp_path / "tiny-v3-blocks.gguf"
     write_deepseek_gguf(path, hf.config, experts_as_llama_cpp_stores_them(hf), smollm2_gguf, quantized=quantized)
+    from jaxserve.models.gguf import read_gguf
+
+    up_projections = [t for t in read_gguf(path).tensors if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight"))]
+    assert len(up_projections) == 4 and {t.tensor_type.name for t in up_projections} == {"Q8_0"}
     kept = load_model(str(path), dtype="float32", quantization="gguf")
     plain = load_model(str(path), dtype="float32")
     kept_flat = traverse_util.flatten_dict(nnx.to_pure_dict(kept.state))

@@ -126,6 +126,27 @@ def test_the_native_kernel_reads_deepseek_s_latent_once(q_lens, kv_lens, scores,
     check_the_latent(q_lens, kv_lens, scores, value_dims, cache_dtype)
 
 
+@cpu_paths
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable here")
+@pytest.mark.parametrize("num_q_heads", [16, 40, 64])
+def test_a_decode_over_the_latent_is_the_same_alone_and_batched(num_q_heads):
+    """Alone, a decode's unit is split by heads over the threads; beside another decode it is not. The ranges are
+    whole blocks of 8 heads, so each head's scores are summed in the same loops either way: bitwise the same
+    output (40 heads split as 20 and 20 summed heads 16-19 and 36-39 one way and the other)."""
+    rng = np.random.default_rng(num_q_heads)
+    k_pages = rng.standard_normal((1, 40, 16, 576)).astype(np.float32)
+    q = rng.standard_normal((2, num_q_heads, 576)).astype(np.float32)
+    table = np.arange(40, dtype=np.int32).reshape(2, 20)
+
+    def attend(q, kv_lens, table, cu_q_lens):
+        return np.asarray(jax.jit(lambda *a: cpu_kernels.ragged_paged_attention(
+            *a, sm_scale=0.05, value_dims=512))(q, k_pages, None, kv_lens, table, cu_q_lens))
+
+    alone = attend(q[:1], np.array([300], np.int32), table[:1], np.array([0, 1], np.int32))
+    batched = attend(q, np.array([300, 300], np.int32), table, np.array([0, 1, 2], np.int32))
+    np.testing.assert_array_equal(alone[0], batched[0])
+
+
 def check_the_latent(q_lens: list[int], kv_lens: list[int], scores: dict, value_dims: int | None,
                      cache_dtype: str) -> None:
     import ml_dtypes

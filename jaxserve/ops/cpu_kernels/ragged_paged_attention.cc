@@ -455,13 +455,14 @@ Status ragged_paged_attention(ThreadPool& pool, const Array& q, const Array& k_p
     }
   }
   // Fewer units than threads (a decode or two of a model with one KV head: DeepSeek's latent): each unit's
-  // heads split into ranges of at least kBlockedRows, so that every thread works and the ranges' rows still
-  // take the blocked loops. Each range reads the same K/V rows, the second time from the cache.
+  // heads split into ranges of whole blocks of kBlockedRows heads (the last range takes the rest), so that every
+  // thread works and a decode's rows take the same loops, blocked or not, as unsplit. Each range reads the same
+  // K/V rows, the second time from the cache.
   const int workers = num_workers(pool), units_before = int(units.size());
   const int parts = units_before == 0 ? 1 : std::min((workers + units_before - 1) / units_before,
                                                      std::max(1, group / kBlockedRows));
   if (parts > 1) {
-    const int heads = (group + parts - 1) / parts;
+    const int heads = ((group + parts - 1) / parts + kBlockedRows - 1) / kBlockedRows * kBlockedRows;
     std::vector<Unit> split;
     for (const Unit& unit : units) {
       for (int h = 0; h < group; h += heads) split.push_back({unit.request, unit.kv_head, unit.first_query,
