@@ -255,3 +255,18 @@ def test_a_deepseek_file_without_a_key_it_needs_is_refused_by_name(tiny_hf_model
     with pytest.raises(ValueError, match=re.escape("deepseek-no-latent.gguf: the `deepseek2` file has no "
                                                    "`deepseek2.attention.kv_lora_rank`")):
         converted_dir(path)
+
+
+def test_a_deepseek_file_scored_by_another_gating_function_is_refused(tiny_hf_model, smollm2_gguf, tmp_path,
+                                                                      monkeypatch):
+    """llama.cpp's `expert_gating_func` 4 (sqrt-softplus) is neither DeepSeek-V2's softmax nor V3's sigmoid: the file
+    is refused, not served as V2."""
+    from jaxserve.models.gguf_cache import converted_dir
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("deepseek-v3")
+    metadata = {**_metadata(hf.config, split_kv_b=True), "deepseek2.expert_gating_func": (4, gguf.GGUFValueType.UINT32)}
+    path = tmp_path / "deepseek-softplus.gguf"
+    write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
+    with pytest.raises(ValueError, match="gating function 4: jaxserve serves its softmax"):
+        converted_dir(path)
