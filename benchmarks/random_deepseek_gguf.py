@@ -20,6 +20,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from random_gguf import random_tensor  # noqa: E402
+
 from tests.models.test_gguf_deepseek import write_deepseek_gguf  # noqa: E402
 
 # llama.cpp reads `q_lora_rank` from every `deepseek2` file but one of V2-Lite's 26 or 27 layers; 0 says its
@@ -56,9 +58,7 @@ def main() -> None:
                "mlp.shared_experts.up_proj.weight": (shared, d), "mlp.shared_experts.down_proj.weight": (d, shared)}
 
     def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name.endswith("norm.weight"):
-            return np.ones(shape, np.float32)  # norms stay float32 in llama.cpp's files
-        return (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
+        return random_tensor(rng, name, shape)
 
     def tensors():
         yield "model.embed_tokens.weight", draw("embed", (cfg.vocab_size, d))

@@ -19,6 +19,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from random_gguf import random_tensor  # noqa: E402
+
 from tests.models.test_gguf_families import write_gguf  # noqa: E402
 
 
@@ -55,9 +57,7 @@ def main() -> None:
         layer.update({"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)})
 
     def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name.endswith("norm.weight"):
-            return np.ones(shape, np.float32)  # norms stay float32 in llama.cpp's files
-        return (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
+        return random_tensor(rng, name, shape)
 
     def tensors():
         yield "model.embed_tokens.weight", draw("embed", (cfg.vocab_size, d))
