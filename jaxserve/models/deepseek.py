@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -156,6 +157,17 @@ def _softmax_scale(rope: dict[str, Any], qk_head_dim: int) -> float:
     return scale
 
 
+def _per_head(spec: str, x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array:
+    """x, in w's dtype, times w head by head (an einsum batched over the heads), in float32 sums. XLA:CPU has no
+    batched dot of 16-bit operands into float32 (its DotThunk: "BF16 x BF16 = F32"); off CUDA a 16-bit einsum
+    runs in the operands' dtype, which XLA:CPU sums in float32 and rounds once: the same values where x's dtype
+    is the weights' (a float32 x with 16-bit weights takes its result rounded to their dtype)."""
+    x = x.astype(w.dtype)
+    if attention.cuda or w.dtype == jnp.float32:
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x, w)
+
+
 class LatentAttention(nnx.Module):
     def __init__(self, cfg: DeepseekConfig, dtype: Any, weight_dtype: Any) -> None:
         d, n, p, r, c, v = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -185,18 +197,14 @@ class LatentAttention(nnx.Module):
         kv = self.kv_a_layernorm(latent[:, :c])  # [T, C]
         k_rope = apply_rope(latent[:, None, c:], positions, cfg.rope)  # [T, 1, R]
         q_rope = apply_rope(q[..., p:], positions, cfg.rope)  # [T, N, R]
-        w_uk = self.w_uk[...]
-        q_latent = jnp.einsum("tnp,npc->tnc", q[..., :p].astype(w_uk.dtype), w_uk,
-                              preferred_element_type=jnp.float32).astype(q.dtype)  # [T, N, C]
+        q_latent = _per_head("tnp,npc->tnc", q[..., :p], self.w_uk[...], attention).astype(q.dtype)  # [T, N, C]
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C + R]
         key = jnp.concatenate([kv[:, None, :], k_rope], axis=-1)  # [T, 1, C + R]: what the cache keeps
         if cfg.num_kv_heads > 1:  # a copy for each device's query heads (tensor parallelism)
             key = jnp.broadcast_to(key, (key.shape[0], cfg.num_kv_heads, key.shape[2]))
         out, kv_cache = paged_attention(query, key, None, kv_cache, md, attention=attention, sm_scale=cfg.sm_scale,
                                         value_dims=c)  # [T, N, C]: the values are the cached latents
-        w_uv = self.w_uv[...]
-        heads = jnp.einsum("tnc,nvc->tnv", out.astype(w_uv.dtype), w_uv,
-                           preferred_element_type=jnp.float32).astype(x.dtype)  # [T, N, V]
+        heads = _per_head("tnc,nvc->tnv", out, self.w_uv[...], attention).astype(x.dtype)  # [T, N, V]
         return merge_heads(heads, self.o_proj[...], attention), kv_cache
 
 
