@@ -240,33 +240,32 @@ def test_a_pre_tokenizer_transformers_does_not_know_is_reported(pre, warned, tin
     assert "--tokenizer" in caplog.text if warned else caplog.text == ""
 
 
-def test_a_deepseek_file_without_a_key_it_needs_is_refused_by_name(tiny_hf_model, smollm2_gguf, tmp_path,
-                                                                    monkeypatch):
-    """A `deepseek2` file that does not say its latent's width is refused with the key's name, not a TypeError;
-    keys with defaults (the experts' scale, the query latent) may be missing."""
-    from jaxserve.models.gguf_cache import converted_dir
-
-    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    hf = tiny_hf_model("deepseek-v2")
-    metadata = _metadata(hf.config, split_kv_b=True)
-    del metadata["deepseek2.attention.kv_lora_rank"], metadata["deepseek2.expert_weights_scale"]
-    path = tmp_path / "deepseek-no-latent.gguf"
-    write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
-    with pytest.raises(ValueError, match=re.escape("deepseek-no-latent.gguf: the `deepseek2` file has no "
-                                                   "`deepseek2.attention.kv_lora_rank`")):
-        converted_dir(path)
+# name -> (the metadata's keys dropped, keys replaced, the refusal)
+REFUSED_FILES = {
+    # its latent's width unsaid: refused with the key's name, not a TypeError (a key with a default, the query
+    # latent's, may be missing: the V2-Lite files of the tests above have none)
+    "no-latent": (("attention.kv_lora_rank",), {},
+                  re.escape("deepseek-no-latent.gguf: the `deepseek2` file has no `deepseek2.attention.kv_lora_rank`")),
+    # llama.cpp's `expert_gating_func` 4 (sqrt-softplus), neither V2's softmax nor V3's sigmoid: not served as V2
+    "softplus": ((), {"expert_gating_func": (4, gguf.GGUFValueType.UINT32)},
+                 "gating function 4: jaxserve serves its softmax"),
+}
 
 
-def test_a_deepseek_file_scored_by_another_gating_function_is_refused(tiny_hf_model, smollm2_gguf, tmp_path,
+@pytest.mark.parametrize("name", REFUSED_FILES)
+def test_a_deepseek_file_jaxserve_cannot_read_as_its_model_is_refused(name, tiny_hf_model, smollm2_gguf, tmp_path,
                                                                       monkeypatch):
-    """llama.cpp's `expert_gating_func` 4 (sqrt-softplus) is neither DeepSeek-V2's softmax nor V3's sigmoid: the file
-    is refused, not served as V2."""
+    """A `deepseek2` file missing a key its config needs, or scoring its experts otherwise, is refused at
+    conversion with a message saying what."""
     from jaxserve.models.gguf_cache import converted_dir
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    dropped, replaced, refusal = REFUSED_FILES[name]
     hf = tiny_hf_model("deepseek-v3")
-    metadata = {**_metadata(hf.config, split_kv_b=True), "deepseek2.expert_gating_func": (4, gguf.GGUFValueType.UINT32)}
-    path = tmp_path / "deepseek-softplus.gguf"
+    metadata = {**_metadata(hf.config, split_kv_b=True), **{f"deepseek2.{k}": v for k, v in replaced.items()}}
+    for key in dropped:
+        del metadata[f"deepseek2.{key}"]
+    path = tmp_path / f"deepseek-{name}.gguf"
     write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
-    with pytest.raises(ValueError, match="gating function 4: jaxserve serves its softmax"):
+    with pytest.raises(ValueError, match=refusal):
         converted_dir(path)
