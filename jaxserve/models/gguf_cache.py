@@ -23,7 +23,7 @@ from jaxserve.config import cache_home
 logger = logging.getLogger(__name__)
 
 _CONVERTED_FILES = ("config.json", "tokenizer_config.json")
-_FORMAT = "3"  # bump when what is written here changes
+_FORMAT = "4"  # bump when what is written here changes
 
 
 def cache_root() -> Path:
@@ -273,7 +273,8 @@ def _write_shipped(package_dir: str, staging: Path) -> None:
 
 def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
     """The GGUF's config (head size filled in) and tokenizer, read by transformers and saved to `staging`."""
-    from jaxserve.models.gguf import shared_gguf_reads
+    from jaxserve.models.gguf import gguf_architecture, read_gguf, shared_gguf_reads
+    from jaxserve.models.gguf_tokenizer import read_as_llama_cpp
 
     kwargs = {"gguf_file": gguf_path.name}
     with shared_gguf_reads():  # transformers parses the file for the config and again for the tokenizer
@@ -288,34 +289,26 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
             ) from e
         config = _fill_from_metadata(config, gguf_path)
         config.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(staging)
-    _warn_of_an_unknown_pre_tokenizer(gguf_path)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    reader = read_gguf(gguf_path)
+    fields = {key: reader.fields[key].contents() for key in _TOKENIZER_FLAGS if key in reader.fields}
+    changed = read_as_llama_cpp(tokenizer, fields, gguf_architecture(reader))
+    tokenizer.save_pretrained(staging)
+    if changed:
+        _name_generic_class(staging / "tokenizer_config.json")
 
 
-# Byte-level pre-tokenizers whose split transformers' GGUF reader gives without its table of them: GPT-2's own,
-# and SmolLM's (GPT-2's after splitting digits apart, which changes no token: no token of its vocabulary holds a
-# digit beside anything else)
-_GPT2_SPLITS = ("gpt-2", "default", "smollm")
+def _name_generic_class(tokenizer_config: Path) -> None:
+    """Have the tokenizer loaded as transformers' generic class, which takes tokenizer.json as it is: a family's
+    own class (GPT-2's) rebuilds its split from its own defaults on loading."""
+    import json
+
+    fields = json.loads(tokenizer_config.read_text())
+    tokenizer_config.write_text(json.dumps({**fields, "tokenizer_class": "TokenizersBackend"}, indent=2))
 
 
-def _warn_of_an_unknown_pre_tokenizer(gguf_path: Path) -> None:
-    """A byte-level BPE file names the regex that splits text before its merges (`tokenizer.ggml.pre`: llama.cpp
-    keeps one per name). transformers' GGUF reader knows some names; for the others (DeepSeek's among them) it
-    splits as GPT-2 does, which can tokenize digits, CJK or punctuation unlike the model's own tokenizer."""
-    from jaxserve.models.gguf import read_gguf
-
-    fields = read_gguf(gguf_path).fields
-    model, pre = (fields[key].contents() if key in fields else None
-                  for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"))
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as known
-    except ImportError:  # another transformers: it says nothing of what it knows
-        return
-    if model == "gpt2" and pre is not None and pre not in known and pre not in _GPT2_SPLITS:
-        logger.warning("%s: transformers does not know its pre-tokenizer %r and splits text as GPT-2 does, which may "
-                       "tokenize some text (numbers, CJK) unlike the model's own tokenizer; pass --tokenizer with "
-                       "the model's hub id (or a directory with its tokenizer.json) to use its own",
-                       gguf_path.name, pre)
+# The tokenizer's keys `gguf_tokenizer` reads (not its vocabulary's)
+_TOKENIZER_FLAGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix")
 
 
 def _converted_target(digest: str) -> tuple[Path, bool]:

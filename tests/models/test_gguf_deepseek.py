@@ -217,16 +217,29 @@ def test_a_quantized_deepseek_gguf_keeps_its_blocks_and_follows_the_dequantized_
     assert_logits_follow(kept, plain)
 
 
-@pytest.mark.parametrize("pre, warned", [("deepseek-v3", True), ("qwen2", False), ("gpt-2", False)])
-def test_a_pre_tokenizer_transformers_does_not_know_is_reported(pre, warned, tiny_hf_model, smollm2_gguf, tmp_path,
-                                                                monkeypatch, caplog):
-    """DeepSeek's files name a pre-tokenizer (`deepseek-v3`, `deepseek-llm`) that transformers' GGUF reader
-    does not reproduce: it splits their text as GPT-2 does. The conversion says so, once, and names the way
-    out; a name it knows, or GPT-2's own, passes in silence. The config is read back all the same."""
+# `tokenizer.ggml.pre` -> how its tokenizer splits "abc 12345 東京タワー.cpp" (the pieces' text), or None where
+# jaxserve warns that it splits as GPT-2 does
+SPLITS = {
+    "deepseek-v3": ["abc", " ", "123", "45", " ", "東京タワー", ".cpp"],  # digits in threes, CJK and kana runs
+    "deepseek-llm": ["abc", " ", "12345", " ", "東京タワー", ".", "cpp"],  # digits whole, letters apart
+    "gpt-2": ["abc", " 12345", " 東京タワー", ".", "cpp"],
+    "no-such-split": None,
+}
+
+
+@pytest.mark.parametrize("pre", SPLITS)
+def test_a_deepseek_file_splits_text_as_its_tokenizer_does(pre, tiny_hf_model, smollm2_gguf, tmp_path, monkeypatch,
+                                                           caplog):
+    """DeepSeek's files name a pre-tokenizer (`deepseek-v3`, `deepseek-llm`) that transformers' GGUF reader does
+    not know (it splits their text as GPT-2 does): the converted tokenizer splits as DeepSeek's own does, and
+    as llama.cpp does (benchmarks/tokenizers_vs_llama_cpp.py checks the ids against both, docs/benchmarks.md).
+    A name neither knows is split as GPT-2 splits it, with a warning naming the way out. The config is read back
+    all the same."""
     import json
     import logging
 
     from jaxserve.models.gguf_cache import converted_dir
+    from jaxserve.models.tokenizer import load_tokenizer
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = tiny_hf_model("deepseek-v3")
@@ -234,9 +247,14 @@ def test_a_pre_tokenizer_transformers_does_not_know_is_reported(pre, warned, tin
     metadata = {**_metadata(hf.config, split_kv_b=True), "tokenizer.ggml.pre": (pre, gguf.GGUFValueType.STRING)}
     write_gguf_tensors(path, "deepseek2", hf.config, [], smollm2_gguf, metadata)
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
-        converted = json.loads((converted_dir(path) / "config.json").read_text())
-    assert converted["model_type"] == "deepseek_v3" and converted["q_lora_rank"] == 20
-    assert ("does not know its pre-tokenizer 'deepseek-v3'" in caplog.text) == warned
+        converted = converted_dir(path)
+    assert json.loads((converted / "config.json").read_text())["q_lora_rank"] == 20
+    text = "abc 12345 東京タワー.cpp"
+    pieces = load_tokenizer(converted).backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    split = [text[start:end] for _, (start, end) in pieces]
+    assert split == (SPLITS[pre] or SPLITS["gpt-2"])
+    warned = SPLITS[pre] is None
+    assert ("pre-tokenizer 'no-such-split' is not one jaxserve or transformers knows" in caplog.text) == warned
     assert "--tokenizer" in caplog.text if warned else caplog.text == ""
 
 
