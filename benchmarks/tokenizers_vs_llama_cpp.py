@@ -32,6 +32,7 @@ EXTRA_TEXTS = (
     "e\u0301 re\u0301sume\u0301 \u00e9 na\u00efve",
     "def f(x):\n\treturn x**2 + 1  # comment\r\n",
     "  leading and trailing spaces   ",
+    "a  1\n\n2024\nx = [\n    1,\n\t\t42]",
     "\n\n\nnewlines\n\n",
     "emoji 🦙🦙 and ½ ¾ ² ① symbols",
     "ＦＵＬＬＷＩＤＴＨ　ｔｅｘｔ！？",
@@ -118,8 +119,9 @@ def main() -> int:
             path = _retagged(gguf, args.as_pre, Path(directory)) if args.as_pre else gguf
             try:
                 report = check(path, args.llama_tokenize, Path(directory), gguf if args.as_pre else None)
-            except Exception as e:  # a file transformers cannot read: say so, go on
+            except Exception as e:  # a file transformers cannot read: say so, go on, fail at the end
                 print(json.dumps({"file": path.name, "error": f"{type(e).__name__}: {str(e)[:120]}"}))
+                failed = True
                 continue
             failed |= bool(report["differ"])
             print(json.dumps(report, ensure_ascii=False))

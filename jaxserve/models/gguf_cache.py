@@ -8,6 +8,7 @@ dequantized tensors of a small file are kept there too, as float32 safetensors (
 """
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -274,7 +275,8 @@ def _write_shipped(package_dir: str, staging: Path) -> None:
 def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
     """The GGUF's config (head size filled in) and tokenizer, read by transformers and saved to `staging`."""
     from jaxserve.models.gguf import gguf_architecture, read_gguf, shared_gguf_reads
-    from jaxserve.models.gguf_tokenizer import read_as_llama_cpp
+    from jaxserve.models.gguf_tokenizer import GgufVocabulary, end_of_generation_ids, fit_tokenizer_json
+    from jaxserve.models.tokenizer import load_tokenizer
 
     kwargs = {"gguf_file": gguf_path.name}
     with shared_gguf_reads():  # transformers parses the file for the config and again for the tokenizer
@@ -288,27 +290,28 @@ def convert_with_transformers(gguf_path: Path, staging: Path) -> None:
                 f"torch (pip install torch; once converted, the files are cached and torch is not needed again): {e}"
             ) from e
         config = _fill_from_metadata(config, gguf_path)
-        config.save_pretrained(staging)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
     reader = read_gguf(gguf_path)
-    fields = {key: reader.fields[key].contents() for key in _TOKENIZER_FLAGS if key in reader.fields}
-    changed = read_as_llama_cpp(tokenizer, fields, gguf_architecture(reader))
+    vocabulary = GgufVocabulary.read(reader.fields)
+    ends = end_of_generation_ids(vocabulary)
+    if ends:  # a GGUF has no generation_config.json: its ends are the config's, as in HF configs that list several
+        config.eos_token_id = ends if len(ends) > 1 else ends[0]
+    config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if changed:
+    # as loaded: a family's own class rebuilds parts of it (Qwen2's adds NFC), which the fitted copy keeps
+    document = json.loads(load_tokenizer(staging).backend_tokenizer.to_str())
+    if fit_tokenizer_json(document, vocabulary, gguf_architecture(reader), gguf_path.name):
+        (staging / "tokenizer.json").write_text(json.dumps(document, ensure_ascii=False))
         _name_generic_class(staging / "tokenizer_config.json")
 
 
 def _name_generic_class(tokenizer_config: Path) -> None:
     """Have the tokenizer loaded as transformers' generic class, which takes tokenizer.json as it is: a family's
-    own class (GPT-2's) rebuilds its split from its own defaults on loading."""
-    import json
-
+    own class (GPT-2's, Qwen2's) rebuilds its split from its own defaults on loading."""
     fields = json.loads(tokenizer_config.read_text())
-    tokenizer_config.write_text(json.dumps({**fields, "tokenizer_class": "TokenizersBackend"}, indent=2))
+    tokenizer_config.write_text(json.dumps({**fields, "tokenizer_class": "TokenizersBackend"}, indent=2) + "\n")
 
 
-# The tokenizer's keys `gguf_tokenizer` reads (not its vocabulary's)
-_TOKENIZER_FLAGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix")
 
 
 def _converted_target(digest: str) -> tuple[Path, bool]:

@@ -10,6 +10,10 @@ file means what llama.cpp, which wrote it, reads it to mean, and llama.cpp's rea
   (StarCoder's, Command-R's), are added here.
 - A vocabulary made by tiktoken (Llama 3's, Mistral's Tekken) takes a piece that is itself a token whole,
   before any merge (`ignore_merges`); its merges alone may not reach that token.
+- A GGUF names one EOS, and a chat model's turn may end at another token: llama.cpp ends generation at the
+  file's EOS, EOT and EOM and at the tokens whose text ends a turn in the families it knows (Phi-3's `<|end|>`
+  beside its EOS `<|endoftext|>`, Llama 3.1's `<|eom_id|>`, Qwen's `<|endoftext|>` beside `<|im_end|>`): the
+  list their `generation_config.json` gives, which a GGUF does not carry.
 - A sentencepiece vocabulary of a Llama-shaped model (Llama 2's, Mistral's before Tekken) puts its prefix
   space before every run of text, even one that starts with a space (`tokenizer.ggml.add_space_prefix`,
   true unless the file says otherwise): the normalizer Llama 2's `tokenizer.json` has. transformers gives those
@@ -17,6 +21,7 @@ file means what llama.cpp, which wrote it, reads it to mean, and llama.cpp's rea
 """
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -55,60 +60,150 @@ _SPLITS = {
     "deepseek-llm": _DEEPSEEK_LLM,
     "deepseek-coder": _DEEPSEEK_CODER,
     "deepseek-v3": _DEEPSEEK_V3,
-    **dict.fromkeys(("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), _DIGITS_THEN_GPT2),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    _DIGITS_THEN_GPT2),
 }
-# Names whose split is GPT-2's, which transformers gives a name it does not know. SmolLM's splits digits
-# apart first, which changes no token of its vocabulary (no token holds a digit beside anything else).
-_GPT2_SPLITS = frozenset({"gpt-2", "default", "smollm", "mpt", "olmo", "phi-2", "jais", "trillion"})
+# Names whose split is GPT-2's, which transformers gives a name it does not know. A byte-level file that names
+# none ("default", files older than the key) is split as GPT-2 splits text too; llama.cpp splits those by a
+# regex of its own, which is no model's.
+_GPT2_SPLITS = frozenset({"default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling",
+                          "gigachat", "a.x-4.0", "mellum", "modern-bert", "roberta-bpe", "jina-es", "jina-de",
+                          "jina-v1-en", "jina-v2-es", "jina-v2-de", "jina-v2-code"})
 
 # Names whose vocabulary takes a piece that is a token whole before merging it (llama.cpp's list)
 _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                            "lfm2", "tekken", "glm4", "glm5", "minicpm5", "youtu"})
+                            "lfm2", "jina-v5-nano", "tekken", "glm4", "glm5", "minicpm5", "youtu",
+                            "granite-embed-multi-97m"})
 
-# Sentencepiece files whose architecture transformers builds its own tokenizer for (Gemma's has no prefix
-# space; Phi-3's has the normalizer already)
+# Sentencepiece files whose architecture transformers builds its own tokenizer for (its GGUF reader's
+# `GGUF_SENTENCEPIECE_BUILDERS`: Gemma's has no prefix space, Phi-3's has the normalizer already)
 _OWN_SENTENCEPIECE = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
 
 
-def read_as_llama_cpp(tokenizer: Any, fields: dict[str, Any], architecture: str) -> bool:
-    """Make `tokenizer` (transformers', built from the GGUF whose metadata `fields` holds: key -> value) split,
-    merge and prefix text as llama.cpp does for that file; whether anything changed. Warns where the file names
-    a split neither knows."""
-    backend = tokenizer.backend_tokenizer
-    changed = False
-    model, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre")
-    if model == "gpt2" and pre is not None:
-        if pre in _SPLITS:
-            backend.pre_tokenizer, changed = _split_pre_tokenizer(_SPLITS[pre]), True
-        elif pre not in _GPT2_SPLITS and pre not in _known_to_transformers(default=frozenset({pre})):
-            logger.warning("this file's pre-tokenizer %r is not one jaxserve or transformers knows, and its text "
-                           "is split as GPT-2 splits it, which may tokenize some text (numbers, CJK) unlike the "
-                           "model's own tokenizer; pass --tokenizer with the model's hub id (or a directory "
-                           "with its tokenizer.json) to use its own", pre)
-        if pre in _IGNORE_MERGES:
-            backend.model.ignore_merges, changed = True, True
-    if (model == "llama" and architecture not in _OWN_SENTENCEPIECE
-            and fields.get("tokenizer.ggml.add_space_prefix", True)):
-        from tokenizers import normalizers
+@dataclass(frozen=True)
+class GgufVocabulary:
+    """A GGUF's tokenizer keys (`tokenizer.ggml.*`)."""
 
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                                   normalizers.Replace(" ", "\u2581")])
-        backend.pre_tokenizer, changed = None, True
+    model: str | None  # "gpt2": byte-level BPE; "llama": sentencepiece
+    pre: str | None
+    tokens: list[str]  # byte-level files spell their normal tokens in GPT-2's byte alphabet, the others as text
+    token_types: list[int]  # llama.cpp's: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    add_space_prefix: bool
+    eos_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> "GgufVocabulary":
+        """From a GGUF reader's `fields` (key -> ReaderField)."""
+        def value(name: str, default: Any = None) -> Any:
+            field = fields.get(f"tokenizer.ggml.{name}")
+            return default if field is None else field.contents()
+
+        tokens = value("tokens", [])
+        return cls(value("model"), value("pre"), tokens, value("token_type", [_NORMAL] * len(tokens)),
+                   bool(value("add_space_prefix", True)), value("eos_token_id"), value("eot_token_id"),
+                   value("eom_token_id"))
+
+
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+def fit_tokenizer_json(document: dict[str, Any], vocabulary: GgufVocabulary, architecture: str,
+                       file_name: str) -> bool:
+    """Make `document` (the `tokenizer.json` of the tokenizer transformers built from the file, as loaded) split,
+    merge, prefix and find special tokens as llama.cpp does for that file; whether anything changed. Warns where
+    the file names a split neither knows."""
+    changed = False
+    if vocabulary.model == "gpt2":
+        changed |= _keep_special_tokens_whole(document, vocabulary)
+        pre = vocabulary.pre
+        if pre in _SPLITS:
+            document["pre_tokenizer"], changed = _split_pre_tokenizer(_SPLITS[pre]), True
+        elif pre is not None and pre not in _GPT2_SPLITS and pre not in (_known_to_transformers() or {pre}):
+            logger.warning("%s: its pre-tokenizer %r is not one jaxserve or transformers knows, and its text is "
+                           "split as GPT-2 splits it, which may tokenize some text (numbers, CJK) unlike the "
+                           "model's own tokenizer; pass --tokenizer with the model's hub id (or a directory "
+                           "with its tokenizer.json) to use its own", file_name, pre)
+        if pre in _IGNORE_MERGES:
+            document["model"]["ignore_merges"], changed = True, True
+    if vocabulary.model == "llama" and architecture not in _OWN_SENTENCEPIECE:
+        _prefix_space_as_llama_cpp(document, vocabulary.add_space_prefix)
+        changed = True
     return changed
 
 
-def _split_pre_tokenizer(regexes: tuple[str, ...]) -> Any:
-    from tokenizers import Regex, pre_tokenizers
+def _prefix_space_as_llama_cpp(document: dict[str, Any], add_space_prefix: bool) -> None:
+    """Spaces as `▁`, and with `add_space_prefix` one before every run of text, which decoding takes off the
+    text's start again (llama.cpp's `remove_space`); without it, none either way."""
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    prepend = [{"type": "Prepend", "prepend": "\u2581"}] if add_space_prefix else []
+    document["normalizer"] = {"type": "Sequence", "normalizers": [*prepend, replace]}
+    document["pre_tokenizer"] = None
+    decoder = document.get("decoder") or {}
+    if not add_space_prefix and decoder.get("type") == "Sequence":
+        decoder["decoders"] = [step for step in decoder["decoders"] if step.get("type") != "Strip"]
 
-    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+def _keep_special_tokens_whole(document: dict[str, Any], vocabulary: GgufVocabulary) -> bool:
+    """A byte-level file's control and user-defined tokens are text (`<｜User｜>`), not spelled in the byte
+    alphabet. transformers spells those holding other characters (DeepSeek's `｜` and `▁`, CJK), leaves them out
+    of its special tokens, and adds its special ones again past the vocabulary (DeepSeek's BOS at 102,401 of
+    102,400), beside GPT-2's default `<|endoftext|>` where the file has none. Each is its file id's token again,
+    matched whole in text, and the tokenizer holds no token past the file's."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = document["model"]["vocab"]
+    added = {entry["id"]: entry for entry in document["added_tokens"] if entry["id"] < len(vocabulary.tokens)}
+    changed = len(added) < len(document["added_tokens"])
+    for i, (text, kind) in enumerate(zip(vocabulary.tokens, vocabulary.token_types, strict=True)):
+        if kind not in (_CONTROL, _USER_DEFINED) or set(text) <= alphabet:
+            continue  # spelled already, or transformers has it right
+        spelled = "".join(spelling[byte] for byte in text.encode())
+        if vocab.get(spelled) == i:
+            del vocab[spelled]
+        vocab[text] = i
+        added[i] = {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                    "normalized": False, "special": kind == _CONTROL}
+        changed = True
+    document["added_tokens"] = sorted(added.values(), key=lambda entry: entry["id"])
+    ids = {entry["content"]: entry["id"] for entry in document["added_tokens"]}
+    for token in ((document.get("post_processor") or {}).get("special_tokens") or {}).values():
+        token["ids"] = [ids.get(content, i) for content, i in zip(token["tokens"], token["ids"], strict=True)]
+    return changed
 
 
-def _known_to_transformers(default: frozenset[str]) -> frozenset[str]:
-    """The `tokenizer.ggml.pre` names transformers' GGUF reader splits by, or `default` where this transformers
-    does not say."""
+# Texts of tokens that end a turn, wherever a vocabulary holds them (llama.cpp's list, for the families served)
+_END_OF_TURN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
+                      "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+# Harmony's (GPT-OSS's) `<|end|>` ends a message, not the answer: not an end where `<|return|>` and `<|call|>` are
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
+
+
+def end_of_generation_ids(vocabulary: GgufVocabulary) -> list[int]:
+    """The ids generation ends at, the file's EOS first."""
+    by_text = {text: i for i, text in enumerate(vocabulary.tokens) if text in _END_OF_TURN_TEXTS}
+    if all(text in by_text for text in _HARMONY_ENDS):
+        by_text.pop("<|end|>", None)
+    keyed = [vocabulary.eos_id, vocabulary.eot_id, vocabulary.eom_id]
+    return list(dict.fromkeys([int(i) for i in keyed if i is not None] + sorted(by_text.values())))
+
+
+def _split_pre_tokenizer(regexes: tuple[str, ...]) -> dict[str, Any]:
+    """`tokenizer.json`'s pre-tokenizer: isolating splits by each regex in turn, then bytes to GPT-2's alphabet."""
+    splits = [{"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+              for regex in regexes]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {"type": "Sequence", "pretokenizers": [*splits, byte_level]}
+
+
+def _known_to_transformers() -> frozenset[str] | None:
+    """The `tokenizer.ggml.pre` names transformers' GGUF reader splits by; None where this transformers does not
+    say."""
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
     except ImportError:
-        return default
+        return None
     return frozenset(GGUF_PRE_TOKENIZER_SPLITS)

@@ -229,3 +229,28 @@ def test_a_blocks_copy_is_named_by_the_kept_formats_and_older_copies_go(smollm2_
     again = dict(gguf_cache.iter_cached_gguf_tensors(smollm2_gguf, 9, 3, keep_blocks=True))
     assert again.keys() == first.keys()
     assert all(isinstance(again[name], GgufTensor) == isinstance(array, GgufTensor) for name, array in first.items())
+
+
+def test_the_shipped_conversion_is_a_fresh_one(smollm2_gguf, tmp_path):
+    """The bundled model's converted files ship with the package (serving needs no torch): they are what a
+    conversion writes now (else `scripts/refresh_bundled_conversion.py` rewrites them)."""
+    import gzip
+    import json
+    from importlib import resources
+
+    from jaxserve.models.gguf_cache import _SHIPPED_FILES, convert_with_transformers
+
+    convert_with_transformers(smollm2_gguf, tmp_path)
+    shipped = resources.files("jaxserve.models").joinpath("bundled")
+    for name in _SHIPPED_FILES:
+        data = shipped.joinpath(name).read_bytes()
+        fresh = (tmp_path / name.removesuffix(".gz")).read_bytes()
+        if name.endswith(".gz"):
+            data = gzip.decompress(data)
+        if name.endswith(".jinja"):
+            assert data == fresh, name
+            continue
+        data, fresh = json.loads(data), json.loads(fresh)
+        for key in ("transformers_version", "local_files_only"):  # the writer's, not the tokenizer's
+            data.pop(key, None), fresh.pop(key, None)
+        assert data == fresh, f"{name} differs from a fresh conversion: run scripts/refresh_bundled_conversion.py"

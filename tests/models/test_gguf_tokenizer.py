@@ -50,29 +50,68 @@ def _served_tokenizer(gguf_path: Path):
     return load_tokenizer(converted)
 
 
-def _byte_level_vocabulary(tmp_path: Path, pre: str) -> Path:
-    """GPT-2's byte alphabet, then tokens of digits and letters. Merges reach "12345" (1 2, 12 3, 4 5, 123 45)
-    and "ab", but not "abc": a tokenizer that takes a piece whole where it is a token finds it anyway."""
+_BYTE_ALPHABET_SIZE = 256
+
+
+def _byte_level_vocabulary(tmp_path: Path, pre: str, special: dict[str, int] | None = None,
+                           extra: dict | None = None) -> Path:
+    """GPT-2's byte alphabet, then tokens of digits and letters, then `special` (text -> llama.cpp's token type,
+    written as text). Merges reach "12345" (1 2, 12 3, 4 5, 123 45) and "ab", but not "abc": a tokenizer that
+    takes a piece whole where it is a token finds it anyway."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
     merged = ["12", "123", "45", "12345", "ab", "abc"]
     merges = ["1 2", "12 3", "4 5", "123 45", "a b"]
-    return _write_vocabulary(tmp_path / f"{pre}.gguf", "gpt2", alphabet + merged, pre=pre, merges=merges)
+    special = special or {}
+    tokens = alphabet + merged + list(special)
+    return _write_vocabulary(tmp_path / f"{pre}.gguf", "gpt2", tokens, pre=pre, merges=merges,
+                             token_types=[1] * (len(alphabet) + len(merged)) + list(special.values()), extra=extra)
 
 
-@pytest.mark.parametrize("pre, abc, digits", [
-    ("gpt-2", ["ab", "c"], ["12345"]),  # GPT-2's: merges alone, numbers whole
-    ("llama-bpe", ["abc"], ["123", "45"]),  # Llama 3's: a piece that is a token is taken whole; digits in threes
-    ("tekken", ["abc"], ["1", "2", "3", "4", "5"]),  # Mistral's Tekken: whole pieces too; digits one by one
-    ("deepseek-v3", ["ab", "c"], ["123", "45"]),  # DeepSeek V3's: digits in threes, merges alone
-    ("starcoder", ["ab", "c"], ["1", "2", "3", "4", "5"]),  # GPT-2's after splitting digits apart
+@pytest.mark.parametrize("pre, abc, digits, spaces", [
+    ("gpt-2", ["ab", "c"], ["12345"], ["a", " ", " 1"]),  # GPT-2's: merges alone, numbers whole
+    # Llama 3's: a piece that is a token is taken whole; digits in threes
+    ("llama-bpe", ["abc"], ["123", "45"], ["a", " ", " ", "1"]),
+    ("tekken", ["abc"], ["1", "2", "3", "4", "5"], ["a", " ", " ", "1"]),  # Mistral's Tekken: digits one by one
+    ("deepseek-v3", ["ab", "c"], ["123", "45"], ["a", "  ", "1"]),  # DeepSeek V3's: digits in threes
+    # GPT-2's after splitting digits apart, which also keeps the spaces before a digit together
+    ("starcoder", ["ab", "c"], ["1", "2", "3", "4", "5"], ["a", "  ", "1"]),
+    ("smollm", ["ab", "c"], ["1", "2", "3", "4", "5"], ["a", "  ", "1"]),
+    ("minerva-7b", ["ab", "c"], ["1", "2", "3", "4", "5"], ["a", "  ", "1"]),
 ])
-def test_a_byte_level_vocabulary_splits_and_merges_as_its_pre_tokenizer_says(pre, abc, digits, tmp_path):
+def test_a_byte_level_vocabulary_splits_and_merges_as_its_pre_tokenizer_says(pre, abc, digits, spaces, tmp_path):
     tokenizer = _served_tokenizer(_byte_level_vocabulary(tmp_path, pre))
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("abc", add_special_tokens=False)) == abc
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("12345", add_special_tokens=False)) == digits
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a  1")
+    assert ["a  1"[start:end] for _, (start, end) in pieces] == spaces
     assert tokenizer.decode(tokenizer.encode("abc 12345", add_special_tokens=False)) == "abc 12345"
+
+
+# DeepSeek's control tokens, and user-defined ones, hold characters outside GPT-2's byte alphabet
+_DEEPSEEK_SPECIAL = {"<\uff5cbegin\u2581of\u2581sentence\uff5c>": 3, "<\uff5cend\u2581of\u2581sentence\uff5c>": 3,
+                     "<\uff5cUser\uff5c>": 3, "<\uff5cAssistant\uff5c>": 3, "<think>": 4, "\u6771\u4eac": 4}
+
+
+def test_a_byte_level_vocabulary_s_special_tokens_keep_their_ids_and_are_matched_whole(tmp_path):
+    """llama.cpp writes a byte-level file's control and user-defined tokens as text. transformers spelled those
+    holding other characters in the byte alphabet and added its special tokens again past the vocabulary:
+    DeepSeek's BOS was an id the model has no row for, and its chat template's `<｜User｜>` was cut into bytes."""
+    first = _BYTE_ALPHABET_SIZE + 6
+    ids = dict(zip(_DEEPSEEK_SPECIAL, range(first, first + len(_DEEPSEEK_SPECIAL)), strict=True))
+    bos, eos = list(_DEEPSEEK_SPECIAL)[:2]
+    extra = {"tokenizer.ggml.bos_token_id": (ids[bos], _TYPES.UINT32),
+             "tokenizer.ggml.eos_token_id": (ids[eos], _TYPES.UINT32),
+             "tokenizer.ggml.add_bos_token": (True, _TYPES.BOOL)}
+    tokenizer = _served_tokenizer(_byte_level_vocabulary(tmp_path, "deepseek-v3", _DEEPSEEK_SPECIAL, extra))
+    assert len(tokenizer) == first + len(_DEEPSEEK_SPECIAL)  # no token past the file's
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (ids[bos], ids[eos])
+    user, assistant = "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"
+    got = tokenizer.encode(f"{user}abc{assistant}<think>\u6771\u4eac")
+    abc = tokenizer.convert_tokens_to_ids(["ab", "c"])
+    assert got == [ids[bos], ids[user], *abc, ids[assistant], ids["<think>"], ids["\u6771\u4eac"]]
+    assert tokenizer.decode(got, skip_special_tokens=True) == "abc<think>\u6771\u4eac"
 
 
 def _sentencepiece_vocabulary(tmp_path: Path, name: str, extra: dict | None = None) -> Path:
@@ -81,7 +120,7 @@ def _sentencepiece_vocabulary(tmp_path: Path, name: str, extra: dict | None = No
     tokens = ["<unk>", "<s>", "</s>", *pieces]
     scores = [0.0, 0.0, 0.0, *(-float(i) for i in range(len(pieces)))]
     token_types = [2, 3, 3, *[1] * len(pieces)]  # unknown, control, control, normal
-    ids = {f"tokenizer.ggml.{name}_token_id": (i, _TYPES.UINT32) for i, name in enumerate(("unknown", "bos", "eos"))}
+    ids = {f"tokenizer.ggml.{kind}_token_id": (i, _TYPES.UINT32) for i, kind in enumerate(("unknown", "bos", "eos"))}
     return _write_vocabulary(tmp_path / f"{name}.gguf", "llama", tokens, pre="default", scores=scores,
                              token_types=token_types, extra={**ids, **(extra or {})})
 
@@ -99,10 +138,39 @@ def test_a_sentencepiece_vocabulary_puts_its_prefix_space_before_any_text(text, 
     assert tokenizer.encode(text)[0] == tokenizer.convert_tokens_to_ids("<s>")  # BOS, as llama.cpp adds it
 
 
-def test_a_sentencepiece_vocabulary_without_a_prefix_space_gets_none(tmp_path):
+@pytest.mark.parametrize("text, pieces", [("Hello", ["H", "e", "l", "l", "o"]), (" Hello", ["▁Hello"])])
+def test_a_sentencepiece_vocabulary_without_a_prefix_space_gets_none(text, pieces, tmp_path):
+    """`tokenizer.ggml.add_space_prefix` false: no space before the text, and none taken off in decoding."""
     extra = {"tokenizer.ggml.add_space_prefix": (False, _TYPES.BOOL)}
     tokenizer = _served_tokenizer(_sentencepiece_vocabulary(tmp_path, "no-prefix", extra))
-    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(" Hello", add_special_tokens=False)) == ["▁Hello"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == pieces
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("special, keys, ends", [
+    # Phi-3's: its EOS is <|endoftext|>, its turns end at <|end|>
+    ({"<|endoftext|>": 3, "<|end|>": 3}, {"eos": 0}, [0, 1]),
+    # Llama 3.1's: EOS and EOT keyed, <|eom_id|> (a tool call's end) by its text
+    ({"<|end_of_text|>": 3, "<|eot_id|>": 3, "<|eom_id|>": 3, "<|start_header_id|>": 3}, {"eos": 1, "eot": 1},
+     [1, 0, 2]),
+    # Harmony's (GPT-OSS's): <|end|> ends a message, not the answer
+    ({"<|return|>": 3, "<|call|>": 3, "<|end|>": 3, "<|start|>": 3}, {"eos": 0}, [0, 1]),
+    ({"<s>": 3, "</s>": 3}, {"eos": 1}, [1]),  # one end: the config's EOS stays a number
+])
+def test_generation_ends_where_llama_cpp_ends_it(special, keys, ends, tmp_path):
+    """A GGUF has no generation_config.json: its config lists every token llama.cpp ends generation at (the
+    file's EOS first), as HF configs that name several EOS tokens do; ids relative to the first special token."""
+    import json
+
+    first = _BYTE_ALPHABET_SIZE + 6
+    extra = {f"tokenizer.ggml.{kind}_token_id": (first + i, _TYPES.UINT32) for kind, i in keys.items()}
+    path = _byte_level_vocabulary(tmp_path, "gpt-2", special, extra)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    convert_with_transformers(path, converted)
+    eos = json.loads((converted / "config.json").read_text())["eos_token_id"]
+    assert eos == ([first + i for i in ends] if len(ends) > 1 else first + ends[0])
 
 
 # llama.cpp's vocabulary files of the families jaxserve serves, each beside the ids its model's own tokenizer
