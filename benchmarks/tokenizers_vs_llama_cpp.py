@@ -72,11 +72,13 @@ def _retagged(gguf: Path, pre: str, directory: Path) -> Path:
     return out
 
 
-def _llama_cpp_ids(llama_tokenize: str, gguf: Path, text: str, directory: Path) -> list[int]:
+def _llama_cpp_ids(llama_tokenize: str, gguf: Path, text: str, directory: Path, bos: bool = False) -> list[int]:
+    """llama.cpp's ids of the text alone, or with the BOS it adds for the file (`bos`)."""
     prompt = directory / "prompt.txt"
     prompt.write_text(text)
-    result = subprocess.run([llama_tokenize, "-m", str(gguf), "-f", str(prompt), "--ids", "--no-bos",
-                             "--no-escape", "--log-disable"], capture_output=True, text=True, check=True)
+    result = subprocess.run([llama_tokenize, "-m", str(gguf), "-f", str(prompt), "--ids", "--no-escape",
+                             "--log-disable", *([] if bos else ["--no-bos"])],
+                            capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -92,7 +94,8 @@ def check(gguf: Path, llama_tokenize: str | None, directory: Path, retagged_from
     tokenizer = load_tokenizer(converted)
     texts, expected = _texts(retagged_from or gguf)
     expected = None if retagged_from else expected
-    report = {"file": gguf.name, "texts": len(texts), "vs_llama_cpp": None, "vs_own": None, "differ": []}
+    report = {"file": gguf.name, "texts": len(texts), "vs_llama_cpp": None, "vs_own": None, "bos": None,
+              "differ": []}
     ours = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     if expected is not None:
         same = [a == b for a, b in zip(ours, expected, strict=False)]  # its ids: llama.cpp's texts, first
@@ -104,6 +107,11 @@ def check(gguf: Path, llama_tokenize: str | None, directory: Path, retagged_from
         report["vs_llama_cpp"] = f"{sum(same)}/{len(texts)}"
         report["differ"] += [("llama.cpp", texts[i][:40], ours[i][:8], theirs[i][:8])
                              for i, s in enumerate(same) if not s]
+        # the special tokens a text begins with: BOS where the file (or llama.cpp's default for its kind) says
+        with_bos = (tokenizer.encode(texts[0]), _llama_cpp_ids(llama_tokenize, gguf, texts[0], directory, bos=True))
+        report["bos"] = "same" if with_bos[0] == with_bos[1] else "differs"
+        if with_bos[0] != with_bos[1]:
+            report["differ"].append(("llama.cpp with BOS", texts[0][:40], with_bos[0][:8], with_bos[1][:8]))
     return report
 
 

@@ -75,6 +75,11 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falco
                             "lfm2", "jina-v5-nano", "tekken", "glm4", "glm5", "minicpm5", "youtu",
                             "granite-embed-multi-97m"})
 
+# Names whose files begin a text with BOS where they do not say (`tokenizer.ggml.add_bos_token`), as their
+# models' own tokenizers do (llama.cpp's list: Llama 3's, Tekken's)
+_BOS_BY_DEFAULT = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                             "lfm2", "jina-v5-nano", "tekken"})
+
 # Sentencepiece files whose architecture transformers builds its own tokenizer for (its GGUF reader's
 # `GGUF_SENTENCEPIECE_BUILDERS`: Gemma's has no prefix space, Phi-3's has the normalizer already)
 _OWN_SENTENCEPIECE = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
@@ -89,6 +94,8 @@ class GgufVocabulary:
     tokens: list[str]  # byte-level files spell their normal tokens in GPT-2's byte alphabet, the others as text
     token_types: list[int]  # llama.cpp's: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
     add_space_prefix: bool
+    add_bos: bool | None  # None: the file does not say
+    bos_id: int | None
     eos_id: int | None
     eot_id: int | None
     eom_id: int | None
@@ -101,9 +108,10 @@ class GgufVocabulary:
             return default if field is None else field.contents()
 
         tokens = value("tokens", [])
+        add_bos = value("add_bos_token")
         return cls(value("model"), value("pre"), tokens, value("token_type", [_NORMAL] * len(tokens)),
-                   bool(value("add_space_prefix", True)), value("eos_token_id"), value("eot_token_id"),
-                   value("eom_token_id"))
+                   bool(value("add_space_prefix", True)), None if add_bos is None else bool(add_bos),
+                   value("bos_token_id"), value("eos_token_id"), value("eot_token_id"), value("eom_token_id"))
 
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -127,10 +135,23 @@ def fit_tokenizer_json(document: dict[str, Any], vocabulary: GgufVocabulary, arc
                            "with its tokenizer.json) to use its own", file_name, pre)
         if pre in _IGNORE_MERGES:
             document["model"]["ignore_merges"], changed = True, True
+        if vocabulary.add_bos is None and pre in _BOS_BY_DEFAULT and vocabulary.bos_id is not None:
+            document["post_processor"], changed = _bos_first(vocabulary.tokens[vocabulary.bos_id],
+                                                             vocabulary.bos_id), True
     if vocabulary.model == "llama" and architecture not in _OWN_SENTENCEPIECE:
         _prefix_space_as_llama_cpp(document, vocabulary.add_space_prefix)
         changed = True
     return changed
+
+
+def _bos_first(bos: str, bos_id: int) -> dict[str, Any]:
+    """`tokenizer.json`'s post-processor that puts BOS before a text (and before each of a pair)."""
+    first = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {"type": "TemplateProcessing",
+            "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
 
 
 def _prefix_space_as_llama_cpp(document: dict[str, Any], add_space_prefix: bool) -> None:

@@ -89,6 +89,23 @@ def test_a_byte_level_vocabulary_splits_and_merges_as_its_pre_tokenizer_says(pre
     assert tokenizer.decode(tokenizer.encode("abc 12345", add_special_tokens=False)) == "abc 12345"
 
 
+@pytest.mark.parametrize("pre, add_bos, begins_with_bos", [
+    ("llama-bpe", None, True),  # Llama 3's files begin a text with BOS where they do not say (llama.cpp's default)
+    ("tekken", None, True),
+    ("llama-bpe", False, False),  # the file's word is kept
+    ("gpt-2", None, False),
+    ("gpt-2", True, True),
+])
+def test_a_byte_level_vocabulary_begins_a_text_with_bos_as_llama_cpp_does(pre, add_bos, begins_with_bos, tmp_path):
+    bos = _BYTE_ALPHABET_SIZE + 6
+    extra = {"tokenizer.ggml.bos_token_id": (bos, _TYPES.UINT32), "tokenizer.ggml.eos_token_id": (bos, _TYPES.UINT32)}
+    if add_bos is not None:
+        extra["tokenizer.ggml.add_bos_token"] = (add_bos, _TYPES.BOOL)
+    tokenizer = _served_tokenizer(_byte_level_vocabulary(tmp_path, pre, {"<|begin_of_text|>": 3}, extra))
+    plain = tokenizer.encode("abc", add_special_tokens=False)
+    assert tokenizer.encode("abc") == ([bos] if begins_with_bos else []) + plain
+
+
 # DeepSeek's control tokens, and user-defined ones, hold characters outside GPT-2's byte alphabet
 _DEEPSEEK_SPECIAL = {"<\uff5cbegin\u2581of\u2581sentence\uff5c>": 3, "<\uff5cend\u2581of\u2581sentence\uff5c>": 3,
                      "<\uff5cUser\uff5c>": 3, "<\uff5cAssistant\uff5c>": 3, "<think>": 4, "\u6771\u4eac": 4}
