@@ -9,9 +9,16 @@ the GIL for seconds, while the compile threads waited to trace their next bucket
 How. `fewer_collections()` raises the youngest generation's threshold while a start traces, so the
 collector runs far less often; the garbage it then finds is the same. The old thresholds return when the
 last thread inside leaves (an engine's warm-up and a deviceless compile may overlap in one process).
-Nothing is frozen or disabled here: a process that builds and drops engines (the offline `LLM`, the tests)
-still reclaims their cycles. A server, which keeps its engine for good, freezes its start-up heap once it
-is ready (`freeze_start_up_heap`).
+A process that builds and drops engines (the offline `LLM`, the tests) still reclaims their cycles. A server,
+which keeps its engine for good, freezes its start-up heap once it is ready (`freeze_start_up_heap`).
+
+A server's large request (a body of 200,000 messages) is the other case. Its parse, validation and rendering
+run on worker threads, but each full collection, and each free of a list of 200,000 items, is one call that
+holds the interpreter lock, so the event loop waited for each: 60-75 ms a collection, ~100 ms the frees. While
+its body is parsed and its conversation rendered the collector does not run (`no_collections`: what they make is
+acyclic, and freed before the collector runs again), its validation runs with `fewer_collections` (the request
+it makes outlives it: a paused collector's next collection would traverse all of it at once), and its long lists
+are freed a slice at a time (`empty_in_pieces`), off the event loop (docs/benchmarks.md, stop 100).
 """
 
 import contextlib
@@ -21,9 +28,13 @@ from collections.abc import Iterator
 
 START_UP_THRESHOLD = 50_000  # net allocations between young collections; CPython's default is 700
 
+_FREE_SLICE = 256  # items freed per call by `empty_in_pieces`
+
 _lock = threading.Lock()
 _inside = 0
 _restore: tuple[int, ...] = ()
+_paused = 0
+_was_enabled = True
 
 
 def freeze_start_up_heap() -> None:
@@ -53,3 +64,30 @@ def fewer_collections() -> Iterator[None]:
             _inside -= 1
             if _inside == 0:
                 gc.set_threshold(*_restore)
+
+
+@contextlib.contextmanager
+def no_collections() -> Iterator[None]:
+    """Within it the collector does not run; the last thread to leave turns it back on, if it was on. For a
+    large request's preparation only: a pause that never ends would leave cycles unreclaimed."""
+    global _paused, _was_enabled
+    with _lock:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
+
+
+def empty_in_pieces(*lists: list) -> None:
+    """Empties each list `_FREE_SLICE` items at a time, so that what only it held is freed in calls short enough
+    for other threads to run between them."""
+    for items in lists:
+        while items:
+            del items[-_FREE_SLICE:]

@@ -84,3 +84,35 @@ def test_an_engine_loads_and_warms_up_under_the_raised_threshold(llama_dir, monk
     make_engine(llama_dir, token_buckets=(16,), request_buckets=(1,), max_num_seqs=1, max_num_batched_tokens=16)
     assert seen == {"load": START_UP_THRESHOLD, "warm-up": START_UP_THRESHOLD}
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_no_collections_pauses_the_collector_until_the_last_thread_leaves():
+    """A large request's preparation pauses the collector; overlapping ones turn it back on once, when the last
+    leaves, and only if it was on."""
+    from jaxserve.collector import no_collections
+
+    assert gc.isenabled()
+    with no_collections():
+        assert not gc.isenabled()
+        with no_collections():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer one is still inside
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collections():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), no_collections():
+        raise RuntimeError("inside")
+    assert gc.isenabled()
+
+
+def test_lists_are_emptied_a_slice_at_a_time():
+    from jaxserve import collector
+
+    items, other = [object() for _ in range(1000)], list(range(3))
+    collector.empty_in_pieces(items, other)
+    assert items == [] and other == []

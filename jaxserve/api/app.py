@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    await ModelServing.release(request)  # a request too long to serve: its lists, before its frames go
     return error_response(exc.status, exc.message, exc.param, exc.headers)
 
 

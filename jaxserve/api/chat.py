@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the chat template turns messages into one prompt with n completions."""
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -34,6 +35,7 @@ from jaxserve.api.protocol import (
 )
 from jaxserve.api.reasoning import Phase, ReasoningParser, ReasoningSplitter, reasoning_stream, split_reasoning
 from jaxserve.api.serving import (
+    LONG_LIST,
     ModelServing,
     get_serving,
     logprob_token_ids,
@@ -44,6 +46,7 @@ from jaxserve.api.serving import (
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
+from jaxserve.collector import empty_in_pieces, no_collections
 from jaxserve.config import RESERVED_TEMPLATE_KWARGS
 from jaxserve.models.template_format import ContentPartError, content_texts, resolve_content_format, template_content
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -79,6 +82,8 @@ def tool_call_arguments(text: str, param: str) -> Any:
     except APIError as e:
         raise APIError(400, f"tool call arguments: {e.message}", param) from None
     return arguments
+
+
 
 
 def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
@@ -157,15 +162,18 @@ async def render_chat(
     def render() -> list[int]:
         # a template's content format read from its syntax tree: parsing a new template takes a while
         content_format = resolve_content_format(serving.config.chat_template_content_format, rendering, tools)
-        conversation = _message_dicts(messages, content_format)
-        try:
-            text = serving.tokenizer.apply_chat_template(
-                conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, tools=tools, documents=documents,
-                **template_kwargs,
-            )
-        except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
-            raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+        with no_collections() if len(messages) > LONG_LIST else contextlib.nullcontext():  # collector.py
+            conversation = _message_dicts(messages, content_format)
+            try:
+                text = serving.tokenizer.apply_chat_template(
+                    conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=False, tools=tools,
+                    documents=documents, **template_kwargs,
+                )
+            except (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
+                raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+            finally:
+                empty_in_pieces(conversation)
         if truncate is None:
             serving.check_text_length(text, "messages")
         return serving.truncate(serving.tokenizer.encode(text, add_special_tokens=add_special_tokens), truncate)

@@ -39,6 +39,7 @@ from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
+from jaxserve.collector import empty_in_pieces, fewer_collections, no_collections
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
@@ -54,6 +55,7 @@ from jaxserve.sampling_params import (
 
 T = TypeVar("T")
 
+LONG_LIST = 1024  # a large request's list of more items (a chat's messages) is emptied off the loop (`release`)
 LARGE_ANSWER_LOGPROBS = 2048  # an answer listing more logprob entries is built off the event loop (`answer`)
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
 logger = logging.getLogger("jaxserve.api.requests")
@@ -152,6 +154,20 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "model")
 
 
+def _validate_large(model: type[T], data: Any) -> T:
+    """`validate_in_pieces` with fewer collections (collector.py: the request it makes outlives it, and a
+    collector paused meanwhile would traverse all of it in its next collection, in one call); then the body's
+    long lists, which the request holds its own copies of, emptied a slice at a time rather than freed in one
+    call with the body."""
+    with fewer_collections():
+        validated = validate_in_pieces(model, data)
+    if isinstance(data, dict):
+        kept = {id(value) for value in vars(validated).values()}  # a field that kept the body's list as it was
+        empty_in_pieces(*(value for value in data.values()
+                          if isinstance(value, list) and len(value) > LONG_LIST and id(value) not in kept))
+    return validated
+
+
 @dataclass
 class ModelServing:
     """Everything the handlers need once the model is loaded."""
@@ -213,10 +229,23 @@ class ModelServing:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def parse(self, request: Request, model: type[T]) -> T:
+        """The request's body as `model` (once a request: a large body's lists are emptied by it)."""
         data = await self.read_json(request)
         if is_large(self.body_bytes(request)):  # its validation is long too, and holds the interpreter lock
-            return await asyncio.to_thread(validate_in_pieces, model, data)
+            validated = await asyncio.to_thread(_validate_large, model, data)
+            request.state.long_lists = [value for value in vars(validated).values()
+                                        if isinstance(value, list) and len(value) > LONG_LIST]
+            return validated
         return validate(model, data)
+
+    @staticmethod
+    async def release(request: Request) -> None:
+        """Empties the long lists a large request was parsed into (`parse`), off the event loop, once nothing
+        reads them: the request that refers to them is then freed on the loop in no time."""
+        long_lists = getattr(request.state, "long_lists", None)
+        if long_lists:
+            request.state.long_lists = None
+            await asyncio.to_thread(empty_in_pieces, *long_lists)
 
     async def read_json(self, request: Request) -> Any:
         """The body's JSON, read once a request: a route that picks its handler by the body (/invocations)
@@ -236,7 +265,14 @@ class ModelServing:
     async def by_size(request: Request, work: Callable[[], T]) -> T:
         """`work()` on a worker thread where the request's body was large (its Python work on a large
         input would hold the event loop), else here."""
-        return await asyncio.to_thread(work) if is_large(ModelServing.body_bytes(request)) else work()
+        if not is_large(ModelServing.body_bytes(request)):
+            return work()
+
+        def paused() -> T:
+            with no_collections():
+                return work()
+
+        return await asyncio.to_thread(paused)
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """Runs tokenizer work on the tokenizer thread (one at a time: the tokenizer is not shareable)."""

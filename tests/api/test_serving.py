@@ -186,6 +186,51 @@ def test_a_large_body_s_long_lists_are_validated_an_item_at_a_time_to_the_same_r
     assert errors[0] == errors[1] and errors[0][0].startswith("messages.2500.content"), errors
 
 
+def test_a_large_body_s_lists_are_freed_off_the_event_loop(monkeypatch):
+    """A large body's long lists are emptied a slice at a time off the event loop: the parsed body's once it is
+    validated (not a list the request kept as it was), the request's when an error ends it (`release`), so that
+    freeing either on the loop does not stop it (a quarter million messages held it for about 75 ms)."""
+    import asyncio
+    import threading
+
+    from jaxserve import collector
+    from jaxserve.api.protocol import ChatCompletionRequest
+    from jaxserve.api.serving import ModelServing
+
+    freed_on = []
+
+    def recorded(*lists: list) -> None:
+        freed_on.append((threading.current_thread(), [len(items) for items in lists]))
+        collector.empty_in_pieces(*lists)
+
+    monkeypatch.setattr("jaxserve.api.serving.empty_in_pieces", recorded)
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(3000)]
+    stop = ["a", "b"]
+    body = json.dumps({"model": "m", "messages": messages, "stop": stop}).encode() + b" " * (10 * 2**20)
+
+    class Request:  # what `parse` reads of starlette's
+        state = type("State", (), {})()
+
+        async def body(self) -> bytes:
+            return body
+
+    async def main():
+        serving = object.__new__(ModelServing)
+        serving.config = type("Config", (), {"max_request_body_bytes": 64 * 2**20, "body_read_timeout": 60})()
+        request = Request()
+        monkeypatch.setattr("jaxserve.api.serving.read_body", lambda request, limit, timeout: request.body())
+        req = await serving.parse(request, ChatCompletionRequest)
+        parsed = request.state.json_body
+        assert parsed["messages"] == [] and len(req.messages) == 3000  # the body's list emptied, the request's kept
+        await ModelServing.release(request)
+        return threading.current_thread(), req
+
+    loop_thread, req = asyncio.run(main())
+    assert req.messages == [] and req.stop == ["a", "b"]
+    assert [lengths for _, lengths in freed_on] == [[3000], [3000]]
+    assert all(thread is not loop_thread for thread, _ in freed_on)
+
+
 def test_null_is_the_default_where_openai_lets_a_client_send_it():
     """n, stream, logprobs, echo, parallel_tool_calls and max_tokens sent as null take their defaults, as
     OpenAI's and vLLM's servers read them (a null was a 400; completions' max_tokens null ran to the context's
