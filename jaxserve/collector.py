@@ -15,10 +15,10 @@ which keeps its engine for good, freezes its start-up heap once it is ready (`fr
 A server's large request (a body of 200,000 messages) is the other case. Its parse, validation and rendering
 run on worker threads, but each full collection, and each free of a list of 200,000 items, is one call that
 holds the interpreter lock, so the event loop waited for each: 60-75 ms a collection, ~100 ms the frees. While
-its body is parsed and its conversation rendered the collector does not run (`no_collections`: what they make is
-acyclic, and freed before the collector runs again), its validation runs with `fewer_collections` (the request
-it makes outlives it: a paused collector's next collection would traverse all of it at once), and its long lists
-are freed a slice at a time (`empty_in_pieces`), off the event loop (docs/benchmarks.md, stop 100).
+its conversation is rendered the collector does not run (`no_collections`: what that makes is acyclic, and freed
+before the collector runs again); its parse and validation run with `fewer_collections` (what they make outlives
+them: a paused collector's next collection would traverse all of it at once); and its long lists are freed a
+slice at a time (`empty_in_pieces`), off the event loop (docs/benchmarks.md, stop 100).
 """
 
 import contextlib

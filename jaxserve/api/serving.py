@@ -39,7 +39,7 @@ from jaxserve.api.metrics import ServerMetrics
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
-from jaxserve.collector import empty_in_pieces, fewer_collections, no_collections
+from jaxserve.collector import empty_in_pieces, fewer_collections
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
@@ -268,11 +268,11 @@ class ModelServing:
         if not is_large(ModelServing.body_bytes(request)):
             return work()
 
-        def paused() -> T:
-            with no_collections():
+        def fewer() -> T:  # collector.py
+            with fewer_collections():
                 return work()
 
-        return await asyncio.to_thread(paused)
+        return await asyncio.to_thread(fewer)
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """Runs tokenizer work on the tokenizer thread (one at a time: the tokenizer is not shareable)."""
