@@ -14,11 +14,11 @@ which keeps its engine for good, freezes its start-up heap once it is ready (`fr
 
 A server's large request (a body of 200,000 messages) is the other case. Its parse, validation and rendering
 run on worker threads, but each full collection, and each free of a list of 200,000 items, is one call that
-holds the interpreter lock, so the event loop waited for each: 60-75 ms a collection, ~100 ms the frees. While
-its conversation is rendered the collector does not run (`no_collections`: what that makes is acyclic, and freed
-before the collector runs again); its parse and validation run with `fewer_collections` (what they make outlives
-them: a paused collector's next collection would traverse all of it at once); and its long lists are freed a
-slice at a time (`empty_in_pieces`), off the event loop (docs/benchmarks.md, stop 100).
+holds the interpreter lock, so the event loop waited for each: 60-75 ms a collection, ~100 ms the frees. Its
+parse, validation and rendering run with `fewer_collections`, and its long lists are freed a slice at a time
+(`empty_in_pieces`), off the event loop (docs/benchmarks.md, stop 100). The collector is not paused: what one
+thread made while it was would be traversed by its next collection all at once, another request's or a compile's
+objects with it.
 """
 
 import contextlib
@@ -33,8 +33,6 @@ _FREE_SLICE = 256  # items freed per call by `empty_in_pieces`
 _lock = threading.Lock()
 _inside = 0
 _restore: tuple[int, ...] = ()
-_paused = 0
-_was_enabled = True
 
 
 def freeze_start_up_heap() -> None:
@@ -64,25 +62,6 @@ def fewer_collections() -> Iterator[None]:
             _inside -= 1
             if _inside == 0:
                 gc.set_threshold(*_restore)
-
-
-@contextlib.contextmanager
-def no_collections() -> Iterator[None]:
-    """Within it the collector does not run; the last thread to leave turns it back on, if it was on. For a
-    large request's preparation only: a pause that never ends would leave cycles unreclaimed."""
-    global _paused, _was_enabled
-    with _lock:
-        if _paused == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _paused += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _paused -= 1
-            if _paused == 0 and _was_enabled:
-                gc.enable()
 
 
 def empty_in_pieces(*lists: list) -> None:

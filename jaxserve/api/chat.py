@@ -46,7 +46,7 @@ from jaxserve.api.serving import (
 from jaxserve.api.streaming import ChoiceStream, collect, sse, stream_usage
 from jaxserve.api.tools import TOOL_PARSERS, ToolCallStream
 from jaxserve.api.tools.plan import ToolPlan, plan_tools
-from jaxserve.collector import empty_in_pieces, no_collections
+from jaxserve.collector import empty_in_pieces, fewer_collections
 from jaxserve.config import RESERVED_TEMPLATE_KWARGS
 from jaxserve.models.template_format import ContentPartError, content_texts, resolve_content_format, template_content
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -162,7 +162,7 @@ async def render_chat(
     def render() -> list[int]:
         # a template's content format read from its syntax tree: parsing a new template takes a while
         content_format = resolve_content_format(serving.config.chat_template_content_format, rendering, tools)
-        with no_collections() if len(messages) > LONG_LIST else contextlib.nullcontext():  # collector.py
+        with fewer_collections() if len(messages) > LONG_LIST else contextlib.nullcontext():  # collector.py
             conversation = _message_dicts(messages, content_format)
             try:
                 text = serving.tokenizer.apply_chat_template(

@@ -155,17 +155,18 @@ def model_not_found(model: str) -> APIError:
 
 
 def _validate_large(model: type[T], data: Any) -> T:
-    """`validate_in_pieces` with fewer collections (collector.py: the request it makes outlives it, and a
-    collector paused meanwhile would traverse all of it in its next collection, in one call); then the body's
-    long lists, which the request holds its own copies of, emptied a slice at a time rather than freed in one
-    call with the body."""
-    with fewer_collections():
-        validated = validate_in_pieces(model, data)
-    if isinstance(data, dict):
-        kept = {id(value) for value in vars(validated).values()}  # a field that kept the body's list as it was
-        empty_in_pieces(*(value for value in data.values()
-                          if isinstance(value, list) and len(value) > LONG_LIST and id(value) not in kept))
-    return validated
+    """`validate_in_pieces` with fewer collections (collector.py); then the body's long lists emptied a slice at
+    a time, rather than freed in one call with the body."""
+    validated = None
+    try:
+        with fewer_collections():
+            validated = validate_in_pieces(model, data)
+        return validated
+    finally:  # valid or not
+        if isinstance(data, dict):
+            kept = {id(value) for value in vars(validated).values()} if validated is not None else set()
+            empty_in_pieces(*(value for value in data.values()  # not a list a field kept as it was (`Any`)
+                              if isinstance(value, list) and len(value) > LONG_LIST and id(value) not in kept))
 
 
 @dataclass

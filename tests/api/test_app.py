@@ -77,3 +77,31 @@ def test_an_unhandled_error_is_logged_once_and_answered_in_the_envelope(monkeypa
                                         "code": 500}
     tracebacks = [r for r in caplog.records if r.exc_info and "a bug" in str(r.exc_info[1])]
     assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_large_request_refused_frees_its_lists_off_the_event_loop(llm_engine, monkeypatch):
+    """A chat of 3,000 messages too long for the context: its body's list and its request's are emptied a slice
+    at a time on worker threads (the request's by the error's handler, before its frames go), not freed on the
+    event loop in one call each."""
+    import asyncio
+
+    from jaxserve import collector
+
+    calls = []
+
+    def recorded(*lists: list) -> None:
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        calls.append((on_loop, [len(items) for items in lists]))
+        collector.empty_in_pieces(*lists)
+
+    monkeypatch.setattr("jaxserve.api.serving.empty_in_pieces", recorded)
+    messages = [{"role": "user", "content": f"message {i}: " + "x" * 100} for i in range(3000)]
+    with TestClient(create_app(ServerConfig(), AsyncEngine(llm_engine))) as client:
+        response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json={"messages": messages[:1], "max_tokens": 2}).status_code == 200
+    assert calls == [(False, [3000]), (False, [3000])]
