@@ -173,6 +173,7 @@ def test_a_sentencepiece_vocabulary_without_a_prefix_space_gets_none(text, piece
      [1, 0, 2]),
     # Harmony's (GPT-OSS's): <|end|> ends a message, not the answer
     ({"<|return|>": 3, "<|call|>": 3, "<|end|>": 3, "<|start|>": 3}, {"eos": 0}, [0, 1]),
+    ({"<eos>": 3, "<end_of_turn>": 3}, {"eos": 0}, [0, 1]),  # Gemma's: its turns end at <end_of_turn>
     ({"<s>": 3, "</s>": 3}, {"eos": 1}, [1]),  # one end: the config's EOS stays a number
 ])
 def test_generation_ends_where_llama_cpp_ends_it(special, keys, ends, tmp_path):
