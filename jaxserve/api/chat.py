@@ -84,8 +84,6 @@ def tool_call_arguments(text: str, param: str) -> Any:
     return arguments
 
 
-
-
 def _message_dicts(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content as text (`content_format` string, parts joined by
     newlines) or as OpenAI's list of text parts (openai, a plain text its one part)."""

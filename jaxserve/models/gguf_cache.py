@@ -312,8 +312,6 @@ def _name_generic_class(tokenizer_config: Path) -> None:
     tokenizer_config.write_text(json.dumps({**fields, "tokenizer_class": "TokenizersBackend"}, indent=2) + "\n")
 
 
-
-
 def _converted_target(digest: str) -> tuple[Path, bool]:
     """Where a GGUF's converted files go, and whether they are all there."""
     target = cache_root() / f"{digest}-v{_FORMAT}"

@@ -244,8 +244,9 @@ def build_abstract_model(
     return AbstractModel(spec, cfg, graphdef, state, checkpoint_cfg, heads)
 
 
-# Harmony's (GPT-OSS's) ends of a turn: its answer's and a tool call's. Its generation_config lists both; a GGUF
-# file names one end token only, and llama.cpp stops at both by their text.
+# Harmony's (GPT-OSS's) ends of a turn: its answer's and a tool call's. Its generation_config lists both, and a
+# GGUF file's converted config too (gguf_tokenizer.end_of_generation_ids); a checkpoint without them still stops
+# at both.
 HARMONY_STOPS = ("<|return|>", "<|call|>")
 
 

@@ -188,8 +188,8 @@ def test_a_large_body_s_long_lists_are_validated_an_item_at_a_time_to_the_same_r
 
 def test_a_large_body_s_lists_are_freed_off_the_event_loop(monkeypatch):
     """A large body's long lists are emptied a slice at a time off the event loop: the parsed body's once it is
-    validated (not a list the request kept as it was), the request's when an error ends it (`release`), so that
-    freeing either on the loop does not stop it (a quarter million messages held it for about 75 ms)."""
+    validated (the request holds its own copies), the request's when an error ends it (`release`), so that
+    freeing either on the loop does not stop it (200,000 messages held it for about 75 ms)."""
     import asyncio
     import threading
 
