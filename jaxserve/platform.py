@@ -26,9 +26,9 @@ The other noise, at `import jax` and at the backend's start: each of the plugin'
 gpu_solver, gpu_prng, gpu_linalg, then the PJRT plugin) prints `cudart_stub.cc:31] Could not find cuda
 drivers on your machine` with absl's "All log messages before absl::InitializeLog()" banner: eight lines.
 It is the CUDA runtime library they fail to find, not the driver, and no variable turns the lines off
-(TF_CPP_MIN_LOG_LEVEL does not). So the `gpu-compile` extra installs the runtime (nvidia-cuda-runtime-cu12,
-3 MB, the package `jax[cuda12]` brings on a GPU machine): the extensions load it and say nothing, and with
-the version check skipped nothing calls it without a GPU.
+(TF_CPP_MIN_LOG_LEVEL does not). So the `gpu-compile` extra installs the runtime (nvidia-cuda-runtime,
+CUDA 13's, 2.4 MB, the package `jax[cuda13]` brings on a GPU machine): the extensions load it and say
+nothing, and with the version check skipped nothing calls it without a GPU.
 """
 
 import importlib.util

@@ -19,6 +19,7 @@ import pytest
 from jaxserve.compile_ladder import compile_ladder, format_report
 from jaxserve.device import deviceless_device, target_facts
 from jaxserve.ops import paged_attention_pallas
+from jaxserve.parallel import on_one_device
 from jaxserve.runner.buckets import Bucket, BucketLadder
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
 
@@ -279,7 +280,7 @@ def test_the_h100_step_takes_20_top_logprobs_with_the_topk_kernel_and_sorts_noth
 
 
 def _decode_kernel_args(device):
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = on_one_device(device)
 
     def arg(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

@@ -8,6 +8,7 @@ ptxas may read; `ptxas_figures` then assembles the module as the newest version 
 so (`PtxasFigures.ptx_version`): a kernel that uses no newer instruction assembles the same.
 """
 
+import importlib
 import os
 import re
 import shutil
@@ -39,16 +40,16 @@ class PtxasFigures:
 
 
 def find_ptxas() -> str | None:
-    """ptxas on PATH, in CUDA's usual place (the newest of /usr/local/cuda-*), or in the `nvidia-cuda-nvcc`
-    wheel (the gpu-compile extra's)."""
+    """ptxas on PATH, in CUDA's usual place (the newest of /usr/local/cuda-*), or in NVIDIA's nvcc wheel:
+    `nvidia-cuda-nvcc` (CUDA 13, the gpu-compile extra's; under nvidia/cu13) or `nvidia-cuda-nvcc-cu12`."""
     toolkits = sorted(Path("/usr/local").glob("cuda-*/bin/ptxas"), key=_toolkit_version, reverse=True)
     candidates = [shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas", *map(str, toolkits)]
-    try:
-        import nvidia.cuda_nvcc  # the gpu-compile extra, where installed
-
-        candidates += [str(Path(p) / "bin" / "ptxas") for p in nvidia.cuda_nvcc.__path__]
-    except ImportError:
-        pass
+    for wheel_package in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+        try:
+            package = importlib.import_module(wheel_package)
+        except ImportError:
+            continue
+        candidates += [str(Path(p) / "bin" / "ptxas") for p in package.__path__]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 

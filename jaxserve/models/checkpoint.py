@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxserve.parallel import on_one_device
+
 logger = logging.getLogger(__name__)
 
 MARKER = "jaxserve-checkpoint.json"
@@ -74,7 +76,7 @@ def restore_weights(directory: Path, abstract: Any) -> dict:
     _warn_if_widened(info, abstract)
     start = time.perf_counter()
     first_device = jax.devices()[0] if abstract.mesh is None else abstract.mesh.devices.flat[0]
-    one_device = jax.sharding.SingleDeviceSharding(first_device)
+    one_device = on_one_device(first_device)
     direct = abstract.heads.is_identity
     pure = nnx.to_pure_dict(abstract.state)
     if direct:  # the stored shapes are the target's: each shard is read where it lives

@@ -21,7 +21,7 @@ from jaxserve.models import values_are_keys
 from jaxserve.models.layers import KVCache, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
-from jaxserve.parallel import replicated, split_along
+from jaxserve.parallel import on_one_device, replicated, split_along
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.kv_sizing import MOE_ROW_COPIES, shapes_estimate
 from jaxserve.runner.launches import StepLaunches, compile_with_launches
@@ -77,7 +77,7 @@ def step_shapes(
 def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) -> list[jax.ShapeDtypeStruct]:
     """The step's first argument, the leaves of `state` (arrays, or ShapeDtypeStructs of weights still
     loading), as ShapeDtypeStructs where the weights live: on `device`, or as sharded over `mesh`."""
-    one_device = jax.sharding.SingleDeviceSharding(device)
+    one_device = on_one_device(device)
     return [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding if mesh is not None else one_device)
             for x in jax.tree.leaves(state)]
 
@@ -102,7 +102,7 @@ def temp_estimate(cfg: Any, weights: list[Any], largest: list[Bucket]) -> int:
 def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None) -> KVCache:
     """The KV cache as ShapeDtypeStructs where the runner keeps it: on `device`, or split by KV head over
     `mesh`."""
-    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else split_along(mesh, 4, 0)
+    sharding = on_one_device(device) if mesh is None else split_along(mesh, 4, 0)
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
     page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
     return kv_cache_layers(shapes.num_layers, shapes.values_are_keys, lambda: page)
@@ -145,7 +145,7 @@ def abstract_sample_args(shapes: StepShapes, num_reqs: int, device: Any, mesh: M
 
 def _placed(device: Any, mesh: Mesh | None) -> Callable[[Any], jax.ShapeDtypeStruct]:
     """An array's (or ShapeDtypeStruct's) shape and dtype on `device`, or replicated over `mesh`."""
-    sharding = jax.sharding.SingleDeviceSharding(device) if mesh is None else replicated(mesh)
+    sharding = on_one_device(device) if mesh is None else replicated(mesh)
     return lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 

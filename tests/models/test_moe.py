@@ -10,6 +10,7 @@ import pytest
 from jaxserve.models.moe import grouped_expert_mlp, grouped_matmul, is_hopper, route
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import on_one_device
 
 E, K, D, F, T = 6, 2, 16, 24, 11
 
@@ -146,7 +147,7 @@ def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_tokens, num_ex
     from tests.ops.test_paged_attention_pallas import deviceless_h100
 
     device = deviceless_h100()
-    placed = jax.sharding.SingleDeviceSharding(device)
+    placed = on_one_device(device)
     shapes = [((num_tokens, hidden), jnp.bfloat16), ((num_tokens, top_k), jnp.float32),
               ((num_tokens, top_k), jnp.int32),
               ((num_experts, hidden, width), jnp.bfloat16), ((num_experts, hidden, width), jnp.bfloat16),

@@ -11,6 +11,7 @@ from jaxserve.models.layers import dense, merge_heads, project_heads
 from jaxserve.models.loader import load_model
 from jaxserve.models.quantization import FP8_MAX, Fp8Weight, quantize_fp8, scaled
 from jaxserve.ops.attention import resolve_attention
+from jaxserve.parallel import on_one_device
 from tests.models.test_parity import PagedForward
 
 ATTENTION = resolve_attention("cpu")
@@ -145,9 +146,8 @@ def test_fp8_weights_compile_for_an_h100_into_gemms_that_read_one_byte_per_weigh
     """XLA fuses the widening into its Triton GEMM: no dequantized copy of the weight (no temp buffer)."""
     from jaxserve.device import deviceless_devices
 
-    pytest.importorskip("jax_cuda12_plugin", reason="deviceless GPU compiles need the gpu-compile extra")
     device = deviceless_devices("h100", 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = on_one_device(device)
     k, n = 1024, 2048
     weight = jax.eval_shape(lambda w: quantize_fp8(w, 1), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     args = (jax.ShapeDtypeStruct((16, k), jnp.bfloat16, sharding=sharding),
@@ -162,7 +162,6 @@ def test_fp8_weights_compile_for_an_h100_into_gemms_that_read_one_byte_per_weigh
 @pytest.mark.slow
 def test_an_fp8_model_compiles_for_an_h100_with_its_layer_weights_halved():
     """The whole step, deviceless: the same buckets in bfloat16 and with FP8 layer weights."""
-    pytest.importorskip("jax_cuda12_plugin", reason="deviceless GPU compiles need the gpu-compile extra")
     from jaxserve.compile_ladder import compile_ladder
     from jaxserve.runner.buckets import Bucket
 

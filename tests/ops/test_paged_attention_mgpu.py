@@ -38,6 +38,7 @@ from jaxserve.ops.paged_attention_mgpu import (
     supports,
 )
 from jaxserve.ops.paged_attention_pallas import ScoreRule
+from jaxserve.parallel import on_one_device
 from tests.helpers import run_jitted
 from tests.ops.paged_cases import MIXES, PagedCase, blank_before_windows, make_case, oracle
 from tests.ops.test_paged_attention_pallas import PRODUCTION_HEADS, deviceless_h100
@@ -440,7 +441,7 @@ COMPILE_CASES = [("llama-3-8b", 2048, 256, 16), ("llama-3-8b", 128, 1, 64), ("sm
 def h100_kernel_args(model: str, num_tokens: int, num_reqs: int, page_size: int, context: int = 8192):
     """The kernel's arguments as ShapeDtypeStructs on a deviceless H100, at `model`'s heads, and its head dim."""
     num_q_heads, num_kv_heads, head_dim = {**PRODUCTION_HEADS, "gpt-oss-20b": GPT_OSS_HEADS}[model]
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    placed = on_one_device(deviceless_h100())
     pages = ((num_kv_heads, 65536 // page_size, page_size, head_dim), jnp.bfloat16)
     shapes = [((num_tokens, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((num_reqs,), jnp.int32),
               ((num_reqs, context // page_size), jnp.int32), ((num_reqs + 1,), jnp.int32)]
@@ -535,7 +536,7 @@ def test_hopper_prefills_take_the_mosaic_kernel_and_decodes_stay_on_triton():
     """The entry point's choice on an H100: mixed steps through Mosaic GPU, with attention sinks too, decode-only
     steps and an FP8 cache through the Triton kernels, unless opted in (JAXSERVE_MOSAIC_DECODE=1 and
     JAXSERVE_MOSAIC_FP8=1: `hopper_decode`, `hopper_fp8`)."""
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    placed = on_one_device(deviceless_h100())
 
     def lowered(decode_only: bool, cache_dtype, hopper_decode: bool = False, sinks: bool = False,
                 hopper_fp8: bool = False) -> str:
@@ -623,7 +624,7 @@ def test_a_persistent_grid_takes_more_programs_where_the_descriptions_would_not_
     """One program a KV head over 1,136 query blocks (an 8,192-token step of 1,024 requests, MHA heads)
     would need 145 KiB of descriptions beside the kernel's buffers: the grid grows to as many programs as
     fit them, rather than failing the step."""
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    placed = on_one_device(deviceless_h100())
     pages = ((32, 4096, 16, 128), jnp.bfloat16)
     shapes = [((8192, 32, 128), jnp.bfloat16), pages, pages, ((1024,), jnp.int32), ((1024, 64), jnp.int32),
               ((1025,), jnp.int32)]

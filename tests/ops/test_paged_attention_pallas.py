@@ -25,6 +25,7 @@ from jaxserve.ops.paged_attention_pallas import (
     query_blocks,
     ragged_paged_attention_pallas,
 )
+from jaxserve.parallel import on_one_device
 from tests.helpers import run_jitted
 from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 
@@ -186,7 +187,7 @@ def test_the_splits_merge_in_one_kernel_on_an_h100():
     partial softmaxes, and one fusion that normalises and casts (the max over splits and the weighted
     sums were a kernel each before: one more kernel a layer, every decode step)."""
     num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS["llama-3-8b"]
-    placed = jax.sharding.SingleDeviceSharding(deviceless_h100())
+    placed = on_one_device(deviceless_h100())
     pages = ((num_kv_heads, 4096, 16, head_dim), jnp.bfloat16)
     shapes = [((1, num_q_heads, head_dim), jnp.bfloat16), pages, pages, ((1,), jnp.int32), ((1, 256), jnp.int32)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
