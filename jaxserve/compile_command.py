@@ -16,6 +16,11 @@ def main(config: CompileConfig) -> None:
         from jaxserve.device import use_cpu_platform
 
         use_cpu_platform()
+        import jax
+
+        # A deviceless executable cannot be loaded back (no GPU client to load it into): jax's persistent cache,
+        # where JAX_COMPILATION_CACHE_DIR turns it on, would only take entries that warn when read.
+        jax.config.update("jax_enable_compilation_cache", False)
     from jaxserve.compile_ladder import compile_ladder, format_report
     from jaxserve.models.layers import LoraShape
 

@@ -8,6 +8,7 @@ checked (tests/ops check the kernels' numerics in interpret mode).
 
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -77,12 +78,14 @@ def test_gpt2_compiles_for_h100_through_the_cli(tmp_path):
     ladder.write_text("buckets: {token_buckets: [256], request_buckets: [16]}\n"
                       "scheduler: {max_num_seqs: 16, max_num_batched_tokens: 256}\ncache: {page_size: 16}\n")
     out = tmp_path / "gpt2.json"
+    cache = tmp_path / "xla"  # deviceless executables cannot be read back: none is written
     run = subprocess.run(
         [sys.executable, "-m", "jaxserve", "compile", "--model", "gpt2", "--target", "h100", "--config", str(ladder),
          "--dtype", "bfloat16", "--no-xla-cost", "--no-variants", "--jobs", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=1500,
+        capture_output=True, text=True, timeout=1500, env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)},
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not cache.exists() or not any(cache.iterdir())
     assert "KV budget at --gpu-memory-utilization 0.9" in run.stdout
     report = json.loads(out.read_text())
     buckets = [Bucket(b["num_tokens"], b["num_reqs"], b["decode_only"]) for b in report["buckets"]]
