@@ -19,7 +19,13 @@ from starlette.routing import Route
 
 from jaxserve.api import chat, completions, embeddings, invocations, lora, misc, profile, responses, scores
 from jaxserve.api.errors import APIError, error_response
-from jaxserve.api.middleware import APIKeyMiddleware, ErrorMiddleware, InFlightMiddleware, RequestIdMiddleware
+from jaxserve.api.middleware import (
+    APIKeyMiddleware,
+    ErrorMiddleware,
+    InFlightMiddleware,
+    LongListsMiddleware,
+    RequestIdMiddleware,
+)
 from jaxserve.api.openapi import openapi_routes
 from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.api.serving import ModelServing, ServerState
@@ -32,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    await ModelServing.release(request)  # a request too long to serve: its lists, before its frames go
     return error_response(exc.status, exc.message, exc.param, exc.headers)
 
 
@@ -134,6 +139,7 @@ def create_app(
                    allow_headers=list(config.allowed_headers)),
         Middleware(RequestIdMiddleware, generate=config.enable_request_id_headers),
         Middleware(InFlightMiddleware, counter=state),
+        Middleware(LongListsMiddleware),
         Middleware(ErrorMiddleware, response=_internal_error),
     ]
     if config.api_key:

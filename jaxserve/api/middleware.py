@@ -1,6 +1,8 @@
 """Pure ASGI middleware (it never buffers or wraps a streaming body): API keys, request ids, the
-in-flight count, and the last-resort error handler. CORS is Starlette's own."""
+in-flight count, a large request's lists freed off the event loop, and the last-resort error handler. CORS
+is Starlette's own."""
 
+import asyncio
 import logging
 import secrets
 import uuid
@@ -10,12 +12,17 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.api.errors import ClientDisconnected, error_response
+from jaxserve.collector import empty_in_pieces
 
 # /health, /metrics and /version stay open
 _GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/invocations", "/start_profile",
                      "/stop_profile")
 
 logger = logging.getLogger("jaxserve.api")
+
+# The request state's entry (`request.state.long_lists`) where `ModelServing.parse` keeps the long lists a large
+# request was parsed into, for `LongListsMiddleware` to free.
+LONG_LISTS = "long_lists"
 
 
 def route_path(scope: Scope) -> str:
@@ -88,6 +95,24 @@ class InFlightMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.counter.num_in_flight -= 1
+
+
+class LongListsMiddleware:
+    """Empties a large request's long lists (`LONG_LISTS` in its state) a slice at a time on a worker thread,
+    once its response has been sent (a stream's last byte), refused or failed. Freed on the event loop with
+    the request, one list of 200,000 chat messages held it for about 75 ms (collector.py). Its handler's
+    frames may go first: what they held of the lists is only references while the state keeps them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            long_lists = scope.get("state", {}).pop(LONG_LISTS, None)
+            if long_lists:
+                await asyncio.to_thread(empty_in_pieces, *long_lists)
 
 
 class ErrorMiddleware:

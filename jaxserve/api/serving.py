@@ -36,6 +36,7 @@ from jaxserve.api.errors import (
 )
 from jaxserve.api.json_pieces import dumps_in_pieces
 from jaxserve.api.metrics import ServerMetrics
+from jaxserve.api.middleware import LONG_LISTS
 from jaxserve.api.protocol import PromptLogprob, PromptLogprobList, SamplingFields, random_id
 from jaxserve.api.reasoning import REASONING_PARSERS, ReasoningMarkers
 from jaxserve.api.response_store import ResponseStore
@@ -55,7 +56,7 @@ from jaxserve.sampling_params import (
 
 T = TypeVar("T")
 
-LONG_LIST = 1024  # a large request's list of more items (a chat's messages) is emptied off the loop (`release`)
+LONG_LIST = 1024  # a large request's list of more items (a chat's messages) is emptied off the loop (middleware.py)
 LARGE_ANSWER_LOGPROBS = 2048  # an answer listing more logprob entries is built off the event loop (`answer`)
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is a 400 (llguidance compiles most in ms)
 logger = logging.getLogger("jaxserve.api.requests")
@@ -234,19 +235,10 @@ class ModelServing:
         data = await self.read_json(request)
         if is_large(self.body_bytes(request)):  # its validation is long too, and holds the interpreter lock
             validated = await asyncio.to_thread(_validate_large, model, data)
-            request.state.long_lists = [value for value in vars(validated).values()
-                                        if isinstance(value, list) and len(value) > LONG_LIST]
+            setattr(request.state, LONG_LISTS, [value for value in vars(validated).values()  # freed off the loop
+                                                if isinstance(value, list) and len(value) > LONG_LIST])
             return validated
         return validate(model, data)
-
-    @staticmethod
-    async def release(request: Request) -> None:
-        """Empties the long lists a large request was parsed into (`parse`), off the event loop, once nothing
-        reads them: the request that refers to them is then freed on the loop in no time."""
-        long_lists = getattr(request.state, "long_lists", None)
-        if long_lists:
-            request.state.long_lists = None
-            await asyncio.to_thread(empty_in_pieces, *long_lists)
 
     async def read_json(self, request: Request) -> Any:
         """The body's JSON, read once a request: a route that picks its handler by the body (/invocations)

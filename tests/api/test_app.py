@@ -79,10 +79,10 @@ def test_an_unhandled_error_is_logged_once_and_answered_in_the_envelope(monkeypa
     assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
 
 
-def test_a_large_request_refused_frees_its_lists_off_the_event_loop(llm_engine, monkeypatch):
-    """A chat of 3,000 messages too long for the context: its body's list and its request's are emptied a slice
-    at a time on worker threads (the request's by the error's handler, before its frames go), not freed on the
-    event loop in one call each."""
+def test_a_large_request_refused_or_served_frees_its_lists_off_the_event_loop(llm_engine, monkeypatch):
+    """A chat of 3,000 messages too long for the context, then /detokenize of 150,000 ids (served): each body's
+    long list and each request's are emptied a slice at a time on worker threads (the request's once its
+    response is done, `LongListsMiddleware`), not freed on the event loop in one call each."""
     import asyncio
 
     from jaxserve import collector
@@ -99,9 +99,13 @@ def test_a_large_request_refused_frees_its_lists_off_the_event_loop(llm_engine, 
         collector.empty_in_pieces(*lists)
 
     monkeypatch.setattr("jaxserve.api.serving.empty_in_pieces", recorded)
+    monkeypatch.setattr("jaxserve.api.middleware.empty_in_pieces", recorded)
     messages = [{"role": "user", "content": f"message {i}: " + "x" * 100} for i in range(3000)]
     with TestClient(create_app(ServerConfig(), AsyncEngine(llm_engine))) as client:
         response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
         assert client.post("/v1/chat/completions", json={"messages": messages[:1], "max_tokens": 2}).status_code == 200
-    assert calls == [(False, [3000]), (False, [3000])]
+        assert calls == [(False, [3000]), (False, [3000])]
+        response = client.post("/detokenize", json={"tokens": [7] * 150_000})
+        assert response.status_code == 200 and response.json()["prompt"]
+    assert calls[2:] == [(False, [150_000]), (False, [150_000])]

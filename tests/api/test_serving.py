@@ -188,12 +188,16 @@ def test_a_large_body_s_long_lists_are_validated_an_item_at_a_time_to_the_same_r
 
 def test_a_large_body_s_lists_are_freed_off_the_event_loop(monkeypatch):
     """A large body's long lists are emptied a slice at a time off the event loop: the parsed body's once it is
-    validated (the request holds its own copies), the request's when an error ends it (`release`), so that
-    freeing either on the loop does not stop it (200,000 messages held it for about 75 ms)."""
+    validated (the request holds its own copies), the request's once its response is done
+    (`LongListsMiddleware`), so that freeing either on the loop does not stop it (200,000 messages held it for
+    about 75 ms)."""
     import asyncio
     import threading
 
+    from starlette.datastructures import State
+
     from jaxserve import collector
+    from jaxserve.api.middleware import LongListsMiddleware
     from jaxserve.api.protocol import ChatCompletionRequest
     from jaxserve.api.serving import ModelServing
 
@@ -204,12 +208,14 @@ def test_a_large_body_s_lists_are_freed_off_the_event_loop(monkeypatch):
         collector.empty_in_pieces(*lists)
 
     monkeypatch.setattr("jaxserve.api.serving.empty_in_pieces", recorded)
+    monkeypatch.setattr("jaxserve.api.middleware.empty_in_pieces", recorded)
     messages = [{"role": "user", "content": f"m{i}"} for i in range(3000)]
     stop = ["a", "b"]
     body = json.dumps({"model": "m", "messages": messages, "stop": stop}).encode() + b" " * (10 * 2**20)
+    scope = {"type": "http", "state": {}}
 
-    class Request:  # what `parse` reads of starlette's
-        state = type("State", (), {})()
+    class Request:  # what `parse` reads of starlette's: its state is the scope's, as starlette's is
+        state = State(scope["state"])
 
         async def body(self) -> bytes:
             return body
@@ -219,10 +225,15 @@ def test_a_large_body_s_lists_are_freed_off_the_event_loop(monkeypatch):
         serving.config = type("Config", (), {"max_request_body_bytes": 64 * 2**20, "body_read_timeout": 60})()
         request = Request()
         monkeypatch.setattr("jaxserve.api.serving.read_body", lambda request, limit, timeout: request.body())
-        req = await serving.parse(request, ChatCompletionRequest)
-        parsed = request.state.json_body
-        assert parsed["messages"] == [] and len(req.messages) == 3000  # the body's list emptied, the request's kept
-        await ModelServing.release(request)
+        req = None
+
+        async def handler(scope, receive, send) -> None:
+            nonlocal req
+            req = await serving.parse(request, ChatCompletionRequest)
+            parsed = request.state.json_body
+            assert parsed["messages"] == [] and len(req.messages) == 3000  # the body's emptied, the request's kept
+
+        await LongListsMiddleware(handler)(scope, None, None)
         return threading.current_thread(), req
 
     loop_thread, req = asyncio.run(main())
