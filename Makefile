@@ -81,7 +81,8 @@ test-newest-jax: $(NEWEST_STAMP)
 # The tests marked `gpu`, on a GPU: the Pallas kernels against the float64 oracle (at serving shapes too),
 # logits parity with transformers, the engine's greedy outputs, the server through the openai SDK; meant
 # to take under five minutes on one GPU. JAX_PLATFORMS=cuda,cpu makes jax fail rather than fall back to
-# the CPU when CUDA cannot start (jax's CUDA pieces: pip install 'jaxserve[cuda12]').
+# the CPU when CUDA cannot start (jax's CUDA pieces: pip install 'jaxserve[cuda13]', the CUDA the test extra's
+# gpu-compile plugin has: jax loads one CUDA plugin).
 # --dist loadgroup: the tests spread one at a time, except those of one xdist_group (the real server's, which
 # starts in about a minute on a GPU, mostly compiling), which share one worker and so one server.
 GPU_TEST_WORKERS ?= 6

@@ -48,7 +48,7 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
 
 def on_one_device(device: jax.Device) -> jax.sharding.Sharding:
     """The sharding that places whole arrays on `device`: jax's constructor for it where jax has one (0.10
-    on; jax 0.12.1 deprecates building `SingleDeviceSharding` directly), the class itself before."""
+    on; jax 0.12.1 deprecates the name `jax.sharding.SingleDeviceSharding`), the class itself before."""
     make = getattr(jax.sharding, "make_single_device_sharding", None)
     return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
 

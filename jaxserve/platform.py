@@ -29,16 +29,29 @@ It is the CUDA runtime library they fail to find, not the driver, and no variabl
 (TF_CPP_MIN_LOG_LEVEL does not). So the `gpu-compile` extra installs the runtime (nvidia-cuda-runtime,
 CUDA 13's, 2.4 MB, the package `jax[cuda13]` brings on a GPU machine): the extensions load it and say
 nothing, and with the version check skipped nothing calls it without a GPU.
+
+jax starts one CUDA plugin. With both the CUDA 12 and the CUDA 13 one installed (an older gpu-compile extra
+upgraded in place, or `jaxserve[cuda12]` beside the test extra), the second one's registration fails and jax
+logs its traceback ("PJRT_Api already exists for device type cuda") at every start, GPU or not; which CUDA
+then compiles can change from one process to the next. `prepare_jax_platform()` says so in one line, with
+what to uninstall, once a command (its child processes do not repeat it).
 """
 
 import importlib.util
+import logging
 import os
 from collections.abc import Mapping, MutableMapping
+
+logger = logging.getLogger(__name__)
 
 # The nodes jax checks (jax._src.hardware_utils._NVIDIA_GPU_DEVICES): a GPU, Docker's control node, WSL2.
 NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 AMD_DEVICE_NODES = ("/dev/kfd",)  # ROCm's kernel driver
 SKIP_CUDA_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+# jax's CUDA plugins by CUDA major version: their modules, and the packages that uninstall one.
+CUDA_PLUGINS_NAMED_ENV = "JAXSERVE_CUDA_PLUGINS_NAMED"  # set once the warning below is given
+CUDA_PLUGINS = {12: ("jax_cuda12_plugin", "jax-cuda12-plugin jax-cuda12-pjrt"),
+                13: ("jax_cuda13_plugin", "jax-cuda13-plugin jax-cuda13-pjrt")}
 
 
 class GpuNotFoundError(RuntimeError):
@@ -74,6 +87,16 @@ def prepare_jax_platform(environ: MutableMapping[str, str] = os.environ) -> None
         )
     if not nvidia_gpu_visible():
         environ.setdefault(SKIP_CUDA_CHECK_ENV, "1")
+    if len(cudas := installed_cuda_plugins()) > 1 and not environ.get(CUDA_PLUGINS_NAMED_ENV):
+        environ[CUDA_PLUGINS_NAMED_ENV] = "1"  # once a command: its child processes inherit it
+        logger.warning("jax's CUDA %s plugins are installed together, and jax starts one: it logs a traceback at every "
+                       "start and may compile with either. Keep one, e.g. `pip uninstall %s` (jaxserve's test "
+                       "and gpu-compile extras use CUDA 13)", " and ".join(map(str, cudas)), CUDA_PLUGINS[12][1])
+
+
+def installed_cuda_plugins() -> list[int]:
+    """The CUDA major versions whose jax plugin is installed here (found, not imported)."""
+    return [cuda for cuda, (module, _) in CUDA_PLUGINS.items() if importlib.util.find_spec(module) is not None]
 
 
 def cpu_backend_expected(environ: Mapping[str, str] = os.environ) -> bool:

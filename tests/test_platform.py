@@ -88,6 +88,28 @@ def test_the_cli_says_in_one_line_that_the_gpu_asked_for_is_missing():
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_two_cuda_plugins_installed_are_named_in_one_warning(tmp_path, monkeypatch, caplog, gpu_nodes):
+    """jax starts one CUDA plugin, and with both installed it logs a traceback at every start: jaxserve names
+    the two and what to uninstall, once a command, and says nothing with one. (Stand-in packages: jax never imports
+    them, only the warning looks for them.)"""
+    for module in ("jax_cuda12_plugin", "jax_cuda13_plugin"):
+        (tmp_path / module).mkdir()
+        (tmp_path / module / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    environ = {}
+    with caplog.at_level("WARNING", logger="jaxserve.platform"):
+        prepare_jax_platform(environ)
+        prepare_jax_platform(dict(environ))  # a child process of the same command
+    (record,) = caplog.records
+    assert "CUDA 12 and 13 plugins are installed together" in record.getMessage()
+    assert "pip uninstall jax-cuda12-plugin jax-cuda12-pjrt" in record.getMessage()
+    caplog.clear()
+    monkeypatch.setattr(platform, "CUDA_PLUGINS", {13: platform.CUDA_PLUGINS[13]})
+    with caplog.at_level("WARNING", logger="jaxserve.platform"):
+        prepare_jax_platform({})
+    assert platform.installed_cuda_plugins() == [13] and not caplog.records
+
+
 def test_the_gpu_pool_is_set_before_a_backend_starts_and_left_alone_after():
     """`pool_gpu_memory` (serve's and `LLM`'s --gpu-memory-utilization) sets JAX's pool fraction while no
     backend has started; after, JAX's pool is what it is, so the variable (which the KV budget reads as the
