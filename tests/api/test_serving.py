@@ -284,8 +284,8 @@ def test_a_large_answer_is_built_and_encoded_on_a_worker_thread_to_the_same_byte
         built_on.append(threading.current_thread())
         tokens = [TokenLogprob(token=f"t\u00e9{i}\"", logprob=-i / 7, bytes=[116], top_logprobs=[
             TopLogprob(token=f"a{j}", logprob=-j / 3, bytes=[97]) for j in range(3)]) for i in range(40)]
-        return ChatCompletionResponse(
-            id="x", model="m", usage=UsageInfo.of(3, 40, 0), prompt_logprobs=[None, {5: PromptLogprob(
+        return ChatCompletionResponse(  # `created` given: the three builds may straddle a second
+            id="x", created=1, model="m", usage=UsageInfo.of(3, 40, 0), prompt_logprobs=[None, {5: PromptLogprob(
                 logprob=-1.5, rank=1, decoded_token="a")}],
             choices=[ChatChoice(index=i, message=ChatResponseMessage(role="assistant", content="h\u00e9"),
                                 logprobs=ChatLogprobs(content=tokens), finish_reason="stop") for i in range(4)])
