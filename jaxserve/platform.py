@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 AMD_DEVICE_NODES = ("/dev/kfd",)  # ROCm's kernel driver
 SKIP_CUDA_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
-# jax's CUDA plugins by CUDA major version: their modules, and the packages that uninstall one.
 CUDA_PLUGINS_NAMED_ENV = "JAXSERVE_CUDA_PLUGINS_NAMED"  # set once the warning below is given
+# jax's CUDA plugins by CUDA major version: their modules, and the packages that uninstall one.
 CUDA_PLUGINS = {12: ("jax_cuda12_plugin", "jax-cuda12-plugin jax-cuda12-pjrt"),
                 13: ("jax_cuda13_plugin", "jax-cuda13-plugin jax-cuda13-pjrt")}
 

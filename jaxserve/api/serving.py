@@ -155,6 +155,11 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "model")
 
 
+def _long_lists(values: Iterable[Any]) -> list[list]:
+    """The lists of more than LONG_LIST items among `values`: those a large request frees a slice at a time."""
+    return [value for value in values if isinstance(value, list) and len(value) > LONG_LIST]
+
+
 def _validate_large(model: type[T], data: Any) -> T:
     """`validate_in_pieces` with fewer collections (collector.py); then the body's long lists emptied a slice at
     a time, rather than freed in one call with the body."""
@@ -166,8 +171,8 @@ def _validate_large(model: type[T], data: Any) -> T:
     finally:  # valid or not
         if isinstance(data, dict):
             kept = {id(value) for value in vars(validated).values()} if validated is not None else set()
-            empty_in_pieces(*(value for value in data.values()  # not a list a field kept as it was (`Any`)
-                              if isinstance(value, list) and len(value) > LONG_LIST and id(value) not in kept))
+            empty_in_pieces(*(value for value in _long_lists(data.values())
+                              if id(value) not in kept))  # not a list a field kept as it was (`Any`)
 
 
 @dataclass
@@ -235,8 +240,7 @@ class ModelServing:
         data = await self.read_json(request)
         if is_large(self.body_bytes(request)):  # its validation is long too, and holds the interpreter lock
             validated = await asyncio.to_thread(_validate_large, model, data)
-            setattr(request.state, LONG_LISTS, [value for value in vars(validated).values()  # freed off the loop
-                                                if isinstance(value, list) and len(value) > LONG_LIST])
+            setattr(request.state, LONG_LISTS, _long_lists(vars(validated).values()))  # freed off the loop
             return validated
         return validate(model, data)
 
