@@ -13,11 +13,17 @@
 - `auto`: `pallas` on a CUDA GPU with compute capability >= 8.0; on a CPU `cpu-native`, or `cpu` when the
   kernel cannot be built here (no C++ compiler); `reference` elsewhere.
 
+Pallas' Triton backend is deprecated. With a jax that has dropped it, Hopper keeps `pallas` (the Mosaic GPU
+kernel where the shapes fit it, XLA's reference path for the rest), other CUDA GPUs get `reference` from `auto`
+with one warning, and `pallas` there, or `interpret` anywhere, is refused with the reason.
+
 The choice is made once, against the device the step is compiled for (`jaxserve.device.DeviceFacts`: the
 local one, or a GPU target when compiling without a GPU), and travels in the model config as an
 `AttentionConfig` with the SM count the decode kernel sizes its splits by.
 """
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +38,8 @@ from jaxserve.ops import cpu_kernels, paged_attention_pallas
 from jaxserve.ops.head_groups import in_group_parts
 from jaxserve.ops.paged_attention_cpu import ragged_paged_attention_cpu
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
+
+logger = logging.getLogger(__name__)
 
 AttentionImpl = Literal["auto", "reference", "cpu", "cpu-native", "pallas", "interpret"]
 MIN_PALLAS_COMPUTE_CAPABILITY = 8.0
@@ -126,6 +134,8 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None, kv_cache_dtype: s
     On a CPU `auto` is the native kernel, or the jnp `cpu` path for an FP8 cache, which the kernel cannot read."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    if impl == "interpret" and (backend_gone := paged_attention_pallas.missing_backend()) is not None:
+        raise ValueError(f"attention impl 'interpret' runs the Triton kernels: {backend_gone}")
     if impl not in ("auto", "pallas", "cpu-native"):
         return impl
     device = device or local_facts()
@@ -137,13 +147,23 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None, kv_cache_dtype: s
         return impl
     capability = device.compute_capability
     kernel_runs = capability is not None and capability >= MIN_PALLAS_COMPUTE_CAPABILITY
+    # Without Triton's backend only Hopper's Mosaic GPU kernel is left (AttentionConfig.hopper).
+    backend_gone = paged_attention_pallas.missing_backend()
+    kernels_here = kernel_runs and (backend_gone is None or 9.0 <= capability < 10.0)
     if impl == "auto":
-        if kernel_runs:
+        if kernels_here:
             return "pallas"
+        if kernel_runs:
+            _warn_kernels_missing(f"{backend_gone}: attention on compute capability {capability} runs through "
+                                  "XLA (the reference path)")
+            return "reference"
         if device.platform == "cpu":
             native = cpu_kernels.kernel_error() is None and kv_cache_dtype not in FP8_KV_CACHE_DTYPES
             return "cpu-native" if native else "cpu"
         return "reference"
+    if impl == "pallas" and kernel_runs and not kernels_here:
+        raise ValueError(f"attention impl 'pallas' on compute capability {capability}: {backend_gone}; "
+                         "use 'reference' (or a jax that has the backend)")
     if impl == "pallas" and not kernel_runs:
         found = f"compute capability {capability}" if capability is not None else "no CUDA GPU"
         raise ValueError(
@@ -152,6 +172,11 @@ def resolve_impl(impl: str, device: DeviceFacts | None = None, kv_cache_dtype: s
             "slowly on CPU"
         )
     return impl
+
+
+@functools.cache  # once a process, whatever resolves attention how often
+def _warn_kernels_missing(message: str) -> None:
+    logger.warning(message)
 
 
 MIN_FP8_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper convert e4m3 in hardware (Triton's fp8e4nv)
@@ -269,8 +294,9 @@ def ragged_paged_attention(
             return out[..., :value_dims]
     settings = paged_attention_pallas.block_settings(q.shape[2], decode_only)
     group = q.shape[1] // k_pages.shape[0]
-    if settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
-                            and group % paged_attention_pallas.MAX_WIDE_GROUP):
+    triton_here = interpret or paged_attention_pallas.TRITON_BACKEND  # interpreted, it says why it cannot run
+    if not triton_here or settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
+                                               and group % paged_attention_pallas.MAX_WIDE_GROUP):
         out = ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)
         return out[..., :value_dims]
 

@@ -868,17 +868,20 @@ def ragged_paged_attention_hopper(
     programs_per_kv_head: int | None = None,  # this kernel on a persistent grid
 ) -> jax.Array:  # [T, N, H]
     """A Hopper step with prefill tokens: requests of at least MIN_Q_LEN query tokens through this kernel,
-    the rest (decodes, short chunks) through the Triton kernel; each returns zeros for the other's tokens."""
-    from jaxserve.ops.paged_attention_pallas import ragged_paged_attention_pallas
+    the rest (decodes, short chunks) through the Triton kernel; each returns zeros for the other's tokens.
+    With a jax that has no Pallas Triton backend, this kernel serves them all."""
+    from jaxserve.ops.paged_attention_pallas import TRITON_BACKEND, ragged_paged_attention_pallas
 
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
-    long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN  # bool[R]
+    long = cu_q_lens[1:] - cu_q_lens[:-1] >= MIN_Q_LEN if TRITON_BACKEND else None  # bool[R]; None: all here
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     shape = (q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], k_pages.shape[2])
     config = config_for(False, *shape, persistent=programs_per_kv_head is not None) or DEFAULTS  # else it says why
     mosaic = ragged_paged_attention_mgpu(*args, interpret=interpret, served=long, **scores,
                                          **{**config, "p_in_registers": config["p_in_registers"] and not interpret},
                                          programs_per_kv_head=programs_per_kv_head)
+    if long is None:
+        return mosaic
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
 

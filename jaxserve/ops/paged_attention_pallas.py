@@ -29,6 +29,10 @@ Scores and the softmax run in float32 (exp2, with log2(e) folded into the scale)
 P in the model's dtype, as flash kernels do. The cache is in the model's dtype or FP8 (e4m3,
 `--kv-cache-dtype fp8`): FP8 pages are loaded as bytes, half the traffic of a 16-bit cache, and widened
 in registers. This module is the one place to swap in a Mosaic GPU port.
+
+Pallas' Triton backend is deprecated (jax 0.11's Pallas changelog; jax 0.12.1 warns when it lowers). A jax
+without it still imports this module: `TRITON_BACKEND` is then False, the kernels refuse to run, and
+`ops.attention` serves their steps through XLA (module docstring there).
 """
 
 import functools
@@ -38,7 +42,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # a jax that has dropped the backend
+    plgpu = None
 
 MASK_VALUE = -1e30
 LOG2_E = math.log2(math.e)
@@ -48,6 +56,9 @@ _DEFAULT_NUM_SMS = 132  # an H100 SXM; used where no target is given (CPU, inter
 # jnp.searchsorted's default ("scan") is a while loop, which XLA:GPU runs from the host, reading its
 # predicate back every iteration; comparing all pairs is one small kernel (R x blocks, a few thousand).
 SEARCH_METHOD = "compare_all"
+# Whether this jax has Pallas' Triton backend, which the kernels here are written for (interpreted too: their
+# loads, stores and dots are its primitives).
+TRITON_BACKEND = plgpu is not None
 # A cache of these is read as 8-bit floats and widened in registers (Triton converts them on sm_89+).
 FP8_CACHE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 
@@ -355,8 +366,20 @@ def _pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
     return jnp.pad(page_table, ((0, 0), (0, -max_pages % pages_per_block)))
 
 
-def _compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+def _compiler_params(num_warps: int, num_stages: int):  # -> plgpu.CompilerParams
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def missing_backend() -> str | None:
+    """Why the kernels cannot run with this jax, or None where they can."""
+    if TRITON_BACKEND:
+        return None
+    return f"jax {jax.__version__} has no Pallas Triton backend (deprecated since jax 0.11), which these kernels need"
+
+
+def _require_backend() -> None:
+    if (reason := missing_backend()) is not None:
+        raise RuntimeError(reason)
 
 
 def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None, value_dims: int | None = None) -> None:
@@ -438,6 +461,7 @@ def ragged_paged_attention_pallas(
     value_dims: int | None = None,  # with v_pages None: the values are the keys' first `value_dims` dims
 ) -> jax.Array:  # [T, N, Hv]: Hv is value_dims, or H
     """The general kernel: same contract as `ops.attention.ragged_paged_attention`."""
+    _require_backend()
     _check_shapes(q, k_pages, v_pages, value_dims)
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -514,6 +538,7 @@ def paged_decode_attention_pallas(
 
     `num_splits` defaults to about two waves of programs over the `num_sms` SMs of the target;
     `heavy_first` launches the longest requests' programs first (else in the requests' order)."""
+    _require_backend()
     _check_shapes(q, k_pages, v_pages, value_dims)
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape

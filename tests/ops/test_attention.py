@@ -2,7 +2,10 @@
 against a float64 numpy oracle, and the impl choice."""
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -357,3 +360,78 @@ def test_a_gpu_target_resolves_as_that_gpu_would_here_on_a_cpu(target, num_sms, 
     attention = resolve_attention("auto", target_facts(target))
     assert attention == AttentionConfig(impl="pallas", num_sms=num_sms, compute_capability=capability)
     assert resolve_attention("auto", local_facts(jax.devices("cpu")[0])).impl in ("cpu", "cpu-native")
+
+
+@pytest.fixture
+def without_triton(monkeypatch):
+    """This jax as one without Pallas' Triton backend would be (deprecated since jax 0.11)."""
+    from jaxserve.ops import attention, paged_attention_pallas
+
+    monkeypatch.setattr(paged_attention_pallas, "TRITON_BACKEND", False)
+    attention._warn_kernels_missing.cache_clear()
+    yield
+    attention._warn_kernels_missing.cache_clear()
+
+
+@pytest.mark.parametrize("capability", ["8.0", "8.9", "9.0", "10.0"])
+def test_without_triton_s_backend_hopper_keeps_its_kernel_and_other_gpus_get_xla(capability, without_triton, caplog):
+    facts = local_facts(SimpleNamespace(platform="gpu", compute_capability=capability, device_kind="x"))
+    hopper = capability == "9.0"
+    with caplog.at_level("WARNING", logger="jaxserve.ops.attention"):
+        assert resolve_impl("auto", facts) == ("pallas" if hopper else "reference")
+        resolve_impl("auto", facts)
+    warnings = [r.getMessage() for r in caplog.records]
+    if hopper:
+        assert resolve_impl("pallas", facts) == "pallas" and not warnings
+    else:
+        assert len(warnings) == 1 and "no Pallas Triton backend" in warnings[0], warnings
+        with pytest.raises(ValueError, match=r"'pallas' on compute capability .*no Pallas Triton backend"):
+            resolve_impl("pallas", facts)
+    with pytest.raises(ValueError, match=r"'interpret' runs the Triton kernels: .*no Pallas Triton backend"):
+        resolve_impl("interpret", facts)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_without_triton_s_backend_a_pallas_step_off_hopper_runs_through_xla(decode_only, without_triton):
+    """A step traced for `pallas` on a GPU other than Hopper never reaches the Triton kernels (which would
+    need the backend) and still matches the oracle."""
+    from jaxserve.ops import paged_attention_pallas
+
+    rng = np.random.default_rng(3)
+    case = make_case(rng, *MIXES["decodes" if decode_only else "mixed_with_empty"], 6, 2)
+    got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="pallas",
+                                decode_only=decode_only, num_sms=108))
+    assert_matches_oracle(got, case, 0.25)
+    with pytest.raises(RuntimeError, match="no Pallas Triton backend"):
+        paged_attention_pallas.ragged_paged_attention_pallas(*case.args, sm_scale=0.25, interpret=True)
+
+
+BLOCK_TRITON = """
+import importlib.abc, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):  # jax as it will be once the deprecated backend is gone
+    def find_spec(self, name, path, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTriton())
+"""
+
+
+def test_jaxserve_imports_and_serves_with_a_jax_that_dropped_triton_s_backend(tmp_path):
+    """The Triton kernels' module imports where jax's `pallas.triton` is gone, so the whole package does: a
+    CPU still serves, and a deviceless A100 compile still resolves attention (to XLA's path)."""
+    script = tmp_path / "no_triton.py"
+    script.write_text(BLOCK_TRITON + """
+from jaxserve.device import target_facts
+from jaxserve.ops import attention, paged_attention_pallas
+import jaxserve.api.app, jaxserve.engine.llm_engine  # everything a server imports
+
+assert paged_attention_pallas.TRITON_BACKEND is False
+print(attention.resolve_impl("auto", target_facts("a100")), attention.resolve_impl("auto", target_facts("h100")))
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["reference", "pallas"]
+    assert "no Pallas Triton backend" in result.stderr

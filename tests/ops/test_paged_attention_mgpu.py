@@ -360,6 +360,29 @@ def test_a_hopper_step_sends_short_requests_to_triton():
 
 
 @needs_a_runner
+def test_without_triton_s_backend_a_hopper_step_serves_every_request_itself(monkeypatch):
+    """With a jax that has dropped Pallas' Triton backend (deprecated), the same step's decodes and short
+    chunks go through the Mosaic GPU kernel too, never reaching the Triton one, and match the oracle."""
+    from jaxserve.ops import paged_attention_pallas
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the Triton kernel was called")
+
+    monkeypatch.setattr(paged_attention_pallas, "TRITON_BACKEND", False)
+    monkeypatch.setattr(paged_attention_pallas, "ragged_paged_attention_pallas", refused)
+    jax.clear_caches()  # traced anew under the patch (the module's jit keeps earlier traces)
+    rng = np.random.default_rng(5)
+    case = finite(make_case(rng, [1, 40, 3, 0, 16, 1, 15], [50, 60, 20, 0, 16, 300, 90], 8, 2, page_size=16,
+                            head_dim=64, max_pages=20))
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args]
+    try:
+        got = run_jitted(ragged_paged_attention_hopper, *args, sm_scale=0.125, interpret=not ON_HOPPER)
+    finally:
+        jax.clear_caches()
+    check(np.asarray(got.astype(jnp.float32)), case, jnp.bfloat16, sm_scale=0.125)
+
+
+@needs_a_runner
 def test_a_request_whose_keys_miss_its_queries_still_ends():
     """Outside the contract (a request with query tokens and no keys: their positions are below 0), the kernel
     still ends, with finite rows, every schedule alike: each block walks at least one step, so no consumer

@@ -19,8 +19,10 @@ import pytest
 from jaxserve.device import deviceless_device
 from jaxserve.ops.attention import ragged_paged_attention, resolve_impl
 from jaxserve.ops.paged_attention_pallas import (
+    TRITON_BACKEND,
     decode_order,
     default_num_splits,
+    missing_backend,
     paged_decode_attention_pallas,
     query_blocks,
     ragged_paged_attention_pallas,
@@ -31,7 +33,8 @@ from tests.ops.paged_cases import MIXES, PagedCase, make_case, oracle
 
 # The kernel runs interpreted on CPU (about a minute in all): part of `make test`, not of the quick loop.
 # On a GPU, compiled, it is part of `make test-gpu`.
-pytestmark = [pytest.mark.slow, pytest.mark.gpu]
+pytestmark = [pytest.mark.slow, pytest.mark.gpu,
+              pytest.mark.skipif(not TRITON_BACKEND, reason=f"the Triton kernels: {missing_backend()}")]
 
 KERNEL_IMPL = "pallas" if resolve_impl("auto") == "pallas" else "interpret"
 INTERPRET = KERNEL_IMPL == "interpret"
