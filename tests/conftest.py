@@ -238,6 +238,14 @@ def _build_tiny_hf_model(kind: str):
         return transformers.Glm4ForCausalLM(transformers.Glm4Config(
             **llama_like, attention_bias=True, pad_token_id=0,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)))
+    if kind == "glm4-moe":  # GLM-4.5: partial rotary, q/k/v biases, per-head q/k norms (its option); a dense layer,
+        # then DeepSeek-V3's routing (sigmoid scores, a correction bias, 2 of 4 groups, renormalised and scaled)
+        # over 8 experts, and a shared expert
+        return transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+            **{**llama_like, "num_hidden_layers": 3}, attention_bias=True, use_qk_norm=True, pad_token_id=0,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
+            first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)))
     if kind.startswith("deepseek"):  # latent attention; a dense layer, then 8 experts and a shared one
         mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=24,
                    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,

@@ -77,13 +77,15 @@ def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tp_worker, 
 @pytest.mark.parametrize(("kind", "expert_parallel"), [("qwen2-moe", False), ("olmo2", False), ("granite", False),
                                                       ("gpt-oss", False), ("gpt-oss", True), ("olmoe", True),
                                                       ("granite-moe-shared", False), ("glm4", False),
-                                                      ("deepseek-v3", False), ("deepseek-v2", True)])
+                                                      ("glm4-moe", True), ("deepseek-v3", False),
+                                                      ("deepseek-v2", True)])
 def test_the_newer_families_match_tp1_at_tp2(tp_worker, kind, expert_parallel, tiny_model_dir, tmp_path):
     """Qwen2-MoE's shared expert split by width beside its routed experts (its gate whole on every device),
     OLMo 2's norms over all query heads and all key heads while the heads are split, Granite's output
     projection bias, GPT-OSS's sinks split with their heads and its experts' biases split with their experts
     (by width, or whole), OLMoE's whole experts beside its norms over all heads, Granite-MoE's ungated shared
-    expert, GLM-4's reordered q and k rows split with their heads, DeepSeek's query heads split beside a copy of
+    expert, GLM-4's reordered q and k rows split with their heads, GLM-4.5's whole experts beside its router's
+    correction bias (on every device) and its per-head q/k norms, DeepSeek's query heads split beside a copy of
     its latent cache on each device: the same tokens and logprobs as one device."""
     results = run_tp(tp_worker, str(tiny_model_dir(kind)), tmp_path, tp_sizes=(2, 1), expert_parallel=expert_parallel)
     assert_same_as_tp1(results)

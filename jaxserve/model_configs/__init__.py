@@ -11,7 +11,8 @@ BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "lla
                   "qwen3-30b-a3b": "qwen3-30b-a3b.json", "mixtral-8x7b": "mixtral-8x7b.json",
                   "qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b.json", "granite-3.1-2b": "granite-3.1-2b.json",
                   "smollm3-3b": "smollm3-3b.json", "olmo-2-1b": "olmo-2-1b.json", "gemma-2b": "gemma-2b.json",
-                  "gpt-oss-20b": "gpt-oss-20b.json", "deepseek-v2-lite": "deepseek-v2-lite.json"}
+                  "gpt-oss-20b": "gpt-oss-20b.json", "deepseek-v2-lite": "deepseek-v2-lite.json",
+                  "glm-4.5-air": "glm-4.5-air.json"}
 
 
 def bundled_config_values(name: str) -> dict[str, Any]:

@@ -44,6 +44,7 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekConfig", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekConfig", "DeepseekForCausalLM"),
     "Glm4ForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Glm4MoeForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
@@ -96,6 +97,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

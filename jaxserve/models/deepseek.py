@@ -245,7 +245,7 @@ QUANTIZED_WEIGHTS = {"q_proj": 1, "q_a_proj": 1, "q_b_proj": 1, "kv_a_proj": 1, 
 # Llama's.
 TENSOR_PARALLEL: dict[str, SplitRule] = {
     **llama.TENSOR_PARALLEL, "q_proj": (1, "q"), "q_b_proj": (1, "q"), "w_uk": (0, "q"), "w_uv": (0, "q"),
-    "o_proj": (0, "q"), "q_a_proj": (None, None), "kv_a_proj": (None, None), "router_correction": (None, None),
+    "o_proj": (0, "q"), "q_a_proj": (None, None), "kv_a_proj": (None, None),
 }
 
 
@@ -331,10 +331,9 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: DeepseekConfig) ->
 _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, DeepseekConfig], np.ndarray]]] = {
     **{name: llama._LAYER_MAP[name] for name in (
         "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "mlp.gate.weight", "mlp.experts_gate", "mlp.experts_up", "mlp.experts_down")},
-    "mlp.gate.e_score_correction_bias": (("mlp", "router_correction"), lambda w, c: np.asarray(w, np.float32)),
-    **{f"mlp.shared_experts.{kind}_proj.weight": (("mlp", "shared_expert", f"{kind}_proj"), lambda w, c: w.T)
-       for kind in ("gate", "up", "down")},
+        "mlp.down_proj.weight", "mlp.gate.weight", "mlp.experts_gate", "mlp.experts_up", "mlp.experts_down",
+        "mlp.gate.e_score_correction_bias",
+        *(f"mlp.shared_experts.{kind}_proj.weight" for kind in ("gate", "up", "down")))},
     "self_attn.q_proj.weight": (("self_attn", "q_proj"), _query_heads),
     "self_attn.q_a_proj.weight": (("self_attn", "q_a_proj"), lambda w, c: w.T),
     "self_attn.q_a_layernorm.weight": (("self_attn", "q_a_layernorm", "scale"), lambda w, c: w),

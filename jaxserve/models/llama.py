@@ -1,6 +1,9 @@
 """The Llama family in Flax NNX: Llama 2/3, SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases; sliding
 windows from `max_window_layers`), Qwen3 (an RMSNorm over each query and key head, before RoPE), Phi-3
-(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary), Granite (the embeddings,
+(fused qkv and gate/up projections, split on load; LongRoPE and partial rotary), GLM-4 (RoPE on adjacent pairs
+over half of each head, norms before and after each block), GLM-4.5 (partial rotary, q/k/v biases; after its
+first dense layers, DeepSeek-V3's experts: sigmoid scores, a correction bias for the choice, an ungated shared
+expert; its multi-token prediction layers past `num_hidden_layers` are not loaded), Granite (the embeddings,
 each block's output, the attention scores and the logits scaled by the config's multipliers), SmolLM3 (no
 RoPE in every fourth layer), OLMo 2 (each block's output normed instead of its input; one RMSNorm over all
 query heads and one over all key heads), OLMo 3 (OLMo 2 with three windowed layers to a full one, YaRN on the
@@ -113,8 +116,8 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope_for(hf, head_dim, "full_attention"),
             qk_norm="all" if olmo or hf.model_type == "olmoe" else {"qwen3": "head", "qwen3_moe": "head"}.get(
-                hf.model_type),
-            o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe", "glm4"),  # their biases: q, k, v
+                hf.model_type, "head" if getattr(hf, "use_qk_norm", False) else None),  # GLM-4.5's option
+            o_bias=attention_bias and hf.model_type not in ("qwen2", "qwen2_moe", "glm4", "glm4_moe"),  # q, k, v
             clip_qkv=getattr(hf, "clip_qkv", None) if hf.model_type == "olmoe" else None,
             attention_sinks=hf.model_type == "gpt_oss",
             norm_after=olmo,
@@ -167,9 +170,19 @@ class LlamaConfig:
 
 
 def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
-    """The experts of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Granite-MoE or GPT-OSS config, and which layers
-    have them."""
+    """The experts of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Granite-MoE, GPT-OSS or GLM-4.5 config, and which
+    layers have them."""
     num_layers = hf.num_hidden_layers
+    if hf.model_type == "glm4_moe":  # DeepSeek-V3's router (`moe.route_deepseek`), after the first dense layers
+        grouped = (getattr(hf, "n_group", None) or 1) > 1
+        first_sparse = getattr(hf, "first_k_dense_replace", None) or 0
+        return (MoeConfig(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                          bool(hf.norm_topk_prob),
+                          shared_expert_size=hf.moe_intermediate_size * (getattr(hf, "n_shared_experts", None) or 0),
+                          shared_expert_gated=False, scoring="sigmoid", num_groups=hf.n_group if grouped else 1,
+                          top_groups=hf.topk_group if grouped else 1, score_correction=True,
+                          routed_scaling=float(hf.routed_scaling_factor or 1.0)),
+                tuple(layer >= first_sparse for layer in range(num_layers)))
     if hf.model_type == "olmoe":
         return (MoeConfig(hf.num_experts, hf.num_experts_per_tok, hf.intermediate_size, bool(hf.norm_topk_prob)),
                 (True,) * num_layers)
@@ -383,6 +396,10 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable[[np.ndarray, LlamaConfig],
     "mlp.shared_expert.up_proj.weight": (("mlp", "shared_expert", "up_proj"), lambda w, c: w.T),
     "mlp.shared_expert.down_proj.weight": (("mlp", "shared_expert", "down_proj"), lambda w, c: w.T),
     "mlp.shared_expert_gate.weight": (("mlp", "shared_expert_gate"), lambda w, c: w.reshape(-1, 1)),  # [1, D] or [D]
+    # DeepSeek-V3's and GLM-4.5's: the router's correction bias, an ungated shared expert
+    "mlp.gate.e_score_correction_bias": (("mlp", "router_correction"), lambda w, c: np.asarray(w, np.float32)),
+    **{f"mlp.shared_experts.{kind}_proj.weight": (("mlp", "shared_expert", f"{kind}_proj"), lambda w, c: w.T)
+       for kind in ("gate", "up", "down")},
     # GPT-OSS's router and experts' biases (its experts' weights as the others', by `hf_weight_stream`)
     "mlp.router.weight": (("mlp", "router"), lambda w, c: w.T),
     "mlp.router.bias": (("mlp", "router_bias"), lambda w, c: w),
@@ -412,7 +429,7 @@ TENSOR_PARALLEL: dict[str, SplitRule] = {
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
     "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None), "router": (None, None),
-    "o_bias": (None, None), "shared_expert_gate": (None, None), "sinks": (0, "q"),
+    "o_bias": (None, None), "shared_expert_gate": (None, None), "sinks": (0, "q"), "router_correction": (None, None),
     "router_bias": (None, None), "experts_down_bias": (None, None),  # the down biases are added after the split
     "experts_gate_bias": (1, None), "experts_up_bias": (1, None),  # [E, F]: by width, as the experts
     **dict(zip(("experts_gate", "experts_up", "experts_down"), ((axis, None) for axis in expert_split_axes(False)),
@@ -529,11 +546,12 @@ def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[
 
 
 def map_hf_weight(name: str, cfg: LlamaConfig) -> tuple[tuple[str | int, ...], Callable] | None:
-    """Where an HF tensor goes in this model, or None for tensors the model has no use for."""
+    """Where an HF tensor goes in this model, or None for tensors the model has no use for (GLM-4.5's
+    multi-token prediction layers past `num_hidden_layers`, among them)."""
     name = re.sub(r"\.(q|k|v)_proj\.bias$", r".\1_bias", name)
     if match := _LAYER_RE.match(name):
         entry = _LAYER_MAP.get(match.group(2))
-        if entry is None:
+        if entry is None or int(match.group(1)) >= cfg.num_layers:
             return None
         path, transform = entry
         return ("layers", int(match.group(1)), *path), transform

@@ -70,12 +70,13 @@ class PagedForward:
 # norms each block's output and all heads' queries and keys at once, and olmo3 adds windows and a RoPE per layer
 # kind; olmoe norms all heads' queries and keys before its blocks, clips q, k and v, and routes to 2 of 6 experts;
 # granite-moe scales as granite does and softmaxes its top 2 logits, and granite-moe-shared adds an ungated shared
-# expert; glm4 rotates adjacent pairs over half of each head and norms each block's input and output; gemma is
+# expert; glm4 rotates adjacent pairs over half of each head and norms each block's input and output; glm4-moe
+# (GLM-4.5) rotates half of each head, norms each head's q and k, and routes as DeepSeek-V3 does; gemma is
 # Gemma 2 without its norms after;
 # gpt-oss has attention sinks, windows of 5, YaRN, and experts with biases and a clamped SwiGLU.
 PARITY_KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen2-window", "phi3", "yarn", "gemma2", "gemma3",
                 "mixtral", "qwen3-moe", "qwen2-moe", "granite", "smollm3", "olmo2", "olmo3", "gemma", "gpt-oss",
-                "olmoe", "granite-moe", "granite-moe-shared", "glm4", "deepseek-v2", "deepseek-v3"]
+                "olmoe", "granite-moe", "granite-moe-shared", "glm4", "glm4-moe", "deepseek-v2", "deepseek-v3"]
 # On a GPU (`make test-gpu`, in full float32: tests/conftest.py), one kind per device code path: learned
 # positions and LayerNorm, RoPE with GQA, windows and soft caps in the kernels, the grouped expert matmuls.
 # Each costs ~30 s there (an H200: its compiles), and the others differ only in host-side shapes and maps.
@@ -102,6 +103,40 @@ def test_logits_match_transformers(kind, tiny_model_dir, tiny_hf_model):
     got = [step(tokens[:6])]
     got += [step([t]) for t in tokens[6:]]
     np.testing.assert_allclose(np.concatenate(got), expected, atol=TOL, rtol=0)
+
+
+def test_glm45_s_multi_token_prediction_layer_is_left_unloaded(tiny_model_dir, tiny_hf_model, tmp_path):
+    """GLM-4.5's checkpoints hold a multi-token prediction layer past `num_hidden_layers` (layer 46 of 46
+    in GLM-4.5-Air's: a block with its own experts, and `eh_proj`, `enorm`, `hnorm`, `shared_head`), which
+    transformers does not load and which serving does not use: written into the tiny model's file, it is left
+    out, and the logits stay transformers'."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "with-mtp"
+    shutil.copytree(tiny_model_dir("glm4-moe"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    last = max(int(name.split(".")[2]) for name in tensors if name.startswith("model.layers."))
+    rng = np.random.default_rng(2)
+    extra = {name.replace(f"model.layers.{last}.", f"model.layers.{last + 1}.", 1):
+             rng.normal(size=tensor.shape).astype(tensor.dtype)
+             for name, tensor in tensors.items() if name.startswith(f"model.layers.{last}.")}
+    hidden = tensors["model.norm.weight"].shape[0]
+    extra |= {f"model.layers.{last + 1}.eh_proj.weight": np.ones((hidden, 2 * hidden), np.float32),
+              f"model.layers.{last + 1}.enorm.weight": np.ones(hidden, np.float32),
+              f"model.layers.{last + 1}.hnorm.weight": np.ones(hidden, np.float32),
+              f"model.layers.{last + 1}.shared_head.norm.weight": np.ones(hidden, np.float32)}
+    assert f"model.layers.{last + 1}.mlp.experts.7.down_proj.weight" in extra  # as the checkpoints hold them
+    save_file(tensors | extra, directory / "model.safetensors", metadata={"format": "pt"})
+
+    loaded = load_model(str(directory), dtype="float32")
+    assert loaded.cfg.num_layers == last + 1
+    tokens = np.random.default_rng(1).integers(0, loaded.cfg.vocab_size, size=11).tolist()
+    with torch.no_grad():
+        expected = tiny_hf_model("glm4-moe")(torch.tensor([tokens])).logits[0].numpy()
+    got = PagedForward(loaded, list(range(1, MAX_PAGES + 1)))(tokens)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
 
 
 def test_olmo3_spelled_flat_scales_its_full_layers_only(tiny_hf_model):
@@ -146,7 +181,7 @@ def test_qwen2_biases_are_loaded(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe", "qwen2-moe", "granite",
-                                  "olmo2", "gpt-oss", "granite-moe-shared", "glm4"])
+                                  "olmo2", "gpt-oss", "granite-moe-shared", "glm4", "glm4-moe"])
 def test_bfloat16_weights_track_float32(kind, tiny_model_dir, tiny_hf_model):
     """bf16 is a serving dtype, not a parity one: its logits stay close and mostly agree on argmax, as close
     as transformers' own bfloat16 model's do. (The tiny Qwen3-MoE's routing is fragile: rounded to bfloat16,
