@@ -45,7 +45,9 @@ def ragged_paged_attention_reference(
 
     # Which request each packed token belongs to, and its absolute position in that request.
     token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    req_of_token = jnp.searchsorted(cu_q_lens[1:], token_idx, side="right").astype(jnp.int32)
+    # All pairs compared (T x R, a small kernel): searchsorted's default is a while loop, which XLA:GPU drives
+    # from the host, reading its predicate back at every iteration, a sync in each layer where a GPU takes this path.
+    req_of_token = jnp.searchsorted(cu_q_lens[1:], token_idx, side="right", method="compare_all").astype(jnp.int32)
     is_real_token = token_idx < cu_q_lens[num_reqs]
     req_of_token = jnp.minimum(req_of_token, num_reqs - 1)  # i32[T]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[R]
