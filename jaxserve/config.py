@@ -137,7 +137,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("last", "mean")
 WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
-REASONING_PARSER_NAMES = ("deepseek_r1", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
+REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
 SPECULATIVE_METHODS = ("ngram",)

@@ -44,6 +44,7 @@ class ReasoningParser:
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", reasons_unprompted=True),
     "qwen3": ReasoningParser("qwen3", reasons_unprompted=False),
+    "glm45": ReasoningParser("glm45", reasons_unprompted=False),  # GLM-4.5's template: `<think></think>` when off
     "openai_gptoss": ReasoningParser(
         "openai_gptoss", reasons_unprompted=False, start="<|channel|>analysis<|message|>",
         end="<|end|><|start|>assistant<|channel|>final<|message|>", answer_start="<|channel|>final<|message|>",

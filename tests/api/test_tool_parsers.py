@@ -36,6 +36,17 @@ CODER_TWO_CALLS = (
 CODER_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True,
                    "opts": {"unit": "c", "n": [1, None]}, "hours": [6, 12],
                    "code": "\ndef f(x):\n    return x < 3\n", "note": None, "extra": "42"}
+# GLM-4.5's: a value stays text where its schema says "string", else it is read as JSON (or a Python literal)
+GLM_TWO_CALLS = (
+    "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris, \"FR\"</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>ratio</arg_key>\n<arg_value>0.5</arg_value>\n"
+    "<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"unit\": \"c\", "
+    "\"n\": [1, null]}</arg_value>\n<arg_key>hours</arg_key>\n<arg_value>[6, 12]</arg_value>\n<arg_key>code</arg_key>\n"
+    "<arg_value>\ndef f(x):\n    return x < 3\n</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>42</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>9</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>"
+)
+GLM_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True, "opts": {"unit": "c", "n": [1, None]},
+                 "hours": [6, 12], "code": "def f(x):\n    return x < 3", "extra": 42}
 HARMONY_TWO_CALLS = (  # a preamble, then a call as GPT-OSS writes it and one in the chat template's form
     '<|channel|>analysis<|message|>Both.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>'
     '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo, '
@@ -70,6 +81,19 @@ CASES = [
     (TOOL_PARSERS["qwen3_coder"](), "Write <b>bold</b> with a <tool_call> tag.",
      "Write <b>bold</b> with a <tool_call> tag.", []),
     (TOOL_PARSERS["qwen3_coder"](), "Plain answer.", "Plain answer.", []),
+    (TOOL_PARSERS["glm45"](CODER_FUNCTIONS), GLM_TWO_CALLS, "Let me check.\n",
+     [("get_weather", GLM_ARGUMENTS), ("now", {})]),
+    # GLM-4.7's spelling: no newlines; a value that parses as nothing stays text; a name with no schema
+    (TOOL_PARSERS["glm47"](CODER_FUNCTIONS), "<tool_call>get_weather<arg_key>days</arg_key><arg_value>x7</arg_value>"
+     "<arg_key>note</arg_key> <arg_value>None</arg_value></tool_call><tool_call>ls <arg_key>dir</arg_key>"
+     "<arg_value>'a b'</arg_value> </tool_call>", None,
+     [("get_weather", {"days": "x7", "note": None}), ("ls", {"dir": "a b"})]),
+    (TOOL_PARSERS["glm45"](), "Write <b>bold</b> with a <tool_call> tag.", "Write <b>bold</b> with a <tool_call> tag.",
+     []),
+    # stopped by itself inside a value (no max_tokens): the value and the call end there
+    (TOOL_PARSERS["glm45"](), "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1", None, [("f", {"a": 1})]),
+    (TOOL_PARSERS["glm45"](), "Use <tool_call> tags\nlike this.", "Use <tool_call> tags\nlike this.", []),
+    (TOOL_PARSERS["glm45"](), "Plain answer.", "Plain answer.", []),
     (TOOL_PARSERS["hermes"](), HERMES_TWO_CALLS, "I'll look both up.\n",
      [("get_weather", {"city": 'Paris, "FR"', "days": [1, 2], "opts": {"unit": "c"}}), ("get_time", {})]),
     (TOOL_PARSERS["hermes"](), "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.",
@@ -360,3 +384,35 @@ def test_a_named_tool_choice_cut_by_max_tokens_is_still_its_call_as_the_stream_s
     stream = ToolCallStream(NamedCallParser("get_weather"))
     _, deltas = stream.feed(text, final=True)
     assert "".join(d.arguments or "" for d in deltas) == text and deltas[0].name == "get_weather"
+
+
+GLM_UNCLOSED = "Sure.\n<tool_call>a\n</tool_call>\n<tool_call>b\n<arg_key>x</arg_key>\n<arg_value>1"
+
+
+@pytest.mark.parametrize("step", [1, 5, len(GLM_UNCLOSED)])
+def test_glm45_reads_calls_an_output_stopped_short_of_closing_unless_cut(step):
+    """GLM-4.5's calls read as Qwen3-Coder's are: an output that ended by itself inside a call ends its value and
+    call there; one cut by max_tokens keeps only its complete calls; a stream's calls are the finished parse's."""
+    for truncated, expected in ((False, [("a", {}), ("b", {"x": 1})]), (True, [("a", {})])):
+        parser = TOOL_PARSERS["glm45"]([{"name": "b", "parameters": {"properties": {"x": {"type": "integer"}}}}])
+        content, calls = parser.parse(GLM_UNCLOSED, truncated=truncated)
+        assert content == "Sure.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+        stream, arguments = ToolCallStream(parser), {}
+        for start in range(0, len(GLM_UNCLOSED), step):
+            final = start + step >= len(GLM_UNCLOSED)
+            _, deltas = stream.feed(GLM_UNCLOSED[start : start + step], final=final, truncated=truncated)
+            for d in deltas:
+                arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
+        assert json.loads(arguments[0]) == {}
+        if not truncated:
+            assert json.loads(arguments[1]) == {"x": 1}
+
+
+def test_glm45_looks_past_a_tool_call_tag_in_prose_and_types_by_the_schema():
+    text = "GLM writes <tool_call> tags\nin prose. Now:\n<tool_call>f\n<arg_key>s</arg_key><arg_value> 007 </arg_value>" \
+           "<arg_key>n</arg_key><arg_value>007</arg_value><arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>"
+    schema = [{"name": "f", "parameters": {"properties": {"s": {"type": "string"}, "n": {"type": "integer"}}}}]
+    content, calls = TOOL_PARSERS["glm45"](schema).parse(text)
+    assert content == "GLM writes <tool_call> tags\nin prose. Now:\n"
+    # "007" is no JSON number and Python 3 reads no such literal: text, as vLLM leaves it; NaN has no JSON form
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"s": "007", "n": "007", "x": "NaN"})]

@@ -1,0 +1,145 @@
+"""GLM-4.5's calls (vLLM's `glm45`, and `glm47` for GLM-4.7's spelling): a block per call, its function's name,
+then a key and a value element per argument, after optional content.
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+GLM-4.7 writes the same without the newlines (`<tool_call>get_weather<arg_key>city</arg_key>...`): the name ends
+at the first newline, `<arg_key>` or `</tool_call>`, so one parser reads both. GLM's chat templates write a string
+argument as it is and any other as JSON, so, as vLLM reads them, a value (whitespace around it taken off) stays text
+where the request's schema types the argument "string", and is read as JSON (or as a Python literal) otherwise,
+staying text where it does not parse or has no JSON form. A `<tool_call>` is a call once its name is followed by
+`<arg_key>` or `</tool_call>` (a marker in prose is content). An output that stopped by itself inside a call ends
+its open value and call there, as the Qwen3-Coder parser reads its own (vLLM's GLM parser drops such a call); one
+cut by max_tokens keeps only its complete calls. The arguments grow as a JSON object one argument at a time (each typed once its `</arg_value>` arrives), so a
+stream sends each argument whole and the object's brace last; a repeated argument keeps its first value.
+"""
+
+import ast
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, held_back
+from jaxserve.api.tools.json_scan import skip_whitespace
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+KEY_START, KEY_END = "<arg_key>", "</arg_key>"
+VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
+_NAME_ENDS = ("\n", KEY_START, CALL_END)
+
+
+def glm_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """An argument's text as GLM's templates wrote it: itself where its schema's type is "string", else the JSON
+    (or Python literal) it spells, or itself where it spells none or one without a JSON form (NaN, a set)."""
+    text = text.strip()
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(text)
+            json.dumps(value, allow_nan=False)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            continue
+        return value
+    return text
+
+
+class Glm45ToolParser(ToolParser):
+    name = "glm45"
+
+    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
+        # name -> its parameters' properties (each a JSON schema)
+        self._properties: dict[str, dict[str, Any]] = {}
+        for function in functions:
+            parameters = function.get("parameters") or {}
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            self._properties[function.get("name", "")] = properties if isinstance(properties, dict) else {}
+        # (function, argument, its text) -> its value: a stream scans its growing text after every delta
+        self._typed: dict[tuple[str, str, str], Any] = {}
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return self._scan(text, final, closes_at_end=final)
+
+    def scan_output(self, text: str, truncated: bool) -> Scan:
+        return self._scan(text, True, closes_at_end=not truncated)  # a cut call's last value may be cut too
+
+    def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
+        first, calls = None, []
+        position = text.find(CALL_START)
+        while position >= 0:
+            call = self._call(text, position, final, closes_at_end)
+            if call is None:  # a marker in prose, not a call: look past it
+                position = text.find(CALL_START, position + 1)
+                continue
+            first = position if first is None else first
+            calls.append(call)
+            position = text.find(CALL_START, call.end) if call.end is not None else -1
+        if first is None:
+            return Scan(text[: len(text) - (0 if final else held_back(text, CALL_START))], [])
+        if final and all(call.name is None for call in calls):  # markers but no call: all of it is content
+            return Scan(text, [])
+        return Scan(text[:first], calls)
+
+    def _call(self, text: str, position: int, final: bool, closes_at_end: bool) -> PartialCall | None:
+        """The call whose `<tool_call>` is at text[position] as far as it has arrived; None where what follows is
+        not a call (a name, then `<arg_key>` or `</tool_call>`). With `closes_at_end` (the output ended by itself)
+        a call or value still open ends at the output's end, as the Qwen3-Coder parser reads its own."""
+        name_start = position + len(CALL_START)
+        ends = [found for marker in _NAME_ENDS if (found := text.find(marker, name_start)) >= 0]
+        if not ends:
+            return None if final else PartialCall(None, "", False)
+        name_end = min(ends)
+        after = skip_whitespace(text, name_end)
+        rest = text[after : after + len(CALL_END)]
+        if not (rest.startswith((KEY_START, CALL_END)) or (after >= len(text) and closes_at_end)):
+            if final or not (KEY_START.startswith(rest) or CALL_END.startswith(rest)):
+                return None  # what follows the name is neither an argument nor the call's end
+            return PartialCall(None, "", False)  # the name's call is still to be confirmed
+        name = text[name_start:name_end].strip()
+        arguments: dict[str, Any] = {}
+        position = after
+        while True:
+            position = skip_whitespace(text, position)
+            if text.startswith(CALL_END, position):
+                return PartialCall(name, _json(arguments), complete=True, end=position + len(CALL_END))
+            if closes_at_end and position >= len(text):
+                return PartialCall(name, _json(arguments), complete=True, end=position)
+            if not text.startswith(KEY_START, position):
+                break  # an argument or the call's end still arriving, or text that is neither
+            key_end = text.find(KEY_END, position)
+            if key_end < 0:
+                break
+            key = text[position + len(KEY_START) : key_end].strip()
+            value_start = skip_whitespace(text, key_end + len(KEY_END))
+            if not text.startswith(VALUE_START, value_start):
+                break
+            value_end = text.find(VALUE_END, value_start)
+            if value_end < 0 and not closes_at_end:
+                break
+            value_end = len(text) if value_end < 0 else value_end
+            if key not in arguments:  # a repeated argument keeps its first value (a stream has sent it)
+                arguments[key] = self._value(name, key, text[value_start + len(VALUE_START) : value_end])
+            position = value_end + len(VALUE_END) if value_end < len(text) else value_end
+        if closes_at_end:  # text that is neither an argument nor the call's end: the call ends before it
+            return PartialCall(name, _json(arguments), complete=True, end=position)
+        # Open: the arguments so far, without the closing brace, so later scans only append to them
+        return PartialCall(name, _json(arguments)[:-1] if arguments else "{", complete=False)
+
+    def _value(self, function: str, key: str, text: str) -> Any:
+        cached = (function, key, text)
+        if cached not in self._typed:
+            self._typed[cached] = glm_value(text, self._properties.get(function, {}).get(key))
+        return self._typed[cached]
+
+
+class Glm47ToolParser(Glm45ToolParser):
+    name = "glm47"  # vLLM's name for GLM-4.7's spelling, which the same parser reads
+
+
+def _json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)  # as vLLM writes them: text stays readable
