@@ -409,8 +409,8 @@ def test_glm45_reads_calls_an_output_stopped_short_of_closing_unless_cut(step):
 
 
 def test_glm45_looks_past_a_tool_call_tag_in_prose_and_types_by_the_schema():
-    text = "GLM writes <tool_call> tags\nin prose. Now:\n<tool_call>f\n<arg_key>s</arg_key><arg_value> 007 </arg_value>" \
-           "<arg_key>n</arg_key><arg_value>007</arg_value><arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>"
+    text = "GLM writes <tool_call> tags\nin prose. Now:\n<tool_call>f\n<arg_key>s</arg_key><arg_value> 007 " \
+           "</arg_value><arg_key>n</arg_key><arg_value>007</arg_value><arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>"
     schema = [{"name": "f", "parameters": {"properties": {"s": {"type": "string"}, "n": {"type": "integer"}}}}]
     content, calls = TOOL_PARSERS["glm45"](schema).parse(text)
     assert content == "GLM writes <tool_call> tags\nin prose. Now:\n"

@@ -15,8 +15,9 @@ where the request's schema types the argument "string", and is read as JSON (or 
 staying text where it does not parse or has no JSON form. A `<tool_call>` is a call once its name is followed by
 `<arg_key>` or `</tool_call>` (a marker in prose is content). An output that stopped by itself inside a call ends
 its open value and call there, as the Qwen3-Coder parser reads its own (vLLM's GLM parser drops such a call); one
-cut by max_tokens keeps only its complete calls. The arguments grow as a JSON object one argument at a time (each typed once its `</arg_value>` arrives), so a
-stream sends each argument whole and the object's brace last; a repeated argument keeps its first value.
+cut by max_tokens keeps only its complete calls. The arguments grow as a JSON object one argument at a time (each
+typed once its `</arg_value>` arrives), so a stream sends each argument whole and the object's brace last; a
+repeated argument keeps its first value.
 """
 
 import ast
