@@ -68,6 +68,14 @@ _ARCH_LAYER_NAMES["deepseek2"] = {
     "attn_v_b": "self_attn.v_b_proj", "exp_probs_b": "mlp.gate.e_score_correction_bias",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+# GLM-4.5 (`glm4moe`): DeepSeek-V3's router and shared experts beside Llama's attention, its norm before the MLP
+# named as Gemma's is. Its multi-token prediction layer (`blk.N.nextn.*` and that layer's block, past
+# `num_hidden_layers`) is not loaded (`llama.map_hf_weight`).
+_ARCH_LAYER_NAMES["glm4moe"] = {
+    **_EXPERT_NAMES, "post_attention_norm": "post_attention_layernorm",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 _UNSUFFIXED = ("attn_sinks", "exp_probs_b")
 # OLMo 2: norms after attention and after the MLP (none before), and q/k norms across all heads
 _ARCH_LAYER_NAMES["olmo2"] = {"post_attention_norm": "post_attention_layernorm",
@@ -82,11 +90,12 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                                 "gpt-oss", "granite", "smollm3", "olmo2", "gemma", "deepseek2")
+                                 "gpt-oss", "granite", "smollm3", "olmo2", "gemma", "deepseek2", "glm4moe")
 # Architectures transformers' GGUF reader does not know, and the one it reads their config and tokenizer as
 # (`gguf_cache` rebuilds the family's own config from the file): Granite and SmolLM3 are written as Llama
-# is, OLMo 2 with Llama's keys, Gemma 1 with Gemma 2's, DeepSeek with Llama's and its own.
-_READ_AS = {"granite": "llama", "smollm3": "llama", "olmo2": "llama", "gemma": "gemma2", "deepseek2": "llama"}
+# is, OLMo 2 with Llama's keys, Gemma 1 with Gemma 2's, DeepSeek and GLM-4.5 with Llama's and their own.
+_READ_AS = {"granite": "llama", "smollm3": "llama", "olmo2": "llama", "gemma": "gemma2", "deepseek2": "llama",
+            "glm4moe": "llama"}
 # llama.cpp's converter permutes these architectures' Q/K rows (its `LlamaModel`) for its rotary layout.
 _PERMUTED = ("llama", "granite", "smollm3")
 

@@ -133,6 +133,8 @@ def _fill_from_metadata(config: Any, gguf_path: Path) -> Any:
         config = GemmaConfig(**{k: v for k, v in _own_fields(config).items() if k not in gemma2_only})
     if arch == "deepseek2":
         config = _deepseek_config(config, _required(field, gguf_path.name, arch), {t.name for t in reader.tensors})
+    if arch == "glm4moe":
+        config = _glm4_moe_config(config, _required(field, gguf_path.name, arch), {t.name for t in reader.tensors})
     if arch == "llama" and field("expert_count"):
         from transformers import MixtralConfig
 
@@ -206,6 +208,40 @@ def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[s
     if sigmoid:
         return DeepseekV3Config(**fields)
     return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if groups > 1 else "greedy")
+
+
+def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[str]) -> Any:
+    """A `glm4moe` file's GLM-4.5 config, rebuilt from llama.cpp's keys: its block count holds the multi-token
+    prediction layers (`nextn_predict_layers`) after the model's own; RoPE covers `rope.dimension_count` of each
+    head; biases on q, k and v and per-head q/k norms where the file holds their tensors; DeepSeek-V3's router
+    (llama.cpp's sigmoid gating) over `expert_group_count` groups, 1 where the file does not say (its converter
+    writes none; GLM-4.5's and 4.6's configs have one group)."""
+    from transformers import Glm4MoeConfig
+
+    if field("rope.scaling.type", None) not in (None, "none"):
+        raise ValueError("a `glm4moe` file with RoPE scaling, which GLM-4.5's configs do not use")
+    if int(field("expert_gating_func", _SIGMOID_GATING)) != _SIGMOID_GATING:
+        raise ValueError("a `glm4moe` file whose experts are not scored by a sigmoid, as GLM-4.5's are")
+    head_dim = int(field("attention.key_length", None) or config.hidden_size // config.num_attention_heads)
+    mtp_layers = int(field("nextn_predict_layers", 0))
+    groups = int(field("expert_group_count", 1))
+    rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base", 10000.0)),
+            "partial_rotary_factor": int(field("rope.dimension_count", head_dim)) / head_dim}
+    return Glm4MoeConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers - mtp_layers, num_nextn_predict_layers=mtp_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=head_dim, max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        tie_word_embeddings="output.weight" not in tensor_names, rope_parameters=rope,
+        attention_bias="blk.0.attn_q.bias" in tensor_names, use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        first_k_dense_replace=int(field("leading_dense_block_count", 0)),
+        n_routed_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
+        moe_intermediate_size=int(field("expert_feed_forward_length")),
+        n_shared_experts=int(field("expert_shared_count", 0)),
+        routed_scaling_factor=float(field("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(field("expert_weights_norm", False)), n_group=groups,
+        topk_group=int(field("expert_group_used_count", groups)))
 
 
 def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> dict[str, Any]:

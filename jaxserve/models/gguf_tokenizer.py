@@ -56,10 +56,14 @@ _DEEPSEEK_V3 = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_REGEX)
+# GLM-4's (GLM-4, 4.5, 4.6, 5): Llama 3's, its letters without their marks
+_GLM4 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
 _SPLITS = {
     "deepseek-llm": _DEEPSEEK_LLM,
     "deepseek-coder": _DEEPSEEK_CODER,
     "deepseek-v3": _DEEPSEEK_V3,
+    **dict.fromkeys(("glm4", "glm5", "chatglm-bpe"), _GLM4),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
                     _DIGITS_THEN_GPT2),
 }
@@ -79,6 +83,10 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falco
 # models' own tokenizers do (llama.cpp's list: Llama 3's, Tekken's)
 _BOS_BY_DEFAULT = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
                              "lfm2", "jina-v5-nano", "tekken"})
+
+# Names whose texts llama.cpp begins with no BOS whatever the file says (its BOS id is null for them): their chat
+# templates write the model's prefix themselves (GLM-4's `[gMASK]<sop>`)
+_NO_BOS = frozenset({"glm4", "glm5", "chatglm-bpe"})
 
 # Sentencepiece files whose architecture transformers builds its own tokenizer for (its GGUF reader's
 # `GGUF_SENTENCEPIECE_BUILDERS`: Gemma's has no prefix space, Phi-3's has the normalizer already)
@@ -135,6 +143,8 @@ def fit_tokenizer_json(document: dict[str, Any], vocabulary: GgufVocabulary, arc
                            "with its tokenizer.json) to use its own", file_name, pre)
         if pre in _IGNORE_MERGES:
             document["model"]["ignore_merges"], changed = True, True
+        if pre in _NO_BOS and vocabulary.add_bos and document.get("post_processor") is not None:
+            document["post_processor"], changed = None, True
         if vocabulary.add_bos is None and pre in _BOS_BY_DEFAULT and vocabulary.bos_id is not None:
             document["post_processor"], changed = _bos_first(vocabulary.tokens[vocabulary.bos_id],
                                                              vocabulary.bos_id), True

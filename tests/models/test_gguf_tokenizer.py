@@ -75,6 +75,7 @@ def _byte_level_vocabulary(tmp_path: Path, pre: str, special: dict[str, int] | N
     ("llama-bpe", ["abc"], ["123", "45"], ["a", " ", " ", "1"]),
     ("tekken", ["abc"], ["1", "2", "3", "4", "5"], ["a", " ", " ", "1"]),  # Mistral's Tekken: digits one by one
     ("deepseek-v3", ["ab", "c"], ["123", "45"], ["a", "  ", "1"]),  # DeepSeek V3's: digits in threes
+    ("glm4", ["abc"], ["123", "45"], ["a", " ", " ", "1"]),  # GLM-4's (4.5, 4.6): Llama 3's without the marks
     # GPT-2's after splitting digits apart, which also keeps the spaces before a digit together
     ("starcoder", ["ab", "c"], ["1", "2", "3", "4", "5"], ["a", "  ", "1"]),
     ("smollm", ["ab", "c"], ["1", "2", "3", "4", "5"], ["a", "  ", "1"]),
@@ -95,6 +96,7 @@ def test_a_byte_level_vocabulary_splits_and_merges_as_its_pre_tokenizer_says(pre
     ("llama-bpe", False, False),  # the file's word is kept
     ("gpt-2", None, False),
     ("gpt-2", True, True),
+    ("glm4", True, False),  # llama.cpp begins no GLM-4 text with BOS, whatever the file says: its template does
 ])
 def test_a_byte_level_vocabulary_begins_a_text_with_bos_as_llama_cpp_does(pre, add_bos, begins_with_bos, tmp_path):
     bos = _BYTE_ALPHABET_SIZE + 6
