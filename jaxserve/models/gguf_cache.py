@@ -214,8 +214,8 @@ def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[s
     """A `glm4moe` file's GLM-4.5 config, rebuilt from llama.cpp's keys: its block count holds the multi-token
     prediction layers (`nextn_predict_layers`) after the model's own; RoPE covers `rope.dimension_count` of each
     head; biases on q, k and v and per-head q/k norms where the file holds their tensors; DeepSeek-V3's router
-    (llama.cpp's sigmoid gating) over `expert_group_count` groups, 1 where the file does not say (its converter
-    writes none; GLM-4.5's and 4.6's configs have one group)."""
+    (llama.cpp's sigmoid gating) over `expert_group_count` groups, 1 where the file does not say (GLM-4.5's and
+    4.6's configs have one group)."""
     from transformers import Glm4MoeConfig
 
     if field("rope.scaling.type", None) not in (None, "none"):

@@ -39,9 +39,9 @@ def _llama_cpp_name(hf_name: str) -> str:
     return f"blk.{layer}.{_NAMES[module]}.{suffix}"
 
 
-def _metadata(cfg, mtp_layers: int, groups: bool) -> dict:
-    """llama.cpp's `glm4moe` keys for a transformers GLM-4.5 config (its converter's choices; the group keys are
-    not among them, and a file of GLM-4.5's one group has none)."""
+def _metadata(cfg, mtp_layers: int, groups: bool = True) -> dict:
+    """llama.cpp's `glm4moe` keys for a transformers GLM-4.5 config (its converter's choices; without `groups`, a
+    file of an older converter, which wrote no group keys)."""
     types = gguf.GGUFValueType
     u32, f32 = types.UINT32, types.FLOAT32
     rope = cfg.rope_parameters
@@ -91,8 +91,8 @@ def test_a_glm45_gguf_matches_transformers(tiny_hf_model, smollm2_gguf, tmp_path
 
 def test_a_glm45_file_without_group_keys_has_one_group_and_a_rope_scaling_is_refused(tiny_hf_model, smollm2_gguf,
                                                                                      tmp_path, monkeypatch):
-    """llama.cpp's converter writes no group keys: such a file routes over one group, as GLM-4.5 and 4.6 do. A file
-    with RoPE scaling, which no GLM-4.5 config has, is refused by name rather than served unscaled."""
+    """A file without group keys routes over one group, as GLM-4.5 and 4.6 do. A file with RoPE scaling, which no
+    GLM-4.5 config has, is refused by name rather than served unscaled."""
     from jaxserve.models.gguf_cache import _fill_from_metadata
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
