@@ -38,13 +38,17 @@ class ReasoningParser:
     answer_start: str = ""  # where the answer starts when it has its own marker (harmony's final channel)
     special_markers: bool = False  # the markers are special tokens: the output's text keeps special tokens
     phase_from_prompt: bool = True  # False: every output starts open (`ReasoningMarkers.first_phase`)
+    # True: only the prompt's end says where its output starts (`ReasoningMarkers.first_phase`): GLM-4.5's
+    # template closes every earlier turn's `<think></think>`, and ends with one where thinking is off
+    phase_from_prompt_end: bool = False
+    space_before_start: bool = False  # whitespace may come before the start marker (GLM-4.5 writes "\n<think>")
     harmony: bool = False  # the text is harmony messages (`jaxserve.api.harmony.HarmonyStream` splits it)
 
 
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", reasons_unprompted=True),
     "qwen3": ReasoningParser("qwen3", reasons_unprompted=False),
-    "glm45": ReasoningParser("glm45", reasons_unprompted=False),  # GLM-4.5's template: `<think></think>` when off
+    "glm45": ReasoningParser("glm45", reasons_unprompted=False, phase_from_prompt_end=True, space_before_start=True),
     "openai_gptoss": ReasoningParser(
         "openai_gptoss", reasons_unprompted=False, start="<|channel|>analysis<|message|>",
         end="<|end|><|start|>assistant<|channel|>final<|message|>", answer_start="<|channel|>final<|message|>",
@@ -86,9 +90,10 @@ class ReasoningStream:
         reasoning = content = ""
         while text:
             if self._phase is Phase.OPENING:
-                if text.startswith(start):
-                    text, self._phase = text[len(start):], Phase.REASONING
-                elif not final and start.startswith(text):
+                opening = text.lstrip() if parser.space_before_start else text
+                if opening.startswith(start):
+                    text, self._phase = opening[len(start):], Phase.REASONING
+                elif not final and start.startswith(opening):
                     self._held, text = text, ""
                 else:
                     self._phase = Phase.REASONING if parser.reasons_unprompted else Phase.CONTENT
@@ -145,6 +150,11 @@ class ReasoningMarkers:
         """Where the output of this prompt starts: after the prompt's last marker, if it has one (open for a
         parser whose prompts say nothing of it)."""
         if not self.parser.phase_from_prompt:
+            return Phase.OPENING
+        if self.parser.phase_from_prompt_end:
+            for marker, phase in ((self.end_ids, Phase.CONTENT), (self.start_ids, Phase.REASONING)):
+                if marker and tuple(prompt_ids[-len(marker):]) == marker:
+                    return phase
             return Phase.OPENING
         last_start, last_end = _rfind(prompt_ids, list(self.start_ids)), _rfind(prompt_ids, list(self.end_ids))
         if last_end > last_start:

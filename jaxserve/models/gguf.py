@@ -212,6 +212,19 @@ def _kept(tensor: ReaderTensor) -> GgufTensor | None:
     return None if blocks is None else GgufTensor(blocks, "Q5_0")
 
 
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def _prediction_layers(reader: GGUFReader, arch: str) -> range:
+    """The blocks of a file's multi-token prediction layers, which llama.cpp counts in its block count after the
+    model's own (`{arch}.nextn_predict_layers`)."""
+    count = reader.fields.get(f"{arch}.nextn_predict_layers")
+    blocks = reader.fields.get(f"{arch}.block_count")
+    if count is None or blocks is None:
+        return range(0)
+    return range(int(blocks.contents()) - int(count.contents()), int(blocks.contents()))
+
+
 def iter_gguf_tensors(
     path: str, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
 ) -> Iterator[tuple[str, np.ndarray | GgufTensor]]:
@@ -226,7 +239,10 @@ def iter_gguf_tensors(
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUF files"
         )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    prediction_layers = _prediction_layers(reader, arch)
     for tensor in reader.tensors:
+        if (match := _BLOCK_RE.match(tensor.name)) and int(match.group(1)) in prediction_layers:
+            continue  # a multi-token prediction layer (GLM-4.5's): not loaded, so not dequantized either
         array = _kept(tensor) if keep_blocks and keeps_blocks(tensor) else None
         if array is None:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

@@ -220,7 +220,7 @@ def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[s
 
     if field("rope.scaling.type", None) not in (None, "none"):
         raise ValueError("a `glm4moe` file with RoPE scaling, which GLM-4.5's configs do not use")
-    if int(field("expert_gating_func", _SIGMOID_GATING)) != _SIGMOID_GATING:
+    if int(field("expert_gating_func", _SIGMOID_GATING)) not in (0, _SIGMOID_GATING):  # 0: llama.cpp's sigmoid here
         raise ValueError("a `glm4moe` file whose experts are not scored by a sigmoid, as GLM-4.5's are")
     head_dim = int(field("attention.key_length", None) or config.hidden_size // config.num_attention_heads)
     mtp_layers = int(field("nextn_predict_layers", 0))

@@ -89,6 +89,7 @@ class LlamaConfig:
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
+    mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not loaded
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
@@ -133,7 +134,14 @@ class LlamaConfig:
             moe=moe,
             moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
+            mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if hf.model_type == "glm4_moe" else 0,
         )
+
+    def is_mtp_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to a multi-token prediction layer (not loaded: serving does not
+        use them)."""
+        match = _LAYER_RE.match(name) if self.mtp_layers else None
+        return match is not None and self.num_layers <= int(match.group(1)) < self.num_layers + self.mtp_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -459,6 +467,8 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
     experts = ExpertStacker(cfg.moe.num_experts if cfg.moe is not None else 0)
     mxfp4: dict[str, dict[str, Any]] = {}  # GPT-OSS's MXFP4 experts: name -> whichever of blocks and scales came
     for name, tensor in tensors:
+        if cfg.is_mtp_tensor(name):  # before its experts are stacked
+            continue
         if cfg.moe is not None and cfg.moe.biases and (match := _MXFP4_RE.match(name)):  # GPT-OSS's
             stem, part = match.groups()
             parts = mxfp4.setdefault(stem, {})
@@ -547,11 +557,11 @@ def _split_fused_weight(name: str, tensor: Any, cfg: LlamaConfig) -> list[tuple[
 
 def map_hf_weight(name: str, cfg: LlamaConfig) -> tuple[tuple[str | int, ...], Callable] | None:
     """Where an HF tensor goes in this model, or None for tensors the model has no use for (GLM-4.5's
-    multi-token prediction layers past `num_hidden_layers`, among them)."""
+    multi-token prediction layers, among them)."""
     name = re.sub(r"\.(q|k|v)_proj\.bias$", r".\1_bias", name)
     if match := _LAYER_RE.match(name):
         entry = _LAYER_MAP.get(match.group(2))
-        if entry is None or int(match.group(1)) >= cfg.num_layers:
+        if entry is None or cfg.is_mtp_tensor(name):
             return None
         path, transform = entry
         return ("layers", int(match.group(1)), *path), transform

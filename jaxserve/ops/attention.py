@@ -295,6 +295,9 @@ def ragged_paged_attention(
     settings = paged_attention_pallas.block_settings(q.shape[2], decode_only)
     group = q.shape[1] // k_pages.shape[0]
     triton_here = interpret or paged_attention_pallas.TRITON_BACKEND  # interpreted, it says why it cannot run
+    if not triton_here:  # a Hopper step the Mosaic GPU kernel does not take (an FP8 cache, decodes on jaxlib < 0.12)
+        _warn_kernels_missing(f"{paged_attention_pallas.missing_backend()}: steps the Mosaic GPU kernel does not "
+                              "take run through XLA (the reference path)")
     if not triton_here or settings is None or (settings and group > paged_attention_pallas.MAX_WIDE_GROUP
                                                and group % paged_attention_pallas.MAX_WIDE_GROUP):
         out = ragged_paged_attention_reference(q, k_pages, values, kv_lens, page_table, cu_q_lens, **scores)

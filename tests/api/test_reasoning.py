@@ -21,7 +21,7 @@ from jaxserve.config import REASONING_PARSER_NAMES, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from tests.engine.helpers import make_engine
 
-DEEPSEEK, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+DEEPSEEK, QWEN3, GLM45 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"], REASONING_PARSERS["glm45"]
 
 
 def test_the_config_names_every_parser():
@@ -42,14 +42,17 @@ def test_the_config_names_every_parser():
     (QWEN3, Phase.OPENING, "<thinking>", (None, "<thinking>")),
     (QWEN3, Phase.OPENING, "<thi", (None, "<thi")),
     (QWEN3, Phase.REASONING, "a</think>b</think>c", ("a", "b</think>c")),
+    (GLM45, Phase.OPENING, "\n<think>plan</think>\nanswer", ("plan", "\nanswer")),  # GLM-4.5 opens on a new line
+    (GLM45, Phase.OPENING, "\nno thinking", (None, "\nno thinking")),
+    (QWEN3, Phase.OPENING, "\n<think>plan</think>", (None, "\n<think>plan</think>")),  # Qwen3's must open it
 ])
 def test_whole_outputs_split(parser, phase, text, expected):
     assert split_reasoning(parser, phase, text) == expected
 
 
-@pytest.mark.parametrize("parser", [DEEPSEEK, QWEN3])
+@pytest.mark.parametrize("parser", [DEEPSEEK, QWEN3, GLM45])
 @pytest.mark.parametrize("text", ["<think>ab</think>cd", "<think></think>", "x</think", "<th", "a</think></think>b",
-                                  "<think><think>a</thin</think>k>"])
+                                  "<think><think>a</thin</think>k>", "\n <think>a</think>b", " \n", "\n<th"])
 def test_a_stream_cut_anywhere_splits_as_the_whole_text(parser, text):
     whole = split_reasoning(parser, Phase.OPENING, text)
     for cut in range(len(text) + 1):
@@ -78,6 +81,18 @@ def test_the_prompt_decides_where_an_output_starts(prompt, phase):
     markers = ReasoningMarkers.of(QWEN3, _Ids())
     assert markers.first_phase(prompt) is phase
     assert markers.grammar_waits(phase) == ((9, 8) if phase is not Phase.CONTENT else ())
+
+
+@pytest.mark.parametrize(("prompt", "phase"), [
+    ([1, 2, 3], Phase.OPENING),
+    ([7, 8, 9, 8, 1, 5, 1, 2], Phase.OPENING),  # an earlier turn's closed thinking, then this turn's prompt
+    ([1, 2, 7, 8, 9, 8], Phase.CONTENT),  # GLM-4.5 with enable_thinking=False: the prompt ends closed
+    ([1, 2, 7, 8], Phase.REASONING),
+])
+def test_glm45_s_prompt_decides_by_its_end_alone(prompt, phase):
+    """GLM-4.5's template writes `<think></think>` into every earlier assistant turn: only the prompt's end says
+    where this output starts."""
+    assert ReasoningMarkers.of(GLM45, _Ids()).first_phase(prompt) is phase
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ GLM_TWO_CALLS = (
     "<arg_key>days</arg_key>\n<arg_value>9</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>"
 )
 GLM_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True, "opts": {"unit": "c", "n": [1, None]},
-                 "hours": [6, 12], "code": "def f(x):\n    return x < 3", "extra": 42}
+                 "hours": [6, 12], "code": "\ndef f(x):\n    return x < 3\n", "extra": 42}  # strings exact
 HARMONY_TWO_CALLS = (  # a preamble, then a call as GPT-OSS writes it and one in the chat template's form
     '<|channel|>analysis<|message|>Both.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>'
     '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo, '
@@ -88,6 +88,10 @@ CASES = [
      "<arg_key>note</arg_key> <arg_value>None</arg_value></tool_call><tool_call>ls <arg_key>dir</arg_key>"
      "<arg_value>'a b'</arg_value> </tool_call>", None,
      [("get_weather", {"days": "x7", "note": None}), ("ls", {"dir": "a b"})]),
+    # closing tags left out: a value ends at the next key or the call's end, a key at its value; never past the call
+    (TOOL_PARSERS["glm45"](), "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</tool_call><tool_call>g\n<arg_key>b"
+     "<arg_value>2\n<arg_key>c</arg_key><arg_value>[3]</arg_value></tool_call>", None,
+     [("f", {"a": 1}), ("g", {"b": 2, "c": [3]})]),
     (TOOL_PARSERS["glm45"](), "Write <b>bold</b> with a <tool_call> tag.", "Write <b>bold</b> with a <tool_call> tag.",
      []),
     # stopped by itself inside a value (no max_tokens): the value and the call end there
@@ -414,5 +418,6 @@ def test_glm45_looks_past_a_tool_call_tag_in_prose_and_types_by_the_schema():
     schema = [{"name": "f", "parameters": {"properties": {"s": {"type": "string"}, "n": {"type": "integer"}}}}]
     content, calls = TOOL_PARSERS["glm45"](schema).parse(text)
     assert content == "GLM writes <tool_call> tags\nin prose. Now:\n"
-    # "007" is no JSON number and Python 3 reads no such literal: text, as vLLM leaves it; NaN has no JSON form
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"s": "007", "n": "007", "x": "NaN"})]
+    # a string exactly as written; "007" is no JSON number and Python 3 reads no such literal: text, as vLLM leaves
+    # it (stripped); NaN has no JSON form
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"s": " 007 ", "n": "007", "x": "NaN"})]

@@ -138,6 +138,16 @@ def test_glm45_s_multi_token_prediction_layer_is_left_unloaded(tiny_model_dir, t
     got = PagedForward(loaded, list(range(1, MAX_PAGES + 1)))(tokens)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
 
+    # A checkpoint of another family with a layer more than its config says is refused, as before
+    llama = tmp_path / "llama-with-extra-layer"
+    shutil.copytree(tiny_model_dir("llama"), llama)
+    tensors = load_file(llama / "model.safetensors")
+    extra_layer = {name.replace("model.layers.1.", "model.layers.2.", 1): tensor for name, tensor in tensors.items()
+                   if name.startswith("model.layers.1.")}
+    save_file(tensors | extra_layer, llama / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\..* maps to unknown parameter"):
+        load_model(str(llama), dtype="float32")
+
 
 def test_olmo3_spelled_flat_scales_its_full_layers_only(tiny_hf_model):
     """transformers 4 spells OLMo 3's RoPE flat (`rope_scaling`, `rope_theta`) and runs its windowed layers

@@ -435,3 +435,21 @@ print(attention.resolve_impl("auto", target_facts("a100")), attention.resolve_im
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["reference", "pallas"]
     assert "no Pallas Triton backend" in result.stderr
+
+
+def test_without_triton_s_backend_a_hopper_step_the_mosaic_kernel_does_not_take_says_so(without_triton, caplog):
+    """An FP8 cache's steps stay off the Mosaic GPU kernel unless JAXSERVE_MOSAIC_FP8=1; without Triton's kernels
+    they run through XLA, correct and slow, which one warning says."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4)
+    case = make_case(rng, *MIXES["mixed_with_empty"], 6, 2)
+    fp8 = jnp.float8_e4m3fn
+    k_pages, v_pages = (np.nan_to_num(np.asarray(pages)).astype(fp8) for pages in (case.k_pages, case.v_pages))
+    case = dataclasses.replace(case, k_pages=k_pages, v_pages=v_pages)
+    with caplog.at_level("WARNING", logger="jaxserve.ops.attention"):
+        got = np.asarray(run_jitted(ragged_paged_attention, *case.args, sm_scale=0.25, impl="pallas", hopper=True,
+                                    num_sms=132))
+    exact = dataclasses.replace(case, k_pages=np.asarray(k_pages, np.float32), v_pages=np.asarray(v_pages, np.float32))
+    assert_matches_oracle(got, exact, 0.25)
+    assert [r.getMessage() for r in caplog.records if "Mosaic GPU kernel does not take" in r.getMessage()]

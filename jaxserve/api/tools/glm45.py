@@ -22,6 +22,7 @@ repeated argument keeps its first value.
 
 import ast
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,17 +33,21 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 _NAME_ENDS = ("\n", KEY_START, CALL_END)
+# A key ends at its closing tag, a value at its own; where a model leaves one out, at the next element or the
+# call's end (as the Qwen3-Coder parser reads its own), never past the call
+_KEY_END = re.compile("|".join(map(re.escape, (KEY_END, VALUE_START, CALL_END))))
+_VALUE_END = re.compile("|".join(map(re.escape, (VALUE_END, KEY_START, CALL_END))))
 
 
 def glm_value(text: str, schema: dict[str, Any] | None) -> Any:
-    """An argument's text as GLM's templates wrote it: itself where its schema's type is "string", else the JSON
-    (or Python literal) it spells, or itself where it spells none or one without a JSON form (NaN, a set)."""
-    text = text.strip()
+    """An argument's text as GLM's templates wrote it: itself, exactly, where its schema's type is "string", else
+    the JSON (or Python literal) it spells, whitespace around it aside, or itself where it spells none or one
+    without a JSON form (NaN, a set)."""
     if isinstance(schema, dict) and schema.get("type") == "string":
         return text
     for read in (json.loads, ast.literal_eval):
         try:
-            value = read(text)
+            value = read(text.strip())
             json.dumps(value, allow_nan=False)
         except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
             continue
@@ -112,20 +117,20 @@ class Glm45ToolParser(ToolParser):
                 return PartialCall(name, _json(arguments), complete=True, end=position)
             if not text.startswith(KEY_START, position):
                 break  # an argument or the call's end still arriving, or text that is neither
-            key_end = text.find(KEY_END, position)
-            if key_end < 0:
-                break
-            key = text[position + len(KEY_START) : key_end].strip()
-            value_start = skip_whitespace(text, key_end + len(KEY_END))
+            key_end = _KEY_END.search(text, position + len(KEY_START))
+            if key_end is None or key_end.group() == CALL_END:
+                break  # a key still arriving, or a call's end where its value should be
+            key = text[position + len(KEY_START) : key_end.start()].strip()
+            value_start = skip_whitespace(text, key_end.end() if key_end.group() == KEY_END else key_end.start())
             if not text.startswith(VALUE_START, value_start):
                 break
-            value_end = text.find(VALUE_END, value_start)
-            if value_end < 0 and not closes_at_end:
+            value_end = _VALUE_END.search(text, value_start + len(VALUE_START))
+            if value_end is None and not closes_at_end:
                 break
-            value_end = len(text) if value_end < 0 else value_end
+            end, marker = (value_end.start(), value_end.group()) if value_end else (len(text), "")
             if key not in arguments:  # a repeated argument keeps its first value (a stream has sent it)
-                arguments[key] = self._value(name, key, text[value_start + len(VALUE_START) : value_end])
-            position = value_end + len(VALUE_END) if value_end < len(text) else value_end
+                arguments[key] = self._value(name, key, text[value_start + len(VALUE_START) : end])
+            position = end + (len(VALUE_END) if marker == VALUE_END else 0)
         if closes_at_end:  # text that is neither an argument nor the call's end: the call ends before it
             return PartialCall(name, _json(arguments), complete=True, end=position)
         # Open: the arguments so far, without the closing brace, so later scans only append to them
