@@ -45,6 +45,7 @@ GLM_TWO_CALLS = (
     "<arg_value>\ndef f(x):\n    return x < 3\n</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>42</arg_value>\n"
     "<arg_key>days</arg_key>\n<arg_value>9</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>"
 )
+LONG_NAME_PROSE = "<tool_call>" + "x" * 300 + "\n</tool_call>"
 GLM_ARGUMENTS = {"city": 'Paris, "FR"', "days": 3, "ratio": 0.5, "metric": True, "opts": {"unit": "c", "n": [1, None]},
                  "hours": [6, 12], "code": "\ndef f(x):\n    return x < 3\n", "extra": 42}  # strings exact
 HARMONY_TWO_CALLS = (  # a preamble, then a call as GPT-OSS writes it and one in the chat template's form
@@ -92,6 +93,9 @@ CASES = [
     (TOOL_PARSERS["glm45"](), "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</tool_call><tool_call>g\n<arg_key>b"
      "<arg_value>2\n<arg_key>c</arg_key><arg_value>[3]</arg_value></tool_call>", None,
      [("f", {"a": 1}), ("g", {"b": 2, "c": [3]})]),
+    # a name of 200 characters is one; 300 characters after a marker with no end of a name are prose
+    (TOOL_PARSERS["glm45"](), "<tool_call>" + "n" * 200 + "\n</tool_call>", None, [("n" * 200, {})]),
+    (TOOL_PARSERS["glm45"](), LONG_NAME_PROSE, LONG_NAME_PROSE, []),
     (TOOL_PARSERS["glm45"](), "Write <b>bold</b> with a <tool_call> tag.", "Write <b>bold</b> with a <tool_call> tag.",
      []),
     # stopped by itself inside a value (no max_tokens): the value and the call end there

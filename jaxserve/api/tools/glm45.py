@@ -33,6 +33,10 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 _NAME_ENDS = ("\n", KEY_START, CALL_END)
+# The most characters a call's name (and the space around it) may take: OpenAI's names are at most 64. A
+# `<tool_call>` in prose is then ruled out after this many characters, not after a search of the rest of the text
+# (a stream scans its text again after every delta).
+MAX_NAME = 256
 # A key ends at its closing tag, a value at its own; where a model leaves one out, at the next element or the
 # call's end (as the Qwen3-Coder parser reads its own), never past the call
 _KEY_END = re.compile("|".join(map(re.escape, (KEY_END, VALUE_START, CALL_END))))
@@ -96,9 +100,10 @@ class Glm45ToolParser(ToolParser):
         not a call (a name, then `<arg_key>` or `</tool_call>`). With `closes_at_end` (the output ended by itself)
         a call or value still open ends at the output's end, as the Qwen3-Coder parser reads its own."""
         name_start = position + len(CALL_START)
-        ends = [found for marker in _NAME_ENDS if (found := text.find(marker, name_start)) >= 0]
+        window = name_start + MAX_NAME + len(CALL_END)  # holds any marker ending a name of MAX_NAME characters
+        ends = [found for marker in _NAME_ENDS if (found := text.find(marker, name_start, window)) >= 0]
         if not ends:
-            return None if final else PartialCall(None, "", False)
+            return None if final or len(text) >= window else PartialCall(None, "", False)
         name_end = min(ends)
         after = skip_whitespace(text, name_end)
         rest = text[after : after + len(CALL_END)]
