@@ -91,10 +91,21 @@ def _value_text(raw: str) -> str:
     return raw.removesuffix("\n")
 
 
-def _next_call(text: str, start: int) -> int | None:
-    """Where the next call begins at or after `start`: its `<tool_call>`, or its `<function=` without one."""
-    found = [i for i in (text.find(CALL_START, start), text.find(FUNCTION_START, start)) if i >= 0]
-    return min(found) if found else None
+class _CallStarts:
+    """Where the next call begins at or after a position: its `<tool_call>`, or its `<function=` without one. Each
+    marker's next occurrence is kept until a search passes it, so a scan over many markers of one kind (prose full
+    of `<tool_call>` tags) does not search the rest of the text for the other at each of them."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._next = {CALL_START: -2, FUNCTION_START: -2}  # -2: not searched yet; -1: none after the last search
+
+    def after(self, start: int) -> int | None:
+        for marker, found in self._next.items():
+            if found != -1 and found < start:
+                self._next[marker] = self._text.find(marker, start)
+        found = [i for i in self._next.values() if i >= 0]
+        return min(found) if found else None
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -119,20 +130,24 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
         first, calls = None, []
-        position = _next_call(text, 0)
+        starts = _CallStarts(text)
+        position = starts.after(0)
         while position is not None:
             call = self._call(text, position, closes_at_end)
             if call is None:  # a marker in prose, not a call: look past it
-                position = _next_call(text, position + 1)
+                position = starts.after(position + 1)
                 continue
             first = position if first is None else first
             calls.append(call)
-            position = _next_call(text, call.end) if call.end is not None else None
+            position = starts.after(call.end) if call.end is not None else None
         if first is None:
             hold = 0 if final else max(held_back(text, CALL_START), held_back(text, FUNCTION_START))
             return Scan(text[: len(text) - hold], [])
-        if final and all(call.name is None for call in calls):  # markers but no call: all of it is content
-            return Scan(text, [])
+        if final:  # a marker at the end with no name after it begins nothing (a stream has sent the calls before it)
+            while calls and calls[-1].name is None:
+                calls.pop()
+            if not calls:  # markers but no call: all of it is content
+                return Scan(text, [])
         return Scan(text[:first], calls)
 
     def _call(self, text: str, position: int, final: bool) -> PartialCall | None:
