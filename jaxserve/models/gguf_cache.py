@@ -182,7 +182,6 @@ def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[s
                     beta_slow=float(field("rope.scaling.yarn_beta_slow", 1.0)))
     elif scaling not in (None, "none"):
         raise ValueError(f"a `deepseek2` file with RoPE scaling {scaling!r}, which DeepSeek's configs do not use")
-    groups = int(field("expert_group_count", 1))
     gating = int(field("expert_gating_func", _SOFTMAX_GATING))
     if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
         raise ValueError(f"a `deepseek2` file whose experts are scored by llama.cpp's gating function {gating}: "
@@ -198,6 +197,18 @@ def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[s
         kv_lora_rank=int(field("attention.kv_lora_rank")), qk_rope_head_dim=rope_dims,
         qk_nope_head_dim=qk_dims - rope_dims,
         v_head_dim=int(field("attention.value_length_mla", None) or field("attention.value_length")),
+        **_deepseek_experts(field))
+    if sigmoid:
+        return DeepseekV3Config(**fields)
+    return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if fields["n_group"] > 1 else "greedy")
+
+
+def _deepseek_experts(field: Callable[..., Any]) -> dict[str, Any]:
+    """The config fields of DeepSeek's experts (DeepSeek's and GLM-4.5's configs name them alike) from llama.cpp's
+    keys: the dense layers before them, their counts, width, scale, normalisation and groups (one where the file
+    does not say)."""
+    groups = int(field("expert_group_count", 1))
+    return dict(
         first_k_dense_replace=int(field("leading_dense_block_count", 0)),
         n_routed_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
         moe_intermediate_size=int(field("expert_feed_forward_length")),
@@ -205,9 +216,6 @@ def _deepseek_config(config: Any, field: Callable[..., Any], tensor_names: set[s
         routed_scaling_factor=float(field("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(field("expert_weights_norm", False)), n_group=groups,
         topk_group=int(field("expert_group_used_count", groups)))
-    if sigmoid:
-        return DeepseekV3Config(**fields)
-    return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
 def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[str]) -> Any:
@@ -224,7 +232,6 @@ def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[s
         raise ValueError("a `glm4moe` file whose experts are not scored by a sigmoid, as GLM-4.5's are")
     head_dim = int(field("attention.key_length", None) or config.hidden_size // config.num_attention_heads)
     mtp_layers = int(field("nextn_predict_layers", 0))
-    groups = int(field("expert_group_count", 1))
     rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base", 10000.0)),
             "partial_rotary_factor": int(field("rope.dimension_count", head_dim)) / head_dim}
     return Glm4MoeConfig(
@@ -235,13 +242,7 @@ def _glm4_moe_config(config: Any, field: Callable[..., Any], tensor_names: set[s
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         tie_word_embeddings="output.weight" not in tensor_names, rope_parameters=rope,
         attention_bias="blk.0.attn_q.bias" in tensor_names, use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        first_k_dense_replace=int(field("leading_dense_block_count", 0)),
-        n_routed_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
-        moe_intermediate_size=int(field("expert_feed_forward_length")),
-        n_shared_experts=int(field("expert_shared_count", 0)),
-        routed_scaling_factor=float(field("expert_weights_scale", 1.0)),
-        norm_topk_prob=bool(field("expert_weights_norm", False)), n_group=groups,
-        topk_group=int(field("expert_group_used_count", groups)))
+        **_deepseek_experts(field))
 
 
 def _olmo3_fields(field: Callable[[str], Any], num_layers: int, window: int) -> dict[str, Any]:
