@@ -128,6 +128,57 @@ class ToolParser:
         return new_call_id()
 
 
+class TypedArgumentsParser(ToolParser):
+    """A format that writes each argument as text of its own (Qwen3-Coder's, GLM-4.5's), typed by the request's schema
+    for it (`type_value`). A scan reads an output that ended by itself (`closes_at_end`) as closing its open value
+    and call there; one cut by max_tokens does not (its last value may be cut too). The arguments grow as a JSON
+    object one argument at a time, so a stream sends each argument whole and the object's brace last."""
+
+    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
+        # name -> its parameters' properties (each a JSON schema)
+        self._properties: dict[str, dict[str, Any]] = {}
+        for function in functions:
+            parameters = function.get("parameters") or {}
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            self._properties[function.get("name", "")] = properties if isinstance(properties, dict) else {}
+        # (function, argument, its text) -> its value: a stream scans its growing text after every delta, and
+        # typing a large object argument again each time would grow with the square of its length
+        self._typed: dict[tuple[str, str, str], Any] = {}
+
+    @staticmethod
+    def type_value(text: str, schema: dict[str, Any] | None) -> Any:
+        """An argument's text as the value its schema says."""
+        raise NotImplementedError
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return self._scan(text, final, closes_at_end=final)
+
+    def scan_output(self, text: str, truncated: bool) -> Scan:
+        return self._scan(text, True, closes_at_end=not truncated)
+
+    def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
+        raise NotImplementedError
+
+    def _value(self, function: str, key: str, text: str) -> Any:
+        cached = (function, key, text)
+        if cached not in self._typed:
+            self._typed[cached] = self.type_value(text, self._properties.get(function, {}).get(key))
+        return self._typed[cached]
+
+    @staticmethod
+    def closed_call(name: str, arguments: dict[str, Any], end: int) -> PartialCall:
+        return PartialCall(name, _arguments_json(arguments), complete=True, end=end)
+
+    @staticmethod
+    def open_call(name: str, arguments: dict[str, Any]) -> PartialCall:
+        """The arguments so far, without the closing brace, so later scans only append to them."""
+        return PartialCall(name, _arguments_json(arguments)[:-1] if arguments else "{", complete=False)
+
+
+def _arguments_json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)  # as vLLM writes them: text stays readable
+
+
 @dataclass
 class _SentCall:
     id: str

@@ -23,10 +23,9 @@ repeated argument keeps its first value.
 import ast
 import json
 import re
-from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, held_back
+from jaxserve.api.tools.base import PartialCall, Scan, TypedArgumentsParser, held_back
 from jaxserve.api.tools.json_scan import skip_whitespace
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -59,24 +58,9 @@ def glm_value(text: str, schema: dict[str, Any] | None) -> Any:
     return text
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(TypedArgumentsParser):
     name = "glm45"
-
-    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
-        # name -> its parameters' properties (each a JSON schema)
-        self._properties: dict[str, dict[str, Any]] = {}
-        for function in functions:
-            parameters = function.get("parameters") or {}
-            properties = parameters.get("properties") if isinstance(parameters, dict) else None
-            self._properties[function.get("name", "")] = properties if isinstance(properties, dict) else {}
-        # (function, argument, its text) -> its value: a stream scans its growing text after every delta
-        self._typed: dict[tuple[str, str, str], Any] = {}
-
-    def scan(self, text: str, final: bool) -> Scan:
-        return self._scan(text, final, closes_at_end=final)
-
-    def scan_output(self, text: str, truncated: bool) -> Scan:
-        return self._scan(text, True, closes_at_end=not truncated)  # a cut call's last value may be cut too
+    type_value = staticmethod(glm_value)
 
     def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
         first, calls = None, []
@@ -117,9 +101,9 @@ class Glm45ToolParser(ToolParser):
         while True:
             position = skip_whitespace(text, position)
             if text.startswith(CALL_END, position):
-                return PartialCall(name, _json(arguments), complete=True, end=position + len(CALL_END))
+                return self.closed_call(name, arguments, position + len(CALL_END))
             if closes_at_end and position >= len(text):
-                return PartialCall(name, _json(arguments), complete=True, end=position)
+                return self.closed_call(name, arguments, position)
             if not text.startswith(KEY_START, position):
                 break  # an argument or the call's end still arriving, or text that is neither
             key_end = _KEY_END.search(text, position + len(KEY_START))
@@ -137,20 +121,9 @@ class Glm45ToolParser(ToolParser):
                 arguments[key] = self._value(name, key, text[value_start + len(VALUE_START) : end])
             position = end + (len(VALUE_END) if marker == VALUE_END else 0)
         if closes_at_end:  # text that is neither an argument nor the call's end: the call ends before it
-            return PartialCall(name, _json(arguments), complete=True, end=position)
-        # Open: the arguments so far, without the closing brace, so later scans only append to them
-        return PartialCall(name, _json(arguments)[:-1] if arguments else "{", complete=False)
-
-    def _value(self, function: str, key: str, text: str) -> Any:
-        cached = (function, key, text)
-        if cached not in self._typed:
-            self._typed[cached] = glm_value(text, self._properties.get(function, {}).get(key))
-        return self._typed[cached]
-
+            return self.closed_call(name, arguments, position)
+        return self.open_call(name, arguments)
 
 class Glm47ToolParser(Glm45ToolParser):
     name = "glm47"  # vLLM's name for GLM-4.7's spelling, which the same parser reads
 
-
-def _json(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)  # as vLLM writes them: text stays readable

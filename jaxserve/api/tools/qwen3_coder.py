@@ -27,10 +27,9 @@ the first).
 import ast
 import json
 import re
-from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.api.tools.base import PartialCall, Scan, ToolParser, held_back
+from jaxserve.api.tools.base import PartialCall, Scan, TypedArgumentsParser, held_back
 from jaxserve.api.tools.json_scan import skip_whitespace
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -108,25 +107,9 @@ class _CallStarts:
         return min(found) if found else None
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(TypedArgumentsParser):
     name = "qwen3_coder"
-
-    def __init__(self, functions: Sequence[dict[str, Any]] = ()) -> None:
-        # name -> its parameters' properties (each a JSON schema)
-        self._properties: dict[str, dict[str, Any]] = {}
-        for function in functions:
-            parameters = function.get("parameters") or {}
-            properties = parameters.get("properties") if isinstance(parameters, dict) else None
-            self._properties[function.get("name", "")] = properties if isinstance(properties, dict) else {}
-        # (function, argument, its text) -> its value: a stream scans its growing text after every delta, and
-        # typing a large object argument again each time would grow with the square of its length
-        self._typed: dict[tuple[str, str, str], Any] = {}
-
-    def scan(self, text: str, final: bool) -> Scan:
-        return self._scan(text, final, closes_at_end=final)
-
-    def scan_output(self, text: str, truncated: bool) -> Scan:
-        return self._scan(text, True, closes_at_end=not truncated)  # a cut call's last value may be cut too
+    type_value = staticmethod(typed_value)
 
     def _scan(self, text: str, final: bool, closes_at_end: bool) -> Scan:
         first, calls = None, []
@@ -174,7 +157,7 @@ class Qwen3CoderToolParser(ToolParser):
                 end = position + len(FUNCTION_END) if text.startswith(FUNCTION_END, position) else position
                 after = skip_whitespace(text, end)
                 end = after + len(CALL_END) if text.startswith(CALL_END, after) else end
-                return PartialCall(name, _json(arguments), complete=True, end=end)
+                return self.closed_call(name, arguments, end)
             if not text.startswith(PARAMETER_START, position):
                 break  # the function's end or an argument still arriving, or text that is neither
             key_end = text.find(">", position)
@@ -190,16 +173,6 @@ class Qwen3CoderToolParser(ToolParser):
                 arguments[key] = self._value(name, key, _value_text(text[value_start:value_end]))
             position = value_end + (len(PARAMETER_END) if marker == PARAMETER_END else 0)
         if final:  # text that is neither an argument nor the function's end: the call ends before it
-            return PartialCall(name, _json(arguments), complete=True, end=position)
-        # Open: the arguments so far, without the closing brace, so later scans only append to them
-        return PartialCall(name, _json(arguments)[:-1] if arguments else "{", complete=False)
+            return self.closed_call(name, arguments, position)
+        return self.open_call(name, arguments)
 
-    def _value(self, function: str, key: str, text: str) -> Any:
-        cached = (function, key, text)
-        if cached not in self._typed:
-            self._typed[cached] = typed_value(text, self._properties.get(function, {}).get(key))
-        return self._typed[cached]
-
-
-def _json(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)  # as vLLM writes them: text stays readable
