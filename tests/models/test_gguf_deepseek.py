@@ -36,16 +36,18 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.w
                  "lm_head.weight": "output.weight"}
 
 
-def _llama_cpp_name(hf_name: str) -> str:
+def llama_cpp_name(hf_name: str, names: dict[str, str] = _NAMES) -> str:
+    """An HF-named tensor's name in a file of DeepSeek's experts (`deepseek2`, and GLM-4.5's `glm4moe` with its
+    own `names` for the rest): the router's correction bias unsuffixed, the stacked experts' weights."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     if rest == "mlp.gate.e_score_correction_bias":
         return f"blk.{layer}.exp_probs_b.bias"
     if rest.startswith("mlp.experts_"):
-        return f"blk.{layer}.{_NAMES[rest]}.weight"
+        return f"blk.{layer}.{names[rest]}.weight"
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{suffix}"
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def _metadata(cfg, split_kv_b: bool) -> dict:
@@ -86,12 +88,12 @@ def llama_cpp_tensors(cfg, tensors, split_kv_b: bool) -> Iterator[tuple[str, np.
         if split_kv_b and name.endswith("kv_b_proj.weight"):
             heads = array.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             stem = name.removesuffix("kv_b_proj.weight")
-            yield _llama_cpp_name(stem + "k_b_proj.weight"), np.ascontiguousarray(
+            yield llama_cpp_name(stem + "k_b_proj.weight"), np.ascontiguousarray(
                 heads[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))  # [N, C, P]
-            yield _llama_cpp_name(stem + "v_b_proj.weight"), np.ascontiguousarray(
+            yield llama_cpp_name(stem + "v_b_proj.weight"), np.ascontiguousarray(
                 heads[:, cfg.qk_nope_head_dim:])  # [N, V, C]
         else:
-            yield _llama_cpp_name(name), array
+            yield llama_cpp_name(name), array
 
 
 def write_deepseek_gguf(path, cfg, tensors, tokenizer_gguf, split_kv_b: bool = True, quantized=None,

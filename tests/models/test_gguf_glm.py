@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models.loader import load_model
+from tests.models.test_gguf_deepseek import llama_cpp_name
 from tests.models.test_gguf_families import assert_logits_match, experts_as_llama_cpp_stores_them, write_gguf_tensors
 
 pytestmark = pytest.mark.slow  # the transformers reference
@@ -23,20 +24,10 @@ _NAMES = {
     "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.experts_gate": "ffn_gate_exps",
     "mlp.experts_up": "ffn_up_exps", "mlp.experts_down": "ffn_down_exps",
 }
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
 
 
 def _llama_cpp_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    if rest == "mlp.gate.e_score_correction_bias":
-        return f"blk.{layer}.exp_probs_b.bias"
-    if rest.startswith("mlp.experts_"):
-        return f"blk.{layer}.{_NAMES[rest]}.weight"
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{suffix}"
+    return llama_cpp_name(hf_name, _NAMES)
 
 
 def _metadata(cfg, mtp_layers: int, groups: bool = True) -> dict:
