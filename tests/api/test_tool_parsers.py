@@ -283,23 +283,29 @@ def test_the_auto_plan_gives_the_parser_the_requests_schemas():
     assert json.loads(calls[0].arguments) == {"days": 5}
 
 
-CODER_UNCLOSED = ("Sure.\n<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n"
-                  "<parameter=x>\n1\n")
+# parser -> an output with one complete call, then one open inside its argument's value
+UNCLOSED = {
+    "qwen3_coder": "Sure.\n<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n"
+                   "<parameter=x>\n1\n",
+    "glm45": "Sure.\n<tool_call>a\n</tool_call>\n<tool_call>b\n<arg_key>x</arg_key>\n<arg_value>1",
+}
 
 
-@pytest.mark.parametrize("step", [1, 5, len(CODER_UNCLOSED)])
-def test_qwen3_coder_reads_calls_an_output_stopped_short_of_closing_unless_cut(step):
-    """An output that ended by itself (EOS) before its closing tags ends its open argument and function there,
-    as vLLM reads it; one cut by max_tokens keeps only its complete calls (its last value may be cut too).
+@pytest.mark.parametrize("name", sorted(UNCLOSED))
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_typed_arguments_read_calls_an_output_stopped_short_of_closing_unless_cut(name, step):
+    """An output that ended by itself (EOS) before its closing tags ends its open argument and call there, as
+    vLLM reads Qwen3-Coder's; one cut by max_tokens keeps only its complete calls (its last value may be cut too).
     Streamed, the last delta says which, so a stream's calls are the finished parse's."""
+    text = UNCLOSED[name]
     for truncated, expected in ((False, [("a", {}), ("b", {"x": 1})]), (True, [("a", {})])):
-        parser = TOOL_PARSERS["qwen3_coder"]([{"name": "b", "parameters": {"properties": {"x": {"type": "integer"}}}}])
-        content, calls = parser.parse(CODER_UNCLOSED, truncated=truncated)
+        parser = TOOL_PARSERS[name]([{"name": "b", "parameters": {"properties": {"x": {"type": "integer"}}}}])
+        content, calls = parser.parse(text, truncated=truncated)
         assert content == "Sure.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == expected
         stream, arguments = ToolCallStream(parser), {}
-        for start in range(0, len(CODER_UNCLOSED), step):
-            final = start + step >= len(CODER_UNCLOSED)
-            _, deltas = stream.feed(CODER_UNCLOSED[start : start + step], final=final, truncated=truncated)
+        for start in range(0, len(text), step):
+            final = start + step >= len(text)
+            _, deltas = stream.feed(text[start : start + step], final=final, truncated=truncated)
             for d in deltas:
                 arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
         assert json.loads(arguments[0]) == {}
@@ -408,28 +414,6 @@ def test_a_named_tool_choice_cut_by_max_tokens_is_still_its_call_as_the_stream_s
     stream = ToolCallStream(NamedCallParser("get_weather"))
     _, deltas = stream.feed(text, final=True)
     assert "".join(d.arguments or "" for d in deltas) == text and deltas[0].name == "get_weather"
-
-
-GLM_UNCLOSED = "Sure.\n<tool_call>a\n</tool_call>\n<tool_call>b\n<arg_key>x</arg_key>\n<arg_value>1"
-
-
-@pytest.mark.parametrize("step", [1, 5, len(GLM_UNCLOSED)])
-def test_glm45_reads_calls_an_output_stopped_short_of_closing_unless_cut(step):
-    """GLM-4.5's calls read as Qwen3-Coder's are: an output that ended by itself inside a call ends its value and
-    call there; one cut by max_tokens keeps only its complete calls; a stream's calls are the finished parse's."""
-    for truncated, expected in ((False, [("a", {}), ("b", {"x": 1})]), (True, [("a", {})])):
-        parser = TOOL_PARSERS["glm45"]([{"name": "b", "parameters": {"properties": {"x": {"type": "integer"}}}}])
-        content, calls = parser.parse(GLM_UNCLOSED, truncated=truncated)
-        assert content == "Sure.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == expected
-        stream, arguments = ToolCallStream(parser), {}
-        for start in range(0, len(GLM_UNCLOSED), step):
-            final = start + step >= len(GLM_UNCLOSED)
-            _, deltas = stream.feed(GLM_UNCLOSED[start : start + step], final=final, truncated=truncated)
-            for d in deltas:
-                arguments[d.index] = arguments.get(d.index, "") + (d.arguments or "")
-        assert json.loads(arguments[0]) == {}
-        if not truncated:
-            assert json.loads(arguments[1]) == {"x": 1}
 
 
 def test_glm45_looks_past_a_tool_call_tag_in_prose_and_types_by_the_schema():
