@@ -140,25 +140,32 @@ WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's --speculative-config for its "ngram" method (prompt lookup): each decode proposes up to
-    `num_speculative_tokens` drafts, the tokens that followed the latest n-gram of its context (n in
-    [prompt_lookup_min, prompt_lookup_max]) where it appeared before, and the model verifies them in one step."""
+    """vLLM's --speculative-config: each decode proposes up to `num_speculative_tokens` drafts, which the
+    model verifies in one step. Method "ngram" (prompt lookup): the tokens that followed the latest n-gram of
+    the context (n in [prompt_lookup_min, prompt_lookup_max]) where it appeared before. Method "draft_model":
+    a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
+    vocabulary), run beside the target with a KV cache of its own."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5  # vLLM's defaults, both
     prompt_lookup_min: int = 5
+    model: str | None = None  # the draft model ("draft_model")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (draft models "
-                             f"and EAGLE heads are not supported), got {self.method!r}")
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (EAGLE heads "
+                             f"and MTP layers are not supported), got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('method "draft_model" takes the draft model as "model", and only it does')
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"the draft model must be a hub id, directory or file, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -183,6 +190,8 @@ class SpeculativeConfig:
             value["method"] = value.pop("model")
         if value.get("method") == "[ngram]":
             value["method"] = "ngram"
+        if "model" in value and "method" not in value:  # vLLM infers a draft model from its path
+            value["method"] = "draft_model"
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
@@ -429,6 +438,12 @@ class EngineConfig:
             raise ValueError("--enable-lora serves generation on one host (no --runner pooling, no multi-host)")
         if self.lora.enable_lora and self.cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
             raise ValueError("--enable-lora: not with an FP8 KV cache, whose scales are folded into the projections")
+        speculative = self.scheduler.speculative_config
+        if speculative is not None and speculative.method == "draft_model" and (
+                self.parallel.tensor_parallel_size > 1 or self.parallel.multihost
+                or self.parallel.data_parallel_size > 1):
+            raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one device: "
+                             "not with --tensor-parallel-size, --data-parallel-size or hosts above 1")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {', '.join(WARMUP_MODES)}; got {self.warmup_mode!r}")
         if self.parallel.multihost and self.warmup_mode == "background":

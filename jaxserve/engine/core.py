@@ -53,8 +53,10 @@ from jaxserve.engine.core_io import (
     engine_fault,
     failed,
 )
+from jaxserve.engine.draft_model_proposer import DraftModelProposer, draft_share
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.proposer import Proposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
@@ -139,6 +141,10 @@ class EngineCore:
         )
         leads = config.parallel.multihost and config.parallel.is_leader
         self.leader = multihost.Leader(config.parallel) if leads else None  # listens; accepts after warm-up
+        speculative = None if pooling else sched.speculative_config
+        # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
+        draft_model = (self._load_draft(config, speculative.model)
+                       if speculative is not None and speculative.method == "draft_model" else None)
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
@@ -148,6 +154,7 @@ class EngineCore:
             enforce_eager=config.enforce_eager,
             fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
             max_drafts=0 if pooling else sched.max_drafts,
+            draft=draft_share(draft_model, model, config.cache) if draft_model is not None else None,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
@@ -158,9 +165,14 @@ class EngineCore:
                            "is refused; --max-model-len auto serves what the cache holds, and a larger cache "
                            "(--kv-cache-memory, --gpu-memory-utilization, --num-kv-pages) serves more",
                            self.kv_cache.capacity_tokens, self.max_model_len)
-        speculative = None if pooling else sched.speculative_config
-        proposer = None if speculative is None else NgramProposer(
-            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        proposer: Proposer | None = None
+        if draft_model is not None:
+            proposer = DraftModelProposer(self._draft_runner(config, draft_model, ladder),
+                                          speculative.num_speculative_tokens)
+        elif speculative is not None:
+            proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                     speculative.prompt_lookup_max)
+        self.draft_runner = proposer.runner if isinstance(proposer, DraftModelProposer) else None
         self.scheduler = Scheduler(self.kv_cache, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.num_scheduler_steps, sched.scheduling_policy, proposer,
                                    row_buckets=self.runner.ladder.request_buckets,
@@ -208,13 +220,33 @@ class EngineCore:
         # The tokenizer's copies for the threads above (`TokenizerCopies`), made while the first step runs
         self.tokenizer_copies = TokenizerCopies(model.tokenizer, tokenizer_copies)
         self.warmup_seconds = self.runner.warmup(mode=mode, meanwhile=self.tokenizer_copies.make) if warmup else 0.0
+        if warmup and self.draft_runner is not None:
+            self.warmup_seconds += self.draft_runner.warmup(show_progress=False, mode=mode)
         self.runner.wait_for_weights()  # a start fails with its load's error, not the first step
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()
 
+    def _load_draft(self, config: EngineConfig, draft: str) -> LoadedModel:
+        """The draft model (--speculative-config's "model"), loaded as the target is: its dtypes, attention."""
+        logger.info("speculative decoding: loading the draft model %s", draft)
+        return load_model(draft, config.model.dtype, config.attention_impl, None, 1, config.model.weight_dtype,
+                          config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
+                          download_dir=config.model.download_dir)
+
+    def _draft_runner(self, config: EngineConfig, draft: LoadedModel, ladder: BucketLadder) -> ModelRunner:
+        """The draft model's runner: the target's buckets, greedy rows, k - 1 decode steps a call, and as
+        many KV pages as the target's (their memory counted in the target's sizing: `DraftShare`)."""
+        k = config.scheduler.speculative_config.num_speculative_tokens
+        cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages, enable_prefix_caching=False)
+        max_len = context_served(self.max_model_len, draft.max_position_embeddings)
+        return ModelRunner(draft, cache, ladder, max_len, config.scheduler.max_num_seqs, max_logprobs=1,
+                           greedy_decodes=True, num_decode_steps=max(1, k - 1), enforce_eager=config.enforce_eager)
+
     def shutdown(self) -> None:
         """Stops what runs besides steps (a background warm-up's compiles; multi-host followers)."""
         self.runner.stop_warmup()
+        if self.draft_runner is not None:
+            self.draft_runner.stop_warmup()
         if self.leader is not None:
             self.leader.stop()
 

@@ -6,7 +6,7 @@ are nearly free; on a CPU the matmuls are compute-bound beyond a few rows, and t
 twice or four times the last. A draft is worth a row when it is likely to be accepted. So the policy picks,
 among the buckets that hold the running requests, the one with the most expected tokens per second:
 
-    rate(R) = (n + sum of the R - n best draft slots' acceptance probabilities) / cost(R)
+    rate(R) = (n + sum of the R - n best draft slots' acceptance probabilities) / (cost(R) + proposal)
 
 where a request's draft at position p is accepted with probability a^p (each draft independently with
 probability a, given the ones before it), slots are filled position by position across requests (every
@@ -21,6 +21,8 @@ request's first draft before any second one), and cost(R) is the measured step t
   not yet measured is assumed to cost what the largest measured bucket below it costs: optimistic, so it is
   tried once when drafts would fill it, and measured then. Before the running requests' own bucket is
   measured, no draft is run (`choose` says so, and the scheduler plans a step that measures it).
+- `proposal` is a moving average of the time the proposer took to propose the drafts (n-gram lookups:
+  next to nothing; a draft model: its calls), which a step without drafts does not pay.
 - Without drafts the requests would run a plain step or, with multi-step decoding, k steps in one call;
   the rate drafts compete with is the better of the two, per step.
 """
@@ -42,6 +44,8 @@ class DraftPolicy:
         self.multi_step_costs: dict[int, float] = {}  # the same for multi-step decodes, per step
         self._num_measured: dict[tuple[bool, int], int] = {}
         self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
+        self.proposal_cost = 0.0  # seconds a round of proposals takes (moving average)
+        self._num_proposals = 0
 
     @property
     def acceptance(self) -> float:
@@ -57,6 +61,15 @@ class DraftPolicy:
         seconds /= num_steps
         previous = costs.get(num_rows)
         costs[num_rows] = seconds if count <= 2 else previous + _COST_WEIGHT * (seconds - previous)
+
+    def observe_proposal(self, seconds: float) -> None:
+        """A round of proposals (every running request's) took `seconds`; the first is left out, as a
+        bucket's first step is (it may have paid for compiles or first touches)."""
+        self._num_proposals += 1
+        if self._num_proposals == 2:
+            self.proposal_cost = seconds
+        elif self._num_proposals > 2:
+            self.proposal_cost += _COST_WEIGHT * (seconds - self.proposal_cost)
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         """A request's `num_drafts` drafts were verified and the first `num_accepted` accepted."""
@@ -102,7 +115,7 @@ class DraftPolicy:
         best_rate, best_slots = num_requests / base_cost, 0
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
-            rate = (num_requests + gains[num_slots]) / self.cost(rows)
+            rate = (num_requests + gains[num_slots]) / (self.cost(rows) + self.proposal_cost)
             if rate > best_rate:
                 best_rate, best_slots = rate, num_slots
             if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts

@@ -47,6 +47,12 @@ class NgramProposer:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self._contexts: dict[str, tuple[np.ndarray, int]] = {}  # id -> (i32[max_num_tokens], tokens in it)
 
+    probes_cheaply = True  # a proposal costs a lookup: the scheduler may ask one to learn whether drafts come
+
+    def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Each request's drafts (`propose`)."""
+        return [self.propose(request, limit) for request, limit in zip(requests, max_drafts, strict=True)]
+
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_drafts) drafts to follow the request's known tokens."""
         max_drafts = min(max_drafts, self.num_speculative_tokens)

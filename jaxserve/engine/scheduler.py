@@ -38,9 +38,10 @@ The runner feeds each sample to the next step on the device; stops are applied w
 (`update_steps`), so a finished request wastes at most k - 1 tokens, or 2k - 1 when calls overlap. A
 request preempted while a k-step call for it is in flight resumes once that call is read.
 
-Speculative decoding (`proposer`, vLLM's "ngram" method): under the same conditions (a draft row's penalties
-count the drafts before it, and the accepted drafts are counted on the device: `runner/penalties.py`), each
-running request with n-gram drafts d1..dm (`NgramProposer`) gets m + 1 consecutive decode rows in one step,
+Speculative decoding (`proposer`: vLLM's "ngram" method, `NgramProposer`, or its "draft_model",
+`DraftModelProposer`): under the same conditions (a draft row's penalties count the drafts before it, and the
+accepted drafts are counted on the device: `runner/penalties.py`), each running request with drafts d1..dm
+gets m + 1 consecutive decode rows in one step,
 row i feeding its last known token (i = 0) or d_i at the next position (batch expansion: each row attends over
 the pages the rows before it wrote this step). Each row samples as a plain decode would, with its own output
 index, and `update_verified` keeps row 0's sample, then row i's while row i - 1's sample is d_i. With drafts
@@ -53,7 +54,9 @@ no request has a draft), drafting pauses for a few steps, which then schedule as
 (a step that may draft needs its requests' last tokens read first): 1 step, then twice as many after each plan
 in a row that ran no draft, up to `DRAFT_PAUSE_STEPS`. A pause ends early when a request starts, or, when no
 request had a draft, once one's context (up to its token in flight) ends in an n-gram seen before: output that
-alternates copied and new text drafts again as soon as it copies, and free text pays a read once per 16 steps.
+alternates copied and new text drafts again as soon as it copies, and free text pays a read once per 16 steps
+(n-gram lookups only: a draft model is not run just to ask). The proposal's own time counts against the rows
+it fills (`DraftPolicy.observe_proposal`): a draft model's two calls a round are not free.
 """
 
 import bisect
@@ -64,7 +67,7 @@ from dataclasses import dataclass, field
 from jaxserve.engine.draft_policy import DraftPolicy
 from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
 from jaxserve.engine.lora_slots import LoraSlots
-from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.proposer import Proposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.step_io import NO_LORA_SLOT, PENDING_TOKEN, NewRequest, SchedulerOutput, StepOutput
 from jaxserve.sampling_params import fits_kv_cache, kv_tokens
@@ -148,7 +151,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_scheduler_steps: int = 1,
         policy: str = "fcfs",
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
         row_buckets: tuple[int, ...] = (),
         max_loras: int = 0,
         overlap_decode_steps: bool = False,
@@ -240,8 +243,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._draft_pause:
             self._draft_pause -= 1
-            if self._draft_pause and self._paused_without_drafts and any(
-                    self.proposer.propose(request, 1) for request in self.running):  # copying again
+            if self._draft_pause and self._paused_without_drafts and self.proposer.probes_cheaply and any(
+                    self.proposer.propose_batch(self.running, [1] * len(self.running))):  # copying again
                 self._draft_pause = 0
         if self.only_decodes() and (self.overlap_decode_steps
                                     or not any(request.num_inflight_tokens for request in self.running)):
@@ -466,7 +469,10 @@ class Scheduler:
         None when no draft is worth its row (`DraftPolicy`), or when their pages do not all fit without
         preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
-        proposals = [proposer.propose(request, request.max_num_tokens - request.num_tokens - 1) for request in running]
+        proposed_at = time.perf_counter()
+        proposals = proposer.propose_batch(running, [request.max_num_tokens - request.num_tokens - 1
+                                                     for request in running])
+        self.draft_policy.observe_proposal(time.perf_counter() - proposed_at)
         kept = self.draft_policy.choose(proposals) if any(proposals) else [0] * len(running)
         self._plans_since_timed += 1
         if kept is None or self._plans_since_timed > RETIME_PLANS:

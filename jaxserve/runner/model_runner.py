@@ -142,6 +142,25 @@ def _zeros_program(abstract: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]) -> An
                    out_shardings=shardings)
 
 
+def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig) -> int:
+    """One page of `model`'s KV cache, in every layer, at the cache's dtype for it."""
+    cfg = model.cfg
+    dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
+                           cfg.attention.compute_capability)
+    return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim, dtype.itemsize,
+                          kv_arrays(cfg))
+
+
+@dataclass(frozen=True)
+class DraftShare:
+    """What a draft model beside the runner's model takes of the memory its KV cache is sized in: its
+    weights (bytes on one device) and its own KV page per page of the runner's (the draft's cache holds
+    as many tokens)."""
+
+    weight_bytes: int
+    page_bytes: int
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -159,10 +178,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         fit_to_cache: bool = False,
         max_drafts: int = 0,
+        draft: DraftShare | None = None,
     ) -> None:
         """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
         that is less (`self.max_model_len` is what the runner serves). `max_drafts`: a speculative decode's
-        drafts per request at most (0: none), which a penalty row's sampling counts."""
+        drafts per request at most (0: none), which a penalty row's sampling counts. `draft`: a draft model's
+        share of the memory the KV budget divides (its weights, and a page of its own per page of this cache),
+        which the runner then sizes its page count for."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -196,9 +218,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
                                        cfg.attention.compute_capability)
-        page_bytes = bytes_per_page(
-            cfg.num_layers, cfg.num_kv_heads, self.page_size, cfg.head_dim, self.kv_dtype.itemsize, kv_arrays(cfg)
-        )
+        page_bytes = kv_page_bytes(model, cache_config)
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
@@ -228,7 +248,11 @@ class ModelRunner:
         # top of what it held before.
         loading_bytes = (model.in_use_before_loading + bytes_per_device(self._abstract_weights)
                          if model.loading else None)
-        self.num_pages, sized = self._num_kv_pages(cache_config, page_bytes, loading_weights_bytes=loading_bytes)
+        if draft is not None:  # loaded after this model's load began: not in its `in_use_before_loading`
+            loading_bytes = None if loading_bytes is None else loading_bytes + draft.weight_bytes
+        sizing_page_bytes = page_bytes + (draft.page_bytes if draft is not None else 0)
+        self.num_pages, sized = self._num_kv_pages(cache_config, sizing_page_bytes,
+                                                   loading_weights_bytes=loading_bytes)
         if (served := self._served_len(self.num_pages)) < max_model_len:  # the sized steps compiled at it too
             logger.info("--max-model-len auto: %d tokens, what the KV cache holds of the model's %d", served,
                         max_model_len)

@@ -1,0 +1,226 @@
+"""Drafts for speculative decoding from a smaller model (vLLM's "draft_model" method).
+
+The draft model runs on a `ModelRunner` of its own, beside the target's, with a KV cache of its own: as
+many pages of its size as the target has of its (`DraftShare`: the target sizes its page count for both),
+handed out by a `KVCacheManager` of its own, without prefix caching. Nothing the target's scheduler
+decides (prefix-cache hits, preemption, which drafts a step verifies) reaches into that cache: each
+sequence's draft state says how far its draft K/V is the K/V of the sequence's own tokens, and a round
+checks that against the tokens the sequence has now.
+
+A round (`propose_batch`, called by the scheduler when every running request decodes) runs, for all the
+requests at once:
+1. the catch-up: each request's tokens that the draft has not computed (its prompt in the first round, a
+   chunk per call where the prompts pass the largest token bucket; then one to a few tokens: the last
+   sample and the accepted drafts whose K/V the draft wrote before a rejection), sampling greedily the
+   first draft where a request's tokens end;
+2. a k - 1-step decode on the device (`make_decode_steps_fn`, one call) feeding each draft to the next.
+Two device calls a round, each read at once: the next call's inputs are its samples. The drafts at
+positions n .. n + k - 2 are written to the draft's cache as they are run; a later round keeps those the
+sequence then holds (the accepted ones) and recomputes from the first that it does not.
+
+Runs on the engine's thread, like the scheduler that calls it; the runner's warm-up compiles its buckets.
+"""
+
+from dataclasses import dataclass, field
+
+import jax
+
+from jaxserve.config import CacheConfig
+from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
+from jaxserve.engine.request import Request
+from jaxserve.engine.step_io import NewRequest, SchedulerOutput
+from jaxserve.models.loader import LoadedModel
+from jaxserve.parallel import bytes_per_device
+from jaxserve.runner.model_runner import DraftShare, ModelRunner, kv_page_bytes
+from jaxserve.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def draft_share(draft: LoadedModel, target: LoadedModel, cache_config: CacheConfig) -> DraftShare:
+    """What `draft` takes of the target runner's memory budget (`DraftShare`); raises ValueError if it
+    cannot draft for `target`."""
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the target's "
+                         f"({target.cfg.vocab_size}): drafts must be the target's token ids")
+    return DraftShare(bytes_per_device(jax.tree.leaves(draft.state)), kv_page_bytes(draft, cache_config))
+
+
+@dataclass
+class _DraftState:
+    """A sequence's place in the draft's cache."""
+
+    page_ids: list[int] = field(default_factory=list)
+    num_pages_sent: int = 0  # pages the runner's row holds (sent in plans)
+    has_row: bool = False  # the runner holds a row for it
+    num_computed: int = 0  # positions whose draft K/V is the sequence's own tokens'
+    base: int = 0  # the sequence's tokens when it was last drafted for
+    drafts: list[int] = field(default_factory=list)  # the drafts then written at positions base, base + 1, ...
+
+
+class DraftModelProposer:
+    """Proposes each running request's next k tokens, the draft model's greedy continuation."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
+        """`runner`: the draft model's, made with `num_decode_steps` k - 1 (or 1) and greedy decodes."""
+        self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
+        self.pages = KVCacheManager(runner.num_pages, runner.page_size, enable_prefix_caching=False,
+                                    sliding_window=shared_window(getattr(runner.model.cfg, "sliding_windows", ())))
+        self._states: dict[str, _DraftState] = {}
+        self._released: list[str] = []  # sequences whose runner rows the next plan releases
+        self.num_calls = 0  # device calls, for tests and benchmarks
+
+    # A round runs the draft model: the scheduler does not ask one only to learn whether drafts would come.
+    probes_cheaply = False
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        """One request's drafts (`propose_batch` for one)."""
+        return self.propose_batch([request], [max_drafts])[0]
+
+    def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Up to min(k, max_drafts[i]) drafts to follow each request's known tokens: `requests` are all the
+        running ones (the states of others, preempted since, are dropped), each having its last token to
+        compute. A request gets none where the draft's cache or context has no room for its drafts."""
+        k = self.num_speculative_tokens
+        running = {request.request_id for request in requests}
+        for request_id in [key for key in self._states if key not in running]:
+            self.forget(request_id)
+        proposals: list[list[int]] = [[] for _ in requests]
+        active: list[tuple[int, Request, _DraftState]] = []
+        for index, (request, limit) in enumerate(zip(requests, max_drafts, strict=True)):
+            num_tokens = request.num_tokens
+            if min(limit, k) < 1 or num_tokens + k - 1 > self.runner.max_model_len:
+                continue
+            state = self._states.setdefault(request.request_id, _DraftState())
+            state.num_computed = _valid_prefix(request, state)
+            self.pages.release_outside_window(state.page_ids, state.num_computed)
+            if self.pages.allocate(state.page_ids, num_tokens + k - 1):  # the drafts' positions too
+                active.append((index, request, state))
+        if not active:
+            return proposals
+        drafts = self._catch_up(active)  # index -> [the first draft]
+        if k > 1:
+            self._decode(active, drafts)
+        for index, request, state in active:
+            state.base, state.drafts = request.num_tokens, drafts[index][: k - 1]
+            state.num_computed = request.num_tokens + k - 1
+            proposals[index] = drafts[index][: min(max_drafts[index], k)]
+        return proposals
+
+    def forget(self, request_id: str) -> None:
+        """Drops a sequence's state and pages (finished, or no longer running)."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.pages.free(state.page_ids)
+            if state.has_row:
+                self._released.append(request_id)
+
+    def _catch_up(self, active: list[tuple[int, Request, _DraftState]]) -> dict[int, list[int]]:
+        """Computes each request's tokens from its draft state on (in as many calls as the largest bucket
+        needs) and samples its first draft where they end."""
+        ladder = self.runner.ladder
+        max_tokens, max_rows = ladder.token_buckets[-1], ladder.request_buckets[-1]
+        firsts: dict[int, list[int]] = {}
+        pending = list(active)
+        while pending:
+            plan = _PlanBuilder(self._released)
+            self._released = []
+            rows: list[tuple[int, int]] = []  # (request index, row) of the rows that end their request's tokens
+            left: list[tuple[int, Request, _DraftState]] = []
+            for item in pending:
+                index, request, state = item
+                room = max_tokens - plan.num_tokens
+                if room < 1 or plan.num_rows == max_rows:
+                    left.append(item)
+                    continue
+                start, end = state.num_computed, request.num_tokens
+                take = min(end - start, room)
+                if start + take == end:
+                    rows.append((index, plan.num_rows))
+                plan.add(request, state, request.token_ids(start, start + take), start, start + take == end)
+                state.num_computed += take
+                if state.num_computed < end:
+                    left.append(item)
+            out = self.runner.collect(self._launch(plan.build()))
+            for index, row in rows:
+                firsts[index] = [out.sampled_token_ids[row]]
+            pending = left
+        return firsts
+
+    def _decode(self, active: list[tuple[int, Request, _DraftState]], drafts: dict[int, list[int]]) -> None:
+        """Runs k - 1 decode steps from each request's first draft, appending their samples to `drafts`."""
+        steps = self.num_speculative_tokens - 1
+        plan = _PlanBuilder(self._released)
+        self._released = []
+        for index, request, state in active:
+            plan.add(request, state, drafts[index][:1], request.num_tokens, True)
+        launched = self._launch(plan.build(decode_steps=steps))
+        outputs = self.runner.collect_steps(launched) if steps > 1 else [self.runner.collect(launched)]
+        for row, (index, _, _) in enumerate(active):
+            drafts[index] += [output.sampled_token_ids[row] for output in outputs]
+
+    def _launch(self, plan: SchedulerOutput):
+        self.num_calls += 1
+        launched = self.runner.launch(plan)
+        assert launched is not None, "a draft plan has rows"
+        return launched
+
+
+def _valid_prefix(request: Request, state: _DraftState) -> int:
+    """How many of the request's positions the draft's cache holds its own tokens' K/V for: those before
+    the last drafting, then the drafts written that the request now holds; at most all but its last
+    token, whose logits the next draft needs."""
+    num_tokens = request.num_tokens
+    if not state.drafts:
+        return min(state.num_computed, num_tokens - 1)
+    held = request.token_ids(state.base, min(num_tokens, state.base + len(state.drafts)))
+    matched = 0
+    while matched < len(held) and held[matched] == state.drafts[matched]:
+        matched += 1
+    return min(state.base + matched, num_tokens - 1)
+
+
+class _PlanBuilder:
+    """A draft runner's plan, row by row: greedy rows, their pages sent as they grow."""
+
+    def __init__(self, released: list[str]) -> None:
+        self.request_ids: list[str] = []
+        self._num_new: list[int] = []
+        self._token_ids: list[int] = []
+        self._starts: list[int] = []
+        self._keeps: list[bool] = []
+        self._new_requests: list[NewRequest] = []
+        self._new_pages: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._released = tuple(released)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    def add(self, request: Request, state: _DraftState, token_ids: list[int], start: int, keeps_sample: bool) -> None:
+        row = len(self.request_ids)
+        self.request_ids.append(request.request_id)
+        self._num_new.append(len(token_ids))
+        self._token_ids += token_ids
+        self._starts.append(start)
+        self._keeps.append(keeps_sample)
+        if not state.has_row:
+            self._new_requests.append(NewRequest.of(request.request_id, _GREEDY, 0, request.num_prompt_tokens))
+            state.has_row, state.num_pages_sent = True, 0
+            self._new_pages[row] = (0, tuple(state.page_ids))
+        elif len(state.page_ids) > state.num_pages_sent:
+            self._new_pages[row] = (state.num_pages_sent, tuple(state.page_ids[state.num_pages_sent:]))
+        state.num_pages_sent = len(state.page_ids)
+
+    def build(self, decode_steps: int = 1) -> SchedulerOutput:
+        return SchedulerOutput(
+            self.request_ids, self._num_new, self._token_ids, self._starts,
+            output_indices=[0] * len(self.request_ids), keeps_sample=self._keeps,
+            new_requests=tuple(self._new_requests), new_pages=self._new_pages, finished_ids=self._released,
+            decode_steps=(decode_steps,) * len(self.request_ids) if decode_steps > 1 else (),
+        )

@@ -1,0 +1,20 @@
+"""What the scheduler asks of speculative decoding's drafts (pure Python, no jax): `NgramProposer`'s
+lookups, or `DraftModelProposer`'s smaller model."""
+
+from typing import Protocol
+
+from jaxserve.engine.request import Request
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int  # drafts a request gets at most
+    probes_cheaply: bool  # a proposal costs little: the scheduler may ask one only to learn whether drafts come
+
+    def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Up to min(num_speculative_tokens, max_drafts[i]) drafts to follow each running request's known
+        tokens (`requests` are all the running ones, each with its last token to compute)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drops what it keeps for a finished sequence."""
+        ...

@@ -1,0 +1,230 @@
+"""Speculative decoding from a draft model (`--speculative-config '{"model": ...}'`): outputs are token
+for token those of plain decoding whatever the draft proposes; a draft that is the target itself has every
+draft accepted (its KV cache, kept apart from the target's, holds what the target's does); prompts longer
+than the largest bucket catch up in chunks; preemption, aborts and finished requests leave no draft page
+behind; the two caches share the KV budget; nothing compiles after warm-up."""
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.engine.draft_model_proposer import DraftModelProposer, _DraftState, _valid_prefix, draft_share
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import LADDER, assert_same, make_engine, make_prompts, run, run_alone, workload
+from tests.helpers import count_compilations
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny_model_dir) -> dict[str, str]:
+    # the target itself (every draft right), and another random model of the same vocabulary (most wrong)
+    return {"self": str(tiny_model_dir("llama")), "other": str(tiny_model_dir("qwen3"))}
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir, draft_dirs) -> dict[str, LLMEngine]:
+    return {
+        "plain": make_engine(llama_dir),
+        "self": make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3}),
+        "other": make_engine(llama_dir, speculative_config={"model": draft_dirs["other"], "num_speculative_tokens": 4},
+                             enable_prefix_caching=True),
+    }
+
+
+@contextlib.contextmanager
+def every_draft_runs(engine: LLMEngine):
+    """Steps cost alike and proposals nothing: the draft policy runs every draft that fits its buckets."""
+    policy = engine.scheduler.draft_policy
+    costs = policy.costs
+    policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
+    policy.observe_step = lambda *timed: None
+    policy.observe_proposal = lambda seconds: None
+    try:
+        yield
+    finally:
+        policy.costs = costs
+        del policy.observe_step, policy.observe_proposal
+
+
+def proposer_of(engine: LLMEngine) -> DraftModelProposer:
+    proposer = engine.scheduler.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    return proposer
+
+
+def run_drafting(engine: LLMEngine, requests: dict, arrivals: dict,
+                 aborts: dict | None = None) -> tuple[dict, int, int]:
+    """`requests` with every draft run; returns the outputs, the draft tokens verified and the accepted ones,
+    and checks that nothing compiled and that the draft's cache ends empty."""
+    counts, proposer = engine.scheduler.speculation, proposer_of(engine)
+    before = counts.num_draft_tokens, counts.num_accepted_tokens
+    with every_draft_runs(engine), count_compilations() as compiled:
+        outputs = run(engine, requests, arrivals, aborts)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages, "draft pages leaked"
+    assert not proposer._states
+    return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1]
+
+
+def greedy_requests(num: int, max_tokens: int) -> tuple[dict, dict]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = make_prompts(num)
+    return ({f"r{i}": (prompts[i], params) for i in range(num)}, {f"r{i}": i % 3 for i in range(num)})
+
+
+def test_a_draft_that_is_the_target_has_every_draft_accepted(engines):
+    """The draft's cache is the target's, computed apart: after rejections and partial acceptances (the
+    policy keeps fewer drafts where rows run out), each round's drafts are the target's own next tokens."""
+    requests, arrivals = greedy_requests(6, 30)
+    plain = run(engines["plain"], requests, arrivals)
+    outputs, drafted, accepted = run_drafting(engines["self"], requests, arrivals)
+    assert_same(plain, outputs)
+    assert drafted > 50
+    assert accepted == drafted
+
+
+def test_each_round_drafts_the_greedy_continuation_of_the_tokens_then(engines):
+    """Sampled requests reject most of a greedy draft's tokens, so rounds start after rejections, partial
+    acceptances, corrections and plain steps: each round's drafts are still the draft model's greedy continuation of
+    the request's tokens, as a fresh run of it gives (the draft here is the target: the plain engine)."""
+    prompts = make_prompts(6)
+    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True))
+                for i in range(6)}
+    proposer = proposer_of(engines["self"])
+    propose_batch, rounds = proposer.propose_batch, []
+
+    def recording_propose_batch(running, max_drafts):
+        proposals = propose_batch(running, max_drafts)
+        rounds.extend((request.token_ids(0, request.num_tokens), drafts)
+                      for request, drafts in zip(running, proposals, strict=True) if drafts)
+        return proposals
+
+    proposer.propose_batch = recording_propose_batch
+    try:
+        # staggered: the steps that start a request run no drafts, so some rounds follow two or more tokens
+        _, drafted, accepted = run_drafting(engines["self"], requests, {f"s{i}": 4 * i for i in range(6)})
+    finally:
+        del proposer.propose_batch
+    assert 0 < accepted < drafted / 2
+    assert len(rounds) > 40
+    for tokens, drafts in rounds[::2]:
+        assert drafts == run_alone(engines["plain"], tokens, len(drafts)), f"after {len(tokens)} tokens"
+
+
+def test_any_draft_gives_the_plain_outputs(engines):
+    """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops, with a draft
+    model that is mostly wrong: every output is the plain engine's, and some drafts are accepted."""
+    requests, arrivals = workload(engines["plain"])
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    plain = run(engines["plain"], requests, arrivals)
+    outputs, drafted, accepted = run_drafting(engines["other"], requests, arrivals)
+    assert_same(plain, outputs)
+    assert drafted > 0 and 0 <= accepted < drafted
+
+
+def test_prompts_past_the_largest_bucket_catch_up_in_chunks(engines):
+    """Prompts of 150-200 tokens (the largest bucket holds 64) and aborts mid-way: the draft computes each
+    prompt over several calls, and the drafts still match the target's tokens."""
+    rng = np.random.default_rng(1)
+    long_prompts = [rng.integers(3, 40000, size=150 + 25 * i).tolist() for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = {f"long{i}": (prompt, params) for i, prompt in enumerate(long_prompts)}
+    requests["aborted"] = (long_prompts[0][:40], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    arrivals = {"long0": 0, "long1": 0, "long2": 2, "aborted": 0}
+    assert all(len(prompt) > LADDER["max_num_batched_tokens"] * 2 for prompt in long_prompts)
+    plain = run(engines["plain"], requests, arrivals, {"aborted": 12})
+    runner = proposer_of(engines["self"]).runner
+    launch, chunks = runner.launch, []
+
+    def recording_launch(plan):
+        chunks.extend(n for n, keeps in zip(plan.num_new_tokens, plan.keeps_sample, strict=True) if not keeps)
+        return launch(plan)
+
+    runner.launch = recording_launch
+    try:
+        outputs, drafted, accepted = run_drafting(engines["self"], requests, arrivals, {"aborted": 12})
+    finally:
+        del runner.launch
+    assert_same(plain, outputs)
+    assert drafted > 0 and accepted == drafted
+    assert len(chunks) >= 3 and sum(chunks) >= 3 * 64  # prompts' leading chunks, a full bucket's tokens or less
+
+
+def test_preemption_leaves_the_outputs_and_the_draft_cache_right(llama_dir, draft_dirs):
+    """A target cache too small for every request: requests are preempted and resumed (their draft state
+    dropped and computed again), outputs stay the plain ones and all drafts are accepted."""
+    small = dict(num_kv_pages=24, warmup=False)
+    requests, arrivals = greedy_requests(5, 24)
+    plain = run(make_engine(llama_dir, **small), requests, arrivals)
+    engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 2},
+                         **small)
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda *args: preempted.append(args) or preempt(*args)
+    counts = engine.scheduler.speculation
+    with every_draft_runs(engine):
+        outputs = run(engine, requests, arrivals)
+    assert_same(plain, outputs)
+    assert preempted, "nothing was preempted: the test no longer tests preemption"
+    assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
+
+
+def test_the_target_sizes_its_cache_for_both_models(llama_dir, draft_dirs):
+    """Under a KV budget (no --num-kv-pages), the target's page count is what the budget holds of a page of
+    each model's, and the draft has as many pages."""
+    budget = dict(num_kv_pages=None, kv_cache_memory_gib=0.01, warmup=False)
+    alone = make_engine(llama_dir, **budget)
+    both = make_engine(llama_dir, speculative_config={"model": draft_dirs["other"], "num_speculative_tokens": 2},
+                       **budget)
+    draft_runner = proposer_of(both).runner
+    target_page = alone.core.runner.num_pages and int(0.01 * 2**30) // alone.core.runner.num_pages
+    assert alone.core.runner.num_pages == int(0.01 * 2**30) // target_page
+    share = draft_share(draft_runner.model, both.core.runner.model, both.core.config.cache)
+    assert both.core.runner.num_pages == int(0.01 * 2**30) // (target_page + share.page_bytes)
+    assert draft_runner.num_pages == both.core.runner.num_pages
+
+
+def test_the_draft_state_keeps_what_the_request_holds():
+    """The positions whose draft K/V is the request's own: the last drafting's base, then the drafts the
+    request now holds, at most all but its last token."""
+
+    def request(tokens: list[int]):
+        return SimpleNamespace(num_tokens=len(tokens), token_ids=lambda start, end: tokens[start:end])
+
+    known = [5, 6, 7, 8]
+    state = _DraftState(num_computed=0)
+    assert _valid_prefix(request(known), state) == 0  # nothing computed
+    state = _DraftState(num_computed=4 + 2, base=4, drafts=[9, 10])  # drafts 9, 10 written at positions 4, 5
+    assert _valid_prefix(request([*known, 9, 10, 11]), state) == 6  # both accepted, then a correction
+    assert _valid_prefix(request([*known, 9, 3]), state) == 5  # the second rejected
+    assert _valid_prefix(request([*known, 2]), state) == 4  # the first rejected
+    assert _valid_prefix(request([*known, 9]), state) == 4  # a plain step sampled draft 1: its logits needed
+    state = _DraftState(num_computed=4, base=4)  # one draft a round: nothing written past the base
+    assert _valid_prefix(request([*known, 1, 2]), state) == 4
+
+
+def test_the_speculative_config_takes_a_draft_model():
+    assert SpeculativeConfig.of({"model": "some/draft", "num_speculative_tokens": 5}) == SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=5, model="some/draft")
+    assert SpeculativeConfig.of({"model": "ngram", "num_speculative_tokens": 2}).method == "ngram"
+    for bad in ({"method": "draft_model", "num_speculative_tokens": 2},
+                {"method": "ngram", "model": "x", "num_speculative_tokens": 2},
+                {"model": "", "num_speculative_tokens": 2},
+                {"model": "x", "num_speculative_tokens": 0}):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.of(bad)
+    with pytest.raises(ValueError, match="one device"):
+        EngineConfig.from_preset(None, model="m", tensor_parallel_size=2,
+                                 speculative_config={"model": "d", "num_speculative_tokens": 2})
+
+
+def test_a_draft_of_another_vocabulary_is_refused():
+    def model(vocab_size: int):
+        return SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab_size))
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        draft_share(model(100), model(200), None)
