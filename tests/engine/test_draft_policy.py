@@ -1,7 +1,7 @@
 """The draft policy: no drafts before the running requests' bucket is timed, drafts in a bucket's padding
 rows for free, a larger bucket only where its expected tokens per second beat the smaller's, slots filled
 position by position, an untimed bucket tried once, and an acceptance estimate that follows verifications
-and the first drafts of requests whose drafts did not run."""
+and the first drafts of requests whose drafts did not run, and a proposal's own time."""
 
 import pytest
 
@@ -99,3 +99,15 @@ def test_drafts_compete_with_multi_step_decoding_s_time_per_step():
     policy.observe_step(1, 0.032, num_steps=8)
     assert policy.multi_step_costs[1] == 0.004
     assert policy.choose([[5, 6, 7]]) == [0]
+
+
+@pytest.mark.parametrize("proposal_seconds, want", [(0.0, [1, 0, 0]), (0.004, [0, 0, 0])])
+def test_the_proposal_s_own_time_counts_against_its_drafts(proposal_seconds, want):
+    """A draft model's round is not free: a padding row's first draft, worth a^1 = 0.5 tokens beside three
+    requests' 3, pays at no proposal cost and not at 0.004 s against the 0.010 s step (3.5 / 0.014 < 3 / 0.010).
+    The first round's time is left out, as a bucket's first step is."""
+    policy = policy_with({4: 0.010, 16: 0.040}, acceptance_runs=(30, 30))
+    policy.observe_proposal(1.0)  # the first: compiles, first touches
+    policy.observe_proposal(proposal_seconds)
+    assert policy.proposal_cost == proposal_seconds
+    assert policy.choose([[7, 8], [], [9]]) == want

@@ -81,7 +81,7 @@ def test_vllm_s_speculative_config_shape_defaults_and_refusals():
         ({"method": "ngram", "num_speculative_tokens": True}, "must be an integer"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "min <= max"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown speculative config keys"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes the draft model as"),
         ([1, 2], "must be a JSON object"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -37,10 +37,14 @@ class ScriptedProposer:
     """Drafts from the plain engine's outputs (`truths`), every few proposals with one draft corrupted."""
 
     num_speculative_tokens = 3
+    probes_cheaply = True
 
     def __init__(self, truths: dict[tuple, list[int]]) -> None:
         self.truths = truths
         self.num_proposals = 0
+
+    def propose_batch(self, requests, max_drafts: list[int]) -> list[list[int]]:
+        return [self.propose(request, limit) for request, limit in zip(requests, max_drafts, strict=True)]
 
     def propose(self, request, max_drafts: int) -> list[int]:
         truth = self.truths.get(truth_key(request))
@@ -255,6 +259,7 @@ def plain_run(engine: LLMEngine, requests: dict, arrivals: dict) -> dict:
     """`requests` on `engine` with its proposer off: plain decoding on the same compiled steps."""
     scheduler = engine.scheduler
     proposer, scheduler.proposer = scheduler.proposer, None
+    scheduler._draft_pause = 0  # a pause the last run left: without a proposer, nothing to resume
     try:
         return run(engine, requests, arrivals)
     finally:
