@@ -43,6 +43,7 @@ import numpy as np
 from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, context_served
+from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.core_io import (
     CoreOutputs,
     EngineInfo,
@@ -234,13 +235,15 @@ class EngineCore:
                           download_dir=config.model.download_dir)
 
     def _draft_runner(self, config: EngineConfig, draft: LoadedModel, ladder: BucketLadder) -> ModelRunner:
-        """The draft model's runner: the target's buckets, greedy rows, k - 1 decode steps a call, and as
-        many KV pages as the target's (their memory counted in the target's sizing: `DraftShare`)."""
+        """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's
+        (their memory counted in the target's sizing: `DraftShare`)."""
         k = config.scheduler.speculative_config.num_speculative_tokens
         cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages, enable_prefix_caching=False)
         max_len = context_served(self.max_model_len, draft.max_position_embeddings)
+        # k - 1 decode steps in one call on GPUs; a call a step on CPUs (`DraftModelProposer._decode`)
+        steps = max(1, k - 1) if draft_model_proposer.one_call_decodes(jax.default_backend()) else 1
         return ModelRunner(draft, cache, ladder, max_len, config.scheduler.max_num_seqs, max_logprobs=1,
-                           greedy_decodes=True, num_decode_steps=max(1, k - 1), enforce_eager=config.enforce_eager)
+                           greedy_decodes=True, num_decode_steps=steps, enforce_eager=config.enforce_eager)
 
     def shutdown(self) -> None:
         """Stops what runs besides steps (a background warm-up's compiles; multi-host followers)."""

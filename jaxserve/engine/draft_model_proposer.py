@@ -13,8 +13,9 @@ requests at once:
    chunk per call where the prompts pass the largest token bucket; then one to a few tokens: the last
    sample and the accepted drafts whose K/V the draft wrote before a rejection), sampling greedily the
    first draft where a request's tokens end;
-2. a k - 1-step decode on the device (`make_decode_steps_fn`, one call) feeding each draft to the next.
-Two device calls a round, each read at once: the next call's inputs are its samples. The drafts at
+2. k - 1 decode steps feeding each draft to the next: on GPUs one call that loops on the device
+   (`make_decode_steps_fn`), on CPUs a call a step.
+Two device calls a round on a GPU (k on a CPU), each read at once: the next call's inputs are its samples. The drafts at
 positions n .. n + k - 2 are written to the draft's cache as they are run; a later round keeps those the
 sequence then holds (the accepted ones) and recomputes from the first that it does not.
 
@@ -35,6 +36,11 @@ from jaxserve.runner.model_runner import DraftShare, ModelRunner, kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
+
+
+def one_call_decodes(platform: str) -> bool:
+    """Whether a round's k - 1 decode steps run in one call on `platform` (`DraftModelProposer._decode`)."""
+    return platform != "cpu"
 
 
 def draft_share(draft: LoadedModel, target: LoadedModel, cache_config: CacheConfig) -> DraftShare:
@@ -62,7 +68,8 @@ class DraftModelProposer:
     """Proposes each running request's next k tokens, the draft model's greedy continuation."""
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
-        """`runner`: the draft model's, made with `num_decode_steps` k - 1 (or 1) and greedy decodes."""
+        """`runner`: the draft model's, made with greedy decodes, and `num_decode_steps` k - 1 where the k - 1
+        decode steps of a round run in one call (`_decode`)."""
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
         self.pages = KVCacheManager(runner.num_pages, runner.page_size, enable_prefix_caching=False,
@@ -149,16 +156,29 @@ class DraftModelProposer:
         return firsts
 
     def _decode(self, active: list[tuple[int, Request, _DraftState]], drafts: dict[int, list[int]]) -> None:
-        """Runs k - 1 decode steps from each request's first draft, appending their samples to `drafts`."""
+        """Runs k - 1 decode steps from each request's first draft, appending their samples to `drafts`: in
+        one multi-step call where the runner has it (GPUs: one launch, no host round trip between steps),
+        else a call a step (CPUs, where XLA's loop runs a step at a third of a plain step's speed)."""
         steps = self.num_speculative_tokens - 1
         plan = _PlanBuilder(self._released)
         self._released = []
         for index, request, state in active:
             plan.add(request, state, drafts[index][:1], request.num_tokens, True)
-        launched = self._launch(plan.build(decode_steps=steps))
-        outputs = self.runner.collect_steps(launched) if steps > 1 else [self.runner.collect(launched)]
+        if self.runner.num_decode_steps >= steps > 1:  # one call on the device
+            outputs = self.runner.collect_steps(self._launch(plan.build(decode_steps=steps)))
+            for row, (index, _, _) in enumerate(active):
+                drafts[index] += [output.sampled_token_ids[row] for output in outputs]
+            return
+        out = self.runner.collect(self._launch(plan.build()))
         for row, (index, _, _) in enumerate(active):
-            drafts[index] += [output.sampled_token_ids[row] for output in outputs]
+            drafts[index].append(out.sampled_token_ids[row])
+        for step in range(1, steps):  # a call a step, each fed the last one's samples from the host
+            plan = _PlanBuilder([])
+            for index, request, state in active:
+                plan.add(request, state, drafts[index][-1:], request.num_tokens + step, True)
+            out = self.runner.collect(self._launch(plan.build()))
+            for row, (index, _, _) in enumerate(active):
+                drafts[index].append(out.sampled_token_ids[row])
 
     def _launch(self, plan: SchedulerOutput):
         self.num_calls += 1

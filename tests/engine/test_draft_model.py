@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, _DraftState, _valid_prefix, draft_share
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
@@ -26,9 +27,15 @@ def draft_dirs(tiny_model_dir) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engines(llama_dir, draft_dirs) -> dict[str, LLMEngine]:
+    itself = {"model": draft_dirs["self"], "num_speculative_tokens": 3}
+    with pytest.MonkeyPatch.context() as patch:  # a round's decode steps in one call, as on a GPU
+        patch.setattr(draft_model_proposer, "one_call_decodes", lambda platform: True)
+        one_call = make_engine(llama_dir, speculative_config=itself)
+    assert proposer_of(one_call).runner.num_decode_steps == 2
     return {
         "plain": make_engine(llama_dir),
-        "self": make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3}),
+        "self": make_engine(llama_dir, speculative_config=itself),
+        "self-one-call": one_call,
         "other": make_engine(llama_dir, speculative_config={"model": draft_dirs["other"], "num_speculative_tokens": 4},
                              enable_prefix_caching=True),
     }
@@ -75,25 +82,27 @@ def greedy_requests(num: int, max_tokens: int) -> tuple[dict, dict]:
     return ({f"r{i}": (prompts[i], params) for i in range(num)}, {f"r{i}": i % 3 for i in range(num)})
 
 
-def test_a_draft_that_is_the_target_has_every_draft_accepted(engines):
+@pytest.mark.parametrize("name", ["self", "self-one-call"])
+def test_a_draft_that_is_the_target_has_every_draft_accepted(engines, name):
     """The draft's cache is the target's, computed apart: after rejections and partial acceptances (the
     policy keeps fewer drafts where rows run out), each round's drafts are the target's own next tokens."""
     requests, arrivals = greedy_requests(6, 30)
     plain = run(engines["plain"], requests, arrivals)
-    outputs, drafted, accepted = run_drafting(engines["self"], requests, arrivals)
+    outputs, drafted, accepted = run_drafting(engines[name], requests, arrivals)
     assert_same(plain, outputs)
     assert drafted > 50
     assert accepted == drafted
 
 
-def test_each_round_drafts_the_greedy_continuation_of_the_tokens_then(engines):
+@pytest.mark.parametrize("name", ["self", "self-one-call"])
+def test_each_round_drafts_the_greedy_continuation_of_the_tokens_then(engines, name):
     """Sampled requests reject most of a greedy draft's tokens, so rounds start after rejections, partial
     acceptances, corrections and plain steps: each round's drafts are still the draft model's greedy continuation of
     the request's tokens, as a fresh run of it gives (the draft here is the target: the plain engine)."""
     prompts = make_prompts(6)
     requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True))
                 for i in range(6)}
-    proposer = proposer_of(engines["self"])
+    proposer = proposer_of(engines[name])
     propose_batch, rounds = proposer.propose_batch, []
 
     def recording_propose_batch(running, max_drafts):
@@ -105,7 +114,7 @@ def test_each_round_drafts_the_greedy_continuation_of_the_tokens_then(engines):
     proposer.propose_batch = recording_propose_batch
     try:
         # staggered: the steps that start a request run no drafts, so some rounds follow two or more tokens
-        _, drafted, accepted = run_drafting(engines["self"], requests, {f"s{i}": 4 * i for i in range(6)})
+        _, drafted, accepted = run_drafting(engines[name], requests, {f"s{i}": 4 * i for i in range(6)})
     finally:
         del proposer.propose_batch
     assert 0 < accepted < drafted / 2
