@@ -228,11 +228,15 @@ class EngineCore:
             self.leader.accept_followers()
 
     def _load_draft(self, config: EngineConfig, draft: str) -> LoadedModel:
-        """The draft model (--speculative-config's "model"), loaded as the target is: its dtypes, attention."""
+        """The draft model (--speculative-config's "model"), loaded as the target is (its dtypes, attention,
+        load format), a GGUF file's quantized blocks kept where they run."""
         logger.info("speculative decoding: loading the draft model %s", draft)
-        return load_model(draft, config.model.dtype, config.attention_impl, None, 1, config.model.weight_dtype,
-                          config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
-                          download_dir=config.model.download_dir)
+        try:
+            return load_model(draft, config.model.dtype, config.attention_impl, None, 1, config.model.weight_dtype,
+                              config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
+                              quantization="auto", download_dir=config.model.download_dir)
+        except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
+            raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error
 
     def _draft_runner(self, config: EngineConfig, draft: LoadedModel, ladder: BucketLadder) -> ModelRunner:
         """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's
