@@ -17,6 +17,8 @@
 #   registers  the Mosaic GPU kernel's registers and spills per configuration (ptxas -v on its PTX;
 #              benchmarks/mosaic_registers.py);
 #   lora       what --enable-lora costs on the 8B shape (benchmarks/lora.py: no LoRA, 1 and 4 slots);
+#   draft      a draft model's rounds beside the 8B shape's steps: the Llama-3.2-1B shape drafting 4 tokens,
+#              and the acceptance it needs to pay (benchmarks/draft_rounds.py);
 #   sampler    the sampler alone at Llama 3's vocabulary (benchmarks/sampler.py), as a CUDA GPU compiles it
 #              (top logprobs on XLA:GPU's TopK kernel), then as a CPU does (a sort of each row);
 #   imports    a server process's imports (python -X importtime) and JAX's CUDA start.
@@ -39,14 +41,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, paged-decode, paged-prefill, registers, lora and sampler)
+             # includes, and fp8, paged-decode, paged-prefill, registers, lora, draft and sampler)
 out=${OUT:-$PWD/gpu_check_out}
-shapes=(gpt2 llama-3-8b)
+shapes=(gpt2 llama-3-8b)  # the profile stage's models; the draft stage's draft is llama-3.2-1b
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
 
 if [[ $mode == --prepare ]]; then
   set -e
-  .venv/bin/python - "${shapes[@]}" smollm2-135m <<'PY'
+  .venv/bin/python - "${shapes[@]}" llama-3.2-1b smollm2-135m <<'PY'
 import json, shutil, sys
 from pathlib import Path
 from jaxserve.model_configs import bundled_config_values
@@ -116,7 +118,7 @@ if [[ -f $stash/part_a && -f .gpu_gguf_b/part.gz ]]; then  # the bundled model, 
 else
   echo "bundled model: absent (the tests that need it skip)" >> "$summary"
 fi
-for s in "${shapes[@]}" smollm2-135m; do cp .gpu_check/tokenizer/* ".gpu_check/$s/"; done
+for s in "${shapes[@]}" llama-3.2-1b smollm2-135m; do cp .gpu_check/tokenizer/* ".gpu_check/$s/"; done
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
   nproc; } >> "$summary" 2>&1
@@ -127,7 +129,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
 wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill \
-              && $1 != registers && $1 != lora && $1 != sampler) \
+              && $1 != registers && $1 != lora && $1 != draft && $1 != sampler) \
              || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
 
@@ -211,6 +213,12 @@ if wanted lora; then  # --enable-lora's cost beside no LoRA, three engines shari
   stage lora "${LORA_S:-240}" python3 benchmarks/lora.py --config gpu --model .gpu_check/llama-3-8b --load-format dummy \
     --gpu-memory-utilization 0.28 --streams 1 16 64 --rounds 2 --out "$out/lora.json" > "$out/lora.log" 2>&1
   tail -n 20 "$out/lora.log" >> "$summary"
+fi
+if wanted draft; then  # one engine: the 8B shape and its 1B-shape draft, random weights
+  stage draft "${DRAFT_S:-240}" python3 benchmarks/draft_rounds.py --config gpu --model .gpu_check/llama-3-8b \
+    --draft .gpu_check/llama-3.2-1b --load-format dummy --streams 1 16 64 --output-len 128 \
+    --out "$out/draft_rounds.json" > "$out/draft_rounds.log" 2>&1
+  grep '^{' "$out/draft_rounds.log" >> "$summary"
 fi
 if wanted sampler; then  # the same settings as on a GPU, then in the CPU's form, side by side
   for form in gpu cpu; do
