@@ -146,6 +146,7 @@ class EngineCore:
         # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
         draft_model = (self._load_draft(config, speculative.model)
                        if speculative is not None and speculative.method == "draft_model" else None)
+        share = draft_share(draft_model, model, config.cache, sched.max_num_seqs) if draft_model is not None else None
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
@@ -155,7 +156,7 @@ class EngineCore:
             enforce_eager=config.enforce_eager,
             fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
             max_drafts=0 if pooling else sched.max_drafts,
-            draft=draft_share(draft_model, model, config.cache) if draft_model is not None else None,
+            draft=share,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
@@ -169,7 +170,7 @@ class EngineCore:
         proposer: Proposer | None = None
         if draft_model is not None:
             proposer = DraftModelProposer(self._draft_runner(config, draft_model, ladder),
-                                          speculative.num_speculative_tokens)
+                                          speculative.num_speculative_tokens, model.cfg.vocab_size)
         elif speculative is not None:
             proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                                      speculative.prompt_lookup_max)

@@ -23,6 +23,7 @@ Runs on the engine's thread, like the scheduler that calls it; the runner's warm
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 
@@ -33,6 +34,7 @@ from jaxserve.engine.step_io import NewRequest, SchedulerOutput
 from jaxserve.models.loader import LoadedModel
 from jaxserve.parallel import bytes_per_device
 from jaxserve.runner.model_runner import DraftShare, ModelRunner, kv_page_bytes
+from jaxserve.runner.penalties import PenaltyTables
 from jaxserve.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -43,13 +45,19 @@ def one_call_decodes(platform: str) -> bool:
     return platform != "cpu"
 
 
-def draft_share(draft: LoadedModel, target: LoadedModel, cache_config: CacheConfig) -> DraftShare:
-    """What `draft` takes of the target runner's memory budget (`DraftShare`); raises ValueError if it
-    cannot draft for `target`."""
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the target's "
-                         f"({target.cfg.vocab_size}): drafts must be the target's token ids")
-    return DraftShare(bytes_per_device(jax.tree.leaves(draft.state)), kv_page_bytes(draft, cache_config))
+def draft_share(draft: LoadedModel, target: LoadedModel, cache_config: CacheConfig, max_num_seqs: int) -> DraftShare:
+    """What `draft` takes of the target runner's memory budget (`DraftShare`: its weights, its runner's
+    penalty tables, its pages); raises ValueError if it cannot draft for `target`: its tokenizer must be the
+    target's (the same token for each id; the two vocabularies may be padded to different sizes)."""
+    if not _same_tokens(draft.tokenizer, target.tokenizer):
+        raise ValueError("the draft model's tokenizer is not the target's: drafts must be the target's token ids")
+    return DraftShare(bytes_per_device(jax.tree.leaves(draft.state)),
+                      PenaltyTables.num_bytes(max_num_seqs, draft.cfg.vocab_size), kv_page_bytes(draft, cache_config))
+
+
+def _same_tokens(first: Any, second: Any) -> bool:
+    """Whether two tokenizers map the same strings to the same ids."""
+    return first is second or (len(first) == len(second) and first.get_vocab() == second.get_vocab())
 
 
 @dataclass
@@ -67,11 +75,14 @@ class _DraftState:
 class DraftModelProposer:
     """Proposes each running request's next k tokens, the draft model's greedy continuation."""
 
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, vocab_size: int) -> None:
         """`runner`: the draft model's, made with greedy decodes, and `num_decode_steps` k - 1 where the k - 1
-        decode steps of a round run in one call (`_decode`)."""
+        decode steps of a round run in one call (`_decode`). `vocab_size`: the target's; a draft past it (a
+        padding id of a draft whose vocabulary is padded further) ends the request's drafts."""
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.last_round_steady = True  # the last round computed no more than a round's tokens per request
         self.pages = KVCacheManager(runner.num_pages, runner.page_size, enable_prefix_caching=False,
                                     sliding_window=shared_window(getattr(runner.model.cfg, "sliding_windows", ())))
         self._states: dict[str, _DraftState] = {}
@@ -104,15 +115,25 @@ class DraftModelProposer:
             self.pages.release_outside_window(state.page_ids, state.num_computed)
             if self.pages.allocate(state.page_ids, num_tokens + k - 1):  # the drafts' positions too
                 active.append((index, request, state))
+        # A round after a request's start or a pause also computes what the requests made meanwhile: the
+        # draft policy times the rounds that do not (`Scheduler._plan_speculative`).
+        self.last_round_steady = all(request.num_tokens - state.num_computed <= k + 1 for _, request, state in active)
         if not active:
             return proposals
-        drafts = self._catch_up(active)  # index -> [the first draft]
-        if k > 1:
-            self._decode(active, drafts)
+        try:
+            drafts = self._catch_up(active)  # index -> [the first draft]
+            if k > 1:
+                self._decode(active, drafts)
+        except BaseException:  # the states may claim K/V a failed call never wrote
+            for _, request, _ in active:
+                self.forget(request.request_id)
+            raise
         for index, request, state in active:
             state.base, state.drafts = request.num_tokens, drafts[index][: k - 1]
             state.num_computed = request.num_tokens + k - 1
-            proposals[index] = drafts[index][: min(max_drafts[index], k)]
+            kept = drafts[index][: min(max_drafts[index], k)]
+            proposals[index] = kept[: next((i for i, token in enumerate(kept) if token >= self.vocab_size),
+                                           len(kept))]
         return proposals
 
     def forget(self, request_id: str) -> None:
@@ -157,14 +178,15 @@ class DraftModelProposer:
 
     def _decode(self, active: list[tuple[int, Request, _DraftState]], drafts: dict[int, list[int]]) -> None:
         """Runs k - 1 decode steps from each request's first draft, appending their samples to `drafts`: in
-        one multi-step call where the runner has it (GPUs: one launch, no host round trip between steps),
-        else a call a step (CPUs, where XLA's loop runs a step at a third of a plain step's speed)."""
+        one multi-step call where the runner has it compiled (GPUs: one launch, no host round trip between
+        steps; a background warm-up compiles it last), else a call a step (CPUs, where XLA's loop runs a step at
+        a third of a plain step's speed)."""
         steps = self.num_speculative_tokens - 1
         plan = _PlanBuilder(self._released)
         self._released = []
         for index, request, state in active:
             plan.add(request, state, drafts[index][:1], request.num_tokens, True)
-        if self.runner.num_decode_steps >= steps > 1:  # one call on the device
+        if min(self.runner.num_decode_steps, self.runner.decode_steps_ready()) >= steps > 1:  # one device call
             outputs = self.runner.collect_steps(self._launch(plan.build(decode_steps=steps)))
             for row, (index, _, _) in enumerate(active):
                 drafts[index] += [output.sampled_token_ids[row] for output in outputs]

@@ -84,6 +84,12 @@ class DraftPolicy:
         self._accepted = self._accepted * _DECAY + accepted
         self._rejected = self._rejected * _DECAY + rejected
 
+    def is_timed(self, num_requests: int) -> bool:
+        """Whether the bucket that holds `num_requests` alone has a step time: `choose` can choose."""
+        if num_requests > self.max_rows:
+            return True  # (`choose` runs no draft then)
+        return self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)] in self.costs
+
     def cost(self, num_rows: int) -> float | None:
         """A bucket's measured or assumed step time; None before any bucket up to it was measured."""
         if num_rows in self.costs:

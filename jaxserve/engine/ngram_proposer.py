@@ -48,6 +48,7 @@ class NgramProposer:
         self._contexts: dict[str, tuple[np.ndarray, int]] = {}  # id -> (i32[max_num_tokens], tokens in it)
 
     probes_cheaply = True  # a proposal costs a lookup: the scheduler may ask one to learn whether drafts come
+    last_round_steady = True  # every proposal costs about the same
 
     def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Each request's drafts (`propose`)."""

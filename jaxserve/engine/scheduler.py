@@ -244,7 +244,7 @@ class Scheduler:
         if self._draft_pause:
             self._draft_pause -= 1
             if self._draft_pause and self._paused_without_drafts and self.proposer.probes_cheaply and any(
-                    self.proposer.propose_batch(self.running, [1] * len(self.running))):  # copying again
+                    self.proposer.propose_batch([request], [1])[0] for request in self.running):  # copying again
                 self._draft_pause = 0
         if self.only_decodes() and (self.overlap_decode_steps
                                     or not any(request.num_inflight_tokens for request in self.running)):
@@ -469,12 +469,18 @@ class Scheduler:
         None when no draft is worth its row (`DraftPolicy`), or when their pages do not all fit without
         preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
+        self._plans_since_timed += 1
+        if not proposer.probes_cheaply and (self._plans_since_timed > RETIME_PLANS
+                                            or not self.draft_policy.is_timed(len(running))):
+            # A draft model's round is not run for drafts that could not run (below)
+            self._times_base, self._plans_since_timed = True, 0
+            return None
         proposed_at = time.perf_counter()
         proposals = proposer.propose_batch(running, [request.max_num_tokens - request.num_tokens - 1
                                                      for request in running])
-        self.draft_policy.observe_proposal(time.perf_counter() - proposed_at)
+        if proposer.last_round_steady:  # not a round that caught up on prompts or a pause's tokens
+            self.draft_policy.observe_proposal(time.perf_counter() - proposed_at)
         kept = self.draft_policy.choose(proposals) if any(proposals) else [0] * len(running)
-        self._plans_since_timed += 1
         if kept is None or self._plans_since_timed > RETIME_PLANS:
             # The requests' own bucket has no step time yet, or an old one: one plain step measures it.
             self._times_base, self._plans_since_timed = True, 0

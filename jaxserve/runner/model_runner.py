@@ -153,11 +153,12 @@ def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig) -> int:
 
 @dataclass(frozen=True)
 class DraftShare:
-    """What a draft model beside the runner's model takes of the memory its KV cache is sized in: its
-    weights (bytes on one device) and its own KV page per page of the runner's (the draft's cache holds
-    as many tokens)."""
+    """What a draft model beside the runner's model takes of the memory its KV cache is sized in (bytes on
+    one device): its weights, its runner's state (penalty tables), and its own KV page per page of the
+    runner's (the draft's cache holds as many tokens)."""
 
     weight_bytes: int
+    state_bytes: int
     page_bytes: int
 
 
@@ -251,6 +252,7 @@ class ModelRunner:
         if draft is not None:  # loaded after this model's load began: not in its `in_use_before_loading`
             loading_bytes = None if loading_bytes is None else loading_bytes + draft.weight_bytes
         sizing_page_bytes = page_bytes + (draft.page_bytes if draft is not None else 0)
+        self._draft_state_bytes = draft.state_bytes if draft is not None else 0  # made after this runner
         self.num_pages, sized = self._num_kv_pages(cache_config, sizing_page_bytes,
                                                    loading_weights_bytes=loading_bytes)
         if (served := self._served_len(self.num_pages)) < max_model_len:  # the sized steps compiled at it too
@@ -358,7 +360,8 @@ class ModelRunner:
                 stats,
                 pool_fraction=allocator_pool_fraction(),
                 utilization=cache.gpu_memory_utilization,
-                state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size),
+                state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size)
+                + self._draft_state_bytes,
                 peak_temp_bytes=temp_bytes,
                 bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's
             )

@@ -12,8 +12,15 @@ import pytest
 
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine import draft_model_proposer
-from jaxserve.engine.draft_model_proposer import DraftModelProposer, _DraftState, _valid_prefix, draft_share
+from jaxserve.engine.draft_model_proposer import (
+    DraftModelProposer,
+    _DraftState,
+    _same_tokens,
+    _valid_prefix,
+    draft_share,
+)
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.runner.model_runner import kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import LADDER, assert_same, make_engine, make_prompts, run, run_alone, workload
 from tests.helpers import count_compilations
@@ -189,11 +196,12 @@ def test_the_target_sizes_its_cache_for_both_models(llama_dir, draft_dirs):
     alone = make_engine(llama_dir, **budget)
     both = make_engine(llama_dir, speculative_config={"model": draft_dirs["other"], "num_speculative_tokens": 2},
                        **budget)
-    draft_runner = proposer_of(both).runner
-    target_page = alone.core.runner.num_pages and int(0.01 * 2**30) // alone.core.runner.num_pages
-    assert alone.core.runner.num_pages == int(0.01 * 2**30) // target_page
-    share = draft_share(draft_runner.model, both.core.runner.model, both.core.config.cache)
-    assert both.core.runner.num_pages == int(0.01 * 2**30) // (target_page + share.page_bytes)
+    draft_runner, budget_bytes = proposer_of(both).runner, int(0.01 * 2**30)
+    target_page = kv_page_bytes(alone.core.runner.model, alone.core.config.cache)
+    assert alone.core.runner.num_pages == budget_bytes // target_page
+    share = draft_share(draft_runner.model, both.core.runner.model, both.core.config.cache, LADDER["max_num_seqs"])
+    assert share.page_bytes == kv_page_bytes(draft_runner.model, both.core.config.cache)
+    assert both.core.runner.num_pages == budget_bytes // (target_page + share.page_bytes)
     assert draft_runner.num_pages == both.core.runner.num_pages
 
 
@@ -231,9 +239,114 @@ def test_the_speculative_config_takes_a_draft_model():
                                  speculative_config={"model": "d", "num_speculative_tokens": 2})
 
 
-def test_a_draft_of_another_vocabulary_is_refused():
-    def model(vocab_size: int):
-        return SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab_size))
+class Tokenizer(dict):
+    """A tokenizer's vocabulary, as `draft_share` compares them."""
 
-    with pytest.raises(ValueError, match="vocabulary"):
-        draft_share(model(100), model(200), None)
+    def get_vocab(self) -> dict:
+        return dict(self)
+
+
+def test_a_draft_of_another_tokenizer_is_refused():
+    def model(vocab: dict):
+        return SimpleNamespace(tokenizer=Tokenizer(vocab), cfg=SimpleNamespace(vocab_size=len(vocab)))
+
+    with pytest.raises(ValueError, match="tokenizer is not the target's"):
+        draft_share(model({"a": 0, "b": 1}), model({"a": 0, "b": 1, "c": 2}), None, 4)
+    with pytest.raises(ValueError, match="tokenizer is not the target's"):
+        draft_share(model({"a": 0, "b": 1}), model({"a": 1, "b": 0}), None, 4)
+    assert _same_tokens(Tokenizer({"a": 0, "b": 1}), Tokenizer({"b": 1, "a": 0}))
+
+
+def test_drafts_past_the_target_s_vocabulary_end_the_request_s_drafts(engines):
+    """A draft whose vocabulary is padded past the target's may propose a padding id: the drafts end before
+    it (here the target's vocabulary is taken to end at 20,000, where the drafts often pass it)."""
+    proposer = proposer_of(engines["self"])
+    propose_batch, proposed = proposer.propose_batch, []
+
+    def recording_propose_batch(running, max_drafts):
+        proposals = propose_batch(running, max_drafts)
+        proposed.extend(proposals)
+        return proposals
+
+    requests, arrivals = greedy_requests(4, 24)
+    plain = run(engines["plain"], requests, arrivals)
+    proposer.propose_batch, proposer.vocab_size = recording_propose_batch, 20000
+    try:
+        outputs, drafted, accepted = run_drafting(engines["self"], requests, arrivals)
+    finally:
+        del proposer.propose_batch
+        proposer.vocab_size = engines["self"].core.model.cfg.vocab_size
+    assert_same(plain, outputs)
+    assert all(token < 20000 for drafts in proposed for token in drafts)
+    assert sum(len(drafts) < 3 for drafts in proposed) > len(proposed) // 4  # cut short, often
+    assert accepted == drafted > 0
+
+
+def test_a_warm_up_still_compiling_the_multi_step_call_runs_a_call_a_step(engines):
+    """On a GPU a background warm-up compiles the k - 1-step call last: until it has, rounds run their
+    decode steps a call each, as `decode_steps_ready` says (a k-step plan in the fallback bucket would fail)."""
+    proposer = proposer_of(engines["self-one-call"])
+    launch, steps = proposer.runner.launch, []
+
+    def recording_launch(plan):
+        steps.append(plan.num_steps)
+        return launch(plan)
+
+    requests, arrivals = greedy_requests(3, 20)
+    plain = run(engines["plain"], requests, arrivals)
+    proposer.runner.launch, proposer.runner.decode_steps_ready = recording_launch, lambda: 1
+    try:
+        outputs, drafted, accepted = run_drafting(engines["self-one-call"], requests, arrivals)
+    finally:
+        del proposer.runner.launch, proposer.runner.decode_steps_ready
+    assert_same(plain, outputs)
+    assert steps and set(steps) == {1}
+    assert accepted == drafted > 0
+
+
+def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_rounds(llama_dir, draft_dirs):
+    """With the draft policy's own measurements: no round before the running requests' bucket has a step
+    time (its drafts could not run), and the rounds that also computed a prompt are left out of the
+    proposal's cost."""
+    engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3})
+    scheduler = engine.scheduler
+    proposer, policy = proposer_of(engine), scheduler.draft_policy
+    propose_batch, rounds = proposer.propose_batch, []
+
+    def checking_propose_batch(running, max_drafts):
+        assert policy.is_timed(len(running)), "a round whose drafts could not run"
+        proposals = propose_batch(running, max_drafts)
+        rounds.append(proposer.last_round_steady)
+        return proposals
+
+    observe_proposal, observed = policy.observe_proposal, []
+    policy.observe_proposal = lambda seconds: observed.append(seconds) or observe_proposal(seconds)
+    proposer.propose_batch = checking_propose_batch
+    requests, _ = greedy_requests(2, 40)
+    try:
+        run(engine, requests, dict.fromkeys(requests, 0))
+    finally:
+        del proposer.propose_batch, policy.observe_proposal
+    assert rounds and not rounds[0], "the first round computes the prompts"
+    assert len(observed) == sum(rounds) > 0
+
+
+def test_a_failed_round_leaves_no_state_behind(engines):
+    """A device call that fails mid-round: the requests' draft states (which would claim K/V never written)
+    and their pages are dropped, and the error goes on to the engine."""
+    proposer = proposer_of(engines["self"])
+    tokens = make_prompts(4)[3]
+    request = SimpleNamespace(request_id="failing", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                              token_ids=lambda start, end: tokens[start:end])
+    free = proposer.pages.num_free_pages
+
+    def failing_launch(plan):
+        raise RuntimeError("the device failed")
+
+    proposer.runner.launch = failing_launch
+    try:
+        with pytest.raises(RuntimeError, match="the device failed"):
+            proposer.propose_batch([request], [3])
+    finally:
+        del proposer.runner.launch
+    assert "failing" not in proposer._states and proposer.pages.num_free_pages == free

@@ -111,3 +111,11 @@ def test_the_proposal_s_own_time_counts_against_its_drafts(proposal_seconds, wan
     policy.observe_proposal(proposal_seconds)
     assert policy.proposal_cost == proposal_seconds
     assert policy.choose([[7, 8], [], [9]]) == want
+
+
+def test_is_timed_says_whether_choose_can_choose():
+    policy = policy_with({4: 0.01})
+    assert policy.is_timed(3) and policy.is_timed(4)
+    assert not policy.is_timed(1) and not policy.is_timed(5)
+    assert policy.is_timed(65)  # past every bucket: `choose` runs no draft, and needs no time
+    assert (policy.choose([[1]] * 3) is None) == (not policy.is_timed(3))

@@ -38,6 +38,7 @@ class ScriptedProposer:
 
     num_speculative_tokens = 3
     probes_cheaply = True
+    last_round_steady = True
 
     def __init__(self, truths: dict[tuple, list[int]]) -> None:
         self.truths = truths
