@@ -356,7 +356,7 @@ ENGINE_FLAGS = (
               "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}': while every running request only decodes, "
               "each proposes up to k drafts by n-gram lookup in its own context and one step verifies them on a "
               "row each; or '{\"model\": \"<draft model>\", \"num_speculative_tokens\": 4}': drafts from a "
-              "smaller model with the same vocabulary, run beside the target with a KV cache of its own (sharing "
+              "smaller model with the target's tokenizer, run beside the target with a KV cache of its own (sharing "
               "the cache's memory); outputs are token for token those of plain decoding (default: none)"),
     Flag("--enable-lora", LoraConfig, "enable_lora", preset=True, action=argparse.BooleanOptionalAction,
          help="serve LoRA adapters (vLLM's flag): each of --lora-modules is a model name of its own, and one step "

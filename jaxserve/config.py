@@ -150,7 +150,7 @@ class SpeculativeConfig:
     model verifies in one step. Method "ngram" (prompt lookup): the tokens that followed the latest n-gram of
     the context (n in [prompt_lookup_min, prompt_lookup_max]) where it appeared before. Method "draft_model":
     a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
-    vocabulary), run beside the target with a KV cache of its own."""
+    tokenizer), run beside the target with a KV cache of its own."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
