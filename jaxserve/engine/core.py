@@ -183,6 +183,9 @@ class EngineCore:
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
+        # perf_counter() when a step read at once while drafts may run returned its tokens: the host's turn
+        # from there to the next launch is timed for the draft policy (`_launch`); None otherwise.
+        self._sync_read_at: float | None = None
         self._masks = MaskFiller()
         self._retiring_loras: set[int] = set()  # removed adapters that unfinished requests still use
         # Whether requests not yet in the scheduler use an adapter (a core process's, while their grammars
@@ -379,6 +382,9 @@ class EngineCore:
             # where it ran alone)
             launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched, timed=previous is None)
+            if self.scheduler.draft_policy is not None and (launched.scheduler_output.is_speculative
+                                                            or self._drafting()):
+                self._sync_read_at = time.perf_counter()
         return outputs
 
     def _overlaps_decode_steps(self) -> bool:
@@ -392,6 +398,9 @@ class EngineCore:
         return self.scheduler.drafts_apply()
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
+        if self._sync_read_at is not None:  # the host's turn since that read: hidden by overlap, paid by drafts
+            self.scheduler.draft_policy.observe_host_turn(time.perf_counter() - self._sync_read_at)
+            self._sync_read_at = None
         plan = self._with_grammar_masks(self.scheduler.schedule())
         self._launched_at = time.perf_counter()
         try:

@@ -6,7 +6,7 @@ are nearly free; on a CPU the matmuls are compute-bound beyond a few rows, and t
 twice or four times the last. A draft is worth a row when it is likely to be accepted. So the policy picks,
 among the buckets that hold the running requests, the one with the most expected tokens per second:
 
-    rate(R) = (n + sum of the R - n best draft slots' acceptance probabilities) / (cost(R) + proposal)
+    rate(R) = (n + sum of the R - n best draft slots' acceptance probabilities) / (cost(R) + proposal + host)
 
 where a request's draft at position p is accepted with probability a^p (each draft independently with
 probability a, given the ones before it), slots are filled position by position across requests (every
@@ -23,6 +23,10 @@ request's first draft before any second one), and cost(R) is the measured step t
   measured, no draft is run (`choose` says so, and the scheduler plans a step that measures it).
 - `proposal` is a moving average of the time the proposer took to propose the drafts (n-gram lookups:
   next to nothing; a draft model: its calls), which a step without drafts does not pay.
+- `host` is the host's turn between steps (the tokens' outputs, their text, their streams, the next
+  schedule), timed from a step read at once to the next launch: a step with drafts is read at once and pays it,
+  while plain steps overlap it with the device's next step under async scheduling, so a plain step then costs
+  the longer of its step time and the host's turn (without async scheduling, the sum, as a drafting step).
 - Without drafts the requests would run a plain step or, with multi-step decoding, k steps in one call;
   the rate drafts compete with is the better of the two, per step.
 """
@@ -35,17 +39,21 @@ _COST_WEIGHT = 0.2  # weight of the newest step in a bucket's moving average
 
 
 class DraftPolicy:
-    def __init__(self, row_buckets: tuple[int, ...], max_rows: int) -> None:
+    def __init__(self, row_buckets: tuple[int, ...], max_rows: int, plain_overlaps: bool = True) -> None:
         """`row_buckets`: the runner's decode buckets (their rows), the last covering `max_rows`, the most rows
-        a step may have."""
+        a step may have. `plain_overlaps`: plain steps overlap the host's turn (async scheduling); else each
+        pays it too."""
         self.row_buckets = tuple(row_buckets)
         self.max_rows = max_rows
+        self.plain_overlaps = plain_overlaps
         self.costs: dict[int, float] = {}  # rows of a decode bucket -> seconds per step
         self.multi_step_costs: dict[int, float] = {}  # the same for multi-step decodes, per step
         self._num_measured: dict[tuple[bool, int], int] = {}
         self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
         self.proposal_cost = 0.0  # seconds a round of proposals takes (moving average)
         self._num_proposals = 0
+        self.host_turn = 0.0  # seconds from a step's tokens read to the next launch (moving average)
+        self._num_host_turns = 0
 
     @property
     def acceptance(self) -> float:
@@ -70,6 +78,15 @@ class DraftPolicy:
             self.proposal_cost = seconds
         elif self._num_proposals > 2:
             self.proposal_cost += _COST_WEIGHT * (seconds - self.proposal_cost)
+
+    def observe_host_turn(self, seconds: float) -> None:
+        """The host took `seconds` from a step's tokens, read at once, to the next launch (the first turn,
+        after a start, is left out)."""
+        self._num_host_turns += 1
+        if self._num_host_turns == 2:
+            self.host_turn = seconds
+        elif self._num_host_turns > 2:
+            self.host_turn += _COST_WEIGHT * (seconds - self.host_turn)
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         """A request's `num_drafts` drafts were verified and the first `num_accepted` accepted."""
@@ -109,6 +126,7 @@ class DraftPolicy:
         if base_cost is None:
             return None
         base_cost = min(base_cost, self.multi_step_costs.get(base, base_cost))
+        base_cost = max(base_cost, self.host_turn) if self.plain_overlaps else base_cost + self.host_turn
         # Slots in the order they are filled: first drafts, then second drafts, ... (probability a^position)
         slots = [index for position in range(max(map(len, proposals), default=0))
                  for index, drafts in enumerate(proposals) if len(drafts) > position]
@@ -121,7 +139,7 @@ class DraftPolicy:
         best_rate, best_slots = num_requests / base_cost, 0
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
-            rate = (num_requests + gains[num_slots]) / (self.cost(rows) + self.proposal_cost)
+            rate = (num_requests + gains[num_slots]) / (self.cost(rows) + self.proposal_cost + self.host_turn)
             if rate > best_rate:
                 best_rate, best_slots = rate, num_slots
             if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts

@@ -182,7 +182,8 @@ class Scheduler:
         self.iteration_tokens = IterationTokens()
         self.proposer = proposer
         max_rows = min(max_num_seqs, max_num_batched_tokens)
-        self.draft_policy = DraftPolicy(row_buckets or (max_rows,), max_rows) if proposer is not None else None
+        self.draft_policy = (DraftPolicy(row_buckets or (max_rows,), max_rows, plain_overlaps=overlap_decode_steps)
+                             if proposer is not None else None)
         self._first_drafts: dict[str, int] = {}  # id -> the first draft of a request whose drafts did not run
         self._draft_pause = 0  # steps left before drafting may run again
         self._next_draft_pause = 1  # the pause after the next plan that runs no draft

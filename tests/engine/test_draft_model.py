@@ -306,8 +306,8 @@ def test_a_warm_up_still_compiling_the_multi_step_call_runs_a_call_a_step(engine
 
 def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_rounds(llama_dir, draft_dirs):
     """With the draft policy's own measurements: no round before the running requests' bucket has a step
-    time (its drafts could not run), and the rounds that also computed a prompt are left out of the
-    proposal's cost."""
+    time (its drafts could not run), the rounds that also computed a prompt are left out of the proposal's
+    cost, and the host's turn between steps is timed."""
     engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3})
     scheduler = engine.scheduler
     proposer, policy = proposer_of(engine), scheduler.draft_policy
@@ -329,6 +329,7 @@ def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_r
         del proposer.propose_batch, policy.observe_proposal
     assert rounds and not rounds[0], "the first round computes the prompts"
     assert len(observed) == sum(rounds) > 0
+    assert policy.host_turn > 0  # timed from each drafting step's read to the next launch
 
 
 def test_a_failed_round_leaves_no_state_behind(engines):

@@ -119,3 +119,18 @@ def test_is_timed_says_whether_choose_can_choose():
     assert not policy.is_timed(1) and not policy.is_timed(5)
     assert policy.is_timed(65)  # past every bucket: `choose` runs no draft, and needs no time
     assert (policy.choose([[1]] * 3) is None) == (not policy.is_timed(3))
+
+
+@pytest.mark.parametrize("host_seconds, overlaps, want", [(0.0, True, [3]), (0.010, True, [0]), (0.010, False, [3])])
+def test_the_host_s_turn_counts_against_drafts_where_plain_steps_hide_it(host_seconds, overlaps, want):
+    """One request at acceptance 1/2: three drafts give 1.875 tokens in the 4-row bucket's 0.014 s against one
+    in the 1-row bucket's 0.010 s. A 0.010 s host turn is paid by a drafting step (read at once), and hidden
+    behind a plain step's under async scheduling (1.875 / 0.024 < 1 / 0.010), not without it
+    (1.875 / 0.024 > 1 / 0.020)."""
+    policy = DraftPolicy((1, 4, 16), max_rows=16, plain_overlaps=overlaps)
+    for rows, seconds in {1: 0.010, 4: 0.014, 16: 0.05}.items():
+        policy.observe_step(rows, seconds)
+    for seconds in (1.0, host_seconds):  # the first turn is left out
+        policy.observe_host_turn(seconds)
+    assert policy.host_turn == host_seconds
+    assert policy.choose([[5, 6, 7]]) == want
