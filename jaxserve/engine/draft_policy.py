@@ -114,6 +114,32 @@ class DraftPolicy:
         below = [rows for rows in self.costs if rows < num_rows]
         return self.costs[max(below)] if below else None
 
+    def can_pay(self, num_requests: int, max_drafts: int) -> bool:
+        """Whether drafts could beat plain steps for `num_requests` requests even were every one of up to
+        `max_drafts` a request accepted: where not, a proposer whose rounds cost (a draft model) is not asked.
+        True while the requests' own bucket has no step time (`choose` decides then)."""
+        if num_requests > self.max_rows:
+            return False
+        base = self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)]
+        if base not in self.costs:
+            return True
+        base_rate = num_requests / self._plain_cost(base)
+        for rows in self.row_buckets[self.row_buckets.index(base):]:
+            num_slots = min(min(rows, self.max_rows) - num_requests, num_requests * max_drafts)
+            if num_slots > 0 and (num_requests + num_slots) / self._drafting_cost(rows) > base_rate:
+                return True
+        return False
+
+    def _plain_cost(self, base: int) -> float:
+        """A plain step of the `base` bucket (timed), per step: alone or as k steps in one call, the host's turn
+        overlapped or not (module docstring)."""
+        cost = min(self.costs[base], self.multi_step_costs.get(base, self.costs[base]))
+        return max(cost, self.host_turn) if self.plain_overlaps else cost + self.host_turn
+
+    def _drafting_cost(self, rows: int) -> float:
+        """A step of `rows` rows verifying drafts: its step time, the round that proposed them, the host's turn."""
+        return self.cost(rows) + self.proposal_cost + self.host_turn
+
     def choose(self, proposals: list[list[int]]) -> list[int] | None:
         """How many of each request's proposed drafts to verify (prefixes), for the best bucket; None while
         the bucket that holds the requests alone has no measured step time."""
@@ -122,11 +148,9 @@ class DraftPolicy:
         if num_requests > self.max_rows:
             return kept
         base = self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)]
-        base_cost = self.costs.get(base)
-        if base_cost is None:
+        if base not in self.costs:
             return None
-        base_cost = min(base_cost, self.multi_step_costs.get(base, base_cost))
-        base_cost = max(base_cost, self.host_turn) if self.plain_overlaps else base_cost + self.host_turn
+        base_cost = self._plain_cost(base)
         # Slots in the order they are filled: first drafts, then second drafts, ... (probability a^position)
         slots = [index for position in range(max(map(len, proposals), default=0))
                  for index, drafts in enumerate(proposals) if len(drafts) > position]
@@ -139,7 +163,7 @@ class DraftPolicy:
         best_rate, best_slots = num_requests / base_cost, 0
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
-            rate = (num_requests + gains[num_slots]) / (self.cost(rows) + self.proposal_cost + self.host_turn)
+            rate = (num_requests + gains[num_slots]) / self._drafting_cost(rows)
             if rate > best_rate:
                 best_rate, best_slots = rate, num_slots
             if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts

@@ -471,11 +471,13 @@ class Scheduler:
         preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
         self._plans_since_timed += 1
-        if not proposer.probes_cheaply and (self._plans_since_timed > RETIME_PLANS
-                                            or not self.draft_policy.is_timed(len(running))):
-            # A draft model's round is not run for drafts that could not run (below)
-            self._times_base, self._plans_since_timed = True, 0
-            return None
+        if not proposer.probes_cheaply:  # a draft model's round runs only where its drafts can run and pay
+            if self._plans_since_timed > RETIME_PLANS or not self.draft_policy.is_timed(len(running)):
+                self._times_base, self._plans_since_timed = True, 0  # (below)
+                return None
+            if not self.draft_policy.can_pay(len(running), proposer.num_speculative_tokens):
+                self._pause_drafting(had_drafts=True)
+                return None
         proposed_at = time.perf_counter()
         proposals = proposer.propose_batch(running, [request.max_num_tokens - request.num_tokens - 1
                                                      for request in running])
@@ -490,8 +492,7 @@ class Scheduler:
             if drafts and not num_kept:  # checked against the token it samples (`_take_sample`)
                 self._first_drafts[request.request_id] = drafts[0]
         if not any(kept):
-            self._draft_pause, self._paused_without_drafts = self._next_draft_pause, not any(proposals)
-            self._next_draft_pause = min(2 * self._next_draft_pause, DRAFT_PAUSE_STEPS)
+            self._pause_drafting(had_drafts=any(proposals))
             return None
         self._next_draft_pause = 1
         new_pages = sum(max(0, kv_cache.num_pages_for(request.num_computed_tokens + 1 + num_kept)
@@ -514,6 +515,12 @@ class Scheduler:
                 plan.keeps_sample.append(True)
             plan.draft_lengths.append(num_kept)
         return plan
+
+    def _pause_drafting(self, had_drafts: bool) -> None:
+        """No draft runs in this plan: drafting pauses, for twice as many steps as the last pause in a row (up
+        to DRAFT_PAUSE_STEPS). `had_drafts`: some request had drafts (else an n-gram found may end it early)."""
+        self._draft_pause, self._paused_without_drafts = self._next_draft_pause, not had_drafts
+        self._next_draft_pause = min(2 * self._next_draft_pause, DRAFT_PAUSE_STEPS)
 
     def _plan_row(self, request: Request, end: int, plan: _Plan, resumed: bool = False, num_steps: int = 1) -> int:
         """Adds the request's tokens up to `end` to the plan as its next row and advances its counters (the

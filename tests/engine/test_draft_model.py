@@ -332,6 +332,20 @@ def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_r
     assert policy.host_turn > 0  # timed from each drafting step's read to the next launch
 
 
+def test_a_draft_that_cannot_pay_is_not_run(llama_dir, draft_dirs):
+    """Rounds that cost more than drafts could give back even all accepted (a draft as slow as its target,
+    here taken to take 10 s a round): once the requests' bucket is timed, no round runs at all."""
+    engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3})
+    scheduler = engine.scheduler
+    proposer, policy = proposer_of(engine), scheduler.draft_policy
+    policy.proposal_cost, policy.observe_proposal = 10.0, lambda seconds: None
+    requests, arrivals = greedy_requests(3, 30)
+    outputs = run(engine, requests, arrivals)
+    assert proposer.num_calls == 0 and scheduler.speculation.num_draft_tokens == 0
+    assert len(policy.costs) > 0  # the buckets were timed: rounds were weighed, not skipped for want of times
+    assert all(len(output.outputs[0].token_ids) == 30 for output in outputs.values())
+
+
 def test_a_failed_round_leaves_no_state_behind(engines):
     """A device call that fails mid-round: the requests' draft states (which would claim K/V never written)
     and their pages are dropped, and the error goes on to the engine."""

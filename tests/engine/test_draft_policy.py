@@ -134,3 +134,17 @@ def test_the_host_s_turn_counts_against_drafts_where_plain_steps_hide_it(host_se
         policy.observe_host_turn(seconds)
     assert policy.host_turn == host_seconds
     assert policy.choose([[5, 6, 7]]) == want
+
+
+def test_a_proposer_is_asked_only_where_its_drafts_could_pay():
+    """Three requests, three drafts each: the 16-row bucket at 0.02 s gives at most 12 tokens. With rounds of
+    0.03 s they cannot beat the 4-row bucket's 3 tokens in 0.01 s even all accepted (12 / 0.05 < 3 / 0.01);
+    with free rounds they could. An untimed bucket leaves the choice to `choose`."""
+    policy = policy_with({4: 0.010, 16: 0.020})
+    assert policy.can_pay(3, 3)
+    for seconds in (1.0, 0.03):
+        policy.observe_proposal(seconds)
+    assert not policy.can_pay(3, 3)
+    assert policy.choose([[1, 2, 3]] * 3) == [0, 0, 0]  # (at any acceptance)
+    assert policy_with({16: 0.02}).can_pay(3, 3)  # the 4-row bucket untimed
+    assert not policy.can_pay(65, 3)  # past every bucket
