@@ -238,8 +238,13 @@ class Scheduler:
 
     @property
     def drafting(self) -> bool:
-        """Speculative decoding is on and not paused."""
-        return self.proposer is not None and not self._draft_pause
+        """Speculative decoding is on, not paused, and, for a proposer whose rounds cost (a draft model), its
+        drafts could pay were all accepted (`DraftPolicy.can_pay`): where they could not, steps go on
+        overlapping as without a proposer, and no round runs."""
+        proposer = self.proposer
+        return proposer is not None and not self._draft_pause and (
+            proposer.probes_cheaply
+            or self.draft_policy.can_pay(len(self.running), proposer.num_speculative_tokens))
 
     def schedule(self) -> SchedulerOutput:
         if self._draft_pause:
@@ -471,13 +476,11 @@ class Scheduler:
         preempting. A request's drafts stop one short of its remaining tokens."""
         proposer, kv_cache, running = self.proposer, self.kv_cache, self.running
         self._plans_since_timed += 1
-        if not proposer.probes_cheaply:  # a draft model's round runs only where its drafts can run and pay
-            if self._plans_since_timed > RETIME_PLANS or not self.draft_policy.is_timed(len(running)):
-                self._times_base, self._plans_since_timed = True, 0  # (below)
-                return None
-            if not self.draft_policy.can_pay(len(running), proposer.num_speculative_tokens):
-                self._pause_drafting(had_drafts=True)
-                return None
+        if not proposer.probes_cheaply and (self._plans_since_timed > RETIME_PLANS
+                                            or not self.draft_policy.is_timed(len(running))):
+            # A draft model's round runs only where its drafts can run (below) and could pay (`drafting`)
+            self._times_base, self._plans_since_timed = True, 0
+            return None
         proposed_at = time.perf_counter()
         proposals = proposer.propose_batch(running, [request.max_num_tokens - request.num_tokens - 1
                                                      for request in running])
