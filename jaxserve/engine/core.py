@@ -382,8 +382,9 @@ class EngineCore:
             # where it ran alone)
             launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched, timed=previous is None)
-            if self.scheduler.draft_policy is not None and (launched.scheduler_output.is_speculative
-                                                            or self._drafting()):
+            if self.scheduler.draft_policy is not None and self.scheduler.has_unfinished() and (
+                    launched.scheduler_output.is_speculative or self._drafting()):
+                # (with nothing left, the next launch follows an idle wait for requests, not the host's turn)
                 self._sync_read_at = time.perf_counter()
         return outputs
 

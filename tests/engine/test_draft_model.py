@@ -5,6 +5,7 @@ than the largest bucket catch up in chunks; preemption, aborts and finished requ
 behind; the two caches share the KV budget; nothing compiles after warm-up."""
 
 import contextlib
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -344,6 +345,23 @@ def test_a_draft_that_cannot_pay_is_not_run(llama_dir, draft_dirs):
     assert proposer.num_calls == 0 and scheduler.speculation.num_draft_tokens == 0
     assert len(policy.costs) > 0  # the buckets were timed: rounds were weighed, not skipped for want of times
     assert all(len(output.outputs[0].token_ids) == 30 for output in outputs.values())
+
+
+def test_an_idle_wait_between_requests_is_not_the_host_s_turn(engines):
+    """The host's turn is timed from a step read at once to the next launch; a wait for new requests after
+    the last one finished is not part of it."""
+    engine = engines["self"]
+    policy = engine.scheduler.draft_policy
+    observe, turns = policy.observe_host_turn, []
+    policy.observe_host_turn = lambda seconds: turns.append(seconds) or observe(seconds)
+    requests, arrivals = greedy_requests(2, 12)
+    try:
+        run_drafting(engine, requests, arrivals)
+        time.sleep(0.5)
+        run_drafting(engine, requests, arrivals)
+    finally:
+        del policy.observe_host_turn
+    assert len(turns) > 4 and max(turns) < 0.25, turns
 
 
 def test_a_failed_round_leaves_no_state_behind(engines):
