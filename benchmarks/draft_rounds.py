@@ -63,7 +63,7 @@ def drafting(engine: LLMEngine, on: bool):
         proposer.propose_batch = timed
         policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
         policy.observe_step = lambda *timed_step: None
-        policy.observe_proposal = lambda seconds: None
+        policy.observe_proposal = lambda num_requests, seconds: None
     else:
         scheduler.proposer = None
     scheduler._draft_pause = 0

@@ -76,6 +76,9 @@ from jaxserve.sampling_params import InvalidParam, RequestLimits
 
 logger = logging.getLogger(__name__)
 
+# A host's turn longer than this between two steps is a stall (a collection, an adapter loaded), not a turn.
+MAX_HOST_TURN_S = 1.0
+
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
     if not cache_dir:  # None or "": no persistent cache
@@ -183,8 +186,9 @@ class EngineCore:
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
-        # perf_counter() when a step read at once while drafts may run returned its tokens: the host's turn
-        # from there to the next launch is timed for the draft policy (`_launch`); None otherwise.
+        self._collected_at = 0.0  # perf_counter() when the last step's tokens were read, before their outputs
+        # That time for a step read at once while drafts may run: the host's turn from there to the next plan
+        # is timed for the draft policy (`_launch`); None otherwise.
         self._sync_read_at: float | None = None
         self._masks = MaskFiller()
         self._retiring_loras: set[int] = set()  # removed adapters that unfinished requests still use
@@ -385,7 +389,7 @@ class EngineCore:
             if self.scheduler.draft_policy is not None and self.scheduler.has_unfinished() and (
                     launched.scheduler_output.is_speculative or self._drafting()):
                 # (with nothing left, the next launch follows an idle wait for requests, not the host's turn)
-                self._sync_read_at = time.perf_counter()
+                self._sync_read_at = self._collected_at
         return outputs
 
     def _overlaps_decode_steps(self) -> bool:
@@ -400,7 +404,10 @@ class EngineCore:
 
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
         if self._sync_read_at is not None:  # the host's turn since that read: hidden by overlap, paid by drafts
-            self.scheduler.draft_policy.observe_host_turn(time.perf_counter() - self._sync_read_at)
+            turn = time.perf_counter() - self._sync_read_at
+            # not after the running requests ended meanwhile (stopped by the frontend: an idle wait may follow)
+            if self.scheduler.running and turn < MAX_HOST_TURN_S:
+                self.scheduler.draft_policy.observe_host_turn(turn)
             self._sync_read_at = None
         plan = self._with_grammar_masks(self.scheduler.schedule())
         self._launched_at = time.perf_counter()
@@ -442,12 +449,16 @@ class EngineCore:
             jax.block_until_ready(launched.sampled.tokens)
             num_rows = launched.batch.logits_indices.shape[0]  # its bucket's
             self.scheduler.draft_policy.observe_step(num_rows, time.perf_counter() - self._launched_at, plan.num_steps)
-        if plan.is_speculative:
-            per_step = self.scheduler.update_verified(plan, self.runner.collect(launched))
-        elif plan.is_multi_step:
-            per_step = self.scheduler.update_steps(plan, self.runner.collect_steps(launched))
+        if plan.is_multi_step:
+            collected = self.runner.collect_steps(launched)
+            self._collected_at = time.perf_counter()
+            per_step = self.scheduler.update_steps(plan, collected)
         else:
-            return [self._outputs(self.scheduler.update(plan, self.runner.collect(launched)))]
+            output = self.runner.collect(launched)
+            self._collected_at = time.perf_counter()
+            if not plan.is_speculative:
+                return [self._outputs(self.scheduler.update(plan, output))]
+            per_step = self.scheduler.update_verified(plan, output)
         unreported = Counter(request.request_id for advanced in per_step for request in advanced)
         return [self._outputs(advanced, unreported) for advanced in per_step]
 

@@ -22,9 +22,11 @@ request's first draft before any second one), and cost(R) is the measured step t
   tried once when drafts would fill it, and measured then. Before the running requests' own bucket is
   measured, no draft is run (`choose` says so, and the scheduler plans a step that measures it).
 - `proposal` is a moving average of the time the proposer took to propose the drafts (n-gram lookups:
-  next to nothing; a draft model: its calls), which a step without drafts does not pay.
-- `host` is the host's turn between steps (the tokens' outputs, their text, their streams, the next
-  schedule), timed from a step read at once to the next launch: a step with drafts is read at once and pays it,
+  next to nothing; a draft model: its calls), which a step without drafts does not pay; one per bucket of
+  requests, as a round for 16 requests costs more than one for 1.
+- `host` is the host's turn between steps (the step's outputs, their text, their streams), timed from a
+  step's tokens read, where the step was read at once, to the next plan: a step with drafts is read at once and
+  pays it,
   while plain steps overlap it with the device's next step under async scheduling, so a plain step then costs
   the longer of its step time and the host's turn (without async scheduling, the sum, as a drafting step).
 - Without drafts the requests would run a plain step or, with multi-step decoding, k steps in one call;
@@ -50,8 +52,9 @@ class DraftPolicy:
         self.multi_step_costs: dict[int, float] = {}  # the same for multi-step decodes, per step
         self._num_measured: dict[tuple[bool, int], int] = {}
         self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
-        self.proposal_cost = 0.0  # seconds a round of proposals takes (moving average)
-        self._num_proposals = 0
+        # Seconds a round of proposals takes, by the decode bucket that holds its requests (moving averages)
+        self.proposal_costs: dict[int, float] = {}
+        self._num_proposals: dict[int, int] = {}
         self.host_turn = 0.0  # seconds from a step's tokens read to the next launch (moving average)
         self._num_host_turns = 0
 
@@ -70,14 +73,35 @@ class DraftPolicy:
         previous = costs.get(num_rows)
         costs[num_rows] = seconds if count <= 2 else previous + _COST_WEIGHT * (seconds - previous)
 
-    def observe_proposal(self, seconds: float) -> None:
-        """A round of proposals (every running request's) took `seconds`; the first is left out, as a
-        bucket's first step is (it may have paid for compiles or first touches)."""
-        self._num_proposals += 1
-        if self._num_proposals == 2:
-            self.proposal_cost = seconds
-        elif self._num_proposals > 2:
-            self.proposal_cost += _COST_WEIGHT * (seconds - self.proposal_cost)
+    def observe_proposal(self, num_requests: int, seconds: float) -> None:
+        """A round of proposals for `num_requests` running requests took `seconds`; a bucket's first is left
+        out, as a bucket's first step is (it may have paid for compiles or first touches)."""
+        bucket = self._bucket(num_requests)
+        count = self._num_proposals[bucket] = self._num_proposals.get(bucket, 0) + 1
+        previous = self.proposal_costs.get(bucket)
+        if count == 2:
+            self.proposal_costs[bucket] = seconds
+        elif count > 2:
+            self.proposal_costs[bucket] = previous + _COST_WEIGHT * (seconds - previous)
+
+    def remeasure_proposals(self, num_requests: int) -> None:
+        """The next round for `num_requests` requests replaces their bucket's round time rather than moving
+        its average: the time is old (rounds stopped, `Scheduler.drafting`), and may have been a burst's."""
+        bucket = self._bucket(num_requests)
+        if bucket in self._num_proposals:
+            self._num_proposals[bucket] = 1
+
+    def proposal_cost(self, num_requests: int) -> float:
+        """A round's time for `num_requests` requests: its bucket's, else the largest measured below it, else
+        none (0: optimistic, so that a round runs and is measured)."""
+        bucket = self._bucket(num_requests)
+        below = [rows for rows in self.proposal_costs if rows <= bucket]
+        return self.proposal_costs[max(below)] if below else 0.0
+
+    def _bucket(self, num_requests: int) -> int:
+        """The decode bucket that holds `num_requests` rows (the largest, past them all)."""
+        index = bisect.bisect_left(self.row_buckets, num_requests)
+        return self.row_buckets[min(index, len(self.row_buckets) - 1)]
 
     def observe_host_turn(self, seconds: float) -> None:
         """The host took `seconds` from a step's tokens, read at once, to the next launch (the first turn,
@@ -126,7 +150,7 @@ class DraftPolicy:
         base_rate = num_requests / self._plain_cost(base)
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, num_requests * max_drafts)
-            if num_slots > 0 and (num_requests + num_slots) / self._drafting_cost(rows) > base_rate:
+            if num_slots > 0 and (num_requests + num_slots) / self._drafting_cost(rows, num_requests) > base_rate:
                 return True
         return False
 
@@ -136,9 +160,10 @@ class DraftPolicy:
         cost = min(self.costs[base], self.multi_step_costs.get(base, self.costs[base]))
         return max(cost, self.host_turn) if self.plain_overlaps else cost + self.host_turn
 
-    def _drafting_cost(self, rows: int) -> float:
-        """A step of `rows` rows verifying drafts: its step time, the round that proposed them, the host's turn."""
-        return self.cost(rows) + self.proposal_cost + self.host_turn
+    def _drafting_cost(self, rows: int, num_requests: int) -> float:
+        """A step of `rows` rows verifying the drafts of `num_requests` requests: its step time, the round that
+        proposed them, the host's turn."""
+        return self.cost(rows) + self.proposal_cost(num_requests) + self.host_turn
 
     def choose(self, proposals: list[list[int]]) -> list[int] | None:
         """How many of each request's proposed drafts to verify (prefixes), for the best bucket; None while
@@ -163,7 +188,7 @@ class DraftPolicy:
         best_rate, best_slots = num_requests / base_cost, 0
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
-            rate = (num_requests + gains[num_slots]) / self._drafting_cost(rows)
+            rate = (num_requests + gains[num_slots]) / self._drafting_cost(rows, num_requests)
             if rate > best_rate:
                 best_rate, best_slots = rate, num_slots
             if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts

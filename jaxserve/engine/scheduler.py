@@ -101,6 +101,10 @@ RETIME_PLANS = 64
 # The longest pause of drafting (steps that overlap the host and the device again, as async scheduling
 # does) after plans in a row where no draft ran.
 DRAFT_PAUSE_STEPS = 16
+# Plans in a row where a draft model's drafts could not pay (`DraftPolicy.can_pay`) before they are weighed
+# again on fresh measurements: up to REPROBE_ROUNDS rounds, until one is steady (its time counted).
+REPROBE_PLANS = RETIME_PLANS * DRAFT_PAUSE_STEPS
+REPROBE_ROUNDS = 3
 
 # vLLM's buckets for vllm:iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -190,6 +194,8 @@ class Scheduler:
         self._paused_without_drafts = False  # the pause followed a plan where no request had a draft
         self._times_base = False  # the next plan is one plain step, timed for the draft policy
         self._plans_since_timed = 0  # drafting plans since the requests' own bucket was last timed
+        self._plans_unpaid = 0  # plans in a row without drafting because a draft model's drafts could not pay
+        self._reprobes = 0  # rounds a draft model runs whether or not they could pay (REPROBE_PLANS)
         self.speculation = SpeculationCounts(proposer.num_speculative_tokens if proposer is not None else 0)
         self._caching, self._page_size = kv_cache.enable_prefix_caching, kv_cache.page_size
         self.lora_slots = LoraSlots(max_loras)
@@ -243,10 +249,16 @@ class Scheduler:
         overlapping as without a proposer, and no round runs."""
         proposer = self.proposer
         return proposer is not None and not self._draft_pause and (
-            proposer.probes_cheaply
+            proposer.probes_cheaply or self._reprobes > 0
             or self.draft_policy.can_pay(len(self.running), proposer.num_speculative_tokens))
 
     def schedule(self) -> SchedulerOutput:
+        if (self.proposer is not None and not self.proposer.probes_cheaply and not self._draft_pause
+                and self.running and not self.drafting):  # off: the drafts could not pay, on old measurements
+            self._plans_unpaid += 1
+            if self._plans_unpaid >= REPROBE_PLANS:  # weighed again: rounds, one step apart, until one is steady
+                self._plans_unpaid, self._reprobes, self._next_draft_pause = 0, REPROBE_ROUNDS, 1
+                self.draft_policy.remeasure_proposals(len(self.running))
         if self._draft_pause:
             self._draft_pause -= 1
             if self._draft_pause and self._paused_without_drafts and self.proposer.probes_cheaply and any(
@@ -481,11 +493,15 @@ class Scheduler:
             # A draft model's round runs only where its drafts can run (below) and could pay (`drafting`)
             self._times_base, self._plans_since_timed = True, 0
             return None
+        self._plans_unpaid = 0
         proposed_at = time.perf_counter()
         proposals = proposer.propose_batch(running, [request.max_num_tokens - request.num_tokens - 1
                                                      for request in running])
         if proposer.last_round_steady:  # not a round that caught up on prompts or a pause's tokens
-            self.draft_policy.observe_proposal(time.perf_counter() - proposed_at)
+            self.draft_policy.observe_proposal(len(running), time.perf_counter() - proposed_at)
+            self._reprobes = 0
+        else:
+            self._reprobes = max(0, self._reprobes - 1)
         kept = self.draft_policy.choose(proposals) if any(proposals) else [0] * len(running)
         if kept is None or self._plans_since_timed > RETIME_PLANS:
             # The requests' own bucket has no step time yet, or an old one: one plain step measures it.

@@ -56,7 +56,7 @@ def every_draft_runs(engine: LLMEngine):
     costs = policy.costs
     policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
     policy.observe_step = lambda *timed: None
-    policy.observe_proposal = lambda seconds: None
+    policy.observe_proposal = lambda num_requests, seconds: None
     try:
         yield
     finally:
@@ -321,7 +321,7 @@ def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_r
         return proposals
 
     observe_proposal, observed = policy.observe_proposal, []
-    policy.observe_proposal = lambda seconds: observed.append(seconds) or observe_proposal(seconds)
+    policy.observe_proposal = lambda num, seconds: observed.append(seconds) or observe_proposal(num, seconds)
     proposer.propose_batch = checking_propose_batch
     requests, _ = greedy_requests(2, 40)
     try:
@@ -333,18 +333,27 @@ def test_the_draft_model_runs_only_where_its_drafts_can_and_is_timed_on_steady_r
     assert policy.host_turn > 0  # timed from each drafting step's read to the next launch
 
 
-def test_a_draft_that_cannot_pay_is_not_run(llama_dir, draft_dirs):
+def test_a_draft_that_cannot_pay_is_not_run_until_weighed_again(llama_dir, draft_dirs, monkeypatch):
     """Rounds that cost more than drafts could give back even all accepted (a draft as slow as its target,
-    here taken to take 10 s a round): once the requests' bucket is timed, no round runs at all."""
+    here taken to take 10 s a round): once the requests' bucket is timed, no round runs. After REPROBE_PLANS
+    plans so, rounds run again until one is steady, and its time replaces the old one (a burst's costly
+    rounds do not keep drafting off for good; whether drafts then run is the policy's usual choice)."""
+    from jaxserve.engine import scheduler as scheduler_module
+
     engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 3})
     scheduler = engine.scheduler
     proposer, policy = proposer_of(engine), scheduler.draft_policy
-    policy.proposal_cost, policy.observe_proposal = 10.0, lambda seconds: None
+    policy.proposal_costs.update(dict.fromkeys(policy.row_buckets, 10.0))
+    policy._num_proposals.update(dict.fromkeys(policy.row_buckets, 2))
     requests, arrivals = greedy_requests(3, 30)
     outputs = run(engine, requests, arrivals)
     assert proposer.num_calls == 0 and scheduler.speculation.num_draft_tokens == 0
     assert len(policy.costs) > 0  # the buckets were timed: rounds were weighed, not skipped for want of times
     assert all(len(output.outputs[0].token_ids) == 30 for output in outputs.values())
+    monkeypatch.setattr(scheduler_module, "REPROBE_PLANS", 10)
+    run(engine, *greedy_requests(3, 60))
+    assert proposer.num_calls > 0 and scheduler._reprobes == 0
+    assert policy.proposal_cost(3) < 1.0  # measured again, replacing the old time (not averaged with it)
 
 
 def test_an_idle_wait_between_requests_is_not_the_host_s_turn(engines):

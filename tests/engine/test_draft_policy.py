@@ -107,9 +107,9 @@ def test_the_proposal_s_own_time_counts_against_its_drafts(proposal_seconds, wan
     requests' 3, pays at no proposal cost and not at 0.004 s against the 0.010 s step (3.5 / 0.014 < 3 / 0.010).
     The first round's time is left out, as a bucket's first step is."""
     policy = policy_with({4: 0.010, 16: 0.040}, acceptance_runs=(30, 30))
-    policy.observe_proposal(1.0)  # the first: compiles, first touches
-    policy.observe_proposal(proposal_seconds)
-    assert policy.proposal_cost == proposal_seconds
+    policy.observe_proposal(3, 1.0)  # the first: compiles, first touches
+    policy.observe_proposal(3, proposal_seconds)
+    assert policy.proposal_cost(3) == proposal_seconds
     assert policy.choose([[7, 8], [], [9]]) == want
 
 
@@ -143,8 +143,10 @@ def test_a_proposer_is_asked_only_where_its_drafts_could_pay():
     policy = policy_with({4: 0.010, 16: 0.020})
     assert policy.can_pay(3, 3)
     for seconds in (1.0, 0.03):
-        policy.observe_proposal(seconds)
+        policy.observe_proposal(3, seconds)
     assert not policy.can_pay(3, 3)
+    assert policy.can_pay(1, 3) and policy.proposal_cost(1) == 0.0  # a round for one request: not measured
+    assert policy.proposal_cost(16) == 0.03  # the largest measured below
     assert policy.choose([[1, 2, 3]] * 3) == [0, 0, 0]  # (at any acceptance)
     assert policy_with({16: 0.02}).can_pay(3, 3)  # the 4-row bucket untimed
     assert not policy.can_pay(65, 3)  # past every bucket
