@@ -72,7 +72,7 @@ $(NEWEST_STAMP): pyproject.toml
 # suite (the LoRA and data-parallel engines among it: the same steps driven by host-side code) is code
 # that the jax version does not reach, and runs under `make test`.
 NEWEST_TESTS := tests/ops tests/models tests/runner tests/test_platform.py tests/test_compile_ladder.py \
-	tests/test_parallel.py tests/engine/test_llm_engine.py tests/api/test_server.py
+	tests/test_parallel.py tests/engine/test_llm_engine.py tests/engine/test_draft_model.py tests/api/test_server.py
 
 test-newest-jax: $(NEWEST_STAMP)
 	@$(NEWEST_BIN)/python -c "import sys, jax, flax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
