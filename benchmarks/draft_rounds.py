@@ -71,8 +71,7 @@ def drafting(engine: LLMEngine, on: bool):
         yield spent
     finally:
         scheduler.proposer, policy.costs = proposer, costs
-        for name in ("propose_batch",):
-            proposer.__dict__.pop(name, None)
+        proposer.__dict__.pop("propose_batch", None)
         for name in ("observe_step", "observe_proposal"):
             policy.__dict__.pop(name, None)
         scheduler._draft_pause = 0

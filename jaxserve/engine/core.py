@@ -386,9 +386,8 @@ class EngineCore:
             # where it ran alone)
             launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched, timed=previous is None)
-            if self.scheduler.draft_policy is not None and self.scheduler.has_unfinished() and (
-                    launched.scheduler_output.is_speculative or self._drafting()):
-                # (with nothing left, the next launch follows an idle wait for requests, not the host's turn)
+            if self.scheduler.draft_policy is not None and (launched.scheduler_output.is_speculative
+                                                            or self._drafting()):
                 self._sync_read_at = self._collected_at
         return outputs
 
@@ -405,7 +404,8 @@ class EngineCore:
     def _launch(self) -> tuple[LaunchedStep | None, list[CoreOutputs]]:
         if self._sync_read_at is not None:  # the host's turn since that read: hidden by overlap, paid by drafts
             turn = time.perf_counter() - self._sync_read_at
-            # not after the running requests ended meanwhile (stopped by the frontend: an idle wait may follow)
+            # not after the running requests ended (finished, or stopped by the frontend): an idle wait for
+            # new ones may have followed
             if self.scheduler.running and turn < MAX_HOST_TURN_S:
                 self.scheduler.draft_policy.observe_host_turn(turn)
             self._sync_read_at = None

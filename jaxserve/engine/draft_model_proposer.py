@@ -152,8 +152,7 @@ class DraftModelProposer:
         firsts: dict[int, list[int]] = {}
         pending = list(active)
         while pending:
-            plan = _PlanBuilder(self._released)
-            self._released = []
+            plan = self._new_plan()
             rows: list[tuple[int, int]] = []  # (request index, row) of the rows that end their request's tokens
             left: list[tuple[int, Request, _DraftState]] = []
             for item in pending:
@@ -182,25 +181,29 @@ class DraftModelProposer:
         steps; a background warm-up compiles it last), else a call a step (CPUs, where XLA's loop runs a step at
         a third of a plain step's speed)."""
         steps = self.num_speculative_tokens - 1
-        plan = _PlanBuilder(self._released)
-        self._released = []
-        for index, request, state in active:
-            plan.add(request, state, drafts[index][:1], request.num_tokens, True)
         if min(self.runner.num_decode_steps, self.runner.decode_steps_ready()) >= steps > 1:  # one device call
-            outputs = self.runner.collect_steps(self._launch(plan.build(decode_steps=steps)))
+            plan = self._decode_plan(active, drafts, 0).build(decode_steps=steps)
+            outputs = self.runner.collect_steps(self._launch(plan))
             for row, (index, _, _) in enumerate(active):
                 drafts[index] += [output.sampled_token_ids[row] for output in outputs]
             return
-        out = self.runner.collect(self._launch(plan.build()))
-        for row, (index, _, _) in enumerate(active):
-            drafts[index].append(out.sampled_token_ids[row])
-        for step in range(1, steps):  # a call a step, each fed the last one's samples from the host
-            plan = _PlanBuilder([])
-            for index, request, state in active:
-                plan.add(request, state, drafts[index][-1:], request.num_tokens + step, True)
-            out = self.runner.collect(self._launch(plan.build()))
+        for step in range(steps):  # a call a step, each fed the last one's samples from the host
+            out = self.runner.collect(self._launch(self._decode_plan(active, drafts, step).build()))
             for row, (index, _, _) in enumerate(active):
                 drafts[index].append(out.sampled_token_ids[row])
+
+    def _decode_plan(self, active: list[tuple[int, Request, _DraftState]], drafts: dict[int, list[int]],
+                     step: int) -> "_PlanBuilder":
+        """A decode row per request: its latest draft, at the position after its tokens and `step` drafts."""
+        plan = self._new_plan()
+        for index, request, state in active:
+            plan.add(request, state, drafts[index][-1:], request.num_tokens + step, True)
+        return plan
+
+    def _new_plan(self) -> "_PlanBuilder":
+        """An empty plan that releases the runner rows of the sequences forgotten since the last one."""
+        plan, self._released = _PlanBuilder(self._released), []
+        return plan
 
     def _launch(self, plan: SchedulerOutput):
         self.num_calls += 1

@@ -142,13 +142,18 @@ def _zeros_program(abstract: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]) -> An
                    out_shardings=shardings)
 
 
+def _kv_dtype(model: LoadedModel, cache_config: CacheConfig) -> Any:
+    """The dtype `model`'s KV cache takes under `cache_config`."""
+    cfg = model.cfg
+    return kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
+                          cfg.attention.compute_capability)
+
+
 def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig) -> int:
     """One page of `model`'s KV cache, in every layer, at the cache's dtype for it."""
     cfg = model.cfg
-    dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
-                           cfg.attention.compute_capability)
-    return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim, dtype.itemsize,
-                          kv_arrays(cfg))
+    return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim,
+                          _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg))
 
 
 @dataclass(frozen=True)
@@ -184,8 +189,8 @@ class ModelRunner:
         """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
         that is less (`self.max_model_len` is what the runner serves). `max_drafts`: a speculative decode's
         drafts per request at most (0: none), which a penalty row's sampling counts. `draft`: a draft model's
-        share of the memory the KV budget divides (its weights, and a page of its own per page of this cache),
-        which the runner then sizes its page count for."""
+        share of the memory the KV budget divides (`DraftShare`), which the runner then sizes its page count
+        for."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -217,8 +222,7 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // self.page_size)
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
-        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype, cfg.attention.impl,
-                                       cfg.attention.compute_capability)
+        self.kv_dtype = _kv_dtype(model, cache_config)
         page_bytes = kv_page_bytes(model, cache_config)
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
