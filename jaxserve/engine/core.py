@@ -173,7 +173,8 @@ class EngineCore:
         proposer: Proposer | None = None
         if draft_model is not None:
             proposer = DraftModelProposer(self._draft_runner(config, draft_model, ladder),
-                                          speculative.num_speculative_tokens, model.cfg.vocab_size)
+                                          speculative.num_speculative_tokens, model.cfg.vocab_size,
+                                          config.cache.enable_prefix_caching)
         elif speculative is not None:
             proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                                      speculative.prompt_lookup_max)
@@ -250,7 +251,7 @@ class EngineCore:
         """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's
         (their memory counted in the target's sizing: `DraftShare`)."""
         k = config.scheduler.speculative_config.num_speculative_tokens
-        cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages, enable_prefix_caching=False)
+        cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages)
         max_len = context_served(self.max_model_len, draft.max_position_embeddings)
         # k - 1 decode steps in one call on GPUs; a call a step on CPUs (`DraftModelProposer._decode`)
         steps = max(1, k - 1) if draft_model_proposer.one_call_decodes(jax.default_backend()) else 1

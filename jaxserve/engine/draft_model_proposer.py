@@ -2,10 +2,18 @@
 
 The draft model runs on a `ModelRunner` of its own, beside the target's, with a KV cache of its own: as
 many pages of its size as the target has of its (`DraftShare`: the target sizes its page count for both),
-handed out by a `KVCacheManager` of its own, without prefix caching. Nothing the target's scheduler
-decides (prefix-cache hits, preemption, which drafts a step verifies) reaches into that cache: each
-sequence's draft state says how far its draft K/V is the K/V of the sequence's own tokens, and a round
-checks that against the tokens the sequence has now.
+handed out by a `KVCacheManager` of its own. Nothing the target's scheduler decides (prefix-cache hits,
+preemption, which drafts a step verifies) reaches into that cache: each sequence's draft state says how far
+its draft K/V is the K/V of the sequence's own tokens, and a round checks that against the tokens the
+sequence has now.
+
+The draft's cache caches prefixes as the target's does (where the target's does): a page whose positions
+all hold the draft K/V of a sequence's own tokens is keyed, at the start of a round, with the key the
+target gives the same page (`Request.page_keys`: the pages are the target's size, and keys name tokens,
+cache salt and adapter), and a sequence new to the draft starts after the longest run of its keys cached.
+So requests on one long prefix hold its draft pages once, as they hold its target pages once. A keyed page
+is never written again: a sequence writes only from its valid prefix on, which never falls back below a
+page it keyed (`_valid_prefix`).
 
 A round (`propose_batch`, called by the scheduler when every running request decodes) runs, for all the
 requests at once:
@@ -28,7 +36,7 @@ from typing import Any
 import jax
 
 from jaxserve.config import CacheConfig
-from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
+from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys, shared_window
 from jaxserve.engine.request import Request
 from jaxserve.engine.step_io import NewRequest, SchedulerOutput
 from jaxserve.models.loader import LoadedModel
@@ -65,6 +73,7 @@ class _DraftState:
     """A sequence's place in the draft's cache."""
 
     page_ids: list[int] = field(default_factory=list)
+    num_keyed: int = 0  # its leading pages offered to the prefix cache
     num_pages_sent: int = 0  # pages the runner's row holds (sent in plans)
     has_row: bool = False  # the runner holds a row for it
     num_computed: int = 0  # positions whose draft K/V is the sequence's own tokens'
@@ -75,19 +84,22 @@ class _DraftState:
 class DraftModelProposer:
     """Proposes each running request's next k tokens, the draft model's greedy continuation."""
 
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, vocab_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         """`runner`: the draft model's, made with greedy decodes, and `num_decode_steps` k - 1 where the k - 1
-        decode steps of a round run in one call (`_decode`). `vocab_size`: the target's; a draft past it (a
-        padding id of a draft whose vocabulary is padded further) ends the request's drafts."""
+        decode steps of a round run in one call (`_decode`); its pages the target's size. `vocab_size`: the
+        target's; a draft past it (a padding id of a draft whose vocabulary is padded further) ends the
+        request's drafts. `enable_prefix_caching`: the target's setting."""
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
         self.last_round_steady = True  # the last round computed no more than a round's tokens per request
-        self.pages = KVCacheManager(runner.num_pages, runner.page_size, enable_prefix_caching=False,
+        self.pages = KVCacheManager(runner.num_pages, runner.page_size, enable_prefix_caching,
                                     sliding_window=shared_window(getattr(runner.model.cfg, "sliding_windows", ())))
         self._states: dict[str, _DraftState] = {}
         self._released: list[str] = []  # sequences whose runner rows the next plan releases
         self.num_calls = 0  # device calls, for tests and benchmarks
+        self.num_hit_tokens = 0  # positions sequences new to the draft found in its prefix cache
 
     # A round runs the draft model: the scheduler does not ask one only to learn whether drafts would come.
     probes_cheaply = False
@@ -110,11 +122,14 @@ class DraftModelProposer:
             num_tokens = request.num_tokens
             if min(limit, k) < 1 or num_tokens + k - 1 > self.runner.max_model_len:
                 continue
-            state = self._states.setdefault(request.request_id, _DraftState())
+            state = self._states.get(request.request_id) or self._start(request)
             state.num_computed = _valid_prefix(request, state)
+            self._cache_pages(request, state)
             self.pages.release_outside_window(state.page_ids, state.num_computed)
             if self.pages.allocate(state.page_ids, num_tokens + k - 1):  # the drafts' positions too
                 active.append((index, request, state))
+            elif not state.has_row:  # nothing computed yet: a later round looks its prefix up again
+                self.forget(request.request_id)
         # A round after a request's start or a pause also computes what the requests made meanwhile: the
         # draft policy times the rounds that do not (`Scheduler._plan_speculative`).
         self.last_round_steady = all(request.num_tokens - state.num_computed <= k + 1 for _, request, state in active)
@@ -135,6 +150,32 @@ class DraftModelProposer:
             proposals[index] = kept[: next((i for i, token in enumerate(kept) if token >= self.vocab_size),
                                            len(kept))]
         return proposals
+
+    def _start(self, request: Request) -> _DraftState:
+        """A sequence new to the draft (or back after a preemption or a failed round): its state after the
+        cached pages of the longest run of its keys, at most all but its last token."""
+        state = self._states[request.request_id] = _DraftState()
+        if self.pages.enable_prefix_caching:
+            num_full = (request.num_tokens - 1) // self.pages.page_size
+            hit = self.pages.cached_prefix(self._page_keys(request, num_full))
+            self.pages.take(hit)
+            state.page_ids, state.num_keyed = hit, len(hit)
+            state.num_computed = len(hit) * self.pages.page_size
+            self.num_hit_tokens += state.num_computed
+        return state
+
+    def _cache_pages(self, request: Request, state: _DraftState) -> None:
+        """Offers the sequence's pages that its valid prefix fills to the prefix cache."""
+        num_full = state.num_computed // self.pages.page_size
+        if self.pages.enable_prefix_caching and num_full > state.num_keyed:
+            self.pages.cache_pages(state.page_ids, self._page_keys(request, num_full), state.num_keyed, num_full)
+            state.num_keyed = num_full
+
+    def _page_keys(self, request: Request, num_full_pages: int) -> list[bytes]:
+        """The request's first page keys, the target's (`Scheduler._page_keys`: the same list, grown by whichever
+        needs a key first)."""
+        return extend_page_keys(request.page_keys, num_full_pages, self.pages.page_size, request.token_ids,
+                                request.prefix_cache_salt)
 
     def forget(self, request_id: str) -> None:
         """Drops a sequence's state and pages (finished, or no longer running)."""

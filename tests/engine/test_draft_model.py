@@ -2,7 +2,8 @@
 for token those of plain decoding whatever the draft proposes; a draft that is the target itself has every
 draft accepted (its KV cache, kept apart from the target's, holds what the target's does); prompts longer
 than the largest bucket catch up in chunks; preemption, aborts and finished requests leave no draft page
-behind; the two caches share the KV budget; nothing compiles after warm-up."""
+behind; the draft's cache shares prefixes as the target's does; the two caches share the KV budget; nothing
+compiles after warm-up."""
 
 import contextlib
 import time
@@ -188,6 +189,68 @@ def test_preemption_leaves_the_outputs_and_the_draft_cache_right(llama_dir, draf
     assert_same(plain, outputs)
     assert preempted, "nothing was preempted: the test no longer tests preemption"
     assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
+
+
+def test_requests_on_one_prefix_hold_its_draft_pages_once(llama_dir, draft_dirs):
+    """Four requests on one 64-token prefix, in a cache that holds the prefix once beside their own tokens:
+    the draft's cache shares the prefix's pages as the target's does, so rounds draft for all four at once,
+    every draft accepted. Without the draft's prefix cache, its 39 pages hold the prefix (16 pages) and a
+request's own for two requests at most."""
+    small = dict(num_kv_pages=40, warmup=False)
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 40000, size=64).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = {f"p{i}": (prefix + rng.integers(3, 40000, size=3).tolist(), params) for i in range(4)}
+    arrivals = {"p0": 0, "p1": 3, "p2": 3, "p3": 3}
+    plain = run(make_engine(llama_dir, **small), requests, arrivals)
+    engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 2},
+                         **small)
+    proposer, counts = proposer_of(engine), engine.scheduler.speculation
+    propose_batch, drafted_together = proposer.propose_batch, []
+
+    def recording_propose_batch(running, max_drafts):
+        proposals = propose_batch(running, max_drafts)
+        drafted_together.append(sum(bool(drafts) for drafts in proposals))
+        return proposals
+
+    proposer.propose_batch = recording_propose_batch
+    widest = {}
+    for shared in (True, False):
+        proposer.pages.enable_prefix_caching = shared
+        drafted_together.clear()
+        hits, before = proposer.num_hit_tokens, counts.num_draft_tokens
+        with every_draft_runs(engine):
+            outputs = run(engine, {f"{key}-{shared}": value for key, value in requests.items()},
+                          {f"{key}-{shared}": value for key, value in arrivals.items()})
+        assert_same({f"{key}-{shared}": value for key, value in plain.items()}, outputs)
+        assert counts.num_draft_tokens > before and counts.num_accepted_tokens == counts.num_draft_tokens
+        assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages and not proposer._states
+        widest[shared] = max(drafted_together)
+        if shared:
+            assert proposer.num_hit_tokens - hits >= 3 * 64  # the three later requests' prefix, not computed
+    assert widest[True] == 4 and widest[False] <= 2
+
+
+def test_the_draft_shares_a_prefix_only_where_the_target_would(engines):
+    """A request's draft pages are keyed as its target pages are, by its tokens and cache salt: a request on
+    another's prompt finds that prompt's full pages in the draft's cache under the same salt, none under another."""
+    engine, proposer = engines["self"], proposer_of(engines["self"])
+    prompt = np.random.default_rng(3).integers(3, 40000, size=40).tolist()  # its first 36 tokens fill 9 pages
+
+    def draft_hits(request_id: str, salt: str | None) -> int:
+        before = proposer.num_hit_tokens
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           cache_salt=salt)
+        with every_draft_runs(engine):
+            while engine.has_unfinished_requests():
+                engine.step()
+        return proposer.num_hit_tokens - before
+
+    assert draft_hits("first", "tenant-a") == 0
+    assert draft_hits("same-salt", "tenant-a") >= 36
+    assert draft_hits("other-salt", "tenant-b") == 0
+    assert draft_hits("no-salt", None) == 0
+    assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages and not proposer._states
 
 
 def test_the_target_sizes_its_cache_for_both_models(llama_dir, draft_dirs):
@@ -379,7 +442,7 @@ def test_a_failed_round_leaves_no_state_behind(engines):
     proposer = proposer_of(engines["self"])
     tokens = make_prompts(4)[3]
     request = SimpleNamespace(request_id="failing", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
-                              token_ids=lambda start, end: tokens[start:end])
+                              token_ids=lambda start, end: tokens[start:end], page_keys=[], prefix_cache_salt=None)
     free = proposer.pages.num_free_pages
 
     def failing_launch(plan):
