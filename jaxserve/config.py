@@ -439,11 +439,9 @@ class EngineConfig:
         if self.lora.enable_lora and self.cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
             raise ValueError("--enable-lora: not with an FP8 KV cache, whose scales are folded into the projections")
         speculative = self.scheduler.speculative_config
-        if speculative is not None and speculative.method == "draft_model" and (
-                self.parallel.tensor_parallel_size > 1 or self.parallel.multihost
-                or self.parallel.data_parallel_size > 1):
-            raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one device: "
-                             "not with --tensor-parallel-size, --data-parallel-size or hosts above 1")
+        if speculative is not None and speculative.method == "draft_model" and self.parallel.multihost:
+            raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one host: "
+                             "not with hosts above 1")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {', '.join(WARMUP_MODES)}; got {self.warmup_mode!r}")
         if self.parallel.multihost and self.warmup_mode == "background":

@@ -37,13 +37,14 @@ def _check(spec: dict) -> list[dict]:
     os.environ["JAXSERVE_CACHE_DIR"] = spec["cache_dir"]
     results = []
     for tp in spec["tp_sizes"]:
+        rows = 4 if spec.get("speculative") is None else 12  # a verification's rows: the drafts' too
         llm = LLM(model=spec["model"], dtype="float32", weight_dtype=spec["weight_dtype"], tensor_parallel_size=tp,
-                  max_num_seqs=4,
+                  max_num_seqs=rows,
                   # One bucket of each kind: the three prompts prefill in one step and decode together.
-                  max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4], num_kv_pages=64,
+                  max_num_batched_tokens=32, token_buckets=[32], request_buckets=[rows], num_kv_pages=64,
                   attention_impl=spec["attention_impl"], enable_prefix_caching=False,
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"],
-                  enable_lora=spec["lora"] is not None)
+                  enable_lora=spec["lora"] is not None, speculative_config=spec.get("speculative"))
         try:
             results.append(_generate(llm, tp, spec))
         finally:
@@ -58,16 +59,28 @@ def _generate(llm, tp: int, spec: dict) -> dict:
     from jaxserve import LoRARequest, SamplingParams
     from tests.helpers import count_compilations
 
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=5, ignore_eos=True)
+    # Top logprobs, but not where drafts run: a step verifies no drafts of a request that asks for them.
+    logprobs = 5 if spec.get("speculative") is None else None
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=logprobs, ignore_eos=True)
     lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] is not None else None
     if lora is not None:  # loaded before counting compiles: a first load compiles its slot write
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
     runner = llm.engine.runner
     q_proj = _first_attention_weight(runner.model.state)
     placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
+    scheduler = llm.engine.scheduler
+    if scheduler.proposer is not None:  # every draft run: steps cost alike to the policy, proposals nothing
+        policy = scheduler.draft_policy
+        policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
+        policy.observe_step = lambda *timed: None
+        policy.observe_proposal = lambda num_requests, seconds: None
     with count_compilations() as compiles:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
+    draft_runner = llm.engine.core.draft_runner
     return {
+        "drafts": [scheduler.speculation.num_draft_tokens, scheduler.speculation.num_accepted_tokens],
+        "draft_kv_devices": sorted({str(s.device_set) for s in jax.tree.leaves(
+            jax.tree.map(lambda x: x.sharding, draft_runner.kv_caches))}) if draft_runner is not None else [],
         "tp": tp,
         "compiles_after_warmup": len(compiles),
         "kv_devices": sorted(placed),
@@ -75,7 +88,7 @@ def _generate(llm, tp: int, spec: dict) -> dict:
         "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
         "q_proj_dtype": str(q_proj.dtype),
         "tokens": [o.outputs[0].token_ids for o in outputs],
-        "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs] for o in outputs],
+        "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs or ()] for o in outputs],
     }
 
 
@@ -175,12 +188,12 @@ def _first_attention_weight(state):
 
 def run_tp(worker: TPWorker, model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
-           quantization: str | None = None, lora: str | None = None) -> dict:
+           quantization: str | None = None, lora: str | None = None, speculative: dict | None = None) -> dict:
     """Each TP size's results, keyed by the size; the largest loads first, from an empty jaxserve cache in
     `cache_dir` (a GGUF converts with its own heads)."""
     spec = dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens, cache_dir=str(cache_dir),
                 attention_impl=attention_impl, weight_dtype=weight_dtype, expert_parallel=expert_parallel,
-                quantization=quantization, lora=lora)
+                quantization=quantization, lora=lora, speculative=speculative)
     return {r["tp"]: r for r in worker.check(spec)}
 
 

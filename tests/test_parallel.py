@@ -56,6 +56,20 @@ def test_lora_adapters_match_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_draft_model_splits_over_the_target_s_devices(tp_worker, tiny_model_dir, tmp_path):
+    """A draft model beside a TP=2 target loads over the same two devices (its KV cache split as the target's):
+    the target's greedy tokens and logprobs are TP=1's, and the target as its own draft has every draft accepted."""
+    model = str(tiny_model_dir("llama"))
+    results = run_tp(tp_worker, model, tmp_path, tp_sizes=(2, 1),
+                     speculative={"model": model, "num_speculative_tokens": 2})
+    assert_same_as_tp1(results)
+    for tp, got in results.items():
+        drafted, accepted = got["drafts"]
+        assert drafted > 0 and accepted == drafted, (tp, got["drafts"])
+        assert got["draft_kv_devices"] == got["kv_devices"]
+
+
+@pytest.mark.slow
 def test_a_tiny_gpt2_matches_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
     """GPT-2's fused QKV, learned positions and LayerNorms split in two (TP=4 adds only what the Llama checks)."""
     assert_same_as_tp1(run_tp(tp_worker, str(tiny_model_dir("gpt2")), tmp_path, tp_sizes=(2, 1)))

@@ -238,11 +238,13 @@ class EngineCore:
 
     def _load_draft(self, config: EngineConfig, draft: str) -> LoadedModel:
         """The draft model (--speculative-config's "model"), loaded as the target is (its dtypes, attention,
-        load format), a GGUF file's quantized blocks kept where they run."""
+        load format, split over the same devices), a GGUF file's quantized blocks kept where they run."""
         logger.info("speculative decoding: loading the draft model %s", draft)
         try:
-            return load_model(draft, config.model.dtype, config.attention_impl, None, 1, config.model.weight_dtype,
+            return load_model(draft, config.model.dtype, config.attention_impl, None,
+                              config.parallel.tensor_parallel_size, config.model.weight_dtype,
                               config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
+                              expert_parallel=config.parallel.enable_expert_parallel,
                               quantization="auto", download_dir=config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error

@@ -229,6 +229,26 @@ def test_two_ranks_give_the_in_process_outputs(in_process, two_ranks):
     assert two_ranks._core.router.loads == [0, 0]
 
 
+def test_each_rank_drafts_with_a_draft_model_of_its_own(in_process, llama_dir, compile_cache):
+    """--speculative-config's draft model on two ranks: each rank loads it on its own devices beside its
+    target; the outputs are the in-process engine's, and the target as its own draft has its drafts accepted
+    (the ranks' draft policies run rounds until they have timed them)."""
+    require_ranks(2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = {f"g{i}": (prompt, params) for i, prompt in enumerate(make_prompts(6))}
+    arrivals = dict.fromkeys(requests, 0)
+    expected = run(in_process, requests, arrivals)
+    engine = make_engine(llama_dir, data_parallel_size=2, compilation_cache_dir=str(compile_cache),
+                         speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2})
+    try:
+        assert_same(expected, run(engine, requests, arrivals))
+        stats = engine.stats()
+        assert stats.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    finally:
+        engine.shutdown()
+
+
 def test_aborts_reach_the_rank_that_holds_the_request(in_process, two_ranks):
     assert_aborts_leave_the_others_unchanged(in_process, two_ranks)
     assert two_ranks._core.router.loads == [0, 0]

@@ -298,9 +298,12 @@ def test_the_speculative_config_takes_a_draft_model():
                 {"model": "x", "num_speculative_tokens": 0}):
         with pytest.raises(ValueError):
             SpeculativeConfig.of(bad)
-    with pytest.raises(ValueError, match="one device"):
-        EngineConfig.from_preset(None, model="m", tensor_parallel_size=2,
-                                 speculative_config={"model": "d", "num_speculative_tokens": 2})
+    draft = {"model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="one host"):
+        EngineConfig.from_preset(None, model="m", tensor_parallel_size=2, num_processes=2,
+                                 coordinator_address="127.0.0.1:1", speculative_config=draft)
+    for parallel in ({"tensor_parallel_size": 2}, {"data_parallel_size": 2}):  # split as the target, or per rank
+        assert EngineConfig.from_preset(None, model="m", speculative_config=draft, **parallel).scheduler.max_drafts
 
 
 class Tokenizer(dict):
