@@ -150,13 +150,19 @@ class SpeculativeConfig:
     model verifies in one step. Method "ngram" (prompt lookup): the tokens that followed the latest n-gram of
     the context (n in [prompt_lookup_min, prompt_lookup_max]) where it appeared before. Method "draft_model":
     a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
-    tokenizer), run beside the target with a KV cache of its own."""
+    tokenizer), run beside the target with a KV cache of its own. The other fields are vLLM's of the same
+    names."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5  # vLLM's defaults, both
     prompt_lookup_min: int = 5
     model: str | None = None  # the draft model ("draft_model")
+    revision: str | None = None  # the draft model's hub revision
+    quantization: str | None = None  # the draft's weights' quantized form (QUANTIZATION_CHOICES); None: its own
+    max_model_len: int | None = None  # drafts stop where a sequence passes it (and the draft's own context)
+    draft_tensor_parallel_size: int | None = None  # the target's (the draft is split as the target is)
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -166,6 +172,18 @@ class SpeculativeConfig:
             raise ValueError('method "draft_model" takes the draft model as "model", and only it does')
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"the draft model must be a hub id, directory or file, got {self.model!r}")
+        drafted_by_model = ("revision", "quantization", "max_model_len", "draft_tensor_parallel_size")
+        if self.model is None and (given := [name for name in drafted_by_model if getattr(self, name) is not None]):
+            raise ValueError(f"{', '.join(given)}: a draft model's settings, and no \"model\" is given")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"revision must be a non-empty string, got {self.revision!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"the draft's quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        for name in ("max_model_len", "draft_tensor_parallel_size", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -442,6 +460,10 @@ class EngineConfig:
         if speculative is not None and speculative.method == "draft_model" and self.parallel.multihost:
             raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one host: "
                              "not with hosts above 1")
+        draft_tp = None if speculative is None else speculative.draft_tensor_parallel_size
+        if draft_tp is not None and draft_tp != self.parallel.tensor_parallel_size:
+            raise ValueError(f"draft_tensor_parallel_size {draft_tp}: the draft model is split over the target's "
+                             f"devices, as the target is: give {self.parallel.tensor_parallel_size} or leave it out")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {', '.join(WARMUP_MODES)}; got {self.warmup_mode!r}")
         if self.parallel.multihost and self.warmup_mode == "background":

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
-from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, context_served
+from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.core_io import (
     CoreOutputs,
@@ -147,7 +147,7 @@ class EngineCore:
         self.leader = multihost.Leader(config.parallel) if leads else None  # listens; accepts after warm-up
         speculative = None if pooling else sched.speculative_config
         # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
-        draft_model = (self._load_draft(config, speculative.model)
+        draft_model = (self._load_draft(config, speculative)
                        if speculative is not None and speculative.method == "draft_model" else None)
         share = draft_share(draft_model, model, config.cache, sched.max_num_seqs) if draft_model is not None else None
         self.runner = ModelRunner(
@@ -183,7 +183,9 @@ class EngineCore:
                                    sched.num_scheduler_steps, sched.scheduling_policy, proposer,
                                    row_buckets=self.runner.ladder.request_buckets,
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
-                                   overlap_decode_steps=sched.async_scheduling)
+                                   overlap_decode_steps=sched.async_scheduling,
+                                   disable_by_batch_size=None if speculative is None
+                                   else speculative.disable_by_batch_size)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
@@ -236,16 +238,16 @@ class EngineCore:
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()
 
-    def _load_draft(self, config: EngineConfig, draft: str) -> LoadedModel:
+    def _load_draft(self, config: EngineConfig, speculative: SpeculativeConfig) -> LoadedModel:
         """The draft model (--speculative-config's "model"), loaded as the target is (its dtypes, attention,
         load format, split over the same devices), a GGUF file's quantized blocks kept where they run."""
-        logger.info("speculative decoding: loading the draft model %s", draft)
+        logger.info("speculative decoding: loading the draft model %s", speculative.model)
         try:
-            return load_model(draft, config.model.dtype, config.attention_impl, None,
+            return load_model(speculative.model, config.model.dtype, config.attention_impl, speculative.revision,
                               config.parallel.tensor_parallel_size, config.model.weight_dtype,
                               config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
                               expert_parallel=config.parallel.enable_expert_parallel,
-                              quantization="auto", download_dir=config.model.download_dir)
+                              quantization=speculative.quantization or "auto", download_dir=config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error
 
@@ -255,6 +257,8 @@ class EngineCore:
         k = config.scheduler.speculative_config.num_speculative_tokens
         cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages)
         max_len = context_served(self.max_model_len, draft.max_position_embeddings)
+        if (asked := config.scheduler.speculative_config.max_model_len) is not None:
+            max_len = min(max_len, asked)
         # k - 1 decode steps in one call on GPUs; a call a step on CPUs (`DraftModelProposer._decode`)
         steps = max(1, k - 1) if draft_model_proposer.one_call_decodes(jax.default_backend()) else 1
         return ModelRunner(draft, cache, ladder, max_len, config.scheduler.max_num_seqs, max_logprobs=1,

@@ -159,6 +159,7 @@ class Scheduler:
         row_buckets: tuple[int, ...] = (),
         max_loras: int = 0,
         overlap_decode_steps: bool = False,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         """`proposer`: speculative decoding's drafts, run on the decode buckets `row_buckets` (the runner's
         request buckets) as `DraftPolicy` chooses. `max_loras`: the device's LoRA slots (--enable-lora): the
@@ -166,7 +167,8 @@ class Scheduler:
         the queue's head until a slot frees (vLLM lets later requests pass it; here none starves).
         `overlap_decode_steps` (async scheduling): a k-step decode may be planned while the last step's
         samples are still in flight, its first tokens taken from them on the device; never with a proposer
-        (drafting plans need the tokens, and its draft policy times k-step calls read at once)."""
+        (drafting plans need the tokens, and its draft policy times k-step calls read at once).
+        `disable_by_batch_size` (vLLM's): no drafts while more requests than this run."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
@@ -185,6 +187,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found cached
         self.iteration_tokens = IterationTokens()
         self.proposer = proposer
+        self.disable_by_batch_size = disable_by_batch_size
         max_rows = min(max_num_seqs, max_num_batched_tokens)
         self.draft_policy = (DraftPolicy(row_buckets or (max_rows,), max_rows, plain_overlaps=overlap_decode_steps)
                              if proposer is not None else None)
@@ -248,12 +251,19 @@ class Scheduler:
         drafts could pay were all accepted (`DraftPolicy.can_pay`): where they could not, steps go on
         overlapping as without a proposer, and no round runs."""
         proposer = self.proposer
-        return proposer is not None and not self._draft_pause and (
+        return self._may_draft and (
             proposer.probes_cheaply or self._reprobes > 0
             or self.draft_policy.can_pay(len(self.running), proposer.num_speculative_tokens))
 
+    @property
+    def _may_draft(self) -> bool:
+        """A proposer, no pause, and no more requests running than `disable_by_batch_size`."""
+        limit = self.disable_by_batch_size
+        return (self.proposer is not None and not self._draft_pause
+                and (limit is None or len(self.running) <= limit))
+
     def schedule(self) -> SchedulerOutput:
-        if (self.proposer is not None and not self.proposer.probes_cheaply and not self._draft_pause
+        if (self._may_draft and not self.proposer.probes_cheaply
                 and self.running and not self.drafting):  # off: the drafts could not pay, on old measurements
             self._plans_unpaid += 1
             if self._plans_unpaid >= REPROBE_PLANS:  # weighed again: rounds, one step apart, until one is steady

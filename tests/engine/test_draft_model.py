@@ -9,6 +9,8 @@ import contextlib
 import time
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -304,6 +306,83 @@ def test_the_speculative_config_takes_a_draft_model():
                                  coordinator_address="127.0.0.1:1", speculative_config=draft)
     for parallel in ({"tensor_parallel_size": 2}, {"data_parallel_size": 2}):  # split as the target, or per rank
         assert EngineConfig.from_preset(None, model="m", speculative_config=draft, **parallel).scheduler.max_drafts
+
+
+def test_vllm_s_other_speculative_keys_are_taken_and_checked():
+    draft = {"model": "d", "num_speculative_tokens": 2}
+    config = SpeculativeConfig.of({**draft, "revision": "main", "quantization": "fp8", "max_model_len": 64,
+                                   "draft_tensor_parallel_size": 2, "disable_by_batch_size": 8})
+    assert (config.revision, config.quantization, config.max_model_len) == ("main", "fp8", 64)
+    assert (config.draft_tensor_parallel_size, config.disable_by_batch_size) == (2, 8)
+    assert SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2,
+                                 "disable_by_batch_size": 4}).disable_by_batch_size == 4
+    for bad, reason in (({"method": "ngram", "num_speculative_tokens": 2, "revision": "main"}, "no \"model\""),
+                        ({**draft, "quantization": "int3"}, "quantization must be one of"),
+                        ({**draft, "max_model_len": 0}, "max_model_len must be a positive integer"),
+                        ({**draft, "disable_by_batch_size": True}, "disable_by_batch_size must be"),
+                        ({**draft, "draft_model_tp": 1}, "unknown speculative config keys")):
+        with pytest.raises(ValueError, match=reason):
+            SpeculativeConfig.of(bad)
+    assert EngineConfig.from_preset(None, model="m", tensor_parallel_size=2, speculative_config={
+        **draft, "draft_tensor_parallel_size": 2}).scheduler.speculative_config.draft_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="split over the target's devices"):
+        EngineConfig.from_preset(None, model="m", tensor_parallel_size=2,
+                                 speculative_config={**draft, "draft_tensor_parallel_size": 1})
+
+
+def test_the_draft_s_own_settings_reach_it(llama_dir, draft_dirs, monkeypatch, engines):
+    """`quantization`, `max_model_len` and `revision`: an FP8 draft whose context ends at 48 tokens drafts for
+    no sequence that would pass it, and the outputs are plain decoding's."""
+    from jaxserve.engine import core
+
+    loads = []
+    load_model = core.load_model
+    monkeypatch.setattr(core, "load_model", lambda *args, **kwargs: loads.append((args, kwargs))
+                        or load_model(*args, **kwargs))
+    engine = make_engine(llama_dir, warmup=False, speculative_config={
+        "model": draft_dirs["self"], "num_speculative_tokens": 2, "quantization": "fp8", "max_model_len": 48,
+        "revision": "main"})
+    args, kwargs = loads[-1]  # the draft loads after the target
+    assert args[0] == draft_dirs["self"] and args[3] == "main"  # the revision: the loader's fourth argument
+    assert kwargs["quantization"] == "fp8" and loads[0][1]["quantization"] is None
+    proposer = proposer_of(engine)
+    assert proposer.runner.max_model_len == 48
+    assert any(leaf.dtype == jnp.float8_e4m3fn for leaf in jax.tree.leaves(proposer.runner.model.state))
+    propose_batch, lengths = proposer.propose_batch, []
+
+    def recording_propose_batch(running, max_drafts):
+        proposals = propose_batch(running, max_drafts)
+        lengths.extend(request.num_tokens for request, drafts in zip(running, proposals, strict=True) if drafts)
+        return proposals
+
+    proposer.propose_batch = recording_propose_batch
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = {f"r{i}": (prompt, params) for i, prompt in enumerate(make_prompts(2)[:2])}  # 3 and 17 tokens
+    arrivals = dict.fromkeys(requests, 0)
+    with every_draft_runs(engine):
+        outputs = run(engine, requests, arrivals)
+    assert_same(run(engines["plain"], requests, arrivals), outputs)
+    assert lengths and max(lengths) + 1 <= 48  # the drafts' last position (k - 1 past the tokens) in the context
+    assert max(len(prompt) for prompt, _ in requests.values()) + 40 > 48
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(engines):
+    engine = engines["self"]
+    proposer, scheduler = proposer_of(engine), engine.scheduler
+    propose_batch, batches = proposer.propose_batch, []
+    proposer.propose_batch = lambda running, max_drafts: batches.append(len(running)) or propose_batch(
+        running, max_drafts)
+    scheduler.disable_by_batch_size = 2
+    prompts = make_prompts(5)
+    requests = {f"b{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=6 + 8 * i, ignore_eos=True))
+                for i in range(5)}
+    try:
+        outputs, drafted, accepted = run_drafting(engine, requests, dict.fromkeys(requests, 0))
+    finally:
+        scheduler.disable_by_batch_size = None
+        del proposer.propose_batch
+    assert_same(run(engines["plain"], requests, dict.fromkeys(requests, 0)), outputs)
+    assert batches and max(batches) <= 2 and drafted > 0 and accepted == drafted
 
 
 class Tokenizer(dict):
