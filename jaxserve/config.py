@@ -140,7 +140,7 @@ WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -150,8 +150,10 @@ class SpeculativeConfig:
     model verifies in one step. Method "ngram" (prompt lookup): the tokens that followed the latest n-gram of
     the context (n in [prompt_lookup_min, prompt_lookup_max]) where it appeared before. Method "draft_model":
     a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
-    tokenizer), run beside the target with a KV cache of its own. The other fields are vLLM's of the same
-    names."""
+    tokenizer), run beside the target with a KV cache of its own. Method "suffix" (SuffixDecoding): what
+    followed the longest suffix of the context in the context and in recent requests' outputs
+    (`engine/suffix_proposer.py`; `num_speculative_tokens` defaults to the most, 16). The other fields are
+    vLLM's of the same names."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -163,6 +165,10 @@ class SpeculativeConfig:
     max_model_len: int | None = None  # drafts stop where a sequence passes it (and the draft's own context)
     draft_tensor_parallel_size: int | None = None  # the target's (the draft is split as the target is)
     disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+    suffix_decoding_max_tree_depth: int = 24  # "suffix": the longest suffix of the context matched
+    suffix_decoding_max_cached_requests: int = 10000  # "suffix": finished outputs searched (0: none)
+    suffix_decoding_max_spec_factor: float = 1.0  # "suffix": drafts at most this times the match's length
+    suffix_decoding_min_token_prob: float = 0.1  # "suffix": a path's probability at least this
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -180,6 +186,17 @@ class SpeculativeConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"the draft's quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be an integer in [1, 64], got {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 <= factor <= 64:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number in [0, 64], got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
         for name in ("max_model_len", "draft_tensor_parallel_size", "disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -213,6 +230,11 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        suffix_keys = sorted(key for key in value if key.startswith("suffix_decoding_"))
+        if suffix_keys and value.get("method") != "suffix":
+            raise ValueError(f"{', '.join(suffix_keys)}: settings of the \"suffix\" method only")
+        if value.get("method") == "suffix":  # as in vLLM, as many drafts as a match may earn (at most 16 here)
+            value.setdefault("num_speculative_tokens", MAX_SPECULATIVE_TOKENS)
         if "num_speculative_tokens" not in value:
             raise ValueError("the speculative config needs num_speculative_tokens")
         values = dict(value)

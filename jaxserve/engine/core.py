@@ -62,6 +62,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
+from jaxserve.engine.suffix_proposer import SuffixProposer
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
@@ -175,6 +176,11 @@ class EngineCore:
             proposer = DraftModelProposer(self._draft_runner(config, draft_model, ladder),
                                           speculative.num_speculative_tokens, model.cfg.vocab_size,
                                           config.cache.enable_prefix_caching)
+        elif speculative is not None and speculative.method == "suffix":
+            proposer = SuffixProposer(speculative.num_speculative_tokens, speculative.suffix_decoding_max_tree_depth,
+                                      speculative.suffix_decoding_max_cached_requests,
+                                      speculative.suffix_decoding_max_spec_factor,
+                                      speculative.suffix_decoding_min_token_prob)
         elif speculative is not None:
             proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                                      speculative.prompt_lookup_max)

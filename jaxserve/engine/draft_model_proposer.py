@@ -177,6 +177,10 @@ class DraftModelProposer:
         return extend_page_keys(request.page_keys, num_full_pages, self.pages.page_size, request.token_ids,
                                 request.prefix_cache_salt)
 
+    def finish(self, request: Request) -> None:
+        """A sequence left the scheduler: `forget`."""
+        self.forget(request.request_id)
+
     def forget(self, request_id: str) -> None:
         """Drops a sequence's state and pages (finished, or no longer running)."""
         state = self._states.pop(request_id, None)

@@ -67,6 +67,6 @@ class NgramProposer:
             self._contexts[request.request_id] = (buffer, num_tokens)
         return longest_ngram_drafts(buffer[:num_tokens], self.min_n, self.max_n, max_drafts).tolist()
 
-    def forget(self, request_id: str) -> None:
+    def finish(self, request: Request) -> None:
         """Drops a finished sequence's buffer."""
-        self._contexts.pop(request_id, None)
+        self._contexts.pop(request.request_id, None)

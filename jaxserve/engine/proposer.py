@@ -1,5 +1,5 @@
 """What the scheduler asks of speculative decoding's drafts (pure Python, no jax): `NgramProposer`'s
-lookups, or `DraftModelProposer`'s smaller model."""
+lookups, `SuffixProposer`'s suffix matches, or `DraftModelProposer`'s smaller model."""
 
 from typing import Protocol
 
@@ -18,6 +18,6 @@ class Proposer(Protocol):
         tokens (`requests` are all the running ones, each with its last token to compute)."""
         ...
 
-    def forget(self, request_id: str) -> None:
-        """Drops what it keeps for a finished sequence."""
+    def finish(self, request: Request) -> None:
+        """A sequence left the scheduler (finished or aborted): drops what it keeps for it."""
         ...

@@ -843,6 +843,6 @@ class Scheduler:
         self._release_lora_slot(request)
         del self.requests[request.request_id]
         if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+            self.proposer.finish(request)
             self._first_drafts.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)

@@ -2,6 +2,8 @@
 occurs earlier, at its earliest occurrence, checked against a brute-force search; its buffers follow the
 context as it grows; and vLLM's config shape with its defaults and refusals."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -59,7 +61,7 @@ def test_the_proposer_follows_a_growing_context_and_its_limits():
     request.append_output_token(5, 0.0)
     request.append_output_token(6, 0.0)  # "5 6" again: its earliest occurrence is the prompt's first
     assert proposer.propose(request, max_drafts=10) == [7, 8, 9]
-    proposer.forget("r")
+    proposer.finish(SimpleNamespace(request_id="r"))
     assert proposer._contexts == {}
 
 

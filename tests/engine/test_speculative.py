@@ -60,7 +60,7 @@ class ScriptedProposer:
             drafts[wrong] = 3 if drafts[wrong] != 3 else 4
         return drafts
 
-    def forget(self, request_id: str) -> None:
+    def finish(self, request) -> None:
         pass
 
 
