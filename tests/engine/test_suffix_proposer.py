@@ -51,25 +51,26 @@ def test_the_walk_is_a_suffix_tree_s(seed):
     patterns, factors, thresholds and limits: the drafts and their expected count are the brute force's."""
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(2, 6))
-    corpus = rng.integers(0, vocab, size=int(rng.integers(2, 300))).astype(np.int32)
-    pattern = corpus[-int(rng.integers(1, 25)) :] if seed % 2 else rng.integers(0, vocab, size=8).astype(np.int32)
-    ends = np.flatnonzero(corpus[:-1] == pattern[-1])
+    corpus = rng.integers(0, vocab, size=int(rng.integers(2, 300))).tolist()
+    pattern = corpus[-int(rng.integers(1, 25)) :] if seed % 2 else rng.integers(0, vocab, size=8).tolist()
+    ends = [end for end in range(len(corpus) - 1) if corpus[end] == pattern[-1]]
     factor, min_prob = float(rng.choice([0.5, 1.0, 2.0, 8.0])), float(rng.choice([0.0, 0.1, 0.3, 0.6]))
     max_drafts = int(rng.integers(1, 17))
     got = follow_longest_match(corpus, ends, pattern, factor, min_prob, max_drafts)
-    want = walk_oracle(corpus.tolist(), ends.tolist(), pattern.tolist(), factor, min_prob, max_drafts)
+    want = walk_oracle(corpus, ends, pattern, factor, min_prob, max_drafts)
     assert got[0] == want[0]
     assert got[1] == pytest.approx(want[1])
 
 
 def test_a_context_drafts_what_followed_its_suffix_most_often():
-    corpus = np.asarray([7, 1, 2, 3, 9, 1, 2, 3, 9, 5, 1, 2, 3, 4, 6, 1, 2, 3], np.int32)
-    drafts, expected = follow_longest_match(corpus, np.flatnonzero(corpus[:-1] == 3), corpus[-4:], 1.0, 0.1, 8)
+    corpus = [7, 1, 2, 3, 9, 1, 2, 3, 9, 5, 1, 2, 3, 4, 6, 1, 2, 3]
+    ends = [3, 7, 12]  # the earlier 3s
+    drafts, expected = follow_longest_match(corpus, ends, corpus[-4:], 1.0, 0.1, 8)
     # "1 2 3" matches (3 tokens: "6 1 2 3" does not occur before); its 3 occurrences go on with 9, 9 and 4
     # (9: 2/3), then those 2 with 1 and 5 (1: 2/3 * 1/2), then the one left with 2 (1/3): 3 drafts, factor 1
     assert drafts == [9, 1, 2] and expected == pytest.approx(2 / 3 + 1 / 3 + 1 / 3)
-    assert follow_longest_match(corpus, np.flatnonzero(corpus[:-1] == 3), corpus[-4:], 1.0, 0.7, 8) == ([], 0.0)
-    assert follow_longest_match(corpus, np.flatnonzero(corpus[:-1] == 3), corpus[-4:], 0.5, 0.1, 8)[0] == [9]
+    assert follow_longest_match(corpus, ends, corpus[-4:], 1.0, 0.7, 8) == ([], 0.0)
+    assert follow_longest_match(corpus, ends, corpus[-4:], 0.5, 0.1, 8)[0] == [9]
 
 
 def cache_oracle(outputs: list[list[int]], pattern: list[int], factor: float, min_prob: float,
@@ -86,9 +87,9 @@ def test_the_output_cache_keeps_the_latest_requests_within_its_tokens():
     cache = OutputCache(max_requests=6, max_tokens=300)
     outputs = []
     for step in range(60):
-        output = rng.integers(0, 4, size=int(rng.integers(1, 70))).astype(np.int32)
+        output = rng.integers(0, 4, size=int(rng.integers(1, 70))).tolist()
         cache.add(output)
-        outputs.append(output.tolist())
+        outputs.append(output)
         live, held = [], 0  # the latest outputs, at most 6, whose tokens and ends fit 300 (an output's end included)
         for kept in reversed(outputs):
             if len(live) == 6 or held + len(kept) + 1 > 300:
@@ -96,14 +97,24 @@ def test_the_output_cache_keeps_the_latest_requests_within_its_tokens():
             live.insert(0, kept)
             held += len(kept) + 1
         assert cache.num_requests == len(live), step
-        pattern = rng.integers(0, 4, size=int(rng.integers(2, 12))).astype(np.int32)
+        pattern = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
         got = cache.propose(pattern, 2.0, 0.05, 16)
-        want = cache_oracle(live, pattern.tolist(), 2.0, 0.05, 16)
+        want = cache_oracle(live, pattern, 2.0, 0.05, 16)
         assert got[0] == want[0], step
         assert got[1] == pytest.approx(want[1])
-        # The index holds about what is cached: its dead positions are trimmed as outputs are added.
-        assert sum(map(len, cache._pairs.values())) <= 2 * 300
     assert OutputCache(max_requests=0).num_requests == 0
+
+
+def test_the_output_cache_s_index_forgets_pairs_no_longer_cached():
+    """Outputs of fresh tokens (every pair new) through a 300-token ring: the index keeps about as many pairs
+    as the ring holds, not every pair it ever saw."""
+    cache = OutputCache(max_requests=100, max_tokens=300)
+    for step in range(200):
+        cache.add(list(range(step * 50, step * 50 + 50)))
+        assert len(cache._chains.latest) <= 2 * 300, step
+    assert cache.num_requests == 5  # 5 outputs and their ends fit the ring (51 positions each)
+    assert cache.propose([9960, 9961], 1.0, 0.1, 4) == ([9962, 9963], 2.0)  # matched 2 long: 2 drafts earned
+    assert cache.propose([9001, 9002], 8.0, 0.1, 4) == ([], 0.0)  # gone with its output
 
 
 def request(request_id: str, prompt: list[int], output: list[int], salt: str | None = None) -> SimpleNamespace:
