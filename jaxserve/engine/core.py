@@ -252,7 +252,7 @@ class EngineCore:
             return load_model(speculative.model, config.model.dtype, config.attention_impl, speculative.revision,
                               config.parallel.tensor_parallel_size, config.model.weight_dtype,
                               config.model.load_format, kv_cache_dtype=config.cache.kv_cache_dtype,
-                              expert_parallel=config.parallel.enable_expert_parallel,
+                              expert_parallel=config.parallel.enable_expert_parallel, require_experts=False,
                               quantization=speculative.quantization or "auto", download_dir=config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error

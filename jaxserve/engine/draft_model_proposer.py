@@ -10,8 +10,10 @@ sequence has now.
 The draft's cache caches prefixes as the target's does (where the target's does): a page whose positions
 all hold the draft K/V of a sequence's own tokens is keyed, at the start of a round, with the key the
 target gives the same page (`Request.page_keys`: the pages are the target's size, and keys name tokens,
-cache salt and adapter), and a sequence new to the draft starts after the longest run of its keys cached.
-So requests on one long prefix hold its draft pages once, as they hold its target pages once. A keyed page
+cache salt and adapter), and a sequence new to the draft starts after the longest run of its keys cached,
+offered first by every sequence the round drafts for. A new sequence whose next page another fills in the
+same round waits for the next round, as the target's scheduler holds a request back from a page another
+fills. So requests on one long prefix hold its draft pages once, as they hold its target pages once. A keyed page
 is never written again: a sequence writes only from its valid prefix on, which never falls back below a
 page it keyed (`_valid_prefix`).
 
@@ -117,17 +119,26 @@ class DraftModelProposer:
         for request_id in [key for key in self._states if key not in running]:
             self.forget(request_id)
         proposals: list[list[int]] = [[] for _ in requests]
-        active: list[tuple[int, Request, _DraftState]] = []
+        eligible: list[tuple[int, Request]] = []
         for index, (request, limit) in enumerate(zip(requests, max_drafts, strict=True)):
-            num_tokens = request.num_tokens
-            if min(limit, k) < 1 or num_tokens + k - 1 > self.runner.max_model_len:
+            if request.num_tokens + k - 1 > self.runner.max_model_len:  # past the draft's context, for good
+                self.forget(request.request_id)
+            elif min(limit, k) >= 1:
+                eligible.append((index, request))
+        for _, request in eligible:  # first the pages of the states there, for the new ones to find
+            if (state := self._states.get(request.request_id)) is not None:
+                state.num_computed = _valid_prefix(request, state)
+                self._cache_pages(request, state)
+        active: list[tuple[int, Request, _DraftState]] = []
+        filling: set[bytes] = set()  # keys of the pages this round's catch-up fills
+        for index, request in eligible:
+            state = self._states.get(request.request_id) or self._start(request, filling)
+            if state is None:  # its next page is one this round fills: the next round finds it cached
                 continue
-            state = self._states.get(request.request_id) or self._start(request)
-            state.num_computed = _valid_prefix(request, state)
-            self._cache_pages(request, state)
             self.pages.release_outside_window(state.page_ids, state.num_computed)
-            if self.pages.allocate(state.page_ids, num_tokens + k - 1):  # the drafts' positions too
+            if self.pages.allocate(state.page_ids, request.num_tokens + k - 1):  # the drafts' positions too
                 active.append((index, request, state))
+                filling.update(self._filled_keys(request, state))
             elif not state.has_row:  # nothing computed yet: a later round looks its prefix up again
                 self.forget(request.request_id)
         # A round after a request's start or a pause also computes what the requests made meanwhile: the
@@ -151,18 +162,31 @@ class DraftModelProposer:
                                            len(kept))]
         return proposals
 
-    def _start(self, request: Request) -> _DraftState:
+    def _start(self, request: Request, filling: set[bytes]) -> _DraftState | None:
         """A sequence new to the draft (or back after a preemption or a failed round): its state after the
-        cached pages of the longest run of its keys, at most all but its last token."""
-        state = self._states[request.request_id] = _DraftState()
+        cached pages of the longest run of its keys, at most all but its last token; None (and no state)
+        where the page after them is one that this round fills (`filling`), as the target's scheduler holds
+        a request back from a page another fills."""
+        state = _DraftState()
         if self.pages.enable_prefix_caching:
             num_full = (request.num_tokens - 1) // self.pages.page_size
-            hit = self.pages.cached_prefix(self._page_keys(request, num_full))
+            keys = self._page_keys(request, num_full)[:num_full]
+            hit = self.pages.cached_prefix(keys)
+            if len(hit) < num_full and keys[len(hit)] in filling:
+                return None
             self.pages.take(hit)
             state.page_ids, state.num_keyed = hit, len(hit)
             state.num_computed = len(hit) * self.pages.page_size
             self.num_hit_tokens += state.num_computed
+        self._states[request.request_id] = state
         return state
+
+    def _filled_keys(self, request: Request, state: _DraftState) -> list[bytes]:
+        """The keys of the pages that computing the request's tokens from its valid prefix on fills."""
+        if not self.pages.enable_prefix_caching:
+            return []
+        first, end = state.num_computed // self.pages.page_size, request.num_tokens // self.pages.page_size
+        return self._page_keys(request, end)[first:end] if end > first else []
 
     def _cache_pages(self, request: Request, state: _DraftState) -> None:
         """Offers the sequence's pages that its valid prefix fills to the prefix cache."""

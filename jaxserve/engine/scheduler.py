@@ -258,9 +258,12 @@ class Scheduler:
     @property
     def _may_draft(self) -> bool:
         """A proposer, no pause, and no more requests running than `disable_by_batch_size`."""
+        return self.proposer is not None and not self._draft_pause and self._within_batch_limit
+
+    @property
+    def _within_batch_limit(self) -> bool:
         limit = self.disable_by_batch_size
-        return (self.proposer is not None and not self._draft_pause
-                and (limit is None or len(self.running) <= limit))
+        return limit is None or len(self.running) <= limit
 
     def schedule(self) -> SchedulerOutput:
         if (self._may_draft and not self.proposer.probes_cheaply
@@ -271,8 +274,9 @@ class Scheduler:
                 self.draft_policy.remeasure_proposals(len(self.running))
         if self._draft_pause:
             self._draft_pause -= 1
-            if self._draft_pause and self._paused_without_drafts and self.proposer.probes_cheaply and any(
-                    self.proposer.propose_batch([request], [1])[0] for request in self.running):  # copying again
+            if (self._draft_pause and self._paused_without_drafts and self.proposer.probes_cheaply
+                    and self._within_batch_limit and any(
+                    self.proposer.propose_batch([request], [1])[0] for request in self.running)):  # copying again
                 self._draft_pause = 0
         if self.only_decodes() and (self.overlap_decode_steps
                                     or not any(request.num_inflight_tokens for request in self.running)):

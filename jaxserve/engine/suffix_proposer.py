@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 from jaxserve.engine.request import Request
 
-# The output cache's tokens at most, whatever `max_cached_requests` allows (some 20 bytes a token with its
-# chains and index): the oldest outputs leave first.
+# The output cache's tokens at most, whatever `max_cached_requests` allows (12 bytes a token for the ring and
+# its chains, and some 100 more for each distinct token pair the index holds): the oldest outputs leave first.
 MAX_CACHED_TOKENS = 1 << 20
 # The latest occurrences of the context's last token pair that a lookup follows, at most, in each corpus.
 MAX_CANDIDATES = 64
@@ -168,14 +168,14 @@ class OutputCache:
             if latest.get(key, first_live) < first_live:
                 del latest[key]
 
-    def propose(self, pattern: Sequence[int], max_spec_factor: float, min_token_prob: float,
+    def propose(self, key: int, pattern: Sequence[int], max_spec_factor: float, min_token_prob: float,
                 max_drafts: int) -> tuple[list[int], float]:
-        """`follow_longest_match` over the cached outputs, from the latest occurrences of the pattern's last
-        two tokens."""
-        if len(pattern) < 2 or not self._starts:
+        """`follow_longest_match` over the cached outputs, from the latest occurrences of the context's last
+        two tokens (`key`)."""
+        if not self._starts:
             return [], 0.0
         first_live = self._first_live
-        ends = self._chains.occurrences(pair_key(pattern[-2], pattern[-1]), first_live)
+        ends = self._chains.occurrences(key, first_live)
         return follow_longest_match(self._ring, ends, pattern, max_spec_factor, min_token_prob, max_drafts,
                                     (first_live, self._total))
 
@@ -220,14 +220,13 @@ class SuffixProposer:
         tokens = context.tokens
         if max_drafts < 1 or len(tokens) < 2:
             return []
-        pattern = tokens[-self.max_tree_depth :]
-        last = len(tokens) - 1  # the context's own end is not an earlier occurrence
-        ends = context.chains.occurrences(pair_key(tokens[-2], tokens[-1]), 0, skip=last)
+        pattern, key = tokens[-self.max_tree_depth :], pair_key(tokens[-2], tokens[-1])
+        ends = context.chains.occurrences(key, 0, skip=len(tokens) - 1)  # its own end is not an earlier one
         own, own_expected = follow_longest_match(tokens, ends, pattern, self.max_spec_factor, self.min_token_prob,
                                                  max_drafts)
         if request.cache_salt is not None:
             return own
-        cached, cached_expected = self.outputs.propose(pattern, self.max_spec_factor, self.min_token_prob,
+        cached, cached_expected = self.outputs.propose(key, pattern, self.max_spec_factor, self.min_token_prob,
                                                        max_drafts)
         return cached if cached_expected > own_expected else own
 

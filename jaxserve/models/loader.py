@@ -225,17 +225,19 @@ class AbstractModel:
 
 
 def build_abstract_model(
-    hf_config: Any, dtype: Any, attention: AttentionConfig, weight_dtype: Any = None, expert_parallel: bool = False
+    hf_config: Any, dtype: Any, attention: AttentionConfig, weight_dtype: Any = None, expert_parallel: bool = False,
+    require_experts: bool = True,
 ) -> AbstractModel:
     """The model for `attention`'s device; with a mesh, its heads laid out to split over it (and its experts
-    split whole with `expert_parallel`). Its matmul weights are in `weight_dtype` (None: `dtype`), everything
-    else in `dtype`."""
+    split whole with `expert_parallel`; a model without experts is refused then, unless not
+    `require_experts`: a draft beside such a target). Its matmul weights are in `weight_dtype` (None: `dtype`),
+    everything else in `dtype`."""
     spec = get_model_spec(hf_config)
     checkpoint_cfg = spec.config_cls.from_hf(hf_config, attention=attention)
-    if expert_parallel:
-        if not hasattr(checkpoint_cfg, "with_expert_parallel"):
-            raise ValueError("--enable-expert-parallel: the model has no experts")
+    if expert_parallel and getattr(checkpoint_cfg, "moe", None) is not None:
         checkpoint_cfg = checkpoint_cfg.with_expert_parallel()
+    elif expert_parallel and require_experts:
+        raise ValueError("--enable-expert-parallel: the model has no experts")
     heads = HeadLayout(checkpoint_cfg.num_heads, checkpoint_cfg.num_kv_heads,
                        attention.mesh.size if attention.mesh is not None else 1)
     cfg = checkpoint_cfg if heads.is_identity else checkpoint_cfg.with_heads(heads.num_heads_eff,
@@ -319,6 +321,7 @@ def load_model(
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
     expert_parallel: bool = False,
+    require_experts: bool = True,
     quantization: str | None = None,
     in_background: bool = False,
     download_dir: str | None = None,
@@ -327,7 +330,8 @@ def load_model(
     tokenizer_revision: str | None = None,
 ) -> LoadedModel:
     """Loads `model`; with `tensor_parallel_size` > 1, each weight goes straight to its shards (a mixture
-    of experts' experts split whole with `expert_parallel`). Each
+    of experts' experts split whole with `expert_parallel`, which a model without experts refuses unless not
+    `require_experts`). Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
     `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
@@ -362,7 +366,8 @@ def load_model(
     jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)
     logger.info("dtype: %s activations, %s matmul weights", jnp.dtype(jax_dtype).name, jnp.dtype(jax_weight_dtype).name)
     # Build without touching weights, then fill the abstract state.
-    abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel)
+    abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel,
+                                    require_experts)
     auto = quantization == "auto"
     if auto:
         gguf_file = None if dummy else source.gguf_file

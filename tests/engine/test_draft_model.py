@@ -194,25 +194,28 @@ def test_preemption_leaves_the_outputs_and_the_draft_cache_right(llama_dir, draf
 
 
 def test_requests_on_one_prefix_hold_its_draft_pages_once(llama_dir, draft_dirs):
-    """Four requests on one 64-token prefix, in a cache that holds the prefix once beside their own tokens:
-    the draft's cache shares the prefix's pages as the target's does, so rounds draft for all four at once,
-    every draft accepted. Without the draft's prefix cache, its 39 pages hold the prefix (16 pages) and a
-request's own for two requests at most."""
+    """Four requests on one 64-token prefix, arriving at once, in a cache that holds the prefix once beside
+    their own tokens: the draft's cache shares the prefix's pages as the target's does (the first round
+    computes it for one request, holding the others back from the pages it fills, as the target's scheduler
+    does), so rounds draft for all four at once, every draft accepted, and the draft never holds more than the
+    prefix once and each request's own pages. Without the draft's prefix cache, its 39 pages hold the prefix
+    (16 pages) and a request's own for two requests at most."""
     small = dict(num_kv_pages=40, warmup=False)
     rng = np.random.default_rng(2)
     prefix = rng.integers(3, 40000, size=64).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     requests = {f"p{i}": (prefix + rng.integers(3, 40000, size=3).tolist(), params) for i in range(4)}
-    arrivals = {"p0": 0, "p1": 3, "p2": 3, "p3": 3}
+    arrivals = dict.fromkeys(requests, 0)
     plain = run(make_engine(llama_dir, **small), requests, arrivals)
     engine = make_engine(llama_dir, speculative_config={"model": draft_dirs["self"], "num_speculative_tokens": 2},
                          **small)
     proposer, counts = proposer_of(engine), engine.scheduler.speculation
-    propose_batch, drafted_together = proposer.propose_batch, []
+    propose_batch, drafted_together, held = proposer.propose_batch, [], []
 
     def recording_propose_batch(running, max_drafts):
         proposals = propose_batch(running, max_drafts)
         drafted_together.append(sum(bool(drafts) for drafts in proposals))
+        held.append(proposer.pages.num_usable_pages - proposer.pages.num_free_pages)
         return proposals
 
     proposer.propose_batch = recording_propose_batch
@@ -220,6 +223,7 @@ request's own for two requests at most."""
     for shared in (True, False):
         proposer.pages.enable_prefix_caching = shared
         drafted_together.clear()
+        held.clear()
         hits, before = proposer.num_hit_tokens, counts.num_draft_tokens
         with every_draft_runs(engine):
             outputs = run(engine, {f"{key}-{shared}": value for key, value in requests.items()},
@@ -230,6 +234,7 @@ request's own for two requests at most."""
         widest[shared] = max(drafted_together)
         if shared:
             assert proposer.num_hit_tokens - hits >= 3 * 64  # the three later requests' prefix, not computed
+            assert max(held) <= 16 + 4 * 5  # the prefix once; each request's 3 + 12 tokens and a draft: 5 pages
     assert widest[True] == 4 and widest[False] <= 2
 
 
@@ -237,7 +242,7 @@ def test_the_draft_shares_a_prefix_only_where_the_target_would(engines):
     """A request's draft pages are keyed as its target pages are, by its tokens and cache salt: a request on
     another's prompt finds that prompt's full pages in the draft's cache under the same salt, none under another."""
     engine, proposer = engines["self"], proposer_of(engines["self"])
-    prompt = np.random.default_rng(3).integers(3, 40000, size=40).tolist()  # its first 36 tokens fill 9 pages
+    prompt = np.random.default_rng(3).integers(3, 40000, size=40).tolist()  # 10 full pages, 9 before its end
 
     def draft_hits(request_id: str, salt: str | None) -> int:
         before = proposer.num_hit_tokens

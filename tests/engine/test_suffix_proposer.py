@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from jaxserve.engine.suffix_proposer import OutputCache, SuffixProposer, follow_longest_match
+from jaxserve.engine.suffix_proposer import OutputCache, SuffixProposer, follow_longest_match, pair_key
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 
@@ -98,7 +98,7 @@ def test_the_output_cache_keeps_the_latest_requests_within_its_tokens():
             held += len(kept) + 1
         assert cache.num_requests == len(live), step
         pattern = rng.integers(0, 4, size=int(rng.integers(2, 12))).tolist()
-        got = cache.propose(pattern, 2.0, 0.05, 16)
+        got = cache.propose(pair_key(*pattern[-2:]), pattern, 2.0, 0.05, 16)
         want = cache_oracle(live, pattern, 2.0, 0.05, 16)
         assert got[0] == want[0], step
         assert got[1] == pytest.approx(want[1])
@@ -113,8 +113,9 @@ def test_the_output_cache_s_index_forgets_pairs_no_longer_cached():
         cache.add(list(range(step * 50, step * 50 + 50)))
         assert len(cache._chains.latest) <= 2 * 300, step
     assert cache.num_requests == 5  # 5 outputs and their ends fit the ring (51 positions each)
-    assert cache.propose([9960, 9961], 1.0, 0.1, 4) == ([9962, 9963], 2.0)  # matched 2 long: 2 drafts earned
-    assert cache.propose([9001, 9002], 8.0, 0.1, 4) == ([], 0.0)  # gone with its output
+    # matched 2 long: 2 drafts earned
+    assert cache.propose(pair_key(9960, 9961), [9960, 9961], 1.0, 0.1, 4) == ([9962, 9963], 2.0)
+    assert cache.propose(pair_key(9001, 9002), [9001, 9002], 8.0, 0.1, 4) == ([], 0.0)  # gone with its output
 
 
 def request(request_id: str, prompt: list[int], output: list[int], salt: str | None = None) -> SimpleNamespace:
