@@ -94,13 +94,17 @@ def follow_longest_match(corpus: Sequence[int], ends: Sequence[int], pattern: Se
 class PairChains:
     """For a corpus addressed by absolute position, the latest position ending each token pair and, per
     position, the previous one ending the same pair: the occurrences of a pair, latest first, without a list
-    per pair. `size` slots hold the chains of the last `size` positions (a ring, as `OutputCache`'s)."""
+    per pair. With `ring` slots, they hold the chains of the last `ring` positions (as `OutputCache`'s ring
+    holds its tokens); without, the chains grow with the positions, added in order from 1 (a context's)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, ring: int = 0) -> None:
         self.latest: dict[int, int] = {}  # pair_key -> the latest position ending the pair
-        self._previous = array("q", [_NONE]) * size  # [position % size] -> the previous position of its pair
+        self._ring = ring
+        self._previous = array("q", [_NONE]) * max(ring, 1)  # [position % slots] -> the previous of its pair
 
     def add(self, position: int, key: int) -> None:
+        if not self._ring:
+            self._previous.extend([_NONE] * (position + 1 - len(self._previous)))
         self._previous[position % len(self._previous)] = self.latest.get(key, _NONE)
         self.latest[key] = position
 
@@ -124,7 +128,7 @@ class OutputCache:
     def __init__(self, max_requests: int, max_tokens: int = MAX_CACHED_TOKENS) -> None:
         self.max_requests = max_requests
         self._ring = array("i", [_END]) * max_tokens  # the token at absolute position p is at p % max_tokens
-        self._chains = PairChains(max_tokens)
+        self._chains = PairChains(ring=max_tokens)
         self._total = 0  # tokens ever added (the next absolute position)
         self._starts: deque[int] = deque()  # each cached output's first position, oldest first
         self._sweep: list[int] = []  # pair keys whose latest position the next additions check
@@ -183,9 +187,9 @@ class OutputCache:
 class _Context:
     """A running sequence's tokens, as far as the last proposal saw them, with their pair chains."""
 
-    def __init__(self, max_num_tokens: int) -> None:
+    def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.chains = PairChains(max_num_tokens)
+        self.chains = PairChains()
 
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -240,7 +244,7 @@ class SuffixProposer:
         """The request's context, grown by the tokens added since the last proposal."""
         context = self._contexts.get(request.request_id)
         if context is None:
-            context = self._contexts[request.request_id] = _Context(request.max_num_tokens)
+            context = self._contexts[request.request_id] = _Context()
         if request.num_tokens > len(context.tokens):
             context.extend(list(request.token_ids(len(context.tokens), request.num_tokens)))
         return context
