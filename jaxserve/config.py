@@ -187,8 +187,8 @@ class SpeculativeConfig:
             raise ValueError(f"the draft's quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
         depth = self.suffix_decoding_max_tree_depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"suffix_decoding_max_tree_depth must be an integer in [1, 64], got {depth!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 64:  # matches start from pairs
+            raise ValueError(f"suffix_decoding_max_tree_depth must be an integer in [2, 64], got {depth!r}")
         cached = self.suffix_decoding_max_cached_requests
         if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
             raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")

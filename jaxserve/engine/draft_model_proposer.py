@@ -8,8 +8,8 @@ its draft K/V is the K/V of the sequence's own tokens, and a round checks that a
 sequence has now.
 
 The draft's cache caches prefixes as the target's does (where the target's does): a page whose positions
-all hold the draft K/V of a sequence's own tokens is keyed, at the start of a round, with the key the
-target gives the same page (`Request.page_keys`: the pages are the target's size, and keys name tokens,
+all hold the draft K/V of a sequence's own tokens (those before its last token) is keyed, after the round
+that computed it, with the key the target gives the same page (`Request.page_keys`: the pages are the target's size, and keys name tokens,
 cache salt and adapter), and a sequence new to the draft starts after the longest run of its keys cached,
 offered first by every sequence the round drafts for. A new sequence whose next page another fills in the
 same round waits for the next round, as the target's scheduler holds a request back from a page another
@@ -128,10 +128,11 @@ class DraftModelProposer:
         for _, request in eligible:  # first the pages of the states there, for the new ones to find
             if (state := self._states.get(request.request_id)) is not None:
                 state.num_computed = _valid_prefix(request, state)
-                self._cache_pages(request, state)
+                self._cache_pages(request, state, state.num_computed // self.pages.page_size)
         active: list[tuple[int, Request, _DraftState]] = []
         filling: set[bytes] = set()  # keys of the pages this round's catch-up fills
-        for index, request in eligible:
+        # The states there first: the pages they fill this round are `filling` when the new ones look.
+        for index, request in sorted(eligible, key=lambda item: item[1].request_id not in self._states):
             state = self._states.get(request.request_id) or self._start(request, filling)
             if state is None:  # its next page is one this round fills: the next round finds it cached
                 continue
@@ -155,6 +156,9 @@ class DraftModelProposer:
                 self.forget(request.request_id)
             raise
         for index, request, state in active:
+            # Its tokens' K/V, computed: the pages before its last token are offered now, not a round later
+            # (when it may no longer draft), so that those held back find them.
+            self._cache_pages(request, state, (request.num_tokens - 1) // self.pages.page_size)
             state.base, state.drafts = request.num_tokens, drafts[index][: k - 1]
             state.num_computed = request.num_tokens + k - 1
             kept = drafts[index][: min(max_drafts[index], k)]
@@ -188,9 +192,8 @@ class DraftModelProposer:
         first, end = state.num_computed // self.pages.page_size, request.num_tokens // self.pages.page_size
         return self._page_keys(request, end)[first:end] if end > first else []
 
-    def _cache_pages(self, request: Request, state: _DraftState) -> None:
-        """Offers the sequence's pages that its valid prefix fills to the prefix cache."""
-        num_full = state.num_computed // self.pages.page_size
+    def _cache_pages(self, request: Request, state: _DraftState, num_full: int) -> None:
+        """Offers the sequence's first `num_full` pages, which hold its own tokens' K/V, to the prefix cache."""
         if self.pages.enable_prefix_caching and num_full > state.num_keyed:
             self.pages.cache_pages(state.page_ids, self._page_keys(request, num_full), state.num_keyed, num_full)
             state.num_keyed = num_full

@@ -260,6 +260,22 @@ def test_the_draft_shares_a_prefix_only_where_the_target_would(engines):
     assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages and not proposer._states
 
 
+def test_a_request_held_back_finds_the_pages_of_one_that_finished(engines):
+    """Two requests on one prompt in the same first round: the second waits for the pages the first fills,
+    and finds them in the next round though the first has finished by then (its pages are keyed as its round
+    ends, not at a next round it never has)."""
+    engine, proposer = engines["self"], proposer_of(engines["self"])
+    prompt = np.random.default_rng(4).integers(3, 40000, size=40).tolist()
+    greedy_params = dict(temperature=0.0, ignore_eos=True)
+    before = proposer.num_hit_tokens
+    engine.add_request("short", prompt, SamplingParams(max_tokens=5, **greedy_params))
+    engine.add_request("long", prompt, SamplingParams(max_tokens=20, **greedy_params))
+    with every_draft_runs(engine):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert proposer.num_hit_tokens - before >= 36  # the prompt's full pages, computed once
+
+
 def test_the_target_sizes_its_cache_for_both_models(llama_dir, draft_dirs):
     """Under a KV budget (no --num-kv-pages), the target's page count is what the budget holds of a page of
     each model's, and the draft has as many pages."""
