@@ -9,13 +9,13 @@ sequence has now.
 
 The draft's cache caches prefixes as the target's does (where the target's does): a page whose positions
 all hold the draft K/V of a sequence's own tokens (those before its last token) is keyed, after the round
-that computed it, with the key the target gives the same page (`Request.page_keys`: the pages are the target's size, and keys name tokens,
-cache salt and adapter), and a sequence new to the draft starts after the longest run of its keys cached,
-offered first by every sequence the round drafts for. A new sequence whose next page another fills in the
-same round waits for the next round, as the target's scheduler holds a request back from a page another
-fills. So requests on one long prefix hold its draft pages once, as they hold its target pages once. A keyed page
-is never written again: a sequence writes only from its valid prefix on, which never falls back below a
-page it keyed (`_valid_prefix`).
+that computed it, with the key the target gives the same page (`Request.page_keys`: the pages are the
+target's size, and keys name tokens, cache salt and adapter). A sequence new to the draft starts after the
+longest run of its keys cached; the sequences there go first in a round. A new sequence whose next page
+another fills in the same round waits for the next round, as the target's scheduler holds a request back
+from a page another fills. So requests on one long prefix hold its draft pages once, as they hold its target
+pages once. A keyed page is never written again: a sequence writes only from its valid prefix on, which
+never falls back below a page it keyed (`_valid_prefix`).
 
 A round (`propose_batch`, called by the scheduler when every running request decodes) runs, for all the
 requests at once:
