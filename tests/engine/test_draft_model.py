@@ -23,6 +23,7 @@ from jaxserve.engine.draft_model_proposer import (
     _valid_prefix,
     draft_share,
 )
+from jaxserve.engine.kv_cache_manager import extend_page_keys
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runner.model_runner import kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
@@ -276,6 +277,29 @@ def test_a_request_held_back_finds_the_pages_of_one_that_finished(engines):
     assert proposer.num_hit_tokens - before >= 36  # the prompt's full pages, computed once
 
 
+def test_a_hit_stops_short_of_the_page_of_the_last_token(engines):
+    """A request whose page keys reach its last token's page (the target planned a step that never ran) finds
+    at most the pages before that token, so its catch-up writes no page that another holds keyed."""
+    proposer = proposer_of(engines["self"])
+    tokens = np.random.default_rng(5).integers(3, 40000, size=44).tolist()
+
+    def sequence(request_id: str, num_tokens: int, page_keys: list) -> SimpleNamespace:
+        return SimpleNamespace(request_id=request_id, num_tokens=num_tokens, num_prompt_tokens=num_tokens,
+                               token_ids=lambda start, end: tokens[start:end], page_keys=page_keys,
+                               prefix_cache_salt=None)
+
+    before = proposer.num_hit_tokens
+    try:
+        proposer.propose_batch([sequence("keyed", 44, [])], [3])  # keys its 10 pages before its last token
+        assert proposer.num_hit_tokens == before
+        keys = extend_page_keys([], 10, 4, lambda start, end: tokens[start:end])  # all 40 tokens' pages
+        proposer.propose_batch([sequence("keyed", 44, []), sequence("hitting", 40, keys)], [3, 3])
+        assert proposer.num_hit_tokens - before == 36  # 9 pages: the 10th holds its last token
+    finally:
+        for request_id in ("keyed", "hitting"):
+            proposer.forget(request_id)
+
+
 def test_the_target_sizes_its_cache_for_both_models(llama_dir, draft_dirs):
     """Under a KV budget (no --num-kv-pages), the target's page count is what the budget holds of a page of
     each model's, and the draft has as many pages."""
@@ -353,7 +377,8 @@ def test_vllm_s_other_speculative_keys_are_taken_and_checked():
 
 def test_the_draft_s_own_settings_reach_it(llama_dir, draft_dirs, monkeypatch, engines):
     """`quantization`, `max_model_len` and `revision`: an FP8 draft whose context ends at 48 tokens drafts for
-    no sequence that would pass it, and the outputs are plain decoding's."""
+    no sequence that would pass it, and frees such a sequence's draft pages; the outputs are plain
+    decoding's."""
     from jaxserve.engine import core
 
     loads = []
@@ -369,11 +394,15 @@ def test_the_draft_s_own_settings_reach_it(llama_dir, draft_dirs, monkeypatch, e
     proposer = proposer_of(engine)
     assert proposer.runner.max_model_len == 48
     assert any(leaf.dtype == jnp.float8_e4m3fn for leaf in jax.tree.leaves(proposer.runner.model.state))
-    propose_batch, lengths = proposer.propose_batch, []
+    propose_batch, lengths, past = proposer.propose_batch, [], []
 
     def recording_propose_batch(running, max_drafts):
         proposals = propose_batch(running, max_drafts)
         lengths.extend(request.num_tokens for request, drafts in zip(running, proposals, strict=True) if drafts)
+        for request in running:  # a sequence that can no longer draft holds no draft pages
+            if request.num_tokens + 1 > 48:
+                past.append(request.request_id)
+                assert request.request_id not in proposer._states
         return proposals
 
     proposer.propose_batch = recording_propose_batch
@@ -384,7 +413,7 @@ def test_the_draft_s_own_settings_reach_it(llama_dir, draft_dirs, monkeypatch, e
         outputs = run(engine, requests, arrivals)
     assert_same(run(engines["plain"], requests, arrivals), outputs)
     assert lengths and max(lengths) + 1 <= 48  # the drafts' last position (k - 1 past the tokens) in the context
-    assert max(len(prompt) for prompt, _ in requests.values()) + 40 > 48
+    assert max(len(prompt) for prompt, _ in requests.values()) + 40 > 48 and past
 
 
 def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(engines):

@@ -342,6 +342,29 @@ def test_without_drafts_to_run_the_loop_overlaps_again(engines):
     assert 5 <= len(looked) <= 8  # 48 tokens: looked for at about steps 1, 3, 6, 11, 20, 37
 
 
+def test_above_disable_by_batch_size_no_proposal_is_asked(engines):
+    """vLLM's disable_by_batch_size 1, with a proposer that finds nothing (so drafting pauses between its
+    plans): a request alone is asked for drafts, and once two more arrive no proposal is asked until one runs
+    alone again; the outputs are plain decoding's."""
+    engine = engines["speculative"]
+    scheduler, proposer = engine.scheduler, engine.scheduler.proposer
+    asked_with = []
+    proposer.propose_batch = lambda running, max_drafts: asked_with.append(len(scheduler.running)) or [
+        [] for _ in running]
+    scheduler.disable_by_batch_size = 1
+    prompts = make_prompts(3)
+    requests = {f"b{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=40 - 12 * i, ignore_eos=True))
+                for i in range(3)}
+    arrivals = {"b0": 0, "b1": 6, "b2": 6}
+    try:
+        outputs = run(engine, requests, arrivals)
+    finally:
+        scheduler.disable_by_batch_size = None
+        del proposer.propose_batch
+    assert_same(run(engines["plain"], requests, arrivals), outputs)
+    assert asked_with and max(asked_with) == 1
+
+
 def test_the_prefix_cache_holds_only_computed_pages(engines):
     """After speculative runs with rejections and an abort (`run` checks that every page is free), a later
     request that hits the pages they cached gets the plain engine's output (a page keyed with a rejected
