@@ -9,7 +9,7 @@ sequence has now.
 
 The draft's cache caches prefixes as the target's does (where the target's does): a page whose positions
 all hold the draft K/V of a sequence's own tokens (those before its last token) is keyed, after the round
-that computed it, with the key the target gives the same page (`Request.page_keys`: the pages are the
+that computed it, with the key the target gives the same page (`Request.full_page_keys`: the pages are the
 target's size, and keys name tokens, cache salt and adapter). A sequence new to the draft starts after the
 longest run of its keys cached; the sequences there go first in a round. A new sequence whose next page
 another fills in the same round waits for the next round, as the target's scheduler holds a request back
@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from jaxserve.config import CacheConfig
-from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys, shared_window
+from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.request import Request
 from jaxserve.engine.step_io import NewRequest, SchedulerOutput
 from jaxserve.models.loader import LoadedModel
@@ -174,7 +174,7 @@ class DraftModelProposer:
         state = _DraftState()
         if self.pages.enable_prefix_caching:
             num_full = (request.num_tokens - 1) // self.pages.page_size
-            keys = self._page_keys(request, num_full)[:num_full]
+            keys = request.full_page_keys(num_full, self.pages.page_size)[:num_full]
             hit = self.pages.cached_prefix(keys)
             if len(hit) < num_full and keys[len(hit)] in filling:
                 return None
@@ -190,19 +190,14 @@ class DraftModelProposer:
         if not self.pages.enable_prefix_caching:
             return []
         first, end = state.num_computed // self.pages.page_size, request.num_tokens // self.pages.page_size
-        return self._page_keys(request, end)[first:end] if end > first else []
+        return request.full_page_keys(end, self.pages.page_size)[first:end] if end > first else []
 
     def _cache_pages(self, request: Request, state: _DraftState, num_full: int) -> None:
         """Offers the sequence's first `num_full` pages, which hold its own tokens' K/V, to the prefix cache."""
         if self.pages.enable_prefix_caching and num_full > state.num_keyed:
-            self.pages.cache_pages(state.page_ids, self._page_keys(request, num_full), state.num_keyed, num_full)
+            keys = request.full_page_keys(num_full, self.pages.page_size)
+            self.pages.cache_pages(state.page_ids, keys, state.num_keyed, num_full)
             state.num_keyed = num_full
-
-    def _page_keys(self, request: Request, num_full_pages: int) -> list[bytes]:
-        """The request's first page keys, the target's (`Scheduler._page_keys`: the same list, grown by whichever
-        needs a key first)."""
-        return extend_page_keys(request.page_keys, num_full_pages, self.pages.page_size, request.token_ids,
-                                request.prefix_cache_salt)
 
     def finish(self, request: Request) -> None:
         """A sequence left the scheduler: `forget`."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jaxserve.engine.kv_cache_manager import extend_page_keys
 from jaxserve.engine.step_io import NO_LORA_SLOT
 from jaxserve.outputs import Logprob, RequestMetrics
 from jaxserve.sampling_params import SamplingParams, max_num_tokens
@@ -201,6 +202,11 @@ class Request:
         if self.cache_salt is None and self.lora_id is None:
             return None
         return json.dumps([self.cache_salt, self.lora_id])  # one string per pair, whatever a salt holds
+
+    def full_page_keys(self, num_full_pages: int, page_size: int) -> list[bytes]:
+        """Its page keys, grown to hold at least its first `num_full_pages` full pages: one list, which the
+        scheduler and a draft model's cache both read (`kv_cache_manager.extend_page_keys`)."""
+        return extend_page_keys(self.page_keys, num_full_pages, page_size, self.token_ids, self.prefix_cache_salt)
 
     def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, Logprob]]) -> None:
         """Records the prompt logprobs of prompt tokens first_token, first_token + 1, ...; tokens already

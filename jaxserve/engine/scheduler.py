@@ -65,7 +65,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxserve.engine.draft_policy import DraftPolicy
-from jaxserve.engine.kv_cache_manager import KVCacheManager, extend_page_keys
+from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.proposer import Proposer
 from jaxserve.engine.request import Request, RequestStatus
@@ -628,8 +628,7 @@ class Scheduler:
         return hit
 
     def _page_keys(self, request: Request, num_full_pages: int) -> list[bytes]:
-        return extend_page_keys(request.page_keys, num_full_pages, self.kv_cache.page_size, request.token_ids,
-                                request.prefix_cache_salt)
+        return request.full_page_keys(num_full_pages, self.kv_cache.page_size)
 
     def unschedule(self, scheduler_output: SchedulerOutput) -> None:
         """Takes back a step that never ran (its batch could not be built): its requests keep their pages

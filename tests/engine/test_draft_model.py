@@ -6,6 +6,7 @@ behind; the draft's cache shares prefixes as the target's does; the two caches s
 compiles after warm-up."""
 
 import contextlib
+import functools
 import time
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from jaxserve.engine.draft_model_proposer import (
 )
 from jaxserve.engine.kv_cache_manager import extend_page_keys
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request import Request
 from jaxserve.runner.model_runner import kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import LADDER, assert_same, make_engine, make_prompts, run, run_alone, workload
@@ -66,6 +68,15 @@ def every_draft_runs(engine: LLMEngine):
     finally:
         policy.costs = costs
         del policy.observe_step, policy.observe_proposal
+
+
+def fake_request(request_id: str, tokens: list[int], page_keys: list | None = None) -> SimpleNamespace:
+    """What a draft proposer reads of a request whose tokens are all its prompt, with `Request`'s page keys."""
+    request = SimpleNamespace(request_id=request_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                              token_ids=lambda start, end: tokens[start:end], page_keys=page_keys or [],
+                              prefix_cache_salt=None)
+    request.full_page_keys = functools.partial(Request.full_page_keys, request)
+    return request
 
 
 def proposer_of(engine: LLMEngine) -> DraftModelProposer:
@@ -284,9 +295,7 @@ def test_a_hit_stops_short_of_the_page_of_the_last_token(engines):
     tokens = np.random.default_rng(5).integers(3, 40000, size=44).tolist()
 
     def sequence(request_id: str, num_tokens: int, page_keys: list) -> SimpleNamespace:
-        return SimpleNamespace(request_id=request_id, num_tokens=num_tokens, num_prompt_tokens=num_tokens,
-                               token_ids=lambda start, end: tokens[start:end], page_keys=page_keys,
-                               prefix_cache_salt=None)
+        return fake_request(request_id, tokens[:num_tokens], page_keys)
 
     before = proposer.num_hit_tokens
     try:
@@ -573,8 +582,7 @@ def test_a_failed_round_leaves_no_state_behind(engines):
     and their pages are dropped, and the error goes on to the engine."""
     proposer = proposer_of(engines["self"])
     tokens = make_prompts(4)[3]
-    request = SimpleNamespace(request_id="failing", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
-                              token_ids=lambda start, end: tokens[start:end], page_keys=[], prefix_cache_salt=None)
+    request = fake_request("failing", tokens)
     free = proposer.pages.num_free_pages
 
     def failing_launch(plan):
