@@ -19,8 +19,14 @@ request's first draft before any second one), and cost(R) is the measured step t
 - cost(R) is a moving average of the decode steps of R rows measured by the engine, its first
   measurement replaced by the second (a bucket's first run pays for what later runs find ready). A bucket
   not yet measured is assumed to cost what the largest measured bucket below it costs: optimistic, so it is
-  tried once when drafts would fill it, and measured then. Before the running requests' own bucket is
-  measured, no draft is run (`choose` says so, and the scheduler plans a step that measures it).
+  tried when drafts would fill it, and measured then. Before the running requests' own bucket is measured,
+  no draft is run (`choose` says so, and the scheduler plans a step that measures it).
+- A time that is too high is never corrected by choosing on it: the bucket is not chosen again, so not
+  measured again. Where one step was slow for a reason of its own (a compile or a burst of load beside it),
+  drafting would stop for good. So a bucket is taken at the optimistic cost above, and tried again, while
+  it has only its first measurement, and when its time has gone unmeasured for a number of choices that
+  doubles with each such retry (16, 32, ... 1,024: a bucket that really costs too much wastes a step now and
+  then, one that was unlucky comes back soon). A retry's measurement replaces the old time.
 - `proposal` is a moving average of the time the proposer took to propose the drafts (n-gram lookups:
   next to nothing; a draft model: its calls), which a step without drafts does not pay; one per bucket of
   requests, as a round for 16 requests costs more than one for 1.
@@ -38,6 +44,8 @@ import bisect
 # Prior accepted drafts and rejections (a starts at 1/2), and the weight an observation keeps per newer one.
 _PRIOR_ACCEPTED, _PRIOR_REJECTED, _DECAY = 1.0, 1.0, 0.98
 _COST_WEIGHT = 0.2  # weight of the newest step in a bucket's moving average
+# Choices after which a bucket's unmeasured time is tried again (module docstring), the first and the most
+_FIRST_RETRY, _MAX_RETRY = 16, 1024
 
 
 class DraftPolicy:
@@ -51,6 +59,10 @@ class DraftPolicy:
         self.costs: dict[int, float] = {}  # rows of a decode bucket -> seconds per step
         self.multi_step_costs: dict[int, float] = {}  # the same for multi-step decodes, per step
         self._num_measured: dict[tuple[bool, int], int] = {}
+        self._num_choices = 0  # `choose` calls so far
+        self._measured_at: dict[int, int] = {}  # rows of a decode bucket -> `_num_choices` at its last step
+        self._retry_after: dict[int, int] = {}  # rows -> choices unmeasured after which it is tried again
+        self._retrying: set[int] = set()  # buckets chosen at an assumed time: their next step replaces it
         self._accepted, self._rejected = _PRIOR_ACCEPTED, _PRIOR_REJECTED
         # Seconds a round of proposals takes, by the decode bucket that holds its requests (moving averages)
         self.proposal_costs: dict[int, float] = {}
@@ -71,7 +83,11 @@ class DraftPolicy:
         count = self._num_measured[key] = self._num_measured.get(key, 0) + 1
         seconds /= num_steps
         previous = costs.get(num_rows)
-        costs[num_rows] = seconds if count <= 2 else previous + _COST_WEIGHT * (seconds - previous)
+        retried = num_steps == 1 and num_rows in self._retrying
+        costs[num_rows] = seconds if count <= 2 or retried else previous + _COST_WEIGHT * (seconds - previous)
+        if num_steps == 1:
+            self._measured_at[num_rows] = self._num_choices
+            self._retrying.discard(num_rows)
 
     def observe_proposal(self, num_requests: int, seconds: float) -> None:
         """A round of proposals for `num_requests` running requests took `seconds`; a bucket's first is left
@@ -132,11 +148,23 @@ class DraftPolicy:
         return self.row_buckets[bisect.bisect_left(self.row_buckets, num_requests)] in self.costs
 
     def cost(self, num_rows: int) -> float | None:
-        """A bucket's measured or assumed step time; None before any bucket up to it was measured."""
-        if num_rows in self.costs:
-            return self.costs[num_rows]
+        """A bucket's measured or assumed step time; None before any bucket up to it was measured. Assumed:
+        the largest measured bucket's below it, where it has no time or one that is due a retry (`_is_due`)."""
         below = [rows for rows in self.costs if rows < num_rows]
-        return self.costs[max(below)] if below else None
+        assumed = self.costs[max(below)] if below else None
+        if num_rows not in self.costs:
+            return assumed
+        if assumed is not None and self._is_due(num_rows):
+            return min(self.costs[num_rows], assumed)
+        return self.costs[num_rows]
+
+    def _is_due(self, num_rows: int) -> bool:
+        """Whether a measured bucket's time is to be tried again: it is its first, or has gone unmeasured
+        for its retry's number of choices."""
+        if num_rows not in self._measured_at:
+            return False  # a time given, not measured
+        return (self._num_measured[(False, num_rows)] == 1
+                or self._num_choices - self._measured_at[num_rows] >= self._retry_after.get(num_rows, _FIRST_RETRY))
 
     def can_pay(self, num_requests: int, max_drafts: int) -> bool:
         """Whether drafts could beat plain steps for `num_requests` requests even were every one of up to
@@ -168,6 +196,7 @@ class DraftPolicy:
     def choose(self, proposals: list[list[int]]) -> list[int] | None:
         """How many of each request's proposed drafts to verify (prefixes), for the best bucket; None while
         the bucket that holds the requests alone has no measured step time."""
+        self._num_choices += 1
         num_requests = len(proposals)
         kept = [0] * num_requests
         if num_requests > self.max_rows:
@@ -185,14 +214,26 @@ class DraftPolicy:
         for index in slots:
             position_of[index] += 1
             gains.append(gains[-1] + acceptance ** position_of[index])
-        best_rate, best_slots = num_requests / base_cost, 0
+        best_rate, best_slots, best_rows = num_requests / base_cost, 0, base
         for rows in self.row_buckets[self.row_buckets.index(base):]:
             num_slots = min(min(rows, self.max_rows) - num_requests, len(slots))
             rate = (num_requests + gains[num_slots]) / self._drafting_cost(rows, num_requests)
             if rate > best_rate:
-                best_rate, best_slots = rate, num_slots
+                best_rate, best_slots, best_rows = rate, num_slots, rows
             if num_slots == len(slots) or rows >= self.max_rows:  # a larger bucket holds no more drafts
                 break
+        if best_rows in self.costs and best_rows != base:
+            self._note_chosen(best_rows)
         for index in slots[:best_slots]:
             kept[index] += 1
         return kept
+
+    def _note_chosen(self, num_rows: int) -> None:
+        """A measured bucket was chosen: on its own time (its retries start again from the first), or on an
+        assumed one (a retry: its next step replaces its time, and the next retry waits twice as long)."""
+        if not self._is_due(num_rows) or self.cost(num_rows) == self.costs[num_rows]:
+            self._retry_after[num_rows] = _FIRST_RETRY
+            return
+        self._retrying.add(num_rows)
+        if self._num_measured[(False, num_rows)] > 1:  # (a first time's retry is not one of the doublings)
+            self._retry_after[num_rows] = min(2 * self._retry_after.get(num_rows, _FIRST_RETRY), _MAX_RETRY)

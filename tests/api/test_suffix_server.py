@@ -32,12 +32,17 @@ def test_a_question_asked_again_drafts_its_answer_from_the_cache(tmp_path, compi
         wait_idle(server)
         drafted = metric(server, "jaxserve:spec_decode_num_draft_tokens_total")
         accepted = metric(server, "jaxserve:spec_decode_num_accepted_tokens_total")
-        assert ask() == first
-        wait_idle(server)
-        drafted_again = metric(server, "jaxserve:spec_decode_num_draft_tokens_total") - drafted
-        accepted_again = metric(server, "jaxserve:spec_decode_num_accepted_tokens_total") - accepted
         # How many drafts run is the draft policy's choice, from measured step times (18-40 of the 48 tokens
-        # here, fewer on a loaded machine); those that run are the first answer's tokens.
+        # of a repeat on an idle machine; a step slowed by the tests beside it can keep a bucket unchosen for
+        # a few dozen steps): the question is asked again until 8 drafts were accepted, 4 times at most.
+        for _ in range(4):
+            assert ask() == first
+            wait_idle(server)
+            drafted_again = metric(server, "jaxserve:spec_decode_num_draft_tokens_total") - drafted
+            accepted_again = metric(server, "jaxserve:spec_decode_num_accepted_tokens_total") - accepted
+            if accepted_again >= 8:
+                break
+        # Those that run are the first answer's tokens.
         assert accepted_again >= 8 and accepted_again >= 0.8 * drafted_again, (drafted_again, accepted_again)
         assert ask(extra_body={"cache_salt": "tenant-a"}) == first
     finally:

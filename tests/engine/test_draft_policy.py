@@ -1,7 +1,8 @@
 """The draft policy: no drafts before the running requests' bucket is timed, drafts in a bucket's padding
 rows for free, a larger bucket only where its expected tokens per second beat the smaller's, slots filled
-position by position, an untimed bucket tried once, and an acceptance estimate that follows verifications
-and the first drafts of requests whose drafts did not run, and a proposal's own time."""
+position by position, an untimed bucket tried, a bucket's slow time retried at doubling intervals, an
+acceptance estimate that follows verifications and the first drafts of requests whose drafts did not run,
+and a proposal's own time."""
 
 import pytest
 
@@ -9,8 +10,10 @@ from jaxserve.engine.draft_policy import DraftPolicy
 
 
 def policy_with(costs: dict[int, float], acceptance_runs: tuple[int, int] = (0, 0)) -> DraftPolicy:
+    """A policy whose buckets were each measured twice at `costs` (settled: a first time alone is retried)."""
     policy = DraftPolicy((1, 4, 16, 64), max_rows=64)
     for rows, seconds in costs.items():
+        policy.observe_step(rows, seconds)
         policy.observe_step(rows, seconds)
     accepted, rejected = acceptance_runs
     for _ in range(accepted):
@@ -50,9 +53,36 @@ def test_slots_fill_position_by_position():
 def test_an_untimed_bucket_is_assumed_as_cheap_as_the_largest_timed_below_it():
     policy = policy_with({1: 0.006}, acceptance_runs=(40, 0))
     assert policy.cost(4) == policy.cost(16) == 0.006 and policy.cost(1) == 0.006
-    assert policy.choose([[1, 2, 3]]) == [3], "tried once"
+    assert policy.choose([[1, 2, 3]]) == [3], "tried"
     policy.observe_step(4, 0.030)  # measured: 5x the 1-row step for at most 4 tokens
+    assert policy.choose([[1, 2, 3]]) == [3], "a first time alone may have paid for first touches: tried again"
+    policy.observe_step(4, 0.030)
     assert policy.choose([[1, 2, 3]]) == [0]
+
+
+def test_a_bucket_timed_slow_by_a_burst_is_tried_again_and_its_new_time_replaces_the_old():
+    """The 4-row bucket was timed twice during a burst of load (0.2 s against 0.007 s): it is not chosen,
+    so not measured, until 16 choices have passed; then it is tried, and its one new time replaces the old."""
+    policy = policy_with({1: 0.006, 4: 0.2}, acceptance_runs=(40, 0))
+    assert [policy.choose([[1, 2, 3]]) for _ in range(15)] == [[0]] * 15
+    assert policy.choose([[1, 2, 3]]) == [3], "the 16th choice retries it"
+    policy.observe_step(4, 0.007)
+    assert policy.costs[4] == 0.007
+    assert [policy.choose([[1, 2, 3]]) for _ in range(100)] == [[3]] * 100, "chosen from then on"
+
+
+def test_a_bucket_that_really_costs_too_much_is_retried_ever_more_rarely():
+    """A 4-row bucket that costs 5x the 1-row one every time it is tried: retried after 16 choices, then 32,
+    64, ... up to 1,024, so a few steps wasted over thousands of choices."""
+    policy = policy_with({1: 0.006, 4: 0.030}, acceptance_runs=(40, 0))
+    retries = []
+    for choice in range(1, 5001):
+        if policy.choose([[1, 2, 3]]) == [3]:
+            retries.append(choice)
+            policy.observe_step(4, 0.030)
+    gaps = [later - earlier for earlier, later in zip([0, *retries], retries, strict=False)]
+    assert gaps[:7] == [16, 32, 64, 128, 256, 512, 1024], gaps
+    assert all(gap == 1024 for gap in gaps[7:]) and len(retries) == 9, retries
 
 
 def test_the_acceptance_follows_the_recent_verifications():

@@ -96,7 +96,7 @@ import sys, time
 from jaxserve.ops import kernel_build
 kernel_build.start_early()
 deadline = time.monotonic() + 30
-while not kernel_build._children and time.monotonic() < deadline:
+while len(kernel_build._children) < len(kernel_build.SOURCES) and time.monotonic() < deadline:
     time.sleep(0.05)
 print("compiling", len(kernel_build._children), flush=True)
 sys.exit(0)
