@@ -22,12 +22,14 @@ from jaxserve.config import (
 )
 from jaxserve.engine.beam_search import Beam, BeamSearch, check_search
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.scoring import check_pairing, cosine_scores
+from jaxserve.engine.scoring import check_pairing, class_probabilities, cosine_scores
 from jaxserve.models.source import load_generation_defaults
 from jaxserve.models.tokenizer import apply_chat_template
 from jaxserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
@@ -125,9 +127,25 @@ class LLM:
         """Each prompt's embedding (`outputs.embedding`, vLLM's form; not normalized) from an engine built
         with runner="pooling"; outputs in prompt order. `truncate_prompt_tokens` keeps each prompt's last
         tokens (-1: the context's worth), as `score`."""
+        if self.engine.info.class_labels:
+            raise ValueError("the model is a classifier: its outputs are class logits, not embeddings (classify, "
+                             "score)")
         params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in _as_prompts(prompts)],
                                                                 params, use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (`outputs.probs`) from a classifier model (an architecture
+        ending in ForSequenceClassification); outputs in prompt order."""
+        if not self.engine.info.class_labels:
+            raise ValueError("classify needs a classifier model (an architecture ending in ForSequenceClassification)")
+        params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in _as_prompts(prompts)],
+                                                                   params, use_tqdm)]
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(class_probabilities(o.outputs.embedding).tolist()))
+                for o in outputs]
 
     def score(
         self,
@@ -144,6 +162,8 @@ class LLM:
         firsts, seconds = _as_prompts(data_1), _as_prompts(data_2)
         check_pairing(len(firsts), len(seconds))
         params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
+        if self.engine.info.class_labels:
+            return self._cross_score(firsts, seconds, params, use_tqdm)
         embedded = self._run([_prompt_input(p) for p in firsts + seconds], params, use_tqdm,
                              lora_request=lora_request)
         pooled = [EmbeddingRequestOutput.of(output) for output in embedded]
@@ -153,6 +173,22 @@ class LLM:
         return [ScoringRequestOutput(f"{left.request_id}_{right.request_id}", ScoringOutput(score),
                                      left.prompt_token_ids + right.prompt_token_ids)
                 for left, right, score in zip(lefts, rights, scores, strict=True)]
+
+    def _cross_score(self, firsts: list[Prompt], seconds: list[Prompt], params: SamplingParams,
+                     use_tqdm: bool) -> list[ScoringRequestOutput]:
+        """`score` with a cross-encoder (a classifier with one class): each pair one prompt, the tokenizer's pair
+        encoding of the two texts, scored by the sigmoid of its class logit (the server's /score)."""
+        if len(self.engine.info.class_labels) != 1:
+            raise ValueError("score needs an embedding model or a cross-encoder (a classifier with one class)")
+        if not all(isinstance(text, str) for text in firsts + seconds):
+            raise ValueError("a cross-encoder scores pairs of texts (strings)")
+        pairs = [(firsts[0], second) for second in seconds] if len(firsts) == 1 else list(zip(firsts, seconds,
+                                                                                                strict=True))
+        tokenizer = self.engine.tokenizer
+        prompts = [list(tokenizer(first, text_pair=second)["input_ids"]) for first, second in pairs]
+        outputs = [EmbeddingRequestOutput.of(o) for o in self._run(prompts, params, use_tqdm)]
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(class_probabilities(o.outputs.embedding)[0])),
+                                     o.prompt_token_ids) for o in outputs]
 
     def chat(
         self,

@@ -158,8 +158,27 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True)
+class ClassificationOutput:
+    probs: list[float]  # each class's probability (a softmax of the logits; a sigmoid for a single class)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput:
+    """`LLM.classify`'s record of one prompt, as vLLM's: the probabilities are `outputs.probs`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True)
 class ScoringOutput:
-    score: float  # the cosine similarity of the two texts' embeddings
+    score: float  # the cosine similarity of the two texts' embeddings; a cross-encoder's relevance
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,25 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
 
 
 @pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory, smollm2_tokenizer):
+    """(kind, num_labels) -> (a local HF directory of a random classifier, its transformers model)."""
+    from tests.classifiers import classifier
+
+    made = {}
+
+    def make(kind: str, num_labels: int = 3):
+        if (kind, num_labels) not in made:
+            directory = tmp_path_factory.mktemp(f"classifier-{kind}-{num_labels}")
+            model = classifier(kind, num_labels)
+            model.save_pretrained(directory, safe_serialization=True)
+            smollm2_tokenizer.save_pretrained(directory)
+            made[kind, num_labels] = directory, model
+        return made[kind, num_labels]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tiny_model_dir) -> Callable[[str], object]:
     """kind -> the transformers PyTorch model saved in tiny_model_dir(kind), in float32, with transformers'
     plain (eager) attention: its SDPA and flash paths drop Gemma 2's attn_logit_softcapping, and versions

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.api import chat, completions, embeddings, invocations, lora, misc, profile, responses, scores
+from jaxserve.api import chat, classify, completions, embeddings, invocations, lora, misc, profile, responses, scores
 from jaxserve.api.errors import APIError, error_response
 from jaxserve.api.middleware import (
     APIKeyMiddleware,
@@ -109,6 +109,7 @@ def create_app(
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", embeddings.create_embedding, methods=["POST"]),
+        Route("/classify", classify.create_classification, methods=["POST"]),
         # vLLM's scoring endpoints, each also at its unversioned path (and rerank at Cohere's v2 one)
         *(Route(path, scores.create_score, methods=["POST"]) for path in SCORE_PATHS),
         *(Route(path, scores.create_rerank, methods=["POST"]) for path in RERANK_PATHS),

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.api.chat import render_chat
 from jaxserve.api.errors import APIError, validate
 from jaxserve.api.protocol import (
+    ClassificationRequest,
     EmbeddingChatRequest,
     EmbeddingData,
     EmbeddingRequest,
@@ -36,7 +37,9 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def _inputs(serving: ModelServing, req: EmbeddingRequest | EmbeddingChatRequest) -> list[list[int]]:
+async def prompt_inputs(serving: ModelServing,
+                        req: EmbeddingRequest | EmbeddingChatRequest | ClassificationRequest) -> list[list[int]]:
+    """A request's inputs (texts, token ids, or a conversation) as prompts, each checked (`check_pooled_prompt`)."""
     serving.check_truncation(req.truncate_prompt_tokens)
     if isinstance(req, EmbeddingChatRequest):
         ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
@@ -80,6 +83,18 @@ def check_pooling(serving: ModelServing, what: str) -> None:
                        "model")
 
 
+def check_classifier(serving: ModelServing, wanted: bool) -> None:
+    """A 400 unless the model is a classifier (`wanted`) or is not one: a classifier's pooled vectors are its
+    classes' logits, which /classify reads, and which are no embeddings."""
+    classes = len(serving.info.class_labels)
+    if wanted and not classes:
+        raise APIError(400, "this model has no classifier head: classifications need a model whose architecture "
+                            "ends in ForSequenceClassification", "model")
+    if not wanted and classes:
+        raise APIError(400, f"this model is a classifier ({classes} classes): its outputs are class logits, not "
+                            "embeddings; use /classify, /score or /rerank", "model")
+
+
 async def pooled(serving: ModelServing, request: Request, prompts: list[list[int]], priority: int,
                  request_id: str) -> list[list[float]]:
     """Each prompt's pooled final hidden state, in order, one engine request each (batched by the scheduler);
@@ -96,6 +111,7 @@ async def pooled(serving: ModelServing, request: Request, prompts: list[list[int
 async def create_embedding(request: Request) -> Response:
     serving = get_serving(request)
     check_pooling(serving, "embeddings")
+    check_classifier(serving, False)
     data = await serving.read_json(request)
     chat = isinstance(data, dict) and "messages" in data
     if chat and "input" in data:
@@ -109,7 +125,7 @@ async def create_embedding(request: Request) -> Response:
         if not 1 <= req.dimensions <= serving.info.hidden_size:
             raise APIError(400, f"dimensions must be in [1, {serving.info.hidden_size}], got {req.dimensions}",
                            "dimensions")
-    prompts = await _inputs(serving, req)
+    prompts = await prompt_inputs(serving, req)
     request_id = random_id("embd")
     vectors = await pooled(serving, request, prompts, req.priority, request_id)
     data = [EmbeddingData(index=i, embedding=_encode(finish_embedding(vector, req.dimensions, req.normalize),

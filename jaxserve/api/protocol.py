@@ -471,6 +471,35 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ClassificationRequest(BaseModel):
+    """vLLM's /classify: texts or token ids, each classified by a classifier model."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the likeliest class's (the model's id2label)
+    probs: list[float]  # each class's probability: a softmax of the logits (a sigmoid for a single class)
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
 class ScoreRequest(BaseModel):
     """vLLM's /v1/score: each text_1 against its text_2 (1:1, 1:N or N:N)."""
 

@@ -1,5 +1,7 @@
-"""POST /v1/score and /v1/rerank (vLLM's, for embedding models on a `--runner pooling` server): texts scored
-by the cosine similarity of their embeddings, as vLLM scores them with a bi-encoder.
+"""POST /v1/score and /v1/rerank (vLLM's, on a `--runner pooling` server): texts scored by the cosine
+similarity of their embeddings, as vLLM scores them with a bi-encoder; or, by a classifier with one class (a
+cross-encoder reranker), each pair read as one prompt, the tokenizer's pair encoding, its score the sigmoid
+of the class logit.
 
 /score pairs `text_1` with `text_2` one to one, or one `text_1` with every `text_2`; /rerank scores each
 document against the query and returns them best first (the best `top_n`). Every text is embedded once,
@@ -24,7 +26,7 @@ from jaxserve.api.protocol import (
     random_id,
 )
 from jaxserve.api.serving import ModelServing, get_serving
-from jaxserve.engine.scoring import check_pairing, cosine_scores
+from jaxserve.engine.scoring import check_pairing, class_probabilities, cosine_scores
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
@@ -53,6 +55,39 @@ async def _cosine_scores(serving: ModelServing, request: Request, firsts: list[l
     return cosine_scores(vectors[: len(firsts)], vectors[len(firsts):])
 
 
+def _cross_encoding(serving: ModelServing) -> bool:
+    """Whether the model scores pairs as a cross-encoder (a classifier with one class); a 400 for a
+    classifier of several classes, which has no one score for a pair."""
+    classes = len(serving.info.class_labels)
+    if classes > 1:
+        raise APIError(400, f"this model is a classifier of {classes} classes: scoring pairs needs a cross-encoder "
+                            "(one class) or an embedding model; use /classify", "model")
+    return classes == 1
+
+
+async def _cross_scores(serving: ModelServing, request: Request, firsts: list[str], seconds: list[str],
+                        truncate: int | None, priority: int, request_id: str,
+                        params: tuple[str, str]) -> tuple[list[float], int]:
+    """A cross-encoder's score for each pair, one first broadcast against every second (the sigmoid of the
+    pair's class logit), and the prompts' tokens."""
+    serving.check_truncation(truncate)
+    pairs = [(firsts[0], second) for second in seconds] if len(firsts) == 1 else list(zip(firsts, seconds, strict=True))
+    prompts = []
+    for i, (first, second) in enumerate(pairs):
+        names = tuple(f"{param}.{i}" if len(texts) > 1 else param
+                      for param, texts in zip(params, (firsts, seconds), strict=True))
+        for name, text in zip(names, (first, second), strict=True):
+            if not text:
+                raise APIError(400, "texts to score must not be empty", name)
+            if truncate is None:
+                serving.check_text_length(text, name)
+        ids = await serving.encode_pair(first, second, truncate)
+        check_pooled_prompt(serving, ids, names[1])
+        prompts.append(ids)
+    logits = await pooled(serving, request, prompts, priority, request_id)
+    return [float(class_probabilities(pair_logits)[0]) for pair_logits in logits], sum(map(len, prompts))
+
+
 async def create_score(request: Request) -> Response:
     serving = get_serving(request)
     check_pooling(serving, "scores")
@@ -69,11 +104,15 @@ async def create_score(request: Request) -> Response:
         raise APIError(400, f"text_1 and text_2: {error}", "text_1") from None
     if len(texts_1) + len(texts_2) > MAX_INPUTS:
         raise APIError(400, f"at most {MAX_INPUTS} texts per request", "text_2")
-    firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")
-    seconds = await _tokenized(serving, texts_2, req.truncate_prompt_tokens, "text_2")
     request_id = random_id("score")
-    scores = await _cosine_scores(serving, request, firsts, seconds, req.priority, request_id)
-    num_tokens = sum(map(len, firsts + seconds))
+    if _cross_encoding(serving):
+        scores, num_tokens = await _cross_scores(serving, request, texts_1, texts_2, req.truncate_prompt_tokens,
+                                                 req.priority, request_id, ("text_1", "text_2"))
+    else:
+        firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")
+        seconds = await _tokenized(serving, texts_2, req.truncate_prompt_tokens, "text_2")
+        scores = await _cosine_scores(serving, request, firsts, seconds, req.priority, request_id)
+        num_tokens = sum(map(len, firsts + seconds))
     return JSONResponse(ScoreResponse(
         id=request_id, model=req.model or serving.model_names[0],
         data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
@@ -91,13 +130,19 @@ async def create_rerank(request: Request) -> Response:
         raise APIError(400, f"at most {MAX_INPUTS - 1} documents per request", "documents")
     if req.top_n < 0:
         raise APIError(400, f"top_n must be >= 0 (0: all the documents), got {req.top_n}", "top_n")
-    query = await _tokenized(serving, [req.query], req.truncate_prompt_tokens, "query")
-    documents = await _tokenized(serving, req.documents, req.truncate_prompt_tokens, "documents")
     request_id = random_id("rerank")
-    scores = await _cosine_scores(serving, request, query, documents, req.priority, request_id)
+    if _cross_encoding(serving):
+        scores, num_tokens = await _cross_scores(serving, request, [req.query], req.documents,
+                                                 req.truncate_prompt_tokens, req.priority, request_id,
+                                                 ("query", "documents"))
+    else:
+        query = await _tokenized(serving, [req.query], req.truncate_prompt_tokens, "query")
+        documents = await _tokenized(serving, req.documents, req.truncate_prompt_tokens, "documents")
+        scores = await _cosine_scores(serving, request, query, documents, req.priority, request_id)
+        num_tokens = sum(map(len, query + documents))
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
     return JSONResponse(RerankResponse(
         id=request_id, model=req.model or serving.model_names[0],
-        usage=RerankUsage(total_tokens=sum(map(len, query + documents))),
+        usage=RerankUsage(total_tokens=num_tokens),
         results=[RerankResult(index=i, document=RerankDocument(text=req.documents[i]), relevance_score=scores[i])
                  for i in ranked]).model_dump())

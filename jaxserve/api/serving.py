@@ -289,6 +289,13 @@ class ModelServing:
         token_ids = await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return self.truncate(token_ids, truncate)
 
+    async def encode_pair(self, first: str, second: str, truncate: int | None = None) -> list[int]:
+        """A cross-encoder's prompt: two texts as the tokenizer encodes a pair (`text_pair`: its template's
+        special tokens around and between them), as vLLM's cross-encoder scoring reads them. The texts' lengths
+        were checked (`check_text_length`) where `truncate` is None."""
+        encoded = await self.off_loop(lambda: self.tokenizer(first, text_pair=second, add_special_tokens=True))
+        return self.truncate(list(encoded["input_ids"]), truncate)
+
     def check_truncation(self, truncate: int | None) -> None:
         try:
             self.info.limits.check_truncation(truncate)

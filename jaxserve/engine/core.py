@@ -126,6 +126,8 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool, tokenizer_copies: int) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
+        if getattr(model.cfg, "num_labels", 0) and config.runner != "pooling":
+            config = self.config = _as_classifier(config)
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,
@@ -225,6 +227,7 @@ class EngineCore:
             scheduling_policy=sched.scheduling_policy,
             runner=config.runner,
             hidden_size=model.cfg.hidden_size,
+            class_labels=class_labels(model.hf_config) if getattr(model.cfg, "num_labels", 0) else (),
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
@@ -516,6 +519,22 @@ def _start_backend() -> None:
     devices = jax.devices()
     logger.info("backend: %s, %d x %s, jax %s; ready %.1fs after jaxserve was imported", devices[0].platform,
                 len(devices), devices[0].device_kind, jax.__version__, time.monotonic() - IMPORTED_AT)
+
+
+def _as_classifier(config: EngineConfig) -> EngineConfig:
+    """The config of a classifier's engine: `--runner pooling` (vLLM's `--runner auto` chooses it for a
+    classifier too), which a classifier's classes come from; raises ValueError where that cannot serve."""
+    if config.parallel.multihost or config.lora.enable_lora:
+        raise ValueError("the model is a classifier (its architecture ends in ForSequenceClassification), which "
+                         "--runner pooling serves, on one host and without --enable-lora")
+    logger.info("the model is a classifier: serving it with --runner pooling (/classify, /score, /rerank)")
+    return dataclasses.replace(config, runner="pooling")
+
+
+def class_labels(hf_config: Any) -> tuple[str, ...]:
+    """A classifier's label for each class, in class order (its config's `id2label`)."""
+    labels = {int(index): str(label) for index, label in (getattr(hf_config, "id2label", None) or {}).items()}
+    return tuple(labels.get(index, f"LABEL_{index}") for index in range(hf_config.num_labels))
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

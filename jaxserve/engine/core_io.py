@@ -97,6 +97,7 @@ class EngineInfo:
     # The config says its embeddings may be cut short (Qwen3-Embedding's; `--hf-overrides '{"is_matryoshka":
     # true}'`, vLLM's way, for a model that does not say so)
     matryoshka: bool = False
+    class_labels: tuple[str, ...] = ()  # a classifier's (its pooled vectors are these classes' logits); else ()
 
 
 @dataclass(frozen=True)

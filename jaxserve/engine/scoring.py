@@ -26,3 +26,13 @@ def cosine_scores(firsts: list[list[float]], seconds: list[list[float]]) -> list
     first = np.stack([finish_embedding(v, None, normalize=True) for v in firsts])  # f32[1 or n, d], unit rows
     second = np.stack([finish_embedding(v, None, normalize=True) for v in seconds])  # f32[n, d]
     return (first * second).sum(axis=1).tolist()
+
+
+def class_probabilities(logits: list[float]) -> np.ndarray:
+    """A classifier's class probabilities from its logits, f64[L]: a softmax, or for a single class (a
+    cross-encoder's relevance) its sigmoid, as vLLM's default activations for classifiers are."""
+    values = np.asarray(logits, np.float64)
+    if values.size == 1:
+        return 0.5 * (1.0 + np.tanh(0.5 * values))  # the sigmoid, without overflow at large |x|
+    exps = np.exp(values - values.max())
+    return exps / exps.sum()

@@ -48,6 +48,9 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    # Classifiers (cross-encoder rerankers, reward and classification models), served by --runner pooling
+    **{f"{family}ForSequenceClassification": ("llama", "LlamaConfig", "LlamaForSequenceClassification")
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
 }
 
 

@@ -90,6 +90,7 @@ class LlamaConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
     mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not loaded
+    num_labels: int = 0  # a classifier's classes (`LlamaForSequenceClassification`); 0: a causal LM
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
@@ -135,6 +136,7 @@ class LlamaConfig:
             moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
             mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if hf.model_type == "glm4_moe" else 0,
+            num_labels=hf.num_labels if is_classifier(hf) else 0,
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
@@ -345,6 +347,31 @@ class LlamaForCausalLM(nnx.Module):
         return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
 
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The stack with a classifier for a head (transformers' `*ForSequenceClassification`: cross-encoder
+    rerankers, reward and classification models): `score` [L, D] on the final hidden state of a prompt's last
+    token. Served by `--runner pooling`, whose pooled vector it turns into the L classes' logits (`pool_head`);
+    it has no LM head."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any = None) -> None:
+        super().__init__(dataclasses.replace(cfg, tie_word_embeddings=True), dtype, weight_dtype)  # (no lm_head)
+        self.cfg = cfg
+        self.score = param(cfg.num_labels, cfg.hidden_size, dtype=weight_dtype or dtype)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        """No LM head: a pooling step's one sample, which it drops, is drawn from zeros."""
+        return jnp.zeros((hidden.shape[0], self.cfg.vocab_size), jnp.float32)
+
+    def pool_head(self, pooled: jax.Array) -> jax.Array:  # f32[R, D] -> f32[R, L]
+        """Pooled final hidden states (or their sums: the head is linear, without a bias) to class logits."""
+        return jnp.einsum("rd,ld->rl", pooled, self.score[...].astype(jnp.float32))
+
+
+def is_classifier(hf: Any) -> bool:
+    """Whether an HF config is a sequence classifier's (`LlamaForSequenceClassification`)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(hf, "architectures", None) or ())
+
+
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
@@ -433,7 +460,7 @@ def lora_row_orders(cfg: LlamaConfig) -> dict[str, np.ndarray]:
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {
     "lora_a": (None, None), "lora_b": (None, None),  # adapters' stacks: small, on every device
-    "embed_tokens": (0, None), "lm_head": (0, None), "scale": (None, None),
+    "embed_tokens": (0, None), "lm_head": (0, None), "scale": (None, None), "score": (None, None),
     "q_proj": (1, "q"), "k_proj": (1, "kv"), "v_proj": (1, "kv"), "o_proj": (0, "q"),
     "q_bias": (0, "q"), "k_bias": (0, "kv"), "v_bias": (0, "kv"),
     "gate_proj": (1, None), "up_proj": (1, None), "down_proj": (0, None), "router": (None, None),
@@ -576,4 +603,6 @@ def map_outer_weight(name: str, cfg: Any) -> tuple[tuple[str | int, ...], Callab
         return ("norm", "scale"), lambda w, c: w
     if name == "lm_head.weight" and not cfg.tie_word_embeddings:
         return ("lm_head",), lambda w, c: w
+    if name == "score.weight" and getattr(cfg, "num_labels", 0):
+        return ("score",), lambda w, c: w
     return None

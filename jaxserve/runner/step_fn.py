@@ -98,14 +98,17 @@ def _by_row(tokens: jax.Array, max_rows: int, mesh: Mesh | None) -> jax.Array:  
     return tokens_by_row if mesh is None else jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
 
 
-def _pooled(hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+def _pooled(model: nnx.Module, hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """Each row's final hidden state at its last token (f32[R, D]) and summed over its tokens this step
-    (f32[R, D]; padding tokens, past `cu_q_lens[-1]`, fall outside every row and are dropped)."""
+    (f32[R, D]; padding tokens, past `cu_q_lens[-1]`, fall outside every row and are dropped); a classifier's
+    through its head (`pool_head`: f32[R, L] each)."""
     cu_q_lens = batch.attention.cu_q_lens  # i32[R+1]
     num_rows = batch.logits_indices.shape[0]
     token_rows = jnp.searchsorted(cu_q_lens, jnp.arange(hidden.shape[0]), side="right") - 1  # i32[T]
     hidden = hidden.astype(jnp.float32)
-    return hidden[batch.logits_indices], jax.ops.segment_sum(hidden, token_rows, num_segments=num_rows)
+    last, total = hidden[batch.logits_indices], jax.ops.segment_sum(hidden, token_rows, num_segments=num_rows)
+    head = getattr(model, "pool_head", None)
+    return (last, total) if head is None else (head(last), head(total))
 
 
 @_shared
@@ -148,7 +151,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         else:
             outputs = (kv_caches, penalty_tables, sampled, prompt,
                        _by_row(sampled.tokens, batch.previous_tokens.shape[0], mesh))
-        return (*outputs, _pooled(hidden, batch)) if pooling else outputs
+        return (*outputs, _pooled(model, hidden, batch)) if pooling else outputs
 
     return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"), compiler_options=compiler_options or None)
 

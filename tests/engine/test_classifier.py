@@ -1,0 +1,95 @@
+"""Classifiers (transformers' `*ForSequenceClassification`: cross-encoder rerankers, reward and classification
+models) served by `--runner pooling`: the class logits of tiny random Llama, Qwen2 and Qwen3 classifiers
+against transformers' own, in float32, through chunked prefill, prefix caching and batching; `LLM.classify`'s
+probabilities and `LLM.score`'s cross-encoder scores against transformers'; a classifier chooses the pooling
+runner itself, and is refused where that cannot serve it."""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import POOLING_PARAMS
+from tests.classifiers import LABELS
+from tests.engine.helpers import LADDER, make_prompts
+
+pytestmark = pytest.mark.slow  # transformers reference
+
+def _llm(directory, **overrides) -> LLM:
+    options = {**LADDER, "max_num_batched_tokens": 16, "token_buckets": (16,)}  # prompts over 16: chunked
+    return LLM(model=str(directory), dtype="float32", page_size=4, num_kv_pages=256, max_model_len=256,
+               compilation_cache_dir=None, **{**options, **overrides})
+
+
+def _reference_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].double().numpy()  # [L]: at the last token
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_class_logits_match_transformers(classifier_dir, kind):
+    """No --runner given: a classifier serves as a pooling engine, and its probabilities are transformers'
+    softmax, prompt by prompt, in chunks of 16 tokens, batched, one prompt a cached prefix of another."""
+    directory, model = classifier_dir(kind)
+    llm = _llm(directory)
+    assert llm.engine.info.runner == "pooling" and llm.engine.info.class_labels == tuple(LABELS.values())
+    prompts = make_prompts(8)
+    prompts.append(prompts[3][:30])
+    outputs = llm.classify(prompts, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        logits = _reference_logits(model, prompt)
+        expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        np.testing.assert_allclose(output.outputs.probs, expected, rtol=2e-4, atol=2e-5)
+        assert output.outputs.num_classes == 3 and output.prompt_token_ids == prompt
+    # the pooled vectors are the logits themselves, as transformers computes them
+    pooled = llm._run([prompts[1]], POOLING_PARAMS, False)[0].embedding
+    np.testing.assert_allclose(pooled, _reference_logits(model, prompts[1]), rtol=2e-4, atol=2e-4)
+
+
+def test_mean_pooling_classifies_the_mean_hidden_state(classifier_dir):
+    """The head is linear without a bias: the mean over a prompt's chunks of its tokens' logits is the head
+    of their mean hidden state."""
+    directory, model = classifier_dir("llama")
+    llm = _llm(directory, runner="pooling", pooling_type="mean")
+    prompt = make_prompts(4)[3]  # 40 tokens: three chunks
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0].double()
+        expected = (hidden.mean(0) @ model.score.weight.double().T).numpy()
+    pooled = llm._run([prompt], POOLING_PARAMS, False)[0].embedding
+    np.testing.assert_allclose(pooled, expected, rtol=2e-4, atol=2e-4)
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers_does(classifier_dir):
+    """One class: `LLM.score` reads each pair as the tokenizer's pair encoding and scores it by the sigmoid
+    of its logit, one query against several documents and pairs one to one."""
+    directory, model = classifier_dir("qwen2", num_labels=1)
+    llm = _llm(directory)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    query, documents = "Where do cats sleep?", ["On warm windowsills.", "Revenue rose by four percent.", "Naps."]
+
+    def expected(first: str, second: str) -> float:
+        return float(torch.sigmoid(torch.tensor(_reference_logits(model, tokenizer(first, text_pair=second)
+                                                                  ["input_ids"])[0])))
+
+    scores = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    np.testing.assert_allclose(scores, [expected(query, d) for d in documents], rtol=1e-4, atol=1e-6)
+    paired = [o.outputs.score for o in llm.score(documents[:2], [query, query], use_tqdm=False)]
+    np.testing.assert_allclose(paired, [expected(d, query) for d in documents[:2]], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="pairs of texts"):
+        llm.score([[5, 6, 7]], documents, use_tqdm=False)
+
+
+def test_a_classifier_refuses_what_it_cannot_serve(classifier_dir, llama_dir):
+    directory, _ = classifier_dir("llama")
+    llm = _llm(directory)
+    with pytest.raises(ValueError, match="cross-encoder"):
+        llm.score("a", ["b"], use_tqdm=False)  # three classes: no one score for a pair
+    with pytest.raises(ValueError, match="not embeddings"):
+        llm.embed([[5, 6, 7]], use_tqdm=False)
+    with pytest.raises(ValueError, match="one host and without --enable-lora"):
+        _llm(directory, enable_lora=True)
+    embedder = _llm(llama_dir, runner="pooling")
+    with pytest.raises(ValueError, match="classifier model"):
+        embedder.classify([[5, 6, 7]], use_tqdm=False)
