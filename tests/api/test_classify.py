@@ -3,6 +3,7 @@
 a one-class classifier's pair scores against transformers' on the tokenizer's pair encoding, /invocations
 answering as /classify, and what a classifier and an embedding model each refuse."""
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from jaxserve.api.app import create_app
 from jaxserve.api.scores import RERANK_PATHS, SCORE_PATHS
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
+from tests.api.helpers import start_server, stop_server
 from tests.classifiers import LABELS
 from tests.engine.helpers import make_engine
 from tests.helpers import approx_floats
@@ -156,3 +158,28 @@ def test_an_embedding_model_refuses_to_classify(tiny_model_dir):
         response = client.post("/classify", json={"input": "x"})
         assert response.status_code == 400 and "no classifier head" in response.json()["error"]["message"]
         assert response.json()["error"]["param"] == "model"
+
+
+def test_jaxserve_serve_serves_a_cross_encoder_over_http(tmp_path, compile_cache, classifier_dir):
+    """`jaxserve serve <classifier>` with no --runner: the server chooses pooling, and answers /v1/rerank and
+    /classify over real HTTP as the in-process app does."""
+    directory, model = classifier_dir("qwen2", num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    server = start_server(tmp_path, compile_cache, str(directory))
+    try:
+        ranked = httpx.post(f"{server.base_url}/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS},
+                            timeout=60).json()
+        scores = [float(1 / (1 + np.exp(-_logits(model.double(), tokenizer(QUERY, text_pair=d)["input_ids"])[0])))
+                  for d in DOCUMENTS]
+        assert [r["index"] for r in ranked["results"]] == sorted(range(4), key=lambda i: -scores[i])
+        np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], sorted(scores, reverse=True),
+                                   rtol=1e-4, atol=1e-6)
+        classified = httpx.post(f"{server.base_url}/classify", json={"input": [QUERY]}, timeout=60).json()
+        assert classified["data"][0]["label"] == "relevance"
+        refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+        assert refused.status_code == 400
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0
+    assert "the model is a classifier: serving it with --runner pooling" in server.log()
+    assert "Traceback" not in server.log()
