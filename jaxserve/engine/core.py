@@ -227,7 +227,7 @@ class EngineCore:
             scheduling_policy=sched.scheduling_policy,
             runner=config.runner,
             hidden_size=model.cfg.hidden_size,
-            class_labels=class_labels(model.hf_config) if getattr(model.cfg, "num_labels", 0) else (),
+            class_labels=class_labels(model.hf_config, getattr(model.cfg, "num_labels", 0)),
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
@@ -531,10 +531,14 @@ def _as_classifier(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, runner="pooling")
 
 
-def class_labels(hf_config: Any) -> tuple[str, ...]:
-    """A classifier's label for each class, in class order (its config's `id2label`)."""
+def class_labels(hf_config: Any, num_labels: int) -> tuple[str, ...]:
+    """A classifier's label for each of its `num_labels` classes, in class order: its config's `id2label`, or
+    for one made from a causal LM's head (`classifier_from_token`) the tokens (a two-way one's: its true
+    token); () for a model that does not classify."""
     labels = {int(index): str(label) for index, label in (getattr(hf_config, "id2label", None) or {}).items()}
-    return tuple(labels.get(index, f"LABEL_{index}") for index in range(hf_config.num_labels))
+    if tokens := list(getattr(hf_config, "classifier_from_token", None) or ()):
+        labels = dict(enumerate(tokens[-num_labels:]))
+    return tuple(labels.get(index, f"LABEL_{index}") for index in range(num_labels))
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

@@ -91,6 +91,11 @@ class LlamaConfig:
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
     mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not loaded
     num_labels: int = 0  # a classifier's classes (`LlamaForSequenceClassification`); 0: a causal LM
+    # A classifier made from a causal LM's head (vLLM's `classifier_from_token`): the token ids whose LM-head
+    # rows are its classes' rows, or with `classifier_two_way` (Qwen3-Reranker's "no", "yes") the one row
+    # yes - no, whose sigmoid is the softmax of the two tokens' logits
+    classifier_rows: tuple[int, ...] = ()
+    classifier_two_way: bool = False
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
@@ -104,6 +109,7 @@ class LlamaConfig:
         no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
         layer_types = getattr(hf, "layer_types", None) or ()
         olmo = hf.model_type in ("olmo2", "olmo3")
+        rows, two_way = classifier_from_tokens(hf)
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -136,7 +142,9 @@ class LlamaConfig:
             moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
             mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if hf.model_type == "glm4_moe" else 0,
-            num_labels=hf.num_labels if is_classifier(hf) else 0,
+            num_labels=(1 if two_way else len(rows)) if rows else hf.num_labels if is_classifier(hf) else 0,
+            classifier_rows=rows,
+            classifier_two_way=two_way,
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
@@ -372,6 +380,31 @@ def is_classifier(hf: Any) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in getattr(hf, "architectures", None) or ())
 
 
+def classifier_from_tokens(hf: Any) -> tuple[tuple[int, ...], bool]:
+    """A classifier made from a causal LM's head, as vLLM's `--hf-overrides` ask for it
+    (`{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}`): the tokens' ids (which the loader reads from the tokenizer into
+    `classifier_from_token_ids`) and whether the two make one class (`LlamaConfig.classifier_two_way`); ((),
+    False) for any other model."""
+    ids = tuple(getattr(hf, "classifier_from_token_ids", None) or ())
+    if not ids:
+        return (), False
+    if not is_classifier(hf):
+        raise ValueError("classifier_from_token makes a classifier: --hf-overrides must also set architectures to "
+                         "a *ForSequenceClassification one")
+    two_way = bool(getattr(hf, "is_original_qwen3_reranker", False)) or getattr(hf, "method", None) == \
+        "from_2_way_softmax"
+    if two_way and len(ids) != 2:
+        raise ValueError(f"a two-way classifier reads two tokens (false, true), got {len(ids)}")
+    return ids, two_way
+
+
+def _classifier_rows(head: Any, cfg: LlamaConfig) -> np.ndarray:
+    """The score head [L, D] from an LM head or tied embeddings [V, D] (`classifier_from_tokens`)."""
+    rows = np.asarray(np.asarray(head)[list(cfg.classifier_rows)], np.float32)  # [k, D]
+    return rows[1:] - rows[:1] if cfg.classifier_two_way else rows
+
+
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
@@ -510,6 +543,11 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
         if (stacked := experts.add(name, tensor)) is not None:
             yield from stacked
             continue
+        if cfg.classifier_rows and name in (("model.embed_tokens.weight", "embed_tokens.weight")
+                                            if cfg.tie_word_embeddings else ("lm_head.weight",)):
+            yield "score.weight", _classifier_rows(tensor, cfg)
+            if name == "lm_head.weight":  # (a classifier has no LM head)
+                continue
         for part_name, part in _split_fused_weight(name, tensor, cfg):
             yield part_name, _rotate_half_rows(part_name, part, cfg)
     experts.check_complete()

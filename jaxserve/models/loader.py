@@ -132,6 +132,18 @@ class LoadedModel:
         self.loading = None
 
 
+def token_ids(tokens: Any, tokenizer: Any) -> list[int]:
+    """Each of `tokens` (strings, each one token of `tokenizer`) as its id; raises ValueError naming one that
+    is not a token."""
+    if isinstance(tokens, str) or not tokens:
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    for token, token_id in zip(tokens, ids, strict=True):
+        if not isinstance(token_id, int) or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's tokenizer")
+    return ids
+
+
 def _dummy_tokenizer(source: ModelSource, vocab_size: int) -> Any:
     """The model's own tokenizer when its files are there; else the bundled SmolLM2 tokenizer, whose ids
     must all be in the model's vocabulary (sampled ids past the tokenizer's decode to no text)."""
@@ -365,6 +377,10 @@ def load_model(
     jax_dtype = resolve_dtype(dtype)
     jax_weight_dtype = jax_dtype if weight_dtype == "auto" else resolve_dtype(weight_dtype)
     logger.info("dtype: %s activations, %s matmul weights", jnp.dtype(jax_dtype).name, jnp.dtype(jax_weight_dtype).name)
+    tokenizer_dir = replacement_tokenizer(tokenizer, tokenizer_revision, model, revision, download_dir)
+    if getattr(hf_config, "classifier_from_token", None):  # a classifier from the LM head's rows of these tokens
+        hf_config.classifier_from_token_ids = token_ids(hf_config.classifier_from_token,
+                                                        load_tokenizer(tokenizer_dir or metadata))
     # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel,
                                     require_experts)
@@ -373,7 +389,6 @@ def load_model(
         gguf_file = None if dummy else source.gguf_file
         quantization = GGUF if keeps_blocks_by_default(gguf_file, tensor_parallel_size, abstract.spec.module) else None
         logger.info("quantization auto: %s", quantization or "none (weights dequantized)")
-    tokenizer_dir = replacement_tokenizer(tokenizer, tokenizer_revision, model, revision, download_dir)
     replaced = tokenizer_dir is not None
     if replaced:
         text_tokenizer = load_tokenizer(tokenizer_dir)

@@ -93,3 +93,41 @@ def test_a_classifier_refuses_what_it_cannot_serve(classifier_dir, llama_dir):
     embedder = _llm(llama_dir, runner="pooling")
     with pytest.raises(ValueError, match="classifier model"):
         embedder.classify([[5, 6, 7]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_causal_reranker_made_a_classifier_as_vllm_does(tmp_path, smollm2_tokenizer, tied):
+    """Qwen3-Reranker's recipe for vLLM: a Qwen3ForCausalLM served with `--hf-overrides` naming a classifier
+    architecture, `classifier_from_token: ["no", "yes"]` and `is_original_qwen3_reranker`: its score is the
+    probability of "yes" against "no" at the pair's last token, transformers' causal LM's softmax over the two
+    logits; without the flag, two classes whose probabilities are that softmax. Its LM head tied or not."""
+    import transformers
+
+    from tests.conftest import TINY_VOCAB
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, initializer_range=0.3, bos_token_id=1, eos_token_id=2, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tied)).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    no, yes = smollm2_tokenizer.convert_tokens_to_ids(["no", "yes"])
+    query, documents = "Where do cats sleep?", ["On warm windowsills.", "Revenue rose by four percent."]
+    pairs = [smollm2_tokenizer(query, text_pair=document)["input_ids"] for document in documents]
+    with torch.no_grad():
+        logits = [model(torch.tensor([ids])).logits[0, -1].double() for ids in pairs]
+    p_yes = [float(torch.softmax(row[[no, yes]], 0)[1]) for row in logits]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    reranker = _llm(tmp_path, hf_overrides={**overrides, "is_original_qwen3_reranker": True})
+    assert reranker.engine.info.class_labels == ("yes",)
+    scores = [o.outputs.score for o in reranker.score(query, documents, use_tqdm=False)]
+    np.testing.assert_allclose(scores, p_yes, rtol=1e-4, atol=1e-6)
+    two_way = _llm(tmp_path, hf_overrides=overrides)
+    assert two_way.engine.info.class_labels == ("no", "yes")
+    two_classes = two_way.classify(pairs, use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.probs[1] for o in two_classes], p_yes, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="'nope-not-a-token' is not a token"):
+        _llm(tmp_path, hf_overrides={**overrides, "classifier_from_token": ["no", "nope-not-a-token"]})
+    with pytest.raises(ValueError, match="architectures"):
+        _llm(tmp_path, hf_overrides={"classifier_from_token": ["no", "yes"]})
