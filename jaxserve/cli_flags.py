@@ -259,7 +259,8 @@ def _lora_module(value: str) -> LoraModule:
 
 
 # vLLM's former --task names for the runner that serves them
-_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
+                 "score": "pooling", "reward": "pooling"}
 
 
 def _task_runner(value: str) -> str:

@@ -136,16 +136,18 @@ class LLM:
 
     def classify(self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None,
                  use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
-        """vLLM's: each prompt's class probabilities (`outputs.probs`) from a classifier model (an architecture
-        ending in ForSequenceClassification); outputs in prompt order."""
+        """vLLM's: each prompt's class probabilities (`outputs.probs`, through the model's activation:
+        `classifier.class_activation`) from a classifier model (an architecture ending in
+        ForSequenceClassification); outputs in prompt order."""
         if not self.engine.info.class_labels:
             raise ValueError("classify needs a classifier model (an architecture ending in ForSequenceClassification)")
         params = dataclasses.replace(POOLING_PARAMS, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = [EmbeddingRequestOutput.of(o) for o in self._run([_prompt_input(p) for p in _as_prompts(prompts)],
                                                                    params, use_tqdm)]
-        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
-                                            ClassificationOutput(class_probabilities(o.outputs.embedding).tolist()))
-                for o in outputs]
+        activation = self.engine.info.class_activation
+        probs = [class_probabilities(o.outputs.embedding, activation).tolist() for o in outputs]
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(p))
+                for o, p in zip(outputs, probs, strict=True)]
 
     def score(
         self,
@@ -187,8 +189,10 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = [list(tokenizer(first, text_pair=second)["input_ids"]) for first, second in pairs]
         outputs = [EmbeddingRequestOutput.of(o) for o in self._run(prompts, params, use_tqdm)]
-        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(class_probabilities(o.outputs.embedding)[0])),
-                                     o.prompt_token_ids) for o in outputs]
+        activation = self.engine.info.class_activation
+        scores = [float(class_probabilities(o.outputs.embedding, activation)[0]) for o in outputs]
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids)
+                for o, score in zip(outputs, scores, strict=True)]
 
     def chat(
         self,

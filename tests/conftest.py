@@ -312,19 +312,23 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
 
 @pytest.fixture(scope="session")
 def classifier_dir(tmp_path_factory, smollm2_tokenizer):
-    """(kind, num_labels) -> (a local HF directory of a random classifier, its transformers model)."""
-    from tests.classifiers import classifier
+    """(kind, num_labels, problem_type) -> (a local HF directory of a random classifier, its transformers model).
+    A one-class classifier (a cross-encoder) gets a tokenizer that encodes a pair with a separator between its
+    texts, as BERT's and XLM-R's do (`classifiers.with_pair_separator`)."""
+    from tests.classifiers import classifier, with_pair_separator
 
     made = {}
 
-    def make(kind: str, num_labels: int = 3):
-        if (kind, num_labels) not in made:
+    def make(kind: str, num_labels: int = 3, problem_type: str | None = None):
+        key = kind, num_labels, problem_type
+        if key not in made:
             directory = tmp_path_factory.mktemp(f"classifier-{kind}-{num_labels}")
-            model = classifier(kind, num_labels)
+            model = classifier(kind, num_labels, problem_type)
             model.save_pretrained(directory, safe_serialization=True)
-            smollm2_tokenizer.save_pretrained(directory)
-            made[kind, num_labels] = directory, model
-        return made[kind, num_labels]
+            tokenizer = with_pair_separator(smollm2_tokenizer) if num_labels == 1 else smollm2_tokenizer
+            tokenizer.save_pretrained(directory)
+            made[key] = directory, model
+        return made[key]
 
     return make
 

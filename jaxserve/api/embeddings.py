@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.api.chat import render_chat
 from jaxserve.api.errors import APIError, validate
 from jaxserve.api.protocol import (
+    ClassificationChatRequest,
     ClassificationRequest,
     EmbeddingChatRequest,
     EmbeddingData,
@@ -37,11 +38,11 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def prompt_inputs(serving: ModelServing,
-                        req: EmbeddingRequest | EmbeddingChatRequest | ClassificationRequest) -> list[list[int]]:
+async def prompt_inputs(serving: ModelServing, req: EmbeddingRequest | EmbeddingChatRequest | ClassificationRequest
+                        | ClassificationChatRequest) -> list[list[int]]:
     """A request's inputs (texts, token ids, or a conversation) as prompts, each checked (`check_pooled_prompt`)."""
     serving.check_truncation(req.truncate_prompt_tokens)
-    if isinstance(req, EmbeddingChatRequest):
+    if isinstance(req, EmbeddingChatRequest | ClassificationChatRequest):
         ids = await render_chat(serving, req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template, req.chat_template_kwargs, None, req.truncate_prompt_tokens,
                                 add_special_tokens=req.add_special_tokens)

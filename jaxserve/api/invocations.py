@@ -33,6 +33,7 @@ _POOLING: tuple[tuple[tuple[str, ...], Handler, str], ...] = (
 )
 _CLASSIFIER: tuple[tuple[tuple[str, ...], Handler, str], ...] = (
     *_POOLING[:3], (("input",), classify.create_classification, "/classify"),
+    (("messages",), classify.create_classification, "/classify"),
 )
 
 

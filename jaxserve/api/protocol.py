@@ -471,23 +471,51 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class ClassificationRequest(BaseModel):
-    """vLLM's /classify: texts or token ids, each classified by a classifier model."""
+class _ActivationFields(BaseModel):
+    """vLLM's switch for a classifier's activation (`use_activation`, and its former names `activation` and
+    `softmax`): false gives the raw logits."""
 
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def applies_activation(self) -> bool:
+        given = (self.use_activation, self.activation, self.softmax)
+        return next((value for value in given if value is not None), True)
+
+
+class _ClassificationFields(_ActivationFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    add_special_tokens: bool = True
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
+class ClassificationRequest(_ClassificationFields):
+    """vLLM's /classify: texts or token ids, each classified by a classifier model."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
+
+
+class ClassificationChatRequest(_ClassificationFields):
+    """vLLM's chat form of /classify: a conversation, rendered by the chat template and classified as one
+    input (the chat embeddings request's defaults)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class ClassificationData(BaseModel):
     index: int
     label: str  # the likeliest class's (the model's id2label)
-    probs: list[float]  # each class's probability: a softmax of the logits (a sigmoid for a single class)
+    probs: list[float]  # each class's probability (the model's activation; the logits without one)
     num_classes: int
 
 
@@ -500,7 +528,7 @@ class ClassificationResponse(BaseModel):
     usage: UsageInfo
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(_ActivationFields):
     """vLLM's /v1/score: each text_1 against its text_2 (1:1, 1:N or N:N)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -527,7 +555,7 @@ class ScoreResponse(BaseModel):
     usage: UsageInfo
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(_ActivationFields):
     """vLLM's /v1/rerank (Jina's and Cohere's shape): the documents ranked by their relevance to the query."""
 
     model_config = ConfigDict(extra="ignore")

@@ -66,10 +66,11 @@ def _cross_encoding(serving: ModelServing) -> bool:
 
 
 async def _cross_scores(serving: ModelServing, request: Request, firsts: list[str], seconds: list[str],
-                        truncate: int | None, priority: int, request_id: str,
-                        params: tuple[str, str]) -> tuple[list[float], int]:
-    """A cross-encoder's score for each pair, one first broadcast against every second (the sigmoid of the
-    pair's class logit), and the prompts' tokens."""
+                        truncate: int | None, priority: int, request_id: str, params: tuple[str, str],
+                        use_activation: bool) -> tuple[list[float], int]:
+    """A cross-encoder's score for each pair, one first broadcast against every second (the pair's class logit
+    through the model's activation, a sigmoid unless its config says otherwise; the logit itself without
+    `use_activation`), and the prompts' tokens. A pair over the context is a 400 naming its longer text."""
     serving.check_truncation(truncate)
     pairs = [(firsts[0], second) for second in seconds] if len(firsts) == 1 else list(zip(firsts, seconds, strict=True))
     prompts = []
@@ -82,10 +83,12 @@ async def _cross_scores(serving: ModelServing, request: Request, firsts: list[st
             if truncate is None:
                 serving.check_text_length(text, name)
         ids = await serving.encode_pair(first, second, truncate)
-        check_pooled_prompt(serving, ids, names[1])
+        check_pooled_prompt(serving, ids, names[0] if len(first) > len(second) else names[1])
         prompts.append(ids)
     logits = await pooled(serving, request, prompts, priority, request_id)
-    return [float(class_probabilities(pair_logits)[0]) for pair_logits in logits], sum(map(len, prompts))
+    activation = serving.info.class_activation if use_activation else "none"
+    return ([float(class_probabilities(pair_logits, activation)[0]) for pair_logits in logits],
+            sum(map(len, prompts)))
 
 
 async def create_score(request: Request) -> Response:
@@ -107,7 +110,8 @@ async def create_score(request: Request) -> Response:
     request_id = random_id("score")
     if _cross_encoding(serving):
         scores, num_tokens = await _cross_scores(serving, request, texts_1, texts_2, req.truncate_prompt_tokens,
-                                                 req.priority, request_id, ("text_1", "text_2"))
+                                                 req.priority, request_id, ("text_1", "text_2"),
+                                                 req.applies_activation())
     else:
         firsts = await _tokenized(serving, texts_1, req.truncate_prompt_tokens, "text_1")
         seconds = await _tokenized(serving, texts_2, req.truncate_prompt_tokens, "text_2")
@@ -134,7 +138,7 @@ async def create_rerank(request: Request) -> Response:
     if _cross_encoding(serving):
         scores, num_tokens = await _cross_scores(serving, request, [req.query], req.documents,
                                                  req.truncate_prompt_tokens, req.priority, request_id,
-                                                 ("query", "documents"))
+                                                 ("query", "documents"), req.applies_activation())
     else:
         query = await _tokenized(serving, [req.query], req.truncate_prompt_tokens, "query")
         documents = await _tokenized(serving, req.documents, req.truncate_prompt_tokens, "documents")

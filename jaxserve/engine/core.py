@@ -63,6 +63,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.engine.suffix_proposer import SuffixProposer
+from jaxserve.models.classifier import class_activation, class_labels, num_classes
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
@@ -126,7 +127,7 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool, tokenizer_copies: int) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
-        if getattr(model.cfg, "num_labels", 0) and config.runner != "pooling":
+        if num_classes(model.cfg) and config.runner != "pooling":
             config = self.config = _as_classifier(config)
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
@@ -227,7 +228,8 @@ class EngineCore:
             scheduling_policy=sched.scheduling_policy,
             runner=config.runner,
             hidden_size=model.cfg.hidden_size,
-            class_labels=class_labels(model.hf_config, getattr(model.cfg, "num_labels", 0)),
+            class_labels=class_labels(model.hf_config, num_classes(model.cfg)),
+            class_activation=class_activation(model.hf_config, num_classes(model.cfg)),
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,
@@ -529,16 +531,6 @@ def _as_classifier(config: EngineConfig) -> EngineConfig:
                          "--runner pooling serves, on one host and without --enable-lora")
     logger.info("the model is a classifier: serving it with --runner pooling (/classify, /score, /rerank)")
     return dataclasses.replace(config, runner="pooling")
-
-
-def class_labels(hf_config: Any, num_labels: int) -> tuple[str, ...]:
-    """A classifier's label for each of its `num_labels` classes, in class order: its config's `id2label`, or
-    for one made from a causal LM's head (`classifier_from_token`) the tokens (a two-way one's: its true
-    token); () for a model that does not classify."""
-    labels = {int(index): str(label) for index, label in (getattr(hf_config, "id2label", None) or {}).items()}
-    if tokens := list(getattr(hf_config, "classifier_from_token", None) or ()):
-        labels = dict(enumerate(tokens[-num_labels:]))
-    return tuple(labels.get(index, f"LABEL_{index}") for index in range(num_labels))
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

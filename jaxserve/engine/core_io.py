@@ -98,6 +98,7 @@ class EngineInfo:
     # true}'`, vLLM's way, for a model that does not say so)
     matryoshka: bool = False
     class_labels: tuple[str, ...] = ()  # a classifier's (its pooled vectors are these classes' logits); else ()
+    class_activation: str = "softmax"  # a classifier's logits to its outputs (`classifier.class_activation`)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,15 @@ def cosine_scores(firsts: list[list[float]], seconds: list[list[float]]) -> list
     return (first * second).sum(axis=1).tolist()
 
 
-def class_probabilities(logits: list[float]) -> np.ndarray:
-    """A classifier's class probabilities from its logits, f64[L]: a softmax, or for a single class (a
-    cross-encoder's relevance) its sigmoid, as vLLM's default activations for classifiers are."""
-    values = np.asarray(logits, np.float64)
-    if values.size == 1:
-        return 0.5 * (1.0 + np.tanh(0.5 * values))  # the sigmoid, without overflow at large |x|
+def class_probabilities(logits: list[float], activation: str = "softmax") -> np.ndarray:
+    """A classifier's outputs from its logits, f64[L], by its `activation` (`classifier.class_activation`): a
+    softmax, a sigmoid per class, or none (the logits). Values JSON cannot carry (a model's overflow to
+    infinities, NaN) are first brought into float32's range (NaN as 0)."""
+    big = float(np.finfo(np.float32).max)
+    values = np.nan_to_num(np.asarray(logits, np.float64), nan=0.0, posinf=big, neginf=-big)
+    if activation == "none":
+        return values
+    if activation == "sigmoid":
+        return 0.5 * (1.0 + np.tanh(0.5 * values))  # without overflow at large |x|
     exps = np.exp(values - values.max())
     return exps / exps.sum()

@@ -48,9 +48,17 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
-    # Classifiers (cross-encoder rerankers, reward and classification models), served by --runner pooling
-    **{f"{family}ForSequenceClassification": ("llama", "LlamaConfig", "LlamaForSequenceClassification")
-       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+}
+# Sequence classifiers (cross-encoder rerankers, reward and classification models; served by --runner pooling):
+# the causal family's stack with a classifier for a head (`classifier.py`)
+_CLASSIFIERS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "GemmaForSequenceClassification": "GemmaForCausalLM",
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
 }
 
 
@@ -67,11 +75,16 @@ def kv_arrays(cfg: Any) -> int:
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted([*_FAMILIES, *_CLASSIFIERS])
 
 
 @cache
 def _spec(architecture: str) -> ModelSpec:
+    if architecture in _CLASSIFIERS:
+        from jaxserve.models.classifier import sequence_classifier
+
+        causal = _spec(_CLASSIFIERS[architecture])
+        return ModelSpec(causal.module, causal.config_cls, sequence_classifier(causal.model_cls))
     module_name, config_name, model_name = _FAMILIES[architecture]
     module = importlib.import_module(f"{__name__}.{module_name}")
     return ModelSpec(module, getattr(module, config_name), getattr(module, model_name))
@@ -111,7 +124,7 @@ def get_model_spec(hf_config: Any) -> ModelSpec:
     if not architectures and getattr(hf_config, "model_type", None) in _ARCHITECTURE_OF_MODEL_TYPE:
         architectures = [_ARCHITECTURE_OF_MODEL_TYPE[hf_config.model_type]]
     for name in architectures:
-        if name in _FAMILIES:
+        if name in _FAMILIES or name in _CLASSIFIERS:
             return _spec(name)
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given)'}; "

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import llama
+from jaxserve.models.classifier import ClassifierHead
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
@@ -70,6 +71,7 @@ class GemmaConfig:
     tie_word_embeddings: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
+    classifier: ClassifierHead | None = None  # a sequence classifier's head (`classifier.py`), set by the loader
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "GemmaConfig":

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import layers
+from jaxserve.models.classifier import ClassifierHead
 from jaxserve.models.layers import (
     AttentionLora,
     AttentionMetadata,
@@ -90,12 +91,7 @@ class LlamaConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
     mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not loaded
-    num_labels: int = 0  # a classifier's classes (`LlamaForSequenceClassification`); 0: a causal LM
-    # A classifier made from a causal LM's head (vLLM's `classifier_from_token`): the token ids whose LM-head
-    # rows are its classes' rows, or with `classifier_two_way` (Qwen3-Reranker's "no", "yes") the one row
-    # yes - no, whose sigmoid is the softmax of the two tokens' logits
-    classifier_rows: tuple[int, ...] = ()
-    classifier_two_way: bool = False
+    classifier: ClassifierHead | None = None  # a sequence classifier's head (`classifier.py`), set by the loader
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "LlamaConfig":
@@ -109,7 +105,6 @@ class LlamaConfig:
         no_rope_layers = getattr(hf, "no_rope_layers", None) if hf.model_type == "smollm3" else None
         layer_types = getattr(hf, "layer_types", None) or ()
         olmo = hf.model_type in ("olmo2", "olmo3")
-        rows, two_way = classifier_from_tokens(hf)
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -142,9 +137,6 @@ class LlamaConfig:
             moe_layers=moe_layers,
             attention=attention or AttentionConfig(),
             mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if hf.model_type == "glm4_moe" else 0,
-            num_labels=(1 if two_way else len(rows)) if rows else hf.num_labels if is_classifier(hf) else 0,
-            classifier_rows=rows,
-            classifier_two_way=two_way,
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
@@ -355,56 +347,6 @@ class LlamaForCausalLM(nnx.Module):
         return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
 
-class LlamaForSequenceClassification(LlamaForCausalLM):
-    """The stack with a classifier for a head (transformers' `*ForSequenceClassification`: cross-encoder
-    rerankers, reward and classification models): `score` [L, D] on the final hidden state of a prompt's last
-    token. Served by `--runner pooling`, whose pooled vector it turns into the L classes' logits (`pool_head`);
-    it has no LM head."""
-
-    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any = None) -> None:
-        super().__init__(dataclasses.replace(cfg, tie_word_embeddings=True), dtype, weight_dtype)  # (no lm_head)
-        self.cfg = cfg
-        self.score = param(cfg.num_labels, cfg.hidden_size, dtype=weight_dtype or dtype)
-
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-        """No LM head: a pooling step's one sample, which it drops, is drawn from zeros."""
-        return jnp.zeros((hidden.shape[0], self.cfg.vocab_size), jnp.float32)
-
-    def pool_head(self, pooled: jax.Array) -> jax.Array:  # f32[R, D] -> f32[R, L]
-        """Pooled final hidden states (or their sums: the head is linear, without a bias) to class logits."""
-        return jnp.einsum("rd,ld->rl", pooled, self.score[...].astype(jnp.float32))
-
-
-def is_classifier(hf: Any) -> bool:
-    """Whether an HF config is a sequence classifier's (`LlamaForSequenceClassification`)."""
-    return any(name.endswith("ForSequenceClassification") for name in getattr(hf, "architectures", None) or ())
-
-
-def classifier_from_tokens(hf: Any) -> tuple[tuple[int, ...], bool]:
-    """A classifier made from a causal LM's head, as vLLM's `--hf-overrides` ask for it
-    (`{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-    "is_original_qwen3_reranker": true}`): the tokens' ids (which the loader reads from the tokenizer into
-    `classifier_from_token_ids`) and whether the two make one class (`LlamaConfig.classifier_two_way`); ((),
-    False) for any other model."""
-    ids = tuple(getattr(hf, "classifier_from_token_ids", None) or ())
-    if not ids:
-        return (), False
-    if not is_classifier(hf):
-        raise ValueError("classifier_from_token makes a classifier: --hf-overrides must also set architectures to "
-                         "a *ForSequenceClassification one")
-    two_way = bool(getattr(hf, "is_original_qwen3_reranker", False)) or getattr(hf, "method", None) == \
-        "from_2_way_softmax"
-    if two_way and len(ids) != 2:
-        raise ValueError(f"a two-way classifier reads two tokens (false, true), got {len(ids)}")
-    return ids, two_way
-
-
-def _classifier_rows(head: Any, cfg: LlamaConfig) -> np.ndarray:
-    """The score head [L, D] from an LM head or tied embeddings [V, D] (`classifier_from_tokens`)."""
-    rows = np.asarray(np.asarray(head)[list(cfg.classifier_rows)], np.float32)  # [k, D]
-    return rows[1:] - rows[:1] if cfg.classifier_two_way else rows
-
-
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
@@ -543,11 +485,6 @@ def hf_weight_stream(tensors: Iterator[tuple[str, Any]], cfg: LlamaConfig) -> It
         if (stacked := experts.add(name, tensor)) is not None:
             yield from stacked
             continue
-        if cfg.classifier_rows and name in (("model.embed_tokens.weight", "embed_tokens.weight")
-                                            if cfg.tie_word_embeddings else ("lm_head.weight",)):
-            yield "score.weight", _classifier_rows(tensor, cfg)
-            if name == "lm_head.weight":  # (a classifier has no LM head)
-                continue
         for part_name, part in _split_fused_weight(name, tensor, cfg):
             yield part_name, _rotate_half_rows(part_name, part, cfg)
     experts.check_complete()
@@ -641,6 +578,4 @@ def map_outer_weight(name: str, cfg: Any) -> tuple[tuple[str | int, ...], Callab
         return ("norm", "scale"), lambda w, c: w
     if name == "lm_head.weight" and not cfg.tie_word_embeddings:
         return ("lm_head",), lambda w, c: w
-    if name == "score.weight" and getattr(cfg, "num_labels", 0):
-        return ("score",), lambda w, c: w
     return None

@@ -32,8 +32,9 @@ from transformers import GenerationConfig
 from jaxserve.background import on_a_thread
 from jaxserve.config import LOAD_FORMATS
 from jaxserve.device import cpu_has_bf16_dots, device_memory_stats
-from jaxserve.models import ModelSpec, get_model_spec
+from jaxserve.models import ModelSpec, classifier, get_model_spec
 from jaxserve.models.checkpoint import is_checkpoint, restore_weights
+from jaxserve.models.classifier import classifier_head, classifier_weights, token_ids
 from jaxserve.models.dummy import dummy_weights
 from jaxserve.models.gguf_cache import converted_dir, iter_cached_gguf_tensors
 from jaxserve.models.gguf_weights import (
@@ -130,18 +131,6 @@ class LoadedModel:
         with contextlib.suppress(Exception):
             self.loading.result()
         self.loading = None
-
-
-def token_ids(tokens: Any, tokenizer: Any) -> list[int]:
-    """Each of `tokens` (strings, each one token of `tokenizer`) as its id; raises ValueError naming one that
-    is not a token."""
-    if isinstance(tokens, str) or not tokens:
-        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
-    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
-    for token, token_id in zip(tokens, ids, strict=True):
-        if not isinstance(token_id, int) or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
-            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's tokenizer")
-    return ids
 
 
 def _dummy_tokenizer(source: ModelSource, vocab_size: int) -> Any:
@@ -246,6 +235,8 @@ def build_abstract_model(
     everything else in `dtype`."""
     spec = get_model_spec(hf_config)
     checkpoint_cfg = spec.config_cls.from_hf(hf_config, attention=attention)
+    if (head := classifier_head(hf_config)) is not None:
+        checkpoint_cfg = dataclasses.replace(checkpoint_cfg, classifier=head)
     if expert_parallel and getattr(checkpoint_cfg, "moe", None) is not None:
         checkpoint_cfg = checkpoint_cfg.with_expert_parallel()
     elif expert_parallel and require_experts:
@@ -477,6 +468,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     exact = covered is not None and abstract.heads.is_identity and mesh is None
     if stored_fp8:
         tensors = fp8_checkpoint_tensors(tensors)
+    tensors = classifier_weights(tensors, cfg)
     if stream is not None:
         tensors = stream(tensors, cfg)
     for name, tensor in progress(tensors, "Loading weights", logger, unit="tensors"):
@@ -485,7 +477,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         if (kv_scale := checkpoint_kv_scale(name)) is not None:
             kv_scales[kv_scale] = float(np.max(np.asarray(tensor, np.float32)))  # per tensor, or its heads' largest
             continue
-        mapped = spec.module.map_hf_weight(name, cfg)
+        mapped = classifier.map_weight(name, cfg) or spec.module.map_hf_weight(name, cfg)
         if mapped is None:
             continue
         path, transform = mapped

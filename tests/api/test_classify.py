@@ -114,6 +114,8 @@ def test_a_cross_encoder_scores_and_reranks_pairs_as_transformers_does(cross_enc
     def expected(first: str, second: str) -> float:
         return float(1 / (1 + np.exp(-_logits(model, tokenizer(first, text_pair=second)["input_ids"])[0])))
 
+    assert tokenizer(QUERY, text_pair=DOCUMENTS[0])["input_ids"] != (
+        tokenizer.encode(QUERY) + tokenizer.encode(DOCUMENTS[0])), "a pair is read with its separator"
     scores = [expected(QUERY, document) for document in DOCUMENTS]
     for path in SCORE_PATHS:
         answer = _post(client, path, {"text_1": QUERY, "text_2": DOCUMENTS})
@@ -139,7 +141,7 @@ def test_a_cross_encoder_scores_and_reranks_pairs_as_transformers_does(cross_enc
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/score", {"text_1": "x", "text_2": ["y", ""]}, "text_2.1"),
     ("/v1/score", {"text_1": ["", "a"], "text_2": ["y", "z"]}, "text_1.0"),
-    ("/v1/score", {"text_1": LONG, "text_2": ["y", "z"]}, "text_2.0"),  # the pair over the context: at its second
+    ("/v1/score", {"text_1": LONG, "text_2": ["y", "z"]}, "text_1"),  # a pair over the context: its longer text
     ("/v1/score", {"text_1": "x", "text_2": ["y", "z" * 10**6]}, "text_2.1"),  # too long to tokenize
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("/v1/rerank", {"query": "q", "documents": ["d", LONG]}, "documents.1"),
@@ -150,6 +152,55 @@ def test_what_a_cross_encoder_refuses_is_a_400_naming_the_field(cross_encoder, p
     response = cross_encoder[0].post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_use_activation_false_gives_the_logits(classifier, cross_encoder):
+    """vLLM's `use_activation` (and its former names): false gives the logits themselves, on /classify and on
+    a cross-encoder's /score and /rerank."""
+    client, model, tokenizer = classifier
+    logits = _logits(model, tokenizer.encode(QUERY))
+    for switch in ("use_activation", "activation", "softmax"):
+        answer = _post(client, "/classify", {"input": QUERY, switch: False})["data"][0]
+        np.testing.assert_allclose(answer["probs"], logits, rtol=2e-4, atol=2e-4)
+        assert answer["label"] == LABELS[int(np.argmax(logits))]
+    client, model, tokenizer = cross_encoder
+    raw = [_logits(model, tokenizer(QUERY, text_pair=d)["input_ids"])[0] for d in DOCUMENTS[:2]]
+    scored = _post(client, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[:2], "use_activation": False})
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], raw, rtol=2e-4, atol=2e-4)
+    ranked = _post(client, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS[:2], "use_activation": False})
+    np.testing.assert_allclose(sorted(r["relevance_score"] for r in ranked["results"]), sorted(raw), rtol=2e-4,
+                               atol=2e-4)
+
+
+@pytest.mark.parametrize(("problem_type", "num_labels"), [("regression", 1), ("multi_label_classification", 3)])
+def test_the_activation_follows_the_config_s_problem_type(classifier_dir, problem_type, num_labels):
+    """As vLLM chooses it: a regression (a reward model) gives its logit as it is, a multi-label classifier a
+    sigmoid per class."""
+    directory, model = classifier_dir("llama", num_labels, problem_type)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    engine = make_engine(directory, warmup=False)
+    with TestClient(create_app(ServerConfig(), AsyncEngine(engine))) as client:
+        answer = _post(client, "/classify", {"input": [QUERY, DOCUMENTS[0]]})
+    for data, text in zip(answer["data"], (QUERY, DOCUMENTS[0]), strict=True):
+        logits = _logits(model.double(), tokenizer.encode(text))
+        expected = logits if problem_type == "regression" else 1 / (1 + np.exp(-logits))
+        np.testing.assert_allclose(data["probs"], expected, rtol=2e-4, atol=2e-5)
+
+
+def test_a_chat_is_classified_as_its_rendered_template(classifier):
+    """vLLM's chat form of /classify: `messages` rendered by the chat template (no generation prompt, as the
+    chat embeddings request renders them), classified as one input; /invocations answers it the same."""
+    client, model, tokenizer = classifier
+    messages = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": DOCUMENTS[0]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    answer = _post(client, "/classify", {"messages": messages})
+    np.testing.assert_allclose(answer["data"][0]["probs"], _softmax(_logits(model, ids)), rtol=2e-4, atol=2e-5)
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    invoked = _post(client, "/invocations", {"messages": messages})
+    assert invoked["data"] == approx_floats(answer["data"])
+    both = client.post("/classify", json={"messages": messages, "input": "x"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
 
 
 def test_an_embedding_model_refuses_to_classify(tiny_model_dir):

@@ -1,5 +1,5 @@
 """Classifiers (transformers' `*ForSequenceClassification`: cross-encoder rerankers, reward and classification
-models) served by `--runner pooling`: the class logits of tiny random Llama, Qwen2 and Qwen3 classifiers
+models) served by `--runner pooling`: the class logits of tiny random Llama, Qwen2, Qwen3 and Gemma 2 classifiers
 against transformers' own, in float32, through chunked prefill, prefix caching and batching; `LLM.classify`'s
 probabilities and `LLM.score`'s cross-encoder scores against transformers'; a classifier chooses the pooling
 runner itself, and is refused where that cannot serve it."""
@@ -26,7 +26,7 @@ def _reference_logits(model, prompt: list[int]) -> np.ndarray:
         return model(torch.tensor([prompt])).logits[0].double().numpy()  # [L]: at the last token
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma2"])
 def test_class_logits_match_transformers(classifier_dir, kind):
     """No --runner given: a classifier serves as a pooling engine, and its probabilities are transformers'
     softmax, prompt by prompt, in chunks of 16 tokens, batched, one prompt a cached prefix of another."""
@@ -131,3 +131,24 @@ def test_a_causal_reranker_made_a_classifier_as_vllm_does(tmp_path, smollm2_toke
         _llm(tmp_path, hf_overrides={**overrides, "classifier_from_token": ["no", "nope-not-a-token"]})
     with pytest.raises(ValueError, match="architectures"):
         _llm(tmp_path, hf_overrides={"classifier_from_token": ["no", "yes"]})
+
+
+def test_a_gemma_reranker_made_from_its_yes_token_as_vllm_does(tiny_model_dir, tiny_hf_model, smollm2_tokenizer):
+    """bge-reranker-v2-gemma's recipe for vLLM: a GemmaForCausalLM with `classifier_from_token: ["Yes"]` and
+    `method: no_post_processing`: one class, the LM head's "Yes" row (Gemma's tied embeddings), its score the
+    sigmoid of the causal LM's "Yes" logit at the pair's last token."""
+    model = tiny_hf_model("gemma")
+    yes = smollm2_tokenizer.convert_tokens_to_ids("Yes")
+    query, documents = "Where do cats sleep?", ["On warm windowsills.", "Revenue rose by four percent."]
+    pairs = [smollm2_tokenizer(query, text_pair=document)["input_ids"] for document in documents]
+    with torch.no_grad():
+        expected = [float(torch.sigmoid(model(torch.tensor([ids])).logits[0, -1, yes].double())) for ids in pairs]
+    llm = _llm(tiny_model_dir("gemma"), hf_overrides={"architectures": ["GemmaForSequenceClassification"],
+                                                      "classifier_from_token": ["Yes"],
+                                                      "method": "no_post_processing"})
+    assert llm.engine.info.class_labels == ("Yes",)
+    scores = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="method must be one of"):
+        _llm(tiny_model_dir("gemma"), hf_overrides={"architectures": ["GemmaForSequenceClassification"],
+                                                    "classifier_from_token": ["Yes"], "method": "softmax"})
