@@ -7,6 +7,7 @@ request correctly afterwards with nothing left running, waiting or holding KV pa
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -318,8 +319,8 @@ async def read_stream(server, body: dict) -> list[str]:
 # 7. Shutdown: the socket stays open while draining, new requests get a 503, cut streams end cleanly.
 def signal_while_serving(server, send_signal: Callable[[], None]) -> tuple[httpx.Response, httpx.Response,
                                                                             httpx.Response, list[str]]:
-    """A long stream and a short request run; `send_signal()`; then /health, a new request, the short
-    request's answer and the stream's events."""
+    """A long stream and a short request run; `send_signal()`; then /health once it turns 503, a new request,
+    the short request's answer and the stream's events."""
     long = {"prompt": "Tell me a long story.", "max_tokens": 1800, "stream": True, "ignore_eos": True}
     # Few tokens: the short request must finish inside the 4 s drain on a loaded machine too (20 did not once).
     short = {"prompt": "Hi", "max_tokens": 6, "ignore_eos": True}
@@ -328,11 +329,15 @@ def signal_while_serving(server, send_signal: Callable[[], None]) -> tuple[httpx
         stream = asyncio.create_task(read_stream(server, long))
         async with httpx.AsyncClient(timeout=60) as http:
             finishing = asyncio.create_task(http.post(f"{server.v1}/completions", json=short))
+            deadline = time.monotonic() + 60
             while metric(server, "jaxserve:num_requests_running") < 2:
+                assert time.monotonic() < deadline, "the stream and the short request did not both run"
                 await asyncio.sleep(0.05)
             send_signal()
-            await asyncio.sleep(0.5)
-            health = await http.get(f"{server.base_url}/health")
+            deadline = time.monotonic() + 30
+            while (health := await http.get(f"{server.base_url}/health")).status_code != 503:
+                assert time.monotonic() < deadline, "/health did not turn 503 after the signal"
+                await asyncio.sleep(0.1)
             refused = await http.post(f"{server.v1}/completions", json=short)
             finished = await finishing
         return health, refused, finished, await stream
@@ -356,6 +361,16 @@ def assert_drained(server, health: httpx.Response, refused: httpx.Response, fini
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
 
 
+def wait_for_warmup(server) -> None:
+    """Until the background warm-up has compiled every bucket: steps in the largest bucket while it takes the
+    cores made a short request miss the drain once on a loaded CI machine."""
+    deadline = time.monotonic() + 300
+    while "warm-up: all" not in server.log() and not re.search(r"warm-up: \d+ buckets compiled", server.log()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the background warm-up did not finish in 300 s:\n{server.log()[-3000:]}")
+        time.sleep(0.2)
+
+
 def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
     """A background response that runs does not hold the drain (no client could read it after), and the
     shutdown cancels it cleanly: exit 0, no traceback."""
@@ -365,6 +380,7 @@ def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(trusting_server):
     assert background.status_code == 200 and background.json()["status"] == "queued", background.text
     running = httpx.get(f"{server.v1}/responses/{background.json()['id']}", timeout=60).json()
     assert running["status"] in ("queued", "in_progress"), running
+    wait_for_warmup(server)
     assert_drained(server, *signal_while_serving(server, lambda: server.process.send_signal(signal.SIGTERM)))
 
 
@@ -373,13 +389,7 @@ def test_ctrl_c_to_the_process_group_drains_an_engine_core_process(tmp_path: Pat
     the server drains, and the short request in flight still finishes."""
     server = start_server(tmp_path, compile_cache, "--engine-process", "--shutdown-timeout", "4", new_session=True)
     try:
-        # Steps in the largest bucket while the background warm-up takes the cores: the short request did
-        # not finish inside the drain once on a loaded CI machine.
-        deadline = time.monotonic() + 300
-        while "warm-up: all" not in server.log():
-            if time.monotonic() > deadline:
-                pytest.fail(f"the background warm-up did not finish in 300 s:\n{server.log()[-3000:]}")
-            time.sleep(0.2)
+        wait_for_warmup(server)
         assert_drained(server, *signal_while_serving(server, lambda: os.killpg(server.process.pid, signal.SIGINT)))
         assert "engine core failed" not in server.log()
     finally:

@@ -574,7 +574,7 @@ def test_an_idle_wait_between_requests_is_not_the_host_s_turn(engines):
         run_drafting(engine, requests, arrivals)
     finally:
         del policy.observe_host_turn
-    assert len(turns) > 4 and max(turns) < 0.25, turns
+    assert len(turns) > 4 and max(turns) < 0.45, turns  # 0.5 and more: the idle wait counted
 
 
 def test_a_failed_round_leaves_no_state_behind(engines):

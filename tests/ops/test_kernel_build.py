@@ -92,11 +92,18 @@ def test_the_first_use_waits_for_the_early_build(cache: Path, monkeypatch):
 
 
 EXIT_MID_BUILD = """
-import sys, time
+import os, sys, time
+from pathlib import Path
 from jaxserve.ops import kernel_build
 kernel_build.start_early()
 deadline = time.monotonic() + 30
-while len(kernel_build._children) < len(kernel_build.SOURCES) and time.monotonic() < deadline:
+pids = Path(os.environ["CXX"]).parent / "pids"  # each "compiler" writes its pid there as it starts
+
+
+def started() -> int:
+    return len(pids.read_text().split()) if pids.exists() else 0
+
+while started() < len(kernel_build.SOURCES) and time.monotonic() < deadline:
     time.sleep(0.05)
 print("compiling", len(kernel_build._children), flush=True)
 sys.exit(0)

@@ -41,7 +41,7 @@ def test_a_block_counts_its_own_thread_and_adds_to_the_outer_one():
         thread.join()  # another thread's trace: not this block's
         with trace_time.measuring() as inner:
             jax.jit(_sleeping(0.2)).trace(jnp.zeros(2)).lower()
-    assert 0.2 <= inner.trace_seconds < 0.3
+    assert 0.2 <= inner.trace_seconds < 0.45  # 0.5 and more: the other thread's trace counted in
     assert outer.trace_seconds == inner.trace_seconds and outer.lower_seconds == inner.lower_seconds > 0
     with trace_time.measuring() as nothing:
         pass
