@@ -9,7 +9,8 @@ included), so a kernel that asks for too much shared memory, or an op XLA:GPU ca
 Buckets compile on `jobs` threads (XLA releases the GIL while it compiles). With `variants`, each decode
 bucket is also compiled as the variants the preset turns on, as `serve` would: the greedy decode step
 (`greedy_decodes`) and the multi-step decodes (`num_scheduler_steps` > 1), so the report holds exactly
-what a device of the target's kind would compile.
+what a device of the target's kind would compile. A pooling engine's (`--runner pooling`, which a classifier
+chooses) is its plain step returning the pooled hidden states, or a classifier's class logits, with no variants.
 
 Per bucket the report has XLA's memory analysis, XLA's cost analysis of the same step lowered for the CPU
 with the reference attention (deviceless GPU compiles return no cost analysis; see the caveat in
@@ -35,6 +36,7 @@ from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.models import kv_arrays
+from jaxserve.models.classifier import num_classes
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
@@ -221,8 +223,11 @@ def compile_ladder(
     max_pages_per_req = -(-max_len // cache.page_size)
     apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
     options = step_compiler_options(enforce_eager, device.platform)
+    # A pooling engine's step (--runner pooling, which a classifier chooses: engine/core.py) returns the pooled
+    # hidden states too, and has no decode variants
+    pooling = config.runner == "pooling" or num_classes(cfg) > 0
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
-                        sample_apart=apart, compiler_options=options)
+                        pooling=pooling, sample_apart=apart, compiler_options=options)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
@@ -259,7 +264,7 @@ def compile_ladder(
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
     step_fns = {"plain": (step, False)}
-    if variants:
+    if variants and not pooling:
         treedef, max_logprobs = jax.tree.structure(abstract.state), config.model.max_logprobs
         if config.buckets.greedy_decodes:
             step_fns["greedy"] = (make_step_fn(abstract.graphdef, treedef, max_logprobs, mesh, greedy=True,

@@ -226,6 +226,16 @@ def test_the_gpu_preset_s_decode_variants_are_compiled_as_serve_compiles_them():
 
 
 @pytest.mark.slow
+def test_a_classifier_compiles_the_pooling_step_serve_runs_for_h100(classifier_dir):
+    """A classifier serves with --runner pooling (engine/core.py): `jaxserve compile` compiles that step, its
+    head included, and none of the decode variants the gpu preset turns on for generation."""
+    directory, _ = classifier_dir("qwen3")
+    report = compile_ladder(str(directory), target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=[Bucket(4, 4, decode_only=True), Bucket(128, 4)], num_kv_pages=4096)
+    assert {(b.num_tokens, b.variant) for b in report.buckets} == {(4, "plain"), (128, "plain")}
+
+
+@pytest.mark.slow
 def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
     """XLA:GPU's memory limit deviceless is 80% of the device's memory, which a KV cache budgeted at 90%
     exceeds; a real GPU's is its allocator pool. The deviceless compile now gets the pool's limit

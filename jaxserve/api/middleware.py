@@ -15,8 +15,8 @@ from jaxserve.api.errors import ClientDisconnected, error_response
 from jaxserve.collector import empty_in_pieces
 
 # /health, /metrics and /version stay open
-_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/invocations", "/start_profile",
-                     "/stop_profile")
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify", "/invocations",
+                     "/start_profile", "/stop_profile")
 
 logger = logging.getLogger("jaxserve.api")
 

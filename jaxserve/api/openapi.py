@@ -25,6 +25,9 @@ from jaxserve.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ClassificationChatRequest,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -112,8 +115,13 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/v1/embeddings", "post", "create_embedding", "Create embeddings (a --runner pooling server)",
               "OpenAI", request=(EmbeddingRequest, EmbeddingChatRequest), response=EmbeddingResponse,
               errors=_BODY_ERRORS, guarded=True),
+    Operation("/classify", "post", "create_classification", "Classify texts, token ids or a chat with a "
+              "classifier model (vLLM; a --runner pooling server, which a classifier chooses)", "vLLM",
+              request=(ClassificationRequest, ClassificationChatRequest), response=ClassificationResponse,
+              errors=_BODY_ERRORS, guarded=True),
     *(Operation(path, "post", f"create_score{path.replace('/', '_')}", "Score text pairs by their embeddings' "
-                "cosine similarity (vLLM; a --runner pooling server)", "vLLM", request=(ScoreRequest,),
+                "cosine similarity, or by a cross-encoder (vLLM; a --runner pooling server)", "vLLM",
+                request=(ScoreRequest,),
                 response=ScoreResponse, errors=_BODY_ERRORS, guarded=True) for path in SCORE_PATHS),
     *(Operation(path, "post", f"create_rerank{path.replace('/', '_')}", "Rank documents by their relevance to a "
                 "query (vLLM, Jina and Cohere's shape; a --runner pooling server)", "vLLM", request=(RerankRequest,),
@@ -143,10 +151,11 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/invocations", "post", "invocations", "SageMaker's inference route (vLLM's): a body with messages is "
               "answered as /v1/chat/completions, one with prompt as /v1/completions; on a --runner pooling server "
               "query and documents as /v1/rerank, text_1 or text_2 as /v1/score, input or messages as "
-              "/v1/embeddings", "vLLM",
+              "/v1/embeddings (as /classify on a classifier's)", "vLLM",
               request=(ChatCompletionRequest, CompletionRequest, EmbeddingRequest, EmbeddingChatRequest,
-                       ScoreRequest, RerankRequest),
-              response=(ChatCompletionResponse, CompletionResponse, EmbeddingResponse, ScoreResponse, RerankResponse),
+                       ScoreRequest, RerankRequest, ClassificationRequest, ClassificationChatRequest),
+              response=(ChatCompletionResponse, CompletionResponse, EmbeddingResponse, ScoreResponse, RerankResponse,
+                        ClassificationResponse),
               streams=ChatCompletionChunk, errors=_BODY_ERRORS, guarded=True, stream_format=(
                   ' With "stream": true, the server-sent events of the endpoint the body picks.')),
     Operation("/v1/models", "get", "list_models", "List the served models", "OpenAI",

@@ -31,8 +31,8 @@ SAMPLE_BODIES: dict[tuple[str, str], Any] = {
     ("/v1/responses", "post"): {"input": "Hi", "max_output_tokens": 2},
     ("/invocations", "post"): {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
 }
-# A --runner pooling server's (tests/api/test_embeddings.py, tests/api/test_scores.py)
-OTHER_RUNNER = {(path, "post") for path in ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)}
+# A --runner pooling server's (tests/api/test_embeddings.py, tests/api/test_scores.py, tests/api/test_classify.py)
+OTHER_RUNNER = {(path, "post") for path in ("/v1/embeddings", "/classify", *SCORE_PATHS, *RERANK_PATHS)}
 
 
 @pytest.fixture(scope="module")
