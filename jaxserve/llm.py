@@ -189,7 +189,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = [list(tokenizer(first, text_pair=second)["input_ids"]) for first, second in pairs]
         outputs = [EmbeddingRequestOutput.of(o) for o in self._run(prompts, params, use_tqdm)]
-        activation = self.engine.info.class_activation
+        activation = self.engine.info.score_activation
         scores = [float(class_probabilities(o.outputs.embedding, activation)[0]) for o in outputs]
         return [ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids)
                 for o, score in zip(outputs, scores, strict=True)]

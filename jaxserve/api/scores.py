@@ -86,7 +86,7 @@ async def _cross_scores(serving: ModelServing, request: Request, firsts: list[st
         check_pooled_prompt(serving, ids, names[0] if len(first) > len(second) else names[1])
         prompts.append(ids)
     logits = await pooled(serving, request, prompts, priority, request_id)
-    activation = serving.info.class_activation if use_activation else "none"
+    activation = serving.info.score_activation if use_activation else "none"
     return ([float(class_probabilities(pair_logits, activation)[0]) for pair_logits in logits],
             sum(map(len, prompts)))
 

@@ -63,7 +63,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.engine.suffix_proposer import SuffixProposer
-from jaxserve.models.classifier import class_activation, class_labels, num_classes
+from jaxserve.models.classifier import class_activation, class_labels, num_classes, score_activation
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
@@ -230,6 +230,7 @@ class EngineCore:
             hidden_size=model.cfg.hidden_size,
             class_labels=class_labels(model.hf_config, num_classes(model.cfg)),
             class_activation=class_activation(model.hf_config, num_classes(model.cfg)),
+            score_activation=score_activation(model.hf_config, num_classes(model.cfg)),
             enable_prefix_caching=self.kv_cache.enable_prefix_caching,
             eos_token_ids=tuple(model.eos_token_ids),
             dtype=model.dtype.dtype.name,

@@ -99,6 +99,7 @@ class EngineInfo:
     matryoshka: bool = False
     class_labels: tuple[str, ...] = ()  # a classifier's (its pooled vectors are these classes' logits); else ()
     class_activation: str = "softmax"  # a classifier's logits to its outputs (`classifier.class_activation`)
+    score_activation: str = "sigmoid"  # a cross-encoder's logit to its pair score (`classifier.score_activation`)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,22 @@ def class_activation(hf_config: Any, num_labels: int) -> str:
     return "sigmoid" if problem == "multi_label_classification" or num_labels == 1 else "softmax"
 
 
+# sentence-transformers' activations a cross-encoder's config may name, as its `activation_fn`
+_SENTENCE_TRANSFORMERS_ACTIVATIONS = {"Identity": "none", "Sigmoid": "sigmoid", "Softmax": "softmax"}
+
+
+def score_activation(hf_config: Any, num_labels: int) -> str:
+    """What turns a cross-encoder's logit into its pair score (/score, /rerank), as vLLM chooses it: the
+    activation its sentence-transformers config names (`sentence_transformers.activation_fn`, or the older
+    `sbert_ce_default_activation_function`: Identity, Sigmoid), else `class_activation`'s."""
+    settings = getattr(hf_config, "sentence_transformers", None)
+    named = (settings.get("activation_fn") if isinstance(settings, dict) else None) or getattr(
+        hf_config, "sbert_ce_default_activation_function", None)
+    if isinstance(named, str) and (kind := named.rsplit(".", 1)[-1]) in _SENTENCE_TRANSFORMERS_ACTIVATIONS:
+        return _SENTENCE_TRANSFORMERS_ACTIVATIONS[kind]
+    return class_activation(hf_config, num_labels)
+
+
 def class_labels(hf_config: Any, num_labels: int) -> tuple[str, ...]:
     """A classifier's label for each of its `num_labels` classes, in class order: its config's `id2label`, or
     for one made from tokens the tokens (a two-way one's: its true token)."""

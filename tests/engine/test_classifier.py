@@ -152,3 +152,43 @@ def test_a_gemma_reranker_made_from_its_yes_token_as_vllm_does(tiny_model_dir, t
     with pytest.raises(ValueError, match="method must be one of"):
         _llm(tiny_model_dir("gemma"), hf_overrides={"architectures": ["GemmaForSequenceClassification"],
                                                     "classifier_from_token": ["Yes"], "method": "softmax"})
+
+
+def test_a_cross_encoder_s_sentence_transformers_activation_sets_its_scores(classifier_dir):
+    """As vLLM reads it: the activation a sentence-transformers cross-encoder's config names (the older
+    `sbert_ce_default_activation_function`, or `sentence_transformers.activation_fn`) turns a pair's logit into
+    its score; /classify keeps the classifier's own (a sigmoid for one class, none for a regression)."""
+    directory, model = classifier_dir("qwen2", num_labels=1)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    query, document = "Where do cats sleep?", "On warm windowsills."
+    logit = _reference_logits(model, tokenizer(query, text_pair=document)["input_ids"])[0]
+    identity = _llm(directory, hf_overrides={"sbert_ce_default_activation_function":
+                                             "torch.nn.modules.linear.Identity"})
+    assert identity.score(query, [document], use_tqdm=False)[0].outputs.score == pytest.approx(logit, rel=1e-4,
+                                                                                                abs=1e-5)
+    query_logit = _reference_logits(model, tokenizer.encode(query))[0]
+    assert identity.classify([tokenizer.encode(query)], use_tqdm=False)[0].outputs.probs[0] == pytest.approx(
+        1 / (1 + np.exp(-query_logit)), rel=1e-4, abs=1e-6)
+    sentence_transformers = {"activation_fn": "torch.nn.modules.activation.Sigmoid"}
+    sigmoid = _llm(directory, hf_overrides={"problem_type": "regression",
+                                            "sentence_transformers": sentence_transformers})
+    assert sigmoid.score(query, [document], use_tqdm=False)[0].outputs.score == pytest.approx(
+        1 / (1 + np.exp(-logit)), rel=1e-4, abs=1e-6)
+    assert sigmoid.classify([tokenizer.encode(query)], use_tqdm=False)[0].outputs.probs[0] == pytest.approx(
+        query_logit, rel=1e-4, abs=1e-5)
+
+
+def test_a_classifier_s_engine_in_its_own_process_classifies_alike(classifier_dir):
+    """--engine-process: the classes, their labels and the activations cross the core's pipe (EngineInfo)."""
+    directory, _ = classifier_dir("llama")
+    prompts = make_prompts(3)
+    expected = [o.outputs.probs for o in _llm(directory).classify(prompts, use_tqdm=False)]
+    llm = _llm(directory, engine_process=True)
+    try:
+        assert llm.engine.info.class_labels == tuple(LABELS.values())
+        got = [o.outputs.probs for o in llm.classify(prompts, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
