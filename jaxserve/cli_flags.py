@@ -259,8 +259,8 @@ def _lora_module(value: str) -> LoraModule:
 
 
 # vLLM's former --task names for the runner that serves them
-_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
-                 "score": "pooling", "reward": "pooling"}
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
+                 "classify": "pooling", "score": "pooling", "reward": "pooling"}
 
 
 def _task_runner(value: str) -> str:
@@ -396,8 +396,9 @@ ENGINE_FLAGS = (
          help="fraction of the GPU's memory for jaxserve (as in vLLM): weights, the step's temp memory, and the "
               f"KV cache, which gets the rest (default: {CacheConfig.gpu_memory_utilization})"),
     Flag("--runner", EngineConfig, "runner", choices=RUNNERS,
-         help="generate: completions and chat; pooling: /v1/embeddings, each prompt's final hidden states "
-              "pooled by --pooling-type, through the same scheduler and buckets (vLLM's flag)"),
+         help="generate: completions and chat; pooling: /v1/embeddings (/classify, /score and /rerank for a "
+              "classifier), each prompt's final hidden states pooled by --pooling-type, through the same "
+              "scheduler and buckets; auto (the default): pooling for a classifier, else generate (vLLM's flag)"),
     Flag("--task", EngineConfig, "runner", type=_task_runner,
          help="vLLM's former flag for --runner: generate, or embed (embedding) for pooling"),
     Flag("--pooling-type", EngineConfig, "pooling_type", choices=POOLING_TYPES,

@@ -225,7 +225,7 @@ def compile_ladder(
     options = step_compiler_options(enforce_eager, device.platform)
     # A pooling engine's step (--runner pooling, which a classifier chooses: engine/core.py) returns the pooled
     # hidden states too, and has no decode variants
-    pooling = config.runner == "pooling" or num_classes(cfg) > 0
+    pooling = config.runner == "pooling" or (config.runner == "auto" and num_classes(cfg) > 0)
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
                         pooling=pooling, sample_apart=apart, compiler_options=options)
     weights_bytes = abstract.weights_bytes_per_device

@@ -174,7 +174,9 @@ def test_vllm_command_lines_run_with_each_flag_mapped_or_named_without_effect(co
         assert engine.enforce_eager and engine.cache.num_kv_pages is None
     if "--num-gpu-blocks-override" in command_line:  # vLLM's name for a fixed KV page count
         assert engine.cache.num_kv_pages == 512 and not engine.enforce_eager
-    assert engine.runner == ("pooling" if "--task embed" in command_line else "generate")  # vLLM's former flag
+    # vLLM's former flag: a task's runner, or auto where none is named
+    assert engine.runner == ("pooling" if "--task embed" in command_line else
+                             "generate" if "--task generate" in command_line else "auto")
 
 
 def test_the_command_names_each_flag_without_effect_before_it_runs(monkeypatch, caplog):
@@ -198,7 +200,7 @@ def test_the_command_names_each_flag_without_effect_before_it_runs(monkeypatch, 
      "default_chat_template_kwargs may not set tokenize"),
     (["serve", "--chat-template-content-format", "xml"], "invalid choice: 'xml'"),
     (["serve", "--swap-space"], "expected one argument"),
-    (["serve", "--task", "auto"], "'auto': say --runner generate or --runner pooling"),
+    (["serve", "--task", "transcription"], "'transcription': say --runner generate or --runner pooling"),
     (["serve", "--runner", "embed"], "invalid choice: 'embed'"),
     (["serve", "--tokenizer-mode", "mistral"], "'mistral': tokenizers load through transformers' AutoTokenizer"),
 ])

@@ -127,8 +127,7 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool, tokenizer_copies: int) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
-        if num_classes(model.cfg) and config.runner != "pooling":
-            config = self.config = _as_classifier(config)
+        config = self.config = _resolved_runner(config, num_classes(model.cfg) > 0)
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,
@@ -524,13 +523,20 @@ def _start_backend() -> None:
                 len(devices), devices[0].device_kind, jax.__version__, time.monotonic() - IMPORTED_AT)
 
 
-def _as_classifier(config: EngineConfig) -> EngineConfig:
-    """The config of a classifier's engine: `--runner pooling` (vLLM's `--runner auto` chooses it for a
-    classifier too), which a classifier's classes come from; raises ValueError where that cannot serve."""
+def _resolved_runner(config: EngineConfig, classifies: bool) -> EngineConfig:
+    """The config with `--runner auto` resolved as vLLM resolves it: pooling for a classifier (its classes are
+    a pooled vector's), else generate; raises ValueError for a classifier that cannot be served so (asked to
+    generate, across hosts, with --enable-lora)."""
+    if not classifies:
+        return config if config.runner != "auto" else dataclasses.replace(config, runner="generate")
+    if config.runner == "generate":
+        raise ValueError("the model is a classifier (its architecture ends in ForSequenceClassification): "
+                         "--runner generate cannot serve it; --runner pooling (or auto) does")
     if config.parallel.multihost or config.lora.enable_lora:
         raise ValueError("the model is a classifier (its architecture ends in ForSequenceClassification), which "
                          "--runner pooling serves, on one host and without --enable-lora")
-    logger.info("the model is a classifier: serving it with --runner pooling (/classify, /score, /rerank)")
+    if config.runner == "auto":
+        logger.info("the model is a classifier: serving it with --runner pooling (/classify, /score, /rerank)")
     return dataclasses.replace(config, runner="pooling")
 
 

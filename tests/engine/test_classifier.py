@@ -90,6 +90,8 @@ def test_a_classifier_refuses_what_it_cannot_serve(classifier_dir, llama_dir):
         llm.embed([[5, 6, 7]], use_tqdm=False)
     with pytest.raises(ValueError, match="one host and without --enable-lora"):
         _llm(directory, enable_lora=True)
+    with pytest.raises(ValueError, match="--runner generate cannot serve it"):
+        _llm(directory, runner="generate")
     embedder = _llm(llama_dir, runner="pooling")
     with pytest.raises(ValueError, match="classifier model"):
         embedder.classify([[5, 6, 7]], use_tqdm=False)
