@@ -9,8 +9,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.api.embeddings import check_classifier, check_pooling, pooled, prompt_inputs
-from jaxserve.api.errors import APIError, validate
+from jaxserve.api.embeddings import check_classifier, check_pooling, pooled, prompt_inputs, read_pooling_request
 from jaxserve.api.protocol import (
     ClassificationChatRequest,
     ClassificationData,
@@ -27,12 +26,8 @@ async def create_classification(request: Request) -> Response:
     serving = get_serving(request)
     check_pooling(serving, "classifications")
     check_classifier(serving, True)
-    data = await serving.read_json(request)
-    chat = isinstance(data, dict) and "messages" in data
-    if chat and "input" in data:
-        raise APIError(400, "input or messages: a request classifies one or the other", "messages")
-    req = validate(ClassificationChatRequest if chat else ClassificationRequest, data)
-    serving.check_model(req.model)
+    req = await read_pooling_request(serving, request, ClassificationRequest, ClassificationChatRequest,
+                                     "classifies")
     prompts = await prompt_inputs(serving, req)
     request_id = random_id("classify")
     labels = serving.info.class_labels

@@ -109,16 +109,23 @@ async def pooled(serving: ModelServing, request: Request, prompts: list[list[int
     return [out.embedding for out in await collect(request, streams)]
 
 
+async def read_pooling_request(serving: ModelServing, request: Request, inputs: type, chat: type, verb: str):
+    """The body as `inputs` (texts or token ids) or, where it holds `messages`, as `chat`; a 400 for one with
+    both ("a request `verb` one or the other"), or for what the model's validation refuses."""
+    data = await serving.read_json(request)
+    is_chat = isinstance(data, dict) and "messages" in data
+    if is_chat and "input" in data:
+        raise APIError(400, f"input or messages: a request {verb} one or the other", "messages")
+    req = validate(chat if is_chat else inputs, data)
+    serving.check_model(req.model)
+    return req
+
+
 async def create_embedding(request: Request) -> Response:
     serving = get_serving(request)
     check_pooling(serving, "embeddings")
     check_classifier(serving, False)
-    data = await serving.read_json(request)
-    chat = isinstance(data, dict) and "messages" in data
-    if chat and "input" in data:
-        raise APIError(400, "input or messages: a request embeds one or the other", "messages")
-    req = validate(EmbeddingChatRequest if chat else EmbeddingRequest, data)
-    serving.check_model(req.model)
+    req = await read_pooling_request(serving, request, EmbeddingRequest, EmbeddingChatRequest, "embeds")
     if req.dimensions is not None:
         if not serving.matryoshka:
             raise APIError(400, "dimensions: this model's embeddings are not matryoshka representations; cutting "

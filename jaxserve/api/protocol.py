@@ -416,6 +416,25 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class _PooledInput(BaseModel):
+    """A pooling request's prompts (embeddings, classifications): texts or token ids, each pooled."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
+
+
+class _PooledChat(BaseModel):
+    """A pooling request's conversation, rendered by the chat template and pooled as one input (vLLM's
+    defaults: no generation prompt, no special tokens beyond the template's)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class _EmbeddingFields(BaseModel):
     """What both embeddings requests take: OpenAI's fields and vLLM's extras (truncate_prompt_tokens,
     normalize, priority)."""
@@ -432,23 +451,12 @@ class _EmbeddingFields(BaseModel):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
-class EmbeddingRequest(_EmbeddingFields):
+class EmbeddingRequest(_EmbeddingFields, _PooledInput):
     """OpenAI's embeddings request: texts or token ids, each embedded."""
 
-    input: str | list[str] | list[int] | list[list[int]]
-    add_special_tokens: bool = True
 
-
-class EmbeddingChatRequest(_EmbeddingFields):
-    """vLLM's chat embeddings request: a conversation, rendered by the chat template and embedded as one
-    input (vLLM's defaults: no generation prompt, no special tokens beyond the template's)."""
-
-    messages: list[ChatMessage]
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+class EmbeddingChatRequest(_EmbeddingFields, _PooledChat):
+    """vLLM's chat embeddings request: a conversation embedded as one input."""
 
 
 class EmbeddingData(BaseModel):
@@ -493,23 +501,12 @@ class _ClassificationFields(_ActivationFields):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
-class ClassificationRequest(_ClassificationFields):
+class ClassificationRequest(_ClassificationFields, _PooledInput):
     """vLLM's /classify: texts or token ids, each classified by a classifier model."""
 
-    input: str | list[str] | list[int] | list[list[int]]
-    add_special_tokens: bool = True
 
-
-class ClassificationChatRequest(_ClassificationFields):
-    """vLLM's chat form of /classify: a conversation, rendered by the chat template and classified as one
-    input (the chat embeddings request's defaults)."""
-
-    messages: list[ChatMessage]
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+class ClassificationChatRequest(_ClassificationFields, _PooledChat):
+    """vLLM's chat form of /classify: a conversation classified as one input."""
 
 
 class ClassificationData(BaseModel):

@@ -98,6 +98,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     ("/classify", {"input": 5}, 400, "input"),
     ("/classify", {"input": "x", "model": "other"}, 404, "model"),
     ("/classify", {}, 400, "input"),
+    ("/classify", {"input": "x", "use_activation": "maybe"}, 400, "use_activation"),
+    ("/classify", {"input": "x", "softmax": [1]}, 400, "softmax"),
+    ("/classify", {"messages": "not a list"}, 400, "messages"),
     ("/v1/embeddings", {"input": "x"}, 400, "model"),  # class logits are no embeddings
     ("/v1/score", {"text_1": "x", "text_2": "y"}, 400, "model"),  # three classes: no one score for a pair
     ("/v1/rerank", {"query": "q", "documents": ["d"]}, 400, "model"),
@@ -147,6 +150,8 @@ def test_a_cross_encoder_scores_and_reranks_pairs_as_transformers_does(cross_enc
     ("/v1/rerank", {"query": "q", "documents": ["d", LONG]}, "documents.1"),
     ("/v1/rerank", {"query": "", "documents": ["d"]}, "query"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/rerank", {"query": "q", "documents": ["d"], "use_activation": {"a": 1}}, "use_activation"),
+    ("/v1/score", {"text_1": "x", "text_2": "y", "activation": "yes please"}, "activation"),
 ])
 def test_what_a_cross_encoder_refuses_is_a_400_naming_the_field(cross_encoder, path, body, param):
     response = cross_encoder[0].post(path, json=body)
