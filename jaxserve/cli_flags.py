@@ -398,12 +398,15 @@ ENGINE_FLAGS = (
     Flag("--runner", EngineConfig, "runner", choices=RUNNERS,
          help="generate: completions and chat; pooling: /v1/embeddings (/classify, /score and /rerank for a "
               "classifier), each prompt's final hidden states pooled by --pooling-type, through the same "
-              "scheduler and buckets; auto (the default): pooling for a classifier, else generate (vLLM's flag)"),
+              "scheduler and buckets; auto (the default): pooling for a classifier or an encoder (BERT, "
+              "XLM-RoBERTa), else generate (vLLM's flag)"),
     Flag("--task", EngineConfig, "runner", type=_task_runner,
          help="vLLM's former flag for --runner: generate, or embed (embedding) for pooling"),
     Flag("--pooling-type", EngineConfig, "pooling_type", choices=POOLING_TYPES,
          help="with --runner pooling: last (the last token's hidden state: decoder embedding models such as "
-              "Qwen3-Embedding) or mean (over the prompt's tokens)"),
+              "Qwen3-Embedding), mean (over the prompt's tokens), cls (the first token's: BERT's) or auto (the "
+              "default): the model's sentence-transformers pooling where it has one (1_Pooling/config.json), "
+              "else cls for an encoder and last for a decoder"),
     Flag("--attention-impl", EngineConfig, "attention_impl", preset=True, choices=ATTENTION_IMPLS,
          help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, the cpu path "
               "on CPUs, the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)"),

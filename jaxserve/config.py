@@ -135,7 +135,7 @@ MAX_SCHEDULER_STEPS = 64
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("auto", "last", "mean", "cls")
 WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
@@ -454,10 +454,12 @@ class EngineConfig:
     # the caller's (vLLM V1's split).
     engine_process: bool = False
     # "generate", or "pooling" (vLLM's --runner): every request is a prompt to embed, its final hidden
-    # state pooled (`pooling_type`: the last token's, or the mean over its tokens) instead of decoded; "auto"
-    # (vLLM's default): pooling for a classifier, else generate, once the model is read (engine/core.py)
+    # state pooled (`pooling_type`: the last token's, the mean over its tokens, or the first token's, "cls")
+    # instead of decoded; "auto" (vLLM's default): pooling for a classifier or an encoder, else generate,
+    # once the model is read (engine/core.py). A pooling type "auto" is the model's: its sentence-transformers
+    # pooling where it has one, else the first token's for an encoder and the last one's for a decoder.
     runner: str = "auto"
-    pooling_type: str = "last"
+    pooling_type: str = "auto"
     # The steps compiled without XLA's command buffers (CUDA graphs) on GPUs: each kernel launched by the
     # host, as vLLM's --enforce-eager runs without CUDA graphs (`runner/aot.step_compiler_options`).
     enforce_eager: bool = False

@@ -334,6 +334,27 @@ def classifier_dir(tmp_path_factory, smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def encoder_dir(tmp_path_factory):
+    """(kind, num_labels) -> (a local HF directory of a random encoder with a WordPiece tokenizer, its
+    transformers model): `tests/encoders.py`."""
+    from tests.encoders import encoder, wordpiece_tokenizer
+
+    made = {}
+
+    def make(kind: str, num_labels: int | None = None):
+        key = kind, num_labels
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"encoder-{kind}-{num_labels}")
+            model = encoder(kind, num_labels)
+            model.save_pretrained(directory, safe_serialization=True)
+            wordpiece_tokenizer().save_pretrained(directory)
+            made[key] = directory, model
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tiny_model_dir) -> Callable[[str], object]:
     """kind -> the transformers PyTorch model saved in tiny_model_dir(kind), in float32, with transformers'
     plain (eager) attention: its SDPA and flash paths drop Gemma 2's attn_logit_softcapping, and versions

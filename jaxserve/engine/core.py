@@ -57,12 +57,14 @@ from jaxserve.engine.core_io import (
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, draft_share
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.pooling_mode import encoder_config, resolved_pooling_type, resolved_runner
 from jaxserve.engine.proposer import Proposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_io import RequestFault, SchedulerOutput, bitmask_words
 from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.engine.suffix_proposer import SuffixProposer
+from jaxserve.models import is_encoder
 from jaxserve.models.classifier import class_activation, class_labels, num_classes, score_activation
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
@@ -127,7 +129,10 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: LoadedModel, warmup: bool, tokenizer_copies: int) -> None:
         """The rest of a start, once the model is loaded or loading: the runner (KV cache, compiles), the
         scheduler, the warm-up."""
-        config = self.config = _resolved_runner(config, num_classes(model.cfg) > 0)
+        config = self.config = resolved_runner(config, model)
+        encoder = is_encoder(model.cfg)
+        if encoder:  # its prompts whole in a step, its pages only those of the steps in flight
+            config = self.config = encoder_config(config, model)
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,
@@ -141,7 +146,7 @@ class EngineCore:
                            model.max_position_embeddings, self.max_model_len)
         sched = config.scheduler
         pooling = config.runner == "pooling"  # prompts embedded, nothing decoded: no decode variants
-        self.pooling_type = config.pooling_type if pooling else None
+        self.pooling_type = resolved_pooling_type(config.pooling_type, model) if pooling else None
         ladder = BucketLadder(
             config.buckets.token_buckets, config.buckets.request_buckets,
             sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -193,7 +198,7 @@ class EngineCore:
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
                                    overlap_decode_steps=sched.async_scheduling,
                                    disable_by_batch_size=None if speculative is None
-                                   else speculative.disable_by_batch_size)
+                                   else speculative.disable_by_batch_size, whole_prompts=encoder)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not read yet (async scheduling)
         self._launched_at = 0.0  # perf_counter() when the last step was launched
@@ -521,23 +526,6 @@ def _start_backend() -> None:
     devices = jax.devices()
     logger.info("backend: %s, %d x %s, jax %s; ready %.1fs after jaxserve was imported", devices[0].platform,
                 len(devices), devices[0].device_kind, jax.__version__, time.monotonic() - IMPORTED_AT)
-
-
-def _resolved_runner(config: EngineConfig, classifies: bool) -> EngineConfig:
-    """The config with `--runner auto` resolved as vLLM resolves it: pooling for a classifier (its classes are
-    a pooled vector's), else generate; raises ValueError for a classifier that cannot be served so (asked to
-    generate, across hosts, with --enable-lora)."""
-    if not classifies:
-        return config if config.runner != "auto" else dataclasses.replace(config, runner="generate")
-    if config.runner == "generate":
-        raise ValueError("the model is a classifier (its architecture ends in ForSequenceClassification): "
-                         "--runner generate cannot serve it; --runner pooling (or auto) does")
-    if config.parallel.multihost or config.lora.enable_lora:
-        raise ValueError("the model is a classifier (its architecture ends in ForSequenceClassification), which "
-                         "--runner pooling serves, on one host and without --enable-lora")
-    if config.runner == "auto":
-        logger.info("the model is a classifier: serving it with --runner pooling (/classify, /score, /rerank)")
-    return dataclasses.replace(config, runner="pooling")
 
 
 def _with_fast_cpu_dtypes(config: EngineConfig) -> EngineConfig:

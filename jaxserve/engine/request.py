@@ -85,10 +85,12 @@ class Request:
     # bad_words as token sequences (`llm_engine.bad_words_token_ids`): the last token of each is banned
     # where the output ends with the others.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
-    # --runner pooling: how its final hidden states pool into its embedding ("last", "mean"), the running
-    # sum over the tokens computed so far (mean), and the embedding once its prompt is computed.
+    # --runner pooling: how its final hidden states pool into its embedding ("last", "mean", "cls"), the
+    # running sum over the tokens computed so far (mean) or its first token's (cls), and the embedding once its
+    # prompt is computed.
     pooling_type: str | None = None
     pooled_sum: Any = None  # f32[D]
+    pooled_first: Any = None  # f32[D]
     embedding: list[float] | None = None
     page_keys: list[bytes] = field(default_factory=list)  # keys of its full pages, as tokens become known
     num_keyed_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
@@ -192,8 +194,9 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """A request that reports prompt logprobs (or pools the mean of its tokens) computes its whole prompt."""
-        return self.sampling_params.prompt_logprobs is None and self.pooling_type != "mean"
+        """A request that reports prompt logprobs (or pools the mean of its tokens, or its first token's state)
+        computes its whole prompt."""
+        return self.sampling_params.prompt_logprobs is None and self.pooling_type not in ("mean", "cls")
 
     @property
     def prefix_cache_salt(self) -> str | None:

@@ -160,6 +160,7 @@ class Scheduler:
         max_loras: int = 0,
         overlap_decode_steps: bool = False,
         disable_by_batch_size: int | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """`proposer`: speculative decoding's drafts, run on the decode buckets `row_buckets` (the runner's
         request buckets) as `DraftPolicy` chooses. `max_loras`: the device's LoRA slots (--enable-lora): the
@@ -168,7 +169,10 @@ class Scheduler:
         `overlap_decode_steps` (async scheduling): a k-step decode may be planned while the last step's
         samples are still in flight, its first tokens taken from them on the device; never with a proposer
         (drafting plans need the tokens, and its draft policy times k-step calls read at once).
-        `disable_by_batch_size` (vLLM's): no drafts while more requests than this run."""
+        `disable_by_batch_size` (vLLM's): no drafts while more requests than this run.
+        `whole_prompts` (an encoder's, which reads a prompt both ways): a prompt is never split over steps; one
+        that the step's budget left cannot take waits at the queue's head for the next step (the engine keeps
+        max_num_batched_tokens at least the longest prompt)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv_cache = kv_cache
@@ -177,6 +181,7 @@ class Scheduler:
         self.overlap_decode_steps = overlap_decode_steps and proposer is None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.whole_prompts = whole_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -357,6 +362,8 @@ class Scheduler:
                 hit = self._cached_prefix(request, plan.filling, busy)
                 if hit is None:
                     break  # its next page is computed in this step: it hits that page next step
+                if self.whole_prompts and request.num_tokens - len(hit) * self._page_size > token_budget:
+                    break  # it starts whole in a step with room for it
                 self.kv_cache.take(hit)
                 request.page_ids.extend(hit)
                 num_cached = len(hit) * self.kv_cache.page_size
@@ -703,20 +710,28 @@ class Scheduler:
 
     def _pool(self, plan: SchedulerOutput, pooled: dict[int, tuple]) -> None:
         """--runner pooling: each row's hidden states pooled into its request (summed over its chunks for
-        "mean"); a request whose prompt this step completed gets its embedding, before its one sample.
+        "mean", its first chunk's first token for "cls"); a request whose prompt this step completed gets its
+        embedding, before its one sample.
 
         A mean's sum starts over with each chunk at position 0 (a pooled request reads no cached prefix), not
         when the request is preempted: a chunk in flight then is still read, and added, before the request
         starts over, and if it was the prompt's last the request finishes from it."""
-        for row, (last, total) in pooled.items():
+        for row, (first, last, total) in pooled.items():
             request = self.requests.get(plan.request_ids[row])
             if request is None or request.pooling_type is None or request.status.is_finished:
                 continue
             if request.pooling_type == "mean":
                 starts_over = plan.start_positions[row] == 0 or request.pooled_sum is None
                 request.pooled_sum = total if starts_over else request.pooled_sum + total
+            elif request.pooling_type == "cls" and plan.start_positions[row] == 0:
+                request.pooled_first = first
             if plan.keeps_sample[row]:
-                vector = last if request.pooling_type == "last" else request.pooled_sum / request.num_prompt_tokens
+                if request.pooling_type == "last":
+                    vector = last
+                elif request.pooling_type == "cls":
+                    vector = request.pooled_first
+                else:
+                    vector = request.pooled_sum / request.num_prompt_tokens
                 request.embedding = vector.tolist()
 
     def update_steps(self, scheduler_output: SchedulerOutput, step_outputs: list[StepOutput]) -> list[list[Request]]:

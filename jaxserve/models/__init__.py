@@ -48,6 +48,9 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "GptOssForCausalLM": ("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    # Encoders (embedding models and cross-encoders; served by --runner pooling): `bert.py`
+    **{f"{family}{task}": ("bert", "BertConfig", "BertModel") for family in ("Bert", "Roberta", "XLMRoberta")
+       for task in ("Model", "ForSequenceClassification")},
 }
 # Sequence classifiers (cross-encoder rerankers, reward and classification models; served by --runner pooling):
 # the causal family's stack with a classifier for a head (`classifier.py`)
@@ -72,6 +75,12 @@ def values_are_keys(cfg: Any) -> bool:
 def kv_arrays(cfg: Any) -> int:
     """Arrays of pages a layer's cache keeps: K and V, or K alone (`values_are_keys`)."""
     return 1 if values_are_keys(cfg) else 2
+
+
+def is_encoder(cfg: Any) -> bool:
+    """Whether a model config is an encoder's (`models.bert`): it reads a prompt whole and both ways, and serves
+    pooled vectors only."""
+    return bool(getattr(cfg, "is_encoder", False))
 
 
 def supported_architectures() -> list[str]:
@@ -116,6 +125,9 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 

@@ -126,7 +126,7 @@ class LaunchedStep:
     num_prompt_logprobs: np.ndarray  # i32[n]: the same per prompt token
     sampled: SamplerOutput  # on the device; a multi-step decode's tokens, logprobs and ranks are [k, R]
     prompt: PromptLogprobs | None  # on the device; None for a multi-step decode
-    pooled: tuple[jax.Array, jax.Array] | None = None  # on the device, --runner pooling: f32[R, D] last, sum
+    pooled: tuple[jax.Array, ...] | None = None  # on the device, --runner pooling: f32[R, D] first, last, sum
 
 
 def _zeroed_kv_caches(abstract: KVCache) -> KVCache:
@@ -534,10 +534,11 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _pooled(launched: LaunchedStep) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per row: its hidden state at its last token this step and the sum over its tokens, f32[D] each."""
-        last, sums = to_host(launched.pooled)
-        return {row: (last[row], sums[row]) for row in range(launched.scheduler_output.num_reqs)}
+    def _pooled(launched: LaunchedStep) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per row: its hidden state at its first and its last token this step and the sum over its tokens,
+        f32[D] each."""
+        first, last, sums = to_host(launched.pooled)
+        return {row: (first[row], last[row], sums[row]) for row in range(launched.scheduler_output.num_reqs)}
 
     def _prompt_logprobs(self, launched: LaunchedStep) -> dict[int, tuple[int, list[dict[int, Logprob]]]]:
         """Per row scoring prompt tokens this step: (its first scored token, {token: Logprob} per token with

@@ -98,17 +98,18 @@ def _by_row(tokens: jax.Array, max_rows: int, mesh: Mesh | None) -> jax.Array:  
     return tokens_by_row if mesh is None else jax.lax.with_sharding_constraint(tokens_by_row, replicated(mesh))
 
 
-def _pooled(model: nnx.Module, hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-    """Each row's final hidden state at its last token (f32[R, D]) and summed over its tokens this step
-    (f32[R, D]; padding tokens, past `cu_q_lens[-1]`, fall outside every row and are dropped); a classifier's
-    through its head (`pool_head`: f32[R, L] each)."""
+def _pooled(model: nnx.Module, hidden: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's final hidden state at its first and its last token this step (f32[R, D] each) and summed over
+    its tokens this step (f32[R, D]; padding tokens, past `cu_q_lens[-1]`, fall outside every row and are
+    dropped); a classifier's through its head (`pool_head`: f32[R, L] each)."""
     cu_q_lens = batch.attention.cu_q_lens  # i32[R+1]
     num_rows = batch.logits_indices.shape[0]
     token_rows = jnp.searchsorted(cu_q_lens, jnp.arange(hidden.shape[0]), side="right") - 1  # i32[T]
     hidden = hidden.astype(jnp.float32)
+    first = hidden[jnp.clip(cu_q_lens[:-1], 0, hidden.shape[0] - 1)]
     last, total = hidden[batch.logits_indices], jax.ops.segment_sum(hidden, token_rows, num_segments=num_rows)
     head = getattr(model, "pool_head", None)
-    return (last, total) if head is None else (head(last), head(total))
+    return (first, last, total) if head is None else (head(first), head(last), head(total))
 
 
 @_shared

@@ -352,13 +352,13 @@ def _embedding_request(request_id: str, prompt: list[int]) -> Request:
 
 
 def _pooled_step(out) -> StepOutput:
-    """The runner's answer with a token's hidden state its id: per row, (the last token's, the chunk's sum), so a
-    prompt's mean pooling is the mean of its ids."""
+    """The runner's answer with a token's hidden state its id: per row, (the first token's, the last token's, the
+    chunk's sum), so a prompt's mean pooling is the mean of its ids."""
     pooled, first = {}, 0
     for row, count in enumerate(out.num_new_tokens):
         tokens = out.token_ids[first:first + count]
         first += count
-        pooled[row] = (np.array([float(tokens[-1])]), np.array([float(sum(tokens))]))
+        pooled[row] = (np.array([float(tokens[0])]), np.array([float(tokens[-1])]), np.array([float(sum(tokens))]))
     return StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs, pooled=pooled)
 
 

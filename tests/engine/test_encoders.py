@@ -1,0 +1,137 @@
+"""Encoders (BERT, XLM-RoBERTa; `models/bert.py`) served by `--runner pooling`: embeddings (first token, mean,
+and a sentence-transformers model's own pooling and length) and classifier logits against transformers' in
+float32, prompts of different lengths packed into one step (each attends over its own prompt only, both
+ways); a cross-encoder's pair scores with BERT's token types; what an encoder refuses."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import POOLING_PARAMS
+from tests.encoders import save_sentence_transformers_pooling
+from tests.engine.helpers import LADDER
+
+pytestmark = pytest.mark.slow  # transformers reference
+
+TEXTS = ["the cat sat on the mat", "where is paris?", "what is the capital of france? paris is the capital city",
+         "a", "deep learning model server, fast and slow"]
+QUERY = "where is the cat?"
+DOCUMENTS = ["the cat sat on the mat", "money in the bank", "a dog is on the mat", "paris is a city"]
+
+
+def _llm(directory, **overrides) -> LLM:
+    return LLM(model=str(directory), dtype="float32", page_size=4, compilation_cache_dir=None,
+               **{**LADDER, **overrides})
+
+
+def _hidden(model, tokenizer, text: str, pair: str | None = None, types: bool = True) -> np.ndarray:
+    """transformers' final hidden states [T, D] of the tokenizer's encoding, in float64."""
+    encoded = dict(tokenizer(text, text_pair=pair, return_tensors="pt"))
+    if not types:
+        encoded.pop("token_type_ids", None)
+    with torch.no_grad():
+        return model.double()(**encoded).last_hidden_state[0].numpy()
+
+
+def _logits(model, tokenizer, text: str, pair: str | None = None) -> np.ndarray:
+    encoded = dict(tokenizer(text, text_pair=pair, return_tensors="pt"))
+    if model.config.model_type != "bert":
+        encoded.pop("token_type_ids")  # (RoBERTa's tokenizers give none; this test's WordPiece one does)
+    with torch.no_grad():
+        return model.double()(**encoded).logits[0].numpy()
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("pooling_type", ["auto", "mean"])
+def test_embeddings_match_transformers(encoder_dir, kind, pooling_type):
+    """No --runner: an encoder serves as a pooling engine; auto pools the first token ([CLS]). The prompts,
+    3 to 14 tokens, run packed together in one step of the 64-token bucket."""
+    directory, model = encoder_dir(kind)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    llm = _llm(directory, pooling_type=pooling_type)
+    assert llm.engine.info.runner == "pooling"
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    for text, output in zip(TEXTS, outputs, strict=True):
+        hidden = _hidden(model, tokenizer, text, types=kind == "bert")
+        expected = hidden[0] if pooling_type == "auto" else hidden.mean(axis=0)
+        assert output.prompt_token_ids == tokenizer(text)["input_ids"]
+        np.testing.assert_allclose(output.outputs.embedding, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompt_attends_to_its_own_tokens_only_and_both_ways(encoder_dir):
+    """Changing a prompt's last token changes its first token's state (attention looks ahead), and a prompt's
+    embedding is the same alone as beside others in one step."""
+    directory, _ = encoder_dir("bert")
+    llm = _llm(directory)
+    first, second = (o.outputs.embedding for o in llm.embed(["the cat sat", "the cat is"], use_tqdm=False))
+    assert np.abs(np.subtract(first, second)).max() > 1e-3
+    together = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    alone = [llm.embed([text], use_tqdm=False)[0].outputs.embedding for text in TEXTS]
+    np.testing.assert_allclose(together, alone, rtol=1e-4, atol=1e-5)  # (other buckets: float32's last bits)
+
+
+def test_a_sentence_transformers_model_s_pooling_and_length_are_read(tmp_path, encoder_dir):
+    """modules.json's Pooling module (mean here) is --pooling-type auto's, and sentence_bert_config.json's
+    max_seq_length the context served; a prompt over it is refused."""
+    import shutil
+
+    source, model = encoder_dir("bert")
+    directory = tmp_path / "st"
+    shutil.copytree(source, directory)
+    save_sentence_transformers_pooling(directory, "mean_tokens", max_seq_length=12)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    llm = _llm(directory)
+    assert llm.engine.info.limits.max_model_len == 12
+    short = [text for text in TEXTS if len(tokenizer(text)["input_ids"]) <= 12]
+    for text, output in zip(short, llm.embed(short, use_tqdm=False), strict=True):
+        np.testing.assert_allclose(output.outputs.embedding, _hidden(model, tokenizer, text).mean(axis=0),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="12"):
+        llm.embed([TEXTS[2]], use_tqdm=False)
+
+
+def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(encoder_dir):
+    """BERT's pair `[CLS] q [SEP] d [SEP]` is type 0 then type 1, as the tokenizer says: the scores are
+    transformers' sigmoids of its logits with those types (which differ without them)."""
+    directory, model = encoder_dir("bert", 1)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    llm = _llm(directory)
+    assert llm.engine.info.runner == "pooling" and llm.engine.info.score_activation == "sigmoid"
+    scores = [output.outputs.score for output in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    logits = np.array([_logits(model, tokenizer, QUERY, document)[0] for document in DOCUMENTS])
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), rtol=1e-4, atol=1e-6)
+    encoded = tokenizer(QUERY, text_pair=DOCUMENTS[0], return_tensors="pt")
+    with torch.no_grad():
+        untyped = model.double()(input_ids=encoded["input_ids"]).logits[0, 0].item()
+    assert abs(untyped - logits[0]) > 1e-3, "the types must matter for the test to show they are read"
+
+
+def test_an_xlm_roberta_classifier_matches_transformers(encoder_dir):
+    """RoBERTa's classifier (dense, tanh, out_proj over <s>) and its positions past the padding index."""
+    directory, model = encoder_dir("xlm-roberta", 3)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    llm = _llm(directory)
+    for text, output in zip(TEXTS, llm.classify(TEXTS, use_tqdm=False), strict=True):
+        logits = _logits(model, tokenizer, text)
+        np.testing.assert_allclose(output.outputs.probs, np.exp(logits) / np.exp(logits).sum(), rtol=1e-4, atol=1e-6)
+    pooled = llm._run([tokenizer(TEXTS[0])["input_ids"]], POOLING_PARAMS, False)[0].embedding
+    np.testing.assert_allclose(pooled, _logits(model, tokenizer, TEXTS[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_what_an_encoder_refuses(encoder_dir, caplog):
+    directory, _ = encoder_dir("bert")
+    with pytest.raises(ValueError, match=r"the model is an encoder .*--runner generate cannot serve it"):
+        _llm(directory, runner="generate")
+    with pytest.raises(ValueError, match="--max-model-len 100: an encoder reads a prompt whole in one step"):
+        _llm(directory, max_model_len=100)
+    classifier, _ = encoder_dir("bert", 1)
+    with pytest.raises(ValueError, match="classifier head reads its first token"):
+        _llm(classifier, pooling_type="mean")
+    with caplog.at_level("WARNING"):
+        llm = _llm(directory)  # 128 positions, 64 tokens a step
+    assert llm.engine.info.limits.max_model_len == 64
+    assert "serving 64 tokens of its 128-token context" in caplog.text
+    with pytest.raises(ValueError, match="pooling"):
+        llm.generate(["the cat"], use_tqdm=False)
