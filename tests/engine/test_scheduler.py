@@ -442,3 +442,21 @@ def test_a_mean_pooling_that_yields_with_its_last_chunk_in_flight_finishes_with_
     scheduler.update(last_chunk, _pooled_step(last_chunk))
     assert request.status is RequestStatus.FINISHED_LENGTH
     assert request.embedding == [float(np.mean(request.prompt_token_ids))]
+
+
+def test_whole_prompts_are_never_split_over_steps():
+    """An encoder's scheduler (`whole_prompts`): a prompt that the step's budget left cannot take waits at the
+    queue's head for the next step, and the ones behind it wait too; a prompt of the whole budget fits."""
+    scheduler = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=10, whole_prompts=True)
+    requests = [_embedding_request(name, list(range(10, 10 + length)))
+                for name, length in (("a", 6), ("b", 6), ("c", 3), ("d", 10))]
+    for request in requests:
+        scheduler.add_request(request)
+    planned = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        planned.append(list(zip(out.request_ids, out.num_new_tokens, out.start_positions, strict=True)))
+        scheduler.update(out, _pooled_step(out))
+    assert planned == [[("a", 6, 0)], [("b", 6, 0), ("c", 3, 0)], [("d", 10, 0)]]
+    assert [r.embedding for r in requests] == [[float(np.mean(r.prompt_token_ids))] for r in requests]
