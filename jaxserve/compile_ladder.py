@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
-from jaxserve.models import kv_arrays
+from jaxserve.engine.pooling_mode import encoder_config
+from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
@@ -210,6 +211,10 @@ def compile_ladder(
     cfg = abstract.cfg
     context = context_length(hf_config, cfg.max_position_embeddings)  # as serve caps it (engine/core.py)
     asked = max_model_len or config.model.max_model_len
+    if is_encoder(cfg):  # its prompts whole in a step, its pages those of two steps (engine/pooling_mode.py)
+        config = encoder_config(dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                                      max_model_len=asked)), context)
+        asked = config.model.max_model_len
     max_len = context_served(asked, context)
     sched, cache = config.scheduler, config.cache
     ladder = BucketLadder(config.buckets.token_buckets, config.buckets.request_buckets,
@@ -223,9 +228,9 @@ def compile_ladder(
     max_pages_per_req = -(-max_len // cache.page_size)
     apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
     options = step_compiler_options(enforce_eager, device.platform)
-    # A pooling engine's step (--runner pooling, which a classifier chooses: engine/core.py) returns the pooled
+    # A pooling engine's step (--runner pooling, which a classifier or an encoder chooses) returns the pooled
     # hidden states too, and has no decode variants
-    pooling = config.runner == "pooling" or (config.runner == "auto" and num_classes(cfg) > 0)
+    pooling = config.runner == "pooling" or (config.runner == "auto" and (num_classes(cfg) > 0 or is_encoder(cfg)))
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
                         pooling=pooling, sample_apart=apart, compiler_options=options)
     weights_bytes = abstract.weights_bytes_per_device

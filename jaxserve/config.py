@@ -582,15 +582,20 @@ def _cover_given_limits(sections: dict[str, dict[str, Any]], overrides: dict[str
             continue
         if limit == "max_num_seqs":
             given = min(given, max_tokens)
-        ladder = list(sections["buckets"].get(ladder_name, field_default(BucketConfig, ladder_name)))
-        added = []
-        while ladder[-1] < given:
-            ladder.append(min(2 * ladder[-1], given))
-            added.append(ladder[-1])
-        if added:
+        ladder = tuple(sections["buckets"].get(ladder_name, field_default(BucketConfig, ladder_name)))
+        extended = extend_ladder(ladder, given)
+        if extended != ladder:
             logger.info("%s %d is above the preset's largest bucket: %s %s added (more to compile)",
-                        limit, given, ladder_name, ", ".join(map(str, added)))
-            sections["buckets"][ladder_name] = tuple(ladder)
+                        limit, given, ladder_name, ", ".join(map(str, extended[len(ladder):])))
+            sections["buckets"][ladder_name] = extended
+
+
+def extend_ladder(ladder: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """A bucket ladder extended up to `limit`, doubling, so that a step pads by less than 2x."""
+    extended = list(ladder)
+    while extended[-1] < limit:
+        extended.append(min(2 * extended[-1], limit))
+    return tuple(extended)
 
 
 def core_process_count(engine_process: bool, data_parallel_size: int) -> int:

@@ -236,6 +236,17 @@ def test_a_classifier_compiles_the_pooling_step_serve_runs_for_h100(classifier_d
 
 
 @pytest.mark.slow
+def test_an_encoder_compiles_the_pooling_step_serve_runs_for_h100():
+    """An encoder (the bundled all-MiniLM-L6-v2 shape) serves as engine/pooling_mode.py makes it: the pooling
+    step alone, a context of its 512 positions (the gpu preset's 2,048-token steps take any prompt whole), and
+    the pages of two steps' prompts (2 x (2,048 / 16 + 256 rows) + 1), not a memory budget."""
+    report = compile_ladder("all-minilm-l6-v2", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                            buckets=[Bucket(4, 4, decode_only=True), Bucket(512, 4)])
+    assert {(b.num_tokens, b.variant) for b in report.buckets} == {(4, "plain"), (512, "plain")}
+    assert report.max_model_len == 512 and report.num_kv_pages == 769 and report.num_kv_pages_given
+
+
+@pytest.mark.slow
 def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
     """XLA:GPU's memory limit deviceless is 80% of the device's memory, which a KV cache budgeted at 90%
     exceeds; a real GPU's is its allocator pool. The deviceless compile now gets the pool's limit

@@ -57,7 +57,7 @@ from jaxserve.engine.core_io import (
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, draft_share
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.ngram_proposer import NgramProposer
-from jaxserve.engine.pooling_mode import encoder_config, resolved_pooling_type, resolved_runner
+from jaxserve.engine.pooling_mode import encoder_config, encoder_context, resolved_pooling_type, resolved_runner
 from jaxserve.engine.proposer import Proposer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -132,7 +132,7 @@ class EngineCore:
         config = self.config = resolved_runner(config, model)
         encoder = is_encoder(model.cfg)
         if encoder:  # its prompts whole in a step, its pages only those of the steps in flight
-            config = self.config = encoder_config(config, model)
+            config = self.config = encoder_config(config, encoder_context(model))
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,

@@ -1,13 +1,13 @@
 """How an engine serves a model once it is read: generation or pooling (`--runner auto`), how a pooled prompt's
 hidden states become its vector (`--pooling-type auto`), and what an encoder (`models.bert`) changes: its
-prompts whole in one step, so no longer than a step's tokens, and a KV cache of only the pages its steps in
+prompts whole in one step, so steps as long as its longest prompt, and a KV cache of only the pages its steps in
 flight take (its layers keep nothing in them).
 """
 
 import dataclasses
 import logging
 
-from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig
+from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, extend_ladder
 from jaxserve.models import is_encoder
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.loader import LoadedModel
@@ -56,24 +56,28 @@ def resolved_pooling_type(asked: str, model: LoadedModel) -> str:
     return asked
 
 
-def encoder_config(config: EngineConfig, model: LoadedModel) -> EngineConfig:
-    """An encoder's config: the context served cut to what one step takes (--max-num-batched-tokens; an
-    explicit --max-model-len longer than that is refused) and to the model's sentence-transformers
-    `max_seq_length`; as many KV pages as two steps' prompts take (one planned while the last is in flight),
-    unless --num-kv-pages says otherwise; no prefix caching (a token's state depends on the tokens after it)."""
+def encoder_context(model: LoadedModel) -> int:
+    """The longest prompt an encoder reads: its positions, or its sentence-transformers `max_seq_length`."""
+    return min(model.max_position_embeddings, max_seq_length(metadata_dir(model.source)) or 2**31)
+
+
+def encoder_config(config: EngineConfig, context: int) -> EngineConfig:
+    """An encoder's config: the context served (`context`: `encoder_context`, or --max-model-len where shorter)
+    in one step, so --max-num-batched-tokens raised to it where it is shorter (as vLLM does without chunked
+    prefill: a top token bucket of that size); as many KV pages as two steps' prompts take (one planned while
+    the last is in flight), unless --num-kv-pages says otherwise; no prefix caching (a token's state depends
+    on the tokens after it)."""
     sched, cache = config.scheduler, config.cache
-    step_tokens = sched.max_num_batched_tokens
     asked = config.model.max_model_len
-    if asked not in (None, AUTO_MAX_MODEL_LEN) and asked > step_tokens:
-        raise ValueError(f"--max-model-len {asked}: an encoder reads a prompt whole in one step, of at most "
-                         f"--max-num-batched-tokens {step_tokens} tokens; raise that, or serve a shorter context")
-    context = model.max_position_embeddings
-    context = min(context, max_seq_length(metadata_dir(model.source)) or context)
-    served = min(context, step_tokens) if asked in (None, AUTO_MAX_MODEL_LEN) else min(asked, context)
-    if served < context and asked in (None, AUTO_MAX_MODEL_LEN):
-        logger.warning("an encoder reads a prompt whole in one step: serving %d tokens of its %d-token context "
-                       "(--max-num-batched-tokens serves more)", served, context)
+    served = context if asked in (None, AUTO_MAX_MODEL_LEN) else min(asked, context)
+    step_tokens = max(sched.max_num_batched_tokens, served)
+    if step_tokens > sched.max_num_batched_tokens:
+        logger.info("an encoder reads a prompt whole in one step: --max-num-batched-tokens %d raised to its "
+                    "context, %d", sched.max_num_batched_tokens, step_tokens)
     rows = min(sched.max_num_seqs, step_tokens)
     pages = cache.num_kv_pages or 2 * (-(-step_tokens // cache.page_size) + rows) + 1
     return dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=served),
+                               scheduler=dataclasses.replace(sched, max_num_batched_tokens=step_tokens),
+                               buckets=dataclasses.replace(config.buckets, token_buckets=extend_ladder(
+                                   config.buckets.token_buckets, step_tokens)),
                                cache=dataclasses.replace(cache, num_kv_pages=pages, enable_prefix_caching=False))

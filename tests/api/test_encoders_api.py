@@ -97,5 +97,5 @@ def test_a_bert_cross_encoder_reranks_as_transformers_does(encoder_dir):
                                    rtol=1e-4, atol=1e-6)
         paired = client.post("/v1/score", json={"text_1": QUERY, "text_2": TEXTS}).json()
         np.testing.assert_allclose([d["score"] for d in paired["data"]], scores, rtol=1e-4, atol=1e-6)
-        too_long = client.post("/v1/rerank", json={"query": QUERY, "documents": [TEXTS[0], "the cat " * 40]})
+        too_long = client.post("/v1/rerank", json={"query": QUERY, "documents": [TEXTS[0], "the cat " * 80]})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "documents.1", too_long.text

@@ -120,18 +120,29 @@ def test_an_xlm_roberta_classifier_matches_transformers(encoder_dir):
     np.testing.assert_allclose(pooled, _logits(model, tokenizer, TEXTS[0]), rtol=1e-4, atol=1e-5)
 
 
-def test_what_an_encoder_refuses(encoder_dir, caplog):
+def test_what_an_encoder_refuses(encoder_dir):
     directory, _ = encoder_dir("bert")
     with pytest.raises(ValueError, match=r"the model is an encoder .*--runner generate cannot serve it"):
         _llm(directory, runner="generate")
-    with pytest.raises(ValueError, match="--max-model-len 100: an encoder reads a prompt whole in one step"):
-        _llm(directory, max_model_len=100)
     classifier, _ = encoder_dir("bert", 1)
     with pytest.raises(ValueError, match="classifier head reads its first token"):
         _llm(classifier, pooling_type="mean")
-    with caplog.at_level("WARNING"):
-        llm = _llm(directory)  # 128 positions, 64 tokens a step
-    assert llm.engine.info.limits.max_model_len == 64
-    assert "serving 64 tokens of its 128-token context" in caplog.text
     with pytest.raises(ValueError, match="pooling"):
-        llm.generate(["the cat"], use_tqdm=False)
+        _llm(directory).generate(["the cat"], use_tqdm=False)
+
+
+def test_steps_grow_to_take_the_longest_prompt_whole(encoder_dir, caplog):
+    """128 positions where the ladder's steps take 64 tokens: the steps grow to 128 (a top token bucket), and a
+    prompt of 128 tokens is embedded whole; --max-model-len 100 grows them to 100 only."""
+    directory, model = encoder_dir("bert")
+    with caplog.at_level("INFO"):
+        llm = _llm(directory)
+    assert llm.engine.info.limits.max_model_len == llm.engine.info.max_num_batched_tokens == 128
+    assert "--max-num-batched-tokens 64 raised to its context, 128" in caplog.text
+    prompt = [2, *(5 + i % 60 for i in range(126)), 3]
+    with torch.no_grad():
+        hidden = model.double()(input_ids=torch.tensor([prompt])).last_hidden_state[0].numpy()
+    np.testing.assert_allclose(llm.embed([prompt], use_tqdm=False)[0].outputs.embedding, hidden[0], rtol=1e-4,
+                               atol=1e-5)
+    shorter = _llm(directory, max_model_len=100)
+    assert shorter.engine.info.limits.max_model_len == shorter.engine.info.max_num_batched_tokens == 100
