@@ -46,7 +46,7 @@ def _check(spec: dict) -> list[dict]:
                   enable_expert_parallel=spec["expert_parallel"], quantization=spec["quantization"],
                   enable_lora=spec["lora"] is not None, speculative_config=spec.get("speculative"))
         try:
-            results.append(_generate(llm, tp, spec))
+            results.append(_embed(llm, tp, spec) if spec.get("embed") else _generate(llm, tp, spec))
         finally:
             llm.engine.shutdown()
     return results
@@ -90,6 +90,17 @@ def _generate(llm, tp: int, spec: dict) -> dict:
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs or ()] for o in outputs],
     }
+
+
+def _embed(llm, tp: int, spec: dict) -> dict:
+    """The TP=`tp` pooling engine's vectors for the texts `spec["embed"]`, and where its weights went."""
+    from tests.helpers import count_compilations
+
+    with count_compilations() as compiles:
+        outputs = llm.embed(spec["embed"], use_tqdm=False)
+    q_proj = _first_attention_weight(llm.engine.runner.model.state)
+    return {"tp": tp, "compiles_after_warmup": len(compiles), "embeddings": [o.outputs.embedding for o in outputs],
+            "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards)}
 
 
 def _serve() -> None:
@@ -181,6 +192,8 @@ def _first_attention_weight(state):
     pure = nnx.to_pure_dict(state)
     layers = pure.get("layers") or pure["h"]
     layer = layers[0]
+    if "q_proj" in layer:  # an encoder's (models/bert.py)
+        return layer["q_proj"]
     attention = layer.get("self_attn", {})
     weight = attention.get("q_proj", attention.get("q_b_proj")) if attention else layer["qkv"]  # DeepSeek V3: q_b
     return getattr(weight, "values", weight)  # an Fp8Weight's e4m3 values
@@ -188,12 +201,13 @@ def _first_attention_weight(state):
 
 def run_tp(worker: TPWorker, model: str | None, cache_dir: Path, tp_sizes=(4, 2, 1), max_tokens: int = 12,
            attention_impl: str = "reference", weight_dtype: str = "auto", expert_parallel: bool = False,
-           quantization: str | None = None, lora: str | None = None, speculative: dict | None = None) -> dict:
+           quantization: str | None = None, lora: str | None = None, speculative: dict | None = None,
+           embed: list[str] | None = None) -> dict:
     """Each TP size's results, keyed by the size; the largest loads first, from an empty jaxserve cache in
-    `cache_dir` (a GGUF converts with its own heads)."""
+    `cache_dir` (a GGUF converts with its own heads). `embed`: texts a pooling engine embeds (`_embed`)."""
     spec = dict(model=model, tp_sizes=list(tp_sizes), max_tokens=max_tokens, cache_dir=str(cache_dir),
                 attention_impl=attention_impl, weight_dtype=weight_dtype, expert_parallel=expert_parallel,
-                quantization=quantization, lora=lora, speculative=speculative)
+                quantization=quantization, lora=lora, speculative=speculative, embed=embed)
     return {r["tp"]: r for r in worker.check(spec)}
 
 

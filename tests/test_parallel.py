@@ -78,6 +78,19 @@ def test_a_tiny_gpt2_matches_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_an_encoder_embeds_at_tp2_and_tp4_as_at_tp1(tp_worker, encoder_dir, kind, tmp_path):
+    """An encoder's heads split over the devices (its attention over each packed prompt, both ways, per head),
+    its prompts embedded as at TP=1, and nothing compiled after the warm-up."""
+    results = run_tp(tp_worker, str(encoder_dir(kind)[0]), tmp_path, embed=["the cat sat on the mat", "where is paris?",
+                                                                           "a deep network model"])
+    for tp, got in results.items():
+        assert got["compiles_after_warmup"] == 0, tp
+        assert [shape for _, shape in got["q_proj_shards"]] == [[64, 4 // tp, 16]] * tp, got["q_proj_shards"]
+        np.testing.assert_allclose(got["embeddings"], results[1]["embeddings"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_mixture_of_experts_matches_tp1_split_by_width_and_by_expert(tp_worker, tiny_model_dir, expert_parallel,
                                                                      tmp_path):
