@@ -43,6 +43,7 @@ def _logits(model, tokenizer, text: str, pair: str | None = None) -> np.ndarray:
         return model.double()(**encoded).logits[0].numpy()
 
 
+@pytest.mark.gpu  # the encoder's step on the device there is
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
 @pytest.mark.parametrize("pooling_type", ["auto", "mean"])
 def test_embeddings_match_transformers(encoder_dir, kind, pooling_type):
@@ -92,6 +93,7 @@ def test_a_sentence_transformers_model_s_pooling_and_length_are_read(tmp_path, e
         llm.embed([TEXTS[2]], use_tqdm=False)
 
 
+@pytest.mark.gpu
 def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(encoder_dir):
     """BERT's pair `[CLS] q [SEP] d [SEP]` is type 0 then type 1, as the tokenizer says: the scores are
     transformers' sigmoids of its logits with those types (which differ without them)."""
