@@ -406,7 +406,7 @@ ENGINE_FLAGS = (
          help="with --runner pooling: last (the last token's hidden state: decoder embedding models such as "
               "Qwen3-Embedding), mean (over the prompt's tokens), cls (the first token's: BERT's) or auto (the "
               "default): the model's sentence-transformers pooling where it has one (1_Pooling/config.json), "
-              "else cls for an encoder and last for a decoder"),
+              "else cls for an encoder and last for a decoder; an encoder classifier's head reads cls only"),
     Flag("--attention-impl", EngineConfig, "attention_impl", preset=True, choices=ATTENTION_IMPLS,
          help="auto (the default): the Pallas kernel on CUDA GPUs with compute capability >= 8.0, the cpu path "
               "on CPUs, the jnp reference elsewhere; interpret runs the kernel on CPU (slow, for tests)"),
@@ -444,7 +444,8 @@ INERT_ENGINE_FLAGS = (
     InertFlag(("--cpu-offload-gb",), "the weights stay on the devices that serve them; a model larger than "
               "they hold fails to load"),
     InertFlag(("--enable-chunked-prefill",), "prompts are always prefilled in chunks of up to "
-              "--max-num-batched-tokens, beside the running requests' decodes (as in vLLM V1)", "boolean"),
+              "--max-num-batched-tokens, beside the running requests' decodes (as in vLLM V1); an encoder's "
+              "whole, in one step", "boolean"),
     InertFlag(("--max-num-partial-prefills",), _PARTIAL_PREFILLS),
     InertFlag(("--max-long-partial-prefills",), _PARTIAL_PREFILLS),
     InertFlag(("--long-prefill-token-threshold",), _PARTIAL_PREFILLS),

@@ -24,7 +24,7 @@ from jaxserve.engine.beam_search import Beam, BeamSearch, check_search
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scoring import check_pairing, class_probabilities, cosine_scores
 from jaxserve.models.source import load_generation_defaults
-from jaxserve.models.tokenizer import apply_chat_template
+from jaxserve.models.tokenizer import apply_chat_template, encode_text
 from jaxserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -186,8 +186,11 @@ class LLM:
             raise ValueError("a cross-encoder scores pairs of texts (strings)")
         pairs = [(firsts[0], second) for second in seconds] if len(firsts) == 1 else list(zip(firsts, seconds,
                                                                                                 strict=True))
-        tokenizer = self.engine.tokenizer
-        prompts = [list(tokenizer(first, text_pair=second)["input_ids"]) for first, second in pairs]
+        tokenizer, limits, truncate = self.engine.tokenizer, self.engine.limits, params.truncate_prompt_tokens
+        limits.check_truncation(truncate)
+        prompts = [encode_text(tokenizer, first, second, keep_last=limits.kept_tokens(truncate))
+                   for first, second in pairs]  # cut here, inside the pair's special tokens
+        params = dataclasses.replace(params, truncate_prompt_tokens=None)
         outputs = [EmbeddingRequestOutput.of(o) for o in self._run(prompts, params, use_tqdm)]
         activation = self.engine.info.score_activation
         scores = [float(class_probabilities(o.outputs.embedding, activation)[0]) for o in outputs]

@@ -367,11 +367,16 @@ class RequestLimits:
             raise InvalidParam(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
                                f"context length), got {truncate}", "truncate_prompt_tokens")
 
+    def kept_tokens(self, truncate: int | None) -> int | None:
+        """How many tokens truncate_prompt_tokens keeps (-1: the context length's worth); None: all."""
+        return self.max_model_len if truncate == -1 else truncate
+
     def truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
-        """The prompt's last `truncate` tokens (-1: the context length's worth); all of them for None."""
+        """The prompt's last `truncate` tokens (-1: the context length's worth); all of them for None. (A text's
+        are cut as it is tokenized, its special tokens kept: `models.tokenizer.encode_text`.)"""
         if truncate is None:
             return token_ids
-        return token_ids[-(self.max_model_len if truncate == -1 else truncate):]
+        return token_ids[-self.kept_tokens(truncate):]
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, pooled: bool = False) -> None:
         """OpenAI's context-length error, with the numbers that broke it; then the KV capacity. A `pooled`

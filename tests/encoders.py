@@ -27,12 +27,13 @@ def encoder(kind: str, num_labels: int | None = None):
 
     torch.manual_seed(0)
     shape = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, initializer_range=0.3, pad_token_id=0, hidden_act="gelu")
+                 num_attention_heads=4, initializer_range=0.3, hidden_act="gelu")
     if kind == "bert":
-        config = transformers.BertConfig(max_position_embeddings=128, type_vocab_size=2, **shape)
+        config = transformers.BertConfig(max_position_embeddings=128, type_vocab_size=2, pad_token_id=0, **shape)
         bare, classifier = transformers.BertModel, transformers.BertForSequenceClassification
-    else:  # positions past the padding index (0 here: 1 + position), no token types
-        config = transformers.XLMRobertaConfig(max_position_embeddings=129, type_vocab_size=1, **shape)
+    else:  # positions past the padding index (XLM-R's 1: 2 + position; [UNK] here, in no test text), no types
+        config = transformers.XLMRobertaConfig(max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                               **shape)
         bare, classifier = transformers.XLMRobertaModel, transformers.XLMRobertaForSequenceClassification
     if num_labels is not None:
         config.num_labels = num_labels

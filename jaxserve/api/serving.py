@@ -45,6 +45,7 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineInfo
 from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.models.source import load_generation_defaults
+from jaxserve.models.tokenizer import encode_text
 from jaxserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.sampling_params import (
     InvalidParam,
@@ -286,15 +287,15 @@ class ModelServing:
         """`truncate`: vLLM's truncate_prompt_tokens (checked by `check_truncation`): the last tokens kept."""
         if truncate is None:  # else the text may be longer than the context: it is cut after tokenizing
             self.check_text_length(text)
-        token_ids = await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        return self.truncate(token_ids, truncate)
+        keep = self.info.limits.kept_tokens(truncate)
+        return await self.off_loop(lambda: encode_text(self.tokenizer, text, None, add_special_tokens, keep))
 
     async def encode_pair(self, first: str, second: str, truncate: int | None = None) -> list[int]:
         """A cross-encoder's prompt: two texts as the tokenizer encodes a pair (`text_pair`: its template's
         special tokens around and between them), as vLLM's cross-encoder scoring reads them. The texts' lengths
         were checked (`check_text_length`) where `truncate` is None."""
-        encoded = await self.off_loop(lambda: self.tokenizer(first, text_pair=second, add_special_tokens=True))
-        return self.truncate(list(encoded["input_ids"]), truncate)
+        keep = self.info.limits.kept_tokens(truncate)
+        return await self.off_loop(lambda: encode_text(self.tokenizer, first, second, True, keep))
 
     def check_truncation(self, truncate: int | None) -> None:
         try:

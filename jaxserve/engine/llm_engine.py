@@ -28,7 +28,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.models.peft import LoraAdapter, read_adapter
-from jaxserve.models.tokenizer import TokenizerCopies
+from jaxserve.models.tokenizer import TokenizerCopies, encode_text
 from jaxserve.outputs import RequestOutput
 from jaxserve.platform import prepare_jax_platform
 from jaxserve.sampling_params import InvalidParam, SamplingParams, check_cache_salt, check_priority
@@ -241,14 +241,15 @@ class LLMEngine:
         here. Either way, once."""
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        truncate = params.truncate_prompt_tokens  # (the server cuts the prompt itself and leaves this None)
+        if truncate is not None:
+            self.limits.check_truncation(truncate)
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
-            prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
+            prompt_token_ids = (encode_text(self.tokenizer, prompt, keep_last=self.limits.kept_tokens(truncate))
+                                if prompt else [])
         else:
-            prompt_text, prompt_token_ids = None, [int(t) for t in prompt]
-        if params.truncate_prompt_tokens is not None:  # the server cuts the prompt itself and leaves this None
-            self.limits.check_truncation(params.truncate_prompt_tokens)
-            prompt_token_ids = self.limits.truncate(prompt_token_ids, params.truncate_prompt_tokens)
+            prompt_text, prompt_token_ids = None, self.limits.truncate([int(t) for t in prompt], truncate)
         served = self.lora_modules.get(lora_name) if lora_name is not None else None
         if lora_name is not None and served is None:
             raise InvalidParam(f"The model `{lora_name}` does not exist: no LoRA adapter of that name", "model")

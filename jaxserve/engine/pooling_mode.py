@@ -49,11 +49,15 @@ def resolved_pooling_type(asked: str, model: LoadedModel) -> str:
         own = None if first_only else pooling_type(metadata_dir(model.source))
         resolved = own or ("cls" if is_encoder(model.cfg) else "last")
         logger.info("pooling: %s (%s)", resolved, "its sentence-transformers pooling" if own else "the model's")
-        return resolved
-    if first_only and asked != "cls":
+    elif first_only and asked != "cls":
         raise ValueError(f"--pooling-type {asked}: the model's classifier head reads its first token's state "
                          "(--pooling-type cls, or auto)")
-    return asked
+    else:
+        resolved = asked
+    if resolved == "cls" and not is_encoder(model.cfg):
+        logger.warning("pooling: cls on a decoder, whose first token sees only itself: every prompt that starts "
+                       "with the same token gets the same vector (--pooling-type last or mean)")
+    return resolved
 
 
 def encoder_context(model: LoadedModel) -> int:
@@ -76,8 +80,10 @@ def encoder_config(config: EngineConfig, context: int) -> EngineConfig:
                     "context, %d", sched.max_num_batched_tokens, step_tokens)
     rows = min(sched.max_num_seqs, step_tokens)
     pages = cache.num_kv_pages or 2 * (-(-step_tokens // cache.page_size) + rows) + 1
+    buckets = config.buckets
+    buckets = dataclasses.replace(buckets, token_buckets=extend_ladder(buckets.token_buckets, step_tokens),
+                                  request_buckets=extend_ladder(buckets.request_buckets, rows))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=served),
                                scheduler=dataclasses.replace(sched, max_num_batched_tokens=step_tokens),
-                               buckets=dataclasses.replace(config.buckets, token_buckets=extend_ladder(
-                                   config.buckets.token_buckets, step_tokens)),
+                               buckets=buckets,
                                cache=dataclasses.replace(cache, num_kv_pages=pages, enable_prefix_caching=False))

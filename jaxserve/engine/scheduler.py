@@ -209,8 +209,11 @@ class Scheduler:
         self.lora_slots = LoraSlots(max_loras)
 
     def check_fits(self, request: Request) -> None:
-        """Raises ValueError if the request could never fit in the cache (the frontend refused it already, by
-        the same rule: a guard against a queue that could never move)."""
+        """Raises ValueError if the request could never fit in the cache, or with `whole_prompts` in a step (the
+        frontend refused it already, by the same rules: a guard against a queue that could never move)."""
+        if self.whole_prompts and request.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"a prompt of {request.num_tokens} tokens is read whole in one step, which takes "
+                             f"{self.max_num_batched_tokens}")
         needed = kv_tokens(request.max_num_tokens, pooled=request.pooling_type is not None)
         if not fits_kv_cache(needed, self.kv_cache.capacity_tokens):
             raise ValueError(f"request needs up to {needed} tokens of KV cache but the cache holds "

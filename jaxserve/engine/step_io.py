@@ -148,8 +148,9 @@ class StepOutput:
     ranks: dict[int, int] = field(default_factory=dict)  # row -> its sampled token's rank, for rows asking logprobs
     # row -> (first prompt token scored, {token: Logprob} per token), for rows scoring prompt tokens.
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
-    # --runner pooling: row -> (its hidden state at its last token this step, the sum over its tokens), f32[D].
-    pooled: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # --runner pooling: row -> (its hidden state at its first and its last token this step, the sum over its
+    # tokens), f32[D] each.
+    pooled: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
 
 
 class RequestFault(Exception):

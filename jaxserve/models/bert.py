@@ -6,7 +6,8 @@ models (sentence-transformers' all-MiniLM, bge, e5, multilingual-e5) and cross-e
 An encoder reads a prompt whole and in both directions: every token attends to every token of its prompt
 (`ops.encoder_attention`), so a prompt is never split over steps (the scheduler's `whole_prompts`) and
 nothing is cached from one step for the next. Its layers leave the KV pages as they are; the engine keeps
-only as many pages as the tokens in flight take, which is what its scheduler counts (`engine/core.py`).
+only as many pages as the tokens in flight take, which is what its scheduler counts
+(`engine/pooling_mode.encoder_config`).
 
 Token types (BERT's segment embeddings): a pair, as the tokenizer encodes it for a cross-encoder
 (`[CLS] a [SEP] b [SEP]`), is type 0 up to and with its first separator and type 1 after it. The step
@@ -72,6 +73,7 @@ class BertConfig:
     separator_token_id: int | None = None
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
     classifier: ClassifierHead | None = None  # set by the loader for `*ForSequenceClassification`
+    roberta: bool = False  # RoBERTa's and XLM-R's classifier head (`classifier.dense`, `.out_proj`), not BERT's
     tie_word_embeddings: bool = True  # (no LM head: what `classifier.classifier_weights` asks)
 
     is_encoder = True  # (a class attribute: the engine reads it to serve the model as an encoder)
@@ -108,6 +110,7 @@ class BertConfig:
             type_vocab_size=getattr(hf, "type_vocab_size", 1) or 1,
             hidden_act=getattr(hf, "hidden_act", "gelu"),
             separator_token_id=None if roberta else getattr(hf, "sep_token_id", None),
+            roberta=roberta,
             attention=attention or AttentionConfig(),
         )
 
@@ -259,12 +262,15 @@ _TOP_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "embeddings.token_type_embeddings.weight": (("token_type_embeddings",), _SAME),
     **{f"embeddings.LayerNorm.{k}": v for k, v in _norm(("embeddings_norm",)).items()},
 }
-# A classifier's head: BERT's pooler and classifier, or RoBERTa's classifier (dense, out_proj)
-_HEAD_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
+# A classifier's head: BERT's pooler and classifier, or RoBERTa's classifier (dense, out_proj; a RoBERTa
+# checkpoint's pooler, which some keep, is not read)
+_BERT_HEAD_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "pooler.dense.weight": (("head_dense",), _TRANSPOSED),
     "pooler.dense.bias": (("head_dense_bias",), _SAME),
     "classifier.weight": (("score",), _SAME),
     "classifier.bias": (("score_bias",), _SAME),
+}
+_ROBERTA_HEAD_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "classifier.dense.weight": (("head_dense",), _TRANSPOSED),
     "classifier.dense.bias": (("head_dense_bias",), _SAME),
     "classifier.out_proj.weight": (("score",), _SAME),
@@ -284,4 +290,6 @@ def map_hf_weight(name: str, cfg: BertConfig) -> tuple[tuple[str | int, ...], Ca
         return None if entry is None else (("layers", int(match.group(1)), *entry[0]), entry[1])
     if short in _TOP_MAP:
         return _TOP_MAP[short]
-    return _HEAD_MAP.get(short) if cfg.classifier is not None else None
+    if cfg.classifier is None:
+        return None
+    return (_ROBERTA_HEAD_MAP if cfg.roberta else _BERT_HEAD_MAP).get(short)

@@ -372,9 +372,6 @@ def load_model(
     if getattr(hf_config, "classifier_from_token", None):  # a classifier from the LM head's rows of these tokens
         hf_config.classifier_from_token_ids = token_ids(hf_config.classifier_from_token,
                                                         load_tokenizer(tokenizer_dir or metadata))
-    if (getattr(hf_config, "type_vocab_size", 1) or 1) > 1 and getattr(hf_config, "sep_token_id", None) is None \
-            and not dummy:  # an encoder's token types are read from its separator (`bert.token_types`)
-        hf_config.sep_token_id = load_tokenizer(tokenizer_dir or metadata).sep_token_id
     # Build without touching weights, then fill the abstract state.
     abstract = build_abstract_model(hf_config, jax_dtype, attention, jax_weight_dtype, expert_parallel,
                                     require_experts)

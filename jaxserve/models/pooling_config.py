@@ -11,6 +11,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
+# Modules a pooled vector passes through that jaxserve does as sentence-transformers does (the API normalizes)
+_APPLIED = ("sentence_transformers.models.Transformer", _POOLING_MODULE, "sentence_transformers.models.Normalize")
 # The Pooling module's modes jaxserve pools by, in the order sentence-transformers concatenates them
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
 
@@ -26,8 +28,12 @@ def pooling_type(directory: Path) -> str | None:
     """The model's sentence-transformers pooling ("cls", "mean" or "last"); None where it has none, or one
     jaxserve does not pool by (max, weighted mean, several concatenated: said in the log)."""
     modules = _read_json(directory / "modules.json")
-    paths = [module.get("path", "") for module in modules if isinstance(module, dict)
-             and module.get("type") == _POOLING_MODULE] if isinstance(modules, list) else ["1_Pooling"]
+    modules = [module for module in modules if isinstance(module, dict)] if isinstance(modules, list) else None
+    if others := sorted({str(m.get("type")) for m in modules or () if m.get("type") not in _APPLIED}):
+        logger.warning("the model's sentence-transformers modules %s are not applied: its vectors are the pooled "
+                       "hidden states, not what sentence-transformers gives", ", ".join(others))
+    paths = [m.get("path", "") for m in modules if m.get("type") == _POOLING_MODULE] if modules is not None \
+        else ["1_Pooling"]
     settings = next((found for path in paths if isinstance(found := _read_json(directory / path / "config.json"),
                                                            dict)), None)
     if settings is None:

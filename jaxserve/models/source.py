@@ -151,7 +151,45 @@ def metadata_dir(source: ModelSource) -> Path:
 
 
 def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None = None) -> Any:
-    return with_hf_overrides(_auto_config().from_pretrained(str(metadata_dir(source))), hf_overrides)
+    directory = metadata_dir(source)
+    return _with_separator(with_hf_overrides(_auto_config().from_pretrained(str(directory)), hf_overrides), directory)
+
+
+def _with_separator(config: Any, directory: Path) -> Any:
+    """The config with `sep_token_id` from the tokenizer's files where it reads token types (a BERT's
+    `type_vocab_size` 2: `models.bert.token_types`) and does not name it: the step derives a pair's types from it,
+    so serve and a deviceless compile must read the same."""
+    if (getattr(config, "type_vocab_size", 1) or 1) > 1 and getattr(config, "sep_token_id", None) is None:
+        config.sep_token_id = separator_token_id(directory)
+    return config
+
+
+def separator_token_id(directory: Path) -> int | None:
+    """The id of the tokenizer's `sep_token` (tokenizer_config.json), from tokenizer.json's added tokens or
+    vocabulary, or vocab.txt's lines; None where the files do not say."""
+    def read(name: str) -> Any:
+        try:
+            return json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    settings = read("tokenizer_config.json")
+    separator = settings.get("sep_token") if isinstance(settings, dict) else None
+    separator = separator.get("content") if isinstance(separator, dict) else separator
+    if not isinstance(separator, str):
+        return None
+    tokenizer = read("tokenizer.json")
+    if isinstance(tokenizer, dict):
+        for added in tokenizer.get("added_tokens") or ():
+            if isinstance(added, dict) and added.get("content") == separator and isinstance(added.get("id"), int):
+                return added["id"]
+        vocab = (tokenizer.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict) and isinstance(vocab.get(separator), int):
+            return vocab[separator]
+    try:
+        return (directory / "vocab.txt").read_text(encoding="utf-8").splitlines().index(separator)
+    except (OSError, ValueError):
+        return None
 
 
 # transformers 5 keeps RoPE's settings in `rope_parameters`, the base frequency with them: a config built

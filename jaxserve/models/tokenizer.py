@@ -28,6 +28,23 @@ def load_tokenizer(model_dir: Path, gguf_file: str | None = None) -> Any:
     return tokenizer
 
 
+def encode_text(tokenizer: Any, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
+                keep_last: int | None = None) -> list[int]:
+    """A text's token ids, or a pair's as the tokenizer joins them (its special tokens around and between).
+    With `keep_last` (vLLM's truncate_prompt_tokens), at most that many: the text's last tokens, a pair's longer
+    text cut first, inside the tokenizer's special tokens (a BERT's [CLS] and [SEP] stay where they are), as
+    vLLM's tokenizers truncate (on the left); the ids' last `keep_last` where the special tokens alone would
+    not leave a text token."""
+    if keep_last is None:
+        return list(tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens)["input_ids"])
+    specials = tokenizer.num_special_tokens_to_add(pair=text_pair is not None) if add_special_tokens else 0
+    if keep_last <= specials + (text_pair is not None):
+        return encode_text(tokenizer, text, text_pair, add_special_tokens)[-keep_last:]
+    tokenizer.truncation_side = "left"  # (the tokenizer is this thread's own)
+    return list(tokenizer(text, text_pair=text_pair, add_special_tokens=add_special_tokens, truncation=True,
+                          max_length=keep_last)["input_ids"])
+
+
 # tokenizer_config.json's `tokenizer_class` values that name transformers' generic tokenizers-backed class
 # (what a converted GGUF's tokenizer is), which AutoTokenizer resolves without a model-specific class.
 _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})

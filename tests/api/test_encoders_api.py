@@ -97,5 +97,12 @@ def test_a_bert_cross_encoder_reranks_as_transformers_does(encoder_dir):
                                    rtol=1e-4, atol=1e-6)
         paired = client.post("/v1/score", json={"text_1": QUERY, "text_2": TEXTS}).json()
         np.testing.assert_allclose([d["score"] for d in paired["data"]], scores, rtol=1e-4, atol=1e-6)
+        tokenizer.truncation_side = "left"  # vLLM's: the texts' ends kept, inside [CLS] and the [SEP]s
+        with torch.no_grad():
+            cut = [model.double()(**tokenizer(QUERY, text_pair=t, truncation=True, max_length=7,
+                                              return_tensors="pt")).logits[0, 0].item() for t in TEXTS]
+        truncated = client.post("/v1/score", json={"text_1": QUERY, "text_2": TEXTS, "truncate_prompt_tokens": 7})
+        np.testing.assert_allclose([d["score"] for d in truncated.json()["data"]], 1 / (1 + np.exp(-np.array(cut))),
+                                   rtol=1e-4, atol=1e-6)
         too_long = client.post("/v1/rerank", json={"query": QUERY, "documents": [TEXTS[0], "the cat " * 80]})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "documents.1", too_long.text

@@ -148,3 +148,23 @@ def test_steps_grow_to_take_the_longest_prompt_whole(encoder_dir, caplog):
                                atol=1e-5)
     shorter = _llm(directory, max_model_len=100)
     assert shorter.engine.info.limits.max_model_len == shorter.engine.info.max_num_batched_tokens == 100
+
+
+def test_truncation_keeps_the_special_tokens(encoder_dir):
+    """truncate_prompt_tokens keeps a text's last tokens inside [CLS] ... [SEP], a pair's longer text cut first,
+    as vLLM's tokenizers truncate (on the left): the first token's state is still [CLS]'s."""
+    directory, model = encoder_dir("bert", 1)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    llm = _llm(directory)
+    tokenizer.truncation_side = "left"
+    query, document = QUERY, "the dog sat on the mat in paris, the capital of france"
+    expected = tokenizer(query, text_pair=document, truncation=True, max_length=12, return_tensors="pt")
+    assert expected["input_ids"][0, 0].item() == tokenizer.cls_token_id and len(expected["input_ids"][0]) == 12
+    with torch.no_grad():
+        logit = model.double()(**expected).logits[0, 0].item()
+    (scored,) = llm.score(query, [document], truncate_prompt_tokens=12, use_tqdm=False)
+    assert scored.prompt_token_ids == expected["input_ids"][0].tolist()
+    np.testing.assert_allclose(scored.outputs.score, 1 / (1 + np.exp(-logit)), rtol=1e-4, atol=1e-6)
+    (embedded,) = _llm(encoder_dir("bert")[0]).embed([document], truncate_prompt_tokens=5, use_tqdm=False)
+    assert embedded.prompt_token_ids == [tokenizer.cls_token_id, *tokenizer.encode(document)[-4:-1],
+                                         tokenizer.sep_token_id]

@@ -344,10 +344,10 @@ def test_a_k_step_plan_counts_the_tokens_its_rows_compute():
     assert sched.iteration_tokens.sum == 5 + 5 + 8 + 2, "two prompts, then the 8 and 2 tokens fed after the first"
 
 
-def _embedding_request(request_id: str, prompt: list[int]) -> Request:
+def _embedding_request(request_id: str, prompt: list[int], pooling_type: str = "mean") -> Request:
     request = Request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                       eos_token_ids=(2,), max_model_len=64, sampling_seed=0)
-    request.pool("mean")  # what EngineCore.add_sequences does under --runner pooling
+    request.pool(pooling_type)  # what EngineCore.add_sequences does under --runner pooling
     return request
 
 
@@ -362,13 +362,15 @@ def _pooled_step(out) -> StepOutput:
     return StepOutput(out.request_ids, [7] * out.num_reqs, [0.0] * out.num_reqs, pooled=pooled)
 
 
-def test_a_mean_pooling_preempted_with_a_chunk_in_flight_is_its_prompt_s_mean():
+@pytest.mark.parametrize("pooling_type", ["mean", "cls"])
+def test_a_pooling_preempted_with_a_chunk_in_flight_is_its_prompt_s(pooling_type):
     """Async scheduling (step N + 1 planned before step N is read): a request preempted while a chunk is in
     flight (a decode ahead of it needs its page) still has that chunk read, then starts over from its first
-    token; its embedding counts each token once."""
+    token; its embedding counts each token once (mean), or is its first token's, from its first chunk (cls)."""
     scheduler = Scheduler(KVCacheManager(4, 4, enable_prefix_caching=False), max_num_seqs=4,
                           max_num_batched_tokens=6)
-    decoding, pooled = make_request("d", 3, max_tokens=3), _embedding_request("a", list(range(10, 18)))
+    decoding = make_request("d", 3, max_tokens=3)
+    pooled = _embedding_request("a", list(range(10, 18)), pooling_type)
     scheduler.add_request(decoding)
     scheduler.add_request(pooled)
     in_flight = None
@@ -381,7 +383,8 @@ def test_a_mean_pooling_preempted_with_a_chunk_in_flight_is_its_prompt_s_mean():
         in_flight = None if out.is_empty else out
     assert pooled.num_preemptions == 1 and pooled.status is RequestStatus.FINISHED_LENGTH, "the case preempts a"
     assert decoding.status is RequestStatus.FINISHED_LENGTH and decoding.num_preemptions == 0
-    assert pooled.embedding == [float(np.mean(pooled.prompt_token_ids))]
+    expected = np.mean(pooled.prompt_token_ids) if pooling_type == "mean" else pooled.prompt_token_ids[0]
+    assert pooled.embedding == [float(expected)]
 
 
 def test_a_pooled_prompt_may_fill_the_cache_and_one_token_more_may_not():
@@ -460,3 +463,6 @@ def test_whole_prompts_are_never_split_over_steps():
         scheduler.update(out, _pooled_step(out))
     assert planned == [[("a", 6, 0)], [("b", 6, 0), ("c", 3, 0)], [("d", 10, 0)]]
     assert [r.embedding for r in requests] == [[float(np.mean(r.prompt_token_ids))] for r in requests]
+    with pytest.raises(ValueError, match="a prompt of 11 tokens is read whole in one step, which takes 10"):
+        scheduler.add_request(_embedding_request("e", list(range(10, 21))))
+    assert not scheduler.waiting  # refused, not queued where it would hold the queue forever

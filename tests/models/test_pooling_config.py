@@ -31,6 +31,15 @@ def test_the_module_is_found_where_modules_json_puts_it(tmp_path):
     assert pooling_type(tmp_path) is None  # two concatenated: not a vector jaxserve pools
 
 
+def test_a_module_that_is_not_applied_is_said(tmp_path, caplog):
+    save_sentence_transformers_pooling(tmp_path, "cls_token")
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert pooling_type(tmp_path) == "cls"
+    assert "modules sentence_transformers.models.Dense are not applied" in caplog.text
+
+
 def test_no_files_or_broken_ones_say_nothing(tmp_path):
     assert pooling_type(tmp_path) is None and max_seq_length(tmp_path) is None
     (tmp_path / "modules.json").write_text("{not json")

@@ -34,6 +34,18 @@ def test_each_token_attends_over_its_own_prompt_both_ways():
     assert np.isfinite(np.asarray(got)).all()  # padding attends among itself: finite
 
 
+def test_queries_in_blocks_are_the_whole_step_s():
+    """A long step takes its queries a block at a time; prompts that cross a block's edge attend as in one."""
+    rng = np.random.default_rng(1)
+    cu_q_lens = [0, 3, 11, 20, 29]  # prompts over the blocks' edges at 8, 16 and 24; then 3 tokens of padding
+    q, k, v = (rng.normal(size=(32, 2, 4)) for _ in range(3))
+    rows = token_rows(jnp.asarray(cu_q_lens, jnp.int32), 32)
+    inputs = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    blocked = np.asarray(encoder_attention(*inputs, rows, query_block=8))
+    np.testing.assert_allclose(blocked[:29], _oracle(q, k, v, cu_q_lens)[:29], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(blocked, np.asarray(encoder_attention(*inputs, rows)), rtol=1e-6, atol=1e-6)
+
+
 def test_token_types_turn_to_one_past_each_prompt_s_first_separator():
     sep = 3
     prompts = [[2, 7, 8, 3, 9, 9, 3], [2, 5, 3], [2, 7, 3, 8, 3, 8, 3]]  # a pair, a text, a pair with a [SEP] inside
