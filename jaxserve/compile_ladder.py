@@ -226,11 +226,12 @@ def compile_ladder(
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
                                 cache_dtype.itemsize, kv_arrays(cfg)) // tp
     max_pages_per_req = -(-max_len // cache.page_size)
-    apart = samples_apart(device.platform)  # the plain step's sampler a program of its own, as serve runs it
     options = step_compiler_options(enforce_eager, device.platform)
     # A pooling engine's step (--runner pooling, which a classifier or an encoder chooses) returns the pooled
-    # hidden states too, and has no decode variants
+    # hidden states, draws no sample, and has no decode variants
     pooling = config.runner == "pooling" or (config.runner == "auto" and (num_classes(cfg) > 0 or is_encoder(cfg)))
+    # the plain step's sampler a program of its own, as serve runs it
+    apart = samples_apart(device.platform) and not pooling
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
                         pooling=pooling, sample_apart=apart, compiler_options=options)
     weights_bytes = abstract.weights_bytes_per_device
@@ -262,7 +263,7 @@ def compile_ladder(
     if xla_cost:
         reference = build_abstract_model(hf_config, jax_dtype, AttentionConfig("reference"))
         reference_step = (make_step_fn(reference.graphdef, jax.tree.structure(reference.state),
-                                       config.model.max_logprobs), reference.state)
+                                       config.model.max_logprobs, pooling=pooling), reference.state)
     roofline_shape = model_shape(abstract.num_params, cfg)
     layer_itemsize = layer_weight_itemsize(quantization)  # (their scales: a rounding error)
     context = context_len or max_len // 2

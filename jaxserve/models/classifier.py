@@ -126,8 +126,9 @@ def sequence_classifier(causal: type) -> type:
             self.score = param(cfg.classifier.num_labels, cfg.hidden_size, dtype=weight_dtype or dtype)
 
         def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-            """No LM head: a pooling step's one sample, which it drops, is drawn from equal logits, each row's
-            first hidden value (not constants: XLA would fold the sampler over them at every compile)."""
+            """No LM head, and a pooling step asks for no logits (it draws no sample): equal logits, each row's
+            first hidden value, for a generation step's shapes (not constants: XLA would fold a sampler over
+            them)."""
             return jnp.broadcast_to(hidden[:, :1].astype(jnp.float32), (hidden.shape[0], self.cfg.vocab_size))
 
         def pool_head(self, pooled: jax.Array) -> jax.Array:  # f32[R, D] -> f32[R, L]

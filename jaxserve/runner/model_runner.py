@@ -227,7 +227,7 @@ class ModelRunner:
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
-        self.sample_apart = samples_apart(jax.devices()[0].platform)
+        self.sample_apart = samples_apart(jax.devices()[0].platform) and not pooling  # (a pooling step draws none)
         # XLA's options for every program of the step (`--enforce-eager`: no CUDA graphs on a GPU)
         self._compiler_options = step_compiler_options(enforce_eager, jax.devices()[0].platform)
         options = self._compiler_options

@@ -100,7 +100,7 @@ def _keep_floor(probs: jax.Array, params: SamplingArrays) -> jax.Array:  # f32[R
     return jnp.maximum(jnp.maximum(floor_k, floor_p), params.min_p)
 
 
-def _no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def no_logprobs(num_rows: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """What is reported when no row asks: token logprobs f32[R], their ranks i32[R], top logprobs f32[R, L],
     top ids i32[R, L]."""
     return (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
@@ -113,7 +113,7 @@ def _reported_logprobs(
     """The sampled tokens' logprobs f32[R] and ranks i32[R], and the top-L alternatives (f32[R, L],
     i32[R, L]) under the raw model, as in vLLM; zeros unless a row asked (a [R, V] log-softmax costs as
     much as the sampling)."""
-    nothing = _no_logprobs(raw_logits.shape[0], num_top_logprobs)
+    nothing = no_logprobs(raw_logits.shape[0], num_top_logprobs)
 
     def compute(raw: jax.Array):
         log_total = jax.nn.logsumexp(raw, axis=-1)  # [R]
@@ -161,7 +161,7 @@ def sample_greedy(logits: jax.Array, num_top_logprobs: int) -> SamplerOutput:  #
     """`sample` for a batch whose every row is greedy and asks for nothing more (no logprobs, grammar,
     bias, ban or penalty): the argmax, with no control flow. On a GPU each top-level `lax.cond` reads its
     predicate on the host, a stall every step; a plain greedy decode needs none of `sample`'s stages."""
-    token_logprobs, ranks, top_logprobs, top_ids = _no_logprobs(logits.shape[0], num_top_logprobs)
+    token_logprobs, ranks, top_logprobs, top_ids = no_logprobs(logits.shape[0], num_top_logprobs)
     return SamplerOutput(first_argmax(logits), token_logprobs, ranks, top_ids, top_logprobs)
 
 

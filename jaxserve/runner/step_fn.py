@@ -36,7 +36,7 @@ from jaxserve.parallel import replicated, split_along
 from jaxserve.runner.packing import PackedBatch, unpack
 from jaxserve.runner.penalties import PenaltyTables, count_accepted_drafts, count_outputs, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
-from jaxserve.runner.sampler import SamplerOutput, sample, sample_greedy
+from jaxserve.runner.sampler import SamplerOutput, no_logprobs, sample, sample_greedy
 from jaxserve.runner.step_batch import SamplingArrays, StepBatch
 
 
@@ -78,13 +78,18 @@ def _input_ids(batch: StepBatch) -> jax.Array:  # i32[T]
                      batch.previous_tokens.at[batch.input_from_row].get(mode="clip"), batch.input_ids)
 
 
+def _hidden(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_caches: KVCache
+            ) -> tuple[jax.Array, KVCache]:
+    """The model's stack over the batch: (final hidden states [T, D], the KV pages)."""
+    if getattr(model.cfg, "lora", None) is None:
+        return model(input_ids, batch.positions, kv_caches, batch.attention)
+    return model(input_ids, batch.positions, kv_caches, batch.attention, batch.lora_slots)  # each token's slot
+
+
 def _forward(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_caches: KVCache,
              mesh: Mesh | None) -> tuple[jax.Array, jax.Array, KVCache]:
     """The model over the batch: (hidden f32[T, D], the sampled rows' logits f32[R, V], the KV pages)."""
-    if getattr(model.cfg, "lora", None) is None:
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)  # [T, D]
-    else:  # --enable-lora: each token's adapter slot
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, batch.lora_slots)
+    hidden, kv_caches = _hidden(model, batch, input_ids, kv_caches)
     logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
@@ -121,10 +126,24 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
     with the KV pages and penalty tables donated.
     `greedy`: the variant for batches whose every row is greedy and asks for nothing more
     (`sampler.sample_greedy`): no penalty update, no prompt logprobs, no control flow around them.
-    `sample_apart` (CPUs, not with `greedy`): the step stops at the logits and returns (kv_caches,
+    `sample_apart` (CPUs, not with `greedy` or `pooling`): the step stops at the logits and returns (kv_caches,
     penalty_tables, logits f32[R, V], SamplingArrays, PromptLogprobs) for `make_sample_fn`'s program.
-    `pooling` (--runner pooling): also each row's pooled hidden states (`_pooled`), last in the tuple.
+    `pooling` (--runner pooling): each row's pooled hidden states (`_pooled`), last in the tuple, and no logits:
+    a pooled request's one sample is dropped, so none is drawn (token 0, no logprobs; the tables untouched).
+    Drawing it from [R, V] logits cost an XLM-R reranker (250,002 tokens) 1.9 ms a prompt on a CPU.
     `compiler_options`: XLA's, for every compile of it (`step_compiler_options`), as for the makers below."""
+
+    if pooling and (greedy or sample_apart):
+        raise ValueError("a pooling step draws no sample: no greedy or sampler variant of it")
+
+    def pool(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
+        batch = unpack(packed)
+        hidden, kv_caches = _hidden(model, batch, _input_ids(batch), kv_caches)
+        num_rows = batch.logits_indices.shape[0]
+        sampled = SamplerOutput(jnp.zeros(num_rows, jnp.int32), *no_logprobs(num_rows, num_top_logprobs))
+        return (kv_caches, penalty_tables, sampled, no_prompt_logprobs(hidden.shape[0], num_top_logprobs),
+                _by_row(sampled.tokens, batch.previous_tokens.shape[0], mesh), _pooled(model, hidden, batch))
 
     def step(weights: list[jax.Array], kv_caches: KVCache, penalty_tables: PenaltyTables, packed: PackedBatch):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
@@ -152,9 +171,10 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         else:
             outputs = (kv_caches, penalty_tables, sampled, prompt,
                        _by_row(sampled.tokens, batch.previous_tokens.shape[0], mesh))
-        return (*outputs, _pooled(model, hidden, batch)) if pooling else outputs
+        return outputs
 
-    return jax.jit(step, donate_argnames=("kv_caches", "penalty_tables"), compiler_options=compiler_options or None)
+    return jax.jit(pool if pooling else step, donate_argnames=("kv_caches", "penalty_tables"),
+                   compiler_options=compiler_options or None)
 
 
 def _count_accepted_drafts(tables: PenaltyTables, sampling: SamplingArrays, sampled: SamplerOutput,
