@@ -3,11 +3,12 @@
 models (sentence-transformers' all-MiniLM, bge, e5, multilingual-e5) and cross-encoder rerankers
 (ms-marco-MiniLM, bge-reranker) through `--runner pooling`, which an encoder always takes.
 
-An encoder reads a prompt whole and in both directions: every token attends to every token of its prompt
-(`ops.encoder_attention`), so a prompt is never split over steps (the scheduler's `whole_prompts`) and
-nothing is cached from one step for the next. Its layers leave the KV pages as they are; the engine keeps
-only as many pages as the tokens in flight take, which is what its scheduler counts
-(`engine/pooling_mode.encoder_config`).
+An encoder reads a prompt whole and in both directions: every token attends to every token of its prompt, so a
+prompt is never split over steps (the scheduler's `whole_prompts`) and nothing is cached from one step for the
+next. A step attends in one dense product over its tokens, masked to each prompt (`ops.encoder_attention`), or
+on a CPU where that pays, through the paged kernels with each token a request of one query over its prompt's
+pages (`each_token_a_row`, `pages_pay`), written as the step's scratch. The engine keeps only as many pages as
+two steps' prompts take, which is what its scheduler counts (`engine/pooling_mode.encoder_config`).
 
 Token types (BERT's segment embeddings): a pair, as the tokenizer encodes it for a cross-encoder
 (`[CLS] a [SEP] b [SEP]`), is type 0 up to and with its first separator and type 1 after it. The step
@@ -37,6 +38,7 @@ from jaxserve.models.layers import (
     dense,
     embedding_lookup,
     merge_heads,
+    paged_attention,
     param,
     project_heads,
 )
@@ -130,6 +132,34 @@ def token_types(input_ids: jax.Array, cu_q_lens: jax.Array, rows: jax.Array, sep
     return jnp.minimum(before - at_start, 1)
 
 
+# The attention paths on which an encoder may attend through the KV pages (`each_token_a_row`): the CPU's, whose
+# kernels read each prompt's own keys (sum of the prompts' squares) where the step's dense product reads every
+# prompt's (T x T). A pair costs the kernel ~4x what it costs the dense product, so the pages pay from about
+# 5 prompts a step of 512 tokens, and at any count in longer steps, where the dense product is bound by memory
+# (`pages_pay`; docs/benchmarks.md). GPUs keep the dense product, on the tensor cores.
+PAGED_ON = ("cpu", "cpu-native")
+PAGED_MIN_ROWS = 16  # a step's request bucket from which it holds 5 prompts or more (the ladders' 4, 16)
+PAGED_MIN_TOKENS = 1024
+
+
+def pages_pay(attention: AttentionConfig, num_tokens: int, num_rows: int) -> bool:
+    """Whether a step of `num_tokens` tokens and `num_rows` request rows (its bucket's) attends through the
+    pages (`PAGED_ON`)."""
+    return attention.impl in PAGED_ON and (num_rows >= PAGED_MIN_ROWS or num_tokens >= PAGED_MIN_TOKENS)
+
+
+def each_token_a_row(md: AttentionMetadata, rows: jax.Array) -> AttentionMetadata:
+    """The step's metadata with each token a request of one query over its whole prompt (i32[T] `rows`:
+    `token_rows`): paged attention that is causal per request is then bidirectional per prompt, each query
+    seeing all of its prompt's keys, which the step writes to the pages first. Padding tokens stay padding:
+    requests of no query and no key past the real tokens."""
+    num_rows, num_tokens = md.kv_lens.shape[0], rows.shape[0]
+    row = jnp.minimum(rows, num_rows - 1)
+    cu_q_lens = jnp.minimum(jnp.arange(num_tokens + 1, dtype=jnp.int32), md.cu_q_lens[-1])
+    return AttentionMetadata(slot_mapping=md.slot_mapping, kv_lens=jnp.where(rows < num_rows, md.kv_lens[row], 0),
+                             page_table=md.page_table[row], cu_q_lens=cu_q_lens, decode_only=False)
+
+
 class EncoderLayer(nnx.Module):
     """A post-norm layer: x = LN(x + attention(x)); x = LN(x + MLP(x))."""
 
@@ -148,11 +178,15 @@ class EncoderLayer(nnx.Module):
         self.attention = cfg.attention
         self.hidden_act = cfg.hidden_act
 
-    def __call__(self, x: jax.Array, kv_cache: Any, rows: jax.Array) -> tuple[jax.Array, Any]:  # [T, D]
+    def __call__(self, x: jax.Array, kv_cache: Any, rows: jax.Array, md: AttentionMetadata
+                 ) -> tuple[jax.Array, Any]:  # [T, D]
         attention = self.attention
         q, k, v = (project_heads(x, w[...], attention) + b[...]
                    for w, b in ((self.q_proj, self.q_bias), (self.k_proj, self.k_bias), (self.v_proj, self.v_bias)))
-        attn = encoder_attention(q, k, v, rows)  # [T, N, H]
+        if pages_pay(attention, x.shape[0], md.kv_lens.shape[0]):  # each token a query over its prompt's pages
+            attn, kv_cache = paged_attention(q, k, v, kv_cache, each_token_a_row(md, rows), attention=attention)
+        else:
+            attn = encoder_attention(q, k, v, rows)  # [T, N, H]
         x = self.attention_norm(x + merge_heads(attn, self.o_proj[...], attention) + self.o_bias[...])
         hidden = _ACTIVATIONS[self.hidden_act](dense(x, self.up_proj[...], attention) + self.up_bias[...])
         return self.output_norm(x + dense(hidden, self.down_proj[...], attention) + self.down_bias[...]), kv_cache
@@ -196,7 +230,7 @@ class BertModel(nnx.Module):
             x = x + self.token_type_embeddings[...][token_types(input_ids, md.cu_q_lens, rows, cfg.separator_token_id)]
         else:
             x = x + self.token_type_embeddings[...][0]
-        return apply_layers(self.layers, self.embeddings_norm(x), kv_caches, rows=rows)
+        return apply_layers(self.layers, self.embeddings_norm(x), kv_caches, rows=rows, md=md)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         """No LM head, and a pooling step asks for no logits (it draws no sample): equal logits, each row's first

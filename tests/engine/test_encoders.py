@@ -45,13 +45,14 @@ def _logits(model, tokenizer, text: str, pair: str | None = None) -> np.ndarray:
 
 @pytest.mark.gpu  # the encoder's step on the device there is
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
-@pytest.mark.parametrize("pooling_type", ["auto", "mean"])
-def test_embeddings_match_transformers(encoder_dir, kind, pooling_type):
+@pytest.mark.parametrize(("pooling_type", "rows"), [("auto", 8), ("mean", 8), ("auto", 16)])
+def test_embeddings_match_transformers(encoder_dir, kind, pooling_type, rows):
     """No --runner: an encoder serves as a pooling engine; auto pools the first token ([CLS]). The prompts,
-    3 to 14 tokens, run packed together in one step of the 64-token bucket."""
+    3 to 14 tokens, run packed together in one step of the 64-token bucket: on a CPU, attending in one dense
+    product, or with a 16-row bucket through the paged kernel (`bert.pages_pay`)."""
     directory, model = encoder_dir(kind)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    llm = _llm(directory, pooling_type=pooling_type)
+    llm = _llm(directory, pooling_type=pooling_type, max_num_seqs=rows, request_buckets=(1, 2, 4, rows))
     assert llm.engine.info.runner == "pooling"
     outputs = llm.embed(TEXTS, use_tqdm=False)
     for text, output in zip(TEXTS, outputs, strict=True):
