@@ -335,17 +335,17 @@ def classifier_dir(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def encoder_dir(tmp_path_factory):
-    """(kind, num_labels) -> (a local HF directory of a random encoder with a WordPiece tokenizer, its
+    """(kind, num_labels, num_heads) -> (a local HF directory of a random encoder with a WordPiece tokenizer, its
     transformers model): `tests/encoders.py`."""
     from tests.encoders import encoder, wordpiece_tokenizer
 
     made = {}
 
-    def make(kind: str, num_labels: int | None = None):
-        key = kind, num_labels
+    def make(kind: str, num_labels: int | None = None, num_heads: int = 4):
+        key = kind, num_labels, num_heads
         if key not in made:
-            directory = tmp_path_factory.mktemp(f"encoder-{kind}-{num_labels}")
-            model = encoder(kind, num_labels)
+            directory = tmp_path_factory.mktemp(f"encoder-{kind}-{num_labels}-{num_heads}")
+            model = encoder(kind, num_labels, num_heads)
             model.save_pretrained(directory, safe_serialization=True)
             wordpiece_tokenizer().save_pretrained(directory)
             made[key] = directory, model

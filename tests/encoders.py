@@ -21,13 +21,14 @@ def wordpiece_tokenizer():
     return transformers.BertTokenizer(vocab={token: index for index, token in enumerate(VOCAB)})
 
 
-def encoder(kind: str, num_labels: int | None = None):
-    """A random `kind` ("bert", "xlm-roberta") encoder: bare, or a classifier of `num_labels` classes."""
+def encoder(kind: str, num_labels: int | None = None, num_heads: int = 4):
+    """A random `kind` ("bert", "xlm-roberta") encoder: bare, or a classifier of `num_labels` classes; its heads
+    16 wide."""
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, initializer_range=0.3, hidden_act="gelu")
+    shape = dict(vocab_size=len(VOCAB), hidden_size=16 * num_heads, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=num_heads, initializer_range=0.3, hidden_act="gelu")
     if kind == "bert":
         config = transformers.BertConfig(max_position_embeddings=128, type_vocab_size=2, pad_token_id=0, **shape)
         bare, classifier = transformers.BertModel, transformers.BertForSequenceClassification

@@ -78,15 +78,17 @@ def test_a_tiny_gpt2_matches_tp1_at_tp2(tp_worker, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
-def test_an_encoder_embeds_at_tp2_and_tp4_as_at_tp1(tp_worker, encoder_dir, kind, tmp_path):
+@pytest.mark.parametrize(("kind", "num_heads"), [("bert", 4), ("xlm-roberta", 4), ("bert", 6)])
+def test_an_encoder_embeds_at_tp2_and_tp4_as_at_tp1(tp_worker, encoder_dir, kind, num_heads, tmp_path):
     """An encoder's heads split over the devices (its attention over each packed prompt, both ways, per head),
-    its prompts embedded as at TP=1, and nothing compiled after the warm-up."""
-    results = run_tp(tp_worker, str(encoder_dir(kind)[0]), tmp_path, embed=["the cat sat on the mat", "where is paris?",
-                                                                           "a deep network model"])
+    its prompts embedded as at TP=1, and nothing compiled after the warm-up; 6 heads over 4 devices are laid
+    out as 12, 3 a device (`HeadLayout`)."""
+    texts = ["the cat sat on the mat", "where is paris?", "a deep network model"]
+    results = run_tp(tp_worker, str(encoder_dir(kind, num_heads=num_heads)[0]), tmp_path, embed=texts)
     for tp, got in results.items():
         assert got["compiles_after_warmup"] == 0, tp
-        assert [shape for _, shape in got["q_proj_shards"]] == [[64, 4 // tp, 16]] * tp, got["q_proj_shards"]
+        heads = {4: {1: 4, 2: 4, 4: 4}, 6: {1: 6, 2: 6, 4: 12}}[num_heads][tp]
+        assert [shape for _, shape in got["q_proj_shards"]] == [[16 * num_heads, heads // tp, 16]] * tp, got
         np.testing.assert_allclose(got["embeddings"], results[1]["embeddings"], rtol=1e-5, atol=1e-5)
 
 

@@ -248,6 +248,8 @@ class BertModel(nnx.Module):
 
 
 LAYERS_KEY = "layers"
+# `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
+QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "up_proj": 1, "down_proj": 1}
 
 # Tensor parallelism (`jaxserve.parallel`): parameter name -> (axis split over devices, what it holds).
 TENSOR_PARALLEL: dict[str, SplitRule] = {

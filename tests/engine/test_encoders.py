@@ -169,3 +169,23 @@ def test_truncation_keeps_the_special_tokens(encoder_dir):
     (embedded,) = _llm(encoder_dir("bert")[0]).embed([document], truncate_prompt_tokens=5, use_tqdm=False)
     assert embedded.prompt_token_ids == [tokenizer.cls_token_id, *tokenizer.encode(document)[-4:-1],
                                          tokenizer.sep_token_id]
+
+
+def test_fp8_weights_serve_an_encoder(encoder_dir):
+    """--quantization fp8: each layer's six projections in e4m3 with per-channel scales (the embeddings and the
+    head stay), the vectors tracking float32's (e4m3 rounds each weight by up to 6%, and this tiny random model's
+    two layers compound it)."""
+    from flax import nnx, traverse_util
+
+    from jaxserve.models.quantization import Fp8Weight
+
+    directory, _ = encoder_dir("bert")
+    exact = np.asarray([o.outputs.embedding for o in _llm(directory).embed(TEXTS, use_tqdm=False)])
+    llm = _llm(directory, quantization="fp8")
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(llm.engine.runner.model.state))
+    assert sorted(path[-1] for path, value in flat.items() if isinstance(value, Fp8Weight) and path[1] == 0) == [
+        "down_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sum(isinstance(value, Fp8Weight) for value in flat.values()) == 2 * 6
+    rounded = np.asarray([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    cosine = np.sum(exact * rounded, 1) / np.linalg.norm(exact, axis=1) / np.linalg.norm(rounded, axis=1)
+    assert cosine.min() > 0.95 and np.abs(exact - rounded).max() > 1e-4, cosine  # rounded, and close
