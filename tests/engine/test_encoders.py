@@ -189,3 +189,21 @@ def test_fp8_weights_serve_an_encoder(encoder_dir):
     rounded = np.asarray([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     cosine = np.sum(exact * rounded, 1) / np.linalg.norm(exact, axis=1) / np.linalg.norm(rounded, axis=1)
     assert cosine.min() > 0.95 and np.abs(exact - rounded).max() > 1e-4, cosine  # rounded, and close
+
+
+def test_a_cross_encoder_scores_alike_over_two_data_parallel_ranks(encoder_dir):
+    """--data-parallel-size 2: each rank's core in its own process sizes and schedules as an encoder (steps that
+    take its prompts whole), and the pairs' scores and classes are one rank's."""
+    directory, _ = encoder_dir("bert", 1)
+    documents = [*DOCUMENTS, *TEXTS]
+    one = _llm(directory)
+    scores = [o.outputs.score for o in one.score(QUERY, documents, use_tqdm=False)]
+    probs = [o.outputs.probs for o in one.classify(TEXTS, use_tqdm=False)]
+    two = _llm(directory, data_parallel_size=2)
+    try:
+        np.testing.assert_allclose([o.outputs.score for o in two.score(QUERY, documents, use_tqdm=False)], scores,
+                                   rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose([o.outputs.probs for o in two.classify(TEXTS, use_tqdm=False)], probs, rtol=1e-5,
+                                   atol=1e-7)
+    finally:
+        two.engine.shutdown()
