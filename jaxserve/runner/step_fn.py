@@ -140,6 +140,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
         batch = unpack(packed)
         hidden, kv_caches = _hidden(model, batch, _input_ids(batch), kv_caches)
+        if mesh is not None:  # the pages stay split by KV head, as `_forward` keeps them
+            kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
         num_rows = batch.logits_indices.shape[0]
         sampled = SamplerOutput(jnp.zeros(num_rows, jnp.int32), *no_logprobs(num_rows, num_top_logprobs))
         return (kv_caches, penalty_tables, sampled, no_prompt_logprobs(hidden.shape[0], num_top_logprobs),
