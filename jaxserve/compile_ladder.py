@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
-from jaxserve.engine.pooling_mode import encoder_config
+from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.layers import LoraShape, context_length
@@ -181,7 +181,8 @@ def compile_ladder(
     speculative config sizes the draft rows' penalty inputs).
     """
     wall_start = time.perf_counter()
-    name, hf_config = load_model_config(model, revision, download_dir, hf_overrides)
+    source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
+    name = source.name
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))
                      if value is not None}
     config = EngineConfig.from_preset(preset, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -213,7 +214,8 @@ def compile_ladder(
     asked = max_model_len or config.model.max_model_len
     if is_encoder(cfg):  # its prompts whole in a step, its pages those of two steps (engine/pooling_mode.py)
         config = encoder_config(dataclasses.replace(config, model=dataclasses.replace(config.model,
-                                                                                      max_model_len=asked)), context)
+                                                                                      max_model_len=asked)),
+                                encoder_context(context, source))
         asked = config.model.max_model_len
     max_len = context_served(asked, context)
     sched, cache = config.scheduler, config.cache

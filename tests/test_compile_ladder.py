@@ -247,6 +247,22 @@ def test_an_encoder_compiles_the_pooling_step_serve_runs_for_h100():
 
 
 @pytest.mark.slow
+def test_an_encoder_s_sentence_transformers_length_is_the_compiled_context(encoder_dir, tmp_path):
+    """`jaxserve compile` reads a sentence-transformers encoder's max_seq_length as serve does
+    (`pooling_mode.encoder_context`): the page tables are as wide as serve's."""
+    import shutil
+
+    from tests.encoders import save_sentence_transformers_pooling
+
+    directory = tmp_path / "st"
+    shutil.copytree(encoder_dir("bert")[0], directory)
+    save_sentence_transformers_pooling(directory, "mean_tokens", max_seq_length=48)
+    report = compile_ladder(str(directory), target=None, preset="cpu", dtype="float32", xla_cost=False,
+                            buckets=[Bucket(64, 4)])
+    assert report.max_model_len == 48
+
+
+@pytest.mark.slow
 def test_a_budgeted_kv_cache_compiles_the_step_a_small_one_does():
     """XLA:GPU's memory limit deviceless is 80% of the device's memory, which a KV cache budgeted at 90%
     exceeds; a real GPU's is its allocator pool. The deviceless compile now gets the pool's limit

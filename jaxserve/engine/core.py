@@ -132,7 +132,8 @@ class EngineCore:
         config = self.config = resolved_runner(config, model)
         encoder = is_encoder(model.cfg)
         if encoder:  # its prompts whole in a step, its pages only those of the steps in flight
-            config = self.config = encoder_config(config, encoder_context(model))
+            config = self.config = encoder_config(config, encoder_context(model.max_position_embeddings,
+                                                                          model.source))
         if config.lora.enable_lora:
             model = with_lora_slots(model, LoraShape(config.lora.max_loras, config.lora.max_lora_rank))
             logger.info("LoRA: %d slot(s) of rank %d in every dense projection", config.lora.max_loras,

@@ -12,7 +12,7 @@ from jaxserve.models import is_encoder
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.pooling_config import max_seq_length, pooling_type
-from jaxserve.models.source import metadata_dir
+from jaxserve.models.source import ModelSource, metadata_dir
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,10 @@ def resolved_pooling_type(asked: str, model: LoadedModel) -> str:
     return resolved
 
 
-def encoder_context(model: LoadedModel) -> int:
-    """The longest prompt an encoder reads: its positions, or its sentence-transformers `max_seq_length`."""
-    return min(model.max_position_embeddings, max_seq_length(metadata_dir(model.source)) or 2**31)
+def encoder_context(positions: int, source: ModelSource) -> int:
+    """The longest prompt an encoder reads: its `positions`, or its sentence-transformers `max_seq_length` where
+    shorter (serve and a deviceless compile alike)."""
+    return min(positions, max_seq_length(metadata_dir(source)) or positions)
 
 
 def encoder_config(config: EngineConfig, context: int) -> EngineConfig:

@@ -55,6 +55,7 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
 }
 _ROBERTA_TYPES = ("roberta", "xlm-roberta")
+_QKV = (("query", "q"), ("key", "k"), ("value", "v"))  # HF's names of the attention's parts, and this model's
 
 
 @dataclass(frozen=True)
@@ -266,22 +267,23 @@ def _heads_in(w: np.ndarray, c: BertConfig) -> np.ndarray:  # torch's [N*H, D] -
     return np.asarray(w).T.reshape(c.hidden_size, c.num_heads, c.head_dim)
 
 
-def _norm(path: tuple[str, ...]) -> dict[str, tuple[tuple[str, ...], Callable]]:
-    """A LayerNorm's tensors under both of HF's names (weight/bias, and the older gamma/beta)."""
-    same = lambda w, c: w  # noqa: E731
-    return {"weight": ((*path, "scale"), same), "gamma": ((*path, "scale"), same),
-            "bias": ((*path, "bias"), same), "beta": ((*path, "bias"), same)}
+def _per_head(b: np.ndarray, c: BertConfig) -> np.ndarray:  # [N*H] -> [N, H]
+    return np.asarray(b).reshape(c.num_heads, c.head_dim)
 
 
 _TRANSPOSED = lambda w, c: np.asarray(w).T  # noqa: E731  (torch's Linear keeps [out, in])
 _SAME = lambda w, c: w  # noqa: E731
+
+
+def _norm(path: tuple[str, ...]) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """A LayerNorm's tensors under both of HF's names (weight/bias, and the older gamma/beta)."""
+    return {"weight": ((*path, "scale"), _SAME), "gamma": ((*path, "scale"), _SAME),
+            "bias": ((*path, "bias"), _SAME), "beta": ((*path, "bias"), _SAME)}
+
+
 _LAYER_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
-    "attention.self.query.weight": (("q_proj",), _heads_in),
-    "attention.self.key.weight": (("k_proj",), _heads_in),
-    "attention.self.value.weight": (("v_proj",), _heads_in),
-    "attention.self.query.bias": (("q_bias",), lambda w, c: np.asarray(w).reshape(c.num_heads, c.head_dim)),
-    "attention.self.key.bias": (("k_bias",), lambda w, c: np.asarray(w).reshape(c.num_heads, c.head_dim)),
-    "attention.self.value.bias": (("v_bias",), lambda w, c: np.asarray(w).reshape(c.num_heads, c.head_dim)),
+    **{f"attention.self.{name}.weight": ((f"{part}_proj",), _heads_in) for name, part in _QKV},
+    **{f"attention.self.{name}.bias": ((f"{part}_bias",), _per_head) for name, part in _QKV},
     "attention.output.dense.weight": (("o_proj",),
                                       lambda w, c: np.asarray(w).T.reshape(c.num_heads, c.head_dim, c.hidden_size)),
     "attention.output.dense.bias": (("o_bias",), _SAME),
