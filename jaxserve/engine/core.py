@@ -55,6 +55,7 @@ from jaxserve.engine.core_io import (
     failed,
 )
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, draft_share
+from jaxserve.engine.eagle_proposer import EagleProposer
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context, resolved_pooling_type, resolved_runner
@@ -66,6 +67,7 @@ from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.engine.suffix_proposer import SuffixProposer
 from jaxserve.models import is_encoder
 from jaxserve.models.classifier import class_activation, class_labels, num_classes, score_activation
+from jaxserve.models.eagle import EagleConfig, load_eagle
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
@@ -156,8 +158,10 @@ class EngineCore:
         self.leader = multihost.Leader(config.parallel) if leads else None  # listens; accepts after warm-up
         speculative = None if pooling else sched.speculative_config
         # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
-        draft_model = (self._load_draft(config, speculative)
-                       if speculative is not None and speculative.method == "draft_model" else None)
+        method = None if speculative is None else speculative.method
+        eagle = method == "eagle"  # the target keeps its hidden states for the drafter (`models/features.py`)
+        draft_model = (self._load_draft(config, speculative) if method == "draft_model"
+                       else self._load_eagle(config, speculative, model) if eagle else None)
         share = draft_share(draft_model, model, config.cache, sched.max_num_seqs) if draft_model is not None else None
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
@@ -169,6 +173,7 @@ class EngineCore:
             fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
             max_drafts=0 if pooling else sched.max_drafts,
             draft=share,
+            keep_features=eagle,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
@@ -180,7 +185,10 @@ class EngineCore:
                            "(--kv-cache-memory, --gpu-memory-utilization, --num-kv-pages) serves more",
                            self.kv_cache.capacity_tokens, self.max_model_len)
         proposer: Proposer | None = None
-        if draft_model is not None:
+        if eagle:
+            proposer = EagleProposer(self._draft_runner(config, draft_model, ladder), self.runner,
+                                     speculative.num_speculative_tokens, model.cfg.vocab_size)
+        elif draft_model is not None:
             proposer = DraftModelProposer(self._draft_runner(config, draft_model, ladder),
                                           speculative.num_speculative_tokens, model.cfg.vocab_size,
                                           config.cache.enable_prefix_caching)
@@ -251,6 +259,8 @@ class EngineCore:
         self.warmup_seconds = self.runner.warmup(mode=mode, meanwhile=self.tokenizer_copies.make) if warmup else 0.0
         if warmup and self.draft_runner is not None:
             self.warmup_seconds += self.draft_runner.warmup(show_progress=False, mode=mode)
+        if warmup and isinstance(proposer, EagleProposer):
+            proposer.warmup()
         self.runner.wait_for_weights()  # a start fails with its load's error, not the first step
         if self.leader is not None:  # every process has warmed up alike
             self.leader.accept_followers()
@@ -268,11 +278,21 @@ class EngineCore:
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error
 
+    def _load_eagle(self, config: EngineConfig, speculative: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
+        """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`)."""
+        logger.info("speculative decoding: loading the EAGLE drafter %s", speculative.model)
+        try:
+            return load_eagle(speculative.model, target, speculative.revision, config.model.download_dir)
+        except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
+            raise ValueError(f"the EAGLE drafter (--speculative-config's \"model\"): {error}") from error
+
     def _draft_runner(self, config: EngineConfig, draft: LoadedModel, ladder: BucketLadder) -> ModelRunner:
         """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's
         (their memory counted in the target's sizing: `DraftShare`)."""
         k = config.scheduler.speculative_config.num_speculative_tokens
         cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages)
+        if isinstance(draft.cfg, EagleConfig):  # its cache in its own dtype (an FP8 cache's scales are a family's)
+            cache = dataclasses.replace(cache, kv_cache_dtype="auto")
         max_len = context_served(self.max_model_len, draft.max_position_embeddings)
         if (asked := config.scheduler.speculative_config.max_model_len) is not None:
             max_len = min(max_len, asked)

@@ -103,6 +103,20 @@ class DraftModelProposer:
         self.num_calls = 0  # device calls, for tests and benchmarks
         self.num_hit_tokens = 0  # positions sequences new to the draft found in its prefix cache
 
+    # Whether the K/V a round's decode steps write for its drafts is the K/V of those tokens once they are
+    # accepted (a draft model's); where not (an EAGLE drafter's, computed from its own features), a round
+    # computes the accepted drafts again.
+    keeps_drafts = True
+    # Positions past a round's last draft that its decode steps write to (an EAGLE drafter's next feature)
+    lookahead = 0
+
+    def _view(self, request: Request) -> Request:
+        """The request as the draft reads it: as it is here (`EagleProposer` shifts it)."""
+        return request
+
+    def _before_catch_up(self, rows: list[tuple[Request, _DraftState, int, int]]) -> None:
+        """Called before each catch-up call with its rows: (request, state, first position, end position)."""
+
     # A round runs the draft model: the scheduler does not ask one only to learn whether drafts would come.
     probes_cheaply = False
 
@@ -115,13 +129,14 @@ class DraftModelProposer:
         running ones (the states of others, preempted since, are dropped), each having its last token to
         compute. A request gets none where the draft's cache or context has no room for its drafts."""
         k = self.num_speculative_tokens
+        requests = [self._view(request) for request in requests]
         running = {request.request_id for request in requests}
         for request_id in [key for key in self._states if key not in running]:
             self.forget(request_id)
         proposals: list[list[int]] = [[] for _ in requests]
         eligible: list[tuple[int, Request]] = []
         for index, (request, limit) in enumerate(zip(requests, max_drafts, strict=True)):
-            if request.num_tokens + k - 1 > self.runner.max_model_len:  # past the draft's context, for good
+            if request.num_tokens + k - 1 + self.lookahead > self.runner.max_model_len:  # past its context, for good
                 self.forget(request.request_id)
             elif min(limit, k) >= 1:
                 eligible.append((index, request))
@@ -137,7 +152,8 @@ class DraftModelProposer:
             if state is None:  # its next page is one this round fills: the next round finds it cached
                 continue
             self.pages.release_outside_window(state.page_ids, state.num_computed)
-            if self.pages.allocate(state.page_ids, request.num_tokens + k - 1):  # the drafts' positions too
+            # the drafts' positions too
+            if self.pages.allocate(state.page_ids, request.num_tokens + k - 1 + self.lookahead):
                 active.append((index, request, state))
                 filling.update(self._filled_keys(request, state))
             elif not state.has_row:  # nothing computed yet: a later round looks its prefix up again
@@ -159,8 +175,11 @@ class DraftModelProposer:
             # Its tokens' K/V, computed: the pages before its last token are offered now, not a round later
             # (when it may no longer draft), so that those held back find them.
             self._cache_pages(request, state, (request.num_tokens - 1) // self.pages.page_size)
-            state.base, state.drafts = request.num_tokens, drafts[index][: k - 1]
-            state.num_computed = request.num_tokens + k - 1
+            if self.keeps_drafts:
+                state.base, state.drafts = request.num_tokens, drafts[index][: k - 1]
+                state.num_computed = request.num_tokens + k - 1
+            else:
+                state.base, state.drafts, state.num_computed = request.num_tokens, [], request.num_tokens
             kept = drafts[index][: min(max_drafts[index], k)]
             proposals[index] = kept[: next((i for i, token in enumerate(kept) if token >= self.vocab_size),
                                            len(kept))]
@@ -221,6 +240,7 @@ class DraftModelProposer:
         while pending:
             plan = self._new_plan()
             rows: list[tuple[int, int]] = []  # (request index, row) of the rows that end their request's tokens
+            spans: list[tuple[Request, _DraftState, int, int]] = []
             left: list[tuple[int, Request, _DraftState]] = []
             for item in pending:
                 index, request, state = item
@@ -233,9 +253,11 @@ class DraftModelProposer:
                 if start + take == end:
                     rows.append((index, plan.num_rows))
                 plan.add(request, state, request.token_ids(start, start + take), start, start + take == end)
+                spans.append((request, state, start, start + take))
                 state.num_computed += take
                 if state.num_computed < end:
                     left.append(item)
+            self._before_catch_up(spans)
             out = self.runner.collect(self._launch(plan.build()))
             for index, row in rows:
                 firsts[index] = [out.sampled_token_ids[row]]

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.models import values_are_keys
+from jaxserve.models.features import FeaturePages
 from jaxserve.models.layers import KVCache, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
@@ -41,6 +42,7 @@ class StepShapes:
     layout: BatchLayout
     dtype: Any  # the KV cache's dtype
     values_are_keys: bool = False  # the cache keeps K alone (`models.values_are_keys`)
+    features: FeaturePages | None = None  # the cache ends with hidden states' pages (`models/features.py`)
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,11 @@ class CompiledBucket:
 
 def step_shapes(
     cfg: Any, dtype: Any, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int,
-    max_drafts: int = 0,
+    max_drafts: int = 0, features: FeaturePages | None = None,
 ) -> StepShapes:
     """The step's shapes for a model config (`cfg`: the model file's own) and a KV cache of `num_pages`;
-    `max_drafts`: a speculative decode's drafts per request at most (0: none)."""
+    `max_drafts`: a speculative decode's drafts per request at most (0: none); `features`: the pages of
+    hidden states that the cache ends with, if any."""
     layout = BatchLayout(
         page_size=page_size,
         max_pages_per_req=max_pages_per_req,
@@ -71,7 +74,8 @@ def step_shapes(
         max_num_seqs=max_num_seqs,
         max_drafts=max_drafts,
     )
-    return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype, values_are_keys(cfg))
+    return StepShapes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, layout, dtype, values_are_keys(cfg),
+                      features)
 
 
 def abstract_weights(state: nnx.State, device: Any, mesh: Mesh | None = None) -> list[jax.ShapeDtypeStruct]:
@@ -105,7 +109,11 @@ def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None
     sharding = on_one_device(device) if mesh is None else split_along(mesh, 4, 0)
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
     page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
-    return kv_cache_layers(shapes.num_layers, shapes.values_are_keys, lambda: page)
+    caches = kv_cache_layers(shapes.num_layers, shapes.values_are_keys, lambda: page)
+    if shapes.features is not None:
+        features = shapes.features.shape(shapes.num_pages, shapes.layout.page_size)
+        caches.append((jax.ShapeDtypeStruct(features, shapes.features.dtype, sharding=sharding), None))
+    return caches
 
 
 def abstract_step_args(

@@ -41,6 +41,7 @@ from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
 from jaxserve.models import kv_arrays
+from jaxserve.models.features import FeaturePages
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
@@ -149,11 +150,23 @@ def _kv_dtype(model: LoadedModel, cache_config: CacheConfig) -> Any:
                           cfg.attention.compute_capability)
 
 
-def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig) -> int:
-    """One page of `model`'s KV cache, in every layer, at the cache's dtype for it."""
+def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig, keep_features: bool = False) -> int:
+    """One page of `model`'s KV cache, in every layer, at the cache's dtype for it, and of the hidden states
+    it keeps (`feature_pages`)."""
     cfg = model.cfg
+    features = feature_pages(model, keep_features)
     return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim,
-                          _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg))
+                          _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg)) + (
+        0 if features is None else features.page_bytes(cache_config.page_size))
+
+
+def feature_pages(model: LoadedModel, keep_features: bool = False) -> FeaturePages | None:
+    """The pages of hidden states that a runner's KV cache ends with (`models/features.py`): an EAGLE
+    drafter's input features where the model is one, the model's final states where it keeps them for one
+    (`keep_features`); None where neither."""
+    if (width := getattr(model.cfg, "feature_width", 0)) > 0:
+        return FeaturePages(width, jnp.dtype(model.dtype))
+    return FeaturePages(model.cfg.hidden_size, jnp.dtype(model.dtype)) if keep_features else None
 
 
 @dataclass(frozen=True)
@@ -185,12 +198,14 @@ class ModelRunner:
         fit_to_cache: bool = False,
         max_drafts: int = 0,
         draft: DraftShare | None = None,
+        keep_features: bool = False,
     ) -> None:
         """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
         that is less (`self.max_model_len` is what the runner serves). `max_drafts`: a speculative decode's
         drafts per request at most (0: none), which a penalty row's sampling counts. `draft`: a draft model's
         share of the memory the KV budget divides (`DraftShare`), which the runner then sizes its page count
-        for."""
+        for. `keep_features`: each step keeps its tokens' final hidden states in pages beside their K/V, for an
+        EAGLE drafter (`models/features.py`)."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -223,7 +238,8 @@ class ModelRunner:
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
         self.kv_dtype = _kv_dtype(model, cache_config)
-        page_bytes = kv_page_bytes(model, cache_config)
+        page_bytes = kv_page_bytes(model, cache_config, keep_features)
+        self.features = feature_pages(model, keep_features)  # the cache's last entry, if any
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
@@ -236,9 +252,11 @@ class ModelRunner:
         # One lock per R, so that two buckets' compiles on threads compile their sampler once.
         self._sampler_locks = {r: threading.Lock() for r in {b.num_reqs for b in ladder.all_buckets()}}
         self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling,
-                                              sample_apart=self.sample_apart, compiler_options=options),
+                                              sample_apart=self.sample_apart, keeps_features=keep_features,
+                                              compiler_options=options),
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
-                                                                 greedy=True, compiler_options=options)}
+                                                                 greedy=True, keeps_features=keep_features,
+                                                                 compiler_options=options)}
         self._step = self._step_fns[PLAIN]
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
             model.wait_for_weights()  # (calibrated on them, then folded into them)
@@ -270,7 +288,7 @@ class ModelRunner:
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
-                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, self._compiler_options)
+                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, keep_features, self._compiler_options)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
         self._step_shapes = self._shapes(self.num_pages)
@@ -335,7 +353,7 @@ class ModelRunner:
     def _shapes(self, num_pages: int) -> StepShapes:
         pages_per_req = -(-self._served_len(num_pages) // self.page_size)  # the page tables' width
         return step_shapes(self.model.cfg, self.kv_dtype, self.page_size, num_pages, pages_per_req,
-                           self.max_num_seqs, self._max_drafts)
+                           self.max_num_seqs, self._max_drafts, self.features)
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None,
                       loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:

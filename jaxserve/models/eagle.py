@@ -1,0 +1,243 @@
+"""EAGLE drafters for speculative decoding (vLLM's "eagle" method; Li et al., "EAGLE: Speculative Sampling
+Requires Rethinking Feature Uncertainty", 2024).
+
+An EAGLE drafter is one (or a few) Llama decoder layers beside the target. At position j it takes the token at
+j + 1 and the target's final hidden state at j (its "feature"), fused by `fc` ([2D] -> [D]), runs its layers
+over its own K/V of the positions before, and its output through the target's LM head predicts the token at
+j + 2. Its output also stands in for the target's feature at j + 1 when it runs ahead on its own drafts. As
+the EAGLE authors' and vLLM's models do, the first layer has no input norm and the stack no final norm; the
+embeddings and the LM head are the target's (a checkpoint's own embeddings are the target's copy). `fc`'s bias
+is applied where the checkpoint has one (the EAGLE authors' checkpoints).
+
+The features come through the last entry of the drafter's KV cache (`models/features.py`): each position
+reads its feature from its own slot there, and writes its output to the next position's slot, for the draft
+that follows it.
+"""
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from jaxserve.models import ModelSpec
+from jaxserve.models.features import read_features, write_features
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    GatedMlp,
+    KVCache,
+    RMSNorm,
+    apply_layers,
+    dense,
+    embedding_lookup,
+    logits_from_embeddings,
+    param,
+)
+from jaxserve.models.llama import Attention, LlamaConfig, map_hf_weight
+from jaxserve.models.loader import LoadedModel
+from jaxserve.models.source import load_hf_config, resolve_model
+
+
+@dataclass(frozen=True)
+class EagleConfig(LlamaConfig):
+    """The drafter's layers as a Llama's (`num_layers` of them), and its input's."""
+
+    feature_width: int = 0  # F: the target's hidden size, each position's feature
+    fc_bias: bool = False  # `fc` has a bias (the EAGLE authors' checkpoints)
+
+    @classmethod
+    def for_target(cls, hf: Any, target_cfg: Any, fc_bias: bool, attention: Any) -> "EagleConfig":
+        """The drafter of `hf` (its config.json, a Llama's) beside a target of config `target_cfg`; raises
+        ValueError where it cannot draft for it."""
+        base = LlamaConfig.from_hf(hf, attention)
+        if base.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"an EAGLE drafter of hidden size {base.hidden_size} cannot read a target's features of "
+                             f"{target_cfg.hidden_size}")
+        if base.vocab_size > target_cfg.vocab_size:
+            raise ValueError(f"the EAGLE drafter's vocabulary ({base.vocab_size}) is larger than the target's "
+                             f"({target_cfg.vocab_size})")
+        fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
+        # the target's embeddings and LM head: its vocabulary, padded as it is
+        fields.update(vocab_size=target_cfg.vocab_size, tie_word_embeddings=False)
+        return cls(**fields, feature_width=target_cfg.hidden_size, fc_bias=fc_bias)
+
+
+class EagleLayer(nnx.Module):
+    """A Llama decoder layer; the first of the stack takes its input un-normed."""
+
+    def __init__(self, cfg: EagleConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
+        d = cfg.hidden_size
+        if layer > 0:
+            self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, weight_dtype, layer)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMlp(d, cfg.intermediate_size, weight_dtype, cfg.attention, None, "silu")
+        self.normed_input = layer > 0
+
+    def __call__(self, x, positions, kv_cache, md):
+        h = self.input_layernorm(x) if self.normed_input else x
+        attn_out, kv_cache = self.self_attn(h, positions, kv_cache, md)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class EagleLlama(nnx.Module):
+    """The drafter: `__call__` as a model's, over a KV cache whose last entry holds its features."""
+
+    reads_features = True
+
+    def __init__(self, cfg: EagleConfig, dtype: Any, weight_dtype: Any = None) -> None:
+        weight_dtype = weight_dtype or dtype
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = param(cfg.vocab_size, d, dtype=weight_dtype)  # the target's
+        self.fc = param(d + cfg.feature_width, d, dtype=weight_dtype)  # [embedding ; feature] -> D
+        if cfg.fc_bias:
+            self.fc_bias = param(d, dtype=dtype)
+        self.layers = nnx.List([EagleLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
+        self.lm_head = param(cfg.vocab_size, d, dtype=weight_dtype)  # the target's
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]: the token at each position's next one
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,  # the layers' K/V, then (features [1, pages, page_size, F], None)
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        (features, _), layer_caches = kv_caches[-1], kv_caches[:-1]
+        attention = self.cfg.attention
+        embedded = embedding_lookup(self.embed_tokens[...], input_ids, attention.mesh).astype(self.dtype)
+        fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, F]
+        x = dense(jnp.concatenate([embedded, fed], axis=-1), self.fc[...], attention)
+        if self.cfg.fc_bias:
+            x = x + self.fc_bias[...]
+        x, layer_caches = apply_layers(self.layers, x, layer_caches, positions=positions, md=md)
+        features = write_features(features, x, next_slots(md, positions, features.shape[1], features.shape[2]))
+        return x, [*layer_caches, (features, None)]
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        return logits_from_embeddings(hidden, self.lm_head[...], self.cfg.attention)
+
+
+def next_slots(md: AttentionMetadata, positions: jax.Array, num_pages: int, page_size: int) -> jax.Array:  # i32[T]
+    """Each token's slot for the position after it, through its request's page table; padding tokens' (and a
+    position past the table's pages) past the cache, where writes are dropped."""
+    num_tokens, num_rows = positions.shape[0], md.page_table.shape[0]
+    if md.decode_only:
+        rows = jnp.arange(num_tokens)
+    else:
+        rows = jnp.searchsorted(md.cu_q_lens, jnp.arange(num_tokens), side="right") - 1
+    rows = jnp.clip(rows, 0, num_rows - 1)
+    after = positions + 1
+    pages = md.page_table.at[rows, after // page_size].get(mode="fill", fill_value=num_pages)
+    padding = num_pages * page_size
+    return jnp.where(md.slot_mapping >= padding, padding, pages * page_size + after % page_size)
+
+
+# Checkpoint names -> the drafter's, besides its layers' (a Llama's, `llama.map_hf_weight`)
+_FC = re.compile(r"^(?:model\.)?(?:fc|fusion_fc)\.(weight|bias)$")
+_IGNORED = re.compile(r"^(?:model\.)?(?:embed_tokens\.weight|lm_head\.weight|norm\.weight)$")
+
+
+def is_eagle_checkpoint(names: list[str]) -> bool:
+    """Whether checkpoint tensor names are an EAGLE drafter's: an `fc` beside Llama layers."""
+    return any(_FC.match(name) for name in names)
+
+
+def map_eagle_weight(name: str, cfg: EagleConfig) -> tuple[tuple[str | int, ...], Any] | None:
+    """Where an EAGLE checkpoint's tensor goes in `EagleLlama` (with its transform), or None for tensors it
+    takes from the target or has no use for (the first layer's input norm, where a checkpoint keeps one)."""
+    if match := _FC.match(name):
+        return (("fc",), lambda w, c: w.T) if match.group(1) == "weight" else (("fc_bias",), lambda w, c: w)
+    if _IGNORED.match(name):
+        return None
+    if re.match(r"^(?:model\.)?layers\.0\.input_layernorm\.", name):
+        return None
+    return map_hf_weight(name, cfg)
+
+
+def load_eagle_state(directory: Path, cfg: EagleConfig, dtype: Any, weight_dtype: Any,
+                     target_head: jax.Array, target_embeddings: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
+    """The drafter's module and weights: its checkpoint's (`*.safetensors` in `directory`) and the target's
+    embeddings and LM head ([V, D] each, shared, not copied)."""
+    from safetensors import safe_open
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: EagleLlama(cfg, dtype, weight_dtype)))
+    expected = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    loaded: dict[tuple, Any] = {("embed_tokens",): target_embeddings, ("lm_head",): target_head}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                mapped = map_eagle_weight(name, cfg)
+                if mapped is None:
+                    continue
+                path, transform = mapped
+                if path not in expected:
+                    raise ValueError(f"the EAGLE checkpoint's tensor {name} maps to no parameter ({path})")
+                value = np.asarray(transform(f.get_tensor(name), cfg))
+                want = expected[path]
+                if tuple(value.shape) != tuple(want.shape):
+                    raise ValueError(f"the EAGLE checkpoint's {name}: shape {value.shape} != {want.shape}")
+                loaded[path] = jax.device_put(jnp.asarray(value, dtype=want.dtype))
+    missing = sorted(str(path) for path in expected.keys() - loaded.keys())
+    if missing:
+        raise ValueError(f"the EAGLE checkpoint is missing {', '.join(missing[:5])}")
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(loaded))
+    return graphdef, state
+
+
+def target_tables(target_state: nnx.State) -> tuple[jax.Array, jax.Array]:
+    """A Llama-style target's (LM head, embeddings) [V, D] each (its embeddings twice where they are tied);
+    raises ValueError for a target whose tables an EAGLE drafter cannot share."""
+    weights = nnx.to_pure_dict(target_state)
+    embeddings = weights.get("embed_tokens")
+    if not isinstance(embeddings, jax.Array):
+        raise ValueError("an EAGLE drafter shares the target's embeddings: a Llama-style target with unquantized "
+                         "embeddings (--quantization none for a GGUF file)")
+    head = weights.get("lm_head", embeddings)
+    if not isinstance(head, jax.Array):
+        raise ValueError("an EAGLE drafter shares the target's LM head: an unquantized one (--quantization none)")
+    return head, embeddings
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    """The tensor names in a directory's `*.safetensors` files (their headers alone)."""
+    names: list[str] = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            names += [name for name in json.loads(f.read(size)) if name != "__metadata__"]
+    return names
+
+
+def load_eagle(model: str, target: LoadedModel, revision: str | None = None,
+               download_dir: str | None = None) -> LoadedModel:
+    """The EAGLE drafter `model` (a directory or hub id: config.json, a Llama's, and safetensors with `fc`)
+    beside `target` (loaded, a Llama-style stack on one device), in the target's dtypes and attention; it
+    shares the target's tokenizer, embeddings and LM head. Raises ValueError where it cannot draft for it."""
+    source = resolve_model(model, revision, download_dir)
+    if source.gguf_file:
+        raise ValueError("an EAGLE drafter is a safetensors checkpoint, not a GGUF file")
+    names = checkpoint_names(source.directory)
+    if not is_eagle_checkpoint(names):
+        raise ValueError(f"{model} is not an EAGLE drafter: its checkpoint has no fc.weight")
+    if target.mesh is not None:
+        raise ValueError("an EAGLE drafter runs beside a target on one device")
+    hf = load_hf_config(source)
+    target.wait_for_weights()
+    head, embeddings = target_tables(target.state)
+    cfg = EagleConfig.for_target(hf, target.cfg, any(name.endswith("fc.bias") for name in names),
+                                 target.cfg.attention)
+    graphdef, state = load_eagle_state(source.directory, cfg, target.dtype, target.weight_dtype, head, embeddings)
+    return LoadedModel(
+        name=source.name, source=source, hf_config=hf, cfg=cfg, spec=ModelSpec(sys.modules[__name__], EagleConfig,
+                                                                                EagleLlama),
+        graphdef=graphdef, state=state, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
+        max_position_embeddings=target.max_position_embeddings, dtype=target.dtype, weight_dtype=target.weight_dtype)

@@ -1,0 +1,252 @@
+"""Speculative decoding from an EAGLE drafter (`--speculative-config '{"method": "eagle", "model": ...}'`):
+each round's drafts are the drafter's greedy chain as transformers' PyTorch Llama layer computes it in float64
+from the target's own hidden states; outputs are token for token those of plain decoding; the drafter's
+pages and the target's hidden states' pages come and go with the requests; nothing compiles after warm-up;
+checkpoints that are not a drafter for the target are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import save_file
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine import draft_model_proposer
+from jaxserve.engine.eagle_proposer import EagleProposer
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.test_draft_model import every_draft_runs
+from tests.helpers import count_compilations
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128  # the tiny Llama's (tests/conftest.py)
+
+
+def write_eagle(directory, target_config: dict, fc_bias: bool = True, seed: int = 0, scale: float = 0.3,
+                **config_changes) -> None:
+    """An EAGLE-1 checkpoint for the tiny Llama: its config with one layer, and random weights under the
+    EAGLE authors' names (no input norm on the layer, `fc` over [embedding ; feature], the target's
+    embeddings beside them)."""
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    config = {**target_config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **config_changes}
+    tensors = {
+        "fc.weight": weight(HIDDEN, 2 * HIDDEN),
+        "layers.0.self_attn.q_proj.weight": weight(HEADS * HEAD_DIM, HIDDEN),
+        "layers.0.self_attn.k_proj.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
+        "layers.0.self_attn.v_proj.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
+        "layers.0.self_attn.o_proj.weight": weight(HIDDEN, HEADS * HEAD_DIM),
+        "layers.0.mlp.gate_proj.weight": weight(FFN, HIDDEN),
+        "layers.0.mlp.up_proj.weight": weight(FFN, HIDDEN),
+        "layers.0.mlp.down_proj.weight": weight(HIDDEN, FFN),
+        "layers.0.post_attention_layernorm.weight": (1 + weight(HIDDEN)).astype(np.float32),
+        "embed_tokens.weight": weight(config["vocab_size"], HIDDEN),  # the target's copy: never read
+    }
+    if fc_bias:
+        tensors["fc.bias"] = weight(HIDDEN)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def target_config(llama_dir) -> dict:
+    return json.loads((llama_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, target_config):
+    directory = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
+    write_eagle(directory, target_config)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir, eagle_dir) -> dict[str, LLMEngine]:
+    spec = {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": 3}
+    with pytest.MonkeyPatch.context() as patch:  # a round's decode steps in one call, as on a GPU
+        patch.setattr(draft_model_proposer, "one_call_decodes", lambda platform: True)
+        one_call = make_engine(llama_dir, speculative_config=spec)
+    assert proposer_of(one_call).runner.num_decode_steps == 2
+    return {"plain": make_engine(llama_dir), "eagle": make_engine(llama_dir, speculative_config=spec),
+            "eagle-one-call": one_call}
+
+
+def proposer_of(engine: LLMEngine) -> EagleProposer:
+    proposer = engine.scheduler.proposer
+    assert isinstance(proposer, EagleProposer)
+    return proposer
+
+
+class Reference:
+    """The target and the drafter in float64 with transformers' PyTorch Llama: the drafter is a one-layer
+    `LlamaModel` fed [embedding ; feature] through `fc`, its input norm and final norm identities (as EAGLE's)."""
+
+    def __init__(self, llama_dir, eagle_dir) -> None:
+        self.target = transformers.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
+        config = transformers.LlamaConfig.from_pretrained(eagle_dir)
+        self.drafter = transformers.LlamaModel(config).to(torch.float64).eval()
+        from safetensors.torch import load_file
+
+        weights = {name: tensor.to(torch.float64) for name, tensor in
+                   load_file(str(eagle_dir / "model.safetensors")).items()}
+        self.fc_weight, self.fc_bias = weights.pop("fc.weight"), weights.pop("fc.bias", None)
+        weights.pop("embed_tokens.weight")
+        missing, unexpected = self.drafter.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) == {"embed_tokens.weight", "layers.0.input_layernorm.weight",
+                                                   "norm.weight"}
+        self.drafter.layers[0].input_layernorm = torch.nn.Identity()
+        self.drafter.norm = torch.nn.Identity()
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> tuple[list[int], float]:
+        """The drafter's k greedy drafts after `tokens`, and the smallest gap between the two largest logits
+        of its choices (a near tie is where float32 may choose otherwise)."""
+        ids = torch.tensor([tokens])
+        features = self.target.model(ids).last_hidden_state[0]  # [n, D]: the target's final (normed) states
+        embed, head = self.target.model.embed_tokens.weight, self.target.lm_head.weight
+        inputs = list(tokens[1:])  # position j takes token j + 1 and the feature at j
+        feeds = list(features[:-1])
+        drafts, gap = [], np.inf
+        for _ in range(k):
+            fused = torch.cat([embed[torch.tensor(inputs)], torch.stack(feeds)], dim=-1) @ self.fc_weight.T
+            if self.fc_bias is not None:
+                fused = fused + self.fc_bias
+            out = self.drafter(inputs_embeds=fused[None]).last_hidden_state[0]  # [n', D]
+            logits = (out[-1] @ head.T).numpy()
+            top2 = np.sort(logits)[-2:]
+            gap = min(gap, float(top2[1] - top2[0]))
+            drafts.append(int(np.argmax(logits)))
+            inputs.append(drafts[-1])
+            feeds.append(out[-1])  # the drafter's output stands in for the target's feature
+        return drafts, gap
+
+
+def run_drafting(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[dict, int, int]:
+    """`requests` with every draft run; returns the outputs, the draft tokens verified and the accepted ones;
+    checks that nothing compiled and that the drafter's cache ends empty."""
+    counts, proposer = engine.scheduler.speculation, proposer_of(engine)
+    before = counts.num_draft_tokens, counts.num_accepted_tokens
+    with every_draft_runs(engine), count_compilations() as compiled:
+        outputs = run(engine, requests, arrivals)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages, "drafter pages leaked"
+    assert not proposer._states
+    return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1]
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-one-call"])
+def test_each_round_drafts_the_drafter_s_chain_on_the_target_s_states(engines, llama_dir, eagle_dir, name):
+    """Rounds start after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0):
+    each round's drafts are the float64 reference's chain from the target's states at the tokens then, so the
+    target's states reached the drafter at the right positions, from steps before the round as well."""
+    prompts = make_prompts(6)
+    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
+                for i in range(6)}
+    proposer = proposer_of(engines[name])
+    propose_batch, rounds = proposer.propose_batch, []
+
+    def recording_propose_batch(running, max_drafts):
+        caught_up = {request.request_id: request.num_tokens - 1 - proposer._states[request.request_id].num_computed
+                     if request.request_id in proposer._states else request.num_tokens - 1 for request in running}
+        proposals = propose_batch(running, max_drafts)
+        rounds.extend((request.token_ids(0, request.num_tokens), drafts, caught_up[request.request_id])
+                      for request, drafts in zip(running, proposals, strict=True) if drafts)
+        return proposals
+
+    proposer.propose_batch = recording_propose_batch
+    try:
+        outputs, drafted, _ = run_drafting(engines[name], requests, {f"s{i}": 4 * i for i in range(6)})
+    finally:
+        del proposer.propose_batch
+    assert len(outputs) == 6 and drafted > 0
+    assert len(rounds) > 40
+    assert any(1 < count < 20 for _, _, count in rounds), "no round caught up on several tokens"
+    reference = Reference(llama_dir, eagle_dir)
+    checked = 0
+    for tokens, drafts, _ in rounds[::3]:
+        expected, gap = reference.drafts(tokens, len(drafts))
+        if gap < 1e-3:  # a near tie: float32 may take the other
+            continue
+        assert drafts == expected, f"after {len(tokens)} tokens"
+        checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-one-call"])
+def test_any_eagle_draft_gives_the_plain_outputs(engines, name):
+    """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops: every output
+    is the plain engine's."""
+    requests, arrivals = workload(engines["plain"])
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0
+    plain = run(engines["plain"], requests, arrivals)
+    outputs, drafted, accepted = run_drafting(engines[name], requests, arrivals)
+    assert_same(plain, outputs)
+    assert drafted > 0 and 0 <= accepted <= drafted
+
+
+def test_the_target_keeps_its_states_and_the_drafter_its_features(engines):
+    """The target's cache ends with a page array of its hidden states, the drafter's with one of its
+    features, both [1, pages, page_size, D], and the target's page count pays for both."""
+    engine = engines["eagle"]
+    target, drafter = engine.core.runner, proposer_of(engine).runner
+    assert target.kv_caches[-1][0].shape == (1, target.num_pages, target.page_size, HIDDEN)
+    assert drafter.kv_caches[-1][0].shape == (1, drafter.num_pages, drafter.page_size, HIDDEN)
+    assert len(target.kv_caches) == 2 + 1 and len(drafter.kv_caches) == 1 + 1
+    assert drafter.num_pages == target.num_pages
+
+
+def test_the_speculative_config_takes_an_eagle_drafter():
+    config = SpeculativeConfig.of({"method": "eagle", "model": "a/b", "num_speculative_tokens": 2})
+    assert (config.method, config.model) == ("eagle", "a/b")
+    assert SpeculativeConfig.of({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B",
+                                 "num_speculative_tokens": 2}).method == "eagle"  # vLLM infers it from the name
+    with pytest.raises(ValueError, match="take their model"):
+        SpeculativeConfig.of({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        SpeculativeConfig.of({"model": "org/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not quantized"):
+        SpeculativeConfig.of({"method": "eagle", "model": "a/b", "num_speculative_tokens": 2, "quantization": "fp8"})
+
+
+def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target_config):
+    """A draft model's checkpoint (no `fc`) and a drafter of another width, each refused at start, by name."""
+    spec = {"method": "eagle", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="not an EAGLE drafter"):
+        make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(llama_dir)})
+    narrow = tmp_path / "narrow"
+    write_eagle(narrow, target_config)
+    config = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "hidden_size": 32, "head_dim": 8}))
+    with pytest.raises(ValueError, match="hidden size 32"):
+        make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(narrow)})
+
+
+def test_preemption_leaves_the_outputs_and_the_drafter_s_cache_right(llama_dir, eagle_dir):
+    """A target cache too small for every request: requests are preempted and resumed (their drafter state
+    dropped, their hidden states computed again with their K/V), outputs stay the plain ones and the drafter's
+    pages all come back."""
+    small = dict(num_kv_pages=24, warmup=False)
+    prompts = make_prompts(5)
+    requests = {f"r{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                for i in range(5)}
+    arrivals = {f"r{i}": i % 3 for i in range(5)}
+    plain = run(make_engine(llama_dir, **small), requests, arrivals)
+    engine = make_engine(llama_dir, speculative_config={"method": "eagle", "model": str(eagle_dir),
+                                                        "num_speculative_tokens": 2}, **small)
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda *args: preempted.append(args) or preempt(*args)
+    with every_draft_runs(engine):
+        outputs = run(engine, requests, arrivals)
+    assert_same(plain, outputs)
+    assert preempted, "nothing was preempted: the test no longer tests preemption"
+    assert engine.scheduler.speculation.num_draft_tokens > 0
+    proposer = proposer_of(engine)
+    assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages
