@@ -7,7 +7,8 @@ over its own K/V of the positions before, and its output through the target's LM
 j + 2. Its output also stands in for the target's feature at j + 1 when it runs ahead on its own drafts. As
 the EAGLE authors' and vLLM's models do, the first layer has no input norm and the stack no final norm; the
 embeddings and the LM head are the target's (a checkpoint's own embeddings are the target's copy). `fc`'s bias
-is applied where the checkpoint has one (the EAGLE authors' checkpoints).
+is applied where the checkpoint has one (the EAGLE authors' checkpoints), and HASS's norms of the embedding
+and the feature before it where the config says `add_para_norm`.
 
 The features come through the last entry of the drafter's KV cache (`models/features.py`): each position
 reads its feature from its own slot there, and writes its output to the next position's slot, for the draft
@@ -50,6 +51,7 @@ class EagleConfig(LlamaConfig):
 
     feature_width: int = 0  # F: the target's hidden size, each position's feature
     fc_bias: bool = False  # `fc` has a bias (the EAGLE authors' checkpoints)
+    para_norms: bool = False  # HASS's `add_para_norm`: the embedding and the feature each RMS-normed before `fc`
 
     @classmethod
     def for_target(cls, hf: Any, target_cfg: Any, fc_bias: bool, attention: Any) -> "EagleConfig":
@@ -65,7 +67,8 @@ class EagleConfig(LlamaConfig):
         fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
         # the target's embeddings and LM head: its vocabulary, padded as it is
         fields.update(vocab_size=target_cfg.vocab_size, tie_word_embeddings=False)
-        return cls(**fields, feature_width=target_cfg.hidden_size, fc_bias=fc_bias)
+        return cls(**fields, feature_width=target_cfg.hidden_size, fc_bias=fc_bias,
+                   para_norms=bool(getattr(hf, "add_para_norm", False)))
 
 
 class EagleLayer(nnx.Module):
@@ -101,6 +104,9 @@ class EagleLlama(nnx.Module):
         self.fc = param(d + cfg.feature_width, d, dtype=weight_dtype)  # [embedding ; feature] -> D
         if cfg.fc_bias:
             self.fc_bias = param(d, dtype=dtype)
+        if cfg.para_norms:
+            self.embedding_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.hidden_states_layernorm = RMSNorm(cfg.feature_width, cfg.rms_norm_eps, dtype)
         self.layers = nnx.List([EagleLayer(cfg, dtype, weight_dtype, i) for i in range(cfg.num_layers)])
         self.lm_head = param(cfg.vocab_size, d, dtype=weight_dtype)  # the target's
 
@@ -115,6 +121,8 @@ class EagleLlama(nnx.Module):
         attention = self.cfg.attention
         embedded = embedding_lookup(self.embed_tokens[...], input_ids, attention.mesh).astype(self.dtype)
         fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, F]
+        if self.cfg.para_norms:
+            embedded, fed = self.embedding_layernorm(embedded), self.hidden_states_layernorm(fed)
         x = dense(jnp.concatenate([embedded, fed], axis=-1), self.fc[...], attention)
         if self.cfg.fc_bias:
             x = x + self.fc_bias[...]
@@ -143,6 +151,7 @@ def next_slots(md: AttentionMetadata, positions: jax.Array, num_pages: int, page
 
 # Checkpoint names -> the drafter's, besides its layers' (a Llama's, `llama.map_hf_weight`)
 _FC = re.compile(r"^(?:model\.)?(?:fc|fusion_fc)\.(weight|bias)$")
+_PARA_NORM = re.compile(r"^(?:model\.)?(embedding_layernorm|hidden_states_layernorm)\.weight$")
 _IGNORED = re.compile(r"^(?:model\.)?(?:embed_tokens\.weight|lm_head\.weight|norm\.weight)$")
 
 
@@ -156,6 +165,8 @@ def map_eagle_weight(name: str, cfg: EagleConfig) -> tuple[tuple[str | int, ...]
     takes from the target or has no use for (the first layer's input norm, where a checkpoint keeps one)."""
     if match := _FC.match(name):
         return (("fc",), lambda w, c: w.T) if match.group(1) == "weight" else (("fc_bias",), lambda w, c: w)
+    if match := _PARA_NORM.match(name):
+        return (match.group(1), "scale"), lambda w, c: w
     if _IGNORED.match(name):
         return None
     if re.match(r"^(?:model\.)?layers\.0\.input_layernorm\.", name):
@@ -193,18 +204,16 @@ def load_eagle_state(directory: Path, cfg: EagleConfig, dtype: Any, weight_dtype
     return graphdef, state
 
 
-def target_tables(target_state: nnx.State) -> tuple[jax.Array, jax.Array]:
-    """A Llama-style target's (LM head, embeddings) [V, D] each (its embeddings twice where they are tied);
-    raises ValueError for a target whose tables an EAGLE drafter cannot share."""
+def target_tables(target_state: nnx.State) -> tuple[Any, Any]:
+    """A Llama-style target's (LM head, embeddings) [V, D] each, as it keeps them (arrays, or a GGUF file's
+    blocks: `gguf_weights.GgufTable`), its embeddings twice where they are tied; raises ValueError for a target
+    of another stack (GPT-2's)."""
     weights = nnx.to_pure_dict(target_state)
-    embeddings = weights.get("embed_tokens")
-    if not isinstance(embeddings, jax.Array):
-        raise ValueError("an EAGLE drafter shares the target's embeddings: a Llama-style target with unquantized "
-                         "embeddings (--quantization none for a GGUF file)")
-    head = weights.get("lm_head", embeddings)
-    if not isinstance(head, jax.Array):
-        raise ValueError("an EAGLE drafter shares the target's LM head: an unquantized one (--quantization none)")
-    return head, embeddings
+    if "embed_tokens" not in weights:
+        raise ValueError("an EAGLE drafter shares the target's embeddings and LM head: a Llama-style target "
+                         "(LlamaForCausalLM and the families built on it)")
+    embeddings = weights["embed_tokens"]
+    return weights.get("lm_head", embeddings), embeddings
 
 
 def checkpoint_names(directory: Path) -> list[str]:
@@ -226,6 +235,9 @@ def load_eagle(model: str, target: LoadedModel, revision: str | None = None,
     if source.gguf_file:
         raise ValueError("an EAGLE drafter is a safetensors checkpoint, not a GGUF file")
     names = checkpoint_names(source.directory)
+    if not names:
+        raise ValueError(f"{model} has no *.safetensors files (a pytorch_model.bin is not read: "
+                         "safetensors.torch.save_file converts it)")
     if not is_eagle_checkpoint(names):
         raise ValueError(f"{model} is not an EAGLE drafter: its checkpoint has no fc.weight")
     if target.mesh is not None:

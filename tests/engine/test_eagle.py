@@ -10,48 +10,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.numpy import save_file
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.eagle_proposer import EagleProposer
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
+from tests.eagle import write_eagle
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 from tests.engine.test_draft_model import every_draft_runs
 from tests.helpers import count_compilations
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128  # the tiny Llama's (tests/conftest.py)
-
-
-def write_eagle(directory, target_config: dict, fc_bias: bool = True, seed: int = 0, scale: float = 0.3,
-                **config_changes) -> None:
-    """An EAGLE-1 checkpoint for the tiny Llama: its config with one layer, and random weights under the
-    EAGLE authors' names (no input norm on the layer, `fc` over [embedding ; feature], the target's
-    embeddings beside them)."""
-    rng = np.random.default_rng(seed)
-
-    def weight(*shape):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    config = {**target_config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **config_changes}
-    tensors = {
-        "fc.weight": weight(HIDDEN, 2 * HIDDEN),
-        "layers.0.self_attn.q_proj.weight": weight(HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.k_proj.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.v_proj.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.o_proj.weight": weight(HIDDEN, HEADS * HEAD_DIM),
-        "layers.0.mlp.gate_proj.weight": weight(FFN, HIDDEN),
-        "layers.0.mlp.up_proj.weight": weight(FFN, HIDDEN),
-        "layers.0.mlp.down_proj.weight": weight(HIDDEN, FFN),
-        "layers.0.post_attention_layernorm.weight": (1 + weight(HIDDEN)).astype(np.float32),
-        "embed_tokens.weight": weight(config["vocab_size"], HIDDEN),  # the target's copy: never read
-    }
-    if fc_bias:
-        tensors["fc.bias"] = weight(HIDDEN)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(directory / "model.safetensors"))
+HIDDEN = 64  # the tiny Llama's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +66,12 @@ class Reference:
         weights = {name: tensor.to(torch.float64) for name, tensor in
                    load_file(str(eagle_dir / "model.safetensors")).items()}
         self.fc_weight, self.fc_bias = weights.pop("fc.weight"), weights.pop("fc.bias", None)
+        self.para_norms = []  # HASS's: the embedding's and the feature's
+        for name in ("embedding_layernorm", "hidden_states_layernorm"):
+            if f"{name}.weight" in weights:
+                norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(HIDDEN, config.rms_norm_eps)
+                norm.weight.data = weights.pop(f"{name}.weight")
+                self.para_norms.append(norm.to(torch.float64))
         weights.pop("embed_tokens.weight")
         missing, unexpected = self.drafter.load_state_dict(weights, strict=False)
         assert not unexpected and set(missing) == {"embed_tokens.weight", "layers.0.input_layernorm.weight",
@@ -114,7 +90,10 @@ class Reference:
         feeds = list(features[:-1])
         drafts, gap = [], np.inf
         for _ in range(k):
-            fused = torch.cat([embed[torch.tensor(inputs)], torch.stack(feeds)], dim=-1) @ self.fc_weight.T
+            embedded, fed = embed[torch.tensor(inputs)], torch.stack(feeds)
+            if self.para_norms:
+                embedded, fed = self.para_norms[0](embedded), self.para_norms[1](fed)
+            fused = torch.cat([embedded, fed], dim=-1) @ self.fc_weight.T
             if self.fc_bias is not None:
                 fused = fused + self.fc_bias
             out = self.drafter(inputs_embeds=fused[None]).last_hidden_state[0]  # [n', D]
@@ -140,15 +119,10 @@ def run_drafting(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[dic
     return outputs, counts.num_draft_tokens - before[0], counts.num_accepted_tokens - before[1]
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle-one-call"])
-def test_each_round_drafts_the_drafter_s_chain_on_the_target_s_states(engines, llama_dir, eagle_dir, name):
-    """Rounds start after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0):
-    each round's drafts are the float64 reference's chain from the target's states at the tokens then, so the
-    target's states reached the drafter at the right positions, from steps before the round as well."""
-    prompts = make_prompts(6)
-    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
-                for i in range(6)}
-    proposer = proposer_of(engines[name])
+def recorded_rounds(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[list, int]:
+    """Runs `requests` with every draft run (`run_drafting`); returns each round's (tokens, drafts, tokens the
+    drafter caught up on) where it drafted, and the draft tokens verified."""
+    proposer = proposer_of(engine)
     propose_batch, rounds = proposer.propose_batch, []
 
     def recording_propose_batch(running, max_drafts):
@@ -161,21 +135,52 @@ def test_each_round_drafts_the_drafter_s_chain_on_the_target_s_states(engines, l
 
     proposer.propose_batch = recording_propose_batch
     try:
-        outputs, drafted, _ = run_drafting(engines[name], requests, {f"s{i}": 4 * i for i in range(6)})
+        outputs, drafted, _ = run_drafting(engine, requests, arrivals)
     finally:
         del proposer.propose_batch
-    assert len(outputs) == 6 and drafted > 0
-    assert len(rounds) > 40
-    assert any(1 < count < 20 for _, _, count in rounds), "no round caught up on several tokens"
-    reference = Reference(llama_dir, eagle_dir)
+    assert len(outputs) == len(requests)
+    return rounds, drafted
+
+
+def assert_reference_drafts(rounds: list, reference: "Reference", every: int = 3) -> int:
+    """Each `every`-th round's drafts are the reference's (but at near ties); returns how many were checked."""
     checked = 0
-    for tokens, drafts, _ in rounds[::3]:
+    for tokens, drafts, _ in rounds[::every]:
         expected, gap = reference.drafts(tokens, len(drafts))
         if gap < 1e-3:  # a near tie: float32 may take the other
             continue
         assert drafts == expected, f"after {len(tokens)} tokens"
         checked += 1
-    assert checked > 10
+    return checked
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-one-call"])
+def test_each_round_drafts_the_drafter_s_chain_on_the_target_s_states(engines, llama_dir, eagle_dir, name):
+    """Rounds start after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0):
+    each round's drafts are the float64 reference's chain from the target's states at the tokens then, so the
+    target's states reached the drafter at the right positions, from steps before the round as well."""
+    prompts = make_prompts(6)
+    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
+                for i in range(6)}
+    rounds, drafted = recorded_rounds(engines[name], requests, {f"s{i}": 4 * i for i in range(6)})
+    assert drafted > 0 and len(rounds) > 40
+    assert any(1 < count < 20 for _, _, count in rounds), "no round caught up on several tokens"
+    assert assert_reference_drafts(rounds, Reference(llama_dir, eagle_dir)) > 10
+
+
+def test_a_hass_drafter_norms_both_inputs(llama_dir, tmp_path, target_config):
+    """HASS's checkpoints (`add_para_norm`): the embedding and the feature each normed before `fc`, as the
+    reference does it."""
+    directory = tmp_path / "hass"
+    write_eagle(directory, target_config, fc_bias=False, para_norms=True, seed=1)
+    engine = make_engine(llama_dir, speculative_config={"method": "eagle", "model": str(directory),
+                                                        "num_speculative_tokens": 3})
+    assert proposer_of(engine).runner.model.cfg.para_norms
+    prompts = make_prompts(4)
+    requests = {f"g{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                for i in range(4)}
+    rounds, _ = recorded_rounds(engine, requests, {f"g{i}": 2 * i for i in range(4)})
+    assert assert_reference_drafts(rounds, Reference(llama_dir, directory), every=2) > 5
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle-one-call"])

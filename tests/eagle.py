@@ -1,0 +1,43 @@
+"""EAGLE-1 drafter checkpoints with random weights, for the tests (`models/eagle.py`)."""
+
+import json
+
+import numpy as np
+from safetensors.numpy import save_file
+
+
+def write_eagle(directory, target_config: dict, fc_bias: bool = True, para_norms: bool = False, seed: int = 0,
+                scale: float = 0.3, **config_changes) -> None:
+    """An EAGLE-1 checkpoint for a Llama of `target_config` (its config.json's): that config with one layer, and
+    random weights under the EAGLE authors' names (no input norm on the layer, `fc` over [embedding ; feature],
+    the target's embeddings beside them); `para_norms`: HASS's norms of both before `fc` (`add_para_norm`)."""
+    rng = np.random.default_rng(seed)
+    hidden, ffn = target_config["hidden_size"], target_config["intermediate_size"]
+    heads, kv_heads = target_config["num_attention_heads"], target_config["num_key_value_heads"]
+    head_dim = target_config.get("head_dim") or hidden // heads
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    config = {**target_config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **config_changes}
+    tensors = {
+        "fc.weight": weight(hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+        "layers.0.self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": weight(ffn, hidden),
+        "layers.0.mlp.up_proj.weight": weight(ffn, hidden),
+        "layers.0.mlp.down_proj.weight": weight(hidden, ffn),
+        "layers.0.post_attention_layernorm.weight": (1 + weight(hidden)).astype(np.float32),
+        "embed_tokens.weight": weight(config["vocab_size"], hidden),  # the target's copy: never read
+    }
+    if fc_bias:
+        tensors["fc.bias"] = weight(hidden)
+    if para_norms:
+        config["add_para_norm"] = True
+        for name in ("embedding_layernorm", "hidden_states_layernorm"):
+            tensors[f"{name}.weight"] = (1 + weight(hidden)).astype(np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
