@@ -140,8 +140,8 @@ WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle")
-MODEL_METHODS = ("draft_model", "eagle")  # the methods that take a "model"
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that take a "model"
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -151,9 +151,9 @@ class SpeculativeConfig:
     model verifies in one step. Method "ngram" (prompt lookup): the tokens that followed the latest n-gram of
     the context (n in [prompt_lookup_min, prompt_lookup_max]) where it appeared before. Method "draft_model":
     a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
-    tokenizer), run beside the target with a KV cache of its own. Method "eagle": an EAGLE drafter's
-    (`model`: its directory or hub id, a Llama-layer checkpoint with `fc`; `models/eagle.py`), which reads
-    the target's hidden states. Method "suffix" (SuffixDecoding): what
+    tokenizer), run beside the target with a KV cache of its own. Methods "eagle" and "eagle3": an EAGLE or
+    EAGLE-3 drafter's (`model`: its directory or hub id, a Llama-layer checkpoint with `fc`; `models/eagle.py`,
+    `models/eagle3.py`), which reads the target's hidden states. Method "suffix" (SuffixDecoding): what
     followed the longest suffix of the context in the context and in recent requests' outputs
     (`engine/suffix_proposer.py`; `num_speculative_tokens` defaults to the most, 16). The other fields are
     vLLM's of the same names."""
@@ -175,11 +175,12 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (EAGLE-3 heads "
-                             f"and MTP layers are not supported yet), got {self.method!r}")
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (MTP layers are "
+                             f"not supported yet), got {self.method!r}")
         if (self.method in MODEL_METHODS) != (self.model is not None):
-            raise ValueError('methods "draft_model" and "eagle" take their model as "model", and only they do')
-        if self.method == "eagle" and self.quantization not in (None, "none"):
+            raise ValueError('methods "draft_model", "eagle" and "eagle3" take their model as "model", and only '
+                             'they do')
+        if self.method in ("eagle", "eagle3") and self.quantization not in (None, "none"):
             raise ValueError("an EAGLE drafter's weights are not quantized: no \"quantization\" for it")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"the draft model must be a hub id, directory or file, got {self.model!r}")
@@ -491,7 +492,8 @@ class EngineConfig:
         if speculative is not None and speculative.method in MODEL_METHODS and self.parallel.multihost:
             raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one host: "
                              "not with hosts above 1")
-        if speculative is not None and speculative.method == "eagle" and self.parallel.tensor_parallel_size > 1:
+        if (speculative is not None and speculative.method in ("eagle", "eagle3")
+                and self.parallel.tensor_parallel_size > 1):
             raise ValueError("an EAGLE drafter runs beside a model on one device: not with --tensor-parallel-size "
                              "above 1 yet")
         draft_tp = None if speculative is None else speculative.draft_tensor_parallel_size

@@ -159,9 +159,11 @@ class EngineCore:
         speculative = None if pooling else sched.speculative_config
         # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
         method = None if speculative is None else speculative.method
-        eagle = method == "eagle"  # the target keeps its hidden states for the drafter (`models/features.py`)
+        eagle = method in ("eagle", "eagle3")  # the target keeps features for the drafter (`models/features.py`)
         draft_model = (self._load_draft(config, speculative) if method == "draft_model"
                        else self._load_eagle(config, speculative, model) if eagle else None)
+        # its final hidden states for an EAGLE drafter, the inputs of some of its layers for an EAGLE-3 one
+        feature_layers = getattr(draft_model.cfg, "target_layers", ()) if eagle else None
         share = draft_share(draft_model, model, config.cache, sched.max_num_seqs) if draft_model is not None else None
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
@@ -173,7 +175,7 @@ class EngineCore:
             fit_to_cache=asked == AUTO_MAX_MODEL_LEN,
             max_drafts=0 if pooling else sched.max_drafts,
             draft=share,
-            keep_features=eagle,
+            feature_layers=feature_layers,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_pages, config.cache.page_size,
@@ -282,7 +284,8 @@ class EngineCore:
         """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`)."""
         logger.info("speculative decoding: loading the EAGLE drafter %s", speculative.model)
         try:
-            return load_eagle(speculative.model, target, speculative.revision, config.model.download_dir)
+            return load_eagle(speculative.model, target, speculative.method, speculative.revision,
+                              config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the EAGLE drafter (--speculative-config's \"model\"): {error}") from error
 

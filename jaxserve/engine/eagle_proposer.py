@@ -5,7 +5,8 @@ decode steps a round), over the request shifted by one: its position j takes the
 target's final hidden state at j, so its last position is the one before the request's last token, and its
 first draft follows that token. Two differences:
 - Before each catch-up call, the target's states at the positions it computes are copied from the target's
-  cache (`models/features.py`) into the drafter's, one small program per call. The target wrote them as it
+  cache (`models/features.py`) into the drafter's, one small program per call (fused by EAGLE-3's `fc` on the
+  way: `models/eagle3.py`). The target wrote them as it
   computed those tokens, in whatever step; they are read by the target's page tables, and prefix-cache hits
   and preemption need nothing more.
 - The K/V its decode steps write for the drafts comes from its own outputs in place of the target's states,
@@ -24,9 +25,9 @@ import numpy as np
 
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, _DraftState
 from jaxserve.engine.request import Request
-from jaxserve.models.features import copy_features
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_fn import make_feature_copy_fn
 
 
 class _Shifted:
@@ -58,7 +59,7 @@ class EagleProposer(DraftModelProposer):
             raise ValueError("the drafter's pages must be the target's size")
         super().__init__(runner, num_speculative_tokens, vocab_size, enable_prefix_caching=False)
         self.target = target
-        self._copy = jax.jit(copy_features, donate_argnums=1)
+        self._copy = make_feature_copy_fn(runner.model.graphdef, jax.tree.structure(runner.model.state))
         self._copies: dict[int, Any] = {}  # compiled by `warmup`, per token bucket
         self._padding = padding_slot(runner.num_pages, runner.page_size)
 
@@ -83,7 +84,8 @@ class EagleProposer(DraftModelProposer):
         dest_slots[:count] = np.concatenate(dests)
         caches = self.runner.kv_caches
         copy = self._copies.get(size, self._copy)
-        copied = copy(self.target.kv_caches[-1][0], caches[-1][0], source_slots, dest_slots)
+        copied = copy(self.runner.wait_for_weights(), self.target.kv_caches[-1][0], caches[-1][0], source_slots,
+                      dest_slots)
         self.runner.kv_caches = [*caches[:-1], (copied, None)]
 
     @property
@@ -92,7 +94,8 @@ class EagleProposer(DraftModelProposer):
 
     def warmup(self) -> None:
         """Compiles the copy for every token bucket of the drafter's ladder, so that none compiles in service."""
+        weights = self.runner.wait_for_weights()
         target, own = self.target.kv_caches[-1][0], self.runner.kv_caches[-1][0]
         for size in self.runner.ladder.token_buckets:
             slots = np.zeros(size, np.int32)
-            self._copies[size] = self._copy.lower(target, own, slots, slots).compile()
+            self._copies[size] = self._copy.lower(weights, target, own, slots, slots).compile()

@@ -40,7 +40,7 @@ from jaxserve.models.layers import (
     logits_from_embeddings,
     param,
 )
-from jaxserve.models.llama import Attention, LlamaConfig, map_hf_weight
+from jaxserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, map_hf_weight
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.source import load_hf_config, resolve_model
 
@@ -174,19 +174,20 @@ def map_eagle_weight(name: str, cfg: EagleConfig) -> tuple[tuple[str | int, ...]
     return map_hf_weight(name, cfg)
 
 
-def load_eagle_state(directory: Path, cfg: EagleConfig, dtype: Any, weight_dtype: Any,
-                     target_head: jax.Array, target_embeddings: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
-    """The drafter's module and weights: its checkpoint's (`*.safetensors` in `directory`) and the target's
-    embeddings and LM head ([V, D] each, shared, not copied)."""
+def load_drafter_state(directory: Path, module: Any, cfg: Any, dtype: Any, weight_dtype: Any, mapper: Any,
+                       shared: dict[tuple, Any]) -> tuple[nnx.GraphDef, nnx.State]:
+    """A drafter's module (`module(cfg, dtype, weight_dtype)`) and weights: its checkpoint's (`*.safetensors`
+    in `directory`, named by `mapper(name, cfg)` -> (path, transform) or None) over `shared` (path -> the
+    target's arrays, not copied)."""
     from safetensors import safe_open
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: EagleLlama(cfg, dtype, weight_dtype)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: module(cfg, dtype, weight_dtype)))
     expected = traverse_util.flatten_dict(nnx.to_pure_dict(state))
-    loaded: dict[tuple, Any] = {("embed_tokens",): target_embeddings, ("lm_head",): target_head}
+    loaded: dict[tuple, Any] = dict(shared)
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                mapped = map_eagle_weight(name, cfg)
+                mapped = mapper(name, cfg)
                 if mapped is None:
                     continue
                 path, transform = mapped
@@ -226,11 +227,14 @@ def checkpoint_names(directory: Path) -> list[str]:
     return names
 
 
-def load_eagle(model: str, target: LoadedModel, revision: str | None = None,
+def load_eagle(model: str, target: LoadedModel, method: str = "eagle", revision: str | None = None,
                download_dir: str | None = None) -> LoadedModel:
-    """The EAGLE drafter `model` (a directory or hub id: config.json, a Llama's, and safetensors with `fc`)
-    beside `target` (loaded, a Llama-style stack on one device), in the target's dtypes and attention; it
-    shares the target's tokenizer, embeddings and LM head. Raises ValueError where it cannot draft for it."""
+    """The EAGLE drafter `model` (a directory or hub id: config.json, a Llama's, and safetensors with `fc`;
+    `method` "eagle3" for an EAGLE-3 one, `models/eagle3.py`) beside `target` (loaded, a Llama-style stack on
+    one device), in the target's dtypes and attention; it shares the target's tokenizer, and its embeddings and
+    LM head where it has none of its own. Raises ValueError where it cannot draft for it."""
+    from jaxserve.models import eagle3
+
     source = resolve_model(model, revision, download_dir)
     if source.gguf_file:
         raise ValueError("an EAGLE drafter is a safetensors checkpoint, not a GGUF file")
@@ -240,16 +244,30 @@ def load_eagle(model: str, target: LoadedModel, revision: str | None = None,
                          "safetensors.torch.save_file converts it)")
     if not is_eagle_checkpoint(names):
         raise ValueError(f"{model} is not an EAGLE drafter: its checkpoint has no fc.weight")
+    if (method == "eagle3") != eagle3.is_eagle3_checkpoint(names):
+        kind = "an EAGLE-3" if method == "eagle" else "an EAGLE (EAGLE-1)"
+        raise ValueError(f"{model} is {kind} checkpoint: method \"{'eagle3' if method == 'eagle' else 'eagle'}\"")
     if target.mesh is not None:
         raise ValueError("an EAGLE drafter runs beside a target on one device")
+    if not issubclass(target.spec.model_cls, LlamaForCausalLM):
+        raise ValueError("an EAGLE drafter reads a Llama-style target's hidden states (LlamaForCausalLM and the "
+                         "families built on it)")
     hf = load_hf_config(source)
     target.wait_for_weights()
     head, embeddings = target_tables(target.state)
-    cfg = EagleConfig.for_target(hf, target.cfg, any(name.endswith("fc.bias") for name in names),
-                                 target.cfg.attention)
-    graphdef, state = load_eagle_state(source.directory, cfg, target.dtype, target.weight_dtype, head, embeddings)
+    if method == "eagle3":
+        module, cfg = eagle3.Eagle3Llama, eagle3.Eagle3Config.for_target(hf, target.cfg, names, target.cfg.attention)
+        shared = eagle3.shared_tables(cfg, names, head, embeddings)
+        mapper = eagle3.map_eagle3_weight
+    else:
+        module = EagleLlama
+        cfg = EagleConfig.for_target(hf, target.cfg, any(name.endswith("fc.bias") for name in names),
+                                     target.cfg.attention)
+        shared, mapper = {("embed_tokens",): embeddings, ("lm_head",): head}, map_eagle_weight
+    graphdef, state = load_drafter_state(source.directory, module, cfg, target.dtype, target.weight_dtype, mapper,
+                                         shared)
     return LoadedModel(
-        name=source.name, source=source, hf_config=hf, cfg=cfg, spec=ModelSpec(sys.modules[__name__], EagleConfig,
-                                                                                EagleLlama),
+        name=source.name, source=source, hf_config=hf, cfg=cfg, spec=ModelSpec(sys.modules[module.__module__],
+                                                                                type(cfg), module),
         graphdef=graphdef, state=state, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
         max_position_embeddings=target.max_position_embeddings, dtype=target.dtype, weight_dtype=target.weight_dtype)

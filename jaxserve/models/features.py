@@ -53,13 +53,3 @@ def read_features(
     """The states at `slots`."""
     flat = pages.reshape(-1, pages.shape[-1])
     return flat.at[slots].get(mode="fill", fill_value=0)
-
-
-def copy_features(
-    target: jax.Array,  # [1, target_pages, page_size, F]: the target's
-    drafter: jax.Array,  # [1, drafter_pages, page_size, F]: the drafter's own
-    source_slots: jax.Array,  # i32[N]: in `target`
-    dest_slots: jax.Array,  # i32[N]: in `drafter`; past it for padding (dropped)
-) -> jax.Array:
-    """`drafter` with the target's states at `source_slots` written to `dest_slots`."""
-    return write_features(drafter, read_features(target, source_slots).astype(drafter.dtype), dest_slots)

@@ -218,11 +218,14 @@ def _moe_of(hf: Any) -> tuple[MoeConfig | None, tuple[bool, ...]]:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: Any, weight_dtype: Any, layer: int, input_size: int | None = None
+                 ) -> None:
+        """`input_size`: the queries', keys' and values' input width where it is not the hidden size (an EAGLE-3
+        drafter's [embedding ; feature])."""
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = param(d, n, h, dtype=weight_dtype)
-        self.k_proj = param(d, k, h, dtype=weight_dtype)
-        self.v_proj = param(d, k, h, dtype=weight_dtype)
+        self.q_proj = param(input_size or d, n, h, dtype=weight_dtype)
+        self.k_proj = param(input_size or d, k, h, dtype=weight_dtype)
+        self.v_proj = param(input_size or d, k, h, dtype=weight_dtype)
         self.o_proj = param(n, h, d, dtype=weight_dtype)
         if cfg.qkv_bias:
             self.q_bias = param(n, h, dtype=dtype)
@@ -334,12 +337,32 @@ class LlamaForCausalLM(nnx.Module):
         md: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # i32[T]: each token's adapter slot, with --enable-lora
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        hidden, new_caches, _ = self.hidden_and_layer_inputs(input_ids, positions, kv_caches, md, (), lora_slots)
+        return hidden, new_caches
+
+    def hidden_and_layer_inputs(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,
+        md: AttentionMetadata,
+        layer_ids: tuple[int, ...],  # ascending
+        lora_slots: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """(final hidden [T, D], the KV caches, the residual stream entering each layer of `layer_ids`, [T,
+        len(layer_ids) * D] side by side, or None where there are none): an EAGLE-3 drafter's features."""
         x = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         lora_slots = lora_slots if self.cfg.lora is not None else None
-        x, new_caches = apply_layers(self.layers, x, kv_caches, positions=positions, md=md, lora_slots=lora_slots)
-        return self.norm(x), new_caches
+        kwargs = dict(positions=positions, md=md, lora_slots=lora_slots)
+        inputs, new_caches, start = [], [], 0
+        for end in (*layer_ids, len(self.layers)):
+            x, caches = apply_layers(self.layers[start:end], x, kv_caches[start:end], **kwargs)
+            new_caches += caches
+            inputs.append(x)
+            start = end
+        return self.norm(x), new_caches, jnp.concatenate(inputs[:-1], axis=-1) if layer_ids else None
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head

@@ -150,23 +150,26 @@ def _kv_dtype(model: LoadedModel, cache_config: CacheConfig) -> Any:
                           cfg.attention.compute_capability)
 
 
-def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig, keep_features: bool = False) -> int:
+def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig,
+                  feature_layers: tuple[int, ...] | None = None) -> int:
     """One page of `model`'s KV cache, in every layer, at the cache's dtype for it, and of the hidden states
     it keeps (`feature_pages`)."""
     cfg = model.cfg
-    features = feature_pages(model, keep_features)
+    features = feature_pages(model, feature_layers)
     return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim,
                           _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg)) + (
         0 if features is None else features.page_bytes(cache_config.page_size))
 
 
-def feature_pages(model: LoadedModel, keep_features: bool = False) -> FeaturePages | None:
+def feature_pages(model: LoadedModel, feature_layers: tuple[int, ...] | None = None) -> FeaturePages | None:
     """The pages of hidden states that a runner's KV cache ends with (`models/features.py`): an EAGLE
-    drafter's input features where the model is one, the model's final states where it keeps them for one
-    (`keep_features`); None where neither."""
+    drafter's input features where the model is one; where the model keeps features for one
+    (`feature_layers`), its final states (empty) or the inputs of those layers side by side; else None."""
     if (width := getattr(model.cfg, "feature_width", 0)) > 0:
         return FeaturePages(width, jnp.dtype(model.dtype))
-    return FeaturePages(model.cfg.hidden_size, jnp.dtype(model.dtype)) if keep_features else None
+    if feature_layers is None:
+        return None
+    return FeaturePages(model.cfg.hidden_size * max(1, len(feature_layers)), jnp.dtype(model.dtype))
 
 
 @dataclass(frozen=True)
@@ -198,14 +201,14 @@ class ModelRunner:
         fit_to_cache: bool = False,
         max_drafts: int = 0,
         draft: DraftShare | None = None,
-        keep_features: bool = False,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> None:
         """`fit_to_cache` (--max-model-len auto): `max_model_len` shortened to what the KV cache holds, where
         that is less (`self.max_model_len` is what the runner serves). `max_drafts`: a speculative decode's
         drafts per request at most (0: none), which a penalty row's sampling counts. `draft`: a draft model's
         share of the memory the KV budget divides (`DraftShare`), which the runner then sizes its page count
-        for. `keep_features`: each step keeps its tokens' final hidden states in pages beside their K/V, for an
-        EAGLE drafter (`models/features.py`)."""
+        for. `feature_layers`: each step keeps its tokens' features for an EAGLE drafter in pages beside their K/V
+        (`models/features.py`): their final hidden states (empty), or the inputs of those layers (EAGLE-3)."""
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
@@ -238,8 +241,8 @@ class ModelRunner:
         cfg = model.cfg
         self.max_num_seqs = max_num_seqs
         self.kv_dtype = _kv_dtype(model, cache_config)
-        page_bytes = kv_page_bytes(model, cache_config, keep_features)
-        self.features = feature_pages(model, keep_features)  # the cache's last entry, if any
+        page_bytes = kv_page_bytes(model, cache_config, feature_layers)
+        self.features = feature_pages(model, feature_layers)  # the cache's last entry, if any
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).
@@ -252,10 +255,10 @@ class ModelRunner:
         # One lock per R, so that two buckets' compiles on threads compile their sampler once.
         self._sampler_locks = {r: threading.Lock() for r in {b.num_reqs for b in ladder.all_buckets()}}
         self._step_fns = {PLAIN: make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh, pooling=pooling,
-                                              sample_apart=self.sample_apart, keeps_features=keep_features,
+                                              sample_apart=self.sample_apart, feature_layers=feature_layers,
                                               compiler_options=options),
                           StepVariant(greedy=True): make_step_fn(model.graphdef, treedef, max_logprobs, self.mesh,
-                                                                 greedy=True, keeps_features=keep_features,
+                                                                 greedy=True, feature_layers=feature_layers,
                                                                  compiler_options=options)}
         self._step = self._step_fns[PLAIN]
         if self.kv_dtype.itemsize == 1 and model.kv_scales is None:  # FP8: per-layer scales, in the weights
@@ -288,7 +291,7 @@ class ModelRunner:
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
-                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, keep_features, self._compiler_options)
+                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, feature_layers, self._compiler_options)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
         self._step_shapes = self._shapes(self.num_pages)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.models.features import write_features
+from jaxserve.models.features import read_features, write_features
 from jaxserve.models.layers import KVCache
 from jaxserve.ops.attention import trace_environment
 from jaxserve.parallel import replicated, split_along
@@ -80,24 +80,29 @@ def _input_ids(batch: StepBatch) -> jax.Array:  # i32[T]
 
 
 def _hidden(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_caches: KVCache,
-            keeps_features: bool = False) -> tuple[jax.Array, KVCache]:
-    """The model's stack over the batch: (final hidden states [T, D], the KV pages). `keeps_features`: the
-    cache's last entry keeps each token's final hidden state for an EAGLE drafter (`models/features.py`)."""
-    if keeps_features:
+            feature_layers: tuple[int, ...] | None = None) -> tuple[jax.Array, KVCache]:
+    """The model's stack over the batch: (final hidden states [T, D], the KV pages). `feature_layers`: the
+    cache's last entry keeps each token's features for an EAGLE drafter (`models/features.py`): its final
+    hidden state where empty (EAGLE's), the inputs of those layers side by side where given (EAGLE-3's)."""
+    if feature_layers is not None:
         (features, _), kv_caches = kv_caches[-1], kv_caches[:-1]
-    if getattr(model.cfg, "lora", None) is None:
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention)
-    else:  # each token's adapter slot
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, batch.lora_slots)
-    if keeps_features:
-        kv_caches = [*kv_caches, (write_features(features, hidden, batch.attention.slot_mapping), None)]
+    lora_slots = batch.lora_slots if getattr(model.cfg, "lora", None) is not None else None  # each token's slot
+    if feature_layers:
+        hidden, kv_caches, kept = model.hidden_and_layer_inputs(input_ids, batch.positions, kv_caches,
+                                                                batch.attention, feature_layers, lora_slots)
+    else:
+        lora = () if lora_slots is None else (lora_slots,)
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, *lora)
+        kept = hidden
+    if feature_layers is not None:
+        kv_caches = [*kv_caches, (write_features(features, kept, batch.attention.slot_mapping), None)]
     return hidden, kv_caches
 
 
 def _forward(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_caches: KVCache,
-             mesh: Mesh | None, keeps_features: bool = False) -> tuple[jax.Array, jax.Array, KVCache]:
+             mesh: Mesh | None, feature_layers: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """The model over the batch: (hidden f32[T, D], the sampled rows' logits f32[R, V], the KV pages)."""
-    hidden, kv_caches = _hidden(model, batch, input_ids, kv_caches, keeps_features)
+    hidden, kv_caches = _hidden(model, batch, input_ids, kv_caches, feature_layers)
     logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
@@ -128,7 +133,7 @@ def _pooled(model: nnx.Module, hidden: jax.Array, batch: StepBatch) -> tuple[jax
 @_shared
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
                  greedy: bool = False, pooling: bool = False, sample_apart: bool = False,
-                 keeps_features: bool = False, compiler_options: dict[str, Any] | None = None):
+                 feature_layers: tuple[int, ...] | None = None, compiler_options: dict[str, Any] | None = None):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
     PromptLogprobs, tokens_by_row)` (with `sample_apart`, below, the logits in the sampler's place), jitted
     with the KV pages and penalty tables donated.
@@ -139,7 +144,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
     `pooling` (--runner pooling): each row's pooled hidden states (`_pooled`), last in the tuple, and no logits:
     a pooled request's one sample is dropped, so none is drawn (token 0, no logprobs; the tables untouched).
     Drawing it from [R, V] logits cost an XLM-R reranker (250,002 tokens) 1.9 ms a prompt on a CPU.
-    `keeps_features`: the KV cache ends with the pages of each token's final hidden state (`_hidden`).
+    `feature_layers`: the KV cache ends with the pages of each token's features for an EAGLE drafter (`_hidden`).
     `compiler_options`: XLA's, for every compile of it (`step_compiler_options`), as for the makers below."""
 
     if pooling and (greedy or sample_apart):
@@ -160,7 +165,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
         batch = unpack(packed)
         input_ids = _input_ids(batch)
-        hidden, logits, kv_caches = _forward(model, batch, input_ids, kv_caches, mesh, keeps_features)
+        hidden, logits, kv_caches = _forward(model, batch, input_ids, kv_caches, mesh, feature_layers)
         if greedy:
             sampled = sample_greedy(logits, num_top_logprobs)
             prompt = no_prompt_logprobs(hidden.shape[0], num_top_logprobs)
@@ -222,7 +227,7 @@ def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = Non
 @_shared
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
                          page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False,
-                         keeps_features: bool = False, compiler_options: dict[str, Any] | None = None):
+                         feature_layers: tuple[int, ...] | None = None, compiler_options: dict[str, Any] | None = None):
     """`decode_steps(weights, kv_caches, penalty_tables, packed, row_steps) -> (kv_caches, penalty_tables,
     SamplerOutput with tokens, logprobs and ranks [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
     one token at index r) whose rows need nothing from the host between steps (no grammar, no bans, no top
@@ -263,7 +268,7 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
                 batch, positions=positions,
                 attention=dataclasses.replace(attention, slot_mapping=slots, kv_lens=attention.kv_lens + offset),
             )
-            _, logits, kv_caches = _forward(model, moved, input_ids, kv_caches, mesh, keeps_features)
+            _, logits, kv_caches = _forward(model, moved, input_ids, kv_caches, mesh, feature_layers)
             if greedy:
                 sampled = sample_greedy(logits, num_top_logprobs)
             else:
@@ -287,3 +292,22 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
 
     return jax.jit(decode_steps, donate_argnames=("kv_caches", "penalty_tables"),
                    compiler_options=compiler_options or None)
+
+
+@_shared
+def make_feature_copy_fn(graphdef: nnx.GraphDef, state_treedef: Any,
+                         compiler_options: dict[str, Any] | None = None):
+    """`copy(weights, target_pages, drafter_pages, source_slots, dest_slots) -> drafter_pages`, jitted with the
+    drafter's pages donated: an EAGLE drafter's cache (`models/features.py`) given the target's features at
+    `source_slots` (i32[N]) at `dest_slots` (i32[N]; past its cache for padding), through the drafter's
+    `project_features` where it has one (EAGLE-3's `fc`). `graphdef` and `state_treedef`: the drafter's."""
+
+    def copy(weights: list[jax.Array], target_pages: jax.Array, drafter_pages: jax.Array, source_slots: jax.Array,
+             dest_slots: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
+        features = read_features(target_pages, source_slots)  # [N, F]
+        project = getattr(model, "project_features", None)
+        features = features if project is None else project(features)
+        return write_features(drafter_pages, features.astype(drafter_pages.dtype), dest_slots)
+
+    return jax.jit(copy, donate_argnames=("drafter_pages",), compiler_options=compiler_options or None)

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.eagle_proposer import EagleProposer
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.models.eagle3 import default_aux_layers
 from jaxserve.sampling_params import SamplingParams
-from tests.eagle import write_eagle
+from tests.eagle import write_eagle, write_eagle3
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 from tests.engine.test_draft_model import every_draft_runs
 from tests.helpers import count_compilations
@@ -106,6 +108,64 @@ class Reference:
         return drafts, gap
 
 
+class Reference3:
+    """An EAGLE-3 drafter in float64 beside transformers' PyTorch target: the target's features are its
+    `hidden_states` entering the drafter's layers, the drafter's layer written out from EAGLE-3's definition
+    with transformers' rotary embedding."""
+
+    def __init__(self, llama_dir, eagle_dir) -> None:
+        self.target = transformers.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
+        self.config = json.loads((eagle_dir / "config.json").read_text())
+        self.layers = self.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        self.w = {name: torch.tensor(np.asarray(value, np.float64) if value.dtype != np.int64 else value)
+                  for name, value in load_file(str(eagle_dir / "model.safetensors")).items() if name != "t2d"}
+        self.rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+            transformers.LlamaConfig.from_pretrained(eagle_dir))
+        self.eps = self.config["rms_norm_eps"]
+
+    def _norm(self, x, name):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.w[f"{name}.weight"]
+
+    def _layer(self, embedded, fed):  # [m, D] each -> the layer's output before the final norm, [m, D]
+        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        head_dim = self.config["head_dim"]
+        normed = self._norm(fed, "midlayer.hidden_norm")
+        residual = normed if self.config["norm_before_residual"] else fed
+        x = torch.cat([self._norm(embedded, "midlayer.input_layernorm"), normed], dim=-1)
+        m = x.shape[0]
+        q = (x @ self.w["midlayer.self_attn.q_proj.weight"].T).view(m, heads, head_dim).transpose(0, 1)[None]
+        k = (x @ self.w["midlayer.self_attn.k_proj.weight"].T).view(m, kv_heads, head_dim).transpose(0, 1)[None]
+        v = (x @ self.w["midlayer.self_attn.v_proj.weight"].T).view(m, kv_heads, head_dim).transpose(0, 1)[None]
+        cos, sin = self.rope(v, torch.arange(m)[None])
+        q, k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        scores = (q @ k.transpose(-1, -2)) / head_dim**0.5 + torch.triu(torch.full((m, m), -torch.inf), 1)
+        attended = (scores.softmax(-1) @ v)[0].transpose(0, 1).reshape(m, heads * head_dim)
+        residual = residual + attended @ self.w["midlayer.self_attn.o_proj.weight"].T
+        h = self._norm(residual, "midlayer.post_attention_layernorm")
+        gated = torch.nn.functional.silu(h @ self.w["midlayer.mlp.gate_proj.weight"].T)
+        up = h @ self.w["midlayer.mlp.up_proj.weight"].T
+        return residual + (gated * up) @ self.w["midlayer.mlp.down_proj.weight"].T
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> tuple[list[int], float]:
+        states = self.target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[layer][0] for layer in self.layers], dim=-1) @ self.w["fc.weight"].T
+        embed = self.w.get("embed_tokens.weight", self.target.model.embed_tokens.weight)
+        inputs, feeds = list(tokens[1:]), list(features[:-1])
+        drafts, gap = [], np.inf
+        for _ in range(k):
+            out = self._layer(embed[torch.tensor(inputs)], torch.stack(feeds))
+            logits = (self._norm(out[-1], "norm") @ self.w["lm_head.weight"].T).numpy()
+            top2 = np.sort(logits)[-2:]
+            gap = min(gap, float(top2[1] - top2[0]))
+            best = int(np.argmax(logits))
+            drafts.append(best + int(self.w["d2t"][best]))
+            inputs.append(drafts[-1])
+            feeds.append(out[-1])
+        return drafts, gap
+
+
 def run_drafting(engine: LLMEngine, requests: dict, arrivals: dict) -> tuple[dict, int, int]:
     """`requests` with every draft run; returns the outputs, the draft tokens verified and the accepted ones;
     checks that nothing compiled and that the drafter's cache ends empty."""
@@ -189,7 +249,7 @@ def test_any_eagle_draft_gives_the_plain_outputs(engines, name):
     is the plain engine's."""
     requests, arrivals = workload(engines["plain"])
     requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0
+    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
     plain = run(engines["plain"], requests, arrivals)
     outputs, drafted, accepted = run_drafting(engines[name], requests, arrivals)
     assert_same(plain, outputs)
@@ -214,8 +274,8 @@ def test_the_speculative_config_takes_an_eagle_drafter():
                                  "num_speculative_tokens": 2}).method == "eagle"  # vLLM infers it from the name
     with pytest.raises(ValueError, match="take their model"):
         SpeculativeConfig.of({"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="EAGLE-3"):
-        SpeculativeConfig.of({"model": "org/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.of({"model": "org/EAGLE3-LLaMA3.1-Instruct-8B",
+                                 "num_speculative_tokens": 2}).method == "eagle3"
     with pytest.raises(ValueError, match="not quantized"):
         SpeculativeConfig.of({"method": "eagle", "model": "a/b", "num_speculative_tokens": 2, "quantization": "fp8"})
 
@@ -255,3 +315,58 @@ def test_preemption_leaves_the_outputs_and_the_drafter_s_cache_right(llama_dir, 
     assert engine.scheduler.speculation.num_draft_tokens > 0
     proposer = proposer_of(engine)
     assert proposer.pages.num_free_pages == proposer.pages.num_usable_pages
+
+
+@pytest.mark.parametrize("variant", ["draft-vocabulary", "own-embeddings"])
+def test_an_eagle3_drafter_drafts_its_chain_over_the_target_s_layer_inputs(llama_dir, tmp_path, target_config,
+                                                                          variant):
+    """EAGLE-3: the target keeps the inputs of its layers 0 and 1 side by side, `fc` fuses them as they reach
+    the drafter, and each round's drafts are the float64 reference's: over a draft vocabulary of 3,000 of the
+    target's ids mapped by `d2t` (every draft one of them), or over the whole vocabulary with the drafter's own
+    embeddings and its feature normed before the residual."""
+    directory = tmp_path / variant
+    if variant == "draft-vocabulary":
+        write_eagle3(directory, target_config, (0, 1), draft_vocab_size=3000)
+    else:
+        write_eagle3(directory, target_config, (0, 1), own_embeddings=True, norm_before_residual=True, seed=2)
+    engine = make_engine(llama_dir, speculative_config={"method": "eagle3", "model": str(directory),
+                                                        "num_speculative_tokens": 3})
+    assert engine.core.runner.kv_caches[-1][0].shape[-1] == 2 * HIDDEN  # two layers' inputs
+    prompts = make_prompts(5)
+    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+                for i in range(5)}
+    rounds, drafted = recorded_rounds(engine, requests, {f"s{i}": 3 * i for i in range(5)})
+    assert drafted > 0 and len(rounds) > 20
+    if variant == "draft-vocabulary":
+        allowed = set((np.arange(3000) + load_file(str(directory / "model.safetensors"))["d2t"]).tolist())
+        assert all(set(drafts) <= allowed for _, drafts, _ in rounds)
+    assert assert_reference_drafts(rounds, Reference3(llama_dir, directory), every=2) > 8
+
+
+def test_eagle3_drafts_give_the_plain_outputs(engines, llama_dir, tmp_path, target_config):
+    """Penalties, logprobs, grammars, seeded sampling, n > 1 and prefix-cache hits with an EAGLE-3 drafter:
+    every output is the plain engine's, and nothing compiles after warm-up."""
+    directory = tmp_path / "eagle3"
+    write_eagle3(directory, target_config, (0, 1), draft_vocab_size=3000)
+    engine = make_engine(llama_dir, speculative_config={"method": "eagle3", "model": str(directory),
+                                                        "num_speculative_tokens": 2})
+    requests, arrivals = workload(engines["plain"])
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    plain = run(engines["plain"], requests, arrivals)
+    outputs, drafted, _ = run_drafting(engine, requests, arrivals)
+    assert_same(plain, outputs)
+    assert drafted > 0
+
+
+def test_eagle3_reads_the_layers_its_config_names_or_vllm_s_default(llama_dir, target_config, tmp_path):
+    """Llama-3.1-8B's default layers are vLLM's; layers past the target's are refused, and so is an EAGLE-3
+    checkpoint under method "eagle"."""
+    assert default_aux_layers(32) == (2, 16, 29)
+    directory = tmp_path / "past-the-target"
+    write_eagle3(directory, target_config, (0, 5))
+    spec = {"model": str(directory), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"inputs of target layers \[0, 5\]"):
+        make_engine(llama_dir, warmup=False, speculative_config={**spec, "method": "eagle3"})
+    with pytest.raises(ValueError, match='an EAGLE-3 checkpoint: method "eagle3"'):
+        make_engine(llama_dir, warmup=False, speculative_config={**spec, "method": "eagle"})
