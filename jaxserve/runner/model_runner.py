@@ -291,7 +291,8 @@ class ModelRunner:
         for greedy in (False, True):  # they need the page count: its padding slot
             self._step_fns[StepVariant(greedy, multi_step=True)] = make_decode_steps_fn(
                 model.graphdef, treedef, max_logprobs, num_decode_steps, self.page_size,
-                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, feature_layers, self._compiler_options)
+                padding_slot(self.num_pages, self.page_size), self.mesh, greedy, self._compiler_options,
+                feature_layers=feature_layers)
         if jax.default_backend() != "cpu":  # a load's transient buffers must not meet a pool the pages fill
             self.wait_for_weights()
         self._step_shapes = self._shapes(self.num_pages)

@@ -133,7 +133,7 @@ def _pooled(model: nnx.Module, hidden: jax.Array, batch: StepBatch) -> tuple[jax
 @_shared
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, mesh: Mesh | None = None,
                  greedy: bool = False, pooling: bool = False, sample_apart: bool = False,
-                 feature_layers: tuple[int, ...] | None = None, compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None, *, feature_layers: tuple[int, ...] | None = None):
     """`step(weights, kv_caches, penalty_tables, packed) -> (kv_caches, penalty_tables, SamplerOutput,
     PromptLogprobs, tokens_by_row)` (with `sample_apart`, below, the logits in the sampler's place), jitted
     with the KV pages and penalty tables donated.
@@ -227,7 +227,8 @@ def make_sample_fn(num_top_logprobs: int, max_rows: int, mesh: Mesh | None = Non
 @_shared
 def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: int, num_steps: int,
                          page_size: int, padding_slot: int, mesh: Mesh | None = None, greedy: bool = False,
-                         feature_layers: tuple[int, ...] | None = None, compiler_options: dict[str, Any] | None = None):
+                         compiler_options: dict[str, Any] | None = None, *,
+                         feature_layers: tuple[int, ...] | None = None):
     """`decode_steps(weights, kv_caches, penalty_tables, packed, row_steps) -> (kv_caches, penalty_tables,
     SamplerOutput with tokens, logprobs and ranks [num_steps, R], tokens_by_row)`, for a decode-only batch (row r's
     one token at index r) whose rows need nothing from the host between steps (no grammar, no bans, no top
