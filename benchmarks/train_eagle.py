@@ -58,7 +58,8 @@ def conversations(topics: tuple[str, ...], templates: tuple[str, ...]) -> list[l
 
 
 def prompt_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
-    return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True))
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def greedy_answers(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -150,10 +151,11 @@ def drafter_forward(params: dict, embeddings: jax.Array, tokens: jax.Array, feat
 
 
 def train(params: dict, embeddings: jax.Array, head: jax.Array, sequences: np.ndarray, features: np.ndarray,
-          labels: np.ndarray, lengths: np.ndarray, cfg, epochs: int, batch: int, lr: float, seed: int) -> dict:
+          labels: np.ndarray, lengths: np.ndarray, cfg, epochs: int, batch: int, lr: float, seed: int,
+          ce_weight: float = 0.1) -> dict:
     """EAGLE's losses over each sequence's drafter positions j (token j + 1, feature j): cross-entropy to the
-    target's greedy token after position j + 1, and smooth L1 (weight 1, the authors' 0.1 on the other) to the
-    feature at j + 1."""
+    target's greedy token after position j + 1 (weight `ce_weight`, the authors' 0.1), and smooth L1 (weight 1)
+    to the feature at j + 1."""
     steps = epochs * (len(sequences) // batch)
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 20, 1), steps), weight_decay=0.0)
     state = optimizer.init(params)
@@ -163,7 +165,7 @@ def train(params: dict, embeddings: jax.Array, head: jax.Array, sequences: np.nd
         logits = out @ head.T
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         regression = optax.huber_loss(out, next_feats, delta=1.0).mean(-1)
-        total = ((0.1 * ce + regression) * mask).sum() / mask.sum()
+        total = ((ce_weight * ce + regression) * mask).sum() / mask.sum()
         accuracy = ((jnp.argmax(logits, -1) == targets) * mask).sum() / mask.sum()
         return total, accuracy
 
@@ -204,14 +206,16 @@ def save(params: dict, hf_config: dict, directory: Path) -> None:
               str(directory / "model.safetensors"))
 
 
-def evaluate(drafter: Path, prompts: list[list[int]], max_tokens: int, k: int, rounds: int) -> list[dict]:
-    """The held-out prompts one at a time and all at once, with the proposer off and with every draft run."""
+def evaluate(drafter: Path, prompts: list[list[int]], max_tokens: int, k: int, rounds: int,
+             streams_list: tuple[int, ...]) -> list[dict]:
+    """The prompts `streams` at a time (each of `streams_list`), with the proposer off and with every draft run;
+    answers end at the end of turn (or `max_tokens`)."""
     options = {"quantization": "none", "dtype": "float32", "warmup_mode": "full", "max_num_seqs": 32,
                "speculative_config": {"method": "eagle", "model": str(drafter), "num_speculative_tokens": k}}
     engine = LLMEngine(EngineConfig.from_preset("cpu", model=str(bundled_model_path()), **options))
     speculation = engine.scheduler.speculation
     results = []
-    for streams in (1, len(prompts)):
+    for streams in streams_list:
         for index in range(rounds):
             for on in (False, True):
                 drafted, accepted = speculation.num_draft_tokens, speculation.num_accepted_tokens
@@ -234,7 +238,7 @@ def evaluate(drafter: Path, prompts: list[list[int]], max_tokens: int, k: int, r
 
 def greedy_answers_counted(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[int], int]:
     """Greedy answers to `prompts` submitted at once: (their lengths, the engine steps they took)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"eval-{time.perf_counter_ns()}-{index}", prompt, params)
     lengths, steps = [], 0
@@ -252,16 +256,25 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--ce-weight", type=float, default=0.1, help="the cross-entropy's weight (EAGLE's 0.1)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--eval-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--eval-on", choices=("held-out", "train"), default="held-out",
+                        help="the held-out topics' prompts, or as many of the training ones")
+    parser.add_argument("--eval-streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--data", default=None, help="the answers and states, saved or to save (default: in --out)")
     args = parser.parse_args()
     out = Path(args.out)
     bundled = str(bundled_model_path())
     target = load_model(bundled, "float32", quantization="none")
     tokenizer = target.tokenizer
-    if not args.skip_training:
+    data = Path(args.data) if args.data else out / "data.npz"
+    if not args.skip_training and data.exists():  # the answers and states of an earlier run
+        with np.load(data) as saved:
+            tokens, features, labels, lengths = (saved[name] for name in ("tokens", "features", "labels", "lengths"))
+    elif not args.skip_training:
         start = time.perf_counter()
         engine = LLMEngine(EngineConfig.from_preset("cpu", model=bundled, quantization="none", dtype="float32",
                                                     max_num_seqs=64))
@@ -277,6 +290,9 @@ def main() -> None:
         for index, sequence in enumerate(sequences):
             tokens[index, : len(sequence)] = sequence
         print(json.dumps({"features_in_s": round(time.perf_counter() - start, 1)}), flush=True)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(data, tokens=tokens, features=features, labels=labels, lengths=lengths)
+    if not args.skip_training:
         weights = nnx.to_pure_dict(target.state)
         embeddings = jnp.asarray(weights["embed_tokens"], jnp.float32)
         head = jnp.asarray(weights.get("lm_head", weights["embed_tokens"]), jnp.float32)
@@ -288,12 +304,14 @@ def main() -> None:
         params = {name: jnp.asarray(value, jnp.float32) for name, value in params.items()}
         start = time.perf_counter()
         params = train(params, embeddings, head, tokens, features, labels, lengths, target.cfg, args.epochs,
-                       args.batch, args.lr, seed=0)
+                       args.batch, args.lr, seed=0, ce_weight=args.ce_weight)
         print(json.dumps({"trained_in_s": round(time.perf_counter() - start, 1)}), flush=True)
         save(params, target.hf_config.to_dict(), out)
-    held_out = [prompt_ids(tokenizer, c) for c in conversations(HELD_OUT, TEMPLATES[:2])]
-    results = evaluate(out, held_out, args.eval_tokens, args.num_speculative_tokens, args.rounds)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    topics = HELD_OUT if args.eval_on == "held-out" else TOPICS[: len(HELD_OUT)]
+    prompts = [prompt_ids(tokenizer, c) for c in conversations(topics, TEMPLATES[:2])]
+    results = evaluate(out, prompts, args.eval_tokens, args.num_speculative_tokens, args.rounds,
+                       tuple(args.eval_streams))
+    (out / f"results-{args.eval_on}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -280,8 +280,9 @@ def test_the_speculative_config_takes_an_eagle_drafter():
         SpeculativeConfig.of({"method": "eagle", "model": "a/b", "num_speculative_tokens": 2, "quantization": "fp8"})
 
 
-def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target_config):
-    """A draft model's checkpoint (no `fc`) and a drafter of another width, each refused at start, by name."""
+def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target_config, tiny_model_dir, eagle_dir):
+    """A draft model's checkpoint (no `fc`), a drafter of another width, a target that is not Llama-style
+    (GPT-2) and one with sliding windows (Mistral: it drops the pages of its states), each refused at start."""
     spec = {"method": "eagle", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="not an EAGLE drafter"):
         make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(llama_dir)})
@@ -291,6 +292,10 @@ def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target
     (narrow / "config.json").write_text(json.dumps({**config, "hidden_size": 32, "head_dim": 8}))
     with pytest.raises(ValueError, match="hidden size 32"):
         make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(narrow)})
+    with pytest.raises(ValueError, match="Llama-style target"):
+        make_engine(tiny_model_dir("gpt2"), warmup=False, speculative_config={**spec, "model": str(eagle_dir)})
+    with pytest.raises(ValueError, match="sliding windows"):
+        make_engine(tiny_model_dir("mistral"), warmup=False, speculative_config={**spec, "model": str(eagle_dir)})
 
 
 def test_preemption_leaves_the_outputs_and_the_drafter_s_cache_right(llama_dir, eagle_dir):
