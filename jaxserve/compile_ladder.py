@@ -181,6 +181,9 @@ def compile_ladder(
     speculative config sizes the draft rows' penalty inputs).
     """
     wall_start = time.perf_counter()
+    if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
+        raise ValueError("jaxserve compile does not compile an EAGLE drafter's steps, nor the target's hidden-state "
+                         "pages beside them, yet: compile without --speculative-config")
     source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
     name = source.name
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))

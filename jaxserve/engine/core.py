@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
-from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
+from jaxserve.config import AUTO_MAX_MODEL_LEN, CacheConfig, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.core_io import (
     CoreOutputs,
@@ -93,6 +93,15 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     guard_cache_writes()  # a server's exit waits for an entry's write under way (process_exit.py)
     # Every compile, the small ones too (a dummy draw, the penalty-row load): a warm start then compiles nothing.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def drafter_cache(cache: CacheConfig, draft: LoadedModel) -> CacheConfig:
+    """The cache config of a draft model's or an EAGLE drafter's runner, as its share of the KV budget is sized
+    (`draft_share`) and as its runner allocates: the target's, but an EAGLE drafter's cache is never FP8 (an FP8
+    cache's scales are folded into a model family's weights, which a drafter is not)."""
+    if isinstance(draft.cfg, EagleConfig) and cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return dataclasses.replace(cache, kv_cache_dtype="auto")
+    return cache
 
 
 class EngineCore:
@@ -164,7 +173,8 @@ class EngineCore:
                        else self._load_eagle(config, speculative, model) if eagle else None)
         # its final hidden states for an EAGLE drafter, the inputs of some of its layers for an EAGLE-3 one
         feature_layers = getattr(draft_model.cfg, "target_layers", ()) if eagle else None
-        share = draft_share(draft_model, model, config.cache, sched.max_num_seqs) if draft_model is not None else None
+        share = (draft_share(draft_model, model, drafter_cache(config.cache, draft_model), sched.max_num_seqs)
+                 if draft_model is not None else None)
         self.runner = ModelRunner(
             model, config.cache, ladder, self.max_model_len, sched.max_num_seqs, config.model.max_logprobs,
             broadcast=self.leader.send if self.leader is not None else None,
@@ -293,9 +303,7 @@ class EngineCore:
         """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's
         (their memory counted in the target's sizing: `DraftShare`)."""
         k = config.scheduler.speculative_config.num_speculative_tokens
-        cache = dataclasses.replace(config.cache, num_kv_pages=self.runner.num_pages)
-        if isinstance(draft.cfg, EagleConfig):  # its cache in its own dtype (an FP8 cache's scales are a family's)
-            cache = dataclasses.replace(cache, kv_cache_dtype="auto")
+        cache = dataclasses.replace(drafter_cache(config.cache, draft), num_kv_pages=self.runner.num_pages)
         max_len = context_served(self.max_model_len, draft.max_position_embeddings)
         if (asked := config.scheduler.speculative_config.max_model_len) is not None:
             max_len = min(max_len, asked)

@@ -64,10 +64,12 @@ class Eagle3Config(EagleConfig):
             raise ValueError(f"an EAGLE-3 drafter of {base.num_layers} layers: one is served")
         eagle = getattr(hf, "eagle_config", None) or {}
         num_target_layers = target_cfg.num_layers
-        layers = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_target_layers))
-        if list(layers) != sorted(set(layers)) or not all(0 <= layer < num_target_layers for layer in layers):
-            raise ValueError(f"the EAGLE-3 drafter reads the inputs of target layers {list(layers)}: they must be "
-                             f"ascending, of the target's {num_target_layers}")
+        # vLLM's order: the config's top-level key, then its eagle_config's, then the default; taken in layer order
+        named = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or eagle.get("eagle_aux_hidden_state_layer_ids")
+        layers = tuple(sorted(set(named or default_aux_layers(num_target_layers))))
+        if not all(0 <= layer < num_target_layers for layer in layers):
+            raise ValueError(f"the EAGLE-3 drafter reads the inputs of target layers {list(layers)}: the target has "
+                             f"{num_target_layers}")
         if eagle.get("use_aux_hidden_state") is False:
             raise ValueError("an EAGLE-3 drafter without auxiliary hidden states (use_aux_hidden_state false) is "
                              "not served")
@@ -81,6 +83,9 @@ class Eagle3Config(EagleConfig):
         fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
         fields.update(vocab_size=target_cfg.vocab_size, tie_word_embeddings=False)
         own = any(name.endswith("embed_tokens.weight") for name in names)
+        if not own and base.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"an EAGLE-3 drafter of hidden size {base.hidden_size} without embeddings of its own "
+                             f"cannot take the target's ({target_cfg.hidden_size} wide)")
         return cls(**fields, feature_width=base.hidden_size, target_layers=layers, target_hidden_size=target_hidden,
                    draft_vocab_size=getattr(hf, "draft_vocab_size", None) or base.vocab_size,
                    norm_before_residual=bool(getattr(hf, "norm_before_residual", False)), own_embeddings=own)

@@ -51,3 +51,13 @@ def test_checkpoint_names_of_both_formats():
     path, transform = map_eagle3_weight("d2t", None)
     assert path == ("draft_to_target",)
     np.testing.assert_array_equal(transform(np.array([5, 5, 7]), None), [5, 6, 9])  # draft id + offset
+
+
+def test_a_decode_step_s_token_r_is_row_r_s():
+    """Decode-only steps (one token a row, token r row r's; the multi-step loop's too): each row's page table."""
+    page_table = jnp.array([[3, 1], [6, 2], [0, 0]], jnp.int32)
+    positions = jnp.array([3, 1, 0], jnp.int32)  # row 2: padding
+    md = AttentionMetadata(slot_mapping=jnp.array([3 * 4 + 3, 6 * 4 + 1, 8 * 4], jnp.int32),
+                           kv_lens=jnp.array([4, 2, 0]), page_table=page_table,
+                           cu_q_lens=jnp.array([0, 1, 2, 2], jnp.int32), decode_only=True)
+    assert next_slots(md, positions, 8, 4).tolist() == [1 * 4 + 0, 6 * 4 + 2, 8 * 4]
