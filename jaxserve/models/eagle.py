@@ -61,14 +61,18 @@ class EagleConfig(LlamaConfig):
         if base.hidden_size != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE drafter of hidden size {base.hidden_size} cannot read a target's features of "
                              f"{target_cfg.hidden_size}")
-        if base.vocab_size > target_cfg.vocab_size:
-            raise ValueError(f"the EAGLE drafter's vocabulary ({base.vocab_size}) is larger than the target's "
-                             f"({target_cfg.vocab_size})")
-        fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
-        # the target's embeddings and LM head: its vocabulary, padded as it is
-        fields.update(vocab_size=target_cfg.vocab_size, tie_word_embeddings=False)
-        return cls(**fields, feature_width=target_cfg.hidden_size, fc_bias=fc_bias,
+        return cls(**drafter_fields(base, target_cfg, "EAGLE"), feature_width=target_cfg.hidden_size, fc_bias=fc_bias,
                    para_norms=bool(getattr(hf, "add_para_norm", False)))
+
+
+def drafter_fields(base: LlamaConfig, target_cfg: Any, kind: str) -> dict[str, Any]:
+    """A drafter's Llama config fields (`base`, from its config.json) over the target's vocabulary, padded as the
+    target's embeddings and LM head are; raises ValueError where the drafter's own vocabulary is larger."""
+    if base.vocab_size > target_cfg.vocab_size:
+        raise ValueError(f"the {kind} drafter's vocabulary ({base.vocab_size}) is larger than the target's "
+                         f"({target_cfg.vocab_size})")
+    fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
+    return fields | {"vocab_size": target_cfg.vocab_size, "tie_word_embeddings": False}
 
 
 class EagleLayer(nnx.Module):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.eagle import EagleConfig, next_slots
+from jaxserve.models.eagle import EagleConfig, drafter_fields, next_slots
 from jaxserve.models.features import read_features, write_features
 from jaxserve.models.layers import (
     AttentionMetadata,
@@ -77,11 +77,7 @@ class Eagle3Config(EagleConfig):
         if target_hidden != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE-3 drafter for a target of hidden size {target_hidden} cannot read one of "
                              f"{target_cfg.hidden_size}")
-        if base.vocab_size > target_cfg.vocab_size:
-            raise ValueError(f"the EAGLE-3 drafter's vocabulary ({base.vocab_size}) is larger than the target's "
-                             f"({target_cfg.vocab_size})")
-        fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
-        fields.update(vocab_size=target_cfg.vocab_size, tie_word_embeddings=False)
+        fields = drafter_fields(base, target_cfg, "EAGLE-3")
         own = any(name.endswith("embed_tokens.weight") for name in names)
         if not own and base.hidden_size != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE-3 drafter of hidden size {base.hidden_size} without embeddings of its own "

@@ -134,3 +134,25 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def check_speculative_serving(server: Server) -> float:
+    """What a server with drafts (--speculative-config) must answer as one without: a greedy chat answer naming
+    Paris, its stream the same text, a seeded sample repeated; once idle, /metrics' accepted drafts within the
+    drafted ones. Returns the draft tokens /metrics counted."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    france = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=france, temperature=0, max_tokens=40)
+    text = reply.choices[0].message.content
+    assert "Paris" in text and reply.usage.completion_tokens > 5
+    stream = client.chat.completions.create(model=MODEL, messages=france, temperature=0, max_tokens=40, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
+    seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, seed=4,
+                                        max_tokens=30).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    wait_idle(server)
+    drafted = metric(server, "jaxserve:spec_decode_num_draft_tokens_total")
+    assert 0 <= metric(server, "jaxserve:spec_decode_num_accepted_tokens_total") <= drafted
+    return drafted

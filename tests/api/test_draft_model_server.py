@@ -8,12 +8,9 @@ import os
 import subprocess
 import sys
 
-import openai
 import pytest
 
-from tests.api.helpers import MODEL, metric, start_server, stop_server, wait_idle
-
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+from tests.api.helpers import check_speculative_serving, start_server, stop_server
 
 
 @pytest.mark.slow
@@ -22,19 +19,7 @@ def test_a_draft_model_serves_through_the_openai_sdk(tmp_path, compile_cache, sm
     draft = json.dumps({"model": str(smollm2_gguf), "num_speculative_tokens": 3})
     server = start_server(tmp_path, compile_cache, "--speculative-config", draft)
     try:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=40)
-        text = reply.choices[0].message.content
-        assert "Paris" in text and reply.usage.completion_tokens > 5
-        stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=40,
-                                                stream=True)
-        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
-        seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, seed=4,
-                                            max_tokens=30).choices[0].text for _ in range(2)]
-        assert seeded[0] == seeded[1]
-        wait_idle(server)
-        drafted = metric(server, "jaxserve:spec_decode_num_draft_tokens_total")
-        assert 0 <= metric(server, "jaxserve:spec_decode_num_accepted_tokens_total") <= drafted
+        check_speculative_serving(server)
         assert "loading the draft model" in server.log()
     finally:
         stop_server(server)

@@ -6,14 +6,11 @@ tests/engine/test_eagle.py.)"""
 
 import json
 
-import openai
 import pytest
 
 from jaxserve.models.gguf_cache import converted_dir
-from tests.api.helpers import MODEL, metric, start_server, stop_server, wait_idle
+from tests.api.helpers import check_speculative_serving, start_server, stop_server
 from tests.eagle import write_eagle
-
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.mark.slow
@@ -24,20 +21,7 @@ def test_an_eagle_drafter_serves_through_the_openai_sdk(tmp_path, compile_cache,
     spec = json.dumps({"method": "eagle", "model": str(drafter), "num_speculative_tokens": 3})
     server = start_server(tmp_path, compile_cache, "--speculative-config", spec)
     try:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=40)
-        text = reply.choices[0].message.content
-        assert "Paris" in text and reply.usage.completion_tokens > 5
-        stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=40,
-                                                stream=True)
-        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
-        seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, seed=4,
-                                            max_tokens=30).choices[0].text for _ in range(2)]
-        assert seeded[0] == seeded[1]
-        wait_idle(server)
-        drafted = metric(server, "jaxserve:spec_decode_num_draft_tokens_total")
-        assert drafted > 0
-        assert 0 <= metric(server, "jaxserve:spec_decode_num_accepted_tokens_total") <= drafted
+        assert check_speculative_serving(server) > 0
         assert "loading the EAGLE drafter" in server.log()
     finally:
         stop_server(server)
