@@ -359,8 +359,9 @@ ENGINE_FLAGS = (
               "row each; or '{\"model\": \"<draft model>\", \"num_speculative_tokens\": 4}': drafts from a "
               "smaller model with the target's tokenizer, run beside the target with a KV cache of its own (sharing "
               "the cache's memory); or '{\"method\": \"eagle\" (or \"eagle3\"), \"model\": \"<drafter>\", "
-              "\"num_speculative_tokens\": 3}': an EAGLE drafter reading the target's hidden states; outputs are "
-              "token for token those of plain decoding (default: none)"),
+              "\"num_speculative_tokens\": 3}': an EAGLE drafter reading the target's hidden states; or "
+              "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}': DeepSeek-V3's or GLM-4.5's own "
+              "multi-token prediction layer; outputs are token for token those of plain decoding (default: none)"),
     Flag("--enable-lora", LoraConfig, "enable_lora", preset=True, action=argparse.BooleanOptionalAction,
          help="serve LoRA adapters (vLLM's flag): each of --lora-modules is a model name of its own, and one step "
               "mixes requests of the base model and of up to --max-loras adapters (default: off)"),

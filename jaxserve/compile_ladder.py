@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.collector import fewer_collections
-from jaxserve.config import AUTO_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig, context_served
+from jaxserve.config import AUTO_MAX_MODEL_LEN, FEATURE_METHODS, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
@@ -181,9 +181,9 @@ def compile_ladder(
     speculative config sizes the draft rows' penalty inputs).
     """
     wall_start = time.perf_counter()
-    if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
-        raise ValueError("jaxserve compile does not compile an EAGLE drafter's steps, nor the target's hidden-state "
-                         "pages beside them, yet: compile without --speculative-config")
+    if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
+        raise ValueError("jaxserve compile does not compile an EAGLE or MTP drafter's steps, nor the target's "
+                         "hidden-state pages beside them, yet: compile without --speculative-config")
     source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
     name = source.name
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))

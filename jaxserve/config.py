@@ -140,8 +140,12 @@ WARMUP_MODES = ("auto", "full", "background")  # see EngineConfig.warmup_mode
 REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "openai_gptoss", "qwen3")  # jaxserve.api.reasoning.REASONING_PARSERS
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that take a "model"
+# The methods whose drafter reads the target's hidden states (`models/features.py`)
+FEATURE_METHODS = ("eagle", "eagle3", "mtp")
+# vLLM's older names of "mtp", one a family
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -153,7 +157,9 @@ class SpeculativeConfig:
     a smaller model's greedy continuation (`model`: a hub id, directory or GGUF file, with the target's
     tokenizer), run beside the target with a KV cache of its own. Methods "eagle" and "eagle3": an EAGLE or
     EAGLE-3 drafter's (`model`: its directory or hub id, a Llama-layer checkpoint with `fc`; `models/eagle.py`,
-    `models/eagle3.py`), which reads the target's hidden states. Method "suffix" (SuffixDecoding): what
+    `models/eagle3.py`), which reads the target's hidden states. Method "mtp": the model's own
+    multi-token prediction layer (DeepSeek-V3's, GLM-4.5's; `models/mtp.py`), which reads them too; its
+    "model", where given, is the target's. Method "suffix" (SuffixDecoding): what
     followed the longest suffix of the context in the context and in recent requests' outputs
     (`engine/suffix_proposer.py`; `num_speculative_tokens` defaults to the most, 16). The other fields are
     vLLM's of the same names."""
@@ -175,17 +181,21 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (MTP layers are "
-                             f"not supported yet), got {self.method!r}")
-        if (self.method in MODEL_METHODS) != (self.model is not None):
-            raise ValueError('methods "draft_model", "eagle" and "eagle3" take their model as "model", and only '
-                             'they do')
-        if self.method in ("eagle", "eagle3") and self.quantization not in (None, "none"):
-            raise ValueError("an EAGLE drafter's weights are not quantized: no \"quantization\" for it")
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{self.method!r}")
+        if self.method in MODEL_METHODS and self.model is None:
+            raise ValueError('methods "draft_model", "eagle" and "eagle3" take their model as "model"')
+        if self.method not in (*MODEL_METHODS, "mtp") and self.model is not None:
+            raise ValueError(f'method "{self.method}" takes no "model"')
+        if self.method in FEATURE_METHODS and self.quantization not in (None, "none"):
+            raise ValueError("an EAGLE or MTP drafter's weights are not quantized: no \"quantization\" for it")
+        if self.method == "mtp" and self.revision is not None:
+            raise ValueError("an MTP drafter is the model's own layer: no \"revision\" for it")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"the draft model must be a hub id, directory or file, got {self.model!r}")
         drafted_by_model = ("revision", "quantization", "max_model_len", "draft_tensor_parallel_size")
-        if self.model is None and (given := [name for name in drafted_by_model if getattr(self, name) is not None]):
+        given = [name for name in drafted_by_model if getattr(self, name) is not None]
+        if self.model is None and self.method != "mtp" and given:  # an MTP drafter's "model" is the target
             raise ValueError(f"{', '.join(given)}: a draft model's settings, and no \"model\" is given")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a non-empty string, got {self.revision!r}")
@@ -231,6 +241,8 @@ class SpeculativeConfig:
             value["method"] = value.pop("model")
         if value.get("method") == "[ngram]":
             value["method"] = "ngram"
+        if value.get("method") in MTP_ALIASES:
+            value["method"] = "mtp"
         if "model" in value and "method" not in value:  # vLLM infers the method from the model's name
             name = str(value["model"]).lower()
             value["method"] = "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
@@ -442,6 +454,13 @@ class ParallelConfig:
         return host, int(port) + 1
 
 
+def _same_model(first: str, second: str | None) -> bool:
+    """Whether two model names are one model: the same hub id, or paths to the same directory or file."""
+    if first == second:
+        return True
+    return second is not None and os.path.exists(first) and os.path.exists(second) and os.path.samefile(first, second)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -492,10 +511,16 @@ class EngineConfig:
         if speculative is not None and speculative.method in MODEL_METHODS and self.parallel.multihost:
             raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one host: "
                              "not with hosts above 1")
-        if (speculative is not None and speculative.method in ("eagle", "eagle3")
+        if (speculative is not None and speculative.method in FEATURE_METHODS
                 and self.parallel.tensor_parallel_size > 1):
-            raise ValueError("an EAGLE drafter runs beside a model on one device: not with --tensor-parallel-size "
-                             "above 1 yet")
+            raise ValueError("an EAGLE or MTP drafter runs beside a model on one device: not with "
+                             "--tensor-parallel-size above 1 yet")
+        if speculative is not None and speculative.method == "mtp" and self.parallel.multihost:
+            raise ValueError("an MTP drafter runs beside a model on one host: not with hosts above 1")
+        if (speculative is not None and speculative.method == "mtp" and speculative.model is not None
+                and not _same_model(speculative.model, self.model.model)):
+            raise ValueError(f"method \"mtp\" drafts with the model's own layer: its \"model\" is the served one "
+                             f"({self.model.model!r}) or left out, got {speculative.model!r}")
         draft_tp = None if speculative is None else speculative.draft_tensor_parallel_size
         if draft_tp is not None and draft_tp != self.parallel.tensor_parallel_size:
             raise ValueError(f"draft_tensor_parallel_size {draft_tp}: the draft model is split over the target's "

@@ -148,9 +148,16 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):
 RANDOM_NORM_KINDS = ("olmo2", "olmo3", "granite", "olmoe", "glm4")
 
 
-def _tiny_hf_model(kind: str):
+def _tiny_hf_model(kind: str, layers_added: int = 0):
+    """The random model of `kind`; `layers_added`: with that many more layers (`tests/mtp.py`)."""
     model = _build_tiny_hf_model(kind)
     import torch
+
+    if layers_added:
+        config = type(model.config)(**{**model.config.to_dict(),
+                                       "num_hidden_layers": model.config.num_hidden_layers + layers_added})
+        torch.manual_seed(1)
+        model = type(model)(config)
 
     with torch.no_grad():  # HF zero-initialises biases; random ones make parity tests see them
         for name, tensor in model.named_parameters():

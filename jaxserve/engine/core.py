@@ -42,7 +42,14 @@ import numpy as np
 
 from jaxserve import IMPORTED_AT
 from jaxserve.collector import fewer_collections
-from jaxserve.config import AUTO_MAX_MODEL_LEN, CacheConfig, EngineConfig, SpeculativeConfig, context_served
+from jaxserve.config import (
+    AUTO_MAX_MODEL_LEN,
+    FEATURE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    SpeculativeConfig,
+    context_served,
+)
 from jaxserve.engine import draft_model_proposer
 from jaxserve.engine.core_io import (
     CoreOutputs,
@@ -67,10 +74,11 @@ from jaxserve.engine.structured_output import CompiledGrammar, MaskFiller
 from jaxserve.engine.suffix_proposer import SuffixProposer
 from jaxserve.models import is_encoder
 from jaxserve.models.classifier import class_activation, class_labels, num_classes, score_activation
-from jaxserve.models.eagle import EagleConfig, load_eagle
+from jaxserve.models.eagle import load_eagle
 from jaxserve.models.layers import LoraShape
 from jaxserve.models.loader import LoadedModel, fast_cpu_dtypes, load_model
 from jaxserve.models.lora import lora_layout, with_lora_slots
+from jaxserve.models.mtp import load_mtp
 from jaxserve.models.peft import LoraAdapter
 from jaxserve.models.tokenizer import TokenizerCopies
 from jaxserve.process_exit import guard_cache_writes
@@ -96,10 +104,10 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 
 def drafter_cache(cache: CacheConfig, draft: LoadedModel) -> CacheConfig:
-    """The cache config of a draft model's or an EAGLE drafter's runner, as its share of the KV budget is sized
-    (`draft_share`) and as its runner allocates: the target's, but an EAGLE drafter's cache is never FP8 (an FP8
-    cache's scales are folded into a model family's weights, which a drafter is not)."""
-    if isinstance(draft.cfg, EagleConfig) and cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+    """The cache config of a draft model's or an EAGLE or MTP drafter's runner, as its share of the KV budget
+    is sized (`draft_share`) and as its runner allocates: the target's, but an EAGLE or MTP drafter's cache is
+    never FP8 (an FP8 cache's scales are folded into a model's weights as it loads, which a drafter's are not)."""
+    if getattr(draft.cfg, "feature_width", 0) and cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return dataclasses.replace(cache, kv_cache_dtype="auto")
     return cache
 
@@ -168,11 +176,12 @@ class EngineCore:
         speculative = None if pooling else sched.speculative_config
         # A draft model loads before the runner sizes its KV cache: the pages are shared out between the two.
         method = None if speculative is None else speculative.method
-        eagle = method in ("eagle", "eagle3")  # the target keeps features for the drafter (`models/features.py`)
+        reads_features = method in FEATURE_METHODS  # the target keeps features for it (`models/features.py`)
         draft_model = (self._load_draft(config, speculative) if method == "draft_model"
-                       else self._load_eagle(config, speculative, model) if eagle else None)
-        # its final hidden states for an EAGLE drafter, the inputs of some of its layers for an EAGLE-3 one
-        feature_layers = getattr(draft_model.cfg, "target_layers", ()) if eagle else None
+                       else self._load_mtp(model) if method == "mtp"
+                       else self._load_eagle(config, speculative, model) if reads_features else None)
+        # its final hidden states for an EAGLE or MTP drafter, the inputs of some of its layers for an EAGLE-3 one
+        feature_layers = getattr(draft_model.cfg, "target_layers", ()) if reads_features else None
         share = (draft_share(draft_model, model, drafter_cache(config.cache, draft_model), sched.max_num_seqs)
                  if draft_model is not None else None)
         self.runner = ModelRunner(
@@ -197,7 +206,7 @@ class EngineCore:
                            "(--kv-cache-memory, --gpu-memory-utilization, --num-kv-pages) serves more",
                            self.kv_cache.capacity_tokens, self.max_model_len)
         proposer: Proposer | None = None
-        if eagle:
+        if reads_features:
             proposer = EagleProposer(self._draft_runner(config, draft_model, ladder), self.runner,
                                      speculative.num_speculative_tokens, model.cfg.vocab_size)
         elif draft_model is not None:
@@ -298,6 +307,14 @@ class EngineCore:
                               config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read
             raise ValueError(f"the EAGLE drafter (--speculative-config's \"model\"): {error}") from error
+
+    def _load_mtp(self, target: LoadedModel) -> LoadedModel:
+        """The target's own multi-token prediction layer as its drafter (`models/mtp.py`)."""
+        logger.info("speculative decoding: loading the model's multi-token prediction layer")
+        try:
+            return load_mtp(target)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"speculative method \"mtp\": {error}") from error
 
     def _draft_runner(self, config: EngineConfig, draft: LoadedModel, ladder: BucketLadder) -> ModelRunner:
         """The draft model's runner: the target's buckets, greedy rows, and as many KV pages as the target's

@@ -61,7 +61,9 @@ def draft_share(draft: LoadedModel, target: LoadedModel, cache_config: CacheConf
     target's (the same token for each id; the two vocabularies may be padded to different sizes)."""
     if not _same_tokens(draft.tokenizer, target.tokenizer):
         raise ValueError("the draft model's tokenizer is not the target's: drafts must be the target's token ids")
-    return DraftShare(bytes_per_device(jax.tree.leaves(draft.state)),
+    shared = {id(leaf) for leaf in jax.tree.leaves(target.state)}  # an EAGLE or MTP drafter's tables are the target's
+    own = [leaf for leaf in jax.tree.leaves(draft.state) if id(leaf) not in shared]
+    return DraftShare(bytes_per_device(own),
                       PenaltyTables.num_bytes(max_num_seqs, draft.cfg.vocab_size), kv_page_bytes(draft, cache_config))
 
 

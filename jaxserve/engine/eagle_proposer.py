@@ -1,4 +1,5 @@
-"""Drafts from an EAGLE drafter (vLLM's "eagle" method; `models/eagle.py`).
+"""Drafts from an EAGLE drafter (vLLM's "eagle" and "eagle3" methods; `models/eagle.py`, `models/eagle3.py`),
+or from a model's own multi-token prediction layer, which drafts as one ("mtp"; `models/mtp.py`).
 
 The drafter runs as a draft model does (`DraftModelProposer`: its own runner and KV cache, a catch-up then k - 1
 decode steps a round), over the request shifted by one: its position j takes the token at j + 1 and the
@@ -54,7 +55,7 @@ class EagleProposer(DraftModelProposer):
         """`runner`: the drafter's (its cache ending with its features' pages), its pages the target's size;
         `target`: the target's runner, whose cache ends with its final hidden states' pages."""
         if runner.features is None or target.features is None:
-            raise ValueError("an EAGLE drafter reads the target's hidden states: both caches keep them")
+            raise ValueError("an EAGLE or MTP drafter reads the target's hidden states: both caches keep them")
         if runner.page_size != target.page_size:
             raise ValueError("the drafter's pages must be the target's size")
         super().__init__(runner, num_speculative_tokens, vocab_size, enable_prefix_caching=False)

@@ -88,6 +88,7 @@ class DeepseekConfig:
     # The cache keeps each token's [c, k_r] once, as its key: the values are the keys' first C dims
     # (`models.values_are_keys`).
     values_are_keys: bool = True
+    mtp_layers: int = 0  # V3's multi-token prediction layers, after `num_layers` in its checkpoints (`mtp.py`)
 
     @classmethod
     def from_hf(cls, hf: Any, attention: AttentionConfig | None = None) -> "DeepseekConfig":
@@ -124,6 +125,7 @@ class DeepseekConfig:
             moe=moe,
             first_dense_layers=hf.first_k_dense_replace or 0,
             attention=attention or AttentionConfig(),
+            mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if v3 else 0,
         )
 
     @property
@@ -350,7 +352,7 @@ _LAYER_RE = llama._LAYER_RE
 
 def map_hf_weight(name: str, cfg: DeepseekConfig) -> tuple[tuple[str | int, ...], Callable] | None:
     """Where an HF tensor goes in this model, or None for tensors the model has no use for (V3's multi-token
-    prediction layers past `num_hidden_layers`, among them)."""
+    prediction layers past `num_hidden_layers`, among them: `mtp.py` loads them as a drafter)."""
     if match := _LAYER_RE.match(name):
         layer = int(match.group(1))
         entry = _LAYER_MAP.get(match.group(2))

@@ -18,6 +18,7 @@ that follows it.
 import json
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,26 +186,35 @@ def load_drafter_state(directory: Path, module: Any, cfg: Any, dtype: Any, weigh
     target's arrays, not copied)."""
     from safetensors import safe_open
 
+    def weights() -> Iterator[tuple[str, tuple, Any]]:
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if (mapped := mapper(name, cfg)) is not None:
+                        path, transform = mapped
+                        yield name, path, transform(f.get_tensor(name), cfg)
+
+    return drafter_state(module, cfg, dtype, weight_dtype, weights(), shared)
+
+
+def drafter_state(module: Any, cfg: Any, dtype: Any, weight_dtype: Any, weights: Iterable[tuple[str, tuple, Any]],
+                  shared: dict[tuple, Any]) -> tuple[nnx.GraphDef, nnx.State]:
+    """A drafter's module (`module(cfg, dtype, weight_dtype)`) and weights: `weights` (checkpoint name, path,
+    value as the module keeps it) over `shared` (path -> the target's arrays, not copied); raises ValueError
+    for a tensor that fits no parameter and for parameters left without one."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: module(cfg, dtype, weight_dtype)))
     expected = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     loaded: dict[tuple, Any] = dict(shared)
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                mapped = mapper(name, cfg)
-                if mapped is None:
-                    continue
-                path, transform = mapped
-                if path not in expected:
-                    raise ValueError(f"the EAGLE checkpoint's tensor {name} maps to no parameter ({path})")
-                value = np.asarray(transform(f.get_tensor(name), cfg))
-                want = expected[path]
-                if tuple(value.shape) != tuple(want.shape):
-                    raise ValueError(f"the EAGLE checkpoint's {name}: shape {value.shape} != {want.shape}")
-                loaded[path] = jax.device_put(jnp.asarray(value, dtype=want.dtype))
+    for name, path, value in weights:
+        if path not in expected:
+            raise ValueError(f"the drafter's checkpoint tensor {name} maps to no parameter ({path})")
+        want = expected[path]
+        if tuple(np.shape(value)) != tuple(want.shape):
+            raise ValueError(f"the drafter's checkpoint {name}: shape {np.shape(value)} != {want.shape}")
+        loaded[path] = jax.device_put(jnp.asarray(value, dtype=want.dtype))
     missing = sorted(str(path) for path in expected.keys() - loaded.keys())
     if missing:
-        raise ValueError(f"the EAGLE checkpoint is missing {', '.join(missing[:5])}")
+        raise ValueError(f"the drafter's checkpoint is missing {', '.join(missing[:5])}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(loaded))
     return graphdef, state
 
@@ -215,8 +225,8 @@ def target_tables(target_state: nnx.State) -> tuple[Any, Any]:
     of another stack (GPT-2's)."""
     weights = nnx.to_pure_dict(target_state)
     if "embed_tokens" not in weights:
-        raise ValueError("an EAGLE drafter shares the target's embeddings and LM head: a Llama-style target "
-                         "(LlamaForCausalLM and the families built on it)")
+        raise ValueError("an EAGLE or MTP drafter shares the target's embeddings and LM head: a Llama-style "
+                         "target (LlamaForCausalLM and the families built on it)")
     embeddings = weights["embed_tokens"]
     return weights.get("lm_head", embeddings), embeddings
 

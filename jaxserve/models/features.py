@@ -1,4 +1,4 @@
-"""Each token's hidden state kept in pages, as its K/V is, for an EAGLE drafter (speculative decoding).
+"""Each token's hidden state kept in pages, as its K/V is, for an EAGLE or MTP drafter (speculative decoding).
 
 An EAGLE drafter (`models/eagle.py`) predicts the token after position j from the token at j + 1 and the
 target's final hidden state at j. The target's step writes that state for every token it computes into one

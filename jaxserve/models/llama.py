@@ -90,7 +90,8 @@ class LlamaConfig:
     moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (True) or the dense MLP
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # resolved for the compile device
     lora: LoraShape | None = None  # --enable-lora: each dense projection's adapters (`LoraStack`)
-    mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not loaded
+    mtp_layers: int = 0  # GLM-4.5's multi-token prediction layers, after `num_layers` in its checkpoints: not
+    # loaded with the model (`mtp.py` loads them as a drafter)
     classifier: ClassifierHead | None = None  # a sequence classifier's head (`classifier.py`), set by the loader
 
     @classmethod
@@ -140,8 +141,8 @@ class LlamaConfig:
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
-        """Whether a checkpoint tensor belongs to a multi-token prediction layer (not loaded: serving does not
-        use them)."""
+        """Whether a checkpoint tensor belongs to a multi-token prediction layer (not loaded with the model; a
+        drafter of their own, `mtp.py`)."""
         match = _LAYER_RE.match(name) if self.mtp_layers else None
         return match is not None and self.num_layers <= int(match.group(1)) < self.num_layers + self.mtp_layers
 

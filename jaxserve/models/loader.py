@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,16 +284,22 @@ def _configured_eos(source: ModelSource, hf_config: Any, tokenizer: Any) -> tupl
     return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
-def _iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
+def iter_safetensors(directory: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
+    """The (name, tensor) pairs of a directory's `*.safetensors` files, FP8 ones as float8 arrays; `keep`: only
+    the names it keeps are read (the others' bytes are not touched)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(str(directory / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     for file in files:
-        header, data = _safetensors_header(file), None
+        header, data = safetensors_header(file), None
+        if keep is not None and not any(keep(name) for name in header):
+            continue
         with safe_open(file, framework="flax") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if keep is not None and not keep(name):
+                    continue
                 entry = header[name]
                 if entry["dtype"] in _SAFETENSORS_FP8:  # safetensors' numpy side has no float8 types
                     data = data if data is not None else np.memmap(file, dtype=np.uint8, mode="r")
@@ -307,7 +313,7 @@ def _iter_safetensors(directory: Path) -> Iterator[tuple[str, Any]]:
 _SAFETENSORS_FP8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
 
 
-def _safetensors_header(file: str) -> dict:
+def safetensors_header(file: str) -> dict:
     """Each tensor's dtype, shape and data offsets, with where the data begins ("start")."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
@@ -456,7 +462,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         tensors = iter_cached_gguf_tensors(source.directory / source.gguf_file, cfg.num_heads, cfg.num_kv_heads,
                                            keep_blocks=keep_blocks)
     else:
-        tensors = _iter_safetensors(source.directory)
+        tensors = iter_safetensors(source.directory)
     loaded: dict[tuple, Any] = {}
     kv_scales: dict[tuple[int, str], float] = {}
     start = time.perf_counter()

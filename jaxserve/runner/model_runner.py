@@ -162,7 +162,7 @@ def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig,
 
 
 def feature_pages(model: LoadedModel, feature_layers: tuple[int, ...] | None = None) -> FeaturePages | None:
-    """The pages of hidden states that a runner's KV cache ends with (`models/features.py`): an EAGLE
+    """The pages of hidden states that a runner's KV cache ends with (`models/features.py`): an EAGLE or MTP
     drafter's input features where the model is one; where the model keeps features for one
     (`feature_layers`), its final states (empty) or the inputs of those layers side by side; else None."""
     if (width := getattr(model.cfg, "feature_width", 0)) > 0:

@@ -120,7 +120,7 @@ def test_a_start_that_fails_stops_its_load(llama_dir, monkeypatch):
         raise RuntimeError("no room for a KV cache")
 
     taken = []
-    iter_safetensors = loader._iter_safetensors
+    iter_safetensors = loader.iter_safetensors
 
     def tensors(directory):
         for name, tensor in iter_safetensors(directory):
@@ -131,7 +131,7 @@ def test_a_start_that_fails_stops_its_load(llama_dir, monkeypatch):
             yield name, tensor
 
     monkeypatch.setattr(ModelRunner, "__init__", runner_that_fails)
-    monkeypatch.setattr(loader, "_iter_safetensors", tensors)
+    monkeypatch.setattr(loader, "iter_safetensors", tensors)
     with pytest.raises(RuntimeError, match="no room for a KV cache"):
         make_engine(llama_dir)
     assert len(taken) == 2  # the first loaded; the second taken, then the stop seen

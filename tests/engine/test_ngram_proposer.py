@@ -76,7 +76,7 @@ def test_vllm_s_speculative_config_shape_defaults_and_refusals():
     for older in ({"model": "ngram", "num_speculative_tokens": 2}, {"method": "[ngram]", "num_speculative_tokens": 2}):
         assert SpeculativeConfig.of(older).method == "ngram"  # vLLM's other spellings
     for bad, match in (
-        ({"method": "mtp", "num_speculative_tokens": 2}, "must be one of ngram"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "must be one of ngram"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "take their model as"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
@@ -84,7 +84,7 @@ def test_vllm_s_speculative_config_shape_defaults_and_refusals():
         ({"method": "ngram", "num_speculative_tokens": True}, "must be an integer"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "min <= max"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "take their model as"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, 'method "ngram" takes no "model"'),
         ([1, 2], "must be a JSON object"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -1,0 +1,221 @@
+"""A model's own multi-token prediction (MTP) layer as its drafter (vLLM's "mtp" method; DeepSeek-V3's technical
+report, section 2.2; GLM-4.5).
+
+DeepSeek-V3 (and R1) and GLM-4.5 (and 4.6) checkpoints hold, after their `num_hidden_layers` layers, a module
+trained to predict the token after next (`num_nextn_predict_layers`, one in every released model). At position
+j it takes the embedding of the token at j + 1, RMS-normed (`enorm`), and the model's final hidden state at j
+(after its last norm: the "feature"), normed (`hnorm`); `eh_proj` fuses them ([2D] -> [D]); one decoder layer of
+the model's own kind (DeepSeek's latent attention, GLM-4.5's attention; both with their experts) runs over its
+own K/V of the positions before; `shared_head`'s norm and the LM head predict the token at j + 2. As vLLM does,
+the embedding at position 0 is zeroed. Its output before that norm stands in for the feature at j + 1 when it
+runs ahead on its own drafts, as an EAGLE drafter's does, and it drafts through the same machinery
+(`engine/eagle_proposer.py`, `models/features.py`): it reads its features from the last entry of its KV cache
+and writes its output to the next position's slot.
+
+The layer's weights are read from the model's own checkpoint (its tensors alone), through the family's own
+weight stream and name map as a one-layer model of that family; the embeddings and the LM head are the
+target's, not copied, unless the layer's own copies in the checkpoint differ from them.
+"""
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models import ModelSpec
+from jaxserve.models.deepseek import DecoderLayer as DeepseekLayer
+from jaxserve.models.deepseek import DeepseekConfig
+from jaxserve.models.eagle import checkpoint_names, drafter_state, next_slots, target_tables
+from jaxserve.models.features import read_features, write_features
+from jaxserve.models.kv_scales import checkpoint_kv_scale
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    KVCache,
+    RMSNorm,
+    apply_layers,
+    dense,
+    embedding_lookup,
+    logits_from_embeddings,
+    param,
+)
+from jaxserve.models.llama import DecoderLayer as LlamaLayer
+from jaxserve.models.llama import LlamaConfig
+from jaxserve.models.loader import LoadedModel, iter_safetensors, safetensors_header
+from jaxserve.models.quantization import Fp8Tensor, checkpoint_quantization, fp8_checkpoint_tensors
+
+
+@dataclass(frozen=True)
+class LlamaMtpConfig(LlamaConfig):
+    """GLM-4.5's MTP layer: a one-layer GLM-4.5 (its experts as the model's last layer's)."""
+
+    feature_width: int = 0  # the target's hidden size: each position's feature
+
+
+@dataclass(frozen=True)
+class DeepseekMtpConfig(DeepseekConfig):
+    """DeepSeek-V3's MTP layer: a one-layer DeepSeek-V3 (its experts as the model's last layer's)."""
+
+    feature_width: int = 0  # the target's hidden size: each position's feature
+
+
+_LAYER_CLASSES: dict[type, type[nnx.Module]] = {LlamaMtpConfig: LlamaLayer, DeepseekMtpConfig: DeepseekLayer}
+
+
+def mtp_config(target_cfg: Any) -> LlamaMtpConfig | DeepseekMtpConfig:
+    """The MTP layer's config: the target's, as a one-layer model whose layer has experts where the target's
+    layer L (its index) would, without LoRA stacks or a classifier; raises ValueError for a model without MTP
+    layers."""
+    count = getattr(target_cfg, "mtp_layers", 0)
+    if not count:
+        raise ValueError("the model has no multi-token prediction layers (num_nextn_predict_layers): method "
+                         "\"mtp\" drafts with the layers that DeepSeek-V3 and GLM-4.5 checkpoints carry")
+    if count > 1:
+        raise ValueError(f"the model has {count} multi-token prediction layers, and drafting with one each step "
+                         "(as vLLM does) is not served yet: one is")
+    if isinstance(target_cfg, DeepseekConfig):
+        fields = {field.name: getattr(target_cfg, field.name) for field in dataclasses.fields(DeepseekConfig)}
+        sparse = target_cfg.num_layers >= target_cfg.first_dense_layers
+        return DeepseekMtpConfig(**fields | {"num_layers": 1, "first_dense_layers": 0 if sparse else 1,
+                                             "mtp_layers": 0}, feature_width=target_cfg.hidden_size)
+    per_layer = ("sliding_windows", "rope_layers", "layer_ropes")
+    if not isinstance(target_cfg, LlamaConfig) or any(getattr(target_cfg, name) for name in per_layer):
+        raise ValueError("multi-token prediction layers are served for DeepSeek-V3 and GLM-4.5 (models of one "
+                         "kind of layer), not for this model")
+    fields = {field.name: getattr(target_cfg, field.name) for field in dataclasses.fields(LlamaConfig)}
+    sparse = any(target_cfg.moe_layers)  # GLM-4.5's: experts from its first sparse layer on
+    return LlamaMtpConfig(**fields | {"num_layers": 1, "moe_layers": (sparse,), "mtp_layers": 0, "lora": None,
+                                      "classifier": None}, feature_width=target_cfg.hidden_size)
+
+
+class MtpDrafter(nnx.Module):
+    """The MTP layer: `__call__` as a model's, over a KV cache whose last entry holds its features."""
+
+    reads_features = True
+
+    def __init__(self, cfg: LlamaMtpConfig | DeepseekMtpConfig, dtype: Any, weight_dtype: Any = None) -> None:
+        weight_dtype = weight_dtype or dtype
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = param(cfg.vocab_size, d, dtype=weight_dtype)  # the target's, or the layer's own
+        self.enorm = RMSNorm(d, eps, dtype)
+        self.hnorm = RMSNorm(d, eps, dtype)
+        self.eh_proj = param(2 * d, d, dtype=weight_dtype)  # [enorm(embedding) ; hnorm(feature)] -> D
+        self.layers = nnx.List([_LAYER_CLASSES[type(cfg)](cfg, dtype, weight_dtype, 0)])
+        self.shared_head_norm = RMSNorm(d, eps, dtype)
+        self.lm_head = param(cfg.vocab_size, d, dtype=weight_dtype)  # the target's, or the layer's own
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]: the token at each position's next one
+        positions: jax.Array,  # i32[T]
+        kv_caches: KVCache,  # the layer's K/V, then (features [1, pages, page_size, D], None)
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # [T, D]
+        (features, _), layer_caches = kv_caches[-1], kv_caches[:-1]
+        attention = self.cfg.attention
+        embedded = embedding_lookup(self.embed_tokens[...], input_ids, attention.mesh).astype(self.dtype)
+        embedded = jnp.where((positions == 0)[:, None], 0, embedded)  # as vLLM's: unused at position 0
+        fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, D]
+        x = dense(jnp.concatenate([self.enorm(embedded), self.hnorm(fed)], axis=-1), self.eh_proj[...], attention)
+        x, layer_caches = apply_layers(self.layers, x, layer_caches, positions=positions, md=md)
+        features = write_features(features, x, next_slots(md, positions, features.shape[1], features.shape[2]))
+        return x, [*layer_caches, (features, None)]
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        return logits_from_embeddings(self.shared_head_norm(hidden), self.lm_head[...], self.cfg.attention)
+
+
+# The MTP layer's own tensors, by their names after `model.layers.{L}.` -> their paths in `MtpDrafter`; its
+# other tensors are its decoder layer's.
+_OWN = {"enorm.weight": ("enorm", "scale"), "hnorm.weight": ("hnorm", "scale"), "eh_proj.weight": ("eh_proj",),
+        "shared_head.norm.weight": ("shared_head_norm", "scale")}
+_TABLES = {"embed_tokens.weight": ("embed_tokens",), "shared_head.head.weight": ("lm_head",)}  # [V, D] each
+
+
+def _same_tensor(directory: Path, first: str, second: str) -> bool:
+    """Whether two tensors of a checkpoint have the same dtype, shape and bytes, compared in their files (mapped,
+    not loaded)."""
+    found: dict[str, tuple[str, dict]] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        header = safetensors_header(str(file))
+        found |= {name: (str(file), header[name]) for name in (first, second) if name in header}
+    if len(found) < 2 or any(found[first][1][key] != found[second][1][key] for key in ("dtype", "shape")):
+        return False
+
+    def data(name: str) -> np.ndarray:
+        file, entry = found[name]
+        begin, end = (entry["start"] + offset for offset in entry["data_offsets"])
+        return np.memmap(file, dtype=np.uint8, mode="r", offset=begin, shape=(end - begin,))
+
+    return bool(np.array_equal(data(first), data(second)))
+
+
+def load_mtp(target: LoadedModel) -> LoadedModel:
+    """The MTP layer of `target` (loaded, from a safetensors checkpoint, on one device) as a drafter beside it,
+    in its dtypes and attention; raises ValueError where it has none or it cannot be read."""
+    cfg = mtp_config(target.cfg)
+    if target.source.gguf_file:
+        raise ValueError("the model's multi-token prediction layer is read from safetensors checkpoints, not "
+                         "GGUF files")
+    if target.mesh is not None:
+        raise ValueError("an MTP drafter runs beside a model on one device")
+    stored = checkpoint_quantization(target.hf_config)  # None or "fp8" (it raises for what is not read)
+    directory, prefix = target.source.directory, f"model.layers.{target.cfg.num_layers}."
+    names = {name.removeprefix(prefix) for name in checkpoint_names(directory) if name.startswith(prefix)}
+    if missing := sorted(_OWN.keys() - names):
+        raise ValueError(f"the checkpoint has no multi-token prediction layer: {prefix}{missing[0]} is missing")
+    # the layer's own copies of the tables where it has them and they are not the target's
+    target_names = {"embed_tokens.weight": "model.embed_tokens.weight",
+                    "shared_head.head.weight": "model.embed_tokens.weight" if target.cfg.tie_word_embeddings
+                    else "lm_head.weight"}
+    own_tables = {rest for rest in _TABLES.keys() & names
+                  if not _same_tensor(directory, prefix + rest, target_names[rest])}
+    target.wait_for_weights()
+    head, embeddings = target_tables(target.state)
+    shared = {path: table for (rest, path), table in zip(_TABLES.items(), (embeddings, head), strict=True)
+              if rest not in own_tables}
+    weights = _layer_weights(target, cfg, stored == "fp8", own_tables)
+    graphdef, state = drafter_state(MtpDrafter, cfg, target.dtype, target.weight_dtype, weights, shared)
+    return LoadedModel(
+        name=f"{target.name} (MTP layer)", source=target.source, hf_config=target.hf_config, cfg=cfg,
+        spec=ModelSpec(sys.modules[__name__], type(cfg), MtpDrafter), graphdef=graphdef, state=state,
+        tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
+        max_position_embeddings=target.max_position_embeddings, dtype=target.dtype, weight_dtype=target.weight_dtype)
+
+
+def _layer_weights(target: LoadedModel, cfg: Any, fp8: bool, own_tables: set[str]
+                   ) -> Iterator[tuple[str, tuple, Any]]:
+    """The MTP layer's weights (checkpoint name, path, value) as they stream from the checkpoint: its decoder
+    layer's through the family's weight stream and name map as layer 0 of a one-layer model, FP8 ones
+    dequantized; its tables only where `own_tables` names them."""
+    directory, module, layer = target.source.directory, target.spec.module, target.cfg.num_layers
+    prefix = f"model.layers.{layer}."
+    tensors: Iterator[tuple[str, Any]] = ((f"model.layers.0.{name.removeprefix(prefix)}", tensor) for name, tensor
+                                          in iter_safetensors(directory, lambda name: name.startswith(prefix)))
+    if fp8:
+        tensors = fp8_checkpoint_tensors(tensors)
+    if (stream := getattr(module, "hf_weight_stream", None)) is not None:
+        tensors = stream(tensors, cfg)
+    for name, tensor in tensors:
+        if checkpoint_kv_scale(name) is not None:  # an FP8 cache's scales: the drafter's cache is never FP8
+            continue
+        value = tensor.dequantize() if isinstance(tensor, Fp8Tensor) else tensor
+        rest = name.removeprefix("model.layers.0.")
+        if rest in _OWN:
+            yield prefix + rest, _OWN[rest], np.asarray(value).T if rest == "eh_proj.weight" else value
+        elif rest in _TABLES:
+            if rest in own_tables:
+                yield prefix + rest, _TABLES[rest], value
+        elif (mapped := module.map_hf_weight(name, cfg)) is not None:  # None: unused, as the model loads it
+            path, transform = mapped
+            if path[:2] != ("layers", 0):
+                raise ValueError(f"the multi-token prediction layer's {prefix}{rest} is not one jaxserve reads")
+            yield prefix + rest, path, transform(value, cfg)

@@ -1,0 +1,124 @@
+"""Speculative decoding from a model's own multi-token prediction layer (`--speculative-config '{"method":
+"mtp", ...}'`, DeepSeek-V3's and GLM-4.5's): each round's drafts are the layer's greedy chain as transformers'
+PyTorch decoder layer computes it in float64 from the target's own hidden states; outputs are token for token
+those of plain decoding; the layer's tables are the target's unless its own differ; models without such a
+layer, and what the method does not take, are refused."""
+
+import dataclasses
+
+import pytest
+import transformers
+
+from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.models.deepseek import DeepseekConfig
+from jaxserve.models.layers import LoraShape
+from jaxserve.models.llama import LlamaConfig
+from jaxserve.models.mtp import DeepseekMtpConfig, LlamaMtpConfig, mtp_config
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.test_eagle import assert_reference_drafts, proposer_of, recorded_rounds, run_drafting
+from tests.mtp import MtpReference, write_mtp_target
+
+SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory, smollm2_tokenizer) -> dict:
+    """GLM-4.5's layer with tables of its own; DeepSeek-V3's with copies of the model's."""
+    dirs = {}
+    for kind, own in (("glm4-moe", True), ("deepseek-v3", False)):
+        dirs[kind] = tmp_path_factory.mktemp(f"mtp-{kind}") / kind
+        dirs[kind].mkdir()
+        write_mtp_target(dirs[kind], kind, smollm2_tokenizer, own_tables=own)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def glm_engines(mtp_dirs) -> dict:
+    return {"plain": make_engine(mtp_dirs["glm4-moe"]),
+            "mtp": make_engine(mtp_dirs["glm4-moe"], speculative_config=SPEC)}
+
+
+@pytest.mark.parametrize("kind", ["glm4-moe", "deepseek-v3"])
+def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs, glm_engines, kind):
+    """Rounds after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0), after a
+    100-token prompt read in two chunks, and after a prefix-cache hit: each round's drafts are the float64
+    reference's chain, through GLM-4.5's attention and experts and DeepSeek-V3's latent attention and experts;
+    the layer's own tables are loaded where they differ from the target's, and shared where they are copies."""
+    engine = glm_engines["mtp"] if kind == "glm4-moe" else make_engine(mtp_dirs[kind], speculative_config=SPEC)
+    drafter = proposer_of(engine).runner.model
+    assert isinstance(drafter.cfg, LlamaMtpConfig if kind == "glm4-moe" else DeepseekMtpConfig)
+    assert drafter.cfg.num_layers == 1 and drafter.cfg.moe_layers == (True,)
+    target_state = engine.core.runner.model.state
+    for table in ("embed_tokens", "lm_head"):  # the copies are the target's arrays; GLM's own tables its own
+        assert (drafter.state[table][...] is target_state[table][...]) == (kind == "deepseek-v3")
+    prompts = make_prompts(5)
+    requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+                for i in range(5)}
+    prefix, greedy = list(range(2000, 2066)), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests |= {"long": (list(range(1000, 1100)), greedy), "first": ([*prefix, 5], greedy),
+                 "hit": ([*prefix, 7, 8], greedy)}
+    arrivals = {f"s{i}": 3 * i for i in range(5)} | {"long": 2, "first": 4, "hit": 10}
+    rounds, drafted = recorded_rounds(engine, requests, arrivals)
+    assert drafted > 0 and len(rounds) > 30
+    assert any(count > 64 for _, _, count in rounds), "no round caught up past the largest bucket"
+    assert any(tokens[:67] == [*prefix, 7] for tokens, _, _ in rounds), "the prefix-hit request never drafted"
+    assert assert_reference_drafts(rounds, MtpReference(mtp_dirs[kind]), every=2) > 12
+
+
+def test_mtp_drafts_give_the_plain_outputs(glm_engines):
+    """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops: every output
+    is the plain engine's, and nothing compiles after warm-up."""
+    requests, arrivals = workload(glm_engines["plain"])
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    plain = run(glm_engines["plain"], requests, arrivals)
+    outputs, drafted, accepted = run_drafting(glm_engines["mtp"], requests, arrivals)
+    assert_same(plain, outputs)
+    assert drafted > 0 and 0 <= accepted <= drafted
+
+
+def test_the_speculative_config_takes_vllm_s_mtp_spellings(mtp_dirs):
+    """vLLM's older per-family names are "mtp"; "model", where given, must be the served model; no
+    quantization or revision of its own; one device."""
+    for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
+        assert SpeculativeConfig.of({"method": name, "num_speculative_tokens": 1}).method == "mtp"
+    with pytest.raises(ValueError, match="not quantized"):
+        SpeculativeConfig.of({**SPEC, "quantization": "fp8"})
+    with pytest.raises(ValueError, match="no \"revision\""):
+        SpeculativeConfig.of({**SPEC, "model": "a/b", "revision": "main"})
+    served = str(mtp_dirs["glm4-moe"])
+
+    def engine_config(spec, tensor_parallel_size=1):
+        return EngineConfig(model=ModelConfig(model=served),
+                            scheduler=SchedulerConfig(speculative_config=SpeculativeConfig.of(spec)),
+                            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+
+    engine_config({**SPEC, "model": served})
+    with pytest.raises(ValueError, match="the model's own layer"):
+        engine_config({**SPEC, "model": "other/model"})
+    with pytest.raises(ValueError, match="one device"):
+        engine_config(SPEC, tensor_parallel_size=2)
+
+
+def test_models_without_an_mtp_layer_are_refused(llama_dir, tiny_model_dir):
+    """A Llama (no MTP layers in its config) and a GLM-4.5 whose config counts one its checkpoint lacks."""
+    with pytest.raises(ValueError, match="no multi-token prediction layers"):
+        make_engine(llama_dir, warmup=False, speculative_config=SPEC)
+    with pytest.raises(ValueError, match=r"no multi-token prediction layer: model\.layers\.3\.eh_proj\.weight"):
+        make_engine(tiny_model_dir("glm4-moe"), warmup=False, speculative_config=SPEC)
+
+
+def test_the_layer_s_config_is_a_one_layer_model_of_its_family(mtp_dirs):
+    """One layer, with experts as the target's layer L would have them, and neither the target's LoRA stacks
+    (a LoRA server drafts with the base layer) nor its count of MTP layers."""
+    hf = transformers.AutoConfig.from_pretrained(mtp_dirs["glm4-moe"])
+    target = dataclasses.replace(LlamaConfig.from_hf(hf), lora=LoraShape(max_loras=2, max_rank=8))
+    cfg = mtp_config(target)
+    assert (cfg.num_layers, cfg.moe_layers, cfg.lora, cfg.mtp_layers, cfg.feature_width) == (1, (True,), None, 0, 64)
+    assert target.moe_layers == (False, True, True)  # the target's first layer is dense
+    cfg = mtp_config(DeepseekConfig.from_hf(transformers.AutoConfig.from_pretrained(mtp_dirs["deepseek-v3"])))
+    assert (cfg.num_layers, cfg.moe_layers, cfg.mtp_layers) == (1, (True,), 0)
+    with pytest.raises(ValueError, match="2 multi-token prediction layers"):
+        mtp_config(dataclasses.replace(target, mtp_layers=2))
+    assert SpeculativeConfig.of({**SPEC, "max_model_len": 64}).max_model_len == 64  # no "model" needed
