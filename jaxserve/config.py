@@ -511,10 +511,6 @@ class EngineConfig:
         if speculative is not None and speculative.method in MODEL_METHODS and self.parallel.multihost:
             raise ValueError("a draft model (--speculative-config's \"model\") runs beside a model on one host: "
                              "not with hosts above 1")
-        if (speculative is not None and speculative.method in FEATURE_METHODS
-                and self.parallel.tensor_parallel_size > 1):
-            raise ValueError("an EAGLE or MTP drafter runs beside a model on one device: not with "
-                             "--tensor-parallel-size above 1 yet")
         if speculative is not None and speculative.method == "mtp" and self.parallel.multihost:
             raise ValueError("an MTP drafter runs beside a model on one host: not with hosts above 1")
         if (speculative is not None and speculative.method == "mtp" and speculative.model is not None

@@ -15,6 +15,7 @@ run on 2 or 4 devices with the same results. With one device, nothing here chang
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -63,6 +64,22 @@ def split_along(mesh: Mesh, ndim: int, axis: int | None) -> NamedSharding:
     if axis is not None:
         spec[axis] = TP_AXIS
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def page_array_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Where one of a KV cache's page arrays lives over the mesh: K/V pages [K, pages, page_size, H] split by
+    KV head (which `HeadLayout` makes divide); a page array of hidden states [1, pages, page_size, F]
+    (`models/features.py`) split along F where that divides, else whole on every device."""
+    for axis in (0, len(shape) - 1):
+        if shape[axis] % mesh.size == 0:
+            return split_along(mesh, len(shape), axis)
+    return replicated(mesh)
+
+
+def constrain_pages(kv_caches: Any, mesh: Mesh) -> Any:
+    """A step's KV cache held where the runner keeps it (`page_array_sharding`), inside a jitted step."""
+    return jax.tree.map(lambda pages: jax.lax.with_sharding_constraint(pages, page_array_sharding(mesh, pages.shape)),
+                        kv_caches)
 
 
 def bytes_per_device(leaves: list[jax.ShapeDtypeStruct | jax.Array]) -> int:

@@ -14,11 +14,12 @@ from tests.conftest import _tiny_hf_model
 MTP_FILE = "model-mtp.safetensors"  # beside model.safetensors, which transformers reads alone
 
 
-def write_mtp_target(directory, kind: str, tokenizer, own_tables: bool = False, seed: int = 0) -> None:
+def write_mtp_target(directory, kind: str, tokenizer, own_tables: tuple[str, ...] = (), seed: int = 0) -> None:
     """A tiny `kind` ("glm4-moe", "deepseek-v3") model of transformers with one layer more than its config.json
     says, that last layer its MTP layer's decoder layer (`num_nextn_predict_layers` 1), with the MTP layer's
-    own pieces beside it (random norms and `eh_proj`; the embeddings and LM head as the model's, as DeepSeek-V3's
-    checkpoints copy them, or with `own_tables` tables of its own)."""
+    own pieces beside it (random norms and `eh_proj`; copies of the model's embeddings and LM head, as
+    DeepSeek-V3's checkpoints hold them, but random ones of its own for those `own_tables` names: "embed_tokens",
+    "head")."""
     model = _tiny_hf_model(kind, layers_added=1).eval()
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
@@ -36,13 +37,34 @@ def write_mtp_target(directory, kind: str, tokenizer, own_tables: bool = False, 
     tensors = {prefix + "enorm.weight": weight(hidden, mean=1.0), prefix + "hnorm.weight": weight(hidden, mean=1.0),
                prefix + "eh_proj.weight": weight(hidden, 2 * hidden),
                prefix + "shared_head.norm.weight": weight(hidden, mean=1.0)}
-    if own_tables:
-        tensors |= {prefix + "embed_tokens.weight": weight(vocab, hidden),
-                    prefix + "shared_head.head.weight": weight(vocab, hidden)}
-    else:
-        tensors |= {prefix + "embed_tokens.weight": model.model.embed_tokens.weight.detach().numpy().copy(),
-                    prefix + "shared_head.head.weight": model.lm_head.weight.detach().numpy().copy()}
+    for table, name, model_table in (("embed_tokens", "embed_tokens.weight", model.model.embed_tokens),
+                                     ("head", "shared_head.head.weight", model.lm_head)):
+        own = table in own_tables
+        tensors[prefix + name] = weight(vocab, hidden) if own else model_table.weight.detach().numpy().copy()
     save_file(tensors, str(directory / MTP_FILE))
+
+
+# The MTP layer's pieces as llama.cpp names them (`blk.{L}.nextn.*`)
+_NEXTN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "shared_head_norm",
+          "shared_head.head": "shared_head_head", "embed_tokens": "embed_tokens"}
+
+
+def write_mtp_gguf(path, directory, tokenizer_gguf) -> None:
+    """The GLM-4.5 MTP target of `directory` (`write_mtp_target`) as llama.cpp's converter writes a `glm4moe`
+    file: the MTP layer's block after the model's, counted in the block count, its pieces as `nextn` tensors."""
+    from tests.models.test_gguf_families import experts_as_llama_cpp_stores_them, write_gguf_tensors
+    from tests.models.test_gguf_glm import _llama_cpp_name, _metadata
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    layer = config.num_hidden_layers
+    whole = transformers.AutoConfig.from_pretrained(directory, num_hidden_layers=layer + 1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, config=whole, dtype=torch.float32)
+    tensors = [(_llama_cpp_name(name), array) for name, array in experts_as_llama_cpp_stores_them(model)]
+    prefix = f"model.layers.{layer}."
+    for name, tensor in load_file(str(directory / MTP_FILE)).items():
+        piece = name.removeprefix(prefix).removesuffix(".weight")
+        tensors.append((f"blk.{layer}.nextn.{_NEXTN[piece]}.weight", tensor.numpy()))
+    write_gguf_tensors(path, "glm4moe", config, tensors, tokenizer_gguf, _metadata(config, mtp_layers=1))
 
 
 class MtpReference:

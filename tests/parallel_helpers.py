@@ -85,6 +85,7 @@ def _generate(llm, tp: int, spec: dict) -> dict:
         "compiles_after_warmup": len(compiles),
         "kv_devices": sorted(placed),
         "kv_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
+        "last_kv_shard_shape": list(runner.kv_caches[-1][0].addressable_shards[0].data.shape),  # features, if kept
         "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
         "q_proj_dtype": str(q_proj.dtype),
         "tokens": [o.outputs[0].token_ids for o in outputs],

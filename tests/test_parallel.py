@@ -8,11 +8,15 @@ and the bundled SmolLM2 (9 query / 3 KV heads: both at once).
 """
 
 
+import json
+
 import numpy as np
 import pytest
 
 from jaxserve.parallel import HeadLayout
+from tests.eagle import write_eagle3
 from tests.lora_helpers import write_adapter
+from tests.mtp import write_mtp_target
 from tests.parallel_helpers import assert_same_as_tp1, assert_tracks_tp1, run_tp
 
 
@@ -69,6 +73,33 @@ def test_a_draft_model_splits_over_the_target_s_devices(target, tp_worker, tiny_
         drafted, accepted = got["drafts"]
         assert drafted > 0 and (accepted == drafted or target != "llama"), (tp, got["drafts"])
         assert got["draft_kv_devices"] == got["kv_devices"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["eagle3", "mtp-glm4-moe", "mtp-deepseek-v3"])
+def test_a_drafter_of_the_target_s_states_splits_over_its_devices(drafter, tp_worker, tiny_model_dir,
+                                                                   smollm2_tokenizer, tmp_path):
+    """An EAGLE-3 drafter (a draft vocabulary) beside a TP=2 Llama, and GLM-4.5's and DeepSeek-V3's own MTP
+    layers beside their models at TP=2: each drafter's weights split as its family's layers are (DeepSeek's
+    latent copied to each device), the target's states kept in pages split along their width beside its K/V,
+    the drafter's cache on the same devices; the greedy tokens are TP=1's, and the drafts ran."""
+    if drafter == "eagle3":
+        target = tiny_model_dir("llama")
+        write_eagle3(tmp_path / "eagle3", json.loads((target / "config.json").read_text()), (0, 1),
+                     draft_vocab_size=3000)
+        speculative = {"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 2}
+    else:
+        target = tmp_path / drafter
+        target.mkdir()
+        write_mtp_target(target, drafter.removeprefix("mtp-"), smollm2_tokenizer)
+        speculative = {"method": "mtp", "num_speculative_tokens": 2}
+    results = run_tp(tp_worker, str(target), tmp_path / "cache", tp_sizes=(2, 1), speculative=speculative)
+    assert_same_as_tp1(results)
+    for tp, got in results.items():
+        assert got["drafts"][0] > 0, (tp, got["drafts"])
+        assert got["draft_kv_devices"] == got["kv_devices"]
+        width = 2 * 64 if drafter == "eagle3" else 64  # EAGLE-3's: two layers' inputs
+        assert got["last_kv_shard_shape"][0] == 1 and got["last_kv_shard_shape"][-1] == width // tp
 
 
 @pytest.mark.slow

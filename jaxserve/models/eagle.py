@@ -18,7 +18,7 @@ that follows it.
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
+from jax.sharding import Mesh
 
 from jaxserve.models import ModelSpec
 from jaxserve.models.features import read_features, write_features
@@ -42,8 +43,10 @@ from jaxserve.models.layers import (
     param,
 )
 from jaxserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, map_hf_weight
+from jaxserve.models.llama import split_rule as llama_split_rule
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.source import load_hf_config, resolve_model
+from jaxserve.parallel import HeadLayout, SplitRule, param_sharding
 
 
 @dataclass(frozen=True)
@@ -179,11 +182,50 @@ def map_eagle_weight(name: str, cfg: EagleConfig) -> tuple[tuple[str | int, ...]
     return map_hf_weight(name, cfg)
 
 
+@dataclass(frozen=True)
+class DrafterLayout:
+    """Where a drafter's weights live beside a target split over a mesh: each parameter split as `rule` (its
+    name -> `SplitRule`) says, its heads laid out by `heads` (the drafter's own: `HeadLayout`)."""
+
+    mesh: Mesh
+    heads: HeadLayout
+    rule: Callable[[str], SplitRule]
+
+    @classmethod
+    def beside(cls, target: LoadedModel, num_heads: int, num_kv_heads: int,
+               rule: Callable[[str], SplitRule]) -> "DrafterLayout | None":
+        """The layout of a drafter of `num_heads` query and `num_kv_heads` KV heads (its checkpoint's) beside
+        `target`; None for a target on one device."""
+        mesh = target.mesh
+        return None if mesh is None else cls(mesh, HeadLayout(num_heads, num_kv_heads, mesh.size), rule)
+
+    def config(self, cfg: Any) -> Any:
+        """The drafter's config (its checkpoint's, `cfg`) with its heads laid out for the mesh."""
+        heads = self.heads
+        return cfg if heads.is_identity else cfg.with_heads(heads.num_heads_eff, heads.num_kv_heads_eff)
+
+    def place(self, path: tuple, value: Any, dtype: Any) -> jax.Array:
+        """A checkpoint tensor, in the module's layout, with its heads laid out and split over the mesh."""
+        axis, heads = self.rule(path[-1])
+        value = np.asarray(self.heads.apply(heads, np.asarray(value), axis), dtype=dtype)
+        return jax.device_put(value, param_sharding(self.mesh, value.shape, (axis, heads)))
+
+
+def split_rule(name: str, cfg: Any) -> SplitRule:
+    """How an EAGLE drafter's parameter `name` splits over a mesh: `fc` and its bias (small beside the layers)
+    and EAGLE-3's vocabulary map whole on every device, the rest as a Llama's."""
+    return _WHOLE.get(name) or llama_split_rule(name, cfg)
+
+
+_WHOLE: dict[str, SplitRule] = {"fc": (None, None), "fc_bias": (None, None), "draft_to_target": (None, None)}
+
+
 def load_drafter_state(directory: Path, module: Any, cfg: Any, dtype: Any, weight_dtype: Any, mapper: Any,
-                       shared: dict[tuple, Any]) -> tuple[nnx.GraphDef, nnx.State]:
-    """A drafter's module (`module(cfg, dtype, weight_dtype)`) and weights: its checkpoint's (`*.safetensors`
-    in `directory`, named by `mapper(name, cfg)` -> (path, transform) or None) over `shared` (path -> the
-    target's arrays, not copied)."""
+                       shared: dict[tuple, Any], layout: DrafterLayout | None = None
+                       ) -> tuple[nnx.GraphDef, nnx.State]:
+    """A drafter's module (`module(cfg, dtype, weight_dtype)`, its heads laid out by `layout` where the target
+    is split over a mesh) and weights: its checkpoint's (`*.safetensors` in `directory`, named by `mapper(name,
+    cfg)` -> (path, transform) or None) over `shared` (path -> the target's arrays, not copied)."""
     from safetensors import safe_open
 
     def weights() -> Iterator[tuple[str, tuple, Any]]:
@@ -194,24 +236,30 @@ def load_drafter_state(directory: Path, module: Any, cfg: Any, dtype: Any, weigh
                         path, transform = mapped
                         yield name, path, transform(f.get_tensor(name), cfg)
 
-    return drafter_state(module, cfg, dtype, weight_dtype, weights(), shared)
+    return drafter_state(module, cfg, dtype, weight_dtype, weights(), shared, layout)
 
 
 def drafter_state(module: Any, cfg: Any, dtype: Any, weight_dtype: Any, weights: Iterable[tuple[str, tuple, Any]],
-                  shared: dict[tuple, Any]) -> tuple[nnx.GraphDef, nnx.State]:
-    """A drafter's module (`module(cfg, dtype, weight_dtype)`) and weights: `weights` (checkpoint name, path,
-    value as the module keeps it) over `shared` (path -> the target's arrays, not copied); raises ValueError
-    for a tensor that fits no parameter and for parameters left without one."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: module(cfg, dtype, weight_dtype)))
+                  shared: dict[tuple, Any], layout: DrafterLayout | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """A drafter's module (`module(cfg, dtype, weight_dtype)`, `cfg` its checkpoint's, its heads laid out by
+    `layout` where the target is split over a mesh) and weights: `weights` (checkpoint name, path, value as the
+    module keeps it), each split over the mesh as `layout` says, over `shared` (path -> the target's arrays, not
+    copied; a weight of the same path takes its place); raises ValueError for a tensor that fits no parameter
+    and for parameters left without one."""
+    module_cfg = cfg if layout is None else layout.config(cfg)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: module(module_cfg, dtype, weight_dtype)))
     expected = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     loaded: dict[tuple, Any] = dict(shared)
     for name, path, value in weights:
         if path not in expected:
             raise ValueError(f"the drafter's checkpoint tensor {name} maps to no parameter ({path})")
         want = expected[path]
-        if tuple(np.shape(value)) != tuple(want.shape):
+        if layout is not None:
+            loaded[path] = layout.place(path, value, want.dtype)
+        else:
+            loaded[path] = jax.device_put(jnp.asarray(value, dtype=want.dtype))
+        if tuple(loaded[path].shape) != tuple(want.shape):
             raise ValueError(f"the drafter's checkpoint {name}: shape {np.shape(value)} != {want.shape}")
-        loaded[path] = jax.device_put(jnp.asarray(value, dtype=want.dtype))
     missing = sorted(str(path) for path in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"the drafter's checkpoint is missing {', '.join(missing[:5])}")
@@ -261,8 +309,6 @@ def load_eagle(model: str, target: LoadedModel, method: str = "eagle", revision:
     if (method == "eagle3") != eagle3.is_eagle3_checkpoint(names):
         kind = "an EAGLE-3" if method == "eagle" else "an EAGLE (EAGLE-1)"
         raise ValueError(f"{model} is {kind} checkpoint: method \"{'eagle3' if method == 'eagle' else 'eagle'}\"")
-    if target.mesh is not None:
-        raise ValueError("an EAGLE drafter runs beside a target on one device")
     if not issubclass(target.spec.model_cls, LlamaForCausalLM):
         raise ValueError("an EAGLE drafter reads a Llama-style target's hidden states (LlamaForCausalLM and the "
                          "families built on it)")
@@ -281,8 +327,10 @@ def load_eagle(model: str, target: LoadedModel, method: str = "eagle", revision:
         cfg = EagleConfig.for_target(hf, target.cfg, any(name.endswith("fc.bias") for name in names),
                                      target.cfg.attention)
         shared, mapper = {("embed_tokens",): embeddings, ("lm_head",): head}, map_eagle_weight
+    layout = DrafterLayout.beside(target, cfg.num_heads, cfg.num_kv_heads, lambda name: split_rule(name, cfg))
     graphdef, state = load_drafter_state(source.directory, module, cfg, target.dtype, target.weight_dtype, mapper,
-                                         shared)
+                                         shared, layout)
+    cfg = cfg if layout is None else layout.config(cfg)
     return LoadedModel(
         name=source.name, source=source, hf_config=hf, cfg=cfg, spec=ModelSpec(sys.modules[module.__module__],
                                                                                 type(cfg), module),

@@ -213,6 +213,18 @@ def _kept(tensor: ReaderTensor) -> GgufTensor | None:
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# A multi-token prediction layer's own pieces (llama.cpp's `nextn` tensors) -> their checkpoint names after
+# `model.layers.{L}.`; its copies of the tables, where the file keeps them, beside the model's tables' names.
+_NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.(\w+)\.weight$")
+_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm",
+                "shared_head_head": "shared_head.head", "embed_tokens": "embed_tokens"}
+_NEXTN_TABLES = {"embed_tokens": "token_embd.weight", "shared_head_head": "output.weight"}
+
+
+def _same_data(first: ReaderTensor, second: ReaderTensor) -> bool:
+    """Whether two of a file's tensors are stored alike: the same type, shape and bytes."""
+    return (first.tensor_type == second.tensor_type and tuple(first.shape) == tuple(second.shape)
+            and np.array_equal(np.asarray(first.data).view(np.uint8), np.asarray(second.data).view(np.uint8)))
 
 
 def _prediction_layers(reader: GGUFReader, arch: str) -> range:
@@ -226,11 +238,14 @@ def _prediction_layers(reader: GGUFReader, arch: str) -> range:
 
 
 def iter_gguf_tensors(
-    path: str, num_heads: int, num_kv_heads: int, keep_blocks: bool = False
+    path: str, num_heads: int, num_kv_heads: int, keep_blocks: bool = False, prediction: bool = False
 ) -> Iterator[tuple[str, np.ndarray | GgufTensor]]:
-    """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time. With
-    `keep_blocks`, a 2-D tensor (or a mixture's 3-D stacked experts) in a format the native kernel reads comes
-    as a `GgufTensor` of its blocks."""
+    """Yields (HF name, float32 array in HF layout) for every tensor in the file, one at a time, but its
+    multi-token prediction layers'. With `keep_blocks`, a 2-D tensor (or a mixture's 3-D stacked experts) in a
+    format the native kernel reads comes as a `GgufTensor` of its blocks. With `prediction`, the tensors of its
+    first multi-token prediction layer alone, as a checkpoint names them (`models/mtp.py`): its block's as the
+    other blocks' are, under `model.layers.{L}.`, and its own pieces (`blk.{L}.nextn.*`) beside them, its copies
+    of the embeddings and the LM head only where they are not the model's bytes."""
     reader = read_gguf(path)
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -240,9 +255,24 @@ def iter_gguf_tensors(
         )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     prediction_layers = _prediction_layers(reader, arch)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    first_prediction = prediction_layers.start if prediction_layers else None
     for tensor in reader.tensors:
-        if (match := _BLOCK_RE.match(tensor.name)) and int(match.group(1)) in prediction_layers:
-            continue  # a multi-token prediction layer (GLM-4.5's): not loaded, so not dequantized either
+        block = int(match.group(1)) if (match := _BLOCK_RE.match(tensor.name)) else None
+        if prediction and (block is None or block != first_prediction):
+            continue
+        if not prediction and block is not None and block in prediction_layers:
+            continue  # a multi-token prediction layer (GLM-4.5's): not loaded with the model, nor dequantized
+        if match := _NEXTN_RE.match(tensor.name):
+            layer, kind = match.groups()
+            model_table = by_name.get(_NEXTN_TABLES.get(kind, ""))
+            if kind == "shared_head_head" and model_table is None:  # tied embeddings: the model's LM head
+                model_table = by_name.get("token_embd.weight")
+            if kind in _NEXTN_TABLES and model_table is not None and _same_data(tensor, model_table):
+                continue  # a copy of the model's table, which the drafter shares
+            yield (f"model.layers.{layer}.{_NEXTN_NAMES[kind]}.weight",
+                   np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+            continue
         array = _kept(tensor) if keep_blocks and keeps_blocks(tensor) else None
         if array is None:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

@@ -12,9 +12,10 @@ runs ahead on its own drafts, as an EAGLE drafter's does, and it drafts through 
 (`engine/eagle_proposer.py`, `models/features.py`): it reads its features from the last entry of its KV cache
 and writes its output to the next position's slot.
 
-The layer's weights are read from the model's own checkpoint (its tensors alone), through the family's own
-weight stream and name map as a one-layer model of that family; the embeddings and the LM head are the
-target's, not copied, unless the layer's own copies in the checkpoint differ from them.
+The layer's weights are read from the model's own checkpoint (its tensors alone), or from a GGUF file's
+`nextn` tensors and the block they go with (llama.cpp's names, dequantized to the weight dtype), through the
+family's own weight stream and name map as a one-layer model of that family; the embeddings and the LM head are
+the target's, not copied, unless the layer's own copies differ from them byte for byte.
 """
 
 import dataclasses
@@ -29,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models import ModelSpec
+from jaxserve.models import ModelSpec, deepseek, llama
 from jaxserve.models.deepseek import DecoderLayer as DeepseekLayer
 from jaxserve.models.deepseek import DeepseekConfig
-from jaxserve.models.eagle import checkpoint_names, drafter_state, next_slots, target_tables
+from jaxserve.models.eagle import DrafterLayout, checkpoint_names, drafter_state, next_slots, target_tables
 from jaxserve.models.features import read_features, write_features
+from jaxserve.models.gguf import iter_gguf_tensors
 from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.layers import (
     AttentionMetadata,
@@ -49,6 +51,7 @@ from jaxserve.models.llama import DecoderLayer as LlamaLayer
 from jaxserve.models.llama import LlamaConfig
 from jaxserve.models.loader import LoadedModel, iter_safetensors, safetensors_header
 from jaxserve.models.quantization import Fp8Tensor, checkpoint_quantization, fp8_checkpoint_tensors
+from jaxserve.parallel import SplitRule
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,14 @@ class MtpDrafter(nnx.Module):
         return logits_from_embeddings(self.shared_head_norm(hidden), self.lm_head[...], self.cfg.attention)
 
 
+def split_rule(name: str, cfg: LlamaMtpConfig | DeepseekMtpConfig) -> SplitRule:
+    """How the MTP layer's parameter `name` splits over a mesh: `eh_proj` whole on every device, the rest as
+    its family's."""
+    if name == "eh_proj":
+        return None, None
+    return deepseek.split_rule(name, cfg) if isinstance(cfg, DeepseekMtpConfig) else llama.split_rule(name, cfg)
+
+
 # The MTP layer's own tensors, by their names after `model.layers.{L}.` -> their paths in `MtpDrafter`; its
 # other tensors are its decoder layer's.
 _OWN = {"enorm.weight": ("enorm", "scale"), "hnorm.weight": ("hnorm", "scale"), "eh_proj.weight": ("eh_proj",),
@@ -159,31 +170,28 @@ def _same_tensor(directory: Path, first: str, second: str) -> bool:
 
 
 def load_mtp(target: LoadedModel) -> LoadedModel:
-    """The MTP layer of `target` (loaded, from a safetensors checkpoint, on one device) as a drafter beside it,
-    in its dtypes and attention; raises ValueError where it has none or it cannot be read."""
-    cfg = mtp_config(target.cfg)
-    if target.source.gguf_file:
-        raise ValueError("the model's multi-token prediction layer is read from safetensors checkpoints, not "
-                         "GGUF files")
-    if target.mesh is not None:
-        raise ValueError("an MTP drafter runs beside a model on one device")
-    stored = checkpoint_quantization(target.hf_config)  # None or "fp8" (it raises for what is not read)
-    directory, prefix = target.source.directory, f"model.layers.{target.cfg.num_layers}."
-    names = {name.removeprefix(prefix) for name in checkpoint_names(directory) if name.startswith(prefix)}
-    if missing := sorted(_OWN.keys() - names):
-        raise ValueError(f"the checkpoint has no multi-token prediction layer: {prefix}{missing[0]} is missing")
-    # the layer's own copies of the tables where it has them and they are not the target's
-    target_names = {"embed_tokens.weight": "model.embed_tokens.weight",
-                    "shared_head.head.weight": "model.embed_tokens.weight" if target.cfg.tie_word_embeddings
-                    else "lm_head.weight"}
-    own_tables = {rest for rest in _TABLES.keys() & names
-                  if not _same_tensor(directory, prefix + rest, target_names[rest])}
+    """The MTP layer of `target` (loaded, from a safetensors checkpoint or a GGUF file, whose layer is
+    dequantized) as a drafter beside it, in its dtypes and attention, split over its devices as its layers are;
+    raises ValueError where it has none or it cannot be read."""
+    cfg = mtp_config(target.cfg)  # its heads laid out as the target's are, over the target's mesh
+    own_heads = target.spec.config_cls.from_hf(target.hf_config)  # the checkpoint's heads, as its tensors hold them
+    checkpoint_cfg = dataclasses.replace(cfg, num_heads=own_heads.num_heads, num_kv_heads=own_heads.num_kv_heads)
+    layout = DrafterLayout.beside(target, own_heads.num_heads, own_heads.num_kv_heads,
+                                  lambda name: split_rule(name, cfg))
+    source, prefix = target.source, f"model.layers.{target.cfg.num_layers}."
+    if source.gguf_file:  # llama.cpp's `nextn` tensors; its copies of the tables only where they are not the model's
+        tensors = iter_gguf_tensors(str(source.directory / source.gguf_file), own_heads.num_heads,
+                                    own_heads.num_kv_heads, prediction=True)
+        own_tables, fp8 = set(_TABLES), False
+    else:
+        tensors, own_tables = _safetensors_layer(source.directory, prefix, target.cfg.tie_word_embeddings)
+        fp8 = checkpoint_quantization(target.hf_config) == "fp8"  # None or "fp8" (it raises for what it cannot read)
     target.wait_for_weights()
     head, embeddings = target_tables(target.state)
-    shared = {path: table for (rest, path), table in zip(_TABLES.items(), (embeddings, head), strict=True)
-              if rest not in own_tables}
-    weights = _layer_weights(target, cfg, stored == "fp8", own_tables)
-    graphdef, state = drafter_state(MtpDrafter, cfg, target.dtype, target.weight_dtype, weights, shared)
+    shared = {("embed_tokens",): embeddings, ("lm_head",): head}  # unless the layer's own come
+    weights = _layer_weights(tensors, target.spec.module, prefix, checkpoint_cfg, fp8, own_tables)
+    graphdef, state = drafter_state(MtpDrafter, checkpoint_cfg, target.dtype, target.weight_dtype, weights, shared,
+                                    layout)
     return LoadedModel(
         name=f"{target.name} (MTP layer)", source=target.source, hf_config=target.hf_config, cfg=cfg,
         spec=ModelSpec(sys.modules[__name__], type(cfg), MtpDrafter), graphdef=graphdef, state=state,
@@ -191,15 +199,26 @@ def load_mtp(target: LoadedModel) -> LoadedModel:
         max_position_embeddings=target.max_position_embeddings, dtype=target.dtype, weight_dtype=target.weight_dtype)
 
 
-def _layer_weights(target: LoadedModel, cfg: Any, fp8: bool, own_tables: set[str]
-                   ) -> Iterator[tuple[str, tuple, Any]]:
-    """The MTP layer's weights (checkpoint name, path, value) as they stream from the checkpoint: its decoder
-    layer's through the family's weight stream and name map as layer 0 of a one-layer model, FP8 ones
-    dequantized; its tables only where `own_tables` names them."""
-    directory, module, layer = target.source.directory, target.spec.module, target.cfg.num_layers
-    prefix = f"model.layers.{layer}."
-    tensors: Iterator[tuple[str, Any]] = ((f"model.layers.0.{name.removeprefix(prefix)}", tensor) for name, tensor
-                                          in iter_safetensors(directory, lambda name: name.startswith(prefix)))
+def _safetensors_layer(directory: Path, prefix: str, tied: bool) -> tuple[Iterator[tuple[str, Any]], set[str]]:
+    """The checkpoint's tensors under `prefix` (the MTP layer's), as they stream from its files, and which of
+    its tables are its own (present, and not byte for byte the model's); raises ValueError where the layer's
+    pieces are not all there."""
+    names = {name.removeprefix(prefix) for name in checkpoint_names(directory) if name.startswith(prefix)}
+    if missing := sorted(_OWN.keys() - names):
+        raise ValueError(f"the checkpoint has no multi-token prediction layer: {prefix}{missing[0]} is missing")
+    model_tables = {"embed_tokens.weight": "model.embed_tokens.weight",
+                    "shared_head.head.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+    own_tables = {rest for rest in _TABLES.keys() & names
+                  if not _same_tensor(directory, prefix + rest, model_tables[rest])}
+    return iter_safetensors(directory, lambda name: name.startswith(prefix)), own_tables
+
+
+def _layer_weights(tensors: Iterator[tuple[str, Any]], module: Any, prefix: str, cfg: Any, fp8: bool,
+                   own_tables: set[str]) -> Iterator[tuple[str, tuple, Any]]:
+    """The MTP layer's weights (checkpoint name, path, value) from its tensors (`tensors`, named under
+    `prefix`): its decoder layer's through the family's (`module`'s) weight stream and name map as layer 0 of a
+    one-layer model of config `cfg`, FP8 ones dequantized; its tables only where `own_tables` names them."""
+    tensors = ((f"model.layers.0.{name.removeprefix(prefix)}", tensor) for name, tensor in tensors)
     if fp8:
         tensors = fp8_checkpoint_tensors(tensors)
     if (stream := getattr(module, "hf_weight_stream", None)) is not None:

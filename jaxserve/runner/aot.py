@@ -22,7 +22,7 @@ from jaxserve.models.features import FeaturePages
 from jaxserve.models.layers import KVCache, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
-from jaxserve.parallel import on_one_device, replicated, split_along
+from jaxserve.parallel import on_one_device, page_array_sharding, replicated
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.kv_sizing import MOE_ROW_COPIES, shapes_estimate
 from jaxserve.runner.launches import StepLaunches, compile_with_launches
@@ -106,13 +106,15 @@ def temp_estimate(cfg: Any, weights: list[Any], largest: list[Bucket]) -> int:
 def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None) -> KVCache:
     """The KV cache as ShapeDtypeStructs where the runner keeps it: on `device`, or split by KV head over
     `mesh`."""
-    sharding = on_one_device(device) if mesh is None else split_along(mesh, 4, 0)
+    def placed(shape: tuple[int, ...]) -> Any:
+        return on_one_device(device) if mesh is None else page_array_sharding(mesh, shape)
+
     page_shape = kv_cache_shape(shapes.num_pages, shapes.layout.page_size, shapes.num_kv_heads, shapes.head_dim)
-    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=sharding)
+    page = jax.ShapeDtypeStruct(page_shape, shapes.dtype, sharding=placed(page_shape))
     caches = kv_cache_layers(shapes.num_layers, shapes.values_are_keys, lambda: page)
     if shapes.features is not None:
         features = shapes.features.shape(shapes.num_pages, shapes.layout.page_size)
-        caches.append((jax.ShapeDtypeStruct(features, shapes.features.dtype, sharding=sharding), None))
+        caches.append((jax.ShapeDtypeStruct(features, shapes.features.dtype, sharding=placed(features)), None))
     return caches
 
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jaxserve.models.features import read_features, write_features
 from jaxserve.models.layers import KVCache
 from jaxserve.ops.attention import trace_environment
-from jaxserve.parallel import replicated, split_along
+from jaxserve.parallel import constrain_pages, replicated
 from jaxserve.runner.packing import PackedBatch, unpack
 from jaxserve.runner.penalties import PenaltyTables, count_accepted_drafts, count_outputs, update_tables
 from jaxserve.runner.prompt_logprobs import no_prompt_logprobs, prompt_logprobs
@@ -106,7 +106,7 @@ def _forward(model: nnx.Module, batch: StepBatch, input_ids: jax.Array, kv_cache
     logits = model.compute_logits(hidden[batch.logits_indices])  # f32[R, V]
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-        kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
+        kv_caches = constrain_pages(kv_caches, mesh)
     return hidden, logits, kv_caches
 
 
@@ -155,7 +155,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_logprobs: i
         batch = unpack(packed)
         hidden, kv_caches = _hidden(model, batch, _input_ids(batch), kv_caches)
         if mesh is not None:  # the pages stay split by KV head, as `_forward` keeps them
-            kv_caches = jax.lax.with_sharding_constraint(kv_caches, split_along(mesh, 4, 0))
+            kv_caches = constrain_pages(kv_caches, mesh)
         num_rows = batch.logits_indices.shape[0]
         sampled = SamplerOutput(jnp.zeros(num_rows, jnp.int32), *no_logprobs(num_rows, num_top_logprobs))
         return (kv_caches, penalty_tables, sampled, no_prompt_logprobs(hidden.shape[0], num_top_logprobs),

@@ -17,19 +17,22 @@ from jaxserve.models.mtp import DeepseekMtpConfig, LlamaMtpConfig, mtp_config
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 from tests.engine.test_eagle import assert_reference_drafts, proposer_of, recorded_rounds, run_drafting
-from tests.mtp import MtpReference, write_mtp_target
+from tests.mtp import MtpReference, write_mtp_gguf, write_mtp_target
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def mtp_dirs(tmp_path_factory, smollm2_tokenizer) -> dict:
-    """GLM-4.5's layer with tables of its own; DeepSeek-V3's with copies of the model's."""
+def mtp_dirs(tmp_path_factory, smollm2_tokenizer, smollm2_gguf) -> dict:
+    """GLM-4.5's layer with tables of its own; DeepSeek-V3's with copies of the model's; a GLM-4.5 GGUF file
+    whose layer has its own LM head and a copy of the model's embeddings."""
     dirs = {}
-    for kind, own in (("glm4-moe", True), ("deepseek-v3", False)):
+    for kind, own in (("glm4-moe", ("embed_tokens", "head")), ("deepseek-v3", ()), ("glm4-moe-head", ("head",))):
         dirs[kind] = tmp_path_factory.mktemp(f"mtp-{kind}") / kind
         dirs[kind].mkdir()
-        write_mtp_target(dirs[kind], kind, smollm2_tokenizer, own_tables=own)
+        write_mtp_target(dirs[kind], kind.removesuffix("-head"), smollm2_tokenizer, own_tables=own)
+    dirs["gguf"] = dirs["glm4-moe-head"] / "tiny-glm4moe.gguf"
+    write_mtp_gguf(dirs["gguf"], dirs["glm4-moe-head"], smollm2_gguf)
     return dirs
 
 
@@ -39,19 +42,21 @@ def glm_engines(mtp_dirs) -> dict:
             "mtp": make_engine(mtp_dirs["glm4-moe"], speculative_config=SPEC)}
 
 
-@pytest.mark.parametrize("kind", ["glm4-moe", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["glm4-moe", "deepseek-v3", "gguf"])
 def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs, glm_engines, kind):
     """Rounds after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0), after a
     100-token prompt read in two chunks, and after a prefix-cache hit: each round's drafts are the float64
-    reference's chain, through GLM-4.5's attention and experts and DeepSeek-V3's latent attention and experts;
-    the layer's own tables are loaded where they differ from the target's, and shared where they are copies."""
+    reference's chain, through GLM-4.5's attention and experts and DeepSeek-V3's latent attention and experts,
+    and from a GLM-4.5 GGUF file's `nextn` tensors; the layer's own tables are loaded where they differ from the
+    target's, and shared where they are copies."""
     engine = glm_engines["mtp"] if kind == "glm4-moe" else make_engine(mtp_dirs[kind], speculative_config=SPEC)
     drafter = proposer_of(engine).runner.model
-    assert isinstance(drafter.cfg, LlamaMtpConfig if kind == "glm4-moe" else DeepseekMtpConfig)
+    assert isinstance(drafter.cfg, DeepseekMtpConfig if kind == "deepseek-v3" else LlamaMtpConfig)
     assert drafter.cfg.num_layers == 1 and drafter.cfg.moe_layers == (True,)
     target_state = engine.core.runner.model.state
-    for table in ("embed_tokens", "lm_head"):  # the copies are the target's arrays; GLM's own tables its own
-        assert (drafter.state[table][...] is target_state[table][...]) == (kind == "deepseek-v3")
+    own = {"glm4-moe": ("embed_tokens", "lm_head"), "deepseek-v3": (), "gguf": ("lm_head",)}[kind]
+    for table in ("embed_tokens", "lm_head"):  # a copy of the model's is the target's array
+        assert (drafter.state[table][...] is target_state[table][...]) == (table not in own), table
     prompts = make_prompts(5)
     requests = {f"s{i}": (prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
                 for i in range(5)}
@@ -63,7 +68,8 @@ def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs
     assert drafted > 0 and len(rounds) > 30
     assert any(count > 64 for _, _, count in rounds), "no round caught up past the largest bucket"
     assert any(tokens[:67] == [*prefix, 7] for tokens, _, _ in rounds), "the prefix-hit request never drafted"
-    assert assert_reference_drafts(rounds, MtpReference(mtp_dirs[kind]), every=2) > 12
+    reference = MtpReference(mtp_dirs["glm4-moe-head" if kind == "gguf" else kind])
+    assert assert_reference_drafts(rounds, reference, every=2) > 12
 
 
 def test_mtp_drafts_give_the_plain_outputs(glm_engines):
@@ -79,8 +85,8 @@ def test_mtp_drafts_give_the_plain_outputs(glm_engines):
 
 
 def test_the_speculative_config_takes_vllm_s_mtp_spellings(mtp_dirs):
-    """vLLM's older per-family names are "mtp"; "model", where given, must be the served model; no
-    quantization or revision of its own; one device."""
+    """vLLM's older per-family names are "mtp"; "model", where given, must be the served model (its name or its
+    directory); no quantization or revision of its own; one host."""
     for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
         assert SpeculativeConfig.of({"method": name, "num_speculative_tokens": 1}).method == "mtp"
     with pytest.raises(ValueError, match="not quantized"):
@@ -89,16 +95,17 @@ def test_the_speculative_config_takes_vllm_s_mtp_spellings(mtp_dirs):
         SpeculativeConfig.of({**SPEC, "model": "a/b", "revision": "main"})
     served = str(mtp_dirs["glm4-moe"])
 
-    def engine_config(spec, tensor_parallel_size=1):
+    def engine_config(spec, **parallel):
         return EngineConfig(model=ModelConfig(model=served),
                             scheduler=SchedulerConfig(speculative_config=SpeculativeConfig.of(spec)),
-                            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+                            parallel=ParallelConfig(**parallel))
 
     engine_config({**SPEC, "model": served})
+    engine_config({**SPEC, "model": served + "/"})
     with pytest.raises(ValueError, match="the model's own layer"):
         engine_config({**SPEC, "model": "other/model"})
-    with pytest.raises(ValueError, match="one device"):
-        engine_config(SPEC, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="one host"):
+        engine_config(SPEC, tensor_parallel_size=2, num_processes=2, coordinator_address="127.0.0.1:1234")
 
 
 def test_models_without_an_mtp_layer_are_refused(llama_dir, tiny_model_dir):
