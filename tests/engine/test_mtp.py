@@ -5,9 +5,12 @@ those of plain decoding; the layer's tables are the target's unless its own diff
 layer, and what the method does not take, are refused."""
 
 import dataclasses
+import shutil
 
 import pytest
+import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.models.deepseek import DeepseekConfig
@@ -17,6 +20,7 @@ from jaxserve.models.mtp import DeepseekMtpConfig, LlamaMtpConfig, mtp_config
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
 from tests.engine.test_eagle import assert_reference_drafts, proposer_of, recorded_rounds, run_drafting
+from tests.models.test_quantization import _write_fp8_checkpoint
 from tests.mtp import MtpReference, write_mtp_gguf, write_mtp_target
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
@@ -42,14 +46,16 @@ def glm_engines(mtp_dirs) -> dict:
             "mtp": make_engine(mtp_dirs["glm4-moe"], speculative_config=SPEC)}
 
 
-@pytest.mark.parametrize("kind", ["glm4-moe", "deepseek-v3", "gguf"])
-def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs, glm_engines, kind):
+@pytest.mark.parametrize("kind", ["glm4-moe", pytest.param("deepseek-v3", marks=pytest.mark.gpu), "gguf"])
+def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs, request, kind):
     """Rounds after plain steps, corrections and sampled tokens (staggered requests, sampled at 1.0), after a
     100-token prompt read in two chunks, and after a prefix-cache hit: each round's drafts are the float64
     reference's chain, through GLM-4.5's attention and experts and DeepSeek-V3's latent attention and experts,
     and from a GLM-4.5 GGUF file's `nextn` tensors; the layer's own tables are loaded where they differ from the
-    target's, and shared where they are copies."""
-    engine = glm_engines["mtp"] if kind == "glm4-moe" else make_engine(mtp_dirs[kind], speculative_config=SPEC)
+    target's, and shared where they are copies. On a GPU (`make test-gpu`), DeepSeek-V3's: a round's decode
+    steps in one call."""
+    engine = (request.getfixturevalue("glm_engines")["mtp"] if kind == "glm4-moe"
+              else make_engine(mtp_dirs[kind], speculative_config=SPEC))
     drafter = proposer_of(engine).runner.model
     assert isinstance(drafter.cfg, DeepseekMtpConfig if kind == "deepseek-v3" else LlamaMtpConfig)
     assert drafter.cfg.num_layers == 1 and drafter.cfg.moe_layers == (True,)
@@ -129,3 +135,25 @@ def test_the_layer_s_config_is_a_one_layer_model_of_its_family(mtp_dirs):
     with pytest.raises(ValueError, match="2 multi-token prediction layers"):
         mtp_config(dataclasses.replace(target, mtp_layers=2))
     assert SpeculativeConfig.of({**SPEC, "max_model_len": 64}).max_model_len == 64  # no "model" needed
+
+
+def test_an_fp8_checkpoint_s_layer_drafts_with_its_weights_dequantized(mtp_dirs, tmp_path):
+    """A compressed-tensors FP8 GLM-4.5 (every layer's projections e4m3 with per-channel or per-tensor scales,
+    experts included, the MTP layer's block's too, with their static input scales): the target keeps its FP8
+    weights, the layer's are dequantized as they load, and its drafts are the reference's over the dequantized
+    checkpoint."""
+    fp8, plain = tmp_path / "fp8", tmp_path / "dequantized"
+    dequantized = _write_fp8_checkpoint(mtp_dirs["glm4-moe"], fp8, per_tensor={"k_proj", "down_proj"})
+    assert any(name.startswith("model.layers.3.") for name in dequantized)  # the MTP layer's block
+    shutil.copytree(mtp_dirs["glm4-moe"], plain)
+    weights = load_file(str(plain / "model.safetensors"))
+    save_file(weights | {name: torch.from_numpy(value) for name, value in dequantized.items()},
+              str(plain / "model.safetensors"))
+    engine = make_engine(fp8, speculative_config=SPEC)
+    assert engine.core.runner.model.quantization == "fp8"
+    prompts = make_prompts(4)
+    requests = {f"g{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                for i in range(4)}
+    rounds, drafted = recorded_rounds(engine, requests, {f"g{i}": 2 * i for i in range(4)})
+    assert drafted > 0
+    assert assert_reference_drafts(rounds, MtpReference(plain), every=1) > 8
