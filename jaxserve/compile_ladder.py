@@ -38,6 +38,7 @@ from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
+from jaxserve.models.features import FeaturePages
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
@@ -139,6 +140,77 @@ class CompileReport:
         return json.dumps(asdict(self), indent=2)
 
 
+@dataclass(frozen=True)
+class _Drafter:
+    """An EAGLE, EAGLE-3 or MTP drafter built from configs alone: its model (ShapeDtypeStruct weights), and what
+    the target keeps for it (`feature_layers`, as `make_step_fn` takes them)."""
+
+    cfg: Any
+    graphdef: Any
+    state: Any
+    feature_layers: tuple[int, ...]
+    shared: tuple[str, ...]  # its parameters that are the target's tables (not counted again)
+
+    @classmethod
+    def of(cls, speculative: SpeculativeConfig, target_cfg: Any, dtype: Any, revision: str | None,
+           download_dir: str | None) -> "_Drafter":
+        """The drafter `speculative` names beside a target of config `target_cfg`: a model's MTP layer from the
+        target's config; an EAGLE drafter from its own config.json (a hub id's alone is fetched), its
+        checkpoint's choices as the EAGLE authors' checkpoints make them (`fc` with a bias; EAGLE-3's own LM
+        head over its draft vocabulary, the target's embeddings)."""
+        from flax import nnx
+
+        from jaxserve.models.eagle import EagleConfig, EagleLlama
+        from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
+        from jaxserve.models.mtp import MtpDrafter, mtp_config
+
+        if speculative.method == "mtp":
+            module, cfg, shared = MtpDrafter, mtp_config(target_cfg), ("embed_tokens", "lm_head")
+        else:
+            _, hf = resolve_model_config(speculative.model, speculative.revision, download_dir)
+            if speculative.method == "eagle3":
+                cfg = Eagle3Config.for_target(hf, target_cfg, ["lm_head.weight", "d2t"], target_cfg.attention)
+                module, shared = Eagle3Llama, ("embed_tokens",)
+            else:
+                cfg = EagleConfig.for_target(hf, target_cfg, True, target_cfg.attention)
+                module, shared = EagleLlama, ("embed_tokens", "lm_head")
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: module(cfg, dtype, None)))
+        return cls(cfg, graphdef, state, getattr(cfg, "target_layers", ()), shared)
+
+    def _own_leaves(self) -> list[Any]:
+        from flax import nnx
+
+        pure = nnx.to_pure_dict(self.state)
+        return jax.tree.leaves({key: value for key, value in pure.items() if key not in self.shared})
+
+    @property
+    def own_weights_bytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in self._own_leaves())
+
+    @property
+    def num_params(self) -> int:  # the roofline's: every weight a step reads, the shared tables too
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state))
+
+    def target_features(self, target_cfg: Any, dtype: Any) -> FeaturePages:
+        """The pages of hidden states the target keeps for it (`model_runner.feature_pages`)."""
+        return FeaturePages(target_cfg.hidden_size * max(1, len(self.feature_layers)), dtype)
+
+    def features(self, dtype: Any) -> FeaturePages:
+        return FeaturePages(self.cfg.feature_width, dtype)
+
+    def page_bytes(self, page_size: int, dtype: Any) -> int:
+        """A page of its own cache: its layers' K/V (never FP8, `engine.core.drafter_cache`) and its features."""
+        cfg = self.cfg
+        itemsize = jnp.dtype(dtype).itemsize
+        return (bytes_per_page(cfg.num_layers, cfg.num_kv_heads, page_size, cfg.head_dim, itemsize, kv_arrays(cfg))
+                + self.features(dtype).page_bytes(page_size))
+
+    def shapes(self, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int,
+               dtype: Any) -> StepShapes:
+        return step_shapes(self.cfg, dtype, page_size, num_pages, max_pages_per_req, max_num_seqs, 0,
+                           self.features(dtype))
+
+
 @fewer_collections()  # the ladder's tracing (collector.py)
 def compile_ladder(
     model: str | None,
@@ -178,12 +250,12 @@ def compile_ladder(
     the preset turns on, each its own row (module docstring). `lora`: the step with --enable-lora's adapter
     slots, as a LoRA server compiles it. `enforce_eager`, `max_num_seqs`, `max_num_batched_tokens`,
     `speculative_config`: as serve takes them (the limits extend the preset's ladder where they pass it; the
-    speculative config sizes the draft rows' penalty inputs).
+    speculative config sizes the draft rows' penalty inputs). With an EAGLE or MTP drafter (`_Drafter`), the
+    target's step keeps its hidden states in pages beside its K/V, and the drafter's steps are rows of their
+    own ("draft", "draft multi-step": a round's k - 1 decode steps in one call), their weights and pages in
+    the KV budget as serve counts them.
     """
     wall_start = time.perf_counter()
-    if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
-        raise ValueError("jaxserve compile does not compile an EAGLE or MTP drafter's steps, nor the target's "
-                         "hidden-state pages beside them, yet: compile without --speculative-config")
     source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
     name = source.name
     cache_options = {key: value for key, value in (("kv_cache_dtype", kv_cache_dtype), ("num_kv_pages", num_kv_pages))
@@ -210,6 +282,11 @@ def compile_ladder(
         if mesh is not None:
             raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")
         quantize_state(abstract.state, abstract.spec.module, quantization)
+    drafter = None
+    if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
+        if mesh is not None:
+            raise ValueError("an EAGLE or MTP drafter with --tensor-parallel-size: not compiled deviceless yet")
+        drafter = _Drafter.of(speculative_config, abstract.cfg, jax_dtype, revision, download_dir)
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
@@ -230,6 +307,9 @@ def compile_ladder(
                                          attention.compute_capability)
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
                                 cache_dtype.itemsize, kv_arrays(cfg)) // tp
+    features = None if drafter is None else drafter.target_features(cfg, jax_dtype)
+    if drafter is not None:  # the target's hidden states' pages, and the drafter's own pages (page for page)
+        page_bytes += features.page_bytes(cache.page_size) + drafter.page_bytes(cache.page_size, jax_dtype)
     max_pages_per_req = -(-max_len // cache.page_size)
     options = step_compiler_options(enforce_eager, device.platform)
     # A pooling engine's step (--runner pooling, which a classifier or an encoder chooses) returns the pooled
@@ -237,14 +317,18 @@ def compile_ladder(
     pooling = config.runner == "pooling" or (config.runner == "auto" and (num_classes(cfg) > 0 or is_encoder(cfg)))
     # the plain step's sampler a program of its own, as serve runs it
     apart = samples_apart(device.platform) and not pooling
+    feature_layers = None if drafter is None else drafter.feature_layers
     step = make_step_fn(abstract.graphdef, jax.tree.structure(abstract.state), config.model.max_logprobs, mesh,
-                        pooling=pooling, sample_apart=apart, compiler_options=options)
+                        pooling=pooling, sample_apart=apart, compiler_options=options, feature_layers=feature_layers)
     weights_bytes = abstract.weights_bytes_per_device
     state_bytes = PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
+    if drafter is not None:  # its weights but the target's tables it shares, and its runner's penalty tables
+        weights_bytes += drafter.own_weights_bytes
+        state_bytes += PenaltyTables.num_bytes(sched.max_num_seqs, cfg.vocab_size)
 
     def shapes_for(num_pages: int) -> StepShapes:
         return step_shapes(cfg, cache_dtype, cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs,
-                           sched.max_drafts)
+                           sched.max_drafts, features)
 
     # The page count is an argument shape, and the budget needs the step's temp memory: the cache is sized
     # as a cold serve sizes it (runner/kv_sizing.py), from the step's shapes plus the margin kept for
@@ -279,15 +363,32 @@ def compile_ladder(
         treedef, max_logprobs = jax.tree.structure(abstract.state), config.model.max_logprobs
         if config.buckets.greedy_decodes:
             step_fns["greedy"] = (make_step_fn(abstract.graphdef, treedef, max_logprobs, mesh, greedy=True,
-                                               compiler_options=options), False)
+                                               compiler_options=options, feature_layers=feature_layers), False)
         if sched.num_scheduler_steps > 1:
             for greedy in (False, True):
                 step_fns["multi-step greedy" if greedy else "multi-step"] = (make_decode_steps_fn(
                     abstract.graphdef, treedef, max_logprobs, sched.num_scheduler_steps, cache.page_size,
-                    padding_slot(num_pages, cache.page_size), mesh, greedy, options), True)
+                    padding_slot(num_pages, cache.page_size), mesh, greedy, options,
+                    feature_layers=feature_layers), True)
     jobs_todo = [(bucket, name) for bucket in todo for name in step_fns
                  if name == "plain" or (bucket.decode_only and (name != "multi-step greedy"
                                                                 or config.buckets.greedy_decodes))]
+    # The drafter's runner: greedy rows; its catch-ups in every bucket, its decode steps in one call a round
+    programs = dict.fromkeys(step_fns, (state, shapes, roofline_shape))
+    if drafter is not None:
+        draft_shapes = drafter.shapes(cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs, jax_dtype)
+        draft_program = (drafter.state, draft_shapes, model_shape(drafter.num_params, drafter.cfg))
+        draft_treedef = jax.tree.structure(drafter.state)
+        step_fns["draft"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, greedy=True,
+                                          compiler_options=options), False)
+        programs["draft"] = draft_program
+        jobs_todo += [(bucket, "draft") for bucket in todo]
+        if (steps := speculative_config.num_speculative_tokens - 1) > 1:
+            step_fns["draft multi-step"] = (make_decode_steps_fn(
+                drafter.graphdef, draft_treedef, 1, steps, cache.page_size,
+                padding_slot(num_pages, cache.page_size), None, True, options), True)
+            programs["draft multi-step"] = draft_program
+            jobs_todo += [(bucket, "draft multi-step") for bucket in todo if bucket.decode_only]
     if apart:  # one sampler per request bucket
         step_fns["sampler"] = (make_sample_fn(config.model.max_logprobs, sched.max_num_seqs, mesh, options), False)
         jobs_todo += [(Bucket(rows, rows, decode_only=True), "sampler") for rows in sorted({b.num_reqs for b in todo})]
@@ -299,8 +400,9 @@ def compile_ladder(
             if variant == "sampler":
                 compiled = compile_sampler(step_fn, shapes, bucket.num_reqs, device, mesh)
             else:
-                compiled = compile_bucket(step_fn, state, shapes, bucket, device, mesh, read_launches=read_launches,
-                                          multi_step=multi_step)
+                program_state, program_shapes, _ = programs[variant]
+                compiled = compile_bucket(step_fn, program_state, program_shapes, bucket, device, mesh,
+                                          read_launches=read_launches, multi_step=multi_step)
         python_seconds = {"trace_seconds": round(python.trace_seconds, 3),
                           "lower_seconds": round(python.lower_seconds, 3)}
         if variant == "sampler":
@@ -312,7 +414,7 @@ def compile_ladder(
             cost = ref_step.trace(*abstract_step_args(ref_state, shapes, bucket, cpu)).lower().cost_analysis()
             if cost:
                 xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
-        predicted = step_cost(roofline_shape, bucket.num_tokens, bucket.num_reqs, context, itemsize,
+        predicted = step_cost(programs[variant][2], bucket.num_tokens, bucket.num_reqs, context, itemsize,
                               peak, facts.memory_bandwidth, layer_itemsize)
         if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
             predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)

@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.compile_ladder import compile_ladder, format_report
+from jaxserve.config import SpeculativeConfig
 from jaxserve.device import deviceless_device, target_facts
 from jaxserve.ops import paged_attention_pallas
 from jaxserve.parallel import on_one_device
 from jaxserve.runner.buckets import Bucket, BucketLadder
 from jaxserve.runner.kv_budget import ALLOCATOR_SLACK_BYTES
+from tests.eagle import write_eagle3
 
 GPU_LADDER = BucketLadder(
     (256, 512, 1024, 2048), (1, 16, 64, 256), max_num_batched_tokens=2048, max_num_seqs=256,
@@ -526,3 +528,35 @@ def test_the_shapes_estimate_covers_the_largest_buckets_compiled_for_an_h100():
                             buckets=[Bucket(2048, 256), Bucket(256, 256, decode_only=True)])
     assert report.estimated_temp_bytes >= report.max_temp_bytes > 0
     assert report.estimated_temp_bytes < 1.5 * report.max_temp_bytes  # and costs at most a few hundred MiB
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_a_drafter_of_the_target_s_states_compiles_beside_it_for_h100(method, tiny_model_dir, tmp_path):
+    """GLM-4.5's own MTP layer (its config counts one) and an EAGLE-3 drafter beside a Llama (its config.json
+    alone): the target's step keeps its hidden states in pages beside its K/V (EAGLE-3: two layers' inputs), the
+    drafter's catch-up step compiles in every bucket and its k - 1 decode steps in one call in the decode ones,
+    and a KV page counts the target's states and the drafter's own page, as serve sizes them."""
+    if method == "mtp":
+        model, drafter = tiny_model_dir("glm4-moe"), None
+        width, drafter_layers = 64, 1  # the final hidden state; the layer's K/V beside its features
+    else:
+        model = tiny_model_dir("llama")
+        drafter = tmp_path / "eagle3"
+        write_eagle3(drafter, json.loads((model / "config.json").read_text()), (0, 1), draft_vocab_size=3000)
+        width, drafter_layers = 2 * 64, 1
+    buckets = [Bucket(8, 8, decode_only=True), Bucket(32, 8)]
+    options = dict(target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+                   buckets=buckets, read_launches=False, num_kv_pages=1000)
+    spec = {"method": method, "num_speculative_tokens": 3} | ({"model": str(drafter)} if drafter else {})
+    # without a drafter, the same draft rows: n-gram drafts of as many tokens
+    plain = compile_ladder(str(model), speculative_config=SpeculativeConfig.of(
+        {"method": "ngram", "num_speculative_tokens": 3}), **options)
+    drafted = compile_ladder(str(model), speculative_config=SpeculativeConfig.of(spec), **options)
+    kinds = [(r.num_tokens, r.variant) for r in drafted.buckets]
+    assert kinds == [(8, "plain"), (32, "plain"), (8, "draft"), (32, "draft"), (8, "draft multi-step")]
+    page, kv_bytes = 16, 2 * 2 * 16 * 2  # tokens a page; K and V of 2 heads of 16, bfloat16, a token a layer
+    assert drafted.bytes_per_page - plain.bytes_per_page == page * (width * 2 + drafter_layers * kv_bytes + 64 * 2)
+    assert drafted.weights_bytes > plain.weights_bytes
+    target_args = {r.num_tokens: r.argument_bytes for r in plain.buckets}
+    assert all(r.argument_bytes - target_args[r.num_tokens] == 1000 * page * width * 2
+               for r in drafted.buckets if r.variant == "plain")  # the target's states' pages, as arguments
