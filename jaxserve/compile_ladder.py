@@ -534,10 +534,11 @@ def format_report(report: CompileReport) -> str:
 
 
 def _kind(result: BucketResult) -> str:
-    """A row's step: mixed or decode, or a decode bucket's variant."""
-    if result.variant != "plain":
-        return f"{result.variant}"
-    return "decode" if result.decode_only else "mixed"
+    """A row's step: mixed or decode, a decode bucket's variant, or a drafter's step (mixed or decode)."""
+    shape = "decode" if result.decode_only else "mixed"
+    if result.variant == "draft":
+        return f"draft {shape}"
+    return shape if result.variant == "plain" else result.variant
 
 
 def _launch_table(report: CompileReport) -> str:
