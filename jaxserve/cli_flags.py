@@ -828,7 +828,7 @@ COMPILE_FLAGS = (
     Flag("--enforce-eager", CompileConfig, "enforce_eager", action="store_true", help=_ENFORCE_EAGER_HELP),
     Flag("--no-variants", CompileConfig, "variants", action="store_false",
          help="only the plain step per bucket, not the decode buckets' greedy and multi-step variants the "
-              "preset turns on"),
+              "preset turns on (an EAGLE or MTP drafter's steps are compiled still: they are what it runs)"),
     Flag("--json", CompileConfig, "json", "also write the report to this file (default: none)"),
 )
 

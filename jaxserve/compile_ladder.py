@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.collector import fewer_collections
@@ -38,10 +39,13 @@ from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
+from jaxserve.models.eagle import EagleConfig, EagleLlama
+from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
 from jaxserve.models.features import FeaturePages
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
+from jaxserve.models.mtp import MtpDrafter, mtp_config
 from jaxserve.models.quantization import layer_weight_itemsize, quantize_state
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
@@ -158,12 +162,6 @@ class _Drafter:
         target's config; an EAGLE drafter from its own config.json (a hub id's alone is fetched), its
         checkpoint's choices as the EAGLE authors' checkpoints make them (`fc` with a bias; EAGLE-3's own LM
         head over its draft vocabulary, the target's embeddings)."""
-        from flax import nnx
-
-        from jaxserve.models.eagle import EagleConfig, EagleLlama
-        from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
-        from jaxserve.models.mtp import MtpDrafter, mtp_config
-
         if speculative.method == "mtp":
             module, cfg, shared = MtpDrafter, mtp_config(target_cfg), ("embed_tokens", "lm_head")
         else:
@@ -178,8 +176,6 @@ class _Drafter:
         return cls(cfg, graphdef, state, getattr(cfg, "target_layers", ()), shared)
 
     def _own_leaves(self) -> list[Any]:
-        from flax import nnx
-
         pure = nnx.to_pure_dict(self.state)
         return jax.tree.leaves({key: value for key, value in pure.items() if key not in self.shared})
 
@@ -252,8 +248,10 @@ def compile_ladder(
     `speculative_config`: as serve takes them (the limits extend the preset's ladder where they pass it; the
     speculative config sizes the draft rows' penalty inputs). With an EAGLE or MTP drafter (`_Drafter`), the
     target's step keeps its hidden states in pages beside its K/V, and the drafter's steps are rows of their
-    own ("draft", "draft multi-step": a round's k - 1 decode steps in one call), their weights and pages in
-    the KV budget as serve counts them.
+    own, as its runner warms up and runs them ("draft": its plain step, the catch-ups, in every bucket; "draft
+    greedy" and "draft multi-step", a round's k - 1 decode steps in one call, in the decode buckets; with
+    `variants` too), their weights (not the target's tables, which it shares where its checkpoint keeps no
+    copies of its own) and pages in the KV budget as serve counts them.
     """
     wall_start = time.perf_counter()
     source, hf_config = resolve_model_config(model, revision, download_dir, hf_overrides)
@@ -373,22 +371,25 @@ def compile_ladder(
     jobs_todo = [(bucket, name) for bucket in todo for name in step_fns
                  if name == "plain" or (bucket.decode_only and (name != "multi-step greedy"
                                                                 or config.buckets.greedy_decodes))]
-    # The drafter's runner: greedy rows; its catch-ups in every bucket, its decode steps in one call a round
+    # The drafter's runner, as serve warms it up and runs it (greedy rows): the plain step in every bucket (its
+    # catch-ups), the greedy one in the decode buckets, and a round's k - 1 decode steps in one call
     programs = dict.fromkeys(step_fns, (state, shapes, roofline_shape))
     if drafter is not None:
         draft_shapes = drafter.shapes(cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs, jax_dtype)
         draft_program = (drafter.state, draft_shapes, model_shape(drafter.num_params, drafter.cfg))
         draft_treedef = jax.tree.structure(drafter.state)
-        step_fns["draft"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, greedy=True,
+        step_fns["draft"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, sample_apart=apart,
                                           compiler_options=options), False)
-        programs["draft"] = draft_program
-        jobs_todo += [(bucket, "draft") for bucket in todo]
+        step_fns["draft greedy"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, greedy=True,
+                                                 compiler_options=options), False)
+        jobs_todo += ([(bucket, "draft") for bucket in todo]
+                      + [(bucket, "draft greedy") for bucket in todo if bucket.decode_only])
         if (steps := speculative_config.num_speculative_tokens - 1) > 1:
             step_fns["draft multi-step"] = (make_decode_steps_fn(
                 drafter.graphdef, draft_treedef, 1, steps, cache.page_size,
                 padding_slot(num_pages, cache.page_size), None, True, options), True)
-            programs["draft multi-step"] = draft_program
             jobs_todo += [(bucket, "draft multi-step") for bucket in todo if bucket.decode_only]
+        programs |= dict.fromkeys(("draft", "draft greedy", "draft multi-step"), draft_program)
     if apart:  # one sampler per request bucket
         step_fns["sampler"] = (make_sample_fn(config.model.max_logprobs, sched.max_num_seqs, mesh, options), False)
         jobs_todo += [(Bucket(rows, rows, decode_only=True), "sampler") for rows in sorted({b.num_reqs for b in todo})]
@@ -415,7 +416,8 @@ def compile_ladder(
             if cost:
                 xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
         predicted = step_cost(programs[variant][2], bucket.num_tokens, bucket.num_reqs, context, itemsize,
-                              peak, facts.memory_bandwidth, layer_itemsize)
+                              peak, facts.memory_bandwidth,
+                              itemsize if variant.startswith("draft") else layer_itemsize)  # a drafter's unquantized
         if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
             predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)
         logger.info("compiled %s (%s) in %.1fs", bucket, variant, compiled.compile_seconds)
@@ -534,9 +536,10 @@ def format_report(report: CompileReport) -> str:
 
 
 def _kind(result: BucketResult) -> str:
-    """A row's step: mixed or decode, a decode bucket's variant, or a drafter's step (mixed or decode)."""
+    """A row's step: mixed or decode, a decode bucket's variant, or a drafter's plain step (mixed or decode) or
+    variant."""
     shape = "decode" if result.decode_only else "mixed"
-    if result.variant == "draft":
+    if result.variant == "draft":  # the drafter's plain step
         return f"draft {shape}"
     return shape if result.variant == "plain" else result.variant
 

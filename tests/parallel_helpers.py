@@ -69,16 +69,29 @@ def _generate(llm, tp: int, spec: dict) -> dict:
     q_proj = _first_attention_weight(runner.model.state)
     placed = {str(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.kv_caches))}
     scheduler = llm.engine.scheduler
+    proposals: list[list[int]] = []  # each round's drafts, request by request
     if scheduler.proposer is not None:  # every draft run: steps cost alike to the policy, proposals nothing
         policy = scheduler.draft_policy
         policy.costs = dict.fromkeys(policy.row_buckets, 1.0)
         policy.observe_step = lambda *timed: None
         policy.observe_proposal = lambda num_requests, seconds: None
+        propose_batch = scheduler.proposer.propose_batch
+
+        def recording(running, max_drafts):
+            drafts = propose_batch(running, max_drafts)
+            proposals.extend(list(map(int, d)) for d in drafts)
+            return drafts
+
+        scheduler.proposer.propose_batch = recording
     with count_compilations() as compiles:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
     draft_runner = llm.engine.core.draft_runner
+    draft_q_proj = _first_attention_weight(draft_runner.model.state) if draft_runner is not None else None
     return {
         "drafts": [scheduler.speculation.num_draft_tokens, scheduler.speculation.num_accepted_tokens],
+        "proposals": proposals,
+        "draft_q_proj_shards": [] if draft_q_proj is None else sorted(
+            (str(shard.device), list(shard.data.shape)) for shard in draft_q_proj.addressable_shards),
         "draft_kv_devices": sorted({str(s.device_set) for s in jax.tree.leaves(
             jax.tree.map(lambda x: x.sharding, draft_runner.kv_caches))}) if draft_runner is not None else [],
         "tp": tp,

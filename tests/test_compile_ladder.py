@@ -553,10 +553,13 @@ def test_a_drafter_of_the_target_s_states_compiles_beside_it_for_h100(method, ti
         {"method": "ngram", "num_speculative_tokens": 3}), **options)
     drafted = compile_ladder(str(model), speculative_config=SpeculativeConfig.of(spec), **options)
     kinds = [(r.num_tokens, r.variant) for r in drafted.buckets]
-    assert kinds == [(8, "plain"), (32, "plain"), (8, "draft"), (32, "draft"), (8, "draft multi-step")]
+    assert kinds == [(8, "plain"), (32, "plain"), (8, "draft"), (32, "draft"), (8, "draft greedy"),
+                     (8, "draft multi-step")]  # as the drafter's runner warms up (and runs) them
     page, kv_bytes = 16, 2 * 2 * 16 * 2  # tokens a page; K and V of 2 heads of 16, bfloat16, a token a layer
     assert drafted.bytes_per_page - plain.bytes_per_page == page * (width * 2 + drafter_layers * kv_bytes + 64 * 2)
-    assert drafted.weights_bytes > plain.weights_bytes
+    # its own weights, not the target's embeddings (49,152 x 64) it shares; its runner's penalty tables
+    assert 0 < drafted.weights_bytes - plain.weights_bytes < 49152 * 64 * 2
+    assert drafted.state_bytes == 2 * plain.state_bytes
     target_args = {r.num_tokens: r.argument_bytes for r in plain.buckets}
     assert all(r.argument_bytes - target_args[r.num_tokens] == 1000 * page * width * 2
                for r in drafted.buckets if r.variant == "plain")  # the target's states' pages, as arguments

@@ -79,10 +79,11 @@ def test_a_draft_model_splits_over_the_target_s_devices(target, tp_worker, tiny_
 @pytest.mark.parametrize("drafter", ["eagle3", "mtp-glm4-moe", "mtp-deepseek-v3"])
 def test_a_drafter_of_the_target_s_states_splits_over_its_devices(drafter, tp_worker, tiny_model_dir,
                                                                    smollm2_tokenizer, tmp_path):
-    """An EAGLE-3 drafter (a draft vocabulary) beside a TP=2 Llama, and GLM-4.5's and DeepSeek-V3's own MTP
-    layers beside their models at TP=2: each drafter's weights split as its family's layers are (DeepSeek's
-    latent copied to each device), the target's states kept in pages split along their width beside its K/V,
-    the drafter's cache on the same devices; the greedy tokens are TP=1's, and the drafts ran."""
+    """An EAGLE-3 drafter (a draft vocabulary) beside a TP=4 Llama (its 4 query and 2 KV heads laid out as 4
+    and 4: each KV head replicated), and GLM-4.5's and DeepSeek-V3's own MTP layers beside their models at TP=2:
+    each drafter's query heads split over the devices as its family's are (DeepSeek's latent copied to each),
+    the target's states kept in pages split along their width beside its K/V, the drafter's cache on the same
+    devices; the greedy tokens are TP=1's, and so is every round's drafts."""
     if drafter == "eagle3":
         target = tiny_model_dir("llama")
         write_eagle3(tmp_path / "eagle3", json.loads((target / "config.json").read_text()), (0, 1),
@@ -93,13 +94,17 @@ def test_a_drafter_of_the_target_s_states_splits_over_its_devices(drafter, tp_wo
         target.mkdir()
         write_mtp_target(target, drafter.removeprefix("mtp-"), smollm2_tokenizer)
         speculative = {"method": "mtp", "num_speculative_tokens": 2}
-    results = run_tp(tp_worker, str(target), tmp_path / "cache", tp_sizes=(2, 1), speculative=speculative)
+    split = 4 if drafter == "eagle3" else 2
+    results = run_tp(tp_worker, str(target), tmp_path / "cache", tp_sizes=(split, 1), speculative=speculative)
     assert_same_as_tp1(results)
     for tp, got in results.items():
         assert got["drafts"][0] > 0, (tp, got["drafts"])
+        assert got["proposals"] == results[1]["proposals"], f"TP={tp}: the drafts differ from TP=1's"
         assert got["draft_kv_devices"] == got["kv_devices"]
         width = 2 * 64 if drafter == "eagle3" else 64  # EAGLE-3's: two layers' inputs
         assert got["last_kv_shard_shape"][0] == 1 and got["last_kv_shard_shape"][-1] == width // tp
+        heads = {"eagle3": 4, "mtp-glm4-moe": 4, "mtp-deepseek-v3": 4}[drafter]  # query heads, laid out
+        assert [shape[1] for _, shape in got["draft_q_proj_shards"]] == [heads // tp] * tp, got["draft_q_proj_shards"]
 
 
 @pytest.mark.slow

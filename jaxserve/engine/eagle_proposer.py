@@ -60,7 +60,7 @@ class EagleProposer(DraftModelProposer):
             raise ValueError("the drafter's pages must be the target's size")
         super().__init__(runner, num_speculative_tokens, vocab_size, enable_prefix_caching=False)
         self.target = target
-        self._copy = make_feature_copy_fn(runner.model.graphdef, jax.tree.structure(runner.model.state))
+        self._copy = make_feature_copy_fn(runner.model.graphdef, jax.tree.structure(runner.model.state), runner.mesh)
         self._copies: dict[int, Any] = {}  # compiled by `warmup`, per token bucket
         self._padding = padding_slot(runner.num_pages, runner.page_size)
 

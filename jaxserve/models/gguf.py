@@ -257,6 +257,9 @@ def iter_gguf_tensors(
     prediction_layers = _prediction_layers(reader, arch)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     first_prediction = prediction_layers.start if prediction_layers else None
+    if prediction and first_prediction is None:
+        raise ValueError(f"the file has no multi-token prediction layer (its {arch}.nextn_predict_layers is 0 or "
+                         "absent)")
     for tensor in reader.tensors:
         block = int(match.group(1)) if (match := _BLOCK_RE.match(tensor.name)) else None
         if prediction and (block is None or block != first_prediction):

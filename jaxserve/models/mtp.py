@@ -178,6 +178,10 @@ def load_mtp(target: LoadedModel) -> LoadedModel:
     checkpoint_cfg = dataclasses.replace(cfg, num_heads=own_heads.num_heads, num_kv_heads=own_heads.num_kv_heads)
     layout = DrafterLayout.beside(target, own_heads.num_heads, own_heads.num_kv_heads,
                                   lambda name: split_rule(name, cfg))
+    laid_out = checkpoint_cfg if layout is None else layout.config(checkpoint_cfg)
+    if (laid_out.num_heads, laid_out.num_kv_heads) != (cfg.num_heads, cfg.num_kv_heads):  # as the target's heads
+        raise ValueError(f"the MTP layer's heads laid out as {laid_out.num_heads} and {laid_out.num_kv_heads}, the "
+                         f"model's as {cfg.num_heads} and {cfg.num_kv_heads}")
     source, prefix = target.source, f"model.layers.{target.cfg.num_layers}."
     if source.gguf_file:  # llama.cpp's `nextn` tensors; its copies of the tables only where they are not the model's
         tensors = iter_gguf_tensors(str(source.directory / source.gguf_file), own_heads.num_heads,
@@ -188,7 +192,7 @@ def load_mtp(target: LoadedModel) -> LoadedModel:
         fp8 = checkpoint_quantization(target.hf_config) == "fp8"  # None or "fp8" (it raises for what it cannot read)
     target.wait_for_weights()
     head, embeddings = target_tables(target.state)
-    shared = {("embed_tokens",): embeddings, ("lm_head",): head}  # unless the layer's own come
+    shared = {("embed_tokens",): embeddings, ("lm_head",): head}  # where the layer's own tables do not replace them
     weights = _layer_weights(tensors, target.spec.module, prefix, checkpoint_cfg, fp8, own_tables)
     graphdef, state = drafter_state(MtpDrafter, checkpoint_cfg, target.dtype, target.weight_dtype, weights, shared,
                                     layout)

@@ -296,12 +296,13 @@ def make_decode_steps_fn(graphdef: nnx.GraphDef, state_treedef: Any, num_top_log
 
 
 @_shared
-def make_feature_copy_fn(graphdef: nnx.GraphDef, state_treedef: Any,
+def make_feature_copy_fn(graphdef: nnx.GraphDef, state_treedef: Any, mesh: Mesh | None = None,
                          compiler_options: dict[str, Any] | None = None):
     """`copy(weights, target_pages, drafter_pages, source_slots, dest_slots) -> drafter_pages`, jitted with the
     drafter's pages donated: an EAGLE drafter's cache (`models/features.py`) given the target's features at
     `source_slots` (i32[N]) at `dest_slots` (i32[N]; past its cache for padding), through the drafter's
-    `project_features` where it has one (EAGLE-3's `fc`). `graphdef` and `state_treedef`: the drafter's."""
+    `project_features` where it has one (EAGLE-3's `fc`). `graphdef` and `state_treedef`: the drafter's; with a
+    `mesh`, the pages stay where the drafter's steps take them (`parallel.page_array_sharding`)."""
 
     def copy(weights: list[jax.Array], target_pages: jax.Array, drafter_pages: jax.Array, source_slots: jax.Array,
              dest_slots: jax.Array) -> jax.Array:
@@ -309,6 +310,7 @@ def make_feature_copy_fn(graphdef: nnx.GraphDef, state_treedef: Any,
         features = read_features(target_pages, source_slots)  # [N, F]
         project = getattr(model, "project_features", None)
         features = features if project is None else project(features)
-        return write_features(drafter_pages, features.astype(drafter_pages.dtype), dest_slots)
+        written = write_features(drafter_pages, features.astype(drafter_pages.dtype), dest_slots)
+        return written if mesh is None else constrain_pages(written, mesh)
 
     return jax.jit(copy, donate_argnames=("drafter_pages",), compiler_options=compiler_options or None)
