@@ -41,7 +41,7 @@ from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.eagle import EagleConfig, EagleLlama
 from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
-from jaxserve.models.features import FeaturePages
+from jaxserve.models.features import FeaturePages, feature_pages
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
@@ -188,11 +188,12 @@ class _Drafter:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state))
 
     def target_features(self, target_cfg: Any, dtype: Any) -> FeaturePages:
-        """The pages of hidden states the target keeps for it (`model_runner.feature_pages`)."""
-        return FeaturePages(target_cfg.hidden_size * max(1, len(self.feature_layers)), dtype)
+        """The pages of hidden states the target keeps for it."""
+        return feature_pages(target_cfg, dtype, self.feature_layers)
 
     def features(self, dtype: Any) -> FeaturePages:
-        return FeaturePages(self.cfg.feature_width, dtype)
+        """The pages of its own features."""
+        return feature_pages(self.cfg, dtype)
 
     def page_bytes(self, page_size: int, dtype: Any) -> int:
         """A page of its own cache: its layers' K/V (never FP8, `engine.core.drafter_cache`) and its features."""

@@ -6,6 +6,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 
+def greedy_pick(logits: np.ndarray) -> tuple[int, float]:
+    """A reference drafter's greedy choice among `logits` [V], and the gap between its logit and the next
+    largest (a near tie is where the engine's float32 may choose the other)."""
+    top2 = np.sort(logits)[-2:]
+    return int(np.argmax(logits)), float(top2[1] - top2[0])
+
+
 def write_eagle(directory, target_config: dict, fc_bias: bool = True, para_norms: bool = False, seed: int = 0,
                 scale: float = 0.3, **config_changes) -> None:
     """An EAGLE-1 checkpoint for a Llama of `target_config` (its config.json's): that config with one layer, and

@@ -10,6 +10,7 @@ from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
 from tests.conftest import _tiny_hf_model
+from tests.eagle import greedy_pick
 
 MTP_FILE = "model-mtp.safetensors"  # beside model.safetensors, which transformers reads alone
 
@@ -109,9 +110,9 @@ class MtpReference:
                         position_embeddings=inner.rotary_emb(x, positions))
             out = (out[0] if isinstance(out, tuple) else out)[0]  # [m, D]
             logits = (self._norm(out[-1], "shared_head.norm") @ self.w["shared_head.head.weight"].T).numpy()
-            top2 = np.sort(logits)[-2:]
-            gap = min(gap, float(top2[1] - top2[0]))
-            drafts.append(int(np.argmax(logits)))
+            best, margin = greedy_pick(logits)
+            gap = min(gap, margin)
+            drafts.append(best)
             inputs.append(drafts[-1])
             feeds.append(out[-1])  # the layer's output stands in for the target's feature
         return drafts, gap

@@ -15,7 +15,6 @@ reads its feature from its own slot there, and writes its output to the next pos
 that follows it.
 """
 
-import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -44,7 +43,7 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, map_hf_weight
 from jaxserve.models.llama import split_rule as llama_split_rule
-from jaxserve.models.loader import LoadedModel
+from jaxserve.models.loader import LoadedModel, safetensors_header
 from jaxserve.models.source import load_hf_config, resolve_model
 from jaxserve.parallel import HeadLayout, SplitRule, param_sharding
 
@@ -125,21 +124,42 @@ class EagleLlama(nnx.Module):
         kv_caches: KVCache,  # the layers' K/V, then (features [1, pages, page_size, F], None)
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        (features, _), layer_caches = kv_caches[-1], kv_caches[:-1]
         attention = self.cfg.attention
-        embedded = embedding_lookup(self.embed_tokens[...], input_ids, attention.mesh).astype(self.dtype)
-        fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, F]
+        embedded, fed, features, layer_caches = drafter_inputs(self.embed_tokens[...], input_ids, kv_caches, md,
+                                                               attention, self.dtype)
         if self.cfg.para_norms:
             embedded, fed = self.embedding_layernorm(embedded), self.hidden_states_layernorm(fed)
         x = dense(jnp.concatenate([embedded, fed], axis=-1), self.fc[...], attention)
         if self.cfg.fc_bias:
             x = x + self.fc_bias[...]
         x, layer_caches = apply_layers(self.layers, x, layer_caches, positions=positions, md=md)
-        features = write_features(features, x, next_slots(md, positions, features.shape[1], features.shape[2]))
-        return x, [*layer_caches, (features, None)]
+        return x, drafter_caches(layer_caches, features, x, positions, md)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         return logits_from_embeddings(hidden, self.lm_head[...], self.cfg.attention)
+
+
+def drafter_inputs(
+    embed_tokens: jax.Array,  # [V, D]
+    input_ids: jax.Array,  # i32[T]: the token at each position's next one
+    kv_caches: KVCache,  # its layers' K/V, then (features [1, pages, page_size, F], None)
+    md: AttentionMetadata,
+    attention: Any,
+    dtype: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
+    """What an EAGLE or MTP drafter's step starts from: each token's embedding [T, D] and the feature at its own
+    slot [T, F] (in `dtype`), the features' page array, and its layers' caches."""
+    (features, _), layer_caches = kv_caches[-1], kv_caches[:-1]
+    embedded = embedding_lookup(embed_tokens, input_ids, attention.mesh).astype(dtype)
+    return embedded, read_features(features, md.slot_mapping).astype(dtype), features, layer_caches
+
+
+def drafter_caches(layer_caches: KVCache, features: jax.Array, out: jax.Array, positions: jax.Array,
+                   md: AttentionMetadata) -> KVCache:
+    """An EAGLE or MTP drafter's KV cache after its step: its layers' caches, and each token's output [T, F]
+    written as the feature of the position after it (`next_slots`), for the draft that follows it."""
+    features = write_features(features, out, next_slots(md, positions, features.shape[1], features.shape[2]))
+    return [*layer_caches, (features, None)]
 
 
 def next_slots(md: AttentionMetadata, positions: jax.Array, num_pages: int, page_size: int) -> jax.Array:  # i32[T]
@@ -281,12 +301,7 @@ def target_tables(target_state: nnx.State) -> tuple[Any, Any]:
 
 def checkpoint_names(directory: Path) -> list[str]:
     """The tensor names in a directory's `*.safetensors` files (their headers alone)."""
-    names: list[str] = []
-    for file in sorted(directory.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            names += [name for name in json.loads(f.read(size)) if name != "__metadata__"]
-    return names
+    return [name for file in sorted(directory.glob("*.safetensors")) for name in safetensors_header(str(file))]
 
 
 def load_eagle(model: str, target: LoadedModel, method: str = "eagle", revision: str | None = None,

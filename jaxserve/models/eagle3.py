@@ -18,15 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.eagle import EagleConfig, drafter_fields, next_slots
-from jaxserve.models.features import read_features, write_features
+from jaxserve.models.eagle import EagleConfig, drafter_caches, drafter_fields, drafter_inputs
 from jaxserve.models.layers import (
     AttentionMetadata,
     GatedMlp,
     KVCache,
     RMSNorm,
     dense,
-    embedding_lookup,
     logits_from_embeddings,
     param,
 )
@@ -137,12 +135,10 @@ class Eagle3Llama(nnx.Module):
         kv_caches: KVCache,  # its layer's K/V, then (features [1, pages, page_size, D], None)
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D], normed
-        (features, _), (layer_cache,) = kv_caches[-1], kv_caches[:-1]
-        embedded = embedding_lookup(self.embed_tokens[...], input_ids, self.cfg.attention.mesh).astype(self.dtype)
-        fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, D]
+        embedded, fed, features, (layer_cache,) = drafter_inputs(self.embed_tokens[...], input_ids, kv_caches, md,
+                                                                 self.cfg.attention, self.dtype)
         out, layer_cache = self.layers[0](embedded, fed, positions, layer_cache, md)
-        features = write_features(features, out, next_slots(md, positions, features.shape[1], features.shape[2]))
-        return self.norm(out), [layer_cache, (features, None)]
+        return self.norm(out), drafter_caches([layer_cache], features, out, positions, md)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]: the target's vocabulary
         """The draft vocabulary's logits at their target ids, -inf at the others."""

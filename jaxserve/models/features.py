@@ -36,6 +36,18 @@ class FeaturePages:
         return page_size * self.width * jnp.dtype(self.dtype).itemsize
 
 
+def feature_pages(cfg: Any, dtype: Any, feature_layers: tuple[int, ...] | None = None) -> FeaturePages | None:
+    """The pages of hidden states that the KV cache of a model of config `cfg` (activations in `dtype`) ends
+    with (`models/features.py`): an EAGLE or MTP drafter's input features where the model is one; where the
+    model keeps features for one (`feature_layers`), its final states (empty) or the inputs of those layers side
+    by side; else None."""
+    if (width := getattr(cfg, "feature_width", 0)) > 0:
+        return FeaturePages(width, jnp.dtype(dtype))
+    if feature_layers is None:
+        return None
+    return FeaturePages(cfg.hidden_size * max(1, len(feature_layers)), jnp.dtype(dtype))
+
+
 def write_features(
     pages: jax.Array,  # [1, num_pages, page_size, F]
     hidden: jax.Array,  # [T, F]

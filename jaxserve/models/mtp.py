@@ -33,8 +33,14 @@ from flax import nnx
 from jaxserve.models import ModelSpec, deepseek, llama
 from jaxserve.models.deepseek import DecoderLayer as DeepseekLayer
 from jaxserve.models.deepseek import DeepseekConfig
-from jaxserve.models.eagle import DrafterLayout, checkpoint_names, drafter_state, next_slots, target_tables
-from jaxserve.models.features import read_features, write_features
+from jaxserve.models.eagle import (
+    DrafterLayout,
+    checkpoint_names,
+    drafter_caches,
+    drafter_inputs,
+    drafter_state,
+    target_tables,
+)
 from jaxserve.models.gguf import iter_gguf_tensors
 from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.layers import (
@@ -43,7 +49,6 @@ from jaxserve.models.layers import (
     RMSNorm,
     apply_layers,
     dense,
-    embedding_lookup,
     logits_from_embeddings,
     param,
 )
@@ -122,15 +127,13 @@ class MtpDrafter(nnx.Module):
         kv_caches: KVCache,  # the layer's K/V, then (features [1, pages, page_size, D], None)
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D]
-        (features, _), layer_caches = kv_caches[-1], kv_caches[:-1]
         attention = self.cfg.attention
-        embedded = embedding_lookup(self.embed_tokens[...], input_ids, attention.mesh).astype(self.dtype)
+        embedded, fed, features, layer_caches = drafter_inputs(self.embed_tokens[...], input_ids, kv_caches, md,
+                                                               attention, self.dtype)
         embedded = jnp.where((positions == 0)[:, None], 0, embedded)  # as vLLM's: unused at position 0
-        fed = read_features(features, md.slot_mapping).astype(self.dtype)  # [T, D]
         x = dense(jnp.concatenate([self.enorm(embedded), self.hnorm(fed)], axis=-1), self.eh_proj[...], attention)
         x, layer_caches = apply_layers(self.layers, x, layer_caches, positions=positions, md=md)
-        features = write_features(features, x, next_slots(md, positions, features.shape[1], features.shape[2]))
-        return x, [*layer_caches, (features, None)]
+        return x, drafter_caches(layer_caches, features, x, positions, md)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         return logits_from_embeddings(self.shared_head_norm(hidden), self.lm_head[...], self.cfg.attention)

@@ -41,7 +41,7 @@ from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
 from jaxserve.models import kv_arrays
-from jaxserve.models.features import FeaturePages
+from jaxserve.models.features import feature_pages
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
@@ -155,21 +155,10 @@ def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig,
     """One page of `model`'s KV cache, in every layer, at the cache's dtype for it, and of the hidden states
     it keeps (`feature_pages`)."""
     cfg = model.cfg
-    features = feature_pages(model, feature_layers)
+    features = feature_pages(model.cfg, model.dtype, feature_layers)
     return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim,
                           _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg)) + (
         0 if features is None else features.page_bytes(cache_config.page_size))
-
-
-def feature_pages(model: LoadedModel, feature_layers: tuple[int, ...] | None = None) -> FeaturePages | None:
-    """The pages of hidden states that a runner's KV cache ends with (`models/features.py`): an EAGLE or MTP
-    drafter's input features where the model is one; where the model keeps features for one
-    (`feature_layers`), its final states (empty) or the inputs of those layers side by side; else None."""
-    if (width := getattr(model.cfg, "feature_width", 0)) > 0:
-        return FeaturePages(width, jnp.dtype(model.dtype))
-    if feature_layers is None:
-        return None
-    return FeaturePages(model.cfg.hidden_size * max(1, len(feature_layers)), jnp.dtype(model.dtype))
 
 
 @dataclass(frozen=True)
@@ -242,7 +231,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.kv_dtype = _kv_dtype(model, cache_config)
         page_bytes = kv_page_bytes(model, cache_config, feature_layers)
-        self.features = feature_pages(model, feature_layers)  # the cache's last entry, if any
+        self.features = feature_pages(model.cfg, model.dtype, feature_layers)  # the cache's last entry, if any
         self.mesh = model.mesh
         treedef = jax.tree.structure(model.state)
         # CPUs: the plain step's sampler is a program of its own, compiled once per request bucket (`step_fn`).

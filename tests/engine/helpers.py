@@ -187,6 +187,15 @@ def workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingPara
 ABORTS = {"greedy": 6, "seeded-n3": 3, "penalties": 9, "shared-a": 8}  # `workload` request -> its abort step
 
 
+def drafting_workload(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingParams]], dict[str, int]]:
+    """`workload`, and a greedy request that outlasts the others: it decodes alone at the end, where drafts run
+    (the speculative engines' tests)."""
+    requests, arrivals = workload(engine)
+    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    arrivals["outlasting"] = 0
+    return requests, arrivals
+
+
 def assert_aborts_leave_the_others_unchanged(reference: LLMEngine, engine: LLMEngine) -> None:
     """`workload` with ABORTS on both engines: the aborted are gone, every other output equals the reference's."""
     requests, arrivals = workload(reference)

@@ -29,7 +29,15 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request import Request
 from jaxserve.runner.model_runner import kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import LADDER, assert_same, make_engine, make_prompts, run, run_alone, workload
+from tests.engine.helpers import (
+    LADDER,
+    assert_same,
+    drafting_workload,
+    make_engine,
+    make_prompts,
+    run,
+    run_alone,
+)
 from tests.helpers import count_compilations
 
 
@@ -149,9 +157,7 @@ def test_each_round_drafts_the_greedy_continuation_of_the_tokens_then(engines, n
 def test_any_draft_gives_the_plain_outputs(engines):
     """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops, with a draft
     model that is mostly wrong: every output is the plain engine's, and some drafts are accepted."""
-    requests, arrivals = workload(engines["plain"])
-    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    requests, arrivals = drafting_workload(engines["plain"])
     plain = run(engines["plain"], requests, arrivals)
     outputs, drafted, accepted = run_drafting(engines["other"], requests, arrivals)
     assert_same(plain, outputs)

@@ -21,8 +21,8 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.eagle3 import default_aux_layers
 from jaxserve.runner.model_runner import kv_page_bytes
 from jaxserve.sampling_params import SamplingParams
-from tests.eagle import write_eagle, write_eagle3
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.eagle import greedy_pick, write_eagle, write_eagle3
+from tests.engine.helpers import assert_same, drafting_workload, make_engine, make_prompts, run
 from tests.engine.test_draft_model import every_draft_runs
 from tests.helpers import count_compilations
 
@@ -103,9 +103,9 @@ class Reference:
                 fused = fused + self.fc_bias
             out = self.drafter(inputs_embeds=fused[None]).last_hidden_state[0]  # [n', D]
             logits = (out[-1] @ head.T).numpy()
-            top2 = np.sort(logits)[-2:]
-            gap = min(gap, float(top2[1] - top2[0]))
-            drafts.append(int(np.argmax(logits)))
+            best, margin = greedy_pick(logits)
+            gap = min(gap, margin)
+            drafts.append(best)
             inputs.append(drafts[-1])
             feeds.append(out[-1])  # the drafter's output stands in for the target's feature
         return drafts, gap
@@ -160,9 +160,8 @@ class Reference3:
         for _ in range(k):
             out = self._layer(embed[torch.tensor(inputs)], torch.stack(feeds))
             logits = (self._norm(out[-1], "norm") @ self.w["lm_head.weight"].T).numpy()
-            top2 = np.sort(logits)[-2:]
-            gap = min(gap, float(top2[1] - top2[0]))
-            best = int(np.argmax(logits))
+            best, margin = greedy_pick(logits)
+            gap = min(gap, margin)
             drafts.append(best + int(self.w["d2t"][best]))
             inputs.append(drafts[-1])
             feeds.append(out[-1])
@@ -260,9 +259,7 @@ def test_a_hass_drafter_norms_both_inputs(llama_dir, tmp_path, target_config):
 def test_any_eagle_draft_gives_the_plain_outputs(engines, name):
     """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops: every output
     is the plain engine's."""
-    requests, arrivals = workload(engines["plain"])
-    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    requests, arrivals = drafting_workload(engines["plain"])
     plain = run(engines["plain"], requests, arrivals)
     outputs, drafted, accepted = run_drafting(engines[name], requests, arrivals)
     assert_same(plain, outputs)
@@ -373,9 +370,7 @@ def test_eagle3_drafts_give_the_plain_outputs(engines, llama_dir, tmp_path, targ
     write_eagle3(directory, target_config, (0, 1), draft_vocab_size=3000)
     engine = make_engine(llama_dir, speculative_config={"method": "eagle3", "model": str(directory),
                                                         "num_speculative_tokens": 2})
-    requests, arrivals = workload(engines["plain"])
-    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    requests, arrivals = drafting_workload(engines["plain"])
     plain = run(engines["plain"], requests, arrivals)
     outputs, drafted, _ = run_drafting(engine, requests, arrivals)
     assert_same(plain, outputs)

@@ -18,7 +18,7 @@ from jaxserve.models.layers import LoraShape
 from jaxserve.models.llama import LlamaConfig
 from jaxserve.models.mtp import DeepseekMtpConfig, LlamaMtpConfig, mtp_config
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, workload
+from tests.engine.helpers import assert_same, drafting_workload, make_engine, make_prompts, run
 from tests.engine.test_eagle import assert_reference_drafts, proposer_of, recorded_rounds, run_drafting
 from tests.models.test_quantization import _write_fp8_checkpoint
 from tests.mtp import MtpReference, write_mtp_gguf, write_mtp_target
@@ -81,9 +81,7 @@ def test_each_round_drafts_the_mtp_layer_s_chain_on_the_target_s_states(mtp_dirs
 def test_mtp_drafts_give_the_plain_outputs(glm_engines):
     """Penalties, logprobs, grammars, bans, seeded sampling, n > 1, prefix-cache hits and stops: every output
     is the plain engine's, and nothing compiles after warm-up."""
-    requests, arrivals = workload(glm_engines["plain"])
-    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    requests, arrivals = drafting_workload(glm_engines["plain"])
     plain = run(glm_engines["plain"], requests, arrivals)
     outputs, drafted, accepted = run_drafting(glm_engines["mtp"], requests, arrivals)
     assert_same(plain, outputs)

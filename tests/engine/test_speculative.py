@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.helpers import assert_same, make_engine, make_prompts, run, stop_requests, workload
+from tests.engine.helpers import assert_same, drafting_workload, make_engine, make_prompts, run, stop_requests
 from tests.helpers import count_compilations
 
 # min 1: drafts on most steps of a random model's output, many of them rejected
@@ -195,9 +195,7 @@ def test_everything_else_gives_the_same_outputs(engines):
     """Penalties, logprobs, grammars, bans, prefix-cache hits, n > 1, with drafts proposed: the steps that
     run beside a grammar, bans or top logprobs decode without drafts, drafts run once every request decodes
     on the device, and every output is the plain engine's."""
-    requests, arrivals = workload(engines["plain"])
-    requests["outlasting"] = (make_prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    arrivals["outlasting"] = 0  # it decodes alone at the end: drafts run then
+    requests, arrivals = drafting_workload(engines["plain"])
     plain, truths = recorded_truths(engines["plain"], requests, arrivals)
     speculative, drafted, accepted, expected = run_scripted(engines["speculative-async"], truths, requests,
                                                             arrivals)
