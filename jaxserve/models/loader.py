@@ -49,8 +49,10 @@ from jaxserve.models.layers import context_length
 from jaxserve.models.quantization import (
     Fp8Tensor,
     Quantizer,
+    checkpoint_fp8_block,
     checkpoint_quantization,
     fp8_checkpoint_tensors,
+    log_stored_fp8,
     quantize_model_state,
     quantize_state,
 )
@@ -404,11 +406,14 @@ def load_model(
         elif is_checkpoint(source.directory):
             loaded = restore_weights(source.directory, abstract)
         else:
-            tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8", stop=stop)
+            tensors, kv_scales = _load_tensors(source, abstract, quantization, stored_fp8=stored == "fp8", stop=stop,
+                                               fp8_block=checkpoint_fp8_block(hf_config))
             loaded = _unflatten(tensors)
         state = abstract.state
         nnx.replace_by_pure_dict(state, loaded)
-        if quantization != GGUF:
+        if stored == "fp8" and not dummy and not is_checkpoint(source.directory):
+            log_stored_fp8(state, abstract.spec.module)  # quantized as stored: its 16-bit weights stay
+        elif quantization != GGUF:
             quantize_model_state(state, abstract.spec.module, quantization)
         return state, kv_scales
 
@@ -447,12 +452,13 @@ def load_model(
 
 
 def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: str | None = None,
-                  stored_fp8: bool = False, stop: threading.Event | None = None
-                  ) -> tuple[dict[tuple, Any], dict[tuple[int, str], float]]:
+                  stored_fp8: bool = False, stop: threading.Event | None = None,
+                  fp8_block: tuple[int, int] | None = None) -> tuple[dict[tuple, Any], dict[tuple[int, str], float]]:
     """Streams a GGUF's or safetensors' tensors through the model's name map onto their devices, each cast
-    to its parameter's dtype, and quantized there as it arrives where `quantization` covers it. Returns
-    them by parameter path, and the checkpoint's KV-cache scales by (layer, kind) (`kv_scales.py`). Raises
-    LoadStopped at the next tensor once `stop` is set."""
+    to its parameter's dtype, and quantized there as it arrives where `quantization` covers it (of an FP8
+    checkpoint, `stored_fp8`, only the weights it stores in FP8, their scales per block of `fp8_block` where
+    given). Returns them by parameter path, and the checkpoint's KV-cache scales by (layer, kind)
+    (`kv_scales.py`). Raises LoadStopped at the next tensor once `stop` is set."""
     covered = Quantizer(abstract.spec.module, quantization) if quantization is not None else None
     keep_blocks = quantization == GGUF  # a GGUF file's kept formats stay in their blocks where covered
     quantize = None if keep_blocks else covered
@@ -470,10 +476,10 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     # An FP8 checkpoint's weights keep their own e4m3 values and scales where the model holds them as they
     # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales);
     # elsewhere (heads laid out for a mesh, a mixture's experts) they are dequantized, and quantized again per
-    # channel as they arrive where covered.
+    # channel as they arrive where covered. Its weights stored in 16 bits stay in 16 bits.
     exact = covered is not None and abstract.heads.is_identity and mesh is None
     if stored_fp8:
-        tensors = fp8_checkpoint_tensors(tensors)
+        tensors = fp8_checkpoint_tensors(tensors, fp8_block)
     tensors = classifier_weights(tensors, cfg)
     if stream is not None:
         tensors = stream(tensors, cfg)
@@ -489,9 +495,10 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         path, transform = mapped
         if path not in expected:
             raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {path}")
-        if isinstance(tensor, Fp8Tensor):
+        stored_in_fp8 = isinstance(tensor, Fp8Tensor)
+        if stored_in_fp8:
             if exact and quantize.covers(path):
-                loaded[path] = quantize.stored(path, transform(tensor.values, cfg), tensor.channel_scale())
+                loaded[path] = quantize.stored(path, transform(tensor.values, cfg), tensor.row_scale(), tensor.block)
                 continue
             tensor = tensor.dequantize()
         if isinstance(tensor, GgufTensor):
@@ -513,7 +520,7 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
             loaded[path] = jax.device_put(jnp.asarray(value, dtype=dtype))
         else:  # from the host to each device's shard: no device holds a whole tensor it does not keep
             loaded[path] = jax.device_put(np.asarray(value, dtype=dtype), abstract.sharding(path, value.shape))
-        if quantize is not None:
+        if quantize is not None and (stored_in_fp8 or not stored_fp8):
             loaded[path] = quantize(path, loaded[path])
     missing = sorted(str(p) for p in expected.keys() - loaded.keys())
     if missing:

@@ -55,7 +55,12 @@ from jaxserve.models.layers import (
 from jaxserve.models.llama import DecoderLayer as LlamaLayer
 from jaxserve.models.llama import LlamaConfig
 from jaxserve.models.loader import LoadedModel, iter_safetensors, safetensors_header
-from jaxserve.models.quantization import Fp8Tensor, checkpoint_quantization, fp8_checkpoint_tensors
+from jaxserve.models.quantization import (
+    Fp8Tensor,
+    checkpoint_fp8_block,
+    checkpoint_quantization,
+    fp8_checkpoint_tensors,
+)
 from jaxserve.parallel import SplitRule
 
 
@@ -189,14 +194,15 @@ def load_mtp(target: LoadedModel) -> LoadedModel:
     if source.gguf_file:  # llama.cpp's `nextn` tensors; its copies of the tables only where they are not the model's
         tensors = iter_gguf_tensors(str(source.directory / source.gguf_file), own_heads.num_heads,
                                     own_heads.num_kv_heads, prediction=True)
-        own_tables, fp8 = set(_TABLES), False
+        own_tables, fp8, fp8_block = set(_TABLES), False, None
     else:
         tensors, own_tables = _safetensors_layer(source.directory, prefix, target.cfg.tie_word_embeddings)
         fp8 = checkpoint_quantization(target.hf_config) == "fp8"  # None or "fp8" (it raises for what it cannot read)
+        fp8_block = checkpoint_fp8_block(target.hf_config)
     target.wait_for_weights()
     head, embeddings = target_tables(target.state)
     shared = {("embed_tokens",): embeddings, ("lm_head",): head}  # where the layer's own tables do not replace them
-    weights = _layer_weights(tensors, target.spec.module, prefix, checkpoint_cfg, fp8, own_tables)
+    weights = _layer_weights(tensors, target.spec.module, prefix, checkpoint_cfg, fp8, fp8_block, own_tables)
     graphdef, state = drafter_state(MtpDrafter, checkpoint_cfg, target.dtype, target.weight_dtype, weights, shared,
                                     layout)
     return LoadedModel(
@@ -221,13 +227,14 @@ def _safetensors_layer(directory: Path, prefix: str, tied: bool) -> tuple[Iterat
 
 
 def _layer_weights(tensors: Iterator[tuple[str, Any]], module: Any, prefix: str, cfg: Any, fp8: bool,
-                   own_tables: set[str]) -> Iterator[tuple[str, tuple, Any]]:
+                   fp8_block: tuple[int, int] | None, own_tables: set[str]) -> Iterator[tuple[str, tuple, Any]]:
     """The MTP layer's weights (checkpoint name, path, value) from its tensors (`tensors`, named under
     `prefix`): its decoder layer's through the family's (`module`'s) weight stream and name map as layer 0 of a
-    one-layer model of config `cfg`, FP8 ones dequantized; its tables only where `own_tables` names them."""
+    one-layer model of config `cfg`, FP8 ones (`fp8`, scales per block of `fp8_block` where given)
+    dequantized; its tables only where `own_tables` names them."""
     tensors = ((f"model.layers.0.{name.removeprefix(prefix)}", tensor) for name, tensor in tensors)
     if fp8:
-        tensors = fp8_checkpoint_tensors(tensors)
+        tensors = fp8_checkpoint_tensors(tensors, fp8_block)
     if (stream := getattr(module, "hf_weight_stream", None)) is not None:
         tensors = stream(tensors, cfg)
     for name, tensor in tensors:

@@ -1,13 +1,16 @@
-"""Weights kept in 8 bits: FP8 (e4m3) values with a float32 scale per output channel (`--quantization fp8`,
-vLLM's flag), quantized as they load from a 16- or 32-bit checkpoint, or an FP8 checkpoint's own values and
-scales (`fp8_checkpoint_tensors`; a per-tensor scale is that channel scale for every channel).
+"""Weights kept in 8 bits: FP8 (e4m3) values with float32 scales. `--quantization fp8` (vLLM's flag) quantizes
+a 16- or 32-bit checkpoint's weights as they load, with a scale per output channel. An FP8 checkpoint keeps
+its own values and scales (`fp8_checkpoint_tensors`): per tensor (that scale for every channel), per output
+channel, or per block of 128 x 128 (DeepSeek-V3's and most released FP8 checkpoints' `weight_block_size`,
+compressed-tensors' "block" strategy). Its weights stored in 16 bits stay as they are stored, as in vLLM.
 
 A quantized weight is an `Fp8Weight` where the plain array was: the same shape, `values` in e4m3 and
 `scale` over the output axes (the weight's trailing axes, after the `contracted` ones it is multiplied
-over). `layers.dense` multiplies by the values widened to the activations' dtype and scales the
-result. Compiled for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte
-per weight instead of two (docs/benchmarks.md). The token embeddings, the LM head, norms, biases and
-a mixture's experts stay as they are, as in vLLM's FP8 scheme.
+over), with a leading axis of contracted blocks where the checkpoint's scales vary along them.
+`layers.dense` multiplies by the values widened to the activations' dtype and scales the result (compiled
+for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte per weight instead of
+two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). The token embeddings,
+the LM head, norms, biases and a mixture's experts stay as they are, as in vLLM's FP8 scheme.
 
 Which parameters are quantized is the model family's `QUANTIZED_WEIGHTS`: a layer parameter's name
 maps to its number of contracted axes (1 for [D, N, H] or [K, N]; 2 for an output projection [N, H, D]).
@@ -40,9 +43,14 @@ def layer_weight_itemsize(quantization: str | None) -> int | None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
+    """`block` 0: `scale` f32[*output_axes], values * scale is the weight. `block` B > 0: `scale`
+    f32[ceil(K / B), *output_axes], one per output channel and run of B rows of the flattened contracted axis
+    (of length K); row k of that axis is scaled by `scale[k // B]`."""
+
     values: Any  # f8e4m3fn[*contracted_axes, *output_axes]
-    scale: Any  # f32[*output_axes]: values * scale is the weight
+    scale: Any  # f32[*output_axes] or f32[contracted_blocks, *output_axes]
     contracted: int = dataclasses.field(metadata={"static": True})
+    block: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -64,12 +72,24 @@ class Fp8Weight:
     def reshape(self, *shape: int) -> "Fp8Weight":
         """A 2-D view [K, N] for one matmul: the contracted axes flattened into K, the output axes into N."""
         values = self.values.reshape(*shape)
-        if values.ndim != 2 or values.shape[1] != math.prod(self.scale.shape):
+        outputs = self.scale.shape[1 if self.block else 0:]
+        if values.ndim != 2 or values.shape[1] != math.prod(outputs):
             raise ValueError(f"an Fp8Weight {self.shape} reshapes to [contracted, output] only, not {values.shape}")
-        return Fp8Weight(values, self.scale.reshape(-1), contracted=1)
+        scale = self.scale.reshape(self.scale.shape[0], -1) if self.block else self.scale.reshape(-1)
+        return Fp8Weight(values, scale, contracted=1, block=self.block)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        if not self.block:
+            return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        k = math.prod(self.shape[: self.contracted])
+        values = self.values.reshape(k, -1).astype(jnp.float32)  # [K, N]
+        scales = row_scales(self.scale.reshape(self.scale.shape[0], -1), self.block, k)  # [K, N]
+        return (values * scales).astype(dtype).reshape(self.shape)
+
+
+def row_scales(scale: jax.Array, block: int, rows: int) -> jax.Array:
+    """scale f32[ceil(rows / block), N] -> f32[rows, N]: each contracted row's scale."""
+    return jnp.repeat(scale, block, axis=0, total_repeat_length=scale.shape[0] * block)[:rows]
 
 
 def quantize_fp8(w: jax.Array, contracted: int) -> Fp8Weight:
@@ -84,8 +104,17 @@ def quantize_fp8(w: jax.Array, contracted: int) -> Fp8Weight:
 
 def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale."""
+    if w.block:
+        return block_matmul(x, w)
     y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, N]
     return (y * w.scale).astype(x.dtype)
+
+
+def block_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [T, K] @ w [K, N] for block scales, in x's dtype: the values times their rows' scales (in float32,
+    then rounded to x's dtype), float32 sums."""
+    weights = (w.values.astype(jnp.float32) * row_scales(w.scale, w.block, x.shape[1])).astype(x.dtype)  # [K, N]
+    return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def scaled(w: Any, factor: Any) -> Fp8Weight:
@@ -124,12 +153,22 @@ class Quantizer:
     def covers_experts(self, path: tuple) -> bool:  # a mixture's stacked experts GGUF blocks can stay in
         return path[0] == self.layers_key and path[-1] in self.expert_weights
 
-    def stored(self, path: tuple, values: np.ndarray, channel_scale: np.ndarray) -> Fp8Weight:
-        """A checkpoint's own e4m3 values, already in the model's layout, with its per-channel scale f32[out]
-        laid out over the weight's output axes."""
+    def stored(self, path: tuple, values: np.ndarray, row_scale: np.ndarray, block: int = 0) -> Fp8Weight:
+        """A checkpoint's own e4m3 values, already in the model's layout, with its scales by output row
+        (`Fp8Tensor.row_scale`: f32[out], or f32[out, contracted_blocks] for blocks of `block`) laid out over
+        the weight's output axes."""
         contracted = self.table[path[-1]]
-        scale = np.asarray(channel_scale, np.float32).reshape(values.shape[contracted:])
-        return Fp8Weight(jax.device_put(values), jax.device_put(scale), contracted=contracted)
+        outputs = values.shape[contracted:]
+        row_scale = np.asarray(row_scale, np.float32)
+        if block:
+            blocks = -(-math.prod(values.shape[:contracted]) // block)
+            if row_scale.shape != (math.prod(outputs), blocks):
+                raise ValueError(f"{path}: block scales {row_scale.shape} for a weight {values.shape} in blocks "
+                                 f"of {block}")
+            scale = row_scale.T.reshape(blocks, *outputs)
+        else:
+            scale = row_scale.reshape(outputs)
+        return Fp8Weight(jax.device_put(values), jax.device_put(scale), contracted=contracted, block=block)
 
     def __call__(self, path: tuple, value: Any) -> Any:
         if not self.covers(path) or isinstance(value, Fp8Weight):
@@ -164,13 +203,40 @@ def quantize_model_state(state: nnx.State, family: Any, quantization: str | None
                        "(a GPU's GEMM reads the 8-bit values)", quantization)
 
 
+def log_stored_fp8(state: nnx.State, family: Any) -> None:
+    """The start-up line of an FP8 checkpoint's load: its weights in e4m3 and the layer weights it stores in
+    16 bits (kept so)."""
+    quantizer = Quantizer(family, "fp8")
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    fp8 = [value for value in flat.values() if isinstance(value, Fp8Weight)]
+    kept = sum(quantizer.covers(path) and not isinstance(value, Fp8Weight) for path, value in flat.items())
+    blocks = sorted({value.block for value in fp8})
+    logger.info("quantization fp8 (the checkpoint's): %d layer weights in e4m3 with its scales (%s)%s", len(fp8),
+                ", ".join(f"per {b} contracted rows and output channel" if b else "per output channel" for b in blocks)
+                or "none", f"; {kept} it stores in 16 bits stay so" if kept else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
     """One weight of an FP8 checkpoint as it is stored: e4m3 values [out, in] (HF's Linear layout) and the
-    scale they were divided by, per tensor or per output channel."""
+    scale they were divided by: per tensor, per output channel, or (`block` B > 0) per output row and run of B
+    input columns (`from_blocks` spreads a checkpoint's block grid over the rows)."""
 
     values: np.ndarray  # f8e4m3fn[out, in]
-    scale: np.ndarray  # f32[] or f32[1] (per tensor), f32[out] or f32[out, 1] (per channel)
+    scale: np.ndarray  # f32[] or f32[1] (per tensor), f32[out] or f32[out, 1] (per channel), f32[out, ceil(in / B)]
+    block: int = 0
+
+    @classmethod
+    def from_blocks(cls, values: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> "Fp8Tensor":
+        """A weight with a scale per block of `block` = (rows, columns): scale f32[ceil(out / rows),
+        ceil(in / columns)] (`weight_scale_inv`, despite its name the factor that dequantizes)."""
+        rows, columns = block
+        grid = tuple(-(-n // b) for n, b in zip(values.shape, block, strict=True))
+        scale = np.asarray(scale, np.float32)
+        if scale.shape != grid:
+            raise ValueError(f"block scales {scale.shape} for a weight {values.shape} in blocks of {block}: "
+                             f"expected {grid}")
+        return cls(values, np.repeat(scale, rows, axis=0)[: values.shape[0]], columns)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -178,24 +244,41 @@ class Fp8Tensor:
 
     def __getitem__(self, rows: slice) -> "Fp8Tensor":
         """Output rows (what a fused projection's split takes), with their scales."""
-        return Fp8Tensor(self.values[rows], self.channel_scale()[rows])
+        return Fp8Tensor(self.values[rows], self.row_scale()[rows], self.block)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
         return self.dequantize() if dtype is None else self.dequantize().astype(dtype)
 
-    def channel_scale(self) -> np.ndarray:  # f32[out]
+    def row_scale(self) -> np.ndarray:  # f32[out], or f32[out, ceil(in / block)]
+        if self.block:
+            return np.asarray(self.scale, np.float32)
         scale = np.asarray(self.scale, np.float32).reshape(-1)
         return np.broadcast_to(scale, (self.values.shape[0],)) if scale.size == 1 else scale
 
     def dequantize(self) -> np.ndarray:  # f32[out, in]
-        return np.asarray(self.values, np.float32) * self.channel_scale()[:, None]
+        values = np.asarray(self.values, np.float32)
+        if self.block:
+            return values * np.repeat(self.row_scale(), self.block, axis=1)[:, : values.shape[1]]
+        return values * self.row_scale()[:, None]
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
     """The quantization a checkpoint's `quantization_config` says its weights are in: "fp8" for FP8 weights
-    with per-tensor or per-output-channel scales (vLLM's `fp8` method, or `compressed-tensors` float 8-bit),
-    None for an unquantized checkpoint; a format jaxserve cannot read raises (rather than loading its
+    with per-tensor, per-output-channel or per-block scales (vLLM's `fp8` method, or `compressed-tensors` float
+    8-bit), None for an unquantized checkpoint; a format jaxserve cannot read raises (rather than loading its
     quantized values as if they were weights)."""
+    return None if _fp8_format(hf_config) is None else "fp8"
+
+
+def checkpoint_fp8_block(hf_config: Any) -> tuple[int, int] | None:
+    """An FP8 checkpoint's scale block (rows, columns) of its weights [out, in], or None for per-tensor or
+    per-channel scales (and for other checkpoints)."""
+    fp8 = _fp8_format(hf_config)
+    return None if fp8 is None or fp8 == "tensor or channel" else fp8
+
+
+def _fp8_format(hf_config: Any) -> tuple[int, int] | str | None:
+    """None (not FP8), "tensor or channel", or the scale block (rows, columns)."""
     config = getattr(hf_config, "quantization_config", None)
     if not config:
         return None
@@ -203,37 +286,56 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
     method = config.get("quant_method")
     if method == "mxfp4":  # GPT-OSS's experts: decoded to the weight dtype as they load (`mxfp4.py`)
         return None
-    if method == "fp8" and not config.get("weight_block_size"):
-        return "fp8"
+    if method == "fp8":
+        block = config.get("weight_block_size")
+        return "tensor or channel" if not block else _block(block, config)
     if method == "compressed-tensors":
         weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
-        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8
-                           and w.get("strategy") in ("tensor", "channel") for w in weights):
-            return "fp8"
+        fp8 = [w for w in weights if w.get("type") == "float" and w.get("num_bits") == 8]
+        if weights and len(fp8) == len(weights):
+            if all(w.get("strategy") in ("tensor", "channel") for w in fp8):
+                return "tensor or channel"
+            blocks = {tuple(w.get("block_structure") or ()) for w in fp8 if w.get("strategy") == "block"}
+            if len(blocks) == 1 and all(w.get("strategy") == "block" for w in fp8):
+                return _block(blocks.pop(), config)
     raise ValueError(f"a quantized checkpoint (quant_method {method!r}, {config}) that jaxserve cannot read: it "
-                     "reads FP8 weights with per-tensor or per-channel scales (fp8, compressed-tensors)")
+                     "reads FP8 weights with per-tensor, per-channel or per-block scales (fp8, compressed-tensors)")
+
+
+def _block(block: Any, config: dict) -> tuple[int, int]:
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"an FP8 checkpoint whose scale block {block!r} is not [rows, columns], which jaxserve "
+                         f"cannot read ({config})")
+    return int(block[0]), int(block[1])
 
 
 _STATIC_SCALES = (".input_scale",)  # activations' calibrated scales (the KV cache's go on to the loader)
 
 
-def fp8_checkpoint_tensors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+_WEIGHT_SCALES = (".weight_scale", ".weight_scale_inv")  # compressed-tensors' and fp8's; DeepSeek-V3's blocks'
+
+
+def fp8_checkpoint_tensors(tensors: Iterator[tuple[str, Any]], block: tuple[int, int] | None = None
+                           ) -> Iterator[tuple[str, Any]]:
     """An FP8 checkpoint's (name, tensor) stream with each e4m3 `X.weight` paired with its `X.weight_scale`
-    into one `Fp8Tensor`. The static activation scales are dropped: activations stay in 16 bits here."""
+    (or `X.weight_scale_inv`) into one `Fp8Tensor`, its scales per block of `block` (rows, columns) where
+    given (`checkpoint_fp8_block`). Tensors stored in other dtypes pass as they are. The static activation
+    scales are dropped: activations stay in 16 bits here."""
     pending: dict[str, dict[str, Any]] = {}  # weight name -> whichever of its values and scale came first
     for name, tensor in tensors:
         if name.endswith(_STATIC_SCALES):
             continue
-        is_scale = name.endswith(".weight_scale")
-        if not (is_scale or (name.endswith(".weight") and np.dtype(tensor.dtype) == np.dtype(FP8))):
+        scale_suffix = next((suffix for suffix in _WEIGHT_SCALES if name.endswith(suffix)), None)
+        if not (scale_suffix or (name.endswith(".weight") and np.dtype(tensor.dtype) == np.dtype(FP8))):
             yield name, tensor
             continue
-        weight = name.removesuffix("_scale")
+        weight = name.removesuffix(scale_suffix or "") + (".weight" if scale_suffix else "")
         parts = pending.setdefault(weight, {})
-        parts["scale" if is_scale else "values"] = np.asarray(tensor)
+        parts["scale" if scale_suffix else "values"] = np.asarray(tensor)
         if len(parts) == 2:
             del pending[weight]
-            yield weight, Fp8Tensor(parts["values"], parts["scale"])
+            values, scale = parts["values"], parts["scale"]
+            yield weight, (Fp8Tensor(values, scale) if block is None else Fp8Tensor.from_blocks(values, scale, block))
     if pending:
         raise ValueError(f"FP8 weights without their scales, or scales without weights: {sorted(pending)[:4]}")
 

@@ -135,13 +135,16 @@ def test_the_layer_s_config_is_a_one_layer_model_of_its_family(mtp_dirs):
     assert SpeculativeConfig.of({**SPEC, "max_model_len": 64}).max_model_len == 64  # no "model" needed
 
 
-def test_an_fp8_checkpoint_s_layer_drafts_with_its_weights_dequantized(mtp_dirs, tmp_path):
-    """A compressed-tensors FP8 GLM-4.5 (every layer's projections e4m3 with per-channel or per-tensor scales,
-    experts included, the MTP layer's block's too, with their static input scales): the target keeps its FP8
-    weights, the layer's are dequantized as they load, and its drafts are the reference's over the dequantized
-    checkpoint."""
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_an_fp8_checkpoint_s_layer_drafts_with_its_weights_dequantized(mtp_dirs, tmp_path, fmt):
+    """An FP8 GLM-4.5 (every layer's projections e4m3, experts included, the MTP layer's block's too):
+    compressed-tensors' per-channel or per-tensor scales with static input scales, or DeepSeek-V3's layout
+    (`weight_scale_inv` per block of 16 x 24 here): the target keeps its FP8 weights, the layer's are
+    dequantized as they load, and its drafts are the reference's over the dequantized checkpoint."""
     fp8, plain = tmp_path / "fp8", tmp_path / "dequantized"
-    dequantized = _write_fp8_checkpoint(mtp_dirs["glm4-moe"], fp8, per_tensor={"k_proj", "down_proj"})
+    dequantized = (_write_fp8_checkpoint(mtp_dirs["glm4-moe"], fp8, per_tensor={"k_proj", "down_proj"})
+                   if fmt == "compressed-tensors" else
+                   _write_fp8_checkpoint(mtp_dirs["glm4-moe"], fp8, block=(16, 24), fmt="fp8"))
     assert any(name.startswith("model.layers.3.") for name in dequantized)  # the MTP layer's block
     shutil.copytree(mtp_dirs["glm4-moe"], plain)
     weights = load_file(str(plain / "model.safetensors"))

@@ -88,6 +88,43 @@ def test_a_factor_constant_over_the_contracted_axes_goes_into_the_scale():
         scaled(w, np.ones((6, 1, 1)))
 
 
+def _block_weight(rng: np.random.Generator, shape: tuple[int, ...], contracted: int, block: int
+                  ) -> tuple[Fp8Weight, np.ndarray]:
+    """A random weight with a scale per output channel and run of `block` rows of the flattened contracted
+    axis (the last run short where `block` does not divide it), and its float64 value, row by row."""
+    k = int(np.prod(shape[:contracted]))
+    blocks = -(-k // block)
+    values = jnp.asarray(rng.normal(size=shape) * 100, jnp.float32).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(1e-3, 1.0, size=(blocks, *shape[contracted:]))
+    rows = np.asarray(values.astype(jnp.float32), np.float64).reshape(k, -1)
+    want = np.stack([rows[i] * scale[i // block].reshape(-1) for i in range(k)]).reshape(shape)
+    return Fp8Weight(values, jnp.asarray(scale, jnp.float32), contracted=contracted, block=block), want
+
+
+def test_block_scaled_weights_multiply_as_their_rows_scaled_one_by_one():
+    """An FP8 checkpoint's block scales (DeepSeek-V3's `weight_block_size`): each run of `block` contracted rows
+    has its own scale per output channel, the last run short where the block does not divide the axis; dense,
+    the head projections (whose contracted axes are [N, H] for the output projection) and a factor folded into
+    the scales all equal the float64 weight scaled row by row."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 50)), jnp.float32)
+    w2, want2 = _block_weight(rng, (50, 7), 1, 16)  # 4 runs: 16, 16, 16, 2
+    assert w2.scale.shape == (4, 7)
+    np.testing.assert_allclose(np.asarray(w2.dequantize(), np.float64), want2, rtol=1e-6)
+    np.testing.assert_allclose(dense(x, w2, ATTENTION), np.asarray(x, np.float64) @ want2, rtol=1e-5, atol=1e-5)
+    wq, wantq = _block_weight(rng, (50, 3, 4), 1, 16)  # [D, N, H]
+    np.testing.assert_allclose(project_heads(x, wq, ATTENTION),
+                               np.einsum("td,dnh->tnh", np.asarray(x, np.float64), wantq), rtol=1e-5, atol=1e-5)
+    wo, wanto = _block_weight(rng, (3, 4, 12), 2, 5)  # [N, H, D]: runs of 5 over the 12 flattened [N, H] rows
+    heads = jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.float32)
+    np.testing.assert_allclose(merge_heads(heads, wo, ATTENTION),
+                               np.einsum("tnh,nhd->td", np.asarray(heads, np.float64), wanto), rtol=1e-5, atol=1e-5)
+    factor = np.asarray([2.0, 0.5, 4.0], np.float32)[None, :, None]
+    np.testing.assert_allclose(np.asarray(scaled(wq, factor).dequantize(), np.float64), wantq * factor, rtol=1e-6)
+    with pytest.raises(ValueError, match="reshapes to"):
+        wq.reshape(-1, 4)
+
+
 def _dequantized_state(state: nnx.State) -> dict:
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     return traverse_util.unflatten_dict(
@@ -201,10 +238,13 @@ def test_the_engine_serves_fp8_weights_as_the_model_computes_them(tiny_model_dir
     assert [batched[i] for i in range(4)] == want
 
 
-def _write_fp8_checkpoint(source, target, per_tensor: set[str]) -> dict:
-    """The tiny model saved as an FP8 checkpoint (compressed-tensors' layout: e4m3 `weight`, `weight_scale`
-    per output channel or, for the projections named in `per_tensor`, one per tensor, and a static
-    `input_scale`); returns each quantized weight's dequantized float32 value by name."""
+def _write_fp8_checkpoint(source, target, per_tensor: set[str] = frozenset(), block: tuple[int, int] | None = None,
+                          fmt: str = "compressed-tensors", keep: set[str] = frozenset()) -> dict:
+    """The tiny model saved as an FP8 checkpoint, its layers' projections in e4m3 but those named in `keep`
+    (left as they are, and named in the config's list of modules left out). `fmt` "compressed-tensors": a
+    `weight_scale` per output channel, per tensor for the projections named in `per_tensor`, or per block of
+    `block` (rows, columns), and a static `input_scale`; "fp8" (DeepSeek-V3's layout): a `weight_scale_inv` per
+    block of `block`. Returns each quantized weight's dequantized float32 value by name."""
     import json
     import shutil
 
@@ -213,21 +253,40 @@ def _write_fp8_checkpoint(source, target, per_tensor: set[str]) -> dict:
 
     shutil.copytree(source, target)
     tensors, dequantized = load_file(str(target / "model.safetensors")), {}
-    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+    left_out = [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")
+                and any(f".{p}." in n for p in keep)]
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and n not in left_out]:
         w = tensors[name].to(torch.float32)  # [out, in]
-        channel = not any(f".{p}." in name for p in per_tensor)
-        amax = w.abs().amax(dim=1, keepdim=True) if channel else w.abs().amax().reshape(1)
-        scale = amax / 448.0
-        values = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        tensors[name], tensors[name + "_scale"] = values, scale
-        tensors[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
-        dequantized[name] = (values.to(torch.float32) * scale).numpy()
+        if block is not None:
+            rows, columns = block
+            grid = [-(-n // b) for n, b in zip(w.shape, block, strict=True)]
+            padded = torch.zeros(grid[0] * rows, grid[1] * columns)
+            padded[: w.shape[0], : w.shape[1]] = w
+            amax = padded.reshape(grid[0], rows, grid[1], columns).abs().amax(dim=(1, 3))  # [out blocks, in blocks]
+            scale = torch.where(amax > 0, amax / 448.0, torch.ones(()))
+            full = scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)[: w.shape[0], : w.shape[1]]
+        else:
+            channel = not any(f".{p}." in name for p in per_tensor)
+            scale = (w.abs().amax(dim=1, keepdim=True) if channel else w.abs().amax().reshape(1)) / 448.0
+            full = scale
+        values = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + ("_scale_inv" if fmt == "fp8" else "_scale")] = values, scale
+        if fmt == "compressed-tensors":
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
+        dequantized[name] = (values.to(torch.float32) * full).numpy()
     save_file(tensors, str(target / "model.safetensors"))
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}
+    if fmt == "fp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block),
+            "modules_to_not_convert": [n.removesuffix(".weight") for n in left_out]}
+    else:
+        strategy = {"strategy": "block", "block_structure": list(block)} if block else {"strategy": "channel"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "ignore": ["lm_head", *(n.removesuffix(".weight") for n in left_out)],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "float", "symmetric": True, **strategy}}}}
     (target / "config.json").write_text(json.dumps(config))
     return dequantized
 
@@ -269,8 +328,61 @@ def test_an_fp8_checkpoint_keeps_its_own_values_and_scales(kind, tiny_model_dir,
                                PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize(("kind", "block", "fmt"), [
+    ("llama", (24, 24), "fp8"), ("phi3", (24, 16), "fp8"), ("llama", (16, 24), "compressed-tensors")])
+def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_what_it_stores(
+        kind, block, fmt, tiny_model_dir, tmp_path):
+    """DeepSeek-V3's FP8 layout (`weight_block_size`, a `weight_scale_inv` per block) and compressed-tensors'
+    "block" strategy, with blocks that do not divide the weights (nor Phi-3's fused projection's split), and
+    some projections left in 16 bits: the FP8 weights keep the checkpoint's values with its block scales
+    spread over their rows, the others stay as stored (vLLM's reading: not quantized again), and the model
+    computes what the checkpoint's dequantized weights give."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dir(kind)
+    keep = {"v_proj", "up_proj"} if kind == "llama" else {"down_proj"}
+    dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", block=block, fmt=fmt, keep=keep)
+    model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="cpu")
+    assert model.quantization == "fp8"
+    weights = traverse_util.flatten_dict(nnx.to_pure_dict(model.state))
+    original = load_file(str(source / "model.safetensors"))
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    for path, weight in weights.items():
+        name = path[-1]
+        if path[0] != "layers" or not name.endswith("_proj"):
+            continue
+        checkpoint = f"model.layers.{path[1]}.{'.'.join(map(str, path[2:]))}.weight"
+        if name in keep:  # as stored: the 16-bit checkpoint's own weight
+            assert not isinstance(weight, Fp8Weight)
+            np.testing.assert_array_equal(np.asarray(weight).reshape(-1, original[checkpoint].shape[0]),
+                                          original[checkpoint].to(torch.float32).numpy().T)
+            continue
+        assert isinstance(weight, Fp8Weight) and weight.block == block[1], path
+        if kind == "llama":  # Phi-3's q/k/v and gate/up come from fused tensors
+            np.testing.assert_array_equal(
+                np.asarray(weight.values.astype(jnp.float32)).reshape(-1, stored[checkpoint].shape[0]),
+                stored[checkpoint].to(torch.float32).numpy().T)
+            np.testing.assert_allclose(np.asarray(weight.dequantize()).reshape(-1, stored[checkpoint].shape[0]),
+                                       dequantized[checkpoint].T, rtol=1e-6)
+
+    reference_dir = tmp_path / "dequantized"
+    shutil.copytree(source, reference_dir)
+    tensors = load_file(str(reference_dir / "model.safetensors"))
+    tensors.update({name: torch.from_numpy(w) for name, w in dequantized.items()})
+    save_file(tensors, str(reference_dir / "model.safetensors"))
+    reference = load_model(str(reference_dir), dtype="float32", attention_impl="cpu")
+    tokens = list(range(200, 221))
+    np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
+                               PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+
+
 @pytest.mark.parametrize("config", [
-    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "fp8", "weight_block_size": [128]},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}},
     {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
     {"quant_method": "awq", "bits": 4},
 ])
