@@ -46,7 +46,12 @@ from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
 from jaxserve.models.mtp import MtpDrafter, mtp_config
-from jaxserve.models.quantization import layer_weight_itemsize, quantize_state
+from jaxserve.models.quantization import (
+    checkpoint_contracted_block,
+    checkpoint_quantization,
+    layer_weight_itemsize,
+    quantize_state,
+)
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
 from jaxserve.ops.kv_write import padding_slot
@@ -277,10 +282,13 @@ def compile_ladder(
         abstract = abstract_with_lora(abstract, lora, jax_dtype)
     if quantization == "gguf":
         raise ValueError("--quantization gguf runs on CPUs, from a GGUF file's blocks: not compiled deviceless")
+    block = 0
+    if (stored := checkpoint_quantization(hf_config)) is not None and quantization in (None, "auto"):
+        quantization, block = stored, checkpoint_contracted_block(hf_config)  # as serve loads the checkpoint
     if quantization is not None:
         if mesh is not None:
             raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")
-        quantize_state(abstract.state, abstract.spec.module, quantization)
+        quantize_state(abstract.state, abstract.spec.module, quantization, block)
     drafter = None
     if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
         if mesh is not None:

@@ -283,7 +283,7 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
     if attention.cuda and x.shape[0] == 1:
         return dense(jnp.pad(x, ((0, 1), (0, 0))), w, attention)[:1]
     if isinstance(w, Fp8Weight):
-        return quantization.matmul(x, w)
+        return quantization.matmul(x, w, attention)
     if isinstance(w, GgufWeight):
         return gguf_weights.matmul(x, w)
     if _native(x.shape[0], w, attention, NATIVE_MATMUL_MAX_ROWS):

@@ -48,7 +48,9 @@ from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.layers import context_length
 from jaxserve.models.quantization import (
     Fp8Tensor,
+    Fp8Weight,
     Quantizer,
+    checkpoint_contracted_block,
     checkpoint_fp8_block,
     checkpoint_quantization,
     fp8_checkpoint_tensors,
@@ -214,9 +216,16 @@ class AbstractModel:
         return param_sharding(self.mesh, shape, self.split_rule(path))
 
     def placed_state(self) -> nnx.State:
-        """The abstract state with each leaf's sharding over the mesh (what a compile for it needs)."""
-        flat = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding(path, leaf.shape))
-                for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
+        """The abstract state with each leaf's sharding over the mesh (what a compile for it needs); a quantized
+        weight's values and scales, without a mesh, as they are."""
+        def placed(path: tuple, leaf: Any) -> Any:
+            if isinstance(leaf, Fp8Weight):
+                if self.mesh is not None:
+                    raise ValueError("FP8 weights are quantized after their placement over a mesh")
+                return leaf
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding(path, leaf.shape))
+
+        flat = {path: placed(path, leaf) for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
         state = jax.tree.map(lambda x: x, self.state)  # a copy to fill
         nnx.replace_by_pure_dict(state, _unflatten(flat))
         return state
@@ -413,8 +422,8 @@ def load_model(
         nnx.replace_by_pure_dict(state, loaded)
         if stored == "fp8" and not dummy and not is_checkpoint(source.directory):
             log_stored_fp8(state, abstract.spec.module)  # quantized as stored: its 16-bit weights stay
-        elif quantization != GGUF:
-            quantize_model_state(state, abstract.spec.module, quantization)
+        elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales
+            quantize_model_state(state, abstract.spec.module, quantization, checkpoint_contracted_block(hf_config))
         return state, kv_scales
 
     loading, in_use = None, 0

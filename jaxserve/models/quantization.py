@@ -29,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from jaxserve.ops import fp8_block_matmul
+from jaxserve.ops.attention import AttentionConfig
+
 logger = logging.getLogger(__name__)
 
 FP8 = jnp.float8_e4m3fn
@@ -92,27 +95,43 @@ def row_scales(scale: jax.Array, block: int, rows: int) -> jax.Array:
     return jnp.repeat(scale, block, axis=0, total_repeat_length=scale.shape[0] * block)[:rows]
 
 
-def quantize_fp8(w: jax.Array, contracted: int) -> Fp8Weight:
+def quantize_fp8(w: jax.Array, contracted: int, block: int = 0) -> Fp8Weight:
     """w [*contracted_axes, *output_axes] -> e4m3 values and the scale that maps each output channel's largest
-    |w| to 448 (a zero channel keeps scale 1)."""
+    |w| to 448 (a zero channel keeps scale 1); with `block`, each output channel's largest in each run of
+    `block` rows of the flattened contracted axis (the form of an FP8 checkpoint's block scales)."""
     w32 = w.astype(jnp.float32)
+    if block:
+        k = math.prod(w.shape[:contracted])
+        blocks = -(-k // block)
+        rows = jnp.pad(w32.reshape(k, -1), ((0, blocks * block - k), (0, 0)))  # [blocks * block, N]
+        amax = jnp.max(jnp.abs(rows.reshape(blocks, block, -1)), axis=1)  # [blocks, N]
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        values = jnp.clip(w32.reshape(k, -1) / row_scales(scale, block, k), -FP8_MAX, FP8_MAX).astype(FP8)
+        return Fp8Weight(values.reshape(w.shape), scale.reshape(blocks, *w.shape[contracted:]), contracted, block)
     amax = jnp.max(jnp.abs(w32), axis=tuple(range(contracted)))  # [*output_axes]
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     values = jnp.clip(w32 / scale, -FP8_MAX, FP8_MAX).astype(FP8)
     return Fp8Weight(values, scale, contracted=contracted)
 
 
-def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale."""
+def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
+    """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale
+    (block scales: `block_matmul`)."""
     if w.block:
-        return block_matmul(x, w)
+        return block_matmul(x, w, attention)
     y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, N]
     return (y * w.scale).astype(x.dtype)
 
 
-def block_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    """x [T, K] @ w [K, N] for block scales, in x's dtype: the values times their rows' scales (in float32,
-    then rounded to x's dtype), float32 sums."""
+def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
+    """x [T, K] @ w [K, N] for block scales, in x's dtype, float32 sums: through `ops.fp8_block_matmul`'s
+    kernel where `attention` has it and the shapes fit (a GPU's few-row steps), else over the values times
+    their rows' scales (in float32, then rounded to x's dtype), which XLA writes out whole."""
+    (rows, k), n = x.shape, w.shape[1]
+    mode = None if attention is None else attention.fp8_block_kernel
+    if mode is not None and fp8_block_matmul.fits(rows, k, n, w.block):
+        return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, interpret=mode == "interpret",
+                                                 **({"num_sms": attention.num_sms} if attention.num_sms else {}))
     weights = (w.values.astype(jnp.float32) * row_scales(w.scale, w.block, x.shape[1])).astype(x.dtype)  # [K, N]
     return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -134,7 +153,9 @@ class Quantizer:
     ShapeDtypeStruct (its shape). The loader quantizes each weight as it arrives, so a whole 16-bit model is
     never on the device."""
 
-    def __init__(self, family: Any, quantization: str) -> None:
+    def __init__(self, family: Any, quantization: str, block: int = 0) -> None:
+        """`block`: scales per run of that many contracted rows and output channel (an FP8 checkpoint's
+        block scales' form, for its dummy weights and its compile), 0 per output channel."""
         table = getattr(family, "QUANTIZED_WEIGHTS", None)
         if table is None:
             raise ValueError(f"--quantization {quantization}: not supported for "
@@ -142,7 +163,8 @@ class Quantizer:
         self.table, self.layers_key = table, family.LAYERS_KEY
         self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
         self.expert_weights = getattr(family, "EXPERT_WEIGHTS", ())
-        self._quantize = jax.jit(quantize_fp8, static_argnums=1)
+        self.block = block
+        self._quantize = jax.jit(quantize_fp8, static_argnums=(1, 2))
 
     def covers(self, path: tuple) -> bool:
         return path[0] == self.layers_key and path[-1] in self.table
@@ -175,26 +197,26 @@ class Quantizer:
             return value
         contracted = self.table[path[-1]]
         if isinstance(value, jax.ShapeDtypeStruct):
-            return jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted), value)
-        return self._quantize(value, contracted)
+            return jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted, block=self.block), value)
+        return self._quantize(value, contracted, self.block)
 
 
-def quantize_state(state: nnx.State, family: Any, quantization: str) -> int:
-    """Replaces, in place, each weight `Quantizer` covers by its quantized form; returns how many are
-    quantized (those that already were included)."""
-    quantizer = Quantizer(family, quantization)
+def quantize_state(state: nnx.State, family: Any, quantization: str, block: int = 0) -> int:
+    """Replaces, in place, each weight `Quantizer` covers by its quantized form (scales per `block` contracted
+    rows where given); returns how many are quantized (those that already were included)."""
+    quantizer = Quantizer(family, quantization, block)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     flat = {path: quantizer(path, value) for path, value in flat.items()}
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
     return sum(isinstance(v, Fp8Weight) for v in flat.values())
 
 
-def quantize_model_state(state: nnx.State, family: Any, quantization: str | None) -> None:
+def quantize_model_state(state: nnx.State, family: Any, quantization: str | None, block: int = 0) -> None:
     """`quantize_state` with the start-up log line; nothing without a quantization."""
     if quantization is None:
         return
     start = time.perf_counter()
-    count = quantize_state(state, family, quantization)
+    count = quantize_state(state, family, quantization, block)
     jax.block_until_ready(jax.tree.leaves(state))
     logger.info("quantization %s: %d layer weights in e4m3 with a scale per output channel (%.1fs); the "
                 "embeddings and the LM head keep their dtype", quantization, count, time.perf_counter() - start)
@@ -275,6 +297,14 @@ def checkpoint_fp8_block(hf_config: Any) -> tuple[int, int] | None:
     per-channel scales (and for other checkpoints)."""
     fp8 = _fp8_format(hf_config)
     return None if fp8 is None or fp8 == "tensor or channel" else fp8
+
+
+def checkpoint_contracted_block(hf_config: Any) -> int:
+    """How many contracted rows share a scale in the model's form of an FP8 checkpoint's weights (its block's
+    columns), 0 where they do not (per-tensor, per-channel, not FP8): the form `Quantizer` gives its dummy
+    weights and its deviceless compile."""
+    block = checkpoint_fp8_block(hf_config)
+    return 0 if block is None else block[1]
 
 
 def _fp8_format(hf_config: Any) -> tuple[int, int] | str | None:

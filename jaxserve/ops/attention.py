@@ -34,7 +34,7 @@ import jaxlib.version
 
 from jaxserve.config import ATTENTION_IMPLS  # the one list; the CLI reads it without importing jax
 from jaxserve.device import DeviceFacts, local_facts
-from jaxserve.ops import cpu_kernels, paged_attention_pallas
+from jaxserve.ops import cpu_kernels, fp8_block_matmul, paged_attention_pallas
 from jaxserve.ops.head_groups import in_group_parts
 from jaxserve.ops.paged_attention_cpu import ragged_paged_attention_cpu
 from jaxserve.ops.paged_attention_ref import ragged_paged_attention_reference
@@ -116,6 +116,18 @@ class AttentionConfig:
         `paged_attention_mgpu`), rather than leaving such steps to the Triton kernels: with
         JAXSERVE_MOSAIC_FP8=1, until a Hopper GPU has run it against the oracle and measured it."""
         return self.hopper and os.environ.get("JAXSERVE_MOSAIC_FP8") == "1"
+
+    @property
+    def fp8_block_kernel(self) -> str | None:
+        """How few-row products with block-scaled FP8 weights run where their shapes fit the kernel
+        (`ops.fp8_block_matmul`): "compiled" on one CUDA GPU whose Triton converts e4m3 in hardware (sm_89 and
+        later), "interpret" with the interpreted kernels (tests), None elsewhere (XLA, over the widened weight)."""
+        if self.mesh is not None:
+            return None
+        if self.impl == "interpret":
+            return "interpret"
+        fast = self.impl == "pallas" and (self.compute_capability or 0) >= fp8_block_matmul.MIN_COMPUTE_CAPABILITY
+        return "compiled" if fast and fp8_block_matmul.TRITON_BACKEND else None
 
     @property
     def native_matmuls(self) -> bool:

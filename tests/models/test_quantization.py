@@ -36,6 +36,22 @@ def test_each_output_channel_is_scaled_to_the_format_s_range(shape, contracted):
     assert (error <= bound * (1 + 1e-6)).all()
 
 
+def test_block_quantization_scales_each_run_of_contracted_rows_per_channel():
+    """The form of an FP8 checkpoint's block scales, which its dummy weights and compiles take: each output
+    channel's largest |w| in each run of 16 of the 50 flattened contracted rows (the last run 2) maps to 448."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(5, 10, 7)) * rng.uniform(1e-2, 1e2, size=(5, 10, 1))  # rows of any size: [5 x 10, 7]
+    q = quantize_fp8(jnp.asarray(w, jnp.float32), 2, block=16)
+    assert (q.block, q.scale.shape, q.shape) == (16, (4, 7), (5, 10, 7))
+    rows = np.abs(np.asarray(q.values.astype(jnp.float32)).reshape(50, 7))
+    for b, run in enumerate((slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 50))):
+        np.testing.assert_allclose(rows[run].max(axis=0), FP8_MAX)
+        np.testing.assert_allclose(np.asarray(q.scale)[b], np.abs(w.reshape(50, 7)[run]).max(axis=0) / FP8_MAX,
+                                   rtol=1e-6)
+    error = np.abs(np.asarray(q.dequantize(), np.float64) - w)
+    assert (error <= np.abs(w) * 2.0**-4 + 2.0**-10 * np.abs(w).max() * 1e-2).all()
+
+
 def test_a_zero_channel_keeps_a_finite_scale():
     q = quantize_fp8(jnp.zeros((4, 3)).at[:, 1].set(2.0), 1)
     assert np.isfinite(np.asarray(q.scale)).all() and np.asarray(q.scale)[0] == 1.0
@@ -209,10 +225,37 @@ def test_an_fp8_model_compiles_for_an_h100_with_its_layer_weights_halved():
                   for q in (None, "fp8"))
     # SmolLM2: 30 layers of (q 576x576, k and v 576x192, o 576x576, MLP 3 x 576x1536) bf16 weights -> e4m3
     layer_weights = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
-    assert plain.weights_bytes - fp8.weights_bytes == layer_weights  # 2 bytes -> 1 (scales: 4 bytes a channel)
+    channels = 30 * (576 + 2 * 192 + 576 + 2 * 1536 + 576)
+    assert plain.weights_bytes - fp8.weights_bytes == layer_weights - 4 * channels  # 2 bytes -> 1, and the scales
     for a, b in zip(plain.buckets, fp8.buckets, strict=True):
         # the roofline reads them once a step (their 155,520 scales count as other weights: 0.1%)
         assert b.bytes == pytest.approx(a.bytes - layer_weights, rel=2e-3) and b.bytes < a.bytes - 0.99 * layer_weights
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_with_block_scales_compiles_for_an_h100_as_serve_loads_it(monkeypatch):
+    """`jaxserve compile` of a model whose config declares FP8 with blocks of 128 x 64 (here through
+    --hf-overrides) compiles its layer weights in e4m3 with their block scales, as serve loads the checkpoint,
+    and the decode step's products go through the block-scaled kernel (through Triton and ptxas for sm_90)."""
+    from jaxserve.compile_ladder import compile_ladder
+    from jaxserve.ops import fp8_block_matmul
+    from jaxserve.runner.buckets import Bucket
+
+    products = []
+    monkeypatch.setattr(fp8_block_matmul, "fp8_block_matmul",
+                        lambda *a, _run=fp8_block_matmul.fp8_block_matmul, **kw: products.append(a[1].shape)
+                        or _run(*a, **kw))
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
+    plain, blocks = (compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
+                                    variants=False, buckets=[Bucket(2, 2, decode_only=True)], read_launches=False,
+                                    num_kv_pages=4096, hf_overrides=overrides)
+                     for overrides in (None, {"quantization_config": fp8}))
+    layer_weights = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    block_scales = 30 * (9 * (576 + 2 * 192 + 576 + 2 * 1536) + 24 * 576)  # K / 64 blocks x N channels, 4 bytes
+    assert plain.weights_bytes - blocks.weights_bytes == layer_weights - 4 * block_scales
+    # one layer's q [576, 576], k and v [576, 192], o [576, 576], gate and up [576, 1536], down [1536, 576]
+    assert sorted(products) == sorted([(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536),
+                                       (1536, 576)])
 
 
 @pytest.mark.slow
@@ -377,6 +420,18 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
     tokens = list(range(200, 221))
     np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
                                PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+
+
+def test_dummy_weights_of_a_block_fp8_checkpoint_take_its_form(tiny_model_dir, tmp_path):
+    """--load-format dummy (the GPU checks' random weights) of a checkpoint with block scales: its layer weights
+    in e4m3 with scales per block of contracted rows, the programs that serve the real weights."""
+    _write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", block=(16, 32), fmt="fp8")
+    model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="cpu", load_format="dummy")
+    weights = traverse_util.flatten_dict(nnx.to_pure_dict(model.state))
+    q_proj = weights[("layers", 0, "self_attn", "q_proj")]
+    assert model.quantization == "fp8" and isinstance(q_proj, Fp8Weight)
+    assert (q_proj.block, q_proj.scale.shape) == (32, (2, 4, 16))  # 64 hidden rows in 2 blocks; [N, H] outputs
+    assert all(w.block == 32 for path, w in weights.items() if path[-1].endswith("_proj"))
 
 
 @pytest.mark.parametrize("config", [

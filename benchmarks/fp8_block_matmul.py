@@ -1,0 +1,148 @@
+"""Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
+and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
+
+Four ways to multiply [rows, K] bfloat16 activations by a [K, N] weight:
+- `bf16`: a 16-bit weight (XLA's GEMM);
+- `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
+  into its GEMM, the scale after it);
+- `fp8 block xla`: e4m3 values with block scales, widened and scaled by XLA, which writes the widened
+  weight and reads it back (what a GPU without the kernel runs);
+- `fp8 block kernel`: the same weight through `ops.fp8_block_matmul`'s Triton kernel.
+
+Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
+the executable moves: its arguments and output read or written once, its temporaries written and read once,
+and the time that traffic takes at the target's memory bandwidth (a lower bound: the roofline). On a GPU it
+times each (the median of `--iters` calls) and reports the achieved bandwidth of the ideal traffic (the
+weight, its scales, the activations and the output, each once) as a fraction of the device's.
+
+    python benchmarks/fp8_block_matmul.py --json docs/fp8_block_matmul.json   # deviceless, for an H100
+    python benchmarks/fp8_block_matmul.py --rows 1 64 --models llama-3-8b       # on a GPU: timed
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.quantization import Fp8Weight, block_matmul, matmul, quantize_fp8
+from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
+
+BLOCK = 128
+# One layer's dense products [K, N] by model (their HF checkpoints' FP8 releases use blocks of 128 x 128).
+SHAPES = {
+    "llama-3-8b": {"q, o": (4096, 4096), "k, v": (4096, 1024), "gate, up": (4096, 14336), "down": (14336, 4096)},
+    "deepseek-v3": {"q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 24576), "o": (16384, 7168),
+                    "shared gate, up": (7168, 2048), "shared down": (2048, 7168)},
+}
+IMPLS = ("bf16", "fp8 channel", "fp8 block xla", "fp8 block kernel")
+
+
+def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
+    """(x, weight) for `impl`: random arrays on the default device, or ShapeDtypeStructs for a compile."""
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16) if concrete else struct((rows, k), jnp.bfloat16)
+    if impl == "bf16":
+        w = jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.bfloat16) if concrete else struct((k, n), jnp.bfloat16)
+    elif impl == "fp8 channel":
+        w = (quantize_fp8(jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.float32), 1) if concrete else
+             Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((n,), jnp.float32), contracted=1))
+    elif concrete:
+        values = jnp.asarray(rng.normal(size=(k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
+        w = Fp8Weight(values, jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32), 1, BLOCK)
+    else:
+        w = Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((k // BLOCK, n), jnp.float32), 1, BLOCK)
+    return x, w
+
+
+def product(impl: str, attention: AttentionConfig):
+    if impl == "bf16":
+        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if impl == "fp8 channel":
+        return matmul
+    return lambda x, w: block_matmul(x, w, attention if impl == "fp8 block kernel" else None)
+
+
+def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
+    weight = {"bf16": 2 * k * n, "fp8 channel": k * n + 4 * n}.get(impl, k * n + 4 * (k // BLOCK) * n)
+    return weight + 2 * rows * (k + n)
+
+
+def deviceless(models: list[str], rows_list: list[int], target: str) -> list[dict]:
+    from jaxserve.device import deviceless_device, target_facts
+    from jaxserve.parallel import on_one_device
+
+    device = deviceless_device(target)
+    facts = target_facts(target)
+    attention = AttentionConfig("pallas", num_sms=facts.num_sms, compute_capability=facts.compute_capability)
+    results = []
+    for model in models:
+        for name, (k, n) in SHAPES[model].items():
+            for rows in rows_list:
+                for impl in IMPLS:
+                    x, w = operands(impl, rows, k, n, concrete=False, sharding=on_one_device(device))
+                    with jax.default_device(device):
+                        compiled = jax.jit(product(impl, attention)).trace(x, w).lower().compile()
+                    memory = compiled.memory_analysis()
+                    moved = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                             + 2 * memory.temp_size_in_bytes)
+                    results.append({"model": model, "weight": name, "k": k, "n": n, "rows": rows, "impl": impl,
+                                    "temp_bytes": memory.temp_size_in_bytes, "moved_bytes": moved,
+                                    "roofline_us": moved / facts.memory_bandwidth * 1e6, "target": target})
+                    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def timed(models: list[str], rows_list: list[int], iters: int) -> list[dict]:
+    from jaxserve.device import local_facts
+
+    facts = local_facts()
+    attention = AttentionConfig("pallas", num_sms=facts.num_sms, compute_capability=cuda_compute_capability())
+    device = jax.devices()[0]
+    results = []
+    for model in models:
+        for name, (k, n) in SHAPES[model].items():
+            for rows in rows_list:
+                for impl in IMPLS:
+                    x, w = operands(impl, rows, k, n, concrete=True)
+                    fn = jax.jit(product(impl, attention))
+                    jax.block_until_ready(fn(x, w))
+                    times = []
+                    for _ in range(iters):
+                        start = time.perf_counter()
+                        jax.block_until_ready(fn(x, w))
+                        times.append(time.perf_counter() - start)
+                    seconds = statistics.median(times)
+                    bandwidth = ideal_bytes(impl, rows, k, n) / seconds
+                    results.append({"model": model, "weight": name, "k": k, "n": n, "rows": rows, "impl": impl,
+                                    "us": seconds * 1e6, "tb_per_s": bandwidth / 1e12,
+                                    "of_peak": bandwidth / facts.memory_bandwidth if facts.memory_bandwidth else None,
+                                    "device": device.device_kind})
+                    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
+    parser.add_argument("--target", default="h100", help="deviceless compiles' target (without a GPU)")
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per case (on a GPU)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    results = (timed(args.models, args.rows, args.iters) if on_gpu
+               else deviceless(args.models, args.rows, args.target))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

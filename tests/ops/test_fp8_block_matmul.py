@@ -1,0 +1,131 @@
+"""The block-scaled FP8 weight kernel (`ops.fp8_block_matmul`) against a float64 oracle: compiled on a CUDA GPU
+that has it, interpreted elsewhere; its tiling; its compile for an H100 (through Triton and ptxas), which
+reads each weight once where XLA writes a widened copy; and a model whose checkpoint has block scales
+computing through it what it computes through XLA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.ops import fp8_block_matmul as kernel
+from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability, resolve_impl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel.TRITON_BACKEND, reason="this jax has no Pallas Triton")]
+
+# Compiled on a GPU that has the kernel; interpreted elsewhere (a CPU, an A100).
+COMPILED = (resolve_impl("auto") == "pallas"
+            and (cuda_compute_capability() or 0) >= kernel.MIN_COMPUTE_CAPABILITY)
+
+
+def _case(rng: np.random.Generator, rows: int, k: int, n: int, block: int, dtype):
+    x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+    values = jnp.asarray(rng.normal(size=(k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(1e-3, 1.0, size=(k // block, n)), jnp.float32)
+    weight = np.asarray(values.astype(jnp.float32), np.float64) * np.repeat(np.asarray(scale, np.float64), block, 0)
+    return x, values, scale, np.asarray(x.astype(jnp.float32), np.float64) @ weight
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms"), [
+    (1, 256, 96, 32, 132),  # one row padded to a tile of 16; 96 outputs in tiles of 32, split 8 ways
+    (5, 128, 48, 16, 4),
+    (70, 64, 128, 32, 1),  # two row tiles (64 + 6), one program an output tile
+    (256, 512, 64, 128, 132),  # the most rows the kernel takes
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, dtype):
+    x, values, scale, want = _case(np.random.default_rng(rows + k), rows, k, n, block, dtype)
+    got = kernel.fp8_block_matmul(x, values, scale, block, num_sms=num_sms, interpret=not COMPILED)
+    assert got.shape == (rows, n) and got.dtype == x.dtype
+    # bfloat16: x's products summed in float32, the result rounded to bfloat16 (8 bits)
+    tol = 1e-5 if dtype == jnp.float32 and not COMPILED else 2e-2
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32), np.float64), want,
+                               atol=tol * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 4096, 4096), (16, 4096, 1024), (64, 12288, 4096),
+                                              (1, 7168, 576), (256, 4096, 12288), (128, 2048, 1536)])
+def test_tiles_fill_the_gpu_or_stop_where_partial_sums_would_cost_a_share_of_the_weight(rows, k, n):
+    """Every multiprocessor gets two programs (tiles x splits), unless the splits' float32 partial sums
+    would pass an eighth of the weight's bytes; splits divide the contracted blocks."""
+    block_t, block_n, splits = kernel.tiles(rows, k, n, 128, num_sms=132)
+    blocks, row_tiles = k // 128, -(-rows // block_t)
+    assert n % block_n == 0 and blocks % splits == 0 and block_t >= min(rows, 64)
+    programs = n // block_n * row_tiles * splits
+    partial_bytes = lambda s: 4 * s * row_tiles * block_t * n if s > 1 else 0  # noqa: E731
+    more = next((s for s in range(splits + 1, blocks + 1) if blocks % s == 0), None)  # the next split count
+    assert programs >= 2 * 132 or (block_n <= 32 and (more is None or partial_bytes(more) > k * n / 8))
+    assert partial_bytes(splits) <= k * n / 8
+
+
+@functools.cache
+def _h100():
+    from jaxserve.device import deviceless_device
+
+    return deviceless_device("h100")
+
+
+def _triton_calls(compiled) -> int:  # the Pallas Triton kernels an XLA:GPU executable launches
+    return sum(line.count("__gpu$xla.gpu.triton") for line in compiled.as_text().splitlines()
+               if "custom-call(" in line)
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(2, 4096, 4096), (64, 4096, 14336), (256, 7168, 2048)])
+def test_the_kernel_compiles_for_an_h100_and_reads_each_weight_once(rows, k, n):
+    """Deviceless, through Triton and ptxas for sm_90: the step's temporaries are the splits' partial sums
+    (under an eighth of the weight's bytes), where XLA's product over the same weight writes a widened copy
+    of it (2 bytes a weight)."""
+    from jaxserve.models.quantization import Fp8Weight, block_matmul
+    from jaxserve.parallel import on_one_device
+
+    sharding = on_one_device(_h100())
+    args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16, sharding=sharding),
+            Fp8Weight(jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn, sharding=sharding),
+                      jax.ShapeDtypeStruct((k // 128, n), jnp.float32, sharding=sharding), contracted=1, block=128))
+    compiled = {}
+    for name, attention in (("kernel", AttentionConfig("pallas", num_sms=132, compute_capability=9.0)),
+                            ("xla", None)):
+        with jax.default_device(_h100()):
+            compiled[name] = jax.jit(lambda x, w, a=attention: block_matmul(x, w, a)).trace(*args).lower().compile()
+    assert _triton_calls(compiled["kernel"]) == 1 and _triton_calls(compiled["xla"]) == 0
+    assert compiled["kernel"].memory_analysis().temp_size_in_bytes <= k * n / 8
+    assert compiled["xla"].memory_analysis().temp_size_in_bytes >= 2 * k * n
+
+
+def test_only_gpus_that_convert_e4m3_and_the_interpreter_take_the_kernel():
+    assert AttentionConfig("pallas", compute_capability=9.0).fp8_block_kernel == "compiled"
+    assert AttentionConfig("pallas", compute_capability=8.9).fp8_block_kernel == "compiled"
+    assert AttentionConfig("pallas", compute_capability=8.0).fp8_block_kernel is None  # an A100: XLA
+    assert AttentionConfig("interpret").fp8_block_kernel == "interpret"
+    assert AttentionConfig("cpu").fp8_block_kernel is None
+    assert AttentionConfig("pallas", compute_capability=9.0, mesh=object()).fp8_block_kernel is None
+    assert kernel.fits(256, 4096, 4096, 128) and not kernel.fits(257, 4096, 4096, 128)
+    assert not kernel.fits(16, 4096, 4096, 24)  # a block Triton's dot cannot take: XLA
+    assert not kernel.fits(16, 4000, 4096, 128)  # a short last block
+
+
+@pytest.mark.slow
+def test_a_block_fp8_checkpoint_computes_through_the_kernel_what_it_computes_through_xla(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """DeepSeek-V3's FP8 layout with blocks of 16 x 32 (64 hidden dims: two blocks) and its 16-bit up
+    projections: with the interpreted kernels, each layer's six FP8 products go through the kernel, and the
+    model computes what it computes through XLA over the widened weights."""
+    from jaxserve.models.loader import load_model
+    from tests.models.test_parity import PagedForward
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", block=(16, 32), fmt="fp8", keep={"up_proj"})
+    jax.clear_caches()  # a layer traced before in this process would not be traced again
+    calls = []
+    monkeypatch.setattr(kernel, "fp8_block_matmul",
+                        lambda *a, _run=kernel.fp8_block_matmul, **kw: calls.append(a[1].shape) or _run(*a, **kw))
+    tokens = list(range(200, 213))
+    logits = {impl: PagedForward(load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl=impl),
+                                 list(range(1, 9)))(tokens)
+              for impl in ("interpret", "cpu")}
+    # q [64, 64], k and v [64, 32], o [64, 64], gate [64, 128] and down [128, 64]: the identical layers are
+    # traced once (`layers.apply_layers`)
+    assert sorted(calls) == sorted([(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (128, 64)])
+    np.testing.assert_allclose(logits["interpret"], logits["cpu"], atol=2e-4, rtol=0)
