@@ -1,12 +1,13 @@
 """Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
 and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
 
-Four ways to multiply [rows, K] bfloat16 activations by a [K, N] weight:
+Four ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
+step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
   into its GEMM, the scale after it);
 - `fp8 block xla`: e4m3 values with block scales, widened and scaled by XLA, which writes the widened
-  weight and reads it back (what a GPU without the kernel runs);
+  weight and reads it back (what a GPU without the kernel runs: an A100's dispatch);
 - `fp8 block kernel`: the same weight through `ops.fp8_block_matmul`'s Triton kernel.
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
@@ -20,6 +21,7 @@ weight, its scales, the activations and the output, each once) as a fraction of 
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -29,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.quantization import Fp8Weight, block_matmul, matmul, quantize_fp8
+from jaxserve.models.layers import dense
+from jaxserve.models.quantization import Fp8Weight, quantize_fp8
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
 
 BLOCK = 128
@@ -63,11 +66,11 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
 
 
 def product(impl: str, attention: AttentionConfig):
-    if impl == "bf16":
-        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    if impl == "fp8 channel":
-        return matmul
-    return lambda x, w: block_matmul(x, w, attention if impl == "fp8 block kernel" else None)
+    """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it."""
+    if impl == "fp8 block xla":
+        attention = dataclasses.replace(attention, compute_capability=8.0)
+        assert attention.fp8_block_kernel is None
+    return lambda x, w: dense(x, w, attention)
 
 
 def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:

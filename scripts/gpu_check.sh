@@ -9,6 +9,8 @@
 #              steps, then decodes beside the Triton decode kernel), then JAX's Mosaic GPU flash attention
 #              merged with the prefix, and cuDNN;
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
+#   fp8-block  one Llama-3-8B layer's products with FP8 block scales: the Triton kernel beside XLA's path,
+#              per-channel FP8 and bf16, timed (benchmarks/fp8_block_matmul.py);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py);
 #   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
@@ -41,7 +43,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, paged-decode, paged-prefill, registers, lora, draft and sampler)
+             # includes, and fp8, fp8-block, paged-decode, paged-prefill, registers, lora, draft and sampler)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)  # the profile stage's models; the draft stage's draft is llama-3.2-1b
 stash=/root/jaxserve_gguf  # outlives a call on a warm machine
@@ -128,7 +130,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != paged-decode && $1 != paged-prefill \
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != fp8-block && $1 != paged-decode && $1 != paged-prefill \
               && $1 != registers && $1 != lora && $1 != draft && $1 != sampler) \
              || " $stages " == *" $1 "* ]]; }
 export JAXSERVE_TEST_TOKENIZER=$PWD/.gpu_check/tokenizer  # used where the bundled model did not travel
@@ -201,6 +203,11 @@ if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by
   # (the second run starts only if the first's time fits again within the budget: give it twice one run)
   stage fp8 "${FP8_S:-240}" python3 benchmarks/gpu_check.py --models .gpu_check/llama-3-8b --quantizations none fp8 \
     --out "$out/fp8" --budget-s $(( ${FP8_S:-240} - 10 )) 2> "$out/fp8.log"
+fi
+if wanted fp8-block; then  # block-scaled FP8 weights: the kernel, XLA's path, per-channel FP8 and bf16
+  stage fp8-block "${FP8_BLOCK_S:-60}" python3 benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 1 16 64 256 \
+    --json "$out/fp8_block_matmul.json" > "$out/fp8_block_matmul.log" 2>&1
+  tail -n 16 "$out/fp8_block_matmul.log" >> "$summary"
 fi
 if wanted profile; then
   models=()
