@@ -282,9 +282,11 @@ def compile_ladder(
         abstract = abstract_with_lora(abstract, lora, jax_dtype)
     if quantization == "gguf":
         raise ValueError("--quantization gguf runs on CPUs, from a GGUF file's blocks: not compiled deviceless")
-    block = 0
     if (stored := checkpoint_quantization(hf_config)) is not None and quantization in (None, "auto"):
-        quantization, block = stored, checkpoint_contracted_block(hf_config)  # as serve loads the checkpoint
+        quantization = stored  # as serve loads the checkpoint
+    # an FP8 checkpoint's weights keep its form of scales (its 16-bit modules are compiled in FP8 here: usually
+    # the LM head and the routers, which the quantization does not cover anyway)
+    block = checkpoint_contracted_block(hf_config) if stored == "fp8" and quantization == "fp8" else 0
     if quantization is not None:
         if mesh is not None:
             raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")

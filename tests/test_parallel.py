@@ -195,6 +195,33 @@ def test_fp8_weights_split_over_devices_match_tp1(kind, tp_worker, tiny_model_di
 
 
 @pytest.mark.slow
+def test_an_fp8_checkpoint_with_block_scales_splits_over_devices_quantized_per_channel(tp_worker, tiny_model_dir,
+                                                                                      tmp_path):
+    """A checkpoint with block scales (DeepSeek-V3's layout) under tensor parallelism: its weights dequantized
+    and quantized again per output channel as they load (the kernel that reads blocks runs on one device), so
+    TP=2 gives what TP=1 gives for the dequantized checkpoint with --quantization fp8."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    source = tiny_model_dir("llama")
+    dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", block=(16, 32), fmt="fp8")
+    shutil.copytree(source, tmp_path / "dequantized")
+    tensors = load_file(str(tmp_path / "dequantized" / "model.safetensors"))
+    save_file(tensors | {name: torch.from_numpy(w) for name, w in dequantized.items()},
+              str(tmp_path / "dequantized" / "model.safetensors"))
+    split = run_tp(tp_worker, str(tmp_path / "fp8"), tmp_path / "cache-fp8", tp_sizes=(2,))
+    whole = run_tp(tp_worker, str(tmp_path / "dequantized"), tmp_path / "cache-dequantized", tp_sizes=(1,),
+                   quantization="fp8")
+    assert split[2]["q_proj_dtype"] == whole[1]["q_proj_dtype"] == "float8_e4m3fn"
+    assert len(split[2]["q_proj_shards"]) == 2
+    assert_same_as_tp1({2: split[2], 1: whole[1]})
+
+
+@pytest.mark.slow
 def test_bundled_smollm2_matches_tp1_at_tp2(tp_worker, tmp_path):
     """SmolLM2's 9 query / 3 KV heads split in two: both padded and replicated at once."""
     results = run_tp(tp_worker, None, tmp_path, tp_sizes=(2, 1), max_tokens=12)

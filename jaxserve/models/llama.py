@@ -49,6 +49,7 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.moe import ExpertStacker, MoeConfig, SparseMoeBlock, expert_split_axes
 from jaxserve.models.mxfp4 import decode_mxfp4
+from jaxserve.models.quantization import Fp8Tensor
 from jaxserve.models.rope_layout import rotate_half_order, to_rotate_half
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import SplitRule
@@ -545,7 +546,8 @@ def _rotate_half_rows(name: str, tensor: Any, cfg: LlamaConfig) -> Any:
     RoPE is interleaved (`rope_layout`); other tensors as they are."""
     if not cfg.interleaved_rope or (match := _QK_ROWS_RE.search(name)) is None:
         return tensor
-    return to_rotate_half(np.asarray(tensor), cfg.num_heads if match.group(1) == "q" else cfg.num_kv_heads,
+    rows = tensor if isinstance(tensor, Fp8Tensor) else np.asarray(tensor)  # an FP8 tensor's rows keep their scales
+    return to_rotate_half(rows, cfg.num_heads if match.group(1) == "q" else cfg.num_kv_heads,
                           cfg.rotary_dim)
 
 

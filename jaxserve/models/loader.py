@@ -422,8 +422,9 @@ def load_model(
         nnx.replace_by_pure_dict(state, loaded)
         if stored == "fp8" and not dummy and not is_checkpoint(source.directory):
             log_stored_fp8(state, abstract.spec.module)  # quantized as stored: its 16-bit weights stay
-        elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales
-            quantize_model_state(state, abstract.spec.module, quantization, checkpoint_contracted_block(hf_config))
+        elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales (one device's)
+            block = checkpoint_contracted_block(hf_config) if stored == "fp8" and mesh is None else 0
+            quantize_model_state(state, abstract.spec.module, quantization, block)
         return state, kv_scales
 
     loading, in_use = None, 0
@@ -507,7 +508,10 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         stored_in_fp8 = isinstance(tensor, Fp8Tensor)
         if stored_in_fp8:
             if exact and quantize.covers(path):
-                loaded[path] = quantize.stored(path, transform(tensor.values, cfg), tensor.row_scale(), tensor.block)
+                values = transform(tensor.values, cfg)
+                if tuple(values.shape) != tuple(expected[path].shape):
+                    raise ValueError(f"{name}: shape {tuple(values.shape)} != expected {expected[path].shape}")
+                loaded[path] = quantize.stored(path, values, tensor.row_scale(), tensor.block)
                 continue
             tensor = tensor.dequantize()
         if isinstance(tensor, GgufTensor):

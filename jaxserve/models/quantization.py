@@ -218,8 +218,9 @@ def quantize_model_state(state: nnx.State, family: Any, quantization: str | None
     start = time.perf_counter()
     count = quantize_state(state, family, quantization, block)
     jax.block_until_ready(jax.tree.leaves(state))
-    logger.info("quantization %s: %d layer weights in e4m3 with a scale per output channel (%.1fs); the "
-                "embeddings and the LM head keep their dtype", quantization, count, time.perf_counter() - start)
+    scales = f"per {block} contracted rows and output channel" if block else "per output channel"
+    logger.info("quantization %s: %d layer weights in e4m3 with a scale %s (%.1fs); the embeddings and the LM "
+                "head keep their dtype", quantization, count, scales, time.perf_counter() - start)
     if jax.default_backend() == "cpu":
         logger.warning("quantization %s on a CPU saves memory, not time: XLA:CPU widens each weight every step "
                        "(a GPU's GEMM reads the 8-bit values)", quantization)
@@ -253,6 +254,9 @@ class Fp8Tensor:
         """A weight with a scale per block of `block` = (rows, columns): scale f32[ceil(out / rows),
         ceil(in / columns)] (`weight_scale_inv`, despite its name the factor that dequantizes)."""
         rows, columns = block
+        if values.ndim != 2:
+            raise ValueError(f"block scales for a {values.ndim}-D weight {values.shape} (stored stacked experts): "
+                             "jaxserve reads them for [out, in] weights")
         grid = tuple(-(-n // b) for n, b in zip(values.shape, block, strict=True))
         scale = np.asarray(scale, np.float32)
         if scale.shape != grid:
@@ -264,8 +268,8 @@ class Fp8Tensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.values.shape)
 
-    def __getitem__(self, rows: slice) -> "Fp8Tensor":
-        """Output rows (what a fused projection's split takes), with their scales."""
+    def __getitem__(self, rows: slice | np.ndarray) -> "Fp8Tensor":
+        """Output rows (what a fused projection's split takes, and a row reorder), with their scales."""
         return Fp8Tensor(self.values[rows], self.row_scale()[rows], self.block)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
@@ -296,7 +300,7 @@ def checkpoint_fp8_block(hf_config: Any) -> tuple[int, int] | None:
     """An FP8 checkpoint's scale block (rows, columns) of its weights [out, in], or None for per-tensor or
     per-channel scales (and for other checkpoints)."""
     fp8 = _fp8_format(hf_config)
-    return None if fp8 is None or fp8 == "tensor or channel" else fp8
+    return None if fp8 is None or fp8 == _PER_TENSOR_OR_CHANNEL else fp8
 
 
 def checkpoint_contracted_block(hf_config: Any) -> int:
@@ -307,8 +311,12 @@ def checkpoint_contracted_block(hf_config: Any) -> int:
     return 0 if block is None else block[1]
 
 
-def _fp8_format(hf_config: Any) -> tuple[int, int] | str | None:
-    """None (not FP8), "tensor or channel", or the scale block (rows, columns)."""
+_PER_TENSOR_OR_CHANNEL = (0, 0)  # `_fp8_format`'s answer for scales that are not per block
+
+
+def _fp8_format(hf_config: Any) -> tuple[int, int] | None:
+    """None (not FP8), `_PER_TENSOR_OR_CHANNEL`, or the scale block (rows, columns); raises for a
+    quantization jaxserve cannot read."""
     config = getattr(hf_config, "quantization_config", None)
     if not config:
         return None
@@ -318,13 +326,13 @@ def _fp8_format(hf_config: Any) -> tuple[int, int] | str | None:
         return None
     if method == "fp8":
         block = config.get("weight_block_size")
-        return "tensor or channel" if not block else _block(block, config)
+        return _PER_TENSOR_OR_CHANNEL if not block else _block(block, config)
     if method == "compressed-tensors":
         weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
         fp8 = [w for w in weights if w.get("type") == "float" and w.get("num_bits") == 8]
         if weights and len(fp8) == len(weights):
             if all(w.get("strategy") in ("tensor", "channel") for w in fp8):
-                return "tensor or channel"
+                return _PER_TENSOR_OR_CHANNEL
             blocks = {tuple(w.get("block_structure") or ()) for w in fp8 if w.get("strategy") == "block"}
             if len(blocks) == 1 and all(w.get("strategy") == "block" for w in fp8):
                 return _block(blocks.pop(), config)
@@ -333,6 +341,7 @@ def _fp8_format(hf_config: Any) -> tuple[int, int] | str | None:
 
 
 def _block(block: Any, config: dict) -> tuple[int, int]:
+    """A config's scale block as (rows, columns); raises for anything else."""
     if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"an FP8 checkpoint whose scale block {block!r} is not [rows, columns], which jaxserve "
                          f"cannot read ({config})")

@@ -7,6 +7,8 @@ leaves every q.k unchanged, since both sides move alike: a model of the interlea
 rotate-half one, and the keys it caches are in that order.
 """
 
+from typing import Any
+
 import numpy as np
 
 
@@ -16,8 +18,9 @@ def rotate_half_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     return np.concatenate([np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2), np.arange(rotary_dim, head_dim)])
 
 
-def to_rotate_half(rows: np.ndarray, num_heads: int, rotary_dim: int) -> np.ndarray:
-    """A projection's output rows (or a bias), [N*H, ...] head by head, from interleaved to rotate-half."""
+def to_rotate_half(rows: Any, num_heads: int, rotary_dim: int) -> Any:
+    """A projection's output rows (or a bias), [N*H, ...] head by head, from interleaved to rotate-half: an
+    array, or anything that takes rows by an index array (an FP8 checkpoint's `Fp8Tensor`, its rows' scales
+    moving with them)."""
     head_dim = rows.shape[0] // num_heads
-    by_head = rows.reshape(num_heads, head_dim, *rows.shape[1:])
-    return by_head[:, rotate_half_order(head_dim, rotary_dim)].reshape(rows.shape)
+    return rows[(np.arange(num_heads)[:, None] * head_dim + rotate_half_order(head_dim, rotary_dim)).reshape(-1)]

@@ -62,11 +62,14 @@ def fits(rows: int, k: int, n: int, block: int) -> bool:
 
 
 def _shapes_fit(k: int, n: int, block: int) -> bool:
+    """A block Triton's dot takes (a power of two, at least 16) that divides k; outputs the narrowest tile divides."""
     return block >= _MIN_DOT_DIM and block == next_pow2(block) and k % block == 0 and n % _BLOCK_N[-1] == 0
 
 
 def _kernel(x_ref, values_ref, scale_ref, out_ref, *, block: int, block_t: int, block_n: int,
             blocks_per_split: int) -> None:
+    """One program: rows [block_t] of its row tile times outputs [block_n] of its output tile, over its split's
+    `blocks_per_split` scale blocks of the contracted axis; writes its sum to `out_ref[split]` (module docstring)."""
     t_tile, n_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pl.multiple_of(t_tile * block_t, block_t), block_t)
     columns = pl.ds(pl.multiple_of(n_tile * block_n, block_n), block_n)

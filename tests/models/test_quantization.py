@@ -246,16 +246,21 @@ def test_an_fp8_checkpoint_with_block_scales_compiles_for_an_h100_as_serve_loads
                         lambda *a, _run=fp8_block_matmul.fp8_block_matmul, **kw: products.append(a[1].shape)
                         or _run(*a, **kw))
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
-    plain, blocks = (compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False,
-                                    variants=False, buckets=[Bucket(2, 2, decode_only=True)], read_launches=False,
-                                    num_kv_pages=4096, hf_overrides=overrides)
-                     for overrides in (None, {"quantization_config": fp8}))
+    plain, blocks, asked = (
+        compile_ladder("smollm2-135m", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+                       buckets=[Bucket(2, 2, decode_only=True)], read_launches=False, num_kv_pages=4096,
+                       hf_overrides=overrides, quantization=quantization)
+        for overrides, quantization in ((None, None), ({"quantization_config": fp8}, None),
+                                        ({"quantization_config": fp8}, "fp8")))  # --quantization fp8: the same
     layer_weights = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
     block_scales = 30 * (9 * (576 + 2 * 192 + 576 + 2 * 1536) + 24 * 576)  # K / 64 blocks x N channels, 4 bytes
     assert plain.weights_bytes - blocks.weights_bytes == layer_weights - 4 * block_scales
-    # one layer's q [576, 576], k and v [576, 192], o [576, 576], gate and up [576, 1536], down [1536, 576]
-    assert sorted(products) == sorted([(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536),
-                                       (1536, 576)])
+    assert asked.weights_bytes == blocks.weights_bytes
+    # a layer's q [576, 576], k and v [576, 192], o [576, 576], gate and up [576, 1536] and down [1536, 576], as
+    # many times as its step was traced
+    layer = sorted([(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)])
+    traces = len(products) // len(layer)
+    assert traces >= 1 and sorted(products) == sorted(layer * traces)
 
 
 @pytest.mark.slow
@@ -296,9 +301,9 @@ def _write_fp8_checkpoint(source, target, per_tensor: set[str] = frozenset(), bl
 
     shutil.copytree(source, target)
     tensors, dequantized = load_file(str(target / "model.safetensors")), {}
-    left_out = [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")
-                and any(f".{p}." in n for p in keep)]
-    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and n not in left_out]:
+    projections = [n for n in tensors if ".layers." in n and n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]
+    left_out = [n for n in projections if any(f".{p}." in n for p in keep)]
+    for name in [n for n in projections if n not in left_out]:
         w = tensors[name].to(torch.float32)  # [out, in]
         if block is not None:
             rows, columns = block
@@ -372,21 +377,24 @@ def test_an_fp8_checkpoint_keeps_its_own_values_and_scales(kind, tiny_model_dir,
 
 
 @pytest.mark.parametrize(("kind", "block", "fmt"), [
-    ("llama", (24, 24), "fp8"), ("phi3", (24, 16), "fp8"), ("llama", (16, 24), "compressed-tensors")])
+    ("llama", (24, 24), "fp8"), ("phi3", (24, 16), "fp8"), ("llama", (16, 24), "compressed-tensors"),
+    ("glm4", (16, 24), "fp8"), ("deepseek-v3", (24, 16), "fp8")])
 def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_what_it_stores(
         kind, block, fmt, tiny_model_dir, tmp_path):
     """DeepSeek-V3's FP8 layout (`weight_block_size`, a `weight_scale_inv` per block) and compressed-tensors'
     "block" strategy, with blocks that do not divide the weights (nor Phi-3's fused projection's split), and
     some projections left in 16 bits: the FP8 weights keep the checkpoint's values with its block scales
     spread over their rows, the others stay as stored (vLLM's reading: not quantized again), and the model
-    computes what the checkpoint's dequantized weights give."""
+    computes what the checkpoint's dequantized weights give: with GLM-4's query and key rows reordered to the
+    rotate-half layout, and DeepSeek-V3's latent attention (its RoPE rows reordered, its latent's projection
+    576 rows over blocks of 24, its keys' and values' up-projection dequantized) and experts (dequantized)."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
     source = tiny_model_dir(kind)
-    keep = {"v_proj", "up_proj"} if kind == "llama" else {"down_proj"}
+    keep = {"llama": {"v_proj", "up_proj"}, "phi3": {"down_proj"}, "glm4": {"v_proj"}, "deepseek-v3": set()}[kind]
     dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", block=block, fmt=fmt, keep=keep)
     model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="cpu")
     assert model.quantization == "fp8"

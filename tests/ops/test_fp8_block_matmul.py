@@ -28,14 +28,17 @@ def _case(rng: np.random.Generator, rows: int, k: int, n: int, block: int, dtype
     return x, values, scale, np.asarray(x.astype(jnp.float32), np.float64) @ weight
 
 
-@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms"), [
-    (1, 256, 96, 32, 132),  # one row padded to a tile of 16; 96 outputs in tiles of 32, split 8 ways
-    (5, 128, 48, 16, 4),
-    (70, 64, 128, 32, 1),  # two row tiles (64 + 6), one program an output tile
-    (256, 512, 64, 128, 132),  # the most rows the kernel takes
+@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms", "splits"), [
+    (1, 256, 96, 32, 132, 1),  # one row padded to a tile of 16; 96 outputs in tiles of 32
+    (2, 4096, 256, 128, 132, 8),  # a decode step's few rows: the contracted axis split over 8 programs
+    (1, 1024, 64, 16, 132, 2),
+    (5, 128, 48, 16, 4, 1),
+    (70, 64, 128, 32, 1, 1),  # two row tiles (64 + 6), one program an output tile
+    (256, 512, 64, 128, 132, 1),  # the most rows the kernel takes
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, dtype):
+def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, splits, dtype):
+    assert kernel.tiles(rows, k, n, block, num_sms)[2] == splits
     x, values, scale, want = _case(np.random.default_rng(rows + k), rows, k, n, block, dtype)
     got = kernel.fp8_block_matmul(x, values, scale, block, num_sms=num_sms, interpret=not COMPILED)
     assert got.shape == (rows, n) and got.dtype == x.dtype
