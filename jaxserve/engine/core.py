@@ -300,7 +300,14 @@ class EngineCore:
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error
 
     def _load_eagle(self, config: EngineConfig, speculative: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
-        """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`)."""
+        """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`). A target whose
+        layers all have sliding windows is refused: it releases the pages, and with them the hidden states and
+        the drafter's own K/V, that fall out of its windows (one full-attention layer keeps them all: GPT-OSS,
+        Gemma 2 and 3)."""
+        if shared_window(getattr(target.cfg, "sliding_windows", ())) is not None:
+            raise ValueError("the EAGLE drafter (--speculative-config's \"model\"): beside a target whose every "
+                             "layer has a sliding window, not served yet: the target releases the pages, and with "
+                             "them the hidden states, that fall out of its windows")
         logger.info("speculative decoding: loading the EAGLE drafter %s", speculative.model)
         try:
             return load_eagle(speculative.model, target, speculative.method, speculative.revision,

@@ -327,9 +327,6 @@ def load_eagle(model: str, target: LoadedModel, method: str = "eagle", revision:
     if not issubclass(target.spec.model_cls, LlamaForCausalLM):
         raise ValueError("an EAGLE drafter reads a Llama-style target's hidden states (LlamaForCausalLM and the "
                          "families built on it)")
-    if any(window is not None for window in getattr(target.cfg, "sliding_windows", ())):
-        raise ValueError("an EAGLE drafter beside a target with sliding windows is not served yet: the target "
-                         "drops the pages, and with them the hidden states, that fall out of its windows")
     hf = load_hf_config(source)
     target.wait_for_weights()
     head, embeddings = target_tables(target.state)

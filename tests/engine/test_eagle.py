@@ -63,7 +63,7 @@ class Reference:
     `LlamaModel` fed [embedding ; feature] through `fc`, its input norm and final norm identities (as EAGLE's)."""
 
     def __init__(self, llama_dir, eagle_dir) -> None:
-        self.target = transformers.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
         config = transformers.LlamaConfig.from_pretrained(eagle_dir)
         self.drafter = transformers.LlamaModel(config).to(torch.float64).eval()
         from safetensors.torch import load_file
@@ -117,7 +117,7 @@ class Reference3:
     with transformers' rotary embedding."""
 
     def __init__(self, llama_dir, eagle_dir) -> None:
-        self.target = transformers.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float64).eval()
         self.config = json.loads((eagle_dir / "config.json").read_text())
         self.layers = self.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         self.w = {name: torch.tensor(np.asarray(value, np.float64) if value.dtype != np.int64 else value)
@@ -300,7 +300,8 @@ def test_the_speculative_config_takes_an_eagle_drafter():
 
 def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target_config, tiny_model_dir, eagle_dir):
     """A draft model's checkpoint (no `fc`), a drafter of another width, a target that is not Llama-style
-    (GPT-2) and one with sliding windows (Mistral: it drops the pages of its states), each refused at start."""
+    (GPT-2) and one whose every layer has a sliding window (Mistral: it drops the pages of its states), each
+    refused at start."""
     spec = {"method": "eagle", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="not an EAGLE drafter"):
         make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(llama_dir)})
@@ -312,7 +313,7 @@ def test_what_cannot_draft_for_the_target_is_refused(llama_dir, tmp_path, target
         make_engine(llama_dir, warmup=False, speculative_config={**spec, "model": str(narrow)})
     with pytest.raises(ValueError, match="Llama-style target"):
         make_engine(tiny_model_dir("gpt2"), warmup=False, speculative_config={**spec, "model": str(eagle_dir)})
-    with pytest.raises(ValueError, match="sliding windows"):
+    with pytest.raises(ValueError, match="every layer has a sliding window"):
         make_engine(tiny_model_dir("mistral"), warmup=False, speculative_config={**spec, "model": str(eagle_dir)})
 
 
@@ -361,6 +362,36 @@ def test_an_eagle3_drafter_drafts_its_chain_over_the_target_s_layer_inputs(llama
         allowed = set((np.arange(3000) + load_file(str(directory / "model.safetensors"))["d2t"]).tolist())
         assert all(set(drafts) <= allowed for _, drafts, _ in rounds)
     assert assert_reference_drafts(rounds, Reference3(llama_dir, directory), every=2) > 8
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_drafter_reads_a_target_with_windowed_and_full_layers(tiny_model_dir, tmp_path, method):
+    """A target with a full-attention layer and a windowed one (Qwen2's max_window_layers; GPT-OSS and Gemma
+    2/3 alternate so) keeps every page, so its states are there for the drafter: as sequences grow past the
+    window, each round's drafts are the float64 reference's over transformers' windowed target (EAGLE's
+    feature is the state after the windowed layer; EAGLE-3's the inputs of both layers), and the outputs are
+    plain decoding's."""
+    target = tiny_model_dir("qwen2-window")
+    config = json.loads((target / "config.json").read_text())
+    drafter = {key: value for key, value in config.items()
+               if key not in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+    drafter = {**drafter, "model_type": "llama"}  # a drafter is a Llama, with no windows
+    if method == "eagle":
+        write_eagle(tmp_path / method, drafter)
+    else:
+        write_eagle3(tmp_path / method, drafter, (0, 1), draft_vocab_size=3000)
+    spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3}
+    engine, plain = make_engine(target, speculative_config=spec), make_engine(target)
+    prompts = make_prompts(4)
+    assert min(len(p) for p in prompts) + 16 > 3 * config["sliding_window"]  # every sequence passes the window
+    requests = {f"w{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                for i in range(4)}
+    arrivals = {f"w{i}": 2 * i for i in range(4)}
+    rounds, drafted = recorded_rounds(engine, requests, arrivals)
+    assert drafted > 0
+    reference = (Reference if method == "eagle" else Reference3)(target, tmp_path / method)
+    assert assert_reference_drafts(rounds, reference, every=2) > 4
+    assert_same(run(plain, requests, arrivals), run(engine, requests, arrivals))
 
 
 def test_eagle3_drafts_give_the_plain_outputs(engines, llama_dir, tmp_path, target_config):
