@@ -302,8 +302,8 @@ class EngineCore:
     def _load_eagle(self, config: EngineConfig, speculative: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
         """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`). A target whose
         layers all have sliding windows is refused: it releases the pages, and with them the hidden states and
-        the drafter's own K/V, that fall out of its windows (one full-attention layer keeps them all: GPT-OSS,
-        Gemma 2 and 3)."""
+        the drafter's own K/V, that fall out of its windows (one full-attention layer keeps them all: GPT-OSS's
+        alternate)."""
         if shared_window(getattr(target.cfg, "sliding_windows", ())) is not None:
             raise ValueError("the EAGLE drafter (--speculative-config's \"model\"): beside a target whose every "
                              "layer has a sliding window, not served yet: the target releases the pages, and with "

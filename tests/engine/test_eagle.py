@@ -366,8 +366,8 @@ def test_an_eagle3_drafter_drafts_its_chain_over_the_target_s_layer_inputs(llama
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_an_eagle_drafter_reads_a_target_with_windowed_and_full_layers(tiny_model_dir, tmp_path, method):
-    """A target with a full-attention layer and a windowed one (Qwen2's max_window_layers; GPT-OSS and Gemma
-    2/3 alternate so) keeps every page, so its states are there for the drafter: as sequences grow past the
+    """A target with a full-attention layer and a windowed one (Qwen2's max_window_layers; GPT-OSS alternates
+    so) keeps every page, so its states are there for the drafter: as sequences grow past the
     window, each round's drafts are the float64 reference's over transformers' windowed target (EAGLE's
     feature is the state after the windowed layer; EAGLE-3's the inputs of both layers), and the outputs are
     plain decoding's."""
