@@ -221,6 +221,10 @@ def quantize_model_state(state: nnx.State, family: Any, quantization: str | None
     scales = f"per {block} contracted rows and output channel" if block else "per output channel"
     logger.info("quantization %s: %d layer weights in e4m3 with a scale %s (%.1fs); the embeddings and the LM "
                 "head keep their dtype", quantization, count, scales, time.perf_counter() - start)
+    _warn_on_cpu(quantization)
+
+
+def _warn_on_cpu(quantization: str) -> None:
     if jax.default_backend() == "cpu":
         logger.warning("quantization %s on a CPU saves memory, not time: XLA:CPU widens each weight every step "
                        "(a GPU's GEMM reads the 8-bit values)", quantization)
@@ -237,6 +241,8 @@ def log_stored_fp8(state: nnx.State, family: Any) -> None:
     logger.info("quantization fp8 (the checkpoint's): %d layer weights in e4m3 with its scales (%s)%s", len(fp8),
                 ", ".join(f"per {b} contracted rows and output channel" if b else "per output channel" for b in blocks)
                 or "none", f"; {kept} it stores in 16 bits stay so" if kept else "")
+    if fp8:
+        _warn_on_cpu("fp8")
 
 
 @dataclasses.dataclass(frozen=True)
