@@ -18,6 +18,7 @@ docs/benchmarks.md), and the analytic roofline of `jaxserve.roofline`, which the
 """
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -30,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from jaxserve.collector import fewer_collections
@@ -39,13 +40,15 @@ from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
-from jaxserve.models.eagle import EagleConfig, EagleLlama
+from jaxserve.models.eagle import DrafterLayout, EagleConfig, EagleLlama
+from jaxserve.models.eagle import split_rule as eagle_split_rule
 from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
 from jaxserve.models.features import FeaturePages, feature_pages
 from jaxserve.models.layers import LoraShape, context_length
-from jaxserve.models.loader import build_abstract_model, resolve_dtype, resolve_model_config
+from jaxserve.models.loader import AbstractModel, build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
-from jaxserve.models.mtp import MtpDrafter, mtp_config
+from jaxserve.models.mtp import MtpDrafter, checkpoint_heads, mtp_config
+from jaxserve.models.mtp import split_rule as mtp_split_rule
 from jaxserve.models.quantization import (
     checkpoint_contracted_block,
     checkpoint_quantization,
@@ -55,7 +58,7 @@ from jaxserve.models.quantization import (
 from jaxserve.ops.attention import AttentionConfig, resolve_attention
 from jaxserve.ops.attention import kv_cache_dtype as resolve_kv_cache_dtype  # the parameter takes the name
 from jaxserve.ops.kv_write import padding_slot
-from jaxserve.parallel import TP_AXIS
+from jaxserve.parallel import TP_AXIS, bytes_per_device
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.runner import trace_time
 from jaxserve.runner.aot import (
@@ -151,24 +154,30 @@ class CompileReport:
 
 @dataclass(frozen=True)
 class _Drafter:
-    """An EAGLE, EAGLE-3 or MTP drafter built from configs alone: its model (ShapeDtypeStruct weights), and what
-    the target keeps for it (`feature_layers`, as `make_step_fn` takes them)."""
+    """An EAGLE, EAGLE-3 or MTP drafter built from configs alone: its model (ShapeDtypeStruct weights, placed over
+    the target's mesh as serve places them), and what the target keeps for it (`feature_layers`, as
+    `make_step_fn` takes them)."""
 
-    cfg: Any
+    cfg: Any  # heads laid out for the mesh
     graphdef: Any
     state: Any
     feature_layers: tuple[int, ...]
     shared: tuple[str, ...]  # its parameters that are the target's tables (not counted again)
 
     @classmethod
-    def of(cls, speculative: SpeculativeConfig, target_cfg: Any, dtype: Any, revision: str | None,
-           download_dir: str | None) -> "_Drafter":
-        """The drafter `speculative` names beside a target of config `target_cfg`: a model's MTP layer from the
-        target's config; an EAGLE drafter from its own config.json (a hub id's alone is fetched), its
-        checkpoint's choices as the EAGLE authors' checkpoints make them (`fc` with a bias; EAGLE-3's own LM
-        head over its draft vocabulary, the target's embeddings)."""
+    def of(cls, speculative: SpeculativeConfig, target: AbstractModel, dtype: Any, download_dir: str | None
+           ) -> "_Drafter":
+        """The drafter `speculative` names beside `target`: a model's MTP layer from the target's config; an
+        EAGLE drafter from its own config.json (a hub id's alone is fetched), its checkpoint's choices as the
+        EAGLE authors' checkpoints make them (`fc` with a bias; EAGLE-3's own LM head over its draft vocabulary,
+        the target's embeddings). Over the target's mesh, its heads laid out and its weights split as
+        `models/mtp.py` and `models/eagle.py` lay them out."""
+        target_cfg = target.cfg
         if speculative.method == "mtp":
-            module, cfg, shared = MtpDrafter, mtp_config(target_cfg), ("embed_tokens", "lm_head")
+            laid_out = mtp_config(target_cfg)
+            cfg = checkpoint_heads(laid_out, target.checkpoint_cfg)
+            module, shared = MtpDrafter, ("embed_tokens", "lm_head")
+            rule = functools.partial(mtp_split_rule, cfg=laid_out)
         else:
             _, hf = resolve_model_config(speculative.model, speculative.revision, download_dir)
             if speculative.method == "eagle3":
@@ -177,7 +186,15 @@ class _Drafter:
             else:
                 cfg = EagleConfig.for_target(hf, target_cfg, True, target_cfg.attention)
                 module, shared = EagleLlama, ("embed_tokens", "lm_head")
+            rule = functools.partial(eagle_split_rule, cfg=cfg)
+        layout = DrafterLayout.over(target.mesh, cfg.num_heads, cfg.num_kv_heads, rule)
+        cfg = cfg if layout is None else layout.config(cfg)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: module(cfg, dtype, None)))
+        if layout is not None:  # each weight placed as serve places it (`DrafterLayout.place`)
+            flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+            nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict({
+                path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=layout.sharding(path, leaf.shape))
+                for path, leaf in flat.items()}))
         return cls(cfg, graphdef, state, getattr(cfg, "target_layers", ()), shared)
 
     def _own_leaves(self) -> list[Any]:
@@ -186,7 +203,8 @@ class _Drafter:
 
     @property
     def own_weights_bytes(self) -> int:
-        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in self._own_leaves())
+        """One device's share of its weights, the target's tables it shares left out."""
+        return bytes_per_device(self._own_leaves())
 
     @property
     def num_params(self) -> int:  # the roofline's: every weight a step reads, the shared tables too
@@ -293,9 +311,7 @@ def compile_ladder(
         quantize_state(abstract.state, abstract.spec.module, quantization, block)
     drafter = None
     if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
-        if mesh is not None:
-            raise ValueError("an EAGLE or MTP drafter with --tensor-parallel-size: not compiled deviceless yet")
-        drafter = _Drafter.of(speculative_config, abstract.cfg, jax_dtype, revision, download_dir)
+        drafter = _Drafter.of(speculative_config, abstract, jax_dtype, download_dir)
     state = abstract.placed_state() if mesh is not None else abstract.state
     xla_cost = xla_cost and mesh is None
     cfg = abstract.cfg
@@ -315,10 +331,11 @@ def compile_ladder(
     cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl,
                                          attention.compute_capability)
     page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
-                                cache_dtype.itemsize, kv_arrays(cfg)) // tp
+                                cache_dtype.itemsize, kv_arrays(cfg))
     features = None if drafter is None else drafter.target_features(cfg, jax_dtype)
     if drafter is not None:  # the target's hidden states' pages, and the drafter's own pages (page for page)
         page_bytes += features.page_bytes(cache.page_size) + drafter.page_bytes(cache.page_size, jax_dtype)
+    page_bytes //= tp  # one device's share, as serve counts it (model_runner.py)
     max_pages_per_req = -(-max_len // cache.page_size)
     options = step_compiler_options(enforce_eager, device.platform)
     # A pooling engine's step (--runner pooling, which a classifier or an encoder chooses) returns the pooled
@@ -389,16 +406,16 @@ def compile_ladder(
         draft_shapes = drafter.shapes(cache.page_size, num_pages, max_pages_per_req, sched.max_num_seqs, jax_dtype)
         draft_program = (drafter.state, draft_shapes, model_shape(drafter.num_params, drafter.cfg))
         draft_treedef = jax.tree.structure(drafter.state)
-        step_fns["draft"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, sample_apart=apart,
+        step_fns["draft"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, mesh, sample_apart=apart,
                                           compiler_options=options), False)
-        step_fns["draft greedy"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, greedy=True,
+        step_fns["draft greedy"] = (make_step_fn(drafter.graphdef, draft_treedef, 1, mesh, greedy=True,
                                                  compiler_options=options), False)
         jobs_todo += ([(bucket, "draft") for bucket in todo]
                       + [(bucket, "draft greedy") for bucket in todo if bucket.decode_only])
         if (steps := speculative_config.num_speculative_tokens - 1) > 1:
             step_fns["draft multi-step"] = (make_decode_steps_fn(
                 drafter.graphdef, draft_treedef, 1, steps, cache.page_size,
-                padding_slot(num_pages, cache.page_size), None, True, options), True)
+                padding_slot(num_pages, cache.page_size), mesh, True, options), True)
             jobs_todo += [(bucket, "draft multi-step") for bucket in todo if bucket.decode_only]
         programs |= dict.fromkeys(("draft", "draft greedy", "draft multi-step"), draft_program)
     if apart:  # one sampler per request bucket

@@ -530,6 +530,30 @@ def test_the_shapes_estimate_covers_the_largest_buckets_compiled_for_an_h100():
     assert report.estimated_temp_bytes < 1.5 * report.max_temp_bytes  # and costs at most a few hundred MiB
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_a_drafter_compiles_split_over_the_target_s_devices(method, tiny_model_dir, tmp_path):
+    """At --tensor-parallel-size 2 (two H100s, deviceless), the drafter's steps compile split as serve splits it:
+    its layer's heads over the devices, so each of its steps all-reduces; a device holds half its weights, and
+    half a page (the target's K/V and states, the drafter's own), as at TP=1."""
+    if method == "mtp":
+        model, spec = tiny_model_dir("glm4-moe"), {"method": "mtp", "num_speculative_tokens": 3}
+    else:
+        model = tiny_model_dir("llama")
+        write_eagle3(tmp_path / "eagle3", json.loads((model / "config.json").read_text()), (0, 1),
+                     draft_vocab_size=3000)
+        spec = {"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}
+    options = dict(target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+                   buckets=[Bucket(8, 8, decode_only=True), Bucket(32, 8)], read_launches=False, num_kv_pages=1000,
+                   speculative_config=SpeculativeConfig.of(spec))
+    whole, split = (compile_ladder(str(model), tensor_parallel_size=tp, **options) for tp in (1, 2))
+    assert [(r.num_tokens, r.variant) for r in split.buckets] == [(r.num_tokens, r.variant) for r in whole.buckets]
+    drafts = [r for r in split.buckets if r.variant.startswith("draft")]
+    assert len(drafts) == 4 and all(r.collectives.get("all-reduce", 0) >= 1 for r in drafts)
+    assert split.bytes_per_page == whole.bytes_per_page // 2
+    assert split.weights_bytes < 0.6 * whole.weights_bytes
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_a_drafter_of_the_target_s_states_compiles_beside_it_for_h100(method, tiny_model_dir, tmp_path):
     """GLM-4.5's own MTP layer (its config counts one) and an EAGLE-3 drafter beside a Llama (its config.json

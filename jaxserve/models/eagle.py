@@ -216,8 +216,17 @@ class DrafterLayout:
                rule: Callable[[str], SplitRule]) -> "DrafterLayout | None":
         """The layout of a drafter of `num_heads` query and `num_kv_heads` KV heads (its checkpoint's) beside
         `target`; None for a target on one device."""
-        mesh = target.mesh
+        return cls.over(target.mesh, num_heads, num_kv_heads, rule)
+
+    @classmethod
+    def over(cls, mesh: Mesh | None, num_heads: int, num_kv_heads: int,
+             rule: Callable[[str], SplitRule]) -> "DrafterLayout | None":
+        """`beside` a target split over `mesh` (None: one device, no layout)."""
         return None if mesh is None else cls(mesh, HeadLayout(num_heads, num_kv_heads, mesh.size), rule)
+
+    def sharding(self, path: tuple, shape: tuple[int, ...]) -> Any:
+        """Where the parameter at `path`, of `shape` in the module's (laid-out) layout, lives over the mesh."""
+        return param_sharding(self.mesh, shape, self.rule(path[-1]))
 
     def config(self, cfg: Any) -> Any:
         """The drafter's config (its checkpoint's, `cfg`) with its heads laid out for the mesh."""

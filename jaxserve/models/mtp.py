@@ -144,6 +144,12 @@ class MtpDrafter(nnx.Module):
         return logits_from_embeddings(self.shared_head_norm(hidden), self.lm_head[...], self.cfg.attention)
 
 
+def checkpoint_heads(cfg: LlamaMtpConfig | DeepseekMtpConfig, own_heads: Any) -> LlamaMtpConfig | DeepseekMtpConfig:
+    """The MTP layer's config `cfg` (the target's, heads laid out for its mesh) with the heads its checkpoint's
+    tensors hold (`own_heads`: the target's config as its checkpoint has it)."""
+    return dataclasses.replace(cfg, num_heads=own_heads.num_heads, num_kv_heads=own_heads.num_kv_heads)
+
+
 def split_rule(name: str, cfg: LlamaMtpConfig | DeepseekMtpConfig) -> SplitRule:
     """How the MTP layer's parameter `name` splits over a mesh: `eh_proj` whole on every device, the rest as
     its family's."""
@@ -183,7 +189,7 @@ def load_mtp(target: LoadedModel) -> LoadedModel:
     raises ValueError where it has none or it cannot be read."""
     cfg = mtp_config(target.cfg)  # its heads laid out as the target's are, over the target's mesh
     own_heads = target.spec.config_cls.from_hf(target.hf_config)  # the checkpoint's heads, as its tensors hold them
-    checkpoint_cfg = dataclasses.replace(cfg, num_heads=own_heads.num_heads, num_kv_heads=own_heads.num_kv_heads)
+    checkpoint_cfg = checkpoint_heads(cfg, own_heads)
     layout = DrafterLayout.beside(target, own_heads.num_heads, own_heads.num_kv_heads,
                                   lambda name: split_rule(name, cfg))
     laid_out = checkpoint_cfg if layout is None else layout.config(checkpoint_cfg)
