@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from jaxserve.collector import fewer_collections
 from jaxserve.config import AUTO_MAX_MODEL_LEN, FEATURE_METHODS, EngineConfig, SpeculativeConfig, context_served
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
+from jaxserve.engine.eagle_proposer import check_target_windows
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
 from jaxserve.models import is_encoder, kv_arrays
 from jaxserve.models.classifier import num_classes
@@ -179,6 +180,7 @@ class _Drafter:
             module, shared = MtpDrafter, ("embed_tokens", "lm_head")
             rule = functools.partial(mtp_split_rule, cfg=laid_out)
         else:
+            check_target_windows(target_cfg)  # as serve refuses it
             _, hf = resolve_model_config(speculative.model, speculative.revision, download_dir)
             if speculative.method == "eagle3":
                 cfg = Eagle3Config.for_target(hf, target_cfg, ["lm_head.weight", "d2t"], target_cfg.attention)

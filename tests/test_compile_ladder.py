@@ -530,6 +530,47 @@ def test_the_shapes_estimate_covers_the_largest_buckets_compiled_for_an_h100():
     assert report.estimated_temp_bytes < 1.5 * report.max_temp_bytes  # and costs at most a few hundred MiB
 
 
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_a_drafter_beside_a_split_target_is_laid_out_as_serve_lays_it_out(method, tiny_model_dir, tmp_path):
+    """The drafter `jaxserve compile` builds beside a target split over two H100s: its query heads split (an
+    EAGLE drafter's one KV head replicated to two, one a device; the MTP layer's heads the target's), `fc` and
+    `eh_proj` whole on each device, and a device's share of its own weights counted."""
+    import numpy as np
+    from flax import nnx, traverse_util
+    from jax.sharding import Mesh
+
+    from jaxserve.compile_ladder import _Drafter
+    from jaxserve.device import deviceless_devices
+    from jaxserve.models.loader import build_abstract_model, resolve_model_config
+    from jaxserve.ops.attention import AttentionConfig
+    from jaxserve.parallel import TP_AXIS
+    from tests.eagle import write_eagle
+
+    if method == "mtp":
+        model, spec = tiny_model_dir("glm4-moe"), {"method": "mtp", "num_speculative_tokens": 3}
+    else:
+        model = tiny_model_dir("llama")
+        write_eagle(tmp_path / "eagle", json.loads((model / "config.json").read_text()), num_key_value_heads=1)
+        spec = {"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 3}
+    _, hf = resolve_model_config(str(model), None, None)
+    drafters = {}
+    for tp in (1, 2):
+        mesh = Mesh(np.asarray(deviceless_devices("h100", 2)), (TP_AXIS,)) if tp == 2 else None
+        target = build_abstract_model(hf, jnp.bfloat16, AttentionConfig("pallas", num_sms=132, compute_capability=9.0,
+                                                                        mesh=mesh))
+        drafters[tp] = _Drafter.of(SpeculativeConfig.of(spec), target, jnp.bfloat16, None)
+    leaves = traverse_util.flatten_dict(nnx.to_pure_dict(drafters[2].state))
+    q_proj = next(leaf for path, leaf in leaves.items() if path[-1] == "q_proj")  # [D, N, H]
+    assert q_proj.sharding.shard_shape(q_proj.shape)[1] == q_proj.shape[1] // 2
+    whole = "eh_proj" if method == "mtp" else "fc"
+    fused = next(leaf for path, leaf in leaves.items() if path[-1] == whole)
+    assert fused.sharding.shard_shape(fused.shape) == fused.shape
+    if method == "eagle":
+        assert (drafters[1].cfg.num_kv_heads, drafters[2].cfg.num_kv_heads) == (1, 2)
+    split_bytes = drafters[2].own_weights_bytes
+    assert drafters[1].own_weights_bytes / 2 < split_bytes < drafters[1].own_weights_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_a_drafter_compiles_split_over_the_target_s_devices(method, tiny_model_dir, tmp_path):

@@ -62,7 +62,7 @@ from jaxserve.engine.core_io import (
     failed,
 )
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, draft_share
-from jaxserve.engine.eagle_proposer import EagleProposer
+from jaxserve.engine.eagle_proposer import EagleProposer, check_target_windows
 from jaxserve.engine.kv_cache_manager import KVCacheManager, shared_window
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context, resolved_pooling_type, resolved_runner
@@ -300,16 +300,11 @@ class EngineCore:
             raise ValueError(f"the draft model (--speculative-config's \"model\"): {error}") from error
 
     def _load_eagle(self, config: EngineConfig, speculative: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
-        """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`). A target whose
-        layers all have sliding windows is refused: it releases the pages, and with them the hidden states and
-        the drafter's own K/V, that fall out of its windows (one full-attention layer keeps them all: GPT-OSS's
-        alternate)."""
-        if shared_window(getattr(target.cfg, "sliding_windows", ())) is not None:
-            raise ValueError("the EAGLE drafter (--speculative-config's \"model\"): beside a target whose every "
-                             "layer has a sliding window, not served yet: the target releases the pages, and with "
-                             "them the hidden states, that fall out of its windows")
+        """The EAGLE drafter (--speculative-config's "model"), beside `target` (`models/eagle.py`); a target
+        windowed on every layer is refused (`check_target_windows`)."""
         logger.info("speculative decoding: loading the EAGLE drafter %s", speculative.model)
         try:
+            check_target_windows(target.cfg)
             return load_eagle(speculative.model, target, speculative.method, speculative.revision,
                               config.model.download_dir)
         except (OSError, ValueError) as error:  # a path, a hub id, a config or file it cannot read

@@ -25,10 +25,22 @@ import jax
 import numpy as np
 
 from jaxserve.engine.draft_model_proposer import DraftModelProposer, _DraftState
+from jaxserve.engine.kv_cache_manager import shared_window
 from jaxserve.engine.request import Request
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_fn import make_feature_copy_fn
+
+
+def check_target_windows(target_cfg: Any) -> None:
+    """Raises ValueError for a target whose every layer has a sliding window: it releases the pages that leave
+    its windows (`KVCacheManager.release_outside_window`), and with them hidden states the drafter may not have
+    caught up on yet (a long prompt's, a preempted request's). One full-attention layer keeps every page
+    (GPT-OSS's alternate, Qwen2's `max_window_layers`). The drafter's own K/V is in its own cache."""
+    if shared_window(getattr(target_cfg, "sliding_windows", ())) is not None:
+        raise ValueError("an EAGLE drafter beside a target whose every layer has a sliding window is not served "
+                         "yet: the target releases the pages, and with them the hidden states, that leave its "
+                         "windows")
 
 
 class _Shifted:

@@ -15,6 +15,7 @@ reads its feature from its own slot there, and writes its output to the next pos
 that follows it.
 """
 
+import logging
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,8 @@ from jaxserve.models.loader import LoadedModel, safetensors_header
 from jaxserve.models.source import load_hf_config, resolve_model
 from jaxserve.parallel import HeadLayout, SplitRule, param_sharding
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EagleConfig(LlamaConfig):
@@ -64,18 +67,24 @@ class EagleConfig(LlamaConfig):
         if base.hidden_size != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE drafter of hidden size {base.hidden_size} cannot read a target's features of "
                              f"{target_cfg.hidden_size}")
-        return cls(**drafter_fields(base, target_cfg, "EAGLE"), feature_width=target_cfg.hidden_size, fc_bias=fc_bias,
-                   para_norms=bool(getattr(hf, "add_para_norm", False)))
+        return cls(**drafter_fields(base, hf, target_cfg, "EAGLE"), feature_width=target_cfg.hidden_size,
+                   fc_bias=fc_bias, para_norms=bool(getattr(hf, "add_para_norm", False)))
 
 
-def drafter_fields(base: LlamaConfig, target_cfg: Any, kind: str) -> dict[str, Any]:
-    """A drafter's Llama config fields (`base`, from its config.json) over the target's vocabulary, padded as the
-    target's embeddings and LM head are; raises ValueError where the drafter's own vocabulary is larger."""
+def drafter_fields(base: LlamaConfig, hf: Any, target_cfg: Any, kind: str) -> dict[str, Any]:
+    """A drafter's Llama config fields (`base`, from its config.json `hf`) over the target's vocabulary, padded as
+    the target's embeddings and LM head are; raises ValueError where the drafter's own vocabulary is larger.
+    Its layers' sliding windows are those its `layer_types` give them, as vLLM reads a drafter's config: a bare
+    `sliding_window` copied from a windowed target's config does not make the drafter's attention windowed."""
     if base.vocab_size > target_cfg.vocab_size:
         raise ValueError(f"the {kind} drafter's vocabulary ({base.vocab_size}) is larger than the target's "
                          f"({target_cfg.vocab_size})")
     fields = {name: getattr(base, name) for name in LlamaConfig.__dataclass_fields__}
-    return fields | {"vocab_size": target_cfg.vocab_size, "tie_word_embeddings": False}
+    windows = base.sliding_windows if getattr(hf, "layer_types", None) else ()
+    if windows != base.sliding_windows:
+        logger.info("the %s drafter attends to every position: its config's sliding_window comes without "
+                    "layer_types", kind)
+    return fields | {"vocab_size": target_cfg.vocab_size, "tie_word_embeddings": False, "sliding_windows": windows}
 
 
 class EagleLayer(nnx.Module):

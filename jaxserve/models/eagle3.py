@@ -75,7 +75,7 @@ class Eagle3Config(EagleConfig):
         if target_hidden != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE-3 drafter for a target of hidden size {target_hidden} cannot read one of "
                              f"{target_cfg.hidden_size}")
-        fields = drafter_fields(base, target_cfg, "EAGLE-3")
+        fields = drafter_fields(base, hf, target_cfg, "EAGLE-3")
         own = any(name.endswith("embed_tokens.weight") for name in names)
         if not own and base.hidden_size != target_cfg.hidden_size:
             raise ValueError(f"an EAGLE-3 drafter of hidden size {base.hidden_size} without embeddings of its own "

@@ -364,24 +364,30 @@ def test_an_eagle3_drafter_drafts_its_chain_over_the_target_s_layer_inputs(llama
     assert assert_reference_drafts(rounds, Reference3(llama_dir, directory), every=2) > 8
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_an_eagle_drafter_reads_a_target_with_windowed_and_full_layers(tiny_model_dir, tmp_path, method):
+@pytest.mark.parametrize(("method", "copied_window"), [("eagle", False), ("eagle3", False), ("eagle3", True)])
+def test_an_eagle_drafter_reads_a_target_with_windowed_and_full_layers(tiny_model_dir, tmp_path, method,
+                                                                         copied_window):
     """A target with a full-attention layer and a windowed one (Qwen2's max_window_layers; GPT-OSS alternates
-    so) keeps every page, so its states are there for the drafter: as sequences grow past the
-    window, each round's drafts are the float64 reference's over transformers' windowed target (EAGLE's
-    feature is the state after the windowed layer; EAGLE-3's the inputs of both layers), and the outputs are
-    plain decoding's."""
+    so) keeps every page, so its states are there for the drafter: as sequences grow past the window, each
+    round's drafts are the float64 reference's over transformers' windowed target (EAGLE's feature is the state
+    after the windowed layer; EAGLE-3's the inputs of both layers), and the outputs are plain decoding's. A
+    drafter whose config copied the target's `sliding_window` (without `layer_types`) attends to every
+    position, as vLLM reads it and as the reference computes."""
     target = tiny_model_dir("qwen2-window")
     config = json.loads((target / "config.json").read_text())
     drafter = {key: value for key, value in config.items()
                if key not in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
-    drafter = {**drafter, "model_type": "llama"}  # a drafter is a Llama, with no windows
+    drafter = {**drafter, "model_type": "llama"}  # a drafter is a Llama
+    if copied_window:
+        drafter["sliding_window"] = config["sliding_window"]
     if method == "eagle":
         write_eagle(tmp_path / method, drafter)
     else:
         write_eagle3(tmp_path / method, drafter, (0, 1), draft_vocab_size=3000)
     spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3}
     engine, plain = make_engine(target, speculative_config=spec), make_engine(target)
+    assert engine.scheduler.kv_cache.sliding_window is None  # one full layer: no page released
+    assert not proposer_of(engine).runner.model.cfg.sliding_windows
     prompts = make_prompts(4)
     assert min(len(p) for p in prompts) + 16 > 3 * config["sliding_window"]  # every sequence passes the window
     requests = {f"w{i}": (prompts[i], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
