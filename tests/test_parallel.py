@@ -200,19 +200,11 @@ def test_an_fp8_checkpoint_with_block_scales_splits_over_devices_quantized_per_c
     """A checkpoint with block scales (DeepSeek-V3's layout) under tensor parallelism: its weights dequantized
     and quantized again per output channel as they load (the kernel that reads blocks runs on one device), so
     TP=2 gives what TP=1 gives for the dequantized checkpoint with --quantization fp8."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from tests.models.test_quantization import _write_fp8_checkpoint
+    from tests.models.test_quantization import _write_fp8_checkpoint, write_dequantized_checkpoint
 
     source = tiny_model_dir("llama")
     dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", block=(16, 32), fmt="fp8")
-    shutil.copytree(source, tmp_path / "dequantized")
-    tensors = load_file(str(tmp_path / "dequantized" / "model.safetensors"))
-    save_file(tensors | {name: torch.from_numpy(w) for name, w in dequantized.items()},
-              str(tmp_path / "dequantized" / "model.safetensors"))
+    write_dequantized_checkpoint(source, tmp_path / "dequantized", dequantized)
     split = run_tp(tp_worker, str(tmp_path / "fp8"), tmp_path / "cache-fp8", tp_sizes=(2,))
     whole = run_tp(tp_worker, str(tmp_path / "dequantized"), tmp_path / "cache-dequantized", tp_sizes=(1,),
                    quantization="fp8")

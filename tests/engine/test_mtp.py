@@ -5,12 +5,9 @@ those of plain decoding; the layer's tables are the target's unless its own diff
 layer, and what the method does not take, are refused."""
 
 import dataclasses
-import shutil
 
 import pytest
-import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.models.deepseek import DeepseekConfig
@@ -20,7 +17,7 @@ from jaxserve.models.mtp import DeepseekMtpConfig, LlamaMtpConfig, mtp_config
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.helpers import assert_same, drafting_workload, make_engine, make_prompts, run
 from tests.engine.test_eagle import assert_reference_drafts, proposer_of, recorded_rounds, run_drafting
-from tests.models.test_quantization import _write_fp8_checkpoint
+from tests.models.test_quantization import _write_fp8_checkpoint, write_dequantized_checkpoint
 from tests.mtp import MtpReference, write_mtp_gguf, write_mtp_target
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
@@ -146,10 +143,7 @@ def test_an_fp8_checkpoint_s_layer_drafts_with_its_weights_dequantized(mtp_dirs,
                    if fmt == "compressed-tensors" else
                    _write_fp8_checkpoint(mtp_dirs["glm4-moe"], fp8, block=(16, 24), fmt="fp8"))
     assert any(name.startswith("model.layers.3.") for name in dequantized)  # the MTP layer's block
-    shutil.copytree(mtp_dirs["glm4-moe"], plain)
-    weights = load_file(str(plain / "model.safetensors"))
-    save_file(weights | {name: torch.from_numpy(value) for name, value in dequantized.items()},
-              str(plain / "model.safetensors"))
+    write_dequantized_checkpoint(mtp_dirs["glm4-moe"], plain, dequantized)
     engine = make_engine(fp8, speculative_config=SPEC)
     assert engine.core.runner.model.quantization == "fp8"
     prompts = make_prompts(4)

@@ -339,16 +339,39 @@ def _write_fp8_checkpoint(source, target, per_tensor: set[str] = frozenset(), bl
     return dequantized
 
 
+def write_dequantized_checkpoint(source, target, dequantized: dict) -> None:
+    """`source`'s checkpoint copied to `target` with the weights `_write_fp8_checkpoint` quantized replaced by
+    their dequantized values (`dequantized`, by name) and no quantization: the reference an FP8 checkpoint
+    must compute as."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    save_file(tensors | {name: torch.from_numpy(w) for name, w in dequantized.items()},
+              str(target / "model.safetensors"))
+
+
+def _assert_computes_as_dequantized(model, source, dequantized: dict, reference_dir) -> None:
+    """`model`'s logits over a prompt equal those of the dequantized checkpoint (`write_dequantized_checkpoint`)."""
+    write_dequantized_checkpoint(source, reference_dir, dequantized)
+    reference = load_model(str(reference_dir), dtype="float32", attention_impl="cpu")
+    tokens = list(range(200, 221))
+    np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
+                               PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "phi3"])
 def test_an_fp8_checkpoint_keeps_its_own_values_and_scales(kind, tiny_model_dir, tmp_path):
     """A compressed-tensors FP8 checkpoint loads as FP8 without --quantization (as vLLM reads it): each
     weight's e4m3 values are the checkpoint's, and the model computes what the checkpoint's dequantized
     weights give (per-channel and per-tensor scales; Phi-3's fused projections split with their rows'
     scales)."""
-    import shutil
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     source = tiny_model_dir(kind)
     dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", per_tensor={"k_proj", "down_proj", "qkv_proj"})
@@ -364,16 +387,7 @@ def test_an_fp8_checkpoint_keeps_its_own_values_and_scales(kind, tiny_model_dir,
         np.testing.assert_allclose(_dequantized64(weight).reshape(checkpoint.shape),
                                    dequantized[f"model.layers.0.self_attn.{name}.weight"].T, rtol=1e-6)
 
-    # The reference: an unquantized checkpoint holding the dequantized weights, and no quantization.
-    reference_dir = tmp_path / "dequantized"
-    shutil.copytree(source, reference_dir)
-    tensors = load_file(str(reference_dir / "model.safetensors"))
-    tensors.update({name: torch.from_numpy(w) for name, w in dequantized.items()})
-    save_file(tensors, str(reference_dir / "model.safetensors"))
-    reference = load_model(str(reference_dir), dtype="float32", attention_impl="cpu")
-    tokens = list(range(200, 221))
-    np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
-                               PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+    _assert_computes_as_dequantized(model, source, dequantized, tmp_path / "dequantized")
 
 
 @pytest.mark.parametrize(("kind", "block", "fmt"), [
@@ -388,10 +402,9 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
     computes what the checkpoint's dequantized weights give: with GLM-4's query and key rows reordered to the
     rotate-half layout, and DeepSeek-V3's latent attention (its RoPE rows reordered, its latent's projection
     576 rows over blocks of 24, its keys' and values' up-projection dequantized) and experts (dequantized)."""
-    import shutil
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     source = tiny_model_dir(kind)
     keep = {"llama": {"v_proj", "up_proj"}, "phi3": {"down_proj"}, "glm4": {"v_proj"}, "deepseek-v3": set()}[kind]
@@ -419,15 +432,7 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
             np.testing.assert_allclose(np.asarray(weight.dequantize()).reshape(-1, stored[checkpoint].shape[0]),
                                        dequantized[checkpoint].T, rtol=1e-6)
 
-    reference_dir = tmp_path / "dequantized"
-    shutil.copytree(source, reference_dir)
-    tensors = load_file(str(reference_dir / "model.safetensors"))
-    tensors.update({name: torch.from_numpy(w) for name, w in dequantized.items()})
-    save_file(tensors, str(reference_dir / "model.safetensors"))
-    reference = load_model(str(reference_dir), dtype="float32", attention_impl="cpu")
-    tokens = list(range(200, 221))
-    np.testing.assert_allclose(PagedForward(model, list(range(1, 9)))(tokens),
-                               PagedForward(reference, list(range(1, 9)))(tokens), atol=2e-4, rtol=0)
+    _assert_computes_as_dequantized(model, source, dequantized, tmp_path / "dequantized")
 
 
 def test_dummy_weights_of_a_block_fp8_checkpoint_take_its_form(tiny_model_dir, tmp_path):
