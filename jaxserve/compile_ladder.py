@@ -307,10 +307,8 @@ def compile_ladder(
     # an FP8 checkpoint's weights keep its form of scales (its 16-bit modules are compiled in FP8 here: usually
     # the LM head and the routers, which the quantization does not cover anyway)
     block = checkpoint_contracted_block(hf_config) if stored == "fp8" and quantization == "fp8" else 0
-    if quantization is not None:
-        if mesh is not None:
-            raise ValueError("--quantization with --tensor-parallel-size: not compiled deviceless yet")
-        quantize_state(abstract.state, abstract.spec.module, quantization, block)
+    if quantization is not None:  # as a load places them (`AbstractModel.keeps_fp8_block`)
+        quantize_state(abstract.state, abstract.spec.module, quantization, block, abstract.keeps_fp8_block(block))
     drafter = None
     if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
         drafter = _Drafter.of(speculative_config, abstract, jax_dtype, download_dir)

@@ -101,6 +101,7 @@ def _generate(llm, tp: int, spec: dict) -> dict:
         "last_kv_shard_shape": list(runner.kv_caches[-1][0].addressable_shards[0].data.shape),  # features, if kept
         "q_proj_shards": sorted((str(shard.device), list(shard.data.shape)) for shard in q_proj.addressable_shards),
         "q_proj_dtype": str(q_proj.dtype),
+        "experts": _experts_placement(runner.model.state),
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "top_logprobs": [[sorted(d.items()) for d in o.outputs[0].top_logprobs or ()] for o in outputs],
     }
@@ -198,6 +199,23 @@ class TPWorker:
                 self._proc.kill()
                 self._proc.wait()
         shutil.rmtree(self._stderr.parent, ignore_errors=True)
+
+
+def _experts_placement(state) -> dict | None:
+    """The first mixture layer's stacked down projection: its form, and each device's shard of its values and
+    (FP8) scales; None for a model without experts."""
+    from flax import nnx, traverse_util
+
+    from jaxserve.models.quantization import Fp8Experts
+
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    down = next((value for path, value in flat.items() if path[-1] == "experts_down"), None)
+    if down is None:
+        return None
+    shards = lambda array: sorted((str(s.device), list(s.data.shape)) for s in array.addressable_shards)  # noqa: E731
+    if not isinstance(down, Fp8Experts):
+        return {"form": str(down.dtype), "values": shards(down)}
+    return {"form": f"fp8, blocks of {down.block}", "values": shards(down.values), "scale": shards(down.scale)}
 
 
 def _first_attention_weight(state):

@@ -219,3 +219,28 @@ def test_bundled_smollm2_matches_tp1_at_tp2(tp_worker, tmp_path):
     results = run_tp(tp_worker, None, tmp_path, tp_sizes=(2, 1), max_tokens=12)
     assert results[2]["kv_shard_shape"][0] == 3  # 3 KV heads replicated to 6, 3 per device
     assert_same_as_tp1(results, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("block", "expert_parallel"), [(None, False), (None, True), ((24, 24), False)],
+                         ids=["per channel, by width", "per channel, by expert", "blocks, by width"])
+def test_an_fp8_checkpoint_s_experts_split_over_devices_in_e4m3(block, expert_parallel, tp_worker, tiny_model_dir,
+                                                                 tmp_path):
+    """An FP8 checkpoint's experts under tensor parallelism stay in e4m3 with their scales: each device holds its
+    slice of every expert's width (the down projection's rows in whole blocks of 24; a scale per channel whole on
+    every device) or, expert parallel, its own experts. TP=2 gives the same checkpoint's TP=1 tokens: with per-channel
+    scales its dense weights, quantized again per channel under the mesh, keep their values (each channel's
+    largest is 448 already); with blocks only the experts are stored in e4m3."""
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    keep = {"self_attn", "layers.1"} if block else set()  # layer 1's MLP is dense
+    _write_fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", block=block, fmt="fp8" if block else
+                          "compressed-tensors", keep=keep)
+    results = run_tp(tp_worker, str(tmp_path / "fp8"), tmp_path / "cache", tp_sizes=(2, 1),
+                     expert_parallel=expert_parallel)
+    experts = results[2]["experts"]  # the 6 experts' down projections [E, F, D] = [6, 48, 64]
+    assert experts["form"] == f"fp8, blocks of {block[1] if block else 48}"
+    shard, scale = ([3, 48, 64], [3, 1, 64]) if expert_parallel else ([6, 24, 64], [6, 1, 64])
+    assert [s for _, s in experts["values"]] == [shard, shard] and [s for _, s in experts["scale"]] == [scale, scale]
+    assert results[1]["experts"]["form"] == experts["form"]
+    assert_same_as_tp1(results)

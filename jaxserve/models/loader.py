@@ -10,6 +10,7 @@ tokenizer.
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -47,12 +48,15 @@ from jaxserve.models.gguf_weights import (
 from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.layers import context_length
 from jaxserve.models.quantization import (
+    Fp8Experts,
     Fp8Tensor,
     Fp8Weight,
+    KeepsBlock,
     Quantizer,
     checkpoint_contracted_block,
     checkpoint_fp8_block,
     checkpoint_quantization,
+    experts_keep_blocks,
     fp8_checkpoint_tensors,
     log_stored_fp8,
     quantize_model_state,
@@ -217,18 +221,43 @@ class AbstractModel:
 
     def placed_state(self) -> nnx.State:
         """The abstract state with each leaf's sharding over the mesh (what a compile for it needs); a quantized
-        weight's values and scales, without a mesh, as they are."""
+        weight's values and scales, without a mesh, as they are (`quantized_sharding` under one)."""
         def placed(path: tuple, leaf: Any) -> Any:
-            if isinstance(leaf, Fp8Weight):
-                if self.mesh is not None:
-                    raise ValueError("FP8 weights are quantized after their placement over a mesh")
-                return leaf
+            if isinstance(leaf, Fp8Weight | Fp8Experts):
+                return leaf if self.mesh is None else self.quantized_sharding(path, leaf)
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding(path, leaf.shape))
 
         flat = {path: placed(path, leaf) for path, leaf in _flatten(nnx.to_pure_dict(self.state))}
         state = jax.tree.map(lambda x: x, self.state)  # a copy to fill
         nnx.replace_by_pure_dict(state, _unflatten(flat))
         return state
+
+    def quantized_sharding(self, path: tuple, leaf: "Fp8Weight | Fp8Experts") -> "Fp8Weight | Fp8Experts":
+        """A quantized weight's values and scales as ShapeDtypeStructs placed as a load places them: the values
+        split as the parameter is; stacked experts' scales along the same axis where it divides (`_place`); a
+        dense weight's scales (over its output axes) along the split output axis, whole where the split is of
+        contracted axes (each device quantizes its shard with the scales of the whole weight)."""
+        def struct(part: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(part.shape, part.dtype, sharding=sharding)
+
+        values = struct(leaf.values, self.sharding(path, leaf.shape))
+        if isinstance(leaf, Fp8Experts):
+            scale = struct(leaf.scale, self.sharding(path, leaf.scale.shape))
+            return dataclasses.replace(leaf, values=values, scale=scale)
+        axis = self.split_rule(path)[0]
+        leading = leaf.scale.ndim - leaf.ndim + leaf.contracted  # the scale's axes before its output axes (blocks)
+        scale_axis = None if axis is None or axis < leaf.contracted else axis - leaf.contracted + leading
+        scale = param_sharding(self.mesh, leaf.scale.shape, (scale_axis, None))
+        return dataclasses.replace(leaf, values=values, scale=struct(leaf.scale, scale))
+
+    def keeps_fp8_block(self, block: int) -> KeepsBlock | None:
+        """Which weights keep an FP8 checkpoint's scales per `block` contracted rows as a load places them: all
+        (None) on one device; under a mesh the stacked experts that leave each device whole blocks
+        (`experts_keep_blocks`), the others being quantized again per channel."""
+        if self.mesh is None:
+            return None
+        return lambda path, shape: (path[-1] in getattr(self.spec.module, "EXPERT_WEIGHTS", ())
+                                    and experts_keep_blocks(shape, block, self.split_rule(path)[0], self.mesh.size))
 
     @property
     def weights_bytes_per_device(self) -> int:
@@ -422,9 +451,9 @@ def load_model(
         nnx.replace_by_pure_dict(state, loaded)
         if stored == "fp8" and not dummy and not is_checkpoint(source.directory):
             log_stored_fp8(state, abstract.spec.module)  # quantized as stored: its 16-bit weights stay
-        elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales (one device's)
-            block = checkpoint_contracted_block(hf_config) if stored == "fp8" and mesh is None else 0
-            quantize_model_state(state, abstract.spec.module, quantization, block)
+        elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales, as placed
+            block = checkpoint_contracted_block(hf_config) if stored == "fp8" else 0
+            quantize_model_state(state, abstract.spec.module, quantization, block, abstract.keeps_fp8_block(block))
         return state, kv_scales
 
     loading, in_use = None, 0
@@ -484,9 +513,10 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     start = time.perf_counter()
     stream = getattr(spec.module, "hf_weight_stream", None)
     # An FP8 checkpoint's weights keep their own e4m3 values and scales where the model holds them as they
-    # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales);
-    # elsewhere (heads laid out for a mesh, a mixture's experts) they are dequantized, and quantized again per
-    # channel as they arrive where covered. Its weights stored in 16 bits stay in 16 bits.
+    # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales;
+    # a mixture's stacked experts, under a mesh too where each device gets whole blocks); elsewhere (heads laid
+    # out for a mesh) they are dequantized, and quantized again per channel as they arrive where covered. Its
+    # weights stored in 16 bits stay in 16 bits.
     exact = covered is not None and abstract.heads.is_identity and mesh is None
     if stored_fp8:
         tensors = fp8_checkpoint_tensors(tensors, fp8_block)
@@ -513,6 +543,15 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
                     raise ValueError(f"{name}: shape {tuple(values.shape)} != expected {expected[path].shape}")
                 loaded[path] = quantize.stored(path, values, tensor.row_scale(), tensor.block)
                 continue
+            if quantize is not None and quantize.covers_experts(path) and tensor.values.ndim == 3:
+                values = transform(tensor.values, cfg)  # [E, K, N]
+                if tuple(values.shape) != tuple(expected[path].shape):
+                    raise ValueError(f"{name}: shape {tuple(values.shape)} != expected {expected[path].shape}")
+                split_axis = abstract.split_rule(path)[0] if mesh is not None else None
+                if experts_keep_blocks(values.shape, tensor.block, split_axis, 1 if mesh is None else mesh.size):
+                    place = functools.partial(_place, abstract, path)
+                    loaded[path] = quantize.stored_experts(values, tensor.row_scale(), tensor.block, place)
+                    continue
             tensor = tensor.dequantize()
         if isinstance(tensor, GgufTensor):
             if exact and covered.covers(path):
@@ -540,6 +579,12 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
         raise ValueError(f"checkpoint is missing weights for {', '.join(missing[:5])}")
     logger.info("weights: %d tensors loaded in %.1fs", len(loaded), time.perf_counter() - start)
     return loaded, kv_scales
+
+
+def _place(abstract: AbstractModel, path: tuple, value: np.ndarray) -> jax.Array:
+    """One of the parameter at `path`'s arrays (an FP8 weight's values or scales) onto its devices: split as the
+    parameter's rule splits that axis where it divides, else whole."""
+    return jax.device_put(value, abstract.sharding(path, value.shape))
 
 
 class LoadStopped(Exception):

@@ -18,6 +18,12 @@ blocks, `gguf_weights.GgufExperts`, the same way in integers); elsewhere `jax.la
 and XLA:CPU compute densely, every row against every expert (E times the work), which is right but slow: a
 Triton grouped matmul for sm_80/89 is still to come.
 
+FP8 experts (`quantization.Fp8Experts`: an FP8 checkpoint's, or `--quantization fp8`'s) take the same paths:
+with a scale per expert and output channel, over their values widened to the rows' dtype, each row's product
+then scaled by its own expert's scales; with block scales (DeepSeek-V3's), over the experts dequantized for the
+step. They keep half the memory of 16-bit experts; each step still widens them (no kernel reads e4m3 experts
+yet).
+
 With a mesh the experts run under `shard_map`, in one of two layouts (`MoeConfig.expert_parallel`):
 - tensor parallel (vLLM's default): every device holds every expert's slice of the F axis; the down
   projection's partial sums are added over devices.
@@ -42,6 +48,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.models import gguf_weights
 from jaxserve.models.gguf_weights import GgufExperts, GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import GatedMlp, param
+from jaxserve.models.quantization import Fp8Experts, Fp8Tensor
 from jaxserve.ops import cpu_kernels
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
@@ -186,16 +193,21 @@ def _mgpu_tiles(k: int, n: int) -> dict[str, int] | None:
 
 def grouped_matmul(
     rows: jax.Array,  # [A, K], sorted by group
-    w: jax.Array | GgufExperts,  # [G, K, N]
+    w: jax.Array | GgufExperts | Fp8Experts,  # [G, K, N]
     group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
     hopper: bool = False,
     native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
 ) -> jax.Array:  # f32[A, N]
-    """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, the Mosaic GPU
-    kernel on Hopper where the shapes fit its tiles and the rows are many (`_DENSE_TEMP_BYTES`), the native
-    kernel on a CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
+    """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, FP8 experts
+    widened (module docstring), the Mosaic GPU kernel on Hopper where the shapes fit its tiles and the rows are
+    many (`_DENSE_TEMP_BYTES`), the native kernel on a CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
     if isinstance(w, GgufExperts):
         return gguf_weights.grouped_matmul(rows, w, group_sizes)
+    if isinstance(w, Fp8Experts):
+        if not w.per_channel:
+            return grouped_matmul(rows, w.dequantize(rows.dtype), group_sizes, hopper, native)
+        out = grouped_matmul(rows, w.values.astype(rows.dtype), group_sizes, hopper, native)  # f32[A, N]
+        return out * w.scale[group_of_rows(group_sizes, rows.shape[0]), 0]  # rows past the groups stay zeros
     rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
     if native and w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
@@ -209,6 +221,12 @@ def grouped_matmul(
     out = ragged_dot_mgpu.ragged_dot(rows, w, group_sizes=group_sizes, **tiles).astype(jnp.float32)
     covered = jnp.arange(rows.shape[0]) < group_sizes.sum()  # the kernel leaves rows past the groups unwritten
     return jnp.where(covered[:, None], out, 0.0)
+
+
+def group_of_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """i32[A]: each sorted row's group (rows past the groups: the last group)."""
+    ends = jnp.cumsum(group_sizes)  # i32[G]
+    return jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_rows), side="right"), group_sizes.shape[0] - 1)
 
 
 def is_hopper(attention: AttentionConfig) -> bool:
@@ -269,7 +287,7 @@ class SparseMoeBlock(nnx.Module):
         else:
             weights, experts = route(logits, moe.top_k, moe.normalize_top_k, moe.softmax_after_top_k)
         gate, up, down = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
-        rows = x if isinstance(gate, GgufExperts) else x.astype(gate.dtype)  # blocks take x as it is
+        rows = x if isinstance(gate, GgufExperts | Fp8Experts) else x.astype(gate.dtype)  # blocks take x as it is
         num_experts, mesh, hopper = moe.num_experts, self.attention.mesh, is_hopper(self.attention)
         biases = (self.experts_gate_bias[...], self.experts_up_bias[...]) if moe.biases else ()
         activation = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
@@ -295,11 +313,21 @@ class SparseMoeBlock(nnx.Module):
             return jax.lax.psum(out, TP_AXIS)
 
         whole = PartitionSpec()
-        specs = [PartitionSpec(*(None,) * axis, TP_AXIS) for axis in expert_split_axes(expert_parallel)]
+        specs = [expert_spec(w, axis) for w, axis in zip((gate, up, down), expert_split_axes(expert_parallel),
+                                                          strict=True)]
         bias_spec = PartitionSpec(TP_AXIS) if expert_parallel else PartitionSpec(None, TP_AXIS)  # [E, F]
         return jax.shard_map(local, mesh=self.attention.mesh,
                              in_specs=(whole, whole, whole, *specs, *(bias_spec for _ in biases)), out_specs=whole,
                              check_vma=False)(rows, weights, experts, gate, up, down, *biases)
+
+
+def expert_spec(w: jax.Array | Fp8Experts, axis: int) -> PartitionSpec | Fp8Experts:
+    """The experts' split along `axis` as `shard_map` takes it: FP8 experts' scales split with their values,
+    but a scale per channel (one block of K) whole where K is split."""
+    spec = PartitionSpec(*(None,) * axis, TP_AXIS)
+    if not isinstance(w, Fp8Experts):
+        return spec
+    return Fp8Experts(spec, PartitionSpec() if w.scale.shape[axis] == 1 else spec, w.block)
 
 
 def _named(biases: tuple) -> dict[str, jax.Array]:
@@ -315,7 +343,8 @@ _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 class ExpertStacker:
     """A checkpoint's per-expert weights (`model.layers.i.mlp.experts.j.gate_proj.weight`, Mixtral's `w1`...)
     stacked into one [E, out, in] tensor per layer and kind (`model.layers.i.mlp.experts_gate`...), each
-    once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`)."""
+    once its last expert has arrived (a GGUF file's blocks stacked as blocks, `stack_expert_tensors`; an FP8
+    checkpoint's values with their scales, `Fp8Tensor.stack`)."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
@@ -328,11 +357,15 @@ class ExpertStacker:
             return None
         layer, expert, kind = match.group(1), int(match.group(2)), _EXPERT_KIND[match.group(3)]
         experts = self.pending.setdefault((layer, kind), {})
-        experts[expert] = tensor if isinstance(tensor, GgufTensor) else np.asarray(tensor)  # blocks stay
+        experts[expert] = tensor if isinstance(tensor, GgufTensor | Fp8Tensor) else np.asarray(tensor)  # blocks stay
         if len(experts) < self.num_experts:
             return []
         del self.pending[(layer, kind)]
-        stacked = stack_expert_tensors([experts[e] for e in range(len(experts))])
+        ordered = [experts[e] for e in range(len(experts))]
+        if all(isinstance(tensor, Fp8Tensor) for tensor in ordered):  # an FP8 checkpoint's e4m3 values and scales
+            stacked = Fp8Tensor.stack(ordered)
+        else:  # a GGUF file's blocks of one format stay blocks; any other mix becomes floats
+            stacked = stack_expert_tensors(ordered)
         return [(f"model.layers.{layer}.mlp.experts_{kind}", stacked)]
 
     def check_complete(self) -> None:

@@ -9,8 +9,10 @@ A quantized weight is an `Fp8Weight` where the plain array was: the same shape, 
 over), with a leading axis of contracted blocks where the checkpoint's scales vary along them.
 `layers.dense` multiplies by the values widened to the activations' dtype and scales the result (compiled
 for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte per weight instead of
-two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). The token embeddings,
-the LM head, norms, biases and a mixture's experts stay as they are, as in vLLM's FP8 scheme.
+two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). A mixture's stacked experts
+are an `Fp8Experts` (values [E, K, N], scales [E, K blocks, N]), which `moe.grouped_matmul` widens in the
+same way. The token embeddings, the LM head, the routers, norms and biases stay as they are, as in vLLM's FP8
+scheme.
 
 Which parameters are quantized is the model family's `QUANTIZED_WEIGHTS`: a layer parameter's name
 maps to its number of contracted axes (1 for [D, N, H] or [K, N]; 2 for an output projection [N, H, D]).
@@ -21,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+KeepsBlock = Callable[[tuple, tuple[int, ...]], bool]  # (parameter path, shape) -> whether it takes block scales
 
 
 def layer_weight_itemsize(quantization: str | None) -> int | None:
@@ -136,6 +140,65 @@ def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None =
     return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Experts:
+    """A mixture's stacked experts in e4m3 with float32 scales: expert e's weight at contracted row k and
+    output column n is `values[e, k, n] * scale[e, k // block, n]`. A scale per expert and output channel is
+    one block of all K rows (what `--quantization fp8` gives); an FP8 checkpoint's block scales keep their
+    block (DeepSeek-V3's 128)."""
+
+    values: Any  # f8e4m3fn[E, K, N]
+    scale: Any  # f32[E, ceil(K / block), N]
+    block: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def per_channel(self) -> bool:
+        """One scale for all of an expert's contracted rows, which can scale the product instead of the weight."""
+        return self.scale.shape[1] == 1
+
+    def __getitem__(self, key: Any) -> "Fp8Experts":  # `param[...]` reads the whole weight
+        if key is not Ellipsis:
+            raise TypeError("an Fp8Experts is read whole (`param[...]`)")
+        return self
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:  # [E, K, N]
+        blocks, k = self.scale.shape[1], self.values.shape[1]  # under shard_map, this device's rows and blocks
+        scales = jnp.repeat(self.scale, self.block, axis=1, total_repeat_length=blocks * self.block)[:, :k]
+        return (self.values.astype(jnp.float32) * scales).astype(dtype)
+
+
+def quantize_experts(w: jax.Array, block: int = 0) -> Fp8Experts:
+    """w [E, K, N] -> e4m3 values and the scales that map the largest |w| of each expert's output channel, in
+    each run of `block` contracted rows (all K where 0), to 448 (a zero run keeps scale 1)."""
+    num_experts, k, n = w.shape
+    block = block or k
+    blocks = -(-k // block)
+    w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, blocks * block - k), (0, 0)))  # [E, blocks * block, N]
+    amax = jnp.max(jnp.abs(w32.reshape(num_experts, blocks, block, n)), axis=2)  # [E, blocks, N]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    values = jnp.clip(w32 / jnp.repeat(scale, block, axis=1), -FP8_MAX, FP8_MAX)[:, :k].astype(FP8)
+    return Fp8Experts(values, scale, block)
+
+
+def experts_keep_blocks(shape: tuple[int, ...], block: int, split_axis: int | None, devices: int) -> bool:
+    """Whether experts [E, K, N] with scales per `block` contracted rows (0: per channel) can be split along
+    `split_axis` over `devices` with their scales: a split of K must leave every device whole blocks."""
+    return not block or split_axis != 1 or devices == 1 or shape[1] % (devices * block) == 0
+
+
 def scaled(w: Any, factor: Any) -> Fp8Weight:
     """An Fp8Weight times a factor broadcast against its full shape (a scalar, or constant over the contracted
     axes): the factor goes into the scale, the values stay."""
@@ -153,9 +216,10 @@ class Quantizer:
     ShapeDtypeStruct (its shape). The loader quantizes each weight as it arrives, so a whole 16-bit model is
     never on the device."""
 
-    def __init__(self, family: Any, quantization: str, block: int = 0) -> None:
+    def __init__(self, family: Any, quantization: str, block: int = 0, keeps_block: KeepsBlock | None = None) -> None:
         """`block`: scales per run of that many contracted rows and output channel (an FP8 checkpoint's
-        block scales' form, for its dummy weights and its compile), 0 per output channel."""
+        block scales' form, for its dummy weights and its compile), 0 per output channel; `keeps_block`, where
+        given, says which weights take it (the others per channel)."""
         table = getattr(family, "QUANTIZED_WEIGHTS", None)
         if table is None:
             raise ValueError(f"--quantization {quantization}: not supported for "
@@ -163,8 +227,9 @@ class Quantizer:
         self.table, self.layers_key = table, family.LAYERS_KEY
         self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
         self.expert_weights = getattr(family, "EXPERT_WEIGHTS", ())
-        self.block = block
+        self.block, self.keeps_block = block, keeps_block
         self._quantize = jax.jit(quantize_fp8, static_argnums=(1, 2))
+        self._quantize_experts = jax.jit(quantize_experts, static_argnums=1)
 
     def covers(self, path: tuple) -> bool:
         return path[0] == self.layers_key and path[-1] in self.table
@@ -192,35 +257,58 @@ class Quantizer:
             scale = row_scale.reshape(outputs)
         return Fp8Weight(jax.device_put(values), jax.device_put(scale), contracted=contracted, block=block)
 
+    def stored_experts(self, values: np.ndarray, row_scale: np.ndarray, block: int,
+                       place: Any = jax.device_put) -> Fp8Experts:
+        """A checkpoint's stacked e4m3 experts in the model's layout [E, K, N], with their scales by output row
+        (`Fp8Tensor.row_scale` of the stack: f32[E, N], or f32[E, N, K blocks] for blocks of `block`), placed
+        by `place(array)` (each device's share under a mesh)."""
+        row_scale = np.asarray(row_scale, np.float32)
+        scale = row_scale[:, None, :] if not block else np.swapaxes(row_scale, 1, 2)  # [E, K blocks, N]
+        if scale.shape[::2] != values.shape[::2] or scale.shape[1] != -(-values.shape[1] // (block or values.shape[1])):
+            raise ValueError(f"expert scales {row_scale.shape} for experts {values.shape} in blocks of {block}")
+        return Fp8Experts(place(values), place(scale), block or values.shape[1])
+
     def __call__(self, path: tuple, value: Any) -> Any:
-        if not self.covers(path) or isinstance(value, Fp8Weight):
+        if isinstance(value, Fp8Weight | Fp8Experts):
             return value
+        experts = self.covers_experts(path) and len(value.shape) == 3  # not a GGUF file's kept blocks
+        if not experts and not self.covers(path):
+            return value
+        block = self.block if self.keeps_block is None or self.keeps_block(path, tuple(value.shape)) else 0
+        if experts:
+            if isinstance(value, jax.ShapeDtypeStruct):
+                return jax.eval_shape(functools.partial(quantize_experts, block=block), value)
+            return self._quantize_experts(value, block)
         contracted = self.table[path[-1]]
         if isinstance(value, jax.ShapeDtypeStruct):
-            return jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted, block=self.block), value)
-        return self._quantize(value, contracted, self.block)
+            return jax.eval_shape(functools.partial(quantize_fp8, contracted=contracted, block=block), value)
+        return self._quantize(value, contracted, block)
 
 
-def quantize_state(state: nnx.State, family: Any, quantization: str, block: int = 0) -> int:
+def quantize_state(state: nnx.State, family: Any, quantization: str, block: int = 0,
+                   keeps_block: KeepsBlock | None = None) -> int:
     """Replaces, in place, each weight `Quantizer` covers by its quantized form (scales per `block` contracted
-    rows where given); returns how many are quantized (those that already were included)."""
-    quantizer = Quantizer(family, quantization, block)
+    rows where given, for the weights `keeps_block` names where given); returns how many are quantized (those
+    that already were included, experts too)."""
+    quantizer = Quantizer(family, quantization, block, keeps_block)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     flat = {path: quantizer(path, value) for path, value in flat.items()}
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
-    return sum(isinstance(v, Fp8Weight) for v in flat.values())
+    return sum(isinstance(v, Fp8Weight | Fp8Experts) for v in flat.values())
 
 
-def quantize_model_state(state: nnx.State, family: Any, quantization: str | None, block: int = 0) -> None:
+def quantize_model_state(state: nnx.State, family: Any, quantization: str | None, block: int = 0,
+                         keeps_block: KeepsBlock | None = None) -> None:
     """`quantize_state` with the start-up log line; nothing without a quantization."""
     if quantization is None:
         return
     start = time.perf_counter()
-    count = quantize_state(state, family, quantization, block)
+    count = quantize_state(state, family, quantization, block, keeps_block)
     jax.block_until_ready(jax.tree.leaves(state))
     scales = f"per {block} contracted rows and output channel" if block else "per output channel"
-    logger.info("quantization %s: %d layer weights in e4m3 with a scale %s (%.1fs); the embeddings and the LM "
-                "head keep their dtype", quantization, count, scales, time.perf_counter() - start)
+    logger.info("quantization %s: %d layer weights (stacked experts included) in e4m3 with a scale %s (%.1fs); "
+                "the embeddings, the LM head and the routers keep their dtype", quantization, count, scales,
+                time.perf_counter() - start)
     _warn_on_cpu(quantization)
 
 
@@ -236,24 +324,39 @@ def log_stored_fp8(state: nnx.State, family: Any) -> None:
     quantizer = Quantizer(family, "fp8")
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     fp8 = [value for value in flat.values() if isinstance(value, Fp8Weight)]
-    kept = sum(quantizer.covers(path) and not isinstance(value, Fp8Weight) for path, value in flat.items())
-    blocks = sorted({value.block for value in fp8})
-    logger.info("quantization fp8 (the checkpoint's): %d layer weights in e4m3 with its scales (%s)%s", len(fp8),
-                ", ".join(f"per {b} contracted rows and output channel" if b else "per output channel" for b in blocks)
-                or "none", f"; {kept} it stores in 16 bits stay so" if kept else "")
-    if fp8:
+    experts = [value for value in flat.values() if isinstance(value, Fp8Experts)]
+    kept = sum((quantizer.covers(path) or quantizer.covers_experts(path))
+               and not isinstance(value, Fp8Weight | Fp8Experts) for path, value in flat.items())
+    blocks = sorted({value.block for value in fp8} | {value.block for value in experts if not value.per_channel})
+    if any(value.per_channel for value in experts):
+        blocks.append(0)
+    logger.info("quantization fp8 (the checkpoint's): %d layer weights%s in e4m3 with its scales (%s)%s", len(fp8),
+                f" and {len(experts)} stacks of experts" if experts else "",
+                ", ".join(f"per {b} contracted rows and output channel" if b else "per output channel"
+                          for b in sorted(set(blocks))) or "none",
+                f"; {kept} it stores in 16 bits stay so" if kept else "")
+    if fp8 or experts:
         _warn_on_cpu("fp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
-    """One weight of an FP8 checkpoint as it is stored: e4m3 values [out, in] (HF's Linear layout) and the
-    scale they were divided by: per tensor, per output channel, or (`block` B > 0) per output row and run of B
-    input columns (`from_blocks` spreads a checkpoint's block grid over the rows)."""
+    """One weight of an FP8 checkpoint as it is stored: e4m3 values [out, in] (HF's Linear layout; a mixture's
+    experts stacked [E, out, in], `stack`) and the scale they were divided by: per tensor, per output channel,
+    or (`block` B > 0) per output row and run of B input columns (`from_blocks` spreads a checkpoint's block
+    grid over the rows)."""
 
-    values: np.ndarray  # f8e4m3fn[out, in]
-    scale: np.ndarray  # f32[] or f32[1] (per tensor), f32[out] or f32[out, 1] (per channel), f32[out, ceil(in / B)]
+    values: np.ndarray  # f8e4m3fn[*rows, in]: rows [out] or [E, out]
+    # f32[] or f32[1] (per tensor), f32[*rows] or f32[*rows, 1] (per channel), f32[*rows, ceil(in / B)] (blocks)
+    scale: np.ndarray
     block: int = 0
+
+    @classmethod
+    def stack(cls, tensors: "list[Fp8Tensor]") -> "Fp8Tensor":
+        """One kind of a layer's experts, [out, in] each with the same form of scales, as one [E, out, in]."""
+        if len({tensor.block for tensor in tensors}) != 1:
+            raise ValueError("a layer's experts stored with different forms of FP8 scales")
+        return cls(np.stack([t.values for t in tensors]), np.stack([t.row_scale() for t in tensors]), tensors[0].block)
 
     @classmethod
     def from_blocks(cls, values: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> "Fp8Tensor":
@@ -281,17 +384,18 @@ class Fp8Tensor:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
         return self.dequantize() if dtype is None else self.dequantize().astype(dtype)
 
-    def row_scale(self) -> np.ndarray:  # f32[out], or f32[out, ceil(in / block)]
+    def row_scale(self) -> np.ndarray:  # f32[*rows], or f32[*rows, ceil(in / block)]
+        scale = np.asarray(self.scale, np.float32)
         if self.block:
-            return np.asarray(self.scale, np.float32)
-        scale = np.asarray(self.scale, np.float32).reshape(-1)
-        return np.broadcast_to(scale, (self.values.shape[0],)) if scale.size == 1 else scale
+            return scale
+        rows = self.values.shape[:-1]
+        return np.broadcast_to(scale.reshape(()), rows) if scale.size == 1 else scale.reshape(rows)
 
-    def dequantize(self) -> np.ndarray:  # f32[out, in]
+    def dequantize(self) -> np.ndarray:  # f32[*rows, in]
         values = np.asarray(self.values, np.float32)
         if self.block:
-            return values * np.repeat(self.row_scale(), self.block, axis=1)[:, : values.shape[1]]
-        return values * self.row_scale()[:, None]
+            return values * np.repeat(self.row_scale(), self.block, axis=-1)[..., : values.shape[-1]]
+        return values * self.row_scale()[..., None]
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:

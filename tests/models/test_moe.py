@@ -157,3 +157,62 @@ def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_tokens, num_ex
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == kernels
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
+
+
+@pytest.mark.parametrize("block", [0, 8], ids=["per channel", "blocks of 8"])
+def test_fp8_experts_are_scaled_to_the_format_s_range_per_expert_channel_and_block(case, block):
+    """`quantize_experts`: each expert's output channel's largest |w| over each run of `block` contracted rows
+    (all rows per channel) maps to 448, and the values times their scales are the weight to e4m3's rounding."""
+    from jaxserve.models.quantization import quantize_experts
+
+    down = case[4]  # [E, F, D]: F = 24 rows in 3 blocks of 8
+    q = quantize_experts(jnp.asarray(down), block)
+    runs = 1 if not block else F // block
+    assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == (E, runs, D) and q.block == (block or F)
+    values = np.asarray(q.values.astype(jnp.float32)).reshape(E, runs, F // runs, D)
+    np.testing.assert_allclose(np.abs(values).max(axis=2), 448.0)
+    np.testing.assert_allclose(np.asarray(q.dequantize()), down, rtol=2**-4, atol=1e-6)
+
+
+def _fp8_slice(w, experts: slice = slice(None), rows: slice = slice(None), columns: slice = slice(None)):
+    """One device's share of FP8 experts: its experts, rows or columns, with the scales that cover them (a
+    scale per channel whole over any rows)."""
+    from jaxserve.models.quantization import Fp8Experts
+
+    blocks = slice(None) if w.per_channel else slice(
+        (rows.start or 0) // w.block, None if rows.stop is None else -(-rows.stop // w.block))
+    return Fp8Experts(w.values[experts, rows, columns], w.scale[experts, blocks, columns], w.block)
+
+
+@pytest.mark.parametrize("block", [0, 8], ids=["per channel", "blocks of 8"])
+def test_fp8_experts_compute_as_their_dequantized_weights_whole_and_split(case, block):
+    """The routed MLP over FP8 experts (per channel: the product scaled by each row's expert's scales; blocks:
+    the experts dequantized) equals it over their dequantized float32 weights, on one device, over three
+    devices' own experts (expert parallel), and over three slices of every expert's width (down's rows in
+    whole blocks), the shares summed."""
+    from jaxserve.models.quantization import quantize_experts
+
+    x, logits, gate, up, down = case
+    q = [quantize_experts(jnp.asarray(w), block) for w in (gate, up, down)]
+    dequantized = [w.dequantize() for w in q]
+    weights, experts = route(jnp.asarray(logits), K, True)
+    x = jnp.asarray(x)
+    want = np.asarray(grouped_expert_mlp(x, weights, experts, *dequantized, num_experts=E))
+    assert np.abs(want - oracle(*case, True)).max() > 1e-4  # the rounding is there, and the test below sees it
+    np.testing.assert_allclose(np.asarray(grouped_expert_mlp(x, weights, experts, *q, num_experts=E)), want,
+                               atol=1e-5, rtol=1e-5)
+    own = [grouped_expert_mlp(x, weights, experts, *(_fp8_slice(w, experts=slice(i, i + 2)) for w in q),
+                              num_experts=E, first_expert=i) for i in range(0, E, 2)]
+    np.testing.assert_allclose(np.asarray(sum(own)), want, atol=1e-5, rtol=1e-5)
+    widths = [slice(i, i + F // 3) for i in range(0, F, F // 3)]
+    sliced = [grouped_expert_mlp(x, weights, experts, _fp8_slice(q[0], columns=c), _fp8_slice(q[1], columns=c),
+                                 _fp8_slice(q[2], rows=c), num_experts=E) for c in widths]
+    np.testing.assert_allclose(np.asarray(sum(sliced)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_past_the_groups_of_fp8_experts_come_back_as_zeros():
+    from jaxserve.models.quantization import quantize_experts
+
+    w = quantize_experts(jnp.stack([jnp.ones((4, 3)), 2 * jnp.ones((4, 3))]))
+    out = np.asarray(grouped_matmul(jnp.ones((8, 4)), w, jnp.asarray([2, 3], jnp.int32)))
+    assert (out[:2] == 4).all() and (out[2:5] == 8).all() and (out[5:] == 0).all()

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx, traverse_util
 
 from jaxserve.models.layers import dense, merge_heads, project_heads
+from jaxserve.models.llama import EXPERT_WEIGHTS
 from jaxserve.models.loader import load_model
-from jaxserve.models.quantization import FP8_MAX, Fp8Weight, quantize_fp8, scaled
+from jaxserve.models.quantization import FP8_MAX, Fp8Experts, Fp8Weight, quantize_fp8, scaled
 from jaxserve.ops.attention import resolve_attention
 from jaxserve.parallel import on_one_device
 from tests.models.test_parity import PagedForward
@@ -144,10 +145,10 @@ def test_block_scaled_weights_multiply_as_their_rows_scaled_one_by_one():
 def _dequantized_state(state: nnx.State) -> dict:
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     return traverse_util.unflatten_dict(
-        {p: v.dequantize(jnp.float32) if isinstance(v, Fp8Weight) else v for p, v in flat.items()})
+        {p: v.dequantize(jnp.float32) if isinstance(v, Fp8Weight | Fp8Experts) else v for p, v in flat.items()})
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2", "deepseek-v2", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2", "deepseek-v2", "deepseek-v3", "qwen3-moe"])
 def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_original(kind, tiny_model_dir):
     directory = str(tiny_model_dir(kind))
     original = load_model(directory, dtype="float32", attention_impl="cpu")
@@ -156,14 +157,20 @@ def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_origina
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(quantized.state))
     fp8 = [p for p, v in flat.items() if isinstance(v, Fp8Weight)]
     family = quantized.spec.module
+    layers = range(quantized.cfg.num_layers)
+    experts = [p for p, v in flat.items() if p[-1] in getattr(family, "EXPERT_WEIGHTS", ())]
+    assert all(isinstance(flat[p], Fp8Experts) and flat[p].per_channel for p in experts)  # a scale per channel
     if kind.startswith("deepseek"):  # V2's query projection or V3's two; a dense MLP or a shared expert a layer
         queries = ["q_proj"] if kind == "deepseek-v2" else ["q_a_proj", "q_b_proj"]
         per_layer = sorted([*queries, "kv_a_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        layers = range(quantized.cfg.num_layers)
         assert all(sorted(p[-1] for p in fp8 if p[1] == layer) == per_layer for layer in layers)
+        assert len(experts) == 3 * (len(layers) - 1)  # the first layer's MLP is dense
+    elif kind == "qwen3-moe":  # layer 1's MLP is dense, the others' experts are stacked
+        assert sorted(p[1] for p in experts) == [0, 0, 0, 2, 2, 2]
+        assert len(fp8) == len(layers) * 4 + 3
     else:
         assert len(fp8) == quantized.cfg.num_layers * len(family.QUANTIZED_WEIGHTS)
-    assert not any(isinstance(v, Fp8Weight) for p, v in flat.items() if p[0] != family.LAYERS_KEY)  # embeddings
+    assert not any(isinstance(v, Fp8Weight | Fp8Experts) for p, v in flat.items() if p[0] != family.LAYERS_KEY)
 
     tokens = np.random.default_rng(3).integers(0, quantized.cfg.vocab_size, size=19).tolist()
     pages = list(range(1, 9))
@@ -174,11 +181,11 @@ def test_a_quantized_model_equals_its_dequantized_weights_and_tracks_the_origina
 
     # Against the unquantized model: e4m3's 3 mantissa bits round each weight by up to 6%, and in these random
     # tiny models every layer's rounding compounds (measured: logits 6-13% off on average, 68-100% of argmaxes
-    # kept; 53% for DeepSeek-V3's, whose queries pass two rounded projections); the bundled model's figures are
-    # in docs/benchmarks.md.
+    # kept; 53% for DeepSeek-V3's, whose queries pass two rounded projections, 58% for Qwen3-MoE's, whose rounded
+    # router inputs move tokens to other experts); the bundled model's figures are in docs/benchmarks.md.
     want = PagedForward(original, pages)(tokens)
     assert np.abs(got - want).mean() < 0.2 * np.abs(want).mean()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= (0.5 if kind == "deepseek-v3" else 0.6)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= (0.5 if kind in ("deepseek-v3", "qwen3-moe") else 0.6)
 
 
 def test_an_fp8_cache_s_scales_fold_into_fp8_weights(tiny_model_dir):
@@ -301,7 +308,8 @@ def _write_fp8_checkpoint(source, target, per_tensor: set[str] = frozenset(), bl
 
     shutil.copytree(source, target)
     tensors, dequantized = load_file(str(target / "model.safetensors")), {}
-    projections = [n for n in tensors if ".layers." in n and n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]
+    projections = [n for n in tensors if ".layers." in n
+                   and n.endswith(("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))]
     left_out = [n for n in projections if any(f".{p}." in n for p in keep)]
     for name in [n for n in projections if n not in left_out]:
         w = tensors[name].to(torch.float32)  # [out, in]
@@ -401,7 +409,8 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
     spread over their rows, the others stay as stored (vLLM's reading: not quantized again), and the model
     computes what the checkpoint's dequantized weights give: with GLM-4's query and key rows reordered to the
     rotate-half layout, and DeepSeek-V3's latent attention (its RoPE rows reordered, its latent's projection
-    576 rows over blocks of 24, its keys' and values' up-projection dequantized) and experts (dequantized)."""
+    576 rows over blocks of 24, its keys' and values' up-projection dequantized) and experts (kept in e4m3 with
+    their block scales)."""
 
     import torch
     from safetensors.torch import load_file
@@ -416,6 +425,8 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     for path, weight in weights.items():
         name = path[-1]
+        if kind == "deepseek-v3" and name in EXPERT_WEIGHTS:
+            assert isinstance(weight, Fp8Experts) and weight.block == block[1] and not weight.per_channel, path
         if path[0] != "layers" or not name.endswith("_proj"):
             continue
         checkpoint = f"model.layers.{path[1]}.{'.'.join(map(str, path[2:]))}.weight"
@@ -431,6 +442,34 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
                 stored[checkpoint].to(torch.float32).numpy().T)
             np.testing.assert_allclose(np.asarray(weight.dequantize()).reshape(-1, stored[checkpoint].shape[0]),
                                        dequantized[checkpoint].T, rtol=1e-6)
+
+    _assert_computes_as_dequantized(model, source, dequantized, tmp_path / "dequantized")
+
+
+@pytest.mark.parametrize(("kind", "block", "fmt"), [
+    ("qwen3-moe", None, "compressed-tensors"), ("mixtral", None, "compressed-tensors"), ("qwen3-moe", (16, 16), "fp8")])
+def test_an_fp8_checkpoint_keeps_its_experts_in_e4m3(kind, block, fmt, tiny_model_dir, tmp_path):
+    """A mixture's experts stored in e4m3 (Qwen3-MoE's `gate_proj`..., Mixtral's `w1`...; a scale per channel,
+    per tensor for `down_proj`, or per block) stay so as they are stacked: each layer's experts an Fp8Experts
+    holding the checkpoint's own values, and the model computes what the dequantized checkpoint gives."""
+    import torch
+    from safetensors.torch import load_file
+
+    source = tiny_model_dir(kind)
+    dequantized = _write_fp8_checkpoint(source, tmp_path / "fp8", per_tensor={"down_proj"}, block=block, fmt=fmt)
+    model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="cpu")
+    weights = traverse_util.flatten_dict(nnx.to_pure_dict(model.state))
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    experts = {path: w for path, w in weights.items() if path[-1] in EXPERT_WEIGHTS}
+    assert experts and all(isinstance(w, Fp8Experts) for w in experts.values())
+    gate = experts[("layers", 0, "mlp", "experts_gate")]
+    name = "block_sparse_moe.experts.{}.w1" if kind == "mixtral" else "mlp.experts.{}.gate_proj"
+    checkpoint = np.stack([stored[f"model.layers.0.{name.format(e)}.weight"].to(torch.float32).numpy().T
+                           for e in range(gate.shape[0])])  # [E, D, F]
+    np.testing.assert_array_equal(np.asarray(gate.values.astype(jnp.float32)), checkpoint)
+    assert gate.per_channel == (block is None)
+    np.testing.assert_allclose(np.asarray(gate.dequantize()), np.stack(
+        [dequantized[f"model.layers.0.{name.format(e)}.weight"].T for e in range(gate.shape[0])]), rtol=1e-6)
 
     _assert_computes_as_dequantized(model, source, dequantized, tmp_path / "dequantized")
 
