@@ -122,7 +122,8 @@ def step_cost(
     layer_itemsize: int | None = None,
 ) -> StepCost:
     """The roofline of one step: `num_tokens` tokens of `num_reqs` requests, each seeing `context_len` keys.
-    `layer_itemsize`: the layers' dense weights' bytes each where they differ from `itemsize` (quantized)."""
+    `layer_itemsize`: the layers' dense weights' and routed experts' bytes each where they differ from
+    `itemsize` (quantized)."""
     s = shape
     attention_flops = 4 * num_tokens * context_len * s.num_heads * s.head_dim * s.num_layers
     expert_flops = 2 * num_tokens * s.num_moe_layers * s.top_k * s.expert_weights
@@ -130,7 +131,7 @@ def step_cost(
              + expert_flops)
     weight_bytes = (s.weights_read_per_step + s.experts_read(num_tokens) + num_tokens * s.hidden_size) * itemsize
     if layer_itemsize is not None:
-        weight_bytes -= s.num_layers * s.layer_weights * (itemsize - layer_itemsize)
+        weight_bytes -= (s.num_layers * s.layer_weights + s.experts_read(num_tokens)) * (itemsize - layer_itemsize)
     kv_bytes = num_reqs * s.kv_read_per_request(context_len, itemsize) + num_tokens * s.kv_bytes_per_token(itemsize)
     total_bytes = weight_bytes + kv_bytes
     return StepCost(

@@ -65,6 +65,9 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch():
     active_bytes = (48 * (attention + 8 * expert) + 151936 * 2048 + 2048) * 2
     kv_write = 2 * 48 * 4 * 128 * 2
     assert one.bytes == pytest.approx(active_bytes + 48 * 128 * 2048 * 2 + kv_write)  # + routers: 3.3B active, not 30B
+    # FP8 layer weights and experts: a byte each for what the step reads of them; the routers and head stay 16-bit
+    fp8 = step_cost(shape, 1, 1, 0, 2, 989e12, 3.35e12, layer_itemsize=1)
+    assert one.bytes - fp8.bytes == pytest.approx(48 * (attention + 8 * expert))
 
 
 def test_layers_with_a_sliding_window_read_only_the_window():

@@ -226,7 +226,8 @@ def grouped_matmul(
 def group_of_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """i32[A]: each sorted row's group (rows past the groups: the last group)."""
     ends = jnp.cumsum(group_sizes)  # i32[G]
-    return jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_rows), side="right"), group_sizes.shape[0] - 1)
+    group = jnp.searchsorted(ends, jnp.arange(num_rows), side="right", method="compare_all")  # no loop: [A, G] compares
+    return jnp.minimum(group, group_sizes.shape[0] - 1)
 
 
 def is_hopper(attention: AttentionConfig) -> bool:

@@ -271,6 +271,37 @@ def test_an_fp8_checkpoint_with_block_scales_compiles_for_an_h100_as_serve_loads
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["--quantization fp8", "a checkpoint's blocks"])
+def test_fp8_experts_compile_split_over_two_h100s(checkpoint_blocks):
+    """One Qwen3-30B-A3B layer split over two deviceless H100s with FP8 weights, as a load places them: the
+    attention's projections per channel, the 128 experts' values split by width with their scales (per channel:
+    down's whole on each device; a checkpoint's blocks of 128: down's 768 rows leave each device three whole
+    blocks)."""
+    from jaxserve.compile_ladder import compile_ladder
+    from jaxserve.runner.buckets import Bucket
+
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    options = dict(target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+                   buckets=[Bucket(16, 16, decode_only=True)], read_launches=False, num_kv_pages=4096,
+                   tensor_parallel_size=2)
+    layer = {"num_hidden_layers": 1}
+    plain = compile_ladder("qwen3-30b-a3b", hf_overrides=layer, **options)
+    quantized = compile_ladder("qwen3-30b-a3b", **options, **(
+        {"hf_overrides": {**layer, "quantization_config": fp8}} if checkpoint_blocks
+        else {"hf_overrides": layer, "quantization": "fp8"}))
+    # Per device: q and o 16 of 32 heads of 128 over 2,048, k and v 2 of 4; the experts [128, 2,048, 384] x 3
+    attention, experts = 2048 * 128 * (16 + 2 + 2 + 16), 3 * 128 * 2048 * 384
+    attention_scales = 4 * (16 * 128 + 2 * 2 * 128 + 2048)  # q's [16, 128], k's and v's [2, 128], o's [2048] whole
+    if checkpoint_blocks:  # gate and up [128, 16 blocks, 384], down [128, 3 of 6 blocks, 2048]
+        expert_scales = 4 * (2 * 128 * 16 * 384 + 128 * 3 * 2048)
+    else:  # gate and up [128, 1, 384], down [128, 1, 2048] whole
+        expert_scales = 4 * (2 * 128 * 384 + 128 * 2048)
+    assert plain.weights_bytes - quantized.weights_bytes == attention + experts - attention_scales - expert_scales
+    (bucket,) = quantized.buckets
+    assert bucket.collectives["all-reduce"] >= 2  # the attention's output and the experts' down projection
+
+
+@pytest.mark.slow
 def test_the_engine_serves_fp8_weights_as_the_model_computes_them(tiny_model_dir):
     """Greedy tokens through the engine (buckets, batching, the CPU paths) equal those of the quantized
     model run token by token, alone and in a staggered batch."""
