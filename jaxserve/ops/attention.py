@@ -118,16 +118,21 @@ class AttentionConfig:
         return self.hopper and os.environ.get("JAXSERVE_MOSAIC_FP8") == "1"
 
     @property
-    def fp8_block_kernel(self) -> str | None:
-        """How few-row products with block-scaled FP8 weights run where their shapes fit the kernel
-        (`ops.fp8_block_matmul`): "compiled" on one CUDA GPU whose Triton converts e4m3 in hardware (sm_89 and
-        later), "interpret" with the interpreted kernels (tests), None elsewhere (XLA, over the widened weight)."""
-        if self.mesh is not None:
-            return None
+    def fp8_kernels(self) -> str | None:
+        """How the kernels that read FP8 weights in registers run (`ops.fp8_block_matmul`,
+        `ops.fp8_grouped_matmul`) where their shapes fit: "compiled" on CUDA GPUs whose Triton converts e4m3 in
+        hardware (sm_89 and later), "interpret" with the interpreted kernels (tests), None elsewhere (XLA, over
+        the widened weights)."""
         if self.impl == "interpret":
             return "interpret"
         fast = self.impl == "pallas" and (self.compute_capability or 0) >= fp8_block_matmul.MIN_COMPUTE_CAPABILITY
         return "compiled" if fast and fp8_block_matmul.TRITON_BACKEND else None
+
+    @property
+    def fp8_block_kernel(self) -> str | None:
+        """`fp8_kernels` for the dense layers' block-scaled products, on one device: under a mesh those run
+        under XLA's partitioner, which cannot split a kernel (the experts' kernel runs under `shard_map`)."""
+        return None if self.mesh is not None else self.fp8_kernels
 
     @property
     def native_matmuls(self) -> bool:

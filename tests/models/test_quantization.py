@@ -292,10 +292,9 @@ def test_fp8_experts_compile_split_over_two_h100s(checkpoint_blocks):
     # Per device: q and o 16 of 32 heads of 128 over 2,048, k and v 2 of 4; the experts [128, 2,048, 384] x 3
     attention, experts = 2048 * 128 * (16 + 2 + 2 + 16), 3 * 128 * 2048 * 384
     attention_scales = 4 * (16 * 128 + 2 * 2 * 128 + 2048)  # q's [16, 128], k's and v's [2, 128], o's [2048] whole
-    if checkpoint_blocks:  # gate and up [128, 16 blocks, 384], down [128, 3 of 6 blocks, 2048]
-        expert_scales = 4 * (2 * 128 * 16 * 384 + 128 * 3 * 2048)
-    else:  # gate and up [128, 1, 384], down [128, 1, 2048] whole
-        expert_scales = 4 * (2 * 128 * 384 + 128 * 2048)
+    # blocks: gate and up [128, 16 blocks, 384], down [128, 3 of 6 blocks, 2048]; per channel: gate and up
+    # [128, 1, 384], down [128, 1, 2048] whole
+    expert_scales = 4 * (2 * 128 * 16 * 384 + 128 * 3 * 2048 if checkpoint_blocks else 2 * 128 * 384 + 128 * 2048)
     assert plain.weights_bytes - quantized.weights_bytes == attention + experts - attention_scales - expert_scales
     (bucket,) = quantized.buckets
     assert bucket.collectives["all-reduce"] >= 2  # the attention's output and the experts' down projection
