@@ -12,6 +12,7 @@ BUNDLED_SHAPES = {"gpt2": "gpt2.json", "smollm2-135m": "smollm2-135m.json", "lla
                   "qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b.json", "granite-3.1-2b": "granite-3.1-2b.json",
                   "smollm3-3b": "smollm3-3b.json", "olmo-2-1b": "olmo-2-1b.json", "gemma-2b": "gemma-2b.json",
                   "gpt-oss-20b": "gpt-oss-20b.json", "deepseek-v2-lite": "deepseek-v2-lite.json",
+                  "deepseek-v3": "deepseek-v3.json",
                   "glm-4.5-air": "glm-4.5-air.json", "all-minilm-l6-v2": "all-minilm-l6-v2.json",
                   "bge-reranker-base": "bge-reranker-base.json"}
 

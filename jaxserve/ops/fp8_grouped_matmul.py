@@ -11,7 +11,8 @@ Layout (vLLM's fused MoE kernel aligns its rows the same way): each expert's row
 tiles of `block_t`, so that every tile holds one expert's rows. XLA gathers the sorted rows into that padded
 layout [tiles * block_t, K], zeros in the padding (`_TileLayout`), the kernel multiplies tile by tile, and XLA
 gathers the products back into the sorted order. The tile count is a static bound (whole tiles of all rows,
-plus a partial tile for each expert that can have rows); tiles past the ones in use do nothing.
+plus a partial tile for each expert that can have rows, and no more tiles than rows); tiles past the ones in
+use do nothing.
 
 Work split. The grid is (row tile, output tile), row tile fastest, so that an expert's row tiles run side by
 side and share its weight tile through L2. A program reads its tile's expert, then walks the contracted axis
@@ -73,7 +74,8 @@ class _TileLayout:
     @classmethod
     def of(cls, group_sizes: jax.Array, num_rows: int, block_t: int) -> "_TileLayout":
         num_groups = group_sizes.shape[0]
-        num_tiles = num_rows // block_t + min(num_groups, num_rows)
+        # whole tiles of all rows and a partial one an expert with rows; and never more tiles than rows
+        num_tiles = min(num_rows, num_rows // block_t + min(num_groups, num_rows))
         tiles = (group_sizes + block_t - 1) // block_t  # i32[G]: each expert's row tiles
         tile_ends = jnp.cumsum(tiles)
         tile_starts = tile_ends - tiles
