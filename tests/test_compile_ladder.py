@@ -442,7 +442,7 @@ def test_an_fp8_cache_compiles_for_h100_and_is_refused_for_a100():
     ("gpt-oss-20b", 20_914_757_184),  # gpt-oss-20b's 20.9B: sinks, biases and the experts' biases counted
     ("deepseek-v2-lite", 15_706_484_224),  # DeepSeek-V2-Lite's 15.7B: the latent projections, 2 shared experts
     ("glm-4.5-air", 106_852_251_264),  # GLM-4.5-Air's 106B (its model card), the multi-token prediction layer left out
-    ("deepseek-v3", 671_026_419_200),  # DeepSeek-V3's 671B (its model card's, 685B with the multi-token prediction layer)
+    ("deepseek-v3", 671_026_419_200),  # DeepSeek-V3's 671B (its model card; 685B with its prediction layer)
 ])
 def test_the_bundled_moe_shapes_hold_their_published_parameter_counts(name, num_params):
     """The shapes `jaxserve compile` and `--load-format dummy` take: every expert, router and norm counted."""
