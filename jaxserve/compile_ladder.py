@@ -304,11 +304,11 @@ def compile_ladder(
         raise ValueError("--quantization gguf runs on CPUs, from a GGUF file's blocks: not compiled deviceless")
     if (stored := checkpoint_quantization(hf_config)) is not None and quantization in (None, "auto"):
         quantization = stored  # as serve loads the checkpoint
-    # an FP8 checkpoint's weights keep its form of scales (its 16-bit modules are compiled in FP8 here: usually
-    # the LM head and the routers, which the quantization does not cover anyway)
+    # an FP8 checkpoint's weights keep its form of scales (the layer weights and experts it leaves in 16 bits,
+    # its `modules_to_not_convert`, are compiled in FP8 here)
     block = checkpoint_contracted_block(hf_config) if stored == "fp8" and quantization == "fp8" else 0
-    if quantization is not None:  # as a load places them (`AbstractModel.keeps_fp8_block`)
-        quantize_state(abstract.state, abstract.spec.module, quantization, block, abstract.keeps_fp8_block(block))
+    if quantization is not None:  # as a load places them (`AbstractModel.fp8_block_of`)
+        quantize_state(abstract.state, abstract.spec.module, quantization, block, abstract.fp8_block_of(block))
     drafter = None
     if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
         drafter = _Drafter.of(speculative_config, abstract, jax_dtype, download_dir)

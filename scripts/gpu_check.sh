@@ -11,8 +11,8 @@
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   fp8-block  one Llama-3-8B layer's products with FP8 block scales: the Triton kernel beside XLA's path,
 #              per-channel FP8 and bf16, timed (benchmarks/fp8_block_matmul.py);
-#   fp8-experts  Qwen3-30B-A3B's experts' grouped products in FP8: the Triton kernel beside XLA's ragged dot
-#              (per channel, blocks) and bf16 experts, timed (benchmarks/fp8_experts.py);
+#   experts    Qwen3-30B-A3B's experts' grouped products, bf16 and FP8 (per channel, blocks): the Triton
+#              kernel beside XLA's ragged dot, timed (benchmarks/experts_matmul.py);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
 #   profile    the decode-step profile and `bench offline` waves (benchmarks/gpu_check.py);
 #   paged-decode  the Mosaic GPU kernel on the sweep's decode cases beside the Triton decode kernel;
@@ -45,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, fp8-block, fp8-experts, paged-decode, paged-prefill, registers, lora, draft
+             # includes, and fp8, fp8-block, experts, paged-decode, paged-prefill, registers, lora, draft
              # and sampler)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)  # the profile stage's models; the draft stage's draft is llama-3.2-1b
@@ -133,7 +133,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != fp8-block && $1 != fp8-experts && $1 != paged-decode \
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != fp8-block && $1 != experts && $1 != paged-decode \
               && $1 != paged-prefill \
               && $1 != registers && $1 != lora && $1 != draft && $1 != sampler) \
              || " $stages " == *" $1 "* ]]; }
@@ -213,10 +213,10 @@ if wanted fp8-block; then  # block-scaled FP8 weights: the kernel, XLA's path, p
     --json "$out/fp8_block_matmul.json" > "$out/fp8_block_matmul.log" 2>&1
   tail -n 16 "$out/fp8_block_matmul.log" >> "$summary"
 fi
-if wanted fp8-experts; then  # FP8 experts: the grouped kernel, XLA's ragged dot over them, and bf16 experts
-  stage fp8-experts "${FP8_EXPERTS_S:-60}" python3 benchmarks/fp8_experts.py --models qwen3-30b-a3b \
-    --tokens 1 16 64 256 --json "$out/fp8_experts.json" > "$out/fp8_experts.log" 2>&1
-  tail -n 40 "$out/fp8_experts.log" >> "$summary"
+if wanted experts; then  # the experts' grouped matmul: the Triton kernel and XLA's ragged dot, bf16 and FP8
+  stage experts "${EXPERTS_S:-60}" python3 benchmarks/experts_matmul.py --models qwen3-30b-a3b \
+    --tokens 1 16 64 256 --json "$out/experts_matmul.json" > "$out/experts_matmul.log" 2>&1
+  tail -n 48 "$out/experts_matmul.log" >> "$summary"
 fi
 if wanted profile; then
   models=()

@@ -234,10 +234,10 @@ class DeepseekForCausalLM(llama.LlamaForCausalLM):
 
 LAYERS_KEY = llama.LAYERS_KEY
 EMBEDDING_TABLES = llama.EMBEDDING_TABLES
-EXPERT_WEIGHTS = llama.EXPERT_WEIGHTS  # a GGUF file's routed experts, kept in their blocks
+EXPERT_WEIGHTS = llama.EXPERT_WEIGHTS  # the routed experts: kept in a GGUF file's blocks, or in FP8
 # `--quantization fp8`: the projections `layers.dense` multiplies by (the queries', the latent's, the output, the
-# dense and shared MLPs'); the up-projections W_UK and W_UV (einsums over every head's latent) and the routed
-# experts keep their dtype.
+# dense and shared MLPs'), and the routed experts (`EXPERT_WEIGHTS`); the up-projections W_UK and W_UV (einsums
+# over every head's latent) keep their dtype.
 QUANTIZED_WEIGHTS = {"q_proj": 1, "q_a_proj": 1, "q_b_proj": 1, "kv_a_proj": 1, "o_proj": 2, "gate_proj": 1,
                      "up_proj": 1, "down_proj": 1}
 

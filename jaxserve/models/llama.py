@@ -375,7 +375,8 @@ class LlamaForCausalLM(nnx.Module):
 LAYERS_KEY = "layers"  # the decoder layers' list in the model's state (`kv_scales.fold_kv_scales`)
 # `--quantization fp8`: the layers' dense weights, each with its number of contracted axes (`quantization.py`).
 QUANTIZED_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
-# A mixture's stacked experts [E, in, out], which a GGUF file's blocks stay in (`gguf_weights.GgufExperts`).
+# A mixture's stacked experts [E, in, out], which a GGUF file's blocks stay in (`gguf_weights.GgufExperts`) and
+# `--quantization fp8` (or an FP8 checkpoint) keeps in e4m3 (`quantization.Fp8Experts`).
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token-embedding tables ([V, D], as a GGUF file stores them) that `--quantization gguf` keeps in their blocks.
 EMBEDDING_TABLES = ("embed_tokens", "lm_head")

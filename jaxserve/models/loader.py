@@ -48,15 +48,15 @@ from jaxserve.models.gguf_weights import (
 from jaxserve.models.kv_scales import checkpoint_kv_scale
 from jaxserve.models.layers import context_length
 from jaxserve.models.quantization import (
+    BlockOf,
     Fp8Experts,
     Fp8Tensor,
     Fp8Weight,
-    KeepsBlock,
     Quantizer,
     checkpoint_contracted_block,
     checkpoint_fp8_block,
     checkpoint_quantization,
-    experts_keep_blocks,
+    experts_block,
     fp8_checkpoint_tensors,
     log_stored_fp8,
     quantize_model_state,
@@ -250,14 +250,15 @@ class AbstractModel:
         scale = param_sharding(self.mesh, leaf.scale.shape, (scale_axis, None))
         return dataclasses.replace(leaf, values=values, scale=struct(leaf.scale, scale))
 
-    def keeps_fp8_block(self, block: int) -> KeepsBlock | None:
-        """Which weights keep an FP8 checkpoint's scales per `block` contracted rows as a load places them: all
-        (None) on one device; under a mesh the stacked experts that leave each device whole blocks
-        (`experts_keep_blocks`), the others being quantized again per channel."""
+    def fp8_block_of(self, block: int) -> BlockOf | None:
+        """Each weight's block of scales as a load places an FP8 checkpoint's with scales per `block` contracted
+        rows: `block` for all (None) on one device; under a mesh the stacked experts' `experts_block`, the
+        others quantized again per channel (0)."""
         if self.mesh is None:
             return None
-        return lambda path, shape: (path[-1] in getattr(self.spec.module, "EXPERT_WEIGHTS", ())
-                                    and experts_keep_blocks(shape, block, self.split_rule(path)[0], self.mesh.size))
+        experts = getattr(self.spec.module, "EXPERT_WEIGHTS", ())
+        return lambda path, shape: (experts_block(shape, block, self.split_rule(path)[0], self.mesh.size)
+                                    if path[-1] in experts else 0)
 
     @property
     def weights_bytes_per_device(self) -> int:
@@ -383,9 +384,9 @@ def load_model(
     `require_experts`). Each
     parameter takes its own dtype from the model: the matmul weights `weight_dtype`'s (auto: `dtype`'s).
     `load_format` "dummy": random weights in the model's shapes, drawn on the devices (`dummy.py`).
-    `quantization` "fp8": the layers' dense weights quantized once loaded (`quantization.py`); "gguf": a GGUF
-    file's 2- to 8-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf" where that
-    runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
+    `quantization` "fp8": the layers' dense weights and experts quantized once loaded (`quantization.py`);
+    "gguf": a GGUF file's 2- to 8-bit layer weights kept in their blocks (`gguf_weights.py`); "auto": "gguf"
+    where that runs for a GGUF file, else none; None or "none": none (a checkpoint stored in FP8 stays FP8).
     `in_background`: where the weights' final shapes are known before they are read (no quantization, or
     "fp8" on one device, of a checkpoint not stored quantized), they load on a thread and the model
     returns at once, its `state` their shapes (`LoadedModel.loading`): the steps compile while they load.
@@ -453,7 +454,7 @@ def load_model(
             log_stored_fp8(state, abstract.spec.module)  # quantized as stored: its 16-bit weights stay
         elif quantization != GGUF:  # dummy weights of an FP8 checkpoint take its form of scales, as placed
             block = checkpoint_contracted_block(hf_config) if stored == "fp8" else 0
-            quantize_model_state(state, abstract.spec.module, quantization, block, abstract.keeps_fp8_block(block))
+            quantize_model_state(state, abstract.spec.module, quantization, block, abstract.fp8_block_of(block))
         return state, kv_scales
 
     loading, in_use = None, 0
@@ -514,9 +515,9 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
     stream = getattr(spec.module, "hf_weight_stream", None)
     # An FP8 checkpoint's weights keep their own e4m3 values and scales where the model holds them as they
     # are stored (one device, a covered weight; a family's split of a fused projection keeps its rows' scales;
-    # a mixture's stacked experts, under a mesh too where each device gets whole blocks); elsewhere (heads laid
-    # out for a mesh) they are dequantized, and quantized again per channel as they arrive where covered. Its
-    # weights stored in 16 bits stay in 16 bits.
+    # a mixture's stacked experts, under a mesh too, their blocks refined where a device's rows are no whole
+    # blocks: `experts_block`); elsewhere (heads laid out for a mesh) they are dequantized, and quantized again
+    # per channel as they arrive where covered. Its weights stored in 16 bits stay in 16 bits.
     exact = covered is not None and abstract.heads.is_identity and mesh is None
     if stored_fp8:
         tensors = fp8_checkpoint_tensors(tensors, fp8_block)
@@ -547,11 +548,12 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
                 values = transform(tensor.values, cfg)  # [E, K, N]
                 if tuple(values.shape) != tuple(expected[path].shape):
                     raise ValueError(f"{name}: shape {tuple(values.shape)} != expected {expected[path].shape}")
-                split_axis = abstract.split_rule(path)[0] if mesh is not None else None
-                if experts_keep_blocks(values.shape, tensor.block, split_axis, 1 if mesh is None else mesh.size):
-                    place = functools.partial(_place, abstract, path)
-                    loaded[path] = quantize.stored_experts(values, tensor.row_scale(), tensor.block, place)
-                    continue
+                if mesh is not None:  # whole blocks of scales on each device
+                    block = experts_block(values.shape, tensor.block, abstract.split_rule(path)[0], mesh.size)
+                    tensor = tensor.with_block(block) if block != tensor.block else tensor
+                place = functools.partial(_place, abstract, path)
+                loaded[path] = quantize.stored_experts(values, tensor.row_scale(), tensor.block, place)
+                continue
             tensor = tensor.dequantize()
         if isinstance(tensor, GgufTensor):
             if exact and covered.covers(path):

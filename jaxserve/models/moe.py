@@ -10,17 +10,19 @@ so each expert's tokens are one contiguous run of rows, and one grouped matmul m
 own expert's weights: gate and up [E, D, F], then down [E, F, D]. Each row's output, times its routing
 weight, is added back to its token. Compute follows the T x k assignments, never T x E.
 
-The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), JAX's Mosaic GPU ragged dot
-(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each expert's rows); on
-a CPU with the native kernels and bfloat16 experts, `cpu_kernels.grouped_matmul_bf16`, which multiplies
-each expert's rows by its weights and reads no other expert's (and a GGUF file's experts kept in their
-blocks, `gguf_weights.GgufExperts`, the same way in integers); elsewhere `jax.lax.ragged_dot`, which XLA:GPU
-and XLA:CPU compute densely, every row against every expert (E times the work), which is right but slow: a
-Triton grouped matmul for sm_80/89 is still to come.
+The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), for steps of many rows, JAX's
+Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each
+expert's rows); on CUDA GPUs of sm_80 and later, for steps of up to 2,048 sorted rows,
+`ops.grouped_matmul_triton`, which pads each expert's rows to whole row tiles and reads each expert that has
+rows once; on a CPU with the native kernels and bfloat16 experts, `cpu_kernels.grouped_matmul_bf16`, which
+multiplies each expert's rows by its weights and reads no other expert's (and a GGUF file's experts kept in
+their blocks, `gguf_weights.GgufExperts`, the same way in integers); elsewhere `jax.lax.ragged_dot`, which
+XLA:GPU and XLA:CPU compute densely, every row against every expert (E times the work), which is right but
+slow.
 
 FP8 experts (`quantization.Fp8Experts`: an FP8 checkpoint's, or `--quantization fp8`'s) keep half the memory
 of 16-bit ones. On CUDA GPUs of sm_89 and later (and with the interpreted kernels), steps of up to 2,048 sorted
-rows multiply them through `ops.fp8_grouped_matmul`, which reads each expert that has rows once, one byte a
+rows multiply them through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a
 weight. Elsewhere they take the paths above: with a scale per expert and output channel, over their values
 widened to the rows' dtype, each row's product then scaled by its own expert's scales; with block scales
 (DeepSeek-V3's), over the experts dequantized for the step.
@@ -50,7 +52,7 @@ from jaxserve.models import gguf_weights
 from jaxserve.models.gguf_weights import GgufExperts, GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import GatedMlp, param
 from jaxserve.models.quantization import Fp8Experts, Fp8Tensor
-from jaxserve.ops import cpu_kernels, fp8_grouped_matmul
+from jaxserve.ops import cpu_kernels, grouped_matmul_triton
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
 
@@ -138,7 +140,8 @@ def grouped_expert_mlp(
     first_expert: jax.Array | int = 0,  # the global id of this device's first expert (expert parallel)
     hopper: bool = False,  # compiled for compute capability 9.0: the Mosaic GPU grouped matmul
     native: bool = False,  # the native CPU kernel for bfloat16 experts (`grouped_matmul`)
-    fp8_kernel: str | None = None,  # FP8 experts' kernel: "compiled", "interpret" or None (`grouped_matmul`)
+    kernel: str | None = None,  # `grouped_matmul`'s Triton kernel for 16-bit experts: "compiled", "interpret"
+    fp8_kernel: str | None = None,  # and for FP8 experts (None: XLA's paths)
     gate_bias: jax.Array | None = None,  # [E_local, F_local] (GPT-OSS)
     up_bias: jax.Array | None = None,  # [E_local, F_local]
     swiglu_limit: float | None = None,  # `expert_activation`
@@ -158,8 +161,8 @@ def grouped_expert_mlp(
     rows = x[token_of_row]  # [A, D]
     if num_local != num_experts:  # this device's experts' rows first; the rows past them come back as zeros
         rows = jnp.roll(rows, -shift, axis=0)
-    h = grouped_matmul(rows, gate, local_counts, hopper, native, fp8_kernel)  # f32[A, F]
-    u = grouped_matmul(rows, up, local_counts, hopper, native, fp8_kernel)
+    h = grouped_matmul(rows, gate, local_counts, hopper, native, kernel, fp8_kernel)  # f32[A, F]
+    u = grouped_matmul(rows, up, local_counts, hopper, native, kernel, fp8_kernel)
     if gate_bias is not None:  # each row's own expert's biases (rows of other devices' experts come to 0 later)
         expert_of_row = flat_experts[order]  # i32[A], sorted
         if num_local != num_experts:
@@ -167,7 +170,7 @@ def grouped_expert_mlp(
         local = jnp.clip(expert_of_row - first_expert, 0, num_local - 1)
         h, u = h + gate_bias[local].astype(jnp.float32), u + up_bias[local].astype(jnp.float32)
     h = expert_activation(h, u, swiglu_limit, swiglu_alpha).astype(x.dtype)
-    out = grouped_matmul(h, down, local_counts, hopper, native, fp8_kernel)  # f32[A, D]
+    out = grouped_matmul(h, down, local_counts, hopper, native, kernel, fp8_kernel)  # f32[A, D]
     if num_local != num_experts:
         out = jnp.roll(out, shift, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
@@ -199,30 +202,34 @@ def grouped_matmul(
     group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
     hopper: bool = False,
     native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
-    fp8_kernel: str | None = None,  # `AttentionConfig.fp8_kernels`: FP8 experts through `fp8_grouped_matmul`
+    kernel: str | None = None,  # `AttentionConfig.expert_kernel`: 16-bit experts through `grouped_matmul_triton`
+    fp8_kernel: str | None = None,  # `AttentionConfig.fp8_expert_kernel`: FP8 experts through it
 ) -> jax.Array:  # f32[A, N]
     """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, FP8 experts
-    through their kernel where it runs and fits, else widened (module docstring), the Mosaic GPU kernel on
+    through the Triton kernel where it runs and fits, else widened (module docstring), the Mosaic GPU kernel on
     Hopper where the shapes fit its tiles and the rows are many (`_DENSE_TEMP_BYTES`), the native kernel on a
-    CPU for bfloat16 operands, else `jax.lax.ragged_dot`."""
+    CPU for bfloat16 operands, the Triton kernel for 16-bit experts where it runs and fits, else
+    `jax.lax.ragged_dot`."""
     if isinstance(w, GgufExperts):
         return gguf_weights.grouped_matmul(rows, w, group_sizes)
+    (num_rows, k), (num_groups, _, n) = rows.shape, w.shape
     if isinstance(w, Fp8Experts):
-        (num_rows, k), n = rows.shape, w.shape[2]
-        if fp8_kernel is not None and fp8_grouped_matmul.fits(num_rows, k, n, w.block):
-            return fp8_grouped_matmul.fp8_grouped_matmul(rows, w.values, w.scale, w.block, group_sizes,
-                                                         interpret=fp8_kernel == "interpret")
+        if fp8_kernel is not None and grouped_matmul_triton.fits(num_rows, k, n, w.block):
+            return grouped_matmul_triton.grouped_matmul(rows, w.values, group_sizes, w.scale, w.block,
+                                                        interpret=fp8_kernel == "interpret")
         if not w.per_channel:
             return grouped_matmul(rows, w.dequantize(rows.dtype), group_sizes, hopper, native)
         out = grouped_matmul(rows, w.values.astype(rows.dtype), group_sizes, hopper, native)  # f32[A, N]
-        return out * w.scale[group_of_rows(group_sizes, rows.shape[0]), 0]  # rows past the groups stay zeros
+        return out * w.scale[group_of_rows(group_sizes, num_rows), 0]  # rows past the groups stay zeros
     rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
     if native and w.dtype == jnp.bfloat16:
         return cpu_kernels.grouped_matmul_bf16(rows, w, group_sizes)
-    num_groups, k, n = w.shape
-    few_rows = num_groups * rows.shape[0] * max(k, n) * 4 <= _DENSE_TEMP_BYTES
+    few_rows = num_groups * num_rows * max(k, n) * 4 <= _DENSE_TEMP_BYTES
     tiles = _mgpu_tiles(k, n) if hopper and not few_rows else None
     if tiles is None:
+        if (kernel is not None and w.dtype in grouped_matmul_triton.SIXTEEN_BIT
+                and grouped_matmul_triton.fits(num_rows, k, n)):
+            return grouped_matmul_triton.grouped_matmul(rows, w, group_sizes, interpret=kernel == "interpret")
         return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -302,8 +309,8 @@ class SparseMoeBlock(nnx.Module):
         activation = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
         if mesh is None:
             out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts, hopper=hopper,
-                                     native=self.attention.native_matmuls, fp8_kernel=self.attention.fp8_kernels,
-                                     **_named(biases), **activation)
+                                     native=self.attention.native_matmuls, **self._kernels(), **_named(biases),
+                                     **activation)
         else:
             out = self._split_over_mesh(rows, weights, experts, gate, up, down, biases, activation)
         if moe.biases:  # sum_k weight * the chosen experts' down biases, once whatever the mesh
@@ -311,17 +318,20 @@ class SparseMoeBlock(nnx.Module):
             out = out + jnp.einsum("tk,tkd->td", weights, chosen)
         return out.astype(x.dtype)
 
+    def _kernels(self) -> dict[str, str | None]:
+        """The Triton grouped matmul's modes for 16-bit and FP8 experts (`grouped_expert_mlp`)."""
+        return {"kernel": self.attention.expert_kernel, "fp8_kernel": self.attention.fp8_expert_kernel}
+
     def _split_over_mesh(self, rows, weights, experts, gate, up, down, biases, activation) -> jax.Array:
         """The experts under `shard_map`: each device its slice of every expert's F, or its whole experts
         (module docstring), the outputs added over the devices."""
         num_experts, hopper, expert_parallel = self.moe.num_experts, is_hopper(self.attention), self.moe.expert_parallel
-        fp8_kernel = self.attention.fp8_kernels
+        kernels = self._kernels()
 
         def local(rows, weights, experts, gate, up, down, *biases):  # one device's experts, or its slice of each
             first = jax.lax.axis_index(TP_AXIS) * gate.shape[0] if expert_parallel else 0
             out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts,
-                                     first_expert=first, hopper=hopper, fp8_kernel=fp8_kernel, **_named(biases),
-                                     **activation)
+                                     first_expert=first, hopper=hopper, **kernels, **_named(biases), **activation)
             return jax.lax.psum(out, TP_AXIS)
 
         whole = PartitionSpec()

@@ -15,7 +15,8 @@ same way. The token embeddings, the LM head, the routers, norms and biases stay 
 scheme.
 
 Which parameters are quantized is the model family's `QUANTIZED_WEIGHTS`: a layer parameter's name
-maps to its number of contracted axes (1 for [D, N, H] or [K, N]; 2 for an output projection [N, H, D]).
+maps to its number of contracted axes (1 for [D, N, H] or [K, N]; 2 for an output projection [N, H, D]);
+and its `EXPERT_WEIGHTS`, stacked experts [E, K, N].
 """
 
 import dataclasses
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
-KeepsBlock = Callable[[tuple, tuple[int, ...]], bool]  # (parameter path, shape) -> whether it takes block scales
+BlockOf = Callable[[tuple, tuple[int, ...]], int]  # (parameter path, shape) -> its scales' block (0: per channel)
 
 
 def layer_weight_itemsize(quantization: str | None) -> int | None:
@@ -193,10 +194,14 @@ def quantize_experts(w: jax.Array, block: int = 0) -> Fp8Experts:
     return Fp8Experts(values, scale, block)
 
 
-def experts_keep_blocks(shape: tuple[int, ...], block: int, split_axis: int | None, devices: int) -> bool:
-    """Whether experts [E, K, N] with scales per `block` contracted rows (0: per channel) can be split along
-    `split_axis` over `devices` with their scales: a split of K must leave every device whole blocks."""
-    return not block or split_axis != 1 or devices == 1 or shape[1] % (devices * block) == 0
+def experts_block(shape: tuple[int, ...], block: int, split_axis: int | None, devices: int) -> int:
+    """The block of scales experts [E, K, N] with scales per `block` contracted rows (0: per channel) keep when
+    split along `split_axis` over `devices`: `block`, unless K is split and a device's rows are not whole
+    blocks; then the largest block that divides both (`Fp8Tensor.with_block`: each scale repeated over the
+    finer blocks it covers, the same weights exactly), so that every device holds its rows' own scales."""
+    if not block or split_axis != 1 or devices == 1:
+        return block
+    return math.gcd(block, shape[1] // devices)
 
 
 def scaled(w: Any, factor: Any) -> Fp8Weight:
@@ -212,14 +217,14 @@ def scaled(w: Any, factor: Any) -> Fp8Weight:
 
 class Quantizer:
     """Which of a model family's parameters `quantization` covers (the layers' weights its `QUANTIZED_WEIGHTS`
-    lists), and their quantized form: of an array (jit-compiled once per shape and sharding), or of a
-    ShapeDtypeStruct (its shape). The loader quantizes each weight as it arrives, so a whole 16-bit model is
-    never on the device."""
+    lists, and its stacked experts, `EXPERT_WEIGHTS`), and their quantized form: of an array (jit-compiled once
+    per shape and sharding), or of a ShapeDtypeStruct (its shape). The loader quantizes each weight as it
+    arrives, so a whole 16-bit model is never on the device."""
 
-    def __init__(self, family: Any, quantization: str, block: int = 0, keeps_block: KeepsBlock | None = None) -> None:
+    def __init__(self, family: Any, quantization: str, block: int = 0, block_of: BlockOf | None = None) -> None:
         """`block`: scales per run of that many contracted rows and output channel (an FP8 checkpoint's
-        block scales' form, for its dummy weights and its compile), 0 per output channel; `keeps_block`, where
-        given, says which weights take it (the others per channel)."""
+        block scales' form, for its dummy weights and its compile), 0 per output channel; `block_of`, where
+        given, each weight's own instead (`AbstractModel.fp8_block_of`: as a load places them on a mesh)."""
         table = getattr(family, "QUANTIZED_WEIGHTS", None)
         if table is None:
             raise ValueError(f"--quantization {quantization}: not supported for "
@@ -227,7 +232,7 @@ class Quantizer:
         self.table, self.layers_key = table, family.LAYERS_KEY
         self.embedding_tables = getattr(family, "EMBEDDING_TABLES", ())
         self.expert_weights = getattr(family, "EXPERT_WEIGHTS", ())
-        self.block, self.keeps_block = block, keeps_block
+        self.block, self.block_of = block, block_of
         self._quantize = jax.jit(quantize_fp8, static_argnums=(1, 2))
         self._quantize_experts = jax.jit(quantize_experts, static_argnums=1)
 
@@ -274,7 +279,7 @@ class Quantizer:
         experts = self.covers_experts(path) and len(value.shape) == 3  # not a GGUF file's kept blocks
         if not experts and not self.covers(path):
             return value
-        block = self.block if self.keeps_block is None or self.keeps_block(path, tuple(value.shape)) else 0
+        block = self.block if self.block_of is None else self.block_of(path, tuple(value.shape))
         if experts:
             if isinstance(value, jax.ShapeDtypeStruct):
                 return jax.eval_shape(functools.partial(quantize_experts, block=block), value)
@@ -286,11 +291,11 @@ class Quantizer:
 
 
 def quantize_state(state: nnx.State, family: Any, quantization: str, block: int = 0,
-                   keeps_block: KeepsBlock | None = None) -> int:
+                   block_of: BlockOf | None = None) -> int:
     """Replaces, in place, each weight `Quantizer` covers by its quantized form (scales per `block` contracted
-    rows where given, for the weights `keeps_block` names where given); returns how many are quantized (those
-    that already were included, experts too)."""
-    quantizer = Quantizer(family, quantization, block, keeps_block)
+    rows where given, or per `block_of` the weight); returns how many are quantized (those that already were
+    included, experts too)."""
+    quantizer = Quantizer(family, quantization, block, block_of)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     flat = {path: quantizer(path, value) for path, value in flat.items()}
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
@@ -298,12 +303,12 @@ def quantize_state(state: nnx.State, family: Any, quantization: str, block: int 
 
 
 def quantize_model_state(state: nnx.State, family: Any, quantization: str | None, block: int = 0,
-                         keeps_block: KeepsBlock | None = None) -> None:
+                         block_of: BlockOf | None = None) -> None:
     """`quantize_state` with the start-up log line; nothing without a quantization."""
     if quantization is None:
         return
     start = time.perf_counter()
-    count = quantize_state(state, family, quantization, block, keeps_block)
+    count = quantize_state(state, family, quantization, block, block_of)
     jax.block_until_ready(jax.tree.leaves(state))
     scales = f"per {block} contracted rows and output channel" if block else "per output channel"
     logger.info("quantization %s: %d layer weights (stacked experts included) in e4m3 with a scale %s (%.1fs); "
@@ -380,6 +385,14 @@ class Fp8Tensor:
     def __getitem__(self, rows: slice | np.ndarray) -> "Fp8Tensor":
         """Output rows (what a fused projection's split takes, and a row reorder), with their scales."""
         return Fp8Tensor(self.values[rows], self.row_scale()[rows], self.block)
+
+    def with_block(self, block: int) -> "Fp8Tensor":
+        """The same weight with scales per `block` input columns, a divisor of its block: each scale repeated over
+        the finer blocks it covers."""
+        if not self.block or self.block % block:
+            raise ValueError(f"blocks of {block} do not refine an FP8 weight's scales per {self.block or 'channel'}")
+        blocks = -(-self.values.shape[-1] // block)
+        return Fp8Tensor(self.values, np.repeat(self.row_scale(), self.block // block, axis=-1)[..., :blocks], block)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # where a tensor is taken whole
         return self.dequantize() if dtype is None else self.dequantize().astype(dtype)

@@ -57,7 +57,7 @@ FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.
 # The environment the kernel choices below read while a step is traced: part of the key of anything that
 # keeps a traced step (`runner.step_fn`).
 TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT",
-                     "JAXSERVE_MOSAIC_FP8")
+                     "JAXSERVE_MOSAIC_FP8", "JAXSERVE_TRITON_EXPERTS")
 
 
 def trace_environment() -> tuple[str | None, ...]:
@@ -120,9 +120,9 @@ class AttentionConfig:
     @property
     def fp8_kernels(self) -> str | None:
         """How the kernels that read FP8 weights in registers run (`ops.fp8_block_matmul`,
-        `ops.fp8_grouped_matmul`) where their shapes fit: "compiled" on CUDA GPUs whose Triton converts e4m3 in
-        hardware (sm_89 and later), "interpret" with the interpreted kernels (tests), None elsewhere (XLA, over
-        the widened weights)."""
+        `ops.grouped_matmul_triton`) where their shapes fit: "compiled" on CUDA GPUs whose Triton converts e4m3
+        in hardware (sm_89 and later), "interpret" with the interpreted kernels (tests), None elsewhere (XLA,
+        over the widened weights)."""
         if self.impl == "interpret":
             return "interpret"
         fast = self.impl == "pallas" and (self.compute_capability or 0) >= fp8_block_matmul.MIN_COMPUTE_CAPABILITY
@@ -133,6 +133,25 @@ class AttentionConfig:
         """`fp8_kernels` for the dense layers' block-scaled products, on one device: under a mesh those run
         under XLA's partitioner, which cannot split a kernel (the experts' kernel runs under `shard_map`)."""
         return None if self.mesh is not None else self.fp8_kernels
+
+    @property
+    def expert_kernel(self) -> str | None:
+        """How a mixture's 16-bit experts' grouped matmuls run through `ops.grouped_matmul_triton` where their
+        shapes fit (and Hopper's Mosaic GPU kernel does not take them): "compiled" on CUDA GPUs of sm_80 and
+        later, "interpret" with the interpreted kernels, None elsewhere (XLA's ragged dot).
+        JAXSERVE_TRITON_EXPERTS=0 keeps them, and FP8 experts (`fp8_expert_kernel`), on XLA's paths."""
+        if os.environ.get("JAXSERVE_TRITON_EXPERTS") == "0":
+            return None
+        if self.impl == "interpret":
+            return "interpret"
+        fast = self.impl == "pallas" and (self.compute_capability or 0) >= MIN_PALLAS_COMPUTE_CAPABILITY
+        return "compiled" if fast and fp8_block_matmul.TRITON_BACKEND else None
+
+    @property
+    def fp8_expert_kernel(self) -> str | None:
+        """`fp8_kernels` for a mixture's FP8 experts (`ops.grouped_matmul_triton`, under `shard_map` on a mesh
+        too), unless JAXSERVE_TRITON_EXPERTS=0."""
+        return None if os.environ.get("JAXSERVE_TRITON_EXPERTS") == "0" else self.fp8_kernels
 
     @property
     def native_matmuls(self) -> bool:

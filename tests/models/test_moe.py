@@ -142,8 +142,8 @@ def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_tokens, num_ex
     """Deviceless: Qwen3-30B-A3B's experts (128 of width 768 over a hidden size of 2,048) and GPT-OSS-20B's
     (32 of 2,880 over 2,880, no multiple of the kernel's 128 columns: 64 at a time), 256 tokens routed to
     top_k each, compile to Mosaic GPU kernels with no dense [E, rows, D] temporary (XLA's own ragged dot
-    expands to one, a gigabyte for Qwen3's). A decode's 16 tokens keep XLA's ragged dot, whose temporary is
-    then small, and so stay in XLA's command buffers."""
+    expands to one, a gigabyte for Qwen3's). A decode's 16 tokens take the Triton grouped matmul instead
+    (`ops.grouped_matmul_triton`: a kernel XLA keeps in its command buffers)."""
     from tests.ops.test_paged_attention_pallas import deviceless_h100
 
     device = deviceless_h100()
@@ -153,9 +153,10 @@ def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_tokens, num_ex
               ((num_experts, hidden, width), jnp.bfloat16), ((num_experts, hidden, width), jnp.bfloat16),
               ((num_experts, width, hidden), jnp.bfloat16)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
-    fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=num_experts, hopper=True))
+    fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=num_experts, hopper=True, kernel="compiled"))
     compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == kernels
+    assert compiled.as_text().count("__gpu$xla.gpu.triton") == 3 - kernels
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
 
 
@@ -184,12 +185,12 @@ def _fp8_slice(w, experts: slice = slice(None), rows: slice = slice(None), colum
     return Fp8Experts(w.values[experts, rows, columns], w.scale[experts, blocks, columns], w.block)
 
 
-@pytest.mark.parametrize("block", [0, 8], ids=["per channel", "blocks of 8"])
+@pytest.mark.parametrize("block", [0, 8, 4], ids=["per channel", "blocks of 8", "blocks of 4"])
 def test_fp8_experts_compute_as_their_dequantized_weights_whole_and_split(case, block):
     """The routed MLP over FP8 experts (per channel: the product scaled by each row's expert's scales; blocks:
     the experts dequantized) equals it over their dequantized float32 weights, on one device, over three
     devices' own experts (expert parallel), and over three slices of every expert's width (down's rows in
-    whole blocks), the shares summed."""
+    whole blocks: one of 8 or two of 4 a slice), the shares summed."""
     from jaxserve.models.quantization import quantize_experts
 
     x, logits, gate, up, down = case

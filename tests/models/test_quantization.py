@@ -476,12 +476,32 @@ def test_a_checkpoint_with_block_scales_and_weights_left_in_16_bits_computes_wha
     _assert_computes_as_dequantized(model, source, dequantized, tmp_path / "dequantized")
 
 
+def test_finer_blocks_of_scales_hold_the_same_weights_and_split_experts_whole():
+    """`Fp8Tensor.with_block` (a stored weight's scales repeated over finer blocks) dequantizes to the same
+    weight, and `experts_block` refines a block only where a split of K would cut one: Qwen3-30B-A3B's down
+    projection (768 rows) in blocks of 128 over 4 devices (192 rows a device: blocks of 64)."""
+    from jaxserve.models.quantization import Fp8Tensor, experts_block
+
+    rng = np.random.default_rng(5)
+    values = jnp.asarray(rng.normal(size=(2, 3, 40)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
+    stored = Fp8Tensor(np.asarray(values), rng.uniform(0.1, 1, size=(2, 3, 3)).astype(np.float32), 16)  # 40 = 16+16+8
+    finer = stored.with_block(8)
+    assert finer.row_scale().shape == (2, 3, 5)
+    np.testing.assert_array_equal(finer.dequantize(), stored.dequantize())
+    with pytest.raises(ValueError, match="do not refine"):
+        stored.with_block(12)
+    assert experts_block((128, 768, 2048), 128, 1, 4) == 64 and experts_block((128, 768, 2048), 128, 1, 2) == 128
+    assert experts_block((128, 2048, 768), 128, 2, 4) == 128  # a split of the outputs cuts no block
+    assert experts_block((128, 768, 2048), 0, 1, 4) == 0  # a scale per channel stays whole
+
+
 @pytest.mark.parametrize(("kind", "block", "fmt"), [
     ("qwen3-moe", None, "compressed-tensors"), ("mixtral", None, "compressed-tensors"), ("qwen3-moe", (16, 16), "fp8")])
 def test_an_fp8_checkpoint_keeps_its_experts_in_e4m3(kind, block, fmt, tiny_model_dir, tmp_path):
     """A mixture's experts stored in e4m3 (Qwen3-MoE's `gate_proj`..., Mixtral's `w1`...; a scale per channel,
-    per tensor for `down_proj`, or per block) stay so as they are stacked: each layer's experts an Fp8Experts
-    holding the checkpoint's own values, and the model computes what the dequantized checkpoint gives."""
+    per tensor for Qwen3-MoE's `down_proj`, or per block) stay so as they are stacked: each layer's experts an
+    Fp8Experts holding the checkpoint's own values, and the model computes what the dequantized checkpoint
+    gives."""
     import torch
     from safetensors.torch import load_file
 

@@ -1,15 +1,16 @@
-"""A mixture's grouped matmul over FP8 experts (`Fp8Experts`) against 16-bit experts: one projection of one
-layer's experts at decode and mixed-step token counts.
+"""A mixture's grouped matmul, 16-bit and FP8 experts (`Fp8Experts`), through XLA's ragged dot and through
+`ops.grouped_matmul_triton`: one projection of one layer's experts at decode and mixed-step token counts.
 
-Five ways to multiply a step's [tokens x top_k, K] sorted bfloat16 rows by experts [E, K, N], each through
+Six ways to multiply a step's [tokens x top_k, K] sorted bfloat16 rows by experts [E, K, N], each through
 `moe.grouped_matmul` as a step runs it on a CUDA GPU:
 - `bf16`: 16-bit experts through XLA's ragged dot (every row against every expert through an f32[E, A, N]
   temporary; on Hopper, steps of many rows take the Mosaic GPU kernel instead, which this script does not
-  time);
+  time), what jaxserve ran before the Triton kernel;
+- `bf16 kernel`: the same experts through the Triton kernel;
 - `fp8 channel xla`, `fp8 block xla`: e4m3 experts with a scale per channel or per block of 128 contracted rows
   through the same ragged dot (per channel, XLA fuses the widening into it; blocks are widened and written
   out first): what a GPU without the kernel runs (an A100);
-- `fp8 channel kernel`, `fp8 block kernel`: the same experts through `ops.fp8_grouped_matmul`'s Triton kernel.
+- `fp8 channel kernel`, `fp8 block kernel`: the same experts through the Triton kernel.
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments (all the experts) and output read or written once, its temporaries written
@@ -18,8 +19,8 @@ reads only the experts that have rows, which this count does not see). On a GPU 
 `--iters` calls) over a random routing and reports the bandwidth of the ideal traffic (the experts that have
 rows, their scales, the rows and the output, each once) as a fraction of the device's.
 
-    python benchmarks/fp8_experts.py --json docs/fp8_experts.json   # deviceless, for an H100
-    python benchmarks/fp8_experts.py --tokens 1 16 64                # on a GPU: timed
+    python benchmarks/experts_matmul.py --json docs/experts_matmul.json   # deviceless, for an H100
+    python benchmarks/experts_matmul.py --tokens 1 16 64                  # on a GPU: timed
 """
 
 import argparse
@@ -42,7 +43,7 @@ SHAPES = {
     "deepseek-v3 tp8": (256, 8, {"gate, up": (7168, 256), "down": (256, 7168)}),  # each expert's width / 8
     "mixtral-8x7b": (8, 2, {"w1, w3": (4096, 14336), "w2": (14336, 4096)}),
 }
-IMPLS = ("bf16", "fp8 channel xla", "fp8 channel kernel", "fp8 block xla", "fp8 block kernel")
+IMPLS = ("bf16", "bf16 kernel", "fp8 channel xla", "fp8 channel kernel", "fp8 block xla", "fp8 block kernel")
 
 
 def experts(impl: str, e: int, k: int, n: int, concrete: bool, sharding=None):
@@ -52,8 +53,8 @@ def experts(impl: str, e: int, k: int, n: int, concrete: bool, sharding=None):
 
     if concrete:
         w = jnp.asarray(np.random.default_rng(0).normal(size=(e, k, n)) * 0.02, jnp.bfloat16)
-        return w if impl == "bf16" else quantize_experts(w, BLOCK if "block" in impl else 0)
-    if impl == "bf16":
+        return w if impl.startswith("bf16") else quantize_experts(w, BLOCK if "block" in impl else 0)
+    if impl.startswith("bf16"):
         return struct((e, k, n), jnp.bfloat16)
     blocks = k // BLOCK if "block" in impl else 1
     return Fp8Experts(struct((e, k, n), jnp.float8_e4m3fn), struct((e, blocks, n), jnp.float32),
@@ -62,7 +63,7 @@ def experts(impl: str, e: int, k: int, n: int, concrete: bool, sharding=None):
 
 def product(impl: str):
     mode = "compiled" if impl.endswith("kernel") else None
-    return lambda rows, w, sizes: grouped_matmul(rows, w, sizes, fp8_kernel=mode)
+    return lambda rows, w, sizes: grouped_matmul(rows, w, sizes, kernel=mode, fp8_kernel=mode)
 
 
 def routing(tokens: int, e: int, top_k: int) -> np.ndarray:
@@ -74,7 +75,7 @@ def routing(tokens: int, e: int, top_k: int) -> np.ndarray:
 
 def ideal_bytes(impl: str, sizes: np.ndarray, k: int, n: int) -> int:
     touched = int((sizes > 0).sum())
-    weight = 2 * k * n if impl == "bf16" else k * n + 4 * n * (k // BLOCK if "block" in impl else 1)
+    weight = 2 * k * n if impl.startswith("bf16") else k * n + 4 * n * (k // BLOCK if "block" in impl else 1)
     return touched * weight + 2 * int(sizes.sum()) * k + 4 * int(sizes.sum()) * n
 
 
