@@ -9,7 +9,8 @@ Six ways to multiply a step's [tokens x top_k, K] sorted bfloat16 rows by expert
 - `bf16 kernel`: the same experts through the Triton kernel;
 - `fp8 channel xla`, `fp8 block xla`: e4m3 experts with a scale per channel or per block of 128 contracted rows
   through the same ragged dot (per channel, XLA fuses the widening into it; blocks are widened and written
-  out first): what a GPU without the kernel runs (an A100);
+  out first): what runs with JAXSERVE_TRITON_EXPERTS=0 (an A100 sends widened block-scaled experts through
+  the kernel as 16-bit ones);
 - `fp8 channel kernel`, `fp8 block kernel`: the same experts through the Triton kernel.
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what

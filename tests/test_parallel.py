@@ -222,29 +222,33 @@ def test_bundled_smollm2_matches_tp1_at_tp2(tp_worker, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("block", "expert_parallel"), [(None, False), (None, True), ((12, 12), False),
-                                                        ((16, 16), False)],
-                         ids=["per channel, by width", "per channel, by expert", "blocks, by width",
-                              "blocks refined, by width"])
-def test_an_fp8_checkpoint_s_experts_split_over_devices_in_e4m3(block, expert_parallel, tp_worker, tiny_model_dir,
-                                                                 tmp_path):
+@pytest.mark.parametrize(("block", "expert_parallel", "impl"), [
+    (None, False, "reference"), (None, True, "reference"), ((24, 24), False, "reference"),
+    ((48, 48), False, "reference"), ((16, 16), True, "interpret")],
+    ids=["per channel, by width", "per channel, by expert", "blocks, by width", "blocks refined, by width",
+         "blocks, by expert, the interpreted kernels"])
+def test_an_fp8_checkpoint_s_experts_split_over_devices_in_e4m3(block, expert_parallel, impl, tp_worker,
+                                                                 tiny_model_dir, tmp_path):
     """An FP8 checkpoint's experts under tensor parallelism stay in e4m3 with their scales: each device holds its
-    slice of every expert's width (the down projection's 24 rows a device in two blocks of 12, or, stored in blocks
-    of 16, in three of 8, each scale repeated over the two it covers; a scale per channel whole on every device)
-    or, expert parallel, its own experts. TP=2 gives the same checkpoint's TP=1 tokens: with per-channel scales
-    its dense weights, quantized again per channel under the mesh, keep their values (each channel's largest is
-    448 already); with blocks only the experts are stored in e4m3."""
+    slice of every expert's width (the down projection's 24 rows a device in a block of 24, or, stored in one
+    block of 48, in one of 24, the scale repeated over the two it covers; a scale per channel whole on every
+    device) or, expert parallel, its own experts (in blocks of 16, three of them in the down projection's 48
+    rows). TP=2 gives the same checkpoint's TP=1 tokens: with per-channel scales its dense weights, quantized
+    again per channel under the mesh, keep their values (each channel's largest is 448 already); with blocks
+    only the experts are stored in e4m3. With the interpreted kernels, each device's experts go through the
+    Triton grouped matmul under `shard_map`."""
     from tests.models.test_quantization import _write_fp8_checkpoint
 
     keep = {"self_attn", "layers.1"} if block else set()  # layer 1's MLP is dense
     _write_fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", block=block, fmt="fp8" if block else
                           "compressed-tensors", keep=keep)
     results = run_tp(tp_worker, str(tmp_path / "fp8"), tmp_path / "cache", tp_sizes=(2, 1),
-                     expert_parallel=expert_parallel)
+                     expert_parallel=expert_parallel, attention_impl=impl)
     experts = results[2]["experts"]  # the 6 experts' down projections [E, F, D] = [6, 48, 64]
-    split_block = {None: 48, (12, 12): 12, (16, 16): 8}[block]
+    split_block = {None: 48, (24, 24): 24, (48, 48): 24, (16, 16): 16}[block]
     assert experts["form"] == f"fp8, blocks of {split_block}"
-    shard, scale = ([3, 48, 64], [3, 1, 64]) if expert_parallel else ([6, 24, 64], [6, -(-24 // split_block), 64])
+    shard, scale = (([3, 48, 64], [3, -(-48 // split_block), 64]) if expert_parallel
+                    else ([6, 24, 64], [6, -(-24 // split_block), 64]))
     assert [s for _, s in experts["values"]] == [shard, shard] and [s for _, s in experts["scale"]] == [scale, scale]
     assert results[1]["experts"]["form"] == f"fp8, blocks of {block[1] if block else 48}"
     assert_same_as_tp1(results)

@@ -548,12 +548,14 @@ def _load_tensors(source: ModelSource, abstract: AbstractModel, quantization: st
                 values = transform(tensor.values, cfg)  # [E, K, N]
                 if tuple(values.shape) != tuple(expected[path].shape):
                     raise ValueError(f"{name}: shape {tuple(values.shape)} != expected {expected[path].shape}")
+                block = tensor.block
                 if mesh is not None:  # whole blocks of scales on each device
                     block = experts_block(values.shape, tensor.block, abstract.split_rule(path)[0], mesh.size)
+                if block or not tensor.block:  # else blocks too fine: quantized again per channel, below
                     tensor = tensor.with_block(block) if block != tensor.block else tensor
-                place = functools.partial(_place, abstract, path)
-                loaded[path] = quantize.stored_experts(values, tensor.row_scale(), tensor.block, place)
-                continue
+                    place = functools.partial(_place, abstract, path)
+                    loaded[path] = quantize.stored_experts(values, tensor.row_scale(), tensor.block, place)
+                    continue
             tensor = tensor.dequantize()
         if isinstance(tensor, GgufTensor):
             if exact and covered.covers(path):

@@ -12,8 +12,8 @@ weight, is added back to its token. Compute follows the T x k assignments, never
 
 The grouped matmul (`grouped_matmul`): on Hopper (compute capability 9.0), for steps of many rows, JAX's
 Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA loads, wgmma, one pass over each
-expert's rows); on CUDA GPUs of sm_80 and later, for steps of up to 2,048 sorted rows,
-`ops.grouped_matmul_triton`, which pads each expert's rows to whole row tiles and reads each expert that has
+expert's rows); on CUDA GPUs of sm_80 and later, for the other steps (on Hopper, those of few rows: decode),
+`ops.grouped_matmul_triton`, which cuts each expert's rows into tiles of its own and reads each expert that has
 rows once; on a CPU with the native kernels and bfloat16 experts, `cpu_kernels.grouped_matmul_bf16`, which
 multiplies each expert's rows by its weights and reads no other expert's (and a GGUF file's experts kept in
 their blocks, `gguf_weights.GgufExperts`, the same way in integers); elsewhere `jax.lax.ragged_dot`, which
@@ -21,11 +21,11 @@ XLA:GPU and XLA:CPU compute densely, every row against every expert (E times the
 slow.
 
 FP8 experts (`quantization.Fp8Experts`: an FP8 checkpoint's, or `--quantization fp8`'s) keep half the memory
-of 16-bit ones. On CUDA GPUs of sm_89 and later (and with the interpreted kernels), steps of up to 2,048 sorted
-rows multiply them through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a
-weight. Elsewhere they take the paths above: with a scale per expert and output channel, over their values
-widened to the rows' dtype, each row's product then scaled by its own expert's scales; with block scales
-(DeepSeek-V3's), over the experts dequantized for the step.
+of 16-bit ones. On CUDA GPUs of sm_89 and later (and with the interpreted kernels), every step multiplies them
+through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a weight. Elsewhere they
+take the paths above: with a scale per expert and output channel, over their values widened to the rows'
+dtype, each row's product then scaled by its own expert's scales; with block scales (DeepSeek-V3's), over the
+experts dequantized for the step.
 
 With a mesh the experts run under `shard_map`, in one of two layouts (`MoeConfig.expert_parallel`):
 - tensor parallel (vLLM's default): every device holds every expert's slice of the F axis; the down
@@ -181,9 +181,9 @@ def grouped_expert_mlp(
 _MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 
 
-# XLA's own ragged dot computes every row against every group, through a dense [G, A, N] temporary: on a GPU it
-# stays where that temporary is small (a decode step's few rows), inside XLA's command buffers, which the
-# Mosaic GPU kernel's custom calls would split (three a layer); the kernel takes the rest.
+# On Hopper, where XLA's own ragged dot's dense [G, A, N] temporary would pass this (steps of many rows), 16-bit
+# experts take the Mosaic GPU kernel (wgmma); the steps of fewer rows take the Triton kernel, or the ragged dot
+# without it. Which kernel serves which rows better is for a GPU to measure (`benchmarks/experts_matmul.py`).
 _DENSE_TEMP_BYTES = 64 * 2**20
 
 
@@ -214,11 +214,11 @@ def grouped_matmul(
         return gguf_weights.grouped_matmul(rows, w, group_sizes)
     (num_rows, k), (num_groups, _, n) = rows.shape, w.shape
     if isinstance(w, Fp8Experts):
-        if fp8_kernel is not None and grouped_matmul_triton.fits(num_rows, k, n, w.block):
+        if fp8_kernel is not None and grouped_matmul_triton.fits(k, n, w.block):
             return grouped_matmul_triton.grouped_matmul(rows, w.values, group_sizes, w.scale, w.block,
                                                         interpret=fp8_kernel == "interpret")
-        if not w.per_channel:
-            return grouped_matmul(rows, w.dequantize(rows.dtype), group_sizes, hopper, native)
+        if not w.per_channel:  # widened in 16 bits, then as 16-bit experts are
+            return grouped_matmul(rows, w.dequantize(rows.dtype), group_sizes, hopper, native, kernel)
         out = grouped_matmul(rows, w.values.astype(rows.dtype), group_sizes, hopper, native)  # f32[A, N]
         return out * w.scale[group_of_rows(group_sizes, num_rows), 0]  # rows past the groups stay zeros
     rows = rows.astype(w.dtype)  # a layer's experts may mix kept blocks (float32 rows) with 16-bit weights
@@ -228,7 +228,7 @@ def grouped_matmul(
     tiles = _mgpu_tiles(k, n) if hopper and not few_rows else None
     if tiles is None:
         if (kernel is not None and w.dtype in grouped_matmul_triton.SIXTEEN_BIT
-                and grouped_matmul_triton.fits(num_rows, k, n)):
+                and grouped_matmul_triton.fits(k, n)):
             return grouped_matmul_triton.grouped_matmul(rows, w, group_sizes, interpret=kernel == "interpret")
         return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
+MIN_EXPERT_BLOCK = 16  # `experts_block`
 BlockOf = Callable[[tuple, tuple[int, ...]], int]  # (parameter path, shape) -> its scales' block (0: per channel)
 
 
@@ -198,10 +199,13 @@ def experts_block(shape: tuple[int, ...], block: int, split_axis: int | None, de
     """The block of scales experts [E, K, N] with scales per `block` contracted rows (0: per channel) keep when
     split along `split_axis` over `devices`: `block`, unless K is split and a device's rows are not whole
     blocks; then the largest block that divides both (`Fp8Tensor.with_block`: each scale repeated over the
-    finer blocks it covers, the same weights exactly), so that every device holds its rows' own scales."""
+    finer blocks it covers, the same weights exactly), so that every device holds its rows' own scales. Below
+    16 rows (Triton's smallest dot; and the scales would cost a quarter of the values' bytes or more), 0: the
+    experts are quantized again per channel."""
     if not block or split_axis != 1 or devices == 1:
         return block
-    return math.gcd(block, shape[1] // devices)
+    refined = math.gcd(block, shape[1] // devices)
+    return refined if refined >= MIN_EXPERT_BLOCK else 0
 
 
 def scaled(w: Any, factor: Any) -> Fp8Weight:

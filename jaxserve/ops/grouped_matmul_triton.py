@@ -39,9 +39,6 @@ _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _MAX_BLOCK_T = 64
 _WIDTHS = (128, 64, 32, 16)  # output and contracted tiles, the widest first
 
-# The most sorted rows (tokens x experts a token) the kernel takes. Past them a step's experts each have many
-# rows and the step is the tensor cores': there the 16-bit paths (Hopper's Mosaic GPU grouped matmul) serve.
-KERNEL_MAX_ROWS = 2048
 SIXTEEN_BIT = (jnp.bfloat16, jnp.float16)  # the experts' dtypes it multiplies as they are (else e4m3, scaled)
 MIN_COMPUTE_CAPABILITY = 8.0  # bfloat16 dots (Ampere); e4m3 experts: fp8_block_matmul.MIN_COMPUTE_CAPABILITY
 # Shared memory a program's pipelined loads may take (`num_stages` x a step's rows and weight tile): under the
@@ -54,8 +51,9 @@ def contracted_tile(k: int, block: int) -> int | None:
     """The contracted rows a step of the kernel walks: a block scale's block (a power of two of at least 16
     that divides K), or for one scale per channel (`block` >= K) or none (`block` 0) the widest tile that
     divides K; None where neither exists."""
-    if 0 < block < k:
-        return block if block >= _MIN_DOT_DIM and block == next_pow2(block) and k % block == 0 else None
+    if 0 < block < k:  # a scale block: a power of two Triton's dot takes, at most the widest tile (shared memory)
+        fits_dot = _MIN_DOT_DIM <= block <= _WIDTHS[0] and block == next_pow2(block)
+        return block if fits_dot and k % block == 0 else None
     return next((width for width in _WIDTHS if k % width == 0), None)
 
 
@@ -83,11 +81,10 @@ def tiles(num_rows: int, num_groups: int, k: int, n: int, block: int, row_bytes:
     return block_t, block_n, block_k
 
 
-def fits(rows: int, k: int, n: int, block: int = 0) -> bool:
-    """Whether [rows, K] sorted rows times experts [G, K, N] (with scales per `block` contracted rows, 0 for
-    16-bit experts) are the kernel's: at most KERNEL_MAX_ROWS rows, a contracted tile (`contracted_tile`),
-    outputs a tile divides."""
-    return rows <= KERNEL_MAX_ROWS and contracted_tile(k, block) is not None and n % _WIDTHS[-1] == 0
+def fits(k: int, n: int, block: int = 0) -> bool:
+    """Whether experts [G, K, N] (with scales per `block` contracted rows, 0 for 16-bit experts) are the kernel's:
+    a contracted tile (`contracted_tile`), outputs a tile divides."""
+    return contracted_tile(k, block) is not None and n % _WIDTHS[-1] == 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +158,7 @@ def grouped_matmul(
     num_warps: int = 4,
 ) -> jax.Array:  # f32[A, N]
     """rows[group g] @ values[g] (scaled by scale[g]) for every group, float32 sums (module docstring)."""
-    if plgpu is None and not interpret:
+    if plgpu is None:  # its masked loads and stores are the backend's, interpreted too
         raise RuntimeError("this jax has no Pallas Triton backend")
     num_rows, k = rows.shape
     num_groups, _, n = values.shape

@@ -493,6 +493,7 @@ def test_finer_blocks_of_scales_hold_the_same_weights_and_split_experts_whole():
     assert experts_block((128, 768, 2048), 128, 1, 4) == 64 and experts_block((128, 768, 2048), 128, 1, 2) == 128
     assert experts_block((128, 2048, 768), 128, 2, 4) == 128  # a split of the outputs cuts no block
     assert experts_block((128, 768, 2048), 0, 1, 4) == 0  # a scale per channel stays whole
+    assert experts_block((128, 768, 2048), 128, 1, 32) == 0  # 24 rows a device: blocks of 8, too fine: per channel
 
 
 @pytest.mark.parametrize(("kind", "block", "fmt"), [

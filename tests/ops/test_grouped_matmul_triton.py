@@ -17,12 +17,16 @@ from jaxserve.ops.fp8_block_matmul import MIN_COMPUTE_CAPABILITY, TRITON_BACKEND
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not TRITON_BACKEND, reason="this jax has no Pallas Triton")]
 
-COMPILED = resolve_impl("auto") == "pallas" and (cuda_compute_capability() or 0) >= MIN_COMPUTE_CAPABILITY
+def _compiled(fp8: bool) -> bool:
+    """Whether this machine runs the kernel compiled (a CUDA GPU of sm_80 on; sm_89 on for e4m3 experts), else
+    interpreted."""
+    needed = MIN_COMPUTE_CAPABILITY if fp8 else kernel.MIN_COMPUTE_CAPABILITY
+    return resolve_impl("auto") == "pallas" and (cuda_compute_capability() or 0) >= needed
 
 
 def _case(rng: np.random.Generator, group_sizes: list[int], extra_rows: int, k: int, n: int, block: int, dtype):
-    """Sorted rows (with `extra_rows` past the groups), e4m3 experts and their scales (`block` 0: bfloat16
-    experts and no scales), and the float64 oracle."""
+    """Sorted rows (with `extra_rows` past the groups), e4m3 experts and their scales (`block` 0: 16-bit experts
+    of the rows' dtype and no scales), and the float64 oracle."""
     num_groups, num_rows = len(group_sizes), sum(group_sizes) + extra_rows
     rows = jnp.asarray(rng.normal(size=(num_rows, k)), dtype)
     if block:
@@ -32,7 +36,7 @@ def _case(rng: np.random.Generator, group_sizes: list[int], extra_rows: int, k: 
         weights = (np.asarray(values.astype(jnp.float32), np.float64)
                    * np.repeat(np.asarray(scale, np.float64), k // blocks, axis=1))  # [G, K, N]
     else:
-        values, scale = jnp.asarray(rng.normal(size=(num_groups, k, n)), jnp.bfloat16), None
+        values, scale = jnp.asarray(rng.normal(size=(num_groups, k, n)), dtype), None
         weights = np.asarray(values.astype(jnp.float32), np.float64)
     x = np.asarray(rows.astype(jnp.float32), np.float64)
     want, start = np.zeros((num_rows, n)), 0
@@ -45,22 +49,23 @@ def _case(rng: np.random.Generator, group_sizes: list[int], extra_rows: int, k: 
 @pytest.mark.parametrize(("group_sizes", "extra_rows", "k", "n", "block"), [
     ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 256),  # a decode step: a row or two an expert, some none; per channel
     ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 64),  # the same with block scales
-    ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 0),  # and bfloat16 experts
+    ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 0),  # and 16-bit experts
     ([40, 3, 0, 17], 4, 128, 64, 32),  # tiles of 16 over experts of 40 and 17 rows; rows past the groups
     ([40, 3, 0, 17], 4, 128, 64, 0),
     ([70, 90], 0, 64, 48, 64),  # tiles of 64 (80 rows an expert on average), 48 outputs in tiles of 16
     ([0, 0, 5], 3, 48, 32, 48),  # K of 48: contracted tiles of 16
 ])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_the_kernel_matches_the_float64_oracle(group_sizes, extra_rows, k, n, block, dtype):
     if not block and dtype == jnp.float32:
         pytest.skip("16-bit experts take rows of their dtype")
     rows, values, scale, sizes, want = _case(np.random.default_rng(k + n), group_sizes, extra_rows, k, n, block,
                                              dtype)
-    got = kernel.grouped_matmul(rows, values, sizes, scale, block, interpret=not COMPILED)
+    compiled = _compiled(fp8=bool(block))
+    got = kernel.grouped_matmul(rows, values, sizes, scale, block, interpret=not compiled)
     assert got.shape == want.shape and got.dtype == jnp.float32
     assert (np.asarray(got)[sum(group_sizes):] == 0).all()  # rows past the groups
-    tol = 1e-5 if dtype == jnp.float32 and not COMPILED else 2e-2  # bfloat16 rows; a GPU's TF32 dots
+    tol = 1e-5 if dtype == jnp.float32 and not compiled else 2e-2  # 16-bit rows; a GPU's TF32 dots
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
 
 
@@ -91,12 +96,14 @@ def test_tiles_divide_the_shapes_and_their_pipelined_loads_fit_shared_memory(row
                                                                               value_bytes):
     block_t, block_n, block_k = kernel.tiles(rows, groups, k, n, block, row_bytes, value_bytes)
     assert 16 <= block_t <= 64 and n % block_n == 0 and k % block_k == 0 and min(block_n, block_k) >= 16
-    assert block_k == (block if 0 < block < k else block_k)  # a scale block is the contracted tile
+    if 0 < block < k:
+        assert block_k == block  # a scale block is the contracted tile
     assert kernel.NUM_STAGES * (block_t * block_k * row_bytes + block_k * block_n * value_bytes) \
         <= kernel.SHARED_MEMORY_BUDGET
 
 
 def test_cuda_gpus_from_sm80_take_the_kernel_for_16_bit_experts_and_from_sm89_for_fp8_ones(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_TRITON_EXPERTS", raising=False)
     h100, a100 = (AttentionConfig("pallas", compute_capability=c) for c in (9.0, 8.0))
     assert (h100.expert_kernel, h100.fp8_expert_kernel) == ("compiled", "compiled")
     assert AttentionConfig("pallas", compute_capability=9.0, mesh=object()).fp8_expert_kernel == "compiled"  # shard_map
@@ -106,9 +113,10 @@ def test_cuda_gpus_from_sm80_take_the_kernel_for_16_bit_experts_and_from_sm89_fo
     assert AttentionConfig("cpu").expert_kernel is None and AttentionConfig("cpu").fp8_expert_kernel is None
     monkeypatch.setenv("JAXSERVE_TRITON_EXPERTS", "0")  # both back on XLA's paths
     assert h100.expert_kernel is None and h100.fp8_expert_kernel is None
-    assert kernel.fits(2048, 2048, 768, 2048) and not kernel.fits(2049, 2048, 768, 2048)
-    assert kernel.fits(16, 2880, 2880, 2880) and kernel.fits(16, 2880, 2880)  # GPT-OSS: contracted tiles of 64
-    assert not kernel.fits(16, 7168, 2048, 24) and not kernel.fits(16, 7000, 2048, 128)  # blocks Triton cannot take
+    assert kernel.fits(2048, 768, 2048) and kernel.fits(2048, 768, 128) and kernel.fits(2048, 768)
+    assert kernel.fits(2880, 2880, 2880) and kernel.fits(2880, 2880)  # GPT-OSS: contracted tiles of 64
+    assert not kernel.fits(7168, 2048, 24) and not kernel.fits(7000, 2048, 128)  # blocks Triton cannot take
+    assert not kernel.fits(7168, 2048, 512)  # a block wider than a tile (its steps' loads would not fit)
 
 
 @functools.cache
@@ -129,7 +137,7 @@ def _triton_calls(compiled) -> int:  # the Pallas Triton kernels an XLA:GPU exec
 def test_the_kernel_compiles_for_cuda_gpus_without_temporaries_the_experts_size(target, rows, experts):
     """Qwen3-30B-A3B's up projection (128 experts [2048, 768]) for decode steps of 16 and 64 tokens (128 and
     512 sorted rows) and a mixed one of 256, deviceless through Triton and ptxas for sm_90 or sm_80: the
-    step's temporaries are the padded rows and products, where XLA's ragged dot over the same experts writes
+    step's temporaries are the output (with its spare rows), where XLA's ragged dot over the same experts writes
     every row's product with every expert (f32[G, A, N]) and, with block scales, the widened experts (2 bytes
     a weight)."""
     from jaxserve.models.moe import grouped_matmul
@@ -151,9 +159,9 @@ def test_the_kernel_compiles_for_cuda_gpus_without_temporaries_the_experts_size(
             compiled[name] = jax.jit(lambda x, w, sizes, m=mode: grouped_matmul(
                 x, w, sizes, kernel=m, fp8_kernel=m)).trace(*args).lower().compile()
     assert _triton_calls(compiled["kernel"]) == 1 and _triton_calls(compiled["xla"]) == 0
-    weights, padded_rows = e * k * n, rows + e * 16  # at most a partial tile of 16 rows an expert
-    # the padded rows (bfloat16) and their float32 products, gathered: nothing the experts' size
-    assert compiled["kernel"].memory_analysis().temp_size_in_bytes <= 2 * padded_rows * (2 * k + 4 * n)
+    weights = e * k * n
+    # the float32 products (and the kernel's spare rows), and the tile layout: nothing of the experts' size
+    assert compiled["kernel"].memory_analysis().temp_size_in_bytes <= 2 * 4 * (rows + 64) * n + 2**20
     widened = 2 * weights if experts == "fp8 blocks" else 0
     assert compiled["xla"].memory_analysis().temp_size_in_bytes >= 4 * e * rows * n + widened
 
