@@ -154,7 +154,8 @@ def test_the_experts_compile_to_the_mosaic_kernel_for_an_h100(num_tokens, num_ex
               ((num_experts, width, hidden), jnp.bfloat16)]
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
     fn = jax.jit(lambda *a: grouped_expert_mlp(*a, num_experts=num_experts, hopper=True, kernel="compiled"))
-    compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
+    with jax.default_device(device):  # the device the Triton kernel is lowered for (jax 0.12 asks)
+        compiled = fn.trace(*structs).lower(lowering_platforms=("cuda",)).compile()
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == kernels
     assert compiled.as_text().count("__gpu$xla.gpu.triton") == 3 - kernels
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
