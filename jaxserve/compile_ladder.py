@@ -39,7 +39,7 @@ from jaxserve.config import AUTO_MAX_MODEL_LEN, FEATURE_METHODS, EngineConfig, S
 from jaxserve.device import DeviceFacts, deviceless_devices, local_facts, target_facts
 from jaxserve.engine.eagle_proposer import check_target_windows
 from jaxserve.engine.pooling_mode import encoder_config, encoder_context
-from jaxserve.models import is_encoder, kv_arrays
+from jaxserve.models import is_encoder
 from jaxserve.models.classifier import num_classes
 from jaxserve.models.eagle import DrafterLayout, EagleConfig, EagleLlama
 from jaxserve.models.eagle import split_rule as eagle_split_rule
@@ -68,12 +68,13 @@ from jaxserve.runner.aot import (
     abstract_step_args,
     compile_bucket,
     compile_sampler,
+    page_bytes_on_device,
     step_compiler_options,
     step_shapes,
     temp_estimate,
 )
 from jaxserve.runner.buckets import Bucket, BucketLadder, largest_buckets
-from jaxserve.runner.kv_budget import KVBudget, bytes_per_page, fit_to_kv_cache
+from jaxserve.runner.kv_budget import KVBudget, fit_to_kv_cache, pages_in_host_memory
 from jaxserve.runner.kv_sizing import with_margin
 from jaxserve.runner.launches import StepLaunches
 from jaxserve.runner.penalties import PenaltyTables
@@ -220,13 +221,6 @@ class _Drafter:
         """The pages of its own features."""
         return feature_pages(self.cfg, dtype)
 
-    def page_bytes(self, page_size: int, dtype: Any) -> int:
-        """A page of its own cache: its layers' K/V (never FP8, `engine.core.drafter_cache`) and its features."""
-        cfg = self.cfg
-        itemsize = jnp.dtype(dtype).itemsize
-        return (bytes_per_page(cfg.num_layers, cfg.num_kv_heads, page_size, cfg.head_dim, itemsize, kv_arrays(cfg))
-                + self.features(dtype).page_bytes(page_size))
-
     def shapes(self, page_size: int, num_pages: int, max_pages_per_req: int, max_num_seqs: int,
                dtype: Any) -> StepShapes:
         return step_shapes(self.cfg, dtype, page_size, num_pages, max_pages_per_req, max_num_seqs, 0,
@@ -330,12 +324,13 @@ def compile_ladder(
     itemsize = jnp.dtype(jax_dtype).itemsize
     cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, jax_dtype, attention.impl,
                                          attention.compute_capability)
-    page_bytes = bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache.page_size, cfg.head_dim,
-                                cache_dtype.itemsize, kv_arrays(cfg))
     features = None if drafter is None else drafter.target_features(cfg, jax_dtype)
-    if drafter is not None:  # the target's hidden states' pages, and the drafter's own pages (page for page)
-        page_bytes += features.page_bytes(cache.page_size) + drafter.page_bytes(cache.page_size, jax_dtype)
-    page_bytes //= tp  # one device's share, as serve counts it (model_runner.py)
+    # One device's share of a page, as serve counts it (model_runner.kv_page_bytes): the target's K/V and the
+    # hidden states it keeps for a drafter, and the drafter's own pages (page for page)
+    page_bytes = page_bytes_on_device(step_shapes(cfg, cache_dtype, cache.page_size, 1, 1, 1, 0, features),
+                                      device, mesh)
+    if drafter is not None:
+        page_bytes += page_bytes_on_device(drafter.shapes(cache.page_size, 1, 1, 1, jax_dtype), device, mesh)
     max_pages_per_req = -(-max_len // cache.page_size)
     options = step_compiler_options(enforce_eager, device.platform)
     # A pooling engine's step (--runner pooling, which a classifier or an encoder chooses) returns the pooled
@@ -368,7 +363,7 @@ def compile_ladder(
         budget.check()
         num_pages = budget.num_pages
     else:
-        num_pages = config.cache.num_kv_pages or int(config.cache.kv_cache_memory_gib * 2**30 // page_bytes)
+        num_pages = config.cache.num_kv_pages or pages_in_host_memory(config.cache.kv_cache_memory_gib, page_bytes, tp)
     if asked == AUTO_MAX_MODEL_LEN:  # as the runner fits it (model_runner.py)
         max_len = fit_to_kv_cache(max_len, num_pages, cache.page_size)
         max_pages_per_req = -(-max_len // cache.page_size)

@@ -6,6 +6,7 @@ memory on the target. `ModelRunner` uses the same arguments to size its KV cache
 temp memory; `jaxserve compile` uses them to compile a whole ladder for a GPU it does not have.
 """
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from jaxserve.models.features import FeaturePages
 from jaxserve.models.layers import KVCache, kv_cache_layers
 from jaxserve.ops.attention import kv_cache_shape
 from jaxserve.ops.kv_write import padding_slot
-from jaxserve.parallel import on_one_device, page_array_sharding, replicated
+from jaxserve.parallel import bytes_per_device, on_one_device, page_array_sharding, replicated
 from jaxserve.runner.buckets import Bucket
 from jaxserve.runner.kv_sizing import MOE_ROW_COPIES, shapes_estimate
 from jaxserve.runner.launches import StepLaunches, compile_with_launches
@@ -116,6 +117,15 @@ def abstract_kv_caches(shapes: StepShapes, device: Any, mesh: Mesh | None = None
         features = shapes.features.shape(shapes.num_pages, shapes.layout.page_size)
         caches.append((jax.ShapeDtypeStruct(features, shapes.features.dtype, sharding=placed(features)), None))
     return caches
+
+
+def page_bytes_on_device(shapes: StepShapes, device: Any, mesh: Mesh | None = None) -> int:
+    """One device's share of one page of the KV cache `shapes` describes (every layer's K/V, and the hidden
+    states it keeps): the page arrays whole on `device`, or their shards as the runner splits them over `mesh`
+    (`page_array_sharding`: K/V by KV head, hidden states along their width where it divides, else whole on
+    every device)."""
+    one_page = dataclasses.replace(shapes, num_pages=1)
+    return bytes_per_device(jax.tree.leaves(abstract_kv_caches(one_page, device, mesh)))
 
 
 def abstract_step_args(

@@ -80,7 +80,7 @@ def budget_from_memory_stats(
     )
 
 
-def bytes_per_page(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, itemsize: int,
-                   arrays: int = 2) -> int:
-    """One page of K and V in every layer (`arrays` 1: of K alone, where the values are the keys)."""
-    return arrays * num_layers * num_kv_heads * page_size * head_dim * itemsize
+def pages_in_host_memory(memory_gib: float, page_bytes_on_device: int, num_devices: int) -> int:
+    """The pages a KV cache of `memory_gib` GiB (`--kv-cache-memory`) holds where every device's memory is the
+    host's (CPUs): a page takes one device's share of it on each device."""
+    return int(memory_gib * 2**30 // (page_bytes_on_device * num_devices))

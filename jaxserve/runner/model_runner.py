@@ -40,7 +40,6 @@ from jaxserve.collector import fewer_collections
 from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
-from jaxserve.models import kv_arrays
 from jaxserve.models.features import feature_pages
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
@@ -62,13 +61,14 @@ from jaxserve.runner.aot import (
     abstract_step_args,
     abstract_weights,
     compile_bucket,
+    page_bytes_on_device,
     step_compiler_options,
     step_shapes,
     temp_estimate,
 )
 from jaxserve.runner.batch import build_step_batch
 from jaxserve.runner.buckets import Bucket, BucketLadder, ExecutedStep, largest_buckets
-from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, bytes_per_page, fit_to_kv_cache
+from jaxserve.runner.kv_budget import KVBudget, budget_from_memory_stats, fit_to_kv_cache, pages_in_host_memory
 from jaxserve.runner.kv_sizing import QUICK_ESTIMATE_OPTIONS, SizedKVCache, size_kv_cache
 from jaxserve.runner.multihost import Broadcast, LoadSeenTokens, Step
 from jaxserve.runner.packing import neutral_batch, pack
@@ -152,13 +152,12 @@ def _kv_dtype(model: LoadedModel, cache_config: CacheConfig) -> Any:
 
 def kv_page_bytes(model: LoadedModel, cache_config: CacheConfig,
                   feature_layers: tuple[int, ...] | None = None) -> int:
-    """One page of `model`'s KV cache, in every layer, at the cache's dtype for it, and of the hidden states
-    it keeps (`feature_pages`)."""
-    cfg = model.cfg
-    features = feature_pages(model.cfg, model.dtype, feature_layers)
-    return bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cache_config.page_size, cfg.head_dim,
-                          _kv_dtype(model, cache_config).itemsize, kv_arrays(cfg)) + (
-        0 if features is None else features.page_bytes(cache_config.page_size))
+    """One device's share of one page of `model`'s KV cache: every layer's K/V at the cache's dtype for it,
+    and the hidden states it keeps (`feature_pages`), split as the runner splits them over the model's mesh
+    (`aot.page_bytes_on_device`)."""
+    shapes = step_shapes(model.cfg, _kv_dtype(model, cache_config), cache_config.page_size, 1, 1, 1, 0,
+                         feature_pages(model.cfg, model.dtype, feature_layers))
+    return page_bytes_on_device(shapes, jax.devices()[0], model.mesh)
 
 
 @dataclass(frozen=True)
@@ -308,8 +307,9 @@ class ModelRunner:
         # --enable-lora: the adapters the engine serves (`add_lora`) and the device slots they are written to
         self.lora = LoraWriter(model) if getattr(model.cfg, "lora", None) is not None else None
         logger.info(
-            "KV cache: %d pages of %d tokens (%.2f GiB, %s)",
-            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30, self.kv_dtype.name,
+            "KV cache: %d pages of %d tokens (%.2f GiB%s, %s)",
+            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**30,
+            " a device" if self.mesh is not None else "", self.kv_dtype.name,
         )
         if jax.default_backend() == "cpu":  # where the allocator decides a step's speed
             logger.info("%s", allocator_note())
@@ -350,8 +350,9 @@ class ModelRunner:
 
     def _num_kv_pages(self, cache: CacheConfig, page_bytes: int, stats: dict[str, int] | None = None,
                       loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:
-        """(the KV cache's page count, the largest buckets' plain steps compiled at it where sizing it took
-        that): --num-kv-pages; else on CPU --kv-cache-memory; else what --gpu-memory-utilization leaves of
+        """(the KV cache's page count of `page_bytes`, one device's share of a page, and the largest buckets'
+        plain steps compiled at it where sizing it took that): --num-kv-pages; else on CPU --kv-cache-memory
+        (the host's memory, which every device's share takes from); else what --gpu-memory-utilization leaves of
         the device's memory (`stats`: the device's memory_stats(), read here unless given), sized from an
         estimate of the step's temp memory that its compiles check (`kv_sizing.py`).
         `loading_weights_bytes`: one device's share of weights still loading, which the budget counts in
@@ -362,7 +363,8 @@ class ModelRunner:
         if stats is None:
             stats = device_memory_stats(device)
         if not stats or "bytes_limit" not in stats:
-            num_pages = int(cache.kv_cache_memory_gib * 2**30 // page_bytes)
+            num_pages = pages_in_host_memory(cache.kv_cache_memory_gib, page_bytes,
+                                             self.mesh.size if self.mesh is not None else 1)
             if num_pages < 2:
                 raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
             return num_pages, {}
@@ -378,7 +380,7 @@ class ModelRunner:
                 state_bytes=PenaltyTables.num_bytes(self.max_num_seqs, self.model.cfg.vocab_size)
                 + self._draft_state_bytes,
                 peak_temp_bytes=temp_bytes,
-                bytes_per_page=page_bytes // (self.mesh.size if self.mesh is not None else 1),  # one device's
+                bytes_per_page=page_bytes,
             )
 
         provisional_pages = self.max_pages_per_req + 1
