@@ -5,34 +5,42 @@ Four ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each th
 step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
-  into its GEMM, the scale after it);
+  into its GEMM, the scale after it), 16-bit activations (JAXSERVE_FP8_ACTIVATIONS=0);
+- `fp8 channel w8a8`: the same weight with the activations rounded to e4m3 as well, a scale per token, as a
+  GPU with FP8 tensor cores runs steps of `quantization.W8A8_MIN_ROWS` rows or more (fewer rows: as above);
 - `fp8 block xla`: e4m3 values with block scales, widened and scaled by XLA, which writes the widened
   weight and reads it back (what a GPU without the kernel runs: an A100's dispatch);
 - `fp8 block kernel`: the same weight through `ops.fp8_block_matmul`'s Triton kernel.
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments and output read or written once, its temporaries written and read once,
-and the time that traffic takes at the target's memory bandwidth (a lower bound: the roofline). On a GPU it
-times each (the median of `--iters` calls) and reports the achieved bandwidth of the ideal traffic (the
-weight, its scales, the activations and the output, each once) as a fraction of the device's.
+and the roofline: the longer of that traffic at the target's memory bandwidth and the product's flops at its
+tensor-core peak for the operands' dtype (FP8 for `w8a8` where it applies, else bfloat16). On a GPU it times
+each (the median of `--iters` calls) and reports the achieved bandwidth of the ideal traffic (the weight, its
+scales, the activations and the output, each once) and the achieved TFLOP/s, as fractions of the device's.
 
     python benchmarks/fp8_block_matmul.py --json docs/fp8_block_matmul.json   # deviceless, for an H100
     python benchmarks/fp8_block_matmul.py --rows 1 64 --models llama-3-8b       # on a GPU: timed
+    python benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 256 2048 --impls bf16 "fp8 channel" \
+        "fp8 channel w8a8"                                                      # activations in FP8 or not
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.layers import dense
-from jaxserve.models.quantization import Fp8Weight, quantize_fp8
+from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
 
 BLOCK = 128
@@ -42,7 +50,7 @@ SHAPES = {
     "deepseek-v3": {"q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 24576), "o": (16384, 7168),
                     "shared gate, up": (7168, 2048), "shared down": (2048, 7168)},
 }
-IMPLS = ("bf16", "fp8 channel", "fp8 block xla", "fp8 block kernel")
+IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel")
 
 
 def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
@@ -54,7 +62,7 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
     x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16) if concrete else struct((rows, k), jnp.bfloat16)
     if impl == "bf16":
         w = jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.bfloat16) if concrete else struct((k, n), jnp.bfloat16)
-    elif impl == "fp8 channel":
+    elif impl.startswith("fp8 channel"):
         w = (quantize_fp8(jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.float32), 1) if concrete else
              Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((n,), jnp.float32), contracted=1))
     elif concrete:
@@ -65,20 +73,47 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
     return x, w
 
 
+@contextlib.contextmanager
+def fp8_activations(setting: str):
+    """JAXSERVE_FP8_ACTIVATIONS at `setting` while a product traces (`AttentionConfig.fp8_activations`)."""
+    before = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
+    os.environ["JAXSERVE_FP8_ACTIVATIONS"] = setting
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("JAXSERVE_FP8_ACTIVATIONS")
+        else:
+            os.environ["JAXSERVE_FP8_ACTIVATIONS"] = before
+
+
 def product(impl: str, attention: AttentionConfig):
-    """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it."""
+    """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; the channel
+    weight with 16-bit activations, or as the GPU runs it (`fp8 channel w8a8`)."""
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
+    if impl == "fp8 channel":
+        def weight_only(x, w):
+            with fp8_activations("0"):  # read as it traces
+                return dense(x, w, attention)
+        return weight_only
     return lambda x, w: dense(x, w, attention)
 
 
 def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
-    weight = {"bf16": 2 * k * n, "fp8 channel": k * n + 4 * n}.get(impl, k * n + 4 * (k // BLOCK) * n)
+    weight = 2 * k * n if impl == "bf16" else k * n + 4 * n if impl.startswith("fp8 channel") else (
+        k * n + 4 * (k // BLOCK) * n)
     return weight + 2 * rows * (k + n)
 
 
-def deviceless(models: list[str], rows_list: list[int], target: str) -> list[dict]:
+def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> str:
+    """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
+    fp8 = impl == "fp8 channel w8a8" and activations_in_fp8(rows, w, attention)
+    return jnp.dtype(FP8).name if fp8 else "bfloat16"
+
+
+def deviceless(models: list[str], rows_list: list[int], target: str, impls: list[str]) -> list[dict]:
     from jaxserve.device import deviceless_device, target_facts
     from jaxserve.parallel import on_one_device
 
@@ -89,21 +124,23 @@ def deviceless(models: list[str], rows_list: list[int], target: str) -> list[dic
     for model in models:
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
-                for impl in IMPLS:
+                for impl in impls:
                     x, w = operands(impl, rows, k, n, concrete=False, sharding=on_one_device(device))
                     with jax.default_device(device):
                         compiled = jax.jit(product(impl, attention)).trace(x, w).lower().compile()
                     memory = compiled.memory_analysis()
                     moved = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                              + 2 * memory.temp_size_in_bytes)
+                    peak = facts.peak_flops_for(matmul_dtype(impl, rows, w, attention))
+                    roofline = max(moved / facts.memory_bandwidth, 2 * rows * k * n / peak)
                     results.append({"model": model, "weight": name, "k": k, "n": n, "rows": rows, "impl": impl,
                                     "temp_bytes": memory.temp_size_in_bytes, "moved_bytes": moved,
-                                    "roofline_us": moved / facts.memory_bandwidth * 1e6, "target": target})
+                                    "roofline_us": roofline * 1e6, "target": target})
                     print(json.dumps(results[-1]), flush=True)
     return results
 
 
-def timed(models: list[str], rows_list: list[int], iters: int) -> list[dict]:
+def timed(models: list[str], rows_list: list[int], iters: int, impls: list[str]) -> list[dict]:
     from jaxserve.device import local_facts
 
     facts = local_facts()
@@ -113,7 +150,7 @@ def timed(models: list[str], rows_list: list[int], iters: int) -> list[dict]:
     for model in models:
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
-                for impl in IMPLS:
+                for impl in impls:
                     x, w = operands(impl, rows, k, n, concrete=True)
                     fn = jax.jit(product(impl, attention))
                     jax.block_until_ready(fn(x, w))
@@ -124,9 +161,12 @@ def timed(models: list[str], rows_list: list[int], iters: int) -> list[dict]:
                         times.append(time.perf_counter() - start)
                     seconds = statistics.median(times)
                     bandwidth = ideal_bytes(impl, rows, k, n) / seconds
+                    flops = 2 * rows * k * n / seconds
+                    peak = facts.peak_flops_for(matmul_dtype(impl, rows, w, attention))
                     results.append({"model": model, "weight": name, "k": k, "n": n, "rows": rows, "impl": impl,
                                     "us": seconds * 1e6, "tb_per_s": bandwidth / 1e12,
                                     "of_peak": bandwidth / facts.memory_bandwidth if facts.memory_bandwidth else None,
+                                    "tflops": flops / 1e12, "of_flops_peak": flops / peak if peak else None,
                                     "device": device.device_kind})
                     print(json.dumps(results[-1]), flush=True)
     return results
@@ -138,11 +178,12 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
     parser.add_argument("--target", default="h100", help="deviceless compiles' target (without a GPU)")
     parser.add_argument("--iters", type=int, default=50, help="timed calls per case (on a GPU)")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
-    results = (timed(args.models, args.rows, args.iters) if on_gpu
-               else deviceless(args.models, args.rows, args.target))
+    results = (timed(args.models, args.rows, args.iters, args.impls) if on_gpu
+               else deviceless(args.models, args.rows, args.target, args.impls))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -43,7 +43,9 @@ def generate(setting: str, prompts: list[list[int]], max_tokens: int) -> list[tu
         for output in engine.step():
             if output.finished:
                 completion = output.outputs[0]
-                outputs[int(output.request_id)] = (completion.token_ids, [float(x) for x in completion.logprobs])
+                chosen = [float(entry[token].logprob)  # {token id: Logprob}, the sampled token's among them
+                          for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+                outputs[int(output.request_id)] = (completion.token_ids, chosen)
     engine.shutdown()
     return [outputs[i] for i in range(len(prompts))]
 

@@ -53,6 +53,7 @@ from jaxserve.models.mtp import split_rule as mtp_split_rule
 from jaxserve.models.quantization import (
     checkpoint_contracted_block,
     checkpoint_quantization,
+    layer_matmul_dtype,
     layer_weight_itemsize,
     quantize_state,
 )
@@ -379,6 +380,10 @@ def compile_ladder(
     context = context_len or max_len // 2
     peak = facts.peak_flops_for(jnp.dtype(jax_dtype).name)
 
+    def layer_peak(bucket: Bucket, variant: str) -> float | None:  # FP8 activations too: the FP8 peak
+        dtype = None if variant.startswith("draft") else layer_matmul_dtype(state, bucket.num_tokens, attention)
+        return facts.peak_flops_for(dtype) if dtype else None
+
     step_fns = {"plain": (step, False)}
     if variants and not pooling:
         treedef, max_logprobs = jax.tree.structure(abstract.state), config.model.max_logprobs
@@ -440,7 +445,8 @@ def compile_ladder(
                 xla_flops, xla_bytes = cost.get("flops"), cost.get("bytes accessed")
         predicted = step_cost(programs[variant][2], bucket.num_tokens, bucket.num_reqs, context, itemsize,
                               peak, facts.memory_bandwidth,
-                              itemsize if variant.startswith("draft") else layer_itemsize)  # a drafter's unquantized
+                              itemsize if variant.startswith("draft") else layer_itemsize,  # a drafter's unquantized
+                              layer_peak(bucket, variant))
         if mesh is not None:  # one device's share would ignore the all-reduces: no prediction
             predicted = dataclasses.replace(predicted, compute_seconds=None, memory_seconds=None)
         logger.info("compiled %s (%s) in %.1fs", bucket, variant, compiled.compile_seconds)

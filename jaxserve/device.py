@@ -47,8 +47,10 @@ class DataSheet:
 
 
 DATA_SHEETS: dict[str, DataSheet] = {
-    "h100": DataSheet(r"H100.*(SXM|HBM3)", 3.35e12, (("bfloat16", 989.4e12), ("float32", 494.7e12))),
-    "h200": DataSheet(r"H200", 4.8e12, (("bfloat16", 989.4e12), ("float32", 494.7e12))),
+    "h100": DataSheet(r"H100.*(SXM|HBM3)", 3.35e12,
+                      (("bfloat16", 989.4e12), ("float32", 494.7e12), ("float8_e4m3fn", 1978.9e12))),
+    "h200": DataSheet(r"H200", 4.8e12,
+                      (("bfloat16", 989.4e12), ("float32", 494.7e12), ("float8_e4m3fn", 1978.9e12))),
     "a100": DataSheet(r"A100.*80GB", 2.039e12, (("bfloat16", 312e12), ("float32", 156e12))),
 }
 

@@ -7,7 +7,8 @@ overlap, the sampler's sorts, and how well each kernel actually uses the device.
 
 Counts, per step of a bucket of T tokens and R requests, each request attending `context_len` keys:
 - flops: 2 x T x (the layers' matmul weights) + 2 x R x V x D (logits for the R sampled rows)
-  + 4 x T x context_len x N x H x L (attention's QK^T and PV);
+  + 4 x T x context_len x N x H x L (attention's QK^T and PV); the layers' matmuls at the FP8 peak where
+  activations are FP8 too (W8A8), the rest at the activations' dtype's;
 - bytes: every weight once (the embedding table only for the T rows it gathers), the KV cache that the
   R requests read (R x context_len x 2 x K x H x L x itemsize, or 1 x where the values are the keys; a layer
   with a sliding window reads at most its window) and the T tokens' K/V it writes.
@@ -120,15 +121,17 @@ def step_cost(
     peak_flops: float | None,
     memory_bandwidth: float | None,
     layer_itemsize: int | None = None,
+    layer_peak_flops: float | None = None,
 ) -> StepCost:
     """The roofline of one step: `num_tokens` tokens of `num_reqs` requests, each seeing `context_len` keys.
     `layer_itemsize`: the layers' dense weights' and routed experts' bytes each where they differ from
-    `itemsize` (quantized)."""
+    `itemsize` (quantized). `layer_peak_flops`: the rate of the layers' dense matmuls where it is not
+    `peak_flops` (activations in FP8 too: `quantization.activations_in_fp8`)."""
     s = shape
     attention_flops = 4 * num_tokens * context_len * s.num_heads * s.head_dim * s.num_layers
     expert_flops = 2 * num_tokens * s.num_moe_layers * s.top_k * s.expert_weights
-    flops = (2 * num_tokens * s.num_layers * s.layer_weights + 2 * num_reqs * s.head_weights + attention_flops
-             + expert_flops)
+    layer_flops = 2 * num_tokens * s.num_layers * s.layer_weights
+    flops = layer_flops + 2 * num_reqs * s.head_weights + attention_flops + expert_flops
     weight_bytes = (s.weights_read_per_step + s.experts_read(num_tokens) + num_tokens * s.hidden_size) * itemsize
     if layer_itemsize is not None:
         weight_bytes -= (s.num_layers * s.layer_weights + s.experts_read(num_tokens)) * (itemsize - layer_itemsize)
@@ -137,6 +140,7 @@ def step_cost(
     return StepCost(
         flops=float(flops),
         bytes=float(total_bytes),
-        compute_seconds=flops / peak_flops if peak_flops else None,
+        compute_seconds=(flops - layer_flops) / peak_flops + layer_flops / (layer_peak_flops or peak_flops)
+        if peak_flops else None,
         memory_seconds=total_bytes / memory_bandwidth if memory_bandwidth else None,
     )

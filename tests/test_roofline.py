@@ -38,6 +38,21 @@ def test_decode_is_memory_bound_and_a_long_prefill_compute_bound_on_an_h100():
     assert prefill.seconds == max(prefill.compute_seconds, prefill.memory_seconds)
 
 
+def test_fp8_activations_run_the_layers_matmuls_at_the_fp8_peak():
+    """A 2,048-token prefill of Llama-3-8B with FP8 weights on an H100: with activations in FP8 too (W8A8) its
+    layers' matmuls take half the time at 1,979 TFLOP/s; attention and the head stay at the 16-bit rate."""
+    h100 = target_facts("h100")
+    shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
+    bf16, fp8 = h100.peak_flops_for("bfloat16"), h100.peak_flops_for("float8_e4m3fn")
+    assert fp8 == pytest.approx(2 * bf16, rel=1e-3)
+    weights_only = step_cost(shape, 2048, 1, 1024, 2, bf16, h100.memory_bandwidth, layer_itemsize=1)
+    both = step_cost(shape, 2048, 1, 1024, 2, bf16, h100.memory_bandwidth, layer_itemsize=1, layer_peak_flops=fp8)
+    assert both.flops == weights_only.flops and both.bytes == weights_only.bytes
+    layer_flops = 2 * 2048 * 32 * shape.layer_weights
+    assert weights_only.compute_seconds - both.compute_seconds == pytest.approx(layer_flops / bf16 - layer_flops / fp8)
+    assert both.bound == "compute" and 0.5 < both.seconds / weights_only.seconds < 0.6
+
+
 def test_unknown_peaks_give_no_prediction():
     shape = model_shape(LLAMA_3_8B_PARAMS, LLAMA_3_8B)
     cost = step_cost(shape, 8, 8, 128, 4, None, None)

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxserve.device import local_facts
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.models.quantization import layer_weight_itemsize
+from jaxserve.models.quantization import layer_matmul_dtype, layer_weight_itemsize
 from jaxserve.roofline import model_shape, step_cost
 from jaxserve.sampling_params import SamplingParams
 
@@ -222,9 +222,11 @@ def _add_roofline(profile: StepProfile, engine: LLMEngine, num_seqs: int, contex
     model = engine.model
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.state))
     itemsize = np.dtype(model.weight_dtype).itemsize
+    layer_dtype = layer_matmul_dtype(model.state, num_seqs, model.cfg.attention)
     cost = step_cost(model_shape(num_params, model.cfg), num_seqs, num_seqs, context_len, itemsize,
                      facts.peak_flops_for(np.dtype(model.weight_dtype).name), facts.memory_bandwidth,
-                     layer_itemsize=layer_weight_itemsize(model.quantization))
+                     layer_itemsize=layer_weight_itemsize(model.quantization),
+                     layer_peak_flops=facts.peak_flops_for(layer_dtype) if layer_dtype else None)
     profile.device = facts.name
     if cost.seconds is not None:
         profile.roofline_ms = round(cost.seconds * 1e3, 4)

@@ -273,8 +273,9 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
 
     Weights in another dtype than x (`ModelConfig.weight_dtype`) take x rounded to theirs, as llama.cpp
     rounds activations for its 16-bit weights, and sum in float32: a mixed dot would widen every weight
-    matrix, every step. FP8 weights (`quantization.Fp8Weight`) are widened to x's dtype inside the dot, those
-    with block scales in a GPU kernel or scaled before it (`quantization.block_matmul`); a GGUF file's blocks
+    matrix, every step. FP8 weights (`quantization.Fp8Weight`) are widened to x's dtype inside the dot (or, in a
+    GPU's large steps, meet x rounded to e4m3: `quantization.activations_in_fp8`), those with block scales in a
+    GPU kernel or scaled before it (`quantization.block_matmul`); a GGUF file's blocks
     (`gguf_weights.GgufWeight`) go to the native kernel that decodes them.
 
     On a CUDA GPU one row is padded to two: XLA:GPU rewrites a one-row dot as a multiply and a reduction,

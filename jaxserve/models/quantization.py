@@ -9,7 +9,9 @@ A quantized weight is an `Fp8Weight` where the plain array was: the same shape, 
 over), with a leading axis of contracted blocks where the checkpoint's scales vary along them.
 `layers.dense` multiplies by the values widened to the activations' dtype and scales the result (compiled
 for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte per weight instead of
-two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). A mixture's stacked experts
+two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). On GPUs with FP8 tensor
+cores, steps of many rows round the activations to e4m3 too, a scale per token, for weights with a scale per
+channel (W8A8, as vLLM runs such weights there: `activations_in_fp8`). A mixture's stacked experts
 are an `Fp8Experts` (values [E, K, N], scales [E, K blocks, N]), which `moe.grouped_matmul` widens in the
 same way. The token embeddings, the LM head, the routers, norms and biases stay as they are, as in vLLM's FP8
 scheme.
@@ -41,6 +43,11 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
 MIN_EXPERT_BLOCK = 16  # `experts_block`
+# The fewest rows whose products take activations in FP8 where a GPU can (`activations_in_fp8`): from about
+# here an H100's GEMM over one-byte weights is bound by its 16-bit tensor cores rather than by reading the
+# weight (docs/benchmarks.md), and FP8 ones run at twice their rate; fewer rows read the weight at the same
+# speed either way, and keep 16-bit activations.
+W8A8_MIN_ROWS = 256
 BlockOf = Callable[[tuple, tuple[int, ...]], int]  # (parameter path, shape) -> its scales' block (0: per channel)
 
 
@@ -120,13 +127,42 @@ def quantize_fp8(w: jax.Array, contracted: int, block: int = 0) -> Fp8Weight:
     return Fp8Weight(values, scale, contracted=contracted)
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], f32 [T, 1]): each row over the scale that maps its largest |x| to 448 (a zero
+    row keeps scale 1), vLLM's dynamic per-token activation scales."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [T, 1]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | None) -> bool:
+    """Whether x [rows, K] @ w multiplies x rounded to e4m3 (`w8a8_matmul`): where the GPU has FP8 tensor cores
+    (`AttentionConfig.fp8_activations`), for weights with a scale per output channel, in steps of
+    W8A8_MIN_ROWS rows or more, where the GEMM is bound by the tensor cores rather than by reading the weight."""
+    return attention is not None and attention.fp8_activations and not w.block and rows >= W8A8_MIN_ROWS
+
+
 def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale
-    (block scales: `block_matmul`)."""
+    (block scales: `block_matmul`; activations in FP8 too where `activations_in_fp8`: `w8a8_matmul`)."""
     if w.block:
         return block_matmul(x, w, attention)
+    if activations_in_fp8(x.shape[0], w, attention):
+        return w8a8_matmul(x, w)
     y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, N]
     return (y * w.scale).astype(x.dtype)
+
+
+def w8a8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [T, K] @ w [K, N] in x's dtype with both operands in e4m3: x's rows quantized (`quantize_rows`), float32
+    sums of e4m3 products (FP8 tensor cores), times each output channel's scale, rounded to x's dtype, then
+    times each row's scale. XLA fuses the channel scale into its GEMM but not a row scale, so that one is
+    applied after, where it fuses into the GEMM's consumer (the MLP's activation, the residual add)."""
+    xq, row_scale = quantize_rows(x)  # [T, K] e4m3, f32[T, 1]
+    y = jax.lax.dot_general(xq, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [T, N]
+    y = (y * w.scale).astype(x.dtype)
+    return (y.astype(jnp.float32) * row_scale).astype(x.dtype)
 
 
 def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
@@ -325,6 +361,15 @@ def _warn_on_cpu(quantization: str) -> None:
     if jax.default_backend() == "cpu":
         logger.warning("quantization %s on a CPU saves memory, not time: XLA:CPU widens each weight every step "
                        "(a GPU's GEMM reads the 8-bit values)", quantization)
+
+
+def layer_matmul_dtype(state: nnx.State, rows: int, attention: AttentionConfig) -> str | None:
+    """The dtype whose tensor-core rate the layers' dense matmuls of a step of `rows` rows run at, where it
+    is not the activations' (the roofline's `layer_peak_flops`): e4m3 where `state` has FP8 weights with a
+    scale per output channel (or tensor) and `activations_in_fp8` gives them FP8 activations, else None."""
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    weight = next((value for value in flat.values() if isinstance(value, Fp8Weight) and not value.block), None)
+    return jnp.dtype(FP8).name if weight is not None and activations_in_fp8(rows, weight, attention) else None
 
 
 def log_stored_fp8(state: nnx.State, family: Any) -> None:

@@ -57,7 +57,7 @@ FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.
 # The environment the kernel choices below read while a step is traced: part of the key of anything that
 # keeps a traced step (`runner.step_fn`).
 TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT",
-                     "JAXSERVE_MOSAIC_FP8", "JAXSERVE_TRITON_EXPERTS")
+                     "JAXSERVE_MOSAIC_FP8", "JAXSERVE_TRITON_EXPERTS", "JAXSERVE_FP8_ACTIVATIONS")
 
 
 def trace_environment() -> tuple[str | None, ...]:
@@ -152,6 +152,18 @@ class AttentionConfig:
         """`fp8_kernels` for a mixture's FP8 experts (`ops.grouped_matmul_triton`, under `shard_map` on a mesh
         too), unless JAXSERVE_TRITON_EXPERTS=0."""
         return None if os.environ.get("JAXSERVE_TRITON_EXPERTS") == "0" else self.fp8_kernels
+
+    @property
+    def fp8_activations(self) -> bool:
+        """Whether FP8 weights with a scale per output channel (or per tensor) multiply activations rounded to
+        e4m3 as well, a scale per token (W8A8, vLLM's dynamic scheme for such weights), in steps of
+        `quantization.W8A8_MIN_ROWS` rows or more: on CUDA GPUs with FP8 tensor cores (sm_89 on), whose GEMMs
+        then run at twice their 16-bit rate. JAXSERVE_FP8_ACTIVATIONS=0 or 1 decides either way (1 on a CPU
+        gives a GPU's numerics, to measure their accuracy)."""
+        setting = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
+        if setting is not None:
+            return setting == "1"
+        return self.impl == "pallas" and (self.compute_capability or 0) >= MIN_FP8_COMPUTE_CAPABILITY
 
     @property
     def native_matmuls(self) -> bool:
