@@ -11,6 +11,8 @@
 #   fp8        the Llama-3-8B shape's profile and waves with bf16 weights, then with --quantization fp8;
 #   fp8-block  one Llama-3-8B layer's products with FP8 block scales: the Triton kernel beside XLA's path,
 #              per-channel FP8 and bf16, timed (benchmarks/fp8_block_matmul.py);
+#   w8a8       one Llama-3-8B layer's products with FP8 weights, activations in FP8 or 16-bit, beside bf16,
+#              timed at 16, 256 and 2,048 rows (benchmarks/fp8_block_matmul.py);
 #   experts    Qwen3-30B-A3B's experts' grouped products, bf16 and FP8 (per channel, blocks): the Triton
 #              kernel beside XLA's ragged dot, timed (benchmarks/experts_matmul.py);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
@@ -45,7 +47,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-gpu}
 stages="$*"  # on the GPU machine: any of the stages above (default: all but chunks, which attention
-             # includes, and fp8, fp8-block, experts, paged-decode, paged-prefill, registers, lora, draft
+             # includes, and fp8, fp8-block, w8a8, experts, paged-decode, paged-prefill, registers, lora, draft
              # and sampler)
 out=${OUT:-$PWD/gpu_check_out}
 shapes=(gpt2 llama-3-8b)  # the profile stage's models; the draft stage's draft is llama-3.2-1b
@@ -133,7 +135,8 @@ stage() {  # stage NAME SECONDS COMMAND...: runs under a limit, records its exit
   timeout "$limit" "$@"; local rc=$?
   echo "stage $name: exit $rc in $((SECONDS - began))s" >> "$summary"
 }
-wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != fp8-block && $1 != experts && $1 != paged-decode \
+wanted() { [[ ($mode == gpu && $1 != chunks && $1 != fp8 && $1 != fp8-block && $1 != w8a8 && $1 != experts \
+              && $1 != paged-decode \
               && $1 != paged-prefill \
               && $1 != registers && $1 != lora && $1 != draft && $1 != sampler) \
              || " $stages " == *" $1 "* ]]; }
@@ -212,6 +215,11 @@ if wanted fp8-block; then  # block-scaled FP8 weights: the kernel, XLA's path, p
   stage fp8-block "${FP8_BLOCK_S:-60}" python3 benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 1 16 64 256 \
     --json "$out/fp8_block_matmul.json" > "$out/fp8_block_matmul.log" 2>&1
   tail -n 16 "$out/fp8_block_matmul.log" >> "$summary"
+fi
+if wanted w8a8; then  # FP8 weights with FP8 or 16-bit activations, beside bf16 weights
+  stage w8a8 "${W8A8_S:-60}" python3 benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 16 256 2048 \
+    --impls bf16 "fp8 channel" "fp8 channel w8a8" --json "$out/w8a8_matmul.json" > "$out/w8a8_matmul.log" 2>&1
+  tail -n 36 "$out/w8a8_matmul.log" >> "$summary"
 fi
 if wanted experts; then  # the experts' grouped matmul: the Triton kernel and XLA's ragged dot, bf16 and FP8
   stage experts "${EXPERTS_S:-60}" python3 benchmarks/experts_matmul.py --models qwen3-30b-a3b \

@@ -177,6 +177,28 @@ def test_fp8_activations_are_taken_by_large_steps_on_gpus_with_fp8_tensor_cores(
     np.testing.assert_array_equal(np.asarray(dense(x, channel, cpu)), np.asarray(w8a8_matmul(x, channel)))
 
 
+@pytest.mark.gpu
+def test_fp8_activations_on_the_device_multiply_as_their_definition():
+    """On a GPU with FP8 tensor cores (`make test-gpu`): a 2,048-row product by a Llama-3-8B-sized weight takes
+    FP8 activations and equals the float64 product of its rounded rows and the dequantized weight, within two
+    bfloat16 roundings of the result."""
+    from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
+
+    capability = cuda_compute_capability()
+    if jax.default_backend() != "gpu" or (capability or 0) < 8.9:
+        pytest.skip(f"FP8 tensor cores need a CUDA GPU of sm_89 on (this backend: {jax.default_backend()}, "
+                    f"compute capability {capability})")
+    attention = AttentionConfig(impl="pallas", compute_capability=capability)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(2048, 4096)), jnp.bfloat16)
+    w = quantize_fp8(jnp.asarray(rng.normal(size=(4096, 1024)) * 0.02, jnp.float32), 1)
+    assert activations_in_fp8(x.shape[0], w, attention)
+    got = np.asarray(jax.jit(lambda x, w: dense(x, w, attention))(x, w), np.float64)
+    xq, scale = quantize_rows(x)
+    want = (np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(scale, np.float64)) @ _dequantized64(w)
+    np.testing.assert_allclose(got, want, rtol=2 * 2.0**-8, atol=1e-3 * np.abs(want).max())
+
+
 def test_fp8_activations_compile_for_an_h100_into_a_gemm_of_two_e4m3_operands():
     """Deviceless: a step of W8A8_MIN_ROWS rows multiplies e4m3 rows by e4m3 values in one GEMM fusion (FP8 tensor
     cores), the weight's scale fused into it; fewer rows widen the weight inside the GEMM instead."""
