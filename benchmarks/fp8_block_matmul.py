@@ -1,7 +1,7 @@
 """Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
 and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
 
-Four ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
+Five ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
 step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
 
 
 @contextlib.contextmanager
-def fp8_activations(setting: str):
+def fp8_activations(setting: str) -> Iterator[None]:
     """JAXSERVE_FP8_ACTIVATIONS at `setting` while a product traces (`AttentionConfig.fp8_activations`)."""
     before = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
     os.environ["JAXSERVE_FP8_ACTIVATIONS"] = setting
@@ -94,7 +95,7 @@ def product(impl: str, attention: AttentionConfig):
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
     if impl == "fp8 channel":
-        def weight_only(x, w):
+        def weight_only(x: jax.Array, w: Fp8Weight) -> jax.Array:
             with fp8_activations("0"):  # read as it traces
                 return dense(x, w, attention)
         return weight_only

@@ -129,7 +129,7 @@ class CompileReport:
     attention: str
     page_size: int
     kv_cache_dtype: str
-    bytes_per_page: int  # one device's share of a page: K and V of every layer
+    bytes_per_page: int  # one device's share of a page: K and V of every layer, hidden states kept, a drafter's
     max_model_len: int
     max_num_seqs: int
     context_len: int  # the keys each request attends in the predictions

@@ -213,7 +213,7 @@ if wanted fp8; then  # --quantization fp8 against the checkpoint's bf16, side by
 fi
 if wanted fp8-block; then  # block-scaled FP8 weights: the kernel, XLA's path, per-channel FP8 and bf16
   stage fp8-block "${FP8_BLOCK_S:-60}" python3 benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 1 16 64 256 \
-    --json "$out/fp8_block_matmul.json" > "$out/fp8_block_matmul.log" 2>&1
+    --impls bf16 "fp8 channel" "fp8 block xla" "fp8 block kernel" --json "$out/fp8_block_matmul.json" > "$out/fp8_block_matmul.log" 2>&1
   tail -n 16 "$out/fp8_block_matmul.log" >> "$summary"
 fi
 if wanted w8a8; then  # FP8 weights with FP8 or 16-bit activations, beside bf16 weights

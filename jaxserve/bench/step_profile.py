@@ -222,7 +222,8 @@ def _add_roofline(profile: StepProfile, engine: LLMEngine, num_seqs: int, contex
     model = engine.model
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.state))
     itemsize = np.dtype(model.weight_dtype).itemsize
-    layer_dtype = layer_matmul_dtype(model.state, num_seqs, model.cfg.attention)
+    rows = engine.runner.ladder.pick(num_seqs, num_seqs).num_tokens  # the decode step's bucket, padded
+    layer_dtype = layer_matmul_dtype(model.state, rows, model.cfg.attention)
     cost = step_cost(model_shape(num_params, model.cfg), num_seqs, num_seqs, context_len, itemsize,
                      facts.peak_flops_for(np.dtype(model.weight_dtype).name), facts.memory_bandwidth,
                      layer_itemsize=layer_weight_itemsize(model.quantization),

@@ -32,9 +32,6 @@ class FeaturePages:
     def shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
         return (1, num_pages, page_size, self.width)
 
-    def page_bytes(self, page_size: int) -> int:
-        return page_size * self.width * jnp.dtype(self.dtype).itemsize
-
 
 def feature_pages(cfg: Any, dtype: Any, feature_layers: tuple[int, ...] | None = None) -> FeaturePages | None:
     """The pages of hidden states that the KV cache of a model of config `cfg` (activations in `dtype`) ends

@@ -48,6 +48,7 @@ MIN_EXPERT_BLOCK = 16  # `experts_block`
 # weight (docs/benchmarks.md), and FP8 ones run at twice their rate; fewer rows read the weight at the same
 # speed either way, and keep 16-bit activations.
 W8A8_MIN_ROWS = 256
+MIN_ROW_SCALE = 1 / (FP8_MAX * 512)  # `quantize_rows`
 BlockOf = Callable[[tuple, tuple[int, ...]], int]  # (parameter path, shape) -> its scales' block (0: per channel)
 
 
@@ -128,18 +129,20 @@ def quantize_fp8(w: jax.Array, contracted: int, block: int = 0) -> Fp8Weight:
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, K] -> (e4m3 [T, K], f32 [T, 1]): each row over the scale that maps its largest |x| to 448 (a zero
-    row keeps scale 1), vLLM's dynamic per-token activation scales."""
+    """x [T, K] -> (e4m3 [T, K], f32 [T, 1]): each row over the scale that maps its largest |x| to 448, vLLM's
+    dynamic per-token activation scales; no scale under MIN_ROW_SCALE (vLLM's floor), so that a zero or
+    vanishing row (padding) keeps a normal float32 scale and quantizes to zeros."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [T, 1]
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = jnp.maximum(amax / FP8_MAX, MIN_ROW_SCALE)
     return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
 def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | None) -> bool:
     """Whether x [rows, K] @ w multiplies x rounded to e4m3 (`w8a8_matmul`): where the GPU has FP8 tensor cores
-    (`AttentionConfig.fp8_activations`), for weights with a scale per output channel, in steps of
-    W8A8_MIN_ROWS rows or more, where the GEMM is bound by the tensor cores rather than by reading the weight."""
+    (`AttentionConfig.fp8_activations`), for weights with a scale per output channel (block-scaled checkpoints'
+    too under a mesh, which quantizes them per channel again), in steps of W8A8_MIN_ROWS rows or more, where
+    the GEMM is bound by the tensor cores rather than by reading the weight."""
     return attention is not None and attention.fp8_activations and not w.block and rows >= W8A8_MIN_ROWS
 
 
@@ -157,8 +160,9 @@ def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None)
 def w8a8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype with both operands in e4m3: x's rows quantized (`quantize_rows`), float32
     sums of e4m3 products (FP8 tensor cores), times each output channel's scale, rounded to x's dtype, then
-    times each row's scale. XLA fuses the channel scale into its GEMM but not a row scale, so that one is
-    applied after, where it fuses into the GEMM's consumer (the MLP's activation, the residual add)."""
+    times each row's scale. XLA fuses the channel scale into its GEMM (where it does not split K) but not a
+    row scale, so that one is applied after, where it fuses into the GEMM's consumer (the MLP's activation, the
+    residual add)."""
     xq, row_scale = quantize_rows(x)  # [T, K] e4m3, f32[T, 1]
     y = jax.lax.dot_general(xq, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [T, N]
     y = (y * w.scale).astype(x.dtype)

@@ -81,6 +81,6 @@ def budget_from_memory_stats(
 
 
 def pages_in_host_memory(memory_gib: float, page_bytes_on_device: int, num_devices: int) -> int:
-    """The pages a KV cache of `memory_gib` GiB (`--kv-cache-memory`) holds where every device's memory is the
-    host's (CPUs): a page takes one device's share of it on each device."""
+    """The pages a KV cache of `memory_gib` GiB (`--kv-cache-memory`) holds on a host whose `num_devices`
+    devices' memory is its own (CPUs): a page takes one device's share of it on each device."""
     return int(memory_gib * 2**30 // (page_bytes_on_device * num_devices))

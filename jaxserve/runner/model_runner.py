@@ -46,7 +46,7 @@ from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.lora import stack_shapes
 from jaxserve.models.peft import LoraAdapter, slot_values
-from jaxserve.ops.attention import kv_cache_dtype
+from jaxserve.ops.attention import kv_cache_dtype, trace_environment
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
 from jaxserve.parallel import bytes_per_device, replicated
@@ -90,8 +90,8 @@ _COMPILE_THREADS = len(os.sched_getaffinity(0)) or 1
 # Where the KV sizing's first figure came from (`SizedKVCache.source`), as the start's log says it.
 _SIZING_SOURCES = {"record": "an earlier start's record", "shapes": "the step's shapes", "compiles": "quick compiles"}
 
-# The environment variables that change what the step compiles to, besides the attention kernels' (read
-# through AttentionConfig): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
+# The environment variables that change what the step compiles to, besides the kernel choices the model's
+# code reads as it traces (`trace_environment`): XLA's and a TPU's flags, the native CPU kernels' compiler flags.
 _STEP_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXSERVE_KERNEL_FLAGS")
 
 
@@ -352,7 +352,7 @@ class ModelRunner:
                       loading_weights_bytes: int | None = None) -> tuple[int, dict[Bucket, CompiledBucket]]:
         """(the KV cache's page count of `page_bytes`, one device's share of a page, and the largest buckets'
         plain steps compiled at it where sizing it took that): --num-kv-pages; else on CPU --kv-cache-memory
-        (the host's memory, which every device's share takes from); else what --gpu-memory-utilization leaves of
+        (the host's memory, which each of its devices' shares takes from); else what --gpu-memory-utilization leaves of
         the device's memory (`stats`: the device's memory_stats(), read here unless given), sized from an
         estimate of the step's temp memory that its compiles check (`kv_sizing.py`).
         `loading_weights_bytes`: one device's share of weights still loading, which the budget counts in
@@ -364,7 +364,7 @@ class ModelRunner:
             stats = device_memory_stats(device)
         if not stats or "bytes_limit" not in stats:
             num_pages = pages_in_host_memory(cache.kv_cache_memory_gib, page_bytes,
-                                             self.mesh.size if self.mesh is not None else 1)
+                                             len(self.mesh.local_devices) if self.mesh is not None else 1)
             if num_pages < 2:
                 raise ValueError(f"no room for a KV cache in {cache.kv_cache_memory_gib} GiB")
             return num_pages, {}
@@ -424,7 +424,7 @@ class ModelRunner:
         (the sizing then compiles, as without records)."""
         if self._temp_records is None:
             return None
-        model, attention = self.model, self.model.cfg.attention
+        model = self.model
         try:
             return fingerprint(
                 __version__, source_digest(), jax.__version__, jaxlib.__version__, device.platform,
@@ -432,7 +432,7 @@ class ModelRunner:
                 None if self.mesh is None else dict(self.mesh.shape),
                 model.cfg, model.dtype, model.weight_dtype, model.quantization, jax.tree.structure(model.state),
                 [(x.shape, x.dtype, x.sharding) for x in self._abstract_weights], self.kv_dtype,
-                attention.mosaic_attention, attention.mosaic_decode, self.page_size, self.max_pages_per_req,
+                trace_environment(), self.page_size, self.max_pages_per_req,
                 self.max_num_seqs, self.max_logprobs, self.pooling, largest_buckets(self.ladder.all_buckets()),
                 provisional_pages, QUICK_ESTIMATE_OPTIONS.get(device.platform), self._compiler_options,
                 jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64,

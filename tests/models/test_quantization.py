@@ -14,6 +14,7 @@ from jaxserve.models.llama import EXPERT_WEIGHTS
 from jaxserve.models.loader import load_model
 from jaxserve.models.quantization import (
     FP8_MAX,
+    MIN_ROW_SCALE,
     W8A8_MIN_ROWS,
     Fp8Experts,
     Fp8Weight,
@@ -109,16 +110,17 @@ def test_one_row_for_a_cuda_gpu_is_padded_to_two_and_gives_the_same_product():
 
 
 def test_activation_rows_are_each_scaled_to_the_format_s_range():
-    """vLLM's dynamic per-token scales: each row's largest |x| becomes 448; a zero row stays zero, scale 1."""
+    """vLLM's dynamic per-token scales: each row's largest |x| becomes 448; a zero row (padding) and a vanishing
+    one take the floor, a normal float32 scale, and quantize to zeros."""
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(6, 40)) * np.array([[1.0], [1e-3], [50.0], [0.0], [1.0], [7.0]])
+    x = rng.normal(size=(7, 40)) * np.array([[1.0], [1e-3], [50.0], [0.0], [1.0], [7.0], [1e-39]])
     x[4, 9] = -300.0  # an outlier takes its row's scale
     xq, scale = quantize_rows(jnp.asarray(x, jnp.float32))
-    assert xq.dtype == jnp.float8_e4m3fn and scale.shape == (6, 1)
+    assert xq.dtype == jnp.float8_e4m3fn and scale.shape == (7, 1)
     values = np.asarray(xq.astype(jnp.float32), np.float64)
-    np.testing.assert_array_equal(np.abs(values).max(axis=1), [FP8_MAX] * 3 + [0.0] + [FP8_MAX] * 2)
-    np.testing.assert_allclose(scale[:, 0], np.where(np.abs(x).max(1) > 0, np.abs(x).max(1) / FP8_MAX, 1.0),
-                               rtol=1e-6)
+    np.testing.assert_array_equal(np.abs(values).max(axis=1), [FP8_MAX] * 3 + [0.0] + [FP8_MAX] * 2 + [0.0])
+    np.testing.assert_allclose(scale[:, 0], np.maximum(np.abs(x).max(1) / FP8_MAX, MIN_ROW_SCALE), rtol=1e-6)
+    assert scale[3, 0] == scale[6, 0] == np.float32(MIN_ROW_SCALE)
     assert values[4, 9] == -FP8_MAX
     # Each value within e4m3's rounding of x / scale: half a step is 1/16 of a normal value, and 2^-10 below
     # 2^-6, where the format's steps stop shrinking.
@@ -182,13 +184,15 @@ def test_fp8_activations_on_the_device_multiply_as_their_definition():
     """On a GPU with FP8 tensor cores (`make test-gpu`): a 2,048-row product by a Llama-3-8B-sized weight takes
     FP8 activations and equals the float64 product of its rounded rows and the dequantized weight, within two
     bfloat16 roundings of the result."""
-    from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
+    from jaxserve.ops.attention import MIN_FP8_COMPUTE_CAPABILITY, AttentionConfig, cuda_compute_capability
 
     capability = cuda_compute_capability()
-    if jax.default_backend() != "gpu" or (capability or 0) < 8.9:
-        pytest.skip(f"FP8 tensor cores need a CUDA GPU of sm_89 on (this backend: {jax.default_backend()}, "
-                    f"compute capability {capability})")
+    if jax.default_backend() != "gpu" or (capability or 0) < MIN_FP8_COMPUTE_CAPABILITY:
+        pytest.skip(f"FP8 tensor cores need a CUDA GPU of sm_{MIN_FP8_COMPUTE_CAPABILITY * 10:.0f} on (this backend: "
+                    f"{jax.default_backend()}, compute capability {capability})")
     attention = AttentionConfig(impl="pallas", compute_capability=capability)
+    if not attention.fp8_activations:
+        pytest.skip("JAXSERVE_FP8_ACTIVATIONS=0 keeps 16-bit activations")
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.normal(size=(2048, 4096)), jnp.bfloat16)
     w = quantize_fp8(jnp.asarray(rng.normal(size=(4096, 1024)) * 0.02, jnp.float32), 1)
@@ -201,7 +205,7 @@ def test_fp8_activations_on_the_device_multiply_as_their_definition():
 
 def test_fp8_activations_compile_for_an_h100_into_a_gemm_of_two_e4m3_operands():
     """Deviceless: a step of W8A8_MIN_ROWS rows multiplies e4m3 rows by e4m3 values in one GEMM fusion (FP8 tensor
-    cores), the weight's scale fused into it; fewer rows widen the weight inside the GEMM instead."""
+    cores); fewer rows widen the weight inside the GEMM instead."""
     from jaxserve.device import deviceless_devices
     from jaxserve.ops.attention import AttentionConfig
 
