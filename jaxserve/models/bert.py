@@ -190,7 +190,8 @@ class EncoderLayer(nnx.Module):
             attn = encoder_attention(q, k, v, rows)  # [T, N, H]
         x = self.attention_norm(x + merge_heads(attn, self.o_proj[...], attention) + self.o_bias[...])
         hidden = _ACTIVATIONS[self.hidden_act](dense(x, self.up_proj[...], attention) + self.up_bias[...])
-        return self.output_norm(x + dense(hidden, self.down_proj[...], attention) + self.down_bias[...]), kv_cache
+        return self.output_norm(x + dense(hidden, self.down_proj[...], attention, split_contracted=True)
+                                + self.down_bias[...]), kv_cache
 
 
 class BertModel(nnx.Module):

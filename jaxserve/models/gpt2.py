@@ -100,7 +100,7 @@ class Block(nnx.Module):
         x = x + merge_heads(attn, self.attn_out[...], attention) + self.attn_out_bias[...]
         hidden = dense(self.ln_2(x), self.fc[...], attention) + self.fc_bias[...]
         hidden = jax.nn.gelu(hidden, approximate=True)
-        return x + dense(hidden, self.proj[...], attention) + self.proj_bias[...], kv_cache
+        return x + dense(hidden, self.proj[...], attention, split_contracted=True) + self.proj_bias[...], kv_cache
 
 
 class GPT2LMHeadModel(nnx.Module):

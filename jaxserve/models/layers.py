@@ -266,7 +266,8 @@ def _native(rows: int, w: jax.Array, attention: AttentionConfig, max_rows: int) 
     return attention.native_matmuls and w.dtype == jnp.bfloat16 and rows <= max_rows
 
 
-def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array:  # [T, K] x [K, N] -> [T, N]
+def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig,
+          split_contracted: bool = False) -> jax.Array:  # [T, K] x [K, N] -> [T, N]
     """x @ w, in x's dtype. bfloat16 weights' few-row matmuls on a CPU with the native kernels
     (`AttentionConfig.native_matmuls`) go through `cpu_kernels.matmul_bf16`, which streams the weights at
     the memory's speed; XLA:CPU's bfloat16 dot reads them at a twentieth of it there.
@@ -275,7 +276,9 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
     rounds activations for its 16-bit weights, and sum in float32: a mixed dot would widen every weight
     matrix, every step. FP8 weights (`quantization.Fp8Weight`) are widened to x's dtype inside the dot (or, in a
     GPU's large steps, meet x rounded to e4m3: `quantization.activations_in_fp8`), those with block scales in a
-    GPU kernel or scaled before it (`quantization.block_matmul`); a GGUF file's blocks
+    GPU kernel or scaled before it (`quantization.block_matmul`); `split_contracted`: w is a row-parallel
+    weight, split along K under a mesh (output and down projections), which FP8 activations quantize per
+    device's share (`quantization.w8a8_row_parallel`); a GGUF file's blocks
     (`gguf_weights.GgufWeight`) go to the native kernel that decodes them.
 
     On a CUDA GPU one row is padded to two: XLA:GPU rewrites a one-row dot as a multiply and a reduction,
@@ -283,9 +286,9 @@ def dense(x: jax.Array, w: jax.Array, attention: AttentionConfig) -> jax.Array: 
     projections) runs the multiply as a kernel of its own that writes the product, as large as the weight,
     before a second kernel reduces it; two rows make it a GEMM that reads the weight once."""
     if attention.cuda and x.shape[0] == 1:
-        return dense(jnp.pad(x, ((0, 1), (0, 0))), w, attention)[:1]
+        return dense(jnp.pad(x, ((0, 1), (0, 0))), w, attention, split_contracted)[:1]
     if isinstance(w, Fp8Weight):
-        return quantization.matmul(x, w, attention)
+        return quantization.matmul(x, w, attention, split_contracted)
     if isinstance(w, GgufWeight):
         return gguf_weights.matmul(x, w)
     if _native(x.shape[0], w, attention, NATIVE_MATMUL_MAX_ROWS):
@@ -399,7 +402,7 @@ class GatedMlp(nnx.Module):
         if lora_slots is not None:
             gate, up = gate + self.lora.gate(x, lora_slots), up + self.lora.up(x, lora_slots)
         hidden = _ACTIVATIONS[self.activation](gate) * up
-        out = dense(hidden, self.down_proj[...], self.attention)
+        out = dense(hidden, self.down_proj[...], self.attention, split_contracted=True)
         return out if lora_slots is None else out + self.lora.down(hidden, lora_slots)
 
 
@@ -444,7 +447,7 @@ def merge_heads(
     attention: AttentionConfig,
 ) -> jax.Array:  # [T, D]
     """The output projection over all heads as one 2-D matmul (see `project_heads`)."""
-    return dense(x.reshape(x.shape[0], -1), w.reshape(-1, w.shape[-1]), attention)
+    return dense(x.reshape(x.shape[0], -1), w.reshape(-1, w.shape[-1]), attention, split_contracted=True)
 
 
 def embedding_lookup(

@@ -33,9 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
+from jax.sharding import PartitionSpec
 
 from jaxserve.ops import fp8_block_matmul
 from jaxserve.ops.attention import AttentionConfig
+from jaxserve.parallel import TP_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +148,16 @@ def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | Non
     return attention is not None and attention.fp8_activations and not w.block and rows >= W8A8_MIN_ROWS
 
 
-def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None,
+           split_contracted: bool = False) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype: float32 sums over the values widened to x's dtype, then the scale
-    (block scales: `block_matmul`; activations in FP8 too where `activations_in_fp8`: `w8a8_matmul`)."""
+    (block scales: `block_matmul`; activations in FP8 too where `activations_in_fp8`: `w8a8_matmul`, which
+    `split_contracted` tells that a mesh splits w along K)."""
     if w.block:
         return block_matmul(x, w, attention)
     if activations_in_fp8(x.shape[0], w, attention):
+        if split_contracted and attention.mesh is not None and x.shape[1] % attention.mesh.size == 0:
+            return w8a8_row_parallel(x, w, attention.mesh)
         return w8a8_matmul(x, w)
     y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, N]
     return (y * w.scale).astype(x.dtype)
@@ -167,6 +173,19 @@ def w8a8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     y = jax.lax.dot_general(xq, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [T, N]
     y = (y * w.scale).astype(x.dtype)
     return (y.astype(jnp.float32) * row_scale).astype(x.dtype)
+
+
+def w8a8_row_parallel(x: jax.Array, w: Fp8Weight, mesh: Any) -> jax.Array:
+    """`w8a8_matmul` for a weight split along K over `mesh` (an output or down projection), under `shard_map`:
+    each device quantizes its own share of each row, with a scale of its own (vLLM's, each rank quantizing its
+    input), and the partial products' all-reduce is the one the split needs anyway. A scale over the whole
+    row would add an all-reduce of the rows' maxima before every such product."""
+    def local(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:  # [T, K / devices] x [K / devices, N]
+        return jax.lax.psum(w8a8_matmul(x, Fp8Weight(values, scale, contracted=1)), TP_AXIS)
+
+    split, whole = PartitionSpec(None, TP_AXIS), PartitionSpec()
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, PartitionSpec(TP_AXIS, None), whole), out_specs=whole,
+                         check_vma=False)(x, w.values, w.scale)
 
 
 def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:

@@ -179,6 +179,72 @@ def test_fp8_activations_are_taken_by_large_steps_on_gpus_with_fp8_tensor_cores(
     np.testing.assert_array_equal(np.asarray(dense(x, channel, cpu)), np.asarray(w8a8_matmul(x, channel)))
 
 
+_ROW_PARALLEL_CHECK = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxserve.models.quantization import quantize_fp8, quantize_rows, w8a8_row_parallel
+mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+rng = np.random.default_rng(9)
+x = rng.normal(size=(64, 96)) * np.concatenate([np.ones(48), np.full(48, 30.0)])  # the halves' ranges differ
+w = quantize_fp8(jnp.asarray(rng.normal(size=(96, 40)), jnp.float32), 1)
+x = jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, PartitionSpec(None, "tp")))
+values = jax.device_put(w.values, NamedSharding(mesh, PartitionSpec("tp", None)))
+got = np.asarray(jax.jit(lambda x, v, s: w8a8_row_parallel(x, type(w)(v, s, contracted=1), mesh))(x, values, w.scale))
+want = 0
+for half in (slice(0, 48), slice(48, 96)):  # each device's share of the rows, quantized with its own scales
+    q, scale = quantize_rows(np.asarray(x)[:, half])
+    want = want + (np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(scale, np.float64)) @ (
+        np.asarray(w.values[half].astype(jnp.float32), np.float64) * np.asarray(w.scale, np.float64))
+whole = np.asarray(x, np.float64) @ (np.asarray(w.values.astype(jnp.float32), np.float64) * np.asarray(w.scale))
+print(np.abs(got - want).max() / np.abs(want).max(), np.abs(got - whole).mean() / np.abs(whole).mean())
+"""
+
+
+def test_fp8_activations_of_a_row_parallel_product_take_each_device_s_share_of_a_row(tmp_path):
+    """Two CPU devices (a process of its own): a weight split along K, its rows split alike; each device
+    quantizes its share of each row with a scale of its own, and the sum of the two partial products is their
+    float64 sum, near the unrounded product."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-c", _ROW_PARALLEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    error, off = map(float, done.stdout.split())
+    assert error < 1e-6  # float32 sums of the same products
+    assert off < 0.05  # e4m3's rounding of rows and weights
+
+
+def test_fp8_activations_split_over_two_h100s_add_no_all_reduce():
+    """Deviceless, two H100s: a row-parallel product (`split_contracted`) with FP8 activations all-reduces its
+    partial products once, as with 16-bit activations; a scale over each whole row would add an all-reduce of
+    the rows' maxima."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxserve.device import deviceless_devices
+    from jaxserve.ops.attention import AttentionConfig
+
+    devices = deviceless_devices("h100", 2)
+    mesh = Mesh(np.asarray(devices), ("tp",))
+    hopper = AttentionConfig(impl="pallas", compute_capability=9.0, mesh=mesh)
+    k, n = 2048, 1024
+
+    def placed(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    x = placed((W8A8_MIN_ROWS, k), jnp.bfloat16, PartitionSpec(None, "tp"))
+    w = Fp8Weight(placed((k, n), jnp.float8_e4m3fn, PartitionSpec("tp", None)),
+                  placed((n,), jnp.float32, PartitionSpec()), contracted=1)
+    for split, all_reduces in ((True, 1), (False, 2)):
+        with jax.default_device(devices[0]):
+            text = jax.jit(lambda x, w, split=split: dense(x, w, hopper, split)).trace(x, w).lower().compile().as_text()
+        assert len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)) == all_reduces, (split, text[-3000:])
+        assert "f8e4m3fn[256,1024]" in text  # each device's share of the rows, in e4m3
+
+
 @pytest.mark.gpu
 def test_fp8_activations_on_the_device_multiply_as_their_definition():
     """On a GPU with FP8 tensor cores (`make test-gpu`): a 2,048-row product by a Llama-3-8B-sized weight takes
