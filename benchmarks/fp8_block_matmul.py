@@ -1,7 +1,7 @@
 """Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
 and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
 
-Five ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
+Six ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
 step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
@@ -10,7 +10,11 @@ step runs it on a CUDA GPU (one row padded to two):
   GPU with FP8 tensor cores runs steps of `quantization.W8A8_MIN_ROWS` rows or more (fewer rows: as above);
 - `fp8 block xla`: e4m3 values with block scales, widened and scaled by XLA, which writes the widened
   weight and reads it back (what a GPU without the kernel runs: an A100's dispatch);
-- `fp8 block kernel`: the same weight through `ops.fp8_block_matmul`'s Triton kernel.
+- `fp8 block kernel`: the same weight through `ops.fp8_block_matmul`'s Triton kernel, 16-bit activations;
+- `fp8 block w8a8`: the same kernel with the activations rounded to e4m3, a scale per token and block of 128
+  columns, from `quantization.W8A8_MIN_ROWS` rows (fewer rows: as above). Ada runs large steps so; a Hopper
+  GPU only with JAXSERVE_FP8_ACTIVATIONS=1, as this case runs it there, to measure its float16 MMAs
+  (`AttentionConfig.fp8_block_activations`).
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments and output read or written once, its temporaries written and read once,
@@ -23,6 +27,8 @@ scales, the activations and the output, each once) and the achieved TFLOP/s, as 
     python benchmarks/fp8_block_matmul.py --rows 1 64 --models llama-3-8b       # on a GPU: timed
     python benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 256 2048 --impls bf16 "fp8 channel" \
         "fp8 channel w8a8"                                                      # activations in FP8 or not
+    python benchmarks/fp8_block_matmul.py --target l40s --rows 16 256 2048 --impls bf16 "fp8 block xla" \
+        "fp8 block kernel" "fp8 block w8a8"                                     # block weights on Ada
 """
 
 import argparse
@@ -51,7 +57,9 @@ SHAPES = {
     "deepseek-v3": {"q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 24576), "o": (16384, 7168),
                     "shared gate, up": (7168, 2048), "shared down": (2048, 7168)},
 }
-IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel")
+IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel", "fp8 block w8a8")
+# JAXSERVE_FP8_ACTIVATIONS while an impl traces; the others as the GPU would run them
+ACTIVATIONS = {"fp8 channel": "0", "fp8 block kernel": "0", "fp8 block w8a8": "1"}
 
 
 def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
@@ -75,8 +83,12 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
 
 
 @contextlib.contextmanager
-def fp8_activations(setting: str) -> Iterator[None]:
-    """JAXSERVE_FP8_ACTIVATIONS at `setting` while a product traces (`AttentionConfig.fp8_activations`)."""
+def fp8_activations(setting: str | None) -> Iterator[None]:
+    """JAXSERVE_FP8_ACTIVATIONS at `setting` (None: as it is) while a product traces
+    (`AttentionConfig.fp8_activations`)."""
+    if setting is None:
+        yield
+        return
     before = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
     os.environ["JAXSERVE_FP8_ACTIVATIONS"] = setting
     try:
@@ -89,17 +101,16 @@ def fp8_activations(setting: str) -> Iterator[None]:
 
 
 def product(impl: str, attention: AttentionConfig):
-    """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; the channel
-    weight with 16-bit activations, or as the GPU runs it (`fp8 channel w8a8`)."""
+    """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; activations in
+    16 bits or e4m3 as `ACTIVATIONS` says, else as the GPU runs them (`fp8 channel w8a8`)."""
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
-    if impl == "fp8 channel":
-        def weight_only(x: jax.Array, w: Fp8Weight) -> jax.Array:
-            with fp8_activations("0"):  # read as it traces
-                return dense(x, w, attention)
-        return weight_only
-    return lambda x, w: dense(x, w, attention)
+
+    def run(x: jax.Array, w: Any) -> jax.Array:
+        with fp8_activations(ACTIVATIONS.get(impl)):  # read as it traces
+            return dense(x, w, attention)
+    return run
 
 
 def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
@@ -110,7 +121,8 @@ def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
 
 def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> str:
     """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
-    fp8 = impl == "fp8 channel w8a8" and activations_in_fp8(rows, w, attention)
+    with fp8_activations(ACTIVATIONS.get(impl)):
+        fp8 = impl.endswith("w8a8") and activations_in_fp8(rows, w, attention)
     return jnp.dtype(FP8).name if fp8 else "bfloat16"
 
 

@@ -52,6 +52,8 @@ DATA_SHEETS: dict[str, DataSheet] = {
     "h200": DataSheet(r"H200", 4.8e12,
                       (("bfloat16", 989.4e12), ("float32", 494.7e12), ("float8_e4m3fn", 1978.9e12))),
     "a100": DataSheet(r"A100.*80GB", 2.039e12, (("bfloat16", 312e12), ("float32", 156e12))),
+    "l40s": DataSheet(r"L40S", 0.864e12,
+                      (("bfloat16", 362.05e12), ("float32", 183.2e12), ("float8_e4m3fn", 733e12))),
 }
 
 
@@ -68,6 +70,7 @@ class GpuTarget:
 TARGETS: dict[str, GpuTarget] = {
     "h100": GpuTarget("h100_sxm.txtpb", DATA_SHEETS["h100"]),
     "a100": GpuTarget("a100_sxm_80.txtpb", DATA_SHEETS["a100"]),
+    "l40s": GpuTarget("l40s.txtpb", DATA_SHEETS["l40s"]),
 }
 
 

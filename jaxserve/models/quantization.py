@@ -10,8 +10,10 @@ over), with a leading axis of contracted blocks where the checkpoint's scales va
 `layers.dense` multiplies by the values widened to the activations' dtype and scales the result (compiled
 for an H100, XLA fuses the widening into its Triton GEMM, which then reads one byte per weight instead of
 two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). On GPUs with FP8 tensor
-cores, steps of many rows round the activations to e4m3 too, a scale per token, for weights with a scale per
-channel (W8A8, as vLLM runs such weights there: `activations_in_fp8`). A mixture's stacked experts
+cores, steps of many rows round the activations to e4m3 too (W8A8, as vLLM runs such weights there:
+`activations_in_fp8`): a scale per token for weights with a scale per channel, a scale per token and block
+of 128 columns for block-scaled ones (DeepSeek-V3's scheme), where the block kernel's e4m3 dot runs on FP8
+tensor cores. A mixture's stacked experts
 are an `Fp8Experts` (values [E, K, N], scales [E, K blocks, N]), which `moe.grouped_matmul` widens in the
 same way. The token embeddings, the LM head, the routers, norms and biases stay as they are, as in vLLM's FP8
 scheme.
@@ -130,22 +132,33 @@ def quantize_fp8(w: jax.Array, contracted: int, block: int = 0) -> Fp8Weight:
     return Fp8Weight(values, scale, contracted=contracted)
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, K] -> (e4m3 [T, K], f32 [T, 1]): each row over the scale that maps its largest |x| to 448, vLLM's
-    dynamic per-token activation scales; no scale under MIN_ROW_SCALE (vLLM's floor), so that a zero or
-    vanishing row (padding) keeps a normal float32 scale and quantizes to zeros."""
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [T, 1]
+def quantize_rows(x: jax.Array, group: int = 0) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], f32 [T, K / group]): each row (group 0: a scale [T, 1], vLLM's dynamic
+    per-token activation scales), or each run of `group` columns of it (vLLM's per-token-group scales,
+    DeepSeek-V3's 1 x 128), over the scale that maps its largest |x| to 448; no scale under MIN_ROW_SCALE
+    (vLLM's floor), so that a zero or vanishing row (padding) keeps a normal float32 scale and quantizes to
+    zeros."""
+    rows, k = x.shape
+    group = group or k
+    x32 = x.astype(jnp.float32).reshape(rows, k // group, group)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [T, K / group, 1]
     scale = jnp.maximum(amax / FP8_MAX, MIN_ROW_SCALE)
-    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8).reshape(rows, k), scale[..., 0]
 
 
 def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | None) -> bool:
-    """Whether x [rows, K] @ w multiplies x rounded to e4m3 (`w8a8_matmul`): where the GPU has FP8 tensor cores
-    (`AttentionConfig.fp8_activations`), for weights with a scale per output channel (block-scaled checkpoints'
-    too under a mesh, which quantizes them per channel again), in steps of W8A8_MIN_ROWS rows or more, where
-    the GEMM is bound by the tensor cores rather than by reading the weight."""
-    return attention is not None and attention.fp8_activations and not w.block and rows >= W8A8_MIN_ROWS
+    """Whether x [rows, K] @ w multiplies x rounded to e4m3: where the GPU has FP8 tensor cores
+    (`AttentionConfig.fp8_activations`), in steps of W8A8_MIN_ROWS rows or more, where the GEMM is bound by
+    the tensor cores rather than by reading the weight; for weights with a scale per output channel
+    (`w8a8_matmul`; block-scaled checkpoints' too under a mesh, which quantizes them per channel again), and
+    for block-scaled ones where the block kernel takes e4m3 rows (`AttentionConfig.fp8_block_activations`) and
+    their shapes fit it (`block_matmul`)."""
+    if attention is None or not attention.fp8_activations or rows < W8A8_MIN_ROWS:
+        return False
+    if not w.block:
+        return True
+    k = math.prod(w.shape[: w.contracted])
+    return attention.fp8_block_activations and fp8_block_matmul.fits(k, math.prod(w.shape) // k, w.block)
 
 
 def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None,
@@ -190,13 +203,20 @@ def w8a8_row_parallel(x: jax.Array, w: Fp8Weight, mesh: Any) -> jax.Array:
 
 def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None) -> jax.Array:
     """x [T, K] @ w [K, N] for block scales, in x's dtype, float32 sums: through `ops.fp8_block_matmul`'s
-    kernel where `attention` has it and the shapes fit (a GPU's few-row steps), else over the values times
-    their rows' scales (in float32, then rounded to x's dtype), which XLA writes out whole."""
+    kernel where `attention` has it and the shapes fit (with FP8 activations, each row quantized with a scale
+    per block of its columns, the weight's block), else over the values times their rows' scales (in float32,
+    then rounded to x's dtype), which XLA writes out whole."""
     (rows, k), n = x.shape, w.shape[1]
     mode = None if attention is None else attention.fp8_block_kernel
-    if mode is not None and fp8_block_matmul.fits(rows, k, n, w.block):
-        return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, interpret=mode == "interpret",
-                                                 **({"num_sms": attention.num_sms} if attention.num_sms else {}))
+    options = {"interpret": mode == "interpret"}
+    if mode is not None and attention.num_sms:
+        options["num_sms"] = attention.num_sms
+    if mode is not None and activations_in_fp8(rows, w, attention):
+        xq, x_scale = quantize_rows(x, w.block)  # e4m3 [T, K], f32 [T, K / block]
+        return fp8_block_matmul.fp8_block_matmul(xq, w.values, w.scale, w.block, x_scale=x_scale, out_dtype=x.dtype,
+                                                 **options)
+    if mode is not None and fp8_block_matmul.fits(k, n, w.block):
+        return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, **options)
     weights = (w.values.astype(jnp.float32) * row_scales(w.scale, w.block, x.shape[1])).astype(x.dtype)  # [K, N]
     return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -388,11 +408,11 @@ def _warn_on_cpu(quantization: str) -> None:
 
 def layer_matmul_dtype(state: nnx.State, rows: int, attention: AttentionConfig) -> str | None:
     """The dtype whose tensor-core rate the layers' dense matmuls of a step of `rows` rows run at, where it
-    is not the activations' (the roofline's `layer_peak_flops`): e4m3 where `state` has FP8 weights with a
-    scale per output channel (or tensor) and `activations_in_fp8` gives them FP8 activations, else None."""
+    is not the activations' (the roofline's `layer_peak_flops`): e4m3 where `state` has FP8 weights that
+    `activations_in_fp8` gives FP8 activations, else None."""
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
-    weight = next((value for value in flat.values() if isinstance(value, Fp8Weight) and not value.block), None)
-    return jnp.dtype(FP8).name if weight is not None and activations_in_fp8(rows, weight, attention) else None
+    fp8 = any(isinstance(value, Fp8Weight) and activations_in_fp8(rows, value, attention) for value in flat.values())
+    return jnp.dtype(FP8).name if fp8 else None
 
 
 def log_stored_fp8(state: nnx.State, family: Any) -> None:

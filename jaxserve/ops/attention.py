@@ -166,6 +166,18 @@ class AttentionConfig:
         return self.impl == "pallas" and (self.compute_capability or 0) >= MIN_FP8_COMPUTE_CAPABILITY
 
     @property
+    def fp8_block_activations(self) -> bool:
+        """Whether block-scaled FP8 weights meet activations in e4m3 too, where `fp8_activations` and the block
+        kernel (`fp8_block_kernel`) runs, which takes them with a scale per row and block of 128 columns:
+        interpreted, or compiled where its e4m3 dot runs on FP8 tensor cores
+        (`fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES`: Ada). JAXSERVE_FP8_ACTIVATIONS=1 takes them on any
+        GPU the kernel runs on (a Hopper GPU, to measure what its float16 MMAs cost)."""
+        if self.fp8_block_kernel is None or not self.fp8_activations:
+            return False
+        return (self.fp8_block_kernel == "interpret" or os.environ.get("JAXSERVE_FP8_ACTIVATIONS") == "1"
+                or self.compute_capability in fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES)
+
+    @property
     def native_matmuls(self) -> bool:
         """Whether bfloat16 matmuls go through the native CPU kernel too (`cpu_kernels.matmul_bf16`): with
         `cpu-native` on one device. XLA:CPU runs bfloat16 dots several times slower than float32 ones."""

@@ -15,11 +15,19 @@ dtype, multiplies in float32 and adds the product times the block's scales [bloc
 When rows x output tiles are too few to keep every multiprocessor streaming weights (a decode step's few
 rows), the contracted axis is split over programs, which write float32 partial sums that XLA adds up.
 The row tile (the first grid axis) varies fastest, so the programs that read the same weight tile run
-side by side and share it through L2: the weight streams from memory once, and the activations (a few MB
-at most) are what is read again, from L2.
+side by side and share it through L2: the weight streams from memory once, and the activations are what
+is read again, mostly from L2.
 
-The rows of a prefill (many tokens) are compute-bound: there XLA's own GEMM over the widened weight serves
-better than Triton's dot, and `fits` says which rows go where.
+Rows of any count are the kernel's. The rows of a prefill (many tokens) are compute-bound, and there
+XLA's GEMM over the widened weight might have been the faster one; but XLA widens the weights of a whole
+step's layers ahead of their GEMMs (Llama-3-8B's 2,048-token step compiled for an H100 keeps 8.3 GiB of
+them at once, KV cache the server no longer has), and on Hopper Triton runs the kernel's 16-bit dot on
+bfloat16 wgmma (docs/benchmarks.md, stop 112). Rows in e4m3 too (W8A8, with a scale per row and block of
+contracted columns: `x_scale`, DeepSeek-V3's 1 x 128 activation groups, vLLM's `per_token_group_quant_fp8`)
+XLA cannot take at all: each block's product is
+scaled by its rows' own scales before the blocks are summed, which XLA's GEMM would write out as a
+[blocks, rows, N] float32 temporary. Here the e4m3 x e4m3 dot of each block runs on FP8 tensor cores and its
+two scales multiply the float32 partial product in registers.
 """
 
 import functools
@@ -37,9 +45,6 @@ except ImportError:  # a jax that has dropped the backend
 
 TRITON_BACKEND = plgpu is not None  # compiled, the kernel needs it (interpreted, not)
 
-# The most rows the kernel serves: past them a step is the tensor cores' rather than the memory's, and there
-# XLA's GEMM over the widened weight (wgmma on Hopper) outruns Triton's dot.
-KERNEL_MAX_ROWS = 256
 _MIN_DOT_DIM = 16  # Triton's dot needs every dimension >= 16
 _MAX_BLOCK_T = 64
 _BLOCK_N = (128, 64, 32, 16)  # output tiles, the widest first
@@ -52,24 +57,26 @@ _DEFAULT_NUM_SMS = 132  # an H100 SXM
 
 # The oldest CUDA GPUs whose Triton converts e4m3 in hardware (Ada, sm_89).
 MIN_COMPUTE_CAPABILITY = 8.9
+# The CUDA GPUs where an e4m3 x e4m3 dot, as Pallas hands it to Triton, runs on FP8 tensor cores: Ada's
+# `mma.sync ... e4m3.e4m3` (sm_89). On Hopper it compiles to float16 `mma.sync` over widened operands:
+# Pallas sets no `max_num_imprecise_acc`, and Triton declines wgmma for FP8 operands summed in float32
+# without it (deviceless compiles: docs/benchmarks.md). That runs below the kernel's 16-bit rows on bfloat16
+# wgmma, so Hopper keeps those.
+FP8_MMA_COMPUTE_CAPABILITIES = (8.9,)
 
 
-def fits(rows: int, k: int, n: int, block: int) -> bool:
-    """Whether a [rows, k] x [k, n] product with scales per `block` contracted rows is the kernel's: at most
-    KERNEL_MAX_ROWS rows, a block that is a power of two Triton's dot takes and divides k, and outputs a tile
-    divides."""
-    return rows <= KERNEL_MAX_ROWS and _shapes_fit(k, n, block)
-
-
-def _shapes_fit(k: int, n: int, block: int) -> bool:
-    """A block Triton's dot takes (a power of two, at least 16) that divides k; outputs the narrowest tile divides."""
+def fits(k: int, n: int, block: int) -> bool:
+    """Whether a [rows, k] x [k, n] product with scales per `block` contracted rows is the kernel's: a block
+    Triton's dot takes (a power of two, at least 16) that divides k, and outputs the narrowest tile divides."""
     return block >= _MIN_DOT_DIM and block == next_pow2(block) and k % block == 0 and n % _BLOCK_N[-1] == 0
 
 
-def _kernel(x_ref, values_ref, scale_ref, out_ref, *, block: int, block_t: int, block_n: int,
+def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block_n: int,
             blocks_per_split: int) -> None:
     """One program: rows [block_t] of its row tile times outputs [block_n] of its output tile, over its split's
-    `blocks_per_split` scale blocks of the contracted axis; writes its sum to `out_ref[split]` (module docstring)."""
+    `blocks_per_split` scale blocks of the contracted axis; writes its sum to `out_ref[split]` (module docstring).
+    `refs` is (out_ref,) for 16-bit rows, (x_scale_ref, out_ref) for rows in e4m3."""
+    *x_scale_ref, out_ref = refs
     t_tile, n_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pl.multiple_of(t_tile * block_t, block_t), block_t)
     columns = pl.ds(pl.multiple_of(n_tile * block_n, block_n), block_n)
@@ -78,9 +85,13 @@ def _kernel(x_ref, values_ref, scale_ref, out_ref, *, block: int, block_t: int, 
     def body(j, acc):  # acc: f32[block_t, block_n]
         kb = first + j
         contracted = pl.ds(pl.multiple_of(kb * block, block), block)
-        x = x_ref[rows, contracted]  # [block_t, block]
-        w = values_ref[contracted, columns].astype(x.dtype)  # e4m3 -> x's dtype in registers: [block, block_n]
+        x = x_ref[rows, contracted]  # [block_t, block]: 16-bit, or e4m3 with a scale per row
+        w = values_ref[contracted, columns]  # e4m3 [block, block_n]
         scale = scale_ref[pl.ds(kb, 1), columns]  # f32[1, block_n]
+        if x_scale_ref:  # e4m3 x e4m3 on FP8 tensor cores, then both operands' scales
+            scale = x_scale_ref[0][rows, pl.ds(kb, 1)] * scale  # f32[block_t, 1] x [1, block_n]
+        else:
+            w = w.astype(x.dtype)  # e4m3 -> x's dtype in registers
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32) * scale
 
     acc = jax.lax.fori_loop(0, blocks_per_split, body, jnp.zeros((block_t, block_n), jnp.float32))
@@ -88,40 +99,47 @@ def _kernel(x_ref, values_ref, scale_ref, out_ref, *, block: int, block_t: int, 
 
 
 def fp8_block_matmul(
-    x: jax.Array,  # [T, K] in float32, float16 or bfloat16
+    x: jax.Array,  # [T, K] in float32, float16 or bfloat16; or e4m3 with `x_scale`
     values: jax.Array,  # f8e4m3fn[K, N]
     scale: jax.Array,  # f32[K / block, N]: row k of `values` is scaled by scale[k // block]
     block: int,
     *,
+    x_scale: jax.Array | None = None,  # f32[T, K / block]: column k of e4m3 row t is scaled by x_scale[t, k // block]
+    out_dtype: jnp.dtype | None = None,  # the result's dtype: x's unless given (required with e4m3 rows)
     num_sms: int = _DEFAULT_NUM_SMS,
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 3,
-) -> jax.Array:  # [T, N] in x's dtype
-    """x @ (values scaled by their blocks' scales), float32 sums, in x's dtype (module docstring)."""
+) -> jax.Array:  # [T, N] in out_dtype
+    """(x scaled by its blocks' scales) @ (values scaled by their blocks' scales), float32 sums (module docstring)."""
     if plgpu is None and not interpret:
         raise RuntimeError("this jax has no Pallas Triton backend")
     rows, k = x.shape
     n = values.shape[1]
-    if not _shapes_fit(k, n, block) or values.shape[0] != k or scale.shape != (k // block, n):
-        raise ValueError(f"fp8_block_matmul: x {x.shape}, values {values.shape}, scale {scale.shape}, block {block}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    fp8_rows = x_scale is not None
+    if (not fits(k, n, block) or values.shape[0] != k or scale.shape != (k // block, n)
+            or fp8_rows != (x.dtype == values.dtype) or (fp8_rows and x_scale.shape != (rows, k // block))):
+        raise ValueError(f"fp8_block_matmul: x {x.shape} {x.dtype}, values {values.shape}, scale {scale.shape}, "
+                         f"x_scale {None if x_scale is None else x_scale.shape}, block {block}")
     block_t, block_n, splits = tiles(rows, k, n, block, num_sms)
     row_tiles, blocks = pl.cdiv(rows, block_t), k // block
-    padded = jnp.pad(x, ((0, row_tiles * block_t - rows), (0, 0)))
+    pad = ((0, row_tiles * block_t - rows), (0, 0))
+    operands = (jnp.pad(x, pad), values, scale) + ((jnp.pad(x_scale, pad),) if fp8_rows else ())
     kernel = functools.partial(_kernel, block=block, block_t=block_t, block_n=block_n,
                                blocks_per_split=blocks // splits)
     whole = pl.BlockSpec()  # the kernel indexes these itself
     sums = pl.pallas_call(
         kernel,
         grid=(row_tiles, n // block_n, splits),  # the first axis varies fastest in launch order
-        in_specs=[whole, whole, whole],
+        in_specs=[whole] * len(operands),
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * block_t, n), jnp.float32 if splits > 1 else x.dtype),
+        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * block_t, n), jnp.float32 if splits > 1 else out_dtype),
         compiler_params=None if plgpu is None else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fp8_block_matmul",
-    )(padded, values, scale)  # [splits, T_padded, N]: float32 partial sums, or with one split the product
-    return (sums[0] if splits == 1 else sums.sum(axis=0))[:rows].astype(x.dtype)
+    )(*operands)  # [splits, T_padded, N]: float32 partial sums, or with one split the product
+    return (sums[0] if splits == 1 else sums.sum(axis=0))[:rows].astype(out_dtype)
 
 
 def tiles(rows: int, k: int, n: int, block: int, num_sms: int = _DEFAULT_NUM_SMS) -> tuple[int, int, int]:

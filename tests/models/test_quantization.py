@@ -148,8 +148,9 @@ def test_w8a8_multiplies_the_rounded_rows_by_the_weight_s_values_against_float64
 
 
 def test_fp8_activations_are_taken_by_large_steps_on_gpus_with_fp8_tensor_cores(monkeypatch):
-    """From W8A8_MIN_ROWS rows, on sm_89 and later, for weights with a scale per channel; block-scaled weights,
-    A100s, CPUs and fewer rows keep 16-bit activations; JAXSERVE_FP8_ACTIVATIONS decides either way."""
+    """From W8A8_MIN_ROWS rows, on sm_89 and later, for weights with a scale per channel, and for block-scaled
+    ones on Ada; A100s, CPUs and fewer rows keep 16-bit activations; JAXSERVE_FP8_ACTIVATIONS decides either
+    way."""
     from jaxserve.ops.attention import AttentionConfig
 
     monkeypatch.delenv("JAXSERVE_FP8_ACTIVATIONS", raising=False)
@@ -161,8 +162,9 @@ def test_fp8_activations_are_taken_by_large_steps_on_gpus_with_fp8_tensor_cores(
     rows = W8A8_MIN_ROWS
     assert activations_in_fp8(rows, channel, hopper) and activations_in_fp8(rows, channel, ada)
     assert not activations_in_fp8(rows - 1, channel, hopper)
-    assert not activations_in_fp8(rows, block, hopper)
-    assert not any(activations_in_fp8(rows, channel, a) for a in (a100, cpu, None))
+    assert not activations_in_fp8(rows, block, hopper)  # (`AttentionConfig.fp8_block_activations`)
+    assert activations_in_fp8(rows, block, ada) and not activations_in_fp8(rows - 1, block, ada)
+    assert not any(activations_in_fp8(rows, w, a) for a in (a100, cpu, None) for w in (channel, block))
 
     def f8_operands(x, attention):  # the dots' operands that are e4m3
         jaxpr = jax.make_jaxpr(lambda x: dense(x, channel, attention))(x)
@@ -515,6 +517,39 @@ def test_an_fp8_checkpoint_with_block_scales_compiles_for_an_h100_as_serve_loads
     layer = sorted([(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)])
     traces = len(products) // len(layer)
     assert traces >= 1 and sorted(products) == sorted(layer * traces)
+
+
+@pytest.mark.slow
+def test_a_block_fp8_checkpoint_s_large_steps_compile_for_an_l40s_with_fp8_activations(monkeypatch):
+    """The whole step for an L40S (Ada), deviceless: in the 2,048-token bucket a block-FP8 checkpoint's products
+    go through the block kernel with rows in e4m3 (a scale per row and block of 64 columns), which the roofline
+    counts at the FP8 peak; the decode bucket's rows stay in 16 bits; JAXSERVE_FP8_ACTIVATIONS=0 keeps 16-bit
+    rows in both."""
+    from jaxserve.compile_ladder import compile_ladder
+    from jaxserve.ops import fp8_block_matmul
+    from jaxserve.runner.buckets import Bucket
+
+    rows = []
+    monkeypatch.setattr(fp8_block_matmul, "fp8_block_matmul",
+                        lambda *a, _run=fp8_block_matmul.fp8_block_matmul, **kw: rows.append(str(a[0].dtype))
+                        or _run(*a, **kw))
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
+    buckets = [Bucket(16, 16, decode_only=True), Bucket(2048, 16)]
+    reports, traced = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
+        rows.clear()
+        reports[setting] = compile_ladder("smollm2-135m", target="l40s", preset="gpu", dtype="bfloat16",
+                                          xla_cost=False, variants=False, buckets=buckets, read_launches=False,
+                                          num_kv_pages=4096, hf_overrides={"quantization_config": fp8})
+        traced[setting] = set(rows)
+    assert traced == {"1": {"float8_e4m3fn", "bfloat16"}, "0": {"bfloat16"}}
+    (decode, mixed), (decode_16, mixed_16) = reports["1"].buckets, reports["0"].buckets
+    assert decode.predicted_seconds == decode_16.predicted_seconds
+    layer_flops = 2 * 2048 * 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    assert mixed.bound == mixed_16.bound == "compute"
+    assert mixed_16.predicted_seconds - mixed.predicted_seconds == pytest.approx(
+        layer_flops / 362.05e12 - layer_flops / 733e12, rel=1e-3)
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ def _case(rng: np.random.Generator, rows: int, k: int, n: int, block: int, dtype
     (1, 1024, 64, 16, 132, 2),
     (5, 128, 48, 16, 4, 1),
     (70, 64, 128, 32, 1, 1),  # two row tiles (64 + 6), one program an output tile
-    (256, 512, 64, 128, 132, 1),  # the most rows the kernel takes
+    (256, 512, 64, 128, 132, 1),
+    (600, 256, 128, 64, 132, 1),  # a prefill chunk's rows: ten row tiles
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, splits, dtype):
@@ -75,7 +76,8 @@ def _triton_calls(compiled) -> int:  # the Pallas Triton kernels an XLA:GPU exec
                if "custom-call(" in line)
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [(2, 4096, 4096), (64, 4096, 14336), (256, 7168, 2048)])
+@pytest.mark.parametrize(("rows", "k", "n"), [(2, 4096, 4096), (64, 4096, 14336), (256, 7168, 2048),
+                                              (2048, 14336, 4096)])
 def test_the_kernel_compiles_for_an_h100_and_reads_each_weight_once(rows, k, n):
     """Deviceless, through Triton and ptxas for sm_90: the step's temporaries are the splits' partial sums
     (under an eighth of the weight's bytes), where XLA's product over the same weight writes a widened copy
@@ -104,9 +106,9 @@ def test_only_gpus_that_convert_e4m3_and_the_interpreter_take_the_kernel():
     assert AttentionConfig("interpret").fp8_block_kernel == "interpret"
     assert AttentionConfig("cpu").fp8_block_kernel is None
     assert AttentionConfig("pallas", compute_capability=9.0, mesh=object()).fp8_block_kernel is None
-    assert kernel.fits(256, 4096, 4096, 128) and not kernel.fits(257, 4096, 4096, 128)
-    assert not kernel.fits(16, 4096, 4096, 24)  # a block Triton's dot cannot take: XLA
-    assert not kernel.fits(16, 4000, 4096, 128)  # a short last block
+    assert kernel.fits(4096, 4096, 128) and kernel.fits(14336, 4096, 128)
+    assert not kernel.fits(4096, 4096, 24)  # a block Triton's dot cannot take: XLA
+    assert not kernel.fits(4000, 4096, 128)  # a short last block
 
 
 @pytest.mark.slow
@@ -132,3 +134,143 @@ def test_a_block_fp8_checkpoint_computes_through_the_kernel_what_it_computes_thr
     # traced once (`layers.apply_layers`)
     assert sorted(calls) == sorted([(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (128, 64)])
     np.testing.assert_allclose(logits["interpret"], logits["cpu"], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms"), [
+    (300, 512, 256, 128, 132),  # five row tiles, the last of 44 rows
+    (3, 1024, 64, 64, 132),  # few rows: the contracted axis split
+    (64, 256, 96, 32, 4),
+])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_in_e4m3_with_a_scale_per_block_match_the_float64_oracle(rows, k, n, block, num_sms, out_dtype):
+    """W8A8 with DeepSeek-V3's scales: each row's run of `block` columns quantized with its own scale
+    (`quantize_rows(x, block)`), and the kernel's sum equals the float64 product of both dequantized operands."""
+    from jaxserve.models.quantization import quantize_rows
+
+    rng = np.random.default_rng(rows + k + n)
+    # the columns' ranges differ by block, as activations' outlier channels make them
+    x = jnp.asarray(rng.normal(size=(rows, k)) * np.repeat(rng.uniform(0.01, 20, size=k // block), block), jnp.float32)
+    _, values, scale, _ = _case(rng, rows, k, n, block, jnp.float32)
+    xq, x_scale = quantize_rows(x, block)
+    assert xq.dtype == jnp.float8_e4m3fn and x_scale.shape == (rows, k // block)
+    got = kernel.fp8_block_matmul(xq, values, scale, block, x_scale=x_scale, out_dtype=out_dtype, num_sms=num_sms,
+                                  interpret=not COMPILED)
+    assert got.shape == (rows, n) and got.dtype == out_dtype
+    x64 = np.asarray(xq.astype(jnp.float32), np.float64) * np.repeat(np.asarray(x_scale, np.float64), block, 1)
+    weight = np.asarray(values.astype(jnp.float32), np.float64) * np.repeat(np.asarray(scale, np.float64), block, 0)
+    want = x64 @ weight
+    tol = 1e-5 if out_dtype == jnp.float32 and not COMPILED else 2e-2
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32), np.float64), want, atol=tol * np.abs(want).max(),
+                               rtol=0)
+    # and the rows' rounding is e4m3's: a few percent from the product of x itself
+    exact = np.asarray(x, np.float64) @ weight
+    assert np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact).mean() < 0.05 * np.abs(exact).mean()
+    with pytest.raises(ValueError):  # e4m3 rows need their scales
+        kernel.fp8_block_matmul(xq, values, scale, block, interpret=True)
+
+
+def test_block_weights_take_fp8_rows_where_the_kernel_s_e4m3_dot_runs_on_fp8_tensor_cores(monkeypatch):
+    """Ada (sm_89) and the interpreter with FP8 activations; not Hopper (its float16 MMAs: the next test), unless
+    JAXSERVE_FP8_ACTIVATIONS=1; not an A100, a CPU or a mesh, where the kernel does not run."""
+    monkeypatch.delenv("JAXSERVE_FP8_ACTIVATIONS", raising=False)
+    ada, hopper = (AttentionConfig("pallas", compute_capability=cc) for cc in (8.9, 9.0))
+    assert ada.fp8_block_activations and not hopper.fp8_block_activations
+    assert not AttentionConfig("pallas", compute_capability=8.0).fp8_block_activations
+    assert not AttentionConfig("pallas", compute_capability=8.9, mesh=object()).fp8_block_activations
+    assert not AttentionConfig("interpret").fp8_block_activations  # (no FP8 activations off GPUs by default)
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    assert hopper.fp8_block_activations and AttentionConfig("interpret").fp8_block_activations
+    assert not AttentionConfig("cpu").fp8_block_activations
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "0")
+    assert not ada.fp8_block_activations
+
+
+def _ptx_of_block_product(target: str, rows: int, fp8_rows: bool, k: int = 4096, n: int = 4096) -> tuple:
+    from jaxserve.bench.ptxas import compiled_ptx, tensor_core_instructions
+    from jaxserve.device import deviceless_device
+    from jaxserve.parallel import on_one_device
+
+    device = deviceless_device(target)
+    sharding = on_one_device(device)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    args = [spec((rows, k), jnp.float8_e4m3fn if fp8_rows else jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn),
+            spec((k // 128, n), jnp.float32)] + ([spec((rows, k // 128), jnp.float32)] if fp8_rows else [])
+
+    def product(x, values, scale, x_scale=None):
+        return kernel.fp8_block_matmul(x, values, scale, 128, x_scale=x_scale, out_dtype=jnp.bfloat16)
+
+    with jax.default_device(device):
+        compiled, ptx = compiled_ptx(jax.jit(product).trace(*args).lower())
+    return compiled, tensor_core_instructions(ptx)
+
+
+@pytest.mark.parametrize(("target", "fp8_rows", "instruction"), [
+    ("l40s", True, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"),  # Ada: FP8 tensor cores
+    ("h100", True, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),  # Hopper: widened to float16
+    ("h100", False, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),  # Hopper's 16-bit rows
+])
+def test_the_kernel_s_tensor_core_instructions_for_2048_rows(target, fp8_rows, instruction):
+    """Deviceless, through Triton and ptxas: the instructions `AttentionConfig.fp8_block_activations` rests on.
+    With e4m3 rows, Ada's PTX multiplies e4m3 by e4m3; Hopper's widens both to float16 for `mma.sync`, since
+    Pallas sets no `max_num_imprecise_acc` and Triton declines wgmma for FP8 without it (should a jax
+    change that, this case fails, and Hopper can take FP8 rows); its 16-bit rows run on bfloat16 wgmma."""
+    _, instructions = _ptx_of_block_product(target, 2048, fp8_rows)
+    assert set(instructions) == {instruction}
+
+
+def test_xla_s_own_fp8_gemm_runs_on_hopper_s_fp8_wgmma_at_a_served_tile():
+    """The other W8A8 path (a scale per channel: `quantization.w8a8_matmul`) is XLA's Triton GEMM, which sets
+    what Pallas does not: at a tile the autotuner picks on a GPU (given here; a deviceless compile cannot
+    autotune, and its default 16 x 8 tile is too small for wgmma), its PTX multiplies e4m3 by e4m3 on wgmma."""
+    from jaxserve.bench.ptxas import compiled_ptx, tensor_core_instructions
+    from jaxserve.models.quantization import Fp8Weight, w8a8_matmul
+    from jaxserve.parallel import on_one_device
+
+    sharding = on_one_device(_h100())
+    args = (jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=sharding),
+            Fp8Weight(jax.ShapeDtypeStruct((4096, 4096), jnp.float8_e4m3fn, sharding=sharding),
+                      jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=sharding), contracted=1))
+    tile = "block_m: 128 block_n: 128 block_k: 128 split_k: 1 num_stages: 4 num_warps: 8 num_ctas: 1"
+    with jax.default_device(_h100()):
+        lowered = jax.jit(w8a8_matmul).trace(*args).lower()
+        try:
+            _, ptx = compiled_ptx(lowered, {"xla_gpu_override_gemm_autotuner": tile})
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+            pytest.skip("this jaxlib's XLA takes no GEMM tile override (jaxlib 0.12 does not)")
+    assert set(tensor_core_instructions(ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+
+
+@pytest.mark.slow
+def test_a_block_fp8_checkpoint_with_fp8_rows_tracks_its_16_bit_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """A GPU's large steps on Ada, here interpreted (JAXSERVE_FP8_ACTIVATIONS=1, every step of W8A8_MIN_ROWS rows
+    made one of 8): each layer's FP8 products take rows in e4m3 with a scale per row and block of 32 columns,
+    and the logits stay near the same weights' with 16-bit rows, nearer than the weights' rounding put them
+    from the 32-bit model."""
+    from jaxserve.models import quantization
+    from jaxserve.models.loader import load_model
+    from tests.models.test_parity import PagedForward
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", block=(16, 32), fmt="fp8")
+    tokens, pages = list(range(200, 221)), list(range(1, 9))
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
+        monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 8)
+        jax.clear_caches()  # the forward's trace reads them
+        rows = []
+        monkeypatch.setattr(kernel, "fp8_block_matmul", lambda *a, _run=kernel.fp8_block_matmul, _rows=rows, **kw:
+                            _rows.append(str(a[0].dtype)) or _run(*a, **kw))
+        logits[setting] = PagedForward(load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="interpret"),
+                                       pages)(tokens)
+        monkeypatch.undo()
+        assert set(rows) == {"float8_e4m3fn" if setting == "1" else "float32"}
+    jax.clear_caches()
+    original = PagedForward(load_model(str(tiny_model_dir("llama")), dtype="float32", attention_impl="cpu"),
+                            pages)(tokens)
+    rows_error = np.abs(logits["1"] - logits["0"]).mean() / np.abs(logits["0"]).mean()
+    weights_error = np.abs(logits["0"] - original).mean() / np.abs(original).mean()
+    assert 0 < rows_error < weights_error
+    assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).mean() >= 0.8
