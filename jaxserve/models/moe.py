@@ -22,7 +22,9 @@ slow.
 
 FP8 experts (`quantization.Fp8Experts`: an FP8 checkpoint's, or `--quantization fp8`'s) keep half the memory
 of 16-bit ones. On CUDA GPUs of sm_89 and later (and with the interpreted kernels), every step multiplies them
-through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a weight. Elsewhere they
+through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a weight. On Ada (sm_89)
+steps of `quantization.W8A8_MIN_ROWS` tokens or more round the rows to e4m3 too, as the dense layers do
+(`quantization.experts_in_fp8`), and the kernel multiplies e4m3 by e4m3 on FP8 tensor cores. Elsewhere they
 take the paths above: with a scale per expert and output channel, over their values widened to the rows'
 dtype, each row's product then scaled by its own expert's scales; with block scales (DeepSeek-V3's), over the
 experts dequantized for the step.
@@ -51,7 +53,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.models import gguf_weights
 from jaxserve.models.gguf_weights import GgufExperts, GgufTensor, stack_expert_tensors
 from jaxserve.models.layers import GatedMlp, param
-from jaxserve.models.quantization import Fp8Experts, Fp8Tensor
+from jaxserve.models.quantization import Fp8Experts, Fp8Tensor, experts_in_fp8, quantize_rows
 from jaxserve.ops import cpu_kernels, grouped_matmul_triton
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
@@ -142,6 +144,7 @@ def grouped_expert_mlp(
     native: bool = False,  # the native CPU kernel for bfloat16 experts (`grouped_matmul`)
     kernel: str | None = None,  # `grouped_matmul`'s Triton kernel for 16-bit experts: "compiled", "interpret"
     fp8_kernel: str | None = None,  # and for FP8 experts (None: XLA's paths)
+    fp8_rows: bool = False,  # FP8 experts through it meet rows in e4m3 (`quantization.experts_in_fp8`)
     gate_bias: jax.Array | None = None,  # [E_local, F_local] (GPT-OSS)
     up_bias: jax.Array | None = None,  # [E_local, F_local]
     swiglu_limit: float | None = None,  # `expert_activation`
@@ -161,8 +164,8 @@ def grouped_expert_mlp(
     rows = x[token_of_row]  # [A, D]
     if num_local != num_experts:  # this device's experts' rows first; the rows past them come back as zeros
         rows = jnp.roll(rows, -shift, axis=0)
-    h = grouped_matmul(rows, gate, local_counts, hopper, native, kernel, fp8_kernel)  # f32[A, F]
-    u = grouped_matmul(rows, up, local_counts, hopper, native, kernel, fp8_kernel)
+    h = grouped_matmul(rows, gate, local_counts, hopper, native, kernel, fp8_kernel, fp8_rows)  # f32[A, F]
+    u = grouped_matmul(rows, up, local_counts, hopper, native, kernel, fp8_kernel, fp8_rows)
     if gate_bias is not None:  # each row's own expert's biases (rows of other devices' experts come to 0 later)
         expert_of_row = flat_experts[order]  # i32[A], sorted
         if num_local != num_experts:
@@ -170,7 +173,7 @@ def grouped_expert_mlp(
         local = jnp.clip(expert_of_row - first_expert, 0, num_local - 1)
         h, u = h + gate_bias[local].astype(jnp.float32), u + up_bias[local].astype(jnp.float32)
     h = expert_activation(h, u, swiglu_limit, swiglu_alpha).astype(x.dtype)
-    out = grouped_matmul(h, down, local_counts, hopper, native, kernel, fp8_kernel)  # f32[A, D]
+    out = grouped_matmul(h, down, local_counts, hopper, native, kernel, fp8_kernel, fp8_rows)  # f32[A, D]
     if num_local != num_experts:
         out = jnp.roll(out, shift, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
@@ -204,6 +207,7 @@ def grouped_matmul(
     native: bool = False,  # a CPU with the native kernels: bfloat16 operands go to `grouped_matmul_bf16`
     kernel: str | None = None,  # `AttentionConfig.expert_kernel`: 16-bit experts through `grouped_matmul_triton`
     fp8_kernel: str | None = None,  # `AttentionConfig.fp8_expert_kernel`: FP8 experts through it
+    fp8_rows: bool = False,  # those meet the rows rounded to e4m3 (`quantization.experts_in_fp8`)
 ) -> jax.Array:  # f32[A, N]
     """rows[group g] @ w[g] for every group: a GGUF file's blocks through their native kernel, FP8 experts
     through the Triton kernel where it runs and fits, else widened (module docstring), the Mosaic GPU kernel on
@@ -215,7 +219,10 @@ def grouped_matmul(
     (num_rows, k), (num_groups, _, n) = rows.shape, w.shape
     if isinstance(w, Fp8Experts):
         if fp8_kernel is not None and grouped_matmul_triton.fits(k, n, w.block):
-            return grouped_matmul_triton.grouped_matmul(rows, w.values, group_sizes, w.scale, w.block,
+            row_scale = None
+            if fp8_rows:  # a scale per row, or per row and block of the experts' scales (dense layers' W8A8)
+                rows, row_scale = quantize_rows(rows, 0 if w.per_channel else w.block)
+            return grouped_matmul_triton.grouped_matmul(rows, w.values, group_sizes, w.scale, w.block, row_scale,
                                                         interpret=fp8_kernel == "interpret")
         if not w.per_channel:  # widened in 16 bits, then as 16-bit experts are
             return grouped_matmul(rows, w.dequantize(rows.dtype), group_sizes, hopper, native, kernel)
@@ -309,8 +316,8 @@ class SparseMoeBlock(nnx.Module):
         activation = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
         if mesh is None:
             out = grouped_expert_mlp(rows, weights, experts, gate, up, down, num_experts=num_experts, hopper=hopper,
-                                     native=self.attention.native_matmuls, **self._kernels(), **_named(biases),
-                                     **activation)
+                                     native=self.attention.native_matmuls, **self._kernels(x.shape[0]),
+                                     **_named(biases), **activation)
         else:
             out = self._split_over_mesh(rows, weights, experts, gate, up, down, biases, activation)
         if moe.biases:  # sum_k weight * the chosen experts' down biases, once whatever the mesh
@@ -318,15 +325,17 @@ class SparseMoeBlock(nnx.Module):
             out = out + jnp.einsum("tk,tkd->td", weights, chosen)
         return out.astype(x.dtype)
 
-    def _kernels(self) -> dict[str, str | None]:
-        """The Triton grouped matmul's modes for 16-bit and FP8 experts (`grouped_expert_mlp`)."""
-        return {"kernel": self.attention.expert_kernel, "fp8_kernel": self.attention.fp8_expert_kernel}
+    def _kernels(self, num_tokens: int) -> dict[str, Any]:
+        """The Triton grouped matmul's modes for 16-bit and FP8 experts, and whether FP8 ones meet rows in e4m3
+        in a step of `num_tokens` (`grouped_expert_mlp`)."""
+        return {"kernel": self.attention.expert_kernel, "fp8_kernel": self.attention.fp8_expert_kernel,
+                "fp8_rows": experts_in_fp8(num_tokens, self.attention)}
 
     def _split_over_mesh(self, rows, weights, experts, gate, up, down, biases, activation) -> jax.Array:
         """The experts under `shard_map`: each device its slice of every expert's F, or its whole experts
         (module docstring), the outputs added over the devices."""
         num_experts, hopper, expert_parallel = self.moe.num_experts, is_hopper(self.attention), self.moe.expert_parallel
-        kernels = self._kernels()
+        kernels = self._kernels(rows.shape[0])
 
         def local(rows, weights, experts, gate, up, down, *biases):  # one device's experts, or its slice of each
             first = jax.lax.axis_index(TP_AXIS) * gate.shape[0] if expert_parallel else 0

@@ -172,9 +172,19 @@ class AttentionConfig:
         interpreted, or compiled where its e4m3 dot runs on FP8 tensor cores
         (`fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES`: Ada). JAXSERVE_FP8_ACTIVATIONS=1 takes them on any
         GPU the kernel runs on (a Hopper GPU, to measure what its float16 MMAs cost)."""
-        if self.fp8_block_kernel is None or not self.fp8_activations:
+        return self._fp8_rows(self.fp8_block_kernel)
+
+    @property
+    def fp8_expert_activations(self) -> bool:
+        """`fp8_block_activations` for a mixture's FP8 experts, where their kernel runs (`fp8_expert_kernel`,
+        under `shard_map` on a mesh too), for a scale per channel or per block alike."""
+        return self._fp8_rows(self.fp8_expert_kernel)
+
+    def _fp8_rows(self, kernel_mode: str | None) -> bool:
+        """Whether a Triton kernel running in `kernel_mode` takes e4m3 rows (`fp8_block_activations`)."""
+        if kernel_mode is None or not self.fp8_activations:
             return False
-        return (self.fp8_block_kernel == "interpret" or os.environ.get("JAXSERVE_FP8_ACTIVATIONS") == "1"
+        return (kernel_mode == "interpret" or os.environ.get("JAXSERVE_FP8_ACTIVATIONS") == "1"
                 or self.compute_capability in fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES)
 
     @property

@@ -19,6 +19,10 @@ side and share its weight tile through L2. A program reads its tile's expert, th
 block_n] values, widens e4m3 values to the activations' dtype in registers and multiplies in float32. Block
 scales (`block_k` is then the scale block) scale each step's product; a scale per channel scales the sum.
 Each expert weight is read once per output tile from memory, and only for the experts that have rows.
+
+Rows in e4m3 too (W8A8: `row_scale`, a scale per row, or per row and scale block for block-scaled experts)
+meet the values as they are, e4m3 x e4m3, on FP8 tensor cores where Triton runs that dot on them
+(`fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES`); each product is then scaled by its rows' scales too.
 """
 
 import functools
@@ -114,11 +118,13 @@ class _TileLayout:
 
 
 def _kernel(group_ref, first_row_ref, num_rows_ref, x_ref, values_ref, *refs, block_t: int, block_n: int,
-            block_k: int, steps: int, scales: str) -> None:
+            block_k: int, steps: int, scales: str, fp8_rows: bool) -> None:
     """One program: its row tile times its expert's output tile [block_n], over the contracted axis in `steps`
     steps of `block_k` rows (module docstring); a tile with no rows does nothing. `scales`: "none" (16-bit
-    experts: refs are the output), "block" or "channel" (refs are the scales and the output)."""
-    scale_ref, out_ref = refs if scales != "none" else (None, *refs)
+    experts: refs are the output), "block" or "channel" (refs are the scales, with `fp8_rows` the rows' scales,
+    and the output)."""
+    scale_ref, row_scale_ref, out_ref = ((None, None, *refs) if scales == "none" else
+                                         (*refs,) if fp8_rows else (refs[0], None, refs[1]))
     tile, n_tile = pl.program_id(0), pl.program_id(1)
     group, count = group_ref[tile], num_rows_ref[tile]
     in_tile = jnp.arange(block_t, dtype=jnp.int32)
@@ -126,23 +132,34 @@ def _kernel(group_ref, first_row_ref, num_rows_ref, x_ref, values_ref, *refs, bl
     # The tile's sorted rows, [block_t, 1]; its masked ones run past them, into the output's block_t spare rows
     # (distinct rows: the interpreter writes a masked row back as it was, which a repeated row would undo).
     rows = (first_row_ref[tile] + in_tile)[:, None]
+    loaded_rows = jnp.minimum(rows, x_ref.shape[0] - 1)
     columns = pl.ds(pl.multiple_of(n_tile * block_n, block_n), block_n)
+
+    def row_scales(column: jax.Array | int) -> jax.Array:  # f32[block_t, 1]: the rows' scales in that column
+        return plgpu.load(row_scale_ref.at[loaded_rows, jnp.full((1, 1), column, jnp.int32)], mask=row_ok,
+                          other=0.0)
 
     @pl.when(count > 0)
     def _multiply() -> None:
         def body(step, acc):  # acc: f32[block_t, block_n]
             first = pl.multiple_of(step * block_k, block_k)
-            x = plgpu.load(x_ref.at[jnp.minimum(rows, x_ref.shape[0] - 1), first + jnp.arange(block_k)[None, :]],
+            x = plgpu.load(x_ref.at[loaded_rows, first + jnp.arange(block_k)[None, :]],
                            mask=row_ok, other=0.0)  # [block_t, block_k]: the tile's rows, zeros past them
-            w = values_ref[group, pl.ds(first, block_k), columns].astype(x.dtype)  # e4m3 widened in registers
+            w = values_ref[group, pl.ds(first, block_k), columns]
+            if not fp8_rows:
+                w = w.astype(x.dtype)  # e4m3 widened in registers
             product = jnp.dot(x, w, preferred_element_type=jnp.float32)
             if scales == "block":
                 product = product * scale_ref[group, pl.ds(step, 1), columns]  # * f32[1, block_n]
+                if fp8_rows:
+                    product = product * row_scales(step)
             return acc + product
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_t, block_n), jnp.float32))
         if scales == "channel":
             acc = acc * scale_ref[group, pl.ds(0, 1), columns]
+            if fp8_rows:
+                acc = acc * row_scales(0)
         output_columns = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
         plgpu.store(out_ref.at[rows, output_columns], acc, mask=row_ok)
 
@@ -153,6 +170,7 @@ def grouped_matmul(
     group_sizes: jax.Array,  # i32[G]: rows of each group, in order; rows past their sum come back as zeros
     scale: jax.Array | None = None,  # e4m3 values': f32[G, K / block, N], or f32[G, 1, N] (a scale per channel)
     block: int = 0,  # contracted rows a scale covers (K or more for a scale per channel)
+    row_scale: jax.Array | None = None,  # e4m3 rows': f32[A, K / block], or f32[A, 1] with a scale per channel
     *,
     interpret: bool = False,
     num_warps: int = 4,
@@ -164,17 +182,23 @@ def grouped_matmul(
     num_groups, _, n = values.shape
     block_k = contracted_tile(k, block if scale is not None else 0)
     scales = "none" if scale is None else "channel" if scale.shape[1] == 1 else "block"
+    fp8_rows = row_scale is not None
     if (block_k is None or n % _WIDTHS[-1] or values.shape[1] != k or group_sizes.shape != (num_groups,)
             or (scale is None) != (values.dtype in SIXTEEN_BIT)
-            or (scale is not None and scale.shape != (num_groups, 1 if scales == "channel" else k // block, n))):
-        raise ValueError(f"grouped_matmul: rows {rows.shape}, values {values.shape} {values.dtype}, scale "
-                         f"{None if scale is None else scale.shape}, block {block}, group_sizes {group_sizes.shape}")
+            or (scale is not None and scale.shape != (num_groups, 1 if scales == "channel" else k // block, n))
+            or fp8_rows != (rows.dtype == values.dtype == jnp.float8_e4m3fn)
+            or (fp8_rows and row_scale.shape != (num_rows, scale.shape[1]))):
+        raise ValueError(f"grouped_matmul: rows {rows.shape} {rows.dtype}, values {values.shape} {values.dtype}, scale "
+                         f"{None if scale is None else scale.shape}, row_scale "
+                         f"{None if row_scale is None else row_scale.shape}, block {block}, "
+                         f"group_sizes {group_sizes.shape}")
     block_t, block_n, block_k = tiles(num_rows, num_groups, k, n, block if scale is not None else 0,
                                       rows.dtype.itemsize, values.dtype.itemsize)
     layout = _TileLayout.of(group_sizes, num_rows, block_t)
     kernel = functools.partial(_kernel, block_t=block_t, block_n=block_n, block_k=block_k, steps=k // block_k,
-                               scales=scales)
-    operands = (layout.group, layout.first_row, layout.num_rows, rows, values) + (() if scale is None else (scale,))
+                               scales=scales, fp8_rows=fp8_rows)
+    operands = ((layout.group, layout.first_row, layout.num_rows, rows, values)
+                + (() if scale is None else (scale,)) + ((row_scale,) if fp8_rows else ()))
     whole = pl.BlockSpec()  # the kernel indexes these itself
     out = pl.pallas_call(
         kernel,

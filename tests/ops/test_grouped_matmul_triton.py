@@ -69,6 +69,40 @@ def test_the_kernel_matches_the_float64_oracle(group_sizes, extra_rows, k, n, bl
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize(("group_sizes", "extra_rows", "k", "n", "block"), [
+    ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 256),  # per channel: a scale per row
+    ([1, 0, 2, 1, 0, 0, 3, 1], 0, 256, 96, 64),  # block scales: a scale per row and block
+    ([40, 3, 0, 17], 4, 128, 64, 32),  # rows past the groups
+    ([70, 90], 0, 64, 48, 64),
+])
+def test_rows_in_e4m3_match_the_float64_oracle(group_sizes, extra_rows, k, n, block):
+    """W8A8 experts: the rows quantized as the dense layers' are (`quantization.quantize_rows`, by the experts'
+    block), e4m3 x e4m3 summed in float32, against the float64 product of both dequantized operands."""
+    from jaxserve.models.quantization import quantize_rows
+
+    rng = np.random.default_rng(k + n + block)
+    rows, values, scale, sizes, _ = _case(rng, group_sizes, extra_rows, k, n, block, jnp.float32)
+    rows = rows * jnp.asarray(np.repeat(rng.uniform(0.01, 20, size=k // 16), 16), jnp.float32)  # uneven columns
+    xq, row_scale = quantize_rows(rows, 0 if block >= k else block)
+    got = kernel.grouped_matmul(xq, values, sizes, scale, block, row_scale, interpret=not _compiled(fp8=True))
+    x = np.asarray(xq.astype(jnp.float32), np.float64) * np.repeat(np.asarray(row_scale, np.float64),
+                                                                   k // row_scale.shape[1], axis=1)
+    blocks = scale.shape[1]
+    weights = (np.asarray(values.astype(jnp.float32), np.float64)
+               * np.repeat(np.asarray(scale, np.float64), k // blocks, axis=1))
+    want, exact, start = np.zeros((x.shape[0], n)), np.zeros((x.shape[0], n)), 0
+    for group, size in enumerate(group_sizes):
+        want[start:start + size] = x[start:start + size] @ weights[group]
+        exact[start:start + size] = np.asarray(rows, np.float64)[start:start + size] @ weights[group]
+        start += size
+    assert (np.asarray(got)[sum(group_sizes):] == 0).all()
+    tol = 2e-2 if _compiled(fp8=True) else 1e-5
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
+    assert np.abs(np.asarray(got, np.float64) - exact).mean() < 0.05 * np.abs(exact).mean()  # e4m3's rounding
+    with pytest.raises(ValueError):  # e4m3 rows need their scales
+        kernel.grouped_matmul(xq, values, sizes, scale, block, interpret=True)
+
+
 @pytest.mark.parametrize(("group_sizes", "block_t"), [([3, 0, 16, 17, 1], 16), ([0, 0, 0], 16), ([64, 1], 64),
                                                      ([1] * 6, 16)])
 def test_every_tile_holds_one_expert_s_rows_and_every_row_one_tile(group_sizes, block_t):
@@ -164,6 +198,75 @@ def test_the_kernel_compiles_for_cuda_gpus_without_temporaries_the_experts_size(
     assert compiled["kernel"].memory_analysis().temp_size_in_bytes <= 2 * 4 * (rows + 64) * n + 2**20
     widened = 2 * weights if experts == "fp8 blocks" else 0
     assert compiled["xla"].memory_analysis().temp_size_in_bytes >= 4 * e * rows * n + widened
+
+
+def test_fp8_experts_take_e4m3_rows_in_large_steps_where_the_kernel_s_dot_runs_on_fp8_tensor_cores(monkeypatch):
+    """As block-scaled dense weights do (`AttentionConfig.fp8_block_activations`): Ada and the interpreter with FP8
+    activations, from W8A8_MIN_ROWS tokens a step; Hopper only with JAXSERVE_FP8_ACTIVATIONS=1; under a mesh
+    too (the experts' kernel runs under `shard_map`)."""
+    from jaxserve.models.quantization import W8A8_MIN_ROWS, experts_in_fp8
+
+    monkeypatch.delenv("JAXSERVE_FP8_ACTIVATIONS", raising=False)
+    monkeypatch.delenv("JAXSERVE_TRITON_EXPERTS", raising=False)
+    ada, hopper = (AttentionConfig("pallas", compute_capability=c) for c in (8.9, 9.0))
+    assert experts_in_fp8(W8A8_MIN_ROWS, ada) and not experts_in_fp8(W8A8_MIN_ROWS - 1, ada)
+    assert experts_in_fp8(W8A8_MIN_ROWS, AttentionConfig("pallas", compute_capability=8.9, mesh=object()))
+    assert not any(experts_in_fp8(W8A8_MIN_ROWS, a) for a in (hopper, AttentionConfig("interpret"), None))
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    assert experts_in_fp8(W8A8_MIN_ROWS, hopper) and experts_in_fp8(W8A8_MIN_ROWS, AttentionConfig("interpret"))
+    monkeypatch.setenv("JAXSERVE_TRITON_EXPERTS", "0")  # no kernel: XLA's paths, 16-bit rows
+    assert not experts_in_fp8(W8A8_MIN_ROWS, ada)
+
+
+def test_e4m3_rows_run_on_ada_s_fp8_tensor_cores():
+    """Deviceless for an L40S, through Triton and ptxas: the kernel's dot over e4m3 rows and experts is Ada's
+    e4m3 `mma.sync` (for Hopper's float16 MMAs instead, see `tests/ops/test_fp8_block_matmul.py`)."""
+    from jaxserve.bench.ptxas import compiled_ptx, tensor_core_instructions
+    from jaxserve.parallel import on_one_device
+
+    device = _deviceless("l40s")
+    e, k, n, rows = 128, 2048, 768, 2048
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_one_device(device))  # noqa: E731
+    args = (struct((rows, k), jnp.float8_e4m3fn), struct((e, k, n), jnp.float8_e4m3fn), struct((e,), jnp.int32),
+            struct((e, k // 128, n), jnp.float32), struct((rows, k // 128), jnp.float32))
+    with jax.default_device(device):
+        _, ptx = compiled_ptx(jax.jit(lambda x, v, sizes, s, xs: kernel.grouped_matmul(x, v, sizes, s, 128, xs)).trace(
+            *args).lower())
+    assert set(tensor_core_instructions(ptx)) == {"mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [None, (16, 16)], ids=["per channel", "blocks of 16"])
+def test_an_fp8_mixture_with_e4m3_rows_tracks_its_16_bit_rows(block, tiny_model_dir, tmp_path, monkeypatch):
+    """Ada's large steps, interpreted (JAXSERVE_FP8_ACTIVATIONS=1, W8A8_MIN_ROWS made 8): each mixture layer's
+    three grouped products take rows in e4m3, and the logits stay near the same experts' with 16-bit rows,
+    nearer than the weights' rounding put them from the 32-bit model."""
+    from jaxserve.models import quantization
+    from jaxserve.models.loader import load_model
+    from tests.models.test_parity import PagedForward
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", block=block,
+                          fmt="fp8" if block else "compressed-tensors")
+    tokens, pages = list(range(200, 221)), list(range(1, 9))
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
+        monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 8)
+        jax.clear_caches()  # the forward's trace reads them
+        rows = []
+        monkeypatch.setattr(kernel, "grouped_matmul", lambda *a, _run=kernel.grouped_matmul, _rows=rows, **kw:
+                            _rows.append(str(a[0].dtype)) or _run(*a, **kw))
+        logits[setting] = PagedForward(load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="interpret"),
+                                       pages)(tokens)
+        monkeypatch.undo()
+        assert len(rows) == 3 and set(rows) == {"float8_e4m3fn" if setting == "1" else "float32"}
+    jax.clear_caches()
+    original = PagedForward(load_model(str(tiny_model_dir("qwen3-moe")), dtype="float32", attention_impl="cpu"),
+                            pages)(tokens)
+    rows_error = np.abs(logits["1"] - logits["0"]).mean() / np.abs(logits["0"]).mean()
+    weights_error = np.abs(logits["0"] - original).mean() / np.abs(original).mean()
+    assert 0 < rows_error < weights_error
 
 
 @pytest.mark.slow
