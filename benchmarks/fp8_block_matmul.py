@@ -49,6 +49,7 @@ import numpy as np
 from jaxserve.models.layers import dense
 from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
+from jaxserve.ops.fp8_block_matmul import FP8_MMA_COMPUTE_CAPABILITIES
 
 BLOCK = 128
 # One layer's dense products [K, N] by model (their HF checkpoints' FP8 releases use blocks of 128 x 128).
@@ -123,7 +124,9 @@ def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> st
     """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
     with fp8_activations(ACTIVATIONS.get(impl)):
         fp8 = impl.endswith("w8a8") and activations_in_fp8(rows, w, attention)
-    return jnp.dtype(FP8).name if fp8 else "bfloat16"
+    # forced onto a GPU whose Triton widens e4m3 dots to float16 (Hopper): the 16-bit rate at best
+    widened = impl == "fp8 block w8a8" and attention.compute_capability not in FP8_MMA_COMPUTE_CAPABILITIES
+    return jnp.dtype(FP8).name if fp8 and not widened else "bfloat16"
 
 
 def deviceless(models: list[str], rows_list: list[int], target: str, impls: list[str]) -> list[dict]:

@@ -23,8 +23,9 @@ slow.
 FP8 experts (`quantization.Fp8Experts`: an FP8 checkpoint's, or `--quantization fp8`'s) keep half the memory
 of 16-bit ones. On CUDA GPUs of sm_89 and later (and with the interpreted kernels), every step multiplies them
 through the same Triton kernel, which widens their e4m3 tiles in registers: one byte a weight. On Ada (sm_89)
-steps of `quantization.W8A8_MIN_ROWS` tokens or more round the rows to e4m3 too, as the dense layers do
-(`quantization.experts_in_fp8`), and the kernel multiplies e4m3 by e4m3 on FP8 tensor cores. Elsewhere they
+steps whose experts have `quantization.W8A8_MIN_ROWS` rows each or more on average round the rows to e4m3
+too, as the dense layers do (`quantization.experts_in_fp8`), and the kernel multiplies e4m3 by e4m3 on FP8
+tensor cores. Elsewhere they
 take the paths above: with a scale per expert and output channel, over their values widened to the rows'
 dtype, each row's product then scaled by its own expert's scales; with block scales (DeepSeek-V3's), over the
 experts dequantized for the step.
@@ -220,7 +221,8 @@ def grouped_matmul(
     if isinstance(w, Fp8Experts):
         if fp8_kernel is not None and grouped_matmul_triton.fits(k, n, w.block):
             row_scale = None
-            if fp8_rows:  # a scale per row, or per row and block of the experts' scales (dense layers' W8A8)
+            if fp8_rows and grouped_matmul_triton.fits(k, n, w.block, fp8_rows=True):
+                # a scale per row, or per row and block of the experts' scales (the dense layers' W8A8)
                 rows, row_scale = quantize_rows(rows, 0 if w.per_channel else w.block)
             return grouped_matmul_triton.grouped_matmul(rows, w.values, group_sizes, w.scale, w.block, row_scale,
                                                         interpret=fp8_kernel == "interpret")
@@ -328,8 +330,9 @@ class SparseMoeBlock(nnx.Module):
     def _kernels(self, num_tokens: int) -> dict[str, Any]:
         """The Triton grouped matmul's modes for 16-bit and FP8 experts, and whether FP8 ones meet rows in e4m3
         in a step of `num_tokens` (`grouped_expert_mlp`)."""
+        rows_per_expert = num_tokens * self.moe.top_k // self.moe.num_experts
         return {"kernel": self.attention.expert_kernel, "fp8_kernel": self.attention.fp8_expert_kernel,
-                "fp8_rows": experts_in_fp8(num_tokens, self.attention)}
+                "fp8_rows": experts_in_fp8(rows_per_expert, self.attention)}
 
     def _split_over_mesh(self, rows, weights, experts, gate, up, down, biases, activation) -> jax.Array:
         """The experts under `shard_map`: each device its slice of every expert's F, or its whole experts

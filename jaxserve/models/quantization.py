@@ -158,14 +158,17 @@ def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | Non
     if not w.block:
         return True
     k = math.prod(w.shape[: w.contracted])
-    return attention.fp8_block_activations and fp8_block_matmul.fits(k, math.prod(w.shape) // k, w.block)
+    return attention.fp8_block_activations and fp8_block_matmul.fits(k, math.prod(w.shape) // k, w.block,
+                                                                     fp8_rows=True)
 
 
-def experts_in_fp8(rows: int, attention: AttentionConfig | None) -> bool:
-    """Whether a mixture's FP8 experts multiply a step's `rows` tokens' rows rounded to e4m3 (a scale per row, or
-    per row and block for block-scaled experts: `moe.grouped_matmul`): where their kernel takes e4m3 rows
-    (`AttentionConfig.fp8_expert_activations`), in steps of W8A8_MIN_ROWS tokens or more, as dense products."""
-    return attention is not None and attention.fp8_expert_activations and rows >= W8A8_MIN_ROWS
+def experts_in_fp8(rows_per_expert: int, attention: AttentionConfig | None) -> bool:
+    """Whether a mixture's FP8 experts multiply their rows rounded to e4m3 (a scale per row, or per row and
+    block for block-scaled experts: `moe.grouped_matmul`, where the shapes fit): where their kernel takes e4m3
+    rows (`AttentionConfig.fp8_expert_activations`), in steps whose experts have W8A8_MIN_ROWS rows each or
+    more on average (tokens x top-k / experts): each expert's product is bound by its tensor cores from there
+    on, as a dense product is."""
+    return attention is not None and attention.fp8_expert_activations and rows_per_expert >= W8A8_MIN_ROWS
 
 
 def matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None = None,
@@ -416,10 +419,10 @@ def _warn_on_cpu(quantization: str) -> None:
 def layer_matmul_dtype(state: nnx.State, rows: int, attention: AttentionConfig) -> str | None:
     """The dtype whose tensor-core rate the layers' dense matmuls of a step of `rows` rows run at, where it
     is not the activations' (the roofline's `layer_peak_flops`): e4m3 where `state` has FP8 weights that
-    `activations_in_fp8` gives FP8 activations, or FP8 experts that `experts_in_fp8` does, else None."""
+    `activations_in_fp8` gives FP8 activations, else None. (The roofline counts experts' matmuls at the
+    activations' rate, e4m3 rows or not: a step's experts are rarely bound by their tensor cores.)"""
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
-    fp8 = any((isinstance(value, Fp8Weight) and activations_in_fp8(rows, value, attention))
-              or (isinstance(value, Fp8Experts) and experts_in_fp8(rows, attention)) for value in flat.values())
+    fp8 = any(isinstance(value, Fp8Weight) and activations_in_fp8(rows, value, attention) for value in flat.values())
     return jnp.dtype(FP8).name if fp8 else None
 
 

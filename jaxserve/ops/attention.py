@@ -158,8 +158,10 @@ class AttentionConfig:
         """Whether FP8 weights with a scale per output channel (or per tensor) multiply activations rounded to
         e4m3 as well, a scale per token (W8A8, vLLM's dynamic scheme for such weights), in steps of
         `quantization.W8A8_MIN_ROWS` rows or more: on CUDA GPUs with FP8 tensor cores (sm_89 on), whose GEMMs
-        then run at twice their 16-bit rate. JAXSERVE_FP8_ACTIVATIONS=0 or 1 decides either way (1 on a CPU
-        gives a GPU's numerics, to measure their accuracy)."""
+        then run at twice their 16-bit rate. Block-scaled weights and experts take them where their Triton
+        kernels run e4m3 dots on those too (`fp8_block_activations`, `fp8_expert_activations`).
+        JAXSERVE_FP8_ACTIVATIONS=0 or 1 decides either way (1 on a CPU gives a GPU's numerics, to measure their
+        accuracy)."""
         setting = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
         if setting is not None:
             return setting == "1"
@@ -168,7 +170,7 @@ class AttentionConfig:
     @property
     def fp8_block_activations(self) -> bool:
         """Whether block-scaled FP8 weights meet activations in e4m3 too, where `fp8_activations` and the block
-        kernel (`fp8_block_kernel`) runs, which takes them with a scale per row and block of 128 columns:
+        kernel (`fp8_block_kernel`) runs, which takes them with a scale per row and block (the weight's):
         interpreted, or compiled where its e4m3 dot runs on FP8 tensor cores
         (`fp8_block_matmul.FP8_MMA_COMPUTE_CAPABILITIES`: Ada). JAXSERVE_FP8_ACTIVATIONS=1 takes them on any
         GPU the kernel runs on (a Hopper GPU, to measure what its float16 MMAs cost)."""

@@ -11,7 +11,8 @@ bytes per output channel and block of contracted rows: 1/32 of a byte a weight a
 Work split. The grid is (row tile, output tile, split of the contracted axis). A program walks its share of
 the contracted axis one scale block (`block` rows, 128 in released checkpoints) at a time: it loads the
 rows' [block_t, block] activations and the [block, block_n] values, widens the values to the activations'
-dtype, multiplies in float32 and adds the product times the block's scales [block_n] to its accumulator.
+dtype (e4m3 rows meet them as they are), multiplies in float32 and adds the product times the block's
+scales [block_n] to its accumulator.
 When rows x output tiles are too few to keep every multiprocessor streaming weights (a decode step's few
 rows), the contracted axis is split over programs, which write float32 partial sums that XLA adds up.
 The row tile (the first grid axis) varies fastest, so the programs that read the same weight tile run
@@ -26,8 +27,9 @@ bfloat16 wgmma (docs/benchmarks.md, stop 112). Rows in e4m3 too (W8A8, with a sc
 contracted columns: `x_scale`, DeepSeek-V3's 1 x 128 activation groups, vLLM's `per_token_group_quant_fp8`)
 XLA cannot take at all: each block's product is
 scaled by its rows' own scales before the blocks are summed, which XLA's GEMM would write out as a
-[blocks, rows, N] float32 temporary. Here the e4m3 x e4m3 dot of each block runs on FP8 tensor cores and its
-two scales multiply the float32 partial product in registers.
+[blocks, rows, N] float32 temporary. Here each block's e4m3 x e4m3 dot is summed in float32 (on Ada's FP8
+tensor cores; see FP8_MMA_COMPUTE_CAPABILITIES for Hopper's), and its two scales multiply the partial product
+in registers.
 """
 
 import functools
@@ -63,12 +65,17 @@ MIN_COMPUTE_CAPABILITY = 8.9
 # without it (deviceless compiles: docs/benchmarks.md). That runs below the kernel's 16-bit rows on bfloat16
 # wgmma, so Hopper keeps those.
 FP8_MMA_COMPUTE_CAPABILITIES = (8.9,)
+# The narrowest contracted tile an e4m3 x e4m3 dot takes: Triton's frontend asks 32 of 8-bit operands (Ada's
+# e4m3 MMA is k32), a check Pallas does not make.
+MIN_FP8_DOT_K = 32
 
 
-def fits(k: int, n: int, block: int) -> bool:
+def fits(k: int, n: int, block: int, fp8_rows: bool = False) -> bool:
     """Whether a [rows, k] x [k, n] product with scales per `block` contracted rows is the kernel's: a block
-    Triton's dot takes (a power of two, at least 16) that divides k, and outputs the narrowest tile divides."""
-    return block >= _MIN_DOT_DIM and block == next_pow2(block) and k % block == 0 and n % _BLOCK_N[-1] == 0
+    Triton's dot takes (a power of two, at least 16, at least MIN_FP8_DOT_K with rows in e4m3: `fp8_rows`) that
+    divides k, and outputs the narrowest tile divides."""
+    narrowest = MIN_FP8_DOT_K if fp8_rows else _MIN_DOT_DIM
+    return block >= narrowest and block == next_pow2(block) and k % block == 0 and n % _BLOCK_N[-1] == 0
 
 
 def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block_n: int,
@@ -116,9 +123,11 @@ def fp8_block_matmul(
         raise RuntimeError("this jax has no Pallas Triton backend")
     rows, k = x.shape
     n = values.shape[1]
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
     fp8_rows = x_scale is not None
-    if (not fits(k, n, block) or values.shape[0] != k or scale.shape != (k // block, n)
+    if fp8_rows and out_dtype is None:
+        raise ValueError("fp8_block_matmul: rows in e4m3 need an out_dtype")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if (not fits(k, n, block, fp8_rows) or values.shape[0] != k or scale.shape != (k // block, n)
             or fp8_rows != (x.dtype == values.dtype) or (fp8_rows and x_scale.shape != (rows, k // block))):
         raise ValueError(f"fp8_block_matmul: x {x.shape} {x.dtype}, values {values.shape}, scale {scale.shape}, "
                          f"x_scale {None if x_scale is None else x_scale.shape}, block {block}")

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxserve.ops.fp8_block_matmul import MIN_FP8_DOT_K
 from jaxserve.ops.paged_attention_pallas import next_pow2
 
 try:
@@ -85,10 +86,12 @@ def tiles(num_rows: int, num_groups: int, k: int, n: int, block: int, row_bytes:
     return block_t, block_n, block_k
 
 
-def fits(k: int, n: int, block: int = 0) -> bool:
+def fits(k: int, n: int, block: int = 0, fp8_rows: bool = False) -> bool:
     """Whether experts [G, K, N] (with scales per `block` contracted rows, 0 for 16-bit experts) are the kernel's:
-    a contracted tile (`contracted_tile`), outputs a tile divides."""
-    return contracted_tile(k, block) is not None and n % _WIDTHS[-1] == 0
+    a contracted tile (`contracted_tile`; with rows in e4m3, `fp8_rows`, at least
+    `fp8_block_matmul.MIN_FP8_DOT_K`), outputs a tile divides."""
+    tile = contracted_tile(k, block)
+    return tile is not None and n % _WIDTHS[-1] == 0 and (not fp8_rows or tile >= MIN_FP8_DOT_K)
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,8 @@ def grouped_matmul(
     block_k = contracted_tile(k, block if scale is not None else 0)
     scales = "none" if scale is None else "channel" if scale.shape[1] == 1 else "block"
     fp8_rows = row_scale is not None
-    if (block_k is None or n % _WIDTHS[-1] or values.shape[1] != k or group_sizes.shape != (num_groups,)
+    if (not fits(k, n, block if scale is not None else 0, fp8_rows) or values.shape[1] != k
+            or group_sizes.shape != (num_groups,)
             or (scale is None) != (values.dtype in SIXTEEN_BIT)
             or (scale is not None and scale.shape != (num_groups, 1 if scales == "channel" else k // block, n))
             or fp8_rows != (rows.dtype == values.dtype == jnp.float8_e4m3fn)

@@ -164,6 +164,8 @@ def test_fp8_activations_are_taken_by_large_steps_on_gpus_with_fp8_tensor_cores(
     assert not activations_in_fp8(rows - 1, channel, hopper)
     assert not activations_in_fp8(rows, block, hopper)  # (`AttentionConfig.fp8_block_activations`)
     assert activations_in_fp8(rows, block, ada) and not activations_in_fp8(rows - 1, block, ada)
+    narrow = quantize_fp8(jnp.asarray(rng.normal(size=(128, 64)), jnp.float32), 1, block=16)
+    assert not activations_in_fp8(rows, narrow, ada)  # Triton's 8-bit dots need 32 contracted rows
     assert not any(activations_in_fp8(rows, w, a) for a in (a100, cpu, None) for w in (channel, block))
 
     def f8_operands(x, attention):  # the dots' operands that are e4m3

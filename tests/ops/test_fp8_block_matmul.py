@@ -136,13 +136,14 @@ def test_a_block_fp8_checkpoint_computes_through_the_kernel_what_it_computes_thr
     np.testing.assert_allclose(logits["interpret"], logits["cpu"], atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms"), [
-    (300, 512, 256, 128, 132),  # five row tiles, the last of 44 rows
-    (3, 1024, 64, 64, 132),  # few rows: the contracted axis split
-    (64, 256, 96, 32, 4),
+@pytest.mark.parametrize(("rows", "k", "n", "block", "num_sms", "splits"), [
+    (300, 512, 256, 128, 132, 1),  # five row tiles, the last of 44 rows
+    (3, 1024, 64, 64, 132, 2),  # few rows: the contracted axis split
+    (64, 256, 96, 32, 4, 1),
 ])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_rows_in_e4m3_with_a_scale_per_block_match_the_float64_oracle(rows, k, n, block, num_sms, out_dtype):
+def test_rows_in_e4m3_with_a_scale_per_block_match_the_float64_oracle(rows, k, n, block, num_sms, splits,
+                                                                       out_dtype):
     """W8A8 with DeepSeek-V3's scales: each row's run of `block` columns quantized with its own scale
     (`quantize_rows(x, block)`), and the kernel's sum equals the float64 product of both dequantized operands."""
     from jaxserve.models.quantization import quantize_rows
@@ -153,6 +154,7 @@ def test_rows_in_e4m3_with_a_scale_per_block_match_the_float64_oracle(rows, k, n
     _, values, scale, _ = _case(rng, rows, k, n, block, jnp.float32)
     xq, x_scale = quantize_rows(x, block)
     assert xq.dtype == jnp.float8_e4m3fn and x_scale.shape == (rows, k // block)
+    assert kernel.tiles(rows, k, n, block, num_sms)[2] == splits
     got = kernel.fp8_block_matmul(xq, values, scale, block, x_scale=x_scale, out_dtype=out_dtype, num_sms=num_sms,
                                   interpret=not COMPILED)
     assert got.shape == (rows, n) and got.dtype == out_dtype
@@ -165,8 +167,12 @@ def test_rows_in_e4m3_with_a_scale_per_block_match_the_float64_oracle(rows, k, n
     # and the rows' rounding is e4m3's: a few percent from the product of x itself
     exact = np.asarray(x, np.float64) @ weight
     assert np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact).mean() < 0.05 * np.abs(exact).mean()
-    with pytest.raises(ValueError):  # e4m3 rows need their scales
+    with pytest.raises(ValueError):  # e4m3 rows need their scales, and a dtype for the product
         kernel.fp8_block_matmul(xq, values, scale, block, interpret=True)
+    with pytest.raises(ValueError):
+        kernel.fp8_block_matmul(xq, values, scale, block, x_scale=x_scale, interpret=True)
+    # blocks of 16 take no e4m3 rows: Triton's 8-bit dots need 32 (Ada's e4m3 MMA is k32)
+    assert kernel.fits(k, n, block, fp8_rows=True) and not kernel.fits(1024, 64, 16, fp8_rows=True)
 
 
 def test_block_weights_take_fp8_rows_where_the_kernel_s_e4m3_dot_runs_on_fp8_tensor_cores(monkeypatch):
