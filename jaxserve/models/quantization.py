@@ -12,8 +12,8 @@ for an H100, XLA fuses the widening into its Triton GEMM, which then reads one b
 two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`). On GPUs with FP8 tensor
 cores, steps of many rows round the activations to e4m3 too (W8A8, as vLLM runs such weights there:
 `activations_in_fp8`): a scale per token for weights with a scale per channel, a scale per token and block
-of 128 columns for block-scaled ones (DeepSeek-V3's scheme), where the block kernel's e4m3 dot runs on FP8
-tensor cores. A mixture's stacked experts
+of the weight's contracted rows for block-scaled ones (1 x 128, DeepSeek-V3's scheme), where the block
+kernel's e4m3 dot runs on FP8 tensor cores (Ada). A mixture's stacked experts
 are an `Fp8Experts` (values [E, K, N], scales [E, K blocks, N]), which `moe.grouped_matmul` widens in the
 same way. The token embeddings, the LM head, the routers, norms and biases stay as they are, as in vLLM's FP8
 scheme.

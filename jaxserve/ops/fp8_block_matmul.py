@@ -23,12 +23,13 @@ Rows of any count are the kernel's. The rows of a prefill (many tokens) are comp
 XLA's GEMM over the widened weight might have been the faster one; but XLA widens the weights of a whole
 step's layers ahead of their GEMMs (Llama-3-8B's 2,048-token step compiled for an H100 keeps 8.3 GiB of
 them at once, KV cache the server no longer has), and on Hopper Triton runs the kernel's 16-bit dot on
-bfloat16 wgmma (docs/benchmarks.md, stop 112). Rows in e4m3 too (W8A8, with a scale per row and block of
-contracted columns: `x_scale`, DeepSeek-V3's 1 x 128 activation groups, vLLM's `per_token_group_quant_fp8`)
-XLA cannot take at all: each block's product is
-scaled by its rows' own scales before the blocks are summed, which XLA's GEMM would write out as a
+bfloat16 wgmma (docs/benchmarks.md, stop 112).
+
+Rows in e4m3 too (W8A8, with a scale per row and block of contracted columns: `x_scale`, DeepSeek-V3's
+1 x 128 activation groups, vLLM's `per_token_group_quant_fp8`) XLA cannot take at all: each block's product
+is scaled by its rows' own scales before the blocks are summed, which XLA's GEMM would write out as a
 [blocks, rows, N] float32 temporary. Here each block's e4m3 x e4m3 dot is summed in float32 (on Ada's FP8
-tensor cores; see FP8_MMA_COMPUTE_CAPABILITIES for Hopper's), and its two scales multiply the partial product
+tensor cores; see FP8_MMA_COMPUTE_CAPABILITIES for Hopper), and its two scales multiply the partial product
 in registers.
 """
 
@@ -95,7 +96,7 @@ def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block
         x = x_ref[rows, contracted]  # [block_t, block]: 16-bit, or e4m3 with a scale per row
         w = values_ref[contracted, columns]  # e4m3 [block, block_n]
         scale = scale_ref[pl.ds(kb, 1), columns]  # f32[1, block_n]
-        if x_scale_ref:  # e4m3 x e4m3 on FP8 tensor cores, then both operands' scales
+        if x_scale_ref:  # e4m3 x e4m3 (FP8 tensor cores on Ada), then both operands' scales
             scale = x_scale_ref[0][rows, pl.ds(kb, 1)] * scale  # f32[block_t, 1] x [1, block_n]
         else:
             w = w.astype(x.dtype)  # e4m3 -> x's dtype in registers
