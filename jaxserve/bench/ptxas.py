@@ -122,14 +122,13 @@ def tensor_core_instructions(ptx: str) -> dict[str, int]:
     return counts
 
 
-def compiled_ptx(lowered: Any, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+def compiled_ptx(lowered: Any, options: dict[str, Any] | None = None) -> str:
     """Compiles a lowered XLA:GPU computation (deviceless too) with XLA dumping into a temporary directory:
-    (the compiled executable, the PTX of every module it compiled, Triton kernels' included)."""
+    the PTX of every module it compiled, Triton kernels' included."""
     with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump_dir:
         # jaxlib 0.12's XLA writes a module's PTX only where its emitters' dumps are asked for too
-        compiled = lowered.compile({**(options or {}), "xla_dump_to": dump_dir, **_EMITTER_DUMP})
-        ptx = "".join(path.read_text() for path in sorted(Path(dump_dir).glob("*.ptx")))
-    return compiled, ptx
+        lowered.compile({**(options or {}), "xla_dump_to": dump_dir, **_EMITTER_DUMP})
+        return "".join(path.read_text() for path in sorted(Path(dump_dir).glob("*.ptx")))
 
 
 _EMITTER_DUMP = {"xla_dump_emitter_re": ".*"}

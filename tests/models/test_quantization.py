@@ -607,6 +607,29 @@ def test_the_engine_serves_fp8_weights_as_the_model_computes_them(tiny_model_dir
     assert [batched[i] for i in range(4)] == want
 
 
+def fp8_rows_logits(checkpoint, source, module, kernel_name: str, min_rows: int, monkeypatch) -> tuple:
+    """An FP8 checkpoint's logits through the interpreted kernels with JAXSERVE_FP8_ACTIVATIONS "0" and "1"
+    (W8A8_MIN_ROWS made `min_rows`), the dtypes of the rows `module.kernel_name` was called with under each,
+    and the 32-bit model's logits from `source`: ({setting: logits}, {setting: [row dtypes]}, logits)."""
+    from jaxserve.models import quantization
+
+    tokens, pages = list(range(200, 221)), list(range(1, 9))
+    logits, rows, run = {}, {}, getattr(module, kernel_name)
+    for setting in ("0", "1"):
+        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
+        monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", min_rows)
+        jax.clear_caches()  # the forward's trace reads them
+        seen = rows[setting] = []
+        monkeypatch.setattr(module, kernel_name, lambda *a, _run=run, _seen=seen, **kw:
+                            _seen.append(str(a[0].dtype)) or _run(*a, **kw))
+        logits[setting] = PagedForward(load_model(str(checkpoint), dtype="float32", attention_impl="interpret"),
+                                       pages)(tokens)
+        monkeypatch.undo()
+    jax.clear_caches()
+    original = PagedForward(load_model(str(source), dtype="float32", attention_impl="cpu"), pages)(tokens)
+    return logits, rows, original
+
+
 def _write_fp8_checkpoint(source, target, per_tensor: set[str] = frozenset(), block: tuple[int, int] | None = None,
                           fmt: str = "compressed-tensors", keep: set[str] = frozenset()) -> dict:
     """The tiny model saved as an FP8 checkpoint, its layers' projections in e4m3 but those named in `keep`

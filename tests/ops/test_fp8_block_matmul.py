@@ -191,12 +191,13 @@ def test_block_weights_take_fp8_rows_where_the_kernel_s_e4m3_dot_runs_on_fp8_ten
     assert not ada.fp8_block_activations
 
 
-def _ptx_of_block_product(target: str, rows: int, fp8_rows: bool, k: int = 4096, n: int = 4096) -> tuple:
+def _tensor_core_instructions(target: str, rows: int, fp8_rows: bool) -> dict[str, int]:
+    """The tensor-core instructions of a [rows, 4096] x [4096, 4096] block-kernel product compiled for `target`."""
     from jaxserve.bench.ptxas import compiled_ptx, tensor_core_instructions
     from jaxserve.device import deviceless_device
     from jaxserve.parallel import on_one_device
 
-    device = deviceless_device(target)
+    device, k, n = deviceless_device(target), 4096, 4096
     sharding = on_one_device(device)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     args = [spec((rows, k), jnp.float8_e4m3fn if fp8_rows else jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn),
@@ -206,8 +207,7 @@ def _ptx_of_block_product(target: str, rows: int, fp8_rows: bool, k: int = 4096,
         return kernel.fp8_block_matmul(x, values, scale, 128, x_scale=x_scale, out_dtype=jnp.bfloat16)
 
     with jax.default_device(device):
-        compiled, ptx = compiled_ptx(jax.jit(product).trace(*args).lower())
-    return compiled, tensor_core_instructions(ptx)
+        return tensor_core_instructions(compiled_ptx(jax.jit(product).trace(*args).lower()))
 
 
 @pytest.mark.parametrize(("target", "fp8_rows", "instruction"), [
@@ -220,8 +220,7 @@ def test_the_kernel_s_tensor_core_instructions_for_2048_rows(target, fp8_rows, i
     With e4m3 rows, Ada's PTX multiplies e4m3 by e4m3; Hopper's widens both to float16 for `mma.sync`, since
     Pallas sets no `max_num_imprecise_acc` and Triton declines wgmma for FP8 without it (should a jax
     change that, this case fails, and Hopper can take FP8 rows); its 16-bit rows run on bfloat16 wgmma."""
-    _, instructions = _ptx_of_block_product(target, 2048, fp8_rows)
-    assert set(instructions) == {instruction}
+    assert set(_tensor_core_instructions(target, 2048, fp8_rows)) == {instruction}
 
 
 def test_xla_s_own_fp8_gemm_runs_on_hopper_s_fp8_wgmma_at_a_served_tile():
@@ -240,7 +239,7 @@ def test_xla_s_own_fp8_gemm_runs_on_hopper_s_fp8_wgmma_at_a_served_tile():
     with jax.default_device(_h100()):
         lowered = jax.jit(w8a8_matmul).trace(*args).lower()
         try:
-            _, ptx = compiled_ptx(lowered, {"xla_gpu_override_gemm_autotuner": tile})
+            ptx = compiled_ptx(lowered, {"xla_gpu_override_gemm_autotuner": tile})
         except jax.errors.JaxRuntimeError as e:
             if "No such compile option" not in str(e):
                 raise
@@ -254,28 +253,12 @@ def test_a_block_fp8_checkpoint_with_fp8_rows_tracks_its_16_bit_rows(tiny_model_
     made one of 8): each layer's FP8 products take rows in e4m3 with a scale per row and block of 32 columns,
     and the logits stay near the same weights' with 16-bit rows, nearer than the weights' rounding put them
     from the 32-bit model."""
-    from jaxserve.models import quantization
-    from jaxserve.models.loader import load_model
-    from tests.models.test_parity import PagedForward
-    from tests.models.test_quantization import _write_fp8_checkpoint
+    from tests.models.test_quantization import _write_fp8_checkpoint, fp8_rows_logits
 
     _write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", block=(16, 32), fmt="fp8")
-    tokens, pages = list(range(200, 221)), list(range(1, 9))
-    logits = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
-        monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 8)
-        jax.clear_caches()  # the forward's trace reads them
-        rows = []
-        monkeypatch.setattr(kernel, "fp8_block_matmul", lambda *a, _run=kernel.fp8_block_matmul, _rows=rows, **kw:
-                            _rows.append(str(a[0].dtype)) or _run(*a, **kw))
-        logits[setting] = PagedForward(load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="interpret"),
-                                       pages)(tokens)
-        monkeypatch.undo()
-        assert set(rows) == {"float8_e4m3fn" if setting == "1" else "float32"}
-    jax.clear_caches()
-    original = PagedForward(load_model(str(tiny_model_dir("llama")), dtype="float32", attention_impl="cpu"),
-                            pages)(tokens)
+    logits, rows, original = fp8_rows_logits(tmp_path / "fp8", tiny_model_dir("llama"), kernel, "fp8_block_matmul", 8,
+                                             monkeypatch)
+    assert set(rows["0"]) == {"float32"} and set(rows["1"]) == {"float8_e4m3fn"}
     rows_error = np.abs(logits["1"] - logits["0"]).mean() / np.abs(logits["0"]).mean()
     weights_error = np.abs(logits["0"] - original).mean() / np.abs(original).mean()
     assert 0 < rows_error < weights_error

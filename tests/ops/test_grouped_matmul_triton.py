@@ -233,7 +233,7 @@ def test_e4m3_rows_run_on_ada_s_fp8_tensor_cores():
     args = (struct((rows, k), jnp.float8_e4m3fn), struct((e, k, n), jnp.float8_e4m3fn), struct((e,), jnp.int32),
             struct((e, k // 128, n), jnp.float32), struct((rows, k // 128), jnp.float32))
     with jax.default_device(device):
-        _, ptx = compiled_ptx(jax.jit(lambda x, v, sizes, s, xs: kernel.grouped_matmul(x, v, sizes, s, 128, xs)).trace(
+        ptx = compiled_ptx(jax.jit(lambda x, v, sizes, s, xs: kernel.grouped_matmul(x, v, sizes, s, 128, xs)).trace(
             *args).lower())
     assert set(tensor_core_instructions(ptx)) == {"mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"}
 
@@ -245,29 +245,13 @@ def test_an_fp8_mixture_with_e4m3_rows_tracks_its_16_bit_rows(tiny_model_dir, tm
     32 contracted rows), and the logits stay near the same experts' with 16-bit rows, nearer than the weights'
     rounding put them from the 32-bit model. (Block scales' e4m3 rows: the oracle test above; this model's
     experts are too narrow for blocks of 32.)"""
-    from jaxserve.models import quantization
-    from jaxserve.models.loader import load_model
-    from tests.models.test_parity import PagedForward
-    from tests.models.test_quantization import _write_fp8_checkpoint
+    from tests.models.test_quantization import _write_fp8_checkpoint, fp8_rows_logits
 
     _write_fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", fmt="compressed-tensors")
-    tokens, pages = list(range(200, 221)), list(range(1, 9))
-    logits = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", setting)
-        monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 1)
-        jax.clear_caches()  # the forward's trace reads them
-        rows = []
-        monkeypatch.setattr(kernel, "grouped_matmul", lambda *a, _run=kernel.grouped_matmul, _rows=rows, **kw:
-                            _rows.append(str(a[0].dtype)) or _run(*a, **kw))
-        logits[setting] = PagedForward(load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="interpret"),
-                                       pages)(tokens)
-        monkeypatch.undo()
-        # gate and up [6, 64, 48]; down [6, 48, 64], whose K of 48 takes contracted tiles of 16: 16-bit rows
-        assert rows == (["float8_e4m3fn"] * 2 if setting == "1" else ["float32"] * 2) + ["float32"]
-    jax.clear_caches()
-    original = PagedForward(load_model(str(tiny_model_dir("qwen3-moe")), dtype="float32", attention_impl="cpu"),
-                            pages)(tokens)
+    logits, rows, original = fp8_rows_logits(tmp_path / "fp8", tiny_model_dir("qwen3-moe"), kernel, "grouped_matmul", 1,
+                                             monkeypatch)
+    # gate and up [6, 64, 48]; down [6, 48, 64], whose K of 48 takes contracted tiles of 16: 16-bit rows
+    assert rows == {"0": ["float32"] * 3, "1": ["float8_e4m3fn"] * 2 + ["float32"]}
     rows_error = np.abs(logits["1"] - logits["0"]).mean() / np.abs(logits["0"]).mean()
     weights_error = np.abs(logits["0"] - original).mean() / np.abs(original).mean()
     assert 0 < rows_error < weights_error
