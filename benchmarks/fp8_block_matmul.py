@@ -1,7 +1,7 @@
 """Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
 and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
 
-Six ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
+Seven ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
 step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
@@ -14,7 +14,11 @@ step runs it on a CUDA GPU (one row padded to two):
 - `fp8 block w8a8`: the same kernel with the activations rounded to e4m3, a scale per token and block of 128
   columns, from `quantization.W8A8_MIN_ROWS` rows (fewer rows: as above). Ada runs large steps so; a Hopper
   GPU only with JAXSERVE_FP8_ACTIVATIONS=1, as this case runs it there, to measure its float16 MMAs
-  (`AttentionConfig.fp8_block_activations`).
+  (`AttentionConfig.fp8_block_activations`);
+- `fp8 block mosaic`: the activations rounded to e4m3 as for `fp8 block w8a8`, times the weight stored K-major
+  ([N, K], as checkpoints store it), through `ops.fp8_block_matmul_mgpu`'s Mosaic GPU kernel on Hopper's FP8
+  wgmma, at any row count. Not yet in the serving path: this times whether it pays to store block weights so
+  (on a Hopper GPU, or deviceless; jaxlib 0.10 and 0.11 compile its kernel only on a GPU).
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments and output read or written once, its temporaries written and read once,
@@ -47,9 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.layers import dense
-from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8
+from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8, quantize_rows
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
 from jaxserve.ops.fp8_block_matmul import FP8_MMA_COMPUTE_CAPABILITIES
+from jaxserve.ops.fp8_block_matmul_mgpu import fp8_block_matmul_mgpu
 
 BLOCK = 128
 # One layer's dense products [K, N] by model (their HF checkpoints' FP8 releases use blocks of 128 x 128).
@@ -58,7 +63,8 @@ SHAPES = {
     "deepseek-v3": {"q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 24576), "o": (16384, 7168),
                     "shared gate, up": (7168, 2048), "shared down": (2048, 7168)},
 }
-IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel", "fp8 block w8a8")
+IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel", "fp8 block w8a8",
+         "fp8 block mosaic")
 # JAXSERVE_FP8_ACTIVATIONS while an impl traces; the others as the GPU would run them
 ACTIVATIONS = {"fp8 channel": "0", "fp8 block kernel": "0", "fp8 block w8a8": "1"}
 
@@ -75,6 +81,10 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
     elif impl.startswith("fp8 channel"):
         w = (quantize_fp8(jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.float32), 1) if concrete else
              Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((n,), jnp.float32), contracted=1))
+    elif impl == "fp8 block mosaic":  # (values_t [N, K], scale [K / BLOCK, N])
+        w = ((jnp.asarray(rng.normal(size=(n, k)) * 60, jnp.float32).astype(FP8),
+              jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32)) if concrete else
+             (struct((n, k), FP8), struct((k // BLOCK, n), jnp.float32)))
     elif concrete:
         values = jnp.asarray(rng.normal(size=(k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
         w = Fp8Weight(values, jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32), 1, BLOCK)
@@ -104,6 +114,8 @@ def fp8_activations(setting: str | None) -> Iterator[None]:
 def product(impl: str, attention: AttentionConfig):
     """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; activations in
     16 bits or e4m3 as `ACTIVATIONS` says, else as the GPU runs them (`fp8 channel w8a8`)."""
+    if impl == "fp8 block mosaic":
+        return lambda x, w: fp8_block_matmul_mgpu(*quantize_rows(x, BLOCK), *w, BLOCK, out_dtype=x.dtype)
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
@@ -122,6 +134,8 @@ def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
 
 def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> str:
     """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
+    if impl == "fp8 block mosaic":
+        return jnp.dtype(FP8).name
     with fp8_activations(ACTIVATIONS.get(impl)):
         fp8 = impl.endswith("w8a8") and activations_in_fp8(rows, w, attention)
     # forced onto a GPU whose Triton widens e4m3 dots to float16 (Hopper): the 16-bit rate at best
@@ -169,7 +183,13 @@ def timed(models: list[str], rows_list: list[int], iters: int, impls: list[str])
                 for impl in impls:
                     x, w = operands(impl, rows, k, n, concrete=True)
                     fn = jax.jit(product(impl, attention))
-                    jax.block_until_ready(fn(x, w))
+                    try:  # a kernel this jax cannot build for this GPU ends its own rows only
+                        jax.block_until_ready(fn(x, w))
+                    except Exception as e:
+                        results.append({"model": model, "weight": name, "rows": rows, "impl": impl,
+                                        "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                        print(json.dumps(results[-1]), flush=True)
+                        continue
                     times = []
                     for _ in range(iters):
                         start = time.perf_counter()
