@@ -53,6 +53,7 @@ from jaxserve.models.mtp import split_rule as mtp_split_rule
 from jaxserve.models.quantization import (
     checkpoint_contracted_block,
     checkpoint_quantization,
+    kernel_layout,
     layer_matmul_dtype,
     layer_weight_itemsize,
     quantize_state,
@@ -304,6 +305,7 @@ def compile_ladder(
     block = checkpoint_contracted_block(hf_config) if stored == "fp8" and quantization == "fp8" else 0
     if quantization is not None:  # as a load places them (`AbstractModel.fp8_block_of`)
         quantize_state(abstract.state, abstract.spec.module, quantization, block, abstract.fp8_block_of(block))
+        kernel_layout(abstract.state, attention)  # as the runner lays them out
     drafter = None
     if speculative_config is not None and speculative_config.method in FEATURE_METHODS:
         drafter = _Drafter.of(speculative_config, abstract, jax_dtype, download_dir)

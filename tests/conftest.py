@@ -193,6 +193,9 @@ def _build_tiny_hf_model(kind: str):
     )
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
+    if kind == "llama-128":  # every projection a whole number of 128 x 128 FP8 blocks (DeepSeek-V3's), N of 64s
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{**llama_like, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}))
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
     if kind == "qwen3":

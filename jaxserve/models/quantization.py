@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec
 
-from jaxserve.ops import fp8_block_matmul
+from jaxserve.ops import fp8_block_matmul, fp8_block_matmul_mgpu
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
 
@@ -66,20 +66,27 @@ def layer_weight_itemsize(quantization: str | None) -> int | None:
 class Fp8Weight:
     """`block` 0: `scale` f32[*output_axes], values * scale is the weight. `block` B > 0: `scale`
     f32[ceil(K / B), *output_axes], one per output channel and run of B rows of the flattened contracted axis
-    (of length K); row k of that axis is scaled by `scale[k // B]`."""
+    (of length K); row k of that axis is scaled by `scale[k // B]`.
 
-    values: Any  # f8e4m3fn[*contracted_axes, *output_axes]
+    `k_major`: the values are stored transposed, [N, K] over the flattened axes (one output channel's
+    contracted values contiguous, as checkpoints store a linear layer), for Hopper's FP8 wgmma, which reads
+    both operands so (`kernel_layout`); `dims` is then the weight's shape [*contracted_axes, *output_axes],
+    which `shape` reports, and its scales keep their form."""
+
+    values: Any  # f8e4m3fn[*contracted_axes, *output_axes], or [N, K] where k_major
     scale: Any  # f32[*output_axes] or f32[contracted_blocks, *output_axes]
     contracted: int = dataclasses.field(metadata={"static": True})
     block: int = dataclasses.field(default=0, metadata={"static": True})
+    k_major: bool = dataclasses.field(default=False, metadata={"static": True})
+    dims: tuple[int, ...] | None = dataclasses.field(default=None, metadata={"static": True})  # where k_major
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
+        return self.dims if self.k_major else tuple(self.values.shape)
 
     @property
     def ndim(self) -> int:
-        return len(self.values.shape)
+        return len(self.shape)
 
     @property
     def dtype(self) -> Any:
@@ -92,6 +99,12 @@ class Fp8Weight:
 
     def reshape(self, *shape: int) -> "Fp8Weight":
         """A 2-D view [K, N] for one matmul: the contracted axes flattened into K, the output axes into N."""
+        if self.k_major:  # stored [N, K] already
+            k, n = math.prod(self.dims[: self.contracted]), self.values.shape[0]
+            if tuple(shape) not in ((k, n), (-1, n), (k, -1)):
+                raise ValueError(f"a K-major Fp8Weight {self.dims} reshapes to [{k}, {n}] only, not {shape}")
+            return Fp8Weight(self.values, self.scale.reshape(self.scale.shape[0], -1), contracted=1, block=self.block,
+                             k_major=True, dims=(k, n))
         values = self.values.reshape(*shape)
         outputs = self.scale.shape[1 if self.block else 0:]
         if values.ndim != 2 or values.shape[1] != math.prod(outputs):
@@ -100,6 +113,9 @@ class Fp8Weight:
         return Fp8Weight(values, scale, contracted=1, block=self.block)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        if self.k_major:
+            return dataclasses.replace(self, values=self.values.T.reshape(self.dims), k_major=False,
+                                       dims=None).dequantize(dtype)
         if not self.block:
             return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
         k = math.prod(self.shape[: self.contracted])
@@ -152,10 +168,11 @@ def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | Non
     the tensor cores rather than by reading the weight; for weights with a scale per output channel
     (`w8a8_matmul`; block-scaled checkpoints' too under a mesh, which quantizes them per channel again), and
     for block-scaled ones where the block kernel takes e4m3 rows (`AttentionConfig.fp8_block_activations`) and
-    their shapes fit it (`block_matmul`)."""
+    their shapes fit it (`block_matmul`), and for those stored K-major for Hopper's Mosaic GPU kernel
+    (`kernel_layout`)."""
     if attention is None or not attention.fp8_activations or rows < W8A8_MIN_ROWS:
         return False
-    if not w.block:
+    if not w.block or w.k_major:
         return True
     k = math.prod(w.shape[: w.contracted])
     return attention.fp8_block_activations and fp8_block_matmul.fits(k, math.prod(w.shape) // k, w.block,
@@ -221,6 +238,15 @@ def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None =
     options = {"interpret": mode == "interpret"}
     if mode is not None and attention.num_sms:
         options["num_sms"] = attention.num_sms
+    if w.k_major:  # Hopper's layout (`kernel_layout`): e4m3 rows on FP8 wgmma, fewer rows through the Triton kernel
+        if activations_in_fp8(rows, w, attention):
+            xq, x_scale = quantize_rows(x, w.block)  # e4m3 [T, K], f32 [T, K / block]
+            mosaic = {**options, "interpret": attention.fp8_block_mosaic == "interpret"}
+            return fp8_block_matmul_mgpu.fp8_block_matmul_mgpu(xq, x_scale, w.values, w.scale, w.block,
+                                                               out_dtype=x.dtype, **mosaic)
+        if mode is not None:
+            return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, k_major=True, **options)
+        w = row_major(w)
     if mode is not None and activations_in_fp8(rows, w, attention):
         xq, x_scale = quantize_rows(x, w.block)  # e4m3 [T, K], f32 [T, K / block]
         return fp8_block_matmul.fp8_block_matmul(xq, w.values, w.scale, w.block, x_scale=x_scale, out_dtype=x.dtype,
@@ -229,6 +255,57 @@ def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None =
         return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, **options)
     weights = (w.values.astype(jnp.float32) * row_scales(w.scale, w.block, x.shape[1])).astype(x.dtype)  # [K, N]
     return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def kernel_layout(state: nnx.State, attention: AttentionConfig) -> int:
+    """Stores, in place, each block-scaled FP8 weight K-major (`Fp8Weight.k_major`) where Hopper's Mosaic GPU
+    W8A8 kernel serves its large steps (`AttentionConfig.fp8_block_mosaic`) and its shape fits that kernel and
+    the Triton block kernel, which serves its small ones from the same layout; returns how many. Arrays are
+    transposed on their device one at a time, each row-major copy freed once its successor is made (the state
+    is the only holder of its weights: the runner lays them out before it takes them), so no more than one
+    weight is held twice; ShapeDtypeStructs (deviceless compiles) take the new shape."""
+    if attention.fp8_block_mosaic is None:
+        return 0
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    laid_out = {}
+    for path, value in flat.items():
+        if _k_major_fits(value):
+            laid_out[path] = k_major(value)
+            if isinstance(value.values, jax.Array):
+                jax.block_until_ready(laid_out[path].values)
+                value.values.delete()
+    if laid_out:
+        nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict({**flat, **laid_out}))
+    return len(laid_out)
+
+
+def _k_major_fits(w: Any) -> bool:
+    if not isinstance(w, Fp8Weight) or w.k_major or w.block != fp8_block_matmul_mgpu.BLOCK:
+        return False
+    k = math.prod(w.shape[: w.contracted])
+    n = math.prod(w.shape) // k
+    return fp8_block_matmul_mgpu.fits(k, n, w.block) and fp8_block_matmul.fits(k, n, w.block)
+
+
+def k_major(w: Fp8Weight) -> Fp8Weight:
+    """`w` with its values stored [N, K] (`Fp8Weight.k_major`)."""
+    k = math.prod(w.shape[: w.contracted])
+    n = math.prod(w.shape) // k
+    if isinstance(w.values, jax.ShapeDtypeStruct):
+        values = jax.ShapeDtypeStruct((n, k), w.values.dtype, sharding=w.values.sharding)
+    else:
+        values = _transposed(w.values.reshape(k, n))
+    return Fp8Weight(values, w.scale, w.contracted, w.block, k_major=True, dims=w.shape)
+
+
+def row_major(w: Fp8Weight) -> Fp8Weight:
+    """A K-major weight's values back in [*contracted_axes, *output_axes] (XLA's path, where no kernel runs)."""
+    return Fp8Weight(w.values.T.reshape(w.dims), w.scale, w.contracted, w.block)
+
+
+@jax.jit
+def _transposed(values: jax.Array) -> jax.Array:  # [K, N] -> [N, K], stored so
+    return values.T
 
 
 @jax.tree_util.register_dataclass

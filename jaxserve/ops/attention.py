@@ -135,6 +135,20 @@ class AttentionConfig:
         return None if self.mesh is not None else self.fp8_kernels
 
     @property
+    def fp8_block_mosaic(self) -> str | None:
+        """How block-scaled FP8 weights' steps of e4m3 rows run on Hopper's FP8 wgmma through the Mosaic GPU
+        kernel (`ops.fp8_block_matmul_mgpu`), the weights stored K-major for it (`quantization.kernel_layout`):
+        with JAXSERVE_MOSAIC_FP8_BLOCK=1 where the block kernel runs (`fp8_block_kernel`) with FP8 activations,
+        "compiled" on Hopper, "interpret" with the interpreted kernels (tests); None elsewhere. Until a Hopper
+        GPU has run it against the oracle and measured it, Hopper keeps the Triton kernel by default."""
+        if os.environ.get("JAXSERVE_MOSAIC_FP8_BLOCK") != "1" or not self.fp8_activations:
+            return None
+        mode = self.fp8_block_kernel
+        if mode == "interpret" or (mode == "compiled" and self.hopper):
+            return mode
+        return None
+
+    @property
     def expert_kernel(self) -> str | None:
         """How a mixture's 16-bit experts' grouped matmuls run through `ops.grouped_matmul_triton` where their
         shapes fit (and Hopper's Mosaic GPU kernel does not take them): "compiled" on CUDA GPUs of sm_80 and

@@ -80,7 +80,7 @@ def fits(k: int, n: int, block: int, fp8_rows: bool = False) -> bool:
 
 
 def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block_n: int,
-            blocks_per_split: int) -> None:
+            blocks_per_split: int, k_major: bool) -> None:
     """One program: rows [block_t] of its row tile times outputs [block_n] of its output tile, over its split's
     `blocks_per_split` scale blocks of the contracted axis; writes its sum to `out_ref[split]` (module docstring).
     `refs` is (out_ref,) for 16-bit rows, (x_scale_ref, out_ref) for rows in e4m3."""
@@ -94,7 +94,8 @@ def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block
         kb = first + j
         contracted = pl.ds(pl.multiple_of(kb * block, block), block)
         x = x_ref[rows, contracted]  # [block_t, block]: 16-bit, or e4m3 with a scale per row
-        w = values_ref[contracted, columns]  # e4m3 [block, block_n]
+        # e4m3 [block, block_n]; stored [N, K], read as [block_n, block] and transposed
+        w = values_ref[columns, contracted].T if k_major else values_ref[contracted, columns]
         scale = scale_ref[pl.ds(kb, 1), columns]  # f32[1, block_n]
         if x_scale_ref:  # e4m3 x e4m3 (FP8 tensor cores on Ada), then both operands' scales
             scale = x_scale_ref[0][rows, pl.ds(kb, 1)] * scale  # f32[block_t, 1] x [1, block_n]
@@ -108,12 +109,13 @@ def _kernel(x_ref, values_ref, scale_ref, *refs, block: int, block_t: int, block
 
 def fp8_block_matmul(
     x: jax.Array,  # [T, K] in float32, float16 or bfloat16; or e4m3 with `x_scale`
-    values: jax.Array,  # f8e4m3fn[K, N]
+    values: jax.Array,  # f8e4m3fn[K, N], or [N, K] with `k_major`
     scale: jax.Array,  # f32[K / block, N]: row k of `values` is scaled by scale[k // block]
     block: int,
     *,
     x_scale: jax.Array | None = None,  # f32[T, K / block]: column k of e4m3 row t is scaled by x_scale[t, k // block]
     out_dtype: jnp.dtype | None = None,  # the result's dtype: x's unless given (required with e4m3 rows)
+    k_major: bool = False,  # values stored [N, K] (`quantization.kernel_layout`: Hopper's FP8 wgmma reads them so)
     num_sms: int = _DEFAULT_NUM_SMS,
     interpret: bool = False,
     num_warps: int = 4,
@@ -123,12 +125,13 @@ def fp8_block_matmul(
     if plgpu is None and not interpret:
         raise RuntimeError("this jax has no Pallas Triton backend")
     rows, k = x.shape
-    n = values.shape[1]
+    n = values.shape[0 if k_major else 1]
     fp8_rows = x_scale is not None
     if fp8_rows and out_dtype is None:
         raise ValueError("fp8_block_matmul: rows in e4m3 need an out_dtype")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if (not fits(k, n, block, fp8_rows) or values.shape[0] != k or scale.shape != (k // block, n)
+    stored = (n, k) if k_major else (k, n)
+    if (not fits(k, n, block, fp8_rows) or values.shape != stored or scale.shape != (k // block, n)
             or fp8_rows != (x.dtype == values.dtype) or (fp8_rows and x_scale.shape != (rows, k // block))):
         raise ValueError(f"fp8_block_matmul: x {x.shape} {x.dtype}, values {values.shape}, scale {scale.shape}, "
                          f"x_scale {None if x_scale is None else x_scale.shape}, block {block}")
@@ -137,7 +140,7 @@ def fp8_block_matmul(
     pad = ((0, row_tiles * block_t - rows), (0, 0))
     operands = (jnp.pad(x, pad), values, scale) + ((jnp.pad(x_scale, pad),) if fp8_rows else ())
     kernel = functools.partial(_kernel, block=block, block_t=block_t, block_n=block_n,
-                               blocks_per_split=blocks // splits)
+                               blocks_per_split=blocks // splits, k_major=k_major)
     whole = pl.BlockSpec()  # the kernel indexes these itself
     sums = pl.pallas_call(
         kernel,

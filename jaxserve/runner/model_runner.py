@@ -46,6 +46,7 @@ from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.lora import stack_shapes
 from jaxserve.models.peft import LoraAdapter, slot_values
+from jaxserve.models.quantization import kernel_layout
 from jaxserve.ops.attention import kv_cache_dtype, trace_environment
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
@@ -200,6 +201,9 @@ class ModelRunner:
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
+        if laid_out := kernel_layout(model.state, model.cfg.attention):  # before the steps take the state's form
+            logger.info("FP8 block weights: %d stored K-major for Hopper's FP8 wgmma (ops/fp8_block_matmul_mgpu.py)",
+                        laid_out)
         self.max_logprobs = max_logprobs
         # Where the KV sizing keeps the step's temp memory for the next start (`temp_records.py`): the
         # persistent compilation cache's directory; None: every start estimates it afresh, as does each

@@ -49,6 +49,20 @@ def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, split
                                atol=tol * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize(("rows", "k", "n", "num_sms"), [(1, 256, 96, 132), (2, 4096, 256, 132), (70, 256, 128, 1)])
+def test_values_stored_k_major_give_the_same_product(rows, k, n, num_sms):
+    """`k_major`: the values stored [N, K] (Hopper's layout for its FP8 wgmma kernel, which the Triton kernel then
+    serves the small steps from: `quantization.kernel_layout`), split over programs or not, give the product
+    the kernel gives over the same values stored [K, N], to the bit."""
+    x, values, scale, _ = _case(np.random.default_rng(rows), rows, k, n, 32, jnp.bfloat16)
+    row_major = kernel.fp8_block_matmul(x, values, scale, 32, num_sms=num_sms, interpret=not COMPILED)
+    stored_t = jnp.asarray(np.asarray(values.astype(jnp.float32)).T).astype(values.dtype)  # [N, K]
+    got = kernel.fp8_block_matmul(x, stored_t, scale, 32, num_sms=num_sms, interpret=not COMPILED, k_major=True)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(row_major.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="fp8_block_matmul"):  # values stored [K, N] (K != N here)
+        kernel.fp8_block_matmul(x, values, scale, 32, interpret=True, k_major=True)
+
+
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 4096, 4096), (16, 4096, 1024), (64, 12288, 4096),
                                               (1, 7168, 576), (256, 4096, 12288), (128, 2048, 1536)])
 def test_tiles_fill_the_gpu_or_stop_where_partial_sums_would_cost_a_share_of_the_weight(rows, k, n):
@@ -191,36 +205,37 @@ def test_block_weights_take_fp8_rows_where_the_kernel_s_e4m3_dot_runs_on_fp8_ten
     assert not ada.fp8_block_activations
 
 
-def _tensor_core_instructions(target: str, rows: int, fp8_rows: bool) -> dict[str, int]:
+def _tensor_core_instructions(target: str, rows: int, fp8_rows: bool, k_major: bool = False) -> dict[str, int]:
     """The tensor-core instructions of a [rows, 4096] x [4096, 4096] block-kernel product compiled for `target`."""
     from jaxserve.bench.ptxas import compiled_ptx, tensor_core_instructions
     from jaxserve.device import deviceless_device
     from jaxserve.parallel import on_one_device
 
-    device, k, n = deviceless_device(target), 4096, 4096
+    device, k, n = deviceless_device(target), 4096, 4096  # (k = n: K-major values take the same shape)
     sharding = on_one_device(device)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     args = [spec((rows, k), jnp.float8_e4m3fn if fp8_rows else jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn),
             spec((k // 128, n), jnp.float32)] + ([spec((rows, k // 128), jnp.float32)] if fp8_rows else [])
 
     def product(x, values, scale, x_scale=None):
-        return kernel.fp8_block_matmul(x, values, scale, 128, x_scale=x_scale, out_dtype=jnp.bfloat16)
+        return kernel.fp8_block_matmul(x, values, scale, 128, x_scale=x_scale, out_dtype=jnp.bfloat16, k_major=k_major)
 
     with jax.default_device(device):
         return tensor_core_instructions(compiled_ptx(jax.jit(product).trace(*args).lower()))
 
 
-@pytest.mark.parametrize(("target", "fp8_rows", "instruction"), [
-    ("l40s", True, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"),  # Ada: FP8 tensor cores
-    ("h100", True, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),  # Hopper: widened to float16
-    ("h100", False, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),  # Hopper's 16-bit rows
+@pytest.mark.parametrize(("target", "fp8_rows", "instruction", "k_major"), [
+    ("l40s", True, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", False),  # Ada: FP8 tensor cores
+    ("h100", True, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", False),  # Hopper: widened to float16
+    ("h100", False, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", False),  # Hopper's 16-bit rows
+    ("h100", False, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", True),  # and its K-major values
 ])
-def test_the_kernel_s_tensor_core_instructions_for_2048_rows(target, fp8_rows, instruction):
+def test_the_kernel_s_tensor_core_instructions_for_2048_rows(target, fp8_rows, instruction, k_major):
     """Deviceless, through Triton and ptxas: the instructions `AttentionConfig.fp8_block_activations` rests on.
     With e4m3 rows, Ada's PTX multiplies e4m3 by e4m3; Hopper's widens both to float16 for `mma.sync`, since
     Pallas sets no `max_num_imprecise_acc` and Triton declines wgmma for FP8 without it (should a jax
     change that, this case fails, and Hopper can take FP8 rows); its 16-bit rows run on bfloat16 wgmma."""
-    assert set(_tensor_core_instructions(target, 2048, fp8_rows)) == {instruction}
+    assert set(_tensor_core_instructions(target, 2048, fp8_rows, k_major)) == {instruction}
 
 
 def test_xla_s_own_fp8_gemm_runs_on_hopper_s_fp8_wgmma_at_a_served_tile():

@@ -1,0 +1,108 @@
+"""Block-scaled FP8 weights stored K-major for Hopper's Mosaic GPU W8A8 kernel (`quantization.kernel_layout`,
+`AttentionConfig.fp8_block_mosaic`, JAXSERVE_MOSAIC_FP8_BLOCK=1): the layout keeps what a weight is, the rule
+says where it applies, and a block-FP8 checkpoint laid out so computes what the Triton kernel computes from
+the row-major weights, its large steps on the Mosaic GPU kernel (interpreted here) and its decodes on the
+Triton kernel reading the same K-major values."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import quantization
+from jaxserve.models.quantization import Fp8Weight, k_major, kernel_layout, quantize_fp8, row_major
+from jaxserve.ops import fp8_block_matmul, fp8_block_matmul_mgpu
+from jaxserve.ops.attention import AttentionConfig
+
+
+def test_the_layout_keeps_a_weight_s_shape_and_values():
+    """A per-head projection [D, N, H] with 128 x 128 blocks: stored [N * H, D], it still reports its shape,
+    reshapes to the [D, N * H] view a matmul takes, dequantizes to the same weight and goes back row-major
+    unchanged; a ShapeDtypeStruct (a deviceless compile's) takes the stored shape."""
+    w = quantize_fp8(jax.random.normal(jax.random.key(0), (256, 4, 32)), contracted=1, block=128)
+    laid = k_major(w)
+    assert laid.k_major and laid.values.shape == (128, 256) and laid.shape == (256, 4, 32) and laid.ndim == 3
+    np.testing.assert_array_equal(np.asarray(laid.values, np.float32),
+                                  np.asarray(w.values, np.float32).reshape(256, 128).T)
+    np.testing.assert_array_equal(laid.dequantize(), w.dequantize())
+    view = laid.reshape(256, -1)
+    assert view.k_major and view.shape == (256, 128) and view.scale.shape == (2, 128)
+    back = row_major(laid)
+    assert not back.k_major and back.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(back.values, np.float32), np.asarray(w.values, np.float32))
+    with pytest.raises(ValueError, match="K-major"):
+        laid.reshape(128, -1)
+    struct = Fp8Weight(jax.ShapeDtypeStruct((256, 4, 32), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 4, 32),
+                       jnp.float32), contracted=1, block=128)
+    assert k_major(struct).values.shape == (128, 256) and k_major(struct).shape == (256, 4, 32)
+
+
+def test_where_hopper_s_fp8_wgmma_kernel_serves(monkeypatch):
+    """Only with JAXSERVE_MOSAIC_FP8_BLOCK=1, where FP8 activations are on: compiled on Hopper on one device,
+    interpreted with the interpreted kernels; not on Ada or an A100, a mesh, a CPU, or with FP8 activations off."""
+    monkeypatch.delenv("JAXSERVE_FP8_ACTIVATIONS", raising=False)
+    hopper = AttentionConfig("pallas", compute_capability=9.0)
+    monkeypatch.delenv("JAXSERVE_MOSAIC_FP8_BLOCK", raising=False)
+    assert hopper.fp8_block_mosaic is None  # until a Hopper GPU has measured it
+    monkeypatch.setenv("JAXSERVE_MOSAIC_FP8_BLOCK", "1")
+    assert hopper.fp8_block_mosaic == "compiled"
+    for other in (AttentionConfig("pallas", compute_capability=8.9), AttentionConfig("pallas", compute_capability=8.0),
+                  dataclasses.replace(hopper, mesh=object()), AttentionConfig("cpu")):
+        assert other.fp8_block_mosaic is None, other
+    assert AttentionConfig("interpret").fp8_block_mosaic is None  # no FP8 activations off GPUs by default
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    assert AttentionConfig("interpret").fp8_block_mosaic == "interpret"
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "0")
+    assert hopper.fp8_block_mosaic is None
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU's interpreter runs from jax 0.11")
+def test_a_block_fp8_checkpoint_laid_out_for_hopper_computes_as_the_triton_kernel(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A DeepSeek-V3-style checkpoint (128 x 128 blocks) of a Llama whose projections are whole blocks, with FP8
+    activations from 8 rows: a 20-token chunk and a decode after it. Laid out K-major, every block weight's
+    chunk goes through the Mosaic GPU kernel and its decode through the Triton kernel reading K-major values;
+    both give the logits the Triton kernel gives over the row-major weights (the same e4m3 products)."""
+    from jaxserve.models.loader import load_model
+    from tests.models.test_parity import PagedForward
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(tiny_model_dir("llama-128"), tmp_path / "fp8", block=(128, 128), fmt="fp8")
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 8)
+    tokens, logits, calls = list(range(200, 221)), {}, {"mosaic": [], "k-major triton": []}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("JAXSERVE_MOSAIC_FP8_BLOCK", setting)
+        jax.clear_caches()  # the forward's trace reads them
+        model = load_model(str(tmp_path / "fp8"), dtype="float32", attention_impl="interpret")
+        block_weights = [leaf for leaf in jax.tree.leaves(model.state, is_leaf=lambda v: isinstance(v, Fp8Weight))
+                         if isinstance(leaf, Fp8Weight) and leaf.block]
+        laid_out = kernel_layout(model.state, model.cfg.attention)
+        assert laid_out == (len(block_weights) if setting == "1" else 0) and block_weights
+        if setting == "1":
+            _spy(monkeypatch, calls)
+        forward = PagedForward(model, list(range(1, 9)))
+        logits[setting] = np.concatenate([forward(tokens[:20]), forward(tokens[20:])])  # [21, V]
+    # (a layer's projections traced once for every layer alike: runner/step_fn.py)
+    assert len(calls["mosaic"]) == len(calls["k-major triton"]) == len(block_weights) // model.cfg.num_layers
+    assert min(calls["mosaic"]) >= 8 > max(calls["k-major triton"])  # the chunk's rows (padded), the decode's
+    np.testing.assert_allclose(logits["1"], logits["0"], rtol=0, atol=1e-4 * np.abs(logits["0"]).max())
+
+
+def _spy(monkeypatch, calls: dict[str, list[int]]) -> None:
+    """Records the rows of each Mosaic GPU kernel call and each Triton block-kernel call on K-major values."""
+    mosaic, triton = fp8_block_matmul_mgpu.fp8_block_matmul_mgpu, fp8_block_matmul.fp8_block_matmul
+
+    def on_mosaic(x, *args, **kwargs):
+        calls["mosaic"].append(x.shape[0])
+        return mosaic(x, *args, **kwargs)
+
+    def on_triton(x, *args, **kwargs):
+        if kwargs.get("k_major"):
+            calls["k-major triton"].append(x.shape[0])
+        return triton(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_block_matmul_mgpu, "fp8_block_matmul_mgpu", on_mosaic)
+    monkeypatch.setattr(fp8_block_matmul, "fp8_block_matmul", on_triton)
