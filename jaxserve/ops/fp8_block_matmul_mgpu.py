@@ -26,10 +26,12 @@ Needs: K a multiple of `block` = 128 (one 128-byte swizzle of e4m3), N a multipl
 0.11), which the tests check against float64; jaxlib >= 0.12 compiles it deviceless for an H100 (the tests
 read its PTX).
 
-Open: with race detection on, Mosaic GPU's interpreter reports the memory warpgroup's refill of a stage's
-scales as racing with a consumer's read of them a ring earlier, also with the consumers' arrivals on the
-stage's barrier placed after their reads by hand; the tensor cores' reads of the same stages it does not
-report. The oracle test at a served shape on a Hopper GPU (32 blocks through 4 stages) is the check.
+Race detection: jax 0.12.1's Mosaic GPU interpreter reports the memory warpgroup's refill of a stage as racing
+with a consumer's plain read of it a ring earlier (here the scales'; the tensor cores' reads it does not track),
+and reports the same of the smallest use of `emit_pipeline_warp_specialized`: one consumer summing its stages
+with plain loads, the pipeline's own barriers between them, the pattern of JAX's Hopper mixed-type matmul. The
+kernel's tests run without it; the oracle test at a served shape on a Hopper GPU (32 blocks through 4 stages)
+is the check on the device.
 """
 
 import functools
