@@ -15,10 +15,11 @@ step runs it on a CUDA GPU (one row padded to two):
   columns, from `quantization.W8A8_MIN_ROWS` rows (fewer rows: as above). Ada runs large steps so; a Hopper
   GPU only with JAXSERVE_FP8_ACTIVATIONS=1, as this case runs it there, to measure its float16 MMAs
   (`AttentionConfig.fp8_block_activations`);
-- `fp8 block mosaic`: the activations rounded to e4m3 as for `fp8 block w8a8`, times the weight stored K-major
-  ([N, K], as checkpoints store it), through `ops.fp8_block_matmul_mgpu`'s Mosaic GPU kernel on Hopper's FP8
-  wgmma, at any row count. Not yet in the serving path: this times whether it pays to store block weights so
-  (on a Hopper GPU, or deviceless; jaxlib 0.10 and 0.11 compile its kernel only on a GPU).
+- `fp8 block mosaic`: the same weight stored K-major (`models/fp8_layout.py`, JAXSERVE_MOSAIC_FP8_BLOCK=1), as a
+  Hopper step runs it: from `quantization.W8A8_MIN_ROWS` rows, activations rounded to e4m3 as for `fp8 block
+  w8a8` on `ops.fp8_block_matmul_mgpu`'s Mosaic GPU kernel (Hopper's FP8 wgmma); fewer rows through the Triton
+  kernel reading the K-major values. Hopper targets and GPUs only (jaxlib 0.10 and 0.11 compile its kernel only
+  on a GPU, so deviceless figures there leave its kernel out of the compile, not out of the roofline).
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments and output read or written once, its temporaries written and read once,
@@ -50,11 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models.fp8_layout import k_major
 from jaxserve.models.layers import dense
-from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8, quantize_rows
+from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
 from jaxserve.ops.fp8_block_matmul import FP8_MMA_COMPUTE_CAPABILITIES
-from jaxserve.ops.fp8_block_matmul_mgpu import fp8_block_matmul_mgpu
 
 BLOCK = 128
 # One layer's dense products [K, N] by model (their HF checkpoints' FP8 releases use blocks of 128 x 128).
@@ -65,8 +66,12 @@ SHAPES = {
 }
 IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel", "fp8 block w8a8",
          "fp8 block mosaic")
-# JAXSERVE_FP8_ACTIVATIONS while an impl traces; the others as the GPU would run them
-ACTIVATIONS = {"fp8 channel": "0", "fp8 block kernel": "0", "fp8 block w8a8": "1"}
+# The environment while an impl traces (JAXSERVE_FP8_ACTIVATIONS, JAXSERVE_MOSAIC_FP8_BLOCK); the others' as the
+# GPU would run them
+ENVIRONMENT = {"fp8 channel": {"JAXSERVE_FP8_ACTIVATIONS": "0"}, "fp8 block kernel": {"JAXSERVE_FP8_ACTIVATIONS": "0"},
+               "fp8 block w8a8": {"JAXSERVE_FP8_ACTIVATIONS": "1"},
+               "fp8 block mosaic": {"JAXSERVE_FP8_ACTIVATIONS": "1", "JAXSERVE_MOSAIC_FP8_BLOCK": "1"}}
+HOPPER_ONLY = ("fp8 block mosaic",)
 
 
 def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
@@ -81,47 +86,39 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
     elif impl.startswith("fp8 channel"):
         w = (quantize_fp8(jnp.asarray(rng.normal(size=(k, n)) * 0.02, jnp.float32), 1) if concrete else
              Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((n,), jnp.float32), contracted=1))
-    elif impl == "fp8 block mosaic":  # (values_t [N, K], scale [K / BLOCK, N])
-        w = ((jnp.asarray(rng.normal(size=(n, k)) * 60, jnp.float32).astype(FP8),
-              jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32)) if concrete else
-             (struct((n, k), FP8), struct((k // BLOCK, n), jnp.float32)))
     elif concrete:
         values = jnp.asarray(rng.normal(size=(k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
         w = Fp8Weight(values, jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32), 1, BLOCK)
     else:
         w = Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((k // BLOCK, n), jnp.float32), 1, BLOCK)
-    return x, w
+    return x, k_major(w) if impl == "fp8 block mosaic" else w
 
 
 @contextlib.contextmanager
-def fp8_activations(setting: str | None) -> Iterator[None]:
-    """JAXSERVE_FP8_ACTIVATIONS at `setting` (None: as it is) while a product traces
-    (`AttentionConfig.fp8_activations`)."""
-    if setting is None:
-        yield
-        return
-    before = os.environ.get("JAXSERVE_FP8_ACTIVATIONS")
-    os.environ["JAXSERVE_FP8_ACTIVATIONS"] = setting
+def environment(settings: dict[str, str]) -> Iterator[None]:
+    """The variables in `settings` set while a product traces (`AttentionConfig.fp8_activations`,
+    `fp8_block_mosaic`); the others as they are."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("JAXSERVE_FP8_ACTIVATIONS")
-        else:
-            os.environ["JAXSERVE_FP8_ACTIVATIONS"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def product(impl: str, attention: AttentionConfig):
     """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; activations in
-    16 bits or e4m3 as `ACTIVATIONS` says, else as the GPU runs them (`fp8 channel w8a8`)."""
-    if impl == "fp8 block mosaic":
-        return lambda x, w: fp8_block_matmul_mgpu(*quantize_rows(x, BLOCK), *w, BLOCK, out_dtype=x.dtype)
+    16 bits or e4m3 as `ENVIRONMENT` says, else as the GPU runs them (`fp8 channel w8a8`)."""
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
 
     def run(x: jax.Array, w: Any) -> jax.Array:
-        with fp8_activations(ACTIVATIONS.get(impl)):  # read as it traces
+        with environment(ENVIRONMENT.get(impl, {})):  # read as it traces
             return dense(x, w, attention)
     return run
 
@@ -134,10 +131,8 @@ def ideal_bytes(impl: str, rows: int, k: int, n: int) -> int:
 
 def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> str:
     """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
-    if impl == "fp8 block mosaic":
-        return jnp.dtype(FP8).name
-    with fp8_activations(ACTIVATIONS.get(impl)):
-        fp8 = impl.endswith("w8a8") and activations_in_fp8(rows, w, attention)
+    with environment(ENVIRONMENT.get(impl, {})):
+        fp8 = impl.endswith(("w8a8", "mosaic")) and activations_in_fp8(rows, w, attention)
     # forced onto a GPU whose Triton widens e4m3 dots to float16 (Hopper): the 16-bit rate at best
     widened = impl == "fp8 block w8a8" and attention.compute_capability not in FP8_MMA_COMPUTE_CAPABILITIES
     return jnp.dtype(FP8).name if fp8 and not widened else "bfloat16"
@@ -155,6 +150,8 @@ def deviceless(models: list[str], rows_list: list[int], target: str, impls: list
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
+                    if impl in HOPPER_ONLY and not attention.hopper:
+                        continue
                     x, w = operands(impl, rows, k, n, concrete=False, sharding=on_one_device(device))
                     with jax.default_device(device):
                         compiled = jax.jit(product(impl, attention)).trace(x, w).lower().compile()
@@ -181,6 +178,8 @@ def timed(models: list[str], rows_list: list[int], iters: int, impls: list[str])
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
+                    if impl in HOPPER_ONLY and not attention.hopper:
+                        continue
                     x, w = operands(impl, rows, k, n, concrete=True)
                     fn = jax.jit(product(impl, attention))
                     try:  # a kernel this jax cannot build for this GPU ends its own rows only

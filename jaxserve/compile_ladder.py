@@ -45,6 +45,7 @@ from jaxserve.models.eagle import DrafterLayout, EagleConfig, EagleLlama
 from jaxserve.models.eagle import split_rule as eagle_split_rule
 from jaxserve.models.eagle3 import Eagle3Config, Eagle3Llama
 from jaxserve.models.features import FeaturePages, feature_pages
+from jaxserve.models.fp8_layout import kernel_layout
 from jaxserve.models.layers import LoraShape, context_length
 from jaxserve.models.loader import AbstractModel, build_abstract_model, resolve_dtype, resolve_model_config
 from jaxserve.models.lora import abstract_with_lora
@@ -53,7 +54,6 @@ from jaxserve.models.mtp import split_rule as mtp_split_rule
 from jaxserve.models.quantization import (
     checkpoint_contracted_block,
     checkpoint_quantization,
-    kernel_layout,
     layer_matmul_dtype,
     layer_weight_itemsize,
     quantize_state,

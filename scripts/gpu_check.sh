@@ -15,7 +15,7 @@
 #              timed at 256 and 2,048 rows (benchmarks/fp8_block_matmul.py); block-scaled ones through
 #              XLA's path and the kernel with rows in 16 bits or e4m3 (on Hopper: whether the kernel's
 #              bfloat16 wgmma keeps up with XLA's GEMM at 2,048 rows, and what e4m3 rows' float16 MMAs cost),
-#              and the Mosaic GPU kernel on Hopper's FP8 wgmma over a K-major weight (not served yet);
+#              and the Mosaic GPU kernel on Hopper's FP8 wgmma over a K-major weight (JAXSERVE_MOSAIC_FP8_BLOCK=1);
 #   experts    Qwen3-30B-A3B's experts' grouped products, bf16 and FP8 (per channel, blocks): the Triton
 #              kernel beside XLA's ragged dot, timed (benchmarks/experts_matmul.py);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;

@@ -13,7 +13,8 @@ two: docs/benchmarks.md); block scales scale the widened values (`block_matmul`)
 cores, steps of many rows round the activations to e4m3 too (W8A8, as vLLM runs such weights there:
 `activations_in_fp8`): a scale per token for weights with a scale per channel, a scale per token and block
 of the weight's contracted rows for block-scaled ones (1 x 128, DeepSeek-V3's scheme), where the block
-kernel's e4m3 dot runs on FP8 tensor cores (Ada). A mixture's stacked experts
+kernel's e4m3 dot runs on FP8 tensor cores (Ada), or on Hopper through a Mosaic GPU kernel over the weights
+stored K-major (`fp8_layout.py`, opt-in). A mixture's stacked experts
 are an `Fp8Experts` (values [E, K, N], scales [E, K blocks, N]), which `moe.grouped_matmul` widens in the
 same way. The token embeddings, the LM head, the routers, norms and biases stay as they are, as in vLLM's FP8
 scheme.
@@ -37,7 +38,7 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec
 
-from jaxserve.ops import fp8_block_matmul, fp8_block_matmul_mgpu
+from jaxserve.ops import fp8_block_matmul
 from jaxserve.ops.attention import AttentionConfig
 from jaxserve.parallel import TP_AXIS
 
@@ -70,8 +71,8 @@ class Fp8Weight:
 
     `k_major`: the values are stored transposed, [N, K] over the flattened axes (one output channel's
     contracted values contiguous, as checkpoints store a linear layer), for Hopper's FP8 wgmma, which reads
-    both operands so (`kernel_layout`); `dims` is then the weight's shape [*contracted_axes, *output_axes],
-    which `shape` reports, and its scales keep their form."""
+    both operands so (`fp8_layout.kernel_layout`); `dims` is then the weight's shape [*contracted_axes,
+    *output_axes], which `shape` reports, and its scales keep their form."""
 
     values: Any  # f8e4m3fn[*contracted_axes, *output_axes], or [N, K] where k_major
     scale: Any  # f32[*output_axes] or f32[contracted_blocks, *output_axes]
@@ -79,6 +80,10 @@ class Fp8Weight:
     block: int = dataclasses.field(default=0, metadata={"static": True})
     k_major: bool = dataclasses.field(default=False, metadata={"static": True})
     dims: tuple[int, ...] | None = dataclasses.field(default=None, metadata={"static": True})  # where k_major
+
+    def __post_init__(self) -> None:
+        if self.k_major and self.dims is None:
+            raise ValueError("a K-major Fp8Weight needs its dims (the weight's shape)")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -112,10 +117,15 @@ class Fp8Weight:
         scale = self.scale.reshape(self.scale.shape[0], -1) if self.block else self.scale.reshape(-1)
         return Fp8Weight(values, scale, contracted=1, block=self.block)
 
+    def row_major(self) -> "Fp8Weight":
+        """The weight with its values in [*contracted_axes, *output_axes] (a K-major one's transposed back)."""
+        if not self.k_major:
+            return self
+        return Fp8Weight(self.values.T.reshape(self.dims), self.scale, self.contracted, self.block)
+
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         if self.k_major:
-            return dataclasses.replace(self, values=self.values.T.reshape(self.dims), k_major=False,
-                                       dims=None).dequantize(dtype)
+            return self.row_major().dequantize(dtype)
         if not self.block:
             return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
         k = math.prod(self.shape[: self.contracted])
@@ -169,7 +179,7 @@ def activations_in_fp8(rows: int, w: Fp8Weight, attention: AttentionConfig | Non
     (`w8a8_matmul`; block-scaled checkpoints' too under a mesh, which quantizes them per channel again), and
     for block-scaled ones where the block kernel takes e4m3 rows (`AttentionConfig.fp8_block_activations`) and
     their shapes fit it (`block_matmul`), and for those stored K-major for Hopper's Mosaic GPU kernel
-    (`kernel_layout`)."""
+    (`fp8_layout.kernel_layout`)."""
     if attention is None or not attention.fp8_activations or rows < W8A8_MIN_ROWS:
         return False
     if not w.block or w.k_major:
@@ -232,21 +242,23 @@ def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None =
     """x [T, K] @ w [K, N] for block scales, in x's dtype, float32 sums: through `ops.fp8_block_matmul`'s
     kernel where `attention` has it and the shapes fit (with FP8 activations, each row quantized with a scale
     per block of its columns, the weight's block), else over the values times their rows' scales (in float32,
-    then rounded to x's dtype), which XLA writes out whole."""
+    then rounded to x's dtype), which XLA writes out whole. A weight stored K-major for Hopper
+    (`fp8_layout.kernel_layout`) takes e4m3 rows through `ops.fp8_block_matmul_mgpu`'s kernel on FP8 wgmma
+    where they apply, and 16-bit rows through the Triton kernel reading its K-major values."""
     (rows, k), n = x.shape, w.shape[1]
     mode = None if attention is None else attention.fp8_block_kernel
     options = {"interpret": mode == "interpret"}
     if mode is not None and attention.num_sms:
         options["num_sms"] = attention.num_sms
-    if w.k_major:  # Hopper's layout (`kernel_layout`): e4m3 rows on FP8 wgmma, fewer rows through the Triton kernel
-        if activations_in_fp8(rows, w, attention):
+    if w.k_major:  # Hopper's layout (`fp8_layout`): e4m3 rows on FP8 wgmma, fewer rows through the Triton kernel
+        if mode is not None and activations_in_fp8(rows, w, attention):
+            from jaxserve.ops.fp8_block_matmul_mgpu import fp8_block_matmul_mgpu
+
             xq, x_scale = quantize_rows(x, w.block)  # e4m3 [T, K], f32 [T, K / block]
-            mosaic = {**options, "interpret": attention.fp8_block_mosaic == "interpret"}
-            return fp8_block_matmul_mgpu.fp8_block_matmul_mgpu(xq, x_scale, w.values, w.scale, w.block,
-                                                               out_dtype=x.dtype, **mosaic)
+            return fp8_block_matmul_mgpu(xq, x_scale, w.values, w.scale, w.block, out_dtype=x.dtype, **options)
         if mode is not None:
             return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, k_major=True, **options)
-        w = row_major(w)
+        w = w.row_major()
     if mode is not None and activations_in_fp8(rows, w, attention):
         xq, x_scale = quantize_rows(x, w.block)  # e4m3 [T, K], f32 [T, K / block]
         return fp8_block_matmul.fp8_block_matmul(xq, w.values, w.scale, w.block, x_scale=x_scale, out_dtype=x.dtype,
@@ -255,57 +267,6 @@ def block_matmul(x: jax.Array, w: Fp8Weight, attention: AttentionConfig | None =
         return fp8_block_matmul.fp8_block_matmul(x, w.values, w.scale, w.block, **options)
     weights = (w.values.astype(jnp.float32) * row_scales(w.scale, w.block, x.shape[1])).astype(x.dtype)  # [K, N]
     return jnp.dot(x, weights, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def kernel_layout(state: nnx.State, attention: AttentionConfig) -> int:
-    """Stores, in place, each block-scaled FP8 weight K-major (`Fp8Weight.k_major`) where Hopper's Mosaic GPU
-    W8A8 kernel serves its large steps (`AttentionConfig.fp8_block_mosaic`) and its shape fits that kernel and
-    the Triton block kernel, which serves its small ones from the same layout; returns how many. Arrays are
-    transposed on their device one at a time, each row-major copy freed once its successor is made (the state
-    is the only holder of its weights: the runner lays them out before it takes them), so no more than one
-    weight is held twice; ShapeDtypeStructs (deviceless compiles) take the new shape."""
-    if attention.fp8_block_mosaic is None:
-        return 0
-    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
-    laid_out = {}
-    for path, value in flat.items():
-        if _k_major_fits(value):
-            laid_out[path] = k_major(value)
-            if isinstance(value.values, jax.Array):
-                jax.block_until_ready(laid_out[path].values)
-                value.values.delete()
-    if laid_out:
-        nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict({**flat, **laid_out}))
-    return len(laid_out)
-
-
-def _k_major_fits(w: Any) -> bool:
-    if not isinstance(w, Fp8Weight) or w.k_major or w.block != fp8_block_matmul_mgpu.BLOCK:
-        return False
-    k = math.prod(w.shape[: w.contracted])
-    n = math.prod(w.shape) // k
-    return fp8_block_matmul_mgpu.fits(k, n, w.block) and fp8_block_matmul.fits(k, n, w.block)
-
-
-def k_major(w: Fp8Weight) -> Fp8Weight:
-    """`w` with its values stored [N, K] (`Fp8Weight.k_major`)."""
-    k = math.prod(w.shape[: w.contracted])
-    n = math.prod(w.shape) // k
-    if isinstance(w.values, jax.ShapeDtypeStruct):
-        values = jax.ShapeDtypeStruct((n, k), w.values.dtype, sharding=w.values.sharding)
-    else:
-        values = _transposed(w.values.reshape(k, n))
-    return Fp8Weight(values, w.scale, w.contracted, w.block, k_major=True, dims=w.shape)
-
-
-def row_major(w: Fp8Weight) -> Fp8Weight:
-    """A K-major weight's values back in [*contracted_axes, *output_axes] (XLA's path, where no kernel runs)."""
-    return Fp8Weight(w.values.T.reshape(w.dims), w.scale, w.contracted, w.block)
-
-
-@jax.jit
-def _transposed(values: jax.Array) -> jax.Array:  # [K, N] -> [N, K], stored so
-    return values.T
 
 
 @jax.tree_util.register_dataclass

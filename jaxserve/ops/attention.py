@@ -57,7 +57,8 @@ FP8_KV_CACHE_DTYPES = dict.fromkeys(("fp8", "fp8_e4m3"), paged_attention_pallas.
 # The environment the kernel choices below read while a step is traced: part of the key of anything that
 # keeps a traced step (`runner.step_fn`).
 TRACE_ENVIRONMENT = ("JAXSERVE_MOSAIC_ATTENTION", "JAXSERVE_MOSAIC_DECODE", "JAXSERVE_MOSAIC_PERSISTENT",
-                     "JAXSERVE_MOSAIC_FP8", "JAXSERVE_TRITON_EXPERTS", "JAXSERVE_FP8_ACTIVATIONS")
+                     "JAXSERVE_MOSAIC_FP8", "JAXSERVE_TRITON_EXPERTS", "JAXSERVE_FP8_ACTIVATIONS",
+                     "JAXSERVE_MOSAIC_FP8_BLOCK")
 
 
 def trace_environment() -> tuple[str | None, ...]:

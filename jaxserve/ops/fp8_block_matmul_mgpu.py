@@ -8,8 +8,9 @@ the wgmma itself: `wgmma.mma_async ... .e4m3.e4m3` at twice the bfloat16 rate.
 
 Layout. Hopper's FP8 wgmma reads both operands K-major, with no transposed form: the rows x [T, K] are, and
 the weight must be stored [N, K], one output channel's contracted values contiguous, as checkpoints store a
-linear layer's weight (`values_t`). Its scales stay [K / block, N], and the rows' scales come transposed,
-[K / block, T], so that a tile's scales for one block of contracted columns are one contiguous run.
+linear layer's weight (`values_t`; `models/fp8_layout.py` stores them so). Its scales stay [K / block, N]; the
+rows' scales [T, K / block] are transposed before the kernel, so that a tile's scales for one block of
+contracted columns are one contiguous run.
 
 Work split. The grid is (row tile, output tile); a program computes a [64 * consumers, block_n] tile, each
 consumer warpgroup 64 rows of it, all of them reading the same weight tile. A memory warpgroup walks the
@@ -43,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.ops.mosaic_gpu_lowering import remember_ptxas_version
+
 ROWS_PER_WARPGROUP = 64  # wgmma's M
 BLOCK = 128  # contracted columns a scale covers; one 128-byte swizzle of e4m3
 SWIZZLE = 128
@@ -53,6 +56,7 @@ DEFAULT_STAGES = 4
 DEFAULT_CONSUMERS = 2
 MEMORY_REGISTERS = 40  # the memory warpgroup's: it only issues copies
 FP8 = jnp.float8_e4m3fn
+remember_ptxas_version()  # the lowering's question to ptxas, asked once a process (mosaic_gpu_lowering.py)
 
 
 def fits(k: int, n: int, block: int) -> bool:

@@ -41,12 +41,12 @@ from jaxserve.config import CacheConfig
 from jaxserve.device import allocator_pool_fraction, device_memory_stats
 from jaxserve.engine.step_io import NewRequest, RequestFault, SchedulerOutput, StepOutput
 from jaxserve.models.features import feature_pages
+from jaxserve.models.fp8_layout import kernel_layout
 from jaxserve.models.kv_scales import apply_fp8_kv_scales
 from jaxserve.models.layers import KVCache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.models.lora import stack_shapes
 from jaxserve.models.peft import LoraAdapter, slot_values
-from jaxserve.models.quantization import kernel_layout
 from jaxserve.ops.attention import kv_cache_dtype, trace_environment
 from jaxserve.ops.kv_write import padding_slot
 from jaxserve.outputs import Logprob
@@ -201,7 +201,8 @@ class ModelRunner:
         if pooling and (greedy_decodes or num_decode_steps > 1):
             raise ValueError("a pooling runner runs only its plain step: no greedy or multi-step decodes")
         self.model = model
-        if laid_out := kernel_layout(model.state, model.cfg.attention):  # before the steps take the state's form
+        # Before the steps take the state's form (weights loading on a thread are never block-scaled FP8 ones)
+        if not model.loading and (laid_out := kernel_layout(model.state, model.cfg.attention)):
             logger.info("FP8 block weights: %d stored K-major for Hopper's FP8 wgmma (ops/fp8_block_matmul_mgpu.py)",
                         laid_out)
         self.max_logprobs = max_logprobs

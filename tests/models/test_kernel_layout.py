@@ -1,4 +1,4 @@
-"""Block-scaled FP8 weights stored K-major for Hopper's Mosaic GPU W8A8 kernel (`quantization.kernel_layout`,
+"""Block-scaled FP8 weights stored K-major for Hopper's Mosaic GPU W8A8 kernel (`fp8_layout.kernel_layout`,
 `AttentionConfig.fp8_block_mosaic`, JAXSERVE_MOSAIC_FP8_BLOCK=1): the layout keeps what a weight is, the rule
 says where it applies, and a block-FP8 checkpoint laid out so computes what the Triton kernel computes from
 the row-major weights, its large steps on the Mosaic GPU kernel (interpreted here) and its decodes on the
@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 
 from jaxserve.models import quantization
-from jaxserve.models.quantization import Fp8Weight, k_major, kernel_layout, quantize_fp8, row_major
+from jaxserve.models.fp8_layout import k_major, kernel_layout
+from jaxserve.models.layers import dense
+from jaxserve.models.quantization import Fp8Weight, quantize_fp8
 from jaxserve.ops import fp8_block_matmul, fp8_block_matmul_mgpu
-from jaxserve.ops.attention import AttentionConfig
+from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
+
+ON_HOPPER = AttentionConfig(impl="pallas", compute_capability=cuda_compute_capability()).hopper
 
 
 def test_the_layout_keeps_a_weight_s_shape_and_values():
@@ -29,7 +33,7 @@ def test_the_layout_keeps_a_weight_s_shape_and_values():
     np.testing.assert_array_equal(laid.dequantize(), w.dequantize())
     view = laid.reshape(256, -1)
     assert view.k_major and view.shape == (256, 128) and view.scale.shape == (2, 128)
-    back = row_major(laid)
+    back = laid.row_major()
     assert not back.k_major and back.shape == w.shape
     np.testing.assert_array_equal(np.asarray(back.values, np.float32), np.asarray(w.values, np.float32))
     with pytest.raises(ValueError, match="K-major"):
@@ -37,6 +41,8 @@ def test_the_layout_keeps_a_weight_s_shape_and_values():
     struct = Fp8Weight(jax.ShapeDtypeStruct((256, 4, 32), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 4, 32),
                        jnp.float32), contracted=1, block=128)
     assert k_major(struct).values.shape == (128, 256) and k_major(struct).shape == (256, 4, 32)
+    with pytest.raises(ValueError, match="dims"):
+        Fp8Weight(laid.values, laid.scale, contracted=1, block=128, k_major=True)
 
 
 def test_where_hopper_s_fp8_wgmma_kernel_serves(monkeypatch):
@@ -106,3 +112,24 @@ def _spy(monkeypatch, calls: dict[str, list[int]]) -> None:
 
     monkeypatch.setattr(fp8_block_matmul_mgpu, "fp8_block_matmul_mgpu", on_mosaic)
     monkeypatch.setattr(fp8_block_matmul, "fp8_block_matmul", on_triton)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the compiled kernels on a Hopper GPU")
+@pytest.mark.parametrize("rows", [2, 2048])
+def test_on_hopper_a_k_major_weight_s_product_is_the_row_major_one_s(rows, monkeypatch):
+    """Compiled, as a Hopper step runs them: a Llama-3-8B q projection laid out K-major, through `layers.dense`
+    (2,048 rows: e4m3 rows on the Mosaic GPU kernel's FP8 wgmma; 2 rows: the Triton kernel over K-major values),
+    against float32 over the same operands (the rows as `quantize_rows` rounds them where they take e4m3)."""
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    monkeypatch.setenv("JAXSERVE_MOSAIC_FP8_BLOCK", "1")
+    attention = AttentionConfig("pallas", compute_capability=9.0)
+    w = quantize_fp8(jax.random.normal(jax.random.key(0), (4096, 4096)) * 0.02, contracted=1, block=128)
+    x = jax.random.normal(jax.random.key(1), (rows, 4096), jnp.bfloat16)
+    got = jax.jit(lambda x, w: dense(x, w, attention))(x, k_major(w))
+    if rows >= quantization.W8A8_MIN_ROWS:
+        xq, x_scale = quantization.quantize_rows(x, 128)
+        x = xq.astype(jnp.float32) * jnp.repeat(x_scale, 128, axis=1)
+    want = x.astype(jnp.float32) @ w.dequantize(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
+                               atol=1e-2 * float(np.abs(np.asarray(want, np.float32)).max()))
