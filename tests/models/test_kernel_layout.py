@@ -133,3 +133,32 @@ def test_on_hopper_a_k_major_weight_s_product_is_the_row_major_one_s(rows, monke
     want = x.astype(jnp.float32) @ w.dequantize(jnp.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
                                atol=1e-2 * float(np.abs(np.asarray(want, np.float32)).max()))
+
+
+# Not `slow`: the interpreter runs from jax 0.11, which only the newest-jax job's fast suite has.
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU's interpreter runs from jax 0.11")
+def test_an_engine_lays_out_its_weights_and_keeps_its_greedy_tokens(tiny_model_dir, tmp_path, monkeypatch):
+    """Through the engine, as serve runs it (interpreted): with JAXSERVE_MOSAIC_FP8_BLOCK=1 the runner stores the
+    block weights K-major before its steps take them, its prefill goes through the Mosaic GPU kernel and its
+    decodes through the K-major Triton kernel, and a request's greedy tokens are those of the engine that
+    keeps the weights row-major (the same e4m3 products)."""
+    from tests.engine.helpers import make_engine, run_alone
+    from tests.models.test_quantization import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(tiny_model_dir("llama-128"), tmp_path / "fp8", block=(128, 128), fmt="fp8")
+    monkeypatch.setenv("JAXSERVE_FP8_ACTIVATIONS", "1")
+    monkeypatch.setattr(quantization, "W8A8_MIN_ROWS", 8)
+    prompt, tokens, laid_out, calls = list(range(300, 317)), {}, {}, {"mosaic": [], "k-major triton": []}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("JAXSERVE_MOSAIC_FP8_BLOCK", setting)
+        if setting == "1":
+            _spy(monkeypatch, calls)
+        engine = make_engine(tmp_path / "fp8", warmup=False, attention_impl="interpret", token_buckets=(16, 32),
+                             request_buckets=(1,), max_num_seqs=1, max_num_batched_tokens=32)
+        state = engine.runner.model.state
+        laid_out[setting] = [leaf.k_major for leaf in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, Fp8Weight))
+                             if isinstance(leaf, Fp8Weight)]
+        tokens[setting] = run_alone(engine, prompt, 3)
+    assert laid_out["1"] and all(laid_out["1"]) and not any(laid_out["0"])
+    assert calls["mosaic"] and calls["k-major triton"]  # the prefill's products and the decodes'
+    assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 3
