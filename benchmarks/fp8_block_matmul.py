@@ -1,7 +1,7 @@
 """Block-scaled FP8 weights (DeepSeek-V3's and most released FP8 checkpoints' 128 x 128 blocks) against 16-bit
 and per-channel FP8 weights: one layer's products at decode and small mixed-step row counts.
 
-Seven ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
+Eight ways to multiply [rows, K] bfloat16 activations by a [K, N] weight, each through `layers.dense` as a
 step runs it on a CUDA GPU (one row padded to two):
 - `bf16`: a 16-bit weight (XLA's GEMM);
 - `fp8 channel`: e4m3 values with a scale per output channel (`--quantization fp8`: XLA fuses the widening
@@ -19,7 +19,10 @@ step runs it on a CUDA GPU (one row padded to two):
   Hopper step runs it: from `quantization.W8A8_MIN_ROWS` rows, activations rounded to e4m3 as for `fp8 block
   w8a8` on `ops.fp8_block_matmul_mgpu`'s Mosaic GPU kernel (Hopper's FP8 wgmma); fewer rows through the Triton
   kernel reading the K-major values. Hopper targets and GPUs only (jaxlib 0.10 and 0.11 compile its kernel only
-  on a GPU, so deviceless figures there leave its kernel out of the compile, not out of the roofline).
+  on a GPU, so deviceless figures there leave its kernel out of the compile, not out of the roofline);
+- `fp8 block mosaic side by side`: the same kernel, called directly, its two consumers walking the stages side by
+  side rather than taking turns on the tensor cores (`ping_pong=False`), at `W8A8_MIN_ROWS` rows or more: what
+  the ping-pong schedule gains.
 
 Without a GPU (the default on a CPU), each is compiled deviceless for `--target` and the script reports what
 the executable moves: its arguments and output read or written once, its temporaries written and read once,
@@ -53,9 +56,10 @@ import numpy as np
 
 from jaxserve.models.fp8_layout import k_major
 from jaxserve.models.layers import dense
-from jaxserve.models.quantization import FP8, Fp8Weight, activations_in_fp8, quantize_fp8
+from jaxserve.models.quantization import FP8, W8A8_MIN_ROWS, Fp8Weight, activations_in_fp8, quantize_fp8, quantize_rows
 from jaxserve.ops.attention import AttentionConfig, cuda_compute_capability
 from jaxserve.ops.fp8_block_matmul import FP8_MMA_COMPUTE_CAPABILITIES
+from jaxserve.ops.fp8_block_matmul_mgpu import fp8_block_matmul_mgpu
 
 BLOCK = 128
 # One layer's dense products [K, N] by model (their HF checkpoints' FP8 releases use blocks of 128 x 128).
@@ -65,13 +69,13 @@ SHAPES = {
                     "shared gate, up": (7168, 2048), "shared down": (2048, 7168)},
 }
 IMPLS = ("bf16", "fp8 channel", "fp8 channel w8a8", "fp8 block xla", "fp8 block kernel", "fp8 block w8a8",
-         "fp8 block mosaic")
+         "fp8 block mosaic", "fp8 block mosaic side by side")
 # The environment while an impl traces (JAXSERVE_FP8_ACTIVATIONS, JAXSERVE_MOSAIC_FP8_BLOCK); the others' as the
 # GPU would run them
 ENVIRONMENT = {"fp8 channel": {"JAXSERVE_FP8_ACTIVATIONS": "0"}, "fp8 block kernel": {"JAXSERVE_FP8_ACTIVATIONS": "0"},
                "fp8 block w8a8": {"JAXSERVE_FP8_ACTIVATIONS": "1"},
                "fp8 block mosaic": {"JAXSERVE_FP8_ACTIVATIONS": "1", "JAXSERVE_MOSAIC_FP8_BLOCK": "1"}}
-HOPPER_ONLY = ("fp8 block mosaic",)
+HOPPER_ONLY = ("fp8 block mosaic", "fp8 block mosaic side by side")
 
 
 def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
@@ -91,7 +95,7 @@ def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None
         w = Fp8Weight(values, jnp.asarray(rng.uniform(1e-4, 1e-3, (k // BLOCK, n)), jnp.float32), 1, BLOCK)
     else:
         w = Fp8Weight(struct((k, n), jnp.float8_e4m3fn), struct((k // BLOCK, n), jnp.float32), 1, BLOCK)
-    return x, k_major(w) if impl == "fp8 block mosaic" else w
+    return x, k_major(w) if impl.startswith("fp8 block mosaic") else w
 
 
 @contextlib.contextmanager
@@ -113,6 +117,9 @@ def environment(settings: dict[str, str]) -> Iterator[None]:
 def product(impl: str, attention: AttentionConfig):
     """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; activations in
     16 bits or e4m3 as `ENVIRONMENT` says, else as the GPU runs them (`fp8 channel w8a8`)."""
+    if impl == "fp8 block mosaic side by side":
+        return lambda x, w: fp8_block_matmul_mgpu(*quantize_rows(x, BLOCK), w.values, w.scale, BLOCK,
+                                                  out_dtype=x.dtype, ping_pong=False)
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None
@@ -133,6 +140,7 @@ def matmul_dtype(impl: str, rows: int, w: Any, attention: AttentionConfig) -> st
     """The dtype whose tensor-core peak bounds `impl`'s product: e4m3 where its activations are rounded to it."""
     with environment(ENVIRONMENT.get(impl, {})):
         fp8 = impl.endswith(("w8a8", "mosaic")) and activations_in_fp8(rows, w, attention)
+    fp8 = fp8 or impl == "fp8 block mosaic side by side"
     # forced onto a GPU whose Triton widens e4m3 dots to float16 (Hopper): the 16-bit rate at best
     widened = impl == "fp8 block w8a8" and attention.compute_capability not in FP8_MMA_COMPUTE_CAPABILITIES
     return jnp.dtype(FP8).name if fp8 and not widened else "bfloat16"
@@ -150,7 +158,8 @@ def deviceless(models: list[str], rows_list: list[int], target: str, impls: list
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
-                    if impl in HOPPER_ONLY and not attention.hopper:
+                    if (impl in HOPPER_ONLY and not attention.hopper) or (
+                            impl == "fp8 block mosaic side by side" and rows < W8A8_MIN_ROWS):
                         continue
                     x, w = operands(impl, rows, k, n, concrete=False, sharding=on_one_device(device))
                     with jax.default_device(device):
@@ -178,7 +187,8 @@ def timed(models: list[str], rows_list: list[int], iters: int, impls: list[str])
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
-                    if impl in HOPPER_ONLY and not attention.hopper:
+                    if (impl in HOPPER_ONLY and not attention.hopper) or (
+                            impl == "fp8 block mosaic side by side" and rows < W8A8_MIN_ROWS):
                         continue
                     x, w = operands(impl, rows, k, n, concrete=True)
                     fn = jax.jit(product(impl, attention))

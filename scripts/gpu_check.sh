@@ -13,9 +13,9 @@
 #              per-channel FP8 and bf16, timed (benchmarks/fp8_block_matmul.py);
 #   w8a8       one Llama-3-8B layer's products with FP8 weights, activations in FP8 or 16-bit, beside bf16,
 #              timed at 256 and 2,048 rows (benchmarks/fp8_block_matmul.py); block-scaled ones through
-#              XLA's path and the kernel with rows in 16 bits or e4m3 (on Hopper: whether the kernel's
-#              bfloat16 wgmma keeps up with XLA's GEMM at 2,048 rows, and what e4m3 rows' float16 MMAs cost),
-#              and the Mosaic GPU kernel on Hopper's FP8 wgmma over a K-major weight (JAXSERVE_MOSAIC_FP8_BLOCK=1);
+#              XLA's path and the Triton kernel (on Hopper: whether its bfloat16 wgmma keeps up with XLA's
+#              GEMM at 2,048 rows), and the Mosaic GPU kernel on Hopper's FP8 wgmma over a K-major weight
+#              (JAXSERVE_MOSAIC_FP8_BLOCK=1), its consumers taking turns or side by side;
 #   experts    Qwen3-30B-A3B's experts' grouped products, bf16 and FP8 (per channel, blocks): the Triton
 #              kernel beside XLA's ragged dot, timed (benchmarks/experts_matmul.py);
 #   focus      the decode kernel's default against the sweep's best, with bfloat16 and FP8 caches;
@@ -221,9 +221,10 @@ if wanted fp8-block; then  # block-scaled FP8 weights: the kernel, XLA's path, p
 fi
 if wanted w8a8; then  # FP8 weights with FP8 or 16-bit activations, beside bf16 weights
   stage w8a8 "${W8A8_S:-90}" python3 benchmarks/fp8_block_matmul.py --models llama-3-8b --rows 256 2048 \
-    --iters 20 --impls bf16 "fp8 channel" "fp8 channel w8a8" "fp8 block xla" "fp8 block kernel" "fp8 block w8a8" "fp8 block mosaic" \
+    --iters 20 --impls bf16 "fp8 channel" "fp8 channel w8a8" "fp8 block xla" "fp8 block kernel" "fp8 block mosaic" \
+    "fp8 block mosaic side by side" \
     --json "$out/w8a8_matmul.json" > "$out/w8a8_matmul.log" 2>&1
-  tail -n 48 "$out/w8a8_matmul.log" >> "$summary"
+  tail -n 56 "$out/w8a8_matmul.log" >> "$summary"
 fi
 if wanted experts; then  # the experts' grouped matmul: the Triton kernel and XLA's ragged dot, bf16 and FP8
   stage experts "${EXPERTS_S:-60}" python3 benchmarks/experts_matmul.py --models qwen3-30b-a3b \

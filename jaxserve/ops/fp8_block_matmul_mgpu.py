@@ -22,6 +22,12 @@ total in registers: the block scales apply per block, before the blocks are summ
 tensor cores' partial sums, here at every block). The total is written once, in `out_dtype`, through shared
 memory.
 
+Ping-pong (`ping_pong`, two consumers). A consumer's promotion (two multiplies and an add a value, about half as
+long as its block's wgmmas) leaves the tensor cores idle if both consumers promote at once, as two consumers
+walking the same stages in step would. So they take turns, FlashAttention-3's schedule (`paged_attention_mgpu`
+runs it too): a rendezvous barrier after each consumer issues its wgmmas, the second consumer a turn behind,
+orders one's promotion under the other's products.
+
 Needs: K a multiple of `block` = 128 (one 128-byte swizzle of e4m3), N a multiple of 64; rows of any count
 (padded to whole row tiles). The kernel also runs in Mosaic GPU's interpreter on a CPU (`interpret=`, jax >=
 0.11), which the tests check against float64; jaxlib >= 0.12 compiles it deviceless for an H100 (the tests
@@ -84,32 +90,44 @@ def _load(ref, layout) -> jax.Array:
     return plgpu.load(ref, layout=layout)
 
 
-def _kernel(x_gmem, x_scale_gmem, values_gmem, scale_gmem, out_gmem, out_smem, *, block_n: int, blocks: int,
+def _kernel(x_gmem, x_scale_gmem, values_gmem, scale_gmem, out_gmem, out_smem, *turns, block_n: int, blocks: int,
             stages: int, consumers: int) -> None:
     """One program: output tile [64 * consumers, block_n] at (row tile, output tile), a warpgroup of 64 rows
-    each consumer, and a memory warpgroup that keeps the ring of stages filled (module docstring)."""
+    each consumer, and a memory warpgroup that keeps the ring of stages filled (module docstring). `turns`:
+    (the consumers' rendezvous barrier,) with ping-pong, else ()."""
     tile_m = ROWS_PER_WARPGROUP * consumers
     rows = pl.ds(lax.axis_index("rows") * tile_m, tile_m)
     columns = pl.ds(lax.axis_index("columns") * block_n, block_n)
     wg = lax.axis_index("wg")
     own = pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)  # a consumer's rows within the tile
 
+    def take_turn() -> None:  # both consumers arrive before either goes on
+        plgpu.barrier_arrive(turns[0])
+        plgpu.barrier_wait(turns[0])
+
     def step(_, x_smem, x_scale_smem, values_smem, scale_smem, total):
         # x_smem: e4m3[tile_m, 128]; values_smem: e4m3[block_n, 128] (K-major); x_scale_smem: f32[1, tile_m];
         # scale_smem: f32[1, block_n]; total: f32[64, block_n], this consumer's
+        x_scale = _load(x_scale_smem.at[0, own], plgpu.Layout.WGMMA.reduce(1))  # f32[64], a row's each
+        scale = _load(scale_smem.at[0], plgpu.Layout.WGMMA.reduce(0))  # f32[block_n], a column's each
+
         def product(acc_ref):
             plgpu.wgmma(acc_ref, x_smem.at[own], values_smem.T)
+            if turns:  # issued: the other consumer's promotion is done, its product may go
+                take_turn()
             return acc_ref[...]
 
         partial = pl.run_scoped(product, plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
-        x_scale = _load(x_scale_smem.at[0, own], plgpu.Layout.WGMMA.reduce(1))  # f32[64], a row's each
-        scale = _load(scale_smem.at[0], plgpu.Layout.WGMMA.reduce(0))  # f32[block_n], a column's each
         scales = lax.broadcast_in_dim(x_scale, partial.shape, [0]) * lax.broadcast_in_dim(scale, partial.shape, [1])
         return total + partial * scales
 
     def each_consumer(pipeline) -> None:
         zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WARPGROUP, block_n), jnp.float32), plgpu.Layout.WGMMA)
+        if turns:  # the second consumer starts a turn behind the first
+            pl.when(wg == 1)(take_turn)
         total = pipeline(zeros)  # f32[64, block_n]
+        if turns:  # and the first ends a turn after it: both arrived equally often
+            pl.when(wg == 0)(take_turn)
         out_smem[wg] = total.astype(out_smem.dtype)
         plgpu.commit_smem()  # the stores visible to the TMA engine
         plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows].at[own, columns])
@@ -138,6 +156,7 @@ def fp8_block_matmul_mgpu(
     num_sms: int = _DEFAULT_NUM_SMS,
     stages: int = DEFAULT_STAGES,
     consumers: int = DEFAULT_CONSUMERS,  # warpgroups of 64 rows a program, sharing each weight tile
+    ping_pong: bool = True,  # two consumers take turns on the tensor cores (module docstring)
     interpret: bool | object = False,  # True: Mosaic GPU's interpreter (jax >= 0.11); or its params
 ) -> jax.Array:  # [T, N] in out_dtype
     """(x scaled by its blocks' scales) @ (values_t scaled by their blocks' scales).T, float32 sums, on
@@ -155,10 +174,11 @@ def fp8_block_matmul_mgpu(
     x = jnp.pad(x, ((0, padded - rows), (0, 0)))
     x_scale_t = jnp.pad(x_scale.T.astype(jnp.float32), ((0, 0), (0, padded - rows)))  # f32[K / block, T_padded]
     kernel = functools.partial(_kernel, block_n=block_n, blocks=k // block, stages=stages, consumers=consumers)
+    turns = [plgpu.Barrier(num_arrivals=consumers)] if ping_pong and consumers == 2 else []
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((padded, n), out_dtype),
-        scratch_types=[plgpu.SMEM((consumers, ROWS_PER_WARPGROUP, block_n), out_dtype)],  # each consumer's tile
+        scratch_types=[plgpu.SMEM((consumers, ROWS_PER_WARPGROUP, block_n), out_dtype), *turns],  # each consumer's tile
         grid=(row_tiles, n // block_n),
         grid_names=("rows", "columns"),
         num_threads=consumers + 1,

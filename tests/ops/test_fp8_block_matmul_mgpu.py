@@ -51,19 +51,20 @@ def run(*args, **kwargs) -> jax.Array:
     return kernel.fp8_block_matmul_mgpu(*args, kernel.BLOCK, interpret=not ON_HOPPER, **kwargs)
 
 
-@pytest.mark.parametrize(("rows", "k", "n", "consumers", "stages"), [
-    (70, 256, 128, 2, 4),  # rows padded to a tile; fewer blocks than stages
-    (1, 512, 64, 1, 2),  # a decode's row, the narrow output tile, the ring cycled twice
-    (130, 384, 192, 2, 2),  # two row tiles of 128, outputs a multiple of 64 only
-    (256, 1024, 256, 2, 3),  # eight blocks through three stages
+@pytest.mark.parametrize(("rows", "k", "n", "consumers", "stages", "ping_pong"), [
+    (70, 256, 128, 2, 4, True),  # rows padded to a tile; fewer blocks than stages
+    (1, 512, 64, 1, 2, False),  # a decode's row, the narrow output tile, the ring cycled twice
+    (130, 384, 192, 2, 2, True),  # two row tiles of 128, outputs a multiple of 64 only
+    (256, 1024, 256, 2, 3, True),  # eight blocks through three stages, the consumers taking turns
+    (256, 1024, 256, 2, 3, False),  # and walking them side by side
 ])
 @pytest.mark.parametrize("num_sms", [132, 1])  # output tiles of 64, and of 128 where the outputs take them
-def test_the_kernel_matches_float64_over_its_own_operands(rows, k, n, consumers, stages, num_sms):
+def test_the_kernel_matches_float64_over_its_own_operands(rows, k, n, consumers, stages, ping_pong, num_sms):
     """Every block's product scaled by its rows' and its outputs' own scales before the blocks are summed:
     float32 sums within float32's rounding of the float64 product."""
     xq, x_scale, values_t, scale, _ = operands(rows, k, n)
     got = run(xq, x_scale, values_t, scale, out_dtype=jnp.float32, consumers=consumers, stages=stages,
-              num_sms=num_sms)
+              ping_pong=ping_pong, num_sms=num_sms)
     want = oracle(xq, x_scale, values_t, scale)
     assert got.shape == (rows, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
