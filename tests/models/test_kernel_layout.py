@@ -162,3 +162,36 @@ def test_an_engine_lays_out_its_weights_and_keeps_its_greedy_tokens(tiny_model_d
     assert laid_out["1"] and all(laid_out["1"]) and not any(laid_out["0"])
     assert calls["mosaic"] and calls["k-major triton"]  # the prefill's products and the decodes'
     assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 3
+
+
+@pytest.mark.slow
+def test_jaxserve_compile_lays_out_a_block_fp8_checkpoint_for_an_h100(monkeypatch):
+    """`jaxserve compile --target h100` of Llama-3-8B's shape (one layer) as a 128 x 128 block-FP8 checkpoint,
+    deviceless, with JAXSERVE_MOSAIC_FP8_BLOCK=1: the weights compile K-major as the runner lays them out, the
+    2,048-token bucket's products go through the Mosaic GPU kernel (with e4m3 rows, which the roofline counts at
+    the FP8 peak) and the decode bucket's through the K-major Triton kernel; unset, neither, and the same bytes."""
+    from jaxserve.compile_ladder import compile_ladder
+    from jaxserve.runner.buckets import Bucket
+
+    calls = {"mosaic": [], "k-major triton": []}
+    _spy(monkeypatch, calls)
+    monkeypatch.delenv("JAXSERVE_FP8_ACTIVATIONS", raising=False)
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    reports, traced = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("JAXSERVE_MOSAIC_FP8_BLOCK", setting)
+        for kind in calls.values():
+            kind.clear()
+        reports[setting] = compile_ladder(
+            "llama-3-8b", target="h100", preset="gpu", dtype="bfloat16", xla_cost=False, variants=False,
+            buckets=[Bucket(16, 16, decode_only=True), Bucket(2048, 16)], read_launches=False, num_kv_pages=4096,
+            hf_overrides={"quantization_config": fp8, "num_hidden_layers": 1})
+        traced[setting] = {name: sorted(set(rows)) for name, rows in calls.items()}
+    assert traced == {"1": {"mosaic": [2048], "k-major triton": [16]}, "0": {"mosaic": [], "k-major triton": []}}
+    (decode, mixed), (decode_row_major, mixed_row_major) = reports["1"].buckets, reports["0"].buckets
+    assert reports["1"].weights_bytes == reports["0"].weights_bytes
+    assert decode.predicted_seconds == decode_row_major.predicted_seconds
+    assert mixed.bound == mixed_row_major.bound == "compute"
+    layer_flops = 2 * 2048 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert mixed_row_major.predicted_seconds - mixed.predicted_seconds == pytest.approx(
+        layer_flops / 989.4e12 - layer_flops / 1978.9e12, rel=1e-3)
