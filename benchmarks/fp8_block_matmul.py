@@ -118,8 +118,9 @@ def product(impl: str, attention: AttentionConfig):
     """The step's product for `impl`; XLA's block path as a GPU without the kernel dispatches it; activations in
     16 bits or e4m3 as `ENVIRONMENT` says, else as the GPU runs them (`fp8 channel w8a8`)."""
     if impl == "fp8 block mosaic side by side":
+        sms = {"num_sms": attention.num_sms} if attention.num_sms else {}  # as the step's dispatch passes it
         return lambda x, w: fp8_block_matmul_mgpu(*quantize_rows(x, BLOCK), w.values, w.scale, BLOCK,
-                                                  out_dtype=x.dtype, ping_pong=False)
+                                                  out_dtype=x.dtype, ping_pong=False, **sms)
     if impl == "fp8 block xla":
         attention = dataclasses.replace(attention, compute_capability=8.0)
         assert attention.fp8_block_kernel is None

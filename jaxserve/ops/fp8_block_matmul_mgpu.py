@@ -22,11 +22,13 @@ total in registers: the block scales apply per block, before the blocks are summ
 tensor cores' partial sums, here at every block). The total is written once, in `out_dtype`, through shared
 memory.
 
-Ping-pong (`ping_pong`, two consumers). A consumer's promotion (two multiplies and an add a value, about half as
-long as its block's wgmmas) leaves the tensor cores idle if both consumers promote at once, as two consumers
-walking the same stages in step would. So they take turns, FlashAttention-3's schedule (`paged_attention_mgpu`
-runs it too): a rendezvous barrier after each consumer issues its wgmmas, the second consumer a turn behind,
-orders one's promotion under the other's products.
+Ping-pong (`ping_pong`, two consumers, two stages or more). A consumer's promotion (two multiplies and an add a
+value, about half as long as its block's wgmmas) leaves the tensor cores idle where both consumers promote at
+once. So they take turns, FlashAttention-3's ping-pong: both meet at a rendezvous barrier after issuing their
+wgmmas and again after promoting, the second consumer a meeting behind the first. The consumers then issue
+their blocks' wgmmas in turn, and each promotes while the other's product, issued behind its own, is on the
+tensor cores. With one stage the meetings would wait on the stage's refill and the refill on them, so a ring of
+one stage with blocks to refill it walks side by side.
 
 Needs: K a multiple of `block` = 128 (one 128-byte swizzle of e4m3), N a multiple of 64; rows of any count
 (padded to whole row tiles). The kernel also runs in Mosaic GPU's interpreter on a CPU (`interpret=`, jax >=
@@ -113,20 +115,24 @@ def _kernel(x_gmem, x_scale_gmem, values_gmem, scale_gmem, out_gmem, out_smem, *
 
         def product(acc_ref):
             plgpu.wgmma(acc_ref, x_smem.at[own], values_smem.T)
-            if turns:  # issued: the other consumer's promotion is done, its product may go
+            if turns:  # issued (behind the other's, on the tensor cores): the other may promote its product
                 take_turn()
             return acc_ref[...]
 
         partial = pl.run_scoped(product, plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
         scales = lax.broadcast_in_dim(x_scale, partial.shape, [0]) * lax.broadcast_in_dim(scale, partial.shape, [1])
-        return total + partial * scales
+        total = total + partial * scales
+        if turns:  # promoted: the other, its product issued, may wait for it and promote while this one's next runs
+            total = lax.optimization_barrier(total)  # keeps the promotion before the arrival
+            take_turn()
+        return total
 
     def each_consumer(pipeline) -> None:
         zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WARPGROUP, block_n), jnp.float32), plgpu.Layout.WGMMA)
         if turns:  # the second consumer starts a turn behind the first
             pl.when(wg == 1)(take_turn)
         total = pipeline(zeros)  # f32[64, block_n]
-        if turns:  # and the first ends a turn after it: both arrived equally often
+        if turns:  # and the first ends a turn after it: both arrived 2 x blocks + 1 times
             pl.when(wg == 0)(take_turn)
         out_smem[wg] = total.astype(out_smem.dtype)
         plgpu.commit_smem()  # the stores visible to the TMA engine
@@ -173,8 +179,11 @@ def fp8_block_matmul_mgpu(
     padded = row_tiles * tile_m
     x = jnp.pad(x, ((0, padded - rows), (0, 0)))
     x_scale_t = jnp.pad(x_scale.T.astype(jnp.float32), ((0, 0), (0, padded - rows)))  # f32[K / block, T_padded]
-    kernel = functools.partial(_kernel, block_n=block_n, blocks=k // block, stages=stages, consumers=consumers)
-    turns = [plgpu.Barrier(num_arrivals=consumers)] if ping_pong and consumers == 2 else []
+    blocks = k // block
+    kernel = functools.partial(_kernel, block_n=block_n, blocks=blocks, stages=stages, consumers=consumers)
+    # With one stage and blocks to refill it, the turns would wait on each other across the refill: a deadlock.
+    turns_fit = consumers == 2 and (blocks == 1 or min(stages, blocks) >= 2)
+    turns = [plgpu.Barrier(num_arrivals=consumers)] if ping_pong and turns_fit else []
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((padded, n), out_dtype),

@@ -161,6 +161,7 @@ def test_an_engine_lays_out_its_weights_and_keeps_its_greedy_tokens(tiny_model_d
         tokens[setting] = run_alone(engine, prompt, 3)
     assert laid_out["1"] and all(laid_out["1"]) and not any(laid_out["0"])
     assert calls["mosaic"] and calls["k-major triton"]  # the prefill's products and the decodes'
+    assert min(calls["mosaic"]) >= 8 > max(calls["k-major triton"])
     assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 3
 
 
@@ -169,7 +170,8 @@ def test_jaxserve_compile_lays_out_a_block_fp8_checkpoint_for_an_h100(monkeypatc
     """`jaxserve compile --target h100` of Llama-3-8B's shape (one layer) as a 128 x 128 block-FP8 checkpoint,
     deviceless, with JAXSERVE_MOSAIC_FP8_BLOCK=1: the weights compile K-major as the runner lays them out, the
     2,048-token bucket's products go through the Mosaic GPU kernel (with e4m3 rows, which the roofline counts at
-    the FP8 peak) and the decode bucket's through the K-major Triton kernel; unset, neither, and the same bytes."""
+    the FP8 peak) and the decode bucket's through the K-major Triton kernel; with it 0, neither, and the same
+    bytes."""
     from jaxserve.compile_ladder import compile_ladder
     from jaxserve.runner.buckets import Bucket
 

@@ -57,6 +57,8 @@ def run(*args, **kwargs) -> jax.Array:
     (130, 384, 192, 2, 2, True),  # two row tiles of 128, outputs a multiple of 64 only
     (256, 1024, 256, 2, 3, True),  # eight blocks through three stages, the consumers taking turns
     (256, 1024, 256, 2, 3, False),  # and walking them side by side
+    (128, 384, 128, 2, 1, True),  # one stage refilled: side by side (turns there would deadlock)
+    (128, 128, 128, 2, 1, True),  # one stage, one block: turns
 ])
 @pytest.mark.parametrize("num_sms", [132, 1])  # output tiles of 64, and of 128 where the outputs take them
 def test_the_kernel_matches_float64_over_its_own_operands(rows, k, n, consumers, stages, ping_pong, num_sms):
@@ -120,18 +122,22 @@ struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=placed
 rows, k, n = 2048, 4096, 4096
 args = [struct((rows, k), jnp.float8_e4m3fn), struct((rows, k // 128), jnp.float32),
         struct((n, k), jnp.float8_e4m3fn), struct((k // 128, n), jnp.float32)]
-jax.jit(lambda *a: fp8_block_matmul_mgpu(*a, 128)).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+product = lambda *a: fp8_block_matmul_mgpu(*a, 128, ping_pong=PING_PONG)
+jax.jit(product).trace(*args).lower(lowering_platforms=("cuda",)).compile()
 """
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or jax.__version_info__ < (0, 12),
                     reason="a deviceless compile that prints Mosaic GPU's PTX: jax >= 0.12 without a GPU")
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas here (the gpu-compile extra or a CUDA toolkit has one)")
-def test_it_compiles_for_an_h100_to_fp8_wgmma_without_spills():
+@pytest.mark.parametrize("ping_pong", [True, False])
+def test_it_compiles_for_an_h100_to_fp8_wgmma_without_spills(ping_pong):
     """Llama-3-8B's q projection at 2,048 rows, compiled for an H100 with Mosaic GPU printing its PTX: each block
     of 128 contracted columns is four e4m3 x e4m3 wgmmas of 64 x 128 x 32 with float32 sums (the FP8 rate: no
-    widened operand), and ptxas assembles the kernel for sm_90a without spilling to local memory."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_FOR_H100)], capture_output=True, text=True,
+    widened operand), and ptxas assembles the kernel for sm_90a without spilling to local memory, with the
+    consumers taking turns or not."""
+    script = f"PING_PONG = {ping_pong}\n" + textwrap.dedent(_COMPILE_FOR_H100)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "MOSAIC_GPU_DUMP_PTX": "1",
                                             "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
