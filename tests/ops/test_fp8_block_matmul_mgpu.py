@@ -51,19 +51,20 @@ def run(*args, **kwargs) -> jax.Array:
     return kernel.fp8_block_matmul_mgpu(*args, kernel.BLOCK, interpret=not ON_HOPPER, **kwargs)
 
 
-@pytest.mark.parametrize(("rows", "k", "n", "consumers", "stages", "ping_pong"), [
-    (70, 256, 128, 2, 4, True),  # rows padded to a tile; fewer blocks than stages
-    (1, 512, 64, 1, 2, False),  # a decode's row, the narrow output tile, the ring cycled twice
-    (130, 384, 192, 2, 2, True),  # two row tiles of 128, outputs a multiple of 64 only
-    (256, 1024, 256, 2, 3, True),  # eight blocks through three stages, the consumers taking turns
-    (256, 1024, 256, 2, 3, False),  # and walking them side by side
-    (128, 384, 128, 2, 1, True),  # one stage refilled: side by side (turns there would deadlock)
-    (128, 128, 128, 2, 1, True),  # one stage, one block: turns
+@pytest.mark.parametrize(("rows", "k", "n", "consumers", "stages", "ping_pong", "num_sms"), [
+    (70, 256, 128, 2, 4, True, 132),  # rows padded to a tile; fewer blocks than stages
+    (1, 512, 64, 1, 2, False, 132),  # a decode's row, the narrow output tile, the ring cycled twice
+    (130, 384, 192, 2, 2, True, 132),  # two row tiles of 128, outputs a multiple of 64 only
+    (256, 1024, 256, 2, 3, True, 132),  # eight blocks through three stages, the consumers taking turns
+    (256, 1024, 256, 2, 3, True, 1),  # the same in output tiles of 128 (one multiprocessor to fill)
+    (256, 1024, 256, 2, 3, False, 1),  # and the consumers walking the stages side by side
+    (128, 384, 128, 2, 1, True, 132),  # one stage refilled: side by side (turns there would deadlock)
+    (128, 128, 128, 2, 1, True, 132),  # one stage, one block: turns
 ])
-@pytest.mark.parametrize("num_sms", [132, 1])  # output tiles of 64, and of 128 where the outputs take them
 def test_the_kernel_matches_float64_over_its_own_operands(rows, k, n, consumers, stages, ping_pong, num_sms):
     """Every block's product scaled by its rows' and its outputs' own scales before the blocks are summed:
     float32 sums within float32's rounding of the float64 product."""
+    assert kernel.block_n_for(rows, n, 64 * consumers, num_sms) == (128 if num_sms == 1 else 64)
     xq, x_scale, values_t, scale, _ = operands(rows, k, n)
     got = run(xq, x_scale, values_t, scale, out_dtype=jnp.float32, consumers=consumers, stages=stages,
               ping_pong=ping_pong, num_sms=num_sms)
