@@ -78,6 +78,14 @@ ENVIRONMENT = {"fp8 channel": {"JAXSERVE_FP8_ACTIVATIONS": "0"}, "fp8 block kern
 HOPPER_ONLY = ("fp8 block mosaic", "fp8 block mosaic side by side")
 
 
+def runs(impl: str, rows: int, attention: AttentionConfig) -> bool:
+    """Whether `impl` is timed or compiled at `rows` for `attention`'s GPU: the Mosaic GPU kernel on Hopper only,
+    and called directly (side by side) only where a step would take it."""
+    if impl in HOPPER_ONLY and not attention.hopper:
+        return False
+    return impl != "fp8 block mosaic side by side" or rows >= W8A8_MIN_ROWS
+
+
 def operands(impl: str, rows: int, k: int, n: int, concrete: bool, sharding=None):
     """(x, weight) for `impl`: random arrays on the default device, or ShapeDtypeStructs for a compile."""
     def struct(shape, dtype):
@@ -159,8 +167,7 @@ def deviceless(models: list[str], rows_list: list[int], target: str, impls: list
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
-                    if (impl in HOPPER_ONLY and not attention.hopper) or (
-                            impl == "fp8 block mosaic side by side" and rows < W8A8_MIN_ROWS):
+                    if not runs(impl, rows, attention):
                         continue
                     x, w = operands(impl, rows, k, n, concrete=False, sharding=on_one_device(device))
                     with jax.default_device(device):
@@ -188,8 +195,7 @@ def timed(models: list[str], rows_list: list[int], iters: int, impls: list[str])
         for name, (k, n) in SHAPES[model].items():
             for rows in rows_list:
                 for impl in impls:
-                    if (impl in HOPPER_ONLY and not attention.hopper) or (
-                            impl == "fp8 block mosaic side by side" and rows < W8A8_MIN_ROWS):
+                    if not runs(impl, rows, attention):
                         continue
                     x, w = operands(impl, rows, k, n, concrete=True)
                     fn = jax.jit(product(impl, attention))

@@ -138,7 +138,7 @@ class AttentionConfig:
     @property
     def fp8_block_mosaic(self) -> str | None:
         """How block-scaled FP8 weights' steps of e4m3 rows run on Hopper's FP8 wgmma through the Mosaic GPU
-        kernel (`ops.fp8_block_matmul_mgpu`), the weights stored K-major for it (`quantization.kernel_layout`):
+        kernel (`ops.fp8_block_matmul_mgpu`), the weights stored K-major for it (`fp8_layout.kernel_layout`):
         with JAXSERVE_MOSAIC_FP8_BLOCK=1 where the block kernel runs (`fp8_block_kernel`) with FP8 activations,
         "compiled" on Hopper, "interpret" with the interpreted kernels (tests); None elsewhere. Until a Hopper
         GPU has run it against the oracle and measured it, Hopper keeps the Triton kernel by default."""

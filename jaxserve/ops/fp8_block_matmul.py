@@ -115,7 +115,7 @@ def fp8_block_matmul(
     *,
     x_scale: jax.Array | None = None,  # f32[T, K / block]: column k of e4m3 row t is scaled by x_scale[t, k // block]
     out_dtype: jnp.dtype | None = None,  # the result's dtype: x's unless given (required with e4m3 rows)
-    k_major: bool = False,  # values stored [N, K] (`quantization.kernel_layout`: Hopper's FP8 wgmma reads them so)
+    k_major: bool = False,  # values stored [N, K] (`fp8_layout.kernel_layout`: Hopper's FP8 wgmma reads them so)
     num_sms: int = _DEFAULT_NUM_SMS,
     interpret: bool = False,
     num_warps: int = 4,

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.ops.mosaic_gpu_lowering import remember_ptxas_version
+from jaxserve.ops.mosaic_gpu_lowering import interpreter, remember_ptxas_version
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M
 BLOCK = 128  # contracted columns a scale covers; one 128-byte swizzle of e4m3
@@ -192,12 +192,6 @@ def fp8_block_matmul_mgpu(
         grid_names=("rows", "columns"),
         num_threads=consumers + 1,
         thread_name="wg",
-        interpret=_interpret_params() if interpret is True else interpret,
+        interpret=interpreter(interpret),
     )(x, x_scale_t, values_t, scale.astype(jnp.float32))
     return out[:rows]
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # jax >= 0.11
-
-    return InterpretGPUParams()

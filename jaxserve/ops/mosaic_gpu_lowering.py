@@ -1,4 +1,5 @@
-"""What lowering a Mosaic GPU kernel costs in Python, made to follow the kernel alone.
+"""What lowering a Mosaic GPU kernel costs in Python, made to follow the kernel alone; and the kernels' shared
+`interpret=` rule (`interpreter`).
 
 Mosaic GPU's lowering asks jaxlib for the newest PTX ISA version its ptxas supports at every register
 conversion that involves a type of 8 bits or fewer (booleans and FP8 among them), and jaxlib 0.10 and 0.11
@@ -11,6 +12,17 @@ out otherwise, nothing is changed.
 
 import functools
 from types import ModuleType
+from typing import Any
+
+
+def interpreter(interpret: bool | Any) -> Any:
+    """A Mosaic GPU kernel's `interpret=`: True gives the interpreter's default parameters (jax >= 0.11),
+    anything else (False, or parameters) goes as it is."""
+    if interpret is not True:
+        return interpret
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # jax >= 0.11
+
+    return InterpretGPUParams()
 
 
 def remember_ptxas_version(extension: ModuleType | None = None) -> bool:

@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.ops.mosaic_gpu_lowering import remember_ptxas_version
+from jaxserve.ops.mosaic_gpu_lowering import interpreter, remember_ptxas_version
 from jaxserve.ops.paged_attention_pallas import (
     FP8_CACHE_DTYPES,
     LOG2_E,
@@ -834,7 +834,7 @@ def ragged_paged_attention_mgpu(
         num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in warps
-        interpret=_interpret_params() if interpret is True else interpret,
+        interpret=interpreter(interpret),
     )(info, page_table, q_in, k_pages, v_pages, *extra)[:num_tokens]
     # Tokens past the step's requests (padding), and those of requests not served, are written by no program.
     written = jnp.arange(num_tokens) < cu_q_lens[-1]
@@ -884,9 +884,3 @@ def ragged_paged_attention_hopper(
         return mosaic
     triton = ragged_paged_attention_pallas(*args, interpret=bool(interpret), served=~long, **scores)
     return mosaic + triton
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # jax >= 0.12
-
-    return InterpretGPUParams()

@@ -52,7 +52,7 @@ def test_the_kernel_matches_the_float64_oracle(rows, k, n, block, num_sms, split
 @pytest.mark.parametrize(("rows", "k", "n", "num_sms"), [(1, 256, 96, 132), (2, 4096, 256, 132), (70, 256, 128, 1)])
 def test_values_stored_k_major_give_the_same_product(rows, k, n, num_sms):
     """`k_major`: the values stored [N, K] (Hopper's layout for its FP8 wgmma kernel, which the Triton kernel then
-    serves the small steps from: `quantization.kernel_layout`), split over programs or not, give the product
+    serves the small steps from: `fp8_layout.kernel_layout`), split over programs or not, give the product
     the kernel gives over the same values stored [K, N], to the bit."""
     x, values, scale, _ = _case(np.random.default_rng(rows), rows, k, n, 32, jnp.bfloat16)
     row_major = kernel.fp8_block_matmul(x, values, scale, 32, num_sms=num_sms, interpret=not COMPILED)
